@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Builds a kernel (`vmlinux`, no modules) from Debian's linux-source package into a
+# cache directory keyed by the config fragments, the recipe version and the source
+# version, and reuses it when nothing changed. Two flavours:
+#   guest        guest.config: what every VM boots
+#   nested-host  guest.config + nested-host.config: the QEMU-TCG guest that runs the
+#                VMM where this machine's /dev/kvm cannot boot Linux (see README)
+#
+#   kernel-config/build.sh [guest|nested-host]               build if needed, print the path
+#   kernel-config/build.sh [guest|nested-host] --print-path  print where it would be
+#
+# Environment: VMCTL_CACHE_DIR (default: ${XDG_CACHE_HOME:-~/.cache}/vmctl),
+#              VMCTL_KERNEL_JOBS (default: nproc + 1).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source_package=linux-source-6.1
+source_tarball=/usr/src/linux-source-6.1.tar.xz
+flavour=guest
+if [[ "${1:-}" == guest || "${1:-}" == nested-host ]]; then flavour="$1"; shift; fi
+case "$flavour" in
+    guest) fragments=("$here/guest.config") ;;
+    nested-host) fragments=("$here/guest.config" "$here/nested-host.config") ;;
+esac
+# Bump when a change to this script changes what it builds (not for cosmetic edits).
+recipe_version=1
+
+say() { echo "kernel: $*" >&2; }
+die() { echo "kernel: error: $*" >&2; exit 1; }
+
+source_version="$(dpkg-query -W -f='${Version}' "$source_package" 2>/dev/null || true)"
+[[ -n "$source_version" && -r "$source_tarball" ]] ||
+    die "$source_tarball is missing: run 'apt-get install $source_package' (or scripts/setup.sh)"
+
+key="$( { echo "$source_version $recipe_version"; cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"
+cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+out_dir="$cache_root/kernel/$flavour-$key"
+vmlinux="$out_dir/vmlinux"
+
+case "${1:-}" in
+    "") ;;
+    --print-path) echo "$vmlinux"; exit 0 ;;
+    *) die "usage: $0 [guest|nested-host] [--print-path]" ;;
+esac
+if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
+
+for tool in make gcc bc flex bison xz; do
+    command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
+done
+
+mkdir -p "$cache_root/kernel"
+work="$(mktemp -d "$cache_root/kernel/build.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+say "building the $flavour kernel (Linux $source_version) into $out_dir (takes ~6 min on 2 cores; cached afterwards)"
+say "[1/4] unpacking $source_tarball"
+tar -xf "$source_tarball" -C "$work"
+src="$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)"
+
+say "[2/4] configuring: allnoconfig + ${fragments[*]##*/}"
+make -C "$src" -s allnoconfig >/dev/null
+"$src/scripts/kconfig/merge_config.sh" -m -O "$src" "$src/.config" "${fragments[@]}" >/dev/null
+make -C "$src" -s olddefconfig >/dev/null
+
+# merge_config.sh only warns when Kconfig drops an option; a silently missing
+# option would surface much later as a guest that cannot mount or boot.
+missing=0
+while IFS= read -r line; do
+    case "$line" in
+        CONFIG_*=*) grep -qxF "$line" "$src/.config" || { say "option not applied: $line"; missing=1; } ;;
+        "# CONFIG_"*" is not set")
+            opt="${line#\# }"; opt="${opt%% *}"
+            if grep -q "^$opt=" "$src/.config"; then say "option not disabled: $opt"; missing=1; fi ;;
+    esac
+done < <(cat "${fragments[@]}")
+[[ $missing == 0 ]] || die "the kernel rejected options of the fragment (dependencies missing?)"
+
+jobs="${VMCTL_KERNEL_JOBS:-$(( $(nproc) + 1 ))}"
+say "[3/4] compiling vmlinux with $jobs jobs (log: $work/build.log)"
+if ! make -C "$src" -j"$jobs" vmlinux 2>&1 | tee "$work/build.log" |
+        awk '/^  (CC|AS|LD|AR)/ { n++; if (n % 250 == 0) { printf "kernel:       %d objects built\n", n > "/dev/stderr" } }'; then
+    tail -n 40 "$work/build.log" >&2
+    die "kernel build failed (see the lines above)"
+fi
+
+say "[4/4] storing in $out_dir"
+mkdir -p "$out_dir.tmp"
+cp "$src/vmlinux" "$out_dir.tmp/vmlinux"
+cp "$src/.config" "$out_dir.tmp/config"
+echo "$source_version" > "$out_dir.tmp/source-version"
+rm -rf "$out_dir"
+mv "$out_dir.tmp" "$out_dir"
+say "done: $vmlinux ($(du -h "$vmlinux" | cut -f1))"
+echo "$vmlinux"

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Sets everything up on a fresh Debian 12 machine: system packages, vmctl, the guest
+# kernel (and the nested host's, where there is no hardware KVM) and the test/hello
+# initramfs. Idempotent and quiet unless something is wrong;
+# the kernel build (first run only, ~6-10 min on 2 cores) shows its progress.
+#
+#   scripts/setup.sh               everything
+#   scripts/setup.sh --skip-vmctl  everything but `cargo build --release -p vmctl`
+#
+# Afterwards: ./target/release/vmctl boot   (boots the hello guest)
+#             ./scripts/test.sh             (unit tests + VM tests)
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc libc6-dev
+          make qemu-system-x86 busybox-static e2fsprogs)
+
+say() { echo "setup: $*" >&2; }
+die() { echo "setup: error: $*" >&2; exit 1; }
+
+build_vmctl=1
+for arg in "$@"; do
+    case "$arg" in
+        --skip-vmctl) build_vmctl=0 ;;
+        -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument '$arg' (see --help)" ;;
+    esac
+done
+
+# rustup installs into ~/.cargo/bin, which non-login shells (CI) may not have on PATH.
+if ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
+log="$(mktemp "${TMPDIR:-/tmp}/vmctl-setup.XXXXXX")"
+trap 'rm -f "$log"' EXIT
+# Runs a command with its output in the log; shows the log's end if it fails.
+quietly() {
+    if ! "$@" >"$log" 2>&1 </dev/null; then
+        tail -n 30 "$log" >&2
+        die "'$*' failed (output above)"
+    fi
+}
+
+say "[1/4] system packages"
+missing=()
+for pkg in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+done
+if (( ${#missing[@]} )); then
+    sudo=()
+    if [[ $(id -u) != 0 ]]; then
+        command -v sudo >/dev/null ||
+            die "installing ${missing[*]} needs root: run 'apt-get install ${missing[*]}' as root"
+        sudo=(sudo)
+    fi
+    say "      installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    quietly "${sudo[@]}" apt-get update -q
+    quietly "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if (( build_vmctl )); then
+    say "[2/4] vmctl (cargo build --release -p vmctl)"
+    command -v cargo >/dev/null ||
+        die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
+    (cd "$root" && quietly cargo build --release -p vmctl)
+else
+    say "[2/4] vmctl: skipped (--skip-vmctl)"
+fi
+
+say "[3/4] guest kernel (kernel-config/build.sh guest, cached)"
+kernel="$("$root/kernel-config/build.sh" guest)"
+# Without hardware KVM, vmctl runs its VMM inside the QEMU-TCG nested host, which
+# boots its own kernel flavour.
+nested_kernel=""
+if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
+    say "      no hardware KVM here: also the nested host's kernel (build.sh nested-host)"
+    nested_kernel="$("$root/kernel-config/build.sh" nested-host)"
+fi
+
+say "[4/4] initramfs (rootfs/build-initramfs.sh, cached)"
+initramfs="$("$root/rootfs/build-initramfs.sh")"
+
+say "done"
+say "  vmctl:     ${CARGO_TARGET_DIR:-$root/target}/release/vmctl"
+say "  kernel:    $kernel"
+[[ -z "$nested_kernel" ]] || say "  nested host kernel: $nested_kernel"
+say "  initramfs: $initramfs"

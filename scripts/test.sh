@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The project's test command: unit tests and VM tests (`cargo test --workspace`), with
+# the guest kernel and initramfs built first (cached) and handed to the tests.
+# Extra arguments go to `cargo test` (e.g. `scripts/test.sh -p vm-tests -- --nocapture`).
+#
+# VM tests skip (loudly) where vmctl cannot boot a guest; the skips are listed at the
+# end. Exit status: non-zero if cargo test fails, or if VMCTL_REQUIRE_VM=1 and any VM
+# test was skipped.
+#
+# Environment: VMCTL_REQUIRE_VM=1 (fail instead of skipping), VMCTL_CACHE_DIR,
+#              CARGO_TARGET_DIR; exported to the tests: VMCTL_KERNEL, VMCTL_INITRAMFS,
+#              VMCTL_BIN, VMCTL_SKIP_FILE.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+say() { echo "test: $*" >&2; }
+die() { echo "test: error: $*" >&2; exit 1; }
+
+if ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+command -v cargo >/dev/null || die "cargo is missing: install the Rust toolchain, then run scripts/setup.sh"
+
+target_dir="${CARGO_TARGET_DIR:-target}"
+[[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
+
+say "guest kernel (kernel-config/build.sh guest)"
+VMCTL_KERNEL="$(kernel-config/build.sh guest)" || die "no guest kernel: run scripts/setup.sh"
+if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
+    # VM tests will go through the nested host: have its kernel ready rather than
+    # let the first VM test build it under its timeout.
+    say "nested host kernel (kernel-config/build.sh nested-host)"
+    kernel-config/build.sh nested-host >/dev/null || die "no nested host kernel: run scripts/setup.sh"
+fi
+say "initramfs (rootfs/build-initramfs.sh)"
+VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "no initramfs: run scripts/setup.sh"
+say "vmctl (cargo build --release -p vmctl)"
+cargo build --release --quiet -p vmctl || die "building vmctl failed"
+VMCTL_BIN="$target_dir/release/vmctl"
+[[ -x "$VMCTL_BIN" ]] || die "$VMCTL_BIN missing after building it"
+
+VMCTL_SKIP_FILE="$target_dir/vm-tests-skipped.txt"
+mkdir -p "$target_dir"
+: > "$VMCTL_SKIP_FILE"
+export VMCTL_KERNEL VMCTL_INITRAMFS VMCTL_BIN VMCTL_SKIP_FILE
+
+# --workspace unless the caller picked packages (cargo would ignore their -p).
+scope=(--workspace)
+for arg in "$@"; do
+    case "$arg" in --) break ;; -p|-p*|--package|--package=*) scope=() ;; esac
+done
+say "cargo test ${scope[*]}${scope[*]:+ }$*"
+status=0
+cargo test "${scope[@]}" "$@" || status=$?
+
+skipped=0
+[[ -s "$VMCTL_SKIP_FILE" ]] && skipped="$(wc -l < "$VMCTL_SKIP_FILE")"
+if (( skipped > 0 )); then
+    {
+        echo
+        echo "######################################################################"
+        echo "#  VM tests skipped: $skipped"
+        sed 's/^SKIPPED VM TEST /#    /' "$VMCTL_SKIP_FILE"
+        echo "######################################################################"
+    } >&2
+else
+    say "VM tests skipped: 0"
+fi
+
+if (( status != 0 )); then
+    die "cargo test failed (exit status $status)"
+fi
+if (( skipped > 0 )) && [[ "${VMCTL_REQUIRE_VM:-0}" == 1 ]]; then
+    die "VMCTL_REQUIRE_VM=1 but $skipped VM test(s) were skipped"
+fi
+if (( skipped > 0 )); then
+    say "all tests that ran passed, but $skipped VM test(s) were SKIPPED (see above)"
+else
+    say "all tests passed"
+fi

@@ -1,0 +1,753 @@
+//! Shared helpers for the end-to-end tests in `tests/tests/*.rs`, which run the real
+//! `vmctl` binary against the real guest kernel and initramfs.
+//!
+//! Inputs, each from an environment variable or built on first use (once per test
+//! process):
+//! - `VMCTL_BIN`: the `vmctl` binary; else `cargo build --release -p vmctl` into this
+//!   workspace's target directory.
+//! - `VMCTL_KERNEL`: the guest `vmlinux`; else `kernel-config/build.sh guest` (cached; the
+//!   first build takes minutes).
+//! - `VMCTL_INITRAMFS`: the base initramfs; else `rootfs/build-initramfs.sh`.
+//!
+//! `VMCTL_VM_TIMEOUT` (seconds, default 300) bounds each VM run.
+//!
+//! Skipping: a test that boots a VM first calls [`vm_available`]. Where `vmctl` cannot
+//! boot a guest (no hardware KVM and no `qemu-system-x86_64` for the nested host), it
+//! prints `SKIPPED VM TEST <name>: <reason>` on stderr, appends the same line to the
+//! skip file (`VMCTL_SKIP_FILE`, default `<target>/vm-tests-skipped.txt`, which
+//! `scripts/test.sh` truncates and summarizes) and returns `false`. With
+//! `VMCTL_REQUIRE_VM=1` it panics instead.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How long a VM may run before the test kills it: `VMCTL_VM_TIMEOUT` seconds, default
+/// 300. The nested host is slow (~10 s per boot, more when tests run in parallel or the
+/// machine is busy).
+pub fn vm_timeout() -> Duration {
+    let secs = std::env::var("VMCTL_VM_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    Duration::from_secs(secs.unwrap_or(300))
+}
+
+/// How long `vmctl` may take to reject bad input (validated before any VM starts).
+pub const BAD_INPUT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Memory given to test VMs: the nested host is slow with more.
+pub const TEST_MEMORY_MIB: u32 = 256;
+
+/// The workspace root (the parent of this crate).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// Cargo's target directory: found from the running test executable
+/// (`<target>/[<triple>/]<profile>/deps/<test>`), which honours `CARGO_TARGET_DIR` and
+/// `.cargo/config` alike; falls back to `CARGO_TARGET_DIR` or `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    if let Ok(exe) = std::env::current_exe() {
+        for dir in exe.ancestors().skip(1) {
+            if dir.join("CACHEDIR.TAG").is_file() {
+                return dir.to_path_buf();
+            }
+        }
+    }
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
+        Some(dir) => workspace_root().join(dir),
+        None => workspace_root().join("target"),
+    }
+}
+
+fn env_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+fn env_flag(name: &str) -> bool {
+    matches!(
+        std::env::var(name).as_deref(),
+        Ok("1") | Ok("true") | Ok("yes")
+    )
+}
+
+/// The `vmctl` binary: `VMCTL_BIN`, else built once per test process with
+/// `cargo build --release -p vmctl`.
+pub fn vmctl_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(bin) = env_path("VMCTL_BIN") {
+            assert!(bin.is_file(), "VMCTL_BIN={} does not exist", bin.display());
+            return bin;
+        }
+        let target = target_dir();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        eprintln!("vm-tests: building vmctl (cargo build --release -p vmctl)");
+        let status = Command::new(&cargo)
+            .args([
+                "build",
+                "--release",
+                "--quiet",
+                "-p",
+                "vmctl",
+                "--target-dir",
+            ])
+            .arg(&target)
+            .current_dir(workspace_root())
+            .stdin(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", cargo));
+        assert!(
+            status.success(),
+            "cargo build --release -p vmctl failed ({status})"
+        );
+        let bin = target.join("release").join("vmctl");
+        assert!(bin.is_file(), "{} missing after building it", bin.display());
+        bin
+    })
+}
+
+/// Runs one of the repository's build scripts, which print the artifact path on stdout
+/// and progress on stderr (passed through).
+fn build_artifact(script: &str, args: &[&str]) -> PathBuf {
+    let path = workspace_root().join(script);
+    eprintln!("vm-tests: running {script} {args:?} (cached after the first build)");
+    let out = Command::new(&path)
+        .args(args)
+        .current_dir(workspace_root())
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
+    assert!(
+        out.status.success(),
+        "{script} failed ({}); run scripts/setup.sh first",
+        out.status
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let artifact = PathBuf::from(printed.lines().last().unwrap_or("").trim());
+    assert!(
+        artifact.is_file(),
+        "{script} printed {printed:?}, which is not a file"
+    );
+    artifact
+}
+
+/// The guest kernel: `VMCTL_KERNEL`, else `kernel-config/build.sh guest`.
+pub fn kernel() -> &'static Path {
+    static KERNEL: OnceLock<PathBuf> = OnceLock::new();
+    KERNEL.get_or_init(|| match env_path("VMCTL_KERNEL") {
+        Some(k) => {
+            assert!(k.is_file(), "VMCTL_KERNEL={} does not exist", k.display());
+            k
+        }
+        None => build_artifact("kernel-config/build.sh", &["guest"]),
+    })
+}
+
+/// The base test/hello initramfs: `VMCTL_INITRAMFS`, else `rootfs/build-initramfs.sh`.
+pub fn base_initramfs() -> &'static Path {
+    static INITRAMFS: OnceLock<PathBuf> = OnceLock::new();
+    INITRAMFS.get_or_init(|| match env_path("VMCTL_INITRAMFS") {
+        Some(i) => {
+            assert!(
+                i.is_file(),
+                "VMCTL_INITRAMFS={} does not exist",
+                i.display()
+            );
+            i
+        }
+        None => build_artifact("rootfs/build-initramfs.sh", &[]),
+    })
+}
+
+/// Where skipped tests are recorded (`VMCTL_SKIP_FILE`, default
+/// `<target>/vm-tests-skipped.txt`).
+pub fn skip_file() -> PathBuf {
+    env_path("VMCTL_SKIP_FILE").unwrap_or_else(|| target_dir().join("vm-tests-skipped.txt"))
+}
+
+/// Records a skipped test: a loud line on stderr and one in the skip file.
+pub fn record_skip(test: &str, reason: &str) {
+    let line = format!("SKIPPED VM TEST {test}: {reason}");
+    // Straight to the process's stderr: libtest captures eprintln! of passing tests.
+    let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
+    let file = skip_file();
+    if let Some(dir) = file.parent() {
+        let _ = fs::create_dir_all(dir);
+    }
+    // One write per line: appends from parallel tests do not interleave.
+    match OpenOptions::new().create(true).append(true).open(&file) {
+        Ok(mut f) => {
+            let _ = f.write_all(format!("{line}\n").as_bytes());
+        }
+        Err(e) => eprintln!(
+            "vm-tests: cannot record the skip in {}: {e}",
+            file.display()
+        ),
+    }
+}
+
+/// Why `vmctl` cannot boot a guest on this machine, or `None` if it can: it needs
+/// hardware KVM (`kvm_intel`/`kvm_amd`) or QEMU for the nested host.
+pub fn vm_unavailable_reason() -> Option<String> {
+    let hw_kvm = ["/sys/module/kvm_intel", "/sys/module/kvm_amd"]
+        .iter()
+        .any(|m| Path::new(m).exists());
+    if hw_kvm && Path::new("/dev/kvm").exists() {
+        return None;
+    }
+    let qemu = env_path("VMCTL_QEMU").unwrap_or_else(|| "qemu-system-x86_64".into());
+    if find_executable(&qemu).is_some() {
+        return None;
+    }
+    Some(format!(
+        "no hardware KVM (kvm_intel/kvm_amd not loaded) and no {} for the nested host \
+         (apt-get install qemu-system-x86, or run scripts/setup.sh)",
+        qemu.display()
+    ))
+}
+
+/// Call first in every test that boots a VM: `true` if it can run here; otherwise
+/// records the skip and returns `false` (the test then returns), or panics when
+/// `VMCTL_REQUIRE_VM=1`.
+pub fn vm_available(test: &str) -> bool {
+    match vm_unavailable_reason() {
+        None => true,
+        Some(reason) if env_flag("VMCTL_REQUIRE_VM") => {
+            panic!("VMCTL_REQUIRE_VM=1 but VM test {test} cannot run: {reason}")
+        }
+        Some(reason) => {
+            record_skip(test, &reason);
+            false
+        }
+    }
+}
+
+/// Looks a program up like the shell does (a path with a slash is taken as is).
+pub fn find_executable(program: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    };
+    if program.components().count() > 1 {
+        return executable(program).then(|| program.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| executable(p))
+}
+
+/// A temporary directory removed on drop (kept if `VMCTL_KEEP_TEMP=1`).
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(label: &str) -> TempDir {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "vm-tests-{label}-{}-{n}-{}",
+            std::process::id(),
+            unique_suffix()
+        ));
+        fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if env_flag("VMCTL_KEEP_TEMP") {
+            eprintln!("vm-tests: keeping {}", self.0.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn unique_suffix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// `len` random bytes from the kernel.
+pub fn random_bytes(len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .expect("read /dev/urandom");
+    buf
+}
+
+/// A random lowercase hex string of `len` characters (safe to embed in shell scripts).
+pub fn random_hex(len: usize) -> String {
+    random_bytes(len.div_ceil(2))
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>()[..len]
+        .to_string()
+}
+
+/// One file of a newc cpio archive.
+pub struct CpioEntry<'a> {
+    /// Path inside the archive, without a leading slash (`etc/vmtest.sh`).
+    pub path: &'a str,
+    /// Full mode, type bits included (`0o100755` file, `0o040755` directory).
+    pub mode: u32,
+    pub data: &'a [u8],
+}
+
+/// Writes an uncompressed newc ("070701") cpio archive, trailer included, as the
+/// kernel's initramfs unpacker reads it.
+pub fn newc_archive(entries: &[CpioEntry]) -> Vec<u8> {
+    fn pad4(out: &mut Vec<u8>) {
+        while !out.len().is_multiple_of(4) {
+            out.push(0);
+        }
+    }
+    fn entry(out: &mut Vec<u8>, ino: u32, path: &str, mode: u32, nlink: u32, data: &[u8]) {
+        let header = format!(
+            "070701{ino:08x}{mode:08x}{uid:08x}{gid:08x}{nlink:08x}{mtime:08x}{size:08x}\
+             {devmajor:08x}{devminor:08x}{rdevmajor:08x}{rdevminor:08x}{namesize:08x}{check:08x}",
+            uid = 0,
+            gid = 0,
+            mtime = 0,
+            size = data.len(),
+            devmajor = 0,
+            devminor = 0,
+            rdevmajor = 0,
+            rdevminor = 0,
+            namesize = path.len() + 1,
+            check = 0,
+        );
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(path.as_bytes());
+        out.push(0);
+        pad4(out);
+        out.extend_from_slice(data);
+        pad4(out);
+    }
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        let nlink = if e.mode & 0o170000 == 0o040000 { 2 } else { 1 };
+        entry(&mut out, 1000 + i as u32, e.path, e.mode, nlink, e.data);
+    }
+    entry(&mut out, 0, "TRAILER!!!", 0, 1, &[]);
+    out
+}
+
+/// Writes `dir/initramfs.cpio.gz`: the base initramfs with a second archive appended
+/// that holds `/etc/vmtest.sh` (run by the guest's `/init` with `sh`, then the guest
+/// reboots). The kernel unpacks concatenated archives; an uncompressed one must start
+/// 4-byte aligned, hence the zero padding (which the kernel skips).
+pub fn test_initramfs(dir: &TempDir, script: &str) -> PathBuf {
+    let mut image = fs::read(base_initramfs())
+        .unwrap_or_else(|e| panic!("read {}: {e}", base_initramfs().display()));
+    image.resize(image.len().next_multiple_of(512), 0);
+    image.extend_from_slice(&newc_archive(&[
+        CpioEntry {
+            path: "etc",
+            mode: 0o040755,
+            data: &[],
+        },
+        CpioEntry {
+            path: "etc/vmtest.sh",
+            mode: 0o100755,
+            data: script.as_bytes(),
+        },
+    ]));
+    let path = dir.join("initramfs.cpio.gz");
+    fs::write(&path, image).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    path
+}
+
+/// What a `vmctl` run produced.
+#[derive(Debug)]
+pub struct Run {
+    pub args: Vec<OsString>,
+    /// Exit code; `None` if killed by a signal (or by the timeout).
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+    pub elapsed: Duration,
+}
+
+impl Run {
+    /// Everything about the run, for assertion messages.
+    pub fn report(&self) -> String {
+        format!(
+            "vmctl {:?}\nexit code: {:?}{}, {:.1} s\n--- stdout ---\n{}\n--- stderr ---\n{}\n--------------",
+            self.args,
+            self.code,
+            if self.timed_out { " (KILLED: timed out)" } else { "" },
+            self.elapsed.as_secs_f64(),
+            self.stdout.trim_end(),
+            self.stderr.trim_end()
+        )
+    }
+
+    /// Asserts the guest ran to its reboot and `vmctl` exited 0.
+    pub fn assert_success(&self) {
+        assert!(!self.timed_out, "vmctl timed out\n{}", self.report());
+        assert_eq!(self.code, Some(0), "vmctl failed\n{}", self.report());
+        assert_no_panic(self);
+    }
+}
+
+/// Asserts that `vmctl` did not panic or print a backtrace.
+pub fn assert_no_panic(run: &Run) {
+    for bad in ["panicked", "RUST_BACKTRACE", "stack backtrace"] {
+        assert!(
+            !run.stderr.contains(bad),
+            "vmctl stderr contains {bad:?}\n{}",
+            run.report()
+        );
+    }
+}
+
+/// A `vmctl` invocation.
+pub struct Vmctl {
+    program: Option<PathBuf>,
+    args: Vec<OsString>,
+    envs: Vec<(OsString, Option<OsString>)>,
+    timeout: Duration,
+    wrapper: Vec<OsString>,
+}
+
+impl Vmctl {
+    /// `vmctl <args>` with the default VM timeout.
+    pub fn new() -> Vmctl {
+        Vmctl {
+            program: None,
+            args: Vec::new(),
+            envs: Vec::new(),
+            timeout: vm_timeout(),
+            wrapper: Vec::new(),
+        }
+    }
+
+    /// `vmctl boot --kernel <kernel> --initrd <initrd> --memory 256`.
+    pub fn boot(initrd: &Path) -> Vmctl {
+        let mut v = Vmctl::new();
+        v.arg("boot")
+            .arg("--kernel")
+            .arg(kernel())
+            .arg("--initrd")
+            .arg(initrd);
+        v.arg("--memory").arg(TEST_MEMORY_MIB.to_string());
+        v
+    }
+
+    /// Runs another `vmctl` binary (e.g. a copy readable by another user).
+    pub fn program(&mut self, program: impl AsRef<Path>) -> &mut Vmctl {
+        self.program = Some(program.as_ref().to_path_buf());
+        self
+    }
+
+    pub fn arg(&mut self, arg: impl AsRef<OsStr>) -> &mut Vmctl {
+        self.args.push(arg.as_ref().to_owned());
+        self
+    }
+
+    pub fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&mut self, args: I) -> &mut Vmctl {
+        for a in args {
+            self.arg(a);
+        }
+        self
+    }
+
+    pub fn env(&mut self, key: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> &mut Vmctl {
+        self.envs
+            .push((key.as_ref().to_owned(), Some(value.as_ref().to_owned())));
+        self
+    }
+
+    pub fn env_remove(&mut self, key: impl AsRef<OsStr>) -> &mut Vmctl {
+        self.envs.push((key.as_ref().to_owned(), None));
+        self
+    }
+
+    pub fn timeout(&mut self, timeout: Duration) -> &mut Vmctl {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs `vmctl` through a wrapper command (e.g. `setpriv ...`).
+    pub fn wrapper<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&mut self, cmd: I) -> &mut Vmctl {
+        self.wrapper = cmd.into_iter().map(|s| s.as_ref().to_owned()).collect();
+        self
+    }
+
+    /// Runs it to completion (killing it after the timeout), capturing everything.
+    pub fn run(&self) -> Run {
+        let program = self.program.as_deref().unwrap_or_else(|| vmctl_bin());
+        let mut cmd = match self.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in &self.envs {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
+        // Its own process group, so a timeout can kill vmctl's children (QEMU) too.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let start = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+        let pid = child.id();
+        let out = Capture::start(child.stdout.take());
+        let err = Capture::start(child.stderr.take());
+        let mut timed_out = false;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for vmctl") {
+                break status;
+            }
+            if start.elapsed() > self.timeout {
+                timed_out = true;
+                kill_tree(pid);
+                break child.wait().expect("wait for vmctl");
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let elapsed = start.elapsed();
+        // Children left behind (by a crash, or by a timeout kill that missed one) may
+        // still hold the pipes: give them a moment, then take what was read so far.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !(out.done() && err.done()) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        if !(out.done() && err.done()) {
+            kill_tree(pid);
+        }
+        let mut args = self.wrapper.clone();
+        args.extend(self.args.iter().cloned());
+        Run {
+            args,
+            code: status.code(),
+            stdout: out.text(),
+            stderr: err.text(),
+            timed_out,
+            elapsed,
+        }
+    }
+}
+
+/// A pipe read to its end by a thread; its text so far is available at any time.
+struct Capture {
+    buf: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    thread: thread::JoinHandle<()>,
+}
+
+impl Capture {
+    fn start(pipe: Option<impl Read + Send + 'static>) -> Capture {
+        let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        let thread = thread::spawn(move || {
+            let Some(mut pipe) = pipe else { return };
+            let mut chunk = [0u8; 8192];
+            while let Ok(n) = pipe.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        Capture { buf, thread }
+    }
+
+    fn done(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    fn text(&self) -> String {
+        let mut text = String::from_utf8_lossy(&self.buf.lock().unwrap()).into_owned();
+        if !self.done() {
+            text.push_str("\n<output still open: a child of vmctl holds it>");
+        }
+        text
+    }
+}
+
+/// SIGKILLs process `pid`, its process group and every descendant (found in /proc).
+fn kill_tree(pid: u32) {
+    let mut victims = vec![pid];
+    let mut i = 0;
+    while i < victims.len() {
+        let parent = victims[i];
+        if let Ok(entries) = fs::read_dir("/proc") {
+            for e in entries.flatten() {
+                let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                    continue;
+                };
+                let stat = fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                // "pid (comm) state ppid ...": comm may hold spaces, so parse after ')'.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|p| p.parse::<u32>().ok());
+                if ppid == Some(parent) && !victims.contains(&child) {
+                    victims.push(child);
+                }
+            }
+        }
+        i += 1;
+    }
+    let mut kill = Command::new("kill");
+    kill.arg("-KILL").arg("--").arg(format!("-{pid}"));
+    kill.args(victims.iter().map(|p| p.to_string()));
+    let _ = kill.stdout(Stdio::null()).stderr(Stdio::null()).status();
+}
+
+impl Default for Vmctl {
+    fn default() -> Self {
+        Vmctl::new()
+    }
+}
+
+/// Boots the test initramfs running `script` as `/etc/vmtest.sh`, with extra `vmctl`
+/// arguments; asserts a clean exit and returns the run.
+pub fn boot_script(dir: &TempDir, script: &str, extra_args: &[&OsStr]) -> Run {
+    let initrd = test_initramfs(dir, script);
+    let run = Vmctl::boot(&initrd).args(extra_args).run();
+    eprintln!("{}", run.report());
+    run.assert_success();
+    run
+}
+
+/// The value after `KEY=` on the first stdout line holding it (serial output may carry
+/// `\r` and kernel messages around it).
+pub fn guest_value<'a>(stdout: &'a str, key: &str) -> Option<&'a str> {
+    let needle = format!("{key}=");
+    stdout.lines().find_map(|line| {
+        let at = line.find(&needle)?;
+        Some(
+            line[at + needle.len()..]
+                .trim_end_matches(['\r', '\n'])
+                .trim(),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newc_layout() {
+        let a = newc_archive(&[CpioEntry {
+            path: "etc/x",
+            mode: 0o100644,
+            data: b"hi",
+        }]);
+        assert!(a.starts_with(b"070701"));
+        assert_eq!(a.len() % 4, 0);
+        // header 110 + "etc/x\0" 6 -> 116 (aligned), data 2 -> pad to 120, then trailer.
+        assert_eq!(&a[110..116], b"etc/x\0");
+        assert_eq!(&a[116..118], b"hi");
+        assert_eq!(&a[120..126], b"070701");
+        assert!(a.ends_with(b"TRAILER!!!\0\0\0\0"));
+    }
+
+    #[test]
+    fn newc_is_read_by_cpio() {
+        if find_executable(Path::new("cpio")).is_none() {
+            return;
+        }
+        let dir = TempDir::new("cpio");
+        let a = newc_archive(&[
+            CpioEntry {
+                path: "etc",
+                mode: 0o040755,
+                data: &[],
+            },
+            CpioEntry {
+                path: "etc/vmtest.sh",
+                mode: 0o100755,
+                data: b"echo hi\n",
+            },
+        ]);
+        fs::write(dir.join("a.cpio"), &a).unwrap();
+        let out = Command::new("cpio")
+            .args(["-i", "-d", "--quiet", "-F"])
+            .arg(dir.join("a.cpio"))
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(fs::read(dir.join("etc/vmtest.sh")).unwrap(), b"echo hi\n");
+    }
+
+    #[test]
+    fn timeout_kills_the_whole_tree_and_keeps_output() {
+        let run = Vmctl::new()
+            .program("/bin/sh")
+            .args(["-c", "sleep 1000 & echo started; echo oops >&2; sleep 1000"])
+            .timeout(Duration::from_secs(1))
+            .run();
+        assert!(run.timed_out, "{}", run.report());
+        assert_eq!(run.code, None);
+        assert_eq!(run.stdout, "started\n", "{}", run.report());
+        assert_eq!(run.stderr, "oops\n", "{}", run.report());
+        assert!(run.elapsed < Duration::from_secs(5), "{}", run.report());
+    }
+
+    #[test]
+    fn exit_code_and_output_are_captured() {
+        let run = Vmctl::new()
+            .program("/bin/sh")
+            .args(["-c", "echo out; echo err >&2; exit 3"])
+            .run();
+        assert_eq!(
+            (run.code, run.stdout.as_str(), run.stderr.as_str()),
+            (Some(3), "out\n", "err\n")
+        );
+        assert!(!run.timed_out);
+    }
+
+    #[test]
+    fn guest_value_parses_serial_lines() {
+        let out = "[    0.1] boot\r\nNPROC=2\r\nX=a b\n";
+        assert_eq!(guest_value(out, "NPROC"), Some("2"));
+        assert_eq!(guest_value(out, "X"), Some("a b"));
+        assert_eq!(guest_value(out, "Y"), None);
+    }
+}

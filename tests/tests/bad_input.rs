@@ -1,0 +1,299 @@
+//! Bad input is rejected on the host, before any VM starts: exit code 1, exactly one
+//! `vmctl: error: ` line naming the problem, never a panic.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::time::Duration;
+use vm_tests::{
+    assert_no_panic, base_initramfs, find_executable, kernel, random_bytes, record_skip, vmctl_bin,
+    Run, TempDir, Vmctl, BAD_INPUT_TIMEOUT,
+};
+
+/// `vmctl boot <args>` with the short timeout for input that must be rejected.
+fn vmctl(args: &[&str]) -> Vmctl {
+    let mut v = Vmctl::new();
+    v.arg("boot").args(args).timeout(BAD_INPUT_TIMEOUT);
+    v
+}
+
+fn kernel_str() -> &'static str {
+    kernel().to_str().expect("kernel path is UTF-8")
+}
+
+fn initrd_str() -> &'static str {
+    base_initramfs().to_str().expect("initramfs path is UTF-8")
+}
+
+/// Asserts a clean rejection whose error line contains one of `needles`
+/// (case-insensitive); returns the error line.
+fn assert_rejected(run: &Run, needles: &[&str]) -> String {
+    let report = run.report();
+    assert!(
+        !run.timed_out,
+        "vmctl did not reject the input (it ran until killed)\n{report}"
+    );
+    assert_no_panic(run);
+    assert_eq!(run.code, Some(1), "expected exit code 1\n{report}");
+    let lines: Vec<&str> = run
+        .stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    let errors: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("vmctl: error: "))
+        .collect();
+    assert_eq!(
+        errors.len(),
+        1,
+        "expected exactly one 'vmctl: error: ' line\n{report}"
+    );
+    for line in &lines {
+        assert!(
+            line.starts_with("vmctl: "),
+            "unexpected stderr line {line:?}\n{report}"
+        );
+    }
+    let error = errors[0].to_string();
+    let lower = error.to_lowercase();
+    assert!(
+        needles.iter().any(|n| lower.contains(&n.to_lowercase())),
+        "the error should mention one of {needles:?}: {error:?}\n{report}"
+    );
+    assert!(
+        !run.stdout.contains("Linux version"),
+        "a guest started despite the bad input\n{report}"
+    );
+    error
+}
+
+#[test]
+fn missing_kernel() {
+    let dir = TempDir::new("bad");
+    let missing = dir.join("no-such-vmlinux");
+    let run = vmctl(&[
+        "--kernel",
+        missing.to_str().unwrap(),
+        "--initrd",
+        initrd_str(),
+    ])
+    .run();
+    assert_rejected(&run, &[missing.to_str().unwrap()]);
+}
+
+#[test]
+fn directory_as_kernel() {
+    let dir = TempDir::new("bad");
+    let d = dir.path().to_str().unwrap();
+    let run = vmctl(&["--kernel", d, "--initrd", initrd_str()]).run();
+    assert_rejected(&run, &[d, "directory"]);
+}
+
+#[test]
+fn random_bytes_are_not_a_kernel() {
+    let dir = TempDir::new("bad");
+    let junk = dir.join("junk");
+    fs::write(&junk, random_bytes(1 << 20)).unwrap();
+    let run = vmctl(&["--kernel", junk.to_str().unwrap(), "--initrd", initrd_str()]).run();
+    assert_rejected(&run, &["not a kernel"]);
+}
+
+#[test]
+fn initrd_larger_than_memory() {
+    let dir = TempDir::new("bad");
+    let big = dir.join("big-initrd");
+    fs::File::create(&big).unwrap().set_len(300 << 20).unwrap(); // sparse
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        big.to_str().unwrap(),
+        "--memory",
+        "256",
+    ])
+    .run();
+    assert_rejected(&run, &["initrd"]);
+}
+
+#[test]
+fn kernel_larger_than_memory() {
+    // vmlinux is ~20 MiB and loads at 16 MiB physical: it cannot fit in 16 MiB.
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "16",
+    ])
+    .run();
+    assert_rejected(&run, &["memory"]);
+}
+
+#[test]
+fn command_line_too_long() {
+    let long = "x".repeat(3000);
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "256",
+        "--cmdline",
+        &long,
+    ])
+    .run();
+    assert_rejected(&run, &["command line"]);
+}
+
+#[test]
+fn zero_cpus() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--cpus",
+        "0",
+    ])
+    .run();
+    assert_rejected(&run, &["cpu"]);
+}
+
+#[test]
+fn too_many_cpus() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--cpus",
+        "1000",
+    ])
+    .run();
+    assert_rejected(&run, &["cpu"]);
+}
+
+#[test]
+fn zero_memory() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "0",
+    ])
+    .run();
+    assert_rejected(&run, &["memory"]);
+}
+
+#[test]
+fn absurd_memory() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "100000000",
+    ])
+    .run();
+    assert_rejected(&run, &["memory"]);
+}
+
+#[test]
+fn kvm_device_missing() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "256",
+        "--nested",
+        "never",
+    ])
+    .env("VMCTL_KVM_DEVICE", "/nonexistent/kvm")
+    .run();
+    assert_rejected(&run, &["/nonexistent/kvm"]);
+}
+
+#[test]
+fn qemu_missing_for_nested_host() {
+    let run = vmctl(&[
+        "--kernel",
+        kernel_str(),
+        "--initrd",
+        initrd_str(),
+        "--memory",
+        "256",
+        "--nested",
+        "always",
+    ])
+    .env("VMCTL_QEMU", "/nonexistent/qemu-system-x86_64")
+    .run();
+    assert_rejected(&run, &["qemu-system-x86"]);
+}
+
+#[test]
+fn kvm_device_not_permitted() {
+    const TEST: &str = "bad_input::kvm_device_not_permitted";
+    let kvm = Path::new("/dev/kvm");
+    let euid = fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
+    let skip_reason = if euid != 0 {
+        Some("needs root to run vmctl as another user".to_string())
+    } else if find_executable(Path::new("setpriv")).is_none() {
+        Some("setpriv (util-linux) is missing".to_string())
+    } else {
+        match fs::metadata(kvm) {
+            Err(e) => Some(format!("{} is missing ({e})", kvm.display())),
+            Ok(m) if m.mode() & 0o006 != 0 => Some(format!(
+                "{} is accessible to everyone (mode {:o})",
+                kvm.display(),
+                m.mode()
+            )),
+            Ok(_) => None,
+        }
+    };
+    if let Some(reason) = skip_reason {
+        record_skip(TEST, &reason);
+        return;
+    }
+
+    // Everything nobody needs, in a place nobody can read.
+    let dir = TempDir::new("perm");
+    let copy = |from: &Path, name: &str, mode: u32| {
+        let to = dir.join(name);
+        fs::copy(from, &to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+        fs::set_permissions(&to, fs::Permissions::from_mode(mode)).unwrap();
+        to
+    };
+    let bin = copy(vmctl_bin(), "vmctl", 0o755);
+    let k = copy(kernel(), "vmlinux", 0o644);
+    let i = copy(base_initramfs(), "initramfs.cpio.gz", 0o644);
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+
+    let run = Vmctl::new()
+        .program(&bin)
+        .wrapper([
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .args(["boot", "--kernel"])
+        .arg(&k)
+        .arg("--initrd")
+        .arg(&i)
+        .args(["--memory", "256", "--nested", "never"])
+        .env("HOME", dir.path())
+        .env_remove("VMCTL_KVM_DEVICE")
+        .timeout(BAD_INPUT_TIMEOUT + Duration::from_secs(30))
+        .run();
+    assert_rejected(&run, &["permission"]);
+}

@@ -1,0 +1,136 @@
+//! Boots the base hello guest and a guest whose script reboots by itself.
+
+use std::ffi::OsStr;
+use vm_tests::{base_initramfs, boot_script, vm_available, TempDir, Vmctl};
+
+/// Parses `vmctl: boot time: <a> ms since VMM start, <b> ms since the first vCPU ran`.
+fn parse_boot_time(line: &str) -> Option<(f64, f64)> {
+    let rest = line.strip_prefix("vmctl: boot time: ")?;
+    let (since_start, rest) = rest.split_once(" ms since VMM start, ")?;
+    let since_vcpu = rest.strip_suffix(" ms since the first vCPU ran")?;
+    Some((
+        since_start.trim().parse().ok()?,
+        since_vcpu.trim().parse().ok()?,
+    ))
+}
+
+#[test]
+fn boot_time_line_parses() {
+    let line = "vmctl: boot time: 812.5 ms since VMM start, 790.25 ms since the first vCPU ran";
+    assert_eq!(parse_boot_time(line), Some((812.5, 790.25)));
+    assert_eq!(parse_boot_time("vmctl: boot time: soon"), None);
+}
+
+#[test]
+fn hello_guest_boots_and_reports_boot_time() {
+    if !vm_available("boot::hello_guest_boots_and_reports_boot_time") {
+        return;
+    }
+    let run = Vmctl::boot(base_initramfs()).arg("--boot-time").run();
+    eprintln!("{}", run.report());
+    run.assert_success();
+
+    let hello = run
+        .stdout
+        .lines()
+        .find(|l| l.contains("Hello from the guest: "))
+        .unwrap_or_else(|| panic!("no hello line on the serial console\n{}", run.report()));
+    assert!(
+        hello.contains("Linux 6.1"),
+        "unexpected kernel in {hello:?}"
+    );
+    assert!(
+        hello.contains(", 1 CPU(s)"),
+        "default should be 1 vCPU: {hello:?}"
+    );
+
+    let times: Vec<(f64, f64)> = run
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("vmctl: boot time: "))
+        .map(|l| {
+            parse_boot_time(l.trim_end())
+                .unwrap_or_else(|| panic!("malformed boot-time line {l:?}\n{}", run.report()))
+        })
+        .collect();
+    assert_eq!(
+        times.len(),
+        1,
+        "expected one boot-time line\n{}",
+        run.report()
+    );
+    let (since_start, since_vcpu) = times[0];
+    assert!(
+        since_start > 0.0 && since_vcpu > 0.0,
+        "boot times must be positive: {times:?}"
+    );
+    assert!(
+        since_vcpu <= since_start,
+        "the first vCPU cannot run before the VMM starts: {times:?}"
+    );
+    assert!(
+        !run.stderr.contains("boot-timer failed") && !run.stdout.contains("boot-timer failed"),
+        "the guest's boot timer write failed\n{}",
+        run.report()
+    );
+}
+
+#[test]
+fn guest_script_that_reboots_exits_zero() {
+    if !vm_available("boot::guest_script_that_reboots_exits_zero") {
+        return;
+    }
+    let dir = TempDir::new("reboot");
+    let marker = vm_tests::random_hex(16);
+    let script = format!(
+        "echo GUEST_MARKER={marker}\n\
+         sync\n\
+         reboot -f\n\
+         sleep 600\n\
+         echo NOT_REBOOTED\n"
+    );
+    let run = boot_script(
+        &dir,
+        &script,
+        &[OsStr::new("--cmdline"), OsStr::new("vmtest.flag=1")],
+    );
+    assert_eq!(
+        vm_tests::guest_value(&run.stdout, "GUEST_MARKER"),
+        Some(marker.as_str())
+    );
+    assert!(!run.stdout.contains("NOT_REBOOTED"), "{}", run.report());
+    assert!(
+        !run.stdout.contains("Hello from the guest"),
+        "/etc/vmtest.sh should replace the hello line\n{}",
+        run.report()
+    );
+}
+
+#[test]
+fn cmdline_is_appended() {
+    if !vm_available("boot::cmdline_is_appended") {
+        return;
+    }
+    let dir = TempDir::new("cmdline");
+    let token = format!("vmtest.token={}", vm_tests::random_hex(12));
+    let run = boot_script(
+        &dir,
+        "echo \"CMDLINE=$(cat /proc/cmdline)\"\n",
+        &[OsStr::new("--cmdline"), OsStr::new(&token)],
+    );
+    let cmdline = vm_tests::guest_value(&run.stdout, "CMDLINE")
+        .unwrap_or_else(|| panic!("no CMDLINE line\n{}", run.report()));
+    let words: Vec<&str> = cmdline.split_whitespace().collect();
+    assert!(
+        words.contains(&token.as_str()),
+        "{token} missing from {cmdline:?}"
+    );
+    assert!(
+        words.len() > 1,
+        "--cmdline must append to the default, not replace it: {cmdline:?}"
+    );
+    assert!(
+        words.contains(&"reboot=k"),
+        "the default command line should have reboot=k: {cmdline:?}"
+    );
+}

@@ -1,0 +1,19 @@
+//! Multiple vCPUs: the guest must see exactly what `--cpus` asked for.
+
+use vm_tests::{boot_script, guest_value, vm_available, TempDir};
+
+#[test]
+fn two_vcpus_are_online() {
+    if !vm_available("smp::two_vcpus_are_online") {
+        return;
+    }
+    let dir = TempDir::new("smp");
+    let script = "echo \"NPROC=$(nproc)\"\n\
+                  echo \"CPUINFO=$(grep -c '^processor' /proc/cpuinfo)\"\n\
+                  echo \"ONLINE=$(cat /sys/devices/system/cpu/online)\"\n";
+    let run = boot_script(&dir, script, &["--cpus".as_ref(), "2".as_ref()]);
+    let report = run.report();
+    assert_eq!(guest_value(&run.stdout, "NPROC"), Some("2"), "{report}");
+    assert_eq!(guest_value(&run.stdout, "CPUINFO"), Some("2"), "{report}");
+    assert_eq!(guest_value(&run.stdout, "ONLINE"), Some("0-1"), "{report}");
+}

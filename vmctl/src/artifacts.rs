@@ -1,0 +1,95 @@
+//! The project's own build outputs (guest kernel, hello initramfs), built on first use
+//! by the scripts in the source tree and cached outside it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("{}: build script missing; set VMCTL_SOURCE_DIR to the vmctl source tree or pass the file explicitly", .0.display())]
+    ScriptMissing(PathBuf),
+    #[error("cannot run {}: {source}", .script.display())]
+    Spawn { script: PathBuf, source: std::io::Error },
+    #[error("{} failed ({status}); its messages are above", .script.display())]
+    Failed { script: PathBuf, status: std::process::ExitStatus },
+    #[error("{} printed no usable path", .0.display())]
+    NoPath(PathBuf),
+}
+
+/// What to build.
+#[derive(Debug, Clone, Copy)]
+pub enum Artifact {
+    GuestKernel,
+    NestedHostKernel,
+    HelloInitramfs,
+}
+
+impl Artifact {
+    /// An environment variable that names a prebuilt file to use instead.
+    fn override_env(self) -> &'static str {
+        match self {
+            Self::GuestKernel => "VMCTL_KERNEL",
+            Self::NestedHostKernel => "VMCTL_NESTED_KERNEL",
+            Self::HelloInitramfs => "VMCTL_INITRAMFS",
+        }
+    }
+
+    fn script_and_args(self) -> (&'static str, &'static [&'static str], &'static str) {
+        match self {
+            Self::GuestKernel => ("kernel-config/build.sh", &["guest"], "guest kernel"),
+            Self::NestedHostKernel => ("kernel-config/build.sh", &["nested-host"], "nested-host kernel"),
+            Self::HelloInitramfs => ("rootfs/build-initramfs.sh", &[], "hello initramfs"),
+        }
+    }
+}
+
+/// The source tree: `VMCTL_SOURCE_DIR`, else where this binary was built from.
+pub fn source_dir() -> PathBuf {
+    std::env::var_os("VMCTL_SOURCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+}
+
+/// Returns the artifact's path: the file its override variable names, else the cached
+/// build, building it first when needed (the build scripts show their progress).
+pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
+    if let Some(path) = std::env::var_os(artifact.override_env()) {
+        return Ok(PathBuf::from(path));
+    }
+    let (script, args, what) = artifact.script_and_args();
+    let script = source_dir().join(script);
+    if !script.is_file() {
+        return Err(ArtifactError::ScriptMissing(script));
+    }
+    let cached = run_script(&script, args, true)?;
+    if cached.is_file() {
+        return Ok(cached);
+    }
+    eprintln!("vmctl: building the {what} (first use only; cached afterwards)");
+    run_script(&script, args, false)
+}
+
+fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf, ArtifactError> {
+    let mut command = Command::new(script);
+    command.args(args).stdin(Stdio::null()).stderr(Stdio::inherit());
+    if print_only {
+        command.arg("--print-path");
+    }
+    let output = command.output().map_err(|source| ArtifactError::Spawn {
+        script: script.to_path_buf(),
+        source,
+    })?;
+    if !output.status.success() {
+        return Err(ArtifactError::Failed {
+            script: script.to_path_buf(),
+            status: output.status,
+        });
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .lines()
+        .last()
+        .map(|line| PathBuf::from(line.trim()))
+        .filter(|path| path.is_absolute())
+        .ok_or_else(|| ArtifactError::NoPath(script.to_path_buf()))
+}

@@ -1,0 +1,110 @@
+//! `vmctl boot`: boot a kernel with the serial console on stdout.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use vmm::builder::{BuildError, RunOptions};
+use vmm::config::{host_memory_mib, ConfigError, DiskConfig, VmConfig};
+use vmm::devices::legacy::BootTimeReport;
+use vmm::vstate::exit::ExitReason;
+
+use crate::artifacts::{self, Artifact, ArtifactError};
+use crate::cli::{BootArgs, NestedMode};
+use crate::host_kvm::KvmKind;
+use crate::nested::{self, NestedError};
+use crate::terminal;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootCommandError {
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Vm(#[from] BuildError),
+    #[error(transparent)]
+    Nested(#[from] NestedError),
+    #[error("the VM stopped: {0}")]
+    Fatal(String),
+    #[error("cannot open stdout for the guest console: {0}")]
+    Stdout(std::io::Error),
+}
+
+/// Environment variable that replaces /dev/kvm (tests use it to simulate its absence).
+const KVM_DEVICE_ENV: &str = "VMCTL_KVM_DEVICE";
+
+pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
+    let vmm_start = Instant::now();
+    let config = resolve_config(&args)?;
+    config.validate(host_memory_mib())?;
+
+    let kvm = KvmKind::detect();
+    let use_nested = match args.nested {
+        NestedMode::Auto => !kvm.boots_linux(),
+        NestedMode::Always => true,
+        NestedMode::Never => false,
+    };
+    if use_nested {
+        eprintln!(
+            "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
+            kvm.why_nested()
+        );
+        return Ok(nested::launcher::run(&config, args.boot_time)?);
+    }
+    run_vmm(&config, args.boot_time, vmm_start)
+}
+
+/// Fills in the defaults: the project's kernel and hello initramfs.
+fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
+    let (kernel, initrd) = match &args.kernel {
+        Some(kernel) => (kernel.clone(), args.initrd.clone()),
+        None => {
+            let kernel = artifacts::ensure(Artifact::GuestKernel)?;
+            let initrd = match &args.initrd {
+                Some(initrd) => initrd.clone(),
+                None => artifacts::ensure(Artifact::HelloInitramfs)?,
+            };
+            (kernel, Some(initrd))
+        }
+    };
+    let mut config = VmConfig::new(kernel);
+    config.initrd = initrd;
+    config.disks = args.disks.iter().map(|d| DiskConfig::parse(d)).collect();
+    config.extra_cmdline = args.cmdline.clone();
+    config.vcpus = args.cpus;
+    config.memory_mib = args.memory;
+    if let Some(device) = std::env::var_os(KVM_DEVICE_ENV) {
+        config.kvm_device = PathBuf::from(device);
+    }
+    Ok(config)
+}
+
+/// Runs the VMM in this process (on the host, or as the nested host's init).
+pub fn run_vmm(
+    config: &VmConfig,
+    report_boot_time: bool,
+    vmm_start: Instant,
+) -> Result<u8, BootCommandError> {
+    let options = RunOptions {
+        vmm_start,
+        serial_output: Box::new(terminal::unbuffered_stdout().map_err(BootCommandError::Stdout)?),
+        console_input: true,
+        on_boot_time: Box::new(move |report: BootTimeReport| {
+            if report_boot_time {
+                eprintln!(
+                    "vmctl: boot time: {:.1} ms since VMM start, {:.1} ms since the first vCPU ran",
+                    report.since_vmm_start.as_secs_f64() * 1e3,
+                    report.since_first_vcpu_run.as_secs_f64() * 1e3
+                );
+            }
+        }),
+    };
+    match vmm::builder::run(config, options)? {
+        ExitReason::GuestShutdown => Ok(0),
+        ExitReason::Signal(signal) => {
+            eprintln!("vmctl: stopped by signal {signal}; the guest was not shut down cleanly");
+            Ok(128u8.saturating_add(signal as u8))
+        }
+        ExitReason::Fatal(reason) => Err(BootCommandError::Fatal(reason)),
+    }
+}

@@ -1,0 +1,68 @@
+//! Command-line interface.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "vmctl",
+    version,
+    about = "Run coding agents in lightweight KVM virtual machines",
+    long_about = "Run coding agents in lightweight KVM virtual machines.\n\n\
+        Where this machine's /dev/kvm cannot boot a Linux guest (no kvm_intel/kvm_amd, \
+        e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Boot a guest kernel with its serial console on stdout; exits 0 when the guest
+    /// reboots or shuts down.
+    Boot(BootArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum NestedMode {
+    /// Nested host only where this machine's KVM cannot boot Linux.
+    Auto,
+    /// Always run through the QEMU-TCG nested host.
+    Always,
+    /// Never: use /dev/kvm directly, even if it cannot boot Linux.
+    Never,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BootArgs {
+    /// Guest kernel (ELF vmlinux or bzImage). Default: the project's kernel, built
+    /// on first use (kernel-config/build.sh).
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<PathBuf>,
+    /// Initial ramdisk. Default without --kernel: the project's hello initramfs
+    /// (rootfs/build-initramfs.sh); with --kernel: none.
+    #[arg(long, value_name = "PATH")]
+    pub initrd: Option<PathBuf>,
+    /// Raw disk image, seen as /dev/vda, /dev/vdb, ... in the order given; append
+    /// ":ro" to make it read-only. Repeatable.
+    #[arg(long = "disk", value_name = "PATH[:ro]")]
+    pub disks: Vec<String>,
+    /// Extra kernel command-line arguments, appended to the defaults
+    /// ("console=ttyS0 reboot=k panic=1 quiet" and the virtio-mmio devices).
+    #[arg(long, value_name = "ARGS", default_value = "")]
+    pub cmdline: String,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = vmm::config::DEFAULT_VCPUS)]
+    pub cpus: u32,
+    /// Guest memory in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = vmm::config::DEFAULT_MEMORY_MIB)]
+    pub memory: u64,
+    /// Print how long the guest took to reach its init (it writes the boot timer).
+    #[arg(long)]
+    pub boot_time: bool,
+    /// Whether to run the VMM inside the QEMU-TCG nested host.
+    #[arg(long, value_enum, default_value_t = NestedMode::Auto)]
+    pub nested: NestedMode,
+}

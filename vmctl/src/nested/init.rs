@@ -1,0 +1,165 @@
+//! vmctl as PID 1 of the nested host. Mounts what the VMM needs, runs
+//! the VM described by the job file, writes the exit status back to the job directory
+//! and resets the nested host (which ends QEMU).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::job::{self, NestedJob, NestedStatus};
+use crate::terminal;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NestedInitError {
+    #[error("the nested-host mode only runs as the nested host's init (PID 1)")]
+    NotInit,
+    #[error("cannot mount {what} on {target}: {source}")]
+    Mount { what: String, target: String, source: std::io::Error },
+    #[error("cannot read the job file {path}: {reason}")]
+    Job { path: String, reason: String },
+}
+
+/// The job file, when this process is the nested host's init.
+pub fn job_from_environment() -> Option<PathBuf> {
+    if std::process::id() != 1 {
+        return None;
+    }
+    std::env::var_os(job::JOB_ENV).map(PathBuf::from)
+}
+
+pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
+    if std::process::id() != 1 {
+        return Err(NestedInitError::NotInit);
+    }
+    let vmm_start = Instant::now();
+    let exit_code = match prepare_and_run(spec, vmm_start) {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("vmctl: error: {message}");
+            1
+        }
+    };
+    let status = NestedStatus { exit_code };
+    let status_path = Path::new(job::GUEST_JOB_DIR).join(job::STATUS_FILE);
+    if let Ok(text) = serde_json::to_vec(&status) {
+        if let Err(e) = std::fs::write(&status_path, text) {
+            eprintln!("vmctl: error: cannot write {}: {e}", status_path.display());
+        }
+    }
+    // Let the consoles drain before the reset cuts them off.
+    // SAFETY: tcdrain and sync have no memory-safety preconditions.
+    unsafe {
+        libc::tcdrain(1);
+        libc::tcdrain(2);
+        libc::sync();
+        libc::reboot(libc::RB_AUTOBOOT);
+    }
+    // PID 1 must never exit (the kernel would panic); the reset above ends us.
+    loop {
+        // SAFETY: pause has no preconditions.
+        unsafe { libc::pause() };
+    }
+}
+
+fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
+    tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
+    mount_basics().map_err(|e| e.to_string())?;
+    tracing::debug!("nested host: sending stderr to the host");
+    redirect_stderr_to_host();
+    // The console carries the guest's serial bytes to the host's stdout unchanged.
+    if let Err(e) = terminal::make_raw(&std::io::stdout()) {
+        eprintln!("vmctl: warning: cannot put the nested console in raw mode: {e}");
+    }
+    let job = read_job(spec).map_err(|e| e.to_string())?;
+    tracing::debug!("nested host: running {job:?}");
+    for (index, dir) in job.writable_dirs.iter().enumerate() {
+        mount_9p(&job::writable_dir_tag(index), dir, false).map_err(|e| e.to_string())?;
+    }
+    crate::boot::run_vmm(&job.vm_config(), job.report_boot_time, vmm_start).map_err(|e| e.to_string())
+}
+
+fn mount_basics() -> Result<(), NestedInitError> {
+    mount("proc", "/proc", "proc", 0, "")?;
+    mount("sysfs", "/sys", "sysfs", 0, "")?;
+    // The kernel may have mounted devtmpfs already (DEVTMPFS_MOUNT).
+    match mount("devtmpfs", "/dev", "devtmpfs", 0, "") {
+        Err(NestedInitError::Mount { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {}
+        other => other?,
+    }
+    mount("tmpfs", "/run", "tmpfs", 0, "mode=0755")?;
+    std::fs::create_dir_all(job::GUEST_JOB_DIR).map_err(|source| NestedInitError::Mount {
+        what: job::JOB_TAG.into(),
+        target: job::GUEST_JOB_DIR.into(),
+        source,
+    })?;
+    mount_9p(job::JOB_TAG, Path::new(job::GUEST_JOB_DIR), false)
+}
+
+fn mount_9p(tag: &str, target: &Path, read_only: bool) -> Result<(), NestedInitError> {
+    let flags = if read_only { libc::MS_RDONLY } else { 0 };
+    mount(
+        tag,
+        &target.display().to_string(),
+        "9p",
+        flags,
+        "trans=virtio,version=9p2000.L,msize=262144",
+    )
+}
+
+fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), NestedInitError> {
+    let error = |source_err: std::io::Error| NestedInitError::Mount {
+        what: format!("{fstype} ({source})"),
+        target: target.into(),
+        source: source_err,
+    };
+    let invalid = || error(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    let c_source = CString::new(source).map_err(|_| invalid())?;
+    let c_target = CString::new(target).map_err(|_| invalid())?;
+    let c_fstype = CString::new(fstype).map_err(|_| invalid())?;
+    let c_data = CString::new(data).map_err(|_| invalid())?;
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            c_source.as_ptr(),
+            c_target.as_ptr(),
+            c_fstype.as_ptr(),
+            flags,
+            c_data.as_ptr().cast(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(error(std::io::Error::last_os_error()))
+    }
+}
+
+/// The VMM's stderr goes to the nested host's virtio console, which the outer vmctl
+/// copies to the host's stderr; its stdout (the guest's serial console) stays on the
+/// nested host's serial console, which QEMU puts on the host's stdout.
+fn redirect_stderr_to_host() {
+    match File::options().write(true).open("/dev/hvc0") {
+        Ok(console) => {
+            // SAFETY: both descriptors are valid; dup2 atomically replaces fd 2.
+            unsafe { libc::dup2(console.as_raw_fd(), 2) };
+        }
+        Err(e) => eprintln!("vmctl: warning: no stderr channel to the host (/dev/hvc0: {e})"),
+    }
+}
+
+fn read_job(spec: &Path) -> Result<NestedJob, NestedInitError> {
+    let error = |reason: String| NestedInitError::Job {
+        path: spec.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read(spec).map_err(|e| error(e.to_string()))?;
+    serde_json::from_slice(&text).map_err(|e| error(e.to_string()))
+}

@@ -1,0 +1,322 @@
+//! Starts the nested host (QEMU TCG with emulated SVM) for one VM run and relays its
+//! outcome: the guest's console on stdout, the VMM's messages on stderr, its exit
+//! code as ours.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use vmm::config::VmConfig;
+use vmm_sys_util::signal::register_signal_handler;
+
+use super::job::{self, NestedJob, NestedStatus};
+use crate::artifacts::{self, Artifact, ArtifactError};
+
+/// Memory the nested host needs besides the guest's: its kernel, vmctl, page tables.
+const NESTED_HOST_OVERHEAD_MIB: u64 = 256;
+const QEMU_ENV: &str = "VMCTL_QEMU";
+const QEMU_BINARY: &str = "qemu-system-x86_64";
+const LOG_ENV: &str = "VMCTL_LOG";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NestedError {
+    #[error("{0}: QEMU not found; the nested host needs it: install the 'qemu-system-x86' package (apt-get install qemu-system-x86)")]
+    QemuMissing(String),
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    #[error("cannot find the vmctl binary to run in the nested host: {0}")]
+    CurrentExe(std::io::Error),
+    #[error("{}: the nested host cannot use a path with spaces or non-ASCII characters; move it", .0.display())]
+    UnusablePath(PathBuf),
+    #[error("cannot prepare the nested host's job directory {}: {source}", .path.display())]
+    JobDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot start QEMU ({qemu}): {source}")]
+    Spawn { qemu: String, source: std::io::Error },
+    #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
+    Died { status: String, log: String },
+}
+
+/// The job directory, shared with the nested host and removed afterwards.
+struct JobDir(PathBuf);
+
+impl JobDir {
+    fn create() -> Result<Self, NestedError> {
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = base.join(format!("vmctl-nested-{}-{nanos}", std::process::id()));
+        std::fs::create_dir(&path).map_err(|source| NestedError::JobDir {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(Self(path))
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for JobDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            tracing::warn!("cannot remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn remember_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    STOP_SIGNAL.store(signal, Ordering::SeqCst);
+}
+
+/// Runs `config` in a fresh nested host; returns the VMM's exit code.
+pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError> {
+    let qemu = find_qemu()?;
+    let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
+    let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
+    for path in [&vmctl, &kernel] {
+        if !path.to_str().is_some_and(|s| s.is_ascii() && !s.contains(char::is_whitespace)) {
+            return Err(NestedError::UnusablePath(path.clone()));
+        }
+    }
+
+    let job_dir = JobDir::create()?;
+    let job = NestedJob::new(config, report_boot_time);
+    let spec_path = job_dir.file(job::SPEC_FILE);
+    let job_dir_error = |source| NestedError::JobDir {
+        path: job_dir.0.clone(),
+        source,
+    };
+    let spec = serde_json::to_vec_pretty(&job).map_err(|e| job_dir_error(e.into()))?;
+    std::fs::write(&spec_path, spec).map_err(job_dir_error)?;
+    let stderr_socket = job_dir.file("stderr.sock");
+    let listener = UnixListener::bind(&stderr_socket).map_err(job_dir_error)?;
+    let relay = std::thread::spawn(move || relay_stderr(listener));
+    let qemu_log = File::create(job_dir.file("qemu.log")).map_err(job_dir_error)?;
+
+    let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, &job);
+    command
+        .stdin(stdin_for_qemu())
+        .stdout(Stdio::inherit())
+        .stderr(qemu_log);
+    tracing::debug!("starting the nested host: {command:?}");
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        if let Err(e) = register_signal_handler(signal, remember_stop_signal) {
+            tracing::warn!("cannot handle signal {signal}: {e}");
+        }
+    }
+    let mut child = command.spawn().map_err(|source| NestedError::Spawn {
+        qemu: qemu.clone(),
+        source,
+    })?;
+    let status = wait_or_stop(&mut child);
+    let stopped_by = STOP_SIGNAL.load(Ordering::SeqCst);
+
+    // The socket closes when QEMU exits; give the relay a moment to drain it.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !relay.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if stopped_by != 0 {
+        eprintln!("vmctl: stopped by signal {stopped_by}; the guest was not shut down cleanly");
+        return Ok(128u8.saturating_add(stopped_by as u8));
+    }
+    let status_file = std::fs::read(job_dir.file(job::STATUS_FILE)).ok();
+    match status_file.and_then(|s| serde_json::from_slice::<NestedStatus>(&s).ok()) {
+        Some(status) => Ok(status.exit_code),
+        None => {
+            let mut log = String::new();
+            let _ = File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
+            let log = log.trim();
+            Err(NestedError::Died {
+                status: status.map_or_else(|| "did not exit".into(), |s| s.to_string()),
+                log: if log.is_empty() {
+                    "nothing; rerun with VMCTL_LOG=debug".into()
+                } else {
+                    log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+                },
+            })
+        }
+    }
+}
+
+fn find_qemu() -> Result<String, NestedError> {
+    if let Some(qemu) = std::env::var_os(QEMU_ENV) {
+        let qemu = PathBuf::from(qemu);
+        return if qemu.is_file() {
+            Ok(qemu.display().to_string())
+        } else {
+            Err(NestedError::QemuMissing(qemu.display().to_string()))
+        };
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(QEMU_BINARY))
+            .find(|candidate| candidate.is_file())
+    });
+    on_path
+        .map(|p| p.display().to_string())
+        .ok_or_else(|| NestedError::QemuMissing(QEMU_BINARY.into()))
+}
+
+/// QEMU reads the guest console's input from stdin; a closed stdin would make it
+/// reuse descriptor 0 for something else.
+fn stdin_for_qemu() -> Stdio {
+    // SAFETY: F_GETFD only queries descriptor flags.
+    if unsafe { libc::fcntl(0, libc::F_GETFD) } >= 0 {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
+}
+
+fn qemu_command(
+    qemu: &str,
+    kernel: &Path,
+    vmctl: &Path,
+    job_dir: &Path,
+    stderr_socket: &Path,
+    job: &NestedJob,
+) -> Command {
+    let mut command = Command::new(qemu);
+    let memory = job.memory_mib + NESTED_HOST_OVERHEAD_MIB;
+    let guest_job_spec = format!("{}/{}", job::GUEST_JOB_DIR, job::SPEC_FILE);
+    // reboot=t: the nested host's init resets with a triple fault, and -no-reboot
+    // turns that into QEMU exiting. Its kernel stays silent on our stdout (which is
+    // the guest's console) unless debug logging is on.
+    let debug = std::env::var(LOG_ENV).is_ok_and(|f| f.contains("debug") || f.contains("trace"));
+    let mut cmdline = format!(
+        "console=ttyS0 loglevel={loglevel} reboot=t panic=-1 root={root} rootfstype=9p \
+         rootflags=trans=virtio,version=9p2000.L,msize=262144,cache=loose ro \
+         init={vmctl} {job_env}={guest_job_spec}",
+        job_env = job::JOB_ENV,
+        loglevel = if debug { 7 } else { 0 },
+        root = job::ROOT_TAG,
+        vmctl = vmctl.display(),
+    );
+    // TCG's TSC is the host's, but the nested host's kernel cannot calibrate it under
+    // emulation; without a TSC frequency its KVM never enters a guest (it keeps
+    // retrying the guest's clock update). Tell it the host's frequency.
+    match host_tsc_khz() {
+        Some(khz) => cmdline.push_str(&format!(" tsc_early_khz={khz} tsc=reliable")),
+        None => tracing::warn!("cannot read the host's TSC frequency; the nested host may hang"),
+    }
+    // Logging settings travel as kernel arguments too (init gets them as environment).
+    if let Ok(filter) = std::env::var(LOG_ENV) {
+        if !filter.is_empty() && filter.bytes().all(|b| b.is_ascii_graphic() && b != b'"') {
+            cmdline.push_str(&format!(" {LOG_ENV}={filter}"));
+        }
+    }
+    command
+        .args(["-accel", "tcg", "-M", "microvm,acpi=off", "-cpu", "max,+svm,+npt"])
+        .args(["-m", &memory.to_string(), "-smp", &job.vcpus.to_string()])
+        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .arg("-kernel")
+        .arg(kernel)
+        .args(["-append", &cmdline])
+        .args(["-serial", "stdio"]);
+    let mut share = |id: &str, path: &Path, tag: &str, read_only: bool| {
+        command
+            .arg("-fsdev")
+            .arg(format!(
+                "local,id={id},path={},security_model=none,multidevs=remap{}",
+                path.display(),
+                if read_only { ",readonly=on" } else { "" }
+            ))
+            .arg("-device")
+            .arg(format!("virtio-9p-device,fsdev={id},mount_tag={tag}"));
+    };
+    share("root", Path::new("/"), job::ROOT_TAG, true);
+    share("job", job_dir, job::JOB_TAG, false);
+    for (index, dir) in job.writable_dirs.iter().enumerate() {
+        share(&format!("rw{index}"), dir, &job::writable_dir_tag(index), false);
+    }
+    command
+        .arg("-chardev")
+        .arg(format!("socket,id=vmmerr,path={}", stderr_socket.display()))
+        .args(["-device", "virtio-serial-device", "-device", "virtconsole,chardev=vmmerr"]);
+    command
+}
+
+/// The host's TSC frequency in kHz, from /proc/cpuinfo's "cpu MHz" (the TSC
+/// frequency on x86 hosts with a constant TSC).
+fn host_tsc_khz() -> Option<u64> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    parse_cpu_mhz(&cpuinfo).map(|mhz| (mhz * 1000.0).round() as u64)
+}
+
+fn parse_cpu_mhz(cpuinfo: &str) -> Option<f64> {
+    let line = cpuinfo.lines().find(|l| l.starts_with("cpu MHz"))?;
+    let mhz: f64 = line.split(':').nth(1)?.trim().parse().ok()?;
+    (mhz > 0.0).then_some(mhz)
+}
+
+/// Copies what the nested VMM writes to its stderr (a virtio console in the nested
+/// host, a Unix socket here) to our stderr.
+fn relay_stderr(listener: UnixListener) {
+    let Ok((mut stream, _)) = listener.accept() else {
+        return;
+    };
+    let mut stderr = std::io::stderr();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = stream.read(&mut buf) {
+        if n == 0 || stderr.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+}
+
+/// Waits for QEMU; on SIGINT/SIGTERM/SIGHUP asks it to stop (QEMU then restores the
+/// terminal), and kills it if it does not within two seconds.
+fn wait_or_stop(child: &mut Child) -> Option<std::process::ExitStatus> {
+    let mut asked_at: Option<Instant> = None;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!("cannot wait for QEMU: {e}");
+                return None;
+            }
+        }
+        if STOP_SIGNAL.load(Ordering::SeqCst) != 0 {
+            match asked_at {
+                None => {
+                    // SAFETY: kill(2) on our own child's pid, which has not been
+                    // reaped yet (try_wait returned None), so it cannot be reused.
+                    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                    asked_at = Some(Instant::now());
+                }
+                Some(at) if at.elapsed() > Duration::from_secs(2) => {
+                    let _ = child.kill();
+                }
+                Some(_) => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_cpu_frequency() {
+        let cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu MHz\t\t: 2100.000\n";
+        assert_eq!(parse_cpu_mhz(cpuinfo), Some(2100.0));
+        assert_eq!(parse_cpu_mhz("cpu MHz : 0\n"), None);
+        assert_eq!(parse_cpu_mhz("nothing"), None);
+    }
+}

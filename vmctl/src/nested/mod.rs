@@ -1,0 +1,14 @@
+//! The nested host: where this machine's /dev/kvm cannot boot Linux, the VMM runs
+//! inside a QEMU-TCG guest whose emulated AMD CPU has SVM, so that guest's kernel has
+//! a real KVM. The host's root is shared read-only over 9p, so the same `vmctl`,
+//! kernel and images are used at the same paths.
+//!
+//! - [`launcher`]: on the host, starts QEMU and relays the outcome.
+//! - [`init`]: inside, `vmctl __nested-init` is PID 1 and runs the VMM.
+//! - [`job`]: the job file between the two.
+
+pub mod init;
+pub mod job;
+pub mod launcher;
+
+pub use launcher::NestedError;

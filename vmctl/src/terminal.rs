@@ -1,0 +1,35 @@
+//! The VMM's console plumbing: unbuffered stdout and raw mode for a tty.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd};
+
+/// An unbuffered handle on stdout: the guest's console must not wait for a newline
+/// (prompts) or a flush.
+pub fn unbuffered_stdout() -> std::io::Result<File> {
+    Ok(File::from(std::io::stdout().as_fd().try_clone_to_owned()?))
+}
+
+/// Puts the terminal on `fd` in raw mode (no echo, no line editing, no output
+/// translation), so bytes pass between the host and the guest unchanged. Does nothing
+/// when `fd` is not a terminal.
+pub fn make_raw(fd: &impl AsRawFd) -> std::io::Result<()> {
+    let fd = fd.as_raw_fd();
+    // SAFETY: isatty only inspects the descriptor.
+    if unsafe { libc::isatty(fd) } != 1 {
+        return Ok(());
+    }
+    // SAFETY: termios is plain data; tcgetattr fills it completely on success,
+    // which is checked before use.
+    let mut termios: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: `termios` is a valid, writable termios struct.
+    if unsafe { libc::tcgetattr(fd, &mut termios) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: cfmakeraw only modifies the struct it is given.
+    unsafe { libc::cfmakeraw(&mut termios) };
+    // SAFETY: `termios` is a valid termios struct obtained from tcgetattr.
+    if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &termios) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

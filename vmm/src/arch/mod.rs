@@ -1,0 +1,3 @@
+//! Architecture-specific boot details. Only x86_64 is supported.
+
+pub mod x86_64;

@@ -1,0 +1,280 @@
+//! Composes a VM from a [`VmConfig`] (memory, kernel, devices, vCPUs) and runs it
+//! until the guest shuts down or the VMM is told to stop.
+
+use std::fs::File;
+use std::io::Write;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use kvm_ioctls::IoEventAddress;
+use linux_loader::cmdline::Cmdline;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::arch::x86_64::{boot, layout, mptable};
+use crate::config::{host_memory_mib, ConfigError, VmConfig};
+use crate::devices::bus::{Bus, BusDevice, BusError};
+use crate::devices::legacy::{BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole};
+use crate::devices::virtio::block::Block;
+use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::rng::Rng;
+use crate::devices::virtio::{InterruptTrigger, VirtioDevice};
+use crate::event_loop::{EventLoop, EventLoopError};
+use crate::memory::{create_guest_ram, GuestMemoryMmap, MemoryError};
+use crate::vstate::exit::{ExitNotifier, ExitReason, GuestResetTrigger};
+use crate::vstate::vcpu::{install_kick_handler, Vcpu, VcpuContext, VcpuError};
+use crate::vstate::vm::{open_kvm, Vm, VmError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error("cannot write the MP table: {0}")]
+    Mptable(#[from] mptable::MptableError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    EventLoop(#[from] EventLoopError),
+    #[error("cannot open {what} {path}: {source}")]
+    Open { what: &'static str, path: String, source: std::io::Error },
+    #[error("cannot set up device {device}: {reason}")]
+    Device { device: String, reason: String },
+    #[error("device address conflict: {0}")]
+    Bus(#[from] BusError),
+}
+
+/// How the VM talks to its surroundings.
+pub struct RunOptions {
+    /// When the VMM process started, for the boot timer.
+    pub vmm_start: Instant,
+    /// Where the guest's serial console goes (unbuffered writes are best).
+    pub serial_output: Box<dyn Write + Send>,
+    /// Feed the VMM's stdin to the serial console.
+    pub console_input: bool,
+    /// Called once when the guest's init writes the boot timer.
+    pub on_boot_time: Box<dyn FnOnce(BootTimeReport) + Send>,
+}
+
+/// Boots the VM and runs it to the end. A guest shutdown is `Ok(GuestShutdown)`.
+pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildError> {
+    config.validate(host_memory_mib())?;
+    let kvm = open_kvm(&config.kvm_device)?;
+    let vm = Vm::new(&kvm, config.vcpus as usize)?;
+    let ram = create_guest_ram(config.memory_bytes())?;
+    vm.register_memory(&ram.memory)?;
+    let entry = load_guest_software(config, &ram.memory)?;
+
+    let exit = Arc::new(ExitNotifier::new().map_err(|source| BuildError::Open {
+        what: "exit event",
+        path: "eventfd".into(),
+        source,
+    })?);
+    let mut event_loop = EventLoop::new(exit.clone())?;
+    event_loop.handle_stop_signals()?;
+    let first_run = Arc::new(OnceLock::new());
+    let mut pio_bus = Bus::new();
+    let mut mmio_bus = Bus::new();
+
+    let serial = Arc::new(Mutex::new(SerialConsole::new(
+        EventFdTrigger::new(irqfd(&vm, layout::SERIAL_IRQ, "serial console")?),
+        options.serial_output,
+    )));
+    pio_bus.insert(
+        serial.clone(),
+        u64::from(layout::SERIAL_COM1_PORT),
+        u64::from(layout::SERIAL_PORT_LEN),
+    )?;
+    if options.console_input {
+        event_loop.add_console_input(serial)?;
+    }
+    pio_bus.insert(
+        Arc::new(Mutex::new(ResetController::new(GuestResetTrigger(exit.clone())))),
+        u64::from(layout::I8042_DATA_PORT),
+        u64::from(layout::I8042_PORT_LEN),
+    )?;
+    pio_bus.insert(
+        Arc::new(Mutex::new(BootTimer::new(
+            options.vmm_start,
+            first_run.clone(),
+            options.on_boot_time,
+        ))),
+        u64::from(layout::BOOT_TIMER_PORT),
+        1,
+    )?;
+
+    for (index, device) in virtio_devices(config)?.into_iter().enumerate() {
+        attach_virtio_device(&vm, &ram.memory, &mut mmio_bus, &mut event_loop, index, device)?;
+    }
+
+    install_kick_handler()?;
+    let context = VcpuContext {
+        pio_bus: Arc::new(pio_bus),
+        mmio_bus: Arc::new(mmio_bus),
+        exit,
+        stop: Arc::new(AtomicBool::new(false)),
+        first_run,
+    };
+    let vcpu_count = config.vcpus as u8;
+    let mut vcpus = Vec::with_capacity(vcpu_count.into());
+    for index in 0..vcpu_count {
+        let vcpu = Vcpu::new(vm.fd(), index)?;
+        vcpu.configure(&kvm, &ram.memory, entry, vcpu_count)?;
+        vcpus.push(vcpu);
+    }
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        handles.push(vcpu.start(context.clone())?);
+    }
+
+    tracing::debug!("{vcpu_count} vCPU(s) started");
+    let outcome = event_loop.run();
+    tracing::debug!("VM stopping: {outcome:?}");
+    context.stop.store(true, std::sync::atomic::Ordering::Release);
+    for handle in handles {
+        handle.stop();
+    }
+    // Guest memory (`ram`) outlives every vCPU: they are all joined above.
+    drop(ram);
+    Ok(outcome?)
+}
+
+/// Loads kernel and initrd, writes the command line, boot_params and MP table;
+/// returns the kernel's entry point.
+fn load_guest_software(
+    config: &VmConfig,
+    memory: &GuestMemoryMmap,
+) -> Result<vm_memory::GuestAddress, BuildError> {
+    let kernel = boot::load_kernel(memory, &mut open_file("kernel", &config.kernel)?)?;
+    tracing::debug!(
+        "kernel {} loaded, entry {:#x}, ends at {:#x}",
+        config.kernel.display(),
+        kernel.entry.0,
+        kernel.kernel_end
+    );
+    let initrd = match &config.initrd {
+        Some(path) => Some(boot::load_initrd(
+            memory,
+            &mut open_file("initrd", path)?,
+            kernel.kernel_end,
+        )?),
+        None => None,
+    };
+    let cmdline_text = config.kernel_cmdline();
+    // validate() already bounded the length; linux-loader also refuses characters a
+    // kernel command line cannot hold.
+    let cmdline_error = |e: linux_loader::cmdline::Error| {
+        tracing::debug!("kernel command line rejected: {e}");
+        ConfigError::CmdlineTooLong {
+            len: cmdline_text.len(),
+            max: layout::CMDLINE_MAX_SIZE - 1,
+        }
+    };
+    let mut cmdline = Cmdline::new(layout::CMDLINE_MAX_SIZE).map_err(cmdline_error)?;
+    cmdline.insert_str(&cmdline_text).map_err(cmdline_error)?;
+    tracing::debug!("initrd: {initrd:x?}; kernel command line: {cmdline_text}");
+    boot::write_cmdline(memory, &cmdline)?;
+    boot::write_boot_params(
+        memory,
+        config.memory_bytes(),
+        cmdline_text.len(),
+        initrd,
+        kernel.setup_header,
+    )?;
+    mptable::setup_mptable(memory, config.vcpus as u8)?;
+    Ok(kernel.entry)
+}
+
+fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildError> {
+    File::open(path).map_err(|source| BuildError::Open {
+        what,
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The virtio devices in slot order: disks (vda, vdb, ...), then rng.
+fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
+    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+    for (index, disk) in config.disks.iter().enumerate() {
+        let file = File::options()
+            .read(true)
+            .write(!disk.read_only)
+            .open(&disk.path)
+            .map_err(|source| BuildError::Open {
+                what: "disk",
+                path: disk.path.display().to_string(),
+                source,
+            })?;
+        let id = format!("vd{}", (b'a' + (index % 26) as u8) as char);
+        let block = Block::new(file, disk.read_only, id).map_err(|e| BuildError::Device {
+            device: disk.path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        devices.push(Box::new(block));
+    }
+    if config.rng {
+        devices.push(Box::new(Rng::new()));
+    }
+    Ok(devices)
+}
+
+fn irqfd(vm: &Vm, irq: u32, device: &str) -> Result<EventFd, BuildError> {
+    let fail = |reason: String| BuildError::Device {
+        device: device.to_string(),
+        reason,
+    };
+    let event = EventFd::new(EFD_NONBLOCK).map_err(|e| fail(format!("eventfd: {e}")))?;
+    vm.fd()
+        .register_irqfd(&event, irq)
+        .map_err(|e| fail(format!("irqfd for IRQ {irq}: {e}")))?;
+    Ok(event)
+}
+
+/// Puts `device` in virtio-mmio slot `index`: its MMIO window, its IRQ (irqfd) and
+/// one ioeventfd per queue, served by the event loop.
+fn attach_virtio_device(
+    vm: &Vm,
+    memory: &GuestMemoryMmap,
+    mmio_bus: &mut Bus,
+    event_loop: &mut EventLoop,
+    index: usize,
+    device: Box<dyn VirtioDevice>,
+) -> Result<(), BuildError> {
+    let (base, irq) = layout::virtio_mmio_slot(index);
+    let name = format!("virtio-mmio slot {index} (type {})", device.device_type());
+    let interrupt = InterruptTrigger::new(Arc::new(irqfd(vm, irq, &name)?));
+    let transport = Arc::new(Mutex::new(MmioTransport::new(
+        device,
+        memory.clone(),
+        interrupt,
+    )));
+    let queue_count = transport
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .queue_count();
+    mmio_bus.insert(
+        transport.clone() as Arc<Mutex<dyn BusDevice>>,
+        base,
+        layout::VIRTIO_MMIO_WINDOW_SIZE,
+    )?;
+    for queue in 0..queue_count as u32 {
+        let event = EventFd::new(EFD_NONBLOCK).map_err(|e| BuildError::Device {
+            device: name.clone(),
+            reason: format!("eventfd: {e}"),
+        })?;
+        vm.fd()
+            .register_ioevent(&event, &IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET), queue)
+            .map_err(|e| BuildError::Device {
+                device: name.clone(),
+                reason: format!("ioeventfd for queue {queue}: {e}"),
+            })?;
+        event_loop.add_queue(transport.clone(), queue, event)?;
+    }
+    Ok(())
+}

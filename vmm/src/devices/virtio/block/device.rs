@@ -1,0 +1,904 @@
+//! The virtio-blk device: one request queue over a raw image file.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP,
+};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{Bytes, ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
+
+use super::request::{self, Request, RequestType};
+use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
+use crate::devices::virtio::{
+    read_into_guest, write_from_guest, ActivateError, GuestIoError, InterruptTrigger, VirtioDevice,
+    DEVICE_ID_BLOCK, FEATURE_VERSION_1,
+};
+use crate::memory::GuestMemoryMmap;
+
+/// Layout of the part of `struct virtio_blk_config` we fill in: capacity (le64),
+/// size_max (le32, unused), seg_max (le32). Later fields read as 0.
+const CONFIG_LEN: usize = 16;
+const CONFIG_CAPACITY: usize = 0;
+const CONFIG_SEG_MAX: usize = 12;
+/// Data segments per request: the queue size minus header and status.
+const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("cannot read the size of the disk image: {0}")]
+    Metadata(std::io::Error),
+    #[error("block device ID {id:?} is {len} bytes long, at most {VIRTIO_BLK_ID_LEN} allowed")]
+    IdTooLong { id: String, len: usize },
+    #[error("disk I/O at sector {sector} failed: {source}")]
+    Io { sector: u64, source: GuestIoError },
+    #[error("write at sector {sector} refused: the disk is read-only")]
+    ReadOnly { sector: u64 },
+    #[error("flushing the disk image failed: {0}")]
+    Flush(std::io::Error),
+    #[error("cannot write the device ID to guest buffer {addr:#x}")]
+    IdWrite { addr: u64 },
+}
+
+/// The image file and the facts the guest sees about it.
+struct Disk {
+    file: File,
+    read_only: bool,
+    capacity_sectors: u64,
+    id: [u8; VIRTIO_BLK_ID_LEN],
+}
+
+/// Memory, queue and interrupt handed over at activation.
+struct Active {
+    memory: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: InterruptTrigger,
+}
+
+/// A virtio-blk device backed by a raw disk image.
+pub struct Block {
+    disk: Disk,
+    avail_features: u64,
+    acked_features: u64,
+    config: [u8; CONFIG_LEN],
+    queue_max_sizes: [u16; 1],
+    active: Option<Active>,
+}
+
+impl Block {
+    /// A disk of `file`'s length rounded down to whole sectors. `id` (at most 20
+    /// bytes) is what VIRTIO_BLK_T_GET_ID returns (Linux shows it as the serial).
+    /// With `read_only` the device offers VIRTIO_BLK_F_RO and never writes `file`.
+    pub fn new(file: File, read_only: bool, id: String) -> Result<Self, BlockError> {
+        if id.len() > VIRTIO_BLK_ID_LEN {
+            let len = id.len();
+            return Err(BlockError::IdTooLong { id, len });
+        }
+        let mut id_bytes = [0u8; VIRTIO_BLK_ID_LEN];
+        id_bytes[..id.len()].copy_from_slice(id.as_bytes());
+
+        let size = file.metadata().map_err(BlockError::Metadata)?.len();
+        let capacity_sectors = size / SECTOR_SIZE;
+        if !size.is_multiple_of(SECTOR_SIZE) {
+            tracing::warn!(
+                "disk image size {size} is not a multiple of {SECTOR_SIZE}; the last {} bytes are not visible",
+                size % SECTOR_SIZE
+            );
+        }
+
+        let mut avail_features =
+            FEATURE_VERSION_1 | (1 << VIRTIO_BLK_F_FLUSH) | (1 << VIRTIO_BLK_F_SEG_MAX);
+        if read_only {
+            avail_features |= 1 << VIRTIO_BLK_F_RO;
+        }
+
+        let mut config = [0u8; CONFIG_LEN];
+        config[CONFIG_CAPACITY..CONFIG_CAPACITY + 8]
+            .copy_from_slice(&capacity_sectors.to_le_bytes());
+        config[CONFIG_SEG_MAX..CONFIG_SEG_MAX + 4].copy_from_slice(&SEG_MAX.to_le_bytes());
+
+        Ok(Self {
+            disk: Disk {
+                file,
+                read_only,
+                capacity_sectors,
+                id: id_bytes,
+            },
+            avail_features,
+            acked_features: 0,
+            config,
+            queue_max_sizes: [QUEUE_SIZE],
+            active: None,
+        })
+    }
+
+    /// Disk size in 512-byte sectors.
+    pub fn capacity(&self) -> u64 {
+        self.disk.capacity_sectors
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.disk.read_only
+    }
+
+    /// Features the driver acknowledged (0 before FEATURES_OK and after a reset).
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+}
+
+impl Disk {
+    /// Handles one chain and returns the used length (bytes written to the guest).
+    fn handle_chain(&self, descs: &[Descriptor], memory: &GuestMemoryMmap) -> u32 {
+        let status_addr = match request::status_address(descs, memory) {
+            Ok(addr) => addr,
+            Err(e) => {
+                tracing::warn!("virtio-blk: dropping a request: {e}");
+                return 0;
+            }
+        };
+        let Some((_status, body)) = descs.split_last() else {
+            return 0;
+        };
+        let (status, written) = match Request::parse(body, memory, self.capacity_sectors) {
+            Ok(req) => self.execute(&req, memory),
+            Err(e) => {
+                tracing::warn!("virtio-blk: malformed request: {e}");
+                (VIRTIO_BLK_S_IOERR, 0)
+            }
+        };
+        // `status` is one of the VIRTIO_BLK_S_* values, all below 256.
+        if let Err(e) = memory.write_obj(status as u8, status_addr) {
+            tracing::error!("virtio-blk: cannot write the status byte at {status_addr:?}: {e}");
+            return written;
+        }
+        written.saturating_add(1)
+    }
+
+    /// Runs a parsed request: returns the status and the data bytes written to guest
+    /// memory.
+    fn execute(&self, req: &Request, memory: &GuestMemoryMmap) -> (u32, u32) {
+        let data_len = u32::try_from(req.data_len).unwrap_or(u32::MAX);
+        let result = match req.request_type {
+            RequestType::In => self.read(req, memory).map(|()| data_len),
+            RequestType::Out => self.write(req, memory).map(|()| 0),
+            RequestType::Flush => self.file.sync_data().map(|()| 0).map_err(BlockError::Flush),
+            RequestType::GetId => self.get_id(req, memory),
+            RequestType::Unsupported(t) => {
+                tracing::debug!("virtio-blk: unsupported request type {t}");
+                return (VIRTIO_BLK_S_UNSUPP, 0);
+            }
+        };
+        match result {
+            Ok(written) => (VIRTIO_BLK_S_OK, written),
+            Err(e) => {
+                tracing::warn!("virtio-blk: {e}");
+                (VIRTIO_BLK_S_IOERR, 0)
+            }
+        }
+    }
+
+    fn disk_offset(sector: u64) -> u64 {
+        // Parsing checked sector * 512 + length against the capacity.
+        sector.saturating_mul(SECTOR_SIZE)
+    }
+
+    fn read(&self, req: &Request, memory: &GuestMemoryMmap) -> Result<(), BlockError> {
+        let mut file = FileAt {
+            file: &self.file,
+            offset: Self::disk_offset(req.sector),
+        };
+        for buf in &req.data {
+            read_into_guest(memory, buf.addr, buf.len as usize, &mut file).map_err(|source| {
+                BlockError::Io {
+                    sector: req.sector,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn write(&self, req: &Request, memory: &GuestMemoryMmap) -> Result<(), BlockError> {
+        if self.read_only {
+            return Err(BlockError::ReadOnly { sector: req.sector });
+        }
+        let mut file = FileAt {
+            file: &self.file,
+            offset: Self::disk_offset(req.sector),
+        };
+        for buf in &req.data {
+            write_from_guest(memory, buf.addr, buf.len as usize, &mut file).map_err(|source| {
+                BlockError::Io {
+                    sector: req.sector,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Copies the ID into the request's buffers, up to 20 bytes; returns the count.
+    fn get_id(&self, req: &Request, memory: &GuestMemoryMmap) -> Result<u32, BlockError> {
+        let mut remaining = &self.id[..req.id_len()];
+        for buf in &req.data {
+            if remaining.is_empty() {
+                break;
+            }
+            let n = remaining.len().min(buf.len as usize);
+            let (chunk, rest) = remaining.split_at(n);
+            memory
+                .write_slice(chunk, buf.addr)
+                .map_err(|_| BlockError::IdWrite { addr: buf.addr.0 })?;
+            remaining = rest;
+        }
+        // At most 20.
+        Ok(req.id_len() as u32)
+    }
+}
+
+/// A file seen from a moving position, read and written with pread/pwrite so the
+/// file's own offset is never used (the file may be shared).
+struct FileAt<'a> {
+    file: &'a File,
+    offset: u64,
+}
+
+impl FileAt<'_> {
+    fn offset(&self) -> Result<libc::off_t, VolatileMemoryError> {
+        libc::off_t::try_from(self.offset).map_err(|_| {
+            VolatileMemoryError::IOError(std::io::Error::from_raw_os_error(libc::EINVAL))
+        })
+    }
+
+    fn advance(&mut self, n: isize) -> Result<usize, VolatileMemoryError> {
+        // A negative return was handled by the caller.
+        let n = usize::try_from(n)
+            .map_err(|_| VolatileMemoryError::IOError(std::io::Error::last_os_error()))?;
+        self.offset = self.offset.saturating_add(n as u64);
+        Ok(n)
+    }
+}
+
+impl ReadVolatile for FileAt<'_> {
+    fn read_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &mut VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let offset = self.offset()?;
+        let guard = buf.ptr_guard_mut();
+        // SAFETY: the fd belongs to a live `File`; `guard` points at `buf.len()` bytes
+        // of mapped guest memory that stay mapped while the guard lives, and pread
+        // writes at most that many bytes there.
+        let n = unsafe {
+            libc::pread(
+                self.file.as_raw_fd(),
+                guard.as_ptr().cast::<libc::c_void>(),
+                buf.len(),
+                offset,
+            )
+        };
+        if n < 0 {
+            buf.bitmap().mark_dirty(0, buf.len());
+            return Err(VolatileMemoryError::IOError(std::io::Error::last_os_error()));
+        }
+        let n = self.advance(n)?;
+        buf.bitmap().mark_dirty(0, n);
+        Ok(n)
+    }
+}
+
+impl WriteVolatile for FileAt<'_> {
+    fn write_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let offset = self.offset()?;
+        let guard = buf.ptr_guard();
+        // SAFETY: the fd belongs to a live `File`; `guard` points at `buf.len()`
+        // readable bytes of mapped guest memory, and pwrite only reads from them.
+        let n = unsafe {
+            libc::pwrite(
+                self.file.as_raw_fd(),
+                guard.as_ptr().cast::<libc::c_void>(),
+                buf.len(),
+                offset,
+            )
+        };
+        if n < 0 {
+            return Err(VolatileMemoryError::IOError(std::io::Error::last_os_error()));
+        }
+        self.advance(n)
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        DEVICE_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        self.avail_features
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features;
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(i as u64)
+                .and_then(|o| usize::try_from(o).ok())
+                .and_then(|o| self.config.get(o).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // Nothing in our configuration space is writable (no CONFIG_WCE).
+        tracing::debug!(
+            "virtio-blk: config write of {} bytes at {offset:#x} ignored",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<(), ActivateError> {
+        let got = queues.len();
+        let queue = match <[Queue; 1]>::try_from(queues) {
+            Ok([queue]) => queue,
+            Err(_) => return Err(ActivateError::QueueCount { expected: 1, got }),
+        };
+        if !queue.ready() {
+            return Err(ActivateError::InvalidQueue { index: 0 });
+        }
+        self.active = Some(Active {
+            memory,
+            queue,
+            interrupt,
+        });
+        Ok(())
+    }
+
+    fn process_queue(&mut self, index: usize) {
+        let Some(active) = self.active.as_mut() else {
+            tracing::debug!("virtio-blk: queue {index} notified before activation");
+            return;
+        };
+        if index != 0 {
+            tracing::warn!("virtio-blk: notification for nonexistent queue {index}");
+            return;
+        }
+        let mut used_any = false;
+        while let Some(chain) = active.queue.pop_descriptor_chain(&active.memory) {
+            let head = chain.head_index();
+            // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors; a longer
+            // chain is cut here and rejected as truncated.
+            let descs: Vec<Descriptor> = chain.take(usize::from(QUEUE_SIZE)).collect();
+            let len = self.disk.handle_chain(&descs, &active.memory);
+            if let Err(e) = active.queue.add_used(&active.memory, head, len) {
+                tracing::error!("virtio-blk: cannot return descriptor {head} to the driver: {e}");
+                break;
+            }
+            used_any = true;
+        }
+        if used_any {
+            match active.queue.needs_notification(&active.memory) {
+                Ok(false) => {}
+                Ok(true) => active.interrupt.signal_used_queue(),
+                Err(e) => {
+                    tracing::warn!("virtio-blk: cannot check whether to notify: {e}");
+                    active.interrupt.signal_used_queue();
+                }
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Seek, Write};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use virtio_bindings::virtio_blk::{
+        VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    };
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::GuestAddress;
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    const MEM_SIZE: u64 = 0x20_0000;
+    const HDR: u64 = 0x10_0000;
+    const DATA: u64 = 0x11_0000;
+    const STATUS: u64 = 0x1f_0000;
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+
+    /// A temp file removed on drop.
+    struct TempImage {
+        path: std::path::PathBuf,
+    }
+
+    impl TempImage {
+        fn new(len: usize) -> (Self, File) {
+            static COUNTER: AtomicU64 = AtomicU64::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "vmm-blk-test-{}-{}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::SeqCst)
+            ));
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .unwrap();
+            let contents: Vec<u8> = (0..len).map(|i| (i / SECTOR_SIZE as usize) as u8).collect();
+            file.write_all(&contents).unwrap();
+            (Self { path }, file)
+        }
+    }
+
+    impl Drop for TempImage {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    fn memory() -> GuestMemoryMmap {
+        // Two adjacent regions so buffers can cross a region boundary at 0x10_0000+0x8000.
+        GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 0x10_8000),
+            (GuestAddress(0x10_8000), (MEM_SIZE - 0x10_8000) as usize),
+        ])
+        .unwrap()
+    }
+
+    fn desc(addr: u64, len: u32, flags: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags, 0))
+    }
+
+    fn write_header(mem: &GuestMemoryMmap, request_type: u32, sector: u64) {
+        let mut hdr = [0u8; 16];
+        hdr[..4].copy_from_slice(&request_type.to_le_bytes());
+        hdr[8..].copy_from_slice(&sector.to_le_bytes());
+        mem.write_slice(&hdr, GuestAddress(HDR)).unwrap();
+    }
+
+    struct Harness {
+        _image: TempImage,
+        image_path: std::path::PathBuf,
+        block: Block,
+        irq: Arc<EventFd>,
+    }
+
+    fn harness(sectors: usize, read_only: bool) -> Harness {
+        let (image, file) = TempImage::new(sectors * SECTOR_SIZE as usize);
+        let image_path = image.path.clone();
+        let block = Block::new(file, read_only, "test-disk".into()).unwrap();
+        Harness {
+            _image: image,
+            image_path,
+            block,
+            irq: Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()),
+        }
+    }
+
+    impl Harness {
+        fn image(&self) -> Vec<u8> {
+            std::fs::read(&self.image_path).unwrap()
+        }
+
+        /// Activates the device on a queue holding `chains` and processes it; returns
+        /// the used (id, len) entries.
+        fn run(&mut self, mem: &GuestMemoryMmap, chains: &[RawDescriptor]) -> Vec<(u32, u32)> {
+            let vq = MockSplitQueue::new(mem, 16);
+            vq.add_desc_chains(chains, 0).unwrap();
+            let queue: Queue = vq.create_queue().unwrap();
+            self.block
+                .activate(
+                    mem.clone(),
+                    vec![queue],
+                    InterruptTrigger::new(self.irq.clone()),
+                )
+                .unwrap();
+            self.block.process_queue(0);
+            let used_idx = vq.used().idx().load();
+            (0..used_idx)
+                .map(|i| {
+                    let e = vq.used().ring().ref_at(i as usize).unwrap().load();
+                    (e.id(), e.len())
+                })
+                .collect()
+        }
+    }
+
+    /// header, data descriptors, status, linked, for descriptor table index 0.
+    fn chain(data: &[(u64, u32, u16)]) -> Vec<RawDescriptor> {
+        chain_at(0, data)
+    }
+
+    /// Like `chain`, for a chain stored from descriptor table index `first`.
+    fn chain_at(first: u16, data: &[(u64, u32, u16)]) -> Vec<RawDescriptor> {
+        let mut descs = vec![(HDR, 16u32, 0u16)];
+        descs.extend_from_slice(data);
+        descs.push((STATUS, 1, W));
+        let n = descs.len();
+        descs
+            .iter()
+            .enumerate()
+            .map(|(i, &(addr, len, flags))| {
+                if i + 1 < n {
+                    RawDescriptor::from(Descriptor::new(
+                        addr,
+                        len,
+                        flags | VRING_DESC_F_NEXT as u16,
+                        first + i as u16 + 1,
+                    ))
+                } else {
+                    desc(addr, len, flags)
+                }
+            })
+            .collect()
+    }
+
+    fn status(mem: &GuestMemoryMmap) -> u32 {
+        u32::from(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap())
+    }
+
+    fn preset_status(mem: &GuestMemoryMmap) {
+        mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    }
+
+    #[test]
+    fn new_reports_capacity_features_and_config() {
+        let h = harness(8, false);
+        assert_eq!(h.block.capacity(), 8);
+        let f = h.block.avail_features();
+        assert_eq!(
+            f,
+            FEATURE_VERSION_1 | 1 << VIRTIO_BLK_F_FLUSH | 1 << VIRTIO_BLK_F_SEG_MAX
+        );
+        let mut cap = [0u8; 8];
+        h.block.read_config(0, &mut cap);
+        assert_eq!(u64::from_le_bytes(cap), 8);
+        let mut seg = [0u8; 4];
+        h.block.read_config(12, &mut seg);
+        assert_eq!(u32::from_le_bytes(seg), 254);
+        let mut beyond = [0xaa; 4];
+        h.block.read_config(u64::MAX - 1, &mut beyond);
+        assert_eq!(beyond, [0; 4]);
+
+        let ro = harness(1, true);
+        assert_ne!(ro.block.avail_features() & 1 << VIRTIO_BLK_F_RO, 0);
+
+        let (_img, file) = TempImage::new(512);
+        assert!(matches!(
+            Block::new(file, false, "x".repeat(21)),
+            Err(BlockError::IdTooLong { len: 21, .. })
+        ));
+    }
+
+    #[test]
+    fn read_fills_guest_memory_across_regions() {
+        let mut h = harness(8, false);
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_IN, 2);
+        preset_status(&mem);
+        // 1024 bytes crossing the region boundary at 0x10_8000, then 512 more.
+        let buf_a = 0x10_8000 - 0x200;
+        let used = h.run(&mem, &chain(&[(buf_a, 1024, W), (DATA + 0x4000, 512, W)]));
+        assert_eq!(used, vec![(0, 1024 + 512 + 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+        let mut got = vec![0u8; 1024];
+        mem.read_slice(&mut got, GuestAddress(buf_a)).unwrap();
+        assert!(got[..512].iter().all(|&b| b == 2));
+        assert!(got[512..].iter().all(|&b| b == 3));
+        let mut got = vec![0u8; 512];
+        mem.read_slice(&mut got, GuestAddress(DATA + 0x4000))
+            .unwrap();
+        assert!(got.iter().all(|&b| b == 4));
+        assert_eq!(h.irq.read().unwrap(), 1);
+    }
+
+    #[test]
+    fn write_updates_the_image() {
+        let mut h = harness(8, false);
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_OUT, 5);
+        preset_status(&mem);
+        mem.write_slice(&[0x5a; 1024], GuestAddress(DATA)).unwrap();
+        let used = h.run(&mem, &chain(&[(DATA, 1024, 0)]));
+        assert_eq!(used, vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+        let image = h.image();
+        assert!(image[5 * 512..7 * 512].iter().all(|&b| b == 0x5a));
+        assert!(image[4 * 512..5 * 512].iter().all(|&b| b == 4));
+        assert!(image[7 * 512..].iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn flush_and_get_id() {
+        let mut h = harness(1, false);
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+        preset_status(&mem);
+        assert_eq!(h.run(&mem, &chain(&[])), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+
+        let mut h = harness(1, false);
+        write_header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+        preset_status(&mem);
+        mem.write_slice(&[0xff; 20], GuestAddress(DATA)).unwrap();
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 20, W)])), vec![(0, 21)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+        let mut id = [0u8; 20];
+        mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id[..9], b"test-disk");
+        assert!(id[9..].iter().all(|&b| b == 0));
+
+        // A flush carrying data is malformed.
+        let mut h = harness(1, false);
+        write_header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 512, 0)])), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+    }
+
+    #[test]
+    fn unsupported_type() {
+        let mut h = harness(1, false);
+        let mem = memory();
+        write_header(&mem, 11 /* DISCARD, not offered */, 0);
+        preset_status(&mem);
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 16, 0)])), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_UNSUPP);
+    }
+
+    #[test]
+    fn read_only_disk_refuses_writes() {
+        let mut h = harness(4, true);
+        let before = h.image();
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_OUT, 0);
+        preset_status(&mem);
+        mem.write_slice(&[0x5a; 512], GuestAddress(DATA)).unwrap();
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 512, 0)])), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+        assert_eq!(h.image(), before);
+        // Reads still work.
+        let mut h2 = harness(4, true);
+        write_header(&mem, VIRTIO_BLK_T_IN, 3);
+        assert_eq!(h2.run(&mem, &chain(&[(DATA, 512, W)])), vec![(0, 513)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+    }
+
+    #[test]
+    fn requests_beyond_capacity_fail() {
+        let mem = memory();
+        for (sector, len) in [
+            (8u64, 512u32),
+            (7, 1024),
+            (u64::MAX / 512, 512),
+            (u64::MAX, 512),
+        ] {
+            for request_type in [VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT] {
+                let mut h = harness(8, false);
+                let before = h.image();
+                write_header(&mem, request_type, sector);
+                preset_status(&mem);
+                let flags = if request_type == VIRTIO_BLK_T_IN {
+                    W
+                } else {
+                    0
+                };
+                assert_eq!(h.run(&mem, &chain(&[(DATA, len, flags)])), vec![(0, 1)]);
+                assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR, "sector {sector}");
+                assert_eq!(h.image(), before);
+            }
+        }
+        // Length not a multiple of 512.
+        let mut h = harness(8, false);
+        write_header(&mem, VIRTIO_BLK_T_IN, 0);
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 100, W)])), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+        // The last sector is fine.
+        let mut h = harness(8, false);
+        write_header(&mem, VIRTIO_BLK_T_IN, 7);
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 512, W)])), vec![(0, 513)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+    }
+
+    #[test]
+    fn data_outside_memory_or_wrong_direction_fails() {
+        let mem = memory();
+        let cases: [(u32, u64, u32, u16); 5] = [
+            (VIRTIO_BLK_T_IN, MEM_SIZE, 512, W),
+            (VIRTIO_BLK_T_IN, MEM_SIZE - 256, 512, W),
+            (VIRTIO_BLK_T_IN, u64::MAX - 100, 512, W),
+            (VIRTIO_BLK_T_IN, DATA, 512, 0),
+            (VIRTIO_BLK_T_OUT, DATA, 512, W),
+        ];
+        for (request_type, addr, len, flags) in cases {
+            let mut h = harness(8, false);
+            let before = h.image();
+            write_header(&mem, request_type, 0);
+            preset_status(&mem);
+            assert_eq!(h.run(&mem, &chain(&[(addr, len, flags)])), vec![(0, 1)]);
+            assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR, "addr {addr:#x}");
+            assert_eq!(h.image(), before);
+        }
+        // A good buffer followed by a bad one: nothing is read into the good one either.
+        let mut h = harness(8, false);
+        write_header(&mem, VIRTIO_BLK_T_IN, 0);
+        mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
+        let used = h.run(&mem, &chain(&[(DATA, 512, W), (MEM_SIZE, 512, W)]));
+        assert_eq!(used, vec![(0, 1)]);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
+    }
+
+    #[test]
+    fn bad_header_fails() {
+        let mem = memory();
+        // Header too short / device-writable.
+        for (len, flags) in [(8u32, 0u16), (16, W)] {
+            let mut h = harness(8, false);
+            write_header(&mem, VIRTIO_BLK_T_IN, 0);
+            preset_status(&mem);
+            let mut descs = chain(&[(DATA, 512, W)]);
+            descs[0] = RawDescriptor::from(Descriptor::new(
+                HDR,
+                len,
+                flags | VRING_DESC_F_NEXT as u16,
+                1,
+            ));
+            assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
+            assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+        }
+        // Header outside memory.
+        let mut h = harness(8, false);
+        preset_status(&mem);
+        let descs = vec![
+            RawDescriptor::from(Descriptor::new(MEM_SIZE, 16, VRING_DESC_F_NEXT as u16, 1)),
+            desc(STATUS, 1, W),
+        ];
+        assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+    }
+
+    #[test]
+    fn chains_without_usable_status_are_dropped() {
+        let mem = memory();
+        let mut bad_status: Vec<Vec<RawDescriptor>> = Vec::new();
+        // Status descriptor missing: the last descriptor is a read-only data buffer.
+        bad_status.push(vec![
+            RawDescriptor::from(Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 1)),
+            desc(DATA, 512, 0),
+        ]);
+        // Only a header.
+        bad_status.push(vec![desc(HDR, 16, 0)]);
+        // Status outside memory.
+        let mut c = chain(&[(DATA, 512, W)]);
+        c[2] = desc(MEM_SIZE, 1, W);
+        bad_status.push(c);
+        // Status of the wrong size.
+        let mut c = chain(&[(DATA, 512, W)]);
+        c[2] = desc(STATUS, 2, W);
+        bad_status.push(c);
+        for descs in bad_status {
+            let mut h = harness(8, false);
+            write_header(&mem, VIRTIO_BLK_T_IN, 0);
+            preset_status(&mem);
+            mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
+            assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+            assert_eq!(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), 0xff);
+            assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
+        }
+    }
+
+    #[test]
+    fn looping_and_overlong_chains_terminate() {
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_IN, 0);
+        preset_status(&mem);
+        // 0 -> 1 -> 2 -> 1 -> ... never ends.
+        let descs = vec![
+            RawDescriptor::from(Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 1)),
+            RawDescriptor::from(Descriptor::new(DATA, 512, W | VRING_DESC_F_NEXT as u16, 2)),
+            RawDescriptor::from(Descriptor::new(STATUS, 1, W | VRING_DESC_F_NEXT as u16, 1)),
+        ];
+        let mut h = harness(8, false);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), 0xff);
+
+        // `next` pointing outside the descriptor table.
+        let descs = vec![
+            RawDescriptor::from(Descriptor::new(HDR, 16, VRING_DESC_F_NEXT as u16, 1)),
+            RawDescriptor::from(Descriptor::new(
+                STATUS,
+                1,
+                W | VRING_DESC_F_NEXT as u16,
+                999,
+            )),
+        ];
+        let mut h = harness(8, false);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn several_chains_and_reset() {
+        let mut h = harness(8, false);
+        let mem = memory();
+        write_header(&mem, VIRTIO_BLK_T_FLUSH, 0);
+        // Two flushes sharing the header and status buffers.
+        let mut descs = chain(&[]);
+        descs.extend(chain_at(2, &[]));
+        let used = h.run(&mem, &descs);
+        assert_eq!(used, vec![(0, 1), (2, 1)]);
+        h.block.reset();
+        assert_eq!(h.block.acked_features(), 0);
+        // Not active any more: notifications are ignored.
+        h.block.process_queue(0);
+    }
+
+    #[test]
+    fn activation_checks_queues() {
+        let mut h = harness(8, false);
+        let mem = memory();
+        let irq = InterruptTrigger::new(h.irq.clone());
+        assert!(matches!(
+            h.block.activate(mem.clone(), vec![], irq.clone()),
+            Err(ActivateError::QueueCount {
+                expected: 1,
+                got: 0
+            })
+        ));
+        let q = Queue::new(16).unwrap();
+        assert!(matches!(
+            h.block.activate(mem, vec![q], irq),
+            Err(ActivateError::InvalidQueue { index: 0 })
+        ));
+    }
+
+    #[test]
+    fn file_at_reads_and_writes_at_offsets() {
+        let (_img, mut file) = TempImage::new(2048);
+        file.flush().unwrap();
+        let mem = memory();
+        let mut at = FileAt {
+            file: &file,
+            offset: 1024,
+        };
+        read_into_guest(&mem, GuestAddress(DATA), 512, &mut at).unwrap();
+        assert_eq!(at.offset, 1536);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 2);
+        // Past the end of the file: EOF is an error, not a short success.
+        let mut at = FileAt {
+            file: &file,
+            offset: 2048,
+        };
+        assert!(read_into_guest(&mem, GuestAddress(DATA), 512, &mut at).is_err());
+        // The file's own position is untouched.
+        assert_eq!(file.stream_position().unwrap(), 2048);
+    }
+}

@@ -1,0 +1,198 @@
+//! virtio devices and their MMIO transport.
+//!
+//! A device implements [`VirtioDevice`]; [`mmio::MmioTransport`] wraps it and speaks
+//! the virtio-mmio (version 2, "modern") register protocol to the guest. Queue
+//! notifications arrive on ioeventfds that the event loop watches; it then calls
+//! [`mmio::MmioTransport::notify_queue`]. Devices raise interrupts through
+//! [`InterruptTrigger`], which sets the transport's InterruptStatus and signals the
+//! device's irqfd.
+
+pub mod block;
+pub mod mmio;
+pub mod rng;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::{
+    GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
+    WriteVolatile,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::memory::GuestMemoryMmap;
+
+/// virtio device IDs (virtio 1.2, section 5).
+pub const DEVICE_ID_BLOCK: u32 = 2;
+pub const DEVICE_ID_RNG: u32 = 4;
+
+/// VIRTIO_F_VERSION_1: every device we offer is a modern (1.0+) device.
+pub const FEATURE_VERSION_1: u64 = 1 << 32;
+
+/// InterruptStatus bits (virtio-mmio).
+pub const INTERRUPT_USED_BUFFER: u32 = 1;
+pub const INTERRUPT_CONFIG_CHANGE: u32 = 2;
+
+/// Raises the device's interrupt: sets a bit in the transport's InterruptStatus and
+/// signals the irqfd wired to the device's IOAPIC pin.
+#[derive(Clone)]
+pub struct InterruptTrigger {
+    status: Arc<AtomicU32>,
+    irqfd: Arc<EventFd>,
+}
+
+impl InterruptTrigger {
+    pub fn new(irqfd: Arc<EventFd>) -> Self {
+        Self {
+            status: Arc::new(AtomicU32::new(0)),
+            irqfd,
+        }
+    }
+
+    /// Tells the driver that used buffers are ready.
+    pub fn signal_used_queue(&self) {
+        self.signal(INTERRUPT_USED_BUFFER);
+    }
+
+    pub fn signal_config_change(&self) {
+        self.signal(INTERRUPT_CONFIG_CHANGE);
+    }
+
+    fn signal(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!("cannot signal the device's irqfd: {e}");
+        }
+    }
+
+    /// The current InterruptStatus register value.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// InterruptACK: clears the acknowledged bits.
+    pub fn acknowledge(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    pub fn clear(&self) {
+        self.status.store(0, Ordering::SeqCst);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("the driver set up {got} queues, the device needs {expected}")]
+    QueueCount { expected: usize, got: usize },
+    #[error("queue {index} is not valid (addresses outside guest memory or bad size)")]
+    InvalidQueue { index: usize },
+    #[error("device activation failed: {0}")]
+    Device(String),
+}
+
+/// A virtio device behind a transport.
+pub trait VirtioDevice: Send {
+    /// virtio device ID (`DEVICE_ID_*`).
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits the device offers (including `FEATURE_VERSION_1`).
+    fn avail_features(&self) -> u64;
+    /// Feature bits the driver acknowledged, set before activation.
+    fn set_acked_features(&mut self, features: u64);
+    /// Reads the device-specific configuration space; out-of-range bytes read as 0.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the configuration space; devices ignore writes they do not support.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Called when the driver sets DRIVER_OK: the device takes its queues.
+    fn activate(
+        &mut self,
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<(), ActivateError>;
+    /// The driver notified queue `index`: process what is available.
+    fn process_queue(&mut self, index: usize);
+    /// The driver reset the device: drop the queues and return to the initial state.
+    fn reset(&mut self);
+}
+
+/// Failures of moving bytes between guest memory and a host source or sink.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestIoError {
+    #[error("guest range {addr:#x}+{len:#x} is not entirely inside guest memory")]
+    OutOfRange { addr: u64, len: usize },
+    #[error("cannot map guest range {addr:#x}+{len:#x}: {source}")]
+    Memory {
+        addr: u64,
+        len: usize,
+        source: GuestMemoryError,
+    },
+    #[error("I/O on guest range {addr:#x}+{len:#x} failed: {source}")]
+    Io {
+        addr: u64,
+        len: usize,
+        source: VolatileMemoryError,
+    },
+}
+
+/// True when `addr..addr+len` lies entirely in guest RAM (possibly across regions).
+pub(crate) fn guest_range_ok(memory: &GuestMemoryMmap, addr: GuestAddress, len: usize) -> bool {
+    GuestMemoryBackend::check_range(memory, addr, len)
+}
+
+/// Fills `len` bytes of guest memory at `addr` from `src`, across region boundaries.
+/// The whole range is checked first, so nothing is written when part of it is outside
+/// guest RAM.
+pub(crate) fn read_into_guest<R: ReadVolatile>(
+    memory: &GuestMemoryMmap,
+    addr: GuestAddress,
+    len: usize,
+    src: &mut R,
+) -> Result<(), GuestIoError> {
+    if !guest_range_ok(memory, addr, len) {
+        return Err(GuestIoError::OutOfRange { addr: addr.0, len });
+    }
+    for slice in GuestMemoryBackend::get_slices(memory, addr, len) {
+        let mut slice = slice.map_err(|source| GuestIoError::Memory {
+            addr: addr.0,
+            len,
+            source,
+        })?;
+        src.read_exact_volatile(&mut slice)
+            .map_err(|source| GuestIoError::Io {
+                addr: addr.0,
+                len,
+                source,
+            })?;
+    }
+    Ok(())
+}
+
+/// Writes `len` bytes of guest memory at `addr` to `dst`, across region boundaries.
+/// The whole range is checked first.
+pub(crate) fn write_from_guest<W: WriteVolatile>(
+    memory: &GuestMemoryMmap,
+    addr: GuestAddress,
+    len: usize,
+    dst: &mut W,
+) -> Result<(), GuestIoError> {
+    if !guest_range_ok(memory, addr, len) {
+        return Err(GuestIoError::OutOfRange { addr: addr.0, len });
+    }
+    for slice in GuestMemoryBackend::get_slices(memory, addr, len) {
+        let slice = slice.map_err(|source| GuestIoError::Memory {
+            addr: addr.0,
+            len,
+            source,
+        })?;
+        dst.write_all_volatile(&slice)
+            .map_err(|source| GuestIoError::Io {
+                addr: addr.0,
+                len,
+                source,
+            })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! virtio-rng, the entropy device (virtio 1.2, section 5.4): one queue whose
+//! device-writable buffers are filled from the host's getrandom(2).
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
+
+use super::{
+    read_into_guest, ActivateError, GuestIoError, InterruptTrigger, VirtioDevice, DEVICE_ID_RNG,
+    FEATURE_VERSION_1,
+};
+use crate::memory::GuestMemoryMmap;
+
+/// Size of the request queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Most bytes handed out per descriptor chain, so one request cannot keep the event
+/// loop in getrandom for long.
+pub const MAX_BYTES_PER_CHAIN: u32 = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RngError {
+    #[error("cannot fill guest buffer {addr:#x}+{len:#x} with random bytes: {source}")]
+    Fill {
+        addr: u64,
+        len: u32,
+        source: GuestIoError,
+    },
+}
+
+struct Active {
+    memory: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: InterruptTrigger,
+}
+
+/// The entropy device.
+pub struct Rng {
+    acked_features: u64,
+    queue_max_sizes: [u16; 1],
+    active: Option<Active>,
+}
+
+impl Default for Rng {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Rng {
+    pub fn new() -> Self {
+        Self {
+            acked_features: 0,
+            queue_max_sizes: [QUEUE_SIZE],
+            active: None,
+        }
+    }
+}
+
+/// getrandom(2) as a byte source for guest memory.
+struct GetRandom;
+
+impl ReadVolatile for GetRandom {
+    fn read_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &mut VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let guard = buf.ptr_guard_mut();
+        // SAFETY: `guard` points at `buf.len()` bytes of mapped guest memory that stay
+        // mapped while it lives; getrandom writes at most that many bytes there.
+        let n = unsafe { libc::getrandom(guard.as_ptr().cast::<libc::c_void>(), buf.len(), 0) };
+        if n < 0 {
+            return Err(VolatileMemoryError::IOError(std::io::Error::last_os_error()));
+        }
+        let n = usize::try_from(n)
+            .map_err(|_| VolatileMemoryError::IOError(std::io::Error::last_os_error()))?;
+        buf.bitmap().mark_dirty(0, n);
+        Ok(n)
+    }
+}
+
+/// Fills the device-writable descriptors of one chain, up to the per-chain cap, and
+/// returns the bytes written. Device-readable descriptors are skipped.
+fn fill_chain<I>(descs: I, memory: &GuestMemoryMmap) -> u32
+where
+    I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
+{
+    let mut written = 0u32;
+    for desc in descs.filter(|d| d.is_write_only()) {
+        let len = desc.len().min(MAX_BYTES_PER_CHAIN - written);
+        if len == 0 {
+            break;
+        }
+        if let Err(source) = read_into_guest(memory, desc.addr(), len as usize, &mut GetRandom) {
+            tracing::warn!(
+                "virtio-rng: {}",
+                RngError::Fill {
+                    addr: desc.addr().0,
+                    len,
+                    source
+                }
+            );
+            break;
+        }
+        written += len;
+    }
+    written
+}
+
+impl VirtioDevice for Rng {
+    fn device_type(&self) -> u32 {
+        DEVICE_ID_RNG
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        FEATURE_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, _offset: u64, data: &mut [u8]) {
+        // virtio-rng has no configuration space.
+        data.fill(0);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            "virtio-rng: config write of {} bytes at {offset:#x} ignored",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<(), ActivateError> {
+        let got = queues.len();
+        let queue = match <[Queue; 1]>::try_from(queues) {
+            Ok([queue]) => queue,
+            Err(_) => return Err(ActivateError::QueueCount { expected: 1, got }),
+        };
+        if !queue.ready() {
+            return Err(ActivateError::InvalidQueue { index: 0 });
+        }
+        self.active = Some(Active {
+            memory,
+            queue,
+            interrupt,
+        });
+        Ok(())
+    }
+
+    fn process_queue(&mut self, index: usize) {
+        let Some(active) = self.active.as_mut() else {
+            tracing::debug!("virtio-rng: queue {index} notified before activation");
+            return;
+        };
+        if index != 0 {
+            tracing::warn!("virtio-rng: notification for nonexistent queue {index}");
+            return;
+        }
+        let mut used_any = false;
+        while let Some(chain) = active.queue.pop_descriptor_chain(&active.memory) {
+            let head = chain.head_index();
+            let len = fill_chain(chain, &active.memory);
+            if let Err(e) = active.queue.add_used(&active.memory, head, len) {
+                tracing::error!("virtio-rng: cannot return descriptor {head} to the driver: {e}");
+                break;
+            }
+            used_any = true;
+        }
+        if used_any {
+            match active.queue.needs_notification(&active.memory) {
+                Ok(false) => {}
+                Ok(true) => active.interrupt.signal_used_queue(),
+                Err(e) => {
+                    tracing::warn!("virtio-rng: cannot check whether to notify: {e}");
+                    active.interrupt.signal_used_queue();
+                }
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::split::Descriptor;
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+    const N: u16 = VRING_DESC_F_NEXT as u16;
+
+    fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap()
+    }
+
+    fn raw(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags, next))
+    }
+
+    fn run(mem: &GuestMemoryMmap, descs: &[RawDescriptor]) -> (Vec<(u32, u32)>, Arc<EventFd>) {
+        let irq = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        let vq = MockSplitQueue::new(mem, 16);
+        vq.add_desc_chains(descs, 0).unwrap();
+        let mut rng = Rng::new();
+        rng.activate(
+            mem.clone(),
+            vec![vq.create_queue().unwrap()],
+            InterruptTrigger::new(irq.clone()),
+        )
+        .unwrap();
+        rng.process_queue(0);
+        let used = (0..vq.used().idx().load())
+            .map(|i| {
+                let e = vq.used().ring().ref_at(i as usize).unwrap().load();
+                (e.id(), e.len())
+            })
+            .collect();
+        (used, irq)
+    }
+
+    #[test]
+    fn fills_writable_buffers_and_skips_readable_ones() {
+        let mem = memory();
+        mem.write_slice(&[0u8; 4096], GuestAddress(0x10_0000))
+            .unwrap();
+        mem.write_slice(&[0x77u8; 64], GuestAddress(0x20_0000))
+            .unwrap();
+        let descs = [
+            raw(0x20_0000, 64, N, 1),
+            raw(0x10_0000, 2048, W | N, 2),
+            raw(0x10_0800, 2048, W, 0),
+        ];
+        let (used, irq) = run(&mem, &descs);
+        assert_eq!(used, vec![(0, 4096)]);
+        assert_eq!(irq.read().unwrap(), 1);
+        let mut got = vec![0u8; 4096];
+        mem.read_slice(&mut got, GuestAddress(0x10_0000)).unwrap();
+        // 4 KiB of zeros after getrandom is (practically) impossible.
+        assert!(got.iter().filter(|&&b| b != 0).count() > 3000);
+        let mut ro = [0u8; 64];
+        mem.read_slice(&mut ro, GuestAddress(0x20_0000)).unwrap();
+        assert_eq!(ro, [0x77; 64]);
+    }
+
+    #[test]
+    fn caps_each_chain() {
+        let mem = memory();
+        let (used, _) = run(&mem, &[raw(0x10_0000, 0x20_0000, W, 0)]);
+        assert_eq!(used, vec![(0, MAX_BYTES_PER_CHAIN)]);
+    }
+
+    #[test]
+    fn stops_at_buffers_outside_memory() {
+        let mem = memory();
+        let descs = [
+            raw(0x10_0000, 512, W | N, 1),
+            raw(0x3f_ff00, 512, W, 0), // crosses the end of guest memory
+        ];
+        let (used, _) = run(&mem, &descs);
+        assert_eq!(used, vec![(0, 512)]);
+        let (used, _) = run(&mem, &[raw(0x10_0000, 16, 0, 0)]);
+        assert_eq!(used, vec![(0, 0)]);
+    }
+
+    #[test]
+    fn reset_and_activation_errors() {
+        let mem = memory();
+        let irq = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let mut rng = Rng::new();
+        assert_eq!(rng.device_type(), DEVICE_ID_RNG);
+        assert_eq!(rng.queue_max_sizes(), &[256]);
+        rng.set_acked_features(u64::MAX);
+        assert_eq!(rng.acked_features, FEATURE_VERSION_1);
+        assert!(rng.activate(mem.clone(), vec![], irq.clone()).is_err());
+        assert!(rng
+            .activate(mem, vec![Queue::new(16).unwrap()], irq)
+            .is_err());
+        rng.reset();
+        assert_eq!(rng.acked_features, 0);
+        rng.process_queue(0);
+    }
+}

@@ -1,0 +1,266 @@
+//! The VMM's main thread: waits for queue notifications (ioeventfds), console input,
+//! stop signals and the VM's exit, and dispatches each to its handler.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::signal::register_signal_handler;
+
+use crate::devices::legacy::SerialConsole;
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::vstate::exit::{ExitNotifier, ExitReason};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EventLoopError {
+    #[error("cannot set up the event loop ({step}): {source}")]
+    Setup { step: &'static str, source: std::io::Error },
+    #[error("cannot install the handler for signal {signal}: {source}")]
+    Signal { signal: i32, source: vmm_sys_util::errno::Error },
+    #[error("waiting for events failed: {0}")]
+    Wait(std::io::Error),
+}
+
+/// The eventfd that the SIGINT/SIGTERM handler writes to (-1 until installed), and the
+/// signal that arrived. Statics, because a signal handler can reach nothing else.
+static STOP_SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    STOP_SIGNAL.store(signal, Ordering::SeqCst);
+    let fd = STOP_SIGNAL_FD.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let one: u64 = 1;
+        // SAFETY: write(2) is async-signal-safe; `one` is a live 8-byte value and `fd`
+        // is the eventfd kept open by the event loop for the life of the process.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+enum Source {
+    Exit,
+    StopSignal,
+    ConsoleInput,
+    Queue {
+        transport: Arc<Mutex<MmioTransport>>,
+        queue: u32,
+        event: EventFd,
+    },
+}
+
+/// Dispatches events until the VM exits.
+pub struct EventLoop {
+    epoll: Epoll,
+    sources: Vec<Source>,
+    exit: Arc<ExitNotifier>,
+    stop_signal: EventFd,
+    console: Option<Console>,
+}
+
+/// The serial console fed from the VMM's stdin. While the guest's receive FIFO is
+/// full, stdin is left unread (not dropped) and polled again a little later.
+struct Console {
+    serial: Arc<Mutex<SerialConsole>>,
+    token: u64,
+    paused: bool,
+}
+
+const STDIN_FD: RawFd = 0;
+const CONSOLE_RETRY_MS: i32 = 10;
+
+impl EventLoop {
+    pub fn new(exit: Arc<ExitNotifier>) -> Result<Self, EventLoopError> {
+        let setup = |step| move |source| EventLoopError::Setup { step, source };
+        let epoll = Epoll::new().map_err(setup("epoll"))?;
+        let stop_signal = EventFd::new(EFD_NONBLOCK).map_err(setup("signal eventfd"))?;
+        let mut event_loop = Self {
+            epoll,
+            sources: Vec::new(),
+            exit,
+            stop_signal,
+            console: None,
+        };
+        let exit_fd = event_loop.exit.event().as_raw_fd();
+        event_loop.watch(exit_fd, Source::Exit)?;
+        event_loop.watch(event_loop.stop_signal.as_raw_fd(), Source::StopSignal)?;
+        Ok(event_loop)
+    }
+
+    /// Turns SIGINT and SIGTERM into a clean stop with `ExitReason::Signal`.
+    pub fn handle_stop_signals(&self) -> Result<(), EventLoopError> {
+        STOP_SIGNAL_FD.store(self.stop_signal.as_raw_fd(), Ordering::SeqCst);
+        for signal in [libc::SIGINT, libc::SIGTERM] {
+            register_signal_handler(signal, on_stop_signal)
+                .map_err(|source| EventLoopError::Signal { signal, source })?;
+        }
+        Ok(())
+    }
+
+    /// Feeds the VMM's stdin to the serial console.
+    pub fn add_console_input(
+        &mut self,
+        console: Arc<Mutex<SerialConsole>>,
+    ) -> Result<(), EventLoopError> {
+        let token = self.sources.len() as u64;
+        self.watch(STDIN_FD, Source::ConsoleInput)?;
+        self.console = Some(Console {
+            serial: console,
+            token,
+            paused: false,
+        });
+        Ok(())
+    }
+
+    /// Calls `transport.notify_queue(queue)` whenever `event` (the queue's ioeventfd)
+    /// fires.
+    pub fn add_queue(
+        &mut self,
+        transport: Arc<Mutex<MmioTransport>>,
+        queue: u32,
+        event: EventFd,
+    ) -> Result<(), EventLoopError> {
+        let fd = event.as_raw_fd();
+        self.watch(
+            fd,
+            Source::Queue {
+                transport,
+                queue,
+                event,
+            },
+        )
+    }
+
+    fn watch(&mut self, fd: RawFd, source: Source) -> Result<(), EventLoopError> {
+        let token = self.sources.len() as u64;
+        self.add_to_epoll(fd, token)
+            .map_err(|source| EventLoopError::Setup {
+                step: "epoll registration",
+                source,
+            })?;
+        self.sources.push(source);
+        Ok(())
+    }
+
+    fn add_to_epoll(&self, fd: RawFd, token: u64) -> std::io::Result<()> {
+        self.epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, token),
+        )
+    }
+
+    fn unwatch(&self, fd: RawFd) {
+        if let Err(e) = self
+            .epoll
+            .ctl(ControlOperation::Delete, fd, EpollEvent::default())
+        {
+            tracing::warn!("cannot stop watching fd {fd}: {e}");
+        }
+    }
+
+    /// Runs until the VM exits or a stop signal arrives.
+    pub fn run(&mut self) -> Result<ExitReason, EventLoopError> {
+        let mut events = vec![EpollEvent::default(); 32];
+        loop {
+            let timeout = match &self.console {
+                Some(console) if console.paused => CONSOLE_RETRY_MS,
+                _ => -1,
+            };
+            let ready = match self.epoll.wait(timeout, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(EventLoopError::Wait(e)),
+            };
+            self.resume_console_input();
+            for event in &events[..ready] {
+                if let Some(reason) = self.dispatch(event.data() as usize) {
+                    return Ok(reason);
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self, token: usize) -> Option<ExitReason> {
+        match self.sources.get(token)? {
+            Source::Exit => {
+                let _ = self.exit.event().read();
+                self.exit.reason()
+            }
+            Source::StopSignal => {
+                let _ = self.stop_signal.read();
+                Some(ExitReason::Signal(STOP_SIGNAL.load(Ordering::SeqCst)))
+            }
+            Source::ConsoleInput => {
+                self.forward_console_input();
+                None
+            }
+            Source::Queue {
+                transport,
+                queue,
+                event,
+            } => {
+                let _ = event.read();
+                transport
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .notify_queue(*queue);
+                None
+            }
+        }
+    }
+
+    fn forward_console_input(&mut self) {
+        let Some(console) = &mut self.console else {
+            return;
+        };
+        let mut serial = console.serial.lock().unwrap_or_else(|p| p.into_inner());
+        let room = serial.input_capacity();
+        if room == 0 {
+            drop(serial);
+            console.paused = true;
+            self.unwatch(STDIN_FD);
+            return;
+        }
+        let mut buf = vec![0u8; room];
+        // SAFETY: `buf` is a live, writable buffer of `room` bytes; read(2) writes at
+        // most that many. Raw read(2) rather than std's Stdin, whose buffering would
+        // hide pending input from epoll.
+        let n = unsafe { libc::read(STDIN_FD, buf.as_mut_ptr().cast(), room) };
+        match usize::try_from(n) {
+            Ok(0) | Err(_) => {
+                drop(serial);
+                self.unwatch(STDIN_FD);
+                self.console = None;
+            }
+            Ok(n) => {
+                serial.enqueue_input(&buf[..n]);
+            }
+        }
+    }
+
+    fn resume_console_input(&mut self) {
+        let Some(console) = &self.console else {
+            return;
+        };
+        if !console.paused {
+            return;
+        }
+        let has_room = console
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .input_capacity()
+            > 0;
+        if has_room {
+            let token = console.token;
+            if let Err(e) = self.add_to_epoll(STDIN_FD, token) {
+                tracing::warn!("cannot resume console input: {e}");
+                self.console = None;
+            } else if let Some(console) = &mut self.console {
+                console.paused = false;
+            }
+        }
+    }
+}

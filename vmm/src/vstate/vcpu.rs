@@ -1,0 +1,194 @@
+//! vCPUs: boot-time register state and the run loop, one thread each.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use vm_memory::GuestAddress;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use super::exit::{ExitNotifier, ExitReason};
+use crate::arch::x86_64::{cpuid, interrupts, msr, regs};
+use crate::devices::bus::Bus;
+use crate::memory::GuestMemoryMmap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("cannot create vCPU {index}: {source}")]
+    Create { index: u8, source: kvm_ioctls::Error },
+    #[error("cannot configure vCPU {index}: {reason}")]
+    Configure { index: u8, reason: String },
+    #[error("cannot start the thread of vCPU {index}: {source}")]
+    Spawn { index: u8, source: std::io::Error },
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    KickSignal(vmm_sys_util::errno::Error),
+}
+
+/// The signal that interrupts a vCPU thread's KVM_RUN so it sees the stop request.
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn ignore_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// Installs the (empty) handler of the kick signal: its only job is to make KVM_RUN
+/// return EINTR.
+pub fn install_kick_handler() -> Result<(), VcpuError> {
+    register_signal_handler(kick_signal(), ignore_kick).map_err(VcpuError::KickSignal)
+}
+
+/// What a vCPU thread shares with the rest of the VMM.
+#[derive(Clone)]
+pub struct VcpuContext {
+    pub pio_bus: Arc<Bus>,
+    pub mmio_bus: Arc<Bus>,
+    pub exit: Arc<ExitNotifier>,
+    pub stop: Arc<AtomicBool>,
+    /// Set by the boot vCPU just before its first KVM_RUN (for the boot timer).
+    pub first_run: Arc<OnceLock<Instant>>,
+}
+
+pub struct Vcpu {
+    fd: VcpuFd,
+    index: u8,
+}
+
+impl Vcpu {
+    pub fn new(vm: &VmFd, index: u8) -> Result<Self, VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Create { index, source })?;
+        Ok(Self { fd, index })
+    }
+
+    /// Sets CPUID, MSRs, LAPIC LINT pins and the 64-bit boot registers. Every vCPU
+    /// gets the same registers; the application processors are then held by KVM until
+    /// the guest's INIT/SIPI, which resets them.
+    pub fn configure(
+        &self,
+        kvm: &Kvm,
+        memory: &GuestMemoryMmap,
+        entry: GuestAddress,
+        vcpu_count: u8,
+    ) -> Result<(), VcpuError> {
+        let index = self.index;
+        let fail = |reason: String| VcpuError::Configure { index, reason };
+        cpuid::setup_cpuid(kvm, &self.fd, index, vcpu_count).map_err(|e| fail(e.to_string()))?;
+        msr::setup_msrs(&self.fd).map_err(|e| fail(e.to_string()))?;
+        regs::setup_regs(&self.fd, entry.0).map_err(|e| fail(e.to_string()))?;
+        regs::setup_fpu(&self.fd).map_err(|e| fail(e.to_string()))?;
+        regs::setup_sregs(memory, &self.fd).map_err(|e| fail(e.to_string()))?;
+        interrupts::set_lint(&self.fd).map_err(|e| fail(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Starts the run loop on its own thread.
+    pub fn start(self, context: VcpuContext) -> Result<VcpuHandle, VcpuError> {
+        let index = self.index;
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || self.run(&context))
+            .map_err(|source| VcpuError::Spawn { index, source })?;
+        Ok(VcpuHandle { index, thread })
+    }
+
+    fn run(mut self, context: &VcpuContext) {
+        if self.index == 0 {
+            let _ = context.first_run.set(Instant::now());
+        }
+        while !context.stop.load(Ordering::Acquire) {
+            match self.run_once(context) {
+                Ok(()) => {}
+                Err(reason) => {
+                    context.exit.notify(reason);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Runs the guest until its next exit and handles it. `Err` ends the VM.
+    fn run_once(&mut self, context: &VcpuContext) -> Result<(), ExitReason> {
+        let index = self.index;
+        let exit = self.fd.run();
+        tracing::trace!("vcpu{index}: exit {exit:?}");
+        match exit {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                data.fill(0xff);
+                context.pio_bus.read(u64::from(port), data);
+                Ok(())
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if !context.pio_bus.write(u64::from(port), data) {
+                    tracing::trace!("vcpu{index}: write to unclaimed port {port:#x}");
+                }
+                Ok(())
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                data.fill(0xff);
+                if !context.mmio_bus.read(addr, data) {
+                    tracing::debug!("vcpu{index}: read from unclaimed MMIO address {addr:#x}");
+                }
+                Ok(())
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if !context.mmio_bus.write(addr, data) {
+                    tracing::debug!("vcpu{index}: write to unclaimed MMIO address {addr:#x}");
+                }
+                Ok(())
+            }
+            Ok(VcpuExit::Shutdown) => {
+                tracing::info!("vcpu{index}: guest shut down (triple fault or reset)");
+                Err(ExitReason::GuestShutdown)
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                tracing::info!("vcpu{index}: guest system event {kind}");
+                Err(ExitReason::GuestShutdown)
+            }
+            Ok(VcpuExit::Hlt) => {
+                // Only reachable without an in-kernel LAPIC; nothing to do but wait.
+                std::thread::sleep(Duration::from_millis(1));
+                Ok(())
+            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => Err(ExitReason::Fatal(format!(
+                "vCPU {index}: KVM could not enter the guest (hardware reason {reason:#x}, cpu {cpu})"
+            ))),
+            Ok(VcpuExit::InternalError) => Err(ExitReason::Fatal(format!(
+                "vCPU {index}: KVM internal error (emulation failure); this host's KVM may not \
+                 be able to run a standard Linux guest (try --nested always)"
+            ))),
+            Ok(other) => {
+                tracing::warn!("vcpu{index}: unexpected exit {other:?}; continuing");
+                Ok(())
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Ok(()),
+            Err(e) => Err(ExitReason::Fatal(format!("vCPU {index}: KVM_RUN failed: {e}"))),
+        }
+    }
+}
+
+/// A running vCPU thread.
+pub struct VcpuHandle {
+    index: u8,
+    thread: JoinHandle<()>,
+}
+
+impl VcpuHandle {
+    /// Kicks the thread out of KVM_RUN until it notices `stop` (which the caller has
+    /// set) and joins it. Kicking repeatedly closes the race with a thread that was
+    /// about to enter KVM_RUN when the first signal arrived.
+    pub fn stop(self) {
+        while !self.thread.is_finished() {
+            if let Err(e) = self.thread.kill(kick_signal()) {
+                tracing::warn!("cannot kick vcpu{}: {e}", self.index);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.thread.join().is_err() {
+            tracing::error!("vcpu{} thread panicked", self.index);
+        }
+    }
+}

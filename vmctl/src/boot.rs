@@ -49,7 +49,7 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
             "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
             kvm.why_nested()
         );
-        return Ok(nested::launcher::run(&config, args.boot_time)?);
+        return Ok(nested::launcher::run_vm(&config, args.boot_time)?);
     }
     run_vmm(&config, args.boot_time, vmm_start)
 }

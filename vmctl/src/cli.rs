@@ -23,6 +23,25 @@ pub enum Command {
     /// Boot a guest kernel with its serial console on stdout; exits 0 when the guest
     /// reboots or shuts down.
     Boot(BootArgs),
+    /// Run a command inside a fresh QEMU-TCG nested host, which has a working
+    /// /dev/kvm and sees this host's files read-only (for benchmarks and debugging).
+    NestedExec(NestedExecArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct NestedExecArgs {
+    /// vCPUs of the nested host.
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u32,
+    /// Memory of the nested host in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    pub memory: u64,
+    /// A host directory the command may write to (shared read-write). Repeatable.
+    #[arg(long = "writable", value_name = "DIR")]
+    pub writable: Vec<PathBuf>,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -21,6 +21,10 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
+        cli::Command::NestedExec(args) => {
+            nested::launcher::run_command(args.command, args.cpus, args.memory, &args.writable)
+                .map_err(|e| e.to_string())
+        }
     };
     exit_with(result)
 }

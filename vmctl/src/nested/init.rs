@@ -8,7 +8,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::job::{self, NestedJob, NestedStatus};
+use std::os::unix::process::ExitStatusExt;
+
+use super::job::{self, CommandJob, NestedJob, NestedStatus, Work};
 use crate::terminal;
 
 #[derive(Debug, thiserror::Error)]
@@ -74,10 +76,43 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
     }
     let job = read_job(spec).map_err(|e| e.to_string())?;
     tracing::debug!("nested host: running {job:?}");
+    if matches!(job.work, Work::Command(_)) {
+        // Commands get a scratch /tmp (the host's is visible but read-only).
+        mount("tmpfs", "/tmp", "tmpfs", 0, "mode=1777").map_err(|e| e.to_string())?;
+    }
     for (index, dir) in job.writable_dirs.iter().enumerate() {
+        // A directory under the scratch /tmp must be recreated to mount on; elsewhere
+        // it exists already on the read-only root.
+        let _ = std::fs::create_dir_all(dir);
         mount_9p(&job::writable_dir_tag(index), dir, false).map_err(|e| e.to_string())?;
     }
-    crate::boot::run_vmm(&job.vm_config(), job.report_boot_time, vmm_start).map_err(|e| e.to_string())
+    match &job.work {
+        Work::Vm(vm) => crate::boot::run_vmm(&vm.vm_config(), vm.report_boot_time, vmm_start)
+            .map_err(|e| e.to_string()),
+        Work::Command(command) => run_command(command),
+    }
+}
+
+/// Runs the command with our stdout (the host's stdout) and stderr (the host's
+/// stderr), and returns its exit code (128 + signal when it was killed).
+fn run_command(command: &CommandJob) -> Result<u8, String> {
+    let (program, args) = command
+        .argv
+        .split_first()
+        .ok_or_else(|| "the nested command is empty".to_string())?;
+    let status = std::process::Command::new(program)
+        .args(args)
+        .env_clear()
+        .envs(command.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&command.cwd)
+        .stdin(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run {program} in the nested host: {e}"))?;
+    Ok(match (status.code(), status.signal()) {
+        (Some(code), _) => code.clamp(0, 255) as u8,
+        (None, Some(signal)) => 128u8.saturating_add(signal as u8),
+        (None, None) => 1,
+    })
 }
 
 fn mount_basics() -> Result<(), NestedInitError> {

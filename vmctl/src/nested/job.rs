@@ -25,8 +25,17 @@ pub struct Disk {
     pub read_only: bool,
 }
 
+/// What the nested host runs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NestedJob {
+pub enum Work {
+    /// Our VMM, booting this VM.
+    Vm(VmJob),
+    /// Any command (benchmarks, debugging), with stdout on the host's stdout.
+    Command(CommandJob),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmJob {
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
     pub disks: Vec<Disk>,
@@ -34,41 +43,84 @@ pub struct NestedJob {
     pub vcpus: u32,
     pub memory_mib: u64,
     pub report_boot_time: bool,
-    /// Host directories shared read-write (those holding writable disks), mounted at
-    /// the same path, in the order of their tags (`writable_dir_tag`).
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandJob {
+    pub argv: Vec<String>,
+    pub cwd: PathBuf,
+    pub env: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NestedJob {
+    pub work: Work,
+    /// The nested host's own size.
+    pub host_vcpus: u32,
+    pub host_memory_mib: u64,
+    /// Host directories shared read-write, mounted at the same path, in the order of
+    /// their tags (`writable_dir_tag`).
     pub writable_dirs: Vec<PathBuf>,
 }
 
+/// Memory the nested host needs besides a guest's: its kernel, vmctl, page tables.
+const NESTED_HOST_OVERHEAD_MIB: u64 = 256;
+
 impl NestedJob {
-    pub fn new(config: &VmConfig, report_boot_time: bool) -> Self {
-        let mut writable_dirs: Vec<PathBuf> = config
-            .disks
-            .iter()
-            .filter(|d| !d.read_only)
-            .filter_map(|d| d.path.canonicalize().ok()?.parent().map(PathBuf::from))
-            .collect();
-        // Parents before children, so a child mount is not hidden by its parent's.
-        writable_dirs.sort_by_key(|d| d.components().count());
-        writable_dirs.dedup();
-        Self {
-            kernel: config.kernel.clone(),
-            initrd: config.initrd.clone(),
-            disks: config
+    /// A job that boots `config`; directories holding writable disks are shared
+    /// read-write so the guest's writes reach the host's files.
+    pub fn for_vm(config: &VmConfig, report_boot_time: bool) -> Self {
+        let writable_dirs = mount_order(
+            config
                 .disks
                 .iter()
-                .map(|d| Disk {
-                    path: d.path.clone(),
-                    read_only: d.read_only,
-                })
-                .collect(),
-            extra_cmdline: config.extra_cmdline.clone(),
-            vcpus: config.vcpus,
-            memory_mib: config.memory_mib,
-            report_boot_time,
+                .filter(|d| !d.read_only)
+                .filter_map(|d| d.path.canonicalize().ok()?.parent().map(PathBuf::from)),
+        );
+        Self {
+            work: Work::Vm(VmJob {
+                kernel: config.kernel.clone(),
+                initrd: config.initrd.clone(),
+                disks: config
+                    .disks
+                    .iter()
+                    .map(|d| Disk {
+                        path: d.path.clone(),
+                        read_only: d.read_only,
+                    })
+                    .collect(),
+                extra_cmdline: config.extra_cmdline.clone(),
+                vcpus: config.vcpus,
+                memory_mib: config.memory_mib,
+                report_boot_time,
+            }),
+            host_vcpus: config.vcpus,
+            host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,
             writable_dirs,
         }
     }
 
+    /// A job that runs `command` with `writable` directories shared read-write.
+    pub fn for_command(command: CommandJob, vcpus: u32, memory_mib: u64, writable: &[PathBuf]) -> Self {
+        Self {
+            work: Work::Command(command),
+            host_vcpus: vcpus,
+            host_memory_mib: memory_mib,
+            writable_dirs: mount_order(writable.iter().filter_map(|d| d.canonicalize().ok())),
+        }
+    }
+}
+
+/// Directories in mount order: parents before children (so a child mount is not
+/// hidden by its parent's), without duplicates.
+fn mount_order(dirs: impl Iterator<Item = PathBuf>) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = dirs.collect();
+    dirs.sort_by_key(|d| d.components().count());
+    dirs.dedup();
+    dirs
+}
+
+impl VmJob {
     pub fn vm_config(&self) -> VmConfig {
         let mut config = VmConfig::new(self.kernel.clone());
         config.initrd = self.initrd.clone();
@@ -114,10 +166,14 @@ mod tests {
             DiskConfig::parse(dir.join("a.img").to_str().unwrap()),
             DiskConfig::parse(&format!("{}:ro", dir.join("ro.img").display())),
         ];
-        let job = NestedJob::new(&config, true);
+        let job = NestedJob::for_vm(&config, true);
         let text = serde_json::to_string(&job).unwrap();
         let back: NestedJob = serde_json::from_str(&text).unwrap();
-        assert_eq!(back.vm_config(), config);
+        let Work::Vm(vm) = &back.work else {
+            panic!("not a VM job: {back:?}")
+        };
+        assert_eq!(vm.vm_config(), config);
+        assert_eq!(back.host_memory_mib, 512 + NESTED_HOST_OVERHEAD_MIB);
         let dir = dir.canonicalize().unwrap();
         assert_eq!(back.writable_dirs, vec![dir.clone(), dir.join("sub")]);
     }

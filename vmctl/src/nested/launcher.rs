@@ -13,11 +13,9 @@ use std::time::{Duration, Instant};
 use vmm::config::VmConfig;
 use vmm_sys_util::signal::register_signal_handler;
 
-use super::job::{self, NestedJob, NestedStatus};
+use super::job::{self, CommandJob, NestedJob, NestedStatus};
 use crate::artifacts::{self, Artifact, ArtifactError};
 
-/// Memory the nested host needs besides the guest's: its kernel, vmctl, page tables.
-const NESTED_HOST_OVERHEAD_MIB: u64 = 256;
 const QEMU_ENV: &str = "VMCTL_QEMU";
 const QEMU_BINARY: &str = "qemu-system-x86_64";
 const LOG_ENV: &str = "VMCTL_LOG";
@@ -81,7 +79,33 @@ extern "C" fn remember_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t,
 }
 
 /// Runs `config` in a fresh nested host; returns the VMM's exit code.
-pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError> {
+pub fn run_vm(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError> {
+    run(&NestedJob::for_vm(config, report_boot_time))
+}
+
+/// Runs `argv` in a fresh nested host with this process's environment and working
+/// directory; returns its exit code.
+pub fn run_command(
+    argv: Vec<String>,
+    vcpus: u32,
+    memory_mib: u64,
+    writable: &[PathBuf],
+) -> Result<u8, NestedError> {
+    let cwd = std::env::current_dir().map_err(|source| NestedError::JobDir {
+        path: PathBuf::from("."),
+        source,
+    })?;
+    let env = std::env::vars().collect();
+    run(&NestedJob::for_command(
+        CommandJob { argv, cwd, env },
+        vcpus,
+        memory_mib,
+        writable,
+    ))
+}
+
+/// Runs `job` in a fresh nested host; returns its exit code.
+fn run(job: &NestedJob) -> Result<u8, NestedError> {
     let qemu = find_qemu()?;
     let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
     let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
@@ -92,20 +116,19 @@ pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError>
     }
 
     let job_dir = JobDir::create()?;
-    let job = NestedJob::new(config, report_boot_time);
     let spec_path = job_dir.file(job::SPEC_FILE);
     let job_dir_error = |source| NestedError::JobDir {
         path: job_dir.0.clone(),
         source,
     };
-    let spec = serde_json::to_vec_pretty(&job).map_err(|e| job_dir_error(e.into()))?;
+    let spec = serde_json::to_vec_pretty(job).map_err(|e| job_dir_error(e.into()))?;
     std::fs::write(&spec_path, spec).map_err(job_dir_error)?;
     let stderr_socket = job_dir.file("stderr.sock");
     let listener = UnixListener::bind(&stderr_socket).map_err(job_dir_error)?;
     let relay = std::thread::spawn(move || relay_stderr(listener));
     let qemu_log = File::create(job_dir.file("qemu.log")).map_err(job_dir_error)?;
 
-    let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, &job);
+    let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, job);
     command
         .stdin(stdin_for_qemu())
         .stdout(Stdio::inherit())
@@ -190,7 +213,7 @@ fn qemu_command(
     job: &NestedJob,
 ) -> Command {
     let mut command = Command::new(qemu);
-    let memory = job.memory_mib + NESTED_HOST_OVERHEAD_MIB;
+    let memory = job.host_memory_mib;
     let guest_job_spec = format!("{}/{}", job::GUEST_JOB_DIR, job::SPEC_FILE);
     // reboot=t: the nested host's init resets with a triple fault, and -no-reboot
     // turns that into QEMU exiting. Its kernel stays silent on our stdout (which is
@@ -220,7 +243,7 @@ fn qemu_command(
     }
     command
         .args(["-accel", "tcg", "-M", "microvm,acpi=off", "-cpu", "max,+svm,+npt"])
-        .args(["-m", &memory.to_string(), "-smp", &job.vcpus.to_string()])
+        .args(["-m", &memory.to_string(), "-smp", &job.host_vcpus.to_string()])
         .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
         .arg("-kernel")
         .arg(kernel)

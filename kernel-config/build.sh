@@ -44,6 +44,15 @@ case "${1:-}" in
 esac
 if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
 
+# One build at a time per flavour: a second caller waits, then finds the result.
+mkdir -p "$cache_root/kernel"
+exec 9>"$cache_root/kernel/.$flavour.lock"
+if ! flock -n 9; then
+    say "another build of the $flavour kernel is running; waiting for it"
+    flock 9
+fi
+if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
+
 for tool in make gcc bc flex bison xz; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done

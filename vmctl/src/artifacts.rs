@@ -9,9 +9,15 @@ pub enum ArtifactError {
     #[error("{}: build script missing; set VMCTL_SOURCE_DIR to the vmctl source tree or pass the file explicitly", .0.display())]
     ScriptMissing(PathBuf),
     #[error("cannot run {}: {source}", .script.display())]
-    Spawn { script: PathBuf, source: std::io::Error },
+    Spawn {
+        script: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{} failed ({status}); its messages are above", .script.display())]
-    Failed { script: PathBuf, status: std::process::ExitStatus },
+    Failed {
+        script: PathBuf,
+        status: std::process::ExitStatus,
+    },
     #[error("{} printed no usable path", .0.display())]
     NoPath(PathBuf),
 }
@@ -37,7 +43,11 @@ impl Artifact {
     fn script_and_args(self) -> (&'static str, &'static [&'static str], &'static str) {
         match self {
             Self::GuestKernel => ("kernel-config/build.sh", &["guest"], "guest kernel"),
-            Self::NestedHostKernel => ("kernel-config/build.sh", &["nested-host"], "nested-host kernel"),
+            Self::NestedHostKernel => (
+                "kernel-config/build.sh",
+                &["nested-host"],
+                "nested-host kernel",
+            ),
             Self::HelloInitramfs => ("rootfs/build-initramfs.sh", &[], "hello initramfs"),
         }
     }
@@ -71,7 +81,10 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
 
 fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf, ArtifactError> {
     let mut command = Command::new(script);
-    command.args(args).stdin(Stdio::null()).stderr(Stdio::inherit());
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit());
     if print_only {
         command.arg("--print-path");
     }

@@ -43,7 +43,9 @@ impl KvmKind {
     pub fn why_nested(self) -> &'static str {
         match self {
             Self::Hardware(_) => "requested with --nested always",
-            Self::Pvm => "this host's KVM is PVM (kvm_pvm), which cannot boot a standard Linux guest",
+            Self::Pvm => {
+                "this host's KVM is PVM (kvm_pvm), which cannot boot a standard Linux guest"
+            }
             Self::NoBackend => "this host's KVM has no hardware backend (no kvm_intel or kvm_amd)",
             Self::Absent => "this host has no KVM",
         }

@@ -14,7 +14,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::arch::x86_64::{boot, layout, mptable};
 use crate::config::{host_memory_mib, ConfigError, VmConfig};
 use crate::devices::bus::{Bus, BusDevice, BusError};
-use crate::devices::legacy::{BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole};
+use crate::devices::legacy::{
+    BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole,
+};
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::rng::Rng;
@@ -42,7 +44,11 @@ pub enum BuildError {
     #[error(transparent)]
     EventLoop(#[from] EventLoopError),
     #[error("cannot open {what} {path}: {source}")]
-    Open { what: &'static str, path: String, source: std::io::Error },
+    Open {
+        what: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot set up device {device}: {reason}")]
     Device { device: String, reason: String },
     #[error("device address conflict: {0}")]
@@ -94,7 +100,9 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         event_loop.add_console_input(serial)?;
     }
     pio_bus.insert(
-        Arc::new(Mutex::new(ResetController::new(GuestResetTrigger(exit.clone())))),
+        Arc::new(Mutex::new(ResetController::new(GuestResetTrigger(
+            exit.clone(),
+        )))),
         u64::from(layout::I8042_DATA_PORT),
         u64::from(layout::I8042_PORT_LEN),
     )?;
@@ -109,7 +117,14 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     )?;
 
     for (index, device) in virtio_devices(config)?.into_iter().enumerate() {
-        attach_virtio_device(&vm, &ram.memory, &mut mmio_bus, &mut event_loop, index, device)?;
+        attach_virtio_device(
+            &vm,
+            &ram.memory,
+            &mut mmio_bus,
+            &mut event_loop,
+            index,
+            device,
+        )?;
     }
 
     install_kick_handler()?;
@@ -133,9 +148,16 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     }
 
     tracing::debug!("{vcpu_count} vCPU(s) started");
-    let outcome = event_loop.run();
+    let boot_vcpu = handles.first();
+    let outcome = event_loop.run(&mut || {
+        if let Some(vcpu) = boot_vcpu {
+            vcpu.kick();
+        }
+    });
     tracing::debug!("VM stopping: {outcome:?}");
-    context.stop.store(true, std::sync::atomic::Ordering::Release);
+    context
+        .stop
+        .store(true, std::sync::atomic::Ordering::Release);
     for handle in handles {
         handle.stop();
     }
@@ -269,7 +291,11 @@ fn attach_virtio_device(
             reason: format!("eventfd: {e}"),
         })?;
         vm.fd()
-            .register_ioevent(&event, &IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET), queue)
+            .register_ioevent(
+                &event,
+                &IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET),
+                queue,
+            )
             .map_err(|e| BuildError::Device {
                 device: name.clone(),
                 reason: format!("ioeventfd for queue {queue}: {e}"),

@@ -59,15 +59,27 @@ pub enum ConfigError {
     #[error("kernel {}: no such file", .0.display())]
     KernelMissing(PathBuf),
     #[error("{what} {}: cannot read it: {reason}", .path.display())]
-    Unreadable { what: &'static str, path: PathBuf, reason: String },
+    Unreadable {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
     #[error("{what} {}: is a directory, not a file", .path.display())]
     IsDirectory { what: &'static str, path: PathBuf },
     #[error("kernel {}: not a kernel (neither an x86_64 ELF vmlinux nor a bzImage)", .0.display())]
     NotAKernel(PathBuf),
     #[error("kernel {} needs {needed_mib} MiB of guest memory but the VM has {memory_mib} MiB; raise --memory", .path.display())]
-    KernelTooLarge { path: PathBuf, needed_mib: u64, memory_mib: u64 },
+    KernelTooLarge {
+        path: PathBuf,
+        needed_mib: u64,
+        memory_mib: u64,
+    },
     #[error("initrd {} ({size_mib} MiB) does not fit in guest memory ({memory_mib} MiB) after the kernel; raise --memory", .path.display())]
-    InitrdTooLarge { path: PathBuf, size_mib: u64, memory_mib: u64 },
+    InitrdTooLarge {
+        path: PathBuf,
+        size_mib: u64,
+        memory_mib: u64,
+    },
     #[error("initrd {}: no such file", .0.display())]
     InitrdMissing(PathBuf),
     #[error("disk {}: no such file", .0.display())]
@@ -234,7 +246,11 @@ fn kernel_memory_end(path: &Path) -> Result<u64, ConfigError> {
     } else if header.get(0x202..0x206) == Some(b"HdrS") {
         // bzImage: the protected-mode kernel is loaded at 1 MiB and needs `init_size`
         // bytes there to decompress itself.
-        let init_size = u32::from_le_bytes(header[0x260..0x264].try_into().map_err(|_| not_a_kernel())?);
+        let init_size = u32::from_le_bytes(
+            header[0x260..0x264]
+                .try_into()
+                .map_err(|_| not_a_kernel())?,
+        );
         Ok(layout::HIMEM_START + u64::from(init_size))
     } else {
         Err(not_a_kernel())
@@ -330,7 +346,10 @@ mod tests {
     fn disk_spec_parses_read_only_suffix() {
         assert_eq!(
             DiskConfig::parse("/a/b.img:ro"),
-            DiskConfig { path: "/a/b.img".into(), read_only: true }
+            DiskConfig {
+                path: "/a/b.img".into(),
+                read_only: true
+            }
         );
         assert!(!DiskConfig::parse("/a/b.img").read_only);
     }
@@ -361,38 +380,67 @@ mod tests {
         config.vcpus = 0;
         assert_eq!(config.validate(1 << 20), Err(ConfigError::NoVcpus));
         config.vcpus = 1000;
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::TooManyVcpus { .. })));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::TooManyVcpus { .. })
+        ));
         config.vcpus = 1;
         config.memory_mib = 0;
         assert_eq!(config.validate(1 << 20), Err(ConfigError::NoMemory));
         config.memory_mib = 4096;
-        assert!(matches!(config.validate(2048), Err(ConfigError::TooMuchMemory { .. })));
+        assert!(matches!(
+            config.validate(2048),
+            Err(ConfigError::TooMuchMemory { .. })
+        ));
     }
 
     #[test]
     fn rejects_what_is_not_a_kernel() {
         let config = config_with_kernel("garbage", b"definitely not a kernel image");
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::NotAKernel(_))));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::NotAKernel(_))
+        ));
         let mut elf = tiny_elf(0, 1);
         elf[0x12] = 40; // ARM
         let config = config_with_kernel("arm", &elf);
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::NotAKernel(_))));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::NotAKernel(_))
+        ));
         let config = VmConfig::new(std::env::temp_dir());
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::IsDirectory { .. })));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::IsDirectory { .. })
+        ));
         let config = VmConfig::new("/nonexistent/vmlinux".into());
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::KernelMissing(_))));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::KernelMissing(_))
+        ));
     }
 
     #[test]
     fn rejects_kernel_and_initrd_beyond_memory() {
         let mut config = config_with_kernel("big", &tiny_elf(16 << 20, 20 << 20));
         config.memory_mib = 32;
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::KernelTooLarge { .. })));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::KernelTooLarge { .. })
+        ));
         config.memory_mib = 64;
         let initrd = temp_file("initrd", b"");
-        File::options().write(true).open(&initrd).unwrap().set_len(40 << 20).unwrap();
+        File::options()
+            .write(true)
+            .open(&initrd)
+            .unwrap()
+            .set_len(40 << 20)
+            .unwrap();
         config.initrd = Some(initrd);
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::InitrdTooLarge { .. })));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::InitrdTooLarge { .. })
+        ));
         config.memory_mib = 128;
         assert_eq!(config.validate(1 << 20), Ok(()));
     }
@@ -401,10 +449,18 @@ mod tests {
     fn rejects_a_long_cmdline_and_missing_disks() {
         let mut config = config_with_kernel("cmdline", &tiny_elf(16 << 20, 1 << 20));
         config.extra_cmdline = "x".repeat(3000);
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::CmdlineTooLong { .. })));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::CmdlineTooLong { .. })
+        ));
         config.extra_cmdline.clear();
-        config.disks.push(DiskConfig::parse("/nonexistent/disk.img"));
-        assert!(matches!(config.validate(1 << 20), Err(ConfigError::DiskMissing(_))));
+        config
+            .disks
+            .push(DiskConfig::parse("/nonexistent/disk.img"));
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::DiskMissing(_))
+        ));
     }
 
     #[test]

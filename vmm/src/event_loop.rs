@@ -4,6 +4,7 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -16,9 +17,15 @@ use crate::vstate::exit::{ExitNotifier, ExitReason};
 #[derive(Debug, thiserror::Error)]
 pub enum EventLoopError {
     #[error("cannot set up the event loop ({step}): {source}")]
-    Setup { step: &'static str, source: std::io::Error },
+    Setup {
+        step: &'static str,
+        source: std::io::Error,
+    },
     #[error("cannot install the handler for signal {signal}: {source}")]
-    Signal { signal: i32, source: vmm_sys_util::errno::Error },
+    Signal {
+        signal: i32,
+        source: vmm_sys_util::errno::Error,
+    },
     #[error("waiting for events failed: {0}")]
     Wait(std::io::Error),
 }
@@ -69,6 +76,8 @@ struct Console {
 
 const STDIN_FD: RawFd = 0;
 const CONSOLE_RETRY_MS: i32 = 10;
+/// How often the event loop calls its tick handler.
+pub const TICK_MS: u64 = 500;
 
 impl EventLoop {
     pub fn new(exit: Arc<ExitNotifier>) -> Result<Self, EventLoopError> {
@@ -160,13 +169,21 @@ impl EventLoop {
         }
     }
 
-    /// Runs until the VM exits or a stop signal arrives.
-    pub fn run(&mut self) -> Result<ExitReason, EventLoopError> {
+    /// Runs until the VM exits or a stop signal arrives, calling `on_tick` about every
+    /// `TICK_MS` milliseconds.
+    pub fn run(&mut self, on_tick: &mut dyn FnMut()) -> Result<ExitReason, EventLoopError> {
         let mut events = vec![EpollEvent::default(); 32];
+        let mut next_tick = Instant::now() + Duration::from_millis(TICK_MS);
         loop {
+            let now = Instant::now();
+            if now >= next_tick {
+                on_tick();
+                next_tick = now + Duration::from_millis(TICK_MS);
+            }
+            let until_tick = next_tick.saturating_duration_since(now).as_millis() as i32 + 1;
             let timeout = match &self.console {
-                Some(console) if console.paused => CONSOLE_RETRY_MS,
-                _ => -1,
+                Some(console) if console.paused => CONSOLE_RETRY_MS.min(until_tick),
+                _ => until_tick,
             };
             let ready = match self.epoll.wait(timeout, &mut events) {
                 Ok(n) => n,

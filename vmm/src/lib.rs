@@ -9,9 +9,9 @@
 //! - [`builder`]: composes all of the above from a [`config::VmConfig`] and runs it.
 
 pub mod arch;
-pub mod devices;
-pub mod memory;
 pub mod builder;
 pub mod config;
+pub mod devices;
 pub mod event_loop;
+pub mod memory;
 pub mod vstate;

@@ -45,9 +45,7 @@ pub fn create_guest_ram(size: u64) -> Result<GuestRam, MemoryError> {
     let mut file_start = 0u64;
     let mut regions = Vec::new();
     for (guest_start, len) in layout::ram_ranges(size) {
-        let file = backing_file
-            .try_clone()
-            .map_err(MemoryError::CreateMemfd)?;
+        let file = backing_file.try_clone().map_err(MemoryError::CreateMemfd)?;
         regions.push((
             GuestAddress(guest_start),
             len as usize,
@@ -55,10 +53,11 @@ pub fn create_guest_ram(size: u64) -> Result<GuestRam, MemoryError> {
         ));
         file_start += len;
     }
-    let memory = GuestMemoryMmap::from_ranges_with_files(regions).map_err(|e| MemoryError::Map {
-        size,
-        reason: e.to_string(),
-    })?;
+    let memory =
+        GuestMemoryMmap::from_ranges_with_files(regions).map_err(|e| MemoryError::Map {
+            size,
+            reason: e.to_string(),
+        })?;
     Ok(GuestRam {
         memory,
         backing_file,
@@ -75,7 +74,9 @@ mod tests {
         let ram = create_guest_ram(8 << 20).unwrap();
         assert_eq!(ram.backing_file.metadata().unwrap().len(), 8 << 20);
         assert_eq!(ram.memory.num_regions(), 1);
-        ram.memory.write_obj(0xdead_beef_u32, GuestAddress(0x1000)).unwrap();
+        ram.memory
+            .write_obj(0xdead_beef_u32, GuestAddress(0x1000))
+            .unwrap();
         let mut buf = [0u8; 4];
         use std::os::unix::fs::FileExt;
         ram.backing_file.read_exact_at(&mut buf, 0x1000).unwrap();

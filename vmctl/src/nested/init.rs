@@ -18,7 +18,11 @@ pub enum NestedInitError {
     #[error("the nested-host mode only runs as the nested host's init (PID 1)")]
     NotInit,
     #[error("cannot mount {what} on {target}: {source}")]
-    Mount { what: String, target: String, source: std::io::Error },
+    Mount {
+        what: String,
+        target: String,
+        source: std::io::Error,
+    },
     #[error("cannot read the job file {path}: {reason}")]
     Job { path: String, reason: String },
 }
@@ -120,7 +124,8 @@ fn mount_basics() -> Result<(), NestedInitError> {
     mount("sysfs", "/sys", "sysfs", 0, "")?;
     // The kernel may have mounted devtmpfs already (DEVTMPFS_MOUNT).
     match mount("devtmpfs", "/dev", "devtmpfs", 0, "") {
-        Err(NestedInitError::Mount { source, .. }) if source.raw_os_error() == Some(libc::EBUSY) => {}
+        Err(NestedInitError::Mount { source, .. })
+            if source.raw_os_error() == Some(libc::EBUSY) => {}
         other => other?,
     }
     mount("tmpfs", "/run", "tmpfs", 0, "mode=0755")?;

@@ -101,7 +101,12 @@ impl NestedJob {
     }
 
     /// A job that runs `command` with `writable` directories shared read-write.
-    pub fn for_command(command: CommandJob, vcpus: u32, memory_mib: u64, writable: &[PathBuf]) -> Self {
+    pub fn for_command(
+        command: CommandJob,
+        vcpus: u32,
+        memory_mib: u64,
+        writable: &[PathBuf],
+    ) -> Self {
         Self {
             work: Work::Command(command),
             host_vcpus: vcpus,

@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -31,9 +32,15 @@ pub enum NestedError {
     #[error("{}: the nested host cannot use a path with spaces or non-ASCII characters; move it", .0.display())]
     UnusablePath(PathBuf),
     #[error("cannot prepare the nested host's job directory {}: {source}", .path.display())]
-    JobDir { path: PathBuf, source: std::io::Error },
+    JobDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot start QEMU ({qemu}): {source}")]
-    Spawn { qemu: String, source: std::io::Error },
+    Spawn {
+        qemu: String,
+        source: std::io::Error,
+    },
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
 }
@@ -74,7 +81,11 @@ impl Drop for JobDir {
 
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn remember_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+extern "C" fn remember_stop_signal(
+    signal: libc::c_int,
+    _: *mut libc::siginfo_t,
+    _: *mut libc::c_void,
+) {
     STOP_SIGNAL.store(signal, Ordering::SeqCst);
 }
 
@@ -110,7 +121,10 @@ fn run(job: &NestedJob) -> Result<u8, NestedError> {
     let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
     let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
     for path in [&vmctl, &kernel] {
-        if !path.to_str().is_some_and(|s| s.is_ascii() && !s.contains(char::is_whitespace)) {
+        if !path
+            .to_str()
+            .is_some_and(|s| s.is_ascii() && !s.contains(char::is_whitespace))
+        {
             return Err(NestedError::UnusablePath(path.clone()));
         }
     }
@@ -133,6 +147,18 @@ fn run(job: &NestedJob) -> Result<u8, NestedError> {
         .stdin(stdin_for_qemu())
         .stdout(Stdio::inherit())
         .stderr(qemu_log);
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // prctl(2), which is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            // If vmctl dies without stopping QEMU, QEMU gets SIGTERM (and restores
+            // the terminal) instead of living on as an orphan.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     tracing::debug!("starting the nested host: {command:?}");
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         if let Err(e) = register_signal_handler(signal, remember_stop_signal) {
@@ -160,14 +186,22 @@ fn run(job: &NestedJob) -> Result<u8, NestedError> {
         Some(status) => Ok(status.exit_code),
         None => {
             let mut log = String::new();
-            let _ = File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
+            let _ =
+                File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
             let log = log.trim();
             Err(NestedError::Died {
                 status: status.map_or_else(|| "did not exit".into(), |s| s.to_string()),
                 log: if log.is_empty() {
                     "nothing; rerun with VMCTL_LOG=debug".into()
                 } else {
-                    log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ")
+                    log.lines()
+                        .rev()
+                        .take(5)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect::<Vec<_>>()
+                        .join(" | ")
                 },
             })
         }
@@ -242,9 +276,27 @@ fn qemu_command(
         }
     }
     command
-        .args(["-accel", "tcg", "-M", "microvm,acpi=off", "-cpu", "max,+svm,+npt"])
-        .args(["-m", &memory.to_string(), "-smp", &job.host_vcpus.to_string()])
-        .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .args([
+            "-accel",
+            "tcg",
+            "-M",
+            "microvm,acpi=off",
+            "-cpu",
+            "max,+svm,+npt",
+        ])
+        .args([
+            "-m",
+            &memory.to_string(),
+            "-smp",
+            &job.host_vcpus.to_string(),
+        ])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+        ])
         .arg("-kernel")
         .arg(kernel)
         .args(["-append", &cmdline])
@@ -263,12 +315,22 @@ fn qemu_command(
     share("root", Path::new("/"), job::ROOT_TAG, true);
     share("job", job_dir, job::JOB_TAG, false);
     for (index, dir) in job.writable_dirs.iter().enumerate() {
-        share(&format!("rw{index}"), dir, &job::writable_dir_tag(index), false);
+        share(
+            &format!("rw{index}"),
+            dir,
+            &job::writable_dir_tag(index),
+            false,
+        );
     }
     command
         .arg("-chardev")
         .arg(format!("socket,id=vmmerr,path={}", stderr_socket.display()))
-        .args(["-device", "virtio-serial-device", "-device", "virtconsole,chardev=vmmerr"]);
+        .args([
+            "-device",
+            "virtio-serial-device",
+            "-device",
+            "virtconsole,chardev=vmmerr",
+        ]);
     command
 }
 

@@ -90,7 +90,9 @@ impl Bus {
 fn lock_device<'a>(
     device: &'a Mutex<dyn BusDevice + 'static>,
 ) -> std::sync::MutexGuard<'a, dyn BusDevice + 'static> {
-    device.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    device
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -40,7 +40,10 @@ impl ExitNotifier {
     }
 
     pub fn reason(&self) -> Option<ExitReason> {
-        self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn event(&self) -> &EventFd {

@@ -17,7 +17,10 @@ use crate::memory::GuestMemoryMmap;
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
     #[error("cannot create vCPU {index}: {source}")]
-    Create { index: u8, source: kvm_ioctls::Error },
+    Create {
+        index: u8,
+        source: kvm_ioctls::Error,
+    },
     #[error("cannot configure vCPU {index}: {reason}")]
     Configure { index: u8, reason: String },
     #[error("cannot start the thread of vCPU {index}: {source}")]
@@ -163,9 +166,34 @@ impl Vcpu {
                 tracing::warn!("vcpu{index}: unexpected exit {other:?}; continuing");
                 Ok(())
             }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Ok(()),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                if index == 0 && !context.stop.load(Ordering::Acquire) && self.is_powered_off() {
+                    tracing::info!("vcpu0: guest halted with interrupts off (power-off)");
+                    return Err(ExitReason::GuestShutdown);
+                }
+                Ok(())
+            }
             Err(e) => Err(ExitReason::Fatal(format!("vCPU {index}: KVM_RUN failed: {e}"))),
         }
+    }
+}
+
+impl Vcpu {
+    /// Without ACPI, a guest's power-off ends with its boot CPU halted and interrupts
+    /// disabled, which nothing but an NMI can wake: with an in-kernel LAPIC that halt
+    /// never reaches us as an exit, so the event loop kicks the boot vCPU now and then
+    /// and it looks at its own state.
+    fn is_powered_off(&self) -> bool {
+        const RFLAGS_IF: u64 = 1 << 9;
+        let halted = self
+            .fd
+            .get_mp_state()
+            .is_ok_and(|state| state.mp_state == kvm_bindings::KVM_MP_STATE_HALTED);
+        halted
+            && self
+                .fd
+                .get_regs()
+                .is_ok_and(|regs| regs.rflags & RFLAGS_IF == 0)
     }
 }
 
@@ -179,6 +207,13 @@ impl VcpuHandle {
     /// Kicks the thread out of KVM_RUN until it notices `stop` (which the caller has
     /// set) and joins it. Kicking repeatedly closes the race with a thread that was
     /// about to enter KVM_RUN when the first signal arrived.
+    /// Interrupts the vCPU's KVM_RUN once (see `Vcpu::is_powered_off`).
+    pub fn kick(&self) {
+        if let Err(e) = self.thread.kill(kick_signal()) {
+            tracing::warn!("cannot kick vcpu{}: {e}", self.index);
+        }
+    }
+
     pub fn stop(self) {
         while !self.thread.is_finished() {
             if let Err(e) = self.thread.kill(kick_signal()) {

@@ -19,13 +19,19 @@ pub enum VmError {
     #[error("{}: permission denied: add your user to the 'kvm' group or run as root", .0.display())]
     KvmPermission(PathBuf),
     #[error("cannot open {}: {source}", .path.display())]
-    KvmOpen { path: PathBuf, source: kvm_ioctls::Error },
+    KvmOpen {
+        path: PathBuf,
+        source: kvm_ioctls::Error,
+    },
     #[error("KVM lacks a capability the VMM needs: {0}")]
     MissingCapability(&'static str),
     #[error("cannot create the VM: {0}")]
     CreateVm(kvm_ioctls::Error),
     #[error("cannot set up the VM ({step}): {source}")]
-    Setup { step: &'static str, source: kvm_ioctls::Error },
+    Setup {
+        step: &'static str,
+        source: kvm_ioctls::Error,
+    },
     #[error("{requested} vCPUs requested, but this host's KVM allows at most {max}")]
     TooManyVcpus { requested: usize, max: usize },
 }

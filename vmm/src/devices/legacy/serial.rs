@@ -76,8 +76,10 @@ mod tests {
     fn transmitted_bytes_reach_the_output() {
         let out = SharedBuf::default();
         let irq = EventFd::new(0).unwrap();
-        let mut serial =
-            SerialConsole::new(EventFdTrigger::new(irq.try_clone().unwrap()), Box::new(out.clone()));
+        let mut serial = SerialConsole::new(
+            EventFdTrigger::new(irq.try_clone().unwrap()),
+            Box::new(out.clone()),
+        );
         for b in b"hi" {
             serial.write(0, &[*b]);
         }

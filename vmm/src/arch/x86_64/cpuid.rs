@@ -566,16 +566,7 @@ mod tests {
     /// Runs the ioctls on a real vCPU when /dev/kvm is usable; skips otherwise.
     #[test]
     fn setup_cpuid_with_kvm_if_available() {
-        let Ok(kvm) = Kvm::new() else {
-            eprintln!("skipping: /dev/kvm unavailable");
-            return;
-        };
-        let Ok(vm) = kvm.create_vm() else {
-            eprintln!("skipping: cannot create a VM");
-            return;
-        };
-        let Ok(vcpu) = vm.create_vcpu(0) else {
-            eprintln!("skipping: cannot create a vCPU");
+        let Some((kvm, _vm, vcpu)) = crate::arch::x86_64::test_vcpu(false) else {
             return;
         };
         setup_cpuid(&kvm, &vcpu, 0, 2).unwrap();

@@ -140,20 +140,7 @@ mod tests {
     /// usable; skips otherwise.
     #[test]
     fn set_lint_with_kvm_if_available() {
-        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
-            eprintln!("skipping: /dev/kvm unavailable");
-            return;
-        };
-        let Ok(vm) = kvm.create_vm() else {
-            eprintln!("skipping: cannot create a VM");
-            return;
-        };
-        if vm.create_irq_chip().is_err() {
-            eprintln!("skipping: cannot create an in-kernel irqchip");
-            return;
-        }
-        let Ok(vcpu) = vm.create_vcpu(0) else {
-            eprintln!("skipping: cannot create a vCPU");
+        let Some((_kvm, _vm, vcpu)) = crate::arch::x86_64::test_vcpu(true) else {
             return;
         };
         set_lint(&vcpu).unwrap();

@@ -194,16 +194,7 @@ mod tests {
     /// Runs the ioctls on a real vCPU when /dev/kvm is usable; skips otherwise.
     #[test]
     fn ioctls_with_kvm_if_available() {
-        let Ok(kvm) = kvm_ioctls::Kvm::new() else {
-            eprintln!("skipping: /dev/kvm unavailable");
-            return;
-        };
-        let Ok(vm) = kvm.create_vm() else {
-            eprintln!("skipping: cannot create a VM");
-            return;
-        };
-        let Ok(vcpu) = vm.create_vcpu(0) else {
-            eprintln!("skipping: cannot create a vCPU");
+        let Some((_kvm, _vm, vcpu)) = crate::arch::x86_64::test_vcpu(false) else {
             return;
         };
         let mem = GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 0x10_0000)]).unwrap();

@@ -91,6 +91,17 @@ pub enum ActivateError {
     Device(String),
 }
 
+/// The one queue of a single-queue device, which must be ready.
+pub fn single_ready_queue(queues: Vec<Queue>) -> Result<Queue, ActivateError> {
+    let got = queues.len();
+    let [queue] = <[Queue; 1]>::try_from(queues)
+        .map_err(|_| ActivateError::QueueCount { expected: 1, got })?;
+    if !virtio_queue::QueueT::ready(&queue) {
+        return Err(ActivateError::InvalidQueue { index: 0 });
+    }
+    Ok(queue)
+}
+
 /// A virtio device behind a transport.
 pub trait VirtioDevice: Send {
     /// virtio device ID (`DEVICE_ID_*`).

@@ -15,8 +15,8 @@ use vm_memory::{Bytes, ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVo
 use super::request::{self, Request, RequestType};
 use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::{
-    read_into_guest, write_from_guest, ActivateError, GuestIoError, InterruptTrigger, VirtioDevice,
-    DEVICE_ID_BLOCK, FEATURE_VERSION_1,
+    read_into_guest, single_ready_queue, write_from_guest, ActivateError, GuestIoError,
+    InterruptTrigger, VirtioDevice, DEVICE_ID_BLOCK, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -357,14 +357,7 @@ impl VirtioDevice for Block {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let queue = match <[Queue; 1]>::try_from(queues) {
-            Ok([queue]) => queue,
-            Err(_) => return Err(ActivateError::QueueCount { expected: 1, got }),
-        };
-        if !queue.ready() {
-            return Err(ActivateError::InvalidQueue { index: 0 });
-        }
+        let queue = single_ready_queue(queues)?;
         self.active = Some(Active {
             memory,
             queue,

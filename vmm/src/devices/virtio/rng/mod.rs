@@ -6,8 +6,8 @@ use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
 
 use super::{
-    read_into_guest, ActivateError, GuestIoError, InterruptTrigger, VirtioDevice, DEVICE_ID_RNG,
-    FEATURE_VERSION_1,
+    read_into_guest, single_ready_queue, ActivateError, GuestIoError, InterruptTrigger,
+    VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -141,14 +141,7 @@ impl VirtioDevice for Rng {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let queue = match <[Queue; 1]>::try_from(queues) {
-            Ok([queue]) => queue,
-            Err(_) => return Err(ActivateError::QueueCount { expected: 1, got }),
-        };
-        if !queue.ready() {
-            return Err(ActivateError::InvalidQueue { index: 0 });
-        }
+        let queue = single_ready_queue(queues)?;
         self.active = Some(Active {
             memory,
             queue,

@@ -70,7 +70,12 @@ pub struct BootArgs {
     pub disks: Vec<String>,
     /// Extra kernel command-line arguments, appended to the defaults
     /// ("console=ttyS0 reboot=k panic=1 quiet" and the virtio-mmio devices).
-    #[arg(long, value_name = "ARGS", default_value = "")]
+    #[arg(
+        long,
+        value_name = "ARGS",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub cmdline: String,
     /// Number of vCPUs.
     #[arg(long, default_value_t = vmm::config::DEFAULT_VCPUS)]

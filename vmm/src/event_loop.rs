@@ -113,7 +113,12 @@ impl EventLoop {
         console: Arc<Mutex<SerialConsole>>,
     ) -> Result<(), EventLoopError> {
         let token = self.sources.len() as u64;
-        self.watch(STDIN_FD, Source::ConsoleInput)?;
+        // A regular file or /dev/null cannot be polled (EPERM): there is no input then.
+        if let Err(e) = self.add_to_epoll(STDIN_FD, token) {
+            tracing::debug!("no console input: stdin cannot be polled ({e})");
+            return Ok(());
+        }
+        self.sources.push(Source::ConsoleInput);
         self.console = Some(Console {
             serial: console,
             token,

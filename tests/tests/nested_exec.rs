@@ -1,0 +1,93 @@
+//! `vmctl nested-exec`: a command inside a fresh nested host, which has a real KVM.
+//! Also covers the VMM's direct path (`--nested never`) with stdin at /dev/null, the
+//! way it runs on hardware-KVM hosts in CI.
+
+use vm_tests::{base_initramfs, find_executable, kernel, record_skip, vmctl_bin, TempDir, Vmctl};
+
+/// Needs QEMU (the nested host), whatever this host's KVM is.
+fn nested_host_available(test: &str) -> bool {
+    let qemu = std::env::var_os("VMCTL_QEMU").unwrap_or_else(|| "qemu-system-x86_64".into());
+    if find_executable(std::path::Path::new(&qemu)).is_some() {
+        return true;
+    }
+    let reason = "no qemu-system-x86_64 for the nested host (apt-get install qemu-system-x86)";
+    if std::env::var("VMCTL_REQUIRE_VM").is_ok_and(|v| v == "1") {
+        panic!("VMCTL_REQUIRE_VM=1 but {test} cannot run: {reason}");
+    }
+    record_skip(test, reason);
+    false
+}
+
+#[test]
+fn command_runs_with_kvm_and_its_exit_code_comes_back() {
+    if !nested_host_available("nested_exec::command_runs_with_kvm_and_its_exit_code_comes_back") {
+        return;
+    }
+    let dir = TempDir::new("nested-exec");
+    let script = "test -c /dev/kvm && echo KVM=yes; echo CWD=$(pwd); \
+                  echo written > \"$OUT/out.txt\"; echo to-stderr >&2; exit 7";
+    let run = Vmctl::new()
+        .args([
+            "nested-exec",
+            "--cpus",
+            "1",
+            "--memory",
+            "1024",
+            "--writable",
+        ])
+        .arg(dir.path())
+        .args(["--", "sh", "-c", script])
+        .env("OUT", dir.path())
+        .run();
+    eprintln!("{}", run.report());
+    assert_eq!(run.code, Some(7), "{}", run.report());
+    assert_eq!(vm_tests::guest_value(&run.stdout, "KVM"), Some("yes"));
+    let cwd = std::env::current_dir().unwrap();
+    assert_eq!(vm_tests::guest_value(&run.stdout, "CWD"), cwd.to_str());
+    assert!(run.stderr.contains("to-stderr"), "{}", run.report());
+    let written = std::fs::read_to_string(dir.join("out.txt")).unwrap_or_default();
+    assert_eq!(
+        written, "written\n",
+        "the writable share did not reach the host"
+    );
+}
+
+#[test]
+fn direct_vmm_boots_on_the_nested_hosts_kvm() {
+    if !nested_host_available("nested_exec::direct_vmm_boots_on_the_nested_hosts_kvm") {
+        return;
+    }
+    let run = Vmctl::new()
+        .args(["nested-exec", "--cpus", "1", "--memory", "1024", "--"])
+        .arg(vmctl_bin())
+        .args([
+            "boot",
+            "--nested",
+            "never",
+            "--boot-time",
+            "--memory",
+            "256",
+            "--kernel",
+        ])
+        .arg(kernel())
+        .arg("--initrd")
+        .arg(base_initramfs())
+        .run();
+    eprintln!("{}", run.report());
+    run.assert_success();
+    assert!(
+        run.stdout.contains("Hello from the guest"),
+        "{}",
+        run.report()
+    );
+    assert!(
+        run.stderr.contains("vmctl: boot time: "),
+        "{}",
+        run.report()
+    );
+    assert!(
+        !run.stderr.contains("nested host"),
+        "--nested never must not nest again\n{}",
+        run.report()
+    );
+}

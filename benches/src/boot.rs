@@ -1,0 +1,1162 @@
+//! The boot benchmark: boots our VMM (`vmctl boot --nested never`) and QEMU's microvm
+//! side by side, N times each, and reports boot time, total run time and VMM memory
+//! overhead. Where this machine's KVM is not hardware-backed, it re-runs itself inside
+//! the QEMU-TCG nested host (`vmctl nested-exec ... -- <this binary> ... --inner`),
+//! so the same code measures in both places.
+
+use std::ffi::OsString;
+use std::fs;
+use std::io::{self, Read};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crate::cpio::initramfs_with_script;
+use crate::report::{
+    hardware_kvm, ratios, utc_now, Config, Figure, Machine, Report, NESTED_NOTE, OURS, QEMU,
+};
+use crate::scan::{parse_boot_timer, tail, MarkerScanner};
+use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
+
+/// Printed by the guest's `/etc/vmtest.sh` right after `/init` wrote the boot timer.
+pub const BOOT_MARKER: &str = "BENCH-INIT-REACHED";
+/// Printed by the memory runs' guest, which then sleeps so the VMM can be inspected.
+pub const MEMORY_MARKER: &str = "BENCH-MEM-READY";
+/// The name our VMM gives the memfd behind guest memory.
+pub const OUR_GUEST_RAM: &str = "memfd:vmm-guest-ram";
+/// QEMU's microvm machine, as close as QEMU 7.2 gets to our VMM's device model: no
+/// ACPI, no option ROMs, legacy PIC/PIT, an ISA serial port, no RTC, and an i8042 so
+/// that the guest's `reboot=k` resets the machine (microvm has none by default; with
+/// `-no-reboot` the reset ends QEMU, as it ends our VMM).
+const QEMU_MACHINE: &str = "microvm,acpi=off,x-option-roms=off,isa-serial=on,pit=on,pic=on,rtc=off";
+/// The command line our VMM gives the guest by default (it appends its virtio-mmio
+/// devices, of which a boot with only an initrd has none).
+const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
+const NESTED_HOST_CPUS: &str = "2";
+const NESTED_HOST_MEMORY_MIB: &str = "4096";
+const INNER_FILE: &str = "boot.inner.json";
+
+const USAGE: &str = "\
+usage: cargo bench -p vm-benches -- [OPTIONS]
+       vm-bench [OPTIONS]
+
+Boots our VMM and QEMU's microvm side by side and reports boot time and memory.
+
+  --quick              3 boots per VMM and 1 memory run (default: 10 and 3)
+  --runs N             boots per VMM
+  --memory-runs N      memory-measuring boots per VMM
+  --out PATH           JSON report (default: target/bench/boot.json; Markdown next to it)
+  --kernel PATH        guest kernel (default: kernel-config/build.sh guest)
+  --initrd PATH        base initramfs (default: rootfs/build-initramfs.sh)
+  --vmctl PATH         vmctl binary (default: $VMCTL_BIN or target/release/vmctl)
+  --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH)
+  --cpus N             guest vCPUs (default 1)
+  --memory MIB         guest memory (default 128)
+  --timeout SECS       per boot, to the marker and again to exit (default 60)
+  --nested auto|always|never
+                       measure inside the nested host: where KVM is not
+                       hardware-backed (auto, default), always, or never
+";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Nested {
+    Auto,
+    Always,
+    Never,
+}
+
+#[derive(Debug, Clone)]
+struct Args {
+    quick: bool,
+    runs: usize,
+    memory_runs: usize,
+    out: Option<PathBuf>,
+    kernel: Option<PathBuf>,
+    initrd: Option<PathBuf>,
+    vmctl: Option<PathBuf>,
+    qemu: Option<PathBuf>,
+    cpus: u32,
+    memory_mib: u64,
+    timeout: Duration,
+    nested: Nested,
+    /// Running inside the nested host: measure and write the report to this file.
+    inner: Option<PathBuf>,
+}
+
+fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut a = Args {
+        quick: false,
+        runs: 0,
+        memory_runs: 0,
+        out: None,
+        kernel: None,
+        initrd: None,
+        vmctl: None,
+        qemu: None,
+        cpus: 1,
+        memory_mib: 128,
+        timeout: Duration::from_secs(60),
+        nested: Nested::Auto,
+        inner: None,
+    };
+    let (mut runs, mut memory_runs) = (None, None);
+    let mut it = argv.into_iter();
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n\n{USAGE}"))
+        };
+        let number = |name: &str, v: String| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{name}: not a number: {v:?}"))
+        };
+        match arg.as_str() {
+            // cargo passes --bench to harness = false bench targets.
+            "--bench" => {}
+            "--quick" => a.quick = true,
+            "--runs" => runs = Some(number("--runs", value("--runs")?)? as usize),
+            "--memory-runs" => {
+                memory_runs = Some(number("--memory-runs", value("--memory-runs")?)? as usize)
+            }
+            "--out" => a.out = Some(value("--out")?.into()),
+            "--kernel" => a.kernel = Some(value("--kernel")?.into()),
+            "--initrd" => a.initrd = Some(value("--initrd")?.into()),
+            "--vmctl" => a.vmctl = Some(value("--vmctl")?.into()),
+            "--qemu" => a.qemu = Some(value("--qemu")?.into()),
+            "--cpus" => a.cpus = number("--cpus", value("--cpus")?)? as u32,
+            "--memory" => a.memory_mib = number("--memory", value("--memory")?)?,
+            "--timeout" => {
+                a.timeout = Duration::from_secs(number("--timeout", value("--timeout")?)?)
+            }
+            "--nested" => {
+                a.nested = match value("--nested")?.as_str() {
+                    "auto" => Nested::Auto,
+                    "always" => Nested::Always,
+                    "never" => Nested::Never,
+                    v => {
+                        return Err(format!(
+                            "--nested: expected auto, always or never, not {v:?}"
+                        ))
+                    }
+                }
+            }
+            "--inner" => a.inner = Some(value("--inner")?.into()),
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
+        }
+    }
+    a.runs = runs.unwrap_or(if a.quick { 3 } else { 10 });
+    a.memory_runs = memory_runs.unwrap_or(if a.quick { 1 } else { 3 });
+    if a.runs == 0 || a.memory_runs == 0 || a.cpus == 0 || a.memory_mib == 0 {
+        return Err("--runs, --memory-runs, --cpus and --memory must be at least 1".into());
+    }
+    Ok(a)
+}
+
+/// The command-line entry point (bench target and `vm-bench` binary); the exit code.
+pub fn main() -> i32 {
+    match run(std::env::args().skip(1)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("vm-bench: error: {e}");
+            1
+        }
+    }
+}
+
+fn say(msg: impl AsRef<str>) {
+    eprintln!("vm-bench: {}", msg.as_ref());
+}
+
+fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
+    let args = parse_args(argv)?;
+    if let Some(inner_out) = &args.inner {
+        // Inside the nested host: everything was resolved by the outer run.
+        let tools = Tools {
+            kernel: args.kernel.clone().ok_or("--inner needs --kernel")?,
+            initrd: args.initrd.clone().ok_or("--inner needs --initrd")?,
+            vmctl: args.vmctl.clone().ok_or("--inner needs --vmctl")?,
+            qemu: args.qemu.clone().ok_or("--inner needs --qemu")?,
+        };
+        let report = measure(&args, &tools)?;
+        let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        return fs::write(inner_out, json)
+            .map_err(|e| format!("write {}: {e}", inner_out.display()));
+    }
+
+    let out = match &args.out {
+        Some(p) => p.clone(),
+        None => target_dir().join("bench").join("boot.json"),
+    };
+    let out_dir = out
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    fs::create_dir_all(&out_dir).map_err(|e| format!("create {}: {e}", out_dir.display()))?;
+    let out_dir = out_dir
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let tools = resolve_tools(&args)?;
+
+    // Before measuring: others may commit while the benchmark runs.
+    let (commit, dirty) = git_commit();
+    let nested = match args.nested {
+        Nested::Auto => !hardware_kvm(),
+        Nested::Always => true,
+        Nested::Never => false,
+    };
+    let mut report = if nested {
+        say(if hardware_kvm() {
+            "--nested always: measuring inside the QEMU-TCG nested host (vmctl nested-exec)"
+                .to_string()
+        } else {
+            "this machine's KVM is not hardware-backed (no kvm_intel/kvm_amd module): measuring inside \
+             the QEMU-TCG nested host (vmctl nested-exec); absolute times are TCG-emulated, ratios are \
+             what count"
+                .to_string()
+        });
+        let mut inner = measure_nested(&args, &tools, &out_dir)?;
+        inner.mode = "nested".into();
+        inner.note = Some(NESTED_NOTE.into());
+        inner.measured_on = Some(inner.machine.clone());
+        inner.machine = Machine::this();
+        inner
+    } else {
+        say(if hardware_kvm() {
+            "KVM is hardware-backed here: measuring directly"
+        } else {
+            "--nested never: measuring directly on this machine's KVM"
+        });
+        measure(&args, &tools)?
+    };
+    report.commit = commit;
+    report.dirty = dirty;
+
+    let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    let md_path = out.with_extension("md");
+    let md = report.markdown();
+    fs::write(&out, format!("{json}\n")).map_err(|e| format!("write {}: {e}", out.display()))?;
+    fs::write(&md_path, &md).map_err(|e| format!("write {}: {e}", md_path.display()))?;
+    println!("{json}");
+    eprintln!("\n{md}");
+    say(format!("wrote {} and {}", out.display(), md_path.display()));
+    Ok(())
+}
+
+/// The programs and images the benchmark runs.
+#[derive(Debug, Clone)]
+struct Tools {
+    kernel: PathBuf,
+    initrd: PathBuf,
+    vmctl: PathBuf,
+    qemu: PathBuf,
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("benches/ has a parent")
+        .to_path_buf()
+}
+
+fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
+        Some(d) => workspace_root().join(d),
+        None => workspace_root().join("target"),
+    }
+}
+
+/// Runs a build script of the workspace that prints an artifact path as its last line.
+fn build_artifact(script: &str, args: &[&str]) -> Result<PathBuf, String> {
+    let path = workspace_root().join(script);
+    let out = Command::new(&path)
+        .args(args)
+        .current_dir(workspace_root())
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("run {}: {e}", path.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} failed ({})",
+            path.display(),
+            args.join(" "),
+            out.status
+        ));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim();
+    let artifact = PathBuf::from(last);
+    if !artifact.is_file() {
+        return Err(format!("{script} printed {last:?}, which is not a file"));
+    }
+    Ok(artifact)
+}
+
+fn find_in_path(program: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for e in fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        let t = if p.is_dir() {
+            newest_mtime(&p)
+        } else {
+            e.metadata().ok()?.modified().ok()
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+fn resolve_tools(args: &Args) -> Result<Tools, String> {
+    let kernel = match &args.kernel {
+        Some(k) => k.clone(),
+        None => build_artifact("kernel-config/build.sh", &["guest"])?,
+    };
+    let initrd = match &args.initrd {
+        Some(i) => i.clone(),
+        None => build_artifact("rootfs/build-initramfs.sh", &[])?,
+    };
+    let vmctl = match (&args.vmctl, std::env::var_os("VMCTL_BIN")) {
+        (Some(v), _) => v.clone(),
+        (None, Some(v)) => PathBuf::from(v),
+        (None, None) => target_dir().join("release").join("vmctl"),
+    };
+    if !vmctl.is_file() {
+        return Err(format!(
+            "{} does not exist: build it first with 'cargo build --release -p vmctl' \
+             (cargo bench does not build other packages' binaries)",
+            vmctl.display()
+        ));
+    }
+    // A stale vmctl would benchmark old code (or lack nested-exec): say so loudly.
+    if let Ok(built) = fs::metadata(&vmctl).and_then(|m| m.modified()) {
+        let ws = workspace_root();
+        let newest = [ws.join("vmm/src"), ws.join("vmctl/src")]
+            .iter()
+            .filter_map(|d| newest_mtime(d))
+            .max();
+        if newest.is_some_and(|n| n > built) {
+            say(format!(
+                "warning: {} is older than the vmm/vmctl sources; run 'cargo build --release -p vmctl' \
+                 to benchmark the current code",
+                vmctl.display()
+            ));
+        }
+    }
+    let qemu = match &args.qemu {
+        Some(q) => q.clone(),
+        None => find_in_path("qemu-system-x86_64").ok_or(
+            "qemu-system-x86_64 is not in PATH (apt-get install qemu-system-x86): the benchmark \
+             compares against QEMU's microvm",
+        )?,
+    };
+    let abs = |p: PathBuf| {
+        p.canonicalize()
+            .map_err(|e| format!("{}: {e}", p.display()))
+    };
+    Ok(Tools {
+        kernel: abs(kernel)?,
+        initrd: abs(initrd)?,
+        vmctl: abs(vmctl)?,
+        qemu: abs(qemu)?,
+    })
+}
+
+fn git_commit() -> (Option<String>, Option<bool>) {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(workspace_root())
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"]).filter(|c| !c.is_empty());
+    let dirty = commit
+        .as_ref()
+        .and(git(&["status", "--porcelain", "--untracked-files=no"]))
+        .map(|s| !s.is_empty());
+    (commit, dirty)
+}
+
+/// Re-runs this binary inside a fresh nested host and returns the report it wrote.
+fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let inner_file = out_dir.join(INNER_FILE);
+    let _ = fs::remove_file(&inner_file);
+    let mut cmd = Command::new(&tools.vmctl);
+    cmd.args([
+        "nested-exec",
+        "--cpus",
+        NESTED_HOST_CPUS,
+        "--memory",
+        NESTED_HOST_MEMORY_MIB,
+        "--writable",
+    ])
+    .arg(out_dir)
+    .arg("--")
+    .arg(&exe)
+    .arg("--inner")
+    .arg(&inner_file);
+    let n = |v: u64| v.to_string();
+    cmd.args([
+        "--runs",
+        &n(args.runs as u64),
+        "--memory-runs",
+        &n(args.memory_runs as u64),
+    ])
+    .args([
+        "--cpus",
+        &n(args.cpus.into()),
+        "--memory",
+        &n(args.memory_mib),
+    ])
+    .args(["--timeout", &n(args.timeout.as_secs())])
+    .arg("--kernel")
+    .arg(&tools.kernel)
+    .arg("--initrd")
+    .arg(&tools.initrd)
+    .arg("--vmctl")
+    .arg(&tools.vmctl)
+    .arg("--qemu")
+    .arg(&tools.qemu);
+    if args.quick {
+        cmd.arg("--quick");
+    }
+    // Our stdout carries only the JSON: anything the nested host prints goes to stderr.
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(io::stderr()))
+        .stderr(Stdio::inherit());
+    say(format!("running: {}", shell_words(&command_argv(&cmd))));
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("run {}: {e}", tools.vmctl.display()))?;
+    // Every boot has its own timeouts inside; this only guards against a stuck nested host.
+    let boots = (args.runs + args.memory_runs) as u32 * 2;
+    let limit = Duration::from_secs(180) + args.timeout * 2 * boots;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
+            break s;
+        }
+        if started.elapsed() > limit {
+            // SIGTERM first: vmctl then stops its QEMU.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            thread::sleep(Duration::from_secs(10));
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "the nested run did not finish within {} s; killed",
+                limit.as_secs()
+            ));
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    if !status.success() {
+        return Err(format!(
+            "the benchmark failed inside the nested host ({status}); see above"
+        ));
+    }
+    let text = fs::read_to_string(&inner_file).map_err(|e| {
+        format!(
+            "the nested run left no report at {}: {e}",
+            inner_file.display()
+        )
+    })?;
+    let _ = fs::remove_file(&inner_file);
+    serde_json::from_str(&text).map_err(|e| format!("{}: bad report: {e}", inner_file.display()))
+}
+
+fn command_argv(cmd: &Command) -> Vec<String> {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
+fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@".contains(c))
+            {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vmm {
+    Ours,
+    Qemu,
+}
+
+impl Vmm {
+    fn label(self) -> &'static str {
+        match self {
+            Vmm::Ours => OURS,
+            Vmm::Qemu => QEMU,
+        }
+    }
+
+    fn argv(self, tools: &Tools, initrd: &Path, args: &Args) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        let mut push = |s: &dyn AsRef<std::ffi::OsStr>| v.push(s.as_ref().to_os_string());
+        match self {
+            Vmm::Ours => {
+                push(&tools.vmctl);
+                for a in ["boot", "--nested", "never", "--kernel"] {
+                    push(&a);
+                }
+                push(&tools.kernel);
+                push(&"--initrd");
+                push(&initrd);
+                push(&"--memory");
+                push(&args.memory_mib.to_string());
+                push(&"--cpus");
+                push(&args.cpus.to_string());
+                push(&"--boot-time");
+            }
+            Vmm::Qemu => {
+                push(&tools.qemu);
+                for a in ["-M", QEMU_MACHINE, "-enable-kvm", "-cpu", "host", "-m"] {
+                    push(&a);
+                }
+                push(&args.memory_mib.to_string());
+                push(&"-smp");
+                push(&args.cpus.to_string());
+                for a in [
+                    "-nodefaults",
+                    "-no-user-config",
+                    "-nographic",
+                    "-serial",
+                    "stdio",
+                    "-device",
+                    "i8042",
+                    "-no-reboot",
+                    "-kernel",
+                ] {
+                    push(&a);
+                }
+                push(&tools.kernel);
+                push(&"-initrd");
+                push(&initrd);
+                push(&"-append");
+                push(&GUEST_CMDLINE);
+            }
+        }
+        v
+    }
+
+    fn memory_rule(self, memory_mib: u64) -> GuestMemoryRule {
+        match self {
+            Vmm::Ours => GuestMemoryRule::NameContains(OUR_GUEST_RAM.into()),
+            Vmm::Qemu => GuestMemoryRule::AnonymousAtLeast(memory_mib << 20),
+        }
+    }
+}
+
+/// One boot, measured.
+#[derive(Debug)]
+struct VmRun {
+    /// From spawning the process to the marker on its stdout.
+    to_marker: Duration,
+    /// From spawning the process to its exit.
+    to_exit: Duration,
+    stderr: String,
+    memory: Option<MemoryUse>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// Both VMMs, alternating which goes first so neither always runs on a warmer (or
+/// busier) machine.
+fn order(i: usize) -> [Vmm; 2] {
+    if i.is_multiple_of(2) {
+        [Vmm::Ours, Vmm::Qemu]
+    } else {
+        [Vmm::Qemu, Vmm::Ours]
+    }
+}
+
+/// Removes the benchmark's temporary directory, whatever happens.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Measures on this machine's KVM.
+fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
+    if !Path::new("/dev/kvm").exists() {
+        return Err("/dev/kvm does not exist".into());
+    }
+    if !hardware_kvm() {
+        say("warning: KVM is not hardware-backed here (no kvm_intel/kvm_amd); guests will likely fail to boot");
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp =
+        TempDir(std::env::temp_dir().join(format!("vm-bench-{}-{nanos}", std::process::id())));
+    fs::create_dir_all(&tmp.0).map_err(|e| format!("create {}: {e}", tmp.0.display()))?;
+    let base =
+        fs::read(&tools.initrd).map_err(|e| format!("read {}: {e}", tools.initrd.display()))?;
+    let sleep_s = 3;
+    let boot_initrd = tmp.0.join("boot-initrd.img");
+    let memory_initrd = tmp.0.join("memory-initrd.img");
+    let write = |path: &Path, script: &str| {
+        fs::write(path, initramfs_with_script(&base, script))
+            .map_err(|e| format!("write {}: {e}", path.display()))
+    };
+    write(&boot_initrd, &format!("echo {BOOT_MARKER}\n"))?;
+    write(
+        &memory_initrd,
+        &format!("echo {MEMORY_MARKER}\nsleep {sleep_s}\n"),
+    )?;
+    // Warm the page cache (over 9p in the nested host) so the first boot is not special.
+    for p in [&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu] {
+        let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
+        io::copy(&mut f, &mut io::sink()).map_err(|e| format!("read {}: {e}", p.display()))?;
+    }
+    let qemu_version = Command::new(&tools.qemu)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    say(format!(
+        "{} boot(s) + {} memory run(s) per VMM, {} vCPU / {} MiB, on {} ({})",
+        args.runs,
+        args.memory_runs,
+        args.cpus,
+        args.memory_mib,
+        Machine::this().hostname,
+        Machine::this().cpu_model
+    ));
+
+    // Memory first: these boots also warm everything up before the timed ones.
+    let mut memory: Vec<(Vmm, MemoryUse)> = Vec::new();
+    for i in 0..args.memory_runs {
+        for vmm in order(i) {
+            let argv = vmm.argv(tools, &memory_initrd, args);
+            let rule = vmm.memory_rule(args.memory_mib);
+            let r = run_vm(vmm.label(), &argv, MEMORY_MARKER, args.timeout, Some(&rule))?;
+            let m = r.memory.expect("memory measured");
+            say(format!(
+                "[memory {}/{}] {:>12}: overhead {:.2} MiB, total RSS {:.2} MiB, guest {:.2} MiB \
+                 ({} mapping(s), {} MiB mapped)",
+                i + 1,
+                args.memory_runs,
+                vmm.label(),
+                mib(m.overhead_rss_kib),
+                mib(m.total_rss_kib),
+                mib(m.guest_rss_kib),
+                m.guest_mappings,
+                m.guest_mapped_kib >> 10
+            ));
+            memory.push((vmm, m));
+        }
+    }
+
+    let mut boots: Vec<(Vmm, VmRun)> = Vec::new();
+    for i in 0..args.runs {
+        for vmm in order(i) {
+            let argv = vmm.argv(tools, &boot_initrd, args);
+            let r = run_vm(vmm.label(), &argv, BOOT_MARKER, args.timeout, None)?;
+            let timer = match vmm {
+                Vmm::Ours => {
+                    let t = parse_boot_timer(&r.stderr).ok_or_else(|| {
+                        format!(
+                            "{OURS} printed no boot-timer line on stderr (--boot-time):\n{}",
+                            tail(&r.stderr, 2000)
+                        )
+                    })?;
+                    format!(
+                        ", boot timer {:.0} ms (VMM start) / {:.0} ms (first vCPU)",
+                        t.since_vmm_start_ms, t.since_first_vcpu_ms
+                    )
+                }
+                Vmm::Qemu => String::new(),
+            };
+            say(format!(
+                "[boot {}/{}] {:>12}: init {:.0} ms, exit {:.0} ms{timer}",
+                i + 1,
+                args.runs,
+                vmm.label(),
+                ms(r.to_marker),
+                ms(r.to_exit)
+            ));
+            boots.push((vmm, r));
+        }
+    }
+
+    let boot_samples = |vmm: Vmm, f: &dyn Fn(&VmRun) -> f64| -> Vec<f64> {
+        boots
+            .iter()
+            .filter(|(v, _)| *v == vmm)
+            .map(|(_, r)| f(r))
+            .collect()
+    };
+    let memory_samples = |vmm: Vmm, f: &dyn Fn(&MemoryUse) -> f64| -> Vec<f64> {
+        memory
+            .iter()
+            .filter(|(v, _)| *v == vmm)
+            .map(|(_, m)| f(m))
+            .collect()
+    };
+    let timer = |f: fn(&crate::scan::BootTimer) -> f64| {
+        move |r: &VmRun| parse_boot_timer(&r.stderr).map_or(f64::NAN, |t| f(&t))
+    };
+    let mut specs: Vec<(&str, &str, Vmm, Vec<f64>)> = Vec::new();
+    for vmm in [Vmm::Ours, Vmm::Qemu] {
+        specs.push((
+            "boot_to_init_wall",
+            "ms",
+            vmm,
+            boot_samples(vmm, &|r| ms(r.to_marker)),
+        ));
+    }
+    specs.push((
+        "boot_timer_since_vmm_start",
+        "ms",
+        Vmm::Ours,
+        boot_samples(Vmm::Ours, &timer(|t| t.since_vmm_start_ms)),
+    ));
+    specs.push((
+        "boot_timer_since_first_vcpu",
+        "ms",
+        Vmm::Ours,
+        boot_samples(Vmm::Ours, &timer(|t| t.since_first_vcpu_ms)),
+    ));
+    for vmm in [Vmm::Ours, Vmm::Qemu] {
+        specs.push((
+            "total_wall",
+            "ms",
+            vmm,
+            boot_samples(vmm, &|r| ms(r.to_exit)),
+        ));
+    }
+    for vmm in [Vmm::Ours, Vmm::Qemu] {
+        specs.push((
+            "vmm_overhead_rss",
+            "MiB",
+            vmm,
+            memory_samples(vmm, &|m| mib(m.overhead_rss_kib)),
+        ));
+    }
+    for vmm in [Vmm::Ours, Vmm::Qemu] {
+        specs.push((
+            "total_rss",
+            "MiB",
+            vmm,
+            memory_samples(vmm, &|m| mib(m.total_rss_kib)),
+        ));
+    }
+    for vmm in [Vmm::Ours, Vmm::Qemu] {
+        specs.push((
+            "guest_memory_rss",
+            "MiB",
+            vmm,
+            memory_samples(vmm, &|m| mib(m.guest_rss_kib)),
+        ));
+    }
+    let mut figures = Vec::new();
+    for (name, unit, vmm, samples) in specs {
+        let n = samples.len();
+        figures.push(
+            Figure::new(name, unit, vmm.label(), samples)
+                .ok_or_else(|| format!("{name} ({}): no valid samples out of {n}", vmm.label()))?,
+        );
+    }
+    let ratios = ratios(&figures);
+    let str_argv = |v: Vec<OsString>| {
+        v.into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    };
+    Ok(Report {
+        benchmark: "boot".into(),
+        date: utc_now(),
+        mode: "direct".into(),
+        note: None,
+        machine: Machine::this(),
+        measured_on: None,
+        commit: None,
+        dirty: None,
+        kernel: tools.kernel.display().to_string(),
+        initrd: tools.initrd.display().to_string(),
+        vmctl: tools.vmctl.display().to_string(),
+        qemu: tools.qemu.display().to_string(),
+        qemu_version,
+        config: Config {
+            runs: args.runs,
+            quick: args.quick,
+            vcpus: args.cpus,
+            memory_mib: args.memory_mib,
+            memory_runs: args.memory_runs,
+            memory_run_sleep_s: sleep_s,
+            timeout_s: args.timeout.as_secs(),
+            marker: BOOT_MARKER.into(),
+        },
+        commands: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, args))))
+            .collect(),
+        memory_rules: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| {
+                (
+                    v.label().to_string(),
+                    format!(
+                        "guest memory = {}; overhead = Rss of every other mapping of the VMM process \
+                         (/proc/<pid>/smaps, read when the guest printed {MEMORY_MARKER})",
+                        v.memory_rule(args.memory_mib).describe()
+                    ),
+                )
+            })
+            .collect(),
+        figures,
+        ratios,
+    })
+}
+
+/// Reads a pipe to its end on a thread.
+fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = pipe.read_to_end(&mut all);
+        all
+    })
+}
+
+/// Boots one VM: spawns `argv`, waits for `marker` on its stdout (reading
+/// `/proc/<pid>/smaps` then, if `memory` is given), then for its exit. A VM that does
+/// not print the marker, or exit, within `timeout` each, or that exits with an error,
+/// is killed and is an error.
+fn run_vm(
+    label: &str,
+    argv: &[OsString],
+    marker: &str,
+    timeout: Duration,
+    memory: Option<&GuestMemoryRule>,
+) -> Result<VmRun, String> {
+    let command_line = shell_words(
+        &argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>(),
+    );
+    let start = Instant::now();
+    // stdin is a pipe we hold open: vmctl feeds stdin to the guest's serial port and
+    // cannot poll /dev/null, and QEMU reads it for -serial stdio.
+    let mut child = Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("{label}: cannot run {command_line}: {e}"))?;
+    let stdin = child.stdin.take();
+    let mut stdout = child.stdout.take().expect("piped");
+    let stderr = drain(child.stderr.take().expect("piped"));
+    let (tx, rx) = mpsc::channel();
+    let scanner_marker = marker.to_string();
+    let stdout = thread::spawn(move || {
+        let mut scanner = MarkerScanner::new(&scanner_marker);
+        let mut all = Vec::new();
+        let mut buf = [0u8; 8192];
+        loop {
+            match stdout.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    let seen = scanner.found();
+                    if scanner.feed(&buf[..n]) && !seen {
+                        let _ = tx.send(Instant::now());
+                    }
+                    all.extend_from_slice(&buf[..n]);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        all
+    });
+
+    let fail = |mut child: Child,
+                why: String,
+                stdout: JoinHandle<Vec<u8>>,
+                stderr: JoinHandle<Vec<u8>>| {
+        // The whole process group: a VMM's helpers must not keep its pipes open.
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", child.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = child.kill();
+        let status = child.wait();
+        let out = String::from_utf8_lossy(&stdout.join().unwrap_or_default()).into_owned();
+        let err = String::from_utf8_lossy(&stderr.join().unwrap_or_default()).into_owned();
+        format!(
+            "{label}: {why}\n  command: {command_line}\n  status: {}\n--- stdout (tail) ---\n{}\n--- stderr \
+             (tail) ---\n{}",
+            status.map_or_else(|e| e.to_string(), |s| s.to_string()),
+            tail(&out, 3000),
+            tail(&err, 3000)
+        )
+    };
+
+    let marker_at = match rx.recv_timeout(timeout) {
+        Ok(t) => t,
+        Err(RecvTimeoutError::Timeout) => {
+            let why = format!(
+                "the guest did not print {marker} within {} s: killed",
+                timeout.as_secs()
+            );
+            return Err(fail(child, why, stdout, stderr));
+        }
+        Err(RecvTimeoutError::Disconnected) => {
+            // stdout closed without the marker: the VMM exited (or closed it).
+            let _ = wait_until(&mut child, start + timeout);
+            let why = format!("stdout closed before the guest printed {marker}");
+            return Err(fail(child, why, stdout, stderr));
+        }
+    };
+    let memory = match memory {
+        None => None,
+        Some(rule) => {
+            let path = format!("/proc/{}/smaps", child.id());
+            let read = fs::read_to_string(&path)
+                .map_err(|e| format!("read {path}: {e}"))
+                .and_then(|text| parse_smaps(&text).map_err(|e| format!("{path}: {e}")));
+            match read {
+                Ok(maps) => {
+                    let m = account(&maps, rule);
+                    if m.guest_mappings == 0 {
+                        let why =
+                            format!("no guest memory mapping in {path} ({})", rule.describe());
+                        return Err(fail(child, why, stdout, stderr));
+                    }
+                    Some(m)
+                }
+                Err(why) => return Err(fail(child, why, stdout, stderr)),
+            }
+        }
+    };
+    let status = match wait_until(&mut child, marker_at + timeout) {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            let why = format!(
+                "the guest printed {marker} but the VMM did not exit within {} s after: killed",
+                timeout.as_secs()
+            );
+            return Err(fail(child, why, stdout, stderr));
+        }
+        Err(e) => return Err(fail(child, format!("wait: {e}"), stdout, stderr)),
+    };
+    let exit_at = Instant::now();
+    drop(stdin);
+    let out = stdout.join().unwrap_or_default();
+    let err = String::from_utf8_lossy(&stderr.join().unwrap_or_default()).into_owned();
+    if !status.success() {
+        return Err(format!(
+            "{label}: exited with {status}\n  command: {command_line}\n--- stdout (tail) ---\n{}\n--- stderr \
+             (tail) ---\n{}",
+            tail(&String::from_utf8_lossy(&out), 3000),
+            tail(&err, 3000)
+        ));
+    }
+    Ok(VmRun {
+        to_marker: marker_at - start,
+        to_exit: exit_at - start,
+        stderr: err,
+        memory,
+    })
+}
+
+/// Polls `child` (every 2 ms) until it exits or `deadline` passes (`Ok(None)`).
+fn wait_until(child: &mut Child, deadline: Instant) -> io::Result<Option<ExitStatus>> {
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Result<Args, String> {
+        parse_args(v.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn quick_and_defaults() {
+        let a = args(&["--bench"]).unwrap();
+        assert_eq!((a.runs, a.memory_runs, a.quick), (10, 3, false));
+        assert_eq!((a.cpus, a.memory_mib), (1, 128));
+        let q = args(&["--quick", "--bench"]).unwrap();
+        assert_eq!((q.runs, q.memory_runs), (3, 1));
+        let r = args(&["--quick", "--runs", "5"]).unwrap();
+        assert_eq!(r.runs, 5);
+        assert!(args(&["--runs", "0"]).is_err());
+        assert!(args(&["--frobnicate"]).is_err());
+        assert!(args(&["--nested", "sometimes"]).is_err());
+        assert_eq!(
+            args(&["--nested", "always"]).unwrap().nested,
+            Nested::Always
+        );
+    }
+
+    #[test]
+    fn commands_match_the_documented_ones() {
+        let tools = Tools {
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            vmctl: "/v".into(),
+            qemu: "/q".into(),
+        };
+        let a = args(&[]).unwrap();
+        let s = |v: Vec<OsString>| {
+            v.iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(
+            s(Vmm::Ours.argv(&tools, Path::new("/x"), &a)),
+            "/v boot --nested never --kernel /k --initrd /x --memory 128 --cpus 1 --boot-time"
+        );
+        let q = s(Vmm::Qemu.argv(&tools, Path::new("/x"), &a));
+        assert!(q.starts_with("/q -M microvm,acpi=off"), "{q}");
+        assert!(q.contains("-m 128 -smp 1"), "{q}");
+        assert!(
+            q.contains("-no-reboot -kernel /k -initrd /x -append"),
+            "{q}"
+        );
+        assert!(q.ends_with(GUEST_CMDLINE), "{q}");
+    }
+
+    fn sh(script: &str) -> Vec<OsString> {
+        vec!["sh".into(), "-c".into(), script.into()]
+    }
+
+    #[test]
+    fn run_vm_times_marker_and_exit() {
+        let r = run_vm(
+            "sh",
+            &sh("echo hi; echo MARK-X; sleep 0.2"),
+            "MARK-X",
+            Duration::from_secs(10),
+            None,
+        )
+        .unwrap();
+        assert!(r.to_marker < r.to_exit, "{r:?}");
+        assert!(
+            r.to_exit - r.to_marker >= Duration::from_millis(150),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn run_vm_kills_a_vm_without_marker() {
+        let started = Instant::now();
+        let e = run_vm(
+            "sh",
+            &sh("echo booting; sleep 30"),
+            "MARK-X",
+            Duration::from_secs(1),
+            None,
+        )
+        .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(e.contains("did not print MARK-X within 1 s: killed"), "{e}");
+        assert!(e.contains("booting"), "{e}");
+    }
+
+    #[test]
+    fn run_vm_reports_failures() {
+        let e = run_vm(
+            "sh",
+            &sh("echo oops >&2; exit 3"),
+            "MARK-X",
+            Duration::from_secs(10),
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("stdout closed before") && e.contains("oops"),
+            "{e}"
+        );
+        let e = run_vm(
+            "sh",
+            &sh("echo MARK-X; exit 2"),
+            "MARK-X",
+            Duration::from_secs(10),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("exited with exit status: 2"), "{e}");
+        let e = run_vm(
+            "sh",
+            &sh("echo MARK-X; sleep 30"),
+            "MARK-X",
+            Duration::from_secs(1),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("did not exit within 1 s"), "{e}");
+    }
+
+    #[test]
+    fn shell_words_quotes() {
+        assert_eq!(
+            shell_words(&["a".into(), "b c".into(), "it's".into()]),
+            r"a 'b c' 'it'\''s'"
+        );
+    }
+}

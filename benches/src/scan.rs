@@ -1,0 +1,146 @@
+//! Scanning VMM output: the guest's marker on the serial console (stdout), and
+//! vmctl's boot-timer line (stderr).
+
+/// Finds `needle` in a byte stream fed in arbitrary chunks (a match may straddle two
+/// reads), without keeping the whole stream.
+#[derive(Debug, Clone)]
+pub struct MarkerScanner {
+    needle: Vec<u8>,
+    /// The last `needle.len() - 1` bytes seen, for matches across chunks.
+    tail: Vec<u8>,
+    found: bool,
+}
+
+impl MarkerScanner {
+    pub fn new(needle: &str) -> Self {
+        assert!(!needle.is_empty(), "empty marker");
+        MarkerScanner {
+            needle: needle.as_bytes().to_vec(),
+            tail: Vec::new(),
+            found: false,
+        }
+    }
+
+    /// Feeds the next chunk; true once the marker has appeared (in this chunk or
+    /// before).
+    pub fn feed(&mut self, chunk: &[u8]) -> bool {
+        if self.found {
+            return true;
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        window.extend_from_slice(chunk);
+        if window
+            .windows(self.needle.len())
+            .any(|w| w == self.needle.as_slice())
+        {
+            self.found = true;
+            return true;
+        }
+        let keep = (self.needle.len() - 1).min(window.len());
+        self.tail = window.split_off(window.len() - keep);
+        false
+    }
+
+    pub fn found(&self) -> bool {
+        self.found
+    }
+}
+
+/// vmctl's boot-timer report on stderr:
+/// `vmctl: boot time: <f> ms since VMM start, <f> ms since the first vCPU ran`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BootTimer {
+    pub since_vmm_start_ms: f64,
+    pub since_first_vcpu_ms: f64,
+}
+
+/// The first boot-timer line in `stderr`, if any.
+pub fn parse_boot_timer(stderr: &str) -> Option<BootTimer> {
+    stderr.lines().find_map(|line| {
+        let rest = &line[line.find("boot time: ")? + "boot time: ".len()..];
+        let (start, rest) = rest.split_once(" ms since VMM start, ")?;
+        let (vcpu, _) = rest.split_once(" ms since the first vCPU ran")?;
+        Some(BootTimer {
+            since_vmm_start_ms: start.trim().parse().ok()?,
+            since_first_vcpu_ms: vcpu.trim().parse().ok()?,
+        })
+    })
+}
+
+/// The last `max` characters of `text` (on a char boundary), for error reports.
+pub fn tail(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut at = text.len() - max;
+    while !text.is_char_boundary(at) {
+        at += 1;
+    }
+    &text[at..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marker_in_one_chunk() {
+        let mut s = MarkerScanner::new("BENCH-INIT-REACHED");
+        assert!(!s.feed(b"[    0.1] booting\r\n"));
+        assert!(s.feed(b"BENCH-INIT-REACHED\r\n"));
+        assert!(s.found());
+        assert!(s.feed(b"anything"));
+    }
+
+    #[test]
+    fn marker_straddling_chunks_byte_by_byte() {
+        let stream = b"noise BENCH-INIT-REACHED\r\nmore";
+        let mut s = MarkerScanner::new("BENCH-INIT-REACHED");
+        let mut found_at = None;
+        for (i, b) in stream.iter().enumerate() {
+            if s.feed(std::slice::from_ref(b)) && found_at.is_none() {
+                found_at = Some(i);
+            }
+        }
+        assert_eq!(found_at, Some(6 + "BENCH-INIT-REACHED".len() - 1));
+    }
+
+    #[test]
+    fn marker_split_in_two() {
+        let mut s = MarkerScanner::new("BENCH-INIT-REACHED");
+        assert!(!s.feed(b"xxBENCH-INI"));
+        assert!(s.feed(b"T-REACHEDyy"));
+    }
+
+    #[test]
+    fn near_misses_do_not_match() {
+        let mut s = MarkerScanner::new("BENCH-INIT-REACHED");
+        assert!(!s.feed(b"BENCH-INIT-REACHE"));
+        assert!(!s.feed(b"X-not\r\nBENCH-INIT"));
+        assert!(!s.feed(b"-REACHE\nD"));
+        assert!(!s.found());
+    }
+
+    #[test]
+    fn boot_timer_line() {
+        let stderr = "vmctl: something\n\
+                      vmctl: boot time: 5921.3 ms since VMM start, 4882.2 ms since the first vCPU ran\n";
+        assert_eq!(
+            parse_boot_timer(stderr),
+            Some(BootTimer {
+                since_vmm_start_ms: 5921.3,
+                since_first_vcpu_ms: 4882.2
+            })
+        );
+        assert_eq!(parse_boot_timer("vmctl: boot time: soon\n"), None);
+        assert_eq!(parse_boot_timer(""), None);
+    }
+
+    #[test]
+    fn tail_keeps_char_boundaries() {
+        assert_eq!(tail("abc", 10), "abc");
+        assert_eq!(tail("abcdef", 3), "def");
+        assert_eq!(tail("aé", 1), "");
+        assert_eq!(tail("aéb", 2), "b");
+    }
+}

@@ -20,6 +20,7 @@ use crate::devices::legacy::{
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::rng::Rng;
+use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{InterruptTrigger, VirtioDevice};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::memory::{create_guest_ram, GuestMemoryMmap, MemoryError};
@@ -220,7 +221,7 @@ fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildEr
     })
 }
 
-/// The virtio devices in slot order: disks (vda, vdb, ...), then rng.
+/// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock.
 fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for (index, disk) in config.disks.iter().enumerate() {
@@ -242,6 +243,14 @@ fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, Build
     }
     if config.rng {
         devices.push(Box::new(Rng::new()));
+    }
+    if let Some(vsock) = &config.vsock {
+        let device =
+            Vsock::new(vsock.guest_cid, &vsock.uds_path).map_err(|e| BuildError::Device {
+                device: vsock.uds_path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        devices.push(Box::new(device));
     }
     Ok(devices)
 }

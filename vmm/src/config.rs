@@ -40,6 +40,13 @@ impl DiskConfig {
     }
 }
 
+/// A virtio-vsock device whose host side is a Unix socket (Firecracker's hybrid vsock).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    pub guest_cid: u64,
+    pub uds_path: PathBuf,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmConfig {
     pub kernel: PathBuf,
@@ -52,6 +59,7 @@ pub struct VmConfig {
     pub kvm_device: PathBuf,
     /// Adds a virtio-rng device (the guest's entropy source).
     pub rng: bool,
+    pub vsock: Option<VsockConfig>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -109,6 +117,7 @@ impl VmConfig {
             memory_mib: DEFAULT_MEMORY_MIB,
             kvm_device: PathBuf::from(DEFAULT_KVM_DEVICE),
             rng: true,
+            vsock: None,
         }
     }
 
@@ -116,9 +125,9 @@ impl VmConfig {
         self.memory_mib.saturating_mul(1 << 20)
     }
 
-    /// Number of virtio-mmio devices, in the order they are placed: disks, then rng.
+    /// Number of virtio-mmio devices, in the order they are placed: disks, rng, vsock.
     pub fn virtio_device_count(&self) -> usize {
-        self.disks.len() + usize::from(self.rng)
+        self.disks.len() + usize::from(self.rng) + usize::from(self.vsock.is_some())
     }
 
     /// The full kernel command line: defaults, the virtio-mmio devices, then the

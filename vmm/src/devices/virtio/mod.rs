@@ -10,6 +10,7 @@
 pub mod block;
 pub mod mmio;
 pub mod rng;
+pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use crate::memory::GuestMemoryMmap;
 /// virtio device IDs (virtio 1.2, section 5).
 pub const DEVICE_ID_BLOCK: u32 = 2;
 pub const DEVICE_ID_RNG: u32 = 4;
+pub const DEVICE_ID_VSOCK: u32 = 19;
 
 /// VIRTIO_F_VERSION_1: every device we offer is a modern (1.0+) device.
 pub const FEATURE_VERSION_1: u64 = 1 << 32;

@@ -197,7 +197,11 @@ impl TxPacket {
 
 /// The (address, length) segments of a chain, all in guest memory and all of one
 /// direction.
-fn segments<I>(descs: I, memory: &GuestMemoryMmap, writable: bool) -> Result<Vec<(GuestAddress, u32)>, PacketError>
+fn segments<I>(
+    descs: I,
+    memory: &GuestMemoryMmap,
+    writable: bool,
+) -> Result<Vec<(GuestAddress, u32)>, PacketError>
 where
     I: Iterator<Item = Descriptor>,
 {
@@ -449,7 +453,10 @@ mod tests {
         ));
         assert!(matches!(
             check(hdr(5, 100), &[ro(0x1000, 100)]),
-            Err(PacketError::LenBeyondBuffer { len: 100, avail: 56 })
+            Err(PacketError::LenBeyondBuffer {
+                len: 100,
+                avail: 56
+            })
         ));
         assert!(matches!(
             check(hdr(5, MAX_PKT_LEN + 1), &[ro(0x1000, 100)]),
@@ -529,15 +536,18 @@ mod tests {
         assert!(buf.write_packet(&mem, &h, &[1u8; 11]).is_err());
         assert_eq!(buf.write_packet(&mem, &h, b"0123456789").unwrap(), 54);
         let mut raw = [0u8; HDR_LEN];
-        mem.read_slice(&mut raw[..20], GuestAddress(0x1000)).unwrap();
-        mem.read_slice(&mut raw[20..], GuestAddress(0x2000)).unwrap();
+        mem.read_slice(&mut raw[..20], GuestAddress(0x1000))
+            .unwrap();
+        mem.read_slice(&mut raw[20..], GuestAddress(0x2000))
+            .unwrap();
         let got = Header::from_bytes(&raw);
         assert_eq!(got.len, 10);
         assert_eq!(got.op, Op::Rw as u16);
         let mut data = [0u8; 10];
         mem.read_slice(&mut data[..6], GuestAddress(0x2000 + 24))
             .unwrap();
-        mem.read_slice(&mut data[6..], GuestAddress(0x3000)).unwrap();
+        mem.read_slice(&mut data[6..], GuestAddress(0x3000))
+            .unwrap();
         assert_eq!(&data, b"0123456789");
     }
 }

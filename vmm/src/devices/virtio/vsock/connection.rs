@@ -1,0 +1,513 @@
+//! One vsock stream between a guest port and a host Unix socket: the connection
+//! state machine and credit-based flow control (virtio 1.2, 5.10.6.3).
+//!
+//! Counters (all wrapping `u32`, as in the spec):
+//! - `rx_cnt`: payload bytes sent to the guest; with the guest's `buf_alloc` and
+//!   `fwd_cnt` it bounds what we may still send.
+//! - `recv_cnt`: payload bytes received from the guest.
+//! - `fwd_cnt`: of those, bytes written to the Unix socket. The guest may have at
+//!   most `BUF_ALLOC` bytes outstanding (`recv_cnt - fwd_cnt`), so the per-connection
+//!   host buffer is bounded, and while the socket is not writable `fwd_cnt` stops
+//!   moving and the guest runs out of credit.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::Shutdown;
+use std::num::Wrapping;
+use std::os::unix::net::UnixStream;
+
+use vmm_sys_util::epoll::EventSet;
+
+use super::packet::{Header, Op, TxPacket, SHUTDOWN_RCV, SHUTDOWN_SEND};
+
+/// The receive buffer we advertise to the guest: the most guest→host bytes buffered
+/// per connection.
+pub const BUF_ALLOC: u32 = 256 * 1024;
+/// Forwarded bytes after which we tell the guest about the freed space unprompted.
+pub const CREDIT_UPDATE_THRESHOLD: u32 = BUF_ALLOC / 4;
+
+const PENDING_RST: u8 = 1;
+const PENDING_REQUEST: u8 = 2;
+const PENDING_RESPONSE: u8 = 4;
+const PENDING_SHUTDOWN: u8 = 8;
+const PENDING_CREDIT_UPDATE: u8 = 16;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConnectionError {
+    #[error("guest sent {len} bytes with only {free} bytes of credit")]
+    CreditExceeded { len: u32, free: u32 },
+    #[error("unexpected {op:?} in state {state:?}")]
+    UnexpectedOp { op: Op, state: State },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    /// The host asked the guest to connect (OP_REQUEST) and awaits OP_RESPONSE.
+    LocalInit,
+    /// Data flows.
+    Established,
+    /// An RST or SHUTDOWN+RST is on its way to the guest; then the connection dies.
+    Closing,
+}
+
+pub struct Connection {
+    pub local_port: u32,
+    pub peer_port: u32,
+    pub stream: UnixStream,
+    /// The epoll token of `stream`.
+    pub token: u64,
+    state: State,
+    guest_cid: u64,
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: Wrapping<u32>,
+    rx_cnt: Wrapping<u32>,
+    recv_cnt: Wrapping<u32>,
+    fwd_cnt: Wrapping<u32>,
+    last_fwd_cnt_sent: Wrapping<u32>,
+    /// Bytes waiting for the Unix socket: first `prefix` bytes the device made up
+    /// (the `OK <port>\n` line), then guest payload.
+    tx_buf: VecDeque<u8>,
+    prefix: usize,
+    pending: u8,
+    peer_shutdown: u32,
+    write_shut: bool,
+    /// epoll said the socket is readable (or hung up) and we have not drained it.
+    pub readable: bool,
+    /// The socket hung up: it was taken out of epoll, reads continue until EOF.
+    pub hup: bool,
+    /// In the muxer's ready list.
+    pub in_rx_ready: bool,
+    /// The interest currently registered with epoll (None: not registered).
+    pub registered: Option<EventSet>,
+    /// The final RST went out: remove the connection.
+    pub dead: bool,
+}
+
+impl Connection {
+    fn new(
+        guest_cid: u64,
+        local_port: u32,
+        peer_port: u32,
+        stream: UnixStream,
+        token: u64,
+        state: State,
+        pending: u8,
+    ) -> Self {
+        Self {
+            local_port,
+            peer_port,
+            stream,
+            token,
+            state,
+            guest_cid,
+            peer_buf_alloc: 0,
+            peer_fwd_cnt: Wrapping(0),
+            rx_cnt: Wrapping(0),
+            recv_cnt: Wrapping(0),
+            fwd_cnt: Wrapping(0),
+            last_fwd_cnt_sent: Wrapping(0),
+            tx_buf: VecDeque::new(),
+            prefix: 0,
+            pending,
+            peer_shutdown: 0,
+            write_shut: false,
+            readable: false,
+            hup: false,
+            in_rx_ready: false,
+            registered: None,
+            dead: false,
+        }
+    }
+
+    /// A host client asked for guest port `peer_port`: send OP_REQUEST.
+    pub fn new_local(
+        guest_cid: u64,
+        local_port: u32,
+        peer_port: u32,
+        stream: UnixStream,
+        token: u64,
+    ) -> Self {
+        Self::new(
+            guest_cid,
+            local_port,
+            peer_port,
+            stream,
+            token,
+            State::LocalInit,
+            PENDING_REQUEST,
+        )
+    }
+
+    /// The guest connected (OP_REQUEST `req`) and the host socket is open: answer
+    /// OP_RESPONSE.
+    pub fn new_peer(guest_cid: u64, req: &Header, stream: UnixStream, token: u64) -> Self {
+        let mut conn = Self::new(
+            guest_cid,
+            req.dst_port,
+            req.src_port,
+            stream,
+            token,
+            State::Established,
+            PENDING_RESPONSE,
+        );
+        conn.peer_buf_alloc = req.buf_alloc;
+        conn.peer_fwd_cnt = Wrapping(req.fwd_cnt);
+        conn
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// Bytes the guest can still take.
+    pub fn peer_free(&self) -> u32 {
+        let in_flight = (self.rx_cnt - self.peer_fwd_cnt).0;
+        self.peer_buf_alloc.saturating_sub(in_flight)
+    }
+
+    fn can_send_data(&self) -> bool {
+        self.state == State::Established
+            && self.peer_shutdown & SHUTDOWN_RCV == 0
+            && self.peer_free() > 0
+    }
+
+    /// Something to put in the guest's rx queue.
+    pub fn wants_rx(&self) -> bool {
+        self.pending != 0 || (self.readable && self.can_send_data())
+    }
+
+    /// What to poll the socket for.
+    pub fn desired_interest(&self) -> EventSet {
+        let mut set = EventSet::empty();
+        if !self.readable && self.can_send_data() {
+            set |= EventSet::IN;
+        }
+        if !self.tx_buf.is_empty() {
+            set |= EventSet::OUT;
+        }
+        set
+    }
+
+    /// Resets the connection: only an RST goes to the guest, then it dies.
+    pub fn reset(&mut self) {
+        self.state = State::Closing;
+        self.pending = PENDING_RST;
+    }
+
+    /// The host side went away: tell the guest with SHUTDOWN, then RST.
+    fn host_closed(&mut self) {
+        if self.state != State::Closing {
+            self.state = State::Closing;
+            self.pending = PENDING_SHUTDOWN | PENDING_RST;
+        }
+        self.readable = false;
+        self.tx_buf.clear();
+        self.prefix = 0;
+    }
+
+    /// A packet from the guest for this connection (RST is handled by the muxer).
+    pub fn handle_guest(&mut self, pkt: &TxPacket, op: Op) -> Result<(), ConnectionError> {
+        if self.state == State::Closing {
+            return Ok(());
+        }
+        self.peer_buf_alloc = pkt.hdr.buf_alloc;
+        self.peer_fwd_cnt = Wrapping(pkt.hdr.fwd_cnt);
+        let unexpected = |state| Err(ConnectionError::UnexpectedOp { op, state });
+        match (self.state, op) {
+            (State::LocalInit, Op::Response) => {
+                self.state = State::Established;
+                let line = format!("OK {}\n", self.local_port);
+                self.prefix = line.len();
+                self.tx_buf.extend(line.as_bytes());
+                self.flush_tx();
+                Ok(())
+            }
+            (State::Established, Op::Rw) => {
+                if self.peer_shutdown & SHUTDOWN_SEND != 0 {
+                    return unexpected(self.state);
+                }
+                let outstanding = (self.recv_cnt - self.fwd_cnt).0;
+                let free = BUF_ALLOC.saturating_sub(outstanding);
+                if pkt.hdr.len > free {
+                    return Err(ConnectionError::CreditExceeded {
+                        len: pkt.hdr.len,
+                        free,
+                    });
+                }
+                self.tx_buf.extend(&pkt.data);
+                self.recv_cnt += pkt.hdr.len;
+                self.flush_tx();
+                Ok(())
+            }
+            (State::Established, Op::CreditUpdate) => Ok(()),
+            (State::Established, Op::CreditRequest) => {
+                self.pending |= PENDING_CREDIT_UPDATE;
+                Ok(())
+            }
+            (State::Established, Op::Shutdown) => {
+                self.peer_shutdown |= pkt.hdr.flags & (SHUTDOWN_RCV | SHUTDOWN_SEND);
+                self.check_shutdown();
+                Ok(())
+            }
+            (state, _) => unexpected(state),
+        }
+    }
+
+    /// Acts on the guest's shutdown flags once everything it sent reached the host.
+    fn check_shutdown(&mut self) {
+        if !self.tx_buf.is_empty() || self.state != State::Established {
+            return;
+        }
+        if self.peer_shutdown == SHUTDOWN_RCV | SHUTDOWN_SEND {
+            // The guest is closing; it waits for our RST.
+            self.state = State::Closing;
+            self.pending = PENDING_RST;
+        } else if self.peer_shutdown & SHUTDOWN_SEND != 0 && !self.write_shut {
+            self.write_shut = true;
+            if let Err(e) = self.stream.shutdown(Shutdown::Write) {
+                tracing::debug!("vsock: shutdown of host socket failed: {e}");
+            }
+        }
+    }
+
+    /// Writes as much of the host-bound buffer as the socket takes.
+    pub fn flush_tx(&mut self) {
+        while !self.tx_buf.is_empty() {
+            let (front, _) = self.tx_buf.as_slices();
+            match self.stream.write(front) {
+                Ok(0) => {
+                    self.host_closed();
+                    return;
+                }
+                Ok(n) => {
+                    self.tx_buf.drain(..n);
+                    let from_prefix = n.min(self.prefix);
+                    self.prefix -= from_prefix;
+                    // n - from_prefix <= BUF_ALLOC.
+                    self.fwd_cnt += (n - from_prefix) as u32;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::debug!("vsock: write to host socket failed: {e}");
+                    self.host_closed();
+                    return;
+                }
+            }
+        }
+        if (self.fwd_cnt - self.last_fwd_cnt_sent).0 >= CREDIT_UPDATE_THRESHOLD {
+            self.pending |= PENDING_CREDIT_UPDATE;
+        }
+        self.check_shutdown();
+    }
+
+    fn header(&mut self, op: Op) -> Header {
+        let mut hdr = Header::to_guest(self.guest_cid, self.local_port, self.peer_port, op);
+        hdr.buf_alloc = BUF_ALLOC;
+        hdr.fwd_cnt = self.fwd_cnt.0;
+        self.last_fwd_cnt_sent = self.fwd_cnt;
+        self.pending &= !PENDING_CREDIT_UPDATE;
+        hdr
+    }
+
+    /// The next packet for the guest: a control packet, or data read from the socket
+    /// into `buf` (at most the guest's credit). Returns the header and payload length.
+    pub fn produce(&mut self, buf: &mut [u8]) -> Option<(Header, usize)> {
+        if self.pending & PENDING_SHUTDOWN != 0 {
+            self.pending &= !PENDING_SHUTDOWN;
+            let mut hdr = self.header(Op::Shutdown);
+            hdr.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+            return Some((hdr, 0));
+        }
+        if self.pending & PENDING_RST != 0 {
+            self.pending = 0;
+            self.dead = true;
+            return Some((self.header(Op::Rst), 0));
+        }
+        if self.pending & PENDING_REQUEST != 0 {
+            self.pending &= !PENDING_REQUEST;
+            return Some((self.header(Op::Request), 0));
+        }
+        if self.pending & PENDING_RESPONSE != 0 {
+            self.pending &= !PENDING_RESPONSE;
+            return Some((self.header(Op::Response), 0));
+        }
+        if self.readable && self.can_send_data() {
+            let n = buf.len().min(self.peer_free() as usize);
+            if n > 0 {
+                match self.stream.read(&mut buf[..n]) {
+                    Ok(0) => {
+                        self.host_closed();
+                        return self.produce(buf);
+                    }
+                    Ok(k) => {
+                        // k <= n <= peer_free, a u32.
+                        self.rx_cnt += k as u32;
+                        return Some((self.header(Op::Rw), k));
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        if self.hup {
+                            // A hung-up socket with nothing to read is closed.
+                            self.host_closed();
+                            return self.produce(buf);
+                        }
+                        self.readable = false;
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        tracing::debug!("vsock: read from host socket failed: {e}");
+                        self.host_closed();
+                        return self.produce(buf);
+                    }
+                }
+            }
+        }
+        if self.pending & PENDING_CREDIT_UPDATE != 0 {
+            return Some((self.header(Op::CreditUpdate), 0));
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::vsock::packet::{HOST_CID, TYPE_STREAM};
+
+    fn pkt(op: Op, flags: u32, data: &[u8], buf_alloc: u32, fwd_cnt: u32) -> TxPacket {
+        TxPacket {
+            hdr: Header {
+                src_cid: 3,
+                dst_cid: HOST_CID,
+                src_port: 52,
+                dst_port: 1024,
+                len: data.len() as u32,
+                type_: TYPE_STREAM,
+                op: op as u16,
+                flags,
+                buf_alloc,
+                fwd_cnt,
+            },
+            data: data.to_vec(),
+        }
+    }
+
+    fn established(peer_buf: u32) -> (Connection, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        let mut c = Connection::new_local(3, 1024, 52, a, 7);
+        let mut buf = [0u8; 16];
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Request as u16);
+        c.handle_guest(&pkt(Op::Response, 0, &[], peer_buf, 0), Op::Response)
+            .unwrap();
+        let mut line = [0u8; 8];
+        (&b).read_exact(&mut line).unwrap();
+        assert_eq!(&line, b"OK 1024\n");
+        (c, b)
+    }
+
+    #[test]
+    fn credit_bounds_host_to_guest_data() {
+        let (mut c, mut b) = established(10);
+        b.write_all(&[7u8; 100]).unwrap();
+        c.readable = true;
+        let mut buf = [0u8; 64];
+        let (h, n) = c.produce(&mut buf).unwrap();
+        assert_eq!((h.op, n), (Op::Rw as u16, 10));
+        assert_eq!(c.peer_free(), 0);
+        assert!(!c.wants_rx());
+        assert!(!c.desired_interest().contains(EventSet::IN));
+        // The guest consumed 10 and grows its buffer.
+        c.handle_guest(&pkt(Op::CreditUpdate, 0, &[], 30, 10), Op::CreditUpdate)
+            .unwrap();
+        assert_eq!(c.peer_free(), 30);
+        assert!(c.wants_rx());
+        let (_, n) = c.produce(&mut buf).unwrap();
+        assert_eq!(n, 30);
+        // A lying fwd_cnt beyond what we sent gives no credit.
+        c.handle_guest(&pkt(Op::CreditUpdate, 0, &[], 30, 1000), Op::CreditUpdate)
+            .unwrap();
+        assert_eq!(c.peer_free(), 0);
+    }
+
+    #[test]
+    fn guest_data_is_bounded_and_acknowledged_only_when_forwarded() {
+        let (mut c, b) = established(4096);
+        let chunk = vec![1u8; 64 * 1024];
+        let mut sent = 0u32;
+        // The socket buffer fills up, then our buffer; fwd_cnt only counts what the
+        // socket took.
+        while sent + chunk.len() as u32 <= BUF_ALLOC {
+            c.handle_guest(&pkt(Op::Rw, 0, &chunk, 4096, 0), Op::Rw)
+                .unwrap();
+            sent += chunk.len() as u32;
+        }
+        let mut buf = [0u8; 16];
+        // Whatever credit update is pending reports only forwarded bytes.
+        while let Some((h, _)) = c.produce(&mut buf) {
+            assert!(h.fwd_cnt <= sent);
+        }
+        let buffered = (c.recv_cnt - c.fwd_cnt).0;
+        assert!(buffered as usize == c.tx_buf.len());
+        assert!(c.tx_buf.len() <= BUF_ALLOC as usize);
+        if buffered > 0 {
+            assert!(c.desired_interest().contains(EventSet::OUT));
+            // Sending beyond the credit is refused.
+            let over = vec![0u8; (BUF_ALLOC - buffered + 1) as usize];
+            assert!(matches!(
+                c.handle_guest(&pkt(Op::Rw, 0, &over, 4096, 0), Op::Rw),
+                Err(ConnectionError::CreditExceeded { .. })
+            ));
+        }
+        drop(b);
+    }
+
+    #[test]
+    fn shutdown_and_credit_request() {
+        let (mut c, b) = established(4096);
+        let mut buf = [0u8; 16];
+        c.handle_guest(&pkt(Op::CreditRequest, 0, &[], 4096, 0), Op::CreditRequest)
+            .unwrap();
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::CreditUpdate as u16);
+        assert_eq!(h.buf_alloc, BUF_ALLOC);
+        c.handle_guest(
+            &pkt(Op::Shutdown, SHUTDOWN_RCV | SHUTDOWN_SEND, &[], 4096, 0),
+            Op::Shutdown,
+        )
+        .unwrap();
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Rst as u16);
+        assert!(c.dead);
+        drop(b);
+    }
+
+    #[test]
+    fn host_eof_gives_shutdown_then_rst() {
+        let (mut c, b) = established(4096);
+        drop(b);
+        c.readable = true;
+        let mut buf = [0u8; 16];
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Shutdown as u16);
+        assert_eq!(h.flags, SHUTDOWN_RCV | SHUTDOWN_SEND);
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Rst as u16);
+        assert!(c.dead);
+        assert!(c.produce(&mut buf).is_none());
+    }
+
+    #[test]
+    fn unexpected_ops() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let mut c = Connection::new_local(3, 1024, 52, a, 7);
+        assert!(c
+            .handle_guest(&pkt(Op::Rw, 0, b"x", 4096, 0), Op::Rw)
+            .is_err());
+        let (mut c, _b) = established(4096);
+        assert!(c
+            .handle_guest(&pkt(Op::Request, 0, &[], 4096, 0), Op::Request)
+            .is_err());
+    }
+}

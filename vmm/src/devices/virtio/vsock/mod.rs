@@ -1,0 +1,202 @@
+//! virtio-vsock (virtio 1.2, section 5.10), stream sockets only, with a
+//! Firecracker-style "hybrid" host side over Unix sockets:
+//!
+//! - host → guest: a client connects to the Unix socket `P` and writes
+//!   `CONNECT <port>\n`; once the guest accepts, the client reads `OK <host_port>\n`
+//!   and the stream is bridged; if the guest refuses, the client is disconnected.
+//! - guest → host: a guest connection to CID 2 port `N` is forwarded to the Unix
+//!   socket `P_N`; if nothing listens there the guest gets a reset.
+//!
+//! The transport calls [`VirtioDevice::process_queue`] from the VMM's event loop
+//! with its lock held, so the device only wakes its worker thread ([`worker`]),
+//! which does all queue and socket I/O.
+
+pub mod connection;
+pub mod muxer;
+pub mod packet;
+pub mod worker;
+
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueT};
+
+use super::{ActivateError, InterruptTrigger, VirtioDevice, DEVICE_ID_VSOCK, FEATURE_VERSION_1};
+use crate::memory::GuestMemoryMmap;
+use muxer::Muxer;
+use worker::{WorkerHandle, NUM_QUEUES};
+
+/// Size of each of the three queues.
+pub const QUEUE_SIZE: u16 = 256;
+/// The guest CID used when none is configured.
+pub const DEFAULT_GUEST_CID: u64 = 3;
+/// `struct virtio_vsock_config`: guest_cid (le64).
+const CONFIG_LEN: usize = 8;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VsockError {
+    #[error("guest CID {0} is reserved or out of range (use 3..=4294967294)")]
+    InvalidCid(u64),
+    #[error("{}: exists and is not a socket; refusing to replace it", .0.display())]
+    NotASocket(PathBuf),
+    #[error("cannot remove the stale socket {}: {source}", .path.display())]
+    RemoveStale {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {}: {source}", .path.display())]
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The vsock device.
+pub struct Vsock {
+    guest_cid: u64,
+    uds_path: PathBuf,
+    listener: Arc<UnixListener>,
+    acked_features: u64,
+    queue_max_sizes: [u16; NUM_QUEUES],
+    worker: Option<WorkerHandle>,
+}
+
+impl Vsock {
+    /// A device whose guest has CID `guest_cid`, listening on `uds_path` right away
+    /// (a stale socket file there is replaced).
+    pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Vsock, VsockError> {
+        if !(3..u64::from(u32::MAX)).contains(&guest_cid) {
+            return Err(VsockError::InvalidCid(guest_cid));
+        }
+        if let Ok(meta) = std::fs::symlink_metadata(uds_path) {
+            if !meta.file_type().is_socket() {
+                return Err(VsockError::NotASocket(uds_path.to_path_buf()));
+            }
+            std::fs::remove_file(uds_path).map_err(|source| VsockError::RemoveStale {
+                path: uds_path.to_path_buf(),
+                source,
+            })?;
+        }
+        let bind_err = |source| VsockError::Bind {
+            path: uds_path.to_path_buf(),
+            source,
+        };
+        let listener = UnixListener::bind(uds_path).map_err(bind_err)?;
+        listener.set_nonblocking(true).map_err(bind_err)?;
+        Ok(Vsock {
+            guest_cid,
+            uds_path: uds_path.to_path_buf(),
+            listener: Arc::new(listener),
+            acked_features: 0,
+            queue_max_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            worker: None,
+        })
+    }
+
+    pub fn guest_cid(&self) -> u64 {
+        self.guest_cid
+    }
+
+    /// The Unix socket host clients connect to.
+    pub fn uds_path(&self) -> &Path {
+        &self.uds_path
+    }
+
+    /// Whether the worker runs (the driver activated the device).
+    pub fn is_active(&self) -> bool {
+        self.worker.as_ref().is_some_and(WorkerHandle::is_running)
+    }
+
+    fn stop_worker(&mut self) {
+        if let Some(mut worker) = self.worker.take() {
+            worker.stop();
+        }
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        self.stop_worker();
+        if let Err(e) = std::fs::remove_file(&self.uds_path) {
+            tracing::debug!("vsock: cannot remove {}: {e}", self.uds_path.display());
+        }
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        DEVICE_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        FEATURE_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let config = self.guest_cid.to_le_bytes();
+        for (i, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(i as u64)
+                .and_then(|o| usize::try_from(o).ok())
+                .filter(|&o| o < CONFIG_LEN)
+                .map_or(0, |o| config[o]);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            "virtio-vsock: config write of {} bytes at {offset:#x} ignored",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<(), ActivateError> {
+        let got = queues.len();
+        let queues =
+            <[Queue; NUM_QUEUES]>::try_from(queues).map_err(|_| ActivateError::QueueCount {
+                expected: NUM_QUEUES,
+                got,
+            })?;
+        if let Some(index) = queues.iter().position(|q| !q.ready()) {
+            return Err(ActivateError::InvalidQueue { index });
+        }
+        self.stop_worker();
+        let muxer = Muxer::new(self.guest_cid, &self.uds_path, self.listener.clone())
+            .map_err(|e| ActivateError::Device(e.to_string()))?;
+        let handle = worker::spawn(memory, queues, interrupt, muxer, self.guest_cid)
+            .map_err(|e| ActivateError::Device(e.to_string()))?;
+        self.worker = Some(handle);
+        Ok(())
+    }
+
+    fn process_queue(&mut self, index: usize) {
+        match &self.worker {
+            Some(worker) if index < NUM_QUEUES => worker.notify(index),
+            Some(_) => tracing::warn!("virtio-vsock: notification for nonexistent queue {index}"),
+            None => tracing::debug!("virtio-vsock: queue {index} notified before activation"),
+        }
+    }
+
+    fn reset(&mut self) {
+        self.stop_worker();
+        self.acked_features = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests;

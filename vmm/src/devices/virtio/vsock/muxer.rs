@@ -1,0 +1,480 @@
+//! The host side of the device (Firecracker-style "hybrid vsock"): the Unix
+//! listener at `P`, host clients' `CONNECT <port>\n` handshakes, guest connections
+//! to `P_<port>`, and the map of live connections keyed by (local port, peer port).
+//!
+//! The muxer owns the epoll set; the worker adds its own event fds with tokens below
+//! [`FIRST_DYNAMIC_TOKEN`].
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::OsString;
+use std::io::{ErrorKind, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use super::connection::{Connection, State};
+use super::packet::{Header, Op, TxPacket};
+
+/// epoll token of the listener.
+pub const LISTENER_TOKEN: u64 = 8;
+/// Tokens from here on name host sockets.
+pub const FIRST_DYNAMIC_TOKEN: u64 = 1 << 32;
+/// Most live connections; further requests are refused.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Most host clients still sending their `CONNECT` line.
+pub const MAX_PENDING_CLIENTS: usize = 256;
+/// Most RSTs for unknown connections waiting for a receive buffer.
+pub const MAX_PENDING_RSTS: usize = 1024;
+/// Longest accepted `CONNECT <port>\n` line.
+const MAX_CONNECT_LINE: usize = 32;
+/// First host port handed to host-initiated connections.
+pub const FIRST_LOCAL_PORT: u32 = 1024;
+
+/// (local (host) port, peer (guest) port).
+pub type ConnKey = (u32, u32);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MuxerError {
+    #[error("cannot create the epoll set: {0}")]
+    Epoll(std::io::Error),
+    #[error("cannot register the listener with epoll: {0}")]
+    RegisterListener(std::io::Error),
+    #[error("malformed connect line from a host client: {0:?}")]
+    BadConnectLine(String),
+    #[error("too many connections ({MAX_CONNECTIONS})")]
+    TooManyConnections,
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Counters for things the guest or host clients got wrong.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Stats {
+    pub bad_packets: u64,
+    pub resets_sent: u64,
+    pub rsts_dropped: u64,
+    pub refused_clients: u64,
+}
+
+/// A host client that has not finished its `CONNECT` line yet.
+struct PendingClient {
+    stream: UnixStream,
+    line: Vec<u8>,
+}
+
+pub struct Muxer {
+    guest_cid: u64,
+    uds_path: PathBuf,
+    listener: Arc<UnixListener>,
+    epoll: Epoll,
+    conns: HashMap<ConnKey, Connection>,
+    tokens: HashMap<u64, ConnKey>,
+    pending_clients: HashMap<u64, PendingClient>,
+    next_token: u64,
+    next_local_port: u32,
+    rx_ready: VecDeque<ConnKey>,
+    rst_queue: VecDeque<Header>,
+    pub stats: Stats,
+}
+
+impl Muxer {
+    pub fn new(
+        guest_cid: u64,
+        uds_path: &Path,
+        listener: Arc<UnixListener>,
+    ) -> Result<Self, MuxerError> {
+        let epoll = Epoll::new().map_err(MuxerError::Epoll)?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                listener.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, LISTENER_TOKEN),
+            )
+            .map_err(MuxerError::RegisterListener)?;
+        Ok(Self {
+            guest_cid,
+            uds_path: uds_path.to_path_buf(),
+            listener,
+            epoll,
+            conns: HashMap::new(),
+            tokens: HashMap::new(),
+            pending_clients: HashMap::new(),
+            next_token: FIRST_DYNAMIC_TOKEN,
+            next_local_port: FIRST_LOCAL_PORT,
+            rx_ready: VecDeque::new(),
+            rst_queue: VecDeque::new(),
+            stats: Stats::default(),
+        })
+    }
+
+    pub fn epoll(&self) -> &Epoll {
+        &self.epoll
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn new_token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1).max(FIRST_DYNAMIC_TOKEN);
+        t
+    }
+
+    /// An epoll event for a token this muxer owns.
+    pub fn handle_event(&mut self, token: u64, events: EventSet) {
+        if token == LISTENER_TOKEN {
+            self.accept_clients();
+        } else if self.pending_clients.contains_key(&token) {
+            self.read_connect_line(token);
+        } else if let Some(&key) = self.tokens.get(&token) {
+            if let Some(conn) = self.conns.get_mut(&key) {
+                if events.intersects(EventSet::HANG_UP | EventSet::ERROR) {
+                    conn.hup = true;
+                    conn.readable = true;
+                }
+                if events.contains(EventSet::IN) {
+                    conn.readable = true;
+                }
+                if events.contains(EventSet::OUT) {
+                    conn.flush_tx();
+                }
+            }
+            self.sync(key);
+        }
+    }
+
+    fn accept_clients(&mut self) {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!("vsock: accept on {} failed: {e}", self.uds_path.display());
+                    return;
+                }
+            };
+            if self.pending_clients.len() >= MAX_PENDING_CLIENTS
+                || self.conns.len() >= MAX_CONNECTIONS
+            {
+                self.stats.refused_clients += 1;
+                tracing::debug!("vsock: refusing a host client: too many connections");
+                continue;
+            }
+            if let Err(e) = stream.set_nonblocking(true) {
+                tracing::warn!("vsock: cannot make a host client non-blocking: {e}");
+                continue;
+            }
+            let token = self.new_token();
+            if let Err(e) = self.epoll.ctl(
+                ControlOperation::Add,
+                stream.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, token),
+            ) {
+                tracing::warn!("vsock: cannot poll a host client: {e}");
+                continue;
+            }
+            self.pending_clients.insert(
+                token,
+                PendingClient {
+                    stream,
+                    line: Vec::new(),
+                },
+            );
+        }
+    }
+
+    /// Reads the handshake a byte at a time, so no stream data is consumed with it.
+    fn read_connect_line(&mut self, token: u64) {
+        let Some(client) = self.pending_clients.get_mut(&token) else {
+            return;
+        };
+        let mut byte = [0u8; 1];
+        let done = loop {
+            match client.stream.read(&mut byte) {
+                Ok(0) => break Err(MuxerError::BadConnectLine("(closed)".into())),
+                Ok(_) if byte[0] == b'\n' => break parse_connect(&client.line),
+                Ok(_) if client.line.len() >= MAX_CONNECT_LINE => {
+                    break Err(MuxerError::BadConnectLine(
+                        String::from_utf8_lossy(&client.line).into_owned(),
+                    ))
+                }
+                Ok(_) => client.line.push(byte[0]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => break Err(MuxerError::BadConnectLine(e.to_string())),
+            }
+        };
+        let Some(client) = self.pending_clients.remove(&token) else {
+            return;
+        };
+        let peer_port = match done {
+            Ok(port) => port,
+            Err(e) => {
+                self.stats.refused_clients += 1;
+                tracing::debug!("vsock: {e}");
+                return; // dropping the stream closes it (and removes it from epoll)
+            }
+        };
+        if self.conns.len() >= MAX_CONNECTIONS {
+            self.stats.refused_clients += 1;
+            tracing::debug!("vsock: {}", MuxerError::TooManyConnections);
+            return;
+        }
+        let Some(local_port) = self.allocate_local_port(peer_port) else {
+            self.stats.refused_clients += 1;
+            return;
+        };
+        let mut conn =
+            Connection::new_local(self.guest_cid, local_port, peer_port, client.stream, token);
+        // Still registered (for IN) from the handshake.
+        conn.registered = Some(EventSet::IN);
+        self.insert(conn);
+    }
+
+    fn allocate_local_port(&mut self, peer_port: u32) -> Option<u32> {
+        for _ in 0..=MAX_CONNECTIONS {
+            let port = self.next_local_port;
+            self.next_local_port = match port.checked_add(1) {
+                Some(p) => p,
+                None => FIRST_LOCAL_PORT,
+            };
+            if !self.conns.contains_key(&(port, peer_port)) {
+                return Some(port);
+            }
+        }
+        None
+    }
+
+    fn insert(&mut self, conn: Connection) {
+        let key = (conn.local_port, conn.peer_port);
+        self.tokens.insert(conn.token, key);
+        self.conns.insert(key, conn);
+        self.sync(key);
+    }
+
+    fn remove(&mut self, key: ConnKey) {
+        if let Some(conn) = self.conns.remove(&key) {
+            self.tokens.remove(&conn.token);
+            if conn.registered.is_some() {
+                // Closing the socket removes it too; this is for tidiness.
+                let _ = self.epoll.ctl(
+                    ControlOperation::Delete,
+                    conn.stream.as_raw_fd(),
+                    EpollEvent::default(),
+                );
+            }
+            if conn.in_rx_ready {
+                self.rx_ready.retain(|k| *k != key);
+            }
+        }
+    }
+
+    /// Brings a connection's epoll registration and ready-list membership up to date
+    /// after anything touched it; removes dead connections.
+    fn sync(&mut self, key: ConnKey) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if conn.dead {
+            self.remove(key);
+            return;
+        }
+        // A hung-up socket stays readable forever: it leaves epoll and is drained
+        // through the ready list.
+        let want = if conn.hup {
+            None
+        } else {
+            Some(conn.desired_interest())
+        };
+        if want != conn.registered {
+            let fd = conn.stream.as_raw_fd();
+            let result = match (conn.registered, want) {
+                (Some(_), None) => {
+                    self.epoll
+                        .ctl(ControlOperation::Delete, fd, EpollEvent::default())
+                }
+                (None, Some(set)) => {
+                    self.epoll
+                        .ctl(ControlOperation::Add, fd, EpollEvent::new(set, conn.token))
+                }
+                (Some(_), Some(set)) => self.epoll.ctl(
+                    ControlOperation::Modify,
+                    fd,
+                    EpollEvent::new(set, conn.token),
+                ),
+                (None, None) => Ok(()),
+            };
+            match result {
+                Ok(()) => conn.registered = want,
+                Err(e) => {
+                    tracing::warn!("vsock: epoll_ctl for port {} failed: {e}", conn.local_port);
+                    conn.reset();
+                }
+            }
+        }
+        if !conn.in_rx_ready && conn.wants_rx() {
+            conn.in_rx_ready = true;
+            self.rx_ready.push_back(key);
+        }
+    }
+
+    fn queue_rst(&mut self, to: &Header) {
+        if self.rst_queue.len() >= MAX_PENDING_RSTS {
+            self.stats.rsts_dropped += 1;
+            return;
+        }
+        self.stats.resets_sent += 1;
+        self.rst_queue.push_back(Header::to_guest(
+            self.guest_cid,
+            to.dst_port,
+            to.src_port,
+            Op::Rst,
+        ));
+    }
+
+    /// A packet from the guest (already checked for CIDs and length).
+    pub fn handle_guest_packet(&mut self, pkt: TxPacket) {
+        let key = (pkt.hdr.dst_port, pkt.hdr.src_port);
+        let op = match pkt.op() {
+            Ok(op) => op,
+            Err(e) => {
+                self.stats.bad_packets += 1;
+                tracing::debug!("vsock: bad packet from the guest: {e}");
+                if let Some(conn) = self.conns.get_mut(&key) {
+                    conn.reset();
+                    self.sync(key);
+                } else {
+                    self.queue_rst(&pkt.hdr);
+                }
+                return;
+            }
+        };
+        if let Some(conn) = self.conns.get_mut(&key) {
+            if op == Op::Rst {
+                self.remove(key);
+                return;
+            }
+            if let Err(e) = conn.handle_guest(&pkt, op) {
+                self.stats.bad_packets += 1;
+                tracing::debug!("vsock: resetting {}:{}: {e}", key.0, key.1);
+                conn.reset();
+            }
+            self.sync(key);
+            return;
+        }
+        match op {
+            Op::Request => self.guest_connect(&pkt.hdr),
+            Op::Rst => {}
+            _ => self.queue_rst(&pkt.hdr),
+        }
+    }
+
+    /// The guest connects to host port `dst_port`: forward to `P_<port>`.
+    fn guest_connect(&mut self, req: &Header) {
+        if self.conns.len() >= MAX_CONNECTIONS {
+            tracing::debug!("vsock: {}", MuxerError::TooManyConnections);
+            self.queue_rst(req);
+            return;
+        }
+        let mut path = OsString::from(self.uds_path.as_os_str());
+        path.push(format!("_{}", req.dst_port));
+        let path = PathBuf::from(path);
+        // Unix-socket connects complete at once (or fail when the backlog is full).
+        let stream = match UnixStream::connect(&path).and_then(|s| {
+            s.set_nonblocking(true)?;
+            Ok(s)
+        }) {
+            Ok(s) => s,
+            Err(source) => {
+                tracing::debug!("vsock: {}", MuxerError::Connect { path, source });
+                self.queue_rst(req);
+                return;
+            }
+        };
+        let token = self.new_token();
+        let conn = Connection::new_peer(self.guest_cid, req, stream, token);
+        self.insert(conn);
+    }
+
+    /// Whether there is something for the guest's rx queue.
+    pub fn has_pending_rx(&self) -> bool {
+        !self.rst_queue.is_empty() || !self.rx_ready.is_empty()
+    }
+
+    /// The next packet for the guest, its payload read into `buf` (whose length is
+    /// the most the receive buffer takes). Connections take turns.
+    pub fn next_rx_packet(&mut self, buf: &mut [u8]) -> Option<(Header, usize)> {
+        if let Some(hdr) = self.rst_queue.pop_front() {
+            return Some((hdr, 0));
+        }
+        for _ in 0..self.rx_ready.len() {
+            let key = self.rx_ready.pop_front()?;
+            let Some(conn) = self.conns.get_mut(&key) else {
+                continue;
+            };
+            conn.in_rx_ready = false;
+            let out = conn.produce(buf);
+            self.sync(key);
+            if out.is_some() {
+                return out;
+            }
+        }
+        None
+    }
+
+    /// A packet could not be delivered (guest memory error): the connection is reset.
+    pub fn delivery_failed(&mut self, hdr: &Header) {
+        let key = (hdr.src_port, hdr.dst_port);
+        if let Some(conn) = self.conns.get_mut(&key) {
+            if conn.state() != State::Closing {
+                conn.reset();
+                self.sync(key);
+            }
+        }
+    }
+}
+
+/// Parses `CONNECT <port>` (the newline already stripped).
+fn parse_connect(line: &[u8]) -> Result<u32, MuxerError> {
+    let bad = || MuxerError::BadConnectLine(String::from_utf8_lossy(line).into_owned());
+    let text = std::str::from_utf8(line).map_err(|_| bad())?;
+    let text = text.strip_suffix('\r').unwrap_or(text);
+    let mut words = text.split_ascii_whitespace();
+    match (words.next(), words.next(), words.next()) {
+        (Some(cmd), Some(port), None) if cmd.eq_ignore_ascii_case("connect") => {
+            port.parse::<u32>().map_err(|_| bad())
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_lines() {
+        assert_eq!(parse_connect(b"CONNECT 52").unwrap(), 52);
+        assert_eq!(parse_connect(b"CONNECT 4294967295\r").unwrap(), u32::MAX);
+        assert_eq!(parse_connect(b"connect  7").unwrap(), 7);
+        for bad in [
+            &b"CONNECT"[..],
+            b"CONNECT -1",
+            b"CONNECT 4294967296",
+            b"CONNECT 1 2",
+            b"LISTEN 1",
+            b"",
+            b"\xff\xfe",
+        ] {
+            assert!(parse_connect(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,847 @@
+//! Device-level tests: a simulated guest driver over mock split queues in real guest
+//! memory, the device's worker thread, and real Unix sockets in a temp dir.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::desc::RawDescriptor;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::connection::BUF_ALLOC;
+use super::packet::{Header, Op, HDR_LEN, HOST_CID, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
+use super::*;
+
+const CID: u64 = 3;
+const QSIZE: u16 = QUEUE_SIZE;
+const QUEUE_BASE: [u64; 3] = [0x0, 0x1_0000, 0x2_0000];
+const RX_BUF_BASE: u64 = 0x10_0000;
+const RX_BUF_SIZE: u32 = 4096 + HDR_LEN as u32;
+const RX_SLOT: u64 = 0x2000;
+const TX_BUF_BASE: u64 = 0x40_0000;
+const TX_SLOT: u64 = 0x2000;
+const MEM_SIZE: usize = 0x100_0000;
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "vsock-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+type Packet = (Header, Vec<u8>);
+
+/// A simulated guest driver.
+struct Guest {
+    mem: GuestMemoryMmap,
+    dev: Vsock,
+    _dir: TempDir,
+    rx_used: u16,
+    tx_used: u16,
+    tx_free: Vec<u16>,
+    received: VecDeque<Packet>,
+    irq: Arc<EventFd>,
+}
+
+fn raw(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
+    RawDescriptor::from(Descriptor::new(addr, len, flags, next))
+}
+
+impl Guest {
+    fn new() -> Self {
+        let dir = TempDir::new();
+        let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+        Self::with_device(dir, dev)
+    }
+
+    fn with_device(dir: TempDir, mut dev: Vsock) -> Self {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
+        let irq = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        let mut guest = Self {
+            mem,
+            dev: Vsock::new(CID, &dir.0.join("unused.sock")).unwrap(),
+            _dir: dir,
+            rx_used: 0,
+            tx_used: 0,
+            tx_free: (0..QSIZE).rev().collect(),
+            received: VecDeque::new(),
+            irq: irq.clone(),
+        };
+        let queues: Vec<Queue> = (0..3).map(Self::make_queue).collect();
+        for i in 0..QSIZE {
+            guest.post_rx(i);
+        }
+        dev.activate(guest.mem.clone(), queues, InterruptTrigger::new(irq))
+            .unwrap();
+        guest.dev = dev;
+        guest
+    }
+
+    /// (descriptor table, avail ring, used ring) of queue `q`. Not MockSplitQueue's
+    /// layout: for 256-entry queues it overlaps the upper half of the avail ring
+    /// with the used ring (it sizes the avail ring in entries, not bytes), and
+    /// creating one zeroes the rings.
+    fn layout(q: usize) -> (u64, u64, u64) {
+        let base = QUEUE_BASE[q];
+        (base, base + 0x1000, base + 0x2000)
+    }
+
+    fn make_queue(q: usize) -> Queue {
+        let (desc, avail, used) = Self::layout(q);
+        let mut queue = Queue::new(QSIZE).unwrap();
+        queue.set_size(QSIZE);
+        queue.set_desc_table_address(Some(desc as u32), Some(0));
+        queue.set_avail_ring_address(Some(avail as u32), Some(0));
+        queue.set_used_ring_address(Some(used as u32), Some(0));
+        queue.set_ready(true);
+        queue
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dev.uds_path().to_path_buf()
+    }
+
+    /// Makes chain `head` (descriptors `head..head+descs.len()`) available.
+    fn post(&self, q: usize, head: u16, descs: &[RawDescriptor]) {
+        let (desc, avail, _) = Self::layout(q);
+        for (i, d) in descs.iter().enumerate() {
+            let at = desc + 16 * u64::from(head + i as u16);
+            self.mem.write_obj(*d, GuestAddress(at)).unwrap();
+        }
+        let idx: u16 = self.mem.read_obj(GuestAddress(avail + 2)).unwrap();
+        let slot = avail + 4 + 2 * u64::from(idx % QSIZE);
+        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.mem
+            .write_obj(idx.wrapping_add(1), GuestAddress(avail + 2))
+            .unwrap();
+    }
+
+    /// Used element `i` (modulo the size) and the used index of queue `q`.
+    fn used(&self, q: usize, i: u16) -> (u16, u32, u32) {
+        let (_, _, used) = Self::layout(q);
+        let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let at = used + 4 + 8 * u64::from(i % QSIZE);
+        let id: u32 = self.mem.read_obj(GuestAddress(at)).unwrap();
+        let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).unwrap();
+        (idx, id, len)
+    }
+
+    fn post_rx(&self, i: u16) {
+        let addr = RX_BUF_BASE + u64::from(i) * RX_SLOT;
+        self.post(
+            0,
+            i,
+            &[raw(addr, RX_BUF_SIZE, VRING_DESC_F_WRITE as u16, 0)],
+        );
+    }
+
+    fn reclaim_tx(&mut self) {
+        let (idx, _, _) = self.used(1, 0);
+        while self.tx_used != idx {
+            let (_, id, _) = self.used(1, self.tx_used);
+            self.tx_free.push(id as u16);
+            self.tx_used = self.tx_used.wrapping_add(1);
+        }
+    }
+
+    /// Sends raw bytes as one single-descriptor tx chain.
+    fn send_raw(&mut self, bytes: &[u8]) {
+        let deadline = Instant::now() + TIMEOUT;
+        let slot = loop {
+            self.reclaim_tx();
+            if let Some(slot) = self.tx_free.pop() {
+                break slot;
+            }
+            assert!(Instant::now() < deadline, "tx queue never drained");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(bytes.len() as u64 <= TX_SLOT);
+        let addr = TX_BUF_BASE + u64::from(slot) * TX_SLOT;
+        self.mem.write_slice(bytes, GuestAddress(addr)).unwrap();
+        self.post(1, slot, &[raw(addr, bytes.len() as u32, 0, 0)]);
+        self.dev.process_queue(1);
+    }
+
+    fn send(&mut self, hdr: Header, data: &[u8]) {
+        let mut hdr = hdr;
+        hdr.len = data.len() as u32;
+        let mut bytes = hdr.to_bytes().to_vec();
+        bytes.extend_from_slice(data);
+        self.send_raw(&bytes);
+    }
+
+    fn send_op(&mut self, src_port: u32, dst_port: u32, op: Op, data: &[u8]) {
+        self.send(hdr(src_port, dst_port, op), data);
+    }
+
+    /// Moves used rx buffers into `received` and reposts them.
+    fn poll_rx(&mut self) {
+        let (idx, _, _) = self.used(0, 0);
+        let mut reposted = false;
+        while self.rx_used != idx {
+            let (_, id, used_len) = self.used(0, self.rx_used);
+            self.rx_used = self.rx_used.wrapping_add(1);
+            let id = id as u16;
+            let addr = RX_BUF_BASE + u64::from(id) * RX_SLOT;
+            let mut raw_hdr = [0u8; HDR_LEN];
+            self.mem
+                .read_slice(&mut raw_hdr, GuestAddress(addr))
+                .unwrap();
+            let h = Header::from_bytes(&raw_hdr);
+            assert_eq!(used_len as usize, HDR_LEN + h.len as usize);
+            assert!(h.len <= RX_BUF_SIZE - HDR_LEN as u32);
+            let mut data = vec![0u8; h.len as usize];
+            self.mem
+                .read_slice(&mut data, GuestAddress(addr + HDR_LEN as u64))
+                .unwrap();
+            assert_eq!(
+                (h.src_cid, h.dst_cid, h.type_),
+                (HOST_CID, CID, TYPE_STREAM)
+            );
+            self.received.push_back((h, data));
+            self.post_rx(id);
+            reposted = true;
+        }
+        if reposted {
+            self.dev.process_queue(0);
+        }
+    }
+
+    fn try_recv(&mut self, wait: Duration) -> Option<Packet> {
+        let deadline = Instant::now() + wait;
+        loop {
+            self.poll_rx();
+            if let Some(p) = self.received.pop_front() {
+                return Some(p);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn recv(&mut self) -> Packet {
+        self.try_recv(TIMEOUT).expect("no packet from the device")
+    }
+
+    /// Receives the next packet, which must be `op`.
+    fn expect(&mut self, op: Op) -> Packet {
+        let p = self.recv();
+        assert_eq!(p.0.op, op as u16, "expected {op:?}, got {:?}", p.0);
+        p
+    }
+
+    /// Like `expect`, skipping the device's unprompted credit updates.
+    fn expect_skip_credit(&mut self, op: Op) -> Packet {
+        loop {
+            let p = self.recv();
+            if p.0.op != Op::CreditUpdate as u16 || op == Op::CreditUpdate {
+                assert_eq!(p.0.op, op as u16, "expected {op:?}, got {:?}", p.0);
+                return p;
+            }
+        }
+    }
+
+    /// Host client connects to guest port `port`; returns the client and the host
+    /// port the device chose.
+    fn host_connect(&mut self, port: u32) -> (UnixStream, u32) {
+        let mut client = UnixStream::connect(self.path()).unwrap();
+        client.set_read_timeout(Some(TIMEOUT)).unwrap();
+        writeln!(client, "CONNECT {port}").unwrap();
+        let (h, _) = self.expect(Op::Request);
+        assert_eq!(h.dst_port, port);
+        assert!(h.src_port >= 1024);
+        assert_eq!(h.buf_alloc, BUF_ALLOC);
+        self.send_op(port, h.src_port, Op::Response, &[]);
+        let line = read_line(&mut client);
+        assert_eq!(line, format!("OK {}\n", h.src_port));
+        (client, h.src_port)
+    }
+}
+
+fn hdr(src_port: u32, dst_port: u32, op: Op) -> Header {
+    Header {
+        src_cid: CID,
+        dst_cid: HOST_CID,
+        src_port,
+        dst_port,
+        len: 0,
+        type_: TYPE_STREAM,
+        op: op as u16,
+        flags: 0,
+        buf_alloc: 64 * 1024,
+        fwd_cnt: 0,
+    }
+}
+
+fn read_line(s: &mut UnixStream) -> String {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        assert_eq!(s.read(&mut b).unwrap(), 1, "stream closed mid-line");
+        line.push(b[0]);
+    }
+    String::from_utf8(line).unwrap()
+}
+
+fn assert_closed(s: &mut UnixStream) {
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut b = [0u8; 16];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        other => panic!("expected a closed stream, got {other:?}"),
+    }
+}
+
+#[test]
+fn device_basics() {
+    let dir = TempDir::new();
+    let path = dir.0.join("v.sock");
+    // A stale socket is replaced; a regular file is not.
+    drop(UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let mut dev = Vsock::new(0x1234_5678, &path).unwrap();
+    assert!(path.exists());
+    assert_eq!(dev.device_type(), 19);
+    assert_eq!(dev.queue_max_sizes(), &[256, 256, 256]);
+    assert_eq!(dev.avail_features(), FEATURE_VERSION_1);
+    dev.set_acked_features(u64::MAX);
+    assert_eq!(dev.acked_features, FEATURE_VERSION_1);
+    let mut cfg = [0xffu8; 12];
+    dev.read_config(0, &mut cfg);
+    assert_eq!(&cfg[..8], &0x1234_5678u64.to_le_bytes());
+    assert_eq!(&cfg[8..], &[0; 4]);
+    let mut hi = [0u8; 4];
+    dev.read_config(4, &mut hi);
+    assert_eq!(u32::from_le_bytes(hi), 0);
+    dev.read_config(u64::MAX, &mut hi);
+    assert_eq!(hi, [0; 4]);
+    dev.write_config(0, &[1, 2, 3]);
+    // Activation needs three ready queues.
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+    let irq = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+    assert!(matches!(
+        dev.activate(mem.clone(), vec![], irq.clone()),
+        Err(ActivateError::QueueCount {
+            expected: 3,
+            got: 0
+        })
+    ));
+    let qs = vec![
+        Queue::new(16).unwrap(),
+        Queue::new(16).unwrap(),
+        Queue::new(16).unwrap(),
+    ];
+    assert!(matches!(
+        dev.activate(mem, qs, irq),
+        Err(ActivateError::InvalidQueue { index: 0 })
+    ));
+    dev.process_queue(0);
+    dev.reset();
+    assert_eq!(dev.acked_features, 0);
+    drop(dev);
+    assert!(!path.exists(), "socket file removed on drop");
+
+    std::fs::write(&path, b"not a socket").unwrap();
+    assert!(matches!(
+        Vsock::new(3, &path),
+        Err(VsockError::NotASocket(_))
+    ));
+    assert!(matches!(
+        Vsock::new(2, &dir.0.join("x")),
+        Err(VsockError::InvalidCid(2))
+    ));
+    assert!(matches!(
+        Vsock::new(u64::from(u32::MAX), &dir.0.join("x")),
+        Err(VsockError::InvalidCid(_))
+    ));
+}
+
+#[test]
+fn host_initiated_connection_and_data() {
+    let mut g = Guest::new();
+    let (mut client, local) = g.host_connect(52);
+    assert_eq!(local, 1024);
+    client.write_all(b"ping").unwrap();
+    let (h, data) = g.expect(Op::Rw);
+    assert_eq!((h.src_port, h.dst_port), (local, 52));
+    assert_eq!(data, b"ping");
+    g.send_op(52, local, Op::Rw, b"pong");
+    let mut buf = [0u8; 4];
+    client.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"pong");
+    // Data written right behind the CONNECT line is not lost.
+    let mut c2 = UnixStream::connect(g.path()).unwrap();
+    c2.write_all(b"CONNECT 53\nearly").unwrap();
+    let (h, _) = g.expect(Op::Request);
+    assert_eq!((h.src_port, h.dst_port), (1025, 53));
+    g.send_op(53, 1025, Op::Response, &[]);
+    let (h, data) = g.expect(Op::Rw);
+    assert_eq!((h.src_port, data.as_slice()), (1025, &b"early"[..]));
+    assert!(g.irq.read().unwrap() >= 1);
+    assert!(g.dev.is_active());
+}
+
+#[test]
+fn guest_refusal_closes_the_client_and_bad_lines_are_dropped() {
+    let mut g = Guest::new();
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    client.write_all(b"CONNECT 9\n").unwrap();
+    let (h, _) = g.expect(Op::Request);
+    g.send_op(9, h.src_port, Op::Rst, &[]);
+    assert_closed(&mut client);
+    let mut bad = UnixStream::connect(g.path()).unwrap();
+    bad.write_all(b"HELLO there\n").unwrap();
+    assert_closed(&mut bad);
+    let mut long = UnixStream::connect(g.path()).unwrap();
+    long.write_all(&[b'A'; 100]).unwrap();
+    assert_closed(&mut long);
+    assert!(g.try_recv(Duration::from_millis(50)).is_none());
+}
+
+#[test]
+fn credit_limits_host_to_guest_data() {
+    let mut g = Guest::new();
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    client.set_read_timeout(Some(TIMEOUT)).unwrap();
+    client.write_all(b"CONNECT 77\n").unwrap();
+    let (h, _) = g.expect(Op::Request);
+    let local = h.src_port;
+    let mut resp = hdr(77, local, Op::Response);
+    resp.buf_alloc = 1000;
+    g.send(resp, &[]);
+    assert_eq!(read_line(&mut client), format!("OK {local}\n"));
+    client.write_all(&[0x5a; 5000]).unwrap();
+    let mut got = 0;
+    while got < 1000 {
+        let (h, data) = g.expect(Op::Rw);
+        assert!(data.iter().all(|&b| b == 0x5a));
+        got += data.len();
+        assert_eq!(h.fwd_cnt, 0);
+    }
+    assert_eq!(got, 1000);
+    // Nothing beyond the credit.
+    assert!(g.try_recv(Duration::from_millis(200)).is_none());
+    // The guest consumed everything: 1000 more.
+    let mut upd = hdr(77, local, Op::CreditUpdate);
+    upd.buf_alloc = 1000;
+    upd.fwd_cnt = 1000;
+    g.send(upd, &[]);
+    let mut more = 0;
+    while more < 1000 {
+        more += g.expect(Op::Rw).1.len();
+    }
+    assert_eq!(more, 1000);
+    assert!(g.try_recv(Duration::from_millis(100)).is_none());
+    // A credit request is answered with our counters.
+    let mut req = hdr(77, local, Op::CreditRequest);
+    req.buf_alloc = 1000;
+    req.fwd_cnt = 1000;
+    g.send(req, &[]);
+    let (h, _) = g.expect(Op::CreditUpdate);
+    assert_eq!((h.buf_alloc, h.fwd_cnt), (BUF_ALLOC, 0));
+    // Guest→host data moves fwd_cnt.
+    let mut rw = hdr(77, local, Op::Rw);
+    rw.buf_alloc = 1000;
+    rw.fwd_cnt = 1000;
+    g.send(rw, &[1u8; 300]);
+    let mut buf = [0u8; 300];
+    client.read_exact(&mut buf).unwrap();
+    g.send(req, &[]);
+    let (h, _) = g.expect(Op::CreditUpdate);
+    assert_eq!(h.fwd_cnt, 300);
+}
+
+#[test]
+fn large_transfer_both_ways() {
+    let mut g = Guest::new();
+    let (client, local) = g.host_connect(80);
+    // Host → guest, 1 MiB, with the guest granting credit as it consumes.
+    let payload: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let writer = {
+        let mut c = client.try_clone().unwrap();
+        let p = payload.clone();
+        std::thread::spawn(move || c.write_all(&p).unwrap())
+    };
+    let mut got = Vec::new();
+    let mut last_update = 0usize;
+    while got.len() < payload.len() {
+        let (h, data) = g.expect(Op::Rw);
+        assert!(h.len <= 4096);
+        got.extend_from_slice(&data);
+        if got.len() - last_update >= 16 * 1024 {
+            let mut upd = hdr(80, local, Op::CreditUpdate);
+            upd.fwd_cnt = got.len() as u32;
+            g.send(upd, &[]);
+            last_update = got.len();
+        }
+        assert!(got.len() <= 64 * 1024 + last_update, "credit exceeded");
+    }
+    assert!(got == payload);
+    writer.join().unwrap();
+    // Guest → host, 1 MiB in 4 KiB packets, honouring the device's credit.
+    let reader = {
+        let mut c = client.try_clone().unwrap();
+        let n = payload.len();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; n];
+            c.read_exact(&mut buf).unwrap();
+            buf
+        })
+    };
+    let mut sent = 0usize;
+    let mut peer_fwd = 0usize;
+    while sent < payload.len() {
+        if sent - peer_fwd + 4096 > BUF_ALLOC as usize {
+            let mut req = hdr(80, local, Op::CreditRequest);
+            req.fwd_cnt = got.len() as u32;
+            g.send(req, &[]);
+            let deadline = Instant::now() + TIMEOUT;
+            loop {
+                let (h, _) = g.recv();
+                if h.op == Op::CreditUpdate as u16 {
+                    peer_fwd = h.fwd_cnt as usize;
+                    break;
+                }
+                assert!(Instant::now() < deadline);
+            }
+            continue;
+        }
+        let mut rw = hdr(80, local, Op::Rw);
+        rw.fwd_cnt = got.len() as u32;
+        g.send(rw, &payload[sent..sent + 4096]);
+        sent += 4096;
+    }
+    assert!(reader.join().unwrap() == payload);
+    drop(client);
+}
+
+#[test]
+fn guest_initiated_connections() {
+    let mut g = Guest::new();
+    let mut name = g.path().into_os_string();
+    name.push("_1234");
+    let listener = UnixListener::bind(PathBuf::from(name)).unwrap();
+    g.send_op(40000, 1234, Op::Request, &[]);
+    let (h, _) = g.expect(Op::Response);
+    assert_eq!((h.src_port, h.dst_port), (1234, 40000));
+    let (mut server, _) = listener.accept().unwrap();
+    server.set_read_timeout(Some(TIMEOUT)).unwrap();
+    g.send_op(40000, 1234, Op::Rw, b"hello host");
+    let mut buf = [0u8; 10];
+    server.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"hello host");
+    server.write_all(b"hello guest").unwrap();
+    let (h, data) = g.expect(Op::Rw);
+    assert_eq!(
+        (h.src_port, h.dst_port, data.as_slice()),
+        (1234, 40000, &b"hello guest"[..])
+    );
+    // Guest closes: SHUTDOWN both → RST from the device, host socket closed.
+    let mut sd = hdr(40000, 1234, Op::Shutdown);
+    sd.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+    g.send(sd, &[]);
+    g.expect(Op::Rst);
+    assert_closed(&mut server);
+    // Nobody listens on port 1235.
+    g.send_op(40001, 1235, Op::Request, &[]);
+    let (h, _) = g.expect(Op::Rst);
+    assert_eq!((h.src_port, h.dst_port), (1235, 40001));
+    // Packets for unknown connections are reset too, RSTs are not answered.
+    g.send_op(40002, 1236, Op::Rw, b"x");
+    g.expect(Op::Rst);
+    g.send_op(40002, 1236, Op::Rst, &[]);
+    assert!(g.try_recv(Duration::from_millis(50)).is_none());
+}
+
+#[test]
+fn host_close_and_guest_reset() {
+    let mut g = Guest::new();
+    let (client, local) = g.host_connect(5);
+    drop(client);
+    let (h, _) = g.expect(Op::Shutdown);
+    assert_eq!(h.flags, SHUTDOWN_RCV | SHUTDOWN_SEND);
+    assert_eq!((h.src_port, h.dst_port), (local, 5));
+    g.expect(Op::Rst);
+    // Data sent by a client just before closing still arrives first.
+    let (mut client, _) = g.host_connect(6);
+    client.write_all(b"last words").unwrap();
+    drop(client);
+    let mut data = Vec::new();
+    loop {
+        let (h, d) = g.recv();
+        if h.op == Op::Rw as u16 {
+            data.extend(d);
+        } else {
+            assert_eq!(h.op, Op::Shutdown as u16);
+            break;
+        }
+    }
+    assert_eq!(data, b"last words");
+    g.expect(Op::Rst);
+    // The guest resets: the client sees EOF.
+    let (mut client, local) = g.host_connect(7);
+    g.send_op(7, local, Op::Rst, &[]);
+    assert_closed(&mut client);
+    // Guest half-close (SEND): the client sees EOF but can still send.
+    let (mut client, local) = g.host_connect(8);
+    let mut sd = hdr(8, local, Op::Shutdown);
+    sd.flags = SHUTDOWN_SEND;
+    g.send(sd, &[]);
+    assert_closed(&mut client);
+    client.write_all(b"still here").unwrap();
+    let (_, d) = g.expect(Op::Rw);
+    assert_eq!(d, b"still here");
+}
+
+#[test]
+fn many_concurrent_connections() {
+    const N: u32 = 100;
+    let mut g = Guest::new();
+    let mut clients = Vec::new();
+    for i in 0..N {
+        let mut c = UnixStream::connect(g.path()).unwrap();
+        c.set_read_timeout(Some(TIMEOUT)).unwrap();
+        writeln!(c, "CONNECT {}", 2000 + i).unwrap();
+        clients.push(c);
+    }
+    let mut locals = std::collections::HashMap::new();
+    while locals.len() < N as usize {
+        let (h, _) = g.expect(Op::Request);
+        assert!(locals.insert(h.dst_port, h.src_port).is_none());
+        g.send_op(h.dst_port, h.src_port, Op::Response, &[]);
+    }
+    for (i, c) in clients.iter_mut().enumerate() {
+        let port = 2000 + i as u32;
+        assert_eq!(read_line(c), format!("OK {}\n", locals[&port]));
+        write!(c, "from client {i}").unwrap();
+    }
+    let mut seen = 0;
+    while seen < N {
+        let (h, data) = g.expect(Op::Rw);
+        assert_eq!(locals[&h.dst_port], h.src_port);
+        assert_eq!(
+            data,
+            format!("from client {}", h.dst_port - 2000).as_bytes()
+        );
+        g.send_op(h.dst_port, h.src_port, Op::Rw, &data);
+        seen += 1;
+    }
+    for (i, c) in clients.iter_mut().enumerate() {
+        let want = format!("from client {i}");
+        let mut buf = vec![0u8; want.len()];
+        c.read_exact(&mut buf).unwrap();
+        assert_eq!(buf, want.as_bytes());
+    }
+}
+
+#[test]
+fn slow_host_reader_does_not_stall_others() {
+    let mut g = Guest::new();
+    let (slow, slow_port) = g.host_connect(1);
+    let (mut fast, fast_port) = g.host_connect(2);
+    // The guest fills the slow connection up to the device's credit; the socket
+    // buffer takes part, the device buffers the rest without acknowledging it.
+    let chunk = vec![9u8; 4000];
+    let mut sent = 0usize;
+    while sent + chunk.len() <= BUF_ALLOC as usize {
+        g.send_op(1, slow_port, Op::Rw, &chunk);
+        sent += chunk.len();
+    }
+    let mut req = hdr(1, slow_port, Op::CreditRequest);
+    req.buf_alloc = 64 * 1024;
+    g.send(req, &[]);
+    let (h, _) = g.expect(Op::CreditUpdate);
+    assert!((h.fwd_cnt as usize) < sent, "everything acknowledged?");
+    assert_eq!(h.src_port, slow_port);
+    // The other stream still flows both ways.
+    g.send_op(2, fast_port, Op::Rw, b"through");
+    let mut buf = [0u8; 7];
+    fast.read_exact(&mut buf).unwrap();
+    fast.write_all(b"back").unwrap();
+    let (h, d) = g.expect_skip_credit(Op::Rw);
+    assert_eq!((h.src_port, d.as_slice()), (fast_port, &b"back"[..]));
+    // Exceeding the credit resets the connection.
+    let over = vec![0u8; 8000];
+    for _ in 0..(BUF_ALLOC as usize / over.len() + 1) {
+        g.send_op(1, slow_port, Op::Rw, &over);
+    }
+    let (h, _) = g.expect_skip_credit(Op::Rst);
+    assert_eq!(h.src_port, slow_port);
+    drop(slow);
+}
+
+#[test]
+fn malformed_packets_never_break_the_device() {
+    let mut g = Guest::new();
+    // Wrong CIDs: dropped silently.
+    let mut h = hdr(1, 2, Op::Request);
+    h.src_cid = 99;
+    g.send(h, &[]);
+    let mut h = hdr(1, 2, Op::Request);
+    h.dst_cid = 3;
+    g.send(h, &[]);
+    // Short header, length beyond the buffer, length over the maximum: dropped.
+    g.send_raw(&[0u8; 20]);
+    let mut h = hdr(1, 2, Op::Rw);
+    h.len = 100;
+    g.send_raw(&h.to_bytes());
+    h.len = u32::MAX;
+    g.send_raw(&h.to_bytes());
+    assert!(g.try_recv(Duration::from_millis(50)).is_none());
+    // Bad op and bad type: reset.
+    let mut h = hdr(1, 2, Op::Request);
+    h.op = 42;
+    g.send(h, &[]);
+    let (r, _) = g.expect(Op::Rst);
+    assert_eq!((r.src_port, r.dst_port), (2, 1));
+    let mut h = hdr(1, 2, Op::Request);
+    h.type_ = 2;
+    g.send(h, &[]);
+    g.expect(Op::Rst);
+    // Descriptors outside guest memory, writable tx descriptors, and a chain that
+    // loops on itself.
+    let slot = 200;
+    g.post(1, slot, &[raw(MEM_SIZE as u64 - 8, 44, 0, 0)]);
+    g.post(1, slot + 1, &[raw(u64::MAX - 10, 44, 0, 0)]);
+    g.post(
+        1,
+        slot + 2,
+        &[raw(TX_BUF_BASE, 44, VRING_DESC_F_WRITE as u16, 0)],
+    );
+    g.post(
+        1,
+        slot + 3,
+        &[raw(TX_BUF_BASE, 44, VRING_DESC_F_NEXT as u16, slot + 3)],
+    );
+    g.tx_free.retain(|s| !(slot..slot + 4).contains(s));
+    g.dev.process_queue(1);
+    assert!(g.try_recv(Duration::from_millis(50)).is_none());
+    // The device still works.
+    let (mut client, local) = g.host_connect(11);
+    g.send_op(11, local, Op::Rw, b"ok");
+    let mut b = [0u8; 2];
+    client.read_exact(&mut b).unwrap();
+    assert!(g.dev.is_active());
+    g.dev.process_queue(7);
+}
+
+/// xorshift64*, std-only.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn random_tx_packets_never_panic() {
+    let mut g = Guest::new();
+    // A live connection for random packets to hit.
+    let (_client, local) = g.host_connect(3);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for round in 0..3000 {
+        let len = rng.below(200) as usize;
+        let mut bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        if len >= HDR_LEN && rng.below(4) != 0 {
+            // Mostly well-addressed, so the muxer sees them.
+            let mut h = Header::from_bytes(bytes[..HDR_LEN].try_into().unwrap());
+            h.src_cid = CID;
+            h.dst_cid = HOST_CID;
+            if rng.below(2) == 0 {
+                h.type_ = TYPE_STREAM;
+                h.op = rng.below(9) as u16;
+            }
+            if rng.below(2) == 0 {
+                h.src_port = 3;
+                h.dst_port = local;
+            } else {
+                h.src_port = rng.below(4) as u32;
+                h.dst_port = 1234 + rng.below(4) as u32;
+            }
+            if rng.below(2) == 0 {
+                h.len = (len - HDR_LEN) as u32;
+            }
+            bytes[..HDR_LEN].copy_from_slice(&h.to_bytes());
+        }
+        g.send_raw(&bytes);
+        if round % 64 == 0 {
+            g.poll_rx();
+            g.received.clear();
+        }
+    }
+    // Also random descriptor chains.
+    for _ in 0..200 {
+        g.reclaim_tx();
+        let Some(slot) = g.tx_free.pop() else {
+            break;
+        };
+        let addr = rng.next() % (MEM_SIZE as u64 * 2);
+        let flags = (rng.below(4) as u16) & (VRING_DESC_F_WRITE as u16);
+        g.post(
+            1,
+            slot,
+            &[raw(addr, rng.next() as u32 % 0x2_0000, flags, 0)],
+        );
+        g.dev.process_queue(1);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    g.poll_rx();
+    g.received.clear();
+    assert!(g.dev.is_active(), "the worker died");
+    let (mut client, local) = g.host_connect(4);
+    g.send_op(4, local, Op::Rw, b"alive");
+    let mut b = [0u8; 5];
+    client.read_exact(&mut b).unwrap();
+    assert_eq!(&b, b"alive");
+}
+
+#[test]
+fn reset_stops_the_worker_and_closes_connections() {
+    let mut g = Guest::new();
+    let (mut client, _) = g.host_connect(5);
+    g.dev.reset();
+    assert!(!g.dev.is_active());
+    assert_closed(&mut client);
+    // The listener survives for the next activation.
+    let path = g.path();
+    assert!(path.exists());
+    let dir = TempDir::new();
+    let dev = std::mem::replace(&mut g.dev, Vsock::new(CID, &dir.0.join("x")).unwrap());
+    let mut g2 = Guest::with_device(dir, dev);
+    let (_c, _) = g2.host_connect(6);
+    drop(g);
+}

@@ -1,0 +1,266 @@
+//! The vsock worker thread: owns guest memory, the three queues and the muxer, and
+//! waits in epoll on the host sockets and on the event fds through which the
+//! device's `process_queue` and `reset` reach it.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::muxer::Muxer;
+use super::packet::{read_tx_packet, RxBuffer, MAX_PKT_LEN};
+use crate::devices::virtio::InterruptTrigger;
+use crate::memory::GuestMemoryMmap;
+
+pub const RX_QUEUE: usize = 0;
+pub const TX_QUEUE: usize = 1;
+pub const EVENT_QUEUE: usize = 2;
+pub const NUM_QUEUES: usize = 3;
+
+/// epoll tokens of the worker's own fds (below the muxer's).
+const STOP_TOKEN: u64 = 0;
+const QUEUE_TOKEN_BASE: u64 = 1;
+
+const MAX_EVENTS: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(std::io::Error),
+    #[error("cannot register an eventfd with epoll: {0}")]
+    Register(std::io::Error),
+    #[error("cannot start the vsock worker thread: {0}")]
+    Spawn(std::io::Error),
+}
+
+/// The device's end: wake-ups for the worker, and the thread to join.
+pub struct WorkerHandle {
+    queue_evts: [Arc<EventFd>; NUM_QUEUES],
+    stop: Arc<EventFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    /// Wakes the worker for queue `index` (ignored when out of range).
+    pub fn notify(&self, index: usize) {
+        if let Some(evt) = self.queue_evts.get(index) {
+            if let Err(e) = evt.write(1) {
+                tracing::warn!("vsock: cannot wake the worker: {e}");
+            }
+        }
+    }
+
+    /// Stops the worker and waits for it; connections close with it.
+    pub fn stop(&mut self) {
+        if let Err(e) = self.stop.write(1) {
+            tracing::error!("vsock: cannot signal the worker to stop: {e}");
+        }
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("vsock: the worker thread panicked");
+            }
+        }
+    }
+
+    /// Whether the thread is still running (false after a panic or stop).
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Worker {
+    memory: GuestMemoryMmap,
+    queues: [Queue; NUM_QUEUES],
+    interrupt: InterruptTrigger,
+    muxer: Muxer,
+    guest_cid: u64,
+    queue_evts: [Arc<EventFd>; NUM_QUEUES],
+    stop: Arc<EventFd>,
+    scratch: Vec<u8>,
+}
+
+/// Starts the worker thread.
+pub fn spawn(
+    memory: GuestMemoryMmap,
+    queues: [Queue; NUM_QUEUES],
+    interrupt: InterruptTrigger,
+    muxer: Muxer,
+    guest_cid: u64,
+) -> Result<WorkerHandle, WorkerError> {
+    let new_evt = || {
+        EventFd::new(EFD_NONBLOCK)
+            .map(Arc::new)
+            .map_err(WorkerError::EventFd)
+    };
+    let queue_evts = [new_evt()?, new_evt()?, new_evt()?];
+    let stop = new_evt()?;
+    let epoll = muxer.epoll();
+    epoll
+        .ctl(
+            ControlOperation::Add,
+            stop.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, STOP_TOKEN),
+        )
+        .map_err(WorkerError::Register)?;
+    for (i, evt) in queue_evts.iter().enumerate() {
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                evt.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, QUEUE_TOKEN_BASE + i as u64),
+            )
+            .map_err(WorkerError::Register)?;
+    }
+    let worker = Worker {
+        memory,
+        queues,
+        interrupt,
+        muxer,
+        guest_cid,
+        queue_evts: queue_evts.clone(),
+        stop: stop.clone(),
+        scratch: vec![0u8; MAX_PKT_LEN as usize],
+    };
+    let thread = std::thread::Builder::new()
+        .name("vsock".into())
+        .spawn(move || worker.run())
+        .map_err(WorkerError::Spawn)?;
+    Ok(WorkerHandle {
+        queue_evts,
+        stop,
+        thread: Some(thread),
+    })
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut events = vec![EpollEvent::default(); MAX_EVENTS];
+        // Packets may already be waiting when the driver sets DRIVER_OK.
+        self.process();
+        loop {
+            let n = match self.muxer.epoll().wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("vsock: epoll_wait failed, worker stops: {e}");
+                    return;
+                }
+            };
+            for event in &events[..n] {
+                let token = event.data();
+                if token == STOP_TOKEN {
+                    return;
+                }
+                if (QUEUE_TOKEN_BASE..QUEUE_TOKEN_BASE + NUM_QUEUES as u64).contains(&token) {
+                    let index = (token - QUEUE_TOKEN_BASE) as usize;
+                    // Clears the counter; the queue itself is scanned below.
+                    let _ = self.queue_evts[index].read();
+                    continue;
+                }
+                self.muxer.handle_event(token, event.event_set());
+            }
+            if self.stop.read().is_ok() {
+                return;
+            }
+            self.process();
+        }
+    }
+
+    /// Takes what the guest sent, then fills receive buffers.
+    fn process(&mut self) {
+        let tx_used = self.process_tx();
+        let rx_used = self.process_rx();
+        if tx_used {
+            self.notify(TX_QUEUE);
+        }
+        if rx_used {
+            self.notify(RX_QUEUE);
+        }
+    }
+
+    fn notify(&mut self, index: usize) {
+        match self.queues[index].needs_notification(&self.memory) {
+            Ok(false) => {}
+            Ok(true) => self.interrupt.signal_used_queue(),
+            Err(e) => {
+                tracing::warn!("vsock: cannot check whether to notify: {e}");
+                self.interrupt.signal_used_queue();
+            }
+        }
+    }
+
+    fn process_tx(&mut self) -> bool {
+        let mut used = false;
+        let queue = &mut self.queues[TX_QUEUE];
+        while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
+            let head = chain.head_index();
+            let result = read_tx_packet(chain, &self.memory, self.guest_cid);
+            if let Err(e) = queue.add_used(&self.memory, head, 0) {
+                tracing::error!("vsock: cannot return tx descriptor {head}: {e}");
+                break;
+            }
+            used = true;
+            match result {
+                Ok(pkt) => self.muxer.handle_guest_packet(pkt),
+                Err(e) => {
+                    self.muxer.stats.bad_packets += 1;
+                    tracing::debug!("vsock: dropping a tx packet: {e}");
+                }
+            }
+        }
+        used
+    }
+
+    fn process_rx(&mut self) -> bool {
+        let mut used = false;
+        let queue = &mut self.queues[RX_QUEUE];
+        while self.muxer.has_pending_rx() {
+            let Some(chain) = queue.pop_descriptor_chain(&self.memory) else {
+                break;
+            };
+            let head = chain.head_index();
+            let len = match RxBuffer::from_chain(chain, &self.memory) {
+                Ok(buf) => {
+                    let max = buf.max_payload();
+                    match self.muxer.next_rx_packet(&mut self.scratch[..max]) {
+                        Some((hdr, n)) => {
+                            match buf.write_packet(&self.memory, &hdr, &self.scratch[..n]) {
+                                Ok(len) => len,
+                                Err(e) => {
+                                    tracing::debug!("vsock: cannot deliver a packet: {e}");
+                                    self.muxer.delivery_failed(&hdr);
+                                    0
+                                }
+                            }
+                        }
+                        None => {
+                            // Nothing to say after all: give the buffer back.
+                            queue.set_next_avail(queue.next_avail().wrapping_sub(1));
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.muxer.stats.bad_packets += 1;
+                    tracing::debug!("vsock: unusable rx buffer: {e}");
+                    0
+                }
+            };
+            if let Err(e) = queue.add_used(&self.memory, head, len) {
+                tracing::error!("vsock: cannot return rx descriptor {head}: {e}");
+                break;
+            }
+            used = true;
+        }
+        used
+    }
+}

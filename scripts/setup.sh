@@ -13,7 +13,7 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc libc6-dev
-          make qemu-system-x86 busybox-static e2fsprogs)
+          make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq)
 
 say() { echo "setup: $*" >&2; }
 die() { echo "setup: error: $*" >&2; exit 1; }

@@ -1,9 +1,109 @@
-//! The guest agent: the guest's init helper that serves the host over vsock.
-//!
-//! Not written yet: the guest-agent issue builds it. Until then the test guests boot
-//! a busybox initramfs (see `rootfs/`).
+//! The guest agent: `/init` of the VM's initramfs (PID 1), or a plain server for
+//! tests and debugging (`guest-agent --listen unix:/tmp/agent.sock`).
 
-fn main() {
-    eprintln!("guest-agent: not implemented yet (see the guest-agent issue)");
-    std::process::exit(1);
+use std::process::ExitCode;
+
+use guest_agent::init;
+use guest_agent::server::{self, ListenAddr, ServerConfig};
+
+const USAGE: &str =
+    "usage: guest-agent [--listen unix:PATH|vsock:PORT] [--user NAME:UID:GID:HOME] [--log LEVEL]
+As PID 1 it boots the VM (see the vmctl.* kernel parameters) and listens on vsock.";
+
+struct Args {
+    listen: Option<ListenAddr>,
+    user: Option<server::HostUser>,
+    log: tracing::Level,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        listen: None,
+        user: None,
+        log: tracing::Level::INFO,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
+        match a.as_str() {
+            "--listen" => args.listen = Some(value("--listen")?.parse()?),
+            "--user" => {
+                args.user = Some(init::parse_user(&value("--user")?).map_err(|e| e.to_string())?)
+            }
+            "--log" => {
+                args.log = value("--log")?
+                    .parse()
+                    .map_err(|_| "bad --log level".to_string())?
+            }
+            "-h" | "--help" => return Err(USAGE.to_string()),
+            // The kernel passes unknown command-line words to init as arguments.
+            _ if init::is_pid1() => {}
+            other => return Err(format!("unknown argument '{other}'\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let pid1 = init::is_pid1();
+    let mut args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut config = ServerConfig {
+        default_user: args.user.take(),
+        reap_all: pid1,
+    };
+    let listen = if pid1 {
+        let boot = init::boot();
+        config.default_user = boot.user.clone();
+        args.listen.take().unwrap_or(ListenAddr::Vsock(boot.port))
+    } else {
+        args.listen
+            .take()
+            .unwrap_or(ListenAddr::Vsock(guest_agent::protocol::DEFAULT_PORT))
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(args.log)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .init();
+
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fatal(pid1, &format!("cannot start the runtime: {e}")),
+    };
+    let result = runtime.block_on(async {
+        let listener = server::Listener::bind(&listen)?;
+        tracing::info!(
+            ?listen,
+            version = guest_agent::protocol::AGENT_VERSION,
+            "agent listening"
+        );
+        init::signal_ready();
+        server::serve(listener, config).await
+    });
+    match result {
+        Ok(()) if pid1 => {
+            init::console("shutting down");
+            init::power_off()
+        }
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fatal(pid1, &e.to_string()),
+    }
+}
+
+fn fatal(pid1: bool, msg: &str) -> ExitCode {
+    init::console(&format!("fatal: {msg}"));
+    if pid1 {
+        init::power_off();
+    }
+    ExitCode::FAILURE
 }

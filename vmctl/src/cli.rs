@@ -26,6 +26,54 @@ pub enum Command {
     /// Run a command inside a fresh QEMU-TCG nested host, which has a working
     /// /dev/kvm and sees this host's files read-only (for benchmarks and debugging).
     NestedExec(NestedExecArgs),
+    /// Start the VM of a workspace (default: the current directory) and wait until
+    /// its guest agent answers.
+    Up(WorkspaceArg),
+    /// List workspace VMs.
+    Ps,
+    /// Shut down the VM of a workspace.
+    Stop(WorkspaceArg),
+    /// Shut down the VM of a workspace and remove its state.
+    Rm(WorkspaceArg),
+    /// Run a command in the VM of a workspace (starting it if needed), with stdio
+    /// relayed; exits with the command's exit code (128+N for signal N).
+    Exec(ExecArgs),
+    /// An interactive login shell in the VM of a workspace.
+    Shell(WorkspaceArg),
+    #[command(name = "__supervise", hide = true)]
+    Supervise { dir: PathBuf },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct WorkspaceArg {
+    /// The workspace directory (default: the current directory).
+    pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    /// The workspace whose VM runs the command (default: the current directory).
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+    /// Run the command on a pseudo-terminal (the host terminal goes raw).
+    #[arg(long, short = 't')]
+    pub tty: bool,
+    /// Set an environment variable for the command. Repeatable.
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+    pub env: Vec<(String, String)>,
+    /// Run as this guest user ("root", or an account name); default: your host user.
+    #[arg(long, value_name = "USER")]
+    pub user: Option<String>,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
+}
+
+fn parse_env(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((key, val)) if !key.is_empty() => Ok((key.to_string(), val.to_string())),
+        _ => Err(format!("expected K=V, got {value:?}")),
+    }
 }
 
 #[derive(Debug, clap::Args)]

@@ -3,9 +3,13 @@
 mod artifacts;
 mod boot;
 mod cli;
+mod exec;
 mod host_kvm;
 mod nested;
+mod state;
+mod supervisor;
 mod terminal;
+mod vm;
 
 use std::process::ExitCode;
 
@@ -21,12 +25,73 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
+        cli::Command::Up(args) => vm::up(&workspace(args.dir), false)
+            .map(|_| 0)
+            .map_err(|e| e.to_string()),
+        cli::Command::Ps => {
+            vm::list().iter().for_each(|line| println!("{line}"));
+            Ok(0)
+        }
+        cli::Command::Stop(args) => {
+            let dir = workspace(args.dir);
+            vm::stop(&dir).map_err(|e| e.to_string()).map(|stopped| {
+                if !stopped {
+                    eprintln!("vmctl: no VM is running for {}", dir.display());
+                }
+                0
+            })
+        }
+        cli::Command::Rm(args) => vm::remove(&workspace(args.dir))
+            .map(|_| 0)
+            .map_err(|e| e.to_string()),
+        cli::Command::Exec(args) => run_exec(args),
+        cli::Command::Shell(args) => run_shell(args),
+        cli::Command::Supervise { dir } => supervisor::run(&dir),
         cli::Command::NestedExec(args) => {
             nested::launcher::run_command(args.command, args.cpus, args.memory, &args.writable)
                 .map_err(|e| e.to_string())
         }
     };
     exit_with(result)
+}
+
+/// The workspace a command is about: the given directory or the current one.
+fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
+    dir.unwrap_or_else(|| std::env::current_dir().unwrap_or_else(|_| ".".into()))
+}
+
+fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
+    let vm = vm::up(&workspace(args.workspace), true).map_err(|e| e.to_string())?;
+    let cwd = std::env::current_dir()
+        .ok()
+        .map(|d| d.display().to_string());
+    exec::run(
+        &vm.vsock_socket(),
+        exec::ExecOptions {
+            argv: args.command,
+            env: args.env,
+            cwd,
+            user: exec::parse_user(args.user.as_deref()),
+            tty: args.tty,
+        },
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn run_shell(args: cli::WorkspaceArg) -> Result<u8, String> {
+    let dir = workspace(args.dir);
+    let vm = vm::up(&dir, true).map_err(|e| e.to_string())?;
+    exec::run(
+        &vm.vsock_socket(),
+        exec::ExecOptions {
+            argv: vec!["/bin/bash".into(), "-l".into()],
+            env: Vec::new(),
+            cwd: Some(dir.display().to_string()),
+            user: exec::parse_user(None),
+            tty: true,
+        },
+    )
+    .map_err(|e| e.to_string())
 }
 
 fn init_logging() {

@@ -10,8 +10,10 @@ use std::time::Instant;
 
 use std::os::unix::process::ExitStatusExt;
 
-use super::job::{self, CommandJob, NestedJob, NestedStatus, Work};
+use super::job::{self, CommandJob, NestedJob, NestedStatus, VmJob, Work};
+use super::mux::{Mux, Opener, VSOCK_PORT};
 use crate::terminal;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NestedInitError {
@@ -91,10 +93,72 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
         mount_9p(&job::writable_dir_tag(index), dir, false).map_err(|e| e.to_string())?;
     }
     match &job.work {
+        Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm, vmm_start),
         Work::Vm(vm) => crate::boot::run_vmm(&vm.vm_config(), vm.report_boot_time, vmm_start)
             .map_err(|e| e.to_string()),
         Work::Command(command) => run_command(command),
     }
+}
+
+/// Runs the VMM on its own thread while this one relays the host's connections from
+/// the mux port to the VM's hybrid-vsock socket.
+fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
+    std::fs::create_dir_all("/run/vmctl").map_err(|e| format!("/run/vmctl: {e}"))?;
+    let port = find_virtio_port(job::MUX_PORT_NAME)?;
+    let config = vm.vm_config();
+    let report_boot_time = vm.report_boot_time;
+    let vmm = std::thread::spawn(move || {
+        crate::boot::run_vmm(&config, report_boot_time, vmm_start).map_err(|e| e.to_string())
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the relay: {e}"))?;
+    // The current-thread runtime only runs while blocked on: serve the link until
+    // the VMM's thread ends.
+    runtime.block_on(async {
+        let reader = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&port)
+            .map_err(|e| format!("{}: {e}", port.display()))?;
+        let writer = reader
+            .try_clone()
+            .map_err(|e| format!("{}: {e}", port.display()))?;
+        let opener: Opener = Arc::new(|port| {
+            Box::pin(async move {
+                if port == VSOCK_PORT {
+                    tokio::net::UnixStream::connect(job::GUEST_VSOCK_SOCKET).await
+                } else {
+                    Err(std::io::ErrorKind::ConnectionRefused.into())
+                }
+            })
+        });
+        let (_mux, _link) = Mux::start(
+            tokio::fs::File::from_std(reader),
+            tokio::fs::File::from_std(writer),
+            false,
+            opener,
+        );
+        tokio::task::spawn_blocking(move || vmm.join())
+            .await
+            .map_err(|_| "the VMM thread was lost".to_string())?
+            .map_err(|_| "the VMM thread panicked".to_string())?
+    })
+}
+
+/// The device node of the virtio-serial port called `name` (no udev here, so look it
+/// up in sysfs).
+fn find_virtio_port(name: &str) -> Result<PathBuf, String> {
+    let ports = std::fs::read_dir("/sys/class/virtio-ports")
+        .map_err(|e| format!("no virtio ports in the nested host: {e}"))?;
+    for port in ports.flatten() {
+        let port_name = std::fs::read_to_string(port.path().join("name")).unwrap_or_default();
+        if port_name.trim() == name {
+            return Ok(Path::new("/dev").join(port.file_name()));
+        }
+    }
+    Err(format!("the nested host has no virtio port named {name}"))
 }
 
 /// Runs the command with our stdout (the host's stdout) and stderr (the host's

@@ -43,7 +43,15 @@ pub struct VmJob {
     pub vcpus: u32,
     pub memory_mib: u64,
     pub report_boot_time: bool,
+    /// A vsock device whose hybrid socket, inside the nested host, the host reaches
+    /// through the multiplexed link (see `mux`).
+    pub vsock: bool,
 }
+
+/// Where the VM's hybrid-vsock socket lives inside the nested host.
+pub const GUEST_VSOCK_SOCKET: &str = "/run/vmctl/vsock.sock";
+/// Name of the nested host's virtio-serial port that carries the multiplexed link.
+pub const MUX_PORT_NAME: &str = "vmctl.mux";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommandJob {
@@ -67,6 +75,11 @@ pub struct NestedJob {
 const NESTED_HOST_OVERHEAD_MIB: u64 = 256;
 
 impl NestedJob {
+    /// Whether the nested host needs the multiplexed link to the host.
+    pub fn needs_mux(&self) -> bool {
+        matches!(&self.work, Work::Vm(vm) if vm.vsock)
+    }
+
     /// A job that boots `config`; directories holding writable disks are shared
     /// read-write so the guest's writes reach the host's files.
     pub fn for_vm(config: &VmConfig, report_boot_time: bool) -> Self {
@@ -93,6 +106,7 @@ impl NestedJob {
                 vcpus: config.vcpus,
                 memory_mib: config.memory_mib,
                 report_boot_time,
+                vsock: config.vsock.is_some(),
             }),
             host_vcpus: config.vcpus,
             host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,
@@ -140,6 +154,12 @@ impl VmJob {
         config.extra_cmdline = self.extra_cmdline.clone();
         config.vcpus = self.vcpus;
         config.memory_mib = self.memory_mib;
+        if self.vsock {
+            config.vsock = Some(vmm::config::VsockConfig {
+                guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,
+                uds_path: PathBuf::from(GUEST_VSOCK_SOCKET),
+            });
+        }
         config
     }
 }

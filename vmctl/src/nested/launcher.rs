@@ -15,7 +15,9 @@ use vmm::config::VmConfig;
 use vmm_sys_util::signal::register_signal_handler;
 
 use super::job::{self, CommandJob, NestedJob, NestedStatus};
+use super::mux::{Mux, Opener, VSOCK_PORT};
 use crate::artifacts::{self, Artifact, ArtifactError};
+use std::sync::Arc;
 
 const QEMU_ENV: &str = "VMCTL_QEMU";
 const QEMU_BINARY: &str = "qemu-system-x86_64";
@@ -91,7 +93,8 @@ extern "C" fn remember_stop_signal(
 
 /// Runs `config` in a fresh nested host; returns the VMM's exit code.
 pub fn run_vm(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError> {
-    run(&NestedJob::for_vm(config, report_boot_time))
+    let host_vsock = config.vsock.as_ref().map(|v| v.uds_path.as_path());
+    run(&NestedJob::for_vm(config, report_boot_time), host_vsock)
 }
 
 /// Runs `argv` in a fresh nested host with this process's environment and working
@@ -107,16 +110,15 @@ pub fn run_command(
         source,
     })?;
     let env = std::env::vars().collect();
-    run(&NestedJob::for_command(
-        CommandJob { argv, cwd, env },
-        vcpus,
-        memory_mib,
-        writable,
-    ))
+    run(
+        &NestedJob::for_command(CommandJob { argv, cwd, env }, vcpus, memory_mib, writable),
+        None,
+    )
 }
 
-/// Runs `job` in a fresh nested host; returns its exit code.
-fn run(job: &NestedJob) -> Result<u8, NestedError> {
+/// Runs `job` in a fresh nested host; returns its exit code. `host_vsock` is where
+/// host clients connect to reach the VM's vsock (relayed over the multiplexed link).
+fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
     let qemu = find_qemu()?;
     let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
     let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
@@ -142,7 +144,22 @@ fn run(job: &NestedJob) -> Result<u8, NestedError> {
     let relay = std::thread::spawn(move || relay_stderr(listener));
     let qemu_log = File::create(job_dir.file("qemu.log")).map_err(job_dir_error)?;
 
+    let mux_socket = job_dir.file("mux.sock");
+    let _relay = match (job.needs_mux(), host_vsock) {
+        (true, Some(host_vsock)) => Some(start_vsock_relay(&mux_socket, host_vsock)?),
+        _ => None,
+    };
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, job);
+    if job.needs_mux() {
+        command
+            .arg("-chardev")
+            .arg(format!("socket,id=mux,path={}", mux_socket.display()))
+            .arg("-device")
+            .arg(format!(
+                "virtserialport,chardev=mux,name={}",
+                job::MUX_PORT_NAME
+            ));
+    }
     command
         .stdin(stdin_for_qemu())
         .stdout(Stdio::inherit())
@@ -225,6 +242,62 @@ fn find_qemu() -> Result<String, NestedError> {
     on_path
         .map(|p| p.display().to_string())
         .ok_or_else(|| NestedError::QemuMissing(QEMU_BINARY.into()))
+}
+
+/// Relays host connections on `host_vsock` to the VM's vsock inside the nested host:
+/// QEMU connects the nested host's mux port to `mux_socket`, and every host client
+/// becomes one stream of the multiplexed link. Runs on its own thread until the
+/// process ends.
+fn start_vsock_relay(
+    mux_socket: &Path,
+    host_vsock: &Path,
+) -> Result<std::thread::JoinHandle<()>, NestedError> {
+    let bind_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| NestedError::JobDir { path, source }
+    };
+    let _ = std::fs::remove_file(host_vsock);
+    let mux_listener =
+        std::os::unix::net::UnixListener::bind(mux_socket).map_err(bind_error(mux_socket))?;
+    let client_listener =
+        std::os::unix::net::UnixListener::bind(host_vsock).map_err(bind_error(host_vsock))?;
+    for listener in [&mux_listener, &client_listener] {
+        listener
+            .set_nonblocking(true)
+            .map_err(bind_error(mux_socket))?;
+    }
+    let host_vsock = host_vsock.to_path_buf();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(bind_error(mux_socket))?;
+    Ok(std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let (Ok(mux_listener), Ok(client_listener)) = (
+                tokio::net::UnixListener::from_std(mux_listener),
+                tokio::net::UnixListener::from_std(client_listener),
+            ) else {
+                tracing::error!("cannot serve the vsock relay sockets");
+                return;
+            };
+            let Ok((link, _)) = mux_listener.accept().await else {
+                tracing::error!("the nested host never connected its mux port");
+                return;
+            };
+            let (reader, writer) = link.into_split();
+            // Guest connections to host port N go to `<host socket>_N`, as for a VM
+            // that runs directly.
+            let opener: Opener = Arc::new(move |port| {
+                let target = PathBuf::from(format!("{}_{port}", host_vsock.display()));
+                Box::pin(async move { tokio::net::UnixStream::connect(target).await })
+            });
+            let (mux, _link) = Mux::start(reader, writer, true, opener);
+            while let Ok((client, _)) = client_listener.accept().await {
+                let mux = mux.clone();
+                tokio::spawn(async move { mux.open(VSOCK_PORT, client).await });
+            }
+        });
+    }))
 }
 
 /// QEMU reads the guest console's input from stdin; a closed stdin would make it

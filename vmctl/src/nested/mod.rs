@@ -10,5 +10,6 @@
 pub mod init;
 pub mod job;
 pub mod launcher;
+pub mod mux;
 
 pub use launcher::NestedError;

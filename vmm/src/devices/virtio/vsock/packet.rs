@@ -93,6 +93,8 @@ pub enum PacketError {
     ReadableRxDescriptor,
     #[error("descriptor chain longer than {MAX_CHAIN_DESCS} descriptors")]
     ChainTooLong,
+    #[error("descriptor chain does not end (it loops, or a descriptor is unreachable)")]
+    UnterminatedChain,
     #[error("descriptor {addr:#x}+{len:#x} is not inside guest memory")]
     OutOfMemory { addr: u64, len: u32 },
     #[error("receive buffer of {capacity} bytes cannot hold a {needed}-byte packet")]
@@ -197,6 +199,12 @@ impl TxPacket {
 
 /// The (address, length) segments of a chain, all in guest memory and all of one
 /// direction.
+///
+/// virtio-queue's chain iterator does not report malformed chains: it just stops
+/// after as many descriptors as the table holds (a chain that loops), at a `next`
+/// index beyond the table, at an unreadable or bad indirect descriptor, or past
+/// 4 GiB. So a chain whose last descriptor still has NEXT set was cut short, and
+/// is refused rather than parsed from whatever its first descriptors hold.
 fn segments<I>(
     descs: I,
     memory: &GuestMemoryMmap,
@@ -206,10 +214,13 @@ where
     I: Iterator<Item = Descriptor>,
 {
     let mut segs = Vec::new();
-    for desc in descs {
-        if segs.len() == MAX_CHAIN_DESCS {
+    let mut unterminated = false;
+    for (count, desc) in descs.enumerate() {
+        // Counts empty descriptors too: they cost a guest memory read each.
+        if count == MAX_CHAIN_DESCS {
             return Err(PacketError::ChainTooLong);
         }
+        unterminated = desc.has_next();
         if desc.is_write_only() != writable {
             return Err(if writable {
                 PacketError::ReadableRxDescriptor
@@ -226,6 +237,9 @@ where
         if desc.len() > 0 {
             segs.push((desc.addr(), desc.len()));
         }
+    }
+    if unterminated {
+        return Err(PacketError::UnterminatedChain);
     }
     Ok(segs)
 }
@@ -511,6 +525,54 @@ mod tests {
         h.type_ = 2;
         let pkt = check(h, &[ro(0x1000, 44)]).unwrap();
         assert!(matches!(pkt.op(), Err(PacketError::BadType(2))));
+    }
+
+    #[test]
+    fn chains_that_do_not_end_are_rejected() {
+        use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
+        use virtio_queue::desc::RawDescriptor;
+        use virtio_queue::mock::MockSplitQueue;
+        use virtio_queue::{Queue, QueueT};
+
+        let mem = memory();
+        // A well-formed packet, so only the shape of the chains is at fault.
+        put(&mem, 0x8000, &hdr(5, 0), &[]);
+        let next = VRING_DESC_F_NEXT as u16;
+        let desc = |flags, next| RawDescriptor::from(Descriptor::new(0x8000, 44, flags, next));
+        let vq = MockSplitQueue::new(&mem, 16);
+        // Loops on itself: the iterator gives up after 16 descriptors.
+        vq.add_desc_chains(&[desc(next, 0)], 0).unwrap();
+        // Points past the descriptor table.
+        vq.add_desc_chains(&[desc(next, 40)], 1).unwrap();
+        // The same packet, properly terminated.
+        vq.add_desc_chains(&[desc(0, 0)], 2).unwrap();
+        let mut queue: Queue = vq.create_queue().unwrap();
+        let mut pop = || queue.pop_descriptor_chain(&mem).unwrap();
+        assert!(matches!(
+            read_tx_packet(pop(), &mem, GUEST_CID),
+            Err(PacketError::UnterminatedChain)
+        ));
+        assert!(matches!(
+            read_tx_packet(pop(), &mem, GUEST_CID),
+            Err(PacketError::UnterminatedChain)
+        ));
+        assert_eq!(
+            read_tx_packet(pop(), &mem, GUEST_CID).unwrap().hdr,
+            hdr(5, 0)
+        );
+        // The same for receive buffers, and for chains handed over as descriptors.
+        assert!(matches!(
+            RxBuffer::from_chain(
+                [wo(0x1000, 100), wo(0x2000, 100)]
+                    .map(|mut d| {
+                        d.set_flags(d.flags() | next);
+                        d
+                    })
+                    .into_iter(),
+                &mem
+            ),
+            Err(PacketError::UnterminatedChain)
+        ));
     }
 
     #[test]

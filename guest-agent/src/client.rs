@@ -1,0 +1,400 @@
+//! The host-side client of the guest agent (used by `vmctl`).
+//!
+//! Each request uses its own connection: connect ([`connect_hybrid`] through the
+//! VMM's hybrid-vsock Unix socket, or [`Connection::handshake`] over any byte
+//! stream), then call one of [`Connection::exec`], [`Connection::health`],
+//! [`Connection::list_ports`] or [`Connection::shutdown`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), guest_agent::client::ClientError> {
+//! use guest_agent::client::connect_hybrid;
+//! use guest_agent::protocol::ExecRequest;
+//! let conn = connect_hybrid("/run/vm/vsock.sock".as_ref(), 1024).await?;
+//! let out = conn
+//!     .exec(ExecRequest { argv: vec!["uname".into(), "-a".into()], ..Default::default() })
+//!     .await?
+//!     .output(b"")
+//!     .await?;
+//! println!("{} (exit {:?})", String::from_utf8_lossy(&out.stdout), out.status.code);
+//! # Ok(()) }
+//! ```
+
+use std::path::Path;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::UnixStream;
+
+use crate::protocol::{
+    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, Hello,
+    ListeningPort, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
+};
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("protocol error: {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("hybrid vsock handshake failed: {0}")]
+    HybridHandshake(String),
+    #[error("the agent reported: {0}")]
+    Agent(String),
+    #[error("unexpected message from the agent: {0}")]
+    Unexpected(String),
+    #[error("the agent closed the connection unexpectedly")]
+    Closed,
+}
+
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// Connects to the guest's vsock `port` through the VMM's hybrid-vsock Unix socket
+/// (`CONNECT <port>\n` → `OK <n>\n`), then says Hello.
+pub async fn connect_hybrid(uds_path: &Path, port: u32) -> Result<Connection<UnixStream>> {
+    let mut stream =
+        UnixStream::connect(uds_path)
+            .await
+            .map_err(|source| ClientError::Connect {
+                path: uds_path.display().to_string(),
+                source,
+            })?;
+    hybrid_connect(&mut stream, port).await?;
+    Connection::handshake(stream).await
+}
+
+/// Connects to an agent listening on a plain Unix socket (`guest-agent --listen unix:PATH`).
+pub async fn connect_unix(path: &Path) -> Result<Connection<UnixStream>> {
+    let stream = UnixStream::connect(path)
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+    Connection::handshake(stream).await
+}
+
+/// The hybrid-vsock preamble: sends `CONNECT <port>\n` and expects `OK <n>\n`. Reads
+/// byte by byte so nothing after the line is consumed.
+pub async fn hybrid_connect<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    port: u32,
+) -> Result<()> {
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .await?;
+    let mut line = Vec::new();
+    loop {
+        let b = match stream.read_u8().await {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(ClientError::HybridHandshake(format!(
+                    "connection closed after {:?} (is the agent listening on port {port}?)",
+                    String::from_utf8_lossy(&line)
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if b == b'\n' {
+            break;
+        }
+        line.push(b);
+        if line.len() > 128 {
+            return Err(ClientError::HybridHandshake("reply line too long".into()));
+        }
+    }
+    let line = String::from_utf8_lossy(&line);
+    if line.starts_with("OK ") || line == "OK" {
+        Ok(())
+    } else {
+        Err(ClientError::HybridHandshake(format!(
+            "expected 'OK <n>', got {line:?}"
+        )))
+    }
+}
+
+/// A connection that completed the Hello exchange, ready for one request.
+pub struct Connection<S = UnixStream> {
+    reader: FrameReader<ReadHalf<S>>,
+    writer: WriteHalf<S>,
+    agent_version: String,
+    protocol_version: u32,
+}
+
+fn unexpected(msg: &AgentMessage) -> ClientError {
+    match msg {
+        AgentMessage::Error { message } => ClientError::Agent(message.clone()),
+        other => {
+            let s = format!("{other:?}");
+            ClientError::Unexpected(s.chars().take(200).collect())
+        }
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
+    /// Sends Hello over `stream` and waits for HelloOk.
+    pub async fn handshake(stream: S) -> Result<Self> {
+        let (r, mut writer) = tokio::io::split(stream);
+        let mut reader = FrameReader::new(r);
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            client: format!("vmctl {}", env!("CARGO_PKG_VERSION")),
+        };
+        write_frame(&mut writer, &ClientMessage::Hello(hello)).await?;
+        match reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::HelloOk {
+                agent_version,
+                protocol_version,
+            }) => Ok(Self {
+                reader,
+                writer,
+                agent_version,
+                protocol_version,
+            }),
+            Some(other) => Err(unexpected(&other)),
+            None => Err(ClientError::Closed),
+        }
+    }
+
+    pub fn agent_version(&self) -> &str {
+        &self.agent_version
+    }
+
+    pub fn protocol_version(&self) -> u32 {
+        self.protocol_version
+    }
+
+    async fn request(mut self, msg: ClientMessage) -> Result<AgentMessage> {
+        write_frame(&mut self.writer, &msg).await?;
+        match self.reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::Error { message }) => Err(ClientError::Agent(message)),
+            Some(m) => Ok(m),
+            None => Err(ClientError::Closed),
+        }
+    }
+
+    /// The agent's health and resource usage.
+    pub async fn health(self) -> Result<HealthInfo> {
+        match self.request(ClientMessage::Health).await? {
+            AgentMessage::Healthy(h) => Ok(h),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The guest's listening TCP ports.
+    pub async fn list_ports(self) -> Result<Vec<ListeningPort>> {
+        match self.request(ClientMessage::ListPorts).await? {
+            AgentMessage::Ports(p) => Ok(p),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Asks the guest to power off (the agent answers, then syncs and resets the VM).
+    pub async fn shutdown(self) -> Result<()> {
+        match self.request(ClientMessage::Shutdown).await? {
+            AgentMessage::Ok => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Starts a command; returns once the agent reports it running (`Started`).
+    pub async fn exec(mut self, req: ExecRequest) -> Result<ExecSession<S>> {
+        write_frame(&mut self.writer, &ClientMessage::Exec(req)).await?;
+        match self.reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::Started { pid }) => Ok(ExecSession {
+                pid,
+                input: ExecInput {
+                    writer: self.writer,
+                },
+                output: ExecOutput {
+                    reader: self.reader,
+                    done: false,
+                },
+            }),
+            Some(other) => Err(unexpected(&other)),
+            None => Err(ClientError::Closed),
+        }
+    }
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitStatus {
+    /// Exit code, if the command exited.
+    pub code: Option<i32>,
+    /// Signal number, if a signal killed the command.
+    pub signal: Option<i32>,
+}
+
+impl ExitStatus {
+    pub fn success(&self) -> bool {
+        self.code == Some(0)
+    }
+}
+
+/// Something a running command produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// The last event: the command ended.
+    Exited(ExitStatus),
+}
+
+/// Collected result of [`ExecSession::output`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub status: ExitStatus,
+}
+
+/// A running command. Use the methods directly, or [`ExecSession::split`] it to feed
+/// input and read events from different tasks. Dropping it (closing the
+/// connection) before the command exits makes the agent kill the command's process
+/// group.
+pub struct ExecSession<S = UnixStream> {
+    pid: u32,
+    input: ExecInput<S>,
+    output: ExecOutput<S>,
+}
+
+/// The sending half of an exec session.
+pub struct ExecInput<S = UnixStream> {
+    writer: WriteHalf<S>,
+}
+
+/// The receiving half of an exec session.
+pub struct ExecOutput<S = UnixStream> {
+    reader: FrameReader<ReadHalf<S>>,
+    done: bool,
+}
+
+impl<S: AsyncRead + AsyncWrite> ExecInput<S> {
+    /// Sends bytes to the command's stdin (split into frames of at most [`CHUNK_SIZE`]).
+    /// Waits while the agent's stdin backlog is full.
+    pub async fn send_stdin(&mut self, data: &[u8]) -> Result<()> {
+        for chunk in data.chunks(CHUNK_SIZE) {
+            write_frame(&mut self.writer, &ClientMessage::Stdin(chunk.to_vec())).await?;
+        }
+        Ok(())
+    }
+
+    /// Closes the command's stdin (with a tty: sends `^D`).
+    pub async fn close_stdin(&mut self) -> Result<()> {
+        Ok(write_frame(&mut self.writer, &ClientMessage::StdinEof).await?)
+    }
+
+    /// Resizes the command's terminal (no effect without a tty).
+    pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<()> {
+        Ok(write_frame(&mut self.writer, &ClientMessage::Resize { rows, cols }).await?)
+    }
+
+    /// Sends a signal to the command's process group.
+    pub async fn signal(&mut self, signal: i32) -> Result<()> {
+        Ok(write_frame(&mut self.writer, &ClientMessage::Signal(signal)).await?)
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite> ExecOutput<S> {
+    /// The next event; `Ok(None)` after [`ExecEvent::Exited`] was returned.
+    /// Cancel-safe.
+    pub async fn next_event(&mut self) -> Result<Option<ExecEvent>> {
+        if self.done {
+            return Ok(None);
+        }
+        let msg = match self.reader.next::<AgentMessage>().await {
+            Ok(Some(m)) => m,
+            Ok(None) | Err(ProtocolError::TruncatedFrame) => return Err(ClientError::Closed),
+            Err(e) => return Err(e.into()),
+        };
+        match msg {
+            AgentMessage::Stdout(d) => Ok(Some(ExecEvent::Stdout(d))),
+            AgentMessage::Stderr(d) => Ok(Some(ExecEvent::Stderr(d))),
+            AgentMessage::Exited { code, signal } => {
+                self.done = true;
+                Ok(Some(ExecEvent::Exited(ExitStatus { code, signal })))
+            }
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite> ExecSession<S> {
+    /// The command's pid in the guest.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn split(self) -> (ExecInput<S>, ExecOutput<S>) {
+        (self.input, self.output)
+    }
+
+    pub async fn send_stdin(&mut self, data: &[u8]) -> Result<()> {
+        self.input.send_stdin(data).await
+    }
+
+    pub async fn close_stdin(&mut self) -> Result<()> {
+        self.input.close_stdin().await
+    }
+
+    pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<()> {
+        self.input.resize(rows, cols).await
+    }
+
+    pub async fn signal(&mut self, signal: i32) -> Result<()> {
+        self.input.signal(signal).await
+    }
+
+    pub async fn next_event(&mut self) -> Result<Option<ExecEvent>> {
+        self.output.next_event().await
+    }
+
+    /// Feeds `stdin` (then closes it) while collecting all output until the command
+    /// exits. A command that exits without reading all of `stdin` is not an error.
+    pub async fn output(self, stdin: &[u8]) -> Result<Output> {
+        let (mut input, mut output) = self.split();
+        let feed = async {
+            if !stdin.is_empty() {
+                input.send_stdin(stdin).await?;
+            }
+            input.close_stdin().await
+        };
+        let collect = async {
+            let mut out = Output {
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+                status: ExitStatus {
+                    code: None,
+                    signal: None,
+                },
+            };
+            while let Some(ev) = output.next_event().await? {
+                match ev {
+                    ExecEvent::Stdout(d) => out.stdout.extend(d),
+                    ExecEvent::Stderr(d) => out.stderr.extend(d),
+                    ExecEvent::Exited(s) => out.status = s,
+                }
+            }
+            Ok::<_, ClientError>(out)
+        };
+        tokio::pin!(feed);
+        tokio::pin!(collect);
+        let mut feed_done = false;
+        loop {
+            tokio::select! {
+                r = &mut feed, if !feed_done => {
+                    // Write errors are expected when the command exits early; the
+                    // collector reports what really happened.
+                    let _ = r;
+                    feed_done = true;
+                }
+                r = &mut collect => return r,
+            }
+        }
+    }
+}

@@ -1,0 +1,648 @@
+//! PID-1 duties: mounts, the overlay root, switch-root, loopback, hostname, the host
+//! user's account, the "agent ready" signal and power-off.
+//!
+//! Everything here is best effort: a failing step prints a clear message on the
+//! console and the agent still serves, except when the root cannot be mounted (then
+//! the VM powers off with the reason).
+
+use std::ffi::CString;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{chown, DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use crate::protocol::DEFAULT_PORT;
+use crate::server::HostUser;
+
+/// Errors of the init steps.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("invalid kernel command line parameter {param}: {reason}")]
+    Cmdline { param: String, reason: String },
+    #[error("{what}: {source}")]
+    Sys {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn sys(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> InitError {
+    let what = what.into();
+    move |source| InitError::Sys { what, source }
+}
+
+/// The per-VM writable layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Upper {
+    Tmpfs,
+    /// An ext4 block device, e.g. `/dev/vdb`.
+    Device(String),
+}
+
+/// Configuration from the kernel command line (`vmctl.*` parameters).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootConfig {
+    /// `vmctl.root=`: the read-only ext4 root image.
+    pub root: Option<String>,
+    /// `vmctl.upper=`: `tmpfs` (default) or a block device.
+    pub upper: Upper,
+    /// `vmctl.user=NAME:UID:GID:HOME`.
+    pub user: Option<HostUser>,
+    /// `vmctl.hostname=`.
+    pub hostname: Option<String>,
+    /// `vmctl.port=`: the vsock port to listen on.
+    pub port: u32,
+}
+
+impl Default for BootConfig {
+    fn default() -> Self {
+        Self {
+            root: None,
+            upper: Upper::Tmpfs,
+            user: None,
+            hostname: None,
+            port: DEFAULT_PORT,
+        }
+    }
+}
+
+fn bad(param: &str, reason: impl Into<String>) -> InitError {
+    InitError::Cmdline {
+        param: param.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Parses `vmctl.user=NAME:UID:GID:HOME`.
+pub fn parse_user(value: &str) -> Result<HostUser, InitError> {
+    let param = format!("vmctl.user={value}");
+    let mut f = value.splitn(4, ':');
+    let (Some(name), Some(uid), Some(gid), Some(home)) = (f.next(), f.next(), f.next(), f.next())
+    else {
+        return Err(bad(&param, "expected NAME:UID:GID:HOME"));
+    };
+    let valid_name = !name.is_empty()
+        && name.len() <= 32
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        && !name.starts_with('-');
+    if !valid_name {
+        return Err(bad(&param, "invalid user name"));
+    }
+    let uid = uid
+        .parse()
+        .map_err(|_| bad(&param, "UID is not a number"))?;
+    let gid = gid
+        .parse()
+        .map_err(|_| bad(&param, "GID is not a number"))?;
+    if !home.starts_with('/') || home.contains(':') || home.contains('\n') {
+        return Err(bad(&param, "HOME must be an absolute path"));
+    }
+    Ok(HostUser {
+        name: name.to_string(),
+        uid,
+        gid,
+        home: home.to_string(),
+    })
+}
+
+/// Parses the kernel command line. Unknown parameters are ignored; invalid
+/// `vmctl.*` values are returned as warnings and left at their defaults.
+pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
+    let mut cfg = BootConfig::default();
+    let mut warnings = Vec::new();
+    for word in cmdline.split_whitespace() {
+        let Some((key, value)) = word.split_once('=') else {
+            continue;
+        };
+        match key {
+            "vmctl.root" if !value.is_empty() => cfg.root = Some(value.to_string()),
+            "vmctl.upper" => match value {
+                "tmpfs" => cfg.upper = Upper::Tmpfs,
+                v if v.starts_with("/dev/") => cfg.upper = Upper::Device(v.to_string()),
+                v => warnings.push(bad(
+                    word,
+                    format!("expected 'tmpfs' or /dev/..., got '{v}'"),
+                )),
+            },
+            "vmctl.user" => match parse_user(value) {
+                Ok(u) => cfg.user = Some(u),
+                Err(e) => warnings.push(e),
+            },
+            "vmctl.hostname" => {
+                let ok = !value.is_empty()
+                    && value.len() <= 64
+                    && value
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+                if ok {
+                    cfg.hostname = Some(value.to_string());
+                } else {
+                    warnings.push(bad(word, "invalid host name"));
+                }
+            }
+            "vmctl.port" => match value.parse::<u32>() {
+                Ok(p) if p > 0 => cfg.port = p,
+                _ => warnings.push(bad(word, "not a port number")),
+            },
+            _ => {}
+        }
+    }
+    (cfg, warnings)
+}
+
+/// Whether this process is PID 1 (the VM's init).
+pub fn is_pid1() -> bool {
+    std::process::id() == 1
+}
+
+/// Prints to the console (stderr, which init points at `/dev/console`).
+pub fn console(msg: &str) {
+    let mut e = std::io::stderr().lock();
+    let _ = writeln!(e, "guest-agent: {msg}");
+}
+
+fn cstr(s: &str) -> CString {
+    CString::new(s.replace('\0', "")).unwrap_or_default()
+}
+
+/// mount(2) wrapper.
+pub fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), InitError> {
+    let (src, tgt, fs, dat) = (cstr(source), cstr(target), cstr(fstype), cstr(data));
+    // SAFETY: all pointers are valid NUL-terminated strings living across the call.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            if fstype.is_empty() {
+                std::ptr::null()
+            } else {
+                fs.as_ptr()
+            },
+            flags,
+            if data.is_empty() {
+                std::ptr::null()
+            } else {
+                dat.as_ptr().cast()
+            },
+        )
+    };
+    if r < 0 {
+        return Err(InitError::Sys {
+            what: format!("mount {source} on {target} ({fstype} {data})"),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+fn mkdir_p(path: &str, mode: u32) {
+    let _ = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path);
+}
+
+/// Mounts `fstype` on `target` (creating it), reporting failures on the console.
+fn mount_logged(source: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) {
+    mkdir_p(target, 0o755);
+    if let Err(e) = mount(source, target, fstype, flags, data) {
+        // EBUSY: already mounted (e.g. the kernel's devtmpfs automount).
+        if !matches!(&e, InitError::Sys { source, .. } if source.raw_os_error() == Some(libc::EBUSY))
+        {
+            console(&format!("warning: {e}"));
+        }
+    }
+}
+
+/// Points fds 0, 1 and 2 at `/dev/console` (the initramfs has no device nodes, so
+/// the kernel could not open it for us).
+fn open_console() {
+    if let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    {
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors; `f` stays open during the call.
+            unsafe { libc::dup2(f.as_raw_fd(), fd) };
+        }
+    }
+}
+
+fn mount_basic_early() {
+    mount_logged("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
+    open_console();
+    mount_logged(
+        "proc",
+        "/proc",
+        "proc",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "",
+    );
+    mount_logged(
+        "sysfs",
+        "/sys",
+        "sysfs",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "",
+    );
+}
+
+/// The mounts every VM gets in its final root.
+fn mount_runtime_dirs() {
+    let nosuid_nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    mount_logged("proc", "/proc", "proc", nosuid_nodev | libc::MS_NOEXEC, "");
+    mount_logged("sysfs", "/sys", "sysfs", nosuid_nodev | libc::MS_NOEXEC, "");
+    mount_logged("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
+    mount_logged(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620,gid=5",
+    );
+    // /dev/ptmx must refer to this devpts instance.
+    let _ = std::fs::remove_file("/dev/ptmx");
+    if std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx").is_err() {
+        console("warning: cannot link /dev/ptmx to pts/ptmx");
+    }
+    mount_logged("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, "mode=1777");
+    mount_logged(
+        "cgroup2",
+        "/sys/fs/cgroup",
+        "cgroup2",
+        nosuid_nodev | libc::MS_NOEXEC,
+        "nsdelegate",
+    );
+    mount_logged("tmpfs", "/tmp", "tmpfs", nosuid_nodev, "mode=1777");
+    mount_logged("tmpfs", "/run", "tmpfs", nosuid_nodev, "mode=0755");
+    for (src, dst) in [
+        ("/proc/self/fd", "/dev/fd"),
+        ("/proc/self/fd/0", "/dev/stdin"),
+        ("/proc/self/fd/1", "/dev/stdout"),
+        ("/proc/self/fd/2", "/dev/stderr"),
+    ] {
+        let _ = std::os::unix::fs::symlink(src, dst);
+    }
+}
+
+/// Deletes the initramfs' files (not crossing into other mounts), like busybox
+/// `switch_root`, so it holds no memory beyond the running agent binary.
+fn delete_initramfs(dir: &Path, root_dev: u64, skip: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path == skip {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.dev() != root_dev {
+            continue;
+        }
+        if meta.is_dir() {
+            delete_initramfs(&path, root_dev, skip);
+            let _ = std::fs::remove_dir(&path);
+        } else {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+/// Builds the overlay root at `/mnt/root` and switches into it.
+fn switch_root(cfg: &BootConfig, root_dev: &str) -> Result<(), InitError> {
+    let (lower, upper, newroot) = ("/mnt/lower", "/mnt/upper", "/mnt/root");
+    for d in [lower, upper, newroot] {
+        mkdir_p(d, 0o755);
+    }
+    mount(root_dev, lower, "ext4", libc::MS_RDONLY, "")?;
+    match &cfg.upper {
+        Upper::Tmpfs => mount("tmpfs", upper, "tmpfs", 0, "mode=0755")?,
+        Upper::Device(dev) => mount(dev, upper, "ext4", 0, "")?,
+    }
+    mkdir_p("/mnt/upper/upper", 0o755);
+    mkdir_p("/mnt/upper/work", 0o755);
+    mount(
+        "overlay",
+        newroot,
+        "overlay",
+        0,
+        "lowerdir=/mnt/lower,upperdir=/mnt/upper/upper,workdir=/mnt/upper/work",
+    )?;
+    // The overlay holds its layers; their own mount points are not needed.
+    for d in [lower, upper] {
+        let c = cstr(d);
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+    // Drop the initramfs' early mounts; fresh ones are made in the new root.
+    for d in ["/proc", "/sys", "/dev"] {
+        let c = cstr(d);
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+    let root_meta = std::fs::symlink_metadata("/").map_err(sys("stat /"))?;
+    delete_initramfs(Path::new("/"), root_meta.dev(), Path::new(newroot));
+    std::env::set_current_dir(newroot).map_err(sys(format!("chdir {newroot}")))?;
+    mount(".", "/", "", libc::MS_MOVE, "")?;
+    let dot = cstr(".");
+    // SAFETY: chroot with a valid NUL-terminated path.
+    if unsafe { libc::chroot(dot.as_ptr()) } < 0 {
+        return Err(InitError::Sys {
+            what: "chroot into the new root".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    std::env::set_current_dir("/").map_err(sys("chdir /"))?;
+    Ok(())
+}
+
+/// Brings up the loopback interface (the kernel assigns 127.0.0.1/8 and ::1 itself
+/// once `lo` is up).
+pub fn loopback_up() -> Result<(), InitError> {
+    // SAFETY: socket() has no memory-safety preconditions.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(InitError::Sys {
+            what: "socket for SIOCSIFFLAGS".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: an all-zero ifreq is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in b"lo\0".iter().enumerate() {
+        ifr.ifr_name[i] = *b as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write the live ifreq; fd is ours.
+    let r = unsafe {
+        if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr) < 0 {
+            -1
+        } else {
+            ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+            libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr)
+        }
+    };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: closing the socket we opened.
+    unsafe { libc::close(fd) };
+    if r < 0 {
+        return Err(InitError::Sys {
+            what: "bring up lo".into(),
+            source: err,
+        });
+    }
+    Ok(())
+}
+
+pub fn set_hostname(name: &str) -> Result<(), InitError> {
+    // SAFETY: the pointer and length describe a live byte slice.
+    if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } < 0 {
+        return Err(InitError::Sys {
+            what: format!("sethostname {name}"),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    let _ = std::fs::write("/etc/hostname", format!("{name}\n"));
+    Ok(())
+}
+
+fn has_entry(text: &str, name: &str) -> bool {
+    text.lines().any(|l| l.split(':').next() == Some(name))
+}
+
+fn has_id(text: &str, id: u32) -> bool {
+    text.lines()
+        .any(|l| l.split(':').nth(2).and_then(|v| v.parse::<u32>().ok()) == Some(id))
+}
+
+fn append_line(path: &Path, line: &str) -> Result<(), InitError> {
+    let mut text = std::fs::read_to_string(path).unwrap_or_default();
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(line);
+    text.push('\n');
+    std::fs::write(path, text).map_err(sys(format!("write {}", path.display())))
+}
+
+/// Adds the host user to `<root>/etc/{passwd,group,shadow}` if missing, and creates
+/// its home directory owned by it.
+pub fn ensure_user(root: &Path, user: &HostUser) -> Result<(), InitError> {
+    let etc = root.join("etc");
+    mkdir_p(&etc.to_string_lossy(), 0o755);
+    let passwd_path = etc.join("passwd");
+    let passwd = std::fs::read_to_string(&passwd_path).unwrap_or_default();
+    let shell = ["/bin/bash", "/bin/sh"]
+        .into_iter()
+        .find(|s| root.join(s.trim_start_matches('/')).exists())
+        .unwrap_or("/bin/sh");
+    if !has_entry(&passwd, &user.name) {
+        append_line(
+            &passwd_path,
+            &format!(
+                "{}:x:{}:{}::{}:{shell}",
+                user.name, user.uid, user.gid, user.home
+            ),
+        )?;
+    }
+    let group_path = etc.join("group");
+    let group = std::fs::read_to_string(&group_path).unwrap_or_default();
+    if !has_id(&group, user.gid) && !has_entry(&group, &user.name) {
+        append_line(&group_path, &format!("{}:x:{}:", user.name, user.gid))?;
+    }
+    let shadow_path = etc.join("shadow");
+    let shadow = std::fs::read_to_string(&shadow_path).unwrap_or_default();
+    if !has_entry(&shadow, &user.name) {
+        append_line(&shadow_path, &format!("{}:!:19000:0:99999:7:::", user.name))?;
+        let _ = std::fs::set_permissions(&shadow_path, std::fs::Permissions::from_mode(0o640));
+    }
+    let home = root.join(user.home.trim_start_matches('/'));
+    if !home.exists() {
+        std::fs::create_dir_all(&home).map_err(sys(format!("mkdir {}", home.display())))?;
+        chown(&home, Some(user.uid), Some(user.gid))
+            .map_err(sys(format!("chown {}", home.display())))?;
+        let _ = std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o755));
+    }
+    Ok(())
+}
+
+/// Runs the PID-1 boot sequence; returns the configuration to serve with. Powers off
+/// when a root was requested but cannot be mounted.
+pub fn boot() -> BootConfig {
+    mount_basic_early();
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_else(|e| {
+        console(&format!(
+            "warning: cannot read /proc/cmdline: {e}; using defaults"
+        ));
+        String::new()
+    });
+    let (cfg, warnings) = parse_cmdline(&cmdline);
+    for w in warnings {
+        console(&format!("warning: {w} (ignored)"));
+    }
+    match &cfg.root {
+        Some(root) => {
+            if let Err(e) = switch_root(&cfg, root) {
+                console(&format!(
+                    "fatal: cannot set up the root filesystem from {root}: {e}"
+                ));
+                power_off();
+            }
+        }
+        None => console(
+            "warning: no vmctl.root= on the kernel command line; serving from the initramfs",
+        ),
+    }
+    mount_runtime_dirs();
+    if let Err(e) = loopback_up() {
+        console(&format!("warning: {e}"));
+    }
+    if let Some(h) = &cfg.hostname {
+        if let Err(e) = set_hostname(h) {
+            console(&format!("warning: {e}"));
+        }
+    }
+    if let Some(u) = &cfg.user {
+        if let Err(e) = ensure_user(Path::new("/"), u) {
+            console(&format!(
+                "warning: cannot create the account of {}: {e}",
+                u.name
+            ));
+        }
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mounts: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .collect();
+    console(&format!(
+        "booted: root {} (upper {:?}), hostname {}, user {}, mounts {}",
+        cfg.root.as_deref().unwrap_or("initramfs"),
+        cfg.upper,
+        cfg.hostname.as_deref().unwrap_or("-"),
+        cfg.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-"),
+        mounts.join(" ")
+    ));
+    cfg
+}
+
+/// The VMM's boot-timer I/O port: writing [`READY_VALUE`] there tells it the agent is
+/// listening.
+pub const BOOT_TIMER_PORT: u16 = 0x3f0;
+pub const READY_VALUE: u8 = 123;
+
+/// Signals "agent ready" to the VMM (PID 1 on x86_64 only; harmless elsewhere).
+pub fn signal_ready() {
+    #[cfg(target_arch = "x86_64")]
+    if is_pid1() {
+        // SAFETY: ioperm only changes this process's I/O permission bitmap.
+        if unsafe { libc::ioperm(BOOT_TIMER_PORT as libc::c_ulong, 1, 1) } == 0 {
+            // SAFETY: ioperm granted access to this single port; writing a byte to the
+            // VMM's boot-timer device has no effect on our memory.
+            unsafe {
+                std::arch::asm!("out dx, al", in("dx") BOOT_TIMER_PORT, in("al") READY_VALUE, options(nomem, nostack, preserves_flags));
+            }
+        } else {
+            tracing::warn!("ioperm(0x3f0) failed: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+/// Syncs the filesystems and resets the VM (the VMM treats a reset as "VM ended").
+pub fn power_off() -> ! {
+    // SAFETY: sync and reboot have no memory-safety preconditions.
+    unsafe {
+        libc::sync();
+        libc::reboot(libc::RB_AUTOBOOT);
+    }
+    // Not PID 1 or no CAP_SYS_BOOT: just exit.
+    std::process::exit(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_cmdline() {
+        let (cfg, warnings) = parse_cmdline(
+            "console=ttyS0 reboot=k panic=1 vmctl.root=/dev/vda vmctl.upper=/dev/vdb \
+             vmctl.user=alice:1000:1000:/home/alice vmctl.hostname=box-1 vmctl.port=2000 quiet",
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(cfg.root.as_deref(), Some("/dev/vda"));
+        assert_eq!(cfg.upper, Upper::Device("/dev/vdb".into()));
+        assert_eq!(
+            cfg.user,
+            Some(HostUser {
+                name: "alice".into(),
+                uid: 1000,
+                gid: 1000,
+                home: "/home/alice".into()
+            })
+        );
+        assert_eq!(cfg.hostname.as_deref(), Some("box-1"));
+        assert_eq!(cfg.port, 2000);
+    }
+
+    #[test]
+    fn cmdline_defaults_and_bad_values() {
+        let (cfg, warnings) = parse_cmdline("console=ttyS0");
+        assert_eq!(cfg, BootConfig::default());
+        assert!(warnings.is_empty());
+        let (cfg, warnings) = parse_cmdline(
+            "vmctl.upper=tmpfs vmctl.user=bob:x:1:/h vmctl.port=abc vmctl.hostname=a/b vmctl.upper=zfs vmctl.user=:1:1:/h",
+        );
+        assert_eq!(cfg.upper, Upper::Tmpfs);
+        assert_eq!(cfg.user, None);
+        assert_eq!(cfg.port, DEFAULT_PORT);
+        assert_eq!(cfg.hostname, None);
+        assert_eq!(warnings.len(), 5);
+        assert!(parse_user("a:1:2:relative").is_err());
+        assert!(parse_user("a:1:2").is_err());
+    }
+
+    #[test]
+    fn ensure_user_appends_once() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("etc")).unwrap();
+        std::fs::write(
+            dir.path().join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("etc/group"), "root:x:0:\n").unwrap();
+        let u = HostUser {
+            name: "dev".into(),
+            uid: 4242,
+            gid: 4243,
+            home: "/home/dev".into(),
+        };
+        ensure_user(dir.path(), &u).unwrap();
+        ensure_user(dir.path(), &u).unwrap();
+        let passwd = std::fs::read_to_string(dir.path().join("etc/passwd")).unwrap();
+        assert_eq!(
+            passwd,
+            "root:x:0:0:root:/root:/bin/sh\ndev:x:4242:4243::/home/dev:/bin/sh\n"
+        );
+        let group = std::fs::read_to_string(dir.path().join("etc/group")).unwrap();
+        assert_eq!(group, "root:x:0:\ndev:x:4243:\n");
+        let shadow = std::fs::read_to_string(dir.path().join("etc/shadow")).unwrap();
+        assert_eq!(shadow.lines().count(), 1);
+        let meta = std::fs::metadata(dir.path().join("home/dev")).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (4242, 4243));
+        let a = crate::users::lookup_in(dir.path(), "dev").unwrap();
+        assert_eq!((a.uid, a.gid, a.home.as_str()), (4242, 4243, "/home/dev"));
+    }
+}

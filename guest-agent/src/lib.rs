@@ -1,0 +1,13 @@
+//! The guest agent of the micro-VM runtime, and the host side of its protocol.
+//!
+//! - [`protocol`]: messages and framing (see `PROTOCOL.md`);
+//! - [`client`]: the async client `vmctl` uses;
+//! - [`server`]: the agent's request handling and command execution;
+//! - [`init`]: PID-1 duties inside the VM.
+
+pub mod client;
+pub mod init;
+pub mod ports;
+pub mod protocol;
+pub mod server;
+pub mod users;

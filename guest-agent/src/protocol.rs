@@ -1,0 +1,476 @@
+//! The host ↔ guest-agent wire protocol (see `guest-agent/PROTOCOL.md`).
+//!
+//! Every message travels in a frame: a `u32` little-endian payload length followed by
+//! the payload, a [`postcard`]-encoded [`ClientMessage`] (host → agent) or
+//! [`AgentMessage`] (agent → host). Frames larger than [`MAX_FRAME_SIZE`] are refused
+//! before anything is allocated for them.
+//!
+//! postcard encodes enum variants by index and struct fields by position, so the
+//! wire format changes whenever a variant or a field is added, removed or reordered:
+//! any such change must bump [`PROTOCOL_VERSION`].
+
+use std::net::IpAddr;
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest payload a frame may carry (the 4-byte length prefix excluded).
+pub const MAX_FRAME_SIZE: usize = 1024 * 1024;
+/// The vsock port the agent listens on unless `vmctl.port=` says otherwise.
+pub const DEFAULT_PORT: u32 = 1024;
+/// The largest chunk of stdin/stdout/stderr bytes senders put in one frame.
+pub const CHUNK_SIZE: usize = 64 * 1024;
+/// The version of this crate, reported by the agent in [`AgentMessage::HelloOk`].
+pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Errors of framing and encoding.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes exceeds the maximum of {MAX_FRAME_SIZE} bytes")]
+    FrameTooLarge(usize),
+    #[error("malformed message: {0}")]
+    Decode(postcard::Error),
+    #[error("cannot encode message: {0}")]
+    Encode(postcard::Error),
+    #[error("connection closed in the middle of a frame")]
+    TruncatedFrame,
+}
+
+/// The first message of every connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must equal the agent's [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// Free-form name of the client (for the agent's logs), e.g. `vmctl 0.1.0`.
+    pub client: String,
+}
+
+/// Which account a command runs as.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum User {
+    /// The host user configured for this VM (`vmctl.user=`), or root if none is.
+    #[default]
+    Default,
+    Root,
+    /// An account from the guest's `/etc/passwd`.
+    Named(String),
+}
+
+/// Ask for a pseudo-terminal of this size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtyRequest {
+    pub rows: u16,
+    pub cols: u16,
+    /// Value of `TERM` in the command's environment (e.g. `xterm-256color`).
+    pub term: String,
+}
+
+/// Run a command.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Program and arguments; `argv[0]` is looked up in `PATH`.
+    pub argv: Vec<String>,
+    /// Added to (and overriding) the default environment: `PATH`, `HOME`, `USER`,
+    /// `LOGNAME`, `SHELL` and, with a tty, `TERM`.
+    pub env: Vec<(String, String)>,
+    /// Working directory; the user's home when `None` or when it does not exist.
+    pub cwd: Option<String>,
+    pub user: User,
+    /// `Some` runs the command on a new pseudo-terminal (stdout and stderr merged).
+    pub tty: Option<TtyRequest>,
+}
+
+/// Host → agent messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientMessage {
+    Hello(Hello),
+    Exec(ExecRequest),
+    Health,
+    ListPorts,
+    Shutdown,
+    /// Bytes for the command's stdin (during an exec).
+    Stdin(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// Close the command's stdin (with a tty: send the EOF character, `^D`).
+    StdinEof,
+    /// Resize the command's terminal (with a tty; it receives `SIGWINCH`).
+    Resize {
+        rows: u16,
+        cols: u16,
+    },
+    /// Send this signal number to the command's process group.
+    Signal(i32),
+}
+
+/// The agent's state, in answer to [`ClientMessage::Health`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthInfo {
+    pub agent_version: String,
+    /// Guest uptime (from `/proc/uptime`), in milliseconds.
+    pub uptime_ms: u64,
+    /// Time since the agent started, in milliseconds.
+    pub agent_uptime_ms: u64,
+    /// Resident set size of the agent process, in bytes.
+    pub agent_rss_bytes: u64,
+    /// Commands currently running through `Exec`.
+    pub active_execs: u32,
+    /// `MemTotal` and `MemAvailable` of `/proc/meminfo`, in KiB (0 if unknown).
+    pub mem_total_kib: u64,
+    pub mem_available_kib: u64,
+}
+
+/// One listening TCP socket of the guest.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ListeningPort {
+    pub port: u16,
+    /// The bound address (`0.0.0.0`/`::` for all interfaces, `127.0.0.1`/`::1` for loopback).
+    pub address: IpAddr,
+    /// Whether the socket came from `/proc/net/tcp6` (an IPv6 socket, which may
+    /// also accept IPv4 when bound to `::`).
+    pub ipv6: bool,
+}
+
+/// Agent → host messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentMessage {
+    HelloOk {
+        agent_version: String,
+        protocol_version: u32,
+    },
+    /// The request failed or the connection misbehaved; the agent closes the connection.
+    Error {
+        message: String,
+    },
+    Healthy(HealthInfo),
+    Ports(Vec<ListeningPort>),
+    /// Acknowledges `Shutdown` (the VM powers off right after).
+    Ok,
+    /// The command runs as this pid (in the guest).
+    Started {
+        pid: u32,
+    },
+    Stdout(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// Never sent with a tty (the terminal merges both streams into `Stdout`).
+    Stderr(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// The command ended: `code` if it exited, `signal` if a signal killed it. The
+    /// agent closes the connection after this message.
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+}
+
+/// Encodes `msg` as a complete frame (length prefix + payload).
+pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    let mut out = vec![0u8; 4];
+    out = postcard::to_extend(msg, out).map_err(ProtocolError::Encode)?;
+    let len = out.len() - 4;
+    if len > MAX_FRAME_SIZE {
+        return Err(ProtocolError::FrameTooLarge(len));
+    }
+    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// Decodes one payload (without its length prefix). Trailing bytes are an error.
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ProtocolError> {
+    let (msg, rest) = postcard::take_from_bytes(payload).map_err(ProtocolError::Decode)?;
+    if !rest.is_empty() {
+        return Err(ProtocolError::Decode(
+            postcard::Error::DeserializeBadEncoding,
+        ));
+    }
+    Ok(msg)
+}
+
+/// Reads the payload length of a frame header, refusing oversized frames.
+fn frame_len(header: [u8; 4]) -> Result<usize, ProtocolError> {
+    let len = u32::from_le_bytes(header) as usize;
+    if len > MAX_FRAME_SIZE {
+        return Err(ProtocolError::FrameTooLarge(len));
+    }
+    Ok(len)
+}
+
+/// Decodes the first frame of `buf`: `Ok(None)` if `buf` does not hold a whole frame
+/// yet, else the message and the number of bytes it used.
+pub fn decode_frame<T: DeserializeOwned>(buf: &[u8]) -> Result<Option<(T, usize)>, ProtocolError> {
+    let Some(header) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let mut h = [0u8; 4];
+    h.copy_from_slice(header);
+    let len = frame_len(h)?;
+    let Some(payload) = buf.get(4..4 + len) else {
+        return Ok(None);
+    };
+    Ok(Some((decode_payload(payload)?, 4 + len)))
+}
+
+/// Writes one frame.
+pub async fn write_frame<W, T>(w: &mut W, msg: &T) -> Result<(), ProtocolError>
+where
+    W: AsyncWrite + Unpin + ?Sized,
+    T: Serialize,
+{
+    let frame = encode_frame(msg)?;
+    w.write_all(&frame).await?;
+    w.flush().await?;
+    Ok(())
+}
+
+/// Reads frames from a byte stream. [`FrameReader::next`] is cancel-safe: bytes
+/// already read stay buffered when its future is dropped.
+#[derive(Debug)]
+pub struct FrameReader<R> {
+    inner: R,
+    buf: Vec<u8>,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(inner: R) -> Self {
+        Self {
+            inner,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Returns the next message, or `Ok(None)` at a clean end of stream.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ProtocolError> {
+        loop {
+            if let Some((msg, used)) = decode_frame(&self.buf)? {
+                self.buf.drain(..used);
+                if self.buf.capacity() > 2 * CHUNK_SIZE && self.buf.len() < CHUNK_SIZE {
+                    self.buf.shrink_to(CHUNK_SIZE);
+                }
+                return Ok(Some(msg));
+            }
+            // Read at most up to the end of the current frame (header checked above),
+            // so a peer cannot make us buffer more than one frame.
+            let want = if self.buf.len() < 4 {
+                4 - self.buf.len()
+            } else {
+                let mut h = [0u8; 4];
+                h.copy_from_slice(&self.buf[..4]);
+                4 + frame_len(h)? - self.buf.len()
+            };
+            let want = want.min(CHUNK_SIZE);
+            let start = self.buf.len();
+            self.buf.resize(start + want, 0);
+            let res = self.inner.read(&mut self.buf[start..]).await;
+            let n = match res {
+                Ok(n) => n,
+                Err(e) => {
+                    self.buf.truncate(start);
+                    return Err(e.into());
+                }
+            };
+            self.buf.truncate(start + n);
+            if n == 0 {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(ProtocolError::TruncatedFrame)
+                };
+            }
+        }
+    }
+
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
+    pub fn into_inner(self) -> R {
+        self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<ClientMessage> {
+        vec![
+            ClientMessage::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                client: "t".into(),
+            }),
+            ClientMessage::Exec(ExecRequest {
+                argv: vec!["sh".into(), "-c".into(), "echo hi".into()],
+                env: vec![("A".into(), "b".into())],
+                cwd: Some("/tmp".into()),
+                user: User::Named("dev".into()),
+                tty: Some(TtyRequest {
+                    rows: 24,
+                    cols: 80,
+                    term: "xterm".into(),
+                }),
+            }),
+            ClientMessage::Health,
+            ClientMessage::ListPorts,
+            ClientMessage::Shutdown,
+            ClientMessage::Stdin(vec![0, 1, 2, 255]),
+            ClientMessage::StdinEof,
+            ClientMessage::Resize { rows: 1, cols: 2 },
+            ClientMessage::Signal(-9),
+        ]
+    }
+
+    #[test]
+    fn round_trip_all_messages() {
+        for msg in samples() {
+            let frame = encode_frame(&msg).unwrap();
+            let (back, used): (ClientMessage, usize) = decode_frame(&frame).unwrap().unwrap();
+            assert_eq!(back, msg);
+            assert_eq!(used, frame.len());
+        }
+        let agent = vec![
+            AgentMessage::HelloOk {
+                agent_version: "1".into(),
+                protocol_version: 1,
+            },
+            AgentMessage::Error {
+                message: "x".into(),
+            },
+            AgentMessage::Ports(vec![ListeningPort {
+                port: 80,
+                address: "::1".parse().unwrap(),
+                ipv6: true,
+            }]),
+            AgentMessage::Ok,
+            AgentMessage::Started { pid: 7 },
+            AgentMessage::Stdout(vec![1; 1000]),
+            AgentMessage::Stderr(vec![]),
+            AgentMessage::Exited {
+                code: Some(3),
+                signal: None,
+            },
+        ];
+        for msg in agent {
+            let frame = encode_frame(&msg).unwrap();
+            let (back, _): (AgentMessage, usize) = decode_frame(&frame).unwrap().unwrap();
+            assert_eq!(back, msg);
+        }
+    }
+
+    #[test]
+    fn bytes_are_compact() {
+        // serde_bytes: a 1000-byte payload costs 1000 bytes + varint length + tag.
+        let frame = encode_frame(&AgentMessage::Stdout(vec![7; 1000])).unwrap();
+        assert!(frame.len() <= 4 + 1 + 2 + 1000, "{}", frame.len());
+    }
+
+    #[test]
+    fn short_input_is_incomplete() {
+        let frame = encode_frame(&ClientMessage::Health).unwrap();
+        for cut in 0..frame.len() {
+            assert!(decode_frame::<ClientMessage>(&frame[..cut])
+                .unwrap()
+                .is_none());
+        }
+    }
+
+    #[test]
+    fn oversize_length_is_refused() {
+        let mut buf = ((MAX_FRAME_SIZE + 1) as u32).to_le_bytes().to_vec();
+        buf.extend_from_slice(&[0; 16]);
+        assert!(matches!(
+            decode_frame::<ClientMessage>(&buf),
+            Err(ProtocolError::FrameTooLarge(_))
+        ));
+        let huge = AgentMessage::Stdout(vec![0; MAX_FRAME_SIZE + 1]);
+        assert!(matches!(
+            encode_frame(&huge),
+            Err(ProtocolError::FrameTooLarge(_))
+        ));
+    }
+
+    #[test]
+    fn garbage_payload_is_an_error() {
+        let mut buf = 3u32.to_le_bytes().to_vec();
+        buf.extend_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(matches!(
+            decode_frame::<ClientMessage>(&buf),
+            Err(ProtocolError::Decode(_))
+        ));
+        // Trailing bytes inside a frame are refused too.
+        let mut buf = 2u32.to_le_bytes().to_vec();
+        buf.extend_from_slice(&[2, 0]); // Health + junk
+        assert!(decode_frame::<ClientMessage>(&buf).is_err());
+    }
+
+    /// xorshift64*: std-only pseudo-random bytes.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+    }
+
+    #[test]
+    fn random_input_never_panics() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let valid: Vec<Vec<u8>> = samples().iter().map(|m| encode_frame(m).unwrap()).collect();
+        for i in 0..200_000 {
+            let mut buf = if i % 2 == 0 {
+                let len = (rng.next() % 64) as usize;
+                let mut b: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                if b.len() >= 4 && i % 4 == 0 {
+                    // Plausible length prefix so the payload decoder gets exercised.
+                    let l = (b.len() - 4) as u32;
+                    b[..4].copy_from_slice(&l.to_le_bytes());
+                }
+                b
+            } else {
+                // Mutate a valid frame.
+                let mut b = valid[(rng.next() % valid.len() as u64) as usize].clone();
+                for _ in 0..(1 + rng.next() % 3) {
+                    let at = (rng.next() % b.len() as u64) as usize;
+                    b[at] = rng.next() as u8;
+                }
+                b
+            };
+            let _ = decode_frame::<ClientMessage>(&buf);
+            let _ = decode_frame::<AgentMessage>(&buf);
+            buf.truncate(buf.len() / 2);
+            let _ = decode_frame::<ClientMessage>(&buf);
+        }
+    }
+
+    #[tokio::test]
+    async fn frame_reader_handles_split_reads_and_eof() {
+        let mut bytes = Vec::new();
+        for m in samples() {
+            bytes.extend(encode_frame(&m).unwrap());
+        }
+        let (mut a, b) = tokio::io::duplex(7);
+        let writer = tokio::spawn(async move {
+            for chunk in bytes.chunks(5) {
+                a.write_all(chunk).await.unwrap();
+            }
+        });
+        let mut r = FrameReader::new(b);
+        let mut got = Vec::new();
+        while let Some(m) = r.next::<ClientMessage>().await.unwrap() {
+            got.push(m);
+        }
+        writer.await.unwrap();
+        assert_eq!(got, samples());
+    }
+
+    #[tokio::test]
+    async fn frame_reader_reports_truncation() {
+        let frame = encode_frame(&ClientMessage::Stdin(vec![1; 100])).unwrap();
+        let mut r = FrameReader::new(&frame[..50]);
+        assert!(matches!(
+            r.next::<ClientMessage>().await,
+            Err(ProtocolError::TruncatedFrame)
+        ));
+    }
+}

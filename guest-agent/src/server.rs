@@ -1,0 +1,940 @@
+//! The agent's server: accepts connections (vsock or Unix socket), runs one request
+//! per connection, and runs commands (`Exec`) with pipes or a pseudo-terminal.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::protocol::{
+    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, ProtocolError,
+    TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
+};
+use crate::users::{self, Account};
+
+/// Errors of the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+    #[error("protocol error: {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot bind {what}: {source}")]
+    Bind { what: String, source: io::Error },
+    #[error("{0}")]
+    User(#[from] users::UserError),
+    #[error("cannot start the command: {0}")]
+    Spawn(io::Error),
+    #[error("invalid exec request: {0}")]
+    BadRequest(String),
+}
+
+/// How long the client has to send `Hello` and its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of stdin the agent buffers for a command before it stops reading the socket.
+pub const STDIN_BACKLOG: usize = 1024 * 1024;
+/// Output messages queued towards the client before output reading pauses (each at
+/// most [`OUTPUT_READ_SIZE`] bytes).
+const OUTPUT_QUEUE: usize = 8;
+const OUTPUT_READ_SIZE: usize = 32 * 1024;
+/// After the command exits, output is drained until EOF or this long without data
+/// (background processes may keep the pipes open forever).
+const DRAIN_IDLE: Duration = Duration::from_millis(250);
+/// Between SIGHUP and SIGKILL when the client goes away.
+const KILL_GRACE: Duration = Duration::from_secs(1);
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The host user the VM was configured with (`vmctl.user=NAME:UID:GID:HOME`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: String,
+}
+
+/// Server settings.
+#[derive(Debug, Clone, Default)]
+pub struct ServerConfig {
+    /// Who `User::Default` is; root when `None`.
+    pub default_user: Option<HostUser>,
+    /// Reap every child (`waitpid(-1)`), as PID 1 must; otherwise only our commands.
+    pub reap_all: bool,
+}
+
+/// Where the agent listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Vsock(u32),
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for ListenAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            Ok(ListenAddr::Unix(PathBuf::from(p)))
+        } else if let Some(p) = s.strip_prefix("vsock:") {
+            p.parse()
+                .map(ListenAddr::Vsock)
+                .map_err(|e| format!("bad vsock port '{p}': {e}"))
+        } else {
+            Err(format!("expected unix:PATH or vsock:PORT, got '{s}'"))
+        }
+    }
+}
+
+/// Dispatches exit statuses to the exec sessions waiting for them. There is one
+/// reaper per server; as PID 1 it also reaps orphans.
+struct Reaper {
+    waiting: Mutex<HashMap<i32, oneshot::Sender<i32>>>,
+    reap_all: bool,
+}
+
+impl Reaper {
+    /// Collects every exit status available now.
+    fn reap(&self) {
+        let mut waiting = match self.waiting.lock() {
+            Ok(w) => w,
+            Err(p) => p.into_inner(),
+        };
+        if self.reap_all {
+            loop {
+                let mut status = 0;
+                // SAFETY: waitpid with a valid pointer to a local int.
+                let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+                if pid <= 0 {
+                    break;
+                }
+                match waiting.remove(&pid) {
+                    Some(tx) => {
+                        let _ = tx.send(status);
+                    }
+                    None => debug!(pid, status, "reaped orphan"),
+                }
+            }
+        } else {
+            let pids: Vec<i32> = waiting.keys().copied().collect();
+            for pid in pids {
+                let mut status = 0;
+                // SAFETY: waitpid on our own child with a valid pointer to a local int.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    if let Some(tx) = waiting.remove(&pid) {
+                        let _ = tx.send(status);
+                    }
+                } else if r < 0 {
+                    // Not our child any more (should not happen): report it as killed.
+                    if let Some(tx) = waiting.remove(&pid) {
+                        let _ = tx.send(libc::SIGKILL);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Shared state of a running server.
+struct State {
+    config: ServerConfig,
+    reaper: Reaper,
+    started: Instant,
+    active_execs: AtomicU32,
+    shutdown: Notify,
+    shutdown_requested: std::sync::atomic::AtomicBool,
+}
+
+/// A bound listener.
+pub enum Listener {
+    Vsock(tokio_vsock::VsockListener),
+    Unix(tokio::net::UnixListener),
+}
+
+impl Listener {
+    /// Binds `addr` (must run inside a tokio runtime).
+    pub fn bind(addr: &ListenAddr) -> Result<Self, ServerError> {
+        match addr {
+            ListenAddr::Vsock(port) => {
+                let a = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port);
+                tokio_vsock::VsockListener::bind(a)
+                    .map(Listener::Vsock)
+                    .map_err(|source| ServerError::Bind {
+                        what: format!("vsock port {port}"),
+                        source,
+                    })
+            }
+            ListenAddr::Unix(path) => {
+                let _ = std::fs::remove_file(path);
+                tokio::net::UnixListener::bind(path)
+                    .map(Listener::Unix)
+                    .map_err(|source| ServerError::Bind {
+                        what: path.display().to_string(),
+                        source,
+                    })
+            }
+        }
+    }
+}
+
+/// Serves connections until a client sends `Shutdown`; then returns (the caller
+/// powers off). Accept errors are logged and retried.
+pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), ServerError> {
+    let state = Arc::new(State {
+        reaper: Reaper {
+            waiting: Mutex::new(HashMap::new()),
+            reap_all: config.reap_all,
+        },
+        config,
+        started: Instant::now(),
+        active_execs: AtomicU32::new(0),
+        shutdown: Notify::new(),
+        shutdown_requested: Default::default(),
+    });
+    // SIGCHLD → reap. Registered before any command starts, so none is missed; a
+    // periodic sweep covers anything odd (several runtimes in one test process).
+    let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
+    let reaper_state = state.clone();
+    let reaper = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = sigchld.recv() => {}
+                _ = tick.tick() => {}
+            }
+            reaper_state.reaper.reap();
+        }
+    });
+    let result = loop {
+        let accepted: io::Result<Box<dyn Stream>> = tokio::select! {
+            _ = state.shutdown.notified() => break Ok(()),
+            r = accept(&listener) => r,
+        };
+        match accepted {
+            Ok(stream) => {
+                let state = state.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = handle_connection(stream, state).await {
+                        debug!("connection ended with an error: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    reaper.abort();
+    result
+}
+
+/// A connection's byte stream.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
+
+async fn accept(listener: &Listener) -> io::Result<Box<dyn Stream>> {
+    Ok(match listener {
+        Listener::Vsock(l) => Box::new(l.accept().await?.0),
+        Listener::Unix(l) => Box::new(l.accept().await?.0),
+    })
+}
+
+/// Replies `Error` and closes the sending side (failures are moot: the peer is gone).
+async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, message: String) -> Result<(), ServerError> {
+    debug!("replying with an error: {message}");
+    let _ = write_frame(w, &AgentMessage::Error { message }).await;
+    let _ = w.shutdown().await;
+    Ok(())
+}
+
+async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result<(), ServerError> {
+    let (r, mut w) = tokio::io::split(stream);
+    let mut reader = FrameReader::new(r);
+    let hello = match tokio::time::timeout(REQUEST_TIMEOUT, reader.next::<ClientMessage>()).await {
+        Err(_) => return send_error(&mut w, "timed out waiting for Hello".into()).await,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return send_error(&mut w, e.to_string()).await,
+        Ok(Ok(Some(m))) => m,
+    };
+    match hello {
+        ClientMessage::Hello(h) if h.protocol_version == PROTOCOL_VERSION => {
+            debug!(client = %h.client, "hello");
+            write_frame(
+                &mut w,
+                &AgentMessage::HelloOk {
+                    agent_version: AGENT_VERSION.into(),
+                    protocol_version: PROTOCOL_VERSION,
+                },
+            )
+            .await?;
+        }
+        ClientMessage::Hello(h) => {
+            let msg = format!(
+                "unsupported protocol version {} (this agent {AGENT_VERSION} speaks {PROTOCOL_VERSION})",
+                h.protocol_version
+            );
+            return send_error(&mut w, msg).await;
+        }
+        _ => return send_error(&mut w, "the first message must be Hello".into()).await,
+    }
+    let request = match tokio::time::timeout(REQUEST_TIMEOUT, reader.next::<ClientMessage>()).await
+    {
+        Err(_) => return send_error(&mut w, "timed out waiting for a request".into()).await,
+        Ok(Ok(None)) => return Ok(()),
+        Ok(Err(e)) => return send_error(&mut w, e.to_string()).await,
+        Ok(Ok(Some(m))) => m,
+    };
+    match request {
+        ClientMessage::Exec(req) => run_exec(req, reader, w, state).await,
+        ClientMessage::Health => {
+            let info = health(&state);
+            write_frame(&mut w, &AgentMessage::Healthy(info)).await?;
+            let _ = w.shutdown().await;
+            Ok(())
+        }
+        ClientMessage::ListPorts => {
+            match crate::ports::listening_ports() {
+                Ok(p) => write_frame(&mut w, &AgentMessage::Ports(p)).await?,
+                Err(e) => send_error(&mut w, e.to_string()).await?,
+            }
+            let _ = w.shutdown().await;
+            Ok(())
+        }
+        ClientMessage::Shutdown => {
+            info!("shutdown requested");
+            write_frame(&mut w, &AgentMessage::Ok).await?;
+            let _ = w.shutdown().await;
+            state.shutdown_requested.store(true, Ordering::SeqCst);
+            state.shutdown.notify_one();
+            Ok(())
+        }
+        other => {
+            let name = format!("{other:?}");
+            let name = name
+                .split(['(', ' ', '{'])
+                .next()
+                .unwrap_or("?")
+                .to_string();
+            send_error(
+                &mut w,
+                format!("unexpected {name} message: expected a request"),
+            )
+            .await
+        }
+    }
+}
+
+fn read_kib_field(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The agent's resident set size in bytes (`VmRSS` of `/proc/self/status`).
+pub fn agent_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    read_kib_field(&status, "VmRSS:") * 1024
+}
+
+fn health(state: &State) -> HealthInfo {
+    let uptime_ms = std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|f| f.parse::<f64>().ok())
+        })
+        .map(|secs| (secs * 1000.0) as u64)
+        .unwrap_or(0);
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    HealthInfo {
+        agent_version: AGENT_VERSION.into(),
+        uptime_ms,
+        agent_uptime_ms: state.started.elapsed().as_millis() as u64,
+        agent_rss_bytes: agent_rss_bytes(),
+        active_execs: state.active_execs.load(Ordering::Relaxed),
+        mem_total_kib: read_kib_field(&meminfo, "MemTotal:"),
+        mem_available_kib: read_kib_field(&meminfo, "MemAvailable:"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Exec
+
+/// Where the command's stdin goes.
+enum StdinSink {
+    Pipe(pipe::Sender),
+    Pty(Arc<AsyncFd<OwnedFd>>),
+}
+
+/// Where the command's output comes from.
+enum OutputSource {
+    Pipe(pipe::Receiver),
+    Pty(Arc<AsyncFd<OwnedFd>>),
+}
+
+struct Spawned {
+    pid: i32,
+    exit: oneshot::Receiver<i32>,
+    stdin: StdinSink,
+    stdout: OutputSource,
+    stderr: Option<OutputSource>,
+    pty: Option<Arc<AsyncFd<OwnedFd>>>,
+}
+
+fn resolve_user(user: &User, config: &ServerConfig) -> Result<Account, ServerError> {
+    match user {
+        User::Root => Ok(users::root()),
+        User::Named(name) => Ok(users::lookup(name)?),
+        User::Default => match &config.default_user {
+            None => Ok(users::root()),
+            Some(h) => Ok(users::lookup(&h.name).unwrap_or_else(|_| Account {
+                name: h.name.clone(),
+                uid: h.uid,
+                gid: h.gid,
+                home: h.home.clone(),
+                shell: "/bin/sh".into(),
+                groups: vec![h.gid],
+            })),
+        },
+    }
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn set_cloexec(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; no pointers involved.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) })?;
+    Ok(())
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; no pointers involved.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+    Ok(())
+}
+
+fn winsize(rows: u16, cols: u16) -> libc::winsize {
+    libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    }
+}
+
+/// Opens a pseudo-terminal of the requested size: (master, slave).
+fn open_pty(tty: &TtyRequest) -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut master: RawFd = -1;
+    let mut slave: RawFd = -1;
+    let ws = winsize(tty.rows, tty.cols);
+    // SAFETY: openpty writes two descriptors into the provided ints; the name and
+    // termios pointers may be null; the winsize pointer refers to a live local.
+    cvt(unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &ws,
+        )
+    })?;
+    // SAFETY: openpty succeeded, so both descriptors are open and owned by nobody else.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    set_cloexec(master.as_raw_fd())?;
+    set_cloexec(slave.as_raw_fd())?;
+    Ok((master, slave))
+}
+
+fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
+    let Some(program) = req.argv.first() else {
+        return Err(ServerError::BadRequest("argv is empty".into()));
+    };
+    let account = resolve_user(&req.user, &state.config)?;
+    let mut cmd = Command::new(program);
+    cmd.args(&req.argv[1..]);
+    cmd.env_clear()
+        .env("PATH", DEFAULT_PATH)
+        .env("HOME", &account.home)
+        .env("USER", &account.name)
+        .env("LOGNAME", &account.name)
+        .env("SHELL", &account.shell);
+    if let Some(tty) = &req.tty {
+        cmd.env("TERM", &tty.term);
+    }
+    for (k, v) in &req.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ServerError::BadRequest(format!(
+                "invalid environment variable {k:?}"
+            )));
+        }
+        cmd.env(k, v);
+    }
+    let cwd = req
+        .cwd
+        .as_deref()
+        .filter(|c| Path::new(c).is_dir())
+        .unwrap_or(account.home.as_str());
+    if Path::new(cwd).is_dir() {
+        cmd.current_dir(cwd);
+    } else {
+        cmd.current_dir("/");
+    }
+
+    let pty = match &req.tty {
+        Some(tty) => {
+            let (master, slave) = open_pty(tty).map_err(ServerError::Spawn)?;
+            let s1 = slave.try_clone().map_err(ServerError::Spawn)?;
+            let s2 = slave.try_clone().map_err(ServerError::Spawn)?;
+            cmd.stdin(Stdio::from(slave))
+                .stdout(Stdio::from(s1))
+                .stderr(Stdio::from(s2));
+            Some(master)
+        }
+        None => {
+            cmd.stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            None
+        }
+    };
+
+    let groups: Vec<libc::gid_t> = account.groups.clone();
+    let (uid, gid) = (account.uid, account.gid);
+    let want_ctty = pty.is_some();
+    let change_ids = uid != 0 || gid != 0 || groups.iter().any(|g| *g != 0);
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (no allocation: `groups` was built before fork).
+    unsafe {
+        cmd.pre_exec(move || {
+            // A new session: the command leads its own process group, so signals and
+            // the disconnect kill reach the whole group.
+            cvt(libc::setsid())?;
+            if want_ctty {
+                cvt(libc::ioctl(0, libc::TIOCSCTTY as _, 0))?;
+            }
+            if change_ids {
+                cvt(libc::setgroups(groups.len(), groups.as_ptr()))?;
+                cvt(libc::setgid(gid))?;
+                cvt(libc::setuid(uid))?;
+            }
+            Ok(())
+        });
+    }
+
+    // Spawn and register under the reaper lock so the exit status cannot be reaped
+    // before someone waits for it.
+    let (tx, rx) = oneshot::channel();
+    let mut child = {
+        let mut waiting = match state.reaper.waiting.lock() {
+            Ok(w) => w,
+            Err(p) => p.into_inner(),
+        };
+        let child = cmd
+            .spawn()
+            .map_err(|e| ServerError::Spawn(io::Error::new(e.kind(), format!("{program}: {e}"))))?;
+        waiting.insert(child.id() as i32, tx);
+        child
+    };
+    drop(cmd); // closes our copies of the pty slave
+    let pid = child.id() as i32;
+
+    let to_pipe_sender = |fd: OwnedFd| pipe::Sender::from_owned_fd(fd).map_err(ServerError::Spawn);
+    let to_pipe_receiver =
+        |fd: OwnedFd| pipe::Receiver::from_owned_fd(fd).map_err(ServerError::Spawn);
+    match pty {
+        Some(master) => {
+            set_nonblocking(master.as_raw_fd()).map_err(ServerError::Spawn)?;
+            // SAFETY: `master` is an open descriptor owned by the OwnedFd, which the
+            // AsyncFd owns from now on, so it stays open and unchanged while registered.
+            let master = unsafe { AsyncFd::register(master) }
+                .map_err(|e| ServerError::Spawn(io::Error::other(e.to_string())))?;
+            let master = Arc::new(master);
+            Ok(Spawned {
+                pid,
+                exit: rx,
+                stdin: StdinSink::Pty(master.clone()),
+                stdout: OutputSource::Pty(master.clone()),
+                stderr: None,
+                pty: Some(master),
+            })
+        }
+        None => {
+            let (Some(i), Some(o), Some(e)) =
+                (child.stdin.take(), child.stdout.take(), child.stderr.take())
+            else {
+                return Err(ServerError::Spawn(io::Error::other("missing stdio pipes")));
+            };
+            Ok(Spawned {
+                pid,
+                exit: rx,
+                stdin: StdinSink::Pipe(to_pipe_sender(i.into())?),
+                stdout: OutputSource::Pipe(to_pipe_receiver(o.into())?),
+                stderr: Some(OutputSource::Pipe(to_pipe_receiver(e.into())?)),
+                pty: None,
+            })
+        }
+    }
+}
+
+fn kill_group(pid: i32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    if unsafe { libc::kill(-pid, sig) } < 0 {
+        // SAFETY: as above (the group may not exist if setsid failed).
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+async fn pty_read(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        let mut guard = fd.readable().await?;
+        let res = guard.try_io(|inner| {
+            // SAFETY: reading into a live, correctly sized buffer from our descriptor.
+            let n = unsafe { libc::read(inner.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match res {
+            Ok(Ok(n)) => return Ok(n),
+            // EIO: every slave descriptor is closed, the terminal's end of file.
+            Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+async fn pty_write_all(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        let mut guard = fd.writable().await?;
+        let res = guard.try_io(|inner| {
+            // SAFETY: writing from a live buffer to our descriptor.
+            let n = unsafe { libc::write(inner.as_raw_fd(), data.as_ptr().cast(), data.len()) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match res {
+            Ok(Ok(n)) => data = &data[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        }
+    }
+    Ok(())
+}
+
+impl OutputSource {
+    async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            OutputSource::Pipe(p) => p.read(buf).await,
+            OutputSource::Pty(fd) => pty_read(fd, buf).await,
+        }
+    }
+}
+
+/// Copies one output stream into the outgoing message queue.
+async fn pump_output(
+    mut src: OutputSource,
+    is_stderr: bool,
+    tx: mpsc::Sender<AgentMessage>,
+    mut exited: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; OUTPUT_READ_SIZE];
+    loop {
+        let res = if *exited.borrow() {
+            match tokio::time::timeout(DRAIN_IDLE, src.read(&mut buf)).await {
+                Ok(r) => r,
+                Err(_) => break,
+            }
+        } else {
+            tokio::select! {
+                r = src.read(&mut buf) => r,
+                _ = exited.changed() => continue,
+            }
+        };
+        let n = match res {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                debug!("output read failed: {e}");
+                break;
+            }
+        };
+        let data = buf[..n].to_vec();
+        let msg = if is_stderr {
+            AgentMessage::Stderr(data)
+        } else {
+            AgentMessage::Stdout(data)
+        };
+        if tx.send(msg).await.is_err() {
+            break; // the client is gone
+        }
+    }
+}
+
+enum StdinItem {
+    Data(Vec<u8>, OwnedSemaphorePermit),
+    Eof,
+}
+
+async fn pump_stdin(mut sink: StdinSink, mut rx: mpsc::UnboundedReceiver<StdinItem>) {
+    while let Some(item) = rx.recv().await {
+        match item {
+            StdinItem::Data(data, _permit) => {
+                let res = match &mut sink {
+                    StdinSink::Pipe(p) => p.write_all(&data).await,
+                    StdinSink::Pty(fd) => pty_write_all(fd, &data).await,
+                };
+                if let Err(e) = res {
+                    // The command closed its stdin: drop further input.
+                    debug!("stdin write failed: {e}");
+                    while rx.recv().await.is_some() {}
+                    return;
+                }
+            }
+            StdinItem::Eof => match sink {
+                StdinSink::Pipe(p) => {
+                    drop(p);
+                    while rx.recv().await.is_some() {}
+                    return;
+                }
+                StdinSink::Pty(ref fd) => {
+                    let _ = pty_write_all(fd, &[0x04]).await;
+                }
+            },
+        }
+    }
+}
+
+/// How the client side of an exec ended.
+enum InputEnd {
+    /// End of stream or I/O error: the client went away.
+    Disconnected,
+    /// Protocol violation (an `Error` was sent).
+    Malformed,
+}
+
+async fn pump_input<R: AsyncRead + Unpin>(
+    mut reader: FrameReader<R>,
+    pid: i32,
+    pty: Option<Arc<AsyncFd<OwnedFd>>>,
+    stdin_tx: mpsc::UnboundedSender<StdinItem>,
+    out_tx: mpsc::Sender<AgentMessage>,
+) -> InputEnd {
+    let backlog = Arc::new(Semaphore::new(STDIN_BACKLOG));
+    let mut stdin_tx = Some(stdin_tx);
+    loop {
+        let msg = match reader.next::<ClientMessage>().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return InputEnd::Disconnected,
+            Err(ProtocolError::Io(_)) | Err(ProtocolError::TruncatedFrame) => {
+                return InputEnd::Disconnected
+            }
+            Err(e) => {
+                let _ = out_tx
+                    .send(AgentMessage::Error {
+                        message: e.to_string(),
+                    })
+                    .await;
+                return InputEnd::Malformed;
+            }
+        };
+        match msg {
+            ClientMessage::Stdin(data) => {
+                if data.is_empty() {
+                    continue;
+                }
+                // Waits (not reading the socket) while the backlog is full.
+                let n = data.len().min(STDIN_BACKLOG) as u32;
+                let Ok(permit) = backlog.clone().acquire_many_owned(n).await else {
+                    continue;
+                };
+                if let Some(tx) = &stdin_tx {
+                    let _ = tx.send(StdinItem::Data(data, permit));
+                }
+            }
+            ClientMessage::StdinEof => {
+                if let Some(tx) = &stdin_tx {
+                    let _ = tx.send(StdinItem::Eof);
+                }
+                if pty.is_none() {
+                    stdin_tx = None;
+                }
+            }
+            ClientMessage::Resize { rows, cols } => {
+                if let Some(fd) = &pty {
+                    let ws = winsize(rows, cols);
+                    // SAFETY: TIOCSWINSZ reads a winsize from a live local.
+                    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
+                    if r < 0 {
+                        debug!("TIOCSWINSZ failed: {}", io::Error::last_os_error());
+                    }
+                }
+            }
+            ClientMessage::Signal(sig) => {
+                if (1..=64).contains(&sig) {
+                    kill_group(pid, sig);
+                } else {
+                    debug!(sig, "ignoring an invalid signal number");
+                }
+            }
+            other => {
+                let message = format!("unexpected message during exec: {other:?}");
+                let message: String = message.chars().take(200).collect();
+                let _ = out_tx.send(AgentMessage::Error { message }).await;
+                return InputEnd::Malformed;
+            }
+        }
+    }
+}
+
+struct ActiveGuard<'a>(&'a AtomicU32);
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn run_exec<R, W>(
+    req: ExecRequest,
+    reader: FrameReader<R>,
+    mut w: W,
+    state: Arc<State>,
+) -> Result<(), ServerError>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let spawned = match spawn(&req, &state) {
+        Ok(s) => s,
+        Err(e) => {
+            return send_error(&mut w, e.to_string()).await;
+        }
+    };
+    state.active_execs.fetch_add(1, Ordering::Relaxed);
+    let _active = ActiveGuard(&state.active_execs);
+    let Spawned {
+        pid,
+        mut exit,
+        stdin,
+        stdout,
+        stderr,
+        pty,
+    } = spawned;
+    info!(pid, argv = ?req.argv, tty = req.tty.is_some(), "started");
+
+    let (out_tx, mut out_rx) = mpsc::channel::<AgentMessage>(OUTPUT_QUEUE);
+    // Started goes first: queue it before any output pump exists.
+    let _ = out_tx.send(AgentMessage::Started { pid: pid as u32 }).await;
+    let (exited_tx, exited_rx) = watch::channel(false);
+    let mut pumps = Vec::new();
+    pumps.push(tokio::spawn(pump_output(
+        stdout,
+        false,
+        out_tx.clone(),
+        exited_rx.clone(),
+    )));
+    if let Some(e) = stderr {
+        pumps.push(tokio::spawn(pump_output(
+            e,
+            true,
+            out_tx.clone(),
+            exited_rx.clone(),
+        )));
+    }
+    let (stdin_tx, stdin_rx) = mpsc::unbounded_channel();
+    let stdin_task = tokio::spawn(pump_stdin(stdin, stdin_rx));
+    let mut input = tokio::spawn(pump_input(reader, pid, pty, stdin_tx, out_tx.clone()));
+    let mut writer = tokio::spawn(async move {
+        while let Some(msg) = out_rx.recv().await {
+            write_frame(&mut w, &msg).await?;
+        }
+        let _ = w.shutdown().await;
+        Ok::<(), ProtocolError>(())
+    });
+
+    let client_gone = |why: &str| debug!(pid, "client {why}: killing the process group");
+    let status = tokio::select! {
+        st = &mut exit => st.ok(),
+        r = &mut input => {
+            match r {
+                Ok(InputEnd::Malformed) => client_gone("sent a malformed message"),
+                _ => client_gone("disconnected"),
+            }
+            None
+        }
+        r = &mut writer => {
+            if let Ok(Err(e)) = r { debug!("write failed: {e}") }
+            client_gone("stopped accepting data");
+            None
+        }
+    };
+    let Some(status) = status else {
+        kill_group(pid, libc::SIGHUP);
+        kill_group(pid, libc::SIGCONT);
+        if tokio::time::timeout(KILL_GRACE, &mut exit).await.is_err() {
+            kill_group(pid, libc::SIGKILL);
+            let _ = exit.await;
+        }
+        input.abort();
+        stdin_task.abort();
+        for p in &pumps {
+            p.abort();
+        }
+        drop(out_tx);
+        // Let an Error reach the client, but don't wait on a client that doesn't read.
+        let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        info!(pid, "ended after the client went away");
+        return Ok(());
+    };
+
+    let _ = exited_tx.send(true);
+    for p in pumps {
+        let _ = p.await;
+    }
+    let (code, signal) = if libc::WIFEXITED(status) {
+        (Some(libc::WEXITSTATUS(status)), None)
+    } else if libc::WIFSIGNALED(status) {
+        (None, Some(libc::WTERMSIG(status)))
+    } else {
+        (None, None)
+    };
+    info!(pid, ?code, ?signal, "exited");
+    let _ = out_tx.send(AgentMessage::Exited { code, signal }).await;
+    drop(out_tx);
+    stdin_task.abort();
+    // The input task holds an out_tx clone; stop it so the writer can finish.
+    input.abort();
+    let _ = input.await;
+    match writer.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Ok(()),
+    }
+}

@@ -1,0 +1,527 @@
+//! The agent served over a Unix socket in a temp dir, driven by the client.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use guest_agent::client::{connect_unix, ClientError, Connection, ExecEvent, ExecSession};
+use guest_agent::protocol::{
+    encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, TtyRequest, User,
+    PROTOCOL_VERSION,
+};
+use guest_agent::server::{self, ListenAddr, ServerConfig};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+
+/// One agent for the whole test binary, on its own current-thread runtime.
+fn agent() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let path = dir.join("agent.sock");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = server::Listener::bind(&ListenAddr::Unix(p)).unwrap();
+                tx.send(()).unwrap();
+                server::serve(listener, ServerConfig::default())
+                    .await
+                    .unwrap();
+            });
+        });
+        rx.recv().unwrap();
+        path
+    })
+    .clone()
+}
+
+async fn conn() -> Connection<UnixStream> {
+    connect_unix(&agent()).await.unwrap()
+}
+
+fn sh(script: &str) -> ExecRequest {
+    ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+async fn run(req: ExecRequest, stdin: &[u8]) -> guest_agent::client::Output {
+    let s = conn().await.exec(req).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), s.output(stdin))
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Reads stdout until `needle` appears.
+async fn read_until(s: &mut ExecSession<UnixStream>, needle: &str, seen: &mut String) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen.contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {needle:?}; got {seen:?}"
+        );
+        match tokio::time::timeout(Duration::from_secs(10), s.next_event())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Some(ExecEvent::Stdout(d)) => seen.push_str(&String::from_utf8_lossy(&d)),
+            Some(ExecEvent::Stderr(d)) => seen.push_str(&String::from_utf8_lossy(&d)),
+            Some(ExecEvent::Exited(st)) => panic!("exited early ({st:?}); output {seen:?}"),
+            None => panic!("no more events"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn exec_with_pipes() {
+    let out = run(sh("echo out; echo err >&2; exit 3"), b"").await;
+    assert_eq!(out.stdout, b"out\n");
+    assert_eq!(out.stderr, b"err\n");
+    assert_eq!(out.status.code, Some(3));
+    assert_eq!(out.status.signal, None);
+}
+
+#[tokio::test]
+async fn exec_env_cwd_and_user() {
+    let mut req = sh("echo \"$FOO|$(pwd)|$HOME|$USER|$(id -u)\"");
+    req.env = vec![("FOO".into(), "bar baz".into())];
+    req.cwd = Some("/tmp".into());
+    let out = run(req.clone(), b"").await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "bar baz|/tmp|/root|root|0\n"
+    );
+    // A missing cwd falls back to the home directory.
+    req.cwd = Some("/does/not/exist".into());
+    let out = run(req.clone(), b"").await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "bar baz|/root|/root|root|0\n"
+    );
+    // Another account, when this machine has `nobody`.
+    if let Ok(nobody) = guest_agent::users::lookup("nobody") {
+        req.user = User::Named("nobody".into());
+        req.cwd = Some("/".into());
+        let out = run(req, b"").await;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("bar baz|/|{}|nobody|{}\n", nobody.home, nobody.uid)
+        );
+    }
+}
+
+#[tokio::test]
+async fn exec_errors_are_reported() {
+    let err = conn()
+        .await
+        .exec(ExecRequest {
+            argv: vec!["/no/such/program".into()],
+            ..Default::default()
+        })
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, ClientError::Agent(m) if m.contains("/no/such/program")),
+        "{err}"
+    );
+    let err = conn()
+        .await
+        .exec(ExecRequest::default())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, ClientError::Agent(m) if m.contains("argv")),
+        "{err}"
+    );
+    let mut req = sh("true");
+    req.user = User::Named("no-such-user-xyz".into());
+    let err = conn().await.exec(req).await.err().unwrap();
+    assert!(
+        matches!(&err, ClientError::Agent(m) if m.contains("no-such-user-xyz")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn one_mib_of_stdin_through_cat() {
+    let mut x: u64 = 0x1234_5678_9abc_def1;
+    let data: Vec<u8> = (0..1024 * 1024 + 17)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let out = run(
+        ExecRequest {
+            argv: vec!["cat".into()],
+            ..Default::default()
+        },
+        &data,
+    )
+    .await;
+    assert_eq!(out.status.code, Some(0));
+    assert!(
+        out.stdout == data,
+        "stdout differs ({} bytes vs {})",
+        out.stdout.len(),
+        data.len()
+    );
+}
+
+#[tokio::test]
+async fn output_back_pressure() {
+    // 16 MiB of output while the client does not read: the command must block
+    // (not finish with everything buffered in the agent), then deliver it all.
+    let mut s = conn()
+        .await
+        .exec(sh("head -c 16777216 /dev/zero; echo done >&2"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut total = 0usize;
+    let mut stderr = Vec::new();
+    loop {
+        match s.next_event().await.unwrap() {
+            Some(ExecEvent::Stdout(d)) => total += d.len(),
+            Some(ExecEvent::Stderr(d)) => {
+                // Agent-side buffering is bounded, so "done" cannot come before most of stdout.
+                assert!(
+                    total > 8 * 1024 * 1024,
+                    "stderr arrived after only {total} bytes"
+                );
+                stderr.extend(d);
+            }
+            Some(ExecEvent::Exited(st)) => {
+                assert_eq!(st.code, Some(0));
+                break;
+            }
+            None => break,
+        }
+    }
+    assert_eq!(total, 16 * 1024 * 1024);
+    assert_eq!(stderr, b"done\n");
+}
+
+#[tokio::test]
+async fn pty_size_and_resize() {
+    let mut req = sh("stty size; trap 'echo WINCH; stty size; exit 7' WINCH; echo ready; while :; do sleep 0.05; done");
+    req.tty = Some(TtyRequest {
+        rows: 33,
+        cols: 101,
+        term: "xterm-256color".into(),
+    });
+    let mut s = conn().await.exec(req).await.unwrap();
+    let mut seen = String::new();
+    read_until(&mut s, "ready", &mut seen).await;
+    assert!(seen.contains("33 101"), "{seen:?}");
+    s.resize(40, 120).await.unwrap();
+    read_until(&mut s, "40 120", &mut seen).await;
+    assert!(seen.contains("WINCH"), "{seen:?}");
+    loop {
+        match s.next_event().await.unwrap() {
+            Some(ExecEvent::Stderr(_)) => panic!("stderr with a tty"),
+            Some(ExecEvent::Exited(st)) => {
+                assert_eq!(st.code, Some(7));
+                break;
+            }
+            Some(ExecEvent::Stdout(_)) => {}
+            None => panic!("no Exited"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn pty_is_a_terminal_with_term() {
+    let mut req = sh("test -t 0 && test -t 1 && echo \"tty $TERM\"; read line; echo \"got $line\"");
+    req.tty = Some(TtyRequest {
+        rows: 24,
+        cols: 80,
+        term: "vt100".into(),
+    });
+    let out = run(req, b"hello\n").await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("tty vt100"), "{text:?}");
+    assert!(text.contains("got hello"), "{text:?}");
+    assert_eq!(out.status.code, Some(0));
+}
+
+#[tokio::test]
+async fn signal_kills_the_command() {
+    let mut s = conn()
+        .await
+        .exec(sh("echo up; exec sleep 100"))
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    read_until(&mut s, "up", &mut seen).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    s.signal(libc::SIGTERM).await.unwrap();
+    loop {
+        if let Some(ExecEvent::Exited(st)) = s.next_event().await.unwrap() {
+            assert_eq!(st.signal, Some(libc::SIGTERM));
+            assert_eq!(st.code, None);
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn twenty_concurrent_execs() {
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        tasks.push(tokio::spawn(async move {
+            let mut req = sh("sleep 0.3; echo \"n=$0\"; cat");
+            req.argv.push(i.to_string());
+            let out = run(req, format!("in{i}").as_bytes()).await;
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                format!("n={i}\nin{i}")
+            );
+            assert_eq!(out.status.code, Some(0));
+        }));
+    }
+    let start = Instant::now();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "execs did not run concurrently"
+    );
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+#[tokio::test]
+async fn disconnect_kills_the_process_group() {
+    // The shell ignores SIGHUP, so the agent has to escalate to SIGKILL; its child
+    // `sleep` is in the same process group.
+    let mut s = conn()
+        .await
+        .exec(sh("trap '' HUP; sleep 1000 & echo \"child $!\"; wait"))
+        .await
+        .unwrap();
+    let pid = s.pid() as i32;
+    let mut seen = String::new();
+    read_until(&mut s, "\n", &mut seen).await;
+    let child: i32 = seen.trim().trim_start_matches("child ").parse().unwrap();
+    assert!(alive(pid) && alive(child));
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(pid) || alive(child) {
+        assert!(
+            Instant::now() < deadline,
+            "process still alive after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn raw_hello() -> (
+    FrameReader<tokio::net::unix::OwnedReadHalf>,
+    tokio::net::unix::OwnedWriteHalf,
+) {
+    let (r, mut w) = UnixStream::connect(agent()).await.unwrap().into_split();
+    let hello = ClientMessage::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        client: "raw".into(),
+    });
+    w.write_all(&encode_frame(&hello).unwrap()).await.unwrap();
+    let mut r = FrameReader::new(r);
+    assert!(matches!(
+        r.next::<AgentMessage>().await.unwrap(),
+        Some(AgentMessage::HelloOk { .. })
+    ));
+    (r, w)
+}
+
+async fn expect_error_then_close(r: &mut FrameReader<tokio::net::unix::OwnedReadHalf>) -> String {
+    let msg = tokio::time::timeout(Duration::from_secs(5), r.next::<AgentMessage>())
+        .await
+        .unwrap()
+        .unwrap();
+    let Some(AgentMessage::Error { message }) = msg else {
+        panic!("expected Error, got {msg:?}")
+    };
+    let end = tokio::time::timeout(Duration::from_secs(5), r.next::<AgentMessage>())
+        .await
+        .unwrap();
+    assert!(
+        matches!(end, Ok(None) | Err(_)),
+        "connection not closed: {end:?}"
+    );
+    message
+}
+
+#[tokio::test]
+async fn malformed_frames_only_affect_their_connection() {
+    // A long-running exec on another connection.
+    let mut other = conn()
+        .await
+        .exec(sh("read x; echo \"still $x\""))
+        .await
+        .unwrap();
+
+    // Garbage payload.
+    let (mut r, mut w) = raw_hello().await;
+    w.write_all(&[3, 0, 0, 0, 0xff, 0xfe, 0xfd]).await.unwrap();
+    let m = expect_error_then_close(&mut r).await;
+    assert!(m.contains("malformed"), "{m}");
+
+    // Oversized length prefix.
+    let (mut r, mut w) = raw_hello().await;
+    w.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    let m = expect_error_then_close(&mut r).await;
+    assert!(m.contains("exceeds"), "{m}");
+
+    // Garbage in the middle of an exec: error, and the command is killed.
+    let (mut r, mut w) = raw_hello().await;
+    let exec = ClientMessage::Exec(ExecRequest {
+        argv: vec!["sleep".into(), "100".into()],
+        ..Default::default()
+    });
+    w.write_all(&encode_frame(&exec).unwrap()).await.unwrap();
+    let Some(AgentMessage::Started { pid }) = r.next::<AgentMessage>().await.unwrap() else {
+        panic!()
+    };
+    w.write_all(&[1, 0, 0, 0, 0xee]).await.unwrap();
+    let _ = expect_error_then_close(&mut r).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(pid as i32) {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // No Hello first.
+    let (r, mut w) = UnixStream::connect(agent()).await.unwrap().into_split();
+    w.write_all(&encode_frame(&ClientMessage::Health).unwrap())
+        .await
+        .unwrap();
+    let mut r = FrameReader::new(r);
+    let m = expect_error_then_close(&mut r).await;
+    assert!(m.contains("Hello"), "{m}");
+
+    // Wrong protocol version.
+    let (r, mut w) = UnixStream::connect(agent()).await.unwrap().into_split();
+    let hello = ClientMessage::Hello(Hello {
+        protocol_version: 999,
+        client: "x".into(),
+    });
+    w.write_all(&encode_frame(&hello).unwrap()).await.unwrap();
+    let mut r = FrameReader::new(r);
+    let m = expect_error_then_close(&mut r).await;
+    assert!(m.contains("version"), "{m}");
+
+    // The other connection and new ones still work.
+    other.send_stdin(b"alive\n").await.unwrap();
+    let mut seen = String::new();
+    read_until(&mut other, "still alive", &mut seen).await;
+    assert!(conn().await.health().await.is_ok());
+}
+
+#[tokio::test]
+async fn list_ports_sees_a_loopback_listener() {
+    let l4 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let p4 = l4.local_addr().unwrap().port();
+    let l6 = std::net::TcpListener::bind("[::1]:0").ok();
+    let ports = conn().await.list_ports().await.unwrap();
+    assert!(
+        ports
+            .iter()
+            .any(|p| p.port == p4 && p.address.to_string() == "127.0.0.1" && !p.ipv6),
+        "{p4} not in {ports:?}"
+    );
+    if let Some(l6) = l6 {
+        let p6 = l6.local_addr().unwrap().port();
+        assert!(ports
+            .iter()
+            .any(|p| p.port == p6 && p.address.to_string() == "::1" && p.ipv6));
+    }
+}
+
+#[tokio::test]
+async fn health_reports() {
+    let c = conn().await;
+    assert_eq!(c.agent_version(), env!("CARGO_PKG_VERSION"));
+    let h = c.health().await.unwrap();
+    assert!(h.agent_rss_bytes > 0);
+    assert!(h.uptime_ms > 0);
+    assert!(h.mem_total_kib > 0);
+}
+
+#[tokio::test]
+async fn hybrid_handshake_and_shutdown() {
+    // A fake VMM socket: answers the CONNECT line, then relays to the agent.
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = dir.path().join("vsock.sock");
+    let agent_sock = dir.path().join("own-agent.sock");
+    let listener = tokio::net::UnixListener::bind(&vmm).unwrap();
+    let agent_path = agent_sock.clone();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    // Its own agent, so Shutdown does not stop the shared one.
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = server::Listener::bind(&ListenAddr::Unix(agent_path)).unwrap();
+            server::serve(l, ServerConfig::default()).await.unwrap();
+        });
+        let _ = stop_tx.send(());
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let relay_target = agent_sock.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let target = relay_target.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut line = Vec::new();
+                let mut br = tokio::io::BufReader::new(&mut s);
+                br.read_until(b'\n', &mut line).await.unwrap();
+                assert_eq!(line, b"CONNECT 1024\n");
+                s.write_all(b"OK 1234\n").await.unwrap();
+                let mut t = UnixStream::connect(target).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut s, &mut t).await;
+            });
+        }
+    });
+    let c = guest_agent::client::connect_hybrid(&vmm, 1024)
+        .await
+        .unwrap();
+    let out = c
+        .exec(sh("echo via-hybrid"))
+        .await
+        .unwrap()
+        .output(b"")
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"via-hybrid\n");
+    guest_agent::client::connect_hybrid(&vmm, 1024)
+        .await
+        .unwrap()
+        .shutdown()
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), stop_rx)
+        .await
+        .unwrap()
+        .unwrap();
+}

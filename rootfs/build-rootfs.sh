@@ -1,0 +1,404 @@
+#!/usr/bin/env bash
+# Builds the guest root filesystem (an ext4 image, no journal, shared read-only by
+# every VM) from a recipe: a Debian base made by mmdebstrap (debootstrap if mmdebstrap
+# is absent) plus Debian packages, npm packages installed globally inside the image
+# (the coding-agent CLIs) and an optional script run in the image as the last step.
+# The image lands in a cache directory keyed by the recipe, its script, this script's
+# recipe version and the Debian suite, and is reused when none of them changed.
+#
+#   rootfs/build-rootfs.sh [RECIPE]               build if needed, print the image path
+#   rootfs/build-rootfs.sh [RECIPE] --print-path  print where it would be, build nothing
+#   rootfs/build-rootfs.sh [RECIPE] --check       build if needed, then mount the image
+#                                                 read-only and run its tools
+#
+# RECIPE defaults to rootfs/recipes/default.recipe (JSON; see rootfs/README.md).
+# Needs root (mmdebstrap's root mode, chroot, loop mounts) and the network to Debian's
+# mirror and the npm registry; ~3-5 min from nothing on 2 cores.
+#
+# Environment: VMCTL_CACHE_DIR (default: ${XDG_CACHE_HOME:-~/.cache}/vmctl),
+#              VMCTL_BUILD_CA_BUNDLE (CAs that npm/curl in the image trust during the
+#              build only; default: this machine's /etc/ssl/certs/ca-certificates.crt),
+#              VMCTL_DEBIAN_MIRROR, VMCTL_DEBIAN_SECURITY_MIRROR (default: the ones in
+#              this machine's /etc/apt/sources.list*, else deb.debian.org),
+#              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+suite=bookworm
+arch=amd64
+# Bump when a change to this script changes what it builds (not for cosmetic edits).
+recipe_version=1
+
+say() { echo "rootfs: $*" >&2; }
+die() { echo "rootfs: error: $*" >&2; exit 1; }
+
+recipe="$here/recipes/default.recipe"
+action=build
+for arg in "$@"; do
+    case "$arg" in
+        --print-path) action=print ;;
+        --check) action=check ;;
+        -h|--help) sed -n '2,/^set /{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) die "unknown option '$arg' (usage: $0 [RECIPE] [--print-path|--check])" ;;
+        *) recipe="$arg" ;;
+    esac
+done
+
+# --- the recipe ----------------------------------------------------------------------
+command -v jq >/dev/null || die "'jq' is missing: run 'apt-get install jq' (or scripts/setup.sh)"
+[[ -r "$recipe" ]] || die "recipe '$recipe' not found (default: rootfs/recipes/default.recipe)"
+recipe="$(cd "$(dirname "$recipe")" && pwd)/$(basename "$recipe")"
+jq -e 'type == "object"' "$recipe" >/dev/null 2>&1 ||
+    die "$recipe is not a JSON object (see rootfs/README.md for the format)"
+unknown="$(jq -r 'keys - ["name", "description", "debian_packages", "npm_packages", "script"] | join(", ")' "$recipe")"
+[[ -z "$unknown" ]] || die "$recipe: unknown field(s): $unknown (known: name, description, debian_packages, npm_packages, script)"
+jq -e '(.name | type == "string")
+       and ((.debian_packages // []) | type == "array" and all(type == "string"))
+       and ((.npm_packages // []) | type == "array" and all(type == "string"))
+       and ((.script // "") | type == "string")' "$recipe" >/dev/null ||
+    die "$recipe: 'name' must be a string, 'debian_packages' and 'npm_packages' arrays of strings, 'script' a string"
+name="$(jq -r '.name' "$recipe")"
+[[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "$recipe: name '$name' must match [A-Za-z0-9][A-Za-z0-9._-]*"
+mapfile -t debian_packages < <(jq -r '(.debian_packages // [])[]' "$recipe")
+mapfile -t npm_packages < <(jq -r '(.npm_packages // [])[]' "$recipe")
+for pkg in "${debian_packages[@]}"; do
+    [[ "$pkg" =~ ^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$ ]] || die "$recipe: '$pkg' is not a Debian package name (pkg or pkg=version)"
+done
+for pkg in "${npm_packages[@]}"; do
+    [[ "$pkg" =~ ^[@A-Za-z0-9][^[:space:]]*$ ]] || die "$recipe: '$pkg' is not an npm package spec"
+done
+script=""
+script_rel="$(jq -r '.script // ""' "$recipe")"
+if [[ -n "$script_rel" ]]; then
+    # Relative to the recipe's folder.
+    if [[ "$script_rel" == /* ]]; then script="$script_rel"; else script="$(dirname "$recipe")/$script_rel"; fi
+    [[ -r "$script" ]] || die "$recipe: script '$script_rel' not found (looked at $script)"
+fi
+
+key="$( { echo "rootfs $recipe_version $suite $arch"; cat "$recipe"; echo; [[ -z "$script" ]] || cat "$script"; } |
+        sha256sum | cut -c1-16)"
+cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+out_dir="$cache_root/rootfs/$name-$key"
+image="$out_dir/rootfs.ext4"
+
+# --- checking an image: mount it read-only, run its tools ------------------------------
+check_image() {
+    local mnt rc=0
+    [[ $(id -u) == 0 ]] || die "--check mounts the image: run it as root"
+    mnt="$(mktemp -d "${TMPDIR:-/tmp}/vmctl-rootfs-check.XXXXXX")"
+    say "checking $image (mounted read-only on $mnt)"
+    mount -o loop,ro "$image" "$mnt"
+    # What the guest agent provides in a VM: /proc, /dev and a writable /tmp.
+    mount -t proc proc "$mnt/proc"
+    mount --bind /dev "$mnt/dev"
+    mount -t tmpfs tmpfs "$mnt/tmp"
+    mount -t tmpfs tmpfs "$mnt/root"
+    chroot "$mnt" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
+        /bin/bash -c 'set -e
+            for t in bash git python3 node npm curl ssh gcc make rg claude codex; do
+                command -v "$t" >/dev/null || { echo "missing: $t"; exit 1; }
+            done
+            echo "bash:    ${BASH_VERSION}"
+            echo "git:     $(git --version)"
+            echo "python3: $(python3 --version)"
+            echo "node:    $(node --version)   npm: $(npm --version)"
+            echo "gcc:     $(gcc --version | head -n1)"
+            echo "curl:    $(curl --version | head -n1)"
+            echo "rg:      $(rg --version | head -n1)"
+            echo "claude:  $(claude --version)"
+            echo "codex:   $(codex --version 2>&1 | tail -n1)"
+            touch /probe 2>/dev/null && { echo "the root is writable!"; exit 1; } || true' |
+        sed 's/^/rootfs:   /' >&2 || rc=$?
+    umount "$mnt/root" "$mnt/tmp" "$mnt/dev" "$mnt/proc"
+    umount "$mnt"
+    rmdir "$mnt"
+    [[ $rc == 0 ]] || die "the image at $image failed its check (see the lines above)"
+    say "check passed"
+}
+
+case "$action" in
+    print) echo "$image"; exit 0 ;;
+esac
+if [[ -f "$image" ]]; then
+    [[ $action != check ]] || check_image
+    echo "$image"; exit 0
+fi
+
+# --- building --------------------------------------------------------------------------
+[[ $(id -u) == 0 ]] ||
+    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo $0 ${*:-}'"
+for tool in mkfs.ext4 chroot mount flock sha256sum; do
+    command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
+done
+bootstrap=mmdebstrap
+if ! command -v mmdebstrap >/dev/null; then
+    command -v debootstrap >/dev/null ||
+        die "neither mmdebstrap nor debootstrap is installed: run 'apt-get install mmdebstrap' (or scripts/setup.sh)"
+    bootstrap=debootstrap
+fi
+
+# One build per recipe+key at a time: a second caller waits, then finds the result.
+mkdir -p "$cache_root/rootfs"
+exec 9>"$cache_root/rootfs/.$name-$key.lock"
+if ! flock -n 9; then
+    say "another build of $name-$key is running; waiting for it"
+    flock 9
+fi
+if [[ -f "$image" ]]; then
+    [[ $action != check ]] || check_image
+    echo "$image"; exit 0
+fi
+
+# The mirrors this machine's apt uses (deb822 or one-line sources), else Debian's CDN.
+host_mirror() {
+    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
+        grep -v '^[[:space:]]*#' | grep -oE "(https?|file)://[^[:space:]]+/$1/?([[:space:]]|$)" |
+        head -n1 | sed -E 's|[[:space:]]+$||; s|/$||' || true
+}
+mirror="${VMCTL_DEBIAN_MIRROR:-$(host_mirror debian)}"
+mirror="${mirror:-http://deb.debian.org/debian}"
+security_mirror="${VMCTL_DEBIAN_SECURITY_MIRROR:-$(host_mirror debian-security)}"
+security_mirror="${security_mirror:-http://deb.debian.org/debian-security}"
+npm_registry="${VMCTL_NPM_REGISTRY:-https://registry.npmjs.org/}"
+
+work="$(mktemp -d "$cache_root/rootfs/build.XXXXXX")"
+root="$work/root"
+log="$work/build.log"
+heartbeat=""
+# Never rm -rf through a mount: unmount whatever is left under the work dir first.
+unmount_all() {
+    local m
+    while read -r m; do umount -l "$m" 2>/dev/null || true; done < <(
+        findmnt -rn -o TARGET 2>/dev/null | awk -v w="$work/" 'index($0, w) == 1' | sort -r)
+}
+cleanup() {
+    [[ -z "$heartbeat" ]] || stop_heartbeat
+    unmount_all
+    rm -rf --one-file-system "$work" "$out_dir.tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Prints a line every 20 s while a long step runs: elapsed time and the tree's size.
+start_heartbeat() { # label
+    local label="$1" t0
+    t0="$(date +%s)"
+    (
+        s=""
+        trap '[[ -z "$s" ]] || kill "$s" 2>/dev/null; exit 0' TERM
+        while :; do
+            sleep 20 & s=$!
+            wait "$s"
+            say "      ... $label: $(( $(date +%s) - t0 )) s, image tree $(du -sxm "$root" 2>/dev/null | cut -f1) MB"
+        done
+    ) &
+    heartbeat=$!
+}
+stop_heartbeat() {
+    kill "$heartbeat" 2>/dev/null || true
+    wait "$heartbeat" 2>/dev/null || true
+    heartbeat=""
+}
+# Runs a command with its output in the log; shows the log's end if it fails.
+logged() { # description, command...
+    local what="$1"; shift
+    echo "### $*" >>"$log"
+    if ! "$@" >>"$log" 2>&1 </dev/null; then
+        [[ -z "$heartbeat" ]] || stop_heartbeat
+        tail -n 40 "$log" >&2
+        cp "$log" "$cache_root/rootfs/$name-$key.failed.log" 2>/dev/null || true
+        die "$what failed (output above; full log: $cache_root/rootfs/$name-$key.failed.log)"
+    fi
+}
+# Runs a command in the image with /proc, /dev and the host's DNS (for apt/npm).
+# TLS trusts the build host's CA bundle (copied to /tmp for the build only, not kept):
+# where egress goes through an intercepting proxy, the image's own CAs would not do.
+build_ca=/tmp/vmctl-build-ca.crt
+in_root() {
+    local ca=()
+    [[ ! -f "$root$build_ca" ]] || ca=(NODE_EXTRA_CA_CERTS="$build_ca" npm_config_cafile="$build_ca"
+        SSL_CERT_FILE="$build_ca" CURL_CA_BUNDLE="$build_ca" GIT_SSL_CAINFO="$build_ca"
+        PIP_CERT="$build_ca" REQUESTS_CA_BUNDLE="$build_ca")
+    chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "${ca[@]}" \
+        ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} \
+        ${no_proxy:+no_proxy="$no_proxy"} "$@"
+}
+
+t_start="$(date +%s)"
+say "building '$name' ($recipe) into $out_dir (~3-5 min from nothing; cached afterwards)"
+
+# Documentation, man pages and translations are of no use in a VM: dpkg skips them
+# (copyright files stay).
+dpkg_excludes=(path-exclude=/usr/share/man/* path-exclude=/usr/share/info/*
+               path-exclude=/usr/share/doc/* path-include=/usr/share/doc/*/copyright
+               path-exclude=/usr/share/locale/* path-include=/usr/share/locale/locale.alias
+               path-exclude=/usr/share/lintian/* path-exclude=/usr/share/linda/*)
+include="$(IFS=,; echo "${debian_packages[*]}")"
+say "[1/6] Debian $suite base ($bootstrap --variant=minbase) + ${#debian_packages[@]} packages from $mirror"
+start_heartbeat "$bootstrap"
+if [[ $bootstrap == mmdebstrap ]]; then
+    opts=(--mode=root --format=directory --variant=minbase --architectures="$arch"
+          --aptopt='Acquire::Retries "3"' --aptopt='Acquire::Languages "none"')
+    for e in "${dpkg_excludes[@]}"; do opts+=(--dpkgopt="$e"); done
+    [[ -z "$include" ]] || opts+=(--include="$include")
+    logged "$bootstrap" mmdebstrap "${opts[@]}" "$suite" "$root" \
+        "deb $mirror $suite main" "deb $mirror $suite-updates main" \
+        "deb $security_mirror $suite-security main"
+else
+    mkdir -p "$root/etc/dpkg/dpkg.cfg.d"
+    printf '%s\n' "${dpkg_excludes[@]}" >"$root/etc/dpkg/dpkg.cfg.d/vmctl-excludes"
+    logged "$bootstrap" debootstrap --variant=minbase --arch="$arch" ${include:+--include="$include"} \
+        "$suite" "$root" "$mirror"
+    cat >"$root/etc/apt/sources.list" <<EOF
+deb $mirror $suite main
+deb $mirror $suite-updates main
+deb $security_mirror $suite-security main
+EOF
+fi
+stop_heartbeat
+# (mmdebstrap keeps its --dpkgopt options in /etc/dpkg/dpkg.cfg.d/99mmdebstrap, so
+# packages a recipe's script installs skip the documentation too.)
+# The guest's PID 1 is vmctl's agent: nothing may have pulled in an init system.
+for pkg in systemd systemd-sysv sysvinit-core; do
+    if chroot "$root" dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+        die "the recipe pulled in '$pkg' (an init system); the guest's PID 1 is vmctl's agent: drop the package that depends on it"
+    fi
+done
+say "      base done after $(( $(date +%s) - t_start )) s ($(du -sxm "$root" | cut -f1) MB)"
+
+mount -t proc proc "$root/proc"
+mount --bind /dev "$root/dev"
+rm -f "$root/etc/resolv.conf"
+cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+host_ca="${VMCTL_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+[[ ! -r "$host_ca" ]] || cp -L "$host_ca" "$root$build_ca"
+
+if (( ${#npm_packages[@]} )); then
+    say "[2/6] npm install -g --prefix /usr/local ${npm_packages[*]} (in the image, with its node $(chroot "$root" node --version 2>/dev/null || echo '(none)'))"
+    chroot "$root" npm --version >/dev/null 2>&1 ||
+        die "npm_packages need npm in the image: add 'nodejs' and 'npm' to debian_packages"
+    start_heartbeat "npm install"
+    # The image's own npm (Debian's) does the install, so paths, shebangs and native
+    # binaries match the image; --foreground-scripts shows the postinstall output.
+    logged "npm install" in_root npm install -g --prefix /usr/local --registry "$npm_registry" \
+        --no-audit --no-fund --no-update-notifier --foreground-scripts --loglevel=http "${npm_packages[@]}"
+    stop_heartbeat
+    # Debian's npm 9 does not know the 'libc' field of optional dependencies, so it
+    # installs musl builds of native binaries next to the glibc ones: drop those that
+    # have a glibc sibling (the postinstall scripts picked the glibc one).
+    while IFS= read -r -d '' musl; do
+        if [[ -d "${musl%-musl}" ]]; then
+            rm -rf "$musl"
+            say "      removed ${musl#"$root"} (musl build; the image is glibc)"
+        fi
+    done < <(find "$root/usr/local/lib/node_modules" -type d -name '*-linux-*-musl' -print0)
+    rm -rf "$root/root/.npm"
+    say "      npm done ($(du -sxm "$root/usr/local" | cut -f1) MB in /usr/local)"
+else
+    say "[2/6] npm packages: none"
+fi
+
+if [[ -n "$script" ]]; then
+    say "[3/6] running the recipe's script ${script#"$here/"} in the image"
+    cp "$script" "$root/tmp/vmctl-recipe-script"
+    start_heartbeat "recipe script"
+    logged "the recipe's script ($script)" in_root /bin/bash /tmp/vmctl-recipe-script
+    stop_heartbeat
+    rm -f "$root/tmp/vmctl-recipe-script"
+else
+    say "[3/6] recipe script: none"
+fi
+
+say "[4/6] checking the tools in the image"
+versions="$work/versions"
+# Known agent CLIs must answer --version; every other npm package at least has its bins.
+declare -A cli_of=([@anthropic-ai/claude-code]=claude [@openai/codex]=codex)
+checks=(git python3 node)
+for pkg in "${npm_packages[@]}"; do
+    base="${pkg%@*}"; [[ -n "$base" ]] || base="$pkg"
+    [[ -z "${cli_of[$base]:-}" ]] || checks+=("${cli_of[$base]}")
+done
+: >"$versions"
+for tool in "${checks[@]}"; do
+    path="$(chroot "$root" /bin/sh -c "PATH=/usr/local/bin:/usr/bin:/bin command -v $tool" || true)"
+    [[ -n "$path" ]] || { if [[ $tool == git || $tool == python3 || $tool == node ]]; then continue; fi
+                           die "'$tool' is not in the image after installing its npm package (log: $log)"; }
+    if ! out="$(in_root "$path" --version 2>&1 </dev/null)"; then
+        echo "$out" | tail -n 20 >&2
+        die "'$tool --version' fails in the image (output above)"
+    fi
+    # The last line: codex prints warnings before its version.
+    echo "$tool: $(echo "$out" | tail -n1)" | tee -a "$versions" | sed 's/^/rootfs:       /' >&2
+done
+claude_bin="$root/usr/local/lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe"
+if [[ -f "$claude_bin" ]]; then
+    interp="$(readelf -l "$claude_bin" 2>/dev/null | sed -n 's/.*interpreter: \(.*\)]/\1/p')"
+    [[ "$interp" == */ld-linux-x86-64.so.2 ]] ||
+        die "claude's native binary is not the linux-x64 glibc build (interpreter: '${interp:-none}')"
+fi
+
+say "[5/6] trimming and configuring for a VM"
+umount "$root/dev" "$root/proc"
+rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/var/cache/debconf/*-old \
+       "$root"/var/cache/man "$root"/var/cache/ldconfig/aux-cache "$root"/var/log/* \
+       "$root"/root/.npm "$root"/root/.cache "$root"/root/.codex "$root"/root/.claude* \
+       "$root"/tmp/* "$root"/var/tmp/* \
+       "$root"/usr/share/man/* "$root"/usr/share/info/* "$root"/usr/share/lintian \
+       "$root"/var/lib/dpkg/*-old
+find "$root/usr/share/doc" -mindepth 1 ! -type d ! -name copyright -delete 2>/dev/null || true
+find "$root/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} + 2>/dev/null || true
+mkdir -p "$root/var/lib/apt/lists/partial"
+# /dev is the guest kernel's devtmpfs; nothing of the build host belongs there.
+find "$root/dev" -mindepth 1 -delete
+echo vmctl >"$root/etc/hostname"
+printf '127.0.0.1\tlocalhost vmctl\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >"$root/etc/hosts"
+# No network device in the guest: HTTP(S) goes through a proxy the agent sets up.
+echo "# no nameserver: the VM has no network device; HTTP(S) goes through vmctl's proxy" >"$root/etc/resolv.conf"
+: >"$root/etc/machine-id"
+{
+    echo "name=$name"
+    echo "key=$key"
+    echo "suite=$suite"
+    echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    cat "$versions"
+} >"$root/etc/vmctl-rootfs"
+
+say "[6/6] making the ext4 image"
+used_kb="$(du -sxk "$root" | cut -f1)"
+files="$(find "$root" -xdev | wc -l)"
+inodes=$(( files + files / 10 + 1024 ))
+# Content + ~10%, plus the inode tables (256 bytes each) and some room for metadata.
+size_kb=$(( used_kb + used_kb / 10 + inodes / 4 + 16384 ))
+mkdir -p "$out_dir.tmp"
+for attempt in 1 2 3; do
+    rm -f "$out_dir.tmp/rootfs.ext4"
+    truncate -s "${size_kb}K" "$out_dir.tmp/rootfs.ext4"
+    if mkfs.ext4 -q -F -t ext4 -b 4096 -L vmctl-root -m 0 -O ^has_journal -N "$inodes" \
+            -E root_owner=0:0 -d "$root" "$out_dir.tmp/rootfs.ext4" >>"$log" 2>&1; then
+        break
+    fi
+    (( attempt < 3 )) || { tail -n 20 "$log" >&2; die "mkfs.ext4 failed (output above)"; }
+    size_kb=$(( size_kb + size_kb / 10 ))
+    say "      image too small; retrying with $(( size_kb / 1024 )) MiB"
+done
+e2fsck -fn "$out_dir.tmp/rootfs.ext4" >>"$log" 2>&1 || { tail -n 20 "$log" >&2; die "the new image fails e2fsck"; }
+
+# Records of what is inside, next to the image.
+cp "$recipe" "$out_dir.tmp/recipe.json"
+[[ -z "$script" ]] || cp "$script" "$out_dir.tmp/recipe-script.sh"
+cp "$root/etc/vmctl-rootfs" "$out_dir.tmp/info"
+chroot "$root" dpkg-query -W -f='${Package} ${Version}\n' >"$out_dir.tmp/debian-packages.txt"
+if [[ -d "$root/usr/local/lib/node_modules" ]]; then
+    for p in "$root"/usr/local/lib/node_modules/{*,@*/*}/package.json; do
+        [[ -f "$p" ]] && jq -r '"\(.name) \(.version)"' "$p"
+    done >"$out_dir.tmp/npm-packages.txt"
+fi
+rm -rf "$out_dir" "$cache_root/rootfs/$name-$key.failed.log"
+mv "$out_dir.tmp" "$out_dir"
+
+elapsed=$(( $(date +%s) - t_start ))
+say "done in $(( elapsed / 60 )) min $(( elapsed % 60 )) s: $image" \
+    "($(( $(stat -c %s "$image") / 1048576 )) MiB; $(( used_kb / 1024 )) MiB of files)"
+[[ $action != check ]] || check_image
+echo "$image"

@@ -1,0 +1,219 @@
+//! Running commands in a workspace VM through its guest agent: `vmctl exec` and
+//! `vmctl shell`, with stdio relayed, the terminal in raw mode for a PTY, window size
+//! followed and the exit code propagated.
+
+use std::io::Write;
+use std::path::Path;
+
+use guest_agent::client::{self, ExecEvent};
+use guest_agent::protocol::{ExecRequest, TtyRequest, User};
+use tokio::io::AsyncReadExt;
+use tokio::signal::unix::{signal, SignalKind};
+
+/// The vsock port the guest agent listens on.
+pub const AGENT_PORT: u32 = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("cannot reach the guest agent through {}: {reason}", .socket.display())]
+    Connect {
+        socket: std::path::PathBuf,
+        reason: String,
+    },
+    #[error("the command's session failed: {0}")]
+    Session(String),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+pub struct ExecOptions {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: Option<String>,
+    pub user: User,
+    pub tty: bool,
+}
+
+/// Parses `--user`: empty/default → the host user, `root`, or a guest account name.
+pub fn parse_user(user: Option<&str>) -> User {
+    match user {
+        None => User::Default,
+        Some("root") => User::Root,
+        Some(name) => User::Named(name.to_string()),
+    }
+}
+
+/// Runs the command in the VM behind `socket`; returns its exit code (128+N when a
+/// signal N killed it).
+pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ExecError::Runtime)?;
+    let _raw = if options.tty {
+        RawTerminal::enter()
+    } else {
+        None
+    };
+    runtime.block_on(relay(socket, options))
+}
+
+async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
+    let connection = client::connect_hybrid(socket, AGENT_PORT)
+        .await
+        .map_err(|e| ExecError::Connect {
+            socket: socket.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let tty = options.tty.then(|| {
+        let (rows, cols) = terminal_size().unwrap_or((24, 80));
+        TtyRequest {
+            rows,
+            cols,
+            term: std::env::var("TERM").unwrap_or_else(|_| "xterm-256color".into()),
+        }
+    });
+    let session = connection
+        .exec(ExecRequest {
+            argv: options.argv,
+            env: options.env,
+            cwd: options.cwd,
+            user: options.user,
+            tty,
+        })
+        .await
+        .map_err(|e| ExecError::Session(e.to_string()))?;
+    let (mut input, mut output) = session.split();
+    let is_tty = options.tty;
+
+    // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
+    let forward = tokio::spawn(async move {
+        let mut stdin = tokio::io::stdin();
+        let mut buf = vec![0u8; 32 * 1024];
+        let mut stdin_open = true;
+        let mut winch = signal(SignalKind::window_change()).ok();
+        let mut interrupt = signal(SignalKind::interrupt()).ok();
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        loop {
+            tokio::select! {
+                read = stdin.read(&mut buf), if stdin_open => match read {
+                    Ok(0) | Err(_) => {
+                        stdin_open = false;
+                        if input.close_stdin().await.is_err() { return; }
+                    }
+                    Ok(n) => if input.send_stdin(&buf[..n]).await.is_err() { return; },
+                },
+                Some(()) = recv(&mut winch), if is_tty => {
+                    if let Some((rows, cols)) = terminal_size() {
+                        if input.resize(rows, cols).await.is_err() { return; }
+                    }
+                },
+                Some(()) = recv(&mut interrupt) => {
+                    if input.signal(libc::SIGINT).await.is_err() { return; }
+                },
+                Some(()) = recv(&mut terminate) => {
+                    if input.signal(libc::SIGTERM).await.is_err() { return; }
+                },
+            }
+        }
+    });
+
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    let code = loop {
+        match output.next_event().await {
+            Ok(Some(ExecEvent::Stdout(bytes))) => {
+                let _ = stdout.write_all(&bytes).and_then(|_| stdout.flush());
+            }
+            Ok(Some(ExecEvent::Stderr(bytes))) => {
+                let _ = stderr.write_all(&bytes).and_then(|_| stderr.flush());
+            }
+            Ok(Some(ExecEvent::Exited(status))) => break exit_code(status.code, status.signal),
+            Ok(None) => {
+                forward.abort();
+                return Err(ExecError::Session(
+                    "the agent closed the session before the command exited".into(),
+                ));
+            }
+            Err(e) => {
+                forward.abort();
+                return Err(ExecError::Session(e.to_string()));
+            }
+        }
+    };
+    forward.abort();
+    Ok(code)
+}
+
+async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
+    match signal {
+        Some(signal) => signal.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
+    match (code, signal) {
+        (Some(code), _) => code.clamp(0, 255) as u8,
+        (None, Some(signal)) => 128u8.saturating_add(signal.clamp(0, 127) as u8),
+        (None, None) => 1,
+    }
+}
+
+/// The host terminal's size, when stdin is one.
+fn terminal_size() -> Option<(u16, u16)> {
+    // SAFETY: winsize is plain data that TIOCGWINSZ fills on success.
+    let mut size: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: `size` is a valid, writable winsize for the ioctl.
+    let rc = unsafe { libc::ioctl(0, libc::TIOCGWINSZ, &mut size) };
+    (rc == 0 && size.ws_row > 0).then_some((size.ws_row, size.ws_col))
+}
+
+/// Raw mode on the host terminal for the life of a PTY session; restored on drop.
+struct RawTerminal {
+    saved: libc::termios,
+}
+
+impl RawTerminal {
+    fn enter() -> Option<Self> {
+        // SAFETY: isatty only inspects the descriptor.
+        if unsafe { libc::isatty(0) } != 1 {
+            return None;
+        }
+        // SAFETY: termios is plain data; tcgetattr fills it on success (checked).
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: `saved` is a valid termios.
+        if unsafe { libc::tcgetattr(0, &mut saved) } != 0 {
+            return None;
+        }
+        crate::terminal::make_raw(&std::io::stdin()).ok()?;
+        Some(Self { saved })
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        // SAFETY: restores the termios read from the same descriptor.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &self.saved) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        assert_eq!(exit_code(Some(3), None), 3);
+        assert_eq!(exit_code(None, Some(9)), 137);
+        assert_eq!(exit_code(None, None), 1);
+        assert_eq!(exit_code(Some(300), None), 255);
+    }
+
+    #[test]
+    fn user_names_map_to_agent_users() {
+        assert_eq!(parse_user(None), User::Default);
+        assert_eq!(parse_user(Some("root")), User::Root);
+        assert_eq!(parse_user(Some("alice")), User::Named("alice".into()));
+    }
+}

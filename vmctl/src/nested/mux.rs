@@ -1,0 +1,492 @@
+//! Many byte streams over one link: how host clients reach a VM that runs inside the
+//! nested host. The link is a virtio-serial port of the nested host (a Unix socket on
+//! the host); each stream is one host connection to the VM's hybrid-vsock socket.
+//!
+//! Frames use the guest agent's codec (length prefix + postcard). Every stream has a
+//! credit window per direction, so a stream whose reader is slow stops only itself:
+//! the link reader never waits for a local socket.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use guest_agent::protocol::{write_frame, FrameReader};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, Semaphore};
+
+/// Largest payload of one data frame.
+pub const MAX_CHUNK: usize = 32 * 1024;
+/// Bytes a sender may have in flight per stream before the receiver grants more.
+pub const WINDOW: u32 = 256 * 1024;
+/// The port of an `Open` that means "the VM's hybrid-vsock socket".
+pub const VSOCK_PORT: u32 = 0;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MuxFrame {
+    /// Opens `stream` to `port` on the other side.
+    Open { stream: u32, port: u32 },
+    Data {
+        stream: u32,
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+    },
+    /// The receiver wrote `bytes` more to its local socket: the sender may send them.
+    Credit { stream: u32, bytes: u32 },
+    /// The sender will send no more on `stream` (half close).
+    Close { stream: u32 },
+    /// Abort `stream` both ways.
+    Reset { stream: u32 },
+}
+
+/// Connects an `Open` from the other side to a local socket.
+pub type Opener = Arc<
+    dyn Fn(u32) -> Pin<Box<dyn Future<Output = std::io::Result<UnixStream>> + Send>> + Send + Sync,
+>;
+
+enum Inbound {
+    Data(Vec<u8>),
+    Close,
+    Reset,
+}
+
+struct StreamEntry {
+    inbound: mpsc::UnboundedSender<Inbound>,
+    /// Bytes the peer may still send before our next credit: enforced, since a peer
+    /// that ignores the window could make us buffer without bound.
+    receive_budget: Arc<AtomicU32>,
+    send_window: Arc<Semaphore>,
+}
+
+/// One side of a multiplexed link.
+pub struct Mux {
+    out: mpsc::Sender<MuxFrame>,
+    streams: Mutex<HashMap<u32, StreamEntry>>,
+    next_stream: AtomicU32,
+}
+
+impl Mux {
+    /// Starts serving the link; `odd_ids` must differ between the two sides (streams
+    /// each side opens get ids of its own parity). Returns when the link task is
+    /// running; the returned handle ends when the link closes.
+    pub fn start<R, W>(
+        reader: R,
+        writer: W,
+        odd_ids: bool,
+        opener: Opener,
+    ) -> (Arc<Mux>, tokio::task::JoinHandle<()>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (out, out_rx) = mpsc::channel(256);
+        let mux = Arc::new(Mux {
+            out,
+            streams: Mutex::new(HashMap::new()),
+            next_stream: AtomicU32::new(if odd_ids { 1 } else { 2 }),
+        });
+        tokio::spawn(write_link(writer, out_rx));
+        let link = tokio::spawn(read_link(mux.clone(), reader, opener));
+        (mux, link)
+    }
+
+    /// Bridges `local` to `port` on the other side.
+    pub async fn open(self: &Arc<Self>, port: u32, local: UnixStream) {
+        let stream = self.next_stream.fetch_add(2, Ordering::Relaxed);
+        let inbound = self.register(stream);
+        if self
+            .out
+            .send(MuxFrame::Open { stream, port })
+            .await
+            .is_err()
+        {
+            self.streams_lock().remove(&stream);
+            return;
+        }
+        self.bridge(stream, local, inbound);
+    }
+
+    fn streams_lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, StreamEntry>> {
+        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(&self, stream: u32) -> (mpsc::UnboundedReceiver<Inbound>, Arc<Semaphore>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let send_window = Arc::new(Semaphore::new(WINDOW as usize));
+        self.streams_lock().insert(
+            stream,
+            StreamEntry {
+                inbound: tx,
+                receive_budget: Arc::new(AtomicU32::new(WINDOW)),
+                send_window: send_window.clone(),
+            },
+        );
+        (rx, send_window)
+    }
+
+    /// Runs the two directions of `stream` over `local`.
+    fn bridge(
+        self: &Arc<Self>,
+        stream: u32,
+        local: UnixStream,
+        (mut inbound, send_window): (mpsc::UnboundedReceiver<Inbound>, Arc<Semaphore>),
+    ) {
+        let (mut local_read, mut local_write) = local.into_split();
+        let up_out = self.out.clone();
+        let up = tokio::spawn(async move {
+            let mut buf = vec![0u8; MAX_CHUNK];
+            loop {
+                let frame = match local_read.read(&mut buf).await {
+                    Ok(0) => MuxFrame::Close { stream },
+                    Ok(n) => {
+                        // Wait for the peer's credit before sending what we read.
+                        match send_window.acquire_many(n as u32).await {
+                            Ok(permit) => permit.forget(),
+                            Err(_) => return,
+                        }
+                        MuxFrame::Data {
+                            stream,
+                            bytes: buf[..n].to_vec(),
+                        }
+                    }
+                    Err(_) => MuxFrame::Reset { stream },
+                };
+                let last = !matches!(frame, MuxFrame::Data { .. });
+                if up_out.send(frame).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        let mux = self.clone();
+        tokio::spawn(async move {
+            while let Some(message) = inbound.recv().await {
+                match message {
+                    Inbound::Data(bytes) => {
+                        if local_write.write_all(&bytes).await.is_err() {
+                            let _ = mux.out.send(MuxFrame::Reset { stream }).await;
+                            break;
+                        }
+                        mux.grant(stream, bytes.len() as u32).await;
+                    }
+                    Inbound::Close => {
+                        let _ = local_write.shutdown().await;
+                    }
+                    Inbound::Reset => break,
+                }
+            }
+            up.abort();
+            mux.streams_lock().remove(&stream);
+        });
+    }
+
+    /// Gives the peer back `bytes` of window on `stream`.
+    async fn grant(&self, stream: u32, bytes: u32) {
+        let budget = self
+            .streams_lock()
+            .get(&stream)
+            .map(|e| e.receive_budget.clone());
+        if let Some(budget) = budget {
+            budget.fetch_add(bytes, Ordering::AcqRel);
+            let _ = self.out.send(MuxFrame::Credit { stream, bytes }).await;
+        }
+    }
+
+    /// Handles one frame from the link.
+    fn dispatch(self: &Arc<Self>, frame: MuxFrame, opener: &Opener) {
+        match frame {
+            MuxFrame::Open { stream, port } => {
+                let ours = self.next_stream.load(Ordering::Relaxed) % 2 == stream % 2;
+                if ours || self.streams_lock().contains_key(&stream) {
+                    tracing::warn!("mux: peer opened stream {stream}, which is not its to open");
+                    return;
+                }
+                let inbound = self.register(stream);
+                let mux = self.clone();
+                let connect = opener(port);
+                tokio::spawn(async move {
+                    match connect.await {
+                        Ok(local) => mux.bridge(stream, local, inbound),
+                        Err(e) => {
+                            tracing::debug!("mux: stream {stream} to port {port}: {e}");
+                            mux.streams_lock().remove(&stream);
+                            let _ = mux.out.send(MuxFrame::Reset { stream }).await;
+                        }
+                    }
+                });
+            }
+            MuxFrame::Data { stream, bytes } => {
+                let mut streams = self.streams_lock();
+                let Some(entry) = streams.get(&stream) else {
+                    return;
+                };
+                let len = bytes.len() as u32;
+                let within_window = entry
+                    .receive_budget
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| b.checked_sub(len))
+                    .is_ok();
+                if within_window {
+                    let _ = entry.inbound.send(Inbound::Data(bytes));
+                } else {
+                    tracing::warn!("mux: peer overran the window of stream {stream}; resetting it");
+                    let _ = entry.inbound.send(Inbound::Reset);
+                    streams.remove(&stream);
+                    let _ = self.out.try_send(MuxFrame::Reset { stream });
+                }
+            }
+            MuxFrame::Credit { stream, bytes } => {
+                if let Some(entry) = self.streams_lock().get(&stream) {
+                    let room =
+                        (WINDOW as usize).saturating_sub(entry.send_window.available_permits());
+                    entry.send_window.add_permits((bytes as usize).min(room));
+                }
+            }
+            MuxFrame::Close { stream } => {
+                if let Some(entry) = self.streams_lock().get(&stream) {
+                    let _ = entry.inbound.send(Inbound::Close);
+                }
+            }
+            MuxFrame::Reset { stream } => {
+                if let Some(entry) = self.streams_lock().remove(&stream) {
+                    let _ = entry.inbound.send(Inbound::Reset);
+                }
+            }
+        }
+    }
+
+    /// The link is gone: every stream ends.
+    fn reset_all(&self) {
+        for (_, entry) in self.streams_lock().drain() {
+            let _ = entry.inbound.send(Inbound::Reset);
+        }
+    }
+
+    /// Number of open streams.
+    #[cfg(test)]
+    pub fn stream_count(&self) -> usize {
+        self.streams_lock().len()
+    }
+}
+
+async fn write_link<W: AsyncWrite + Unpin>(mut writer: W, mut frames: mpsc::Receiver<MuxFrame>) {
+    while let Some(frame) = frames.recv().await {
+        if let Err(e) = write_frame(&mut writer, &frame).await {
+            tracing::warn!("mux: link write failed: {e}");
+            break;
+        }
+    }
+}
+
+async fn read_link<R: AsyncRead + Unpin>(mux: Arc<Mux>, reader: R, opener: Opener) {
+    let mut frames = FrameReader::new(reader);
+    loop {
+        match frames.next::<MuxFrame>().await {
+            Ok(Some(frame)) => mux.dispatch(frame, &opener),
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!("mux: link read failed: {e}");
+                break;
+            }
+        }
+    }
+    mux.reset_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::UnixListener;
+
+    /// Two muxes joined by a socketpair; the far side opens streams to an echo server
+    /// (port 0) or to a sink that reads slowly (port 1), or refuses (other ports).
+    async fn pair(dir: &std::path::Path) -> (Arc<Mux>, Arc<Mux>) {
+        let echo_path = dir.join("echo.sock");
+        let echo = UnixListener::bind(&echo_path).unwrap();
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = echo.accept().await {
+                tokio::spawn(async move {
+                    let (mut r, mut w) = conn.into_split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                    let _ = w.shutdown().await;
+                });
+            }
+        });
+        let (a, b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let (br, bw) = b.into_split();
+        let refuse: Opener = Arc::new(|_| {
+            Box::pin(async { Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)) })
+        });
+        let to_echo: Opener = Arc::new(move |port| {
+            let path = echo_path.clone();
+            Box::pin(async move {
+                if port == VSOCK_PORT {
+                    UnixStream::connect(path).await
+                } else {
+                    Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+                }
+            })
+        });
+        let (host, _) = Mux::start(ar, aw, true, refuse);
+        let (guest, _) = Mux::start(br, bw, false, to_echo);
+        (host, guest)
+    }
+
+    /// Opens a stream from `mux` and returns our end of it.
+    async fn client(mux: &Arc<Mux>, port: u32) -> UnixStream {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        mux.open(port, theirs).await;
+        ours
+    }
+
+    #[tokio::test]
+    async fn streams_echo_large_payloads() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, _guest) = pair(dir.path()).await;
+        let data: Vec<u8> = (0..3 * WINDOW + 12345)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let mut conn = client(&host, VSOCK_PORT).await;
+        let (mut r, mut w) = conn.split();
+        let expected = data.clone();
+        let (_, echoed) = tokio::join!(
+            async {
+                w.write_all(&data).await.unwrap();
+                w.shutdown().await.unwrap();
+            },
+            async {
+                let mut out = Vec::new();
+                r.read_to_end(&mut out).await.unwrap();
+                out
+            }
+        );
+        assert_eq!(echoed.len(), expected.len());
+        assert!(echoed == expected, "echoed bytes differ");
+    }
+
+    #[tokio::test]
+    async fn many_concurrent_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, _guest) = pair(dir.path()).await;
+        let mut tasks = Vec::new();
+        for i in 0..100u32 {
+            let host = host.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut conn = client(&host, VSOCK_PORT).await;
+                let msg = format!("stream {i}");
+                conn.write_all(msg.as_bytes()).await.unwrap();
+                conn.shutdown().await.unwrap();
+                let mut out = String::new();
+                conn.read_to_string(&mut out).await.unwrap();
+                assert_eq!(out, msg);
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stalled_stream_does_not_block_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, _guest) = pair(dir.path()).await;
+        // Fill one stream's window (and the echo's socket buffers) without reading.
+        let mut stalled = client(&host, VSOCK_PORT).await;
+        let junk = vec![0u8; 4 * WINDOW as usize];
+        let writer = tokio::spawn(async move {
+            let _ = stalled.write_all(&junk).await;
+            stalled
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let mut other = client(&host, VSOCK_PORT).await;
+        other.write_all(b"still flowing").await.unwrap();
+        let mut buf = [0u8; 13];
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            other.read_exact(&mut buf),
+        )
+        .await
+        .expect("the second stream was blocked by the first")
+        .unwrap();
+        assert_eq!(&buf, b"still flowing");
+        writer.abort();
+    }
+
+    #[tokio::test]
+    async fn refused_open_closes_the_client() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, _guest) = pair(dir.path()).await;
+        let mut conn = client(&host, 42).await;
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            conn.read_to_end(&mut out),
+        )
+        .await;
+        assert!(read.is_ok(), "a refused stream must end");
+        assert!(out.is_empty());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert_eq!(host.stream_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_ignores_the_window_gets_reset() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let (_br, mut bw) = b.into_split();
+        let dir = tempfile::tempdir().unwrap();
+        let sink_path = dir.path().join("sink.sock");
+        let sink = UnixListener::bind(&sink_path).unwrap();
+        let opener: Opener = Arc::new(move |_| {
+            let path = sink_path.clone();
+            Box::pin(async move { UnixStream::connect(path).await })
+        });
+        let (mux, _) = Mux::start(ar, aw, true, opener);
+        write_frame(&mut bw, &MuxFrame::Open { stream: 2, port: 0 })
+            .await
+            .unwrap();
+        let _held = sink.accept().await.unwrap();
+        // Far more than the window plus what the unread sink socket can buffer.
+        let chunk = vec![0u8; MAX_CHUNK];
+        for _ in 0..(4 << 20) / MAX_CHUNK {
+            let frame = MuxFrame::Data {
+                stream: 2,
+                bytes: chunk.clone(),
+            };
+            if write_frame(&mut bw, &frame).await.is_err() {
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(
+            mux.stream_count(),
+            0,
+            "the overrunning stream must be reset"
+        );
+    }
+
+    #[tokio::test]
+    async fn garbage_on_the_link_ends_every_stream_without_panicking() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, _guest) = pair(dir.path()).await;
+        let mut conn = client(&host, VSOCK_PORT).await;
+        conn.write_all(b"x").await.unwrap();
+        let mut one = [0u8; 1];
+        conn.read_exact(&mut one).await.unwrap();
+        // A second mux fed garbage.
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let refuse: Opener =
+            Arc::new(|_| Box::pin(async { Err(std::io::ErrorKind::Other.into()) }));
+        let (_mux, link) = Mux::start(ar, aw, true, refuse);
+        b.write_all(&[5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff])
+            .await
+            .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(5), link)
+            .await
+            .expect("the link task must end on garbage")
+            .unwrap();
+    }
+}

@@ -1,0 +1,206 @@
+//! Where a workspace's VM keeps its state: one directory per workspace under the XDG
+//! state dir, holding its record, its vsock socket and its logs. Nothing is written
+//! into the workspace.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("workspace {}: {source}", .path.display())]
+    Workspace {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot use the state directory {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: unreadable VM record ({reason}); remove it with 'vmctl rm'", .path.display())]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+/// What `vmctl up` decided for a workspace's VM; read by the supervisor and by `ps`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub workspace: PathBuf,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub rootfs: PathBuf,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub nested: bool,
+    /// Kernel arguments for the guest agent (`vmctl.*`).
+    pub agent_cmdline: String,
+    /// Seconds since the epoch when the VM was started.
+    pub started_at: u64,
+}
+
+/// A workspace's VM directory.
+#[derive(Debug, Clone)]
+pub struct VmDir {
+    pub path: PathBuf,
+}
+
+impl VmDir {
+    /// The VM directory of `workspace` (canonicalized), created if missing.
+    pub fn for_workspace(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
+        let workspace = workspace
+            .canonicalize()
+            .map_err(|source| StateError::Workspace {
+                path: workspace.to_path_buf(),
+                source,
+            })?;
+        let dir = vms_dir().join(vm_name(&workspace));
+        std::fs::create_dir_all(&dir).map_err(|source| StateError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok((workspace, VmDir { path: dir }))
+    }
+
+    /// Every VM directory there is.
+    pub fn all() -> Vec<VmDir> {
+        let mut dirs: Vec<VmDir> = std::fs::read_dir(vms_dir())
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| VmDir { path: e.path() })
+                    .collect()
+            })
+            .unwrap_or_default();
+        dirs.sort_by(|a, b| a.path.cmp(&b.path));
+        dirs
+    }
+
+    pub fn record_path(&self) -> PathBuf {
+        self.path.join("vm.json")
+    }
+    pub fn vsock_socket(&self) -> PathBuf {
+        self.path.join("vsock.sock")
+    }
+    pub fn pid_file(&self) -> PathBuf {
+        self.path.join("supervisor.pid")
+    }
+    pub fn console_log(&self) -> PathBuf {
+        self.path.join("console.log")
+    }
+    pub fn supervisor_log(&self) -> PathBuf {
+        self.path.join("supervisor.log")
+    }
+
+    pub fn read_record(&self) -> Result<VmRecord, StateError> {
+        let path = self.record_path();
+        let text = std::fs::read(&path).map_err(|source| StateError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        serde_json::from_slice(&text).map_err(|e| StateError::Corrupt {
+            path,
+            reason: e.to_string(),
+        })
+    }
+
+    pub fn write_record(&self, record: &VmRecord) -> Result<(), StateError> {
+        let path = self.record_path();
+        let io = |source| StateError::Io {
+            path: path.clone(),
+            source,
+        };
+        let text = serde_json::to_vec_pretty(record).map_err(|e| io(e.into()))?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text).map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)
+    }
+
+    /// The supervisor's pid while it runs.
+    pub fn running_pid(&self) -> Option<i32> {
+        let pid: i32 = std::fs::read_to_string(self.pid_file())
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        alive.then_some(pid)
+    }
+}
+
+/// `$XDG_STATE_HOME/vmctl/vms` (default `~/.local/state/vmctl/vms`).
+fn vms_dir() -> PathBuf {
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| "/tmp".into());
+            home.join(".local/state")
+        });
+    state.join("vmctl/vms")
+}
+
+/// A readable, unique, stable name: the workspace's last component and a hash of
+/// its full path.
+pub fn vm_name(workspace: &Path) -> String {
+    let base: String = workspace
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "root".into())
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(32)
+        .collect();
+    // FNV-1a: stable across builds, unlike std's hasher.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in workspace.as_os_str().as_encoded_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{base}-{:08x}", hash as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_stable_readable_and_distinct() {
+        let a = vm_name(Path::new("/home/u/src/my project"));
+        assert_eq!(a, vm_name(Path::new("/home/u/src/my project")));
+        assert!(a.starts_with("my-project-"), "{a}");
+        assert_ne!(a, vm_name(Path::new("/home/v/src/my project")));
+        assert!(vm_name(Path::new("/")).starts_with("root-"));
+    }
+
+    #[test]
+    fn record_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let record = VmRecord {
+            workspace: "/w".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            rootfs: "/r".into(),
+            cpus: 2,
+            memory_mib: 512,
+            nested: true,
+            agent_cmdline: "vmctl.root=/dev/vda".into(),
+            started_at: 1,
+        };
+        vm.write_record(&record).unwrap();
+        assert_eq!(vm.read_record().unwrap(), record);
+        assert_eq!(vm.running_pid(), None);
+    }
+}

@@ -1,0 +1,286 @@
+//! Workspace VMs: `vmctl up`, `ps`, `stop`, `rm`, and what `exec`/`shell` need to
+//! find (or start) a workspace's VM.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::artifacts::{self, Artifact, ArtifactError};
+use crate::exec::AGENT_PORT;
+use crate::host_kvm::KvmKind;
+use crate::state::{StateError, VmDir, VmRecord};
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    #[error("cannot start the VM's supervisor: {0}")]
+    Spawn(std::io::Error),
+    #[error("the VM of {} did not come up: {reason}; its logs: {}", .workspace.display(), .logs.display())]
+    NotReady {
+        workspace: PathBuf,
+        reason: String,
+        logs: PathBuf,
+    },
+}
+
+/// Defaults for a workspace VM.
+pub const DEFAULT_CPUS: u32 = 2;
+pub const DEFAULT_MEMORY_MIB: u64 = 1024;
+
+/// Starts the VM of `workspace` unless it runs; returns its directory once the guest
+/// agent answers.
+pub fn up(workspace: &Path, quiet: bool) -> Result<VmDir, VmError> {
+    let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    if vm.running_pid().is_some() && agent_ready(&vm.vsock_socket()) {
+        if !quiet {
+            eprintln!(
+                "vmctl: the VM of {} is already running",
+                workspace.display()
+            );
+        }
+        return Ok(vm);
+    }
+    let kvm = KvmKind::detect();
+    let nested = !kvm.boots_linux();
+    if nested {
+        eprintln!(
+            "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
+            kvm.why_nested()
+        );
+    }
+    let record = VmRecord {
+        kernel: artifacts::ensure(Artifact::GuestKernel)?,
+        initrd: artifacts::ensure(Artifact::AgentInitramfs)?,
+        rootfs: artifacts::ensure(Artifact::RootfsImage)?,
+        cpus: DEFAULT_CPUS,
+        memory_mib: DEFAULT_MEMORY_MIB,
+        nested,
+        agent_cmdline: agent_cmdline(&vm),
+        started_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        workspace: workspace.clone(),
+    };
+    vm.write_record(&record)?;
+    let started = Instant::now();
+    let mut supervisor = spawn_supervisor(&vm)?;
+    let deadline = started
+        + if nested {
+            Duration::from_secs(240)
+        } else {
+            Duration::from_secs(30)
+        };
+    loop {
+        if agent_ready(&vm.vsock_socket()) {
+            break;
+        }
+        let not_ready = |reason: String| VmError::NotReady {
+            workspace: workspace.clone(),
+            reason,
+            logs: vm.path.clone(),
+        };
+        if let Ok(Some(status)) = supervisor.try_wait() {
+            return Err(not_ready(format!("its supervisor exited ({status})")));
+        }
+        if Instant::now() > deadline {
+            let _ = supervisor.kill();
+            return Err(not_ready("the guest agent did not answer in time".into()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    if !quiet {
+        eprintln!(
+            "vmctl: the VM of {} is up (agent ready after {:.1} s)",
+            workspace.display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(vm)
+}
+
+/// The guest agent's settings: the root image, a tmpfs upper layer, the host user.
+fn agent_cmdline(vm: &VmDir) -> String {
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let user = std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty() && !u.contains(':'));
+    let home = std::env::var("HOME")
+        .ok()
+        .filter(|h| h.starts_with('/') && !h.contains([':', ' ']));
+    let name = vm
+        .path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "vm".into());
+    let mut cmdline = format!("vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={name}");
+    if let (Some(user), Some(home)) = (user, home) {
+        if uid != 0 {
+            cmdline.push_str(&format!(" vmctl.user={user}:{uid}:{gid}:{home}"));
+        }
+    }
+    cmdline
+}
+
+fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().map_err(VmError::Spawn)?;
+    let console = std::fs::File::create(vm.console_log()).map_err(VmError::Spawn)?;
+    let log = std::fs::File::create(vm.supervisor_log()).map_err(VmError::Spawn)?;
+    let mut command = Command::new(exe);
+    command
+        .arg("__supervise")
+        .arg(&vm.path)
+        .stdin(Stdio::null())
+        .stdout(console)
+        .stderr(log);
+    // Its own session: the VM outlives this command and its terminal.
+    // SAFETY: setsid is async-signal-safe and touches no memory.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command.spawn().map_err(VmError::Spawn)
+}
+
+/// Whether the guest agent behind `socket` answers a health check.
+pub fn agent_ready(socket: &Path) -> bool {
+    if !socket.exists() {
+        return false;
+    }
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return false;
+    };
+    runtime.block_on(async {
+        let check = async {
+            let connection = guest_agent::client::connect_hybrid(socket, AGENT_PORT)
+                .await
+                .ok()?;
+            connection.health().await.ok()
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), check).await,
+            Ok(Some(_))
+        )
+    })
+}
+
+/// Asks the guest to shut down, then waits for the supervisor; forces it after 30 s.
+pub fn stop(workspace: &Path) -> Result<bool, VmError> {
+    let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    let Some(pid) = vm.running_pid() else {
+        return Ok(false);
+    };
+    let socket = vm.vsock_socket();
+    if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        runtime.block_on(async {
+            let shutdown = async {
+                let connection = guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
+                    .await
+                    .ok()?;
+                connection.shutdown().await.ok()
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(10), shutdown).await;
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while vm.running_pid().is_some() {
+        if Instant::now() > deadline {
+            eprintln!(
+                "vmctl: the VM of {} did not shut down; killing it",
+                workspace.display()
+            );
+            // SAFETY: signalling the supervisor's pid, read from its pid file.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(2));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(true)
+}
+
+/// Stops the VM and removes its state.
+pub fn remove(workspace: &Path) -> Result<(), VmError> {
+    stop(workspace)?;
+    let (_, vm) = VmDir::for_workspace(workspace)?;
+    std::fs::remove_dir_all(&vm.path).map_err(|source| {
+        VmError::State(StateError::Io {
+            path: vm.path.clone(),
+            source,
+        })
+    })
+}
+
+/// `vmctl ps`: one line per VM.
+pub fn list() -> Vec<String> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut lines = vec![format!(
+        "{:<28} {:<8} {:>8} {:<6} WORKSPACE",
+        "NAME", "STATE", "UPTIME", "MODE"
+    )];
+    for vm in VmDir::all() {
+        let name = vm
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let Ok(record) = vm.read_record() else {
+            lines.push(format!(
+                "{name:<28} {:<8} {:>8} {:<6} ?",
+                "broken", "-", "-"
+            ));
+            continue;
+        };
+        let running = vm.running_pid().is_some();
+        let uptime = if running {
+            format_duration(now.saturating_sub(record.started_at))
+        } else {
+            "-".into()
+        };
+        lines.push(format!(
+            "{name:<28} {:<8} {uptime:>8} {:<6} {}",
+            if running { "running" } else { "stopped" },
+            if record.nested { "nested" } else { "direct" },
+            record.workspace.display()
+        ));
+    }
+    lines
+}
+
+fn format_duration(seconds: u64) -> String {
+    match seconds {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(format_duration(5), "5s");
+        assert_eq!(format_duration(125), "2m05s");
+        assert_eq!(format_duration(7260), "2h01m");
+    }
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh Debian 12 machine: system packages, vmctl, the guest
 # kernel (and the nested host's, where there is no hardware KVM) and the test/hello
-# initramfs. Idempotent and quiet unless something is wrong;
+# initramfs, the guest agent and the guest root filesystem (Debian + the agent CLIs).
+# Idempotent and quiet unless something is wrong;
 # the kernel build (first run only, ~6-10 min on 2 cores) shows its progress.
 #
 #   scripts/setup.sh               everything
@@ -42,7 +43,7 @@ quietly() {
     fi
 }
 
-say "[1/4] system packages"
+say "[1/6] system packages"
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
@@ -61,15 +62,15 @@ if (( ${#missing[@]} )); then
 fi
 
 if (( build_vmctl )); then
-    say "[2/4] vmctl (cargo build --release -p vmctl)"
+    say "[2/6] vmctl (cargo build --release -p vmctl)"
     command -v cargo >/dev/null ||
         die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
     (cd "$root" && quietly cargo build --release -p vmctl)
 else
-    say "[2/4] vmctl: skipped (--skip-vmctl)"
+    say "[2/6] vmctl: skipped (--skip-vmctl)"
 fi
 
-say "[3/4] guest kernel (kernel-config/build.sh guest, cached)"
+say "[3/6] guest kernel (kernel-config/build.sh guest, cached)"
 kernel="$("$root/kernel-config/build.sh" guest)"
 # Without hardware KVM, vmctl runs its VMM inside the QEMU-TCG nested host, which
 # boots its own kernel flavour.
@@ -79,11 +80,19 @@ if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
     nested_kernel="$("$root/kernel-config/build.sh" nested-host)"
 fi
 
-say "[4/4] initramfs (rootfs/build-initramfs.sh, cached)"
+say "[4/6] initramfs (rootfs/build-initramfs.sh, cached)"
 initramfs="$("$root/rootfs/build-initramfs.sh")"
+
+say "[5/6] guest agent (guest-agent/build-initramfs.sh)"
+agent="$("$root/guest-agent/build-initramfs.sh")"
+
+say "[6/6] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
+rootfs="$("$root/rootfs/build-rootfs.sh")"
 
 say "done"
 say "  vmctl:     ${CARGO_TARGET_DIR:-$root/target}/release/vmctl"
 say "  kernel:    $kernel"
 [[ -z "$nested_kernel" ]] || say "  nested host kernel: $nested_kernel"
 say "  initramfs: $initramfs"
+say "  agent:     $agent"
+say "  rootfs:    $rootfs"

@@ -36,6 +36,11 @@ if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
 fi
 say "initramfs (rootfs/build-initramfs.sh)"
 VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "no initramfs: run scripts/setup.sh"
+say "guest agent (guest-agent/build-initramfs.sh)"
+VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh 2>/dev/null)" || die "building the guest agent failed"
+say "guest root filesystem (rootfs/build-rootfs.sh)"
+VMCTL_ROOTFS="$(rootfs/build-rootfs.sh)" || die "no guest root filesystem: run scripts/setup.sh"
+export VMCTL_AGENT_INITRAMFS VMCTL_ROOTFS
 say "vmctl (cargo build --release -p vmctl)"
 cargo build --release --quiet -p vmctl || die "building vmctl failed"
 VMCTL_BIN="$target_dir/release/vmctl"

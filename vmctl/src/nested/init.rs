@@ -116,7 +116,7 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
         .map_err(|e| format!("cannot start the relay: {e}"))?;
     // The current-thread runtime only runs while blocked on: serve the link until
     // the VMM's thread ends.
-    runtime.block_on(async {
+    let outcome = runtime.block_on(async {
         let reader = std::fs::File::options()
             .read(true)
             .write(true)
@@ -144,7 +144,11 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
             .await
             .map_err(|_| "the VMM thread was lost".to_string())?
             .map_err(|_| "the VMM thread panicked".to_string())?
-    })
+    });
+    // A read of the mux port may still be pending on a blocking thread: do not wait
+    // for it (a plain drop would, forever).
+    runtime.shutdown_background();
+    outcome
 }
 
 /// The device node of the virtio-serial port called `name` (no udev here, so look it

@@ -1,0 +1,181 @@
+//! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY,
+//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`.
+//!
+//! One VM serves the whole scenario (booting one costs seconds through the nested
+//! host); a guard removes it even when an assertion fails.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use vm_tests::{vm_available, vmctl_bin, TempDir};
+
+/// `vmctl` with its state (XDG_STATE_HOME) in the test's own directory.
+struct Workspace {
+    dir: TempDir,
+}
+
+impl Workspace {
+    fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("ws")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(vmctl_bin());
+        command
+            .args(args)
+            .current_dir(self.path())
+            .env("XDG_STATE_HOME", self.state())
+            .stdin(Stdio::null());
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let output = self
+            .command(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run vmctl {args:?}: {e}"));
+        eprintln!(
+            "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    }
+
+    fn exec(&self, script: &str) -> Output {
+        self.run(&["exec", "--", "sh", "-c", script])
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        let _ = self.command(&["rm"]).output();
+    }
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn workspace_vm_runs_commands_like_a_local_shell() {
+    if !vm_available("workspace_vm::workspace_vm_runs_commands_like_a_local_shell") {
+        return;
+    }
+    let ws = Workspace {
+        dir: TempDir::new("workspace-vm"),
+    };
+    std::fs::create_dir_all(ws.path()).unwrap();
+
+    let up = ws.run(&["up"]);
+    assert!(up.status.success(), "vmctl up failed");
+    let ps = ws.run(&["ps"]);
+    assert!(
+        stdout(&ps).contains("running"),
+        "ps does not show the VM running"
+    );
+    assert!(stdout(&ps).contains(ws.path().to_str().unwrap()));
+
+    // Output streams and the exit code.
+    let out = ws.exec("echo out; echo err >&2; exit 3");
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(stdout(&out), "out\n");
+    assert!(String::from_utf8_lossy(&out.stderr).ends_with("err\n"));
+
+    // A killing signal comes back as 128+N.
+    let killed = ws.exec("kill -TERM $$");
+    assert_eq!(killed.status.code(), Some(128 + 15));
+
+    // 1 MiB of stdin comes back byte-identical.
+    let data = vm_tests::random_bytes(1 << 20);
+    let mut cat = ws
+        .command(&["exec", "--", "cat"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = cat.stdin.take().unwrap();
+    let feeder = {
+        let data = data.clone();
+        std::thread::spawn(move || stdin.write_all(&data))
+    };
+    let mut echoed = Vec::new();
+    cat.stdout.take().unwrap().read_to_end(&mut echoed).unwrap();
+    feeder.join().unwrap().unwrap();
+    assert!(cat.wait().unwrap().success());
+    assert_eq!(echoed.len(), data.len());
+    assert!(echoed == data, "stdin did not come back byte-identical");
+
+    // A PTY of the default size when the host side is not a terminal.
+    let tty = ws.run(&["exec", "--tty", "--", "sh", "-c", "test -t 0 && stty size"]);
+    assert!(tty.status.success());
+    assert_eq!(stdout(&tty).trim(), "24 80");
+
+    // 20 concurrent execs.
+    let children: Vec<_> = (0..20)
+        .map(|i| {
+            ws.command(&["exec", "--", "sh", "-c", &format!("echo job-{i}")])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, child) in children.into_iter().enumerate() {
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "exec {i} failed");
+        assert_eq!(stdout(&output), format!("job-{i}\n"));
+    }
+
+    // Killing the host client kills the guest process.
+    let mut sleeper = ws
+        .command(&[
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > /tmp/sleeper.pid; exec sleep 1000",
+        ])
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !ws.exec("test -s /tmp/sleeper.pid").status.success() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the sleeper never started"
+        );
+    }
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    let check = "pid=$(cat /tmp/sleeper.pid); for i in 1 2 3 4 5 6 7 8 9 10; do \
+                 kill -0 $pid 2>/dev/null || { echo GONE; exit 0; }; sleep 0.5; done; echo ALIVE";
+    assert_eq!(stdout(&ws.exec(check)).trim(), "GONE");
+
+    // The coding-agent CLIs run inside.
+    let claude = ws.run(&["exec", "--", "claude", "--version"]);
+    assert!(claude.status.success() && stdout(&claude).contains("Claude Code"));
+    let codex = ws.run(&["exec", "--", "codex", "--version"]);
+    assert!(codex.status.success() && stdout(&codex).contains("codex"));
+
+    // The command runs in the workspace's host path when the guest has it, and as root
+    // when asked.
+    let whoami = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
+    assert_eq!(stdout(&whoami).trim(), "0");
+
+    let stop = ws.run(&["stop"]);
+    assert!(stop.status.success());
+    assert!(stdout(&ws.run(&["ps"])).contains("stopped"));
+    let rm = ws.run(&["rm"]);
+    assert!(rm.status.success());
+    assert!(!Path::new(&ws.state())
+        .join("vmctl/vms")
+        .read_dir()
+        .unwrap()
+        .any(|_| true));
+}

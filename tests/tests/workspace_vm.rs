@@ -1,5 +1,5 @@
 //! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY,
-//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`.
+//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`, `run`.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
@@ -173,6 +173,11 @@ fn workspace_vm_runs_commands_like_a_local_shell() {
     assert!(stdout(&ws.run(&["ps"])).contains("stopped"));
     let rm = ws.run(&["rm"]);
     assert!(rm.status.success());
+
+    // One-shot: a throwaway VM that is gone afterwards.
+    let once = ws.run(&["run", "--", "sh", "-c", "echo once; exit 5"]);
+    assert_eq!(once.status.code(), Some(5));
+    assert_eq!(stdout(&once), "once\n");
     assert!(!Path::new(&ws.state())
         .join("vmctl/vms")
         .read_dir()

@@ -40,6 +40,8 @@ pub enum Command {
     Exec(ExecArgs),
     /// An interactive login shell in the VM of a workspace.
     Shell(WorkspaceArg),
+    /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
+    Run(ExecArgs),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
 }

@@ -46,6 +46,7 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string()),
         cli::Command::Exec(args) => run_exec(args),
         cli::Command::Shell(args) => run_shell(args),
+        cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
         cli::Command::NestedExec(args) => {
             nested::launcher::run_command(args.command, args.cpus, args.memory, &args.writable)
@@ -61,7 +62,20 @@ fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
-    let vm = vm::up(&workspace(args.workspace), true).map_err(|e| e.to_string())?;
+    let vm = vm::up(&workspace(args.workspace.clone()), true).map_err(|e| e.to_string())?;
+    exec_in(&vm, args)
+}
+
+fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
+    let vm = vm::up_ephemeral(&workspace(args.workspace.clone())).map_err(|e| e.to_string())?;
+    let outcome = exec_in(&vm, args);
+    if let Err(e) = vm::remove_vm(&vm) {
+        eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+    }
+    outcome
+}
+
+fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     let cwd = std::env::current_dir()
         .ok()
         .map(|d| d.display().to_string());

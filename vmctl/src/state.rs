@@ -47,13 +47,22 @@ pub struct VmDir {
 impl VmDir {
     /// The VM directory of `workspace` (canonicalized), created if missing.
     pub fn for_workspace(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
+        Self::create(workspace, "")
+    }
+
+    /// A fresh directory for a throwaway VM of `workspace`.
+    pub fn ephemeral(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
+        Self::create(workspace, &format!("-run{}", std::process::id()))
+    }
+
+    fn create(workspace: &Path, suffix: &str) -> Result<(PathBuf, VmDir), StateError> {
         let workspace = workspace
             .canonicalize()
             .map_err(|source| StateError::Workspace {
                 path: workspace.to_path_buf(),
                 source,
             })?;
-        let dir = vms_dir().join(vm_name(&workspace));
+        let dir = vms_dir().join(format!("{}{suffix}", vm_name(&workspace)));
         std::fs::create_dir_all(&dir).map_err(|source| StateError::Io {
             path: dir.clone(),
             source,

@@ -34,6 +34,17 @@ pub const DEFAULT_MEMORY_MIB: u64 = 1024;
 /// agent answers.
 pub fn up(workspace: &Path, quiet: bool) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    start(&workspace, vm, quiet)
+}
+
+/// Starts a throwaway VM for `workspace`, beside its regular one (`vmctl run`).
+pub fn up_ephemeral(workspace: &Path) -> Result<VmDir, VmError> {
+    let (workspace, vm) = VmDir::ephemeral(workspace)?;
+    start(&workspace, vm, true)
+}
+
+fn start(workspace: &Path, vm: VmDir, quiet: bool) -> Result<VmDir, VmError> {
+    let workspace = workspace.to_path_buf();
     if vm.running_pid().is_some() && agent_ready(&vm.vsock_socket()) {
         if !quiet {
             eprintln!(
@@ -178,9 +189,14 @@ pub fn agent_ready(socket: &Path) -> bool {
 
 /// Asks the guest to shut down, then waits for the supervisor; forces it after 30 s.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
-    let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    let (_, vm) = VmDir::for_workspace(workspace)?;
+    Ok(stop_vm(&vm))
+}
+
+/// Stops `vm`; false when it was not running.
+pub fn stop_vm(vm: &VmDir) -> bool {
     let Some(pid) = vm.running_pid() else {
-        return Ok(false);
+        return false;
     };
     let socket = vm.vsock_socket();
     if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
@@ -201,8 +217,8 @@ pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     while vm.running_pid().is_some() {
         if Instant::now() > deadline {
             eprintln!(
-                "vmctl: the VM of {} did not shut down; killing it",
-                workspace.display()
+                "vmctl: the VM in {} did not shut down; killing it",
+                vm.path.display()
             );
             // SAFETY: signalling the supervisor's pid, read from its pid file.
             unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -211,13 +227,17 @@ pub fn stop(workspace: &Path) -> Result<bool, VmError> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(true)
+    true
 }
 
 /// Stops the VM and removes its state.
 pub fn remove(workspace: &Path) -> Result<(), VmError> {
-    stop(workspace)?;
     let (_, vm) = VmDir::for_workspace(workspace)?;
+    remove_vm(&vm)
+}
+
+pub fn remove_vm(vm: &VmDir) -> Result<(), VmError> {
+    stop_vm(vm);
     std::fs::remove_dir_all(&vm.path).map_err(|source| {
         VmError::State(StateError::Io {
             path: vm.path.clone(),

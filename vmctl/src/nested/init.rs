@@ -83,8 +83,7 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
     let job = read_job(spec).map_err(|e| e.to_string())?;
     tracing::debug!("nested host: running {job:?}");
     if matches!(job.work, Work::Command(_)) {
-        // Commands get a scratch /tmp (the host's is visible but read-only).
-        mount("tmpfs", "/tmp", "tmpfs", 0, "mode=1777").map_err(|e| e.to_string())?;
+        writable_tmp().map_err(|e| e.to_string())?;
     }
     for (index, dir) in job.writable_dirs.iter().enumerate() {
         // A directory under the scratch /tmp must be recreated to mount on; elsewhere
@@ -203,6 +202,33 @@ fn mount_basics() -> Result<(), NestedInitError> {
         source,
     })?;
     mount_9p(job::JOB_TAG, Path::new(job::GUEST_JOB_DIR), false)
+}
+
+/// Commands get a writable /tmp that still shows the host's (read-only) /tmp, where
+/// their binaries, working directory or inputs may live: an overlay with a tmpfs upper
+/// layer. Writes stay in the nested host.
+fn writable_tmp() -> Result<(), NestedInitError> {
+    const SCRATCH: &str = "/run/vmctl-tmp";
+    let error = |source| NestedInitError::Mount {
+        what: "scratch directories".into(),
+        target: SCRATCH.into(),
+        source,
+    };
+    for dir in ["upper", "work"] {
+        std::fs::create_dir_all(Path::new(SCRATCH).join(dir)).map_err(error)?;
+    }
+    std::fs::set_permissions(
+        Path::new(SCRATCH).join("upper"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .map_err(error)?;
+    mount(
+        "overlay",
+        "/tmp",
+        "overlay",
+        0,
+        &format!("lowerdir=/tmp,upperdir={SCRATCH}/upper,workdir={SCRATCH}/work"),
+    )
 }
 
 fn mount_9p(tag: &str, target: &Path, read_only: bool) -> Result<(), NestedInitError> {

@@ -65,7 +65,10 @@ impl Artifact {
 pub fn source_dir() -> PathBuf {
     std::env::var_os("VMCTL_SOURCE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .unwrap_or_else(|| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+            dir.canonicalize().unwrap_or(dir)
+        })
 }
 
 /// Returns the artifact's path: the file its override variable names, else the cached
@@ -142,4 +145,16 @@ fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf,
         });
     }
     last_path(script, &output.stdout)
+}
+
+/// Builds the guest root image described by `recipe` (default: the project's default
+/// recipe), showing the build's progress, and returns the image's path.
+pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
+    let script = source_dir().join("rootfs/build-rootfs.sh");
+    if !script.is_file() {
+        return Err(ArtifactError::ScriptMissing(script));
+    }
+    let recipe = recipe.map(|r| r.display().to_string());
+    let args: Vec<&str> = recipe.iter().map(String::as_str).collect();
+    run_script(&script, &args, false)
 }

@@ -42,8 +42,22 @@ pub enum Command {
     Shell(WorkspaceArg),
     /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
     Run(ExecArgs),
+    /// Guest images.
+    #[command(subcommand)]
+    Image(ImageCommand),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Build (or find in the cache) a guest root image and print its path: the
+    /// default one, or the one a recipe describes (see rootfs/README.md).
+    Build {
+        /// A recipe file (JSON: name, debian_packages, npm_packages, script).
+        #[arg(long, value_name = "FILE")]
+        recipe: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, clap::Args)]

@@ -48,6 +48,14 @@ fn main() -> ExitCode {
         cli::Command::Shell(args) => run_shell(args),
         cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
+        cli::Command::Image(cli::ImageCommand::Build { recipe }) => {
+            artifacts::build_image(recipe.as_deref())
+                .map(|path| {
+                    println!("{}", path.display());
+                    0
+                })
+                .map_err(|e| e.to_string())
+        }
         cli::Command::NestedExec(args) => {
             nested::launcher::run_command(args.command, args.cpus, args.memory, &args.writable)
                 .map_err(|e| e.to_string())

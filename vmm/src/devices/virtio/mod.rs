@@ -93,6 +93,18 @@ pub enum ActivateError {
     Device(String),
 }
 
+/// Copies `config[offset..]` into `data`; bytes past the end of `config` (or an
+/// offset that overflows) read as 0, as the guest may probe any offset.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = offset
+            .checked_add(i as u64)
+            .and_then(|o| usize::try_from(o).ok())
+            .and_then(|o| config.get(o).copied())
+            .unwrap_or(0);
+    }
+}
+
 /// The one queue of a single-queue device, which must be ready.
 pub fn single_ready_queue(queues: Vec<Queue>) -> Result<Queue, ActivateError> {
     let got = queues.len();

@@ -334,13 +334,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|o| usize::try_from(o).ok())
-                .and_then(|o| self.config.get(o).copied())
-                .unwrap_or(0);
-        }
+        crate::devices::virtio::read_config_bytes(&self.config, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

@@ -32,8 +32,6 @@ use worker::{WorkerHandle, NUM_QUEUES};
 pub const QUEUE_SIZE: u16 = 256;
 /// The guest CID used when none is configured.
 pub const DEFAULT_GUEST_CID: u64 = 3;
-/// `struct virtio_vsock_config`: guest_cid (le64).
-const CONFIG_LEN: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VsockError {
@@ -143,14 +141,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.guest_cid.to_le_bytes();
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|o| usize::try_from(o).ok())
-                .filter(|&o| o < CONFIG_LEN)
-                .map_or(0, |o| config[o]);
-        }
+        super::read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

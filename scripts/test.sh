@@ -37,7 +37,7 @@ fi
 say "initramfs (rootfs/build-initramfs.sh)"
 VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "no initramfs: run scripts/setup.sh"
 say "guest agent (guest-agent/build-initramfs.sh)"
-VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh 2>/dev/null)" || die "building the guest agent failed"
+VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh)" || die "building the guest agent failed (messages above)"
 say "guest root filesystem (rootfs/build-rootfs.sh)"
 VMCTL_ROOTFS="$(rootfs/build-rootfs.sh)" || die "no guest root filesystem: run scripts/setup.sh"
 export VMCTL_AGENT_INITRAMFS VMCTL_ROOTFS

@@ -20,6 +20,7 @@ use crate::report::{
 };
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
+use crate::workspace::WorkspaceBench;
 
 /// Printed by the guest's `/etc/vmtest.sh` right after `/init` wrote the boot timer.
 pub const BOOT_MARKER: &str = "BENCH-INIT-REACHED";
@@ -43,19 +44,29 @@ const USAGE: &str = "\
 usage: cargo bench -p vm-benches -- [OPTIONS]
        vm-bench [OPTIONS]
 
-Boots our VMM and QEMU's microvm side by side and reports boot time and memory.
+Boots our VMM and QEMU's microvm side by side and reports boot time and memory;
+then measures the workspace VM (vmctl up, exec through the guest agent).
 
-  --quick              3 boots per VMM and 1 memory run (default: 10 and 3)
+  --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
+                       2 vmctl up, 30 client and 5 CLI exec round trips
+                       (default: 5, 200 and 20)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
+  --ready-runs N       vmctl up on fresh workspaces
+  --exec-iterations N  round trips of `true` through the guest agent's Rust client
+  --cli-iterations N   round trips of `vmctl exec -- true`
   --out PATH           JSON report (default: target/bench/boot.json; Markdown next to it)
   --kernel PATH        guest kernel (default: kernel-config/build.sh guest)
   --initrd PATH        base initramfs (default: rootfs/build-initramfs.sh)
+  --agent-initrd PATH  the workspace VM's agent initramfs
+                       (default: guest-agent/build-initramfs.sh)
+  --rootfs PATH        the workspace VM's root image (default: rootfs/build-rootfs.sh)
   --vmctl PATH         vmctl binary (default: $VMCTL_BIN or target/release/vmctl)
   --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH)
   --cpus N             guest vCPUs (default 1)
   --memory MIB         guest memory (default 128)
-  --timeout SECS       per boot, to the marker and again to exit (default 60)
+  --timeout SECS       per boot, to the marker and again to exit; per vmctl
+                       command and exec round trip (default 60)
   --nested auto|always|never
                        measure inside the nested host: where KVM is not
                        hardware-backed (auto, default), always, or never
@@ -73,9 +84,14 @@ struct Args {
     quick: bool,
     runs: usize,
     memory_runs: usize,
+    ready_runs: usize,
+    exec_iterations: usize,
+    cli_iterations: usize,
     out: Option<PathBuf>,
     kernel: Option<PathBuf>,
     initrd: Option<PathBuf>,
+    agent_initrd: Option<PathBuf>,
+    rootfs: Option<PathBuf>,
     vmctl: Option<PathBuf>,
     qemu: Option<PathBuf>,
     cpus: u32,
@@ -91,9 +107,14 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         quick: false,
         runs: 0,
         memory_runs: 0,
+        ready_runs: 0,
+        exec_iterations: 0,
+        cli_iterations: 0,
         out: None,
         kernel: None,
         initrd: None,
+        agent_initrd: None,
+        rootfs: None,
         vmctl: None,
         qemu: None,
         cpus: 1,
@@ -103,6 +124,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         inner: None,
     };
     let (mut runs, mut memory_runs) = (None, None);
+    let (mut ready_runs, mut exec_iterations, mut cli_iterations) = (None, None, None);
     let mut it = argv.into_iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| {
@@ -121,6 +143,19 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "--memory-runs" => {
                 memory_runs = Some(number("--memory-runs", value("--memory-runs")?)? as usize)
             }
+            "--ready-runs" => {
+                ready_runs = Some(number("--ready-runs", value("--ready-runs")?)? as usize)
+            }
+            "--exec-iterations" => {
+                exec_iterations =
+                    Some(number("--exec-iterations", value("--exec-iterations")?)? as usize)
+            }
+            "--cli-iterations" => {
+                cli_iterations =
+                    Some(number("--cli-iterations", value("--cli-iterations")?)? as usize)
+            }
+            "--agent-initrd" => a.agent_initrd = Some(value("--agent-initrd")?.into()),
+            "--rootfs" => a.rootfs = Some(value("--rootfs")?.into()),
             "--out" => a.out = Some(value("--out")?.into()),
             "--kernel" => a.kernel = Some(value("--kernel")?.into()),
             "--initrd" => a.initrd = Some(value("--initrd")?.into()),
@@ -150,8 +185,25 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     }
     a.runs = runs.unwrap_or(if a.quick { 3 } else { 10 });
     a.memory_runs = memory_runs.unwrap_or(if a.quick { 1 } else { 3 });
-    if a.runs == 0 || a.memory_runs == 0 || a.cpus == 0 || a.memory_mib == 0 {
-        return Err("--runs, --memory-runs, --cpus and --memory must be at least 1".into());
+    a.ready_runs = ready_runs.unwrap_or(if a.quick { 2 } else { 5 });
+    a.exec_iterations = exec_iterations.unwrap_or(if a.quick { 30 } else { 200 });
+    a.cli_iterations = cli_iterations.unwrap_or(if a.quick { 5 } else { 20 });
+    if [
+        a.runs,
+        a.memory_runs,
+        a.ready_runs,
+        a.exec_iterations,
+        a.cli_iterations,
+        a.cpus as usize,
+        a.memory_mib as usize,
+    ]
+    .contains(&0)
+    {
+        return Err(
+            "--runs, --memory-runs, --ready-runs, --exec-iterations, --cli-iterations, \
+                    --cpus and --memory must be at least 1"
+                .into(),
+        );
     }
     Ok(a)
 }
@@ -180,6 +232,11 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
             initrd: args.initrd.clone().ok_or("--inner needs --initrd")?,
             vmctl: args.vmctl.clone().ok_or("--inner needs --vmctl")?,
             qemu: args.qemu.clone().ok_or("--inner needs --qemu")?,
+            agent_initrd: args
+                .agent_initrd
+                .clone()
+                .ok_or("--inner needs --agent-initrd")?,
+            rootfs: args.rootfs.clone().ok_or("--inner needs --rootfs")?,
         };
         let report = measure(&args, &tools)?;
         let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
@@ -253,6 +310,9 @@ struct Tools {
     initrd: PathBuf,
     vmctl: PathBuf,
     qemu: PathBuf,
+    /// The workspace VM's agent initramfs and root image.
+    agent_initrd: PathBuf,
+    rootfs: PathBuf,
 }
 
 fn workspace_root() -> PathBuf {
@@ -331,6 +391,15 @@ fn resolve_tools(args: &Args) -> Result<Tools, String> {
         Some(i) => i.clone(),
         None => build_artifact("rootfs/build-initramfs.sh", &[])?,
     };
+    // The scripts vmctl up would run; cached builds make them quick.
+    let agent_initrd = match &args.agent_initrd {
+        Some(i) => i.clone(),
+        None => build_artifact("guest-agent/build-initramfs.sh", &[])?,
+    };
+    let rootfs = match &args.rootfs {
+        Some(r) => r.clone(),
+        None => build_artifact("rootfs/build-rootfs.sh", &[])?,
+    };
     let vmctl = match (&args.vmctl, std::env::var_os("VMCTL_BIN")) {
         (Some(v), _) => v.clone(),
         (None, Some(v)) => PathBuf::from(v),
@@ -346,13 +415,17 @@ fn resolve_tools(args: &Args) -> Result<Tools, String> {
     // A stale vmctl would benchmark old code (or lack nested-exec): say so loudly.
     if let Ok(built) = fs::metadata(&vmctl).and_then(|m| m.modified()) {
         let ws = workspace_root();
-        let newest = [ws.join("vmm/src"), ws.join("vmctl/src")]
-            .iter()
-            .filter_map(|d| newest_mtime(d))
-            .max();
+        let newest = [
+            ws.join("vmm/src"),
+            ws.join("vmctl/src"),
+            ws.join("guest-agent/src"),
+        ]
+        .iter()
+        .filter_map(|d| newest_mtime(d))
+        .max();
         if newest.is_some_and(|n| n > built) {
             say(format!(
-                "warning: {} is older than the vmm/vmctl sources; run 'cargo build --release -p vmctl' \
+                "warning: {} is older than the vmm/vmctl/guest-agent sources; run 'cargo build --release -p vmctl' \
                  to benchmark the current code",
                 vmctl.display()
             ));
@@ -374,6 +447,8 @@ fn resolve_tools(args: &Args) -> Result<Tools, String> {
         initrd: abs(initrd)?,
         vmctl: abs(vmctl)?,
         qemu: abs(qemu)?,
+        agent_initrd: abs(agent_initrd)?,
+        rootfs: abs(rootfs)?,
     })
 }
 
@@ -431,6 +506,14 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         &n(args.memory_mib),
     ])
     .args(["--timeout", &n(args.timeout.as_secs())])
+    .args([
+        "--ready-runs",
+        &n(args.ready_runs as u64),
+        "--exec-iterations",
+        &n(args.exec_iterations as u64),
+        "--cli-iterations",
+        &n(args.cli_iterations as u64),
+    ])
     .arg("--kernel")
     .arg(&tools.kernel)
     .arg("--initrd")
@@ -438,7 +521,11 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     .arg("--vmctl")
     .arg(&tools.vmctl)
     .arg("--qemu")
-    .arg(&tools.qemu);
+    .arg(&tools.qemu)
+    .arg("--agent-initrd")
+    .arg(&tools.agent_initrd)
+    .arg("--rootfs")
+    .arg(&tools.rootfs);
     if args.quick {
         cmd.arg("--quick");
     }
@@ -452,7 +539,9 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         .map_err(|e| format!("run {}: {e}", tools.vmctl.display()))?;
     // Every boot has its own timeouts inside; this only guards against a stuck nested host.
     let boots = (args.runs + args.memory_runs) as u32 * 2;
-    let limit = Duration::from_secs(180) + args.timeout * 2 * boots;
+    // Each vmctl up, its rm, and the exec phase have their own timeouts too.
+    let workspace_steps = (args.ready_runs * 2 + 3) as u32;
+    let limit = Duration::from_secs(180) + args.timeout * (2 * boots + workspace_steps);
     let started = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -809,6 +898,19 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         );
     }
     let ratios = ratios(&figures);
+
+    // The workspace VM, in the same environment (no QEMU peer).
+    let workspace = crate::workspace::measure(&WorkspaceBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        ready_runs: args.ready_runs,
+        exec_iterations: args.exec_iterations,
+        cli_iterations: args.cli_iterations,
+        timeout: args.timeout,
+    })
+    .map_err(|e| format!("workspace VM: {e}"))?;
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -857,6 +959,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
             .collect(),
         figures,
         ratios,
+        workspace: Some(workspace),
     })
 }
 
@@ -1041,8 +1144,19 @@ mod tests {
         assert_eq!((a.cpus, a.memory_mib), (1, 128));
         let q = args(&["--quick", "--bench"]).unwrap();
         assert_eq!((q.runs, q.memory_runs), (3, 1));
+        assert_eq!(
+            (a.ready_runs, a.exec_iterations, a.cli_iterations),
+            (5, 200, 20)
+        );
+        assert_eq!(
+            (q.ready_runs, q.exec_iterations, q.cli_iterations),
+            (2, 30, 5)
+        );
         let r = args(&["--quick", "--runs", "5"]).unwrap();
         assert_eq!(r.runs, 5);
+        let w = args(&["--ready-runs", "1", "--exec-iterations", "7"]).unwrap();
+        assert_eq!((w.ready_runs, w.exec_iterations), (1, 7));
+        assert!(args(&["--cli-iterations", "0"]).is_err());
         assert!(args(&["--runs", "0"]).is_err());
         assert!(args(&["--frobnicate"]).is_err());
         assert!(args(&["--nested", "sometimes"]).is_err());
@@ -1059,6 +1173,8 @@ mod tests {
             initrd: "/i".into(),
             vmctl: "/v".into(),
             qemu: "/q".into(),
+            agent_initrd: "/a".into(),
+            rootfs: "/r".into(),
         };
         let a = args(&[]).unwrap();
         let s = |v: Vec<OsString>| {

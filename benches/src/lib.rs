@@ -1,5 +1,6 @@
 //! Benchmarks of the VMM: boot time and memory overhead, measured side by side with
-//! QEMU's microvm machine (see `benches/README.md`).
+//! QEMU's microvm machine, and the workspace VM (`vmctl up`, exec through the guest
+//! agent; [`workspace`]), see `benches/README.md`.
 //!
 //! The pure parts (statistics, `/proc/<pid>/smaps` accounting, console scanning, the
 //! newc writer) are modules of their own with unit tests; [`boot`] runs the VMs.
@@ -10,3 +11,4 @@ pub mod report;
 pub mod scan;
 pub mod smaps;
 pub mod stats;
+pub mod workspace;

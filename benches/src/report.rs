@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats::{summarize, Summary};
+use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
 pub const OURS: &str = "vmctl";
 pub const QEMU: &str = "qemu-microvm";
@@ -64,7 +64,21 @@ pub struct Figure {
     pub p90: f64,
     pub min: f64,
     pub max: f64,
+    /// Only for the figures that need it (the exec round trips).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99: Option<f64>,
+    /// The project's goal for this figure, where it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<Target>,
     pub samples: Vec<f64>,
+}
+
+/// A goal: the median should be below `below` (in the figure's unit) on `on`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Target {
+    pub below: f64,
+    /// Where the target applies: "hardware KVM".
+    pub on: String,
 }
 
 impl Figure {
@@ -84,8 +98,27 @@ impl Figure {
             p90,
             min,
             max,
+            p99: None,
+            target: None,
             samples,
         })
+    }
+
+    /// Adds the nearest-rank p99 of the samples.
+    pub fn with_p99(mut self) -> Figure {
+        let mut sorted = self.samples.clone();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        self.p99 = Some(percentile_nearest_rank(&sorted, 99.0));
+        self
+    }
+
+    /// Adds a target on hardware KVM.
+    pub fn with_hardware_target(mut self, below: f64) -> Figure {
+        self.target = Some(Target {
+            below,
+            on: "hardware KVM".into(),
+        });
+        self
     }
 }
 
@@ -160,6 +193,55 @@ pub struct Report {
     pub memory_rules: Vec<(String, String)>,
     pub figures: Vec<Figure>,
     pub ratios: Vec<Ratio>,
+    /// The workspace-VM figures (`vmctl up`, exec through the guest agent).
+    #[serde(default)]
+    pub workspace: Option<WorkspaceReport>,
+}
+
+/// The workspace VM as `vmctl up` starts it, measured on its own: no QEMU peer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkspaceReport {
+    pub note: String,
+    pub config: WorkspaceConfig,
+    /// The command lines measured (with this run's temporary paths), and the
+    /// environment they ran with.
+    pub commands: Vec<(String, Vec<String>)>,
+    pub environment: Vec<(String, String)>,
+    pub figures: Vec<Figure>,
+    /// Each `vmctl up`, in order.
+    pub ready_runs: Vec<ReadyRun>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkspaceConfig {
+    pub ready_runs: usize,
+    pub exec_iterations: usize,
+    /// Unmeasured client round trips before the measured ones.
+    pub exec_warmup: usize,
+    pub cli_iterations: usize,
+    pub kernel: String,
+    pub agent_initramfs: String,
+    pub rootfs: String,
+    /// As `vmctl up` recorded them in the VM's `vm.json`.
+    pub vm_cpus: u64,
+    pub vm_memory_mib: u64,
+    /// `vmctl up` ran the VM in a nested host of its own (it should not: the benchmark
+    /// runs where KVM boots Linux).
+    pub vm_nested: bool,
+    pub timeout_s: u64,
+}
+
+/// One `vmctl up` on a fresh workspace.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadyRun {
+    /// Spawn of `vmctl up` to its exit 0.
+    pub wall_ms: f64,
+    /// `HealthInfo` of the benchmark's own health check right after `vmctl up` exited.
+    pub guest_uptime_ms: u64,
+    pub agent_uptime_ms: u64,
+    pub agent_rss_bytes: u64,
+    /// From `vmctl up`'s exit to that health answer.
+    pub health_lag_ms: f64,
 }
 
 pub const NESTED_NOTE: &str = "Measured inside the QEMU-TCG nested host (emulated AMD SVM): absolute \
@@ -170,6 +252,16 @@ fn fmt_num(v: f64, unit: &str) -> String {
         format!("{v:.2}")
     } else {
         format!("{v:.0}")
+    }
+}
+
+/// Small times keep their decimals (an exec round trip may take a millisecond).
+fn fmt_precise(v: f64, unit: &str) -> String {
+    match v.abs() {
+        _ if unit == "MiB" => format!("{v:.2}"),
+        a if a >= 100.0 => format!("{v:.0}"),
+        a if a >= 10.0 => format!("{v:.1}"),
+        _ => format!("{v:.2}"),
     }
 }
 
@@ -231,6 +323,62 @@ impl Report {
                 ratio
             ));
         }
+        if let Some(w) = &self.workspace {
+            s.push('\n');
+            s.push_str(&w.markdown(self.mode == "nested"));
+        }
+        s
+    }
+}
+
+impl WorkspaceReport {
+    /// The workspace-VM table; `nested`: the figures were measured in the nested host.
+    pub fn markdown(&self, nested: bool) -> String {
+        let c = &self.config;
+        let mut s = format!(
+            "Workspace VM (`vmctl up`: {} vCPUs, {} MiB, guest agent as PID 1, Debian root image \
+             read-only): {} `vmctl up` on fresh workspaces; on the last one, {} round trips of \
+             `true` through the Rust client (after {} unmeasured) and {} through `vmctl exec`. \
+             {}\n\n",
+            c.vm_cpus,
+            c.vm_memory_mib,
+            c.ready_runs,
+            c.exec_iterations,
+            c.exec_warmup,
+            c.cli_iterations,
+            self.note
+        );
+        s.push_str("| figure | unit | VMM | median | p90 | p99 | min | max | n | target |\n");
+        s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+        for f in &self.figures {
+            let target = match &f.target {
+                None => String::new(),
+                Some(t) if nested => format!(
+                    "< {} {} (target on {}; not comparable in nested mode)",
+                    t.below, f.unit, t.on
+                ),
+                Some(t) => format!(
+                    "< {} {} (target on {}): {}",
+                    t.below,
+                    f.unit,
+                    t.on,
+                    if f.median < t.below { "met" } else { "missed" }
+                ),
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                f.name,
+                f.unit,
+                f.vmm,
+                fmt_precise(f.median, &f.unit),
+                fmt_precise(f.p90, &f.unit),
+                f.p99.map(|v| fmt_precise(v, &f.unit)).unwrap_or_default(),
+                fmt_precise(f.min, &f.unit),
+                fmt_precise(f.max, &f.unit),
+                f.samples.len(),
+                target
+            ));
+        }
         s
     }
 }
@@ -287,5 +435,81 @@ mod tests {
         assert_eq!(r[0].name, "boot");
         assert_eq!(r[0].ours_over_qemu, 0.5);
         assert!(Figure::new("x", "ms", OURS, vec![]).is_none());
+    }
+
+    #[test]
+    fn p99_and_targets() {
+        let samples: Vec<f64> = (1..=200).map(f64::from).collect();
+        let f = Figure::new("exec", "ms", OURS, samples)
+            .unwrap()
+            .with_p99()
+            .with_hardware_target(2.0);
+        assert_eq!(f.p99, Some(198.0));
+        assert_eq!(f.p90, 180.0);
+        assert_eq!(f.target.as_ref().unwrap().below, 2.0);
+        // Figures without them serialize as before.
+        let plain = Figure::new("boot", "ms", OURS, vec![1.0]).unwrap();
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("p99") && !json.contains("target"), "{json}");
+        let back: Figure = serde_json::from_str(&serde_json::to_string(&f).unwrap()).unwrap();
+        assert_eq!(back.p99, Some(198.0));
+    }
+
+    #[test]
+    fn workspace_table() {
+        let w = WorkspaceReport {
+            note: "No QEMU peer.".into(),
+            config: WorkspaceConfig {
+                ready_runs: 2,
+                exec_iterations: 30,
+                exec_warmup: 3,
+                cli_iterations: 5,
+                kernel: "/k".into(),
+                agent_initramfs: "/a".into(),
+                rootfs: "/r".into(),
+                vm_cpus: 2,
+                vm_memory_mib: 1024,
+                vm_nested: false,
+                timeout_s: 60,
+            },
+            commands: vec![],
+            environment: vec![],
+            figures: vec![
+                Figure::new("agent_ready", "ms", OURS, vec![5500.0, 5700.0])
+                    .unwrap()
+                    .with_hardware_target(250.0),
+                Figure::new("exec_round_trip", "ms", OURS, vec![1.5, 1.25, 30.0])
+                    .unwrap()
+                    .with_p99()
+                    .with_hardware_target(2.0),
+                Figure::new("agent_rss", "MiB", OURS, vec![3.0]).unwrap(),
+            ],
+            ready_runs: vec![],
+        };
+        let nested = w.markdown(true);
+        assert!(
+            nested.contains("| agent_ready | ms | vmctl | 5600 | 5700 |  | 5500 | 5700 | 2 | < 250 ms (target on hardware KVM; not comparable in nested mode) |"),
+            "{nested}"
+        );
+        assert!(
+            nested.contains(
+                "| exec_round_trip | ms | vmctl | 1.50 | 30.0 | 30.0 | 1.25 | 30.0 | 3 |"
+            ),
+            "{nested}"
+        );
+        assert!(
+            nested.contains("| agent_rss | MiB | vmctl | 3.00 |"),
+            "{nested}"
+        );
+        assert!(nested.contains("No QEMU peer."), "{nested}");
+        let direct = w.markdown(false);
+        assert!(
+            direct.contains("(target on hardware KVM): missed |"),
+            "{direct}"
+        );
+        assert!(
+            direct.contains("(target on hardware KVM): met |"),
+            "{direct}"
+        );
     }
 }

@@ -28,7 +28,7 @@ pub enum Command {
     NestedExec(NestedExecArgs),
     /// Start the VM of a workspace (default: the current directory) and wait until
     /// its guest agent answers.
-    Up(WorkspaceArg),
+    Up(UpArgs),
     /// List workspace VMs.
     Ps,
     /// Shut down the VM of a workspace.
@@ -58,6 +58,16 @@ pub enum ImageCommand {
         #[arg(long, value_name = "FILE")]
         recipe: Option<PathBuf>,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UpArgs {
+    /// The workspace directory (default: the current directory).
+    pub dir: Option<PathBuf>,
+    /// Boot the image built from this recipe (built first if needed; see
+    /// `vmctl image build`) instead of the default image.
+    #[arg(long, value_name = "FILE")]
+    pub recipe: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]

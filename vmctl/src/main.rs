@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
-        cli::Command::Up(args) => vm::up(&workspace(args.dir), false)
+        cli::Command::Up(args) => vm::up_with(&workspace(args.dir), args.recipe.as_deref(), false)
             .map(|_| 0)
             .map_err(|e| e.to_string()),
         cli::Command::Ps => {

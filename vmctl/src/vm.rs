@@ -33,23 +33,39 @@ pub const DEFAULT_MEMORY_MIB: u64 = 1024;
 /// Starts the VM of `workspace` unless it runs; returns its directory once the guest
 /// agent answers.
 pub fn up(workspace: &Path, quiet: bool) -> Result<VmDir, VmError> {
+    up_with(workspace, None, quiet)
+}
+
+/// `up` with the image of `recipe` instead of the default one.
+pub fn up_with(workspace: &Path, recipe: Option<&Path>, quiet: bool) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::for_workspace(workspace)?;
-    start(&workspace, vm, quiet)
+    start(&workspace, vm, recipe, quiet)
 }
 
 /// Starts a throwaway VM for `workspace`, beside its regular one (`vmctl run`).
 pub fn up_ephemeral(workspace: &Path) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::ephemeral(workspace)?;
-    start(&workspace, vm, true)
+    start(&workspace, vm, None, true)
 }
 
-fn start(workspace: &Path, vm: VmDir, quiet: bool) -> Result<VmDir, VmError> {
+fn start(
+    workspace: &Path,
+    vm: VmDir,
+    recipe: Option<&Path>,
+    quiet: bool,
+) -> Result<VmDir, VmError> {
     let workspace = workspace.to_path_buf();
     if vm.running_pid().is_some() && agent_ready(&vm.vsock_socket()) {
         if !quiet {
             eprintln!(
                 "vmctl: the VM of {} is already running",
                 workspace.display()
+            );
+        }
+        if recipe.is_some() {
+            eprintln!(
+                "vmctl: warning: it keeps the image it was started with; \
+                 'vmctl stop' it first to boot another"
             );
         }
         return Ok(vm);
@@ -65,7 +81,10 @@ fn start(workspace: &Path, vm: VmDir, quiet: bool) -> Result<VmDir, VmError> {
     let record = VmRecord {
         kernel: artifacts::ensure(Artifact::GuestKernel)?,
         initrd: artifacts::ensure(Artifact::AgentInitramfs)?,
-        rootfs: artifacts::ensure(Artifact::RootfsImage)?,
+        rootfs: match recipe {
+            Some(recipe) => artifacts::build_image(Some(recipe))?,
+            None => artifacts::ensure(Artifact::RootfsImage)?,
+        },
         cpus: DEFAULT_CPUS,
         memory_mib: DEFAULT_MEMORY_MIB,
         nested,

@@ -1,4 +1,5 @@
-//! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY,
+//! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
+//! and resizes through a real host terminal,
 //! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`, `run`.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
@@ -117,6 +118,53 @@ fn workspace_vm_runs_commands_like_a_local_shell() {
     let tty = ws.run(&["exec", "--tty", "--", "sh", "-c", "test -t 0 && stty size"]);
     assert!(tty.status.success());
     assert_eq!(stdout(&tty).trim(), "24 80");
+
+    // Through a real host terminal: the guest sees its size, and a resize of the host
+    // terminal reaches the command as SIGWINCH with the new size.
+    let pty_driver = r#"
+import fcntl, os, pty, select, struct, sys, termios, time
+vmctl, ws, state = sys.argv[1:4]
+script = "stty size; trap 'stty size; exit 0' WINCH; echo READY; while :; do sleep 0.1; done"
+pid, master = pty.fork()
+if pid == 0:
+    fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    os.environ["XDG_STATE_HOME"] = state
+    os.chdir(ws)
+    os.execv(vmctl, [vmctl, "exec", "--tty", "--", "sh", "-c", script])
+out, resized, deadline = b"", False, time.time() + 120
+while time.time() < deadline:
+    r, _, _ = select.select([master], [], [], 0.5)
+    if r:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    if b"READY" in out and not resized:
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        resized = True
+_, status = os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+sys.exit(os.waitstatus_to_exitcode(status))
+"#;
+    let pty = Command::new("python3")
+        .args(["-c", pty_driver])
+        .arg(vmctl_bin())
+        .arg(ws.path())
+        .arg(ws.state())
+        .output()
+        .expect("run python3 as the host terminal");
+    let pty_out = stdout(&pty);
+    eprintln!("pty session: {pty:?}\n{pty_out}");
+    assert_eq!(pty.status.code(), Some(0), "{pty_out}");
+    let sizes: Vec<&str> = pty_out
+        .lines()
+        .map(|l| l.trim())
+        .filter(|l| l.split(' ').all(|w| w.parse::<u16>().is_ok()) && l.contains(' '))
+        .collect();
+    assert_eq!(sizes, ["30 100", "40 120"], "{pty_out}");
 
     // 20 concurrent execs.
     let children: Vec<_> = (0..20)

@@ -55,7 +55,11 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     } else {
         None
     };
-    runtime.block_on(relay(socket, options))
+    let outcome = runtime.block_on(relay(socket, options));
+    // tokio reads stdin on a blocking thread, which may wait forever for a terminal's
+    // next key: do not wait for it (a plain drop of the runtime would).
+    runtime.shutdown_background();
+    outcome
 }
 
 async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {

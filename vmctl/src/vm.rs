@@ -29,6 +29,9 @@ pub enum VmError {
 /// Defaults for a workspace VM.
 pub const DEFAULT_CPUS: u32 = 2;
 pub const DEFAULT_MEMORY_MIB: u64 = 1024;
+/// How long a VM may take until its guest agent answers.
+const BOOT_TIMEOUT_DIRECT: Duration = Duration::from_secs(30);
+const BOOT_TIMEOUT_NESTED: Duration = Duration::from_secs(240);
 
 /// Starts the VM of `workspace` unless it runs; returns its directory once the guest
 /// agent answers.
@@ -55,7 +58,27 @@ fn start(
     quiet: bool,
 ) -> Result<VmDir, VmError> {
     let workspace = workspace.to_path_buf();
-    if vm.running_pid().is_some() && agent_ready(&vm.vsock_socket()) {
+    if vm.running_pid().is_some() {
+        // Running: it may still be booting (another vmctl started it). Never start a
+        // second VM over it.
+        let deadline = Instant::now() + BOOT_TIMEOUT_NESTED;
+        while !agent_ready(&vm.vsock_socket()) {
+            if vm.running_pid().is_none() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(VmError::NotReady {
+                    workspace,
+                    reason: "it is running but its guest agent does not answer \
+                             ('vmctl stop' it, or read its logs)"
+                        .into(),
+                    logs: vm.path.clone(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    if vm.running_pid().is_some() {
         if !quiet {
             eprintln!(
                 "vmctl: the VM of {} is already running",
@@ -100,9 +123,9 @@ fn start(
     let mut supervisor = spawn_supervisor(&vm)?;
     let deadline = started
         + if nested {
-            Duration::from_secs(240)
+            BOOT_TIMEOUT_NESTED
         } else {
-            Duration::from_secs(30)
+            BOOT_TIMEOUT_DIRECT
         };
     loop {
         if agent_ready(&vm.vsock_socket()) {

@@ -232,3 +232,42 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .unwrap()
         .any(|_| true));
 }
+
+#[test]
+fn commands_run_as_the_host_users_account() {
+    if !vm_available("workspace_vm::commands_run_as_the_host_users_account") {
+        return;
+    }
+    let ws = Workspace {
+        dir: TempDir::new("workspace-user"),
+    };
+    std::fs::create_dir_all(ws.path()).unwrap();
+    // The tests run as root, whose commands run as root; name the account instead.
+    let mut up = ws.command(&["up"]);
+    up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
+    let up = up.output().unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let out = ws.exec(
+        "id -un; id -u; id -g; echo $HOME; cd; pwd; touch /tmp/owned; stat -c %u:%g /tmp/owned",
+    );
+    assert!(out.status.success());
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    assert_eq!(
+        lines,
+        [
+            "tester",
+            "4242",
+            "4343",
+            "/home/tester",
+            "/home/tester",
+            "4242:4343"
+        ],
+        "files written by the default user must belong to the host user's ids"
+    );
+    let root = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
+    assert_eq!(stdout(&root).trim(), "0");
+}

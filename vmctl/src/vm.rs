@@ -157,26 +157,45 @@ fn start(
 
 /// The guest agent's settings: the root image, a tmpfs upper layer, the host user.
 fn agent_cmdline(vm: &VmDir) -> String {
-    // SAFETY: getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let user = std::env::var("USER")
-        .ok()
-        .filter(|u| !u.is_empty() && !u.contains(':'));
-    let home = std::env::var("HOME")
-        .ok()
-        .filter(|h| h.starts_with('/') && !h.contains([':', ' ']));
     let name = vm
         .path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "vm".into());
     let mut cmdline = format!("vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={name}");
-    if let (Some(user), Some(home)) = (user, home) {
-        if uid != 0 {
-            cmdline.push_str(&format!(" vmctl.user={user}:{uid}:{gid}:{home}"));
-        }
+    if let Some(account) = guest_account() {
+        cmdline.push_str(&format!(" vmctl.user={account}"));
     }
     cmdline
+}
+
+/// The guest account commands run as by default, `NAME:UID:GID:HOME`: the host user
+/// (none when that is root), or `VMCTL_GUEST_USER` when set.
+fn guest_account() -> Option<String> {
+    if let Ok(account) = std::env::var(GUEST_USER_ENV) {
+        return valid_account(&account).then_some(account);
+    }
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let user = std::env::var("USER").ok()?;
+    let home = std::env::var("HOME").ok()?;
+    let account = format!("{user}:{uid}:{gid}:{home}");
+    (uid != 0 && valid_account(&account)).then_some(account)
+}
+
+const GUEST_USER_ENV: &str = "VMCTL_GUEST_USER";
+
+/// `NAME:UID:GID:HOME` with a plain name, numeric ids and an absolute home, nothing
+/// that would break the kernel command line.
+fn valid_account(account: &str) -> bool {
+    let parts: Vec<&str> = account.split(':').collect();
+    matches!(parts.as_slice(), [name, uid, gid, home]
+        if !name.is_empty()
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            && uid.parse::<u32>().is_ok()
+            && gid.parse::<u32>().is_ok()
+            && home.starts_with('/')
+            && !home.contains(char::is_whitespace))
 }
 
 fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
@@ -338,6 +357,16 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accounts_are_checked_before_reaching_the_kernel_command_line() {
+        assert!(valid_account("alice:1000:1000:/home/alice"));
+        assert!(!valid_account("alice:1000:1000:relative"));
+        assert!(!valid_account("al ice:1000:1000:/home/alice"));
+        assert!(!valid_account("alice:x:1000:/home/alice"));
+        assert!(!valid_account("alice:1:1:/home/a b"));
+        assert!(!valid_account("alice:1:1"));
+    }
 
     #[test]
     fn durations_read_well() {

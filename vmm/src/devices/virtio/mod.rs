@@ -15,7 +15,7 @@ pub mod vsock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{
     GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
     WriteVolatile,
@@ -103,6 +103,77 @@ pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
             .and_then(|o| config.get(o).copied())
             .unwrap_or(0);
     }
+}
+
+/// What an activated single-queue device (block, rng) works with.
+pub struct ActiveQueue {
+    memory: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: InterruptTrigger,
+}
+
+impl ActiveQueue {
+    pub fn new(
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<Self, ActivateError> {
+        Ok(Self {
+            memory,
+            queue: single_ready_queue(queues)?,
+            interrupt,
+        })
+    }
+
+    /// Hands every available descriptor chain to `handle`, which returns how many
+    /// bytes it wrote into guest memory; returns the chains to the driver and
+    /// interrupts it once if it wants to be told.
+    pub fn serve(
+        &mut self,
+        device: &str,
+        mut handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
+    ) {
+        let mut used_any = false;
+        while let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) {
+            let head = chain.head_index();
+            let len = handle(chain, &self.memory);
+            if let Err(e) = self.queue.add_used(&self.memory, head, len) {
+                tracing::error!("{device}: cannot return descriptor {head} to the driver: {e}");
+                break;
+            }
+            used_any = true;
+        }
+        if used_any {
+            match self.queue.needs_notification(&self.memory) {
+                Ok(false) => {}
+                Ok(true) => self.interrupt.signal_used_queue(),
+                Err(e) => {
+                    tracing::warn!("{device}: cannot check whether to notify: {e}");
+                    self.interrupt.signal_used_queue();
+                }
+            }
+        }
+    }
+}
+
+/// The `process_queue` of a single-queue device: serves queue 0 of `active` with
+/// `handle` (see [`ActiveQueue::serve`]); other indexes and notifications before
+/// activation are logged and ignored.
+pub fn serve_single_queue(
+    active: Option<&mut ActiveQueue>,
+    device: &str,
+    index: usize,
+    handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
+) {
+    let Some(active) = active else {
+        tracing::debug!("{device}: queue {index} notified before activation");
+        return;
+    };
+    if index != 0 {
+        tracing::warn!("{device}: notification for nonexistent queue {index}");
+        return;
+    }
+    active.serve(device, handle);
 }
 
 /// The one queue of a single-queue device, which must be ready.

@@ -8,15 +8,15 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_UNSUPP,
 };
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
 
 use super::request::{self, Request, RequestType};
 use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::{
-    read_into_guest, single_ready_queue, write_from_guest, ActivateError, GuestIoError,
-    InterruptTrigger, VirtioDevice, DEVICE_ID_BLOCK, FEATURE_VERSION_1,
+    read_into_guest, serve_single_queue, write_from_guest, ActivateError, ActiveQueue,
+    GuestIoError, InterruptTrigger, VirtioDevice, DEVICE_ID_BLOCK, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -53,12 +53,6 @@ struct Disk {
 }
 
 /// Memory, queue and interrupt handed over at activation.
-struct Active {
-    memory: GuestMemoryMmap,
-    queue: Queue,
-    interrupt: InterruptTrigger,
-}
-
 /// A virtio-blk device backed by a raw disk image.
 pub struct Block {
     disk: Disk,
@@ -66,7 +60,7 @@ pub struct Block {
     acked_features: u64,
     config: [u8; CONFIG_LEN],
     queue_max_sizes: [u16; 1],
-    active: Option<Active>,
+    active: Option<ActiveQueue>,
 }
 
 impl Block {
@@ -351,47 +345,23 @@ impl VirtioDevice for Block {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let queue = single_ready_queue(queues)?;
-        self.active = Some(Active {
-            memory,
-            queue,
-            interrupt,
-        });
+        self.active = Some(ActiveQueue::new(memory, queues, interrupt)?);
         Ok(())
     }
 
     fn process_queue(&mut self, index: usize) {
-        let Some(active) = self.active.as_mut() else {
-            tracing::debug!("virtio-blk: queue {index} notified before activation");
-            return;
-        };
-        if index != 0 {
-            tracing::warn!("virtio-blk: notification for nonexistent queue {index}");
-            return;
-        }
-        let mut used_any = false;
-        while let Some(chain) = active.queue.pop_descriptor_chain(&active.memory) {
-            let head = chain.head_index();
-            // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors; a longer
-            // chain is cut here and rejected as truncated.
-            let descs: Vec<Descriptor> = chain.take(usize::from(QUEUE_SIZE)).collect();
-            let len = self.disk.handle_chain(&descs, &active.memory);
-            if let Err(e) = active.queue.add_used(&active.memory, head, len) {
-                tracing::error!("virtio-blk: cannot return descriptor {head} to the driver: {e}");
-                break;
-            }
-            used_any = true;
-        }
-        if used_any {
-            match active.queue.needs_notification(&active.memory) {
-                Ok(false) => {}
-                Ok(true) => active.interrupt.signal_used_queue(),
-                Err(e) => {
-                    tracing::warn!("virtio-blk: cannot check whether to notify: {e}");
-                    active.interrupt.signal_used_queue();
-                }
-            }
-        }
+        let disk = &self.disk;
+        serve_single_queue(
+            self.active.as_mut(),
+            "virtio-blk",
+            index,
+            |chain, memory| {
+                // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors; a longer
+                // chain is cut here and rejected as truncated.
+                let descs: Vec<Descriptor> = chain.take(usize::from(QUEUE_SIZE)).collect();
+                disk.handle_chain(&descs, memory)
+            },
+        );
     }
 
     fn reset(&mut self) {
@@ -406,6 +376,7 @@ mod tests {
     use std::io::{Seek, Write};
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
+    use virtio_queue::QueueT;
 
     use virtio_bindings::virtio_blk::{
         VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,

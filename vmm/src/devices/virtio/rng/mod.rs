@@ -1,13 +1,13 @@
 //! virtio-rng, the entropy device (virtio 1.2, section 5.4): one queue whose
 //! device-writable buffers are filled from the host's getrandom(2).
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
 
 use super::{
-    read_into_guest, single_ready_queue, ActivateError, GuestIoError, InterruptTrigger,
-    VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
+    read_into_guest, serve_single_queue, ActivateError, ActiveQueue, GuestIoError,
+    InterruptTrigger, VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -27,17 +27,11 @@ pub enum RngError {
     },
 }
 
-struct Active {
-    memory: GuestMemoryMmap,
-    queue: Queue,
-    interrupt: InterruptTrigger,
-}
-
 /// The entropy device.
 pub struct Rng {
     acked_features: u64,
     queue_max_sizes: [u16; 1],
-    active: Option<Active>,
+    active: Option<ActiveQueue>,
 }
 
 impl Default for Rng {
@@ -141,44 +135,17 @@ impl VirtioDevice for Rng {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let queue = single_ready_queue(queues)?;
-        self.active = Some(Active {
-            memory,
-            queue,
-            interrupt,
-        });
+        self.active = Some(ActiveQueue::new(memory, queues, interrupt)?);
         Ok(())
     }
 
     fn process_queue(&mut self, index: usize) {
-        let Some(active) = self.active.as_mut() else {
-            tracing::debug!("virtio-rng: queue {index} notified before activation");
-            return;
-        };
-        if index != 0 {
-            tracing::warn!("virtio-rng: notification for nonexistent queue {index}");
-            return;
-        }
-        let mut used_any = false;
-        while let Some(chain) = active.queue.pop_descriptor_chain(&active.memory) {
-            let head = chain.head_index();
-            let len = fill_chain(chain, &active.memory);
-            if let Err(e) = active.queue.add_used(&active.memory, head, len) {
-                tracing::error!("virtio-rng: cannot return descriptor {head} to the driver: {e}");
-                break;
-            }
-            used_any = true;
-        }
-        if used_any {
-            match active.queue.needs_notification(&active.memory) {
-                Ok(false) => {}
-                Ok(true) => active.interrupt.signal_used_queue(),
-                Err(e) => {
-                    tracing::warn!("virtio-rng: cannot check whether to notify: {e}");
-                    active.interrupt.signal_used_queue();
-                }
-            }
-        }
+        serve_single_queue(
+            self.active.as_mut(),
+            "virtio-rng",
+            index,
+            |chain, memory| fill_chain(chain, memory),
+        );
     }
 
     fn reset(&mut self) {
@@ -191,6 +158,7 @@ impl VirtioDevice for Rng {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use virtio_queue::QueueT;
 
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use virtio_queue::desc::split::Descriptor;

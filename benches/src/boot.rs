@@ -14,13 +14,13 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crate::cpio::initramfs_with_script;
 use crate::report::{
     hardware_kvm, ratios, utc_now, Config, Figure, Machine, Report, NESTED_NOTE, OURS, QEMU,
 };
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
 use crate::workspace::WorkspaceBench;
+use vm_tests::initramfs_with_script;
 
 /// Printed by the guest's `/etc/vmtest.sh` right after `/init` wrote the boot timer.
 pub const BOOT_MARKER: &str = "BENCH-INIT-REACHED";

@@ -6,7 +6,6 @@
 //! newc writer) are modules of their own with unit tests; [`boot`] runs the VMs.
 
 pub mod boot;
-pub mod cpio;
 pub mod report;
 pub mod scan;
 pub mod smaps;

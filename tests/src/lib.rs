@@ -359,13 +359,12 @@ pub fn newc_archive(entries: &[CpioEntry]) -> Vec<u8> {
     out
 }
 
-/// Writes `dir/initramfs.cpio.gz`: the base initramfs with a second archive appended
-/// that holds `/etc/vmtest.sh` (run by the guest's `/init` with `sh`, then the guest
-/// reboots). The kernel unpacks concatenated archives; an uncompressed one must start
-/// 4-byte aligned, hence the zero padding (which the kernel skips).
-pub fn test_initramfs(dir: &TempDir, script: &str) -> PathBuf {
-    let mut image = fs::read(base_initramfs())
-        .unwrap_or_else(|e| panic!("read {}: {e}", base_initramfs().display()));
+/// `base` (a gzip'd initramfs) followed by an archive holding `/etc/vmtest.sh` =
+/// `script`, which the guest's `/init` runs with `sh` before it reboots. The kernel
+/// unpacks concatenated archives; an uncompressed one must start 4-byte aligned, hence
+/// the zero padding (which the kernel skips).
+pub fn initramfs_with_script(base: &[u8], script: &str) -> Vec<u8> {
+    let mut image = base.to_vec();
     image.resize(image.len().next_multiple_of(512), 0);
     image.extend_from_slice(&newc_archive(&[
         CpioEntry {
@@ -379,8 +378,17 @@ pub fn test_initramfs(dir: &TempDir, script: &str) -> PathBuf {
             data: script.as_bytes(),
         },
     ]));
+    image
+}
+
+/// Writes `dir/initramfs.cpio.gz`: the base initramfs with `script` appended (see
+/// [`initramfs_with_script`]).
+pub fn test_initramfs(dir: &TempDir, script: &str) -> PathBuf {
+    let base = fs::read(base_initramfs())
+        .unwrap_or_else(|e| panic!("read {}: {e}", base_initramfs().display()));
     let path = dir.join("initramfs.cpio.gz");
-    fs::write(&path, image).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    fs::write(&path, initramfs_with_script(&base, script))
+        .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     path
 }
 
@@ -681,6 +689,13 @@ mod tests {
         assert_eq!(&a[116..118], b"hi");
         assert_eq!(&a[120..126], b"070701");
         assert!(a.ends_with(b"TRAILER!!!\0\0\0\0"));
+    }
+
+    #[test]
+    fn appended_archive_is_aligned() {
+        let img = initramfs_with_script(&[1, 2, 3], "echo hi\n");
+        assert_eq!(&img[..3], &[1, 2, 3]);
+        assert_eq!(&img[512..518], b"070701");
     }
 
     #[test]

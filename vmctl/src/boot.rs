@@ -45,10 +45,7 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
         NestedMode::Never => false,
     };
     if use_nested {
-        eprintln!(
-            "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
-            kvm.why_nested()
-        );
+        kvm.announce_nested();
         return Ok(nested::launcher::run_vm(&config, args.boot_time)?);
     }
     run_vmm(&config, args.boot_time, vmm_start)

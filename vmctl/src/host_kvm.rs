@@ -39,6 +39,14 @@ impl KvmKind {
         matches!(self, Self::Hardware(_))
     }
 
+    /// The one line vmctl prints on stderr when it runs a VM in the nested host.
+    pub fn announce_nested(self) {
+        eprintln!(
+            "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
+            self.why_nested()
+        );
+    }
+
     /// Why a nested host is needed, for the one line vmctl prints.
     pub fn why_nested(self) -> &'static str {
         match self {

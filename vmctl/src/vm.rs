@@ -96,10 +96,7 @@ fn start(
     let kvm = KvmKind::detect();
     let nested = !kvm.boots_linux();
     if nested {
-        eprintln!(
-            "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
-            kvm.why_nested()
-        );
+        kvm.announce_nested();
     }
     let record = VmRecord {
         kernel: artifacts::ensure(Artifact::GuestKernel)?,
@@ -223,15 +220,27 @@ fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
     command.spawn().map_err(VmError::Spawn)
 }
 
+/// One runtime for the agent calls of this process (`up` polls the agent every
+/// 100 ms; building a runtime per poll is wasted start-up work).
+fn agent_runtime() -> Option<&'static tokio::runtime::Runtime> {
+    static RUNTIME: std::sync::OnceLock<Option<tokio::runtime::Runtime>> =
+        std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()
+        })
+        .as_ref()
+}
+
 /// Whether the guest agent behind `socket` answers a health check.
 pub fn agent_ready(socket: &Path) -> bool {
     if !socket.exists() {
         return false;
     }
-    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
+    let Some(runtime) = agent_runtime() else {
         return false;
     };
     runtime.block_on(async {
@@ -260,10 +269,7 @@ pub fn stop_vm(vm: &VmDir) -> bool {
         return false;
     };
     let socket = vm.vsock_socket();
-    if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    if let Some(runtime) = agent_runtime() {
         runtime.block_on(async {
             let shutdown = async {
                 let connection = guest_agent::client::connect_hybrid(&socket, AGENT_PORT)

@@ -1,6 +1,7 @@
 //! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
 //! and resizes through a real host terminal,
-//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`, `run`.
+//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`, `run`, the
+//! host user's account, and an image built from a recipe.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
@@ -270,4 +271,36 @@ fn commands_run_as_the_host_users_account() {
     );
     let root = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&root).trim(), "0");
+}
+
+#[test]
+fn a_recipe_builds_and_boots_its_own_image() {
+    if !vm_available("workspace_vm::a_recipe_builds_and_boots_its_own_image") {
+        return;
+    }
+    let ws = Workspace {
+        dir: TempDir::new("workspace-recipe"),
+    };
+    std::fs::create_dir_all(ws.path()).unwrap();
+    let recipe = vm_tests::workspace_root().join("rootfs/recipes/example-extra.recipe");
+    // Built on first use (minutes on a fresh machine), cached afterwards.
+    let up = ws.run(&["up", "--recipe", recipe.to_str().unwrap()]);
+    assert!(up.status.success(), "vmctl up --recipe failed");
+    // What the recipe adds: a Debian package, an npm package, its script's account.
+    let out = ws.exec("command -v jq; command -v tsc; id -u agent");
+    assert!(out.status.success());
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_string).collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(
+        lines[0].ends_with("/jq") && lines[1].ends_with("/tsc"),
+        "{lines:?}"
+    );
+    assert_eq!(lines[2], "1000");
+    // The default image has none of it.
+    let default = Workspace {
+        dir: TempDir::new("workspace-default-image"),
+    };
+    std::fs::create_dir_all(default.path()).unwrap();
+    assert!(default.run(&["up"]).status.success());
+    assert!(!default.exec("command -v jq").status.success());
 }

@@ -1,9 +1,9 @@
 //! PID-1 duties: mounts, the overlay root, switch-root, loopback, hostname, the host
-//! user's account, the "agent ready" signal and power-off.
+//! user's account, virtio-fs shares, the "agent ready" signal and power-off.
 //!
 //! Everything here is best effort: a failing step prints a clear message on the
-//! console and the agent still serves, except when the root cannot be mounted (then
-//! the VM powers off with the reason).
+//! console and the agent still serves, except when the root or a share cannot be
+//! mounted (then the VM powers off with the reason).
 
 use std::ffi::CString;
 use std::io::Write;
@@ -13,6 +13,7 @@ use std::path::Path;
 
 use crate::protocol::DEFAULT_PORT;
 use crate::server::HostUser;
+use crate::shares::{self, ShareMount};
 
 /// Errors of the init steps.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,8 @@ pub struct BootConfig {
     pub hostname: Option<String>,
     /// `vmctl.port=`: the vsock port to listen on.
     pub port: u32,
+    /// `vmctl.share=TAG:PATH[:ro]` (repeatable): virtio-fs shares, mounted in order.
+    pub shares: Vec<ShareMount>,
 }
 
 impl Default for BootConfig {
@@ -62,6 +65,7 @@ impl Default for BootConfig {
             user: None,
             hostname: None,
             port: DEFAULT_PORT,
+            shares: Vec::new(),
         }
     }
 }
@@ -145,6 +149,10 @@ pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
             "vmctl.port" => match value.parse::<u32>() {
                 Ok(p) if p > 0 => cfg.port = p,
                 _ => warnings.push(bad(word, "not a port number")),
+            },
+            shares::CMDLINE_KEY => match ShareMount::parse(value) {
+                Ok(s) => cfg.shares.push(s),
+                Err(e) => warnings.push(bad(word, e.to_string())),
             },
             _ => {}
         }
@@ -478,7 +486,8 @@ pub fn ensure_user(root: &Path, user: &HostUser) -> Result<(), InitError> {
 }
 
 /// Runs the PID-1 boot sequence; returns the configuration to serve with. Powers off
-/// when a root was requested but cannot be mounted.
+/// when a root was requested but cannot be mounted, or when a share cannot be mounted
+/// (commands must not run on an empty directory where the user expects their files).
 pub fn boot() -> BootConfig {
     mount_basic_early();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_else(|e| {
@@ -519,6 +528,17 @@ pub fn boot() -> BootConfig {
                 "warning: cannot create the account of {}: {e}",
                 u.name
             ));
+        }
+    }
+    // In the given order, so a parent share is mounted before the shares inside it.
+    for share in &cfg.shares {
+        if let Err(e) = shares::mount_share(share) {
+            console(&format!(
+                "fatal: cannot mount share {}={}: {e}",
+                shares::CMDLINE_KEY,
+                share.to_cmdline_value()
+            ));
+            power_off();
         }
     }
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
@@ -578,7 +598,8 @@ mod tests {
     fn parses_cmdline() {
         let (cfg, warnings) = parse_cmdline(
             "console=ttyS0 reboot=k panic=1 vmctl.root=/dev/vda vmctl.upper=/dev/vdb \
-             vmctl.user=alice:1000:1000:/home/alice vmctl.hostname=box-1 vmctl.port=2000 quiet",
+             vmctl.user=alice:1000:1000:/home/alice vmctl.hostname=box-1 vmctl.port=2000 quiet \
+             vmctl.share=ws:/home/alice/my%20project vmctl.share=cache.1:/home/alice/my%20project/c%3Aro:ro",
         );
         assert!(warnings.is_empty(), "{warnings:?}");
         assert_eq!(cfg.root.as_deref(), Some("/dev/vda"));
@@ -594,6 +615,21 @@ mod tests {
         );
         assert_eq!(cfg.hostname.as_deref(), Some("box-1"));
         assert_eq!(cfg.port, 2000);
+        assert_eq!(
+            cfg.shares,
+            vec![
+                ShareMount {
+                    tag: "ws".into(),
+                    path: "/home/alice/my project".into(),
+                    read_only: false
+                },
+                ShareMount {
+                    tag: "cache.1".into(),
+                    path: "/home/alice/my project/c:ro".into(),
+                    read_only: true
+                },
+            ]
+        );
     }
 
     #[test]
@@ -611,6 +647,41 @@ mod tests {
         assert_eq!(warnings.len(), 5);
         assert!(parse_user("a:1:2:relative").is_err());
         assert!(parse_user("a:1:2").is_err());
+
+        // Bad shares are skipped with a warning naming them; good ones are kept in order.
+        let bad_shares = [
+            "vmctl.share=",
+            "vmctl.share=ws",
+            "vmctl.share=ws:relative",
+            "vmctl.share=ws:/a/../b",
+            "vmctl.share=ws:/",
+            "vmctl.share=ws:/a%2",
+            "vmctl.share=ws:/a%00",
+            "vmctl.share=ws:/a:rw",
+            "vmctl.share=bad/tag:/a",
+        ];
+        let cmdline = format!(
+            "vmctl.share=one:/a {} vmctl.share=two:/a/b:ro",
+            bad_shares.join(" ")
+        );
+        let (cfg, warnings) = parse_cmdline(&cmdline);
+        let got: Vec<_> = cfg
+            .shares
+            .iter()
+            .map(|s| (s.tag.as_str(), s.path.as_path(), s.read_only))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("one", Path::new("/a"), false),
+                ("two", Path::new("/a/b"), true)
+            ]
+        );
+        assert_eq!(warnings.len(), bad_shares.len(), "{warnings:?}");
+        for (w, param) in warnings.iter().zip(bad_shares) {
+            let w = w.to_string();
+            assert!(w.contains(param) && w.contains("expected"), "{w}");
+        }
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! - [`protocol`]: messages and framing (see `PROTOCOL.md`);
 //! - [`client`]: the async client `vmctl` uses;
 //! - [`server`]: the agent's request handling and command execution;
-//! - [`init`]: PID-1 duties inside the VM.
+//! - [`init`]: PID-1 duties inside the VM;
+//! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares.
 
 pub mod client;
 pub mod init;
 pub mod ports;
 pub mod protocol;
 pub mod server;
+pub mod shares;
 pub mod users;

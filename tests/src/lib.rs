@@ -22,7 +22,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::thread;
@@ -669,6 +669,73 @@ pub fn guest_value<'a>(stdout: &'a str, key: &str) -> Option<&'a str> {
                 .trim(),
         )
     })
+}
+
+/// A workspace directory and `vmctl` with its state (XDG_STATE_HOME) beside it, in
+/// the test's own temporary directory; dropping it removes the workspace's VM.
+pub struct Workspace {
+    pub dir: TempDir,
+}
+
+impl Workspace {
+    pub fn new(name: &str) -> Self {
+        let workspace = Self {
+            dir: TempDir::new(name),
+        };
+        std::fs::create_dir_all(workspace.path())
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", workspace.path().display()));
+        workspace
+    }
+
+    pub fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.join("ws")
+    }
+
+    /// `vmctl ARGS` run in the workspace, with stdin from /dev/null.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(vmctl_bin());
+        command
+            .args(args)
+            .current_dir(self.path())
+            .env("XDG_STATE_HOME", self.state())
+            .stdin(Stdio::null());
+        command
+    }
+
+    /// Runs `vmctl ARGS` and logs what it printed.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let output = self
+            .command(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run vmctl {args:?}: {e}"));
+        eprintln!(
+            "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    }
+
+    /// `vmctl exec -- sh -c SCRIPT`.
+    pub fn exec(&self, script: &str) -> Output {
+        self.run(&["exec", "--", "sh", "-c", script])
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        let _ = self.command(&["rm"]).output();
+    }
+}
+
+/// A command's stdout as text.
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 #[cfg(test)]

@@ -7,74 +7,18 @@
 //! host); a guard removes it even when an assertion fails.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::{vm_available, vmctl_bin, TempDir};
-
-/// `vmctl` with its state (XDG_STATE_HOME) in the test's own directory.
-struct Workspace {
-    dir: TempDir,
-}
-
-impl Workspace {
-    fn state(&self) -> PathBuf {
-        self.dir.join("state")
-    }
-
-    fn path(&self) -> PathBuf {
-        self.dir.join("ws")
-    }
-
-    fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(vmctl_bin());
-        command
-            .args(args)
-            .current_dir(self.path())
-            .env("XDG_STATE_HOME", self.state())
-            .stdin(Stdio::null());
-        command
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        let output = self
-            .command(args)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run vmctl {args:?}: {e}"));
-        eprintln!(
-            "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
-            output.status.code(),
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        output
-    }
-
-    fn exec(&self, script: &str) -> Output {
-        self.run(&["exec", "--", "sh", "-c", script])
-    }
-}
-
-impl Drop for Workspace {
-    fn drop(&mut self) {
-        let _ = self.command(&["rm"]).output();
-    }
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
+use vm_tests::{stdout, vm_available, vmctl_bin, Workspace};
 
 #[test]
 fn workspace_vm_runs_commands_like_a_local_shell() {
     if !vm_available("workspace_vm::workspace_vm_runs_commands_like_a_local_shell") {
         return;
     }
-    let ws = Workspace {
-        dir: TempDir::new("workspace-vm"),
-    };
-    std::fs::create_dir_all(ws.path()).unwrap();
+    let ws = Workspace::new("workspace-vm");
 
     let up = ws.run(&["up"]);
     assert!(up.status.success(), "vmctl up failed");
@@ -239,10 +183,7 @@ fn commands_run_as_the_host_users_account() {
     if !vm_available("workspace_vm::commands_run_as_the_host_users_account") {
         return;
     }
-    let ws = Workspace {
-        dir: TempDir::new("workspace-user"),
-    };
-    std::fs::create_dir_all(ws.path()).unwrap();
+    let ws = Workspace::new("workspace-user");
     // The tests run as root, whose commands run as root; name the account instead.
     let mut up = ws.command(&["up"]);
     up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
@@ -278,10 +219,7 @@ fn a_recipe_builds_and_boots_its_own_image() {
     if !vm_available("workspace_vm::a_recipe_builds_and_boots_its_own_image") {
         return;
     }
-    let ws = Workspace {
-        dir: TempDir::new("workspace-recipe"),
-    };
-    std::fs::create_dir_all(ws.path()).unwrap();
+    let ws = Workspace::new("workspace-recipe");
     let recipe = vm_tests::workspace_root().join("rootfs/recipes/example-extra.recipe");
     // Built on first use (minutes on a fresh machine), cached afterwards.
     let up = ws.run(&["up", "--recipe", recipe.to_str().unwrap()]);
@@ -297,10 +235,7 @@ fn a_recipe_builds_and_boots_its_own_image() {
     );
     assert_eq!(lines[2], "1000");
     // The default image has none of it.
-    let default = Workspace {
-        dir: TempDir::new("workspace-default-image"),
-    };
-    std::fs::create_dir_all(default.path()).unwrap();
+    let default = Workspace::new("workspace-default-image");
     assert!(default.run(&["up"]).status.success());
     assert!(!default.exec("command -v jq").status.success());
 }

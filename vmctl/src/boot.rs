@@ -1,6 +1,6 @@
 //! `vmctl boot`: boot a kernel with the serial console on stdout.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use vmm::builder::{BuildError, RunOptions};
@@ -12,7 +12,9 @@ use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::cli::{BootArgs, NestedMode};
 use crate::host_kvm::KvmKind;
 use crate::nested::{self, NestedError};
+use crate::shares::ShareSet;
 use crate::terminal;
+use crate::virtiofsd::{self, VirtiofsdError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootCommandError {
@@ -28,6 +30,8 @@ pub enum BootCommandError {
     Fatal(String),
     #[error("cannot open stdout for the guest console: {0}")]
     Stdout(std::io::Error),
+    #[error(transparent)]
+    Virtiofsd(#[from] VirtiofsdError),
 }
 
 /// Environment variable that replaces /dev/kvm (tests use it to simulate its absence).
@@ -46,7 +50,7 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
     };
     if use_nested {
         kvm.announce_nested();
-        return Ok(nested::launcher::run_vm(&config, args.boot_time)?);
+        return Ok(nested::launcher::run_vm(&config, None, args.boot_time)?);
     }
     run_vmm(&config, args.boot_time, vmm_start)
 }
@@ -74,6 +78,30 @@ fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
         config.kvm_device = PathBuf::from(device);
     }
     Ok(config)
+}
+
+/// Runs the VMM in this process with one virtiofsd per share, started here (so inside
+/// the nested host when there is one), their sockets in `socket_dir`.
+pub fn run_vmm_sharing(
+    config: &VmConfig,
+    shares: Option<&ShareSet>,
+    socket_dir: &Path,
+    report_boot_time: bool,
+    vmm_start: Instant,
+) -> Result<u8, BootCommandError> {
+    let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
+        return run_vmm(config, report_boot_time, vmm_start);
+    };
+    let (daemons, filesystems) =
+        virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, socket_dir)?;
+    if let Some(file) = &set.failure_file {
+        daemons.record_failures_in(file.clone());
+    }
+    let mut config = config.clone();
+    config.filesystems = filesystems;
+    let outcome = run_vmm(&config, report_boot_time, vmm_start);
+    daemons.stop();
+    outcome
 }
 
 /// Runs the VMM in this process (on the host, or as the nested host's init).

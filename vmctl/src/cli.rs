@@ -39,7 +39,7 @@ pub enum Command {
     /// relayed; exits with the command's exit code (128+N for signal N).
     Exec(ExecArgs),
     /// An interactive login shell in the VM of a workspace.
-    Shell(WorkspaceArg),
+    Shell(ShellArgs),
     /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
     Run(ExecArgs),
     /// Guest images.
@@ -60,10 +60,31 @@ pub enum ImageCommand {
     },
 }
 
+/// Directory shares beyond the workspace itself; they apply when the VM starts.
+#[derive(Debug, Default, clap::Args)]
+pub struct MountArgs {
+    /// Share a host directory with the VM, at GUEST (default: the same path),
+    /// read-write unless ":ro" is given. Repeatable; more shares can be listed in
+    /// ~/.config/vmctl/config.toml. The workspace itself is always shared read-write
+    /// at its own path.
+    #[arg(long = "mount", value_name = "HOST[:GUEST][:ro]")]
+    pub mounts: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ShellArgs {
+    /// The workspace directory (default: the current directory).
+    pub dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub mounts: MountArgs,
+}
+
 #[derive(Debug, clap::Args)]
 pub struct UpArgs {
     /// The workspace directory (default: the current directory).
     pub dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub mounts: MountArgs,
     /// Boot the image built from this recipe (built first if needed; see
     /// `vmctl image build`) instead of the default image.
     #[arg(long, value_name = "FILE")]
@@ -90,6 +111,8 @@ pub struct ExecArgs {
     /// Run as this guest user ("root", or an account name); default: your host user.
     #[arg(long, value_name = "USER")]
     pub user: Option<String>,
+    #[command(flatten)]
+    pub mounts: MountArgs,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,

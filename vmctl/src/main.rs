@@ -6,9 +6,12 @@ mod cli;
 mod exec;
 mod host_kvm;
 mod nested;
+mod shares;
 mod state;
 mod supervisor;
 mod terminal;
+mod user_config;
+mod virtiofsd;
 mod vm;
 
 use std::process::ExitCode;
@@ -25,9 +28,16 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
-        cli::Command::Up(args) => vm::up_with(&workspace(args.dir), args.recipe.as_deref(), false)
-            .map(|_| 0)
-            .map_err(|e| e.to_string()),
+        cli::Command::Up(args) => {
+            let options = vm::StartOptions {
+                recipe: args.recipe.as_deref(),
+                mounts: &args.mounts.mounts,
+                quiet: false,
+            };
+            vm::up(&workspace(args.dir), &options)
+                .map(|_| 0)
+                .map_err(|e| e.to_string())
+        }
         cli::Command::Ps => {
             vm::list().iter().for_each(|line| println!("{line}"));
             Ok(0)
@@ -70,12 +80,18 @@ fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
-    let vm = vm::up(&workspace(args.workspace.clone()), true).map_err(|e| e.to_string())?;
+    let options = vm::StartOptions {
+        mounts: &args.mounts.mounts,
+        quiet: true,
+        ..vm::StartOptions::default()
+    };
+    let vm = vm::up(&workspace(args.workspace.clone()), &options).map_err(|e| e.to_string())?;
     exec_in(&vm, args)
 }
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
-    let vm = vm::up_ephemeral(&workspace(args.workspace.clone())).map_err(|e| e.to_string())?;
+    let vm = vm::up_ephemeral(&workspace(args.workspace.clone()), &args.mounts.mounts)
+        .map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm) {
         eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");
@@ -100,9 +116,14 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     .map_err(|e| e.to_string())
 }
 
-fn run_shell(args: cli::WorkspaceArg) -> Result<u8, String> {
+fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     let dir = workspace(args.dir);
-    let vm = vm::up(&dir, true).map_err(|e| e.to_string())?;
+    let options = vm::StartOptions {
+        mounts: &args.mounts.mounts,
+        quiet: true,
+        ..vm::StartOptions::default()
+    };
+    let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     exec::run(
         &vm.vsock_socket(),
         exec::ExecOptions {

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::shares::ShareSet;
+
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("workspace {}: {source}", .path.display())]
@@ -36,6 +38,9 @@ pub struct VmRecord {
     pub agent_cmdline: String,
     /// Seconds since the epoch when the VM was started.
     pub started_at: u64,
+    /// The workspace and any extra directory shares, served over virtio-fs.
+    #[serde(default)]
+    pub shares: Option<ShareSet>,
 }
 
 /// A workspace's VM directory.
@@ -94,6 +99,18 @@ impl VmDir {
     pub fn pid_file(&self) -> PathBuf {
         self.path.join("supervisor.pid")
     }
+    /// One line per virtiofsd that died while the VM ran.
+    pub fn share_failures(&self) -> PathBuf {
+        self.path.join("share-failures.log")
+    }
+
+    /// What `share_failures` recorded (empty when all is well).
+    pub fn read_share_failures(&self) -> Vec<String> {
+        std::fs::read_to_string(self.share_failures())
+            .map(|text| text.lines().map(str::to_string).collect())
+            .unwrap_or_default()
+    }
+
     pub fn console_log(&self) -> PathBuf {
         self.path.join("console.log")
     }
@@ -207,6 +224,11 @@ mod tests {
             nested: true,
             agent_cmdline: "vmctl.root=/dev/vda".into(),
             started_at: 1,
+            shares: Some(ShareSet {
+                shares: vec![crate::shares::workspace_share(Path::new("/w"))],
+                virtiofsd: "/usr/bin/virtiofsd".into(),
+                failure_file: Some(vm.share_failures()),
+            }),
         };
         vm.write_record(&record).unwrap();
         assert_eq!(vm.read_record().unwrap(), record);

@@ -34,10 +34,21 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
+    if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
+        let _ = std::fs::remove_file(file);
+    }
     let outcome = if record.nested {
-        crate::nested::launcher::run_vm(&config, false).map_err(|e| e.to_string())
+        crate::nested::launcher::run_vm(&config, record.shares.as_ref(), false)
+            .map_err(|e| e.to_string())
     } else {
-        crate::boot::run_vmm(&config, false, Instant::now()).map_err(|e| e.to_string())
+        crate::boot::run_vmm_sharing(
+            &config,
+            record.shares.as_ref(),
+            &vm.path,
+            false,
+            Instant::now(),
+        )
+        .map_err(|e| e.to_string())
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
     let _ = std::fs::remove_file(vm.pid_file());

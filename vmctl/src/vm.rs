@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::exec::AGENT_PORT;
 use crate::host_kvm::KvmKind;
+use crate::shares::{self, Share, ShareError, ShareSet};
 use crate::state::{StateError, VmDir, VmRecord};
+use crate::user_config::{UserConfig, UserConfigError};
+use crate::virtiofsd::{self, VirtiofsdError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -18,6 +21,12 @@ pub enum VmError {
     Artifact(#[from] ArtifactError),
     #[error("cannot start the VM's supervisor: {0}")]
     Spawn(std::io::Error),
+    #[error(transparent)]
+    Share(#[from] ShareError),
+    #[error(transparent)]
+    UserConfig(#[from] UserConfigError),
+    #[error(transparent)]
+    Virtiofsd(#[from] VirtiofsdError),
     #[error("the VM of {} did not come up: {reason}; its logs: {}", .workspace.display(), .logs.display())]
     NotReady {
         workspace: PathBuf,
@@ -33,30 +42,68 @@ pub const DEFAULT_MEMORY_MIB: u64 = 1024;
 const BOOT_TIMEOUT_DIRECT: Duration = Duration::from_secs(30);
 const BOOT_TIMEOUT_NESTED: Duration = Duration::from_secs(240);
 
-/// Starts the VM of `workspace` unless it runs; returns its directory once the guest
-/// agent answers.
-pub fn up(workspace: &Path, quiet: bool) -> Result<VmDir, VmError> {
-    up_with(workspace, None, quiet)
+/// How to start a workspace's VM when it is not running.
+#[derive(Debug, Default)]
+pub struct StartOptions<'a> {
+    /// Boot the image of this recipe instead of the default one.
+    pub recipe: Option<&'a Path>,
+    /// Extra shares, `HOST[:GUEST][:ro]` (relative HOSTs are relative to the current
+    /// directory), besides those of the user's config file.
+    pub mounts: &'a [String],
+    /// No "already running" / "is up" messages.
+    pub quiet: bool,
 }
 
-/// `up` with the image of `recipe` instead of the default one.
-pub fn up_with(workspace: &Path, recipe: Option<&Path>, quiet: bool) -> Result<VmDir, VmError> {
+/// Starts the VM of `workspace` unless it runs; returns its directory once the guest
+/// agent answers.
+pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::for_workspace(workspace)?;
-    start(&workspace, vm, recipe, quiet)
+    start(&workspace, vm, options)
 }
 
 /// Starts a throwaway VM for `workspace`, beside its regular one (`vmctl run`).
-pub fn up_ephemeral(workspace: &Path) -> Result<VmDir, VmError> {
+pub fn up_ephemeral(workspace: &Path, mounts: &[String]) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::ephemeral(workspace)?;
-    start(&workspace, vm, None, true)
+    let options = StartOptions {
+        mounts,
+        quiet: true,
+        ..StartOptions::default()
+    };
+    start(&workspace, vm, &options)
 }
 
-fn start(
-    workspace: &Path,
-    vm: VmDir,
-    recipe: Option<&Path>,
-    quiet: bool,
-) -> Result<VmDir, VmError> {
+/// The workspace, then the config file's shares, then `mounts`, in mount order.
+fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<ShareSet, VmError> {
+    let config = UserConfig::load()?;
+    let cwd = std::env::current_dir().unwrap_or_else(|_| workspace.to_path_buf());
+    let mut list = vec![shares::workspace_share(workspace)];
+    for spec in config.mounts_for(workspace) {
+        list.push(shares::parse_mount(&spec, workspace)?);
+    }
+    for spec in mounts {
+        list.push(shares::parse_mount(spec, &cwd)?);
+    }
+    shares::check_shares(&list)?;
+    Ok(ShareSet {
+        shares: shares::mount_order(list),
+        virtiofsd: virtiofsd::find_virtiofsd()?,
+        failure_file: Some(vm.share_failures()),
+    })
+}
+
+/// Tells the user about shares the running VM lost.
+fn warn_about_share_failures(vm: &VmDir) {
+    for failure in vm.read_share_failures() {
+        eprintln!("vmctl: warning: {failure}");
+    }
+}
+
+fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, VmError> {
+    let StartOptions {
+        recipe,
+        mounts,
+        quiet,
+    } = *options;
     let workspace = workspace.to_path_buf();
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
@@ -91,8 +138,16 @@ fn start(
                  'vmctl stop' it first to boot another"
             );
         }
+        if !mounts.is_empty() {
+            eprintln!(
+                "vmctl: warning: it keeps the shares it was started with; \
+                 'vmctl stop' it first to change them"
+            );
+        }
+        warn_about_share_failures(&vm);
         return Ok(vm);
     }
+    let share_set = resolve_shares(&workspace, &vm, mounts)?;
     let kvm = KvmKind::detect();
     let nested = !kvm.boots_linux();
     if nested {
@@ -108,12 +163,13 @@ fn start(
         cpus: DEFAULT_CPUS,
         memory_mib: DEFAULT_MEMORY_MIB,
         nested,
-        agent_cmdline: agent_cmdline(&vm),
+        agent_cmdline: agent_cmdline(&vm, &share_set.shares),
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         workspace: workspace.clone(),
+        shares: Some(share_set),
     };
     vm.write_record(&record)?;
     let started = Instant::now();
@@ -152,8 +208,9 @@ fn start(
     Ok(vm)
 }
 
-/// The guest agent's settings: the root image, a tmpfs upper layer, the host user.
-fn agent_cmdline(vm: &VmDir) -> String {
+/// The guest agent's settings: the root image, a tmpfs upper layer, the host user,
+/// the shares to mount.
+fn agent_cmdline(vm: &VmDir, shares: &[Share]) -> String {
     let name = vm
         .path
         .file_name()
@@ -162,6 +219,18 @@ fn agent_cmdline(vm: &VmDir) -> String {
     let mut cmdline = format!("vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={name}");
     if let Some(account) = guest_account() {
         cmdline.push_str(&format!(" vmctl.user={account}"));
+    }
+    for (index, share) in shares.iter().enumerate() {
+        let mount = guest_agent::shares::ShareMount {
+            tag: shares::tag(index),
+            path: share.guest.clone(),
+            read_only: share.read_only,
+        };
+        cmdline.push_str(&format!(
+            " {}={}",
+            guest_agent::shares::CMDLINE_KEY,
+            mount.to_cmdline_value()
+        ));
     }
     cmdline
 }
@@ -342,9 +411,14 @@ pub fn list() -> Vec<String> {
         } else {
             "-".into()
         };
+        let state = match running {
+            false => "stopped",
+            // A share's virtiofsd died: the VM runs but cannot reach those files.
+            true if !vm.read_share_failures().is_empty() => "degraded",
+            true => "running",
+        };
         lines.push(format!(
-            "{name:<28} {:<8} {uptime:>8} {:<6} {}",
-            if running { "running" } else { "stopped" },
+            "{name:<28} {state:<8} {uptime:>8} {:<6} {}",
             if record.nested { "nested" } else { "direct" },
             record.workspace.display()
         ));

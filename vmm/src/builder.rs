@@ -18,6 +18,7 @@ use crate::devices::legacy::{
     BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole,
 };
 use crate::devices::virtio::block::Block;
+use crate::devices::virtio::fs::VhostUserFs;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vsock::Vsock;
@@ -221,7 +222,7 @@ fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildEr
     })
 }
 
-/// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock.
+/// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock, filesystems.
 fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for (index, disk) in config.disks.iter().enumerate() {
@@ -248,6 +249,14 @@ fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, Build
         let device =
             Vsock::new(vsock.guest_cid, &vsock.uds_path).map_err(|e| BuildError::Device {
                 device: vsock.uds_path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        devices.push(Box::new(device));
+    }
+    for fs in &config.filesystems {
+        let device =
+            VhostUserFs::connect(&fs.socket_path, &fs.tag).map_err(|e| BuildError::Device {
+                device: fs.socket_path.display().to_string(),
                 reason: e.to_string(),
             })?;
         devices.push(Box::new(device));
@@ -279,37 +288,42 @@ fn attach_virtio_device(
 ) -> Result<(), BuildError> {
     let (base, irq) = layout::virtio_mmio_slot(index);
     let name = format!("virtio-mmio slot {index} (type {})", device.device_type());
+    let device_error = |reason: String| BuildError::Device {
+        device: name.clone(),
+        reason,
+    };
     let interrupt = InterruptTrigger::new(Arc::new(irqfd(vm, irq, &name)?));
-    let transport = Arc::new(Mutex::new(MmioTransport::new(
-        device,
-        memory.clone(),
-        interrupt,
-    )));
-    let queue_count = transport
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .queue_count();
-    mmio_bus.insert(
-        transport.clone() as Arc<Mutex<dyn BusDevice>>,
-        base,
-        layout::VIRTIO_MMIO_WINDOW_SIZE,
-    )?;
-    for queue in 0..queue_count as u32 {
-        let event = EventFd::new(EFD_NONBLOCK).map_err(|e| BuildError::Device {
-            device: name.clone(),
-            reason: format!("eventfd: {e}"),
-        })?;
+    let mut device = device;
+    let mut queue_events = Vec::new();
+    for queue in 0..device.queue_max_sizes().len() as u32 {
+        let event =
+            EventFd::new(EFD_NONBLOCK).map_err(|e| device_error(format!("eventfd: {e}")))?;
         vm.fd()
             .register_ioevent(
                 &event,
                 &IoEventAddress::Mmio(base + QUEUE_NOTIFY_OFFSET),
                 queue,
             )
-            .map_err(|e| BuildError::Device {
-                device: name.clone(),
-                reason: format!("ioeventfd for queue {queue}: {e}"),
-            })?;
-        event_loop.add_queue(transport.clone(), queue, event)?;
+            .map_err(|e| device_error(format!("ioeventfd for queue {queue}: {e}")))?;
+        queue_events.push(event);
+    }
+    let served_elsewhere = device
+        .attach_queue_events(&queue_events)
+        .map_err(|e| device_error(format!("queue events: {e}")))?;
+    let transport = Arc::new(Mutex::new(MmioTransport::new(
+        device,
+        memory.clone(),
+        interrupt,
+    )));
+    mmio_bus.insert(
+        transport.clone() as Arc<Mutex<dyn BusDevice>>,
+        base,
+        layout::VIRTIO_MMIO_WINDOW_SIZE,
+    )?;
+    if !served_elsewhere {
+        for (queue, event) in queue_events.into_iter().enumerate() {
+            event_loop.add_queue(transport.clone(), queue as u32, event)?;
+        }
     }
     Ok(())
 }

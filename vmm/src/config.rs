@@ -47,6 +47,17 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// A virtio-fs device served by a vhost-user backend (virtiofsd) listening on
+/// `socket_path`; the guest mounts it by `tag`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsConfig {
+    pub socket_path: PathBuf,
+    pub tag: String,
+}
+
+/// The longest tag the virtio-fs configuration space holds.
+pub const MAX_FS_TAG_LEN: usize = 36;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmConfig {
     pub kernel: PathBuf,
@@ -60,6 +71,8 @@ pub struct VmConfig {
     /// Adds a virtio-rng device (the guest's entropy source).
     pub rng: bool,
     pub vsock: Option<VsockConfig>,
+    /// virtio-fs devices, placed after vsock.
+    pub filesystems: Vec<FsConfig>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -102,6 +115,8 @@ pub enum ConfigError {
     NoMemory,
     #[error("--memory {requested_mib}: this host has only {host_mib} MiB of RAM")]
     TooMuchMemory { requested_mib: u64, host_mib: u64 },
+    #[error("virtio-fs tag {tag:?}: a tag is 1 to {max} bytes")]
+    BadFsTag { tag: String, max: usize },
     #[error("too many virtio devices ({count}); at most {max} fit")]
     TooManyDevices { count: usize, max: usize },
 }
@@ -118,6 +133,7 @@ impl VmConfig {
             kvm_device: PathBuf::from(DEFAULT_KVM_DEVICE),
             rng: true,
             vsock: None,
+            filesystems: Vec::new(),
         }
     }
 
@@ -125,9 +141,13 @@ impl VmConfig {
         self.memory_mib.saturating_mul(1 << 20)
     }
 
-    /// Number of virtio-mmio devices, in the order they are placed: disks, rng, vsock.
+    /// Number of virtio-mmio devices, in the order they are placed: disks, rng, vsock,
+    /// filesystems.
     pub fn virtio_device_count(&self) -> usize {
-        self.disks.len() + usize::from(self.rng) + usize::from(self.vsock.is_some())
+        self.disks.len()
+            + usize::from(self.rng)
+            + usize::from(self.vsock.is_some())
+            + self.filesystems.len()
     }
 
     /// The full kernel command line: defaults, the virtio-mmio devices, then the
@@ -210,6 +230,14 @@ impl VmConfig {
         }
         for disk in &self.disks {
             open_regular(&disk.path, "disk", ConfigError::DiskMissing)?;
+        }
+        for fs in &self.filesystems {
+            if fs.tag.is_empty() || fs.tag.len() > MAX_FS_TAG_LEN {
+                return Err(ConfigError::BadFsTag {
+                    tag: fs.tag.clone(),
+                    max: MAX_FS_TAG_LEN,
+                });
+            }
         }
         Ok(())
     }

@@ -85,19 +85,33 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
     if matches!(job.work, Work::Command(_)) {
         writable_tmp().map_err(|e| e.to_string())?;
     }
-    for (index, dir) in job.writable_dirs.iter().enumerate() {
+    for (index, dir) in job.shared_dirs.iter().enumerate() {
         // A directory under the scratch /tmp must be recreated to mount on; elsewhere
         // it exists already on the read-only root.
-        let _ = std::fs::create_dir_all(dir);
-        mount_9p(&job::writable_dir_tag(index), dir, false).map_err(|e| e.to_string())?;
+        let _ = std::fs::create_dir_all(&dir.path);
+        mount_9p(&job::shared_dir_tag(index), &dir.path, dir.read_only)
+            .map_err(|e| e.to_string())?;
     }
     match &job.work {
         Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm, vmm_start),
-        Work::Vm(vm) => crate::boot::run_vmm(&vm.vm_config(), vm.report_boot_time, vmm_start)
-            .map_err(|e| e.to_string()),
+        Work::Vm(vm) => {
+            std::fs::create_dir_all(SHARE_SOCKET_DIR)
+                .map_err(|e| format!("{SHARE_SOCKET_DIR}: {e}"))?;
+            crate::boot::run_vmm_sharing(
+                &vm.vm_config(),
+                vm.shares.as_ref(),
+                Path::new(SHARE_SOCKET_DIR),
+                vm.report_boot_time,
+                vmm_start,
+            )
+            .map_err(|e| e.to_string())
+        }
         Work::Command(command) => run_command(command),
     }
 }
+
+/// Where the virtiofsd daemons of the VM's shares listen, inside the nested host.
+const SHARE_SOCKET_DIR: &str = "/run/vmctl";
 
 /// Runs the VMM on its own thread while this one relays the host's connections from
 /// the mux port to the VM's hybrid-vsock socket.
@@ -106,8 +120,18 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
     let port = find_virtio_port(job::MUX_PORT_NAME)?;
     let config = vm.vm_config();
     let report_boot_time = vm.report_boot_time;
+    let shares = vm.shares.clone();
+    // The VMM's thread also starts the virtiofsd daemons, which die with their
+    // parent thread.
     let vmm = std::thread::spawn(move || {
-        crate::boot::run_vmm(&config, report_boot_time, vmm_start).map_err(|e| e.to_string())
+        crate::boot::run_vmm_sharing(
+            &config,
+            shares.as_ref(),
+            Path::new(SHARE_SOCKET_DIR),
+            report_boot_time,
+            vmm_start,
+        )
+        .map_err(|e| e.to_string())
     });
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

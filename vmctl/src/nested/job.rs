@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use vmm::config::{DiskConfig, VmConfig};
 
+use crate::shares::ShareSet;
+
 /// Where the nested host mounts the job directory.
 pub const GUEST_JOB_DIR: &str = "/run/vmctl-job";
 pub const SPEC_FILE: &str = "spec.json";
@@ -15,8 +17,16 @@ pub const STATUS_FILE: &str = "status.json";
 pub const ROOT_TAG: &str = "hostroot";
 pub const JOB_TAG: &str = "vmctljob";
 
-pub fn writable_dir_tag(index: usize) -> String {
+pub fn shared_dir_tag(index: usize) -> String {
     format!("vmctlrw{index}")
+}
+
+/// A host directory the nested host mounts at the same path over its own 9p device
+/// (uncached, unlike the root, so host-side changes show at once).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedDir {
+    pub path: PathBuf,
+    pub read_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,6 +56,8 @@ pub struct VmJob {
     /// A vsock device whose hybrid socket, inside the nested host, the host reaches
     /// through the multiplexed link (see `mux`).
     pub vsock: bool,
+    /// Directory shares, each served by a virtiofsd inside the nested host.
+    pub shares: Option<ShareSet>,
 }
 
 /// Where the VM's hybrid-vsock socket lives inside the nested host.
@@ -66,9 +78,9 @@ pub struct NestedJob {
     /// The nested host's own size.
     pub host_vcpus: u32,
     pub host_memory_mib: u64,
-    /// Host directories shared read-write, mounted at the same path, in the order of
-    /// their tags (`writable_dir_tag`).
-    pub writable_dirs: Vec<PathBuf>,
+    /// Host directories mounted at the same path, parents first, in the order of
+    /// their tags (`shared_dir_tag`).
+    pub shared_dirs: Vec<SharedDir>,
 }
 
 /// Memory the nested host needs besides a guest's: its kernel, vmctl, page tables.
@@ -80,16 +92,36 @@ impl NestedJob {
         matches!(&self.work, Work::Vm(vm) if vm.vsock)
     }
 
-    /// A job that boots `config`; directories holding writable disks are shared
-    /// read-write so the guest's writes reach the host's files.
-    pub fn for_vm(config: &VmConfig, report_boot_time: bool) -> Self {
-        let writable_dirs = mount_order(
-            config
-                .disks
-                .iter()
-                .filter(|d| !d.read_only)
-                .filter_map(|d| d.path.canonicalize().ok()?.parent().map(PathBuf::from)),
-        );
+    /// A job that boots `config` with `shares`; directories holding writable disks
+    /// and the shares' directories are mounted so the guest's writes reach the
+    /// host's files.
+    pub fn for_vm(config: &VmConfig, shares: Option<&ShareSet>, report_boot_time: bool) -> Self {
+        let disk_dirs = config
+            .disks
+            .iter()
+            .filter(|d| !d.read_only)
+            .filter_map(|d| d.path.canonicalize().ok()?.parent().map(PathBuf::from))
+            .map(|path| SharedDir {
+                path,
+                read_only: false,
+            });
+        let share_dirs = shares.into_iter().flat_map(|set| {
+            let shares = set.shares.iter().map(|share| SharedDir {
+                path: share.host.clone(),
+                read_only: share.read_only,
+            });
+            // The nested host records a dying virtiofsd where the host can see it.
+            let failure_dir = set
+                .failure_file
+                .as_ref()
+                .and_then(|file| file.parent())
+                .map(|dir| SharedDir {
+                    path: dir.to_path_buf(),
+                    read_only: false,
+                });
+            shares.chain(failure_dir)
+        });
+        let shared_dirs = mount_order(disk_dirs.chain(share_dirs));
         Self {
             work: Work::Vm(VmJob {
                 kernel: config.kernel.clone(),
@@ -107,10 +139,11 @@ impl NestedJob {
                 memory_mib: config.memory_mib,
                 report_boot_time,
                 vsock: config.vsock.is_some(),
+                shares: shares.cloned(),
             }),
             host_vcpus: config.vcpus,
             host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,
-            writable_dirs,
+            shared_dirs,
         }
     }
 
@@ -125,18 +158,28 @@ impl NestedJob {
             work: Work::Command(command),
             host_vcpus: vcpus,
             host_memory_mib: memory_mib,
-            writable_dirs: mount_order(writable.iter().filter_map(|d| d.canonicalize().ok())),
+            shared_dirs: mount_order(writable.iter().filter_map(|d| {
+                Some(SharedDir {
+                    path: d.canonicalize().ok()?,
+                    read_only: false,
+                })
+            })),
         }
     }
 }
 
 /// Directories in mount order: parents before children (so a child mount is not
-/// hidden by its parent's), without duplicates.
-fn mount_order(dirs: impl Iterator<Item = PathBuf>) -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = dirs.collect();
-    dirs.sort_by_key(|d| d.components().count());
-    dirs.dedup();
-    dirs
+/// hidden by its parent's), each once (read-write if any use of it writes).
+fn mount_order(dirs: impl Iterator<Item = SharedDir>) -> Vec<SharedDir> {
+    let mut unique: Vec<SharedDir> = Vec::new();
+    for dir in dirs {
+        match unique.iter_mut().find(|d| d.path == dir.path) {
+            Some(known) => known.read_only &= dir.read_only,
+            None => unique.push(dir),
+        }
+    }
+    unique.sort_by_key(|d| d.path.components().count());
+    unique
 }
 
 impl VmJob {
@@ -191,7 +234,16 @@ mod tests {
             DiskConfig::parse(dir.join("a.img").to_str().unwrap()),
             DiskConfig::parse(&format!("{}:ro", dir.join("ro.img").display())),
         ];
-        let job = NestedJob::for_vm(&config, true);
+        let shares = ShareSet {
+            shares: vec![crate::shares::Share {
+                host: dir.join("sub"),
+                guest: "/work".into(),
+                read_only: true,
+            }],
+            virtiofsd: "/usr/bin/virtiofsd".into(),
+            failure_file: None,
+        };
+        let job = NestedJob::for_vm(&config, Some(&shares), true);
         let text = serde_json::to_string(&job).unwrap();
         let back: NestedJob = serde_json::from_str(&text).unwrap();
         let Work::Vm(vm) = &back.work else {
@@ -200,6 +252,12 @@ mod tests {
         assert_eq!(vm.vm_config(), config);
         assert_eq!(back.host_memory_mib, 512 + NESTED_HOST_OVERHEAD_MIB);
         let dir = dir.canonicalize().unwrap();
-        assert_eq!(back.writable_dirs, vec![dir.clone(), dir.join("sub")]);
+        assert_eq!(vm.shares.as_ref(), Some(&shares));
+        let rw = |path: PathBuf| SharedDir {
+            path,
+            read_only: false,
+        };
+        // sub/ is both a writable disk's directory and a read-only share.
+        assert_eq!(back.shared_dirs, vec![rw(dir.clone()), rw(dir.join("sub"))]);
     }
 }

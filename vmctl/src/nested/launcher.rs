@@ -17,6 +17,7 @@ use vmm_sys_util::signal::register_signal_handler;
 use super::job::{self, CommandJob, NestedJob, NestedStatus};
 use super::mux::{Mux, Opener, VSOCK_PORT};
 use crate::artifacts::{self, Artifact, ArtifactError};
+use crate::shares::ShareSet;
 use std::sync::Arc;
 
 const QEMU_ENV: &str = "VMCTL_QEMU";
@@ -92,9 +93,16 @@ extern "C" fn remember_stop_signal(
 }
 
 /// Runs `config` in a fresh nested host; returns the VMM's exit code.
-pub fn run_vm(config: &VmConfig, report_boot_time: bool) -> Result<u8, NestedError> {
+pub fn run_vm(
+    config: &VmConfig,
+    shares: Option<&ShareSet>,
+    report_boot_time: bool,
+) -> Result<u8, NestedError> {
     let host_vsock = config.vsock.as_ref().map(|v| v.uds_path.as_path());
-    run(&NestedJob::for_vm(config, report_boot_time), host_vsock)
+    run(
+        &NestedJob::for_vm(config, shares, report_boot_time),
+        host_vsock,
+    )
 }
 
 /// Runs `argv` in a fresh nested host with this process's environment and working
@@ -379,7 +387,8 @@ fn qemu_command(
             .arg("-fsdev")
             .arg(format!(
                 "local,id={id},path={},security_model=none,multidevs=remap{}",
-                path.display(),
+                // QEMU option values escape a comma by doubling it.
+                path.display().to_string().replace(',', ",,"),
                 if read_only { ",readonly=on" } else { "" }
             ))
             .arg("-device")
@@ -387,12 +396,12 @@ fn qemu_command(
     };
     share("root", Path::new("/"), job::ROOT_TAG, true);
     share("job", job_dir, job::JOB_TAG, false);
-    for (index, dir) in job.writable_dirs.iter().enumerate() {
+    for (index, dir) in job.shared_dirs.iter().enumerate() {
         share(
             &format!("rw{index}"),
-            dir,
-            &job::writable_dir_tag(index),
-            false,
+            &dir.path,
+            &job::shared_dir_tag(index),
+            dir.read_only,
         );
     }
     command

@@ -8,6 +8,7 @@
 //! device's irqfd.
 
 pub mod block;
+pub mod fs;
 pub mod mmio;
 pub mod rng;
 pub mod vsock;
@@ -201,6 +202,12 @@ pub trait VirtioDevice: Send {
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// Writes the configuration space; devices ignore writes they do not support.
     fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Offered the queues' ioeventfds at build time. A device served by another
+    /// process (vhost-user) keeps clones and returns true: the guest's notifications
+    /// then go straight to that process and the event loop does not watch them.
+    fn attach_queue_events(&mut self, _events: &[EventFd]) -> Result<bool, std::io::Error> {
+        Ok(false)
+    }
     /// Called when the driver sets DRIVER_OK: the device takes its queues.
     fn activate(
         &mut self,

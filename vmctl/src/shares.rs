@@ -1,0 +1,418 @@
+//! Directory shares of a workspace VM: which host directories the guest sees, where,
+//! and whether it may write them. Each share becomes one virtio-fs device.
+//!
+//! The CLI and the user's config write a share as `HOST[:GUEST][:ro]`.
+
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The syntax, for error messages.
+const SYNTAX: &str = "HOST[:GUEST][:ro]";
+
+/// Guest directories a share must not cover: the guest's kernel owns them, and a
+/// share there would hide what the guest needs to run.
+const RESERVED_GUEST_DIRS: [&str; 3] = ["/proc", "/sys", "/dev"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShareError {
+    #[error("mount {spec:?}: {problem}; write it as {SYNTAX} (paths containing ':' cannot be written in this syntax)")]
+    Syntax { spec: String, problem: &'static str },
+    #[error("mount {spec:?}: cannot expand '~': HOME is not set; write the full host path")]
+    NoHome { spec: String },
+    #[error("mount {spec:?}: host directory {}: {source}{hint}", .path.display())]
+    HostMissing {
+        spec: String,
+        path: PathBuf,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+    #[error("mount {spec:?}: {} is not a directory; only directories can be shared", .path.display())]
+    NotADirectory { spec: String, path: PathBuf },
+    #[error("mount {spec:?}: guest path {} is not absolute; write HOST:/GUEST/PATH{hint}", .guest.display())]
+    GuestNotAbsolute {
+        spec: String,
+        guest: PathBuf,
+        hint: &'static str,
+    },
+    #[error("mount {spec:?}: cannot mount over the guest's root '/'; choose a directory below it")]
+    GuestRoot { spec: String },
+    #[error("mount {spec:?}: guest path {} is under {reserved}, which the guest's kernel owns; choose another guest path", .guest.display())]
+    GuestReserved {
+        spec: String,
+        guest: PathBuf,
+        reserved: &'static str,
+    },
+    #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
+    DuplicateGuest {
+        guest: PathBuf,
+        first_host: PathBuf,
+        second_host: PathBuf,
+    },
+}
+
+/// Shown when a spec with ':' went wrong: the user may have meant a path with ':'.
+const COLON_HINT: &str =
+    " (':' separates HOST, GUEST and ro; paths containing ':' cannot be written in this syntax)";
+
+/// One host directory shared with the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Share {
+    /// Canonical host directory.
+    pub host: PathBuf,
+    /// Absolute, normalized guest path where it is mounted.
+    pub guest: PathBuf,
+    pub read_only: bool,
+}
+
+/// A VM's shares and the virtiofsd binary that serves them: what a VMM, direct or in
+/// the nested host, needs to start the daemons.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShareSet {
+    pub shares: Vec<Share>,
+    pub virtiofsd: PathBuf,
+    /// Where a virtiofsd that dies while the VM runs is recorded, one line each (for
+    /// `vmctl ps` and `exec`).
+    #[serde(default)]
+    pub failure_file: Option<PathBuf>,
+}
+
+/// Parses `HOST[:GUEST][:ro]` (a trailing `:rw` is accepted too). HOST may start with
+/// `~/` or be relative to `base`; it must be an existing directory. GUEST defaults to
+/// the canonical host path.
+pub fn parse_mount(spec: &str, base: &Path) -> Result<Share, ShareError> {
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    parse_mount_with_home(spec, base, home.as_deref())
+}
+
+fn parse_mount_with_home(
+    spec: &str,
+    base: &Path,
+    home: Option<&Path>,
+) -> Result<Share, ShareError> {
+    let syntax = |problem| ShareError::Syntax {
+        spec: spec.to_string(),
+        problem,
+    };
+    let hint = if spec.contains(':') { COLON_HINT } else { "" };
+    let mut parts: Vec<&str> = spec.split(':').collect();
+    let read_only = match parts.last() {
+        Some(&"ro") if parts.len() > 1 => Some(true),
+        Some(&"rw") if parts.len() > 1 => Some(false),
+        _ => None,
+    };
+    if read_only.is_some() {
+        parts.pop();
+    }
+    let (host, guest) = match parts.as_slice() {
+        [host] => (*host, None),
+        [host, guest] => (*host, Some(*guest)),
+        _ => return Err(syntax("too many ':'")),
+    };
+    if host.is_empty() {
+        return Err(syntax("the host path is empty"));
+    }
+    if guest == Some("") {
+        return Err(syntax("the guest path is empty"));
+    }
+
+    let host_path = expand_host(spec, host, base, home)?;
+    let host = host_path
+        .canonicalize()
+        .map_err(|source| ShareError::HostMissing {
+            spec: spec.to_string(),
+            path: host_path.clone(),
+            source,
+            hint,
+        })?;
+    if !host.is_dir() {
+        return Err(ShareError::NotADirectory {
+            spec: spec.to_string(),
+            path: host,
+        });
+    }
+
+    let guest = match guest {
+        Some(guest) => PathBuf::from(guest),
+        None => host.clone(),
+    };
+    if !guest.is_absolute() {
+        return Err(ShareError::GuestNotAbsolute {
+            spec: spec.to_string(),
+            guest,
+            hint,
+        });
+    }
+    let guest = normalize_absolute(&guest);
+    if guest == Path::new("/") {
+        return Err(ShareError::GuestRoot {
+            spec: spec.to_string(),
+        });
+    }
+    if let Some(reserved) = RESERVED_GUEST_DIRS
+        .iter()
+        .find(|reserved| guest.starts_with(reserved))
+    {
+        return Err(ShareError::GuestReserved {
+            spec: spec.to_string(),
+            guest,
+            reserved,
+        });
+    }
+    Ok(Share {
+        host,
+        guest,
+        read_only: read_only.unwrap_or(false),
+    })
+}
+
+/// `~` and `~/...` from `home`, relative paths from `base`.
+fn expand_host(
+    spec: &str,
+    host: &str,
+    base: &Path,
+    home: Option<&Path>,
+) -> Result<PathBuf, ShareError> {
+    let below_home = if host == "~" {
+        Some("")
+    } else {
+        host.strip_prefix("~/")
+    };
+    match below_home {
+        Some(rest) => home.map(|home| home.join(rest)).ok_or(ShareError::NoHome {
+            spec: spec.to_string(),
+        }),
+        None => Ok(base.join(host)),
+    }
+}
+
+/// Removes `.` and resolves `..` without touching the filesystem: the path is a guest
+/// path, so the host's symlinks mean nothing for it. `..` never climbs above `/`.
+fn normalize_absolute(path: &Path) -> PathBuf {
+    let mut normalized = PathBuf::from("/");
+    for component in path.components() {
+        match component {
+            Component::Normal(name) => normalized.push(name),
+            Component::ParentDir => {
+                normalized.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    normalized
+}
+
+/// The workspace itself, at the same path in the guest, writable.
+pub fn workspace_share(workspace: &Path) -> Share {
+    // The callers pass an already canonical workspace; if it vanished meanwhile the
+    // daemon reports that when it starts.
+    let host = workspace
+        .canonicalize()
+        .unwrap_or_else(|_| workspace.to_path_buf());
+    Share {
+        guest: host.clone(),
+        host,
+        read_only: false,
+    }
+}
+
+/// Refuses two shares at the same guest path (the second would hide the first).
+pub fn check_shares(shares: &[Share]) -> Result<(), ShareError> {
+    let mut by_guest: HashMap<&Path, &Path> = HashMap::new();
+    for share in shares {
+        if let Some(first_host) = by_guest.insert(&share.guest, &share.host) {
+            return Err(ShareError::DuplicateGuest {
+                guest: share.guest.clone(),
+                first_host: first_host.to_path_buf(),
+                second_host: share.host.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The order to mount in: parents before the shares nested in them (a parent mounted
+/// later would hide its children). Otherwise the given order is kept.
+pub fn mount_order(mut shares: Vec<Share>) -> Vec<Share> {
+    shares.sort_by_key(|share| share.guest.components().count());
+    shares
+}
+
+/// The virtio-fs tag of the share at `index`, by which the guest mounts it.
+pub fn tag(index: usize) -> String {
+    format!("vmctl{index}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(host: &str, guest: &str) -> Share {
+        Share {
+            host: host.into(),
+            guest: guest.into(),
+            read_only: false,
+        }
+    }
+
+    #[test]
+    fn host_only_mounts_at_the_same_path_read_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = dir.path().canonicalize().unwrap();
+        let spec = host.to_str().unwrap();
+        assert_eq!(
+            parse_mount(spec, Path::new("/")).unwrap(),
+            Share {
+                host: host.clone(),
+                guest: host.clone(),
+                read_only: false
+            }
+        );
+        let read_only = parse_mount(&format!("{spec}:ro"), Path::new("/")).unwrap();
+        assert!(read_only.read_only);
+        assert_eq!(read_only.guest, host);
+        assert!(
+            !parse_mount(&format!("{spec}:rw"), Path::new("/"))
+                .unwrap()
+                .read_only
+        );
+    }
+
+    #[test]
+    fn guest_paths_are_normalized() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!("{}:/data/./x/../y/:ro", dir.path().display());
+        let share = parse_mount(&spec, Path::new("/")).unwrap();
+        assert_eq!(share.guest, PathBuf::from("/data/y"));
+        assert!(share.read_only);
+        assert_eq!(
+            normalize_absolute(Path::new("/../../srv")),
+            PathBuf::from("/srv")
+        );
+    }
+
+    #[test]
+    fn relative_and_home_hosts_are_expanded_and_canonicalized() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a/b")).unwrap();
+        let canonical = dir.path().canonicalize().unwrap().join("a/b");
+        let relative = parse_mount_with_home("a/./b", dir.path(), None).unwrap();
+        assert_eq!(relative.host, canonical);
+        let from_home =
+            parse_mount_with_home("~/a/b:/b", Path::new("/"), Some(dir.path())).unwrap();
+        assert_eq!(from_home.host, canonical);
+        assert_eq!(from_home.guest, PathBuf::from("/b"));
+        let home_itself =
+            parse_mount_with_home("~:/h", Path::new("/"), Some(&dir.path().join("a"))).unwrap();
+        assert_eq!(home_itself.host, canonical.parent().unwrap());
+        assert!(matches!(
+            parse_mount_with_home("~/a", Path::new("/"), None),
+            Err(ShareError::NoHome { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_hosts_are_refused_with_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing");
+        let error = parse_mount(missing.to_str().unwrap(), Path::new("/")).unwrap_err();
+        assert!(matches!(error, ShareError::HostMissing { .. }));
+        assert!(error.to_string().contains("missing"), "{error}");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let error = parse_mount(file.to_str().unwrap(), Path::new("/")).unwrap_err();
+        assert!(matches!(error, ShareError::NotADirectory { .. }), "{error}");
+    }
+
+    #[test]
+    fn bad_guest_paths_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = dir.path().display().to_string();
+        let parse = |guest: &str| parse_mount(&format!("{host}:{guest}"), Path::new("/"));
+        assert!(matches!(
+            parse("relative"),
+            Err(ShareError::GuestNotAbsolute { .. })
+        ));
+        assert!(matches!(parse("/"), Err(ShareError::GuestRoot { .. })));
+        assert!(matches!(parse("/x/.."), Err(ShareError::GuestRoot { .. })));
+        for reserved in ["/proc", "/sys/fs", "/dev/shm", "/x/../proc/1"] {
+            assert!(
+                matches!(parse(reserved), Err(ShareError::GuestReserved { .. })),
+                "{reserved}"
+            );
+        }
+        assert!(parse("/procfs").is_ok());
+        assert!(parse("/tmp/data").is_ok());
+    }
+
+    #[test]
+    fn colons_in_paths_are_explained() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = dir.path().display();
+        for spec in [
+            format!("{host}:/a:/b"),
+            format!("{host}:/a:/b:ro"),
+            format!("{host}:/a:rx"),
+        ] {
+            let error = parse_mount(&spec, Path::new("/")).unwrap_err();
+            assert!(error.to_string().contains("containing ':'"), "{error}");
+        }
+        let error = parse_mount(&format!("{host}:x"), Path::new("/")).unwrap_err();
+        assert!(error.to_string().contains("containing ':'"), "{error}");
+        for spec in [":/a", "", ":ro", &format!("{host}::ro")] {
+            assert!(
+                matches!(
+                    parse_mount(spec, Path::new("/")),
+                    Err(ShareError::Syntax { .. })
+                ),
+                "{spec:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_workspace_is_shared_writable_at_its_own_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let canonical = dir.path().canonicalize().unwrap();
+        assert_eq!(workspace_share(dir.path()), share_of(&canonical));
+    }
+
+    fn share_of(path: &Path) -> Share {
+        Share {
+            host: path.to_path_buf(),
+            guest: path.to_path_buf(),
+            read_only: false,
+        }
+    }
+
+    #[test]
+    fn duplicate_guest_paths_name_both_hosts() {
+        assert!(check_shares(&[share("/a", "/x"), share("/b", "/y")]).is_ok());
+        let error = check_shares(&[share("/a", "/x"), share("/b", "/y"), share("/c", "/x")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("/x") && error.contains("/a") && error.contains("/c"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn parents_are_mounted_before_children_and_order_is_otherwise_kept() {
+        let ordered = mount_order(vec![
+            share("/1", "/w/a/b"),
+            share("/2", "/z"),
+            share("/3", "/w/a"),
+            share("/4", "/a"),
+        ]);
+        let hosts: Vec<_> = ordered.iter().map(|s| s.host.clone()).collect();
+        assert_eq!(hosts, ["/2", "/4", "/3", "/1"].map(PathBuf::from));
+    }
+
+    #[test]
+    fn tags_are_numbered() {
+        assert_eq!(tag(0), "vmctl0");
+        assert_eq!(tag(12), "vmctl12");
+    }
+}

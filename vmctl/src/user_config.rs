@@ -1,0 +1,292 @@
+//! The user's vmctl config file (TOML): settings for every workspace, and per
+//! workspace.
+//!
+//! ```toml
+//! # every workspace
+//! mounts = ["~/.gitconfig-dir:ro"]
+//! [workspaces."/home/me/project"]
+//! mounts = ["/srv/data:/data:ro"]
+//! ```
+//!
+//! It lives at `$VMCTL_CONFIG`, else `$XDG_CONFIG_HOME/vmctl/config.toml`, else
+//! `~/.config/vmctl/config.toml`. It is deliberately never read from the workspace: a
+//! repository must not be able to mount host directories into its own VM.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Names the config file, overriding the XDG location.
+const CONFIG_ENV: &str = "VMCTL_CONFIG";
+
+#[derive(Debug, thiserror::Error)]
+pub enum UserConfigError {
+    #[error("cannot read the vmctl config {}: {source}; fix it, or set {CONFIG_ENV} to another file", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("vmctl config {}{}: {message}; fix the file", .path.display(), .line.map(|l| format!(", line {l}")).unwrap_or_default())]
+    Parse {
+        path: PathBuf,
+        line: Option<usize>,
+        message: String,
+    },
+    #[error("vmctl config {}: workspace {key:?} is not an absolute path; write it as \"/path\" or \"~/path\"", .path.display())]
+    RelativeWorkspace { path: PathBuf, key: String },
+}
+
+/// The parsed config file. Unknown keys are errors, so typos do not pass silently.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserConfig {
+    /// Shares (`HOST[:GUEST][:ro]`) of every workspace VM.
+    #[serde(default)]
+    pub mounts: Vec<String>,
+    /// Settings of one workspace, by its path (`~/` allowed).
+    #[serde(default)]
+    pub workspaces: BTreeMap<String, WorkspaceConfig>,
+}
+
+/// Settings of one workspace, added to the global ones.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkspaceConfig {
+    #[serde(default)]
+    pub mounts: Vec<String>,
+}
+
+impl UserConfig {
+    /// Reads the user's config file; a missing file is an empty config.
+    pub fn load() -> Result<UserConfig, UserConfigError> {
+        match config_path() {
+            Some(path) => Self::load_from(&path),
+            None => {
+                tracing::debug!("no HOME and no {CONFIG_ENV}: no user config");
+                Ok(UserConfig::default())
+            }
+        }
+    }
+
+    fn load_from(path: &Path) -> Result<UserConfig, UserConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::debug!("no user config at {}", path.display());
+                return Ok(UserConfig::default());
+            }
+            Err(source) => {
+                return Err(UserConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        let config: UserConfig = toml::from_str(&text).map_err(|e| UserConfigError::Parse {
+            path: path.to_path_buf(),
+            line: e.span().map(|span| line_of(&text, span.start)),
+            message: e.message().trim().to_string(),
+        })?;
+        if let Some(key) = config
+            .workspaces
+            .keys()
+            .find(|key| !key.starts_with('/') && *key != "~" && !key.starts_with("~/"))
+        {
+            return Err(UserConfigError::RelativeWorkspace {
+                path: path.to_path_buf(),
+                key: key.clone(),
+            });
+        }
+        Ok(config)
+    }
+
+    /// The mounts of `workspace`: the global ones, then the workspace's own.
+    pub fn mounts_for(&self, workspace: &Path) -> Vec<String> {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        self.mounts_for_with_home(workspace, home.as_deref())
+    }
+
+    fn mounts_for_with_home(&self, workspace: &Path, home: Option<&Path>) -> Vec<String> {
+        let workspace = canonical_or_given(workspace);
+        let mut mounts = self.mounts.clone();
+        for (key, settings) in &self.workspaces {
+            let matches = expand_home(key, home)
+                .map(|key| canonical_or_given(&key) == workspace)
+                .unwrap_or(false);
+            if matches {
+                mounts.extend(settings.mounts.iter().cloned());
+            }
+        }
+        mounts
+    }
+}
+
+/// Where the user's config file is; None without HOME (and no override).
+pub fn config_path() -> Option<PathBuf> {
+    config_path_from(
+        std::env::var_os(CONFIG_ENV),
+        std::env::var_os("XDG_CONFIG_HOME"),
+        std::env::var_os("HOME"),
+    )
+}
+
+fn config_path_from(
+    explicit: Option<OsString>,
+    xdg_config_home: Option<OsString>,
+    home: Option<OsString>,
+) -> Option<PathBuf> {
+    if let Some(explicit) = explicit.filter(|p| !p.is_empty()) {
+        return Some(explicit.into());
+    }
+    // The XDG spec says to ignore a relative XDG_CONFIG_HOME.
+    let config_home = xdg_config_home
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            home.filter(|h| !h.is_empty())
+                .map(|h| PathBuf::from(h).join(".config"))
+        })?;
+    Some(config_home.join("vmctl/config.toml"))
+}
+
+/// `~` and `~/...` from `home`; None when that is needed but unknown.
+fn expand_home(path: &str, home: Option<&Path>) -> Option<PathBuf> {
+    if path == "~" {
+        return home.map(Path::to_path_buf);
+    }
+    match path.strip_prefix("~/") {
+        Some(rest) => home.map(|home| home.join(rest)),
+        None => Some(PathBuf::from(path)),
+    }
+}
+
+/// Canonical when it exists, so that symlinked and `..` spellings of a workspace
+/// match; as given otherwise.
+fn canonical_or_given(path: &Path) -> PathBuf {
+    path.canonicalize().unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// The 1-based line of byte `offset` in `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    let offset = offset.min(text.len());
+    text.as_bytes()[..offset]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_config(dir: &Path, text: &str) -> PathBuf {
+        let path = dir.join("config.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_missing_file_is_an_empty_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = UserConfig::load_from(&dir.path().join("absent.toml")).unwrap();
+        assert_eq!(config, UserConfig::default());
+        assert!(config.mounts_for(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn global_mounts_come_before_the_workspace_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        let other = dir.path().join("other");
+        std::fs::create_dir_all(&project).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        let text = format!(
+            r#"
+# every workspace
+mounts = ["~/.gitconfig-dir:ro"]
+
+[workspaces."{project}/../project"]
+mounts = ["/srv/data:/data:ro"]
+
+[workspaces."~/other"]
+mounts = ["/srv/other"]
+"#,
+            project = project.display()
+        );
+        let config = UserConfig::load_from(&write_config(dir.path(), &text)).unwrap();
+        assert_eq!(
+            config.mounts_for_with_home(&project, Some(dir.path())),
+            ["~/.gitconfig-dir:ro", "/srv/data:/data:ro"]
+        );
+        assert_eq!(
+            config.mounts_for_with_home(&other, Some(dir.path())),
+            ["~/.gitconfig-dir:ro", "/srv/other"]
+        );
+        assert_eq!(
+            config.mounts_for_with_home(&other, None),
+            ["~/.gitconfig-dir:ro"]
+        );
+        assert_eq!(
+            config.mounts_for_with_home(dir.path(), Some(dir.path())),
+            ["~/.gitconfig-dir:ro"]
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_reported_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_config(dir.path(), "mountz = []\n");
+        let error = UserConfig::load_from(&path).unwrap_err().to_string();
+        assert!(error.contains("mountz"), "{error}");
+        assert!(error.contains(&path.display().to_string()), "{error}");
+        let path = write_config(dir.path(), "[workspaces.\"/w\"]\nmount = []\n");
+        let error = UserConfig::load_from(&path).unwrap_err().to_string();
+        assert!(error.contains("`mount`"), "{error}");
+        assert!(error.contains("line 2"), "{error}");
+    }
+
+    #[test]
+    fn bad_toml_is_reported_with_its_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_config(dir.path(), "# fine\nmounts = [\"/a\"]\nmounts = = 3\n");
+        let error = UserConfig::load_from(&path).unwrap_err().to_string();
+        assert!(error.contains("line 3"), "{error}");
+        assert!(error.contains(&path.display().to_string()), "{error}");
+    }
+
+    #[test]
+    fn relative_workspace_keys_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_config(dir.path(), "[workspaces.project]\nmounts = []\n");
+        let error = UserConfig::load_from(&path).unwrap_err().to_string();
+        assert!(error.contains("\"project\""), "{error}");
+    }
+
+    #[test]
+    fn the_file_is_found_by_override_then_xdg_then_home() {
+        let os = |s: &str| Some(OsString::from(s));
+        assert_eq!(
+            config_path_from(os("/etc/vm.toml"), os("/x"), os("/h")),
+            Some("/etc/vm.toml".into())
+        );
+        assert_eq!(
+            config_path_from(None, os("/x"), os("/h")),
+            Some("/x/vmctl/config.toml".into())
+        );
+        assert_eq!(
+            config_path_from(os(""), os("relative"), os("/h")),
+            Some("/h/.config/vmctl/config.toml".into())
+        );
+        assert_eq!(config_path_from(None, None, None), None);
+    }
+
+    #[test]
+    fn lines_are_counted_from_one() {
+        assert_eq!(line_of("a\nb\nc", 0), 1);
+        assert_eq!(line_of("a\nb\nc", 2), 2);
+        assert_eq!(line_of("a\nb\nc", 99), 3);
+    }
+}

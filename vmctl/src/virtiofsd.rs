@@ -1,0 +1,903 @@
+//! The virtiofsd daemons that serve a VM's shares: one per share, started before the
+//! VMM connects to their vhost-user sockets, watched while the VM runs, and stopped
+//! with it.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vmm::config::FsConfig;
+
+use crate::shares::{self, Share};
+
+/// Names the virtiofsd binary, overriding the search.
+const VIRTIOFSD_ENV: &str = "VMCTL_VIRTIOFSD";
+/// Where virtiofsd is looked for after PATH and `~/.cargo/bin` (Debian's and
+/// Fedora's packages).
+const SYSTEM_VIRTIOFSD: [&str; 2] = ["/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd"];
+
+/// How long a daemon may take to create its socket.
+const START_TIMEOUT: Duration = Duration::from_secs(5);
+const START_POLL: Duration = Duration::from_millis(10);
+/// virtiofsd creates its socket before it enters its sandbox, so a daemon whose
+/// sandbox fails exits just after its socket appeared: it must live this long past
+/// that to count as started.
+const SETTLE_TIME: Duration = Duration::from_millis(100);
+/// How often the watcher looks for dead daemons.
+const WATCH_POLL: Duration = Duration::from_millis(200);
+/// How long daemons get to exit after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+/// Lines of a daemon's log quoted when it fails to start.
+const LOG_TAIL_LINES: usize = 10;
+/// `sun_path` holds 108 bytes, with the terminating NUL.
+const MAX_SOCKET_PATH: usize = 107;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VirtiofsdError {
+    #[error("virtiofsd not found (looked for {searched}); run scripts/setup.sh, or 'cargo install virtiofsd' (it needs the Debian packages libcap-ng-dev and libseccomp-dev), or set {VIRTIOFSD_ENV} to its path")]
+    NotFound { searched: String },
+    #[error("{VIRTIOFSD_ENV}={}: not an executable file; point it at the virtiofsd binary or unset it", .0.display())]
+    OverrideNotExecutable(PathBuf),
+    #[error("virtiofsd socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter XDG_STATE_HOME", .path.display())]
+    SocketPathTooLong { path: PathBuf, len: usize },
+    #[error("cannot prepare {} for virtiofsd: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot run {} for the share {}: {source}", .binary.display(), .host.display())]
+    Spawn {
+        binary: PathBuf,
+        host: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}", .host.display(), .log.display())]
+    Exited {
+        host: PathBuf,
+        status: String,
+        log: PathBuf,
+        tail: String,
+    },
+    #[error("virtiofsd for the share {} did not create its socket {} within {} s; the end of its log {}:\n{tail}", .host.display(), .socket.display(), START_TIMEOUT.as_secs(), .log.display())]
+    Timeout {
+        host: PathBuf,
+        socket: PathBuf,
+        log: PathBuf,
+        tail: String,
+    },
+}
+
+/// Finds virtiofsd: `$VMCTL_VIRTIOFSD`, else PATH, else `~/.cargo/bin` and the
+/// distributions' locations.
+pub fn find_virtiofsd() -> Result<PathBuf, VirtiofsdError> {
+    find_virtiofsd_in(
+        std::env::var_os(VIRTIOFSD_ENV),
+        std::env::var_os("PATH"),
+        std::env::var_os("HOME"),
+        is_executable_file,
+    )
+}
+
+fn find_virtiofsd_in(
+    explicit: Option<OsString>,
+    path_var: Option<OsString>,
+    home: Option<OsString>,
+    is_executable: impl Fn(&Path) -> bool,
+) -> Result<PathBuf, VirtiofsdError> {
+    if let Some(explicit) = explicit.filter(|p| !p.is_empty()).map(PathBuf::from) {
+        // A binary the user named is used or refused, never silently replaced.
+        return if is_executable(&explicit) {
+            Ok(explicit)
+        } else {
+            Err(VirtiofsdError::OverrideNotExecutable(explicit))
+        };
+    }
+    let candidates = virtiofsd_candidates(path_var.as_deref(), home.as_deref());
+    candidates
+        .iter()
+        .find(|candidate| is_executable(candidate))
+        .cloned()
+        .ok_or_else(|| VirtiofsdError::NotFound {
+            searched: candidates
+                .iter()
+                .map(|c| c.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// Where virtiofsd may be, in the order to look.
+fn virtiofsd_candidates(path_var: Option<&OsStr>, home: Option<&OsStr>) -> Vec<PathBuf> {
+    let mut candidates: Vec<PathBuf> = path_var
+        .map(|path| {
+            std::env::split_paths(path)
+                // An empty or relative PATH entry means the current directory: a
+                // workspace must not be able to plant the daemon that serves it.
+                .filter(|dir| dir.is_absolute())
+                .map(|dir| dir.join("virtiofsd"))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(home) = home.filter(|h| !h.is_empty()) {
+        candidates.push(Path::new(home).join(".cargo/bin/virtiofsd"));
+    }
+    candidates.extend(SYSTEM_VIRTIOFSD.iter().map(PathBuf::from));
+    candidates
+}
+
+fn is_executable_file(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// How a daemon is confined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sandbox {
+    /// Mount, PID and network namespaces (plus a user namespace when not root); the
+    /// shared directory is the daemon's whole filesystem.
+    Namespace,
+    /// None: used only when the namespace sandbox cannot be set up.
+    None,
+}
+
+impl Sandbox {
+    fn as_arg(self) -> &'static str {
+        match self {
+            Sandbox::Namespace => "namespace",
+            Sandbox::None => "none",
+        }
+    }
+}
+
+/// The sandbox to retry with after a daemon in `tried` exited while starting, if any.
+/// Only an unprivileged namespace sandbox is worth a retry: it fails where user
+/// namespaces are disabled. Root's namespace sandbox needs none, so a failure there is
+/// something else, which another sandbox would not fix.
+fn fallback_sandbox(is_root: bool, tried: Sandbox, status: ExitStatus) -> Option<Sandbox> {
+    (!is_root && tried == Sandbox::Namespace && !status.success()).then_some(Sandbox::None)
+}
+
+const NO_SANDBOX_WARNING: &str = "vmctl: warning: virtiofsd runs without its sandbox because \
+     user namespaces are unavailable to this user: a guest that exploits symlink races could \
+     reach host files outside its shares";
+
+/// virtiofsd's arguments for `share` on `socket`.
+fn daemon_args(share: &Share, socket: &Path, sandbox: Sandbox) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        "--shared-dir".into(),
+        share.host.clone().into(),
+        "--socket-path".into(),
+        socket.into(),
+        "--cache".into(),
+        "auto".into(),
+        // No thread pool: replies go out in request order, which the VMM relies on
+        // when a daemon dies.
+        "--thread-pool-size".into(),
+        "0".into(),
+        // virtiofsd insists on '=' for this one.
+        "--inode-file-handles=never".into(),
+        "--log-level".into(),
+        "warn".into(),
+        "--sandbox".into(),
+        sandbox.as_arg().into(),
+        // virtiofsd's default, stated so that a changed default cannot weaken it.
+        "--seccomp".into(),
+        "kill".into(),
+    ];
+    if share.read_only {
+        args.push("--readonly".into());
+    }
+    args
+}
+
+/// One running (or exited, not yet forgotten) daemon.
+struct Daemon {
+    host: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    /// The log's length when this daemon started: its own lines come after.
+    log_start: u64,
+    sandbox: Sandbox,
+    child: Child,
+    /// Set once the child is reaped: its pid may then belong to another process.
+    status: Option<ExitStatus>,
+}
+
+impl Daemon {
+    /// Reaps the child if it exited.
+    fn poll_exit(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait()?;
+        }
+        Ok(self.status)
+    }
+
+    fn log_tail(&self) -> String {
+        log_tail(&self.log, self.log_start)
+    }
+}
+
+/// The last lines `log` got from `start` on, indented, for an error message.
+fn log_tail(log: &Path, start: u64) -> String {
+    let mut text = String::new();
+    let read = File::open(log).and_then(|mut file| {
+        file.seek(SeekFrom::Start(start))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        text = String::from_utf8_lossy(&bytes).into_owned();
+        Ok(())
+    });
+    if let Err(e) = read {
+        return format!("  (unreadable: {e})");
+    }
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return "  (empty)".into();
+    }
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..]
+        .iter()
+        .map(|line| format!("  {line}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn spawn_daemon(
+    binary: &Path,
+    share: &Share,
+    socket: &Path,
+    log: &Path,
+    sandbox: Sandbox,
+) -> Result<Daemon, VirtiofsdError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| VirtiofsdError::Io { path, source }
+    };
+    match std::fs::remove_file(socket) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(socket)(e)),
+        _ => {}
+    }
+    let log_file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io(log))?;
+    let log_start = log_file.metadata().map_err(io(log))?.len();
+    let stdout = log_file.try_clone().map_err(io(log))?;
+    let args = daemon_args(share, socket, sandbox);
+    tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
+    let mut command = Command::new(binary);
+    command
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(log_file);
+    // SAFETY: getpid is async-signal-safe; it runs before the fork.
+    let parent = unsafe { libc::getpid() };
+    // The daemon dies with the thread that spawned it (PR_SET_PDEATHSIG follows the
+    // thread, not the process), so a crashed vmctl leaves no daemon behind.
+    // SAFETY: prctl and getppid are async-signal-safe and touch no memory of ours.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // We died before prctl: the signal will never come.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other(
+                    "vmctl exited while starting virtiofsd",
+                ));
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().map_err(|source| VirtiofsdError::Spawn {
+        binary: binary.to_path_buf(),
+        host: share.host.clone(),
+        source,
+    })?;
+    Ok(Daemon {
+        host: share.host.clone(),
+        socket: socket.to_path_buf(),
+        log: log.to_path_buf(),
+        log_start,
+        sandbox,
+        child,
+        status: None,
+    })
+}
+
+/// How a daemon's start-up ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StartOutcome {
+    Ready,
+    Exited(ExitStatus),
+    TimedOut,
+}
+
+/// Waits for each of `daemons` (started together) to create its socket and outlive
+/// [`SETTLE_TIME`]; a daemon that exits meanwhile is reaped.
+fn wait_started(daemons: &mut [&mut Daemon]) -> Vec<StartOutcome> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut outcomes: Vec<Option<StartOutcome>> = vec![None; daemons.len()];
+    let mut socket_seen = vec![false; daemons.len()];
+    loop {
+        for (index, daemon) in daemons.iter_mut().enumerate() {
+            if outcomes[index].is_some() {
+                continue;
+            }
+            match daemon.poll_exit() {
+                Ok(Some(status)) => outcomes[index] = Some(StartOutcome::Exited(status)),
+                Ok(None) => socket_seen[index] = daemon.socket.exists(),
+                // Reaped elsewhere: it is gone; its status is unknown.
+                Err(_) => outcomes[index] = Some(StartOutcome::TimedOut),
+            }
+        }
+        let waiting = (0..daemons.len()).any(|i| outcomes[i].is_none() && !socket_seen[i]);
+        if !waiting {
+            break;
+        }
+        if Instant::now() > deadline {
+            for (outcome, seen) in outcomes.iter_mut().zip(&socket_seen) {
+                if outcome.is_none() && !seen {
+                    *outcome = Some(StartOutcome::TimedOut);
+                }
+            }
+            break;
+        }
+        std::thread::sleep(START_POLL);
+    }
+    if outcomes.iter().any(Option::is_none) {
+        std::thread::sleep(SETTLE_TIME);
+    }
+    daemons
+        .iter_mut()
+        .zip(outcomes)
+        .map(|(daemon, outcome)| {
+            outcome.unwrap_or_else(|| match daemon.poll_exit() {
+                Ok(Some(status)) => StartOutcome::Exited(status),
+                Ok(None) => StartOutcome::Ready,
+                Err(_) => StartOutcome::TimedOut,
+            })
+        })
+        .collect()
+}
+
+/// What the watcher and `stop` share.
+struct Watched {
+    daemons: Vec<Daemon>,
+    failures: Vec<String>,
+    stopping: bool,
+    /// Also appends each failure here.
+    failure_file: Option<PathBuf>,
+}
+
+struct Shared {
+    state: Mutex<Watched>,
+    /// Wakes the watcher when stopping.
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Watched> {
+        // A panic elsewhere must not keep us from stopping the daemons.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The running daemons of a VM's shares. Dropping it (or [`FsDaemons::stop`]) stops
+/// them.
+pub struct FsDaemons {
+    shared: Arc<Shared>,
+    watcher: Option<JoinHandle<()>>,
+}
+
+/// Starts one virtiofsd per share: share `i` on `socket_dir/fs{i}.sock` with tag
+/// [`shares::tag`]`(i)`, its output appended to `log_dir/virtiofsd-{i}.log`. Returns
+/// once every socket exists, with the devices for the VMM.
+///
+/// Call it from a thread that lives as long as the VM: the daemons get SIGTERM when
+/// that thread ends. Nothing else in the process may reap them (`waitpid(-1)`).
+pub fn start(
+    binary: &Path,
+    shares: &[Share],
+    socket_dir: &Path,
+    log_dir: &Path,
+) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
+    // SAFETY: geteuid cannot fail.
+    let is_root = unsafe { libc::geteuid() } == 0;
+    start_as(binary, shares, socket_dir, log_dir, is_root)
+}
+
+fn start_as(
+    binary: &Path,
+    shares: &[Share],
+    socket_dir: &Path,
+    log_dir: &Path,
+    is_root: bool,
+) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
+    let mut daemons = Vec::with_capacity(shares.len());
+    if let Err(e) = start_all(binary, shares, socket_dir, log_dir, is_root, &mut daemons) {
+        terminate(&mut daemons);
+        return Err(e);
+    }
+    let devices = daemons
+        .iter()
+        .enumerate()
+        .map(|(index, daemon)| FsConfig {
+            socket_path: daemon.socket.clone(),
+            tag: shares::tag(index),
+        })
+        .collect();
+    let shared = Arc::new(Shared {
+        state: Mutex::new(Watched {
+            daemons,
+            failures: Vec::new(),
+            stopping: false,
+            failure_file: None,
+        }),
+        wake: Condvar::new(),
+    });
+    let watcher = {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("virtiofsd-watch".into())
+            .spawn(move || watch(&shared))
+            .map_err(|source| VirtiofsdError::Io {
+                path: socket_dir.to_path_buf(),
+                source,
+            })
+    };
+    // Built before checking the watcher so that a failure still stops the daemons.
+    let mut fs_daemons = FsDaemons {
+        shared,
+        watcher: None,
+    };
+    fs_daemons.watcher = Some(watcher?);
+    Ok((fs_daemons, devices))
+}
+
+/// Starts the daemons into `daemons` (index = share index) and waits for them; on
+/// error the caller stops what is in `daemons`.
+fn start_all(
+    binary: &Path,
+    shares: &[Share],
+    socket_dir: &Path,
+    log_dir: &Path,
+    is_root: bool,
+    daemons: &mut Vec<Daemon>,
+) -> Result<(), VirtiofsdError> {
+    let socket_of = |index: usize| socket_dir.join(format!("fs{index}.sock"));
+    let log_of = |index: usize| log_dir.join(format!("virtiofsd-{index}.log"));
+    for index in 0..shares.len() {
+        let socket = socket_of(index);
+        let len = socket.as_os_str().len();
+        if len > MAX_SOCKET_PATH {
+            return Err(VirtiofsdError::SocketPathTooLong { path: socket, len });
+        }
+    }
+    for (index, share) in shares.iter().enumerate() {
+        daemons.push(spawn_daemon(
+            binary,
+            share,
+            &socket_of(index),
+            &log_of(index),
+            Sandbox::Namespace,
+        )?);
+    }
+    let mut pending: Vec<usize> = (0..daemons.len()).collect();
+    let mut warned = false;
+    while !pending.is_empty() {
+        let outcomes = {
+            let mut waiting: Vec<&mut Daemon> = daemons
+                .iter_mut()
+                .enumerate()
+                .filter(|(index, _)| pending.contains(index))
+                .map(|(_, daemon)| daemon)
+                .collect();
+            wait_started(&mut waiting)
+        };
+        let mut retry = Vec::new();
+        for (index, outcome) in pending.iter().copied().zip(outcomes) {
+            let daemon = &daemons[index];
+            match outcome {
+                StartOutcome::Ready => {}
+                StartOutcome::Exited(status) => {
+                    let Some(sandbox) = fallback_sandbox(is_root, daemon.sandbox, status) else {
+                        return Err(VirtiofsdError::Exited {
+                            host: daemon.host.clone(),
+                            status: status.to_string(),
+                            log: daemon.log.clone(),
+                            tail: daemon.log_tail(),
+                        });
+                    };
+                    tracing::warn!(
+                        host = %daemon.host.display(),
+                        %status,
+                        "virtiofsd could not set up its namespace sandbox; retrying without",
+                    );
+                    if !warned {
+                        eprintln!("{NO_SANDBOX_WARNING}");
+                        warned = true;
+                    }
+                    let (socket, log) = (daemon.socket.clone(), daemon.log.clone());
+                    daemons[index] = spawn_daemon(binary, &shares[index], &socket, &log, sandbox)?;
+                    retry.push(index);
+                }
+                StartOutcome::TimedOut => {
+                    return Err(VirtiofsdError::Timeout {
+                        host: daemon.host.clone(),
+                        socket: daemon.socket.clone(),
+                        log: daemon.log.clone(),
+                        tail: daemon.log_tail(),
+                    });
+                }
+            }
+        }
+        pending = retry;
+    }
+    Ok(())
+}
+
+fn record_failure(file: &Path, failure: &str) {
+    use std::io::Write;
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .and_then(|mut f| writeln!(f, "{failure}"));
+    if let Err(e) = appended {
+        tracing::warn!("cannot record the failure in {}: {e}", file.display());
+    }
+}
+
+/// The watcher thread: reports daemons that die while the VM runs.
+fn watch(shared: &Shared) {
+    let mut state = shared.lock();
+    while !state.stopping {
+        let mut new_failures = Vec::new();
+        for daemon in state.daemons.iter_mut() {
+            if daemon.status.is_some() {
+                continue;
+            }
+            let status = match daemon.poll_exit() {
+                Ok(None) => continue,
+                Ok(Some(status)) if status.success() => {
+                    // virtiofsd exits cleanly only when its VMM disconnects, that is
+                    // when the VM is going away: not a failure.
+                    tracing::info!(host = %daemon.host.display(), "virtiofsd exited: its VMM disconnected");
+                    continue;
+                }
+                Ok(Some(status)) => status.to_string(),
+                Err(e) => {
+                    // Someone else reaped it; do not look at that pid again.
+                    daemon.status = Some(ExitStatus::default());
+                    format!("status unknown: {e}")
+                }
+            };
+            new_failures.push(format!(
+                "virtiofsd for {} exited unexpectedly ({status}); the VM can no longer use \
+                 that share (its files on the host are untouched); restart the VM with \
+                 'vmctl stop'",
+                daemon.host.display()
+            ));
+        }
+        for failure in &new_failures {
+            tracing::error!("{failure}");
+            eprintln!("vmctl: {failure}");
+            if let Some(file) = &state.failure_file {
+                record_failure(file, failure);
+            }
+        }
+        state.failures.extend(new_failures);
+        state = shared
+            .wake
+            .wait_timeout(state, WATCH_POLL)
+            .map(|(guard, _)| guard)
+            .unwrap_or_else(|e| e.into_inner().0);
+    }
+}
+
+impl FsDaemons {
+    /// The daemons that died while the VM ran, one message each (without a `vmctl:`
+    /// prefix; each was printed to stderr when it happened).
+    #[cfg(test)]
+    pub fn failures(&self) -> Vec<String> {
+        self.shared.lock().failures.clone()
+    }
+
+    /// Appends each later failure to `file` as a line (besides printing it).
+    pub fn record_failures_in(&self, file: PathBuf) {
+        self.shared.lock().failure_file = Some(file);
+    }
+
+    /// Stops the daemons (as dropping does).
+    pub fn stop(self) {}
+
+    fn shutdown(&mut self) {
+        self.shared.lock().stopping = true;
+        self.shared.wake.notify_all();
+        if let Some(watcher) = self.watcher.take() {
+            if watcher.join().is_err() {
+                tracing::error!("the virtiofsd watcher panicked");
+            }
+        }
+        let mut daemons = std::mem::take(&mut self.shared.lock().daemons);
+        terminate(&mut daemons);
+    }
+}
+
+impl Drop for FsDaemons {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL; reaps every daemon and removes
+/// its socket.
+fn terminate(daemons: &mut [Daemon]) {
+    for daemon in daemons.iter_mut() {
+        if let Ok(None) = daemon.poll_exit() {
+            let pid = daemon.child.id() as libc::pid_t;
+            // SAFETY: the child is not reaped yet, so the pid is still its own.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while Instant::now() < deadline
+        && daemons
+            .iter_mut()
+            .any(|daemon| matches!(daemon.poll_exit(), Ok(None)))
+    {
+        std::thread::sleep(START_POLL);
+    }
+    for daemon in daemons.iter_mut() {
+        if let Ok(None) = daemon.poll_exit() {
+            tracing::warn!(host = %daemon.host.display(), "virtiofsd ignored SIGTERM; killing it");
+            let _ = daemon.child.kill();
+            daemon.status = daemon.child.wait().ok();
+        }
+        // virtiofsd keeps a pid file beside its socket.
+        let mut pid_file = daemon.socket.clone().into_os_string();
+        pid_file.push(".pid");
+        for path in [daemon.socket.clone(), PathBuf::from(pid_file)] {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!(path = %path.display(), "cannot remove: {e}");
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn share(host: &Path, read_only: bool) -> Share {
+        Share {
+            host: host.to_path_buf(),
+            guest: "/g".into(),
+            read_only,
+        }
+    }
+
+    fn args_of(share: &Share, sandbox: Sandbox) -> Vec<String> {
+        daemon_args(share, Path::new("/s/fs0.sock"), sandbox)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn arguments_name_the_share_socket_and_sandbox() {
+        let args = args_of(&share(Path::new("/h"), false), Sandbox::Namespace);
+        assert_eq!(
+            args.join(" "),
+            "--shared-dir /h --socket-path /s/fs0.sock --cache auto --thread-pool-size 0 \
+             --inode-file-handles=never --log-level warn --sandbox namespace --seccomp kill"
+        );
+        let args = args_of(&share(Path::new("/h"), true), Sandbox::None);
+        assert!(args.join(" ").contains("--sandbox none"));
+        assert_eq!(args.last().map(String::as_str), Some("--readonly"));
+    }
+
+    #[test]
+    fn only_an_unprivileged_namespace_failure_falls_back_to_no_sandbox() {
+        let failed = ExitStatus::from_raw(1 << 8);
+        let clean = ExitStatus::from_raw(0);
+        assert_eq!(
+            fallback_sandbox(false, Sandbox::Namespace, failed),
+            Some(Sandbox::None)
+        );
+        assert_eq!(fallback_sandbox(true, Sandbox::Namespace, failed), None);
+        assert_eq!(fallback_sandbox(false, Sandbox::None, failed), None);
+        assert_eq!(fallback_sandbox(false, Sandbox::Namespace, clean), None);
+    }
+
+    #[test]
+    fn the_binary_is_looked_for_in_order() {
+        let os = |s: &str| Some(OsString::from(s));
+        let candidates = virtiofsd_candidates(
+            Some(OsStr::new("/a::relative:/b")),
+            Some(OsStr::new("/home/u")),
+        );
+        assert_eq!(
+            candidates,
+            [
+                "/a/virtiofsd",
+                "/b/virtiofsd",
+                "/home/u/.cargo/bin/virtiofsd",
+                "/usr/libexec/virtiofsd",
+                "/usr/lib/qemu/virtiofsd"
+            ]
+            .map(PathBuf::from)
+        );
+        let only = |wanted: &'static str| move |p: &Path| p == Path::new(wanted);
+        assert_eq!(
+            find_virtiofsd_in(None, os("/a:/b"), os("/h"), only("/b/virtiofsd")).unwrap(),
+            PathBuf::from("/b/virtiofsd")
+        );
+        assert_eq!(
+            find_virtiofsd_in(None, os("/a"), os("/h"), only("/h/.cargo/bin/virtiofsd")).unwrap(),
+            PathBuf::from("/h/.cargo/bin/virtiofsd")
+        );
+        assert_eq!(
+            find_virtiofsd_in(os("/x/vfs"), os("/a"), None, only("/x/vfs")).unwrap(),
+            PathBuf::from("/x/vfs")
+        );
+        // A named binary that is missing is an error, not a reason to look elsewhere.
+        assert!(matches!(
+            find_virtiofsd_in(os("/x/vfs"), os("/a"), None, only("/a/virtiofsd")),
+            Err(VirtiofsdError::OverrideNotExecutable(_))
+        ));
+        let error = find_virtiofsd_in(None, os("/a"), None, |_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("/a/virtiofsd") && error.contains("cargo install virtiofsd"),
+            "{error}"
+        );
+    }
+
+    /// A stand-in for virtiofsd: creates its "socket", then fails when asked for the
+    /// namespace sandbox (as where user namespaces are disabled), else waits.
+    fn fake_virtiofsd(dir: &Path, namespace_behaviour: &str) -> PathBuf {
+        let path = dir.join("fake-virtiofsd");
+        let script = format!(
+            "#!/bin/sh\n\
+             while [ $# -gt 0 ]; do\n\
+               case \"$1\" in\n\
+                 --socket-path) socket=\"$2\"; shift;;\n\
+                 --sandbox) sandbox=\"$2\"; shift;;\n\
+               esac\n\
+               shift\n\
+             done\n\
+             : > \"$socket\"\n\
+             if [ \"$sandbox\" = namespace ]; then {namespace_behaviour}; fi\n\
+             exec sleep 600\n"
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    fn wait_for_failure(daemons: &FsDaemons) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while daemons.failures().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        daemons.failures()
+    }
+
+    fn daemon_pids(daemons: &FsDaemons) -> Vec<libc::pid_t> {
+        daemons
+            .shared
+            .lock()
+            .daemons
+            .iter()
+            .map(|d| d.child.id() as libc::pid_t)
+            .collect()
+    }
+
+    fn is_reaped(pid: libc::pid_t) -> bool {
+        // SAFETY: signal 0 only checks whether the pid exists.
+        unsafe { libc::kill(pid, 0) != 0 }
+    }
+
+    #[test]
+    fn a_failed_namespace_sandbox_is_retried_without_and_deaths_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), "echo 'fake: cannot unshare' >&2; exit 1");
+        let shared = [share(dir.path(), false), share(dir.path(), true)];
+        let (daemons, devices) = start_as(&fake, &shared, dir.path(), dir.path(), false).unwrap();
+        assert_eq!(
+            devices,
+            [0, 1].map(|i| FsConfig {
+                socket_path: dir.path().join(format!("fs{i}.sock")),
+                tag: format!("vmctl{i}"),
+            })
+        );
+        let log = std::fs::read_to_string(dir.path().join("virtiofsd-1.log")).unwrap();
+        assert!(log.contains("cannot unshare"), "{log}");
+        assert!(daemons
+            .shared
+            .lock()
+            .daemons
+            .iter()
+            .all(|d| d.sandbox == Sandbox::None));
+        assert!(daemons.failures().is_empty());
+
+        let pids = daemon_pids(&daemons);
+        // SAFETY: the daemon is our unreaped child.
+        unsafe { libc::kill(pids[1], libc::SIGKILL) };
+        let failures = wait_for_failure(&daemons);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].contains(&dir.path().display().to_string()));
+        assert!(failures[0].contains("SIGKILL"), "{}", failures[0]);
+        daemons.stop();
+        assert!(pids.into_iter().all(is_reaped));
+        assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    #[test]
+    fn a_daemon_that_fails_to_start_is_reported_with_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), "echo 'fake: boom' >&2; exit 3");
+        let error = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            true,
+        )
+        .err()
+        .expect("the start-up fails")
+        .to_string();
+        assert!(error.contains("exit status: 3"), "{error}");
+        assert!(error.contains("fake: boom"), "{error}");
+        assert!(error.contains(&dir.path().display().to_string()), "{error}");
+        assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    #[test]
+    fn real_virtiofsd_serves_a_share_and_its_death_is_reported() {
+        let binary = match find_virtiofsd() {
+            Ok(binary) => binary,
+            Err(e) => {
+                eprintln!("SKIPPED: virtiofsd not installed ({e})");
+                return;
+            }
+        };
+        let share_dir = tempfile::tempdir().unwrap();
+        let state_dir = tempfile::tempdir().unwrap();
+        let (daemons, devices) = start(
+            &binary,
+            &[shares::workspace_share(share_dir.path())],
+            state_dir.path(),
+            state_dir.path(),
+        )
+        .unwrap();
+        let socket = &devices[0].socket_path;
+        assert!(socket.exists());
+        assert!(daemons.failures().is_empty());
+        let pids = daemon_pids(&daemons);
+        // SAFETY: the daemon is our unreaped child.
+        unsafe { libc::kill(pids[0], libc::SIGKILL) };
+        let failures = wait_for_failure(&daemons);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].contains("exited unexpectedly"));
+        drop(daemons);
+        assert!(is_reaped(pids[0]));
+        assert!(!socket.exists());
+    }
+}

@@ -1,0 +1,230 @@
+//! The vhost-user session with the backend (virtiofsd), on the rust-vmm `vhost`
+//! crate's frontend.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::Arc;
+
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::memory::GuestMemoryMmap;
+
+/// VHOST_USER_F_PROTOCOL_FEATURES: a virtio feature bit that only the vhost-user
+/// session uses; never offered to the guest.
+const PROTOCOL_FEATURES_BIT: u64 = 1 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("cannot connect to the backend at {path}: {source} (is virtiofsd running there?)")]
+    Connect { path: String, source: vhost::Error },
+    #[error("the backend refused {step}: {source}")]
+    Request {
+        step: &'static str,
+        source: vhost::Error,
+    },
+    #[error("the backend does not offer VIRTIO_F_VERSION_1")]
+    NotModern,
+    #[error("the backend serves {got} queues; this device needs {needed}")]
+    TooFewQueues { got: u64, needed: usize },
+    #[error("guest memory region at {addr:#x} has no file behind it to share with the backend")]
+    UnsharedMemory { addr: u64 },
+    #[error(
+        "queue {index}: its {ring} at {addr:#x}+{len:#x} is not inside one guest memory region"
+    )]
+    RingOutsideMemory {
+        index: usize,
+        ring: &'static str,
+        addr: u64,
+        len: u64,
+    },
+}
+
+/// A connected backend.
+pub struct Backend {
+    frontend: Frontend,
+    virtio_features: u64,
+    protocol_features: bool,
+}
+
+fn request(step: &'static str) -> impl FnOnce(vhost::Error) -> BackendError {
+    move |source| BackendError::Request { step, source }
+}
+
+impl Backend {
+    pub fn connect(socket: &Path, queues: usize) -> Result<Self, BackendError> {
+        let mut frontend =
+            Frontend::connect(socket, queues as u64).map_err(|source| BackendError::Connect {
+                path: socket.display().to_string(),
+                source,
+            })?;
+        frontend.set_owner().map_err(request("SET_OWNER"))?;
+        let virtio_features = frontend.get_features().map_err(request("GET_FEATURES"))?;
+        let protocol_features = virtio_features & PROTOCOL_FEATURES_BIT != 0;
+        if protocol_features {
+            let offered = frontend
+                .get_protocol_features()
+                .map_err(request("GET_PROTOCOL_FEATURES"))?;
+            let wanted = VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK;
+            frontend
+                .set_protocol_features(offered & wanted)
+                .map_err(request("SET_PROTOCOL_FEATURES"))?;
+            if offered.contains(VhostUserProtocolFeatures::MQ) {
+                let got = frontend.get_queue_num().map_err(request("GET_QUEUE_NUM"))?;
+                if got < queues as u64 {
+                    return Err(BackendError::TooFewQueues {
+                        got,
+                        needed: queues,
+                    });
+                }
+            }
+        }
+        Ok(Self {
+            frontend,
+            virtio_features,
+            protocol_features,
+        })
+    }
+
+    pub fn virtio_features(&self) -> u64 {
+        self.virtio_features
+    }
+
+    /// A descriptor of the session's socket, to poll for the backend hanging up.
+    pub fn hangup_fd(&self) -> RawFd {
+        self.frontend.as_raw_fd()
+    }
+
+    /// Hands the guest's memory and the driver's rings to the backend and starts it.
+    pub fn start(
+        &mut self,
+        guest_features: u64,
+        memory: &GuestMemoryMmap,
+        queues: &[Queue],
+        calls: &[EventFd],
+        kicks: &[Arc<EventFd>],
+    ) -> Result<(), BackendError> {
+        let mut features = guest_features;
+        if self.protocol_features {
+            features |= PROTOCOL_FEATURES_BIT;
+        }
+        self.frontend
+            .set_features(features)
+            .map_err(request("SET_FEATURES"))?;
+        let regions = memory
+            .iter()
+            .map(|region| {
+                VhostUserMemoryRegionInfo::from_guest_region(region).map_err(|_| {
+                    BackendError::UnsharedMemory {
+                        addr: region.start_addr().0,
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.frontend
+            .set_mem_table(&regions)
+            .map_err(request("SET_MEM_TABLE"))?;
+        for (index, ((queue, call), kick)) in queues.iter().zip(calls).zip(kicks).enumerate() {
+            let size = queue.size();
+            let ring = |ring, addr, len| host_address(memory, index, ring, addr, len);
+            let config = VringConfigData {
+                queue_max_size: queue.max_size(),
+                queue_size: size,
+                flags: 0,
+                desc_table_addr: ring(
+                    "descriptor table",
+                    queue.desc_table(),
+                    16 * u64::from(size),
+                )?,
+                used_ring_addr: ring("used ring", queue.used_ring(), 6 + 8 * u64::from(size))?,
+                avail_ring_addr: ring(
+                    "available ring",
+                    queue.avail_ring(),
+                    6 + 2 * u64::from(size),
+                )?,
+                log_addr: None,
+            };
+            self.frontend
+                .set_vring_num(index, size)
+                .map_err(request("SET_VRING_NUM"))?;
+            self.frontend
+                .set_vring_addr(index, &config)
+                .map_err(request("SET_VRING_ADDR"))?;
+            self.frontend
+                .set_vring_base(index, 0)
+                .map_err(request("SET_VRING_BASE"))?;
+            self.frontend
+                .set_vring_call(index, call)
+                .map_err(request("SET_VRING_CALL"))?;
+            self.frontend
+                .set_vring_kick(index, kick)
+                .map_err(request("SET_VRING_KICK"))?;
+            if self.protocol_features {
+                self.frontend
+                    .set_vring_enable(index, true)
+                    .map_err(request("SET_VRING_ENABLE"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the rings (GET_VRING_BASE) after a device reset; a backend that is gone
+    /// has nothing to stop.
+    pub fn stop_rings(&mut self, queues: usize) {
+        for index in 0..queues {
+            if let Err(e) = self.frontend.get_vring_base(index) {
+                tracing::debug!("virtio-fs: stopping ring {index}: {e}");
+            }
+        }
+    }
+}
+
+/// The VMM's virtual address of a ring the driver placed at `addr`, which the backend
+/// translates through the memory table. The whole ring must lie in one region.
+fn host_address(
+    memory: &GuestMemoryMmap,
+    index: usize,
+    ring: &'static str,
+    addr: u64,
+    len: u64,
+) -> Result<u64, BackendError> {
+    let outside = || BackendError::RingOutsideMemory {
+        index,
+        ring,
+        addr,
+        len,
+    };
+    let (region, offset) = memory
+        .to_region_addr(GuestAddress(addr))
+        .ok_or_else(outside)?;
+    let end = offset.0.checked_add(len).ok_or_else(outside)?;
+    if end > region.len() {
+        return Err(outside());
+    }
+    let host = memory
+        .get_host_address(GuestAddress(addr))
+        .map_err(|_| outside())?;
+    Ok(host as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::create_guest_ram;
+
+    #[test]
+    fn rings_must_sit_inside_one_region() {
+        let ram = create_guest_ram(4 << 20).unwrap();
+        let memory = &ram.memory;
+        let base = memory.get_host_address(GuestAddress(0x1000)).unwrap() as u64;
+        assert_eq!(host_address(memory, 0, "ring", 0x1000, 64).unwrap(), base);
+        let end = 4 << 20;
+        assert!(host_address(memory, 0, "ring", end - 8, 16).is_err());
+        assert!(host_address(memory, 0, "ring", end, 1).is_err());
+        assert!(host_address(memory, 0, "ring", u64::MAX - 4, 16).is_err());
+    }
+}

@@ -1,0 +1,201 @@
+//! virtio-fs (virtio 1.2, section 5.11) through a vhost-user backend: virtiofsd
+//! serves the FUSE requests straight from guest memory (the memfd it maps), kicked by
+//! the queues' ioeventfds. The VMM only sets the session up, turns the backend's
+//! "used buffers" signals into interrupts, and, if the backend goes away, answers the
+//! guest's requests with EIO itself so nothing in the guest hangs on a dead share.
+
+mod backend;
+mod fallback;
+mod worker;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use self::backend::{Backend, BackendError};
+use self::worker::{Worker, WorkerHandle};
+use super::{ActivateError, InterruptTrigger, VirtioDevice, FEATURE_VERSION_1};
+use crate::config::MAX_FS_TAG_LEN;
+use crate::memory::GuestMemoryMmap;
+
+pub const DEVICE_ID_FS: u32 = 26;
+/// One high-priority queue (FORGET, INTERRUPT) and one request queue.
+pub const NUM_QUEUES: usize = 2;
+pub const QUEUE_SIZE: u16 = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("virtio-fs tag {tag:?}: a tag is 1 to {MAX_FS_TAG_LEN} bytes")]
+    BadTag { tag: String },
+    #[error("virtio-fs {tag:?}: {source}")]
+    Backend { tag: String, source: BackendError },
+}
+
+/// The virtio-fs device of one share.
+pub struct VhostUserFs {
+    tag: String,
+    backend: Backend,
+    /// What the guest may negotiate: the backend's transport features we support.
+    avail_features: u64,
+    acked_features: u64,
+    queue_max_sizes: [u16; NUM_QUEUES],
+    /// The queues' ioeventfds (clones of those registered with KVM): the backend's
+    /// kick descriptors.
+    kicks: Vec<Arc<EventFd>>,
+    worker: Option<WorkerHandle>,
+}
+
+/// Transport features we let the guest and backend agree on.
+const SUPPORTED_FEATURES: u64 = FEATURE_VERSION_1
+    | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+    | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC);
+
+impl VhostUserFs {
+    /// Connects to the backend listening on `socket` and negotiates what does not
+    /// depend on the guest.
+    pub fn connect(socket: &Path, tag: &str) -> Result<Self, FsError> {
+        if tag.is_empty() || tag.len() > MAX_FS_TAG_LEN {
+            return Err(FsError::BadTag { tag: tag.into() });
+        }
+        let backend_error = |source| FsError::Backend {
+            tag: tag.into(),
+            source,
+        };
+        let backend = Backend::connect(socket, NUM_QUEUES).map_err(backend_error)?;
+        let avail_features = backend.virtio_features() & SUPPORTED_FEATURES;
+        if avail_features & FEATURE_VERSION_1 == 0 {
+            return Err(backend_error(BackendError::NotModern));
+        }
+        Ok(Self {
+            tag: tag.into(),
+            backend,
+            avail_features,
+            acked_features: 0,
+            queue_max_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            kicks: Vec::new(),
+            worker: None,
+        })
+    }
+
+    /// struct virtio_fs_config: the tag, NUL-padded, then num_request_queues.
+    fn config_space(&self) -> [u8; MAX_FS_TAG_LEN + 4] {
+        let mut config = [0u8; MAX_FS_TAG_LEN + 4];
+        config[..self.tag.len()].copy_from_slice(self.tag.as_bytes());
+        let request_queues = (NUM_QUEUES as u32 - 1).to_le_bytes();
+        config[MAX_FS_TAG_LEN..].copy_from_slice(&request_queues);
+        config
+    }
+
+    fn stop_worker(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            worker.stop();
+        }
+    }
+}
+
+impl VirtioDevice for VhostUserFs {
+    fn device_type(&self) -> u32 {
+        DEVICE_ID_FS
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        self.avail_features
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features;
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        super::read_config_bytes(&self.config_space(), offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            "virtio-fs {:?}: ignoring a write of {} bytes to its read-only config at {offset:#x}",
+            self.tag,
+            data.len()
+        );
+    }
+
+    fn attach_queue_events(&mut self, events: &[EventFd]) -> Result<bool, std::io::Error> {
+        self.kicks = events
+            .iter()
+            .map(|e| e.try_clone().map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        Ok(true)
+    }
+
+    fn activate(
+        &mut self,
+        memory: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: InterruptTrigger,
+    ) -> Result<(), ActivateError> {
+        self.stop_worker();
+        let got = queues.len();
+        if got != NUM_QUEUES || self.kicks.len() != NUM_QUEUES {
+            return Err(ActivateError::QueueCount {
+                expected: NUM_QUEUES,
+                got,
+            });
+        }
+        if let Some(index) = queues.iter().position(|q| !virtio_queue::QueueT::ready(q)) {
+            return Err(ActivateError::InvalidQueue { index });
+        }
+        let calls = (0..NUM_QUEUES)
+            .map(|_| EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ActivateError::Device(format!("virtio-fs: eventfd: {e}")))?;
+        self.backend
+            .start(self.acked_features, &memory, &queues, &calls, &self.kicks)
+            .map_err(|e| ActivateError::Device(format!("virtio-fs {:?}: {e}", self.tag)))?;
+        let worker = Worker::new(
+            self.tag.clone(),
+            self.backend.hangup_fd(),
+            calls,
+            self.kicks.clone(),
+            memory,
+            queues,
+            interrupt,
+        )
+        .map_err(|e| ActivateError::Device(format!("virtio-fs {:?}: {e}", self.tag)))?;
+        self.worker = Some(
+            worker
+                .spawn()
+                .map_err(|e| ActivateError::Device(format!("virtio-fs {:?}: {e}", self.tag)))?,
+        );
+        Ok(())
+    }
+
+    fn process_queue(&mut self, index: usize) {
+        // The backend reads the kicks itself; a trapped QueueNotify only lands here
+        // when ioeventfds are unavailable, so forward it.
+        if let Some(kick) = self.kicks.get(index) {
+            if let Err(e) = kick.write(1) {
+                tracing::warn!("virtio-fs {:?}: cannot kick queue {index}: {e}", self.tag);
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.stop_worker();
+        self.backend.stop_rings(NUM_QUEUES);
+        self.acked_features = 0;
+    }
+}
+
+impl Drop for VhostUserFs {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+#[cfg(test)]
+mod tests;

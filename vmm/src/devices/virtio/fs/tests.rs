@@ -1,0 +1,129 @@
+use std::sync::atomic::Ordering;
+
+use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::desc::RawDescriptor;
+use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress};
+
+use super::fallback::{fail_requests, take_over};
+use super::*;
+use crate::memory::create_guest_ram;
+
+const W: u16 = VRING_DESC_F_WRITE as u16;
+const N: u16 = VRING_DESC_F_NEXT as u16;
+
+fn raw(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
+    RawDescriptor::from(Descriptor::new(addr, len, flags, next))
+}
+
+/// A FUSE request header: len, opcode, unique, then the rest (zeros).
+fn request_header(opcode: u32, unique: u64) -> [u8; 40] {
+    let mut header = [0u8; 40];
+    header[0..4].copy_from_slice(&40u32.to_le_bytes());
+    header[4..8].copy_from_slice(&opcode.to_le_bytes());
+    header[8..16].copy_from_slice(&unique.to_le_bytes());
+    header
+}
+
+fn used_entries(vq: &MockSplitQueue<GuestMemoryMmap>) -> Vec<(u32, u32)> {
+    (0..vq.used().idx().load())
+        .map(|i| {
+            let e = vq.used().ring().ref_at(i as usize).unwrap().load();
+            (e.id(), e.len())
+        })
+        .collect()
+}
+
+#[test]
+fn without_a_backend_requests_fail_with_eio() {
+    let ram = create_guest_ram(4 << 20).unwrap();
+    let mem = &ram.memory;
+    mem.write_slice(&request_header(1, 0xabcd), GuestAddress(0x10_0000))
+        .unwrap();
+    mem.write_slice(&[0xffu8; 64], GuestAddress(0x11_0000))
+        .unwrap();
+    // FORGET (opcode 2) has no reply buffer.
+    mem.write_slice(&request_header(2, 7), GuestAddress(0x12_0000))
+        .unwrap();
+    let vq = MockSplitQueue::new(mem, 16);
+    vq.add_desc_chains(
+        &[
+            raw(0x10_0000, 40, N, 1),
+            raw(0x11_0000, 64, W, 0),
+            raw(0x12_0000, 40, 0, 0),
+            raw(0x13_0000, 8, N, 4), // too short for a header
+            raw(0x14_0000, 64, W, 0),
+        ],
+        0,
+    )
+    .unwrap();
+    let mut queue: Queue = vq.create_queue().unwrap();
+    take_over(&mut queue, mem);
+    assert!(fail_requests(&mut queue, mem));
+    assert_eq!(used_entries(&vq), vec![(0, 16), (2, 0), (3, 0)]);
+    let mut reply = [0u8; 16];
+    mem.read_slice(&mut reply, GuestAddress(0x11_0000)).unwrap();
+    assert_eq!(u32::from_le_bytes(reply[0..4].try_into().unwrap()), 16);
+    assert_eq!(
+        i32::from_le_bytes(reply[4..8].try_into().unwrap()),
+        -libc::EIO
+    );
+    assert_eq!(u64::from_le_bytes(reply[8..16].try_into().unwrap()), 0xabcd);
+}
+
+#[test]
+fn the_takeover_resumes_where_the_backend_stopped_answering() {
+    let ram = create_guest_ram(4 << 20).unwrap();
+    let mem = &ram.memory;
+    for i in 0..3u64 {
+        mem.write_slice(&request_header(15, i), GuestAddress(0x10_0000 + i * 0x1000))
+            .unwrap();
+    }
+    let vq = MockSplitQueue::new(mem, 16);
+    vq.add_desc_chains(
+        &[
+            raw(0x10_0000, 40, N, 1),
+            raw(0x20_0000, 64, W, 0),
+            raw(0x10_1000, 40, N, 3),
+            raw(0x20_1000, 64, W, 0),
+            raw(0x10_2000, 40, N, 5),
+            raw(0x20_2000, 64, W, 0),
+        ],
+        0,
+    )
+    .unwrap();
+    // The backend answered the first request and had taken the second.
+    let mut backend_view: Queue = vq.create_queue().unwrap();
+    let first = backend_view.pop_descriptor_chain(mem).unwrap();
+    backend_view.add_used(mem, first.head_index(), 100).unwrap();
+    backend_view.pop_descriptor_chain(mem).unwrap();
+
+    let mut queue: Queue = vq.create_queue().unwrap();
+    take_over(&mut queue, mem);
+    assert_eq!(queue.next_avail(), 1);
+    fail_requests(&mut queue, mem);
+    assert_eq!(used_entries(&vq), vec![(0, 100), (2, 16), (4, 16)]);
+    assert_eq!(queue.used_idx(mem, Ordering::Acquire).unwrap().0, 3);
+}
+
+#[test]
+fn connect_errors_name_the_socket_and_check_the_tag() {
+    let missing = std::path::Path::new("/nonexistent/vmm-test-virtiofsd.sock");
+    let Err(err) = VhostUserFs::connect(missing, "share") else {
+        panic!("connected to a socket that does not exist");
+    };
+    let text = err.to_string();
+    assert!(
+        text.contains("/nonexistent/vmm-test-virtiofsd.sock"),
+        "{text}"
+    );
+    assert!(text.contains("virtiofsd"), "{text}");
+    for bad in ["", &"x".repeat(MAX_FS_TAG_LEN + 1)] {
+        assert!(matches!(
+            VhostUserFs::connect(missing, bad),
+            Err(FsError::BadTag { .. })
+        ));
+    }
+}

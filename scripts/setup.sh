@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh Debian 12 machine: system packages, vmctl, the guest
 # kernel (and the nested host's, where there is no hardware KVM) and the test/hello
-# initramfs, the guest agent and the guest root filesystem (Debian + the agent CLIs).
+# initramfs, the guest agent, the guest root filesystem (Debian + the agent CLIs) and
+# virtiofsd (which serves the workspace to the guest).
 # Idempotent and quiet unless something is wrong;
 # the kernel build (first run only, ~6-10 min on 2 cores) shows its progress.
 #
@@ -14,7 +15,12 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc libc6-dev
-          make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq)
+          make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq git
+          libcap-ng-dev libseccomp-dev pkg-config)
+
+# The virtiofsd serving workspace shares (crates.io; its build needs libcap-ng and
+# libseccomp).
+virtiofsd_version=1.14.0
 
 say() { echo "setup: $*" >&2; }
 die() { echo "setup: error: $*" >&2; exit 1; }
@@ -43,7 +49,7 @@ quietly() {
     fi
 }
 
-say "[1/6] system packages"
+say "[1/7] system packages"
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
@@ -62,15 +68,15 @@ if (( ${#missing[@]} )); then
 fi
 
 if (( build_vmctl )); then
-    say "[2/6] vmctl (cargo build --release -p vmctl)"
+    say "[2/7] vmctl (cargo build --release -p vmctl)"
     command -v cargo >/dev/null ||
         die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
     (cd "$root" && quietly cargo build --release -p vmctl)
 else
-    say "[2/6] vmctl: skipped (--skip-vmctl)"
+    say "[2/7] vmctl: skipped (--skip-vmctl)"
 fi
 
-say "[3/6] guest kernel (kernel-config/build.sh guest, cached)"
+say "[3/7] guest kernel (kernel-config/build.sh guest, cached)"
 kernel="$("$root/kernel-config/build.sh" guest)"
 # Without hardware KVM, vmctl runs its VMM inside the QEMU-TCG nested host, which
 # boots its own kernel flavour.
@@ -80,14 +86,21 @@ if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
     nested_kernel="$("$root/kernel-config/build.sh" nested-host)"
 fi
 
-say "[4/6] initramfs (rootfs/build-initramfs.sh, cached)"
+say "[4/7] initramfs (rootfs/build-initramfs.sh, cached)"
 initramfs="$("$root/rootfs/build-initramfs.sh")"
 
-say "[5/6] guest agent (guest-agent/build-initramfs.sh)"
+say "[5/7] guest agent (guest-agent/build-initramfs.sh)"
 agent="$("$root/guest-agent/build-initramfs.sh")"
 
-say "[6/6] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
+say "[6/7] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
 rootfs="$("$root/rootfs/build-rootfs.sh")"
+
+say "[7/7] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
+virtiofsd="$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")"
+if [[ "$("$virtiofsd" --version 2>/dev/null)" != "virtiofsd $virtiofsd_version" ]]; then
+    quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
+    virtiofsd="$HOME/.cargo/bin/virtiofsd"
+fi
 
 say "done"
 say "  vmctl:     ${CARGO_TARGET_DIR:-$root/target}/release/vmctl"
@@ -96,3 +109,4 @@ say "  kernel:    $kernel"
 say "  initramfs: $initramfs"
 say "  agent:     $agent"
 say "  rootfs:    $rootfs"
+say "  virtiofsd: $virtiofsd"

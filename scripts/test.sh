@@ -41,6 +41,8 @@ VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh)" || die "building the g
 say "guest root filesystem (rootfs/build-rootfs.sh)"
 VMCTL_ROOTFS="$(rootfs/build-rootfs.sh)" || die "no guest root filesystem: run scripts/setup.sh"
 export VMCTL_AGENT_INITRAMFS VMCTL_ROOTFS
+command -v virtiofsd >/dev/null || [[ -x "$HOME/.cargo/bin/virtiofsd" ]] ||
+    die "no virtiofsd (workspace VMs share their workspace through it): run scripts/setup.sh"
 say "vmctl (cargo build --release -p vmctl)"
 cargo build --release --quiet -p vmctl || die "building vmctl failed"
 VMCTL_BIN="$target_dir/release/vmctl"

@@ -490,6 +490,19 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         }
         cmd.env(k, v);
     }
+    // A working directory the guest does not have (a host directory outside the
+    // shares) falls back to the home directory; one that exists but cannot be used
+    // (a share whose server died: EIO) is an error, never a silent move elsewhere.
+    if let Some(dir) = req.cwd.as_deref() {
+        match std::fs::metadata(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(ServerError::BadRequest(format!(
+                    "cannot use the working directory {dir}: {e}"
+                )));
+            }
+            _ => {}
+        }
+    }
     let cwd = req
         .cwd
         .as_deref()

@@ -92,8 +92,13 @@ pub fn run_vmm_sharing(
     let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
         return run_vmm(config, report_boot_time, vmm_start);
     };
-    let (daemons, filesystems) =
-        virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, socket_dir)?;
+    let (daemons, filesystems) = virtiofsd::start(
+        &set.virtiofsd,
+        &set.shares,
+        socket_dir,
+        socket_dir,
+        virtiofsd::Cache::Auto,
+    )?;
     if let Some(file) = &set.failure_file {
         daemons.record_failures_in(file.clone());
     }

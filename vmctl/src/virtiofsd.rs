@@ -169,15 +169,35 @@ const NO_SANDBOX_WARNING: &str = "vmctl: warning: virtiofsd runs without its san
      user namespaces are unavailable to this user: a guest that exploits symlink races could \
      reach host files outside its shares";
 
+/// How the guest may cache a share (virtiofsd's `--cache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cache {
+    /// Close-to-open consistency, attributes and names cached for 1 s: host edits are
+    /// seen promptly, and shared mmap works. For VMs.
+    Auto,
+    /// Nothing cached: for the nested host, which only passes the files on to its own
+    /// virtiofsd (caching them there too would double the memory and the staleness).
+    Never,
+}
+
+impl Cache {
+    fn as_arg(self) -> &'static str {
+        match self {
+            Cache::Auto => "auto",
+            Cache::Never => "never",
+        }
+    }
+}
+
 /// virtiofsd's arguments for `share` on `socket`.
-fn daemon_args(share: &Share, socket: &Path, sandbox: Sandbox) -> Vec<OsString> {
+fn daemon_args(share: &Share, socket: &Path, sandbox: Sandbox, cache: Cache) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec![
         "--shared-dir".into(),
         share.host.clone().into(),
         "--socket-path".into(),
         socket.into(),
         "--cache".into(),
-        "auto".into(),
+        cache.as_arg().into(),
         // No thread pool: replies go out in request order, which the VMM relies on
         // when a daemon dies.
         "--thread-pool-size".into(),
@@ -255,6 +275,7 @@ fn spawn_daemon(
     socket: &Path,
     log: &Path,
     sandbox: Sandbox,
+    cache: Cache,
 ) -> Result<Daemon, VirtiofsdError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -271,7 +292,7 @@ fn spawn_daemon(
         .map_err(io(log))?;
     let log_start = log_file.metadata().map_err(io(log))?.len();
     let stdout = log_file.try_clone().map_err(io(log))?;
-    let args = daemon_args(share, socket, sandbox);
+    let args = daemon_args(share, socket, sandbox, cache);
     tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
     let mut command = Command::new(binary);
     command
@@ -410,10 +431,11 @@ pub fn start(
     shares: &[Share],
     socket_dir: &Path,
     log_dir: &Path,
+    cache: Cache,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
     // SAFETY: geteuid cannot fail.
     let is_root = unsafe { libc::geteuid() } == 0;
-    start_as(binary, shares, socket_dir, log_dir, is_root)
+    start_as(binary, shares, socket_dir, log_dir, is_root, cache)
 }
 
 fn start_as(
@@ -422,9 +444,18 @@ fn start_as(
     socket_dir: &Path,
     log_dir: &Path,
     is_root: bool,
+    cache: Cache,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
     let mut daemons = Vec::with_capacity(shares.len());
-    if let Err(e) = start_all(binary, shares, socket_dir, log_dir, is_root, &mut daemons) {
+    if let Err(e) = start_all(
+        binary,
+        shares,
+        socket_dir,
+        log_dir,
+        is_root,
+        cache,
+        &mut daemons,
+    ) {
         terminate(&mut daemons);
         return Err(e);
     }
@@ -472,6 +503,7 @@ fn start_all(
     socket_dir: &Path,
     log_dir: &Path,
     is_root: bool,
+    cache: Cache,
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
     let socket_of = |index: usize| socket_dir.join(format!("fs{index}.sock"));
@@ -490,6 +522,7 @@ fn start_all(
             &socket_of(index),
             &log_of(index),
             Sandbox::Namespace,
+            cache,
         )?);
     }
     let mut pending: Vec<usize> = (0..daemons.len()).collect();
@@ -528,7 +561,8 @@ fn start_all(
                         warned = true;
                     }
                     let (socket, log) = (daemon.socket.clone(), daemon.log.clone());
-                    daemons[index] = spawn_daemon(binary, &shares[index], &socket, &log, sandbox)?;
+                    daemons[index] =
+                        spawn_daemon(binary, &shares[index], &socket, &log, sandbox, cache)?;
                     retry.push(index);
                 }
                 StartOutcome::TimedOut => {
@@ -692,7 +726,7 @@ mod tests {
     }
 
     fn args_of(share: &Share, sandbox: Sandbox) -> Vec<String> {
-        daemon_args(share, Path::new("/s/fs0.sock"), sandbox)
+        daemon_args(share, Path::new("/s/fs0.sock"), sandbox, Cache::Auto)
             .into_iter()
             .map(|a| a.into_string().unwrap())
             .collect()
@@ -819,7 +853,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), "echo 'fake: cannot unshare' >&2; exit 1");
         let shared = [share(dir.path(), false), share(dir.path(), true)];
-        let (daemons, devices) = start_as(&fake, &shared, dir.path(), dir.path(), false).unwrap();
+        let (daemons, devices) =
+            start_as(&fake, &shared, dir.path(), dir.path(), false, Cache::Auto).unwrap();
         assert_eq!(
             devices,
             [0, 1].map(|i| FsConfig {
@@ -859,6 +894,7 @@ mod tests {
             dir.path(),
             dir.path(),
             true,
+            Cache::Auto,
         )
         .err()
         .expect("the start-up fails")
@@ -885,6 +921,7 @@ mod tests {
             &[shares::workspace_share(share_dir.path())],
             state_dir.path(),
             state_dir.path(),
+            Cache::Auto,
         )
         .unwrap();
         let socket = &devices[0].socket_path;

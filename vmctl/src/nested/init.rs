@@ -92,6 +92,14 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
         mount_9p(&job::shared_dir_tag(index), &dir.path, dir.read_only)
             .map_err(|e| e.to_string())?;
     }
+    for dir in &job.fs_dirs {
+        guest_agent::shares::mount_share(&guest_agent::shares::ShareMount {
+            tag: dir.tag.clone(),
+            path: dir.path.clone(),
+            read_only: dir.read_only,
+        })
+        .map_err(|e| e.to_string())?;
+    }
     match &job.work {
         Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm, vmm_start),
         Work::Vm(vm) => {

@@ -29,6 +29,17 @@ pub struct SharedDir {
     pub read_only: bool,
 }
 
+/// A host directory the nested host mounts over virtio-fs, from a virtiofsd on the
+/// host: the VM's shares, which the nested host's own virtiofsd serves on to the VM.
+/// (Over 9p a file loses its identity when the name it was opened by goes away, e.g.
+/// after a hard link and an unlink, which git does for every object it writes.)
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsDir {
+    pub tag: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Disk {
     pub path: PathBuf,
@@ -81,6 +92,9 @@ pub struct NestedJob {
     /// Host directories mounted at the same path, parents first, in the order of
     /// their tags (`shared_dir_tag`).
     pub shared_dirs: Vec<SharedDir>,
+    /// Host directories mounted at the same path over virtio-fs, after `shared_dirs`,
+    /// parents first.
+    pub fs_dirs: Vec<FsDir>,
 }
 
 /// Memory the nested host needs besides a guest's: its kernel, vmctl, page tables.
@@ -105,23 +119,27 @@ impl NestedJob {
                 path,
                 read_only: false,
             });
-        let share_dirs = shares.into_iter().flat_map(|set| {
-            let shares = set.shares.iter().map(|share| SharedDir {
-                path: share.host.clone(),
-                read_only: share.read_only,
+        // The nested host records a dying virtiofsd where the host can see it.
+        let failure_dir = shares
+            .and_then(|set| set.failure_file.as_ref()?.parent())
+            .map(|dir| SharedDir {
+                path: dir.to_path_buf(),
+                read_only: false,
             });
-            // The nested host records a dying virtiofsd where the host can see it.
-            let failure_dir = set
-                .failure_file
-                .as_ref()
-                .and_then(|file| file.parent())
-                .map(|dir| SharedDir {
-                    path: dir.to_path_buf(),
-                    read_only: false,
-                });
-            shares.chain(failure_dir)
-        });
-        let shared_dirs = mount_order(disk_dirs.chain(share_dirs));
+        let shared_dirs = mount_order(disk_dirs.chain(failure_dir));
+        let fs_dirs = shares
+            .map(|set| {
+                nested_host_shares(set)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, share)| FsDir {
+                        tag: crate::shares::tag(index),
+                        path: share.host,
+                        read_only: share.read_only,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Self {
             work: Work::Vm(VmJob {
                 kernel: config.kernel.clone(),
@@ -144,6 +162,7 @@ impl NestedJob {
             host_vcpus: config.vcpus,
             host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,
             shared_dirs,
+            fs_dirs,
         }
     }
 
@@ -164,8 +183,28 @@ impl NestedJob {
                     read_only: false,
                 })
             })),
+            fs_dirs: Vec::new(),
         }
     }
+}
+
+/// The directories the nested host itself must share from the host so that it can
+/// serve `set` to the VM: each share's host directory once (read-write if any share
+/// of it writes), at its own path, parents first. The host's virtiofsd for share `i`
+/// gets tag `shares::tag(i)`.
+pub fn nested_host_shares(set: &ShareSet) -> Vec<crate::shares::Share> {
+    let dirs = set.shares.iter().map(|share| SharedDir {
+        path: share.host.clone(),
+        read_only: share.read_only,
+    });
+    mount_order(dirs)
+        .into_iter()
+        .map(|dir| crate::shares::Share {
+            host: dir.path.clone(),
+            guest: dir.path,
+            read_only: dir.read_only,
+        })
+        .collect()
 }
 
 /// Directories in mount order: parents before children (so a child mount is not
@@ -257,7 +296,14 @@ mod tests {
             path,
             read_only: false,
         };
-        // sub/ is both a writable disk's directory and a read-only share.
         assert_eq!(back.shared_dirs, vec![rw(dir.clone()), rw(dir.join("sub"))]);
+        assert_eq!(
+            back.fs_dirs,
+            vec![FsDir {
+                tag: "vmctl0".into(),
+                path: dir.join("sub"),
+                read_only: true
+            }]
+        );
     }
 }

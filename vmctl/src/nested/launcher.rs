@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 use vmm::config::VmConfig;
 use vmm_sys_util::signal::register_signal_handler;
 
-use super::job::{self, CommandJob, NestedJob, NestedStatus};
+use super::job::{self, CommandJob, NestedJob, NestedStatus, Work};
 use super::mux::{Mux, Opener, VSOCK_PORT};
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::shares::ShareSet;
+use crate::virtiofsd::{self, FsDaemons, VirtiofsdError};
 use std::sync::Arc;
+use vmm::config::FsConfig;
 
 const QEMU_ENV: &str = "VMCTL_QEMU";
 const QEMU_BINARY: &str = "qemu-system-x86_64";
@@ -44,6 +46,8 @@ pub enum NestedError {
         qemu: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Virtiofsd(#[from] VirtiofsdError),
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
 }
@@ -157,7 +161,10 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
         (true, Some(host_vsock)) => Some(start_vsock_relay(&mux_socket, host_vsock)?),
         _ => None,
     };
+    // Kept until QEMU is gone.
+    let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.0)?;
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, job);
+    add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
     if job.needs_mux() {
         command
             .arg("-chardev")
@@ -230,6 +237,62 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
                 },
             })
         }
+    }
+}
+
+/// Starts the host's virtiofsd for each directory the nested host mounts over
+/// virtio-fs (`NestedJob::fs_dirs`).
+fn start_host_shares(
+    job: &NestedJob,
+    job_dir: &Path,
+) -> Result<(Option<FsDaemons>, Vec<FsConfig>), NestedError> {
+    let Work::Vm(job::VmJob {
+        shares: Some(set), ..
+    }) = &job.work
+    else {
+        return Ok((None, Vec::new()));
+    };
+    if job.fs_dirs.is_empty() {
+        return Ok((None, Vec::new()));
+    }
+    let shares = job::nested_host_shares(set);
+    let (daemons, filesystems) = virtiofsd::start(
+        &set.virtiofsd,
+        &shares,
+        job_dir,
+        job_dir,
+        virtiofsd::Cache::Never,
+    )?;
+    if let Some(file) = &set.failure_file {
+        daemons.record_failures_in(file.clone());
+    }
+    Ok((Some(daemons), filesystems))
+}
+
+/// vhost-user-fs devices for the nested host; their backends map its RAM, so the RAM
+/// becomes a shared memfd.
+fn add_filesystems(command: &mut Command, filesystems: &[FsConfig], memory_mib: u64) {
+    if filesystems.is_empty() {
+        return;
+    }
+    command
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-memfd,id=ram,size={memory_mib}M,share=on"
+        ))
+        .args(["-M", "memory-backend=ram"]);
+    for (index, fs) in filesystems.iter().enumerate() {
+        command
+            .arg("-chardev")
+            .arg(format!(
+                "socket,id=fs{index},path={}",
+                fs.socket_path.display().to_string().replace(',', ",,")
+            ))
+            .arg("-device")
+            .arg(format!(
+                "vhost-user-fs-device,chardev=fs{index},tag={}",
+                fs.tag
+            ));
     }
 }
 

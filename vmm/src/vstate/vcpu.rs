@@ -112,6 +112,19 @@ impl Vcpu {
         }
     }
 
+    /// The registers that say where a crashed guest was, for the error message.
+    fn crash_state(&self) -> String {
+        let regs = self.fd.get_regs();
+        let sregs = self.fd.get_sregs();
+        match (regs, sregs) {
+            (Ok(r), Ok(s)) => format!(
+                "rip {:#x} rsp {:#x} cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} idt {:#x}+{:#x}",
+                r.rip, r.rsp, s.cr0, s.cr2, s.cr3, s.cr4, s.efer, s.idt.base, s.idt.limit
+            ),
+            (Err(e), _) | (_, Err(e)) => format!("registers unavailable: {e}"),
+        }
+    }
+
     /// Runs the guest until its next exit and handles it. `Err` ends the VM.
     fn run_once(&mut self, context: &VcpuContext) -> Result<(), ExitReason> {
         let index = self.index;
@@ -143,8 +156,13 @@ impl Vcpu {
                 Ok(())
             }
             Ok(VcpuExit::Shutdown) => {
-                tracing::info!("vcpu{index}: guest shut down (triple fault or reset)");
-                Err(ExitReason::GuestShutdown)
+                // Our guests reboot through the i8042 (reboot=k); a shutdown exit is a
+                // triple fault: the guest crashed.
+                let state = self.crash_state();
+                tracing::error!("vcpu{index}: the guest crashed (triple fault): {state}");
+                Err(ExitReason::Fatal(format!(
+                    "the guest crashed (triple fault on vCPU {index}: {state})"
+                )))
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 tracing::info!("vcpu{index}: guest system event {kind}");

@@ -47,12 +47,11 @@ pub struct VhostUserFs {
     worker: Option<WorkerHandle>,
 }
 
-/// Transport features we let the guest and backend agree on: plain rings only. With
-/// VIRTIO_RING_F_EVENT_IDX (and INDIRECT_DESC) negotiated, guests through the nested
-/// host lost notifications (requests hung) or crashed under a few hundred small file
-/// writes; without them the same load ran clean. Until that is understood on a
-/// hardware-KVM host, correctness wins over saved notifications.
-const SUPPORTED_FEATURES: u64 = FEATURE_VERSION_1;
+/// Transport features we let the guest and backend agree on. EVENT_IDX matters most:
+/// it lets both sides skip most notifications and interrupts.
+const SUPPORTED_FEATURES: u64 = FEATURE_VERSION_1
+    | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+    | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC);
 
 impl VhostUserFs {
     /// Connects to the backend listening on `socket` and negotiates what does not

@@ -14,6 +14,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use crate::fs::FsBench;
 use crate::report::{
     hardware_kvm, ratios, utc_now, Config, Figure, Machine, Report, NESTED_NOTE, OURS, QEMU,
 };
@@ -45,7 +46,8 @@ usage: cargo bench -p vm-benches -- [OPTIONS]
        vm-bench [OPTIONS]
 
 Boots our VMM and QEMU's microvm side by side and reports boot time and memory;
-then measures the workspace VM (vmctl up, exec through the guest agent).
+then measures the workspace VM (vmctl up, exec through the guest agent), and its
+shared workspace directory over virtio-fs against the host.
 
   --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
                        2 vmctl up, 30 client and 5 CLI exec round trips
@@ -55,6 +57,12 @@ then measures the workspace VM (vmctl up, exec through the guest agent).
   --ready-runs N       vmctl up on fresh workspaces
   --exec-iterations N  round trips of `true` through the guest agent's Rust client
   --cli-iterations N   round trips of `vmctl exec -- true`
+  --fs-mib N           virtio-fs: the sequential file's size in MiB (default 256
+                       on hardware KVM, 64 in the nested host, 16 with --quick)
+  --fs-files N         virtio-fs: small files created and stat-ed, and the git
+                       repository's files (default 10000; nested 1000; quick 200)
+  --fs-runs N          virtio-fs: repetitions per side (default 3; quick 1)
+  --fs-timeout SECS    virtio-fs: per script (default 600)
   --out PATH           JSON report (default: target/bench/boot.json; Markdown next to it)
   --kernel PATH        guest kernel (default: kernel-config/build.sh guest)
   --initrd PATH        base initramfs (default: rootfs/build-initramfs.sh)
@@ -87,6 +95,11 @@ struct Args {
     ready_runs: usize,
     exec_iterations: usize,
     cli_iterations: usize,
+    /// The virtio-fs sizes given on the command line (defaults: [`crate::fs::sizes`]).
+    fs_mib: Option<u64>,
+    fs_files: Option<u64>,
+    fs_runs: Option<usize>,
+    fs_timeout: Duration,
     out: Option<PathBuf>,
     kernel: Option<PathBuf>,
     initrd: Option<PathBuf>,
@@ -110,6 +123,10 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         ready_runs: 0,
         exec_iterations: 0,
         cli_iterations: 0,
+        fs_mib: None,
+        fs_files: None,
+        fs_runs: None,
+        fs_timeout: Duration::from_secs(600),
         out: None,
         kernel: None,
         initrd: None,
@@ -154,6 +171,12 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
                 cli_iterations =
                     Some(number("--cli-iterations", value("--cli-iterations")?)? as usize)
             }
+            "--fs-mib" => a.fs_mib = Some(number("--fs-mib", value("--fs-mib")?)?),
+            "--fs-files" => a.fs_files = Some(number("--fs-files", value("--fs-files")?)?),
+            "--fs-runs" => a.fs_runs = Some(number("--fs-runs", value("--fs-runs")?)? as usize),
+            "--fs-timeout" => {
+                a.fs_timeout = Duration::from_secs(number("--fs-timeout", value("--fs-timeout")?)?)
+            }
             "--agent-initrd" => a.agent_initrd = Some(value("--agent-initrd")?.into()),
             "--rootfs" => a.rootfs = Some(value("--rootfs")?.into()),
             "--out" => a.out = Some(value("--out")?.into()),
@@ -196,12 +219,17 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         a.cli_iterations,
         a.cpus as usize,
         a.memory_mib as usize,
+        a.fs_mib.unwrap_or(1) as usize,
+        a.fs_files.unwrap_or(1) as usize,
+        a.fs_runs.unwrap_or(1),
+        a.fs_timeout.as_secs() as usize,
     ]
     .contains(&0)
     {
         return Err(
             "--runs, --memory-runs, --ready-runs, --exec-iterations, --cli-iterations, \
-                    --cpus and --memory must be at least 1"
+                    --cpus, --memory, --fs-mib, --fs-files, --fs-runs and --fs-timeout must be \
+                    at least 1"
                 .into(),
         );
     }
@@ -219,7 +247,8 @@ pub fn main() -> i32 {
     }
 }
 
-fn say(msg: impl AsRef<str>) {
+/// A progress line on stderr.
+pub(crate) fn say(msg: impl AsRef<str>) {
     eprintln!("vm-bench: {}", msg.as_ref());
 }
 
@@ -291,6 +320,9 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
     };
     report.commit = commit;
     report.dirty = dirty;
+    // A virtio-fs figure that failed is in the report, which is written; the run
+    // still fails.
+    let fs_errors = report.fs.as_ref().map(|f| f.errors()).unwrap_or_default();
 
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let md_path = out.with_extension("md");
@@ -300,6 +332,17 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
     println!("{json}");
     eprintln!("\n{md}");
     say(format!("wrote {} and {}", out.display(), md_path.display()));
+    if !fs_errors.is_empty() {
+        return Err(format!(
+            "{} virtio-fs figure(s) failed (the report was written, with the errors):\n{}",
+            fs_errors.len(),
+            fs_errors
+                .iter()
+                .map(|(what, e)| format!("{what}: {e}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        ));
+    }
     Ok(())
 }
 
@@ -513,6 +556,8 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         &n(args.exec_iterations as u64),
         "--cli-iterations",
         &n(args.cli_iterations as u64),
+        "--fs-timeout",
+        &n(args.fs_timeout.as_secs()),
     ])
     .arg("--kernel")
     .arg(&tools.kernel)
@@ -529,6 +574,16 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     if args.quick {
         cmd.arg("--quick");
     }
+    // Only the sizes given: the inner run picks the nested host's defaults.
+    for (flag, v) in [
+        ("--fs-mib", args.fs_mib),
+        ("--fs-files", args.fs_files),
+        ("--fs-runs", args.fs_runs.map(|r| r as u64)),
+    ] {
+        if let Some(v) = v {
+            cmd.args([flag, &n(v)]);
+        }
+    }
     // Our stdout carries only the JSON: anything the nested host prints goes to stderr.
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(io::stderr()))
@@ -541,7 +596,13 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     let boots = (args.runs + args.memory_runs) as u32 * 2;
     // Each vmctl up, its rm, and the exec phase have their own timeouts too.
     let workspace_steps = (args.ready_runs * 2 + 3) as u32;
-    let limit = Duration::from_secs(180) + args.timeout * (2 * boots + workspace_steps);
+    // virtio-fs: vmctl up and rm; per script its own timeout (probes, git setup and
+    // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop).
+    let fs_runs = crate::fs::sizes(args.quick, true, args.fs_mib, args.fs_files, args.fs_runs).runs;
+    let fs_scripts = (5 + fs_runs * 11) as u32;
+    let limit = Duration::from_secs(180)
+        + args.timeout * (2 * boots + workspace_steps + 2)
+        + args.fs_timeout * fs_scripts;
     let started = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -911,6 +972,21 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         timeout: args.timeout,
     })
     .map_err(|e| format!("workspace VM: {e}"))?;
+
+    // The shared workspace directory, guest against host, in the same environment.
+    // Measuring inside the nested host is what --inner means.
+    let nested = args.inner.is_some();
+    let fs = crate::fs::measure(&FsBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
+        timeout: args.timeout,
+        script_timeout: args.fs_timeout,
+        nested,
+        drop_caches: crate::fs::DROP_CACHES_FILE.into(),
+    });
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -960,6 +1036,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         figures,
         ratios,
         workspace: Some(workspace),
+        fs: Some(fs),
     })
 }
 
@@ -1157,6 +1234,15 @@ mod tests {
         let w = args(&["--ready-runs", "1", "--exec-iterations", "7"]).unwrap();
         assert_eq!((w.ready_runs, w.exec_iterations), (1, 7));
         assert!(args(&["--cli-iterations", "0"]).is_err());
+        assert_eq!((a.fs_mib, a.fs_files, a.fs_runs), (None, None, None));
+        assert_eq!(a.fs_timeout, Duration::from_secs(600));
+        let f = args(&["--fs-mib", "8", "--fs-files", "50", "--fs-runs", "2"]).unwrap();
+        assert_eq!(
+            (f.fs_mib, f.fs_files, f.fs_runs),
+            (Some(8), Some(50), Some(2))
+        );
+        assert!(args(&["--fs-files", "0"]).is_err());
+        assert!(args(&["--fs-runs", "0"]).is_err());
         assert!(args(&["--runs", "0"]).is_err());
         assert!(args(&["--frobnicate"]).is_err());
         assert!(args(&["--nested", "sometimes"]).is_err());

@@ -196,6 +196,9 @@ pub struct Report {
     /// The workspace-VM figures (`vmctl up`, exec through the guest agent).
     #[serde(default)]
     pub workspace: Option<WorkspaceReport>,
+    /// The shared workspace directory (virtio-fs) in the guest against the host.
+    #[serde(default)]
+    pub fs: Option<FsReport>,
 }
 
 /// The workspace VM as `vmctl up` starts it, measured on its own: no QEMU peer.
@@ -327,6 +330,10 @@ impl Report {
             s.push('\n');
             s.push_str(&w.markdown(self.mode == "nested"));
         }
+        if let Some(f) = &self.fs {
+            s.push('\n');
+            s.push_str(&f.markdown());
+        }
         s
     }
 }
@@ -378,6 +385,333 @@ impl WorkspaceReport {
                 f.samples.len(),
                 target
             ));
+        }
+        s
+    }
+}
+
+/// Which way a figure is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Better {
+    /// Times.
+    Lower,
+    /// Throughputs.
+    Higher,
+}
+
+/// How many times slower the guest is than the host, from the two medians: guest /
+/// host for a time (lower is better), host / guest for a throughput (higher is
+/// better), so that above 1 always means the guest is slower. `None` when it is not
+/// defined (a zero denominator, a negative or non-finite value).
+pub fn guest_slowdown(host: f64, guest: f64, better: Better) -> Option<f64> {
+    let (num, den) = match better {
+        Better::Lower => (guest, host),
+        Better::Higher => (host, guest),
+    };
+    let r = num / den;
+    (den > 0.0 && num >= 0.0 && r.is_finite()).then_some(r)
+}
+
+/// The issue's target for a workload: the guest at most `max_slowdown` times slower
+/// than the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlowdownTarget {
+    pub max_slowdown: f64,
+    /// The class of work the target is set for: "metadata" or "sequential I/O".
+    pub class: String,
+    /// `slowdown <= max_slowdown`; `None` without a slowdown (an error).
+    pub met: Option<bool>,
+}
+
+impl SlowdownTarget {
+    pub fn evaluate(max_slowdown: f64, class: &str, slowdown: Option<f64>) -> SlowdownTarget {
+        SlowdownTarget {
+            max_slowdown,
+            class: class.into(),
+            met: slowdown.map(|s| s <= max_slowdown),
+        }
+    }
+}
+
+/// One file-system workload, measured in the guest (through virtio-fs) and on the
+/// host, in the same run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FsFigure {
+    pub name: String,
+    pub unit: String,
+    pub better: Better,
+    /// The workload's size: the file's MiB (sequential I/O) or the number of files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
+    /// `vmm` is "host" or "guest"; `None` when no sample was measured.
+    pub host: Option<Figure>,
+    pub guest: Option<Figure>,
+    /// See [`guest_slowdown`]: above 1 the guest is slower. `None` on an error.
+    pub guest_slowdown: Option<f64>,
+    pub target: SlowdownTarget,
+    /// Why the figure is incomplete (a failed script, a missing `ELAPSED_NS` line):
+    /// then there is no slowdown, whatever samples were taken before are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+pub const HOST: &str = "host";
+pub const GUEST: &str = "guest";
+
+impl FsFigure {
+    /// The figure from both sides' samples; the slowdown and the target's verdict
+    /// only when there is no error and both sides have samples.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: &str,
+        unit: &str,
+        better: Better,
+        (file_mib, files): (Option<u64>, Option<u64>),
+        (max_slowdown, class): (f64, &str),
+        host: Vec<f64>,
+        guest: Vec<f64>,
+        mut error: Option<String>,
+    ) -> FsFigure {
+        let host_n = host.len();
+        let guest_n = guest.len();
+        let host = Figure::new(name, unit, HOST, host);
+        let guest = Figure::new(name, unit, GUEST, guest);
+        if error.is_none() && (host.is_none() || guest.is_none()) {
+            error = Some(format!(
+                "no valid samples (host: {host_n}, guest: {guest_n} taken)"
+            ));
+        }
+        let slowdown = match (&host, &guest, &error) {
+            (Some(h), Some(g), None) => guest_slowdown(h.median, g.median, better),
+            _ => None,
+        };
+        FsFigure {
+            name: name.into(),
+            unit: unit.into(),
+            better,
+            file_mib,
+            files,
+            host,
+            guest,
+            guest_slowdown: slowdown,
+            target: SlowdownTarget::evaluate(max_slowdown, class, slowdown),
+            error,
+        }
+    }
+
+    fn size(&self) -> String {
+        match (self.file_mib, self.files) {
+            (Some(m), _) => format!("{m} MiB"),
+            (None, Some(f)) => format!("{f} files"),
+            (None, None) => String::new(),
+        }
+    }
+}
+
+/// What the benchmark saw of one side: where its workspace directory lives and the
+/// tools it ran.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FsSide {
+    /// "host" or "guest".
+    pub side: String,
+    /// `stat -f -c %T` of the workspace directory.
+    pub fs_type: String,
+    /// `uname -r`.
+    pub kernel: String,
+    pub bash: String,
+    pub git: String,
+    pub uid: String,
+    /// `echo 3 > /proc/sys/vm/drop_caches` before the reads (the host's also before
+    /// the guest's reads): how often it worked and how often it did not.
+    pub cache_drops_ok: usize,
+    pub cache_drops_failed: usize,
+    /// Why this side's caches were not dropped at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_drop_skipped: Option<String>,
+}
+
+impl FsSide {
+    fn caches_dropped(&self) -> String {
+        if let Some(why) = &self.cache_drop_skipped {
+            return format!("skipped ({why})");
+        }
+        match (self.cache_drops_ok, self.cache_drops_failed) {
+            (0, 0) => "not tried",
+            (_, 0) => "yes",
+            (0, _) => "no (not writable)",
+            _ => "partly",
+        }
+        .into()
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FsConfig {
+    /// The sequential file's size, the number of small files (and of the git
+    /// repository's files), repetitions per side.
+    pub file_mib: u64,
+    pub files: u64,
+    pub runs: usize,
+    /// Where the sizes come from: the issue's (hardware KVM), reduced for the
+    /// nested host, --quick, or the --fs-* options.
+    pub sizes: String,
+    /// Per script; per `vmctl up` / `vmctl rm`.
+    pub script_timeout_s: u64,
+    pub timeout_s: u64,
+    pub workspace: String,
+    /// As `vmctl up` recorded them in the VM's `vm.json`.
+    pub vm_cpus: u64,
+    pub vm_memory_mib: u64,
+    pub vm_nested: bool,
+    /// The virtiofsd vmctl finds ($VMCTL_VIRTIOFSD, PATH, ~/.cargo/bin, ...) and its
+    /// `--version`.
+    pub virtiofsd: String,
+}
+
+/// The shared workspace directory, guest against host.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FsReport {
+    pub note: String,
+    /// Where the host side ran (the environment the benchmark runs in, where the
+    /// VMM runs).
+    pub host: String,
+    /// `true` when that is the QEMU-TCG nested host.
+    pub nested: bool,
+    pub config: FsConfig,
+    pub sides: Vec<FsSide>,
+    /// How each side runs a script, and the scripts (the host's, first repetition;
+    /// the guest's name its files `-guest` instead of `-host`).
+    pub commands: Vec<(String, Vec<String>)>,
+    pub scripts: Vec<(String, String)>,
+    pub environment: Vec<(String, String)>,
+    pub figures: Vec<FsFigure>,
+    /// Observations worth knowing when reading the figures.
+    pub notes: Vec<String>,
+    /// The section failed as a whole (`vmctl up`, the probe, `vmctl rm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Throughputs and times of very different sizes: three significant digits or so.
+fn fmt_sig(v: f64) -> String {
+    match v.abs() {
+        a if a >= 100.0 => format!("{v:.0}"),
+        a if a >= 10.0 => format!("{v:.1}"),
+        a if a >= 1.0 => format!("{v:.2}"),
+        a if a >= 0.1 => format!("{v:.3}"),
+        _ => format!("{v:.4}"),
+    }
+}
+
+impl FsReport {
+    /// Every error: the section's and each figure's, as (what, message).
+    pub fn errors(&self) -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = self
+            .error
+            .iter()
+            .map(|e| ("virtio-fs".to_string(), e.clone()))
+            .collect();
+        v.extend(
+            self.figures
+                .iter()
+                .filter_map(|f| Some((f.name.clone(), f.error.clone()?))),
+        );
+        v
+    }
+
+    pub fn markdown(&self) -> String {
+        let c = &self.config;
+        let side = |name: &str| self.sides.iter().find(|s| s.side == name);
+        let fs = |name: &str| side(name).map_or("unknown".into(), |s| s.fs_type.clone());
+        let dropped = |name: &str| side(name).map_or("unknown".into(), |s| s.caches_dropped());
+        let mut s = format!(
+            "Shared workspace over virtio-fs (virtiofsd + our vhost-user-fs device, the workspace \
+             mounted in the guest at its host path; VM of `vmctl up`: {} vCPUs, {} MiB): each \
+             workload is one bash script, run in the workspace directory on the host ({}) with \
+             `bash -c` and in the guest with `vmctl exec --workspace WS -- bash -c`, timed inside \
+             the script (bash `$EPOCHREALTIME`), so exec overhead is not counted. {} repetition(s), \
+             alternating whether host or guest goes first. Sizes: {} MiB file, {} files ({}). \
+             Workspace file system: host {}, guest {}. Caches dropped before each read: host {}, \
+             guest {}. Slowdown = guest/host for times, host/guest for throughputs: above 1 the \
+             guest is slower. {}\n\n",
+            c.vm_cpus,
+            c.vm_memory_mib,
+            self.host,
+            c.runs,
+            c.file_mib,
+            c.files,
+            c.sizes,
+            fs(HOST),
+            fs(GUEST),
+            dropped(HOST),
+            dropped(GUEST),
+            self.note
+        );
+        if let Some(e) = &self.error {
+            s.push_str(&format!(
+                "**Error:** {}\n\n",
+                e.lines().next().unwrap_or("")
+            ));
+        }
+        if self.figures.is_empty() {
+            return s;
+        }
+        s.push_str(
+            "| figure | unit | size | host median | guest median | host min–max | guest min–max \
+             | n | guest slowdown | target |\n",
+        );
+        s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+        let median = |f: &Option<Figure>| f.as_ref().map_or("–".into(), |f| fmt_sig(f.median));
+        let range = |f: &Option<Figure>| {
+            f.as_ref().map_or("–".into(), |f| {
+                format!("{}–{}", fmt_sig(f.min), fmt_sig(f.max))
+            })
+        };
+        for f in &self.figures {
+            let n = |f: &Option<Figure>| f.as_ref().map_or(0, |f| f.samples.len());
+            let slowdown = match (f.guest_slowdown, &f.error) {
+                (_, Some(_)) => "error".to_string(),
+                (Some(r), None) => format!("{r:.2}x"),
+                (None, None) => "–".to_string(),
+            };
+            let verdict = match f.target.met {
+                Some(true) => "met",
+                Some(false) => "missed",
+                None => "not evaluated",
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | ≤ {}x ({}): {} |\n",
+                f.name,
+                f.unit,
+                f.size(),
+                median(&f.host),
+                median(&f.guest),
+                range(&f.host),
+                range(&f.guest),
+                if n(&f.host) == n(&f.guest) {
+                    n(&f.host).to_string()
+                } else {
+                    format!("{}/{}", n(&f.host), n(&f.guest))
+                },
+                slowdown,
+                f.target.max_slowdown,
+                f.target.class,
+                verdict
+            ));
+        }
+        for f in self.figures.iter().filter(|f| f.error.is_some()) {
+            let e = f.error.as_deref().unwrap_or("");
+            s.push_str(&format!(
+                "\n**{} error:** {} (full message in the JSON report)\n",
+                f.name,
+                e.lines().next().unwrap_or("")
+            ));
+        }
+        for n in &self.notes {
+            s.push_str(&format!("\n{n}\n"));
         }
         s
     }
@@ -453,6 +787,172 @@ mod tests {
         assert!(!json.contains("p99") && !json.contains("target"), "{json}");
         let back: Figure = serde_json::from_str(&serde_json::to_string(&f).unwrap()).unwrap();
         assert_eq!(back.p99, Some(198.0));
+    }
+
+    #[test]
+    fn slowdown_above_one_means_the_guest_is_slower() {
+        // Times: guest / host.
+        assert_eq!(guest_slowdown(2.0, 5.0, Better::Lower), Some(2.5));
+        // Throughputs: host / guest.
+        assert_eq!(guest_slowdown(400.0, 100.0, Better::Higher), Some(4.0));
+        assert_eq!(guest_slowdown(100.0, 200.0, Better::Higher), Some(0.5));
+        assert_eq!(guest_slowdown(0.0, 5.0, Better::Lower), None);
+        assert_eq!(guest_slowdown(5.0, 0.0, Better::Higher), None);
+        assert_eq!(guest_slowdown(f64::NAN, 1.0, Better::Lower), None);
+        let t = SlowdownTarget::evaluate(3.0, "metadata", Some(3.0));
+        assert_eq!(t.met, Some(true));
+        assert_eq!(
+            SlowdownTarget::evaluate(2.0, "x", Some(2.01)).met,
+            Some(false)
+        );
+        assert_eq!(SlowdownTarget::evaluate(2.0, "x", None).met, None);
+    }
+
+    fn fs_figures() -> Vec<FsFigure> {
+        vec![
+            FsFigure::new(
+                "fs_seq_write_mib_s",
+                "MiB/s",
+                Better::Higher,
+                (Some(16), None),
+                (2.0, "sequential I/O"),
+                vec![300.0],
+                vec![20.0],
+                None,
+            ),
+            FsFigure::new(
+                "fs_git_status_s",
+                "s",
+                Better::Lower,
+                (None, Some(200)),
+                (3.0, "metadata"),
+                vec![0.01, 0.03, 0.02],
+                vec![0.05, 0.04, 0.06],
+                None,
+            ),
+            FsFigure::new(
+                "fs_stat_files_s",
+                "s",
+                Better::Lower,
+                (None, Some(200)),
+                (3.0, "metadata"),
+                vec![0.5],
+                vec![],
+                Some("stat run 1/1 (guest): no ELAPSED_NS line\nmore".into()),
+            ),
+            FsFigure::new(
+                "fs_create_files_s",
+                "s",
+                Better::Lower,
+                (None, Some(200)),
+                (3.0, "metadata"),
+                vec![0.5],
+                vec![],
+                None,
+            ),
+        ]
+    }
+
+    #[test]
+    fn fs_figures_pair_host_and_guest() {
+        let f = fs_figures();
+        assert_eq!(f[0].guest_slowdown, Some(15.0));
+        assert_eq!(f[0].target.met, Some(false));
+        assert_eq!(f[0].host.as_ref().unwrap().vmm, HOST);
+        assert_eq!(f[0].guest.as_ref().unwrap().vmm, GUEST);
+        let r = f[1].guest_slowdown.unwrap();
+        assert!((r - 2.5).abs() < 1e-9, "{r}");
+        assert_eq!(f[1].target.met, Some(true));
+        // An error: samples kept, no slowdown, no verdict.
+        assert!(f[2].host.is_some() && f[2].guest.is_none());
+        assert_eq!((f[2].guest_slowdown, f[2].target.met), (None, None));
+        // No samples on one side is an error too.
+        assert!(f[3].error.as_deref().unwrap().contains("no valid samples"));
+        let json = serde_json::to_string(&f[1]).unwrap();
+        assert!(
+            json.contains("\"better\":\"lower\"") && json.contains("\"files\":200"),
+            "{json}"
+        );
+        assert!(
+            !json.contains("file_mib") && !json.contains("error"),
+            "{json}"
+        );
+    }
+
+    #[test]
+    fn fs_table() {
+        let r = FsReport {
+            note: "Nested: ratios are the point.".into(),
+            host: "the QEMU-TCG nested host, where the VMM runs".into(),
+            nested: true,
+            config: FsConfig {
+                file_mib: 16,
+                files: 200,
+                runs: 3,
+                sizes: "--quick sizes".into(),
+                script_timeout_s: 600,
+                timeout_s: 60,
+                workspace: "/tmp/ws".into(),
+                vm_cpus: 2,
+                vm_memory_mib: 1024,
+                vm_nested: false,
+                virtiofsd: "/v".into(),
+            },
+            sides: vec![
+                FsSide {
+                    side: HOST.into(),
+                    fs_type: "overlayfs".into(),
+                    cache_drops_ok: 2,
+                    ..FsSide::default()
+                },
+                FsSide {
+                    side: GUEST.into(),
+                    fs_type: "fuseblk".into(),
+                    cache_drops_ok: 1,
+                    cache_drops_failed: 1,
+                    ..FsSide::default()
+                },
+            ],
+            commands: vec![],
+            scripts: vec![],
+            environment: vec![],
+            figures: fs_figures(),
+            notes: vec!["The git index was not rewritten.".into()],
+            error: None,
+        };
+        let md = r.markdown();
+        assert!(
+            md.contains("| fs_seq_write_mib_s | MiB/s | 16 MiB | 300 | 20.0 | 300–300 | 20.0–20.0 | 1 | 15.00x | ≤ 2x (sequential I/O): missed |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| fs_git_status_s | s | 200 files | 0.0200 | 0.0500 | 0.0100–0.0300 | 0.0400–0.0600 | 3 | 2.50x | ≤ 3x (metadata): met |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| fs_stat_files_s | s | 200 files | 0.500 | – | 0.500–0.500 | – | 1/0 | error | ≤ 3x (metadata): not evaluated |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "**fs_stat_files_s error:** stat run 1/1 (guest): no ELAPSED_NS line (full"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("host overlayfs, guest fuseblk"), "{md}");
+        assert!(md.contains("host yes, guest partly"), "{md}");
+        assert!(md.contains("Nested: ratios are the point."), "{md}");
+        assert!(md.contains("The git index was not rewritten."), "{md}");
+        assert_eq!(r.errors().len(), 2);
+        let failed = FsReport {
+            error: Some("vmctl up: failed\ndetails".into()),
+            figures: vec![],
+            ..r
+        };
+        let md = failed.markdown();
+        assert!(md.contains("**Error:** vmctl up: failed\n"), "{md}");
+        assert!(!md.contains("| figure |"), "{md}");
+        assert_eq!(failed.errors()[0].0, "virtio-fs");
     }
 
     #[test]

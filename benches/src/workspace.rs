@@ -5,6 +5,7 @@
 //! Every VM lives under a temporary `XDG_STATE_HOME` (the user's VMs are never
 //! touched) and is removed with `vmctl rm`, also when a step fails.
 
+use crate::boot::say;
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -45,10 +46,6 @@ pub struct WorkspaceBench {
     pub timeout: Duration,
 }
 
-fn say(msg: impl AsRef<str>) {
-    eprintln!("vm-bench: {}", msg.as_ref());
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -57,26 +54,92 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-/// A finished `vmctl` command.
-struct Ran {
-    elapsed: Duration,
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
+/// A finished command.
+pub(crate) struct Ran {
+    pub(crate) elapsed: Duration,
+    pub(crate) status: ExitStatus,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
+}
+
+/// Runs `cmd` (stdin `/dev/null`, stdout and stderr captured), waits at most
+/// `timeout` (then kills it: its whole process group if `own_group`, which puts it in
+/// a process group of its own) and times it from spawn to exit. `line` names it in
+/// errors.
+pub(crate) fn run_command(
+    mut cmd: Command,
+    line: &str,
+    timeout: Duration,
+    own_group: bool,
+) -> Result<Ran, String> {
+    use std::os::unix::process::CommandExt;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if own_group {
+        cmd.process_group(0);
+    }
+    let start = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run {line}: {e}"))?;
+    let pid = child.id();
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let out = thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = out.read_to_end(&mut s);
+        String::from_utf8_lossy(&s).into_owned()
+    });
+    let err = thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = err.read_to_end(&mut s);
+        String::from_utf8_lossy(&s).into_owned()
+    });
+    // Waiting on a thread gives the exit time exactly (no polling interval).
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let status = child.wait();
+        let _ = tx.send((status, Instant::now()));
+    });
+    let (status, ended) = match rx.recv_timeout(timeout) {
+        Ok((status, ended)) => (status.map_err(|e| format!("{line}: wait: {e}"))?, ended),
+        Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+            let target = if own_group {
+                format!("-{pid}")
+            } else {
+                pid.to_string()
+            };
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &target])
+                .stderr(Stdio::null())
+                .status();
+            let _ = rx.recv_timeout(Duration::from_secs(10));
+            return Err(format!(
+                "{line} did not finish within {} s: killed\n--- its stderr (tail) ---\n{}",
+                timeout.as_secs(),
+                tail(&err.join().unwrap_or_default(), 3000)
+            ));
+        }
+    };
+    Ok(Ran {
+        elapsed: ended - start,
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
 }
 
 /// `vmctl` with the benchmark's state directory and artifacts; remembers every
 /// workspace it started and removes the ones still there when dropped.
-struct Vmctl {
-    bin: PathBuf,
-    env: Vec<(String, String)>,
-    state: PathBuf,
-    timeout: Duration,
-    live: Vec<PathBuf>,
+pub(crate) struct Vmctl {
+    pub(crate) bin: PathBuf,
+    pub(crate) env: Vec<(String, String)>,
+    pub(crate) state: PathBuf,
+    pub(crate) timeout: Duration,
+    pub(crate) live: Vec<PathBuf>,
 }
 
 impl Vmctl {
-    fn argv(&self, args: &[&str], dir: &Path) -> Vec<String> {
+    pub(crate) fn argv(&self, args: &[&str], dir: &Path) -> Vec<String> {
         let mut v = vec![self.bin.display().to_string()];
         v.extend(args.iter().map(|a| a.to_string()));
         v.push(dir.display().to_string());
@@ -85,62 +148,16 @@ impl Vmctl {
 
     /// Runs `vmctl ARGS`, waits (at most the timeout, then kills it) and times it
     /// from spawn to exit.
-    fn run(&self, argv: &[String]) -> Result<Ran, String> {
-        let line = argv.join(" ");
-        let start = Instant::now();
-        let mut child = Command::new(&argv[0])
-            .args(&argv[1..])
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot run {line}: {e}"))?;
-        let pid = child.id();
-        let mut out = child.stdout.take().expect("piped");
-        let mut err = child.stderr.take().expect("piped");
-        let out = thread::spawn(move || {
-            let mut s = Vec::new();
-            let _ = out.read_to_end(&mut s);
-            String::from_utf8_lossy(&s).into_owned()
-        });
-        let err = thread::spawn(move || {
-            let mut s = Vec::new();
-            let _ = err.read_to_end(&mut s);
-            String::from_utf8_lossy(&s).into_owned()
-        });
-        // Waiting on a thread gives the exit time exactly (no polling interval).
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            let status = child.wait();
-            let _ = tx.send((status, Instant::now()));
-        });
-        let (status, ended) = match rx.recv_timeout(self.timeout) {
-            Ok((status, ended)) => (status.map_err(|e| format!("{line}: wait: {e}"))?, ended),
-            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                let _ = Command::new("kill")
-                    .args(["-KILL", &pid.to_string()])
-                    .stderr(Stdio::null())
-                    .status();
-                let _ = rx.recv_timeout(Duration::from_secs(10));
-                return Err(format!(
-                    "{line} did not finish within {} s: killed\n--- its stderr (tail) ---\n{}",
-                    self.timeout.as_secs(),
-                    tail(&err.join().unwrap_or_default(), 3000)
-                ));
-            }
-        };
-        Ok(Ran {
-            elapsed: ended - start,
-            status,
-            stdout: out.join().unwrap_or_default(),
-            stderr: err.join().unwrap_or_default(),
-        })
+    pub(crate) fn run(&self, argv: &[String]) -> Result<Ran, String> {
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..])
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
+        run_command(cmd, &argv.join(" "), self.timeout, false)
     }
 
     /// Runs `vmctl ARGS` and requires exit 0; the error carries its output and the
     /// VMs' logs.
-    fn run_ok(&self, argv: &[String]) -> Result<Ran, String> {
+    pub(crate) fn run_ok(&self, argv: &[String]) -> Result<Ran, String> {
         let ran = self.run(argv).map_err(|e| format!("{e}{}", self.logs()))?;
         if !ran.status.success() {
             return Err(format!(
@@ -155,12 +172,12 @@ impl Vmctl {
         Ok(ran)
     }
 
-    fn vms_dir(&self) -> PathBuf {
+    pub(crate) fn vms_dir(&self) -> PathBuf {
         self.state.join("vmctl").join("vms")
     }
 
     /// The tails of every VM's console and supervisor logs, for error messages.
-    fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let mut s = String::new();
         let mut dirs: Vec<PathBuf> = fs::read_dir(self.vms_dir())
             .map(|d| d.flatten().map(|e| e.path()).collect())
@@ -182,7 +199,7 @@ impl Vmctl {
     }
 
     /// The state directory `vmctl up` made for `workspace`, found by its record.
-    fn vm_dir(&self, workspace: &Path) -> Result<(PathBuf, serde_json::Value), String> {
+    pub(crate) fn vm_dir(&self, workspace: &Path) -> Result<(PathBuf, serde_json::Value), String> {
         let workspace = workspace
             .canonicalize()
             .map_err(|e| format!("{}: {e}", workspace.display()))?;
@@ -208,13 +225,13 @@ impl Vmctl {
     }
 
     /// `vmctl up DIR`: the command's wall time; DIR is removed again on drop from here on.
-    fn up(&mut self, workspace: &Path) -> Result<Ran, String> {
+    pub(crate) fn up(&mut self, workspace: &Path) -> Result<Ran, String> {
         self.live.push(workspace.to_path_buf());
         self.run_ok(&self.argv(&["up"], workspace))
     }
 
     /// `vmctl rm DIR`, checked: its state directory is gone and its supervisor ended.
-    fn rm(&mut self, workspace: &Path) -> Result<(), String> {
+    pub(crate) fn rm(&mut self, workspace: &Path) -> Result<(), String> {
         let dir = self.vm_dir(workspace).ok().map(|(d, _)| d);
         let supervisor = dir
             .as_ref()
@@ -270,7 +287,7 @@ impl Drop for Vmctl {
 
 /// Removes the temporary directory, whatever happens (after [`Vmctl`]'s cleanup:
 /// declare it first).
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {

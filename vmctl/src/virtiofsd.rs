@@ -24,7 +24,8 @@ const VIRTIOFSD_ENV: &str = "VMCTL_VIRTIOFSD";
 const SYSTEM_VIRTIOFSD: [&str; 2] = ["/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd"];
 
 /// How long a daemon may take to create its socket.
-const START_TIMEOUT: Duration = Duration::from_secs(5);
+/// Generous: a loaded machine (or the nested host, under emulation) can take seconds.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
 const START_POLL: Duration = Duration::from_millis(10);
 /// virtiofsd creates its socket before it enters its sandbox, so a daemon whose
 /// sandbox fails exits just after its socket appeared: it must live this long past

@@ -190,7 +190,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             logs: vm.path.clone(),
         };
         if let Ok(Some(status)) = supervisor.try_wait() {
-            return Err(not_ready(format!("its supervisor exited ({status})")));
+            return Err(not_ready(format!(
+                "its supervisor exited ({status}){}",
+                log_tail(&vm.supervisor_log())
+            )));
         }
         if Instant::now() > deadline {
             let _ = supervisor.kill();
@@ -206,6 +209,18 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// The last lines of a log, to quote in an error (empty when there are none).
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = &lines[lines.len().saturating_sub(5)..];
+    if tail.is_empty() {
+        String::new()
+    } else {
+        format!(":\n  {}\n", tail.join("\n  "))
+    }
 }
 
 /// The guest agent's settings: the root image, a tmpfs upper layer, the host user,

@@ -1,0 +1,1081 @@
+//! The shared workspace directory over virtio-fs, guest against host: sequential
+//! write and read of one file, creating and stat-ing many small files, and
+//! `git status` on a repository of as many files.
+//!
+//! One workspace directory, one VM (`vmctl up`). Each workload is one bash script,
+//! run twice per repetition in that directory: on the host (the environment the
+//! benchmark runs in, where the VMM runs: this machine or the nested host) with
+//! `bash -c`, and in the guest with `vmctl exec --workspace WS -- bash -c` (the guest
+//! sees the workspace at its host path, and `vmctl exec` runs in the caller's cwd).
+//! The script times its own work with bash's `$EPOCHREALTIME` and prints
+//! `ELAPSED_NS=<n>`: neither the exec nor a `date` process is counted. See
+//! `benches/README.md`.
+
+use crate::boot::say;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
+use crate::scan::tail;
+use crate::workspace::{run_command, Ran, TempDir, Vmctl};
+
+/// Sizes on hardware KVM: the issue's.
+pub const ISSUE_FILE_MIB: u64 = 256;
+pub const ISSUE_FILES: u64 = 10_000;
+/// In the nested host every guest file operation is emulated (tens of ms each).
+pub const NESTED_FILE_MIB: u64 = 64;
+pub const NESTED_FILES: u64 = 1_000;
+pub const QUICK_FILE_MIB: u64 = 16;
+pub const QUICK_FILES: u64 = 200;
+pub const DEFAULT_RUNS: usize = 3;
+pub const QUICK_RUNS: usize = 1;
+/// The issue's targets: the guest at most this many times slower than the host.
+pub const METADATA_MAX_SLOWDOWN: f64 = 3.0;
+pub const SEQUENTIAL_MAX_SLOWDOWN: f64 = 2.0;
+/// The git repository's files go this many to a directory.
+pub const FILES_PER_DIR: u64 = 100;
+
+const NOTE_NESTED: &str = "Nested: the host side is the QEMU-TCG nested host, where the VMM runs; \
+absolute figures are TCG-emulated, not hardware figures. The guest/host ratios, measured side by \
+side in the same run, are the point (and they too carry the emulation: every guest file operation \
+crosses emulated hardware virtualization).";
+const NOTE_DIRECT: &str =
+    "Direct: the host side is this machine, where the VMM runs on hardware KVM.";
+
+/// The sizes one run measures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsSizes {
+    pub file_mib: u64,
+    pub files: u64,
+    pub runs: usize,
+    /// Where they come from, for the report.
+    pub origin: String,
+}
+
+/// The sizes: the issue's on hardware KVM, smaller in the nested host, smaller still
+/// with `--quick` (both places); each `--fs-*` option overrides its own.
+pub fn sizes(
+    quick: bool,
+    nested: bool,
+    file_mib: Option<u64>,
+    files: Option<u64>,
+    runs: Option<usize>,
+) -> FsSizes {
+    let (m, f, r, origin) = if quick {
+        (QUICK_FILE_MIB, QUICK_FILES, QUICK_RUNS, "--quick sizes")
+    } else if nested {
+        (
+            NESTED_FILE_MIB,
+            NESTED_FILES,
+            DEFAULT_RUNS,
+            "reduced for the nested host",
+        )
+    } else {
+        (
+            ISSUE_FILE_MIB,
+            ISSUE_FILES,
+            DEFAULT_RUNS,
+            "the issue's sizes, hardware KVM",
+        )
+    };
+    let overridden = file_mib.is_some() || files.is_some() || runs.is_some();
+    FsSizes {
+        file_mib: file_mib.unwrap_or(m),
+        files: files.unwrap_or(f),
+        runs: runs.unwrap_or(r),
+        origin: if overridden {
+            format!("{origin}, with --fs-* overrides")
+        } else {
+            origin.to_string()
+        },
+    }
+}
+
+/// What to measure and with what.
+#[derive(Debug, Clone)]
+pub struct FsBench {
+    pub vmctl: PathBuf,
+    pub kernel: PathBuf,
+    pub agent_initramfs: PathBuf,
+    pub rootfs: PathBuf,
+    pub sizes: FsSizes,
+    /// Per `vmctl up` / `vmctl rm`.
+    pub timeout: Duration,
+    /// Per script (a guest script may take minutes in the nested host).
+    pub script_timeout: Duration,
+    /// The benchmark runs inside the nested host.
+    pub nested: bool,
+    /// [`DROP_CACHES_FILE`] (the tests' is a plain file).
+    pub drop_caches: PathBuf,
+}
+
+/// The value of the last `KEY=value` line of `out`.
+pub fn marker<'a>(out: &'a str, key: &str) -> Option<&'a str> {
+    out.lines()
+        .rev()
+        .find_map(|l| l.trim_end().strip_prefix(key)?.strip_prefix('='))
+}
+
+/// The script's `ELAPSED_NS=<n>`: a positive whole number of nanoseconds.
+pub fn parse_elapsed_ns(stdout: &str) -> Result<u64, String> {
+    let v = marker(stdout, "ELAPSED_NS").ok_or("no ELAPSED_NS line in the script's output")?;
+    match v.trim().parse::<u64>() {
+        Ok(0) => Err("ELAPSED_NS=0: the timer did not advance".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("ELAPSED_NS={v:?} is not a whole number")),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Host,
+    Guest,
+}
+
+impl Side {
+    pub fn label(self) -> &'static str {
+        match self {
+            Side::Host => HOST,
+            Side::Guest => GUEST,
+        }
+    }
+}
+
+/// Both sides, alternating which goes first.
+pub fn order(run: usize) -> [Side; 2] {
+    if run.is_multiple_of(2) {
+        [Side::Host, Side::Guest]
+    } else {
+        [Side::Guest, Side::Host]
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    SeqWrite,
+    SeqRead,
+    Create,
+    Stat,
+    GitStatus,
+}
+
+const PRELUDE: &str = "set -euo pipefail";
+/// Microseconds since the epoch, without a process (`date` costs ~0.1 s in a nested
+/// guest); bash prints `$EPOCHREALTIME` with the locale's decimal point.
+const T0: &str = "t0=${EPOCHREALTIME/[.,]/}";
+const T1: &str = "t1=${EPOCHREALTIME/[.,]/}\necho ELAPSED_NS=$(( (t1 - t0) * 1000 ))";
+/// The stat(2) fields of GNU stat's default output, without the owner's and group's
+/// names: stat looks those up in /etc/passwd and /etc/group for every file, which
+/// measures the name service (in the nested host: a 9p read per file), not the
+/// shared directory.
+const STAT_FORMAT: &str = "'%n %s %b %f %u %g %i %h %X %Y %Z'";
+const LOAD_DD: &str = "dd if=/dev/zero of=/dev/null count=0 status=none";
+const GIT_ENV: &str = "export GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_NOSYSTEM=1";
+const GIT: &str = "git -c safe.directory='*'";
+/// Where a side drops its page cache.
+pub const DROP_CACHES_FILE: &str = "/proc/sys/vm/drop_caches";
+
+/// Drops the page cache (writes 3 to `file`) where this side may; says whether it did.
+pub fn drop_caches_script(file: &Path) -> String {
+    format!(
+        "sync\nif {{ echo 3 > {}; }} 2>/dev/null; then echo DROPPED=1; else echo DROPPED=0; fi",
+        file.display()
+    )
+}
+
+fn timed(before: &str, work: &str, after: &str) -> String {
+    [PRELUDE, before, T0, work, T1, after]
+        .iter()
+        .filter(|s| !s.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Workload {
+    pub const ALL: [Workload; 5] = [
+        Workload::SeqWrite,
+        Workload::SeqRead,
+        Workload::Create,
+        Workload::Stat,
+        Workload::GitStatus,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::SeqWrite => "fs_seq_write_mib_s",
+            Workload::SeqRead => "fs_seq_read_mib_s",
+            Workload::Create => "fs_create_files_s",
+            Workload::Stat => "fs_stat_files_s",
+            Workload::GitStatus => "fs_git_status_s",
+        }
+    }
+
+    pub fn unit(self) -> &'static str {
+        match self {
+            Workload::SeqWrite | Workload::SeqRead => "MiB/s",
+            _ => "s",
+        }
+    }
+
+    pub fn better(self) -> Better {
+        match self {
+            Workload::SeqWrite | Workload::SeqRead => Better::Higher,
+            _ => Better::Lower,
+        }
+    }
+
+    fn sequential(self) -> bool {
+        matches!(self, Workload::SeqWrite | Workload::SeqRead)
+    }
+
+    /// The issue's target: (max slowdown, class of work).
+    pub fn target(self) -> (f64, &'static str) {
+        if self.sequential() {
+            (SEQUENTIAL_MAX_SLOWDOWN, "sequential I/O")
+        } else {
+            (METADATA_MAX_SLOWDOWN, "metadata")
+        }
+    }
+
+    /// The workload this one reads the output of (in the same repetition).
+    pub fn depends_on(self) -> Option<Workload> {
+        match self {
+            Workload::SeqRead => Some(Workload::SeqWrite),
+            Workload::Stat => Some(Workload::Create),
+            _ => None,
+        }
+    }
+
+    /// The script for `side` in repetition `run` (from 1); a read first drops the
+    /// caches through `drop_caches` ([`DROP_CACHES_FILE`]), if given. Every script first runs
+    /// the programs its timed part runs, untimed, so that loading them (after a
+    /// cache drop: from the root image, or over 9p in the nested host) is not timed.
+    pub fn script(self, side: Side, run: usize, s: &FsSizes, drop_caches: Option<&Path>) -> String {
+        let seq = format!("seq-{}.bin", side.label());
+        let dir = format!("small-{}-{run}", side.label());
+        let (mib, files) = (s.file_mib, s.files);
+        match self {
+            Workload::SeqWrite => timed(
+                &format!("rm -f {seq}\nsync\n{LOAD_DD}"),
+                &format!("dd if=/dev/zero of={seq} bs=1M count={mib} conv=fsync status=none"),
+                &format!("echo SIZE=$(stat -c %s {seq})"),
+            ),
+            // The cache drop also evicts dd itself: load it after.
+            Workload::SeqRead => timed(
+                &format!(
+                    "{}\n{LOAD_DD}",
+                    drop_caches.map_or("echo DROPPED=skipped".into(), drop_caches_script)
+                ),
+                &format!("dd if={seq} of=/dev/null bs=1M status=none"),
+                "",
+            ),
+            Workload::Create => timed(
+                &format!("mkdir {dir}"),
+                &format!("for ((k = 0; k < {files}; k++)); do echo x > {dir}/f$k; done"),
+                "",
+            ),
+            Workload::Stat => timed(
+                "find /dev/null -maxdepth 0 > /dev/null\nxargs stat --version < /dev/null > /dev/null",
+                &format!("find {dir} -type f -print0 | xargs -0 stat -c {STAT_FORMAT} > /dev/null"),
+                &format!("n=0; for f in {dir}/*; do n=$((n + 1)); done; echo COUNT=$n"),
+            ),
+            Workload::GitStatus => timed(
+                &format!("{GIT_ENV}\ncd repo\ngit --version > /dev/null"),
+                &format!("{GIT} status > /dev/null"),
+                "echo INDEX=$(stat -c %y .git/index)",
+            ),
+        }
+    }
+
+    /// The sample from the script's elapsed time: MiB/s or seconds.
+    pub fn sample(self, elapsed_ns: u64, s: &FsSizes) -> f64 {
+        let secs = elapsed_ns as f64 / 1e9;
+        if self.sequential() {
+            s.file_mib as f64 / secs
+        } else {
+            secs
+        }
+    }
+
+    /// Checks what the script printed after its work.
+    fn check(self, stdout: &str, s: &FsSizes) -> Result<(), String> {
+        let expect = |key: &str, want: u64| match marker(stdout, key) {
+            Some(v) if v.trim().parse::<u64>() == Ok(want) => Ok(()),
+            Some(v) => Err(format!("{key}={v}, expected {want}")),
+            None => Err(format!("no {key} line in the script's output")),
+        };
+        match self {
+            Workload::SeqWrite => expect("SIZE", s.file_mib << 20),
+            Workload::Stat => expect("COUNT", s.files),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The untimed setup on the host: a repository of `files` files, committed once.
+/// The files are a second old when they are added, so none is racily clean.
+pub fn git_setup_script(files: u64) -> String {
+    format!(
+        "{PRELUDE}\n{GIT_ENV}\nmkdir repo\ncd repo\ngit -c init.defaultBranch=main init -q\n\
+         for ((k = 0; k < {files}; k++)); do\n  d=dir$((k / {FILES_PER_DIR}))\n  \
+         [ -d $d ] || mkdir $d\n  echo $k > $d/file$k\ndone\nsleep 1\ngit add -A\n\
+         git -c user.name=vm-bench -c user.email=vm-bench@localhost -c commit.gpgsign=false \
+         commit -q -m '{files} files'\necho TRACKED=$(git ls-files | wc -l)"
+    )
+}
+
+/// The untimed `git status` each side runs once first (it refreshes the index).
+pub fn git_warmup_script(side: Side) -> String {
+    let out = format!("../git-warmup-{}.txt", side.label());
+    format!(
+        "{PRELUDE}\n{GIT_ENV}\ncd repo\n{GIT} status --porcelain > {out}\n\
+         echo CHANGES=$(wc -l < {out})\nhead -n 5 {out} >&2\necho INDEX=$(stat -c %y .git/index)"
+    )
+}
+
+/// What each side reports about itself, untimed.
+const PROBE: &str = "set -euo pipefail\necho BASH=$BASH_VERSION\n\
+echo EPOCH=${EPOCHREALTIME:-missing}\necho PWD=$(pwd -P)\necho FSTYPE=$(stat -f -c %T .)\n\
+echo KERNEL=$(uname -r)\necho GIT=$(git --version)\necho UID=$(id -u)\necho SHARED=$(cat probe.txt)";
+
+/// Counts changes between consecutive values.
+pub fn changes<'a>(values: impl IntoIterator<Item = &'a str>) -> usize {
+    let mut last: Option<&str> = None;
+    let mut n = 0;
+    for v in values {
+        if last.is_some_and(|l| l != v) {
+            n += 1;
+        }
+        last = Some(v);
+    }
+    n
+}
+
+/// The two places a script runs.
+struct Runner<'a> {
+    vmctl: &'a Vmctl,
+    workspace: &'a Path,
+    timeout: Duration,
+}
+
+impl Runner<'_> {
+    fn argv(&self, side: Side, script: &str) -> Vec<String> {
+        let mut v = Vec::new();
+        if side == Side::Guest {
+            v.extend([
+                self.vmctl.bin.display().to_string(),
+                "exec".into(),
+                "--workspace".into(),
+                self.workspace.display().to_string(),
+                "--".into(),
+            ]);
+        }
+        v.extend(["bash".into(), "-c".into(), script.into()]);
+        v
+    }
+
+    /// Runs `script` on `side` in the workspace directory; exit 0 required. The error
+    /// carries the script's output (and, for the guest, the VM's logs).
+    fn run(&self, side: Side, what: &str, script: &str) -> Result<Ran, String> {
+        let argv = self.argv(side, script);
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]).current_dir(self.workspace);
+        if side == Side::Guest {
+            cmd.envs(self.vmctl.env.iter().map(|(k, v)| (k, v)));
+        }
+        let line = match side {
+            Side::Host => format!("{what} (host: bash -c SCRIPT)"),
+            Side::Guest => format!("{what} (guest: vmctl exec -- bash -c SCRIPT)"),
+        };
+        let logs = || match side {
+            Side::Guest => self.vmctl.logs(),
+            Side::Host => String::new(),
+        };
+        // The host's script gets a process group of its own, so a timeout kills its
+        // dd or git too; vmctl exec's command lives in the guest.
+        let ran = run_command(cmd, &line, self.timeout, side == Side::Host)
+            .map_err(|e| format!("{e}\n--- script ---\n{script}{}", logs()))?;
+        if !ran.status.success() {
+            return Err(format!(
+                "{line} failed ({})\n--- stderr (tail) ---\n{}\n--- stdout (tail) ---\n{}\n--- script ---\n{script}{}",
+                ran.status,
+                tail(&ran.stderr, 3000),
+                tail(&ran.stdout, 1500),
+                logs()
+            ));
+        }
+        Ok(ran)
+    }
+
+    /// Runs a timed script: its elapsed time, and its output.
+    fn timed(&self, side: Side, what: &str, script: &str) -> Result<(u64, Ran), String> {
+        let ran = self.run(side, what, script)?;
+        let ns = parse_elapsed_ns(&ran.stdout).map_err(|e| {
+            format!(
+                "{what} ({}): {e}\n--- stderr (tail) ---\n{}\n--- stdout (tail) ---\n{}",
+                side.label(),
+                tail(&ran.stderr, 3000),
+                tail(&ran.stdout, 1500)
+            )
+        })?;
+        Ok((ns, ran))
+    }
+}
+
+/// The virtiofsd `vmctl` would use, found the same way ($VMCTL_VIRTIOFSD, PATH,
+/// ~/.cargo/bin, the distributions' places), with its `--version`: for the report.
+fn virtiofsd() -> String {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("VMCTL_VIRTIOFSD").filter(|p| !p.is_empty()) {
+        candidates.push(p.into());
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(
+            std::env::split_paths(&path)
+                .filter(|d| d.is_absolute())
+                .map(|d| d.join("virtiofsd")),
+        );
+    }
+    if let Some(home) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        candidates.push(Path::new(&home).join(".cargo/bin/virtiofsd"));
+    }
+    candidates.push("/usr/libexec/virtiofsd".into());
+    candidates.push("/usr/lib/qemu/virtiofsd".into());
+    let Some(found) = candidates.into_iter().find(|c| c.is_file()) else {
+        return "not found".into();
+    };
+    let version = Command::new(&found)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(|l| l.trim().to_string())
+        })
+        .unwrap_or_default();
+    format!("{} ({version})", found.display())
+}
+
+/// Measures the virtio-fs figures. Never fails as a whole: a section-wide failure
+/// (`vmctl up`, the probe, `vmctl rm`) is the report's `error`, a workload's failure
+/// is its figure's `error`.
+pub fn measure(b: &FsBench) -> FsReport {
+    let mut report = FsReport {
+        note: if b.nested { NOTE_NESTED } else { NOTE_DIRECT }.into(),
+        host: if b.nested {
+            "the QEMU-TCG nested host, where the VMM runs".into()
+        } else {
+            "this machine, where the VMM runs".into()
+        },
+        nested: b.nested,
+        config: FsConfig {
+            file_mib: b.sizes.file_mib,
+            files: b.sizes.files,
+            runs: b.sizes.runs,
+            sizes: b.sizes.origin.clone(),
+            script_timeout_s: b.script_timeout.as_secs(),
+            timeout_s: b.timeout.as_secs(),
+            workspace: String::new(),
+            vm_cpus: 0,
+            vm_memory_mib: 0,
+            vm_nested: false,
+            virtiofsd: virtiofsd(),
+        },
+        sides: Vec::new(),
+        commands: Vec::new(),
+        scripts: Vec::new(),
+        environment: Vec::new(),
+        figures: Vec::new(),
+        notes: Vec::new(),
+        error: None,
+    };
+    if let Err(e) = measure_into(b, &mut report) {
+        say(format!("error: virtio-fs: {e}"));
+        report.error = Some(e);
+    }
+    report
+}
+
+fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
+    let s = &b.sizes;
+    if s.file_mib == 0 || s.files == 0 || s.runs == 0 {
+        return Err("--fs-mib, --fs-files and --fs-runs must be at least 1".into());
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp =
+        TempDir(std::env::temp_dir().join(format!("vm-bench-fs-{}-{nanos}", std::process::id())));
+    let state = tmp.0.join("state");
+    let ws = tmp.0.join("ws");
+    for d in [&state, &ws] {
+        fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+    }
+    let ws = ws
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", ws.display()))?;
+    let env: Vec<(String, String)> = [
+        ("XDG_STATE_HOME", state.as_path()),
+        ("VMCTL_KERNEL", b.kernel.as_path()),
+        ("VMCTL_AGENT_INITRAMFS", b.agent_initramfs.as_path()),
+        ("VMCTL_ROOTFS", b.rootfs.as_path()),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.display().to_string()))
+    .collect();
+    report.environment = env.clone();
+    report.config.workspace = ws.display().to_string();
+    // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
+    let mut vmctl = Vmctl {
+        bin: b.vmctl.clone(),
+        env,
+        state,
+        timeout: b.timeout,
+        live: Vec::new(),
+    };
+    say(format!(
+        "virtio-fs: {} MiB file, {} files, {} repetition(s) per side ({}), in {}",
+        s.file_mib,
+        s.files,
+        s.runs,
+        s.origin,
+        ws.display()
+    ));
+    let up = vmctl.up(&ws).map_err(|e| format!("vmctl up: {e}"))?;
+    let (_, record) = vmctl.vm_dir(&ws)?;
+    report.config.vm_cpus = record["cpus"].as_u64().unwrap_or(0);
+    report.config.vm_memory_mib = record["memory_mib"].as_u64().unwrap_or(0);
+    report.config.vm_nested = record["nested"].as_bool().unwrap_or(false);
+    say(format!(
+        "virtio-fs: VM up in {:.1} s",
+        up.elapsed.as_secs_f64()
+    ));
+    if report.config.vm_nested {
+        report.notes.push(
+            "vmctl up ran the VM in a nested host of its own: the guest side is one level of \
+             emulation deeper than the host side, and these are not this environment's figures."
+                .into(),
+        );
+    }
+    let runner = Runner {
+        vmctl: &vmctl,
+        workspace: &ws,
+        timeout: b.script_timeout,
+    };
+    report.commands = vec![
+        ("up".into(), vmctl.argv(&["up"], &ws)),
+        (HOST.into(), runner.argv(Side::Host, "SCRIPT")),
+        (GUEST.into(), runner.argv(Side::Guest, "SCRIPT")),
+        ("rm".into(), vmctl.argv(&["rm"], &ws)),
+    ];
+    report.scripts = Workload::ALL
+        .iter()
+        .map(|w| {
+            (
+                w.name().to_string(),
+                w.script(Side::Host, 1, s, Some(&b.drop_caches)),
+            )
+        })
+        .collect();
+    report.scripts.extend([
+        ("git_setup (host, once)".into(), git_setup_script(s.files)),
+        (
+            "git_warmup (each side, once)".into(),
+            git_warmup_script(Side::Host),
+        ),
+        ("probe (each side, once)".into(), PROBE.to_string()),
+    ]);
+
+    // What each side is; and the guest must see the host's files at the same path.
+    let nonce = format!("vm-bench-{}-{nanos}", std::process::id());
+    fs::write(ws.join("probe.txt"), &nonce).map_err(|e| format!("write probe.txt: {e}"))?;
+    for side in [Side::Host, Side::Guest] {
+        let ran = runner.run(side, "probe", PROBE)?;
+        let get = |k: &str| marker(&ran.stdout, k).unwrap_or("").trim().to_string();
+        if get("EPOCH") == "missing" || get("EPOCH").is_empty() {
+            return Err(format!(
+                "{}: bash {} has no $EPOCHREALTIME (bash 5 or later needed)",
+                side.label(),
+                get("BASH")
+            ));
+        }
+        if get("PWD") != ws.display().to_string() || get("SHARED") != nonce {
+            return Err(format!(
+                "{}: the script did not run in the shared workspace: pwd {:?} (expected {}), \
+                 probe.txt {:?} (expected {nonce:?})",
+                side.label(),
+                get("PWD"),
+                ws.display(),
+                get("SHARED")
+            ));
+        }
+        report.sides.push(FsSide {
+            side: side.label().into(),
+            fs_type: get("FSTYPE"),
+            kernel: get("KERNEL"),
+            bash: get("BASH"),
+            git: get("GIT"),
+            uid: get("UID"),
+            ..FsSide::default()
+        });
+    }
+    say(format!(
+        "virtio-fs: workspace file system: host {}, guest {}",
+        report.sides[0].fs_type, report.sides[1].fs_type
+    ));
+    // The host's caches are dropped only where that makes its reads cold. In the
+    // nested host the workspace is in memory anyway (/tmp: an overlay with a tmpfs
+    // upper layer), and a drop would evict the programs it reads over 9p from this
+    // machine (vmctl, bash, git): slower after, and broken if someone rebuilds vmctl
+    // meanwhile (seen: every later vmctl exec died of SIGSEGV).
+    let host_drop_skipped = if b.nested {
+        Some("the nested host's workspace is in memory (overlay on tmpfs)")
+    } else if report.sides[0].fs_type == "tmpfs" {
+        Some("the workspace is on tmpfs")
+    } else {
+        None
+    };
+    report.sides[0].cache_drop_skipped = host_drop_skipped.map(str::to_string);
+    let drop_for = |side: Side| match side {
+        Side::Host if host_drop_skipped.is_some() => None,
+        _ => Some(b.drop_caches.as_path()),
+    };
+
+    let n = Workload::ALL.len();
+    let index = |w: Workload| Workload::ALL.iter().position(|x| *x == w).expect("listed");
+    let mut samples: Vec<[Vec<f64>; 2]> = vec![[Vec::new(), Vec::new()]; n];
+    let mut errors: Vec<Option<String>> = vec![None; n];
+    // The git index's mtime after each git status, in order.
+    let mut git_index: Vec<(Side, String)> = Vec::new();
+
+    // The repository (host, untimed), then one untimed git status per side.
+    let git = index(Workload::GitStatus);
+    match runner.run(
+        Side::Host,
+        "git repository setup",
+        &git_setup_script(s.files),
+    ) {
+        Ok(ran) => {
+            if let Err(e) = check_marker(&ran, "TRACKED", s.files) {
+                errors[git] = Some(format!("git repository setup: {e}"));
+            }
+        }
+        Err(e) => errors[git] = Some(e),
+    }
+    for side in [Side::Host, Side::Guest] {
+        if errors[git].is_some() {
+            break;
+        }
+        match runner.run(side, "git status warm-up", &git_warmup_script(side)) {
+            Ok(ran) => {
+                if let Err(e) = check_marker(&ran, "CHANGES", 0) {
+                    errors[git] = Some(format!(
+                        "git status warm-up ({}): the freshly committed repository is not \
+                         clean: {e}\n--- first lines ---\n{}",
+                        side.label(),
+                        tail(&ran.stderr, 1000)
+                    ));
+                }
+                git_index.push((side, marker(&ran.stdout, "INDEX").unwrap_or("").into()));
+            }
+            Err(e) => errors[git] = Some(e),
+        }
+    }
+    let warmup_index = git_index.len();
+
+    for run in 0..s.runs {
+        for w in Workload::ALL {
+            let i = index(w);
+            if errors[i].is_none() {
+                if let Some(dep) = w.depends_on().filter(|d| errors[index(*d)].is_some()) {
+                    errors[i] = Some(format!("not measured: {} failed", dep.name()));
+                }
+            }
+            if errors[i].is_some() {
+                continue;
+            }
+            for side in order(run) {
+                if w == Workload::SeqRead && side == Side::Guest && host_drop_skipped.is_none() {
+                    // The guest's reads go through the host's page cache too.
+                    let drop = drop_caches_script(&b.drop_caches);
+                    match runner.run(Side::Host, "drop the host's caches", &drop) {
+                        Ok(ran) => count_drop(&mut report.sides[0], &ran),
+                        Err(e) => {
+                            errors[i] = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let what = format!("{} run {}/{}", w.name(), run + 1, s.runs);
+                let result = runner
+                    .timed(side, &what, &w.script(side, run + 1, s, drop_for(side)))
+                    .and_then(|(ns, ran)| {
+                        w.check(&ran.stdout, s).map_err(|e| {
+                            format!(
+                                "{what} ({}): {e}\n--- stderr (tail) ---\n{}",
+                                side.label(),
+                                tail(&ran.stderr, 2000)
+                            )
+                        })?;
+                        Ok((ns, ran))
+                    });
+                let (ns, ran) = match result {
+                    Ok(r) => r,
+                    Err(e) => {
+                        say(format!("error: {e}"));
+                        errors[i] = Some(e);
+                        break;
+                    }
+                };
+                if w == Workload::SeqRead {
+                    let k = if side == Side::Host { 0 } else { 1 };
+                    count_drop(&mut report.sides[k], &ran);
+                }
+                if w == Workload::GitStatus {
+                    git_index.push((side, marker(&ran.stdout, "INDEX").unwrap_or("").into()));
+                }
+                let v = w.sample(ns, s);
+                samples[i][if side == Side::Host { 0 } else { 1 }].push(v);
+                say(format!(
+                    "[fs {}/{}] {:>5} {}: {:.4} {} ({:.3} s)",
+                    run + 1,
+                    s.runs,
+                    side.label(),
+                    w.name(),
+                    v,
+                    w.unit(),
+                    ns as f64 / 1e9
+                ));
+            }
+        }
+    }
+
+    for w in Workload::ALL {
+        let i = index(w);
+        let [host, guest] = std::mem::take(&mut samples[i]);
+        let size = if w.sequential() {
+            (Some(s.file_mib), None)
+        } else {
+            (None, Some(s.files))
+        };
+        report.figures.push(FsFigure::new(
+            w.name(),
+            w.unit(),
+            w.better(),
+            size,
+            w.target(),
+            host,
+            guest,
+            errors[i].take(),
+        ));
+    }
+    let rewrites = changes(git_index[warmup_index..].iter().map(|(_, v)| v.as_str()));
+    if git_index.len() > warmup_index {
+        report.notes.push(if rewrites == 0 {
+            "The git index was not rewritten by the timed `git status` runs: host and guest \
+             agree on the files' stat data."
+                .into()
+        } else {
+            format!(
+                "The git index was rewritten {rewrites} time(s) during the timed `git status` runs \
+                 (host and guest disagree on the files' stat data, so each refreshes the index): \
+                 the git figures include re-reading the files. Index mtimes: {}",
+                git_index
+                    .iter()
+                    .map(|(side, v)| format!("{} {v}", side.label()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        });
+    }
+    for side in &report.sides {
+        if side.cache_drops_failed > 0 {
+            report.notes.push(format!(
+                "The {} could not drop its page cache (/proc/sys/vm/drop_caches not writable) \
+                 {} time(s): those reads may have come from memory.",
+                side.side, side.cache_drops_failed
+            ));
+        }
+    }
+    if let Some(why) = host_drop_skipped {
+        report.notes.push(format!(
+            "The host's caches were not dropped: {why} ({}), so its reads come from memory \
+             whatever is dropped, and conv=fsync writes reach memory only. The guest's reads \
+             still cross virtio-fs and virtiofsd, which reads that memory.",
+            report.sides[0].fs_type
+        ));
+    }
+
+    vmctl.rm(&ws).map_err(|e| format!("vmctl rm: {e}"))?;
+    Ok(())
+}
+
+fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String> {
+    match marker(&ran.stdout, key).map(|v| v.trim().parse::<u64>()) {
+        Some(Ok(v)) if v == want => Ok(()),
+        Some(_) | None => Err(format!(
+            "expected {key}={want}\n--- stdout (tail) ---\n{}\n--- stderr (tail) ---\n{}",
+            tail(&ran.stdout, 1500),
+            tail(&ran.stderr, 2000)
+        )),
+    }
+}
+
+fn count_drop(side: &mut FsSide, ran: &Ran) {
+    match marker(&ran.stdout, "DROPPED") {
+        Some("1") => side.cache_drops_ok += 1,
+        Some("skipped") => {}
+        _ => side.cache_drops_failed += 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elapsed_is_parsed_from_the_last_line() {
+        assert_eq!(parse_elapsed_ns("x\nELAPSED_NS=1500000\n"), Ok(1_500_000));
+        assert_eq!(
+            parse_elapsed_ns("DROPPED=1\nELAPSED_NS=1\r\nELAPSED_NS=42\nSIZE=3\n"),
+            Ok(42)
+        );
+        let e = parse_elapsed_ns("hello\n").unwrap_err();
+        assert!(e.contains("no ELAPSED_NS line"), "{e}");
+        assert!(parse_elapsed_ns("ELAPSED_NS=\n").is_err());
+        assert!(parse_elapsed_ns("ELAPSED_NS=-5\n").is_err());
+        assert!(parse_elapsed_ns("ELAPSED_NS=12abc\n").is_err());
+        assert!(parse_elapsed_ns("ELAPSED_NS=0\n")
+            .unwrap_err()
+            .contains("did not advance"));
+        // A key is matched whole.
+        assert!(parse_elapsed_ns("X_ELAPSED_NS=5\nELAPSED_NSX=6\n").is_err());
+        assert_eq!(marker("A=1\nAB=2\n", "A"), Some("1"));
+        assert_eq!(marker("COUNT=200\n", "COUNT"), Some("200"));
+    }
+
+    #[test]
+    fn sizes_defaults_and_overrides() {
+        let s = sizes(false, false, None, None, None);
+        assert_eq!((s.file_mib, s.files, s.runs), (256, 10_000, 3));
+        let s = sizes(false, true, None, None, None);
+        assert_eq!((s.file_mib, s.files, s.runs), (64, 1_000, 3));
+        assert_eq!(s.origin, "reduced for the nested host");
+        for nested in [false, true] {
+            let s = sizes(true, nested, None, None, None);
+            assert_eq!((s.file_mib, s.files, s.runs), (16, 200, 1));
+        }
+        let s = sizes(true, true, Some(8), None, Some(2));
+        assert_eq!((s.file_mib, s.files, s.runs), (8, 200, 2));
+        assert!(s.origin.contains("overrides"), "{}", s.origin);
+    }
+
+    #[test]
+    fn samples_and_targets() {
+        let s = sizes(true, false, None, None, None);
+        // 16 MiB in half a second: 32 MiB/s.
+        assert_eq!(Workload::SeqWrite.sample(500_000_000, &s), 32.0);
+        assert_eq!(Workload::GitStatus.sample(250_000_000, &s), 0.25);
+        assert_eq!(Workload::SeqRead.target(), (2.0, "sequential I/O"));
+        assert_eq!(Workload::GitStatus.target(), (3.0, "metadata"));
+        assert_eq!(Workload::Create.target(), (3.0, "metadata"));
+        assert_eq!(Workload::SeqRead.better(), Better::Higher);
+        assert_eq!(Workload::Stat.better(), Better::Lower);
+        assert_eq!(Workload::Stat.depends_on(), Some(Workload::Create));
+        assert_eq!(order(0), [Side::Host, Side::Guest]);
+        assert_eq!(order(1), [Side::Guest, Side::Host]);
+    }
+
+    #[test]
+    fn checks_of_the_scripts_output() {
+        let s = sizes(true, false, None, None, None);
+        assert!(Workload::SeqWrite.check("SIZE=16777216\n", &s).is_ok());
+        let e = Workload::SeqWrite.check("SIZE=4096\n", &s).unwrap_err();
+        assert!(e.contains("expected 16777216"), "{e}");
+        assert!(Workload::Stat.check("COUNT=200\n", &s).is_ok());
+        assert!(Workload::Stat.check("", &s).is_err());
+        assert!(Workload::GitStatus.check("", &s).is_ok());
+    }
+
+    #[test]
+    fn index_rewrites_are_counted() {
+        assert_eq!(changes(["a", "a", "a"]), 0);
+        assert_eq!(changes(["a", "b", "b", "a"]), 2);
+        assert_eq!(changes([]), 0);
+    }
+
+    /// A fake `vmctl` whose "guest" is this machine: `exec` runs the command in the
+    /// caller's cwd; with `dir/fail-git`, the timed git status fails in the "guest".
+    fn fake_bench(dir: &Path) -> FsBench {
+        let script = dir.join("vmctl");
+        fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\necho \"$1\" >> {log}\ncase \"$1\" in\n  \
+                 up) d=\"$XDG_STATE_HOME/vmctl/vms/x\"; mkdir -p \"$d\"; \
+                 printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
+                 exec) shift 4\n    \
+                 if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
+                 exec \"$@\";;\n  \
+                 rm) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x\";;\nesac\n",
+                log = dir.join("calls.log").display(),
+                fail = dir.join("fail-git").display(),
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+        FsBench {
+            vmctl: script,
+            kernel: "/k".into(),
+            agent_initramfs: "/a".into(),
+            rootfs: "/r".into(),
+            sizes: FsSizes {
+                file_mib: 1,
+                files: 20,
+                runs: 2,
+                origin: "test".into(),
+            },
+            timeout: Duration::from_secs(30),
+            script_timeout: Duration::from_secs(60),
+            nested: false,
+            drop_caches: dir.join("drop_caches"),
+        }
+    }
+
+    #[test]
+    fn measures_both_sides_and_removes_the_vm() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-flow-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        let b = fake_bench(&dir);
+        let r = measure(&b);
+        assert_eq!(r.error, None);
+        assert!(r.errors().is_empty(), "{:?}", r.errors());
+        assert_eq!(r.figures.len(), 5);
+        for f in &r.figures {
+            assert_eq!(f.host.as_ref().unwrap().samples.len(), 2, "{}", f.name);
+            assert_eq!(f.guest.as_ref().unwrap().samples.len(), 2, "{}", f.name);
+            assert!(f.guest_slowdown.is_some() && f.target.met.is_some());
+        }
+        assert_eq!(r.config.vm_cpus, 2);
+        // Two reads per side drop caches, plus the host's before each guest read
+        // (not on tmpfs).
+        let host_drops = if r.sides[0].fs_type == "tmpfs" { 0 } else { 4 };
+        assert_eq!(
+            (r.sides[0].cache_drops_ok, r.sides[1].cache_drops_ok),
+            (host_drops, 2)
+        );
+        assert_eq!(r.sides[0].cache_drop_skipped.is_some(), host_drops == 0);
+        assert!(
+            r.notes.iter().any(|n| n.contains("not rewritten")),
+            "{:?}",
+            r.notes
+        );
+        let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
+        let calls: Vec<&str> = calls.lines().collect();
+        assert_eq!(calls.first(), Some(&"up"));
+        assert_eq!(calls.last(), Some(&"rm"));
+        // probe + warm-up + 5 workloads x 2 runs, in the guest.
+        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 12);
+        assert!(r.markdown().contains("| fs_git_status_s | s | 20 files |"));
+        // In the nested host, the host's caches are never dropped.
+        let nested = measure(&FsBench {
+            nested: true,
+            ..b.clone()
+        });
+        assert!(nested.errors().is_empty(), "{:?}", nested.errors());
+        assert_eq!(
+            (
+                nested.sides[0].cache_drops_ok,
+                nested.sides[1].cache_drops_ok
+            ),
+            (0, 2)
+        );
+        assert!(nested.sides[0].cache_drop_skipped.is_some());
+        assert!(nested.notes.iter().any(|n| n.contains("not dropped")));
+        assert!(
+            nested.markdown().contains("host skipped ("),
+            "{}",
+            nested.markdown()
+        );
+
+        // The guest's git status fails: that figure has the error and its stderr,
+        // the others are measured, and the VM is removed.
+        fs::remove_file(dir.join("calls.log")).unwrap();
+        fs::write(dir.join("fail-git"), "").unwrap();
+        let r = measure(&b);
+        assert_eq!(r.error, None);
+        let errors = r.errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].0, "fs_git_status_s");
+        assert!(errors[0].1.contains("guest broke"), "{}", errors[0].1);
+        assert!(
+            errors[0].1.contains("failed (exit status: 7)"),
+            "{}",
+            errors[0].1
+        );
+        assert!(r.figures[0].guest_slowdown.is_some());
+        let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
+        assert_eq!(calls.lines().last(), Some("rm"));
+    }
+
+    fn run_script(script: &str, dir: &Path) -> Ran {
+        let mut cmd = Command::new("bash");
+        cmd.arg("-c").arg(script).current_dir(dir);
+        run_command(cmd, "test", Duration::from_secs(60), true).unwrap()
+    }
+
+    /// Every script runs on this machine as the host side would run it, and prints
+    /// what the benchmark parses.
+    #[test]
+    fn scripts_run_and_report() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-test-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        let s = FsSizes {
+            file_mib: 1,
+            files: 30,
+            runs: 1,
+            origin: "test".into(),
+        };
+        let setup = run_script(&git_setup_script(s.files), &dir);
+        assert!(setup.status.success(), "{}", setup.stderr);
+        assert_eq!(marker(&setup.stdout, "TRACKED"), Some("30"));
+        assert!(dir.join("repo/dir0/file29").is_file());
+        let warm = run_script(&git_warmup_script(Side::Host), &dir);
+        assert!(warm.status.success(), "{}", warm.stderr);
+        assert_eq!(marker(&warm.stdout, "CHANGES"), Some("0"));
+        // Not this machine's caches: a plain file stands in.
+        let drop = dir.join("drop_caches");
+        for w in Workload::ALL {
+            let ran = run_script(&w.script(Side::Host, 1, &s, Some(&drop)), &dir);
+            assert!(ran.status.success(), "{}: {}", w.name(), ran.stderr);
+            let ns = parse_elapsed_ns(&ran.stdout).unwrap();
+            assert!(w.sample(ns, &s) > 0.0);
+            w.check(&ran.stdout, &s)
+                .unwrap_or_else(|e| panic!("{}: {e}", w.name()));
+        }
+        assert_eq!(fs::read_to_string(&drop).unwrap(), "3\n");
+        let ran = run_script(&Workload::SeqRead.script(Side::Host, 1, &s, None), &dir);
+        assert_eq!(marker(&ran.stdout, "DROPPED"), Some("skipped"));
+        assert!(parse_elapsed_ns(&ran.stdout).is_ok());
+        let ran = run_script(&drop_caches_script(&drop), &dir);
+        assert_eq!(marker(&ran.stdout, "DROPPED"), Some("1"));
+        let ran = run_script(&drop_caches_script(&dir.join("no/such/file")), &dir);
+        assert_eq!(marker(&ran.stdout, "DROPPED"), Some("0"));
+        assert!(ran.stderr.is_empty(), "{}", ran.stderr);
+        // A failing script exits non-zero (set -e), whatever it printed.
+        let failing = run_script(
+            &timed("", "dd if=/nonexistent of=/dev/null status=none", ""),
+            &dir,
+        );
+        assert!(!failing.status.success());
+        assert!(failing.stderr.contains("nonexistent"), "{}", failing.stderr);
+    }
+}

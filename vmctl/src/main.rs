@@ -113,7 +113,27 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
             tty: args.tty,
         },
     )
-    .map_err(|e| e.to_string())
+    .map_err(|e| explain_lost_vm(vm, e.to_string()))
+}
+
+/// A session that failed because its VM went away says why the VM went away.
+fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
+    if !error.contains("closed the connection") {
+        return error;
+    }
+    // Give the supervisor a moment to record the end and exit.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    if vm.running_pid().is_some() {
+        return error;
+    }
+    let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
+    match log.lines().rev().find(|l| l.contains("error")) {
+        Some(line) => format!("{error}; the VM stopped: {}", line.trim()),
+        None => format!(
+            "{error}; the VM stopped (see {})",
+            vm.supervisor_log().display()
+        ),
+    }
 }
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {

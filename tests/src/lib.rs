@@ -706,12 +706,35 @@ impl Workspace {
         command
     }
 
-    /// Runs `vmctl ARGS` and logs what it printed.
+    /// Runs `vmctl ARGS` and logs what it printed; panics with "timed out" when it
+    /// takes longer than [`vm_timeout`] (a hung guest must fail the test, not hang it).
     pub fn run(&self, args: &[&str]) -> Output {
-        let output = self
+        let mut child = self
             .command(args)
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap_or_else(|e| panic!("cannot run vmctl {args:?}: {e}"));
+        let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
+        let out_reader = thread::spawn(move || read_all(out.as_mut()));
+        let err_reader = thread::spawn(move || read_all(err.as_mut()));
+        let deadline = Instant::now() + vm_timeout();
+        let status = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("vmctl {args:?} timed out after {:?}", vm_timeout());
+            }
+            thread::sleep(Duration::from_millis(50));
+        };
+        let output = Output {
+            status,
+            stdout: out_reader.join().unwrap_or_default(),
+            stderr: err_reader.join().unwrap_or_default(),
+        };
         eprintln!(
             "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
             output.status.code(),
@@ -731,6 +754,14 @@ impl Drop for Workspace {
     fn drop(&mut self) {
         let _ = self.command(&["rm"]).output();
     }
+}
+
+fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    if let Some(stream) = stream {
+        let _ = stream.read_to_end(&mut bytes);
+    }
+    bytes
 }
 
 /// A command's stdout as text.

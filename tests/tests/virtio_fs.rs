@@ -30,11 +30,45 @@ fn assert_ok(output: &Output, what: &str) {
     );
 }
 
+/// Guests in the nested host sometimes crash or hang under sustained device traffic
+/// (README, "Known problem"). A run that loses its VM that way is retried, loudly, at
+/// most twice; any other failure fails at once.
+const ATTEMPTS: usize = 3;
+
+fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
+    let message = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("");
+    [
+        "timed out",
+        "the VM stopped",
+        "closed the connection",
+        "guest crashed",
+    ]
+    .iter()
+    .any(|sign| message.contains(sign))
+}
+
 #[test]
 fn the_workspace_is_shared_at_its_host_path() {
     if !vm_available("virtio_fs::the_workspace_is_shared_at_its_host_path") {
         return;
     }
+    for attempt in 1..=ATTEMPTS {
+        match std::panic::catch_unwind(shared_workspace_scenario) {
+            Ok(()) => return,
+            Err(panic) if attempt < ATTEMPTS && vm_was_lost(panic.as_ref()) => eprintln!(
+                "RETRY: attempt {attempt} lost its VM (the known nested-host crash or hang); \
+                 starting over with a fresh VM"
+            ),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+fn shared_workspace_scenario() {
     let ws = Workspace::new("virtio-fs");
     let root = ws.path().canonicalize().unwrap();
     let read_only = ws.dir.join("ro");
@@ -176,7 +210,16 @@ with open('mapped-by-host.bin', 'rb') as f:
         ],
         &repo,
     );
-    let guest_log = ws.exec("cd repo && git log --format=%s && git status --porcelain");
+    // The guest may hold names and attributes for up to a second (cache=auto), so it
+    // sees the host's new index within that window, not necessarily at once.
+    let guest_log = ws.exec(
+        "cd repo
+         for i in $(seq 30); do
+             [ -z \"$(git status --porcelain)\" ] && break
+             sleep 0.1
+         done
+         git log --format=%s && git status --porcelain",
+    );
     assert_ok(&guest_log, "git log in the guest");
     assert_eq!(stdout(&guest_log), "host-commit\nguest-commit\n");
 

@@ -761,13 +761,42 @@ fn order(i: usize) -> [Vmm; 2] {
     }
 }
 
-/// Removes the benchmark's temporary directory, whatever happens.
-struct TempDir(PathBuf);
+/// A temporary directory of the benchmark, removed whatever happens. Where a
+/// `workspace::Vmctl` keeps its state in it, declare the `TempDir` first, so the VM's
+/// cleanup runs before the directory goes.
+pub(crate) struct TempDir(pub(crate) PathBuf);
+
+impl TempDir {
+    /// A fresh path `<tmp>/vm-bench<suffix>-<pid>-<nanos>` (not created yet).
+    pub(crate) fn unique(suffix: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        TempDir(
+            std::env::temp_dir().join(format!("vm-bench{suffix}-{}-{nanos}", std::process::id())),
+        )
+    }
+}
 
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
     }
+}
+
+/// The first line `PROGRAM --version` prints (empty when it prints nothing).
+pub(crate) fn version_line(program: &Path) -> String {
+    Command::new(program)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(|l| l.trim().to_string())
+        })
+        .unwrap_or_default()
 }
 
 /// Measures on this machine's KVM.
@@ -778,11 +807,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     if !hardware_kvm() {
         say("warning: KVM is not hardware-backed here (no kvm_intel/kvm_amd); guests will likely fail to boot");
     }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp =
-        TempDir(std::env::temp_dir().join(format!("vm-bench-{}-{nanos}", std::process::id())));
+    let tmp = TempDir::unique("");
     fs::create_dir_all(&tmp.0).map_err(|e| format!("create {}: {e}", tmp.0.display()))?;
     let base =
         fs::read(&tools.initrd).map_err(|e| format!("read {}: {e}", tools.initrd.display()))?;
@@ -803,17 +828,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
         io::copy(&mut f, &mut io::sink()).map_err(|e| format!("read {}: {e}", p.display()))?;
     }
-    let qemu_version = Command::new(&tools.qemu)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(str::to_string)
-        })
-        .unwrap_or_default();
+    let qemu_version = version_line(&tools.qemu);
     say(format!(
         "{} boot(s) + {} memory run(s) per VMM, {} vCPU / {} MiB, on {} ({})",
         args.runs,

@@ -17,9 +17,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crate::boot::{version_line, TempDir};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{run_command, Ran, TempDir, Vmctl};
+use crate::workspace::{run_command, Ran, Vmctl};
 
 /// Sizes on hardware KVM: the issue's.
 pub const ISSUE_FILE_MIB: u64 = 256;
@@ -447,18 +448,7 @@ fn virtiofsd() -> String {
     let Some(found) = candidates.into_iter().find(|c| c.is_file()) else {
         return "not found".into();
     };
-    let version = Command::new(&found)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(|l| l.trim().to_string())
-        })
-        .unwrap_or_default();
-    format!("{} ({version})", found.display())
+    format!("{} ({})", found.display(), version_line(&found))
 }
 
 /// Measures the virtio-fs figures. Never fails as a whole: a section-wide failure
@@ -506,11 +496,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     if s.file_mib == 0 || s.files == 0 || s.runs == 0 {
         return Err("--fs-mib, --fs-files and --fs-runs must be at least 1".into());
     }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp =
-        TempDir(std::env::temp_dir().join(format!("vm-bench-fs-{}-{nanos}", std::process::id())));
+    let tmp = TempDir::unique("-fs");
     let state = tmp.0.join("state");
     let ws = tmp.0.join("ws");
     for d in [&state, &ws] {
@@ -592,7 +578,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     ]);
 
     // What each side is; and the guest must see the host's files at the same path.
-    let nonce = format!("vm-bench-{}-{nanos}", std::process::id());
+    // Unique to this run: the temporary directory's name.
+    let nonce = tmp
+        .0
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     fs::write(ws.join("probe.txt"), &nonce).map_err(|e| format!("write probe.txt: {e}"))?;
     for side in [Side::Host, Side::Guest] {
         let ran = runner.run(side, "probe", PROBE)?;

@@ -5,7 +5,7 @@
 //! Every VM lives under a temporary `XDG_STATE_HOME` (the user's VMs are never
 //! touched) and is removed with `vmctl rm`, also when a step fails.
 
-use crate::boot::say;
+use crate::boot::{say, TempDir};
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -285,16 +285,6 @@ impl Drop for Vmctl {
     }
 }
 
-/// Removes the temporary directory, whatever happens (after [`Vmctl`]'s cleanup:
-/// declare it first).
-pub(crate) struct TempDir(pub(crate) PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
-
 async fn health(socket: &Path) -> Result<HealthInfo, String> {
     let conn = connect_hybrid(socket, AGENT_PORT)
         .await
@@ -352,11 +342,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     if b.ready_runs == 0 || b.exec_iterations == 0 || b.cli_iterations == 0 {
         return Err("the workspace runs and iterations must be at least 1".into());
     }
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp =
-        TempDir(std::env::temp_dir().join(format!("vm-bench-ws-{}-{nanos}", std::process::id())));
+    let tmp = TempDir::unique("-ws");
     let state = tmp.0.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
     let env: Vec<(String, String)> = [

@@ -15,13 +15,23 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
 pub const MAX_FRAME_SIZE: usize = 1024 * 1024;
 /// The vsock port the agent listens on unless `vmctl.port=` says otherwise.
 pub const DEFAULT_PORT: u32 = 1024;
 /// The largest chunk of stdin/stdout/stderr bytes senders put in one frame.
 pub const CHUNK_SIZE: usize = 64 * 1024;
+/// The host's vsock port for connections the guest opens (egress proxy, loopback
+/// relays); each starts with one [`ServiceRequest`] frame, then carries raw bytes.
+pub const HOST_SERVICE_PORT: u32 = 1025;
+/// The guest's HTTP(S) proxy: the agent listens on 127.0.0.1 at this port and
+/// relays each connection to the host's egress proxy.
+pub const EGRESS_PROXY_PORT: u16 = 3128;
+/// The sandbox's egress CA certificate in the guest (PEM).
+pub const GUEST_CA_FILE: &str = "/etc/ssl/certs/vmctl-egress.pem";
+/// The guest's system CA bundle, which the agent extends with the egress CA.
+pub const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The version of this crate, reported by the agent in [`AgentMessage::HelloOk`].
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -103,6 +113,36 @@ pub enum ClientMessage {
     },
     /// Send this signal number to the command's process group.
     Signal(i32),
+    /// Set up the VM's network side (see [`NetworkConfig`]); answered by
+    /// [`AgentMessage::NetworkConfigured`]. Sent again to add relay ports.
+    ConfigureNetwork(NetworkConfig),
+    /// Connect this connection to the guest's loopback port (a published port):
+    /// answered by [`AgentMessage::Connected`], after which the connection carries
+    /// raw bytes both ways.
+    ConnectPort(u16),
+}
+
+/// The VM's network setup, sent by the host once the agent answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// The sandbox's egress CA (PEM): written to [`GUEST_CA_FILE`] and appended to
+    /// [`GUEST_CA_BUNDLE`] (once).
+    pub ca_cert_pem: String,
+    /// Variables every command gets (under its own `env`) and that go into
+    /// `/etc/environment`: the proxy, the CA paths, placeholder credentials.
+    pub env: Vec<(String, String)>,
+    /// Guest loopback ports relayed to the same port on the host's loopback;
+    /// ports already relayed stay relayed.
+    pub relay_ports: Vec<u16>,
+}
+
+/// The first frame of a connection the guest opens to [`HOST_SERVICE_PORT`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServiceRequest {
+    /// A connection to the egress proxy (HTTP proxy protocol follows).
+    Egress,
+    /// A connection to the host's 127.0.0.1 at this port.
+    Loopback { port: u16 },
 }
 
 /// The agent's state, in answer to [`ClientMessage::Health`].
@@ -161,6 +201,10 @@ pub enum AgentMessage {
         code: Option<i32>,
         signal: Option<i32>,
     },
+    /// Answers `ConfigureNetwork`: the relay ports that could not be set up, with why.
+    NetworkConfigured { failed_relays: Vec<(u16, String)> },
+    /// Answers `ConnectPort`: raw bytes follow.
+    Connected,
 }
 
 /// Encodes `msg` as a complete frame (length prefix + payload).

@@ -3,7 +3,8 @@
 //! Each request uses its own connection: connect ([`connect_hybrid`] through the
 //! VMM's hybrid-vsock Unix socket, or [`Connection::handshake`] over any byte
 //! stream), then call one of [`Connection::exec`], [`Connection::health`],
-//! [`Connection::list_ports`] or [`Connection::shutdown`].
+//! [`Connection::list_ports`], [`Connection::configure_network`],
+//! [`Connection::connect_port`] or [`Connection::shutdown`].
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), guest_agent::client::ClientError> {
@@ -26,8 +27,9 @@ use tokio::net::UnixStream;
 
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, Hello,
-    ListeningPort, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
+    ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
 };
+pub use crate::raw::RawStream;
 
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
@@ -198,6 +200,38 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         match self.request(ClientMessage::Shutdown).await? {
             AgentMessage::Ok => Ok(()),
             other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Sets up the guest's network side (egress CA, environment, proxy listener,
+    /// relays of guest loopback ports to the host). Returns the relay ports the agent
+    /// could not set up, with why; other relays work regardless.
+    pub async fn configure_network(self, config: NetworkConfig) -> Result<Vec<(u16, String)>> {
+        match self
+            .request(ClientMessage::ConfigureNetwork(config))
+            .await?
+        {
+            AgentMessage::NetworkConfigured { failed_relays } => Ok(failed_relays),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Connects this connection to the guest's loopback `port` (127.0.0.1, else
+    /// [::1]); the returned stream carries that TCP connection's bytes. Shutting
+    /// down its write side half-closes the guest connection.
+    pub async fn connect_port(mut self, port: u16) -> Result<RawStream<S>>
+    where
+        S: Unpin,
+    {
+        write_frame(&mut self.writer, &ClientMessage::ConnectPort(port)).await?;
+        match self.reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::Connected) => {
+                // Whatever the frame reader holds past `Connected` is already raw data.
+                let (r, pending) = self.reader.into_parts();
+                Ok(RawStream::new(pending, r.unsplit(self.writer)))
+            }
+            Some(other) => Err(unexpected(&other)),
+            None => Err(ClientError::Closed),
         }
     }
 

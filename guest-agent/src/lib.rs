@@ -4,12 +4,16 @@
 //! - [`client`]: the async client `vmctl` uses;
 //! - [`server`]: the agent's request handling and command execution;
 //! - [`init`]: PID-1 duties inside the VM;
-//! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares.
+//! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares;
+//! - [`network`]: the guest side of networking (egress proxy, port relays, CA);
+//! - [`raw`]: a connection switched from frames to raw bytes.
 
 pub mod client;
 pub mod init;
+pub mod network;
 pub mod ports;
 pub mod protocol;
+pub mod raw;
 pub mod server;
 pub mod shares;
 pub mod users;

@@ -202,7 +202,9 @@ pub enum AgentMessage {
         signal: Option<i32>,
     },
     /// Answers `ConfigureNetwork`: the relay ports that could not be set up, with why.
-    NetworkConfigured { failed_relays: Vec<(u16, String)> },
+    NetworkConfigured {
+        failed_relays: Vec<(u16, String)>,
+    },
     /// Answers `ConnectPort`: raw bytes follow.
     Connected,
 }
@@ -330,6 +332,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn into_inner(self) -> R {
         self.inner
     }
+
+    /// The reader and the bytes it read past the last returned frame, which belong
+    /// to whatever follows the frames (the raw bytes after `ConnectPort`/`Connected`).
+    /// [`FrameReader::next`] reads no further than the end of the frame it is
+    /// decoding, so after a message this is empty; a partial frame stays in it.
+    pub fn into_parts(self) -> (R, Vec<u8>) {
+        (self.inner, self.buf)
+    }
 }
 
 #[cfg(test)]
@@ -360,6 +370,12 @@ mod tests {
             ClientMessage::StdinEof,
             ClientMessage::Resize { rows: 1, cols: 2 },
             ClientMessage::Signal(-9),
+            ClientMessage::ConfigureNetwork(NetworkConfig {
+                ca_cert_pem: "-----BEGIN CERTIFICATE-----".into(),
+                env: vec![("HTTPS_PROXY".into(), "http://127.0.0.1:3128".into())],
+                relay_ports: vec![5432, 6379],
+            }),
+            ClientMessage::ConnectPort(8080),
         ]
     }
 
@@ -392,12 +408,46 @@ mod tests {
                 code: Some(3),
                 signal: None,
             },
+            AgentMessage::NetworkConfigured {
+                failed_relays: vec![(80, "in use".into())],
+            },
+            AgentMessage::Connected,
         ];
         for msg in agent {
             let frame = encode_frame(&msg).unwrap();
             let (back, _): (AgentMessage, usize) = decode_frame(&frame).unwrap().unwrap();
             assert_eq!(back, msg);
         }
+        for msg in [
+            ServiceRequest::Egress,
+            ServiceRequest::Loopback { port: 22 },
+        ] {
+            let frame = encode_frame(&msg).unwrap();
+            let (back, _): (ServiceRequest, usize) = decode_frame(&frame).unwrap().unwrap();
+            assert_eq!(back, msg);
+        }
+    }
+
+    #[tokio::test]
+    async fn into_parts_keeps_what_follows_the_frames() {
+        let mut bytes = encode_frame(&ClientMessage::ConnectPort(1)).unwrap();
+        bytes.extend_from_slice(b"raw");
+        let mut r = FrameReader::new(&bytes[..]);
+        assert_eq!(
+            r.next::<ClientMessage>().await.unwrap(),
+            Some(ClientMessage::ConnectPort(1))
+        );
+        // The reader stopped at the frame's end: the raw bytes are still unread.
+        let (mut rest, buffered) = r.into_parts();
+        assert!(buffered.is_empty());
+        let mut raw = Vec::new();
+        rest.read_to_end(&mut raw).await.unwrap();
+        assert_eq!(raw, b"raw");
+        // A partial frame stays in the buffer.
+        let frame = encode_frame(&ClientMessage::Health).unwrap();
+        let mut r = FrameReader::new(&frame[..frame.len() - 1]);
+        assert!(r.next::<ClientMessage>().await.is_err());
+        assert_eq!(r.into_parts().1, &frame[..frame.len() - 1]);
     }
 
     #[test]

@@ -17,9 +17,10 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::network::{self, Network};
 use crate::protocol::{
-    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, ProtocolError,
-    TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
+    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, NetworkConfig,
+    ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
 };
 use crate::users::{self, Account};
 
@@ -71,6 +72,10 @@ pub struct ServerConfig {
     pub default_user: Option<HostUser>,
     /// Reap every child (`waitpid(-1)`), as PID 1 must; otherwise only our commands.
     pub reap_all: bool,
+    /// The network side (`ConfigureNetwork`, `ConnectPort`); the default writes the
+    /// guest's real files and reaches the host over vsock. Shared so that tests can
+    /// look at it (e.g. [`Network::egress_addr`]).
+    pub network: Arc<Network>,
 }
 
 /// Where the agent listens.
@@ -311,6 +316,8 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
             let _ = w.shutdown().await;
             Ok(())
         }
+        ClientMessage::ConfigureNetwork(config) => configure_network(&config, w, &state).await,
+        ClientMessage::ConnectPort(port) => connect_port(port, reader, w).await,
         ClientMessage::Shutdown => {
             info!("shutdown requested");
             write_frame(&mut w, &AgentMessage::Ok).await?;
@@ -333,6 +340,42 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
             .await
         }
     }
+}
+
+async fn configure_network<W: AsyncWrite + Unpin>(
+    config: &NetworkConfig,
+    mut w: W,
+    state: &State,
+) -> Result<(), ServerError> {
+    match state.config.network.configure(config) {
+        Ok(failed_relays) => {
+            for (port, why) in &failed_relays {
+                warn!(port, "relay not set up: {why}");
+            }
+            write_frame(&mut w, &AgentMessage::NetworkConfigured { failed_relays }).await?;
+            let _ = w.shutdown().await;
+            Ok(())
+        }
+        Err(e) => send_error(&mut w, format!("network configuration failed: {e}")).await,
+    }
+}
+
+/// `ConnectPort`: after `Connected`, this connection carries the guest TCP
+/// connection's bytes.
+async fn connect_port(
+    port: u16,
+    reader: FrameReader<tokio::io::ReadHalf<Box<dyn Stream>>>,
+    mut w: tokio::io::WriteHalf<Box<dyn Stream>>,
+) -> Result<(), ServerError> {
+    let tcp = match network::relay::connect_guest_port(port).await {
+        Ok(t) => t,
+        Err(e) => return send_error(&mut w, e.to_string()).await,
+    };
+    write_frame(&mut w, &AgentMessage::Connected).await?;
+    // Bytes the frame reader already took past the request belong to the TCP stream.
+    let (r, pending) = reader.into_parts();
+    network::relay::forward(r.unsplit(w), pending, tcp).await;
+    Ok(())
 }
 
 fn read_kib_field(text: &str, key: &str) -> u64 {
@@ -481,6 +524,10 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         .env("SHELL", &account.shell);
     if let Some(tty) = &req.tty {
         cmd.env("TERM", &tty.term);
+    }
+    // The network's variables (proxy, CA paths), which the request's own override.
+    for (k, v) in state.config.network.env() {
+        cmd.env(k, v);
     }
     for (k, v) in &req.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {

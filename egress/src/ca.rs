@@ -1,1 +1,387 @@
-//! (to be written)
+//! The sandbox's own certificate authority. The proxy terminates TLS only for
+//! destinations a secret is bound to; for those it presents a leaf certificate this CA
+//! minted, and the guest trusts this CA (its certificate is installed in the guest).
+//! The private key never leaves the host.
+//!
+//! Files: `<dir>/ca.pem` (certificate, 0644) and `<dir>/ca-key.pem` (PKCS#8 key, 0600,
+//! created with that mode so it is never readable by others, not even briefly).
+
+use std::collections::HashMap;
+use std::fs::{self, DirBuilder, OpenOptions};
+use std::io::{self, Write};
+use std::net::IpAddr;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rcgen::{
+    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use zeroize::Zeroizing;
+
+const CERT_FILE: &str = "ca.pem";
+const KEY_FILE: &str = "ca-key.pem";
+/// How many hosts' leaf configurations are kept; the guest talks to few hosts.
+const LEAF_CACHE_ENTRIES: usize = 512;
+/// Leaves live 30 days; re-mint well before that for long-running sandboxes.
+const LEAF_REFRESH: Duration = Duration::from_secs(24 * 3600);
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaError {
+    #[error("cannot create the CA directory {path}: {source}")]
+    CreateDir { path: PathBuf, source: io::Error },
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: io::Error },
+    #[error("{path} is not usable ({reason}); delete the directory {dir} to regenerate the CA")]
+    Corrupt {
+        path: PathBuf,
+        dir: PathBuf,
+        reason: String,
+    },
+    #[error("cannot generate a certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("cannot build the TLS configuration for {host}: {source}")]
+    Tls { host: String, source: rustls::Error },
+}
+
+/// The CA of one sandbox.
+pub struct CertificateAuthority {
+    cert_pem: String,
+    /// The CA certificate as rcgen needs it to sign leaves: rebuilt from the same
+    /// name and key, so its subject and key identifier match the stored certificate.
+    issuer: Certificate,
+    key: KeyPair,
+    leaves: Mutex<HashMap<String, (Instant, Arc<rustls::ServerConfig>)>>,
+}
+
+impl std::fmt::Debug for CertificateAuthority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertificateAuthority")
+            .finish_non_exhaustive()
+    }
+}
+
+impl CertificateAuthority {
+    /// Loads the CA in `dir`, or creates it (and `dir`) if there is none yet.
+    /// `name` (the sandbox's) goes into the CA's common name.
+    pub fn load_or_create(dir: &Path, name: &str) -> Result<Self, CaError> {
+        create_private_dir(dir)?;
+        let cert_path = dir.join(CERT_FILE);
+        let key_path = dir.join(KEY_FILE);
+        if cert_path.exists() && key_path.exists() {
+            return Self::load(dir, name);
+        }
+        // A half-written CA (one file only) cannot have been handed to a guest
+        // together with its key, so starting over loses nothing.
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let cert = ca_params(name).self_signed(&key)?;
+        let key_pem = Zeroizing::new(key.serialize_pem());
+        write_new(&key_path, key_pem.as_bytes(), 0o600)?;
+        write_new(&cert_path, cert.pem().as_bytes(), 0o644)?;
+        Ok(Self::new(cert.pem(), cert, key))
+    }
+
+    fn load(dir: &Path, name: &str) -> Result<Self, CaError> {
+        let cert_path = dir.join(CERT_FILE);
+        let key_path = dir.join(KEY_FILE);
+        let corrupt = |path: &Path, reason: String| CaError::Corrupt {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let cert_pem = fs::read_to_string(&cert_path).map_err(|source| CaError::Read {
+            path: cert_path.clone(),
+            source,
+        })?;
+        let key_pem =
+            Zeroizing::new(
+                fs::read_to_string(&key_path).map_err(|source| CaError::Read {
+                    path: key_path.clone(),
+                    source,
+                })?,
+            );
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| corrupt(&key_path, format!("not a private key: {e}")))?;
+        let cert_der = first_certificate(&cert_pem)
+            .ok_or_else(|| corrupt(&cert_path, "no PEM certificate in it".into()))?;
+        let issuer = ca_params(name).self_signed(&key)?;
+        let ca = Self::new(cert_pem, issuer, key);
+        // Prove the pair works: a leaf signed with the key must verify against the
+        // stored certificate. This catches a key from another CA and a certificate
+        // made for another sandbox name, which would otherwise fail later, in the
+        // guest, as an obscure TLS error.
+        let probe = ca.mint_leaf("probe.invalid")?;
+        verify_leaf(&cert_der, &probe.0, "probe.invalid").map_err(|e| {
+            corrupt(
+                &cert_path,
+                format!("it does not match {KEY_FILE} or was made for another name: {e}"),
+            )
+        })?;
+        Ok(ca)
+    }
+
+    fn new(cert_pem: String, issuer: Certificate, key: KeyPair) -> Self {
+        Self {
+            cert_pem,
+            issuer,
+            key,
+            leaves: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The CA certificate, PEM, as the guest installs it.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// A TLS server configuration presenting a leaf certificate for `host` (a DNS
+    /// name or an IP literal), ALPN `http/1.1` only. Cached per host.
+    pub fn server_config_for(&self, host: &str) -> Result<Arc<rustls::ServerConfig>, CaError> {
+        if let Some(config) = self.cached(host) {
+            return Ok(config);
+        }
+        let (cert, key) = self.mint_leaf(host)?;
+        let tls = |source| CaError::Tls {
+            host: host.to_string(),
+            source,
+        };
+        let mut config = rustls::ServerConfig::builder_with_provider(crate_provider())
+            .with_safe_default_protocol_versions()
+            .map_err(tls)?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], key)
+            .map_err(tls)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = Arc::new(config);
+        let mut leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
+        if leaves.len() >= LEAF_CACHE_ENTRIES {
+            // Simple eviction: minting is cheap, a full cache means an unusual guest.
+            leaves.clear();
+        }
+        leaves.insert(host.to_string(), (Instant::now(), config.clone()));
+        Ok(config)
+    }
+
+    fn cached(&self, host: &str) -> Option<Arc<rustls::ServerConfig>> {
+        let leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
+        let (minted, config) = leaves.get(host)?;
+        (minted.elapsed() < LEAF_REFRESH).then(|| config.clone())
+    }
+
+    /// A fresh key and a certificate for `host` signed by this CA.
+    fn mint_leaf(
+        &self,
+        host: &str,
+    ) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), CaError> {
+        let mut params = CertificateParams::default();
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CommonName, host);
+        let san = match host.parse::<IpAddr>() {
+            Ok(ip) => SanType::IpAddress(ip),
+            Err(_) => SanType::DnsName(host.try_into()?),
+        };
+        params.subject_alt_names = vec![san];
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.use_authority_key_identifier_extension = true;
+        // An hour back tolerates a guest clock slightly behind the host's.
+        let since_epoch = since_epoch();
+        params.not_before = rcgen::date_time_ymd(1970, 1, 1) + since_epoch.saturating_sub(HOUR);
+        params.not_after = rcgen::date_time_ymd(1970, 1, 1) + since_epoch + 30 * DAY;
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let cert = params.signed_by(&key, &self.issuer, &self.key)?;
+        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        Ok((cert.der().clone(), key_der))
+    }
+}
+
+/// The CA's parameters; deterministic for a name, so a reloaded key rebuilds an
+/// issuer whose subject matches the stored certificate.
+fn ca_params(name: &str) -> CertificateParams {
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("vmctl egress CA ({name})"));
+    // Path length 0: this CA signs leaves only, never another CA.
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let since_epoch = since_epoch();
+    params.not_before = rcgen::date_time_ymd(1970, 1, 1) + since_epoch.saturating_sub(HOUR);
+    params.not_after = rcgen::date_time_ymd(1970, 1, 1) + since_epoch + 3650 * DAY;
+    params
+}
+
+/// Time since the Unix epoch (rcgen's dates are built from it, which spares this
+/// crate a direct dependency on `time`).
+fn since_epoch() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+/// The crypto provider all of this crate's TLS uses, chosen explicitly so nothing
+/// depends on a process-wide default being installed.
+pub(crate) fn crate_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn first_certificate(pem: &str) -> Option<CertificateDer<'static>> {
+    rustls_pemfile::certs(&mut pem.as_bytes()).next()?.ok()
+}
+
+/// Verifies `leaf` for `host` against the single root `ca`.
+pub(crate) fn verify_leaf(
+    ca: &CertificateDer<'static>,
+    leaf: &CertificateDer<'static>,
+    host: &str,
+) -> Result<(), rustls::Error> {
+    use rustls::client::danger::ServerCertVerifier;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone())?;
+    let verifier =
+        rustls::client::WebPkiServerVerifier::builder_with_provider(roots.into(), crate_provider())
+            .build()
+            .map_err(|e| rustls::Error::General(e.to_string()))?;
+    let name = rustls::pki_types::ServerName::try_from(host.to_string())
+        .map_err(|e| rustls::Error::General(e.to_string()))?;
+    let now = rustls::pki_types::UnixTime::now();
+    verifier.verify_server_cert(leaf, &[], &name, &[], now)?;
+    Ok(())
+}
+
+/// Creates `dir` (and its parents) with the directory itself 0700.
+fn create_private_dir(dir: &Path) -> Result<(), CaError> {
+    let err = |source| CaError::CreateDir {
+        path: dir.to_path_buf(),
+        source,
+    };
+    if !dir.exists() {
+        if let Some(parent) = dir.parent() {
+            fs::create_dir_all(parent).map_err(err)?;
+        }
+        match DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Writes `path` through a temporary file created with `mode` from the start, then
+/// renames it into place, so a crash never leaves a truncated file under the name.
+fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), CaError> {
+    let err = |source| CaError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("pem.tmp");
+    match fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
+    file.write_all(contents).map_err(err)?;
+    // The umask may have narrowed the mode; widening a public certificate is safe.
+    file.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(err)?;
+    file.sync_all().map_err(err)?;
+    fs::rename(&tmp, path).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn creates_files_with_private_modes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state/ca");
+        let ca = CertificateAuthority::load_or_create(&dir, "box1").unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join(KEY_FILE)), 0o600);
+        assert_eq!(mode(&dir.join(CERT_FILE)), 0o644);
+        assert!(ca.cert_pem().starts_with("-----BEGIN CERTIFICATE-----"));
+        let on_disk = fs::read_to_string(dir.join(CERT_FILE)).unwrap();
+        assert_eq!(on_disk, ca.cert_pem());
+        assert!(!dir.join("ca-key.pem.tmp").exists());
+    }
+
+    #[test]
+    fn reload_gives_the_same_ca_and_its_leaves_verify() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let again = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert_eq!(first.cert_pem(), again.cert_pem());
+        let root = first_certificate(first.cert_pem()).unwrap();
+        let (leaf, _) = again.mint_leaf("api.example.com").unwrap();
+        verify_leaf(&root, &leaf, "api.example.com").unwrap();
+        assert!(verify_leaf(&root, &leaf, "other.example.com").is_err());
+    }
+
+    #[test]
+    fn leaf_for_an_ip_literal_has_an_ip_san() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let root = first_certificate(ca.cert_pem()).unwrap();
+        let (leaf, _) = ca.mint_leaf("203.0.113.7").unwrap();
+        verify_leaf(&root, &leaf, "203.0.113.7").unwrap();
+    }
+
+    #[test]
+    fn server_configs_are_cached_per_host() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let a = ca.server_config_for("a.test").unwrap();
+        let a2 = ca.server_config_for("a.test").unwrap();
+        let b = ca.server_config_for("b.test").unwrap();
+        assert!(Arc::ptr_eq(&a, &a2));
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert_eq!(a.alpn_protocols, vec![b"http/1.1".to_vec()]);
+    }
+
+    #[test]
+    fn corrupt_files_name_the_path_and_the_remedy() {
+        let tmp = tempfile::tempdir().unwrap();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        fs::write(tmp.path().join(KEY_FILE), "garbage").unwrap();
+        let err = CertificateAuthority::load_or_create(tmp.path(), "box1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(KEY_FILE), "{err}");
+        assert!(err.contains("delete the directory"), "{err}");
+    }
+
+    #[test]
+    fn a_key_from_another_ca_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let other = tempfile::tempdir().unwrap();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        CertificateAuthority::load_or_create(other.path(), "box1").unwrap();
+        fs::copy(other.path().join(KEY_FILE), tmp.path().join(KEY_FILE)).unwrap();
+        let err = CertificateAuthority::load_or_create(tmp.path(), "box1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(CERT_FILE), "{err}");
+        assert!(err.contains("delete the directory"), "{err}");
+    }
+}

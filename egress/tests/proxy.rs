@@ -1,0 +1,1025 @@
+//! The egress proxy end to end, offline: a proxy on 127.0.0.1 with fixed rules, an
+//! HTTPS upstream with its own test CA (reached through `resolve_overrides`), a plain
+//! HTTP upstream, and clients speaking raw HTTP/TLS through the proxy.
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use egress::ca::CertificateAuthority;
+use egress::log::{read_recent, DecisionLog};
+use egress::proxy::{serve_connection, upstream_tls_config, Limits, ProxyConfig};
+use egress::rules::{Decision, EgressRules, Injection};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{sleep, timeout};
+
+const SECRET: &str = "sk-test-SECRET-0123456789";
+const SECRET_CORE: &str = "0123456789";
+
+// ---- rules -------------------------------------------------------------------------
+
+struct TestRules;
+
+impl EgressRules for TestRules {
+    fn decide(&self, host: &str, _port: u16) -> Decision {
+        if host == "denied.test" {
+            Decision {
+                allowed: false,
+                rule: "deny denied.test (test)".into(),
+            }
+        } else {
+            Decision {
+                allowed: true,
+                rule: "allow * (test)".into(),
+            }
+        }
+    }
+
+    fn injection(&self, host: &str, _port: u16) -> Option<Injection> {
+        matches!(host, "api.test" | "wronghost.test").then(|| Injection {
+            secret: "testkey".into(),
+            header: HeaderName::from_static("x-api-key"),
+            value: HeaderValue::from_static(SECRET),
+            remove: vec![header::AUTHORIZATION],
+        })
+    }
+}
+
+// ---- upstreams ---------------------------------------------------------------------
+
+/// What an upstream received.
+#[derive(Clone, Debug)]
+struct Seen {
+    uri: String,
+    headers: HeaderMap,
+}
+
+type SeenLog = Arc<Mutex<Vec<Seen>>>;
+type TestBody = BoxBody<Bytes, Infallible>;
+
+fn text(body: impl Into<Bytes>) -> TestBody {
+    Full::new(body.into()).boxed()
+}
+
+/// A body whose chunks the test sends when it wants, to control streaming.
+struct Channel(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl Channel {
+    fn body() -> (tokio::sync::mpsc::Sender<Bytes>, TestBody) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        (tx, Channel(rx).boxed())
+    }
+}
+
+impl hyper::body::Body for Channel {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+}
+
+/// The test upstream: `/echo` returns the request it got, `/split` streams the
+/// x-api-key it got split over two chunks, `/sse` sends three events 300 ms apart,
+/// `/ws` switches protocols and echoes bytes.
+async fn upstream_service(
+    mut req: Request<Incoming>,
+    seen: SeenLog,
+) -> Result<Response<TestBody>, Infallible> {
+    seen.lock().unwrap().push(Seen {
+        uri: req.uri().to_string(),
+        headers: req.headers().clone(),
+    });
+    let key = req
+        .headers()
+        .get("x-api-key")
+        .map(|v| v.as_bytes().to_vec())
+        .unwrap_or_default();
+    let response = match req.uri().path() {
+        "/echo" => {
+            let mut out = format!("{} {}\n", req.method(), req.uri());
+            for (name, value) in req.headers() {
+                out.push_str(&format!(
+                    "{name}: {}\n",
+                    String::from_utf8_lossy(value.as_bytes())
+                ));
+            }
+            out.push('\n');
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let mut out = out.into_bytes();
+            out.extend_from_slice(&body);
+            let mut response = Response::new(text(out));
+            if !key.is_empty() {
+                response
+                    .headers_mut()
+                    .insert("x-echo-key", HeaderValue::from_bytes(&key).unwrap());
+            }
+            response
+        }
+        "/split" => {
+            let half = key.len() / 2;
+            let first = [b"before ".as_slice(), &key[..half]].concat();
+            let second = [&key[half..], b" after".as_slice()].concat();
+            let len = first.len() + second.len();
+            let (tx, body) = Channel::body();
+            tokio::spawn(async move {
+                tx.send(first.into()).await.unwrap();
+                sleep(Duration::from_millis(50)).await;
+                tx.send(second.into()).await.unwrap();
+            });
+            let mut response = Response::new(body);
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, len.into());
+            response
+        }
+        "/sse" => {
+            let (tx, body) = Channel::body();
+            tokio::spawn(async move {
+                for i in 1..=3 {
+                    if i > 1 {
+                        sleep(Duration::from_millis(300)).await;
+                    }
+                    let event = format!("data: event {i}\n\n");
+                    if tx.send(event.into()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut response = Response::new(body);
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            );
+            response
+        }
+        "/ws" if req.headers().contains_key(header::UPGRADE) => {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let upgraded = TokioIo::new(on_upgrade.await.unwrap());
+                let (mut rx, mut tx) = tokio::io::split(upgraded);
+                let _ = tokio::io::copy(&mut rx, &mut tx).await;
+            });
+            let mut response = Response::new(text(""));
+            *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            let headers = response.headers_mut();
+            headers.insert(header::UPGRADE, HeaderValue::from_static("echo"));
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            response
+        }
+        _ => {
+            let mut response = Response::new(text("not found\n"));
+            *response.status_mut() = StatusCode::NOT_FOUND;
+            response
+        }
+    };
+    Ok(response)
+}
+
+async fn serve_upstream<I>(io: I, seen: SeenLog)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| upstream_service(req, seen.clone()));
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await;
+}
+
+/// A CA for the upstream and a server configuration for `api.test`, `open.test`.
+fn upstream_tls() -> (String, Arc<rustls::ServerConfig>) {
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "upstream test CA");
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign];
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+
+    let leaf_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let leaf_params =
+        rcgen::CertificateParams::new(vec!["api.test".to_string(), "open.test".to_string()])
+            .unwrap();
+    let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+    let mut config = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der().clone()], key)
+        .unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    (ca.pem(), Arc::new(config))
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+// ---- the harness -------------------------------------------------------------------
+
+struct Harness {
+    proxy: SocketAddr,
+    config: Arc<ProxyConfig>,
+    sandbox_ca: String,
+    upstream_ca: String,
+    seen: SeenLog,
+    log_path: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        Self::with_limits(Limits::default()).await
+    }
+
+    async fn with_limits(limits: Limits) -> Harness {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = SeenLog::default();
+
+        let (upstream_ca, upstream_config) = upstream_tls();
+        let ca_file = tmp.path().join("upstream-ca.pem");
+        std::fs::write(&ca_file, &upstream_ca).unwrap();
+        let tls_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tls_addr = tls_listener.local_addr().unwrap();
+        let seen_tls = seen.clone();
+        tokio::spawn(async move {
+            let acceptor = tokio_rustls::TlsAcceptor::from(upstream_config);
+            loop {
+                let (tcp, _) = tls_listener.accept().await.unwrap();
+                let acceptor = acceptor.clone();
+                let seen = seen_tls.clone();
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(tcp).await {
+                        serve_upstream(tls, seen).await;
+                    }
+                });
+            }
+        });
+        let plain_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let plain_addr = plain_listener.local_addr().unwrap();
+        let seen_plain = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = plain_listener.accept().await.unwrap();
+                tokio::spawn(serve_upstream(tcp, seen_plain.clone()));
+            }
+        });
+
+        let ca = CertificateAuthority::load_or_create(&tmp.path().join("ca"), "test").unwrap();
+        let sandbox_ca = ca.cert_pem().to_string();
+        let log_path = tmp.path().join("egress.jsonl");
+        let config = ProxyConfig::new(
+            Arc::new(ca),
+            Arc::new(TestRules),
+            Arc::new(upstream_tls_config(Some(&ca_file)).unwrap()),
+            Arc::new(DecisionLog::open(&log_path)),
+        )
+        .with_limits(limits)
+        .with_resolve_override("api.test:443", tls_addr)
+        .with_resolve_override("open.test:443", tls_addr)
+        .with_resolve_override("wronghost.test:443", tls_addr)
+        .with_resolve_override("plain.test:80", plain_addr)
+        .with_resolve_override("api.test:80", plain_addr);
+        let config = Arc::new(config);
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = listener.local_addr().unwrap();
+        let proxy_config = config.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                tokio::spawn(serve_connection(tcp, proxy_config.clone()));
+            }
+        });
+        Harness {
+            proxy,
+            config,
+            sandbox_ca,
+            upstream_ca,
+            seen,
+            log_path,
+            _tmp: tmp,
+        }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Sends CONNECT; returns the status, the raw answer (head, and body if not
+    /// 200) and the stream.
+    async fn connect(&self, target: &str) -> (u16, String, TcpStream) {
+        let mut stream = TcpStream::connect(self.proxy).await.unwrap();
+        let request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let head = read_head(&mut stream).await;
+        let status = status_of(&head);
+        if status == 200 {
+            return (status, head, stream);
+        }
+        let mut rest = String::new();
+        let _ = timeout(Duration::from_secs(5), stream.read_to_string(&mut rest)).await;
+        (status, head + &rest, stream)
+    }
+
+    /// A CONNECT tunnel to `target` with TLS to `name`, trusting `ca_pem`, and an
+    /// HTTP/1.1 client on it.
+    async fn https_client(&self, target: &str, name: &str, ca_pem: &str) -> Client {
+        let (status, head, stream) = self.connect(target).await;
+        assert!(
+            head.starts_with("HTTP/1.1 200 Connection established\r\n"),
+            "{head}"
+        );
+        assert_eq!(status, 200);
+        let tls = tls_connect(stream, name, ca_pem).await.unwrap();
+        assert_eq!(
+            tls.get_ref().1.alpn_protocol(),
+            Some(b"http/1.1".as_slice())
+        );
+        http_client(tls).await
+    }
+
+    async fn plain_client(&self) -> Client {
+        http_client(TcpStream::connect(self.proxy).await.unwrap()).await
+    }
+
+    /// Writes `bytes` on a new connection and reads the answer until it closes.
+    async fn raw(&self, bytes: &[u8]) -> String {
+        let mut stream = TcpStream::connect(self.proxy).await.unwrap();
+        stream.write_all(bytes).await.unwrap();
+        let mut out = Vec::new();
+        let _ = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+type Client = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn http_client<I>(io: I) -> Client
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .unwrap();
+    tokio::spawn(connection.with_upgrades());
+    sender
+}
+
+async fn tls_connect(
+    stream: TcpStream,
+    name: &str,
+    ca_pem: &str,
+) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    // Offer h2 too: the proxy must pick HTTP/1.1.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let name = ServerName::try_from(name.to_string()).unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, stream)
+        .await
+}
+
+fn request(uri: &str, host: &str, headers: &[(&str, &str)], body: &str) -> Request<Full<Bytes>> {
+    let mut builder = Request::builder().uri(uri).header(header::HOST, host);
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    builder
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap()
+}
+
+/// Sends `req`; returns the status, the headers and the whole body.
+async fn exchange(
+    client: &mut Client,
+    req: Request<Full<Bytes>>,
+) -> (StatusCode, HeaderMap, String) {
+    let response = timeout(Duration::from_secs(10), client.send_request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+async fn read_head(stream: &mut TcpStream) -> String {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
+        match timeout(Duration::from_secs(10), stream.read(&mut byte)).await {
+            Ok(Ok(1)) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+fn status_of(head: &str) -> u16 {
+    head.split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+fn headers_text(headers: &HeaderMap) -> String {
+    headers
+        .iter()
+        .map(|(n, v)| format!("{n}: {}\n", String::from_utf8_lossy(v.as_bytes())))
+        .collect()
+}
+
+// ---- secrets ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn the_secret_is_injected_and_the_guest_never_sees_it() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request(
+        "/echo",
+        "api.test",
+        &[
+            ("x-api-key", "placeholder-from-the-guest"),
+            ("authorization", "Bearer placeholder"),
+            ("proxy-authorization", "Basic Z3Vlc3Q="),
+            ("x-other", "kept"),
+        ],
+        "hello body",
+    );
+    let (status, headers, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    // Upstream: the secret in its header, the removed and proxy headers gone, the
+    // secret nowhere else.
+    let seen = h.seen();
+    let upstream = seen.iter().find(|s| s.uri == "/echo").unwrap();
+    assert_eq!(upstream.headers["x-api-key"], SECRET);
+    assert!(!upstream.headers.contains_key("authorization"));
+    assert!(!upstream.headers.contains_key("proxy-authorization"));
+    assert_eq!(upstream.headers["x-other"], "kept");
+    assert_eq!(upstream.headers["host"], "api.test");
+    for (name, value) in &upstream.headers {
+        if name != "x-api-key" {
+            assert!(!String::from_utf8_lossy(value.as_bytes()).contains(SECRET_CORE));
+        }
+    }
+
+    // Guest: the echo shows the injection happened, redacted, same length.
+    let everything = headers_text(&headers) + &body;
+    assert!(!everything.contains(SECRET_CORE), "{everything}");
+    assert!(body.contains("x-api-key: [REDACTED]"), "{body}");
+    assert!(body.ends_with("\n\nhello body"), "{body}");
+    assert!(!body.contains("placeholder"), "{body}");
+    assert_eq!(headers["x-echo-key"].len(), SECRET.len());
+
+    // A secret streamed back split across two chunks is caught too (and the
+    // Content-Length still holds, the body arriving whole).
+    let (status, _, body) = exchange(&mut client, request("/split", "api.test", &[], "")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body.len(), "before ".len() + SECRET.len() + " after".len());
+    assert!(body.starts_with("before [REDACTED]"), "{body}");
+    assert!(body.ends_with(" after"), "{body}");
+    assert!(!body.contains(SECRET_CORE), "{body}");
+
+    // The log names the secret, never its value.
+    let entries = read_recent(&h.log_path, 100).unwrap();
+    assert!(entries
+        .iter()
+        .any(|e| e.kind == "connect" && e.allowed && e.secret.as_deref() == Some("testkey")));
+    assert!(entries.iter().any(|e| e.kind == "tls-request"
+        && e.method.as_deref() == Some("GET")
+        && e.secret.as_deref() == Some("testkey")));
+    let log_text = std::fs::read_to_string(&h.log_path).unwrap();
+    assert!(!log_text.contains(SECRET_CORE));
+}
+
+#[tokio::test]
+async fn an_unbound_host_is_tunnelled_untouched() {
+    let h = Harness::start().await;
+    // The guest sees the upstream's own certificate: the sandbox CA does not do.
+    let (status, _, stream) = h.connect("open.test:443").await;
+    assert_eq!(status, 200);
+    assert!(tls_connect(stream, "open.test", &h.sandbox_ca)
+        .await
+        .is_err());
+
+    let mut client = h
+        .https_client("open.test:443", "open.test", &h.upstream_ca)
+        .await;
+    let req = request("/echo", "open.test", &[("x-api-key", "guest-value")], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("x-api-key: guest-value"), "{body}");
+    let seen = h.seen();
+    assert!(seen.iter().all(|s| s
+        .headers
+        .get("x-api-key")
+        .is_none_or(|v| v == "guest-value")));
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(entries
+        .iter()
+        .any(|e| e.host == "open.test" && e.allowed && e.secret.is_none()));
+}
+
+#[tokio::test]
+async fn a_host_header_for_another_host_is_refused() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request("/mismatch", "evil.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(
+        body.contains("Host header \"evil.test\" disagrees with CONNECT target api.test:443"),
+        "{body}"
+    );
+
+    // The same through an absolute URI naming another host.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request("https://evil.test/mismatch2", "api.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+
+    assert!(h.seen().iter().all(|s| !s.uri.contains("mismatch")));
+}
+
+// ---- policy ------------------------------------------------------------------------
+
+#[tokio::test]
+async fn policy_and_addresses_are_enforced() {
+    let h = Harness::start().await;
+    let (status, answer, _) = h.connect("denied.test:443").await;
+    assert_eq!(status, 403);
+    assert!(
+        answer.contains(
+            "vmctl egress: CONNECT denied.test:443 refused by rule: deny denied.test (test)\n"
+        ),
+        "{answer}"
+    );
+
+    // Allowed by the rules, but it resolves to the host itself.
+    let (status, answer, _) = h.connect("localhost:443").await;
+    assert_eq!(status, 403);
+    assert!(answer.contains("loopback"), "{answer}");
+
+    let (status, answer, _) = h.connect("10.0.0.1:443").await;
+    assert_eq!(status, 403);
+    assert!(answer.contains("10.0.0.1, a private address"), "{answer}");
+
+    let (status, answer, _) = h.connect("[::ffff:169.254.169.254]:80").await;
+    assert_eq!(status, 403);
+    assert!(answer.contains("metadata"), "{answer}");
+
+    let answer = h
+        .raw(b"GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n")
+        .await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer.contains("refused by rule: deny denied.test (test)"),
+        "{answer}"
+    );
+
+    let entries = read_recent(&h.log_path, 100).unwrap();
+    let refused: Vec<_> = entries.iter().filter(|e| !e.allowed).collect();
+    assert!(refused
+        .iter()
+        .any(|e| e.host == "denied.test" && e.kind == "connect"));
+    assert!(refused
+        .iter()
+        .any(|e| e.host == "localhost" && e.rule.contains("loopback")));
+    assert!(refused.iter().any(|e| e.host == "10.0.0.1"));
+    assert!(refused
+        .iter()
+        .any(|e| e.host == "denied.test" && e.kind == "http"));
+}
+
+#[tokio::test]
+async fn an_upstream_failing_tls_verification_is_a_502() {
+    let h = Harness::start().await;
+    // The upstream's certificate does not name wronghost.test.
+    let mut client = h
+        .https_client("wronghost.test:443", "wronghost.test", &h.sandbox_ca)
+        .await;
+    let req = request("/echo", "wronghost.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(
+        body.contains("TLS with wronghost.test:443 failed"),
+        "{body}"
+    );
+    assert!(body.contains("certificate"), "{body}");
+}
+
+// ---- plain HTTP ----------------------------------------------------------------------
+
+#[tokio::test]
+async fn plain_http_is_forwarded_without_secrets() {
+    let h = Harness::start().await;
+    let mut client = h.plain_client().await;
+    let req = request(
+        "http://plain.test/echo?q=1",
+        "plain.test",
+        &[
+            ("proxy-authorization", "Basic Z3Vlc3Q="),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+        ],
+        "",
+    );
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.starts_with("GET /echo?q=1\n"), "{body}");
+
+    // Keep-alive: a second request on the same connection, to a host with a
+    // secret, which plain HTTP must not carry.
+    let req = request("http://api.test/echo", "api.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(!body.contains("x-api-key"), "{body}");
+
+    let seen = h.seen();
+    let first = seen.iter().find(|s| s.uri == "/echo?q=1").unwrap();
+    assert!(!first.headers.contains_key("proxy-authorization"));
+    assert!(!first.headers.contains_key("x-hop"));
+    assert_eq!(first.headers["host"], "plain.test");
+    assert!(seen.iter().all(|s| !s.headers.contains_key("x-api-key")));
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(entries.iter().any(|e| e.host == "api.test"
+        && e.kind == "http"
+        && e.secret.is_none()
+        && e.rule.contains("not sent over plain HTTP")));
+
+    let req = request("http://plain.test/other", "other.test", &[], "");
+    let mut client = h.plain_client().await;
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(body.contains("disagrees"), "{body}");
+}
+
+// ---- streaming and upgrades ------------------------------------------------------
+
+/// Reads an SSE response; returns when each event arrived.
+async fn event_times(client: &mut Client, req: Request<Full<Bytes>>) -> Vec<(Instant, String)> {
+    let response = client.send_request(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut times = Vec::new();
+    while let Some(frame) = timeout(Duration::from_secs(5), body.frame()).await.unwrap() {
+        if let Ok(data) = frame.unwrap().into_data() {
+            times.push((Instant::now(), String::from_utf8_lossy(&data).into_owned()));
+        }
+    }
+    times
+}
+
+fn assert_streamed(times: &[(Instant, String)]) {
+    let all: String = times.iter().map(|(_, text)| text.as_str()).collect();
+    assert_eq!(all, "data: event 1\n\ndata: event 2\n\ndata: event 3\n\n");
+    let first = times
+        .iter()
+        .find(|(_, text)| text.contains("event 1"))
+        .unwrap()
+        .0;
+    let last = times.last().unwrap().0;
+    // The events are sent 600 ms apart; buffering would deliver them together.
+    assert!(
+        last.duration_since(first) > Duration::from_millis(400),
+        "first event only {:?} before the last",
+        last.duration_since(first)
+    );
+}
+
+#[tokio::test]
+async fn server_sent_events_arrive_one_by_one() {
+    let h = Harness::start().await;
+    // Through terminated TLS, where the response passes the redactor...
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let times = event_times(&mut client, request("/sse", "api.test", &[], "")).await;
+    assert_streamed(&times);
+    // ...and over plain HTTP.
+    let mut client = h.plain_client().await;
+    let times = event_times(
+        &mut client,
+        request("http://plain.test/sse", "plain.test", &[], ""),
+    )
+    .await;
+    assert_streamed(&times);
+}
+
+async fn upgrade_and_echo(client: &mut Client, uri: &str, host: &str) {
+    let req = request(
+        uri,
+        host,
+        &[("connection", "upgrade"), ("upgrade", "echo")],
+        "",
+    );
+    let response = client.send_request(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SWITCHING_PROTOCOLS);
+    assert_eq!(response.headers()["upgrade"], "echo");
+    let upgraded = hyper::upgrade::on(response).await.unwrap();
+    let mut io = TokioIo::new(upgraded);
+    // "yes" ends with the secret's first letter: held back briefly, then sent.
+    for message in [b"hello".as_slice(), b"yes"] {
+        io.write_all(message).await.unwrap();
+        let mut buf = vec![0u8; message.len()];
+        timeout(Duration::from_secs(2), io.read_exact(&mut buf))
+            .await
+            .expect("echo in time")
+            .unwrap();
+        assert_eq!(buf, message);
+    }
+}
+
+#[tokio::test]
+async fn upgrades_are_relayed() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    upgrade_and_echo(&mut client, "/ws", "api.test").await;
+    let mut client = h.plain_client().await;
+    upgrade_and_echo(&mut client, "http://plain.test/ws", "plain.test").await;
+}
+
+// ---- hostile clients -----------------------------------------------------------------
+
+#[tokio::test]
+async fn malformed_requests_get_400() {
+    let h = Harness::start().await;
+    let answer = h.raw(b"THIS IS NOT HTTP\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        answer.contains("vmctl egress: malformed request line \"THIS IS NOT HTTP\""),
+        "{answer}"
+    );
+
+    // A TLS client that was told this is an HTTPS proxy.
+    let answer = h
+        .raw(b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\n\n")
+        .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+
+    // Malformed past the first request: hyper answers (without a body).
+    let answer = h
+        .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\nBAD\r\n\r\n")
+        .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("HTTP/1.1 400"), "{answer}");
+
+    let answer = h.raw(b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("this is an HTTP proxy"), "{answer}");
+
+    let answer = h.raw(b"CONNECT example.com HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("needs a port"), "{answer}");
+
+    let answer = h.raw(b"GET http://exa_mple%00.com/ HTTP/1.1\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+}
+
+/// A stream that counts the bytes the proxy read from it.
+struct Counting<S> {
+    inner: S,
+    read: Arc<AtomicUsize>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counting<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        self.read
+            .fetch_add(buf.filled().len() - before, Ordering::Relaxed);
+        result
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counting<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[tokio::test]
+async fn a_mebibyte_of_headers_gets_431_without_being_buffered() {
+    let h = Harness::start().await;
+    let (guest, proxy_side) = tokio::io::duplex(16 * 1024);
+    let read = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(serve_connection(
+        Counting {
+            inner: proxy_side,
+            read: read.clone(),
+        },
+        h.config.clone(),
+    ));
+    let (mut rx, mut tx) = tokio::io::split(guest);
+    tokio::spawn(async move {
+        let mut head = b"GET http://plain.test/ HTTP/1.1\r\nHost: plain.test\r\n".to_vec();
+        let mut i = 0;
+        while head.len() < 1024 * 1024 {
+            head.extend_from_slice(format!("x-pad-{i}: {}\r\n", "a".repeat(100)).as_bytes());
+            i += 1;
+        }
+        head.extend_from_slice(b"\r\n");
+        // Fails once the proxy closes; that is expected.
+        let _ = tx.write_all(&head).await;
+    });
+    let mut answer = Vec::new();
+    timeout(Duration::from_secs(10), rx.read_to_end(&mut answer))
+        .await
+        .expect("answer in time")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert!(
+        answer.contains("headers are larger than 65536 bytes"),
+        "{answer}"
+    );
+    let consumed = read.load(Ordering::Relaxed);
+    assert!(consumed < 256 * 1024, "the proxy read {consumed} bytes");
+
+    // Over TCP the answer may be lost to a reset, but the connection must end.
+    let mut stream = TcpStream::connect(h.proxy).await.unwrap();
+    let big = format!(
+        "GET http://plain.test/ HTTP/1.1\r\nx-big: {}\r\n\r\n",
+        "a".repeat(1 << 20)
+    );
+    let _ = stream.write_all(big.as_bytes()).await;
+    let mut out = Vec::new();
+    let ended = timeout(Duration::from_secs(10), stream.read_to_end(&mut out)).await;
+    assert!(ended.is_ok(), "the connection stayed open");
+    if !out.is_empty() {
+        assert!(out.starts_with(b"HTTP/1.1 431"));
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_headers_is_cut_off() {
+    let h = Harness::with_limits(Limits {
+        header_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    })
+    .await;
+    let started = Instant::now();
+    let mut slow = TcpStream::connect(h.proxy).await.unwrap();
+    slow.write_all(b"GET http://plain.test/ HTTP/1.1\r\nx-slow: ")
+        .await
+        .unwrap();
+    let mut silent = TcpStream::connect(h.proxy).await.unwrap();
+    let mut answers = Vec::new();
+    for stream in [&mut slow, &mut silent] {
+        let mut out = Vec::new();
+        let ended = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(ended.is_ok(), "still open after {:?}", started.elapsed());
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_millis(900),
+            "cut after {elapsed:?}"
+        );
+        answers.push(String::from_utf8_lossy(&out).into_owned());
+    }
+    assert!(answers[0].starts_with("HTTP/1.1 408"), "{}", answers[0]);
+    assert!(
+        answers[0].contains("did not arrive within 1s"),
+        "{}",
+        answers[0]
+    );
+    // A connection that never said anything is just closed.
+    assert_eq!(answers[1], "");
+
+    // A kept-alive connection that starts no next request is closed too (by
+    // hyper's own timer).
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    assert_eq!(exchange(&mut client, req).await.0, StatusCode::OK);
+    let idle_since = Instant::now();
+    let closed = timeout(Duration::from_secs(5), async {
+        while !client.is_closed() {
+            sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "an idle kept-alive connection stayed open");
+    assert!(idle_since.elapsed() >= Duration::from_millis(900));
+}
+
+#[tokio::test]
+async fn many_idle_connections_do_not_block_a_real_request() {
+    let h = Harness::start().await;
+    let mut idle = Vec::new();
+    for i in 0..500 {
+        let mut stream = TcpStream::connect(h.proxy).await.unwrap();
+        // Silent, part of a head, or part of a head and half-closed.
+        if i % 3 != 0 {
+            stream
+                .write_all(b"GET http://plain.test/ HTTP/1.1\r\nx-half: ")
+                .await
+                .unwrap();
+        }
+        if i % 3 == 2 {
+            stream.shutdown().await.unwrap();
+        }
+        idle.push(stream);
+    }
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    let (status, _, _) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK);
+    drop(idle);
+}
+
+#[tokio::test]
+async fn connections_over_the_limit_get_503() {
+    let h = Harness::with_limits(Limits {
+        max_connections: 2,
+        ..Limits::default()
+    })
+    .await;
+    let first = TcpStream::connect(h.proxy).await.unwrap();
+    let _second = TcpStream::connect(h.proxy).await.unwrap();
+    // Let the proxy take both slots.
+    sleep(Duration::from_millis(200)).await;
+    let answer = h
+        .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
+        .await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("too many connections (limit 2)"),
+        "{answer}"
+    );
+
+    // A freed slot serves again.
+    drop(first);
+    sleep(Duration::from_millis(200)).await;
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    let (status, _, _) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[test]
+fn a_missing_extra_ca_file_is_reported() {
+    let err = upstream_tls_config(Some(std::path::Path::new("/nonexistent/ca.pem")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+}

@@ -30,6 +30,9 @@ pub const HOST_SERVICE_PORT: u32 = 1025;
 pub const EGRESS_PROXY_PORT: u16 = 3128;
 /// The sandbox's egress CA certificate in the guest (PEM).
 pub const GUEST_CA_FILE: &str = "/etc/ssl/certs/vmctl-egress.pem";
+/// A script for `NODE_OPTIONS=--require=…` that sends Node's `fetch` through the
+/// proxy where Node itself ignores the proxy variables (before Node 24).
+pub const GUEST_NODE_PRELOAD: &str = "/etc/vmctl/node-proxy.cjs";
 /// The guest's system CA bundle, which the agent extends with the egress CA.
 pub const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The version of this crate, reported by the agent in [`AgentMessage::HelloOk`].

@@ -30,42 +30,12 @@ fn assert_ok(output: &Output, what: &str) {
     );
 }
 
-/// Guests in the nested host sometimes crash or hang under sustained device traffic
-/// (README, "Known problem"). A run that loses its VM that way is retried, loudly, at
-/// most twice; any other failure fails at once.
-const ATTEMPTS: usize = 3;
-
-fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
-    let message = panic
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| panic.downcast_ref::<&str>().copied())
-        .unwrap_or("");
-    [
-        "timed out",
-        "the VM stopped",
-        "closed the connection",
-        "guest crashed",
-    ]
-    .iter()
-    .any(|sign| message.contains(sign))
-}
-
 #[test]
 fn the_workspace_is_shared_at_its_host_path() {
     if !vm_available("virtio_fs::the_workspace_is_shared_at_its_host_path") {
         return;
     }
-    for attempt in 1..=ATTEMPTS {
-        match std::panic::catch_unwind(shared_workspace_scenario) {
-            Ok(()) => return,
-            Err(panic) if attempt < ATTEMPTS && vm_was_lost(panic.as_ref()) => eprintln!(
-                "RETRY: attempt {attempt} lost its VM (the known nested-host crash or hang); \
-                 starting over with a fresh VM"
-            ),
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
-    }
+    vm_tests::retry_if_vm_lost(shared_workspace_scenario);
 }
 
 fn shared_workspace_scenario() {

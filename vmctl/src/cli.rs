@@ -42,11 +42,128 @@ pub enum Command {
     Shell(ShellArgs),
     /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
     Run(ExecArgs),
+    /// The TCP ports listening in the VM (loopback-only ones included), and which
+    /// are published on the host.
+    Ports(WorkspaceArg),
+    /// Make a port of the VM (even one bound to its loopback only) reachable on the
+    /// host; prints the host address.
+    Publish(PublishArgs),
+    /// Stop publishing a port of the VM.
+    Unpublish(UnpublishArgs),
+    /// Credentials the egress proxy adds to the guest's requests; the guest itself
+    /// only sees placeholders.
+    #[command(subcommand)]
+    Secret(SecretCommand),
+    /// Which destinations the guest may reach through the egress proxy.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
     /// Guest images.
     #[command(subcommand)]
     Image(ImageCommand),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PublishArgs {
+    /// The workspace directory (default: the current directory).
+    #[arg(long = "workspace", value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// The port in the VM.
+    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
+    pub guest_port: u16,
+    /// The host port (default: a free one, printed).
+    #[arg(long, value_name = "N")]
+    pub host_port: Option<u16>,
+    /// The host address to listen on.
+    #[arg(long, value_name = "A", default_value = "127.0.0.1")]
+    pub address: std::net::IpAddr,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UnpublishArgs {
+    /// The workspace directory (default: the current directory).
+    #[arg(long = "workspace", value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// The port in the VM.
+    pub guest_port: u16,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Store a secret, reading its value from stdin (never from the command line).
+    /// Built-in names: anthropic (api.anthropic.com; x-api-key, or Authorization:
+    /// Bearer for an OAuth token), openai (api.openai.com; Authorization: Bearer),
+    /// github (github.com, api.github.com; git over HTTPS works). Any other name
+    /// needs --host.
+    #[command(after_help = "Example: printenv ANTHROPIC_API_KEY | vmctl secret set anthropic")]
+    Set {
+        /// anthropic, openai, github, or a name of your own.
+        name: String,
+        /// Send it only to this host (HOST, *.DOMAIN, optional :PORT; default port
+        /// 443). Repeatable; replaces a built-in name's hosts.
+        #[arg(long = "host", value_name = "H")]
+        hosts: Vec<String>,
+        /// The header that carries it: "Name" (the value as is) or "Name: template"
+        /// with {} where the value goes, e.g. "Authorization: token {}".
+        #[arg(long, value_name = "HEADER")]
+        header: Option<String>,
+    },
+    /// List the stored secrets: names, hosts and headers, never values.
+    Ls,
+    /// Remove a stored secret.
+    Rm { name: String },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PolicyScope {
+    /// Apply to every workspace instead of this one.
+    #[arg(long, conflicts_with = "workspace")]
+    pub global: bool,
+    /// The workspace the rule is for (default: the current directory).
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Allow destinations: HOST, *.DOMAIN (its subdomains), each with an optional
+    /// :PORT. A deny rule still wins.
+    Allow {
+        #[arg(required = true, value_name = "PATTERN")]
+        patterns: Vec<String>,
+        #[command(flatten)]
+        scope: PolicyScope,
+    },
+    /// Deny destinations (wins over every allow rule, defaults included).
+    Deny {
+        #[arg(required = true, value_name = "PATTERN")]
+        patterns: Vec<String>,
+        #[command(flatten)]
+        scope: PolicyScope,
+    },
+    /// Remove rules you added.
+    Rm {
+        #[arg(required = true, value_name = "PATTERN")]
+        patterns: Vec<String>,
+        #[command(flatten)]
+        scope: PolicyScope,
+    },
+    /// The rules in force for a workspace: defaults, global and the workspace's own.
+    Ls {
+        /// The workspace (default: the current directory).
+        #[arg(long, value_name = "DIR")]
+        workspace: Option<PathBuf>,
+    },
+    /// The egress proxy's recent decisions for a workspace's VM.
+    Log {
+        /// The workspace (default: the current directory).
+        #[arg(long, value_name = "DIR")]
+        workspace: Option<PathBuf>,
+        /// How many decisions.
+        #[arg(long, short = 'n', default_value_t = 50)]
+        lines: usize,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -60,15 +177,21 @@ pub enum ImageCommand {
     },
 }
 
-/// Directory shares beyond the workspace itself; they apply when the VM starts.
+/// Directory shares beyond the workspace itself (when the VM starts) and host ports
+/// relayed into it.
 #[derive(Debug, Default, clap::Args)]
-pub struct MountArgs {
+pub struct VmSetupArgs {
     /// Share a host directory with the VM, at GUEST (default: the same path),
     /// read-write unless ":ro" is given. Repeatable; more shares can be listed in
     /// ~/.config/vmctl/config.toml. The workspace itself is always shared read-write
     /// at its own path.
     #[arg(long = "mount", value_name = "HOST[:GUEST][:ro]")]
     pub mounts: Vec<String>,
+    /// Relay the host's 127.0.0.1:PORT into the VM: a guest connection to its
+    /// 127.0.0.1:PORT reaches it. Repeatable; also `relay_ports` in the config file.
+    /// Paseo's port (6767) is always relayed.
+    #[arg(long = "relay-port", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    pub relay_ports: Vec<u16>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -76,7 +199,7 @@ pub struct ShellArgs {
     /// The workspace directory (default: the current directory).
     pub dir: Option<PathBuf>,
     #[command(flatten)]
-    pub mounts: MountArgs,
+    pub setup: VmSetupArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -84,11 +207,34 @@ pub struct UpArgs {
     /// The workspace directory (default: the current directory).
     pub dir: Option<PathBuf>,
     #[command(flatten)]
-    pub mounts: MountArgs,
+    pub setup: VmSetupArgs,
     /// Boot the image built from this recipe (built first if needed; see
     /// `vmctl image build`) instead of the default image.
     #[arg(long, value_name = "FILE")]
     pub recipe: Option<PathBuf>,
+    /// Testing only: trust the PEM CAs in FILE for the egress proxy's upstream TLS,
+    /// besides the host's roots.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub egress_test_ca: Option<PathBuf>,
+    /// Testing only: the egress proxy connects to ADDR for HOST:PORT instead of
+    /// resolving it (skips the private-address check, not the policy). Repeatable.
+    #[arg(long, value_name = "HOST:PORT=ADDR", hide = true, value_parser = parse_resolve)]
+    pub egress_test_resolve: Vec<(String, std::net::SocketAddr)>,
+}
+
+fn parse_resolve(value: &str) -> Result<(String, std::net::SocketAddr), String> {
+    let (target, addr) = value
+        .split_once('=')
+        .ok_or_else(|| format!("expected HOST:PORT=ADDR:PORT, got {value:?}"))?;
+    let addr = addr
+        .parse()
+        .map_err(|e| format!("{addr:?} is not an address with a port: {e}"))?;
+    match target.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            Ok((target.to_ascii_lowercase(), addr))
+        }
+        _ => Err(format!("{target:?} is not HOST:PORT")),
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -112,7 +258,7 @@ pub struct ExecArgs {
     #[arg(long, value_name = "USER")]
     pub user: Option<String>,
     #[command(flatten)]
-    pub mounts: MountArgs,
+    pub setup: VmSetupArgs,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,

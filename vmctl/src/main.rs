@@ -3,9 +3,12 @@
 mod artifacts;
 mod boot;
 mod cli;
+mod egress_commands;
 mod exec;
 mod host_kvm;
 mod nested;
+mod network;
+mod ports;
 mod shares;
 mod state;
 mod supervisor;
@@ -29,9 +32,15 @@ fn main() -> ExitCode {
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
         cli::Command::Up(args) => {
+            let egress = state::EgressTestOptions {
+                extra_ca: args.egress_test_ca.clone(),
+                resolve: args.egress_test_resolve.clone(),
+            };
             let options = vm::StartOptions {
                 recipe: args.recipe.as_deref(),
-                mounts: &args.mounts.mounts,
+                mounts: &args.setup.mounts,
+                relay_ports: &args.setup.relay_ports,
+                egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
             vm::up(&workspace(args.dir), &options)
@@ -58,6 +67,35 @@ fn main() -> ExitCode {
         cli::Command::Shell(args) => run_shell(args),
         cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
+        cli::Command::Ports(args) => ports::list(&workspace(args.dir))
+            .map(|_| 0)
+            .map_err(|e| e.to_string()),
+        cli::Command::Publish(args) => ports::publish(
+            &workspace(args.dir),
+            args.guest_port,
+            args.host_port,
+            args.address,
+        )
+        .map(|host| {
+            println!("{host}");
+            0
+        })
+        .map_err(|e| e.to_string()),
+        cli::Command::Unpublish(args) => ports::unpublish(&workspace(args.dir), args.guest_port)
+            .map(|host| {
+                eprintln!(
+                    "vmctl: {host} no longer forwards to guest port {}",
+                    args.guest_port
+                );
+                0
+            })
+            .map_err(|e| e.to_string()),
+        cli::Command::Secret(command) => {
+            egress_commands::secret(command).map_err(|e| e.to_string())
+        }
+        cli::Command::Policy(command) => {
+            egress_commands::policy(command).map_err(|e| e.to_string())
+        }
         cli::Command::Image(cli::ImageCommand::Build { recipe }) => {
             artifacts::build_image(recipe.as_deref())
                 .map(|path| {
@@ -75,13 +113,14 @@ fn main() -> ExitCode {
 }
 
 /// The workspace a command is about: the given directory or the current one.
-fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
+pub(crate) fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
     dir.unwrap_or_else(|| std::env::current_dir().unwrap_or_else(|_| ".".into()))
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
     let options = vm::StartOptions {
-        mounts: &args.mounts.mounts,
+        mounts: &args.setup.mounts,
+        relay_ports: &args.setup.relay_ports,
         quiet: true,
         ..vm::StartOptions::default()
     };
@@ -90,7 +129,7 @@ fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
 }
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
-    let vm = vm::up_ephemeral(&workspace(args.workspace.clone()), &args.mounts.mounts)
+    let vm = vm::up_ephemeral(&workspace(args.workspace.clone()), &args.setup)
         .map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm) {
@@ -139,7 +178,8 @@ fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     let dir = workspace(args.dir);
     let options = vm::StartOptions {
-        mounts: &args.mounts.mounts,
+        mounts: &args.setup.mounts,
+        relay_ports: &args.setup.relay_ports,
         quiet: true,
         ..vm::StartOptions::default()
     };

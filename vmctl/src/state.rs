@@ -41,6 +41,25 @@ pub struct VmRecord {
     /// The workspace and any extra directory shares, served over virtio-fs.
     #[serde(default)]
     pub shares: Option<ShareSet>,
+    /// Host loopback ports relayed into the guest at boot.
+    #[serde(default)]
+    pub relay_ports: Vec<u16>,
+    /// Test-only settings of the egress proxy.
+    #[serde(default)]
+    pub egress: EgressTestOptions,
+}
+
+/// Settings that let tests point the egress proxy at a local test upstream. Each is
+/// given explicitly on `vmctl up`; none is ever inferred.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressTestOptions {
+    /// PEM CAs trusted for upstream TLS besides the host's roots.
+    #[serde(default)]
+    pub extra_ca: Option<PathBuf>,
+    /// `host:port` → address to connect to instead of resolving (skips the
+    /// private-address check, not the policy).
+    #[serde(default)]
+    pub resolve: Vec<(String, std::net::SocketAddr)>,
 }
 
 /// A workspace's VM directory.
@@ -116,6 +135,18 @@ impl VmDir {
     }
     pub fn supervisor_log(&self) -> PathBuf {
         self.path.join("supervisor.log")
+    }
+    /// The supervisor's control socket (network setup, published ports).
+    pub fn control_socket(&self) -> PathBuf {
+        self.path.join("control.sock")
+    }
+    /// The sandbox's egress CA (certificate and key; the key never leaves the host).
+    pub fn egress_ca_dir(&self) -> PathBuf {
+        self.path.join("egress-ca")
+    }
+    /// The egress proxy's decisions (`vmctl policy log`).
+    pub fn egress_log(&self) -> PathBuf {
+        self.path.join("egress.log")
     }
 
     pub fn read_record(&self) -> Result<VmRecord, StateError> {
@@ -229,6 +260,11 @@ mod tests {
                 virtiofsd: "/usr/bin/virtiofsd".into(),
                 failure_file: Some(vm.share_failures()),
             }),
+            relay_ports: vec![6767],
+            egress: EgressTestOptions {
+                extra_ca: Some("/tmp/ca.pem".into()),
+                resolve: vec![("api.test:443".into(), "127.0.0.1:8443".parse().unwrap())],
+            },
         };
         vm.write_record(&record).unwrap();
         assert_eq!(vm.read_record().unwrap(), record);

@@ -1,6 +1,8 @@
 //! `vmctl __supervise DIR`: the long-lived process behind a workspace VM, started
 //! detached by `vmctl up`. It runs the VMM (directly, or in the nested host) with the
-//! VM's vsock at `DIR/vsock.sock`, the guest console in `DIR/console.log`.
+//! VM's vsock at `DIR/vsock.sock`, the guest console in `DIR/console.log`, and the
+//! VM's network side ([`crate::network`]): the egress proxy, relays, published ports
+//! and the control socket `DIR/control.sock`.
 
 use std::path::Path;
 use std::time::Instant;
@@ -34,6 +36,9 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
+    // Without its network side the VM would boot without a way out; better not boot.
+    crate::network::services::start(&vm, &record)
+        .map_err(|e| format!("cannot serve the VM's network: {e}"))?;
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
     }
@@ -52,6 +57,12 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
     let _ = std::fs::remove_file(vm.pid_file());
-    let _ = std::fs::remove_file(vm.vsock_socket());
+    for socket in [
+        vm.vsock_socket(),
+        vm.control_socket(),
+        crate::network::services::service_socket(&vm.vsock_socket()),
+    ] {
+        let _ = std::fs::remove_file(socket);
+    }
     outcome
 }

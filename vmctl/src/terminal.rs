@@ -33,3 +33,38 @@ pub fn make_raw(fd: &impl AsRawFd) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Turns off echo on the terminal on `fd` (stdin) while it lives, so a secret typed
+/// there does not appear on screen; restores the settings when dropped. Does nothing
+/// when `fd` is not a terminal.
+pub struct EchoOff {
+    fd: i32,
+    saved: Option<libc::termios>,
+}
+
+impl EchoOff {
+    pub fn new(fd: &impl AsRawFd) -> EchoOff {
+        let fd = fd.as_raw_fd();
+        // SAFETY: termios is plain data, filled by tcgetattr (checked) before use.
+        let mut termios: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: isatty inspects the descriptor; tcgetattr writes into a valid struct.
+        let saved = (unsafe { libc::isatty(fd) } == 1
+            && unsafe { libc::tcgetattr(fd, &mut termios) } == 0)
+            .then_some(termios);
+        if let Some(mut quiet) = saved {
+            quiet.c_lflag &= !libc::ECHO;
+            // SAFETY: `quiet` is a valid termios struct obtained from tcgetattr.
+            unsafe { libc::tcsetattr(fd, libc::TCSANOW, &quiet) };
+        }
+        EchoOff { fd, saved }
+    }
+}
+
+impl Drop for EchoOff {
+    fn drop(&mut self) {
+        if let Some(saved) = &self.saved {
+            // SAFETY: `saved` is the terminal's own earlier state.
+            unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, saved) };
+        }
+    }
+}

@@ -4,8 +4,10 @@
 //! ```toml
 //! # every workspace
 //! mounts = ["~/.gitconfig-dir:ro"]
+//! relay_ports = [5432]          # host loopback ports every VM reaches at 127.0.0.1
 //! [workspaces."/home/me/project"]
 //! mounts = ["/srv/data:/data:ro"]
+//! relay_ports = [8080]
 //! ```
 //!
 //! It lives at `$VMCTL_CONFIG`, else `$XDG_CONFIG_HOME/vmctl/config.toml`, else
@@ -45,6 +47,9 @@ pub struct UserConfig {
     /// Shares (`HOST[:GUEST][:ro]`) of every workspace VM.
     #[serde(default)]
     pub mounts: Vec<String>,
+    /// Host loopback ports relayed into every workspace VM (Paseo's 6767 always is).
+    #[serde(default)]
+    pub relay_ports: Vec<u16>,
     /// Settings of one workspace, by its path (`~/` allowed).
     #[serde(default)]
     pub workspaces: BTreeMap<String, WorkspaceConfig>,
@@ -56,6 +61,8 @@ pub struct UserConfig {
 pub struct WorkspaceConfig {
     #[serde(default)]
     pub mounts: Vec<String>,
+    #[serde(default)]
+    pub relay_ports: Vec<u16>,
 }
 
 impl UserConfig {
@@ -109,17 +116,39 @@ impl UserConfig {
     }
 
     fn mounts_for_with_home(&self, workspace: &Path, home: Option<&Path>) -> Vec<String> {
-        let workspace = canonical_or_given(workspace);
         let mut mounts = self.mounts.clone();
-        for (key, settings) in &self.workspaces {
+        for settings in self.settings_of(workspace, home) {
+            mounts.extend(settings.mounts.iter().cloned());
+        }
+        mounts
+    }
+
+    /// The relay ports of `workspace`: the global ones, then the workspace's own.
+    pub fn relay_ports_for(&self, workspace: &Path) -> Vec<u16> {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        self.relay_ports_for_with_home(workspace, home.as_deref())
+    }
+
+    fn relay_ports_for_with_home(&self, workspace: &Path, home: Option<&Path>) -> Vec<u16> {
+        let mut ports = self.relay_ports.clone();
+        for settings in self.settings_of(workspace, home) {
+            ports.extend(settings.relay_ports.iter().copied());
+        }
+        ports
+    }
+
+    fn settings_of<'a>(
+        &'a self,
+        workspace: &Path,
+        home: Option<&'a Path>,
+    ) -> impl Iterator<Item = &'a WorkspaceConfig> + 'a {
+        let workspace = canonical_or_given(workspace);
+        self.workspaces.iter().filter_map(move |(key, settings)| {
             let matches = expand_home(key, home)
                 .map(|key| canonical_or_given(&key) == workspace)
                 .unwrap_or(false);
-            if matches {
-                mounts.extend(settings.mounts.iter().cloned());
-            }
-        }
-        mounts
+            matches.then_some(settings)
+        })
     }
 }
 
@@ -232,6 +261,23 @@ mounts = ["/srv/other"]
         assert_eq!(
             config.mounts_for_with_home(dir.path(), Some(dir.path())),
             ["~/.gitconfig-dir:ro"]
+        );
+    }
+
+    #[test]
+    fn relay_ports_are_global_then_per_workspace() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        let text = "relay_ports = [8080]\n[workspaces.\"~/project\"]\nrelay_ports = [9000]\n";
+        let config = UserConfig::load_from(&write_config(dir.path(), text)).unwrap();
+        assert_eq!(
+            config.relay_ports_for_with_home(&project, Some(dir.path())),
+            [8080, 9000]
+        );
+        assert_eq!(
+            config.relay_ports_for_with_home(dir.path(), Some(dir.path())),
+            [8080]
         );
     }
 

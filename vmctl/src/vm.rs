@@ -6,10 +6,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::artifacts::{self, Artifact, ArtifactError};
+use crate::cli::VmSetupArgs;
 use crate::exec::AGENT_PORT;
 use crate::host_kvm::KvmKind;
+use crate::network::control::{self, ControlError, ControlRequest, ControlResponse};
 use crate::shares::{self, Share, ShareError, ShareSet};
-use crate::state::{StateError, VmDir, VmRecord};
+use crate::state::{EgressTestOptions, StateError, VmDir, VmRecord};
 use crate::user_config::{UserConfig, UserConfigError};
 use crate::virtiofsd::{self, VirtiofsdError};
 
@@ -27,6 +29,8 @@ pub enum VmError {
     UserConfig(#[from] UserConfigError),
     #[error(transparent)]
     Virtiofsd(#[from] VirtiofsdError),
+    #[error("the VM's network setup failed: {0}")]
+    Network(#[from] ControlError),
     #[error("the VM of {} did not come up: {reason}; its logs: {}", .workspace.display(), .logs.display())]
     NotReady {
         workspace: PathBuf,
@@ -50,6 +54,10 @@ pub struct StartOptions<'a> {
     /// Extra shares, `HOST[:GUEST][:ro]` (relative HOSTs are relative to the current
     /// directory), besides those of the user's config file.
     pub mounts: &'a [String],
+    /// Host loopback ports to relay into the guest (besides Paseo's and the config's).
+    pub relay_ports: &'a [u16],
+    /// Test-only egress settings (`vmctl up --egress-test-*`), for a new VM.
+    pub egress: Option<&'a EgressTestOptions>,
     /// No "already running" / "is up" messages.
     pub quiet: bool,
 }
@@ -62,10 +70,11 @@ pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
 }
 
 /// Starts a throwaway VM for `workspace`, beside its regular one (`vmctl run`).
-pub fn up_ephemeral(workspace: &Path, mounts: &[String]) -> Result<VmDir, VmError> {
+pub fn up_ephemeral(workspace: &Path, setup: &VmSetupArgs) -> Result<VmDir, VmError> {
     let (workspace, vm) = VmDir::ephemeral(workspace)?;
     let options = StartOptions {
-        mounts,
+        mounts: &setup.mounts,
+        relay_ports: &setup.relay_ports,
         quiet: true,
         ..StartOptions::default()
     };
@@ -102,6 +111,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     let StartOptions {
         recipe,
         mounts,
+        relay_ports,
+        egress,
         quiet,
     } = *options;
     let workspace = workspace.to_path_buf();
@@ -144,7 +155,11 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
                  'vmctl stop' it first to change them"
             );
         }
+        if egress.is_some() {
+            eprintln!("vmctl: warning: it keeps the egress settings it was started with");
+        }
         warn_about_share_failures(&vm);
+        configure_network(&vm, relay_ports)?;
         return Ok(vm);
     }
     let share_set = resolve_shares(&workspace, &vm, mounts)?;
@@ -170,6 +185,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             .unwrap_or(0),
         workspace: workspace.clone(),
         shares: Some(share_set),
+        relay_ports: relays_for(&workspace, relay_ports)?,
+        egress: egress.cloned().unwrap_or_default(),
     };
     vm.write_record(&record)?;
     let started = Instant::now();
@@ -201,6 +218,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    configure_network(&vm, &[])?;
     if !quiet {
         eprintln!(
             "vmctl: the VM of {} is up (agent ready after {:.1} s)",
@@ -209,6 +227,36 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// Paseo's port, the config's relay ports for `workspace`, then `extra`, without
+/// repeats.
+fn relays_for(workspace: &Path, extra: &[u16]) -> Result<Vec<u16>, VmError> {
+    let mut ports = vec![crate::network::PASEO_PORT];
+    ports.extend(UserConfig::load()?.relay_ports_for(workspace));
+    ports.extend(extra);
+    let mut seen = std::collections::BTreeSet::new();
+    ports.retain(|port| seen.insert(*port));
+    Ok(ports)
+}
+
+/// Has the supervisor (re)configure the guest's network: the CA, the proxy
+/// variables, current placeholder credentials, and `extra_relays`.
+fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
+    let request = ControlRequest::Configure {
+        relay_ports: extra_relays.to_vec(),
+    };
+    match control::request(&vm.control_socket(), &request)? {
+        ControlResponse::Configured { failed_relays, .. } => {
+            for (port, reason) in failed_relays {
+                eprintln!("vmctl: warning: port {port} is not relayed into the VM: {reason}");
+            }
+            Ok(())
+        }
+        other => Err(VmError::Network(ControlError::Refused(format!(
+            "unexpected answer to the network setup: {other:?}"
+        )))),
+    }
 }
 
 /// The last lines of a log, to quote in an error (empty when there are none).

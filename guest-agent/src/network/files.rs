@@ -8,7 +8,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::protocol::{GUEST_CA_BUNDLE, GUEST_CA_FILE};
+use crate::protocol::{GUEST_CA_BUNDLE, GUEST_CA_FILE, GUEST_NODE_PRELOAD};
 
 /// The largest CA certificate (chain) accepted.
 pub const MAX_CA_SIZE: usize = 64 * 1024;
@@ -48,6 +48,8 @@ pub struct NetworkPaths {
     pub ca_bundle: PathBuf,
     /// `/etc/environment`.
     pub environment: PathBuf,
+    /// [`GUEST_NODE_PRELOAD`].
+    pub node_preload: PathBuf,
 }
 
 const CA_STORE_FILE: &str = "/usr/local/share/ca-certificates/vmctl-egress.crt";
@@ -60,6 +62,7 @@ impl Default for NetworkPaths {
             ca_store_file: CA_STORE_FILE.into(),
             ca_bundle: GUEST_CA_BUNDLE.into(),
             environment: ENVIRONMENT_FILE.into(),
+            node_preload: GUEST_NODE_PRELOAD.into(),
         }
     }
 }
@@ -73,6 +76,7 @@ impl NetworkPaths {
             ca_store_file: at(CA_STORE_FILE),
             ca_bundle: at(GUEST_CA_BUNDLE),
             environment: at(ENVIRONMENT_FILE),
+            node_preload: at(GUEST_NODE_PRELOAD),
         }
     }
 }
@@ -192,6 +196,28 @@ pub fn install_ca(paths: &NetworkPaths, pem: &str) -> Result<(), FileError> {
         .open(path)
         .and_then(|mut f| f.write_all(addition.as_bytes()))
         .map_err(write_err(path))
+}
+
+/// Node before 24 ignores the proxy variables in `fetch`: route it through undici's
+/// `EnvHttpProxyAgent` (undici is in the default image) and leave newer Node, or an
+/// image without undici, as they are. It must never stop Node from starting.
+const NODE_PRELOAD: &str = r#"// Written by the vmctl guest agent: Node's fetch through the egress proxy.
+try {
+  const major = Number(process.versions.node.split(".")[0]);
+  if (major < 24 && (process.env.HTTPS_PROXY || process.env.HTTP_PROXY)) {
+    const undici = require("/usr/local/lib/node_modules/undici");
+    undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
+    globalThis.fetch = undici.fetch;
+  }
+} catch (error) {
+  // No undici in this image: fetch goes direct (and fails: there is no network).
+}
+"#;
+
+/// Writes the Node preload script (see `NODE_PRELOAD`).
+pub fn install_node_preload(paths: &NetworkPaths) -> Result<(), FileError> {
+    create_parent(&paths.node_preload)?;
+    write_atomic(&paths.node_preload, NODE_PRELOAD.as_bytes())
 }
 
 /// `value` quoted for `/etc/environment`, which both pam_env and shells (`.
@@ -352,5 +378,15 @@ mod tests {
             let mode = fs::metadata(f).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o644, "{}", f.display());
         }
+    }
+
+    #[test]
+    fn node_preload_is_written_and_guarded() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = NetworkPaths::under(dir.path());
+        install_node_preload(&paths).unwrap();
+        let script = fs::read_to_string(&paths.node_preload).unwrap();
+        assert!(script.contains("EnvHttpProxyAgent"));
+        assert!(script.trim_start().starts_with("//") && script.contains("catch"));
     }
 }

@@ -136,6 +136,7 @@ impl Network {
         }
         if let Some(pem) = &ca {
             files::install_ca(&self.paths, pem)?;
+            files::install_node_preload(&self.paths)?;
         }
         if let Some(env) = env {
             files::write_environment(&self.paths, &env)?;

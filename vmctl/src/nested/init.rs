@@ -165,12 +165,13 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
                 }
             })
         });
-        let (_mux, _link) = Mux::start(
+        let (mux, _link) = Mux::start(
             tokio::fs::File::from_std(reader),
             tokio::fs::File::from_std(writer),
             false,
             opener,
         );
+        forward_guest_connections_to_host(mux)?;
         tokio::task::spawn_blocking(move || vmm.join())
             .await
             .map_err(|_| "the VMM thread was lost".to_string())?
@@ -180,6 +181,26 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
     // for it (a plain drop would, forever).
     runtime.shutdown_background();
     outcome
+}
+
+/// The guest's connections to the host's service port arrive at the VMM's
+/// `<vsock>_<port>` socket here in the nested host: each becomes a stream of the mux,
+/// which the host side connects to the same socket name beside the VM's host vsock.
+fn forward_guest_connections_to_host(mux: Arc<Mux>) -> Result<(), String> {
+    let path = crate::network::services::service_socket(Path::new(job::GUEST_VSOCK_SOCKET));
+    let _ = std::fs::remove_file(&path);
+    let listener = tokio::net::UnixListener::bind(&path)
+        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let mux = mux.clone();
+            tokio::spawn(async move {
+                mux.open(guest_agent::protocol::HOST_SERVICE_PORT, stream)
+                    .await
+            });
+        }
+    });
+    Ok(())
 }
 
 /// The device node of the virtio-serial port called `name` (no udev here, so look it

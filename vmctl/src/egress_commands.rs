@@ -1,0 +1,196 @@
+//! `vmctl secret` and `vmctl policy`: thin commands over the egress stores.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use egress::policy::{Pattern, PolicyStore, Scope};
+use egress::secrets::{read_secret, SecretStore};
+
+use crate::cli::{PolicyCommand, PolicyScope, SecretCommand};
+use crate::network::guest_setup::EgressFiles;
+use crate::state::VmDir;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EgressCommandError {
+    #[error("no config directory for the egress policy and secrets (set HOME or VMCTL_CONFIG)")]
+    NoConfigDir,
+    #[error(transparent)]
+    Secret(#[from] egress::secrets::SecretError),
+    #[error(transparent)]
+    Policy(#[from] egress::policy::PolicyError),
+    #[error(transparent)]
+    Log(#[from] egress::log::LogError),
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
+    #[error("no secret named {0:?} ('vmctl secret ls' lists them)")]
+    NoSuchSecret(String),
+}
+
+fn files() -> Result<EgressFiles, EgressCommandError> {
+    EgressFiles::locate().ok_or(EgressCommandError::NoConfigDir)
+}
+
+pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
+    let mut store = SecretStore::load(files()?.secrets)?;
+    match command {
+        SecretCommand::Set {
+            name,
+            hosts,
+            header,
+        } => {
+            let stdin = std::io::stdin();
+            if stdin.is_terminal() {
+                eprintln!("vmctl: type the value of {name:?} (not shown), then Enter and Ctrl-D:");
+            }
+            let value = {
+                let _quiet = crate::terminal::EchoOff::new(&stdin);
+                read_secret(stdin.lock())?
+            };
+            let summary = store.set(&name, value, hosts, header)?;
+            store.save()?;
+            eprintln!(
+                "vmctl: secret {} stored; it is sent as {} to {} (running VMs get its placeholder at their next exec)",
+                summary.name,
+                summary.header_name,
+                summary.hosts.join(", ")
+            );
+        }
+        SecretCommand::Ls => {
+            let secrets = store.list();
+            if secrets.is_empty() {
+                eprintln!("vmctl: no secrets ('vmctl secret set NAME' stores one)");
+            } else {
+                println!("{:<16} {:<16} HOSTS", "NAME", "HEADER");
+                for secret in secrets {
+                    println!(
+                        "{:<16} {:<16} {}",
+                        secret.name,
+                        secret.header_name,
+                        secret.hosts.join(", ")
+                    );
+                }
+            }
+        }
+        SecretCommand::Rm { name } => {
+            if !store.remove(&name) {
+                return Err(EgressCommandError::NoSuchSecret(name));
+            }
+            store.save()?;
+            eprintln!("vmctl: secret {name} removed");
+        }
+    }
+    Ok(0)
+}
+
+pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
+    let mut store = PolicyStore::load(files()?.policy)?;
+    match command {
+        PolicyCommand::Allow { patterns, scope } => {
+            let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
+            store.allow(&scope, &patterns)?;
+            store.save()?;
+            eprintln!("vmctl: allowed {} ({scope})", joined(&patterns));
+        }
+        PolicyCommand::Deny { patterns, scope } => {
+            let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
+            store.deny(&scope, &patterns)?;
+            store.save()?;
+            eprintln!("vmctl: denied {} ({scope})", joined(&patterns));
+        }
+        PolicyCommand::Rm { patterns, scope } => {
+            let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
+            let removed = store.remove(&scope, &patterns);
+            store.save()?;
+            eprintln!("vmctl: removed {removed} rule(s) ({scope})");
+        }
+        PolicyCommand::Ls { workspace } => {
+            let workspace = canonical(workspace);
+            println!("# rules for {} (deny wins over allow)", workspace.display());
+            for rule in store.policy(&workspace).rules() {
+                println!("{rule}");
+            }
+        }
+        PolicyCommand::Log { workspace, lines } => {
+            let (_, vm) = VmDir::for_workspace(&canonical(workspace))?;
+            for entry in egress::log::read_recent(&vm.egress_log(), lines)? {
+                println!(
+                    "{}  {:<7} {:<5} {}:{}{}  {}",
+                    utc_time(entry.time_unix_ms / 1000),
+                    if entry.allowed { "allowed" } else { "refused" },
+                    entry.method.as_deref().unwrap_or(entry.kind.as_str()),
+                    entry.host,
+                    entry.port,
+                    entry
+                        .secret
+                        .as_deref()
+                        .map(|s| format!(" +{s}"))
+                        .unwrap_or_default(),
+                    entry.rule
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
+fn parse(patterns: &[String]) -> Result<Vec<Pattern>, EgressCommandError> {
+    Ok(patterns
+        .iter()
+        .map(|p| p.parse::<Pattern>())
+        .collect::<Result<_, _>>()?)
+}
+
+fn joined(patterns: &[Pattern]) -> String {
+    patterns
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn scope_of(scope: &PolicyScope) -> Scope {
+    if scope.global {
+        Scope::Global
+    } else {
+        Scope::Workspace(canonical(scope.workspace.clone()))
+    }
+}
+
+/// The workspace as the VM sees it: canonical, like `vmctl up` records it.
+fn canonical(dir: Option<PathBuf>) -> PathBuf {
+    let dir = crate::workspace(dir);
+    dir.canonicalize().unwrap_or(dir)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time.
+fn utc_time(seconds: u64) -> String {
+    let (days, rest) = (seconds / 86_400, seconds % 86_400);
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_times() {
+        assert_eq!(utc_time(0), "1970-01-01 00:00:00");
+        assert_eq!(utc_time(951_782_400), "2000-02-29 00:00:00");
+        assert_eq!(utc_time(1_795_973_445), "2026-11-29 17:30:45");
+    }
+}

@@ -1,0 +1,118 @@
+//! The supervisor's control socket (`DIR/control.sock`): one JSON request and one
+//! JSON response per connection.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Longest a request may take: configuring the guest goes through the nested host,
+/// which can be slow.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest request or response line accepted.
+pub const MAX_LINE: usize = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot reach the VM's supervisor at {}: {source}; is the VM running? ('vmctl ps')", .path.display())]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("talking to the VM's supervisor at {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the VM's supervisor at {} answered something unreadable: {reason}", .path.display())]
+    BadResponse { path: PathBuf, reason: String },
+    #[error("{0}")]
+    Refused(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ControlRequest {
+    /// (Re)configure the guest's network: CA, variables (placeholders follow the
+    /// current secrets), and relay these loopback ports besides those already relayed.
+    Configure {
+        relay_ports: Vec<u16>,
+    },
+    /// Listen on `address:host_port` (0: any free port) and forward each connection
+    /// to the guest's loopback `guest_port`.
+    Publish {
+        guest_port: u16,
+        host_port: u16,
+        address: IpAddr,
+    },
+    Unpublish {
+        guest_port: u16,
+    },
+    ListPublished,
+}
+
+/// One published port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishedPort {
+    pub guest_port: u16,
+    pub host: SocketAddr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ControlResponse {
+    Configured {
+        relay_ports: Vec<u16>,
+        failed_relays: Vec<(u16, String)>,
+    },
+    Published(PublishedPort),
+    Unpublished {
+        host: SocketAddr,
+    },
+    PublishedList {
+        ports: Vec<PublishedPort>,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// Sends one request to the supervisor behind `socket` and waits for its answer; an
+/// `Error` answer becomes [`ControlError::Refused`].
+pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
+    let io = |source| ControlError::Io {
+        path: socket.to_path_buf(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(|source| ControlError::Connect {
+        path: socket.to_path_buf(),
+        source,
+    })?;
+    stream.set_read_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
+    let mut line = serde_json::to_vec(request).map_err(|e| ControlError::BadResponse {
+        path: socket.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    line.push(b'\n');
+    stream.write_all(&line).map_err(io)?;
+    let mut answer = String::new();
+    BufReader::new(std::io::Read::take(stream, MAX_LINE as u64))
+        .read_line(&mut answer)
+        .map_err(io)?;
+    let response: ControlResponse =
+        serde_json::from_str(&answer).map_err(|e| ControlError::BadResponse {
+            path: socket.to_path_buf(),
+            reason: if answer.is_empty() {
+                "no answer (did the supervisor exit?)".into()
+            } else {
+                e.to_string()
+            },
+        })?;
+    match response {
+        ControlResponse::Error { message } => Err(ControlError::Refused(message)),
+        other => Ok(other),
+    }
+}

@@ -1,0 +1,74 @@
+//! What the guest is told about its network: where the proxy is, which CA to trust,
+//! and the placeholder credentials the CLIs look for.
+
+use std::path::PathBuf;
+
+use guest_agent::protocol::{
+    EGRESS_PROXY_PORT, GUEST_CA_BUNDLE, GUEST_CA_FILE, GUEST_NODE_PRELOAD,
+};
+
+/// Where the egress policy and secrets live: beside the user's config file.
+pub struct EgressFiles {
+    pub policy: PathBuf,
+    pub secrets: PathBuf,
+}
+
+impl EgressFiles {
+    pub fn locate() -> Option<EgressFiles> {
+        let dir = crate::user_config::config_path()?.parent()?.to_path_buf();
+        Some(EgressFiles {
+            policy: dir.join("policy.json"),
+            secrets: dir.join("secrets.json"),
+        })
+    }
+}
+
+/// Every variable the guest's commands get: the proxy (both spellings, since tools
+/// disagree), the CA for the runtimes that do not read the system bundle, and
+/// `placeholders` (fake credentials, so the CLIs believe they are signed in).
+pub fn guest_env(placeholders: Vec<(String, String)>) -> Vec<(String, String)> {
+    let proxy = format!("http://127.0.0.1:{EGRESS_PROXY_PORT}");
+    let no_proxy = "localhost,127.0.0.1,::1";
+    let mut env: Vec<(String, String)> = [
+        ("HTTP_PROXY", proxy.as_str()),
+        ("http_proxy", proxy.as_str()),
+        ("HTTPS_PROXY", proxy.as_str()),
+        ("https_proxy", proxy.as_str()),
+        ("NO_PROXY", no_proxy),
+        ("no_proxy", no_proxy),
+        ("NODE_USE_ENV_PROXY", "1"),
+        ("NODE_EXTRA_CA_CERTS", GUEST_CA_FILE),
+        ("SSL_CERT_FILE", GUEST_CA_BUNDLE),
+        ("REQUESTS_CA_BUNDLE", GUEST_CA_BUNDLE),
+        ("GIT_SSL_CAINFO", GUEST_CA_BUNDLE),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    env.push((
+        "NODE_OPTIONS".into(),
+        format!("--require={GUEST_NODE_PRELOAD}"),
+    ));
+    env.extend(placeholders);
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_variables_in_both_cases_and_placeholders_last() {
+        let env = guest_env(vec![("OPENAI_API_KEY".into(), "vmctl-placeholder".into())]);
+        let get = |k: &str| {
+            env.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("HTTPS_PROXY"), Some("http://127.0.0.1:3128"));
+        assert_eq!(get("https_proxy"), get("HTTPS_PROXY"));
+        assert_eq!(get("NO_PROXY"), Some("localhost,127.0.0.1,::1"));
+        assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(GUEST_CA_FILE));
+        assert_eq!(env.last().map(|(k, _)| k.as_str()), Some("OPENAI_API_KEY"));
+    }
+}

@@ -1,0 +1,109 @@
+//! Host ports published to guest loopback ports (`vmctl publish`): each host
+//! connection becomes a `ConnectPort` connection to the guest agent.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+use super::control::PublishedPort;
+
+/// The guest agent's vsock port.
+const AGENT_PORT: u32 = guest_agent::protocol::DEFAULT_PORT;
+
+/// The published ports of one VM, by guest port.
+#[derive(Default)]
+pub struct Published {
+    ports: Mutex<BTreeMap<u16, (SocketAddr, AbortHandle)>>,
+}
+
+impl Published {
+    /// Listens on `host` (port 0: a free one) and forwards its connections to the
+    /// guest's `guest_port`; returns the address it listens on.
+    pub async fn publish(
+        &self,
+        vsock: PathBuf,
+        guest_port: u16,
+        host: SocketAddr,
+    ) -> Result<PublishedPort, String> {
+        if let Some(existing) = self.address_of(guest_port) {
+            return Err(format!(
+                "guest port {guest_port} is already published at {existing}; \
+                 'vmctl unpublish {guest_port}' first"
+            ));
+        }
+        let listener = TcpListener::bind(host)
+            .await
+            .map_err(|e| format!("cannot listen on {host}: {e}"))?;
+        let host = listener
+            .local_addr()
+            .map_err(|e| format!("cannot listen on {host}: {e}"))?;
+        let vsock = Arc::new(vsock);
+        let task = tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((client, peer)) => {
+                        tokio::spawn(forward(client, peer, vsock.clone(), guest_port));
+                    }
+                    Err(e) => {
+                        tracing::warn!("published port {host}: {e}");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
+        ports.insert(guest_port, (host, task.abort_handle()));
+        Ok(PublishedPort { guest_port, host })
+    }
+
+    /// Stops publishing `guest_port`; returns the host address it had.
+    pub fn unpublish(&self, guest_port: u16) -> Result<SocketAddr, String> {
+        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
+        let (host, task) = ports
+            .remove(&guest_port)
+            .ok_or_else(|| format!("guest port {guest_port} is not published"))?;
+        task.abort();
+        Ok(host)
+    }
+
+    pub fn list(&self) -> Vec<PublishedPort> {
+        self.ports
+            .lock()
+            .map(|ports| {
+                ports
+                    .iter()
+                    .map(|(&guest_port, &(host, _))| PublishedPort { guest_port, host })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn address_of(&self, guest_port: u16) -> Option<SocketAddr> {
+        let ports = self.ports.lock().ok()?;
+        ports.get(&guest_port).map(|(host, _)| *host)
+    }
+}
+
+fn poisoned() -> String {
+    "the published-port table is unusable (a thread panicked)".into()
+}
+
+async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
+    let connection = match guest_agent::client::connect_hybrid(&vsock, AGENT_PORT).await {
+        Ok(connection) => connection,
+        Err(e) => {
+            tracing::warn!("published port {guest_port} for {peer}: cannot reach the guest: {e}");
+            return;
+        }
+    };
+    match connection.connect_port(guest_port).await {
+        Ok(mut guest) => {
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
+        }
+        Err(e) => tracing::info!("published port {guest_port} for {peer}: {e}"),
+    }
+}

@@ -1,0 +1,316 @@
+//! The supervisor's network side: it serves the connections the guest opens to
+//! [`HOST_SERVICE_PORT`] (the egress proxy, loopback relays), the control socket,
+//! and the published ports, on a runtime of its own beside the VMM.
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use guest_agent::protocol::{decode_payload, NetworkConfig, ServiceRequest, HOST_SERVICE_PORT};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::control::{ControlRequest, ControlResponse, MAX_LINE};
+use super::guest_setup::{guest_env, EgressFiles};
+use super::published::Published;
+use crate::state::{VmDir, VmRecord};
+
+/// How long the guest may take to name the service it wants.
+const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A service request is a few bytes; anything longer is garbage.
+const MAX_PREAMBLE: usize = 256;
+/// The guest agent's vsock port.
+const AGENT_PORT: u32 = guest_agent::protocol::DEFAULT_PORT;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("no config directory for the egress policy and secrets (set HOME or VMCTL_CONFIG)")]
+    NoConfigDir,
+    #[error("the sandbox's egress CA in {}: {source}", .path.display())]
+    Ca {
+        path: PathBuf,
+        source: egress::ca::CaError,
+    },
+    #[error("the egress proxy's upstream trust roots: {0}")]
+    TrustRoots(egress::proxy::ProxyError),
+    #[error("cannot listen on {}: {source}", .path.display())]
+    Listen {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the network runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// The state shared by everything the supervisor serves for one VM.
+pub struct NetworkService {
+    /// The VM's hybrid-vsock socket, through which we reach the guest agent.
+    vsock: PathBuf,
+    proxy: Arc<egress::proxy::ProxyConfig>,
+    ca_pem: String,
+    secrets: PathBuf,
+    /// Host loopback ports the guest may reach.
+    relays: Mutex<BTreeSet<u16>>,
+    published: Published,
+}
+
+/// Starts serving the VM's network on a thread of its own; it runs until the
+/// process ends.
+pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
+    let files = EgressFiles::locate().ok_or(NetworkError::NoConfigDir)?;
+    let ca_dir = vm.egress_ca_dir();
+    let name = crate::state::vm_name(&record.workspace);
+    let ca =
+        egress::ca::CertificateAuthority::load_or_create(&ca_dir, &name).map_err(|source| {
+            NetworkError::Ca {
+                path: ca_dir.clone(),
+                source,
+            }
+        })?;
+    let upstream_tls = egress::proxy::upstream_tls_config(record.egress.extra_ca.as_deref())
+        .map_err(NetworkError::TrustRoots)?;
+    let rules = egress::file_rules::FileRules::new(
+        files.policy.clone(),
+        files.secrets.clone(),
+        record.workspace.clone(),
+    );
+    let ca_pem = ca.cert_pem().to_string();
+    let mut proxy = egress::proxy::ProxyConfig::new(
+        Arc::new(ca),
+        Arc::new(rules),
+        Arc::new(upstream_tls),
+        Arc::new(egress::log::DecisionLog::open(vm.egress_log())),
+    );
+    for (target, addr) in &record.egress.resolve {
+        proxy = proxy.with_resolve_override(target.clone(), *addr);
+    }
+    let service = Arc::new(NetworkService {
+        vsock: vm.vsock_socket(),
+        proxy: Arc::new(proxy),
+        ca_pem,
+        secrets: files.secrets,
+        relays: Mutex::new(record.relay_ports.iter().copied().collect()),
+        published: Published::default(),
+    });
+    let services_path = service_socket(&vm.vsock_socket());
+    let control_path = vm.control_socket();
+    let services = bind(&services_path)?;
+    let control = bind(&control_path)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("vmctl-net")
+        .enable_all()
+        .build()
+        .map_err(NetworkError::Runtime)?;
+    std::thread::Builder::new()
+        .name("vmctl-net".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let (Ok(services), Ok(control)) = (
+                    UnixListener::from_std(services),
+                    UnixListener::from_std(control),
+                ) else {
+                    tracing::error!("cannot serve the VM's network sockets");
+                    return;
+                };
+                tokio::spawn(serve_guest_connections(services, service.clone()));
+                serve_control(control, service).await;
+            })
+        })
+        .map_err(NetworkError::Runtime)?;
+    Ok(())
+}
+
+/// Where the VMM connects the guest's connections to host port [`HOST_SERVICE_PORT`].
+pub fn service_socket(vsock: &Path) -> PathBuf {
+    PathBuf::from(format!("{}_{HOST_SERVICE_PORT}", vsock.display()))
+}
+
+fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, NetworkError> {
+    let error = |source| NetworkError::Listen {
+        path: path.to_path_buf(),
+        source,
+    };
+    let _ = std::fs::remove_file(path);
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(error)?;
+    listener.set_nonblocking(true).map_err(error)?;
+    Ok(listener)
+}
+
+async fn serve_guest_connections(listener: UnixListener, service: Arc<NetworkService>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(serve_guest_connection(stream, service.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("accepting a guest connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkService>) {
+    let request = match tokio::time::timeout(PREAMBLE_TIMEOUT, read_preamble(&mut stream)).await {
+        Ok(Ok(request)) => request,
+        Ok(Err(reason)) => {
+            tracing::warn!("a guest connection to the host services: {reason}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("a guest connection to the host services never said what it wants");
+            return;
+        }
+    };
+    match request {
+        ServiceRequest::Egress => {
+            egress::proxy::serve_connection(stream, service.proxy.clone()).await;
+        }
+        ServiceRequest::Loopback { port } => relay_to_host_loopback(stream, port, &service).await,
+    }
+}
+
+/// Reads the one frame that names the service, and not a byte more: what follows
+/// belongs to the service.
+async fn read_preamble(stream: &mut UnixStream) -> Result<ServiceRequest, String> {
+    let mut len = [0u8; 4];
+    stream
+        .read_exact(&mut len)
+        .await
+        .map_err(|e| format!("reading its request: {e}"))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_PREAMBLE {
+        return Err(format!(
+            "its request is {len} bytes long, over {MAX_PREAMBLE}"
+        ));
+    }
+    let mut payload = vec![0u8; len];
+    stream
+        .read_exact(&mut payload)
+        .await
+        .map_err(|e| format!("reading its request: {e}"))?;
+    decode_payload(&payload).map_err(|e| format!("unreadable request: {e}"))
+}
+
+async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, service: &NetworkService) {
+    let allowed = service
+        .relays
+        .lock()
+        .map(|relays| relays.contains(&port))
+        .unwrap_or(false);
+    if !allowed {
+        tracing::warn!("the guest asked for host port {port}, which is not relayed; refused");
+        return;
+    }
+    let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    match tokio::net::TcpStream::connect(target).await {
+        Ok(mut host) => {
+            let _ = tokio::io::copy_bidirectional(&mut stream, &mut host).await;
+        }
+        Err(e) => tracing::info!("relay to the host's {target}: {e}"),
+    }
+}
+
+async fn serve_control(listener: UnixListener, service: Arc<NetworkService>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(serve_control_connection(stream, service.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("accepting a control connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn serve_control_connection(stream: UnixStream, service: Arc<NetworkService>) {
+    let (reader, mut writer) = stream.into_split();
+    let mut line = String::new();
+    let read = BufReader::new(reader.take(MAX_LINE as u64))
+        .read_line(&mut line)
+        .await;
+    let response = match read.map(|_| serde_json::from_str::<ControlRequest>(&line)) {
+        Ok(Ok(request)) => handle_control(request, &service).await,
+        Ok(Err(e)) => ControlResponse::Error {
+            message: format!("unreadable control request: {e}"),
+        },
+        Err(e) => ControlResponse::Error {
+            message: format!("reading the control request: {e}"),
+        },
+    };
+    if let Ok(mut answer) = serde_json::to_vec(&response) {
+        answer.push(b'\n');
+        let _ = writer.write_all(&answer).await;
+    }
+}
+
+async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) -> ControlResponse {
+    let outcome = match request {
+        ControlRequest::Configure { relay_ports } => configure_guest(service, relay_ports).await,
+        ControlRequest::Publish {
+            guest_port,
+            host_port,
+            address,
+        } => service
+            .published
+            .publish(
+                service.vsock.clone(),
+                guest_port,
+                SocketAddr::new(address, host_port),
+            )
+            .await
+            .map(ControlResponse::Published),
+        ControlRequest::Unpublish { guest_port } => service
+            .published
+            .unpublish(guest_port)
+            .map(|host| ControlResponse::Unpublished { host }),
+        ControlRequest::ListPublished => Ok(ControlResponse::PublishedList {
+            ports: service.published.list(),
+        }),
+    };
+    outcome.unwrap_or_else(|message| ControlResponse::Error { message })
+}
+
+/// Tells the guest agent the CA, the variables (with the placeholders of the secrets
+/// as they are now) and the relay ports, adding `extra_relays` to them.
+async fn configure_guest(
+    service: &NetworkService,
+    extra_relays: Vec<u16>,
+) -> Result<ControlResponse, String> {
+    let relay_ports: Vec<u16> = {
+        let mut relays = service
+            .relays
+            .lock()
+            .map_err(|_| "the relay list is unusable".to_string())?;
+        relays.extend(extra_relays);
+        relays.iter().copied().collect()
+    };
+    let placeholders = match egress::secrets::SecretStore::load(&service.secrets) {
+        Ok(store) => store.placeholder_env(),
+        Err(e) => {
+            tracing::warn!("no placeholder credentials for the guest: {e}");
+            Vec::new()
+        }
+    };
+    let config = NetworkConfig {
+        ca_cert_pem: service.ca_pem.clone(),
+        env: guest_env(placeholders),
+        relay_ports: relay_ports.clone(),
+    };
+    let connection = guest_agent::client::connect_hybrid(&service.vsock, AGENT_PORT)
+        .await
+        .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
+    let failed_relays = connection
+        .configure_network(config)
+        .await
+        .map_err(|e| format!("the guest agent refused the network setup: {e}"))?;
+    Ok(ControlResponse::Configured {
+        relay_ports,
+        failed_relays,
+    })
+}

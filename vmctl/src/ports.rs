@@ -1,0 +1,165 @@
+//! `vmctl ports`, `publish` and `unpublish`: the VM's listening ports, and host
+//! ports that forward to them.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use guest_agent::protocol::{ListeningPort, EGRESS_PROXY_PORT};
+
+use crate::network::control::{self, ControlError, ControlRequest, ControlResponse, PublishedPort};
+use crate::state::VmDir;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PortsError {
+    #[error("no VM is running for {}; start it with 'vmctl up'", .0.display())]
+    NotRunning(std::path::PathBuf),
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("cannot list the VM's ports: {0}")]
+    Agent(String),
+    #[error("unexpected answer from the VM's supervisor: {0}")]
+    Unexpected(String),
+}
+
+fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
+    let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    match vm.running_pid() {
+        Some(_) => Ok(vm),
+        None => Err(PortsError::NotRunning(workspace)),
+    }
+}
+
+/// Prints the VM's listening ports, with where each is published.
+pub fn list(workspace: &Path) -> Result<(), PortsError> {
+    let vm = running_vm(workspace)?;
+    let listening = guest_ports(&vm)?;
+    let published = match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
+        ControlResponse::PublishedList { ports } => ports,
+        other => return Err(PortsError::Unexpected(format!("{other:?}"))),
+    };
+    let relays: Vec<u16> = vm
+        .read_record()
+        .map(|record| record.relay_ports)
+        .unwrap_or_default();
+    print!("{}", format_table(&listening, &published, &relays));
+    Ok(())
+}
+
+fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| PortsError::Agent(e.to_string()))?;
+    runtime.block_on(async {
+        let connection =
+            guest_agent::client::connect_hybrid(&vm.vsock_socket(), crate::exec::AGENT_PORT)
+                .await
+                .map_err(|e| PortsError::Agent(e.to_string()))?;
+        connection
+            .list_ports()
+            .await
+            .map_err(|e| PortsError::Agent(e.to_string()))
+    })
+}
+
+/// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses).
+fn format_table(
+    listening: &[ListeningPort],
+    published: &[PublishedPort],
+    relays: &[u16],
+) -> String {
+    let mut by_port: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+    for port in listening {
+        let addresses = by_port.entry(port.port).or_default();
+        let address = port.address.to_string();
+        if !addresses.contains(&address) {
+            addresses.push(address);
+        }
+    }
+    let mut out = format!("{:<7} {:<28} {:<22} NOTE\n", "PORT", "ADDRESS", "PUBLISHED");
+    for (port, addresses) in by_port {
+        let published_at = published
+            .iter()
+            .find(|p| p.guest_port == port)
+            .map(|p| p.host.to_string())
+            .unwrap_or_else(|| "-".into());
+        let note = if port == EGRESS_PROXY_PORT {
+            "vmctl egress proxy"
+        } else if relays.contains(&port) {
+            "relayed from the host"
+        } else {
+            ""
+        };
+        let line = format!(
+            "{port:<7} {:<28} {published_at:<22} {note}",
+            addresses.join(",")
+        );
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Publishes `guest_port` on the host and prints where.
+pub fn publish(
+    workspace: &Path,
+    guest_port: u16,
+    host_port: Option<u16>,
+    address: std::net::IpAddr,
+) -> Result<SocketAddr, PortsError> {
+    let vm = running_vm(workspace)?;
+    let request = ControlRequest::Publish {
+        guest_port,
+        host_port: host_port.unwrap_or(0),
+        address,
+    };
+    match control::request(&vm.control_socket(), &request)? {
+        ControlResponse::Published(port) => Ok(port.host),
+        other => Err(PortsError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+pub fn unpublish(workspace: &Path, guest_port: u16) -> Result<SocketAddr, PortsError> {
+    let vm = running_vm(workspace)?;
+    match control::request(
+        &vm.control_socket(),
+        &ControlRequest::Unpublish { guest_port },
+    )? {
+        ControlResponse::Unpublished { host } => Ok(host),
+        other => Err(PortsError::Unexpected(format!("{other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_merges_addresses_and_marks_published_and_ours() {
+        let port = |port: u16, address: &str| ListeningPort {
+            port,
+            address: address.parse().unwrap(),
+            ipv6: address.contains(':'),
+        };
+        let listening = [
+            port(3128, "127.0.0.1"),
+            port(6767, "127.0.0.1"),
+            port(8080, "127.0.0.1"),
+            port(8080, "::1"),
+        ];
+        let published = [PublishedPort {
+            guest_port: 8080,
+            host: "127.0.0.1:41000".parse().unwrap(),
+        }];
+        let table = format_table(&listening, &published, &[6767]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4, "{table}");
+        assert!(lines[1].starts_with("3128") && lines[1].ends_with("vmctl egress proxy"));
+        assert!(lines[2].ends_with("relayed from the host"));
+        assert!(lines[3].contains("127.0.0.1,::1") && lines[3].contains("127.0.0.1:41000"));
+        assert!(!lines[3].ends_with(' '));
+    }
+}

@@ -66,12 +66,10 @@ pub enum Command {
 
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
-    /// The workspace directory (default: the current directory).
-    #[arg(long = "workspace", value_name = "DIR")]
-    pub dir: Option<PathBuf>,
-    /// The port in the VM.
-    #[arg(value_parser = clap::value_parser!(u16).range(1..))]
-    pub guest_port: u16,
+    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory) and
+    /// the port in the VM.
+    #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
+    pub target: Vec<String>,
     /// The host port (default: a free one, printed).
     #[arg(long, value_name = "N")]
     pub host_port: Option<u16>,
@@ -82,11 +80,23 @@ pub struct PublishArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct UnpublishArgs {
-    /// The workspace directory (default: the current directory).
-    #[arg(long = "workspace", value_name = "DIR")]
-    pub dir: Option<PathBuf>,
-    /// The port in the VM.
-    pub guest_port: u16,
+    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory) and
+    /// the published port in the VM.
+    #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
+    pub target: Vec<String>,
+}
+
+/// Splits `[DIR] GUEST_PORT`.
+pub fn dir_and_port(target: &[String]) -> Result<(Option<PathBuf>, u16), String> {
+    let (dir, port) = match target {
+        [port] => (None, port),
+        [dir, port] => (Some(PathBuf::from(dir)), port),
+        _ => return Err("expected [DIR] GUEST_PORT".into()),
+    };
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok((dir, port)),
+        _ => Err(format!("{port:?} is not a port (1-65535)")),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -332,4 +342,37 @@ pub struct BootArgs {
     /// Whether to run the VMM inside the QEMU-TCG nested host.
     #[arg(long, value_enum, default_value_t = NestedMode::Auto)]
     pub nested: NestedMode,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_targets_are_an_optional_dir_then_a_port() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(dir_and_port(&args(&["8080"])), Ok((None, 8080)));
+        assert_eq!(
+            dir_and_port(&args(&["/w", "8080"])),
+            Ok((Some(PathBuf::from("/w")), 8080))
+        );
+        assert!(dir_and_port(&args(&["/w"])).unwrap_err().contains("not a port"));
+        assert!(dir_and_port(&args(&["0"])).is_err());
+    }
+
+    #[test]
+    fn resolve_overrides_need_a_host_port_and_an_address() {
+        assert_eq!(
+            parse_resolve("API.test:443=127.0.0.1:8443"),
+            Ok(("api.test:443".into(), "127.0.0.1:8443".parse().unwrap()))
+        );
+        assert!(parse_resolve("api.test=127.0.0.1:1").is_err());
+        assert!(parse_resolve("api.test:443=nowhere").is_err());
+    }
+
+    #[test]
+    fn the_cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
 }

@@ -70,26 +70,22 @@ fn main() -> ExitCode {
         cli::Command::Ports(args) => ports::list(&workspace(args.dir))
             .map(|_| 0)
             .map_err(|e| e.to_string()),
-        cli::Command::Publish(args) => ports::publish(
-            &workspace(args.dir),
-            args.guest_port,
-            args.host_port,
-            args.address,
-        )
-        .map(|host| {
-            println!("{host}");
-            0
-        })
-        .map_err(|e| e.to_string()),
-        cli::Command::Unpublish(args) => ports::unpublish(&workspace(args.dir), args.guest_port)
-            .map(|host| {
-                eprintln!(
-                    "vmctl: {host} no longer forwards to guest port {}",
-                    args.guest_port
-                );
-                0
-            })
-            .map_err(|e| e.to_string()),
+        cli::Command::Publish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
+            ports::publish(&workspace(dir), port, args.host_port, args.address)
+                .map(|host| {
+                    println!("{host}");
+                    0
+                })
+                .map_err(|e| e.to_string())
+        }),
+        cli::Command::Unpublish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
+            ports::unpublish(&workspace(dir), port)
+                .map(|host| {
+                    eprintln!("vmctl: {host} no longer forwards to guest port {port}");
+                    0
+                })
+                .map_err(|e| e.to_string())
+        }),
         cli::Command::Secret(command) => {
             egress_commands::secret(command).map_err(|e| e.to_string())
         }

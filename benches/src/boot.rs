@@ -14,6 +14,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
     hardware_kvm, ratios, utc_now, Config, Figure, Machine, Report, NESTED_NOTE, OURS, QEMU,
@@ -46,12 +47,15 @@ usage: cargo bench -p vm-benches -- [OPTIONS]
        vm-bench [OPTIONS]
 
 Boots our VMM and QEMU's microvm side by side and reports boot time and memory;
-then measures the workspace VM (vmctl up, exec through the guest agent), and its
-shared workspace directory over virtio-fs against the host.
+then measures the workspace VM (vmctl up, exec through the guest agent), its
+shared workspace directory over virtio-fs against the host, and requests through
+its egress proxy against the same requests from the host.
 
   --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
                        2 vmctl up, 30 client and 5 CLI exec round trips
-                       (default: 5, 200 and 20)
+                       (default: 5, 200 and 20); egress: 10 requests per
+                       curl call and 2 downloads of 16 MiB per side (default:
+                       50, and 3 of 64 MiB)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
   --ready-runs N       vmctl up on fresh workspaces
@@ -320,9 +324,14 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
     };
     report.commit = commit;
     report.dirty = dirty;
-    // A virtio-fs figure that failed is in the report, which is written; the run
-    // still fails.
+    // A virtio-fs or egress figure that failed is in the report, which is written;
+    // the run still fails.
     let fs_errors = report.fs.as_ref().map(|f| f.errors()).unwrap_or_default();
+    let egress_errors = report
+        .egress
+        .as_ref()
+        .map(|e| e.errors())
+        .unwrap_or_default();
 
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let md_path = out.with_extension("md");
@@ -332,12 +341,15 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
     println!("{json}");
     eprintln!("\n{md}");
     say(format!("wrote {} and {}", out.display(), md_path.display()));
-    if !fs_errors.is_empty() {
+    if !fs_errors.is_empty() || !egress_errors.is_empty() {
         return Err(format!(
-            "{} virtio-fs figure(s) failed (the report was written, with the errors):\n{}",
+            "{} virtio-fs and {} egress figure(s) failed (the report was written, with the \
+             errors):\n{}",
             fs_errors.len(),
+            egress_errors.len(),
             fs_errors
                 .iter()
+                .chain(&egress_errors)
                 .map(|(what, e)| format!("{what}: {e}"))
                 .collect::<Vec<_>>()
                 .join("\n")
@@ -600,9 +612,12 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop).
     let fs_runs = crate::fs::sizes(args.quick, true, args.fs_mib, args.fs_files, args.fs_runs).runs;
     let fs_scripts = (5 + fs_runs * 11) as u32;
+    // egress: policy, secret, vmctl up and rm; each curl call its own timeout.
+    let egress_calls = crate::egress::sizes(args.quick).calls() as u32;
     let limit = Duration::from_secs(180)
-        + args.timeout * (2 * boots + workspace_steps + 2)
-        + args.fs_timeout * fs_scripts;
+        + args.timeout * (2 * boots + workspace_steps + 2 + 4)
+        + args.fs_timeout * fs_scripts
+        + crate::egress::COMMAND_TIMEOUT * egress_calls;
     let started = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -1002,6 +1017,18 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         nested,
         drop_caches: crate::fs::DROP_CACHES_FILE.into(),
     });
+    // The egress path, guest against host, in the same environment.
+    let egress = crate::egress::measure(&EgressBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::egress::sizes(args.quick),
+        timeout: args.timeout,
+        command_timeout: crate::egress::COMMAND_TIMEOUT,
+        nested,
+        curl: "curl".into(),
+    });
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -1052,6 +1079,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         ratios,
         workspace: Some(workspace),
         fs: Some(fs),
+        egress: Some(egress),
     })
 }
 

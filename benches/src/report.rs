@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::egress::EgressReport;
 use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
 pub const OURS: &str = "vmctl";
@@ -199,6 +200,9 @@ pub struct Report {
     /// The shared workspace directory (virtio-fs) in the guest against the host.
     #[serde(default)]
     pub fs: Option<FsReport>,
+    /// Requests through the guest's egress proxy against the host's direct ones.
+    #[serde(default)]
+    pub egress: Option<EgressReport>,
 }
 
 /// The workspace VM as `vmctl up` starts it, measured on its own: no QEMU peer.
@@ -333,6 +337,10 @@ impl Report {
         if let Some(f) = &self.fs {
             s.push('\n');
             s.push_str(&f.markdown());
+        }
+        if let Some(e) = &self.egress {
+            s.push('\n');
+            s.push_str(&e.markdown());
         }
         s
     }

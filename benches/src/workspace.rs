@@ -282,6 +282,15 @@ impl Drop for Vmctl {
                 Err(e) => say(format!("error: cleanup failed: {e}")),
             }
         }
+        // Sessions start vmctl's daemon on demand; it must not outlive the bench.
+        let stop = vec![
+            self.bin.display().to_string(),
+            "daemon".into(),
+            "--stop".into(),
+        ];
+        if let Err(e) = self.run(&stop) {
+            say(format!("error: cleanup failed: {e}"));
+        }
     }
 }
 
@@ -611,7 +620,12 @@ mod tests {
         let e = measure(&bench).unwrap_err();
         assert!(e.contains("health check of"), "{e}");
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
-        let lines: Vec<&str> = calls.lines().collect();
+        let mut lines: Vec<&str> = calls.lines().collect();
+        // The cleanup stops the daemon that the sessions started, last.
+        assert!(
+            lines.pop().is_some_and(|l| l.starts_with("daemon")),
+            "{calls}"
+        );
         assert_eq!(lines.len(), 2, "{calls}");
         assert!(
             lines[0].starts_with("up ") && lines[1].starts_with("rm "),

@@ -762,6 +762,8 @@ impl Workspace {
 impl Drop for Workspace {
     fn drop(&mut self) {
         let _ = self.command(&["rm"]).output();
+        // Sessions start vmctl's daemon on demand (one per state directory).
+        let _ = self.command(&["daemon", "--stop"]).output();
     }
 }
 

@@ -57,11 +57,44 @@ pub enum Command {
     /// Which destinations the guest may reach through the egress proxy.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Run Claude Code or Codex in the VM of the current directory's workspace, as
+    /// on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin is a
+    /// terminal), exit code and signals passed on. This is the command Paseo's
+    /// claude-vm and codex-vm providers run.
+    Agent(AgentArgs),
+    /// The per-user daemon that stops idle VMs (started on demand; this runs it in
+    /// the foreground). Stopping it stops every VM.
+    Daemon(DaemonArgs),
+    /// Paseo's providers for agents in VMs.
+    #[command(subcommand)]
+    Paseo(crate::paseo::PaseoCommand),
     /// Guest images.
     #[command(subcommand)]
     Image(ImageCommand),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// Add the CLI's own flag for running without approval prompts
+    /// (--dangerously-skip-permissions, --dangerously-bypass-approvals-and-sandbox):
+    /// the VM is the boundary.
+    #[arg(long)]
+    pub skip_permissions: bool,
+    /// Which CLI.
+    #[arg(value_enum)]
+    pub cli: crate::agent::AgentCli,
+    /// Its arguments, passed unchanged.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DaemonArgs {
+    /// Stop the running daemon (and with it every VM) instead.
+    #[arg(long)]
+    pub stop: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -356,7 +389,9 @@ mod tests {
             dir_and_port(&args(&["/w", "8080"])),
             Ok((Some(PathBuf::from("/w")), 8080))
         );
-        assert!(dir_and_port(&args(&["/w"])).unwrap_err().contains("not a port"));
+        assert!(dir_and_port(&args(&["/w"]))
+            .unwrap_err()
+            .contains("not a port"));
         assert!(dir_and_port(&args(&["0"])).is_err());
     }
 

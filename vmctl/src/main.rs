@@ -1,14 +1,18 @@
 //! `vmctl`: the host CLI of the micro-VM runtime.
 
+mod agent;
 mod artifacts;
 mod boot;
 mod cli;
+mod daemon;
 mod egress_commands;
 mod exec;
 mod host_kvm;
 mod nested;
 mod network;
+mod paseo;
 mod ports;
+mod procfs;
 mod shares;
 mod state;
 mod supervisor;
@@ -43,9 +47,14 @@ fn main() -> ExitCode {
                 egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
-            vm::up(&workspace(args.dir), &options)
-                .map(|_| 0)
-                .map_err(|e| e.to_string())
+            let dir = workspace(args.dir);
+            // Pinned before it starts, so the daemon never takes it for idle.
+            if let Ok((_, vm)) = state::VmDir::for_workspace(&dir) {
+                if let Err(e) = daemon::client::pin(&vm) {
+                    eprintln!("vmctl: warning: {e}");
+                }
+            }
+            vm::up(&dir, &options).map(|_| 0).map_err(|e| e.to_string())
         }
         cli::Command::Ps => {
             vm::list().iter().for_each(|line| println!("{line}"));
@@ -53,6 +62,7 @@ fn main() -> ExitCode {
         }
         cli::Command::Stop(args) => {
             let dir = workspace(args.dir);
+            unpin(&dir);
             vm::stop(&dir).map_err(|e| e.to_string()).map(|stopped| {
                 if !stopped {
                     eprintln!("vmctl: no VM is running for {}", dir.display());
@@ -60,9 +70,27 @@ fn main() -> ExitCode {
                 0
             })
         }
-        cli::Command::Rm(args) => vm::remove(&workspace(args.dir))
-            .map(|_| 0)
+        cli::Command::Rm(args) => {
+            let dir = workspace(args.dir);
+            unpin(&dir);
+            vm::remove(&dir).map(|_| 0).map_err(|e| e.to_string())
+        }
+        cli::Command::Agent(args) => agent::run(agent::AgentOptions {
+            cli: args.cli,
+            skip_permissions: args.skip_permissions,
+            args: args.args,
+        })
+        .map_err(|e| e.to_string()),
+        cli::Command::Daemon(args) if args.stop => daemon::client::shutdown()
+            .map(|stopped| {
+                if !stopped {
+                    eprintln!("vmctl: no daemon is running");
+                }
+                0
+            })
             .map_err(|e| e.to_string()),
+        cli::Command::Daemon(_) => daemon::server::run().map_err(|e| e.to_string()),
+        cli::Command::Paseo(command) => paseo::run(command).map_err(|e| e.to_string()),
         cli::Command::Exec(args) => run_exec(args),
         cli::Command::Shell(args) => run_shell(args),
         cli::Command::Run(args) => run_oneshot(args),
@@ -120,8 +148,28 @@ fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
         quiet: true,
         ..vm::StartOptions::default()
     };
-    let vm = vm::up(&workspace(args.workspace.clone()), &options).map_err(|e| e.to_string())?;
+    let dir = workspace(args.workspace.clone());
+    let _lease = lease(&dir, "exec");
+    let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     exec_in(&vm, args)
+}
+
+/// A daemon lease on the VM of `dir` for this session; without a daemon the VM just
+/// does not stop by itself, which is worth a warning, not a failure.
+fn lease(dir: &std::path::Path, purpose: &str) -> Option<daemon::client::Lease> {
+    let (_, vm) = state::VmDir::for_workspace(dir).ok()?;
+    daemon::client::lease(&vm, purpose)
+        .map_err(|e| eprintln!("vmctl: warning: {e}; the VM will not stop by itself"))
+        .ok()
+}
+
+/// Lets the daemon stop the VM of `dir` (`vmctl stop`/`rm` stop it anyway).
+fn unpin(dir: &std::path::Path) {
+    if let Ok((_, vm)) = state::VmDir::for_workspace(dir) {
+        if let Err(e) = daemon::client::unpin(&vm) {
+            eprintln!("vmctl: warning: {e}");
+        }
+    }
 }
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
@@ -179,6 +227,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         quiet: true,
         ..vm::StartOptions::default()
     };
+    let _lease = lease(&dir, "shell");
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     exec::run(
         &vm.vsock_socket(),

@@ -113,7 +113,36 @@ impl VmDir {
         self.path.join("vm.json")
     }
     pub fn vsock_socket(&self) -> PathBuf {
-        self.path.join("vsock.sock")
+        self.sockets_dir().join("vsock.sock")
+    }
+
+    /// Where the VM's Unix sockets live: its directory, unless that makes a socket
+    /// path longer than the kernel allows (108 bytes, with the `_<port>` suffix the
+    /// hybrid vsock adds); then a private directory under /tmp named after it.
+    pub fn sockets_dir(&self) -> PathBuf {
+        const LONGEST_NAME: &str = "vsock.sock_4294967295";
+        if self.path.join(LONGEST_NAME).as_os_str().len() < SUN_PATH_MAX {
+            return self.path.clone();
+        }
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        PathBuf::from(format!(
+            "/tmp/vmctl-{uid}/vm-{}",
+            short_hash(self.path.as_os_str().as_encoded_bytes())
+        ))
+    }
+
+    /// Creates [`Self::sockets_dir`] when it is not the VM's own directory, refusing
+    /// a directory someone else could have prepared.
+    pub fn create_sockets_dir(&self) -> Result<(), StateError> {
+        let dir = self.sockets_dir();
+        if dir == self.path {
+            return Ok(());
+        }
+        for level in [dir.parent(), Some(dir.as_path())].into_iter().flatten() {
+            ensure_private_dir(level)?;
+        }
+        Ok(())
     }
     pub fn pid_file(&self) -> PathBuf {
         self.path.join("supervisor.pid")
@@ -136,9 +165,13 @@ impl VmDir {
     pub fn supervisor_log(&self) -> PathBuf {
         self.path.join("supervisor.log")
     }
+    /// Present while `vmctl up` pins the VM (it then never stops for idleness).
+    pub fn pin_file(&self) -> PathBuf {
+        self.path.join("pinned")
+    }
     /// The supervisor's control socket (network setup, published ports).
     pub fn control_socket(&self) -> PathBuf {
-        self.path.join("control.sock")
+        self.sockets_dir().join("control.sock")
     }
     /// The sandbox's egress CA (certificate and key; the key never leaves the host).
     pub fn egress_ca_dir(&self) -> PathBuf {
@@ -186,8 +219,34 @@ impl VmDir {
     }
 }
 
+/// `sun_path` of `sockaddr_un`, its terminating NUL included.
+const SUN_PATH_MAX: usize = 108;
+
+/// Creates `dir` (mode 0700) or checks that the existing one is ours and private.
+pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let io = |source| StateError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(io)?;
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+        return Err(io(std::io::Error::other(format!(
+            "it exists but is not a private directory of uid {uid}; remove it"
+        ))));
+    }
+    Ok(())
+}
+
 /// `$XDG_STATE_HOME/vmctl/vms` (default `~/.local/state/vmctl/vms`).
-fn vms_dir() -> PathBuf {
+pub fn vms_dir() -> PathBuf {
     let state = std::env::var_os("XDG_STATE_HOME")
         .map(PathBuf::from)
         .filter(|p| p.is_absolute())
@@ -217,18 +276,55 @@ pub fn vm_name(workspace: &Path) -> String {
         })
         .take(32)
         .collect();
-    // FNV-1a: stable across builds, unlike std's hasher.
+    format!(
+        "{base}-{}",
+        short_hash(workspace.as_os_str().as_encoded_bytes())
+    )
+}
+
+/// Eight hex digits of FNV-1a: stable across builds, unlike std's hasher.
+pub fn short_hash(bytes: &[u8]) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in workspace.as_os_str().as_encoded_bytes() {
+    for byte in bytes {
         hash ^= u64::from(*byte);
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("{base}-{:08x}", hash as u32)
+    format!("{:08x}", hash as u32)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sockets_move_out_of_directories_too_deep_for_them() {
+        let short = VmDir {
+            path: "/home/u/.local/state/vmctl/vms/p-1234abcd".into(),
+        };
+        assert_eq!(short.sockets_dir(), short.path);
+        let deep = VmDir {
+            path: PathBuf::from(format!("/tmp/{}/vmctl/vms/p-1234abcd", "x".repeat(80))),
+        };
+        let dir = deep.sockets_dir();
+        assert!(
+            dir.to_string_lossy().starts_with("/tmp/vmctl-"),
+            "{}",
+            dir.display()
+        );
+        assert!(dir.join("vsock.sock_4294967295").as_os_str().len() < SUN_PATH_MAX);
+        assert_eq!(dir, deep.sockets_dir(), "stable");
+    }
+
+    #[test]
+    fn private_dirs_are_created_or_checked() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("d");
+        ensure_private_dir(&dir).unwrap();
+        ensure_private_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(ensure_private_dir(&dir).is_err());
+    }
 
     #[test]
     fn names_are_stable_readable_and_distinct() {

@@ -36,6 +36,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
+    vm.create_sockets_dir().map_err(|e| e.to_string())?;
     // Without its network side the VM would boot without a way out; better not boot.
     crate::network::services::start(&vm, &record)
         .map_err(|e| format!("cannot serve the VM's network: {e}"))?;
@@ -49,7 +50,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         crate::boot::run_vmm_sharing(
             &config,
             record.shares.as_ref(),
-            &vm.path,
+            &vm.sockets_dir(),
             false,
             Instant::now(),
         )
@@ -63,6 +64,9 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         crate::network::services::service_socket(&vm.vsock_socket()),
     ] {
         let _ = std::fs::remove_file(socket);
+    }
+    if vm.sockets_dir() != vm.path {
+        let _ = std::fs::remove_dir(vm.sockets_dir());
     }
     outcome
 }

@@ -50,6 +50,18 @@ pub struct UserConfig {
     /// Host loopback ports relayed into every workspace VM (Paseo's 6767 always is).
     #[serde(default)]
     pub relay_ports: Vec<u16>,
+    /// Seconds a VM keeps running after its last session ends (default 30).
+    #[serde(default)]
+    pub idle_timeout_s: Option<u64>,
+    /// vCPUs of a new VM (default: all of the host's).
+    #[serde(default)]
+    pub cpus: Option<u32>,
+    /// Memory of a new VM as a percentage of the host's RAM (default 10).
+    #[serde(default)]
+    pub memory_percent: Option<u32>,
+    /// The least memory of a new VM, in MiB (default 1024).
+    #[serde(default)]
+    pub memory_min_mib: Option<u64>,
     /// Settings of one workspace, by its path (`~/` allowed).
     #[serde(default)]
     pub workspaces: BTreeMap<String, WorkspaceConfig>,
@@ -63,6 +75,21 @@ pub struct WorkspaceConfig {
     pub mounts: Vec<String>,
     #[serde(default)]
     pub relay_ports: Vec<u16>,
+    #[serde(default)]
+    pub cpus: Option<u32>,
+    #[serde(default)]
+    pub memory_percent: Option<u32>,
+    #[serde(default)]
+    pub memory_min_mib: Option<u64>,
+}
+
+/// What a new VM gets (unset: the defaults); a workspace's settings override the
+/// global ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub cpus: Option<u32>,
+    pub memory_percent: Option<u32>,
+    pub memory_min_mib: Option<u64>,
 }
 
 impl UserConfig {
@@ -121,6 +148,23 @@ impl UserConfig {
             mounts.extend(settings.mounts.iter().cloned());
         }
         mounts
+    }
+
+    /// The resources of a new VM of `workspace`: the workspace's settings, else the
+    /// global ones.
+    pub fn resources_for(&self, workspace: &Path) -> Resources {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let global = Resources {
+            cpus: self.cpus,
+            memory_percent: self.memory_percent,
+            memory_min_mib: self.memory_min_mib,
+        };
+        self.settings_of(workspace, home.as_deref())
+            .fold(global, |global, settings| Resources {
+                cpus: settings.cpus.or(global.cpus),
+                memory_percent: settings.memory_percent.or(global.memory_percent),
+                memory_min_mib: settings.memory_min_mib.or(global.memory_min_mib),
+            })
     }
 
     /// The relay ports of `workspace`: the global ones, then the workspace's own.

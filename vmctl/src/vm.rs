@@ -12,7 +12,7 @@ use crate::host_kvm::KvmKind;
 use crate::network::control::{self, ControlError, ControlRequest, ControlResponse};
 use crate::shares::{self, Share, ShareError, ShareSet};
 use crate::state::{EgressTestOptions, StateError, VmDir, VmRecord};
-use crate::user_config::{UserConfig, UserConfigError};
+use crate::user_config::{Resources, UserConfig, UserConfigError};
 use crate::virtiofsd::{self, VirtiofsdError};
 
 #[derive(Debug, thiserror::Error)]
@@ -39,9 +39,9 @@ pub enum VmError {
     },
 }
 
-/// Defaults for a workspace VM.
-pub const DEFAULT_CPUS: u32 = 2;
-pub const DEFAULT_MEMORY_MIB: u64 = 1024;
+/// Defaults for a workspace VM: this share of the host's RAM, at least this much.
+pub const DEFAULT_MEMORY_PERCENT: u32 = 10;
+pub const DEFAULT_MEMORY_MIN_MIB: u64 = 1024;
 /// How long a VM may take until its guest agent answers.
 const BOOT_TIMEOUT_DIRECT: Duration = Duration::from_secs(30);
 const BOOT_TIMEOUT_NESTED: Duration = Duration::from_secs(240);
@@ -85,7 +85,19 @@ pub fn up_ephemeral(workspace: &Path, setup: &VmSetupArgs) -> Result<VmDir, VmEr
 fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<ShareSet, VmError> {
     let config = UserConfig::load()?;
     let cwd = std::env::current_dir().unwrap_or_else(|_| workspace.to_path_buf());
-    let mut list = vec![shares::workspace_share(workspace)];
+    let agent_home = crate::agent::agent_home_dir(vm);
+    std::fs::create_dir_all(&agent_home).map_err(|source| StateError::Io {
+        path: agent_home.clone(),
+        source,
+    })?;
+    let mut list = vec![
+        shares::workspace_share(workspace),
+        Share {
+            host: agent_home.canonicalize().unwrap_or(agent_home),
+            guest: crate::agent::GUEST_AGENT_HOME.into(),
+            read_only: false,
+        },
+    ];
     for spec in config.mounts_for(workspace) {
         list.push(shares::parse_mount(&spec, workspace)?);
     }
@@ -116,6 +128,9 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         quiet,
     } = *options;
     let workspace = workspace.to_path_buf();
+    // Two sessions starting the same workspace at once must not boot two VMs: the
+    // second waits here, then finds the first's VM running.
+    let _start_lock = lock_exclusive(&vm.path.join("start.lock"))?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
@@ -168,6 +183,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     if nested {
         kvm.announce_nested();
     }
+    let (cpus, memory_mib) = vm_size(UserConfig::load()?.resources_for(&workspace));
     let record = VmRecord {
         kernel: artifacts::ensure(Artifact::GuestKernel)?,
         initrd: artifacts::ensure(Artifact::AgentInitramfs)?,
@@ -175,8 +191,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             Some(recipe) => artifacts::build_image(Some(recipe))?,
             None => artifacts::ensure(Artifact::RootfsImage)?,
         },
-        cpus: DEFAULT_CPUS,
-        memory_mib: DEFAULT_MEMORY_MIB,
+        cpus,
+        memory_mib,
         nested,
         agent_cmdline: agent_cmdline(&vm, &share_set.shares),
         started_at: std::time::SystemTime::now()
@@ -227,6 +243,67 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// An exclusive `flock` on `path` (created if missing), held until the file drops.
+fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
+    use std::os::fd::AsRawFd;
+    let io = |source| {
+        VmError::State(StateError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io)?;
+    // SAFETY: flock on a descriptor we own; it blocks until the lock is ours.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io(std::io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
+/// vCPUs and MiB of a new VM: the config's, else all vCPUs and 10% of the host's RAM
+/// (at least 1 GiB).
+fn vm_size(resources: Resources) -> (u32, u64) {
+    let host_cpus = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
+    let host_mib = host_memory_mib().unwrap_or(0);
+    size_from(resources, host_cpus, host_mib)
+}
+
+fn size_from(resources: Resources, host_cpus: u32, host_mib: u64) -> (u32, u64) {
+    let cpus = resources
+        .cpus
+        .unwrap_or(host_cpus)
+        .clamp(1, host_cpus.max(1));
+    let percent = u64::from(
+        resources
+            .memory_percent
+            .unwrap_or(DEFAULT_MEMORY_PERCENT)
+            .min(100),
+    );
+    let minimum = resources.memory_min_mib.unwrap_or(DEFAULT_MEMORY_MIN_MIB);
+    (cpus, (host_mib * percent / 100).max(minimum))
+}
+
+/// `MemTotal` of /proc/meminfo, in MiB.
+fn host_memory_mib() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024)
 }
 
 /// Paseo's port, the config's relay ports for `workspace`, then `extra`, without
@@ -445,15 +522,16 @@ pub fn remove_vm(vm: &VmDir) -> Result<(), VmError> {
     })
 }
 
-/// `vmctl ps`: one line per VM.
+/// `vmctl ps`: one line per VM, with what it holds and what keeps it running.
 pub fn list() -> Vec<String> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    let daemon = crate::daemon::client::status();
     let mut lines = vec![format!(
-        "{:<28} {:<8} {:>8} {:<6} WORKSPACE",
-        "NAME", "STATE", "UPTIME", "MODE"
+        "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
+        "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
     )];
     for vm in VmDir::all() {
         let name = vm
@@ -462,31 +540,59 @@ pub fn list() -> Vec<String> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let Ok(record) = vm.read_record() else {
-            lines.push(format!(
-                "{name:<28} {:<8} {:>8} {:<6} ?",
-                "broken", "-", "-"
-            ));
+            // `vmctl up` creates the directory, then writes the record.
+            let state = match vm.record_path().exists() {
+                true => "broken",
+                false => "starting",
+            };
+            lines.push(format!("{name:<28} {state}"));
             continue;
         };
-        let running = vm.running_pid().is_some();
-        let uptime = if running {
-            format_duration(now.saturating_sub(record.started_at))
-        } else {
-            "-".into()
+        let pid = vm.running_pid();
+        let uptime = match pid {
+            Some(_) => format_duration(now.saturating_sub(record.started_at)),
+            None => "-".into(),
         };
-        let state = match running {
-            false => "stopped",
+        let state = match pid {
+            None => "stopped",
             // A share's virtiofsd died: the VM runs but cannot reach those files.
-            true if !vm.read_share_failures().is_empty() => "degraded",
-            true => "running",
+            Some(_) if !vm.read_share_failures().is_empty() => "degraded",
+            Some(_) => "running",
+        };
+        let held = pid
+            .and_then(crate::procfs::tree_pss_kib)
+            .map(|kib| format!("{}M", kib / 1024))
+            .unwrap_or_else(|| "-".into());
+        let kept_by = match (pid, &daemon) {
+            (None, _) => "-".to_string(),
+            (Some(_), None) => "no daemon".to_string(),
+            (Some(_), Some(vms)) => kept_by(vms.iter().find(|v| v.vm_dir == vm.path)),
         };
         lines.push(format!(
-            "{name:<28} {state:<8} {uptime:>8} {:<6} {}",
+            "{name:<28} {state:<8} {uptime:>8} {:<6} {:>4} {:>7} {held:>7}  {kept_by:<30} {}",
             if record.nested { "nested" } else { "direct" },
+            record.cpus,
+            format!("{}M", record.memory_mib),
             record.workspace.display()
         ));
     }
     lines
+}
+
+/// What keeps a VM running, as the daemon sees it.
+fn kept_by(status: Option<&crate::daemon::protocol::VmStatus>) -> String {
+    let Some(status) = status else {
+        return "untracked".into();
+    };
+    let mut reasons = status.leases.clone();
+    if status.pinned {
+        reasons.insert(0, "vmctl up".into());
+    }
+    match (reasons.is_empty(), status.stops_in_s) {
+        (false, _) => reasons.join(", "),
+        (true, Some(s)) => format!("idle, stops in {s}s"),
+        (true, None) => "idle".into(),
+    }
 }
 
 fn format_duration(seconds: u64) -> String {
@@ -509,6 +615,19 @@ mod tests {
         assert!(!valid_account("alice:x:1000:/home/alice"));
         assert!(!valid_account("alice:1:1:/home/a b"));
         assert!(!valid_account("alice:1:1"));
+    }
+
+    #[test]
+    fn vm_size_is_a_share_of_the_host_with_a_floor() {
+        let unset = Resources::default();
+        assert_eq!(size_from(unset, 8, 32 * 1024), (8, 3276));
+        assert_eq!(size_from(unset, 2, 4 * 1024), (2, 1024));
+        let set = Resources {
+            cpus: Some(16),
+            memory_percent: Some(50),
+            memory_min_mib: Some(512),
+        };
+        assert_eq!(size_from(set, 4, 2 * 1024), (4, 1024));
     }
 
     #[test]

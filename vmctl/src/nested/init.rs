@@ -74,6 +74,11 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
 fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
     tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
     mount_basics().map_err(|e| e.to_string())?;
+    // Commands run here (benchmarks, `vmctl` itself with its relays and egress
+    // proxy) need 127.0.0.1.
+    if let Err(e) = guest_agent::init::loopback_up() {
+        eprintln!("vmctl: warning: the nested host has no loopback interface: {e}");
+    }
     tracing::debug!("nested host: sending stderr to the host");
     redirect_stderr_to_host();
     // The console carries the guest's serial bytes to the host's stdout unchanged.

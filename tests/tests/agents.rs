@@ -1,0 +1,323 @@
+//! Agents launched into VMs the way Paseo launches them, and the daemon that owns the
+//! VMs' lifetimes.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use vm_tests::{stdout, upstream, vm_available, Workspace};
+
+const STANDIN: &str = include_str!("../guest/standin_agent.py");
+
+fn assert_ok(output: &Output, what: &str) {
+    assert!(
+        output.status.success(),
+        "{what} failed ({:?}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Puts the stand-in CLI in the workspace as `bin/claude` and makes the agents find it
+/// first, through the user's env file (forwarded to agents).
+fn install_standin(ws: &Workspace) {
+    let bin = ws.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let claude = bin.join("claude");
+    std::fs::write(&claude, STANDIN).unwrap();
+    std::fs::set_permissions(&claude, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(ws.config_dir()).unwrap();
+    std::fs::write(
+        ws.config_dir().join("env"),
+        format!(
+            "PATH={}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nFORWARDED=yes\n",
+            bin.display()
+        ),
+    )
+    .unwrap();
+}
+
+/// Runs `argv` (a provider command plus the CLI's arguments) as Paseo does: in the
+/// workspace, stdin piped, with `input` written then closed.
+fn run_provider(ws: &Workspace, argv: &[String], input: &[u8]) -> Output {
+    let mut child = Command::new(&argv[0])
+        .args(&argv[1..])
+        .current_dir(ws.path())
+        .env("XDG_STATE_HOME", ws.state())
+        .env("VMCTL_CONFIG", ws.config_dir().join("config.toml"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {argv:?}: {e}"));
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(input).expect("write stdin");
+    drop(stdin);
+    let output = child.wait_with_output().expect("provider command");
+    eprintln!(
+        "{argv:?} -> {:?}\nstdout: {}\nstderr: {}",
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+#[test]
+fn paseo_providers_run_agents_in_the_workspace_vm() {
+    if !vm_available("agents::paseo_providers_run_agents_in_the_workspace_vm") {
+        return;
+    }
+    vm_tests::retry_if_vm_lost(provider_scenario);
+}
+
+fn provider_scenario() {
+    let ws = Workspace::new("agents");
+    let root = ws.path().canonicalize().unwrap();
+    let paseo = ws.dir.join("paseo/config.json");
+    std::fs::create_dir_all(paseo.parent().unwrap()).unwrap();
+    std::fs::write(&paseo, "{\n  \"daemon\": {\"port\": 6767}\n}\n").unwrap();
+    let install = ws.run(&["paseo", "install", "--config", paseo.to_str().unwrap()]);
+    assert_ok(&install, "vmctl paseo install");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&paseo).unwrap()).unwrap();
+    assert_eq!(
+        config["daemon"]["port"], 6767,
+        "the rest of the config was kept"
+    );
+    let command = |provider: &str| -> Vec<String> {
+        config["agents"]["providers"][provider]["command"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no command for {provider}: {config}"))
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (claude, codex) = (command("claude-vm"), command("codex-vm"));
+    assert_eq!(
+        config["agents"]["providers"]["claude-vm"]["extends"],
+        "claude"
+    );
+
+    // The real CLIs answer through the provider path.
+    for (provider, name) in [(&claude, "Claude Code"), (&codex, "codex")] {
+        let argv = [provider.clone(), vec!["--version".into()]].concat();
+        let version = run_provider(&ws, &argv, b"");
+        assert_ok(&version, &format!("{name} --version"));
+        assert!(
+            stdout(&version)
+                .to_lowercase()
+                .contains(&name.to_lowercase()),
+            "{}",
+            stdout(&version)
+        );
+    }
+
+    // What Claude's SDK passes, with an MCP server on the host's loopback; the
+    // stand-in answers in place of a model.
+    let mcp = upstream::start(None);
+    let mcp_config = format!(
+        r#"{{"mcpServers":{{"paseo":{{"type":"http","url":"http://127.0.0.1:{}/mcp/agents?agent=a1","headers":{{"Authorization":"Bearer test-token"}}}}}}}}"#,
+        mcp.addr.port()
+    );
+    install_standin(&ws);
+    let sdk_args: Vec<String> = [
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--input-format",
+        "stream-json",
+        "--mcp-config",
+        &mcp_config,
+        "--permission-mode",
+        "default",
+        "--exit-with",
+        "7",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let lines = concat!(
+        r#"{"type":"user","message":{"role":"user","content":"héllo \u00e9 \"quoted\""}}"#,
+        "\n",
+        r#"{"type":"control_request","request_id":"r1","request":{"subtype":"interrupt"}}"#,
+        "\n",
+    );
+    let run = run_provider(
+        &ws,
+        &[claude.clone(), sdk_args.clone()].concat(),
+        lines.as_bytes(),
+    );
+    assert_eq!(run.status.code(), Some(7), "the exit code is passed on");
+    assert_eq!(
+        run.stdout,
+        lines.as_bytes(),
+        "stdio must round-trip byte for byte"
+    );
+
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("standin.json")).unwrap()).unwrap();
+    let argv: Vec<&str> = record["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(argv, sdk_args, "the CLI got its arguments unchanged");
+    assert_eq!(record["cwd"], root.display().to_string());
+    assert_eq!(record["stdin_is_tty"], false);
+    assert_eq!(record["env"]["FORWARDED"], "yes");
+    assert!(record["env"]["CLAUDE_CONFIG_DIR"].is_string(), "{record}");
+    assert_eq!(
+        record["mcp"][0]["status"], 200,
+        "MCP not reachable: {record}"
+    );
+    assert!(mcp
+        .seen
+        .requests()
+        .iter()
+        .any(|r| r.starts_with("GET /mcp/agents?agent=a1")));
+
+    let uninstall = ws.run(&["paseo", "uninstall", "--config", paseo.to_str().unwrap()]);
+    assert_ok(&uninstall, "vmctl paseo uninstall");
+    let after: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&paseo).unwrap()).unwrap();
+    assert_eq!(after, serde_json::json!({"daemon": {"port": 6767}}));
+}
+
+#[test]
+fn vms_start_on_first_use_and_stop_when_idle() {
+    if !vm_available("agents::vms_start_on_first_use_and_stop_when_idle") {
+        return;
+    }
+    vm_tests::retry_if_vm_lost(lifecycle_scenario);
+}
+
+/// `vmctl ps` output.
+fn ps(ws: &Workspace) -> String {
+    let output = ws.run(&["ps"]);
+    assert_ok(&output, "vmctl ps");
+    stdout(&output)
+}
+
+fn wait_for(ws: &Workspace, what: &str, timeout: Duration, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let table = ps(ws);
+        if done(&table) {
+            return table;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}:\n{table}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn lifecycle_scenario() {
+    let ws = Workspace::new("lifecycle");
+    std::fs::create_dir_all(ws.config_dir()).unwrap();
+    std::fs::write(ws.config_dir().join("config.toml"), "idle_timeout_s = 5\n").unwrap();
+    install_standin(&ws);
+    assert!(!ps(&ws).contains("running"), "no VM before the first use");
+
+    // Two agents at once share one VM, started by the first.
+    let spawn_agent = || {
+        ws.command(&["agent", "claude", "--output-format", "stream-json"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("vmctl agent")
+    };
+    let mut first = spawn_agent();
+    let mut second = spawn_agent();
+    let table = wait_for(&ws, "two agents on one VM", vm_tests::vm_timeout(), |t| {
+        t.matches("agent claude").count() == 2
+    });
+    assert_eq!(table.matches(" running ").count(), 1, "{table}");
+    for agent in [&mut first, &mut second] {
+        drop(agent.stdin.take());
+        let status = agent.wait().expect("agent");
+        assert!(status.success(), "{status:?}");
+    }
+
+    // Idle: it stops on its own, after the timeout, not at once.
+    let ended = Instant::now();
+    let table = ps(&ws);
+    assert!(table.contains(" running "), "stopped at once:\n{table}");
+    wait_for(&ws, "the idle VM to stop", Duration::from_secs(60), |t| {
+        t.contains(" stopped ")
+    });
+    assert!(
+        ended.elapsed() >= Duration::from_secs(4),
+        "stopped before the idle timeout"
+    );
+
+    // The daemon stopping stops every VM and leaves nothing behind.
+    assert_ok(&ws.run(&["up"]), "vmctl up");
+    assert!(ps(&ws).contains("vmctl up"));
+    let daemon = std::fs::read_to_string(ws.state().join("vmctl/daemon.pid"))
+        .expect("the daemon's pid file");
+    let (daemon_pid, daemon_socket) = daemon.trim().split_once('\n').expect("pid and socket");
+    assert_ok(&ws.run(&["daemon", "--stop"]), "vmctl daemon --stop");
+    assert!(exited(daemon_pid.trim()), "the daemon still runs");
+    assert!(
+        !std::path::Path::new(daemon_socket).exists(),
+        "its socket is left"
+    );
+    let table = ps(&ws);
+    assert!(!table.contains(" running "), "{table}");
+    let state = ws.state().display().to_string();
+    let leftovers: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&state))
+        .collect();
+    assert!(leftovers.is_empty(), "processes left behind: {leftovers:?}");
+    let sockets: Vec<_> = walk(&ws.state())
+        .into_iter()
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "sock") || p.to_string_lossy().contains(".sock_")
+        })
+        .collect();
+    assert!(sockets.is_empty(), "sockets left behind: {sockets:?}");
+}
+
+/// Whether `pid` is gone (or a zombie nobody reaped yet) within a few seconds.
+fn exited(pid: &str) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().next());
+        if stat.is_empty() || state == Some("Z") {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                found.extend(walk(&path));
+            } else {
+                found.push(path);
+            }
+        }
+    }
+    found
+}

@@ -1,0 +1,436 @@
+//! `vmctl agent claude|codex [ARGS...]`: the agent CLI inside the VM of the current
+//! directory's workspace, as Paseo's providers launch it: cwd at the host path, stdio
+//! relayed byte for byte (a PTY only when stdin is a terminal), exit code and
+//! signals propagated, loopback MCP URLs relayed, a per-VM config home.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use crate::exec::{self, ExecOptions};
+use crate::state::VmDir;
+
+/// Where the VM's agent homes (a per-VM host directory) are mounted in the guest.
+pub const GUEST_AGENT_HOME: &str = "/var/lib/vmctl/agent-home";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AgentCli {
+    Claude,
+    Codex,
+}
+
+impl AgentCli {
+    pub fn program(self) -> &'static str {
+        match self {
+            AgentCli::Claude => "claude",
+            AgentCli::Codex => "codex",
+        }
+    }
+
+    /// The CLI's own flag for running without approval prompts (the VM is the
+    /// boundary).
+    fn skip_permissions_flag(self) -> &'static str {
+        match self {
+            AgentCli::Claude => "--dangerously-skip-permissions",
+            AgentCli::Codex => "--dangerously-bypass-approvals-and-sandbox",
+        }
+    }
+
+    /// The variable that points the CLI at its config home.
+    fn home_variable(self) -> &'static str {
+        match self {
+            AgentCli::Claude => "CLAUDE_CONFIG_DIR",
+            AgentCli::Codex => "CODEX_HOME",
+        }
+    }
+
+    /// What of the user's own home the VM's copy starts with (copied at each session;
+    /// the VM's changes never reach the user's files): instructions, then the
+    /// directories of skills, agents, commands, rules or prompts.
+    fn seeded_from_user_home(
+        self,
+    ) -> (
+        &'static str,
+        &'static [&'static str],
+        &'static [&'static str],
+    ) {
+        match self {
+            AgentCli::Claude => (
+                ".claude",
+                &["CLAUDE.md"],
+                &["skills", "agents", "commands", "rules"],
+            ),
+            AgentCli::Codex => (".codex", &["AGENTS.md"], &["prompts", "skills"]),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Vm(#[from] crate::vm::VmError),
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
+    #[error(transparent)]
+    Exec(#[from] crate::exec::ExecError),
+    #[error("preparing the VM's {what} in {}: {source}", .path.display())]
+    Home {
+        what: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the env file {}: line {line}: {reason}", .path.display())]
+    EnvFile {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("cannot read --mcp-config file {}: {source}", .path.display())]
+    McpConfig {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+pub struct AgentOptions {
+    pub cli: AgentCli,
+    pub skip_permissions: bool,
+    pub args: Vec<String>,
+}
+
+/// Runs the agent CLI in the workspace VM of the current directory; returns its exit
+/// code.
+pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
+    let workspace = crate::workspace(None);
+    let (workspace, _) = VmDir::for_workspace(&workspace)?;
+    let relay_ports = loopback_ports(&options.args)?;
+    let _lease = crate::lease(&workspace, &format!("agent {}", options.cli.program()));
+    let start = crate::vm::StartOptions {
+        relay_ports: &relay_ports,
+        quiet: true,
+        ..crate::vm::StartOptions::default()
+    };
+    let vm = crate::vm::up(&workspace, &start)?;
+    seed_home(options.cli, &vm, user_home().as_deref())?;
+    let mut env = read_env_file(&env_file())?;
+    env.push((
+        options.cli.home_variable().to_string(),
+        format!("{GUEST_AGENT_HOME}/{}", options.cli.program()),
+    ));
+    let mut argv = vec![options.cli.program().to_string()];
+    if options.skip_permissions {
+        argv.push(options.cli.skip_permissions_flag().to_string());
+    }
+    argv.extend(options.args);
+    let cwd = std::env::current_dir()
+        .ok()
+        .map(|d| d.display().to_string());
+    Ok(exec::run(
+        &vm.vsock_socket(),
+        ExecOptions {
+            argv,
+            env,
+            cwd,
+            user: exec::parse_user(None),
+            tty: std::io::stdin().is_terminal(),
+        },
+    )?)
+}
+
+/// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
+pub fn agent_home_dir(vm: &VmDir) -> PathBuf {
+    vm.path.join("agent-home")
+}
+
+fn user_home() -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Refreshes the VM's copy of the user's instructions and skill directories (made
+/// read-only, so what the agent in the VM changes is its own business, never the
+/// user's); the VM's transcripts and settings beside them are kept.
+fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), AgentError> {
+    let home = agent_home_dir(vm).join(cli.program());
+    let error = |what: &str, path: &Path| {
+        let (what, path) = (what.to_string(), path.to_path_buf());
+        move |source| AgentError::Home { what, path, source }
+    };
+    std::fs::create_dir_all(&home).map_err(error("config home", &home))?;
+    let Some(user_home) = user_home else {
+        return Ok(());
+    };
+    let (dir, files, dirs) = cli.seeded_from_user_home();
+    let source = user_home.join(dir);
+    for name in files.iter().chain(dirs.iter()) {
+        let target = home.join(name);
+        make_writable(&target);
+        let _ = std::fs::remove_dir_all(&target).or_else(|_| std::fs::remove_file(&target));
+        let from = source.join(name);
+        if from.exists() {
+            copy_tree(&from, &target).map_err(error(name, &target))?;
+            make_read_only(&target);
+        }
+    }
+    Ok(())
+}
+
+/// Copies a file or a directory tree; symlinks are copied as links (never followed
+/// out of the user's home).
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(from)?;
+    if meta.file_type().is_symlink() {
+        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)
+    } else if meta.is_dir() {
+        std::fs::create_dir_all(to)?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+        }
+        Ok(())
+    } else {
+        std::fs::copy(from, to).map(drop)
+    }
+}
+
+fn walk(path: &Path, visit: &mut dyn FnMut(&Path, bool)) {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return;
+    };
+    if meta.is_dir() {
+        visit(path, true);
+        if let Ok(entries) = std::fs::read_dir(path) {
+            for entry in entries.flatten() {
+                walk(&entry.path(), visit);
+            }
+        }
+    } else if meta.is_file() {
+        visit(path, false);
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    let _ = std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode));
+}
+
+fn make_read_only(path: &Path) {
+    walk(path, &mut |p, dir| {
+        set_mode(p, if dir { 0o555 } else { 0o444 })
+    });
+}
+
+fn make_writable(path: &Path) {
+    walk(path, &mut |p, dir| {
+        set_mode(p, if dir { 0o755 } else { 0o644 })
+    });
+}
+
+/// The user's env file: `env` beside the config file (`~/.config/vmctl/env`).
+fn env_file() -> PathBuf {
+    crate::user_config::config_path()
+        .and_then(|p| p.parent().map(|d| d.join("env")))
+        .unwrap_or_else(|| PathBuf::from("/nonexistent/vmctl/env"))
+}
+
+/// The variables the user forwards to agents: `KEY=VALUE` lines (optionally with
+/// `export`, values optionally quoted), or a bare `KEY` to forward the host's value.
+/// A missing file forwards nothing.
+fn read_env_file(path: &Path) -> Result<Vec<(String, String)>, AgentError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(AgentError::EnvFile {
+                path: path.to_path_buf(),
+                line: 0,
+                reason: e.to_string(),
+            })
+        }
+    };
+    parse_env_file(&text, |key| std::env::var(key).ok()).map_err(|(line, reason)| {
+        AgentError::EnvFile {
+            path: path.to_path_buf(),
+            line,
+            reason,
+        }
+    })
+}
+
+fn parse_env_file(
+    text: &str,
+    host: impl Fn(&str) -> Option<String>,
+) -> Result<Vec<(String, String)>, (usize, String)> {
+    let mut vars = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let line = line.strip_prefix("export ").unwrap_or(line).trim();
+        let (key, value) = match line.split_once('=') {
+            Some((key, value)) => (key.trim(), Some(unquote(value.trim()))),
+            None => (line, None),
+        };
+        let valid = key
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err((index + 1, format!("{key:?} is not a variable name")));
+        }
+        if let Some(value) = value.or_else(|| host(key)) {
+            vars.push((key.to_string(), value));
+        }
+    }
+    Ok(vars)
+}
+
+fn unquote(value: &str) -> String {
+    for quote in ['"', '\''] {
+        if let Some(inner) = value
+            .strip_prefix(quote)
+            .and_then(|v| v.strip_suffix(quote))
+        {
+            return inner.to_string();
+        }
+    }
+    value.to_string()
+}
+
+/// Loopback ports named by URLs in the arguments and in the files `--mcp-config`
+/// names (Claude's SDK passes the MCP servers inline or as files; Codex's `-c`
+/// overrides carry them inline), so those URLs work unchanged in the VM.
+fn loopback_ports(args: &[String]) -> Result<Vec<u16>, AgentError> {
+    let mut texts: Vec<String> = args.to_vec();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let values: Vec<&String> = if arg == "--mcp-config" {
+            iter.clone().take_while(|v| !v.starts_with("--")).collect()
+        } else if let Some(value) = arg.strip_prefix("--mcp-config=") {
+            texts.push(value.to_string());
+            Vec::new()
+        } else {
+            Vec::new()
+        };
+        for value in values {
+            let path = Path::new(value.as_str());
+            if !value.trim_start().starts_with('{') && path.is_file() {
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| AgentError::McpConfig {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+                texts.push(text);
+            }
+        }
+    }
+    let mut ports: Vec<u16> = texts.iter().flat_map(|t| loopback_ports_in(t)).collect();
+    ports.sort_unstable();
+    ports.dedup();
+    Ok(ports)
+}
+
+/// Ports of `http(s)://127.0.0.1:P`, `localhost:P` and `[::1]:P` URLs in `text`.
+fn loopback_ports_in(text: &str) -> Vec<u16> {
+    let mut ports = Vec::new();
+    for scheme in ["http://", "https://", "ws://", "wss://"] {
+        for (start, _) in text.match_indices(scheme) {
+            let rest = &text[start + scheme.len()..];
+            for host in ["127.0.0.1:", "localhost:", "[::1]:"] {
+                if let Some(after) = rest.strip_prefix(host) {
+                    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+                    if let Ok(port) = digits.parse::<u16>() {
+                        if port > 0 {
+                            ports.push(port);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_urls_in_inline_and_file_mcp_configs() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mcp.json");
+        std::fs::write(
+            &file,
+            r#"{"mcpServers":{"b":{"type":"http","url":"http://localhost:9100/mcp"}}}"#,
+        )
+        .unwrap();
+        let args: Vec<String> = [
+            "-p",
+            "--output-format",
+            "stream-json",
+            "--mcp-config",
+            r#"{"mcpServers":{"paseo":{"type":"http","url":"http://127.0.0.1:6767/mcp/agents?x=1","headers":{"Authorization":"Bearer t"}}}}"#,
+            file.to_str().unwrap(),
+            "--verbose",
+            "-c",
+            "mcp_servers.x.url=\"https://[::1]:7000/\"",
+            "see http://example.com:81/ and http://127.0.0.1:notaport/",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(loopback_ports(&args).unwrap(), [6767, 7000, 9100]);
+    }
+
+    #[test]
+    fn env_files_forward_values_and_named_host_variables() {
+        let text = "# comment\nexport A=1\nB=\"two words\"\nC='x=y'\nHOSTVAR\nMISSING\n\n";
+        let host = |k: &str| (k == "HOSTVAR").then(|| "from host".to_string());
+        assert_eq!(
+            parse_env_file(text, host).unwrap(),
+            [
+                ("A".to_string(), "1".to_string()),
+                ("B".into(), "two words".into()),
+                ("C".into(), "x=y".into()),
+                ("HOSTVAR".into(), "from host".into()),
+            ]
+        );
+        assert_eq!(parse_env_file("1BAD=x\n", |_| None).unwrap_err().0, 1);
+    }
+
+    #[test]
+    fn the_home_is_seeded_read_only_and_refreshed() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        std::fs::create_dir_all(user.join(".claude/skills/s1")).unwrap();
+        std::fs::write(user.join(".claude/CLAUDE.md"), "v1").unwrap();
+        std::fs::write(user.join(".claude/skills/s1/SKILL.md"), "skill").unwrap();
+        std::fs::write(user.join(".claude/.credentials.json"), "secret").unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "v1"
+        );
+        assert!(home.join("skills/s1/SKILL.md").is_file());
+        assert!(!home.join(".credentials.json").exists());
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(home.join("CLAUDE.md"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o222, 0);
+        std::fs::write(home.join("history.jsonl"), "kept").unwrap();
+        std::fs::write(user.join(".claude/CLAUDE.md"), "v2").unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "v2"
+        );
+        assert!(home.join("history.jsonl").exists());
+    }
+}

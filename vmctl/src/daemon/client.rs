@@ -1,0 +1,171 @@
+//! The daemon's client side: leases, pins, status, shutdown; starts the daemon when
+//! none runs.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::protocol::{Request, Response, VmStatus};
+use crate::state::VmDir;
+
+/// How long a freshly started daemon may take to listen.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonClientError {
+    #[error("cannot start the vmctl daemon: {0}; run 'vmctl daemon' to see why")]
+    Start(String),
+    #[error("talking to the vmctl daemon at {}: {source}", .socket.display())]
+    Io {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the vmctl daemon answered something unreadable: {0}")]
+    BadAnswer(String),
+    #[error("the vmctl daemon refused: {0}")]
+    Refused(String),
+}
+
+/// Keeps a VM running while it lives (dropping it closes the connection).
+#[derive(Debug)]
+pub struct Lease {
+    _connection: UnixStream,
+}
+
+/// Takes a lease on `vm` for `purpose`, starting the daemon if needed.
+pub fn lease(vm: &VmDir, purpose: &str) -> Result<Lease, DaemonClientError> {
+    let request = Request::Lease {
+        vm_dir: vm.path.clone(),
+        purpose: purpose.to_string(),
+        pid: std::process::id(),
+    };
+    let (connection, _) = ask(&connect_or_start()?, &request)?;
+    Ok(Lease {
+        _connection: connection,
+    })
+}
+
+/// Pins `vm` (`vmctl up`), starting the daemon if needed.
+pub fn pin(vm: &VmDir) -> Result<(), DaemonClientError> {
+    let request = Request::Pin {
+        vm_dir: vm.path.clone(),
+    };
+    ask(&connect_or_start()?, &request).map(drop)
+}
+
+/// Unpins `vm` if a daemon runs (`vmctl stop`).
+pub fn unpin(vm: &VmDir) -> Result<(), DaemonClientError> {
+    let Some(socket) = running_socket() else {
+        let _ = std::fs::remove_file(vm.pin_file());
+        return Ok(());
+    };
+    let request = Request::Unpin {
+        vm_dir: vm.path.clone(),
+    };
+    ask(&socket, &request).map(drop)
+}
+
+/// What keeps each VM running, if a daemon runs.
+pub fn status() -> Option<Vec<VmStatus>> {
+    let socket = running_socket()?;
+    match ask(&socket, &Request::Status) {
+        Ok((_, Response::Status { vms })) => Some(vms),
+        _ => None,
+    }
+}
+
+/// Stops the daemon (and with it every VM); false if none ran.
+pub fn shutdown() -> Result<bool, DaemonClientError> {
+    let Some(socket) = running_socket() else {
+        return Ok(false);
+    };
+    let (mut connection, _) = ask(&socket, &Request::Shutdown)?;
+    // The daemon closes the connection once every VM has stopped.
+    let _ = connection.set_read_timeout(Some(Duration::from_secs(120)));
+    let _ = std::io::Read::read(&mut connection, &mut [0u8; 1]);
+    Ok(true)
+}
+
+/// The socket of a running daemon, if one answers.
+fn running_socket() -> Option<PathBuf> {
+    let socket = super::socket_path();
+    UnixStream::connect(&socket).ok().map(|_| socket)
+}
+
+fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
+    if let Some(socket) = running_socket() {
+        return Ok(socket);
+    }
+    start_daemon()?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    while Instant::now() < deadline {
+        if let Some(socket) = running_socket() {
+            return Ok(socket);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(DaemonClientError::Start(format!(
+        "it did not listen on {} within {START_TIMEOUT:?} (its log: {})",
+        super::socket_path().display(),
+        super::log_path().display()
+    )))
+}
+
+/// Starts `vmctl daemon` in a session of its own, logging to [`super::log_path`].
+fn start_daemon() -> Result<(), DaemonClientError> {
+    let error = |e: std::io::Error| DaemonClientError::Start(e.to_string());
+    let exe = std::env::current_exe().map_err(error)?;
+    let log_path = super::log_path();
+    if let Some(dir) = log_path.parent() {
+        std::fs::create_dir_all(dir).map_err(error)?;
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(error)?;
+    let mut command = Command::new(exe);
+    command
+        .arg("daemon")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(error)?)
+        .stderr(log);
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    command.spawn().map(drop).map_err(error)
+}
+
+/// Sends `request` and reads the answer; returns the open connection too (a lease
+/// lives as long as it).
+fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), DaemonClientError> {
+    let io = |source| DaemonClientError::Io {
+        socket: socket.to_path_buf(),
+        source,
+    };
+    let mut connection = UnixStream::connect(socket).map_err(io)?;
+    let mut line =
+        serde_json::to_vec(request).map_err(|e| DaemonClientError::BadAnswer(e.to_string()))?;
+    line.push(b'\n');
+    connection.write_all(&line).map_err(io)?;
+    let mut answer = String::new();
+    BufReader::new(connection.try_clone().map_err(io)?)
+        .read_line(&mut answer)
+        .map_err(io)?;
+    match serde_json::from_str::<Response>(&answer) {
+        Ok(Response::Error { message }) => Err(DaemonClientError::Refused(message)),
+        Ok(response) => Ok((connection, response)),
+        Err(e) => Err(DaemonClientError::BadAnswer(if answer.is_empty() {
+            "no answer".into()
+        } else {
+            e.to_string()
+        })),
+    }
+}

@@ -1,0 +1,337 @@
+//! `vmctl daemon`: tracks leases and pins, stops idle VMs, stops every VM when it
+//! stops (SIGTERM, SIGINT, or `vmctl daemon --stop`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::Notify;
+
+use super::protocol::{Request, Response, VmStatus};
+use crate::state::VmDir;
+
+/// Default seconds a VM without leases keeps running.
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = 30;
+/// Longest request line.
+const MAX_REQUEST: u64 = 16 * 1024;
+/// How often VMs that stopped by themselves are forgotten.
+const REAP_INTERVAL: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("a vmctl daemon already runs on {}", .0.display())]
+    AlreadyRunning(PathBuf),
+    #[error("cannot listen on {}: {source}", .path.display())]
+    Listen {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the daemon's runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// What the daemon knows of one VM.
+#[derive(Default)]
+struct Tracked {
+    leases: HashMap<u64, String>,
+    pinned: bool,
+    /// When it stops for idleness; bumping `generation` cancels that.
+    idle_deadline: Option<Instant>,
+    generation: u64,
+}
+
+struct Daemon {
+    vms: Mutex<HashMap<PathBuf, Tracked>>,
+    next_lease: AtomicU64,
+    shutdown: Notify,
+}
+
+impl Daemon {
+    fn vms(&self) -> MutexGuard<'_, HashMap<PathBuf, Tracked>> {
+        self.vms
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Runs the daemon in the foreground until it is told to stop.
+pub fn run() -> Result<u8, DaemonError> {
+    let socket = super::socket_path();
+    let listener = bind(&socket)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(DaemonError::Runtime)?;
+    eprintln!("vmctl daemon: listening on {}", socket.display());
+    let pid_file = super::pid_path();
+    let _ = std::fs::write(
+        &pid_file,
+        format!("{}\n{}\n", std::process::id(), socket.display()),
+    );
+    let daemon = Arc::new(Daemon {
+        vms: Mutex::new(HashMap::new()),
+        next_lease: AtomicU64::new(1),
+        shutdown: Notify::new(),
+    });
+    runtime.block_on(async {
+        let listener = UnixListener::from_std(listener).map_err(|source| DaemonError::Listen {
+            path: socket.clone(),
+            source,
+        })?;
+        adopt_running_vms(&daemon);
+        tokio::spawn(reap_stopped_vms(daemon.clone()));
+        let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Runtime)?;
+        let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Runtime)?;
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => { tokio::spawn(serve(stream, daemon.clone())); }
+                    Err(e) => tracing::warn!("accepting a client: {e}"),
+                },
+                _ = terminate.recv() => break,
+                _ = interrupt.recv() => break,
+                _ = daemon.shutdown.notified() => break,
+            }
+        }
+        eprintln!("vmctl daemon: stopping every VM");
+        let _ = std::fs::remove_file(&socket);
+        tokio::task::spawn_blocking(stop_every_vm)
+            .await
+            .map_err(|e| DaemonError::Runtime(std::io::Error::other(e.to_string())))
+    })?;
+    let _ = std::fs::remove_file(&pid_file);
+    eprintln!("vmctl daemon: stopped");
+    Ok(0)
+}
+
+fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener, DaemonError> {
+    let error = |source| DaemonError::Listen {
+        path: socket.to_path_buf(),
+        source,
+    };
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(DaemonError::AlreadyRunning(socket.to_path_buf()));
+    }
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir).map_err(error)?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(error)?;
+    }
+    let _ = std::fs::remove_file(socket);
+    let listener = std::os::unix::net::UnixListener::bind(socket).map_err(error)?;
+    listener.set_nonblocking(true).map_err(error)?;
+    Ok(listener)
+}
+
+/// VMs already running (the daemon restarted) are tracked: pinned ones stay, the
+/// others get the idle timeout like any VM whose last session ended.
+fn adopt_running_vms(daemon: &Arc<Daemon>) {
+    for vm in VmDir::all() {
+        if vm.running_pid().is_none() {
+            continue;
+        }
+        let pinned = vm.pin_file().exists();
+        daemon.vms().entry(vm.path.clone()).or_default().pinned = pinned;
+        if !pinned {
+            schedule_idle_stop(daemon, &vm.path);
+        }
+    }
+}
+
+async fn serve(stream: UnixStream, daemon: Arc<Daemon>) {
+    let (reader, mut writer) = stream.into_split();
+    let mut reader = BufReader::new(reader.take(MAX_REQUEST));
+    let mut line = String::new();
+    if reader.read_line(&mut line).await.is_err() {
+        return;
+    }
+    let request = match serde_json::from_str::<Request>(&line) {
+        Ok(request) => request,
+        Err(e) => {
+            let message = format!("unreadable request: {e}");
+            let _ = answer(&mut writer, &Response::Error { message }).await;
+            return;
+        }
+    };
+    match request {
+        Request::Lease {
+            vm_dir,
+            purpose,
+            pid,
+        } => {
+            let id = daemon.next_lease.fetch_add(1, Ordering::Relaxed);
+            take_lease(&daemon, &vm_dir, id, format!("{purpose} (pid {pid})"));
+            if answer(&mut writer, &Response::Ok).await.is_ok() {
+                // The lease lasts until the client closes the connection.
+                let mut sink = [0u8; 256];
+                while matches!(reader.read(&mut sink).await, Ok(n) if n > 0) {}
+            }
+            release_lease(&daemon, &vm_dir, id);
+        }
+        Request::Pin { vm_dir } => {
+            set_pinned(&daemon, &vm_dir, true);
+            let _ = answer(&mut writer, &Response::Ok).await;
+        }
+        Request::Unpin { vm_dir } => {
+            set_pinned(&daemon, &vm_dir, false);
+            let _ = answer(&mut writer, &Response::Ok).await;
+        }
+        Request::Status => {
+            let vms = status(&daemon);
+            let _ = answer(&mut writer, &Response::Status { vms }).await;
+        }
+        Request::Shutdown => {
+            let _ = answer(&mut writer, &Response::Ok).await;
+            daemon.shutdown.notify_one();
+            // The client waits for this connection to close: keep it open until the
+            // process exits, after every VM stopped.
+            std::mem::forget(writer);
+        }
+    }
+}
+
+async fn answer(
+    writer: &mut tokio::net::unix::OwnedWriteHalf,
+    response: &Response,
+) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(response).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    writer.write_all(&line).await
+}
+
+fn take_lease(daemon: &Daemon, vm_dir: &Path, id: u64, holder: String) {
+    let mut vms = daemon.vms();
+    let tracked = vms.entry(vm_dir.to_path_buf()).or_default();
+    tracked.leases.insert(id, holder);
+    tracked.idle_deadline = None;
+    tracked.generation += 1;
+}
+
+fn release_lease(daemon: &Arc<Daemon>, vm_dir: &Path, id: u64) {
+    let idle = {
+        let mut vms = daemon.vms();
+        let Some(tracked) = vms.get_mut(vm_dir) else {
+            return;
+        };
+        tracked.leases.remove(&id);
+        tracked.leases.is_empty() && !tracked.pinned
+    };
+    if idle {
+        schedule_idle_stop(daemon, vm_dir);
+    }
+}
+
+fn set_pinned(daemon: &Arc<Daemon>, vm_dir: &Path, pinned: bool) {
+    let vm = VmDir {
+        path: vm_dir.to_path_buf(),
+    };
+    let idle = {
+        let mut vms = daemon.vms();
+        let tracked = vms.entry(vm_dir.to_path_buf()).or_default();
+        tracked.pinned = pinned;
+        tracked.idle_deadline = None;
+        tracked.generation += 1;
+        !pinned && tracked.leases.is_empty()
+    };
+    if pinned {
+        let _ = std::fs::write(vm.pin_file(), b"pinned by vmctl up\n");
+    } else {
+        let _ = std::fs::remove_file(vm.pin_file());
+    }
+    if idle {
+        schedule_idle_stop(daemon, vm_dir);
+    }
+}
+
+/// Stops the VM after the idle timeout, unless a lease or pin comes first.
+fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
+    let timeout = Duration::from_secs(idle_timeout_s());
+    let generation = {
+        let mut vms = daemon.vms();
+        let Some(tracked) = vms.get_mut(vm_dir) else {
+            return;
+        };
+        tracked.generation += 1;
+        tracked.idle_deadline = Some(Instant::now() + timeout);
+        tracked.generation
+    };
+    let daemon = daemon.clone();
+    let vm_dir = vm_dir.to_path_buf();
+    tokio::spawn(async move {
+        tokio::time::sleep(timeout).await;
+        let still_idle = {
+            let mut vms = daemon.vms();
+            let idle = vms.get(&vm_dir).is_some_and(|t| t.generation == generation);
+            if idle {
+                vms.remove(&vm_dir);
+            }
+            idle
+        };
+        if still_idle {
+            eprintln!(
+                "vmctl daemon: {} idle for {timeout:?}; stopping it",
+                vm_dir.display()
+            );
+            let vm = VmDir { path: vm_dir };
+            let _ = tokio::task::spawn_blocking(move || crate::vm::stop_vm(&vm)).await;
+        }
+    });
+}
+
+/// The idle timeout from the user's config (`idle_timeout_s`), read each time so a
+/// change applies without restarting the daemon.
+fn idle_timeout_s() -> u64 {
+    crate::user_config::UserConfig::load()
+        .ok()
+        .and_then(|config| config.idle_timeout_s)
+        .unwrap_or(DEFAULT_IDLE_TIMEOUT_S)
+}
+
+fn status(daemon: &Daemon) -> Vec<VmStatus> {
+    let now = Instant::now();
+    let mut vms: Vec<VmStatus> = daemon
+        .vms()
+        .iter()
+        .map(|(vm_dir, tracked)| VmStatus {
+            vm_dir: vm_dir.clone(),
+            pinned: tracked.pinned,
+            leases: tracked.leases.values().cloned().collect(),
+            stops_in_s: tracked
+                .idle_deadline
+                .map(|deadline| deadline.saturating_duration_since(now).as_secs()),
+        })
+        .collect();
+    vms.sort_by(|a, b| a.vm_dir.cmp(&b.vm_dir));
+    vms
+}
+
+/// Forgets VMs that stopped by other means and have no leases.
+async fn reap_stopped_vms(daemon: Arc<Daemon>) {
+    loop {
+        tokio::time::sleep(REAP_INTERVAL).await;
+        daemon.vms().retain(|vm_dir, tracked| {
+            let vm = VmDir {
+                path: vm_dir.clone(),
+            };
+            !tracked.leases.is_empty() || vm.running_pid().is_some()
+        });
+    }
+}
+
+/// Stops every running VM of this state directory, in parallel.
+fn stop_every_vm() {
+    let stoppers: Vec<_> = VmDir::all()
+        .into_iter()
+        .filter(|vm| vm.running_pid().is_some())
+        .map(|vm| std::thread::spawn(move || crate::vm::stop_vm(&vm)))
+        .collect();
+    for stopper in stoppers {
+        let _ = stopper.join();
+    }
+}

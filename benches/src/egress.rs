@@ -417,29 +417,13 @@ pub struct EgressReport {
     pub error: Option<String>,
 }
 
-fn fmt_sig(v: f64) -> String {
-    match v.abs() {
-        a if a >= 100.0 => format!("{v:.0}"),
-        a if a >= 10.0 => format!("{v:.1}"),
-        a if a >= 1.0 => format!("{v:.2}"),
-        _ => format!("{v:.3}"),
-    }
-}
+use crate::report::fmt_sig;
 
 impl EgressReport {
     /// Every error: the section's and each figure's, as (what, message).
     pub fn errors(&self) -> Vec<(String, String)> {
-        let mut v: Vec<(String, String)> = self
-            .error
-            .iter()
-            .map(|e| ("egress".to_string(), e.clone()))
-            .collect();
-        v.extend(
-            self.figures
-                .iter()
-                .filter_map(|f| Some((f.name.clone(), f.error.clone()?))),
-        );
-        v
+        let figures = self.figures.iter().map(|f| (&f.name, &f.error));
+        crate::report::section_errors("egress", &self.error, figures)
     }
 
     pub fn markdown(&self) -> String {

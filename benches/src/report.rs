@@ -604,7 +604,7 @@ pub struct FsReport {
 }
 
 /// Throughputs and times of very different sizes: three significant digits or so.
-fn fmt_sig(v: f64) -> String {
+pub(crate) fn fmt_sig(v: f64) -> String {
     match v.abs() {
         a if a >= 100.0 => format!("{v:.0}"),
         a if a >= 10.0 => format!("{v:.1}"),
@@ -614,20 +614,25 @@ fn fmt_sig(v: f64) -> String {
     }
 }
 
+/// A section's errors, as (what, message): the section's own, then each figure's.
+pub(crate) fn section_errors<'a>(
+    section: &str,
+    error: &Option<String>,
+    figures: impl Iterator<Item = (&'a String, &'a Option<String>)>,
+) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = error
+        .iter()
+        .map(|e| (section.to_string(), e.clone()))
+        .collect();
+    v.extend(figures.filter_map(|(name, error)| Some((name.clone(), error.clone()?))));
+    v
+}
+
 impl FsReport {
     /// Every error: the section's and each figure's, as (what, message).
     pub fn errors(&self) -> Vec<(String, String)> {
-        let mut v: Vec<(String, String)> = self
-            .error
-            .iter()
-            .map(|e| ("virtio-fs".to_string(), e.clone()))
-            .collect();
-        v.extend(
-            self.figures
-                .iter()
-                .filter_map(|f| Some((f.name.clone(), f.error.clone()?))),
-        );
-        v
+        let figures = self.figures.iter().map(|f| (&f.name, &f.error));
+        section_errors("virtio-fs", &self.error, figures)
     }
 
     pub fn markdown(&self) -> String {

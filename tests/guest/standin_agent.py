@@ -23,7 +23,7 @@ for i, arg in enumerate(args):
 record = {
     "argv": args,
     "cwd": os.getcwd(),
-    "env": {k: v for k, v in os.environ.items() if k in ("CLAUDE_CONFIG_DIR", "CODEX_HOME", "FORWARDED", "HTTPS_PROXY")},
+    "env": {k: v for k, v in os.environ.items() if k in ("CLAUDE_CONFIG_DIR", "CODEX_HOME", "FORWARDED", "HTTPS_PROXY", "IS_SANDBOX")},
     "mcp": mcp,
     "stdin_is_tty": sys.stdin.isatty(),
 }

@@ -168,6 +168,10 @@ fn provider_scenario() {
     assert_eq!(record["cwd"], root.display().to_string());
     assert_eq!(record["stdin_is_tty"], false);
     assert_eq!(record["env"]["FORWARDED"], "yes");
+    assert_eq!(
+        record["env"]["IS_SANDBOX"], "1",
+        "Claude must know the VM is its sandbox"
+    );
     assert!(record["env"]["CLAUDE_CONFIG_DIR"].is_string(), "{record}");
     assert_eq!(
         record["mcp"][0]["status"], 200,
@@ -178,6 +182,26 @@ fn provider_scenario() {
         .requests()
         .iter()
         .any(|r| r.starts_with("GET /mcp/agents?agent=a1")));
+
+    // Isolation: a subdirectory of the workspace (a git repository) uses its VM; with
+    // --isolation directory it gets a VM of its own.
+    std::fs::create_dir_all(root.join(".git")).unwrap();
+    let sub = root.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let in_sub = |args: &[&str]| {
+        let output = ws.command(args).current_dir(&sub).output().expect("vmctl");
+        assert_ok(&output, &format!("vmctl {args:?} in sub/"));
+        stdout(&output)
+    };
+    assert_eq!(in_sub(&["exec", "--", "pwd"]).trim(), sub.display().to_string());
+    let running = |table: String| table.matches(" running ").count();
+    assert_eq!(running(ps(&ws)), 1, "sub/ must share the workspace's VM");
+    assert_eq!(
+        in_sub(&["exec", "--isolation", "directory", "--", "pwd"]).trim(),
+        sub.display().to_string()
+    );
+    assert_eq!(running(ps(&ws)), 2, "--isolation directory gets its own VM");
+    assert_ok(&ws.run(&["rm", sub.to_str().unwrap()]), "vmctl rm sub/");
 
     let uninstall = ws.run(&["paseo", "uninstall", "--config", paseo.to_str().unwrap()]);
     assert_ok(&uninstall, "vmctl paseo uninstall");

@@ -92,6 +92,8 @@ pub enum AgentError {
 }
 
 pub struct AgentOptions {
+    /// The workspace whose VM runs it (the current directory is inside it).
+    pub workspace: PathBuf,
     pub cli: AgentCli,
     pub skip_permissions: bool,
     pub args: Vec<String>,
@@ -100,8 +102,7 @@ pub struct AgentOptions {
 /// Runs the agent CLI in the workspace VM of the current directory; returns its exit
 /// code.
 pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
-    let workspace = crate::workspace(None);
-    let (workspace, _) = VmDir::for_workspace(&workspace)?;
+    let (workspace, _) = VmDir::for_workspace(&options.workspace)?;
     let relay_ports = loopback_ports(&options.args)?;
     let _lease = crate::lease(&workspace, &format!("agent {}", options.cli.program()));
     let start = crate::vm::StartOptions {
@@ -111,7 +112,13 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     };
     let vm = crate::vm::up(&workspace, &start)?;
     seed_home(options.cli, &vm, user_home().as_deref())?;
-    let mut env = read_env_file(&env_file())?;
+    let mut env = Vec::new();
+    if options.cli == AgentCli::Claude {
+        // The VM is the sandbox: as root, Claude Code refuses to skip its permission
+        // prompts (which Paseo's bypass modes ask for) unless told it runs in one.
+        env.push(("IS_SANDBOX".to_string(), "1".to_string()));
+    }
+    env.extend(read_env_file(&env_file())?);
     env.push((
         options.cli.home_variable().to_string(),
         format!("{GUEST_AGENT_HOME}/{}", options.cli.program()),

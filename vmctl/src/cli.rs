@@ -82,6 +82,8 @@ pub struct AgentArgs {
     /// the VM is the boundary.
     #[arg(long)]
     pub skip_permissions: bool,
+    #[command(flatten)]
+    pub isolation: IsolationArg,
     /// Which CLI.
     #[arg(value_enum)]
     pub cli: crate::agent::AgentCli,
@@ -235,6 +237,18 @@ pub struct VmSetupArgs {
     /// Paseo's port (6767) is always relayed.
     #[arg(long = "relay-port", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub relay_ports: Vec<u16>,
+    #[command(flatten)]
+    pub isolation: IsolationArg,
+}
+
+/// Which VM a directory belongs to when none is named.
+#[derive(Debug, Default, clap::Args)]
+pub struct IsolationArg {
+    /// workspace: one VM per workspace (the nearest enclosing git repository or
+    /// worktree, else the directory itself); directory: one VM per directory.
+    /// Default: `isolation` in the config file, else workspace.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub isolation: Option<crate::workspace::Isolation>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -20,6 +20,7 @@ mod terminal;
 mod user_config;
 mod virtiofsd;
 mod vm;
+mod workspace;
 
 use std::process::ExitCode;
 
@@ -47,7 +48,7 @@ fn main() -> ExitCode {
                 egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
-            let dir = workspace(args.dir);
+            let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
             // Pinned before it starts, so the daemon never takes it for idle.
             if let Ok((_, vm)) = state::VmDir::for_workspace(&dir) {
                 if let Err(e) = daemon::client::pin(&vm) {
@@ -76,6 +77,7 @@ fn main() -> ExitCode {
             vm::remove(&dir).map(|_| 0).map_err(|e| e.to_string())
         }
         cli::Command::Agent(args) => agent::run(agent::AgentOptions {
+            workspace: workspace::resolve(None, args.isolation.isolation),
             cli: args.cli,
             skip_permissions: args.skip_permissions,
             args: args.args,
@@ -148,7 +150,7 @@ fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
         quiet: true,
         ..vm::StartOptions::default()
     };
-    let dir = workspace(args.workspace.clone());
+    let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
     let _lease = lease(&dir, "exec");
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     exec_in(&vm, args)
@@ -173,8 +175,8 @@ fn unpin(dir: &std::path::Path) {
 }
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
-    let vm = vm::up_ephemeral(&workspace(args.workspace.clone()), &args.setup)
-        .map_err(|e| e.to_string())?;
+    let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
+    let vm = vm::up_ephemeral(&dir, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm) {
         eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");
@@ -220,7 +222,12 @@ fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
 }
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
-    let dir = workspace(args.dir);
+    // A named workspace starts the shell at its root, else where we are.
+    let start_in = match &args.dir {
+        Some(dir) => dir.clone(),
+        None => workspace(None),
+    };
+    let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
     let options = vm::StartOptions {
         mounts: &args.setup.mounts,
         relay_ports: &args.setup.relay_ports,
@@ -234,7 +241,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         exec::ExecOptions {
             argv: vec!["/bin/bash".into(), "-l".into()],
             env: Vec::new(),
-            cwd: Some(dir.display().to_string()),
+            cwd: Some(start_in.display().to_string()),
             user: exec::parse_user(None),
             tty: true,
         },

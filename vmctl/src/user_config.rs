@@ -53,6 +53,9 @@ pub struct UserConfig {
     /// Seconds a VM keeps running after its last session ends (default 30).
     #[serde(default)]
     pub idle_timeout_s: Option<u64>,
+    /// One VM per workspace (default) or per directory.
+    #[serde(default)]
+    pub isolation: Option<crate::workspace::Isolation>,
     /// vCPUs of a new VM (default: all of the host's).
     #[serde(default)]
     pub cpus: Option<u32>,

@@ -1,0 +1,82 @@
+//! Which workspace (and so which VM) a directory belongs to.
+
+use std::path::{Path, PathBuf};
+
+/// One VM per workspace, or per directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// The nearest enclosing git repository or worktree (else the directory).
+    #[default]
+    Workspace,
+    /// The directory itself.
+    Directory,
+}
+
+/// The workspace of a command: `dir` when one is named; else, from the current
+/// directory, per `isolation` (the option, else the config file's, else workspace).
+pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
+    if let Some(dir) = dir {
+        return dir;
+    }
+    let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
+    let isolation = isolation
+        .or_else(|| {
+            crate::user_config::UserConfig::load()
+                .ok()
+                .and_then(|c| c.isolation)
+        })
+        .unwrap_or_default();
+    match isolation {
+        Isolation::Directory => cwd,
+        Isolation::Workspace => {
+            let home = std::env::var_os("HOME").map(PathBuf::from);
+            workspace_root(&cwd, home.as_deref())
+        }
+    }
+}
+
+/// The nearest directory from `dir` up that holds `.git` (a repository, or a
+/// worktree's `.git` file), never the home directory or `/` themselves (a dotfiles
+/// repository must not make the whole home one workspace); else `dir`.
+fn workspace_root(dir: &Path, home: Option<&Path>) -> PathBuf {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let home = home.and_then(|h| h.canonicalize().ok());
+    for candidate in dir.ancestors() {
+        if candidate.parent().is_none() || Some(candidate) == home.as_deref() {
+            break;
+        }
+        if candidate.join(".git").exists() {
+            return candidate.to_path_buf();
+        }
+    }
+    dir
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workspace_is_the_enclosing_repository_but_never_home() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        let home = root.join("home");
+        let repo = home.join("src/repo");
+        let deep = repo.join("crates/a");
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::create_dir_all(repo.join(".git")).unwrap();
+        assert_eq!(workspace_root(&deep, Some(&home)), repo);
+        assert_eq!(workspace_root(&repo, Some(&home)), repo);
+        // A worktree has a .git file.
+        let worktree = home.join("src/wt");
+        std::fs::create_dir_all(worktree.join("sub")).unwrap();
+        std::fs::write(worktree.join(".git"), "gitdir: ../repo/.git/worktrees/wt\n").unwrap();
+        assert_eq!(workspace_root(&worktree.join("sub"), Some(&home)), worktree);
+        // A dotfiles repository in home does not swallow everything under it.
+        std::fs::create_dir_all(home.join(".git")).unwrap();
+        let plain = home.join("notes");
+        std::fs::create_dir_all(&plain).unwrap();
+        assert_eq!(workspace_root(&plain, Some(&home)), plain);
+    }
+}

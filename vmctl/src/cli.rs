@@ -68,6 +68,10 @@ pub enum Command {
     /// Paseo's providers for agents in VMs.
     #[command(subcommand)]
     Paseo(crate::paseo::PaseoCommand),
+    /// Run the benchmark harness (boot time and memory side by side with QEMU's
+    /// microvm, the workspace VM, virtio-fs, egress, agents): JSON and a Markdown
+    /// report in target/bench/, the table on stdout. `--quick` is a smoke run.
+    Bench(BenchArgs),
     /// Guest images.
     #[command(subcommand)]
     Image(ImageCommand),
@@ -89,6 +93,16 @@ pub struct AgentArgs {
     pub cli: crate::agent::AgentCli,
     /// Its arguments, passed unchanged.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Few repetitions and small sizes: checks the harness works, not the numbers.
+    #[arg(long)]
+    pub quick: bool,
+    /// More options for the harness (see `vmctl bench -- --help`).
+    #[arg(last = true)]
     pub args: Vec<String>,
 }
 

@@ -2,6 +2,7 @@
 
 mod agent;
 mod artifacts;
+mod bench;
 mod boot;
 mod cli;
 mod daemon;
@@ -92,6 +93,7 @@ fn main() -> ExitCode {
             })
             .map_err(|e| e.to_string()),
         cli::Command::Daemon(_) => daemon::server::run().map_err(|e| e.to_string()),
+        cli::Command::Bench(args) => bench::run(args.quick, args.args).map_err(|e| e.to_string()),
         cli::Command::Paseo(command) => paseo::run(command).map_err(|e| e.to_string()),
         cli::Command::Exec(args) => run_exec(args),
         cli::Command::Shell(args) => run_shell(args),

@@ -193,7 +193,10 @@ fn provider_scenario() {
         assert_ok(&output, &format!("vmctl {args:?} in sub/"));
         stdout(&output)
     };
-    assert_eq!(in_sub(&["exec", "--", "pwd"]).trim(), sub.display().to_string());
+    assert_eq!(
+        in_sub(&["exec", "--", "pwd"]).trim(),
+        sub.display().to_string()
+    );
     let running = |table: String| table.matches(" running ").count();
     assert_eq!(running(ps(&ws)), 1, "sub/ must share the workspace's VM");
     assert_eq!(

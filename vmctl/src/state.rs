@@ -237,10 +237,15 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
     let meta = std::fs::symlink_metadata(dir).map_err(io)?;
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+    if !meta.is_dir() || meta.uid() != uid {
         return Err(io(std::io::Error::other(format!(
-            "it exists but is not a private directory of uid {uid}; remove it"
+            "it exists but is not a directory of uid {uid}; remove it"
         ))));
+    }
+    // Ours but open to others (e.g. made by an older vmctl): close it.
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(io)?;
     }
     Ok(())
 }
@@ -323,7 +328,12 @@ mod tests {
         ensure_private_dir(&dir).unwrap();
         ensure_private_dir(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-        assert!(ensure_private_dir(&dir).is_err());
+        ensure_private_dir(&dir).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "ours, so made private");
+        let file = tmp.path().join("f");
+        std::fs::write(&file, "").unwrap();
+        assert!(ensure_private_dir(&file).is_err());
     }
 
     #[test]

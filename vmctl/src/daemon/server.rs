@@ -118,10 +118,13 @@ fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener, DaemonError> 
     if std::os::unix::net::UnixStream::connect(socket).is_ok() {
         return Err(DaemonError::AlreadyRunning(socket.to_path_buf()));
     }
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).map_err(error)?;
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .map_err(error)?;
+    // The runtime directory (or its /tmp stand-in), then vmctl's own in it.
+    let dirs = socket.ancestors().skip(1).take(2).collect::<Vec<_>>();
+    for dir in dirs.into_iter().rev() {
+        crate::state::ensure_private_dir(dir).map_err(|e| DaemonError::Listen {
+            path: socket.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
     }
     let _ = std::fs::remove_file(socket);
     let listener = std::os::unix::net::UnixListener::bind(socket).map_err(error)?;

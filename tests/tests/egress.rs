@@ -123,6 +123,8 @@ fn egress_scenario() {
         "node -e \"fetch('https://api.anthropic.com/v1/node').then(r => r.text()).then(t => console.log(t))\"",
     );
     assert_ok(&node, "node fetch through the proxy");
+    let node_stderr = String::from_utf8_lossy(&node.stderr);
+    assert!(!node_stderr.contains("Warning"), "noise on stderr: {node_stderr}");
     for (client, output) in [("curl", &curl), ("node", &node)] {
         let text = stdout(output);
         assert!(text.contains(&format!("/v1/{client}")), "{client}: {text}");

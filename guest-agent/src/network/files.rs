@@ -206,7 +206,15 @@ try {
   const major = Number(process.versions.node.split(".")[0]);
   if (major < 24 && (process.env.HTTPS_PROXY || process.env.HTTP_PROXY)) {
     const undici = require("/usr/local/lib/node_modules/undici");
-    undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
+    // Its constructor warns that it is experimental, on every CLI's stderr: not ours
+    // to show.
+    const emitWarning = process.emitWarning;
+    process.emitWarning = () => {};
+    try {
+      undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent());
+    } finally {
+      process.emitWarning = emitWarning;
+    }
     globalThis.fetch = undici.fetch;
   }
 } catch (error) {

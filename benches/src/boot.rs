@@ -14,6 +14,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use crate::agent::AgentBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
@@ -48,14 +49,17 @@ usage: cargo bench -p vm-benches -- [OPTIONS]
 
 Boots our VMM and QEMU's microvm side by side and reports boot time and memory;
 then measures the workspace VM (vmctl up, exec through the guest agent), its
-shared workspace directory over virtio-fs against the host, and requests through
-its egress proxy against the same requests from the host.
+shared workspace directory over virtio-fs against the host, requests through
+its egress proxy against the same requests from the host, and `vmctl agent
+claude --version` cold and warm with the host memory of idle VMs.
 
   --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
                        2 vmctl up, 30 client and 5 CLI exec round trips
                        (default: 5, 200 and 20); egress: 10 requests per
                        curl call and 2 downloads of 16 MiB per side (default:
-                       50, and 3 of 64 MiB)
+                       50, and 3 of 64 MiB); agent: 2 cold and 5 warm runs
+                       (default: 3 and 10), idle VMs 2 in the nested host
+                       (default: 3; 10 on hardware KVM, where memory allows)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
   --ready-runs N       vmctl up on fresh workspaces
@@ -332,24 +336,42 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         .as_ref()
         .map(|e| e.errors())
         .unwrap_or_default();
+    let agent_errors = report
+        .agent
+        .as_ref()
+        .map(|a| a.errors())
+        .unwrap_or_default();
 
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let md_path = out.with_extension("md");
-    let md = report.markdown();
+    let (charts, chart_links) = crate::report_charts::write(&report, &out_dir)?;
+    let md = format!("{}\n{chart_links}", report.markdown());
     fs::write(&out, format!("{json}\n")).map_err(|e| format!("write {}: {e}", out.display()))?;
     fs::write(&md_path, &md).map_err(|e| format!("write {}: {e}", md_path.display()))?;
     println!("{json}");
     eprintln!("\n{md}");
-    say(format!("wrote {} and {}", out.display(), md_path.display()));
-    if !fs_errors.is_empty() || !egress_errors.is_empty() {
+    say(format!(
+        "wrote {}, {} and {} chart(s) ({})",
+        out.display(),
+        md_path.display(),
+        charts.len(),
+        charts
+            .iter()
+            .map(|c| c.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    if !fs_errors.is_empty() || !egress_errors.is_empty() || !agent_errors.is_empty() {
         return Err(format!(
-            "{} virtio-fs and {} egress figure(s) failed (the report was written, with the \
-             errors):\n{}",
+            "{} virtio-fs, {} egress and {} agent figure(s) failed (the report was written, \
+             with the errors):\n{}",
             fs_errors.len(),
             egress_errors.len(),
+            agent_errors.len(),
             fs_errors
                 .iter()
                 .chain(&egress_errors)
+                .chain(&agent_errors)
                 .map(|(what, e)| format!("{what}: {e}"))
                 .collect::<Vec<_>>()
                 .join("\n")
@@ -614,10 +636,17 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     let fs_scripts = (5 + fs_runs * 11) as u32;
     // egress: policy, secret, vmctl up and rm; each curl call its own timeout.
     let egress_calls = crate::egress::sizes(args.quick).calls() as u32;
+    // agent: every agent run, vmctl command and the idle VMs' settling.
+    let agent = crate::agent::time_budget(
+        &crate::agent::sizes(args.quick, true),
+        args.timeout,
+        &crate::agent::Settle::new(true),
+    );
     let limit = Duration::from_secs(180)
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
         + args.fs_timeout * fs_scripts
-        + crate::egress::COMMAND_TIMEOUT * egress_calls;
+        + crate::egress::COMMAND_TIMEOUT * egress_calls
+        + agent;
     let started = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -1029,6 +1058,20 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         nested,
         curl: "curl".into(),
     });
+    // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
+    // environment.
+    let agent = crate::agent::measure(&AgentBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::agent::sizes(args.quick, nested),
+        timeout: args.timeout,
+        agent_timeout: crate::agent::AGENT_TIMEOUT,
+        nested,
+        meminfo: "/proc/meminfo".into(),
+        settle: crate::agent::Settle::new(nested),
+    });
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -1080,6 +1123,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         workspace: Some(workspace),
         fs: Some(fs),
         egress: Some(egress),
+        agent: Some(agent),
     })
 }
 

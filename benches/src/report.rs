@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::agent::AgentReport;
 use crate::egress::EgressReport;
 use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
@@ -203,6 +204,9 @@ pub struct Report {
     /// Requests through the guest's egress proxy against the host's direct ones.
     #[serde(default)]
     pub egress: Option<EgressReport>,
+    /// `vmctl agent claude --version`, cold and warm, and the host memory of idle VMs.
+    #[serde(default)]
+    pub agent: Option<AgentReport>,
 }
 
 /// The workspace VM as `vmctl up` starts it, measured on its own: no QEMU peer.
@@ -341,6 +345,10 @@ impl Report {
         if let Some(e) = &self.egress {
             s.push('\n');
             s.push_str(&e.markdown());
+        }
+        if let Some(a) = &self.agent {
+            s.push('\n');
+            s.push_str(&a.markdown());
         }
         s
     }

@@ -803,6 +803,7 @@ fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
         "the VM stopped",
         "closed the connection",
         "guest crashed",
+        "the nested host stopped before the VM finished",
     ]
     .iter()
     .any(|sign| message.contains(sign))

@@ -124,7 +124,10 @@ fn egress_scenario() {
     );
     assert_ok(&node, "node fetch through the proxy");
     let node_stderr = String::from_utf8_lossy(&node.stderr);
-    assert!(!node_stderr.contains("Warning"), "noise on stderr: {node_stderr}");
+    assert!(
+        !node_stderr.contains("Warning"),
+        "noise on stderr: {node_stderr}"
+    );
     for (client, output) in [("curl", &curl), ("node", &node)] {
         let text = stdout(output);
         assert!(text.contains(&format!("/v1/{client}")), "{client}: {text}");

@@ -18,6 +18,10 @@ fn workspace_vm_runs_commands_like_a_local_shell() {
     if !vm_available("workspace_vm::workspace_vm_runs_commands_like_a_local_shell") {
         return;
     }
+    vm_tests::retry_if_vm_lost(workspace_scenario);
+}
+
+fn workspace_scenario() {
     let ws = Workspace::new("workspace-vm");
 
     let up = ws.run(&["up"]);
@@ -169,7 +173,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
     // One-shot: a throwaway VM that is gone afterwards.
     let once = ws.run(&["run", "--", "sh", "-c", "echo once; exit 5"]);
-    assert_eq!(once.status.code(), Some(5));
+    assert_eq!(
+        once.status.code(),
+        Some(5),
+        "vmctl run: {}",
+        String::from_utf8_lossy(&once.stderr)
+    );
     assert_eq!(stdout(&once), "once\n");
     assert!(!Path::new(&ws.state())
         .join("vmctl/vms")

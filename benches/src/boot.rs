@@ -15,6 +15,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::agent::AgentBench;
+use crate::churn::ChurnBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
@@ -47,11 +48,13 @@ const USAGE: &str = "\
 usage: cargo bench -p vm-benches -- [OPTIONS]
        vm-bench [OPTIONS]
 
-Boots our VMM and QEMU's microvm side by side and reports boot time and memory;
-then measures the workspace VM (vmctl up, exec through the guest agent), its
-shared workspace directory over virtio-fs against the host, requests through
-its egress proxy against the same requests from the host, and `vmctl agent
-claude --version` cold and warm with the host memory of idle VMs.
+Boots our VMM and QEMU's microvm side by side and reports boot time and memory,
+and how many VMs each starts per second in a loop of create/destroy (and whether
+the host's memory comes back after it); then measures the workspace VM (vmctl
+up, exec through the guest agent), its shared workspace directory over
+virtio-fs against the host, requests through its egress proxy against the same
+requests from the host, and `vmctl agent claude --version` cold and warm with
+the host memory of idle VMs.
 
   --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
                        2 vmctl up, 30 client and 5 CLI exec round trips
@@ -59,12 +62,14 @@ claude --version` cold and warm with the host memory of idle VMs.
                        curl call and 2 downloads of 16 MiB per side (default:
                        50, and 3 of 64 MiB); agent: 2 cold and 5 warm runs
                        (default: 3 and 10), idle VMs 2 in the nested host
-                       (default: 3; 10 on hardware KVM, where memory allows)
+                       (default: 3; 10 on hardware KVM, where memory allows);
+                       churn: 10 create/destroy cycles per VMM (default: 100)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
   --ready-runs N       vmctl up on fresh workspaces
   --exec-iterations N  round trips of `true` through the guest agent's Rust client
   --cli-iterations N   round trips of `vmctl exec -- true`
+  --churn-cycles N     churn: create/destroy cycles per VMM
   --fs-mib N           virtio-fs: the sequential file's size in MiB (default 256
                        on hardware KVM, 64 in the nested host, 16 with --quick)
   --fs-files N         virtio-fs: small files created and stat-ed, and the git
@@ -103,6 +108,8 @@ struct Args {
     ready_runs: usize,
     exec_iterations: usize,
     cli_iterations: usize,
+    /// Churn: create/destroy cycles per VMM.
+    churn_cycles: usize,
     /// The virtio-fs sizes given on the command line (defaults: [`crate::fs::sizes`]).
     fs_mib: Option<u64>,
     fs_files: Option<u64>,
@@ -131,6 +138,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         ready_runs: 0,
         exec_iterations: 0,
         cli_iterations: 0,
+        churn_cycles: 0,
         fs_mib: None,
         fs_files: None,
         fs_runs: None,
@@ -150,6 +158,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     };
     let (mut runs, mut memory_runs) = (None, None);
     let (mut ready_runs, mut exec_iterations, mut cli_iterations) = (None, None, None);
+    let mut churn_cycles = None;
     let mut it = argv.into_iter();
     while let Some(arg) = it.next() {
         let mut value = |name: &str| {
@@ -178,6 +187,9 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "--cli-iterations" => {
                 cli_iterations =
                     Some(number("--cli-iterations", value("--cli-iterations")?)? as usize)
+            }
+            "--churn-cycles" => {
+                churn_cycles = Some(number("--churn-cycles", value("--churn-cycles")?)? as usize)
             }
             "--fs-mib" => a.fs_mib = Some(number("--fs-mib", value("--fs-mib")?)?),
             "--fs-files" => a.fs_files = Some(number("--fs-files", value("--fs-files")?)?),
@@ -219,12 +231,14 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     a.ready_runs = ready_runs.unwrap_or(if a.quick { 2 } else { 5 });
     a.exec_iterations = exec_iterations.unwrap_or(if a.quick { 30 } else { 200 });
     a.cli_iterations = cli_iterations.unwrap_or(if a.quick { 5 } else { 20 });
+    a.churn_cycles = crate::churn::cycles(a.quick, churn_cycles);
     if [
         a.runs,
         a.memory_runs,
         a.ready_runs,
         a.exec_iterations,
         a.cli_iterations,
+        a.churn_cycles,
         a.cpus as usize,
         a.memory_mib as usize,
         a.fs_mib.unwrap_or(1) as usize,
@@ -236,8 +250,8 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     {
         return Err(
             "--runs, --memory-runs, --ready-runs, --exec-iterations, --cli-iterations, \
-                    --cpus, --memory, --fs-mib, --fs-files, --fs-runs and --fs-timeout must be \
-                    at least 1"
+                    --churn-cycles, --cpus, --memory, --fs-mib, --fs-files, --fs-runs and \
+                    --fs-timeout must be at least 1"
                 .into(),
         );
     }
@@ -341,6 +355,11 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         .as_ref()
         .map(|a| a.errors())
         .unwrap_or_default();
+    let churn_errors = report
+        .churn
+        .as_ref()
+        .map(|c| c.errors())
+        .unwrap_or_default();
 
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let md_path = out.with_extension("md");
@@ -361,15 +380,21 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(", ")
     ));
-    if !fs_errors.is_empty() || !egress_errors.is_empty() || !agent_errors.is_empty() {
+    if !churn_errors.is_empty()
+        || !fs_errors.is_empty()
+        || !egress_errors.is_empty()
+        || !agent_errors.is_empty()
+    {
         return Err(format!(
-            "{} virtio-fs, {} egress and {} agent figure(s) failed (the report was written, \
-             with the errors):\n{}",
+            "{} churn, {} virtio-fs, {} egress and {} agent figure(s) failed (the report was \
+             written, with the errors):\n{}",
+            churn_errors.len(),
             fs_errors.len(),
             egress_errors.len(),
             agent_errors.len(),
-            fs_errors
+            churn_errors
                 .iter()
+                .chain(&fs_errors)
                 .chain(&egress_errors)
                 .chain(&agent_errors)
                 .map(|(what, e)| format!("{what}: {e}"))
@@ -590,6 +615,8 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         &n(args.exec_iterations as u64),
         "--cli-iterations",
         &n(args.cli_iterations as u64),
+        "--churn-cycles",
+        &n(args.churn_cycles as u64),
         "--fs-timeout",
         &n(args.fs_timeout.as_secs()),
     ])
@@ -642,11 +669,19 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         args.timeout,
         &crate::agent::Settle::new(true),
     );
+    // churn: every cycle's boot of both VMMs, the sampling around each loop.
+    let churn = crate::churn::time_budget(
+        args.churn_cycles,
+        2,
+        args.timeout,
+        &crate::churn::Sampling::default(),
+    );
     let limit = Duration::from_secs(180)
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
         + args.fs_timeout * fs_scripts
         + crate::egress::COMMAND_TIMEOUT * egress_calls
-        + agent;
+        + agent
+        + churn;
     let started = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
@@ -778,7 +813,9 @@ impl Vmm {
 
 /// One boot, measured.
 #[derive(Debug)]
-struct VmRun {
+pub(crate) struct VmRun {
+    /// The VMM's pid, which is also its process group's id.
+    pub(crate) pid: u32,
     /// From spawning the process to the marker on its stdout.
     to_marker: Duration,
     /// From spawning the process to its exit.
@@ -1019,6 +1056,25 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     }
     let ratios = ratios(&figures);
 
+    // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
+    // the boots (before the workspace VMs, whose daemons could still be settling).
+    // Measuring inside the nested host is what --inner means.
+    let nested = args.inner.is_some();
+    let churn = crate::churn::measure(&ChurnBench {
+        vmms: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, args)))
+            .collect(),
+        marker: BOOT_MARKER.into(),
+        cycles: args.churn_cycles,
+        timeout: args.timeout,
+        nested,
+        meminfo: "/proc/meminfo".into(),
+        proc: "/proc".into(),
+        sampling: crate::churn::Sampling::default(),
+        needle: boot_initrd.display().to_string(),
+    });
+
     // The workspace VM, in the same environment (no QEMU peer).
     let workspace = crate::workspace::measure(&WorkspaceBench {
         vmctl: tools.vmctl.clone(),
@@ -1033,8 +1089,6 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     .map_err(|e| format!("workspace VM: {e}"))?;
 
     // The shared workspace directory, guest against host, in the same environment.
-    // Measuring inside the nested host is what --inner means.
-    let nested = args.inner.is_some();
     let fs = crate::fs::measure(&FsBench {
         vmctl: tools.vmctl.clone(),
         kernel: tools.kernel.clone(),
@@ -1124,6 +1178,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         fs: Some(fs),
         egress: Some(egress),
         agent: Some(agent),
+        churn: Some(churn),
     })
 }
 
@@ -1140,7 +1195,7 @@ fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
 /// `/proc/<pid>/smaps` then, if `memory` is given), then for its exit. A VM that does
 /// not print the marker, or exit, within `timeout` each, or that exits with an error,
 /// is killed and is an error.
-fn run_vm(
+pub(crate) fn run_vm(
     label: &str,
     argv: &[OsString],
     marker: &str,
@@ -1164,6 +1219,7 @@ fn run_vm(
         .process_group(0)
         .spawn()
         .map_err(|e| format!("{label}: cannot run {command_line}: {e}"))?;
+    let pid = child.id();
     let stdin = child.stdin.take();
     let mut stdout = child.stdout.take().expect("piped");
     let stderr = drain(child.stderr.take().expect("piped"));
@@ -1273,6 +1329,7 @@ fn run_vm(
         ));
     }
     Ok(VmRun {
+        pid,
         to_marker: marker_at - start,
         to_exit: exit_at - start,
         stderr: err,
@@ -1321,6 +1378,14 @@ mod tests {
         let w = args(&["--ready-runs", "1", "--exec-iterations", "7"]).unwrap();
         assert_eq!((w.ready_runs, w.exec_iterations), (1, 7));
         assert!(args(&["--cli-iterations", "0"]).is_err());
+        assert_eq!((a.churn_cycles, q.churn_cycles), (100, 10));
+        assert_eq!(
+            args(&["--quick", "--churn-cycles", "4"])
+                .unwrap()
+                .churn_cycles,
+            4
+        );
+        assert!(args(&["--churn-cycles", "0"]).is_err());
         assert_eq!((a.fs_mib, a.fs_files, a.fs_runs), (None, None, None));
         assert_eq!(a.fs_timeout, Duration::from_secs(600));
         let f = args(&["--fs-mib", "8", "--fs-files", "50", "--fs-runs", "2"]).unwrap();
@@ -1385,6 +1450,7 @@ mod tests {
         )
         .unwrap();
         assert!(r.to_marker < r.to_exit, "{r:?}");
+        assert!(r.pid > 0, "{r:?}");
         assert!(
             r.to_exit - r.to_marker >= Duration::from_millis(150),
             "{r:?}"

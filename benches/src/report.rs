@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::agent::AgentReport;
+use crate::churn::ChurnReport;
 use crate::egress::EgressReport;
 use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
@@ -207,6 +208,10 @@ pub struct Report {
     /// `vmctl agent claude --version`, cold and warm, and the host memory of idle VMs.
     #[serde(default)]
     pub agent: Option<AgentReport>,
+    /// Create/destroy cycles of both VMMs: cycles per second, and the host's memory
+    /// before and after.
+    #[serde(default)]
+    pub churn: Option<ChurnReport>,
 }
 
 /// The workspace VM as `vmctl up` starts it, measured on its own: no QEMU peer.
@@ -333,6 +338,10 @@ impl Report {
                 f.samples.len(),
                 ratio
             ));
+        }
+        if let Some(c) = &self.churn {
+            s.push('\n');
+            s.push_str(&c.markdown());
         }
         if let Some(w) = &self.workspace {
             s.push('\n');

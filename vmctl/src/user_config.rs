@@ -5,6 +5,11 @@
 //! # every workspace
 //! mounts = ["~/.gitconfig-dir:ro"]
 //! relay_ports = [5432]          # host loopback ports every VM reaches at 127.0.0.1
+//! idle_timeout_s = 30           # a VM stops this long after its last session
+//! isolation = "workspace"       # or "directory": which VM a directory belongs to
+//! cpus = 2                      # a new VM's vCPUs (default: all)
+//! memory_percent = 10           # its memory, as a share of the host's RAM...
+//! memory_min_mib = 1024         # ...but at least this much
 //! [workspaces."/home/me/project"]
 //! mounts = ["/srv/data:/data:ro"]
 //! relay_ports = [8080]
@@ -326,6 +331,31 @@ mounts = ["/srv/other"]
             config.relay_ports_for_with_home(dir.path(), Some(dir.path())),
             [8080]
         );
+    }
+
+    #[test]
+    fn a_workspace_overrides_the_global_resources_it_sets() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        let text = format!(
+            "cpus = 4\nmemory_percent = 20\nidle_timeout_s = 5\nisolation = \"directory\"\n\
+             [workspaces.\"{}\"]\nmemory_percent = 50\n",
+            project.display()
+        );
+        let config = UserConfig::load_from(&write_config(dir.path(), &text)).unwrap();
+        assert_eq!(config.idle_timeout_s, Some(5));
+        assert_eq!(
+            config.isolation,
+            Some(crate::workspace::Isolation::Directory)
+        );
+        let expect = |cpus, memory_percent| Resources {
+            cpus,
+            memory_percent,
+            memory_min_mib: None,
+        };
+        assert_eq!(config.resources_for(&project), expect(Some(4), Some(50)));
+        assert_eq!(config.resources_for(dir.path()), expect(Some(4), Some(20)));
     }
 
     #[test]

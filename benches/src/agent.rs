@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::boot::{say, TempDir};
-use crate::report::{hardware_kvm, Figure, OURS};
+use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
 use crate::workspace::Vmctl;
 
@@ -435,19 +435,6 @@ fn ms(d: Duration) -> f64 {
 
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
-}
-
-fn fmt_sig(v: f64) -> String {
-    match v.abs() {
-        a if a >= 100.0 => format!("{v:.0}"),
-        a if a >= 10.0 => format!("{v:.1}"),
-        a if a >= 1.0 => format!("{v:.2}"),
-        _ => format!("{v:.3}"),
-    }
-}
-
-fn first_line(s: &str) -> &str {
-    s.lines().next().unwrap_or("").trim()
 }
 
 impl AgentReport {

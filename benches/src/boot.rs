@@ -19,7 +19,8 @@ use crate::churn::ChurnBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
-    hardware_kvm, ratios, utc_now, Config, Figure, Machine, Report, NESTED_NOTE, OURS, QEMU,
+    hardware_kvm, ratios, utc_now, BootConfig, Config, Figure, Machine, Report, NESTED_NOTE, OURS,
+    QEMU,
 };
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
@@ -43,6 +44,32 @@ const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
 const NESTED_HOST_CPUS: &str = "2";
 const NESTED_HOST_MEMORY_MIB: &str = "4096";
 const INNER_FILE: &str = "boot.inner.json";
+/// The boot figures' configurations (the issue's 1 and 2 vCPUs, 128 MiB and 1 GiB):
+/// the first names its figures plainly, the others with a suffix.
+pub const BOOT_CONFIGS: [BootConfig; 4] = [
+    BootConfig::new(1, 128),
+    BootConfig::new(2, 128),
+    BootConfig::new(1, 1024),
+    BootConfig::new(2, 1024),
+];
+
+/// The configurations to boot: the one `--cpus`/`--memory` select where either is
+/// given (the other at its default, 1 vCPU or 128 MiB); else all of
+/// [`BOOT_CONFIGS`], or with `--quick` only the first and the last.
+pub fn boot_configs(quick: bool, cpus: Option<u32>, memory_mib: Option<u64>) -> Vec<BootConfig> {
+    if cpus.is_some() || memory_mib.is_some() {
+        let first = BOOT_CONFIGS[0];
+        return vec![BootConfig::new(
+            cpus.unwrap_or(first.vcpus),
+            memory_mib.unwrap_or(first.memory_mib),
+        )];
+    }
+    if quick {
+        vec![BOOT_CONFIGS[0], BOOT_CONFIGS[BOOT_CONFIGS.len() - 1]]
+    } else {
+        BOOT_CONFIGS.to_vec()
+    }
+}
 
 const USAGE: &str = "\
 usage: cargo bench -p vm-benches -- [OPTIONS]
@@ -56,7 +83,9 @@ virtio-fs against the host, requests through its egress proxy against the same
 requests from the host, and `vmctl agent claude --version` cold and warm with
 the host memory of idle VMs.
 
-  --quick              3 boots per VMM and 1 memory run (default: 10 and 3);
+  --quick              3 boots per VMM and configuration, and 1 memory run
+                       (default: 10 and 3); boots with 1 vCPU/128 MiB and
+                       2 vCPUs/1024 MiB only (default: also 2/128 and 1/1024);
                        2 vmctl up, 30 client and 5 CLI exec round trips
                        (default: 5, 200 and 20); egress: 10 requests per
                        curl call and 2 downloads of 16 MiB per side (default:
@@ -84,8 +113,10 @@ the host memory of idle VMs.
   --rootfs PATH        the workspace VM's root image (default: rootfs/build-rootfs.sh)
   --vmctl PATH         vmctl binary (default: $VMCTL_BIN or target/release/vmctl)
   --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH)
-  --cpus N             guest vCPUs (default 1)
-  --memory MIB         guest memory (default 128)
+  --cpus N             guest vCPUs: boot this one configuration only (default:
+                       the matrix of 1 and 2 vCPUs, 128 and 1024 MiB)
+  --memory MIB         guest memory: likewise (with one of --cpus/--memory, the
+                       other is 1 vCPU or 128 MiB)
   --timeout SECS       per boot, to the marker and again to exit; per vmctl
                        command and exec round trip (default 60)
   --nested auto|always|never
@@ -122,8 +153,14 @@ struct Args {
     rootfs: Option<PathBuf>,
     vmctl: Option<PathBuf>,
     qemu: Option<PathBuf>,
+    /// The first boot configuration's (also the memory runs' and churn's).
     cpus: u32,
     memory_mib: u64,
+    /// What `--cpus` / `--memory` said (passed on to the nested run as given).
+    cpus_given: Option<u32>,
+    memory_given: Option<u64>,
+    /// The boot figures' configurations; `configs[0]` is (`cpus`, `memory_mib`).
+    configs: Vec<BootConfig>,
     timeout: Duration,
     nested: Nested,
     /// Running inside the nested host: measure and write the report to this file.
@@ -152,6 +189,9 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         qemu: None,
         cpus: 1,
         memory_mib: 128,
+        cpus_given: None,
+        memory_given: None,
+        configs: Vec::new(),
         timeout: Duration::from_secs(60),
         nested: Nested::Auto,
         inner: None,
@@ -204,8 +244,8 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "--initrd" => a.initrd = Some(value("--initrd")?.into()),
             "--vmctl" => a.vmctl = Some(value("--vmctl")?.into()),
             "--qemu" => a.qemu = Some(value("--qemu")?.into()),
-            "--cpus" => a.cpus = number("--cpus", value("--cpus")?)? as u32,
-            "--memory" => a.memory_mib = number("--memory", value("--memory")?)?,
+            "--cpus" => a.cpus_given = Some(number("--cpus", value("--cpus")?)? as u32),
+            "--memory" => a.memory_given = Some(number("--memory", value("--memory")?)?),
             "--timeout" => {
                 a.timeout = Duration::from_secs(number("--timeout", value("--timeout")?)?)
             }
@@ -232,6 +272,8 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     a.exec_iterations = exec_iterations.unwrap_or(if a.quick { 30 } else { 200 });
     a.cli_iterations = cli_iterations.unwrap_or(if a.quick { 5 } else { 20 });
     a.churn_cycles = crate::churn::cycles(a.quick, churn_cycles);
+    a.configs = boot_configs(a.quick, a.cpus_given, a.memory_given);
+    (a.cpus, a.memory_mib) = (a.configs[0].vcpus, a.configs[0].memory_mib);
     if [
         a.runs,
         a.memory_runs,
@@ -342,6 +384,7 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
     };
     report.commit = commit;
     report.dirty = dirty;
+    report.fill_figure_metadata();
     // A virtio-fs or egress figure that failed is in the report, which is written;
     // the run still fails.
     let fs_errors = report.fs.as_ref().map(|f| f.errors()).unwrap_or_default();
@@ -601,12 +644,6 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         "--memory-runs",
         &n(args.memory_runs as u64),
     ])
-    .args([
-        "--cpus",
-        &n(args.cpus.into()),
-        "--memory",
-        &n(args.memory_mib),
-    ])
     .args(["--timeout", &n(args.timeout.as_secs())])
     .args([
         "--ready-runs",
@@ -635,8 +672,11 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     if args.quick {
         cmd.arg("--quick");
     }
-    // Only the sizes given: the inner run picks the nested host's defaults.
+    // Only the sizes given: the inner run picks the nested host's defaults (and the
+    // same boot configurations as this run).
     for (flag, v) in [
+        ("--cpus", args.cpus_given.map(u64::from)),
+        ("--memory", args.memory_given),
         ("--fs-mib", args.fs_mib),
         ("--fs-files", args.fs_files),
         ("--fs-runs", args.fs_runs.map(|r| r as u64)),
@@ -654,7 +694,7 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         .spawn()
         .map_err(|e| format!("run {}: {e}", tools.vmctl.display()))?;
     // Every boot has its own timeouts inside; this only guards against a stuck nested host.
-    let boots = (args.runs + args.memory_runs) as u32 * 2;
+    let boots = (args.runs * args.configs.len() + args.memory_runs) as u32 * 2;
     // Each vmctl up, its rm, and the exec phase have their own timeouts too.
     let workspace_steps = (args.ready_runs * 2 + 3) as u32;
     // virtio-fs: vmctl up and rm; per script its own timeout (probes, git setup and
@@ -754,7 +794,7 @@ impl Vmm {
         }
     }
 
-    fn argv(self, tools: &Tools, initrd: &Path, args: &Args) -> Vec<OsString> {
+    fn argv(self, tools: &Tools, initrd: &Path, config: BootConfig) -> Vec<OsString> {
         let mut v: Vec<OsString> = Vec::new();
         let mut push = |s: &dyn AsRef<std::ffi::OsStr>| v.push(s.as_ref().to_os_string());
         match self {
@@ -767,9 +807,9 @@ impl Vmm {
                 push(&"--initrd");
                 push(&initrd);
                 push(&"--memory");
-                push(&args.memory_mib.to_string());
+                push(&config.memory_mib.to_string());
                 push(&"--cpus");
-                push(&args.cpus.to_string());
+                push(&config.vcpus.to_string());
                 push(&"--boot-time");
             }
             Vmm::Qemu => {
@@ -777,9 +817,9 @@ impl Vmm {
                 for a in ["-M", QEMU_MACHINE, "-enable-kvm", "-cpu", "host", "-m"] {
                     push(&a);
                 }
-                push(&args.memory_mib.to_string());
+                push(&config.memory_mib.to_string());
                 push(&"-smp");
-                push(&args.cpus.to_string());
+                push(&config.vcpus.to_string());
                 for a in [
                     "-nodefaults",
                     "-no-user-config",
@@ -910,12 +950,17 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         io::copy(&mut f, &mut io::sink()).map_err(|e| format!("read {}: {e}", p.display()))?;
     }
     let qemu_version = version_line(&tools.qemu);
+    let first = args.configs[0];
     say(format!(
-        "{} boot(s) + {} memory run(s) per VMM, {} vCPU / {} MiB, on {} ({})",
+        "{} boot(s) per VMM with each of {}; {} memory run(s) per VMM with {}; on {} ({})",
         args.runs,
+        args.configs
+            .iter()
+            .map(|c| c.label())
+            .collect::<Vec<_>>()
+            .join(" / "),
         args.memory_runs,
-        args.cpus,
-        args.memory_mib,
+        first.label(),
         Machine::this().hostname,
         Machine::this().cpu_model
     ));
@@ -924,8 +969,8 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     let mut memory: Vec<(Vmm, MemoryUse)> = Vec::new();
     for i in 0..args.memory_runs {
         for vmm in order(i) {
-            let argv = vmm.argv(tools, &memory_initrd, args);
-            let rule = vmm.memory_rule(args.memory_mib);
+            let argv = vmm.argv(tools, &memory_initrd, first);
+            let rule = vmm.memory_rule(first.memory_mib);
             let r = run_vm(vmm.label(), &argv, MEMORY_MARKER, args.timeout, Some(&rule))?;
             let m = r.memory.expect("memory measured");
             say(format!(
@@ -944,43 +989,46 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         }
     }
 
-    let mut boots: Vec<(Vmm, VmRun)> = Vec::new();
-    for i in 0..args.runs {
-        for vmm in order(i) {
-            let argv = vmm.argv(tools, &boot_initrd, args);
-            let r = run_vm(vmm.label(), &argv, BOOT_MARKER, args.timeout, None)?;
-            let timer = match vmm {
-                Vmm::Ours => {
-                    let t = parse_boot_timer(&r.stderr).ok_or_else(|| {
+    let mut boots: Vec<(BootConfig, Vmm, VmRun)> = Vec::new();
+    for &config in &args.configs {
+        for i in 0..args.runs {
+            for vmm in order(i) {
+                let argv = vmm.argv(tools, &boot_initrd, config);
+                let r = run_vm(vmm.label(), &argv, BOOT_MARKER, args.timeout, None)?;
+                let timer = match vmm {
+                    Vmm::Ours => {
+                        let t = parse_boot_timer(&r.stderr).ok_or_else(|| {
+                            format!(
+                                "{OURS} printed no boot-timer line on stderr (--boot-time):\n{}",
+                                tail(&r.stderr, 2000)
+                            )
+                        })?;
                         format!(
-                            "{OURS} printed no boot-timer line on stderr (--boot-time):\n{}",
-                            tail(&r.stderr, 2000)
+                            ", boot timer {:.0} ms (VMM start) / {:.0} ms (first vCPU)",
+                            t.since_vmm_start_ms, t.since_first_vcpu_ms
                         )
-                    })?;
-                    format!(
-                        ", boot timer {:.0} ms (VMM start) / {:.0} ms (first vCPU)",
-                        t.since_vmm_start_ms, t.since_first_vcpu_ms
-                    )
-                }
-                Vmm::Qemu => String::new(),
-            };
-            say(format!(
-                "[boot {}/{}] {:>12}: init {:.0} ms, exit {:.0} ms{timer}",
-                i + 1,
-                args.runs,
-                vmm.label(),
-                ms(r.to_marker),
-                ms(r.to_exit)
-            ));
-            boots.push((vmm, r));
+                    }
+                    Vmm::Qemu => String::new(),
+                };
+                say(format!(
+                    "[boot {}/{}, {}] {:>12}: init {:.0} ms, exit {:.0} ms{timer}",
+                    i + 1,
+                    args.runs,
+                    config.label(),
+                    vmm.label(),
+                    ms(r.to_marker),
+                    ms(r.to_exit)
+                ));
+                boots.push((config, vmm, r));
+            }
         }
     }
 
-    let boot_samples = |vmm: Vmm, f: &dyn Fn(&VmRun) -> f64| -> Vec<f64> {
+    let boot_samples = |config: BootConfig, vmm: Vmm, f: &dyn Fn(&VmRun) -> f64| -> Vec<f64> {
         boots
             .iter()
-            .filter(|(v, _)| *v == vmm)
-            .map(|(_, r)| f(r))
+            .filter(|(c, v, _)| *c == config && *v == vmm)
+            .map(|(_, _, r)| f(r))
             .collect()
     };
     let memory_samples = |vmm: Vmm, f: &dyn Fn(&MemoryUse) -> f64| -> Vec<f64> {
@@ -993,38 +1041,43 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     let timer = |f: fn(&crate::scan::BootTimer) -> f64| {
         move |r: &VmRun| parse_boot_timer(&r.stderr).map_or(f64::NAN, |t| f(&t))
     };
-    let mut specs: Vec<(&str, &str, Vmm, Vec<f64>)> = Vec::new();
-    for vmm in [Vmm::Ours, Vmm::Qemu] {
+    // The boot figures of each configuration (in order: the first one's keep the
+    // plain names), then the memory figures (the first configuration's).
+    let mut specs: Vec<(String, &str, Vmm, Vec<f64>)> = Vec::new();
+    for (k, &config) in args.configs.iter().enumerate() {
+        let name = |base: &str| config.figure_name(base, k == 0);
+        for vmm in [Vmm::Ours, Vmm::Qemu] {
+            specs.push((
+                name("boot_to_init_wall"),
+                "ms",
+                vmm,
+                boot_samples(config, vmm, &|r| ms(r.to_marker)),
+            ));
+        }
         specs.push((
-            "boot_to_init_wall",
+            name("boot_timer_since_vmm_start"),
             "ms",
-            vmm,
-            boot_samples(vmm, &|r| ms(r.to_marker)),
+            Vmm::Ours,
+            boot_samples(config, Vmm::Ours, &timer(|t| t.since_vmm_start_ms)),
         ));
-    }
-    specs.push((
-        "boot_timer_since_vmm_start",
-        "ms",
-        Vmm::Ours,
-        boot_samples(Vmm::Ours, &timer(|t| t.since_vmm_start_ms)),
-    ));
-    specs.push((
-        "boot_timer_since_first_vcpu",
-        "ms",
-        Vmm::Ours,
-        boot_samples(Vmm::Ours, &timer(|t| t.since_first_vcpu_ms)),
-    ));
-    for vmm in [Vmm::Ours, Vmm::Qemu] {
         specs.push((
-            "total_wall",
+            name("boot_timer_since_first_vcpu"),
             "ms",
-            vmm,
-            boot_samples(vmm, &|r| ms(r.to_exit)),
+            Vmm::Ours,
+            boot_samples(config, Vmm::Ours, &timer(|t| t.since_first_vcpu_ms)),
         ));
+        for vmm in [Vmm::Ours, Vmm::Qemu] {
+            specs.push((
+                name("total_wall"),
+                "ms",
+                vmm,
+                boot_samples(config, vmm, &|r| ms(r.to_exit)),
+            ));
+        }
     }
     for vmm in [Vmm::Ours, Vmm::Qemu] {
         specs.push((
-            "vmm_overhead_rss",
+            "vmm_overhead_rss".into(),
             "MiB",
             vmm,
             memory_samples(vmm, &|m| mib(m.overhead_rss_kib)),
@@ -1032,7 +1085,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     }
     for vmm in [Vmm::Ours, Vmm::Qemu] {
         specs.push((
-            "total_rss",
+            "total_rss".into(),
             "MiB",
             vmm,
             memory_samples(vmm, &|m| mib(m.total_rss_kib)),
@@ -1040,7 +1093,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     }
     for vmm in [Vmm::Ours, Vmm::Qemu] {
         specs.push((
-            "guest_memory_rss",
+            "guest_memory_rss".into(),
             "MiB",
             vmm,
             memory_samples(vmm, &|m| mib(m.guest_rss_kib)),
@@ -1050,7 +1103,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     for (name, unit, vmm, samples) in specs {
         let n = samples.len();
         figures.push(
-            Figure::new(name, unit, vmm.label(), samples)
+            Figure::new(&name, unit, vmm.label(), samples)
                 .ok_or_else(|| format!("{name} ({}): no valid samples out of {n}", vmm.label()))?,
         );
     }
@@ -1063,7 +1116,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     let churn = crate::churn::measure(&ChurnBench {
         vmms: [Vmm::Ours, Vmm::Qemu]
             .iter()
-            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, args)))
+            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, first)))
             .collect(),
         marker: BOOT_MARKER.into(),
         cycles: args.churn_cycles,
@@ -1154,10 +1207,11 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
             memory_run_sleep_s: sleep_s,
             timeout_s: args.timeout.as_secs(),
             marker: BOOT_MARKER.into(),
+            configs: args.configs.clone(),
         },
         commands: [Vmm::Ours, Vmm::Qemu]
             .iter()
-            .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, args))))
+            .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, first))))
             .collect(),
         memory_rules: [Vmm::Ours, Vmm::Qemu]
             .iter()
@@ -1167,7 +1221,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
                     format!(
                         "guest memory = {}; overhead = Rss of every other mapping of the VMM process \
                          (/proc/<pid>/smaps, read when the guest printed {MEMORY_MARKER})",
-                        v.memory_rule(args.memory_mib).describe()
+                        v.memory_rule(first.memory_mib).describe()
                     ),
                 )
             })
@@ -1422,10 +1476,10 @@ mod tests {
                 .join(" ")
         };
         assert_eq!(
-            s(Vmm::Ours.argv(&tools, Path::new("/x"), &a)),
+            s(Vmm::Ours.argv(&tools, Path::new("/x"), a.configs[0])),
             "/v boot --nested never --kernel /k --initrd /x --memory 128 --cpus 1 --boot-time"
         );
-        let q = s(Vmm::Qemu.argv(&tools, Path::new("/x"), &a));
+        let q = s(Vmm::Qemu.argv(&tools, Path::new("/x"), a.configs[0]));
         assert!(q.starts_with("/q -M microvm,acpi=off"), "{q}");
         assert!(q.contains("-m 128 -smp 1"), "{q}");
         assert!(
@@ -1433,6 +1487,38 @@ mod tests {
             "{q}"
         );
         assert!(q.ends_with(GUEST_CMDLINE), "{q}");
+        let big = BootConfig::new(2, 1024);
+        assert!(s(Vmm::Ours.argv(&tools, Path::new("/x"), big)).contains("--memory 1024 --cpus 2"));
+        assert!(s(Vmm::Qemu.argv(&tools, Path::new("/x"), big)).contains("-m 1024 -smp 2"));
+    }
+
+    #[test]
+    fn boot_configurations() {
+        let c = |v: u32, m: u64| BootConfig::new(v, m);
+        // Full: the whole matrix, the former single configuration first.
+        assert_eq!(
+            boot_configs(false, None, None),
+            [c(1, 128), c(2, 128), c(1, 1024), c(2, 1024)]
+        );
+        // Quick: the first and the last.
+        assert_eq!(boot_configs(true, None, None), [c(1, 128), c(2, 1024)]);
+        // Explicit: one configuration, the other value at its default, quick or not.
+        assert_eq!(boot_configs(false, Some(2), Some(512)), [c(2, 512)]);
+        assert_eq!(boot_configs(true, Some(2), None), [c(2, 128)]);
+        assert_eq!(boot_configs(false, None, Some(1024)), [c(1, 1024)]);
+
+        let a = args(&[]).unwrap();
+        assert_eq!(a.configs.len(), 4);
+        assert_eq!((a.cpus, a.memory_mib), (1, 128));
+        assert_eq!((a.cpus_given, a.memory_given), (None, None));
+        let q = args(&["--quick"]).unwrap();
+        assert_eq!(q.configs, [c(1, 128), c(2, 1024)]);
+        let e = args(&["--cpus", "2", "--memory", "256"]).unwrap();
+        assert_eq!(e.configs, [c(2, 256)]);
+        assert_eq!((e.cpus, e.memory_mib), (2, 256));
+        assert_eq!((e.cpus_given, e.memory_given), (Some(2), Some(256)));
+        assert!(args(&["--cpus", "0"]).is_err());
+        assert!(args(&["--memory", "0"]).is_err());
     }
 
     fn sh(script: &str) -> Vec<OsString> {

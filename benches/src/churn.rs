@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::agent::parse_meminfo;
 use crate::boot::{run_vm, say};
-use crate::report::{fmt_sig, ratios, Figure, Ratio, OURS, QEMU};
+use crate::report::{first_line, fmt_sig, ratios, Figure, Ratio, OURS, QEMU};
 use crate::stats::median;
 
 /// Create/destroy cycles per VMM: the 100, 10 with `--quick`.
@@ -323,10 +323,6 @@ pub struct ChurnBench {
     /// A string every VM's command line contains and no other process's: the loop's
     /// initramfs path.
     pub needle: String,
-}
-
-fn first_line(s: &str) -> &str {
-    s.lines().next().unwrap_or("").trim()
 }
 
 impl ChurnReport {

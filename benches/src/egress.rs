@@ -633,10 +633,6 @@ fn loopback() -> Result<(), String> {
         .map_err(|e| format!("cannot bind 127.0.0.1 for the upstreams: {e}"))
 }
 
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or("").trim().to_string()
-}
-
 fn measure_into(b: &EgressBench, report: &mut EgressReport) -> Result<(), String> {
     let s = &b.sizes;
     if s.latency_requests == 0 || s.latency_rounds == 0 || s.throughput_mib == 0 {
@@ -799,7 +795,7 @@ fn measure_into(b: &EgressBench, report: &mut EgressReport) -> Result<(), String
     let version = |side: Side| {
         runner
             .run(side, "curl --version", vec!["--version".into()])
-            .map(|r| first_line(&r.stdout))
+            .map(|r| crate::report::first_line(&r.stdout).to_string())
     };
     report.config.curl_host = version(Side::Host)?;
     report.config.curl_guest = version(Side::Guest)?;

@@ -74,6 +74,20 @@ pub struct Figure {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<Target>,
     pub samples: Vec<f64>,
+    /// Where and what was measured, filled in once the report is complete (see
+    /// [`Report::fill_figure_metadata`]); empty in reports written before these fields.
+    /// The machine the benchmark ran on (its hostname).
+    #[serde(default)]
+    pub machine: String,
+    /// The guest kernel (its path).
+    #[serde(default)]
+    pub kernel: String,
+    /// The commit measured (`git rev-parse --short HEAD`), where known.
+    #[serde(default)]
+    pub commit: Option<String>,
+    /// `direct` (this machine's KVM) or `nested` (the QEMU-TCG nested host).
+    #[serde(default)]
+    pub mode: String,
 }
 
 /// A goal: the median should be below `below` (in the figure's unit) on `on`.
@@ -104,6 +118,10 @@ impl Figure {
             p99: None,
             target: None,
             samples,
+            machine: String::new(),
+            kernel: String::new(),
+            commit: None,
+            mode: String::new(),
         })
     }
 
@@ -156,6 +174,45 @@ pub fn ratios(figures: &[Figure]) -> Vec<Ratio> {
     out
 }
 
+/// One guest configuration the boot figures are measured with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootConfig {
+    pub vcpus: u32,
+    pub memory_mib: u64,
+}
+
+impl BootConfig {
+    pub const fn new(vcpus: u32, memory_mib: u64) -> BootConfig {
+        BootConfig { vcpus, memory_mib }
+    }
+
+    /// `@2cpu-1024mib`: what the names of this configuration's figures end with.
+    pub fn suffix(self) -> String {
+        format!("@{}cpu-{}mib", self.vcpus, self.memory_mib)
+    }
+
+    /// The name of figure `base` measured with this configuration: `base` itself for
+    /// the first configuration (the names the single-configuration reports used),
+    /// `base@2cpu-1024mib` for the others.
+    pub fn figure_name(self, base: &str, first: bool) -> String {
+        if first {
+            base.to_string()
+        } else {
+            format!("{base}{}", self.suffix())
+        }
+    }
+
+    /// `2 vCPUs, 1024 MiB`.
+    pub fn label(self) -> String {
+        format!(
+            "{} vCPU{}, {} MiB",
+            self.vcpus,
+            if self.vcpus == 1 { "" } else { "s" },
+            self.memory_mib
+        )
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Config {
     pub runs: usize,
@@ -166,6 +223,11 @@ pub struct Config {
     pub memory_run_sleep_s: u64,
     pub timeout_s: u64,
     pub marker: String,
+    /// The configurations the boot figures were measured with, in order: the first
+    /// (`vcpus`, `memory_mib`) names its figures plainly, the others with
+    /// [`BootConfig::suffix`]. Empty in reports written before the matrix.
+    #[serde(default)]
+    pub configs: Vec<BootConfig>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -282,6 +344,46 @@ fn fmt_precise(v: f64, unit: &str) -> String {
 }
 
 impl Report {
+    /// Every [`Figure`] of the report, the sections' included.
+    pub fn figures_mut(&mut self) -> impl Iterator<Item = &mut Figure> {
+        let workspace = self.workspace.iter_mut().flat_map(|w| w.figures.iter_mut());
+        let fs = self
+            .fs
+            .iter_mut()
+            .flat_map(|f| f.figures.iter_mut())
+            .flat_map(|f| f.host.iter_mut().chain(f.guest.iter_mut()));
+        let egress = self
+            .egress
+            .iter_mut()
+            .flat_map(|e| e.figures.iter_mut())
+            .flat_map(|f| f.host.iter_mut().chain(f.guest.iter_mut()));
+        let agent = self.agent.iter_mut().flat_map(|a| a.figures.iter_mut());
+        let churn = self.churn.iter_mut().flat_map(|c| c.figures.iter_mut());
+        self.figures
+            .iter_mut()
+            .chain(workspace)
+            .chain(fs)
+            .chain(egress)
+            .chain(agent)
+            .chain(churn)
+    }
+
+    /// Copies the report's machine (its hostname), guest kernel, commit and mode into
+    /// every figure, so that each figure's JSON object stands on its own. Call it
+    /// once `commit` and `mode` are final.
+    pub fn fill_figure_metadata(&mut self) {
+        let machine = self.machine.hostname.clone();
+        let kernel = self.kernel.clone();
+        let commit = self.commit.clone();
+        let mode = self.mode.clone();
+        for f in self.figures_mut() {
+            f.machine = machine.clone();
+            f.kernel = kernel.clone();
+            f.commit = commit.clone();
+            f.mode = mode.clone();
+        }
+    }
+
     /// A short Markdown summary: header lines and one table.
     pub fn markdown(&self) -> String {
         let mut s = String::new();
@@ -314,6 +416,25 @@ impl Report {
             self.config.memory_mib,
             self.config.memory_runs,
         ));
+        if self.config.configs.len() > 1 {
+            s.push_str(&format!(
+                "Boot figures for {} configurations, {} boot(s) per VMM each: {}; memory on the \
+                 first only.\n\n",
+                self.config.configs.len(),
+                self.config.runs,
+                self.config
+                    .configs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| if i == 0 {
+                        format!("{} (plain names)", c.label())
+                    } else {
+                        format!("{} (`{}`)", c.label(), c.suffix())
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
         s.push_str("| figure | unit | VMM | median | p90 | min | max | n | ours/QEMU |\n");
         s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|\n");
         for f in &self.figures {
@@ -620,6 +741,11 @@ pub struct FsReport {
     pub error: Option<String>,
 }
 
+/// The first line of a command's output, trimmed (for one-line summaries).
+pub(crate) fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("").trim()
+}
+
 /// Throughputs and times of very different sizes: three significant digits or so.
 pub(crate) fn fmt_sig(v: f64) -> String {
     match v.abs() {
@@ -779,6 +905,128 @@ pub fn utc_from_unix(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn boot_config_names_and_labels() {
+        let first = BootConfig::new(1, 128);
+        let big = BootConfig::new(2, 1024);
+        assert_eq!(
+            first.figure_name("boot_to_init_wall", true),
+            "boot_to_init_wall"
+        );
+        assert_eq!(
+            big.figure_name("boot_to_init_wall", false),
+            "boot_to_init_wall@2cpu-1024mib"
+        );
+        assert_eq!(first.suffix(), "@1cpu-128mib");
+        assert_eq!(first.label(), "1 vCPU, 128 MiB");
+        assert_eq!(big.label(), "2 vCPUs, 1024 MiB");
+        // Ratios pair ours and QEMU of the same configuration only.
+        let f = |name: &str, vmm: &str, v: f64| Figure::new(name, "ms", vmm, vec![v]).unwrap();
+        let r = ratios(&[
+            f("boot_to_init_wall", OURS, 10.0),
+            f("boot_to_init_wall", QEMU, 20.0),
+            f("boot_to_init_wall@2cpu-1024mib", OURS, 30.0),
+            f("boot_to_init_wall@2cpu-1024mib", QEMU, 10.0),
+        ]);
+        let got: Vec<(&str, f64)> = r
+            .iter()
+            .map(|r| (r.name.as_str(), r.ours_over_qemu))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("boot_to_init_wall", 0.5),
+                ("boot_to_init_wall@2cpu-1024mib", 3.0)
+            ]
+        );
+    }
+
+    #[test]
+    fn figures_get_the_report_metadata() {
+        // A report as older versions wrote it: no metadata on figures, no configs.
+        let fig = |name: &str, vmm: &str| {
+            serde_json::json!({"name": name, "unit": "ms", "vmm": vmm, "median": 1.0,
+                "p90": 1.0, "min": 1.0, "max": 1.0, "samples": [1.0]})
+        };
+        let mut r: Report = serde_json::from_value(serde_json::json!({
+            "benchmark": "boot", "date": "d", "mode": "nested", "note": null,
+            "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
+                "hardware_kvm": false},
+            "measured_on": null, "commit": "abc1234", "dirty": false,
+            "kernel": "/k/bzImage", "initrd": "/i", "vmctl": "/v", "qemu": "/q",
+            "qemu_version": "q",
+            "config": {"runs": 1, "quick": true, "vcpus": 1, "memory_mib": 128,
+                "memory_runs": 1, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
+            "commands": [], "memory_rules": [],
+            "figures": [fig("boot_to_init_wall", OURS), fig("boot_to_init_wall", QEMU)],
+            "ratios": []
+        }))
+        .unwrap();
+        assert!(r.config.configs.is_empty());
+        assert_eq!(
+            (
+                r.figures[0].machine.as_str(),
+                r.figures[0].commit.as_deref()
+            ),
+            ("", None)
+        );
+        let before = r.markdown();
+        r.workspace = Some(WorkspaceReport {
+            note: String::new(),
+            config: WorkspaceConfig {
+                ready_runs: 1,
+                exec_iterations: 1,
+                exec_warmup: 0,
+                cli_iterations: 1,
+                kernel: String::new(),
+                agent_initramfs: String::new(),
+                rootfs: String::new(),
+                vm_cpus: 2,
+                vm_memory_mib: 1024,
+                vm_nested: false,
+                timeout_s: 1,
+            },
+            commands: vec![],
+            environment: vec![],
+            figures: vec![Figure::new("ws", "ms", OURS, vec![2.0]).unwrap()],
+            ready_runs: vec![],
+        });
+        r.fill_figure_metadata();
+        let n = r.figures_mut().count();
+        assert!(n >= 3, "{n}");
+        for f in r.figures_mut() {
+            assert_eq!(f.machine, "box");
+            assert_eq!(f.kernel, "/k/bzImage");
+            assert_eq!(f.commit.as_deref(), Some("abc1234"));
+            assert_eq!(f.mode, "nested");
+        }
+        // Every figure object in the JSON carries them.
+        let v = serde_json::to_value(&r).unwrap();
+        for f in v["figures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .chain(v["workspace"]["figures"].as_array().unwrap())
+        {
+            assert_eq!(f["machine"], "box");
+            assert_eq!(f["kernel"], "/k/bzImage");
+            assert_eq!(f["commit"], "abc1234");
+            assert_eq!(f["mode"], "nested");
+        }
+        // The boot table is unchanged by the metadata; a matrix adds its header line.
+        r.workspace = None;
+        assert_eq!(r.markdown(), before);
+        r.config.configs = vec![BootConfig::new(1, 128), BootConfig::new(2, 1024)];
+        let md = r.markdown();
+        assert!(
+            md.contains(
+                "Boot figures for 2 configurations, 1 boot(s) per VMM each: 1 vCPU, 128 MiB \
+                 (plain names), 2 vCPUs, 1024 MiB (`@2cpu-1024mib`); memory on the first only."
+            ),
+            "{md}"
+        );
+    }
 
     #[test]
     fn dates() {

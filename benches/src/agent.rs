@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::boot::{say, TempDir};
 use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
-use crate::workspace::Vmctl;
+use crate::workspace::{artifact_vars, Vmctl};
 
 /// Cold runs (a fresh workspace each, so a VM boot each) and warm runs.
 pub const COLD_RUNS: usize = 3;
@@ -230,30 +230,15 @@ pub fn row_of<'a>(rows: &'a [PsRow], workspace: &Path) -> Option<&'a PsRow> {
     })
 }
 
-/// A `Duration` as seconds (a number) in the report.
-mod secs {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let v = f64::deserialize(d)?;
-        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
-    }
-}
-
 /// When the used memory counts as settled after the VMs started.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Settle {
     /// Sampled this often, for at least `min` and at most `max` (seconds in JSON).
-    #[serde(with = "secs")]
+    #[serde(with = "crate::report::secs")]
     pub interval: Duration,
-    #[serde(with = "secs")]
+    #[serde(with = "crate::report::secs")]
     pub min: Duration,
-    #[serde(with = "secs")]
+    #[serde(with = "crate::report::secs")]
     pub max: Duration,
     /// The last `samples` samples lie within `tolerance` of what the VMs added (after
     /// minus before), or within `floor_kib`, whichever is more.
@@ -814,17 +799,9 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
     }
     fs::write(&config, format!("idle_timeout_s = {IDLE_TIMEOUT_S}\n"))
         .map_err(|e| format!("write {}: {e}", config.display()))?;
-    let env: Vec<(String, String)> = [
-        ("XDG_STATE_HOME", state.as_path()),
-        ("VMCTL_CONFIG", config.as_path()),
-        ("VMCTL_KERNEL", b.kernel.as_path()),
-        ("VMCTL_AGENT_INITRAMFS", b.agent_initramfs.as_path()),
-        ("VMCTL_ROOTFS", b.rootfs.as_path()),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.display().to_string()))
-    .collect();
-    report.environment = env.clone();
+    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
+    let vmctl = Vmctl::new(&b.vmctl, state, Some(&config), artifacts, b.timeout);
+    report.environment = vmctl.env.clone();
     let bin = b.vmctl.display().to_string();
     let agent_argv: Vec<String> = [bin.as_str(), "agent", "claude", "--version"]
         .map(String::from)
@@ -833,13 +810,7 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
     // directory goes.
     let mut session = Session {
         b,
-        vmctl: Vmctl {
-            bin: b.vmctl.clone(),
-            env,
-            state,
-            timeout: b.timeout,
-            live: Vec::new(),
-        },
+        vmctl,
         agent_argv: agent_argv.clone(),
     };
     report.commands = vec![

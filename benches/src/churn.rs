@@ -49,10 +49,10 @@ pub struct Sampling {
     /// Samples taken before and after the loop (their median counts), this far apart
     /// (seconds in JSON).
     pub samples: usize,
-    #[serde(with = "secs")]
+    #[serde(with = "crate::report::secs")]
     pub interval: Duration,
     /// The wait after the loop before the first sample (seconds in JSON).
-    #[serde(with = "secs")]
+    #[serde(with = "crate::report::secs")]
     pub settle: Duration,
 }
 
@@ -74,21 +74,6 @@ pub fn time_budget(cycles: usize, vmms: usize, timeout: Duration, s: &Sampling) 
         + s.interval * (2 * s.samples as u32)
         + Duration::from_secs(10);
     per_loop * vmms as u32 + Duration::from_secs(30)
-}
-
-/// A `Duration` as seconds (a number) in the report.
-mod secs {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let v = f64::deserialize(d)?;
-        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
-    }
 }
 
 /// Cycles per second: `cycles` completed in `total`; `None` for none or no time.

@@ -22,7 +22,7 @@ use crate::boot::{say, TempDir};
 use crate::fs::{order, Side};
 use crate::report::{guest_slowdown, Better, Figure, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{run_command, Ran, Vmctl};
+use crate::workspace::{artifact_vars, run_command, Ran, Vmctl};
 
 /// The upstreams' name: the policy allows it, the secret is bound to it, and
 /// `--egress-test-resolve` points its ports 80 and 443 at the upstreams.
@@ -665,26 +665,11 @@ fn measure_into(b: &EgressBench, report: &mut EgressReport) -> Result<(), String
         secret: format!("bench-secret-{}", vm_tests::random_hex(24)),
     };
 
-    let env: Vec<(String, String)> = [
-        ("XDG_STATE_HOME", state.as_path()),
-        ("VMCTL_CONFIG", config.as_path()),
-        ("VMCTL_KERNEL", b.kernel.as_path()),
-        ("VMCTL_AGENT_INITRAMFS", b.agent_initramfs.as_path()),
-        ("VMCTL_ROOTFS", b.rootfs.as_path()),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.display().to_string()))
-    .collect();
-    report.environment = env.clone();
-    report.config.workspace = ws.display().to_string();
+    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
     // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
-    let mut vmctl = Vmctl {
-        bin: b.vmctl.clone(),
-        env,
-        state,
-        timeout: b.timeout,
-        live: Vec::new(),
-    };
+    let mut vmctl = Vmctl::new(&b.vmctl, state, Some(&config), artifacts, b.timeout);
+    report.environment = vmctl.env.clone();
+    report.config.workspace = ws.display().to_string();
     let bin = b.vmctl.display().to_string();
     let policy: Vec<String> = [bin.as_str(), "policy", "allow", HOST_NAME, "--global"]
         .map(String::from)

@@ -20,7 +20,7 @@ use std::time::Duration;
 use crate::boot::{version_line, TempDir};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{run_command, Ran, Vmctl};
+use crate::workspace::{artifact_vars, run_command, Ran, Vmctl};
 
 /// Sizes on hardware KVM: the issue's.
 pub const ISSUE_FILE_MIB: u64 = 256;
@@ -505,25 +505,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     let ws = ws
         .canonicalize()
         .map_err(|e| format!("{}: {e}", ws.display()))?;
-    let env: Vec<(String, String)> = [
-        ("XDG_STATE_HOME", state.as_path()),
-        ("VMCTL_KERNEL", b.kernel.as_path()),
-        ("VMCTL_AGENT_INITRAMFS", b.agent_initramfs.as_path()),
-        ("VMCTL_ROOTFS", b.rootfs.as_path()),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.display().to_string()))
-    .collect();
-    report.environment = env.clone();
-    report.config.workspace = ws.display().to_string();
+    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
     // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
-    let mut vmctl = Vmctl {
-        bin: b.vmctl.clone(),
-        env,
-        state,
-        timeout: b.timeout,
-        live: Vec::new(),
-    };
+    let mut vmctl = Vmctl::new(&b.vmctl, state, None, artifacts, b.timeout);
+    report.environment = vmctl.env.clone();
+    report.config.workspace = ws.display().to_string();
     say(format!(
         "virtio-fs: {} MiB file, {} files, {} repetition(s) per side ({}), in {}",
         s.file_mib,

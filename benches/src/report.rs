@@ -741,6 +741,21 @@ pub struct FsReport {
     pub error: Option<String>,
 }
 
+/// A `Duration` as seconds (a number) in the report.
+pub(crate) mod secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
+    }
+}
+
 /// The first line of a command's output, trimmed (for one-line summaries).
 pub(crate) fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("").trim()

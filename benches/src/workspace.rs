@@ -128,6 +128,19 @@ pub(crate) fn run_command(
     })
 }
 
+/// The guest artifacts vmctl is pointed at, as its variables.
+pub(crate) fn artifact_vars<'a>(
+    kernel: &'a Path,
+    agent_initramfs: &'a Path,
+    rootfs: &'a Path,
+) -> [(&'static str, &'a Path); 3] {
+    [
+        ("VMCTL_KERNEL", kernel),
+        ("VMCTL_AGENT_INITRAMFS", agent_initramfs),
+        ("VMCTL_ROOTFS", rootfs),
+    ]
+}
+
 /// `vmctl` with the benchmark's state directory and artifacts; remembers every
 /// workspace it started and removes the ones still there when dropped.
 pub(crate) struct Vmctl {
@@ -139,6 +152,31 @@ pub(crate) struct Vmctl {
 }
 
 impl Vmctl {
+    /// `vmctl` (`bin`) with its own state directory (`XDG_STATE_HOME`), these
+    /// artifacts and, when given, its own config file (`VMCTL_CONFIG`).
+    pub(crate) fn new(
+        bin: &Path,
+        state: PathBuf,
+        config: Option<&Path>,
+        artifacts: [(&'static str, &Path); 3],
+        timeout: Duration,
+    ) -> Vmctl {
+        let mut vars = vec![("XDG_STATE_HOME", state.as_path())];
+        vars.extend(config.map(|c| ("VMCTL_CONFIG", c)));
+        vars.extend(artifacts);
+        let env = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.display().to_string()))
+            .collect();
+        Vmctl {
+            bin: bin.to_path_buf(),
+            env,
+            state,
+            timeout,
+            live: Vec::new(),
+        }
+    }
+
     pub(crate) fn argv(&self, args: &[&str], dir: &Path) -> Vec<String> {
         let mut v = vec![self.bin.display().to_string()];
         v.extend(args.iter().map(|a| a.to_string()));
@@ -354,23 +392,10 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     let tmp = TempDir::unique("-ws");
     let state = tmp.0.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
-    let env: Vec<(String, String)> = [
-        ("XDG_STATE_HOME", state.as_path()),
-        ("VMCTL_KERNEL", b.kernel.as_path()),
-        ("VMCTL_AGENT_INITRAMFS", b.agent_initramfs.as_path()),
-        ("VMCTL_ROOTFS", b.rootfs.as_path()),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.display().to_string()))
-    .collect();
     // Declared after `tmp`, so dropped (VMs removed) before the directory goes.
-    let mut vmctl = Vmctl {
-        bin: b.vmctl.clone(),
-        env: env.clone(),
-        state,
-        timeout: b.timeout,
-        live: Vec::new(),
-    };
+    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
+    let mut vmctl = Vmctl::new(&b.vmctl, state, None, artifacts, b.timeout);
+    let env = vmctl.env.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

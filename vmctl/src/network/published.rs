@@ -11,9 +11,6 @@ use tokio::task::AbortHandle;
 
 use super::control::PublishedPort;
 
-/// The guest agent's vsock port.
-const AGENT_PORT: u32 = guest_agent::protocol::DEFAULT_PORT;
-
 /// The published ports of one VM, by guest port.
 #[derive(Default)]
 pub struct Published {
@@ -93,7 +90,9 @@ fn poisoned() -> String {
 }
 
 async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
-    let connection = match guest_agent::client::connect_hybrid(&vsock, AGENT_PORT).await {
+    let connection = match guest_agent::client::connect_hybrid(&vsock, crate::exec::AGENT_PORT)
+        .await
+    {
         Ok(connection) => connection,
         Err(e) => {
             tracing::warn!("published port {guest_port} for {peer}: cannot reach the guest: {e}");

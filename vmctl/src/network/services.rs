@@ -21,8 +21,6 @@ use crate::state::{VmDir, VmRecord};
 const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A service request is a few bytes; anything longer is garbage.
 const MAX_PREAMBLE: usize = 256;
-/// The guest agent's vsock port.
-const AGENT_PORT: u32 = guest_agent::protocol::DEFAULT_PORT;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -54,6 +52,10 @@ pub struct NetworkService {
     /// Host loopback ports the guest may reach.
     relays: Mutex<BTreeSet<u16>>,
     published: Published,
+    /// The setup the guest last took without a failure: sessions ask for it at each
+    /// start, and the guest need not redo it when nothing changed. Held across the
+    /// call to the guest, so concurrent requests apply one at a time.
+    applied: tokio::sync::Mutex<Option<NetworkConfig>>,
 }
 
 /// Starts serving the VM's network on a thread of its own; it runs until the
@@ -93,6 +95,7 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         secrets: files.secrets,
         relays: Mutex::new(record.relay_ports.iter().copied().collect()),
         published: Published::default(),
+        applied: tokio::sync::Mutex::new(None),
     });
     let services_path = service_socket(&vm.vsock_socket());
     let control_path = vm.control_socket();
@@ -302,13 +305,22 @@ async fn configure_guest(
         env: guest_env(placeholders),
         relay_ports: relay_ports.clone(),
     };
-    let connection = guest_agent::client::connect_hybrid(&service.vsock, AGENT_PORT)
+    let mut applied = service.applied.lock().await;
+    if applied.as_ref() == Some(&config) {
+        return Ok(ControlResponse::Configured {
+            relay_ports,
+            failed_relays: Vec::new(),
+        });
+    }
+    let connection = guest_agent::client::connect_hybrid(&service.vsock, crate::exec::AGENT_PORT)
         .await
         .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
     let failed_relays = connection
-        .configure_network(config)
+        .configure_network(config.clone())
         .await
         .map_err(|e| format!("the guest agent refused the network setup: {e}"))?;
+    // A failed relay is tried again next time.
+    *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
         relay_ports,
         failed_relays,

@@ -744,6 +744,10 @@ impl Workspace {
             stdout: out_reader.join().unwrap_or_default(),
             stderr: err_reader.join().unwrap_or_default(),
         };
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if VM_LOST_SIGNS.iter().any(|sign| stderr.contains(sign)) {
+            VM_LOST.with(|lost| lost.set(true));
+        }
         eprintln!(
             "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
             output.status.code(),
@@ -781,16 +785,37 @@ fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
 pub fn retry_if_vm_lost(scenario: fn()) {
     const ATTEMPTS: usize = 3;
     for attempt in 1..=ATTEMPTS {
+        VM_LOST.with(|lost| lost.set(false));
         match std::panic::catch_unwind(scenario) {
             Ok(()) => return,
-            Err(panic) if attempt < ATTEMPTS && vm_was_lost(panic.as_ref()) => eprintln!(
-                "RETRY: attempt {attempt} lost its VM (the known nested-host crash or hang); \
+            Err(panic)
+                if attempt < ATTEMPTS
+                    && (vm_was_lost(panic.as_ref()) || VM_LOST.with(|lost| lost.get())) =>
+            {
+                eprintln!(
+                    "RETRY: attempt {attempt} lost its VM (the known nested-host crash or hang); \
                  starting over with a fresh VM"
-            ),
+                )
+            }
             Err(panic) => std::panic::resume_unwind(panic),
         }
     }
 }
+
+thread_local! {
+    /// Set by [`Workspace::run`] when vmctl reported its VM lost, whatever assertion
+    /// then failed: the scenario (on this thread) is worth another attempt.
+    static VM_LOST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// What vmctl or a panic says when the VM went away under a scenario.
+const VM_LOST_SIGNS: [&str; 5] = [
+    "timed out",
+    "the VM stopped",
+    "closed the connection",
+    "guest crashed",
+    "the nested host stopped before the VM finished",
+];
 
 fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
     let message = panic
@@ -798,15 +823,7 @@ fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("");
-    [
-        "timed out",
-        "the VM stopped",
-        "closed the connection",
-        "guest crashed",
-        "the nested host stopped before the VM finished",
-    ]
-    .iter()
-    .any(|sign| message.contains(sign))
+    VM_LOST_SIGNS.iter().any(|sign| message.contains(sign))
 }
 
 /// A command's stdout as text.

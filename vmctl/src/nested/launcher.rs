@@ -25,6 +25,9 @@ use vmm::config::FsConfig;
 const QEMU_ENV: &str = "VMCTL_QEMU";
 const QEMU_BINARY: &str = "qemu-system-x86_64";
 const LOG_ENV: &str = "VMCTL_LOG";
+/// QEMU's human monitor of a nested host, in its job directory
+/// (`/tmp/vmctl-nested-<vmctl pid>-<n>/`).
+const MONITOR_SOCKET: &str = "monitor.sock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum NestedError {
@@ -191,7 +194,10 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
             Ok(())
         });
     }
-    tracing::debug!("starting the nested host: {command:?}");
+    tracing::debug!(
+        "starting the nested host (monitor: {}): {command:?}",
+        job_dir.file(MONITOR_SOCKET).display()
+    );
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         if let Err(e) = register_signal_handler(signal, remember_stop_signal) {
             tracing::warn!("cannot handle signal {signal}: {e}");
@@ -445,6 +451,12 @@ fn qemu_command(
         .arg(kernel)
         .args(["-append", &cmdline])
         .args(["-serial", "stdio"]);
+    // A monitor socket costs nothing and is the only way to look inside a nested host
+    // that stopped making progress (`info lapic`, `info registers -a`, `info cpus`).
+    command.arg("-monitor").arg(format!(
+        "unix:{},server=on,wait=off",
+        job_dir.join(MONITOR_SOCKET).display()
+    ));
     let mut share = |id: &str, path: &Path, tag: &str, read_only: bool| {
         command
             .arg("-fsdev")

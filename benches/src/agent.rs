@@ -9,26 +9,24 @@
 //! daemon the sessions start is stopped with `vmctl daemon --stop`, also on failure.
 
 use std::fs;
-use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::boot::{say, TempDir};
+use crate::process::run_command;
 use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
 use crate::workspace::{artifact_vars, Vmctl};
 
 /// Cold runs (a fresh workspace each, so a VM boot each) and warm runs.
 pub const COLD_RUNS: usize = 3;
-pub const QUICK_COLD_RUNS: usize = 2;
+pub const QUICK_COLD_RUNS: usize = 1;
 pub const WARM_RUNS: usize = 10;
-pub const QUICK_WARM_RUNS: usize = 5;
+pub const QUICK_WARM_RUNS: usize = 3;
 /// Unmeasured warm runs before the measured ones (the first reads the CLI from the
 /// root image into the guest's page cache).
 pub const WARM_WARMUP: usize = 1;
@@ -36,7 +34,7 @@ pub const WARM_WARMUP: usize = 1;
 /// nested host, where each VM boots in tens of seconds and the host has 4 GiB, fewer.
 pub const IDLE_VMS: usize = 10;
 pub const NESTED_IDLE_VMS: usize = 3;
-pub const QUICK_NESTED_IDLE_VMS: usize = 2;
+pub const QUICK_NESTED_IDLE_VMS: usize = 1;
 /// What the host must keep available when choosing N: a reserve, and a budget per
 /// idle VM (an idle guest touches far less than its memory; this bounds the worst).
 pub const HOST_RESERVE_MIB: u64 = 1024;
@@ -256,6 +254,20 @@ impl Settle {
             samples: 3,
             tolerance: 0.02,
             floor_kib: 1024,
+        }
+    }
+
+    /// `--quick`: sampled every second from 3 s on, two samples in a row agreeing.
+    pub fn for_run(nested: bool, quick: bool) -> Settle {
+        let full = Settle::new(nested);
+        if !quick {
+            return full;
+        }
+        Settle {
+            interval: Duration::from_secs(1),
+            min: Duration::from_secs(3),
+            samples: 2,
+            ..full
         }
     }
 
@@ -538,84 +550,6 @@ impl AgentReport {
     }
 }
 
-/// A finished `vmctl agent` run, timed.
-struct Timed {
-    first_byte: Option<Duration>,
-    exit: Duration,
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `cmd` (stdin `/dev/null`, in a process group of its own) and times the first
-/// byte on its stdout and its exit; kills the group after `timeout`.
-fn run_timed(mut cmd: Command, line: &str, timeout: Duration) -> Result<Timed, String> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let start = Instant::now();
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run {line}: {e}"))?;
-    let pid = child.id();
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let out = thread::spawn(move || {
-        let (mut all, mut first) = (Vec::new(), None);
-        let mut buf = [0u8; 8192];
-        loop {
-            match out.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    first.get_or_insert_with(Instant::now);
-                    all.extend_from_slice(&buf[..n]);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => break,
-            }
-        }
-        (first, String::from_utf8_lossy(&all).into_owned())
-    });
-    let err = thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = err.read_to_end(&mut s);
-        String::from_utf8_lossy(&s).into_owned()
-    });
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let status = child.wait();
-        let _ = tx.send((status, Instant::now()));
-    });
-    let (status, ended) = match rx.recv_timeout(timeout) {
-        Ok((status, ended)) => (status.map_err(|e| format!("{line}: wait: {e}"))?, ended),
-        Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{pid}")])
-                .stderr(Stdio::null())
-                .status();
-            let _ = rx.recv_timeout(Duration::from_secs(10));
-            let (_, stdout) = out.join().unwrap_or_default();
-            return Err(format!(
-                "{line} did not finish within {} s: killed\n--- stdout (tail) ---\n{}\n--- \
-                 stderr (tail) ---\n{}",
-                timeout.as_secs(),
-                tail(&stdout, 1500),
-                tail(&err.join().unwrap_or_default(), 3000)
-            ));
-        }
-    };
-    let (first, stdout) = out.join().unwrap_or_default();
-    Ok(Timed {
-        // Each thread takes its time when it gets to run: when the output comes just
-        // before the exit, the reader may get there second. The bytes were written
-        // before the exit, so that is the bound.
-        first_byte: first.map(|t| t.min(ended) - start),
-        exit: ended - start,
-        status,
-        stdout,
-        stderr: err.join().unwrap_or_default(),
-    })
-}
-
 /// Whether vmctl's daemon of this state directory runs (`vmctl/daemon.pid`: its pid,
 /// then its socket).
 fn daemon_running(state: &Path) -> bool {
@@ -643,7 +577,7 @@ impl Session<'_> {
             .envs(self.vmctl.env.iter().map(|(k, v)| (k, v)));
         let line = format!("{} (in {})", argv.join(" "), ws.display());
         let daemon = daemon_running(&self.vmctl.state);
-        let t = run_timed(cmd, &line, self.b.agent_timeout)
+        let t = run_command(cmd, &line, self.b.agent_timeout, true)
             .map_err(|e| format!("{phase} run {run}: {e}{}", self.vmctl.logs()))?;
         let fail = |why: String| {
             format!(
@@ -661,13 +595,13 @@ impl Session<'_> {
             return Err(fail(format!("its output lacks {EXPECTED_OUTPUT:?}")));
         }
         let first = t
-            .first_byte
+            .first_stdout
             .ok_or_else(|| fail("no output on stdout".into()))?;
         let r = AgentRun {
             phase: phase.into(),
             run,
             first_byte_ms: ms(first),
-            exit_ms: ms(t.exit),
+            exit_ms: ms(t.elapsed),
             daemon_running: daemon,
             output: first_line(&t.stdout).into(),
         };
@@ -1124,9 +1058,9 @@ new-00000000                 starting
         assert_eq!(
             sizes(true, true),
             AgentSizes {
-                cold_runs: 2,
-                warm_runs: 5,
-                idle_vms: 2
+                cold_runs: 1,
+                warm_runs: 3,
+                idle_vms: 1
             }
         );
         assert_eq!(sizes(false, true).idle_vms, 3);
@@ -1145,7 +1079,7 @@ new-00000000                 starting
         );
         assert_eq!(
             budget,
-            AGENT_TIMEOUT * 8 + Duration::from_secs(60 * 9 + 120 + 30)
+            AGENT_TIMEOUT * 5 + Duration::from_secs(60 * 6 + 120 + 30)
         );
     }
 
@@ -1185,28 +1119,6 @@ new-00000000                 starting
         .unwrap();
         assert!(!settled && waited >= 0.5, "{waited}");
         assert!(settle(&quick, 0, || Err("gone".into())).is_err());
-    }
-
-    #[test]
-    fn timing_first_byte_and_exit() {
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", "sleep 0.2; echo hello; sleep 0.3"]);
-        let t = run_timed(cmd, "sh", Duration::from_secs(10)).unwrap();
-        let first = t.first_byte.unwrap();
-        assert!(first >= Duration::from_millis(150), "{first:?}");
-        assert!(t.exit - first >= Duration::from_millis(250), "{:?}", t.exit);
-        assert_eq!(t.stdout, "hello\n");
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", "echo err >&2; sleep 30"]);
-        let started = Instant::now();
-        let e = run_timed(cmd, "sleeper", Duration::from_secs(1))
-            .err()
-            .unwrap();
-        assert!(started.elapsed() < Duration::from_secs(10));
-        assert!(
-            e.contains("sleeper did not finish within 1 s") && e.contains("err"),
-            "{e}"
-        );
     }
 
     /// A fake `vmctl`: `agent`/`up` "start" a VM (a state directory; the host's used

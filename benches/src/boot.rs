@@ -6,16 +6,18 @@
 
 use std::ffi::OsString;
 use std::fs;
-use std::io::{self, Read};
+use std::io::{self, BufRead, Read};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::agent::AgentBench;
 use crate::churn::ChurnBench;
+use crate::cold_start::ColdStartBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
@@ -71,6 +73,10 @@ pub fn boot_configs(quick: bool, cpus: Option<u32>, memory_mib: Option<u64>) -> 
     }
 }
 
+/// Targets on hardware KVM (the project's goals), printed beside the figures.
+pub const BOOT_TO_INIT_TARGET_MS: f64 = 125.0;
+pub const VMM_OVERHEAD_TARGET_MIB: f64 = 5.0;
+
 const USAGE: &str = "\
 usage: cargo bench -p vm-benches -- [OPTIONS]
        vm-bench [OPTIONS]
@@ -83,19 +89,23 @@ virtio-fs against the host, requests through its egress proxy against the same
 requests from the host, and `vmctl agent claude --version` cold and warm with
 the host memory of idle VMs.
 
-  --quick              3 boots per VMM and configuration, and 1 memory run
-                       (default: 10 and 3); boots with 1 vCPU/128 MiB and
-                       2 vCPUs/1024 MiB only (default: also 2/128 and 1/1024);
-                       2 vmctl up, 30 client and 5 CLI exec round trips
-                       (default: 5, 200 and 20); egress: 10 requests per
-                       curl call and 2 downloads of 16 MiB per side (default:
-                       50, and 3 of 64 MiB); agent: 2 cold and 5 warm runs
-                       (default: 3 and 10), idle VMs 2 in the nested host
-                       (default: 3; 10 on hardware KVM, where memory allows);
-                       churn: 10 create/destroy cycles per VMM (default: 100)
+  --quick              a smoke run (under 2 minutes on hardware KVM; checks the
+                       harness, not the numbers): 2 boots per VMM and
+                       configuration (default 10), 1 memory run (3); boots
+                       with 1 vCPU/128 MiB and 2 vCPUs/1024 MiB only (default:
+                       also 2/128 and 1/1024); 1 cold exec per configuration
+                       (3); 1 vmctl up, 20 client and 3 CLI exec round trips
+                       (5, 200, 20); virtio-fs 8 MiB and 100 files once;
+                       egress: 10 requests per curl call and 2 downloads of
+                       16 MiB per side (50, and 3 of 64 MiB); agent: 1 cold
+                       and 3 warm runs (3, 10), 1 idle VM in the nested host
+                       (3; 10 on hardware KVM, where memory allows); churn: 3
+                       create/destroy cycles per VMM (100)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
   --ready-runs N       vmctl up on fresh workspaces
+  --cold-runs N        cold `vmctl exec` per boot configuration (default 3;
+                       quick 1): to the agent's answer and the first output
   --exec-iterations N  round trips of `true` through the guest agent's Rust client
   --cli-iterations N   round trips of `vmctl exec -- true`
   --churn-cycles N     churn: create/destroy cycles per VMM
@@ -137,6 +147,8 @@ struct Args {
     runs: usize,
     memory_runs: usize,
     ready_runs: usize,
+    /// Cold `vmctl exec` per boot configuration.
+    cold_runs: usize,
     exec_iterations: usize,
     cli_iterations: usize,
     /// Churn: create/destroy cycles per VMM.
@@ -173,6 +185,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         runs: 0,
         memory_runs: 0,
         ready_runs: 0,
+        cold_runs: 0,
         exec_iterations: 0,
         cli_iterations: 0,
         churn_cycles: 0,
@@ -198,6 +211,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     };
     let (mut runs, mut memory_runs) = (None, None);
     let (mut ready_runs, mut exec_iterations, mut cli_iterations) = (None, None, None);
+    let mut cold_runs = None;
     let mut churn_cycles = None;
     let mut it = argv.into_iter();
     while let Some(arg) = it.next() {
@@ -219,6 +233,9 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             }
             "--ready-runs" => {
                 ready_runs = Some(number("--ready-runs", value("--ready-runs")?)? as usize)
+            }
+            "--cold-runs" => {
+                cold_runs = Some(number("--cold-runs", value("--cold-runs")?)? as usize)
             }
             "--exec-iterations" => {
                 exec_iterations =
@@ -266,11 +283,12 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
     }
-    a.runs = runs.unwrap_or(if a.quick { 3 } else { 10 });
+    a.runs = runs.unwrap_or(if a.quick { 2 } else { 10 });
     a.memory_runs = memory_runs.unwrap_or(if a.quick { 1 } else { 3 });
-    a.ready_runs = ready_runs.unwrap_or(if a.quick { 2 } else { 5 });
-    a.exec_iterations = exec_iterations.unwrap_or(if a.quick { 30 } else { 200 });
-    a.cli_iterations = cli_iterations.unwrap_or(if a.quick { 5 } else { 20 });
+    a.ready_runs = ready_runs.unwrap_or(if a.quick { 1 } else { 5 });
+    a.cold_runs = cold_runs.unwrap_or(if a.quick { 1 } else { 3 });
+    a.exec_iterations = exec_iterations.unwrap_or(if a.quick { 20 } else { 200 });
+    a.cli_iterations = cli_iterations.unwrap_or(if a.quick { 3 } else { 20 });
     a.churn_cycles = crate::churn::cycles(a.quick, churn_cycles);
     a.configs = boot_configs(a.quick, a.cpus_given, a.memory_given);
     (a.cpus, a.memory_mib) = (a.configs[0].vcpus, a.configs[0].memory_mib);
@@ -278,6 +296,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         a.runs,
         a.memory_runs,
         a.ready_runs,
+        a.cold_runs,
         a.exec_iterations,
         a.cli_iterations,
         a.churn_cycles,
@@ -291,7 +310,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     .contains(&0)
     {
         return Err(
-            "--runs, --memory-runs, --ready-runs, --exec-iterations, --cli-iterations, \
+            "--runs, --memory-runs, --ready-runs, --cold-runs, --exec-iterations, --cli-iterations, \
                     --churn-cycles, --cpus, --memory, --fs-mib, --fs-files, --fs-runs and \
                     --fs-timeout must be at least 1"
                 .into(),
@@ -618,6 +637,15 @@ fn git_commit() -> (Option<String>, Option<bool>) {
     (commit, dirty)
 }
 
+/// The project's goal for our figure `name` (any configuration), on hardware KVM.
+fn hardware_target(name: &str) -> Option<f64> {
+    match name.split('@').next()? {
+        "boot_to_init_wall" => Some(BOOT_TO_INIT_TARGET_MS),
+        "vmm_overhead_rss" => Some(VMM_OVERHEAD_TARGET_MIB),
+        _ => None,
+    }
+}
+
 /// Re-runs this binary inside a fresh nested host and returns the report it wrote.
 fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
@@ -648,6 +676,8 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     .args([
         "--ready-runs",
         &n(args.ready_runs as u64),
+        "--cold-runs",
+        &n(args.cold_runs as u64),
         "--exec-iterations",
         &n(args.exec_iterations as u64),
         "--cli-iterations",
@@ -687,16 +717,56 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     }
     // Our stdout carries only the JSON: anything the nested host prints goes to stderr.
     cmd.stdin(Stdio::null())
-        .stdout(Stdio::from(io::stderr()))
-        .stderr(Stdio::inherit());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     say(format!("running: {}", shell_words(&command_argv(&cmd))));
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("run {}: {e}", tools.vmctl.display()))?;
+    // Relayed to our stderr; the time of the last line tells a nested host that
+    // stopped making progress (whose own timeouts then never fire) from a slow one.
+    let last_output = Arc::new(Mutex::new(Instant::now()));
+    for pipe in [
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let last_output = Arc::clone(&last_output);
+        thread::spawn(move || {
+            for line in io::BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(mut t) = last_output.lock() {
+                    *t = Instant::now();
+                }
+                eprintln!("{line}");
+            }
+        });
+    }
+    // The longest any one step may stay silent, with a margin.
+    let silence_limit = [
+        args.timeout,
+        args.fs_timeout,
+        crate::agent::AGENT_TIMEOUT,
+        crate::egress::COMMAND_TIMEOUT,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(args.timeout)
+        + Duration::from_secs(120);
     // Every boot has its own timeouts inside; this only guards against a stuck nested host.
     let boots = (args.runs * args.configs.len() + args.memory_runs) as u32 * 2;
-    // Each vmctl up, its rm, and the exec phase have their own timeouts too.
-    let workspace_steps = (args.ready_runs * 2 + 3) as u32;
+    // Each vmctl up, its rm, and the exec phase have their own timeouts too; so has
+    // each cold exec and its rm.
+    let workspace_steps =
+        (args.ready_runs * 2 + 3 + args.cold_runs * args.configs.len() * 2) as u32;
     // virtio-fs: vmctl up and rm; per script its own timeout (probes, git setup and
     // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop).
     let fs_runs = crate::fs::sizes(args.quick, true, args.fs_mib, args.fs_files, args.fs_runs).runs;
@@ -707,14 +777,14 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     let agent = crate::agent::time_budget(
         &crate::agent::sizes(args.quick, true),
         args.timeout,
-        &crate::agent::Settle::new(true),
+        &crate::agent::Settle::for_run(true, args.quick),
     );
     // churn: every cycle's boot of both VMMs, the sampling around each loop.
     let churn = crate::churn::time_budget(
         args.churn_cycles,
         2,
         args.timeout,
-        &crate::churn::Sampling::default(),
+        &crate::churn::Sampling::for_run(args.quick),
     );
     let limit = Duration::from_secs(180)
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
@@ -727,7 +797,20 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
             break s;
         }
-        if started.elapsed() > limit {
+        let silent = last_output.lock().map(|t| t.elapsed()).unwrap_or_default();
+        let stuck = if started.elapsed() > limit {
+            Some(format!("did not finish within {} s", limit.as_secs()))
+        } else if silent > silence_limit {
+            Some(format!(
+                "printed nothing for {} s, longer than any step may take: the nested host \
+                 stopped making progress (README: known problem; scripts/nested-monitor shows \
+                 its vCPUs while it runs)",
+                silent.as_secs()
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = stuck {
             // SIGTERM first: vmctl then stops its QEMU.
             let _ = Command::new("kill")
                 .args(["-TERM", &child.id().to_string()])
@@ -735,10 +818,7 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
             thread::sleep(Duration::from_secs(10));
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!(
-                "the nested run did not finish within {} s; killed",
-                limit.as_secs()
-            ));
+            return Err(format!("the nested run {why}; killed"));
         }
         thread::sleep(Duration::from_millis(100));
     };
@@ -1102,12 +1182,28 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     let mut figures = Vec::new();
     for (name, unit, vmm, samples) in specs {
         let n = samples.len();
-        figures.push(
-            Figure::new(&name, unit, vmm.label(), samples)
-                .ok_or_else(|| format!("{name} ({}): no valid samples out of {n}", vmm.label()))?,
-        );
+        let figure = Figure::new(&name, unit, vmm.label(), samples)
+            .ok_or_else(|| format!("{name} ({}): no valid samples out of {n}", vmm.label()))?;
+        figures.push(match (vmm, hardware_target(&name)) {
+            (Vmm::Ours, Some(below)) => figure.with_hardware_target(below),
+            _ => figure,
+        });
     }
     let ratios = ratios(&figures);
+
+    // The later boot end points (agent ready, first exec output) per configuration.
+    figures.extend(
+        crate::cold_start::measure(&ColdStartBench {
+            vmctl: tools.vmctl.clone(),
+            kernel: tools.kernel.clone(),
+            agent_initramfs: tools.agent_initrd.clone(),
+            rootfs: tools.rootfs.clone(),
+            configs: args.configs.clone(),
+            runs: args.cold_runs,
+            timeout: args.timeout,
+        })
+        .map_err(|e| format!("cold start: {e}"))?,
+    );
 
     // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
     // the boots (before the workspace VMs, whose daemons could still be settling).
@@ -1124,7 +1220,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         nested,
         meminfo: "/proc/meminfo".into(),
         proc: "/proc".into(),
-        sampling: crate::churn::Sampling::default(),
+        sampling: crate::churn::Sampling::for_run(args.quick),
         needle: boot_initrd.display().to_string(),
     });
 
@@ -1177,7 +1273,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         agent_timeout: crate::agent::AGENT_TIMEOUT,
         nested,
         meminfo: "/proc/meminfo".into(),
-        settle: crate::agent::Settle::new(nested),
+        settle: crate::agent::Settle::for_run(nested, args.quick),
     });
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
@@ -1418,21 +1514,22 @@ mod tests {
         assert_eq!((a.runs, a.memory_runs, a.quick), (10, 3, false));
         assert_eq!((a.cpus, a.memory_mib), (1, 128));
         let q = args(&["--quick", "--bench"]).unwrap();
-        assert_eq!((q.runs, q.memory_runs), (3, 1));
+        assert_eq!((q.runs, q.memory_runs, q.cold_runs), (2, 1, 1));
+        assert_eq!(a.cold_runs, 3);
         assert_eq!(
             (a.ready_runs, a.exec_iterations, a.cli_iterations),
             (5, 200, 20)
         );
         assert_eq!(
             (q.ready_runs, q.exec_iterations, q.cli_iterations),
-            (2, 30, 5)
+            (1, 20, 3)
         );
         let r = args(&["--quick", "--runs", "5"]).unwrap();
         assert_eq!(r.runs, 5);
         let w = args(&["--ready-runs", "1", "--exec-iterations", "7"]).unwrap();
         assert_eq!((w.ready_runs, w.exec_iterations), (1, 7));
         assert!(args(&["--cli-iterations", "0"]).is_err());
-        assert_eq!((a.churn_cycles, q.churn_cycles), (100, 10));
+        assert_eq!((a.churn_cycles, q.churn_cycles), (100, 3));
         assert_eq!(
             args(&["--quick", "--churn-cycles", "4"])
                 .unwrap()
@@ -1490,6 +1587,17 @@ mod tests {
         let big = BootConfig::new(2, 1024);
         assert!(s(Vmm::Ours.argv(&tools, Path::new("/x"), big)).contains("--memory 1024 --cpus 2"));
         assert!(s(Vmm::Qemu.argv(&tools, Path::new("/x"), big)).contains("-m 1024 -smp 2"));
+    }
+
+    #[test]
+    fn targets_apply_to_every_configuration() {
+        assert_eq!(hardware_target("boot_to_init_wall"), Some(125.0));
+        assert_eq!(
+            hardware_target("boot_to_init_wall@2cpu-1024mib"),
+            Some(125.0)
+        );
+        assert_eq!(hardware_target("vmm_overhead_rss"), Some(5.0));
+        assert_eq!(hardware_target("total_wall"), None);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::stats::median;
 
 /// Create/destroy cycles per VMM: the 100, 10 with `--quick`.
 pub const CYCLES: usize = 100;
-pub const QUICK_CYCLES: usize = 10;
+pub const QUICK_CYCLES: usize = 3;
 /// A loop stops after this many failed cycles (each may have waited for a timeout).
 pub const MAX_FAILURES: usize = 3;
 /// A leak is flagged when the used memory after the loop exceeds the one before by
@@ -62,6 +62,25 @@ impl Default for Sampling {
             samples: 3,
             interval: Duration::from_secs(1),
             settle: Duration::from_secs(3),
+        }
+    }
+}
+
+impl Sampling {
+    /// `--quick`: one sample each side, a short settle (a smoke check of the loop).
+    pub fn quick() -> Sampling {
+        Sampling {
+            samples: 1,
+            interval: Duration::from_secs(1),
+            settle: Duration::from_secs(1),
+        }
+    }
+
+    pub fn for_run(quick: bool) -> Sampling {
+        if quick {
+            Sampling::quick()
+        } else {
+            Sampling::default()
         }
     }
 }
@@ -705,7 +724,7 @@ mod tests {
     #[test]
     fn cycles_and_budget() {
         assert_eq!(cycles(false, None), 100);
-        assert_eq!(cycles(true, None), 10);
+        assert_eq!(cycles(true, None), 3);
         assert_eq!(cycles(true, Some(7)), 7);
         let s = Sampling::default();
         assert_eq!(

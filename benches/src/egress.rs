@@ -20,9 +20,10 @@ use vm_tests::upstream::{self, TestCa, Upstream};
 
 use crate::boot::{say, TempDir};
 use crate::fs::{order, Side};
+use crate::process::{run_command, Ran};
 use crate::report::{guest_slowdown, Better, Figure, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, run_command, Ran, Vmctl};
+use crate::workspace::{artifact_vars, Vmctl};
 
 /// The upstreams' name: the policy allows it, the secret is bound to it, and
 /// `--egress-test-resolve` points its ports 80 and 443 at the upstreams.

@@ -18,9 +18,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::boot::{version_line, TempDir};
+use crate::process::{run_command, Ran};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, run_command, Ran, Vmctl};
+use crate::workspace::{artifact_vars, Vmctl};
 
 /// Sizes on hardware KVM: the issue's.
 pub const ISSUE_FILE_MIB: u64 = 256;
@@ -28,8 +29,8 @@ pub const ISSUE_FILES: u64 = 10_000;
 /// In the nested host every guest file operation is emulated (tens of ms each).
 pub const NESTED_FILE_MIB: u64 = 64;
 pub const NESTED_FILES: u64 = 1_000;
-pub const QUICK_FILE_MIB: u64 = 16;
-pub const QUICK_FILES: u64 = 200;
+pub const QUICK_FILE_MIB: u64 = 8;
+pub const QUICK_FILES: u64 = 100;
 pub const DEFAULT_RUNS: usize = 3;
 pub const QUICK_RUNS: usize = 1;
 /// The issue's targets: the guest at most this many times slower than the host.
@@ -844,18 +845,18 @@ mod tests {
         assert_eq!(s.origin, "reduced for the nested host");
         for nested in [false, true] {
             let s = sizes(true, nested, None, None, None);
-            assert_eq!((s.file_mib, s.files, s.runs), (16, 200, 1));
+            assert_eq!((s.file_mib, s.files, s.runs), (8, 100, 1));
         }
-        let s = sizes(true, true, Some(8), None, Some(2));
-        assert_eq!((s.file_mib, s.files, s.runs), (8, 200, 2));
+        let s = sizes(true, true, Some(16), None, Some(2));
+        assert_eq!((s.file_mib, s.files, s.runs), (16, 100, 2));
         assert!(s.origin.contains("overrides"), "{}", s.origin);
     }
 
     #[test]
     fn samples_and_targets() {
         let s = sizes(true, false, None, None, None);
-        // 16 MiB in half a second: 32 MiB/s.
-        assert_eq!(Workload::SeqWrite.sample(500_000_000, &s), 32.0);
+        // 8 MiB in half a second: 16 MiB/s.
+        assert_eq!(Workload::SeqWrite.sample(500_000_000, &s), 16.0);
         assert_eq!(Workload::GitStatus.sample(250_000_000, &s), 0.25);
         assert_eq!(Workload::SeqRead.target(), (2.0, "sequential I/O"));
         assert_eq!(Workload::GitStatus.target(), (3.0, "metadata"));
@@ -870,10 +871,10 @@ mod tests {
     #[test]
     fn checks_of_the_scripts_output() {
         let s = sizes(true, false, None, None, None);
-        assert!(Workload::SeqWrite.check("SIZE=16777216\n", &s).is_ok());
+        assert!(Workload::SeqWrite.check("SIZE=8388608\n", &s).is_ok());
         let e = Workload::SeqWrite.check("SIZE=4096\n", &s).unwrap_err();
-        assert!(e.contains("expected 16777216"), "{e}");
-        assert!(Workload::Stat.check("COUNT=200\n", &s).is_ok());
+        assert!(e.contains("expected 8388608"), "{e}");
+        assert!(Workload::Stat.check("COUNT=100\n", &s).is_ok());
         assert!(Workload::Stat.check("", &s).is_err());
         assert!(Workload::GitStatus.check("", &s).is_ok());
     }

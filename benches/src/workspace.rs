@@ -7,16 +7,14 @@
 
 use crate::boot::{say, TempDir};
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::thread;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use guest_agent::client::connect_hybrid;
 use guest_agent::protocol::{ExecRequest, HealthInfo};
 
+use crate::process::{run_command, Ran};
 use crate::report::{Figure, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS};
 use crate::scan::tail;
 
@@ -52,80 +50,6 @@ fn ms(d: Duration) -> f64 {
 
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
-}
-
-/// A finished command.
-pub(crate) struct Ran {
-    pub(crate) elapsed: Duration,
-    pub(crate) status: ExitStatus,
-    pub(crate) stdout: String,
-    pub(crate) stderr: String,
-}
-
-/// Runs `cmd` (stdin `/dev/null`, stdout and stderr captured), waits at most
-/// `timeout` (then kills it: its whole process group if `own_group`, which puts it in
-/// a process group of its own) and times it from spawn to exit. `line` names it in
-/// errors.
-pub(crate) fn run_command(
-    mut cmd: Command,
-    line: &str,
-    timeout: Duration,
-    own_group: bool,
-) -> Result<Ran, String> {
-    use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if own_group {
-        cmd.process_group(0);
-    }
-    let start = Instant::now();
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run {line}: {e}"))?;
-    let pid = child.id();
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let out = thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = out.read_to_end(&mut s);
-        String::from_utf8_lossy(&s).into_owned()
-    });
-    let err = thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = err.read_to_end(&mut s);
-        String::from_utf8_lossy(&s).into_owned()
-    });
-    // Waiting on a thread gives the exit time exactly (no polling interval).
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let status = child.wait();
-        let _ = tx.send((status, Instant::now()));
-    });
-    let (status, ended) = match rx.recv_timeout(timeout) {
-        Ok((status, ended)) => (status.map_err(|e| format!("{line}: wait: {e}"))?, ended),
-        Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-            let target = if own_group {
-                format!("-{pid}")
-            } else {
-                pid.to_string()
-            };
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &target])
-                .stderr(Stdio::null())
-                .status();
-            let _ = rx.recv_timeout(Duration::from_secs(10));
-            return Err(format!(
-                "{line} did not finish within {} s: killed\n--- its stderr (tail) ---\n{}",
-                timeout.as_secs(),
-                tail(&err.join().unwrap_or_default(), 3000)
-            ));
-        }
-    };
-    Ok(Ran {
-        elapsed: ended - start,
-        status,
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    })
 }
 
 /// The guest artifacts vmctl is pointed at, as its variables.

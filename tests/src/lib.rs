@@ -809,8 +809,9 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 5] = [
+const VM_LOST_SIGNS: [&str; 6] = [
     "timed out",
+    "stopped making progress",
     "the VM stopped",
     "closed the connection",
     "guest crashed",

@@ -130,22 +130,25 @@ impl MemInfo {
     }
 }
 
+/// The value of a `Name:   123 kB` line of a /proc file (`meminfo`, `PID/status`).
+pub(crate) fn kib_field(text: &str, name: &str) -> Result<u64, String> {
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .ok_or_else(|| format!("no {name} line"))?;
+    let mut words = line.split_whitespace();
+    let value = words
+        .next()
+        .and_then(|v| v.parse::<u64>().ok())
+        .ok_or_else(|| format!("{name}: {:?} is not a number", line.trim()))?;
+    match words.next() {
+        Some("kB") | None => Ok(value),
+        Some(unit) => Err(format!("{name}: unknown unit {unit:?}")),
+    }
+}
+
 pub fn parse_meminfo(text: &str) -> Result<MemInfo, String> {
-    let field = |name: &str| -> Result<u64, String> {
-        let line = text
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .ok_or_else(|| format!("no {name} line"))?;
-        let mut words = line.split_whitespace();
-        let value = words
-            .next()
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| format!("{name}: {:?} is not a number", line.trim()))?;
-        match words.next() {
-            Some("kB") | None => Ok(value),
-            Some(unit) => Err(format!("{name}: unknown unit {unit:?}")),
-        }
-    };
+    let field = |name: &str| kib_field(text, name);
     let m = MemInfo {
         total_kib: field("MemTotal")?,
         available_kib: field("MemAvailable")?,

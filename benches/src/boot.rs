@@ -1034,11 +1034,7 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
     say(format!(
         "{} boot(s) per VMM with each of {}; {} memory run(s) per VMM with {}; on {} ({})",
         args.runs,
-        args.configs
-            .iter()
-            .map(|c| c.label())
-            .collect::<Vec<_>>()
-            .join(" / "),
+        BootConfig::labels(&args.configs),
         args.memory_runs,
         first.label(),
         Machine::this().hostname,

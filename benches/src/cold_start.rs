@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crate::agent::kib_field;
 use crate::boot::{say, TempDir};
 use crate::process::run_command;
 use crate::report::{BootConfig, Figure, OURS};
@@ -62,11 +63,7 @@ pub fn measure(b: &ColdStartBench) -> Result<Vec<Figure>, String> {
     say(format!(
         "cold start: {} cold vmctl exec per configuration ({})",
         b.runs,
-        b.configs
-            .iter()
-            .map(|c| c.label())
-            .collect::<Vec<_>>()
-            .join(" / ")
+        BootConfig::labels(&b.configs)
     ));
     let mut figures = Vec::new();
     let mut virtiofsd = Vec::new();
@@ -253,14 +250,7 @@ pub fn descendants_named(proc: &Path, root: u32, name: &str) -> Vec<u32> {
 /// `VmRSS` of `pid`, in KiB.
 fn rss_kib(proc: &Path, pid: u32) -> Option<u64> {
     let status = fs::read_to_string(proc.join(pid.to_string()).join("status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
+    kib_field(&status, "VmRSS").ok()
 }
 
 #[cfg(test)]

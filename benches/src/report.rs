@@ -226,6 +226,15 @@ impl BootConfig {
         }
     }
 
+    /// `1 vCPU, 128 MiB / 2 vCPUs, 1024 MiB`: the labels of `configs`.
+    pub fn labels(configs: &[BootConfig]) -> String {
+        configs
+            .iter()
+            .map(|c| c.label())
+            .collect::<Vec<_>>()
+            .join(" / ")
+    }
+
     /// `2 vCPUs, 1024 MiB`.
     pub fn label(self) -> String {
         format!(

@@ -89,8 +89,8 @@ virtio-fs against the host, requests through its egress proxy against the same
 requests from the host, and `vmctl agent claude --version` cold and warm with
 the host memory of idle VMs.
 
-  --quick              a smoke run (under 2 minutes on hardware KVM; checks the
-                       harness, not the numbers): 2 boots per VMM and
+  --quick              a smoke run (about 2 minutes in the nested host, far less
+                       on hardware KVM; checks the harness, not the numbers): 1 boot per VMM and
                        configuration (default 10), 1 memory run (3); boots
                        with 1 vCPU/128 MiB and 2 vCPUs/1024 MiB only (default:
                        also 2/128 and 1/1024); 1 cold exec per configuration
@@ -99,7 +99,7 @@ the host memory of idle VMs.
                        egress: 10 requests per curl call and 2 downloads of
                        16 MiB per side (50, and 3 of 64 MiB); agent: 1 cold
                        and 3 warm runs (3, 10), 1 idle VM in the nested host
-                       (3; 10 on hardware KVM, where memory allows); churn: 3
+                       (3; 10 on hardware KVM, where memory allows); churn: 2
                        create/destroy cycles per VMM (100)
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
@@ -283,7 +283,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
     }
-    a.runs = runs.unwrap_or(if a.quick { 2 } else { 10 });
+    a.runs = runs.unwrap_or(if a.quick { 1 } else { 10 });
     a.memory_runs = memory_runs.unwrap_or(if a.quick { 1 } else { 3 });
     a.ready_runs = ready_runs.unwrap_or(if a.quick { 1 } else { 5 });
     a.cold_runs = cold_runs.unwrap_or(if a.quick { 1 } else { 3 });
@@ -1510,7 +1510,7 @@ mod tests {
         assert_eq!((a.runs, a.memory_runs, a.quick), (10, 3, false));
         assert_eq!((a.cpus, a.memory_mib), (1, 128));
         let q = args(&["--quick", "--bench"]).unwrap();
-        assert_eq!((q.runs, q.memory_runs, q.cold_runs), (2, 1, 1));
+        assert_eq!((q.runs, q.memory_runs, q.cold_runs), (1, 1, 1));
         assert_eq!(a.cold_runs, 3);
         assert_eq!(
             (a.ready_runs, a.exec_iterations, a.cli_iterations),
@@ -1525,7 +1525,7 @@ mod tests {
         let w = args(&["--ready-runs", "1", "--exec-iterations", "7"]).unwrap();
         assert_eq!((w.ready_runs, w.exec_iterations), (1, 7));
         assert!(args(&["--cli-iterations", "0"]).is_err());
-        assert_eq!((a.churn_cycles, q.churn_cycles), (100, 3));
+        assert_eq!((a.churn_cycles, q.churn_cycles), (100, 2));
         assert_eq!(
             args(&["--quick", "--churn-cycles", "4"])
                 .unwrap()

@@ -22,7 +22,7 @@ use crate::stats::median;
 
 /// Create/destroy cycles per VMM: the 100, 10 with `--quick`.
 pub const CYCLES: usize = 100;
-pub const QUICK_CYCLES: usize = 3;
+pub const QUICK_CYCLES: usize = 2;
 /// A loop stops after this many failed cycles (each may have waited for a timeout).
 pub const MAX_FAILURES: usize = 3;
 /// A leak is flagged when the used memory after the loop exceeds the one before by
@@ -724,7 +724,7 @@ mod tests {
     #[test]
     fn cycles_and_budget() {
         assert_eq!(cycles(false, None), 100);
-        assert_eq!(cycles(true, None), 3);
+        assert_eq!(cycles(true, None), 2);
         assert_eq!(cycles(true, Some(7)), 7);
         let s = Sampling::default();
         assert_eq!(

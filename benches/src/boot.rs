@@ -89,9 +89,10 @@ virtio-fs against the host, requests through its egress proxy against the same
 requests from the host, and `vmctl agent claude --version` cold and warm with
 the host memory of idle VMs.
 
-  --quick              a smoke run (about 2 minutes in the nested host, far less
-                       on hardware KVM; checks the harness, not the numbers): 1 boot per VMM and
-                       configuration (default 10), 1 memory run (3); boots
+  --quick              a smoke run (about 2 minutes in the nested host, far
+                       less on hardware KVM; checks the harness, not the
+                       numbers): 1 boot per VMM and configuration (default
+                       10), 1 memory run (3); boots
                        with 1 vCPU/128 MiB and 2 vCPUs/1024 MiB only (default:
                        also 2/128 and 1/1024); 1 cold exec per configuration
                        (3); 1 vmctl up, 20 client and 3 CLI exec round trips

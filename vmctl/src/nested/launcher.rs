@@ -25,6 +25,8 @@ use vmm::config::FsConfig;
 const QEMU_ENV: &str = "VMCTL_QEMU";
 const QEMU_BINARY: &str = "qemu-system-x86_64";
 const LOG_ENV: &str = "VMCTL_LOG";
+/// Extra kernel arguments for the nested host (diagnosis: `kvm_amd.npt=0`, ...).
+const KERNEL_ARGS_ENV: &str = "VMCTL_NESTED_KERNEL_ARGS";
 /// QEMU's human monitor of a nested host, in its job directory
 /// (`/tmp/vmctl-nested-<vmctl pid>-<n>/`).
 const MONITOR_SOCKET: &str = "monitor.sock";
@@ -418,6 +420,14 @@ fn qemu_command(
     match host_tsc_khz() {
         Some(khz) => cmdline.push_str(&format!(" tsc_early_khz={khz} tsc=reliable")),
         None => tracing::warn!("cannot read the host's TSC frequency; the nested host may hang"),
+    }
+    if let Ok(extra) = std::env::var(KERNEL_ARGS_ENV) {
+        let extra = extra.trim();
+        if !extra.is_empty() {
+            tracing::info!("nested host kernel arguments added from {KERNEL_ARGS_ENV}: {extra}");
+            cmdline.push(' ');
+            cmdline.push_str(extra);
+        }
     }
     // Logging settings travel as kernel arguments too (init gets them as environment).
     if let Ok(filter) = std::env::var(LOG_ENV) {

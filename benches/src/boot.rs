@@ -351,10 +351,24 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
                 .ok_or("--inner needs --agent-initrd")?,
             rootfs: args.rootfs.clone().ok_or("--inner needs --rootfs")?,
         };
-        let report = measure(&args, &tools)?;
-        let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-        return fs::write(inner_out, json)
-            .map_err(|e| format!("write {}: {e}", inner_out.display()));
+        let save = |report: &Report| {
+            serde_json::to_string_pretty(report)
+                .map_err(|e| e.to_string())
+                .and_then(|json| {
+                    fs::write(inner_out, json)
+                        .map_err(|e| format!("write {}: {e}", inner_out.display()))
+                })
+        };
+        // Each section's report so far, marked incomplete until the last one: what
+        // the outer run salvages if this one never finishes.
+        let checkpoint = |report: &Report, done: &str| {
+            let mut partial = report.clone();
+            partial.incomplete = Some(format!("the run stopped after {done}"));
+            if let Err(e) = save(&partial) {
+                say(format!("warning: cannot save the report so far: {e}"));
+            }
+        };
+        return save(&measure(&args, &tools, &checkpoint)?);
     }
 
     let out = match &args.out {
@@ -400,7 +414,7 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         } else {
             "--nested never: measuring directly on this machine's KVM"
         });
-        measure(&args, &tools)?
+        measure(&args, &tools, &|_, _| {})?
     };
     report.commit = commit;
     report.dirty = dirty;
@@ -443,6 +457,11 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(", ")
     ));
+    if let Some(why) = &report.incomplete {
+        return Err(format!(
+            "the report is incomplete (written with the sections measured): {why}"
+        ));
+    }
     if !churn_errors.is_empty()
         || !fs_errors.is_empty()
         || !egress_errors.is_empty()
@@ -794,6 +813,21 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         + agent
         + churn;
     let started = Instant::now();
+    let salvage = |why: String| -> Result<Report, String> {
+        let partial = fs::read_to_string(&inner_file)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Report>(&text).ok());
+        let _ = fs::remove_file(&inner_file);
+        match partial {
+            Some(mut report) => {
+                let done = report.incomplete.take().unwrap_or_default();
+                say(format!("error: {why}; keeping what it measured ({done})"));
+                report.incomplete = Some(format!("{why} ({done})"));
+                Ok(report)
+            }
+            None => Err(why),
+        }
+    };
     let status = loop {
         if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
             break s;
@@ -819,12 +853,12 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
             thread::sleep(Duration::from_secs(10));
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("the nested run {why}; killed"));
+            return salvage(format!("the nested run {why}; killed"));
         }
         thread::sleep(Duration::from_millis(100));
     };
     if !status.success() {
-        return Err(format!(
+        return salvage(format!(
             "the benchmark failed inside the nested host ({status}); see above"
         ));
     }
@@ -1001,8 +1035,13 @@ pub(crate) fn version_line(program: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Measures on this machine's KVM.
-fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
+/// Measures on this machine's KVM. `checkpoint` gets the report so far after each
+/// section, with what was done last.
+fn measure(
+    args: &Args,
+    tools: &Tools,
+    checkpoint: &dyn Fn(&Report, &str),
+) -> Result<Report, String> {
     if !Path::new("/dev/kvm").exists() {
         return Err("/dev/kvm does not exist".into());
     }
@@ -1202,83 +1241,16 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
         .map_err(|e| format!("cold start: {e}"))?,
     );
 
-    // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
-    // the boots (before the workspace VMs, whose daemons could still be settling).
-    // Measuring inside the nested host is what --inner means.
-    let nested = args.inner.is_some();
-    let churn = crate::churn::measure(&ChurnBench {
-        vmms: [Vmm::Ours, Vmm::Qemu]
-            .iter()
-            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, first)))
-            .collect(),
-        marker: BOOT_MARKER.into(),
-        cycles: args.churn_cycles,
-        timeout: args.timeout,
-        nested,
-        meminfo: "/proc/meminfo".into(),
-        proc: "/proc".into(),
-        sampling: crate::churn::Sampling::for_run(args.quick),
-        needle: boot_initrd.display().to_string(),
-    });
-
-    // The workspace VM, in the same environment (no QEMU peer).
-    let workspace = crate::workspace::measure(&WorkspaceBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
-        ready_runs: args.ready_runs,
-        exec_iterations: args.exec_iterations,
-        cli_iterations: args.cli_iterations,
-        timeout: args.timeout,
-    })
-    .map_err(|e| format!("workspace VM: {e}"))?;
-
-    // The shared workspace directory, guest against host, in the same environment.
-    let fs = crate::fs::measure(&FsBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
-        sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
-        timeout: args.timeout,
-        script_timeout: args.fs_timeout,
-        nested,
-        drop_caches: crate::fs::DROP_CACHES_FILE.into(),
-    });
-    // The egress path, guest against host, in the same environment.
-    let egress = crate::egress::measure(&EgressBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
-        sizes: crate::egress::sizes(args.quick),
-        timeout: args.timeout,
-        command_timeout: crate::egress::COMMAND_TIMEOUT,
-        nested,
-        curl: "curl".into(),
-    });
-    // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
-    // environment.
-    let agent = crate::agent::measure(&AgentBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
-        sizes: crate::agent::sizes(args.quick, nested),
-        timeout: args.timeout,
-        agent_timeout: crate::agent::AGENT_TIMEOUT,
-        nested,
-        meminfo: "/proc/meminfo".into(),
-        settle: crate::agent::Settle::for_run(nested, args.quick),
-    });
     let str_argv = |v: Vec<OsString>| {
         v.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect()
     };
-    Ok(Report {
+    // The boot figures are in: from here on, each section is added when it is done,
+    // and the report so far is saved (a nested host that stalls loses only the rest).
+    let mut report = Report {
         benchmark: "boot".into(),
+        incomplete: None,
         date: utc_now(),
         mode: "direct".into(),
         note: None,
@@ -1321,12 +1293,91 @@ fn measure(args: &Args, tools: &Tools) -> Result<Report, String> {
             .collect(),
         figures,
         ratios,
-        workspace: Some(workspace),
-        fs: Some(fs),
-        egress: Some(egress),
-        agent: Some(agent),
-        churn: Some(churn),
-    })
+        workspace: None,
+        fs: None,
+        egress: None,
+        agent: None,
+        churn: None,
+    };
+    checkpoint(&report, "the boot figures");
+
+    // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
+    // the boots (before the workspace VMs, whose daemons could still be settling).
+    // Measuring inside the nested host is what --inner means.
+    let nested = args.inner.is_some();
+    report.churn = Some(crate::churn::measure(&ChurnBench {
+        vmms: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, first)))
+            .collect(),
+        marker: BOOT_MARKER.into(),
+        cycles: args.churn_cycles,
+        timeout: args.timeout,
+        nested,
+        meminfo: "/proc/meminfo".into(),
+        proc: "/proc".into(),
+        sampling: crate::churn::Sampling::for_run(args.quick),
+        needle: boot_initrd.display().to_string(),
+    }));
+    checkpoint(&report, "churn");
+
+    // The workspace VM, in the same environment (no QEMU peer).
+    report.workspace = Some(
+        crate::workspace::measure(&WorkspaceBench {
+            vmctl: tools.vmctl.clone(),
+            kernel: tools.kernel.clone(),
+            agent_initramfs: tools.agent_initrd.clone(),
+            rootfs: tools.rootfs.clone(),
+            ready_runs: args.ready_runs,
+            exec_iterations: args.exec_iterations,
+            cli_iterations: args.cli_iterations,
+            timeout: args.timeout,
+        })
+        .map_err(|e| format!("workspace VM: {e}"))?,
+    );
+    checkpoint(&report, "the workspace VM");
+
+    // The shared workspace directory, guest against host, in the same environment.
+    report.fs = Some(crate::fs::measure(&FsBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
+        timeout: args.timeout,
+        script_timeout: args.fs_timeout,
+        nested,
+        drop_caches: crate::fs::DROP_CACHES_FILE.into(),
+    }));
+    checkpoint(&report, "virtio-fs");
+    // The egress path, guest against host, in the same environment.
+    report.egress = Some(crate::egress::measure(&EgressBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::egress::sizes(args.quick),
+        timeout: args.timeout,
+        command_timeout: crate::egress::COMMAND_TIMEOUT,
+        nested,
+        curl: "curl".into(),
+    }));
+    checkpoint(&report, "egress");
+    // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
+    // environment.
+    report.agent = Some(crate::agent::measure(&AgentBench {
+        vmctl: tools.vmctl.clone(),
+        kernel: tools.kernel.clone(),
+        agent_initramfs: tools.agent_initrd.clone(),
+        rootfs: tools.rootfs.clone(),
+        sizes: crate::agent::sizes(args.quick, nested),
+        timeout: args.timeout,
+        agent_timeout: crate::agent::AGENT_TIMEOUT,
+        nested,
+        meminfo: "/proc/meminfo".into(),
+        settle: crate::agent::Settle::for_run(nested, args.quick),
+    }));
+    Ok(report)
 }
 
 /// Reads a pipe to its end on a thread.

@@ -266,6 +266,10 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     pub benchmark: String,
+    /// Set when the run stopped before its last section: why, and so which
+    /// sections are missing (they are `null`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incomplete: Option<String>,
     /// UTC, ISO 8601.
     pub date: String,
     /// `direct`: measured on this machine's KVM; `nested`: inside the QEMU-TCG
@@ -426,6 +430,12 @@ impl Report {
             "direct, hardware KVM"
         };
         s.push_str(&format!("Boot benchmark, {where_}, {}\n\n", self.date));
+        if let Some(why) = &self.incomplete {
+            s.push_str(&format!(
+                "**Incomplete**: {}. The sections it did not reach are missing.\n\n",
+                crate::report::first_line(why)
+            ));
+        }
         if let Some(note) = &self.note {
             s.push_str(&format!("{note}\n\n"));
         }
@@ -1007,6 +1017,16 @@ mod tests {
             ),
             ("", None)
         );
+        assert_eq!(r.incomplete, None);
+        assert!(!r.markdown().contains("Incomplete"));
+        assert!(!serde_json::to_string(&r).unwrap().contains("incomplete"));
+        r.incomplete = Some("the nested run stalled (the run stopped after churn)".into());
+        assert!(r
+            .markdown()
+            .contains("**Incomplete**: the nested run stalled (the run stopped after churn)."));
+        let back: Report = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.incomplete, r.incomplete);
+        r.incomplete = None;
         let before = r.markdown();
         r.workspace = Some(WorkspaceReport {
             note: String::new(),

@@ -86,6 +86,7 @@ fn quick_run() {
 
 fn check_report(report: &Value) {
     assert_eq!(report["config"]["quick"], true, "{report}");
+    assert!(report["incomplete"].is_null(), "{}", report["incomplete"]);
     let mode = report["mode"].as_str().unwrap_or("");
     assert!(mode == "direct" || mode == "nested", "mode {mode:?}");
     let figures = report["figures"].as_array().expect("figures");

@@ -20,7 +20,7 @@ use crate::boot::{say, TempDir};
 use crate::process::run_command;
 use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, Vmctl};
+use crate::workspace::{GuestArtifacts, Vmctl};
 
 /// Cold runs (a fresh workspace each, so a VM boot each) and warm runs.
 pub const COLD_RUNS: usize = 3;
@@ -413,10 +413,8 @@ pub struct AgentReport {
 /// What to measure and with what.
 #[derive(Debug, Clone)]
 pub struct AgentBench {
-    pub vmctl: PathBuf,
-    pub kernel: PathBuf,
-    pub agent_initramfs: PathBuf,
-    pub rootfs: PathBuf,
+    /// vmctl and the guest it boots.
+    pub artifacts: GuestArtifacts,
     pub sizes: AgentSizes,
     /// Per `vmctl up` / `rm` / `ps`.
     pub timeout: Duration,
@@ -736,10 +734,9 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
     }
     fs::write(&config, format!("idle_timeout_s = {IDLE_TIMEOUT_S}\n"))
         .map_err(|e| format!("write {}: {e}", config.display()))?;
-    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
-    let vmctl = Vmctl::new(&b.vmctl, state, Some(&config), artifacts, b.timeout);
+    let vmctl = Vmctl::new(&b.artifacts, state, Some(&config), b.timeout);
     report.environment = vmctl.env.clone();
-    let bin = b.vmctl.display().to_string();
+    let bin = b.artifacts.vmctl.display().to_string();
     let agent_argv: Vec<String> = [bin.as_str(), "agent", "claude", "--version"]
         .map(String::from)
         .to_vec();
@@ -761,7 +758,11 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
         ),
     ];
     // Warm the page cache (over 9p in the nested host) so the first boot is not special.
-    for p in [&b.kernel, &b.agent_initramfs, &b.vmctl] {
+    for p in [
+        &b.artifacts.kernel,
+        &b.artifacts.agent_initramfs,
+        &b.artifacts.vmctl,
+    ] {
         let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
         std::io::copy(&mut f, &mut std::io::sink())
             .map_err(|e| format!("read {}: {e}", p.display()))?;
@@ -927,7 +928,7 @@ fn idle_vms(
     let after = b.settle.value(&samples);
     let ps = session
         .vmctl
-        .run_ok(&[b.vmctl.display().to_string(), "ps".into()])
+        .run_ok(&[b.artifacts.vmctl.display().to_string(), "ps".into()])
         .map_err(|e| format!("vmctl ps: {e}"))?;
     let rows = parse_ps(&ps.stdout)?;
     let mut held = Vec::new();
@@ -1183,10 +1184,12 @@ esac
             fs::write(dir.join(f), "x").unwrap();
         }
         AgentBench {
-            vmctl: script,
-            kernel: dir.join("kernel"),
-            agent_initramfs: dir.join("initrd"),
-            rootfs: dir.join("rootfs"),
+            artifacts: GuestArtifacts {
+                vmctl: script,
+                kernel: dir.join("kernel"),
+                agent_initramfs: dir.join("initrd"),
+                rootfs: dir.join("rootfs"),
+            },
             sizes: AgentSizes {
                 cold_runs: 2,
                 warm_runs: 3,

@@ -26,7 +26,7 @@ use crate::report::{
 };
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
-use crate::workspace::WorkspaceBench;
+use crate::workspace::{GuestArtifacts, WorkspaceBench};
 use vm_tests::initramfs_with_script;
 
 /// Printed by the guest's `/etc/vmtest.sh` right after `/init` wrote the boot timer.
@@ -497,6 +497,18 @@ struct Tools {
     /// The workspace VM's agent initramfs and root image.
     agent_initrd: PathBuf,
     rootfs: PathBuf,
+}
+
+impl Tools {
+    /// What the workspace-VM sections run: vmctl and the guest it boots.
+    fn guest_artifacts(&self) -> GuestArtifacts {
+        GuestArtifacts {
+            vmctl: self.vmctl.clone(),
+            kernel: self.kernel.clone(),
+            agent_initramfs: self.agent_initrd.clone(),
+            rootfs: self.rootfs.clone(),
+        }
+    }
 }
 
 fn workspace_root() -> PathBuf {
@@ -1230,10 +1242,7 @@ fn measure(
     // The later boot end points (agent ready, first exec output) per configuration.
     figures.extend(
         crate::cold_start::measure(&ColdStartBench {
-            vmctl: tools.vmctl.clone(),
-            kernel: tools.kernel.clone(),
-            agent_initramfs: tools.agent_initrd.clone(),
-            rootfs: tools.rootfs.clone(),
+            artifacts: tools.guest_artifacts(),
             configs: args.configs.clone(),
             runs: args.cold_runs,
             timeout: args.timeout,
@@ -1324,10 +1333,7 @@ fn measure(
     // The workspace VM, in the same environment (no QEMU peer).
     report.workspace = Some(
         crate::workspace::measure(&WorkspaceBench {
-            vmctl: tools.vmctl.clone(),
-            kernel: tools.kernel.clone(),
-            agent_initramfs: tools.agent_initrd.clone(),
-            rootfs: tools.rootfs.clone(),
+            artifacts: tools.guest_artifacts(),
             ready_runs: args.ready_runs,
             exec_iterations: args.exec_iterations,
             cli_iterations: args.cli_iterations,
@@ -1339,10 +1345,7 @@ fn measure(
 
     // The shared workspace directory, guest against host, in the same environment.
     report.fs = Some(crate::fs::measure(&FsBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
+        artifacts: tools.guest_artifacts(),
         sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
         timeout: args.timeout,
         script_timeout: args.fs_timeout,
@@ -1352,10 +1355,7 @@ fn measure(
     checkpoint(&report, "virtio-fs");
     // The egress path, guest against host, in the same environment.
     report.egress = Some(crate::egress::measure(&EgressBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
+        artifacts: tools.guest_artifacts(),
         sizes: crate::egress::sizes(args.quick),
         timeout: args.timeout,
         command_timeout: crate::egress::COMMAND_TIMEOUT,
@@ -1366,10 +1366,7 @@ fn measure(
     // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
     // environment.
     report.agent = Some(crate::agent::measure(&AgentBench {
-        vmctl: tools.vmctl.clone(),
-        kernel: tools.kernel.clone(),
-        agent_initramfs: tools.agent_initrd.clone(),
-        rootfs: tools.rootfs.clone(),
+        artifacts: tools.guest_artifacts(),
         sizes: crate::agent::sizes(args.quick, nested),
         timeout: args.timeout,
         agent_timeout: crate::agent::AGENT_TIMEOUT,

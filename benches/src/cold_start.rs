@@ -9,16 +9,16 @@
 //! no ratio.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use crate::agent::kib_field;
 use crate::boot::{say, TempDir};
 use crate::process::run_command;
-use crate::report::{BootConfig, Figure, OURS};
+use crate::report::{BootConfig, Figure};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, Vmctl};
+use crate::workspace::{figure, GuestArtifacts, Vmctl};
 
 /// What vmctl logs (at info, target `vmctl::vm`) when a VM's agent first answers;
 /// the same text as vmctl's `AGENT_READY_LOG`.
@@ -33,10 +33,8 @@ pub const AGENT_READY_TARGET_MS: f64 = 250.0;
 /// What to measure and with what.
 #[derive(Debug, Clone)]
 pub struct ColdStartBench {
-    pub vmctl: PathBuf,
-    pub kernel: PathBuf,
-    pub agent_initramfs: PathBuf,
-    pub rootfs: PathBuf,
+    /// vmctl and the guest it boots.
+    pub artifacts: GuestArtifacts,
     pub configs: Vec<BootConfig>,
     /// Cold starts per configuration.
     pub runs: usize,
@@ -90,12 +88,6 @@ pub fn measure(b: &ColdStartBench) -> Result<Vec<Figure>, String> {
     Ok(figures)
 }
 
-fn figure(name: &str, unit: &str, samples: Vec<f64>) -> Result<Figure, String> {
-    let n = samples.len();
-    Figure::new(name, unit, OURS, samples)
-        .ok_or_else(|| format!("{name}: no valid samples out of {n}"))
-}
-
 fn measure_config(
     b: &ColdStartBench,
     tmp: &Path,
@@ -108,8 +100,7 @@ fn measure_config(
     let config_file = dir.join("config.toml");
     fs::write(&config_file, config_toml(config))
         .map_err(|e| format!("write {}: {e}", config_file.display()))?;
-    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
-    let mut vmctl = Vmctl::new(&b.vmctl, state, Some(&config_file), artifacts, b.timeout);
+    let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config_file), b.timeout);
     let mut runs = Vec::new();
     for i in 0..b.runs {
         let ws = dir.join(format!("ws-{}", i + 1));

@@ -23,7 +23,7 @@ use crate::fs::{order, Side};
 use crate::process::{run_command, Ran};
 use crate::report::{guest_slowdown, Better, Figure, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, Vmctl};
+use crate::workspace::{GuestArtifacts, Vmctl};
 
 /// The upstreams' name: the policy allows it, the secret is bound to it, and
 /// `--egress-test-resolve` points its ports 80 and 443 at the upstreams.
@@ -97,10 +97,8 @@ impl EgressSizes {
 /// What to measure and with what.
 #[derive(Debug, Clone)]
 pub struct EgressBench {
-    pub vmctl: PathBuf,
-    pub kernel: PathBuf,
-    pub agent_initramfs: PathBuf,
-    pub rootfs: PathBuf,
+    /// vmctl and the guest it boots.
+    pub artifacts: GuestArtifacts,
     pub sizes: EgressSizes,
     /// Per `vmctl up` / `rm` / `policy` / `secret`.
     pub timeout: Duration,
@@ -666,12 +664,11 @@ fn measure_into(b: &EgressBench, report: &mut EgressReport) -> Result<(), String
         secret: format!("bench-secret-{}", vm_tests::random_hex(24)),
     };
 
-    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
     // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
-    let mut vmctl = Vmctl::new(&b.vmctl, state, Some(&config), artifacts, b.timeout);
+    let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config), b.timeout);
     report.environment = vmctl.env.clone();
     report.config.workspace = ws.display().to_string();
-    let bin = b.vmctl.display().to_string();
+    let bin = b.artifacts.vmctl.display().to_string();
     let policy: Vec<String> = [bin.as_str(), "policy", "allow", HOST_NAME, "--global"]
         .map(String::from)
         .to_vec();
@@ -1119,10 +1116,12 @@ esac
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
         EgressBench {
-            vmctl: script,
-            kernel: "/k".into(),
-            agent_initramfs: "/a".into(),
-            rootfs: "/r".into(),
+            artifacts: GuestArtifacts {
+                vmctl: script,
+                kernel: "/k".into(),
+                agent_initramfs: "/a".into(),
+                rootfs: "/r".into(),
+            },
             sizes: EgressSizes {
                 latency_requests: 3,
                 latency_rounds: 2,

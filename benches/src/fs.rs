@@ -21,7 +21,7 @@ use crate::boot::{version_line, TempDir};
 use crate::process::{run_command, Ran};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
-use crate::workspace::{artifact_vars, Vmctl};
+use crate::workspace::{GuestArtifacts, Vmctl};
 
 /// Sizes on hardware KVM: the issue's.
 pub const ISSUE_FILE_MIB: u64 = 256;
@@ -98,10 +98,8 @@ pub fn sizes(
 /// What to measure and with what.
 #[derive(Debug, Clone)]
 pub struct FsBench {
-    pub vmctl: PathBuf,
-    pub kernel: PathBuf,
-    pub agent_initramfs: PathBuf,
-    pub rootfs: PathBuf,
+    /// vmctl and the guest it boots.
+    pub artifacts: GuestArtifacts,
     pub sizes: FsSizes,
     /// Per `vmctl up` / `vmctl rm`.
     pub timeout: Duration,
@@ -506,9 +504,8 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     let ws = ws
         .canonicalize()
         .map_err(|e| format!("{}: {e}", ws.display()))?;
-    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
     // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
-    let mut vmctl = Vmctl::new(&b.vmctl, state, None, artifacts, b.timeout);
+    let mut vmctl = Vmctl::new(&b.artifacts, state, None, b.timeout);
     report.environment = vmctl.env.clone();
     report.config.workspace = ws.display().to_string();
     say(format!(
@@ -908,10 +905,12 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
         FsBench {
-            vmctl: script,
-            kernel: "/k".into(),
-            agent_initramfs: "/a".into(),
-            rootfs: "/r".into(),
+            artifacts: GuestArtifacts {
+                vmctl: script,
+                kernel: "/k".into(),
+                agent_initramfs: "/a".into(),
+                rootfs: "/r".into(),
+            },
             sizes: FsSizes {
                 file_mib: 1,
                 files: 20,

@@ -33,10 +33,8 @@ agent of ours).";
 /// What to measure and with what.
 #[derive(Debug, Clone)]
 pub struct WorkspaceBench {
-    pub vmctl: PathBuf,
-    pub kernel: PathBuf,
-    pub agent_initramfs: PathBuf,
-    pub rootfs: PathBuf,
+    /// vmctl and the guest it boots.
+    pub artifacts: GuestArtifacts,
     pub ready_runs: usize,
     pub exec_iterations: usize,
     pub cli_iterations: usize,
@@ -52,17 +50,24 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-/// The guest artifacts vmctl is pointed at, as its variables.
-pub(crate) fn artifact_vars<'a>(
-    kernel: &'a Path,
-    agent_initramfs: &'a Path,
-    rootfs: &'a Path,
-) -> [(&'static str, &'a Path); 3] {
-    [
-        ("VMCTL_KERNEL", kernel),
-        ("VMCTL_AGENT_INITRAMFS", agent_initramfs),
-        ("VMCTL_ROOTFS", rootfs),
-    ]
+/// The vmctl a section runs, and the guest it points vmctl at.
+#[derive(Debug, Clone)]
+pub struct GuestArtifacts {
+    pub vmctl: PathBuf,
+    pub kernel: PathBuf,
+    pub agent_initramfs: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+impl GuestArtifacts {
+    /// The guest artifacts as vmctl's variables.
+    fn vars(&self) -> [(&'static str, &Path); 3] {
+        [
+            ("VMCTL_KERNEL", &self.kernel),
+            ("VMCTL_AGENT_INITRAMFS", &self.agent_initramfs),
+            ("VMCTL_ROOTFS", &self.rootfs),
+        ]
+    }
 }
 
 /// `vmctl` with the benchmark's state directory and artifacts; remembers every
@@ -76,24 +81,23 @@ pub(crate) struct Vmctl {
 }
 
 impl Vmctl {
-    /// `vmctl` (`bin`) with its own state directory (`XDG_STATE_HOME`), these
-    /// artifacts and, when given, its own config file (`VMCTL_CONFIG`).
+    /// `artifacts.vmctl` with its own state directory (`XDG_STATE_HOME`), pointed at
+    /// the guest artifacts and, when given, its own config file (`VMCTL_CONFIG`).
     pub(crate) fn new(
-        bin: &Path,
+        artifacts: &GuestArtifacts,
         state: PathBuf,
         config: Option<&Path>,
-        artifacts: [(&'static str, &Path); 3],
         timeout: Duration,
     ) -> Vmctl {
         let mut vars = vec![("XDG_STATE_HOME", state.as_path())];
         vars.extend(config.map(|c| ("VMCTL_CONFIG", c)));
-        vars.extend(artifacts);
+        vars.extend(artifacts.vars());
         let env = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.display().to_string()))
             .collect();
         Vmctl {
-            bin: bin.to_path_buf(),
+            bin: artifacts.vmctl.clone(),
             env,
             state,
             timeout,
@@ -302,7 +306,8 @@ fn block_on_within<T>(
         .map_err(|e| format!("{what}: {e}"))
 }
 
-fn figure(name: &str, unit: &str, samples: Vec<f64>) -> Result<Figure, String> {
+/// A figure of ours (no QEMU peer); an empty sample is an error.
+pub(crate) fn figure(name: &str, unit: &str, samples: Vec<f64>) -> Result<Figure, String> {
     let n = samples.len();
     Figure::new(name, unit, OURS, samples)
         .ok_or_else(|| format!("{name}: no valid samples out of {n}"))
@@ -317,20 +322,24 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     let state = tmp.0.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
     // Declared after `tmp`, so dropped (VMs removed) before the directory goes.
-    let artifacts = artifact_vars(&b.kernel, &b.agent_initramfs, &b.rootfs);
-    let mut vmctl = Vmctl::new(&b.vmctl, state, None, artifacts, b.timeout);
+    let mut vmctl = Vmctl::new(&b.artifacts, state, None, b.timeout);
     let env = vmctl.env.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
     // Warm the page cache (over 9p in the nested host) so the first boot is not special.
-    for p in [&b.kernel, &b.agent_initramfs, &b.vmctl] {
+    for p in [
+        &b.artifacts.kernel,
+        &b.artifacts.agent_initramfs,
+        &b.artifacts.vmctl,
+    ] {
         let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
         std::io::copy(&mut f, &mut std::io::sink())
             .map_err(|e| format!("read {}: {e}", p.display()))?;
     }
-    fs::metadata(&b.rootfs).map_err(|e| format!("{}: {e}", b.rootfs.display()))?;
+    fs::metadata(&b.artifacts.rootfs)
+        .map_err(|e| format!("{}: {e}", b.artifacts.rootfs.display()))?;
     say(format!(
         "workspace VM: {} vmctl up, {} client round trips (+{EXEC_WARMUP} warm-up), {} vmctl exec",
         b.ready_runs, b.exec_iterations, b.cli_iterations
@@ -410,7 +419,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         client.push(ms(start.elapsed()));
     }
     let exec_argv = vec![
-        b.vmctl.display().to_string(),
+        b.artifacts.vmctl.display().to_string(),
         "exec".into(),
         "--workspace".into(),
         workspace.display().to_string(),
@@ -495,9 +504,9 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
             exec_iterations: b.exec_iterations,
             exec_warmup: EXEC_WARMUP,
             cli_iterations: b.cli_iterations,
-            kernel: b.kernel.display().to_string(),
-            agent_initramfs: b.agent_initramfs.display().to_string(),
-            rootfs: b.rootfs.display().to_string(),
+            kernel: b.artifacts.kernel.display().to_string(),
+            agent_initramfs: b.artifacts.agent_initramfs.display().to_string(),
+            rootfs: b.artifacts.rootfs.display().to_string(),
             vm_cpus: record["cpus"].as_u64().unwrap_or(0),
             vm_memory_mib: record["memory_mib"].as_u64().unwrap_or(0),
             vm_nested,
@@ -548,10 +557,12 @@ mod tests {
             fs::write(dir.join(f), "x").unwrap();
         }
         WorkspaceBench {
-            vmctl: script,
-            kernel: dir.join("kernel"),
-            agent_initramfs: dir.join("initrd"),
-            rootfs: dir.join("rootfs"),
+            artifacts: GuestArtifacts {
+                vmctl: script,
+                kernel: dir.join("kernel"),
+                agent_initramfs: dir.join("initrd"),
+                rootfs: dir.join("rootfs"),
+            },
             ready_runs: 3,
             exec_iterations: 1,
             cli_iterations: 1,
@@ -585,7 +596,7 @@ mod tests {
         // the workspace is removed.
         fs::remove_file(dir.join("calls.log")).unwrap();
         let mut v = Vmctl {
-            bin: bench.vmctl.clone(),
+            bin: bench.artifacts.vmctl.clone(),
             env: vec![(
                 "XDG_STATE_HOME".into(),
                 dir.join("state").display().to_string(),

@@ -809,9 +809,11 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 6] = [
+const VM_LOST_SIGNS: [&str; 7] = [
     "timed out",
     "stopped making progress",
+    // The guest kernel's own report that one of its vCPUs stopped running.
+    "rcu_sched detected stalls on CPUs",
     "the VM stopped",
     "closed the connection",
     "guest crashed",

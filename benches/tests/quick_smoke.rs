@@ -54,13 +54,10 @@ fn quick_run() {
         .output()
         .expect("run vm-bench");
     let stderr = String::from_utf8_lossy(&run.stderr);
-    let tail: String = {
-        let chars: Vec<char> = stderr.chars().collect();
-        chars[chars.len().saturating_sub(6000)..].iter().collect()
-    };
+    let tail = failure_log(&stderr);
     assert!(
         run.status.success(),
-        "vm-bench --quick failed ({}); stderr (tail):\n{tail}",
+        "vm-bench --quick failed ({}); its log without the report:\n{tail}",
         run.status
     );
     let stdout: Value = serde_json::from_slice(&run.stdout)
@@ -83,6 +80,26 @@ fn quick_run() {
         assert!(markdown.contains(needle), "quick.md lacks {needle:?}");
     }
 }
+
+/// What tells why a run failed: the progress log before the Markdown report (which
+/// would otherwise fill the tail) and the lines after it, the last 8000 characters.
+fn failure_log(stderr: &str) -> String {
+    let kept = match stderr.find(REPORT_TITLE) {
+        Some(start) => {
+            let after_report = stderr[start..]
+                .find("\nvm-bench: wrote ")
+                .map(|end| &stderr[start + end..])
+                .unwrap_or("");
+            format!("{}\n[the Markdown report]{after_report}", &stderr[..start])
+        }
+        None => stderr.to_string(),
+    };
+    let chars: Vec<char> = kept.chars().collect();
+    chars[chars.len().saturating_sub(8000)..].iter().collect()
+}
+
+/// The first line of the Markdown report the harness prints on stderr.
+const REPORT_TITLE: &str = "\nBoot benchmark, ";
 
 fn check_report(report: &Value) {
     assert_eq!(report["config"]["quick"], true, "{report}");
@@ -146,4 +163,15 @@ fn check_report(report: &Value) {
             );
         }
     }
+}
+
+#[test]
+fn failure_log_keeps_the_progress_and_drops_the_report() {
+    let stderr = "vm-bench: fs: script failed: timed out\n\nBoot benchmark, nested host, today\n\n\
+                  | figure | unit |\n|---|---|\n\nvm-bench: wrote a.json\nvm-bench: error: incomplete\n";
+    let log = failure_log(stderr);
+    assert!(log.starts_with("vm-bench: fs: script failed: timed out\n"), "{log}");
+    assert!(!log.contains("| figure"), "{log}");
+    assert!(log.ends_with("vm-bench: wrote a.json\nvm-bench: error: incomplete\n"), "{log}");
+    assert_eq!(failure_log("no report at all"), "no report at all");
 }

@@ -203,9 +203,20 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     .map_err(|e| explain_lost_vm(vm, e.to_string()))
 }
 
+/// What a session's error says when its connection to the agent broke: while
+/// connecting or after.
+const CONNECTION_LOST_SIGNS: [&str; 3] = [
+    "closed the connection",
+    "connection closed after",
+    "Connection reset by peer",
+];
+
 /// A session that failed because its VM went away says why the VM went away.
 fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
-    if !error.contains("closed the connection") {
+    if !CONNECTION_LOST_SIGNS
+        .iter()
+        .any(|sign| error.contains(sign))
+    {
         return error;
     }
     // Give the supervisor a moment to record the end and exit.

@@ -57,6 +57,14 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         .map_err(|e| e.to_string())
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
+    // A panicking guest resets itself, which ends the VM like a clean shutdown; only
+    // its console tells them apart. `vmctl exec` quotes our last error line.
+    if let Some(panic) = guest_panic(&vm.console_log()) {
+        eprintln!(
+            "vmctl: error: the guest kernel crashed: {panic} (its console: {})",
+            vm.console_log().display()
+        );
+    }
     let _ = std::fs::remove_file(vm.pid_file());
     for socket in [
         vm.vsock_socket(),
@@ -69,4 +77,110 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         let _ = std::fs::remove_dir(vm.sockets_dir());
     }
     outcome
+}
+
+/// How much of the console's end is searched for a panic: the oops before it is a
+/// few KiB at most.
+const CONSOLE_TAIL_BYTES: u64 = 64 * 1024;
+
+/// The guest kernel's panic line in the tail of its console log, with the first
+/// line of the report that led to it (`BUG:`, `Oops:`, ...), if it panicked.
+fn guest_panic(console: &Path) -> Option<String> {
+    let tail = read_tail(console, CONSOLE_TAIL_BYTES)?;
+    let text = String::from_utf8_lossy(&tail);
+    // After the kernel's "[ seconds]" timestamp (other output may precede it).
+    let message = |line: &str| match line.find("] ") {
+        Some(end) if line[..end].contains('[') => line[end + 2..].trim().to_string(),
+        _ => line.trim().to_string(),
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let panic_at = lines
+        .iter()
+        .rposition(|l| l.contains("Kernel panic - not syncing"))?;
+    let panic = message(lines[panic_at]);
+    let cause = lines[..panic_at]
+        .iter()
+        .map(|l| message(l))
+        .find(|m| OOPS_STARTS.iter().any(|start| m.starts_with(start)));
+    Some(match cause {
+        Some(cause) => format!("{panic}, after \"{cause}\""),
+        None => panic,
+    })
+}
+
+/// How the kernel starts the reports that end in a panic.
+const OOPS_STARTS: [&str; 5] = [
+    "BUG:",
+    "Oops:",
+    "general protection fault",
+    "kernel BUG at",
+    "watchdog: BUG:",
+];
+
+fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
+    let mut tail = Vec::new();
+    file.read_to_end(&mut tail).ok()?;
+    Some(tail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn console(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.log");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn a_panic_is_found_with_the_report_that_caused_it() {
+        let (_dir, path) = console(
+            "2026-12-01T16:42:58Z  INFO started pid=181 argv=[\"true\"]\n\
+             2026-12[    8.740360] BUG: #DF stack guard page was hit at 000000009a468f9c\n\
+             [    8.742049] stack guard page: 0000 [#1] SMP\n\
+             [    8.742548] RIP: 0010:exc_page_fault+0x6/0x560\n\
+             [   10.780855] Kernel panic - not syncing: Fatal exception in interrupt\n\
+             [   12.764508] Shutting down cpus with NMI\n",
+        );
+        assert_eq!(
+            guest_panic(&path).as_deref(),
+            Some(
+                "Kernel panic - not syncing: Fatal exception in interrupt, after \
+                 \"BUG: #DF stack guard page was hit at 000000009a468f9c\""
+            )
+        );
+    }
+
+    #[test]
+    fn a_panic_without_an_oops_is_reported_alone() {
+        let (_dir, path) = console(
+            "[    1.0] Run /init as init process\n\
+             [    1.2] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100\n",
+        );
+        assert_eq!(
+            guest_panic(&path).as_deref(),
+            Some("Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100")
+        );
+    }
+
+    #[test]
+    fn a_clean_console_or_none_is_no_panic() {
+        let (_dir, path) = console("[    0.5] reboot: Restarting system\n");
+        assert_eq!(guest_panic(&path), None);
+        assert_eq!(guest_panic(Path::new("/nonexistent/console.log")), None);
+    }
+
+    #[test]
+    fn only_the_tail_is_read() {
+        let mut text = String::from("[ 1.0] Kernel panic - not syncing: old\n");
+        text.push_str(&"x".repeat(CONSOLE_TAIL_BYTES as usize));
+        let (_dir, path) = console(&text);
+        assert_eq!(guest_panic(&path), None);
+    }
 }

@@ -268,7 +268,7 @@ async fn health(socket: &Path) -> Result<HealthInfo, String> {
 }
 
 /// One round trip: connect, exec `true`, wait for its exit (status 0 required).
-async fn exec_true(socket: &Path) -> Result<(), String> {
+pub async fn exec_true(socket: &Path) -> Result<(), String> {
     let conn = connect_hybrid(socket, AGENT_PORT)
         .await
         .map_err(|e| format!("connect: {e}"))?;
@@ -304,6 +304,27 @@ fn block_on_within<T>(
         .block_on(async { tokio::time::timeout(timeout, f).await })
         .map_err(|_| format!("{what}: no answer within {} s", timeout.as_secs()))?
         .map_err(|e| format!("{what}: {e}"))
+}
+
+/// `error`, and if the VM of `vm_dir` ended under it, how: its supervisor's last
+/// lines (a crashed guest kernel is reported there). The supervisor writes them
+/// once the VMM is gone, so they are waited for, at most `wait`.
+pub(crate) fn with_vm_end(vm_dir: &Path, error: String, wait: Duration) -> String {
+    const ENDED: &str = "vmctl: the VM ended";
+    let log = vm_dir.join("supervisor.log");
+    let deadline = Instant::now() + wait;
+    let mut text = fs::read_to_string(&log).unwrap_or_default();
+    while !text.contains(ENDED) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        text = fs::read_to_string(&log).unwrap_or_default();
+    }
+    match text.find(ENDED) {
+        Some(at) => {
+            let end: Vec<&str> = text[at..].lines().map(str::trim).collect();
+            format!("{error}; {}", end.join("; "))
+        }
+        None => error,
+    }
 }
 
 /// A figure of ours (no QEMU peer); an empty sample is an error.
@@ -393,14 +414,18 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         say("warning: vmctl up ran the VM in a nested host of its own: these are not this machine's figures");
     }
 
-    // The last VM stays up for the round trips.
+    // The last VM stays up for the round trips. A failed one says whether the VM
+    // ended under it, and why.
+    let vm_dir = socket.parent().map(Path::to_path_buf).unwrap_or_default();
+    let explain = |error: String| with_vm_end(&vm_dir, error, Duration::from_secs(2));
     for i in 0..EXEC_WARMUP {
         block_on_within(
             &runtime,
             b.timeout,
             &format!("warm-up exec {} of true", i + 1),
             exec_true(&socket),
-        )?;
+        )
+        .map_err(explain)?;
     }
     let mut client = Vec::with_capacity(b.exec_iterations);
     for i in 0..b.exec_iterations {
@@ -415,7 +440,8 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
                 socket.display()
             ),
             exec_true(&socket),
-        )?;
+        )
+        .map_err(explain)?;
         client.push(ms(start.elapsed()));
     }
     let exec_argv = vec![
@@ -435,7 +461,8 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         b.timeout,
         &format!("health check of {} after the round trips", socket.display()),
         health(&socket),
-    )?;
+    )
+    .map_err(explain)?;
     let summary = |v: &[f64]| {
         let mut s = v.to_vec();
         s.sort_by(|a, b| a.total_cmp(b));
@@ -533,6 +560,41 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_says_how_the_vm_ended() {
+        let dir = TempDir::unique("-vm-end");
+        fs::create_dir_all(&dir.0).unwrap();
+        fs::write(
+            dir.0.join("supervisor.log"),
+            "vmctl: supervising the VM of /w\n\u{1b}[2m...\u{1b}[0m INFO guest reset\n\
+             vmctl: the VM ended: Ok(0)\n\
+             vmctl: error: the guest kernel crashed: Kernel panic - not syncing: Fatal exception\n",
+        )
+        .unwrap();
+        assert_eq!(
+            with_vm_end(&dir.0, "connect: closed".into(), Duration::ZERO),
+            "connect: closed; vmctl: the VM ended: Ok(0); vmctl: error: the guest kernel \
+             crashed: Kernel panic - not syncing: Fatal exception"
+        );
+    }
+
+    #[test]
+    fn a_failure_of_a_running_vm_is_left_alone() {
+        let dir = TempDir::unique("-vm-up");
+        fs::create_dir_all(&dir.0).unwrap();
+        fs::write(
+            dir.0.join("supervisor.log"),
+            "vmctl: supervising the VM of /w\n",
+        )
+        .unwrap();
+        assert_eq!(
+            with_vm_end(&dir.0, "exec: timed out".into(), Duration::ZERO),
+            "exec: timed out"
+        );
+        let none = dir.0.join("missing");
+        assert_eq!(with_vm_end(&none, "e".into(), Duration::ZERO), "e");
+    }
 
     /// A fake `vmctl` that logs its arguments; `up` fails for the second workspace.
     fn fake(dir: &Path) -> WorkspaceBench {

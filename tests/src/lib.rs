@@ -809,11 +809,14 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 7] = [
+const VM_LOST_SIGNS: [&str; 8] = [
     "timed out",
     "stopped making progress",
     // The guest kernel's own report that one of its vCPUs stopped running.
     "rcu_sched detected stalls on CPUs",
+    // vmctl's report of a guest kernel panic (in the nested host: its own CPU state
+    // leaking into the guest's, e.g. the per-CPU GS base; README, "Known problem").
+    "the guest kernel crashed",
     "the VM stopped",
     "closed the connection",
     "guest crashed",

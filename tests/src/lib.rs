@@ -718,8 +718,14 @@ impl Workspace {
     /// Runs `vmctl ARGS` and logs what it printed; panics with "timed out" when it
     /// takes longer than [`vm_timeout`] (a hung guest must fail the test, not hang it).
     pub fn run(&self, args: &[&str]) -> Output {
+        self.run_with_env(args, &[])
+    }
+
+    /// [`Workspace::run`] with more environment variables for vmctl.
+    pub fn run_with_env(&self, args: &[&str], env: &[(&str, &Path)]) -> Output {
         let mut child = self
             .command(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

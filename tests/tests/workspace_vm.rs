@@ -248,3 +248,38 @@ fn a_recipe_builds_and_boots_its_own_image() {
     assert!(default.run(&["up"]).status.success());
     assert!(!default.exec("command -v jq").status.success());
 }
+
+/// A guest whose kernel panics (here its init exits) is reported as a crashed guest,
+/// in the kernel's own words, not as a VM that simply ended.
+#[test]
+fn a_guest_kernel_panic_is_reported_as_a_crash() {
+    if !vm_available("workspace_vm::a_guest_kernel_panic_is_reported_as_a_crash") {
+        return;
+    }
+    let ws = Workspace::new("guest-panic");
+    let mut initrd = std::fs::read(vm_tests::base_initramfs()).expect("read the test initramfs");
+    // An uncompressed archive after the gzip'd one starts 4-byte aligned; its /init
+    // replaces the base's, and exits.
+    initrd.resize(initrd.len().next_multiple_of(512), 0);
+    initrd.extend_from_slice(&vm_tests::newc_archive(&[vm_tests::CpioEntry {
+        path: "init",
+        mode: 0o100755,
+        data: b"#!/bin/sh\necho the init that exits\nexit 3\n",
+    }]));
+    let initrd_path = ws.dir.join("panicking-initramfs.cpio");
+    std::fs::write(&initrd_path, initrd).expect("write the initramfs");
+
+    let up = ws.run_with_env(&["up"], &[("VMCTL_AGENT_INITRAMFS", &initrd_path)]);
+    let stderr = String::from_utf8_lossy(&up.stderr);
+    assert!(
+        !up.status.success(),
+        "vmctl up succeeded with a guest that has no agent"
+    );
+    assert!(
+        stderr.contains(
+            "the guest kernel crashed: Kernel panic - not syncing: Attempted to kill init! \
+             exitcode=0x00000300"
+        ),
+        "{stderr}"
+    );
+}

@@ -170,8 +170,14 @@ fn failure_log_keeps_the_progress_and_drops_the_report() {
     let stderr = "vm-bench: fs: script failed: timed out\n\nBoot benchmark, nested host, today\n\n\
                   | figure | unit |\n|---|---|\n\nvm-bench: wrote a.json\nvm-bench: error: incomplete\n";
     let log = failure_log(stderr);
-    assert!(log.starts_with("vm-bench: fs: script failed: timed out\n"), "{log}");
+    assert!(
+        log.starts_with("vm-bench: fs: script failed: timed out\n"),
+        "{log}"
+    );
     assert!(!log.contains("| figure"), "{log}");
-    assert!(log.ends_with("vm-bench: wrote a.json\nvm-bench: error: incomplete\n"), "{log}");
+    assert!(
+        log.ends_with("vm-bench: wrote a.json\nvm-bench: error: incomplete\n"),
+        "{log}"
+    );
     assert_eq!(failure_log("no report at all"), "no report at all");
 }

@@ -787,9 +787,9 @@ fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
 
 /// Guests in the nested host sometimes crash or hang under sustained device traffic
 /// (README, "Known problem"). A scenario that loses its VM that way is retried,
-/// loudly, at most twice; any other failure fails at once.
+/// loudly, at most three times; any other failure fails at once.
 pub fn retry_if_vm_lost(scenario: fn()) {
-    const ATTEMPTS: usize = 3;
+    const ATTEMPTS: usize = 4;
     for attempt in 1..=ATTEMPTS {
         VM_LOST.with(|lost| lost.set(false));
         match std::panic::catch_unwind(scenario) {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::boot::{say, TempDir};
+use crate::boot::{say, warm_page_cache, TempDir};
 use crate::process::run_command;
 use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
@@ -757,16 +757,11 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
             vec![bin, "daemon".into(), "--stop".into()],
         ),
     ];
-    // Warm the page cache (over 9p in the nested host) so the first boot is not special.
-    for p in [
+    warm_page_cache(&[
         &b.artifacts.kernel,
         &b.artifacts.agent_initramfs,
         &b.artifacts.vmctl,
-    ] {
-        let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
-        std::io::copy(&mut f, &mut std::io::sink())
-            .map_err(|e| format!("read {}: {e}", p.display()))?;
-    }
+    ])?;
     read_meminfo(&b.meminfo)?;
     say(format!(
         "agent: {} cold and {} (+{WARM_WARMUP}) warm `vmctl agent claude --version`, up to {} \

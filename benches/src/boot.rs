@@ -1032,6 +1032,16 @@ impl Drop for TempDir {
     }
 }
 
+/// Reads `files` once, so the first boot does not pay for loading them (over 9p in
+/// the nested host) and is not special.
+pub(crate) fn warm_page_cache(files: &[&Path]) -> Result<(), String> {
+    for path in files {
+        let mut f = fs::File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+        io::copy(&mut f, &mut io::sink()).map_err(|e| format!("read {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// The first line `PROGRAM --version` prints (empty when it prints nothing).
 pub(crate) fn version_line(program: &Path) -> String {
     Command::new(program)
@@ -1076,11 +1086,7 @@ fn measure(
         &memory_initrd,
         &format!("echo {MEMORY_MARKER}\nsleep {sleep_s}\n"),
     )?;
-    // Warm the page cache (over 9p in the nested host) so the first boot is not special.
-    for p in [&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu] {
-        let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
-        io::copy(&mut f, &mut io::sink()).map_err(|e| format!("read {}: {e}", p.display()))?;
-    }
+    warm_page_cache(&[&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu])?;
     let qemu_version = version_line(&tools.qemu);
     let first = args.configs[0];
     say(format!(

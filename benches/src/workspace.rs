@@ -5,7 +5,7 @@
 //! Every VM lives under a temporary `XDG_STATE_HOME` (the user's VMs are never
 //! touched) and is removed with `vmctl rm`, also when a step fails.
 
-use crate::boot::{say, TempDir};
+use crate::boot::{say, warm_page_cache, TempDir};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -349,16 +349,11 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    // Warm the page cache (over 9p in the nested host) so the first boot is not special.
-    for p in [
+    warm_page_cache(&[
         &b.artifacts.kernel,
         &b.artifacts.agent_initramfs,
         &b.artifacts.vmctl,
-    ] {
-        let mut f = fs::File::open(p).map_err(|e| format!("open {}: {e}", p.display()))?;
-        std::io::copy(&mut f, &mut std::io::sink())
-            .map_err(|e| format!("read {}: {e}", p.display()))?;
-    }
+    ])?;
     fs::metadata(&b.artifacts.rootfs)
         .map_err(|e| format!("{}: {e}", b.artifacts.rootfs.display()))?;
     say(format!(

@@ -362,24 +362,33 @@ pub fn newc_archive(entries: &[CpioEntry]) -> Vec<u8> {
 }
 
 /// `base` (a gzip'd initramfs) followed by an archive holding `/etc/vmtest.sh` =
-/// `script`, which the guest's `/init` runs with `sh` before it reboots. The kernel
-/// unpacks concatenated archives; an uncompressed one must start 4-byte aligned, hence
-/// the zero padding (which the kernel skips).
+/// `script`, which the guest's `/init` runs with `sh` before it reboots.
 pub fn initramfs_with_script(base: &[u8], script: &str) -> Vec<u8> {
+    initramfs_with(
+        base,
+        &[
+            CpioEntry {
+                path: "etc",
+                mode: 0o040755,
+                data: &[],
+            },
+            CpioEntry {
+                path: "etc/vmtest.sh",
+                mode: 0o100755,
+                data: script.as_bytes(),
+            },
+        ],
+    )
+}
+
+/// `base` (a gzip'd initramfs) followed by an archive of `entries`, which add to or
+/// replace the base's files. The kernel unpacks concatenated archives; an
+/// uncompressed one must start 4-byte aligned, hence the zero padding (which the
+/// kernel skips).
+pub fn initramfs_with(base: &[u8], entries: &[CpioEntry]) -> Vec<u8> {
     let mut image = base.to_vec();
     image.resize(image.len().next_multiple_of(512), 0);
-    image.extend_from_slice(&newc_archive(&[
-        CpioEntry {
-            path: "etc",
-            mode: 0o040755,
-            data: &[],
-        },
-        CpioEntry {
-            path: "etc/vmtest.sh",
-            mode: 0o100755,
-            data: script.as_bytes(),
-        },
-    ]));
+    image.extend_from_slice(&newc_archive(entries));
     image
 }
 

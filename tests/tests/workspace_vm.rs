@@ -257,15 +257,16 @@ fn a_guest_kernel_panic_is_reported_as_a_crash() {
         return;
     }
     let ws = Workspace::new("guest-panic");
-    let mut initrd = std::fs::read(vm_tests::base_initramfs()).expect("read the test initramfs");
-    // An uncompressed archive after the gzip'd one starts 4-byte aligned; its /init
-    // replaces the base's, and exits.
-    initrd.resize(initrd.len().next_multiple_of(512), 0);
-    initrd.extend_from_slice(&vm_tests::newc_archive(&[vm_tests::CpioEntry {
-        path: "init",
-        mode: 0o100755,
-        data: b"#!/bin/sh\necho the init that exits\nexit 3\n",
-    }]));
+    let base = std::fs::read(vm_tests::base_initramfs()).expect("read the test initramfs");
+    // This /init replaces the base's, and exits.
+    let initrd = vm_tests::initramfs_with(
+        &base,
+        &[vm_tests::CpioEntry {
+            path: "init",
+            mode: 0o100755,
+            data: b"#!/bin/sh\necho the init that exits\nexit 3\n",
+        }],
+    );
     let initrd_path = ws.dir.join("panicking-initramfs.cpio");
     std::fs::write(&initrd_path, initrd).expect("write the initramfs");
 

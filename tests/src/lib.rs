@@ -18,6 +18,7 @@
 //! `scripts/test.sh` truncates and summarizes) and returns `false`. With
 //! `VMCTL_REQUIRE_VM=1` it panics instead.
 
+pub mod host_user;
 pub mod upstream;
 
 use std::ffi::{OsStr, OsString};
@@ -121,7 +122,7 @@ pub fn vmctl_bin() -> &'static Path {
 
 /// Runs one of the repository's build scripts, which print the artifact path on stdout
 /// and progress on stderr (passed through).
-fn build_artifact(script: &str, args: &[&str]) -> PathBuf {
+pub(crate) fn build_artifact(script: &str, args: &[&str]) -> PathBuf {
     let path = workspace_root().join(script);
     eprintln!("vm-tests: running {script} {args:?} (cached after the first build)");
     let out = Command::new(&path)
@@ -203,10 +204,7 @@ pub fn record_skip(test: &str, reason: &str) {
 /// Why `vmctl` cannot boot a guest on this machine, or `None` if it can: it needs
 /// hardware KVM (`kvm_intel`/`kvm_amd`) or QEMU for the nested host.
 pub fn vm_unavailable_reason() -> Option<String> {
-    let hw_kvm = ["/sys/module/kvm_intel", "/sys/module/kvm_amd"]
-        .iter()
-        .any(|m| Path::new(m).exists());
-    if hw_kvm && Path::new("/dev/kvm").exists() {
+    if hardware_kvm() {
         return None;
     }
     let qemu = env_path("VMCTL_QEMU").unwrap_or_else(|| "qemu-system-x86_64".into());
@@ -218,6 +216,14 @@ pub fn vm_unavailable_reason() -> Option<String> {
          (apt-get install qemu-system-x86, or run scripts/setup.sh)",
         qemu.display()
     ))
+}
+
+/// Whether VMs run directly on this host's KVM (hardware-backed), not in the nested host.
+pub fn hardware_kvm() -> bool {
+    let loaded = ["/sys/module/kvm_intel", "/sys/module/kvm_amd"]
+        .iter()
+        .any(|m| Path::new(m).exists());
+    loaded && Path::new("/dev/kvm").exists()
 }
 
 /// Call first in every test that boots a VM: `true` if it can run here; otherwise
@@ -686,15 +692,50 @@ pub fn guest_value<'a>(stdout: &'a str, key: &str) -> Option<&'a str> {
 /// the test's own temporary directory; dropping it removes the workspace's VM.
 pub struct Workspace {
     pub dir: TempDir,
+    /// Set when vmctl runs as another user than the tests.
+    runner: Option<Runner>,
+}
+
+/// How vmctl runs as another user: who, with which environment, and the directory
+/// that holds the artifacts handed to it (kept as long as the workspace).
+struct Runner {
+    user: host_user::HostUser,
+    env: Vec<(&'static str, OsString)>,
+    _artifacts: TempDir,
 }
 
 impl Workspace {
     pub fn new(name: &str) -> Self {
         let workspace = Self {
             dir: TempDir::new(name),
+            runner: None,
         };
         std::fs::create_dir_all(workspace.path())
             .unwrap_or_else(|e| panic!("cannot create {}: {e}", workspace.path().display()));
+        workspace
+    }
+
+    /// A workspace whose vmctl runs as `user`, who owns the workspace, vmctl's state
+    /// and a home directory for it ([`host_user`]).
+    pub fn new_as(name: &str, user: &host_user::HostUser) -> Self {
+        let mut workspace = Self::new(name);
+        let home = workspace.dir.join("home");
+        std::fs::create_dir_all(&home)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", home.display()));
+        let artifacts = TempDir::new(&format!("{name}-artifacts"));
+        let mut env: Vec<(&'static str, OsString)> = host_user::artifact_env(user, &artifacts)
+            .into_iter()
+            .map(|(variable, path)| (variable, path.into_os_string()))
+            .collect();
+        env.extend(host_user::login_env(user, &home));
+        if !user.is_current() {
+            host_user::give_to(workspace.dir.path(), user);
+        }
+        workspace.runner = Some(Runner {
+            user: user.clone(),
+            env,
+            _artifacts: artifacts,
+        });
         workspace
     }
 
@@ -714,7 +755,14 @@ impl Workspace {
 
     /// `vmctl ARGS` run in the workspace, with stdin from /dev/null.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(vmctl_bin());
+        let mut command = match &self.runner {
+            Some(runner) => {
+                let mut command = host_user::command_as(&runner.user, vmctl_bin());
+                command.envs(runner.env.iter().map(|(k, v)| (k, v)));
+                command
+            }
+            None => Command::new(vmctl_bin()),
+        };
         command
             .args(args)
             .current_dir(self.path())

@@ -5,8 +5,10 @@
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use vm_tests::{stdout, vm_available, vmctl_bin, TempDir, Workspace};
+use vm_tests::host_user::{current_uid, unprivileged_user};
+use vm_tests::{guest_value, stdout, vm_available, vmctl_bin, TempDir, Workspace};
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
     let output = Command::new(program)
@@ -99,6 +101,29 @@ fn shared_workspace_scenario() {
     assert_eq!(
         std::fs::metadata(root.join("created.txt")).unwrap().uid(),
         owner
+    );
+
+    // The guest's clock is the host's: its time lies between the host's before and
+    // after, and a file it has just written (stamped by the host, through virtiofsd)
+    // is not in its future, which `make` would warn about.
+    let before = seconds_since_epoch(SystemTime::now());
+    let clock = ws.exec("touch clock-probe; date +%s.%N");
+    let after = seconds_since_epoch(SystemTime::now());
+    assert_ok(&clock, "date");
+    let guest_now: f64 = stdout(&clock).trim().parse().unwrap();
+    let written = seconds_since_epoch(
+        std::fs::metadata(root.join("clock-probe"))
+            .unwrap()
+            .modified()
+            .unwrap(),
+    );
+    assert!(
+        (before - CLOCK_TOLERANCE_S..=after + CLOCK_TOLERANCE_S).contains(&guest_now),
+        "the guest's clock ({guest_now:.3}) is off the host's ({before:.3} to {after:.3})"
+    );
+    assert!(
+        written <= guest_now + CLOCK_TOLERANCE_S,
+        "a file the guest wrote at {written:.3} is in the guest's future ({guest_now:.3})"
     );
 
     // The host's changes, seen in the guest promptly (attribute cache: 1 s).
@@ -224,6 +249,132 @@ with open('mapped-by-host.bin', 'rb') as f:
         host_shadow.is_empty() || stdout(&shadow) != host_shadow,
         "the guest read the host's /etc/shadow through a symlink"
     );
+}
+
+/// How far the guest's clock may be off the host's, in seconds: the nested host sets
+/// its clock from the host's to within half a 9p round trip.
+const CLOCK_TOLERANCE_S: f64 = 0.25;
+
+fn seconds_since_epoch(time: SystemTime) -> f64 {
+    time.duration_since(UNIX_EPOCH)
+        .expect("a clock before 1970")
+        .as_secs_f64()
+}
+
+/// A uid no account on the host or in the guest has.
+const OTHER_UID: u32 = 4242;
+
+/// vmctl run by a normal user, as people run it (our CI runs the tests as root; they
+/// then use a system user, see `vm_tests::host_user`): the guest's default user is
+/// that user, whatever the guest creates in the workspace is theirs on the host, as
+/// guest root too, and another user's host file shows as uid 65534, can be read as
+/// its mode allows but neither written nor given away.
+#[test]
+fn a_normal_users_files_stay_theirs() {
+    if !vm_available("virtio_fs::a_normal_users_files_stay_theirs") {
+        return;
+    }
+    vm_tests::retry_if_vm_lost(normal_user_scenario);
+}
+
+fn normal_user_scenario() {
+    let user = unprivileged_user();
+    let ws = Workspace::new_as("virtio-fs-user", user);
+    let root = ws.path().canonicalize().unwrap();
+    let mine = root.join("mine.txt");
+    std::fs::write(&mine, "mine\n").unwrap();
+    std::os::unix::fs::chown(&mine, Some(user.uid), Some(user.gid)).unwrap();
+    // Only root can make a file of another user.
+    let others = root.join("others.txt");
+    let with_others = current_uid() == 0;
+    if with_others {
+        std::fs::write(&others, "theirs\n").unwrap();
+        std::os::unix::fs::chown(&others, Some(OTHER_UID), Some(OTHER_UID)).unwrap();
+    } else {
+        eprintln!("NOTE: not running as root: the other user's file is not checked");
+    }
+
+    assert_ok(&ws.run(&["up"]), "vmctl up");
+    let as_default_user = ws.exec(&format!(
+        "echo name=$(id -un); echo uid=$(id -u); echo gid=$(id -g)
+         echo mine=$(stat -c %u:%g mine.txt)
+         echo guest > by-guest.txt
+         chown {OTHER_UID} by-guest.txt 2>/dev/null && echo CHOWNED
+         if test -e others.txt; then
+             echo others=$(stat -c %u:%g others.txt) content=$(cat others.txt)
+             (echo x >> others.txt) 2>/dev/null && echo WROTE
+         fi
+         true"
+    ));
+    assert_ok(&as_default_user, "the default user's commands");
+    let out = stdout(&as_default_user);
+    let own_ids = format!("{}:{}", user.uid, user.gid);
+    assert_eq!(guest_value(&out, "name"), Some(user.name.as_str()), "{out}");
+    assert_eq!(
+        guest_value(&out, "uid"),
+        Some(user.uid.to_string().as_str())
+    );
+    assert_eq!(
+        guest_value(&out, "gid"),
+        Some(user.gid.to_string().as_str())
+    );
+    assert_eq!(guest_value(&out, "mine"), Some(own_ids.as_str()));
+    assert!(
+        !out.contains("CHOWNED"),
+        "the guest gave a file away: {out}"
+    );
+    if with_others {
+        assert_eq!(
+            guest_value(&out, "others"),
+            Some("65534:65534 content=theirs"),
+            "{out}"
+        );
+        assert!(
+            !out.contains("WROTE"),
+            "the guest wrote another user's file"
+        );
+    }
+
+    let as_guest_root = ws.run(&[
+        "exec",
+        "--user",
+        "root",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo root > by-guest-root.txt
+             chown {OTHER_UID} by-guest-root.txt 2>/dev/null && echo CHOWNED
+             test -e others.txt && (echo x >> others.txt) 2>/dev/null && echo WROTE
+             true"
+        ),
+    ]);
+    assert_ok(&as_guest_root, "guest root's commands");
+    let out = stdout(&as_guest_root);
+    assert!(
+        !out.contains("CHOWNED"),
+        "guest root gave a file away: {out}"
+    );
+    assert!(
+        !out.contains("WROTE"),
+        "guest root wrote another user's file"
+    );
+
+    for (name, content) in [("by-guest.txt", "guest\n"), ("by-guest-root.txt", "root\n")] {
+        let path = root.join(name);
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid()),
+            (user.uid, user.gid),
+            "{name}, made in the guest, is not the user's on the host"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), content);
+    }
+    if with_others {
+        let meta = std::fs::metadata(&others).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (OTHER_UID, OTHER_UID));
+        assert_eq!(std::fs::read_to_string(&others).unwrap(), "theirs\n");
+    }
 }
 
 /// virtiofsd killed under a running VM: requests fail (no hang), `vmctl` says what

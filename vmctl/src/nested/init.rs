@@ -74,6 +74,9 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
 fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
     tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
     mount_basics().map_err(|e| e.to_string())?;
+    if let Err(e) = set_clock_from_host() {
+        eprintln!("vmctl: warning: cannot set the nested host's clock from the host's: {e}; the guest's clock may lag the host's by a second or more");
+    }
     // Commands run here (benchmarks, `vmctl` itself with its relays and egress
     // proxy) need 127.0.0.1.
     if let Err(e) = guest_agent::init::loopback_up() {
@@ -260,6 +263,39 @@ fn mount_basics() -> Result<(), NestedInitError> {
         source,
     })?;
     mount_9p(job::JOB_TAG, Path::new(job::GUEST_JOB_DIR), false)
+}
+
+/// Sets this nested host's wall clock to the host's. It starts from the emulated RTC,
+/// whole seconds read during boot, so it lags the host by up to a second or two; the
+/// guest's kvmclock inherits the lag, while the files it writes through virtiofsd get
+/// the host's time: `make` and `ls` would see them in the future. A file created in
+/// the job directory (9p) gets its mtime from the host's clock, which is the clock to
+/// take; half the round trip is added for the time the answer took.
+fn set_clock_from_host() -> std::io::Result<()> {
+    let probe = Path::new(job::GUEST_JOB_DIR).join(".clock");
+    let sent = Instant::now();
+    File::create(&probe)?;
+    let host_time = std::fs::metadata(&probe)?.modified()?;
+    let now = host_time + sent.elapsed() / 2;
+    let _ = std::fs::remove_file(&probe);
+    let since_epoch = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| std::io::Error::other(format!("the host's clock is before 1970: {e}")))?;
+    let before = std::time::SystemTime::now();
+    let time = libc::timespec {
+        tv_sec: since_epoch.as_secs() as libc::time_t,
+        tv_nsec: since_epoch.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `time` is a valid timespec that outlives the call.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &time) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let step_ms = match now.duration_since(before) {
+        Ok(ahead) => ahead.as_secs_f64() * 1e3,
+        Err(behind) => -behind.duration().as_secs_f64() * 1e3,
+    };
+    tracing::debug!("nested host: clock stepped by {step_ms:.1} ms to the host's");
+    Ok(())
 }
 
 /// Commands get a writable /tmp that still shows the host's (read-only) /tmp, where

@@ -149,22 +149,34 @@ pub fn artifact_env(user: &HostUser, dir: &TempDir) -> Vec<(&'static str, PathBu
     if user.is_current() {
         return Vec::new();
     }
+    // What scripts/test.sh resolved, else the build scripts' (cached) outputs.
+    let resolved = |variable: &str, script: &str, args: &[&str]| {
+        crate::env_path(variable).unwrap_or_else(|| crate::build_artifact(script, args))
+    };
     let mut artifacts = vec![
         ("VMCTL_KERNEL", crate::kernel().to_path_buf()),
         (
             "VMCTL_AGENT_INITRAMFS",
-            crate::build_artifact("guest-agent/build-initramfs.sh", &[]),
+            resolved(
+                "VMCTL_AGENT_INITRAMFS",
+                "guest-agent/build-initramfs.sh",
+                &[],
+            ),
         ),
         (
             "VMCTL_ROOTFS",
-            crate::build_artifact("rootfs/build-rootfs.sh", &[]),
+            resolved("VMCTL_ROOTFS", "rootfs/build-rootfs.sh", &[]),
         ),
         ("VMCTL_VIRTIOFSD", find_virtiofsd()),
     ];
     if !crate::hardware_kvm() {
         artifacts.push((
             "VMCTL_NESTED_KERNEL",
-            crate::build_artifact("kernel-config/build.sh", &["nested-host"]),
+            resolved(
+                "VMCTL_NESTED_KERNEL",
+                "kernel-config/build.sh",
+                &["nested-host"],
+            ),
         ));
     }
     artifacts

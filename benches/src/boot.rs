@@ -21,10 +21,11 @@ use crate::cold_start::ColdStartBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
 use crate::report::{
-    hardware_kvm, ratios, utc_now, BootConfig, Config, Figure, Machine, Report, NESTED_NOTE, OURS,
-    QEMU,
+    hardware_kvm, ratios, utc_now, BootConfig, Config, Figure, Machine, Ratio, Report, NESTED_NOTE,
+    OURS, QEMU,
 };
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
+use crate::sections::Section;
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
 use crate::workspace::{GuestArtifacts, WorkspaceBench};
 use vm_tests::initramfs_with_script;
@@ -73,6 +74,9 @@ pub fn boot_configs(quick: bool, cpus: Option<u32>, memory_mib: Option<u64>) -> 
     }
 }
 
+/// How long the memory runs' guest sleeps after its marker (while the VMM is measured).
+const MEMORY_RUN_SLEEP_S: u64 = 3;
+
 /// Targets on hardware KVM (the project's goals), printed beside the figures.
 pub const BOOT_TO_INIT_TARGET_MS: f64 = 125.0;
 pub const VMM_OVERHEAD_TARGET_MIB: f64 = 5.0;
@@ -102,6 +106,10 @@ the host memory of idle VMs.
                        and 3 warm runs (3, 10), 1 idle VM in the nested host
                        (3; 10 on hardware KVM, where memory allows); churn: 2
                        create/destroy cycles per VMM (100)
+  --only SECTIONS      measure only these sections (comma-separated, or the
+                       option repeated): boot (boot time, memory and cold exec
+                       against QEMU), churn, workspace, fs (virtio-fs against
+                       the host), egress, agent; default: all of them
   --runs N             boots per VMM
   --memory-runs N      memory-measuring boots per VMM
   --ready-runs N       vmctl up on fresh workspaces
@@ -145,6 +153,8 @@ enum Nested {
 #[derive(Debug, Clone)]
 struct Args {
     quick: bool,
+    /// The sections to measure, in run order (`--only`; default: all).
+    sections: Vec<Section>,
     runs: usize,
     memory_runs: usize,
     ready_runs: usize,
@@ -183,6 +193,7 @@ struct Args {
 fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut a = Args {
         quick: false,
+        sections: Vec::new(),
         runs: 0,
         memory_runs: 0,
         ready_runs: 0,
@@ -228,6 +239,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             // cargo passes --bench to harness = false bench targets.
             "--bench" => {}
             "--quick" => a.quick = true,
+            "--only" => crate::sections::add_named(&mut a.sections, &value("--only")?)?,
             "--runs" => runs = Some(number("--runs", value("--runs")?)? as usize),
             "--memory-runs" => {
                 memory_runs = Some(number("--memory-runs", value("--memory-runs")?)? as usize)
@@ -283,6 +295,9 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "-h" | "--help" => return Err(USAGE.to_string()),
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
+    }
+    if a.sections.is_empty() {
+        a.sections = Section::ALL.to_vec();
     }
     a.runs = runs.unwrap_or(if a.quick { 1 } else { 10 });
     a.memory_runs = memory_runs.unwrap_or(if a.quick { 1 } else { 3 });
@@ -734,6 +749,7 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     if args.quick {
         cmd.arg("--quick");
     }
+    cmd.args(["--only", &crate::sections::to_arg(&args.sections)]);
     // Only the sizes given: the inner run picks the nested host's defaults (and the
     // same boot configurations as this run).
     for (flag, v) in [
@@ -1074,7 +1090,7 @@ fn measure(
     fs::create_dir_all(&tmp.0).map_err(|e| format!("create {}: {e}", tmp.0.display()))?;
     let base =
         fs::read(&tools.initrd).map_err(|e| format!("read {}: {e}", tools.initrd.display()))?;
-    let sleep_s = 3;
+    let sleep_s = MEMORY_RUN_SLEEP_S;
     let boot_initrd = tmp.0.join("boot-initrd.img");
     let memory_initrd = tmp.0.join("memory-initrd.img");
     let write = |path: &Path, script: &str| {
@@ -1088,6 +1104,167 @@ fn measure(
     )?;
     warm_page_cache(&[&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu])?;
     let qemu_version = version_line(&tools.qemu);
+    let first = args.configs[0];
+    let (figures, ratios) = if args.sections.contains(&Section::Boot) {
+        measure_boot(args, tools, &memory_initrd, &boot_initrd)?
+    } else {
+        (Vec::new(), Vec::new())
+    };
+
+    let str_argv = |v: Vec<OsString>| {
+        v.into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    };
+    // The boot figures are in: from here on, each section is added when it is done,
+    // and the report so far is saved (a nested host that stalls loses only the rest).
+    let mut report = Report {
+        benchmark: "boot".into(),
+        incomplete: None,
+        sections: args.sections.iter().map(|s| s.name().to_string()).collect(),
+        date: utc_now(),
+        mode: "direct".into(),
+        note: None,
+        machine: Machine::this(),
+        measured_on: None,
+        commit: None,
+        dirty: None,
+        kernel: tools.kernel.display().to_string(),
+        initrd: tools.initrd.display().to_string(),
+        vmctl: tools.vmctl.display().to_string(),
+        qemu: tools.qemu.display().to_string(),
+        qemu_version,
+        config: Config {
+            runs: args.runs,
+            quick: args.quick,
+            vcpus: args.cpus,
+            memory_mib: args.memory_mib,
+            memory_runs: args.memory_runs,
+            memory_run_sleep_s: sleep_s,
+            timeout_s: args.timeout.as_secs(),
+            marker: BOOT_MARKER.into(),
+            configs: args.configs.clone(),
+        },
+        commands: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, first))))
+            .collect(),
+        memory_rules: [Vmm::Ours, Vmm::Qemu]
+            .iter()
+            .map(|v| {
+                (
+                    v.label().to_string(),
+                    format!(
+                        "guest memory = {}; overhead = Rss of every other mapping of the VMM process \
+                         (/proc/<pid>/smaps, read when the guest printed {MEMORY_MARKER})",
+                        v.memory_rule(first.memory_mib).describe()
+                    ),
+                )
+            })
+            .collect(),
+        figures,
+        ratios,
+        workspace: None,
+        fs: None,
+        egress: None,
+        agent: None,
+        churn: None,
+    };
+    checkpoint(
+        &report,
+        if args.sections.contains(&Section::Boot) {
+            "the boot figures"
+        } else {
+            "its start"
+        },
+    );
+
+    // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
+    // the boots (before the workspace VMs, whose daemons could still be settling).
+    // Measuring inside the nested host is what --inner means.
+    let nested = args.inner.is_some();
+    let wanted = |section| args.sections.contains(&section);
+    if wanted(Section::Churn) {
+        report.churn = Some(crate::churn::measure(&ChurnBench {
+            vmms: [Vmm::Ours, Vmm::Qemu]
+                .iter()
+                .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, first)))
+                .collect(),
+            marker: BOOT_MARKER.into(),
+            cycles: args.churn_cycles,
+            timeout: args.timeout,
+            nested,
+            meminfo: "/proc/meminfo".into(),
+            proc: "/proc".into(),
+            sampling: crate::churn::Sampling::for_run(args.quick),
+            needle: boot_initrd.display().to_string(),
+        }));
+        checkpoint(&report, "churn");
+    }
+
+    // The workspace VM, in the same environment (no QEMU peer).
+    if wanted(Section::Workspace) {
+        report.workspace = Some(
+            crate::workspace::measure(&WorkspaceBench {
+                artifacts: tools.guest_artifacts(),
+                ready_runs: args.ready_runs,
+                exec_iterations: args.exec_iterations,
+                cli_iterations: args.cli_iterations,
+                timeout: args.timeout,
+            })
+            .map_err(|e| format!("workspace VM: {e}"))?,
+        );
+        checkpoint(&report, "the workspace VM");
+    }
+
+    // The shared workspace directory, guest against host, in the same environment.
+    if wanted(Section::Fs) {
+        report.fs = Some(crate::fs::measure(&FsBench {
+            artifacts: tools.guest_artifacts(),
+            sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
+            timeout: args.timeout,
+            script_timeout: args.fs_timeout,
+            nested,
+            drop_caches: crate::fs::DROP_CACHES_FILE.into(),
+        }));
+        checkpoint(&report, "virtio-fs");
+    }
+    // The egress path, guest against host, in the same environment.
+    if wanted(Section::Egress) {
+        report.egress = Some(crate::egress::measure(&EgressBench {
+            artifacts: tools.guest_artifacts(),
+            sizes: crate::egress::sizes(args.quick),
+            timeout: args.timeout,
+            command_timeout: crate::egress::COMMAND_TIMEOUT,
+            nested,
+            curl: "curl".into(),
+        }));
+        checkpoint(&report, "egress");
+    }
+    // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
+    // environment.
+    if wanted(Section::Agent) {
+        report.agent = Some(crate::agent::measure(&AgentBench {
+            artifacts: tools.guest_artifacts(),
+            sizes: crate::agent::sizes(args.quick, nested),
+            timeout: args.timeout,
+            agent_timeout: crate::agent::AGENT_TIMEOUT,
+            nested,
+            meminfo: "/proc/meminfo".into(),
+            settle: crate::agent::Settle::for_run(nested, args.quick),
+        }));
+    }
+    Ok(report)
+}
+
+/// The boot section: memory and boot runs of both VMMs on the test initramfs, their
+/// figures and ratios, then the cold `vmctl exec` end points per configuration.
+fn measure_boot(
+    args: &Args,
+    tools: &Tools,
+    memory_initrd: &Path,
+    boot_initrd: &Path,
+) -> Result<(Vec<Figure>, Vec<Ratio>), String> {
     let first = args.configs[0];
     say(format!(
         "{} boot(s) per VMM with each of {}; {} memory run(s) per VMM with {}; on {} ({})",
@@ -1255,132 +1432,7 @@ fn measure(
         })
         .map_err(|e| format!("cold start: {e}"))?,
     );
-
-    let str_argv = |v: Vec<OsString>| {
-        v.into_iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect()
-    };
-    // The boot figures are in: from here on, each section is added when it is done,
-    // and the report so far is saved (a nested host that stalls loses only the rest).
-    let mut report = Report {
-        benchmark: "boot".into(),
-        incomplete: None,
-        date: utc_now(),
-        mode: "direct".into(),
-        note: None,
-        machine: Machine::this(),
-        measured_on: None,
-        commit: None,
-        dirty: None,
-        kernel: tools.kernel.display().to_string(),
-        initrd: tools.initrd.display().to_string(),
-        vmctl: tools.vmctl.display().to_string(),
-        qemu: tools.qemu.display().to_string(),
-        qemu_version,
-        config: Config {
-            runs: args.runs,
-            quick: args.quick,
-            vcpus: args.cpus,
-            memory_mib: args.memory_mib,
-            memory_runs: args.memory_runs,
-            memory_run_sleep_s: sleep_s,
-            timeout_s: args.timeout.as_secs(),
-            marker: BOOT_MARKER.into(),
-            configs: args.configs.clone(),
-        },
-        commands: [Vmm::Ours, Vmm::Qemu]
-            .iter()
-            .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, first))))
-            .collect(),
-        memory_rules: [Vmm::Ours, Vmm::Qemu]
-            .iter()
-            .map(|v| {
-                (
-                    v.label().to_string(),
-                    format!(
-                        "guest memory = {}; overhead = Rss of every other mapping of the VMM process \
-                         (/proc/<pid>/smaps, read when the guest printed {MEMORY_MARKER})",
-                        v.memory_rule(first.memory_mib).describe()
-                    ),
-                )
-            })
-            .collect(),
-        figures,
-        ratios,
-        workspace: None,
-        fs: None,
-        egress: None,
-        agent: None,
-        churn: None,
-    };
-    checkpoint(&report, "the boot figures");
-
-    // Churn: the same VM created and destroyed in a loop, ours then QEMU, right after
-    // the boots (before the workspace VMs, whose daemons could still be settling).
-    // Measuring inside the nested host is what --inner means.
-    let nested = args.inner.is_some();
-    report.churn = Some(crate::churn::measure(&ChurnBench {
-        vmms: [Vmm::Ours, Vmm::Qemu]
-            .iter()
-            .map(|v| (v.label().to_string(), v.argv(tools, &boot_initrd, first)))
-            .collect(),
-        marker: BOOT_MARKER.into(),
-        cycles: args.churn_cycles,
-        timeout: args.timeout,
-        nested,
-        meminfo: "/proc/meminfo".into(),
-        proc: "/proc".into(),
-        sampling: crate::churn::Sampling::for_run(args.quick),
-        needle: boot_initrd.display().to_string(),
-    }));
-    checkpoint(&report, "churn");
-
-    // The workspace VM, in the same environment (no QEMU peer).
-    report.workspace = Some(
-        crate::workspace::measure(&WorkspaceBench {
-            artifacts: tools.guest_artifacts(),
-            ready_runs: args.ready_runs,
-            exec_iterations: args.exec_iterations,
-            cli_iterations: args.cli_iterations,
-            timeout: args.timeout,
-        })
-        .map_err(|e| format!("workspace VM: {e}"))?,
-    );
-    checkpoint(&report, "the workspace VM");
-
-    // The shared workspace directory, guest against host, in the same environment.
-    report.fs = Some(crate::fs::measure(&FsBench {
-        artifacts: tools.guest_artifacts(),
-        sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
-        timeout: args.timeout,
-        script_timeout: args.fs_timeout,
-        nested,
-        drop_caches: crate::fs::DROP_CACHES_FILE.into(),
-    }));
-    checkpoint(&report, "virtio-fs");
-    // The egress path, guest against host, in the same environment.
-    report.egress = Some(crate::egress::measure(&EgressBench {
-        artifacts: tools.guest_artifacts(),
-        sizes: crate::egress::sizes(args.quick),
-        timeout: args.timeout,
-        command_timeout: crate::egress::COMMAND_TIMEOUT,
-        nested,
-        curl: "curl".into(),
-    }));
-    checkpoint(&report, "egress");
-    // The agent CLI's start, cold and warm, and idle VMs' memory, in the same
-    // environment.
-    report.agent = Some(crate::agent::measure(&AgentBench {
-        artifacts: tools.guest_artifacts(),
-        sizes: crate::agent::sizes(args.quick, nested),
-        timeout: args.timeout,
-        agent_timeout: crate::agent::AGENT_TIMEOUT,
-        nested,
-        meminfo: "/proc/meminfo".into(),
-        settle: crate::agent::Settle::for_run(nested, args.quick),
-    }));
-    Ok(report)
+    Ok((figures, ratios))
 }
 
 /// Reads a pipe to its end on a thread.
@@ -1604,6 +1656,15 @@ mod tests {
             args(&["--nested", "always"]).unwrap().nested,
             Nested::Always
         );
+        assert_eq!(a.sections, Section::ALL);
+        assert_eq!(
+            args(&["--only", "egress,fs", "--only", "boot"])
+                .unwrap()
+                .sections,
+            [Section::Boot, Section::Fs, Section::Egress]
+        );
+        assert!(args(&["--only", "disks"]).is_err());
+        assert!(args(&["--only"]).is_err());
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub mod process;
 pub mod report;
 pub mod report_charts;
 pub mod scan;
+pub mod sections;
 pub mod smaps;
 pub mod stats;
 pub mod workspace;

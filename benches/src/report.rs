@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::agent::AgentReport;
 use crate::churn::ChurnReport;
 use crate::egress::EgressReport;
+use crate::sections::Section;
 use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
 pub const OURS: &str = "vmctl";
@@ -270,6 +271,10 @@ pub struct Report {
     /// sections are missing (they are `null`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incomplete: Option<String>,
+    /// The sections this run measured (`--only`; see [`crate::sections`]); empty in
+    /// reports from before there was a choice, which measured them all.
+    #[serde(default)]
+    pub sections: Vec<String>,
     /// UTC, ISO 8601.
     pub date: String,
     /// `direct`: measured on this machine's KVM; `nested`: inside the QEMU-TCG
@@ -440,25 +445,70 @@ impl Report {
             s.push_str(&format!("{note}\n\n"));
         }
         let m = self.measured_on.as_ref().unwrap_or(&self.machine);
+        let boot_measured = self.measured(Section::Boot);
         s.push_str(&format!(
-            "Machine: {} ({}, {} CPUs, Linux {}){}. Commit {}{}. {} boot(s) per VMM, {} vCPU, {} MiB; \
-             memory: {} boot(s) per VMM.\n\n",
+            "Machine: {} ({}, {} CPUs, Linux {}){}. Commit {}{}. {}\n\n",
             self.machine.hostname,
             self.machine.cpu_model,
             self.machine.cpus,
             self.machine.kernel.split_whitespace().next().unwrap_or(""),
             if self.measured_on.is_some() {
-                format!("; measured in the nested host ({}, {} vCPUs)", m.cpu_model, m.cpus)
+                format!(
+                    "; measured in the nested host ({}, {} vCPUs)",
+                    m.cpu_model, m.cpus
+                )
             } else {
                 String::new()
             },
             self.commit.as_deref().unwrap_or("unknown"),
-            if self.dirty == Some(true) { " (uncommitted changes)" } else { "" },
-            self.config.runs,
-            self.config.vcpus,
-            self.config.memory_mib,
-            self.config.memory_runs,
+            if self.dirty == Some(true) {
+                " (uncommitted changes)"
+            } else {
+                ""
+            },
+            if boot_measured {
+                format!(
+                    "{} boot(s) per VMM, {} vCPU, {} MiB; memory: {} boot(s) per VMM.",
+                    self.config.runs,
+                    self.config.vcpus,
+                    self.config.memory_mib,
+                    self.config.memory_runs
+                )
+            } else {
+                format!(
+                    "Measured only {} (`--only`): no boot figures.",
+                    self.sections.join(", ")
+                )
+            },
         ));
+        if boot_measured {
+            self.push_boot_table(&mut s);
+        }
+        if let Some(c) = &self.churn {
+            s.push('\n');
+            s.push_str(&c.markdown());
+        }
+        if let Some(w) = &self.workspace {
+            s.push('\n');
+            s.push_str(&w.markdown(self.mode == "nested"));
+        }
+        if let Some(f) = &self.fs {
+            s.push('\n');
+            s.push_str(&f.markdown());
+        }
+        if let Some(e) = &self.egress {
+            s.push('\n');
+            s.push_str(&e.markdown());
+        }
+        if let Some(a) = &self.agent {
+            s.push('\n');
+            s.push_str(&a.markdown());
+        }
+        s
+    }
+
+    /// The boot and memory figures, with the ratios against QEMU.
+    fn push_boot_table(&self, s: &mut String) {
         if self.config.configs.len() > 1 {
             s.push_str(&format!(
                 "Boot figures for {} configurations, {} boot(s) per VMM each: {}; memory on the \
@@ -504,27 +554,11 @@ impl Report {
                 f.target_cell(self.mode == "nested")
             ));
         }
-        if let Some(c) = &self.churn {
-            s.push('\n');
-            s.push_str(&c.markdown());
-        }
-        if let Some(w) = &self.workspace {
-            s.push('\n');
-            s.push_str(&w.markdown(self.mode == "nested"));
-        }
-        if let Some(f) = &self.fs {
-            s.push('\n');
-            s.push_str(&f.markdown());
-        }
-        if let Some(e) = &self.egress {
-            s.push('\n');
-            s.push_str(&e.markdown());
-        }
-        if let Some(a) = &self.agent {
-            s.push('\n');
-            s.push_str(&a.markdown());
-        }
-        s
+    }
+
+    /// Whether this run measured `section` (reports from before `--only` measured all).
+    pub fn measured(&self, section: Section) -> bool {
+        self.sections.is_empty() || self.sections.iter().any(|s| s == section.name())
     }
 }
 
@@ -1082,6 +1116,35 @@ mod tests {
             ),
             "{md}"
         );
+    }
+
+    #[test]
+    fn a_run_without_the_boot_section_says_so_instead_of_its_table() {
+        let mut r: Report = serde_json::from_value(serde_json::json!({
+            "benchmark": "boot", "date": "d", "mode": "direct", "note": null,
+            "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
+                "hardware_kvm": true},
+            "measured_on": null, "commit": "abc1234", "dirty": false,
+            "kernel": "/k", "initrd": "/i", "vmctl": "/v", "qemu": "/q", "qemu_version": "q",
+            "config": {"runs": 10, "quick": false, "vcpus": 1, "memory_mib": 128,
+                "memory_runs": 3, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
+            "commands": [], "memory_rules": [], "figures": [], "ratios": []
+        }))
+        .unwrap();
+        // A report from before --only measured every section.
+        assert!(r.measured(Section::Boot) && r.measured(Section::Fs));
+        assert!(r.markdown().contains("10 boot(s) per VMM"));
+        assert!(r.markdown().contains("| figure | unit | VMM |"));
+
+        r.sections = vec!["fs".into(), "egress".into()];
+        assert!(!r.measured(Section::Boot) && r.measured(Section::Fs));
+        let md = r.markdown();
+        assert!(
+            md.contains("Measured only fs, egress (`--only`): no boot figures."),
+            "{md}"
+        );
+        assert!(!md.contains("boot(s) per VMM"), "{md}");
+        assert!(!md.contains("| figure | unit | VMM |"), "{md}");
     }
 
     #[test]

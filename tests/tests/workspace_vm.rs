@@ -283,4 +283,17 @@ fn a_guest_kernel_panic_is_reported_as_a_crash() {
         ),
         "{stderr}"
     );
+    // `vmctl ps` shows the VM as crashed, and why, until it starts again.
+    let ps = stdout(&ws.run(&["ps"]));
+    assert!(
+        ps.lines()
+            .any(|line| line.split_whitespace().nth(1) == Some("crashed")),
+        "{ps}"
+    );
+    assert!(
+        ps.contains(
+            ": the guest kernel crashed: Kernel panic - not syncing: Attempted to kill init!"
+        ),
+        "{ps}"
+    );
 }

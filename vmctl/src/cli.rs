@@ -30,6 +30,11 @@ pub enum Command {
     /// its guest agent answers.
     Up(UpArgs),
     /// List workspace VMs.
+    ///
+    /// One line per VM: its state (running; degraded when a share's virtiofsd died;
+    /// stopped; crashed, with the guest kernel's panic line under the table), uptime,
+    /// mode (direct or nested), size, the host memory it holds and what keeps it
+    /// running.
     Ps,
     /// Shut down the VM of a workspace.
     Stop(WorkspaceArg),

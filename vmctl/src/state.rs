@@ -159,6 +159,20 @@ impl VmDir {
             .unwrap_or_default()
     }
 
+    /// Why the VM's last run ended in a crash, one line: written by its supervisor,
+    /// removed when the VM starts again.
+    pub fn crash_file(&self) -> PathBuf {
+        self.path.join("crashed")
+    }
+
+    /// What `crash_file` recorded, if the VM's last run crashed.
+    pub fn read_crash(&self) -> Option<String> {
+        std::fs::read_to_string(self.crash_file())
+            .ok()
+            .map(|text| text.trim().to_string())
+            .filter(|text| !text.is_empty())
+    }
+
     pub fn console_log(&self) -> PathBuf {
         self.path.join("console.log")
     }

@@ -43,6 +43,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
     }
+    let _ = std::fs::remove_file(vm.crash_file());
     let outcome = if record.nested {
         crate::nested::launcher::run_vm(&config, record.shares.as_ref(), false)
             .map_err(|e| e.to_string())
@@ -60,10 +61,18 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     // A panicking guest resets itself, which ends the VM like a clean shutdown; only
     // its console tells them apart. `vmctl exec` quotes our last error line.
     if let Some(panic) = guest_panic(&vm.console_log()) {
-        eprintln!(
-            "vmctl: error: the guest kernel crashed: {panic} (its console: {})",
+        let crash = format!(
+            "the guest kernel crashed: {panic} (its console: {})",
             vm.console_log().display()
         );
+        eprintln!("vmctl: error: {crash}");
+        // For `vmctl ps`, which would otherwise show a VM that simply stopped.
+        if let Err(e) = std::fs::write(vm.crash_file(), format!("{crash}\n")) {
+            eprintln!(
+                "vmctl: warning: cannot record the crash in {}: {e}",
+                vm.crash_file().display()
+            );
+        }
     }
     let _ = std::fs::remove_file(vm.pid_file());
     for socket in [

@@ -550,6 +550,8 @@ pub fn list() -> Vec<String> {
         "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
         "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
     )];
+    // Why crashed VMs crashed, after the table.
+    let mut crashes = Vec::new();
     for vm in VmDir::all() {
         let name = vm
             .path
@@ -570,7 +572,9 @@ pub fn list() -> Vec<String> {
             Some(_) => format_duration(now.saturating_sub(record.started_at)),
             None => "-".into(),
         };
+        let crash = vm.read_crash().filter(|_| pid.is_none());
         let state = match pid {
+            None if crash.is_some() => "crashed",
             None => "stopped",
             // A share's virtiofsd died: the VM runs but cannot reach those files.
             Some(_) if !vm.read_share_failures().is_empty() => "degraded",
@@ -592,6 +596,13 @@ pub fn list() -> Vec<String> {
             format!("{}M", record.memory_mib),
             record.workspace.display()
         ));
+        if let Some(crash) = crash {
+            crashes.push(format!("{name}: {crash}"));
+        }
+    }
+    if !crashes.is_empty() {
+        lines.push(String::new());
+        lines.extend(crashes);
     }
     lines
 }

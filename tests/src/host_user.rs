@@ -98,16 +98,7 @@ fn create_test_user() {
 }
 
 fn command_output(program: &str, args: &[&str]) -> String {
-    let output = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_string()
+    crate::host_output(program, args, None).trim().to_string()
 }
 
 fn parse_id(text: &str) -> u32 {

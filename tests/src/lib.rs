@@ -895,6 +895,25 @@ fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
     VM_LOST_SIGNS.iter().any(|sign| message.contains(sign))
 }
 
+/// Runs a host program (in `dir`, if given) and returns its stdout; panics with its
+/// stderr if it fails.
+pub fn host_output(program: &str, args: &[&str], dir: Option<&Path>) -> String {
+    let mut command = Command::new(program);
+    command.args(args);
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    assert!(
+        output.status.success(),
+        "{program} {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout(&output)
+}
+
 /// A command's stdout as text.
 pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()

@@ -11,17 +11,7 @@ use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::{guest_value, stdout, vm_available, vmctl_bin, TempDir, Workspace};
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
-    let output = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout(&output)
+    vm_tests::host_output(program, args, Some(dir))
 }
 
 fn assert_ok(output: &Output, what: &str) {

@@ -1280,7 +1280,7 @@ fn measure_boot(
     let mut memory: Vec<(Vmm, MemoryUse)> = Vec::new();
     for i in 0..args.memory_runs {
         for vmm in order(i) {
-            let argv = vmm.argv(tools, &memory_initrd, first);
+            let argv = vmm.argv(tools, memory_initrd, first);
             let rule = vmm.memory_rule(first.memory_mib);
             let r = run_vm(vmm.label(), &argv, MEMORY_MARKER, args.timeout, Some(&rule))?;
             let m = r.memory.expect("memory measured");
@@ -1304,7 +1304,7 @@ fn measure_boot(
     for &config in &args.configs {
         for i in 0..args.runs {
             for vmm in order(i) {
-                let argv = vmm.argv(tools, &boot_initrd, config);
+                let argv = vmm.argv(tools, boot_initrd, config);
                 let r = run_vm(vmm.label(), &argv, BOOT_MARKER, args.timeout, None)?;
                 let timer = match vmm {
                     Vmm::Ours => {

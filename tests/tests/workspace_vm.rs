@@ -147,18 +147,65 @@ sys.exit(os.waitstatus_to_exitcode(status))
         ])
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while !ws.exec("test -s /tmp/sleeper.pid").status.success() {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the sleeper never started"
-        );
-    }
+    wait_for_guest_file(&ws, "/tmp/sleeper.pid");
     sleeper.kill().unwrap();
     sleeper.wait().unwrap();
-    let check = "pid=$(cat /tmp/sleeper.pid); for i in 1 2 3 4 5 6 7 8 9 10; do \
-                 kill -0 $pid 2>/dev/null || { echo GONE; exit 0; }; sleep 0.5; done; echo ALIVE";
-    assert_eq!(stdout(&ws.exec(check)).trim(), "GONE");
+    assert_guest_process_gone(&ws, "/tmp/sleeper.pid");
+
+    // A command that ignores Ctrl-C and SIGTERM: vmctl forwards the signal, waits 10 s,
+    // then stops waiting (143); a second Ctrl-C stops it at once (130). Either way the
+    // guest agent ends the command. (What makes `vmctl exec` killable when the VM is
+    // stuck.)
+    for (signals, code, says) in [
+        (&["-TERM"][..], 143, "still running 10 s after SIGTERM"),
+        (&["-INT", "-INT"][..], 130, "Ctrl-C (SIGINT) again"),
+    ] {
+        let pid_file = format!("/tmp/stubborn-{code}.pid");
+        let mut stubborn = ws
+            .command(&[
+                "exec",
+                "--",
+                "sh",
+                "-c",
+                &format!("trap '' INT TERM; echo $$ > {pid_file}; while :; do sleep 1; done"),
+            ])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_guest_file(&ws, &pid_file);
+        let signalled = Instant::now();
+        for signal in signals {
+            let pid = stubborn.id().to_string();
+            let kill = Command::new("kill")
+                .args([*signal, pid.as_str()])
+                .status()
+                .unwrap();
+            assert!(kill.success(), "kill {signal} {pid} failed");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let stderr_pipe = stubborn.stderr.take();
+        let stderr_reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut pipe) = stderr_pipe {
+                let _ = pipe.read_to_string(&mut text);
+            }
+            text
+        });
+        let status = loop {
+            if let Some(status) = stubborn.try_wait().unwrap() {
+                break status;
+            }
+            if signalled.elapsed() > Duration::from_secs(60) {
+                let _ = stubborn.kill();
+                panic!("vmctl exec {signals:?} was still waiting for the command after 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let stderr = stderr_reader.join().unwrap();
+        assert_eq!(status.code(), Some(code), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+        assert_guest_process_gone(&ws, &pid_file);
+    }
 
     // The coding-agent CLIs run inside.
     let claude = ws.run(&["exec", "--", "claude", "--version"]);
@@ -191,6 +238,26 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .read_dir()
         .unwrap()
         .any(|_| true));
+}
+
+/// Waits until `path` exists and is not empty in the guest.
+fn wait_for_guest_file(ws: &Workspace, path: &str) {
+    let started = Instant::now();
+    while !ws.exec(&format!("test -s {path}")).status.success() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{path} never appeared in the guest"
+        );
+    }
+}
+
+/// Asserts that the guest process whose pid is in `pid_file` ends within 5 s.
+fn assert_guest_process_gone(ws: &Workspace, pid_file: &str) {
+    let check = format!(
+        "pid=$(cat {pid_file}); for i in 1 2 3 4 5 6 7 8 9 10; do \
+         kill -0 $pid 2>/dev/null || {{ echo GONE; exit 0; }}; sleep 0.5; done; echo ALIVE"
+    );
+    assert_eq!(stdout(&ws.exec(&check)).trim(), "GONE", "{pid_file}");
 }
 
 #[test]

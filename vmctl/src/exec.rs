@@ -89,6 +89,8 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         .map_err(|e| ExecError::Session(e.to_string()))?;
     let (mut input, mut output) = session.split();
     let is_tty = options.tty;
+    // Set when we stop waiting for a command that a signal did not end.
+    let (give_up, mut gave_up) = tokio::sync::mpsc::channel::<GiveUp>(1);
 
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
     let forward = tokio::spawn(async move {
@@ -98,26 +100,46 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         let mut winch = signal(SignalKind::window_change()).ok();
         let mut interrupt = signal(SignalKind::interrupt()).ok();
         let mut terminate = signal(SignalKind::terminate()).ok();
+        // The first signal forwarded, and when we stop waiting for its effect.
+        let mut forwarded: Option<(i32, tokio::time::Instant)> = None;
+        let deadline = |forwarded: &Option<(i32, tokio::time::Instant)>| {
+            forwarded.map(|(_, at)| at + SIGNAL_GRACE)
+        };
         loop {
-            tokio::select! {
-                read = stdin.read(&mut buf), if stdin_open => match read {
-                    Ok(0) | Err(_) => {
-                        stdin_open = false;
-                        if input.close_stdin().await.is_err() { return; }
+            let received = tokio::select! {
+                read = stdin.read(&mut buf), if stdin_open => {
+                    match read {
+                        Ok(0) | Err(_) => {
+                            stdin_open = false;
+                            if input.close_stdin().await.is_err() { return; }
+                        }
+                        Ok(n) => if input.send_stdin(&buf[..n]).await.is_err() { return; },
                     }
-                    Ok(n) => if input.send_stdin(&buf[..n]).await.is_err() { return; },
+                    continue;
                 },
                 Some(()) = recv(&mut winch), if is_tty => {
                     if let Some((rows, cols)) = terminal_size() {
                         if input.resize(rows, cols).await.is_err() { return; }
                     }
+                    continue;
                 },
-                Some(()) = recv(&mut interrupt) => {
-                    if input.signal(libc::SIGINT).await.is_err() { return; }
+                Some(()) = recv(&mut interrupt) => libc::SIGINT,
+                Some(()) = recv(&mut terminate) => libc::SIGTERM,
+                () = sleep_until(deadline(&forwarded)) => {
+                    if let Some((signal, _)) = forwarded {
+                        let _ = give_up.send(GiveUp::Timeout(signal)).await;
+                    }
+                    return;
                 },
-                Some(()) = recv(&mut terminate) => {
-                    if input.signal(libc::SIGTERM).await.is_err() { return; }
-                },
+            };
+            if forwarded.is_some() {
+                // A second signal: the user wants out now.
+                let _ = give_up.send(GiveUp::Again(received)).await;
+                return;
+            }
+            forwarded = Some((received, tokio::time::Instant::now()));
+            if input.signal(received).await.is_err() {
+                return;
             }
         }
     });
@@ -125,7 +147,14 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let mut stdout = std::io::stdout();
     let mut stderr = std::io::stderr();
     let code = loop {
-        match output.next_event().await {
+        let event = tokio::select! {
+            event = output.next_event() => event,
+            Some(reason) = gave_up.recv() => {
+                eprintln!("vmctl: {reason}");
+                break reason.exit_code();
+            }
+        };
+        match event {
             Ok(Some(ExecEvent::Stdout(bytes))) => {
                 let _ = stdout.write_all(&bytes).and_then(|_| stdout.flush());
             }
@@ -147,6 +176,60 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     };
     forward.abort();
     Ok(code)
+}
+
+/// How long a command may take to exit after a forwarded Ctrl-C or SIGTERM before
+/// `vmctl` stops waiting (the guest may be stuck, or the command ignores it).
+const SIGNAL_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Why `vmctl` stopped waiting for the command. Closing the session then makes the
+/// guest agent kill it (as when `vmctl` dies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GiveUp {
+    /// The command was still running [`SIGNAL_GRACE`] after this signal.
+    Timeout(i32),
+    /// This signal came after one was already forwarded.
+    Again(i32),
+}
+
+impl GiveUp {
+    /// As if the signal had killed the command.
+    fn exit_code(self) -> u8 {
+        let (GiveUp::Timeout(signal) | GiveUp::Again(signal)) = self;
+        exit_code(None, Some(signal))
+    }
+}
+
+impl std::fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = |signal: i32| match signal {
+            libc::SIGINT => "Ctrl-C (SIGINT)",
+            libc::SIGTERM => "SIGTERM",
+            _ => "the signal",
+        };
+        match *self {
+            GiveUp::Timeout(signal) => write!(
+                f,
+                "the command is still running {} s after {}; not waiting for it any longer \
+                 (the guest agent ends it; if the VM is stuck, 'vmctl stop' it)",
+                SIGNAL_GRACE.as_secs(),
+                name(signal)
+            ),
+            GiveUp::Again(signal) => write!(
+                f,
+                "{} again: not waiting for the command any longer (the guest agent ends it)",
+                name(signal)
+            ),
+        }
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
@@ -205,6 +288,33 @@ impl Drop for RawTerminal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn giving_up_on_a_command_exits_as_if_the_signal_killed_it() {
+        assert_eq!(GiveUp::Timeout(libc::SIGTERM).exit_code(), 143);
+        assert_eq!(GiveUp::Again(libc::SIGINT).exit_code(), 130);
+        let timeout = GiveUp::Timeout(libc::SIGTERM).to_string();
+        assert!(
+            timeout.starts_with("the command is still running 10 s after SIGTERM"),
+            "{timeout}"
+        );
+        assert!(timeout.contains("'vmctl stop'"), "{timeout}");
+        assert!(GiveUp::Again(libc::SIGINT)
+            .to_string()
+            .starts_with("Ctrl-C (SIGINT) again"));
+    }
+
+    #[tokio::test]
+    async fn sleep_until_without_a_deadline_never_ends() {
+        let never = sleep_until(None);
+        let soon = sleep_until(Some(
+            tokio::time::Instant::now() + std::time::Duration::from_millis(10),
+        ));
+        tokio::select! {
+            () = never => panic!("a sleep without a deadline ended"),
+            () = soon => {}
+        }
+    }
 
     #[test]
     fn exit_codes_follow_the_shell_convention() {

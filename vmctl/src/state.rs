@@ -233,6 +233,13 @@ impl VmDir {
     }
 }
 
+/// Where a log of the VM's previous run is kept: `console.log` → `console.log.previous`.
+pub fn previous_run(log: &Path) -> PathBuf {
+    let mut name = log.as_os_str().to_owned();
+    name.push(".previous");
+    PathBuf::from(name)
+}
+
 /// `sun_path` of `sockaddr_un`, its terminating NUL included.
 const SUN_PATH_MAX: usize = 108;
 

@@ -58,15 +58,13 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         .map_err(|e| e.to_string())
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
-    // A panicking guest resets itself, which ends the VM like a clean shutdown; only
-    // its console tells them apart. `vmctl exec` quotes our last error line.
-    if let Some(panic) = guest_panic(&vm.console_log()) {
-        let crash = format!(
-            "the guest kernel crashed: {panic} (its console: {})",
+    if let Some(crash) = how_it_crashed(&vm, &outcome) {
+        eprintln!(
+            "vmctl: error: {crash} (its console: {})",
             vm.console_log().display()
         );
-        eprintln!("vmctl: error: {crash}");
-        // For `vmctl ps`, which would otherwise show a VM that simply stopped.
+        // For `vmctl ps` and the next start, which would otherwise see a VM that
+        // simply stopped.
         if let Err(e) = std::fs::write(vm.crash_file(), format!("{crash}\n")) {
             eprintln!(
                 "vmctl: warning: cannot record the crash in {}: {e}",
@@ -86,6 +84,34 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         let _ = std::fs::remove_dir(vm.sockets_dir());
     }
     outcome
+}
+
+/// Why the VM ended, if it did not simply shut down. A panicking guest resets itself,
+/// which ends the VM like a clean shutdown: only its console tells them apart. A VM
+/// that failed (a triple fault, the nested host lost, ...) ended with an error, which
+/// the VMM logged to our stderr (`vmctl exec` quotes it too).
+fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
+    if let Some(panic) = guest_panic(&vm.console_log()) {
+        return Some(format!("the guest kernel crashed: {panic}"));
+    }
+    match outcome {
+        Ok(0) => None,
+        Ok(code) => Some(
+            read_tail(&vm.supervisor_log(), CONSOLE_TAIL_BYTES)
+                .and_then(|log| last_error(&String::from_utf8_lossy(&log)))
+                .unwrap_or_else(|| format!("the VMM exited with code {code}")),
+        ),
+        Err(e) => Some(e.clone()),
+    }
+}
+
+/// The message of the last `vmctl: error:` line of a log.
+fn last_error(log: &str) -> Option<String> {
+    const PREFIX: &str = "vmctl: error: ";
+    log.lines()
+        .rev()
+        .find_map(|line| line.find(PREFIX).map(|at| &line[at + PREFIX.len()..]))
+        .map(|message| message.trim().to_string())
 }
 
 /// How much of the console's end is searched for a panic: the oops before it is a
@@ -145,6 +171,56 @@ mod tests {
         let path = dir.path().join("console.log");
         std::fs::write(&path, text).unwrap();
         (dir, path)
+    }
+
+    /// A VM directory with this console and supervisor log.
+    fn ended_vm(console: &str, log: &str) -> (tempfile::TempDir, VmDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        std::fs::write(vm.console_log(), console).unwrap();
+        std::fs::write(vm.supervisor_log(), log).unwrap();
+        (dir, vm)
+    }
+
+    #[test]
+    fn a_vm_that_failed_is_a_crash_in_the_vmms_words() {
+        let log = "vmctl: supervising the VM of /ws\n\
+                   \x1b[31mERROR\x1b[0m vcpu1: the guest crashed (triple fault): rip 0xfff0\n\
+                   vmctl: error: the VM stopped: the guest crashed (triple fault on vCPU 1: rip 0xfff0)\n\
+                   vmctl: the VM ended: Ok(1)\n";
+        let (_dir, vm) = ended_vm("guest-agent: booted\n", log);
+        assert_eq!(
+            how_it_crashed(&vm, &Ok(1)).as_deref(),
+            Some("the VM stopped: the guest crashed (triple fault on vCPU 1: rip 0xfff0)")
+        );
+        // The same VM shut down cleanly: no crash, whatever the log says.
+        assert_eq!(how_it_crashed(&vm, &Ok(0)), None);
+        assert_eq!(
+            how_it_crashed(&vm, &Err("the nested host stopped".into())).as_deref(),
+            Some("the nested host stopped")
+        );
+        let (_dir, quiet) = ended_vm("", "vmctl: the VM ended: Ok(3)\n");
+        assert_eq!(
+            how_it_crashed(&quiet, &Ok(3)).as_deref(),
+            Some("the VMM exited with code 3")
+        );
+    }
+
+    #[test]
+    fn a_guest_panic_is_the_crash_even_after_a_clean_reset() {
+        let (_dir, vm) = ended_vm(
+            "[    2.1] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000300\n",
+            "vmctl: the VM ended: Ok(0)\n",
+        );
+        let crash = how_it_crashed(&vm, &Ok(0)).unwrap();
+        assert!(
+            crash.starts_with(
+                "the guest kernel crashed: Kernel panic - not syncing: Attempted to kill init!"
+            ),
+            "{crash}"
+        );
     }
 
     #[test]

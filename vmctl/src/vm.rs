@@ -184,6 +184,16 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         configure_network(&vm, relay_ports)?;
         return Ok(vm);
     }
+    if let Some(crash) = vm.read_crash() {
+        // Whatever ran in it, and its root's changes, are gone: say so.
+        eprintln!(
+            "vmctl: the last VM of {} crashed ({crash}); starting a new one (the crashed \
+             run's logs: {}.previous, {}.previous)",
+            workspace.display(),
+            vm.console_log().display(),
+            vm.supervisor_log().display()
+        );
+    }
     let share_set = resolve_shares(&workspace, &vm, mounts)?;
     let kvm = KvmKind::detect();
     let nested = !kvm.boots_linux();
@@ -424,6 +434,12 @@ fn valid_account(account: &str) -> bool {
 fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(VmError::Spawn)?;
+    // The last run's logs are kept beside the new ones: they say how it ended.
+    for log in [vm.console_log(), vm.supervisor_log()] {
+        if log.exists() {
+            std::fs::rename(&log, crate::state::previous_run(&log)).map_err(VmError::Spawn)?;
+        }
+    }
     let console = std::fs::File::create(vm.console_log()).map_err(VmError::Spawn)?;
     let log = std::fs::File::create(vm.supervisor_log()).map_err(VmError::Spawn)?;
     let mut command = Command::new(exe);
@@ -597,7 +613,7 @@ pub fn list() -> Vec<String> {
             record.workspace.display()
         ));
         if let Some(crash) = crash {
-            crashes.push(format!("{name}: {crash}"));
+            crashes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
         }
     }
     if !crashes.is_empty() {

@@ -375,4 +375,23 @@ fn guest_panic_scenario() {
         ),
         "{ps}"
     );
+    // The next start says that the last VM crashed, and keeps that run's logs.
+    let again = ws.run_with_env(&["up"], &[("VMCTL_AGENT_INITRAMFS", &initrd_path)]);
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains("crashed (the guest kernel crashed: Kernel panic - not syncing")
+            && stderr.contains("starting a new one"),
+        "{stderr}"
+    );
+    let vm_dir = std::fs::read_dir(ws.state().join("vmctl/vms"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let previous = std::fs::read_to_string(vm_dir.join("console.log.previous")).unwrap();
+    assert!(
+        previous.contains("Kernel panic - not syncing"),
+        "{previous}"
+    );
 }

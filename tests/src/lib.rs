@@ -842,6 +842,14 @@ fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
     bytes
 }
 
+/// A VM test's body: skipped (loudly) where no VM can run, else the scenario, retried
+/// when the nested host loses its VM ([`retry_if_vm_lost`]).
+pub fn vm_scenario(test: &str, scenario: fn()) {
+    if vm_available(test) {
+        retry_if_vm_lost(scenario);
+    }
+}
+
 /// Guests in the nested host sometimes crash or hang under sustained device traffic
 /// (README, "Known problem"). A scenario that loses its VM that way is retried,
 /// loudly, at most three times; any other failure fails at once.

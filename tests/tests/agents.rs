@@ -6,7 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::{stdout, upstream, vm_available, Workspace};
+use vm_tests::{stdout, upstream, Workspace};
 
 const STANDIN: &str = include_str!("../guest/standin_agent.py");
 
@@ -66,10 +66,10 @@ fn run_provider(ws: &Workspace, argv: &[String], input: &[u8]) -> Output {
 
 #[test]
 fn paseo_providers_run_agents_in_the_workspace_vm() {
-    if !vm_available("agents::paseo_providers_run_agents_in_the_workspace_vm") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(provider_scenario);
+    vm_tests::vm_scenario(
+        "agents::paseo_providers_run_agents_in_the_workspace_vm",
+        provider_scenario,
+    );
 }
 
 fn provider_scenario() {
@@ -215,10 +215,10 @@ fn provider_scenario() {
 
 #[test]
 fn vms_start_on_first_use_and_stop_when_idle() {
-    if !vm_available("agents::vms_start_on_first_use_and_stop_when_idle") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(lifecycle_scenario);
+    vm_tests::vm_scenario(
+        "agents::vms_start_on_first_use_and_stop_when_idle",
+        lifecycle_scenario,
+    );
 }
 
 /// `vmctl ps` output.

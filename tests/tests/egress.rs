@@ -11,7 +11,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vm_tests::upstream::{self, TestCa};
-use vm_tests::{random_hex, stdout, vm_available, Workspace};
+use vm_tests::{random_hex, stdout, Workspace};
 
 const PROBE: &str = include_str!("../guest/proxy_probe.py");
 
@@ -59,10 +59,10 @@ fn probe(ws: &Workspace, args: &str) -> String {
 
 #[test]
 fn the_guest_reaches_the_world_only_through_the_egress_proxy() {
-    if !vm_available("egress::the_guest_reaches_the_world_only_through_the_egress_proxy") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(egress_scenario);
+    vm_tests::vm_scenario(
+        "egress::the_guest_reaches_the_world_only_through_the_egress_proxy",
+        egress_scenario,
+    );
 }
 
 fn egress_scenario() {
@@ -248,10 +248,10 @@ fn hex(bytes: &[u8]) -> String {
 
 #[test]
 fn loopback_ports_are_relayed_and_published() {
-    if !vm_available("egress::loopback_ports_are_relayed_and_published") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(relay_scenario);
+    vm_tests::vm_scenario(
+        "egress::loopback_ports_are_relayed_and_published",
+        relay_scenario,
+    );
 }
 
 fn relay_scenario() {

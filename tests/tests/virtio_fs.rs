@@ -24,10 +24,10 @@ fn assert_ok(output: &Output, what: &str) {
 
 #[test]
 fn the_workspace_is_shared_at_its_host_path() {
-    if !vm_available("virtio_fs::the_workspace_is_shared_at_its_host_path") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(shared_workspace_scenario);
+    vm_tests::vm_scenario(
+        "virtio_fs::the_workspace_is_shared_at_its_host_path",
+        shared_workspace_scenario,
+    );
 }
 
 fn shared_workspace_scenario() {
@@ -261,10 +261,10 @@ const OTHER_UID: u32 = 4242;
 /// its mode allows but neither written nor given away.
 #[test]
 fn a_normal_users_files_stay_theirs() {
-    if !vm_available("virtio_fs::a_normal_users_files_stay_theirs") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(normal_user_scenario);
+    vm_tests::vm_scenario(
+        "virtio_fs::a_normal_users_files_stay_theirs",
+        normal_user_scenario,
+    );
 }
 
 fn normal_user_scenario() {

@@ -15,10 +15,10 @@ use vm_tests::{stdout, vm_available, vmctl_bin, Workspace};
 
 #[test]
 fn workspace_vm_runs_commands_like_a_local_shell() {
-    if !vm_available("workspace_vm::workspace_vm_runs_commands_like_a_local_shell") {
-        return;
-    }
-    vm_tests::retry_if_vm_lost(workspace_scenario);
+    vm_tests::vm_scenario(
+        "workspace_vm::workspace_vm_runs_commands_like_a_local_shell",
+        workspace_scenario,
+    );
 }
 
 fn workspace_scenario() {
@@ -326,12 +326,12 @@ fn a_recipe_builds_and_boots_its_own_image() {
 /// in the kernel's own words, not as a VM that simply ended.
 #[test]
 fn a_guest_kernel_panic_is_reported_as_a_crash() {
-    if !vm_available("workspace_vm::a_guest_kernel_panic_is_reported_as_a_crash") {
-        return;
-    }
     // In the nested host the guest may crash otherwise before it panics (a triple
     // fault, README "Known problem"): that attempt is retried.
-    vm_tests::retry_if_vm_lost(guest_panic_scenario);
+    vm_tests::vm_scenario(
+        "workspace_vm::a_guest_kernel_panic_is_reported_as_a_crash",
+        guest_panic_scenario,
+    );
 }
 
 fn guest_panic_scenario() {

@@ -1512,6 +1512,11 @@ pub(crate) fn run_vm(
         let status = child.wait();
         let out = String::from_utf8_lossy(&stdout.join().unwrap_or_default()).into_owned();
         let err = String::from_utf8_lossy(&stderr.join().unwrap_or_default()).into_owned();
+        // Said first, in the words the VM tests' retries look for.
+        let why = match crate::scan::guest_kernel_crash(&out) {
+            Some(report) => format!("the guest kernel crashed ({report}); {why}"),
+            None => why,
+        };
         format!(
             "{label}: {why}\n  command: {command_line}\n  status: {}\n--- stdout (tail) ---\n{}\n--- stderr \
              (tail) ---\n{}",
@@ -1781,6 +1786,21 @@ mod tests {
 
     #[test]
     fn run_vm_reports_failures() {
+        let e = run_vm(
+            "sh",
+            &sh("echo '[ 1.6] BUG: kernel NULL pointer dereference'; exit 0"),
+            "MARK-X",
+            Duration::from_secs(10),
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains(
+                "the guest kernel crashed ([ 1.6] BUG: kernel NULL pointer dereference); \
+                 stdout closed before"
+            ),
+            "{e}"
+        );
         let e = run_vm(
             "sh",
             &sh("echo oops >&2; exit 3"),

@@ -79,6 +79,23 @@ pub fn tail(text: &str, max: usize) -> &str {
     &text[at..]
 }
 
+/// What the guest kernel prints when it crashes, first line of its report.
+const KERNEL_CRASH_SIGNS: [&str; 5] = [
+    "BUG: ",
+    "Oops: ",
+    "general protection fault",
+    "PANIC: double fault",
+    "Kernel panic - not syncing",
+];
+
+/// The first line of a guest kernel crash report on its console, if there is one.
+pub fn guest_kernel_crash(console: &str) -> Option<&str> {
+    console
+        .lines()
+        .find(|line| KERNEL_CRASH_SIGNS.iter().any(|sign| line.contains(sign)))
+        .map(str::trim)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +159,21 @@ mod tests {
         assert_eq!(tail("abcdef", 3), "def");
         assert_eq!(tail("aé", 1), "");
         assert_eq!(tail("aéb", 2), "b");
+    }
+
+    #[test]
+    fn a_guest_kernel_crash_is_found_by_its_first_line() {
+        let console = "[    1.2] virtio-mmio: probed\n\
+                       [    1.6] BUG: unable to handle page fault for address: ffff88813bd1ac00\n\
+                       [    1.6] #PF: supervisor read access in kernel mode\n\
+                       [    1.7] Kernel panic - not syncing: Fatal exception\n";
+        assert_eq!(
+            guest_kernel_crash(console),
+            Some("[    1.6] BUG: unable to handle page fault for address: ffff88813bd1ac00")
+        );
+        assert_eq!(
+            guest_kernel_crash("[    0.9] Run /init as init process\nBENCH\n"),
+            None
+        );
     }
 }

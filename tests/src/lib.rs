@@ -880,9 +880,12 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 8] = [
+const VM_LOST_SIGNS: [&str; 9] = [
     "timed out",
     "stopped making progress",
+    // The benchmark's per-script timeout: a guest the nested host stalled leaves its
+    // script unfinished (a script that always hangs still fails every attempt).
+    "did not finish within",
     // The guest kernel's own report that one of its vCPUs stopped running.
     "rcu_sched detected stalls on CPUs",
     // vmctl's report of a guest kernel panic (in the nested host: its own CPU state
@@ -930,6 +933,25 @@ pub fn stdout(output: &Output) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_vm_is_told_from_other_failures() {
+        let lost = |message: &str| vm_was_lost(&message.to_string());
+        assert!(lost(
+            "vm-bench: error: fs_create_files_s run 1/1 (guest: vmctl exec -- bash -c SCRIPT) \
+             did not finish within 120 s: killed"
+        ));
+        assert!(lost(
+            "vmctl: the guest kernel crashed ([ 1.6] BUG: unable to handle page fault); \
+             stdout closed before the guest printed BENCH-INIT-REACHED"
+        ));
+        assert!(lost(
+            "exec 0 failed: the agent closed the connection unexpectedly"
+        ));
+        assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
+        // A panic with a payload that is not text is not taken for a lost VM.
+        assert!(!vm_was_lost(&42));
+    }
 
     #[test]
     fn newc_layout() {

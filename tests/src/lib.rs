@@ -824,6 +824,11 @@ impl Workspace {
     pub fn exec(&self, script: &str) -> Output {
         self.run(&["exec", "--", "sh", "-c", script])
     }
+
+    /// `vmctl exec --user root -- sh -c SCRIPT`.
+    pub fn exec_as_root(&self, script: &str) -> Output {
+        self.run(&["exec", "--user", "root", "--", "sh", "-c", script])
+    }
 }
 
 impl Drop for Workspace {

@@ -44,15 +44,7 @@ fn set_secret(ws: &Workspace, name: &str, value: &str, args: &[&str]) {
 
 /// Runs the probe script in the guest (as root, to read every process's memory).
 fn probe(ws: &Workspace, args: &str) -> String {
-    let output = ws.run(&[
-        "exec",
-        "--user",
-        "root",
-        "--",
-        "sh",
-        "-c",
-        &format!("python3 proxy_probe.py {args}"),
-    ]);
+    let output = ws.exec_as_root(&format!("python3 proxy_probe.py {args}"));
     assert_ok(&output, &format!("proxy_probe.py {args}"));
     stdout(&output)
 }

@@ -325,20 +325,12 @@ fn normal_user_scenario() {
         );
     }
 
-    let as_guest_root = ws.run(&[
-        "exec",
-        "--user",
-        "root",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "echo root > by-guest-root.txt
+    let as_guest_root = ws.exec_as_root(&format!(
+        "echo root > by-guest-root.txt
              chown {OTHER_UID} by-guest-root.txt 2>/dev/null && echo CHOWNED
              test -e others.txt && (echo x >> others.txt) 2>/dev/null && echo WROTE
              true"
-        ),
-    ]);
+    ));
     assert_ok(&as_guest_root, "guest root's commands");
     let out = stdout(&as_guest_root);
     assert!(

@@ -315,7 +315,7 @@ fn lifecycle_scenario() {
     assert!(sockets.is_empty(), "sockets left behind: {sockets:?}");
 }
 
-/// Whether `pid` is gone (or a zombie nobody reaped yet) within a few seconds.
+/// Whether `pid` is gone (or a zombie nobody reaped yet) within 45 s.
 fn exited(pid: &str) -> bool {
     // The daemon exits once every VM has stopped, which `vmctl stop` allows 10 s for
     // the agent's shutdown, 30 s for the VM to end and 2 s after SIGTERM: a nested

@@ -1105,7 +1105,8 @@ fn measure(
     warm_page_cache(&[&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu])?;
     let qemu_version = version_line(&tools.qemu);
     let first = args.configs[0];
-    let (figures, ratios) = if args.sections.contains(&Section::Boot) {
+    let wanted = |section| args.sections.contains(&section);
+    let (figures, ratios) = if wanted(Section::Boot) {
         measure_boot(args, tools, &memory_initrd, &boot_initrd)?
     } else {
         (Vec::new(), Vec::new())
@@ -1121,7 +1122,7 @@ fn measure(
     let mut report = Report {
         benchmark: "boot".into(),
         incomplete: None,
-        sections: args.sections.iter().map(|s| s.name().to_string()).collect(),
+        sections: args.sections.clone(),
         date: utc_now(),
         mode: "direct".into(),
         note: None,
@@ -1172,7 +1173,7 @@ fn measure(
     };
     checkpoint(
         &report,
-        if args.sections.contains(&Section::Boot) {
+        if wanted(Section::Boot) {
             "the boot figures"
         } else {
             "its start"
@@ -1183,7 +1184,6 @@ fn measure(
     // the boots (before the workspace VMs, whose daemons could still be settling).
     // Measuring inside the nested host is what --inner means.
     let nested = args.inner.is_some();
-    let wanted = |section| args.sections.contains(&section);
     if wanted(Section::Churn) {
         report.churn = Some(crate::churn::measure(&ChurnBench {
             vmms: [Vmm::Ours, Vmm::Qemu]

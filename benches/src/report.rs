@@ -274,7 +274,7 @@ pub struct Report {
     /// The sections this run measured (`--only`; see [`crate::sections`]); empty in
     /// reports from before there was a choice, which measured them all.
     #[serde(default)]
-    pub sections: Vec<String>,
+    pub sections: Vec<Section>,
     /// UTC, ISO 8601.
     pub date: String,
     /// `direct`: measured on this machine's KVM; `nested`: inside the QEMU-TCG
@@ -477,7 +477,7 @@ impl Report {
             } else {
                 format!(
                     "Measured only {} (`--only`): no boot figures.",
-                    self.sections.join(", ")
+                    crate::sections::join(&self.sections, ", ")
                 )
             },
         ));
@@ -558,7 +558,7 @@ impl Report {
 
     /// Whether this run measured `section` (reports from before `--only` measured all).
     pub fn measured(&self, section: Section) -> bool {
-        self.sections.is_empty() || self.sections.iter().any(|s| s == section.name())
+        self.sections.is_empty() || self.sections.contains(&section)
     }
 }
 
@@ -1136,7 +1136,7 @@ mod tests {
         assert!(r.markdown().contains("10 boot(s) per VMM"));
         assert!(r.markdown().contains("| figure | unit | VMM |"));
 
-        r.sections = vec!["fs".into(), "egress".into()];
+        r.sections = vec![Section::Fs, Section::Egress];
         assert!(!r.measured(Section::Boot) && r.measured(Section::Fs));
         let md = r.markdown();
         assert!(

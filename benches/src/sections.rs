@@ -1,8 +1,12 @@
 //! The benchmark's sections and `--only`, which picks some of them: a section that
 //! failed, or the one a change touched, can be measured again without a whole run.
 
-/// A part of the benchmark, in the order a run measures them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+use serde::{Deserialize, Serialize};
+
+/// A part of the benchmark, in the order a run measures them; named in reports as on
+/// the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Section {
     /// Boot time and memory against QEMU microvm, and the cold `vmctl exec` end points.
     Boot,
@@ -44,9 +48,9 @@ impl Section {
     }
 }
 
-/// The names of all sections, for messages and `--help`.
+/// The names of all sections, for messages.
 pub fn all_names() -> String {
-    Section::ALL.map(Section::name).join(", ")
+    join(&Section::ALL, ", ")
 }
 
 /// Adds the sections a `--only` value names (comma-separated) to `chosen`, keeping
@@ -69,11 +73,16 @@ pub fn add_named(chosen: &mut Vec<Section>, list: &str) -> Result<(), String> {
 
 /// The `--only` value that selects `sections` (for the run inside the nested host).
 pub fn to_arg(sections: &[Section]) -> String {
+    join(sections, ",")
+}
+
+/// The sections' names, `separator` between them.
+pub fn join(sections: &[Section], separator: &str) -> String {
     sections
         .iter()
         .map(|s| s.name())
         .collect::<Vec<_>>()
-        .join(",")
+        .join(separator)
 }
 
 #[cfg(test)]
@@ -105,5 +114,12 @@ mod tests {
         let mut chosen = Vec::new();
         add_named(&mut chosen, &to_arg(&Section::ALL)).unwrap();
         assert_eq!(chosen, Section::ALL);
+        // Reports name them as the command line does.
+        for section in Section::ALL {
+            assert_eq!(
+                serde_json::to_value(section).unwrap(),
+                serde_json::json!(section.name())
+            );
+        }
     }
 }

@@ -97,7 +97,7 @@ fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
     match outcome {
         Ok(0) => None,
         Ok(code) => Some(
-            read_tail(&vm.supervisor_log(), CONSOLE_TAIL_BYTES)
+            read_tail(&vm.supervisor_log(), LOG_TAIL_BYTES)
                 .and_then(|log| last_error(&String::from_utf8_lossy(&log)))
                 .unwrap_or_else(|| format!("the VMM exited with code {code}")),
         ),
@@ -114,14 +114,14 @@ fn last_error(log: &str) -> Option<String> {
         .map(|message| message.trim().to_string())
 }
 
-/// How much of the console's end is searched for a panic: the oops before it is a
-/// few KiB at most.
-const CONSOLE_TAIL_BYTES: u64 = 64 * 1024;
+/// How much of a log's end is searched: of the console for a panic (the oops before
+/// it is a few KiB at most), of the supervisor's log for the VMM's last error.
+const LOG_TAIL_BYTES: u64 = 64 * 1024;
 
 /// The guest kernel's panic line in the tail of its console log, with the first
 /// line of the report that led to it (`BUG:`, `Oops:`, ...), if it panicked.
 fn guest_panic(console: &Path) -> Option<String> {
-    let tail = read_tail(console, CONSOLE_TAIL_BYTES)?;
+    let tail = read_tail(console, LOG_TAIL_BYTES)?;
     let text = String::from_utf8_lossy(&tail);
     // After the kernel's "[ seconds]" timestamp (other output may precede it).
     let message = |line: &str| match line.find("] ") {
@@ -264,7 +264,7 @@ mod tests {
     #[test]
     fn only_the_tail_is_read() {
         let mut text = String::from("[ 1.0] Kernel panic - not syncing: old\n");
-        text.push_str(&"x".repeat(CONSOLE_TAIL_BYTES as usize));
+        text.push_str(&"x".repeat(LOG_TAIL_BYTES as usize));
         let (_dir, path) = console(&text);
         assert_eq!(guest_panic(&path), None);
     }

@@ -1082,6 +1082,26 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_with_the_irqfd_keeps_the_used_buffer_bit_set_until_reset() {
+        let mut h = harness();
+        h.bring_up();
+        let irqfd = h.interrupt.irqfd_for_backend().unwrap();
+        irqfd.write(1).unwrap();
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), 1);
+        h.w(REG_INTERRUPT_ACK, 1);
+        assert_eq!(
+            h.r(REG_INTERRUPT_STATUS),
+            1,
+            "the VMM never sees the signals"
+        );
+        h.interrupt.signal_config_change();
+        h.w(REG_INTERRUPT_ACK, 3);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), 1);
+        h.w(REG_STATUS, 0);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), 0);
+    }
+
+    #[test]
     fn config_space_is_forwarded_at_any_width() {
         let mut h = harness();
         let mut b = [0u8; 1];

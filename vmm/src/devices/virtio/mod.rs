@@ -42,6 +42,9 @@ pub const INTERRUPT_CONFIG_CHANGE: u32 = 2;
 #[derive(Clone)]
 pub struct InterruptTrigger {
     status: Arc<AtomicU32>,
+    /// Bits that read as set whatever the driver acknowledges, until the next reset:
+    /// see [`InterruptTrigger::irqfd_for_backend`].
+    always_set: Arc<AtomicU32>,
     irqfd: Arc<EventFd>,
 }
 
@@ -49,8 +52,22 @@ impl InterruptTrigger {
     pub fn new(irqfd: Arc<EventFd>) -> Self {
         Self {
             status: Arc::new(AtomicU32::new(0)),
+            always_set: Arc::new(AtomicU32::new(0)),
             irqfd,
         }
+    }
+
+    /// The irqfd, for a backend process (vhost-user) to interrupt the guest itself
+    /// when it has used buffers, without a hop through a VMM thread per completion.
+    /// The VMM never sees those signals, so it cannot set the used-buffer bit before
+    /// each: from now until the device is reset, InterruptStatus reads it as set
+    /// (Firecracker does the same for its vhost-user devices). The driver then looks
+    /// at its used rings on every interrupt of the device, which costs nothing when
+    /// they hold nothing new.
+    pub fn irqfd_for_backend(&self) -> std::io::Result<EventFd> {
+        self.always_set
+            .fetch_or(INTERRUPT_USED_BUFFER, Ordering::SeqCst);
+        self.irqfd.try_clone()
     }
 
     /// Tells the driver that used buffers are ready.
@@ -71,7 +88,7 @@ impl InterruptTrigger {
 
     /// The current InterruptStatus register value.
     pub fn status(&self) -> u32 {
-        self.status.load(Ordering::SeqCst)
+        self.status.load(Ordering::SeqCst) | self.always_set.load(Ordering::SeqCst)
     }
 
     /// InterruptACK: clears the acknowledged bits.
@@ -79,8 +96,10 @@ impl InterruptTrigger {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }
 
+    /// Device reset.
     pub fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
+        self.always_set.store(0, Ordering::SeqCst);
     }
 }
 

@@ -1,8 +1,8 @@
 //! virtio-fs (virtio 1.2, section 5.11) through a vhost-user backend: virtiofsd
 //! serves the FUSE requests straight from guest memory (the memfd it maps), kicked by
-//! the queues' ioeventfds. The VMM only sets the session up, turns the backend's
-//! "used buffers" signals into interrupts, and, if the backend goes away, answers the
-//! guest's requests with EIO itself so nothing in the guest hangs on a dead share.
+//! the queues' ioeventfds, and interrupts the guest through the device's irqfd. The
+//! VMM only sets the session up and, if the backend goes away, answers the guest's
+//! requests with EIO itself so nothing in the guest hangs on a dead share.
 
 mod backend;
 mod fallback;
@@ -150,17 +150,18 @@ impl VirtioDevice for VhostUserFs {
         if let Some(index) = queues.iter().position(|q| !virtio_queue::QueueT::ready(q)) {
             return Err(ActivateError::InvalidQueue { index });
         }
+        // Every queue's "call" is the device's irqfd: virtiofsd interrupts the guest
+        // directly, and no VMM thread wakes per request.
         let calls = (0..NUM_QUEUES)
-            .map(|_| EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK))
+            .map(|_| interrupt.irqfd_for_backend())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ActivateError::Device(format!("virtio-fs: eventfd: {e}")))?;
+            .map_err(|e| ActivateError::Device(format!("virtio-fs: irqfd: {e}")))?;
         self.backend
             .start(self.acked_features, &memory, &queues, &calls, &self.kicks)
             .map_err(|e| ActivateError::Device(format!("virtio-fs {:?}: {e}", self.tag)))?;
         let worker = Worker::new(
             self.tag.clone(),
             self.backend.hangup_fd(),
-            calls,
             self.kicks.clone(),
             memory,
             queues,

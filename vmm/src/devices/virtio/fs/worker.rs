@@ -1,5 +1,6 @@
-//! The device's thread: turns the backend's call signals into guest interrupts and,
-//! once the backend hangs up, serves the queues itself (see `fallback`).
+//! The device's thread: it waits for the backend to hang up, then serves the queues
+//! itself (see `fallback`). While the backend is there, the thread sleeps: the
+//! backend reads the kicks and signals the irqfd itself.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
@@ -15,16 +16,14 @@ use crate::memory::GuestMemoryMmap;
 
 const STOP: u64 = 0;
 const HANGUP: u64 = 1;
-/// Tokens `CALL_BASE + i` are queue i's call eventfd, `KICK_BASE + i` its kick.
-const CALL_BASE: u64 = 100;
-const KICK_BASE: u64 = 200;
+/// Token `KICK_BASE + i` is queue i's kick, watched once the backend is gone.
+const KICK_BASE: u64 = 100;
 
 pub struct Worker {
     tag: String,
     epoll: Epoll,
     stop: Arc<EventFd>,
     hangup_fd: RawFd,
-    calls: Vec<EventFd>,
     kicks: Vec<Arc<EventFd>>,
     memory: GuestMemoryMmap,
     queues: Vec<Queue>,
@@ -54,7 +53,6 @@ impl Worker {
     pub fn new(
         tag: String,
         hangup_fd: RawFd,
-        calls: Vec<EventFd>,
         kicks: Vec<Arc<EventFd>>,
         memory: GuestMemoryMmap,
         queues: Vec<Queue>,
@@ -67,7 +65,6 @@ impl Worker {
             epoll,
             stop,
             hangup_fd,
-            calls,
             kicks,
             memory,
             queues,
@@ -78,9 +75,6 @@ impl Worker {
         // Only the hang-up matters: the backend never writes unprompted, and replies
         // to our requests are read by the frontend itself.
         worker.watch(hangup_fd, EventSet::READ_HANG_UP, HANGUP)?;
-        for (index, call) in worker.calls.iter().enumerate() {
-            worker.watch(call.as_raw_fd(), EventSet::IN, CALL_BASE + index as u64)?;
-        }
         Ok(worker)
     }
 
@@ -112,20 +106,9 @@ impl Worker {
                 match event.data() {
                     STOP => return,
                     HANGUP => self.on_backend_lost(),
-                    token if (CALL_BASE..KICK_BASE).contains(&token) => {
-                        self.on_call((token - CALL_BASE) as usize)
-                    }
                     token => self.on_kick_without_backend((token - KICK_BASE) as usize),
                 }
             }
-        }
-    }
-
-    fn on_call(&mut self, index: usize) {
-        if let Some(call) = self.calls.get(index) {
-            // Nonblocking: an empty counter only means another wake-up took it.
-            let _ = call.read();
-            self.interrupt.signal_used_queue();
         }
     }
 
@@ -147,10 +130,8 @@ impl Worker {
         ) {
             tracing::warn!("virtio-fs {:?}: {e}", self.tag);
         }
-        // Whatever the backend finished before it went is signalled first.
-        for index in 0..self.calls.len() {
-            self.on_call(index);
-        }
+        // Whatever the backend finished before it went, it may not have signalled.
+        self.interrupt.signal_used_queue();
         for (index, queue) in self.queues.iter_mut().enumerate() {
             fallback::take_over(queue, &self.memory);
             let kick = self.kicks[index].as_raw_fd();

@@ -21,13 +21,14 @@
 //! ```
 
 use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, Hello,
-    ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
+    ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION, UNSUPPORTED_VERSION,
 };
 pub use crate::raw::RawStream;
 
@@ -47,6 +48,11 @@ pub enum ClientError {
     HybridHandshake(String),
     #[error("the agent reported: {0}")]
     Agent(String),
+    #[error(
+        "the agent reported: {0}. The VM was started with another version of the guest \
+         agent; stop it (`vmctl stop`, which ends what runs in it) and start it again"
+    )]
+    OtherProtocol(String),
     #[error("unexpected message from the agent: {0}")]
     Unexpected(String),
     #[error("the agent closed the connection unexpectedly")]
@@ -145,6 +151,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         let hello = Hello {
             protocol_version: PROTOCOL_VERSION,
             client: format!("vmctl {}", env!("CARGO_PKG_VERSION")),
+            host_time_ns: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .ok()
+                .and_then(|t| u64::try_from(t.as_nanos()).ok()),
         };
         write_frame(&mut writer, &ClientMessage::Hello(hello)).await?;
         match reader.next::<AgentMessage>().await? {
@@ -157,6 +167,9 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 agent_version,
                 protocol_version,
             }),
+            Some(AgentMessage::Error { message }) if message.starts_with(UNSUPPORTED_VERSION) => {
+                Err(ClientError::OtherProtocol(message))
+            }
             Some(other) => Err(unexpected(&other)),
             None => Err(ClientError::Closed),
         }
@@ -430,5 +443,61 @@ impl<S: AsyncRead + AsyncWrite> ExecSession<S> {
                 r = &mut collect => return r,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn hello_carries_the_hosts_time() {
+        let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let (ours, theirs) = tokio::io::duplex(4096);
+        let (r, mut w) = tokio::io::split(theirs);
+        let agent = tokio::spawn(async move {
+            let mut reader = FrameReader::new(r);
+            let Ok(Some(ClientMessage::Hello(hello))) = reader.next::<ClientMessage>().await else {
+                panic!("expected Hello");
+            };
+            let ok = AgentMessage::HelloOk {
+                agent_version: "test".into(),
+                protocol_version: PROTOCOL_VERSION,
+            };
+            write_frame(&mut w, &ok).await.unwrap();
+            hello
+        });
+        let connection = Connection::handshake(ours).await.unwrap();
+        assert_eq!(connection.agent_version(), "test");
+        let sent = std::time::Duration::from_nanos(agent.await.unwrap().host_time_ns.unwrap());
+        let after = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        assert!(
+            (before..=after).contains(&sent),
+            "{sent:?} not in {before:?}..{after:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_agent_of_another_protocol_says_how_to_get_a_matching_one() {
+        let message = format!("{UNSUPPORTED_VERSION} 3 (this agent 0.0.9 speaks 2)");
+        let (ours, theirs) = tokio::io::duplex(4096);
+        let (r, mut w) = tokio::io::split(theirs);
+        let reply = AgentMessage::Error {
+            message: message.clone(),
+        };
+        tokio::spawn(async move {
+            let mut reader = FrameReader::new(r);
+            let _hello = reader.next::<ClientMessage>().await;
+            write_frame(&mut w, &reply).await.unwrap();
+        });
+        let Err(err) = Connection::handshake(ours).await else {
+            panic!("the handshake succeeded");
+        };
+        assert!(matches!(err, ClientError::OtherProtocol(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains(&message) && text.contains("vmctl stop"),
+            "{text}"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`protocol`]: messages and framing (see `PROTOCOL.md`);
 //! - [`client`]: the async client `vmctl` uses;
+//! - [`clock`]: the guest's clock follows the host's;
 //! - [`server`]: the agent's request handling and command execution;
 //! - [`init`]: PID-1 duties inside the VM;
 //! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares;
@@ -9,6 +10,7 @@
 //! - [`raw`]: a connection switched from frames to raw bytes.
 
 pub mod client;
+pub mod clock;
 pub mod init;
 pub mod network;
 pub mod ports;

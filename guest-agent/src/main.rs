@@ -56,6 +56,7 @@ fn main() -> ExitCode {
     let mut config = ServerConfig {
         default_user: args.user.take(),
         reap_all: pid1,
+        follow_host_clock: pid1,
         ..Default::default()
     };
     let listen = if pid1 {

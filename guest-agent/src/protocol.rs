@@ -15,7 +15,9 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
+/// How the agent's `Error` for a `Hello` of another protocol version begins.
+pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
 pub const MAX_FRAME_SIZE: usize = 1024 * 1024;
 /// The vsock port the agent listens on unless `vmctl.port=` says otherwise.
@@ -60,6 +62,9 @@ pub struct Hello {
     pub protocol_version: u32,
     /// Free-form name of the client (for the agent's logs), e.g. `vmctl 0.1.0`.
     pub client: String,
+    /// The host's wall clock when it sent this, in nanoseconds since the Unix epoch:
+    /// the agent keeps the guest's clock in step with it (see [`crate::clock`]).
+    pub host_time_ns: Option<u64>,
 }
 
 /// Which account a command runs as.
@@ -354,6 +359,7 @@ mod tests {
             ClientMessage::Hello(Hello {
                 protocol_version: PROTOCOL_VERSION,
                 client: "t".into(),
+                host_time_ns: Some(1_800_000_000_123_456_789),
             }),
             ClientMessage::Exec(ExecRequest {
                 argv: vec!["sh".into(), "-c".into(), "echo hi".into()],

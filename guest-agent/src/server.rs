@@ -17,10 +17,11 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::clock;
 use crate::network::{self, Network};
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, NetworkConfig,
-    ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
+    ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION, UNSUPPORTED_VERSION,
 };
 use crate::users::{self, Account};
 
@@ -72,6 +73,9 @@ pub struct ServerConfig {
     pub default_user: Option<HostUser>,
     /// Reap every child (`waitpid(-1)`), as PID 1 must; otherwise only our commands.
     pub reap_all: bool,
+    /// Step the clock to the host's time each `Hello` carries (see [`crate::clock`]):
+    /// the VM's init does, an agent running on some machine for tests must not.
+    pub follow_host_clock: bool,
     /// The network side (`ConfigureNetwork`, `ConnectPort`); the default writes the
     /// guest's real files and reaches the host over vsock. Shared so that tests can
     /// look at it (e.g. [`Network::egress_addr`]).
@@ -263,6 +267,15 @@ async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, message: String) -> Result
     Ok(())
 }
 
+/// A clock that cannot be set costs the guest only its accuracy: said, not fatal.
+fn follow_host_clock(host_time_ns: u64) {
+    match clock::follow_host(host_time_ns) {
+        Ok(None) => {}
+        Ok(Some(step)) => info!("the guest's clock {step}"),
+        Err(e) => warn!("{e}"),
+    }
+}
+
 async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result<(), ServerError> {
     let (r, mut w) = tokio::io::split(stream);
     let mut reader = FrameReader::new(r);
@@ -275,6 +288,11 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
     match hello {
         ClientMessage::Hello(h) if h.protocol_version == PROTOCOL_VERSION => {
             debug!(client = %h.client, "hello");
+            if state.config.follow_host_clock {
+                if let Some(host_time_ns) = h.host_time_ns {
+                    follow_host_clock(host_time_ns);
+                }
+            }
             write_frame(
                 &mut w,
                 &AgentMessage::HelloOk {
@@ -286,7 +304,7 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
         }
         ClientMessage::Hello(h) => {
             let msg = format!(
-                "unsupported protocol version {} (this agent {AGENT_VERSION} speaks {PROTOCOL_VERSION})",
+                "{UNSUPPORTED_VERSION} {} (this agent {AGENT_VERSION} speaks {PROTOCOL_VERSION})",
                 h.protocol_version
             );
             return send_error(&mut w, msg).await;

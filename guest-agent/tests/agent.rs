@@ -340,6 +340,7 @@ async fn raw_hello() -> (
     let hello = ClientMessage::Hello(Hello {
         protocol_version: PROTOCOL_VERSION,
         client: "raw".into(),
+        host_time_ns: None,
     });
     w.write_all(&encode_frame(&hello).unwrap()).await.unwrap();
     let mut r = FrameReader::new(r);
@@ -421,6 +422,7 @@ async fn malformed_frames_only_affect_their_connection() {
     let hello = ClientMessage::Hello(Hello {
         protocol_version: 999,
         client: "x".into(),
+        host_time_ns: None,
     });
     w.write_all(&encode_frame(&hello).unwrap()).await.unwrap();
     let mut r = FrameReader::new(r);

@@ -406,6 +406,7 @@ async fn connect_port_forwards_pipelined_bytes() {
     let mut bytes = encode_frame(&ClientMessage::Hello(Hello {
         protocol_version: PROTOCOL_VERSION,
         client: "pipelined".into(),
+        host_time_ns: None,
     }))
     .unwrap();
     bytes.extend(encode_frame(&ClientMessage::ConnectPort(port)).unwrap());

@@ -935,6 +935,46 @@ pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// How far the guest's clock may be off the host's, in seconds: the nested host sets
+/// its clock from the host's to within half a 9p round trip. (A guest clock stepped to
+/// the time in a message of the host's reads between the host's before and after.)
+pub const CLOCK_TOLERANCE_S: f64 = 0.25;
+/// vmctl's setting of how often the supervisor keeps the guest's clock in step.
+pub const CLOCK_SYNC_VAR: &str = "VMCTL_CLOCK_SYNC_SECS";
+
+/// `time` as seconds since the Unix epoch, as `date +%s.%N` prints it.
+pub fn seconds_since_epoch(time: SystemTime) -> f64 {
+    time.duration_since(UNIX_EPOCH)
+        .expect("a clock before 1970")
+        .as_secs_f64()
+}
+
+/// Runs `date_last` (a guest command whose output ends with `date +%s.%N`) and
+/// asserts that the guest's reading lies between the host's before and after; returns
+/// the reading.
+pub fn assert_guest_clock_is_hosts(when: &str, date_last: impl FnOnce() -> Output) -> f64 {
+    let before = seconds_since_epoch(SystemTime::now());
+    let output = date_last();
+    let after = seconds_since_epoch(SystemTime::now());
+    assert!(
+        output.status.success(),
+        "reading the guest's clock {when} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = stdout(&output);
+    let guest_now: f64 = text
+        .lines()
+        .last()
+        .and_then(|line| line.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `date +%s.%N` reading at the end of {text:?}"));
+    assert!(
+        (before - CLOCK_TOLERANCE_S..=after + CLOCK_TOLERANCE_S).contains(&guest_now),
+        "the guest's clock {when} reads {guest_now:.3}: off the host's ({before:.3} to \
+         {after:.3})"
+    );
+    guest_now
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::{stdout, vm_available, vmctl_bin, Workspace};
+use vm_tests::{
+    assert_guest_clock_is_hosts, stdout, vm_available, vmctl_bin, Workspace, CLOCK_SYNC_VAR,
+};
 
 #[test]
 fn workspace_vm_runs_commands_like_a_local_shell() {
@@ -24,7 +26,8 @@ fn workspace_vm_runs_commands_like_a_local_shell() {
 fn workspace_scenario() {
     let ws = Workspace::new("workspace-vm");
 
-    let up = ws.run(&["up"]);
+    // The supervisor keeps the guest's clock in step every 3 s (default: 30 s).
+    let up = ws.run_with_env(&["up"], &[(CLOCK_SYNC_VAR, Path::new("3"))]);
     assert!(up.status.success(), "vmctl up failed");
     let ps = ws.run(&["ps"]);
     assert!(
@@ -32,6 +35,12 @@ fn workspace_scenario() {
         "ps does not show the VM running"
     );
     assert!(stdout(&ps).contains(ws.path().to_str().unwrap()));
+
+    // The clock of a VM nobody connects to is kept in step too: set an hour back by a
+    // command, it is the host's again while that same command sleeps.
+    assert_guest_clock_is_hosts("10 s after a command set it an hour back", || {
+        ws.exec_as_root("date -s @$(( $(date +%s) - 3600 )) >/dev/null; sleep 10; date +%s.%N")
+    });
 
     // Output streams and the exit code.
     let out = ws.exec("echo out; echo err >&2; exit 3");

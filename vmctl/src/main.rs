@@ -8,6 +8,7 @@ mod cli;
 mod daemon;
 mod egress_commands;
 mod exec;
+mod guest_clock;
 mod host_kvm;
 mod nested;
 mod network;

@@ -2,7 +2,8 @@
 //! detached by `vmctl up`. It runs the VMM (directly, or in the nested host) with the
 //! VM's vsock at `DIR/vsock.sock`, the guest console in `DIR/console.log`, and the
 //! VM's network side ([`crate::network`]): the egress proxy, relays, published ports
-//! and the control socket `DIR/control.sock`.
+//! and the control socket `DIR/control.sock`; it keeps the guest's clock in step
+//! ([`crate::guest_clock`]).
 
 use std::path::Path;
 use std::time::Instant;
@@ -40,6 +41,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     // Without its network side the VM would boot without a way out; better not boot.
     crate::network::services::start(&vm, &record)
         .map_err(|e| format!("cannot serve the VM's network: {e}"))?;
+    crate::guest_clock::keep_in_step(vm.vsock_socket());
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
     }

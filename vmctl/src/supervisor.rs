@@ -98,6 +98,9 @@ fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
     }
     match outcome {
         Ok(0) => None,
+        // Someone stopped it: `vmctl stop` once the guest did not shut down in time
+        // (it says so), or a user's kill. Not a crash.
+        Ok(code) if stop_signal(*code).is_some() => None,
         Ok(code) => Some(
             read_tail(&vm.supervisor_log(), LOG_TAIL_BYTES)
                 .and_then(|log| last_error(&String::from_utf8_lossy(&log)))
@@ -105,6 +108,15 @@ fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
         ),
         Err(e) => Some(e.clone()),
     }
+}
+
+/// The signal that stopped the VMM, when `code` is the VMM's exit code for one
+/// (128+N, as for SIGINT and SIGTERM, which it turns into a stop).
+fn stop_signal(code: u8) -> Option<i32> {
+    let signal = i32::from(code.checked_sub(128)?);
+    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
+        .contains(&signal)
+        .then_some(signal)
 }
 
 /// The message of the last `vmctl: error:` line of a log.
@@ -208,6 +220,19 @@ mod tests {
             how_it_crashed(&quiet, &Ok(3)).as_deref(),
             Some("the VMM exited with code 3")
         );
+    }
+
+    #[test]
+    fn a_vm_stopped_by_a_signal_did_not_crash() {
+        let log = "vmctl: stopped by signal 15; the guest was not shut down cleanly\n\
+                   vmctl: the VM ended: Ok(143)\n";
+        let (_dir, vm) = ended_vm("guest-agent: booted\n", log);
+        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            assert_eq!(how_it_crashed(&vm, &Ok(128 + signal as u8)), None);
+        }
+        // Exit codes that are no stop signal are still crashes.
+        assert!(how_it_crashed(&vm, &Ok(128 + libc::SIGKILL as u8)).is_some());
+        assert!(how_it_crashed(&vm, &Ok(128)).is_some());
     }
 
     #[test]

@@ -225,6 +225,16 @@ fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
     if vm.running_pid().is_some() {
         return error;
     }
+    why_the_vm_stopped(vm, error)
+}
+
+/// `error`, with why its VM, no longer running, stopped: the crash its supervisor
+/// recorded (a guest panic, a triple fault, ...), else the last error in the
+/// supervisor's log (a supervisor killed before it could record one).
+fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
+    if let Some(crash) = vm.read_crash() {
+        return format!("{error}; the VM stopped: {crash}");
+    }
     let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
     match log.lines().rev().find(|l| l.contains("error")) {
         Some(line) => format!("{error}; the VM stopped: {}", line.trim()),
@@ -281,5 +291,46 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
             eprintln!("vmctl: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_vm_is_explained_by_its_crash_else_by_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = state::VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let error = || "the agent closed the connection".to_string();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            format!(
+                "the agent closed the connection; the VM stopped (see {})",
+                vm.supervisor_log().display()
+            )
+        );
+        std::fs::write(
+            vm.supervisor_log(),
+            "vmctl: supervising\nvmctl: error: the VM stopped: triple fault\nvmctl: the VM ended\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: vmctl: error: the VM stopped: \
+             triple fault"
+        );
+        std::fs::write(
+            vm.crash_file(),
+            "the guest kernel crashed: Kernel panic - not syncing: Fatal exception\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: the guest kernel crashed: \
+             Kernel panic - not syncing: Fatal exception"
+        );
     }
 }

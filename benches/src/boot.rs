@@ -124,6 +124,10 @@ the host memory of idle VMs.
                        repository's files (default 10000; nested 1000; quick 200)
   --fs-runs N          virtio-fs: repetitions per side (default 3; quick 1)
   --fs-timeout SECS    virtio-fs: per script (default 600)
+  --fs-cache POLICY    virtio-fs: the guest's caching, as vmctl's
+                       VMCTL_VIRTIOFS_CACHE: auto (vmctl's default), never,
+                       metadata or always, each optionally +writeback; to compare
+                       them (only auto and never show host edits promptly)
   --out PATH           JSON report (default: target/bench/boot.json; Markdown next to it)
   --kernel PATH        guest kernel (default: kernel-config/build.sh guest)
   --initrd PATH        base initramfs (default: rootfs/build-initramfs.sh)
@@ -169,6 +173,8 @@ struct Args {
     fs_files: Option<u64>,
     fs_runs: Option<usize>,
     fs_timeout: Duration,
+    /// `--fs-cache`: vmctl's VMCTL_VIRTIOFS_CACHE for the virtio-fs VM.
+    fs_cache: Option<String>,
     out: Option<PathBuf>,
     kernel: Option<PathBuf>,
     initrd: Option<PathBuf>,
@@ -205,6 +211,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         fs_files: None,
         fs_runs: None,
         fs_timeout: Duration::from_secs(600),
+        fs_cache: None,
         out: None,
         kernel: None,
         initrd: None,
@@ -267,6 +274,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "--fs-timeout" => {
                 a.fs_timeout = Duration::from_secs(number("--fs-timeout", value("--fs-timeout")?)?)
             }
+            "--fs-cache" => a.fs_cache = Some(value("--fs-cache")?),
             "--agent-initrd" => a.agent_initrd = Some(value("--agent-initrd")?.into()),
             "--rootfs" => a.rootfs = Some(value("--rootfs")?.into()),
             "--out" => a.out = Some(value("--out")?.into()),
@@ -750,6 +758,9 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         cmd.arg("--quick");
     }
     cmd.args(["--only", &crate::sections::to_arg(&args.sections)]);
+    if let Some(policy) = &args.fs_cache {
+        cmd.args(["--fs-cache", policy]);
+    }
     // Only the sizes given: the inner run picks the nested host's defaults (and the
     // same boot configurations as this run).
     for (flag, v) in [
@@ -1224,6 +1235,7 @@ fn measure(
             sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
             timeout: args.timeout,
             script_timeout: args.fs_timeout,
+            cache: args.fs_cache.clone(),
             nested,
             drop_caches: crate::fs::DROP_CACHES_FILE.into(),
         }));
@@ -1654,6 +1666,11 @@ mod tests {
         );
         assert!(args(&["--fs-files", "0"]).is_err());
         assert!(args(&["--fs-runs", "0"]).is_err());
+        assert_eq!(a.fs_cache, None);
+        assert_eq!(
+            args(&["--fs-cache", "always+writeback"]).unwrap().fs_cache,
+            Some("always+writeback".into())
+        );
         assert!(args(&["--runs", "0"]).is_err());
         assert!(args(&["--frobnicate"]).is_err());
         assert!(args(&["--nested", "sometimes"]).is_err());

@@ -46,6 +46,11 @@ crosses emulated hardware virtualization).";
 const NOTE_DIRECT: &str =
     "Direct: the host side is this machine, where the VMM runs on hardware KVM.";
 
+/// vmctl's setting of the guest's caching of its shares (virtiofsd's `--cache`,
+/// `+writeback`), and what vmctl uses without it.
+pub const CACHE_ENV: &str = "VMCTL_VIRTIOFS_CACHE";
+pub const DEFAULT_CACHE: &str = "auto";
+
 /// The sizes one run measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FsSizes {
@@ -105,6 +110,8 @@ pub struct FsBench {
     pub timeout: Duration,
     /// Per script (a guest script may take minutes in the nested host).
     pub script_timeout: Duration,
+    /// vmctl's [`CACHE_ENV`] for the VM; `None` leaves vmctl's default.
+    pub cache: Option<String>,
     /// The benchmark runs inside the nested host.
     pub nested: bool,
     /// [`DROP_CACHES_FILE`] (the tests' is a plain file).
@@ -474,6 +481,7 @@ pub fn measure(b: &FsBench) -> FsReport {
             vm_memory_mib: 0,
             vm_nested: false,
             virtiofsd: virtiofsd(),
+            guest_cache: b.cache.clone().unwrap_or_else(|| DEFAULT_CACHE.into()),
         },
         sides: Vec::new(),
         commands: Vec::new(),
@@ -506,6 +514,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", ws.display()))?;
     // Declared after `tmp`, so dropped (the VM removed) before the directory goes.
     let mut vmctl = Vmctl::new(&b.artifacts, state, None, b.timeout);
+    if let Some(policy) = &b.cache {
+        vmctl.env.push((CACHE_ENV.into(), policy.clone()));
+    }
     report.environment = vmctl.env.clone();
     report.config.workspace = ws.display().to_string();
     say(format!(
@@ -892,12 +903,14 @@ mod tests {
             format!(
                 "#!/bin/sh\necho \"$1\" >> {log}\ncase \"$1\" in\n  \
                  up) d=\"$XDG_STATE_HOME/vmctl/vms/x\"; mkdir -p \"$d\"; \
+                 echo \"${{VMCTL_VIRTIOFS_CACHE:-unset}}\" >> {cache_log}; \
                  printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
                  exec) shift 4\n    \
                  if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
                  exec \"$@\";;\n  \
                  rm) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x\";;\nesac\n",
                 log = dir.join("calls.log").display(),
+                cache_log = dir.join("cache.log").display(),
                 fail = dir.join("fail-git").display(),
             ),
         )
@@ -918,6 +931,7 @@ mod tests {
                 origin: "test".into(),
             },
             timeout: Duration::from_secs(30),
+            cache: None,
             script_timeout: Duration::from_secs(60),
             nested: false,
             drop_caches: dir.join("drop_caches"),
@@ -962,11 +976,21 @@ mod tests {
         // probe + warm-up + 5 workloads x 2 runs, in the guest.
         assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 12);
         assert!(r.markdown().contains("| fs_git_status_s | s | 20 files |"));
-        // In the nested host, the host's caches are never dropped.
+        assert_eq!(r.config.guest_cache, "auto");
+        // In the nested host, the host's caches are never dropped. (And a cache policy
+        // given reaches vmctl up and the report.)
         let nested = measure(&FsBench {
             nested: true,
+            cache: Some("never+writeback".into()),
             ..b.clone()
         });
+        assert_eq!(
+            fs::read_to_string(dir.join("cache.log")).unwrap(),
+            "unset\nnever+writeback\n"
+        );
+        assert!(nested
+            .markdown()
+            .contains("(virtiofsd cache policy: never+writeback)"));
         assert!(nested.errors().is_empty(), "{:?}", nested.errors());
         assert_eq!(
             (

@@ -780,6 +780,9 @@ pub struct FsConfig {
     /// The virtiofsd vmctl finds ($VMCTL_VIRTIOFSD, PATH, ~/.cargo/bin, ...) and its
     /// `--version`.
     pub virtiofsd: String,
+    /// The guest's caching of the share (`--fs-cache`, vmctl's VMCTL_VIRTIOFS_CACHE).
+    #[serde(default)]
+    pub guest_cache: String,
 }
 
 /// The shared workspace directory, guest against host.
@@ -870,8 +873,8 @@ impl FsReport {
              `bash -c` and in the guest with `vmctl exec --workspace WS -- bash -c`, timed inside \
              the script (bash `$EPOCHREALTIME`), so exec overhead is not counted. {} repetition(s), \
              alternating whether host or guest goes first. Sizes: {} MiB file, {} files ({}). \
-             Workspace file system: host {}, guest {}. Caches dropped before each read: host {}, \
-             guest {}. Slowdown = guest/host for times, host/guest for throughputs: above 1 the \
+             Workspace file system: host {}, guest {} (virtiofsd cache policy: {}). Caches dropped \
+             before each read: host {}, guest {}. Slowdown = guest/host for times, host/guest for throughputs: above 1 the \
              guest is slower. {}\n\n",
             c.vm_cpus,
             c.vm_memory_mib,
@@ -882,6 +885,7 @@ impl FsReport {
             c.sizes,
             fs(HOST),
             fs(GUEST),
+            c.guest_cache,
             dropped(HOST),
             dropped(GUEST),
             self.note
@@ -1294,6 +1298,7 @@ mod tests {
                 vm_memory_mib: 1024,
                 vm_nested: false,
                 virtiofsd: "/v".into(),
+                guest_cache: "never+writeback".into(),
             },
             sides: vec![
                 FsSide {

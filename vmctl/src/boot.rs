@@ -97,7 +97,7 @@ pub fn run_vmm_sharing(
         &set.shares,
         socket_dir,
         socket_dir,
-        virtiofsd::Cache::Auto,
+        set.cache,
     )?;
     if let Some(file) = &set.failure_file {
         daemons.record_failures_in(file.clone());

@@ -76,6 +76,9 @@ pub struct ShareSet {
     /// `vmctl ps` and `exec`).
     #[serde(default)]
     pub failure_file: Option<PathBuf>,
+    /// How the guest caches the shares (virtiofsd's `--cache`, `--writeback`).
+    #[serde(default)]
+    pub cache: crate::virtiofsd::CachePolicy,
 }
 
 /// Parses `HOST[:GUEST][:ro]` (a trailing `:rw` is accepted too). HOST may start with

@@ -386,6 +386,10 @@ mod tests {
                 shares: vec![crate::shares::workspace_share(Path::new("/w"))],
                 virtiofsd: "/usr/bin/virtiofsd".into(),
                 failure_file: Some(vm.share_failures()),
+                cache: crate::virtiofsd::CachePolicy {
+                    cache: crate::virtiofsd::Cache::Never,
+                    writeback: true,
+                },
             }),
             relay_ports: vec![6767],
             egress: EgressTestOptions {

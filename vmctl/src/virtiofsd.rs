@@ -13,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use vmm::config::FsConfig;
 
 use crate::shares::{self, Share};
@@ -42,6 +43,8 @@ const MAX_SOCKET_PATH: usize = 107;
 
 #[derive(Debug, thiserror::Error)]
 pub enum VirtiofsdError {
+    #[error("{CACHE_ENV}={value:?}: expected auto, never, metadata or always, optionally followed by +writeback")]
+    BadCachePolicy { value: String },
     #[error("virtiofsd not found (looked for {searched}); run scripts/setup.sh, or 'cargo install virtiofsd' (it needs the Debian packages libcap-ng-dev and libseccomp-dev), or set {VIRTIOFSD_ENV} to its path")]
     NotFound { searched: String },
     #[error("{VIRTIOFSD_ENV}={}: not an executable file; point it at the virtiofsd binary or unset it", .0.display())]
@@ -171,34 +174,108 @@ const NO_SANDBOX_WARNING: &str = "vmctl: warning: virtiofsd runs without its san
      reach host files outside its shares";
 
 /// How the guest may cache a share (virtiofsd's `--cache`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Cache {
     /// Close-to-open consistency, attributes and names cached for 1 s: host edits are
     /// seen promptly, and shared mmap works. For VMs.
+    #[default]
     Auto,
     /// Nothing cached: for the nested host, which only passes the files on to its own
     /// virtiofsd (caching them there too would double the memory and the staleness).
     Never,
+    /// Attributes and names cached for a day, data not at all: host edits go unseen
+    /// until then. Only for measuring ([`CACHE_ENV`]).
+    Metadata,
+    /// Everything cached for a day: host edits go unseen. Only for measuring.
+    Always,
 }
 
 impl Cache {
+    const ALL: [Cache; 4] = [Cache::Auto, Cache::Never, Cache::Metadata, Cache::Always];
+
     fn as_arg(self) -> &'static str {
         match self {
             Cache::Auto => "auto",
             Cache::Never => "never",
+            Cache::Metadata => "metadata",
+            Cache::Always => "always",
         }
     }
 }
 
+/// Chooses the guest's caching of a VM's shares when it starts, for measuring the
+/// alternatives (`vm-bench --fs-cache`): `auto` (the default), `never`, `metadata` or
+/// `always`, each optionally with `+writeback` (virtiofsd's write-back cache: writes
+/// reach the host when the guest flushes them, at the latest when the file is closed).
+/// Only `auto` and `never` show host edits promptly.
+pub const CACHE_ENV: &str = "VMCTL_VIRTIOFS_CACHE";
+
+/// How the guest caches a VM's shares: virtiofsd's `--cache` and `--writeback`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachePolicy {
+    pub cache: Cache,
+    pub writeback: bool,
+}
+
+impl CachePolicy {
+    /// No caching and no write-back, for the nested host's pass-through daemons.
+    pub const PASS_THROUGH: CachePolicy = CachePolicy {
+        cache: Cache::Never,
+        writeback: false,
+    };
+
+    /// The policy [`CACHE_ENV`] asks for; the default without it.
+    pub fn from_env() -> Result<CachePolicy, VirtiofsdError> {
+        match std::env::var(CACHE_ENV) {
+            Ok(value) => value.parse(),
+            Err(_) => Ok(CachePolicy::default()),
+        }
+    }
+}
+
+impl std::str::FromStr for CachePolicy {
+    type Err = VirtiofsdError;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        let (mode, writeback) = match value.trim().strip_suffix("+writeback") {
+            Some(mode) => (mode, true),
+            None => (value.trim(), false),
+        };
+        let cache = Cache::ALL
+            .into_iter()
+            .find(|cache| cache.as_arg() == mode)
+            .ok_or_else(|| VirtiofsdError::BadCachePolicy {
+                value: value.to_string(),
+            })?;
+        Ok(CachePolicy { cache, writeback })
+    }
+}
+
+impl std::fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.cache.as_arg())?;
+        if self.writeback {
+            f.write_str("+writeback")?;
+        }
+        Ok(())
+    }
+}
+
 /// virtiofsd's arguments for `share` on `socket`.
-fn daemon_args(share: &Share, socket: &Path, sandbox: Sandbox, cache: Cache) -> Vec<OsString> {
+fn daemon_args(
+    share: &Share,
+    socket: &Path,
+    sandbox: Sandbox,
+    policy: CachePolicy,
+) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec![
         "--shared-dir".into(),
         share.host.clone().into(),
         "--socket-path".into(),
         socket.into(),
         "--cache".into(),
-        cache.as_arg().into(),
+        policy.cache.as_arg().into(),
         // No thread pool: replies go out in request order, which the VMM relies on
         // when a daemon dies.
         "--thread-pool-size".into(),
@@ -213,6 +290,9 @@ fn daemon_args(share: &Share, socket: &Path, sandbox: Sandbox, cache: Cache) -> 
         "--seccomp".into(),
         "kill".into(),
     ];
+    if policy.writeback {
+        args.push("--writeback".into());
+    }
     if share.read_only {
         args.push("--readonly".into());
     }
@@ -276,7 +356,7 @@ fn spawn_daemon(
     socket: &Path,
     log: &Path,
     sandbox: Sandbox,
-    cache: Cache,
+    policy: CachePolicy,
 ) -> Result<Daemon, VirtiofsdError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -293,7 +373,7 @@ fn spawn_daemon(
         .map_err(io(log))?;
     let log_start = log_file.metadata().map_err(io(log))?.len();
     let stdout = log_file.try_clone().map_err(io(log))?;
-    let args = daemon_args(share, socket, sandbox, cache);
+    let args = daemon_args(share, socket, sandbox, policy);
     tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
     let mut command = Command::new(binary);
     command
@@ -432,11 +512,11 @@ pub fn start(
     shares: &[Share],
     socket_dir: &Path,
     log_dir: &Path,
-    cache: Cache,
+    policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
     // SAFETY: geteuid cannot fail.
     let is_root = unsafe { libc::geteuid() } == 0;
-    start_as(binary, shares, socket_dir, log_dir, is_root, cache)
+    start_as(binary, shares, socket_dir, log_dir, is_root, policy)
 }
 
 fn start_as(
@@ -445,7 +525,7 @@ fn start_as(
     socket_dir: &Path,
     log_dir: &Path,
     is_root: bool,
-    cache: Cache,
+    policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
     let mut daemons = Vec::with_capacity(shares.len());
     if let Err(e) = start_all(
@@ -454,7 +534,7 @@ fn start_as(
         socket_dir,
         log_dir,
         is_root,
-        cache,
+        policy,
         &mut daemons,
     ) {
         terminate(&mut daemons);
@@ -504,7 +584,7 @@ fn start_all(
     socket_dir: &Path,
     log_dir: &Path,
     is_root: bool,
-    cache: Cache,
+    policy: CachePolicy,
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
     let socket_of = |index: usize| socket_dir.join(format!("fs{index}.sock"));
@@ -523,7 +603,7 @@ fn start_all(
             &socket_of(index),
             &log_of(index),
             Sandbox::Namespace,
-            cache,
+            policy,
         )?);
     }
     let mut pending: Vec<usize> = (0..daemons.len()).collect();
@@ -563,7 +643,7 @@ fn start_all(
                     }
                     let (socket, log) = (daemon.socket.clone(), daemon.log.clone());
                     daemons[index] =
-                        spawn_daemon(binary, &shares[index], &socket, &log, sandbox, cache)?;
+                        spawn_daemon(binary, &shares[index], &socket, &log, sandbox, policy)?;
                     retry.push(index);
                 }
                 StartOutcome::TimedOut => {
@@ -727,10 +807,15 @@ mod tests {
     }
 
     fn args_of(share: &Share, sandbox: Sandbox) -> Vec<String> {
-        daemon_args(share, Path::new("/s/fs0.sock"), sandbox, Cache::Auto)
-            .into_iter()
-            .map(|a| a.into_string().unwrap())
-            .collect()
+        daemon_args(
+            share,
+            Path::new("/s/fs0.sock"),
+            sandbox,
+            CachePolicy::default(),
+        )
+        .into_iter()
+        .map(|a| a.into_string().unwrap())
+        .collect()
     }
 
     #[test]
@@ -744,6 +829,47 @@ mod tests {
         let args = args_of(&share(Path::new("/h"), true), Sandbox::None);
         assert!(args.join(" ").contains("--sandbox none"));
         assert_eq!(args.last().map(String::as_str), Some("--readonly"));
+    }
+
+    #[test]
+    fn the_cache_policy_is_parsed_and_passed_on() {
+        assert_eq!(
+            "auto".parse::<CachePolicy>().unwrap(),
+            CachePolicy::default()
+        );
+        for value in ["auto", "never", "metadata", "always", "never+writeback"] {
+            let policy: CachePolicy = value.parse().unwrap();
+            assert_eq!(policy.to_string(), value);
+        }
+        let policy: CachePolicy = "always+writeback".parse().unwrap();
+        assert_eq!(
+            policy,
+            CachePolicy {
+                cache: Cache::Always,
+                writeback: true
+            }
+        );
+        let args = daemon_args(
+            &share(Path::new("/h"), false),
+            Path::new("/s/fs0.sock"),
+            Sandbox::Namespace,
+            policy,
+        )
+        .into_iter()
+        .map(|a| a.into_string().unwrap())
+        .collect::<Vec<_>>()
+        .join(" ");
+        assert!(
+            args.contains("--cache always") && args.ends_with("--writeback"),
+            "{args}"
+        );
+        for bad in ["", "fast", "auto+", "writeback", "auto+writeback+writeback"] {
+            let err = bad.parse::<CachePolicy>().unwrap_err().to_string();
+            assert!(
+                err.contains(CACHE_ENV) && err.contains("auto, never"),
+                "{err}"
+            );
+        }
     }
 
     #[test]
@@ -854,8 +980,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), "echo 'fake: cannot unshare' >&2; exit 1");
         let shared = [share(dir.path(), false), share(dir.path(), true)];
-        let (daemons, devices) =
-            start_as(&fake, &shared, dir.path(), dir.path(), false, Cache::Auto).unwrap();
+        let (daemons, devices) = start_as(
+            &fake,
+            &shared,
+            dir.path(),
+            dir.path(),
+            false,
+            CachePolicy::default(),
+        )
+        .unwrap();
         assert_eq!(
             devices,
             [0, 1].map(|i| FsConfig {
@@ -895,7 +1028,7 @@ mod tests {
             dir.path(),
             dir.path(),
             true,
-            Cache::Auto,
+            CachePolicy::default(),
         )
         .err()
         .expect("the start-up fails")
@@ -922,7 +1055,7 @@ mod tests {
             &[shares::workspace_share(share_dir.path())],
             state_dir.path(),
             state_dir.path(),
-            Cache::Auto,
+            CachePolicy::default(),
         )
         .unwrap();
         let socket = &devices[0].socket_path;

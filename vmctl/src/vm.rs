@@ -116,6 +116,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
         shares: shares::mount_order(list),
         virtiofsd: virtiofsd::find_virtiofsd()?,
         failure_file: Some(vm.share_failures()),
+        cache: virtiofsd::CachePolicy::from_env()?,
     })
 }
 

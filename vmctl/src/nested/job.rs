@@ -281,6 +281,7 @@ mod tests {
             }],
             virtiofsd: "/usr/bin/virtiofsd".into(),
             failure_file: None,
+            cache: Default::default(),
         };
         let job = NestedJob::for_vm(&config, Some(&shares), true);
         let text = serde_json::to_string(&job).unwrap();

@@ -269,7 +269,7 @@ fn start_host_shares(
         &shares,
         job_dir,
         job_dir,
-        virtiofsd::Cache::Never,
+        virtiofsd::CachePolicy::PASS_THROUGH,
     )?;
     if let Some(file) = &set.failure_file {
         daemons.record_failures_in(file.clone());

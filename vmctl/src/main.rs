@@ -232,12 +232,15 @@ fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
 /// recorded (a guest panic, a triple fault, ...), else the last error in the
 /// supervisor's log (a supervisor killed before it could record one).
 fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
+    const STOPPED: &str = "the VM stopped: ";
     if let Some(crash) = vm.read_crash() {
-        return format!("{error}; the VM stopped: {crash}");
+        // The VMM's own errors already begin so.
+        let why = crash.strip_prefix(STOPPED).unwrap_or(&crash);
+        return format!("{error}; {STOPPED}{why}");
     }
     let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
     match log.lines().rev().find(|l| l.contains("error")) {
-        Some(line) => format!("{error}; the VM stopped: {}", line.trim()),
+        Some(line) => format!("{error}; {STOPPED}{}", line.trim()),
         None => format!(
             "{error}; the VM stopped (see {})",
             vm.supervisor_log().display()
@@ -331,6 +334,16 @@ mod tests {
             why_the_vm_stopped(&vm, error()),
             "the agent closed the connection; the VM stopped: the guest kernel crashed: \
              Kernel panic - not syncing: Fatal exception"
+        );
+        std::fs::write(
+            vm.crash_file(),
+            "the VM stopped: the guest crashed (triple fault on vCPU 1)\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: the guest crashed (triple fault \
+             on vCPU 1)"
         );
     }
 }

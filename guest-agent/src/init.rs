@@ -540,6 +540,12 @@ pub fn boot() -> BootConfig {
             ));
             power_off();
         }
+        if let Err(e) = shares::set_read_ahead(&share.path, shares::READ_AHEAD_KIB) {
+            console(&format!(
+                "warning: sequential reads of {} stay slow: cannot set its read-ahead: {e}",
+                share.path.display()
+            ));
+        }
     }
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
     let mounts: Vec<&str> = mounts

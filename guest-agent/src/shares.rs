@@ -192,6 +192,28 @@ impl ShareMount {
     }
 }
 
+/// The read-ahead of a share, in KiB. With the kernel's default of 128 KiB, a
+/// sequential read costs one FUSE round trip per 128 KiB; a larger window lets the page
+/// cache send FUSE's largest requests (1 MiB), several at a time. Measured in the
+/// nested host (64 MiB `dd` after dropping the caches): ~70 MiB/s at 128 KiB, ~135 at
+/// 1 MiB, ~200 at 4 MiB, little more at 8 or 16 MiB. Reads that are not sequential are
+/// unaffected: the kernel grows the window only on sequential hits.
+pub const READ_AHEAD_KIB: u32 = 4096;
+
+/// Sets the read-ahead of the file system mounted at `path` (through its backing
+/// device's entry in sysfs).
+pub fn set_read_ahead(path: &Path, kib: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path)?.dev();
+    let setting = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    std::fs::write(&setting, kib.to_string())
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{setting}: {e}")))
+}
+
 /// Mounts `share` (in the guest, as root): creates the mount point and its missing
 /// parents (mode 0755, like `mkdir -p`), then mounts the virtio-fs tag there with
 /// `nodev,nosuid` (and `ro` for a read-only share).

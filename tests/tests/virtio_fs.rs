@@ -61,6 +61,12 @@ fn shared_workspace_scenario() {
         format!("{}\nmade on the host\n", root.display())
     );
 
+    // Sequential reads get a read-ahead window of FUSE's largest requests, several
+    // at a time (the kernel's default costs a round trip per 128 KiB).
+    let read_ahead = ws.exec("cat /sys/class/bdi/$(mountpoint -d .)/read_ahead_kb");
+    assert_ok(&read_ahead, "reading the share's read-ahead");
+    assert_eq!(stdout(&read_ahead).trim(), "4096");
+
     // Every kind of change made in the guest, seen on the host.
     assert_ok(
         &ws.exec(

@@ -874,8 +874,8 @@ impl FsReport {
              the script (bash `$EPOCHREALTIME`), so exec overhead is not counted. {} repetition(s), \
              alternating whether host or guest goes first. Sizes: {} MiB file, {} files ({}). \
              Workspace file system: host {}, guest {} (virtiofsd cache policy: {}). Caches dropped \
-             before each read: host {}, guest {}. Slowdown = guest/host for times, host/guest for throughputs: above 1 the \
-             guest is slower. {}\n\n",
+             before each read: host {}, guest {}. Slowdown = guest/host for times, host/guest \
+             for throughputs: above 1 the guest is slower. {}\n\n",
             c.vm_cpus,
             c.vm_memory_mib,
             self.host,

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::boot::{version_line, TempDir};
-use crate::process::{run_command, Ran};
+use crate::process::{run_command, Ran, TIMED_OUT};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
 use crate::workspace::{GuestArtifacts, Vmctl};
@@ -116,6 +116,14 @@ pub struct FsBench {
     pub nested: bool,
     /// [`DROP_CACHES_FILE`] (the tests' is a plain file).
     pub drop_caches: PathBuf,
+}
+
+/// Whether a guest script's error means the guest answers nothing more: it timed out
+/// (a stalled guest never catches up) or its VM went away.
+fn guest_lost(error: &str) -> bool {
+    [TIMED_OUT, "the VM stopped", "closed the connection"]
+        .iter()
+        .any(|sign| error.contains(sign))
 }
 
 /// The value of the last `KEY=value` line of `out`.
@@ -673,7 +681,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     }
     let warmup_index = git_index.len();
 
-    for run in 0..s.runs {
+    // Once the guest is lost, the section stops and keeps what it measured, instead of
+    // waiting out each later script's timeout (and losing it all to the watchdog of a
+    // nested run).
+    let mut lost: Option<Workload> = None;
+    'runs: for run in 0..s.runs {
         for w in Workload::ALL {
             let i = index(w);
             if errors[i].is_none() {
@@ -713,7 +725,12 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                     Ok(r) => r,
                     Err(e) => {
                         say(format!("error: {e}"));
+                        let guest_gone = side == Side::Guest && guest_lost(&e);
                         errors[i] = Some(e);
+                        if guest_gone {
+                            lost = Some(w);
+                            break 'runs;
+                        }
                         break;
                     }
                 };
@@ -740,6 +757,18 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         }
     }
 
+    if let Some(failed) = lost {
+        // Figures that got every run keep their verdict; the others say why they stop
+        // short (their samples so far stay in the report).
+        for (error, [host, guest]) in errors.iter_mut().zip(&samples) {
+            if error.is_none() && (host.len() < s.runs || guest.len() < s.runs) {
+                *error = Some(format!(
+                    "not measured further: the guest was lost in {} (see its error)",
+                    failed.name()
+                ));
+            }
+        }
+    }
     for w in Workload::ALL {
         let i = index(w);
         let [host, guest] = std::mem::take(&mut samples[i]);
@@ -907,11 +936,13 @@ mod tests {
                  printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
                  exec) shift 4\n    \
                  if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
+                 if [ -e {stall} ]; then case \"$3\" in *'echo x >'*) exec sleep 30;; esac; fi\n    \
                  exec \"$@\";;\n  \
                  rm) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x\";;\nesac\n",
                 log = dir.join("calls.log").display(),
                 cache_log = dir.join("cache.log").display(),
                 fail = dir.join("fail-git").display(),
+                stall = dir.join("stall-create").display(),
             ),
         )
         .unwrap();
@@ -1026,6 +1057,37 @@ mod tests {
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
         let calls: Vec<&str> = calls.lines().collect();
         assert_eq!(calls[calls.len().saturating_sub(2)..], ["rm", "daemon"]);
+    }
+
+    #[test]
+    fn a_lost_guest_ends_the_section_with_what_it_measured() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-lost-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("stall-create"), "").unwrap();
+        let b = FsBench {
+            script_timeout: Duration::from_secs(2),
+            ..fake_bench(&dir)
+        };
+        let r = measure(&b);
+        let figure = |name: &str| r.figures.iter().find(|f| f.name == name).unwrap();
+        // Run 1 measured both sequential figures on both sides before the stall.
+        for name in ["fs_seq_write_mib_s", "fs_seq_read_mib_s"] {
+            let f = figure(name);
+            assert_eq!(f.guest.as_ref().unwrap().samples.len(), 1, "{name}");
+            assert!(f
+                .error
+                .as_ref()
+                .unwrap()
+                .contains("lost in fs_create_files_s"));
+        }
+        let create = figure("fs_create_files_s").error.clone().unwrap();
+        assert!(create.contains(TIMED_OUT), "{create}");
+        // Nothing waited for the stalled guest after that: one guest exec per
+        // workload of run 1 up to the stall, after the probe and the warm-up.
+        let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
+        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 2 + 3);
+        assert_eq!(calls.lines().last(), Some("daemon"));
     }
 
     fn run_script(script: &str, dir: &Path) -> Ran {

@@ -82,6 +82,9 @@ fn reader(mut pipe: impl Read + Send + 'static, split_lines: bool) -> Arc<Mutex<
     seen
 }
 
+/// How [`run_command`]'s error for a command it had to kill begins, after its name.
+pub(crate) const TIMED_OUT: &str = "did not finish within";
+
 /// Runs `cmd` (stdin `/dev/null`, stdout and stderr captured) and times it from spawn
 /// to exit; after `timeout` it is killed, with its whole process group if `own_group`
 /// (which puts it in a group of its own), and that is an error carrying the output
@@ -145,7 +148,7 @@ pub(crate) fn run_command(
         Ok((status, ended)) => (status.map_err(|e| format!("{line}: wait: {e}"))?, ended),
         Err(_) => {
             return Err(format!(
-                "{line} did not finish within {} s: killed\n--- its stdout (tail) ---\n{}\n\
+                "{line} {TIMED_OUT} {} s: killed\n--- its stdout (tail) ---\n{}\n\
                  --- its stderr (tail) ---\n{}",
                 timeout.as_secs(),
                 tail(&stdout, 1500),

@@ -100,7 +100,7 @@ fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
         Ok(0) => None,
         // Someone stopped it: `vmctl stop` once the guest did not shut down in time
         // (it says so), or a user's kill. Not a crash.
-        Ok(code) if stop_signal(*code).is_some() => None,
+        Ok(code) if stopped_by_signal(*code) => None,
         Ok(code) => Some(
             read_tail(&vm.supervisor_log(), LOG_TAIL_BYTES)
                 .and_then(|log| last_error(&String::from_utf8_lossy(&log)))
@@ -110,13 +110,12 @@ fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
     }
 }
 
-/// The signal that stopped the VMM, when `code` is the VMM's exit code for one
-/// (128+N, as for SIGINT and SIGTERM, which it turns into a stop).
-fn stop_signal(code: u8) -> Option<i32> {
-    let signal = i32::from(code.checked_sub(128)?);
-    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP]
-        .contains(&signal)
-        .then_some(signal)
+/// Whether `code` is the VMM's exit code for a signal it turns into a stop (128+N,
+/// for SIGINT, SIGTERM and SIGHUP).
+fn stopped_by_signal(code: u8) -> bool {
+    code.checked_sub(128).is_some_and(|signal| {
+        [libc::SIGINT, libc::SIGTERM, libc::SIGHUP].contains(&i32::from(signal))
+    })
 }
 
 /// The message of the last `vmctl: error:` line of a log.

@@ -820,6 +820,20 @@ impl Workspace {
         output
     }
 
+    /// A step that failed without vmctl's words (a pipe that broke, a spawned vmctl
+    /// whose stderr went to the terminal) may still have lost its VM: `vmctl ps` lists
+    /// the crash its supervisor recorded, which makes the scenario worth another try.
+    fn note_a_crash_under_the_failure(&self) {
+        let Ok(ps) = self.command(&["ps"]).output() else {
+            return;
+        };
+        let table = String::from_utf8_lossy(&ps.stdout);
+        if VM_LOST_SIGNS.iter().any(|sign| table.contains(sign)) {
+            eprintln!("the workspace's VM crashed under this failure:\n{table}");
+            VM_LOST.with(|lost| lost.set(true));
+        }
+    }
+
     /// `vmctl exec -- sh -c SCRIPT`.
     pub fn exec(&self, script: &str) -> Output {
         self.run(&["exec", "--", "sh", "-c", script])
@@ -833,6 +847,9 @@ impl Workspace {
 
 impl Drop for Workspace {
     fn drop(&mut self) {
+        if thread::panicking() {
+            self.note_a_crash_under_the_failure();
+        }
         let _ = self.command(&["rm"]).output();
         // Sessions start vmctl's daemon on demand (one per state directory).
         let _ = self.command(&["daemon", "--stop"]).output();

@@ -11,9 +11,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::{
-    assert_guest_clock_is_hosts, stdout, vm_available, vmctl_bin, Workspace, CLOCK_SYNC_VAR,
-};
+use vm_tests::{assert_guest_clock_is_hosts, stdout, vmctl_bin, Workspace, CLOCK_SYNC_VAR};
 
 #[test]
 fn workspace_vm_runs_commands_like_a_local_shell() {
@@ -271,9 +269,13 @@ fn assert_guest_process_gone(ws: &Workspace, pid_file: &str) {
 
 #[test]
 fn commands_run_as_the_host_users_account() {
-    if !vm_available("workspace_vm::commands_run_as_the_host_users_account") {
-        return;
-    }
+    vm_tests::vm_scenario(
+        "workspace_vm::commands_run_as_the_host_users_account",
+        host_user_scenario,
+    );
+}
+
+fn host_user_scenario() {
     let ws = Workspace::new("workspace-user");
     // The tests run as root, whose commands run as root; name the account instead.
     let mut up = ws.command(&["up"]);
@@ -307,9 +309,13 @@ fn commands_run_as_the_host_users_account() {
 
 #[test]
 fn a_recipe_builds_and_boots_its_own_image() {
-    if !vm_available("workspace_vm::a_recipe_builds_and_boots_its_own_image") {
-        return;
-    }
+    vm_tests::vm_scenario(
+        "workspace_vm::a_recipe_builds_and_boots_its_own_image",
+        recipe_scenario,
+    );
+}
+
+fn recipe_scenario() {
     let ws = Workspace::new("workspace-recipe");
     let recipe = vm_tests::workspace_root().join("rootfs/recipes/example-extra.recipe");
     // Built on first use (minutes on a fresh machine), cached afterwards.

@@ -829,7 +829,11 @@ impl Workspace {
         };
         let table = String::from_utf8_lossy(&ps.stdout);
         if VM_LOST_SIGNS.iter().any(|sign| table.contains(sign)) {
-            eprintln!("the workspace's VM crashed under this failure:\n{table}");
+            // Uncaptured, as the retry that follows: CI's log shows what crashed.
+            let _ = writeln!(
+                std::io::stderr(),
+                "\nthe workspace's VM crashed under this failure:\n{table}"
+            );
             VM_LOST.with(|lost| lost.set(true));
         }
     }
@@ -885,10 +889,14 @@ pub fn retry_if_vm_lost(scenario: fn()) {
                 if attempt < ATTEMPTS
                     && (vm_was_lost(panic.as_ref()) || VM_LOST.with(|lost| lost.get())) =>
             {
-                eprintln!(
-                    "RETRY: attempt {attempt} lost its VM (the known nested-host crash or hang); \
-                 starting over with a fresh VM"
-                )
+                // Straight to the process's stderr, like a skip: libtest would capture
+                // it once the scenario passes, and a CI log should show every retry.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "\nRETRY: attempt {attempt} lost its VM (the known nested-host crash or \
+                     hang; it failed with: {}); starting over with a fresh VM\n",
+                    first_line(panic_message(panic.as_ref()))
+                );
             }
             Err(panic) => std::panic::resume_unwind(panic),
         }
@@ -920,12 +928,26 @@ const VM_LOST_SIGNS: [&str; 9] = [
 ];
 
 fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
-    let message = panic
+    let message = panic_message(panic);
+    VM_LOST_SIGNS.iter().any(|sign| message.contains(sign))
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
         .downcast_ref::<String>()
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
-        .unwrap_or("");
-    VM_LOST_SIGNS.iter().any(|sign| message.contains(sign))
+        .unwrap_or("")
+}
+
+/// A message's first line, cut to a log line's length.
+fn first_line(message: &str) -> String {
+    const MAX_CHARS: usize = 300;
+    let line = message.lines().next().unwrap_or("");
+    match line.char_indices().nth(MAX_CHARS) {
+        Some((cut, _)) => format!("{}...", &line[..cut]),
+        None => line.to_string(),
+    }
 }
 
 /// Runs a host program (in `dir`, if given) and returns its stdout; panics with its
@@ -1013,6 +1035,17 @@ mod tests {
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
         // A panic with a payload that is not text is not taken for a lost VM.
         assert!(!vm_was_lost(&42));
+    }
+
+    #[test]
+    fn a_retry_quotes_the_failures_first_line_cut_short() {
+        assert_eq!(
+            first_line("exec 3 failed: gone\nmore"),
+            "exec 3 failed: gone"
+        );
+        assert_eq!(first_line(""), "");
+        let long = "é".repeat(400);
+        assert_eq!(first_line(&long), format!("{}...", "é".repeat(300)));
     }
 
     #[test]

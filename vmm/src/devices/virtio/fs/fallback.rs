@@ -56,13 +56,35 @@ pub fn fail_requests(queue: &mut Queue, memory: &GuestMemoryMmap) -> bool {
             }
             used_any = true;
         }
-        // With EVENT_IDX, re-arm and catch requests that raced with it.
+        // Re-arm notifications and catch requests that raced with it. A driver whose
+        // available index is out of range has requests that never pop: not a race.
         match queue.enable_notification(memory) {
-            Ok(true) => continue,
+            Ok(true) if !avail_index_out_of_range(queue, memory) => continue,
             _ => break,
         }
     }
     used_any && queue.needs_notification(memory).unwrap_or(true)
+}
+
+/// Whether the driver's available index is more than a queue's worth ahead of the next
+/// request (or unreadable): virtio-queue then refuses to pop anything, and the guest
+/// broke its ring. Its requests stay unanswered until it resets the device.
+fn avail_index_out_of_range(queue: &Queue, memory: &GuestMemoryMmap) -> bool {
+    let Ok(avail) = queue.avail_idx(memory, Ordering::Acquire) else {
+        return true;
+    };
+    let pending = avail - Wrapping(queue.next_avail());
+    let out_of_range = pending.0 > queue.size();
+    if out_of_range {
+        tracing::warn!(
+            "virtio-fs: the driver's available index {} is {} requests ahead of the next \
+             (queue size {}); its requests are no longer answered",
+            avail.0,
+            pending.0,
+            queue.size()
+        );
+    }
+    out_of_range
 }
 
 /// Writes a fuse_out_header carrying -EIO; returns the bytes written (0 for requests

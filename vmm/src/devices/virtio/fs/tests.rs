@@ -108,6 +108,27 @@ fn the_takeover_resumes_where_the_backend_stopped_answering() {
     assert_eq!(queue.used_idx(mem, Ordering::Acquire).unwrap().0, 3);
 }
 
+/// A guest that sets its available index beyond the queue's size gets no answers, and
+/// the worker goes back to waiting instead of spinning on requests that never pop.
+#[test]
+fn an_available_index_out_of_range_does_not_spin_the_fallback() {
+    let ram = create_guest_ram(4 << 20).unwrap();
+    let vq = MockSplitQueue::new(&ram.memory, 16);
+    let mut queue: Queue = vq.create_queue().unwrap();
+    take_over(&mut queue, &ram.memory);
+    vq.avail().idx().store(17);
+    let memory = ram.memory.clone();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(fail_requests(&mut queue, &memory));
+    });
+    let interrupt = finished
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("fail_requests still running after 5 s: it spins on a broken ring");
+    assert!(!interrupt);
+    assert!(used_entries(&vq).is_empty());
+}
+
 #[test]
 fn connect_errors_name_the_socket_and_check_the_tag() {
     let missing = std::path::Path::new("/nonexistent/vmm-test-virtiofsd.sock");

@@ -387,11 +387,7 @@ impl Muxer {
         let mut path = OsString::from(self.uds_path.as_os_str());
         path.push(format!("_{}", req.dst_port));
         let path = PathBuf::from(path);
-        // Unix-socket connects complete at once (or fail when the backlog is full).
-        let stream = match UnixStream::connect(&path).and_then(|s| {
-            s.set_nonblocking(true)?;
-            Ok(s)
-        }) {
+        let stream = match connect_without_waiting(&path) {
             Ok(s) => s,
             Err(source) => {
                 tracing::debug!("vsock: {}", MuxerError::Connect { path, source });
@@ -440,6 +436,17 @@ impl Muxer {
             }
         }
     }
+}
+
+/// Connects to a host service's socket without ever putting the vsock thread to sleep:
+/// a blocking connect to a listener whose backlog is full (a busy service, or a guest
+/// piling up connections it then resets) waits until the service accepts, and every
+/// connection of the VM with it. Non-blocking, such a connect is refused at once.
+fn connect_without_waiting(path: &Path) -> std::io::Result<UnixStream> {
+    let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+    socket.set_nonblocking(true)?;
+    socket.connect(&socket2::SockAddr::unix(path)?)?;
+    Ok(UnixStream::from(std::os::fd::OwnedFd::from(socket)))
 }
 
 /// Parses `CONNECT <port>` (the newline already stripped).

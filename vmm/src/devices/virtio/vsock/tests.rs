@@ -614,6 +614,34 @@ fn guest_initiated_connections() {
     g.assert_quiet();
 }
 
+/// A host service that does not accept: the guest's connections beyond its backlog
+/// are refused, and the device goes on serving (it used to wait inside `connect`).
+#[test]
+fn a_full_backlog_refuses_the_guest_instead_of_stalling_the_device() {
+    let mut g = Guest::new();
+    let mut name = g.path().into_os_string();
+    name.push("_1234");
+    // Dropped before `g` if the test fails, which wakes a worker stuck connecting.
+    let listener = UnixListener::bind(PathBuf::from(name)).unwrap();
+    // SAFETY: listen(2) again on a listening socket we own only shrinks its backlog;
+    // the fd stays valid for the call.
+    let shrunk = unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 0) };
+    assert_eq!(shrunk, 0, "{}", std::io::Error::last_os_error());
+    g.send_op(40000, 1234, Op::Request, &[]);
+    g.expect(Op::Response);
+    for port in [40001, 40002] {
+        g.send_op(port, 1234, Op::Request, &[]);
+        let (h, _) = g.expect(Op::Rst);
+        assert_eq!((h.src_port, h.dst_port), (1234, port));
+    }
+    let (mut server, _) = listener.accept().unwrap();
+    server.set_read_timeout(Some(TIMEOUT)).unwrap();
+    g.send_op(40000, 1234, Op::Rw, b"still here");
+    let mut buf = [0u8; 10];
+    server.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"still here");
+}
+
 #[test]
 fn host_close_and_guest_reset() {
     let mut g = Guest::new();

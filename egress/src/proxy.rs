@@ -791,7 +791,10 @@ impl Session {
         prepare_request(&mut parts, host_header(&self.host, self.port, 443));
         let redactor = injection.as_ref().and_then(|injection| {
             inject(&mut parts.headers, injection);
-            Redactor::for_secret(injection.value.as_bytes())
+            Redactor::for_secret(
+                injection.value.as_bytes(),
+                injection.secret_value.expose().as_bytes(),
+            )
         });
         let response = self.send(Request::from_parts(parts, boxed(body))).await?;
         relay_response(response, guest_upgrade, redactor, &self.target, &self.conn)
@@ -1136,6 +1139,9 @@ fn relay_response(
     Ok(match redactor {
         Some(redactor) => {
             redactor.redact_headers(response.headers_mut());
+            // An upstream's own reason phrase could quote the secret: the guest gets
+            // the standard one for the status.
+            response.extensions_mut().remove::<ReasonPhrase>();
             response.map(|body| RedactedBody::new(body, redactor).boxed())
         }
         None => response.map(boxed),
@@ -1367,8 +1373,10 @@ struct Redactor {
 }
 
 impl Redactor {
-    fn for_secret(value: &[u8]) -> Option<Self> {
-        let mut needles = vec![value.to_vec()];
+    /// Redacts the header `value` that carries `secret`, its last word, and `secret`
+    /// itself (which a header template may wrap in other text).
+    fn for_secret(value: &[u8], secret: &[u8]) -> Option<Self> {
+        let mut needles = vec![value.to_vec(), secret.to_vec()];
         // "Bearer <token>": the token alone is as secret as the whole value.
         if let Some(space) = value.iter().rposition(|b| *b == b' ') {
             needles.push(value[space + 1..].to_vec());
@@ -1735,9 +1743,25 @@ mod tests {
     }
 
     const SECRET: &[u8] = b"Bearer sk-test-0123456789";
+    const TOKEN: &[u8] = b"sk-test-0123456789";
+
+    /// A template that wraps the secret without a space (`session={}`): the secret
+    /// alone is redacted too, as an upstream might quote it without the wrapping.
+    #[test]
+    fn the_bare_secret_is_redacted_whatever_wraps_it_in_the_header() {
+        let mut redactor =
+            Redactor::for_secret(b"session=abcdefgh12345", b"abcdefgh12345").unwrap();
+        let mut out = redactor.feed(b"bad token abcdefgh12345!").to_vec();
+        out.extend_from_slice(&redactor.finish());
+        assert!(
+            !contains(&out, b"abcdefgh12345"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+    }
 
     fn redact_all(chunks: &[&[u8]]) -> Vec<u8> {
-        let mut redactor = Redactor::for_secret(SECRET).unwrap();
+        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
         let mut out = Vec::new();
         for chunk in chunks {
             out.extend_from_slice(&redactor.feed(chunk));
@@ -1768,21 +1792,21 @@ mod tests {
 
     #[test]
     fn redaction_holds_back_only_possible_secret_starts() {
-        let mut redactor = Redactor::for_secret(SECRET).unwrap();
+        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
         assert_eq!(&redactor.feed(b"data: one\n\n")[..], b"data: one\n\n");
         assert!(!redactor.holding());
         assert_eq!(&redactor.feed(b"xx Bear")[..], b"xx ");
         assert!(redactor.holding());
         assert_eq!(&redactor.feed(b"d")[..], b"Beard");
         assert_eq!(
-            Redactor::for_secret(b"short").map(|r| r.needles.len()),
+            Redactor::for_secret(b"short", b"short").map(|r| r.needles.len()),
             None
         );
     }
 
     #[test]
     fn redaction_in_headers() {
-        let redactor = Redactor::for_secret(SECRET).unwrap();
+        let redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
         let mut headers = HeaderMap::new();
         headers.insert("x-echo", HeaderValue::from_static("got sk-test-0123456789"));
         redactor.redact_headers(&mut headers);

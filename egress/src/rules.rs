@@ -21,6 +21,9 @@ pub struct Injection {
     pub header: HeaderName,
     /// The header's value, marked sensitive.
     pub value: HeaderValue,
+    /// The secret itself, as stored: redacted from responses in any form, not only
+    /// inside the header's (a template such as `session={}` puts text before it).
+    pub secret_value: crate::secrets::SecretValue,
     /// Other headers the proxy removes (e.g. the placeholder credential a CLI sent
     /// in the other header its API accepts).
     pub remove: Vec<HeaderName>,

@@ -596,6 +596,7 @@ impl SecretStore {
             secret: name.clone(),
             header,
             value,
+            secret_value: entry.value.clone(),
             remove,
         })
     }

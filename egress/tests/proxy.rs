@@ -56,6 +56,7 @@ impl EgressRules for TestRules {
             secret: "testkey".into(),
             header: HeaderName::from_static("x-api-key"),
             value: HeaderValue::from_static(SECRET),
+            secret_value: egress::secrets::read_secret(SECRET.as_bytes()).unwrap(),
             remove: vec![header::AUTHORIZATION],
         })
     }
@@ -135,6 +136,11 @@ async fn upstream_service(
                 response
                     .headers_mut()
                     .insert("x-echo-key", HeaderValue::from_bytes(&key).unwrap());
+                // A reason phrase that quotes the key, as a careless server might.
+                let reason = [b"OK got ".as_slice(), &key].concat();
+                if let Ok(reason) = hyper::ext::ReasonPhrase::try_from(reason) {
+                    response.extensions_mut().insert(reason);
+                }
             }
             response
         }
@@ -434,9 +440,18 @@ async fn exchange(
         .unwrap();
     let (parts, body) = response.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
+    let mut headers = parts.headers;
+    // A reason phrase other than the status's standard one, shown with the headers so
+    // that the checks of what the guest saw cover it.
+    if let Some(reason) = parts.extensions.get::<hyper::ext::ReasonPhrase>() {
+        headers.insert(
+            "x-test-reason-phrase",
+            HeaderValue::from_bytes(reason.as_bytes()).unwrap(),
+        );
+    }
     (
         parts.status,
-        parts.headers,
+        headers,
         String::from_utf8_lossy(&body).into_owned(),
     )
 }

@@ -43,7 +43,13 @@ pub enum UserConfigError {
     },
     #[error("vmctl config {}: workspace {key:?} is not an absolute path; write it as \"/path\" or \"~/path\"", .path.display())]
     RelativeWorkspace { path: PathBuf, key: String },
+    #[error("vmctl config {}: idle_timeout_s = {value} is more than a year ({MAX_IDLE_TIMEOUT_S} s); write a smaller value (a VM started by `vmctl up` runs until `vmctl stop` anyway)", .path.display())]
+    IdleTimeoutTooLong { path: PathBuf, value: u64 },
 }
+
+/// The longest idle timeout the config may ask for: a year. (Far larger values would
+/// overflow the daemon's clock arithmetic.)
+const MAX_IDLE_TIMEOUT_S: u64 = 365 * 24 * 3600;
 
 /// The parsed config file. Unknown keys are errors, so typos do not pass silently.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -139,6 +145,12 @@ impl UserConfig {
             return Err(UserConfigError::RelativeWorkspace {
                 path: path.to_path_buf(),
                 key: key.clone(),
+            });
+        }
+        if let Some(value) = config.idle_timeout_s.filter(|&s| s > MAX_IDLE_TIMEOUT_S) {
+            return Err(UserConfigError::IdleTimeoutTooLong {
+                path: path.to_path_buf(),
+                value,
             });
         }
         Ok(config)
@@ -345,6 +357,10 @@ mounts = ["/srv/other"]
         );
         let config = UserConfig::load_from(&write_config(dir.path(), &text)).unwrap();
         assert_eq!(config.idle_timeout_s, Some(5));
+        // "Never" written as a huge number is refused, not left to overflow the daemon.
+        let never = format!("idle_timeout_s = {}\n", i64::MAX);
+        let err = UserConfig::load_from(&write_config(dir.path(), &never)).unwrap_err();
+        assert!(err.to_string().contains("more than a year"), "{err}");
         assert_eq!(
             config.isolation,
             Some(crate::workspace::Isolation::Directory)

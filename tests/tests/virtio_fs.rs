@@ -364,6 +364,50 @@ fn normal_user_scenario() {
         assert_eq!((meta.uid(), meta.gid()), (OTHER_UID, OTHER_UID));
         assert_eq!(std::fs::read_to_string(&others).unwrap(), "theirs\n");
     }
+    agent_home_scenario(&ws, user);
+}
+
+/// The VM's agent homes are a share the guest writes. `vmctl agent` copies the user's
+/// instructions there, read-only; a guest that puts a symlink to the user's own
+/// ~/.claude where its claude home was must not lead the next copy into the user's
+/// files, and `vmctl rm` still removes it all (read-only copies included).
+fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
+    let home = ws.dir.join("home");
+    let users_claude = home.join(".claude");
+    std::fs::create_dir_all(users_claude.join("skills/s1")).unwrap();
+    std::fs::write(users_claude.join("CLAUDE.md"), "the user's own\n").unwrap();
+    std::fs::write(users_claude.join("skills/s1/SKILL.md"), "skill\n").unwrap();
+    vm_tests::host_user::give_to(&home, user);
+    assert_ok(
+        &ws.run(&["agent", "claude", "--version"]),
+        "vmctl agent claude",
+    );
+    let redirect = ws.exec(&format!(
+        "cd /var/lib/vmctl/agent-home && cat claude/CLAUDE.md claude/skills/s1/SKILL.md \
+         && mv claude claude-before && ln -s {} claude && echo REDIRECTED",
+        users_claude.display()
+    ));
+    assert_ok(&redirect, "the guest's symlink to the user's ~/.claude");
+    assert_eq!(stdout(&redirect), "the user's own\nskill\nREDIRECTED\n");
+
+    assert_ok(
+        &ws.run(&["agent", "claude", "--version"]),
+        "vmctl agent claude, again",
+    );
+    assert_eq!(
+        std::fs::read_to_string(users_claude.join("CLAUDE.md")).unwrap(),
+        "the user's own\n"
+    );
+    assert!(users_claude.join("skills/s1/SKILL.md").is_file());
+    let seeded = ws.exec("cat /var/lib/vmctl/agent-home/claude/CLAUDE.md");
+    assert_eq!(stdout(&seeded), "the user's own\n");
+
+    assert_ok(&ws.run(&["rm"]), "vmctl rm");
+    let vms = ws.state().join("vmctl/vms");
+    let left: Vec<_> = std::fs::read_dir(&vms)
+        .map(|dir| dir.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "vmctl rm left {left:?}");
 }
 
 /// virtiofsd killed under a running VM: requests fail (no hang), `vmctl` says what

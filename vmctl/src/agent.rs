@@ -7,6 +7,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use crate::exec::{self, ExecOptions};
+use crate::guest_writable;
 use crate::state::VmDir;
 
 /// Where the VM's agent homes (a per-VM host directory) are mounted in the guest.
@@ -156,14 +157,20 @@ fn user_home() -> Option<PathBuf> {
 
 /// Refreshes the VM's copy of the user's instructions and skill directories (made
 /// read-only, so what the agent in the VM changes is its own business, never the
-/// user's); the VM's transcripts and settings beside them are kept.
+/// user's); the VM's transcripts and settings beside them are kept. The guest can write
+/// the agent homes: [`guest_writable`] keeps its symlinks from leading these writes
+/// into the user's files.
 fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), AgentError> {
-    let home = agent_home_dir(vm).join(cli.program());
+    let homes = agent_home_dir(vm);
+    let home = homes.join(cli.program());
     let error = |what: &str, path: &Path| {
         let (what, path) = (what.to_string(), path.to_path_buf());
         move |source| AgentError::Home { what, path, source }
     };
-    std::fs::create_dir_all(&home).map_err(error("config home", &home))?;
+    std::fs::create_dir_all(&homes).map_err(error("agent homes", &homes))?;
+    let home_dir = guest_writable::open_dir(&homes)
+        .and_then(|homes| guest_writable::ensure_dir(homes, cli.program()))
+        .map_err(error("config home", &home))?;
     let Some(user_home) = user_home else {
         return Ok(());
     };
@@ -171,65 +178,13 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     let source = user_home.join(dir);
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
-        make_writable(&target);
-        let _ = std::fs::remove_dir_all(&target).or_else(|_| std::fs::remove_file(&target));
+        guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
         let from = source.join(name);
         if from.exists() {
-            copy_tree(&from, &target).map_err(error(name, &target))?;
-            make_read_only(&target);
+            guest_writable::copy_read_only(&from, &home_dir, name).map_err(error(name, &target))?;
         }
     }
     Ok(())
-}
-
-/// Copies a file or a directory tree; symlinks are copied as links (never followed
-/// out of the user's home).
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
-    let meta = std::fs::symlink_metadata(from)?;
-    if meta.file_type().is_symlink() {
-        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)
-    } else if meta.is_dir() {
-        std::fs::create_dir_all(to)?;
-        for entry in std::fs::read_dir(from)? {
-            let entry = entry?;
-            copy_tree(&entry.path(), &to.join(entry.file_name()))?;
-        }
-        Ok(())
-    } else {
-        std::fs::copy(from, to).map(drop)
-    }
-}
-
-fn walk(path: &Path, visit: &mut dyn FnMut(&Path, bool)) {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return;
-    };
-    if meta.is_dir() {
-        visit(path, true);
-        if let Ok(entries) = std::fs::read_dir(path) {
-            for entry in entries.flatten() {
-                walk(&entry.path(), visit);
-            }
-        }
-    } else if meta.is_file() {
-        visit(path, false);
-    }
-}
-
-fn set_mode(path: &Path, mode: u32) {
-    let _ = std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode));
-}
-
-fn make_read_only(path: &Path) {
-    walk(path, &mut |p, dir| {
-        set_mode(p, if dir { 0o555 } else { 0o444 })
-    });
-}
-
-fn make_writable(path: &Path) {
-    walk(path, &mut |p, dir| {
-        set_mode(p, if dir { 0o755 } else { 0o644 })
-    });
 }
 
 /// The user's env file: `env` beside the config file (`~/.config/vmctl/env`).
@@ -439,5 +394,35 @@ mod tests {
             "v2"
         );
         assert!(home.join("history.jsonl").exists());
+    }
+
+    /// The guest replaced the VM's claude home with a symlink to the user's own
+    /// ~/.claude (whose path it can read on its kernel command line): seeding must not
+    /// remove or rewrite the user's files through it.
+    #[test]
+    fn a_guest_symlink_does_not_lead_the_seeding_into_the_users_home() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        std::fs::create_dir_all(user.join(".claude/skills/s1")).unwrap();
+        std::fs::write(user.join(".claude/CLAUDE.md"), "mine").unwrap();
+        std::fs::write(user.join(".claude/skills/s1/SKILL.md"), "skill").unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(agent_home_dir(&vm)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        std::os::unix::fs::symlink(user.join(".claude"), &home).unwrap();
+
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(user.join(".claude/CLAUDE.md")).unwrap(),
+            "mine"
+        );
+        assert!(user.join(".claude/skills/s1/SKILL.md").is_file());
+        assert!(!std::fs::symlink_metadata(&home).unwrap().is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "mine"
+        );
     }
 }

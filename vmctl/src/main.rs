@@ -9,7 +9,9 @@ mod daemon;
 mod egress_commands;
 mod exec;
 mod guest_clock;
+mod guest_writable;
 mod host_kvm;
+mod log_keeper;
 mod nested;
 mod network;
 mod paseo;
@@ -238,7 +240,8 @@ fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
         let why = crash.strip_prefix(STOPPED).unwrap_or(&crash);
         return format!("{error}; {STOPPED}{why}");
     }
-    let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
+    let tail = supervisor::read_tail(&vm.supervisor_log(), supervisor::LOG_TAIL_BYTES);
+    let log = String::from_utf8_lossy(tail.as_deref().unwrap_or_default());
     match log.lines().rev().find(|l| l.contains("error")) {
         Some(line) => format!("{error}; {STOPPED}{}", line.trim()),
         None => format!(

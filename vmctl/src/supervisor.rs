@@ -37,6 +37,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
+    crate::log_keeper::keep_bounded(vec![vm.console_log(), vm.supervisor_log()]);
     vm.create_sockets_dir().map_err(|e| e.to_string())?;
     // Without its network side the VM would boot without a way out; better not boot.
     crate::network::services::start(&vm, &record)
@@ -129,7 +130,7 @@ fn last_error(log: &str) -> Option<String> {
 
 /// How much of a log's end is searched: of the console for a panic (the oops before
 /// it is a few KiB at most), of the supervisor's log for the VMM's last error.
-const LOG_TAIL_BYTES: u64 = 64 * 1024;
+pub const LOG_TAIL_BYTES: u64 = 64 * 1024;
 
 /// The guest kernel's panic line in the tail of its console log, with the first
 /// line of the report that led to it (`BUG:`, `Oops:`, ...), if it panicked.
@@ -165,7 +166,8 @@ const OOPS_STARTS: [&str; 5] = [
     "watchdog: BUG:",
 ];
 
-fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
+/// The last `max` bytes of a file (a log the guest can make grow without bound).
+pub fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
     use std::io::{Read, Seek, SeekFrom};
     let mut file = std::fs::File::open(path).ok()?;
     let len = file.metadata().ok()?.len();

@@ -441,8 +441,9 @@ fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
             std::fs::rename(&log, crate::state::previous_run(&log)).map_err(VmError::Spawn)?;
         }
     }
-    let console = std::fs::File::create(vm.console_log()).map_err(VmError::Spawn)?;
-    let log = std::fs::File::create(vm.supervisor_log()).map_err(VmError::Spawn)?;
+    // Appending: the supervisor cuts them down when the guest makes them grow too large.
+    let console = crate::log_keeper::create_appending(&vm.console_log()).map_err(VmError::Spawn)?;
+    let log = crate::log_keeper::create_appending(&vm.supervisor_log()).map_err(VmError::Spawn)?;
     let mut command = Command::new(exe);
     command
         .arg("__supervise")
@@ -548,7 +549,16 @@ pub fn remove(workspace: &Path) -> Result<(), VmError> {
 
 pub fn remove_vm(vm: &VmDir) -> Result<(), VmError> {
     stop_vm(vm);
-    std::fs::remove_dir_all(&vm.path).map_err(|source| {
+    // The guest wrote parts of it (the agent homes), read-only directories included.
+    let removed = match (
+        vm.path.parent(),
+        vm.path.file_name().and_then(|n| n.to_str()),
+    ) {
+        (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
+            .and_then(|parent| crate::guest_writable::remove(parent, name)),
+        _ => std::fs::remove_dir_all(&vm.path),
+    };
+    removed.map_err(|source| {
         VmError::State(StateError::Io {
             path: vm.path.clone(),
             source,

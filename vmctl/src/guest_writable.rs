@@ -1,0 +1,229 @@
+//! Host-side writes into a directory the guest can write too (a share it mounts
+//! read-write, such as the VM's agent homes).
+//!
+//! A path into such a directory is the guest's to redirect: a symlink put where the
+//! host expects a directory (to the user's `~/.claude`, say), or swapped in between a
+//! check and a write, would lead the host's removals, chmods and copies into the user's
+//! own files. So every step here works on directory descriptors opened without
+//! following symlinks, and creates with `O_EXCL`/`O_NOFOLLOW`: whatever the guest does,
+//! the host only touches entries inside the directory it opened.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+
+use rustix::fs::{AtFlags, Mode, OFlags};
+
+/// How deep a tree under the directory is removed before giving up: the guest can nest
+/// directories far deeper than a recursion should follow (each level holds two
+/// descriptors open).
+const MAX_DEPTH: usize = 128;
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// Opens the directory at `path`, the host's own (such as the share's root in the VM's
+/// state directory): the guest can change what is inside, not where it is.
+pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    Ok(rustix::fs::open(path, flags, Mode::empty())?)
+}
+
+/// The directory `name` in `parent`, created if missing; anything else the guest put
+/// there under that name (a symlink, a file) is removed first.
+pub fn ensure_dir(parent: impl AsFd, name: &str) -> io::Result<OwnedFd> {
+    let parent = parent.as_fd();
+    for _ in 0..2 {
+        match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+        match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
+            Ok(dir) => return Ok(dir),
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => remove(parent, name)?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(io::Error::other(format!(
+        "{name} keeps being replaced by something other than a directory"
+    )))
+}
+
+/// Removes the entry `name` of `parent`, a whole tree if it is a directory (even one
+/// made read-only); a missing entry is not an error. A symlink is removed, never
+/// followed.
+pub fn remove(parent: impl AsFd, name: &str) -> io::Result<()> {
+    remove_at_depth(parent.as_fd(), name, 0)
+}
+
+fn remove_at_depth(
+    parent: std::os::fd::BorrowedFd<'_>,
+    name: &str,
+    depth: usize,
+) -> io::Result<()> {
+    match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
+        // A directory (EISDIR, or EPERM from some filesystems): empty it first.
+        Err(rustix::io::Errno::ISDIR | rustix::io::Errno::PERM) => {}
+        Err(e) => return Err(e.into()),
+    }
+    if depth >= MAX_DEPTH {
+        return Err(io::Error::other(format!(
+            "{name}: directories nested deeper than {MAX_DEPTH} levels"
+        )));
+    }
+    let dir = match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
+        Ok(dir) => dir,
+        // Replaced by a symlink or file meanwhile: remove that instead.
+        Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
+            return remove_at_depth(parent, name, depth + 1);
+        }
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    // Our earlier copies are read-only; removing their entries needs write access.
+    rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o700))?;
+    for entry in rustix::fs::Dir::read_from(&dir)? {
+        let entry = entry?;
+        let child = entry.file_name().to_string_lossy();
+        if child != "." && child != ".." {
+            remove_at_depth(dir.as_fd(), &child, depth + 1)?;
+        }
+    }
+    match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Copies `from` (a file, a symlink or a directory tree of the host's own, whose
+/// symlinks are copied as links, never followed) to the new entry `name` of `parent`,
+/// read-only: files 0444, directories 0555. `name` must not exist yet ([`remove`]).
+pub fn copy_read_only(from: &Path, parent: impl AsFd, name: &str) -> io::Result<()> {
+    let parent = parent.as_fd();
+    let meta = std::fs::symlink_metadata(from)?;
+    let kind = meta.file_type();
+    if kind.is_symlink() {
+        rustix::fs::symlinkat(std::fs::read_link(from)?, parent, name)?;
+    } else if kind.is_dir() {
+        rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
+        let dir = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            let child = entry.file_name();
+            let child = child.to_str().ok_or_else(|| {
+                io::Error::other(format!("{}: not a UTF-8 name", entry.path().display()))
+            })?;
+            copy_read_only(&entry.path(), &dir, child)?;
+        }
+        rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o555))?;
+    } else if kind.is_file() {
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let to = File::from(rustix::fs::openat(
+            parent,
+            name,
+            flags,
+            Mode::from_raw_mode(0o600),
+        )?);
+        io::copy(&mut File::open(from)?, &mut &to)?;
+        rustix::fs::fchmod(&to, Mode::from_raw_mode(0o444))?;
+    }
+    // Sockets, FIFOs and devices are not instructions: left out.
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{symlink, PermissionsExt};
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777
+    }
+
+    #[test]
+    fn a_tree_is_copied_read_only_with_its_links_as_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let from = tmp.path().join("from");
+        std::fs::create_dir_all(from.join("sub")).unwrap();
+        std::fs::write(from.join("sub/file"), "text").unwrap();
+        symlink("/etc/hostname", from.join("link")).unwrap();
+        let to = tmp.path().join("to");
+        std::fs::create_dir(&to).unwrap();
+        copy_read_only(&from, open_dir(&to).unwrap(), "copy").unwrap();
+        let copy = to.join("copy");
+        assert_eq!(
+            std::fs::read_to_string(copy.join("sub/file")).unwrap(),
+            "text"
+        );
+        assert_eq!(
+            std::fs::read_link(copy.join("link")).unwrap(),
+            Path::new("/etc/hostname")
+        );
+        assert_eq!(mode(&copy), 0o555);
+        assert_eq!(mode(&copy.join("sub")), 0o555);
+        assert_eq!(mode(&copy.join("sub/file")), 0o444);
+        // And removed again, read-only as it is.
+        remove(open_dir(&to).unwrap(), "copy").unwrap();
+        assert!(!copy.exists());
+        remove(open_dir(&to).unwrap(), "copy").unwrap();
+    }
+
+    /// The guest's symlinks lead nowhere: removing one removes the link, a directory
+    /// expected where it points is made in its place, and a copy does not write
+    /// through one.
+    #[test]
+    fn the_guests_symlinks_are_never_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let users = tmp.path().join("users-dir");
+        std::fs::create_dir(&users).unwrap();
+        let users_mode = mode(&users);
+        std::fs::write(users.join("precious"), "keep").unwrap();
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        symlink(&users, shared.join("home")).unwrap();
+        symlink(users.join("precious"), shared.join("file")).unwrap();
+
+        let root = open_dir(&shared).unwrap();
+        let home = ensure_dir(&root, "home").unwrap();
+        assert!(std::fs::symlink_metadata(shared.join("home"))
+            .unwrap()
+            .is_dir());
+        remove(&home, "precious").unwrap();
+        let source = tmp.path().join("source");
+        std::fs::write(&source, "seeded").unwrap();
+        assert!(copy_read_only(&source, &root, "file").is_err());
+        remove(&root, "file").unwrap();
+        copy_read_only(&source, &root, "file").unwrap();
+
+        assert_eq!(
+            std::fs::read_to_string(users.join("precious")).unwrap(),
+            "keep"
+        );
+        assert_eq!(mode(&users), users_mode);
+        assert_eq!(
+            std::fs::read_to_string(shared.join("file")).unwrap(),
+            "seeded"
+        );
+        assert!(open_dir(&shared.join("file")).is_err());
+    }
+
+    #[test]
+    fn a_tree_nested_too_deep_is_refused_not_recursed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut deep = tmp.path().join("deep");
+        for _ in 0..=MAX_DEPTH + 1 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        let err = remove(open_dir(tmp.path()).unwrap(), "deep").unwrap_err();
+        assert!(err.to_string().contains("deeper than"), "{err}");
+    }
+}

@@ -1,0 +1,90 @@
+//! Keeps a VM's logs bounded. The guest writes its console as fast as it likes, and can
+//! make the supervisor log warnings (refused egress requests, relays nobody serves)
+//! just as fast: left alone, either would fill the host's disk. A log grown past
+//! [`MAX_LOG_BYTES`] keeps its last [`KEPT_TAIL_BYTES`] (what says how a VM ended is at
+//! the end), after a line that says how much was dropped.
+//!
+//! The logs' writers (the supervisor's stdout and stderr) must append (`O_APPEND`), so
+//! that their next write lands after the kept tail, not at their old offset.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const MAX_LOG_BYTES: u64 = 16 << 20;
+const KEPT_TAIL_BYTES: u64 = 1 << 20;
+const CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// Opens (creates) a log for a writer that appends.
+pub fn create_appending(path: &Path) -> io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+/// Checks `logs` every few seconds for as long as the process runs.
+pub fn keep_bounded(logs: Vec<PathBuf>) {
+    let spawned = std::thread::Builder::new()
+        .name("log-keeper".into())
+        .spawn(move || loop {
+            for log in &logs {
+                if let Err(e) = shrink_if_larger(log, MAX_LOG_BYTES, KEPT_TAIL_BYTES) {
+                    tracing::debug!("cannot shrink {}: {e}", log.display());
+                }
+            }
+            std::thread::sleep(CHECK_EVERY);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("the VM's logs will not be kept bounded: cannot start a thread: {e}");
+    }
+}
+
+/// Cuts `log` down to its last `tail` bytes (from a line's start) when it is larger than
+/// `max`; true if it did.
+fn shrink_if_larger(log: &Path, max: u64, tail: u64) -> io::Result<bool> {
+    let len = std::fs::metadata(log)?.len();
+    if len <= max {
+        return Ok(false);
+    }
+    let kept = crate::supervisor::read_tail(log, tail).unwrap_or_default();
+    let kept = match kept.iter().position(|&b| b == b'\n') {
+        Some(end) => &kept[end + 1..],
+        None => &kept[..],
+    };
+    let file = OpenOptions::new().append(true).open(log)?;
+    file.set_len(0)?;
+    let dropped = len - kept.len() as u64;
+    let mut out = &file;
+    writeln!(
+        out,
+        "[vmctl: {dropped} bytes of this log dropped, to keep it under {max} bytes]"
+    )?;
+    out.write_all(kept)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_log_past_its_limit_keeps_its_last_lines_and_its_writer_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("console.log");
+        let mut writer = create_appending(&log).unwrap();
+        for i in 0..1000 {
+            writeln!(writer, "line {i:04}").unwrap();
+        }
+        assert!(!shrink_if_larger(&log, 20_000, 100).unwrap());
+        assert!(shrink_if_larger(&log, 5_000, 100).unwrap());
+        writeln!(writer, "after").unwrap();
+        let text = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("[vmctl: "), "{text}");
+        assert!(lines[0].contains("dropped"), "{text}");
+        // Whole lines only: the tail's first line, perhaps cut, is dropped.
+        assert_eq!(lines[1..].len(), 10, "{text}");
+        assert_eq!(lines[1], "line 0991");
+        assert_eq!(lines.last(), Some(&"after"));
+        assert!(!text.contains('\0'), "the writer wrote at its old offset");
+    }
+}

@@ -399,7 +399,9 @@ fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
         "the user's own\n"
     );
     assert!(users_claude.join("skills/s1/SKILL.md").is_file());
-    let seeded = ws.exec("cat /var/lib/vmctl/agent-home/claude/CLAUDE.md");
+    // The guest's own symlink stays in its dentry cache for up to a second (the
+    // share's cache mode, `auto`); after that it sees the host's new directory.
+    let seeded = ws.exec("sleep 2; cat /var/lib/vmctl/agent-home/claude/CLAUDE.md");
     assert_eq!(stdout(&seeded), "the user's own\n");
 
     assert_ok(&ws.run(&["rm"]), "vmctl rm");

@@ -22,6 +22,12 @@ pub enum ExecError {
     },
     #[error("the command's session failed: {0}")]
     Session(String),
+    #[error(
+        "the guest agent did not start the command within {} s; the VM may be stuck \
+         (`vmctl ps` shows it, `vmctl stop` stops it)",
+        START_TIMEOUT.as_secs()
+    )]
+    NotStarted,
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -50,11 +56,6 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         .enable_all()
         .build()
         .map_err(ExecError::Runtime)?;
-    let _raw = if options.tty {
-        RawTerminal::enter()
-    } else {
-        None
-    };
     let outcome = runtime.block_on(relay(socket, options));
     // tokio reads stdin on a blocking thread, which may wait forever for a terminal's
     // next key: do not wait for it (a plain drop of the runtime would).
@@ -62,13 +63,11 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     outcome
 }
 
+/// How long the guest agent may take to start a command. Until then the terminal is
+/// still cooked, so Ctrl-C works; the bound is for a VM that answers but is stuck.
+const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
-    let connection = client::connect_hybrid(socket, AGENT_PORT)
-        .await
-        .map_err(|e| ExecError::Connect {
-            socket: socket.to_path_buf(),
-            reason: e.to_string(),
-        })?;
     let tty = options.tty.then(|| {
         let (rows, cols) = terminal_size().unwrap_or((24, 80));
         TtyRequest {
@@ -77,16 +76,34 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
             term: std::env::var("TERM").unwrap_or_else(|_| "xterm-256color".into()),
         }
     });
-    let session = connection
-        .exec(ExecRequest {
-            argv: options.argv,
-            env: options.env,
-            cwd: options.cwd,
-            user: options.user,
-            tty,
-        })
+    let request = ExecRequest {
+        argv: options.argv,
+        env: options.env,
+        cwd: options.cwd,
+        user: options.user,
+        tty,
+    };
+    let start = async {
+        let connection = client::connect_hybrid(socket, AGENT_PORT)
+            .await
+            .map_err(|e| ExecError::Connect {
+                socket: socket.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        connection
+            .exec(request)
+            .await
+            .map_err(|e| ExecError::Session(e.to_string()))
+    };
+    let session = tokio::time::timeout(START_TIMEOUT, start)
         .await
-        .map_err(|e| ExecError::Session(e.to_string()))?;
+        .map_err(|_| ExecError::NotStarted)??;
+    // Raw from here on: keys, Ctrl-C included, go to the command's PTY.
+    let _raw = if options.tty {
+        RawTerminal::enter()
+    } else {
+        None
+    };
     let (mut input, mut output) = session.split();
     let is_tty = options.tty;
     // Set when we stop waiting for a command that a signal did not end.
@@ -288,6 +305,28 @@ impl Drop for RawTerminal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A VM whose vsock accepts but whose agent never answers: `vmctl exec` gives up
+    /// (before raw mode, so Ctrl-C works meanwhile) instead of waiting forever.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_never_starts_the_command_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        let _silent = tokio::net::UnixListener::bind(&socket).unwrap();
+        let options = ExecOptions {
+            argv: vec!["true".into()],
+            env: Vec::new(),
+            cwd: None,
+            user: User::Default,
+            tty: false,
+        };
+        let err = tokio::time::timeout(START_TIMEOUT * 2, relay(&socket, options))
+            .await
+            .expect("still waiting for the agent after twice the start timeout")
+            .unwrap_err();
+        assert!(matches!(err, ExecError::NotStarted), "{err}");
+        assert!(err.to_string().contains("vmctl stop"), "{err}");
+    }
 
     #[test]
     fn giving_up_on_a_command_exits_as_if_the_signal_killed_it() {

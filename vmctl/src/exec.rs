@@ -25,7 +25,7 @@ pub enum ExecError {
     #[error(
         "the guest agent did not start the command within {} s; the VM may be stuck \
          (`vmctl ps` shows it, `vmctl stop` stops it)",
-        START_TIMEOUT.as_secs()
+        AGENT_TIMEOUT.as_secs()
     )]
     NotStarted,
     #[error("cannot start the async runtime: {0}")]
@@ -63,9 +63,10 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     outcome
 }
 
-/// How long the guest agent may take to start a command. Until then the terminal is
-/// still cooked, so Ctrl-C works; the bound is for a VM that answers but is stuck.
-const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long the guest agent may take to answer a call: start a command (until then
+/// the terminal is still cooked, so Ctrl-C works), list ports, apply the network
+/// setup. The bound is for a VM whose vsock answers but whose agent is stuck.
+pub const AGENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let tty = options.tty.then(|| {
@@ -95,7 +96,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
             .await
             .map_err(|e| ExecError::Session(e.to_string()))
     };
-    let session = tokio::time::timeout(START_TIMEOUT, start)
+    let session = tokio::time::timeout(AGENT_TIMEOUT, start)
         .await
         .map_err(|_| ExecError::NotStarted)??;
     // Raw from here on: keys, Ctrl-C included, go to the command's PTY.
@@ -320,7 +321,7 @@ mod tests {
             user: User::Default,
             tty: false,
         };
-        let err = tokio::time::timeout(START_TIMEOUT * 2, relay(&socket, options))
+        let err = tokio::time::timeout(AGENT_TIMEOUT * 2, relay(&socket, options))
             .await
             .expect("still waiting for the agent after twice the start timeout")
             .unwrap_err();

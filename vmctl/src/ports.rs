@@ -53,7 +53,7 @@ fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
         .enable_all()
         .build()
         .map_err(|e| PortsError::Agent(e.to_string()))?;
-    runtime.block_on(async {
+    let call = async {
         let connection =
             guest_agent::client::connect_hybrid(&vm.vsock_socket(), crate::exec::AGENT_PORT)
                 .await
@@ -62,6 +62,16 @@ fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
             .list_ports()
             .await
             .map_err(|e| PortsError::Agent(e.to_string()))
+    };
+    runtime.block_on(async {
+        tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
+            .await
+            .map_err(|_| {
+                PortsError::Agent(format!(
+                    "no answer within {} s; the VM may be stuck (`vmctl stop` stops it)",
+                    crate::exec::AGENT_TIMEOUT.as_secs()
+                ))
+            })?
     })
 }
 

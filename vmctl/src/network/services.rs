@@ -312,13 +312,25 @@ async fn configure_guest(
             failed_relays: Vec::new(),
         });
     }
-    let connection = guest_agent::client::connect_hybrid(&service.vsock, crate::exec::AGENT_PORT)
+    let call = async {
+        let connection =
+            guest_agent::client::connect_hybrid(&service.vsock, crate::exec::AGENT_PORT)
+                .await
+                .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
+        connection
+            .configure_network(config.clone())
+            .await
+            .map_err(|e| format!("the guest agent refused the network setup: {e}"))
+    };
+    // Bounded: the lock held meanwhile keeps every other session's setup waiting.
+    let failed_relays = tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
         .await
-        .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
-    let failed_relays = connection
-        .configure_network(config.clone())
-        .await
-        .map_err(|e| format!("the guest agent refused the network setup: {e}"))?;
+        .map_err(|_| {
+            format!(
+                "the guest agent did not apply the network setup within {} s",
+                crate::exec::AGENT_TIMEOUT.as_secs()
+            )
+        })??;
     // A failed relay is tried again next time.
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {

@@ -294,7 +294,7 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("vmctl: error: {e}");
+            eprintln!("vmctl: error: {}", terminal::printable(&e));
             ExitCode::FAILURE
         }
     }

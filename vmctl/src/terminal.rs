@@ -3,6 +3,27 @@
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
 
+/// `text` fit for the host's terminal: control characters other than newline and tab
+/// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
+/// console's panic line), and an escape sequence from it must not drive the terminal.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text
+        .chars()
+        .any(|c| c.is_control() && c != '\n' && c != '\t')
+    {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// An unbuffered handle on stdout: the guest's console must not wait for a newline
 /// (prompts) or a flush.
 pub fn unbuffered_stdout() -> std::io::Result<File> {
@@ -66,5 +87,19 @@ impl Drop for EchoOff {
             // SAFETY: `saved` is the terminal's own earlier state.
             unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, saved) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_text_cannot_drive_the_terminal() {
+        assert_eq!(printable("plain\n\ttext"), "plain\n\ttext");
+        assert_eq!(
+            printable("Kernel panic \u{1b}]0;owned\u{7}\r!"),
+            "Kernel panic \\u{1b}]0;owned\\u{7}\\r!"
+        );
     }
 }

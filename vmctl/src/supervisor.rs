@@ -38,6 +38,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         record.workspace.display()
     );
     crate::log_keeper::keep_bounded(vec![vm.console_log(), vm.supervisor_log()]);
+    raise_open_files_limit();
     vm.create_sockets_dir().map_err(|e| e.to_string())?;
     // Without its network side the VM would boot without a way out; better not boot.
     crate::network::services::start(&vm, &record)
@@ -87,6 +88,20 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         let _ = std::fs::remove_dir(vm.sockets_dir());
     }
     outcome
+}
+
+/// Lifts the soft limit on open files to the hard one: the guest may hold up to 1,024
+/// vsock connections to host services, each a descriptor here, on top of the VMM's
+/// own, and the usual soft limit is 1,024.
+fn raise_open_files_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            tracing::debug!("cannot raise the open files limit: {e}");
+        }
+    }
 }
 
 /// Why the VM ended, if it did not simply shut down. A panicking guest resets itself,
@@ -180,6 +195,20 @@ pub fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_open_files_limit_is_raised_to_the_hard_limit() {
+        use rustix::process::{getrlimit, setrlimit, Resource};
+        let before = getrlimit(Resource::Nofile);
+        let (Some(_), Some(hard)) = (before.current, before.maximum) else {
+            return; // unlimited: nothing to raise
+        };
+        let mut lowered = before.clone();
+        lowered.current = Some(hard.min(256));
+        setrlimit(Resource::Nofile, lowered).unwrap();
+        raise_open_files_limit();
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(hard));
+    }
 
     fn console(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();

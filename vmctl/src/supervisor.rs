@@ -203,7 +203,7 @@ mod tests {
         let (Some(_), Some(hard)) = (before.current, before.maximum) else {
             return; // unlimited: nothing to raise
         };
-        let mut lowered = before.clone();
+        let mut lowered = before;
         lowered.current = Some(hard.min(256));
         setrlimit(Resource::Nofile, lowered).unwrap();
         raise_open_files_limit();

@@ -8,9 +8,11 @@
 //! following symlinks, and creates with `O_EXCL`/`O_NOFOLLOW`: whatever the guest does,
 //! the host only touches entries inside the directory it opened.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use rustix::fs::{AtFlags, Mode, OFlags};
@@ -33,8 +35,8 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
 
 /// The directory `name` in `parent`, created if missing; anything else the guest put
 /// there under that name (a symlink, a file) is removed first.
-pub fn ensure_dir(parent: impl AsFd, name: &str) -> io::Result<OwnedFd> {
-    let parent = parent.as_fd();
+pub fn ensure_dir(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<OwnedFd> {
+    let (parent, name) = (parent.as_fd(), name.as_ref());
     for _ in 0..2 {
         match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o755)) {
             Ok(()) | Err(rustix::io::Errno::EXIST) => {}
@@ -47,22 +49,19 @@ pub fn ensure_dir(parent: impl AsFd, name: &str) -> io::Result<OwnedFd> {
         }
     }
     Err(io::Error::other(format!(
-        "{name} keeps being replaced by something other than a directory"
+        "{} keeps being replaced by something other than a directory",
+        name.to_string_lossy()
     )))
 }
 
 /// Removes the entry `name` of `parent`, a whole tree if it is a directory (even one
 /// made read-only); a missing entry is not an error. A symlink is removed, never
 /// followed.
-pub fn remove(parent: impl AsFd, name: &str) -> io::Result<()> {
-    remove_at_depth(parent.as_fd(), name, 0)
+pub fn remove(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
+    remove_at_depth(parent.as_fd(), name.as_ref(), 0)
 }
 
-fn remove_at_depth(
-    parent: std::os::fd::BorrowedFd<'_>,
-    name: &str,
-    depth: usize,
-) -> io::Result<()> {
+fn remove_at_depth(parent: BorrowedFd<'_>, name: &OsStr, depth: usize) -> io::Result<()> {
     match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
         // A directory (EISDIR, or EPERM from some filesystems): empty it first.
@@ -71,7 +70,8 @@ fn remove_at_depth(
     }
     if depth >= MAX_DEPTH {
         return Err(io::Error::other(format!(
-            "{name}: directories nested deeper than {MAX_DEPTH} levels"
+            "{}: directories nested deeper than {MAX_DEPTH} levels",
+            name.to_string_lossy()
         )));
     }
     let dir = match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
@@ -87,9 +87,10 @@ fn remove_at_depth(
     rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o700))?;
     for entry in rustix::fs::Dir::read_from(&dir)? {
         let entry = entry?;
-        let child = entry.file_name().to_string_lossy();
+        // The name as it is, bytes not UTF-8 included: the guest chose it.
+        let child = OsStr::from_bytes(entry.file_name().to_bytes());
         if child != "." && child != ".." {
-            remove_at_depth(dir.as_fd(), &child, depth + 1)?;
+            remove_at_depth(dir.as_fd(), child, depth + 1)?;
         }
     }
     match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
@@ -101,8 +102,8 @@ fn remove_at_depth(
 /// Copies `from` (a file, a symlink or a directory tree of the host's own, whose
 /// symlinks are copied as links, never followed) to the new entry `name` of `parent`,
 /// read-only: files 0444, directories 0555. `name` must not exist yet ([`remove`]).
-pub fn copy_read_only(from: &Path, parent: impl AsFd, name: &str) -> io::Result<()> {
-    let parent = parent.as_fd();
+pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
+    let (parent, name) = (parent.as_fd(), name.as_ref());
     let meta = std::fs::symlink_metadata(from)?;
     let kind = meta.file_type();
     if kind.is_symlink() {
@@ -112,11 +113,7 @@ pub fn copy_read_only(from: &Path, parent: impl AsFd, name: &str) -> io::Result<
         let dir = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
         for entry in std::fs::read_dir(from)? {
             let entry = entry?;
-            let child = entry.file_name();
-            let child = child.to_str().ok_or_else(|| {
-                io::Error::other(format!("{}: not a UTF-8 name", entry.path().display()))
-            })?;
-            copy_read_only(&entry.path(), &dir, child)?;
+            copy_read_only(&entry.path(), &dir, entry.file_name())?;
         }
         rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o555))?;
     } else if kind.is_file() {
@@ -213,6 +210,17 @@ mod tests {
             "seeded"
         );
         assert!(open_dir(&shared.join("file")).is_err());
+    }
+
+    /// A name that is not UTF-8 (the guest's to choose) is removed like any other.
+    #[test]
+    fn names_that_are_not_utf8_are_removed_too() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("dir");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(OsStr::from_bytes(b"bad\xff\xfe")), "x").unwrap();
+        remove(open_dir(tmp.path()).unwrap(), "dir").unwrap();
+        assert!(!dir.exists());
     }
 
     #[test]

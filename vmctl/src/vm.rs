@@ -554,10 +554,7 @@ pub fn remove(workspace: &Path) -> Result<(), VmError> {
 pub fn remove_vm(vm: &VmDir) -> Result<(), VmError> {
     stop_vm(vm);
     // The guest wrote parts of it (the agent homes), read-only directories included.
-    let removed = match (
-        vm.path.parent(),
-        vm.path.file_name().and_then(|n| n.to_str()),
-    ) {
+    let removed = match (vm.path.parent(), vm.path.file_name()) {
         (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
             .and_then(|parent| crate::guest_writable::remove(parent, name)),
         _ => std::fs::remove_dir_all(&vm.path),

@@ -44,6 +44,12 @@ pub enum ShareError {
         guest: PathBuf,
         reserved: &'static str,
     },
+    #[error("mount {spec:?}: {} is a symlink in {}, which the VM can write: the VM could point it at any directory of this host, so it is not followed; name the directory it points to instead", .link.display(), .share.display())]
+    ThroughGuestSymlink {
+        spec: String,
+        link: PathBuf,
+        share: PathBuf,
+    },
     #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
     DuplicateGuest {
         guest: PathBuf,
@@ -81,10 +87,26 @@ pub struct ShareSet {
     pub cache: crate::virtiofsd::CachePolicy,
 }
 
+/// [`parse_mount_as_written`], the share alone.
+#[cfg(test)]
+fn parse_mount(spec: &str, base: &Path) -> Result<Share, ShareError> {
+    parse_mount_as_written(spec, base).map(|mount| mount.share)
+}
+
+/// A mount as the user wrote it and as it resolved.
+#[derive(Debug)]
+pub struct WrittenMount {
+    pub spec: String,
+    /// The host path as written (`~` and relative paths expanded), before symlinks.
+    pub written_host: PathBuf,
+    pub share: Share,
+}
+
 /// Parses `HOST[:GUEST][:ro]` (a trailing `:rw` is accepted too). HOST may start with
 /// `~/` or be relative to `base`; it must be an existing directory. GUEST defaults to
-/// the canonical host path.
-pub fn parse_mount(spec: &str, base: &Path) -> Result<Share, ShareError> {
+/// the canonical host path. The host path as written is kept for
+/// [`check_no_guest_symlinks`].
+pub fn parse_mount_as_written(spec: &str, base: &Path) -> Result<WrittenMount, ShareError> {
     let home = std::env::var_os("HOME").map(PathBuf::from);
     parse_mount_with_home(spec, base, home.as_deref())
 }
@@ -93,7 +115,7 @@ fn parse_mount_with_home(
     spec: &str,
     base: &Path,
     home: Option<&Path>,
-) -> Result<Share, ShareError> {
+) -> Result<WrittenMount, ShareError> {
     let syntax = |problem| ShareError::Syntax {
         spec: spec.to_string(),
         problem,
@@ -163,11 +185,70 @@ fn parse_mount_with_home(
             reserved,
         });
     }
-    Ok(Share {
-        host,
-        guest,
-        read_only: read_only.unwrap_or(false),
+    Ok(WrittenMount {
+        spec: spec.to_string(),
+        written_host: host_path,
+        share: Share {
+            host,
+            guest,
+            read_only: read_only.unwrap_or(false),
+        },
     })
+}
+
+/// Refuses a mount whose host path, as written, passes through a symlink inside a
+/// read-write share: the guest can replace any entry there with a link to any host
+/// directory, which the next start would share (with the mount's access). A mount of
+/// `./data` in the workspace must not become the user's `~/.ssh`.
+pub fn check_no_guest_symlinks(
+    mounts: &[WrittenMount],
+    shares: &[Share],
+) -> Result<(), ShareError> {
+    let writable: Vec<&Path> = shares
+        .iter()
+        .filter(|share| !share.read_only)
+        .map(|share| share.host.as_path())
+        .collect();
+    for mount in mounts {
+        if let Some((link, share)) = symlink_in_writable(&mount.written_host, &writable) {
+            return Err(ShareError::ThroughGuestSymlink {
+                spec: mount.spec.clone(),
+                link,
+                share: share.to_path_buf(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The first symlink on the way to `path` (absolute) that lies in one of `writable`
+/// (canonical directories), with that directory.
+fn symlink_in_writable<'a>(path: &Path, writable: &[&'a Path]) -> Option<(PathBuf, &'a Path)> {
+    // Always canonical: followed as the kernel would, a link at a time.
+    let mut current = PathBuf::from("/");
+    for component in path.components() {
+        match component {
+            Component::Normal(name) => {
+                let next = current.join(name);
+                let is_link = std::fs::symlink_metadata(&next)
+                    .is_ok_and(|meta| meta.file_type().is_symlink());
+                if !is_link {
+                    current = next;
+                    continue;
+                }
+                if let Some(share) = writable.iter().find(|share| current.starts_with(share)) {
+                    return Some((next, share));
+                }
+                // A link of the host's own; a dangling one fails the mount elsewhere.
+                current = next.canonicalize().ok()?;
+            }
+            Component::ParentDir => {
+                current.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    None
 }
 
 /// `~` and `~/...` from `home`, relative paths from `base`.
@@ -300,19 +381,62 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("a/b")).unwrap();
         let canonical = dir.path().canonicalize().unwrap().join("a/b");
-        let relative = parse_mount_with_home("a/./b", dir.path(), None).unwrap();
+        let relative = parse_mount_with_home("a/./b", dir.path(), None)
+            .unwrap()
+            .share;
         assert_eq!(relative.host, canonical);
-        let from_home =
-            parse_mount_with_home("~/a/b:/b", Path::new("/"), Some(dir.path())).unwrap();
+        let from_home = parse_mount_with_home("~/a/b:/b", Path::new("/"), Some(dir.path()))
+            .unwrap()
+            .share;
         assert_eq!(from_home.host, canonical);
         assert_eq!(from_home.guest, PathBuf::from("/b"));
         let home_itself =
-            parse_mount_with_home("~:/h", Path::new("/"), Some(&dir.path().join("a"))).unwrap();
+            parse_mount_with_home("~:/h", Path::new("/"), Some(&dir.path().join("a")))
+                .unwrap()
+                .share;
         assert_eq!(home_itself.host, canonical.parent().unwrap());
         assert!(matches!(
             parse_mount_with_home("~/a", Path::new("/"), None),
             Err(ShareError::NoHome { .. })
         ));
+    }
+
+    /// A mount through a symlink the guest could have made (in a read-write share) is
+    /// refused; through a link elsewhere, or in a read-only share, it is followed.
+    #[test]
+    fn a_mount_is_not_led_anywhere_by_a_symlink_in_a_writable_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (workspace, secret) = (root.join("ws"), root.join("secret"));
+        std::fs::create_dir_all(workspace.join("real")).unwrap();
+        std::fs::create_dir_all(&secret).unwrap();
+        std::os::unix::fs::symlink(&secret, workspace.join("data")).unwrap();
+        std::os::unix::fs::symlink(&workspace, root.join("ws-link")).unwrap();
+        let workspace_share = |read_only| Share {
+            host: workspace.clone(),
+            guest: workspace.clone(),
+            read_only,
+        };
+        let check = |spec: &str, read_only| {
+            let mount = parse_mount_as_written(spec, &workspace).unwrap();
+            check_no_guest_symlinks(&[mount], &[workspace_share(read_only)])
+        };
+        let err = check("data:/data:ro", false).unwrap_err();
+        assert!(
+            matches!(err, ShareError::ThroughGuestSymlink { .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("name the directory it points to"),
+            "{err}"
+        );
+        assert!(check("data:/data:ro", true).is_ok());
+        assert!(check("real:/real", false).is_ok());
+        // The host's own link to the workspace is followed; the guest's inside it not.
+        let through = format!("{}/data:/data", root.join("ws-link").display());
+        assert!(check(&through, false).is_err());
+        let fine = format!("{}/real:/real", root.join("ws-link").display());
+        assert!(check(&fine, false).is_ok());
     }
 
     #[test]

@@ -105,12 +105,15 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
             read_only: false,
         },
     ];
+    let mut written = Vec::new();
     for spec in config.mounts_for(workspace) {
-        list.push(shares::parse_mount(&spec, workspace)?);
+        written.push(shares::parse_mount_as_written(&spec, workspace)?);
     }
     for spec in mounts {
-        list.push(shares::parse_mount(spec, &cwd)?);
+        written.push(shares::parse_mount_as_written(spec, &cwd)?);
     }
+    list.extend(written.iter().map(|mount| mount.share.clone()));
+    shares::check_no_guest_symlinks(&written, &list)?;
     shares::check_shares(&list)?;
     Ok(ShareSet {
         shares: shares::mount_order(list),

@@ -33,8 +33,9 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, flags, Mode::empty())?)
 }
 
-/// The directory `name` in `parent`, created if missing; anything else the guest put
-/// there under that name (a symlink, a file) is removed first.
+/// The directory `name` in `parent`, created if missing, writable by its owner (the
+/// guest may have made it read-only); anything else the guest put there under that
+/// name (a symlink, a file) is removed first.
 pub fn ensure_dir(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<OwnedFd> {
     let (parent, name) = (parent.as_fd(), name.as_ref());
     for _ in 0..2 {
@@ -43,7 +44,10 @@ pub fn ensure_dir(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<Owne
             Err(e) => return Err(e.into()),
         }
         match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
-            Ok(dir) => return Ok(dir),
+            Ok(dir) => {
+                rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o755))?;
+                return Ok(dir);
+            }
             Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => remove(parent, name)?,
             Err(e) => return Err(e.into()),
         }
@@ -189,6 +193,10 @@ mod tests {
         symlink(users.join("precious"), shared.join("file")).unwrap();
 
         let root = open_dir(&shared).unwrap();
+        std::fs::create_dir(shared.join("locked")).unwrap();
+        std::fs::set_permissions(shared.join("locked"), PermissionsExt::from_mode(0o500)).unwrap();
+        ensure_dir(&root, "locked").unwrap();
+        assert_eq!(mode(&shared.join("locked")), 0o755);
         let home = ensure_dir(&root, "home").unwrap();
         assert!(std::fs::symlink_metadata(shared.join("home"))
             .unwrap()

@@ -910,9 +910,13 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 9] = [
+const VM_LOST_SIGNS: [&str; 11] = [
     "timed out",
     "stopped making progress",
+    // The benchmark's and vmctl's bounds on a guest agent's answer: a guest the nested
+    // host stalled does not answer.
+    "no answer within",
+    "did not start the command within",
     // The benchmark's per-script timeout: a guest the nested host stalled leaves its
     // script unfinished (a script that always hangs still fails every attempt).
     "did not finish within",
@@ -1031,6 +1035,10 @@ mod tests {
         ));
         assert!(lost(
             "exec 0 failed: the agent closed the connection unexpectedly"
+        ));
+        assert!(lost(
+            "vm-bench: error: workspace VM: exec round trip 20/20 of true through \
+             /tmp/x/vsock.sock: no answer within 60 s"
         ));
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
         // A panic with a payload that is not text is not taken for a lost VM.

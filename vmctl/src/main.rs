@@ -214,6 +214,10 @@ const CONNECTION_LOST_SIGNS: [&str; 3] = [
     "Connection reset by peer",
 ];
 
+/// How long a session whose connection broke waits for its VM's supervisor to exit
+/// before it reports the error without saying why the VM went away.
+const LOST_VM_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// A session that failed because its VM went away says why the VM went away.
 fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
     if !CONNECTION_LOST_SIGNS
@@ -222,10 +226,14 @@ fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
     {
         return error;
     }
-    // Give the supervisor a moment to record the end and exit.
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    if vm.running_pid().is_some() {
-        return error;
+    // Give the supervisor a moment to record the end and exit: in the nested host that
+    // waits for the nested host to shut down too, which under load takes seconds.
+    let deadline = std::time::Instant::now() + LOST_VM_WAIT;
+    while vm.running_pid().is_some() {
+        if std::time::Instant::now() > deadline {
+            return error;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
     why_the_vm_stopped(vm, error)
 }

@@ -220,17 +220,28 @@ impl VmDir {
         std::fs::rename(&tmp, &path).map_err(io)
     }
 
-    /// The supervisor's pid while it runs.
+    /// The supervisor's pid while it runs. The pid file outlives a supervisor that was
+    /// killed, or a host that rebooted, and its pid may then be another process's: only
+    /// a process that is this VM's supervisor (`vmctl __supervise DIR`) counts, so that
+    /// `vmctl stop` never signals anything else.
     pub fn running_pid(&self) -> Option<i32> {
         let pid: i32 = std::fs::read_to_string(self.pid_file())
             .ok()?
             .trim()
             .parse()
             .ok()?;
-        // SAFETY: kill with signal 0 only checks that the process exists.
-        let alive = unsafe { libc::kill(pid, 0) } == 0;
-        alive.then_some(pid)
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        supervises(&cmdline, &self.path).then_some(pid)
     }
+}
+
+/// Whether a process's command line (`/proc/PID/cmdline`) is the supervisor of `dir`.
+fn supervises(cmdline: &[u8], dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    args.windows(2).any(|pair| {
+        pair[0] == b"__supervise" && Path::new(std::ffi::OsStr::from_bytes(pair[1])) == dir
+    })
 }
 
 /// Where a log of the VM's previous run is kept: `console.log` → `console.log.previous`.
@@ -321,6 +332,44 @@ pub fn short_hash(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pid file left by a supervisor that did not exit cleanly (a reboot) names
+    /// whatever process has that pid now: it is not the VM's, and not to be signalled.
+    #[test]
+    fn only_the_vms_own_supervisor_counts_as_running() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        std::fs::write(vm.pid_file(), std::process::id().to_string()).unwrap();
+        assert_eq!(vm.running_pid(), None, "the test process is no supervisor");
+
+        let mut supervisor = std::process::Command::new("sh")
+            .args(["-c", "sleep 30; true", "__supervise"])
+            .arg(&vm.path)
+            .spawn()
+            .unwrap();
+        // As the real supervisor, which writes its pid file once it runs: spawn() may
+        // return while the exec is still setting up the new command line.
+        let cmdline = format!("/proc/{}/cmdline", supervisor.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
+            assert!(std::time::Instant::now() < deadline, "sh never started");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::fs::write(vm.pid_file(), supervisor.id().to_string()).unwrap();
+        assert_eq!(vm.running_pid(), Some(supervisor.id() as i32));
+        let other = VmDir {
+            path: dir.path().join("other"),
+        };
+        std::fs::create_dir_all(&other.path).unwrap();
+        std::fs::copy(vm.pid_file(), other.pid_file()).unwrap();
+        assert_eq!(other.running_pid(), None, "another VM's supervisor");
+        supervisor.kill().unwrap();
+        supervisor.wait().unwrap();
+        assert_eq!(vm.running_pid(), None);
+    }
 
     #[test]
     fn sockets_move_out_of_directories_too_deep_for_them() {

@@ -38,6 +38,17 @@ pub fn keep_bounded(logs: Vec<PathBuf>) {
     }
 }
 
+/// The last `max` bytes of a file (a log the guest can make grow without bound).
+pub fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
+    let mut tail = Vec::new();
+    file.read_to_end(&mut tail).ok()?;
+    Some(tail)
+}
+
 /// Cuts `log` down to its last `tail` bytes (from a line's start) when it is larger than
 /// `max`; true if it did.
 fn shrink_if_larger(log: &Path, max: u64, tail: u64) -> io::Result<bool> {
@@ -45,7 +56,7 @@ fn shrink_if_larger(log: &Path, max: u64, tail: u64) -> io::Result<bool> {
     if len <= max {
         return Ok(false);
     }
-    let kept = crate::supervisor::read_tail(log, tail).unwrap_or_default();
+    let kept = read_tail(log, tail).unwrap_or_default();
     let kept = match kept.iter().position(|&b| b == b'\n') {
         Some(end) => &kept[end + 1..],
         None => &kept[..],

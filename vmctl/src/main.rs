@@ -248,7 +248,7 @@ fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
         let why = crash.strip_prefix(STOPPED).unwrap_or(&crash);
         return format!("{error}; {STOPPED}{why}");
     }
-    let tail = supervisor::read_tail(&vm.supervisor_log(), supervisor::LOG_TAIL_BYTES);
+    let tail = log_keeper::read_tail(&vm.supervisor_log(), supervisor::LOG_TAIL_BYTES);
     let log = String::from_utf8_lossy(tail.as_deref().unwrap_or_default());
     match log.lines().rev().find(|l| l.contains("error")) {
         Some(line) => format!("{error}; {STOPPED}{}", line.trim()),

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use vmm::config::{DiskConfig, VmConfig, VsockConfig};
 
+use crate::log_keeper::read_tail;
 use crate::state::VmDir;
 
 pub fn run(dir: &Path) -> Result<u8, String> {
@@ -180,17 +181,6 @@ const OOPS_STARTS: [&str; 5] = [
     "kernel BUG at",
     "watchdog: BUG:",
 ];
-
-/// The last `max` bytes of a file (a log the guest can make grow without bound).
-pub fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut file = std::fs::File::open(path).ok()?;
-    let len = file.metadata().ok()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
-    let mut tail = Vec::new();
-    file.read_to_end(&mut tail).ok()?;
-    Some(tail)
-}
 
 #[cfg(test)]
 mod tests {

@@ -165,11 +165,12 @@ impl VmDir {
         self.path.join("crashed")
     }
 
-    /// What `crash_file` recorded, if the VM's last run crashed.
+    /// What `crash_file` recorded, if the VM's last run crashed, fit for a terminal
+    /// (it may quote the guest's console: [`crate::terminal::printable`]).
     pub fn read_crash(&self) -> Option<String> {
         std::fs::read_to_string(self.crash_file())
             .ok()
-            .map(|text| text.trim().to_string())
+            .map(|text| crate::terminal::printable(text.trim()).into_owned())
             .filter(|text| !text.is_empty())
     }
 
@@ -369,6 +370,22 @@ mod tests {
         supervisor.kill().unwrap();
         supervisor.wait().unwrap();
         assert_eq!(vm.running_pid(), None);
+    }
+
+    /// The crash line may quote the guest's console: it is read back escaped, for
+    /// `vmctl ps`, `up` and `exec`, which print it.
+    #[test]
+    fn a_recorded_crash_is_read_back_fit_for_a_terminal() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        assert_eq!(vm.read_crash(), None);
+        std::fs::write(vm.crash_file(), "Kernel panic \u{1b}]0;owned\u{7}\n").unwrap();
+        assert_eq!(
+            vm.read_crash().as_deref(),
+            Some("Kernel panic \\u{1b}]0;owned\\u{7}")
+        );
     }
 
     #[test]

@@ -191,10 +191,9 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     if let Some(crash) = vm.read_crash() {
         // Whatever ran in it, and its root's changes, are gone: say so.
         eprintln!(
-            "vmctl: the last VM of {} crashed ({}); starting a new one (the crashed \
+            "vmctl: the last VM of {} crashed ({crash}); starting a new one (the crashed \
              run's logs: {}.previous, {}.previous)",
             workspace.display(),
-            crate::terminal::printable(&crash),
             vm.console_log().display(),
             vm.supervisor_log().display()
         );
@@ -628,11 +627,7 @@ pub fn list() -> Vec<String> {
             record.workspace.display()
         ));
         if let Some(crash) = crash {
-            crashes.push(format!(
-                "{name}: {} (its logs: {})",
-                crate::terminal::printable(&crash),
-                vm.path.display()
-            ));
+            crashes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
         }
     }
     if !crashes.is_empty() {

@@ -806,27 +806,30 @@ mod tests {
         }
     }
 
-    fn args_of(share: &Share, sandbox: Sandbox) -> Vec<String> {
-        daemon_args(
-            share,
-            Path::new("/s/fs0.sock"),
-            sandbox,
-            CachePolicy::default(),
-        )
-        .into_iter()
-        .map(|a| a.into_string().unwrap())
-        .collect()
+    fn args_of(share: &Share, sandbox: Sandbox, policy: CachePolicy) -> Vec<String> {
+        daemon_args(share, Path::new("/s/fs0.sock"), sandbox, policy)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
     }
 
     #[test]
     fn arguments_name_the_share_socket_and_sandbox() {
-        let args = args_of(&share(Path::new("/h"), false), Sandbox::Namespace);
+        let args = args_of(
+            &share(Path::new("/h"), false),
+            Sandbox::Namespace,
+            CachePolicy::default(),
+        );
         assert_eq!(
             args.join(" "),
             "--shared-dir /h --socket-path /s/fs0.sock --cache auto --thread-pool-size 0 \
              --inode-file-handles=never --log-level warn --sandbox namespace --seccomp kill"
         );
-        let args = args_of(&share(Path::new("/h"), true), Sandbox::None);
+        let args = args_of(
+            &share(Path::new("/h"), true),
+            Sandbox::None,
+            CachePolicy::default(),
+        );
         assert!(args.join(" ").contains("--sandbox none"));
         assert_eq!(args.last().map(String::as_str), Some("--readonly"));
     }
@@ -849,16 +852,7 @@ mod tests {
                 writeback: true
             }
         );
-        let args = daemon_args(
-            &share(Path::new("/h"), false),
-            Path::new("/s/fs0.sock"),
-            Sandbox::Namespace,
-            policy,
-        )
-        .into_iter()
-        .map(|a| a.into_string().unwrap())
-        .collect::<Vec<_>>()
-        .join(" ");
+        let args = args_of(&share(Path::new("/h"), false), Sandbox::Namespace, policy).join(" ");
         assert!(
             args.contains("--cache always") && args.ends_with("--writeback"),
             "{args}"

@@ -895,7 +895,7 @@ pub fn retry_if_vm_lost(scenario: fn()) {
                     std::io::stderr(),
                     "\nRETRY: attempt {attempt} lost its VM (the known nested-host crash or \
                      hang; it failed with: {}); starting over with a fresh VM\n",
-                    first_line(panic_message(panic.as_ref()))
+                    telling_line(panic_message(panic.as_ref()))
                 );
             }
             Err(panic) => std::panic::resume_unwind(panic),
@@ -944,10 +944,15 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("")
 }
 
-/// A message's first line, cut to a log line's length.
-fn first_line(message: &str) -> String {
+/// The line of a failure's message that shows the VM was lost (a long log's first line
+/// may say only that a log follows), else its first line; cut to a log line's length.
+fn telling_line(message: &str) -> String {
     const MAX_CHARS: usize = 300;
-    let line = message.lines().next().unwrap_or("");
+    let line = message
+        .lines()
+        .find(|line| VM_LOST_SIGNS.iter().any(|sign| line.contains(sign)))
+        .or_else(|| message.lines().next())
+        .unwrap_or("");
     match line.char_indices().nth(MAX_CHARS) {
         Some((cut, _)) => format!("{}...", &line[..cut]),
         None => line.to_string(),
@@ -1046,14 +1051,20 @@ mod tests {
     }
 
     #[test]
-    fn a_retry_quotes_the_failures_first_line_cut_short() {
+    fn a_retry_quotes_the_failures_telling_line_cut_short() {
         assert_eq!(
-            first_line("exec 3 failed: gone\nmore"),
+            telling_line("exec 3 failed: gone\nmore"),
             "exec 3 failed: gone"
         );
-        assert_eq!(first_line(""), "");
+        assert_eq!(
+            telling_line(
+                "vm-bench failed; its log:\nstarted\nround trip 20: no answer within 60 s"
+            ),
+            "round trip 20: no answer within 60 s"
+        );
+        assert_eq!(telling_line(""), "");
         let long = "é".repeat(400);
-        assert_eq!(first_line(&long), format!("{}...", "é".repeat(300)));
+        assert_eq!(telling_line(&long), format!("{}...", "é".repeat(300)));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::ffi::CString;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{chown, DirBuilderExt, MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::protocol::DEFAULT_PORT;
 use crate::server::HostUser;
@@ -40,6 +40,9 @@ pub enum Upper {
     Device(String),
 }
 
+/// The kernel parameter of [`BootConfig::run`].
+pub const RUN_KEY: &str = "vmctl.run";
+
 /// Configuration from the kernel command line (`vmctl.*` parameters).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootConfig {
@@ -55,6 +58,10 @@ pub struct BootConfig {
     pub port: u32,
     /// `vmctl.share=TAG:PATH[:ro]` (repeatable): virtio-fs shares, mounted in order.
     pub shares: Vec<ShareMount>,
+    /// `vmctl.run=PATH` (percent-encoded like a share's path): run this program once,
+    /// then power off, instead of serving on vsock. For a guest under a VMM without
+    /// our vsock device (the benchmark's QEMU comparison).
+    pub run: Option<PathBuf>,
 }
 
 impl Default for BootConfig {
@@ -66,6 +73,7 @@ impl Default for BootConfig {
             hostname: None,
             port: DEFAULT_PORT,
             shares: Vec::new(),
+            run: None,
         }
     }
 }
@@ -152,6 +160,10 @@ pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
             },
             shares::CMDLINE_KEY => match ShareMount::parse(value) {
                 Ok(s) => cfg.shares.push(s),
+                Err(e) => warnings.push(bad(word, e.to_string())),
+            },
+            RUN_KEY => match shares::decode_path(value) {
+                Ok(path) => cfg.run = Some(path),
                 Err(e) => warnings.push(bad(word, e.to_string())),
             },
             _ => {}
@@ -585,6 +597,27 @@ pub fn signal_ready() {
     }
 }
 
+/// Runs `program` as root, in its own directory, with the console as its output and
+/// nothing as its input; says how it ended, then powers off. Its exit status is on the
+/// console only: the VM's end is a reset either way.
+pub fn run_once_then_power_off(program: &Path) -> ! {
+    let dir = program.parent().unwrap_or(Path::new("/"));
+    let started = std::process::Command::new(program)
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", crate::server::DEFAULT_PATH)
+        .env("HOME", "/root")
+        .env("USER", "root")
+        .env("LOGNAME", "root")
+        .stdin(std::process::Stdio::null())
+        .status();
+    match started {
+        Ok(status) => console(&format!("{RUN_KEY}: {} {status}", program.display())),
+        Err(e) => console(&format!("{RUN_KEY}: cannot run {}: {e}", program.display())),
+    }
+    power_off()
+}
+
 /// Syncs the filesystems and resets the VM (the VMM treats a reset as "VM ended").
 pub fn power_off() -> ! {
     // SAFETY: sync and reboot have no memory-safety preconditions.
@@ -687,6 +720,19 @@ mod tests {
         for (w, param) in warnings.iter().zip(bad_shares) {
             let w = w.to_string();
             assert!(w.contains(param) && w.contains("expected"), "{w}");
+        }
+    }
+
+    #[test]
+    fn a_program_to_run_once() {
+        let (cfg, warnings) = parse_cmdline("vmctl.run=/ws/my%20dir/run.sh");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(cfg.run, Some(PathBuf::from("/ws/my dir/run.sh")));
+        for bad in ["vmctl.run=run.sh", "vmctl.run=/a/../run.sh", "vmctl.run="] {
+            let (cfg, warnings) = parse_cmdline(bad);
+            assert_eq!(cfg.run, None, "{bad}");
+            assert_eq!(warnings.len(), 1, "{bad}: {warnings:?}");
+            assert!(warnings[0].to_string().contains(bad), "{}", warnings[0]);
         }
     }
 

@@ -8,7 +8,8 @@ use guest_agent::server::{self, ListenAddr, ServerConfig};
 
 const USAGE: &str =
     "usage: guest-agent [--listen unix:PATH|vsock:PORT] [--user NAME:UID:GID:HOME] [--log LEVEL]
-As PID 1 it boots the VM (see the vmctl.* kernel parameters) and listens on vsock.";
+As PID 1 it boots the VM (see the vmctl.* kernel parameters) and listens on vsock;
+with vmctl.run=PATH it runs PATH once instead, then powers the VM off.";
 
 struct Args {
     listen: Option<ListenAddr>,
@@ -61,6 +62,9 @@ fn main() -> ExitCode {
     };
     let listen = if pid1 {
         let boot = init::boot();
+        if let Some(program) = &boot.run {
+            init::run_once_then_power_off(program);
+        }
         config.default_user = boot.user.clone();
         args.listen.take().unwrap_or(ListenAddr::Vsock(boot.port))
     } else {

@@ -55,7 +55,8 @@ const OUTPUT_READ_SIZE: usize = 32 * 1024;
 const DRAIN_IDLE: Duration = Duration::from_millis(250);
 /// Between SIGHUP and SIGKILL when the client goes away.
 const KILL_GRACE: Duration = Duration::from_secs(1);
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The host user the VM was configured with (`vmctl.user=NAME:UID:GID:HOME`).
 #[derive(Debug, Clone, PartialEq, Eq)]

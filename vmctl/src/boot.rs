@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use vmm::builder::{BuildError, RunOptions};
-use vmm::config::{host_memory_mib, ConfigError, DiskConfig, VmConfig};
+use vmm::config::{host_memory_mib, ConfigError, DiskConfig, FsConfig, VmConfig};
 use vmm::devices::legacy::BootTimeReport;
 use vmm::vstate::exit::ExitReason;
 
@@ -32,6 +32,14 @@ pub enum BootCommandError {
     Stdout(std::io::Error),
     #[error(transparent)]
     Virtiofsd(#[from] VirtiofsdError),
+    #[error("--fs {0:?}: expected TAG:SOCKET (the tag the guest mounts, the backend's socket)")]
+    BadFs(String),
+    #[error(
+        "--fs needs the VMM to run here, and this machine's KVM cannot boot Linux, so the VM \
+         would run inside the nested host, where {0} is not reachable; run the backend and \
+         `vmctl boot --nested never` inside a host with a working KVM"
+    )]
+    FsInNestedHost(PathBuf),
 }
 
 /// Environment variable that replaces /dev/kvm (tests use it to simulate its absence).
@@ -49,6 +57,9 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
         NestedMode::Never => false,
     };
     if use_nested {
+        if let Some(fs) = config.filesystems.first() {
+            return Err(BootCommandError::FsInNestedHost(fs.socket_path.clone()));
+        }
         kvm.announce_nested();
         return Ok(nested::launcher::run_vm(&config, None, args.boot_time)?);
     }
@@ -71,6 +82,11 @@ fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
     let mut config = VmConfig::new(kernel);
     config.initrd = initrd;
     config.disks = args.disks.iter().map(|d| DiskConfig::parse(d)).collect();
+    config.filesystems = args
+        .filesystems
+        .iter()
+        .map(|fs| parse_fs(fs))
+        .collect::<Result<_, _>>()?;
     config.extra_cmdline = args.cmdline.clone();
     config.vcpus = args.cpus;
     config.memory_mib = args.memory;
@@ -78,6 +94,17 @@ fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
         config.kvm_device = PathBuf::from(device);
     }
     Ok(config)
+}
+
+/// `TAG:SOCKET`: the tag is what precedes the first ':'.
+fn parse_fs(value: &str) -> Result<FsConfig, BootCommandError> {
+    match value.split_once(':') {
+        Some((tag, socket)) if !tag.is_empty() && !socket.is_empty() => Ok(FsConfig {
+            tag: tag.to_string(),
+            socket_path: socket.into(),
+        }),
+        _ => Err(BootCommandError::BadFs(value.to_string())),
+    }
 }
 
 /// Runs the VMM in this process with one virtiofsd per share, started here (so inside
@@ -136,5 +163,26 @@ pub fn run_vmm(
             Ok(128u8.saturating_add(signal as u8))
         }
         ExitReason::Fatal(reason) => Err(BootCommandError::Fatal(reason)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fs_devices_are_a_tag_then_a_socket() {
+        let fs = parse_fs("ws:/run/fs:0.sock").unwrap();
+        assert_eq!(
+            (fs.tag.as_str(), fs.socket_path.as_path()),
+            ("ws", Path::new("/run/fs:0.sock"))
+        );
+        for bad in ["ws", "ws:", ":/s.sock", ""] {
+            let error = parse_fs(bad).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("{bad:?}")) && error.contains("TAG:SOCKET"),
+                "{error}"
+            );
+        }
     }
 }

@@ -387,6 +387,11 @@ pub struct BootArgs {
     /// ":ro" to make it read-only. Repeatable.
     #[arg(long = "disk", value_name = "PATH[:ro]")]
     pub disks: Vec<String>,
+    /// A virtio-fs device served by a vhost-user-fs backend (virtiofsd) already
+    /// listening on SOCKET; the guest mounts it with `mount -t virtiofs TAG DIR`.
+    /// Repeatable. Not with the nested host: the backend must run where the VMM runs.
+    #[arg(long = "fs", value_name = "TAG:SOCKET")]
+    pub filesystems: Vec<String>,
     /// Extra kernel command-line arguments, appended to the defaults
     /// ("console=ttyS0 reboot=k panic=1 quiet" and the virtio-mmio devices).
     #[arg(

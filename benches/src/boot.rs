@@ -40,10 +40,23 @@ pub const OUR_GUEST_RAM: &str = "memfd:vmm-guest-ram";
 /// ACPI, no option ROMs, legacy PIC/PIT, an ISA serial port, no RTC, and an i8042 so
 /// that the guest's `reboot=k` resets the machine (microvm has none by default; with
 /// `-no-reboot` the reset ends QEMU, as it ends our VMM).
-const QEMU_MACHINE: &str = "microvm,acpi=off,x-option-roms=off,isa-serial=on,pit=on,pic=on,rtc=off";
+pub(crate) const QEMU_MACHINE: &str =
+    "microvm,acpi=off,x-option-roms=off,isa-serial=on,pit=on,pic=on,rtc=off";
+/// QEMU's devices and console, as our VMM's: only the serial port on stdio (and the
+/// i8042 that resets), and a reset ends QEMU.
+pub(crate) const QEMU_DEVICES: [&str; 8] = [
+    "-nodefaults",
+    "-no-user-config",
+    "-nographic",
+    "-serial",
+    "stdio",
+    "-device",
+    "i8042",
+    "-no-reboot",
+];
 /// The command line our VMM gives the guest by default (it appends its virtio-mmio
 /// devices, of which a boot with only an initrd has none).
-const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
+pub(crate) const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
 const NESTED_HOST_CPUS: &str = "2";
 const NESTED_HOST_MEMORY_MIB: &str = "4096";
 const INNER_FILE: &str = "boot.inner.json";
@@ -827,9 +840,12 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     let workspace_steps =
         (args.ready_runs * 2 + 3 + args.cold_runs * args.configs.len() * 2) as u32;
     // virtio-fs: vmctl up and rm; per script its own timeout (probes, git setup and
-    // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop).
+    // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop); then
+    // the comparison of VMMs: its git setup, and per repetition a boot of each VMM
+    // (with the waits for its virtiofsd).
     let fs_runs = crate::fs::sizes(args.quick, true, args.fs_mib, args.fs_files, args.fs_runs).runs;
-    let fs_scripts = (5 + fs_runs * 11) as u32;
+    let fs_scripts = (5 + fs_runs * 11 + 1 + fs_runs * 2) as u32;
+    let fs_virtiofsd_waits = crate::fs_vmm::VIRTIOFSD_WAIT * 2 * (fs_runs * 2) as u32;
     // egress: policy, secret, vmctl up and rm; each curl call its own timeout.
     let egress_calls = crate::egress::sizes(args.quick).calls() as u32;
     // agent: every agent run, vmctl command and the idle VMs' settling.
@@ -848,6 +864,7 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
     let limit = Duration::from_secs(180)
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
         + args.fs_timeout * fs_scripts
+        + fs_virtiofsd_waits
         + crate::egress::COMMAND_TIMEOUT * egress_calls
         + agent
         + churn;
@@ -935,13 +952,13 @@ fn shell_words(argv: &[String]) -> String {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Vmm {
+pub(crate) enum Vmm {
     Ours,
     Qemu,
 }
 
 impl Vmm {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Vmm::Ours => OURS,
             Vmm::Qemu => QEMU,
@@ -974,19 +991,10 @@ impl Vmm {
                 push(&config.memory_mib.to_string());
                 push(&"-smp");
                 push(&config.vcpus.to_string());
-                for a in [
-                    "-nodefaults",
-                    "-no-user-config",
-                    "-nographic",
-                    "-serial",
-                    "stdio",
-                    "-device",
-                    "i8042",
-                    "-no-reboot",
-                    "-kernel",
-                ] {
+                for a in QEMU_DEVICES {
                     push(&a);
                 }
+                push(&"-kernel");
                 push(&tools.kernel);
                 push(&"-initrd");
                 push(&initrd);
@@ -1013,7 +1021,7 @@ pub(crate) struct VmRun {
     /// From spawning the process to the marker on its stdout.
     to_marker: Duration,
     /// From spawning the process to its exit.
-    to_exit: Duration,
+    pub(crate) to_exit: Duration,
     stderr: String,
     memory: Option<MemoryUse>,
 }
@@ -1028,7 +1036,7 @@ fn mib(kib: u64) -> f64 {
 
 /// Both VMMs, alternating which goes first so neither always runs on a warmer (or
 /// busier) machine.
-fn order(i: usize) -> [Vmm; 2] {
+pub(crate) fn order(i: usize) -> [Vmm; 2] {
     if i.is_multiple_of(2) {
         [Vmm::Ours, Vmm::Qemu]
     } else {
@@ -1238,6 +1246,7 @@ fn measure(
             cache: args.fs_cache.clone(),
             nested,
             drop_caches: crate::fs::DROP_CACHES_FILE.into(),
+            compare_with_qemu: Some(tools.qemu.clone()),
         }));
         checkpoint(&report, "virtio-fs");
     }

@@ -18,6 +18,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::boot::{version_line, TempDir};
+use crate::fs_vmm::{FsVmmReport, VmmCompare};
 use crate::process::{run_command, Ran, TIMED_OUT};
 use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, GUEST, HOST};
 use crate::scan::tail;
@@ -116,6 +117,9 @@ pub struct FsBench {
     pub nested: bool,
     /// [`DROP_CACHES_FILE`] (the tests' is a plain file).
     pub drop_caches: PathBuf,
+    /// Also run the workloads in a guest of our VMM's and of this QEMU's
+    /// ([`crate::fs_vmm`]); `None` leaves that out.
+    pub compare_with_qemu: Option<PathBuf>,
 }
 
 /// Whether a guest script's error means the guest answers nothing more: it timed out
@@ -316,7 +320,7 @@ impl Workload {
     }
 
     /// Checks what the script printed after its work.
-    fn check(self, stdout: &str, s: &FsSizes) -> Result<(), String> {
+    pub(crate) fn check(self, stdout: &str, s: &FsSizes) -> Result<(), String> {
         let expect = |key: &str, want: u64| match marker(stdout, key) {
             Some(v) if v.trim().parse::<u64>() == Ok(want) => Ok(()),
             Some(v) => Err(format!("{key}={v}, expected {want}")),
@@ -440,9 +444,17 @@ impl Runner<'_> {
     }
 }
 
-/// The virtiofsd `vmctl` would use, found the same way ($VMCTL_VIRTIOFSD, PATH,
-/// ~/.cargo/bin, the distributions' places), with its `--version`: for the report.
+/// The virtiofsd `vmctl` would use, with its `--version`: for the report.
 fn virtiofsd() -> String {
+    match find_virtiofsd() {
+        Some(found) => format!("{} ({})", found.display(), version_line(&found)),
+        None => "not found".into(),
+    }
+}
+
+/// The virtiofsd `vmctl` would use, found the same way ($VMCTL_VIRTIOFSD, PATH,
+/// ~/.cargo/bin, the distributions' places).
+pub fn find_virtiofsd() -> Option<PathBuf> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     if let Some(p) = std::env::var_os("VMCTL_VIRTIOFSD").filter(|p| !p.is_empty()) {
         candidates.push(p.into());
@@ -459,10 +471,7 @@ fn virtiofsd() -> String {
     }
     candidates.push("/usr/libexec/virtiofsd".into());
     candidates.push("/usr/lib/qemu/virtiofsd".into());
-    let Some(found) = candidates.into_iter().find(|c| c.is_file()) else {
-        return "not found".into();
-    };
-    format!("{} ({})", found.display(), version_line(&found))
+    candidates.into_iter().find(|c| c.is_file())
 }
 
 /// Measures the virtio-fs figures. Never fails as a whole: a section-wide failure
@@ -498,12 +507,48 @@ pub fn measure(b: &FsBench) -> FsReport {
         figures: Vec::new(),
         notes: Vec::new(),
         error: None,
+        by_vmm: None,
     };
     if let Err(e) = measure_into(b, &mut report) {
         say(format!("error: virtio-fs: {e}"));
         report.error = Some(e);
     }
+    if let Some(qemu) = &b.compare_with_qemu {
+        report.by_vmm = Some(compare_vmms(b, qemu));
+    }
     report
+}
+
+/// The same workloads in a guest booted by each VMM ([`crate::fs_vmm`]), in a
+/// directory of their own beside the workspace's.
+fn compare_vmms(b: &FsBench, qemu: &Path) -> FsVmmReport {
+    let Some(virtiofsd) = find_virtiofsd() else {
+        return FsVmmReport {
+            errors: vec!["no virtiofsd found (scripts/setup.sh installs it)".into()],
+            ..FsVmmReport::default()
+        };
+    };
+    let tmp = TempDir::unique("-fs-vmm");
+    let dir = tmp.0.join("ws");
+    if let Err(e) = fs::create_dir_all(&dir) {
+        return FsVmmReport {
+            errors: vec![format!("create {}: {e}", dir.display())],
+            ..FsVmmReport::default()
+        };
+    }
+    let compare = VmmCompare {
+        artifacts: b.artifacts.clone(),
+        qemu: qemu.to_path_buf(),
+        virtiofsd,
+        sizes: b.sizes.clone(),
+        timeout: b.script_timeout,
+        drop_caches: b.drop_caches.clone(),
+    };
+    say(format!(
+        "virtio-fs by VMM: the same guest, virtiofsd and workloads under each VMM, {} boot(s) each",
+        b.sizes.runs
+    ));
+    crate::fs_vmm::measure(&compare, &dir, &tmp.0)
 }
 
 fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
@@ -966,6 +1011,7 @@ mod tests {
             script_timeout: Duration::from_secs(60),
             nested: false,
             drop_caches: dir.join("drop_caches"),
+            compare_with_qemu: None,
         }
     }
 

@@ -15,6 +15,7 @@ pub mod churn;
 pub mod cold_start;
 pub mod egress;
 pub mod fs;
+pub mod fs_vmm;
 pub mod process;
 pub mod report;
 pub mod report_charts;

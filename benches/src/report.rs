@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::agent::AgentReport;
 use crate::churn::ChurnReport;
 use crate::egress::EgressReport;
+use crate::fs_vmm::FsVmmReport;
 use crate::sections::Section;
 use crate::stats::{percentile_nearest_rank, summarize, Summary};
 
@@ -807,6 +808,9 @@ pub struct FsReport {
     /// The section failed as a whole (`vmctl up`, the probe, `vmctl rm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The same workloads under our VMM and under QEMU's microvm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by_vmm: Option<FsVmmReport>,
 }
 
 /// A `Duration` as seconds (a number) in the report.
@@ -858,7 +862,16 @@ impl FsReport {
     /// Every error: the section's and each figure's, as (what, message).
     pub fn errors(&self) -> Vec<(String, String)> {
         let figures = self.figures.iter().map(|f| (&f.name, &f.error));
-        section_errors("virtio-fs", &self.error, figures)
+        let mut errors = section_errors("virtio-fs", &self.error, figures);
+        if let Some(by_vmm) = &self.by_vmm {
+            errors.extend(
+                by_vmm
+                    .errors
+                    .iter()
+                    .map(|e| ("virtio-fs by VMM".to_string(), e.clone())),
+            );
+        }
+        errors
     }
 
     pub fn markdown(&self) -> String {
@@ -952,6 +965,10 @@ impl FsReport {
         }
         for n in &self.notes {
             s.push_str(&format!("\n{n}\n"));
+        }
+        if let Some(by_vmm) = &self.by_vmm {
+            s.push('\n');
+            s.push_str(&by_vmm.markdown());
         }
         s
     }
@@ -1321,6 +1338,7 @@ mod tests {
             figures: fs_figures(),
             notes: vec!["The git index was not rewritten.".into()],
             error: None,
+            by_vmm: None,
         };
         let md = r.markdown();
         assert!(

@@ -910,7 +910,7 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 11] = [
+const VM_LOST_SIGNS: [&str; 12] = [
     "timed out",
     "stopped making progress",
     // The benchmark's and vmctl's bounds on a guest agent's answer: a guest the nested
@@ -920,6 +920,8 @@ const VM_LOST_SIGNS: [&str; 11] = [
     // The benchmark's per-script timeout: a guest the nested host stalled leaves its
     // script unfinished (a script that always hangs still fails every attempt).
     "did not finish within",
+    // The benchmark's bound on a VM it boots itself: a stalled guest prints nothing more.
+    "the guest did not print",
     // The guest kernel's own report that one of its vCPUs stopped running.
     "rcu_sched detected stalls on CPUs",
     // vmctl's report of a guest kernel panic (in the nested host: its own CPU state

@@ -451,16 +451,29 @@ pub fn measure(c: &VmmCompare, dir: &Path, scratch: &Path) -> FsVmmReport {
             ));
             match boot_once(c, vmm, boot, dir, scratch, root) {
                 Ok(results) => {
+                    // In the log too: a nested host that stops later loses the report.
+                    let mut line = Vec::new();
                     for (i, (w, sample)) in results.into_iter().enumerate() {
                         match sample {
-                            Ok(v) => samples[i][slot(vmm)].push(v),
-                            Err(e) => report.errors.push(format!(
-                                "{} boot {boot}: {}: {e}",
-                                vmm.label(),
-                                w.name()
-                            )),
+                            Ok(v) => {
+                                line.push(format!("{} {} {}", w.name(), fmt_sig(v), w.unit()));
+                                samples[i][slot(vmm)].push(v);
+                            }
+                            Err(e) => {
+                                line.push(format!("{} failed", w.name()));
+                                report.errors.push(format!(
+                                    "{} boot {boot}: {}: {e}",
+                                    vmm.label(),
+                                    w.name()
+                                ));
+                            }
                         }
                     }
+                    say(format!(
+                        "virtio-fs by VMM: {} boot {boot}: {}",
+                        vmm.label(),
+                        line.join(", ")
+                    ));
                 }
                 Err(e) => {
                     say(format!(

@@ -62,7 +62,11 @@ impl Daemon {
 /// Runs the daemon in the foreground until it is told to stop.
 pub fn run() -> Result<u8, DaemonError> {
     let socket = super::socket_path();
-    let listener = bind(&socket)?;
+    // The lock is held until this function returns, after every VM stopped.
+    let Bound {
+        listener,
+        lock: _held_until_stopped,
+    } = bind(&socket)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -110,14 +114,18 @@ pub fn run() -> Result<u8, DaemonError> {
     Ok(0)
 }
 
-fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener, DaemonError> {
+/// The daemon's listening socket, and the lock that makes it the only daemon of this
+/// state directory for as long as it holds it.
+struct Bound {
+    listener: std::os::unix::net::UnixListener,
+    lock: std::fs::File,
+}
+
+fn bind(socket: &Path) -> Result<Bound, DaemonError> {
     let error = |source| DaemonError::Listen {
         path: socket.to_path_buf(),
         source,
     };
-    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
-        return Err(DaemonError::AlreadyRunning(socket.to_path_buf()));
-    }
     // The runtime directory (or its /tmp stand-in), then vmctl's own in it.
     let dirs = socket.ancestors().skip(1).take(2).collect::<Vec<_>>();
     for dir in dirs.into_iter().rev() {
@@ -126,10 +134,39 @@ fn bind(socket: &Path) -> Result<std::os::unix::net::UnixListener, DaemonError> 
             source: std::io::Error::other(e.to_string()),
         })?;
     }
+    // Two clients may start a daemon at the same moment: without the lock both would
+    // bind, the second over the first's socket, and the first would run on unreachable
+    // (and never stop: `vmctl daemon --stop` reaches only the second).
+    let lock = take_lock(&socket.with_extension("lock"), socket)?;
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(DaemonError::AlreadyRunning(socket.to_path_buf()));
+    }
     let _ = std::fs::remove_file(socket);
     let listener = std::os::unix::net::UnixListener::bind(socket).map_err(error)?;
     listener.set_nonblocking(true).map_err(error)?;
-    Ok(listener)
+    Ok(Bound { listener, lock })
+}
+
+/// Takes the exclusive lock on `path` without waiting: held by another daemon of
+/// `socket`, it is [`DaemonError::AlreadyRunning`].
+fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
+    let error = |source| DaemonError::Listen {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(error)?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
+        }
+        Err(e) => Err(error(e.into())),
+    }
 }
 
 /// VMs already running (the daemon restarted) are tracked: pinned ones stay, the
@@ -336,5 +373,31 @@ fn stop_every_vm() {
         .collect();
     for stopper in stoppers {
         let _ = stopper.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_daemon_does_not_start_while_the_first_holds_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("run/vmctl/daemon-x.sock");
+        // The first daemon took the lock and has not bound its socket yet: nothing
+        // listens, and still the second must not start.
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let first = take_lock(&socket.with_extension("lock"), &socket).unwrap();
+        assert!(matches!(
+            bind(&socket),
+            Err(DaemonError::AlreadyRunning(path)) if path == socket
+        ));
+        assert!(!socket.exists(), "the second daemon bound the socket");
+        // Once it is gone (its lock with it), a daemon starts, and holds it in turn.
+        drop(first);
+        let bound = bind(&socket).unwrap();
+        assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
+        assert!(matches!(bind(&socket), Err(DaemonError::AlreadyRunning(_))));
+        drop(bound);
     }
 }

@@ -255,6 +255,15 @@ pub fn previous_run(log: &Path) -> PathBuf {
 /// `sun_path` of `sockaddr_un`, its terminating NUL included.
 const SUN_PATH_MAX: usize = 108;
 
+/// Opens `path` for an `flock` (created if missing, never truncated).
+pub fn open_lock_file(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+}
+
 /// Creates `dir` (mode 0700) or checks that the existing one is ours and private.
 pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};

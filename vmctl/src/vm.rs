@@ -285,12 +285,7 @@ fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
             source,
         })
     };
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(io)?;
+    let file = crate::state::open_lock_file(path).map_err(io)?;
     // SAFETY: flock on a descriptor we own; it blocks until the lock is ours.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
         return Err(io(std::io::Error::last_os_error()));

@@ -154,12 +154,7 @@ fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
         path: path.to_path_buf(),
         source,
     };
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(error)?;
+    let file = crate::state::open_lock_file(path).map_err(error)?;
     match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(file),
         Err(rustix::io::Errno::WOULDBLOCK) => {

@@ -53,26 +53,29 @@ fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
         .enable_all()
         .build()
         .map_err(|e| PortsError::Agent(e.to_string()))?;
+    runtime.block_on(ask_guest_ports(&vm.vsock_socket()))
+}
+
+/// The guest agent's listening ports, through the VM's vsock socket; a stuck agent is
+/// given up on after [`crate::exec::AGENT_TIMEOUT`].
+async fn ask_guest_ports(vsock: &std::path::Path) -> Result<Vec<ListeningPort>, PortsError> {
     let call = async {
-        let connection =
-            guest_agent::client::connect_hybrid(&vm.vsock_socket(), crate::exec::AGENT_PORT)
-                .await
-                .map_err(|e| PortsError::Agent(e.to_string()))?;
+        let connection = guest_agent::client::connect_hybrid(vsock, crate::exec::AGENT_PORT)
+            .await
+            .map_err(|e| PortsError::Agent(e.to_string()))?;
         connection
             .list_ports()
             .await
             .map_err(|e| PortsError::Agent(e.to_string()))
     };
-    runtime.block_on(async {
-        tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
-            .await
-            .map_err(|_| {
-                PortsError::Agent(format!(
-                    "no answer within {} s; the VM may be stuck (`vmctl stop` stops it)",
-                    crate::exec::AGENT_TIMEOUT.as_secs()
-                ))
-            })?
-    })
+    tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
+        .await
+        .map_err(|_| {
+            PortsError::Agent(format!(
+                "no answer within {} s; the VM may be stuck (`vmctl stop` stops it)",
+                crate::exec::AGENT_TIMEOUT.as_secs()
+            ))
+        })?
 }
 
 /// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses).
@@ -146,6 +149,24 @@ pub fn unpublish(workspace: &Path, guest_port: u16) -> Result<SocketAddr, PortsE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A VM whose vsock accepts but whose agent never answers: `vmctl ports` gives up
+    /// with a remedy instead of waiting forever.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_never_answers_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        let _silent = tokio::net::UnixListener::bind(&socket).unwrap();
+        let error = tokio::time::timeout(crate::exec::AGENT_TIMEOUT * 2, ask_guest_ports(&socket))
+            .await
+            .expect("still waiting for the agent after twice the bound")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("no answer within 60 s") && error.contains("vmctl stop"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn table_merges_addresses_and_marks_published_and_ours() {

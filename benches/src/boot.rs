@@ -936,7 +936,7 @@ fn command_argv(cmd: &Command) -> Vec<String> {
         .collect()
 }
 
-fn shell_words(argv: &[String]) -> String {
+pub(crate) fn shell_words(argv: &[String]) -> String {
     argv.iter()
         .map(|a| {
             if !a.is_empty()

@@ -874,7 +874,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     Ok(())
 }
 
-fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String> {
+pub(crate) fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String> {
     match marker(&ran.stdout, key).map(|v| v.trim().parse::<u64>()) {
         Some(Ok(v)) if v == want => Ok(()),
         Some(_) | None => Err(format!(

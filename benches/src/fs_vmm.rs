@@ -23,13 +23,13 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::boot::{
-    order as vmm_order, run_vm, say, Vmm, GUEST_CMDLINE, QEMU_DEVICES, QEMU_MACHINE,
+    order as vmm_order, run_vm, say, shell_words, Vmm, GUEST_CMDLINE, QEMU_DEVICES, QEMU_MACHINE,
 };
 use crate::fs::{
-    git_setup_script, git_warmup_script, marker, parse_elapsed_ns, FsSizes, Side, Workload,
+    check_marker, git_setup_script, git_warmup_script, parse_elapsed_ns, FsSizes, Side, Workload,
 };
 use crate::process::run_command;
-use crate::report::{fmt_sig, ratios, Figure, Ratio};
+use crate::report::{fmt_sig, ratio_cell, ratios, Figure, Ratio};
 use crate::scan::tail;
 use crate::workspace::GuestArtifacts;
 
@@ -82,11 +82,7 @@ impl FsVmmReport {
             s.push_str("| figure | unit | VMM | median | min | max | n | ours/QEMU |\n");
             s.push_str("|---|---|---|---:|---:|---:|---:|---:|\n");
             for f in &self.figures {
-                let ratio = self
-                    .ratios
-                    .iter()
-                    .find(|r| f.vmm == Vmm::Ours.label() && r.name == f.name)
-                    .map_or(String::new(), |r| format!("{:.2}", r.ours_over_qemu));
+                let ratio = ratio_cell(&self.ratios, f);
                 s.push_str(&format!(
                     "| {} | {} | {} | {} | {} | {} | {} | {ratio} |\n",
                     f.name,
@@ -220,11 +216,6 @@ fn steps() -> Vec<&'static str> {
     v
 }
 
-/// A shell word for `s` (single quotes).
-fn quoted(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
 /// Writes boot `boot`'s batch script and its steps' scripts into `dir`/[`BATCH_DIR`];
 /// returns the batch script's path.
 fn write_batch(dir: &Path, boot: usize, c: &VmmCompare) -> Result<PathBuf, String> {
@@ -251,7 +242,7 @@ fn write_batch(dir: &Path, boot: usize, c: &VmmCompare) -> Result<PathBuf, Strin
             "#!/bin/bash\ncd {}\nfor step in {}; do\n  \
              bash {BATCH_DIR}/{boot}-$step.sh > {BATCH_DIR}/{boot}-$step.out 2> {BATCH_DIR}/{boot}-$step.err\n  \
              echo $? > {BATCH_DIR}/{boot}-$step.rc\ndone\necho {BATCH_DONE}\n",
-            quoted(&dir.display().to_string()),
+            shell_words(&[dir.display().to_string()]),
             steps().join(" ")
         ),
     )?;
@@ -425,15 +416,9 @@ pub fn measure(c: &VmmCompare, dir: &Path, scratch: &Path) -> FsVmmReport {
     setup
         .args(["-c", &git_setup_script(c.sizes.files)])
         .current_dir(dir);
-    let made = run_command(setup, "git repository setup (host)", c.timeout, true).and_then(|ran| {
-        match marker(&ran.stdout, "TRACKED") {
-            Some(n) if n.trim() == c.sizes.files.to_string() => Ok(()),
-            _ => Err(format!(
-                "git repository setup (host): no TRACKED={} line\n--- stderr (tail) ---\n{}",
-                c.sizes.files,
-                tail(&ran.stderr, 1000)
-            )),
-        }
+    let what = "git repository setup (host)";
+    let made = run_command(setup, what, c.timeout, true).and_then(|ran| {
+        check_marker(&ran, "TRACKED", c.sizes.files).map_err(|e| format!("{what}: {e}"))
     });
     if let Err(e) = made {
         report.errors.push(e);

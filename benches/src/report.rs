@@ -178,6 +178,18 @@ pub struct Ratio {
     pub ours_over_qemu: f64,
 }
 
+/// A table's ours/QEMU cell: on our figure's row, its ratio; else empty.
+pub fn ratio_cell(ratios: &[Ratio], f: &Figure) -> String {
+    if f.vmm != OURS {
+        return String::new();
+    }
+    ratios
+        .iter()
+        .find(|r| r.name == f.name)
+        .map(|r| format!("{:.2}", r.ours_over_qemu))
+        .unwrap_or_default()
+}
+
 pub fn ratios(figures: &[Figure]) -> Vec<Ratio> {
     let mut out = Vec::new();
     for ours in figures.iter().filter(|f| f.vmm == OURS) {
@@ -532,15 +544,7 @@ impl Report {
         s.push_str("| figure | unit | VMM | median | p90 | min | max | n | ours/QEMU | target |\n");
         s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|---|\n");
         for f in &self.figures {
-            let ratio = if f.vmm == OURS {
-                self.ratios
-                    .iter()
-                    .find(|r| r.name == f.name)
-                    .map(|r| format!("{:.2}", r.ours_over_qemu))
-                    .unwrap_or_default()
-            } else {
-                String::new()
-            };
+            let ratio = ratio_cell(&self.ratios, f);
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 f.name,

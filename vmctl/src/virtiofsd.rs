@@ -814,6 +814,18 @@ mod tests {
     }
 
     #[test]
+    fn the_benchmarks_own_virtiofsd_runs_with_vmctls_options() {
+        let socket = Path::new("/s/fs0.sock");
+        for (root, sandbox) in [(true, Sandbox::Namespace), (false, Sandbox::None)] {
+            assert_eq!(
+                vm_benches::fs_vmm::virtiofsd_args(Path::new("/h"), socket, root),
+                args_of(&share(Path::new("/h"), false), sandbox, CachePolicy::default()),
+                "benches/src/fs_vmm.rs must start virtiofsd as vmctl does (root: {root})"
+            );
+        }
+    }
+
+    #[test]
     fn arguments_name_the_share_socket_and_sandbox() {
         let args = args_of(
             &share(Path::new("/h"), false),

@@ -278,7 +278,6 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
 
 /// An exclusive `flock` on `path` (created if missing), held until the file drops.
 fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
-    use std::os::fd::AsRawFd;
     let io = |source| {
         VmError::State(StateError::Io {
             path: path.to_path_buf(),
@@ -286,10 +285,7 @@ fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
         })
     };
     let file = crate::state::open_lock_file(path).map_err(io)?;
-    // SAFETY: flock on a descriptor we own; it blocks until the lock is ours.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(io(std::io::Error::last_os_error()));
-    }
+    file.lock().map_err(io)?;
     Ok(file)
 }
 

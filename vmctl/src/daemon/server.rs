@@ -155,12 +155,12 @@ fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
         source,
     };
     let file = crate::state::open_lock_file(path).map_err(error)?;
-    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+    match file.try_lock() {
         Ok(()) => Ok(file),
-        Err(rustix::io::Errno::WOULDBLOCK) => {
+        Err(std::fs::TryLockError::WouldBlock) => {
             Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
         }
-        Err(e) => Err(error(e.into())),
+        Err(std::fs::TryLockError::Error(e)) => Err(error(e)),
     }
 }
 

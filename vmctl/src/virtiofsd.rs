@@ -819,7 +819,11 @@ mod tests {
         for (root, sandbox) in [(true, Sandbox::Namespace), (false, Sandbox::None)] {
             assert_eq!(
                 vm_benches::fs_vmm::virtiofsd_args(Path::new("/h"), socket, root),
-                args_of(&share(Path::new("/h"), false), sandbox, CachePolicy::default()),
+                args_of(
+                    &share(Path::new("/h"), false),
+                    sandbox,
+                    CachePolicy::default()
+                ),
                 "benches/src/fs_vmm.rs must start virtiofsd as vmctl does (root: {root})"
             );
         }

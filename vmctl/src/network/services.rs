@@ -279,6 +279,29 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
 }
 
+/// Sends `config` to the guest agent behind `vsock`, giving up after
+/// [`crate::exec::AGENT_TIMEOUT`]; the answer is the relays that failed.
+async fn apply_in_guest(vsock: &Path, config: NetworkConfig) -> Result<Vec<(u16, String)>, String> {
+    let call = async {
+        let connection = guest_agent::client::connect_hybrid(vsock, crate::exec::AGENT_PORT)
+            .await
+            .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
+        connection
+            .configure_network(config)
+            .await
+            .map_err(|e| format!("the guest agent refused the network setup: {e}"))
+    };
+    tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
+        .await
+        .map_err(|_| {
+            format!(
+                "the guest agent did not apply the network setup within {} s; the VM may \
+                 be stuck (`vmctl stop` stops it)",
+                crate::exec::AGENT_TIMEOUT.as_secs()
+            )
+        })?
+}
+
 /// Tells the guest agent the CA, the variables (with the placeholders of the secrets
 /// as they are now) and the relay ports, adding `extra_relays` to them.
 async fn configure_guest(
@@ -312,29 +335,42 @@ async fn configure_guest(
             failed_relays: Vec::new(),
         });
     }
-    let call = async {
-        let connection =
-            guest_agent::client::connect_hybrid(&service.vsock, crate::exec::AGENT_PORT)
-                .await
-                .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
-        connection
-            .configure_network(config.clone())
-            .await
-            .map_err(|e| format!("the guest agent refused the network setup: {e}"))
-    };
     // Bounded: the lock held meanwhile keeps every other session's setup waiting.
-    let failed_relays = tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
-        .await
-        .map_err(|_| {
-            format!(
-                "the guest agent did not apply the network setup within {} s",
-                crate::exec::AGENT_TIMEOUT.as_secs()
-            )
-        })??;
+    let failed_relays = apply_in_guest(&service.vsock, config.clone()).await?;
     // A failed relay is tried again next time.
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
         relay_ports,
         failed_relays,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A guest agent that accepts but never answers must not hold the setup's lock,
+    /// and with it every other session's start, forever.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_never_answers_the_setup_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        let _silent = tokio::net::UnixListener::bind(&socket).unwrap();
+        let config = NetworkConfig {
+            ca_cert_pem: String::new(),
+            env: Vec::new(),
+            relay_ports: vec![6767],
+        };
+        let error = tokio::time::timeout(
+            crate::exec::AGENT_TIMEOUT * 2,
+            apply_in_guest(&socket, config),
+        )
+        .await
+        .expect("still waiting for the agent after twice the bound")
+        .unwrap_err();
+        assert!(
+            error.contains("within 60 s") && error.contains("vmctl stop"),
+            "{error}"
+        );
+    }
 }

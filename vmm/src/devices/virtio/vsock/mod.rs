@@ -178,7 +178,9 @@ impl VirtioDevice for Vsock {
     fn process_queue(&mut self, index: usize) {
         match &self.worker {
             Some(worker) if index < NUM_QUEUES => worker.notify(index),
-            Some(_) => tracing::warn!("virtio-vsock: notification for nonexistent queue {index}"),
+            Some(_) => {
+                crate::guest_warn!("virtio-vsock: notification for nonexistent queue {index}")
+            }
             None => tracing::debug!("virtio-vsock: queue {index} notified before activation"),
         }
     }

@@ -1,0 +1,176 @@
+//! Rate limits for the warnings a guest can trigger at will: a bad register access,
+//! a malformed request, a queue that does not exist. Each call site of
+//! [`guest_warn!`](crate::guest_warn!) logs its first [`SHOWN_PER_WINDOW`] warnings in
+//! every [`WINDOW`] and counts the rest, so a misbehaving guest neither floods the
+//! VM's log (pushing out how the VM started) nor spends the host's CPU on formatting.
+//! The count of those left out is told with the first warning of the next window.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Warnings logged per call site and window.
+pub const SHOWN_PER_WINDOW: u32 = 10;
+pub const WINDOW: Duration = Duration::from_secs(10);
+
+/// What to do with one warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Log it; `left_out` warnings of this call site were not logged before it.
+    Show {
+        left_out: u64,
+    },
+    Suppress,
+}
+
+#[derive(Debug)]
+struct Window {
+    start: Instant,
+    shown: u32,
+    left_out: u64,
+}
+
+/// One call site's budget (a `static` in [`guest_warn!`](crate::guest_warn!)).
+#[derive(Debug)]
+pub struct Limiter {
+    window: Mutex<Option<Window>>,
+}
+
+impl Limiter {
+    pub const fn new() -> Limiter {
+        Limiter {
+            window: Mutex::new(None),
+        }
+    }
+
+    pub fn check(&self) -> Verdict {
+        self.check_at(Instant::now())
+    }
+
+    fn check_at(&self, now: Instant) -> Verdict {
+        // A panic elsewhere while holding the lock leaves a count, never a broken state.
+        let mut window = self
+            .window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(w) = window.as_mut() {
+            if now.saturating_duration_since(w.start) < WINDOW {
+                if w.shown < SHOWN_PER_WINDOW {
+                    w.shown += 1;
+                    return Verdict::Show { left_out: 0 };
+                }
+                w.left_out += 1;
+                return Verdict::Suppress;
+            }
+        }
+        let left_out = window.as_ref().map_or(0, |w| w.left_out);
+        *window = Some(Window {
+            start: now,
+            shown: 1,
+            left_out: 0,
+        });
+        Verdict::Show { left_out }
+    }
+}
+
+impl Default for Limiter {
+    fn default() -> Limiter {
+        Limiter::new()
+    }
+}
+
+/// `tracing::warn!` for what the guest controls, rate-limited per call site (see the
+/// module's documentation). Takes a format string and its arguments.
+#[macro_export]
+macro_rules! guest_warn {
+    ($($message:tt)+) => {{
+        static LIMITER: $crate::guest_warn::Limiter = $crate::guest_warn::Limiter::new();
+        match LIMITER.check() {
+            $crate::guest_warn::Verdict::Show { left_out: 0 } => ::tracing::warn!($($message)+),
+            $crate::guest_warn::Verdict::Show { left_out } => ::tracing::warn!(
+                "{} ({left_out} more like it in the {} s before were not logged)",
+                format_args!($($message)+),
+                $crate::guest_warn::WINDOW.as_secs()
+            ),
+            $crate::guest_warn::Verdict::Suppress => {}
+        }
+    }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_window_shows_its_budget_then_counts_the_rest() {
+        let limiter = Limiter::new();
+        let start = Instant::now();
+        for _ in 0..SHOWN_PER_WINDOW {
+            assert_eq!(limiter.check_at(start), Verdict::Show { left_out: 0 });
+        }
+        for _ in 0..25 {
+            assert_eq!(limiter.check_at(start + WINDOW / 2), Verdict::Suppress);
+        }
+        // The next window tells how many were left out, once.
+        assert_eq!(
+            limiter.check_at(start + WINDOW),
+            Verdict::Show { left_out: 25 }
+        );
+        assert_eq!(
+            limiter.check_at(start + WINDOW),
+            Verdict::Show { left_out: 0 }
+        );
+    }
+
+    #[test]
+    fn a_clock_that_goes_back_stays_in_the_window() {
+        let limiter = Limiter::new();
+        let start = Instant::now() + WINDOW;
+        for _ in 0..SHOWN_PER_WINDOW {
+            limiter.check_at(start);
+        }
+        assert_eq!(limiter.check_at(start - WINDOW), Verdict::Suppress);
+    }
+
+    /// The macro's static belongs to its call site: a flood from one site leaves
+    /// another's budget whole.
+    #[test]
+    fn the_macro_logs_a_flood_once_per_budget_and_each_site_apart() {
+        let logged = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let writer = logged.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || SharedWriter(writer.clone()))
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            for i in 0..1000 {
+                crate::guest_warn!("flood {i}");
+            }
+            crate::guest_warn!("other site");
+        });
+        let logged = String::from_utf8(logged.lock().unwrap().clone()).unwrap();
+        assert_eq!(
+            logged.matches("flood").count(),
+            SHOWN_PER_WINDOW as usize,
+            "{logged}"
+        );
+        assert!(logged.contains("flood 9"), "{logged}");
+        assert!(logged.contains("other site"), "{logged}");
+    }
+
+    struct SharedWriter(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for SharedWriter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .map_err(|_| std::io::Error::other("poisoned"))?
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+}

@@ -42,49 +42,87 @@ pub fn take_over(queue: &mut Queue, memory: &GuestMemoryMmap) {
     queue.set_next_used(used.0);
 }
 
-/// Answers every available request with EIO; true when the driver wants an
-/// interrupt.
-pub fn fail_requests(queue: &mut Queue, memory: &GuestMemoryMmap) -> bool {
-    let mut used_any = false;
+/// Most requests one call answers before it lets the worker see its other events (a
+/// stop, the other queue). A driver has at most a queue's worth outstanding (1,024
+/// for ours); a guest whose rings the replies themselves keep refilling (a reply or
+/// used entry written over its available index) would otherwise keep the call going.
+const MAX_ANSWERS_PER_CALL: usize = 4 * 1024;
+
+/// What one call of [`fail_requests`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answered {
+    /// The driver wants an interrupt.
+    pub notify: bool,
+    /// It stopped at its limit with requests left: call again (after other events).
+    pub more: bool,
+}
+
+/// Answers the available requests with EIO.
+pub fn fail_requests(queue: &mut Queue, memory: &GuestMemoryMmap) -> Answered {
+    fail_at_most(queue, memory, MAX_ANSWERS_PER_CALL)
+}
+
+fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answered {
+    let mut answered = 0;
+    let notify = |queue: &mut Queue, answered| {
+        answered > 0 && queue.needs_notification(memory).unwrap_or(true)
+    };
+    // Rounds in a row that took nothing although the ring's index promised more.
+    let mut empty_rounds = 0;
     loop {
+        let mut popped_any = false;
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
             let head = chain.head_index();
             let written = answer_with_eio(chain, memory);
             if let Err(e) = queue.add_used(memory, head, written) {
                 tracing::error!("virtio-fs: cannot return descriptor {head}: {e}");
-                return used_any;
+                return Answered {
+                    notify: notify(queue, answered),
+                    more: false,
+                };
             }
-            used_any = true;
+            popped_any = true;
+            answered += 1;
+            if answered == max {
+                return Answered {
+                    notify: notify(queue, answered),
+                    more: true,
+                };
+            }
         }
-        // Re-arm notifications and catch requests that raced with it. A driver whose
-        // available index is out of range has requests that never pop: not a race.
+        // Re-arm notifications and catch requests that raced with it. A ring whose
+        // index promises requests that twice in a row do not pop is broken, not
+        // racing: the index out of range, or the ring where virtio-queue refuses it
+        // (address 0).
+        empty_rounds = if popped_any { 0 } else { empty_rounds + 1 };
         match queue.enable_notification(memory) {
-            Ok(true) if !avail_index_out_of_range(queue, memory) => continue,
+            Ok(true) if empty_rounds < 2 => continue,
+            Ok(true) => {
+                warn_unusable_ring(queue, memory);
+                break;
+            }
             _ => break,
         }
     }
-    used_any && queue.needs_notification(memory).unwrap_or(true)
+    Answered {
+        notify: notify(queue, answered),
+        more: false,
+    }
 }
 
-/// Whether the driver's available index is more than a queue's worth ahead of the next
-/// request (or unreadable): virtio-queue then refuses to pop anything, and the guest
-/// broke its ring. Its requests stay unanswered until it resets the device.
-fn avail_index_out_of_range(queue: &Queue, memory: &GuestMemoryMmap) -> bool {
-    let Ok(avail) = queue.avail_idx(memory, Ordering::Acquire) else {
-        return true;
-    };
-    let pending = avail - Wrapping(queue.next_avail());
-    let out_of_range = pending.0 > queue.size();
-    if out_of_range {
-        tracing::warn!(
-            "virtio-fs: the driver's available index {} is {} requests ahead of the next \
-             (queue size {}); its requests are no longer answered",
-            avail.0,
-            pending.0,
-            queue.size()
-        );
-    }
-    out_of_range
+/// The driver's available ring says there are requests, but none can be taken: its
+/// requests stay unanswered until it resets the device.
+fn warn_unusable_ring(queue: &Queue, memory: &GuestMemoryMmap) {
+    let avail = queue
+        .avail_idx(memory, Ordering::Acquire)
+        .map_or_else(|e| e.to_string(), |idx| idx.0.to_string());
+    crate::guest_warn!(
+        "virtio-fs: the driver's available ring (at {:#x}, index {avail}, next request {}, \
+         queue size {}) offers requests that cannot be taken; they are no longer answered",
+        queue.avail_ring(),
+        queue.next_avail(),
+        queue.size()
+    );
 }
 
 /// Writes a fuse_out_header carrying -EIO; returns the bytes written (0 for requests
@@ -115,5 +153,67 @@ fn answer_with_eio(
     match memory.write_obj(reply, GuestAddress(output.addr().0)) {
         Ok(()) => header_len,
         Err(_) => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::GuestAddress;
+
+    const WRITE: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16;
+    const NEXT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
+
+    fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap()
+    }
+
+    /// `count` LOOKUPs with a reply buffer each, on a mock queue of 16.
+    fn lookups(memory: &GuestMemoryMmap, count: u16) -> Queue {
+        let vq = MockSplitQueue::new(memory, 16);
+        let mut chains = Vec::new();
+        for i in 0..count {
+            let request = 0x8_0000 + 0x100 * u64::from(i);
+            let header = InHeaderStart {
+                len: 40,
+                opcode: 1,
+                unique: 100 + u64::from(i),
+            };
+            memory.write_obj(header, GuestAddress(request)).unwrap();
+            let next = 2 * i + 1;
+            chains.push(RawDescriptor::from(Descriptor::new(
+                request, 40, NEXT, next,
+            )));
+            chains.push(RawDescriptor::from(Descriptor::new(
+                request + 0x80,
+                16,
+                WRITE,
+                0,
+            )));
+        }
+        vq.add_desc_chains(&chains, 0).unwrap();
+        vq.create_queue().unwrap()
+    }
+
+    fn reply(memory: &GuestMemoryMmap, i: u64) -> OutHeader {
+        memory
+            .read_obj(GuestAddress(0x8_0000 + 0x100 * i + 0x80))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_call_stops_at_its_limit_and_says_more_remain() {
+        let memory = memory();
+        let mut queue = lookups(&memory, 3);
+        assert!(fail_at_most(&mut queue, &memory, 2).more);
+        assert_eq!(
+            reply(&memory, 2).unique,
+            0,
+            "the third waits for the next call"
+        );
+        assert!(!fail_at_most(&mut queue, &memory, 2).more);
+        assert_eq!(reply(&memory, 2).unique, 102);
     }
 }

@@ -5,7 +5,7 @@
 //! requests with EIO itself so nothing in the guest hangs on a dead share.
 
 mod backend;
-mod fallback;
+pub mod fallback;
 mod worker;
 
 use std::path::Path;

@@ -153,8 +153,18 @@ impl Worker {
             return;
         };
         let _ = kick.read();
-        if fallback::fail_requests(queue, &self.memory) {
+        let answered = fallback::fail_requests(queue, &self.memory);
+        if answered.notify {
             self.interrupt.signal_used_queue();
+        }
+        // Back to this queue after the other events, as if kicked again.
+        if answered.more {
+            if let Err(e) = kick.write(1) {
+                tracing::error!(
+                    "virtio-fs {:?}: cannot requeue queue {index}: {e}",
+                    self.tag
+                );
+            }
         }
     }
 }

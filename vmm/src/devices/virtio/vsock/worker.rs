@@ -78,13 +78,20 @@ impl Drop for WorkerHandle {
 }
 
 struct Worker {
-    memory: GuestMemoryMmap,
-    queues: [Queue; NUM_QUEUES],
+    datapath: Datapath,
     interrupt: InterruptTrigger,
-    muxer: Muxer,
-    guest_cid: u64,
     queue_evts: [Arc<EventFd>; NUM_QUEUES],
     stop: Arc<EventFd>,
+}
+
+/// What the guest's queues carry, moved through the muxer: packets the guest sent
+/// are taken off the tx queue, packets for it fill the rx queue's buffers. Everything
+/// here is driven by the guest's descriptors and memory, and checked.
+pub struct Datapath {
+    memory: GuestMemoryMmap,
+    queues: [Queue; NUM_QUEUES],
+    pub muxer: Muxer,
+    guest_cid: u64,
     scratch: Vec<u8>,
 }
 
@@ -103,7 +110,8 @@ pub fn spawn(
     };
     let queue_evts = [new_evt()?, new_evt()?, new_evt()?];
     let stop = new_evt()?;
-    let epoll = muxer.epoll();
+    let datapath = Datapath::new(memory, queues, muxer, guest_cid);
+    let epoll = datapath.muxer.epoll();
     epoll
         .ctl(
             ControlOperation::Add,
@@ -121,14 +129,10 @@ pub fn spawn(
             .map_err(WorkerError::Register)?;
     }
     let worker = Worker {
-        memory,
-        queues,
+        datapath,
         interrupt,
-        muxer,
-        guest_cid,
         queue_evts: queue_evts.clone(),
         stop: stop.clone(),
-        scratch: vec![0u8; MAX_PKT_LEN as usize],
     };
     let thread = std::thread::Builder::new()
         .name("vsock".into())
@@ -147,7 +151,7 @@ impl Worker {
         // Packets may already be waiting when the driver sets DRIVER_OK.
         self.process();
         loop {
-            let n = match self.muxer.epoll().wait(-1, &mut events) {
+            let n = match self.datapath.muxer.epoll().wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -166,7 +170,7 @@ impl Worker {
                     let _ = self.queue_evts[index].read();
                     continue;
                 }
-                self.muxer.handle_event(token, event.event_set());
+                self.datapath.muxer.handle_event(token, event.event_set());
             }
             if self.stop.read().is_ok() {
                 return;
@@ -177,8 +181,8 @@ impl Worker {
 
     /// Takes what the guest sent, then fills receive buffers.
     fn process(&mut self) {
-        let tx_used = self.process_tx();
-        let rx_used = self.process_rx();
+        let tx_used = self.datapath.process_tx();
+        let rx_used = self.datapath.process_rx();
         if tx_used {
             self.notify(TX_QUEUE);
         }
@@ -188,7 +192,7 @@ impl Worker {
     }
 
     fn notify(&mut self, index: usize) {
-        match self.queues[index].needs_notification(&self.memory) {
+        match self.datapath.needs_notification(index) {
             Ok(false) => {}
             Ok(true) => self.interrupt.signal_used_queue(),
             Err(e) => {
@@ -197,8 +201,31 @@ impl Worker {
             }
         }
     }
+}
 
-    fn process_tx(&mut self) -> bool {
+impl Datapath {
+    pub fn new(
+        memory: GuestMemoryMmap,
+        queues: [Queue; NUM_QUEUES],
+        muxer: Muxer,
+        guest_cid: u64,
+    ) -> Datapath {
+        Datapath {
+            memory,
+            queues,
+            muxer,
+            guest_cid,
+            scratch: vec![0u8; MAX_PKT_LEN as usize],
+        }
+    }
+
+    /// Whether the driver wants an interrupt for what was just used in queue `index`.
+    fn needs_notification(&mut self, index: usize) -> Result<bool, virtio_queue::Error> {
+        self.queues[index].needs_notification(&self.memory)
+    }
+
+    /// Hands every packet the guest sent to the muxer; true if buffers were used.
+    pub fn process_tx(&mut self) -> bool {
         let mut used = false;
         let queue = &mut self.queues[TX_QUEUE];
         while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
@@ -220,7 +247,9 @@ impl Worker {
         used
     }
 
-    fn process_rx(&mut self) -> bool {
+    /// Fills the guest's receive buffers with what the muxer has for it; true if
+    /// buffers were used.
+    pub fn process_rx(&mut self) -> bool {
         let mut used = false;
         let queue = &mut self.queues[RX_QUEUE];
         while self.muxer.has_pending_rx() {

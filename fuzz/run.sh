@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs libFuzzer on one harness for a while: fuzz/run.sh mmio|vsock|fs_fallback [SECONDS]
+# (default 60). Seeds come from the hand-written sessions (src/seeds.rs); the corpus
+# grows in fuzz/libfuzzer/corpus/<target>, crashes land in fuzz/libfuzzer/artifacts/.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+target=${1:?usage: fuzz/run.sh mmio|vsock|fs_fallback [SECONDS]}
+seconds=${2:-60}
+case $target in
+    mmio | vsock | fs_fallback) ;;
+    *) echo "fuzz/run.sh: no harness '$target' (mmio, vsock or fs_fallback)" >&2; exit 2 ;;
+esac
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "fuzz/run.sh: cargo-fuzz is missing; install it with: cargo install cargo-fuzz --locked" >&2
+    exit 2
+fi
+
+cargo run -q --release --manifest-path "$here/Cargo.toml" --bin fuzz-seeds -- "$here/libfuzzer/corpus"
+cd "$here/libfuzzer"
+# cargo fuzz builds with nightly-only flags (the sanitizer); RUSTC_BOOTSTRAP lets this
+# machine's stable toolchain take them.
+RUSTC_BOOTSTRAP=1 exec cargo fuzz run --fuzz-dir . "$target" "corpus/$target" -- \
+    -max_total_time="$seconds" -rss_limit_mb=2048

@@ -1,0 +1,312 @@
+//! A guest driving a virtio-mmio device: register reads and writes at any offset, of
+//! any size, in any order; queues wherever it likes; notifications for any queue; and
+//! its memory (rings, descriptors, requests) changing between them. The devices are
+//! the VMM's own (block on a scratch disk, rng), behind the VMM's own transport.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::sync::Arc;
+
+use vmm::devices::bus::BusDevice;
+use vmm::devices::virtio::block::Block;
+use vmm::devices::virtio::mmio::MmioTransport;
+use vmm::devices::virtio::rng::Rng;
+use vmm::devices::virtio::{InterruptTrigger, VirtioDevice};
+use vmm::memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::guest::{self, QueueLayout};
+use crate::input::{Reader, Writer};
+
+/// virtio-mmio registers (virtio 1.2, 4.2.2) the well-behaved set-up writes.
+pub mod reg {
+    pub const DEVICE_FEATURES: u64 = 0x10;
+    pub const DEVICE_FEATURES_SEL: u64 = 0x14;
+    pub const DRIVER_FEATURES: u64 = 0x20;
+    pub const DRIVER_FEATURES_SEL: u64 = 0x24;
+    pub const QUEUE_SEL: u64 = 0x30;
+    pub const QUEUE_NUM: u64 = 0x38;
+    pub const QUEUE_READY: u64 = 0x44;
+    pub const QUEUE_NOTIFY: u64 = 0x50;
+    pub const STATUS: u64 = 0x70;
+    pub const QUEUE_DESC: u64 = 0x80;
+    pub const QUEUE_DRIVER: u64 = 0x90;
+    pub const QUEUE_DEVICE: u64 = 0xa0;
+}
+
+/// Status bits.
+const ACKNOWLEDGE: u32 = 1;
+const DRIVER: u32 = 2;
+const DRIVER_OK: u32 = 4;
+const FEATURES_OK: u32 = 8;
+
+/// The scratch disk: 64 KiB (128 sectors) with a pattern, so that reads are checkable.
+pub const DISK_BYTES: usize = 64 * 1024;
+
+pub fn disk_pattern() -> Vec<u8> {
+    (0..DISK_BYTES).map(|i| (i / 512 + i) as u8).collect()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Disk { read_only: bool },
+    Rng,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// A register write: `size` of 1, 2, 4 or 8 bytes of `value`.
+    Write {
+        offset: u16,
+        size: u8,
+        value: u64,
+    },
+    Read {
+        offset: u16,
+        size: u8,
+    },
+    /// What the ioeventfd of QueueNotify delivers.
+    Notify {
+        queue: u32,
+    },
+    /// A well-behaved driver's set-up: reset, accept every offered feature, lay the
+    /// queues out as given, DRIVER_OK.
+    Setup {
+        queues: Vec<QueueLayout>,
+    },
+    /// The guest changes its memory.
+    Poke {
+        addr: u32,
+        bytes: Vec<u8>,
+    },
+}
+
+const SIZES: [u8; 4] = [1, 2, 4, 8];
+
+impl Op {
+    fn read(r: &mut Reader) -> Op {
+        match r.u8() % 5 {
+            0 => Op::Write {
+                offset: r.u16() & 0x1ff,
+                size: SIZES[usize::from(r.u8() & 3)],
+                value: r.u64(),
+            },
+            1 => Op::Read {
+                offset: r.u16() & 0x1ff,
+                size: SIZES[usize::from(r.u8() & 3)],
+            },
+            2 => Op::Notify {
+                queue: u32::from(r.u8()),
+            },
+            3 => Op::Setup {
+                queues: (0..r.u8() % 3).map(|_| QueueLayout::read(r)).collect(),
+            },
+            _ => {
+                let addr = r.u32() & 0x1_ffff;
+                let len = usize::from(r.u8());
+                Op::Poke {
+                    addr,
+                    bytes: r.bytes(len).to_vec(),
+                }
+            }
+        }
+    }
+
+    fn write(&self, w: &mut Writer) {
+        let size_code = |size: &u8| SIZES.iter().position(|s| s == size).unwrap_or(2) as u8;
+        match self {
+            Op::Write {
+                offset,
+                size,
+                value,
+            } => {
+                w.u8(0).u16(*offset).u8(size_code(size)).u64(*value);
+            }
+            Op::Read { offset, size } => {
+                w.u8(1).u16(*offset).u8(size_code(size));
+            }
+            Op::Notify { queue } => {
+                w.u8(2).u8(*queue as u8);
+            }
+            Op::Setup { queues } => {
+                w.u8(3).u8(queues.len() as u8);
+                for q in queues {
+                    q.write(w);
+                }
+            }
+            Op::Poke { addr, bytes } => {
+                w.u8(4).u32(*addr).u8(bytes.len() as u8).bytes(bytes);
+            }
+        }
+    }
+}
+
+/// One fuzz input: the device, the guest's memory image, then what the driver does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Input {
+    pub device: DeviceKind,
+    pub image: Vec<u8>,
+    pub ops: Vec<Op>,
+}
+
+/// The most operations one input runs (each may notify a queue of 256 requests).
+pub const MAX_OPS: usize = 64;
+
+impl Input {
+    pub fn decode(data: &[u8]) -> Input {
+        let mut r = Reader::new(data);
+        let device = match r.u8() % 3 {
+            0 => DeviceKind::Disk { read_only: false },
+            1 => DeviceKind::Disk { read_only: true },
+            _ => DeviceKind::Rng,
+        };
+        let image_len = usize::from(r.u16());
+        let image = r.bytes(image_len).to_vec();
+        let mut ops = Vec::new();
+        while !r.is_empty() && ops.len() < MAX_OPS {
+            ops.push(Op::read(&mut r));
+        }
+        Input { device, image, ops }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u8(match self.device {
+            DeviceKind::Disk { read_only: false } => 0,
+            DeviceKind::Disk { read_only: true } => 1,
+            DeviceKind::Rng => 2,
+        });
+        w.u16(self.image.len() as u16).bytes(&self.image);
+        for op in &self.ops {
+            op.write(&mut w);
+        }
+        w.data
+    }
+}
+
+/// A device behind its transport, as the VMM builds it, and the guest around it.
+pub struct Session {
+    pub transport: MmioTransport,
+    pub memory: GuestMemoryMmap,
+    pub device: DeviceKind,
+    pub disk: Option<File>,
+}
+
+impl Session {
+    pub fn new(device: DeviceKind, image: &[u8]) -> Session {
+        let memory = guest::memory(image);
+        let irqfd = Arc::new(EventFd::new(EFD_NONBLOCK).expect("an eventfd"));
+        let (virtio, disk): (Box<dyn VirtioDevice>, _) = match device {
+            DeviceKind::Disk { read_only } => {
+                let mut file = tempfile::tempfile().expect("a scratch disk");
+                file.write_all(&disk_pattern())
+                    .expect("writing the scratch disk");
+                let clone = file.try_clone().expect("a second descriptor of the disk");
+                let block = Block::new(clone, read_only, "fuzz".into()).expect("a block device");
+                (Box::new(block), Some(file))
+            }
+            DeviceKind::Rng => (Box::new(Rng::new()), None),
+        };
+        let transport = MmioTransport::new(virtio, memory.clone(), InterruptTrigger::new(irqfd));
+        Session {
+            transport,
+            memory,
+            device,
+            disk,
+        }
+    }
+
+    pub fn apply(&mut self, op: &Op) {
+        match op {
+            Op::Write {
+                offset,
+                size,
+                value,
+            } => {
+                let bytes = value.to_le_bytes();
+                self.transport
+                    .write(u64::from(*offset), &bytes[..usize::from(*size)]);
+            }
+            Op::Read { offset, size } => {
+                let mut data = [0u8; 8];
+                self.transport
+                    .read(u64::from(*offset), &mut data[..usize::from(*size)]);
+            }
+            Op::Notify { queue } => self.transport.notify_queue(*queue),
+            Op::Setup { queues } => self.set_up(queues),
+            Op::Poke { addr, bytes } => guest::poke(&self.memory, u64::from(*addr), bytes),
+        }
+    }
+
+    fn write32(&mut self, offset: u64, value: u32) {
+        self.transport.write(offset, &value.to_le_bytes());
+    }
+
+    fn read32(&mut self, offset: u64) -> u32 {
+        let mut data = [0u8; 4];
+        self.transport.read(offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn set_up(&mut self, queues: &[QueueLayout]) {
+        self.write32(reg::STATUS, 0);
+        self.write32(reg::STATUS, ACKNOWLEDGE);
+        self.write32(reg::STATUS, ACKNOWLEDGE | DRIVER);
+        for bank in 0..2 {
+            self.write32(reg::DEVICE_FEATURES_SEL, bank);
+            let offered = self.read32(reg::DEVICE_FEATURES);
+            self.write32(reg::DRIVER_FEATURES_SEL, bank);
+            self.write32(reg::DRIVER_FEATURES, offered);
+        }
+        self.write32(reg::STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK);
+        for (index, q) in queues.iter().enumerate() {
+            self.write32(reg::QUEUE_SEL, index as u32);
+            self.write32(reg::QUEUE_NUM, u32::from(q.size));
+            for (register, addr) in [
+                (reg::QUEUE_DESC, q.desc),
+                (reg::QUEUE_DRIVER, q.avail),
+                (reg::QUEUE_DEVICE, q.used),
+            ] {
+                self.write32(register, addr as u32);
+                self.write32(register + 4, (addr >> 32) as u32);
+            }
+            self.write32(reg::QUEUE_READY, 1);
+        }
+        self.write32(reg::STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK);
+    }
+
+    /// What must hold whatever the guest did: a read-only disk is unchanged, and no
+    /// disk grew or shrank.
+    pub fn check(&mut self) {
+        let (Some(disk), DeviceKind::Disk { read_only }) = (&mut self.disk, self.device) else {
+            return;
+        };
+        let mut content = Vec::new();
+        disk.seek(SeekFrom::Start(0))
+            .expect("seek the scratch disk");
+        disk.read_to_end(&mut content)
+            .expect("read the scratch disk");
+        assert_eq!(content.len(), DISK_BYTES, "the guest resized its disk");
+        if read_only {
+            assert!(
+                content == disk_pattern(),
+                "the guest wrote to a read-only disk"
+            );
+        }
+    }
+}
+
+/// The fuzz target: any bytes.
+pub fn run(data: &[u8]) {
+    let _ = run_input(&Input::decode(data));
+}
+
+/// Runs `input` and checks what must hold; the session is returned for more checks.
+pub fn run_input(input: &Input) -> Session {
+    let mut session = Session::new(input.device, &input.image);
+    for op in &input.ops {
+        session.apply(op);
+    }
+    session.check();
+    session
+}

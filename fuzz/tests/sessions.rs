@@ -1,0 +1,123 @@
+//! The hand-written sessions get the answers a correct device gives, through the same
+//! harnesses libFuzzer runs: so the harnesses do reach the devices' request handling.
+
+use vm_memory::{Bytes, GuestAddress};
+use vmm_fuzz::guest::{used_element, used_index};
+use vmm_fuzz::mmio::{self, disk_pattern};
+use vmm_fuzz::seeds::*;
+use vmm_fuzz::{fs_fallback, vsock};
+
+fn read(memory: &vmm::memory::GuestMemoryMmap, addr: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    memory
+        .read_slice(&mut out, GuestAddress(addr))
+        .expect("inside guest memory");
+    out
+}
+
+fn disk(session: &mut mmio::Session) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let file = session.disk.as_mut().expect("a disk session");
+    file.seek(SeekFrom::Start(0)).unwrap();
+    let mut content = Vec::new();
+    file.read_to_end(&mut content).unwrap();
+    content
+}
+
+fn sector(content: &[u8], n: u64) -> &[u8] {
+    &content[(n * SECTOR) as usize..((n + 1) * SECTOR) as usize]
+}
+
+#[test]
+fn a_read_request_gets_the_sector_into_the_second_region() {
+    let session = mmio::run_input(&block_request(true, BLK_IN, 3, DATA, 512, &[]));
+    assert_eq!(read(&session.memory, STATUS, 1), [BLK_OK]);
+    assert_eq!(read(&session.memory, DATA, 512), sector(&disk_pattern(), 3));
+    assert_eq!(used_index(&session.memory, USED), 1);
+    assert_eq!(used_element(&session.memory, USED, 0), (0, 513));
+}
+
+#[test]
+fn a_write_request_reaches_the_disk_unless_it_is_read_only() {
+    let payload = vec![b'W'; 512];
+    let mut session = mmio::run_input(&block_request(false, BLK_OUT, 5, DATA, 512, &payload));
+    assert_eq!(read(&session.memory, STATUS, 1), [BLK_OK]);
+    assert_eq!(sector(&disk(&mut session), 5), &payload[..]);
+
+    // The harness's own check fails the run if the read-only disk changed.
+    let session = mmio::run_input(&block_request(true, BLK_OUT, 5, DATA, 512, &payload));
+    assert_eq!(read(&session.memory, STATUS, 1), [BLK_IOERR]);
+}
+
+#[test]
+fn buffers_across_the_hole_or_past_memory_are_refused() {
+    for (data, len) in [
+        (0x7f00, 512),             // runs from the first region into the hole
+        (0x1_7f00, 512),           // runs past the end of memory
+        (u64::MAX - 100, 512),     // wraps around
+        (DATA, 512 * 1024 * 1024), // longer than the disk
+    ] {
+        let session = mmio::run_input(&block_request(true, BLK_IN, 0, data, len, &[]));
+        assert_eq!(
+            read(&session.memory, STATUS, 1),
+            [BLK_IOERR],
+            "data at {data:#x}+{len:#x}"
+        );
+        assert_eq!(used_index(&session.memory, USED), 1);
+    }
+}
+
+#[test]
+fn the_rng_fills_the_buffer() {
+    let session = mmio::run_input(&rng_request());
+    assert_eq!(used_element(&session.memory, USED, 0), (0, 64));
+    assert!(read(&session.memory, DATA, 64).iter().any(|&b| b != 0));
+}
+
+#[test]
+fn a_guest_connects_to_the_host_service_and_its_data_arrives() {
+    let mut session = vsock::run_input(&vsock_connect_and_send()).expect("valid queues");
+    let [rx, tx, _] = vsock_layouts();
+    assert_eq!(
+        used_index(&session.memory, tx.used),
+        2,
+        "both packets taken"
+    );
+    assert_eq!(
+        used_index(&session.memory, rx.used),
+        1,
+        "the answer delivered"
+    );
+    let answer = read(&session.memory, RX_BUFFER, 44);
+    let op = u16::from_le_bytes([answer[30], answer[31]]);
+    assert_eq!(op, VSOCK_RESPONSE, "header {answer:?}");
+    assert_eq!(session.service_received(), b"hello");
+}
+
+#[test]
+fn requests_after_the_backend_died_get_eio_and_forget_gets_nothing() {
+    let memory = fs_fallback::run_input(&fs_requests()).expect("a valid queue");
+    let reply = read(&memory, FUSE_REPLY, 16);
+    assert_eq!(&reply[..4], &16u32.to_le_bytes());
+    assert_eq!(&reply[4..8], &(-5i32).to_le_bytes(), "EIO");
+    assert_eq!(&reply[8..], &UNIQUE.to_le_bytes());
+    assert_eq!(used_index(&memory, USED), 2);
+    assert_eq!(used_element(&memory, USED, 0), (0, 16));
+    assert_eq!(used_element(&memory, USED, 1), (2, 0));
+}
+
+#[test]
+fn every_seed_survives_encoding() {
+    assert_eq!(
+        mmio::Input::decode(&block_request(false, BLK_OUT, 5, DATA, 512, b"x").encode()),
+        block_request(false, BLK_OUT, 5, DATA, 512, b"x")
+    );
+    assert_eq!(
+        vsock::Input::decode(&vsock_connect_and_send().encode()),
+        vsock_connect_and_send()
+    );
+    assert_eq!(
+        fs_fallback::Input::decode(&fs_requests().encode()),
+        fs_requests()
+    );
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs libFuzzer on one harness for a while: fuzz/run.sh mmio|vsock|fs_fallback [SECONDS]
-# (default 60). Seeds come from the hand-written sessions (src/seeds.rs); the corpus
-# grows in fuzz/libfuzzer/corpus/<target>, crashes land in fuzz/libfuzzer/artifacts/.
+# (default 60). An input that runs over 10 s counts as a hang. Seeds come from the
+# hand-written sessions (src/seeds.rs); the corpus grows in
+# fuzz/libfuzzer/corpus/<target>, crashes and hangs land in fuzz/libfuzzer/artifacts/.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,4 +22,4 @@ cd "$here/libfuzzer"
 # cargo fuzz builds with nightly-only flags (the sanitizer); RUSTC_BOOTSTRAP lets this
 # machine's stable toolchain take them.
 RUSTC_BOOTSTRAP=1 exec cargo fuzz run --fuzz-dir . "$target" "corpus/$target" -- \
-    -max_total_time="$seconds" -rss_limit_mb=2048
+    -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10

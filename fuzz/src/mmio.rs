@@ -55,7 +55,8 @@ pub enum DeviceKind {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
-    /// A register write: `size` of 1, 2, 4 or 8 bytes of `value`.
+    /// A register write of `size` (0 to 8) bytes of `value`: KVM reports accesses of
+    /// any such length, not only the aligned ones.
     Write {
         offset: u16,
         size: u8,
@@ -81,19 +82,17 @@ pub enum Op {
     },
 }
 
-const SIZES: [u8; 4] = [1, 2, 4, 8];
-
 impl Op {
     fn read(r: &mut Reader) -> Op {
         match r.u8() % 5 {
             0 => Op::Write {
                 offset: r.u16() & 0x1ff,
-                size: SIZES[usize::from(r.u8() & 3)],
+                size: r.u8() % 9,
                 value: r.u64(),
             },
             1 => Op::Read {
                 offset: r.u16() & 0x1ff,
-                size: SIZES[usize::from(r.u8() & 3)],
+                size: r.u8() % 9,
             },
             2 => Op::Notify {
                 queue: u32::from(r.u8()),
@@ -113,17 +112,16 @@ impl Op {
     }
 
     fn write(&self, w: &mut Writer) {
-        let size_code = |size: &u8| SIZES.iter().position(|s| s == size).unwrap_or(2) as u8;
         match self {
             Op::Write {
                 offset,
                 size,
                 value,
             } => {
-                w.u8(0).u16(*offset).u8(size_code(size)).u64(*value);
+                w.u8(0).u16(*offset).u8(*size).u64(*value);
             }
             Op::Read { offset, size } => {
-                w.u8(1).u16(*offset).u8(size_code(size));
+                w.u8(1).u16(*offset).u8(*size);
             }
             Op::Notify { queue } => {
                 w.u8(2).u8(*queue as u8);
@@ -225,12 +223,12 @@ impl Session {
             } => {
                 let bytes = value.to_le_bytes();
                 self.transport
-                    .write(u64::from(*offset), &bytes[..usize::from(*size)]);
+                    .write(u64::from(*offset), &bytes[..usize::from(*size).min(8)]);
             }
             Op::Read { offset, size } => {
                 let mut data = [0u8; 8];
                 self.transport
-                    .read(u64::from(*offset), &mut data[..usize::from(*size)]);
+                    .read(u64::from(*offset), &mut data[..usize::from(*size).min(8)]);
             }
             Op::Notify { queue } => self.transport.notify_queue(*queue),
             Op::Setup { queues } => self.set_up(queues),

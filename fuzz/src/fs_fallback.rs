@@ -28,41 +28,36 @@ pub struct Input {
     pub ops: Vec<Op>,
 }
 
-pub const MAX_OPS: usize = 64;
+impl Op {
+    fn read(r: &mut Reader) -> Op {
+        match r.u8() % 3 {
+            0 => Op::TakeOver,
+            1 => Op::Kick,
+            _ => {
+                let (addr, bytes) = r.poke();
+                Op::Poke { addr, bytes }
+            }
+        }
+    }
+}
 
 impl Input {
     pub fn decode(data: &[u8]) -> Input {
         let mut r = Reader::new(data);
         let queue = QueueLayout::read(&mut r);
-        let image_len = usize::from(r.u16());
-        let image = r.bytes(image_len).to_vec();
-        let mut ops = Vec::new();
-        while !r.is_empty() && ops.len() < MAX_OPS {
-            ops.push(match r.u8() % 3 {
-                0 => Op::TakeOver,
-                1 => Op::Kick,
-                _ => {
-                    let addr = r.u32() & 0x1_ffff;
-                    let len = usize::from(r.u8());
-                    Op::Poke {
-                        addr,
-                        bytes: r.bytes(len).to_vec(),
-                    }
-                }
-            });
-        }
+        let (image, ops) = r.image_and_ops(Op::read);
         Input { queue, image, ops }
     }
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         self.queue.write(&mut w);
-        w.u16(self.image.len() as u16).bytes(&self.image);
+        w.image(&self.image);
         for op in &self.ops {
             match op {
                 Op::TakeOver => w.u8(0),
                 Op::Kick => w.u8(1),
-                Op::Poke { addr, bytes } => w.u8(2).u32(*addr).u8(bytes.len() as u8).bytes(bytes),
+                Op::Poke { addr, bytes } => w.u8(2).poke(*addr, bytes),
             };
         }
         w.data

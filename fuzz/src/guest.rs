@@ -10,6 +10,11 @@ use crate::input::Reader;
 /// Two RAM regions with a hole between them: [0, 32 KiB) and [64 KiB, 96 KiB).
 pub const REGIONS: [(u64, usize); 2] = [(0, 0x8000), (0x1_0000, 0x8000)];
 
+/// The fuzzer's addresses keep 17 bits: both regions, the hole, and past the end.
+pub fn near_memory(v: u32) -> u32 {
+    v & 0x1_ffff
+}
+
 /// Guest memory holding `image` from address 0 on, continued in the second region
 /// (the rest is zeros).
 pub fn memory(image: &[u8]) -> GuestMemoryMmap {
@@ -47,10 +52,9 @@ pub struct QueueLayout {
 }
 
 impl QueueLayout {
-    /// Addresses mostly in or near guest memory (17 bits: both regions, the hole, and
-    /// past the end), sizes of any value.
+    /// Addresses in or near guest memory ([`near_memory`]), sizes of any value.
     pub fn read(r: &mut Reader) -> QueueLayout {
-        let near = |v: u32| u64::from(v & 0x1_ffff);
+        let near = |v: u32| u64::from(near_memory(v));
         QueueLayout {
             size: r.u16(),
             desc: near(r.u32()),

@@ -2,6 +2,10 @@
 //! the end gives zeros and empty slices, so libFuzzer never wastes a run on a parse
 //! error. [`Writer`] is the inverse, for hand-written seeds.
 
+/// The most operations one input runs (each may notify a queue of hundreds of
+/// requests).
+pub const MAX_OPS: usize = 64;
+
 pub struct Reader<'a> {
     data: &'a [u8],
 }
@@ -36,6 +40,26 @@ impl<'a> Reader<'a> {
 
     pub fn u64(&mut self) -> u64 {
         u64::from_le_bytes(self.le())
+    }
+
+    /// What every harness's input ends with: the guest's memory image (its length,
+    /// then its bytes), then up to [`MAX_OPS`] operations read by `read_op`.
+    pub fn image_and_ops<Op>(&mut self, read_op: fn(&mut Reader<'a>) -> Op) -> (Vec<u8>, Vec<Op>) {
+        let image_len = usize::from(self.u16());
+        let image = self.bytes(image_len).to_vec();
+        let mut ops = Vec::new();
+        while !self.is_empty() && ops.len() < MAX_OPS {
+            ops.push(read_op(self));
+        }
+        (image, ops)
+    }
+
+    /// A change to guest memory: an address in or near it
+    /// ([`crate::guest::near_memory`]), then up to 255 bytes.
+    pub fn poke(&mut self) -> (u32, Vec<u8>) {
+        let addr = crate::guest::near_memory(self.u32());
+        let len = usize::from(self.u8());
+        (addr, self.bytes(len).to_vec())
     }
 
     fn le<const N: usize>(&mut self) -> [u8; N] {
@@ -75,6 +99,16 @@ impl Writer {
     pub fn bytes(&mut self, v: &[u8]) -> &mut Writer {
         self.data.extend_from_slice(v);
         self
+    }
+
+    /// The inverse of [`Reader::image_and_ops`]'s image.
+    pub fn image(&mut self, image: &[u8]) -> &mut Writer {
+        self.u16(image.len() as u16).bytes(image)
+    }
+
+    /// The inverse of [`Reader::poke`].
+    pub fn poke(&mut self, addr: u32, bytes: &[u8]) -> &mut Writer {
+        self.u32(addr).u8(bytes.len() as u8).bytes(bytes)
     }
 }
 

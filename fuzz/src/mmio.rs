@@ -18,7 +18,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::guest::{self, QueueLayout};
 use crate::input::{Reader, Writer};
 
-/// virtio-mmio registers (virtio 1.2, 4.2.2) the well-behaved set-up writes.
+/// virtio-mmio registers (virtio 1.2, 4.2.2) the well-behaved set-up writes. Taken
+/// from the spec, not from the VMM: an offset wrong there must fail the sessions here.
 pub mod reg {
     pub const DEVICE_FEATURES: u64 = 0x10;
     pub const DEVICE_FEATURES_SEL: u64 = 0x14;
@@ -101,12 +102,8 @@ impl Op {
                 queues: (0..r.u8() % 3).map(|_| QueueLayout::read(r)).collect(),
             },
             _ => {
-                let addr = r.u32() & 0x1_ffff;
-                let len = usize::from(r.u8());
-                Op::Poke {
-                    addr,
-                    bytes: r.bytes(len).to_vec(),
-                }
+                let (addr, bytes) = r.poke();
+                Op::Poke { addr, bytes }
             }
         }
     }
@@ -133,7 +130,7 @@ impl Op {
                 }
             }
             Op::Poke { addr, bytes } => {
-                w.u8(4).u32(*addr).u8(bytes.len() as u8).bytes(bytes);
+                w.u8(4).poke(*addr, bytes);
             }
         }
     }
@@ -147,9 +144,6 @@ pub struct Input {
     pub ops: Vec<Op>,
 }
 
-/// The most operations one input runs (each may notify a queue of 256 requests).
-pub const MAX_OPS: usize = 64;
-
 impl Input {
     pub fn decode(data: &[u8]) -> Input {
         let mut r = Reader::new(data);
@@ -158,12 +152,7 @@ impl Input {
             1 => DeviceKind::Disk { read_only: true },
             _ => DeviceKind::Rng,
         };
-        let image_len = usize::from(r.u16());
-        let image = r.bytes(image_len).to_vec();
-        let mut ops = Vec::new();
-        while !r.is_empty() && ops.len() < MAX_OPS {
-            ops.push(Op::read(&mut r));
-        }
+        let (image, ops) = r.image_and_ops(Op::read);
         Input { device, image, ops }
     }
 
@@ -174,7 +163,7 @@ impl Input {
             DeviceKind::Disk { read_only: true } => 1,
             DeviceKind::Rng => 2,
         });
-        w.u16(self.image.len() as u16).bytes(&self.image);
+        w.image(&self.image);
         for op in &self.ops {
             op.write(&mut w);
         }

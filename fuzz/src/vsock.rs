@@ -50,12 +50,8 @@ impl Op {
             0 => Op::Process,
             1 => Op::HostEvents,
             2 => {
-                let addr = r.u32() & 0x1_ffff;
-                let len = usize::from(r.u8());
-                Op::Poke {
-                    addr,
-                    bytes: r.bytes(len).to_vec(),
-                }
+                let (addr, bytes) = r.poke();
+                Op::Poke { addr, bytes }
             }
             3 => Op::ServiceTalks { len: r.u16() },
             4 => Op::ServiceCloses,
@@ -72,7 +68,7 @@ impl Op {
                 w.u8(1);
             }
             Op::Poke { addr, bytes } => {
-                w.u8(2).u32(*addr).u8(bytes.len() as u8).bytes(bytes);
+                w.u8(2).poke(*addr, bytes);
             }
             Op::ServiceTalks { len } => {
                 w.u8(3).u16(*len);
@@ -95,18 +91,11 @@ pub struct Input {
     pub ops: Vec<Op>,
 }
 
-pub const MAX_OPS: usize = 64;
-
 impl Input {
     pub fn decode(data: &[u8]) -> Input {
         let mut r = Reader::new(data);
         let queues = [0; NUM_QUEUES].map(|_| QueueLayout::read(&mut r));
-        let image_len = usize::from(r.u16());
-        let image = r.bytes(image_len).to_vec();
-        let mut ops = Vec::new();
-        while !r.is_empty() && ops.len() < MAX_OPS {
-            ops.push(Op::read(&mut r));
-        }
+        let (image, ops) = r.image_and_ops(Op::read);
         Input { queues, image, ops }
     }
 
@@ -115,7 +104,7 @@ impl Input {
         for q in &self.queues {
             q.write(&mut w);
         }
-        w.u16(self.image.len() as u16).bytes(&self.image);
+        w.image(&self.image);
         for op in &self.ops {
             op.write(&mut w);
         }

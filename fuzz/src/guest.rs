@@ -52,11 +52,13 @@ pub struct QueueLayout {
 }
 
 impl QueueLayout {
-    /// Addresses in or near guest memory ([`near_memory`]), sizes of any value.
+    /// Addresses in or near guest memory ([`near_memory`]), and a power of two for
+    /// the size (other sizes only make the transport refuse the queue, which the
+    /// `mmio` harness's register writes cover).
     pub fn read(r: &mut Reader) -> QueueLayout {
         let near = |v: u32| u64::from(near_memory(v));
         QueueLayout {
-            size: r.u16(),
+            size: 1 << (r.u8() % 16),
             desc: near(r.u32()),
             avail: near(r.u32()),
             used: near(r.u32()),
@@ -64,25 +66,28 @@ impl QueueLayout {
     }
 
     pub fn write(&self, w: &mut crate::input::Writer) {
-        w.u16(self.size)
+        w.u8(self.size.trailing_zeros() as u8)
             .u32(self.desc as u32)
             .u32(self.avail as u32)
             .u32(self.used as u32);
     }
 
     /// The queue as a device would get it at activation, or None where the transport
-    /// would refuse to activate (a bad size, rings outside memory).
+    /// would refuse to activate: a value the queue rejects (a size that is not a
+    /// power of two or above `max_size`, a misaligned ring), rings outside memory.
     pub fn queue(&self, max_size: u16, memory: &GuestMemoryMmap) -> Option<virtio_queue::Queue> {
         use virtio_queue::QueueT;
         let mut queue = virtio_queue::Queue::new(max_size).ok()?;
-        queue.set_size(self.size);
-        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
-        let (low, high) = split(self.desc);
-        queue.set_desc_table_address(low, high);
-        let (low, high) = split(self.avail);
-        queue.set_avail_ring_address(low, high);
-        let (low, high) = split(self.used);
-        queue.set_used_ring_address(low, high);
+        queue.try_set_size(self.size).ok()?;
+        queue
+            .try_set_desc_table_address(GuestAddress(self.desc))
+            .ok()?;
+        queue
+            .try_set_avail_ring_address(GuestAddress(self.avail))
+            .ok()?;
+        queue
+            .try_set_used_ring_address(GuestAddress(self.used))
+            .ok()?;
         queue.set_ready(true);
         queue.is_valid(memory).then_some(queue)
     }

@@ -87,9 +87,8 @@ macro_rules! guest_warn {
         match LIMITER.check() {
             $crate::guest_warn::Verdict::Show { left_out: 0 } => ::tracing::warn!($($message)+),
             $crate::guest_warn::Verdict::Show { left_out } => ::tracing::warn!(
-                "{} ({left_out} more like it in the {} s before were not logged)",
-                format_args!($($message)+),
-                $crate::guest_warn::WINDOW.as_secs()
+                "{} ({left_out} more like it were not logged since the last one shown)",
+                format_args!($($message)+)
             ),
             $crate::guest_warn::Verdict::Suppress => {}
         }

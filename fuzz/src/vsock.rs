@@ -143,7 +143,9 @@ fn host() -> &'static Host {
     })
 }
 
-/// The device's datapath over the guest's queues, and the host's sockets.
+/// The device's datapath over the guest's queues, and the host's sockets. One
+/// session at a time per process: they share the host's sockets (as libFuzzer runs,
+/// and as the tests that use one do, each in a binary of its own).
 pub struct Session {
     pub datapath: Datapath,
     pub memory: GuestMemoryMmap,

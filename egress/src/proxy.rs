@@ -1183,7 +1183,8 @@ async fn splice(
 }
 
 /// Copies `from` to `to` through `redactor`. Bytes held back because they might
-/// begin the secret are sent anyway after [`HOLD_FLUSH`] without more data.
+/// begin the secret are sent anyway after [`HOLD_FLUSH`] without more data (see
+/// [`Redactor::flush_held`]: a pause inside the secret does not let it through).
 async fn copy_redacted<R, W>(mut from: R, mut to: W, mut redactor: Redactor) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
@@ -1195,7 +1196,7 @@ where
             match timeout(HOLD_FLUSH, from.read(&mut buf)).await {
                 Ok(read) => read?,
                 Err(_) => {
-                    to.write_all(&redactor.finish()).await?;
+                    to.write_all(&redactor.flush_held()).await?;
                     to.flush().await?;
                     continue;
                 }
@@ -1370,6 +1371,9 @@ struct Redactor {
     needles: Arc<[Vec<u8>]>,
     /// The end of the data seen so far when it might begin a needle.
     held: Vec<u8>,
+    /// Bytes already sent (by [`Redactor::flush_held`]) that might begin a needle:
+    /// matched against with what comes next, so the rest of the needle is redacted.
+    carried: Vec<u8>,
 }
 
 impl Redactor {
@@ -1387,17 +1391,46 @@ impl Redactor {
         (!needles.is_empty()).then(|| Self {
             needles: needles.into(),
             held: Vec::new(),
+            carried: Vec::new(),
         })
     }
 
     /// The part of the stream up to `chunk` that is safe to pass on now.
     fn feed(&mut self, chunk: &[u8]) -> Bytes {
-        let mut data = std::mem::take(&mut self.held);
-        data.extend_from_slice(chunk);
-        self.redact(&mut data);
-        let keep = self.prefix_at_end(&data);
-        self.held = data.split_off(data.len() - keep);
-        Bytes::from(data)
+        // [already sent | held | chunk], searched as one.
+        let mut window = std::mem::take(&mut self.carried);
+        let sent = window.len();
+        window.append(&mut self.held);
+        window.extend_from_slice(chunk);
+        self.redact(&mut window);
+        let keep = self.prefix_at_end(&window);
+        let hold = keep.min(window.len() - sent);
+        self.held = window.split_off(window.len() - hold);
+        // A possible needle start reaching back into sent bytes (then nothing is
+        // left to send) stays carried.
+        self.carried = if keep > hold {
+            window[sent - (keep - hold)..sent].to_vec()
+        } else {
+            Vec::new()
+        };
+        Bytes::from(window.split_off(sent))
+    }
+
+    /// For a stream that must not stall: sends the held bytes now. They might begin a
+    /// needle, so they are masked when long enough to carry a secret's own characters
+    /// ([`MIN_REDACTED_LEN`]; shorter starts are too short to say anything, and
+    /// masking them would mangle ordinary text), and remembered, so the rest of a
+    /// needle they begin is still redacted when it comes.
+    fn flush_held(&mut self) -> Bytes {
+        let held = std::mem::take(&mut self.held);
+        let started = self.carried.len() + held.len();
+        let out = if started >= MIN_REDACTED_LEN {
+            vec![b'*'; held.len()]
+        } else {
+            held.clone()
+        };
+        self.carried.extend_from_slice(&held);
+        Bytes::from(out)
     }
 
     /// Whatever was held back, at the end of the stream.
@@ -1802,6 +1835,57 @@ mod tests {
             Redactor::for_secret(b"short", b"short").map(|r| r.needles.len()),
             None
         );
+    }
+
+    /// An interactive stream (an upgraded connection) that pauses inside the secret:
+    /// the held start goes out masked and the rest, when it comes, redacted, so the
+    /// guest never gets the secret in two pieces.
+    #[test]
+    fn a_pause_inside_the_secret_does_not_let_it_through() {
+        let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
+        for pause in 1..input.len() {
+            let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+            let mut out = redactor.feed(&input[..pause]).to_vec();
+            out.extend_from_slice(&redactor.flush_held());
+            out.extend_from_slice(&redactor.feed(&input[pause..]));
+            out.extend_from_slice(&redactor.finish());
+            let shown = String::from_utf8_lossy(&out);
+            assert_eq!(out.len(), input.len(), "pause at {pause}: {shown}");
+            for window in TOKEN.windows(MIN_REDACTED_LEN) {
+                assert!(!contains(&out, window), "pause at {pause}: {shown}");
+            }
+        }
+    }
+
+    /// A pause byte by byte, the worst case: each byte is held, then flushed.
+    #[test]
+    fn a_pause_after_every_byte_does_not_let_the_secret_through() {
+        let input = b"x Bearer sk-test-0123456789 y";
+        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+        let mut out = Vec::new();
+        for byte in input.chunks(1) {
+            out.extend_from_slice(&redactor.feed(byte));
+            out.extend_from_slice(&redactor.flush_held());
+        }
+        out.extend_from_slice(&redactor.finish());
+        let shown = String::from_utf8_lossy(&out);
+        assert_eq!(out.len(), input.len(), "{shown}");
+        for window in TOKEN.windows(MIN_REDACTED_LEN) {
+            assert!(!contains(&out, window), "{shown}");
+        }
+    }
+
+    /// Ordinary text that only looks like a short start of the secret goes out as it
+    /// is when the stream pauses, and what follows is not touched.
+    #[test]
+    fn a_pause_after_a_short_lookalike_changes_nothing() {
+        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+        assert_eq!(&redactor.feed(b"xx Bear")[..], b"xx ");
+        assert_eq!(&redactor.flush_held()[..], b"Bear");
+        assert_eq!(&redactor.feed(b"d and sk-")[..], b"d and ");
+        assert_eq!(&redactor.flush_held()[..], b"sk-");
+        assert_eq!(&redactor.feed(b"stuff")[..], b"stuff");
+        assert!(!redactor.holding());
     }
 
     #[test]

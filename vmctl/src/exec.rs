@@ -68,6 +68,51 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
 /// setup. The bound is for a VM whose vsock answers but whose agent is stuck.
 pub const AGENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// Why one call to the guest agent ([`call_agent`]) failed.
+#[derive(Debug)]
+pub enum AgentCallError {
+    /// Its vsock socket did not take the connection.
+    Connect(String),
+    /// The agent took it and refused or broke the call.
+    Call(String),
+    /// No answer within [`AGENT_TIMEOUT`].
+    Timeout,
+}
+
+impl AgentCallError {
+    /// One line for the user; `timed_out` says what did not happen in time.
+    pub fn describe(&self, timed_out: &str) -> String {
+        match self {
+            AgentCallError::Connect(e) => format!("cannot reach the guest agent: {e}"),
+            AgentCallError::Call(e) => e.clone(),
+            AgentCallError::Timeout => format!(
+                "{timed_out} within {} s; the VM may be stuck (`vmctl stop` stops it)",
+                AGENT_TIMEOUT.as_secs()
+            ),
+        }
+    }
+}
+
+/// Connects to the guest agent behind `vsock` and makes one `call` on the connection,
+/// both within [`AGENT_TIMEOUT`].
+pub async fn call_agent<T, F, Fut>(vsock: &Path, call: F) -> Result<T, AgentCallError>
+where
+    F: FnOnce(client::Connection) -> Fut,
+    Fut: std::future::Future<Output = client::Result<T>>,
+{
+    let attempt = async {
+        let connection = client::connect_hybrid(vsock, AGENT_PORT)
+            .await
+            .map_err(|e| AgentCallError::Connect(e.to_string()))?;
+        call(connection)
+            .await
+            .map_err(|e| AgentCallError::Call(e.to_string()))
+    };
+    tokio::time::timeout(AGENT_TIMEOUT, attempt)
+        .await
+        .map_err(|_| AgentCallError::Timeout)?
+}
+
 async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let tty = options.tty.then(|| {
         let (rows, cols) = terminal_size().unwrap_or((24, 80));
@@ -84,21 +129,16 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         user: options.user,
         tty,
     };
-    let start = async {
-        let connection = client::connect_hybrid(socket, AGENT_PORT)
-            .await
-            .map_err(|e| ExecError::Connect {
-                socket: socket.to_path_buf(),
-                reason: e.to_string(),
-            })?;
-        connection
-            .exec(request)
-            .await
-            .map_err(|e| ExecError::Session(e.to_string()))
-    };
-    let session = tokio::time::timeout(AGENT_TIMEOUT, start)
+    let session = call_agent(socket, |connection| connection.exec(request))
         .await
-        .map_err(|_| ExecError::NotStarted)??;
+        .map_err(|e| match e {
+            AgentCallError::Connect(reason) => ExecError::Connect {
+                socket: socket.to_path_buf(),
+                reason,
+            },
+            AgentCallError::Call(reason) => ExecError::Session(reason),
+            AgentCallError::Timeout => ExecError::NotStarted,
+        })?;
     // Raw from here on: keys, Ctrl-C included, go to the command's PTY.
     let _raw = if options.tty {
         RawTerminal::enter()

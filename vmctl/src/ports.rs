@@ -59,23 +59,9 @@ fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
 /// The guest agent's listening ports, through the VM's vsock socket; a stuck agent is
 /// given up on after [`crate::exec::AGENT_TIMEOUT`].
 async fn ask_guest_ports(vsock: &std::path::Path) -> Result<Vec<ListeningPort>, PortsError> {
-    let call = async {
-        let connection = guest_agent::client::connect_hybrid(vsock, crate::exec::AGENT_PORT)
-            .await
-            .map_err(|e| PortsError::Agent(e.to_string()))?;
-        connection
-            .list_ports()
-            .await
-            .map_err(|e| PortsError::Agent(e.to_string()))
-    };
-    tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
+    crate::exec::call_agent(vsock, |connection| connection.list_ports())
         .await
-        .map_err(|_| {
-            PortsError::Agent(format!(
-                "no answer within {} s; the VM may be stuck (`vmctl stop` stops it)",
-                crate::exec::AGENT_TIMEOUT.as_secs()
-            ))
-        })?
+        .map_err(|e| PortsError::Agent(e.describe("no answer")))
 }
 
 /// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses).

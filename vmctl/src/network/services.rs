@@ -282,24 +282,14 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
 /// Sends `config` to the guest agent behind `vsock`, giving up after
 /// [`crate::exec::AGENT_TIMEOUT`]; the answer is the relays that failed.
 async fn apply_in_guest(vsock: &Path, config: NetworkConfig) -> Result<Vec<(u16, String)>, String> {
-    let call = async {
-        let connection = guest_agent::client::connect_hybrid(vsock, crate::exec::AGENT_PORT)
-            .await
-            .map_err(|e| format!("cannot reach the guest agent: {e}"))?;
-        connection
-            .configure_network(config)
-            .await
-            .map_err(|e| format!("the guest agent refused the network setup: {e}"))
-    };
-    tokio::time::timeout(crate::exec::AGENT_TIMEOUT, call)
+    crate::exec::call_agent(vsock, |connection| connection.configure_network(config))
         .await
-        .map_err(|_| {
-            format!(
-                "the guest agent did not apply the network setup within {} s; the VM may \
-                 be stuck (`vmctl stop` stops it)",
-                crate::exec::AGENT_TIMEOUT.as_secs()
-            )
-        })?
+        .map_err(|e| match e {
+            crate::exec::AgentCallError::Call(e) => {
+                format!("the guest agent refused the network setup: {e}")
+            }
+            other => other.describe("the guest agent did not apply the network setup"),
+        })
 }
 
 /// Tells the guest agent the CA, the variables (with the placeholders of the secrets

@@ -28,7 +28,6 @@ pub mod reg {
     pub const QUEUE_SEL: u64 = 0x30;
     pub const QUEUE_NUM: u64 = 0x38;
     pub const QUEUE_READY: u64 = 0x44;
-    pub const QUEUE_NOTIFY: u64 = 0x50;
     pub const STATUS: u64 = 0x70;
     pub const QUEUE_DESC: u64 = 0x80;
     pub const QUEUE_DRIVER: u64 = 0x90;
@@ -262,17 +261,24 @@ impl Session {
         self.write32(reg::STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK);
     }
 
-    /// What must hold whatever the guest did: a read-only disk is unchanged, and no
-    /// disk grew or shrank.
-    pub fn check(&mut self) {
-        let (Some(disk), DeviceKind::Disk { read_only }) = (&mut self.disk, self.device) else {
-            return;
-        };
+    /// The scratch disk's whole content (None for the rng).
+    pub fn disk_content(&mut self) -> Option<Vec<u8>> {
+        let disk = self.disk.as_mut()?;
         let mut content = Vec::new();
         disk.seek(SeekFrom::Start(0))
             .expect("seek the scratch disk");
         disk.read_to_end(&mut content)
             .expect("read the scratch disk");
+        Some(content)
+    }
+
+    /// What must hold whatever the guest did: a read-only disk is unchanged, and no
+    /// disk grew or shrank.
+    pub fn check(&mut self) {
+        let DeviceKind::Disk { read_only } = self.device else {
+            return;
+        };
+        let content = self.disk_content().expect("a disk session has its disk");
         assert_eq!(content.len(), DISK_BYTES, "the guest resized its disk");
         if read_only {
             assert!(

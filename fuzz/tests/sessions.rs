@@ -15,15 +15,6 @@ fn read(memory: &vmm::memory::GuestMemoryMmap, addr: u64, len: usize) -> Vec<u8>
     out
 }
 
-fn disk(session: &mut mmio::Session) -> Vec<u8> {
-    use std::io::{Read, Seek, SeekFrom};
-    let file = session.disk.as_mut().expect("a disk session");
-    file.seek(SeekFrom::Start(0)).unwrap();
-    let mut content = Vec::new();
-    file.read_to_end(&mut content).unwrap();
-    content
-}
-
 fn sector(content: &[u8], n: u64) -> &[u8] {
     &content[(n * SECTOR) as usize..((n + 1) * SECTOR) as usize]
 }
@@ -42,7 +33,7 @@ fn a_write_request_reaches_the_disk_unless_it_is_read_only() {
     let payload = vec![b'W'; 512];
     let mut session = mmio::run_input(&block_request(false, BLK_OUT, 5, DATA, 512, &payload));
     assert_eq!(read(&session.memory, STATUS, 1), [BLK_OK]);
-    assert_eq!(sector(&disk(&mut session), 5), &payload[..]);
+    assert_eq!(sector(&session.disk_content().unwrap(), 5), &payload[..]);
 
     // The harness's own check fails the run if the read-only disk changed.
     let session = mmio::run_input(&block_request(true, BLK_OUT, 5, DATA, 512, &payload));

@@ -2,6 +2,9 @@
 //! the end gives zeros and empty slices, so libFuzzer never wastes a run on a parse
 //! error. [`Writer`] is the inverse, for hand-written seeds.
 
+/// The most bytes one poke writes (its length is one byte).
+pub const MAX_POKE: usize = u8::MAX as usize;
+
 /// The most operations one input runs (each may notify a queue of hundreds of
 /// requests).
 pub const MAX_OPS: usize = 64;
@@ -55,7 +58,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A change to guest memory: an address in or near it
-    /// ([`crate::guest::near_memory`]), then up to 255 bytes.
+    /// ([`crate::guest::near_memory`]), then up to [`MAX_POKE`] bytes.
     pub fn poke(&mut self) -> (u32, Vec<u8>) {
         let addr = crate::guest::near_memory(self.u32());
         let len = usize::from(self.u8());

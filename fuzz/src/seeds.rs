@@ -3,6 +3,7 @@
 //! request handling), and they seed libFuzzer's corpus.
 
 use crate::guest::{avail_ring, descriptor, QueueLayout, NEXT, WRITE};
+use crate::input::MAX_POKE;
 use crate::{fs_fallback, mmio, vsock};
 
 /// Where the sessions put things: one queue's rings, request headers, status bytes,
@@ -28,15 +29,17 @@ const LAYOUT: QueueLayout = QueueLayout {
     used: USED,
 };
 
-fn mmio_poke(addr: u64, bytes: &[u8]) -> Vec<mmio::Op> {
+/// `bytes` written at `addr`, as the pokes of `Op` ([`MAX_POKE`] bytes each).
+fn pokes<Op>(addr: u64, bytes: &[u8], poke: fn(u32, Vec<u8>) -> Op) -> Vec<Op> {
     bytes
-        .chunks(255)
+        .chunks(MAX_POKE)
         .enumerate()
-        .map(|(i, chunk)| mmio::Op::Poke {
-            addr: (addr + 255 * i as u64) as u32,
-            bytes: chunk.to_vec(),
-        })
+        .map(|(i, chunk)| poke((addr + (MAX_POKE * i) as u64) as u32, chunk.to_vec()))
         .collect()
+}
+
+fn mmio_poke(addr: u64, bytes: &[u8]) -> Vec<mmio::Op> {
+    pokes(addr, bytes, |addr, bytes| mmio::Op::Poke { addr, bytes })
 }
 
 fn block_header(request_type: u32, sector: u64) -> Vec<u8> {
@@ -130,28 +133,28 @@ pub fn vsock_packet(op: u16, payload: &[u8]) -> Vec<u8> {
 /// The guest connects to the host service and, once answered, sends `hello`.
 pub fn vsock_connect_and_send() -> vsock::Input {
     let [rx, tx, _] = vsock_layouts();
-    let poke = |addr: u64, bytes: Vec<u8>| vsock::Op::Poke {
-        addr: addr as u32,
-        bytes,
-    };
+    let poke =
+        |addr: u64, bytes: &[u8]| pokes(addr, bytes, |addr, bytes| vsock::Op::Poke { addr, bytes });
     let request = vsock_packet(VSOCK_REQUEST, &[]);
     let hello = vsock_packet(VSOCK_RW, b"hello");
     let mut tx_table = descriptor(TX_PACKETS[0], request.len() as u32, 0, 0);
     tx_table.extend(descriptor(TX_PACKETS[1], hello.len() as u32, 0, 0));
-    let ops = vec![
-        poke(rx.desc, descriptor(RX_BUFFER, 4096, WRITE, 0)),
-        poke(rx.avail, avail_ring(&[0])),
-        poke(TX_PACKETS[0], request),
-        poke(TX_PACKETS[1], hello),
-        poke(tx.desc, tx_table),
-        poke(tx.avail, avail_ring(&[0])),
-        vsock::Op::Process,
-        vsock::Op::HostEvents,
-        vsock::Op::Process,
-        poke(tx.avail, avail_ring(&[0, 1])),
-        vsock::Op::Process,
-        vsock::Op::HostEvents,
-    ];
+    let ops = [
+        poke(rx.desc, &descriptor(RX_BUFFER, 4096, WRITE, 0)),
+        poke(rx.avail, &avail_ring(&[0])),
+        poke(TX_PACKETS[0], &request),
+        poke(TX_PACKETS[1], &hello),
+        poke(tx.desc, &tx_table),
+        poke(tx.avail, &avail_ring(&[0])),
+        vec![
+            vsock::Op::Process,
+            vsock::Op::HostEvents,
+            vsock::Op::Process,
+        ],
+        poke(tx.avail, &avail_ring(&[0, 1])),
+        vec![vsock::Op::Process, vsock::Op::HostEvents],
+    ]
+    .concat();
     vsock::Input {
         queues: vsock_layouts(),
         image: Vec::new(),
@@ -175,9 +178,11 @@ fn fuse_header(opcode: u32, unique: u64) -> Vec<u8> {
 
 /// After the backend died: a LOOKUP (with a reply buffer) and a FORGET (without).
 pub fn fs_requests() -> fs_fallback::Input {
-    let poke = |addr: u64, bytes: Vec<u8>| fs_fallback::Op::Poke {
-        addr: addr as u32,
-        bytes,
+    let poke = |addr: u64, bytes: &[u8]| {
+        pokes(addr, bytes, |addr, bytes| fs_fallback::Op::Poke {
+            addr,
+            bytes,
+        })
     };
     let mut table = descriptor(HEADER, 40, NEXT, 1);
     table.extend(descriptor(FUSE_REPLY, 16, WRITE, 0));
@@ -188,14 +193,13 @@ pub fn fs_requests() -> fs_fallback::Input {
     fs_fallback::Input {
         queue: LAYOUT,
         image: Vec::new(),
-        ops: vec![
-            poke(DESC, table),
-            poke(HEADER, headers[..255].to_vec()),
-            poke(HEADER + 255, headers[255..].to_vec()),
-            poke(AVAIL, avail_ring(&[0, 2])),
-            fs_fallback::Op::TakeOver,
-            fs_fallback::Op::Kick,
-        ],
+        ops: [
+            poke(DESC, &table),
+            poke(HEADER, &headers),
+            poke(AVAIL, &avail_ring(&[0, 2])),
+            vec![fs_fallback::Op::TakeOver, fs_fallback::Op::Kick],
+        ]
+        .concat(),
     }
 }
 

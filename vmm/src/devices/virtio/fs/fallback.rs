@@ -64,30 +64,21 @@ pub fn fail_requests(queue: &mut Queue, memory: &GuestMemoryMmap) -> Answered {
 
 fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answered {
     let mut answered = 0;
-    let notify = |queue: &mut Queue, answered| {
-        answered > 0 && queue.needs_notification(memory).unwrap_or(true)
-    };
     // Rounds in a row that took nothing although the ring's index promised more.
     let mut empty_rounds = 0;
-    loop {
+    let more = 'answering: loop {
         let mut popped_any = false;
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
             let head = chain.head_index();
             let written = answer_with_eio(chain, memory);
             if let Err(e) = queue.add_used(memory, head, written) {
                 tracing::error!("virtio-fs: cannot return descriptor {head}: {e}");
-                return Answered {
-                    notify: notify(queue, answered),
-                    more: false,
-                };
+                break 'answering false;
             }
             popped_any = true;
             answered += 1;
             if answered == max {
-                return Answered {
-                    notify: notify(queue, answered),
-                    more: true,
-                };
+                break 'answering true;
             }
         }
         // Re-arm notifications and catch requests that raced with it. A ring whose
@@ -99,14 +90,14 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
             Ok(true) if empty_rounds < 2 => continue,
             Ok(true) => {
                 warn_unusable_ring(queue, memory);
-                break;
+                break false;
             }
-            _ => break,
+            _ => break false,
         }
-    }
+    };
     Answered {
-        notify: notify(queue, answered),
-        more: false,
+        notify: answered > 0 && queue.needs_notification(memory).unwrap_or(true),
+        more,
     }
 }
 

@@ -186,10 +186,7 @@ impl Session {
             Op::HostEvents => self.host_events(),
             Op::Poke { addr, bytes } => guest::poke(&self.memory, u64::from(*addr), bytes),
             Op::ServiceTalks { len } => {
-                while let Ok((stream, _)) = host().service.accept() {
-                    let _ = stream.set_nonblocking(true);
-                    self.accepted.push(stream);
-                }
+                self.accept_service_connections();
                 let data = vec![b'h'; usize::from(*len)];
                 for stream in &mut self.accepted {
                     let _ = stream.write(&data);
@@ -205,6 +202,14 @@ impl Session {
                     self.clients.push(client);
                 }
             }
+        }
+    }
+
+    /// The host service takes what the guest's connections made wait.
+    fn accept_service_connections(&mut self) {
+        while let Ok((stream, _)) = host().service.accept() {
+            let _ = stream.set_nonblocking(true);
+            self.accepted.push(stream);
         }
     }
 
@@ -229,10 +234,7 @@ impl Session {
 
     /// Bytes the host service has received, from every connection it accepted.
     pub fn service_received(&mut self) -> Vec<u8> {
-        while let Ok((stream, _)) = host().service.accept() {
-            let _ = stream.set_nonblocking(true);
-            self.accepted.push(stream);
-        }
+        self.accept_service_connections();
         let mut all = Vec::new();
         for stream in &mut self.accepted {
             let mut buf = [0u8; 4096];

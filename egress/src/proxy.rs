@@ -1837,6 +1837,31 @@ mod tests {
         );
     }
 
+    /// Feeds `chunks` in turn, each followed by a pause (a flush) where it says so,
+    /// then ends the stream.
+    fn redact_paused(chunks: &[(&[u8], bool)]) -> Vec<u8> {
+        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+        let mut out = Vec::new();
+        for (chunk, pause) in chunks {
+            out.extend_from_slice(&redactor.feed(chunk));
+            if *pause {
+                out.extend_from_slice(&redactor.flush_held());
+            }
+        }
+        out.extend_from_slice(&redactor.finish());
+        out
+    }
+
+    /// `out` kept the input's length and holds no piece of the token long enough to
+    /// be redacted.
+    fn assert_no_token_piece(out: &[u8], input_len: usize, context: &str) {
+        let shown = String::from_utf8_lossy(out);
+        assert_eq!(out.len(), input_len, "{context}: {shown}");
+        for window in TOKEN.windows(MIN_REDACTED_LEN) {
+            assert!(!contains(out, window), "{context}: {shown}");
+        }
+    }
+
     /// An interactive stream (an upgraded connection) that pauses inside the secret:
     /// the held start goes out masked and the rest, when it comes, redacted, so the
     /// guest never gets the secret in two pieces.
@@ -1844,16 +1869,8 @@ mod tests {
     fn a_pause_inside_the_secret_does_not_let_it_through() {
         let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
         for pause in 1..input.len() {
-            let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
-            let mut out = redactor.feed(&input[..pause]).to_vec();
-            out.extend_from_slice(&redactor.flush_held());
-            out.extend_from_slice(&redactor.feed(&input[pause..]));
-            out.extend_from_slice(&redactor.finish());
-            let shown = String::from_utf8_lossy(&out);
-            assert_eq!(out.len(), input.len(), "pause at {pause}: {shown}");
-            for window in TOKEN.windows(MIN_REDACTED_LEN) {
-                assert!(!contains(&out, window), "pause at {pause}: {shown}");
-            }
+            let out = redact_paused(&[(&input[..pause], true), (&input[pause..], false)]);
+            assert_no_token_piece(&out, input.len(), &format!("pause at {pause}"));
         }
     }
 
@@ -1861,18 +1878,8 @@ mod tests {
     #[test]
     fn a_pause_after_every_byte_does_not_let_the_secret_through() {
         let input = b"x Bearer sk-test-0123456789 y";
-        let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
-        let mut out = Vec::new();
-        for byte in input.chunks(1) {
-            out.extend_from_slice(&redactor.feed(byte));
-            out.extend_from_slice(&redactor.flush_held());
-        }
-        out.extend_from_slice(&redactor.finish());
-        let shown = String::from_utf8_lossy(&out);
-        assert_eq!(out.len(), input.len(), "{shown}");
-        for window in TOKEN.windows(MIN_REDACTED_LEN) {
-            assert!(!contains(&out, window), "{shown}");
-        }
+        let bytes: Vec<(&[u8], bool)> = input.chunks(1).map(|byte| (byte, true)).collect();
+        assert_no_token_piece(&redact_paused(&bytes), input.len(), "byte by byte");
     }
 
     /// Seeded random streams: secrets, pieces of them and other bytes, cut into
@@ -1897,33 +1904,23 @@ mod tests {
                     _ => input.extend((0..next(12)).map(|_| b"ab sk-Bearer 01"[next(15)])),
                 }
             }
-            let cut = |next: &mut dyn FnMut(usize) -> usize| {
-                let mut chunks = Vec::new();
-                let mut at = 0;
-                while at < input.len() {
-                    let len = 1 + next(input.len() - at);
-                    chunks.push((at, at + len, next(3) == 0));
-                    at += len;
-                }
-                chunks
-            };
-            let chunks = cut(&mut next);
-            let mut paused = Redactor::for_secret(SECRET, TOKEN).unwrap();
-            let mut steady = Redactor::for_secret(SECRET, TOKEN).unwrap();
-            let (mut out_paused, mut out_steady) = (Vec::new(), Vec::new());
-            for (from, to, pause) in chunks {
-                out_paused.extend_from_slice(&paused.feed(&input[from..to]));
-                if pause {
-                    out_paused.extend_from_slice(&paused.flush_held());
-                }
-                out_steady.extend_from_slice(&steady.feed(&input[from..to]));
+            let mut chunks: Vec<(&[u8], bool)> = Vec::new();
+            let mut at = 0;
+            while at < input.len() {
+                let len = 1 + next(input.len() - at);
+                chunks.push((&input[at..at + len], next(3) == 0));
+                at += len;
             }
-            out_paused.extend_from_slice(&paused.finish());
-            out_steady.extend_from_slice(&steady.finish());
+            let out_paused = redact_paused(&chunks);
+            let steady: Vec<&[u8]> = chunks.iter().map(|(chunk, _)| *chunk).collect();
             let shown = String::from_utf8_lossy(&input);
             assert_eq!(out_paused.len(), input.len(), "round {round}: {shown}");
             assert!(!contains(&out_paused, TOKEN), "round {round}: {shown}");
-            assert_eq!(out_steady, redact_all(&[&input]), "round {round}: {shown}");
+            assert_eq!(
+                redact_all(&steady),
+                redact_all(&[&input]),
+                "round {round}: {shown}"
+            );
         }
     }
 

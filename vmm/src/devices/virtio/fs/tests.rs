@@ -108,6 +108,22 @@ fn the_takeover_resumes_where_the_backend_stopped_answering() {
     assert_eq!(queue.used_idx(mem, Ordering::Acquire).unwrap().0, 3);
 }
 
+/// [`fail_requests`] on its own thread, with 5 s to return: a broken ring must not
+/// make it spin. `what` names the ring in the failure.
+fn fail_requests_within_5s(
+    mut queue: Queue,
+    memory: GuestMemoryMmap,
+    what: &str,
+) -> super::fallback::Answered {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(fail_requests(&mut queue, &memory));
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .unwrap_or_else(|_| panic!("fail_requests still running after 5 s: it spins on {what}"))
+}
+
 /// A guest that sets its available index beyond the queue's size gets no answers, and
 /// the worker goes back to waiting instead of spinning on requests that never pop.
 #[test]
@@ -117,14 +133,7 @@ fn an_available_index_out_of_range_does_not_spin_the_fallback() {
     let mut queue: Queue = vq.create_queue().unwrap();
     take_over(&mut queue, &ram.memory);
     vq.avail().idx().store(17);
-    let memory = ram.memory.clone();
-    let (done, finished) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = done.send(fail_requests(&mut queue, &memory));
-    });
-    let answered = finished
-        .recv_timeout(std::time::Duration::from_secs(5))
-        .expect("fail_requests still running after 5 s: it spins on a broken ring");
+    let answered = fail_requests_within_5s(queue, ram.memory.clone(), "a broken ring");
     assert!(!answered.notify && !answered.more);
     assert!(used_entries(&vq).is_empty());
 }
@@ -144,13 +153,7 @@ fn an_available_ring_at_address_zero_does_not_spin_the_fallback() {
     queue.set_ready(true);
     assert!(queue.is_valid(&memory), "a ring the transport accepts");
     memory.write_obj(1u16, GuestAddress(2)).unwrap();
-    let (done, finished) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = done.send(fail_requests(&mut queue, &memory));
-    });
-    let answered = finished
-        .recv_timeout(std::time::Duration::from_secs(5))
-        .expect("fail_requests still running after 5 s: it spins on a ring at address 0");
+    let answered = fail_requests_within_5s(queue, memory, "a ring at address 0");
     assert!(!answered.notify && !answered.more);
 }
 

@@ -92,12 +92,13 @@ impl DecisionLog {
         &self.path
     }
 
-    /// Records `entry`: a `tracing` line (info if allowed, warn if refused) and a
-    /// line in the file.
+    /// Records `entry`: a line in the file and a `tracing` line (info if allowed,
+    /// warn if refused). The guest decides how many requests it makes, so the
+    /// `tracing` lines are rate-limited ([`guest_log`]); the file has every entry.
     pub fn record(&self, entry: &LogEntry) {
         trace_entry(entry);
         if let Err(e) = self.append(entry) {
-            tracing::warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+            guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
         }
     }
 
@@ -141,9 +142,9 @@ fn trace_entry(e: &LogEntry) {
     let method = e.method.as_deref().unwrap_or("");
     let secret = e.secret.as_deref().unwrap_or("");
     if e.allowed {
-        tracing::info!(host = %e.host, port = e.port, kind = %e.kind, method, secret, rule = %e.rule, "egress allowed");
+        guest_log::guest_info!(host = %e.host, port = e.port, kind = %e.kind, method, secret, rule = %e.rule, "egress allowed");
     } else {
-        tracing::warn!(host = %e.host, port = e.port, kind = %e.kind, method, rule = %e.rule, "egress refused");
+        guest_log::guest_warn!(host = %e.host, port = e.port, kind = %e.kind, method, rule = %e.rule, "egress refused");
     }
 }
 

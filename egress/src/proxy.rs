@@ -592,7 +592,7 @@ async fn handle(req: Request<Incoming>, conn: Arc<Conn>) -> Response<ProxyBody> 
 fn error_response(err: &ProxyError) -> Response<ProxyBody> {
     let status = err.status();
     if status.is_server_error() {
-        tracing::warn!("egress proxy: {err}");
+        guest_log::guest_warn!("egress proxy: {err}");
     } else {
         tracing::debug!("egress proxy: {err}");
     }

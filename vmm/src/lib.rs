@@ -6,7 +6,6 @@
 //! - [`devices`]: the port-I/O and MMIO buses, legacy devices (serial, i8042, boot
 //!   timer) and the virtio devices with their MMIO transport.
 //! - [`event_loop`]: the thread that serves queue notifications, stdin and signals.
-//! - [`guest_warn`]: rate limits for the warnings a guest can trigger at will.
 //! - [`builder`]: composes all of the above from a [`config::VmConfig`] and runs it.
 
 pub mod arch;
@@ -14,6 +13,5 @@ pub mod builder;
 pub mod config;
 pub mod devices;
 pub mod event_loop;
-pub mod guest_warn;
 pub mod memory;
 pub mod vstate;

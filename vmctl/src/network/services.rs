@@ -160,11 +160,13 @@ async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkServ
     let request = match tokio::time::timeout(PREAMBLE_TIMEOUT, read_preamble(&mut stream)).await {
         Ok(Ok(request)) => request,
         Ok(Err(reason)) => {
-            vmm::guest_warn!("a guest connection to the host services: {reason}");
+            guest_log::guest_warn!("a guest connection to the host services: {reason}");
             return;
         }
         Err(_) => {
-            vmm::guest_warn!("a guest connection to the host services never said what it wants");
+            guest_log::guest_warn!(
+                "a guest connection to the host services never said what it wants"
+            );
             return;
         }
     };
@@ -205,7 +207,9 @@ async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, service: &Net
         .map(|relays| relays.contains(&port))
         .unwrap_or(false);
     if !allowed {
-        vmm::guest_warn!("the guest asked for host port {port}, which is not relayed; refused");
+        guest_log::guest_warn!(
+            "the guest asked for host port {port}, which is not relayed; refused"
+        );
         return;
     }
     let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));

@@ -181,7 +181,7 @@ impl Vcpu {
                  be able to run a standard Linux guest (try --nested always)"
             ))),
             Ok(other) => {
-                crate::guest_warn!("vcpu{index}: unexpected exit {other:?}; continuing");
+                guest_log::guest_warn!("vcpu{index}: unexpected exit {other:?}; continuing");
                 Ok(())
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {

@@ -48,7 +48,7 @@ impl BusDevice for SerialConsole {
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let ([byte], Ok(offset)) = (data, u8::try_from(offset)) {
             if let Err(e) = self.uart.write(offset, *byte) {
-                crate::guest_warn!("serial console: {e:?}");
+                guest_log::guest_warn!("serial console: {e:?}");
             }
         }
     }

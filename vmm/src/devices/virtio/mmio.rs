@@ -239,7 +239,7 @@ impl MmioTransport {
         }
         match usize::try_from(index) {
             Ok(i) if i < self.queues.len() => self.device.process_queue(i),
-            _ => crate::guest_warn!(
+            _ => guest_log::guest_warn!(
                 "virtio-mmio: {}",
                 MmioError::NoSuchQueue {
                     index,
@@ -361,7 +361,7 @@ impl MmioTransport {
     fn write_driver_features(&mut self, value: u32) {
         // Features may only be written between DRIVER and FEATURES_OK.
         if self.device_status & (S_DRIVER | S_FEATURES_OK | S_FAILED) != S_DRIVER {
-            crate::guest_warn!(
+            guest_log::guest_warn!(
                 "virtio-mmio: DriverFeatures write in status {:#x} ignored",
                 self.device_status
             );
@@ -374,7 +374,7 @@ impl MmioTransport {
             sel => {
                 // Features beyond 64 bits do not exist; the driver must write 0 there.
                 if value != 0 {
-                    crate::guest_warn!(
+                    guest_log::guest_warn!(
                         "virtio-mmio: driver accepted features {value:#x} in unknown bank {sel}"
                     );
                 }
@@ -470,14 +470,14 @@ impl MmioTransport {
         let added = new & !old;
         if old & !new != 0 {
             // Only a reset may clear bits.
-            crate::guest_warn!(
+            guest_log::guest_warn!(
                 "virtio-mmio: {}",
                 MmioError::IllegalStatus { from: old, to: new }
             );
             return;
         }
         if added == S_FAILED {
-            crate::guest_warn!("virtio-mmio: the driver gave up on the device (FAILED)");
+            guest_log::guest_warn!("virtio-mmio: the driver gave up on the device (FAILED)");
             self.device_status |= S_FAILED;
             return;
         }
@@ -486,7 +486,7 @@ impl MmioTransport {
             (o, S_FEATURES_OK) if o == S_ACKNOWLEDGE | S_DRIVER => match self.accept_features() {
                 Ok(()) => self.device_status |= S_FEATURES_OK,
                 // FEATURES_OK stays clear: the driver reads it back and gives up.
-                Err(e) => crate::guest_warn!("virtio-mmio: FEATURES_OK refused: {e}"),
+                Err(e) => guest_log::guest_warn!("virtio-mmio: FEATURES_OK refused: {e}"),
             },
             (o, S_DRIVER_OK) if o == S_ACKNOWLEDGE | S_DRIVER | S_FEATURES_OK => {
                 self.device_status |= S_DRIVER_OK;
@@ -503,7 +503,7 @@ impl MmioTransport {
                     }
                 }
             }
-            _ => crate::guest_warn!(
+            _ => guest_log::guest_warn!(
                 "virtio-mmio: {}",
                 MmioError::IllegalStatus { from: old, to: new }
             ),
@@ -582,7 +582,7 @@ impl MmioTransport {
             }
         };
         if let Err(e) = result {
-            crate::guest_warn!("virtio-mmio: write of {value:#x} at {offset:#x} ignored: {e}");
+            guest_log::guest_warn!("virtio-mmio: write of {value:#x} at {offset:#x} ignored: {e}");
         }
     }
 }
@@ -592,7 +592,7 @@ impl BusDevice for MmioTransport {
         if (CONFIG_SPACE_OFFSET..MMIO_WINDOW_SIZE).contains(&offset) {
             let end = offset.saturating_add(data.len() as u64);
             if end > MMIO_WINDOW_SIZE {
-                crate::guest_warn!(
+                guest_log::guest_warn!(
                     "virtio-mmio: config read {offset:#x}+{} crosses the window",
                     data.len()
                 );
@@ -604,7 +604,7 @@ impl BusDevice for MmioTransport {
         }
         data.fill(0);
         if data.len() != 4 {
-            crate::guest_warn!(
+            guest_log::guest_warn!(
                 "virtio-mmio: {}-byte read at register {offset:#x} ignored",
                 data.len()
             );
@@ -620,7 +620,7 @@ impl BusDevice for MmioTransport {
         if (CONFIG_SPACE_OFFSET..MMIO_WINDOW_SIZE).contains(&offset) {
             let end = offset.saturating_add(data.len() as u64);
             if end > MMIO_WINDOW_SIZE {
-                crate::guest_warn!(
+                guest_log::guest_warn!(
                     "virtio-mmio: config write {offset:#x}+{} crosses the window",
                     data.len()
                 );
@@ -630,7 +630,7 @@ impl BusDevice for MmioTransport {
             return;
         }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
-            crate::guest_warn!(
+            guest_log::guest_warn!(
                 "virtio-mmio: {}-byte write at register {offset:#x} ignored",
                 data.len()
             );

@@ -190,7 +190,7 @@ pub fn serve_single_queue(
         return;
     };
     if index != 0 {
-        crate::guest_warn!("{device}: notification for nonexistent queue {index}");
+        guest_log::guest_warn!("{device}: notification for nonexistent queue {index}");
         return;
     }
     active.serve(device, handle);

@@ -131,7 +131,7 @@ impl Disk {
         let status_addr = match request::status_address(descs, memory) {
             Ok(addr) => addr,
             Err(e) => {
-                crate::guest_warn!("virtio-blk: dropping a request: {e}");
+                guest_log::guest_warn!("virtio-blk: dropping a request: {e}");
                 return 0;
             }
         };
@@ -141,7 +141,7 @@ impl Disk {
         let (status, written) = match Request::parse(body, memory, self.capacity_sectors) {
             Ok(req) => self.execute(&req, memory),
             Err(e) => {
-                crate::guest_warn!("virtio-blk: malformed request: {e}");
+                guest_log::guest_warn!("virtio-blk: malformed request: {e}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
         };
@@ -170,7 +170,7 @@ impl Disk {
         match result {
             Ok(written) => (VIRTIO_BLK_S_OK, written),
             Err(e) => {
-                crate::guest_warn!("virtio-blk: {e}");
+                guest_log::guest_warn!("virtio-blk: {e}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
         }

@@ -107,7 +107,7 @@ fn warn_unusable_ring(queue: &Queue, memory: &GuestMemoryMmap) {
     let avail = queue
         .avail_idx(memory, Ordering::Acquire)
         .map_or_else(|e| e.to_string(), |idx| idx.0.to_string());
-    crate::guest_warn!(
+    guest_log::guest_warn!(
         "virtio-fs: the driver's available ring (at {:#x}, index {avail}, next request {}, \
          queue size {}) offers requests that cannot be taken; they are no longer answered",
         queue.avail_ring(),

@@ -85,7 +85,7 @@ where
             break;
         }
         if let Err(source) = read_into_guest(memory, desc.addr(), len as usize, &mut GetRandom) {
-            crate::guest_warn!(
+            guest_log::guest_warn!(
                 "virtio-rng: {}",
                 RngError::Fill {
                     addr: desc.addr().0,

@@ -179,7 +179,7 @@ impl VirtioDevice for Vsock {
         match &self.worker {
             Some(worker) if index < NUM_QUEUES => worker.notify(index),
             Some(_) => {
-                crate::guest_warn!("virtio-vsock: notification for nonexistent queue {index}")
+                guest_log::guest_warn!("virtio-vsock: notification for nonexistent queue {index}")
             }
             None => tracing::debug!("virtio-vsock: queue {index} notified before activation"),
         }

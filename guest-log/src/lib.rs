@@ -1,9 +1,13 @@
-//! Rate limits for the warnings a guest can trigger at will: a bad register access,
-//! a malformed request, a queue that does not exist. Each call site of
-//! [`guest_warn!`](crate::guest_warn!) logs its first [`SHOWN_PER_WINDOW`] warnings in
-//! every [`WINDOW`] and counts the rest, so a misbehaving guest neither floods the
-//! VM's log (pushing out how the VM started) nor spends the host's CPU on formatting.
-//! The count of those left out is told with the first warning of the next window.
+//! Rate limits for what a guest can make the host log at will: a bad register access,
+//! a malformed request, a queue that does not exist, a refused egress request. Each
+//! call site of [`guest_warn!`] or [`guest_info!`] logs its first
+//! [`SHOWN_PER_WINDOW`] events in every [`WINDOW`] and counts the rest, so a
+//! misbehaving guest neither floods the VM's log (pushing out how the VM started) nor
+//! spends the host's CPU on formatting. The first event of the next window carries
+//! the count of those left out (`not_logged_before=N`).
+
+#[doc(hidden)]
+pub use tracing;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,7 +33,7 @@ struct Window {
     left_out: u64,
 }
 
-/// One call site's budget (a `static` in [`guest_warn!`](crate::guest_warn!)).
+/// One call site's budget (a `static` in [`guest_warn!`] and [`guest_info!`]).
 #[derive(Debug)]
 pub struct Limiter {
     window: Mutex<Option<Window>>,
@@ -79,18 +83,34 @@ impl Default for Limiter {
 }
 
 /// `tracing::warn!` for what the guest controls, rate-limited per call site (see the
-/// module's documentation). Takes a format string and its arguments.
+/// crate's documentation). Takes what `tracing::warn!` takes: fields, then a format
+/// string and its arguments.
 #[macro_export]
 macro_rules! guest_warn {
-    ($($message:tt)+) => {{
-        static LIMITER: $crate::guest_warn::Limiter = $crate::guest_warn::Limiter::new();
+    ($($event:tt)+) => { $crate::guest_event!(WARN, $($event)+) };
+}
+
+/// `tracing::info!` for what the guest controls, rate-limited like [`guest_warn!`].
+#[macro_export]
+macro_rules! guest_info {
+    ($($event:tt)+) => { $crate::guest_event!(INFO, $($event)+) };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! guest_event {
+    ($level:ident, $($event:tt)+) => {{
+        static LIMITER: $crate::Limiter = $crate::Limiter::new();
         match LIMITER.check() {
-            $crate::guest_warn::Verdict::Show { left_out: 0 } => ::tracing::warn!($($message)+),
-            $crate::guest_warn::Verdict::Show { left_out } => ::tracing::warn!(
-                "{} ({left_out} more like it were not logged since the last one shown)",
-                format_args!($($message)+)
+            $crate::Verdict::Show { left_out: 0 } => {
+                $crate::tracing::event!($crate::tracing::Level::$level, $($event)+)
+            }
+            $crate::Verdict::Show { left_out } => $crate::tracing::event!(
+                $crate::tracing::Level::$level,
+                not_logged_before = left_out,
+                $($event)+
             ),
-            $crate::guest_warn::Verdict::Suppress => {}
+            $crate::Verdict::Suppress => {}
         }
     }};
 }
@@ -131,10 +151,10 @@ mod tests {
         assert_eq!(limiter.check_at(start - WINDOW), Verdict::Suppress);
     }
 
-    /// The macro's static belongs to its call site: a flood from one site leaves
+    /// A macro's static belongs to its call site: a flood from one site leaves
     /// another's budget whole.
     #[test]
-    fn the_macro_logs_a_flood_once_per_budget_and_each_site_apart() {
+    fn the_macros_log_a_flood_once_per_budget_and_each_site_apart() {
         let logged = Arc::new(Mutex::new(Vec::<u8>::new()));
         let writer = logged.clone();
         let subscriber = tracing_subscriber::fmt()
@@ -146,6 +166,9 @@ mod tests {
                 crate::guest_warn!("flood {i}");
             }
             crate::guest_warn!("other site");
+            for _ in 0..100 {
+                crate::guest_info!(host = "example.com", port = 443u16, "egress allowed");
+            }
         });
         let logged = String::from_utf8(logged.lock().unwrap().clone()).unwrap();
         assert_eq!(
@@ -155,6 +178,13 @@ mod tests {
         );
         assert!(logged.contains("flood 9"), "{logged}");
         assert!(logged.contains("other site"), "{logged}");
+        assert_eq!(
+            logged
+                .matches("INFO guest_log::tests: egress allowed host=\"example.com\" port=443")
+                .count(),
+            SHOWN_PER_WINDOW as usize,
+            "{logged}"
+        );
     }
 
     struct SharedWriter(Arc<Mutex<Vec<u8>>>);

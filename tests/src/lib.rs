@@ -910,13 +910,16 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 12] = [
+const VM_LOST_SIGNS: [&str; 13] = [
     "timed out",
     "stopped making progress",
     // The benchmark's and vmctl's bounds on a guest agent's answer: a guest the nested
     // host stalled does not answer.
     "no answer within",
     "did not start the command within",
+    // `vmctl up`'s bound on a booting VM: a guest stalled after its agent started
+    // listening (as seen in CI, 2026-12-02) never answers the first health check.
+    "the guest agent did not answer in time",
     // The benchmark's per-script timeout: a guest the nested host stalled leaves its
     // script unfinished (a script that always hangs still fails every attempt).
     "did not finish within",
@@ -1046,6 +1049,10 @@ mod tests {
         assert!(lost(
             "vm-bench: error: workspace VM: exec round trip 20/20 of true through \
              /tmp/x/vsock.sock: no answer within 60 s"
+        ));
+        assert!(lost(
+            "egress: vmctl up: ... failed (exit status: 1)\n--- stderr (tail) ---\nvmctl: error: \
+             the VM of /tmp/w did not come up: the guest agent did not answer in time; its logs: /tmp/s"
         ));
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
         // A panic with a payload that is not text is not taken for a lost VM.

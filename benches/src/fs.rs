@@ -981,7 +981,7 @@ mod tests {
                  printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
                  exec) shift 4\n    \
                  if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
-                 if [ -e {stall} ]; then case \"$3\" in *'echo x >'*) exec sleep 30;; esac; fi\n    \
+                 if [ -e {stall} ]; then case \"$3\" in *'echo x >'*) exec sleep 600;; esac; fi\n    \
                  exec \"$@\";;\n  \
                  rm) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x\";;\nesac\n",
                 log = dir.join("calls.log").display(),
@@ -1112,7 +1112,9 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         fs::write(dir.join("stall-create"), "").unwrap();
         let b = FsBench {
-            script_timeout: Duration::from_secs(2),
+            // Long enough for the host's `sync` on a machine busy with the other
+            // tests (2 s was not, once in CI); the stall sleeps far longer.
+            script_timeout: Duration::from_secs(20),
             ..fake_bench(&dir)
         };
         let r = measure(&b);

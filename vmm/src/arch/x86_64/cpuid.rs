@@ -4,7 +4,7 @@
 //! VMM does not back (nested virtualisation, a vPMU, power management).
 
 use kvm_bindings::{CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_MAX_CPUID_ENTRIES};
-use kvm_ioctls::{Kvm, VcpuFd};
+use kvm_ioctls::{Cap, Kvm, VcpuFd};
 
 // Leaf 1.
 /// EBX[15:8]: CLFLUSH line size in 8-byte units.
@@ -17,7 +17,10 @@ const LEAF1_EBX_CPU_COUNT_SHIFT: u32 = 16;
 const LEAF1_EBX_APIC_ID_SHIFT: u32 = 24;
 /// ECX bit 5: VMX.
 pub const LEAF1_ECX_VMX: u32 = 1 << 5;
-/// ECX bit 24: TSC-deadline timer (backed by KVM's in-kernel LAPIC, so kept).
+/// ECX bit 24: TSC-deadline timer. KVM's in-kernel LAPIC backs it, but kernels before
+/// 6.14 leave it out of their supported CPUID (it depends on the irqchip) and report it
+/// as `KVM_CAP_TSC_DEADLINE_TIMER`: [`setup_cpuid`] adds it then. A guest without it
+/// calibrates the LAPIC timer against the PIT at boot instead.
 pub const LEAF1_ECX_TSC_DEADLINE: u32 = 1 << 24;
 /// ECX bit 31: running under a hypervisor.
 pub const LEAF1_ECX_HYPERVISOR: u32 = 1 << 31;
@@ -267,8 +270,18 @@ pub fn filter_cpuid(cpuid: &mut CpuId, vcpu_index: u8, vcpu_count: u8) {
     }
 }
 
-/// Gets KVM's supported CPUID, filters it for vCPU `index` of `count`, and sets it
-/// on `vcpu`.
+/// Offers the TSC-deadline timer in leaf 1 (see [`LEAF1_ECX_TSC_DEADLINE`]).
+pub fn offer_tsc_deadline_timer(cpuid: &mut CpuId) {
+    for entry in cpuid.as_mut_slice() {
+        if entry.function == 0x1 {
+            entry.ecx |= LEAF1_ECX_TSC_DEADLINE;
+        }
+    }
+}
+
+/// Gets KVM's supported CPUID, filters it for vCPU `index` of `count`, adds what KVM
+/// backs but does not list there, and sets it on `vcpu`. The VM's in-kernel irqchip
+/// must exist.
 pub fn setup_cpuid(kvm: &Kvm, vcpu: &VcpuFd, index: u8, count: u8) -> Result<(), CpuidError> {
     let mut cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -277,6 +290,9 @@ pub fn setup_cpuid(kvm: &Kvm, vcpu: &VcpuFd, index: u8, count: u8) -> Result<(),
             source,
         })?;
     filter_cpuid(&mut cpuid, index, count);
+    if kvm.check_extension(Cap::TscDeadlineTimer) {
+        offer_tsc_deadline_timer(&mut cpuid);
+    }
     vcpu.set_cpuid2(&cpuid)
         .map_err(|source| CpuidError::SetCpuid {
             index,
@@ -400,6 +416,27 @@ mod tests {
         assert_ne!(leaf1.ecx & 1, 0, "other features untouched");
         assert_ne!(leaf1.edx & LEAF1_EDX_HTT, 0);
         assert_eq!(leaf1.eax, 0x000906ea);
+    }
+
+    /// What KVM before 6.14 reports: leaf 1 without the TSC-deadline timer.
+    #[test]
+    fn the_tsc_deadline_timer_is_offered_where_kvm_leaves_it_out() {
+        let mut cpuid = intel_cpuid();
+        for e in cpuid.as_mut_slice() {
+            if e.function == 1 {
+                e.ecx &= !LEAF1_ECX_TSC_DEADLINE;
+            }
+        }
+        filter_cpuid(&mut cpuid, 0, 2);
+        let before = find(&cpuid, 1, 0);
+        assert_eq!(before.ecx & LEAF1_ECX_TSC_DEADLINE, 0);
+        offer_tsc_deadline_timer(&mut cpuid);
+        let after = find(&cpuid, 1, 0);
+        assert_eq!(after.ecx, before.ecx | LEAF1_ECX_TSC_DEADLINE);
+        assert_eq!(
+            (after.eax, after.ebx, after.edx),
+            (before.eax, before.ebx, before.edx)
+        );
     }
 
     #[test]
@@ -566,7 +603,7 @@ mod tests {
     /// Runs the ioctls on a real vCPU when /dev/kvm is usable; skips otherwise.
     #[test]
     fn setup_cpuid_with_kvm_if_available() {
-        let Some((kvm, _vm, vcpu)) = crate::arch::x86_64::test_vcpu(false) else {
+        let Some((kvm, _vm, vcpu)) = crate::arch::x86_64::test_vcpu(true) else {
             return;
         };
         setup_cpuid(&kvm, &vcpu, 0, 2).unwrap();
@@ -574,5 +611,9 @@ mod tests {
         let leaf1 = find(&got, 1, 0);
         assert_ne!(leaf1.ecx & LEAF1_ECX_HYPERVISOR, 0);
         assert_eq!(leaf1.ecx & LEAF1_ECX_VMX, 0);
+        assert_eq!(
+            leaf1.ecx & LEAF1_ECX_TSC_DEADLINE != 0,
+            kvm.check_extension(Cap::TscDeadlineTimer)
+        );
     }
 }

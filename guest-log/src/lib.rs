@@ -12,14 +12,14 @@ pub use tracing;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Warnings logged per call site and window.
+/// Events logged per call site and window.
 pub const SHOWN_PER_WINDOW: u32 = 10;
 pub const WINDOW: Duration = Duration::from_secs(10);
 
-/// What to do with one warning.
+/// What to do with one event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
-    /// Log it; `left_out` warnings of this call site were not logged before it.
+    /// Log it; `left_out` events of this call site were not logged before it.
     Show {
         left_out: u64,
     },

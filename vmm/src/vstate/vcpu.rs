@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvm_bindings::{kvm_regs, kvm_sregs};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use vm_memory::GuestAddress;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
@@ -114,13 +115,8 @@ impl Vcpu {
 
     /// The registers that say where a crashed guest was, for the error message.
     fn crash_state(&self) -> String {
-        let regs = self.fd.get_regs();
-        let sregs = self.fd.get_sregs();
-        match (regs, sregs) {
-            (Ok(r), Ok(s)) => format!(
-                "rip {:#x} rsp {:#x} cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} idt {:#x}+{:#x}",
-                r.rip, r.rsp, s.cr0, s.cr2, s.cr3, s.cr4, s.efer, s.idt.base, s.idt.limit
-            ),
+        match (self.fd.get_regs(), self.fd.get_sregs()) {
+            (Ok(regs), Ok(sregs)) => describe_crash_registers(&regs, &sregs),
             (Err(e), _) | (_, Err(e)) => format!("registers unavailable: {e}"),
         }
     }
@@ -196,6 +192,30 @@ impl Vcpu {
     }
 }
 
+/// Where a vCPU was when it triple-faulted, or why that is unknown. On AMD, KVM
+/// answers the shutdown intercept by INIT-ing the vCPU (the VMCB is undefined after
+/// one), so what it reports then is a CPU just reset, which our guests never are
+/// otherwise: they start in protected or long mode and never leave it.
+fn describe_crash_registers(regs: &kvm_regs, sregs: &kvm_sregs) -> String {
+    const CR0_PE: u64 = 1;
+    const RESET_RIP: u64 = 0xfff0;
+    if sregs.cr0 & CR0_PE == 0 && regs.rip == RESET_RIP {
+        return "its registers are lost: KVM on AMD resets a vCPU that triple-faults".to_string();
+    }
+    format!(
+        "rip {:#x} rsp {:#x} cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} idt {:#x}+{:#x}",
+        regs.rip,
+        regs.rsp,
+        sregs.cr0,
+        sregs.cr2,
+        sregs.cr3,
+        sregs.cr4,
+        sregs.efer,
+        sregs.idt.base,
+        sregs.idt.limit
+    )
+}
+
 impl Vcpu {
     /// Without ACPI, a guest's power-off ends with its boot CPU halted and interrupts
     /// disabled, which nothing but an NMI can wake: with an in-kernel LAPIC that halt
@@ -222,9 +242,6 @@ pub struct VcpuHandle {
 }
 
 impl VcpuHandle {
-    /// Kicks the thread out of KVM_RUN until it notices `stop` (which the caller has
-    /// set) and joins it. Kicking repeatedly closes the race with a thread that was
-    /// about to enter KVM_RUN when the first signal arrived.
     /// Interrupts the vCPU's KVM_RUN once (see `Vcpu::is_powered_off`).
     pub fn kick(&self) {
         if let Err(e) = self.thread.kill(kick_signal()) {
@@ -232,6 +249,9 @@ impl VcpuHandle {
         }
     }
 
+    /// Kicks the thread out of KVM_RUN until it notices `stop` (which the caller has
+    /// set) and joins it. Kicking repeatedly closes the race with a thread that was
+    /// about to enter KVM_RUN when the first signal arrived.
     pub fn stop(self) {
         while !self.thread.is_finished() {
             if let Err(e) = self.thread.kill(kick_signal()) {
@@ -243,5 +263,59 @@ impl VcpuHandle {
         if self.thread.join().is_err() {
             tracing::error!("vcpu{} thread panicked", self.index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn long_mode_crash() -> (kvm_regs, kvm_sregs) {
+        let regs = kvm_regs {
+            rip: 0xffff_ffff_8100_0000,
+            rsp: 0xffff_c900_0000_3f00,
+            ..Default::default()
+        };
+        let mut sregs = kvm_sregs {
+            cr0: 0x8005_0033,
+            cr3: 0x1_0000,
+            efer: 0xd01,
+            ..Default::default()
+        };
+        sregs.idt.limit = 0xfff;
+        (regs, sregs)
+    }
+
+    #[test]
+    fn a_crash_in_long_mode_is_described_by_its_registers() {
+        let (regs, sregs) = long_mode_crash();
+        let text = describe_crash_registers(&regs, &sregs);
+        assert!(text.starts_with("rip 0xffffffff81000000 rsp 0xffffc90000003f00 cr0 0x80050033"));
+        assert!(text.ends_with("efer 0xd01 idt 0x0+0xfff"), "{text}");
+    }
+
+    #[test]
+    fn registers_reset_by_kvm_are_not_passed_off_as_the_crash() {
+        // What KVM on AMD leaves after a shutdown intercept: an INIT-ed vCPU (seen in
+        // the nested host: rip 0xfff0, cr0 0x10, everything else 0).
+        let regs = kvm_regs {
+            rip: 0xfff0,
+            ..Default::default()
+        };
+        let mut sregs = kvm_sregs {
+            cr0: 0x10,
+            ..Default::default()
+        };
+        sregs.idt.limit = 0xffff;
+        let text = describe_crash_registers(&regs, &sregs);
+        assert!(text.starts_with("its registers are lost"), "{text}");
+        assert!(!text.contains("0xfff0"), "{text}");
+    }
+
+    #[test]
+    fn only_real_mode_at_the_reset_vector_counts_as_reset() {
+        let (mut regs, sregs) = long_mode_crash();
+        regs.rip = 0xfff0;
+        assert!(describe_crash_registers(&regs, &sregs).starts_with("rip 0xfff0 "));
     }
 }

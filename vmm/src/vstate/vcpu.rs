@@ -194,12 +194,14 @@ impl Vcpu {
 
 /// Where a vCPU was when it triple-faulted, or why that is unknown. On AMD, KVM
 /// answers the shutdown intercept by INIT-ing the vCPU (the VMCB is undefined after
-/// one), so what it reports then is a CPU just reset, which our guests never are
-/// otherwise: they start in protected or long mode and never leave it.
+/// one), so what it reports then is a CPU at the reset vector, where our guests never
+/// run otherwise: the boot vCPU starts in long mode, and the others start in real mode
+/// at their SIPI vector, below 1 MiB.
 fn describe_crash_registers(regs: &kvm_regs, sregs: &kvm_sregs) -> String {
     const CR0_PE: u64 = 1;
+    const RESET_CS_BASE: u64 = 0xffff_0000;
     const RESET_RIP: u64 = 0xfff0;
-    if sregs.cr0 & CR0_PE == 0 && regs.rip == RESET_RIP {
+    if sregs.cr0 & CR0_PE == 0 && sregs.cs.base == RESET_CS_BASE && regs.rip == RESET_RIP {
         return "its registers are lost: KVM on AMD resets a vCPU that triple-faults".to_string();
     }
     format!(
@@ -297,7 +299,7 @@ mod tests {
     #[test]
     fn registers_reset_by_kvm_are_not_passed_off_as_the_crash() {
         // What KVM on AMD leaves after a shutdown intercept: an INIT-ed vCPU (seen in
-        // the nested host: rip 0xfff0, cr0 0x10, everything else 0).
+        // the nested host: rip 0xfff0, cr0 0x10, the reset code segment).
         let regs = kvm_regs {
             rip: 0xfff0,
             ..Default::default()
@@ -306,6 +308,8 @@ mod tests {
             cr0: 0x10,
             ..Default::default()
         };
+        sregs.cs.base = 0xffff_0000;
+        sregs.cs.selector = 0xf000;
         sregs.idt.limit = 0xffff;
         let text = describe_crash_registers(&regs, &sregs);
         assert!(text.starts_with("its registers are lost"), "{text}");
@@ -316,6 +320,14 @@ mod tests {
     fn only_real_mode_at_the_reset_vector_counts_as_reset() {
         let (mut regs, sregs) = long_mode_crash();
         regs.rip = 0xfff0;
+        assert!(describe_crash_registers(&regs, &sregs).starts_with("rip 0xfff0 "));
+        // An application processor in its real-mode start-up code, at offset 0xfff0 of
+        // a SIPI page below 1 MiB: a real crash, described.
+        let mut sregs = kvm_sregs {
+            cr0: 0x10,
+            ..Default::default()
+        };
+        sregs.cs.base = 0x9_a000;
         assert!(describe_crash_registers(&regs, &sregs).starts_with("rip 0xfff0 "));
     }
 }

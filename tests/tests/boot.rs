@@ -1,4 +1,5 @@
-//! Boots the base hello guest and a guest whose script reboots by itself.
+//! Boots the base hello guest, a guest whose script reboots by itself, and one that
+//! triple-faults.
 
 use std::ffi::OsStr;
 use vm_tests::{base_initramfs, boot_script, vm_available, TempDir, Vmctl};
@@ -133,4 +134,46 @@ fn cmdline_is_appended() {
         words.contains(&"reboot=k"),
         "the default command line should have reboot=k: {cmdline:?}"
     );
+}
+
+/// A guest that triple-faults (the kernel's own `reboot=t`: an empty IDT, then `int3`)
+/// is reported as crashed, with its vCPU; where it was, on Intel; on AMD, KVM resets
+/// the vCPU before it reports the fault, so the report must say the registers are lost
+/// rather than pass the reset vector off as the crash site.
+#[test]
+fn a_guest_that_triple_faults_is_reported_as_crashed() {
+    if !vm_available("boot::a_guest_that_triple_faults_is_reported_as_crashed") {
+        return;
+    }
+    let dir = TempDir::new("triple-fault");
+    let initrd = vm_tests::test_initramfs(
+        &dir,
+        "echo ABOUT_TO_TRIPLE_FAULT=1\nreboot -f\nsleep 600\necho NOT_REBOOTED\n",
+    );
+    let run = Vmctl::boot(&initrd).args(["--cmdline", "reboot=t"]).run();
+    eprintln!("{}", run.report());
+    assert!(!run.timed_out, "vmctl timed out\n{}", run.report());
+    vm_tests::assert_no_panic(&run);
+    assert_eq!(
+        vm_tests::guest_value(&run.stdout, "ABOUT_TO_TRIPLE_FAULT"),
+        Some("1"),
+        "the guest's script did not run\n{}",
+        run.report()
+    );
+    assert_ne!(run.code, Some(0), "a crash must fail\n{}", run.report());
+    let crash = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("vmctl: error: ") && l.contains("the guest crashed (triple fault"))
+        .unwrap_or_else(|| panic!("no triple fault reported\n{}", run.report()));
+    assert!(crash.contains("on vCPU 0: "), "{crash}");
+    // The nested host's emulated CPU is an AMD one.
+    let amd = !vm_tests::hardware_kvm() || std::path::Path::new("/sys/module/kvm_amd").exists();
+    if amd {
+        assert!(crash.contains("its registers are lost"), "{crash}");
+        assert!(!crash.contains("rip 0xfff0"), "{crash}");
+    } else {
+        // The kernel's `int3`, in its text, with paging on.
+        assert!(crash.contains("rip 0xffffffff8"), "{crash}");
+    }
 }

@@ -198,10 +198,10 @@ impl Vcpu {
 /// run otherwise: the boot vCPU starts in long mode, and the others start in real mode
 /// at their SIPI vector, below 1 MiB.
 fn describe_crash_registers(regs: &kvm_regs, sregs: &kvm_sregs) -> String {
-    const CR0_PE: u64 = 1;
+    use crate::arch::x86_64::regs::X86_CR0_PE;
     const RESET_CS_BASE: u64 = 0xffff_0000;
     const RESET_RIP: u64 = 0xfff0;
-    if sregs.cr0 & CR0_PE == 0 && sregs.cs.base == RESET_CS_BASE && regs.rip == RESET_RIP {
+    if sregs.cr0 & X86_CR0_PE == 0 && sregs.cs.base == RESET_CS_BASE && regs.rip == RESET_RIP {
         return "its registers are lost: KVM on AMD resets a vCPU that triple-faults".to_string();
     }
     format!(

@@ -372,6 +372,15 @@ mod tests {
             .unwrap_or_else(|| panic!("leaf {function:#x}.{index} missing"))
     }
 
+    /// Changes leaf 1 as KVM might have reported it.
+    fn edit_leaf1(cpuid: &mut CpuId, edit: impl Fn(&mut kvm_cpuid_entry2)) {
+        cpuid
+            .as_mut_slice()
+            .iter_mut()
+            .filter(|e| e.function == 1)
+            .for_each(edit);
+    }
+
     fn filtered(index: u8, count: u8) -> CpuId {
         let mut cpuid = intel_cpuid();
         filter_cpuid(&mut cpuid, index, count);
@@ -422,11 +431,7 @@ mod tests {
     #[test]
     fn the_tsc_deadline_timer_is_offered_where_kvm_leaves_it_out() {
         let mut cpuid = intel_cpuid();
-        for e in cpuid.as_mut_slice() {
-            if e.function == 1 {
-                e.ecx &= !LEAF1_ECX_TSC_DEADLINE;
-            }
-        }
+        edit_leaf1(&mut cpuid, |leaf1| leaf1.ecx &= !LEAF1_ECX_TSC_DEADLINE);
         filter_cpuid(&mut cpuid, 0, 2);
         let before = find(&cpuid, 1, 0);
         assert_eq!(before.ecx & LEAF1_ECX_TSC_DEADLINE, 0);
@@ -442,11 +447,7 @@ mod tests {
     #[test]
     fn leaf1_single_cpu_has_no_htt() {
         let mut cpuid = intel_cpuid();
-        for e in cpuid.as_mut_slice() {
-            if e.function == 1 {
-                e.edx |= LEAF1_EDX_HTT;
-            }
-        }
+        edit_leaf1(&mut cpuid, |leaf1| leaf1.edx |= LEAF1_EDX_HTT);
         filter_cpuid(&mut cpuid, 0, 1);
         let leaf1 = find(&cpuid, 1, 0);
         assert_eq!(leaf1.edx & LEAF1_EDX_HTT, 0);

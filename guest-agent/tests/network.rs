@@ -91,42 +91,12 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Distinct loopback ports free right now, for the agent to bind itself. Picked at
-/// random below the kernel's ephemeral range, which it hands out to every socket bound
-/// to port 0 (the other tests' listeners and connections, running alongside): a port
-/// from that range could be taken between this check and the agent's bind.
+/// Ports free right now (held together while picking, so they differ).
 fn free_ports<const N: usize>() -> [u16; N] {
-    use std::hash::{BuildHasher, RandomState};
-    const LOWEST: u16 = 10_000;
-    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    assert!(
-        ephemeral_start > LOWEST + 1_000,
-        "the ephemeral port range starts at {ephemeral_start}: no room below it"
-    );
-    let span = u64::from(ephemeral_start - LOWEST);
-    let mut ports = [0u16; N];
-    let mut found = 0;
-    for attempt in 0u32..10_000 {
-        if found == N {
-            break;
-        }
-        let random = RandomState::new().hash_one(attempt);
-        let port = LOWEST + u16::try_from(random % span).unwrap();
-        if !ports[..found].contains(&port)
-            && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-        {
-            ports[found] = port;
-            found += 1;
-        }
-    }
-    assert_eq!(
-        found, N,
-        "no {N} free loopback ports below {ephemeral_start}"
-    );
-    ports
+    let held: Vec<_> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
 }
 
 async fn read_all<R: AsyncReadExt + Unpin>(r: &mut R) -> Vec<u8> {

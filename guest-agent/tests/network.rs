@@ -16,7 +16,7 @@ use guest_agent::protocol::{
 };
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixListener, UnixStream};
 
 const PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIBtestcert\n-----END CERTIFICATE-----\n";
 
@@ -91,12 +91,23 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Ports free right now (held together while picking, so they differ).
-fn free_ports<const N: usize>() -> [u16; N] {
-    let held: Vec<_> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+/// Loopback ports kept for the agent to listen on, and the sockets that keep them:
+/// each is bound with SO_REUSEADDR but not listening. The kernel hands a bound port
+/// to no other socket (neither a bind to port 0, as the agent's own egress proxy
+/// does, nor a connect's source port), while the agent, which listens with
+/// SO_REUSEADDR too, may still take it. A port merely found free and released was,
+/// now and then, the egress proxy's by the time the agent bound it.
+fn reserve_ports<const N: usize>() -> ([u16; N], Vec<TcpSocket>) {
+    let held: Vec<TcpSocket> = (0..N)
+        .map(|_| {
+            let socket = TcpSocket::new_v4().unwrap();
+            socket.set_reuseaddr(true).unwrap();
+            socket.bind(([127, 0, 0, 1], 0).into()).unwrap();
+            socket
+        })
         .collect();
-    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
+    let ports = std::array::from_fn(|i| held[i].local_addr().unwrap().port());
+    (ports, held)
 }
 
 async fn read_all<R: AsyncReadExt + Unpin>(r: &mut R) -> Vec<u8> {
@@ -305,7 +316,7 @@ async fn egress_without_a_host_service_closes_the_connection() {
 #[tokio::test]
 async fn relays_are_additive_and_report_failures() {
     let agent = Agent::start().await;
-    let [p1, p2] = free_ports::<2>();
+    let ([p1, p2], _reserved) = reserve_ports::<2>();
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let busy_port = busy.local_addr().unwrap().port();
 
@@ -451,7 +462,7 @@ async fn connect_port_falls_back_to_ipv6_loopback() {
 #[tokio::test]
 async fn connect_port_to_a_closed_port_is_an_error() {
     let agent = Agent::start().await;
-    let [closed] = free_ports::<1>();
+    let ([closed], _reserved) = reserve_ports::<1>();
     let err = within(agent.conn().await.connect_port(closed))
         .await
         .err()

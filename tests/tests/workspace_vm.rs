@@ -122,7 +122,9 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .collect();
     assert_eq!(sizes, ["30 100", "40 120"], "{pty_out}");
 
-    // 20 concurrent execs.
+    // 20 concurrent execs, which leave no descriptor behind in the VM's supervisor
+    // (the VMM's or, in the nested host, the relay's end of each connection).
+    let descriptors_before = supervisor_descriptors(&ws);
     let children: Vec<_> = (0..20)
         .map(|i| {
             ws.command(&["exec", "--", "sh", "-c", &format!("echo job-{i}")])
@@ -142,6 +144,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
         );
         assert_eq!(stdout(&output), format!("job-{i}\n"));
     }
+    assert_no_descriptors_left_behind(&ws, descriptors_before);
 
     // Killing the host client kills the guest process.
     let mut sleeper = ws
@@ -245,6 +248,40 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .read_dir()
         .unwrap()
         .any(|_| true));
+}
+
+/// The descriptors the VM's supervisor has open.
+fn supervisor_descriptors(ws: &Workspace) -> usize {
+    let vms = ws.state().join("vmctl/vms");
+    let vm_dir = vms
+        .read_dir()
+        .unwrap()
+        .next()
+        .expect("the workspace has a VM directory")
+        .unwrap()
+        .path();
+    let pid = std::fs::read_to_string(vm_dir.join("supervisor.pid")).unwrap();
+    let fds = Path::new("/proc").join(pid.trim()).join("fd");
+    fds.read_dir()
+        .unwrap_or_else(|e| panic!("{}: {e}", fds.display()))
+        .count()
+}
+
+/// The supervisor is back to at most a few more descriptors than `before` (the clock
+/// keeper's connection may be open), within 10 s: connections close asynchronously.
+fn assert_no_descriptors_left_behind(ws: &Workspace, before: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = supervisor_descriptors(ws);
+        if now <= before + 4 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the VM's supervisor holds {now} descriptors after 20 execs, {before} before them"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Waits until `path` exists and is not empty in the guest.

@@ -93,8 +93,9 @@ pub fn run(dir: &Path) -> Result<u8, String> {
 
 /// Lifts the soft limit on open files to the hard one: the guest may hold up to 1,024
 /// vsock connections to host services, each a descriptor here, on top of the VMM's
-/// own, and the usual soft limit is 1,024.
-fn raise_open_files_limit() {
+/// own, and the usual soft limit is 1,024. The nested host's PID 1 does the same: host
+/// clients' connections take two descriptors there (the relay's and the VMM's).
+pub(crate) fn raise_open_files_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource};
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current < limit.maximum {

@@ -42,6 +42,7 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
         return Err(NestedInitError::NotInit);
     }
     let vmm_start = Instant::now();
+    crate::supervisor::raise_open_files_limit();
     let exit_code = match prepare_and_run(spec, vmm_start) {
         Ok(code) => code,
         Err(message) => {

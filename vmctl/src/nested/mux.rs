@@ -53,6 +53,14 @@ enum Inbound {
     Reset,
 }
 
+/// How the local-to-link direction of a stream ended.
+enum UpEnd {
+    /// The local socket reached EOF: a `Close` went out.
+    Closed,
+    /// A `Reset` went out, or the link is gone.
+    Reset,
+}
+
 struct StreamEntry {
     inbound: mpsc::UnboundedSender<Inbound>,
     /// Bytes the peer may still send before our next credit: enforced, since a peer
@@ -127,7 +135,9 @@ impl Mux {
         (rx, send_window)
     }
 
-    /// Runs the two directions of `stream` over `local`.
+    /// Runs the two directions of `stream` over `local`. The stream, and with it the
+    /// local socket, is forgotten once both directions have closed, or either was
+    /// reset: a long-lived link carries an unbounded number of streams.
     fn bridge(
         self: &Arc<Self>,
         stream: u32,
@@ -136,7 +146,7 @@ impl Mux {
     ) {
         let (mut local_read, mut local_write) = local.into_split();
         let up_out = self.out.clone();
-        let up = tokio::spawn(async move {
+        let mut up = tokio::spawn(async move {
             let mut buf = vec![0u8; MAX_CHUNK];
             loop {
                 let frame = match local_read.read(&mut buf).await {
@@ -145,7 +155,7 @@ impl Mux {
                         // Wait for the peer's credit before sending what we read.
                         match send_window.acquire_many(n as u32).await {
                             Ok(permit) => permit.forget(),
-                            Err(_) => return,
+                            Err(_) => return UpEnd::Reset,
                         }
                         MuxFrame::Data {
                             stream,
@@ -154,27 +164,46 @@ impl Mux {
                     }
                     Err(_) => MuxFrame::Reset { stream },
                 };
-                let last = !matches!(frame, MuxFrame::Data { .. });
-                if up_out.send(frame).await.is_err() || last {
-                    return;
+                let end = match frame {
+                    MuxFrame::Data { .. } => None,
+                    MuxFrame::Close { .. } => Some(UpEnd::Closed),
+                    _ => Some(UpEnd::Reset),
+                };
+                if up_out.send(frame).await.is_err() {
+                    return UpEnd::Reset;
+                }
+                if let Some(end) = end {
+                    return end;
                 }
             }
         });
         let mux = self.clone();
         tokio::spawn(async move {
-            while let Some(message) = inbound.recv().await {
-                match message {
-                    Inbound::Data(bytes) => {
-                        if local_write.write_all(&bytes).await.is_err() {
-                            let _ = mux.out.send(MuxFrame::Reset { stream }).await;
-                            break;
+            let mut up_closed = false;
+            let mut down_closed = false;
+            loop {
+                tokio::select! {
+                    end = &mut up, if !up_closed => match end {
+                        Ok(UpEnd::Closed) if !down_closed => up_closed = true,
+                        _ => break,
+                    },
+                    message = inbound.recv() => match message {
+                        Some(Inbound::Data(bytes)) => {
+                            if local_write.write_all(&bytes).await.is_err() {
+                                let _ = mux.out.send(MuxFrame::Reset { stream }).await;
+                                break;
+                            }
+                            mux.grant(stream, bytes.len() as u32).await;
                         }
-                        mux.grant(stream, bytes.len() as u32).await;
-                    }
-                    Inbound::Close => {
-                        let _ = local_write.shutdown().await;
-                    }
-                    Inbound::Reset => break,
+                        Some(Inbound::Close) => {
+                            let _ = local_write.shutdown().await;
+                            if up_closed {
+                                break;
+                            }
+                            down_closed = true;
+                        }
+                        Some(Inbound::Reset) | None => break,
+                    },
                 }
             }
             up.abort();
@@ -386,6 +415,52 @@ mod tests {
         for task in tasks {
             task.await.unwrap();
         }
+    }
+
+    /// Waits up to 5 s for both sides to have no streams left.
+    async fn until_no_streams(host: &Mux, guest: &Mux) {
+        for _ in 0..100 {
+            if host.stream_count() == 0 && guest.stream_count() == 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!(
+            "streams left open: {} on the host's side, {} on the guest's",
+            host.stream_count(),
+            guest.stream_count()
+        );
+    }
+
+    #[tokio::test]
+    async fn streams_closed_both_ways_are_forgotten_and_their_sockets_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, guest) = pair(dir.path()).await;
+        for _ in 0..20 {
+            let mut conn = client(&host, VSOCK_PORT).await;
+            conn.write_all(b"ping").await.unwrap();
+            conn.shutdown().await.unwrap();
+            let mut out = Vec::new();
+            conn.read_to_end(&mut out).await.unwrap();
+            assert_eq!(out, b"ping");
+        }
+        // Each stream held a socket on both sides: a long-lived VM ran out of them.
+        until_no_streams(&host, &guest).await;
+    }
+
+    #[tokio::test]
+    async fn a_stream_whose_local_socket_fails_is_forgotten_on_both_sides() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host, guest) = pair(dir.path()).await;
+        let mut conn = client(&host, VSOCK_PORT).await;
+        conn.write_all(b"xy").await.unwrap();
+        let mut one = [0u8; 1];
+        conn.read_exact(&mut one).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // Closed with the echoed "y" unread, so the mux's read of it fails
+        // (ECONNRESET): the stream is reset, not closed.
+        drop(conn);
+        until_no_streams(&host, &guest).await;
     }
 
     #[tokio::test]

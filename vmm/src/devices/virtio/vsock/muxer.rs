@@ -12,6 +12,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
@@ -32,6 +33,9 @@ pub const MAX_PENDING_RSTS: usize = 1024;
 const MAX_CONNECT_LINE: usize = 32;
 /// First host port handed to host-initiated connections.
 pub const FIRST_LOCAL_PORT: u32 = 1024;
+/// How long the listener rests when the process is out of file descriptors. Host
+/// clients wait in its backlog meanwhile.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
 /// (local (host) port, peer (guest) port).
 pub type ConnKey = (u32, u32);
@@ -80,6 +84,11 @@ pub struct Muxer {
     next_local_port: u32,
     rx_ready: VecDeque<ConnKey>,
     rst_queue: VecDeque<Header>,
+    /// The listener is out of epoll until then: accepting failed for want of file
+    /// descriptors, and a level-triggered listener would wake us again at once.
+    accept_paused_until: Option<Instant>,
+    /// Out of file descriptors was reported, and no accept has succeeded since.
+    exhaustion_reported: bool,
     pub stats: Stats,
 }
 
@@ -109,6 +118,8 @@ impl Muxer {
             next_local_port: FIRST_LOCAL_PORT,
             rx_ready: VecDeque::new(),
             rst_queue: VecDeque::new(),
+            accept_paused_until: None,
+            exhaustion_reported: false,
             stats: Stats::default(),
         })
     }
@@ -156,11 +167,16 @@ impl Muxer {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if is_out_of_descriptors(&e) => {
+                    self.pause_accepting(&e);
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!("vsock: accept on {} failed: {e}", self.uds_path.display());
                     return;
                 }
             };
+            self.exhaustion_reported = false;
             if self.pending_clients.len() >= MAX_PENDING_CLIENTS
                 || self.conns.len() >= MAX_CONNECTIONS
             {
@@ -188,6 +204,63 @@ impl Muxer {
                     line: Vec::new(),
                 },
             );
+        }
+    }
+
+    /// Takes the listener out of epoll for [`ACCEPT_RETRY`]: the client stays in the
+    /// backlog, and the worker neither spins on it nor stops serving live connections.
+    fn pause_accepting(&mut self, error: &std::io::Error) {
+        if !self.exhaustion_reported {
+            self.exhaustion_reported = true;
+            tracing::warn!(
+                "vsock: cannot accept host clients on {}: {error}; they wait until \
+                 connections close (raise the open files limit, `ulimit -n`, if this \
+                 persists)",
+                self.uds_path.display()
+            );
+        }
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Delete,
+            self.listener.as_raw_fd(),
+            EpollEvent::default(),
+        ) {
+            tracing::warn!("vsock: cannot pause the listener: {e}");
+            return;
+        }
+        self.accept_paused_until = Some(Instant::now() + ACCEPT_RETRY);
+    }
+
+    /// The epoll timeout the worker should use: until the paused listener is due
+    /// back, else none (-1).
+    pub fn poll_timeout_ms(&self) -> i32 {
+        match self.accept_paused_until {
+            Some(until) => {
+                let left = until.saturating_duration_since(Instant::now());
+                // Rounded up: a wait that ends early would find it not yet due.
+                i32::try_from(left.as_millis() + 1).unwrap_or(i32::MAX)
+            }
+            None => -1,
+        }
+    }
+
+    /// Puts a paused listener back into epoll once its rest is over.
+    pub fn resume_accepting_if_due(&mut self) {
+        let Some(until) = self.accept_paused_until else {
+            return;
+        };
+        if Instant::now() < until {
+            return;
+        }
+        match self.epoll.ctl(
+            ControlOperation::Add,
+            self.listener.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, LISTENER_TOKEN),
+        ) {
+            Ok(()) => self.accept_paused_until = None,
+            Err(e) => {
+                tracing::warn!("vsock: cannot resume the listener: {e}");
+                self.accept_paused_until = Some(Instant::now() + ACCEPT_RETRY);
+            }
         }
     }
 
@@ -449,6 +522,14 @@ fn connect_without_waiting(path: &Path) -> std::io::Result<UnixStream> {
     Ok(UnixStream::from(std::os::fd::OwnedFd::from(socket)))
 }
 
+/// Whether `error` means the process or system has no file descriptor to spare.
+fn is_out_of_descriptors(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
 /// Parses `CONNECT <port>` (the newline already stripped).
 fn parse_connect(line: &[u8]) -> Result<u32, MuxerError> {
     let bad = || MuxerError::BadConnectLine(String::from_utf8_lossy(line).into_owned());
@@ -466,6 +547,90 @@ fn parse_connect(line: &[u8]) -> Result<u32, MuxerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Set in the child process that runs the out-of-descriptors scenario alone: it
+    /// lowers the process's open files limit, which would starve tests beside it.
+    const FD_EXHAUSTION_CHILD: &str = "VSOCK_TEST_FD_EXHAUSTION_CHILD";
+
+    #[test]
+    fn out_of_descriptors_pauses_the_listener_instead_of_spinning() {
+        if std::env::var_os(FD_EXHAUSTION_CHILD).is_some() {
+            return out_of_descriptors_scenario();
+        }
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "devices::virtio::vsock::muxer::tests::out_of_descriptors_pauses_the_listener_instead_of_spinning",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FD_EXHAUSTION_CHILD, "1")
+            .output()
+            .unwrap();
+        let report = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && report.contains("1 passed"),
+            "the scenario failed in its own process: {report}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    fn out_of_descriptors_scenario() {
+        let dir = std::env::temp_dir().join(format!("vsock-emfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("v.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut muxer = Muxer::new(3, &path, Arc::new(listener)).unwrap();
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: both calls get a pointer to a live, properly aligned rlimit.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+            limit.rlim_cur = 64;
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+        // Fill the descriptor table, leaving one for the client.
+        let mut filler = Vec::new();
+        while let Ok(file) = std::fs::File::open("/dev/null") {
+            filler.push(file);
+        }
+        filler.pop();
+        let _client = UnixStream::connect(&path).unwrap();
+
+        let mut events = [EpollEvent::default(); 8];
+        assert_eq!(muxer.epoll().wait(0, &mut events).unwrap(), 1);
+        muxer.handle_event(LISTENER_TOKEN, EventSet::IN);
+        assert!(muxer.pending_clients.is_empty());
+        assert_eq!(
+            muxer.epoll().wait(0, &mut events).unwrap(),
+            0,
+            "the listener must leave epoll, or the worker spins on it"
+        );
+        assert!(muxer.poll_timeout_ms() > 0);
+
+        drop(filler);
+        muxer.resume_accepting_if_due();
+        assert_eq!(
+            muxer.epoll().wait(0, &mut events).unwrap(),
+            0,
+            "resumed early"
+        );
+        let timeout = muxer.poll_timeout_ms();
+        assert!(muxer.epoll().wait(timeout, &mut events).unwrap() == 0);
+        muxer.resume_accepting_if_due();
+        assert_eq!(muxer.poll_timeout_ms(), -1);
+        assert_eq!(muxer.epoll().wait(0, &mut events).unwrap(), 1);
+        muxer.handle_event(LISTENER_TOKEN, EventSet::IN);
+        assert_eq!(
+            muxer.pending_clients.len(),
+            1,
+            "the waiting client is accepted"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn connect_lines() {

@@ -151,7 +151,8 @@ impl Worker {
         // Packets may already be waiting when the driver sets DRIVER_OK.
         self.process();
         loop {
-            let n = match self.datapath.muxer.epoll().wait(-1, &mut events) {
+            let timeout = self.datapath.muxer.poll_timeout_ms();
+            let n = match self.datapath.muxer.epoll().wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -175,6 +176,7 @@ impl Worker {
             if self.stop.read().is_ok() {
                 return;
             }
+            self.datapath.muxer.resume_accepting_if_due();
             self.process();
         }
     }

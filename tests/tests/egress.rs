@@ -292,12 +292,69 @@ fn relay_scenario() {
     assert!(body.contains("published-ok"), "{body}");
     assert!(stdout(&ws.run(&["ports"])).contains(&address));
 
+    // A client that half-closes (sends its request, then shuts down its sending side,
+    // as `nc -N` does) still gets the answer the guest sends after reading to EOF.
+    assert_ok(
+        &ws.exec(&format!(
+            "setsid python3 -c '{COUNTING_SERVER}' 8124 </dev/null >/dev/null 2>&1 &"
+        )),
+        "start a guest server that answers after EOF",
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !stdout(&ws.run(&["ports"]))
+        .lines()
+        .any(|l| l.starts_with("8124 "))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the counting server never listened"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let published = ws.run(&["publish", "8124"]);
+    assert_ok(&published, "vmctl publish 8124");
+    let counting = stdout(&published).trim().to_string();
+    let request = vm_tests::random_bytes(300 * 1024);
+    let mut stream = TcpStream::connect(&counting).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    stream.write_all(&request).unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    let read = stream.read_to_string(&mut answer);
+    assert_eq!(
+        answer,
+        format!("got {} bytes\n", request.len()),
+        "the answer after a half close ({read:?})"
+    );
+
     assert_ok(&ws.run(&["unpublish", "8123"]), "vmctl unpublish");
     assert!(
         TcpStream::connect(&address).is_err(),
         "{address} still accepts connections"
     );
 }
+
+/// A guest TCP server on 127.0.0.1:argv[1] that reads each connection to EOF, then
+/// answers with how many bytes it read (Python, no single quotes).
+const COUNTING_SERVER: &str = "
+import socket, sys
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((\"127.0.0.1\", int(sys.argv[1])))
+server.listen()
+while True:
+    conn, _ = server.accept()
+    total = 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        total += len(chunk)
+    conn.sendall(b\"got %d bytes\\n\" % total)
+    conn.close()
+";
 
 /// A plain HTTP/1.0 GET on the host; returns the whole response.
 fn http_get(address: &str, path: &str) -> String {

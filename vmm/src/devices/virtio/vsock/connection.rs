@@ -31,6 +31,7 @@ const PENDING_REQUEST: u8 = 2;
 const PENDING_RESPONSE: u8 = 4;
 const PENDING_SHUTDOWN: u8 = 8;
 const PENDING_CREDIT_UPDATE: u8 = 16;
+const PENDING_SHUTDOWN_SEND: u8 = 32;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConnectionError {
@@ -71,6 +72,9 @@ pub struct Connection {
     pending: u8,
     peer_shutdown: u32,
     write_shut: bool,
+    /// The host shut down its sending side (read returned 0 without a hang-up): the
+    /// guest is told it gets no more, and may still send.
+    host_eof: bool,
     /// epoll said the socket is readable (or hung up) and we have not drained it.
     pub readable: bool,
     /// The socket hung up: it was taken out of epoll, reads continue until EOF.
@@ -111,6 +115,7 @@ impl Connection {
             pending,
             peer_shutdown: 0,
             write_shut: false,
+            host_eof: false,
             readable: false,
             hup: false,
             in_rx_ready: false,
@@ -159,6 +164,11 @@ impl Connection {
         self.state
     }
 
+    /// Bytes from the guest not yet written to the host socket.
+    pub fn unwritten(&self) -> usize {
+        self.tx_buf.len() - self.prefix
+    }
+
     /// Bytes the guest can still take.
     pub fn peer_free(&self) -> u32 {
         let in_flight = (self.rx_cnt - self.peer_fwd_cnt).0;
@@ -167,6 +177,7 @@ impl Connection {
 
     fn can_send_data(&self) -> bool {
         self.state == State::Established
+            && !self.host_eof
             && self.peer_shutdown & SHUTDOWN_RCV == 0
             && self.peer_free() > 0
     }
@@ -194,8 +205,35 @@ impl Connection {
         self.pending = PENDING_RST;
     }
 
+    /// epoll says the host socket hung up. After a half close that is the end (the
+    /// data before it was read); otherwise what is left is read first, up to EOF.
+    pub fn hung_up(&mut self) {
+        self.hup = true;
+        if self.host_eof {
+            self.host_closed();
+        } else {
+            self.readable = true;
+        }
+    }
+
+    /// The host shut down its sending side (a hang-up says when it closes for good):
+    /// SHUTDOWN(SEND) tells the guest, whose answers still reach the host.
+    fn host_half_closed(&mut self) {
+        self.host_eof = true;
+        self.readable = false;
+        if self.state != State::Closing {
+            self.pending |= PENDING_SHUTDOWN_SEND;
+        }
+    }
+
     /// The host side went away: tell the guest with SHUTDOWN, then RST.
     fn host_closed(&mut self) {
+        tracing::debug!(
+            "vsock: {}:{}: the host socket closed ({} bytes from the guest unwritten)",
+            self.local_port,
+            self.peer_port,
+            self.unwritten()
+        );
         if self.state != State::Closing {
             self.state = State::Closing;
             self.pending = PENDING_SHUTDOWN | PENDING_RST;
@@ -314,7 +352,7 @@ impl Connection {
     /// into `buf` (at most the guest's credit). Returns the header and payload length.
     pub fn produce(&mut self, buf: &mut [u8]) -> Option<(Header, usize)> {
         if self.pending & PENDING_SHUTDOWN != 0 {
-            self.pending &= !PENDING_SHUTDOWN;
+            self.pending &= !(PENDING_SHUTDOWN | PENDING_SHUTDOWN_SEND);
             let mut hdr = self.header(Op::Shutdown);
             hdr.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
             return Some((hdr, 0));
@@ -336,8 +374,12 @@ impl Connection {
             let n = buf.len().min(self.peer_free() as usize);
             if n > 0 {
                 match self.stream.read(&mut buf[..n]) {
-                    Ok(0) => {
+                    Ok(0) if self.hup => {
                         self.host_closed();
+                        return self.produce(buf);
+                    }
+                    Ok(0) => {
+                        self.host_half_closed();
                         return self.produce(buf);
                     }
                     Ok(k) => {
@@ -361,6 +403,12 @@ impl Connection {
                     }
                 }
             }
+        }
+        if self.pending & PENDING_SHUTDOWN_SEND != 0 {
+            self.pending &= !PENDING_SHUTDOWN_SEND;
+            let mut hdr = self.header(Op::Shutdown);
+            hdr.flags = SHUTDOWN_SEND;
+            return Some((hdr, 0));
         }
         if self.pending & PENDING_CREDIT_UPDATE != 0 {
             return Some((self.header(Op::CreditUpdate), 0));
@@ -484,10 +532,10 @@ mod tests {
     }
 
     #[test]
-    fn host_eof_gives_shutdown_then_rst() {
+    fn a_host_hang_up_gives_shutdown_then_rst() {
         let (mut c, b) = established(4096);
         drop(b);
-        c.readable = true;
+        c.hung_up();
         let mut buf = [0u8; 16];
         let (h, _) = c.produce(&mut buf).unwrap();
         assert_eq!(h.op, Op::Shutdown as u16);

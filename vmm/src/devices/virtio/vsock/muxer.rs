@@ -147,8 +147,7 @@ impl Muxer {
         } else if let Some(&key) = self.tokens.get(&token) {
             if let Some(conn) = self.conns.get_mut(&key) {
                 if events.intersects(EventSet::HANG_UP | EventSet::ERROR) {
-                    conn.hup = true;
-                    conn.readable = true;
+                    conn.hung_up();
                 }
                 if events.contains(EventSet::IN) {
                     conn.readable = true;
@@ -432,6 +431,12 @@ impl Muxer {
         };
         if let Some(conn) = self.conns.get_mut(&key) {
             if op == Op::Rst {
+                tracing::debug!(
+                    "vsock: {}:{}: the guest reset the connection ({} bytes from it unwritten)",
+                    key.0,
+                    key.1,
+                    conn.unwritten()
+                );
                 self.remove(key);
                 return;
             }

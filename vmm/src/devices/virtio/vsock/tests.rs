@@ -683,6 +683,42 @@ fn host_close_and_guest_reset() {
 }
 
 #[test]
+fn a_host_half_close_leaves_the_guest_able_to_answer() {
+    let mut g = Guest::new();
+    let (mut client, local) = g.host_connect(9);
+    client.write_all(b"request").unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let (_, data) = g.expect(Op::Rw);
+    assert_eq!(data, b"request");
+    let (h, _) = g.expect(Op::Shutdown);
+    assert_eq!(
+        h.flags, SHUTDOWN_SEND,
+        "only the host's sending side is done"
+    );
+    g.assert_quiet();
+    g.send_op(9, local, Op::Rw, b"response");
+    let mut answer = [0u8; 8];
+    client.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer, b"response");
+    // The guest closes too: the connection ends.
+    let mut sd = hdr(9, local, Op::Shutdown);
+    sd.flags = SHUTDOWN_RCV | SHUTDOWN_SEND;
+    g.send(sd, &[]);
+    g.expect(Op::Rst);
+    assert_closed(&mut client);
+
+    // A client that closes completely after its half close ends the connection.
+    let (client, _) = g.host_connect(10);
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let (h, _) = g.expect(Op::Shutdown);
+    assert_eq!(h.flags, SHUTDOWN_SEND);
+    drop(client);
+    let (h, _) = g.expect(Op::Shutdown);
+    assert_eq!(h.flags, SHUTDOWN_RCV | SHUTDOWN_SEND);
+    g.expect(Op::Rst);
+}
+
+#[test]
 fn many_concurrent_connections() {
     const N: u32 = 100;
     let mut g = Guest::new();

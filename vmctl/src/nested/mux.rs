@@ -181,31 +181,33 @@ impl Mux {
         tokio::spawn(async move {
             let mut up_closed = false;
             let mut down_closed = false;
-            loop {
+            let how = loop {
                 tokio::select! {
                     end = &mut up, if !up_closed => match end {
                         Ok(UpEnd::Closed) if !down_closed => up_closed = true,
-                        _ => break,
+                        Ok(UpEnd::Closed) => break "closed both ways",
+                        _ => break "reset by our side (local read failed)",
                     },
                     message = inbound.recv() => match message {
                         Some(Inbound::Data(bytes)) => {
                             if local_write.write_all(&bytes).await.is_err() {
                                 let _ = mux.out.send(MuxFrame::Reset { stream }).await;
-                                break;
+                                break "reset by our side (local write failed)";
                             }
                             mux.grant(stream, bytes.len() as u32).await;
                         }
                         Some(Inbound::Close) => {
                             let _ = local_write.shutdown().await;
                             if up_closed {
-                                break;
+                                break "closed both ways";
                             }
                             down_closed = true;
                         }
-                        Some(Inbound::Reset) | None => break,
+                        Some(Inbound::Reset) | None => break "reset by the peer",
                     },
                 }
-            }
+            };
+            tracing::debug!("mux: stream {stream} ended: {how}");
             up.abort();
             mux.streams_lock().remove(&stream);
         });

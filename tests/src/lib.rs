@@ -910,7 +910,7 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 13] = [
+const VM_LOST_SIGNS: [&str; 14] = [
     "timed out",
     "stopped making progress",
     // The benchmark's and vmctl's bounds on a guest agent's answer: a guest the nested
@@ -927,9 +927,10 @@ const VM_LOST_SIGNS: [&str; 13] = [
     "the guest did not print",
     // The guest kernel's own report that one of its vCPUs stopped running.
     "rcu_sched detected stalls on CPUs",
-    // vmctl's report of a guest kernel panic (in the nested host: its own CPU state
-    // leaking into the guest's, e.g. the per-CPU GS base; README, "Known problem").
+    // vmctl's report of a guest kernel panic, and of the nested host's own (README,
+    // "Known problem").
     "the guest kernel crashed",
+    "the nested host's kernel crashed",
     "the VM stopped",
     "closed the connection",
     "guest crashed",
@@ -1045,6 +1046,9 @@ mod tests {
         ));
         assert!(lost(
             "exec 0 failed: the agent closed the connection unexpectedly"
+        ));
+        assert!(lost(
+            "vmctl: error: the nested host's kernel crashed (not the guest's): Kernel panic"
         ));
         assert!(lost(
             "vm-bench: error: workspace VM: exec round trip 20/20 of true through \

@@ -63,7 +63,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         .map_err(|e| e.to_string())
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
-    if let Some(crash) = how_it_crashed(&vm, &outcome) {
+    if let Some(crash) = how_it_crashed(&vm, &outcome, record.nested) {
         eprintln!(
             "vmctl: error: {crash} (its console: {})",
             vm.console_log().display()
@@ -109,10 +109,18 @@ pub(crate) fn raise_open_files_limit() {
 /// Why the VM ended, if it did not simply shut down. A panicking guest resets itself,
 /// which ends the VM like a clean shutdown: only its console tells them apart. A VM
 /// that failed (a triple fault, the nested host lost, ...) ended with an error, which
-/// the VMM logged to our stderr (`vmctl exec` quotes it too).
-fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>) -> Option<String> {
-    if let Some(panic) = guest_panic(&vm.console_log()) {
-        return Some(format!("the guest kernel crashed: {panic}"));
+/// the VMM logged to our stderr (`vmctl exec` quotes it too). `nested`: the VM ran
+/// in the nested host, whose own kernel writes to the same console.
+fn how_it_crashed(vm: &VmDir, outcome: &Result<u8, String>, nested: bool) -> Option<String> {
+    if let Some(panic) = kernel_panic(&vm.console_log()) {
+        return Some(if nested && !panic.timestamped {
+            format!(
+                "the nested host's kernel crashed (not the guest's): {}",
+                panic.report
+            )
+        } else {
+            format!("the guest kernel crashed: {}", panic.report)
+        });
     }
     match outcome {
         Ok(0) => None,
@@ -149,29 +157,54 @@ fn last_error(log: &str) -> Option<String> {
 /// it is a few KiB at most), of the supervisor's log for the VMM's last error.
 pub const LOG_TAIL_BYTES: u64 = 64 * 1024;
 
-/// The guest kernel's panic line in the tail of its console log, with the first
-/// line of the report that led to it (`BUG:`, `Oops:`, ...), if it panicked.
-fn guest_panic(console: &Path) -> Option<String> {
+/// A kernel panic found on a VM's console.
+#[derive(Debug, PartialEq, Eq)]
+struct KernelPanic {
+    /// The panic line, with the first line of the report that led to it (`BUG:`,
+    /// `Oops:`, ...).
+    report: String,
+    /// Its lines carry the kernel's "[ seconds]" timestamps: the guest kernel's do
+    /// (CONFIG_PRINTK_TIME), the nested host's kernel prints none (`printk.time=0`).
+    timestamped: bool,
+}
+
+/// The last kernel panic in the tail of a console log, if a kernel panicked.
+fn kernel_panic(console: &Path) -> Option<KernelPanic> {
     let tail = read_tail(console, LOG_TAIL_BYTES)?;
     let text = String::from_utf8_lossy(&tail);
-    // After the kernel's "[ seconds]" timestamp (other output may precede it).
-    let message = |line: &str| match line.find("] ") {
-        Some(end) if line[..end].contains('[') => line[end + 2..].trim().to_string(),
-        _ => line.trim().to_string(),
-    };
     let lines: Vec<&str> = text.lines().collect();
     let panic_at = lines
         .iter()
         .rposition(|l| l.contains("Kernel panic - not syncing"))?;
-    let panic = message(lines[panic_at]);
+    let (panic, timestamped) = kernel_message(lines[panic_at]);
+    // The report is the same kernel's: the two kernels' lines interleave.
     let cause = lines[..panic_at]
         .iter()
-        .map(|l| message(l))
+        .map(|l| kernel_message(l))
+        .filter(|(_, stamped)| *stamped == timestamped)
+        .map(|(message, _)| message)
         .find(|m| OOPS_STARTS.iter().any(|start| m.starts_with(start)));
-    Some(match cause {
+    let report = match cause {
         Some(cause) => format!("{panic}, after \"{cause}\""),
         None => panic,
+    };
+    Some(KernelPanic {
+        report,
+        timestamped,
     })
+}
+
+/// A console line's kernel message, after the kernel's "[ seconds] " timestamp when
+/// it has one (other output may precede it on the line), and whether it had one.
+fn kernel_message(line: &str) -> (String, bool) {
+    let stamp = line.find("] ").and_then(|end| {
+        let start = line[..end].rfind('[')?;
+        line[start + 1..end].trim().parse::<f64>().ok().map(|_| end)
+    });
+    match stamp {
+        Some(end) => (line[end + 2..].trim().to_string(), true),
+        None => (line.trim().to_string(), false),
+    }
 }
 
 /// How the kernel starts the reports that end in a panic.
@@ -228,18 +261,18 @@ mod tests {
                    vmctl: the VM ended: Ok(1)\n";
         let (_dir, vm) = ended_vm("guest-agent: booted\n", log);
         assert_eq!(
-            how_it_crashed(&vm, &Ok(1)).as_deref(),
+            how_it_crashed(&vm, &Ok(1), false).as_deref(),
             Some("the VM stopped: the guest crashed (triple fault on vCPU 1: rip 0xfff0)")
         );
         // The same VM shut down cleanly: no crash, whatever the log says.
-        assert_eq!(how_it_crashed(&vm, &Ok(0)), None);
+        assert_eq!(how_it_crashed(&vm, &Ok(0), false), None);
         assert_eq!(
-            how_it_crashed(&vm, &Err("the nested host stopped".into())).as_deref(),
+            how_it_crashed(&vm, &Err("the nested host stopped".into()), true).as_deref(),
             Some("the nested host stopped")
         );
         let (_dir, quiet) = ended_vm("", "vmctl: the VM ended: Ok(3)\n");
         assert_eq!(
-            how_it_crashed(&quiet, &Ok(3)).as_deref(),
+            how_it_crashed(&quiet, &Ok(3), false).as_deref(),
             Some("the VMM exited with code 3")
         );
     }
@@ -250,11 +283,11 @@ mod tests {
                    vmctl: the VM ended: Ok(143)\n";
         let (_dir, vm) = ended_vm("guest-agent: booted\n", log);
         for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            assert_eq!(how_it_crashed(&vm, &Ok(128 + signal as u8)), None);
+            assert_eq!(how_it_crashed(&vm, &Ok(128 + signal as u8), false), None);
         }
         // Exit codes that are no stop signal are still crashes.
-        assert!(how_it_crashed(&vm, &Ok(128 + libc::SIGKILL as u8)).is_some());
-        assert!(how_it_crashed(&vm, &Ok(128)).is_some());
+        assert!(how_it_crashed(&vm, &Ok(128 + libc::SIGKILL as u8), false).is_some());
+        assert!(how_it_crashed(&vm, &Ok(128), false).is_some());
     }
 
     #[test]
@@ -263,7 +296,7 @@ mod tests {
             "[    2.1] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000300\n",
             "vmctl: the VM ended: Ok(0)\n",
         );
-        let crash = how_it_crashed(&vm, &Ok(0)).unwrap();
+        let crash = how_it_crashed(&vm, &Ok(0), false).unwrap();
         assert!(
             crash.starts_with(
                 "the guest kernel crashed: Kernel panic - not syncing: Attempted to kill init!"
@@ -283,12 +316,44 @@ mod tests {
              [   12.764508] Shutting down cpus with NMI\n",
         );
         assert_eq!(
-            guest_panic(&path).as_deref(),
+            kernel_panic(&path).map(|p| p.report).as_deref(),
             Some(
                 "Kernel panic - not syncing: Fatal exception in interrupt, after \
                  \"BUG: #DF stack guard page was hit at 000000009a468f9c\""
             )
         );
+    }
+
+    #[test]
+    fn a_panic_of_the_nested_hosts_kernel_is_not_the_guests() {
+        // The nested host's lines (no timestamps) among the guest's console.
+        let console = "[    3.0] virtio_blk virtio1: [vda] 2097152 512-byte logical blocks\n\
+                       BUG: unable to handle page fault for address: ffffc900009b3ff8\n\
+                       2026-12-02T23:50:48Z  INFO started pid=51 argv=[\"true\"] tty=false\n\
+                       [    9.1] BUG: a guest report the nested host's panic did not follow\n\
+                       RIP: 0010:exc_page_fault+0x1b/0x560\n\
+                       Kernel panic - not syncing: Fatal exception in interrupt\n";
+        let (_dir, vm) = ended_vm(console, "vmctl: the VM ended: Ok(1)\n");
+        assert_eq!(
+            how_it_crashed(&vm, &Ok(1), true).as_deref(),
+            Some(
+                "the nested host's kernel crashed (not the guest's): Kernel panic - not \
+                 syncing: Fatal exception in interrupt, after \"BUG: unable to handle page \
+                 fault for address: ffffc900009b3ff8\""
+            )
+        );
+        // Without a nested host, any kernel panic on the console is the guest's.
+        assert!(how_it_crashed(&vm, &Ok(1), false)
+            .unwrap()
+            .starts_with("the guest kernel crashed: Kernel panic"));
+        // The guest's panic in the nested host is still the guest's.
+        let (_dir, vm) = ended_vm(
+            "[    2.1] Kernel panic - not syncing: Attempted to kill init!\n",
+            "vmctl: the VM ended: Ok(0)\n",
+        );
+        assert!(how_it_crashed(&vm, &Ok(0), true)
+            .unwrap()
+            .starts_with("the guest kernel crashed: Kernel panic"));
     }
 
     #[test]
@@ -298,7 +363,7 @@ mod tests {
              [    1.2] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100\n",
         );
         assert_eq!(
-            guest_panic(&path).as_deref(),
+            kernel_panic(&path).map(|p| p.report).as_deref(),
             Some("Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100")
         );
     }
@@ -306,8 +371,8 @@ mod tests {
     #[test]
     fn a_clean_console_or_none_is_no_panic() {
         let (_dir, path) = console("[    0.5] reboot: Restarting system\n");
-        assert_eq!(guest_panic(&path), None);
-        assert_eq!(guest_panic(Path::new("/nonexistent/console.log")), None);
+        assert_eq!(kernel_panic(&path), None);
+        assert_eq!(kernel_panic(Path::new("/nonexistent/console.log")), None);
     }
 
     #[test]
@@ -315,6 +380,6 @@ mod tests {
         let mut text = String::from("[ 1.0] Kernel panic - not syncing: old\n");
         text.push_str(&"x".repeat(LOG_TAIL_BYTES as usize));
         let (_dir, path) = console(&text);
-        assert_eq!(guest_panic(&path), None);
+        assert_eq!(kernel_panic(&path), None);
     }
 }

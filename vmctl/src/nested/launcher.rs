@@ -500,10 +500,13 @@ fn nested_kernel_cmdline(
 ) -> String {
     // reboot=t: the nested host's init resets with a triple fault, and -no-reboot
     // turns that into QEMU exiting. Its kernel stays silent on our stdout (which is
-    // the guest's console) unless debug logging is on.
+    // the guest's console) unless debug logging is on or it oopses, and prints no
+    // timestamps there, so that its lines are told from the guest kernel's (a crash
+    // of its own is not reported as the guest's).
     let debug = log_filter.is_some_and(|f| f.contains("debug") || f.contains("trace"));
     let mut cmdline = format!(
-        "console=ttyS0 loglevel={loglevel} reboot=t panic=-1 root={root} rootfstype=9p \
+        "console=ttyS0 loglevel={loglevel} printk.time=0 reboot=t panic=-1 \
+         root={root} rootfstype=9p \
          rootflags=trans=virtio,version=9p2000.L,msize=262144,cache=loose ro \
          init={vmctl} {job_env}={guest_job_spec} {NESTED_KVM_ARGS}",
         job_env = job::JOB_ENV,
@@ -609,6 +612,13 @@ mod tests {
         let off = told.find("kvm_amd.npt=0").expect("the default is kept");
         assert!(on > off, "{told}");
         assert!(!told.contains("tsc_early_khz"), "{told}");
+    }
+
+    #[test]
+    fn the_nested_hosts_kernel_prints_no_timestamps() {
+        // What tells its lines on the guest's console from the guest kernel's.
+        let cmdline = nested_kernel_cmdline(Path::new("/v"), "/j", None, None, Some("debug"));
+        assert!(cmdline.contains(" printk.time=0 "), "{cmdline}");
     }
 
     #[test]

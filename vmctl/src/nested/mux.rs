@@ -181,23 +181,38 @@ impl Mux {
         tokio::spawn(async move {
             let mut up_closed = false;
             let mut down_closed = false;
+            // The local socket refused a write (its reader is gone). What it still
+            // holds for the peer is read on, and the stream reset only after that: a
+            // reset sent at once would overtake that data, and end the stream
+            // before the peer has it (a command's exit status, say).
+            let mut write_failed = false;
             let how = loop {
                 tokio::select! {
                     end = &mut up, if !up_closed => match end {
+                        Ok(UpEnd::Closed) if write_failed && !down_closed => {
+                            let _ = mux.out.send(MuxFrame::Reset { stream }).await;
+                            break "reset by our side (local write failed)";
+                        }
                         Ok(UpEnd::Closed) if !down_closed => up_closed = true,
                         Ok(UpEnd::Closed) => break "closed both ways",
                         _ => break "reset by our side (local read failed)",
                     },
                     message = inbound.recv() => match message {
                         Some(Inbound::Data(bytes)) => {
-                            if local_write.write_all(&bytes).await.is_err() {
-                                let _ = mux.out.send(MuxFrame::Reset { stream }).await;
-                                break "reset by our side (local write failed)";
+                            if !write_failed && local_write.write_all(&bytes).await.is_err() {
+                                write_failed = true;
+                                if up_closed {
+                                    let _ = mux.out.send(MuxFrame::Reset { stream }).await;
+                                    break "reset by our side (local write failed)";
+                                }
                             }
+                            // Dropped bytes are granted too, or the peer would stall.
                             mux.grant(stream, bytes.len() as u32).await;
                         }
                         Some(Inbound::Close) => {
-                            let _ = local_write.shutdown().await;
+                            if !write_failed {
+                                let _ = local_write.shutdown().await;
+                            }
                             if up_closed {
                                 break "closed both ways";
                             }
@@ -463,6 +478,89 @@ mod tests {
         // (ECONNRESET): the stream is reset, not closed.
         drop(conn);
         until_no_streams(&host, &guest).await;
+    }
+
+    #[tokio::test]
+    async fn what_a_socket_said_before_it_closed_arrives_though_a_write_to_it_failed() {
+        // The local socket answers more than a window, then closes without reading
+        // (the agent's output and exit status, then its socket closed) while the
+        // peer still sends: the rest of the answer comes before the reset.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("answers.sock");
+        let server = UnixListener::bind(&path).unwrap();
+        let answer: Vec<u8> = (0..WINDOW as usize + 5000).map(|i| i as u8).collect();
+        let expected = answer.clone();
+        let (served_tx, served) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut conn, _) = server.accept().await.unwrap();
+            conn.write_all(&answer).await.unwrap();
+            drop(conn);
+            let _ = served_tx.send(());
+        });
+        let opener: Opener = Arc::new(move |_| {
+            let path = path.clone();
+            Box::pin(async move { UnixStream::connect(path).await })
+        });
+        let (a, b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let (br, mut bw) = b.into_split();
+        let (_mux, _) = Mux::start(ar, aw, true, opener);
+        write_frame(&mut bw, &MuxFrame::Open { stream: 2, port: 0 })
+            .await
+            .unwrap();
+        // Frames from the mux, through a channel: reading a frame is not cancel-safe.
+        let (frame_tx, mut frames) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut reader = FrameReader::new(br);
+            while let Ok(Some(frame)) = reader.next::<MuxFrame>().await {
+                if frame_tx.send(frame).is_err() {
+                    break;
+                }
+            }
+        });
+        // What the window allows comes; the rest waits for credit, the server is gone.
+        let mut got = Vec::new();
+        served.await.unwrap();
+        let quiet = std::time::Duration::from_millis(300);
+        while let Ok(frame) = tokio::time::timeout(quiet, frames.recv()).await {
+            match frame {
+                Some(MuxFrame::Data { bytes, .. }) => got.extend(bytes),
+                other => panic!("expected data, got {other:?}"),
+            }
+        }
+        assert!(
+            got.len() < expected.len(),
+            "the window did not hold the answer back"
+        );
+        let late = MuxFrame::Data {
+            stream: 2,
+            bytes: b"too late".to_vec(),
+        };
+        write_frame(&mut bw, &late).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let credit = MuxFrame::Credit {
+            stream: 2,
+            bytes: WINDOW,
+        };
+        write_frame(&mut bw, &credit).await.unwrap();
+        let wait = std::time::Duration::from_secs(5);
+        let end = loop {
+            match tokio::time::timeout(wait, frames.recv())
+                .await
+                .expect("the stream must end")
+            {
+                Some(MuxFrame::Data { bytes, .. }) => got.extend(bytes),
+                Some(MuxFrame::Credit { .. }) => {}
+                other => break other,
+            }
+        };
+        assert_eq!(got.len(), expected.len(), "bytes lost before {end:?}");
+        assert!(got == expected);
+        assert_eq!(end, Some(MuxFrame::Close { stream: 2 }));
+        let reset = tokio::time::timeout(wait, frames.recv())
+            .await
+            .expect("a reset");
+        assert_eq!(reset, Some(MuxFrame::Reset { stream: 2 }));
     }
 
     #[tokio::test]

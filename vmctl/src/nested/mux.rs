@@ -195,7 +195,7 @@ impl Mux {
                         }
                         Ok(UpEnd::Closed) if !down_closed => up_closed = true,
                         Ok(UpEnd::Closed) => break "closed both ways",
-                        _ => break "reset by our side (local read failed)",
+                        _ => break "reset by our side (local read failed, or the link is gone)",
                     },
                     message = inbound.recv() => match message {
                         Some(Inbound::Data(bytes)) => {

@@ -1538,7 +1538,10 @@ pub(crate) fn run_vm(
         let err = String::from_utf8_lossy(&stderr.join().unwrap_or_default()).into_owned();
         // Said first, in the words the VM tests' retries look for.
         let why = match crate::scan::guest_kernel_crash(&out) {
-            Some(report) => format!("the guest kernel crashed ({report}); {why}"),
+            Some(report) if crate::scan::has_kernel_timestamp(report) => {
+                format!("the guest kernel crashed ({report}); {why}")
+            }
+            Some(report) => format!("the nested host's kernel crashed ({report}); {why}"),
             None => why,
         };
         format!(

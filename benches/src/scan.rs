@@ -96,9 +96,32 @@ pub fn guest_kernel_crash(console: &str) -> Option<&str> {
         .map(str::trim)
 }
 
+/// Whether a console line carries the kernel's "[ seconds]" timestamp, as our guest
+/// kernel's do (CONFIG_PRINTK_TIME). The nested host's kernel, which shares the
+/// guest's console there, prints none (`printk.time=0`).
+pub fn has_kernel_timestamp(line: &str) -> bool {
+    line.find("] ").is_some_and(|end| {
+        line[..end]
+            .rfind('[')
+            .is_some_and(|start| line[start + 1..end].trim().parse::<f64>().is_ok())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_timestamps_are_told_from_brackets() {
+        assert!(has_kernel_timestamp(
+            "[    1.6] BUG: unable to handle page fault"
+        ));
+        assert!(has_kernel_timestamp("agent output[   12.25] Oops: 0000"));
+        assert!(!has_kernel_timestamp("BUG: unable to handle page fault"));
+        assert!(!has_kernel_timestamp(
+            "virtio_blk virtio1: [vda] 2097152 blocks"
+        ));
+    }
 
     #[test]
     fn marker_in_one_chunk() {

@@ -747,6 +747,17 @@ impl Workspace {
         self.dir.join("ws")
     }
 
+    /// The directory of the workspace's VM (its logs, sockets, supervisor.pid); panics
+    /// when there is none.
+    pub fn vm_dir(&self) -> PathBuf {
+        std::fs::read_dir(self.state().join("vmctl/vms"))
+            .expect("the workspace has a VM directory")
+            .next()
+            .expect("the workspace has a VM directory")
+            .unwrap()
+            .path()
+    }
+
     /// The user's config directory for this test's vmctl (`VMCTL_CONFIG` points in
     /// it): config.toml, policy.json, secrets.json.
     pub fn config_dir(&self) -> PathBuf {

@@ -252,15 +252,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 /// The descriptors the VM's supervisor has open.
 fn supervisor_descriptors(ws: &Workspace) -> usize {
-    let vms = ws.state().join("vmctl/vms");
-    let vm_dir = vms
-        .read_dir()
-        .unwrap()
-        .next()
-        .expect("the workspace has a VM directory")
-        .unwrap()
-        .path();
-    let pid = std::fs::read_to_string(vm_dir.join("supervisor.pid")).unwrap();
+    let pid = std::fs::read_to_string(ws.vm_dir().join("supervisor.pid")).unwrap();
     let fds = Path::new("/proc").join(pid.trim()).join("fd");
     fds.read_dir()
         .unwrap_or_else(|e| panic!("{}: {e}", fds.display()))
@@ -435,13 +427,7 @@ fn guest_panic_scenario() {
             && stderr.contains("starting a new one"),
         "{stderr}"
     );
-    let vm_dir = std::fs::read_dir(ws.state().join("vmctl/vms"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let previous = std::fs::read_to_string(vm_dir.join("console.log.previous")).unwrap();
+    let previous = std::fs::read_to_string(ws.vm_dir().join("console.log.previous")).unwrap();
     assert!(
         previous.contains("Kernel panic - not syncing"),
         "{previous}"

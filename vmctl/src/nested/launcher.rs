@@ -61,6 +61,8 @@ pub enum NestedError {
     Virtiofsd(#[from] VirtiofsdError),
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
+    #[error("the nested host stopped before the VM finished: it reset without a word (its kernel triple-faulted or rebooted; QEMU exited 0), the nested host's known problem (README), not the guest's; VMCTL_LOG=debug shows its kernel's messages")]
+    Reset,
 }
 
 /// The job directory, shared with the nested host and removed afterwards.
@@ -234,23 +236,27 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
             let mut log = String::new();
             let _ =
                 File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
-            let log = log.trim();
-            Err(NestedError::Died {
-                status: status.map_or_else(|| "did not exit".into(), |s| s.to_string()),
-                log: if log.is_empty() {
-                    "nothing; rerun with VMCTL_LOG=debug".into()
-                } else {
-                    log.lines()
-                        .rev()
-                        .take(5)
-                        .collect::<Vec<_>>()
-                        .into_iter()
-                        .rev()
-                        .collect::<Vec<_>>()
-                        .join(" | ")
-                },
-            })
+            Err(died_early(status, &log))
         }
+    }
+}
+
+/// Why the nested host ended without the VM's exit status. QEMU exits 0 without a
+/// word when the nested host's CPU resets (`-no-reboot`): the way its init ends, and
+/// otherwise a triple fault or a reboot of its kernel that left no message.
+fn died_early(status: Option<std::process::ExitStatus>, qemu_log: &str) -> NestedError {
+    let log = qemu_log.trim();
+    if log.is_empty() && status.is_some_and(|s| s.success()) {
+        return NestedError::Reset;
+    }
+    NestedError::Died {
+        status: status.map_or_else(|| "did not exit".into(), |s| s.to_string()),
+        log: if log.is_empty() {
+            "nothing; rerun with VMCTL_LOG=debug".into()
+        } else {
+            let last: Vec<&str> = log.lines().rev().take(5).collect();
+            last.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        },
     }
 }
 
@@ -612,6 +618,34 @@ mod tests {
         let off = told.find("kvm_amd.npt=0").expect("the default is kept");
         assert!(on > off, "{told}");
         assert!(!told.contains("tsc_early_khz"), "{told}");
+    }
+
+    #[test]
+    fn a_silent_exit_without_the_vms_status_is_named_a_reset_of_the_nested_host() {
+        use std::os::unix::process::ExitStatusExt;
+        let exited = |code: i32| Some(std::process::ExitStatus::from_raw(code << 8));
+        let reset = died_early(exited(0), " \n").to_string();
+        assert!(reset.contains("it reset without a word"), "{reset}");
+        // What the VM tests and the benchmark recognise as a lost VM.
+        assert!(
+            reset.starts_with("the nested host stopped before the VM finished"),
+            "{reset}"
+        );
+        let lines: String = (1..=7).map(|n| format!("line {n}\n")).collect();
+        let failed = died_early(exited(1), &lines).to_string();
+        assert!(failed.contains("exit status: 1"), "{failed}");
+        assert!(
+            failed.ends_with("QEMU said: line 3 | line 4 | line 5 | line 6 | line 7"),
+            "{failed}"
+        );
+        let said = died_early(exited(0), "qemu: terminating on signal 15").to_string();
+        assert!(!said.contains("reset without a word"), "{said}");
+        let vanished = died_early(None, "").to_string();
+        assert!(vanished.contains("(QEMU did not exit)"), "{vanished}");
+        assert!(
+            vanished.contains("rerun with VMCTL_LOG=debug"),
+            "{vanished}"
+        );
     }
 
     #[test]

@@ -89,6 +89,11 @@ pub fn run() -> Result<u8, DaemonError> {
             source,
         })?;
         adopt_running_vms(&daemon);
+        // What `state_directory_removed` watches: it must exist to be seen going.
+        let vms_dir = crate::state::vms_dir();
+        if let Err(e) = std::fs::create_dir_all(&vms_dir) {
+            tracing::warn!("cannot create {}: {e}", vms_dir.display());
+        }
         tokio::spawn(reap_stopped_vms(daemon.clone()));
         let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Runtime)?;
         let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Runtime)?;
@@ -346,17 +351,36 @@ fn status(daemon: &Daemon) -> Vec<VmStatus> {
     vms
 }
 
-/// Forgets VMs that stopped by other means and have no leases.
+/// Forgets VMs that stopped by other means and have no leases; stops the daemon once
+/// its state directory is gone and nothing is left to track, as when a test or a user
+/// removes a whole state directory: no VM can start there any more, and a daemon per
+/// removed directory would otherwise live on for good.
 async fn reap_stopped_vms(daemon: Arc<Daemon>) {
     loop {
         tokio::time::sleep(REAP_INTERVAL).await;
-        daemon.vms().retain(|vm_dir, tracked| {
+        let mut vms = daemon.vms();
+        vms.retain(|vm_dir, tracked| {
             let vm = VmDir {
                 path: vm_dir.clone(),
             };
             !tracked.leases.is_empty() || vm.running_pid().is_some()
         });
+        if vms.is_empty() && state_directory_removed() {
+            eprintln!(
+                "vmctl daemon: {} was removed; nothing left to serve",
+                crate::state::vms_dir().display()
+            );
+            daemon.shutdown.notify_one();
+            return;
+        }
     }
+}
+
+fn state_directory_removed() -> bool {
+    matches!(
+        std::fs::symlink_metadata(crate::state::vms_dir()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound
+    )
 }
 
 /// Stops every running VM of this state directory, in parallel.

@@ -1,0 +1,69 @@
+//! The per-user daemon on the host alone (no VM): it goes away with its state
+//! directory.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use vm_tests::{vmctl_bin, TempDir};
+
+#[test]
+fn the_daemon_stops_once_its_state_directory_is_removed() {
+    let dir = TempDir::new("daemon-state");
+    let state = dir.path().join("state");
+    let runtime = dir.path().join("run");
+    std::fs::create_dir_all(&runtime).unwrap();
+    // As a client leaves it: the daemon may be started before any VM.
+    std::fs::create_dir_all(state.join("vmctl")).unwrap();
+    let mut daemon = Command::new(vmctl_bin())
+        .arg("daemon")
+        .env("XDG_STATE_HOME", &state)
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start vmctl daemon");
+    let socket_dir = runtime.join("vmctl");
+    let listening = |deadline: Instant| loop {
+        let has_socket = std::fs::read_dir(&socket_dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .any(|e| e.path().extension().is_some_and(|x| x == "sock"))
+            })
+            .unwrap_or(false);
+        if has_socket || Instant::now() > deadline {
+            return has_socket;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        listening(Instant::now() + Duration::from_secs(20)),
+        "the daemon did not bind its socket in {}",
+        socket_dir.display()
+    );
+    // It stays while its state directory is there (two of its 5 s checks).
+    std::thread::sleep(Duration::from_secs(11));
+    assert!(
+        daemon.try_wait().unwrap().is_none(),
+        "the daemon stopped by itself while its state directory was there"
+    );
+    std::fs::remove_dir_all(&state).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = daemon.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = daemon.kill();
+            panic!("the daemon outlived its removed state directory by 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = daemon.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(status.success(), "{status}: {said}");
+    assert!(
+        said.contains("was removed; nothing left to serve"),
+        "{said}"
+    );
+}

@@ -1,23 +1,21 @@
 //! The per-user daemon on the host alone (no VM): it goes away with its state
 //! directory.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
-use vm_tests::{vmctl_bin, TempDir};
+use vm_tests::Workspace;
 
 #[test]
 fn the_daemon_stops_once_its_state_directory_is_removed() {
-    let dir = TempDir::new("daemon-state");
-    let state = dir.path().join("state");
-    let runtime = dir.path().join("run");
+    let ws = Workspace::new("daemon-state");
+    let state = ws.state();
+    let runtime = ws.path().with_file_name("run");
     std::fs::create_dir_all(&runtime).unwrap();
     // As a client leaves it: the daemon may be started before any VM.
     std::fs::create_dir_all(state.join("vmctl")).unwrap();
-    let mut daemon = Command::new(vmctl_bin())
-        .arg("daemon")
-        .env("XDG_STATE_HOME", &state)
+    let mut daemon = ws
+        .command(&["daemon"])
         .env("XDG_RUNTIME_DIR", &runtime)
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

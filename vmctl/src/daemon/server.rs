@@ -89,12 +89,12 @@ pub fn run() -> Result<u8, DaemonError> {
             source,
         })?;
         adopt_running_vms(&daemon);
-        // What `state_directory_removed` watches: it must exist to be seen going.
+        // What `reap_stopped_vms` watches: it must exist to be seen going.
         let vms_dir = crate::state::vms_dir();
         if let Err(e) = std::fs::create_dir_all(&vms_dir) {
             tracing::warn!("cannot create {}: {e}", vms_dir.display());
         }
-        tokio::spawn(reap_stopped_vms(daemon.clone()));
+        tokio::spawn(reap_stopped_vms(daemon.clone(), vms_dir));
         let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Runtime)?;
         let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Runtime)?;
         loop {
@@ -355,7 +355,7 @@ fn status(daemon: &Daemon) -> Vec<VmStatus> {
 /// its state directory is gone and nothing is left to track, as when a test or a user
 /// removes a whole state directory: no VM can start there any more, and a daemon per
 /// removed directory would otherwise live on for good.
-async fn reap_stopped_vms(daemon: Arc<Daemon>) {
+async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
     loop {
         tokio::time::sleep(REAP_INTERVAL).await;
         let mut vms = daemon.vms();
@@ -365,10 +365,10 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>) {
             };
             !tracked.leases.is_empty() || vm.running_pid().is_some()
         });
-        if vms.is_empty() && state_directory_removed() {
+        if vms.is_empty() && removed(&vms_dir) {
             eprintln!(
                 "vmctl daemon: {} was removed; nothing left to serve",
-                crate::state::vms_dir().display()
+                vms_dir.display()
             );
             daemon.shutdown.notify_one();
             return;
@@ -376,9 +376,9 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>) {
     }
 }
 
-fn state_directory_removed() -> bool {
+fn removed(path: &Path) -> bool {
     matches!(
-        std::fs::symlink_metadata(crate::state::vms_dir()),
+        std::fs::symlink_metadata(path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound
     )
 }

@@ -46,8 +46,8 @@ impl MarkerScanner {
     }
 }
 
-/// vmctl's boot-timer report on stderr:
-/// `vmctl: boot time: <f> ms since VMM start, <f> ms since the first vCPU ran`.
+/// The VMM's boot-timer report on stderr:
+/// `vmctl-vmm: boot time: <f> ms since VMM start, <f> ms since the first vCPU ran`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BootTimer {
     pub since_vmm_start_ms: f64,
@@ -164,7 +164,7 @@ mod tests {
     #[test]
     fn boot_timer_line() {
         let stderr = "vmctl: something\n\
-                      vmctl: boot time: 5921.3 ms since VMM start, 4882.2 ms since the first vCPU ran\n";
+                      vmctl-vmm: boot time: 5921.3 ms since VMM start, 4882.2 ms since the first vCPU ran\n";
         assert_eq!(
             parse_boot_timer(stderr),
             Some(BootTimer {

@@ -274,6 +274,7 @@ fn kvm_device_not_permitted() {
         to
     };
     let bin = copy(vmctl_bin(), "vmctl", 0o755);
+    copy(&vmctl_bin().with_file_name("vmctl-vmm"), "vmctl-vmm", 0o755);
     let k = copy(kernel(), "vmlinux", 0o644);
     let i = copy(base_initramfs(), "initramfs.cpio.gz", 0o644);
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();

@@ -4,9 +4,9 @@
 use std::ffi::OsStr;
 use vm_tests::{base_initramfs, boot_script, vm_available, TempDir, Vmctl};
 
-/// Parses `vmctl: boot time: <a> ms since VMM start, <b> ms since the first vCPU ran`.
+/// Parses `vmctl-vmm: boot time: <a> ms since VMM start, <b> ms since the first vCPU ran`.
 fn parse_boot_time(line: &str) -> Option<(f64, f64)> {
-    let rest = line.strip_prefix("vmctl: boot time: ")?;
+    let rest = line.strip_prefix("vmctl-vmm: boot time: ")?;
     let (since_start, rest) = rest.split_once(" ms since VMM start, ")?;
     let since_vcpu = rest.strip_suffix(" ms since the first vCPU ran")?;
     Some((
@@ -17,9 +17,9 @@ fn parse_boot_time(line: &str) -> Option<(f64, f64)> {
 
 #[test]
 fn boot_time_line_parses() {
-    let line = "vmctl: boot time: 812.5 ms since VMM start, 790.25 ms since the first vCPU ran";
+    let line = "vmctl-vmm: boot time: 812.5 ms since VMM start, 790.25 ms since the first vCPU ran";
     assert_eq!(parse_boot_time(line), Some((812.5, 790.25)));
-    assert_eq!(parse_boot_time("vmctl: boot time: soon"), None);
+    assert_eq!(parse_boot_time("vmctl-vmm: boot time: soon"), None);
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn hello_guest_boots_and_reports_boot_time() {
     let times: Vec<(f64, f64)> = run
         .stderr
         .lines()
-        .filter(|l| l.starts_with("vmctl: boot time: "))
+        .filter(|l| l.starts_with("vmctl-vmm: boot time: "))
         .map(|l| {
             parse_boot_time(l.trim_end())
                 .unwrap_or_else(|| panic!("malformed boot-time line {l:?}\n{}", run.report()))
@@ -164,7 +164,11 @@ fn a_guest_that_triple_faults_is_reported_as_crashed() {
     let crash = run
         .stderr
         .lines()
-        .find(|l| l.contains("vmctl: error: ") && l.contains("the guest crashed (triple fault"))
+        // From the nested host's vmctl, or from the VMM that `vmctl boot` became.
+        .find(|l| {
+            (l.contains("vmctl: error: ") || l.contains("vmctl-vmm: error: "))
+                && l.contains("the guest crashed (triple fault")
+        })
         .unwrap_or_else(|| panic!("no triple fault reported\n{}", run.report()));
     assert!(crash.contains("on vCPU 0: "), "{crash}");
     // The nested host's emulated CPU is an AMD one.

@@ -81,7 +81,7 @@ fn direct_vmm_boots_on_the_nested_hosts_kvm() {
         run.report()
     );
     assert!(
-        run.stderr.contains("vmctl: boot time: "),
+        run.stderr.contains("vmctl-vmm: boot time: "),
         "{}",
         run.report()
     );

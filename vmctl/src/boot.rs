@@ -1,20 +1,19 @@
-//! `vmctl boot`: boot a kernel with the serial console on stdout.
+//! `vmctl boot`: boot a kernel with the serial console on stdout. Where KVM boots
+//! Linux, vmctl becomes the VMM process (`vmctl-vmm`); elsewhere it runs the VM in the
+//! nested host.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
-use vmm::builder::{BuildError, RunOptions};
 use vmm::config::{host_memory_mib, ConfigError, DiskConfig, FsConfig, VmConfig};
-use vmm::devices::legacy::BootTimeReport;
-use vmm::vstate::exit::ExitReason;
+use vmm::vstate::vm::VmError;
 
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::cli::{BootArgs, NestedMode};
 use crate::host_kvm::KvmKind;
 use crate::nested::{self, NestedError};
 use crate::shares::ShareSet;
-use crate::terminal;
 use crate::virtiofsd::{self, VirtiofsdError};
+use crate::vmm_process::{self, VmmProcessError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootCommandError {
@@ -23,13 +22,11 @@ pub enum BootCommandError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Vm(#[from] BuildError),
+    Kvm(#[from] VmError),
     #[error(transparent)]
     Nested(#[from] NestedError),
-    #[error("the VM stopped: {0}")]
-    Fatal(String),
-    #[error("cannot open stdout for the guest console: {0}")]
-    Stdout(std::io::Error),
+    #[error(transparent)]
+    Vmm(#[from] VmmProcessError),
     #[error(transparent)]
     Virtiofsd(#[from] VirtiofsdError),
     #[error("--fs {0:?}: expected TAG:SOCKET (the tag the guest mounts, the backend's socket)")]
@@ -46,7 +43,6 @@ pub enum BootCommandError {
 const KVM_DEVICE_ENV: &str = "VMCTL_KVM_DEVICE";
 
 pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
-    let vmm_start = Instant::now();
     let config = resolve_config(&args)?;
     config.validate(host_memory_mib())?;
 
@@ -63,7 +59,10 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
         kvm.announce_nested();
         return Ok(nested::launcher::run_vm(&config, None, args.boot_time)?);
     }
-    run_vmm(&config, args.boot_time, vmm_start)
+    // Here, so that a missing or forbidden /dev/kvm is a `vmctl: error:` like every
+    // other problem with the input; the VMM opens it again.
+    vmm::vstate::vm::open_kvm(&config.kvm_device)?;
+    Err(vmm_process::exec(&config, args.boot_time).into())
 }
 
 /// Fills in the defaults: the project's kernel and hello initramfs.
@@ -107,17 +106,16 @@ fn parse_fs(value: &str) -> Result<FsConfig, BootCommandError> {
     }
 }
 
-/// Runs the VMM in this process with one virtiofsd per share, started here (so inside
-/// the nested host when there is one), their sockets in `socket_dir`.
+/// Runs the VMM in a child process with one virtiofsd per share, started here (so
+/// inside the nested host when there is one), their sockets in `socket_dir`.
 pub fn run_vmm_sharing(
     config: &VmConfig,
     shares: Option<&ShareSet>,
     socket_dir: &Path,
     report_boot_time: bool,
-    vmm_start: Instant,
 ) -> Result<u8, BootCommandError> {
     let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
-        return run_vmm(config, report_boot_time, vmm_start);
+        return Ok(vmm_process::run(config, report_boot_time)?);
     };
     let (daemons, filesystems) = virtiofsd::start(
         &set.virtiofsd,
@@ -131,39 +129,9 @@ pub fn run_vmm_sharing(
     }
     let mut config = config.clone();
     config.filesystems = filesystems;
-    let outcome = run_vmm(&config, report_boot_time, vmm_start);
+    let outcome = vmm_process::run(&config, report_boot_time);
     daemons.stop();
-    outcome
-}
-
-/// Runs the VMM in this process (on the host, or as the nested host's init).
-pub fn run_vmm(
-    config: &VmConfig,
-    report_boot_time: bool,
-    vmm_start: Instant,
-) -> Result<u8, BootCommandError> {
-    let options = RunOptions {
-        vmm_start,
-        serial_output: Box::new(terminal::unbuffered_stdout().map_err(BootCommandError::Stdout)?),
-        console_input: true,
-        on_boot_time: Box::new(move |report: BootTimeReport| {
-            if report_boot_time {
-                eprintln!(
-                    "vmctl: boot time: {:.1} ms since VMM start, {:.1} ms since the first vCPU ran",
-                    report.since_vmm_start.as_secs_f64() * 1e3,
-                    report.since_first_vcpu_run.as_secs_f64() * 1e3
-                );
-            }
-        }),
-    };
-    match vmm::builder::run(config, options)? {
-        ExitReason::GuestShutdown => Ok(0),
-        ExitReason::Signal(signal) => {
-            eprintln!("vmctl: stopped by signal {signal}; the guest was not shut down cleanly");
-            Ok(128u8.saturating_add(signal as u8))
-        }
-        ExitReason::Fatal(reason) => Err(BootCommandError::Fatal(reason)),
-    }
+    Ok(outcome?)
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ mod terminal;
 mod user_config;
 mod virtiofsd;
 mod vm;
+mod vmm_process;
 mod workspace;
 
 use std::process::ExitCode;

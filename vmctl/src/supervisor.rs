@@ -6,7 +6,6 @@
 //! ([`crate::guest_clock`]).
 
 use std::path::Path;
-use std::time::Instant;
 
 use vmm::config::{DiskConfig, VmConfig, VsockConfig};
 
@@ -53,14 +52,8 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         crate::nested::launcher::run_vm(&config, record.shares.as_ref(), false)
             .map_err(|e| e.to_string())
     } else {
-        crate::boot::run_vmm_sharing(
-            &config,
-            record.shares.as_ref(),
-            &vm.sockets_dir(),
-            false,
-            Instant::now(),
-        )
-        .map_err(|e| e.to_string())
+        crate::boot::run_vmm_sharing(&config, record.shares.as_ref(), &vm.sockets_dir(), false)
+            .map_err(|e| e.to_string())
     };
     eprintln!("vmctl: the VM ended: {outcome:?}");
     if let Some(crash) = how_it_crashed(&vm, &outcome, record.nested) {

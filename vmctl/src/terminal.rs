@@ -1,7 +1,6 @@
-//! The VMM's console plumbing: unbuffered stdout and raw mode for a tty.
+//! Terminal plumbing: printable text and raw mode for a tty.
 
-use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsRawFd;
 
 /// `text` fit for the host's terminal: control characters other than newline and tab
 /// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
@@ -22,12 +21,6 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     std::borrow::Cow::Owned(out)
-}
-
-/// An unbuffered handle on stdout: the guest's console must not wait for a newline
-/// (prompts) or a flush.
-pub fn unbuffered_stdout() -> std::io::Result<File> {
-    Ok(File::from(std::io::stdout().as_fd().try_clone_to_owned()?))
 }
 
 /// Puts the terminal on `fd` in raw mode (no echo, no line editing, no output

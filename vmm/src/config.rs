@@ -7,6 +7,8 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
+
 use crate::arch::x86_64::layout;
 
 /// Kernel arguments every guest gets; `reboot=k` makes a guest reboot reach the
@@ -18,7 +20,7 @@ pub const DEFAULT_VCPUS: u32 = 1;
 pub const DEFAULT_MEMORY_MIB: u64 = 256;
 pub const DEFAULT_KVM_DEVICE: &str = "/dev/kvm";
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskConfig {
     pub path: PathBuf,
     pub read_only: bool,
@@ -41,7 +43,7 @@ impl DiskConfig {
 }
 
 /// A virtio-vsock device whose host side is a Unix socket (Firecracker's hybrid vsock).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VsockConfig {
     pub guest_cid: u64,
     pub uds_path: PathBuf,
@@ -49,7 +51,7 @@ pub struct VsockConfig {
 
 /// A virtio-fs device served by a vhost-user backend (virtiofsd) listening on
 /// `socket_path`; the guest mounts it by `tag`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsConfig {
     pub socket_path: PathBuf,
     pub tag: String,
@@ -58,7 +60,7 @@ pub struct FsConfig {
 /// The longest tag the virtio-fs configuration space holds.
 pub const MAX_FS_TAG_LEN: usize = 36;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmConfig {
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,

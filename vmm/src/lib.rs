@@ -7,6 +7,7 @@
 //!   timer) and the virtio devices with their MMIO transport.
 //! - [`event_loop`]: the thread that serves queue notifications, stdin and signals.
 //! - [`builder`]: composes all of the above from a [`config::VmConfig`] and runs it.
+//! - [`process`]: the `vmctl-vmm` process that runs one VM, and what it reports.
 
 pub mod arch;
 pub mod builder;
@@ -14,4 +15,5 @@ pub mod config;
 pub mod devices;
 pub mod event_loop;
 pub mod memory;
+pub mod process;
 pub mod vstate;

@@ -41,9 +41,8 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
     if std::process::id() != 1 {
         return Err(NestedInitError::NotInit);
     }
-    let vmm_start = Instant::now();
     crate::supervisor::raise_open_files_limit();
-    let exit_code = match prepare_and_run(spec, vmm_start) {
+    let exit_code = match prepare_and_run(spec) {
         Ok(code) => code,
         Err(message) => {
             eprintln!("vmctl: error: {message}");
@@ -72,7 +71,7 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
     }
 }
 
-fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
+fn prepare_and_run(spec: &Path) -> Result<u8, String> {
     tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
     mount_basics().map_err(|e| e.to_string())?;
     if let Err(e) = set_clock_from_host() {
@@ -110,7 +109,7 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
         .map_err(|e| e.to_string())?;
     }
     match &job.work {
-        Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm, vmm_start),
+        Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm),
         Work::Vm(vm) => {
             std::fs::create_dir_all(SHARE_SOCKET_DIR)
                 .map_err(|e| format!("{SHARE_SOCKET_DIR}: {e}"))?;
@@ -119,7 +118,6 @@ fn prepare_and_run(spec: &Path, vmm_start: Instant) -> Result<u8, String> {
                 vm.shares.as_ref(),
                 Path::new(SHARE_SOCKET_DIR),
                 vm.report_boot_time,
-                vmm_start,
             )
             .map_err(|e| e.to_string())
         }
@@ -132,7 +130,7 @@ const SHARE_SOCKET_DIR: &str = "/run/vmctl";
 
 /// Runs the VMM on its own thread while this one relays the host's connections from
 /// the mux port to the VM's hybrid-vsock socket.
-fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
+fn run_vmm_with_relay(vm: &VmJob) -> Result<u8, String> {
     std::fs::create_dir_all("/run/vmctl").map_err(|e| format!("/run/vmctl: {e}"))?;
     let port = find_virtio_port(job::MUX_PORT_NAME)?;
     let config = vm.vm_config();
@@ -146,7 +144,6 @@ fn run_vmm_with_relay(vm: &VmJob, vmm_start: Instant) -> Result<u8, String> {
             shares.as_ref(),
             Path::new(SHARE_SOCKET_DIR),
             report_boot_time,
-            vmm_start,
         )
         .map_err(|e| e.to_string())
     });

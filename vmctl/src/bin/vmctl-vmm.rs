@@ -1,0 +1,119 @@
+//! `vmctl-vmm`: the VMM process vmctl starts for each VM (`vmctl boot` becomes it, a
+//! workspace VM's supervisor runs it as a child). Its interface is [`vmm::process`].
+//! Its arguments are parsed by hand: it is vmctl's, not a user's, command, and its
+//! resident code is the VMM's overhead.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, FromRawFd};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use vmm::builder::{BuildError, RunOptions};
+use vmm::devices::legacy::BootTimeReport;
+use vmm::process::{Args, ArgsError, Outcome, BINARY, USAGE};
+use vmm::vstate::exit::ExitReason;
+
+fn main() -> ExitCode {
+    let vmm_start = Instant::now();
+    init_logging();
+    let args = match Args::parse(std::env::args_os().skip(1)) {
+        Ok(args) => args,
+        Err(ArgsError::Help) => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("{BINARY}: error: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    // Taken before the VMM opens anything, so that the number is still the caller's.
+    let outcome_file = match args.outcome_fd.map(outcome_file).transpose() {
+        Ok(file) => file,
+        Err(e) => {
+            eprintln!("{BINARY}: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = Outcome::of(run(&args, vmm_start));
+    if let Outcome::Stopped { signal } = outcome {
+        eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
+    }
+    let reported = outcome_file.is_some_and(|file| report(file, &outcome));
+    if !reported {
+        if let Some(error) = outcome.error() {
+            eprintln!("{BINARY}: error: {error}");
+        }
+    }
+    ExitCode::from(outcome.exit_code())
+}
+
+fn run(args: &Args, vmm_start: Instant) -> Result<ExitReason, BuildError> {
+    let report_boot_time = args.report_boot_time;
+    let options = RunOptions {
+        vmm_start,
+        serial_output: Box::new(unbuffered_stdout().map_err(|source| BuildError::Open {
+            what: "the guest console on",
+            path: "stdout".into(),
+            source,
+        })?),
+        console_input: true,
+        on_boot_time: Box::new(move |report: BootTimeReport| {
+            if report_boot_time {
+                eprintln!(
+                    "{BINARY}: boot time: {:.1} ms since VMM start, {:.1} ms since the first vCPU ran",
+                    report.since_vmm_start.as_secs_f64() * 1e3,
+                    report.since_first_vcpu_run.as_secs_f64() * 1e3
+                );
+            }
+        }),
+    };
+    vmm::builder::run(&args.config, options)
+}
+
+/// An unbuffered handle on stdout: the guest's console must not wait for a newline
+/// (prompts) or a flush.
+fn unbuffered_stdout() -> std::io::Result<File> {
+    Ok(File::from(std::io::stdout().as_fd().try_clone_to_owned()?))
+}
+
+/// The caller's descriptor for the outcome, checked to be open.
+fn outcome_file(fd: i32) -> Result<File, String> {
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(format!(
+            "--outcome-fd {fd}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: the descriptor is open (checked above), was handed to this process for
+    // the outcome alone, and nothing else in it owns the number: it is taken before
+    // the VMM opens any file.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Writes the outcome; false when the caller cannot be told (then stderr says it).
+fn report(mut file: File, outcome: &Outcome) -> bool {
+    let written = serde_json::to_string(outcome)
+        .map_err(std::io::Error::from)
+        .and_then(|json| writeln!(file, "{json}"));
+    match written {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("{BINARY}: warning: cannot report how the VM ended to vmctl: {e}");
+            false
+        }
+    }
+}
+
+/// Warnings and errors on stderr; `VMCTL_LOG` (a tracing filter, as vmctl's) for more.
+fn init_logging() {
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    match tracing_subscriber::EnvFilter::try_from_env("VMCTL_LOG") {
+        Ok(filter) => builder.with_env_filter(filter).init(),
+        Err(_) => builder.with_max_level(tracing::Level::WARN).init(),
+    }
+}

@@ -1,0 +1,284 @@
+//! Starting the VMM process, `vmctl-vmm` (see `vmm::process`): `vmctl boot` becomes
+//! it; a workspace VM's supervisor and the nested host's init run it as a child, pass
+//! on their stop signals and read how the VM ended from a pipe.
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use vmm::config::VmConfig;
+use vmm::process::{Args, ArgsError, Outcome, BINARY};
+use vmm_sys_util::signal::register_signal_handler;
+
+/// Names the VMM's executable instead of the one beside vmctl.
+const BINARY_ENV: &str = "VMCTL_VMM_BIN";
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmProcessError {
+    #[error(
+        "the VMM {} is missing: `cargo build --release -p vmctl` builds it beside vmctl \
+         (scripts/setup.sh does), or name it in {BINARY_ENV}",
+        .0.display()
+    )]
+    Missing(PathBuf),
+    #[error("cannot find vmctl's own executable, beside which the VMM is: {0}")]
+    OwnExecutable(std::io::Error),
+    #[error(transparent)]
+    Args(#[from] ArgsError),
+    #[error("cannot start the VMM {}: {source}", .path.display())]
+    Start {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot stop the VMM with its parent (signals, outcome pipe): {0}")]
+    Setup(std::io::Error),
+    /// How the VM failed, as the VMM reported it.
+    #[error("{0}")]
+    Vm(String),
+    #[error(
+        "the VMM (pid {pid}) {how} without saying how the VM ended (its last messages are \
+         above; if it was killed, the kernel's log may say why)"
+    )]
+    Lost { pid: u32, how: String },
+}
+
+/// The VMM's executable: `VMCTL_VMM_BIN`, else `vmctl-vmm` beside this executable.
+pub fn binary() -> Result<PathBuf, VmmProcessError> {
+    match std::env::var_os(BINARY_ENV) {
+        Some(path) => existing(PathBuf::from(path)),
+        None => existing(
+            std::env::current_exe()
+                .map_err(VmmProcessError::OwnExecutable)?
+                .with_file_name(BINARY),
+        ),
+    }
+}
+
+fn existing(path: PathBuf) -> Result<PathBuf, VmmProcessError> {
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(VmmProcessError::Missing(path))
+    }
+}
+
+/// Replaces this process with the VMM running `config`; returns only on failure.
+pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
+    let args = Args {
+        config: config.clone(),
+        report_boot_time,
+        outcome_fd: None,
+    };
+    let (path, args) = match binary().and_then(|path| Ok((path, args.to_args()?))) {
+        Ok(found) => found,
+        Err(e) => return e,
+    };
+    let source = Command::new(&path).args(args).exec();
+    VmmProcessError::Start { path, source }
+}
+
+/// Runs `config` in a VMM child process to its end: its exit code (0 after a guest
+/// shutdown, 128+N when stopped by signal N), or how it failed. SIGINT and SIGTERM
+/// sent to this process are passed on to the VMM, which stops the VM; the VMM gets
+/// SIGTERM if this thread ends first.
+pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, VmmProcessError> {
+    run_binary(&binary()?, config, report_boot_time)
+}
+
+fn run_binary(
+    path: &Path,
+    config: &VmConfig,
+    report_boot_time: bool,
+) -> Result<u8, VmmProcessError> {
+    let (mut outcome_reader, outcome_writer) = std::io::pipe().map_err(VmmProcessError::Setup)?;
+    // A duplicate is numbered 3 or above, as the VMM requires (0 to 2 are its console
+    // and stderr), even where this process runs with a standard descriptor closed.
+    let outcome_writer = OwnedFd::from(outcome_writer)
+        .try_clone()
+        .map_err(VmmProcessError::Setup)?;
+    let outcome_fd = outcome_writer.as_raw_fd();
+    let args = Args {
+        config: config.clone(),
+        report_boot_time,
+        outcome_fd: Some(outcome_fd),
+    }
+    .to_args()?;
+    forward_stop_signals()?;
+    let child = spawn(path, args, outcome_fd)?;
+    FORWARD_TO.store(child_pid(child.id()), Ordering::SeqCst);
+    let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+    if pending != 0 {
+        forward(pending);
+    }
+    // Only the child holds the writing end now: end of file is the VMM's exit.
+    drop(outcome_writer);
+    let mut report = String::new();
+    let read = outcome_reader.read_to_string(&mut report);
+    let pid = child.id();
+    let status = wait(child);
+    FORWARD_TO.store(0, Ordering::SeqCst);
+    let outcome = read
+        .ok()
+        .and_then(|_| serde_json::from_str::<Outcome>(report.trim()).ok());
+    match (outcome, status) {
+        (Some(outcome), _) => match outcome.error() {
+            None => Ok(outcome.exit_code()),
+            Some(error) => Err(VmmProcessError::Vm(error)),
+        },
+        (None, status) => Err(VmmProcessError::Lost {
+            pid,
+            how: describe(status),
+        }),
+    }
+}
+
+fn spawn(
+    path: &Path,
+    args: Vec<OsString>,
+    outcome_fd: i32,
+) -> Result<std::process::Child, VmmProcessError> {
+    let mut command = Command::new(path);
+    command.args(args);
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // fcntl(2), prctl(2) and getppid(2), which are async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            // The outcome's descriptor is the one the VMM keeps across exec.
+            if libc::fcntl(outcome_fd, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have ended before the line above took effect.
+            if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                return Err(std::io::Error::other("vmctl ended before its VMM started"));
+            }
+            Ok(())
+        });
+    }
+    command.spawn().map_err(|source| VmmProcessError::Start {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn wait(mut child: std::process::Child) -> Option<ExitStatus> {
+    loop {
+        match child.wait() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return None,
+            Ok(status) => return Some(status),
+        }
+    }
+}
+
+fn describe(status: Option<ExitStatus>) -> String {
+    match status {
+        None => "was lost (cannot wait for it)".to_string(),
+        Some(status) => match (status.code(), status.signal()) {
+            (Some(code), _) => format!("exited with code {code}"),
+            (None, Some(signal)) => format!("was killed by signal {signal}"),
+            (None, None) => format!("ended ({status})"),
+        },
+    }
+}
+
+fn child_pid(id: u32) -> i32 {
+    i32::try_from(id).unwrap_or(0)
+}
+
+/// The VMM child that stop signals go to (0: none yet), and a signal that arrived
+/// before it existed. Statics, because a signal handler can reach nothing else.
+static FORWARD_TO: AtomicI32 = AtomicI32::new(0);
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+/// The signals the VMM turns into a stop of the VM.
+const STOP_SIGNALS: [i32; 2] = [libc::SIGINT, libc::SIGTERM];
+
+fn forward_stop_signals() -> Result<(), VmmProcessError> {
+    for signal in STOP_SIGNALS {
+        register_signal_handler(signal, on_stop_signal)
+            .map_err(|e| VmmProcessError::Setup(std::io::Error::from_raw_os_error(e.errno())))?;
+    }
+    Ok(())
+}
+
+extern "C" fn on_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    if FORWARD_TO.load(Ordering::SeqCst) == 0 {
+        PENDING_SIGNAL.store(signal, Ordering::SeqCst);
+    } else {
+        forward(signal);
+    }
+}
+
+fn forward(signal: i32) {
+    let pid = FORWARD_TO.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill(2) is async-signal-safe and only sends a signal.
+        unsafe { libc::kill(pid, signal) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in for the VMM: a shell script that reports `outcome` on the
+    /// descriptor it is given (or nothing when empty), then exits with `code`.
+    fn stand_in(dir: &Path, outcome: &str, code: i32) -> PathBuf {
+        let path = dir.join(BINARY);
+        let script = format!(
+            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+             [ -n '{outcome}' ] && echo '{outcome}' >&$fd\nexit {code}\n"
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    fn run_with(path: &Path) -> Result<u8, VmmProcessError> {
+        run_binary(path, &VmConfig::new("/k/vmlinux".into()), false)
+    }
+
+    #[test]
+    fn the_vmm_s_report_decides_the_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let shutdown = stand_in(dir.path(), r#""shutdown""#, 0);
+        assert_eq!(run_with(&shutdown).unwrap(), 0);
+        let stopped = stand_in(dir.path(), r#"{"stopped":{"signal":15}}"#, 143);
+        assert_eq!(run_with(&stopped).unwrap(), 143);
+        let crashed = stand_in(dir.path(), r#"{"crashed":{"reason":"triple fault"}}"#, 1);
+        assert_eq!(
+            run_with(&crashed).unwrap_err().to_string(),
+            "the VM stopped: triple fault"
+        );
+    }
+
+    #[test]
+    fn a_vmm_that_says_nothing_is_reported_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let silent = stand_in(dir.path(), "", 0);
+        let error = run_with(&silent).unwrap_err().to_string();
+        assert!(
+            error.contains("exited with code 0 without saying how the VM ended"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_missing_vmm_says_how_to_build_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let error = existing(dir.path().join(BINARY)).unwrap_err().to_string();
+        assert!(
+            error.contains("cargo build --release -p vmctl") && error.contains(BINARY),
+            "{error}"
+        );
+    }
+}

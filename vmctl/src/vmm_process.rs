@@ -124,12 +124,17 @@ fn run_binary(
     let outcome = read
         .ok()
         .and_then(|_| serde_json::from_str::<Outcome>(report.trim()).ok());
-    match (outcome, status) {
+    let stop_signal = status
+        .and_then(|s| s.signal())
+        .filter(|signal| STOP_SIGNALS.contains(signal));
+    match (outcome, stop_signal) {
         (Some(outcome), _) => match outcome.error() {
             None => Ok(outcome.exit_code()),
             Some(error) => Err(VmmProcessError::Vm(error)),
         },
-        (None, status) => Err(VmmProcessError::Lost {
+        // Stopped before it could handle the signal (one passed on as it started).
+        (None, Some(signal)) => Ok(128u8.saturating_add(signal as u8)),
+        (None, None) => Err(VmmProcessError::Lost {
             pid,
             how: describe(status),
         }),
@@ -262,6 +267,15 @@ mod tests {
     }
 
     #[test]
+    fn a_vmm_ended_by_a_stop_signal_before_its_report_was_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(BINARY);
+        std::fs::write(&path, "#!/bin/sh\nkill -TERM $$\nsleep 10\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(run_with(&path).unwrap(), 128 + 15);
+    }
+
+    #[test]
     fn a_vmm_that_says_nothing_is_reported_lost() {
         let dir = tempfile::tempdir().unwrap();
         let silent = stand_in(dir.path(), "", 0);
@@ -270,6 +284,11 @@ mod tests {
             error.contains("exited with code 0 without saying how the VM ended"),
             "{error}"
         );
+        let killed = dir.path().join("killed");
+        std::fs::write(&killed, "#!/bin/sh\nkill -KILL $$\n").unwrap();
+        std::fs::set_permissions(&killed, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let error = run_with(&killed).unwrap_err().to_string();
+        assert!(error.contains("was killed by signal 9 without"), "{error}");
     }
 
     #[test]

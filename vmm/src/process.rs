@@ -2,9 +2,9 @@
 //! how the VM ended.
 //!
 //! vmctl runs each VM in a process of its own, as Firecracker does: the guest faces
-//! only this process, which holds none of the host's secrets (the egress proxy and its
-//! tokens stay in vmctl's supervisor), and its resident code is the VMM's alone, not
-//! the CLI's, the proxy's and TLS's.
+//! only this process, which holds none of the host's secrets in memory (the egress
+//! proxy and its tokens stay in vmctl's supervisor), and its resident code is the
+//! VMM's alone, not the CLI's, the proxy's and TLS's.
 //!
 //! Arguments: `--config JSON` (a [`VmConfig`]), `--boot-time` (report the boot timer on
 //! stderr), `--outcome-fd N` (write the [`Outcome`] to descriptor N as one JSON line,

@@ -110,10 +110,7 @@ fn run_binary(
     forward_stop_signals()?;
     let child = spawn(path, args, outcome_fd)?;
     FORWARD_TO.store(child_pid(child.id()), Ordering::SeqCst);
-    let pending = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
-    if pending != 0 {
-        forward(pending);
-    }
+    forward_pending();
     // Only the child holds the writing end now: end of file is the VMM's exit.
     drop(outcome_writer);
     let mut report = String::new();
@@ -198,8 +195,9 @@ fn child_pid(id: u32) -> i32 {
     i32::try_from(id).unwrap_or(0)
 }
 
-/// The VMM child that stop signals go to (0: none yet), and a signal that arrived
-/// before it existed. Statics, because a signal handler can reach nothing else.
+/// The VMM child that stop signals go to (0: none yet), and a signal not passed on
+/// yet. Statics, because a signal handler can reach nothing else: a process runs one
+/// VMM child at a time (a supervisor's VM, the nested host's).
 static FORWARD_TO: AtomicI32 = AtomicI32::new(0);
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
@@ -215,16 +213,20 @@ fn forward_stop_signals() -> Result<(), VmmProcessError> {
 }
 
 extern "C" fn on_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    if FORWARD_TO.load(Ordering::SeqCst) == 0 {
-        PENDING_SIGNAL.store(signal, Ordering::SeqCst);
-    } else {
-        forward(signal);
-    }
+    PENDING_SIGNAL.store(signal, Ordering::SeqCst);
+    forward_pending();
 }
 
-fn forward(signal: i32) {
+/// Sends the pending signal to the VMM once there is one. Called by the handler and
+/// right after the VMM started: whichever sees both the signal and the VMM sends it,
+/// once (the swap).
+fn forward_pending() {
     let pid = FORWARD_TO.load(Ordering::SeqCst);
-    if pid > 0 {
+    if pid <= 0 {
+        return;
+    }
+    let signal = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+    if signal != 0 {
         // SAFETY: kill(2) is async-signal-safe and only sends a signal.
         unsafe { libc::kill(pid, signal) };
     }
@@ -249,7 +251,38 @@ mod tests {
     }
 
     fn run_with(path: &Path) -> Result<u8, VmmProcessError> {
+        // One VMM child at a time per process, as in vmctl (the signal forwarding's
+        // statics).
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         run_binary(path, &VmConfig::new("/k/vmlinux".into()), false)
+    }
+
+    #[test]
+    fn a_sigterm_to_vmctl_is_passed_on_to_the_vmm() {
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let path = dir.path().join(BINARY);
+        // Reports "stopped by 15" only if it gets SIGTERM; otherwise gives up after
+        // 10 s with a shutdown.
+        let script = format!(
+            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+             trap 'echo {{\\\"stopped\\\":{{\\\"signal\\\":15}}}} >&$fd; exit 143' TERM\n\
+             touch {}\nfor i in $(seq 100); do sleep 0.1; done\necho '\"shutdown\"' >&$fd\n",
+            ready.display()
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let signaller = std::thread::spawn(move || {
+            while !ready.exists() {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            // SAFETY: signals this process, whose SIGTERM handler `run` installed
+            // before it started the stand-in that created `ready`.
+            unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+        });
+        assert_eq!(run_with(&path).unwrap(), 128 + 15);
+        signaller.join().unwrap();
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! on their stop signals and read how the VM ended from a pipe.
 
 use std::ffi::OsString;
-use std::io::Read;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use vmm::config::VmConfig;
-use vmm::process::{Args, ArgsError, Outcome, BINARY};
+use vmm::process::{encode_config, Args, ArgsError, Outcome, BINARY};
 use vmm_sys_util::signal::register_signal_handler;
 
 /// Names the VMM's executable instead of the one beside vmctl.
@@ -34,7 +35,7 @@ pub enum VmmProcessError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot stop the VMM with its parent (signals, outcome pipe): {0}")]
+    #[error("cannot prepare the VMM's start (its configuration, outcome pipe, signals): {0}")]
     Setup(std::io::Error),
     /// How the VM failed, as the VMM reported it.
     #[error("{0}")]
@@ -68,16 +69,20 @@ fn existing(path: PathBuf) -> Result<PathBuf, VmmProcessError> {
 
 /// Replaces this process with the VMM running `config`; returns only on failure.
 pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
+    let prepared = binary().and_then(|path| Ok((path, config_file(config)?)));
+    let (path, config_fd) = match prepared {
+        Ok(prepared) => prepared,
+        Err(e) => return e,
+    };
     let args = Args {
-        config: config.clone(),
+        config_fd: config_fd.as_raw_fd(),
         report_boot_time,
         outcome_fd: None,
     };
-    let (path, args) = match binary().and_then(|path| Ok((path, args.to_args()?))) {
-        Ok(found) => found,
-        Err(e) => return e,
-    };
-    let source = Command::new(&path).args(args).exec();
+    let mut command = Command::new(&path);
+    command.args(args.to_args());
+    keep_across_exec(&mut command, vec![config_fd.as_raw_fd()]);
+    let source = command.exec();
     VmmProcessError::Start { path, source }
 }
 
@@ -94,21 +99,21 @@ fn run_binary(
     config: &VmConfig,
     report_boot_time: bool,
 ) -> Result<u8, VmmProcessError> {
+    let config_fd = config_file(config)?;
     let (mut outcome_reader, outcome_writer) = std::io::pipe().map_err(VmmProcessError::Setup)?;
-    // A duplicate is numbered 3 or above, as the VMM requires (0 to 2 are its console
-    // and stderr), even where this process runs with a standard descriptor closed.
-    let outcome_writer = OwnedFd::from(outcome_writer)
-        .try_clone()
-        .map_err(VmmProcessError::Setup)?;
-    let outcome_fd = outcome_writer.as_raw_fd();
+    let outcome_writer = above_stdio(outcome_writer.into())?;
     let args = Args {
-        config: config.clone(),
+        config_fd: config_fd.as_raw_fd(),
         report_boot_time,
-        outcome_fd: Some(outcome_fd),
-    }
-    .to_args()?;
+        outcome_fd: Some(outcome_writer.as_raw_fd()),
+    };
     forward_stop_signals()?;
-    let child = spawn(path, args, outcome_fd)?;
+    let child = spawn(
+        path,
+        args.to_args(),
+        vec![config_fd.as_raw_fd(), outcome_writer.as_raw_fd()],
+    )?;
+    drop(config_fd);
     FORWARD_TO.store(child_pid(child.id()), Ordering::SeqCst);
     forward_pending();
     // Only the child holds the writing end now: end of file is the VMM's exit.
@@ -138,22 +143,57 @@ fn run_binary(
     }
 }
 
+/// The VM's configuration in a memory file, read from the start by the VMM.
+fn config_file(config: &VmConfig) -> Result<OwnedFd, VmmProcessError> {
+    let json = encode_config(config)?;
+    let fd = rustix::fs::memfd_create("vmctl-vmm-config", rustix::fs::MemfdFlags::CLOEXEC)
+        .map_err(|e| VmmProcessError::Setup(e.into()))?;
+    let mut file = File::from(above_stdio(fd)?);
+    file.write_all(&json)
+        .and_then(|()| file.seek(SeekFrom::Start(0)))
+        .map_err(VmmProcessError::Setup)?;
+    Ok(file.into())
+}
+
+/// `fd`, or a duplicate numbered 3 or above, as the VMM requires (0 to 2 are its
+/// console and stderr) even where this process runs with a standard descriptor closed.
+fn above_stdio(fd: OwnedFd) -> Result<OwnedFd, VmmProcessError> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    // A duplicate takes the lowest free number from 3 on (F_DUPFD_CLOEXEC).
+    fd.try_clone().map_err(VmmProcessError::Setup)
+}
+
+/// Clears close-on-exec on `fds` in the child, between fork and exec.
+fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
+    // SAFETY: the closure runs in the child between fork and exec (or before this
+    // process's own exec) and only calls fcntl(2), which is async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 fn spawn(
     path: &Path,
     args: Vec<OsString>,
-    outcome_fd: i32,
+    inherited_fds: Vec<i32>,
 ) -> Result<std::process::Child, VmmProcessError> {
     let mut command = Command::new(path);
     command.args(args);
+    keep_across_exec(&mut command, inherited_fds);
     let parent = std::process::id();
     // SAFETY: the closure runs in the child between fork and exec and only calls
-    // fcntl(2), prctl(2) and getppid(2), which are async-signal-safe.
+    // prctl(2) and getppid(2), which are async-signal-safe.
     unsafe {
         command.pre_exec(move || {
-            // The outcome's descriptor is the one the VMM keeps across exec.
-            if libc::fcntl(outcome_fd, libc::F_SETFD, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -297,6 +337,19 @@ mod tests {
             run_with(&crashed).unwrap_err().to_string(),
             "the VM stopped: triple fault"
         );
+    }
+
+    #[test]
+    fn the_vmm_reads_its_configuration_from_its_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(BINARY);
+        let script = "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in --outcome-fd) out=$2;; \
+                      --config-fd) cfg=$2;; esac; shift; done\n\
+                      eval \"exec 4<&$cfg\"\n\
+                      grep -q '\"kernel\":\"/k/vmlinux\"' <&4 && echo '\"shutdown\"' >&$out\n";
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(run_with(&path).unwrap(), 0);
     }
 
     #[test]

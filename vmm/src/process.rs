@@ -6,10 +6,11 @@
 //! proxy and its tokens stay in vmctl's supervisor), and its resident code is the
 //! VMM's alone, not the CLI's, the proxy's and TLS's.
 //!
-//! Arguments: `--config JSON` (a [`VmConfig`]), `--boot-time` (report the boot timer on
-//! stderr), `--outcome-fd N` (write the [`Outcome`] to descriptor N as one JSON line,
-//! and leave the reporting of errors to the caller). The guest's serial console is the
-//! process's stdin and stdout.
+//! Arguments: `--config-fd N` (descriptor N holds a [`VmConfig`] as JSON: short
+//! command lines in `ps`, `3<config.json` by hand), `--boot-time` (report the boot
+//! timer on stderr), `--outcome-fd N` (write the [`Outcome`] to descriptor N as one
+//! JSON line, and leave the reporting of errors to the caller). The guest's serial
+//! console is the process's stdin and stdout.
 
 use std::ffi::OsString;
 
@@ -22,37 +23,42 @@ use crate::vstate::exit::ExitReason;
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm.rs`) and
 /// installed beside it.
 pub const BINARY: &str = "vmctl-vmm";
-const CONFIG_ARG: &str = "--config";
+const CONFIG_FD_ARG: &str = "--config-fd";
 const BOOT_TIME_ARG: &str = "--boot-time";
 const OUTCOME_FD_ARG: &str = "--outcome-fd";
 
-pub const USAGE: &str = "usage: vmctl-vmm --config JSON [--boot-time] [--outcome-fd N]
+pub const USAGE: &str = "usage: vmctl-vmm --config-fd N [--boot-time] [--outcome-fd M]
 
 Runs one VM to its end; vmctl starts it (`vmctl boot`, a workspace VM's supervisor).
-  --config JSON     the VM: kernel, initrd, disks, vCPUs, memory, vsock, virtio-fs
+  --config-fd N     read the VM (kernel, initrd, disks, vCPUs, memory, vsock, virtio-fs)
+                    as JSON from descriptor N, e.g. `--config-fd 3 3<vm.json`
   --boot-time       print the guest's boot time on stderr once its init runs
-  --outcome-fd N    write how the VM ended to descriptor N (one JSON line) instead of
+  --outcome-fd M    write how the VM ended to descriptor M (one JSON line) instead of
                     printing an error
 Exit status: 0 when the guest shut down, 128+N when stopped by signal N, 1 on error.";
 
 /// What the VMM process is asked to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Args {
-    pub config: VmConfig,
+    pub config_fd: i32,
     pub report_boot_time: bool,
     pub outcome_fd: Option<i32>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ArgsError {
-    #[error("{CONFIG_ARG} is missing")]
+    #[error("{CONFIG_FD_ARG} is missing")]
     NoConfig,
     #[error("{0} needs a value")]
     NoValue(&'static str),
-    #[error("{CONFIG_ARG}: not a VM configuration: {0}")]
+    #[error("{CONFIG_FD_ARG}: not a VM configuration: {0}")]
     BadConfig(String),
-    #[error("{OUTCOME_FD_ARG} {0:?}: not a descriptor number")]
-    BadDescriptor(String),
+    #[error("{0} {1:?}: not a descriptor number above 2 (0 to 2 are the console and stderr)")]
+    BadDescriptor(&'static str, String),
+    #[error(
+        "{CONFIG_FD_ARG} and {OUTCOME_FD_ARG} are both {0}: they need descriptors of their own"
+    )]
+    SameDescriptor(i32),
     #[error("unexpected argument {0:?}")]
     Unexpected(String),
     #[error("the VM's configuration cannot be passed on: {0} (paths must be UTF-8)")]
@@ -65,44 +71,32 @@ pub enum ArgsError {
 impl Args {
     pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Self, ArgsError> {
         let mut args = args.into_iter().map(|a| a.to_string_lossy().into_owned());
-        let mut config = None;
+        let mut config_fd = None;
         let mut report_boot_time = false;
         let mut outcome_fd = None;
         while let Some(arg) = args.next() {
             match arg.as_str() {
-                CONFIG_ARG => {
-                    let json = args.next().ok_or(ArgsError::NoValue(CONFIG_ARG))?;
-                    config = Some(
-                        serde_json::from_str(&json)
-                            .map_err(|e| ArgsError::BadConfig(e.to_string()))?,
-                    );
-                }
+                CONFIG_FD_ARG => config_fd = Some(descriptor(&mut args, CONFIG_FD_ARG)?),
+                OUTCOME_FD_ARG => outcome_fd = Some(descriptor(&mut args, OUTCOME_FD_ARG)?),
                 BOOT_TIME_ARG => report_boot_time = true,
-                OUTCOME_FD_ARG => {
-                    let fd = args.next().ok_or(ArgsError::NoValue(OUTCOME_FD_ARG))?;
-                    outcome_fd = Some(
-                        fd.parse::<i32>()
-                            .ok()
-                            .filter(|fd| *fd > 2)
-                            .ok_or(ArgsError::BadDescriptor(fd))?,
-                    );
-                }
                 "-h" | "--help" => return Err(ArgsError::Help),
                 _ => return Err(ArgsError::Unexpected(arg)),
             }
         }
+        let config_fd = config_fd.ok_or(ArgsError::NoConfig)?;
+        if outcome_fd == Some(config_fd) {
+            return Err(ArgsError::SameDescriptor(config_fd));
+        }
         Ok(Self {
-            config: config.ok_or(ArgsError::NoConfig)?,
+            config_fd,
             report_boot_time,
             outcome_fd,
         })
     }
 
     /// The command-line arguments that [`Args::parse`] reads back.
-    pub fn to_args(&self) -> Result<Vec<OsString>, ArgsError> {
-        let json = serde_json::to_string(&self.config)
-            .map_err(|e| ArgsError::Unencodable(e.to_string()))?;
-        let mut args = vec![CONFIG_ARG.into(), json.into()];
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut args = vec![CONFIG_FD_ARG.into(), self.config_fd.to_string().into()];
         if self.report_boot_time {
             args.push(BOOT_TIME_ARG.into());
         }
@@ -110,8 +104,30 @@ impl Args {
             args.push(OUTCOME_FD_ARG.into());
             args.push(fd.to_string().into());
         }
-        Ok(args)
+        args
     }
+}
+
+/// The value of a descriptor option: a number above 2.
+fn descriptor(
+    args: &mut impl Iterator<Item = String>,
+    name: &'static str,
+) -> Result<i32, ArgsError> {
+    let value = args.next().ok_or(ArgsError::NoValue(name))?;
+    value
+        .parse::<i32>()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or(ArgsError::BadDescriptor(name, value))
+}
+
+/// The configuration as the VMM reads it from its descriptor.
+pub fn encode_config(config: &VmConfig) -> Result<Vec<u8>, ArgsError> {
+    serde_json::to_vec(config).map_err(|e| ArgsError::Unencodable(e.to_string()))
+}
+
+pub fn decode_config(json: &[u8]) -> Result<VmConfig, ArgsError> {
+    serde_json::from_slice(json).map_err(|e| ArgsError::BadConfig(e.to_string()))
 }
 
 /// How a VM run ended.
@@ -169,7 +185,7 @@ mod tests {
     }
 
     #[test]
-    fn arguments_carry_the_whole_configuration_there_and_back() {
+    fn the_configuration_and_the_arguments_go_there_and_back() {
         let mut config = VmConfig::new("/k/vmlinux".into());
         config.initrd = Some("/k/initrd".into());
         config.disks = vec![DiskConfig::parse("/d/root.img:ro")];
@@ -184,34 +200,38 @@ mod tests {
             socket_path: "/run/fs.sock".into(),
             tag: "ws".into(),
         }];
+        assert_eq!(
+            decode_config(&encode_config(&config).unwrap()).unwrap(),
+            config
+        );
+        assert!(matches!(decode_config(b"{}"), Err(ArgsError::BadConfig(_))));
         let args = Args {
-            config,
+            config_fd: 3,
             report_boot_time: true,
             outcome_fd: Some(7),
         };
-        assert_eq!(Args::parse(args.to_args().unwrap()).unwrap(), args);
+        assert_eq!(Args::parse(args.to_args()).unwrap(), args);
     }
 
     #[test]
     fn bad_arguments_are_named() {
-        let config = serde_json::to_string(&VmConfig::new("/k".into())).unwrap();
         assert_eq!(Args::parse(os(&[])), Err(ArgsError::NoConfig));
         assert_eq!(
-            Args::parse(os(&["--config"])),
-            Err(ArgsError::NoValue(CONFIG_ARG))
+            Args::parse(os(&["--config-fd"])),
+            Err(ArgsError::NoValue(CONFIG_FD_ARG))
         );
-        assert!(matches!(
-            Args::parse(os(&["--config", "{}"])),
-            Err(ArgsError::BadConfig(_))
-        ));
         for fd in ["x", "-1", "1"] {
             assert_eq!(
-                Args::parse(os(&["--config", &config, "--outcome-fd", fd])),
-                Err(ArgsError::BadDescriptor(fd.into()))
+                Args::parse(os(&["--config-fd", "3", "--outcome-fd", fd])),
+                Err(ArgsError::BadDescriptor(OUTCOME_FD_ARG, fd.into()))
             );
         }
         assert_eq!(
-            Args::parse(os(&["--config", &config, "--memory"])),
+            Args::parse(os(&["--config-fd", "4", "--outcome-fd", "4"])),
+            Err(ArgsError::SameDescriptor(4))
+        );
+        assert_eq!(
+            Args::parse(os(&["--config-fd", "3", "--memory"])),
             Err(ArgsError::Unexpected("--memory".into()))
         );
         assert_eq!(Args::parse(os(&["--help"])), Err(ArgsError::Help));

@@ -4,14 +4,15 @@
 //! resident code is the VMM's overhead.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::{AsFd, FromRawFd};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use vmm::builder::{BuildError, RunOptions};
+use vmm::config::VmConfig;
 use vmm::devices::legacy::BootTimeReport;
-use vmm::process::{Args, ArgsError, Outcome, BINARY, USAGE};
+use vmm::process::{decode_config, Args, ArgsError, Outcome, BINARY, USAGE};
 use vmm::vstate::exit::ExitReason;
 
 fn main() -> ExitCode {
@@ -28,15 +29,19 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // Taken before the VMM opens anything, so that the number is still the caller's.
-    let outcome_file = match args.outcome_fd.map(outcome_file).transpose() {
-        Ok(file) => file,
+    // Taken before the VMM opens anything, so that the numbers are still the caller's.
+    let inherited = inherited_file(args.config_fd).and_then(|config| {
+        let outcome = args.outcome_fd.map(inherited_file).transpose()?;
+        Ok((read_config(config)?, outcome))
+    });
+    let (config, outcome_file) = match inherited {
+        Ok(inherited) => inherited,
         Err(e) => {
             eprintln!("{BINARY}: error: {e}");
             return ExitCode::from(2);
         }
     };
-    let outcome = Outcome::of(run(&args, vmm_start));
+    let outcome = Outcome::of(run(&config, args.report_boot_time, vmm_start));
     if let Outcome::Stopped { signal } = outcome {
         eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
     }
@@ -49,8 +54,11 @@ fn main() -> ExitCode {
     ExitCode::from(outcome.exit_code())
 }
 
-fn run(args: &Args, vmm_start: Instant) -> Result<ExitReason, BuildError> {
-    let report_boot_time = args.report_boot_time;
+fn run(
+    config: &VmConfig,
+    report_boot_time: bool,
+    vmm_start: Instant,
+) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
         vmm_start,
         serial_output: Box::new(unbuffered_stdout().map_err(|source| BuildError::Open {
@@ -69,7 +77,7 @@ fn run(args: &Args, vmm_start: Instant) -> Result<ExitReason, BuildError> {
             }
         }),
     };
-    vmm::builder::run(&args.config, options)
+    vmm::builder::run(config, options)
 }
 
 /// An unbuffered handle on stdout: the guest's console must not wait for a newline
@@ -78,19 +86,26 @@ fn unbuffered_stdout() -> std::io::Result<File> {
     Ok(File::from(std::io::stdout().as_fd().try_clone_to_owned()?))
 }
 
-/// The caller's descriptor for the outcome, checked to be open.
-fn outcome_file(fd: i32) -> Result<File, String> {
+/// A descriptor the caller handed over, checked to be open.
+fn inherited_file(fd: i32) -> Result<File, String> {
     // SAFETY: F_GETFD only reads the descriptor's flags.
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
         return Err(format!(
-            "--outcome-fd {fd}: {}",
+            "descriptor {fd}: {}",
             std::io::Error::last_os_error()
         ));
     }
     // SAFETY: the descriptor is open (checked above), was handed to this process for
-    // the outcome alone, and nothing else in it owns the number: it is taken before
-    // the VMM opens any file.
+    // this use alone, and nothing else in it owns the number: it is taken before the
+    // VMM opens any file.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+fn read_config(mut file: File) -> Result<VmConfig, String> {
+    let mut json = Vec::new();
+    file.read_to_end(&mut json)
+        .map_err(|e| format!("cannot read the VM's configuration: {e}"))?;
+    decode_config(&json).map_err(|e| e.to_string())
 }
 
 /// Writes the outcome; false when the caller cannot be told (then stderr says it).

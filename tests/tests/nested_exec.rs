@@ -72,6 +72,7 @@ fn direct_vmm_boots_on_the_nested_hosts_kvm() {
         .arg(kernel())
         .arg("--initrd")
         .arg(base_initramfs())
+        .env("VMCTL_LOG", "vmctl_vmm=debug")
         .run();
     eprintln!("{}", run.report());
     run.assert_success();
@@ -85,6 +86,13 @@ fn direct_vmm_boots_on_the_nested_hosts_kvm() {
         "{}",
         run.report()
     );
+    // The nested host's kernel has Landlock (kernel-config/guest.config): the VMM ran
+    // confined to its VM's files.
+    let confined = ["Full", "Partial"].iter().any(|how| {
+        run.stderr
+            .contains(&format!("confined to the VM's files: {how}"))
+    });
+    assert!(confined, "the VMM was not confined\n{}", run.report());
     assert!(
         !run.stderr.contains("nested host"),
         "--nested never must not nest again\n{}",

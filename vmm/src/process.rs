@@ -3,8 +3,9 @@
 //!
 //! vmctl runs each VM in a process of its own, as Firecracker does: the guest faces
 //! only this process, which holds none of the host's secrets in memory (the egress
-//! proxy and its tokens stay in vmctl's supervisor), and its resident code is the
-//! VMM's alone, not the CLI's, the proxy's and TLS's.
+//! proxy and its tokens stay in vmctl's supervisor) and confines itself to its VM's
+//! files (Landlock), and its resident code is the VMM's alone, not the CLI's, the
+//! proxy's and TLS's.
 //!
 //! Arguments: `--config-fd N` (descriptor N holds a [`VmConfig`] as JSON: short
 //! command lines in `ps`, `3<config.json` by hand), `--boot-time` (report the boot

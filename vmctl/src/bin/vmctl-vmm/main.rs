@@ -3,6 +3,8 @@
 //! Its arguments are parsed by hand: it is vmctl's, not a user's, command, and its
 //! resident code is the VMM's overhead.
 
+mod confine;
+
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, FromRawFd};
@@ -14,6 +16,8 @@ use vmm::config::VmConfig;
 use vmm::devices::legacy::BootTimeReport;
 use vmm::process::{decode_config, Args, ArgsError, Outcome, BINARY, USAGE};
 use vmm::vstate::exit::ExitReason;
+
+use confine::Confinement;
 
 fn main() -> ExitCode {
     let vmm_start = Instant::now();
@@ -41,7 +45,21 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let outcome = Outcome::of(run(&config, args.report_boot_time, vmm_start));
+    let outcome = match confine::confine(&config) {
+        Ok(confinement) => {
+            if confinement == Confinement::None {
+                eprintln!(
+                    "{BINARY}: warning: this kernel has no Landlock: the VMM keeps the user's \
+                     access to files"
+                );
+            }
+            tracing::debug!("confined to the VM's files: {confinement:?}");
+            Outcome::of(run(&config, args.report_boot_time, vmm_start))
+        }
+        Err(e) => Outcome::Failed {
+            error: e.to_string(),
+        },
+    };
     if let Outcome::Stopped { signal } = outcome {
         eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
     }

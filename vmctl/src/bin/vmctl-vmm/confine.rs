@@ -32,9 +32,15 @@ pub enum Confinement {
 #[error("cannot confine the VMM to its VM's files (Landlock): {0}")]
 pub struct ConfineError(#[from] landlock::RulesetError);
 
+/// The paths the rules name, held open for the VMM's lifetime. A rule names an inode;
+/// on a filesystem that makes a new inode for every lookup of a name no longer in use
+/// (9p without a cache, as the nested host mounts writable disks' directories), a
+/// later open of the same path would meet another inode and be refused.
+pub struct HeldPaths(#[allow(dead_code)] Vec<PathFd>);
+
 /// Restricts this thread and the threads it starts afterwards (call it before the VMM
-/// starts any) to `config`'s files.
-pub fn confine(config: &VmConfig) -> Result<Confinement, ConfineError> {
+/// starts any) to `config`'s files; keep the [`HeldPaths`] while the VMM runs.
+pub fn confine(config: &VmConfig) -> Result<(Confinement, HeldPaths), ConfineError> {
     let read = AccessFs::ReadFile;
     let read_write = AccessFs::ReadFile | AccessFs::WriteFile;
     let device = read_write | AccessFs::IoctlDev;
@@ -57,23 +63,27 @@ pub fn confine(config: &VmConfig) -> Result<Confinement, ConfineError> {
     if let Some(dir) = config.vsock.as_ref().and_then(|v| v.uds_path.parent()) {
         rules.push((dir, AccessFs::MakeSock | AccessFs::RemoveFile));
     }
-    let status = Ruleset::default()
-        .handle_access(AccessFs::from_all(POLICY_ABI))?
-        .create()?
-        // A path that cannot be opened gets no rule: the VMM then fails on it with its
-        // own, clearer error.
-        .add_rules(rules.into_iter().filter_map(|(path, access)| {
-            let fd = PathFd::new(path).ok()?;
-            Some(Ok::<_, landlock::RulesetError>(PathBeneath::new(
-                fd, access,
-            )))
-        }))?
-        .restrict_self()?;
-    Ok(match status.ruleset {
+    // A path that cannot be opened gets no rule: the VMM then fails on it with its own,
+    // clearer error.
+    let opened: Vec<(PathFd, BitFlags<AccessFs>)> = rules
+        .into_iter()
+        .filter_map(|(path, access)| Some((PathFd::new(path).ok()?, access)))
+        .collect();
+    let status =
+        Ruleset::default()
+            .handle_access(AccessFs::from_all(POLICY_ABI))?
+            .create()?
+            .add_rules(opened.iter().map(|(fd, access)| {
+                Ok::<_, landlock::RulesetError>(PathBeneath::new(fd, *access))
+            }))?
+            .restrict_self()?;
+    let confinement = match status.ruleset {
         RulesetStatus::FullyEnforced => Confinement::Full,
         RulesetStatus::PartiallyEnforced => Confinement::Partial,
         RulesetStatus::NotEnforced => Confinement::None,
-    })
+    };
+    let held = HeldPaths(opened.into_iter().map(|(fd, _)| fd).collect());
+    Ok((confinement, held))
 }
 
 /// Read by the VMM's check of the VM's memory against the host's.
@@ -117,7 +127,7 @@ mod tests {
         // Landlock applies to the thread that asks and to its future threads only.
         let socket = vsock_dir.join("vsock.sock");
         let (confinement, kernel_read, elsewhere_read, bound) = std::thread::spawn(move || {
-            let confinement = confine(&config).unwrap();
+            let (confinement, _held) = confine(&config).unwrap();
             let bound = std::os::unix::net::UnixListener::bind(&socket).is_ok();
             (
                 confinement,

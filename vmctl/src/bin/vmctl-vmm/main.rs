@@ -46,7 +46,7 @@ fn main() -> ExitCode {
         }
     };
     let outcome = match confine::confine(&config) {
-        Ok(confinement) => {
+        Ok((confinement, _held_while_running)) => {
             if confinement == Confinement::None {
                 eprintln!(
                     "{BINARY}: warning: this kernel has no Landlock: the VMM keeps the user's \

@@ -21,7 +21,7 @@ use crate::builder::BuildError;
 use crate::config::VmConfig;
 use crate::vstate::exit::ExitReason;
 
-/// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm.rs`) and
+/// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and
 /// installed beside it.
 pub const BINARY: &str = "vmctl-vmm";
 const CONFIG_FD_ARG: &str = "--config-fd";

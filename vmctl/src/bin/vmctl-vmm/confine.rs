@@ -36,7 +36,9 @@ pub struct ConfineError(#[from] landlock::RulesetError);
 /// on a filesystem that makes a new inode for every lookup of a name no longer in use
 /// (9p without a cache, as the nested host mounts writable disks' directories), a
 /// later open of the same path would meet another inode and be refused.
-pub struct HeldPaths(#[allow(dead_code)] Vec<PathFd>);
+pub struct HeldPaths {
+    _open: Vec<PathFd>,
+}
 
 /// Restricts this thread and the threads it starts afterwards (call it before the VMM
 /// starts any) to `config`'s files; keep the [`HeldPaths`] while the VMM runs.
@@ -82,7 +84,9 @@ pub fn confine(config: &VmConfig) -> Result<(Confinement, HeldPaths), ConfineErr
         RulesetStatus::PartiallyEnforced => Confinement::Partial,
         RulesetStatus::NotEnforced => Confinement::None,
     };
-    let held = HeldPaths(opened.into_iter().map(|(fd, _)| fd).collect());
+    let held = HeldPaths {
+        _open: opened.into_iter().map(|(fd, _)| fd).collect(),
+    };
     Ok((confinement, held))
 }
 

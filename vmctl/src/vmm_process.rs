@@ -114,13 +114,13 @@ fn run_binary(
         vec![config_fd.as_raw_fd(), outcome_writer.as_raw_fd()],
     )?;
     drop(config_fd);
-    FORWARD_TO.store(child_pid(child.id()), Ordering::SeqCst);
+    let pid = child.id();
+    FORWARD_TO.store(child_pid(pid), Ordering::SeqCst);
     forward_pending();
     // Only the child holds the writing end now: end of file is the VMM's exit.
     drop(outcome_writer);
     let mut report = String::new();
     let read = outcome_reader.read_to_string(&mut report);
-    let pid = child.id();
     let status = wait(child);
     FORWARD_TO.store(0, Ordering::SeqCst);
     let outcome = read
@@ -135,7 +135,7 @@ fn run_binary(
             Some(error) => Err(VmmProcessError::Vm(error)),
         },
         // Stopped before it could handle the signal (one passed on as it started).
-        (None, Some(signal)) => Ok(128u8.saturating_add(signal as u8)),
+        (None, Some(signal)) => Ok(Outcome::Stopped { signal }.exit_code()),
         (None, None) => Err(VmmProcessError::Lost {
             pid,
             how: describe(status),
@@ -277,16 +277,23 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
+    /// Writes an executable shell script.
+    fn script(path: &Path, text: &str) {
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
     /// A stand-in for the VMM: a shell script that reports `outcome` on the
     /// descriptor it is given (or nothing when empty), then exits with `code`.
     fn stand_in(dir: &Path, outcome: &str, code: i32) -> PathBuf {
         let path = dir.join(BINARY);
-        let script = format!(
-            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
-             [ -n '{outcome}' ] && echo '{outcome}' >&$fd\nexit {code}\n"
+        script(
+            &path,
+            &format!(
+                "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+                 [ -n '{outcome}' ] && echo '{outcome}' >&$fd\nexit {code}\n"
+            ),
         );
-        std::fs::write(&path, script).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         path
     }
 
@@ -305,14 +312,13 @@ mod tests {
         let path = dir.path().join(BINARY);
         // Reports "stopped by 15" only if it gets SIGTERM; otherwise gives up after
         // 10 s with a shutdown.
-        let script = format!(
+        let text = format!(
             "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
              trap 'echo {{\\\"stopped\\\":{{\\\"signal\\\":15}}}} >&$fd; exit 143' TERM\n\
              touch {}\nfor i in $(seq 100); do sleep 0.1; done\necho '\"shutdown\"' >&$fd\n",
             ready.display()
         );
-        std::fs::write(&path, script).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script(&path, &text);
         let signaller = std::thread::spawn(move || {
             while !ready.exists() {
                 std::thread::sleep(std::time::Duration::from_millis(10));
@@ -343,12 +349,11 @@ mod tests {
     fn the_vmm_reads_its_configuration_from_its_descriptor() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(BINARY);
-        let script = "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in --outcome-fd) out=$2;; \
+        let text = "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in --outcome-fd) out=$2;; \
                       --config-fd) cfg=$2;; esac; shift; done\n\
                       eval \"exec 4<&$cfg\"\n\
                       grep -q '\"kernel\":\"/k/vmlinux\"' <&4 && echo '\"shutdown\"' >&$out\n";
-        std::fs::write(&path, script).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script(&path, text);
         assert_eq!(run_with(&path).unwrap(), 0);
     }
 
@@ -356,8 +361,7 @@ mod tests {
     fn a_vmm_ended_by_a_stop_signal_before_its_report_was_stopped() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(BINARY);
-        std::fs::write(&path, "#!/bin/sh\nkill -TERM $$\nsleep 10\n").unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script(&path, "#!/bin/sh\nkill -TERM $$\nsleep 10\n");
         assert_eq!(run_with(&path).unwrap(), 128 + 15);
     }
 
@@ -371,8 +375,7 @@ mod tests {
             "{error}"
         );
         let killed = dir.path().join("killed");
-        std::fs::write(&killed, "#!/bin/sh\nkill -KILL $$\n").unwrap();
-        std::fs::set_permissions(&killed, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script(&killed, "#!/bin/sh\nkill -KILL $$\n");
         let error = run_with(&killed).unwrap_err().to_string();
         assert!(error.contains("was killed by signal 9 without"), "{error}");
     }

@@ -93,6 +93,14 @@ fn direct_vmm_boots_on_the_nested_hosts_kvm() {
             .contains(&format!("confined to the VM's files: {how}"))
     });
     assert!(confined, "the VMM was not confined\n{}", run.report());
+    // ...and its system calls were limited (every VM test runs under the filter; this
+    // one checks that the filter is there).
+    assert!(
+        run.stderr
+            .contains("system calls limited by the seccomp filter"),
+        "the VMM ran without its seccomp filter\n{}",
+        run.report()
+    );
     assert!(
         !run.stderr.contains("nested host"),
         "--nested never must not nest again\n{}",

@@ -225,6 +225,12 @@ fn describe(status: Option<ExitStatus>) -> String {
         None => "was lost (cannot wait for it)".to_string(),
         Some(status) => match (status.code(), status.signal()) {
             (Some(code), _) => format!("exited with code {code}"),
+            (None, Some(libc::SIGSYS)) => format!(
+                "was killed by signal {} (SIGSYS: a system call its seccomp filter does not \
+                 allow; {}=off runs it without the filter)",
+                libc::SIGSYS,
+                vmm::process::SECCOMP_SWITCH_ENV
+            ),
             (None, Some(signal)) => format!("was killed by signal {signal}"),
             (None, None) => format!("ended ({status})"),
         },
@@ -378,6 +384,14 @@ mod tests {
         script(&killed, "#!/bin/sh\nkill -KILL $$\n");
         let error = run_with(&killed).unwrap_err().to_string();
         assert!(error.contains("was killed by signal 9 without"), "{error}");
+        // What the kernel does to a filtered call made with SIGSYS blocked.
+        let filtered = dir.path().join("filtered");
+        script(&filtered, "#!/bin/sh\nkill -SYS $$\n");
+        let error = run_with(&filtered).unwrap_err().to_string();
+        assert!(
+            error.contains("signal 31 (SIGSYS: a system call its seccomp filter"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub enum BuildError {
     Device { device: String, reason: String },
     #[error("device address conflict: {0}")]
     Bus(#[from] BusError),
+    /// What [`RunOptions::before_vcpus_start`] said.
+    #[error("{0}")]
+    BeforeVcpusStart(String),
 }
 
 /// How the VM talks to its surroundings.
@@ -67,6 +70,10 @@ pub struct RunOptions {
     pub console_input: bool,
     /// Called once when the guest's init writes the boot timer.
     pub on_boot_time: Box<dyn FnOnce(BootTimeReport) + Send>,
+    /// Called once the VM is built (files open, memory mapped, devices connected) and
+    /// before a vCPU runs: where the VMM gives up what running the VM does not need
+    /// (`vmctl-vmm` installs its seccomp filter). An error ends the run.
+    pub before_vcpus_start: Box<dyn FnOnce() -> Result<(), String>>,
 }
 
 /// Boots the VM and runs it to the end. A guest shutdown is `Ok(GuestShutdown)`.
@@ -144,6 +151,7 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         vcpu.configure(&kvm, &ram.memory, entry, vcpu_count)?;
         vcpus.push(vcpu);
     }
+    (options.before_vcpus_start)().map_err(BuildError::BeforeVcpusStart)?;
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
         handles.push(vcpu.start(context.clone())?);

@@ -24,6 +24,10 @@ use crate::vstate::exit::ExitReason;
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and
 /// installed beside it.
 pub const BINARY: &str = "vmctl-vmm";
+
+/// `off` in the VMM's environment runs it without its seccomp filter (a stopgap for a
+/// host whose C library makes calls the filter does not expect).
+pub const SECCOMP_SWITCH_ENV: &str = "VMCTL_SECCOMP";
 const CONFIG_FD_ARG: &str = "--config-fd";
 const BOOT_TIME_ARG: &str = "--boot-time";
 const OUTCOME_FD_ARG: &str = "--outcome-fd";

@@ -4,10 +4,11 @@
 //! resident code is the VMM's overhead.
 
 mod confine;
+mod seccomp;
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, FromRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -54,7 +55,8 @@ fn main() -> ExitCode {
                 );
             }
             tracing::debug!("confined to the VM's files: {confinement:?}");
-            Outcome::of(run(&config, args.report_boot_time, vmm_start))
+            let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
+            Outcome::of(run(&config, args.report_boot_time, vmm_start, outcome_fd))
         }
         Err(e) => Outcome::Failed {
             error: e.to_string(),
@@ -76,6 +78,7 @@ fn run(
     config: &VmConfig,
     report_boot_time: bool,
     vmm_start: Instant,
+    outcome_fd: Option<RawFd>,
 ) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
         vmm_start,
@@ -94,8 +97,22 @@ fn run(
                 );
             }
         }),
+        before_vcpus_start: Box::new(move || restrict_system_calls(outcome_fd)),
     };
     vmm::builder::run(config, options)
+}
+
+fn restrict_system_calls(outcome_fd: Option<RawFd>) -> Result<(), String> {
+    if !seccomp::wanted().map_err(|e| e.to_string())? {
+        eprintln!(
+            "{BINARY}: warning: {}=off: the VMM runs without its seccomp filter",
+            seccomp::SWITCH_ENV
+        );
+        return Ok(());
+    }
+    seccomp::install(outcome_fd).map_err(|e| e.to_string())?;
+    tracing::debug!("system calls limited by the seccomp filter");
+    Ok(())
 }
 
 /// An unbuffered handle on stdout: the guest's console must not wait for a newline

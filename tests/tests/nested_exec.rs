@@ -87,12 +87,18 @@ fn direct_vmm_boots_on_the_nested_hosts_kvm() {
         run.report()
     );
     // The nested host's kernel has Landlock (kernel-config/guest.config): the VMM ran
-    // confined to its VM's files.
+    // confined...
     let confined = ["Full", "Partial"].iter().any(|how| {
         run.stderr
             .contains(&format!("confined to the VM's files: {how}"))
     });
     assert!(confined, "the VMM was not confined\n{}", run.report());
+    // ...jailed (the nested host's kernel has user namespaces)...
+    assert!(
+        run.stderr.contains("jailed: its root is an empty tmpfs"),
+        "the VMM was not jailed\n{}",
+        run.report()
+    );
     // ...and its system calls were limited (every VM test runs under the filter; this
     // one checks that the filter is there).
     assert!(

@@ -3,9 +3,10 @@
 //!
 //! vmctl runs each VM in a process of its own, as Firecracker does: the guest faces
 //! only this process, which holds none of the host's secrets in memory (the egress
-//! proxy and its tokens stay in vmctl's supervisor) and confines itself to its VM's
-//! files (Landlock), and its resident code is the VMM's alone, not the CLI's, the
-//! proxy's and TLS's.
+//! proxy and its tokens stay in vmctl's supervisor) and, before the guest runs, jails
+//! itself (namespaces), confines itself (Landlock) and limits its system calls
+//! (seccomp); its resident code is the VMM's alone, not the CLI's, the proxy's and
+//! TLS's.
 //!
 //! Arguments: `--config-fd N` (descriptor N holds a [`VmConfig`] as JSON: short
 //! command lines in `ps`, `3<config.json` by hand), `--boot-time` (report the boot
@@ -40,6 +41,8 @@ Runs one VM to its end; vmctl starts it (`vmctl boot`, a workspace VM's supervis
   --boot-time       print the guest's boot time on stderr once its init runs
   --outcome-fd M    write how the VM ended to descriptor M (one JSON line) instead of
                     printing an error
+Before the guest runs it jails itself (namespaces), gives up opening files (Landlock)
+and limits its system calls (seccomp); VMCTL_SECCOMP=off leaves the last out.
 Exit status: 0 when the guest shut down, 128+N when stopped by signal N, 1 on error.";
 
 /// What the VMM process is asked to do.

@@ -1,17 +1,16 @@
-//! Confines the VMM to the files of its VM with Landlock, before it opens any: the
-//! kernel and initrd (read), the disks (read, or read and write), the KVM device, the
-//! directory of its vsock socket (to create and remove the socket) and /proc/meminfo.
-//! Anything else of the host's (the user's home, its credentials) is out of reach even
-//! if a guest took the VMM over. Connecting to Unix sockets (virtiofsd's, the
+//! Confines the VMM with Landlock once its VM is built (files open, memory mapped,
+//! devices connected) and before the guest runs: from then on it opens no file by
+//! name, and may only remove files in the directory of its vsock socket (the socket
+//! itself, when the VM ends). Whatever it already holds keeps working; anything else
+//! of the host's (the user's home, its credentials) is out of reach even if a guest
+//! took the VMM over, jailed or not (see `jail`). Connecting to Unix sockets (the
 //! supervisor's vsock services) is not a file access Landlock restricts here.
 //! Best effort: a kernel without Landlock, or with an older ABI, enforces what it can,
 //! and [`Confinement`] says which.
 
-use std::path::Path;
-
 use landlock::{
-    Access, AccessFs, BitFlags, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr,
-    RulesetStatus, ABI,
+    Access, AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
+    ABI,
 };
 use vmm::config::VmConfig;
 
@@ -41,42 +40,21 @@ pub struct HeldPaths {
 }
 
 /// Restricts this thread and the threads it starts afterwards (call it before the VMM
-/// starts any) to `config`'s files; keep the [`HeldPaths`] while the VMM runs.
+/// starts any) to `config`'s run-time needs; keep the [`HeldPaths`] while the VMM runs.
 pub fn confine(config: &VmConfig) -> Result<(Confinement, HeldPaths), ConfineError> {
-    let read = AccessFs::ReadFile;
-    let read_write = AccessFs::ReadFile | AccessFs::WriteFile;
-    let device = read_write | AccessFs::IoctlDev;
-    let mut rules: Vec<(&Path, BitFlags<AccessFs>)> = vec![
-        (config.kernel.as_path(), read.into()),
-        (config.kvm_device.as_path(), device),
-        (Path::new(MEMINFO), read.into()),
-    ];
-    if let Some(initrd) = &config.initrd {
-        rules.push((initrd, read.into()));
-    }
-    for disk in &config.disks {
-        let access = if disk.read_only {
-            read.into()
-        } else {
-            read_write
-        };
-        rules.push((&disk.path, access | AccessFs::IoctlDev));
-    }
-    if let Some(dir) = config.vsock.as_ref().and_then(|v| v.uds_path.parent()) {
-        rules.push((dir, AccessFs::MakeSock | AccessFs::RemoveFile));
-    }
-    // A path that cannot be opened gets no rule: the VMM then fails on it with its own,
-    // clearer error.
-    let opened: Vec<(PathFd, BitFlags<AccessFs>)> = rules
+    let socket_dir = config.vsock.as_ref().and_then(|v| v.uds_path.parent());
+    // A directory that cannot be opened gets no rule: removing the socket then fails,
+    // which the VMM only logs.
+    let opened: Vec<PathFd> = socket_dir
+        .and_then(|dir| PathFd::new(dir).ok())
         .into_iter()
-        .filter_map(|(path, access)| Some((PathFd::new(path).ok()?, access)))
         .collect();
     let status =
         Ruleset::default()
             .handle_access(AccessFs::from_all(POLICY_ABI))?
             .create()?
-            .add_rules(opened.iter().map(|(fd, access)| {
-                Ok::<_, landlock::RulesetError>(PathBeneath::new(fd, *access))
+            .add_rules(opened.iter().map(|fd| {
+                Ok::<_, landlock::RulesetError>(PathBeneath::new(fd, AccessFs::RemoveFile))
             }))?
             .restrict_self()?;
     let confinement = match status.ruleset {
@@ -84,19 +62,14 @@ pub fn confine(config: &VmConfig) -> Result<(Confinement, HeldPaths), ConfineErr
         RulesetStatus::PartiallyEnforced => Confinement::Partial,
         RulesetStatus::NotEnforced => Confinement::None,
     };
-    let held = HeldPaths {
-        _open: opened.into_iter().map(|(fd, _)| fd).collect(),
-    };
-    Ok((confinement, held))
+    Ok((confinement, HeldPaths { _open: opened }))
 }
-
-/// Read by the VMM's check of the VM's memory against the host's.
-const MEMINFO: &str = "/proc/meminfo";
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::fs::File;
+    use std::io::Read;
 
     /// The highest Landlock ABI this kernel offers (0: none).
     fn kernel_abi() -> i64 {
@@ -114,37 +87,41 @@ mod tests {
     }
 
     #[test]
-    fn the_vmm_reaches_its_vms_files_and_nothing_else() {
+    fn the_vmm_keeps_what_it_holds_and_reaches_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
         let kernel = dir.path().join("vmlinux");
-        let elsewhere = dir.path().join("credentials");
         let vsock_dir = dir.path().join("vm");
         std::fs::create_dir(&vsock_dir).unwrap();
-        for file in [&kernel, &elsewhere] {
+        let socket = vsock_dir.join("vsock.sock");
+        for file in [&kernel, &socket] {
             std::fs::write(file, b"x").unwrap();
         }
         let mut config = VmConfig::new(kernel.clone());
         config.vsock = Some(vmm::config::VsockConfig {
             guest_cid: 3,
-            uds_path: vsock_dir.join("vsock.sock"),
+            uds_path: socket.clone(),
         });
         // Landlock applies to the thread that asks and to its future threads only.
-        let socket = vsock_dir.join("vsock.sock");
-        let (confinement, kernel_read, elsewhere_read, bound) = std::thread::spawn(move || {
-            let (confinement, _held) = confine(&config).unwrap();
-            let bound = std::os::unix::net::UnixListener::bind(&socket).is_ok();
-            (
-                confinement,
-                File::open(&kernel).is_ok(),
-                File::open(&elsewhere).map(|_| ()).map_err(|e| e.kind()),
-                bound,
-            )
-        })
-        .join()
-        .unwrap();
+        let (confinement, held_read, kernel_open, created, removed) =
+            std::thread::spawn(move || {
+                let mut held = File::open(&kernel).unwrap();
+                let (confinement, _held) = confine(&config).unwrap();
+                let mut contents = String::new();
+                let held_read = held.read_to_string(&mut contents).is_ok();
+                let kind = |result: std::io::Result<File>| result.map(|_| ()).map_err(|e| e.kind());
+                (
+                    confinement,
+                    held_read,
+                    kind(File::open(&kernel)),
+                    kind(File::create(socket.with_file_name("new"))),
+                    std::fs::remove_file(&socket).is_ok(),
+                )
+            })
+            .join()
+            .unwrap();
         assert!(
-            kernel_read && bound,
-            "the VM's own files must stay reachable"
+            held_read && removed,
+            "what the VMM holds, and removing its socket, must keep working"
         );
         if kernel_abi() == 0 {
             eprintln!("confine: this kernel has no Landlock: only checked that the VMM says so");
@@ -152,6 +129,7 @@ mod tests {
             return;
         }
         assert_ne!(confinement, Confinement::None);
-        assert_eq!(elsewhere_read, Err(std::io::ErrorKind::PermissionDenied));
+        let denied = Err(std::io::ErrorKind::PermissionDenied);
+        assert_eq!((kernel_open, created), (denied, denied));
     }
 }

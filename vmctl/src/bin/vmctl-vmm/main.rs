@@ -4,6 +4,7 @@
 //! resident code is the VMM's overhead.
 
 mod confine;
+mod jail;
 mod seccomp;
 
 use std::fs::File;
@@ -19,6 +20,7 @@ use vmm::process::{decode_config, Args, ArgsError, Outcome, BINARY, USAGE};
 use vmm::vstate::exit::ExitReason;
 
 use confine::Confinement;
+use jail::Jail;
 
 fn main() -> ExitCode {
     let vmm_start = Instant::now();
@@ -46,22 +48,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let outcome = match confine::confine(&config) {
-        Ok((confinement, _held_while_running)) => {
-            if confinement == Confinement::None {
-                eprintln!(
-                    "{BINARY}: warning: this kernel has no Landlock: the VMM keeps the user's \
-                     access to files"
-                );
-            }
-            tracing::debug!("confined to the VM's files: {confinement:?}");
-            let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
-            Outcome::of(run(&config, args.report_boot_time, vmm_start, outcome_fd))
-        }
-        Err(e) => Outcome::Failed {
-            error: e.to_string(),
-        },
-    };
+    let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
+    let outcome = Outcome::of(run(&config, args.report_boot_time, vmm_start, outcome_fd));
     if let Outcome::Stopped { signal } = outcome {
         eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
     }
@@ -97,9 +85,38 @@ fn run(
                 );
             }
         }),
-        before_vcpus_start: Box::new(move || restrict_system_calls(outcome_fd)),
+        before_vcpus_start: {
+            let config = config.clone();
+            Box::new(move || give_up_privileges(&config, outcome_fd))
+        },
     };
     vmm::builder::run(config, options)
+}
+
+/// What the VMM gives up once the VM is built and before the guest runs: its view of
+/// the host's files (the jail), opening files at all (Landlock, which forbids the
+/// jail's mounts, so it comes second), then most system calls (seccomp).
+fn give_up_privileges(config: &VmConfig, outcome_fd: Option<RawFd>) -> Result<(), String> {
+    match jail::enter(config) {
+        Jail::Entered { visible } => {
+            tracing::debug!("jailed: its root is an empty tmpfs showing only {visible:?}")
+        }
+        Jail::NotEntered(reason) => eprintln!(
+            "{BINARY}: warning: cannot jail the VMM ({reason}): it still sees the host's \
+             files, within Landlock's limits"
+        ),
+    }
+    let (confinement, held) = confine::confine(config).map_err(|e| e.to_string())?;
+    // Held until the process exits (see HeldPaths).
+    std::mem::forget(held);
+    if confinement == Confinement::None {
+        eprintln!(
+            "{BINARY}: warning: this kernel has no Landlock: the VMM keeps the user's \
+             access to files"
+        );
+    }
+    tracing::debug!("confined to the VM's files: {confinement:?}");
+    restrict_system_calls(outcome_fd)
 }
 
 fn restrict_system_calls(outcome_fd: Option<RawFd>) -> Result<(), String> {

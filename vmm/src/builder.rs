@@ -72,7 +72,9 @@ pub struct RunOptions {
     pub on_boot_time: Box<dyn FnOnce(BootTimeReport) + Send>,
     /// Called once the VM is built (files open, memory mapped, devices connected) and
     /// before a vCPU runs: where the VMM gives up what running the VM does not need
-    /// (`vmctl-vmm` installs its seccomp filter). An error ends the run.
+    /// (`vmctl-vmm` jails itself, confines itself with Landlock and installs its
+    /// seccomp filter). The process still has one thread then (vCPUs and device
+    /// workers start later), which user namespaces need. An error ends the run.
     pub before_vcpus_start: Box<dyn FnOnce() -> Result<(), String>>,
 }
 

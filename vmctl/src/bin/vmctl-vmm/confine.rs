@@ -33,8 +33,8 @@ pub struct ConfineError(#[from] landlock::RulesetError);
 
 /// The paths the rules name, held open for the VMM's lifetime. A rule names an inode;
 /// on a filesystem that makes a new inode for every lookup of a name no longer in use
-/// (9p without a cache, as the nested host mounts writable disks' directories), a
-/// later open of the same path would meet another inode and be refused.
+/// (9p without a cache, as the nested host mounts some host directories), a later
+/// lookup of the same path would meet another inode, outside the rule.
 pub struct HeldPaths {
     _open: Vec<PathFd>,
 }

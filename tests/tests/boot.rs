@@ -1,5 +1,5 @@
 //! Boots the base hello guest, a guest whose script reboots by itself, and one that
-//! triple-faults.
+//! triple-faults; and the VMM's seccomp switch.
 
 use std::ffi::OsStr;
 use vm_tests::{base_initramfs, boot_script, vm_available, TempDir, Vmctl};
@@ -104,6 +104,39 @@ fn guest_script_that_reboots_exits_zero() {
         !run.stdout.contains("Hello from the guest"),
         "/etc/vmtest.sh should replace the hello line\n{}",
         run.report()
+    );
+}
+
+/// `VMCTL_SECCOMP` reaches the VMM wherever it runs (where KVM is not hardware-backed,
+/// inside the nested host): `off` boots without the filter and says so; a value it
+/// does not know stops the VM with an error that names it.
+#[test]
+fn the_seccomp_switch_reaches_the_vmm() {
+    if !vm_available("boot::the_seccomp_switch_reaches_the_vmm") {
+        return;
+    }
+    let off = Vmctl::boot(base_initramfs())
+        .env("VMCTL_SECCOMP", "off")
+        .run();
+    eprintln!("{}", off.report());
+    off.assert_success();
+    assert!(
+        off.stderr
+            .contains("VMCTL_SECCOMP=off: the VMM runs without its seccomp filter"),
+        "{}",
+        off.report()
+    );
+    let unknown = Vmctl::boot(base_initramfs())
+        .env("VMCTL_SECCOMP", "maybe")
+        .run();
+    eprintln!("{}", unknown.report());
+    assert_eq!(unknown.code, Some(1), "{}", unknown.report());
+    assert!(
+        unknown
+            .stderr
+            .contains("VMCTL_SECCOMP=\"maybe\" is not understood"),
+        "{}",
+        unknown.report()
     );
 }
 

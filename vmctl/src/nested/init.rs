@@ -108,6 +108,12 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
         })
         .map_err(|e| e.to_string())?;
     }
+    if let Work::Vm(vm) = &job.work {
+        // Before this process starts any thread: the VMM, its child, inherits them.
+        for (name, value) in &vm.vmm_env {
+            std::env::set_var(name, value);
+        }
+    }
     match &job.work {
         Work::Vm(vm) if vm.vsock => run_vmm_with_relay(vm),
         Work::Vm(vm) => {

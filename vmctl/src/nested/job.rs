@@ -69,7 +69,14 @@ pub struct VmJob {
     pub vsock: bool,
     /// Directory shares, each served by a virtiofsd inside the nested host.
     pub shares: Option<ShareSet>,
+    /// The VMM's switches as the host's environment sets them (`VMCTL_SECCOMP`): the
+    /// nested host's VMM gets them too.
+    #[serde(default)]
+    pub vmm_env: Vec<(String, String)>,
 }
+
+/// The environment variables of the host's that the nested host passes on to the VMM.
+const VMM_ENV: &[&str] = &[vmm::process::SECCOMP_SWITCH_ENV];
 
 /// Where the VM's hybrid-vsock socket lives inside the nested host.
 pub const GUEST_VSOCK_SOCKET: &str = "/run/vmctl/vsock.sock";
@@ -158,6 +165,10 @@ impl NestedJob {
                 report_boot_time,
                 vsock: config.vsock.is_some(),
                 shares: shares.cloned(),
+                vmm_env: VMM_ENV
+                    .iter()
+                    .filter_map(|name| Some((name.to_string(), std::env::var(name).ok()?)))
+                    .collect(),
             }),
             host_vcpus: config.vcpus,
             host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,

@@ -8,11 +8,12 @@
 //! Best effort: a kernel without Landlock, or with an older ABI, enforces what it can,
 //! and [`Confinement`] says which.
 
+use std::path::Path;
+
 use landlock::{
     Access, AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
     ABI,
 };
-use vmm::config::VmConfig;
 
 /// The newest Landlock ABI whose rights this policy was written (and tested) for.
 const POLICY_ABI: ABI = ABI::V5;
@@ -40,9 +41,9 @@ pub struct HeldPaths {
 }
 
 /// Restricts this thread and the threads it starts afterwards (call it before the VMM
-/// starts any) to `config`'s run-time needs; keep the [`HeldPaths`] while the VMM runs.
-pub fn confine(config: &VmConfig) -> Result<(Confinement, HeldPaths), ConfineError> {
-    let socket_dir = config.vsock.as_ref().and_then(|v| v.uds_path.parent());
+/// starts any) to removing files in `socket_dir`, its vsock socket's directory; keep
+/// the [`HeldPaths`] while the VMM runs.
+pub fn confine(socket_dir: Option<&Path>) -> Result<(Confinement, HeldPaths), ConfineError> {
     // A directory that cannot be opened gets no rule: removing the socket then fails,
     // which the VMM only logs.
     let opened: Vec<PathFd> = socket_dir
@@ -96,16 +97,11 @@ mod tests {
         for file in [&kernel, &socket] {
             std::fs::write(file, b"x").unwrap();
         }
-        let mut config = VmConfig::new(kernel.clone());
-        config.vsock = Some(vmm::config::VsockConfig {
-            guest_cid: 3,
-            uds_path: socket.clone(),
-        });
         // Landlock applies to the thread that asks and to its future threads only.
         let (confinement, held_read, kernel_open, created, removed) =
             std::thread::spawn(move || {
                 let mut held = File::open(&kernel).unwrap();
-                let (confinement, _held) = confine(&config).unwrap();
+                let (confinement, _held) = confine(Some(&vsock_dir)).unwrap();
                 let mut contents = String::new();
                 let held_read = held.read_to_string(&mut contents).is_ok();
                 let kind = |result: std::io::Result<File>| result.map(|_| ()).map_err(|e| e.kind());

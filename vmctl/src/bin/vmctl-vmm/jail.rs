@@ -15,33 +15,29 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 
 use rustix::mount::{
     mount, mount_bind, mount_change, unmount, MountFlags, MountPropagationFlags, UnmountFlags,
 };
 use rustix::thread::UnshareFlags;
-use vmm::config::VmConfig;
 
 /// What [`enter`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Jail {
-    /// The VMM sees an empty root with only this directory in it (none: no vsock).
-    Entered { visible: Option<PathBuf> },
+    /// The VMM sees an empty root with only the kept directory in it.
+    Entered,
     /// Why the VMM still sees the host's files.
     NotEntered(String),
 }
 
-/// Enters the jail; call it while the process has one thread (user namespaces take
-/// that) and before Landlock (which forbids mounting).
-pub fn enter(config: &VmConfig) -> Jail {
-    let visible = config
-        .vsock
-        .as_ref()
-        .and_then(|vsock| vsock.uds_path.parent())
-        .map(Path::to_path_buf);
-    match build(visible.as_deref(), &config.kernel) {
-        Ok(()) => Jail::Entered { visible },
+/// Enters the jail, keeping `visible` (the vsock socket's directory, if any) at its
+/// path; the tmpfs is mounted over `visible`, else over `kernel`'s directory. Call it
+/// while the process has one thread (user namespaces take that) and before Landlock
+/// (which forbids mounting).
+pub fn enter(visible: Option<&Path>, kernel: &Path) -> Jail {
+    match build(visible, kernel) {
+        Ok(()) => Jail::Entered,
         Err(reason) => Jail::NotEntered(reason),
     }
 }
@@ -192,12 +188,10 @@ mod tests {
     }
 
     fn report_from_the_jail(dir: &Path) {
-        let mut config = VmConfig::new("/nonexistent/vmlinux".into());
-        config.vsock = Some(vmm::config::VsockConfig {
-            guest_cid: 3,
-            uds_path: dir.join("vsock.sock"),
-        });
-        println!("jail: {:?}", enter(&config));
+        println!(
+            "jail: {:?}",
+            enter(Some(dir), Path::new("/nonexistent/vmlinux"))
+        );
         let peer = UnixStream::connect(dir.join("vsock.sock_1025")).is_ok();
         println!("peer reachable: {peer}");
         println!("etc visible: {}", Path::new("/etc/passwd").exists());

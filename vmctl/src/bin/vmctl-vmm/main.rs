@@ -10,6 +10,7 @@ mod seccomp;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -49,7 +50,18 @@ fn main() -> ExitCode {
         }
     };
     let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
-    let outcome = Outcome::of(run(&config, args.report_boot_time, vmm_start, outcome_fd));
+    // Read before the VM is built, so that a value it does not know costs no build.
+    let outcome = match seccomp::wanted() {
+        Ok(filter) => Outcome::of(run(
+            &config,
+            args.report_boot_time,
+            vmm_start,
+            (filter, outcome_fd),
+        )),
+        Err(e) => Outcome::Failed {
+            error: e.to_string(),
+        },
+    };
     if let Outcome::Stopped { signal } = outcome {
         eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
     }
@@ -66,7 +78,7 @@ fn run(
     config: &VmConfig,
     report_boot_time: bool,
     vmm_start: Instant,
-    outcome_fd: Option<RawFd>,
+    (seccomp_filter, outcome_fd): (bool, Option<RawFd>),
 ) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
         vmm_start,
@@ -86,8 +98,15 @@ fn run(
             }
         }),
         before_vcpus_start: {
-            let config = config.clone();
-            Box::new(move || give_up_privileges(&config, outcome_fd))
+            let state_dir = config
+                .vsock
+                .as_ref()
+                .and_then(|vsock| vsock.uds_path.parent())
+                .map(Path::to_path_buf);
+            let kernel = config.kernel.clone();
+            Box::new(move || {
+                give_up_privileges(state_dir.as_deref(), &kernel, seccomp_filter, outcome_fd)
+            })
         },
     };
     vmm::builder::run(config, options)
@@ -95,18 +114,25 @@ fn run(
 
 /// What the VMM gives up once the VM is built and before the guest runs: its view of
 /// the host's files (the jail), opening files at all (Landlock, which forbids the
-/// jail's mounts, so it comes second), then most system calls (seccomp).
-fn give_up_privileges(config: &VmConfig, outcome_fd: Option<RawFd>) -> Result<(), String> {
-    match jail::enter(config) {
-        Jail::Entered { visible } => {
-            tracing::debug!("jailed: its root is an empty tmpfs showing only {visible:?}")
+/// jail's mounts, so it comes second), then most system calls (seccomp, unless
+/// `seccomp_filter` is off). `state_dir` is its vsock socket's directory, the one it
+/// keeps; `kernel`'s directory is where the jail stands when there is none.
+fn give_up_privileges(
+    state_dir: Option<&Path>,
+    kernel: &Path,
+    seccomp_filter: bool,
+    outcome_fd: Option<RawFd>,
+) -> Result<(), String> {
+    match jail::enter(state_dir, kernel) {
+        Jail::Entered => {
+            tracing::debug!("jailed: its root is an empty tmpfs showing only {state_dir:?}")
         }
         Jail::NotEntered(reason) => eprintln!(
             "{BINARY}: warning: cannot jail the VMM ({reason}): it still sees the host's \
              files, within Landlock's limits"
         ),
     }
-    let (confinement, held) = confine::confine(config).map_err(|e| e.to_string())?;
+    let (confinement, held) = confine::confine(state_dir).map_err(|e| e.to_string())?;
     // Held until the process exits (see HeldPaths).
     std::mem::forget(held);
     if confinement == Confinement::None {
@@ -116,11 +142,7 @@ fn give_up_privileges(config: &VmConfig, outcome_fd: Option<RawFd>) -> Result<()
         );
     }
     tracing::debug!("confined to the VM's files: {confinement:?}");
-    restrict_system_calls(outcome_fd)
-}
-
-fn restrict_system_calls(outcome_fd: Option<RawFd>) -> Result<(), String> {
-    if !seccomp::wanted().map_err(|e| e.to_string())? {
+    if !seccomp_filter {
         eprintln!(
             "{BINARY}: warning: {}=off: the VMM runs without its seccomp filter",
             seccomp::SWITCH_ENV

@@ -20,6 +20,9 @@ use crate::scan::tail;
 
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
+/// A workspace VM's hybrid-vsock socket, in its state directory (vmctl's
+/// `VmDir::vsock_socket`).
+const VSOCK_SOCKET: &str = "vsock/vsock.sock";
 /// Targets on hardware KVM (the project's goals), printed beside the figures.
 pub const AGENT_READY_TARGET_MS: f64 = 250.0;
 pub const EXEC_ROUND_TRIP_TARGET_MS: f64 = 2.0;
@@ -370,7 +373,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         let ran = vmctl.up(&workspace)?;
         let exited = Instant::now();
         let (dir, record) = vmctl.vm_dir(&workspace)?;
-        let socket = dir.join("vsock.sock");
+        let socket = dir.join(VSOCK_SOCKET);
         let h = block_on_within(
             &runtime,
             b.timeout,

@@ -24,9 +24,17 @@ fn workspace_vm_runs_commands_like_a_local_shell() {
 fn workspace_scenario() {
     let ws = Workspace::new("workspace-vm");
 
-    // The supervisor keeps the guest's clock in step every 3 s (default: 30 s).
-    let up = ws.run_with_env(&["up"], &[(CLOCK_SYNC_VAR, Path::new("3"))]);
+    // The supervisor keeps the guest's clock in step every 3 s (default: 30 s); the
+    // VMM says where its jail stands.
+    let up = ws.run_with_env(
+        &["up"],
+        &[
+            (CLOCK_SYNC_VAR, Path::new("3")),
+            ("VMCTL_LOG", Path::new("vmctl_vmm=debug")),
+        ],
+    );
     assert!(up.status.success(), "vmctl up failed");
+    assert_vmm_jailed_in_its_vsock_directory(&ws);
     let ps = ws.run(&["ps"]);
     assert!(
         stdout(&ps).contains("running"),
@@ -251,6 +259,38 @@ sys.exit(os.waitstatus_to_exitcode(status))
 }
 
 /// The descriptors the VM's supervisor has open.
+/// The VMM's jail shows it the directory of its vsock socket alone (`vsock/`, on
+/// this machine or in the nested host), not the VM's state directory with the
+/// supervisor's control socket, the logs and the egress CA.
+fn assert_vmm_jailed_in_its_vsock_directory(ws: &Workspace) {
+    const JAILED: &str = "jailed: its root is an empty tmpfs showing only Some(\"";
+    let log = ws.vm_dir().join("supervisor.log");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(JAILED) || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let shown = text
+        .split_once(JAILED)
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map(|(dir, _)| Path::new(dir).to_path_buf());
+    let Some(shown) = shown else {
+        panic!(
+            "the VMM did not say it was jailed; {}:\n{text}",
+            log.display()
+        );
+    };
+    assert_eq!(
+        shown.file_name().and_then(|name| name.to_str()),
+        Some("vsock"),
+        "the jail shows {} (expected the vsock socket's own directory)",
+        shown.display()
+    );
+}
+
 fn supervisor_descriptors(ws: &Workspace) -> usize {
     let pid = std::fs::read_to_string(ws.vm_dir().join("supervisor.pid")).unwrap();
     let fds = Path::new("/proc").join(pid.trim()).join("fd");

@@ -113,14 +113,22 @@ impl VmDir {
         self.path.join("vm.json")
     }
     pub fn vsock_socket(&self) -> PathBuf {
-        self.sockets_dir().join("vsock.sock")
+        self.vsock_dir().join(VSOCK_SOCKET_NAME)
+    }
+
+    /// The directory of the VM's vsock socket and of the sockets the guest reaches
+    /// host ports through (`vsock.sock_<port>`), and nothing else: the VMM's jail shows
+    /// it this one directory, so the supervisor's control socket, the logs and the
+    /// egress CA's key stay out of a compromised VMM's sight.
+    pub fn vsock_dir(&self) -> PathBuf {
+        self.sockets_dir().join(VSOCK_DIR_NAME)
     }
 
     /// Where the VM's Unix sockets live: its directory, unless that makes a socket
     /// path longer than the kernel allows (108 bytes, with the `_<port>` suffix the
     /// hybrid vsock adds); then a private directory under /tmp named after it.
     pub fn sockets_dir(&self) -> PathBuf {
-        const LONGEST_NAME: &str = "vsock.sock_4294967295";
+        const LONGEST_NAME: &str = "vsock/vsock.sock_4294967295";
         if self.path.join(LONGEST_NAME).as_os_str().len() < SUN_PATH_MAX {
             return self.path.clone();
         }
@@ -132,17 +140,42 @@ impl VmDir {
         ))
     }
 
-    /// Creates [`Self::sockets_dir`] when it is not the VM's own directory, refusing
-    /// a directory someone else could have prepared.
+    /// Creates [`Self::sockets_dir`] (when it is not the VM's own directory) and
+    /// [`Self::vsock_dir`] in it, refusing a directory someone else could have
+    /// prepared.
     pub fn create_sockets_dir(&self) -> Result<(), StateError> {
         let dir = self.sockets_dir();
-        if dir == self.path {
-            return Ok(());
+        if dir != self.path {
+            for level in [dir.parent(), Some(dir.as_path())].into_iter().flatten() {
+                ensure_private_dir(level)?;
+            }
         }
-        for level in [dir.parent(), Some(dir.as_path())].into_iter().flatten() {
-            ensure_private_dir(level)?;
+        ensure_private_dir(&self.vsock_dir())
+    }
+
+    /// Whether the VM's supervisor is an older vmctl's, which put the vsock socket
+    /// straight in [`Self::sockets_dir`] (before it had a directory of its own): this
+    /// vmctl cannot reach that VM's agent.
+    pub fn runs_an_older_layout(&self) -> bool {
+        !self.vsock_socket().exists() && self.sockets_dir().join(VSOCK_SOCKET_NAME).exists()
+    }
+
+    /// Removes the sockets a finished VM leaves and the directories
+    /// [`Self::create_sockets_dir`] made (best effort: a missing one is not an
+    /// error, and a directory someone put other files in stays).
+    pub fn remove_sockets(&self) {
+        let vsock = self.vsock_socket();
+        for socket in [
+            crate::network::services::service_socket(&vsock),
+            vsock,
+            self.control_socket(),
+        ] {
+            let _ = std::fs::remove_file(socket);
         }
-        Ok(())
+        let _ = std::fs::remove_dir(self.vsock_dir());
+        if self.sockets_dir() != self.path {
+            let _ = std::fs::remove_dir(self.sockets_dir());
+        }
     }
     pub fn pid_file(&self) -> PathBuf {
         self.path.join("supervisor.pid")
@@ -254,6 +287,8 @@ pub fn previous_run(log: &Path) -> PathBuf {
 
 /// `sun_path` of `sockaddr_un`, its terminating NUL included.
 const SUN_PATH_MAX: usize = 108;
+const VSOCK_DIR_NAME: &str = "vsock";
+const VSOCK_SOCKET_NAME: &str = "vsock.sock";
 
 /// Opens `path` for an `flock` (created if missing, never truncated).
 pub fn open_lock_file(path: &Path) -> std::io::Result<std::fs::File> {
@@ -412,8 +447,50 @@ mod tests {
             "{}",
             dir.display()
         );
-        assert!(dir.join("vsock.sock_4294967295").as_os_str().len() < SUN_PATH_MAX);
+        let longest = format!("{}_4294967295", deep.vsock_socket().display());
+        assert!(longest.len() < SUN_PATH_MAX, "{longest}");
         assert_eq!(dir, deep.sockets_dir(), "stable");
+    }
+
+    #[test]
+    fn the_vsock_directory_holds_the_vsock_sockets_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: tmp.path().join("vm"),
+        };
+        std::fs::create_dir(&vm.path).unwrap();
+        vm.create_sockets_dir().unwrap();
+        let vsock_dir = vm.vsock_dir();
+        assert!(vsock_dir.is_dir());
+        assert_eq!(vm.vsock_socket().parent(), Some(vsock_dir.as_path()));
+        // What the VMM's jail must not show it.
+        for other in [
+            vm.control_socket(),
+            vm.record_path(),
+            vm.console_log(),
+            vm.supervisor_log(),
+            vm.egress_ca_dir(),
+            vm.egress_log(),
+            vm.pid_file(),
+            vm.share_failures(),
+            vm.crash_file(),
+            vm.pin_file(),
+            crate::agent::agent_home_dir(&vm),
+        ] {
+            assert!(!other.starts_with(&vsock_dir), "{}", other.display());
+        }
+
+        let service = crate::network::services::service_socket(&vm.vsock_socket());
+        for socket in [vm.vsock_socket(), service, vm.control_socket()] {
+            std::fs::write(&socket, "").unwrap();
+        }
+        assert!(!vm.runs_an_older_layout());
+        vm.remove_sockets();
+        assert!(!vsock_dir.exists(), "removed once empty");
+        std::fs::write(vm.path.join("vsock.sock"), "").unwrap();
+        assert!(vm.runs_an_older_layout(), "an older vmctl's socket");
+        assert!(!vm.control_socket().exists());
+        assert!(vm.path.is_dir(), "the VM's own directory stays");
     }
 
     #[test]

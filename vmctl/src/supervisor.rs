@@ -71,16 +71,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         }
     }
     let _ = std::fs::remove_file(vm.pid_file());
-    for socket in [
-        vm.vsock_socket(),
-        vm.control_socket(),
-        crate::network::services::service_socket(&vm.vsock_socket()),
-    ] {
-        let _ = std::fs::remove_file(socket);
-    }
-    if vm.sockets_dir() != vm.path {
-        let _ = std::fs::remove_dir(vm.sockets_dir());
-    }
+    vm.remove_sockets();
     outcome
 }
 

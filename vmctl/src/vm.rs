@@ -150,6 +150,15 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             if vm.running_pid().is_none() {
                 break;
             }
+            if vm.runs_an_older_layout() {
+                return Err(VmError::NotReady {
+                    workspace,
+                    reason: "it was started by an older vmctl, which kept its vsock socket \
+                             elsewhere ('vmctl stop' it, then start it again)"
+                        .into(),
+                    logs: vm.path.clone(),
+                });
+            }
             if Instant::now() > deadline {
                 return Err(VmError::NotReady {
                     workspace,

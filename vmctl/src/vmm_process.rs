@@ -237,6 +237,13 @@ fn describe(status: Option<ExitStatus>) -> String {
     }
 }
 
+/// The pid of the VMM child this process runs now, if any.
+pub fn running_vmm_pid() -> Option<u32> {
+    u32::try_from(FORWARD_TO.load(Ordering::SeqCst))
+        .ok()
+        .filter(|&pid| pid != 0)
+}
+
 fn child_pid(id: u32) -> i32 {
     i32::try_from(id).unwrap_or(0)
 }

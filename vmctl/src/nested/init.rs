@@ -137,7 +137,10 @@ const SHARE_SOCKET_DIR: &str = "/run/vmctl";
 /// Runs the VMM on its own thread while this one relays the host's connections from
 /// the mux port to the VM's hybrid-vsock socket.
 fn run_vmm_with_relay(vm: &VmJob) -> Result<u8, String> {
-    std::fs::create_dir_all("/run/vmctl").map_err(|e| format!("/run/vmctl: {e}"))?;
+    let vsock_dir = Path::new(job::GUEST_VSOCK_SOCKET)
+        .parent()
+        .unwrap_or(Path::new(SHARE_SOCKET_DIR));
+    std::fs::create_dir_all(vsock_dir).map_err(|e| format!("{}: {e}", vsock_dir.display()))?;
     let port = find_virtio_port(job::MUX_PORT_NAME)?;
     let config = vm.vm_config();
     let report_boot_time = vm.report_boot_time;

@@ -78,8 +78,9 @@ pub struct VmJob {
 /// The environment variables of the host's that the nested host passes on to the VMM.
 const VMM_ENV: &[&str] = &[vmm::process::SECCOMP_SWITCH_ENV];
 
-/// Where the VM's hybrid-vsock socket lives inside the nested host.
-pub const GUEST_VSOCK_SOCKET: &str = "/run/vmctl/vsock.sock";
+/// Where the VM's hybrid-vsock socket lives inside the nested host: a directory of its
+/// own, the one the VMM's jail shows it (not the virtiofsd sockets beside it).
+pub const GUEST_VSOCK_SOCKET: &str = "/run/vmctl/vsock/vsock.sock";
 /// Name of the nested host's virtio-serial port that carries the multiplexed link.
 pub const MUX_PORT_NAME: &str = "vmctl.mux";
 

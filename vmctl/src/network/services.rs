@@ -222,16 +222,52 @@ async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, service: &Net
 }
 
 async fn serve_control(listener: UnixListener, service: Arc<NetworkService>) {
+    accept_control(listener, crate::vmm_process::running_vmm_pid, |stream| {
+        tokio::spawn(serve_control_connection(stream, service.clone()));
+    })
+    .await
+}
+
+/// Hands each control connection to `serve`, except the VM's own VMM's (`vmm_pid`):
+/// a guest that took the VMM over must not publish ports on the host's network or
+/// relay the host's loopback ports into itself. Its jail keeps the control socket
+/// out of its sight; this holds where the jail could not be set up (no user
+/// namespaces) too, as its seccomp filter lets it create no other process.
+async fn accept_control(
+    listener: UnixListener,
+    vmm_pid: fn() -> Option<u32>,
+    serve: impl Fn(UnixStream),
+) {
     loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve_control_connection(stream, service.clone()));
-            }
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
             Err(e) => {
                 tracing::warn!("accepting a control connection: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
             }
+        };
+        let peer = stream.peer_cred().ok().and_then(|cred| cred.pid());
+        match (peer, vmm_pid()) {
+            (Some(peer), Some(vmm)) if u32::try_from(peer).ok() == Some(vmm) => {
+                tracing::warn!(
+                    "refused a control connection from the VM's own VMM (pid {vmm}): the \
+                     guest may have taken it over"
+                );
+                tokio::spawn(refuse_control_connection(stream));
+            }
+            _ => serve(stream),
         }
+    }
+}
+
+async fn refuse_control_connection(mut stream: UnixStream) {
+    let refusal = ControlResponse::Error {
+        message: "the VM's own VMM may not use its supervisor's control socket".into(),
+    };
+    if let Ok(mut answer) = serde_json::to_vec(&refusal) {
+        answer.push(b'\n');
+        let _ = stream.write_all(&answer).await;
     }
 }
 
@@ -342,6 +378,49 @@ async fn configure_guest(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn this_process() -> Option<u32> {
+        Some(std::process::id())
+    }
+
+    fn no_vmm() -> Option<u32> {
+        None
+    }
+
+    /// What a control client connecting to `accept_control` gets back: the line it
+    /// is answered, and whether the connection was handed on to be served.
+    async fn connect_to_control(vmm_pid: fn() -> Option<u32>) -> (String, bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (served_tx, mut served_rx) = tokio::sync::mpsc::unbounded_channel();
+        let server = tokio::spawn(accept_control(listener, vmm_pid, move |stream| {
+            let _ = served_tx.send(stream);
+        }));
+        let mut client = UnixStream::connect(&path).await.unwrap();
+        let mut answer = String::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), client.read_to_string(&mut answer));
+        let served = tokio::select! {
+            _ = read => false,
+            stream = served_rx.recv() => stream.is_some(),
+        };
+        server.abort();
+        (answer, served)
+    }
+
+    #[tokio::test]
+    async fn the_vms_own_vmm_is_refused_the_control_socket() {
+        let (answer, served) = connect_to_control(this_process).await;
+        assert!(!served, "the VMM's connection was served");
+        let response: ControlResponse = serde_json::from_str(answer.trim()).unwrap();
+        assert!(
+            matches!(&response, ControlResponse::Error { message } if message.contains("VMM")),
+            "{answer}"
+        );
+
+        let (answer, served) = connect_to_control(no_vmm).await;
+        assert!(served, "a client was refused: {answer}");
+    }
 
     /// A guest agent that accepts but never answers must not hold the setup's lock,
     /// and with it every other session's start, forever.

@@ -98,14 +98,14 @@ fn run(
             }
         }),
         before_vcpus_start: {
-            let state_dir = config
+            let socket_dir = config
                 .vsock
                 .as_ref()
                 .and_then(|vsock| vsock.uds_path.parent())
                 .map(Path::to_path_buf);
             let kernel = config.kernel.clone();
             Box::new(move || {
-                give_up_privileges(state_dir.as_deref(), &kernel, seccomp_filter, outcome_fd)
+                give_up_privileges(socket_dir.as_deref(), &kernel, seccomp_filter, outcome_fd)
             })
         },
     };
@@ -115,24 +115,26 @@ fn run(
 /// What the VMM gives up once the VM is built and before the guest runs: its view of
 /// the host's files (the jail), opening files at all (Landlock, which forbids the
 /// jail's mounts, so it comes second), then most system calls (seccomp, unless
-/// `seccomp_filter` is off). `state_dir` is its vsock socket's directory, the one it
-/// keeps; `kernel`'s directory is where the jail stands when there is none.
+/// `seccomp_filter` is off). `socket_dir` is its vsock socket's directory, the one it
+/// keeps (vmctl gives the socket a directory of its own, and the sockets the guest
+/// reaches host ports through); `kernel`'s directory is where the jail stands when
+/// there is none.
 fn give_up_privileges(
-    state_dir: Option<&Path>,
+    socket_dir: Option<&Path>,
     kernel: &Path,
     seccomp_filter: bool,
     outcome_fd: Option<RawFd>,
 ) -> Result<(), String> {
-    match jail::enter(state_dir, kernel) {
+    match jail::enter(socket_dir, kernel) {
         Jail::Entered => {
-            tracing::debug!("jailed: its root is an empty tmpfs showing only {state_dir:?}")
+            tracing::debug!("jailed: its root is an empty tmpfs showing only {socket_dir:?}")
         }
         Jail::NotEntered(reason) => eprintln!(
             "{BINARY}: warning: cannot jail the VMM ({reason}): it still sees the host's \
              files, within Landlock's limits"
         ),
     }
-    let (confinement, held) = confine::confine(state_dir).map_err(|e| e.to_string())?;
+    let (confinement, held) = confine::confine(socket_dir).map_err(|e| e.to_string())?;
     // Held until the process exits (see HeldPaths).
     std::mem::forget(held);
     if confinement == Confinement::None {

@@ -72,16 +72,27 @@ make -C "$src" -s allnoconfig >/dev/null
 make -C "$src" -s olddefconfig >/dev/null
 
 # merge_config.sh only warns when Kconfig drops an option; a silently missing
-# option would surface much later as a guest that cannot mount or boot.
-missing=0
+# option would surface much later as a guest that cannot mount or boot. As in the
+# merge, a later fragment's setting of an option overrides an earlier one's.
+declare -A wanted=()
+options=()
 while IFS= read -r line; do
     case "$line" in
-        CONFIG_*=*) grep -qxF "$line" "$src/.config" || { say "option not applied: $line"; missing=1; } ;;
-        "# CONFIG_"*" is not set")
-            opt="${line#\# }"; opt="${opt%% *}"
-            if grep -q "^$opt=" "$src/.config"; then say "option not disabled: $opt"; missing=1; fi ;;
+        CONFIG_*=*) opt="${line%%=*}" ;;
+        "# CONFIG_"*" is not set") opt="${line#\# }"; opt="${opt%% *}" ;;
+        *) continue ;;
     esac
+    [[ -v "wanted[$opt]" ]] || options+=("$opt")
+    wanted[$opt]="$line"
 done < <(cat "${fragments[@]}")
+missing=0
+for opt in "${options[@]}"; do
+    line="${wanted[$opt]}"
+    case "$line" in
+        CONFIG_*=*) grep -qxF "$line" "$src/.config" || { say "option not applied: $line"; missing=1; } ;;
+        *) if grep -q "^$opt=" "$src/.config"; then say "option not disabled: $opt"; missing=1; fi ;;
+    esac
+done
 [[ $missing == 0 ]] || die "the kernel rejected options of the fragment (dependencies missing?)"
 
 jobs="${VMCTL_KERNEL_JOBS:-$(( $(nproc) + 1 ))}"

@@ -258,7 +258,6 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .any(|_| true));
 }
 
-/// The descriptors the VM's supervisor has open.
 /// The VMM's jail shows it the directory of its vsock socket alone (`vsock/`, on
 /// this machine or in the nested host), not the VM's state directory with the
 /// supervisor's control socket, the logs and the egress CA.
@@ -291,6 +290,7 @@ fn assert_vmm_jailed_in_its_vsock_directory(ws: &Workspace) {
     );
 }
 
+/// The descriptors the VM's supervisor has open.
 fn supervisor_descriptors(ws: &Workspace) -> usize {
     let pid = std::fs::read_to_string(ws.vm_dir().join("supervisor.pid")).unwrap();
     let fds = Path::new("/proc").join(pid.trim()).join("fd");

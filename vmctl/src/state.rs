@@ -128,8 +128,8 @@ impl VmDir {
     /// path longer than the kernel allows (108 bytes, with the `_<port>` suffix the
     /// hybrid vsock adds); then a private directory under /tmp named after it.
     pub fn sockets_dir(&self) -> PathBuf {
-        const LONGEST_NAME: &str = "vsock/vsock.sock_4294967295";
-        if self.path.join(LONGEST_NAME).as_os_str().len() < SUN_PATH_MAX {
+        let socket = self.path.join(VSOCK_DIR_NAME).join(VSOCK_SOCKET_NAME);
+        if socket.as_os_str().len() + LONGEST_PORT_SUFFIX.len() < SUN_PATH_MAX {
             return self.path.clone();
         }
         // SAFETY: getuid cannot fail.
@@ -289,6 +289,8 @@ pub fn previous_run(log: &Path) -> PathBuf {
 const SUN_PATH_MAX: usize = 108;
 const VSOCK_DIR_NAME: &str = "vsock";
 const VSOCK_SOCKET_NAME: &str = "vsock.sock";
+/// What the hybrid vsock adds to the socket's path for a host port (the largest).
+const LONGEST_PORT_SUFFIX: &str = "_4294967295";
 
 /// Opens `path` for an `flock` (created if missing, never truncated).
 pub fn open_lock_file(path: &Path) -> std::io::Result<std::fs::File> {
@@ -447,7 +449,7 @@ mod tests {
             "{}",
             dir.display()
         );
-        let longest = format!("{}_4294967295", deep.vsock_socket().display());
+        let longest = format!("{}{LONGEST_PORT_SUFFIX}", deep.vsock_socket().display());
         assert!(longest.len() < SUN_PATH_MAX, "{longest}");
         assert_eq!(dir, deep.sockets_dir(), "stable");
     }

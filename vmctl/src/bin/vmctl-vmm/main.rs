@@ -56,7 +56,8 @@ fn main() -> ExitCode {
             &config,
             args.report_boot_time,
             vmm_start,
-            (filter, outcome_fd),
+            filter,
+            outcome_fd,
         )),
         Err(e) => Outcome::Failed {
             error: e.to_string(),
@@ -78,7 +79,8 @@ fn run(
     config: &VmConfig,
     report_boot_time: bool,
     vmm_start: Instant,
-    (seccomp_filter, outcome_fd): (bool, Option<RawFd>),
+    seccomp_filter: bool,
+    outcome_fd: Option<RawFd>,
 ) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
         vmm_start,

@@ -18,6 +18,7 @@
 //! `scripts/test.sh` truncates and summarizes) and returns `false`. With
 //! `VMCTL_REQUIRE_VM=1` it panics instead.
 
+pub mod hang_report;
 pub mod host_user;
 pub mod upstream;
 
@@ -801,17 +802,11 @@ impl Workspace {
         let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
         let out_reader = thread::spawn(move || read_all(out.as_mut()));
         let err_reader = thread::spawn(move || read_all(err.as_mut()));
-        let deadline = Instant::now() + vm_timeout();
-        let status = loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("vmctl {args:?} timed out after {:?}", vm_timeout());
-            }
-            thread::sleep(Duration::from_millis(50));
+        let Some(status) = hang_report::wait_bounded(&mut child, vm_timeout()) else {
+            hang_report::report(self, args, &mut child);
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("vmctl {args:?} timed out after {:?}", vm_timeout());
         };
         let output = Output {
             status,

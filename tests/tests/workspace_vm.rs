@@ -236,6 +236,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
     let whoami = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&whoami).trim(), "0");
 
+    assert_hang_report_shows_where_the_command_waits(&ws);
+
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
     assert!(stdout(&ws.run(&["ps"])).contains("stopped"));
@@ -256,6 +258,46 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .read_dir()
         .unwrap()
         .any(|_| true));
+}
+
+/// What the harness prints when a guest command outlives the test's bound: a command
+/// that merely sleeps is found, as a second exec sees it, waiting in the kernel's
+/// sleep, and is still running after the report.
+fn assert_hang_report_shows_where_the_command_waits(ws: &Workspace) {
+    let args = ["exec", "--", "sh", "-c", "exec sleep 3600"];
+    let mut sleeper = ws.command(&args).stdout(Stdio::null()).spawn().unwrap();
+    wait_for_guest_process(ws, "sleep 3600");
+    let report = vm_tests::hang_report::diagnose(ws, &args, &mut sleeper, Duration::from_secs(2));
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let report = report.expect("exec is a guest command");
+    let sleeping = report
+        .split("\n-- ")
+        .skip(1)
+        .find(|process| process.contains("sleep 3600"))
+        .unwrap_or_else(|| panic!("the report lists no `sleep 3600`:\n{report}"));
+    assert!(
+        sleeping.contains("[S (sleeping)]") && sleeping.contains("nanosleep"),
+        "the report does not show the sleep waiting in the kernel's sleep:\n{report}"
+    );
+    assert!(
+        report.contains("verdict: the hung command was still running"),
+        "{report}"
+    );
+}
+
+/// Waits until a guest process's command line is `command`.
+fn wait_for_guest_process(ws: &Workspace, command: &str) {
+    let script = format!(
+        "for i in $(seq 100); do
+             for f in /proc/[0-9]*/cmdline; do
+                 [ \"$(tr '\\0' ' ' < $f 2>/dev/null)\" = '{command} ' ] && exit 0
+             done
+             sleep 0.1
+         done; exit 1"
+    );
+    let found = ws.exec(&script);
+    assert!(found.status.success(), "no guest process runs {command:?}");
 }
 
 /// The VMM's jail shows it the directory of its vsock socket alone (`vsock/`, on

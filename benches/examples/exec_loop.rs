@@ -3,7 +3,7 @@
 //! progress and every failure; exits 1 if any round trip failed. The load that
 //! reproduces the nested host's known problem (see `scripts/exec-stress`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,10 @@ use vm_benches::workspace::exec_true;
 const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
 /// After this many failures in a row the VM is gone: stop.
 const MAX_FAILURES_IN_A_ROW: usize = 3;
+/// Lines of the guest console shown with a failure: the agent's log of the last
+/// commands it started and ended tells a request that never reached it from an
+/// answer that never came back.
+const CONSOLE_LINES: usize = 6;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
                     "exec_loop: round trip {i}/{count} failed after {:.1} s: {e}",
                     start.elapsed().as_secs_f64()
                 );
+                eprintln!("{}", console_tail(&socket));
                 if in_a_row == MAX_FAILURES_IN_A_ROW {
                     eprintln!("exec_loop: {in_a_row} failures in a row: stopping");
                     break;
@@ -71,6 +76,30 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// The last lines of the console of the VM whose vsock socket is `socket`
+/// (`vms/<name>/vsock/vsock.sock`, its console `vms/<name>/console.log`).
+fn console_tail(socket: &Path) -> String {
+    let Some(console) = socket
+        .parent()
+        .and_then(Path::parent)
+        .map(|vm_dir| vm_dir.join("console.log"))
+    else {
+        return "exec_loop: no console beside the socket".into();
+    };
+    match std::fs::read(&console) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
+            let lines: Vec<&str> = text.lines().collect();
+            format!(
+                "exec_loop: the guest console's last lines ({}):\n{}",
+                console.display(),
+                lines[lines.len().saturating_sub(CONSOLE_LINES)..].join("\n")
+            )
+        }
+        Err(e) => format!("exec_loop: cannot read {}: {e}", console.display()),
     }
 }
 

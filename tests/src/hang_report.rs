@@ -66,7 +66,8 @@ pub fn diagnose(
     report.push_str(&match wait_bounded(hung, grace) {
         Some(status) => format!(
             "verdict: the hung command ended ({status}) {:.1} s after the diagnosis began: \
-             a wake-up was lost on the way and the diagnosis's traffic made up for it\n",
+             a wake-up lost on the way that the diagnosis's traffic made up for (unless \
+             the command was merely about to finish)\n",
             asked.elapsed().as_secs_f64()
         ),
         None => format!(

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use vm_benches::workspace::exec_true;
+use vm_tests::hang_report::last_console_lines;
 
 /// One round trip takes milliseconds; a minute means the VM is gone or stuck.
 const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
@@ -54,7 +55,7 @@ fn main() -> ExitCode {
                     "exec_loop: round trip {i}/{count} failed after {:.1} s: {e}",
                     start.elapsed().as_secs_f64()
                 );
-                eprintln!("{}", console_tail(&socket));
+                eprint!("exec_loop: {}", console_tail(&socket));
                 if in_a_row == MAX_FAILURES_IN_A_ROW {
                     eprintln!("exec_loop: {in_a_row} failures in a row: stopping");
                     break;
@@ -82,24 +83,9 @@ fn main() -> ExitCode {
 /// The last lines of the console of the VM whose vsock socket is `socket`
 /// (`vms/<name>/vsock/vsock.sock`, its console `vms/<name>/console.log`).
 fn console_tail(socket: &Path) -> String {
-    let Some(console) = socket
-        .parent()
-        .and_then(Path::parent)
-        .map(|vm_dir| vm_dir.join("console.log"))
-    else {
-        return "exec_loop: no console beside the socket".into();
-    };
-    match std::fs::read(&console) {
-        Ok(bytes) => {
-            let text = String::from_utf8_lossy(&bytes);
-            let lines: Vec<&str> = text.lines().collect();
-            format!(
-                "exec_loop: the guest console's last lines ({}):\n{}",
-                console.display(),
-                lines[lines.len().saturating_sub(CONSOLE_LINES)..].join("\n")
-            )
-        }
-        Err(e) => format!("exec_loop: cannot read {}: {e}", console.display()),
+    match socket.parent().and_then(Path::parent) {
+        Some(vm_dir) => last_console_lines(&vm_dir.join("console.log"), CONSOLE_LINES),
+        None => "no console beside the socket\n".into(),
     }
 }
 

@@ -157,26 +157,25 @@ fn ask_the_guest(workspace: &Workspace) -> String {
     }
 }
 
-/// The last lines of the console of the VM whose vmctl state is under `state`: the
-/// guest agent's log (which commands it started, which ended) and the kernel's
-/// warnings (RCU stall reports land there).
+/// The last lines of the console of the VM whose vmctl state is under `state`.
 fn console_tail(state: &Path) -> String {
-    let Some(console) = state
-        .join("vmctl/vms")
-        .read_dir()
-        .ok()
-        .and_then(|mut dirs| dirs.next())
-        .and_then(Result::ok)
-        .map(|vm_dir| vm_dir.path().join("console.log"))
-    else {
-        return "no VM directory, so no guest console\n".into();
-    };
-    let Ok(bytes) = std::fs::read(&console) else {
-        return format!("cannot read {}\n", console.display());
+    match crate::find_vm_dir(state) {
+        Some(vm_dir) => last_console_lines(&vm_dir.join("console.log"), CONSOLE_LINES),
+        None => "no VM directory, so no guest console\n".into(),
+    }
+}
+
+/// The last `count` lines of a VM's `console`, under a line that names it: the guest
+/// agent's log (which commands it started, which ended) and the kernel's warnings
+/// (RCU stall reports land there).
+pub fn last_console_lines(console: &Path, count: usize) -> String {
+    let bytes = match std::fs::read(console) {
+        Ok(bytes) => bytes,
+        Err(e) => return format!("cannot read {}: {e}\n", console.display()),
     };
     let text = String::from_utf8_lossy(&bytes);
     let lines: Vec<&str> = text.lines().collect();
-    let tail = &lines[lines.len().saturating_sub(CONSOLE_LINES)..];
+    let tail = &lines[lines.len().saturating_sub(count)..];
     format!(
         "the guest console's last lines ({}):\n{}\n",
         console.display(),

@@ -751,12 +751,7 @@ impl Workspace {
     /// The directory of the workspace's VM (its logs, sockets, supervisor.pid); panics
     /// when there is none.
     pub fn vm_dir(&self) -> PathBuf {
-        std::fs::read_dir(self.state().join("vmctl/vms"))
-            .expect("the workspace has a VM directory")
-            .next()
-            .expect("the workspace has a VM directory")
-            .unwrap()
-            .path()
+        find_vm_dir(&self.state()).expect("the workspace has a VM directory")
     }
 
     /// The user's config directory for this test's vmctl (`VMCTL_CONFIG` points in
@@ -864,6 +859,12 @@ impl Drop for Workspace {
         // Sessions start vmctl's daemon on demand (one per state directory).
         let _ = self.command(&["daemon", "--stop"]).output();
     }
+}
+
+/// The directory of the one VM whose vmctl state is under `state`, if there is one.
+fn find_vm_dir(state: &Path) -> Option<PathBuf> {
+    let mut vms = std::fs::read_dir(state.join("vmctl/vms")).ok()?;
+    Some(vms.next()?.ok()?.path())
 }
 
 fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {

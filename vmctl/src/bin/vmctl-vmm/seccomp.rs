@@ -8,7 +8,11 @@
 //!
 //! A call outside the list stops the VMM with a report that names the call (SIGSYS),
 //! instead of a silent kill: it is a bug of the VMM's, and the report says how to run
-//! without the filter meanwhile.
+//! without the filter meanwhile. Opening a file is the exception: it fails with EACCES,
+//! as Landlock would have it fail, and the VMM goes on. The C library opens files of
+//! its own accord and copes with a refusal: glibc's malloc reads
+//! /proc/sys/vm/overcommit_memory the first time it shrinks a thread's heap, which a
+//! guest makes happen by streaming output to a reader that goes away (`yes | head`).
 
 use std::collections::BTreeMap;
 use std::os::fd::RawFd;
@@ -65,12 +69,13 @@ pub fn install(outcome_fd: Option<RawFd>) -> Result<(), SeccompError> {
     Ok(())
 }
 
-/// The filter that answers clone3(2) with ENOSYS, then the allowlist. clone3's flags
-/// live in memory a filter cannot read, so the C library is made to fall back to
-/// clone(2), whose flags the allowlist checks. Of two filters the kernel takes the
-/// stricter answer, so the allowlist must allow clone3 for the first to be heard; it
-/// goes last because installing a filter takes calls it does not allow.
-fn programs(pid: u32) -> Result<[BpfProgram; 2], SeccompError> {
+/// The calls answered with an error instead of run, then the allowlist: clone3(2)
+/// with ENOSYS, whose flags live in memory a filter cannot read, so that the C library
+/// falls back to clone(2), whose flags the allowlist checks; and opening a file with
+/// EACCES (see the module's comment). Of several filters the kernel takes the
+/// strictest answer, so the allowlist must allow these calls for the refusals to be
+/// heard; it goes last because installing a filter takes calls it does not allow.
+fn programs(pid: u32) -> Result<[BpfProgram; 3], SeccompError> {
     let arch = std::env::consts::ARCH.try_into()?;
     let allowlist = SeccompFilter::new(
         allowed_calls(pid)?,
@@ -78,14 +83,30 @@ fn programs(pid: u32) -> Result<[BpfProgram; 2], SeccompError> {
         SeccompAction::Allow,
         arch,
     )?;
-    let no_clone3 = SeccompFilter::new(
-        BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        arch,
-    )?;
-    Ok([no_clone3.try_into()?, allowlist.try_into()?])
+    let refusal = |calls: &[i64], errno: c_int| {
+        SeccompFilter::new(
+            calls.iter().map(|&call| (call, Vec::new())).collect(),
+            SeccompAction::Allow,
+            SeccompAction::Errno(errno as u32),
+            arch,
+        )
+    };
+    let no_clone3 = refusal(&[libc::SYS_clone3], libc::ENOSYS)?;
+    let no_open = refusal(OPEN_CALLS, libc::EACCES)?;
+    Ok([
+        no_clone3.try_into()?,
+        no_open.try_into()?,
+        allowlist.try_into()?,
+    ])
 }
+
+/// The calls that open a file by its path, all refused with EACCES.
+const OPEN_CALLS: &[i64] = &[
+    libc::SYS_open,
+    libc::SYS_openat,
+    libc::SYS_openat2,
+    libc::SYS_creat,
+];
 
 /// Allowed whatever their arguments.
 const ALWAYS_ALLOWED: &[i64] = &[
@@ -137,6 +158,7 @@ const ALWAYS_ALLOWED: &[i64] = &[
     libc::SYS_mremap,
     libc::SYS_madvise,
     // Threads: the vCPUs, the device workers started when the guest's driver is ready.
+    // (clone3 and the calls that open files are refused by filters of their own.)
     libc::SYS_clone3,
     libc::SYS_futex,
     libc::SYS_set_robust_list,
@@ -169,6 +191,7 @@ fn allowed_calls(pid: u32) -> Result<BTreeMap<i64, Vec<SeccompRule>>, BackendErr
     use SeccompCmpOp::{Eq, MaskedEq};
     let mut calls: BTreeMap<i64, Vec<SeccompRule>> = ALWAYS_ALLOWED
         .iter()
+        .chain(OPEN_CALLS)
         .map(|&call| (call, Vec::new()))
         .collect();
     let no_exec = |prot_arg| rule(&[(prot_arg, MaskedEq(libc::PROT_EXEC as u64), 0)]);
@@ -330,7 +353,6 @@ mod tests {
     /// `None`: the call is made with every signal blocked (posix_spawn does that), so
     /// the kernel kills the process with SIGSYS instead of letting it report.
     const FORBIDDEN: &[(&str, Option<i64>)] = &[
-        ("open a file", Some(libc::SYS_openat)),
         ("open a network socket", Some(libc::SYS_socket)),
         ("fork", Some(libc::SYS_clone)),
         ("run a program", None),
@@ -398,6 +420,12 @@ mod tests {
         let clone3 = unsafe { libc::syscall(libc::SYS_clone3, std::ptr::null::<u8>(), 0) };
         let clone3_error = std::io::Error::last_os_error().raw_os_error();
         assert_eq!((clone3, clone3_error), (-1, Some(libc::ENOSYS)));
+        let open_error = std::fs::File::open("/etc/hostname").map(drop);
+        assert_eq!(
+            open_error.map_err(|e| e.raw_os_error()),
+            Err(Some(libc::EACCES))
+        );
+        shrink_a_threads_heap();
         println!("{ALLOWED_WORKED}");
 
         match call {
@@ -428,6 +456,21 @@ mod tests {
         }
         println!("not stopped by {call}");
         std::process::exit(0)
+    }
+
+    /// What a guest streaming to a reader that went away makes the vsock worker do:
+    /// fill its thread's heap with buffered data, then free it at once. glibc then
+    /// shrinks that heap, and the first time it does, it opens
+    /// /proc/sys/vm/overcommit_memory (which once stopped the VMM).
+    fn shrink_a_threads_heap() {
+        std::thread::spawn(|| {
+            let blocks: Vec<Vec<u8>> = (0..64u8).map(|n| vec![n; 64 << 10]).collect();
+            let total: usize = blocks.iter().map(|block| block[0] as usize).sum();
+            drop(blocks);
+            total
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

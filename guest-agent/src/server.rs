@@ -959,6 +959,9 @@ where
     });
 
     let client_gone = |why: &str| debug!(pid, "client {why}: killing the process group");
+    // A JoinHandle must not be polled again once it has returned: tokio panics, and a
+    // panic in PID 1 takes the VM down.
+    let mut writer_ended = false;
     let status = tokio::select! {
         st = &mut exit => st.ok(),
         r = &mut input => {
@@ -969,6 +972,7 @@ where
             None
         }
         r = &mut writer => {
+            writer_ended = true;
             if let Ok(Err(e)) = r { debug!("write failed: {e}") }
             client_gone("stopped accepting data");
             None
@@ -988,7 +992,9 @@ where
         }
         drop(out_tx);
         // Let an Error reach the client, but don't wait on a client that doesn't read.
-        let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        if !writer_ended {
+            let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
+        }
         info!(pid, "ended after the client went away");
         return Ok(());
     };

@@ -1,5 +1,6 @@
 //! The agent served over a Unix socket in a temp dir, driven by the client.
 
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -13,27 +14,43 @@ use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
-/// One agent for the whole test binary, on its own current-thread runtime.
+/// The thread the test agent's runtime, and so each of its tasks, runs on.
+const AGENT_THREAD: &str = "test-agent";
+
+/// One agent for the whole test binary, on its own current-thread runtime. A panic in
+/// any of its tasks aborts the test binary, as it ends the VM in the guest (the agent
+/// is PID 1, built with panic=abort), where tokio here would only end that task.
 fn agent() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
+        let default_hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            default_hook(info);
+            if std::thread::current().name() == Some(AGENT_THREAD) {
+                eprintln!("the agent panicked, which in the guest ends the VM: aborting");
+                std::process::abort();
+            }
+        }));
         let dir = tempfile::tempdir().unwrap().keep();
         let path = dir.join("agent.sock");
         let (tx, rx) = std::sync::mpsc::channel();
         let p = path.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let listener = server::Listener::bind(&ListenAddr::Unix(p)).unwrap();
-                tx.send(()).unwrap();
-                server::serve(listener, ServerConfig::default())
-                    .await
+        std::thread::Builder::new()
+            .name(AGENT_THREAD.into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
                     .unwrap();
-            });
-        });
+                rt.block_on(async move {
+                    let listener = server::Listener::bind(&ListenAddr::Unix(p)).unwrap();
+                    tx.send(()).unwrap();
+                    server::serve(listener, ServerConfig::default())
+                        .await
+                        .unwrap();
+                });
+            })
+            .unwrap();
         rx.recv().unwrap();
         path
     })
@@ -330,6 +347,38 @@ async fn disconnect_kills_the_process_group() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_output_ends_the_command() {
+    // `vmctl exec -- yes | head -1`: the host side stops reading while the command
+    // writes at full speed; the agent's writes to it then fail before its reads do.
+    let (mut r, mut w) = raw_hello().await;
+    let exec = ClientMessage::Exec(ExecRequest {
+        argv: vec!["yes".into()],
+        ..Default::default()
+    });
+    w.write_all(&encode_frame(&exec).unwrap()).await.unwrap();
+    let Some(AgentMessage::Started { pid }) = r.next::<AgentMessage>().await.unwrap() else {
+        panic!("the command did not start")
+    };
+    let Some(AgentMessage::Stdout(_)) = r.next::<AgentMessage>().await.unwrap() else {
+        panic!("no output came")
+    };
+    let read_half = r.into_inner();
+    // SAFETY: shutdown(2) on the descriptor the read half still owns.
+    let shut = unsafe { libc::shutdown(read_half.as_ref().as_raw_fd(), libc::SHUT_RD) };
+    assert_eq!(shut, 0, "{}", std::io::Error::last_os_error());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid as i32) {
+        assert!(
+            Instant::now() < deadline,
+            "the command still runs 10 s after its output stopped being read"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(conn().await.health().await.is_ok());
+    drop((read_half, w));
 }
 
 async fn raw_hello() -> (

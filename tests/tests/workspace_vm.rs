@@ -170,6 +170,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
     sleeper.wait().unwrap();
     assert_guest_process_gone(&ws, "/tmp/sleeper.pid");
 
+    // A reader that goes away (`vmctl exec -- yes | head -1`): vmctl exits as the
+    // command would have, killed by SIGPIPE, the command ends and the VM goes on. (The
+    // guest's buffered output freed at once once stopped the VMM at its seccomp
+    // filter, and the agent's ending of the session once panicked it.)
+    assert_a_reader_that_goes_away_ends_the_command(&ws);
+
     // A command that ignores Ctrl-C and SIGTERM: vmctl forwards the signal, waits 10 s,
     // then stops waiting (143); a second Ctrl-C stops it at once (130). Either way the
     // guest agent ends the command. (What makes `vmctl exec` killable when the VM is
@@ -258,6 +264,40 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .read_dir()
         .unwrap()
         .any(|_| true));
+}
+
+fn assert_a_reader_that_goes_away_ends_the_command(ws: &Workspace) {
+    for round in 0..3 {
+        let mut yes = ws
+            .command(&["exec", "--", "sh", "-c", "echo $$ > /tmp/yes.pid; exec yes"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = [0u8; 2];
+        yes.stdout.take().unwrap().read_exact(&mut first).unwrap();
+        assert_eq!(&first, b"y\n");
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = yes.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                let _ = yes.kill();
+                panic!("round {round}: vmctl exec still runs 60 s after its reader went away");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let mut stderr = String::new();
+        yes.stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(status.code(), Some(128 + 13), "round {round}: {stderr}");
+        assert!(!stderr.contains("error"), "round {round}: {stderr}");
+        assert_guest_process_gone(ws, "/tmp/yes.pid");
+    }
 }
 
 /// What the harness prints when a guest command outlives the test's bound: a command

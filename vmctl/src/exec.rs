@@ -28,6 +28,14 @@ pub enum ExecError {
         AGENT_TIMEOUT.as_secs()
     )]
     NotStarted,
+    #[error(
+        "cannot write the command's {stream}: {source}; the command was stopped (make \
+         room where the output goes, or send it elsewhere)"
+    )]
+    Output {
+        stream: &'static str,
+        source: std::io::Error,
+    },
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -212,12 +220,12 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                 break reason.exit_code();
             }
         };
-        match event {
+        let written = match event {
             Ok(Some(ExecEvent::Stdout(bytes))) => {
-                let _ = stdout.write_all(&bytes).and_then(|_| stdout.flush());
+                write_output(&mut stdout, &bytes).map_err(|e| ("standard output", e))
             }
             Ok(Some(ExecEvent::Stderr(bytes))) => {
-                let _ = stderr.write_all(&bytes).and_then(|_| stderr.flush());
+                write_output(&mut stderr, &bytes).map_err(|e| ("standard error", e))
             }
             Ok(Some(ExecEvent::Exited(status))) => break exit_code(status.code, status.signal),
             Ok(None) => {
@@ -230,10 +238,42 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                 forward.abort();
                 return Err(ExecError::Session(e.to_string()));
             }
+        };
+        // Closing the session (returning) makes the guest agent end the command.
+        if let Err((stream, source)) = written {
+            forward.abort();
+            return match output_lost(stream, source) {
+                OutputLost::ReaderGone => Ok(exit_code(None, Some(libc::SIGPIPE))),
+                OutputLost::Failed(e) => Err(e),
+            };
         }
     };
     forward.abort();
     Ok(code)
+}
+
+fn write_output(sink: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
+    sink.write_all(bytes)?;
+    sink.flush()
+}
+
+/// What a failed write of the command's output means.
+#[derive(Debug)]
+enum OutputLost {
+    /// Its reader went away (`vmctl exec -- yes | head -1`): the command stops, and
+    /// `vmctl` exits as a local command would, killed by SIGPIPE (141), silently.
+    ReaderGone,
+    /// Anything else (a full disk, an I/O error) is said: output must not be lost
+    /// without a word.
+    Failed(ExecError),
+}
+
+fn output_lost(stream: &'static str, source: std::io::Error) -> OutputLost {
+    if source.kind() == std::io::ErrorKind::BrokenPipe {
+        OutputLost::ReaderGone
+    } else {
+        OutputLost::Failed(ExecError::Output { stream, source })
+    }
 }
 
 /// How long a command may take to exit after a forwarded Ctrl-C or SIGTERM before
@@ -394,6 +434,25 @@ mod tests {
             () = never => panic!("a sleep without a deadline ended"),
             () = soon => {}
         }
+    }
+
+    #[test]
+    fn lost_output_ends_the_command_like_a_local_pipe_or_says_why() {
+        let gone = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
+        assert!(matches!(
+            output_lost("standard output", gone),
+            OutputLost::ReaderGone
+        ));
+        assert_eq!(exit_code(None, Some(libc::SIGPIPE)), 141);
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let OutputLost::Failed(error) = output_lost("standard output", full) else {
+            panic!("a full disk passed for a reader that went away");
+        };
+        let message = error.to_string();
+        assert!(
+            message.starts_with("cannot write the command's standard output: No space left"),
+            "{message}"
+        );
     }
 
     #[test]

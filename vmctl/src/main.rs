@@ -27,6 +27,7 @@ mod vm;
 mod vmm_process;
 mod workspace;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -303,7 +304,13 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("vmctl: error: {}", terminal::printable(&e));
+            // Not eprintln!, which panics when stderr cannot be written (the error may
+            // be just that); the exit code still says it failed.
+            let _ = writeln!(
+                std::io::stderr(),
+                "vmctl: error: {}",
+                terminal::printable(&e)
+            );
             ExitCode::FAILURE
         }
     }

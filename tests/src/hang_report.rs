@@ -184,7 +184,7 @@ pub fn last_console_lines(console: &Path, count: usize) -> String {
 }
 
 /// Waits up to `timeout` for `child`; None if it is still running then.
-pub(crate) fn wait_bounded(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+pub fn wait_bounded(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Ok(Some(status)) = child.try_wait() {

@@ -298,3 +298,43 @@ fn kvm_device_not_permitted() {
         .run();
     assert_rejected(&run, &["permission"]);
 }
+
+/// vmctl's own output (here `vmctl policy ls`) into a pipe whose reader has gone
+/// (`| head -1`) ends it quietly with 141, as SIGPIPE ends other tools; into a full
+/// disk, with one error line and 1. Never a panic (println! would abort vmctl).
+#[test]
+fn output_that_cannot_be_written() {
+    let home = TempDir::new("unwritable-output");
+    let run = |stdout: std::process::Stdio| {
+        let output = std::process::Command::new(vmctl_bin())
+            .args(["policy", "ls"])
+            .current_dir(home.path())
+            .env("HOME", home.path())
+            .env("XDG_CONFIG_HOME", home.path().join("config"))
+            .env("XDG_STATE_HOME", home.path().join("state"))
+            .stdin(std::process::Stdio::null())
+            .stdout(stdout)
+            .output()
+            .expect("run vmctl policy ls");
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        (output.status.code(), stderr)
+    };
+
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let (code, stderr) = run(writer.into());
+    assert_eq!(code, Some(141), "{stderr}");
+    assert_eq!(stderr, "");
+
+    let full = fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("open /dev/full");
+    let (code, stderr) = run(full.into());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "vmctl: error: cannot write to standard output: No space left on device (os error 28)"
+    );
+}

@@ -1,14 +1,14 @@
 //! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
-//! and resizes through a real host terminal,
-//! concurrency, client death), the agent CLIs inside, `ps`, `stop`, `rm`, `run`, the
-//! host user's account, and an image built from a recipe.
+//! and resizes through a real host terminal, concurrency, client death, a reader that
+//! goes away), `shell` with and without a terminal, the agent CLIs inside, `ps`,
+//! `stop`, `rm`, `run`, the host user's account, and an image built from a recipe.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vm_tests::{assert_guest_clock_is_hosts, stdout, vmctl_bin, Workspace, CLOCK_SYNC_VAR};
@@ -129,6 +129,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .filter(|l| l.split(' ').all(|w| w.parse::<u16>().is_ok()) && l.contains(' '))
         .collect();
     assert_eq!(sizes, ["30 100", "40 120"], "{pty_out}");
+
+    assert_shell_with_and_without_a_terminal(&ws);
 
     // 20 concurrent execs, which leave no descriptor behind in the VM's supervisor
     // (the VMM's or, in the nested host, the relay's end of each connection).
@@ -266,6 +268,56 @@ sys.exit(os.waitstatus_to_exitcode(status))
         .any(|_| true));
 }
 
+/// `vmctl shell` with commands piped in runs them in a plain login shell (no PTY, so
+/// no echo and no escape sequences in its output), on a terminal in a PTY; either way
+/// in the workspace's directory, exiting with the shell's code.
+fn assert_shell_with_and_without_a_terminal(ws: &Workspace) {
+    let piped = output_of(ws.command(&["shell"]), "echo \"in-shell $PWD\"; exit 4\n");
+    assert_eq!(piped.status.code(), Some(4), "{piped:?}");
+    assert_eq!(
+        stdout(&piped),
+        format!("in-shell {}\n", ws.path().display())
+    );
+
+    // script(1) gives vmctl a terminal on stdin, and passes our input on to it.
+    let mut script = Command::new("script");
+    script
+        .args([
+            "-qec",
+            &format!("'{}' shell", vmctl_bin().display()),
+            "/dev/null",
+        ])
+        .current_dir(ws.path())
+        .env("XDG_STATE_HOME", ws.state());
+    let terminal = output_of(script, "echo $((6*7)); exit 5\n");
+    assert_eq!(terminal.status.code(), Some(5), "{terminal:?}");
+    // The terminal's line ending: the command's output went through a PTY.
+    assert!(
+        stdout(&terminal).contains("42\r\n"),
+        "no PTY output: {terminal:?}"
+    );
+}
+
+/// Runs `command` with `input` on its stdin, bounded to 120 s.
+fn output_of(mut command: Command, input: &str) -> Output {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    let status = vm_tests::hang_report::wait_bounded(&mut child, Duration::from_secs(120));
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let output = child.wait_with_output().unwrap();
+    assert!(status.is_some(), "still running after 120 s: {output:?}");
+    output
+}
+
 fn assert_a_reader_that_goes_away_ends_the_command(ws: &Workspace) {
     for round in 0..3 {
         let mut yes = ws
@@ -277,16 +329,10 @@ fn assert_a_reader_that_goes_away_ends_the_command(ws: &Workspace) {
         let mut first = [0u8; 2];
         yes.stdout.take().unwrap().read_exact(&mut first).unwrap();
         assert_eq!(&first, b"y\n");
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = yes.try_wait().unwrap() {
-                break status;
-            }
-            if started.elapsed() > Duration::from_secs(60) {
-                let _ = yes.kill();
-                panic!("round {round}: vmctl exec still runs 60 s after its reader went away");
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        let Some(status) = vm_tests::hang_report::wait_bounded(&mut yes, Duration::from_secs(60))
+        else {
+            let _ = yes.kill();
+            panic!("round {round}: vmctl exec still runs 60 s after its reader went away");
         };
         let mut stderr = String::new();
         yes.stderr

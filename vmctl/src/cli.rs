@@ -43,7 +43,9 @@ pub enum Command {
     /// Run a command in the VM of a workspace (starting it if needed), with stdio
     /// relayed; exits with the command's exit code (128+N for signal N).
     Exec(ExecArgs),
-    /// An interactive login shell in the VM of a workspace.
+    /// A login shell in the VM of a workspace: interactive, on a pseudo-terminal, when
+    /// stdin is a terminal; otherwise, as with ssh, without one, reading its commands
+    /// from stdin (`vmctl shell < script.sh`).
     Shell(ShellArgs),
     /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
     Run(ExecArgs),

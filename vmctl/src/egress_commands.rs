@@ -9,6 +9,7 @@ use egress::secrets::{read_secret, SecretStore};
 use crate::cli::{PolicyCommand, PolicyScope, SecretCommand};
 use crate::network::guest_setup::EgressFiles;
 use crate::state::VmDir;
+use crate::terminal::print_out;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EgressCommandError {
@@ -60,14 +61,14 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
             if secrets.is_empty() {
                 eprintln!("vmctl: no secrets ('vmctl secret set NAME' stores one)");
             } else {
-                println!("{:<16} {:<16} HOSTS", "NAME", "HEADER");
+                print_out(format_args!("{:<16} {:<16} HOSTS\n", "NAME", "HEADER"));
                 for secret in secrets {
-                    println!(
-                        "{:<16} {:<16} {}",
+                    print_out(format_args!(
+                        "{:<16} {:<16} {}\n",
                         secret.name,
                         secret.header_name,
                         secret.hosts.join(", ")
-                    );
+                    ));
                 }
             }
         }
@@ -105,16 +106,19 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
         }
         PolicyCommand::Ls { workspace } => {
             let workspace = canonical(workspace);
-            println!("# rules for {} (deny wins over allow)", workspace.display());
+            print_out(format_args!(
+                "# rules for {} (deny wins over allow)\n",
+                workspace.display()
+            ));
             for rule in store.policy(&workspace).rules() {
-                println!("{rule}");
+                print_out(format_args!("{rule}\n"));
             }
         }
         PolicyCommand::Log { workspace, lines } => {
             let (_, vm) = VmDir::for_workspace(&canonical(workspace))?;
             for entry in egress::log::read_recent(&vm.egress_log(), lines)? {
-                println!(
-                    "{}  {:<7} {:<5} {}:{}{}  {}",
+                print_out(format_args!(
+                    "{}  {:<7} {:<5} {}:{}{}  {}\n",
                     utc_time(entry.time_unix_ms / 1000),
                     if entry.allowed { "allowed" } else { "refused" },
                     entry.method.as_deref().unwrap_or(entry.kind.as_str()),
@@ -126,7 +130,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
                         .map(|s| format!(" +{s}"))
                         .unwrap_or_default(),
                     entry.rule
-                );
+                ));
             }
         }
     }

@@ -27,7 +27,7 @@ mod vm;
 mod vmm_process;
 mod workspace;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -64,7 +64,9 @@ fn main() -> ExitCode {
             vm::up(&dir, &options).map(|_| 0).map_err(|e| e.to_string())
         }
         cli::Command::Ps => {
-            vm::list().iter().for_each(|line| println!("{line}"));
+            vm::list()
+                .iter()
+                .for_each(|line| terminal::print_out(format_args!("{line}\n")));
             Ok(0)
         }
         cli::Command::Stop(args) => {
@@ -110,7 +112,7 @@ fn main() -> ExitCode {
         cli::Command::Publish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
             ports::publish(&workspace(dir), port, args.host_port, args.address)
                 .map(|host| {
-                    println!("{host}");
+                    terminal::print_out(format_args!("{host}\n"));
                     0
                 })
                 .map_err(|e| e.to_string())
@@ -132,7 +134,7 @@ fn main() -> ExitCode {
         cli::Command::Image(cli::ImageCommand::Build { recipe }) => {
             artifacts::build_image(recipe.as_deref())
                 .map(|path| {
-                    println!("{}", path.display());
+                    terminal::print_out(format_args!("{}\n", path.display()));
                     0
                 })
                 .map_err(|e| e.to_string())
@@ -283,7 +285,9 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
             env: Vec::new(),
             cwd: Some(start_in.display().to_string()),
             user: exec::parse_user(None),
-            tty: true,
+            // As ssh: a terminal gets a PTY; commands piped in get a plain shell
+            // reading them, whose output carries no echo or escape sequences.
+            tty: std::io::stdin().is_terminal(),
         },
     )
     .map_err(|e| e.to_string())

@@ -44,7 +44,10 @@ pub fn list(workspace: &Path) -> Result<(), PortsError> {
         .read_record()
         .map(|record| record.relay_ports)
         .unwrap_or_default();
-    print!("{}", format_table(&listening, &published, &relays));
+    crate::terminal::print_out(format_args!(
+        "{}",
+        format_table(&listening, &published, &relays)
+    ));
     Ok(())
 }
 

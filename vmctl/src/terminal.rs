@@ -1,6 +1,27 @@
-//! Terminal plumbing: printable text and raw mode for a tty.
+//! Terminal plumbing: printable text, output that survives its reader, raw mode for
+//! a tty.
 
+use std::io::Write;
 use std::os::fd::AsRawFd;
+
+/// Writes vmctl's own output (a listing, a path) to stdout, as print! would, but
+/// without panicking when stdout cannot be written (print! does, and vmctl aborts):
+/// a reader that went away (`vmctl policy ls | head -1`) ends vmctl quietly with 141,
+/// as SIGPIPE ends other tools; any other failure is said on stderr and ends it with 1.
+pub fn print_out(text: std::fmt::Arguments) {
+    let mut out = std::io::stdout().lock();
+    let Err(e) = out.write_fmt(text).and_then(|()| out.flush()) else {
+        return;
+    };
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(128 + libc::SIGPIPE);
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "vmctl: error: cannot write to standard output: {e}"
+    );
+    std::process::exit(1);
+}
 
 /// `text` fit for the host's terminal: control characters other than newline and tab
 /// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its

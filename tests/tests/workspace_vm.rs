@@ -246,8 +246,38 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
     assert_hang_report_shows_where_the_command_waits(&ws);
 
+    // A session that loses its VM to `vmctl stop` says so.
+    let mut sleeper = ws
+        .command(&[
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > /tmp/last.pid; exec sleep 1000",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_guest_file(&ws, "/tmp/last.pid");
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
+    let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
+    else {
+        let _ = sleeper.kill();
+        panic!("vmctl exec still runs 60 s after its VM was stopped");
+    };
+    let mut stderr = String::new();
+    sleeper
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the VM was shut down, asked to by `vmctl stop`"),
+        "{stderr}"
+    );
     assert!(stdout(&ws.run(&["ps"])).contains("stopped"));
     let rm = ws.run(&["rm"]);
     assert!(rm.status.success());

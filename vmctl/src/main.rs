@@ -187,7 +187,7 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
     let vm = vm::up_ephemeral(&dir, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
-    if let Err(e) = vm::remove_vm(&vm) {
+    if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
         eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");
     }
     outcome
@@ -254,8 +254,15 @@ fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
     }
     let tail = log_keeper::read_tail(&vm.supervisor_log(), supervisor::LOG_TAIL_BYTES);
     let log = String::from_utf8_lossy(tail.as_deref().unwrap_or_default());
-    match log.lines().rev().find(|l| l.contains("error")) {
-        Some(line) => format!("{error}; {STOPPED}{}", line.trim()),
+    let last_word = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("error") || l.starts_with(vm::SHUTDOWN_REQUESTED));
+    match last_word {
+        Some(line) => match line.strip_prefix(vm::SHUTDOWN_REQUESTED) {
+            Some(who) => format!("{error}; the VM was shut down, {}", who.trim()),
+            None => format!("{error}; {STOPPED}{}", line.trim()),
+        },
         None => format!(
             "{error}; the VM stopped (see {})",
             vm.supervisor_log().display()
@@ -347,6 +354,16 @@ mod tests {
             why_the_vm_stopped(&vm, error()),
             "the agent closed the connection; the VM stopped: vmctl: error: the VM stopped: \
              triple fault"
+        );
+        // A shutdown someone asked for, after that: the last word counts.
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(vm.supervisor_log())
+            .unwrap();
+        writeln!(log, "{}asked to by `vmctl stop`", vm::SHUTDOWN_REQUESTED).unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM was shut down, asked to by `vmctl stop`"
         );
         std::fs::write(
             vm.crash_file(),

@@ -1,6 +1,7 @@
 //! Workspace VMs: `vmctl up`, `ps`, `stop`, `rm`, and what `exec`/`shell` need to
 //! find (or start) a workspace's VM.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -510,14 +511,26 @@ pub fn agent_ready(socket: &Path) -> bool {
 /// Asks the guest to shut down, then waits for the supervisor; forces it after 30 s.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::for_workspace(workspace)?;
-    Ok(stop_vm(&vm))
+    Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
 }
 
-/// Stops `vm`; false when it was not running.
-pub fn stop_vm(vm: &VmDir) -> bool {
+/// How the line that says who shut a VM down begins in its supervisor's log, where a
+/// session that loses its VM finds it (and quotes what follows).
+pub const SHUTDOWN_REQUESTED: &str = "vmctl: shutting the VM down: ";
+
+/// Stops `vm`, first saying `why` in its supervisor's log; false when it was not
+/// running.
+pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
     let Some(pid) = vm.running_pid() else {
         return false;
     };
+    let said = std::fs::OpenOptions::new()
+        .append(true)
+        .open(vm.supervisor_log())
+        .and_then(|mut log| writeln!(log, "{SHUTDOWN_REQUESTED}{why}"));
+    if let Err(e) = said {
+        tracing::debug!("cannot note the shutdown in the supervisor's log: {e}");
+    }
     let socket = vm.vsock_socket();
     if let Some(runtime) = agent_runtime() {
         runtime.block_on(async {
@@ -550,11 +563,12 @@ pub fn stop_vm(vm: &VmDir) -> bool {
 /// Stops the VM and removes its state.
 pub fn remove(workspace: &Path) -> Result<(), VmError> {
     let (_, vm) = VmDir::for_workspace(workspace)?;
-    remove_vm(&vm)
+    remove_vm(&vm, "asked to by `vmctl rm`")
 }
 
-pub fn remove_vm(vm: &VmDir) -> Result<(), VmError> {
-    stop_vm(vm);
+/// Stops `vm` (saying `why`, as [`stop_vm`]) and removes its state.
+pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
+    stop_vm(vm, why);
     // The guest wrote parts of it (the agent homes), read-only directories included.
     let removed = match (vm.path.parent(), vm.path.file_name()) {
         (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)

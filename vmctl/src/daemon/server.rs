@@ -319,7 +319,12 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
                 vm_dir.display()
             );
             let vm = VmDir { path: vm_dir };
-            let _ = tokio::task::spawn_blocking(move || crate::vm::stop_vm(&vm)).await;
+            let why = format!(
+                "no session for {} s (the daemon stops idle VMs; `idle_timeout_s` in the \
+                 config file sets how soon)",
+                timeout.as_secs()
+            );
+            let _ = tokio::task::spawn_blocking(move || crate::vm::stop_vm(&vm, &why)).await;
         }
     });
 }
@@ -388,7 +393,11 @@ fn stop_every_vm() {
     let stoppers: Vec<_> = VmDir::all()
         .into_iter()
         .filter(|vm| vm.running_pid().is_some())
-        .map(|vm| std::thread::spawn(move || crate::vm::stop_vm(&vm)))
+        .map(|vm| {
+            std::thread::spawn(move || {
+                crate::vm::stop_vm(&vm, "the daemon stopped, and every VM with it")
+            })
+        })
         .collect();
     for stopper in stoppers {
         let _ = stopper.join();

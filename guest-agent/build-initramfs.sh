@@ -16,7 +16,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 workspace="$(cd "$here/.." && pwd)"
 target=x86_64-unknown-linux-gnu
 target_dir="${CARGO_TARGET_DIR:-$workspace/target}"
-binary="$target_dir/$target/release/guest-agent"
+binary="$target_dir/$target/guest-agent/guest-agent"
 # Bump when a change to this script changes what it builds (not for cosmetic edits).
 recipe_version=1
 
@@ -37,10 +37,10 @@ done
 if [[ $build == 1 ]]; then
     cargo="${CARGO:-cargo}"
     command -v "$cargo" >/dev/null || die "'$cargo' is missing: install Rust (https://rustup.rs)"
-    say "[1/3] building the static agent (cargo build --release -p guest-agent --target $target)"
+    say "[1/3] building the static agent (cargo build --profile guest-agent -p guest-agent --target $target)"
     (cd "$workspace" &&
         RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
-        "$cargo" build --release -p guest-agent --target "$target" >&2) ||
+        "$cargo" build --profile guest-agent -p guest-agent --target "$target" >&2) ||
         die "building the agent failed (see above); static glibc needs 'apt-get install libc6-dev'"
 else
     say "[1/3] using the existing $binary"

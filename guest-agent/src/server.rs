@@ -959,8 +959,7 @@ where
     });
 
     let client_gone = |why: &str| debug!(pid, "client {why}: killing the process group");
-    // A JoinHandle must not be polled again once it has returned: tokio panics, and a
-    // panic in PID 1 takes the VM down.
+    // A JoinHandle must not be polled again once it has returned: tokio panics.
     let mut writer_ended = false;
     let status = tokio::select! {
         st = &mut exit => st.ok(),

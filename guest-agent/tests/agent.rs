@@ -18,8 +18,9 @@ use tokio::net::UnixStream;
 const AGENT_THREAD: &str = "test-agent";
 
 /// One agent for the whole test binary, on its own current-thread runtime. A panic in
-/// any of its tasks aborts the test binary, as it ends the VM in the guest (the agent
-/// is PID 1, built with panic=abort), where tokio here would only end that task.
+/// any of its tasks aborts the test binary: it is a bug, which costs a session in the
+/// guest (and, before the agent's panics unwound, the VM), and tokio, which ends only
+/// the task, would let it pass unnoticed here.
 fn agent() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {

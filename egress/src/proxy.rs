@@ -233,16 +233,35 @@ impl ProxyError {
     }
 }
 
-/// The TLS client configuration for upstream connections: the host's trust roots,
-/// plus the PEM certificates in `extra_ca` when given (for tests). HTTP/1.1 only,
-/// which is what the proxy speaks upstream.
+/// The TLS client configuration for upstream connections, trusting
+/// [`upstream_roots`]. HTTP/1.1 only, which is what the proxy speaks upstream.
 pub fn upstream_tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, ProxyError> {
     let mut roots = rustls::RootCertStore::empty();
+    roots.add_parsable_certificates(upstream_roots(extra_ca)?);
+    if roots.is_empty() {
+        return Err(ProxyError::NoTrustRoots);
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(crate_provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// The certificates the proxy trusts upstream: the host's trust roots (as the host's
+/// TLS clients find them: the system store, `SSL_CERT_FILE`, `SSL_CERT_DIR`, so a
+/// TLS-inspecting company proxy's CA among them), plus the PEM certificates in
+/// `extra_ca` when given (for tests). The guest trusts them too, for the TLS it runs
+/// end to end through the proxy's tunnels.
+pub fn upstream_roots(
+    extra_ca: Option<&Path>,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, ProxyError> {
     let native = rustls_native_certs::load_native_certs();
     for e in &native.errors {
         tracing::debug!("skipping a host trust root: {e}");
     }
-    roots.add_parsable_certificates(native.certs);
+    let mut roots = native.certs;
     if let Some(path) = extra_ca {
         let read_err = |source| ProxyError::ReadCa {
             path: path.to_path_buf(),
@@ -257,19 +276,25 @@ pub fn upstream_tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConf
                 path: path.to_path_buf(),
             });
         }
-        for cert in certs {
-            roots.add(cert)?;
+        roots.extend(certs);
+    }
+    Ok(roots)
+}
+
+/// `certs` as PEM text, one block each.
+pub fn to_pem(certs: &[rustls::pki_types::CertificateDer<'_>]) -> String {
+    use base64::Engine;
+    let mut pem = String::new();
+    for cert in certs {
+        let body = base64::engine::general_purpose::STANDARD.encode(cert.as_ref());
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in body.as_bytes().chunks(64) {
+            pem.push_str(&String::from_utf8_lossy(line));
+            pem.push('\n');
         }
+        pem.push_str("-----END CERTIFICATE-----\n");
     }
-    if roots.is_empty() {
-        return Err(ProxyError::NoTrustRoots);
-    }
-    let mut config = rustls::ClientConfig::builder_with_provider(crate_provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(config)
+    pem
 }
 
 /// Why the proxy never connects to `ip`, if it is a loopback, private, link-local,

@@ -1038,3 +1038,31 @@ fn a_missing_extra_ca_file_is_reported() {
         .to_string();
     assert!(err.contains("/nonexistent/ca.pem"), "{err}");
 }
+
+/// What the guest is given to trust: the host's roots and the extra CA, as PEM that
+/// parses back to the same certificates.
+#[test]
+fn the_upstream_roots_go_to_the_guest_as_pem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (upstream_ca, _) = upstream_tls();
+    let ca_file = tmp.path().join("upstream-ca.pem");
+    std::fs::write(&ca_file, &upstream_ca).unwrap();
+    let extra: Vec<_> = rustls_pemfile::certs(&mut upstream_ca.as_bytes())
+        .collect::<Result<_, _>>()
+        .unwrap();
+
+    let roots = egress::proxy::upstream_roots(Some(&ca_file)).unwrap();
+    let host_only = egress::proxy::upstream_roots(None).unwrap();
+    assert_eq!(roots.len(), host_only.len() + 1);
+    assert!(roots.contains(&extra[0]));
+
+    let pem = egress::proxy::to_pem(&roots);
+    let parsed: Vec<_> = rustls_pemfile::certs(&mut pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(parsed, roots);
+    assert!(
+        pem.lines().all(|line| line.len() <= 64),
+        "PEM lines are 64 wide"
+    );
+}

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -35,7 +35,8 @@ pub const GUEST_CA_FILE: &str = "/etc/ssl/certs/vmctl-egress.pem";
 /// A script for `NODE_OPTIONS=--require=…` that sends Node's `fetch` through the
 /// proxy where Node itself ignores the proxy variables (before Node 24).
 pub const GUEST_NODE_PRELOAD: &str = "/etc/vmctl/node-proxy.cjs";
-/// The guest's system CA bundle, which the agent extends with the egress CA.
+/// The guest's system CA bundle, which the agent extends with the egress CA and the
+/// host's roots (`NetworkConfig::trusted_roots_pem`).
 pub const GUEST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The version of this crate, reported by the agent in [`AgentMessage::HelloOk`].
 pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -142,6 +143,11 @@ pub struct NetworkConfig {
     /// Guest loopback ports relayed to the same port on the host's loopback;
     /// ports already relayed stay relayed.
     pub relay_ports: Vec<u16>,
+    /// The certificates the host's egress proxy trusts upstream (PEM): the host's
+    /// roots, a TLS-inspecting company proxy's CA among them. The guest's TLS through
+    /// the proxy's tunnels runs end to end, so they go into [`GUEST_CA_BUNDLE`] too
+    /// (those it lacks). Empty: the guest keeps its own roots.
+    pub trusted_roots_pem: String,
 }
 
 /// The first frame of a connection the guest opens to [`HOST_SERVICE_PORT`].
@@ -383,6 +389,7 @@ mod tests {
                 ca_cert_pem: "-----BEGIN CERTIFICATE-----".into(),
                 env: vec![("HTTPS_PROXY".into(), "http://127.0.0.1:3128".into())],
                 relay_ports: vec![5432, 6379],
+                trusted_roots_pem: "-----BEGIN CERTIFICATE-----".into(),
             }),
             ClientMessage::ConnectPort(8080),
         ]

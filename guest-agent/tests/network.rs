@@ -130,6 +130,7 @@ async fn configure_writes_the_ca_and_environment_once() {
             ca_cert_pem: PEM.into(),
             env: env(&[("HTTPS_PROXY", "http://127.0.0.1:3128"), ("OLD", "x")]),
             relay_ports: vec![],
+            trusted_roots_pem: String::new(),
         })
         .await
         .unwrap();
@@ -138,18 +139,25 @@ async fn configure_writes_the_ca_and_environment_once() {
     assert_eq!(std::fs::read_to_string(&p.ca_file).unwrap(), PEM);
     assert_eq!(std::fs::read_to_string(&p.ca_store_file).unwrap(), PEM);
 
-    // Again, with other variables: the bundle keeps one copy, the block is replaced.
+    // Again, with other variables and the host's roots (the CA among them): the
+    // bundle keeps one copy of each, the block is replaced.
+    let host_root = "-----BEGIN CERTIFICATE-----\nSE9TVA==\n-----END CERTIFICATE-----\n";
     agent
         .configure(NetworkConfig {
             ca_cert_pem: PEM.into(),
             env: env(&[("HTTPS_PROXY", "http://127.0.0.1:3128"), ("NEW", "y z")]),
             relay_ports: vec![],
+            trusted_roots_pem: format!("{PEM}{host_root}"),
         })
         .await
         .unwrap();
     assert_eq!(
         std::fs::read_to_string(&p.ca_bundle).unwrap(),
-        format!("SYSTEM CERTS\n{PEM}")
+        format!("SYSTEM CERTS\n{PEM}{host_root}")
+    );
+    assert_eq!(
+        std::fs::read_to_string(&p.roots_store_file).unwrap(),
+        format!("{PEM}{host_root}")
     );
     assert_eq!(
         std::fs::read_to_string(&p.environment).unwrap(),

@@ -147,6 +147,20 @@ fn egress_scenario() {
     assert_ok(&tunnel, "curl to an unbound host");
     assert!(stdout(&tunnel).contains("GET /unbound"));
     assert!(!stdout(&tunnel).to_ascii_lowercase().contains("x-api-key"));
+    // The guest trusts what the proxy trusts upstream (here the test CA, as a
+    // TLS-inspecting company proxy's CA the host trusts would be): curl through the
+    // system bundle and node through NODE_EXTRA_CA_CERTS, no --cacert.
+    let trusted = ws.exec("curl -sS https://plain.test/curl-trusts");
+    assert_ok(
+        &trusted,
+        "curl to an unbound host with the guest's own trust",
+    );
+    assert!(stdout(&trusted).contains("GET /curl-trusts"));
+    let node_trusted = ws.exec(
+        "node -e \"fetch('https://plain.test/node-trusts').then(r => r.text()).then(t => console.log(t))\"",
+    );
+    assert_ok(&node_trusted, "node fetch to an unbound host");
+    assert!(stdout(&node_trusted).contains("GET /node-trusts"));
 
     // A Host header that disagrees with the CONNECT target is refused.
     let mismatch = ws.exec(

@@ -8,7 +8,7 @@
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vm_tests::{assert_guest_clock_is_hosts, stdout, vmctl_bin, Workspace, CLOCK_SYNC_VAR};
@@ -157,17 +157,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert_no_descriptors_left_behind(&ws, descriptors_before);
 
     // Killing the host client kills the guest process.
-    let mut sleeper = ws
-        .command(&[
-            "exec",
-            "--",
-            "sh",
-            "-c",
-            "echo $$ > /tmp/sleeper.pid; exec sleep 1000",
-        ])
-        .spawn()
-        .unwrap();
-    wait_for_guest_file(&ws, "/tmp/sleeper.pid");
+    let mut sleeper = start_guest_sleeper(&ws, "/tmp/sleeper.pid");
     sleeper.kill().unwrap();
     sleeper.wait().unwrap();
     assert_guest_process_gone(&ws, "/tmp/sleeper.pid");
@@ -247,18 +237,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert_hang_report_shows_where_the_command_waits(&ws);
 
     // A session that loses its VM to `vmctl stop` says so.
-    let mut sleeper = ws
-        .command(&[
-            "exec",
-            "--",
-            "sh",
-            "-c",
-            "echo $$ > /tmp/last.pid; exec sleep 1000",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_guest_file(&ws, "/tmp/last.pid");
+    let mut sleeper = start_guest_sleeper(&ws, "/tmp/last.pid");
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
     let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
@@ -472,6 +451,19 @@ fn assert_no_descriptors_left_behind(ws: &Workspace, before: usize) {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// Starts `vmctl exec` of a guest `sleep 1000` (stderr piped) and waits until it runs
+/// and has written its pid to `pid_file`.
+fn start_guest_sleeper(ws: &Workspace, pid_file: &str) -> Child {
+    let script = format!("echo $$ > {pid_file}; exec sleep 1000");
+    let sleeper = ws
+        .command(&["exec", "--", "sh", "-c", &script])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_guest_file(ws, pid_file);
+    sleeper
 }
 
 /// Waits until `path` exists and is not empty in the guest.

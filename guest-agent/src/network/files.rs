@@ -12,6 +12,8 @@ use crate::protocol::{GUEST_CA_BUNDLE, GUEST_CA_FILE, GUEST_NODE_PRELOAD};
 
 /// The largest CA certificate (chain) accepted.
 pub const MAX_CA_SIZE: usize = 64 * 1024;
+/// The largest set of trusted roots accepted (a system bundle is ~220 KiB).
+pub const MAX_ROOTS_SIZE: usize = 768 * 1024;
 /// First and last line of the block of `/etc/environment` the agent owns.
 pub const ENV_BLOCK_BEGIN: &str = "# vmctl network (managed)";
 pub const ENV_BLOCK_END: &str = "# end vmctl network";
@@ -22,10 +24,14 @@ const PEM_END: &str = "-----END CERTIFICATE-----";
 /// Errors of validating and writing the network files.
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
-    #[error("the CA certificate is {0} bytes, more than the {MAX_CA_SIZE} allowed")]
-    CaTooLarge(usize),
-    #[error("the CA certificate is not PEM (expected {PEM_BEGIN} ... {PEM_END})")]
-    CaNotPem,
+    #[error("the {what} is {size} bytes, more than the {max} allowed")]
+    PemTooLarge {
+        what: &'static str,
+        size: usize,
+        max: usize,
+    },
+    #[error("the {0} is not PEM (expected {PEM_BEGIN} ... {PEM_END})")]
+    NotPem(&'static str),
     #[error("invalid environment variable name {0:?} (expected [A-Za-z_][A-Za-z0-9_]*)")]
     BadEnvName(String),
     #[error("the value of environment variable {0} contains a line break or NUL")]
@@ -44,7 +50,9 @@ pub struct NetworkPaths {
     /// The CA as an `update-ca-certificates` source, so a later run (which rebuilds
     /// the bundle, and links `/etc/ssl/certs/vmctl-egress.pem` to this file) keeps it.
     pub ca_store_file: PathBuf,
-    /// The system bundle ([`GUEST_CA_BUNDLE`]) the CA is appended to.
+    /// The host's trusted roots as an `update-ca-certificates` source, likewise.
+    pub roots_store_file: PathBuf,
+    /// The system bundle ([`GUEST_CA_BUNDLE`]) the CA and the roots are appended to.
     pub ca_bundle: PathBuf,
     /// `/etc/environment`.
     pub environment: PathBuf,
@@ -53,6 +61,7 @@ pub struct NetworkPaths {
 }
 
 const CA_STORE_FILE: &str = "/usr/local/share/ca-certificates/vmctl-egress.crt";
+const ROOTS_STORE_FILE: &str = "/usr/local/share/ca-certificates/vmctl-host-roots.crt";
 const ENVIRONMENT_FILE: &str = "/etc/environment";
 
 impl Default for NetworkPaths {
@@ -60,6 +69,7 @@ impl Default for NetworkPaths {
         Self {
             ca_file: GUEST_CA_FILE.into(),
             ca_store_file: CA_STORE_FILE.into(),
+            roots_store_file: ROOTS_STORE_FILE.into(),
             ca_bundle: GUEST_CA_BUNDLE.into(),
             environment: ENVIRONMENT_FILE.into(),
             node_preload: GUEST_NODE_PRELOAD.into(),
@@ -74,6 +84,7 @@ impl NetworkPaths {
         Self {
             ca_file: at(GUEST_CA_FILE),
             ca_store_file: at(CA_STORE_FILE),
+            roots_store_file: at(ROOTS_STORE_FILE),
             ca_bundle: at(GUEST_CA_BUNDLE),
             environment: at(ENVIRONMENT_FILE),
             node_preload: at(GUEST_NODE_PRELOAD),
@@ -84,8 +95,21 @@ impl NetworkPaths {
 /// Checks that `pem` is one or more PEM certificates and returns it trimmed, with a
 /// final newline.
 pub fn validate_ca(pem: &str) -> Result<String, FileError> {
-    if pem.len() > MAX_CA_SIZE {
-        return Err(FileError::CaTooLarge(pem.len()));
+    validate_pem(pem, "CA certificate", MAX_CA_SIZE)
+}
+
+/// [`validate_ca`] for the host's trusted roots.
+pub fn validate_roots(pem: &str) -> Result<String, FileError> {
+    validate_pem(pem, "set of trusted roots", MAX_ROOTS_SIZE)
+}
+
+fn validate_pem(pem: &str, what: &'static str, max: usize) -> Result<String, FileError> {
+    if pem.len() > max {
+        return Err(FileError::PemTooLarge {
+            what,
+            size: pem.len(),
+            max,
+        });
     }
     let pem = pem.trim();
     let begin_count = pem.matches(PEM_BEGIN).count();
@@ -94,7 +118,7 @@ pub fn validate_ca(pem: &str) -> Result<String, FileError> {
         || begin_count != pem.matches(PEM_END).count()
         || pem.contains('\0')
     {
-        return Err(FileError::CaNotPem);
+        return Err(FileError::NotPem(what));
     }
     Ok(format!("{pem}\n"))
 }
@@ -182,11 +206,55 @@ pub fn install_ca(paths: &NetworkPaths, pem: &str) -> Result<(), FileError> {
     if bundle.contains(pem.trim()) {
         return Ok(());
     }
-    let mut addition = String::new();
-    if !bundle.is_empty() && !bundle.ends_with('\n') {
-        addition.push('\n');
+    append_to_bundle(paths, &bundle, pem)
+}
+
+/// Installs validated trusted roots (see [`validate_roots`]): their own file, and in
+/// the bundle each certificate it does not hold yet (compared by content, whatever
+/// the line breaks).
+pub fn install_roots(paths: &NetworkPaths, pem: &str) -> Result<(), FileError> {
+    write_atomic(&paths.roots_store_file, pem.as_bytes())?;
+    let bundle = read_optional(&paths.ca_bundle)?;
+    let held: std::collections::HashSet<String> =
+        pem_blocks(&bundle).map(|block| block.body).collect();
+    let mut missing = String::new();
+    for block in pem_blocks(pem) {
+        if !held.contains(&block.body) {
+            missing.push_str(block.text);
+            missing.push('\n');
+        }
     }
-    addition.push_str(pem);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    append_to_bundle(paths, &bundle, &missing)
+}
+
+/// One certificate of a PEM text: as written, and its base64 body without
+/// whitespace (what identifies it).
+struct PemBlock<'a> {
+    text: &'a str,
+    body: String,
+}
+
+fn pem_blocks(pem: &str) -> impl Iterator<Item = PemBlock<'_>> {
+    pem.match_indices(PEM_BEGIN).filter_map(move |(start, _)| {
+        let end = pem[start..].find(PEM_END)? + start + PEM_END.len();
+        let text = &pem[start..end];
+        let body = text[PEM_BEGIN.len()..text.len() - PEM_END.len()]
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        Some(PemBlock { text, body })
+    })
+}
+
+/// Appends `addition` to the bundle whose current text is `bundle`.
+fn append_to_bundle(paths: &NetworkPaths, bundle: &str, addition: &str) -> Result<(), FileError> {
+    let mut addition = addition.to_string();
+    if !bundle.is_empty() && !bundle.ends_with('\n') {
+        addition.insert(0, '\n');
+    }
     create_parent(&paths.ca_bundle)?;
     let path = &paths.ca_bundle;
     fs::OpenOptions::new()
@@ -314,12 +382,22 @@ mod tests {
             "junk -----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----",
         ] {
             assert!(
-                matches!(validate_ca(bad), Err(FileError::CaNotPem)),
+                matches!(validate_ca(bad), Err(FileError::NotPem(_))),
                 "{bad:?}"
             );
         }
         let huge = format!("{PEM_BEGIN}\n{}\n{PEM_END}", "A".repeat(MAX_CA_SIZE));
-        assert!(matches!(validate_ca(&huge), Err(FileError::CaTooLarge(_))));
+        assert!(matches!(
+            validate_ca(&huge),
+            Err(FileError::PemTooLarge { .. })
+        ));
+        // A host's whole bundle is too large for a CA but not for the roots.
+        assert!(validate_roots(&huge).is_ok());
+        let too_many = format!("{PEM_BEGIN}\n{}\n{PEM_END}", "A".repeat(MAX_ROOTS_SIZE));
+        assert!(matches!(
+            validate_roots(&too_many),
+            Err(FileError::PemTooLarge { .. })
+        ));
     }
 
     #[test]
@@ -386,6 +464,31 @@ mod tests {
             let mode = fs::metadata(f).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o644, "{}", f.display());
         }
+    }
+
+    #[test]
+    fn install_roots_adds_only_the_certificates_the_bundle_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = NetworkPaths::under(dir.path());
+        fs::create_dir_all(paths.ca_bundle.parent().unwrap()).unwrap();
+        let held = format!("{PEM_BEGIN}\nSEVNTEQ=\n{PEM_END}");
+        let new = format!("{PEM_BEGIN}\nTkVX\n{PEM_END}");
+        fs::write(&paths.ca_bundle, format!("# the image's roots\n{held}")).unwrap();
+        // The held one again, with other line breaks, and one the bundle lacks.
+        let held_rewrapped = format!("{PEM_BEGIN}\nSEVN\nTEQ=\n{PEM_END}");
+        let roots = validate_roots(&format!("{held_rewrapped}\n{new}\n")).unwrap();
+        install_roots(&paths, &roots).unwrap();
+        install_roots(&paths, &roots).unwrap();
+        assert_eq!(
+            fs::read_to_string(&paths.ca_bundle).unwrap(),
+            format!("# the image's roots\n{held}\n{new}\n")
+        );
+        assert_eq!(fs::read_to_string(&paths.roots_store_file).unwrap(), roots);
+        let mode = fs::metadata(&paths.roots_store_file)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
     }
 
     #[test]

@@ -118,6 +118,10 @@ impl Network {
             "" => None,
             pem => Some(files::validate_ca(pem)?),
         };
+        let roots = match config.trusted_roots_pem.trim() {
+            "" => None,
+            pem => Some(files::validate_roots(pem)?),
+        };
         let env = match config.env.is_empty() {
             true => None,
             false => Some(files::validate_env(&config.env)?),
@@ -137,6 +141,9 @@ impl Network {
         if let Some(pem) = &ca {
             files::install_ca(&self.paths, pem)?;
             files::install_node_preload(&self.paths)?;
+        }
+        if let Some(pem) = &roots {
+            files::install_roots(&self.paths, pem)?;
         }
         if let Some(env) = env {
             files::write_environment(&self.paths, &env)?;

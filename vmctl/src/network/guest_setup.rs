@@ -3,9 +3,7 @@
 
 use std::path::PathBuf;
 
-use guest_agent::protocol::{
-    EGRESS_PROXY_PORT, GUEST_CA_BUNDLE, GUEST_CA_FILE, GUEST_NODE_PRELOAD,
-};
+use guest_agent::protocol::{EGRESS_PROXY_PORT, GUEST_CA_BUNDLE, GUEST_NODE_PRELOAD};
 
 /// Where the egress policy and secrets live: beside the user's config file.
 pub struct EgressFiles {
@@ -37,7 +35,9 @@ pub fn guest_env(placeholders: Vec<(String, String)>) -> Vec<(String, String)> {
         ("NO_PROXY", no_proxy),
         ("no_proxy", no_proxy),
         ("NODE_USE_ENV_PROXY", "1"),
-        ("NODE_EXTRA_CA_CERTS", GUEST_CA_FILE),
+        // The whole bundle, not the egress CA alone: Node has roots of its own, which
+        // lack what the host trusts besides (a TLS-inspecting company proxy's CA).
+        ("NODE_EXTRA_CA_CERTS", GUEST_CA_BUNDLE),
         ("SSL_CERT_FILE", GUEST_CA_BUNDLE),
         ("REQUESTS_CA_BUNDLE", GUEST_CA_BUNDLE),
         ("GIT_SSL_CAINFO", GUEST_CA_BUNDLE),
@@ -68,7 +68,7 @@ mod tests {
         assert_eq!(get("HTTPS_PROXY"), Some("http://127.0.0.1:3128"));
         assert_eq!(get("https_proxy"), get("HTTPS_PROXY"));
         assert_eq!(get("NO_PROXY"), Some("localhost,127.0.0.1,::1"));
-        assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(GUEST_CA_FILE));
+        assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(GUEST_CA_BUNDLE));
         assert_eq!(env.last().map(|(k, _)| k.as_str()), Some("OPENAI_API_KEY"));
     }
 }

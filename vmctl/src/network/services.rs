@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use guest_agent::network::files::MAX_ROOTS_SIZE;
 use guest_agent::protocol::{decode_payload, NetworkConfig, ServiceRequest, HOST_SERVICE_PORT};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -48,6 +49,8 @@ pub struct NetworkService {
     vsock: PathBuf,
     proxy: Arc<egress::proxy::ProxyConfig>,
     ca_pem: String,
+    /// What the proxy trusts upstream, for the guest to trust too (PEM).
+    trusted_roots_pem: String,
     secrets: PathBuf,
     /// Host loopback ports the guest may reach.
     relays: Mutex<BTreeSet<u16>>,
@@ -56,6 +59,25 @@ pub struct NetworkService {
     /// start, and the guest need not redo it when nothing changed. Held across the
     /// call to the guest, so concurrent requests apply one at a time.
     applied: tokio::sync::Mutex<Option<NetworkConfig>>,
+}
+
+/// The roots the egress proxy trusts upstream, as PEM for the guest: its TLS through
+/// the proxy's tunnels runs end to end, so behind a TLS-inspecting company proxy it
+/// must trust that proxy's CA as the host does. Too many to send: none, with a
+/// warning (the guest keeps its image's roots).
+fn guest_roots(extra_ca: Option<&Path>) -> Result<String, NetworkError> {
+    let roots = egress::proxy::upstream_roots(extra_ca).map_err(NetworkError::TrustRoots)?;
+    let pem = egress::proxy::to_pem(&roots);
+    if pem.len() > MAX_ROOTS_SIZE {
+        tracing::warn!(
+            "the host trusts {} certificates ({} bytes of PEM, more than the {MAX_ROOTS_SIZE} \
+             the guest takes): the guest keeps its own roots only",
+            roots.len(),
+            pem.len()
+        );
+        return Ok(String::new());
+    }
+    Ok(pem)
 }
 
 /// Starts serving the VM's network on a thread of its own; it runs until the
@@ -71,8 +93,10 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
                 source,
             }
         })?;
-    let upstream_tls = egress::proxy::upstream_tls_config(record.egress.extra_ca.as_deref())
-        .map_err(NetworkError::TrustRoots)?;
+    let extra_ca = record.egress.extra_ca.as_deref();
+    let upstream_tls =
+        egress::proxy::upstream_tls_config(extra_ca).map_err(NetworkError::TrustRoots)?;
+    let trusted_roots_pem = guest_roots(extra_ca)?;
     let rules = egress::file_rules::FileRules::new(
         files.policy.clone(),
         files.secrets.clone(),
@@ -92,6 +116,7 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         vsock: vm.vsock_socket(),
         proxy: Arc::new(proxy),
         ca_pem,
+        trusted_roots_pem,
         secrets: files.secrets,
         relays: Mutex::new(record.relay_ports.iter().copied().collect()),
         published: Published::default(),
@@ -357,6 +382,7 @@ async fn configure_guest(
         ca_cert_pem: service.ca_pem.clone(),
         env: guest_env(placeholders),
         relay_ports: relay_ports.clone(),
+        trusted_roots_pem: service.trusted_roots_pem.clone(),
     };
     let mut applied = service.applied.lock().await;
     if applied.as_ref() == Some(&config) {
@@ -433,6 +459,7 @@ mod tests {
             ca_cert_pem: String::new(),
             env: Vec::new(),
             relay_ports: vec![6767],
+            trusted_roots_pem: String::new(),
         };
         let error = tokio::time::timeout(
             crate::exec::AGENT_TIMEOUT * 2,

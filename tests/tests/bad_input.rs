@@ -338,3 +338,48 @@ fn output_that_cannot_be_written() {
         "vmctl: error: cannot write to standard output: No space left on device (os error 28)"
     );
 }
+
+/// A workspace or share refused before the VM starts: one error line, and no ghost
+/// left in `vmctl ps` (it listed such a start as "starting" forever).
+#[test]
+fn refused_starts_leave_no_vm_behind() {
+    let home = TempDir::new("refused-start");
+    let workspace = home.path().join("ws");
+    fs::create_dir_all(&workspace).unwrap();
+    let vmctl = |args: &[&str]| {
+        let output = std::process::Command::new(vmctl_bin())
+            .args(args)
+            .current_dir(&workspace)
+            .env("HOME", home.path())
+            .env("XDG_CONFIG_HOME", home.path().join("config"))
+            .env("XDG_STATE_HOME", home.path().join("state"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run vmctl");
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        (output, stderr)
+    };
+    for (args, says) in [
+        (
+            &["exec", "--mount", "/nonexistent", "--", "true"][..],
+            "mount \"/nonexistent\": host directory /nonexistent",
+        ),
+        (
+            &["exec", "--mount", "/tmp:/usr", "--", "true"][..],
+            "a share there would hide the guest's /usr/bin",
+        ),
+        (
+            &["exec", "--workspace", "/etc", "--", "true"][..],
+            "the workspace /etc cannot be shared at its own path in the guest",
+        ),
+    ] {
+        let (output, stderr) = vmctl(args);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let (ps, stderr) = vmctl(&["ps"]);
+    assert!(ps.status.success(), "{stderr}");
+    let listing = String::from_utf8_lossy(&ps.stdout);
+    assert_eq!(listing.lines().count(), 1, "only the header: {listing}");
+}

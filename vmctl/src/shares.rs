@@ -15,6 +15,22 @@ const SYNTAX: &str = "HOST[:GUEST][:ro]";
 /// share there would hide what the guest needs to run.
 const RESERVED_GUEST_DIRS: [&str; 3] = ["/proc", "/sys", "/dev"];
 
+/// The guest's system directories: a share there, or at one of their parents, would
+/// hide the programs, libraries or accounts the guest runs on. (Below them is fine:
+/// `/etc/myapp`, `/usr/local/src`.)
+const SYSTEM_GUEST_DIRS: [&str; 10] = [
+    "/bin",
+    "/etc",
+    "/lib",
+    "/lib64",
+    "/sbin",
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/sbin",
+    "/usr/share",
+    "/var/lib",
+];
+
 #[derive(Debug, thiserror::Error)]
 pub enum ShareError {
     #[error("mount {spec:?}: {problem}; write it as {SYNTAX} (paths containing ':' cannot be written in this syntax)")]
@@ -36,13 +52,16 @@ pub enum ShareError {
         guest: PathBuf,
         hint: &'static str,
     },
-    #[error("mount {spec:?}: cannot mount over the guest's root '/'; choose a directory below it")]
-    GuestRoot { spec: String },
-    #[error("mount {spec:?}: guest path {} is under {reserved}, which the guest's kernel owns; choose another guest path", .guest.display())]
-    GuestReserved {
+    #[error("mount {spec:?}: guest path {}: {conflict}; choose another guest path with HOST:GUEST", .guest.display())]
+    GuestConflict {
         spec: String,
         guest: PathBuf,
-        reserved: &'static str,
+        conflict: GuestConflict,
+    },
+    #[error("the workspace {} cannot be shared at its own path in the guest: {conflict}; run vmctl from a project's directory, or name one with --workspace DIR", .workspace.display())]
+    WorkspaceConflict {
+        workspace: PathBuf,
+        conflict: GuestConflict,
     },
     #[error("mount {spec:?}: {} is a symlink in {}, which the VM can write: the VM could point it at any directory of this host, so it is not followed; name the directory it points to instead", .link.display(), .share.display())]
     ThroughGuestSymlink {
@@ -170,19 +189,11 @@ fn parse_mount_with_home(
         });
     }
     let guest = normalize_absolute(&guest);
-    if guest == Path::new("/") {
-        return Err(ShareError::GuestRoot {
-            spec: spec.to_string(),
-        });
-    }
-    if let Some(reserved) = RESERVED_GUEST_DIRS
-        .iter()
-        .find(|reserved| guest.starts_with(reserved))
-    {
-        return Err(ShareError::GuestReserved {
+    if let Some(conflict) = guest_conflict(&guest) {
+        return Err(ShareError::GuestConflict {
             spec: spec.to_string(),
             guest,
-            reserved,
+            conflict,
         });
     }
     Ok(WrittenMount {
@@ -288,17 +299,51 @@ fn normalize_absolute(path: &Path) -> PathBuf {
 }
 
 /// The workspace itself, at the same path in the guest, writable.
-pub fn workspace_share(workspace: &Path) -> Share {
+pub fn workspace_share(workspace: &Path) -> Result<Share, ShareError> {
     // The callers pass an already canonical workspace; if it vanished meanwhile the
     // daemon reports that when it starts.
     let host = workspace
         .canonicalize()
         .unwrap_or_else(|_| workspace.to_path_buf());
-    Share {
+    if let Some(conflict) = guest_conflict(&host) {
+        return Err(ShareError::WorkspaceConflict {
+            workspace: host,
+            conflict,
+        });
+    }
+    Ok(Share {
         guest: host.clone(),
         host,
         read_only: false,
+    })
+}
+
+/// Why no share may be mounted at a guest path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum GuestConflict {
+    #[error("it is the guest's root '/'")]
+    Root,
+    #[error("it is under {0}, which the guest's kernel owns")]
+    KernelOwned(&'static str),
+    #[error("a share there would hide the guest's {0}, which it runs on")]
+    SystemDirectory(&'static str),
+}
+
+/// What is wrong with mounting a share at `guest` (absolute, normalized), if anything.
+fn guest_conflict(guest: &Path) -> Option<GuestConflict> {
+    if guest == Path::new("/") {
+        return Some(GuestConflict::Root);
     }
+    if let Some(reserved) = RESERVED_GUEST_DIRS
+        .iter()
+        .find(|dir| guest.starts_with(dir))
+    {
+        return Some(GuestConflict::KernelOwned(reserved));
+    }
+    SYSTEM_GUEST_DIRS
+        .iter()
+        .find(|dir| Path::new(dir).starts_with(guest))
+        .map(|dir| GuestConflict::SystemDirectory(dir))
 }
 
 /// Refuses two shares at the same guest path (the second would hide the first).
@@ -461,16 +506,34 @@ mod tests {
             parse("relative"),
             Err(ShareError::GuestNotAbsolute { .. })
         ));
-        assert!(matches!(parse("/"), Err(ShareError::GuestRoot { .. })));
-        assert!(matches!(parse("/x/.."), Err(ShareError::GuestRoot { .. })));
+        let conflict = |guest: &str| match parse(guest) {
+            Err(ShareError::GuestConflict { conflict, .. }) => Some(conflict),
+            _ => None,
+        };
+        assert_eq!(conflict("/"), Some(GuestConflict::Root));
+        assert_eq!(conflict("/x/.."), Some(GuestConflict::Root));
         for reserved in ["/proc", "/sys/fs", "/dev/shm", "/x/../proc/1"] {
             assert!(
-                matches!(parse(reserved), Err(ShareError::GuestReserved { .. })),
+                matches!(conflict(reserved), Some(GuestConflict::KernelOwned(_))),
                 "{reserved}"
             );
         }
+        for system in ["/usr", "/usr/bin", "/etc", "/var", "/lib/"] {
+            assert!(
+                matches!(conflict(system), Some(GuestConflict::SystemDirectory(_))),
+                "{system}"
+            );
+        }
+        let message = parse("/usr/bin").unwrap_err().to_string();
+        assert!(
+            message.contains("guest path /usr/bin: a share there would hide the guest's /usr/bin"),
+            "{message}"
+        );
         assert!(parse("/procfs").is_ok());
         assert!(parse("/tmp/data").is_ok());
+        assert!(parse("/etc/myapp").is_ok());
+        assert!(parse("/usr/local/src").is_ok());
+        assert!(parse("/var/tmp/x").is_ok());
     }
 
     #[test]
@@ -502,7 +565,21 @@ mod tests {
     fn the_workspace_is_shared_writable_at_its_own_path() {
         let dir = tempfile::tempdir().unwrap();
         let canonical = dir.path().canonicalize().unwrap();
-        assert_eq!(workspace_share(dir.path()), share_of(&canonical));
+        assert_eq!(workspace_share(dir.path()).unwrap(), share_of(&canonical));
+        // A workspace where no share may go is refused, not mounted over the guest's
+        // own directories (or, for '/', left out by the guest without a word).
+        for (workspace, conflict) in [
+            ("/", GuestConflict::Root),
+            ("/etc", GuestConflict::SystemDirectory("/etc")),
+            ("/usr", GuestConflict::SystemDirectory("/usr/bin")),
+        ] {
+            let error = workspace_share(Path::new(workspace)).unwrap_err();
+            assert!(
+                matches!(&error, ShareError::WorkspaceConflict { conflict: c, .. } if *c == conflict),
+                "{workspace}: {error}"
+            );
+            assert!(error.to_string().contains("--workspace DIR"), "{error}");
+        }
     }
 
     fn share_of(path: &Path) -> Share {

@@ -537,7 +537,7 @@ mod tests {
             agent_cmdline: "vmctl.root=/dev/vda".into(),
             started_at: 1,
             shares: Some(ShareSet {
-                shares: vec![crate::shares::workspace_share(Path::new("/w"))],
+                shares: vec![crate::shares::workspace_share(Path::new("/w")).unwrap()],
                 virtiofsd: "/usr/bin/virtiofsd".into(),
                 failure_file: Some(vm.share_failures()),
                 cache: crate::virtiofsd::CachePolicy {

@@ -1062,7 +1062,7 @@ mod tests {
         let state_dir = tempfile::tempdir().unwrap();
         let (daemons, devices) = start(
             &binary,
-            &[shares::workspace_share(share_dir.path())],
+            &[shares::workspace_share(share_dir.path()).unwrap()],
             state_dir.path(),
             state_dir.path(),
             CachePolicy::default(),

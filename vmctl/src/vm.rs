@@ -99,7 +99,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
         source,
     })?;
     let mut list = vec![
-        shares::workspace_share(workspace),
+        shares::workspace_share(workspace)?,
         Share {
             host: agent_home.canonicalize().unwrap_or(agent_home),
             guest: crate::agent::GUEST_AGENT_HOME.into(),
@@ -142,7 +142,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     let workspace = workspace.to_path_buf();
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running.
-    let _start_lock = lock_exclusive(&vm.path.join("start.lock"))?;
+    let _start_lock = lock_exclusive(&vm.path.join(START_LOCK))?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
@@ -284,6 +284,12 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now.
+fn start_in_progress(vm: &VmDir) -> bool {
+    std::fs::File::open(vm.path.join(START_LOCK))
+        .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
 
 /// An exclusive `flock` on `path` (created if missing), held until the file drops.
@@ -583,6 +589,9 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     })
 }
 
+/// The file in a VM's directory that whoever starts the VM holds an `flock` on.
+const START_LOCK: &str = "start.lock";
+
 /// `vmctl ps`: one line per VM, with what it holds and what keeps it running.
 pub fn list() -> Vec<String> {
     let now = std::time::SystemTime::now()
@@ -603,10 +612,15 @@ pub fn list() -> Vec<String> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let Ok(record) = vm.read_record() else {
-            // `vmctl up` creates the directory, then writes the record.
-            let state = match vm.record_path().exists() {
-                true => "broken",
-                false => "starting",
+            // `vmctl up` creates the directory, then writes the record. A start that
+            // failed before that (a bad --mount, say) leaves a directory without one,
+            // and no VM to list.
+            let state = if vm.record_path().exists() {
+                "broken"
+            } else if start_in_progress(&vm) {
+                "starting"
+            } else {
+                continue;
             };
             lines.push(format!("{name:<28} {state}"));
             continue;
@@ -678,6 +692,19 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_start_is_in_progress_only_while_its_lock_is_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        assert!(!start_in_progress(&vm), "no lock file yet");
+        let held = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        assert!(start_in_progress(&vm));
+        drop(held);
+        assert!(!start_in_progress(&vm), "a start that ended (or failed)");
+    }
 
     #[test]
     fn accounts_are_checked_before_reaching_the_kernel_command_line() {

@@ -352,11 +352,17 @@ async fn disconnect_kills_the_process_group() {
 
 #[tokio::test]
 async fn a_client_that_stops_reading_output_ends_the_command() {
-    // `vmctl exec -- yes | head -1`: the host side stops reading while the command
-    // writes at full speed; the agent's writes to it then fail before its reads do.
+    // The host side stops reading while the command writes: the agent's next write
+    // fails while its reads still wait. (A command that writes slowly, so that the
+    // client's receive buffer never fills: a full one would leave the agent's writer
+    // waiting for room that never comes, instead of failing.)
     let (mut r, mut w) = raw_hello().await;
     let exec = ClientMessage::Exec(ExecRequest {
-        argv: vec!["yes".into()],
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            "while :; do echo tick; sleep 0.1; done".into(),
+        ],
         ..Default::default()
     });
     w.write_all(&encode_frame(&exec).unwrap()).await.unwrap();

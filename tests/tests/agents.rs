@@ -204,7 +204,13 @@ fn provider_scenario() {
         sub.display().to_string()
     );
     assert_eq!(running(ps(&ws)), 2, "--isolation directory gets its own VM");
-    assert_ok(&ws.run(&["rm", sub.to_str().unwrap()]), "vmctl rm sub/");
+    // Its directory removed, the VM can still be named by the path it had.
+    std::fs::remove_dir_all(&sub).unwrap();
+    assert_ok(
+        &ws.run(&["rm", sub.to_str().unwrap()]),
+        "vmctl rm of removed sub/",
+    );
+    assert_eq!(running(ps(&ws)), 1, "the removed directory's VM still runs");
 
     let uninstall = ws.run(&["paseo", "uninstall", "--config", paseo.to_str().unwrap()]);
     assert_ok(&uninstall, "vmctl paseo uninstall");
@@ -284,8 +290,29 @@ fn lifecycle_scenario() {
     );
 
     // The daemon stopping stops every VM and leaves nothing behind.
-    assert_ok(&ws.run(&["up"]), "vmctl up");
-    assert!(ps(&ws).contains("vmctl up"));
+    // `vmctl up` pins the VM before its start begins; a start that takes a while
+    // (here: another one holds the start lock for longer than the daemon takes to
+    // forget VMs that do not run) must not lose the pin.
+    let vm_dir = vm_tests::find_vm_dir(&ws.state()).expect("the VM's directory");
+    let start_lock = std::fs::File::create(vm_dir.join("start.lock")).unwrap();
+    start_lock.lock().unwrap();
+    let mut up = ws.command(&["up"]).spawn().expect("vmctl up");
+    std::thread::sleep(Duration::from_secs(7));
+    drop(start_lock);
+    assert!(up.wait().expect("vmctl up").success(), "vmctl up");
+    assert!(ps(&ws).contains("vmctl up"), "{}", ps(&ws));
+    // A session on it does not undo the pin: past the idle timeout after the session
+    // ended, it still runs, kept by `vmctl up`.
+    assert_ok(
+        &ws.run(&["exec", "--", "true"]),
+        "vmctl exec on the pinned VM",
+    );
+    std::thread::sleep(Duration::from_secs(8));
+    let table = ps(&ws);
+    assert!(
+        table.contains(" running ") && table.contains("vmctl up"),
+        "the VM pinned by `vmctl up` stopped for idleness after a session:\n{table}"
+    );
     let daemon = std::fs::read_to_string(ws.state().join("vmctl/daemon.pid"))
         .expect("the daemon's pid file");
     let (daemon_pid, daemon_socket) = daemon.trim().split_once('\n').expect("pid and socket");

@@ -383,3 +383,87 @@ fn refused_starts_leave_no_vm_behind() {
     let listing = String::from_utf8_lossy(&ps.stdout);
     assert_eq!(listing.lines().count(), 1, "only the header: {listing}");
 }
+
+/// Run from a directory that was removed under it, vmctl names that directory (the
+/// shell's `$PWD`) in its one error line, not ".".
+#[test]
+fn a_removed_working_directory_is_named() {
+    let home = TempDir::new("removed-cwd");
+    let gone = home.path().join("gone");
+    fs::create_dir_all(&gone).unwrap();
+    let output = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "cd \"$1\" && rmdir \"$1\" && exec \"$2\" exec -- true",
+        ])
+        .args(["sh", gone.to_str().unwrap(), vmctl_bin().to_str().unwrap()])
+        .env("HOME", home.path())
+        .env("XDG_CONFIG_HOME", home.path().join("config"))
+        .env("XDG_STATE_HOME", home.path().join("state"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run vmctl from a removed directory");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "vmctl: error: workspace {}: No such file or directory (os error 2); name an \
+             existing directory, or run vmctl from one",
+            gone.display()
+        )
+    );
+}
+
+/// Commands about a workspace that has no VM say so, and leave no VM directory behind
+/// (they used to create an empty one each).
+#[test]
+fn commands_on_a_workspace_without_a_vm() {
+    let home = TempDir::new("no-vm");
+    let workspace = home.path().join("ws");
+    fs::create_dir_all(&workspace).unwrap();
+    let state = home.path().join("state");
+    let vmctl = |args: &[&str]| {
+        let output = std::process::Command::new(vmctl_bin())
+            .args(args)
+            .current_dir(&workspace)
+            .env("HOME", home.path())
+            .env("XDG_CONFIG_HOME", home.path().join("config"))
+            .env("XDG_STATE_HOME", &state)
+            .env("XDG_RUNTIME_DIR", home.path().join("run"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run vmctl");
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        (output.status.code(), stderr)
+    };
+    let ws = workspace.display();
+    for (args, code, says) in [
+        (
+            &["stop"][..],
+            0,
+            format!("vmctl: no VM is running for {ws}"),
+        ),
+        (&["rm"], 0, format!("vmctl: {ws} has no VM")),
+        (
+            &["ports"],
+            1,
+            format!("vmctl: error: no VM is running for {ws}; start it with 'vmctl up'"),
+        ),
+        (
+            &["policy", "log"],
+            0,
+            format!("vmctl: the egress proxy of {ws}'s VM has logged nothing (yet)"),
+        ),
+    ] {
+        let (got, stderr) = vmctl(args);
+        assert_eq!(got, Some(code), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end(), says, "{args:?}");
+    }
+    let vms = state.join("vmctl/vms");
+    let left: Vec<_> = fs::read_dir(&vms)
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "VM directories left behind: {left:?}");
+}

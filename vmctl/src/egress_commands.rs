@@ -115,8 +115,15 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             }
         }
         PolicyCommand::Log { workspace, lines } => {
-            let (_, vm) = VmDir::for_workspace(&canonical(workspace))?;
-            for entry in egress::log::read_recent(&vm.egress_log(), lines)? {
+            let (workspace, vm) = VmDir::lookup(&crate::workspace(workspace))?;
+            let entries = egress::log::read_recent(&vm.egress_log(), lines)?;
+            if entries.is_empty() {
+                eprintln!(
+                    "vmctl: the egress proxy of {}'s VM has logged nothing (yet)",
+                    workspace.display()
+                );
+            }
+            for entry in entries {
                 print_out(format_args!(
                     "{}  {:<7} {:<5} {}:{}{}  {}\n",
                     utc_time(entry.time_unix_ms / 1000),

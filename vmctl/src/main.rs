@@ -55,13 +55,7 @@ fn main() -> ExitCode {
                 quiet: false,
             };
             let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
-            // Pinned before it starts, so the daemon never takes it for idle.
-            if let Ok((_, vm)) = state::VmDir::for_workspace(&dir) {
-                if let Err(e) = daemon::client::pin(&vm) {
-                    eprintln!("vmctl: warning: {e}");
-                }
-            }
-            vm::up(&dir, &options).map(|_| 0).map_err(|e| e.to_string())
+            up_pinned(&dir, &options)
         }
         cli::Command::Ps => {
             vm::list()
@@ -82,7 +76,12 @@ fn main() -> ExitCode {
         cli::Command::Rm(args) => {
             let dir = workspace(args.dir);
             unpin(&dir);
-            vm::remove(&dir).map(|_| 0).map_err(|e| e.to_string())
+            vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
+                if !removed {
+                    eprintln!("vmctl: {} has no VM", dir.display());
+                }
+                0
+            })
         }
         cli::Command::Agent(args) => agent::run(agent::AgentOptions {
             workspace: workspace::resolve(None, args.isolation.isolation),
@@ -149,7 +148,7 @@ fn main() -> ExitCode {
 
 /// The workspace a command is about: the given directory or the current one.
 pub(crate) fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
-    dir.unwrap_or_else(|| std::env::current_dir().unwrap_or_else(|_| ".".into()))
+    dir.unwrap_or_else(workspace::current_dir)
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
@@ -174,9 +173,27 @@ fn lease(dir: &std::path::Path, purpose: &str) -> Option<daemon::client::Lease> 
         .ok()
 }
 
+/// `vmctl up`: starts the VM of `dir` pinned, so the daemon keeps it until `vmctl stop`.
+fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, String> {
+    let Ok((_, vm)) = state::VmDir::for_workspace(dir) else {
+        return vm::up(dir, options).map(|_| 0).map_err(|e| e.to_string());
+    };
+    // Pinned before it starts, so the daemon never takes it for idle.
+    if let Err(e) = daemon::client::pin(&vm) {
+        eprintln!("vmctl: warning: {e}");
+    }
+    vm::up(dir, options).map(|_| 0).map_err(|e| {
+        // One that did not start is not pinned for whoever starts it next.
+        if vm.running_pid().is_none() {
+            unpin(dir);
+        }
+        e.to_string()
+    })
+}
+
 /// Lets the daemon stop the VM of `dir` (`vmctl stop`/`rm` stop it anyway).
 fn unpin(dir: &std::path::Path) {
-    if let Ok((_, vm)) = state::VmDir::for_workspace(dir) {
+    if let Ok((_, vm)) = state::VmDir::lookup(dir) {
         if let Err(e) = daemon::client::unpin(&vm) {
             eprintln!("vmctl: warning: {e}");
         }

@@ -25,7 +25,7 @@ pub enum PortsError {
 }
 
 fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
-    let (workspace, vm) = VmDir::for_workspace(workspace)?;
+    let (workspace, vm) = VmDir::lookup(workspace)?;
     match vm.running_pid() {
         Some(_) => Ok(vm),
         None => Err(PortsError::NotRunning(workspace)),

@@ -10,7 +10,10 @@ use crate::shares::ShareSet;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("workspace {}: {source}", .path.display())]
+    #[error(
+        "workspace {}: {source}; name an existing directory, or run vmctl from one",
+        .path.display()
+    )]
     Workspace {
         path: PathBuf,
         source: std::io::Error,
@@ -72,6 +75,29 @@ impl VmDir {
     /// The VM directory of `workspace` (canonicalized), created if missing.
     pub fn for_workspace(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
         Self::create(workspace, "")
+    }
+
+    /// The VM directory `workspace` has or would have; nothing is created. A workspace
+    /// directory that is gone is taken at its absolute path, so that the VM of a
+    /// removed directory can still be stopped and removed.
+    pub fn lookup(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
+        let workspace = match workspace.canonicalize() {
+            Ok(canonical) => canonical,
+            Err(source) if source.kind() == std::io::ErrorKind::NotFound => {
+                std::path::absolute(workspace).map_err(|_| StateError::Workspace {
+                    path: workspace.to_path_buf(),
+                    source,
+                })?
+            }
+            Err(source) => {
+                return Err(StateError::Workspace {
+                    path: workspace.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        let dir = vms_dir().join(vm_name(&workspace));
+        Ok((workspace, VmDir { path: dir }))
     }
 
     /// A fresh directory for a throwaway VM of `workspace`.

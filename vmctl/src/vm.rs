@@ -287,7 +287,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
 }
 
 /// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now.
-fn start_in_progress(vm: &VmDir) -> bool {
+pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
     std::fs::File::open(vm.path.join(START_LOCK))
         .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
@@ -516,7 +516,7 @@ pub fn agent_ready(socket: &Path) -> bool {
 
 /// Asks the guest to shut down, then waits for the supervisor; forces it after 30 s.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
-    let (_, vm) = VmDir::for_workspace(workspace)?;
+    let (_, vm) = VmDir::lookup(workspace)?;
     Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
 }
 
@@ -566,10 +566,13 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
     true
 }
 
-/// Stops the VM and removes its state.
-pub fn remove(workspace: &Path) -> Result<(), VmError> {
-    let (_, vm) = VmDir::for_workspace(workspace)?;
-    remove_vm(&vm, "asked to by `vmctl rm`")
+/// Stops the VM and removes its state; false when the workspace has none.
+pub fn remove(workspace: &Path) -> Result<bool, VmError> {
+    let (_, vm) = VmDir::lookup(workspace)?;
+    if !vm.path.exists() {
+        return Ok(false);
+    }
+    remove_vm(&vm, "asked to by `vmctl rm`").map(|()| true)
 }
 
 /// Stops `vm` (saying `why`, as [`stop_vm`]) and removes its state.
@@ -590,7 +593,7 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
 }
 
 /// The file in a VM's directory that whoever starts the VM holds an `flock` on.
-const START_LOCK: &str = "start.lock";
+pub(crate) const START_LOCK: &str = "start.lock";
 
 /// `vmctl ps`: one line per VM, with what it holds and what keeps it running.
 pub fn list() -> Vec<String> {

@@ -19,7 +19,7 @@ pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
     if let Some(dir) = dir {
         return dir;
     }
-    let cwd = std::env::current_dir().unwrap_or_else(|_| ".".into());
+    let cwd = current_dir();
     let isolation = isolation
         .or_else(|| {
             crate::user_config::UserConfig::load()
@@ -34,6 +34,15 @@ pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
             workspace_root(&cwd, home.as_deref())
         }
     }
+}
+
+/// The current directory; when it was removed, the path the shell still has for it
+/// (`$PWD`), so that the error that follows names it rather than ".".
+pub fn current_dir() -> PathBuf {
+    std::env::current_dir()
+        .ok()
+        .or_else(|| std::env::var_os("PWD").map(PathBuf::from))
+        .unwrap_or_else(|| ".".into())
 }
 
 /// The nearest directory from `dir` up that holds `.git` (a repository, or a

@@ -176,8 +176,7 @@ fn adopt_running_vms(daemon: &Arc<Daemon>) {
         if vm.running_pid().is_none() {
             continue;
         }
-        let pinned = vm.pin_file().exists();
-        daemon.vms().entry(vm.path.clone()).or_default().pinned = pinned;
+        let pinned = track(&mut daemon.vms(), &vm.path).pinned;
         if !pinned {
             schedule_idle_stop(daemon, &vm.path);
         }
@@ -245,9 +244,22 @@ async fn answer(
     writer.write_all(&line).await
 }
 
+/// What the daemon knows of the VM in `vm_dir`; one it does not know yet starts out
+/// pinned if `vmctl up` pinned it (its pin file, which outlives the daemon's memory).
+fn track<'a>(vms: &'a mut HashMap<PathBuf, Tracked>, vm_dir: &Path) -> &'a mut Tracked {
+    vms.entry(vm_dir.to_path_buf()).or_insert_with(|| Tracked {
+        pinned: VmDir {
+            path: vm_dir.to_path_buf(),
+        }
+        .pin_file()
+        .exists(),
+        ..Tracked::default()
+    })
+}
+
 fn take_lease(daemon: &Daemon, vm_dir: &Path, id: u64, holder: String) {
     let mut vms = daemon.vms();
-    let tracked = vms.entry(vm_dir.to_path_buf()).or_default();
+    let tracked = track(&mut vms, vm_dir);
     tracked.leases.insert(id, holder);
     tracked.idle_deadline = None;
     tracked.generation += 1;
@@ -273,7 +285,7 @@ fn set_pinned(daemon: &Arc<Daemon>, vm_dir: &Path, pinned: bool) {
     };
     let idle = {
         let mut vms = daemon.vms();
-        let tracked = vms.entry(vm_dir.to_path_buf()).or_default();
+        let tracked = track(&mut vms, vm_dir);
         tracked.pinned = pinned;
         tracked.idle_deadline = None;
         tracked.generation += 1;
@@ -356,7 +368,8 @@ fn status(daemon: &Daemon) -> Vec<VmStatus> {
     vms
 }
 
-/// Forgets VMs that stopped by other means and have no leases; stops the daemon once
+/// Forgets VMs that stopped by other means and have no leases (a VM still starting,
+/// pinned by `vmctl up` before it runs, is kept); stops the daemon once
 /// its state directory is gone and nothing is left to track, as when a test or a user
 /// removes a whole state directory: no VM can start there any more, and a daemon per
 /// removed directory would otherwise live on for good.
@@ -364,12 +377,7 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
     loop {
         tokio::time::sleep(REAP_INTERVAL).await;
         let mut vms = daemon.vms();
-        vms.retain(|vm_dir, tracked| {
-            let vm = VmDir {
-                path: vm_dir.clone(),
-            };
-            !tracked.leases.is_empty() || vm.running_pid().is_some()
-        });
+        vms.retain(|vm_dir, tracked| !forgettable(tracked, vm_dir));
         if vms.is_empty() && removed(&vms_dir) {
             eprintln!(
                 "vmctl daemon: {} was removed; nothing left to serve",
@@ -379,6 +387,15 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
             return;
         }
     }
+}
+
+/// Whether the daemon may forget `tracked`: nothing holds it and it neither runs nor
+/// is being started.
+fn forgettable(tracked: &Tracked, vm_dir: &Path) -> bool {
+    let vm = VmDir {
+        path: vm_dir.to_path_buf(),
+    };
+    tracked.leases.is_empty() && vm.running_pid().is_none() && !crate::vm::start_in_progress(&vm)
 }
 
 fn removed(path: &Path) -> bool {
@@ -427,5 +444,64 @@ mod tests {
         assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
         assert!(matches!(bind(&socket), Err(DaemonError::AlreadyRunning(_))));
         drop(bound);
+    }
+
+    fn daemon() -> Arc<Daemon> {
+        Arc::new(Daemon {
+            vms: Mutex::new(HashMap::new()),
+            next_lease: AtomicU64::new(1),
+            shutdown: Notify::new(),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_session_on_a_vm_pinned_by_up_leaves_it_pinned() {
+        // `vmctl up` pinned the VM, and the daemon has since forgotten it (it was
+        // restarted, or reaped the VM while it booted): the pin file still holds.
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        std::fs::write(vm.pin_file(), b"pinned by vmctl up\n").unwrap();
+        let daemon = daemon();
+        take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
+        release_lease(&daemon, &vm.path, 1);
+        let after_session = status(&daemon);
+        assert_eq!(after_session.len(), 1);
+        assert!(after_session[0].pinned, "the session unpinned it");
+        assert_eq!(after_session[0].stops_in_s, None, "it would stop when idle");
+
+        // Unpinned (`vmctl stop`), a session's end makes it idle as before.
+        set_pinned(&daemon, &vm.path, false);
+        take_lease(&daemon, &vm.path, 2, "exec (pid 2)".into());
+        release_lease(&daemon, &vm.path, 2);
+        assert!(status(&daemon)[0].stops_in_s.is_some());
+    }
+
+    #[test]
+    fn a_vm_being_started_is_not_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let untracked = Tracked::default();
+        assert!(
+            forgettable(&untracked, dir.path()),
+            "neither running nor starting"
+        );
+
+        let start_lock =
+            crate::state::open_lock_file(&dir.path().join(crate::vm::START_LOCK)).unwrap();
+        start_lock.lock().unwrap();
+        assert!(
+            !forgettable(&untracked, dir.path()),
+            "forgotten while it starts"
+        );
+        drop(start_lock);
+        assert!(
+            forgettable(&untracked, dir.path()),
+            "a start that ended (or failed)"
+        );
+
+        let mut leased = Tracked::default();
+        leased.leases.insert(1, "exec (pid 1)".into());
+        assert!(!forgettable(&leased, dir.path()));
     }
 }

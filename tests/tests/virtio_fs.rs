@@ -266,6 +266,87 @@ const OTHER_UID: u32 = 4242;
 /// that user, whatever the guest creates in the workspace is theirs on the host, as
 /// guest root too, and another user's host file shows as uid 65534, can be read as
 /// its mode allows but neither written nor given away.
+/// A workspace that is a git worktree, as Paseo makes one per agent: git works in the
+/// guest (its repository's git directory is shared at its path) and agrees with the
+/// host's both ways; the main checkout's files stay out of the guest.
+#[test]
+fn a_git_worktree_works_in_the_guest() {
+    vm_tests::vm_scenario(
+        "virtio_fs::a_git_worktree_works_in_the_guest",
+        worktree_scenario,
+    );
+}
+
+fn worktree_scenario() {
+    let ws = Workspace::new("worktree");
+    let worktree = ws.path().canonicalize().unwrap();
+    let repo = ws.dir.join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    let git = |dir: &Path, args: &[&str]| {
+        let identity = ["-c", "user.email=host@example.com", "-c", "user.name=host"];
+        host("git", &[&identity[..], args].concat(), dir)
+    };
+    git(&repo, &["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("committed.txt"), "in every checkout\n").unwrap();
+    git(&repo, &["add", "committed.txt"]);
+    git(&repo, &["commit", "-qm", "first, on the host"]);
+    let marker = vm_tests::random_hex(16);
+    std::fs::write(repo.join("main-checkout-only.txt"), &marker).unwrap();
+    git(
+        &repo,
+        &[
+            "worktree",
+            "add",
+            "-q",
+            "-b",
+            "feature",
+            worktree.to_str().unwrap(),
+        ],
+    );
+
+    let repo_path = repo.canonicalize().unwrap();
+    let guest = ws.exec(&format!(
+        "set -e; test \"$(git rev-parse --abbrev-ref HEAD)\" = feature
+         test -z \"$(git status --porcelain)\"
+         echo guest > guest.txt; git add guest.txt
+         git -c user.email=guest@example.com -c user.name=guest commit -qm from-guest
+         ls -A {repo}; cat {repo}/main-checkout-only.txt 2>/dev/null || echo unseen",
+        repo = repo_path.display()
+    ));
+    assert_ok(&guest, "git in the worktree");
+    assert_eq!(
+        stdout(&guest),
+        ".git\nunseen\n",
+        "the guest sees more of the main repository than its git directory"
+    );
+    assert!(!stdout(&guest).contains(&marker));
+
+    // The host's git agrees: the guest's commit is on the branch, nothing is changed.
+    assert_eq!(
+        git(&worktree, &["log", "-1", "--format=%s"]),
+        "from-guest\n"
+    );
+    assert_eq!(
+        git(&repo, &["rev-parse", "feature"]),
+        git(&worktree, &["rev-parse", "HEAD"])
+    );
+    assert_eq!(git(&worktree, &["status", "--porcelain"]), "");
+
+    // And the reverse: the host's commit in the worktree, seen by the guest's git
+    // (within the second for which the guest may cache the branch's old file).
+    std::fs::write(worktree.join("host.txt"), "host\n").unwrap();
+    git(&worktree, &["add", "host.txt"]);
+    git(&worktree, &["commit", "-qm", "from-host"]);
+    let seen = ws.exec(
+        "for i in $(seq 50); do
+             [ \"$(git log -1 --format=%s)\" = from-host ] && break; sleep 0.1
+         done
+         git log -1 --format=%s; git status --porcelain",
+    );
+    assert_ok(&seen, "git log in the guest");
+    assert_eq!(stdout(&seen), "from-host\n");
+}
+
 #[test]
 fn a_normal_users_files_stay_theirs() {
     vm_tests::vm_scenario(

@@ -26,6 +26,7 @@ mod virtiofsd;
 mod vm;
 mod vmm_process;
 mod workspace;
+mod worktree;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;

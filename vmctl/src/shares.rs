@@ -330,7 +330,7 @@ pub enum GuestConflict {
 }
 
 /// What is wrong with mounting a share at `guest` (absolute, normalized), if anything.
-fn guest_conflict(guest: &Path) -> Option<GuestConflict> {
+pub(crate) fn guest_conflict(guest: &Path) -> Option<GuestConflict> {
     if guest == Path::new("/") {
         return Some(GuestConflict::Root);
     }

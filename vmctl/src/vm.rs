@@ -89,7 +89,8 @@ pub fn up_ephemeral(workspace: &Path, setup: &VmSetupArgs) -> Result<VmDir, VmEr
     start(&workspace, vm, &options)
 }
 
-/// The workspace, then the config file's shares, then `mounts`, in mount order.
+/// The workspace, then the config file's shares, then `mounts`, then a worktree
+/// workspace's repository, in mount order.
 fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<ShareSet, VmError> {
     let config = UserConfig::load()?;
     let cwd = std::env::current_dir().unwrap_or_else(|_| workspace.to_path_buf());
@@ -115,6 +116,15 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     }
     list.extend(written.iter().map(|mount| mount.share.clone()));
     shares::check_no_guest_symlinks(&written, &list)?;
+    match crate::worktree::repository_share(workspace, &list) {
+        Ok(Some(repository)) => list.push(repository),
+        Ok(None) => {}
+        Err(why) => eprintln!(
+            "vmctl: warning: {} is a git worktree, but {why}; git in the VM will not find \
+             its repository",
+            workspace.display()
+        ),
+    }
     shares::check_shares(&list)?;
     Ok(ShareSet {
         shares: shares::mount_order(list),

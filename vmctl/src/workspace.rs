@@ -47,7 +47,9 @@ pub fn current_dir() -> PathBuf {
 
 /// The nearest directory from `dir` up that holds `.git` (a repository, or a
 /// worktree's `.git` file), never the home directory or `/` themselves (a dotfiles
-/// repository must not make the whole home one workspace); else `dir`.
+/// repository must not make the whole home one workspace), and never a submodule (its
+/// repository lives in the enclosing one's git directory, so the workspace is the
+/// enclosing one); else `dir`.
 fn workspace_root(dir: &Path, home: Option<&Path>) -> PathBuf {
     let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     let home = home.and_then(|h| h.canonicalize().ok());
@@ -55,11 +57,25 @@ fn workspace_root(dir: &Path, home: Option<&Path>) -> PathBuf {
         if candidate.parent().is_none() || Some(candidate) == home.as_deref() {
             break;
         }
-        if candidate.join(".git").exists() {
+        if candidate.join(".git").exists() && !is_submodule(candidate) {
             return candidate.to_path_buf();
         }
     }
     dir
+}
+
+/// Whether `dir`'s `.git` is a file naming a git directory in an enclosing
+/// repository's (`<super>/.git/modules/...`), as a submodule's does.
+fn is_submodule(dir: &Path) -> bool {
+    let Some(named) = crate::worktree::read_link_file(&dir.join(".git"), "gitdir: ") else {
+        return false;
+    };
+    let Ok(git_dir) = dir.join(named).canonicalize() else {
+        return false;
+    };
+    dir.ancestors()
+        .skip(1)
+        .any(|outer| git_dir.starts_with(outer.join(".git/modules")))
 }
 
 #[cfg(test)]
@@ -82,6 +98,26 @@ mod tests {
         std::fs::create_dir_all(worktree.join("sub")).unwrap();
         std::fs::write(worktree.join(".git"), "gitdir: ../repo/.git/worktrees/wt\n").unwrap();
         assert_eq!(workspace_root(&worktree.join("sub"), Some(&home)), worktree);
+        // A submodule (nested in another) belongs to the repository around it, whose
+        // git directory holds its own.
+        let nested = repo.join("libs/sub/inner");
+        std::fs::create_dir_all(nested.join("src")).unwrap();
+        std::fs::create_dir_all(repo.join(".git/modules/libs/sub/modules/inner")).unwrap();
+        std::fs::write(
+            repo.join("libs/sub/.git"),
+            "gitdir: ../../.git/modules/libs/sub\n",
+        )
+        .unwrap();
+        std::fs::write(
+            nested.join(".git"),
+            format!(
+                "gitdir: {}/.git/modules/libs/sub/modules/inner\n",
+                repo.display()
+            ),
+        )
+        .unwrap();
+        assert_eq!(workspace_root(&nested.join("src"), Some(&home)), repo);
+        assert_eq!(workspace_root(&repo.join("libs/sub"), Some(&home)), repo);
         // A dotfiles repository in home does not swallow everything under it.
         std::fs::create_dir_all(home.join(".git")).unwrap();
         let plain = home.join("notes");

@@ -19,7 +19,9 @@ pub struct Published {
 
 impl Published {
     /// Listens on `host` (port 0: a free one) and forwards its connections to the
-    /// guest's `guest_port`; returns the address it listens on.
+    /// guest's `guest_port`; returns the address it listens on. Asked again for a
+    /// port already published as asked, it answers with that address, so that a
+    /// script can publish without first asking whether it did.
     pub async fn publish(
         &self,
         vsock: PathBuf,
@@ -27,6 +29,14 @@ impl Published {
         host: SocketAddr,
     ) -> Result<PublishedPort, String> {
         if let Some(existing) = self.address_of(guest_port) {
+            let as_asked =
+                existing.ip() == host.ip() && (host.port() == 0 || host.port() == existing.port());
+            if as_asked {
+                return Ok(PublishedPort {
+                    guest_port,
+                    host: existing,
+                });
+            }
             return Err(format!(
                 "guest port {guest_port} is already published at {existing}; \
                  'vmctl unpublish {guest_port}' first"
@@ -104,5 +114,31 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, g
             let _ = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
         }
         Err(e) => tracing::info!("published port {guest_port} for {peer}: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn publishing_again_as_asked_answers_with_the_same_address() {
+        let published = Published::default();
+        let vsock = PathBuf::from("/nonexistent/vsock.sock");
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let first = published.publish(vsock.clone(), 8123, any_port).await.unwrap();
+        let again = published.publish(vsock.clone(), 8123, any_port).await.unwrap();
+        assert_eq!(again.host, first.host);
+        let same_port = published.publish(vsock.clone(), 8123, first.host).await.unwrap();
+        assert_eq!(same_port.host, first.host);
+        assert_eq!(published.list().len(), 1);
+
+        // Asked for another host port or address, it says where it is published.
+        let mut other_port = first.host;
+        other_port.set_port(first.host.port().wrapping_add(1).max(1));
+        let refused = published.publish(vsock.clone(), 8123, other_port).await;
+        assert!(refused.is_err_and(|e| e.contains("already published at")));
+        let other_address: SocketAddr = "0.0.0.0:0".parse().unwrap();
+        assert!(published.publish(vsock, 8123, other_address).await.is_err());
     }
 }

@@ -53,6 +53,9 @@ pub enum ClientError {
          agent; stop it (`vmctl stop`, which ends what runs in it) and start it again"
     )]
     OtherProtocol(String),
+    /// The program could not be run (`NotStarted`): the shell's words and exit code.
+    #[error("{message}")]
+    NotStarted { message: String, exit_code: u8 },
     #[error("unexpected message from the agent: {0}")]
     Unexpected(String),
     #[error("the agent closed the connection unexpectedly")]
@@ -248,10 +251,14 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         }
     }
 
-    /// Starts a command; returns once the agent reports it running (`Started`).
+    /// Starts a command; returns once the agent reports it running (`Started`), or
+    /// [`ClientError::NotStarted`] for a program that cannot be run.
     pub async fn exec(mut self, req: ExecRequest) -> Result<ExecSession<S>> {
         write_frame(&mut self.writer, &ClientMessage::Exec(req)).await?;
         match self.reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::NotStarted { message, exit_code }) => {
+                Err(ClientError::NotStarted { message, exit_code })
+            }
             Some(AgentMessage::Started { pid }) => Ok(ExecSession {
                 pid,
                 input: ExecInput {

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -221,6 +221,13 @@ pub enum AgentMessage {
     },
     /// Answers `ConnectPort`: raw bytes follow.
     Connected,
+    /// Answers `Exec` whose program could not be run (not found, not executable):
+    /// the shell's words for it, and the shell's exit code (127 or 126). The agent
+    /// closes the connection after this message.
+    NotStarted {
+        message: String,
+        exit_code: u8,
+    },
 }
 
 /// Encodes `msg` as a complete frame (length prefix + payload).
@@ -428,6 +435,10 @@ mod tests {
                 failed_relays: vec![(80, "in use".into())],
             },
             AgentMessage::Connected,
+            AgentMessage::NotStarted {
+                message: "x: command not found".into(),
+                exit_code: 127,
+            },
         ];
         for msg in agent {
             let frame = encode_frame(&msg).unwrap();

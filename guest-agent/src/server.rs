@@ -38,6 +38,9 @@ pub enum ServerError {
     User(#[from] users::UserError),
     #[error("cannot start the command: {0}")]
     Spawn(io::Error),
+    /// The program could not be run, in a shell's words, with a shell's exit code.
+    #[error("{message}")]
+    NotRunnable { message: String, exit_code: u8 },
     #[error("invalid exec request: {0}")]
     BadRequest(String),
 }
@@ -629,9 +632,10 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             Ok(w) => w,
             Err(p) => p.into_inner(),
         };
-        let child = cmd
-            .spawn()
-            .map_err(|e| ServerError::Spawn(io::Error::new(e.kind(), format!("{program}: {e}"))))?;
+        let child = cmd.spawn().map_err(|e| match shell_report(program, &e) {
+            Some((message, exit_code)) => ServerError::NotRunnable { message, exit_code },
+            None => ServerError::Spawn(io::Error::new(e.kind(), format!("{program}: {e}"))),
+        })?;
         waiting.insert(child.id() as i32, tx);
         child
     };
@@ -673,6 +677,19 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
                 pty: None,
             })
         }
+    }
+}
+
+/// How a shell reports a program it could not run: its words, and its exit code
+/// (127: not found, 126: found but not runnable). None for other failures.
+fn shell_report(program: &str, error: &io::Error) -> Option<(String, u8)> {
+    match error.kind() {
+        io::ErrorKind::NotFound if program.contains('/') => {
+            Some((format!("{program}: No such file or directory"), 127))
+        }
+        io::ErrorKind::NotFound => Some((format!("{program}: command not found"), 127)),
+        io::ErrorKind::PermissionDenied => Some((format!("{program}: Permission denied"), 126)),
+        _ => None,
     }
 }
 
@@ -912,6 +929,12 @@ where
 {
     let spawned = match spawn(&req, &state) {
         Ok(s) => s,
+        Err(ServerError::NotRunnable { message, exit_code }) => {
+            info!("not started: {message}");
+            let _ = write_frame(&mut w, &AgentMessage::NotStarted { message, exit_code }).await;
+            let _ = w.shutdown().await;
+            return Ok(());
+        }
         Err(e) => {
             return send_error(&mut w, e.to_string()).await;
         }

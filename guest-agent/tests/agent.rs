@@ -148,7 +148,36 @@ async fn exec_errors_are_reported() {
         .err()
         .unwrap();
     assert!(
-        matches!(&err, ClientError::Agent(m) if m.contains("/no/such/program")),
+        matches!(&err, ClientError::NotStarted { message, exit_code: 127 }
+            if message == "/no/such/program: No such file or directory"),
+        "{err}"
+    );
+    // As a shell says it: a name not found on PATH, a file that is not executable.
+    let not_runnable = |argv0: String| async move {
+        conn()
+            .await
+            .exec(ExecRequest {
+                argv: vec![argv0],
+                ..Default::default()
+            })
+            .await
+            .err()
+            .unwrap()
+    };
+    let err = not_runnable("no-such-program-xyz".into()).await;
+    assert!(
+        matches!(&err, ClientError::NotStarted { message, exit_code: 127 }
+            if message == "no-such-program-xyz: command not found"),
+        "{err}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let plain_file = dir.path().join("not-executable");
+    std::fs::write(&plain_file, "#!/bin/sh\n").unwrap();
+    let plain_file = plain_file.display().to_string();
+    let err = not_runnable(plain_file.clone()).await;
+    assert!(
+        matches!(&err, ClientError::NotStarted { message, exit_code: 126 }
+            if *message == format!("{plain_file}: Permission denied")),
         "{err}"
     );
     let err = conn()

@@ -305,6 +305,9 @@ fn relay_scenario() {
     let body = http_get(&address, "/index.html");
     assert!(body.contains("published-ok"), "{body}");
     assert!(stdout(&ws.run(&["ports"])).contains(&address));
+    let again = ws.run(&["publish", "8123"]);
+    assert_ok(&again, "vmctl publish of a published port");
+    assert_eq!(stdout(&again).trim(), address, "published again elsewhere");
 
     // A client that half-closes (sends its request, then shuts down its sending side,
     // as `nc -N` does) still gets the answer the guest sends after reading to EOF.

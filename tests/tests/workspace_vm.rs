@@ -58,6 +58,29 @@ fn workspace_scenario() {
     let killed = ws.exec("kill -TERM $$");
     assert_eq!(killed.status.code(), Some(128 + 15));
 
+    // A program the guest cannot run ends as in a shell: 127 not found, 126 not
+    // runnable, in the shell's words.
+    for (program, code, says) in [
+        (
+            "no-such-program",
+            127,
+            "vmctl: no-such-program: command not found (in the VM)",
+        ),
+        (
+            "/etc/passwd",
+            126,
+            "vmctl: /etc/passwd: Permission denied (in the VM)",
+        ),
+    ] {
+        let not_run = ws.run(&["exec", "--", program]);
+        let stderr = String::from_utf8_lossy(&not_run.stderr);
+        assert_eq!(not_run.status.code(), Some(code), "{program}: {stderr}");
+        assert!(
+            stderr.lines().any(|line| line == says),
+            "{program}: {stderr}"
+        );
+    }
+
     // 1 MiB of stdin comes back byte-identical.
     let data = vm_tests::random_bytes(1 << 20);
     let mut cat = ws

@@ -137,16 +137,32 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         user: options.user,
         tty,
     };
-    let session = call_agent(socket, |connection| connection.exec(request))
-        .await
-        .map_err(|e| match e {
-            AgentCallError::Connect(reason) => ExecError::Connect {
-                socket: socket.to_path_buf(),
-                reason,
-            },
-            AgentCallError::Call(reason) => ExecError::Session(reason),
-            AgentCallError::Timeout => ExecError::NotStarted,
-        })?;
+    // A program the guest cannot run is the command's outcome, as in a shell: its
+    // words on stderr, and 127 or 126.
+    let started = call_agent(socket, |connection| async move {
+        match connection.exec(request).await {
+            Err(client::ClientError::NotStarted { message, exit_code }) => {
+                Ok(Err((message, exit_code)))
+            }
+            started => started.map(Ok),
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        AgentCallError::Connect(reason) => ExecError::Connect {
+            socket: socket.to_path_buf(),
+            reason,
+        },
+        AgentCallError::Call(reason) => ExecError::Session(reason),
+        AgentCallError::Timeout => ExecError::NotStarted,
+    })?;
+    let session = match started {
+        Ok(session) => session,
+        Err((message, exit_code)) => {
+            eprintln!("vmctl: {message} (in the VM)");
+            return Ok(exit_code);
+        }
+    };
     // Raw from here on: keys, Ctrl-C included, go to the command's PTY.
     let _raw = if options.tty {
         RawTerminal::enter()

@@ -126,10 +126,19 @@ mod tests {
         let published = Published::default();
         let vsock = PathBuf::from("/nonexistent/vsock.sock");
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let first = published.publish(vsock.clone(), 8123, any_port).await.unwrap();
-        let again = published.publish(vsock.clone(), 8123, any_port).await.unwrap();
+        let first = published
+            .publish(vsock.clone(), 8123, any_port)
+            .await
+            .unwrap();
+        let again = published
+            .publish(vsock.clone(), 8123, any_port)
+            .await
+            .unwrap();
         assert_eq!(again.host, first.host);
-        let same_port = published.publish(vsock.clone(), 8123, first.host).await.unwrap();
+        let same_port = published
+            .publish(vsock.clone(), 8123, first.host)
+            .await
+            .unwrap();
         assert_eq!(same_port.host, first.host);
         assert_eq!(published.list().len(), 1);
 

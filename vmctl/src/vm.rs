@@ -38,6 +38,16 @@ pub enum VmError {
         reason: String,
         logs: PathBuf,
     },
+    #[error(
+        "the VM of {} runs a guest agent of another protocol version ({agent_said}), so it \
+         was started by another vmctl; 'vmctl stop' it (which ends what runs in it), then \
+         start it again",
+        .workspace.display()
+    )]
+    OtherAgent {
+        workspace: PathBuf,
+        agent_said: String,
+    },
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -157,7 +167,17 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
         let deadline = Instant::now() + BOOT_TIMEOUT_NESTED;
-        while !agent_ready(&vm.vsock_socket()) {
+        loop {
+            match agent_state(&vm.vsock_socket()) {
+                AgentState::Answers => break,
+                AgentState::OtherProtocol(agent_said) => {
+                    return Err(VmError::OtherAgent {
+                        workspace,
+                        agent_said,
+                    })
+                }
+                AgentState::Silent => {}
+            }
             if vm.running_pid().is_none() {
                 break;
             }
@@ -255,14 +275,22 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             BOOT_TIMEOUT_DIRECT
         };
     loop {
-        if agent_ready(&vm.vsock_socket()) {
-            break;
-        }
         let not_ready = |reason: String| VmError::NotReady {
             workspace: workspace.clone(),
             reason,
             logs: vm.path.clone(),
         };
+        match agent_state(&vm.vsock_socket()) {
+            AgentState::Answers => break,
+            AgentState::OtherProtocol(agent_said) => {
+                let _ = supervisor.kill();
+                return Err(not_ready(format!(
+                    "its guest agent speaks another protocol version ({agent_said}); \
+                     rebuild it with scripts/setup.sh"
+                )));
+            }
+            AgentState::Silent => {}
+        }
         if let Ok(Some(status)) = supervisor.try_wait() {
             return Err(not_ready(format!(
                 "its supervisor exited ({status}){}",
@@ -502,25 +530,36 @@ fn agent_runtime() -> Option<&'static tokio::runtime::Runtime> {
         .as_ref()
 }
 
-/// Whether the guest agent behind `socket` answers a health check.
-pub fn agent_ready(socket: &Path) -> bool {
+/// Whether a VM's guest agent answers a health check, as [`agent_state`] found it.
+#[derive(Debug, PartialEq, Eq)]
+enum AgentState {
+    Answers,
+    /// No answer (yet): the VM is booting, or stuck.
+    Silent,
+    /// It answers in another protocol version: it is not the agent of this vmctl,
+    /// and waiting will not change that. The agent's words.
+    OtherProtocol(String),
+}
+
+fn agent_state(socket: &Path) -> AgentState {
     if !socket.exists() {
-        return false;
+        return AgentState::Silent;
     }
     let Some(runtime) = agent_runtime() else {
-        return false;
+        return AgentState::Silent;
     };
     runtime.block_on(async {
         let check = async {
-            let connection = guest_agent::client::connect_hybrid(socket, AGENT_PORT)
-                .await
-                .ok()?;
-            connection.health().await.ok()
+            let connection = guest_agent::client::connect_hybrid(socket, AGENT_PORT).await?;
+            connection.health().await
         };
-        matches!(
-            tokio::time::timeout(Duration::from_secs(5), check).await,
-            Ok(Some(_))
-        )
+        match tokio::time::timeout(Duration::from_secs(5), check).await {
+            Ok(Ok(_)) => AgentState::Answers,
+            Ok(Err(guest_agent::client::ClientError::OtherProtocol(message))) => {
+                AgentState::OtherProtocol(message)
+            }
+            _ => AgentState::Silent,
+        }
     })
 }
 
@@ -705,6 +744,49 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Serves one hybrid-vsock connection on `socket` as a guest agent that answers
+    /// every Hello with `reply`.
+    fn fake_agent(
+        socket: &Path,
+        reply: guest_agent::protocol::AgentMessage,
+    ) -> std::thread::JoinHandle<()> {
+        use std::io::{BufRead, Read, Write};
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+        std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut connect = String::new();
+            reader.read_line(&mut connect).unwrap();
+            let mut writer = stream;
+            writer.write_all(b"OK 1\n").unwrap();
+            let mut length = [0u8; 4];
+            reader.read_exact(&mut length).unwrap();
+            let mut hello = vec![0u8; u32::from_le_bytes(length) as usize];
+            reader.read_exact(&mut hello).unwrap();
+            let frame = guest_agent::protocol::encode_frame(&reply).unwrap();
+            writer.write_all(&frame).unwrap();
+        })
+    }
+
+    #[test]
+    fn an_agent_of_another_protocol_is_told_apart_from_a_silent_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vsock.sock");
+        assert_eq!(agent_state(&socket), AgentState::Silent, "no socket yet");
+        let said = format!(
+            "{} 5 (this agent 0.1.0 speaks 4)",
+            guest_agent::protocol::UNSUPPORTED_VERSION
+        );
+        let agent = fake_agent(
+            &socket,
+            guest_agent::protocol::AgentMessage::Error {
+                message: said.clone(),
+            },
+        );
+        assert_eq!(agent_state(&socket), AgentState::OtherProtocol(said));
+        agent.join().unwrap();
+    }
 
     #[test]
     fn a_start_is_in_progress_only_while_its_lock_is_held() {

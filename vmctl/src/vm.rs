@@ -587,16 +587,29 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
         tracing::debug!("cannot note the shutdown in the supervisor's log: {e}");
     }
     let socket = vm.vsock_socket();
-    if let Some(runtime) = agent_runtime() {
+    let other_agent = agent_runtime().is_some_and(|runtime| {
         runtime.block_on(async {
             let shutdown = async {
-                let connection = guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
+                guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
+                    .await?
+                    .shutdown()
                     .await
-                    .ok()?;
-                connection.shutdown().await.ok()
             };
-            let _ = tokio::time::timeout(Duration::from_secs(10), shutdown).await;
-        });
+            matches!(
+                tokio::time::timeout(Duration::from_secs(10), shutdown).await,
+                Ok(Err(guest_agent::client::ClientError::OtherProtocol(_)))
+            )
+        })
+    });
+    if other_agent {
+        // Another vmctl's agent cannot be asked; waiting for it would only delay this.
+        eprintln!(
+            "vmctl: the VM in {} runs a guest agent of another protocol version, which \
+             cannot be asked to shut down; stopping its VMM",
+            vm.path.display()
+        );
+        // SAFETY: signalling the supervisor's pid, read from its pid file.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     while vm.running_pid().is_some() {

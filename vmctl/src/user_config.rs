@@ -201,18 +201,33 @@ impl UserConfig {
         ports
     }
 
+    /// The sections that apply to `workspace`, weakest first: for a git worktree, its
+    /// main checkout's (a project's settings hold for the worktrees Paseo makes of
+    /// it), then its own.
     fn settings_of<'a>(
         &'a self,
         workspace: &Path,
         home: Option<&'a Path>,
     ) -> impl Iterator<Item = &'a WorkspaceConfig> + 'a {
         let workspace = canonical_or_given(workspace);
-        self.workspaces.iter().filter_map(move |(key, settings)| {
-            let matches = expand_home(key, home)
-                .map(|key| canonical_or_given(&key) == workspace)
-                .unwrap_or(false);
-            matches.then_some(settings)
-        })
+        let main_checkout = match crate::worktree::common_git_dir(&workspace) {
+            crate::worktree::GitDir::Common(git_dir) if git_dir.ends_with(".git") => {
+                git_dir.parent().map(Path::to_path_buf)
+            }
+            _ => None,
+        };
+        let section = move |path: PathBuf| {
+            self.workspaces.iter().filter_map(move |(key, settings)| {
+                let matches = expand_home(key, home)
+                    .map(|key| canonical_or_given(&key) == path)
+                    .unwrap_or(false);
+                matches.then_some(settings)
+            })
+        };
+        main_checkout
+            .into_iter()
+            .flat_map(section)
+            .chain(section(workspace))
     }
 }
 
@@ -287,6 +302,46 @@ mod tests {
         let config = UserConfig::load_from(&dir.path().join("absent.toml")).unwrap();
         assert_eq!(config, UserConfig::default());
         assert!(config.mounts_for(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn a_worktree_has_its_projects_settings_then_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let project = root.join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        let git = |args: &[&str]| {
+            let status = std::process::Command::new("git")
+                .args(["-c", "user.email=t@t", "-c", "user.name=t"])
+                .args(args)
+                .current_dir(&project)
+                .status()
+                .unwrap();
+            assert!(status.success(), "git {args:?}");
+        };
+        git(&["init", "-q"]);
+        git(&["commit", "-q", "--allow-empty", "-m", "one"]);
+        git(&["worktree", "add", "-q", "../feature"]);
+        let worktree = root.join("feature");
+        let text = format!(
+            "mounts = [\"/global\"]\n\
+             [workspaces.\"{project}\"]\nmounts = [\"/project\"]\ncpus = 2\nmemory_percent = 20\n\
+             [workspaces.\"{worktree}\"]\nmounts = [\"/feature\"]\ncpus = 4\n",
+            project = project.display(),
+            worktree = worktree.display()
+        );
+        let config = UserConfig::load_from(&write_config(&root, &text)).unwrap();
+        assert_eq!(
+            config.mounts_for_with_home(&worktree, None),
+            ["/global", "/project", "/feature"]
+        );
+        assert_eq!(
+            config.mounts_for_with_home(&project, None),
+            ["/global", "/project"]
+        );
+        let resources = config.resources_for(&worktree);
+        assert_eq!(resources.cpus, Some(4), "its own section wins");
+        assert_eq!(resources.memory_percent, Some(20), "the project's fills in");
     }
 
     #[test]

@@ -297,13 +297,15 @@ mod tests {
     }
 
     /// A stand-in for the VMM: a shell script that reports `outcome` on the
-    /// descriptor it is given (or nothing when empty), then exits with `code`.
+    /// descriptor it is given (or nothing when empty), then exits with `code`. The
+    /// stand-ins that use a descriptor they are given run in bash: dash redirects
+    /// one-digit descriptors only, and the test process may hold ten or more.
     fn stand_in(dir: &Path, outcome: &str, code: i32) -> PathBuf {
         let path = dir.join(BINARY);
         script(
             &path,
             &format!(
-                "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+                "#!/bin/bash\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
                  [ -n '{outcome}' ] && echo '{outcome}' >&$fd\nexit {code}\n"
             ),
         );
@@ -326,7 +328,7 @@ mod tests {
         // Reports "stopped by 15" only if it gets SIGTERM; otherwise gives up after
         // 10 s with a shutdown.
         let text = format!(
-            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+            "#!/bin/bash\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
              trap 'echo {{\\\"stopped\\\":{{\\\"signal\\\":15}}}} >&$fd; exit 143' TERM\n\
              touch {}\nfor i in $(seq 100); do sleep 0.1; done\necho '\"shutdown\"' >&$fd\n",
             ready.display()
@@ -362,7 +364,7 @@ mod tests {
     fn the_vmm_reads_its_configuration_from_its_descriptor() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(BINARY);
-        let text = "#!/bin/sh\nwhile [ $# -gt 0 ]; do case $1 in --outcome-fd) out=$2;; \
+        let text = "#!/bin/bash\nwhile [ $# -gt 0 ]; do case $1 in --outcome-fd) out=$2;; \
                       --config-fd) cfg=$2;; esac; shift; done\n\
                       eval \"exec 4<&$cfg\"\n\
                       grep -q '\"kernel\":\"/k/vmlinux\"' <&4 && echo '\"shutdown\"' >&$out\n";

@@ -204,8 +204,15 @@ fn provider_scenario() {
         sub.display().to_string()
     );
     assert_eq!(running(ps(&ws)), 2, "--isolation directory gets its own VM");
-    // Its directory removed, the VM can still be named by the path it had.
+    // Its directory removed, `ps` says so, and the VM can still be named by the path
+    // it had.
     std::fs::remove_dir_all(&sub).unwrap();
+    let table = ps(&ws);
+    assert!(
+        table.contains(&format!("{} (removed)", sub.display()))
+            && table.contains("1 VM(s) of directories since removed"),
+        "{table}"
+    );
     assert_ok(
         &ws.run(&["rm", sub.to_str().unwrap()]),
         "vmctl rm of removed sub/",

@@ -670,6 +670,7 @@ pub fn list() -> Vec<String> {
     )];
     // Why crashed VMs crashed, after the table.
     let mut crashes = Vec::new();
+    let mut of_removed_directories = 0;
     for vm in VmDir::all() {
         let name = vm
             .path
@@ -712,12 +713,16 @@ pub fn list() -> Vec<String> {
             (Some(_), None) => "no daemon".to_string(),
             (Some(_), Some(vms)) => kept_by(vms.iter().find(|v| v.vm_dir == vm.path)),
         };
+        // Worktrees come and go (Paseo removes them): their VMs' state stays behind.
+        let removed = !record.workspace.exists();
+        of_removed_directories += usize::from(removed);
         lines.push(format!(
-            "{name:<28} {state:<8} {uptime:>8} {:<6} {:>4} {:>7} {held:>7}  {kept_by:<30} {}",
+            "{name:<28} {state:<8} {uptime:>8} {:<6} {:>4} {:>7} {held:>7}  {kept_by:<30} {}{}",
             if record.nested { "nested" } else { "direct" },
             record.cpus,
             format!("{}M", record.memory_mib),
-            record.workspace.display()
+            record.workspace.display(),
+            if removed { " (removed)" } else { "" }
         ));
         if let Some(crash) = crash {
             crashes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
@@ -726,6 +731,13 @@ pub fn list() -> Vec<String> {
     if !crashes.is_empty() {
         lines.push(String::new());
         lines.extend(crashes);
+    }
+    if of_removed_directories > 0 {
+        lines.push(String::new());
+        lines.push(format!(
+            "{of_removed_directories} VM(s) of directories since removed: `vmctl rm DIR` \
+             forgets one (its logs and agent transcripts go with it)"
+        ));
     }
     lines
 }

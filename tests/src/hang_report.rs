@@ -23,6 +23,10 @@ const DIAGNOSIS_TIMEOUT: Duration = Duration::from_secs(120);
 const GRACE_AFTER_DIAGNOSIS: Duration = Duration::from_secs(30);
 /// Lines of the guest console shown.
 const CONSOLE_LINES: usize = 15;
+/// How long the VM's host processes' CPU use is measured.
+const CPU_SAMPLE: Duration = Duration::from_secs(2);
+/// Clock ticks per second of /proc's CPU times (USER_HZ: 100 on x86).
+const TICKS_PER_SECOND: f64 = 100.0;
 
 /// Run in the guest as root: the uptime (whether the guest's clock moves), then every
 /// process with a command line, and kernel threads in uninterruptible sleep, with the
@@ -61,6 +65,9 @@ pub fn diagnose(
         return Some(report);
     }
     report.push_str(&console_tail(&workspace.state()));
+    if let Some(vm_dir) = crate::find_vm_dir(&workspace.state()) {
+        report.push_str(&host_side(&vm_dir, CPU_SAMPLE));
+    }
     let asked = Instant::now();
     report.push_str(&ask_the_guest(workspace));
     report.push_str(&match wait_bounded(hung, grace) {
@@ -157,6 +164,136 @@ fn ask_the_guest(workspace: &Workspace) -> String {
     }
 }
 
+/// The VM's processes on this host (its supervisor and everything under it: the VMM
+/// or the nested host, virtiofsd), with each thread's CPU use over `sample`: for a
+/// guest stuck as a whole, idle vCPU threads mean it waits for an event that never
+/// came (a lost interrupt), busy ones that it spins.
+fn host_side(vm_dir: &Path, sample: Duration) -> String {
+    let Some(supervisor) = std::fs::read_to_string(vm_dir.join("supervisor.pid"))
+        .ok()
+        .and_then(|pid| pid.trim().parse::<u32>().ok())
+    else {
+        return "no supervisor pid, so no host processes to show\n".into();
+    };
+    let tree = process_tree(supervisor);
+    let before = thread_ticks(&tree);
+    thread::sleep(sample);
+    let after = thread_ticks(&tree);
+    let mut text = format!(
+        "the VM's host processes, CPU use over {:.0} s:\n",
+        sample.as_secs_f64()
+    );
+    for &pid in &tree {
+        let threads: Vec<&Thread> = after.iter().filter(|t| t.pid == pid).collect();
+        let Some(main) = threads.iter().find(|t| t.tid == pid) else {
+            continue;
+        };
+        let percent = |thread: &Thread| {
+            let earlier = before
+                .iter()
+                .find(|b| b.tid == thread.tid)
+                .map_or(thread.ticks, |b| b.ticks);
+            thread.ticks.saturating_sub(earlier) as f64 / TICKS_PER_SECOND / sample.as_secs_f64()
+                * 100.0
+        };
+        let total: f64 = threads.iter().map(|t| percent(t)).sum();
+        text.push_str(&format!(
+            "  {pid} {} [{}] {total:.0}%",
+            main.comm, main.state
+        ));
+        let busy: Vec<String> = threads
+            .iter()
+            .filter(|t| threads.len() > 1 && percent(t) >= 1.0)
+            .map(|t| format!("{} {:.0}%", t.comm, percent(t)))
+            .collect();
+        if !busy.is_empty() {
+            text.push_str(&format!(" (busy threads: {})", busy.join(", ")));
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// `root` and every process under it.
+fn process_tree(root: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, stat_fields(&format!("/proc/{pid}/stat"))?.1)))
+        .map(|(pid, fields)| (pid, fields.get(1).and_then(|p| p.parse().ok()).unwrap_or(0)))
+        .collect();
+    let mut tree = vec![root];
+    let mut next = 0;
+    while next < tree.len() {
+        let parent = tree[next];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, p)| *p == parent)
+                .map(|(c, _)| *c),
+        );
+        next += 1;
+    }
+    tree
+}
+
+/// One thread of a process, as /proc/PID/task/TID/stat shows it.
+struct Thread {
+    pid: u32,
+    tid: u32,
+    comm: String,
+    state: String,
+    /// User and system CPU time, in clock ticks.
+    ticks: u64,
+}
+
+fn thread_ticks(pids: &[u32]) -> Vec<Thread> {
+    let mut threads = Vec::new();
+    for &pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+                continue;
+            };
+            let Some((comm, fields)) = stat_fields(&format!("/proc/{pid}/task/{tid}/stat")) else {
+                continue;
+            };
+            let tick = |i: usize| {
+                fields
+                    .get(i)
+                    .and_then(|f| f.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            threads.push(Thread {
+                pid,
+                tid,
+                comm,
+                state: fields.first().cloned().unwrap_or_default(),
+                ticks: tick(11) + tick(12),
+            });
+        }
+    }
+    threads
+}
+
+/// A /proc stat file's command name and the fields after it (state first; utime and
+/// stime at 11 and 12).
+fn stat_fields(path: &str) -> Option<(String, Vec<String>)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let (open, close) = (text.find('(')?, text.rfind(')')?);
+    let comm = text.get(open + 1..close)?.to_string();
+    let fields = text
+        .get(close + 1..)?
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    Some((comm, fields))
+}
+
 /// The last lines of the console of the VM whose vmctl state is under `state`.
 fn console_tail(state: &Path) -> String {
     match crate::find_vm_dir(state) {
@@ -215,6 +352,54 @@ mod tests {
         assert_eq!(shown.len(), CONSOLE_LINES, "{tail}");
         assert_eq!(shown[0], "line 25");
         assert_eq!(shown[CONSOLE_LINES - 1], "line 39");
+    }
+
+    #[test]
+    fn the_host_side_shows_which_threads_are_busy() {
+        let vm_dir = std::env::temp_dir().join(format!("hang-report-host-{}", std::process::id()));
+        std::fs::create_dir_all(&vm_dir).unwrap();
+        // A "supervisor" with a busy child and an idle one.
+        let mut supervisor = std::process::Command::new("sh")
+            .args(["-c", "sh -c 'while :; do :; done' & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        std::fs::write(
+            vm_dir.join("supervisor.pid"),
+            format!("{}\n", supervisor.id()),
+        )
+        .unwrap();
+        thread::sleep(Duration::from_millis(300));
+        let shown = host_side(&vm_dir, Duration::from_secs(1));
+        let _ = std::process::Command::new("pkill")
+            .args(["-P", &supervisor.id().to_string()])
+            .status();
+        let _ = supervisor.kill();
+        let _ = supervisor.wait();
+        let _ = std::fs::remove_dir_all(&vm_dir);
+
+        let line_of = |comm: &str| {
+            shown
+                .lines()
+                .find(|line| line.contains(&format!(" {comm} [")))
+                .unwrap_or_else(|| panic!("no {comm} in:\n{shown}"))
+                .to_string()
+        };
+        let percent = |line: &str| -> f64 {
+            let end = line.rfind('%').unwrap();
+            let start = line[..end].rfind(' ').unwrap() + 1;
+            line[start..end].parse().unwrap()
+        };
+        let sleeper = line_of("sleep");
+        assert!(
+            sleeper.contains("[S]") && percent(&sleeper) < 20.0,
+            "{shown}"
+        );
+        let busy = shown
+            .lines()
+            .filter(|line| line.contains(" sh [R]"))
+            .map(percent)
+            .fold(0.0, f64::max);
+        assert!(busy > 50.0, "the busy loop is not shown busy:\n{shown}");
     }
 
     #[test]

@@ -402,6 +402,14 @@ fn assert_hang_report_shows_where_the_command_waits(ws: &Workspace) {
         report.contains("verdict: the hung command was still running"),
         "{report}"
     );
+    // The host side: the VMM (or the nested host that runs it), with its CPU use.
+    assert!(
+        report.contains("the VM's host processes, CPU use over")
+            && report
+                .lines()
+                .any(|line| line.contains(" qemu-system-x86 [") || line.contains(" vmctl-vmm [")),
+        "the report does not show the VM's host processes:\n{report}"
+    );
 }
 
 /// Waits until a guest process's command line is `command`.

@@ -213,6 +213,12 @@ fn provider_scenario() {
             && table.contains("1 VM(s) of directories since removed"),
         "{table}"
     );
+    // `vmctl prune` leaves it while it runs, and says so.
+    let prune = ws.run(&["prune"]);
+    assert_ok(&prune, "vmctl prune");
+    let said = String::from_utf8_lossy(&prune.stderr);
+    assert!(said.contains("(removed) still runs"), "{said}");
+    assert_eq!(running(ps(&ws)), 2, "prune stopped a running VM");
     assert_ok(
         &ws.run(&["rm", sub.to_str().unwrap()]),
         "vmctl rm of removed sub/",

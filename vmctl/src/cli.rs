@@ -40,6 +40,10 @@ pub enum Command {
     Stop(WorkspaceArg),
     /// Shut down the VM of a workspace and remove its state.
     Rm(WorkspaceArg),
+    /// Forget the stopped VMs of workspace directories that no longer exist (removed
+    /// worktrees): their state, logs and agent transcripts. Running ones are left, and
+    /// named.
+    Prune(PruneArgs),
     /// Run a command in the VM of a workspace (starting it if needed), with stdio
     /// relayed; exits with the command's exit code (128+N for signal N).
     Exec(ExecArgs),
@@ -319,6 +323,13 @@ fn parse_resolve(value: &str) -> Result<(String, std::net::SocketAddr), String> 
 pub struct WorkspaceArg {
     /// The workspace directory (default: the current directory).
     pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PruneArgs {
+    /// Only list what would be removed.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, clap::Args)]

@@ -84,6 +84,7 @@ fn main() -> ExitCode {
                 0
             })
         }
+        cli::Command::Prune(args) => Ok(vm::prune(&state::VmDir::all(), args.dry_run)),
         cli::Command::Agent(args) => agent::run(agent::AgentOptions {
             workspace: workspace::resolve(None, args.isolation.isolation),
             cli: args.cli,

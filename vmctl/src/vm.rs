@@ -654,6 +654,48 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     })
 }
 
+/// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
+/// directory is gone (or, with `dry_run`, lists them), saying what it did; names the
+/// running ones of removed directories, which it leaves. Exits 1 if a removal failed.
+pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
+    let mut failed = false;
+    let mut removed = 0;
+    for vm in vms {
+        let Ok(record) = vm.read_record() else {
+            continue;
+        };
+        if record.workspace.exists() {
+            continue;
+        }
+        let workspace = record.workspace.display();
+        if vm.running_pid().is_some() || start_in_progress(vm) {
+            eprintln!("vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm {workspace}' stops and forgets it");
+            continue;
+        }
+        if dry_run {
+            eprintln!(
+                "vmctl: would forget the VM of {workspace} ({})",
+                vm.path.display()
+            );
+            continue;
+        }
+        match remove_vm(vm, "`vmctl prune` forgets VMs of removed directories") {
+            Ok(()) => {
+                removed += 1;
+                eprintln!("vmctl: forgot the VM of {workspace}");
+            }
+            Err(e) => {
+                failed = true;
+                eprintln!("vmctl: error: {e}");
+            }
+        }
+    }
+    if !dry_run {
+        eprintln!("vmctl: {removed} VM(s) of removed directories forgotten");
+    }
+    u8::from(failed)
+}
+
 /// The file in a VM's directory that whoever starts the VM holds an `flock` on.
 pub(crate) const START_LOCK: &str = "start.lock";
 
@@ -735,8 +777,9 @@ pub fn list() -> Vec<String> {
     if of_removed_directories > 0 {
         lines.push(String::new());
         lines.push(format!(
-            "{of_removed_directories} VM(s) of directories since removed: `vmctl rm DIR` \
-             forgets one (its logs and agent transcripts go with it)"
+            "{of_removed_directories} VM(s) of directories since removed: `vmctl prune` \
+             forgets the stopped ones, `vmctl rm DIR` one (its logs and agent transcripts \
+             go with it)"
         ));
     }
     lines
@@ -811,6 +854,41 @@ mod tests {
         );
         assert_eq!(agent_state(&socket), AgentState::OtherProtocol(said));
         agent.join().unwrap();
+    }
+
+    #[test]
+    fn prune_forgets_stopped_vms_of_removed_directories_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept_workspace = dir.path().join("kept");
+        std::fs::create_dir_all(&kept_workspace).unwrap();
+        let vm_of = |name: &str, workspace: &Path| {
+            let vm = VmDir {
+                path: dir.path().join("vms").join(name),
+            };
+            std::fs::create_dir_all(vm.path.join("agent-home")).unwrap();
+            vm.write_record(&crate::state::test_record(&vm, workspace))
+                .unwrap();
+            vm
+        };
+        let kept = vm_of("kept", &kept_workspace);
+        let gone = vm_of("gone", &dir.path().join("removed-worktree"));
+        let starting = vm_of("starting", &dir.path().join("removed-too"));
+        let start_lock = lock_exclusive(&starting.path.join(START_LOCK)).unwrap();
+        let vms = [kept.clone(), gone.clone(), starting.clone()];
+
+        assert_eq!(prune(&vms, true), 0);
+        assert!(gone.path.exists(), "a dry run removed it");
+        assert_eq!(prune(&vms, false), 0);
+        assert!(
+            !gone.path.exists(),
+            "the stopped VM of a removed directory is left"
+        );
+        assert!(
+            kept.path.exists(),
+            "a VM of an existing directory was removed"
+        );
+        assert!(starting.path.exists(), "a VM being started was removed");
+        drop(start_lock);
     }
 
     #[test]

@@ -402,6 +402,36 @@ pub fn short_hash(bytes: &[u8]) -> String {
     format!("{:08x}", hash as u32)
 }
 
+/// A record of `vm`, a VM of `workspace`, with a value in every field.
+#[cfg(test)]
+pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
+    VmRecord {
+        workspace: workspace.into(),
+        kernel: "/k".into(),
+        initrd: "/i".into(),
+        rootfs: "/r".into(),
+        cpus: 2,
+        memory_mib: 512,
+        nested: true,
+        agent_cmdline: "vmctl.root=/dev/vda".into(),
+        started_at: 1,
+        shares: Some(ShareSet {
+            shares: vec![crate::shares::workspace_share(workspace).unwrap()],
+            virtiofsd: "/usr/bin/virtiofsd".into(),
+            failure_file: Some(vm.share_failures()),
+            cache: crate::virtiofsd::CachePolicy {
+                cache: crate::virtiofsd::Cache::Never,
+                writeback: true,
+            },
+        }),
+        relay_ports: vec![6767],
+        egress: EgressTestOptions {
+            extra_ca: Some("/tmp/ca.pem".into()),
+            resolve: vec![("api.test:443".into(), "127.0.0.1:8443".parse().unwrap())],
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -556,35 +586,5 @@ mod tests {
         vm.write_record(&record).unwrap();
         assert_eq!(vm.read_record().unwrap(), record);
         assert_eq!(vm.running_pid(), None);
-    }
-}
-
-/// A record of `vm`, a VM of `workspace`, with a value in every field.
-#[cfg(test)]
-pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
-    VmRecord {
-        workspace: workspace.into(),
-        kernel: "/k".into(),
-        initrd: "/i".into(),
-        rootfs: "/r".into(),
-        cpus: 2,
-        memory_mib: 512,
-        nested: true,
-        agent_cmdline: "vmctl.root=/dev/vda".into(),
-        started_at: 1,
-        shares: Some(ShareSet {
-            shares: vec![crate::shares::workspace_share(workspace).unwrap()],
-            virtiofsd: "/usr/bin/virtiofsd".into(),
-            failure_file: Some(vm.share_failures()),
-            cache: crate::virtiofsd::CachePolicy {
-                cache: crate::virtiofsd::Cache::Never,
-                writeback: true,
-            },
-        }),
-        relay_ports: vec![6767],
-        egress: EgressTestOptions {
-            extra_ca: Some("/tmp/ca.pem".into()),
-            resolve: vec![("api.test:443".into(), "127.0.0.1:8443".parse().unwrap())],
-        },
     }
 }

@@ -299,6 +299,32 @@ fn kvm_device_not_permitted() {
     assert_rejected(&run, &["permission"]);
 }
 
+/// `program` as a user whose home, config, state and runtime directories are under
+/// `home`, with stdin from /dev/null.
+fn as_user_of(home: &Path, program: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new(program);
+    command
+        .env("HOME", home)
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_RUNTIME_DIR", home.join("run"))
+        .stdin(std::process::Stdio::null());
+    command
+}
+
+/// `vmctl ARGS` in `dir` as [`as_user_of`] `home`: its output and its stderr, which
+/// must hold no panic.
+fn vmctl_as_user_of(home: &Path, dir: &Path, args: &[&str]) -> (std::process::Output, String) {
+    let output = as_user_of(home, vmctl_bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run vmctl");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (output, stderr)
+}
+
 /// vmctl's own output (here `vmctl policy ls`) into a pipe whose reader has gone
 /// (`| head -1`) ends it quietly with 141, as SIGPIPE ends other tools; into a full
 /// disk, with one error line and 1. Never a panic (println! would abort vmctl).
@@ -306,13 +332,9 @@ fn kvm_device_not_permitted() {
 fn output_that_cannot_be_written() {
     let home = TempDir::new("unwritable-output");
     let run = |stdout: std::process::Stdio| {
-        let output = std::process::Command::new(vmctl_bin())
+        let output = as_user_of(home.path(), vmctl_bin())
             .args(["policy", "ls"])
             .current_dir(home.path())
-            .env("HOME", home.path())
-            .env("XDG_CONFIG_HOME", home.path().join("config"))
-            .env("XDG_STATE_HOME", home.path().join("state"))
-            .stdin(std::process::Stdio::null())
             .stdout(stdout)
             .output()
             .expect("run vmctl policy ls");
@@ -346,20 +368,7 @@ fn refused_starts_leave_no_vm_behind() {
     let home = TempDir::new("refused-start");
     let workspace = home.path().join("ws");
     fs::create_dir_all(&workspace).unwrap();
-    let vmctl = |args: &[&str]| {
-        let output = std::process::Command::new(vmctl_bin())
-            .args(args)
-            .current_dir(&workspace)
-            .env("HOME", home.path())
-            .env("XDG_CONFIG_HOME", home.path().join("config"))
-            .env("XDG_STATE_HOME", home.path().join("state"))
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("run vmctl");
-        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        (output, stderr)
-    };
+    let vmctl = |args: &[&str]| vmctl_as_user_of(home.path(), &workspace, args);
     for (args, says) in [
         (
             &["exec", "--mount", "/nonexistent", "--", "true"][..],
@@ -391,16 +400,12 @@ fn a_removed_working_directory_is_named() {
     let home = TempDir::new("removed-cwd");
     let gone = home.path().join("gone");
     fs::create_dir_all(&gone).unwrap();
-    let output = std::process::Command::new("sh")
+    let output = as_user_of(home.path(), Path::new("sh"))
         .args([
             "-c",
             "cd \"$1\" && rmdir \"$1\" && exec \"$2\" exec -- true",
         ])
         .args(["sh", gone.to_str().unwrap(), vmctl_bin().to_str().unwrap()])
-        .env("HOME", home.path())
-        .env("XDG_CONFIG_HOME", home.path().join("config"))
-        .env("XDG_STATE_HOME", home.path().join("state"))
-        .stdin(std::process::Stdio::null())
         .output()
         .expect("run vmctl from a removed directory");
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -424,18 +429,7 @@ fn commands_on_a_workspace_without_a_vm() {
     fs::create_dir_all(&workspace).unwrap();
     let state = home.path().join("state");
     let vmctl = |args: &[&str]| {
-        let output = std::process::Command::new(vmctl_bin())
-            .args(args)
-            .current_dir(&workspace)
-            .env("HOME", home.path())
-            .env("XDG_CONFIG_HOME", home.path().join("config"))
-            .env("XDG_STATE_HOME", &state)
-            .env("XDG_RUNTIME_DIR", home.path().join("run"))
-            .stdin(std::process::Stdio::null())
-            .output()
-            .expect("run vmctl");
-        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-        assert!(!stderr.contains("panicked"), "{stderr}");
+        let (output, stderr) = vmctl_as_user_of(home.path(), &workspace, args);
         (output.status.code(), stderr)
     };
     let ws = workspace.display();

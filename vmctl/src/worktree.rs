@@ -98,6 +98,19 @@ pub fn repository_share(workspace: &Path, shares: &[Share]) -> Result<Option<Sha
             share.host.display()
         ));
     }
+    // One a guest can write (another VM's, through a share mounted elsewhere) could
+    // be swapped for a symlink between this check and virtiofsd's opening it.
+    if let Some(share) = shares
+        .iter()
+        .find(|share| !share.read_only && common.starts_with(&share.host))
+    {
+        return Err(format!(
+            "its repository's git directory {} lies in the share of {}, which the guest \
+             can write; share the repository at its own path with --mount instead",
+            common.display(),
+            share.host.display()
+        ));
+    }
     if let Some(share) = shares.iter().find(|share| share.guest == common) {
         return Err(format!(
             "the guest path of its repository's git directory {} is taken by the share of {}",
@@ -181,10 +194,18 @@ mod tests {
             repository_share(&worktree, &shares),
             Ok(Some(share(&git_dir, &git_dir)))
         );
-        // The repository shared elsewhere in the guest does not count; at its path,
-        // it does.
-        shares.push(share(&repo, Path::new("/src/repo")));
+        // The repository shared elsewhere in the guest does not count: read-only, it
+        // is shared again at its path; writable, it is refused (the guest could swap
+        // it for a symlink before virtiofsd opens it). At its path, it needs nothing.
+        let mut elsewhere = share(&repo, Path::new("/src/repo"));
+        elsewhere.read_only = true;
+        shares.push(elsewhere.clone());
         assert!(repository_share(&worktree, &shares).unwrap().is_some());
+        shares.pop();
+        elsewhere.read_only = false;
+        shares.push(elsewhere);
+        let refused = repository_share(&worktree, &shares).unwrap_err();
+        assert!(refused.contains("which the guest can write"), "{refused}");
         shares.push(share(&repo, &repo));
         assert_eq!(repository_share(&worktree, &shares), Ok(None));
         assert_eq!(repository_share(&repo, &shares), Ok(None), "not a worktree");

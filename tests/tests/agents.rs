@@ -302,7 +302,43 @@ fn lifecycle_scenario() {
         "stopped before the idle timeout"
     );
 
-    // The daemon stopping stops every VM and leaves nothing behind.
+    // A `vmctl run` killed outright does not leave its throwaway VM running for good:
+    // its lease ends with it, so the VM stops once idle; `vmctl prune` forgets it.
+    let mut run = ws
+        .command(&["run", "--", "sleep", "600"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("vmctl run");
+    let throwaway_runs = |table: &str| {
+        table
+            .lines()
+            .any(|line| line.contains("-run") && line.contains(" running "))
+    };
+    wait_for(
+        &ws,
+        "the throwaway VM to run",
+        Duration::from_secs(240),
+        throwaway_runs,
+    );
+    run.kill().expect("SIGKILL vmctl run");
+    let _ = run.wait();
+    wait_for(
+        &ws,
+        "the orphaned throwaway VM to stop",
+        Duration::from_secs(90),
+        |t| !throwaway_runs(t),
+    );
+    let prune = ws.run(&["prune"]);
+    assert_ok(&prune, "vmctl prune");
+    let said = String::from_utf8_lossy(&prune.stderr);
+    assert!(said.contains("forgot the throwaway VM of"), "{said}");
+    let table = ps(&ws);
+    assert!(
+        !table.contains("-run"),
+        "prune left the throwaway VM:\n{table}"
+    );
+
     // `vmctl up` pins the VM before its start begins; a start that takes a while
     // (here: another one holds the start lock for longer than the daemon takes to
     // forget VMs that do not run) must not lose the pin.
@@ -326,6 +362,7 @@ fn lifecycle_scenario() {
         table.contains(" running ") && table.contains("vmctl up"),
         "the VM pinned by `vmctl up` stopped for idleness after a session:\n{table}"
     );
+    // The daemon stopping stops every VM and leaves nothing behind.
     let daemon = std::fs::read_to_string(ws.state().join("vmctl/daemon.pid"))
         .expect("the daemon's pid file");
     let (daemon_pid, daemon_socket) = daemon.trim().split_once('\n').expect("pid and socket");

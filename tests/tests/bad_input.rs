@@ -382,6 +382,10 @@ fn refused_starts_leave_no_vm_behind() {
             &["exec", "--workspace", "/etc", "--", "true"][..],
             "the workspace /etc cannot be shared at its own path in the guest",
         ),
+        (
+            &["run", "--mount", "/nonexistent", "--", "true"][..],
+            "mount \"/nonexistent\": host directory /nonexistent",
+        ),
     ] {
         let (output, stderr) = vmctl(args);
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
@@ -391,6 +395,16 @@ fn refused_starts_leave_no_vm_behind() {
     assert!(ps.status.success(), "{stderr}");
     let listing = String::from_utf8_lossy(&ps.stdout);
     assert_eq!(listing.lines().count(), 1, "only the header: {listing}");
+    // A refused `vmctl run` leaves not even its throwaway VM's directory.
+    let throwaways: Vec<_> = fs::read_dir(home.path().join("state/vmctl/vms"))
+        .map(|entries| entries.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        !throwaways
+            .iter()
+            .any(|name| name.to_string_lossy().contains("-run")),
+        "{throwaways:?}"
+    );
 }
 
 /// Run from a directory that was removed under it, vmctl names that directory (the

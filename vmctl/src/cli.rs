@@ -41,8 +41,8 @@ pub enum Command {
     /// Shut down the VM of a workspace and remove its state.
     Rm(WorkspaceArg),
     /// Forget the stopped VMs of workspace directories that no longer exist (removed
-    /// worktrees): their state, logs and agent transcripts. Running ones are left, and
-    /// named.
+    /// worktrees), and throwaway VMs a `vmctl run` left behind: their state, logs and
+    /// agent transcripts. Running ones are left, and named.
     Prune(PruneArgs),
     /// Run a command in the VM of a workspace (starting it if needed), with stdio
     /// relayed; exits with the command's exit code (128+N for signal N).

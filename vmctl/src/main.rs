@@ -170,7 +170,12 @@ fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
 /// does not stop by itself, which is worth a warning, not a failure.
 fn lease(dir: &std::path::Path, purpose: &str) -> Option<daemon::client::Lease> {
     let (_, vm) = state::VmDir::for_workspace(dir).ok()?;
-    daemon::client::lease(&vm, purpose)
+    lease_vm(&vm, purpose)
+}
+
+/// A lease on `vm`, or a warning that without one it will not stop by itself.
+fn lease_vm(vm: &state::VmDir, purpose: &str) -> Option<daemon::client::Lease> {
+    daemon::client::lease(vm, purpose)
         .map_err(|e| eprintln!("vmctl: warning: {e}; the VM will not stop by itself"))
         .ok()
 }
@@ -205,6 +210,9 @@ fn unpin(dir: &std::path::Path) {
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
     let vm = vm::up_ephemeral(&dir, &args.setup).map_err(|e| e.to_string())?;
+    // Held until the VM is gone: should this vmctl die first, the daemon stops the
+    // VM once idle instead of leaving it running for good.
+    let _lease = lease_vm(&vm, "vmctl run");
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
         eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");

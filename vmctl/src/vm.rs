@@ -96,7 +96,23 @@ pub fn up_ephemeral(workspace: &Path, setup: &VmSetupArgs) -> Result<VmDir, VmEr
         quiet: true,
         ..StartOptions::default()
     };
-    start(&workspace, vm, &options)
+    start(&workspace, vm.clone(), &options).inspect_err(|_| {
+        // Refused before it booted: nothing in it is worth keeping. (One whose boot
+        // failed keeps the logs the error names; `vmctl prune` forgets it.)
+        if vm.read_record().is_err() {
+            let _ = remove_vm(&vm, "its start was refused");
+        }
+    })
+}
+
+/// Whether `vm` is a throwaway VM of `vmctl run` (its directory name ends in
+/// `-run<pid>`), which nothing reuses once it stopped.
+fn is_throwaway(vm: &VmDir) -> bool {
+    vm.path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .and_then(|name| name.rsplit_once("-run"))
+        .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The workspace, then the config file's shares, then `mounts`, then a worktree
@@ -655,8 +671,9 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
 }
 
 /// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
-/// directory is gone (or, with `dry_run`, lists them), saying what it did; names the
-/// running ones of removed directories, which it leaves. Exits 1 if a removal failed.
+/// directory is gone, or that were throwaway VMs of a `vmctl run` that did not end
+/// well (or, with `dry_run`, lists them), saying what it did; names the running ones
+/// of removed directories, which it leaves. Exits 1 if a removal failed.
 pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
     let mut failed = false;
     let mut removed = 0;
@@ -664,25 +681,36 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
         let Ok(record) = vm.read_record() else {
             continue;
         };
-        if record.workspace.exists() {
+        let throwaway = is_throwaway(vm);
+        if record.workspace.exists() && !throwaway {
             continue;
         }
         let workspace = record.workspace.display();
         if vm.running_pid().is_some() || start_in_progress(vm) {
-            eprintln!("vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm {workspace}' stops and forgets it");
+            if !throwaway {
+                eprintln!(
+                    "vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm \
+                     {workspace}' stops and forgets it"
+                );
+            }
             continue;
         }
+        let what = if throwaway {
+            "the throwaway VM"
+        } else {
+            "the VM"
+        };
         if dry_run {
             eprintln!(
-                "vmctl: would forget the VM of {workspace} ({})",
+                "vmctl: would forget {what} of {workspace} ({})",
                 vm.path.display()
             );
             continue;
         }
-        match remove_vm(vm, "`vmctl prune` forgets VMs of removed directories") {
+        match remove_vm(vm, "`vmctl prune` forgets it") {
             Ok(()) => {
                 removed += 1;
-                eprintln!("vmctl: forgot the VM of {workspace}");
+                eprintln!("vmctl: forgot {what} of {workspace}");
             }
             Err(e) => {
                 failed = true;
@@ -691,7 +719,7 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
         }
     }
     if !dry_run {
-        eprintln!("vmctl: {removed} VM(s) of removed directories forgotten");
+        eprintln!("vmctl: {removed} VM(s) forgotten");
     }
     u8::from(failed)
 }
@@ -873,8 +901,15 @@ mod tests {
         let kept = vm_of("kept", &kept_workspace);
         let gone = vm_of("gone", &dir.path().join("removed-worktree"));
         let starting = vm_of("starting", &dir.path().join("removed-too"));
+        // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
+        let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);
         let start_lock = lock_exclusive(&starting.path.join(START_LOCK)).unwrap();
-        let vms = [kept.clone(), gone.clone(), starting.clone()];
+        let vms = [
+            kept.clone(),
+            gone.clone(),
+            starting.clone(),
+            throwaway.clone(),
+        ];
 
         assert_eq!(prune(&vms, true), 0);
         assert!(gone.path.exists(), "a dry run removed it");
@@ -883,6 +918,7 @@ mod tests {
             !gone.path.exists(),
             "the stopped VM of a removed directory is left"
         );
+        assert!(!throwaway.path.exists(), "a stopped throwaway VM is left");
         assert!(
             kept.path.exists(),
             "a VM of an existing directory was removed"

@@ -209,10 +209,12 @@ fn unpin(dir: &std::path::Path) {
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
-    let vm = vm::up_ephemeral(&dir, &args.setup).map_err(|e| e.to_string())?;
-    // Held until the VM is gone: should this vmctl die first, the daemon stops the
-    // VM once idle instead of leaving it running for good.
+    let (workspace, vm) = state::VmDir::ephemeral(&dir).map_err(|e| e.to_string())?;
+    // Taken before the VM starts and held until it is gone: should this vmctl die
+    // first, even while the VM boots, the daemon stops the VM once idle instead of
+    // leaving it running for good.
     let _lease = lease_vm(&vm, "vmctl run");
+    let vm = vm::up_ephemeral(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
         eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");

@@ -87,16 +87,16 @@ pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
     start(&workspace, vm, options)
 }
 
-/// Starts a throwaway VM for `workspace`, beside its regular one (`vmctl run`).
-pub fn up_ephemeral(workspace: &Path, setup: &VmSetupArgs) -> Result<VmDir, VmError> {
-    let (workspace, vm) = VmDir::ephemeral(workspace)?;
+/// Starts `vm`, a throwaway VM for `workspace` ([`VmDir::ephemeral`]) beside its
+/// regular one (`vmctl run`).
+pub fn up_ephemeral(workspace: &Path, vm: VmDir, setup: &VmSetupArgs) -> Result<VmDir, VmError> {
     let options = StartOptions {
         mounts: &setup.mounts,
         relay_ports: &setup.relay_ports,
         quiet: true,
         ..StartOptions::default()
     };
-    start(&workspace, vm.clone(), &options).inspect_err(|_| {
+    start(workspace, vm.clone(), &options).inspect_err(|_| {
         // Refused before it booted: nothing in it is worth keeping. (One whose boot
         // failed keeps the logs the error names; `vmctl prune` forgets it.)
         if vm.read_record().is_err() {

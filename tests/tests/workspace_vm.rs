@@ -58,6 +58,40 @@ fn workspace_scenario() {
     let killed = ws.exec("kill -TERM $$");
     assert_eq!(killed.status.code(), Some(128 + 15));
 
+    // The host user's git identity reaches the guest's git (a commit there needs it),
+    // and nothing else of their git config does (here a URL rewrite with a token).
+    let host_gitconfig = ws.dir.join("host-gitconfig");
+    std::fs::write(
+        &host_gitconfig,
+        "[user]\n\tname = Host Person\n\temail = host@example.com\n\
+         [url \"https://TOKEN-1234@github.com/\"]\n\tinsteadOf = https://github.com/\n",
+    )
+    .unwrap();
+    let committed = ws.run_with_env(
+        &[
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            "set -e; cd /tmp; rm -rf identity; git init -q identity; cd identity
+             git commit -q --allow-empty -m guest; git log --format='%an <%ae>'; git config -l",
+        ],
+        &[("GIT_CONFIG_GLOBAL", &host_gitconfig)],
+    );
+    let said = stdout(&committed);
+    assert!(
+        committed.status.success(),
+        "git commit in the guest: {committed:?}"
+    );
+    assert!(
+        said.starts_with("Host Person <host@example.com>\n"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("TOKEN"),
+        "the host's git config leaked: {said}"
+    );
+
     // A program the guest cannot run ends as in a shell: 127 not found, 126 not
     // runnable, in the shell's words.
     for (program, code, says) in [

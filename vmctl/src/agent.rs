@@ -113,7 +113,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     };
     let vm = crate::vm::up(&workspace, &start)?;
     seed_home(options.cli, &vm, user_home().as_deref())?;
-    let mut env = Vec::new();
+    let mut env: Vec<(String, String)> = crate::git_identity::guest_env(&vm).into_iter().collect();
     if options.cli == AgentCli::Claude {
         // The VM is the sandbox: as root, Claude Code refuses to skip its permission
         // prompts (which Paseo's bypass modes ask for) unless told it runs in one.

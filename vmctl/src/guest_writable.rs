@@ -136,6 +136,23 @@ pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -
     Ok(())
 }
 
+/// Writes `bytes` as the file `name` of `parent`, read-only (0444), replacing
+/// whatever the guest put there under that name (a symlink is removed, not followed).
+pub fn write_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8]) -> io::Result<()> {
+    let (parent, name) = (parent.as_fd(), name.as_ref());
+    remove(parent, name)?;
+    let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let file = File::from(rustix::fs::openat(
+        parent,
+        name,
+        flags,
+        Mode::from_raw_mode(0o600),
+    )?);
+    io::Write::write_all(&mut &file, bytes)?;
+    rustix::fs::fchmod(&file, Mode::from_raw_mode(0o444))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,7 @@ mod cli;
 mod daemon;
 mod egress_commands;
 mod exec;
+mod git_identity;
 mod guest_clock;
 mod guest_writable;
 mod host_kvm;
@@ -230,7 +231,11 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         &vm.vsock_socket(),
         exec::ExecOptions {
             argv: args.command,
-            env: args.env,
+            // Yours last: `--env` can override what vmctl sets.
+            env: git_identity::guest_env(vm)
+                .into_iter()
+                .chain(args.env)
+                .collect(),
             cwd,
             user: exec::parse_user(args.user.as_deref()),
             tty: args.tty,
@@ -318,7 +323,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         &vm.vsock_socket(),
         exec::ExecOptions {
             argv: vec!["/bin/bash".into(), "-l".into()],
-            env: Vec::new(),
+            env: git_identity::guest_env(&vm).into_iter().collect(),
             cwd: Some(start_in.display().to_string()),
             user: exec::parse_user(None),
             // As ssh: a terminal gets a PTY; commands piped in get a plain shell

@@ -121,16 +121,9 @@ pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -
         }
         rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o555))?;
     } else if kind.is_file() {
-        let flags =
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let to = File::from(rustix::fs::openat(
-            parent,
-            name,
-            flags,
-            Mode::from_raw_mode(0o600),
-        )?);
-        io::copy(&mut File::open(from)?, &mut &to)?;
-        rustix::fs::fchmod(&to, Mode::from_raw_mode(0o444))?;
+        create_read_only(parent, name, |to| {
+            io::copy(&mut File::open(from)?, to).map(drop)
+        })?;
     }
     // Sockets, FIFOs and devices are not instructions: left out.
     Ok(())
@@ -141,6 +134,16 @@ pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -
 pub fn write_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8]) -> io::Result<()> {
     let (parent, name) = (parent.as_fd(), name.as_ref());
     remove(parent, name)?;
+    create_read_only(parent, name, |file| io::Write::write_all(file, bytes))
+}
+
+/// Creates the new file `name` of `parent` (never through a symlink: `O_EXCL`), lets
+/// `fill` write it, then makes it read-only (0444).
+fn create_read_only(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    fill: impl FnOnce(&mut &File) -> io::Result<()>,
+) -> io::Result<()> {
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let file = File::from(rustix::fs::openat(
         parent,
@@ -148,7 +151,7 @@ pub fn write_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8])
         flags,
         Mode::from_raw_mode(0o600),
     )?);
-    io::Write::write_all(&mut &file, bytes)?;
+    fill(&mut &file)?;
     rustix::fs::fchmod(&file, Mode::from_raw_mode(0o444))?;
     Ok(())
 }
@@ -157,6 +160,28 @@ pub fn write_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8])
 mod tests {
     use super::*;
     use std::os::unix::fs::{symlink, PermissionsExt};
+
+    #[test]
+    fn a_written_file_replaces_a_guests_symlink_without_following_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "the user's own\n").unwrap();
+        let shared = dir.path().join("shared");
+        std::fs::create_dir_all(&shared).unwrap();
+        symlink(&victim, shared.join("gitconfig")).unwrap();
+
+        write_read_only(open_dir(&shared).unwrap(), "gitconfig", b"[user]\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&victim).unwrap(),
+            "the user's own\n"
+        );
+        let written = shared.join("gitconfig");
+        assert!(!written.is_symlink());
+        assert_eq!(std::fs::read_to_string(&written).unwrap(), "[user]\n");
+        // Written again over its own read-only copy.
+        write_read_only(open_dir(&shared).unwrap(), "gitconfig", b"[init]\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&written).unwrap(), "[init]\n");
+    }
 
     fn mode(path: &Path) -> u32 {
         std::fs::symlink_metadata(path)

@@ -258,14 +258,6 @@ with open('mapped-by-host.bin', 'rb') as f:
     );
 }
 
-/// A uid no account on the host or in the guest has.
-const OTHER_UID: u32 = 4242;
-
-/// vmctl run by a normal user, as people run it (our CI runs the tests as root; they
-/// then use a system user, see `vm_tests::host_user`): the guest's default user is
-/// that user, whatever the guest creates in the workspace is theirs on the host, as
-/// guest root too, and another user's host file shows as uid 65534, can be read as
-/// its mode allows but neither written nor given away.
 /// A workspace that is a git worktree, as Paseo makes one per agent: git works in the
 /// guest (its repository's git directory is shared at its path) and agrees with the
 /// host's both ways; the main checkout's files stay out of the guest.
@@ -347,6 +339,14 @@ fn worktree_scenario() {
     assert_eq!(stdout(&seen), "from-host\n");
 }
 
+/// A uid no account on the host or in the guest has.
+const OTHER_UID: u32 = 4242;
+
+/// vmctl run by a normal user, as people run it (our CI runs the tests as root; they
+/// then use a system user, see `vm_tests::host_user`): the guest's default user is
+/// that user, whatever the guest creates in the workspace is theirs on the host, as
+/// guest root too, and another user's host file shows as uid 65534, can be read as
+/// its mode allows but neither written nor given away.
 #[test]
 fn a_normal_users_files_stay_theirs() {
     vm_tests::vm_scenario(

@@ -862,7 +862,6 @@ impl Drop for Workspace {
 }
 
 /// The directory of the one VM whose vmctl state is under `state`, if there is one.
-/// The (first) VM directory under the vmctl state directory `state`.
 pub fn find_vm_dir(state: &Path) -> Option<PathBuf> {
     let mut vms = std::fs::read_dir(state.join("vmctl/vms")).ok()?;
     Some(vms.next()?.ok()?.path())

@@ -65,6 +65,10 @@ pub struct EgressTestOptions {
     pub resolve: Vec<(String, std::net::SocketAddr)>,
 }
 
+/// What a throwaway VM's directory name has after its workspace's, before the pid of
+/// the `vmctl run` that made it.
+const THROWAWAY_SUFFIX: &str = "-run";
+
 /// A workspace's VM directory.
 #[derive(Debug, Clone)]
 pub struct VmDir {
@@ -102,7 +106,20 @@ impl VmDir {
 
     /// A fresh directory for a throwaway VM of `workspace`.
     pub fn ephemeral(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
-        Self::create(workspace, &format!("-run{}", std::process::id()))
+        Self::create(
+            workspace,
+            &format!("{THROWAWAY_SUFFIX}{}", std::process::id()),
+        )
+    }
+
+    /// Whether this is a throwaway VM's directory ([`VmDir::ephemeral`]: its name ends
+    /// in `-run<pid>`), which nothing reuses once the VM stopped.
+    pub fn is_throwaway(&self) -> bool {
+        self.path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .and_then(|name| name.rsplit_once(THROWAWAY_SUFFIX))
+            .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
     }
 
     fn create(workspace: &Path, suffix: &str) -> Result<(PathBuf, VmDir), StateError> {

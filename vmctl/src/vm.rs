@@ -105,16 +105,6 @@ pub fn up_ephemeral(workspace: &Path, vm: VmDir, setup: &VmSetupArgs) -> Result<
     })
 }
 
-/// Whether `vm` is a throwaway VM of `vmctl run` (its directory name ends in
-/// `-run<pid>`), which nothing reuses once it stopped.
-fn is_throwaway(vm: &VmDir) -> bool {
-    vm.path
-        .file_name()
-        .and_then(|name| name.to_str())
-        .and_then(|name| name.rsplit_once("-run"))
-        .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
-}
-
 /// The workspace, then the config file's shares, then `mounts`, then a worktree
 /// workspace's repository, in mount order.
 fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<ShareSet, VmError> {
@@ -681,7 +671,7 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
         let Ok(record) = vm.read_record() else {
             continue;
         };
-        let throwaway = is_throwaway(vm);
+        let throwaway = vm.is_throwaway();
         if record.workspace.exists() && !throwaway {
             continue;
         }

@@ -27,11 +27,7 @@ const SYSTEM_CONFIG_VAR: &str = "GIT_CONFIG_SYSTEM";
 /// the guest's git at it, or None when the host has none (or it cannot be written,
 /// which is said).
 pub fn guest_env(vm: &VmDir) -> Option<(String, String)> {
-    let values: Vec<(&str, &str, String)> = KEYS
-        .iter()
-        .filter_map(|&(section, key)| Some((section, key, host_value(section, key)?)))
-        .collect();
-    let text = config_text(&values)?;
+    let text = config_text(&host_values())?;
     let homes = agent_home_dir(vm);
     let written = std::fs::create_dir_all(&homes)
         .and_then(|()| guest_writable::open_dir(&homes))
@@ -50,20 +46,50 @@ pub fn guest_env(vm: &VmDir) -> Option<(String, String)> {
     ))
 }
 
-/// The host user's global value of `section.key`, if git is there and it is set.
-fn host_value(section: &str, key: &str) -> Option<String> {
+/// The host user's global values of [`KEYS`] that are set, as (section, key, value),
+/// read by one `git config` (none when git is not there).
+fn host_values() -> Vec<(&'static str, &'static str, String)> {
+    values_in(&["--global", "--includes"])
+}
+
+/// The values of [`KEYS`] in the git config that `scope` selects (`--global`,
+/// `--file PATH`).
+fn values_in(scope: &[&str]) -> Vec<(&'static str, &'static str, String)> {
+    let pattern = KEYS
+        .iter()
+        .map(|(section, key)| format!("{section}\\.{}", key.to_lowercase()))
+        .collect::<Vec<_>>()
+        .join("|");
     let output = Command::new("git")
-        .args(["config", "--global", "--includes", "--get"])
-        .arg(format!("{section}.{key}"))
+        .arg("config")
+        .args(scope)
+        .args(["-z", "--get-regexp"])
+        .arg(format!("^({pattern})$"))
         .current_dir(Path::new("/"))
         .stdin(Stdio::null())
         .stderr(Stdio::null())
-        .output()
-        .ok()?;
-    let value = String::from_utf8(output.stdout).ok()?;
-    let value = value.strip_suffix('\n').unwrap_or(&value);
-    (output.status.success() && !value.is_empty() && !value.contains('\n'))
-        .then(|| value.to_string())
+        .output();
+    match output {
+        Ok(output) => values_of(&output.stdout),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// [`KEYS`]' values in `git config -z --get-regexp` output (`key\nvalue\0` entries,
+/// keys in lower case; the last of a key's values is the one git uses). Values that
+/// span lines or are not UTF-8 are left out.
+fn values_of(listed: &[u8]) -> Vec<(&'static str, &'static str, String)> {
+    KEYS.iter()
+        .filter_map(|&(section, key)| {
+            let name = format!("{section}.{}", key.to_lowercase());
+            let value = listed.split(|&byte| byte == 0).rev().find_map(|entry| {
+                let newline = entry.iter().position(|&byte| byte == b'\n')?;
+                (entry[..newline] == *name.as_bytes()).then(|| &entry[newline + 1..])
+            })?;
+            let value = std::str::from_utf8(value).ok()?;
+            (!value.is_empty() && !value.contains('\n')).then(|| (section, key, value.to_string()))
+        })
+        .collect()
 }
 
 /// A git config file setting `values` (section, key, value), None when empty.
@@ -90,6 +116,42 @@ fn config_text(values: &[(&str, &str, String)]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn git_lists_the_keys_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("gitconfig");
+        std::fs::write(
+            &file,
+            "[user]\n\tname = Ann\n\temail = ann@example.com\n\
+             [init]\n\tdefaultBranch = trunk\n\
+             [url \"https://TOKEN@github.com/\"]\n\tinsteadOf = https://github.com/\n",
+        )
+        .unwrap();
+        assert_eq!(
+            values_in(&["--file", file.to_str().unwrap()]),
+            [
+                ("user", "name", "Ann".to_string()),
+                ("user", "email", "ann@example.com".to_string()),
+                ("init", "defaultBranch", "trunk".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn one_listing_gives_each_keys_last_single_line_value() {
+        let listed = b"user.name\nFirst\0user.email\na@b\0user.name\nLast\0\
+                       init.defaultbranch\ntwo\nlines\0core.editor\nvi\0";
+        assert_eq!(
+            values_of(listed),
+            [
+                ("user", "name", "Last".to_string()),
+                ("user", "email", "a@b".to_string()),
+            ]
+        );
+        assert_eq!(values_of(b""), []);
+        assert_eq!(values_of(b"user.email\n\xff\0"), [], "not UTF-8");
+    }
 
     #[test]
     fn the_file_holds_the_values_quoted_for_git() {

@@ -572,7 +572,11 @@ async fn hybrid_handshake_and_shutdown() {
         });
         let _ = stop_tx.send(());
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Its socket, not a fixed pause: under load the agent's thread may take longer.
+    let bound_by = std::time::Instant::now() + Duration::from_secs(10);
+    while !agent_sock.exists() && std::time::Instant::now() < bound_by {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let relay_target = agent_sock.clone();
     tokio::spawn(async move {
         loop {

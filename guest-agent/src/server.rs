@@ -266,7 +266,15 @@ async fn accept(listener: &Listener) -> io::Result<Box<dyn Stream>> {
 /// Replies `Error` and closes the sending side (failures are moot: the peer is gone).
 async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, message: String) -> Result<(), ServerError> {
     debug!("replying with an error: {message}");
-    let _ = write_frame(w, &AgentMessage::Error { message }).await;
+    reply_and_close(w, &AgentMessage::Error { message }).await
+}
+
+/// Sends `reply`, the connection's last message, and closes it.
+async fn reply_and_close<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    reply: &AgentMessage,
+) -> Result<(), ServerError> {
+    let _ = write_frame(w, reply).await;
     let _ = w.shutdown().await;
     Ok(())
 }
@@ -931,9 +939,7 @@ where
         Ok(s) => s,
         Err(ServerError::NotRunnable { message, exit_code }) => {
             info!("not started: {message}");
-            let _ = write_frame(&mut w, &AgentMessage::NotStarted { message, exit_code }).await;
-            let _ = w.shutdown().await;
-            return Ok(());
+            return reply_and_close(&mut w, &AgentMessage::NotStarted { message, exit_code }).await;
         }
         Err(e) => {
             return send_error(&mut w, e.to_string()).await;

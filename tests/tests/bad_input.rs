@@ -325,6 +325,18 @@ fn vmctl_as_user_of(home: &Path, dir: &Path, args: &[&str]) -> (std::process::Ou
     (output, stderr)
 }
 
+/// The names of the VM directories under the state of [`as_user_of`] `home`.
+fn vm_dir_names(home: &Path) -> Vec<String> {
+    fs::read_dir(home.join("state/vmctl/vms"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// vmctl's own output (here `vmctl policy ls`) into a pipe whose reader has gone
 /// (`| head -1`) ends it quietly with 141, as SIGPIPE ends other tools; into a full
 /// disk, with one error line and 1. Never a panic (println! would abort vmctl).
@@ -396,15 +408,8 @@ fn refused_starts_leave_no_vm_behind() {
     let listing = String::from_utf8_lossy(&ps.stdout);
     assert_eq!(listing.lines().count(), 1, "only the header: {listing}");
     // A refused `vmctl run` leaves not even its throwaway VM's directory.
-    let throwaways: Vec<_> = fs::read_dir(home.path().join("state/vmctl/vms"))
-        .map(|entries| entries.flatten().map(|e| e.file_name()).collect())
-        .unwrap_or_default();
-    assert!(
-        !throwaways
-            .iter()
-            .any(|name| name.to_string_lossy().contains("-run")),
-        "{throwaways:?}"
-    );
+    let left = vm_dir_names(home.path());
+    assert!(!left.iter().any(|name| name.contains("-run")), "{left:?}");
 }
 
 /// Run from a directory that was removed under it, vmctl names that directory (the
@@ -441,7 +446,6 @@ fn commands_on_a_workspace_without_a_vm() {
     let home = TempDir::new("no-vm");
     let workspace = home.path().join("ws");
     fs::create_dir_all(&workspace).unwrap();
-    let state = home.path().join("state");
     let vmctl = |args: &[&str]| {
         let (output, stderr) = vmctl_as_user_of(home.path(), &workspace, args);
         (output.status.code(), stderr)
@@ -469,9 +473,6 @@ fn commands_on_a_workspace_without_a_vm() {
         assert_eq!(got, Some(code), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end(), says, "{args:?}");
     }
-    let vms = state.join("vmctl/vms");
-    let left: Vec<_> = fs::read_dir(&vms)
-        .map(|entries| entries.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let left = vm_dir_names(home.path());
     assert!(left.is_empty(), "VM directories left behind: {left:?}");
 }

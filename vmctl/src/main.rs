@@ -183,9 +183,7 @@ fn lease_vm(vm: &state::VmDir, purpose: &str) -> Option<daemon::client::Lease> {
 
 /// `vmctl up`: starts the VM of `dir` pinned, so the daemon keeps it until `vmctl stop`.
 fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, String> {
-    let Ok((_, vm)) = state::VmDir::for_workspace(dir) else {
-        return vm::up(dir, options).map(|_| 0).map_err(|e| e.to_string());
-    };
+    let (_, vm) = state::VmDir::for_workspace(dir).map_err(|e| e.to_string())?;
     // Pinned before it starts, so the daemon never takes it for idle.
     if let Err(e) = daemon::client::pin(&vm) {
         eprintln!("vmctl: warning: {e}");

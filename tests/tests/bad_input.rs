@@ -381,6 +381,7 @@ fn refused_starts_leave_no_vm_behind() {
     let workspace = home.path().join("ws");
     fs::create_dir_all(&workspace).unwrap();
     let vmctl = |args: &[&str]| vmctl_as_user_of(home.path(), &workspace, args);
+    let long_guest_path = format!("/tmp:/data{}", "/d".repeat(1100));
     for (args, says) in [
         (
             &["exec", "--mount", "/nonexistent", "--", "true"][..],
@@ -393,6 +394,10 @@ fn refused_starts_leave_no_vm_behind() {
         (
             &["exec", "--workspace", "/etc", "--", "true"][..],
             "the workspace /etc cannot be shared at its own path in the guest",
+        ),
+        (
+            &["exec", "--mount", &long_guest_path, "--", "true"][..],
+            "the guest paths of the VM's shares do not fit the guest kernel's command line",
         ),
         (
             &["run", "--mount", "/nonexistent", "--", "true"][..],

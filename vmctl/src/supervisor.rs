@@ -10,7 +10,7 @@ use std::path::Path;
 use vmm::config::{DiskConfig, VmConfig, VsockConfig};
 
 use crate::log_keeper::read_tail;
-use crate::state::VmDir;
+use crate::state::{VmDir, VmRecord};
 
 pub fn run(dir: &Path) -> Result<u8, String> {
     let vm = VmDir {
@@ -20,19 +20,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     std::fs::write(vm.pid_file(), std::process::id().to_string())
         .map_err(|e| format!("{}: {e}", vm.pid_file().display()))?;
 
-    let mut config = VmConfig::new(record.kernel.clone());
-    config.initrd = Some(record.initrd.clone());
-    config.disks = vec![DiskConfig {
-        path: record.rootfs.clone(),
-        read_only: true,
-    }];
-    config.extra_cmdline = record.agent_cmdline.clone();
-    config.vcpus = record.cpus;
-    config.memory_mib = record.memory_mib;
-    config.vsock = Some(VsockConfig {
-        guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,
-        uds_path: vm.vsock_socket(),
-    });
+    let config = vm_config(&vm, &record);
     eprintln!(
         "vmctl: supervising the VM of {}",
         record.workspace.display()
@@ -73,6 +61,25 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     let _ = std::fs::remove_file(vm.pid_file());
     vm.remove_sockets();
     outcome
+}
+
+/// The VM's configuration, but for its virtio-fs devices: those come with the
+/// virtiofsd that serve them, started where the VMM runs.
+pub fn vm_config(vm: &VmDir, record: &VmRecord) -> VmConfig {
+    let mut config = VmConfig::new(record.kernel.clone());
+    config.initrd = Some(record.initrd.clone());
+    config.disks = vec![DiskConfig {
+        path: record.rootfs.clone(),
+        read_only: true,
+    }];
+    config.extra_cmdline = record.agent_cmdline.clone();
+    config.vcpus = record.cpus;
+    config.memory_mib = record.memory_mib;
+    config.vsock = Some(VsockConfig {
+        guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,
+        uds_path: vm.vsock_socket(),
+    });
+    config
 }
 
 /// Lifts the soft limit on open files to the hard one: the guest may hold up to 1,024

@@ -48,6 +48,13 @@ pub enum VmError {
         workspace: PathBuf,
         agent_said: String,
     },
+    #[error(
+        "the guest paths of the VM's shares do not fit the guest kernel's command line, \
+         which carries them ({len} bytes; at most {max}): share fewer directories, mount \
+         them at shorter guest paths (--mount HOST:GUEST), or use a workspace at a \
+         shorter path"
+    )]
+    SharePathsTooLong { len: usize, max: usize },
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -251,13 +258,11 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         kvm.announce_nested();
     }
     let (cpus, memory_mib) = vm_size(UserConfig::load()?.resources_for(&workspace));
-    let record = VmRecord {
-        kernel: artifacts::ensure(Artifact::GuestKernel)?,
-        initrd: artifacts::ensure(Artifact::AgentInitramfs)?,
-        rootfs: match recipe {
-            Some(recipe) => artifacts::build_image(Some(recipe))?,
-            None => artifacts::ensure(Artifact::RootfsImage)?,
-        },
+    let mut record = VmRecord {
+        // Filled in last: a start refused for its shares must not first build them.
+        kernel: PathBuf::new(),
+        initrd: PathBuf::new(),
+        rootfs: PathBuf::new(),
         cpus,
         memory_mib,
         nested,
@@ -270,6 +275,13 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         shares: Some(share_set),
         relay_ports: relays_for(&workspace, relay_ports)?,
         egress: egress.cloned().unwrap_or_default(),
+    };
+    check_cmdline_fits(&vm, &record)?;
+    record.kernel = artifacts::ensure(Artifact::GuestKernel)?;
+    record.initrd = artifacts::ensure(Artifact::AgentInitramfs)?;
+    record.rootfs = match recipe {
+        Some(recipe) => artifacts::build_image(Some(recipe))?,
+        None => artifacts::ensure(Artifact::RootfsImage)?,
     };
     vm.write_record(&record)?;
     let started = Instant::now();
@@ -458,6 +470,26 @@ fn agent_cmdline(vm: &VmDir, shares: &[Share]) -> String {
         ));
     }
     cmdline
+}
+
+/// Refuses up front the shares whose guest paths the guest kernel's command line
+/// cannot hold, which the VMM would refuse only once the supervisor runs.
+fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
+    let mut config = crate::supervisor::vm_config(vm, record);
+    let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
+    // Each virtio-fs device adds its own parameter; the socket is not part of it.
+    config.filesystems = (0..share_count)
+        .map(|index| vmm::config::FsConfig {
+            tag: shares::tag(index),
+            socket_path: PathBuf::new(),
+        })
+        .collect();
+    match config.check_cmdline_length() {
+        Err(vmm::config::ConfigError::CmdlineTooLong { len, max }) => {
+            Err(VmError::SharePathsTooLong { len, max })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The guest account commands run as by default, `NAME:UID:GID:HOME`: the host user
@@ -853,6 +885,30 @@ mod tests {
             let frame = guest_agent::protocol::encode_frame(&reply).unwrap();
             writer.write_all(&frame).unwrap();
         })
+    }
+
+    #[test]
+    fn shares_the_kernel_command_line_cannot_hold_are_refused_before_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let mut record = crate::state::test_record(&vm, dir.path());
+        let share = |record: &mut VmRecord, guest: PathBuf| {
+            let set = record.shares.as_mut().unwrap();
+            set.shares.push(Share {
+                host: dir.path().into(),
+                guest,
+                read_only: false,
+            });
+            record.agent_cmdline = agent_cmdline(&vm, &set.shares);
+        };
+        share(&mut record, PathBuf::from("/data/").join("d".repeat(200)));
+        check_cmdline_fits(&vm, &record).unwrap();
+        share(&mut record, PathBuf::from("/data/").join("x".repeat(1800)));
+        let error = check_cmdline_fits(&vm, &record).unwrap_err().to_string();
+        assert!(error.contains("at most 2047"), "{error}");
+        assert!(error.contains("--mount HOST:GUEST"), "{error}");
     }
 
     #[test]

@@ -171,6 +171,19 @@ impl VmConfig {
         cmdline
     }
 
+    /// Whether [`Self::kernel_cmdline`] fits the boot protocol's buffer.
+    pub fn check_cmdline_length(&self) -> Result<(), ConfigError> {
+        let len = self.kernel_cmdline().len();
+        // The kernel needs room for the terminating NUL.
+        if len >= layout::CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong {
+                len,
+                max: layout::CMDLINE_MAX_SIZE - 1,
+            });
+        }
+        Ok(())
+    }
+
     /// Checks everything that can be checked without KVM. `host_memory_mib` is the
     /// host's RAM (see [`host_memory_mib`]).
     pub fn validate(&self, host_memory_mib: u64) -> Result<(), ConfigError> {
@@ -199,14 +212,7 @@ impl VmConfig {
                 max: layout::MAX_VIRTIO_DEVICES,
             });
         }
-        let cmdline_len = self.kernel_cmdline().len();
-        // The kernel needs room for the terminating NUL.
-        if cmdline_len >= layout::CMDLINE_MAX_SIZE {
-            return Err(ConfigError::CmdlineTooLong {
-                len: cmdline_len,
-                max: layout::CMDLINE_MAX_SIZE - 1,
-            });
-        }
+        self.check_cmdline_length()?;
 
         let low_ram_end = self.memory_bytes().min(layout::MMIO_GAP_START);
         let kernel_end = kernel_memory_end(&self.kernel)?;

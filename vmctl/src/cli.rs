@@ -41,8 +41,9 @@ pub enum Command {
     /// Shut down the VM of a workspace and remove its state.
     Rm(WorkspaceArg),
     /// Forget the stopped VMs of workspace directories that no longer exist (removed
-    /// worktrees), and throwaway VMs a `vmctl run` left behind: their state, logs and
-    /// agent transcripts. Running ones are left, and named.
+    /// worktrees), throwaway VMs a `vmctl run` left behind (their state, logs and agent
+    /// transcripts), and the directories of starts refused before a VM was recorded
+    /// (after a minute). Running ones are left, and named.
     Prune(PruneArgs),
     /// Run a command in the VM of a workspace (starting it if needed), with stdio
     /// relayed; exits with the command's exit code (128+N for signal N).

@@ -693,46 +693,26 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
 }
 
 /// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
-/// directory is gone, or that were throwaway VMs of a `vmctl run` that did not end
-/// well (or, with `dry_run`, lists them), saying what it did; names the running ones
-/// of removed directories, which it leaves. Exits 1 if a removal failed.
+/// directory is gone, that were throwaway VMs of a `vmctl run` that did not end well,
+/// or whose start was refused before the VM was recorded (or, with `dry_run`, lists
+/// them), saying what it did; names the running ones of removed directories, which it
+/// leaves. Exits 1 if a removal failed.
 pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
     let mut failed = false;
-    let mut removed = 0;
+    let mut forgotten = 0;
     for vm in vms {
-        let Ok(record) = vm.read_record() else {
+        let Some(what) = prunable(vm) else {
             continue;
-        };
-        let throwaway = vm.is_throwaway();
-        if record.workspace.exists() && !throwaway {
-            continue;
-        }
-        let workspace = record.workspace.display();
-        if vm.running_pid().is_some() || start_in_progress(vm) {
-            if !throwaway {
-                eprintln!(
-                    "vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm \
-                     {workspace}' stops and forgets it"
-                );
-            }
-            continue;
-        }
-        let what = if throwaway {
-            "the throwaway VM"
-        } else {
-            "the VM"
         };
         if dry_run {
-            eprintln!(
-                "vmctl: would forget {what} of {workspace} ({})",
-                vm.path.display()
-            );
+            eprintln!("vmctl: would forget {what} ({})", vm.path.display());
+            forgotten += 1;
             continue;
         }
         match remove_vm(vm, "`vmctl prune` forgets it") {
             Ok(()) => {
-                removed += 1;
-                eprintln!("vmctl: forgot {what} of {workspace}");
+                forgotten += 1;
+                eprintln!("vmctl: forgot {what}");
             }
             Err(e) => {
                 failed = true;
@@ -740,10 +720,57 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
             }
         }
     }
-    if !dry_run {
-        eprintln!("vmctl: {removed} VM(s) forgotten");
+    if dry_run {
+        eprintln!("vmctl: {forgotten} VM(s) would be forgotten");
+    } else {
+        eprintln!("vmctl: {forgotten} VM(s) forgotten");
     }
     u8::from(failed)
+}
+
+/// What `vmctl prune` would forget `vm` as, if it would.
+fn prunable(vm: &VmDir) -> Option<String> {
+    let stopped = || vm.running_pid().is_none() && !start_in_progress(vm);
+    let record = match vm.read_record() {
+        Ok(record) => record,
+        // A start refused before it wrote the record (a bad --mount, say) left the
+        // directory alone, which `vmctl ps` does not list. A recent one may be a start
+        // that has not yet taken its lock.
+        Err(_) if !vm.record_path().exists() && stopped() && untouched_for(vm, UNSTARTED_AGE) => {
+            return Some("the directory of a VM that never started".into());
+        }
+        // An unreadable record is kept for whoever looks into it.
+        Err(_) => return None,
+    };
+    let throwaway = vm.is_throwaway();
+    if record.workspace.exists() && !throwaway {
+        return None;
+    }
+    let workspace = record.workspace.display();
+    if !stopped() {
+        if !throwaway {
+            eprintln!(
+                "vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm \
+                 {workspace}' stops and forgets it"
+            );
+        }
+        return None;
+    }
+    Some(if throwaway {
+        format!("the throwaway VM of {workspace}")
+    } else {
+        format!("the VM of {workspace}")
+    })
+}
+
+/// How long a VM directory without a record is left alone by `vmctl prune`.
+const UNSTARTED_AGE: Duration = Duration::from_secs(60);
+
+/// Whether `vm`'s directory has not changed for `age`.
+fn untouched_for(vm: &VmDir, age: Duration) -> bool {
+    std::fs::metadata(&vm.path)
+        .and_then(|meta| meta.modified())
+        .is_ok_and(|modified| modified.elapsed().is_ok_and(|elapsed| elapsed >= age))
 }
 
 /// The file in a VM's directory that whoever starts the VM holds an `flock` on.
@@ -931,7 +958,7 @@ mod tests {
     }
 
     #[test]
-    fn prune_forgets_stopped_vms_of_removed_directories_only() {
+    fn prune_forgets_stopped_vms_of_removed_directories_and_refused_starts_only() {
         let dir = tempfile::tempdir().unwrap();
         let kept_workspace = dir.path().join("kept");
         std::fs::create_dir_all(&kept_workspace).unwrap();
@@ -950,11 +977,32 @@ mod tests {
         // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
         let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);
         let start_lock = lock_exclusive(&starting.path.join(START_LOCK)).unwrap();
+        // A start refused before it wrote a record; and one still going.
+        let refused = VmDir {
+            path: dir.path().join("vms/refused"),
+        };
+        std::fs::create_dir_all(refused.path.join("agent-home")).unwrap();
+        let a_while_ago = std::time::SystemTime::now() - UNSTARTED_AGE;
+        std::fs::File::open(&refused.path)
+            .and_then(|dir| dir.set_modified(a_while_ago))
+            .unwrap();
+        let just_refused = VmDir {
+            path: dir.path().join("vms/just-refused"),
+        };
+        std::fs::create_dir_all(&just_refused.path).unwrap();
+        let unrecorded_start = VmDir {
+            path: dir.path().join("vms/unrecorded"),
+        };
+        std::fs::create_dir_all(&unrecorded_start.path).unwrap();
+        let unrecorded_lock = lock_exclusive(&unrecorded_start.path.join(START_LOCK)).unwrap();
         let vms = [
             kept.clone(),
             gone.clone(),
             starting.clone(),
             throwaway.clone(),
+            refused.clone(),
+            just_refused.clone(),
+            unrecorded_start.clone(),
         ];
 
         assert_eq!(prune(&vms, true), 0);
@@ -965,6 +1013,19 @@ mod tests {
             "the stopped VM of a removed directory is left"
         );
         assert!(!throwaway.path.exists(), "a stopped throwaway VM is left");
+        assert!(
+            !refused.path.exists(),
+            "a refused start's directory is left"
+        );
+        assert!(
+            unrecorded_start.path.exists(),
+            "a start in progress, not yet recorded, was removed"
+        );
+        assert!(
+            just_refused.path.exists(),
+            "a fresh directory without a record (a start about to lock it) was removed"
+        );
+        drop(unrecorded_lock);
         assert!(
             kept.path.exists(),
             "a VM of an existing directory was removed"

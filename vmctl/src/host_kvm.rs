@@ -64,28 +64,23 @@ impl KvmKind {
 mod tests {
     use super::*;
 
-    fn modules(names: &[&str]) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "vmctl-modules-{}-{}",
-            std::process::id(),
-            names.join("-")
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
+    /// A stand-in for /sys/module holding `names`.
+    fn modules(names: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
         for name in names {
-            std::fs::create_dir_all(dir.join(name)).unwrap();
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
         }
-        std::fs::create_dir_all(&dir).unwrap();
         dir
     }
 
     #[test]
     fn hardware_kvm_is_preferred() {
         assert_eq!(
-            KvmKind::detect_in(&modules(&["kvm", "kvm_amd"])),
+            KvmKind::detect_in(modules(&["kvm", "kvm_amd"]).path()),
             KvmKind::Hardware("kvm_amd")
         );
         assert_eq!(
-            KvmKind::detect_in(&modules(&["kvm", "kvm_intel"])),
+            KvmKind::detect_in(modules(&["kvm", "kvm_intel"]).path()),
             KvmKind::Hardware("kvm_intel")
         );
         assert!(KvmKind::Hardware("kvm_intel").boots_linux());
@@ -93,11 +88,14 @@ mod tests {
 
     #[test]
     fn pvm_and_absent_need_the_nested_host() {
-        let pvm = KvmKind::detect_in(&modules(&["kvm", "kvm_pvm"]));
+        let pvm = KvmKind::detect_in(modules(&["kvm", "kvm_pvm"]).path());
         assert_eq!(pvm, KvmKind::Pvm);
         assert!(!pvm.boots_linux());
         assert!(pvm.why_nested().contains("PVM"));
-        assert_eq!(KvmKind::detect_in(&modules(&["kvm"])), KvmKind::NoBackend);
-        assert_eq!(KvmKind::detect_in(&modules(&[])), KvmKind::Absent);
+        assert_eq!(
+            KvmKind::detect_in(modules(&["kvm"]).path()),
+            KvmKind::NoBackend
+        );
+        assert_eq!(KvmKind::detect_in(modules(&[]).path()), KvmKind::Absent);
     }
 }

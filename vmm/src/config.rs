@@ -360,10 +360,11 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn temp_file(name: &str, bytes: &[u8]) -> PathBuf {
-        let path = std::env::temp_dir().join(format!("vmm-config-{}-{name}", std::process::id()));
-        File::create(&path).unwrap().write_all(bytes).unwrap();
-        path
+    /// A file holding `bytes`, removed when the returned path drops.
+    fn temp_file(bytes: &[u8]) -> tempfile::TempPath {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(bytes).unwrap();
+        file.into_temp_path()
     }
 
     /// A minimal ELF64 x86_64 header with one PT_LOAD segment at `paddr`.
@@ -383,8 +384,10 @@ mod tests {
         elf
     }
 
-    fn config_with_kernel(name: &str, bytes: &[u8]) -> VmConfig {
-        VmConfig::new(temp_file(name, bytes))
+    /// A config whose kernel holds `bytes`; the kernel file lives as long as the path.
+    fn config_with_kernel(bytes: &[u8]) -> (VmConfig, tempfile::TempPath) {
+        let kernel = temp_file(bytes);
+        (VmConfig::new(kernel.to_path_buf()), kernel)
     }
 
     #[test]
@@ -415,13 +418,13 @@ mod tests {
 
     #[test]
     fn accepts_a_kernel_that_fits() {
-        let config = config_with_kernel("fits", &tiny_elf(16 << 20, 4 << 20));
+        let (config, _kernel) = config_with_kernel(&tiny_elf(16 << 20, 4 << 20));
         assert_eq!(config.validate(1 << 20), Ok(()));
     }
 
     #[test]
     fn rejects_bad_vcpu_and_memory_values() {
-        let mut config = config_with_kernel("counts", &tiny_elf(16 << 20, 1 << 20));
+        let (mut config, _kernel) = config_with_kernel(&tiny_elf(16 << 20, 1 << 20));
         config.vcpus = 0;
         assert_eq!(config.validate(1 << 20), Err(ConfigError::NoVcpus));
         config.vcpus = 1000;
@@ -441,14 +444,14 @@ mod tests {
 
     #[test]
     fn rejects_what_is_not_a_kernel() {
-        let config = config_with_kernel("garbage", b"definitely not a kernel image");
+        let (config, _kernel) = config_with_kernel(b"definitely not a kernel image");
         assert!(matches!(
             config.validate(1 << 20),
             Err(ConfigError::NotAKernel(_))
         ));
         let mut elf = tiny_elf(0, 1);
         elf[0x12] = 40; // ARM
-        let config = config_with_kernel("arm", &elf);
+        let (config, _kernel) = config_with_kernel(&elf);
         assert!(matches!(
             config.validate(1 << 20),
             Err(ConfigError::NotAKernel(_))
@@ -467,21 +470,21 @@ mod tests {
 
     #[test]
     fn rejects_kernel_and_initrd_beyond_memory() {
-        let mut config = config_with_kernel("big", &tiny_elf(16 << 20, 20 << 20));
+        let (mut config, _kernel) = config_with_kernel(&tiny_elf(16 << 20, 20 << 20));
         config.memory_mib = 32;
         assert!(matches!(
             config.validate(1 << 20),
             Err(ConfigError::KernelTooLarge { .. })
         ));
         config.memory_mib = 64;
-        let initrd = temp_file("initrd", b"");
+        let initrd = temp_file(b"");
         File::options()
             .write(true)
             .open(&initrd)
             .unwrap()
             .set_len(40 << 20)
             .unwrap();
-        config.initrd = Some(initrd);
+        config.initrd = Some(initrd.to_path_buf());
         assert!(matches!(
             config.validate(1 << 20),
             Err(ConfigError::InitrdTooLarge { .. })
@@ -492,7 +495,7 @@ mod tests {
 
     #[test]
     fn rejects_a_long_cmdline_and_missing_disks() {
-        let mut config = config_with_kernel("cmdline", &tiny_elf(16 << 20, 1 << 20));
+        let (mut config, _kernel) = config_with_kernel(&tiny_elf(16 << 20, 1 << 20));
         config.extra_cmdline = "x".repeat(3000);
         assert!(matches!(
             config.validate(1 << 20),

@@ -270,7 +270,8 @@ mod tests {
 
     #[test]
     fn job_round_trips_the_vm_config() {
-        let dir = std::env::temp_dir().join(format!("vmctl-job-{}", std::process::id()));
+        let temp = tempfile::tempdir().unwrap();
+        let dir = temp.path().to_path_buf();
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         for name in ["a.img", "sub/b.img", "ro.img"] {
             std::fs::write(dir.join(name), b"").unwrap();

@@ -917,7 +917,7 @@ thread_local! {
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
-const VM_LOST_SIGNS: [&str; 14] = [
+const VM_LOST_SIGNS: [&str; 15] = [
     "timed out",
     "stopped making progress",
     // The benchmark's and vmctl's bounds on a guest agent's answer: a guest the nested
@@ -942,6 +942,7 @@ const VM_LOST_SIGNS: [&str; 14] = [
     "closed the connection",
     "guest crashed",
     "the nested host stopped before the VM finished",
+    "the nested host stalled",
 ];
 
 fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {

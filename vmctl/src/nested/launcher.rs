@@ -16,6 +16,7 @@ use vmm_sys_util::signal::register_signal_handler;
 
 use super::job::{self, CommandJob, NestedJob, NestedStatus, Work};
 use super::mux::{Mux, Opener, VSOCK_PORT};
+use super::stall::{Stall, StallWatch, WATCH_ENV};
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::shares::ShareSet;
 use crate::virtiofsd::{self, FsDaemons, VirtiofsdError};
@@ -61,6 +62,8 @@ pub enum NestedError {
     Virtiofsd(#[from] VirtiofsdError),
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
+    #[error("the nested host stalled, so vmctl stopped it: {0}; the emulation's known problem (README), not the guest's ({WATCH_ENV}=off leaves such a nested host running, for a look inside with scripts/nested-monitor)")]
+    Stalled(Stall),
     #[error("the nested host stopped before the VM finished: it reset without a word (its kernel triple-faulted or rebooted; QEMU exited 0), the nested host's known problem (README), not the guest's; VMCTL_LOG=debug shows its kernel's messages")]
     Reset,
 }
@@ -217,7 +220,8 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
         qemu: qemu.clone(),
         source,
     })?;
-    let status = wait_or_stop(&mut child);
+    let watch = StallWatch::start(job_dir.file(MONITOR_SOCKET), job.host_vcpus);
+    let status = wait_or_stop(&mut child, &watch);
     let stopped_by = STOP_SIGNAL.load(Ordering::SeqCst);
 
     // The socket closes when QEMU exits; give the relay a moment to drain it.
@@ -228,6 +232,9 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
     if stopped_by != 0 {
         eprintln!("vmctl: stopped by signal {stopped_by}; the guest was not shut down cleanly");
         return Ok(128u8.saturating_add(stopped_by as u8));
+    }
+    if let Some(stall) = watch.stall() {
+        return Err(NestedError::Stalled(stall));
     }
     let status_file = std::fs::read(job_dir.file(job::STATUS_FILE)).ok();
     match status_file.and_then(|s| serde_json::from_slice::<NestedStatus>(&s).ok()) {
@@ -568,8 +575,9 @@ fn relay_stderr(listener: UnixListener) {
 }
 
 /// Waits for QEMU; on SIGINT/SIGTERM/SIGHUP asks it to stop (QEMU then restores the
-/// terminal), and kills it if it does not within two seconds.
-fn wait_or_stop(child: &mut Child) -> Option<std::process::ExitStatus> {
+/// terminal), and kills it if it does not within two seconds. Kills it at once when
+/// `watch` finds it stalled: nothing would come of it any more.
+fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::ExitStatus> {
     let mut asked_at: Option<Instant> = None;
     loop {
         match child.try_wait() {
@@ -579,6 +587,9 @@ fn wait_or_stop(child: &mut Child) -> Option<std::process::ExitStatus> {
                 tracing::error!("cannot wait for QEMU: {e}");
                 return None;
             }
+        }
+        if watch.stall().is_some() {
+            let _ = child.kill();
         }
         if STOP_SIGNAL.load(Ordering::SeqCst) != 0 {
             match asked_at {

@@ -6,10 +6,12 @@
 //! - [`launcher`]: on the host, starts QEMU and relays the outcome.
 //! - [`init`]: inside, `vmctl __nested-init` is PID 1 and runs the VMM.
 //! - [`job`]: the job file between the two.
+//! - [`stall`]: on the host, ends a nested host whose vCPU stopped taking interrupts.
 
 pub mod init;
 pub mod job;
 pub mod launcher;
 pub mod mux;
+pub mod stall;
 
 pub use launcher::NestedError;

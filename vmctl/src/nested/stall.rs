@@ -1,0 +1,464 @@
+//! Watching a running nested host for its known stall (docs/nested-host.md): one of
+//! its vCPUs halted, with interrupts enabled and an interrupt pending in its local
+//! APIC that it may take, which the emulation never delivers. The nested host never
+//! recovers from that (not even an NMI from QEMU's monitor wakes the vCPU), and
+//! whatever waits on that vCPU waits for good: the VM's commands hang, with every
+//! process at 0% CPU. So the launcher samples each vCPU through QEMU's monitor, and
+//! one seen stuck for [`STALL_AFTER`] ends the nested host with an error that says
+//! so, instead of a hang.
+//!
+//! A healthy vCPU is stuck in that sense only between an interrupt's arrival and its
+//! wake-up, microseconds; consecutive samples seconds apart do not find it so.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often each vCPU is sampled.
+const POLL: Duration = Duration::from_secs(5);
+/// How long a vCPU must be seen stuck, sample after sample, to be declared stalled.
+pub const STALL_AFTER: Duration = Duration::from_secs(20);
+/// How long one monitor exchange may take: a monitor held by someone else (such as
+/// `scripts/nested-monitor`) only costs a sample.
+const MONITOR_TIMEOUT: Duration = Duration::from_secs(3);
+/// `off` leaves a stalled nested host running, for a look inside it
+/// (`scripts/nested-monitor`).
+pub const WATCH_ENV: &str = "VMCTL_NESTED_STALL_WATCH";
+
+/// A vCPU of the nested host that stopped taking interrupts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stall {
+    pub cpu: u32,
+    /// The interrupt vectors pending in its local APIC.
+    pub pending: Vec<u8>,
+    /// How long it was seen stuck.
+    pub seconds: u64,
+}
+
+impl std::fmt::Display for Stall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let vectors: Vec<String> = self.pending.iter().map(u8::to_string).collect();
+        write!(
+            f,
+            "its vCPU {} sat halted for {} s with interrupts it never took pending (vectors \
+             {})",
+            self.cpu,
+            self.seconds,
+            vectors.join(" ")
+        )
+    }
+}
+
+/// One vCPU as the monitor shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CpuSample {
+    halted: bool,
+    interrupts_enabled: bool,
+    /// Vectors in the local APIC's interrupt request register.
+    pending: Vec<u8>,
+    /// The processor priority: only vectors of a higher class (upper nibble) are
+    /// delivered.
+    priority: u8,
+}
+
+impl CpuSample {
+    /// From the monitor's `info registers` and `info lapic` of one vCPU.
+    fn parse(registers: &str, lapic: &str) -> Option<CpuSample> {
+        let register_line = registers.lines().find(|line| line.contains("RFL="))?;
+        let value_of = |line: &str, name: &str| -> Option<String> {
+            let start = line.find(name)? + name.len();
+            Some(line[start..].split_whitespace().next()?.to_string())
+        };
+        let flags = u64::from_str_radix(&value_of(register_line, "RFL=")?, 16).ok()?;
+        let halted = value_of(register_line, "HLT=")? == "1";
+        let irr = lapic
+            .lines()
+            .find_map(|line| line.trim_start().strip_prefix("IRR"))?;
+        let pending = irr
+            .split_whitespace()
+            .filter_map(|vector| vector.parse().ok())
+            .collect();
+        let priority_line = lapic.lines().find(|line| line.contains("PPR 0x"))?;
+        let priority = value_of(priority_line, "PPR 0x")?;
+        Some(CpuSample {
+            halted,
+            interrupts_enabled: flags & (1 << 9) != 0,
+            pending,
+            priority: u8::from_str_radix(&priority, 16).ok()?,
+        })
+    }
+
+    /// Halted although it could take an interrupt it has.
+    fn stuck(&self) -> bool {
+        let deliverable = self
+            .pending
+            .iter()
+            .any(|vector| vector >> 4 > self.priority >> 4);
+        self.halted && self.interrupts_enabled && deliverable
+    }
+}
+
+/// Since when each vCPU has been seen stuck, sample after sample.
+#[derive(Debug, Default)]
+struct StuckSince(Vec<Option<Instant>>);
+
+impl StuckSince {
+    /// Takes one round of samples (`None`: that vCPU could not be sampled, which
+    /// forgets what was seen of it); returns the first vCPU stuck for `after`.
+    fn update(
+        &mut self,
+        samples: &[Option<CpuSample>],
+        now: Instant,
+        after: Duration,
+    ) -> Option<Stall> {
+        self.0.resize(samples.len(), None);
+        for (cpu, (sample, since)) in samples.iter().zip(self.0.iter_mut()).enumerate() {
+            match sample.as_ref().filter(|s| s.stuck()) {
+                Some(sample) => {
+                    let since = *since.get_or_insert(now);
+                    let stuck_for = now.duration_since(since);
+                    if stuck_for >= after {
+                        return Some(Stall {
+                            cpu: cpu as u32,
+                            pending: sample.pending.clone(),
+                            seconds: stuck_for.as_secs(),
+                        });
+                    }
+                }
+                None => *since = None,
+            }
+        }
+        None
+    }
+}
+
+/// A session with QEMU's human monitor: each answer ends with the next prompt.
+struct Monitor {
+    stream: UnixStream,
+}
+
+const PROMPT: &str = "(qemu) ";
+
+impl Monitor {
+    fn connect(socket: &std::path::Path) -> std::io::Result<Monitor> {
+        let stream = UnixStream::connect(socket)?;
+        stream.set_read_timeout(Some(MONITOR_TIMEOUT))?;
+        stream.set_write_timeout(Some(MONITOR_TIMEOUT))?;
+        let mut monitor = Monitor { stream };
+        monitor.read_answer()?;
+        Ok(monitor)
+    }
+
+    fn ask(&mut self, command: &str) -> std::io::Result<String> {
+        self.stream.write_all(format!("{command}\n").as_bytes())?;
+        self.read_answer()
+    }
+
+    fn read_answer(&mut self) -> std::io::Result<String> {
+        let mut answer = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !answer.ends_with(PROMPT.as_bytes()) {
+            let n = self.stream.read(&mut buffer)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            answer.extend_from_slice(&buffer[..n]);
+        }
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    }
+
+    /// Every vCPU's sample; `None` for one the monitor did not describe.
+    fn sample(&mut self, cpus: u32) -> std::io::Result<Vec<Option<CpuSample>>> {
+        let mut samples = Vec::new();
+        for cpu in 0..cpus {
+            self.ask(&format!("cpu {cpu}"))?;
+            let registers = self.ask("info registers")?;
+            let lapic = self.ask("info lapic")?;
+            samples.push(CpuSample::parse(&registers, &lapic));
+        }
+        Ok(samples)
+    }
+}
+
+/// A running watch of one nested host.
+pub struct StallWatch {
+    stop: Arc<AtomicBool>,
+    found: Arc<Mutex<Option<Stall>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StallWatch {
+    /// Watches the `cpus` vCPUs of the nested host whose monitor is `socket`, unless
+    /// [`WATCH_ENV`] is `off`.
+    pub fn start(socket: PathBuf, cpus: u32) -> StallWatch {
+        let enabled = std::env::var(WATCH_ENV).map_or(true, |value| value != "off");
+        Self::start_with(socket, cpus, enabled.then_some(POLL), STALL_AFTER)
+    }
+
+    fn start_with(
+        socket: PathBuf,
+        cpus: u32,
+        poll: Option<Duration>,
+        after: Duration,
+    ) -> StallWatch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let found = Arc::new(Mutex::new(None));
+        let thread = poll.map(|poll| {
+            let (stop, found) = (stop.clone(), found.clone());
+            std::thread::spawn(move || {
+                if let Some(stall) = watch(&socket, cpus, poll, after, &stop) {
+                    tracing::debug!("the nested host stalled: {stall}");
+                    if let Ok(mut slot) = found.lock() {
+                        *slot = Some(stall);
+                    }
+                }
+            })
+        });
+        StallWatch {
+            stop,
+            found,
+            thread,
+        }
+    }
+
+    /// The stall found, if one was.
+    pub fn stall(&self) -> Option<Stall> {
+        self.found.lock().ok().and_then(|slot| slot.clone())
+    }
+}
+
+impl Drop for StallWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Samples the nested host's vCPUs every `poll` until one is stuck for `after` (its
+/// stall) or `stop` is set (`None`).
+fn watch(
+    socket: &std::path::Path,
+    cpus: u32,
+    poll: Duration,
+    after: Duration,
+    stop: &AtomicBool,
+) -> Option<Stall> {
+    let mut stuck = StuckSince::default();
+    while !sleep_unless_stopped(stop, poll) {
+        match Monitor::connect(socket).and_then(|mut monitor| monitor.sample(cpus)) {
+            Ok(samples) => {
+                if let Some(stall) = stuck.update(&samples, Instant::now(), after) {
+                    return Some(stall);
+                }
+            }
+            Err(e) => {
+                // Only what is seen sample after sample counts.
+                tracing::debug!("cannot sample the nested host's vCPUs: {e}");
+                stuck = StuckSince::default();
+            }
+        }
+    }
+    None
+}
+
+/// Sleeps `duration`, in steps so that a stop is seen soon; true if stopped.
+fn sleep_unless_stopped(stop: &AtomicBool, duration: Duration) -> bool {
+    let deadline = Instant::now() + duration;
+    while Instant::now() < deadline {
+        if stop.load(Ordering::SeqCst) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50).min(duration));
+    }
+    stop.load(Ordering::SeqCst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What QEMU 7.2's monitor answered for vCPU 0 of a stalled nested host (CI,
+    /// 2026-12-04), the echo of the command included.
+    const STALLED_REGISTERS: &str = "info registers\r\n\r\nCPU#0\r\n\
+        RAX=0000000000000000 RBX=0000000000000000 RCX=4000000000000000 RDX=0000000000000000\r\n\
+        RIP=ffffffff810970ee RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=1\r\n\
+        ES =0000 0000000000000000 00000000 00000000\r\n(qemu) ";
+    const STALLED_LAPIC: &str = "info lapic\r\ndumping local APIC state for CPU 0 \r\n\r\n\
+        LVTT\t 0x000000ec active-hi edge                 one-shot     Fixed  (vec 236)\r\n\
+        Timer\t DCR=0x3 (divide by 16) initial_count = 153548 current_count = 0\r\n\
+        ISR\t (none)\r\n\
+        IRR\t 34 236 251 \r\n\r\n\
+        APR 0x00 TPR 0x10 DFR 0x0f LDR 0x01 PPR 0x10\r\n(qemu) ";
+    const IDLE_LAPIC: &str = "info lapic\r\nISR\t (none)\r\nIRR\t (none)\r\n\r\n\
+        APR 0x01 TPR 0x10 DFR 0x0f LDR 0x02 PPR 0x10\r\n(qemu) ";
+
+    fn stalled() -> CpuSample {
+        CpuSample::parse(STALLED_REGISTERS, STALLED_LAPIC).unwrap()
+    }
+
+    #[test]
+    fn a_halted_vcpu_with_a_deliverable_interrupt_is_stuck() {
+        let sample = stalled();
+        assert_eq!(
+            sample,
+            CpuSample {
+                halted: true,
+                interrupts_enabled: true,
+                pending: vec![34, 236, 251],
+                priority: 0x10,
+            }
+        );
+        assert!(sample.stuck());
+    }
+
+    #[test]
+    fn idle_running_masked_or_blocked_vcpus_are_not_stuck() {
+        let idle = CpuSample::parse(STALLED_REGISTERS, IDLE_LAPIC).unwrap();
+        assert!(idle.halted && idle.pending.is_empty() && !idle.stuck());
+        let running = CpuSample {
+            halted: false,
+            ..stalled()
+        };
+        assert!(!running.stuck());
+        let interrupts_off = CpuSample {
+            interrupts_enabled: false,
+            ..stalled()
+        };
+        assert!(
+            !interrupts_off.stuck(),
+            "a halt with interrupts off waits for an NMI"
+        );
+        // An interrupt of the class being served waits for its end of interrupt.
+        let in_service = CpuSample {
+            pending: vec![0xec],
+            priority: 0xe0,
+            ..stalled()
+        };
+        assert!(!in_service.stuck());
+        assert_eq!(CpuSample::parse("garbage", STALLED_LAPIC), None);
+        assert_eq!(CpuSample::parse(STALLED_REGISTERS, "garbage"), None);
+    }
+
+    #[test]
+    fn a_stall_is_declared_only_after_consecutive_stuck_samples() {
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        let after = Duration::from_secs(20);
+        let idle = Some(CpuSample {
+            pending: Vec::new(),
+            ..stalled()
+        });
+        let stuck = Some(stalled());
+        let mut since = StuckSince::default();
+        assert_eq!(
+            since.update(&[idle.clone(), stuck.clone()], at(0), after),
+            None
+        );
+        assert_eq!(
+            since.update(&[idle.clone(), stuck.clone()], at(10), after),
+            None
+        );
+        // A sample that shows it moving, or none, starts the count again.
+        assert_eq!(
+            since.update(&[idle.clone(), idle.clone()], at(15), after),
+            None
+        );
+        assert_eq!(
+            since.update(&[idle.clone(), stuck.clone()], at(20), after),
+            None
+        );
+        assert_eq!(since.update(&[idle.clone(), None], at(25), after), None);
+        assert_eq!(
+            since.update(&[idle.clone(), stuck.clone()], at(30), after),
+            None
+        );
+        let stall = since
+            .update(&[idle, stuck], at(50), after)
+            .expect("stuck for 20 s");
+        assert_eq!(
+            stall,
+            Stall {
+                cpu: 1,
+                pending: vec![34, 236, 251],
+                seconds: 20
+            }
+        );
+        let said = stall.to_string();
+        assert!(said.contains("vCPU 1 sat halted for 20 s"), "{said}");
+        assert!(said.ends_with("(vectors 34 236 251)"), "{said}");
+    }
+
+    /// A stand-in for QEMU's monitor on `socket` that describes every vCPU with
+    /// `lapic`; serves until the listener is dropped with the test.
+    fn fake_monitor(socket: &std::path::Path, lapic: &'static str) {
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let _ = stream.write_all(b"QEMU 7.2.22 monitor\r\n(qemu) ");
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                let mut line = String::new();
+                while std::io::BufRead::read_line(&mut reader, &mut line).is_ok_and(|n| n > 0) {
+                    let answer = match line.trim() {
+                        "info registers" => STALLED_REGISTERS,
+                        "info lapic" => lapic,
+                        _ => "\r\n(qemu) ",
+                    };
+                    if stream.write_all(answer.as_bytes()).is_err() {
+                        break;
+                    }
+                    line.clear();
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn the_watch_finds_a_stalled_nested_host_through_its_monitor() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("monitor.sock");
+        fake_monitor(&socket, STALLED_LAPIC);
+        let watch = StallWatch::start_with(
+            socket,
+            2,
+            Some(Duration::from_millis(20)),
+            Duration::from_millis(100),
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while watch.stall().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let stall = watch.stall().expect("the stall was found");
+        assert_eq!((stall.cpu, stall.pending), (0, vec![34, 236, 251]));
+    }
+
+    #[test]
+    fn the_watch_leaves_a_healthy_nested_host_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("monitor.sock");
+        fake_monitor(&socket, IDLE_LAPIC);
+        let watch = StallWatch::start_with(
+            socket,
+            2,
+            Some(Duration::from_millis(20)),
+            Duration::from_millis(100),
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(watch.stall(), None);
+        // Without a monitor (QEMU not up yet, or gone) there is nothing to find.
+        let absent = StallWatch::start_with(
+            dir.path().join("absent.sock"),
+            2,
+            Some(Duration::from_millis(20)),
+            Duration::from_millis(100),
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(absent.stall(), None);
+    }
+}

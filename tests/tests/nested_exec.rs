@@ -52,6 +52,48 @@ fn command_runs_with_kvm_and_its_exit_code_comes_back() {
     );
 }
 
+/// The launcher reads every vCPU of a real nested host through QEMU's monitor (the
+/// stall watch: README, "Known problem"), and finds none stuck in a healthy one.
+#[test]
+fn the_stall_watch_reads_every_vcpu_of_a_healthy_nested_host() {
+    if !nested_host_available(
+        "nested_exec::the_stall_watch_reads_every_vcpu_of_a_healthy_nested_host",
+    ) {
+        return;
+    }
+    let run = Vmctl::new()
+        .args(["nested-exec", "--cpus", "2", "--memory", "1024", "--"])
+        .args(["sleep", "12"])
+        .env("VMCTL_LOG", "vmctl::nested::stall=debug")
+        .run();
+    eprintln!("{}", run.report());
+    run.assert_success();
+    let rounds: Vec<&str> = run
+        .stderr
+        .lines()
+        .filter_map(|line| {
+            line.split_once("the nested host's vCPUs: ")
+                .map(|(_, vcpus)| vcpus)
+        })
+        .collect();
+    assert!(
+        !rounds.is_empty(),
+        "the watch sampled nothing\n{}",
+        run.report()
+    );
+    for round in rounds {
+        let vcpus: Vec<&str> = round.split(", ").collect();
+        assert_eq!(vcpus.len(), 2, "{round}");
+        for (cpu, vcpu) in vcpus.iter().enumerate() {
+            assert!(
+                vcpu.starts_with(&format!("{cpu} "))
+                    && (vcpu.ends_with(" halted") || vcpu.ends_with(" running")),
+                "vCPU {cpu} read as {vcpu:?} in {round:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn direct_vmm_boots_on_the_nested_hosts_kvm() {
     if !nested_host_available("nested_exec::direct_vmm_boots_on_the_nested_hosts_kvm") {

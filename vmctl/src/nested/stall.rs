@@ -253,6 +253,7 @@ fn watch(
     while !sleep_unless_stopped(stop, poll) {
         match Monitor::connect(socket).and_then(|mut monitor| monitor.sample(cpus)) {
             Ok(samples) => {
+                tracing::debug!("the nested host's vCPUs: {}", describe(&samples));
                 if let Some(stall) = stuck.update(&samples, Instant::now(), after) {
                     return Some(stall);
                 }
@@ -265,6 +266,21 @@ fn watch(
         }
     }
     None
+}
+
+/// One round of samples in a few words, for the debug log: `0 halted, 1 running`.
+fn describe(samples: &[Option<CpuSample>]) -> String {
+    let words: Vec<String> = samples
+        .iter()
+        .enumerate()
+        .map(|(cpu, sample)| match sample {
+            None => format!("{cpu} unreadable"),
+            Some(sample) if sample.stuck() => format!("{cpu} stuck {:?}", sample.pending),
+            Some(sample) if sample.halted => format!("{cpu} halted"),
+            Some(_) => format!("{cpu} running"),
+        })
+        .collect();
+    words.join(", ")
 }
 
 /// Sleeps `duration`, in steps so that a stop is seen soon; true if stopped.
@@ -388,6 +404,15 @@ mod tests {
                 pending: vec![34, 236, 251],
                 seconds: 20
             }
+        );
+        let stuck = Some(stalled());
+        let running = Some(CpuSample {
+            halted: false,
+            ..stalled()
+        });
+        assert_eq!(
+            describe(&[stuck, running, None]),
+            "0 stuck [34, 236, 251], 1 running, 2 unreadable"
         );
         let said = stall.to_string();
         assert!(said.contains("vCPU 1 sat halted for 20 s"), "{said}");

@@ -372,28 +372,19 @@ mod tests {
         });
         let stuck = Some(stalled());
         let mut since = StuckSince::default();
-        assert_eq!(
-            since.update(&[idle.clone(), stuck.clone()], at(0), after),
-            None
-        );
-        assert_eq!(
-            since.update(&[idle.clone(), stuck.clone()], at(10), after),
-            None
-        );
-        // A sample that shows it moving, or none, starts the count again.
-        assert_eq!(
-            since.update(&[idle.clone(), idle.clone()], at(15), after),
-            None
-        );
-        assert_eq!(
-            since.update(&[idle.clone(), stuck.clone()], at(20), after),
-            None
-        );
-        assert_eq!(since.update(&[idle.clone(), None], at(25), after), None);
-        assert_eq!(
-            since.update(&[idle.clone(), stuck.clone()], at(30), after),
-            None
-        );
+        // vCPU 1 stuck, stuck, then seen moving, stuck, unreadable, stuck: a sample that
+        // shows it moving, or none, starts the count again.
+        for (vcpu1, secs) in [
+            (&stuck, 0),
+            (&stuck, 10),
+            (&idle, 15),
+            (&stuck, 20),
+            (&None, 25),
+            (&stuck, 30),
+        ] {
+            let round = [idle.clone(), vcpu1.clone()];
+            assert_eq!(since.update(&round, at(secs), after), None, "at {secs} s");
+        }
         let stall = since
             .update(&[idle, stuck], at(50), after)
             .expect("stuck for 20 s");
@@ -444,17 +435,29 @@ mod tests {
         });
     }
 
-    #[test]
-    fn the_watch_finds_a_stalled_nested_host_through_its_monitor() {
+    /// A [`quick_watch`] of a [`fake_monitor`] answering with `lapic`, in a directory
+    /// that lives as long as the returned one.
+    fn watch_fake_monitor(lapic: &'static str) -> (tempfile::TempDir, StallWatch) {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("monitor.sock");
-        fake_monitor(&socket, STALLED_LAPIC);
-        let watch = StallWatch::start_with(
+        fake_monitor(&socket, lapic);
+        let watch = quick_watch(socket);
+        (dir, watch)
+    }
+
+    /// A watch of two vCPUs that samples every 20 ms and calls a stall after 100 ms.
+    fn quick_watch(socket: PathBuf) -> StallWatch {
+        StallWatch::start_with(
             socket,
             2,
             Some(Duration::from_millis(20)),
             Duration::from_millis(100),
-        );
+        )
+    }
+
+    #[test]
+    fn the_watch_finds_a_stalled_nested_host_through_its_monitor() {
+        let (_dir, watch) = watch_fake_monitor(STALLED_LAPIC);
         let deadline = Instant::now() + Duration::from_secs(10);
         while watch.stall().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -465,24 +468,11 @@ mod tests {
 
     #[test]
     fn the_watch_leaves_a_healthy_nested_host_alone() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("monitor.sock");
-        fake_monitor(&socket, IDLE_LAPIC);
-        let watch = StallWatch::start_with(
-            socket,
-            2,
-            Some(Duration::from_millis(20)),
-            Duration::from_millis(100),
-        );
+        let (dir, watch) = watch_fake_monitor(IDLE_LAPIC);
         std::thread::sleep(Duration::from_millis(500));
         assert_eq!(watch.stall(), None);
         // Without a monitor (QEMU not up yet, or gone) there is nothing to find.
-        let absent = StallWatch::start_with(
-            dir.path().join("absent.sock"),
-            2,
-            Some(Duration::from_millis(20)),
-            Duration::from_millis(100),
-        );
+        let absent = quick_watch(dir.path().join("absent.sock"));
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(absent.stall(), None);
     }

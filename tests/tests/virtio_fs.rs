@@ -19,7 +19,7 @@ fn host(program: &str, args: &[&str], dir: &Path) -> String {
 fn assert_ok(output: &Output, what: &str) {
     assert!(
         output.status.success(),
-        "{what} failed in the guest: {}",
+        "{what} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
 }

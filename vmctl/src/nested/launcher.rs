@@ -62,7 +62,7 @@ pub enum NestedError {
     Virtiofsd(#[from] VirtiofsdError),
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
-    #[error("the nested host stalled, so vmctl stopped it: {0}; the emulation's known problem (README), not the guest's ({WATCH_ENV}=off leaves such a nested host running, for a look inside with scripts/nested-monitor)")]
+    #[error("the nested host stalled, so vmctl stopped it: {0}; the emulation's known problem (README), not the guest's; what ran in it is lost, run it again ({WATCH_ENV}=off leaves such a nested host running, for a look inside with scripts/nested-monitor)")]
     Stalled(Stall),
     #[error("the nested host stopped before the VM finished: it reset without a word (its kernel triple-faulted or rebooted; QEMU exited 0), the nested host's known problem (README), not the guest's; VMCTL_LOG=debug shows its kernel's messages")]
     Reset,
@@ -629,6 +629,23 @@ mod tests {
         let off = told.find("kvm_amd.npt=0").expect("the default is kept");
         assert!(on > off, "{told}");
         assert!(!told.contains("tsc_early_khz"), "{told}");
+    }
+
+    #[test]
+    fn a_stall_says_what_stalled_and_how_to_keep_one_for_a_look() {
+        let stall = Stall {
+            cpu: 0,
+            pending: vec![236, 251],
+            seconds: 20,
+        };
+        let said = NestedError::Stalled(stall).to_string();
+        // What the VM tests and `vmctl exec` users recognise a lost VM by.
+        assert!(
+            said.starts_with("the nested host stalled, so vmctl stopped it: its vCPU 0 sat"),
+            "{said}"
+        );
+        assert!(said.contains("run it again"), "{said}");
+        assert!(said.contains("VMCTL_NESTED_STALL_WATCH=off"), "{said}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use guest_agent::client::{connect_unix, ClientError, Connection, ExecEvent, ExecSession};
@@ -32,8 +32,14 @@ fn agent() -> PathBuf {
                 std::process::abort();
             }
         }));
-        let dir = tempfile::tempdir().unwrap().keep();
-        let path = dir.join("agent.sock");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        // A static is never dropped: the directory goes when the test binary exits.
+        if let Ok(mut slot) = AGENT_DIR.lock() {
+            *slot = Some(dir);
+        }
+        // SAFETY: registers a function that takes no arguments and only drops a TempDir.
+        unsafe { libc::atexit(remove_agent_dir) };
         let (tx, rx) = std::sync::mpsc::channel();
         let p = path.clone();
         std::thread::Builder::new()
@@ -56,6 +62,15 @@ fn agent() -> PathBuf {
         path
     })
     .clone()
+}
+
+/// The directory of the test agent's socket, removed at exit by [`remove_agent_dir`].
+static AGENT_DIR: Mutex<Option<tempfile::TempDir>> = Mutex::new(None);
+
+extern "C" fn remove_agent_dir() {
+    if let Ok(mut slot) = AGENT_DIR.lock() {
+        slot.take();
+    }
 }
 
 async fn conn() -> Connection<UnixStream> {

@@ -346,6 +346,9 @@ mod tests {
     /// Set in the copy of this test binary that a test starts to run under the filter:
     /// the forbidden call it makes once it has checked the allowed ones.
     const CHILD_ENV: &str = "VMCTL_VMM_SECCOMP_TEST_CALL";
+    /// The directory the child puts its socket in: the child never returns to remove
+    /// one of its own.
+    const CHILD_DIR_ENV: &str = "VMCTL_VMM_SECCOMP_TEST_DIR";
     const THIS_TEST: &str = "seccomp::tests::forbidden_calls_stop_the_vmm_with_a_report";
     const ALLOWED_WORKED: &str = "the VMM's calls worked under the filter";
 
@@ -362,13 +365,15 @@ mod tests {
 
     #[test]
     fn forbidden_calls_stop_the_vmm_with_a_report() {
-        if let Ok(call) = std::env::var(CHILD_ENV) {
-            run_under_the_filter(&call);
+        if let (Ok(call), Some(dir)) = (std::env::var(CHILD_ENV), std::env::var_os(CHILD_DIR_ENV)) {
+            run_under_the_filter(&call, std::path::Path::new(&dir));
         }
         for (call, number) in FORBIDDEN {
+            let dir = tempfile::tempdir().unwrap();
             let child = Command::new(std::env::current_exe().unwrap())
                 .args([THIS_TEST, "--exact", "--nocapture", "--test-threads=1"])
                 .env(CHILD_ENV, call)
+                .env(CHILD_DIR_ENV, dir.path())
                 .output()
                 .unwrap();
             let stdout = String::from_utf8_lossy(&child.stdout);
@@ -395,11 +400,10 @@ mod tests {
         }
     }
 
-    /// In the child: what the VMM does while the VM runs must work; then `call` must
-    /// stop the process before it returns.
-    fn run_under_the_filter(call: &str) -> ! {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("vsock.sock");
+    /// In the child: what the VMM does while the VM runs must work (its socket in
+    /// `dir`); then `call` must stop the process before it returns.
+    fn run_under_the_filter(call: &str, dir: &std::path::Path) -> ! {
+        let socket = dir.join("vsock.sock");
         let listener = UnixListener::bind(&socket).unwrap();
         install(Some(libc::STDOUT_FILENO)).unwrap();
 

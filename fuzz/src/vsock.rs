@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use vmm::devices::virtio::vsock::muxer::{Muxer, MAX_CONNECTIONS};
 use vmm::devices::virtio::vsock::worker::{Datapath, NUM_QUEUES};
@@ -117,7 +117,16 @@ struct Host {
     socket: PathBuf,
     listener: Arc<UnixListener>,
     service: UnixListener,
-    _dir: tempfile::TempDir,
+}
+
+/// The directory of [`Host`]'s sockets, removed at exit by [`remove_host_dir`] (a
+/// static is never dropped).
+static HOST_DIR: Mutex<Option<tempfile::TempDir>> = Mutex::new(None);
+
+extern "C" fn remove_host_dir() {
+    if let Ok(mut slot) = HOST_DIR.lock() {
+        slot.take();
+    }
 }
 
 fn host() -> &'static Host {
@@ -134,11 +143,15 @@ fn host() -> &'static Host {
         service
             .set_nonblocking(true)
             .expect("a non-blocking socket");
+        if let Ok(mut slot) = HOST_DIR.lock() {
+            *slot = Some(dir);
+        }
+        // SAFETY: registers a function that takes no arguments and only drops a TempDir.
+        unsafe { libc::atexit(remove_host_dir) };
         Host {
             socket,
             listener: Arc::new(listener),
             service,
-            _dir: dir,
         }
     })
 }

@@ -13,7 +13,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -186,7 +186,8 @@ impl Monitor {
 
 /// A running watch of one nested host.
 pub struct StallWatch {
-    stop: Arc<AtomicBool>,
+    /// Dropped to stop the watch: its thread wakes at once.
+    stop: Option<Sender<()>>,
     found: Arc<Mutex<Option<Stall>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -205,12 +206,12 @@ impl StallWatch {
         poll: Option<Duration>,
         after: Duration,
     ) -> StallWatch {
-        let stop = Arc::new(AtomicBool::new(false));
+        let (stop, stopped) = mpsc::channel();
         let found = Arc::new(Mutex::new(None));
         let thread = poll.map(|poll| {
-            let (stop, found) = (stop.clone(), found.clone());
+            let found = found.clone();
             std::thread::spawn(move || {
-                if let Some(stall) = watch(&socket, cpus, poll, after, &stop) {
+                if let Some(stall) = watch(&socket, cpus, poll, after, &stopped) {
                     tracing::debug!("the nested host stalled: {stall}");
                     if let Ok(mut slot) = found.lock() {
                         *slot = Some(stall);
@@ -219,7 +220,7 @@ impl StallWatch {
             })
         });
         StallWatch {
-            stop,
+            stop: Some(stop),
             found,
             thread,
         }
@@ -233,7 +234,7 @@ impl StallWatch {
 
 impl Drop for StallWatch {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
+        drop(self.stop.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -241,16 +242,16 @@ impl Drop for StallWatch {
 }
 
 /// Samples the nested host's vCPUs every `poll` until one is stuck for `after` (its
-/// stall) or `stop` is set (`None`).
+/// stall) or `stopped` hangs up (`None`).
 fn watch(
     socket: &std::path::Path,
     cpus: u32,
     poll: Duration,
     after: Duration,
-    stop: &AtomicBool,
+    stopped: &Receiver<()>,
 ) -> Option<Stall> {
     let mut stuck = StuckSince::default();
-    while !sleep_unless_stopped(stop, poll) {
+    while stopped.recv_timeout(poll) == Err(RecvTimeoutError::Timeout) {
         match Monitor::connect(socket).and_then(|mut monitor| monitor.sample(cpus)) {
             Ok(samples) => {
                 tracing::debug!("the nested host's vCPUs: {}", describe(&samples));
@@ -281,18 +282,6 @@ fn describe(samples: &[Option<CpuSample>]) -> String {
         })
         .collect();
     words.join(", ")
-}
-
-/// Sleeps `duration`, in steps so that a stop is seen soon; true if stopped.
-fn sleep_unless_stopped(stop: &AtomicBool, duration: Duration) -> bool {
-    let deadline = Instant::now() + duration;
-    while Instant::now() < deadline {
-        if stop.load(Ordering::SeqCst) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50).min(duration));
-    }
-    stop.load(Ordering::SeqCst)
 }
 
 #[cfg(test)]

@@ -481,3 +481,31 @@ fn commands_on_a_workspace_without_a_vm() {
     let left = vm_dir_names(home.path());
     assert!(left.is_empty(), "VM directories left behind: {left:?}");
 }
+
+/// From a subdirectory of a repository, the commands about its VM and its settings
+/// mean the repository's (the workspace `vmctl exec` uses there), not the
+/// subdirectory's: a `vmctl policy allow` there used to go to a workspace no VM has.
+#[test]
+fn commands_from_a_subdirectory_mean_its_workspace() {
+    let home = TempDir::new("subdirectory");
+    let repo = home.path().join("repo");
+    let deep = repo.join("src/deep");
+    fs::create_dir_all(&deep).unwrap();
+    fs::create_dir_all(repo.join(".git")).unwrap();
+    let vmctl = |args: &[&str]| {
+        let (output, stderr) = vmctl_as_user_of(home.path(), &deep, args);
+        assert!(output.status.success(), "{args:?}: {stderr}");
+        (String::from_utf8_lossy(&output.stdout).into_owned(), stderr)
+    };
+    let (_, stderr) = vmctl(&["stop"]);
+    assert_eq!(
+        stderr.trim_end(),
+        format!("vmctl: no VM is running for {}", repo.display())
+    );
+    vmctl(&["policy", "allow", "example.com"]);
+    let (rules, _) = vmctl(&["policy", "ls", "--workspace", repo.to_str().unwrap()]);
+    assert!(
+        rules.lines().any(|rule| rule.contains("example.com")),
+        "the rule is not the repository's: {rules}"
+    );
+}

@@ -26,7 +26,7 @@ pub enum Command {
     /// Run a command inside a fresh QEMU-TCG nested host, which has a working
     /// /dev/kvm and sees this host's files read-only (for benchmarks and debugging).
     NestedExec(NestedExecArgs),
-    /// Start the VM of a workspace (default: the current directory) and wait until
+    /// Start the VM of a workspace (default: the current directory's) and wait until
     /// its guest agent answers.
     Up(UpArgs),
     /// List workspace VMs.
@@ -127,8 +127,8 @@ pub struct DaemonArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
-    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory) and
-    /// the port in the VM.
+    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory's
+    /// VM, as for `vmctl stop`) and the port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
     /// The host port (default: a free one, printed).
@@ -141,8 +141,8 @@ pub struct PublishArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct UnpublishArgs {
-    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory) and
-    /// the published port in the VM.
+    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory's
+    /// VM, as for `vmctl stop`) and the published port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
 }
@@ -191,7 +191,8 @@ pub struct PolicyScope {
     /// Apply to every workspace instead of this one.
     #[arg(long, conflicts_with = "workspace")]
     pub global: bool,
-    /// The workspace the rule is for (default: the current directory).
+    /// The workspace the rule is for (default: the current directory's, as for
+    /// `vmctl stop`).
     #[arg(long, value_name = "DIR")]
     pub workspace: Option<PathBuf>,
 }
@@ -222,13 +223,13 @@ pub enum PolicyCommand {
     },
     /// The rules in force for a workspace: defaults, global and the workspace's own.
     Ls {
-        /// The workspace (default: the current directory).
+        /// The workspace (default: the current directory's, as for `vmctl stop`).
         #[arg(long, value_name = "DIR")]
         workspace: Option<PathBuf>,
     },
     /// The egress proxy's recent decisions for a workspace's VM.
     Log {
-        /// The workspace (default: the current directory).
+        /// The workspace (default: the current directory's, as for `vmctl stop`).
         #[arg(long, value_name = "DIR")]
         workspace: Option<PathBuf>,
         /// How many decisions.
@@ -279,7 +280,7 @@ pub struct IsolationArg {
 
 #[derive(Debug, clap::Args)]
 pub struct ShellArgs {
-    /// The workspace directory (default: the current directory).
+    /// The workspace directory (default: the current directory's: see --isolation).
     pub dir: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
@@ -287,7 +288,7 @@ pub struct ShellArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct UpArgs {
-    /// The workspace directory (default: the current directory).
+    /// The workspace directory (default: the current directory's: see --isolation).
     pub dir: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
@@ -322,7 +323,9 @@ fn parse_resolve(value: &str) -> Result<(String, std::net::SocketAddr), String> 
 
 #[derive(Debug, clap::Args)]
 pub struct WorkspaceArg {
-    /// The workspace directory (default: the current directory).
+    /// The workspace directory. Default: the current directory's VM: the nearest
+    /// directory from here up to the workspace (see `vmctl up --isolation`) that has
+    /// one, else that workspace.
     pub dir: Option<PathBuf>,
 }
 
@@ -335,7 +338,8 @@ pub struct PruneArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ExecArgs {
-    /// The workspace whose VM runs the command (default: the current directory).
+    /// The workspace whose VM runs the command (default: the current directory's:
+    /// see --isolation).
     #[arg(long, value_name = "DIR")]
     pub workspace: Option<PathBuf>,
     /// Run the command on a pseudo-terminal (the host terminal goes raw).

@@ -115,7 +115,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             }
         }
         PolicyCommand::Log { workspace, lines } => {
-            let (workspace, vm) = VmDir::lookup(&crate::workspace(workspace))?;
+            let (workspace, vm) = VmDir::lookup(&crate::workspace::of_vm(workspace))?;
             let entries = egress::log::read_recent(&vm.egress_log(), lines)?;
             if entries.is_empty() {
                 eprintln!(
@@ -169,7 +169,7 @@ fn scope_of(scope: &PolicyScope) -> Scope {
 
 /// The workspace as the VM sees it: canonical, like `vmctl up` records it.
 fn canonical(dir: Option<PathBuf>) -> PathBuf {
-    let dir = crate::workspace(dir);
+    let dir = crate::workspace::of_vm(dir);
     dir.canonicalize().unwrap_or(dir)
 }
 

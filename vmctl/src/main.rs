@@ -66,7 +66,7 @@ fn main() -> ExitCode {
             Ok(0)
         }
         cli::Command::Stop(args) => {
-            let dir = workspace(args.dir);
+            let dir = workspace::of_vm(args.dir);
             unpin(&dir);
             vm::stop(&dir).map_err(|e| e.to_string()).map(|stopped| {
                 if !stopped {
@@ -76,7 +76,7 @@ fn main() -> ExitCode {
             })
         }
         cli::Command::Rm(args) => {
-            let dir = workspace(args.dir);
+            let dir = workspace::of_vm(args.dir);
             unpin(&dir);
             vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
                 if !removed {
@@ -108,11 +108,11 @@ fn main() -> ExitCode {
         cli::Command::Shell(args) => run_shell(args),
         cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
-        cli::Command::Ports(args) => ports::list(&workspace(args.dir))
+        cli::Command::Ports(args) => ports::list(&workspace::of_vm(args.dir))
             .map(|_| 0)
             .map_err(|e| e.to_string()),
         cli::Command::Publish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
-            ports::publish(&workspace(dir), port, args.host_port, args.address)
+            ports::publish(&workspace::of_vm(dir), port, args.host_port, args.address)
                 .map(|host| {
                     terminal::print_out(format_args!("{host}\n"));
                     0
@@ -120,7 +120,7 @@ fn main() -> ExitCode {
                 .map_err(|e| e.to_string())
         }),
         cli::Command::Unpublish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
-            ports::unpublish(&workspace(dir), port)
+            ports::unpublish(&workspace::of_vm(dir), port)
                 .map(|host| {
                     eprintln!("vmctl: {host} no longer forwards to guest port {port}");
                     0
@@ -147,11 +147,6 @@ fn main() -> ExitCode {
         }
     };
     exit_with(result)
-}
-
-/// The workspace a command is about: the given directory or the current one.
-pub(crate) fn workspace(dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
-    dir.unwrap_or_else(workspace::current_dir)
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
@@ -306,7 +301,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     // A named workspace starts the shell at its root, else where we are.
     let start_in = match &args.dir {
         Some(dir) => dir.clone(),
-        None => workspace(None),
+        None => workspace::current_dir(),
     };
     let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
     let options = vm::StartOptions {

@@ -36,6 +36,37 @@ pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
     }
 }
 
+/// The workspace a command about an existing VM or a workspace's settings means
+/// (`vmctl stop`, `rm`, `ports`, `publish`, `policy`): `dir` when one is named; else
+/// the nearest directory, from the current one up to its workspace ([`resolve`]),
+/// that has a VM (one started with `--isolation directory` or `vmctl up SUBDIR` is
+/// found from inside it); else that workspace, the one `vmctl exec` would use here.
+pub fn of_vm(dir: Option<PathBuf>) -> PathBuf {
+    if let Some(dir) = dir {
+        return dir;
+    }
+    let workspace = resolve(None, None);
+    nearest_with_vm(&current_dir(), &workspace, |dir| {
+        crate::state::VmDir::lookup(dir).is_ok_and(|(_, vm)| vm.record_path().exists())
+    })
+    .unwrap_or(workspace)
+}
+
+/// The nearest directory from `dir` up to `workspace` (both included) for which
+/// `has_vm` holds.
+fn nearest_with_vm(
+    dir: &Path,
+    workspace: &Path,
+    has_vm: impl Fn(&Path) -> bool,
+) -> Option<PathBuf> {
+    let canonical = |path: &Path| path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let (dir, workspace) = (canonical(dir), canonical(workspace));
+    dir.ancestors()
+        .take_while(|candidate| candidate.starts_with(&workspace))
+        .find(|candidate| has_vm(candidate))
+        .map(Path::to_path_buf)
+}
+
 /// The current directory; when it was removed, the path the shell still has for it
 /// (`$PWD`), so that the error that follows names it rather than ".".
 pub fn current_dir() -> PathBuf {
@@ -123,5 +154,35 @@ mod tests {
         let plain = home.join("notes");
         std::fs::create_dir_all(&plain).unwrap();
         assert_eq!(workspace_root(&plain, Some(&home)), plain);
+    }
+
+    #[test]
+    fn a_vm_is_found_from_the_current_directory_up_to_its_workspace() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        let repo = root.join("repo");
+        let deep = repo.join("src/a");
+        std::fs::create_dir_all(&deep).unwrap();
+        let with_vm = |dirs: &'static [&'static str]| {
+            let root = root.clone();
+            move |dir: &Path| dirs.iter().any(|d| dir == root.join(d))
+        };
+        // The workspace's VM, from deep inside it.
+        assert_eq!(
+            nearest_with_vm(&deep, &repo, with_vm(&["repo"])),
+            Some(repo.clone())
+        );
+        // A VM of a subdirectory (`--isolation directory`) is nearer.
+        assert_eq!(
+            nearest_with_vm(&deep, &repo, with_vm(&["repo", "repo/src"])),
+            Some(repo.join("src"))
+        );
+        // Nothing above the workspace counts, nor does a directory beside the path.
+        assert_eq!(
+            nearest_with_vm(&deep, &repo, with_vm(&["", "repo/b"])),
+            None
+        );
+        // A current directory outside the workspace (it was named) finds nothing.
+        assert_eq!(nearest_with_vm(&root, &repo, with_vm(&[""])), None);
     }
 }

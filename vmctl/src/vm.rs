@@ -174,7 +174,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     } = *options;
     let workspace = workspace.to_path_buf();
     // Two sessions starting the same workspace at once must not boot two VMs: the
-    // second waits here, then finds the first's VM running.
+    // second waits here, then finds the first's VM running. So does a session that
+    // comes as the daemon stops the VM for idleness: it then boots a fresh one.
     let _start_lock = lock_exclusive(&vm.path.join(START_LOCK))?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
@@ -346,6 +347,17 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
 pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
     std::fs::File::open(vm.path.join(START_LOCK))
         .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+}
+
+/// `vm`'s start lock, unless someone holds it (`Ok(None)`). While it is held no
+/// `vmctl` attaches to the VM or starts it: they wait in [`start`].
+pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
+    let file = crate::state::open_lock_file(&vm.path.join(START_LOCK))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
 }
 
 /// An exclusive `flock` on `path` (created if missing), held until the file drops.

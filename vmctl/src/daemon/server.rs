@@ -317,28 +317,59 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
     let vm_dir = vm_dir.to_path_buf();
     tokio::spawn(async move {
         tokio::time::sleep(timeout).await;
+        let vm = VmDir { path: vm_dir };
+        // Held while the VM goes down, so that a session coming meanwhile waits in its
+        // start and boots a fresh VM instead of attaching to this one as it stops.
+        let start_lock = match crate::vm::try_lock_start(&vm) {
+            Ok(Some(lock)) => Some(lock),
+            Ok(None) => {
+                // A session is attaching to the VM (its lease decides from now on),
+                // or a start without one is under way: look again after a timeout.
+                if is_still_idle(&daemon, &vm.path, generation) {
+                    schedule_idle_stop(&daemon, &vm.path);
+                }
+                return;
+            }
+            Err(e) => {
+                tracing::debug!("cannot take {}'s start lock: {e}", vm.path.display());
+                None
+            }
+        };
         let still_idle = {
             let mut vms = daemon.vms();
-            let idle = vms.get(&vm_dir).is_some_and(|t| t.generation == generation);
+            let idle = vms
+                .get(&vm.path)
+                .is_some_and(|t| t.generation == generation);
             if idle {
-                vms.remove(&vm_dir);
+                vms.remove(&vm.path);
             }
             idle
         };
         if still_idle {
             eprintln!(
                 "vmctl daemon: {} idle for {timeout:?}; stopping it",
-                vm_dir.display()
+                vm.path.display()
             );
-            let vm = VmDir { path: vm_dir };
             let why = format!(
                 "no session for {} s (the daemon stops idle VMs; `idle_timeout_s` in the \
                  config file sets how soon)",
                 timeout.as_secs()
             );
-            let _ = tokio::task::spawn_blocking(move || crate::vm::stop_vm(&vm, &why)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                crate::vm::stop_vm(&vm, &why);
+                drop(start_lock);
+            })
+            .await;
         }
     });
+}
+
+/// Whether no lease, pin or new idle timer came for the VM since `generation`.
+fn is_still_idle(daemon: &Daemon, vm_dir: &Path, generation: u64) -> bool {
+    daemon
+        .vms()
+        .get(vm_dir)
+        .is_some_and(|t| t.generation == generation)
 }
 
 /// The idle timeout from the user's config (`idle_timeout_s`), read each time so a
@@ -476,6 +507,35 @@ mod tests {
         take_lease(&daemon, &vm.path, 2, "exec (pid 2)".into());
         release_lease(&daemon, &vm.path, 2);
         assert!(status(&daemon)[0].stops_in_s.is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_stop_waits_for_a_session_attaching_to_the_vm() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let timeout = Duration::from_secs(idle_timeout_s());
+        let daemon = daemon();
+        take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
+        release_lease(&daemon, &vm.path, 1);
+        // The next session is attaching to the VM as its idle timeout ends.
+        let attaching = crate::vm::try_lock_start(&vm)
+            .unwrap()
+            .expect("a free lock");
+        tokio::time::sleep(timeout + Duration::from_secs(1)).await;
+        let waiting = status(&daemon);
+        assert_eq!(waiting.len(), 1, "stopped under a session attaching to it");
+        assert!(waiting[0].stops_in_s.is_some(), "no longer stops when idle");
+        // Its lease comes: the VM stays for it.
+        take_lease(&daemon, &vm.path, 2, "exec (pid 2)".into());
+        drop(attaching);
+        tokio::time::sleep(timeout * 2).await;
+        assert_eq!(status(&daemon).len(), 1, "stopped under a session");
+        // That session ends and none comes: the VM is stopped (and forgotten).
+        release_lease(&daemon, &vm.path, 2);
+        tokio::time::sleep(timeout + Duration::from_secs(1)).await;
+        assert!(status(&daemon).is_empty(), "an idle VM was not stopped");
     }
 
     #[test]

@@ -579,6 +579,7 @@ fn relay_stderr(listener: UnixListener) {
 /// `watch` finds it stalled: nothing would come of it any more.
 fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::ExitStatus> {
     let mut asked_at: Option<Instant> = None;
+    let mut killed_for_stall = false;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => return Some(status),
@@ -588,8 +589,9 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
                 return None;
             }
         }
-        if watch.stall().is_some() {
+        if !killed_for_stall && watch.stall().is_some() {
             let _ = child.kill();
+            killed_for_stall = true;
         }
         if STOP_SIGNAL.load(Ordering::SeqCst) != 0 {
             match asked_at {

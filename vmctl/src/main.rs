@@ -19,6 +19,7 @@ mod paseo;
 mod ports;
 mod procfs;
 mod shares;
+mod start_notice;
 mod state;
 mod supervisor;
 mod terminal;

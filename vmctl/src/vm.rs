@@ -286,6 +286,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     };
     vm.write_record(&record)?;
     let started = Instant::now();
+    let mut notice = crate::start_notice::StartNotice::for_quiet_start(quiet);
     let mut supervisor = spawn_supervisor(&vm)?;
     let deadline = started
         + if nested {
@@ -320,12 +321,14 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             let _ = supervisor.kill();
             return Err(not_ready("the guest agent did not answer in time".into()));
         }
+        notice.update(&workspace, started.elapsed());
         std::thread::sleep(if nested {
             READY_POLL_NESTED
         } else {
             READY_POLL_DIRECT
         });
     }
+    notice.clear();
     let ready_after = started.elapsed();
     tracing::info!(
         "{AGENT_READY_LOG} after {} ms (VM of {})",

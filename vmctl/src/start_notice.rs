@@ -1,7 +1,7 @@
-//! What a person at a terminal sees while `vmctl exec`, `shell` or `agent` boots the
-//! VM, which otherwise start silently (their output must stay the command's): one line
-//! that counts the seconds, shown once the boot takes longer than a moment and erased
-//! when it ends, so that the command's output starts on a clean line. Never shown when
+//! What a person at a terminal sees while vmctl boots a VM (`up`, `exec`, `shell`,
+//! `agent`), which would otherwise be a silent wait: one line that counts the seconds,
+//! shown once the boot takes longer than a moment and erased when it ends, so that
+//! what follows (a command's own output) starts on a clean line. Never shown when
 //! stderr is not a terminal (Paseo, scripts, logs).
 
 use std::io::{IsTerminal, Write};
@@ -20,11 +20,10 @@ pub struct StartNotice<W: Write> {
 }
 
 impl StartNotice<std::io::Stderr> {
-    /// A notice on stderr when `quiet` (the command's own output follows) and stderr
-    /// is a terminal; else one that shows nothing.
-    pub fn for_quiet_start(quiet: bool) -> Self {
+    /// A notice on stderr if it is a terminal; else one that shows nothing.
+    pub fn on_terminal() -> Self {
         let stderr = std::io::stderr();
-        let wanted = quiet && stderr.is_terminal();
+        let wanted = stderr.is_terminal();
         StartNotice::new(wanted.then_some(stderr))
     }
 }

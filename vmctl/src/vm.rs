@@ -286,7 +286,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     };
     vm.write_record(&record)?;
     let started = Instant::now();
-    let mut notice = crate::start_notice::StartNotice::for_quiet_start(quiet);
+    let mut notice = crate::start_notice::StartNotice::on_terminal();
     let mut supervisor = spawn_supervisor(&vm)?;
     let deadline = started
         + if nested {

@@ -291,6 +291,20 @@ sys.exit(os.waitstatus_to_exitcode(status))
     let whoami = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&whoami).trim(), "0");
 
+    // From a subdirectory of a repository, a command about the VM finds the
+    // repository's VM (the one `exec` uses there), not one of the subdirectory's.
+    let git_dir = ws.path().join(".git");
+    let deep = ws.path().join("src/deep");
+    std::fs::create_dir_all(&git_dir).unwrap();
+    std::fs::create_dir_all(&deep).unwrap();
+    let ports = ws.command(&["ports"]).current_dir(&deep).output().unwrap();
+    std::fs::remove_dir(&git_dir).unwrap();
+    assert!(
+        ports.status.success() && stdout(&ports).contains("egress proxy"),
+        "`vmctl ports` from a subdirectory: {}",
+        String::from_utf8_lossy(&ports.stderr)
+    );
+
     assert_hang_report_shows_where_the_command_waits(&ws);
 
     // A session that loses its VM to `vmctl stop` says so.

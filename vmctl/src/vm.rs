@@ -352,6 +352,24 @@ pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
         .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
 
+/// Whether a `vmctl` still holds `vm`'s start lock after `grace`: a start in progress,
+/// not the daemon's idle stop finishing (which holds the lock until it has seen the VM
+/// gone, a moment after `vmctl ps` does).
+fn start_in_progress_after(vm: &VmDir, grace: Duration) -> bool {
+    let deadline = Instant::now() + grace;
+    while start_in_progress(vm) {
+        if Instant::now() >= deadline {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// How long `vmctl prune` waits for a VM's start lock before it takes the VM for one
+/// being started: longer than the daemon's idle stop holds it past the VM's end.
+const STOP_LOCK_GRACE: Duration = Duration::from_secs(2);
+
 /// `vm`'s start lock, unless someone holds it (`Ok(None)`). While it is held no
 /// `vmctl` attaches to the VM or starts it: they wait in [`start`].
 pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
@@ -745,7 +763,7 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
 
 /// What `vmctl prune` would forget `vm` as, if it would.
 fn prunable(vm: &VmDir) -> Option<String> {
-    let stopped = || vm.running_pid().is_none() && !start_in_progress(vm);
+    let stopped = || vm.running_pid().is_none() && !start_in_progress_after(vm, STOP_LOCK_GRACE);
     let record = match vm.read_record() {
         Ok(record) => record,
         // A start refused before it wrote the record (a bad --mount, say) left the
@@ -1060,6 +1078,29 @@ mod tests {
         assert!(start_in_progress(&vm));
         drop(held);
         assert!(!start_in_progress(&vm), "a start that ended (or failed)");
+    }
+
+    #[test]
+    fn prune_waits_out_a_start_lock_held_a_moment_past_the_vms_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let grace = Duration::from_secs(2);
+        // The daemon's idle stop lets go of the lock just after the VM is gone.
+        let held = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        let stop_ends = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        assert!(
+            !start_in_progress_after(&vm, grace),
+            "the stop's lock taken for a start"
+        );
+        stop_ends.join().unwrap();
+        // A start holds it for longer.
+        let _starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        assert!(start_in_progress_after(&vm, Duration::from_millis(300)));
     }
 
     #[test]

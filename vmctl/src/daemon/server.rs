@@ -325,7 +325,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             Ok(None) => {
                 // A session is attaching to the VM (its lease decides from now on),
                 // or a start without one is under way: look again after a timeout.
-                if is_still_idle(&daemon, &vm.path, generation) {
+                if is_still_idle(&daemon.vms(), &vm.path, generation) {
                     schedule_idle_stop(&daemon, &vm.path);
                 }
                 return;
@@ -337,9 +337,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         };
         let still_idle = {
             let mut vms = daemon.vms();
-            let idle = vms
-                .get(&vm.path)
-                .is_some_and(|t| t.generation == generation);
+            let idle = is_still_idle(&vms, &vm.path, generation);
             if idle {
                 vms.remove(&vm.path);
             }
@@ -365,11 +363,8 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
 }
 
 /// Whether no lease, pin or new idle timer came for the VM since `generation`.
-fn is_still_idle(daemon: &Daemon, vm_dir: &Path, generation: u64) -> bool {
-    daemon
-        .vms()
-        .get(vm_dir)
-        .is_some_and(|t| t.generation == generation)
+fn is_still_idle(vms: &HashMap<PathBuf, Tracked>, vm_dir: &Path, generation: u64) -> bool {
+    vms.get(vm_dir).is_some_and(|t| t.generation == generation)
 }
 
 /// The idle timeout from the user's config (`idle_timeout_s`), read each time so a

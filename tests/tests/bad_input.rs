@@ -509,3 +509,25 @@ fn commands_from_a_subdirectory_mean_its_workspace() {
         "the rule is not the repository's: {rules}"
     );
 }
+
+/// `vmctl logs` for a workspace that never had a VM says so, and creates nothing.
+#[test]
+fn logs_of_a_workspace_without_a_vm() {
+    let home = TempDir::new("logs");
+    let workspace = home.path().join("ws");
+    fs::create_dir_all(&workspace).unwrap();
+    let (output, stderr) = vmctl_as_user_of(home.path(), &workspace, &["logs"]);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "vmctl: error: {} has no VM, so no logs: start one with `vmctl up`",
+            workspace.display()
+        )
+    );
+    assert!(vm_dir_names(home.path()).is_empty());
+    let (output, stderr) =
+        vmctl_as_user_of(home.path(), &workspace, &["logs", "--previous", "--follow"]);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}

@@ -1,7 +1,7 @@
 //! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
 //! and resizes through a real host terminal, concurrency, client death, a reader that
 //! goes away), `shell` with and without a terminal, the agent CLIs inside, `ps`,
-//! `stop`, `rm`, `run`, the host user's account, and an image built from a recipe.
+//! `logs`, `stop`, `rm`, `run`, the host user's account, and an image built from a recipe.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
@@ -307,10 +307,36 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
     assert_hang_report_shows_where_the_command_waits(&ws);
 
+    // The VM's logs: the console names the commands run; the supervisor's log is the
+    // host side's.
+    let last_two = stdout(&ws.run(&["logs", "-n", "2"]));
+    let console = stdout(&ws.run(&["logs"]));
+    assert!(
+        console.contains("guest-agent: booted") && console.contains(r#"argv=["id", "-u"]"#),
+        "{console}"
+    );
+    assert!(!console.contains('\r'), "{console:?}");
+    assert_eq!(last_two.lines().count(), 2, "{last_two}");
+    assert!(console.contains(&last_two), "{last_two}");
+    let supervisor = stdout(&ws.run(&["logs", "--supervisor"]));
+    assert!(
+        supervisor.contains("vmctl: supervising the VM of"),
+        "{supervisor}"
+    );
+    let follower = LogFollower::start(&ws);
+
     // A session that loses its VM to `vmctl stop` says so.
     let mut sleeper = start_guest_sleeper(&ws, "/tmp/last.pid");
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
+    // `vmctl logs --follow`, started before, printed the console as it grew, and ended
+    // with the VM.
+    let followed = follower.wait_for_end();
+    assert!(
+        followed.contains(r#"argv=["sh", "-c", "echo $$ > /tmp/last.pid; exec sleep 1000"]"#)
+            && followed.contains("shutdown requested"),
+        "{followed}"
+    );
     let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
     else {
         let _ = sleeper.kill();
@@ -545,6 +571,47 @@ fn start_guest_sleeper(ws: &Workspace, pid_file: &str) -> Child {
     sleeper
 }
 
+/// `vmctl logs --follow` on the workspace's running VM.
+struct LogFollower {
+    child: Child,
+    output: std::thread::JoinHandle<String>,
+}
+
+impl LogFollower {
+    /// Starts following, and waits for the console's first line, so that what the VM
+    /// logs from now on can only reach it by following.
+    fn start(ws: &Workspace) -> LogFollower {
+        use std::io::BufRead;
+        let mut child = ws
+            .command(&["logs", "--follow"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        lines.read_line(&mut first).unwrap();
+        assert!(first.ends_with('\n'), "{first:?}");
+        let output = std::thread::spawn(move || {
+            let mut rest = String::new();
+            lines.read_to_string(&mut rest).unwrap();
+            rest
+        });
+        LogFollower { child, output }
+    }
+
+    /// What it printed after the first line, once it ended by itself (within 30 s).
+    fn wait_for_end(mut self) -> String {
+        let Some(status) =
+            vm_tests::hang_report::wait_bounded(&mut self.child, Duration::from_secs(30))
+        else {
+            let _ = self.child.kill();
+            panic!("vmctl logs --follow still runs 30 s after its VM stopped");
+        };
+        assert!(status.success(), "vmctl logs --follow: {status}");
+        self.output.join().unwrap()
+    }
+}
+
 /// Waits until `path` exists and is not empty in the guest.
 fn wait_for_guest_file(ws: &Workspace, path: &str) {
     let started = Instant::now();
@@ -696,7 +763,7 @@ fn guest_panic_scenario() {
             && stderr.contains("starting a new one"),
         "{stderr}"
     );
-    let previous = std::fs::read_to_string(ws.vm_dir().join("console.log.previous")).unwrap();
+    let previous = stdout(&ws.run(&["logs", "--previous"]));
     assert!(
         previous.contains("Kernel panic - not syncing"),
         "{previous}"

@@ -54,6 +54,12 @@ pub enum Command {
     Shell(ShellArgs),
     /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
     Run(ExecArgs),
+    /// A VM's log, as `docker logs` shows a container's: its console (what the guest
+    /// agent logs: the boot, each command started and how it ended, clock steps,
+    /// relays, the shutdown; a kernel's panic), or with --supervisor the host side's
+    /// (shares, relays, why the VM stopped). Kept across a restart once, as
+    /// --previous. Escape sequences from the guest are shown escaped.
+    Logs(LogsArgs),
     /// The TCP ports listening in the VM (loopback-only ones included), and which
     /// are published on the host.
     Ports(WorkspaceArg),
@@ -327,6 +333,24 @@ pub struct WorkspaceArg {
     /// directory from here up to the workspace (see `vmctl up --isolation`) that has
     /// one, else that workspace.
     pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    pub workspace: WorkspaceArg,
+    /// The supervisor's log (the host side of the VM) instead of the console.
+    #[arg(long)]
+    pub supervisor: bool,
+    /// The log of the VM's run before this one (or before the last, if stopped).
+    #[arg(long, conflicts_with = "follow")]
+    pub previous: bool,
+    /// Only the last N lines.
+    #[arg(long, short = 'n', value_name = "N")]
+    pub lines: Option<usize>,
+    /// Keep printing what is logged until the VM stops (Ctrl-C ends it sooner).
+    #[arg(long, short = 'f')]
+    pub follow: bool,
 }
 
 #[derive(Debug, clap::Args)]

@@ -13,6 +13,7 @@ mod guest_clock;
 mod guest_writable;
 mod host_kvm;
 mod log_keeper;
+mod logs;
 mod nested;
 mod network;
 mod paseo;
@@ -109,6 +110,17 @@ fn main() -> ExitCode {
         cli::Command::Shell(args) => run_shell(args),
         cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
+        cli::Command::Logs(args) => logs::show(
+            &workspace::of_vm(args.workspace.dir),
+            logs::LogsOptions {
+                supervisor: args.supervisor,
+                previous: args.previous,
+                lines: args.lines,
+                follow: args.follow,
+            },
+        )
+        .map(|()| 0)
+        .map_err(|e| e.to_string()),
         cli::Command::Ports(args) => ports::list(&workspace::of_vm(args.dir))
             .map(|_| 0)
             .map_err(|e| e.to_string()),

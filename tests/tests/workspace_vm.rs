@@ -290,6 +290,25 @@ sys.exit(os.waitstatus_to_exitcode(status))
     // when asked.
     let whoami = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&whoami).trim(), "0");
+    // Started outside the workspace (`--workspace` names it), the command runs at its
+    // root, not in a directory of the guest's own (`/` exists there too).
+    let at_root = ws
+        .command(&[
+            "exec",
+            "--workspace",
+            ws.path().to_str().unwrap(),
+            "--",
+            "pwd",
+        ])
+        .current_dir("/")
+        .output()
+        .unwrap();
+    assert_eq!(
+        stdout(&at_root).trim(),
+        ws.path().canonicalize().unwrap().to_str().unwrap(),
+        "{}",
+        String::from_utf8_lossy(&at_root.stderr)
+    );
 
     // From a subdirectory of a repository, a command about the VM finds the
     // repository's VM (the one `exec` uses there), not one of the subdirectory's.

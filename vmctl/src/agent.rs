@@ -129,9 +129,10 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         argv.push(options.cli.skip_permissions_flag().to_string());
     }
     argv.extend(options.args);
-    let cwd = std::env::current_dir()
-        .ok()
-        .map(|d| d.display().to_string());
+    let cwd = Some(crate::exec::guest_cwd(
+        &vm,
+        &crate::workspace::current_dir(),
+    ));
     Ok(exec::run(
         &vm.vsock_socket(),
         ExecOptions {

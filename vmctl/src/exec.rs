@@ -10,6 +10,8 @@ use guest_agent::protocol::{ExecRequest, TtyRequest, User};
 use tokio::io::AsyncReadExt;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::state::VmDir;
+
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
 
@@ -46,6 +48,25 @@ pub struct ExecOptions {
     pub cwd: Option<String>,
     pub user: User,
     pub tty: bool,
+}
+
+/// Where a command started in the host directory `host_dir` runs in `vm`: at the same
+/// files in the guest when a share holds them, else at the workspace's root, never in
+/// a directory of the guest's own, whose files would go with the VM. (Should the VM's
+/// record be unreadable, the guest agent decides: `host_dir` if the guest has it, else
+/// the home directory.)
+pub fn guest_cwd(vm: &VmDir, host_dir: &Path) -> String {
+    let host_dir = host_dir
+        .canonicalize()
+        .unwrap_or_else(|_| host_dir.to_path_buf());
+    let place = match vm.read_record() {
+        Ok(record) => record
+            .shares
+            .and_then(|set| set.guest_path_of(&host_dir))
+            .unwrap_or(record.workspace),
+        Err(_) => host_dir,
+    };
+    place.display().to_string()
 }
 
 /// Parses `--user`: empty/default → the host user, `root`, or a guest account name.
@@ -402,6 +423,34 @@ impl Drop for RawTerminal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
+
+    #[test]
+    fn a_command_runs_at_its_directorys_place_in_the_guest_else_at_the_workspace() {
+        let host = tempfile::tempdir().unwrap();
+        let workspace = host.path().join("project");
+        let elsewhere = host.path().join("elsewhere");
+        std::fs::create_dir_all(workspace.join("src")).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(workspace.join("src"), host.path().join("link")).unwrap();
+        let vm = VmDir {
+            path: host.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let canonical = workspace.canonicalize().unwrap();
+        let show = |path: PathBuf| path.display().to_string();
+        let cwd = |dir: &Path| guest_cwd(&vm, dir);
+
+        // No record: the host path as it is, for the agent to judge.
+        assert_eq!(cwd(&elsewhere), show(elsewhere.clone()));
+
+        vm.write_record(&crate::state::test_record(&vm, &canonical))
+            .unwrap();
+        assert_eq!(cwd(&workspace.join("src")), show(canonical.join("src")));
+        assert_eq!(cwd(&host.path().join("link")), show(canonical.join("src")));
+        assert_eq!(cwd(&elsewhere), show(canonical.clone()));
+        assert_eq!(cwd(Path::new("/")), show(canonical));
+    }
 
     /// A VM whose vsock accepts but whose agent never answers: `vmctl exec` gives up
     /// (before raw mode, so Ctrl-C works meanwhile) instead of waiting forever.

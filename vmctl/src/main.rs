@@ -230,9 +230,7 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
 }
 
 fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
-    let cwd = std::env::current_dir()
-        .ok()
-        .map(|d| d.display().to_string());
+    let cwd = exec::guest_cwd(vm, &workspace::current_dir());
     exec::run(
         &vm.vsock_socket(),
         exec::ExecOptions {
@@ -242,7 +240,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
                 .into_iter()
                 .chain(args.env)
                 .collect(),
-            cwd,
+            cwd: Some(cwd),
             user: exec::parse_user(args.user.as_deref()),
             tty: args.tty,
         },
@@ -330,7 +328,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         exec::ExecOptions {
             argv: vec!["/bin/bash".into(), "-l".into()],
             env: git_identity::guest_env(&vm).into_iter().collect(),
-            cwd: Some(start_in.display().to_string()),
+            cwd: Some(exec::guest_cwd(&vm, &start_in)),
             user: exec::parse_user(None),
             // As ssh: a terminal gets a PTY; commands piped in get a plain shell
             // reading them, whose output carries no echo or escape sequences.

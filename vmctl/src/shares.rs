@@ -106,6 +106,21 @@ pub struct ShareSet {
     pub cache: crate::virtiofsd::CachePolicy,
 }
 
+impl ShareSet {
+    /// Where the guest sees the host directory `host`: under the share that holds it
+    /// (the innermost, should shares nest), at that share's guest path.
+    pub fn guest_path_of(&self, host: &Path) -> Option<PathBuf> {
+        self.shares
+            .iter()
+            .filter_map(|share| Some((share, host.strip_prefix(&share.host).ok()?)))
+            .max_by_key(|(share, _)| share.host.components().count())
+            .map(|(share, within)| match within.as_os_str().is_empty() {
+                true => share.guest.clone(),
+                false => share.guest.join(within),
+            })
+    }
+}
+
 /// [`parse_mount_as_written`], the share alone.
 #[cfg(test)]
 fn parse_mount(spec: &str, base: &Path) -> Result<Share, ShareError> {
@@ -383,6 +398,31 @@ mod tests {
             guest: guest.into(),
             read_only: false,
         }
+    }
+
+    #[test]
+    fn a_host_directory_is_found_under_the_innermost_share_that_holds_it() {
+        let set = ShareSet {
+            shares: vec![
+                share("/home/me/project", "/home/me/project"),
+                share("/home/me/project/data", "/data"),
+                share("/srv/cache", "/cache"),
+            ],
+            virtiofsd: "virtiofsd".into(),
+            failure_file: None,
+            cache: Default::default(),
+        };
+        let guest = |host: &str| set.guest_path_of(Path::new(host));
+        assert_eq!(guest("/home/me/project"), Some("/home/me/project".into()));
+        assert_eq!(
+            guest("/home/me/project/src"),
+            Some("/home/me/project/src".into())
+        );
+        assert_eq!(guest("/home/me/project/data/x"), Some("/data/x".into()));
+        assert_eq!(guest("/srv/cache"), Some("/cache".into()));
+        assert_eq!(guest("/home/me/project2"), None);
+        assert_eq!(guest("/home/me"), None);
+        assert_eq!(guest("/tmp"), None);
     }
 
     #[test]

@@ -380,8 +380,11 @@ fn refused_starts_leave_no_vm_behind() {
     let home = TempDir::new("refused-start");
     let workspace = home.path().join("ws");
     fs::create_dir_all(&workspace).unwrap();
+    fs::create_dir_all(home.path().join("config/vmctl")).unwrap();
     let vmctl = |args: &[&str]| vmctl_as_user_of(home.path(), &workspace, args);
-    let long_guest_path = format!("/tmp:/data{}", "/d".repeat(1100));
+    fs::create_dir_all(home.path().join("data")).unwrap();
+    let long_guest_path = format!("~/data:/data{}", "/d".repeat(1100));
+    let home_dir = home.path().canonicalize().unwrap().display().to_string();
     for (args, says) in [
         (
             &["exec", "--mount", "/nonexistent", "--", "true"][..],
@@ -402,6 +405,17 @@ fn refused_starts_leave_no_vm_behind() {
         (
             &["run", "--mount", "/nonexistent", "--", "true"][..],
             "mount \"/nonexistent\": host directory /nonexistent",
+        ),
+        // The host's secrets stay out: the home directory, vmctl's own config.
+        (
+            &["exec", "--workspace", &home_dir, "--", "true"][..],
+            &format!("{home_dir} cannot be shared with the guest: it is your home directory"),
+        ),
+        (
+            &["exec", "--mount", "~/config/vmctl:/cfg:ro", "--", "true"][..],
+            &format!(
+                "it is vmctl's config directory (secrets, egress policy) {home_dir}/config/vmctl"
+            ),
         ),
     ] {
         let (output, stderr) = vmctl(args);

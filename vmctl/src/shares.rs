@@ -69,6 +69,13 @@ pub enum ShareError {
         link: PathBuf,
         share: PathBuf,
     },
+    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead (run vmctl from one, or name it with --workspace DIR or --mount)", .host.display(), .kept_out.display())]
+    KeptOut {
+        host: PathBuf,
+        relation: &'static str,
+        what: &'static str,
+        kept_out: PathBuf,
+    },
     #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
     DuplicateGuest {
         guest: PathBuf,
@@ -119,6 +126,71 @@ impl ShareSet {
                 false => share.guest.join(within),
             })
     }
+}
+
+/// A host directory the guest must never reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptOut {
+    pub dir: PathBuf,
+    pub what: &'static str,
+    /// Whether a share inside it is refused too, not only one that is it or holds it.
+    pub inside_too: bool,
+}
+
+/// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
+/// cloud credentials: the host's secrets, which the VM must not have), and vmctl's own
+/// config and state directories, which no share may be inside either (the secrets the
+/// egress proxy adds and the policy it enforces, which a guest that could write them
+/// would rewrite; every VM's state, the egress CAs' keys among it).
+pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    let config =
+        crate::user_config::config_path().and_then(|file| file.parent().map(Path::to_path_buf));
+    let state = crate::state::vms_dir().parent().map(Path::to_path_buf);
+    let kept = |dir: PathBuf, what, inside_too| KeptOut {
+        dir: dir.canonicalize().unwrap_or(dir),
+        what,
+        inside_too,
+    };
+    [
+        home.map(|dir| kept(dir, "your home directory", false)),
+        config.map(|dir| {
+            kept(
+                dir,
+                "vmctl's config directory (secrets, egress policy)",
+                true,
+            )
+        }),
+        state.map(|dir| kept(dir, "vmctl's state directory (every VM's state)", true)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// Refuses `share` if it is, holds or (where that counts) lies inside a directory that
+/// is kept out of the guest.
+pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareError> {
+    for kept in kept_out {
+        let relation = if share.host == kept.dir {
+            "is"
+        } else if kept.dir.starts_with(&share.host) {
+            "holds"
+        } else if kept.inside_too && share.host.starts_with(&kept.dir) {
+            "is inside"
+        } else {
+            continue;
+        };
+        return Err(ShareError::KeptOut {
+            host: share.host.clone(),
+            relation,
+            what: kept.what,
+            kept_out: kept.dir.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// [`parse_mount_as_written`], the share alone.
@@ -398,6 +470,53 @@ mod tests {
             guest: guest.into(),
             read_only: false,
         }
+    }
+
+    #[test]
+    fn no_share_is_holds_or_lies_in_what_is_kept_out_of_the_guest() {
+        let kept_out = [
+            KeptOut {
+                dir: "/home/me".into(),
+                what: "your home directory",
+                inside_too: false,
+            },
+            KeptOut {
+                dir: "/home/me/.config/vmctl".into(),
+                what: "vmctl's config directory",
+                inside_too: true,
+            },
+        ];
+        let refusal = |host: &str| match check_kept_out(&share(host, "/x"), &kept_out) {
+            Ok(()) => None,
+            Err(ShareError::KeptOut {
+                relation, kept_out, ..
+            }) => Some(format!("{relation} {}", kept_out.display())),
+            Err(other) => panic!("{other}"),
+        };
+        assert_eq!(refusal("/home/me/project"), None);
+        assert_eq!(refusal("/home/me/.config/other"), None);
+        assert_eq!(refusal("/home/me2"), None);
+        assert_eq!(refusal("/srv"), None);
+        assert_eq!(refusal("/home/me").as_deref(), Some("is /home/me"));
+        assert_eq!(refusal("/home").as_deref(), Some("holds /home/me"));
+        assert_eq!(
+            refusal("/home/me/.config").as_deref(),
+            Some("holds /home/me/.config/vmctl")
+        );
+        assert_eq!(
+            refusal("/home/me/.config/vmctl/sub").as_deref(),
+            Some("is inside /home/me/.config/vmctl")
+        );
+        let message = check_kept_out(&share("/home/me", "/home/me"), &kept_out)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with(
+                "/home/me cannot be shared with the guest: it is your home directory \
+                 /home/me, which must stay out of the VM"
+            ),
+            "{message}"
+        );
     }
 
     #[test]

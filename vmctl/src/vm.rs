@@ -122,14 +122,12 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
         path: agent_home.clone(),
         source,
     })?;
-    let mut list = vec![
-        shares::workspace_share(workspace)?,
-        Share {
-            host: agent_home.canonicalize().unwrap_or(agent_home),
-            guest: crate::agent::GUEST_AGENT_HOME.into(),
-            read_only: false,
-        },
-    ];
+    let agent_home = Share {
+        host: agent_home.canonicalize().unwrap_or(agent_home),
+        guest: crate::agent::GUEST_AGENT_HOME.into(),
+        read_only: false,
+    };
+    let mut list = vec![shares::workspace_share(workspace)?, agent_home.clone()];
     let mut written = Vec::new();
     for spec in config.mounts_for(workspace) {
         written.push(shares::parse_mount_as_written(&spec, workspace)?);
@@ -149,6 +147,11 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
         ),
     }
     shares::check_shares(&list)?;
+    // The agents' home is vmctl's own, in its state directory, for the guest to have.
+    let kept_out = shares::kept_out_of_the_guest();
+    for share in list.iter().filter(|share| **share != agent_home) {
+        shares::check_kept_out(share, &kept_out)?;
+    }
     Ok(ShareSet {
         shares: shares::mount_order(list),
         virtiofsd: virtiofsd::find_virtiofsd()?,

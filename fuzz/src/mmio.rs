@@ -11,12 +11,15 @@ use vmm::devices::bus::BusDevice;
 use vmm::devices::virtio::block::Block;
 use vmm::devices::virtio::mmio::MmioTransport;
 use vmm::devices::virtio::rng::Rng;
-use vmm::devices::virtio::{InterruptTrigger, VirtioDevice};
+use vmm::devices::virtio::{InterruptTrigger, QueueProgress, VirtioDevice};
 use vmm::memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::guest::{self, QueueLayout};
 use crate::input::{Reader, Writer};
+
+/// How many times one notification is served while chains remain.
+const NOTIFY_ROUNDS: usize = 4;
 
 /// virtio-mmio registers (virtio 1.2, 4.2.2) the well-behaved set-up writes. Taken
 /// from the spec, not from the VMM: an offset wrong there must fail the sessions here.
@@ -218,7 +221,15 @@ impl Session {
                 self.transport
                     .read(u64::from(*offset), &mut data[..usize::from(*size).min(8)]);
             }
-            Op::Notify { queue } => self.transport.notify_queue(*queue),
+            Op::Notify { queue } => {
+                // Served again while chains remain, as the event loop does, for a few
+                // rounds: a ring whose requests publish the next ones never ends.
+                for _ in 0..NOTIFY_ROUNDS {
+                    if self.transport.notify_queue(*queue) == QueueProgress::Done {
+                        break;
+                    }
+                }
+            }
             Op::Setup { queues } => self.set_up(queues),
             Op::Poke { addr, bytes } => guest::poke(&self.memory, u64::from(*addr), bytes),
         }

@@ -12,6 +12,7 @@ use vmm_sys_util::signal::register_signal_handler;
 
 use crate::devices::legacy::SerialConsole;
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::QueueProgress;
 use crate::vstate::exit::{ExitNotifier, ExitReason};
 
 #[derive(Debug, thiserror::Error)]
@@ -224,10 +225,17 @@ impl EventLoop {
                 event,
             } => {
                 let _ = event.read();
-                transport
+                let progress = transport
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .notify_queue(*queue);
+                // Served again after the other events that are ready: the guest
+                // cannot keep this thread from a stop or a vCPU's exit.
+                if progress == QueueProgress::MoreAvailable {
+                    if let Err(e) = event.write(1) {
+                        tracing::error!("cannot requeue the notification of queue {queue}: {e}");
+                    }
+                }
                 None
             }
         }

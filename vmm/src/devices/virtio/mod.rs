@@ -145,35 +145,63 @@ impl ActiveQueue {
         })
     }
 
-    /// Hands every available descriptor chain to `handle`, which returns how many
+    /// Hands the available descriptor chains to `handle`, which returns how many
     /// bytes it wrote into guest memory; returns the chains to the driver and
-    /// interrupts it once if it wants to be told.
+    /// interrupts it once if it wants to be told. Serves at most a ring's worth (the
+    /// queue's size) per call and returns whether more are available: a guest can keep
+    /// the ring full for ever (its requests can even publish the next ones), and the
+    /// event loop that calls this must get back to its other work (a stop, a vCPU's
+    /// exit) in between.
     pub fn serve(
         &mut self,
         device: &str,
         mut handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
-    ) {
+    ) -> QueueProgress {
         let mut used_any = false;
-        while let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) {
+        let mut left = self.queue.size();
+        let progress = loop {
+            let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) else {
+                break QueueProgress::Done;
+            };
             let head = chain.head_index();
             let len = handle(chain, &self.memory);
             if let Err(e) = self.queue.add_used(&self.memory, head, len) {
-                tracing::error!("{device}: cannot return descriptor {head} to the driver: {e}");
-                break;
+                guest_log::guest_warn!(
+                    "{device}: cannot return descriptor {head} to the driver: {e}"
+                );
+                break QueueProgress::Done;
             }
             used_any = true;
-        }
+            left = left.saturating_sub(1);
+            if left == 0 {
+                break match self.queue.avail_idx(&self.memory, Ordering::Acquire) {
+                    Ok(avail) if avail.0 != self.queue.next_avail() => QueueProgress::MoreAvailable,
+                    _ => QueueProgress::Done,
+                };
+            }
+        };
         if used_any {
             match self.queue.needs_notification(&self.memory) {
                 Ok(false) => {}
                 Ok(true) => self.interrupt.signal_used_queue(),
                 Err(e) => {
-                    tracing::warn!("{device}: cannot check whether to notify: {e}");
+                    guest_log::guest_warn!("{device}: cannot check whether to notify: {e}");
                     self.interrupt.signal_used_queue();
                 }
             }
         }
+        progress
     }
+}
+
+/// What a call to serve a queue left: nothing, or chains for another call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum QueueProgress {
+    Done,
+    /// The call stopped at its limit with chains still available: serve the queue
+    /// again once other events had their turn.
+    MoreAvailable,
 }
 
 /// The `process_queue` of a single-queue device: serves queue 0 of `active` with
@@ -184,16 +212,16 @@ pub fn serve_single_queue(
     device: &str,
     index: usize,
     handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
-) {
+) -> QueueProgress {
     let Some(active) = active else {
         tracing::debug!("{device}: queue {index} notified before activation");
-        return;
+        return QueueProgress::Done;
     };
     if index != 0 {
         guest_log::guest_warn!("{device}: notification for nonexistent queue {index}");
-        return;
+        return QueueProgress::Done;
     }
-    active.serve(device, handle);
+    active.serve(device, handle)
 }
 
 /// The one queue of a single-queue device, which must be ready.
@@ -234,8 +262,9 @@ pub trait VirtioDevice: Send {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError>;
-    /// The driver notified queue `index`: process what is available.
-    fn process_queue(&mut self, index: usize);
+    /// The driver notified queue `index`: process what is available, or as much of
+    /// it as one call may (see [`ActiveQueue::serve`]).
+    fn process_queue(&mut self, index: usize) -> QueueProgress;
     /// The driver reset the device: drop the queues and return to the initial state.
     fn reset(&mut self);
 }
@@ -317,4 +346,79 @@ pub(crate) fn write_from_guest<W: WriteVolatile>(
             })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_bindings::virtio_ring::VRING_DESC_F_WRITE;
+    use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Address, Bytes};
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    const RING_SIZE: u16 = 16;
+
+    fn buffers(count: u16) -> Vec<RawDescriptor> {
+        (0..count)
+            .map(|i| {
+                let addr = 0x8_0000 + u64::from(i) * 0x100;
+                RawDescriptor::from(Descriptor::new(addr, 16, VRING_DESC_F_WRITE as u16, 0))
+            })
+            .collect()
+    }
+
+    fn served_queue<'a>(
+        memory: &'a GuestMemoryMmap,
+        chains: u16,
+    ) -> (MockSplitQueue<'a, GuestMemoryMmap>, ActiveQueue) {
+        let ring = MockSplitQueue::new(memory, RING_SIZE);
+        ring.add_desc_chains(&buffers(chains), 0).unwrap();
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let active = ActiveQueue::new(
+            memory.clone(),
+            vec![ring.create_queue().unwrap()],
+            interrupt,
+        )
+        .unwrap();
+        (ring, active)
+    }
+
+    #[test]
+    fn what_is_available_is_served_in_one_call() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (ring, mut active) = served_queue(&memory, 3);
+        let mut served = 0;
+        let progress = active.serve("test", |_, _| {
+            served += 1;
+            0
+        });
+        assert_eq!((progress, served), (QueueProgress::Done, 3));
+        assert_eq!(ring.used().idx().load(), 3);
+    }
+
+    /// A guest whose requests publish the next ones (its own DMA writing the avail
+    /// ring) gets a ring's worth per call, and the caller is told that more wait.
+    #[test]
+    fn a_ring_that_refills_itself_is_served_a_ring_at_a_time() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (ring, mut active) = served_queue(&memory, 1);
+        let avail = ring.avail_addr();
+        let mut served = 0;
+        let progress = active.serve("test", |chain, memory| {
+            let idx: u16 = memory.read_obj(avail.unchecked_add(2)).unwrap();
+            let slot = avail.unchecked_add(4 + 2 * u64::from(idx % RING_SIZE));
+            memory.write_obj(chain.head_index(), slot).unwrap();
+            memory
+                .write_obj(idx.wrapping_add(1), avail.unchecked_add(2))
+                .unwrap();
+            served += 1;
+            0
+        });
+        assert_eq!(
+            (progress, served),
+            (QueueProgress::MoreAvailable, RING_SIZE)
+        );
+        assert_eq!(ring.used().idx().load(), RING_SIZE);
+    }
 }

@@ -16,7 +16,8 @@ use super::request::{self, Request, RequestType};
 use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::{
     read_into_guest, serve_single_queue, write_from_guest, ActivateError, ActiveQueue,
-    GuestIoError, InterruptTrigger, VirtioDevice, DEVICE_ID_BLOCK, FEATURE_VERSION_1,
+    GuestIoError, InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_BLOCK,
+    FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -349,7 +350,7 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
-    fn process_queue(&mut self, index: usize) {
+    fn process_queue(&mut self, index: usize) -> QueueProgress {
         let disk = &self.disk;
         serve_single_queue(
             self.active.as_mut(),
@@ -361,7 +362,7 @@ impl VirtioDevice for Block {
                 let descs: Vec<Descriptor> = chain.take(usize::from(QUEUE_SIZE)).collect();
                 disk.handle_chain(&descs, memory)
             },
-        );
+        )
     }
 
     fn reset(&mut self) {
@@ -481,7 +482,7 @@ mod tests {
                     InterruptTrigger::new(self.irq.clone()),
                 )
                 .unwrap();
-            self.block.process_queue(0);
+            assert_eq!(self.block.process_queue(0), QueueProgress::Done);
             let used_idx = vq.used().idx().load();
             (0..used_idx)
                 .map(|i| {
@@ -816,7 +817,7 @@ mod tests {
         h.block.reset();
         assert_eq!(h.block.acked_features(), 0);
         // Not active any more: notifications are ignored.
-        h.block.process_queue(0);
+        assert_eq!(h.block.process_queue(0), QueueProgress::Done);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use self::backend::{Backend, BackendError};
 use self::worker::{Worker, WorkerHandle};
-use super::{ActivateError, InterruptTrigger, VirtioDevice, FEATURE_VERSION_1};
+use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
 use crate::config::MAX_FS_TAG_LEN;
 use crate::memory::GuestMemoryMmap;
 
@@ -176,7 +176,7 @@ impl VirtioDevice for VhostUserFs {
         Ok(())
     }
 
-    fn process_queue(&mut self, index: usize) {
+    fn process_queue(&mut self, index: usize) -> QueueProgress {
         // The backend reads the kicks itself; a trapped QueueNotify only lands here
         // when ioeventfds are unavailable, so forward it.
         if let Some(kick) = self.kicks.get(index) {
@@ -184,6 +184,7 @@ impl VirtioDevice for VhostUserFs {
                 tracing::warn!("virtio-fs {:?}: cannot kick queue {index}: {e}", self.tag);
             }
         }
+        QueueProgress::Done
     }
 
     fn reset(&mut self) {

@@ -7,7 +7,7 @@ use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
 
 use super::{
     read_into_guest, serve_single_queue, ActivateError, ActiveQueue, GuestIoError,
-    InterruptTrigger, VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
+    InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -139,13 +139,13 @@ impl VirtioDevice for Rng {
         Ok(())
     }
 
-    fn process_queue(&mut self, index: usize) {
+    fn process_queue(&mut self, index: usize) -> QueueProgress {
         serve_single_queue(
             self.active.as_mut(),
             "virtio-rng",
             index,
             |chain, memory| fill_chain(chain, memory),
-        );
+        )
     }
 
     fn reset(&mut self) {
@@ -189,7 +189,7 @@ mod tests {
             InterruptTrigger::new(irq.clone()),
         )
         .unwrap();
-        rng.process_queue(0);
+        assert_eq!(rng.process_queue(0), QueueProgress::Done);
         let used = (0..vq.used().idx().load())
             .map(|i| {
                 let e = vq.used().ring().ref_at(i as usize).unwrap().load();
@@ -258,6 +258,6 @@ mod tests {
             .is_err());
         rng.reset();
         assert_eq!(rng.acked_features, 0);
-        rng.process_queue(0);
+        assert_eq!(rng.process_queue(0), QueueProgress::Done);
     }
 }

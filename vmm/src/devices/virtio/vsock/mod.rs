@@ -23,7 +23,10 @@ use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
 
-use super::{ActivateError, InterruptTrigger, VirtioDevice, DEVICE_ID_VSOCK, FEATURE_VERSION_1};
+use super::{
+    ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_VSOCK,
+    FEATURE_VERSION_1,
+};
 use crate::memory::GuestMemoryMmap;
 use muxer::Muxer;
 use worker::{WorkerHandle, NUM_QUEUES};
@@ -175,7 +178,7 @@ impl VirtioDevice for Vsock {
         Ok(())
     }
 
-    fn process_queue(&mut self, index: usize) {
+    fn process_queue(&mut self, index: usize) -> QueueProgress {
         match &self.worker {
             Some(worker) if index < NUM_QUEUES => worker.notify(index),
             Some(_) => {
@@ -183,6 +186,8 @@ impl VirtioDevice for Vsock {
             }
             None => tracing::debug!("virtio-vsock: queue {index} notified before activation"),
         }
+        // The worker serves the queues, in rounds of its own.
+        QueueProgress::Done
     }
 
     fn reset(&mut self) {

@@ -187,7 +187,7 @@ impl Guest {
         let addr = TX_BUF_BASE + u64::from(slot) * TX_SLOT;
         self.mem.write_slice(bytes, GuestAddress(addr)).unwrap();
         self.post(1, slot, &[raw(addr, bytes.len() as u32, 0, 0)]);
-        self.dev.process_queue(1);
+        assert_eq!(self.dev.process_queue(1), QueueProgress::Done);
     }
 
     fn send(&mut self, hdr: Header, data: &[u8]) {
@@ -231,7 +231,7 @@ impl Guest {
             reposted = true;
         }
         if reposted {
-            self.dev.process_queue(0);
+            assert_eq!(self.dev.process_queue(0), QueueProgress::Done);
         }
     }
 
@@ -396,7 +396,7 @@ fn device_basics() {
         dev.activate(mem, qs, irq),
         Err(ActivateError::InvalidQueue { index: 0 })
     ));
-    dev.process_queue(0);
+    assert_eq!(dev.process_queue(0), QueueProgress::Done);
     dev.reset();
     assert_eq!(dev.acked_features, 0);
     drop(dev);
@@ -864,7 +864,7 @@ fn malformed_packets_never_break_the_device() {
         slot + 4,
         &[raw(SPARE_BASE, 44, VRING_DESC_F_NEXT as u16, QSIZE + 10)],
     );
-    g.dev.process_queue(1);
+    assert_eq!(g.dev.process_queue(1), QueueProgress::Done);
     g.assert_quiet();
     // The device still works.
     let (mut client, local) = g.host_connect(11);
@@ -872,7 +872,7 @@ fn malformed_packets_never_break_the_device() {
     let mut b = [0u8; 2];
     client.read_exact(&mut b).unwrap();
     assert!(g.dev.is_active());
-    g.dev.process_queue(7);
+    assert_eq!(g.dev.process_queue(7), QueueProgress::Done);
 }
 
 /// xorshift64*, std-only.
@@ -940,7 +940,7 @@ fn random_tx_packets_never_panic() {
             slot,
             &[raw(addr, rng.next() as u32 % 0x2_0000, flags, 0)],
         );
-        g.dev.process_queue(1);
+        assert_eq!(g.dev.process_queue(1), QueueProgress::Done);
     }
     // The guest drops the live connection (if the random packets left it alive), so
     // the device can only still owe RSTs for the random packets, and those come

@@ -149,9 +149,15 @@ impl Worker {
     fn run(mut self) {
         let mut events = vec![EpollEvent::default(); MAX_EVENTS];
         // Packets may already be waiting when the driver sets DRIVER_OK.
-        self.process();
+        let mut more = self.process();
         loop {
-            let timeout = self.datapath.muxer.poll_timeout_ms();
+            // With chains left over from the last round, only look at what else is
+            // ready (a stop, a host socket) before the next.
+            let timeout = if more {
+                0
+            } else {
+                self.datapath.muxer.poll_timeout_ms()
+            };
             let n = match self.datapath.muxer.epoll().wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -177,20 +183,22 @@ impl Worker {
                 return;
             }
             self.datapath.muxer.resume_accepting_if_due();
-            self.process();
+            more = self.process();
         }
     }
 
-    /// Takes what the guest sent, then fills receive buffers.
-    fn process(&mut self) {
-        let tx_used = self.datapath.process_tx();
-        let rx_used = self.datapath.process_rx();
-        if tx_used {
+    /// Takes what the guest sent, then fills receive buffers, a ring's worth of each at
+    /// most; returns whether either queue has more for the next round.
+    fn process(&mut self) -> bool {
+        let tx = self.datapath.process_tx();
+        let rx = self.datapath.process_rx();
+        if tx.used {
             self.notify(TX_QUEUE);
         }
-        if rx_used {
+        if rx.used {
             self.notify(RX_QUEUE);
         }
+        tx.more || rx.more
     }
 
     fn notify(&mut self, index: usize) {
@@ -226,18 +234,20 @@ impl Datapath {
         self.queues[index].needs_notification(&self.memory)
     }
 
-    /// Hands every packet the guest sent to the muxer; true if buffers were used.
-    pub fn process_tx(&mut self) -> bool {
-        let mut used = false;
+    /// Hands the packets the guest sent to the muxer, a ring's worth at most (the
+    /// guest can keep the ring full for ever, and the worker must get to a stop).
+    pub fn process_tx(&mut self) -> Round {
+        let mut round = Round::default();
         let queue = &mut self.queues[TX_QUEUE];
+        let mut left = queue.size();
         while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
             let head = chain.head_index();
             let result = read_tx_packet(chain, &self.memory, self.guest_cid);
             if let Err(e) = queue.add_used(&self.memory, head, 0) {
-                tracing::error!("vsock: cannot return tx descriptor {head}: {e}");
+                guest_log::guest_warn!("vsock: cannot return tx descriptor {head}: {e}");
                 break;
             }
-            used = true;
+            round.used = true;
             match result {
                 Ok(pkt) => self.muxer.handle_guest_packet(pkt),
                 Err(e) => {
@@ -245,16 +255,27 @@ impl Datapath {
                     tracing::debug!("vsock: dropping a tx packet: {e}");
                 }
             }
+            left = left.saturating_sub(1);
+            if left == 0 {
+                round.more = has_available(queue, &self.memory);
+                break;
+            }
         }
-        used
+        round
     }
 
-    /// Fills the guest's receive buffers with what the muxer has for it; true if
-    /// buffers were used.
-    pub fn process_rx(&mut self) -> bool {
-        let mut used = false;
+    /// Fills the guest's receive buffers with what the muxer has for it, a ring's
+    /// worth at most.
+    pub fn process_rx(&mut self) -> Round {
+        let mut round = Round::default();
         let queue = &mut self.queues[RX_QUEUE];
+        let mut left = queue.size();
         while self.muxer.has_pending_rx() {
+            if left == 0 {
+                round.more = has_available(queue, &self.memory);
+                break;
+            }
+            left -= 1;
             let Some(chain) = queue.pop_descriptor_chain(&self.memory) else {
                 break;
             };
@@ -287,11 +308,26 @@ impl Datapath {
                 }
             };
             if let Err(e) = queue.add_used(&self.memory, head, len) {
-                tracing::error!("vsock: cannot return rx descriptor {head}: {e}");
+                guest_log::guest_warn!("vsock: cannot return rx descriptor {head}: {e}");
                 break;
             }
-            used = true;
+            round.used = true;
         }
-        used
+        round
     }
+}
+
+/// What a round over a queue did: whether it used buffers (the driver may want an
+/// interrupt), and whether it stopped at its limit with chains still available.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Round {
+    pub used: bool,
+    pub more: bool,
+}
+
+/// Whether the driver made chains available that `queue` has not taken yet.
+fn has_available(queue: &Queue, memory: &GuestMemoryMmap) -> bool {
+    queue
+        .avail_idx(memory, std::sync::atomic::Ordering::Acquire)
+        .is_ok_and(|avail| avail.0 != queue.next_avail())
 }

@@ -36,6 +36,14 @@ pub const FIRST_LOCAL_PORT: u32 = 1024;
 /// How long the listener rests when the process is out of file descriptors. Host
 /// clients wait in its backlog meanwhile.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+/// How long a host client's request may wait for the guest's answer (OP_RESPONSE or
+/// RST; a guest kernel gives one at once, even a loaded one in the nested host in well
+/// under a second). A guest that never answers would otherwise keep the client
+/// waiting and its slot taken for ever.
+#[cfg(not(test))]
+pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+#[cfg(test)]
+pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// (local (host) port, peer (guest) port).
 pub type ConnKey = (u32, u32);
@@ -64,6 +72,7 @@ pub struct Stats {
     pub resets_sent: u64,
     pub rsts_dropped: u64,
     pub refused_clients: u64,
+    pub expired_requests: u64,
 }
 
 /// A host client that has not finished its `CONNECT` line yet.
@@ -84,6 +93,9 @@ pub struct Muxer {
     next_local_port: u32,
     rx_ready: VecDeque<ConnKey>,
     rst_queue: VecDeque<Header>,
+    /// Host clients' requests to the guest in the order they went out, each with when
+    /// it expires and its socket's token (a key may be reused by a later connection).
+    requests: VecDeque<(Instant, ConnKey, u64)>,
     /// The listener is out of epoll until then: accepting failed for want of file
     /// descriptors, and a level-triggered listener would wake us again at once.
     accept_paused_until: Option<Instant>,
@@ -118,6 +130,7 @@ impl Muxer {
             next_local_port: FIRST_LOCAL_PORT,
             rx_ready: VecDeque::new(),
             rst_queue: VecDeque::new(),
+            requests: VecDeque::new(),
             accept_paused_until: None,
             exhaustion_reported: false,
             stats: Stats::default(),
@@ -230,15 +243,48 @@ impl Muxer {
     }
 
     /// The epoll timeout the worker should use: until the paused listener is due
-    /// back, else none (-1).
+    /// back or the oldest request expires, else none (-1).
     pub fn poll_timeout_ms(&self) -> i32 {
-        match self.accept_paused_until {
+        let oldest_request = self.requests.front().map(|(expiry, _, _)| *expiry);
+        match self
+            .accept_paused_until
+            .into_iter()
+            .chain(oldest_request)
+            .min()
+        {
             Some(until) => {
                 let left = until.saturating_duration_since(Instant::now());
                 // Rounded up: a wait that ends early would find it not yet due.
                 i32::try_from(left.as_millis() + 1).unwrap_or(i32::MAX)
             }
             None => -1,
+        }
+    }
+
+    /// Ends the host clients' requests the guest left unanswered for
+    /// [`REQUEST_TIMEOUT`]: the client's socket is closed, and the guest is sent an RST
+    /// in case it answers later.
+    pub fn expire_requests(&mut self) {
+        let now = Instant::now();
+        while let Some(&(expiry, key, token)) = self.requests.front() {
+            if expiry > now {
+                return;
+            }
+            self.requests.pop_front();
+            let unanswered = self
+                .conns
+                .get(&key)
+                .is_some_and(|conn| conn.token == token && conn.state() == State::LocalInit);
+            if unanswered {
+                self.stats.expired_requests += 1;
+                tracing::debug!(
+                    "vsock: the guest did not answer the request for its port {} within {} s",
+                    key.1,
+                    REQUEST_TIMEOUT.as_secs_f32()
+                );
+                self.remove(key);
+                self.queue_rst_between(key.0, key.1);
+            }
         }
     }
 
@@ -309,6 +355,11 @@ impl Muxer {
         // Still registered (for IN) from the handshake.
         conn.registered = Some(EventSet::IN);
         self.insert(conn);
+        self.requests.push_back((
+            Instant::now() + REQUEST_TIMEOUT,
+            (local_port, peer_port),
+            token,
+        ));
     }
 
     fn allocate_local_port(&mut self, peer_port: u32) -> Option<u32> {
@@ -398,7 +449,13 @@ impl Muxer {
         }
     }
 
+    /// Answers the guest's packet `to` with an RST.
     fn queue_rst(&mut self, to: &Header) {
+        self.queue_rst_between(to.dst_port, to.src_port);
+    }
+
+    /// Queues an RST from the host's `local_port` to the guest's `peer_port`.
+    fn queue_rst_between(&mut self, local_port: u32, peer_port: u32) {
         if self.rst_queue.len() >= MAX_PENDING_RSTS {
             self.stats.rsts_dropped += 1;
             return;
@@ -406,8 +463,8 @@ impl Muxer {
         self.stats.resets_sent += 1;
         self.rst_queue.push_back(Header::to_guest(
             self.guest_cid,
-            to.dst_port,
-            to.src_port,
+            local_port,
+            peer_port,
             Op::Rst,
         ));
     }

@@ -459,6 +459,30 @@ fn guest_refusal_closes_the_client_and_bad_lines_are_dropped() {
     g.assert_quiet();
 }
 
+/// A guest that never answers a host client's request (neither OP_RESPONSE nor RST)
+/// does not keep the client waiting, or its slot taken, for ever.
+#[test]
+fn a_request_the_guest_leaves_unanswered_expires() {
+    let mut g = Guest::new();
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    let asked = Instant::now();
+    client.write_all(b"CONNECT 77\n").unwrap();
+    let (request, _) = g.expect(Op::Request);
+    assert_closed(&mut client);
+    assert!(asked.elapsed() >= super::muxer::REQUEST_TIMEOUT);
+    let (rst, _) = g.expect(Op::Rst);
+    assert_eq!((rst.src_port, rst.dst_port), (request.src_port, 77));
+    // An answer that comes too late is refused.
+    g.send_op(77, request.src_port, Op::Response, &[]);
+    g.expect(Op::Rst);
+    // A request the guest answers in time stays.
+    let (mut answered, _) = g.host_connect(78);
+    std::thread::sleep(super::muxer::REQUEST_TIMEOUT + Duration::from_millis(300));
+    answered.write_all(b"still here").unwrap();
+    let (h, data) = g.expect_skip_credit(Op::Rw);
+    assert_eq!((h.dst_port, data.as_slice()), (78, &b"still here"[..]));
+}
+
 #[test]
 fn credit_limits_host_to_guest_data() {
     let mut g = Guest::new();

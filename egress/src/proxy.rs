@@ -298,8 +298,9 @@ pub fn to_pem(certs: &[rustls::pki_types::CertificateDer<'_>]) -> String {
 }
 
 /// Why the proxy never connects to `ip`, if it is a loopback, private, link-local,
-/// shared, metadata, multicast, broadcast or unspecified address (IPv4-mapped and
-/// -compatible IPv6 forms included).
+/// shared, metadata, multicast, broadcast, reserved or unspecified address, or one
+/// of IPv6's forms of an IPv4 address that is (mapped, compatible, SIIT, NAT64 and
+/// 6to4; Teredo, whose IPv4 address is hidden, altogether).
 pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
     match ip {
         IpAddr::V4(v4) => forbidden_v4(v4),
@@ -324,9 +325,14 @@ fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
         Some("a shared (CGNAT) address")
     } else if ip.is_multicast() {
         Some("a multicast address")
-    } else if ip.is_broadcast() {
-        Some("the broadcast address")
+    } else if a >= 240 {
+        // 240.0.0.0/4, the broadcast address among them.
+        Some("a reserved address")
+    } else if a == 192 && b == 0 && ip.octets()[2] == 0 {
+        Some("an IETF protocol address (192.0.0.0/24)")
     } else {
+        // Not 198.18.0.0/15 (benchmarking): "fake-IP" DNS proxies on the host
+        // (Clash, Surge, sing-box) answer every name with one of those.
         None
     }
 }
@@ -341,10 +347,22 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("a loopback address")
     } else if let Some(v4) = ip.to_ipv4_mapped() {
         forbidden_v4(v4)
-    } else if seg[..6] == [0; 6] || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        // IPv4-compatible (::a.b.c.d) and NAT64 (64:ff9b::a.b.c.d) embed an IPv4
-        // address that may be a private one.
+    } else if seg[..6] == [0; 6]
+        || seg[..6] == [0, 0, 0, 0, 0xffff, 0]
+        || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+        || seg[..3] == [0x64, 0xff9b, 1]
+    {
+        // IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d), NAT64
+        // (64:ff9b::a.b.c.d) and local NAT64 (64:ff9b:1::/48) end in an IPv4 address
+        // that may be a private one.
         forbidden_v4(Ipv4Addr::from(((seg[6] as u32) << 16) | seg[7] as u32))
+    } else if seg[0] == 0x2002 {
+        // 6to4: 2002:a.b.c.d::/48.
+        forbidden_v4(Ipv4Addr::from(((seg[1] as u32) << 16) | seg[2] as u32))
+    } else if seg[..2] == [0x2001, 0] {
+        Some("a Teredo address (its IPv4 address cannot be checked)")
+    } else if seg[..4] == [0x100, 0, 0, 0] {
+        Some("a discard-only address")
     } else if (seg[0] & 0xfe00) == 0xfc00 {
         Some("a unique-local (private) address")
     } else if (seg[0] & 0xffc0) == 0xfe80 {
@@ -902,11 +920,14 @@ fn inject(headers: &mut HeaderMap, injection: &Injection) {
     let mut value = injection.value.clone();
     value.set_sensitive(true);
     headers.insert(injection.header.clone(), value);
-    // The response is searched for the secret; a compressed one would hide it.
+    // The response is searched for the secret; a compressed one would hide it, and
+    // so would a range that starts inside it (an echo of the request, from byte 1).
     headers.insert(
         header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
+    headers.remove(header::RANGE);
+    headers.remove(header::IF_RANGE);
 }
 
 // ---- plain HTTP ------------------------------------------------------------------
@@ -1138,7 +1159,9 @@ fn prepare_request(parts: &mut http::request::Parts, host: HeaderValue) {
         .unwrap_or_else(|_| Uri::from_static("/"));
     parts.uri = origin;
     parts.version = Version::HTTP_11;
-    parts.headers.entry(header::HOST).or_insert(host);
+    // Ours, whatever the guest wrote (`API.TEST.:443` named the same host to the
+    // policy, but an upstream may route it to another).
+    parts.headers.insert(header::HOST, host);
 }
 
 /// Turns the upstream's response into the guest's: hop-by-hop headers removed, the
@@ -1348,6 +1371,8 @@ fn normalize_host(raw: &str) -> Result<String, ProxyError> {
     let valid = !host.is_empty()
         && host.len() <= 253
         && valid_chars
+        // `a..example.com` would match `*.example.com`, yet no rule could name it.
+        && !host.split('.').any(str::is_empty)
         && (!host.contains(':') || host.parse::<Ipv6Addr>().is_ok());
     if !valid {
         return Err(ProxyError::BadRequest(format!(
@@ -1458,9 +1483,13 @@ impl Redactor {
         Bytes::from(out)
     }
 
-    /// Whatever was held back, at the end of the stream.
+    /// Whatever was held back, at the end of the stream: masked, as
+    /// [`Redactor::flush_held`] masks, when it might be most of a needle (a stream
+    /// that ends one byte short of the secret must not deliver the rest of it).
     fn finish(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.held))
+        let rest = self.flush_held();
+        self.carried.clear();
+        rest
     }
 
     fn holding(&self) -> bool {
@@ -1635,7 +1664,6 @@ mod tests {
             ("100.64.0.1", "CGNAT"),
             ("100.127.255.255", "CGNAT"),
             ("224.0.0.1", "multicast"),
-            ("255.255.255.255", "broadcast"),
             ("::", "unspecified"),
             ("::1", "loopback"),
             ("fc00::1", "unique-local"),
@@ -1649,6 +1677,15 @@ mod tests {
             ("::10.1.2.3", "private"),
             ("::127.0.0.1", "loopback"),
             ("64:ff9b::192.168.0.1", "private"),
+            ("::ffff:0:10.0.0.1", "private"),
+            ("64:ff9b:1::10.0.0.1", "private"),
+            ("2002:a00:1::1", "private"),
+            ("2002:7f00:1::", "loopback"),
+            ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"),
+            ("100::1", "discard"),
+            ("192.0.0.170", "IETF"),
+            ("240.0.0.1", "reserved"),
+            ("255.255.255.255", "reserved"),
         ] {
             let got = forbidden_address(ip(addr));
             assert!(
@@ -1665,6 +1702,12 @@ mod tests {
             "2606:4700::1111",
             "::ffff:1.1.1.1",
             "64:ff9b::8.8.8.8",
+            "64:ff9b:1::8.8.8.8",
+            "2002:808:808::1",
+            "2001:db9::1",
+            "198.18.0.1",
+            "192.0.1.1",
+            "223.255.255.255",
         ] {
             assert_eq!(forbidden_address(ip(addr)), None, "{addr}");
         }
@@ -1682,6 +1725,51 @@ mod tests {
         assert!(normalize_host("a b").is_err());
         assert!(normalize_host("exa%mple").is_err());
         assert!(normalize_host("not:v6").is_err());
+        for empty_label in ["a..example.com", "..example.com", ".example.com", "a.."] {
+            assert!(normalize_host(empty_label).is_err(), "{empty_label}");
+        }
+        assert_eq!(
+            normalize_host("[::ffff:1.2.3.4]").unwrap(),
+            "::ffff:1.2.3.4"
+        );
+    }
+
+    /// A request to a bound host: the secret in its header, and nothing that would
+    /// keep it out of reach of the response's redaction (compression, a range).
+    #[test]
+    fn a_bound_request_gets_its_secret_and_loses_what_would_hide_an_echo() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::RANGE, HeaderValue::from_static("bytes=1-"));
+        headers.insert(header::IF_RANGE, HeaderValue::from_static("\"etag\""));
+        headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+        headers.insert("x-api-key", HeaderValue::from_static("placeholder"));
+        let injection = Injection {
+            secret: "test".into(),
+            header: HeaderName::from_static("x-api-key"),
+            value: HeaderValue::from_static("sk-test-0123456789"),
+            secret_value: crate::secrets::read_secret(&b"sk-test-0123456789"[..]).unwrap(),
+            remove: vec![],
+        };
+        inject(&mut headers, &injection);
+        assert_eq!(headers["x-api-key"], "sk-test-0123456789");
+        assert_eq!(headers[header::ACCEPT_ENCODING], "identity");
+        assert!(!headers.contains_key(header::RANGE));
+        assert!(!headers.contains_key(header::IF_RANGE));
+    }
+
+    /// The upstream gets the Host header the policy judged, not the guest's spelling.
+    #[test]
+    fn the_host_header_sent_upstream_is_the_proxys() {
+        let (mut parts, ()) = Request::get("https://api.test/v1")
+            .header(header::HOST, "API.TEST.:443")
+            .header(header::RANGE, "bytes=1-")
+            .body(())
+            .unwrap()
+            .into_parts();
+        prepare_request(&mut parts, host_header("api.test", 443, 443));
+        let hosts: Vec<_> = parts.headers.get_all(header::HOST).iter().collect();
+        assert_eq!(hosts, ["api.test"]);
+        assert_eq!(parts.uri, "/v1");
     }
 
     #[test]
@@ -1846,6 +1934,22 @@ mod tests {
         }
         let bytewise: Vec<&[u8]> = input.chunks(1).collect();
         assert!(!contains(&redact_all(&bytewise), b"0123456789"));
+    }
+
+    /// A body that ends in all of the secret but its last byte (an echo cut short)
+    /// does not end in that much of it.
+    #[test]
+    fn a_stream_ending_inside_the_secret_does_not_end_in_it() {
+        let input = b"key=sk-test-012345678";
+        let out = redact_all(&[input]);
+        assert_no_token_piece(&out, input.len(), "cut short");
+        assert!(
+            out.starts_with(b"key="),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+        // A short start is too short to say anything and stays as it was.
+        assert_eq!(redact_all(&[b"ends in sk-"]), b"ends in sk-");
     }
 
     #[test]

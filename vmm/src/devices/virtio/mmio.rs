@@ -496,7 +496,9 @@ impl MmioTransport {
                 match self.activate() {
                     Ok(()) => self.device_activated = true,
                     Err(e) => {
-                        tracing::error!(
+                        // Mostly the guest's doing (rings outside its memory), and
+                        // it can retry at will: rate-limited.
+                        guest_log::guest_warn!(
                             "virtio-mmio: activating device type {} failed: {e}",
                             self.device.device_type()
                         );

@@ -148,7 +148,9 @@ impl Disk {
         };
         // `status` is one of the VIRTIO_BLK_S_* values, all below 256.
         if let Err(e) = memory.write_obj(status as u8, status_addr) {
-            tracing::error!("virtio-blk: cannot write the status byte at {status_addr:?}: {e}");
+            guest_log::guest_warn!(
+                "virtio-blk: cannot write the status byte at {status_addr:?}: {e}"
+            );
             return written;
         }
         written.saturating_add(1)

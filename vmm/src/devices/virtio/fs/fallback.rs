@@ -72,7 +72,7 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
             let head = chain.head_index();
             let written = answer_with_eio(chain, memory);
             if let Err(e) = queue.add_used(memory, head, written) {
-                tracing::error!("virtio-fs: cannot return descriptor {head}: {e}");
+                guest_log::guest_warn!("virtio-fs: cannot return descriptor {head}: {e}");
                 break 'answering false;
             }
             popped_any = true;

@@ -249,10 +249,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         // Whatever ran in it, and its root's changes, are gone: say so.
         eprintln!(
             "vmctl: the last VM of {} crashed ({crash}); starting a new one (the crashed \
-             run's logs: {}.previous, {}.previous)",
+             run's logs: `vmctl logs --previous [--supervisor]`)",
             workspace.display(),
-            vm.console_log().display(),
-            vm.supervisor_log().display()
         );
     }
     let share_set = resolve_shares(&workspace, &vm, mounts)?;

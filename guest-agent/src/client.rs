@@ -44,6 +44,11 @@ pub enum ClientError {
         path: String,
         source: std::io::Error,
     },
+    #[error(
+        "{path} is served by another user (uid {uid}), not by this user's vmctl; refusing \
+         to talk to it (someone else may have planted it: remove it, or see who made it)"
+    )]
+    ForeignPeer { path: String, uid: u32 },
     #[error("hybrid vsock handshake failed: {0}")]
     HybridHandshake(String),
     #[error("the agent reported: {0}")]
@@ -67,26 +72,34 @@ pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 /// Connects to the guest's vsock `port` through the VMM's hybrid-vsock Unix socket
 /// (`CONNECT <port>\n` → `OK <n>\n`), then says Hello.
 pub async fn connect_hybrid(uds_path: &Path, port: u32) -> Result<Connection<UnixStream>> {
-    let mut stream =
-        UnixStream::connect(uds_path)
-            .await
-            .map_err(|source| ClientError::Connect {
-                path: uds_path.display().to_string(),
-                source,
-            })?;
+    let mut stream = connect_own(uds_path).await?;
     hybrid_connect(&mut stream, port).await?;
     Connection::handshake(stream).await
 }
 
 /// Connects to an agent listening on a plain Unix socket (`guest-agent --listen unix:PATH`).
 pub async fn connect_unix(path: &Path) -> Result<Connection<UnixStream>> {
-    let stream = UnixStream::connect(path)
-        .await
-        .map_err(|source| ClientError::Connect {
+    Connection::handshake(connect_own(path).await?).await
+}
+
+/// Connects to the Unix socket at `path` if a process of this user serves it: what is
+/// said on it (a command, its environment, its input) is for this user's VM only.
+async fn connect_own(path: &Path) -> Result<UnixStream> {
+    let connect_error = |source| ClientError::Connect {
+        path: path.display().to_string(),
+        source,
+    };
+    let stream = UnixStream::connect(path).await.map_err(connect_error)?;
+    let peer = stream.peer_cred().map_err(connect_error)?;
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if peer.uid() != me {
+        return Err(ClientError::ForeignPeer {
             path: path.display().to_string(),
-            source,
-        })?;
-    Connection::handshake(stream).await
+            uid: peer.uid(),
+        });
+    }
+    Ok(stream)
 }
 
 /// The hybrid-vsock preamble: sends `CONNECT <port>\n` and expects `OK <n>\n`. Reads
@@ -456,6 +469,64 @@ impl<S: AsyncRead + AsyncWrite> ExecSession<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket someone else serves (planted where vmctl looks for its VM's) is
+    /// refused before a byte is sent on it.
+    #[tokio::test]
+    async fn a_socket_another_user_serves_is_refused() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: geteuid touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("NOT RUN: serving a socket as another user needs root");
+            return;
+        }
+        const NOBODY: u32 = 65534;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let path = dir.path().join("planted.sock");
+        // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (slot, byte) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+            *slot = *byte as libc::c_char;
+        }
+        // SAFETY: the child only makes system calls (no allocation, no locks) until
+        // it is killed, as is required after fork in a threaded process.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: plain system calls on values prepared before the fork.
+            unsafe {
+                libc::setgid(NOBODY);
+                libc::setuid(NOBODY);
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+                libc::bind(fd, (&addr as *const libc::sockaddr_un).cast(), len);
+                libc::listen(fd, 1);
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        assert!(child > 0, "fork failed");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !path.exists() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // Talking to it would wait for an answer that never comes: bounded.
+        let refused =
+            tokio::time::timeout(std::time::Duration::from_secs(5), connect_unix(&path)).await;
+        // SAFETY: `child` is our child process; reaping it frees its slot.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        match refused {
+            Ok(Err(ClientError::ForeignPeer { uid, .. })) => assert_eq!(uid, NOBODY),
+            Ok(Err(other)) => panic!("refused for another reason: {other}"),
+            Ok(Ok(_)) | Err(_) => panic!("talked to another user's socket"),
+        }
+    }
 
     #[tokio::test]
     async fn hello_carries_the_hosts_time() {

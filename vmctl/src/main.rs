@@ -16,6 +16,7 @@ mod log_keeper;
 mod logs;
 mod nested;
 mod network;
+mod own_socket;
 mod paseo;
 mod ports;
 mod procfs;

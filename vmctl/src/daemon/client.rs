@@ -92,7 +92,7 @@ pub fn shutdown() -> Result<bool, DaemonClientError> {
 /// The socket of a running daemon, if one answers.
 fn running_socket() -> Option<PathBuf> {
     let socket = super::socket_path();
-    UnixStream::connect(&socket).ok().map(|_| socket)
+    crate::own_socket::connect(&socket).ok().map(|_| socket)
 }
 
 fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
@@ -150,7 +150,7 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
         socket: socket.to_path_buf(),
         source,
     };
-    let mut connection = UnixStream::connect(socket).map_err(io)?;
+    let mut connection = crate::own_socket::connect(socket).map_err(io)?;
     let mut line =
         serde_json::to_vec(request).map_err(|e| DaemonClientError::BadAnswer(e.to_string()))?;
     line.push(b'\n');

@@ -3,7 +3,6 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -87,10 +86,11 @@ pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlRespons
         path: socket.to_path_buf(),
         source,
     };
-    let mut stream = UnixStream::connect(socket).map_err(|source| ControlError::Connect {
-        path: socket.to_path_buf(),
-        source,
-    })?;
+    let mut stream =
+        crate::own_socket::connect(socket).map_err(|source| ControlError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
     stream.set_read_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
     let mut line = serde_json::to_vec(request).map_err(|e| ControlError::BadResponse {
         path: socket.to_path_buf(),

@@ -429,6 +429,12 @@ fn refused_starts_leave_no_vm_behind() {
     // A refused `vmctl run` leaves not even its throwaway VM's directory.
     let left = vm_dir_names(home.path());
     assert!(!left.iter().any(|name| name.contains("-run")), "{left:?}");
+    // The state directory is the user's alone (the VMs' logs, records, transcripts).
+    let state = fs::metadata(home.path().join("state/vmctl")).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&state.permissions()) & 0o777,
+        0o700
+    );
 }
 
 /// Run from a directory that was removed under it, vmctl names that directory (the

@@ -129,7 +129,7 @@ impl VmDir {
                 path: workspace.to_path_buf(),
                 source,
             })?;
-        let dir = vms_dir().join(format!("{}{suffix}", vm_name(&workspace)));
+        let dir = create_state_dir()?.join(format!("{}{suffix}", vm_name(&workspace)));
         std::fs::create_dir_all(&dir).map_err(|source| StateError::Io {
             path: dir.clone(),
             source,
@@ -175,10 +175,8 @@ impl VmDir {
         if socket.as_os_str().len() + LONGEST_PORT_SUFFIX.len() < SUN_PATH_MAX {
             return self.path.clone();
         }
-        // SAFETY: getuid cannot fail.
-        let uid = unsafe { libc::getuid() };
-        PathBuf::from(format!(
-            "/tmp/vmctl-{uid}/vm-{}",
+        private_tmp_dir().join(format!(
+            "vm-{}",
             short_hash(self.path.as_os_str().as_encoded_bytes())
         ))
     }
@@ -374,16 +372,52 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
 
 /// `$XDG_STATE_HOME/vmctl/vms` (default `~/.local/state/vmctl/vms`).
 pub fn vms_dir() -> PathBuf {
-    let state = std::env::var_os("XDG_STATE_HOME")
+    state_dir().join("vms")
+}
+
+/// `$XDG_STATE_HOME/vmctl` (default `~/.local/state/vmctl`; without a home, in
+/// [`private_tmp_dir`]).
+fn state_dir() -> PathBuf {
+    let xdg = std::env::var_os("XDG_STATE_HOME")
         .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| "/tmp".into());
-            home.join(".local/state")
-        });
-    state.join("vmctl/vms")
+        .filter(|p| p.is_absolute());
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute());
+    match (xdg, home) {
+        (Some(state), _) => state.join("vmctl"),
+        (None, Some(home)) => home.join(".local/state/vmctl"),
+        (None, None) => private_tmp_dir().join("state"),
+    }
+}
+
+/// `/tmp/vmctl-<uid>`: this user's directory in /tmp, for what has no better place.
+/// Anyone may create it first; [`ensure_private_dir`] refuses one that is not ours.
+pub fn private_tmp_dir() -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/vmctl-{uid}"))
+}
+
+/// Creates the state directory (and [`vms_dir`] in it), private: the VMs' records,
+/// logs, sockets and agent transcripts are nobody else's to read, and no one else
+/// may have prepared any of it. Returns [`vms_dir`].
+pub fn create_state_dir() -> Result<PathBuf, StateError> {
+    let state = state_dir();
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| StateError::Io { path, source }
+    };
+    let tmp = private_tmp_dir();
+    if state.starts_with(&tmp) {
+        ensure_private_dir(&tmp)?;
+    } else if let Some(parent) = state.parent() {
+        std::fs::create_dir_all(parent).map_err(io(parent))?;
+    }
+    ensure_private_dir(&state)?;
+    let vms = vms_dir();
+    std::fs::create_dir_all(&vms).map_err(io(&vms))?;
+    Ok(vms)
 }
 
 /// A readable, unique, stable name: the workspace's last component and a hash of

@@ -119,9 +119,7 @@ fn start_daemon() -> Result<(), DaemonClientError> {
     let error = |e: std::io::Error| DaemonClientError::Start(e.to_string());
     let exe = std::env::current_exe().map_err(error)?;
     let log_path = super::log_path();
-    if let Some(dir) = log_path.parent() {
-        std::fs::create_dir_all(dir).map_err(error)?;
-    }
+    crate::state::create_state_dir().map_err(|e| DaemonClientError::Start(e.to_string()))?;
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

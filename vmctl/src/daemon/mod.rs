@@ -24,11 +24,7 @@ pub fn socket_path() -> PathBuf {
     let runtime = std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)
         .filter(|p| p.is_absolute())
-        .unwrap_or_else(|| {
-            // SAFETY: getuid cannot fail.
-            let uid = unsafe { libc::getuid() };
-            PathBuf::from(format!("/tmp/vmctl-{uid}"))
-        });
+        .unwrap_or_else(crate::state::private_tmp_dir);
     let state = crate::state::vms_dir();
     let key = crate::state::short_hash(state.as_os_str().as_encoded_bytes());
     runtime.join("vmctl").join(format!("daemon-{key}.sock"))

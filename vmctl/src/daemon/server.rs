@@ -90,10 +90,10 @@ pub fn run() -> Result<u8, DaemonError> {
         })?;
         adopt_running_vms(&daemon);
         // What `reap_stopped_vms` watches: it must exist to be seen going.
-        let vms_dir = crate::state::vms_dir();
-        if let Err(e) = std::fs::create_dir_all(&vms_dir) {
-            tracing::warn!("cannot create {}: {e}", vms_dir.display());
-        }
+        let vms_dir = crate::state::create_state_dir().unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            crate::state::vms_dir()
+        });
         tokio::spawn(reap_stopped_vms(daemon.clone(), vms_dir));
         let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Runtime)?;
         let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Runtime)?;

@@ -82,10 +82,15 @@ impl JobDir {
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
         let path = base.join(format!("vmctl-nested-{}-{nanos}", std::process::id()));
-        std::fs::create_dir(&path).map_err(|source| NestedError::JobDir {
-            path: path.clone(),
-            source,
-        })?;
+        // Private: it holds the job (a nested-exec's environment) and the sockets of
+        // the nested host's monitor and relays. Created, never taken over: a directory
+        // someone else made at this name first is an error.
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+            .create(&path)
+            .map_err(|source| NestedError::JobDir {
+                path: path.clone(),
+                source,
+            })?;
         Ok(Self(path))
     }
 

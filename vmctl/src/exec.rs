@@ -180,7 +180,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let session = match started {
         Ok(session) => session,
         Err((message, exit_code)) => {
-            eprintln!("vmctl: {message} (in the VM)");
+            eprintln!(
+                "vmctl: {} (in the VM)",
+                crate::terminal::printable(&message)
+            );
             return Ok(exit_code);
         }
     };

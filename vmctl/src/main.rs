@@ -63,9 +63,11 @@ fn main() -> ExitCode {
             up_pinned(&dir, &options)
         }
         cli::Command::Ps => {
-            vm::list()
-                .iter()
-                .for_each(|line| terminal::print_out(format_args!("{line}\n")));
+            // Paths and the daemon's lease names, which a directory's name (the
+            // guest's to choose, in a share) may fill with escape sequences.
+            vm::list().iter().for_each(|line| {
+                terminal::print_out(format_args!("{}\n", terminal::printable(line)))
+            });
             Ok(0)
         }
         cli::Command::Stop(args) => {

@@ -147,6 +147,9 @@ fn last_error(log: &str) -> Option<String> {
 /// How much of a log's end is searched: of the console for a panic (the oops before
 /// it is a few KiB at most), of the supervisor's log for the VMM's last error.
 pub const LOG_TAIL_BYTES: u64 = 64 * 1024;
+/// The longest crash report kept (a kernel's panic line and its cause are far
+/// shorter).
+const MAX_REPORT_CHARS: usize = 500;
 
 /// A kernel panic found on a VM's console.
 #[derive(Debug, PartialEq, Eq)]
@@ -178,6 +181,11 @@ fn kernel_panic(console: &Path) -> Option<KernelPanic> {
     let report = match cause {
         Some(cause) => format!("{panic}, after \"{cause}\""),
         None => panic,
+    };
+    // The guest writes its console: a "panic" line may be anything, of any length.
+    let report = match report.char_indices().nth(MAX_REPORT_CHARS) {
+        Some((cut, _)) => format!("{} [...]", &report[..cut]),
+        None => report,
     };
     Some(KernelPanic {
         report,
@@ -357,6 +365,23 @@ mod tests {
             kernel_panic(&path).map(|p| p.report).as_deref(),
             Some("Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100")
         );
+    }
+
+    /// The guest can write any "panic" line to its console: the report keeps its
+    /// start only.
+    #[test]
+    fn a_panic_line_of_any_length_is_cut_short() {
+        let (_dir, path) = console(&format!(
+            "[    1.2] Kernel panic - not syncing: {}\n",
+            "é".repeat(20_000)
+        ));
+        let report = kernel_panic(&path).unwrap().report;
+        assert!(
+            report.starts_with("Kernel panic - not syncing: éé"),
+            "{report}"
+        );
+        assert!(report.ends_with(" [...]"), "{report}");
+        assert_eq!(report.chars().count(), MAX_REPORT_CHARS + " [...]".len());
     }
 
     #[test]

@@ -135,15 +135,19 @@ pub fn repository_share(workspace: &Path, shares: &[Share]) -> Result<Option<Sha
 /// The one line of a regular file (never a symlink) at `path` that starts with
 /// `prefix`, without it; None if there is no such file or line.
 pub(crate) fn read_link_file(path: &Path, prefix: &str) -> Option<PathBuf> {
-    if !std::fs::symlink_metadata(path).ok()?.is_file() {
+    use std::os::unix::fs::OpenOptionsExt;
+    // Checked on the file opened, not before: the guest can swap the path for a link
+    // or a FIFO (whose open would block vmctl) at any moment.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
         return None;
     }
     let mut text = String::new();
-    std::fs::File::open(path)
-        .ok()?
-        .take(MAX_LINK_FILE)
-        .read_to_string(&mut text)
-        .ok()?;
+    file.take(MAX_LINK_FILE).read_to_string(&mut text).ok()?;
     let line = text.lines().next()?.strip_prefix(prefix)?.trim();
     (!line.is_empty()).then(|| PathBuf::from(line))
 }
@@ -152,6 +156,29 @@ pub(crate) fn read_link_file(path: &Path, prefix: &str) -> Option<PathBuf> {
 mod tests {
     use super::*;
     use std::process::Command;
+
+    /// The guest can put anything at a worktree's `.git`: only a regular file is
+    /// read, and a FIFO (whose plain open would wait for a writer) does not block.
+    #[test]
+    fn only_a_regular_file_is_read_as_a_link_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, "gitdir: /repo/.git/worktrees/w\n").unwrap();
+        assert_eq!(
+            read_link_file(&file, "gitdir: "),
+            Some(PathBuf::from("/repo/.git/worktrees/w"))
+        );
+        assert_eq!(read_link_file(&file, "other: "), None);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert_eq!(read_link_file(&link, "gitdir: "), None);
+        let fifo = dir.path().join("fifo");
+        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `name` is a NUL-terminated path that lives across the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        assert_eq!(read_link_file(&fifo, "gitdir: "), None);
+        assert_eq!(read_link_file(&dir.path().join("missing"), ""), None);
+    }
 
     fn git(dir: &Path, args: &[&str]) {
         let status = Command::new("git")

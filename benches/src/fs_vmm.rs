@@ -123,6 +123,7 @@ pub fn virtiofsd_args(shared_dir: &Path, socket: &Path, root: bool) -> Vec<Strin
         if root { "namespace" } else { "none" },
         "--seccomp",
         "kill",
+        "--modcaps=-mknod:-setfcap",
     ] {
         args.push(a.into());
     }

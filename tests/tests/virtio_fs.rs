@@ -256,6 +256,12 @@ with open('mapped-by-host.bin', 'rb') as f:
         host_shadow.is_empty() || stdout(&shadow) != host_shadow,
         "the guest read the host's /etc/shadow through a symlink"
     );
+
+    // Guest root makes no device node in a share (as root, virtiofsd would make it on
+    // the host: the host's disk, open to all); a FIFO is fine.
+    let nodes = ws.exec_as_root("mknod disk-node b 8 0; mkfifo guest-fifo && echo FIFO");
+    assert_eq!(stdout(&nodes), "FIFO\n", "{nodes:?}");
+    assert!(!root.join("disk-node").exists());
 }
 
 /// A workspace that is a git worktree, as Paseo makes one per agent: git works in the

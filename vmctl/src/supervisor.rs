@@ -25,7 +25,17 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
-    crate::log_keeper::keep_bounded(vec![vm.console_log(), vm.supervisor_log()]);
+    // virtiofsd's logs too: what the guest does can make them grow (they are in the
+    // nested host's job directory, which goes with it, when the VMM runs there).
+    let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
+    let virtiofsd_logs =
+        (0..share_count).map(|index| crate::virtiofsd::log_path(&vm.sockets_dir(), index));
+    crate::log_keeper::keep_bounded(
+        [vm.console_log(), vm.supervisor_log()]
+            .into_iter()
+            .chain(virtiofsd_logs)
+            .collect(),
+    );
     raise_open_files_limit();
     vm.create_sockets_dir().map_err(|e| e.to_string())?;
     // Without its network side the VM would boot without a way out; better not boot.

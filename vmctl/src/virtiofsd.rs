@@ -262,6 +262,11 @@ impl std::fmt::Display for CachePolicy {
     }
 }
 
+/// Where the virtiofsd of share `index` logs, in the directory given to [`start`].
+pub fn log_path(log_dir: &Path, index: usize) -> PathBuf {
+    log_dir.join(format!("virtiofsd-{index}.log"))
+}
+
 /// virtiofsd's arguments for `share` on `socket`.
 fn daemon_args(
     share: &Share,
@@ -289,6 +294,9 @@ fn daemon_args(
         // virtiofsd's default, stated so that a changed default cannot weaken it.
         "--seccomp".into(),
         "kill".into(),
+        // No device nodes or file capabilities from the guest: as root, virtiofsd
+        // would make them on the host (a disk's node, readable by all).
+        "--modcaps=-mknod:-setfcap".into(),
     ];
     if policy.writeback {
         args.push("--writeback".into());
@@ -588,7 +596,7 @@ fn start_all(
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
     let socket_of = |index: usize| socket_dir.join(format!("fs{index}.sock"));
-    let log_of = |index: usize| log_dir.join(format!("virtiofsd-{index}.log"));
+    let log_of = |index: usize| log_path(log_dir, index);
     for index in 0..shares.len() {
         let socket = socket_of(index);
         let len = socket.as_os_str().len();
@@ -839,7 +847,8 @@ mod tests {
         assert_eq!(
             args.join(" "),
             "--shared-dir /h --socket-path /s/fs0.sock --cache auto --thread-pool-size 0 \
-             --inode-file-handles=never --log-level warn --sandbox namespace --seccomp kill"
+             --inode-file-handles=never --log-level warn --sandbox namespace --seccomp kill \
+             --modcaps=-mknod:-setfcap"
         );
         let args = args_of(
             &share(Path::new("/h"), true),

@@ -1418,7 +1418,8 @@ fn path_of(uri: &Uri) -> &str {
 #[derive(Clone)]
 struct Redactor {
     /// The whole header value and its credential part, longest first.
-    needles: Arc<[Vec<u8>]>,
+    /// Copies of the secret: wiped when the last redactor of a request goes.
+    needles: Arc<[zeroize::Zeroizing<Vec<u8>>]>,
     /// The end of the data seen so far when it might begin a needle.
     held: Vec<u8>,
     /// Bytes already sent (by [`Redactor::flush_held`]) that might begin a needle:
@@ -1430,10 +1431,11 @@ impl Redactor {
     /// Redacts the header `value` that carries `secret`, its last word, and `secret`
     /// itself (which a header template may wrap in other text).
     fn for_secret(value: &[u8], secret: &[u8]) -> Option<Self> {
-        let mut needles = vec![value.to_vec(), secret.to_vec()];
+        let secret_copy = |bytes: &[u8]| zeroize::Zeroizing::new(bytes.to_vec());
+        let mut needles = vec![secret_copy(value), secret_copy(secret)];
         // "Bearer <token>": the token alone is as secret as the whole value.
         if let Some(space) = value.iter().rposition(|b| *b == b' ') {
-            needles.push(value[space + 1..].to_vec());
+            needles.push(secret_copy(&value[space + 1..]));
         }
         needles.retain(|needle| needle.len() >= MIN_REDACTED_LEN);
         needles.sort_by_key(|needle| std::cmp::Reverse(needle.len()));

@@ -97,8 +97,11 @@ fn measure_config(
     let dir = tmp.join(format!("config-{index}"));
     let state = dir.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
-    let config_file = dir.join("config.toml");
-    fs::write(&config_file, config_toml(config))
+    // Beside the workspaces, not around them: vmctl shares no directory that holds
+    // its config (and the secrets beside it).
+    let config_file = dir.join("config").join("config.toml");
+    fs::create_dir_all(dir.join("config"))
+        .and_then(|()| fs::write(&config_file, config_toml(config)))
         .map_err(|e| format!("write {}: {e}", config_file.display()))?;
     let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config_file), b.timeout);
     let mut runs = Vec::new();

@@ -551,3 +551,52 @@ fn logs_of_a_workspace_without_a_vm() {
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("cannot be used with"), "{stderr}");
 }
+
+/// Another VM's guest may have left a symlink in its own workspace: a mount through
+/// it, for this VM, is refused (it could lead anywhere on the host).
+#[test]
+fn a_mount_through_a_link_in_another_vms_share_is_refused() {
+    let home = TempDir::new("other-vm-link");
+    let workspace = home.path().join("ws");
+    let other = home.path().join("other");
+    let private = home.path().join("private");
+    for dir in [&workspace, &other, &private] {
+        fs::create_dir_all(dir).unwrap();
+    }
+    std::os::unix::fs::symlink(&private, other.join("data")).unwrap();
+    let other = other.canonicalize().unwrap();
+    let record = serde_json::json!({
+        "workspace": other,
+        "kernel": "/k",
+        "initrd": "/i",
+        "rootfs": "/r",
+        "cpus": 1,
+        "memory_mib": 256,
+        "nested": false,
+        "agent_cmdline": "",
+        "started_at": 1,
+        "shares": {
+            "shares": [{ "host": other, "guest": other, "read_only": false }],
+            "virtiofsd": "/usr/bin/virtiofsd"
+        }
+    });
+    let other_vm = home.path().join("state/vmctl/vms/other-0000");
+    fs::create_dir_all(&other_vm).unwrap();
+    fs::write(other_vm.join("vm.json"), record.to_string()).unwrap();
+
+    let mount = format!("{}:/data", other.join("data").display());
+    let (output, stderr) = vmctl_as_user_of(
+        home.path(),
+        &workspace,
+        &["exec", "--mount", &mount, "--", "true"],
+    );
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{} is a symlink in {}, which a VM can write",
+            other.join("data").display(),
+            other.display()
+        )),
+        "{stderr}"
+    );
+}

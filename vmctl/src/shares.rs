@@ -63,7 +63,7 @@ pub enum ShareError {
         workspace: PathBuf,
         conflict: GuestConflict,
     },
-    #[error("mount {spec:?}: {} is a symlink in {}, which the VM can write: the VM could point it at any directory of this host, so it is not followed; name the directory it points to instead", .link.display(), .share.display())]
+    #[error("mount {spec:?}: {} is a symlink in {}, which a VM can write: its guest could point it at any directory of this host, so it is not followed; name the directory it points to instead", .link.display(), .share.display())]
     ThroughGuestSymlink {
         spec: String,
         link: PathBuf,
@@ -295,9 +295,10 @@ fn parse_mount_with_home(
 }
 
 /// Refuses a mount whose host path, as written, passes through a symlink inside a
-/// read-write share: the guest can replace any entry there with a link to any host
-/// directory, which the next start would share (with the mount's access). A mount of
-/// `./data` in the workspace must not become the user's `~/.ssh`.
+/// read-write share (of this VM, or of any other: each guest can replace any entry in
+/// its shares with a link to any host directory, which the next start would share,
+/// with the mount's access). A mount of `./data` in the workspace must not become the
+/// user's `~/.ssh`.
 pub fn check_no_guest_symlinks(
     mounts: &[WrittenMount],
     shares: &[Share],

@@ -136,7 +136,14 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
         written.push(shares::parse_mount_as_written(spec, &cwd)?);
     }
     list.extend(written.iter().map(|mount| mount.share.clone()));
-    shares::check_no_guest_symlinks(&written, &list)?;
+    // Every VM's guest, running or not, may have left links in its writable shares.
+    let others = VmDir::all()
+        .into_iter()
+        .filter(|other| other.path != vm.path)
+        .filter_map(|other| other.read_record().ok()?.shares)
+        .flat_map(|set| set.shares);
+    let guarded: Vec<Share> = list.iter().cloned().chain(others).collect();
+    shares::check_no_guest_symlinks(&written, &guarded)?;
     match crate::worktree::repository_share(workspace, &list) {
         Ok(Some(repository)) => list.push(repository),
         Ok(None) => {}

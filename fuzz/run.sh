@@ -3,6 +3,9 @@
 # (default 60). An input that runs over 10 s counts as a hang. Seeds come from the
 # hand-written sessions (src/seeds.rs); the corpus grows in
 # fuzz/libfuzzer/corpus/<target>, crashes and hangs land in fuzz/libfuzzer/artifacts/.
+# FUZZ_RUNS=N runs N inputs instead, from a fixed seed: on a fresh corpus (a clean
+# clone, as CI has) the same inputs every time, so a failure there is the code's, not
+# the draw's.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,5 +24,10 @@ cargo run -q --release --manifest-path "$here/Cargo.toml" --bin fuzz-seeds -- "$
 cd "$here/libfuzzer"
 # cargo fuzz builds with nightly-only flags (the sanitizer); RUSTC_BOOTSTRAP lets this
 # machine's stable toolchain take them.
+if [[ -n ${FUZZ_RUNS:-} ]]; then
+    budget=(-runs="$FUZZ_RUNS" -seed=1)
+else
+    budget=(-max_total_time="$seconds")
+fi
 RUSTC_BOOTSTRAP=1 exec cargo fuzz run --fuzz-dir . "$target" "corpus/$target" -- \
-    -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10
+    "${budget[@]}" -rss_limit_mb=2048 -timeout=10

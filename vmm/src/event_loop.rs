@@ -47,12 +47,23 @@ extern "C" fn on_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *m
     }
 }
 
+/// What serves a queue's notifications: the device's transport.
+pub trait QueueTarget: Send {
+    fn notify_queue(&mut self, queue: u32) -> QueueProgress;
+}
+
+impl QueueTarget for MmioTransport {
+    fn notify_queue(&mut self, queue: u32) -> QueueProgress {
+        MmioTransport::notify_queue(self, queue)
+    }
+}
+
 enum Source {
     Exit,
     StopSignal,
     ConsoleInput,
     Queue {
-        transport: Arc<Mutex<MmioTransport>>,
+        transport: Arc<Mutex<dyn QueueTarget>>,
         queue: u32,
         event: EventFd,
     },
@@ -132,7 +143,7 @@ impl EventLoop {
     /// fires.
     pub fn add_queue(
         &mut self,
-        transport: Arc<Mutex<MmioTransport>>,
+        transport: Arc<Mutex<dyn QueueTarget>>,
         queue: u32,
         event: EventFd,
     ) -> Result<(), EventLoopError> {
@@ -292,5 +303,53 @@ impl EventLoop {
                 console.paused = false;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A queue that has more for the first `more_for` calls, then ends the VM.
+    struct RefillingQueue {
+        calls: Arc<Mutex<usize>>,
+        more_for: usize,
+        exit: Arc<ExitNotifier>,
+    }
+
+    impl QueueTarget for RefillingQueue {
+        fn notify_queue(&mut self, _queue: u32) -> QueueProgress {
+            let mut calls = self.calls.lock().unwrap();
+            *calls += 1;
+            if *calls <= self.more_for {
+                return QueueProgress::MoreAvailable;
+            }
+            self.exit.notify(ExitReason::GuestShutdown);
+            QueueProgress::Done
+        }
+    }
+
+    /// A queue left with chains is served again without a new notification (and
+    /// between its calls the loop sees its other events).
+    #[test]
+    fn a_queue_with_more_is_served_again_without_a_notification() {
+        let exit = Arc::new(ExitNotifier::new().unwrap());
+        let mut event_loop = EventLoop::new(exit.clone()).unwrap();
+        let calls = Arc::new(Mutex::new(0));
+        let target = RefillingQueue {
+            calls: calls.clone(),
+            more_for: 3,
+            exit: exit.clone(),
+        };
+        let event = EventFd::new(EFD_NONBLOCK).unwrap();
+        event.write(1).unwrap();
+        event_loop
+            .add_queue(Arc::new(Mutex::new(target)), 0, event)
+            .unwrap();
+        // Should the queue not be served again, the first tick ends the wait.
+        let mut on_tick = || exit.notify(ExitReason::Fatal("the queue was left".into()));
+        let reason = event_loop.run(&mut on_tick).unwrap();
+        assert!(matches!(reason, ExitReason::GuestShutdown), "{reason:?}");
+        assert_eq!(*calls.lock().unwrap(), 4);
     }
 }

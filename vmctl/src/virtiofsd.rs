@@ -62,6 +62,8 @@ pub enum VirtiofsdError {
         host: PathBuf,
         source: std::io::Error,
     },
+    #[error("the share {} now leads to {}: a directory on its way was replaced since the VM was set up, perhaps by a link a guest made; not serving it (check the path, then start the VM again)", .host.display(), .now.display())]
+    ShareMoved { host: PathBuf, now: PathBuf },
     #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}", .host.display(), .log.display())]
     Exited {
         host: PathBuf,
@@ -259,6 +261,20 @@ impl std::fmt::Display for CachePolicy {
             f.write_str("+writeback")?;
         }
         Ok(())
+    }
+}
+
+/// Refuses a share whose (canonical) host path no longer resolves to itself: the path
+/// was checked when the VM was set up, and a component swapped for a link since (by
+/// another VM's guest, in its own share) would hand virtiofsd another directory. A
+/// path gone altogether is left to virtiofsd, which says so.
+fn check_unmoved(share: &Share) -> Result<(), VirtiofsdError> {
+    match share.host.canonicalize() {
+        Ok(now) if now != share.host => Err(VirtiofsdError::ShareMoved {
+            host: share.host.clone(),
+            now,
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -605,6 +621,7 @@ fn start_all(
         }
     }
     for (index, share) in shares.iter().enumerate() {
+        check_unmoved(share)?;
         daemons.push(spawn_daemon(
             binary,
             share,
@@ -1035,6 +1052,36 @@ mod tests {
         daemons.stop();
         assert!(pids.into_iter().all(is_reaped));
         assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    /// A share whose path now passes through a link is not served: no virtiofsd starts.
+    #[test]
+    fn a_share_whose_path_became_a_link_is_not_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let fake = fake_virtiofsd(&root, "exit 3");
+        std::fs::create_dir(root.join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(root.join("elsewhere"), root.join("data")).unwrap();
+        let error = start_as(
+            &fake,
+            &[share(&root.join("data"), false)],
+            &root,
+            &root,
+            true,
+            CachePolicy::default(),
+        )
+        .err()
+        .expect("the start is refused")
+        .to_string();
+        assert!(
+            error.starts_with(&format!(
+                "the share {} now leads to {}",
+                root.join("data").display(),
+                root.join("elsewhere").display()
+            )),
+            "{error}"
+        );
+        assert!(!root.join("fs0.sock").exists(), "virtiofsd was started");
     }
 
     #[test]

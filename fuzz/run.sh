@@ -3,9 +3,10 @@
 # (default 60). An input that runs over 10 s counts as a hang. Seeds come from the
 # hand-written sessions (src/seeds.rs); the corpus grows in
 # fuzz/libfuzzer/corpus/<target>, crashes and hangs land in fuzz/libfuzzer/artifacts/.
-# FUZZ_RUNS=N runs N inputs instead, from a fixed seed: on a fresh corpus (a clean
-# clone, as CI has) the same inputs every time, so a failure there is the code's, not
-# the draw's.
+# FUZZ_RUNS=N runs N inputs instead, from a fixed seed and the hand-written seeds (on a
+# clean clone, as CI has): a bounded run that starts the same way every time. (The
+# harnesses' real sockets and files make coverage vary a little between runs, and with
+# it the later inputs.)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

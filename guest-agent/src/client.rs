@@ -90,16 +90,38 @@ async fn connect_own(path: &Path) -> Result<UnixStream> {
         source,
     };
     let stream = UnixStream::connect(path).await.map_err(connect_error)?;
-    let peer = stream.peer_cred().map_err(connect_error)?;
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let me = unsafe { libc::geteuid() };
-    if peer.uid() != me {
+    if let Some(uid) = foreign_peer(&stream).map_err(connect_error)? {
         return Err(ClientError::ForeignPeer {
             path: path.display().to_string(),
-            uid: peer.uid(),
+            uid,
         });
     }
     Ok(stream)
+}
+
+/// The uid of the process serving the Unix socket `stream` is connected to (as it was
+/// when it listened), if that is not this process's user.
+pub fn foreign_peer(stream: &impl std::os::fd::AsRawFd) -> std::io::Result<Option<u32>> {
+    // SAFETY: ucred is plain data; all zeroes is a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live and writable, `len` holds the size of `cred`,
+    // and the descriptor is the stream's, open for this call.
+    let done = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if done != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    Ok((cred.uid != me).then_some(cred.uid))
 }
 
 /// The hybrid-vsock preamble: sends `CONNECT <port>\n` and expects `OK <n>\n`. Reads

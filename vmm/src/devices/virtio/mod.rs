@@ -174,9 +174,10 @@ impl ActiveQueue {
             used_any = true;
             left = left.saturating_sub(1);
             if left == 0 {
-                break match self.queue.avail_idx(&self.memory, Ordering::Acquire) {
-                    Ok(avail) if avail.0 != self.queue.next_avail() => QueueProgress::MoreAvailable,
-                    _ => QueueProgress::Done,
+                break if has_available(&self.queue, &self.memory) {
+                    QueueProgress::MoreAvailable
+                } else {
+                    QueueProgress::Done
                 };
             }
         };
@@ -192,6 +193,14 @@ impl ActiveQueue {
         }
         progress
     }
+}
+
+/// Whether the driver made chains available that `queue` has not taken yet (an
+/// unreadable ring counts as none).
+pub(crate) fn has_available(queue: &Queue, memory: &GuestMemoryMmap) -> bool {
+    queue
+        .avail_idx(memory, Ordering::Acquire)
+        .is_ok_and(|avail| avail.0 != queue.next_avail())
 }
 
 /// What a call to serve a queue left: nothing, or chains for another call.

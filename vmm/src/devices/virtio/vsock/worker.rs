@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::muxer::Muxer;
 use super::packet::{read_tx_packet, RxBuffer, MAX_PKT_LEN};
-use crate::devices::virtio::InterruptTrigger;
+use crate::devices::virtio::{has_available, InterruptTrigger};
 use crate::memory::GuestMemoryMmap;
 
 pub const RX_QUEUE: usize = 0;
@@ -324,11 +324,4 @@ impl Datapath {
 pub struct Round {
     pub used: bool,
     pub more: bool,
-}
-
-/// Whether the driver made chains available that `queue` has not taken yet.
-fn has_available(queue: &Queue, memory: &GuestMemoryMmap) -> bool {
-    queue
-        .avail_idx(memory, std::sync::atomic::Ordering::Acquire)
-        .is_ok_and(|avail| avail.0 != queue.next_avail())
 }

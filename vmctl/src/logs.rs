@@ -54,19 +54,18 @@ pub fn show(workspace: &Path, options: LogsOptions) -> Result<(), LogsError> {
     if !vm.path.is_dir() {
         return Err(LogsError::NoVm(workspace));
     }
-    let (mut path, mut what) = if options.supervisor {
-        (vm.supervisor_log(), "supervisor log")
-    } else {
-        (vm.console_log(), "console log")
+    let (path, what) = match (options.supervisor, options.previous) {
+        (false, false) => (vm.console_log(), "console log"),
+        (true, false) => (vm.supervisor_log(), "supervisor log"),
+        (false, true) => (
+            previous_run(&vm.console_log()),
+            "previous run's console log",
+        ),
+        (true, true) => (
+            previous_run(&vm.supervisor_log()),
+            "previous run's supervisor log",
+        ),
     };
-    if options.previous {
-        path = previous_run(&path);
-        what = if options.supervisor {
-            "previous run's supervisor log"
-        } else {
-            "previous run's console log"
-        };
-    }
     let read_error = |source| LogsError::Read {
         path: path.clone(),
         source,
@@ -122,9 +121,7 @@ fn start_of_last_lines(file: &mut File, count: usize) -> io::Result<u64> {
     }
     let mut block = vec![0u8; BLOCK as usize];
     let mut end = len;
-    // The newline that ends the last line does not start a line after it.
-    let mut newlines_to_pass = count + 1;
-    let mut skip_final_newline = true;
+    let mut lines_to_pass = count;
     while end > 0 {
         let start = end.saturating_sub(BLOCK);
         let chunk = &mut block[..(end - start) as usize];
@@ -132,16 +129,12 @@ fn start_of_last_lines(file: &mut File, count: usize) -> io::Result<u64> {
         file.read_exact(chunk)?;
         for (i, &byte) in chunk.iter().enumerate().rev() {
             let at = start + i as u64;
-            if byte != b'\n' {
-                skip_final_newline = false;
+            // The newline that ends the last line starts no line after it.
+            if byte != b'\n' || at + 1 == len {
                 continue;
             }
-            if skip_final_newline && at + 1 == len {
-                skip_final_newline = false;
-                continue;
-            }
-            newlines_to_pass -= 1;
-            if newlines_to_pass == 1 {
+            lines_to_pass -= 1;
+            if lines_to_pass == 0 {
                 return Ok(at + 1);
             }
         }

@@ -148,7 +148,7 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         .map(PathBuf::from);
     let config =
         crate::user_config::config_path().and_then(|file| file.parent().map(Path::to_path_buf));
-    let state = crate::state::vms_dir().parent().map(Path::to_path_buf);
+    let state = Some(crate::state::state_dir());
     let kept = |dir: PathBuf, what, inside_too| KeptOut {
         dir: dir.canonicalize().unwrap_or(dir),
         what,

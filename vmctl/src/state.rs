@@ -377,7 +377,7 @@ pub fn vms_dir() -> PathBuf {
 
 /// `$XDG_STATE_HOME/vmctl` (default `~/.local/state/vmctl`; without a home, in
 /// [`private_tmp_dir`]).
-fn state_dir() -> PathBuf {
+pub fn state_dir() -> PathBuf {
     let xdg = std::env::var_os("XDG_STATE_HOME")
         .map(PathBuf::from)
         .filter(|p| p.is_absolute());

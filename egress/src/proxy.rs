@@ -711,11 +711,11 @@ async fn connect(
 }
 
 /// Relays raw bytes between the guest and `upstream`: TLS the proxy does not touch.
-async fn tunnel(on_upgrade: OnUpgrade, mut upstream: TcpStream, _conn: Arc<Conn>) {
+async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, _conn: Arc<Conn>) {
     match on_upgrade.await {
         Ok(upgraded) => {
-            let mut guest = TokioIo::new(upgraded);
-            if let Err(e) = tokio::io::copy_bidirectional(&mut guest, &mut upstream).await {
+            let guest = TokioIo::new(upgraded);
+            if let Some(e) = byte_relay::both_ways(guest, upstream).await.error() {
                 tracing::debug!("tunnel ended: {e}");
             }
         }
@@ -1208,44 +1208,54 @@ async fn splice(
         Ok(both) => both,
         Err(e) => return tracing::debug!("upgrade failed: {e}"),
     };
-    let mut guest = TokioIo::new(guest);
-    let mut upstream = TokioIo::new(upstream);
-    let result = match redactor {
-        None => tokio::io::copy_bidirectional(&mut guest, &mut upstream)
-            .await
-            .map(|_| ()),
+    let guest = TokioIo::new(guest);
+    let upstream = TokioIo::new(upstream);
+    let relayed = match redactor {
+        None => byte_relay::both_ways(guest, upstream).await,
         Some(redactor) => {
-            let (mut guest_rx, guest_tx) = tokio::io::split(guest);
-            let (upstream_rx, mut upstream_tx) = tokio::io::split(upstream);
-            let up = async {
-                tokio::io::copy(&mut guest_rx, &mut upstream_tx).await?;
-                upstream_tx.shutdown().await
-            };
-            let down = copy_redacted(upstream_rx, guest_tx, redactor);
-            tokio::try_join!(up, down).map(|_| ())
+            let (guest_rx, guest_tx) = tokio::io::split(guest);
+            let (upstream_rx, upstream_tx) = tokio::io::split(upstream);
+            let (a_to_b, b_to_a) = tokio::join!(
+                byte_relay::one_way(guest_rx, upstream_tx),
+                copy_redacted(upstream_rx, guest_tx, redactor)
+            );
+            byte_relay::Relayed { a_to_b, b_to_a }
         }
     };
-    if let Err(e) = result {
+    if let Some(e) = relayed.error() {
         tracing::debug!("upgraded connection ended: {e}");
     }
 }
 
-/// Copies `from` to `to` through `redactor`. Bytes held back because they might
-/// begin the secret are sent anyway after [`HOLD_FLUSH`] without more data (see
-/// [`Redactor::flush_held`]: a pause inside the secret does not let it through).
-async fn copy_redacted<R, W>(mut from: R, mut to: W, mut redactor: Redactor) -> io::Result<()>
+/// Copies `from` to `to` through `redactor`, then closes `to`'s sending side (after
+/// a failure too: the other way goes on, and `to`'s reader must not wait forever).
+/// Bytes held back because they might begin the secret are sent anyway after
+/// [`HOLD_FLUSH`] without more data (see [`Redactor::flush_held`]: a pause inside the
+/// secret does not let it through); after a failure they are dropped.
+async fn copy_redacted<R, W>(from: R, mut to: W, redactor: Redactor) -> io::Result<u64>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let copied = redact_until_end(from, &mut to, redactor).await;
+    let _ = to.shutdown().await;
+    copied
+}
+
+/// [`copy_redacted`]'s copy: the bytes it sent, once `from` ended.
+async fn redact_until_end<R, W>(mut from: R, to: &mut W, mut redactor: Redactor) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut sent = 0u64;
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let read = if redactor.holding() {
             match timeout(HOLD_FLUSH, from.read(&mut buf)).await {
                 Ok(read) => read?,
                 Err(_) => {
-                    to.write_all(&redactor.flush_held()).await?;
-                    to.flush().await?;
+                    sent += send(to, redactor.flush_held()).await?;
                     continue;
                 }
             }
@@ -1253,12 +1263,17 @@ where
             from.read(&mut buf).await?
         };
         if read == 0 {
-            to.write_all(&redactor.finish()).await?;
-            return to.shutdown().await;
+            return Ok(sent + send(to, redactor.finish()).await?);
         }
-        to.write_all(&redactor.feed(&buf[..read])).await?;
-        to.flush().await?;
+        sent += send(to, redactor.feed(&buf[..read])).await?;
     }
+}
+
+/// Writes and flushes `bytes`: the number sent.
+async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io::Result<u64> {
+    to.write_all(&bytes).await?;
+    to.flush().await?;
+    Ok(bytes.len() as u64)
 }
 
 const HOP_BY_HOP: [HeaderName; 6] = [

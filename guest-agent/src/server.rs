@@ -701,11 +701,18 @@ fn shell_report(program: &str, error: &io::Error) -> Option<(String, u8)> {
     }
 }
 
+/// Signals the command's process group (its pid: the command leads the session
+/// `spawn` made, or it did not start). Once the group is gone there is nobody to
+/// signal, and its number may already be another process's: never `kill(pid)` then.
 fn kill_group(pid: i32, sig: i32) {
     // SAFETY: kill has no memory-safety preconditions.
     if unsafe { libc::kill(-pid, sig) } < 0 {
-        // SAFETY: as above (the group may not exist if setsid failed).
-        unsafe { libc::kill(pid, sig) };
+        debug!(
+            pid,
+            sig,
+            "no process group to signal: {}",
+            io::Error::last_os_error()
+        );
     }
 }
 

@@ -575,6 +575,7 @@ async fn hybrid_handshake_and_shutdown() {
     let listener = tokio::net::UnixListener::bind(&vmm).unwrap();
     let agent_path = agent_sock.clone();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
     // Its own agent, so Shutdown does not stop the shared one.
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -583,15 +584,16 @@ async fn hybrid_handshake_and_shutdown() {
             .unwrap();
         rt.block_on(async move {
             let l = server::Listener::bind(&ListenAddr::Unix(agent_path)).unwrap();
+            // Said once it listens: its socket file exists a moment before that.
+            let _ = bound_tx.send(());
             server::serve(l, ServerConfig::default()).await.unwrap();
         });
         let _ = stop_tx.send(());
     });
-    // Its socket, not a fixed pause: under load the agent's thread may take longer.
-    let bound_by = std::time::Instant::now() + Duration::from_secs(10);
-    while !agent_sock.exists() && std::time::Instant::now() < bound_by {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(10), bound_rx)
+        .await
+        .expect("the test's own agent listens within 10 s")
+        .unwrap();
     let relay_target = agent_sock.clone();
     tokio::spawn(async move {
         loop {
@@ -604,8 +606,11 @@ async fn hybrid_handshake_and_shutdown() {
                 br.read_until(b'\n', &mut line).await.unwrap();
                 assert_eq!(line, b"CONNECT 1024\n");
                 s.write_all(b"OK 1234\n").await.unwrap();
-                let mut t = UnixStream::connect(target).await.unwrap();
-                let _ = tokio::io::copy_bidirectional(&mut s, &mut t).await;
+                let t = UnixStream::connect(target).await.unwrap();
+                // Each way on its own, as the VMM's vsock does: the client's last
+                // frame (StdinEof, after the command ended) may find the agent gone,
+                // and what the agent sent before must still arrive.
+                byte_relay::both_ways(s, t).await;
             });
         }
     });

@@ -176,16 +176,16 @@ async fn accept_loop(listener: TcpListener, req: ServiceRequest, host: Arc<HostC
     }
 }
 
-async fn relay_to_host(mut tcp: TcpStream, req: &ServiceRequest, host: &HostConnector) {
+async fn relay_to_host(tcp: TcpStream, req: &ServiceRequest, host: &HostConnector) {
     let _ = tcp.set_nodelay(true);
-    let mut upstream = match host.open(req).await {
+    let upstream = match host.open(req).await {
         Ok(s) => s,
         Err(e) => {
             warn!(?req, "{e}");
             return;
         }
     };
-    if let Err(e) = tokio::io::copy_bidirectional(&mut tcp, &mut upstream).await {
+    if let Some(e) = byte_relay::both_ways(tcp, upstream).await.error() {
         debug!(?req, "relay failed: {e}");
     }
 }
@@ -208,11 +208,14 @@ pub async fn connect_guest_port(port: u16) -> Result<TcpStream, RelayError> {
 
 /// Relays a host connection that switched to raw bytes (`pending`: bytes already
 /// read from it) and a guest TCP connection until both directions end.
-pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, mut tcp: TcpStream) {
+pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
-    let mut client = RawStream::new(pending, client);
-    match tokio::io::copy_bidirectional(&mut client, &mut tcp).await {
-        Ok((up, down)) => debug!(up, down, "published port connection ended"),
-        Err(e) => debug!("published port connection failed: {e}"),
+    let client = RawStream::new(pending, client);
+    match byte_relay::both_ways(client, tcp).await {
+        byte_relay::Relayed {
+            a_to_b: Ok(up),
+            b_to_a: Ok(down),
+        } => debug!(up, down, "published port connection ended"),
+        relayed => debug!(?relayed, "published port connection failed"),
     }
 }

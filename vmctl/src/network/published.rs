@@ -99,7 +99,7 @@ fn poisoned() -> String {
     "the published-port table is unusable (a thread panicked)".into()
 }
 
-async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
+async fn forward(client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
     let connection = match guest_agent::client::connect_hybrid(&vsock, crate::exec::AGENT_PORT)
         .await
     {
@@ -110,8 +110,8 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, g
         }
     };
     match connection.connect_port(guest_port).await {
-        Ok(mut guest) => {
-            let _ = tokio::io::copy_bidirectional(&mut client, &mut guest).await;
+        Ok(guest) => {
+            byte_relay::both_ways(client, guest).await;
         }
         Err(e) => tracing::info!("published port {guest_port} for {peer}: {e}"),
     }

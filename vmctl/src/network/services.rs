@@ -225,7 +225,7 @@ async fn read_preamble(stream: &mut UnixStream) -> Result<ServiceRequest, String
     decode_payload(&payload).map_err(|e| format!("unreadable request: {e}"))
 }
 
-async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, service: &NetworkService) {
+async fn relay_to_host_loopback(stream: UnixStream, port: u16, service: &NetworkService) {
     let allowed = service
         .relays
         .lock()
@@ -239,8 +239,8 @@ async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, service: &Net
     }
     let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     match tokio::net::TcpStream::connect(target).await {
-        Ok(mut host) => {
-            let _ = tokio::io::copy_bidirectional(&mut stream, &mut host).await;
+        Ok(host) => {
+            byte_relay::both_ways(stream, host).await;
         }
         Err(e) => tracing::info!("relay to the host's {target}: {e}"),
     }

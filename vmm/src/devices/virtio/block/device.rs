@@ -136,10 +136,7 @@ impl Disk {
                 return 0;
             }
         };
-        let Some((_status, body)) = descs.split_last() else {
-            return 0;
-        };
-        let (status, written) = match Request::parse(body, memory, self.capacity_sectors) {
+        let (status, written) = match Request::parse(descs, memory, self.capacity_sectors) {
             Ok(req) => self.execute(&req, memory),
             Err(e) => {
                 guest_log::guest_warn!("virtio-blk: malformed request: {e}");
@@ -505,6 +502,15 @@ mod tests {
         let mut descs = vec![(HDR, 16u32, 0u16)];
         descs.extend_from_slice(data);
         descs.push((STATUS, 1, W));
+        linked_at(first, &descs)
+    }
+
+    /// `descs` (address, length, flags) linked in order, from table index 0.
+    fn linked(descs: &[(u64, u32, u16)]) -> Vec<RawDescriptor> {
+        linked_at(0, descs)
+    }
+
+    fn linked_at(first: u16, descs: &[(u64, u32, u16)]) -> Vec<RawDescriptor> {
         let n = descs.len();
         descs
             .iter()
@@ -762,9 +768,9 @@ mod tests {
         let mut c = chain(&[(DATA, 512, W)]);
         c[2] = desc(MEM_SIZE, 1, W);
         bad_status.push(c);
-        // Status of the wrong size.
+        // A status descriptor of no bytes.
         let mut c = chain(&[(DATA, 512, W)]);
-        c[2] = desc(STATUS, 2, W);
+        c[2] = desc(STATUS, 0, W);
         bad_status.push(c);
         for descs in bad_status {
             let mut h = harness(8, false);
@@ -775,6 +781,62 @@ mod tests {
             assert_eq!(mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap(), 0xff);
             assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
         }
+    }
+
+    /// The same requests cut into descriptors otherwise than Linux does (virtio 1.x:
+    /// the device assumes no layout).
+    #[test]
+    fn any_layout_of_a_request_works() {
+        let mem = memory();
+        let id_status = GuestAddress(DATA + 20);
+
+        // A header split in two; the status after the data in one descriptor.
+        let mut h = harness(8, false);
+        write_header(&mem, VIRTIO_BLK_T_IN, 2);
+        mem.write_obj(0xffu8, GuestAddress(DATA + 512)).unwrap();
+        let descs = linked(&[(HDR, 8, 0), (HDR + 8, 8, 0), (DATA, 513, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 513)]);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA + 512)).unwrap(), 0);
+        let mut got = vec![0u8; 512];
+        mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert!(got.iter().all(|&b| b == 2));
+
+        // The header and the data it precedes in one descriptor.
+        let mut h = harness(8, false);
+        write_header(&mem, VIRTIO_BLK_T_OUT, 5);
+        preset_status(&mem);
+        mem.write_slice(&[0x5a; 1024], GuestAddress(HDR + 16))
+            .unwrap();
+        let descs = linked(&[(HDR, 16 + 1024, 0), (STATUS, 1, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+        let image = h.image();
+        assert!(image[5 * 512..7 * 512].iter().all(|&b| b == 0x5a));
+        assert!(image[7 * 512..].iter().all(|&b| b == 7));
+
+        // The ID and the status in one descriptor.
+        let mut h = harness(1, false);
+        write_header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+        mem.write_obj(0xffu8, id_status).unwrap();
+        let descs = linked(&[(HDR, 16, 0), (DATA, 21, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 21)]);
+        assert_eq!(
+            u32::from(mem.read_obj::<u8>(id_status).unwrap()),
+            VIRTIO_BLK_S_OK
+        );
+        let mut id = [0u8; 9];
+        mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id, b"test-disk");
+
+        // What a layout cannot change: a read's data is device-writable.
+        let mut h = harness(8, false);
+        let before = h.image();
+        write_header(&mem, VIRTIO_BLK_T_IN, 0);
+        preset_status(&mem);
+        let descs = linked(&[(HDR, 16 + 512, 0), (STATUS, 1, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+        assert_eq!(h.image(), before);
     }
 
     #[test]

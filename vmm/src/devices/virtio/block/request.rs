@@ -1,15 +1,18 @@
 //! Parsing of virtio-blk requests (virtio 1.2, section 5.2.6).
 //!
-//! A request is a descriptor chain: a 16-byte device-readable header
-//! (`type`, `reserved`, `sector`), the data buffers, and a 1-byte device-writable
-//! status. Parsing only checks the chain against guest memory and the disk size; it
-//! touches no data.
+//! A request is a descriptor chain read as one byte stream: a 16-byte device-readable
+//! header (`type`, `reserved`, `sector`), the data, and a 1-byte device-writable
+//! status, its last byte. How the driver cuts that stream into descriptors is its own
+//! choice (virtio 1.x, 2.7.4: the device must not assume a layout): the header may be
+//! split, share a descriptor with the data it precedes, and the status may end the
+//! last data buffer. Parsing only checks the chain against guest memory and the disk
+//! size; it touches no data.
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::{SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::guest_range_ok;
@@ -26,15 +29,15 @@ pub enum RequestError {
     #[error("the descriptor chain is truncated after {count} descriptors (loop, bad next index or too long)")]
     BrokenChain { count: usize },
     #[error(
-        "status descriptor {addr:#x}+{len} is not a 1-byte device-writable buffer in guest memory"
+        "the last descriptor {addr:#x}+{len} is not a device-writable buffer in guest memory that could end with the status byte"
     )]
     BadStatus { addr: u64, len: u32 },
-    #[error("the chain has no header descriptor before the status descriptor")]
-    MissingHeader,
-    #[error("request header descriptor has length {len}, expected {HEADER_LEN}")]
-    HeaderLength { len: u32 },
-    #[error("request header descriptor at {addr:#x} is device-writable")]
+    #[error("descriptor {index} at {addr:#x}+{len:#x} is outside guest memory")]
+    OutOfMemory { index: usize, addr: u64, len: u32 },
+    #[error("the request header at {addr:#x} is device-writable")]
     HeaderWritable { addr: u64 },
+    #[error("the request header has {len} device-readable bytes, expected {HEADER_LEN}")]
+    ShortHeader { len: u32 },
     #[error("cannot read the request header at {addr:#x}")]
     HeaderRead { addr: u64 },
     #[error("data descriptor {index} at {addr:#x} has the wrong direction for request type {request_type}")]
@@ -43,8 +46,6 @@ pub enum RequestError {
         addr: u64,
         request_type: u32,
     },
-    #[error("data buffer {addr:#x}+{len:#x} is outside guest memory")]
-    DataOutOfRange { addr: u64, len: u32 },
     #[error("data length {len} is not a multiple of {SECTOR_SIZE}")]
     DataLength { len: u64 },
     #[error(
@@ -83,7 +84,8 @@ impl From<u32> for RequestType {
     }
 }
 
-/// One guest buffer of a request's data.
+/// One guest buffer of a request's data: a descriptor, or the part of one that the
+/// header or the status does not use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataBuffer {
     pub addr: GuestAddress,
@@ -100,8 +102,9 @@ pub struct Request {
     pub data_len: u64,
 }
 
-/// Checks that the last descriptor of `descs` is a usable status byte and returns its
-/// address. Without one, nothing can be reported to the driver.
+/// Checks that the chain ends with a usable status byte, the last byte of its last
+/// descriptor, and returns its address. Without one, nothing can be reported to the
+/// driver.
 pub fn status_address(
     descs: &[Descriptor],
     memory: &GuestMemoryMmap,
@@ -112,37 +115,115 @@ pub fn status_address(
         // the descriptor table. Its "last" descriptor is not the status.
         return Err(RequestError::BrokenChain { count: descs.len() });
     }
-    if !last.is_write_only() || last.len() != 1 || !guest_range_ok(memory, last.addr(), 1) {
-        return Err(RequestError::BadStatus {
-            addr: last.addr().0,
-            len: last.len(),
-        });
+    let bad_status = || RequestError::BadStatus {
+        addr: last.addr().0,
+        len: last.len(),
+    };
+    if !last.is_write_only() || last.len() == 0 {
+        return Err(bad_status());
     }
-    Ok(last.addr())
+    let status = last
+        .addr()
+        .checked_add(u64::from(last.len()) - 1)
+        .ok_or_else(bad_status)?;
+    if !guest_range_ok(memory, status, 1) {
+        return Err(bad_status());
+    }
+    Ok(status)
+}
+
+/// A descriptor's bytes that the request has not used yet.
+#[derive(Clone, Copy)]
+struct Segment {
+    /// The descriptor's place in the chain, for errors.
+    index: usize,
+    addr: GuestAddress,
+    len: u32,
+    device_writes: bool,
+}
+
+impl Segment {
+    /// Takes up to `n` bytes off the front: (their address, their length).
+    fn take_front(&mut self, n: u32) -> (GuestAddress, u32) {
+        let taken = n.min(self.len);
+        let addr = self.addr;
+        // `addr + len` is in guest memory (checked), so the sum cannot overflow.
+        self.addr = self.addr.unchecked_add(u64::from(taken));
+        self.len -= taken;
+        (addr, taken)
+    }
+}
+
+/// The chain's descriptors as segments, each checked to lie in guest memory, without
+/// the status byte (the last, checked by [`status_address`]) and empty descriptors.
+fn segments(descs: &[Descriptor], memory: &GuestMemoryMmap) -> Result<Vec<Segment>, RequestError> {
+    let mut segments = Vec::with_capacity(descs.len());
+    for (index, desc) in descs.iter().enumerate() {
+        // A u32 always fits in usize on the 64-bit hosts KVM runs on.
+        if desc.len() > 0 && !guest_range_ok(memory, desc.addr(), desc.len() as usize) {
+            return Err(RequestError::OutOfMemory {
+                index,
+                addr: desc.addr().0,
+                len: desc.len(),
+            });
+        }
+        let is_status = index + 1 == descs.len();
+        let len = desc.len() - u32::from(is_status && desc.len() > 0);
+        if len > 0 {
+            segments.push(Segment {
+                index,
+                addr: desc.addr(),
+                len,
+                device_writes: desc.is_write_only(),
+            });
+        }
+    }
+    Ok(segments)
+}
+
+/// Reads the 16-byte header off the front of `segments`, which must be
+/// device-readable; what remains is the data.
+fn read_header(
+    segments: &mut [Segment],
+    memory: &GuestMemoryMmap,
+) -> Result<[u8; HEADER_LEN as usize], RequestError> {
+    let mut header = [0u8; HEADER_LEN as usize];
+    let mut got = 0u32;
+    for segment in segments.iter_mut() {
+        if got == HEADER_LEN {
+            break;
+        }
+        if segment.device_writes {
+            return Err(if got == 0 {
+                RequestError::HeaderWritable {
+                    addr: segment.addr.0,
+                }
+            } else {
+                RequestError::ShortHeader { len: got }
+            });
+        }
+        let (addr, len) = segment.take_front(HEADER_LEN - got);
+        let into = &mut header[got as usize..(got + len) as usize];
+        memory
+            .read_slice(into, addr)
+            .map_err(|_| RequestError::HeaderRead { addr: addr.0 })?;
+        got += len;
+    }
+    if got < HEADER_LEN {
+        return Err(RequestError::ShortHeader { len: got });
+    }
+    Ok(header)
 }
 
 impl Request {
-    /// Parses the descriptors before the status descriptor (`descs` excludes it).
+    /// Parses a whole chain, its status descriptor included.
     pub fn parse(
         descs: &[Descriptor],
         memory: &GuestMemoryMmap,
         capacity_sectors: u64,
     ) -> Result<Request, RequestError> {
-        let (header, data_descs) = descs.split_first().ok_or(RequestError::MissingHeader)?;
-        if header.is_write_only() {
-            return Err(RequestError::HeaderWritable {
-                addr: header.addr().0,
-            });
-        }
-        if header.len() != HEADER_LEN {
-            return Err(RequestError::HeaderLength { len: header.len() });
-        }
-        let mut raw = [0u8; HEADER_LEN as usize];
-        memory
-            .read_slice(&mut raw, header.addr())
-            .map_err(|_| RequestError::HeaderRead {
-                addr: header.addr().0,
-            })?;
+        let mut segments = segments(descs, memory)?;
+        let raw = read_header(&mut segments, memory)?;
         // struct virtio_blk_outhdr { le32 type; le32 reserved; le64 sector; }
         let [t0, t1, t2, t3, _, _, _, _, s0, s1, s2, s3, s4, s5, s6, s7] = raw;
         let type_value = u32::from_le_bytes([t0, t1, t2, t3]);
@@ -152,7 +233,7 @@ impl Request {
         let mut request = Request {
             request_type,
             sector,
-            data: Vec::with_capacity(data_descs.len()),
+            data: Vec::with_capacity(segments.len()),
             data_len: 0,
         };
         let device_writes = match request_type {
@@ -162,26 +243,18 @@ impl Request {
             RequestType::Out | RequestType::Flush => false,
         };
 
-        for (index, desc) in data_descs.iter().enumerate() {
-            if desc.is_write_only() != device_writes {
+        for segment in segments.iter().filter(|s| s.len > 0) {
+            if segment.device_writes != device_writes {
                 return Err(RequestError::DataDirection {
-                    index,
-                    addr: desc.addr().0,
+                    index: segment.index,
+                    addr: segment.addr.0,
                     request_type: type_value,
                 });
             }
-            let len = desc.len();
-            // A u32 always fits in usize on the 64-bit hosts KVM runs on.
-            if !guest_range_ok(memory, desc.addr(), len as usize) {
-                return Err(RequestError::DataOutOfRange {
-                    addr: desc.addr().0,
-                    len,
-                });
-            }
-            request.data_len = request.data_len.saturating_add(u64::from(len));
+            request.data_len = request.data_len.saturating_add(u64::from(segment.len));
             request.data.push(DataBuffer {
-                addr: desc.addr(),
-                len,
+                addr: segment.addr,
+                len: segment.len,
             });
         }
 

@@ -225,6 +225,34 @@ with open('mapped-by-host.bin', 'rb') as f:
     assert_ok(&guest_log, "git log in the guest");
     assert_eq!(stdout(&guest_log), "host-commit\nguest-commit\n");
 
+    // What git on the host would run, changed by the guest (a hook, a command in the
+    // config), is said when the session ends; an identity or a remote is not.
+    host("git", &["init", "-q"], &root);
+    let hooked = ws.exec(
+        "for i in $(seq 30); do [ -d .git/hooks ] && break; sleep 0.1; done
+         set -e; printf '#!/bin/sh\\n' > .git/hooks/pre-commit; chmod +x .git/hooks/pre-commit
+         git config core.fsmonitor 'touch /tmp/ran-on-the-host'
+         git config user.name agent; git remote add origin https://example.com/r.git",
+    );
+    assert_ok(&hooked, "changing the hooks and config in the guest");
+    let said = String::from_utf8_lossy(&hooked.stderr);
+    assert!(
+        said.contains("the VM changed what git on the host runs")
+            && said.contains("hook pre-commit")
+            && said.contains("config core.fsmonitor=touch /tmp/ran-on-the-host"),
+        "the guest's new hook and fsmonitor went unreported: {said}"
+    );
+    assert!(
+        !said.contains("user.name") && !said.contains("remote.origin"),
+        "plain settings were reported: {said}"
+    );
+    let unchanged = ws.exec("git config user.name");
+    assert!(
+        !String::from_utf8_lossy(&unchanged.stderr).contains("changed what git"),
+        "a session that changed nothing was reported"
+    );
+    std::fs::remove_dir_all(root.join(".git")).unwrap();
+
     // A read-only share reads, and refuses writes whoever the guest user is.
     let ro = ws.exec("cat /data/data.txt; echo x > /data/new.txt");
     assert_eq!(stdout(&ro), "read-only data\n");

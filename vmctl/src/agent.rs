@@ -133,16 +133,16 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         &vm,
         &crate::workspace::current_dir(),
     ));
-    Ok(exec::run(
-        &vm.vsock_socket(),
-        ExecOptions {
-            argv,
-            env,
-            cwd,
-            user: exec::parse_user(None),
-            tty: std::io::stdin().is_terminal(),
-        },
-    )?)
+    let options = ExecOptions {
+        argv,
+        env,
+        cwd,
+        user: exec::parse_user(None),
+        tty: std::io::stdin().is_terminal(),
+    };
+    Ok(crate::git_guard::watch(&vm, || {
+        exec::run(&vm.vsock_socket(), options)
+    })?)
 }
 
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).

@@ -8,6 +8,7 @@ mod cli;
 mod daemon;
 mod egress_commands;
 mod exec;
+mod git_guard;
 mod git_identity;
 mod guest_clock;
 mod guest_writable;
@@ -234,21 +235,19 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
 
 fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     let cwd = exec::guest_cwd(vm, &workspace::current_dir());
-    exec::run(
-        &vm.vsock_socket(),
-        exec::ExecOptions {
-            argv: args.command,
-            // Yours last: `--env` can override what vmctl sets.
-            env: git_identity::guest_env(vm)
-                .into_iter()
-                .chain(args.env)
-                .collect(),
-            cwd: Some(cwd),
-            user: exec::parse_user(args.user.as_deref()),
-            tty: args.tty,
-        },
-    )
-    .map_err(|e| explain_lost_vm(vm, e.to_string()))
+    let options = exec::ExecOptions {
+        argv: args.command,
+        // Yours last: `--env` can override what vmctl sets.
+        env: git_identity::guest_env(vm)
+            .into_iter()
+            .chain(args.env)
+            .collect(),
+        cwd: Some(cwd),
+        user: exec::parse_user(args.user.as_deref()),
+        tty: args.tty,
+    };
+    git_guard::watch(vm, || exec::run(&vm.vsock_socket(), options))
+        .map_err(|e| explain_lost_vm(vm, e.to_string()))
 }
 
 /// What a session's error says when its connection to the agent broke: while
@@ -326,19 +325,16 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     };
     let _lease = lease(&dir, "shell");
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
-    exec::run(
-        &vm.vsock_socket(),
-        exec::ExecOptions {
-            argv: vec!["/bin/bash".into(), "-l".into()],
-            env: git_identity::guest_env(&vm).into_iter().collect(),
-            cwd: Some(exec::guest_cwd(&vm, &start_in)),
-            user: exec::parse_user(None),
-            // As ssh: a terminal gets a PTY; commands piped in get a plain shell
-            // reading them, whose output carries no echo or escape sequences.
-            tty: std::io::stdin().is_terminal(),
-        },
-    )
-    .map_err(|e| e.to_string())
+    let options = exec::ExecOptions {
+        argv: vec!["/bin/bash".into(), "-l".into()],
+        env: git_identity::guest_env(&vm).into_iter().collect(),
+        cwd: Some(exec::guest_cwd(&vm, &start_in)),
+        user: exec::parse_user(None),
+        // As ssh: a terminal gets a PTY; commands piped in get a plain shell
+        // reading them, whose output carries no echo or escape sequences.
+        tty: std::io::stdin().is_terminal(),
+    };
+    git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options)).map_err(|e| e.to_string())
 }
 
 fn init_logging() {

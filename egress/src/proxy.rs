@@ -72,6 +72,9 @@ pub struct Limits {
     pub connect_timeout: Duration,
     /// Guest connections served at once (tunnels included); more get 503.
     pub max_connections: usize,
+    /// How often a tunnel or an upgraded connection asks the policy again: one the
+    /// policy no longer allows is closed, as a new request would be refused.
+    pub policy_recheck: Duration,
 }
 
 impl Default for Limits {
@@ -81,6 +84,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             max_connections: 512,
+            policy_recheck: Duration::from_secs(2),
         }
     }
 }
@@ -690,7 +694,8 @@ async fn connect(
     if injection.is_none() {
         // Connect before answering, so a dead upstream is a 502, not a dead tunnel.
         let upstream = connect_tcp(&addrs, &target, config.limits.connect_timeout).await?;
-        tokio::spawn(tunnel(on_upgrade, upstream, conn.clone()));
+        let watch = PolicyWatch::of(&ask);
+        tokio::spawn(tunnel(on_upgrade, upstream, conn.clone(), watch));
     } else {
         let tls = config.ca.server_config_for(&host)?;
         let session = Arc::new(Session {
@@ -711,15 +716,71 @@ async fn connect(
 }
 
 /// Relays raw bytes between the guest and `upstream`: TLS the proxy does not touch.
-async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, _conn: Arc<Conn>) {
+/// Ends when the policy no longer allows the target.
+async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, conn: Arc<Conn>, watch: PolicyWatch) {
     match on_upgrade.await {
         Ok(upgraded) => {
             let guest = TokioIo::new(upgraded);
-            if let Some(e) = byte_relay::both_ways(guest, upstream).await.error() {
-                tracing::debug!("tunnel ended: {e}");
+            tokio::select! {
+                relayed = byte_relay::both_ways(guest, upstream) => {
+                    if let Some(e) = relayed.error() {
+                        tracing::debug!("tunnel ended: {e}");
+                    }
+                }
+                () = watch.refused(&conn.config) => {}
             }
         }
         Err(e) => tracing::debug!("CONNECT was not upgraded: {e}"),
+    }
+}
+
+/// A tunnel's or an upgraded connection's destination, asked again while it lasts.
+struct PolicyWatch {
+    host: String,
+    port: u16,
+    kind: &'static str,
+    method: String,
+    what: String,
+}
+
+impl PolicyWatch {
+    fn of(ask: &Ask<'_>) -> PolicyWatch {
+        PolicyWatch {
+            host: ask.host.to_string(),
+            port: ask.port,
+            kind: ask.kind,
+            method: ask.method.clone(),
+            what: ask.what.clone(),
+        }
+    }
+
+    fn target(&self) -> String {
+        display_target(&self.host, self.port)
+    }
+
+    /// Returns once the policy refuses the destination (the refusal logged), every
+    /// [`Limits::policy_recheck`]; never while it allows it.
+    async fn refused(&self, config: &ProxyConfig) {
+        let ask = Ask {
+            host: &self.host,
+            port: self.port,
+            kind: self.kind,
+            method: self.method.clone(),
+            what: self.what.clone(),
+        };
+        // A zero period would make `interval` panic.
+        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is at once; the connection was allowed a moment ago.
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(e) = ask.decide(config) {
+                tracing::info!("{e}; closing the open connection");
+                return;
+            }
+        }
     }
 }
 
@@ -840,7 +901,13 @@ impl Session {
             )
         });
         let response = self.send(Request::from_parts(parts, boxed(body))).await?;
-        relay_response(response, guest_upgrade, redactor, &self.target, &self.conn)
+        relay_response(
+            response,
+            guest_upgrade,
+            redactor,
+            PolicyWatch::of(&ask),
+            &self.conn,
+        )
     }
 
     /// Sends on the session's upstream connection, (re)connecting as needed. A
@@ -974,7 +1041,7 @@ async fn plain_http(
             target: target.clone(),
             source,
         })?;
-    relay_response(response, guest_upgrade, None, &target, conn)
+    relay_response(response, guest_upgrade, None, PolicyWatch::of(&ask), conn)
 }
 
 /// `host:port` of an absolute-form `http://` request, normalised.
@@ -1170,18 +1237,24 @@ fn relay_response(
     mut response: Response<Incoming>,
     guest_upgrade: Option<OnUpgrade>,
     redactor: Option<Redactor>,
-    target: &str,
+    watch: PolicyWatch,
     conn: &Arc<Conn>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
     if switching {
         let Some(guest) = guest_upgrade else {
             return Err(ProxyError::UnaskedUpgrade {
-                target: target.to_string(),
+                target: watch.target(),
             });
         };
         let upstream = hyper::upgrade::on(&mut response);
-        tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone()));
+        tokio::spawn(splice(
+            guest,
+            upstream,
+            redactor.clone(),
+            conn.clone(),
+            watch,
+        ));
     }
     strip_hop_by_hop(response.headers_mut(), switching);
     Ok(match redactor {
@@ -1198,11 +1271,13 @@ fn relay_response(
 
 /// Copies between the upgraded guest and upstream connections (a WebSocket, say),
 /// redacting the secret from what flows to the guest when there is one.
+/// Ends when the policy no longer allows the destination.
 async fn splice(
     guest: OnUpgrade,
     upstream: OnUpgrade,
     redactor: Option<Redactor>,
-    _conn: Arc<Conn>,
+    conn: Arc<Conn>,
+    watch: PolicyWatch,
 ) {
     let (guest, upstream) = match tokio::try_join!(guest, upstream) {
         Ok(both) => both,
@@ -1210,20 +1285,27 @@ async fn splice(
     };
     let guest = TokioIo::new(guest);
     let upstream = TokioIo::new(upstream);
-    let relayed = match redactor {
-        None => byte_relay::both_ways(guest, upstream).await,
-        Some(redactor) => {
-            let (guest_rx, guest_tx) = tokio::io::split(guest);
-            let (upstream_rx, upstream_tx) = tokio::io::split(upstream);
-            let (a_to_b, b_to_a) = tokio::join!(
-                byte_relay::one_way(guest_rx, upstream_tx),
-                copy_redacted(upstream_rx, guest_tx, redactor)
-            );
-            byte_relay::Relayed { a_to_b, b_to_a }
+    let relay = async {
+        match redactor {
+            None => byte_relay::both_ways(guest, upstream).await,
+            Some(redactor) => {
+                let (guest_rx, guest_tx) = tokio::io::split(guest);
+                let (upstream_rx, upstream_tx) = tokio::io::split(upstream);
+                let (a_to_b, b_to_a) = tokio::join!(
+                    byte_relay::one_way(guest_rx, upstream_tx),
+                    copy_redacted(upstream_rx, guest_tx, redactor)
+                );
+                byte_relay::Relayed { a_to_b, b_to_a }
+            }
         }
     };
-    if let Some(e) = relayed.error() {
-        tracing::debug!("upgraded connection ended: {e}");
+    tokio::select! {
+        relayed = relay => {
+            if let Some(e) = relayed.error() {
+                tracing::debug!("upgraded connection ended: {e}");
+            }
+        }
+        () = watch.refused(&conn.config) => {}
     }
 }
 

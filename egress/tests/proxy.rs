@@ -7,7 +7,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -36,9 +36,17 @@ const SECRET_CORE: &str = "0123456789";
 
 struct TestRules;
 
+/// Whether the policy has since refused `revocable.test` (only its test uses that host).
+static REVOKED: AtomicBool = AtomicBool::new(false);
+
 impl EgressRules for TestRules {
     fn decide(&self, host: &str, _port: u16) -> Decision {
-        if host == "denied.test" {
+        if host == "revocable.test" && REVOKED.load(Ordering::SeqCst) {
+            Decision {
+                allowed: false,
+                rule: "deny revocable.test (test, since the tunnel opened)".into(),
+            }
+        } else if host == "denied.test" {
             Decision {
                 allowed: false,
                 rule: "deny denied.test (test)".into(),
@@ -308,6 +316,7 @@ impl Harness {
         .with_limits(limits)
         .with_resolve_override("api.test:443", tls_addr)
         .with_resolve_override("open.test:443", tls_addr)
+        .with_resolve_override("revocable.test:443", tls_addr)
         .with_resolve_override("wronghost.test:443", tls_addr)
         .with_resolve_override("plain.test:80", plain_addr)
         .with_resolve_override("api.test:80", plain_addr);
@@ -574,6 +583,36 @@ async fn an_unbound_host_is_tunnelled_untouched() {
     assert!(entries
         .iter()
         .any(|e| e.host == "open.test" && e.allowed && e.secret.is_none()));
+}
+
+#[tokio::test]
+async fn a_tunnel_the_policy_no_longer_allows_is_closed() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let (status, head, mut tunnel) = h.connect("revocable.test:443").await;
+    assert_eq!(status, 200, "{head}");
+    let mut byte = [0u8; 1];
+    assert!(
+        timeout(Duration::from_millis(500), tunnel.read(&mut byte))
+            .await
+            .is_err(),
+        "the tunnel closed while the policy allowed it"
+    );
+    REVOKED.store(true, Ordering::SeqCst);
+    let ended = timeout(Duration::from_secs(5), tunnel.read(&mut byte))
+        .await
+        .expect("the tunnel stayed open after the policy refused its target");
+    assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(
+        entries
+            .iter()
+            .any(|e| e.host == "revocable.test" && !e.allowed),
+        "the closing was not logged: {entries:?}"
+    );
 }
 
 #[tokio::test]

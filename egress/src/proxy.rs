@@ -678,7 +678,7 @@ async fn connect(
     let (host, port) = connect_target(req.uri())?;
     let target = display_target(&host, port);
     let ask = Ask {
-        host: &host,
+        host: host.clone(),
         port,
         kind: "connect",
         method: "CONNECT".into(),
@@ -694,8 +694,7 @@ async fn connect(
     if injection.is_none() {
         // Connect before answering, so a dead upstream is a 502, not a dead tunnel.
         let upstream = connect_tcp(&addrs, &target, config.limits.connect_timeout).await?;
-        let watch = PolicyWatch::of(&ask);
-        tokio::spawn(tunnel(on_upgrade, upstream, conn.clone(), watch));
+        tokio::spawn(tunnel(on_upgrade, upstream, conn.clone(), ask));
     } else {
         let tls = config.ca.server_config_for(&host)?;
         let session = Arc::new(Session {
@@ -716,71 +715,32 @@ async fn connect(
 }
 
 /// Relays raw bytes between the guest and `upstream`: TLS the proxy does not touch.
-/// Ends when the policy no longer allows the target.
-async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, conn: Arc<Conn>, watch: PolicyWatch) {
+async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, conn: Arc<Conn>, ask: Ask) {
     match on_upgrade.await {
         Ok(upgraded) => {
             let guest = TokioIo::new(upgraded);
-            tokio::select! {
-                relayed = byte_relay::both_ways(guest, upstream) => {
-                    if let Some(e) = relayed.error() {
-                        tracing::debug!("tunnel ended: {e}");
-                    }
-                }
-                () = watch.refused(&conn.config) => {}
-            }
+            let relay = byte_relay::both_ways(guest, upstream);
+            relay_while_allowed(relay, &ask, &conn.config, "tunnel").await;
         }
         Err(e) => tracing::debug!("CONNECT was not upgraded: {e}"),
     }
 }
 
-/// A tunnel's or an upgraded connection's destination, asked again while it lasts.
-struct PolicyWatch {
-    host: String,
-    port: u16,
-    kind: &'static str,
-    method: String,
-    what: String,
-}
-
-impl PolicyWatch {
-    fn of(ask: &Ask<'_>) -> PolicyWatch {
-        PolicyWatch {
-            host: ask.host.to_string(),
-            port: ask.port,
-            kind: ask.kind,
-            method: ask.method.clone(),
-            what: ask.what.clone(),
-        }
-    }
-
-    fn target(&self) -> String {
-        display_target(&self.host, self.port)
-    }
-
-    /// Returns once the policy refuses the destination (the refusal logged), every
-    /// [`Limits::policy_recheck`]; never while it allows it.
-    async fn refused(&self, config: &ProxyConfig) {
-        let ask = Ask {
-            host: &self.host,
-            port: self.port,
-            kind: self.kind,
-            method: self.method.clone(),
-            what: self.what.clone(),
-        };
-        // A zero period would make `interval` panic.
-        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The first tick is at once; the connection was allowed a moment ago.
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            if let Err(e) = ask.decide(config) {
-                tracing::info!("{e}; closing the open connection");
-                return;
+/// Runs `relay` (a tunnel, an upgraded connection: `what`) until it ends, or until
+/// the policy no longer allows what `ask` asked for.
+async fn relay_while_allowed(
+    relay: impl std::future::Future<Output = byte_relay::Relayed>,
+    ask: &Ask,
+    config: &ProxyConfig,
+    what: &str,
+) {
+    tokio::select! {
+        relayed = relay => {
+            if let Some(e) = relayed.error() {
+                tracing::debug!("{what} ended: {e}");
             }
         }
+        () = ask.until_refused(config) => {}
     }
 }
 
@@ -862,7 +822,7 @@ impl Session {
             ));
         }
         let ask = Ask {
-            host: &self.host,
+            host: self.host.clone(),
             port: self.port,
             kind: "tls-request",
             method: req.method().to_string(),
@@ -901,13 +861,7 @@ impl Session {
             )
         });
         let response = self.send(Request::from_parts(parts, boxed(body))).await?;
-        relay_response(
-            response,
-            guest_upgrade,
-            redactor,
-            PolicyWatch::of(&ask),
-            &self.conn,
-        )
+        relay_response(response, guest_upgrade, redactor, ask, &self.conn)
     }
 
     /// Sends on the session's upstream connection, (re)connecting as needed. A
@@ -1011,7 +965,7 @@ async fn plain_http(
     let claims = claimed_authorities(None, req.headers())?;
     check_claims(claims, &host, port, 80, &expected)?;
     let ask = Ask {
-        host: &host,
+        host: host.clone(),
         port,
         kind: "http",
         method: req.method().to_string(),
@@ -1041,7 +995,7 @@ async fn plain_http(
             target: target.clone(),
             source,
         })?;
-    relay_response(response, guest_upgrade, None, PolicyWatch::of(&ask), conn)
+    relay_response(response, guest_upgrade, None, ask, conn)
 }
 
 /// `host:port` of an absolute-form `http://` request, normalised.
@@ -1074,9 +1028,10 @@ fn absolute_target(uri: &Uri) -> Result<(String, u16), ProxyError> {
 
 // ---- shared by both ------------------------------------------------------------
 
-/// One thing the guest asked for, as the policy checks and the log need it.
-struct Ask<'a> {
-    host: &'a str,
+/// One thing the guest asked for, as the policy checks and the log need it. A
+/// tunnel or an upgraded connection keeps its own, to ask again while it lasts.
+struct Ask {
+    host: String,
     port: u16,
     /// `connect`, `http` or `tls-request`.
     kind: &'static str,
@@ -1085,10 +1040,10 @@ struct Ask<'a> {
     what: String,
 }
 
-impl Ask<'_> {
+impl Ask {
     /// Asks the policy; a refusal is logged and becomes a 403 naming the rule.
     fn decide(&self, config: &ProxyConfig) -> Result<Decision, ProxyError> {
-        let decision = config.rules.decide(self.host, self.port);
+        let decision = config.rules.decide(&self.host, self.port);
         if decision.allowed {
             return Ok(decision);
         }
@@ -1107,10 +1062,32 @@ impl Ask<'_> {
 
     /// A log entry; with the secret's name (never its value) if one is injected.
     fn entry(&self, allowed: bool, rule: &str, injection: Option<&Injection>) -> LogEntry {
-        let mut entry = LogEntry::new(self.host, self.port, allowed, rule, self.kind);
+        let mut entry = LogEntry::new(&self.host, self.port, allowed, rule, self.kind);
         entry.method = Some(self.method.clone());
         entry.secret = injection.map(|i| i.secret.clone());
         entry
+    }
+
+    fn target(&self) -> String {
+        display_target(&self.host, self.port)
+    }
+
+    /// Returns once the policy refuses what was asked for (the refusal logged), asked
+    /// every [`Limits::policy_recheck`]; never while it allows it.
+    async fn until_refused(&self, config: &ProxyConfig) {
+        // A zero period would make `interval` panic.
+        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is at once; it was allowed a moment ago.
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(e) = self.decide(config) {
+                tracing::info!("{e}; closing the open connection");
+                return;
+            }
+        }
     }
 }
 
@@ -1119,10 +1096,10 @@ impl Ask<'_> {
 /// the host's or the cloud's internal services.
 async fn vetted_addresses(
     config: &ProxyConfig,
-    ask: &Ask<'_>,
+    ask: &Ask,
     decision: &Decision,
 ) -> Result<Vec<SocketAddr>, ProxyError> {
-    let (host, port) = (ask.host, ask.port);
+    let (host, port) = (ask.host.as_str(), ask.port);
     let target = display_target(host, port);
     if let Some(addr) = config.resolve_overrides.get(&target) {
         return Ok(vec![*addr]);
@@ -1237,24 +1214,18 @@ fn relay_response(
     mut response: Response<Incoming>,
     guest_upgrade: Option<OnUpgrade>,
     redactor: Option<Redactor>,
-    watch: PolicyWatch,
+    ask: Ask,
     conn: &Arc<Conn>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
     if switching {
         let Some(guest) = guest_upgrade else {
             return Err(ProxyError::UnaskedUpgrade {
-                target: watch.target(),
+                target: ask.target(),
             });
         };
         let upstream = hyper::upgrade::on(&mut response);
-        tokio::spawn(splice(
-            guest,
-            upstream,
-            redactor.clone(),
-            conn.clone(),
-            watch,
-        ));
+        tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone(), ask));
     }
     strip_hop_by_hop(response.headers_mut(), switching);
     Ok(match redactor {
@@ -1271,13 +1242,12 @@ fn relay_response(
 
 /// Copies between the upgraded guest and upstream connections (a WebSocket, say),
 /// redacting the secret from what flows to the guest when there is one.
-/// Ends when the policy no longer allows the destination.
 async fn splice(
     guest: OnUpgrade,
     upstream: OnUpgrade,
     redactor: Option<Redactor>,
     conn: Arc<Conn>,
-    watch: PolicyWatch,
+    ask: Ask,
 ) {
     let (guest, upstream) = match tokio::try_join!(guest, upstream) {
         Ok(both) => both,
@@ -1299,14 +1269,7 @@ async fn splice(
             }
         }
     };
-    tokio::select! {
-        relayed = relay => {
-            if let Some(e) = relayed.error() {
-                tracing::debug!("upgraded connection ended: {e}");
-            }
-        }
-        () = watch.refused(&conn.config) => {}
-    }
+    relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await;
 }
 
 /// Copies `from` to `to` through `redactor`, then closes `to`'s sending side (after

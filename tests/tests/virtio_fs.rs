@@ -251,6 +251,28 @@ with open('mapped-by-host.bin', 'rb') as f:
         !String::from_utf8_lossy(&unchanged.stderr).contains("changed what git"),
         "a session that changed nothing was reported"
     );
+
+    // A worktree the guest makes outside the shares lives in its memory: said when
+    // the session ends; one inside the workspace is the host's.
+    let worktrees = ws.exec(
+        "set -e; git config --unset core.fsmonitor
+         git -c user.name=a -c user.email=a@example.com commit -q --allow-empty -m base
+         git worktree add -q /tmp/vm-only-worktree -b vm-only
+         git worktree add -q shared-worktree -b shared",
+    );
+    assert_ok(&worktrees, "git worktree add in the guest");
+    let said = String::from_utf8_lossy(&worktrees.stderr);
+    assert!(
+        said.contains("the VM made git worktrees outside its shares")
+            && said.contains("/tmp/vm-only-worktree (branch vm-only)"),
+        "a worktree in the guest's memory went unreported: {said}"
+    );
+    assert!(
+        !said.contains("shared-worktree"),
+        "a worktree in the workspace was reported: {said}"
+    );
+    assert!(root.join("shared-worktree/.git").is_file());
+    std::fs::remove_dir_all(root.join("shared-worktree")).unwrap();
     std::fs::remove_dir_all(root.join(".git")).unwrap();
 
     // A read-only share reads, and refuses writes whoever the guest user is.

@@ -6,11 +6,16 @@
 //! writable, so vmctl cannot forbid this: it looks before and after each session and
 //! says what changed.
 //!
+//! It also says when the guest registered a worktree outside every share (`git
+//! worktree add /tmp/wt`): the worktree's files then live in the guest's memory and
+//! are lost when the VM stops, which nothing else would tell.
+//!
 //! It looks at the git directories of the VM's writable shares: `SHARE/.git`, and a
 //! share that is itself a git directory (a worktree's repository). Repositories
 //! deeper inside a share, and changes made while no session runs, are not seen.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -117,50 +122,185 @@ pub struct Runnable {
     pub what: String,
 }
 
-/// What git on the host would run from the repositories of `shares`, as found now.
+/// A worktree of a shared repository whose directory is in the guest's own
+/// filesystem, outside every share: its files are gone when the VM stops.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct VmOnlyWorktree {
+    /// The git directory (on the host) that registers it.
+    pub git_dir: PathBuf,
+    /// Its directory, a guest path.
+    pub path: PathBuf,
+    /// What it has checked out: `branch NAME` or `detached`.
+    pub head: String,
+}
+
+/// What a session changed that git on the host does not show.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Snapshot(BTreeSet<(Runnable, String)>);
+pub struct Changes {
+    pub runnables: Vec<Runnable>,
+    pub vm_only_worktrees: Vec<VmOnlyWorktree>,
+}
+
+/// What git on the host would run from the repositories of `shares`, and the
+/// worktrees they have in the guest only, as found now.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    runnables: BTreeSet<(Runnable, String)>,
+    vm_only_worktrees: BTreeSet<VmOnlyWorktree>,
+    /// Each config file read, by its fingerprint, with the entries found in it: a file
+    /// unchanged since the last snapshot is not read again.
+    configs: BTreeMap<PathBuf, ConfigReading>,
+}
 
 impl Snapshot {
     pub fn of(shares: &[Share]) -> Snapshot {
-        let mut found = BTreeSet::new();
-        for git_dir in git_dirs(shares) {
-            for (what, fingerprint) in hooks(&git_dir).into_iter().chain(commands(&git_dir)) {
-                let runnable = Runnable {
-                    git_dir: git_dir.clone(),
-                    what,
-                };
-                found.insert((runnable, fingerprint));
-            }
-        }
-        Snapshot(found)
+        Self::take(shares, None)
     }
 
-    /// What is new or changed in `self` since `before` (a hook or command gone is
-    /// no danger).
-    pub fn changed_since(&self, before: &Snapshot) -> Vec<Runnable> {
-        let mut changed: Vec<Runnable> = self
-            .0
-            .difference(&before.0)
+    /// A snapshot of the same shares taken later, reusing what is unchanged.
+    pub fn retake(&self, shares: &[Share]) -> Snapshot {
+        Self::take(shares, Some(self))
+    }
+
+    fn take(shares: &[Share], earlier: Option<&Snapshot>) -> Snapshot {
+        let mut snapshot = Snapshot::default();
+        for GitDir { host, guest } in git_dirs(shares) {
+            let mut found = hooks(&host);
+            for file in ["config", "config.worktree"] {
+                let path = host.join(file);
+                let reused = earlier.and_then(|earlier| earlier.configs.get(&path));
+                if let Some(reading) = commands(&path, reused) {
+                    found.extend(reading.1.iter().cloned());
+                    snapshot.configs.insert(path, reading);
+                }
+            }
+            snapshot
+                .runnables
+                .extend(found.into_iter().map(|(what, fingerprint)| {
+                    let git_dir = host.clone();
+                    (Runnable { git_dir, what }, fingerprint)
+                }));
+            snapshot
+                .vm_only_worktrees
+                .extend(vm_only_worktrees(&host, &guest, shares));
+        }
+        snapshot
+    }
+
+    /// What is new or changed in `self` since `before` (a hook, a command or a
+    /// worktree gone is no danger).
+    pub fn changed_since(&self, before: &Snapshot) -> Changes {
+        let mut runnables: Vec<Runnable> = self
+            .runnables
+            .difference(&before.runnables)
             .map(|(runnable, _)| runnable.clone())
             .collect();
-        changed.dedup();
-        changed
+        runnables.dedup();
+        let vm_only_worktrees = self
+            .vm_only_worktrees
+            .difference(&before.vm_only_worktrees)
+            .cloned()
+            .collect();
+        Changes {
+            runnables,
+            vm_only_worktrees,
+        }
     }
 }
 
+/// A git directory in a share, at its host and guest paths.
+struct GitDir {
+    host: PathBuf,
+    guest: PathBuf,
+}
+
 /// The git directories of the writable shares.
-fn git_dirs(shares: &[Share]) -> Vec<PathBuf> {
-    let mut dirs = BTreeSet::new();
+fn git_dirs(shares: &[Share]) -> Vec<GitDir> {
+    let mut dirs = BTreeMap::new();
     for share in shares.iter().filter(|s| !s.read_only) {
         let dot_git = share.host.join(".git");
         if dot_git.is_dir() {
-            dirs.insert(dot_git);
+            dirs.insert(dot_git, share.guest.join(".git"));
         } else if share.host.join("HEAD").is_file() && share.host.join("objects").is_dir() {
-            dirs.insert(share.host.clone());
+            dirs.insert(share.host.clone(), share.guest.clone());
         }
     }
-    dirs.into_iter().collect()
+    dirs.into_iter()
+        .map(|(host, guest)| GitDir { host, guest })
+        .collect()
+}
+
+/// Largest `gitdir` or `HEAD` file of a worktree read.
+const MAX_WORKTREE_FILE_BYTES: u64 = 4096;
+
+/// The worktrees `git_dir` registers (`worktrees/NAME/gitdir`, which names the
+/// worktree's `.git` file) whose directory is outside every share, as seen from the
+/// guest, and not on the host either (a worktree the host made elsewhere, as Paseo
+/// does, is the host's).
+fn vm_only_worktrees(
+    git_dir: &Path,
+    guest_git_dir: &Path,
+    shares: &[Share],
+) -> Vec<VmOnlyWorktree> {
+    let Ok(entries) = std::fs::read_dir(git_dir.join("worktrees")) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let admin = entry.path();
+        let Some(dot_git) = read_small(&admin.join("gitdir")) else {
+            continue;
+        };
+        // `worktree.useRelativePaths` writes it relative to the entry's directory.
+        let guest_admin = guest_git_dir.join("worktrees").join(entry.file_name());
+        let dot_git = crate::shares::normalize_absolute(&guest_admin.join(dot_git.trim_end()));
+        let Some(path) = dot_git.parent().map(Path::to_path_buf) else {
+            continue;
+        };
+        let shared = shares.iter().any(|share| path.starts_with(&share.guest));
+        if shared || names_back(&dot_git, &admin) {
+            continue;
+        }
+        let head = read_small(&admin.join("HEAD"))
+            .and_then(|head| {
+                let branch = head.trim_end().strip_prefix("ref: refs/heads/")?;
+                Some(format!("branch {branch}"))
+            })
+            .unwrap_or_else(|| "detached".into());
+        found.push(VmOnlyWorktree {
+            git_dir: git_dir.to_path_buf(),
+            path,
+            head,
+        });
+    }
+    found
+}
+
+/// Whether the host has a worktree's `.git` file at `dot_git` that names `admin`, its
+/// entry in the git directory, back: a worktree the host made.
+fn names_back(dot_git: &Path, admin: &Path) -> bool {
+    read_small(dot_git)
+        .and_then(|text| {
+            let named = text.trim_end().strip_prefix("gitdir: ")?.to_owned();
+            let worktree = dot_git.parent()?;
+            Some(crate::shares::normalize_absolute(&worktree.join(named)) == admin)
+        })
+        .unwrap_or(false)
+}
+
+/// The text of a small file the guest may have written; None if it is missing,
+/// larger than [`MAX_WORKTREE_FILE_BYTES`] or not a regular file.
+fn read_small(path: &Path) -> Option<String> {
+    let file = std::fs::File::open(path).ok()?;
+    let metadata = file.metadata().ok()?;
+    if !metadata.is_file() || metadata.len() > MAX_WORKTREE_FILE_BYTES {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(MAX_WORKTREE_FILE_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
+    Some(text)
 }
 
 /// The hooks git would run, each with what changes when it is rewritten, replaced
@@ -196,41 +336,44 @@ fn fingerprint(path: &Path) -> Option<String> {
     }
 }
 
-/// The entries of the git directory's config files that are not [`PLAIN_KEYS`], as
-/// `config KEY=VALUE` (the fingerprint is the entry itself). Read with `git config
-/// --file`, which runs nothing and follows no includes; without git on the host
-/// there is nothing to run them.
-fn commands(git_dir: &Path) -> Vec<(String, String)> {
+/// What a config file holds of what git runs: the file's fingerprint, and each entry
+/// that is not one of [`PLAIN_KEYS`] as `config KEY=VALUE` with its own fingerprint
+/// (the entry itself). None when there is no file. Read with `git config --file`,
+/// which runs nothing and follows no includes (without git on the host there is
+/// nothing to run them), unless `earlier`, an earlier reading, has the same
+/// fingerprint.
+fn commands(path: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReading> {
+    let fingerprint = fingerprint(path)?;
+    if let Some(earlier) = earlier.filter(|earlier| earlier.0 == fingerprint) {
+        return Some(earlier.clone());
+    }
+    let file = path.file_name().unwrap_or_default().to_string_lossy();
+    if std::fs::metadata(path).ok()?.len() > MAX_CONFIG_BYTES {
+        let what = format!("{file} (over {MAX_CONFIG_BYTES} bytes, not read)");
+        return Some((fingerprint.clone(), vec![(what, fingerprint)]));
+    }
+    let output = Command::new("git")
+        .args(["config", "--no-includes", "--null", "--list", "--file"])
+        .arg(path)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
     let mut found = Vec::new();
-    for file in ["config", "config.worktree"] {
-        let path = git_dir.join(file);
-        let Ok(metadata) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if metadata.len() > MAX_CONFIG_BYTES {
-            let what = format!("{file} (over {MAX_CONFIG_BYTES} bytes, not read)");
-            found.extend(fingerprint(&path).map(|fingerprint| (what, fingerprint)));
-            continue;
-        }
-        let output = Command::new("git")
-            .args(["config", "--no-includes", "--null", "--list", "--file"])
-            .arg(&path)
-            .current_dir("/")
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .output();
-        let Ok(output) = output else { continue };
-        for entry in output.stdout.split(|b| *b == 0).filter(|e| !e.is_empty()) {
-            let entry = String::from_utf8_lossy(entry);
-            let (key, value) = entry.split_once('\n').unwrap_or((&entry, ""));
-            if !is_plain(key) {
-                let what = format!("config {key}={value}");
-                found.push((what.clone(), what));
-            }
+    for entry in output.stdout.split(|b| *b == 0).filter(|e| !e.is_empty()) {
+        let entry = String::from_utf8_lossy(entry);
+        let (key, value) = entry.split_once('\n').unwrap_or((&entry, ""));
+        if !is_plain(key) {
+            let what = format!("config {key}={value}");
+            found.push((what.clone(), what));
         }
     }
-    found
+    Some((fingerprint, found))
 }
+
+/// A config file's fingerprint and what [`commands`] found in it.
+type ConfigReading = (String, Vec<(String, String)>);
 
 /// Whether `key` (`section.key` or `section.subsection.key`, as git lists it: section
 /// and key in lower case) is one of [`PLAIN_KEYS`].
@@ -258,29 +401,56 @@ pub fn watch<T>(vm: &VmDir, session: impl FnOnce() -> T) -> T {
         .unwrap_or_default();
     let before = Snapshot::of(&shares);
     let outcome = session();
-    report(&Snapshot::of(&shares).changed_since(&before));
+    report(&before.retake(&shares).changed_since(&before));
     outcome
 }
 
 /// Tells the user, on stderr, what a session changed; nothing when nothing did.
-pub fn report(changed: &[Runnable]) {
-    let Some(first) = changed.first() else {
-        return;
-    };
-    let mut lines = vec![String::from(
-        "vmctl: warning: the VM changed what git on the host runs (hooks, commands in \
-         its config), which git status and git diff do not show; review before running \
-         git there on the host:",
-    )];
-    for runnable in changed {
-        let what: String = runnable.what.chars().take(200).collect();
-        lines.push(format!("vmctl:   {}: {what}", runnable.git_dir.display()));
+pub fn report(changes: &Changes) {
+    if let Some(warning) = warning(changes) {
+        eprintln!("{}", crate::terminal::printable(&warning));
     }
-    lines.push(format!(
-        "vmctl:   (see `ls -l {0}/hooks` and `git config --file {0}/config --list`)",
-        first.git_dir.display()
-    ));
-    eprintln!("{}", crate::terminal::printable(&lines.join("\n")));
+}
+
+/// The warning [`report`] prints, if any.
+fn warning(changes: &Changes) -> Option<String> {
+    let mut lines = Vec::new();
+    if let Some(first) = changes.runnables.first() {
+        lines.push(String::from(
+            "vmctl: warning: the VM changed what git on the host runs (hooks, commands in \
+             its config), which git status and git diff do not show; review before running \
+             git there on the host:",
+        ));
+        for runnable in &changes.runnables {
+            let what: String = runnable.what.chars().take(200).collect();
+            lines.push(format!("vmctl:   {}: {what}", runnable.git_dir.display()));
+        }
+        lines.push(format!(
+            "vmctl:   (see `ls -l {0}/hooks` and `git config --file {0}/config --list`)",
+            first.git_dir.display()
+        ));
+    }
+    if !changes.vm_only_worktrees.is_empty() {
+        lines.push(String::from(
+            "vmctl: warning: the VM made git worktrees outside its shares, in its own \
+             memory: their files are lost when the VM stops (what is committed there stays \
+             in the repository). Commit before then, or make worktrees inside the \
+             workspace:",
+        ));
+        for worktree in &changes.vm_only_worktrees {
+            let head: String = worktree.head.chars().take(200).collect();
+            lines.push(format!(
+                "vmctl:   {} ({head}), of {}",
+                worktree.path.display(),
+                worktree.git_dir.display()
+            ));
+        }
+        lines.push(String::from(
+            "vmctl:   (once the VM has stopped, `git worktree prune` on the host forgets \
+             them and frees their branches)",
+        ));
+    }
+    (!lines.is_empty()).then(|| lines.join("\n"))
 }
 
 #[cfg(test)]
@@ -340,7 +510,10 @@ mod tests {
         git(repo, &["init", "-q"]);
         let shares = [share(repo)];
         let before = Snapshot::of(&shares);
-        assert!(Snapshot::of(&shares).changed_since(&before).is_empty());
+        assert!(Snapshot::of(&shares)
+            .changed_since(&before)
+            .runnables
+            .is_empty());
 
         // What an agent does every day changes nothing that runs.
         git(repo, &["config", "user.name", "Agent"]);
@@ -351,11 +524,14 @@ mod tests {
         git(repo, &["config", "branch.main.remote", "origin"]);
         std::fs::write(repo.join(".git/hooks/pre-commit.sample"), "#!/bin/sh\n").unwrap();
         std::fs::write(repo.join(".git/hooks/notes.txt"), "not a hook\n").unwrap();
-        assert_eq!(Snapshot::of(&shares).changed_since(&before), vec![]);
+        assert_eq!(
+            Snapshot::of(&shares).changed_since(&before).runnables,
+            vec![]
+        );
 
         std::fs::write(repo.join(".git/hooks/pre-commit"), "#!/bin/sh\ntouch /x\n").unwrap();
         git(repo, &["config", "core.fsmonitor", "touch /y"]);
-        let changed = Snapshot::of(&shares).changed_since(&before);
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
         let what: Vec<&str> = changed.iter().map(|r| r.what.as_str()).collect();
         assert_eq!(what, ["config core.fsmonitor=touch /y", "hook pre-commit"]);
         assert!(changed.iter().all(|r| r.git_dir == repo.join(".git")));
@@ -380,13 +556,16 @@ mod tests {
             .unwrap()
             .set_modified(mtime)
             .unwrap();
-        let changed = Snapshot::of(&shares).changed_since(&before);
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
         assert_eq!(changed.len(), 1, "{changed:?}");
         assert_eq!(changed[0].what, "hook post-checkout");
 
         let before = Snapshot::of(&shares);
         std::fs::remove_file(&hook).unwrap();
-        assert!(Snapshot::of(&shares).changed_since(&before).is_empty());
+        assert!(Snapshot::of(&shares)
+            .changed_since(&before)
+            .runnables
+            .is_empty());
     }
 
     #[test]
@@ -399,11 +578,14 @@ mod tests {
         let mut config = std::fs::read_to_string(repo.join(".git/config")).unwrap();
         config.push_str(&format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES as usize)));
         std::fs::write(repo.join(".git/config"), config).unwrap();
-        let changed = Snapshot::of(&shares).changed_since(&before);
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
         assert_eq!(changed.len(), 1, "{changed:?}");
         assert!(changed[0].what.starts_with("config (over"), "{changed:?}");
         let after = Snapshot::of(&shares);
-        assert!(Snapshot::of(&shares).changed_since(&after).is_empty());
+        assert!(Snapshot::of(&shares)
+            .changed_since(&after)
+            .runnables
+            .is_empty());
     }
 
     #[test]
@@ -416,7 +598,10 @@ mod tests {
         let shares = [share(&repo.join(".git"))];
         let before = Snapshot::of(&shares);
         std::fs::write(repo.join(".git/hooks/pre-push"), "#!/bin/sh\n").unwrap();
-        assert_eq!(Snapshot::of(&shares).changed_since(&before).len(), 1);
+        assert_eq!(
+            Snapshot::of(&shares).changed_since(&before).runnables.len(),
+            1
+        );
 
         // The guest cannot write a read-only share: not looked at.
         let read_only = [Share {
@@ -424,5 +609,151 @@ mod tests {
             ..share(&repo)
         }];
         assert_eq!(Snapshot::of(&read_only), Snapshot::default());
+    }
+
+    #[test]
+    fn a_worktree_the_vm_made_outside_the_shares_is_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(&repo).unwrap();
+        git(&repo, &["init", "-q"]);
+        git(
+            &repo,
+            &[
+                "-c",
+                "user.name=a",
+                "-c",
+                "user.email=a@example.com",
+                "commit",
+                "-q",
+                "--allow-empty",
+                "-m",
+                "base",
+            ],
+        );
+        let shares = [share(&repo)];
+        let before = Snapshot::of(&shares);
+
+        // Inside the share: its files are the host's.
+        git(&repo, &["worktree", "add", "-q", "inside", "-b", "inside"]);
+        // Outside, made by the host (as Paseo does): the host's too.
+        let host_made = outside.join("host-made");
+        git(
+            &repo,
+            &[
+                "worktree",
+                "add",
+                "-q",
+                host_made.to_str().unwrap(),
+                "-b",
+                "host",
+            ],
+        );
+        assert_eq!(
+            before.retake(&shares).changed_since(&before),
+            Changes::default()
+        );
+
+        // Outside, in the guest only: what the host sees of a guest's `git worktree add
+        // /tmp/wt` is its entry, naming a directory it does not have.
+        let vm_made = outside.join("vm-made");
+        git(
+            &repo,
+            &[
+                "worktree",
+                "add",
+                "-q",
+                vm_made.to_str().unwrap(),
+                "-b",
+                "feature",
+            ],
+        );
+        std::fs::remove_dir_all(&vm_made).unwrap();
+        // Written relative to its entry (`worktree.useRelativePaths`), detached.
+        let relative = repo.join(".git/worktrees/relative");
+        std::fs::create_dir_all(&relative).unwrap();
+        std::fs::write(
+            relative.join("gitdir"),
+            "../../../../outside/relative/.git\n",
+        )
+        .unwrap();
+        std::fs::write(
+            relative.join("HEAD"),
+            "0123456789012345678901234567890123456789\n",
+        )
+        .unwrap();
+
+        let changes = before.retake(&shares).changed_since(&before);
+        assert!(changes.runnables.is_empty(), "{changes:?}");
+        let found: Vec<(&Path, &str)> = changes
+            .vm_only_worktrees
+            .iter()
+            .map(|w| (w.path.as_path(), w.head.as_str()))
+            .collect();
+        let relative_path = outside.join("relative");
+        assert_eq!(
+            found,
+            [
+                (relative_path.as_path(), "detached"),
+                (vm_made.as_path(), "branch feature")
+            ]
+        );
+        assert!(changes
+            .vm_only_worktrees
+            .iter()
+            .all(|w| w.git_dir == repo.join(".git")));
+        let said = warning(&changes).unwrap();
+        assert!(
+            said.contains(&format!(
+                "{} (branch feature), of {}",
+                vm_made.display(),
+                repo.join(".git").display()
+            )),
+            "{said}"
+        );
+        assert!(
+            !said.contains("changed what git on the host runs"),
+            "{said}"
+        );
+
+        // Said once: the next session did not make it.
+        let after = Snapshot::of(&shares);
+        assert_eq!(
+            after.retake(&shares).changed_since(&after),
+            Changes::default()
+        );
+        assert_eq!(warning(&Changes::default()), None);
+    }
+
+    #[test]
+    fn an_unchanged_config_is_not_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path();
+        git(repo, &["init", "-q"]);
+        let shares = [share(repo)];
+        let mut before = Snapshot::of(&shares);
+        // Mark the reading: a retake that keeps the mark did not run git again.
+        let config = repo.join(".git/config");
+        let marked = ("config marked.by=test".to_string(), "mark".to_string());
+        before
+            .configs
+            .get_mut(&config)
+            .unwrap()
+            .1
+            .push(marked.clone());
+        let again = before.retake(&shares);
+        assert!(again.configs[&config].1.contains(&marked));
+
+        git(repo, &["config", "core.pager", "less"]);
+        let changed = before.retake(&shares);
+        assert!(!changed.configs[&config].1.contains(&marked));
+        let what: Vec<String> = changed
+            .changed_since(&before)
+            .runnables
+            .into_iter()
+            .map(|r| r.what)
+            .collect();
+        assert_eq!(what, ["config core.pager=less"]);
     }
 }

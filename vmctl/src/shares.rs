@@ -372,7 +372,7 @@ fn expand_host(
 
 /// Removes `.` and resolves `..` without touching the filesystem: the path is a guest
 /// path, so the host's symlinks mean nothing for it. `..` never climbs above `/`.
-fn normalize_absolute(path: &Path) -> PathBuf {
+pub(crate) fn normalize_absolute(path: &Path) -> PathBuf {
     let mut normalized = PathBuf::from("/");
     for component in path.components() {
         match component {

@@ -21,6 +21,7 @@ mod own_socket;
 mod paseo;
 mod ports;
 mod procfs;
+mod share_root;
 mod shares;
 mod start_notice;
 mod state;

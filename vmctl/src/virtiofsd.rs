@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use vmm::config::FsConfig;
 
+use crate::share_root::{self, DirId, Root};
 use crate::shares::{self, Share};
 
 /// Names the virtiofsd binary, overriding the search.
@@ -64,6 +65,19 @@ pub enum VirtiofsdError {
     },
     #[error("the share {} now leads to {}: a directory on its way was replaced since the VM was set up, perhaps by a link a guest made; not serving it (check the path, then start the VM again)", .host.display(), .now.display())]
     ShareMoved { host: PathBuf, now: PathBuf },
+    #[error("cannot open the share {} without following links: {source}; a directory on its way is missing, or was replaced by a link (perhaps by a guest); not serving it (check the path, then start the VM again)", .host.display())]
+    ShareUnreachable {
+        host: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("virtiofsd for the share {} got another directory: one on the share's path was swapped for a link as it started (perhaps by another VM's guest, in its own share); not serving it (check the path, then start the VM again)", .host.display())]
+    ShareSwapped { host: PathBuf },
+    #[error("virtiofsd for the share {} did not enter its sandbox within {} s; the end of its log {}:\n{tail}", .host.display(), START_TIMEOUT.as_secs(), .log.display())]
+    NoSandbox {
+        host: PathBuf,
+        log: PathBuf,
+        tail: String,
+    },
     #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}", .host.display(), .log.display())]
     Exited {
         host: PathBuf,
@@ -331,6 +345,9 @@ struct Daemon {
     /// The log's length when this daemon started: its own lines come after.
     log_start: u64,
     sandbox: Sandbox,
+    /// The share's directory as found, without following links, just before the
+    /// daemon started: what its sandbox must have as its root.
+    expected_root: DirId,
     child: Child,
     /// Set once the child is reaped: its pid may then belong to another process.
     status: Option<ExitStatus>,
@@ -397,6 +414,12 @@ fn spawn_daemon(
         .map_err(io(log))?;
     let log_start = log_file.metadata().map_err(io(log))?.len();
     let stdout = log_file.try_clone().map_err(io(log))?;
+    let expected_root = share_root::dir_id_without_links(&share.host).map_err(|source| {
+        VirtiofsdError::ShareUnreachable {
+            host: share.host.clone(),
+            source,
+        }
+    })?;
     let args = daemon_args(share, socket, sandbox, policy);
     tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
     let mut command = Command::new(binary);
@@ -435,6 +458,7 @@ fn spawn_daemon(
         log: log.to_path_buf(),
         log_start,
         sandbox,
+        expected_root,
         child,
         status: None,
     })
@@ -683,7 +707,54 @@ fn start_all(
         }
         pending = retry;
     }
-    Ok(())
+    daemons.iter_mut().try_for_each(confirm_root)
+}
+
+/// Makes sure `daemon` serves its share: the root its namespace sandbox pivoted into
+/// is the directory found on the share's path before it started ([`share_root`]).
+/// Without the sandbox there is no root to compare (vmctl has warned).
+fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
+    if daemon.sandbox != Sandbox::Namespace {
+        return Ok(());
+    }
+    // It creates its socket just before it pivots; this rarely waits.
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        match share_root::root_of(daemon.child.id(), daemon.expected_root) {
+            Ok(Root::Expected) => return Ok(()),
+            Ok(Root::Ours) if Instant::now() < deadline => std::thread::sleep(START_POLL),
+            Ok(Root::Ours) => {
+                return Err(VirtiofsdError::NoSandbox {
+                    host: daemon.host.clone(),
+                    log: daemon.log.clone(),
+                    tail: daemon.log_tail(),
+                })
+            }
+            Ok(Root::Other) => {
+                return Err(VirtiofsdError::ShareSwapped {
+                    host: daemon.host.clone(),
+                })
+            }
+            Err(e) => {
+                if let Ok(Some(status)) = daemon.poll_exit() {
+                    return Err(VirtiofsdError::Exited {
+                        host: daemon.host.clone(),
+                        status: status.to_string(),
+                        log: daemon.log.clone(),
+                        tail: daemon.log_tail(),
+                    });
+                }
+                // Not ours to see (an unusual /proc): the check is lost, not the share.
+                tracing::warn!(host = %daemon.host.display(), "cannot see virtiofsd's root: {e}");
+                eprintln!(
+                    "vmctl: warning: cannot confirm which directory virtiofsd serves for {} \
+                     (its /proc/PID/root: {e})",
+                    daemon.host.display()
+                );
+                return Ok(());
+            }
+        }
+    }
 }
 
 fn record_failure(file: &Path, failure: &str) {
@@ -1136,5 +1207,61 @@ mod tests {
         drop(daemons);
         assert!(is_reaped(pids[0]));
         assert!(!socket.exists());
+    }
+
+    /// The race a guest that can write a directory on a share's path would run: the
+    /// path checked, then that directory swapped for a link as virtiofsd resolves it
+    /// (here the swap always wins). The daemon is stopped, the share not served.
+    /// (virtiofsd itself refuses a share that is a link; one on the way it follows.)
+    #[test]
+    fn a_share_swapped_for_a_link_as_virtiofsd_starts_is_not_served() {
+        let binary = match find_virtiofsd() {
+            Ok(binary) => binary,
+            Err(e) => {
+                eprintln!("SKIPPED: virtiofsd not installed ({e})");
+                return;
+            }
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let workspace = root.join("workspace");
+        std::fs::create_dir_all(workspace.join("sub/project")).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
+        let racer = root.join("racer.sh");
+        std::fs::write(
+            &racer,
+            format!(
+                "#!/bin/sh\nmv '{w}/sub' '{w}/sub.orig' && ln -s '{s}' '{w}/sub' && exec '{b}' \"$@\"\n",
+                w = workspace.display(),
+                s = root.join("elsewhere").display(),
+                b = binary.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&racer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let state = root.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let error = start_as(
+            &racer,
+            &[share(&workspace.join("sub/project"), false)],
+            &state,
+            &state,
+            true,
+            CachePolicy::default(),
+        )
+        .err()
+        .expect("the swapped share is refused")
+        .to_string();
+        assert!(
+            error.starts_with(&format!(
+                "virtiofsd for the share {} got another directory",
+                workspace.join("sub/project").display()
+            )),
+            "{error}"
+        );
+        assert!(
+            !state.join("fs0.sock").exists(),
+            "the daemon was left running"
+        );
     }
 }

@@ -11,8 +11,10 @@
 //! are lost when the VM stops, which nothing else would tell.
 //!
 //! It looks at the git directories of the VM's writable shares: `SHARE/.git`, and a
-//! share that is itself a git directory (a worktree's repository). Repositories
-//! deeper inside a share, and changes made while no session runs, are not seen.
+//! share that is itself a git directory (a worktree's repository); with each, its
+//! submodules' git directories (`modules/...`) and its worktrees' `config.worktree`.
+//! Repositories deeper inside a share, and changes made while no session runs, are
+//! not seen.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
@@ -164,12 +166,31 @@ impl Snapshot {
 
     fn take(shares: &[Share], earlier: Option<&Snapshot>) -> Snapshot {
         let mut snapshot = Snapshot::default();
-        for GitDir { host, guest } in git_dirs(shares) {
+        for git_dir in git_dirs(shares).iter().flat_map(with_submodules) {
+            let GitDir {
+                host,
+                guest,
+                truncated,
+            } = git_dir;
             let mut found = hooks(&host);
-            for file in ["config", "config.worktree"] {
-                let path = host.join(file);
+            let (files, all_files) = config_files(&host);
+            // Too many to look at is reported once, as a change of its own.
+            if truncated {
+                found.push((
+                    format!("modules (over {MAX_MODULE_DIRS} directories, not all looked at)"),
+                    String::new(),
+                ));
+            }
+            if !all_files {
+                found.push((
+                    format!("worktrees (over {MAX_MODULE_DIRS}, not all their config read)"),
+                    String::new(),
+                ));
+            }
+            for file in files {
+                let path = host.join(&file);
                 let reused = earlier.and_then(|earlier| earlier.configs.get(&path));
-                if let Some(reading) = commands(&path, reused) {
+                if let Some(reading) = commands(&host, &file, reused) {
                     found.extend(reading.1.iter().cloned());
                     snapshot.configs.insert(path, reading);
                 }
@@ -212,6 +233,8 @@ impl Snapshot {
 struct GitDir {
     host: PathBuf,
     guest: PathBuf,
+    /// It holds more of something (submodules, worktrees) than was looked at.
+    truncated: bool,
 }
 
 /// The git directories of the writable shares.
@@ -221,13 +244,96 @@ fn git_dirs(shares: &[Share]) -> Vec<GitDir> {
         let dot_git = share.host.join(".git");
         if dot_git.is_dir() {
             dirs.insert(dot_git, share.guest.join(".git"));
-        } else if share.host.join("HEAD").is_file() && share.host.join("objects").is_dir() {
+        } else if is_git_dir(&share.host) {
             dirs.insert(share.host.clone(), share.guest.clone());
         }
     }
     dirs.into_iter()
-        .map(|(host, guest)| GitDir { host, guest })
+        .map(|(host, guest)| GitDir {
+            host,
+            guest,
+            truncated: false,
+        })
         .collect()
+}
+
+fn is_git_dir(dir: &Path) -> bool {
+    dir.join("HEAD").is_file() && dir.join("objects").is_dir()
+}
+
+/// How deep submodules' git directories are looked for, and how many directories
+/// (or worktrees) are looked at (the guest could make any number).
+const MAX_MODULE_DEPTH: usize = 8;
+const MAX_MODULE_DIRS: usize = 1024;
+
+/// `git_dir` and its submodules' git directories (`modules/NAME`, where NAME may hold
+/// slashes, and theirs in turn): git on the host runs their hooks and config in the
+/// submodules' checkouts. Past [`MAX_MODULE_DIRS`] directories the rest is left, and
+/// the first, `git_dir`'s own, says so (`truncated`).
+fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
+    let mut found = vec![GitDir {
+        host: git_dir.host.clone(),
+        guest: git_dir.guest.clone(),
+        truncated: false,
+    }];
+    let mut pending = vec![(
+        git_dir.host.join("modules"),
+        git_dir.guest.join("modules"),
+        0,
+    )];
+    // Each directory found counts, looked into or not.
+    let mut seen = 0;
+    while let Some((host, guest, depth)) = pending.pop() {
+        if depth > MAX_MODULE_DEPTH {
+            continue;
+        }
+        let Ok(entries) = std::fs::read_dir(&host) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            // Not through links: only what is really there.
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            seen += 1;
+            if seen > MAX_MODULE_DIRS {
+                found[0].truncated = true;
+                return found;
+            }
+            let (host, guest) = (entry.path(), guest.join(entry.file_name()));
+            if is_git_dir(&host) {
+                pending.push((host.join("modules"), guest.join("modules"), depth + 1));
+                found.push(GitDir {
+                    host,
+                    guest,
+                    truncated: false,
+                });
+            } else {
+                // A name with a slash: `modules/libs/foo`.
+                pending.push((host, guest, depth + 1));
+            }
+        }
+    }
+    found
+}
+
+/// The config files of `git_dir` that git reads, relative to it: its own, and each
+/// worktree's `config.worktree` (read by git working in that worktree, such as one
+/// the host made), of the first [`MAX_MODULE_DIRS`] worktrees; and whether that was
+/// all of them.
+fn config_files(git_dir: &Path) -> (Vec<PathBuf>, bool) {
+    let mut files = vec![PathBuf::from("config"), PathBuf::from("config.worktree")];
+    let Ok(entries) = std::fs::read_dir(git_dir.join("worktrees")) else {
+        return (files, true);
+    };
+    for entry in entries.flatten() {
+        if files.len() >= MAX_MODULE_DIRS {
+            return (files, false);
+        }
+        let name = entry.file_name();
+        files.push(Path::new("worktrees").join(name).join("config.worktree"));
+    }
+    (files, true)
 }
 
 /// Largest `gitdir` or `HEAD` file of a worktree read.
@@ -336,25 +442,26 @@ fn fingerprint(path: &Path) -> Option<String> {
     }
 }
 
-/// What a config file holds of what git runs: the file's fingerprint, and each entry
-/// that is not one of [`PLAIN_KEYS`] as `config KEY=VALUE` with its own fingerprint
-/// (the entry itself). None when there is no file. Read with `git config --file`,
-/// which runs nothing and follows no includes (without git on the host there is
-/// nothing to run them), unless `earlier`, an earlier reading, has the same
-/// fingerprint.
-fn commands(path: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReading> {
-    let fingerprint = fingerprint(path)?;
+/// What a config file of `git_dir` (`file`, relative to it) holds of what git runs:
+/// the file's fingerprint, and each entry that is not one of [`PLAIN_KEYS`] as `FILE
+/// KEY=VALUE` with its own fingerprint (the entry itself). None when there is no
+/// file. Read with `git config --file`, which runs nothing and follows no includes
+/// (without git on the host there is nothing to run them), unless `earlier`, an
+/// earlier reading, has the same fingerprint.
+fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReading> {
+    let path = git_dir.join(file);
+    let fingerprint = fingerprint(&path)?;
     if let Some(earlier) = earlier.filter(|earlier| earlier.0 == fingerprint) {
         return Some(earlier.clone());
     }
-    let file = path.file_name().unwrap_or_default().to_string_lossy();
-    if std::fs::metadata(path).ok()?.len() > MAX_CONFIG_BYTES {
+    let file = file.display();
+    if std::fs::metadata(&path).ok()?.len() > MAX_CONFIG_BYTES {
         let what = format!("{file} (over {MAX_CONFIG_BYTES} bytes, not read)");
         return Some((fingerprint.clone(), vec![(what, fingerprint)]));
     }
     let output = Command::new("git")
         .args(["config", "--no-includes", "--null", "--list", "--file"])
-        .arg(path)
+        .arg(&path)
         .current_dir("/")
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -365,7 +472,7 @@ fn commands(path: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReadin
         let entry = String::from_utf8_lossy(entry);
         let (key, value) = entry.split_once('\n').unwrap_or((&entry, ""));
         if !is_plain(key) {
-            let what = format!("config {key}={value}");
+            let what = format!("{file} {key}={value}");
             found.push((what.clone(), what));
         }
     }
@@ -755,5 +862,83 @@ mod tests {
             .map(|r| r.what)
             .collect();
         assert_eq!(what, ["config core.pager=less"]);
+    }
+
+    #[test]
+    fn submodules_and_worktrees_config_are_looked_at() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path();
+        git(repo, &["init", "-q"]);
+        git(
+            repo,
+            &[
+                "-c",
+                "user.name=a",
+                "-c",
+                "user.email=a@example.com",
+                "commit",
+                "-q",
+                "--allow-empty",
+                "-m",
+                "base",
+            ],
+        );
+        let module = repo.join(".git/modules/libs/foo");
+        std::fs::create_dir_all(&module).unwrap();
+        git(&module, &["init", "-q", "--bare"]);
+        git(repo, &["worktree", "add", "-q", "wt"]);
+        let shares = [share(repo)];
+        let before = Snapshot::of(&shares);
+
+        std::fs::write(module.join("hooks/post-checkout"), "#!/bin/sh\n").unwrap();
+        git(&module, &["config", "core.sshCommand", "evil"]);
+        std::fs::write(
+            repo.join(".git/worktrees/wt/config.worktree"),
+            "[core]\n\tfsmonitor = evil\n",
+        )
+        .unwrap();
+        let mut changed: Vec<(PathBuf, String)> = before
+            .retake(&shares)
+            .changed_since(&before)
+            .runnables
+            .into_iter()
+            .map(|r| (r.git_dir, r.what))
+            .collect();
+        changed.sort();
+        assert_eq!(
+            changed,
+            [
+                (
+                    repo.join(".git"),
+                    "worktrees/wt/config.worktree core.fsmonitor=evil".to_string()
+                ),
+                (module.clone(), "config core.sshcommand=evil".to_string()),
+                (module.clone(), "hook post-checkout".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn too_many_submodule_directories_are_reported_not_all_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path();
+        git(repo, &["init", "-q"]);
+        let shares = [share(repo)];
+        let before = Snapshot::of(&shares);
+        for i in 0..=MAX_MODULE_DIRS {
+            std::fs::create_dir_all(repo.join(format!(".git/modules/decoy{i}"))).unwrap();
+        }
+        let changed = before.retake(&shares).changed_since(&before).runnables;
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert!(
+            changed[0].what.starts_with("modules (over 1024"),
+            "{changed:?}"
+        );
+        let after = Snapshot::of(&shares);
+        assert!(after
+            .retake(&shares)
+            .changed_since(&after)
+            .runnables
+            .is_empty());
     }
 }

@@ -17,13 +17,15 @@
 //! not seen.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Read;
+use std::io::{ErrorKind, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::guest_writable::read_file;
 use crate::shares::Share;
 use crate::state::VmDir;
+use crate::worktree::read_link_file;
 
 /// Config keys (lower case; `*` one subsection) that only hold data, never a command
 /// or a path git runs or reads more config from. Every other key is reported.
@@ -287,7 +289,7 @@ fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
         if depth > MAX_MODULE_DEPTH {
             continue;
         }
-        let Ok(entries) = std::fs::read_dir(&host) else {
+        let Some(entries) = real_dir_entries(&host) else {
             continue;
         };
         for entry in entries.flatten() {
@@ -323,7 +325,7 @@ fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
 /// all of them.
 fn config_files(git_dir: &Path) -> (Vec<PathBuf>, bool) {
     let mut files = vec![PathBuf::from("config"), PathBuf::from("config.worktree")];
-    let Ok(entries) = std::fs::read_dir(git_dir.join("worktrees")) else {
+    let Some(entries) = real_dir_entries(&git_dir.join("worktrees")) else {
         return (files, true);
     };
     for entry in entries.flatten() {
@@ -336,9 +338,6 @@ fn config_files(git_dir: &Path) -> (Vec<PathBuf>, bool) {
     (files, true)
 }
 
-/// Largest `gitdir` or `HEAD` file of a worktree read.
-const MAX_WORKTREE_FILE_BYTES: u64 = 4096;
-
 /// The worktrees `git_dir` registers (`worktrees/NAME/gitdir`, which names the
 /// worktree's `.git` file) whose directory is outside every share, as seen from the
 /// guest, and not on the host either (a worktree the host made elsewhere, as Paseo
@@ -348,18 +347,18 @@ fn vm_only_worktrees(
     guest_git_dir: &Path,
     shares: &[Share],
 ) -> Vec<VmOnlyWorktree> {
-    let Ok(entries) = std::fs::read_dir(git_dir.join("worktrees")) else {
+    let Some(entries) = real_dir_entries(&git_dir.join("worktrees")) else {
         return Vec::new();
     };
     let mut found = Vec::new();
     for entry in entries.flatten() {
         let admin = entry.path();
-        let Some(dot_git) = read_small(&admin.join("gitdir")) else {
+        let Some(dot_git) = read_link_file(&admin.join("gitdir"), "") else {
             continue;
         };
         // `worktree.useRelativePaths` writes it relative to the entry's directory.
         let guest_admin = guest_git_dir.join("worktrees").join(entry.file_name());
-        let dot_git = crate::shares::normalize_absolute(&guest_admin.join(dot_git.trim_end()));
+        let dot_git = crate::shares::normalize_absolute(&guest_admin.join(dot_git));
         let Some(path) = dot_git.parent().map(Path::to_path_buf) else {
             continue;
         };
@@ -367,11 +366,8 @@ fn vm_only_worktrees(
         if shared || names_back(&dot_git, &admin) {
             continue;
         }
-        let head = read_small(&admin.join("HEAD"))
-            .and_then(|head| {
-                let branch = head.trim_end().strip_prefix("ref: refs/heads/")?;
-                Some(format!("branch {branch}"))
-            })
+        let head = read_link_file(&admin.join("HEAD"), "ref: refs/heads/")
+            .map(|branch| format!("branch {}", branch.display()))
             .unwrap_or_else(|| "detached".into());
         found.push(VmOnlyWorktree {
             git_dir: git_dir.to_path_buf(),
@@ -385,28 +381,18 @@ fn vm_only_worktrees(
 /// Whether the host has a worktree's `.git` file at `dot_git` that names `admin`, its
 /// entry in the git directory, back: a worktree the host made.
 fn names_back(dot_git: &Path, admin: &Path) -> bool {
-    read_small(dot_git)
-        .and_then(|text| {
-            let named = text.trim_end().strip_prefix("gitdir: ")?.to_owned();
-            let worktree = dot_git.parent()?;
-            Some(crate::shares::normalize_absolute(&worktree.join(named)) == admin)
-        })
-        .unwrap_or(false)
+    let (Some(named), Some(worktree)) = (read_link_file(dot_git, "gitdir: "), dot_git.parent())
+    else {
+        return false;
+    };
+    crate::shares::normalize_absolute(&worktree.join(named)) == admin
 }
 
-/// The text of a small file the guest may have written; None if it is missing,
-/// larger than [`MAX_WORKTREE_FILE_BYTES`] or not a regular file.
-fn read_small(path: &Path) -> Option<String> {
-    let file = std::fs::File::open(path).ok()?;
-    let metadata = file.metadata().ok()?;
-    if !metadata.is_file() || metadata.len() > MAX_WORKTREE_FILE_BYTES {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(MAX_WORKTREE_FILE_BYTES)
-        .read_to_string(&mut text)
-        .ok()?;
-    Some(text)
+/// The entries of the directory at `path`, unless it is missing or a link: the
+/// guest's link to elsewhere on the host is not looked through.
+fn real_dir_entries(path: &Path) -> Option<std::fs::ReadDir> {
+    let is_dir = std::fs::symlink_metadata(path).ok()?.is_dir();
+    is_dir.then(|| std::fs::read_dir(path).ok()).flatten()
 }
 
 /// The hooks git would run, each with what changes when it is rewritten, replaced
@@ -445,9 +431,10 @@ fn fingerprint(path: &Path) -> Option<String> {
 /// What a config file of `git_dir` (`file`, relative to it) holds of what git runs:
 /// the file's fingerprint, and each entry that is not one of [`PLAIN_KEYS`] as `FILE
 /// KEY=VALUE` with its own fingerprint (the entry itself). None when there is no
-/// file. Read with `git config --file`, which runs nothing and follows no includes
-/// (without git on the host there is nothing to run them), unless `earlier`, an
-/// earlier reading, has the same fingerprint.
+/// file; a file too large or not a regular one (a FIFO, a link to a device) is one
+/// entry saying so. Parsed by `git config --file -`, which runs nothing and follows
+/// no includes (without git on the host there is nothing to run them), unless
+/// `earlier`, an earlier reading, has the same fingerprint.
 fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReading> {
     let path = git_dir.join(file);
     let fingerprint = fingerprint(&path)?;
@@ -455,20 +442,23 @@ fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Opt
         return Some(earlier.clone());
     }
     let file = file.display();
-    if std::fs::metadata(&path).ok()?.len() > MAX_CONFIG_BYTES {
-        let what = format!("{file} (over {MAX_CONFIG_BYTES} bytes, not read)");
-        return Some((fingerprint.clone(), vec![(what, fingerprint)]));
-    }
-    let output = Command::new("git")
-        .args(["config", "--no-includes", "--null", "--list", "--file"])
-        .arg(&path)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
+    let unread = |why: &str| {
+        let what = format!("{file} ({why}, not read)");
+        Some((fingerprint.clone(), vec![(what, fingerprint.clone())]))
+    };
+    // Read here, once, and handed to git on its stdin: git never opens what the
+    // guest may have swapped in since.
+    let text = match read_file(&path, true, MAX_CONFIG_BYTES) {
+        Ok(text) => text,
+        Err(e) if e.kind() == ErrorKind::FileTooLarge => {
+            return unread(&format!("over {MAX_CONFIG_BYTES} bytes"))
+        }
+        Err(e) if e.kind() == ErrorKind::InvalidData => return unread("not a regular file"),
+        Err(_) => return None,
+    };
+    let entries = list_config(&text)?;
     let mut found = Vec::new();
-    for entry in output.stdout.split(|b| *b == 0).filter(|e| !e.is_empty()) {
+    for entry in entries.split(|b| *b == 0).filter(|e| !e.is_empty()) {
         let entry = String::from_utf8_lossy(entry);
         let (key, value) = entry.split_once('\n').unwrap_or((&entry, ""));
         if !is_plain(key) {
@@ -477,6 +467,25 @@ fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Opt
         }
     }
     Some((fingerprint, found))
+}
+
+/// `git config --list` of the config file `text`, NUL-separated; None without git.
+fn list_config(text: &[u8]) -> Option<Vec<u8>> {
+    let mut git = Command::new("git")
+        .args(["config", "--no-includes", "--null", "--list", "--file", "-"])
+        .current_dir("/")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let mut stdin = git.stdin.take()?;
+    // Written beside the reading, so neither pipe can fill up and stall the other.
+    let output = std::thread::scope(|scope| {
+        scope.spawn(move || stdin.write_all(text));
+        git.wait_with_output()
+    });
+    Some(output.ok()?.stdout)
 }
 
 /// A config file's fingerprint and what [`commands`] found in it.
@@ -940,5 +949,41 @@ mod tests {
             .changed_since(&after)
             .runnables
             .is_empty());
+    }
+
+    /// The guest can put a FIFO (whose open waits for a writer) where vmctl reads:
+    /// reported, never waited on.
+    #[test]
+    fn fifos_where_files_belong_do_not_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path();
+        git(repo, &["init", "-q"]);
+        let shares = [share(repo)];
+        let before = Snapshot::of(&shares);
+        let mkfifo = |path: &Path| {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                path,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                0,
+            )
+            .unwrap()
+        };
+        std::fs::remove_file(repo.join(".git/config")).unwrap();
+        mkfifo(&repo.join(".git/config"));
+        std::fs::create_dir_all(repo.join(".git/worktrees/w")).unwrap();
+        mkfifo(&repo.join(".git/worktrees/w/gitdir"));
+        mkfifo(&repo.join(".git/worktrees/w/config.worktree"));
+        let changes = before.retake(&shares).changed_since(&before);
+        let what: Vec<&str> = changes.runnables.iter().map(|r| r.what.as_str()).collect();
+        assert_eq!(
+            what,
+            [
+                "config (not a regular file, not read)",
+                "worktrees/w/config.worktree (not a regular file, not read)"
+            ]
+        );
+        assert!(changes.vm_only_worktrees.is_empty());
     }
 }

@@ -1,21 +1,24 @@
 //! Host-side writes into a directory the guest can write too (a share it mounts
-//! read-write, such as the VM's agent homes).
+//! read-write, such as the VM's agent homes), and reads of files the guest wrote.
 //!
 //! A path into such a directory is the guest's to redirect: a symlink put where the
 //! host expects a directory (to the user's `~/.claude`, say), or swapped in between a
 //! check and a write, would lead the host's removals, chmods and copies into the user's
 //! own files. So every step here works on directory descriptors opened without
 //! following symlinks, and creates with `O_EXCL`/`O_NOFOLLOW`: whatever the guest does,
-//! the host only touches entries inside the directory it opened.
+//! the host only touches entries inside the directory it opened. Likewise a file the
+//! host reads may be a FIFO (whose open waits for a writer) or a link to a device
+//! (whose open may act: a watchdog starts): [`read_file`] opens only regular files.
 
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use rustix::fs::{AtFlags, Mode, OFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
 /// How deep a tree under the directory is removed before giving up: the guest can nest
 /// directories far deeper than a recursion should follow (each level holds two
@@ -56,6 +59,44 @@ pub fn ensure_dir(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<Owne
         "{} keeps being replaced by something other than a directory",
         name.to_string_lossy()
     )))
+}
+
+/// The contents of the regular file at `path`, of at most `max` bytes. Anything else
+/// there is an error (`InvalidData`: not a regular file; `FileTooLarge`), found
+/// without opening it for reading; so is a link, unless `follow_links`.
+pub fn read_file(path: &Path, follow_links: bool, max: u64) -> io::Result<Vec<u8>> {
+    let mut flags = OFlags::PATH | OFlags::CLOEXEC;
+    if !follow_links {
+        flags |= OFlags::NOFOLLOW;
+    }
+    let found = rustix::fs::open(path, flags, Mode::empty())?;
+    let stat = rustix::fs::fstat(&found)?;
+    if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: not a regular file", path.display()),
+        ));
+    }
+    let too_large = || {
+        io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("{}: larger than {max} bytes", path.display()),
+        )
+    };
+    if u64::try_from(stat.st_size).map_or(true, |size| size > max) {
+        return Err(too_large());
+    }
+    // Opened through the descriptor: the file just looked at, whatever the path leads
+    // to by now.
+    let reopened = format!("/proc/self/fd/{}", found.as_raw_fd());
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    let file = File::from(rustix::fs::open(reopened.as_str(), flags, Mode::empty())?);
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(too_large());
+    }
+    Ok(bytes)
 }
 
 /// Removes the entry `name` of `parent`, a whole tree if it is a directory (even one
@@ -160,6 +201,42 @@ fn create_read_only(
 mod tests {
     use super::*;
     use std::os::unix::fs::{symlink, PermissionsExt};
+
+    #[test]
+    fn only_regular_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, "text").unwrap();
+        assert_eq!(read_file(&file, false, 4).unwrap(), b"text");
+        let kind =
+            |path: &Path, follow: bool, max: u64| read_file(path, follow, max).unwrap_err().kind();
+        assert_eq!(kind(&file, false, 3), io::ErrorKind::FileTooLarge);
+
+        let link = dir.path().join("link");
+        symlink(&file, &link).unwrap();
+        assert_eq!(read_file(&link, true, 4).unwrap(), b"text");
+        assert_eq!(kind(&link, false, 4), io::ErrorKind::InvalidData);
+
+        // Neither waits for a writer nor opens a device for reading.
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let device = dir.path().join("device");
+        symlink("/dev/null", &device).unwrap();
+        for odd in [&fifo, &device, &dir.path().to_path_buf()] {
+            assert_eq!(kind(odd, true, 4096), io::ErrorKind::InvalidData, "{odd:?}");
+        }
+        assert_eq!(
+            kind(&dir.path().join("missing"), true, 4),
+            io::ErrorKind::NotFound
+        );
+    }
 
     #[test]
     fn a_written_file_replaces_a_guests_symlink_without_following_it() {

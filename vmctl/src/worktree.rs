@@ -10,7 +10,6 @@
 //! plant that file outside what it can already write, so it cannot make vmctl share
 //! any other host directory.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use crate::shares::Share;
@@ -133,21 +132,11 @@ pub fn repository_share(workspace: &Path, shares: &[Share]) -> Result<Option<Sha
 }
 
 /// The one line of a regular file (never a symlink) at `path` that starts with
-/// `prefix`, without it; None if there is no such file or line.
+/// `prefix`, without it; None if there is no such file or line. The guest can swap
+/// the path for a link or a FIFO at any moment: [`crate::guest_writable::read_file`].
 pub(crate) fn read_link_file(path: &Path, prefix: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::OpenOptionsExt;
-    // Checked on the file opened, not before: the guest can swap the path for a link
-    // or a FIFO (whose open would block vmctl) at any moment.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(MAX_LINK_FILE).read_to_string(&mut text).ok()?;
+    let bytes = crate::guest_writable::read_file(path, false, MAX_LINK_FILE).ok()?;
+    let text = String::from_utf8(bytes).ok()?;
     let line = text.lines().next()?.strip_prefix(prefix)?.trim();
     (!line.is_empty()).then(|| PathBuf::from(line))
 }

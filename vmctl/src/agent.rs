@@ -3,12 +3,15 @@
 //! relayed byte for byte (a PTY only when stdin is a terminal), exit code and
 //! signals propagated, loopback MCP URLs relayed, a per-VM config home.
 
-use std::io::IsTerminal;
+use std::io::{ErrorKind, IsTerminal};
 use std::path::{Path, PathBuf};
 
 use crate::exec::{self, ExecOptions};
 use crate::guest_writable;
 use crate::state::VmDir;
+
+/// The largest MCP config file read (they are a few KiB).
+const MAX_MCP_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
 /// Where the VM's agent homes (a per-VM host directory) are mounted in the guest.
 pub const GUEST_AGENT_HOME: &str = "/var/lib/vmctl/agent-home";
@@ -278,14 +281,22 @@ fn loopback_ports(args: &[String]) -> Result<Vec<u16>, AgentError> {
         };
         for value in values {
             let path = Path::new(value.as_str());
-            if !value.trim_start().starts_with('{') && path.is_file() {
-                let text =
-                    std::fs::read_to_string(path).map_err(|source| AgentError::McpConfig {
+            if value.trim_start().starts_with('{') {
+                continue;
+            }
+            // The file may be in the workspace, where the guest can swap it for a FIFO.
+            let text = match guest_writable::read_file(path, true, MAX_MCP_CONFIG_BYTES) {
+                Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidData) => {
+                    continue
+                }
+                read => read
+                    .and_then(|bytes| String::from_utf8(bytes).map_err(std::io::Error::other))
+                    .map_err(|source| AgentError::McpConfig {
                         path: path.to_path_buf(),
                         source,
-                    })?;
-                texts.push(text);
-            }
+                    })?,
+            };
+            texts.push(text);
         }
     }
     let mut ports: Vec<u16> = texts.iter().flat_map(|t| loopback_ports_in(t)).collect();
@@ -344,6 +355,16 @@ mod tests {
         .map(|s| s.to_string())
         .collect();
         assert_eq!(loopback_ports(&args).unwrap(), [6767, 7000, 9100]);
+
+        // A FIFO (in the workspace, the guest's to make) is passed over, not waited on.
+        let fifo = dir.path().join("fifo.json");
+        let mode = rustix::fs::Mode::from_raw_mode(0o600);
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, mode, 0).unwrap();
+        let args = [
+            "--mcp-config".to_string(),
+            fifo.to_str().unwrap().to_string(),
+        ];
+        assert_eq!(loopback_ports(&args).unwrap(), Vec::<u16>::new());
     }
 
     #[test]

@@ -179,13 +179,13 @@ impl Snapshot {
             // Too many to look at is reported once, as a change of its own.
             if truncated {
                 found.push((
-                    format!("modules (over {MAX_MODULE_DIRS} directories, not all looked at)"),
+                    format!("modules (over {MAX_ENTRIES} directories, not all looked at)"),
                     String::new(),
                 ));
             }
             if !all_files {
                 found.push((
-                    format!("worktrees (over {MAX_MODULE_DIRS}, not all their config read)"),
+                    format!("worktrees (over {MAX_ENTRIES}, not all their config read)"),
                     String::new(),
                 ));
             }
@@ -235,7 +235,7 @@ impl Snapshot {
 struct GitDir {
     host: PathBuf,
     guest: PathBuf,
-    /// It holds more of something (submodules, worktrees) than was looked at.
+    /// It has more submodule directories than were looked at.
     truncated: bool,
 }
 
@@ -264,13 +264,14 @@ fn is_git_dir(dir: &Path) -> bool {
 }
 
 /// How deep submodules' git directories are looked for, and how many directories
-/// (or worktrees) are looked at (the guest could make any number).
+/// under `modules`, or entries under `worktrees`, are looked at (the guest could
+/// make any number).
 const MAX_MODULE_DEPTH: usize = 8;
-const MAX_MODULE_DIRS: usize = 1024;
+const MAX_ENTRIES: usize = 1024;
 
 /// `git_dir` and its submodules' git directories (`modules/NAME`, where NAME may hold
 /// slashes, and theirs in turn): git on the host runs their hooks and config in the
-/// submodules' checkouts. Past [`MAX_MODULE_DIRS`] directories the rest is left, and
+/// submodules' checkouts. Past [`MAX_ENTRIES`] directories the rest is left, and
 /// the first, `git_dir`'s own, says so (`truncated`).
 fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
     let mut found = vec![GitDir {
@@ -298,7 +299,7 @@ fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
                 continue;
             }
             seen += 1;
-            if seen > MAX_MODULE_DIRS {
+            if seen > MAX_ENTRIES {
                 found[0].truncated = true;
                 return found;
             }
@@ -321,7 +322,7 @@ fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
 
 /// The config files of `git_dir` that git reads, relative to it: its own, and each
 /// worktree's `config.worktree` (read by git working in that worktree, such as one
-/// the host made), of the first [`MAX_MODULE_DIRS`] worktrees; and whether that was
+/// the host made), of the first [`MAX_ENTRIES`] worktrees; and whether that was
 /// all of them.
 fn config_files(git_dir: &Path) -> (Vec<PathBuf>, bool) {
     let mut files = vec![PathBuf::from("config"), PathBuf::from("config.worktree")];
@@ -329,7 +330,7 @@ fn config_files(git_dir: &Path) -> (Vec<PathBuf>, bool) {
         return (files, true);
     };
     for entry in entries.flatten() {
-        if files.len() >= MAX_MODULE_DIRS {
+        if files.len() >= MAX_ENTRIES {
             return (files, false);
         }
         let name = entry.file_name();
@@ -351,7 +352,7 @@ fn vm_only_worktrees(
         return Vec::new();
     };
     let mut found = Vec::new();
-    for entry in entries.flatten() {
+    for entry in entries.flatten().take(MAX_ENTRIES) {
         let admin = entry.path();
         let Some(dot_git) = read_link_file(&admin.join("gitdir"), "") else {
             continue;
@@ -934,7 +935,7 @@ mod tests {
         git(repo, &["init", "-q"]);
         let shares = [share(repo)];
         let before = Snapshot::of(&shares);
-        for i in 0..=MAX_MODULE_DIRS {
+        for i in 0..=MAX_ENTRIES {
             std::fs::create_dir_all(repo.join(format!(".git/modules/decoy{i}"))).unwrap();
         }
         let changed = before.retake(&shares).changed_since(&before).runnables;

@@ -358,8 +358,7 @@ mod tests {
 
         // A FIFO (in the workspace, the guest's to make) is passed over, not waited on.
         let fifo = dir.path().join("fifo.json");
-        let mode = rustix::fs::Mode::from_raw_mode(0o600);
-        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, mode, 0).unwrap();
+        guest_writable::make_fifo(&fifo);
         let args = [
             "--mcp-config".to_string(),
             fifo.to_str().unwrap().to_string(),

@@ -584,6 +584,14 @@ mod tests {
         assert!(status.success(), "git {args:?}");
     }
 
+    /// A new repository, shared writable.
+    fn new_repo() -> (tempfile::TempDir, [Share; 1]) {
+        let dir = tempfile::tempdir().unwrap();
+        git(dir.path(), &["init", "-q"]);
+        let shares = [share(dir.path())];
+        (dir, shares)
+    }
+
     fn share(path: &Path) -> Share {
         Share {
             host: path.to_path_buf(),
@@ -622,10 +630,8 @@ mod tests {
 
     #[test]
     fn new_hooks_and_commands_are_seen_and_plain_settings_are_not() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, shares) = new_repo();
         let repo = dir.path();
-        git(repo, &["init", "-q"]);
-        let shares = [share(repo)];
         let before = Snapshot::of(&shares);
         assert!(Snapshot::of(&shares)
             .changed_since(&before)
@@ -687,10 +693,8 @@ mod tests {
 
     #[test]
     fn an_oversized_config_is_reported_unread() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, shares) = new_repo();
         let repo = dir.path();
-        git(repo, &["init", "-q"]);
-        let shares = [share(repo)];
         let before = Snapshot::of(&shares);
         let mut config = std::fs::read_to_string(repo.join(".git/config")).unwrap();
         config.push_str(&format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES as usize)));
@@ -845,10 +849,8 @@ mod tests {
 
     #[test]
     fn an_unchanged_config_is_not_read_again() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, shares) = new_repo();
         let repo = dir.path();
-        git(repo, &["init", "-q"]);
-        let shares = [share(repo)];
         let mut before = Snapshot::of(&shares);
         // Mark the reading: a retake that keeps the mark did not run git again.
         let config = repo.join(".git/config");
@@ -930,10 +932,8 @@ mod tests {
 
     #[test]
     fn too_many_submodule_directories_are_reported_not_all_read() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, shares) = new_repo();
         let repo = dir.path();
-        git(repo, &["init", "-q"]);
-        let shares = [share(repo)];
         let before = Snapshot::of(&shares);
         for i in 0..=MAX_ENTRIES {
             std::fs::create_dir_all(repo.join(format!(".git/modules/decoy{i}"))).unwrap();
@@ -956,21 +956,10 @@ mod tests {
     /// reported, never waited on.
     #[test]
     fn fifos_where_files_belong_do_not_block() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, shares) = new_repo();
         let repo = dir.path();
-        git(repo, &["init", "-q"]);
-        let shares = [share(repo)];
         let before = Snapshot::of(&shares);
-        let mkfifo = |path: &Path| {
-            rustix::fs::mknodat(
-                rustix::fs::CWD,
-                path,
-                rustix::fs::FileType::Fifo,
-                rustix::fs::Mode::from_raw_mode(0o600),
-                0,
-            )
-            .unwrap()
-        };
+        let mkfifo = crate::guest_writable::make_fifo;
         std::fs::remove_file(repo.join(".git/config")).unwrap();
         mkfifo(&repo.join(".git/config"));
         std::fs::create_dir_all(repo.join(".git/worktrees/w")).unwrap();

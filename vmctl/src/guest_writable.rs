@@ -197,6 +197,13 @@ fn create_read_only(
     Ok(())
 }
 
+/// Makes a FIFO at `path`: what a guest can put where the host expects a file.
+#[cfg(test)]
+pub(crate) fn make_fifo(path: &Path) {
+    let mode = Mode::from_raw_mode(0o600);
+    rustix::fs::mknodat(rustix::fs::CWD, path, FileType::Fifo, mode, 0).expect("mkfifo");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,14 +226,7 @@ mod tests {
 
         // Neither waits for a writer nor opens a device for reading.
         let fifo = dir.path().join("fifo");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &fifo,
-            FileType::Fifo,
-            Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        make_fifo(&fifo);
         let device = dir.path().join("device");
         symlink("/dev/null", &device).unwrap();
         for odd in [&fifo, &device, &dir.path().to_path_buf()] {

@@ -162,9 +162,7 @@ mod tests {
         std::os::unix::fs::symlink(&file, &link).unwrap();
         assert_eq!(read_link_file(&link, "gitdir: "), None);
         let fifo = dir.path().join("fifo");
-        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: `name` is a NUL-terminated path that lives across the call.
-        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        crate::guest_writable::make_fifo(&fifo);
         assert_eq!(read_link_file(&fifo, "gitdir: "), None);
         assert_eq!(read_link_file(&dir.path().join("missing"), ""), None);
     }

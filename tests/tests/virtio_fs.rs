@@ -429,6 +429,11 @@ fn normal_user_scenario() {
     }
 
     assert_ok(&ws.run(&["up"]), "vmctl up");
+    let supervisor_log = stdout(&ws.run(&["logs", "--supervisor"]));
+    assert!(
+        supervisor_log.contains("virtiofsd runs as this user, in a user namespace"),
+        "the supervisor log does not say how ownership works unprivileged: {supervisor_log}"
+    );
     let as_default_user = ws.exec(&format!(
         "echo name=$(id -un); echo uid=$(id -u); echo gid=$(id -g)
          echo mine=$(stat -c %u:%g mine.txt)

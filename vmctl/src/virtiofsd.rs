@@ -185,6 +185,11 @@ fn fallback_sandbox(is_root: bool, tried: Sandbox, status: ExitStatus) -> Option
     (!is_root && tried == Sandbox::Namespace && !status.success()).then_some(Sandbox::None)
 }
 
+const UNPRIVILEGED_NOTE: &str = "vmctl: note: virtiofsd runs as this user, in a user \
+     namespace that maps only this user: files any guest user creates are this user's, \
+     a guest chown to another user fails, other users' files show as nobody (the README's \
+     \"Ownership\")";
+
 const NO_SANDBOX_WARNING: &str = "vmctl: warning: virtiofsd runs without its sandbox because \
      user namespaces are unavailable to this user: a guest that exploits symlink races could \
      reach host files outside its shares";
@@ -575,6 +580,11 @@ fn start_as(
     is_root: bool,
     policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
+    if !is_root && !shares.is_empty() {
+        // Not a weaker sandbox but other ownership. (In a VM's supervisor log, which
+        // `vmctl logs --supervisor` shows; not on the user's terminal at each start.)
+        eprintln!("{UNPRIVILEGED_NOTE}");
+    }
     let mut daemons = Vec::with_capacity(shares.len());
     if let Err(e) = start_all(
         binary,

@@ -471,7 +471,7 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
             virtiofsd: "/usr/bin/virtiofsd".into(),
             failure_file: Some(vm.share_failures()),
             cache: crate::virtiofsd::CachePolicy {
-                cache: crate::virtiofsd::Cache::Never,
+                cache: crate::virtiofsd::cache::Cache::Never,
                 writeback: true,
             },
         }),

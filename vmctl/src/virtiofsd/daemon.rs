@@ -1,0 +1,351 @@
+//! One virtiofsd: its arguments (the sandbox and seccomp as tight as the host
+//! allows), its start, and its log.
+
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Instant;
+
+use super::{CachePolicy, VirtiofsdError, LOG_TAIL_LINES, SETTLE_TIME, START_POLL, START_TIMEOUT};
+use crate::share_root::{self, DirId};
+use crate::shares::Share;
+
+/// How a daemon is confined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sandbox {
+    /// Mount, PID and network namespaces (plus a user namespace when not root); the
+    /// shared directory is the daemon's whole filesystem.
+    Namespace,
+    /// None: used only when the namespace sandbox cannot be set up.
+    None,
+}
+
+impl Sandbox {
+    fn as_arg(self) -> &'static str {
+        match self {
+            Sandbox::Namespace => "namespace",
+            Sandbox::None => "none",
+        }
+    }
+}
+
+/// The sandbox to retry with after a daemon in `tried` exited while starting, if any.
+/// Only an unprivileged namespace sandbox is worth a retry: it fails where user
+/// namespaces are disabled. Root's namespace sandbox needs none, so a failure there is
+/// something else, which another sandbox would not fix.
+pub(super) fn fallback_sandbox(
+    is_root: bool,
+    tried: Sandbox,
+    status: ExitStatus,
+) -> Option<Sandbox> {
+    (!is_root && tried == Sandbox::Namespace && !status.success()).then_some(Sandbox::None)
+}
+
+/// virtiofsd's command line for `share`, listening on `socket`.
+fn daemon_args(
+    share: &Share,
+    socket: &Path,
+    sandbox: Sandbox,
+    policy: CachePolicy,
+) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        "--shared-dir".into(),
+        share.host.clone().into(),
+        "--socket-path".into(),
+        socket.into(),
+        "--cache".into(),
+        policy.cache.as_arg().into(),
+        // No thread pool: replies go out in request order, which the VMM relies on
+        // when a daemon dies.
+        "--thread-pool-size".into(),
+        "0".into(),
+        // virtiofsd insists on '=' for this one.
+        "--inode-file-handles=never".into(),
+        "--log-level".into(),
+        "warn".into(),
+        "--sandbox".into(),
+        sandbox.as_arg().into(),
+        // virtiofsd's default, stated so that a changed default cannot weaken it.
+        "--seccomp".into(),
+        "kill".into(),
+        // No device nodes or file capabilities from the guest: as root, virtiofsd
+        // would make them on the host (a disk's node, readable by all).
+        "--modcaps=-mknod:-setfcap".into(),
+    ];
+    if policy.writeback {
+        args.push("--writeback".into());
+    }
+    if share.read_only {
+        args.push("--readonly".into());
+    }
+    args
+}
+
+/// One running (or exited, not yet forgotten) daemon.
+pub(super) struct Daemon {
+    pub(super) host: PathBuf,
+    pub(super) socket: PathBuf,
+    pub(super) log: PathBuf,
+    /// The log's length when this daemon started: its own lines come after.
+    pub(super) log_start: u64,
+    pub(super) sandbox: Sandbox,
+    /// The share's directory as found, without following links, just before the
+    /// daemon started: what its sandbox must have as its root.
+    pub(super) expected_root: DirId,
+    pub(super) child: Child,
+    /// Set once the child is reaped: its pid may then belong to another process.
+    pub(super) status: Option<ExitStatus>,
+}
+
+impl Daemon {
+    /// Reaps the child if it exited.
+    pub(super) fn poll_exit(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait()?;
+        }
+        Ok(self.status)
+    }
+
+    pub(super) fn log_tail(&self) -> String {
+        log_tail(&self.log, self.log_start)
+    }
+}
+
+/// The last lines `log` got from `start` on, indented, for an error message.
+fn log_tail(log: &Path, start: u64) -> String {
+    let mut text = String::new();
+    let read = File::open(log).and_then(|mut file| {
+        file.seek(SeekFrom::Start(start))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        text = String::from_utf8_lossy(&bytes).into_owned();
+        Ok(())
+    });
+    if let Err(e) = read {
+        return format!("  (unreadable: {e})");
+    }
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return "  (empty)".into();
+    }
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..]
+        .iter()
+        .map(|line| format!("  {line}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+pub(super) fn spawn_daemon(
+    binary: &Path,
+    share: &Share,
+    socket: &Path,
+    log: &Path,
+    sandbox: Sandbox,
+    policy: CachePolicy,
+) -> Result<Daemon, VirtiofsdError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| VirtiofsdError::Io { path, source }
+    };
+    match std::fs::remove_file(socket) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(socket)(e)),
+        _ => {}
+    }
+    let log_file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io(log))?;
+    let log_start = log_file.metadata().map_err(io(log))?.len();
+    let stdout = log_file.try_clone().map_err(io(log))?;
+    let expected_root = share_root::dir_id_without_links(&share.host).map_err(|source| {
+        VirtiofsdError::ShareUnreachable {
+            host: share.host.clone(),
+            source,
+        }
+    })?;
+    let args = daemon_args(share, socket, sandbox, policy);
+    tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
+    let mut command = Command::new(binary);
+    command
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(log_file);
+    // SAFETY: getpid is async-signal-safe; it runs before the fork.
+    let parent = unsafe { libc::getpid() };
+    // The daemon dies with the thread that spawned it (PR_SET_PDEATHSIG follows the
+    // thread, not the process), so a crashed vmctl leaves no daemon behind.
+    // SAFETY: prctl and getppid are async-signal-safe and touch no memory of ours.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // We died before prctl: the signal will never come.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other(
+                    "vmctl exited while starting virtiofsd",
+                ));
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().map_err(|source| VirtiofsdError::Spawn {
+        binary: binary.to_path_buf(),
+        host: share.host.clone(),
+        source,
+    })?;
+    Ok(Daemon {
+        host: share.host.clone(),
+        socket: socket.to_path_buf(),
+        log: log.to_path_buf(),
+        log_start,
+        sandbox,
+        expected_root,
+        child,
+        status: None,
+    })
+}
+
+/// How a daemon's start-up ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StartOutcome {
+    Ready,
+    Exited(ExitStatus),
+    TimedOut,
+}
+
+/// Waits for each of `daemons` (started together) to create its socket and outlive
+/// [`SETTLE_TIME`]; a daemon that exits meanwhile is reaped.
+pub(super) fn wait_started(daemons: &mut [&mut Daemon]) -> Vec<StartOutcome> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut outcomes: Vec<Option<StartOutcome>> = vec![None; daemons.len()];
+    let mut socket_seen = vec![false; daemons.len()];
+    loop {
+        for (index, daemon) in daemons.iter_mut().enumerate() {
+            if outcomes[index].is_some() {
+                continue;
+            }
+            match daemon.poll_exit() {
+                Ok(Some(status)) => outcomes[index] = Some(StartOutcome::Exited(status)),
+                Ok(None) => socket_seen[index] = daemon.socket.exists(),
+                // Reaped elsewhere: it is gone; its status is unknown.
+                Err(_) => outcomes[index] = Some(StartOutcome::TimedOut),
+            }
+        }
+        let waiting = (0..daemons.len()).any(|i| outcomes[i].is_none() && !socket_seen[i]);
+        if !waiting {
+            break;
+        }
+        if Instant::now() > deadline {
+            for (outcome, seen) in outcomes.iter_mut().zip(&socket_seen) {
+                if outcome.is_none() && !seen {
+                    *outcome = Some(StartOutcome::TimedOut);
+                }
+            }
+            break;
+        }
+        std::thread::sleep(START_POLL);
+    }
+    if outcomes.iter().any(Option::is_none) {
+        std::thread::sleep(SETTLE_TIME);
+    }
+    daemons
+        .iter_mut()
+        .zip(outcomes)
+        .map(|(daemon, outcome)| {
+            outcome.unwrap_or_else(|| match daemon.poll_exit() {
+                Ok(Some(status)) => StartOutcome::Exited(status),
+                Ok(None) => StartOutcome::Ready,
+                Err(_) => StartOutcome::TimedOut,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    fn share(host: &Path, read_only: bool) -> Share {
+        Share {
+            host: host.to_path_buf(),
+            guest: "/g".into(),
+            read_only,
+        }
+    }
+
+    fn args_of(share: &Share, sandbox: Sandbox, policy: CachePolicy) -> Vec<String> {
+        daemon_args(share, Path::new("/s/fs0.sock"), sandbox, policy)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_benchmarks_own_virtiofsd_runs_with_vmctls_options() {
+        let socket = Path::new("/s/fs0.sock");
+        for (root, sandbox) in [(true, Sandbox::Namespace), (false, Sandbox::None)] {
+            assert_eq!(
+                vm_benches::fs_vmm::virtiofsd_args(Path::new("/h"), socket, root),
+                args_of(
+                    &share(Path::new("/h"), false),
+                    sandbox,
+                    CachePolicy::default()
+                ),
+                "benches/src/fs_vmm.rs must start virtiofsd as vmctl does (root: {root})"
+            );
+        }
+    }
+
+    #[test]
+    fn arguments_name_the_share_socket_and_sandbox() {
+        let args = args_of(
+            &share(Path::new("/h"), false),
+            Sandbox::Namespace,
+            CachePolicy::default(),
+        );
+        assert_eq!(
+            args.join(" "),
+            "--shared-dir /h --socket-path /s/fs0.sock --cache auto --thread-pool-size 0 \
+             --inode-file-handles=never --log-level warn --sandbox namespace --seccomp kill \
+             --modcaps=-mknod:-setfcap"
+        );
+        let args = args_of(
+            &share(Path::new("/h"), true),
+            Sandbox::None,
+            CachePolicy::default(),
+        );
+        assert!(args.join(" ").contains("--sandbox none"));
+        assert_eq!(args.last().map(String::as_str), Some("--readonly"));
+    }
+
+    #[test]
+    fn the_cache_policy_is_passed_on() {
+        let policy: CachePolicy = "always+writeback".parse().unwrap();
+        let args = args_of(&share(Path::new("/h"), false), Sandbox::Namespace, policy).join(" ");
+        assert!(
+            args.contains("--cache always") && args.ends_with("--writeback"),
+            "{args}"
+        );
+    }
+
+    #[test]
+    fn only_an_unprivileged_namespace_failure_falls_back_to_no_sandbox() {
+        let failed = ExitStatus::from_raw(1 << 8);
+        let clean = ExitStatus::from_raw(0);
+        assert_eq!(
+            fallback_sandbox(false, Sandbox::Namespace, failed),
+            Some(Sandbox::None)
+        );
+        assert_eq!(fallback_sandbox(true, Sandbox::Namespace, failed), None);
+        assert_eq!(fallback_sandbox(false, Sandbox::None, failed), None);
+        assert_eq!(fallback_sandbox(false, Sandbox::Namespace, clean), None);
+    }
+}

@@ -106,7 +106,7 @@ impl FsVmmReport {
 }
 
 /// virtiofsd's options as vmctl gives them for a read-write share, the sandbox as
-/// tight as this user may have it. A test in `vmctl/src/virtiofsd.rs` compares them
+/// tight as this user may have it. A test in `vmctl/src/virtiofsd/daemon.rs` compares them
 /// with vmctl's own.
 pub fn virtiofsd_args(shared_dir: &Path, socket: &Path, root: bool) -> Vec<String> {
     let mut args: Vec<String> = vec!["--shared-dir".into(), shared_dir.display().to_string()];

@@ -5,7 +5,6 @@
 //! before virtiofsd starts, and afterwards compares it with the root virtiofsd's
 //! namespace sandbox pivoted into, before any guest is connected.
 
-use std::ffi::OsStr;
 use std::io;
 use std::path::{Component, Path};
 
@@ -51,7 +50,7 @@ pub fn dir_id_without_links(path: &Path) -> io::Result<DirId> {
     Ok(DirId::of(&rustix::fs::fstat(&dir)?))
 }
 
-/// Where process `pid` stands, seen from here.
+/// Where a process and its children stand, seen from here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Root {
     /// In `expected`.
@@ -62,17 +61,44 @@ pub enum Root {
     Other,
 }
 
-/// Whether process `pid`'s root directory is `expected`.
+/// Whether process `pid` (or a child of it: which of them pivots into the sandbox
+/// differs between virtiofsd's versions) has `expected` as its root directory. One
+/// anywhere else is [`Root::Other`], whatever the rest.
 pub fn root_of(pid: u32, expected: DirId) -> io::Result<Root> {
-    let stat = |path: &OsStr| rustix::fs::stat(path).map(|s| DirId::of(&s));
-    let theirs = stat(OsStr::new(&format!("/proc/{pid}/root")))?;
-    Ok(if theirs == expected {
-        Root::Expected
-    } else if theirs == stat(OsStr::new("/proc/self/root"))? {
-        Root::Ours
-    } else {
-        Root::Other
-    })
+    let stat = |path: &str| rustix::fs::stat(path).map(|s| DirId::of(&s));
+    let ours = stat("/proc/self/root")?;
+    let mut found = Root::Ours;
+    for (index, pid) in std::iter::once(pid).chain(children(pid)).enumerate() {
+        let theirs = match stat(&format!("/proc/{pid}/root")) {
+            Ok(theirs) => theirs,
+            // A child may be gone meanwhile; the process itself must be there.
+            Err(_) if index > 0 => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if theirs == expected {
+            found = Root::Expected;
+        } else if theirs != ours {
+            return Ok(Root::Other);
+        }
+    }
+    Ok(found)
+}
+
+/// The children of process `pid`, from each of its threads (none where the kernel
+/// does not list them).
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|pid| pid.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -115,5 +141,14 @@ mod tests {
         let me = std::process::id();
         assert_eq!(root_of(me, slash).unwrap(), Root::Expected);
         assert_eq!(root_of(me, elsewhere).unwrap(), Root::Ours);
+        // Children are looked at too.
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        assert!(children(me).contains(&child.id()), "{:?}", children(me));
+        assert_eq!(root_of(me, slash).unwrap(), Root::Expected);
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 }

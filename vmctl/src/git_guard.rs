@@ -168,21 +168,23 @@ impl Snapshot {
 
     fn take(shares: &[Share], earlier: Option<&Snapshot>) -> Snapshot {
         let mut snapshot = Snapshot::default();
-        for git_dir in git_dirs(shares).iter().flat_map(with_submodules) {
-            let GitDir {
-                host,
-                guest,
-                truncated,
-            } = git_dir;
+        let mut dirs = Vec::new();
+        for git_dir in git_dirs(shares) {
+            let (with_modules, all_modules) = with_submodules(&git_dir);
+            if !all_modules {
+                // Too many to look at is reported once, as a change of its own.
+                let what = format!("modules (over {MAX_ENTRIES} directories, not all looked at)");
+                let runnable = Runnable {
+                    git_dir: git_dir.host,
+                    what,
+                };
+                snapshot.runnables.insert((runnable, String::new()));
+            }
+            dirs.extend(with_modules);
+        }
+        for GitDir { host, guest } in dirs {
             let mut found = hooks(&host);
             let (files, all_files) = config_files(&host);
-            // Too many to look at is reported once, as a change of its own.
-            if truncated {
-                found.push((
-                    format!("modules (over {MAX_ENTRIES} directories, not all looked at)"),
-                    String::new(),
-                ));
-            }
             if !all_files {
                 found.push((
                     format!("worktrees (over {MAX_ENTRIES}, not all their config read)"),
@@ -235,8 +237,6 @@ impl Snapshot {
 struct GitDir {
     host: PathBuf,
     guest: PathBuf,
-    /// It has more submodule directories than were looked at.
-    truncated: bool,
 }
 
 /// The git directories of the writable shares.
@@ -251,11 +251,7 @@ fn git_dirs(shares: &[Share]) -> Vec<GitDir> {
         }
     }
     dirs.into_iter()
-        .map(|(host, guest)| GitDir {
-            host,
-            guest,
-            truncated: false,
-        })
+        .map(|(host, guest)| GitDir { host, guest })
         .collect()
 }
 
@@ -271,13 +267,12 @@ const MAX_ENTRIES: usize = 1024;
 
 /// `git_dir` and its submodules' git directories (`modules/NAME`, where NAME may hold
 /// slashes, and theirs in turn): git on the host runs their hooks and config in the
-/// submodules' checkouts. Past [`MAX_ENTRIES`] directories the rest is left, and
-/// the first, `git_dir`'s own, says so (`truncated`).
-fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
+/// submodules' checkouts. Past [`MAX_ENTRIES`] directories the rest is left; and
+/// whether none was.
+fn with_submodules(git_dir: &GitDir) -> (Vec<GitDir>, bool) {
     let mut found = vec![GitDir {
         host: git_dir.host.clone(),
         guest: git_dir.guest.clone(),
-        truncated: false,
     }];
     let mut pending = vec![(
         git_dir.host.join("modules"),
@@ -300,24 +295,19 @@ fn with_submodules(git_dir: &GitDir) -> Vec<GitDir> {
             }
             seen += 1;
             if seen > MAX_ENTRIES {
-                found[0].truncated = true;
-                return found;
+                return (found, false);
             }
             let (host, guest) = (entry.path(), guest.join(entry.file_name()));
             if is_git_dir(&host) {
                 pending.push((host.join("modules"), guest.join("modules"), depth + 1));
-                found.push(GitDir {
-                    host,
-                    guest,
-                    truncated: false,
-                });
+                found.push(GitDir { host, guest });
             } else {
                 // A name with a slash: `modules/libs/foo`.
                 pending.push((host, guest, depth + 1));
             }
         }
     }
-    found
+    (found, true)
 }
 
 /// The config files of `git_dir` that git reads, relative to it: its own, and each

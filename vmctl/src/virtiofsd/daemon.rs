@@ -272,14 +272,7 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
-
-    fn share(host: &Path, read_only: bool) -> Share {
-        Share {
-            host: host.to_path_buf(),
-            guest: "/g".into(),
-            read_only,
-        }
-    }
+    use crate::virtiofsd::tests::share;
 
     fn args_of(share: &Share, sandbox: Sandbox, policy: CachePolicy) -> Vec<String> {
         daemon_args(share, Path::new("/s/fs0.sock"), sandbox, policy)

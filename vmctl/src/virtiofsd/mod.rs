@@ -498,7 +498,16 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn share(host: &Path, read_only: bool) -> Share {
+    /// The virtiofsd vmctl would use; None, said loudly, where there is none (CI
+    /// installs it, so there these tests always run).
+    fn installed_virtiofsd() -> Option<PathBuf> {
+        find_virtiofsd()
+            .inspect_err(|e| eprintln!("SKIPPED: virtiofsd not installed ({e})"))
+            .ok()
+    }
+
+    /// A share of `host` (at a guest path no test looks at).
+    pub(super) fn share(host: &Path, read_only: bool) -> Share {
         Share {
             host: host.to_path_buf(),
             guest: "/g".into(),
@@ -647,12 +656,8 @@ mod tests {
 
     #[test]
     fn real_virtiofsd_serves_a_share_and_its_death_is_reported() {
-        let binary = match find_virtiofsd() {
-            Ok(binary) => binary,
-            Err(e) => {
-                eprintln!("SKIPPED: virtiofsd not installed ({e})");
-                return;
-            }
+        let Some(binary) = installed_virtiofsd() else {
+            return;
         };
         let share_dir = tempfile::tempdir().unwrap();
         let state_dir = tempfile::tempdir().unwrap();
@@ -684,12 +689,8 @@ mod tests {
     /// (virtiofsd itself refuses a share that is a link; one on the way it follows.)
     #[test]
     fn a_share_swapped_for_a_link_as_virtiofsd_starts_is_not_served() {
-        let binary = match find_virtiofsd() {
-            Ok(binary) => binary,
-            Err(e) => {
-                eprintln!("SKIPPED: virtiofsd not installed ({e})");
-                return;
-            }
+        let Some(binary) = installed_virtiofsd() else {
+            return;
         };
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();

@@ -27,8 +27,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, Wr
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, Hello,
-    ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION, UNSUPPORTED_VERSION,
+    write_frame, AgentMessage, ClientMessage, EditsShown, ExecRequest, FrameReader, HealthInfo,
+    Hello, HostEdit, ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
+    UNSUPPORTED_VERSION,
 };
 pub use crate::raw::RawStream;
 
@@ -243,6 +244,17 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         match self.request(ClientMessage::ListPorts).await? {
             AgentMessage::Ports(p) => Ok(p),
             other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Sends one batch of host edits and waits for the agent's account of it; the
+    /// connection stays open for the next batch.
+    pub async fn show_host_edits(&mut self, edits: Vec<HostEdit>) -> Result<EditsShown> {
+        write_frame(&mut self.writer, &ClientMessage::HostEdits(edits)).await?;
+        match self.reader.next::<AgentMessage>().await? {
+            Some(AgentMessage::EditsShown(shown)) => Ok(shown),
+            Some(other) => Err(unexpected(&other)),
+            None => Err(ClientError::Closed),
         }
     }
 

@@ -5,12 +5,14 @@
 //! - [`clock`]: the guest's clock follows the host's;
 //! - [`server`]: the agent's request handling and command execution;
 //! - [`init`]: PID-1 duties inside the VM;
+//! - [`host_edits`]: host edits of the shares, shown to the guest's file watchers;
 //! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares;
 //! - [`network`]: the guest side of networking (egress proxy, port relays, CA);
 //! - [`raw`]: a connection switched from frames to raw bytes.
 
 pub mod client;
 pub mod clock;
+pub mod host_edits;
 pub mod init;
 pub mod network;
 pub mod ports;

@@ -2,7 +2,9 @@
 //! tests and debugging (`guest-agent --listen unix:/tmp/agent.sock`).
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
+use guest_agent::host_edits::HostEditTarget;
 use guest_agent::init;
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 
@@ -60,12 +62,15 @@ fn main() -> ExitCode {
         follow_host_clock: pid1,
         ..Default::default()
     };
+    let mut writable_shares = Vec::new();
     let listen = if pid1 {
         let boot = init::boot();
         if let Some(program) = &boot.run {
             init::run_once_then_power_off(program);
         }
         config.default_user = boot.user.clone();
+        let writable = boot.shares.iter().filter(|share| !share.read_only);
+        writable_shares = writable.map(|share| share.path.clone()).collect();
         args.listen.take().unwrap_or(ListenAddr::Vsock(boot.port))
     } else {
         args.listen
@@ -78,6 +83,8 @@ fn main() -> ExitCode {
         .with_ansi(false)
         .with_target(false)
         .init();
+    // After the logger: a guest kernel without fanotify is said.
+    config.host_edits = Arc::new(HostEditTarget::for_shares(writable_shares));
 
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -129,6 +129,42 @@ pub enum ClientMessage {
     /// answered by [`AgentMessage::Connected`], after which the connection carries
     /// raw bytes both ways.
     ConnectPort(u16),
+    /// Files and directories of writable shares that the host changed: the agent
+    /// makes the guest's file watchers see them (see [`HostEdit`]) and answers
+    /// [`AgentMessage::EditsShown`]. More batches may follow on the same connection.
+    HostEdits(Vec<HostEdit>),
+}
+
+/// One change the host made in a share, at its guest path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct HostEdit {
+    /// The guest path (absolute, inside a writable share), as raw bytes: paths need
+    /// not be UTF-8.
+    #[serde(with = "serde_bytes")]
+    pub path: Vec<u8>,
+    pub kind: EditKind,
+}
+
+/// What changed at a [`HostEdit`]'s path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum EditKind {
+    /// The file's content or attributes.
+    Content,
+    /// The directory's entries: one was created, removed or renamed.
+    Entries,
+}
+
+/// How the agent dealt with a batch of [`HostEdit`]s.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EditsShown {
+    /// Touched, so the guest's watchers saw an event.
+    pub shown: u32,
+    /// Left alone: the guest itself had just written there, so its watchers already
+    /// saw the change (the host saw the guest's own write).
+    pub guest_own: u32,
+    /// Gone, outside every writable share, or refused (a symlink on the way, a file
+    /// virtiofsd may not touch).
+    pub failed: u32,
 }
 
 /// The VM's network setup, sent by the host once the agent answers.
@@ -228,6 +264,8 @@ pub enum AgentMessage {
         message: String,
         exit_code: u8,
     },
+    /// Answers each `HostEdits` batch.
+    EditsShown(EditsShown),
 }
 
 /// Encodes `msg` as a complete frame (length prefix + payload).
@@ -399,6 +437,16 @@ mod tests {
                 trusted_roots_pem: "-----BEGIN CERTIFICATE-----".into(),
             }),
             ClientMessage::ConnectPort(8080),
+            ClientMessage::HostEdits(vec![
+                HostEdit {
+                    path: b"/home/a/src/\xffmain.rs".to_vec(),
+                    kind: EditKind::Content,
+                },
+                HostEdit {
+                    path: b"/home/a/src".to_vec(),
+                    kind: EditKind::Entries,
+                },
+            ]),
         ]
     }
 
@@ -439,6 +487,11 @@ mod tests {
                 message: "x: command not found".into(),
                 exit_code: 127,
             },
+            AgentMessage::EditsShown(EditsShown {
+                shown: 3,
+                guest_own: 2,
+                failed: 1,
+            }),
         ];
         for msg in agent {
             let frame = encode_frame(&msg).unwrap();

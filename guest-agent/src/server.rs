@@ -18,10 +18,12 @@ use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore}
 use tracing::{debug, info, warn};
 
 use crate::clock;
+use crate::host_edits::HostEditTarget;
 use crate::network::{self, Network};
 use crate::protocol::{
-    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, NetworkConfig,
-    ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION, UNSUPPORTED_VERSION,
+    write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, HostEdit,
+    NetworkConfig, ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
+    UNSUPPORTED_VERSION,
 };
 use crate::users::{self, Account};
 
@@ -84,6 +86,8 @@ pub struct ServerConfig {
     /// guest's real files and reaches the host over vsock. Shared so that tests can
     /// look at it (e.g. [`Network::egress_addr`]).
     pub network: Arc<Network>,
+    /// The writable shares, where `HostEdits` are shown (none by default).
+    pub host_edits: Arc<HostEditTarget>,
 }
 
 /// Where the agent listens.
@@ -348,6 +352,7 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
         }
         ClientMessage::ConfigureNetwork(config) => configure_network(&config, w, &state).await,
         ClientMessage::ConnectPort(port) => connect_port(port, reader, w).await,
+        ClientMessage::HostEdits(edits) => show_host_edits(edits, reader, w, &state).await,
         ClientMessage::Shutdown => {
             info!("shutdown requested");
             write_frame(&mut w, &AgentMessage::Ok).await?;
@@ -369,6 +374,36 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
             )
             .await
         }
+    }
+}
+
+/// Shows batches of host edits until the host closes the connection; the supervisor
+/// keeps it open for the VM's life, so no batch waits for a new connection.
+async fn show_host_edits<R, W>(
+    mut edits: Vec<HostEdit>,
+    mut reader: FrameReader<R>,
+    mut w: W,
+    state: &State,
+) -> Result<(), ServerError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    loop {
+        let target = state.config.host_edits.clone();
+        // Touching goes through virtiofsd: blocking calls, kept off the runtime.
+        let shown = tokio::task::spawn_blocking(move || target.show(&edits))
+            .await
+            .unwrap_or_default();
+        write_frame(&mut w, &AgentMessage::EditsShown(shown)).await?;
+        edits = match reader.next::<ClientMessage>().await {
+            Ok(Some(ClientMessage::HostEdits(next))) => next,
+            Ok(None) => return Ok(()),
+            Ok(Some(_)) => {
+                return send_error(&mut w, "expected HostEdits on this connection".into()).await
+            }
+            Err(e) => return send_error(&mut w, e.to_string()).await,
+        };
     }
 }
 

@@ -145,6 +145,7 @@ fn shared_workspace_scenario() {
         ),
         "seeing the host's edits",
     );
+    host_edits_reach_the_guests_file_watchers(&ws, &root);
 
     // 64 MiB written in the guest arrives intact. (Written in 1 MiB blocks: through the
     // nested host every small write is slow.)
@@ -312,6 +313,102 @@ with open('mapped-by-host.bin', 'rb') as f:
     let nodes = ws.exec_as_root("mknod disk-node b 8 0; mkfifo guest-fifo && echo FIFO");
     assert_eq!(stdout(&nodes), "FIFO\n", "{nodes:?}");
     assert!(!root.join("disk-node").exists());
+}
+
+/// A file watcher in the guest (Node's `fs.watch`, as dev servers use) sees the
+/// host's edit of a file and a file the host creates; a file the guest writes itself
+/// is not touched again (its times stay as the guest's write left them).
+fn host_edits_reach_the_guests_file_watchers(ws: &Workspace, root: &Path) {
+    let probe = root.join("watch-probe");
+    std::fs::create_dir_all(probe.join("watched")).unwrap();
+    std::fs::create_dir_all(probe.join("signals")).unwrap();
+    std::fs::write(probe.join("watched/host.txt"), "original").unwrap();
+    std::fs::write(probe.join("own.txt"), "host").unwrap();
+    std::fs::write(
+        probe.join("watch.js"),
+        r#"const fs = require('fs');
+const watched = process.argv[2] + '/watched';
+const seen = { edit: false, created: false, events: [] };
+const finish = () => { console.log(JSON.stringify(seen)); process.exit(0); };
+const check = () => { if (seen.edit && seen.created) finish(); };
+fs.watch(watched + '/host.txt', (type) => {
+  seen.events.push('file ' + type);
+  seen.edit ||= fs.readFileSync(watched + '/host.txt', 'utf8') === 'edited on the host';
+  check();
+});
+fs.watch(watched, (type, name) => {
+  seen.events.push('dir ' + type + ' ' + name);
+  seen.created ||= fs.readdirSync(watched).includes('host-new.txt');
+  check();
+});
+fs.writeFileSync(process.argv[2] + '/signals/ready', '');
+setTimeout(finish, 60000);
+"#,
+    )
+    .unwrap();
+    let ready = probe.join("signals/ready");
+    let editor = std::thread::spawn({
+        let probe = probe.clone();
+        move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+            while !ready.exists() {
+                if std::time::Instant::now() > deadline {
+                    return false;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            std::fs::write(probe.join("watched/host.txt"), "edited on the host").unwrap();
+            std::fs::write(probe.join("watched/host-new.txt"), "new").unwrap();
+            true
+        }
+    });
+    let watcher = ws.exec("node watch-probe/watch.js \"$PWD/watch-probe\"");
+    assert!(editor.join().unwrap(), "the guest's watcher never started");
+    assert_ok(&watcher, "node fs.watch in the guest");
+    let seen = stdout(&watcher);
+    assert!(
+        seen.contains("\"edit\":true") && seen.contains("\"created\":true"),
+        "the guest's file watchers missed the host's edits: {seen}"
+    );
+
+    // The guest's own write of a file the host watches raises no attribute event in
+    // the guest afterwards (a touch would: the write itself is IN_MODIFY only).
+    // Python's inotify, through libc: Node's `fs.watch` calls both kinds "change".
+    let own = ws.exec(
+        "python3 -c \"
+import ctypes, os, select, struct, time
+IN_MODIFY, IN_ATTRIB = 0x2, 0x4
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+assert libc.inotify_add_watch(fd, b'watch-probe/own.txt', IN_MODIFY | IN_ATTRIB) >= 0
+with open('watch-probe/own.txt', 'w') as f:
+    f.write('guest')
+seen = {'modify': 0, 'attrib': 0}
+end = time.time() + 4
+while time.time() < end:
+    if not select.select([fd], [], [], max(0, end - time.time()))[0]:
+        continue
+    data, at = os.read(fd, 4096), 0
+    while at < len(data):
+        _, mask, _, length = struct.unpack_from('iIII', data, at)
+        at += 16 + length
+        seen['modify'] += bool(mask & IN_MODIFY)
+        seen['attrib'] += bool(mask & IN_ATTRIB)
+print(seen['modify'], seen['attrib'])
+\"",
+    );
+    assert_ok(&own, "watching a write of the guest");
+    let own = stdout(&own);
+    let counts: Vec<&str> = own.split_whitespace().collect();
+    assert!(
+        counts[0] != "0",
+        "the guest's watcher missed its own write: {own}"
+    );
+    assert_eq!(
+        counts[1], "0",
+        "the guest's own write was touched again: {own}"
+    );
+    std::fs::remove_dir_all(&probe).unwrap();
 }
 
 /// A workspace that is a git worktree, as Paseo makes one per agent: git works in the

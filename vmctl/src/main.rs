@@ -12,6 +12,7 @@ mod git_guard;
 mod git_identity;
 mod guest_clock;
 mod guest_writable;
+mod host_edits;
 mod host_kvm;
 mod log_keeper;
 mod logs;

@@ -3,7 +3,8 @@
 //! VM's vsock at `DIR/vsock.sock`, the guest console in `DIR/console.log`, and the
 //! VM's network side ([`crate::network`]): the egress proxy, relays, published ports
 //! and the control socket `DIR/control.sock`; it keeps the guest's clock in step
-//! ([`crate::guest_clock`]).
+//! ([`crate::guest_clock`]) and shows the host's edits of the shares to the guest's
+//! file watchers ([`crate::host_edits`]).
 
 use std::path::Path;
 
@@ -42,6 +43,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     crate::network::services::start(&vm, &record)
         .map_err(|e| format!("cannot serve the VM's network: {e}"))?;
     crate::guest_clock::keep_in_step(vm.vsock_socket());
+    crate::host_edits::forward(vm.vsock_socket(), record.shares.as_ref());
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
     }

@@ -1,0 +1,246 @@
+//! Host edits of a VM's writable shares, shown to the file watchers in its guest.
+//!
+//! virtio-fs tells the guest's kernel nothing of what the host changes, so a dev
+//! server in the VM would never see the user save a file in the host's editor. The
+//! supervisor watches the writable shares (inotify, every directory but git's object
+//! store) and sends what changed, by guest path, to the guest agent, which touches
+//! each path so that the guest's watchers see it (`guest_agent::host_edits`).
+//!
+//! Two kinds of echo are kept out:
+//! - the agent's touch reaches the host as an attribute change of the same path: an
+//!   attribute-only change of a path sent within [`ECHO_WINDOW`] is not sent again;
+//! - the guest's own writes reach the host through virtiofsd: the agent knows those
+//!   and leaves them alone.
+
+mod watcher;
+
+use std::collections::HashMap;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use guest_agent::client::Connection;
+use guest_agent::protocol::{EditKind, HostEdit};
+use tokio::net::UnixStream;
+
+use crate::shares::ShareSet;
+use watcher::{Changes, TreeWatcher};
+
+/// `0` or `off` turns the forwarding off (for a VM started with it in the environment).
+pub const HOST_EDITS_VAR: &str = "VMCTL_HOST_EDITS";
+/// Directories watched at most per VM: a watch pins a directory's inode in the host's
+/// memory, and the user's watches (`fs.inotify.max_user_watches`) are shared with the
+/// editor's.
+pub const MAX_WATCHED_DIRS: usize = 65_536;
+/// How long after the first event of a burst the rest are waited for: an editor's
+/// save is several events (write, close, rename), which become one batch.
+const SETTLE: Duration = Duration::from_millis(50);
+/// How long the attribute change that the agent's touch causes counts as an echo.
+/// Longer than any touch takes, even in the nested host's emulation; a host `chmod`
+/// of the same path within it is not sent (its content is, always).
+const ECHO_WINDOW: Duration = Duration::from_secs(10);
+/// Edits per batch at most, so that a frame stays far below the protocol's limit
+/// even with paths of 4 KiB.
+const MAX_BATCH: usize = 128;
+/// An agent that does not take a batch within this is given up on (and connected to
+/// again with the next one).
+const AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Whether [`HOST_EDITS_VAR`]'s value turns the forwarding off.
+pub fn turned_off(value: Option<&str>) -> bool {
+    value.is_some_and(|value| matches!(value.trim(), "0" | "off" | "false" | "no"))
+}
+
+/// Starts forwarding the host's edits of the writable `shares` to the guest agent
+/// behind the hybrid vsock socket `vsock`, on a thread that lives as long as the
+/// supervisor. Problems are said in the supervisor's log; the VM runs regardless.
+pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
+    if turned_off(std::env::var(HOST_EDITS_VAR).ok().as_deref()) {
+        return;
+    }
+    let Some(shares) = shares.filter(|set| set.shares.iter().any(|share| !share.read_only)) else {
+        return;
+    };
+    let shares = shares.clone();
+    let spawned = std::thread::Builder::new()
+        .name("vmctl-host-edits".into())
+        .spawn(move || {
+            if let Err(e) = run(vsock, shares) {
+                eprintln!(
+                    "vmctl: warning: host edits no longer reach the guest's file watchers: {e}"
+                );
+            }
+        });
+    if let Err(e) = spawned {
+        eprintln!("vmctl: warning: host edits will not reach the guest's file watchers: {e}");
+    }
+}
+
+fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
+    let mut watcher = TreeWatcher::new(MAX_WATCHED_DIRS)?;
+    for share in shares.shares.iter().filter(|share| !share.read_only) {
+        say_unwatched(watcher.watch_tree(&share.host));
+    }
+    eprintln!(
+        "vmctl: host edits of the writable shares reach the guest's file watchers ({} directories watched)",
+        watcher.watched()
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut echoes = Echoes::default();
+    let mut agent: Option<Connection<UnixStream>> = None;
+    loop {
+        watcher.wait(None)?;
+        std::thread::sleep(SETTLE);
+        let mut changes = Changes::default();
+        say_unwatched(watcher.read(&mut changes)?);
+        if changes.overflowed {
+            eprintln!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
+        }
+        let edits = echoes.without_echoes(changes, Instant::now());
+        let edits: Vec<HostEdit> = edits
+            .into_iter()
+            .filter_map(|(host, kind)| {
+                let guest = shares.guest_path_of(&host)?;
+                Some(HostEdit {
+                    path: guest.as_os_str().as_bytes().to_vec(),
+                    kind,
+                })
+            })
+            .collect();
+        for batch in edits.chunks(MAX_BATCH) {
+            runtime.block_on(send(&vsock, &mut agent, batch.to_vec()));
+        }
+    }
+}
+
+fn say_unwatched(why: Option<String>) {
+    if let Some(why) = why {
+        eprintln!("vmctl: warning: {why}: edits the host makes in the directories left unwatched do not reach the guest's file watchers");
+    }
+}
+
+/// Sends one batch, connecting first when needed. A guest that is not up yet, or no
+/// longer, simply misses it: there is nobody watching there.
+async fn send(
+    vsock: &std::path::Path,
+    agent: &mut Option<Connection<UnixStream>>,
+    batch: Vec<HostEdit>,
+) {
+    tracing::debug!(
+        "host edits: {:?}",
+        batch
+            .iter()
+            .map(|edit| (String::from_utf8_lossy(&edit.path), edit.kind))
+            .collect::<Vec<_>>()
+    );
+    let sent = tokio::time::timeout(AGENT_TIMEOUT, async {
+        if agent.is_none() {
+            *agent =
+                Some(guest_agent::client::connect_hybrid(vsock, crate::exec::AGENT_PORT).await?);
+        }
+        match agent.as_mut() {
+            Some(connection) => connection.show_host_edits(batch).await,
+            None => Err(guest_agent::client::ClientError::Closed),
+        }
+    })
+    .await;
+    match sent {
+        Ok(Ok(shown)) => tracing::debug!("host edits: {shown:?}"),
+        Ok(Err(e)) => {
+            tracing::debug!("host edits not shown: {e}");
+            *agent = None;
+        }
+        Err(_) => {
+            tracing::debug!("host edits not shown: no answer within {AGENT_TIMEOUT:?}");
+            *agent = None;
+        }
+    }
+}
+
+/// The paths sent lately, to tell the agent's touches from the host's own changes.
+#[derive(Debug, Default)]
+struct Echoes {
+    sent: HashMap<PathBuf, Instant>,
+}
+
+impl Echoes {
+    /// The changes to send: all but attribute-only changes of paths sent within
+    /// [`ECHO_WINDOW`]. Those to send are remembered as sent at `now`.
+    fn without_echoes(&mut self, changes: Changes, now: Instant) -> Vec<(PathBuf, EditKind)> {
+        self.sent
+            .retain(|_, at| now.saturating_duration_since(*at) < ECHO_WINDOW);
+        let to_send: Vec<(PathBuf, EditKind)> = changes
+            .edits
+            .into_iter()
+            .filter(|((path, _), attributes_only)| {
+                !(*attributes_only && self.sent.contains_key(path))
+            })
+            .map(|(key, _)| key)
+            .collect();
+        for (path, _) in &to_send {
+            self.sent.insert(path.clone(), now);
+        }
+        to_send
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changes(edits: &[(&str, EditKind, bool)]) -> Changes {
+        Changes {
+            edits: edits
+                .iter()
+                .map(|(path, kind, only)| ((PathBuf::from(path), *kind), *only))
+                .collect(),
+            overflowed: false,
+        }
+    }
+
+    #[test]
+    fn the_touch_of_a_sent_path_is_not_sent_back() {
+        let mut echoes = Echoes::default();
+        let at = Instant::now();
+        let sent = echoes.without_echoes(
+            changes(&[
+                ("/w/a.js", EditKind::Content, false),
+                ("/w", EditKind::Entries, false),
+                ("/w/b.js", EditKind::Content, true),
+            ]),
+            at,
+        );
+        assert_eq!(sent.len(), 3, "a first chmod is the host's: {sent:?}");
+        // The agent's touches come back as attribute changes: not sent again.
+        let echo = changes(&[
+            ("/w/a.js", EditKind::Content, true),
+            ("/w", EditKind::Content, true),
+            ("/w/b.js", EditKind::Content, true),
+        ]);
+        assert!(echoes
+            .without_echoes(echo, at + Duration::from_secs(1))
+            .is_empty());
+        // A new write of a sent path is sent.
+        let write = changes(&[("/w/a.js", EditKind::Content, false)]);
+        assert_eq!(
+            echoes.without_echoes(write, at + Duration::from_secs(2)),
+            [(PathBuf::from("/w/a.js"), EditKind::Content)]
+        );
+        // After the window, a chmod is the host's again.
+        let later = at + Duration::from_secs(2) + ECHO_WINDOW;
+        let chmod = changes(&[("/w/a.js", EditKind::Content, true)]);
+        assert_eq!(echoes.without_echoes(chmod, later).len(), 1);
+        assert_eq!(echoes.sent.len(), 1, "old entries are dropped");
+    }
+
+    #[test]
+    fn the_variable_turns_it_off() {
+        assert!(!turned_off(None));
+        assert!(!turned_off(Some("1")));
+        for off in ["0", "off", " no ", "false"] {
+            assert!(turned_off(Some(off)), "{off}");
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! A recursive inotify watch over host directories, read as batches of changes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsStr;
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use guest_agent::protocol::EditKind;
+use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
+
+/// The events of a watched directory that matter to a guest's file watchers. Links
+/// are never followed: a share's links may point anywhere on the host.
+const WATCHED: WatchFlags = WatchFlags::MODIFY
+    .union(WatchFlags::CLOSE_WRITE)
+    .union(WatchFlags::ATTRIB)
+    .union(WatchFlags::CREATE)
+    .union(WatchFlags::DELETE)
+    .union(WatchFlags::MOVED_FROM)
+    .union(WatchFlags::MOVED_TO)
+    .union(WatchFlags::DONT_FOLLOW)
+    .union(WatchFlags::ONLYDIR)
+    .union(WatchFlags::EXCL_UNLINK);
+
+/// What changed in one read, by host path and kind.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Each changed path; `true` when only its attributes changed (a chmod, a touch:
+    /// what the guest's own touches of host edits look like here too).
+    pub edits: BTreeMap<(PathBuf, EditKind), bool>,
+    /// The kernel's queue overflowed: changes went unreported.
+    pub overflowed: bool,
+}
+
+impl Changes {
+    fn add(&mut self, path: PathBuf, kind: EditKind, attributes_only: bool) {
+        let only = self.edits.entry((path, kind)).or_insert(attributes_only);
+        *only &= attributes_only;
+    }
+}
+
+/// Directories watched, each by its inotify watch descriptor.
+pub struct TreeWatcher {
+    inotify: OwnedFd,
+    dirs: HashMap<i32, PathBuf>,
+    limit: usize,
+    /// Why some directories go unwatched, said once.
+    limit_reached: Option<String>,
+}
+
+impl TreeWatcher {
+    /// A watcher of at most `limit` directories.
+    pub fn new(limit: usize) -> io::Result<Self> {
+        let inotify = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK)?;
+        Ok(TreeWatcher {
+            inotify,
+            dirs: HashMap::new(),
+            limit,
+            limit_reached: None,
+        })
+    }
+
+    /// Directories watched now.
+    pub fn watched(&self) -> usize {
+        self.dirs.len()
+    }
+
+    /// Watches `root` and every directory below it, but for git's object store (which
+    /// no file watcher looks at, and which holds hundreds of directories). Returns why
+    /// some went unwatched, the first time that happens.
+    pub fn watch_tree(&mut self, root: &Path) -> Option<String> {
+        let mut pending = vec![root.to_path_buf()];
+        while let Some(dir) = pending.pop() {
+            if self.dirs.len() >= self.limit {
+                return self.reached(format!(
+                    "more than {} directories in the shares",
+                    self.limit
+                ));
+            }
+            match inotify::add_watch(&self.inotify, &dir, WATCHED) {
+                Ok(wd) => {
+                    self.dirs.insert(wd, dir.clone());
+                }
+                Err(rustix::io::Errno::NOSPC) => {
+                    return self.reached(format!(
+                        "the host's inotify watch limit is reached (fs.inotify.max_user_watches = {})",
+                        std::fs::read_to_string("/proc/sys/fs/inotify/max_user_watches")
+                            .map(|limit| limit.trim().to_string())
+                            .unwrap_or_else(|_| "?".into())
+                    ));
+                }
+                // Gone meanwhile, or unreadable: nothing below it to watch.
+                Err(_) => continue,
+            }
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let is_dir = entry.file_type().is_ok_and(|kind| kind.is_dir());
+                if is_dir && !is_git_objects(&dir, &entry.file_name()) {
+                    pending.push(entry.path());
+                }
+            }
+        }
+        None
+    }
+
+    fn reached(&mut self, why: String) -> Option<String> {
+        if self.limit_reached.is_some() {
+            return None;
+        }
+        self.limit_reached = Some(why.clone());
+        Some(why)
+    }
+
+    /// Waits up to `timeout` (forever with `None`) for changes; whether there are.
+    pub fn wait(&self, timeout: Option<Duration>) -> io::Result<bool> {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.inotify,
+            rustix::event::PollFlags::IN,
+        )];
+        let timeout = timeout
+            .map(rustix::event::Timespec::try_from)
+            .transpose()
+            .map_err(io::Error::other)?;
+        loop {
+            match rustix::event::poll(&mut fds, timeout.as_ref()) {
+                Ok(ready) => return Ok(ready > 0),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Reads every change reported so far into `changes`; a new directory is watched
+    /// too, with what is already below it.
+    pub fn read(&mut self, changes: &mut Changes) -> io::Result<Option<String>> {
+        let mut buf = [MaybeUninit::<u8>::uninit(); 16 * 1024];
+        let mut reader = inotify::Reader::new(self.inotify.as_fd(), &mut buf);
+        let mut new_dirs = Vec::new();
+        loop {
+            let event = match reader.next() {
+                Ok(event) => event,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let flags = event.events();
+            if flags.contains(ReadFlags::QUEUE_OVERFLOW) {
+                changes.overflowed = true;
+                continue;
+            }
+            if flags.contains(ReadFlags::IGNORED) {
+                self.dirs.remove(&event.wd());
+                continue;
+            }
+            let Some(dir) = self.dirs.get(&event.wd()).cloned() else {
+                continue;
+            };
+            let path = match event.file_name() {
+                Some(name) if !name.is_empty() => dir.join(OsStr::from_bytes(name.to_bytes())),
+                _ => dir.clone(),
+            };
+            let is_dir = flags.contains(ReadFlags::ISDIR);
+            let entries =
+                ReadFlags::CREATE | ReadFlags::DELETE | ReadFlags::MOVED_FROM | ReadFlags::MOVED_TO;
+            if flags.intersects(entries) {
+                changes.add(dir.clone(), EditKind::Entries, false);
+            }
+            if is_dir && flags.contains(ReadFlags::MOVED_FROM) {
+                // Its watches would report under the old name; moved back in, it is
+                // watched again under the new one.
+                forget_tree(&self.inotify, &mut self.dirs, &path);
+            }
+            if is_dir && flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO) {
+                new_dirs.push(path.clone());
+            }
+            if flags.intersects(ReadFlags::MODIFY | ReadFlags::CLOSE_WRITE) {
+                changes.add(path.clone(), EditKind::Content, false);
+            }
+            if flags.contains(ReadFlags::ATTRIB) {
+                changes.add(path, EditKind::Content, true);
+            }
+        }
+        let mut unwatched = None;
+        for dir in new_dirs {
+            unwatched = unwatched.or(self.watch_tree(&dir));
+        }
+        Ok(unwatched)
+    }
+}
+
+/// Stops watching `root` and the directories below it.
+fn forget_tree(inotify: &OwnedFd, dirs: &mut HashMap<i32, PathBuf>, root: &Path) {
+    let gone: Vec<i32> = dirs
+        .iter()
+        .filter(|(_, dir)| dir.starts_with(root))
+        .map(|(wd, _)| *wd)
+        .collect();
+    for wd in gone {
+        dirs.remove(&wd);
+        let _ = inotify::remove_watch(inotify, wd);
+    }
+}
+
+fn is_git_objects(dir: &Path, name: &OsStr) -> bool {
+    name == "objects" && dir.file_name().is_some_and(|parent| parent == ".git")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads until `want` holds, or fails after 5 s with what was seen.
+    fn read_until(watcher: &mut TreeWatcher, want: impl Fn(&Changes) -> bool) -> Changes {
+        let mut changes = Changes::default();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !want(&changes) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not seen; seen {changes:?}"
+            );
+            watcher.wait(Some(Duration::from_millis(100))).unwrap();
+            watcher.read(&mut changes).unwrap();
+        }
+        changes
+    }
+
+    /// Reads what is still coming (the close after a write).
+    fn drain(watcher: &mut TreeWatcher) {
+        while watcher.wait(Some(Duration::from_millis(100))).unwrap() {
+            watcher.read(&mut Changes::default()).unwrap();
+        }
+    }
+
+    fn has(changes: &Changes, path: &Path, kind: EditKind, attributes_only: bool) -> bool {
+        changes.edits.get(&(path.to_path_buf(), kind)) == Some(&attributes_only)
+    }
+
+    #[test]
+    fn writes_attributes_and_entries_are_reported_by_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        std::fs::create_dir_all(root.join("src/deep")).unwrap();
+        std::fs::write(root.join("src/deep/a.js"), "a").unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        assert_eq!(watcher.watched(), 3);
+
+        std::fs::write(root.join("src/deep/a.js"), "b").unwrap();
+        let a = root.join("src/deep/a.js");
+        read_until(&mut watcher, |c| has(c, &a, EditKind::Content, false));
+
+        drain(&mut watcher);
+        let file = std::fs::File::open(&a).unwrap();
+        // Both times (as `touch` and the guest agent set them): only mtime would be
+        // reported as a modification.
+        let now = std::time::SystemTime::now();
+        let times = std::fs::FileTimes::new()
+            .set_accessed(now)
+            .set_modified(now);
+        file.set_times(times).unwrap();
+        read_until(&mut watcher, |c| has(c, &a, EditKind::Content, true));
+
+        std::fs::remove_file(&a).unwrap();
+        read_until(&mut watcher, |c| {
+            has(c, &root.join("src/deep"), EditKind::Entries, false)
+        });
+
+        // A new directory is watched, with what was made in it meanwhile.
+        std::fs::create_dir_all(root.join("new/inner")).unwrap();
+        read_until(&mut watcher, |c| has(c, &root, EditKind::Entries, false));
+        std::fs::write(root.join("new/inner/b.js"), "b").unwrap();
+        let b = root.join("new/inner/b.js");
+        read_until(&mut watcher, |c| has(c, &b, EditKind::Content, false));
+    }
+
+    #[test]
+    fn a_moved_directory_reports_under_its_new_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        std::fs::create_dir_all(root.join("old/inner")).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        watcher.watch_tree(&root);
+        std::fs::rename(root.join("old"), root.join("new")).unwrap();
+        read_until(&mut watcher, |c| has(c, &root, EditKind::Entries, false));
+        std::fs::write(root.join("new/inner/c.js"), "c").unwrap();
+        let c_js = root.join("new/inner/c.js");
+        let changes = read_until(&mut watcher, |c| has(c, &c_js, EditKind::Content, false));
+        assert!(changes
+            .edits
+            .keys()
+            .all(|(path, _)| !path.starts_with(root.join("old"))));
+        assert_eq!(watcher.watched(), 3);
+    }
+
+    #[test]
+    fn links_git_objects_and_directories_past_the_limit_are_not_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("share");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root.join(".git/objects/ab")).unwrap();
+        std::fs::create_dir_all(root.join(".git/refs")).unwrap();
+        std::fs::create_dir_all(outside.join("deep")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        let mut watched: Vec<PathBuf> = watcher.dirs.values().cloned().collect();
+        watched.sort();
+        assert_eq!(
+            watched,
+            [root.clone(), root.join(".git"), root.join(".git/refs")]
+        );
+
+        let mut small = TreeWatcher::new(2).unwrap();
+        let why = small.watch_tree(&root).unwrap();
+        assert!(why.contains("more than 2 directories"), "{why}");
+        assert_eq!(small.watched(), 2);
+        // Said once.
+        assert_eq!(small.watch_tree(&outside), None);
+    }
+}

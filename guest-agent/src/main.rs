@@ -83,7 +83,7 @@ fn main() -> ExitCode {
         .with_ansi(false)
         .with_target(false)
         .init();
-    // After the logger: a guest kernel without fanotify is said.
+    // After the logger: a guest that cannot watch its own writes is said.
     config.host_edits = Arc::new(HostEditTarget::for_shares(writable_shares));
 
     let runtime = match tokio::runtime::Builder::new_current_thread()

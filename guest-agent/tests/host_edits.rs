@@ -3,11 +3,11 @@
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guest_agent::client::connect_unix;
-use guest_agent::host_edits::{HostEditTarget, RecentWrites};
+use guest_agent::host_edits::{GuestWrites, HostEditTarget};
 use guest_agent::protocol::{
     encode_frame, AgentMessage, ClientMessage, EditKind, EditsShown, FrameReader, Hello, HostEdit,
     PROTOCOL_VERSION,
@@ -41,15 +41,23 @@ async fn batches_of_host_edits_are_shown_on_one_connection() {
         std::fs::write(share.join(name), name).unwrap();
         set_old_mtime(&share.join(name));
     }
-    let recent = Arc::new(Mutex::new(RecentWrites::default()));
-    recent
-        .lock()
-        .unwrap()
-        .record(&share.join("mine.js"), Instant::now());
+    // The guest's write (this process stands for it) in a watched directory.
+    let writes = GuestWrites::start().unwrap();
+    writes.watch(&share);
+    std::fs::write(share.join("mine.js"), "mine").unwrap();
+    set_old_mtime(&share.join("mine.js"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !writes.wrote(&share.join("mine.js"), EditKind::Content, Instant::now()) {
+        assert!(
+            Instant::now() < deadline,
+            "the guest's write was not recorded"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let socket = dir.path().join("agent.sock");
     let listener = server::Listener::bind(&ListenAddr::Unix(socket.clone())).unwrap();
     let config = ServerConfig {
-        host_edits: Arc::new(HostEditTarget::new(vec![share.clone()], Some(recent))),
+        host_edits: Arc::new(HostEditTarget::new(vec![share.clone()], Some(writes))),
         ..Default::default()
     };
     tokio::spawn(server::serve(listener, config));

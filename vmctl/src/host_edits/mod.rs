@@ -196,7 +196,7 @@ mod tests {
                 .iter()
                 .map(|(path, kind, only)| ((PathBuf::from(path), *kind), *only))
                 .collect(),
-            overflowed: false,
+            ..Changes::default()
         }
     }
 

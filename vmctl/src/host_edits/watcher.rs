@@ -1,6 +1,6 @@
 //! A recursive inotify watch over host directories, read as batches of changes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::io;
 use std::mem::MaybeUninit;
@@ -33,6 +33,11 @@ pub struct Changes {
     pub edits: BTreeMap<(PathBuf, EditKind), bool>,
     /// The kernel's queue overflowed: changes went unreported.
     pub overflowed: bool,
+    /// Entries that appeared (made, or renamed into place): their content needs no
+    /// report of its own, as no watcher in the guest can have watched them yet and
+    /// their directory's report shows them (a guest creating 1,000 files so costs
+    /// 1,000 fewer reports).
+    pub(super) arrived: BTreeSet<PathBuf>,
 }
 
 impl Changes {
@@ -72,6 +77,11 @@ impl TreeWatcher {
     /// no file watcher looks at, and which holds hundreds of directories). Returns why
     /// some went unwatched, the first time that happens.
     pub fn watch_tree(&mut self, root: &Path) -> Option<String> {
+        self.watch_tree_noting(root, &mut Vec::new())
+    }
+
+    /// [`Self::watch_tree`], adding each directory it watches to `added`.
+    fn watch_tree_noting(&mut self, root: &Path, added: &mut Vec<PathBuf>) -> Option<String> {
         let mut pending = vec![root.to_path_buf()];
         while let Some(dir) = pending.pop() {
             if self.dirs.len() >= self.limit {
@@ -83,6 +93,7 @@ impl TreeWatcher {
             match inotify::add_watch(&self.inotify, &dir, WATCHED) {
                 Ok(wd) => {
                     self.dirs.insert(wd, dir.clone());
+                    added.push(dir.clone());
                 }
                 Err(rustix::io::Errno::NOSPC) => {
                     return self.reached(format!(
@@ -136,7 +147,8 @@ impl TreeWatcher {
     }
 
     /// Reads every change reported so far into `changes`; a new directory is watched
-    /// too, with what is already below it.
+    /// too, with what is already below it, and each directory so watched counts as
+    /// changed entries: what was made in it before its watch was reported by none.
     pub fn read(&mut self, changes: &mut Changes) -> io::Result<Option<String>> {
         let mut buf = [MaybeUninit::<u8>::uninit(); 16 * 1024];
         let mut reader = inotify::Reader::new(self.inotify.as_fd(), &mut buf);
@@ -170,6 +182,9 @@ impl TreeWatcher {
             if flags.intersects(entries) {
                 changes.add(dir.clone(), EditKind::Entries, false);
             }
+            if flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO) {
+                changes.arrived.insert(path.clone());
+            }
             if is_dir && flags.contains(ReadFlags::MOVED_FROM) {
                 // Its watches would report under the old name; moved back in, it is
                 // watched again under the new one.
@@ -186,9 +201,17 @@ impl TreeWatcher {
             }
         }
         let mut unwatched = None;
+        let mut added = Vec::new();
         for dir in new_dirs {
-            unwatched = unwatched.or(self.watch_tree(&dir));
+            unwatched = unwatched.or(self.watch_tree_noting(&dir, &mut added));
         }
+        for dir in added {
+            changes.add(dir, EditKind::Entries, false);
+        }
+        let arrived = &changes.arrived;
+        changes
+            .edits
+            .retain(|(path, kind), _| *kind == EditKind::Entries || !arrived.contains(path));
         Ok(unwatched)
     }
 }
@@ -270,12 +293,39 @@ mod tests {
             has(c, &root.join("src/deep"), EditKind::Entries, false)
         });
 
-        // A new directory is watched, with what was made in it meanwhile.
+        // A new directory is watched, with what was made in it meanwhile, and is
+        // reported as changed entries (a file made in it before its watch would go
+        // unreported otherwise).
         std::fs::create_dir_all(root.join("new/inner")).unwrap();
-        read_until(&mut watcher, |c| has(c, &root, EditKind::Entries, false));
+        read_until(&mut watcher, |c| {
+            has(c, &root, EditKind::Entries, false)
+                && has(c, &root.join("new"), EditKind::Entries, false)
+                && has(c, &root.join("new/inner"), EditKind::Entries, false)
+        });
         std::fs::write(root.join("new/inner/b.js"), "b").unwrap();
-        let b = root.join("new/inner/b.js");
-        read_until(&mut watcher, |c| has(c, &b, EditKind::Content, false));
+        let inner = root.join("new/inner");
+        read_until(&mut watcher, |c| has(c, &inner, EditKind::Entries, false));
+    }
+
+    #[test]
+    fn a_new_files_content_is_reported_by_its_directory_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        watcher.watch_tree(&root);
+        std::fs::write(root.join("made.js"), "m").unwrap();
+        std::fs::write(root.join("temp"), "t").unwrap();
+        std::fs::rename(root.join("temp"), root.join("saved.js")).unwrap();
+        // Read together, as a batch is: the directory, and no file.
+        std::thread::sleep(Duration::from_millis(50));
+        let mut changes = Changes::default();
+        watcher.read(&mut changes).unwrap();
+        let edits: Vec<_> = changes.edits.keys().cloned().collect();
+        assert_eq!(edits, [(root.clone(), EditKind::Entries)]);
+        // A later write of a file that was there is reported.
+        std::fs::write(root.join("made.js"), "again").unwrap();
+        let made = root.join("made.js");
+        read_until(&mut watcher, |c| has(c, &made, EditKind::Content, false));
     }
 
     #[test]
@@ -287,9 +337,10 @@ mod tests {
         watcher.watch_tree(&root);
         std::fs::rename(root.join("old"), root.join("new")).unwrap();
         read_until(&mut watcher, |c| has(c, &root, EditKind::Entries, false));
+        drain(&mut watcher);
         std::fs::write(root.join("new/inner/c.js"), "c").unwrap();
-        let c_js = root.join("new/inner/c.js");
-        let changes = read_until(&mut watcher, |c| has(c, &c_js, EditKind::Content, false));
+        let inner = root.join("new/inner");
+        let changes = read_until(&mut watcher, |c| has(c, &inner, EditKind::Entries, false));
         assert!(changes
             .edits
             .keys()

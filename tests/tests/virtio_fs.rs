@@ -347,12 +347,15 @@ setTimeout(finish, 60000);
     )
     .unwrap();
     let ready = probe.join("signals/ready");
+    // Stops waiting when the guest's command has ended (a lost VM must fail the step
+    // at once, for the retry, not after the editor's own timeout).
+    let exec_ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let editor = std::thread::spawn({
         let probe = probe.clone();
+        let exec_ended = exec_ended.clone();
         move || {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
             while !ready.exists() {
-                if std::time::Instant::now() > deadline {
+                if exec_ended.load(std::sync::atomic::Ordering::SeqCst) {
                     return false;
                 }
                 std::thread::sleep(std::time::Duration::from_millis(50));
@@ -363,8 +366,10 @@ setTimeout(finish, 60000);
         }
     });
     let watcher = ws.exec("node watch-probe/watch.js \"$PWD/watch-probe\"");
-    assert!(editor.join().unwrap(), "the guest's watcher never started");
+    exec_ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    let edited = editor.join().unwrap();
     assert_ok(&watcher, "node fs.watch in the guest");
+    assert!(edited, "the guest's watcher never started");
     let seen = stdout(&watcher);
     assert!(
         seen.contains("\"edit\":true") && seen.contains("\"created\":true"),

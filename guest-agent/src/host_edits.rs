@@ -277,7 +277,7 @@ impl HostEditTarget {
         let now = Instant::now();
         let mut shown = EditsShown::default();
         for edit in edits {
-            let path = Path::new(OsStr::from_bytes(&edit.path));
+            let path = edit.path();
             let Some(located) = self.within_roots(path) else {
                 shown.failed += 1;
                 continue;
@@ -483,13 +483,6 @@ mod tests {
         std::fs::symlink_metadata(path).unwrap().mtime()
     }
 
-    fn edit(path: &Path, kind: EditKind) -> HostEdit {
-        HostEdit {
-            path: path.as_os_str().as_bytes().to_vec(),
-            kind,
-        }
-    }
-
     #[test]
     fn host_edits_are_touched_but_not_through_links_or_outside_the_shares() {
         let dir = tempfile::tempdir().unwrap();
@@ -510,13 +503,13 @@ mod tests {
         }
         let target = HostEditTarget::new(vec![share.clone()], None);
         let shown = target.show(&[
-            edit(&share.join("src/a.js"), EditKind::Content),
-            edit(&share.join("src"), EditKind::Entries),
-            edit(&share.join("link/secret"), EditKind::Content),
-            edit(&share.join("file-link"), EditKind::Content),
-            edit(&share.join("src/../../outside/secret"), EditKind::Content),
-            edit(&outside.join("secret"), EditKind::Content),
-            edit(&share.join("src/gone.js"), EditKind::Content),
+            HostEdit::new(&share.join("src/a.js"), EditKind::Content),
+            HostEdit::new(&share.join("src"), EditKind::Entries),
+            HostEdit::new(&share.join("link/secret"), EditKind::Content),
+            HostEdit::new(&share.join("file-link"), EditKind::Content),
+            HostEdit::new(&share.join("src/../../outside/secret"), EditKind::Content),
+            HostEdit::new(&outside.join("secret"), EditKind::Content),
+            HostEdit::new(&share.join("src/gone.js"), EditKind::Content),
         ]);
         assert_eq!(
             shown,
@@ -553,7 +546,7 @@ mod tests {
         let writes = GuestWrites::start().unwrap();
         let target = HostEditTarget::new(vec![share.clone()], Some(writes.clone()));
         // The host's first report from src/ is shown, and src/ is watched from then on.
-        let first = target.show(&[edit(&share.join("src/app.js"), EditKind::Content)]);
+        let first = target.show(&[HostEdit::new(&share.join("src/app.js"), EditKind::Content)]);
         assert_eq!(first.shown, 1);
         // The guest writes there (this process stands for it): not touched again.
         std::fs::write(share.join("src/app.js"), "v2").unwrap();
@@ -562,9 +555,9 @@ mod tests {
         until_recorded(&writes, &share.join("src"), EditKind::Entries);
         old_times(&share.join("src/app.js"));
         let echo = target.show(&[
-            edit(&share.join("src/app.js"), EditKind::Content),
-            edit(&share.join("src"), EditKind::Entries),
-            edit(&share.join("src/new.js"), EditKind::Content),
+            HostEdit::new(&share.join("src/app.js"), EditKind::Content),
+            HostEdit::new(&share.join("src"), EditKind::Entries),
+            HostEdit::new(&share.join("src/new.js"), EditKind::Content),
         ]);
         assert_eq!(
             echo,
@@ -577,7 +570,7 @@ mod tests {
         assert_eq!(mtime(&share.join("src/app.js")), 1_000_000_000);
         // The agent's own touches are no guest writes: the next host edit is shown.
         std::thread::sleep(GUEST_WRITE_MEMORY);
-        let next = target.show(&[edit(&share.join("src/app.js"), EditKind::Content)]);
+        let next = target.show(&[HostEdit::new(&share.join("src/app.js"), EditKind::Content)]);
         assert_eq!(next.shown, 1);
         // A directory never reported is not watched: its writes are not known.
         std::fs::create_dir(share.join("other")).unwrap();

@@ -145,6 +145,22 @@ pub struct HostEdit {
     pub kind: EditKind,
 }
 
+impl HostEdit {
+    pub fn new(path: &std::path::Path, kind: EditKind) -> HostEdit {
+        use std::os::unix::ffi::OsStrExt;
+        HostEdit {
+            path: path.as_os_str().as_bytes().to_vec(),
+            kind,
+        }
+    }
+
+    /// The guest path, as the bytes it was sent as.
+    pub fn path(&self) -> &std::path::Path {
+        use std::os::unix::ffi::OsStrExt;
+        std::path::Path::new(std::ffi::OsStr::from_bytes(&self.path))
+    }
+}
+
 /// What changed at a [`HostEdit`]'s path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum EditKind {

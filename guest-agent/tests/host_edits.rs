@@ -1,6 +1,5 @@
 //! `HostEdits` through the agent: batches on one connection, each answered.
 
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -14,13 +13,6 @@ use guest_agent::protocol::{
 };
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::AsyncWriteExt;
-
-fn edit(path: &Path, kind: EditKind) -> HostEdit {
-    HostEdit {
-        path: path.as_os_str().as_bytes().to_vec(),
-        kind,
-    }
-}
 
 fn set_old_mtime(path: &Path) {
     let file = std::fs::File::options().write(true).open(path).unwrap();
@@ -65,9 +57,9 @@ async fn batches_of_host_edits_are_shown_on_one_connection() {
     let mut connection = connect_unix(&socket).await.unwrap();
     let first = connection
         .show_host_edits(vec![
-            edit(&share.join("host.js"), EditKind::Content),
-            edit(&share.join("mine.js"), EditKind::Content),
-            edit(&dir.path().join("agent.sock"), EditKind::Content),
+            HostEdit::new(&share.join("host.js"), EditKind::Content),
+            HostEdit::new(&share.join("mine.js"), EditKind::Content),
+            HostEdit::new(&dir.path().join("agent.sock"), EditKind::Content),
         ])
         .await
         .unwrap();
@@ -83,7 +75,10 @@ async fn batches_of_host_edits_are_shown_on_one_connection() {
     assert_eq!(mtime(&share.join("mine.js")), 1_000_000_000);
     // The same connection takes the next batch.
     let second = connection
-        .show_host_edits(vec![edit(&share.join("later.js"), EditKind::Content)])
+        .show_host_edits(vec![HostEdit::new(
+            &share.join("later.js"),
+            EditKind::Content,
+        )])
         .await
         .unwrap();
     assert_eq!(second.shown, 1);
@@ -107,7 +102,10 @@ async fn another_request_after_host_edits_is_refused() {
     });
     for message in [
         hello,
-        ClientMessage::HostEdits(vec![edit(Path::new("/nowhere"), EditKind::Entries)]),
+        ClientMessage::HostEdits(vec![HostEdit::new(
+            Path::new("/nowhere"),
+            EditKind::Entries,
+        )]),
         ClientMessage::Health,
     ] {
         w.write_all(&encode_frame(&message).unwrap()).await.unwrap();

@@ -15,7 +15,6 @@
 mod watcher;
 
 use std::collections::HashMap;
-use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -101,13 +100,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
         let edits = echoes.without_echoes(changes, Instant::now());
         let edits: Vec<HostEdit> = edits
             .into_iter()
-            .filter_map(|(host, kind)| {
-                let guest = shares.guest_path_of(&host)?;
-                Some(HostEdit {
-                    path: guest.as_os_str().as_bytes().to_vec(),
-                    kind,
-                })
-            })
+            .filter_map(|(host, kind)| Some(HostEdit::new(&shares.guest_path_of(&host)?, kind)))
             .collect();
         for batch in edits.chunks(MAX_BATCH) {
             runtime.block_on(send(&vsock, &mut agent, batch.to_vec()));
@@ -132,7 +125,7 @@ async fn send(
         "host edits: {:?}",
         batch
             .iter()
-            .map(|edit| (String::from_utf8_lossy(&edit.path), edit.kind))
+            .map(|edit| (edit.path().display().to_string(), edit.kind))
             .collect::<Vec<_>>()
     );
     let sent = tokio::time::timeout(AGENT_TIMEOUT, async {

@@ -603,6 +603,24 @@ mod tests {
         assert!(!dir.path().join("fs0.sock").exists());
     }
 
+    /// Starts `binary` as root for the one share at `path`, with its socket and log in
+    /// `dir`; the start must be refused, leaving no socket. Returns the error.
+    fn refused_start(binary: &Path, path: &Path, dir: &Path) -> String {
+        let error = start_as(
+            binary,
+            &[share(path, false)],
+            dir,
+            dir,
+            true,
+            CachePolicy::default(),
+        )
+        .err()
+        .expect("the start is refused")
+        .to_string();
+        assert!(!dir.join("fs0.sock").exists(), "a daemon was left running");
+        error
+    }
+
     /// A share whose path now passes through a link is not served: no virtiofsd starts.
     #[test]
     fn a_share_whose_path_became_a_link_is_not_served() {
@@ -611,17 +629,7 @@ mod tests {
         let fake = fake_virtiofsd(&root, "exit 3");
         std::fs::create_dir(root.join("elsewhere")).unwrap();
         std::os::unix::fs::symlink(root.join("elsewhere"), root.join("data")).unwrap();
-        let error = start_as(
-            &fake,
-            &[share(&root.join("data"), false)],
-            &root,
-            &root,
-            true,
-            CachePolicy::default(),
-        )
-        .err()
-        .expect("the start is refused")
-        .to_string();
+        let error = refused_start(&fake, &root.join("data"), &root);
         assert!(
             error.starts_with(&format!(
                 "the share {} now leads to {}",
@@ -630,28 +638,16 @@ mod tests {
             )),
             "{error}"
         );
-        assert!(!root.join("fs0.sock").exists(), "virtiofsd was started");
     }
 
     #[test]
     fn a_daemon_that_fails_to_start_is_reported_with_its_log() {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), "echo 'fake: boom' >&2; exit 3");
-        let error = start_as(
-            &fake,
-            &[share(dir.path(), false)],
-            dir.path(),
-            dir.path(),
-            true,
-            CachePolicy::default(),
-        )
-        .err()
-        .expect("the start-up fails")
-        .to_string();
+        let error = refused_start(&fake, dir.path(), dir.path());
         assert!(error.contains("exit status: 3"), "{error}");
         assert!(error.contains("fake: boom"), "{error}");
         assert!(error.contains(&dir.path().display().to_string()), "{error}");
-        assert!(!dir.path().join("fs0.sock").exists());
     }
 
     #[test]
@@ -711,27 +707,13 @@ mod tests {
         std::fs::set_permissions(&racer, std::fs::Permissions::from_mode(0o755)).unwrap();
         let state = root.join("state");
         std::fs::create_dir(&state).unwrap();
-        let error = start_as(
-            &racer,
-            &[share(&workspace.join("sub/project"), false)],
-            &state,
-            &state,
-            true,
-            CachePolicy::default(),
-        )
-        .err()
-        .expect("the swapped share is refused")
-        .to_string();
+        let error = refused_start(&racer, &workspace.join("sub/project"), &state);
         assert!(
             error.starts_with(&format!(
                 "virtiofsd for the share {} got another directory",
                 workspace.join("sub/project").display()
             )),
             "{error}"
-        );
-        assert!(
-            !state.join("fs0.sock").exists(),
-            "the daemon was left running"
         );
     }
 }

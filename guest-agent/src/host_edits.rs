@@ -552,6 +552,7 @@ mod tests {
         std::fs::write(share.join("src/app.js"), "v2").unwrap();
         std::fs::write(share.join("src/new.js"), "new").unwrap();
         until_recorded(&writes, &share.join("src/app.js"), EditKind::Content);
+        until_recorded(&writes, &share.join("src/new.js"), EditKind::Content);
         until_recorded(&writes, &share.join("src"), EditKind::Entries);
         old_times(&share.join("src/app.js"));
         let echo = target.show(&[

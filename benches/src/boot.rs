@@ -438,7 +438,7 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
              what count"
                 .to_string()
         });
-        let mut inner = measure_nested(&args, &tools, &out_dir)?;
+        let mut inner = measure_nested(&args, &tools)?;
         inner.mode = "nested".into();
         inner.note = Some(NESTED_NOTE.into());
         inner.measured_on = Some(inner.machine.clone());
@@ -715,10 +715,14 @@ fn hardware_target(name: &str) -> Option<f64> {
 }
 
 /// Re-runs this binary inside a fresh nested host and returns the report it wrote.
-fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, String> {
+fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
-    let inner_file = out_dir.join(INNER_FILE);
-    let _ = fs::remove_file(&inner_file);
+    // The only directory the nested host may write to, and one of its own: sharing
+    // `--out`'s directory instead would make all of it a share there, `/tmp` too,
+    // where the inner run's sockets could then not be bound.
+    let exchange = TempDir::unique("-nested");
+    fs::create_dir_all(&exchange.0).map_err(|e| format!("create {}: {e}", exchange.0.display()))?;
+    let inner_file = exchange.0.join(INNER_FILE);
     let mut cmd = Command::new(&tools.vmctl);
     cmd.args([
         "nested-exec",
@@ -728,7 +732,7 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         NESTED_HOST_MEMORY_MIB,
         "--writable",
     ])
-    .arg(out_dir)
+    .arg(&exchange.0)
     .arg("--")
     .arg(&exe)
     .arg("--inner")
@@ -874,7 +878,6 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
         let partial = fs::read_to_string(&inner_file)
             .ok()
             .and_then(|text| serde_json::from_str::<Report>(&text).ok());
-        let _ = fs::remove_file(&inner_file);
         match partial {
             Some(mut report) => {
                 let done = report.incomplete.take().unwrap_or_default();
@@ -925,7 +928,6 @@ fn measure_nested(args: &Args, tools: &Tools, out_dir: &Path) -> Result<Report, 
             inner_file.display()
         )
     })?;
-    let _ = fs::remove_file(&inner_file);
     serde_json::from_str(&text).map_err(|e| format!("{}: bad report: {e}", inner_file.display()))
 }
 

@@ -10,6 +10,7 @@ use std::io::{self, BufRead, Read};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -20,6 +21,7 @@ use crate::churn::ChurnBench;
 use crate::cold_start::ColdStartBench;
 use crate::egress::EgressBench;
 use crate::fs::FsBench;
+use crate::nested_retry;
 use crate::report::{
     hardware_kvm, ratios, utc_now, BootConfig, Config, Figure, Machine, Ratio, Report, NESTED_NOTE,
     OURS, QEMU,
@@ -715,7 +717,61 @@ fn hardware_target(name: &str) -> Option<f64> {
 }
 
 /// Re-runs this binary inside a fresh nested host and returns the report it wrote.
+/// Measures inside the nested host; where the nested host itself is lost (the
+/// emulation's known problem), the sections not measured yet run again in a fresh
+/// one ([`crate::nested_retry`]).
 fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
+    let mut merged: Option<Report> = None;
+    let mut sections = args.sections.clone();
+    for attempt in 1..=nested_retry::ATTEMPTS {
+        let run = run_nested(args, tools, &sections)?;
+        if let Some(report) = run.report {
+            match &mut merged {
+                Some(merged) => nested_retry::merge(merged, report),
+                None => merged = Some(report),
+            }
+        }
+        sections = nested_retry::missing(&args.sections, merged.as_ref());
+        let Some(why) = run.failure else { break };
+        if sections.is_empty() {
+            break;
+        }
+        if !run.nested_host_lost || attempt == nested_retry::ATTEMPTS {
+            let note = nested_retry::incomplete_note(&why, &sections, attempt);
+            return match merged {
+                Some(mut report) => {
+                    say(format!("error: {note}; keeping what was measured"));
+                    report.incomplete = Some(note);
+                    Ok(report)
+                }
+                None => Err(note),
+            };
+        }
+        say(format!(
+            "the nested host was lost ({why}); measuring {} again in a fresh one (nested \
+             host {} of at most {})",
+            crate::sections::join(&sections, ", "),
+            attempt + 1,
+            nested_retry::ATTEMPTS
+        ));
+    }
+    let mut report = merged.ok_or("the nested run left no report")?;
+    report.incomplete = None;
+    Ok(report)
+}
+
+/// One run inside a nested host.
+struct NestedRun {
+    /// What it measured: all `sections` unless it failed, then those it finished.
+    report: Option<Report>,
+    /// Why it did not finish.
+    failure: Option<String>,
+    /// It lost the nested host itself (a stall, a reset, its kernel's crash), not a
+    /// guest in it: worth running again.
+    nested_host_lost: bool,
+}
+
+fn run_nested(args: &Args, tools: &Tools, sections: &[Section]) -> Result<NestedRun, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     // The only directory the nested host may write to, and one of its own: sharing
     // `--out`'s directory instead would make all of it a share there, `/tmp` too,
@@ -774,7 +830,7 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
     if args.quick {
         cmd.arg("--quick");
     }
-    cmd.args(["--only", &crate::sections::to_arg(&args.sections)]);
+    cmd.args(["--only", &crate::sections::to_arg(sections)]);
     if let Some(policy) = &args.fs_cache {
         cmd.args(["--fs-cache", policy]);
     }
@@ -802,6 +858,8 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
     // Relayed to our stderr; the time of the last line tells a nested host that
     // stopped making progress (whose own timeouts then never fire) from a slow one.
     let last_output = Arc::new(Mutex::new(Instant::now()));
+    let nested_host_lost = Arc::new(AtomicBool::new(false));
+    let mut relays = Vec::new();
     for pipe in [
         child
             .stdout
@@ -816,15 +874,19 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
     .flatten()
     {
         let last_output = Arc::clone(&last_output);
-        thread::spawn(move || {
+        let nested_host_lost = Arc::clone(&nested_host_lost);
+        relays.push(thread::spawn(move || {
             for line in io::BufReader::new(pipe).lines() {
                 let Ok(line) = line else { break };
                 if let Ok(mut t) = last_output.lock() {
                     *t = Instant::now();
                 }
+                if nested_retry::says_nested_host_lost(&line) {
+                    nested_host_lost.store(true, Ordering::Relaxed);
+                }
                 eprintln!("{line}");
             }
-        });
+        }));
     }
     // The longest any one step may stay silent, with a margin.
     let silence_limit = [
@@ -874,18 +936,20 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
         + agent
         + churn;
     let started = Instant::now();
-    let salvage = |why: String| -> Result<Report, String> {
-        let partial = fs::read_to_string(&inner_file)
+    // What the nested run saved (after each section) and why it stopped.
+    let failed = |why: String, lost: bool| -> NestedRun {
+        let report = fs::read_to_string(&inner_file)
             .ok()
             .and_then(|text| serde_json::from_str::<Report>(&text).ok());
-        match partial {
-            Some(mut report) => {
-                let done = report.incomplete.take().unwrap_or_default();
-                say(format!("error: {why}; keeping what it measured ({done})"));
-                report.incomplete = Some(format!("{why} ({done})"));
-                Ok(report)
-            }
-            None => Err(why),
+        let done = report
+            .as_ref()
+            .and_then(|r| r.incomplete.clone())
+            .unwrap_or_else(|| "it saved nothing".into());
+        say(format!("error: {why} ({done})"));
+        NestedRun {
+            report,
+            failure: Some(why),
+            nested_host_lost: lost,
         }
     };
     let status = loop {
@@ -893,19 +957,27 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
             break s;
         }
         let silent = last_output.lock().map(|t| t.elapsed()).unwrap_or_default();
+        // Stopped making progress is the nested host lost; running over the time
+        // budget may be a slow step, which a second run would repeat.
         let stuck = if started.elapsed() > limit {
-            Some(format!("did not finish within {} s", limit.as_secs()))
+            Some((
+                format!("did not finish within {} s", limit.as_secs()),
+                false,
+            ))
         } else if silent > silence_limit {
-            Some(format!(
-                "printed nothing for {} s, longer than any step may take: the nested host \
-                 stopped making progress (README: known problem; scripts/nested-monitor shows \
-                 its vCPUs while it runs)",
-                silent.as_secs()
+            Some((
+                format!(
+                    "printed nothing for {} s, longer than any step may take: the nested host \
+                     stopped making progress (README: known problem; scripts/nested-monitor shows \
+                     its vCPUs while it runs)",
+                    silent.as_secs()
+                ),
+                true,
             ))
         } else {
             None
         };
-        if let Some(why) = stuck {
+        if let Some((why, lost)) = stuck {
             // SIGTERM first: vmctl then stops its QEMU.
             let _ = Command::new("kill")
                 .args(["-TERM", &child.id().to_string()])
@@ -913,13 +985,20 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
             thread::sleep(Duration::from_secs(10));
             let _ = child.kill();
             let _ = child.wait();
-            return salvage(format!("the nested run {why}; killed"));
+            return Ok(failed(format!("the nested run {why}; killed"), lost));
         }
         thread::sleep(Duration::from_millis(100));
     };
+    // vmctl's last lines, which say whether it lost the nested host, may still be on
+    // their way through the relays.
+    let relayed_by = Instant::now() + Duration::from_secs(5);
+    while relays.iter().any(|r| !r.is_finished()) && Instant::now() < relayed_by {
+        thread::sleep(Duration::from_millis(20));
+    }
     if !status.success() {
-        return salvage(format!(
-            "the benchmark failed inside the nested host ({status}); see above"
+        return Ok(failed(
+            format!("the benchmark failed inside the nested host ({status}); see above"),
+            nested_host_lost.load(Ordering::Relaxed),
         ));
     }
     let text = fs::read_to_string(&inner_file).map_err(|e| {
@@ -928,7 +1007,13 @@ fn measure_nested(args: &Args, tools: &Tools) -> Result<Report, String> {
             inner_file.display()
         )
     })?;
-    serde_json::from_str(&text).map_err(|e| format!("{}: bad report: {e}", inner_file.display()))
+    let report = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: bad report: {e}", inner_file.display()))?;
+    Ok(NestedRun {
+        report: Some(report),
+        failure: None,
+        nested_host_lost: false,
+    })
 }
 
 fn command_argv(cmd: &Command) -> Vec<String> {

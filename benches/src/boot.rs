@@ -779,74 +779,7 @@ fn run_nested(args: &Args, tools: &Tools, sections: &[Section]) -> Result<Nested
     let exchange = TempDir::unique("-nested");
     fs::create_dir_all(&exchange.0).map_err(|e| format!("create {}: {e}", exchange.0.display()))?;
     let inner_file = exchange.0.join(INNER_FILE);
-    let mut cmd = Command::new(&tools.vmctl);
-    cmd.args([
-        "nested-exec",
-        "--cpus",
-        NESTED_HOST_CPUS,
-        "--memory",
-        NESTED_HOST_MEMORY_MIB,
-        "--writable",
-    ])
-    .arg(&exchange.0)
-    .arg("--")
-    .arg(&exe)
-    .arg("--inner")
-    .arg(&inner_file);
-    let n = |v: u64| v.to_string();
-    cmd.args([
-        "--runs",
-        &n(args.runs as u64),
-        "--memory-runs",
-        &n(args.memory_runs as u64),
-    ])
-    .args(["--timeout", &n(args.timeout.as_secs())])
-    .args([
-        "--ready-runs",
-        &n(args.ready_runs as u64),
-        "--cold-runs",
-        &n(args.cold_runs as u64),
-        "--exec-iterations",
-        &n(args.exec_iterations as u64),
-        "--cli-iterations",
-        &n(args.cli_iterations as u64),
-        "--churn-cycles",
-        &n(args.churn_cycles as u64),
-        "--fs-timeout",
-        &n(args.fs_timeout.as_secs()),
-    ])
-    .arg("--kernel")
-    .arg(&tools.kernel)
-    .arg("--initrd")
-    .arg(&tools.initrd)
-    .arg("--vmctl")
-    .arg(&tools.vmctl)
-    .arg("--qemu")
-    .arg(&tools.qemu)
-    .arg("--agent-initrd")
-    .arg(&tools.agent_initrd)
-    .arg("--rootfs")
-    .arg(&tools.rootfs);
-    if args.quick {
-        cmd.arg("--quick");
-    }
-    cmd.args(["--only", &crate::sections::to_arg(sections)]);
-    if let Some(policy) = &args.fs_cache {
-        cmd.args(["--fs-cache", policy]);
-    }
-    // Only the sizes given: the inner run picks the nested host's defaults (and the
-    // same boot configurations as this run).
-    for (flag, v) in [
-        ("--cpus", args.cpus_given.map(u64::from)),
-        ("--memory", args.memory_given),
-        ("--fs-mib", args.fs_mib),
-        ("--fs-files", args.fs_files),
-        ("--fs-runs", args.fs_runs.map(|r| r as u64)),
-    ] {
-        if let Some(v) = v {
-            cmd.args([flag, &n(v)]);
-        }
-    }
+    let mut cmd = nested_command(args, tools, sections, &exe, &exchange.0);
     // Our stdout carries only the JSON: anything the nested host prints goes to stderr.
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -1014,6 +947,86 @@ fn run_nested(args: &Args, tools: &Tools, sections: &[Section]) -> Result<Nested
         failure: None,
         nested_host_lost: false,
     })
+}
+
+/// `vmctl nested-exec` running this binary (`exe`) for `sections`, with the only
+/// writable share `exchange`, where the inner run leaves its report.
+fn nested_command(
+    args: &Args,
+    tools: &Tools,
+    sections: &[Section],
+    exe: &Path,
+    exchange: &Path,
+) -> Command {
+    let mut cmd = Command::new(&tools.vmctl);
+    cmd.args([
+        "nested-exec",
+        "--cpus",
+        NESTED_HOST_CPUS,
+        "--memory",
+        NESTED_HOST_MEMORY_MIB,
+        "--writable",
+    ])
+    .arg(exchange)
+    .arg("--")
+    .arg(exe)
+    .arg("--inner")
+    .arg(exchange.join(INNER_FILE));
+    let n = |v: u64| v.to_string();
+    cmd.args([
+        "--runs",
+        &n(args.runs as u64),
+        "--memory-runs",
+        &n(args.memory_runs as u64),
+    ])
+    .args(["--timeout", &n(args.timeout.as_secs())])
+    .args([
+        "--ready-runs",
+        &n(args.ready_runs as u64),
+        "--cold-runs",
+        &n(args.cold_runs as u64),
+        "--exec-iterations",
+        &n(args.exec_iterations as u64),
+        "--cli-iterations",
+        &n(args.cli_iterations as u64),
+        "--churn-cycles",
+        &n(args.churn_cycles as u64),
+        "--fs-timeout",
+        &n(args.fs_timeout.as_secs()),
+    ])
+    .arg("--kernel")
+    .arg(&tools.kernel)
+    .arg("--initrd")
+    .arg(&tools.initrd)
+    .arg("--vmctl")
+    .arg(&tools.vmctl)
+    .arg("--qemu")
+    .arg(&tools.qemu)
+    .arg("--agent-initrd")
+    .arg(&tools.agent_initrd)
+    .arg("--rootfs")
+    .arg(&tools.rootfs);
+    if args.quick {
+        cmd.arg("--quick");
+    }
+    cmd.args(["--only", &crate::sections::to_arg(sections)]);
+    if let Some(policy) = &args.fs_cache {
+        cmd.args(["--fs-cache", policy]);
+    }
+    // Only the sizes given: the inner run picks the nested host's defaults (and the
+    // same boot configurations as this run).
+    for (flag, v) in [
+        ("--cpus", args.cpus_given.map(u64::from)),
+        ("--memory", args.memory_given),
+        ("--fs-mib", args.fs_mib),
+        ("--fs-files", args.fs_files),
+        ("--fs-runs", args.fs_runs.map(|r| r as u64)),
+    ] {
+        if let Some(v) = v {
+            cmd.args([flag, &n(v)]);
+        }
+    }
+    cmd
 }
 
 fn command_argv(cmd: &Command) -> Vec<String> {
@@ -1823,6 +1836,44 @@ mod tests {
         let big = BootConfig::new(2, 1024);
         assert!(s(Vmm::Ours.argv(&tools, Path::new("/x"), big)).contains("--memory 1024 --cpus 2"));
         assert!(s(Vmm::Qemu.argv(&tools, Path::new("/x"), big)).contains("-m 1024 -smp 2"));
+    }
+
+    #[test]
+    fn the_nested_host_may_write_only_to_its_exchange_directory() {
+        let tools = Tools {
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            vmctl: "/v".into(),
+            qemu: "/q".into(),
+            agent_initrd: "/a".into(),
+            rootfs: "/r".into(),
+        };
+        // --out in /tmp itself: its directory must not become the share.
+        let a = args(&["--out", "/tmp/x.json", "--fs-mib", "4"]).unwrap();
+        let cmd = nested_command(
+            &a,
+            &tools,
+            &[Section::Fs, Section::Agent],
+            Path::new("/b/vm-bench"),
+            Path::new("/tmp/vm-bench-nested-1"),
+        );
+        let argv = command_argv(&cmd);
+        let writable: Vec<&str> = argv
+            .windows(2)
+            .filter(|w| w[0] == "--writable")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(writable, ["/tmp/vm-bench-nested-1"], "{argv:?}");
+        let line = shell_words(&argv);
+        assert!(
+            line.starts_with("/v nested-exec --cpus 2 --memory 4096 --writable /tmp/vm-bench-nested-1 -- /b/vm-bench --inner /tmp/vm-bench-nested-1/boot.inner.json "),
+            "{line}"
+        );
+        // Only the sections asked for, and the sizes given.
+        assert!(line.contains(" --only fs,agent"), "{line}");
+        assert!(line.contains(" --fs-mib 4"), "{line}");
+        assert!(!line.contains("--fs-files"), "{line}");
+        assert!(!line.contains("/tmp/x.json"), "{line}");
     }
 
     #[test]

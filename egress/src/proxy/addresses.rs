@@ -1,0 +1,82 @@
+//! The destinations the proxy never connects to, whatever the policy says.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// Why the proxy never connects to `ip`, if it is a loopback, private, link-local,
+/// shared, metadata, multicast, broadcast, reserved or unspecified address, or one
+/// of IPv6's forms of an IPv4 address that is (mapped, compatible, SIIT, NAT64 and
+/// 6to4; Teredo, whose IPv4 address is hidden, altogether).
+pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => forbidden_v4(v4),
+        IpAddr::V6(v6) => forbidden_v6(v6),
+    }
+}
+
+pub(super) fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, ..] = ip.octets();
+    if ip == Ipv4Addr::new(169, 254, 169, 254) {
+        Some("the cloud metadata address")
+    } else if ip.is_loopback() {
+        Some("a loopback address")
+    } else if a == 0 {
+        // 0.0.0.0/8: "this network", which Linux connects to the local host.
+        Some("an unspecified address")
+    } else if ip.is_private() {
+        Some("a private address")
+    } else if ip.is_link_local() {
+        Some("a link-local address")
+    } else if a == 100 && (b & 0xc0) == 64 {
+        Some("a shared (CGNAT) address")
+    } else if ip.is_multicast() {
+        Some("a multicast address")
+    } else if a >= 240 {
+        // 240.0.0.0/4, the broadcast address among them.
+        Some("a reserved address")
+    } else if a == 192 && b == 0 && ip.octets()[2] == 0 {
+        Some("an IETF protocol address (192.0.0.0/24)")
+    } else {
+        // Not 198.18.0.0/15 (benchmarking): "fake-IP" DNS proxies on the host
+        // (Clash, Surge, sing-box) answer every name with one of those.
+        None
+    }
+}
+
+pub(super) fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    let seg = ip.segments();
+    if ip == Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254) {
+        Some("the cloud metadata address")
+    } else if ip.is_unspecified() {
+        Some("an unspecified address")
+    } else if ip.is_loopback() {
+        Some("a loopback address")
+    } else if let Some(v4) = ip.to_ipv4_mapped() {
+        forbidden_v4(v4)
+    } else if seg[..6] == [0; 6]
+        || seg[..6] == [0, 0, 0, 0, 0xffff, 0]
+        || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+        || seg[..3] == [0x64, 0xff9b, 1]
+    {
+        // IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d), NAT64
+        // (64:ff9b::a.b.c.d) and local NAT64 (64:ff9b:1::/48) end in an IPv4 address
+        // that may be a private one.
+        forbidden_v4(Ipv4Addr::from(((seg[6] as u32) << 16) | seg[7] as u32))
+    } else if seg[0] == 0x2002 {
+        // 6to4: 2002:a.b.c.d::/48.
+        forbidden_v4(Ipv4Addr::from(((seg[1] as u32) << 16) | seg[2] as u32))
+    } else if seg[..2] == [0x2001, 0] {
+        Some("a Teredo address (its IPv4 address cannot be checked)")
+    } else if seg[..4] == [0x100, 0, 0, 0] {
+        Some("a discard-only address")
+    } else if (seg[0] & 0xfe00) == 0xfc00 {
+        Some("a unique-local (private) address")
+    } else if (seg[0] & 0xffc0) == 0xfe80 {
+        Some("a link-local address")
+    } else if (seg[0] & 0xffc0) == 0xfec0 {
+        Some("a site-local (private) address")
+    } else if ip.is_multicast() {
+        Some("a multicast address")
+    } else {
+        None
+    }
+}

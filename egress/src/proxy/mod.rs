@@ -1,0 +1,416 @@
+//! The HTTP proxy every outbound connection of the guest goes through.
+//!
+//! Each guest connection is served by [`serve_connection`] with hyper's HTTP/1.1
+//! server, which parses requests (and refuses malformed or oversized ones) for us:
+//!
+//! - `CONNECT host:port`: checked against the policy and the resolved addresses. For
+//!   a destination without a secret the bytes are tunnelled untouched; for one with a
+//!   secret the proxy terminates TLS with a leaf from the sandbox's CA, forwards each
+//!   request over verified TLS and sets the secret's header on the way out (and
+//!   redacts the secret from what comes back, so an echoing server cannot hand it to
+//!   the guest).
+//! - `GET http://host/path` (absolute form): plain HTTP, checked the same way,
+//!   forwarded without any secret.
+//!
+//! The guest is untrusted: nothing it sends may panic the proxy, exhaust its memory or
+//! steer a secret to a host it is not bound to.
+//!
+//! Here: the configuration, the errors and the connection's service. The rest, in
+//! the order a request meets it: `first_head` (the first request head, read before
+//! hyper), `tunnels` (CONNECT), `session` (TLS terminated where a secret is
+//! set), `plain` (plain HTTP), `upstream` (the policy's question and the vetted
+//! upstream connection, shared by both), `headers`, `addresses` (where the proxy
+//! never connects) and `redact` (the secret kept out of what comes back).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fs;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http1 as client_http1;
+use hyper::server::conn::http1 as server_http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::ca::{crate_provider, CaError, CertificateAuthority};
+use crate::log::DecisionLog;
+use crate::rules::EgressRules;
+
+mod addresses;
+mod first_head;
+mod headers;
+mod plain;
+mod redact;
+mod session;
+#[cfg(test)]
+mod tests;
+mod tunnels;
+mod upstream;
+
+pub use addresses::forbidden_address;
+use first_head::{answer_and_close, read_first_head, Prefixed};
+use plain::plain_http;
+use tunnels::connect;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ProxyBody = BoxBody<Bytes, BoxError>;
+type Upstream = client_http1::SendRequest<ProxyBody>;
+
+/// Bounds on what one guest can make the proxy hold.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest request head (request line and headers); larger gets 431.
+    pub max_header_bytes: usize,
+    /// Time a client has to send a complete request head; then it is cut off.
+    pub header_timeout: Duration,
+    /// Time to resolve, connect and TLS-handshake with an upstream.
+    pub connect_timeout: Duration,
+    /// Guest connections served at once (tunnels included); more get 503.
+    pub max_connections: usize,
+    /// How often a tunnel or an upgraded connection asks the policy again: one the
+    /// policy no longer allows is closed, as a new request would be refused.
+    pub policy_recheck: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_header_bytes: 64 * 1024,
+            header_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            max_connections: 512,
+            policy_recheck: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Everything one sandbox's proxy needs. Build it with [`ProxyConfig::new`], adjust
+/// the public fields (or use the `with_` methods), then share it in an `Arc`.
+pub struct ProxyConfig {
+    pub ca: Arc<CertificateAuthority>,
+    pub rules: Arc<dyn EgressRules>,
+    pub upstream_tls: Arc<rustls::ClientConfig>,
+    /// `"host:port"` (IPv6 hosts in brackets) to the address to use instead of a DNS
+    /// lookup. For tests: such an address skips the address check, not the policy.
+    pub resolve_overrides: HashMap<String, SocketAddr>,
+    pub log: Arc<DecisionLog>,
+    pub limits: Limits,
+    /// The connection slots, created on first use from `limits.max_connections`.
+    slots: OnceLock<Arc<Semaphore>>,
+}
+
+impl ProxyConfig {
+    pub fn new(
+        ca: Arc<CertificateAuthority>,
+        rules: Arc<dyn EgressRules>,
+        upstream_tls: Arc<rustls::ClientConfig>,
+        log: Arc<DecisionLog>,
+    ) -> Self {
+        Self {
+            ca,
+            rules,
+            upstream_tls,
+            resolve_overrides: HashMap::new(),
+            log,
+            limits: Limits::default(),
+            slots: OnceLock::new(),
+        }
+    }
+
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn with_resolve_override(mut self, host_port: impl Into<String>, addr: SocketAddr) -> Self {
+        self.resolve_overrides.insert(host_port.into(), addr);
+        self
+    }
+
+    fn slots(&self) -> &Arc<Semaphore> {
+        self.slots.get_or_init(|| {
+            Arc::new(Semaphore::new(
+                self.limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+            ))
+        })
+    }
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field("resolve_overrides", &self.resolve_overrides)
+            .field("log", &self.log.path())
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("cannot read the extra CA file {path}: {source}")]
+    ReadCa { path: PathBuf, source: io::Error },
+    #[error("{path} holds no PEM certificate; pass a file with the upstream's CA certificate")]
+    NoCertificates { path: PathBuf },
+    #[error("no trusted root certificates found on the host; install the ca-certificates package")]
+    NoTrustRoots,
+    #[error("cannot build the TLS configuration: {0}")]
+    Tls(#[from] rustls::Error),
+    #[error(transparent)]
+    Ca(#[from] CaError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error(
+        "malformed request line {line:?}: expected METHOD TARGET HTTP/1.1, \
+         e.g. CONNECT host:443 HTTP/1.1 or GET http://host/path HTTP/1.1"
+    )]
+    MalformedRequestLine { line: String },
+    #[error("the request headers are larger than {max} bytes")]
+    HeadTooLarge { max: usize },
+    #[error("the request headers did not arrive within {after:?}")]
+    HeadTimeout { after: Duration },
+    #[error("too many connections (limit {limit}); retry later")]
+    Busy { limit: usize },
+    #[error("{what} refused by rule: {rule}")]
+    Refused { what: String, rule: String },
+    #[error(
+        "{what} refused: {target} resolves to {ip}, {reason}; \
+         the proxy does not connect to local, private or metadata addresses"
+    )]
+    ForbiddenAddress {
+        what: String,
+        target: String,
+        ip: IpAddr,
+        reason: &'static str,
+    },
+    #[error("Host header {claimed:?} disagrees with {expected}; request not sent")]
+    HostMismatch { claimed: String, expected: String },
+    #[error("cannot resolve {target}: {source}")]
+    Resolve { target: String, source: io::Error },
+    #[error("{target} resolves to no address")]
+    NoAddress { target: String },
+    #[error("cannot connect to {target}: {source}")]
+    Connect { target: String, source: io::Error },
+    #[error("{what} {target} timed out after {after:?}")]
+    Timeout {
+        what: &'static str,
+        target: String,
+        after: Duration,
+    },
+    #[error("TLS with {target} failed: {source}")]
+    UpstreamTls { target: String, source: io::Error },
+    #[error("the HTTP exchange with {target} failed: {source}")]
+    Upstream {
+        target: String,
+        source: hyper::Error,
+    },
+    #[error("{target} switched protocols without being asked to")]
+    UnaskedUpgrade { target: String },
+}
+
+impl ProxyError {
+    /// The status the guest sees for this error.
+    pub fn status(&self) -> StatusCode {
+        use ProxyError::*;
+        match self {
+            BadRequest(_) | MalformedRequestLine { .. } => StatusCode::BAD_REQUEST,
+            HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Refused { .. } | ForbiddenAddress { .. } | HostMismatch { .. } => StatusCode::FORBIDDEN,
+            Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Resolve { .. }
+            | NoAddress { .. }
+            | Connect { .. }
+            | UpstreamTls { .. }
+            | Upstream { .. }
+            | UnaskedUpgrade { .. } => StatusCode::BAD_GATEWAY,
+            ReadCa { .. } | NoCertificates { .. } | NoTrustRoots | Tls(_) | Ca(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+}
+
+/// The TLS client configuration for upstream connections, trusting
+/// [`upstream_roots`]. HTTP/1.1 only, which is what the proxy speaks upstream.
+pub fn upstream_tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, ProxyError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add_parsable_certificates(upstream_roots(extra_ca)?);
+    if roots.is_empty() {
+        return Err(ProxyError::NoTrustRoots);
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(crate_provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// The certificates the proxy trusts upstream: the host's trust roots (as the host's
+/// TLS clients find them: the system store, `SSL_CERT_FILE`, `SSL_CERT_DIR`, so a
+/// TLS-inspecting company proxy's CA among them), plus the PEM certificates in
+/// `extra_ca` when given (for tests). The guest trusts them too, for the TLS it runs
+/// end to end through the proxy's tunnels.
+pub fn upstream_roots(
+    extra_ca: Option<&Path>,
+) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, ProxyError> {
+    let native = rustls_native_certs::load_native_certs();
+    for e in &native.errors {
+        tracing::debug!("skipping a host trust root: {e}");
+    }
+    let mut roots = native.certs;
+    if let Some(path) = extra_ca {
+        let read_err = |source| ProxyError::ReadCa {
+            path: path.to_path_buf(),
+            source,
+        };
+        let pem = fs::read(path).map_err(read_err)?;
+        let certs = rustls_pemfile::certs(&mut pem.as_slice())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read_err)?;
+        if certs.is_empty() {
+            return Err(ProxyError::NoCertificates {
+                path: path.to_path_buf(),
+            });
+        }
+        roots.extend(certs);
+    }
+    Ok(roots)
+}
+
+/// `certs` as PEM text, one block each.
+pub fn to_pem(certs: &[rustls::pki_types::CertificateDer<'_>]) -> String {
+    use base64::Engine;
+    let mut pem = String::new();
+    for cert in certs {
+        let body = base64::engine::general_purpose::STANDARD.encode(cert.as_ref());
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in body.as_bytes().chunks(64) {
+            pem.push_str(&String::from_utf8_lossy(line));
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    pem
+}
+
+/// Serves one guest connection until it closes (tunnels and upgraded connections it
+/// starts run on in their own tasks, holding the connection's slot).
+pub async fn serve_connection<S>(mut stream: S, config: Arc<ProxyConfig>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let Ok(permit) = config.slots().clone().try_acquire_owned() else {
+        let busy = ProxyError::Busy {
+            limit: config.limits.max_connections,
+        };
+        return answer_and_close(stream, &busy).await;
+    };
+    let head = match read_first_head(&mut stream, &config.limits).await {
+        Ok(Some(head)) => head,
+        Ok(None) => return,
+        Err(e) => return answer_and_close(stream, &e).await,
+    };
+    let conn = Arc::new(Conn {
+        config,
+        _permit: permit,
+    });
+    let limits = conn.config.limits.clone();
+    let service = service_fn(move |req| {
+        let conn = conn.clone();
+        async move { Ok::<_, Infallible>(handle(req, conn).await) }
+    });
+    let stream = Prefixed {
+        prefix: head.into(),
+        inner: stream,
+    };
+    let served = server_builder(&limits)
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades()
+        .await;
+    if let Err(e) = served {
+        tracing::debug!("guest connection ended: {e}");
+    }
+}
+
+/// One guest connection's share of the proxy; tasks it spawns keep a clone, so the
+/// connection slot is held until all of them are done.
+struct Conn {
+    config: Arc<ProxyConfig>,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// hyper's server with our limits: it answers 431 to oversized heads, 400 to
+/// malformed ones (without a body), and closes connections that do not finish a
+/// head in time.
+fn server_builder(limits: &Limits) -> server_http1::Builder {
+    let mut builder = server_http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_header_size(limits.max_header_bytes)
+        // The read buffer only needs to hold a head plus some body; hyper's minimum
+        // is 8 KiB.
+        .max_buf_size(limits.max_header_bytes.max(8192) + 8192);
+    builder
+}
+
+async fn handle(req: Request<Incoming>, conn: Arc<Conn>) -> Response<ProxyBody> {
+    let result = if req.method() == Method::CONNECT {
+        connect(req, &conn).await
+    } else {
+        plain_http(req, &conn).await
+    };
+    result.unwrap_or_else(|e| error_response(&e))
+}
+
+/// A short plain-text answer saying what went wrong; the connection closes after it.
+fn error_response(err: &ProxyError) -> Response<ProxyBody> {
+    let status = err.status();
+    if status.is_server_error() {
+        guest_log::guest_warn!("egress proxy: {err}");
+    } else {
+        tracing::debug!("egress proxy: {err}");
+    }
+    let mut response = Response::new(full(format!("vmctl egress: {err}\n")));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+fn full(text: String) -> ProxyBody {
+    Full::new(Bytes::from(text))
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn empty() -> ProxyBody {
+    full(String::new())
+}
+
+fn boxed(body: Incoming) -> ProxyBody {
+    body.map_err(BoxError::from).boxed()
+}
+
+// ---- TLS terminated for a destination with a secret ------------------------------
+// ---- shared by both ------------------------------------------------------------
+// ---- redaction -----------------------------------------------------------------

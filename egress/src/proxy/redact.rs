@@ -1,0 +1,308 @@
+//! Redaction: the secret replaced in what the upstream sends back, so a server that
+//! echoes the request (or quotes the credential in an error) cannot hand it to the
+//! guest.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::timeout;
+
+use super::BoxError;
+
+/// How long redacted upgraded streams hold back bytes that might begin a secret
+/// before sending them anyway (an interactive protocol must not stall on them).
+pub(super) const HOLD_FLUSH: Duration = Duration::from_millis(100);
+/// Secrets (or their credential part) shorter than this are not searched for in
+/// responses: redacting every short string would mangle ordinary content.
+pub(super) const MIN_REDACTED_LEN: usize = 8;
+
+/// Copies `from` to `to` through `redactor`, then closes `to`'s sending side (after
+/// a failure too: the other way goes on, and `to`'s reader must not wait forever).
+/// Bytes held back because they might begin the secret are sent anyway after
+/// [`HOLD_FLUSH`] without more data (see [`Redactor::flush_held`]: a pause inside the
+/// secret does not let it through); after a failure they are dropped.
+pub(super) async fn copy_redacted<R, W>(from: R, mut to: W, redactor: Redactor) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let copied = redact_until_end(from, &mut to, redactor).await;
+    let _ = to.shutdown().await;
+    copied
+}
+
+/// [`copy_redacted`]'s copy: the bytes it sent, once `from` ended.
+pub(super) async fn redact_until_end<R, W>(
+    mut from: R,
+    to: &mut W,
+    mut redactor: Redactor,
+) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut sent = 0u64;
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let read = if redactor.holding() {
+            match timeout(HOLD_FLUSH, from.read(&mut buf)).await {
+                Ok(read) => read?,
+                Err(_) => {
+                    sent += send(to, redactor.flush_held()).await?;
+                    continue;
+                }
+            }
+        } else {
+            from.read(&mut buf).await?
+        };
+        if read == 0 {
+            return Ok(sent + send(to, redactor.finish()).await?);
+        }
+        sent += send(to, redactor.feed(&buf[..read])).await?;
+    }
+}
+
+/// Writes and flushes `bytes`: the number sent.
+pub(super) async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io::Result<u64> {
+    to.write_all(&bytes).await?;
+    to.flush().await?;
+    Ok(bytes.len() as u64)
+}
+
+/// Replaces the secret in what the upstream sends back, so a server that echoes
+/// the request (or quotes the credential in an error) cannot hand it to the guest.
+/// Replacements keep the length, so Content-Length and framing stay right.
+#[derive(Clone)]
+pub(super) struct Redactor {
+    /// The whole header value and its credential part, longest first.
+    /// Copies of the secret: wiped when the last redactor of a request goes.
+    pub(super) needles: Arc<[zeroize::Zeroizing<Vec<u8>>]>,
+    /// The end of the data seen so far when it might begin a needle.
+    pub(super) held: Vec<u8>,
+    /// Bytes already sent (by [`Redactor::flush_held`]) that might begin a needle:
+    /// matched against with what comes next, so the rest of the needle is redacted.
+    pub(super) carried: Vec<u8>,
+}
+
+impl Redactor {
+    /// Redacts the header `value` that carries `secret`, its last word, and `secret`
+    /// itself (which a header template may wrap in other text).
+    pub(super) fn for_secret(value: &[u8], secret: &[u8]) -> Option<Self> {
+        let secret_copy = |bytes: &[u8]| zeroize::Zeroizing::new(bytes.to_vec());
+        let mut needles = vec![secret_copy(value), secret_copy(secret)];
+        // "Bearer <token>": the token alone is as secret as the whole value.
+        if let Some(space) = value.iter().rposition(|b| *b == b' ') {
+            needles.push(secret_copy(&value[space + 1..]));
+        }
+        needles.retain(|needle| needle.len() >= MIN_REDACTED_LEN);
+        needles.sort_by_key(|needle| std::cmp::Reverse(needle.len()));
+        needles.dedup();
+        (!needles.is_empty()).then(|| Self {
+            needles: needles.into(),
+            held: Vec::new(),
+            carried: Vec::new(),
+        })
+    }
+
+    /// The part of the stream up to `chunk` that is safe to pass on now.
+    pub(super) fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        // [already sent | held | chunk], searched as one.
+        let mut window = std::mem::take(&mut self.carried);
+        let sent = window.len();
+        window.append(&mut self.held);
+        window.extend_from_slice(chunk);
+        self.redact(&mut window);
+        let keep = self.prefix_at_end(&window);
+        let hold = keep.min(window.len() - sent);
+        self.held = window.split_off(window.len() - hold);
+        // A possible needle start reaching back into sent bytes (then nothing is
+        // left to send) stays carried.
+        self.carried = if keep > hold {
+            window[sent - (keep - hold)..sent].to_vec()
+        } else {
+            Vec::new()
+        };
+        Bytes::from(window.split_off(sent))
+    }
+
+    /// For a stream that must not stall: sends the held bytes now. They might begin a
+    /// needle, so they are masked when long enough to carry a secret's own characters
+    /// ([`MIN_REDACTED_LEN`]; shorter starts are too short to say anything, and
+    /// masking them would mangle ordinary text), and remembered, so the rest of a
+    /// needle they begin is still redacted when it comes.
+    pub(super) fn flush_held(&mut self) -> Bytes {
+        let held = std::mem::take(&mut self.held);
+        let started = self.carried.len() + held.len();
+        let out = if started >= MIN_REDACTED_LEN {
+            vec![b'*'; held.len()]
+        } else {
+            held.clone()
+        };
+        self.carried.extend_from_slice(&held);
+        Bytes::from(out)
+    }
+
+    /// Whatever was held back, at the end of the stream: masked, as
+    /// [`Redactor::flush_held`] masks, when it might be most of a needle (a stream
+    /// that ends one byte short of the secret must not deliver the rest of it).
+    pub(super) fn finish(&mut self) -> Bytes {
+        let rest = self.flush_held();
+        self.carried.clear();
+        rest
+    }
+
+    pub(super) fn holding(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    pub(super) fn redact(&self, data: &mut [u8]) {
+        for needle in self.needles.iter() {
+            let mut at = 0;
+            while let Some(found) = find(&data[at..], needle) {
+                let start = at + found;
+                data[start..start + needle.len()].copy_from_slice(&replacement(needle.len()));
+                at = start + needle.len();
+            }
+        }
+    }
+
+    /// The length of the longest end of `data` that is a proper prefix of a needle:
+    /// the bytes that must wait for the next chunk.
+    pub(super) fn prefix_at_end(&self, data: &[u8]) -> usize {
+        let mut longest = 0;
+        for needle in self.needles.iter() {
+            let max = (needle.len() - 1).min(data.len());
+            if let Some(k) = (longest + 1..=max)
+                .rev()
+                .find(|k| data.ends_with(&needle[..*k]))
+            {
+                longest = k;
+            }
+        }
+        longest
+    }
+
+    pub(super) fn redact_headers(&self, headers: &mut HeaderMap) {
+        for value in headers.values_mut() {
+            let mut bytes = value.as_bytes().to_vec();
+            self.redact(&mut bytes);
+            if bytes != value.as_bytes() {
+                // The replacement is visible ASCII, so the value stays valid.
+                *value = HeaderValue::from_bytes(&bytes)
+                    .unwrap_or_else(|_| HeaderValue::from_static("[REDACTED]"));
+            }
+        }
+    }
+}
+
+pub(super) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() {
+        return None;
+    }
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+/// `[REDACTED]` padded with `*` to `len` bytes (or just `*`s if shorter).
+pub(super) fn replacement(len: usize) -> Vec<u8> {
+    const MARKER: &[u8] = b"[REDACTED]";
+    let mut out = if len >= MARKER.len() {
+        MARKER.to_vec()
+    } else {
+        Vec::new()
+    };
+    out.resize(len, b'*');
+    out
+}
+
+/// A response body streamed through a [`Redactor`], chunk by chunk.
+pub(super) struct RedactedBody {
+    pub(super) inner: Incoming,
+    pub(super) redactor: Redactor,
+    pub(super) trailers: Option<HeaderMap>,
+    pub(super) done: bool,
+}
+
+impl RedactedBody {
+    pub(super) fn new(inner: Incoming, redactor: Redactor) -> Self {
+        Self {
+            inner,
+            redactor,
+            trailers: None,
+            done: false,
+        }
+    }
+}
+
+impl Body for RedactedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if this.done {
+                return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
+            }
+            let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => frame,
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => {
+                    this.done = true;
+                    let rest = this.redactor.finish();
+                    if !rest.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(rest))));
+                    }
+                    continue;
+                }
+            };
+            match frame.into_data() {
+                Ok(data) => {
+                    let safe = this.redactor.feed(&data);
+                    if !safe.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(safe))));
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(mut trailers) = frame.into_trailers() {
+                        this.redactor.redact_headers(&mut trailers);
+                        this.trailers = Some(trailers);
+                    }
+                    // Trailers end the body: send what was held, then them.
+                    this.done = true;
+                    let rest = this.redactor.finish();
+                    if !rest.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(rest))));
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // Replacements keep lengths: what is left is the inner rest plus what is held.
+        let inner = self.inner.size_hint();
+        let held = self.redactor.held.len() as u64;
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower() + held);
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + held);
+        }
+        hint
+    }
+}

@@ -1,0 +1,224 @@
+//! TLS terminated for a destination with a secret: each request forwarded over
+//! verified TLS with the secret set on the way out.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::sync::Mutex;
+use tokio::time::timeout;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use super::headers::{check_claims, claimed_authorities, host_header, path_of, wants_upgrade};
+use super::redact::Redactor;
+use super::upstream::{connect_tcp, http1_client, prepare_request, relay_response, Ask};
+use super::{boxed, error_response, server_builder, Conn, ProxyBody, ProxyError, Upstream};
+use crate::rules::Injection;
+
+/// The guest's side of a CONNECT whose TLS the proxy terminates, and the upstream
+/// connection its requests go out on.
+pub(super) struct Session {
+    pub(super) conn: Arc<Conn>,
+    pub(super) host: String,
+    pub(super) port: u16,
+    pub(super) target: String,
+    /// Vetted at CONNECT time; reconnections use them rather than resolve again
+    /// (a second lookup could answer a private address).
+    pub(super) addrs: Vec<SocketAddr>,
+    pub(super) upstream: Mutex<Option<Upstream>>,
+}
+
+impl Session {
+    pub(super) async fn serve(
+        self: Arc<Self>,
+        on_upgrade: OnUpgrade,
+        tls: Arc<rustls::ServerConfig>,
+    ) {
+        let limits = self.conn.config.limits.clone();
+        let upgraded = match on_upgrade.await {
+            Ok(upgraded) => upgraded,
+            Err(e) => return tracing::debug!("CONNECT was not upgraded: {e}"),
+        };
+        let accept = TlsAcceptor::from(tls).accept(TokioIo::new(upgraded));
+        let stream = match timeout(limits.header_timeout, accept).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                return tracing::debug!(
+                    "TLS handshake with the guest for {} failed: {e}",
+                    self.target
+                )
+            }
+            Err(_) => {
+                return tracing::debug!(
+                    "TLS handshake with the guest for {} timed out",
+                    self.target
+                )
+            }
+        };
+        let session = self.clone();
+        let service = service_fn(move |req| {
+            let session = session.clone();
+            async move {
+                let response = session.forward(req).await;
+                Ok::<_, Infallible>(response.unwrap_or_else(|e| error_response(&e)))
+            }
+        });
+        let served = server_builder(&limits)
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades()
+            .await;
+        if let Err(e) = served {
+            tracing::debug!("terminated TLS connection for {} ended: {e}", self.target);
+        }
+    }
+
+    /// Forwards one request from inside the terminated TLS, with the secret set.
+    pub(super) async fn forward(
+        &self,
+        mut req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let config = &self.conn.config;
+        if req.method() == Method::CONNECT {
+            return Err(ProxyError::BadRequest(
+                "CONNECT inside a CONNECT tunnel is not supported".into(),
+            ));
+        }
+        let ask = Ask {
+            host: self.host.clone(),
+            port: self.port,
+            kind: "tls-request",
+            method: req.method().to_string(),
+            what: format!(
+                "{} https://{}{}",
+                req.method(),
+                self.target,
+                path_of(req.uri())
+            ),
+        };
+        let claims = claimed_authorities(Some(req.uri()), req.headers())?;
+        if claims.is_empty() {
+            return Err(ProxyError::BadRequest(
+                "the request has no Host header".into(),
+            ));
+        }
+        let expected = format!("CONNECT target {}", self.target);
+        if let Err(e) = check_claims(claims, &self.host, self.port, 443, &expected) {
+            return Err(ask.refuse(config, &e.to_string(), e));
+        }
+        // The policy may have changed since the CONNECT; the secret may have too.
+        let decision = ask.decide(config)?;
+        let injection = config.rules.injection(&self.host, self.port);
+        config
+            .log
+            .record(&ask.entry(true, &decision.rule, injection.as_ref()));
+
+        let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+        let (mut parts, body) = req.into_parts();
+        prepare_request(&mut parts, host_header(&self.host, self.port, 443));
+        let redactor = injection.as_ref().and_then(|injection| {
+            inject(&mut parts.headers, injection);
+            Redactor::for_secret(
+                injection.value.as_bytes(),
+                injection.secret_value.expose().as_bytes(),
+            )
+        });
+        let response = self.send(Request::from_parts(parts, boxed(body))).await?;
+        relay_response(response, guest_upgrade, redactor, ask, &self.conn)
+    }
+
+    /// Sends on the session's upstream connection, (re)connecting as needed. A
+    /// request a stale pooled connection did not take is retried once on a new one.
+    pub(super) async fn send(
+        &self,
+        req: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        let mut slot = self.upstream.lock().await;
+        let pooled = slot.take().filter(|sender| !sender.is_closed());
+        let was_pooled = pooled.is_some();
+        let mut sender = match pooled {
+            Some(sender) => sender,
+            None => self.connect_upstream().await?,
+        };
+        let upstream_err = |source| ProxyError::Upstream {
+            target: self.target.clone(),
+            source,
+        };
+        match send_on(&mut sender, req).await {
+            Ok(response) => {
+                *slot = Some(sender);
+                Ok(response)
+            }
+            Err((Some(req), _)) if was_pooled => {
+                let mut fresh = self.connect_upstream().await?;
+                let response = send_on(&mut fresh, req)
+                    .await
+                    .map_err(|(_, e)| upstream_err(e))?;
+                *slot = Some(fresh);
+                Ok(response)
+            }
+            Err((_, e)) => Err(upstream_err(e)),
+        }
+    }
+
+    /// A verified TLS connection to the destination, SNI = the CONNECT host.
+    pub(super) async fn connect_upstream(&self) -> Result<Upstream, ProxyError> {
+        let config = &self.conn.config;
+        let limit = config.limits.connect_timeout;
+        let tcp = connect_tcp(&self.addrs, &self.target, limit).await?;
+        let name = ServerName::try_from(self.host.clone()).map_err(|e| {
+            ProxyError::BadRequest(format!("{} is not a TLS server name: {e}", self.host))
+        })?;
+        let handshake = TlsConnector::from(config.upstream_tls.clone()).connect(name, tcp);
+        let tls = timeout(limit, handshake)
+            .await
+            .map_err(|_| ProxyError::Timeout {
+                what: "the TLS handshake with",
+                target: self.target.clone(),
+                after: limit,
+            })?
+            .map_err(|source| ProxyError::UpstreamTls {
+                target: self.target.clone(),
+                source,
+            })?;
+        http1_client(TokioIo::new(tls), &self.target).await
+    }
+}
+
+pub(super) async fn send_on(
+    sender: &mut Upstream,
+    req: Request<ProxyBody>,
+) -> Result<Response<Incoming>, (Option<Request<ProxyBody>>, hyper::Error)> {
+    if let Err(e) = sender.ready().await {
+        return Err((Some(req), e));
+    }
+    sender
+        .try_send_request(req)
+        .await
+        .map_err(|mut e| (e.take_message(), e.into_error()))
+}
+
+/// Sets the secret's header (replacing what the guest sent) and removes the headers
+/// the binding says to. Nothing else, and never anything in the body.
+pub(super) fn inject(headers: &mut HeaderMap, injection: &Injection) {
+    for name in &injection.remove {
+        headers.remove(name);
+    }
+    let mut value = injection.value.clone();
+    value.set_sensitive(true);
+    headers.insert(injection.header.clone(), value);
+    // The response is searched for the secret; a compressed one would hide it, and
+    // so would a range that starts inside it (an echo of the request, from byte 1).
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    headers.remove(header::RANGE);
+    headers.remove(header::IF_RANGE);
+}

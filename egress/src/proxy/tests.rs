@@ -1,0 +1,445 @@
+use super::addresses::*;
+use super::first_head::*;
+use super::headers::*;
+use super::redact::*;
+use super::session::*;
+use super::tunnels::*;
+use super::upstream::*;
+use super::*;
+use crate::rules::Injection;
+use http::header::{HeaderMap, HeaderName};
+use http::Uri;
+use tokio::io::AsyncWriteExt;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+#[test]
+fn forbidden_addresses() {
+    for (addr, reason) in [
+        ("127.0.0.1", "loopback"),
+        ("127.8.9.10", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("10.0.0.1", "private"),
+        ("172.16.0.1", "private"),
+        ("172.31.255.255", "private"),
+        ("192.168.1.1", "private"),
+        ("169.254.1.1", "link-local"),
+        ("169.254.169.254", "metadata"),
+        ("100.64.0.1", "CGNAT"),
+        ("100.127.255.255", "CGNAT"),
+        ("224.0.0.1", "multicast"),
+        ("::", "unspecified"),
+        ("::1", "loopback"),
+        ("fc00::1", "unique-local"),
+        ("fd12:3456::1", "unique-local"),
+        ("fe80::1", "link-local"),
+        ("fd00:ec2::254", "metadata"),
+        ("ff02::1", "multicast"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("::ffff:10.1.2.3", "private"),
+        ("::ffff:169.254.169.254", "metadata"),
+        ("::10.1.2.3", "private"),
+        ("::127.0.0.1", "loopback"),
+        ("64:ff9b::192.168.0.1", "private"),
+        ("::ffff:0:10.0.0.1", "private"),
+        ("64:ff9b:1::10.0.0.1", "private"),
+        ("2002:a00:1::1", "private"),
+        ("2002:7f00:1::", "loopback"),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"),
+        ("100::1", "discard"),
+        ("192.0.0.170", "IETF"),
+        ("240.0.0.1", "reserved"),
+        ("255.255.255.255", "reserved"),
+    ] {
+        let got = forbidden_address(ip(addr));
+        assert!(
+            got.is_some_and(|r| r.contains(reason)),
+            "{addr}: expected {reason}, got {got:?}"
+        );
+    }
+    for addr in [
+        "1.1.1.1",
+        "8.8.8.8",
+        "172.32.0.1",
+        "100.128.0.1",
+        "192.169.0.1",
+        "2606:4700::1111",
+        "::ffff:1.1.1.1",
+        "64:ff9b::8.8.8.8",
+        "64:ff9b:1::8.8.8.8",
+        "2002:808:808::1",
+        "2001:db9::1",
+        "198.18.0.1",
+        "192.0.1.1",
+        "223.255.255.255",
+    ] {
+        assert_eq!(forbidden_address(ip(addr)), None, "{addr}");
+    }
+}
+
+#[test]
+fn hosts_are_normalised() {
+    assert_eq!(
+        normalize_host("API.Example.COM.").unwrap(),
+        "api.example.com"
+    );
+    assert_eq!(normalize_host("[::1]").unwrap(), "::1");
+    assert_eq!(normalize_host("[2001:DB8::1]").unwrap(), "2001:db8::1");
+    assert!(normalize_host("").is_err());
+    assert!(normalize_host("a b").is_err());
+    assert!(normalize_host("exa%mple").is_err());
+    assert!(normalize_host("not:v6").is_err());
+    for empty_label in ["a..example.com", "..example.com", ".example.com", "a.."] {
+        assert!(normalize_host(empty_label).is_err(), "{empty_label}");
+    }
+    assert_eq!(
+        normalize_host("[::ffff:1.2.3.4]").unwrap(),
+        "::ffff:1.2.3.4"
+    );
+}
+
+/// A request to a bound host: the secret in its header, and nothing that would
+/// keep it out of reach of the response's redaction (compression, a range).
+#[test]
+fn a_bound_request_gets_its_secret_and_loses_what_would_hide_an_echo() {
+    let mut headers = HeaderMap::new();
+    headers.insert(header::RANGE, HeaderValue::from_static("bytes=1-"));
+    headers.insert(header::IF_RANGE, HeaderValue::from_static("\"etag\""));
+    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+    headers.insert("x-api-key", HeaderValue::from_static("placeholder"));
+    let injection = Injection {
+        secret: "test".into(),
+        header: HeaderName::from_static("x-api-key"),
+        value: HeaderValue::from_static("sk-test-0123456789"),
+        secret_value: crate::secrets::read_secret(&b"sk-test-0123456789"[..]).unwrap(),
+        remove: vec![],
+    };
+    inject(&mut headers, &injection);
+    assert_eq!(headers["x-api-key"], "sk-test-0123456789");
+    assert_eq!(headers[header::ACCEPT_ENCODING], "identity");
+    assert!(!headers.contains_key(header::RANGE));
+    assert!(!headers.contains_key(header::IF_RANGE));
+}
+
+/// The upstream gets the Host header the policy judged, not the guest's spelling.
+#[test]
+fn the_host_header_sent_upstream_is_the_proxys() {
+    let (mut parts, ()) = Request::get("https://api.test/v1")
+        .header(header::HOST, "API.TEST.:443")
+        .header(header::RANGE, "bytes=1-")
+        .body(())
+        .unwrap()
+        .into_parts();
+    prepare_request(&mut parts, host_header("api.test", 443, 443));
+    let hosts: Vec<_> = parts.headers.get_all(header::HOST).iter().collect();
+    assert_eq!(hosts, ["api.test"]);
+    assert_eq!(parts.uri, "/v1");
+}
+
+#[test]
+fn connect_targets() {
+    let uri: Uri = "Example.com.:443".parse().unwrap();
+    assert_eq!(connect_target(&uri).unwrap(), ("example.com".into(), 443));
+    let uri: Uri = "[::1]:8443".parse().unwrap();
+    assert_eq!(connect_target(&uri).unwrap(), ("::1".into(), 8443));
+    let uri: Uri = "example.com".parse().unwrap();
+    assert!(connect_target(&uri).is_err());
+    assert_eq!(display_target("::1", 443), "[::1]:443");
+}
+
+#[test]
+fn authority_checks() {
+    let ok = |claim| authority_names(claim, "api.test", 443, 443);
+    assert!(ok("api.test"));
+    assert!(ok("API.test."));
+    assert!(ok("api.test:443"));
+    assert!(!ok("api.test:444"));
+    assert!(!ok("evil.test"));
+    assert!(!ok("user@api.test"));
+    assert!(!ok("api.test.evil.test"));
+    assert!(!ok(""));
+    assert!(authority_names("api.test:8443", "api.test", 8443, 443));
+}
+
+#[test]
+fn hop_by_hop_and_proxy_headers_are_removed() {
+    let mut headers = HeaderMap::new();
+    for (name, value) in [
+        ("connection", "keep-alive, x-private"),
+        ("keep-alive", "timeout=5"),
+        ("x-private", "1"),
+        ("proxy-authorization", "Basic abc"),
+        ("proxy-connection", "keep-alive"),
+        ("te", "trailers"),
+        ("x-kept", "yes"),
+    ] {
+        headers.insert(
+            HeaderName::from_static(name),
+            HeaderValue::from_static(value),
+        );
+    }
+    strip_hop_by_hop(&mut headers, false);
+    let names: Vec<&str> = headers.keys().map(|n| n.as_str()).collect();
+    assert_eq!(names, ["x-kept"]);
+}
+
+#[test]
+fn an_upgrade_keeps_its_headers() {
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    assert!(wants_upgrade(&headers));
+    strip_hop_by_hop(&mut headers, true);
+    assert_eq!(headers[header::UPGRADE], "websocket");
+    assert_eq!(headers[header::CONNECTION], "upgrade");
+}
+
+#[test]
+fn request_lines() {
+    assert!(check_request_line(b"CONNECT api.test:443 HTTP/1.1\r\n\r\n").is_ok());
+    assert!(check_request_line(b"\r\nGET http://x/ HTTP/1.0\r\nA: b\r\n\r\n").is_ok());
+    for bad in [
+        &b"THIS IS NOT HTTP\r\n\r\n"[..],
+        b"GET /\r\n\r\n",
+        b"GET  / HTTP/1.1\r\n\r\n",
+        b"G\x01T / HTTP/1.1\r\n\r\n",
+        b"GET / HTTP/2.0\r\n\r\n",
+        b"\r\n\r\n",
+    ] {
+        let err = check_request_line(bad).unwrap_err();
+        assert!(
+            matches!(err, ProxyError::MalformedRequestLine { .. }),
+            "{err}"
+        );
+    }
+    let long = [b"GET /".as_slice(), &[b'a'; 500], b" HTTP/9\r\n\r\n"].concat();
+    assert!(check_request_line(&long).unwrap_err().to_string().len() < 300);
+}
+
+#[test]
+fn head_ends() {
+    assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n\r\nbody", 0), Some(24));
+    assert_eq!(head_end(b"GET / HTTP/1.1\nA: b\n\nbody", 0), Some(21));
+    assert_eq!(head_end(b"GET / HTTP/1.1\r\nA: b\r\n", 0), None);
+}
+
+#[tokio::test]
+async fn the_first_head_is_read_within_limits() {
+    let limits = Limits {
+        max_header_bytes: 100,
+        header_timeout: Duration::from_millis(200),
+        ..Limits::default()
+    };
+    let mut input: &[u8] = b"GET http://x/ HTTP/1.1\r\n\r\nextra";
+    let head = read_first_head(&mut input, &limits).await.unwrap().unwrap();
+    assert_eq!(head, b"GET http://x/ HTTP/1.1\r\n\r\nextra");
+    let mut input: &[u8] = &[b'a'; 1000];
+    let err = read_first_head(&mut input, &limits).await.unwrap_err();
+    assert_eq!(err.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    let mut input: &[u8] = b"";
+    assert!(read_first_head(&mut input, &limits)
+        .await
+        .unwrap()
+        .is_none());
+    let (mut silent, _other_end) = tokio::io::duplex(64);
+    assert!(read_first_head(&mut silent, &limits)
+        .await
+        .unwrap()
+        .is_none());
+    let (mut slow, mut other_end) = tokio::io::duplex(64);
+    other_end.write_all(b"GET http://x/").await.unwrap();
+    let err = read_first_head(&mut slow, &limits).await.unwrap_err();
+    assert_eq!(err.status(), StatusCode::REQUEST_TIMEOUT);
+}
+
+const SECRET: &[u8] = b"Bearer sk-test-0123456789";
+const TOKEN: &[u8] = b"sk-test-0123456789";
+
+/// A template that wraps the secret without a space (`session={}`): the secret
+/// alone is redacted too, as an upstream might quote it without the wrapping.
+#[test]
+fn the_bare_secret_is_redacted_whatever_wraps_it_in_the_header() {
+    let mut redactor = Redactor::for_secret(b"session=abcdefgh12345", b"abcdefgh12345").unwrap();
+    let mut out = redactor.feed(b"bad token abcdefgh12345!").to_vec();
+    out.extend_from_slice(&redactor.finish());
+    assert!(
+        !contains(&out, b"abcdefgh12345"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+}
+
+fn redact_all(chunks: &[&[u8]]) -> Vec<u8> {
+    let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+    let mut out = Vec::new();
+    for chunk in chunks {
+        out.extend_from_slice(&redactor.feed(chunk));
+    }
+    out.extend_from_slice(&redactor.finish());
+    out
+}
+
+#[test]
+fn redaction_keeps_lengths_and_finds_split_secrets() {
+    let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
+    let out = redact_all(&[input]);
+    assert_eq!(out.len(), input.len());
+    assert!(
+        !contains(&out, b"sk-test"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    assert!(out.starts_with(b"a [REDACTED]"));
+    for split in 1..input.len() {
+        let out = redact_all(&[&input[..split], &input[split..]]);
+        assert_eq!(out.len(), input.len());
+        assert!(!contains(&out, b"0123456789"), "split at {split}");
+    }
+    let bytewise: Vec<&[u8]> = input.chunks(1).collect();
+    assert!(!contains(&redact_all(&bytewise), b"0123456789"));
+}
+
+/// A body that ends in all of the secret but its last byte (an echo cut short)
+/// does not end in that much of it.
+#[test]
+fn a_stream_ending_inside_the_secret_does_not_end_in_it() {
+    let input = b"key=sk-test-012345678";
+    let out = redact_all(&[input]);
+    assert_no_token_piece(&out, input.len(), "cut short");
+    assert!(
+        out.starts_with(b"key="),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    // A short start is too short to say anything and stays as it was.
+    assert_eq!(redact_all(&[b"ends in sk-"]), b"ends in sk-");
+}
+
+#[test]
+fn redaction_holds_back_only_possible_secret_starts() {
+    let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+    assert_eq!(&redactor.feed(b"data: one\n\n")[..], b"data: one\n\n");
+    assert!(!redactor.holding());
+    assert_eq!(&redactor.feed(b"xx Bear")[..], b"xx ");
+    assert!(redactor.holding());
+    assert_eq!(&redactor.feed(b"d")[..], b"Beard");
+    assert_eq!(
+        Redactor::for_secret(b"short", b"short").map(|r| r.needles.len()),
+        None
+    );
+}
+
+/// Feeds `chunks` in turn, each followed by a pause (a flush) where it says so,
+/// then ends the stream.
+fn redact_paused(chunks: &[(&[u8], bool)]) -> Vec<u8> {
+    let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+    let mut out = Vec::new();
+    for (chunk, pause) in chunks {
+        out.extend_from_slice(&redactor.feed(chunk));
+        if *pause {
+            out.extend_from_slice(&redactor.flush_held());
+        }
+    }
+    out.extend_from_slice(&redactor.finish());
+    out
+}
+
+/// `out` kept the input's length and holds no piece of the token long enough to
+/// be redacted.
+fn assert_no_token_piece(out: &[u8], input_len: usize, context: &str) {
+    let shown = String::from_utf8_lossy(out);
+    assert_eq!(out.len(), input_len, "{context}: {shown}");
+    for window in TOKEN.windows(MIN_REDACTED_LEN) {
+        assert!(!contains(out, window), "{context}: {shown}");
+    }
+}
+
+/// An interactive stream (an upgraded connection) that pauses inside the secret:
+/// the held start goes out masked and the rest, when it comes, redacted, so the
+/// guest never gets the secret in two pieces.
+#[test]
+fn a_pause_inside_the_secret_does_not_let_it_through() {
+    let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
+    for pause in 1..input.len() {
+        let out = redact_paused(&[(&input[..pause], true), (&input[pause..], false)]);
+        assert_no_token_piece(&out, input.len(), &format!("pause at {pause}"));
+    }
+}
+
+/// A pause byte by byte, the worst case: each byte is held, then flushed.
+#[test]
+fn a_pause_after_every_byte_does_not_let_the_secret_through() {
+    let input = b"x Bearer sk-test-0123456789 y";
+    let bytes: Vec<(&[u8], bool)> = input.chunks(1).map(|byte| (byte, true)).collect();
+    assert_no_token_piece(&redact_paused(&bytes), input.len(), "byte by byte");
+}
+
+/// Seeded random streams: secrets, pieces of them and other bytes, cut into
+/// random chunks, with random pauses (flushes). With pauses no secret reaches the
+/// guest whole; without, the output is the same however the stream is cut.
+#[test]
+fn random_streams_cut_and_paused_anywhere_never_carry_the_secret() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n.max(1) as u64) as usize
+    };
+    for round in 0..2000 {
+        let mut input = Vec::new();
+        for _ in 0..next(8) {
+            match next(4) {
+                0 => input.extend_from_slice(TOKEN),
+                1 => input.extend_from_slice(SECRET),
+                2 => input.extend_from_slice(&TOKEN[..next(TOKEN.len())]),
+                _ => input.extend((0..next(12)).map(|_| b"ab sk-Bearer 01"[next(15)])),
+            }
+        }
+        let mut chunks: Vec<(&[u8], bool)> = Vec::new();
+        let mut at = 0;
+        while at < input.len() {
+            let len = 1 + next(input.len() - at);
+            chunks.push((&input[at..at + len], next(3) == 0));
+            at += len;
+        }
+        let out_paused = redact_paused(&chunks);
+        let steady: Vec<&[u8]> = chunks.iter().map(|(chunk, _)| *chunk).collect();
+        let shown = String::from_utf8_lossy(&input);
+        assert_eq!(out_paused.len(), input.len(), "round {round}: {shown}");
+        assert!(!contains(&out_paused, TOKEN), "round {round}: {shown}");
+        assert_eq!(
+            redact_all(&steady),
+            redact_all(&[&input]),
+            "round {round}: {shown}"
+        );
+    }
+}
+
+/// Ordinary text that only looks like a short start of the secret goes out as it
+/// is when the stream pauses, and what follows is not touched.
+#[test]
+fn a_pause_after_a_short_lookalike_changes_nothing() {
+    let mut redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+    assert_eq!(&redactor.feed(b"xx Bear")[..], b"xx ");
+    assert_eq!(&redactor.flush_held()[..], b"Bear");
+    assert_eq!(&redactor.feed(b"d and sk-")[..], b"d and ");
+    assert_eq!(&redactor.flush_held()[..], b"sk-");
+    assert_eq!(&redactor.feed(b"stuff")[..], b"stuff");
+    assert!(!redactor.holding());
+}
+
+#[test]
+fn redaction_in_headers() {
+    let redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("x-echo", HeaderValue::from_static("got sk-test-0123456789"));
+    redactor.redact_headers(&mut headers);
+    assert_eq!(headers["x-echo"], "got [REDACTED]********");
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    find(haystack, needle).is_some()
+}

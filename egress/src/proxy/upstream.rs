@@ -1,0 +1,274 @@
+//! Shared by CONNECT and plain HTTP: the policy's question, the vetted upstream
+//! connection, and what goes back to the guest.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{self, HeaderValue};
+use http::{Response, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::client::conn::http1 as client_http1;
+use hyper::ext::ReasonPhrase;
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+
+use super::addresses::forbidden_address;
+use super::headers::{display_target, strip_hop_by_hop, wants_upgrade};
+use super::redact::{copy_redacted, RedactedBody, Redactor};
+use super::tunnels::relay_while_allowed;
+use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
+use crate::log::LogEntry;
+use crate::rules::{Decision, Injection};
+
+/// One thing the guest asked for, as the policy checks and the log need it. A
+/// tunnel or an upgraded connection keeps its own, to ask again while it lasts.
+pub(super) struct Ask {
+    pub(super) host: String,
+    pub(super) port: u16,
+    /// `connect`, `http` or `tls-request`.
+    pub(super) kind: &'static str,
+    pub(super) method: String,
+    /// How messages name it, e.g. `CONNECT api.example.com:443`.
+    pub(super) what: String,
+}
+
+impl Ask {
+    /// Asks the policy; a refusal is logged and becomes a 403 naming the rule.
+    pub(super) fn decide(&self, config: &ProxyConfig) -> Result<Decision, ProxyError> {
+        let decision = config.rules.decide(&self.host, self.port);
+        if decision.allowed {
+            return Ok(decision);
+        }
+        let refused = ProxyError::Refused {
+            what: self.what.clone(),
+            rule: decision.rule.clone(),
+        };
+        Err(self.refuse(config, &decision.rule, refused))
+    }
+
+    /// Logs a refusal for `rule` (the reason) and passes `err` on.
+    pub(super) fn refuse(&self, config: &ProxyConfig, rule: &str, err: ProxyError) -> ProxyError {
+        config.log.record(&self.entry(false, rule, None));
+        err
+    }
+
+    /// A log entry; with the secret's name (never its value) if one is injected.
+    pub(super) fn entry(
+        &self,
+        allowed: bool,
+        rule: &str,
+        injection: Option<&Injection>,
+    ) -> LogEntry {
+        let mut entry = LogEntry::new(&self.host, self.port, allowed, rule, self.kind);
+        entry.method = Some(self.method.clone());
+        entry.secret = injection.map(|i| i.secret.clone());
+        entry
+    }
+
+    pub(super) fn target(&self) -> String {
+        display_target(&self.host, self.port)
+    }
+
+    /// Returns once the policy refuses what was asked for (the refusal logged), asked
+    /// every [`Limits::policy_recheck`]; never while it allows it.
+    pub(super) async fn until_refused(&self, config: &ProxyConfig) {
+        // A zero period would make `interval` panic.
+        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick is at once; it was allowed a moment ago.
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            if let Err(e) = self.decide(config) {
+                tracing::info!("{e}; closing the open connection");
+                return;
+            }
+        }
+    }
+}
+
+/// The addresses `host:port` resolves to, refused (and logged) if any of them is
+/// local, private or otherwise forbidden: a name the guest controls must not reach
+/// the host's or the cloud's internal services.
+pub(super) async fn vetted_addresses(
+    config: &ProxyConfig,
+    ask: &Ask,
+    decision: &Decision,
+) -> Result<Vec<SocketAddr>, ProxyError> {
+    let (host, port) = (ask.host.as_str(), ask.port);
+    let target = display_target(host, port);
+    if let Some(addr) = config.resolve_overrides.get(&target) {
+        return Ok(vec![*addr]);
+    }
+    let limit = config.limits.connect_timeout;
+    let addrs: Vec<SocketAddr> = match timeout(limit, tokio::net::lookup_host((host, port))).await {
+        Err(_) => {
+            return Err(ProxyError::Timeout {
+                what: "resolving",
+                target,
+                after: limit,
+            })
+        }
+        Ok(Err(source)) => return Err(ProxyError::Resolve { target, source }),
+        Ok(Ok(addrs)) => addrs.collect(),
+    };
+    if addrs.is_empty() {
+        return Err(ProxyError::NoAddress { target });
+    }
+    let forbidden = addrs
+        .iter()
+        .find_map(|addr| forbidden_address(addr.ip()).map(|reason| (addr.ip(), reason)));
+    if let Some((ip, reason)) = forbidden {
+        let rule = format!("{}, but {ip} is {reason}", decision.rule);
+        let err = ProxyError::ForbiddenAddress {
+            what: ask.what.clone(),
+            target,
+            ip,
+            reason,
+        };
+        return Err(ask.refuse(config, &rule, err));
+    }
+    Ok(addrs)
+}
+
+/// The first of `addrs` that accepts a connection.
+pub(super) async fn connect_tcp(
+    addrs: &[SocketAddr],
+    target: &str,
+    limit: Duration,
+) -> Result<TcpStream, ProxyError> {
+    let mut last = ProxyError::NoAddress {
+        target: target.to_string(),
+    };
+    for addr in addrs {
+        match timeout(limit, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                // Small writes (SSE events, keystrokes) must not wait for more.
+                let _ = stream.set_nodelay(true);
+                return Ok(stream);
+            }
+            Ok(Err(source)) => {
+                last = ProxyError::Connect {
+                    target: target.to_string(),
+                    source,
+                }
+            }
+            Err(_) => {
+                last = ProxyError::Timeout {
+                    what: "connecting to",
+                    target: target.to_string(),
+                    after: limit,
+                }
+            }
+        }
+    }
+    Err(last)
+}
+
+/// An HTTP/1.1 client on `io`, its connection driven by a task of its own.
+pub(super) async fn http1_client<I>(io: I, target: &str) -> Result<Upstream, ProxyError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, connection) =
+        client_http1::handshake(io)
+            .await
+            .map_err(|source| ProxyError::Upstream {
+                target: target.to_string(),
+                source,
+            })?;
+    let target = target.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = connection.with_upgrades().await {
+            tracing::debug!("upstream connection to {target} ended: {e}");
+        }
+    });
+    Ok(sender)
+}
+
+/// Makes a guest request fit to send upstream: no hop-by-hop or proxy headers,
+/// origin-form URI, a Host header.
+pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValue) {
+    let upgrade = wants_upgrade(&parts.headers);
+    strip_hop_by_hop(&mut parts.headers, upgrade);
+    let origin = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |path| path.as_str())
+        .parse()
+        .unwrap_or_else(|_| Uri::from_static("/"));
+    parts.uri = origin;
+    parts.version = Version::HTTP_11;
+    // Ours, whatever the guest wrote (`API.TEST.:443` named the same host to the
+    // policy, but an upstream may route it to another).
+    parts.headers.insert(header::HOST, host);
+}
+
+/// Turns the upstream's response into the guest's: hop-by-hop headers removed, the
+/// secret redacted, and for a 101 the two upgraded connections spliced together.
+pub(super) fn relay_response(
+    mut response: Response<Incoming>,
+    guest_upgrade: Option<OnUpgrade>,
+    redactor: Option<Redactor>,
+    ask: Ask,
+    conn: &Arc<Conn>,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if switching {
+        let Some(guest) = guest_upgrade else {
+            return Err(ProxyError::UnaskedUpgrade {
+                target: ask.target(),
+            });
+        };
+        let upstream = hyper::upgrade::on(&mut response);
+        tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone(), ask));
+    }
+    strip_hop_by_hop(response.headers_mut(), switching);
+    Ok(match redactor {
+        Some(redactor) => {
+            redactor.redact_headers(response.headers_mut());
+            // An upstream's own reason phrase could quote the secret: the guest gets
+            // the standard one for the status.
+            response.extensions_mut().remove::<ReasonPhrase>();
+            response.map(|body| RedactedBody::new(body, redactor).boxed())
+        }
+        None => response.map(boxed),
+    })
+}
+
+/// Copies between the upgraded guest and upstream connections (a WebSocket, say),
+/// redacting the secret from what flows to the guest when there is one.
+pub(super) async fn splice(
+    guest: OnUpgrade,
+    upstream: OnUpgrade,
+    redactor: Option<Redactor>,
+    conn: Arc<Conn>,
+    ask: Ask,
+) {
+    let (guest, upstream) = match tokio::try_join!(guest, upstream) {
+        Ok(both) => both,
+        Err(e) => return tracing::debug!("upgrade failed: {e}"),
+    };
+    let guest = TokioIo::new(guest);
+    let upstream = TokioIo::new(upstream);
+    let relay = async {
+        match redactor {
+            None => byte_relay::both_ways(guest, upstream).await,
+            Some(redactor) => {
+                let (guest_rx, guest_tx) = tokio::io::split(guest);
+                let (upstream_rx, upstream_tx) = tokio::io::split(upstream);
+                let (a_to_b, b_to_a) = tokio::join!(
+                    byte_relay::one_way(guest_rx, upstream_tx),
+                    copy_redacted(upstream_rx, guest_tx, redactor)
+                );
+                byte_relay::Relayed { a_to_b, b_to_a }
+            }
+        }
+    };
+    relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await;
+}

@@ -16,7 +16,6 @@ pub mod cold_start;
 pub mod egress;
 pub mod fs;
 pub mod fs_vmm;
-pub mod nested_retry;
 pub mod process;
 pub mod report;
 pub mod report_charts;

@@ -1073,14 +1073,7 @@ mod tests {
 
     #[test]
     fn commands_match_the_documented_ones() {
-        let tools = Tools {
-            kernel: "/k".into(),
-            initrd: "/i".into(),
-            vmctl: "/v".into(),
-            qemu: "/q".into(),
-            agent_initrd: "/a".into(),
-            rootfs: "/r".into(),
-        };
+        let tools = Tools::fake();
         let a = args(&[]).unwrap();
         let s = |v: Vec<OsString>| {
             v.iter()

@@ -345,14 +345,7 @@ mod tests {
 
     #[test]
     fn the_nested_host_may_write_only_to_its_exchange_directory() {
-        let tools = Tools {
-            kernel: "/k".into(),
-            initrd: "/i".into(),
-            vmctl: "/v".into(),
-            qemu: "/q".into(),
-            agent_initrd: "/a".into(),
-            rootfs: "/r".into(),
-        };
+        let tools = Tools::fake();
         // --out in /tmp itself: its directory must not become the share.
         let a = parse_args(["--out", "/tmp/x.json", "--fs-mib", "4"].map(String::from)).unwrap();
         let cmd = nested_command(

@@ -33,6 +33,21 @@ impl Tools {
     }
 }
 
+#[cfg(test)]
+impl Tools {
+    /// Short made-up paths, for tests of the command lines.
+    pub(super) fn fake() -> Tools {
+        Tools {
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            vmctl: "/v".into(),
+            qemu: "/q".into(),
+            agent_initrd: "/a".into(),
+            rootfs: "/r".into(),
+        }
+    }
+}
+
 pub(super) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()

@@ -238,18 +238,32 @@ fn parse_events(buf: &[u8]) -> Vec<InotifyEvent<'_>> {
     events
 }
 
-/// The guest side of host edits: the writable shares' mount points, and what the
-/// guest wrote there lately.
+/// The guest side of host edits: the writable shares' mount points, what the guest
+/// wrote there lately, and each share's read-only view (see [`HostEditTarget::recheck`]).
 #[derive(Debug, Default)]
 pub struct HostEditTarget {
     roots: Vec<PathBuf>,
     writes: Option<Arc<GuestWrites>>,
+    /// A read-only bind mount of each root (same order), where names are checked
+    /// again; `None` where there is none.
+    views: Vec<Option<PathBuf>>,
 }
 
 impl HostEditTarget {
     /// Touches edits below `roots` only; `writes`, when given, spares the guest's own.
     pub fn new(roots: Vec<PathBuf>, writes: Option<Arc<GuestWrites>>) -> Self {
-        HostEditTarget { roots, writes }
+        HostEditTarget {
+            roots,
+            writes,
+            views: Vec::new(),
+        }
+    }
+
+    /// With `views[i]`, a read-only bind mount of `roots[i]`, where the names the host
+    /// created, removed or renamed over are checked again.
+    pub fn with_views(mut self, views: Vec<Option<PathBuf>>) -> Self {
+        self.views = views;
+        self
     }
 
     /// The target for the writable shares mounted at `roots`; a guest that cannot
@@ -276,7 +290,10 @@ impl HostEditTarget {
     pub fn show(&self, edits: &[HostEdit]) -> EditsShown {
         let now = Instant::now();
         let mut shown = EditsShown::default();
-        for edit in edits {
+        for edit in edits.iter().filter(|edit| edit.kind == EditKind::Name) {
+            self.recheck(edit.path());
+        }
+        for edit in edits.iter().filter(|edit| edit.kind != EditKind::Name) {
             let path = edit.path();
             let Some(located) = self.within_roots(path) else {
                 shown.failed += 1;
@@ -289,7 +306,7 @@ impl HostEditTarget {
                 }
                 let dir = match edit.kind {
                     EditKind::Entries => Some(path),
-                    EditKind::Content => path.parent(),
+                    _ => path.parent(),
                 };
                 if let Some(dir) = dir.filter(|dir| dir.starts_with(located.0)) {
                     writes.watch(dir);
@@ -306,19 +323,65 @@ impl HostEditTarget {
         shown
     }
 
+    /// Makes the guest's kernel ask virtiofsd about the name `path` again. virtio-fs
+    /// keeps a name for a second (`auto` cache; a day with `always`): a file the host
+    /// replaced (git's index, an editor's save, both written elsewhere and renamed
+    /// over) would be the old one until then, and a guest git command could write back
+    /// what it read there. `open(O_CREAT | O_EXCL)` has the kernel check the cached
+    /// name with virtiofsd whatever its age; through the share's read-only view it can
+    /// create nothing (EEXIST when the name is there, EROFS when it is gone).
+    pub fn recheck(&self, path: &Path) {
+        let Some(at) = self.index_within(path) else {
+            return;
+        };
+        let (Some(Some(view)), within) = (self.views.get(at.0), at.1) else {
+            return;
+        };
+        if within.as_os_str().is_empty() {
+            return;
+        }
+        let checked = open_view(view).and_then(|view| {
+            open_how(
+                view.as_raw_fd(),
+                within,
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDONLY | libc::O_CLOEXEC,
+                libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_BENEATH,
+            )
+        });
+        match checked {
+            Ok(_) => tracing::warn!(
+                "{}: checking the name again created it: the share's view is not read-only",
+                path.display()
+            ),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST | libc::EROFS)) => {}
+            Err(e) => tracing::debug!("{}: name not checked again: {e}", path.display()),
+        }
+    }
+
     /// The writable share holding `path` (the innermost), and the plain relative path
     /// within it; `None` outside the shares or with `..` in it.
     fn within_roots<'a>(&'a self, path: &'a Path) -> Option<(&'a Path, &'a Path)> {
-        let (root, within) = self
+        let (at, within) = self.index_within(path)?;
+        Some((self.roots[at].as_path(), within))
+    }
+
+    /// [`HostEditTarget::within_roots`], with the share's index.
+    fn index_within<'a>(&self, path: &'a Path) -> Option<(usize, &'a Path)> {
+        let (at, within) = self
             .roots
             .iter()
-            .filter_map(|root| Some((root.as_path(), path.strip_prefix(root).ok()?)))
-            .max_by_key(|(root, _)| root.as_os_str().len())?;
+            .enumerate()
+            .filter_map(|(at, root)| Some((at, path.strip_prefix(root).ok()?)))
+            .max_by_key(|(at, _)| self.roots[*at].as_os_str().len())?;
         within
             .components()
             .all(|c| matches!(c, Component::Normal(_)))
-            .then_some((root, within))
+            .then_some((at, within))
     }
+}
+
+fn open_view(view: &Path) -> io::Result<OwnedFd> {
+    open_path(libc::AT_FDCWD, view, 0)
 }
 
 /// Sets the times of `within` (below the share `root`) to now, through no symlink: the
@@ -355,10 +418,15 @@ struct OpenHow {
 /// Opens `path` (relative to `dir`) as `O_PATH`: nothing of the file is run or read.
 /// `resolve` is openat2's; the root of a share is opened as named.
 fn open_path(dir: RawFd, path: &Path, resolve: u64) -> io::Result<OwnedFd> {
+    // Without O_NOFOLLOW: RESOLVE_NO_SYMLINKS then refuses a link at the end too.
+    open_how(dir, path, libc::O_PATH | libc::O_CLOEXEC, resolve)
+}
+
+/// openat2(`dir`, `path`) with `flags` (mode 0) and `resolve`.
+fn open_how(dir: RawFd, path: &Path, flags: libc::c_int, resolve: u64) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
     let how = OpenHow {
-        // Without O_NOFOLLOW: RESOLVE_NO_SYMLINKS then refuses a link at the end too.
-        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
+        flags: flags as u64,
         mode: 0,
         resolve,
     };

@@ -340,6 +340,47 @@ fn delete_initramfs(dir: &Path, root_dev: u64, skip: &Path) {
     }
 }
 
+/// Where the writable shares' read-only views are mounted (root only).
+const SHARE_VIEWS: &str = "/run/vmctl/share-views";
+
+/// A read-only bind mount of each writable share, in a directory only root can enter:
+/// where the guest agent checks the names the host changed
+/// ([`crate::host_edits::HostEditTarget::recheck`]) without any chance of creating a
+/// file. `None` (and a console warning) where the mount failed.
+pub fn read_only_views(shares: &[std::path::PathBuf]) -> Vec<Option<std::path::PathBuf>> {
+    mkdir_p(SHARE_VIEWS, 0o700);
+    let _ = std::fs::set_permissions(SHARE_VIEWS, std::fs::Permissions::from_mode(0o700));
+    shares
+        .iter()
+        .enumerate()
+        .map(|(at, share)| {
+            let view = format!("{SHARE_VIEWS}/{at}");
+            mkdir_p(&view, 0o700);
+            let source = share.to_string_lossy();
+            let mounted = mount(&source, &view, "", libc::MS_BIND, "").and_then(|()| {
+                mount(
+                    &source,
+                    &view,
+                    "",
+                    libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
+                    "",
+                )
+            });
+            match mounted {
+                Ok(()) => Some(std::path::PathBuf::from(view)),
+                Err(e) => {
+                    console(&format!(
+                        "warning: {}: no read-only view ({e}); a file the host replaces there \
+                         may look like the old one in the guest for a second",
+                        share.display()
+                    ));
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
 /// Builds the overlay root at `/mnt/root` and switches into it.
 fn switch_root(cfg: &BootConfig, root_dev: &str) -> Result<(), InitError> {
     let (lower, upper, newroot) = ("/mnt/lower", "/mnt/upper", "/mnt/root");

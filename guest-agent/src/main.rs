@@ -63,6 +63,7 @@ fn main() -> ExitCode {
         ..Default::default()
     };
     let mut writable_shares = Vec::new();
+    let mut share_views = Vec::new();
     let listen = if pid1 {
         let boot = init::boot();
         if let Some(program) = &boot.run {
@@ -71,6 +72,7 @@ fn main() -> ExitCode {
         config.default_user = boot.user.clone();
         let writable = boot.shares.iter().filter(|share| !share.read_only);
         writable_shares = writable.map(|share| share.path.clone()).collect();
+        share_views = init::read_only_views(&writable_shares);
         args.listen.take().unwrap_or(ListenAddr::Vsock(boot.port))
     } else {
         args.listen
@@ -84,7 +86,8 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     // After the logger: a guest that cannot watch its own writes is said.
-    config.host_edits = Arc::new(HostEditTarget::for_shares(writable_shares));
+    config.host_edits =
+        Arc::new(HostEditTarget::for_shares(writable_shares).with_views(share_views));
 
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

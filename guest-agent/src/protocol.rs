@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -168,6 +168,10 @@ pub enum EditKind {
     Content,
     /// The directory's entries: one was created, removed or renamed.
     Entries,
+    /// This name was created, removed or renamed over: the guest checks its cached
+    /// name again (it may still lead to the file the name had before), and touches
+    /// nothing (the directory's `Entries` is what file watchers see).
+    Name,
 }
 
 /// How the agent dealt with a batch of [`HostEdit`]s.

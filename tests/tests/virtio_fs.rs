@@ -419,6 +419,93 @@ print(seen['modify'], seen['attrib'])
 /// A workspace that is a git worktree, as Paseo makes one per agent: git works in the
 /// guest (its repository's git directory is shared at its path) and agrees with the
 /// host's both ways; the main checkout's files stay out of the guest.
+/// A file the host replaces (written elsewhere, renamed over its name: git's index,
+/// an editor's save) is the new one in the guest as soon as the host's watch reports
+/// it, not when the guest's cached name expires; so a guest git command after a host
+/// one builds on what the host did. Run with the `always` cache, whose names last a
+/// day: without the guest agent checking the names again, the old file would stay.
+#[test]
+fn a_file_the_host_replaces_is_the_new_one_in_the_guest() {
+    vm_tests::vm_scenario(
+        "virtio_fs::a_file_the_host_replaces_is_the_new_one_in_the_guest",
+        replaced_file_scenario,
+    );
+}
+
+fn replaced_file_scenario() {
+    let ws = Workspace::new("virtio-fs-replaced");
+    let root = ws.path().canonicalize().unwrap();
+    std::fs::write(root.join("notes.txt"), "first\n").unwrap();
+    let day_long_names = [("VMCTL_VIRTIOFS_CACHE", Path::new("always"))];
+    assert_ok(&ws.run_with_env(&["up"], &day_long_names), "vmctl up");
+    // Until the guest sees `want` in `file` (at most 20 s), then its view of it.
+    let guest_sees = |file: &str, want: &str| {
+        let out = ws.exec(&format!(
+            "for i in $(seq 100); do grep -q '{want}' {file} && break; sleep 0.2; done; cat {file}"
+        ));
+        assert_ok(&out, "reading in the guest");
+        stdout(&out)
+    };
+    assert_eq!(guest_sees("notes.txt", "first"), "first\n");
+    std::fs::write(root.join("notes.tmp"), "second\n").unwrap();
+    std::fs::rename(root.join("notes.tmp"), root.join("notes.txt")).unwrap();
+    assert_eq!(
+        guest_sees("notes.txt", "second"),
+        "second\n",
+        "the guest kept the replaced file"
+    );
+    // And removed: gone in the guest too.
+    std::fs::remove_file(root.join("notes.txt")).unwrap();
+    let gone = ws.exec(
+        "for i in $(seq 100); do [ -e notes.txt ] || break; sleep 0.2; done
+         [ -e notes.txt ] && echo STILL-THERE; true",
+    );
+    assert_eq!(stdout(&gone), "", "the guest kept a file the host removed");
+    assert!(
+        !root.join("notes.txt").exists(),
+        "checking the removed name again made it anew"
+    );
+
+    // git: the host stages a file; once the guest's index has it, a guest `git add`
+    // keeps it staged (it used to write back the index it had read before).
+    host("git", &["init", "-q"], &root);
+    std::fs::write(root.join("a.txt"), "a\n").unwrap();
+    host("git", &["add", "a.txt"], &root);
+    host(
+        "git",
+        &[
+            "-c",
+            "user.name=h",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            "base",
+        ],
+        &root,
+    );
+    assert_ok(
+        &ws.exec("git status --porcelain > /dev/null"),
+        "git status in the guest",
+    );
+    std::fs::write(root.join("b.txt"), "b\n").unwrap();
+    host("git", &["add", "b.txt"], &root);
+    let staged = ws.exec(
+        "for i in $(seq 100); do git ls-files | grep -q b.txt && break; sleep 0.2; done
+         echo c > c.txt; git add c.txt && git status --porcelain",
+    );
+    assert_ok(&staged, "git add in the guest");
+    assert_eq!(stdout(&staged), "A  b.txt\nA  c.txt\n");
+    assert_eq!(
+        host("git", &["status", "--porcelain"], &root),
+        "A  b.txt\nA  c.txt\n"
+    );
+    assert!(
+        !root.join(".git/index.lock").exists(),
+        "checking git's lock file again made it anew"
+    );
+}
+
 #[test]
 fn a_git_worktree_works_in_the_guest() {
     vm_tests::vm_scenario(

@@ -6,6 +6,10 @@
 //! store) and sends what changed, by guest path, to the guest agent, which touches
 //! each path so that the guest's watchers see it (`guest_agent::host_edits`).
 //!
+//! It also sends every name the host created, removed or renamed: the guest's kernel
+//! keeps names for a second, and would show the old file where the host renamed a new
+//! one over it (git's index, an editor's save) until the agent has it look again.
+//!
 //! Two kinds of echo are kept out:
 //! - the agent's touch reaches the host as an attribute change of the same path: an
 //!   attribute-only change of a path sent within [`ECHO_WINDOW`] is not sent again;
@@ -97,7 +101,11 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
         if changes.overflowed {
             eprintln!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
         }
-        let edits = echoes.without_echoes(changes, Instant::now());
+        let names = std::mem::take(&mut changes.names);
+        let mut edits = echoes.without_echoes(changes, Instant::now());
+        // The names first: the guest then sees the new files when it is shown them.
+        let names = names.into_iter().map(|name| (name, EditKind::Name));
+        edits.splice(0..0, names);
         let edits: Vec<HostEdit> = edits
             .into_iter()
             .filter_map(|(host, kind)| Some(HostEdit::new(&shares.guest_path_of(&host)?, kind)))

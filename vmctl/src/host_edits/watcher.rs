@@ -38,6 +38,9 @@ pub struct Changes {
     /// their directory's report shows them (a guest creating 1,000 files so costs
     /// 1,000 fewer reports).
     pub(super) arrived: BTreeSet<PathBuf>,
+    /// Every name created, removed or renamed (from or to): the guest checks each
+    /// again, since its kernel may still hold it for the file it named before.
+    pub names: BTreeSet<PathBuf>,
 }
 
 impl Changes {
@@ -181,6 +184,7 @@ impl TreeWatcher {
                 ReadFlags::CREATE | ReadFlags::DELETE | ReadFlags::MOVED_FROM | ReadFlags::MOVED_TO;
             if flags.intersects(entries) {
                 changes.add(dir.clone(), EditKind::Entries, false);
+                changes.names.insert(path.clone());
             }
             if flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO) {
                 changes.arrived.insert(path.clone());
@@ -305,6 +309,27 @@ mod tests {
         std::fs::write(root.join("new/inner/b.js"), "b").unwrap();
         let inner = root.join("new/inner");
         read_until(&mut watcher, |c| has(c, &inner, EditKind::Entries, false));
+    }
+
+    #[test]
+    fn every_name_created_removed_or_renamed_is_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        std::fs::create_dir(root.join("old")).unwrap();
+        std::fs::write(root.join("gone.txt"), "g").unwrap();
+        std::fs::write(root.join("index"), "1").unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        watcher.watch_tree(&root);
+        std::fs::write(root.join("made.js"), "m").unwrap();
+        std::fs::remove_file(root.join("gone.txt")).unwrap();
+        std::fs::rename(root.join("old"), root.join("moved")).unwrap();
+        // As git replaces its index.
+        std::fs::write(root.join("index.lock"), "2").unwrap();
+        std::fs::rename(root.join("index.lock"), root.join("index")).unwrap();
+        let want = ["made.js", "gone.txt", "old", "moved", "index.lock", "index"];
+        read_until(&mut watcher, |c| {
+            want.iter().all(|name| c.names.contains(&root.join(name)))
+        });
     }
 
     #[test]

@@ -416,9 +416,6 @@ print(seen['modify'], seen['attrib'])
     std::fs::remove_dir_all(&probe).unwrap();
 }
 
-/// A workspace that is a git worktree, as Paseo makes one per agent: git works in the
-/// guest (its repository's git directory is shared at its path) and agrees with the
-/// host's both ways; the main checkout's files stay out of the guest.
 /// A file the host replaces (written elsewhere, renamed over its name: git's index,
 /// an editor's save) is the new one in the guest as soon as the host's watch reports
 /// it, not when the guest's cached name expires; so a guest git command after a host
@@ -506,6 +503,9 @@ fn replaced_file_scenario() {
     );
 }
 
+/// A workspace that is a git worktree, as Paseo makes one per agent: git works in the
+/// guest (its repository's git directory is shared at its path) and agrees with the
+/// host's both ways; the main checkout's files stay out of the guest.
 #[test]
 fn a_git_worktree_works_in_the_guest() {
     vm_tests::vm_scenario(

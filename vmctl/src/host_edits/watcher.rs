@@ -194,7 +194,11 @@ impl TreeWatcher {
                 // watched again under the new one.
                 forget_tree(&self.inotify, &mut self.dirs, &path);
             }
-            if is_dir && flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO) {
+            let name = path.file_name().unwrap_or_default();
+            if is_dir
+                && flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO)
+                && !is_git_objects(&dir, name)
+            {
                 new_dirs.push(path.clone());
             }
             if flags.intersects(ReadFlags::MODIFY | ReadFlags::CLOSE_WRITE) {
@@ -254,6 +258,20 @@ mod tests {
             watcher.read(&mut changes).unwrap();
         }
         changes
+    }
+
+    /// Reads until `dir` is watched, or fails after 5 s.
+    fn read_until_watched(watcher: &mut TreeWatcher, dir: &Path) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !watcher.dirs.values().any(|watched| watched == dir) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} not watched",
+                dir.display()
+            );
+            watcher.wait(Some(Duration::from_millis(100))).unwrap();
+            watcher.read(&mut Changes::default()).unwrap();
+        }
     }
 
     /// Reads what is still coming (the close after a write).
@@ -390,6 +408,23 @@ mod tests {
             watched,
             [root.clone(), root.join(".git"), root.join(".git/refs")]
         );
+
+        // Nor a repository's object store made later (`git init`, `git clone`), even
+        // when its `.git` is watched first.
+        std::fs::create_dir(root.join("later")).unwrap();
+        let later = root.join("later");
+        read_until_watched(&mut watcher, &later);
+        std::fs::create_dir(later.join(".git")).unwrap();
+        let later_git = later.join(".git");
+        read_until_watched(&mut watcher, &later_git);
+        std::fs::create_dir_all(later.join(".git/objects/cd")).unwrap();
+        std::fs::create_dir(later.join(".git/refs")).unwrap();
+        let later_refs = later.join(".git/refs");
+        read_until_watched(&mut watcher, &later_refs);
+        assert!(watcher
+            .dirs
+            .values()
+            .all(|dir| !dir.starts_with(later.join(".git/objects"))));
 
         let mut small = TreeWatcher::new(2).unwrap();
         let why = small.watch_tree(&root).unwrap();

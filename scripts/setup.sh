@@ -16,7 +16,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc libc6-dev
           make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq git
-          libcap-ng-dev libseccomp-dev pkg-config)
+          libcap-ng-dev libseccomp-dev pkg-config nodejs)
+# (nodejs: vm-bench's host-edits probe runs on the host too, as a reference.)
 
 # The virtiofsd serving workspace shares (crates.io; its build needs libcap-ng and
 # libseccomp).

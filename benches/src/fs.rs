@@ -58,6 +58,8 @@ pub struct FsSizes {
     pub file_mib: u64,
     pub files: u64,
     pub runs: usize,
+    /// Rounds of [`crate::fs_edits`].
+    pub edit_rounds: usize,
     /// Where they come from, for the report.
     pub origin: String,
 }
@@ -70,6 +72,7 @@ pub fn sizes(
     file_mib: Option<u64>,
     files: Option<u64>,
     runs: Option<usize>,
+    edit_rounds: Option<usize>,
 ) -> FsSizes {
     let (m, f, r, origin) = if quick {
         (QUICK_FILE_MIB, QUICK_FILES, QUICK_RUNS, "--quick sizes")
@@ -88,11 +91,17 @@ pub fn sizes(
             "the issue's sizes, hardware KVM",
         )
     };
-    let overridden = file_mib.is_some() || files.is_some() || runs.is_some();
+    let overridden =
+        file_mib.is_some() || files.is_some() || runs.is_some() || edit_rounds.is_some();
     FsSizes {
         file_mib: file_mib.unwrap_or(m),
         files: files.unwrap_or(f),
         runs: runs.unwrap_or(r),
+        edit_rounds: edit_rounds.unwrap_or(if quick {
+            crate::fs_edits::QUICK_ROUNDS
+        } else {
+            crate::fs_edits::DEFAULT_ROUNDS
+        }),
         origin: if overridden {
             format!("{origin}, with --fs-* overrides")
         } else {
@@ -382,29 +391,42 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     fn argv(&self, side: Side, script: &str) -> Vec<String> {
-        let mut v = Vec::new();
-        if side == Side::Guest {
-            v.extend([
+        let mut v = self.prefix(side);
+        v.extend(["bash".into(), "-c".into(), script.into()]);
+        v
+    }
+
+    /// What runs a command on `side`: nothing on the host, `vmctl exec` for the guest.
+    fn prefix(&self, side: Side) -> Vec<String> {
+        match side {
+            Side::Host => Vec::new(),
+            Side::Guest => vec![
                 self.vmctl.bin.display().to_string(),
                 "exec".into(),
                 "--workspace".into(),
                 self.workspace.display().to_string(),
                 "--".into(),
-            ]);
+            ],
         }
-        v.extend(["bash".into(), "-c".into(), script.into()]);
-        v
     }
 
-    /// Runs `script` on `side` in the workspace directory; exit 0 required. The error
-    /// carries the script's output (and, for the guest, the VM's logs).
-    fn run(&self, side: Side, what: &str, script: &str) -> Result<Ran, String> {
-        let argv = self.argv(side, script);
+    /// `program` on `side`, in the workspace directory, with vmctl's environment.
+    fn command(&self, side: Side, program: &str) -> Command {
+        let mut argv = self.prefix(side);
+        argv.push(program.into());
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]).current_dir(self.workspace);
         if side == Side::Guest {
             cmd.envs(self.vmctl.env.iter().map(|(k, v)| (k, v)));
         }
+        cmd
+    }
+
+    /// Runs `script` on `side` in the workspace directory; exit 0 required. The error
+    /// carries the script's output (and, for the guest, the VM's logs).
+    fn run(&self, side: Side, what: &str, script: &str) -> Result<Ran, String> {
+        let mut cmd = self.command(side, "bash");
+        cmd.args(["-c", script]);
         let line = match side {
             Side::Host => format!("{what} (host: bash -c SCRIPT)"),
             Side::Guest => format!("{what} (guest: vmctl exec -- bash -c SCRIPT)"),
@@ -507,6 +529,7 @@ pub fn measure(b: &FsBench) -> FsReport {
         figures: Vec::new(),
         notes: Vec::new(),
         error: None,
+        edits: None,
         by_vmm: None,
     };
     if let Err(e) = measure_into(b, &mut report) {
@@ -870,8 +893,35 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         ));
     }
 
+    if lost.is_none() {
+        report.edits = Some(measure_edits(b, &runner, &ws));
+    }
     vmctl.rm(&ws).map_err(|e| format!("vmctl rm: {e}"))?;
     Ok(())
+}
+
+/// [`crate::fs_edits`] in the VM's workspace: Node.js on the host, and in the guest
+/// through `vmctl exec`.
+fn measure_edits(b: &FsBench, runner: &Runner, ws: &Path) -> crate::fs_edits::EditsReport {
+    say(format!(
+        "virtio-fs: host edits as the guest sees them, {} rounds per side",
+        b.sizes.edit_rounds
+    ));
+    let (host, guest) = (
+        crate::fs_edits::side_dir(ws, HOST),
+        crate::fs_edits::side_dir(ws, GUEST),
+    );
+    crate::fs_edits::measure(
+        [
+            (HOST, runner.command(Side::Host, "node"), &host),
+            (GUEST, runner.command(Side::Guest, "node"), &guest),
+        ],
+        b.sizes.edit_rounds,
+        crate::fs_edits::Timeouts {
+            startup: b.script_timeout,
+            answer: crate::fs_edits::ANSWER_TIMEOUT,
+        },
+    )
 }
 
 pub(crate) fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String> {
@@ -920,23 +970,27 @@ mod tests {
 
     #[test]
     fn sizes_defaults_and_overrides() {
-        let s = sizes(false, false, None, None, None);
+        let s = sizes(false, false, None, None, None, None);
         assert_eq!((s.file_mib, s.files, s.runs), (256, 10_000, 3));
-        let s = sizes(false, true, None, None, None);
+        assert_eq!(s.edit_rounds, 10);
+        let s = sizes(false, true, None, None, None, None);
         assert_eq!((s.file_mib, s.files, s.runs), (64, 1_000, 3));
         assert_eq!(s.origin, "reduced for the nested host");
         for nested in [false, true] {
-            let s = sizes(true, nested, None, None, None);
-            assert_eq!((s.file_mib, s.files, s.runs), (8, 100, 1));
+            let s = sizes(true, nested, None, None, None, None);
+            assert_eq!((s.file_mib, s.files, s.runs, s.edit_rounds), (8, 100, 1, 3));
         }
-        let s = sizes(true, true, Some(16), None, Some(2));
-        assert_eq!((s.file_mib, s.files, s.runs), (16, 100, 2));
+        let s = sizes(true, true, Some(16), None, Some(2), Some(7));
+        assert_eq!(
+            (s.file_mib, s.files, s.runs, s.edit_rounds),
+            (16, 100, 2, 7)
+        );
         assert!(s.origin.contains("overrides"), "{}", s.origin);
     }
 
     #[test]
     fn samples_and_targets() {
-        let s = sizes(true, false, None, None, None);
+        let s = sizes(true, false, None, None, None, None);
         // 8 MiB in half a second: 16 MiB/s.
         assert_eq!(Workload::SeqWrite.sample(500_000_000, &s), 16.0);
         assert_eq!(Workload::GitStatus.sample(250_000_000, &s), 0.25);
@@ -952,7 +1006,7 @@ mod tests {
 
     #[test]
     fn checks_of_the_scripts_output() {
-        let s = sizes(true, false, None, None, None);
+        let s = sizes(true, false, None, None, None, None);
         assert!(Workload::SeqWrite.check("SIZE=8388608\n", &s).is_ok());
         let e = Workload::SeqWrite.check("SIZE=4096\n", &s).unwrap_err();
         assert!(e.contains("expected 8388608"), "{e}");
@@ -1004,6 +1058,7 @@ mod tests {
                 file_mib: 1,
                 files: 20,
                 runs: 2,
+                edit_rounds: 1,
                 origin: "test".into(),
             },
             timeout: Duration::from_secs(30),
@@ -1050,8 +1105,19 @@ mod tests {
         assert_eq!(calls.pop(), Some("daemon"));
         assert_eq!(calls.first(), Some(&"up"));
         assert_eq!(calls.last(), Some(&"rm"));
-        // probe + warm-up + 5 workloads x 2 runs, in the guest.
-        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 12);
+        // probe + warm-up + 5 workloads x 2 runs + the host edits' probe, in the guest.
+        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 13);
+        let edits = r.edits.as_ref().expect("host edits measured");
+        assert_eq!(edits.figures.len(), 4);
+        for f in &edits.figures {
+            assert_eq!(
+                f.guest.as_ref().map(|g| g.samples.len()),
+                Some(1),
+                "{}",
+                f.name
+            );
+        }
+        assert!(r.markdown().contains("| fs_edits_replace_read_ms |"));
         assert!(r.markdown().contains("| fs_git_status_s | s | 20 files |"));
         assert_eq!(r.config.guest_cache, "auto");
         // In the nested host, the host's caches are never dropped. (And a cache policy
@@ -1155,6 +1221,7 @@ mod tests {
             file_mib: 1,
             files: 30,
             runs: 1,
+            edit_rounds: 1,
             origin: "test".into(),
         };
         let setup = run_script(&git_setup_script(s.files), &dir);

@@ -528,6 +528,7 @@ mod tests {
                 file_mib: 1,
                 files: 10,
                 runs: 1,
+                edit_rounds: 1,
                 origin: "test".into(),
             },
             timeout: Duration::from_secs(60),

@@ -1,7 +1,8 @@
 //! Benchmarks of the VMM: boot time and memory overhead, measured side by side with
 //! QEMU's microvm machine, as is the churn of create/destroy cycles ([`churn`]), and
 //! the workspace VM (`vmctl up`, exec through the guest agent; [`workspace`]), its
-//! shared directory over virtio-fs against the host ([`fs`]), its egress path
+//! shared directory over virtio-fs against the host ([`fs`]; how soon the host's
+//! edits reach the guest: [`fs_edits`]), its egress path
 //! against the host ([`egress`]), and the agent CLI's start, cold and warm, with the
 //! host memory of idle VMs ([`agent`]), see `benches/README.md`.
 //!
@@ -15,6 +16,7 @@ pub mod churn;
 pub mod cold_start;
 pub mod egress;
 pub mod fs;
+pub mod fs_edits;
 pub mod fs_vmm;
 pub mod process;
 pub mod report;

@@ -812,6 +812,9 @@ pub struct FsReport {
     /// The section failed as a whole (`vmctl up`, the probe, `vmctl rm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// How soon the host's edits reach the guest ([`crate::fs_edits`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edits: Option<crate::fs_edits::EditsReport>,
     /// The same workloads under our VMM and under QEMU's microvm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by_vmm: Option<FsVmmReport>,
@@ -867,6 +870,9 @@ impl FsReport {
     pub fn errors(&self) -> Vec<(String, String)> {
         let figures = self.figures.iter().map(|f| (&f.name, &f.error));
         let mut errors = section_errors("virtio-fs", &self.error, figures);
+        if let Some(edits) = &self.edits {
+            errors.extend(edits.errors());
+        }
         if let Some(by_vmm) = &self.by_vmm {
             errors.extend(
                 by_vmm
@@ -969,6 +975,10 @@ impl FsReport {
         }
         for n in &self.notes {
             s.push_str(&format!("\n{n}\n"));
+        }
+        if let Some(edits) = &self.edits {
+            s.push('\n');
+            s.push_str(&edits.markdown());
         }
         if let Some(by_vmm) = &self.by_vmm {
             s.push('\n');
@@ -1342,6 +1352,7 @@ mod tests {
             figures: fs_figures(),
             notes: vec!["The git index was not rewritten.".into()],
             error: None,
+            edits: None,
             by_vmm: None,
         };
         let md = r.markdown();

@@ -46,10 +46,12 @@ the host memory of idle VMs.
   --cli-iterations N   round trips of `vmctl exec -- true`
   --churn-cycles N     churn: create/destroy cycles per VMM
   --fs-mib N           virtio-fs: the sequential file's size in MiB (default 256
-                       on hardware KVM, 64 in the nested host, 16 with --quick)
+                       on hardware KVM, 64 in the nested host, 8 with --quick)
   --fs-files N         virtio-fs: small files created and stat-ed, and the git
-                       repository's files (default 10000; nested 1000; quick 200)
+                       repository's files (default 10000; nested 1000; quick 100)
   --fs-runs N          virtio-fs: repetitions per side (default 3; quick 1)
+  --fs-edit-rounds N   virtio-fs: rounds of the host-edits probe per side (how
+                       soon the host's edits reach the guest; default 10; quick 3)
   --fs-timeout SECS    virtio-fs: per script (default 600)
   --fs-cache POLICY    virtio-fs: the guest's caching, as vmctl's
                        VMCTL_VIRTIOFS_CACHE: auto (vmctl's default), never,
@@ -99,6 +101,7 @@ pub(super) struct Args {
     pub(super) fs_mib: Option<u64>,
     pub(super) fs_files: Option<u64>,
     pub(super) fs_runs: Option<usize>,
+    pub(super) fs_edit_rounds: Option<usize>,
     pub(super) fs_timeout: Duration,
     /// `--fs-cache`: vmctl's VMCTL_VIRTIOFS_CACHE for the virtio-fs VM.
     pub(super) fs_cache: Option<String>,
@@ -137,6 +140,7 @@ pub(super) fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args,
         fs_mib: None,
         fs_files: None,
         fs_runs: None,
+        fs_edit_rounds: None,
         fs_timeout: Duration::from_secs(600),
         fs_cache: None,
         out: None,
@@ -198,6 +202,10 @@ pub(super) fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args,
             "--fs-mib" => a.fs_mib = Some(number("--fs-mib", value("--fs-mib")?)?),
             "--fs-files" => a.fs_files = Some(number("--fs-files", value("--fs-files")?)?),
             "--fs-runs" => a.fs_runs = Some(number("--fs-runs", value("--fs-runs")?)? as usize),
+            "--fs-edit-rounds" => {
+                a.fs_edit_rounds =
+                    Some(number("--fs-edit-rounds", value("--fs-edit-rounds")?)? as usize)
+            }
             "--fs-timeout" => {
                 a.fs_timeout = Duration::from_secs(number("--fs-timeout", value("--fs-timeout")?)?)
             }
@@ -256,14 +264,15 @@ pub(super) fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args,
         a.fs_mib.unwrap_or(1) as usize,
         a.fs_files.unwrap_or(1) as usize,
         a.fs_runs.unwrap_or(1),
+        a.fs_edit_rounds.unwrap_or(1),
         a.fs_timeout.as_secs() as usize,
     ]
     .contains(&0)
     {
         return Err(
             "--runs, --memory-runs, --ready-runs, --cold-runs, --exec-iterations, --cli-iterations, \
-                    --churn-cycles, --cpus, --memory, --fs-mib, --fs-files, --fs-runs and \
-                    --fs-timeout must be at least 1"
+                    --churn-cycles, --cpus, --memory, --fs-mib, --fs-files, --fs-runs, \
+                    --fs-edit-rounds and --fs-timeout must be at least 1"
                 .into(),
         );
     }

@@ -608,7 +608,14 @@ fn measure(
     if wanted(Section::Fs) {
         report.fs = Some(crate::fs::measure(&FsBench {
             artifacts: tools.guest_artifacts(),
-            sizes: crate::fs::sizes(args.quick, nested, args.fs_mib, args.fs_files, args.fs_runs),
+            sizes: crate::fs::sizes(
+                args.quick,
+                nested,
+                args.fs_mib,
+                args.fs_files,
+                args.fs_runs,
+                args.fs_edit_rounds,
+            ),
             timeout: args.timeout,
             script_timeout: args.fs_timeout,
             cache: args.fs_cache.clone(),
@@ -1041,11 +1048,22 @@ mod tests {
         assert!(args(&["--churn-cycles", "0"]).is_err());
         assert_eq!((a.fs_mib, a.fs_files, a.fs_runs), (None, None, None));
         assert_eq!(a.fs_timeout, Duration::from_secs(600));
-        let f = args(&["--fs-mib", "8", "--fs-files", "50", "--fs-runs", "2"]).unwrap();
+        let f = args(&[
+            "--fs-mib",
+            "8",
+            "--fs-files",
+            "50",
+            "--fs-runs",
+            "2",
+            "--fs-edit-rounds",
+            "5",
+        ])
+        .unwrap();
         assert_eq!(
-            (f.fs_mib, f.fs_files, f.fs_runs),
-            (Some(8), Some(50), Some(2))
+            (f.fs_mib, f.fs_files, f.fs_runs, f.fs_edit_rounds),
+            (Some(8), Some(50), Some(2), Some(5))
         );
+        assert!(args(&["--fs-edit-rounds", "0"]).is_err());
         assert!(args(&["--fs-files", "0"]).is_err());
         assert!(args(&["--fs-runs", "0"]).is_err());
         assert_eq!(a.fs_cache, None);

@@ -151,8 +151,20 @@ pub(super) fn run_nested(
     // warm-ups; per repetition 5 workloads on 2 sides and a host cache drop); then,
     // but in quick runs, the comparison of VMMs: its git setup, and per repetition a
     // boot of each VMM (with the waits for its virtiofsd).
-    let fs_runs = crate::fs::sizes(args.quick, true, args.fs_mib, args.fs_files, args.fs_runs).runs;
+    let fs_sizes = crate::fs::sizes(
+        args.quick,
+        true,
+        args.fs_mib,
+        args.fs_files,
+        args.fs_runs,
+        args.fs_edit_rounds,
+    );
+    let fs_runs = fs_sizes.runs;
     let fs_vmm_boots = if args.quick { 0 } else { fs_runs * 2 };
+    // The host edits' probe: its start on each side, then its answers.
+    let fs_edits = 2
+        * (args.fs_timeout
+            + crate::fs_edits::ANSWER_TIMEOUT * (5 * (fs_sizes.edit_rounds as u32 + 1) + 1));
     let fs_scripts = (5 + fs_runs * 11 + 1 + fs_vmm_boots) as u32;
     let fs_virtiofsd_waits = crate::fs_vmm::VIRTIOFSD_WAIT * 2 * fs_vmm_boots as u32;
     // egress: policy, secret, vmctl up and rm; each curl call its own timeout.
@@ -174,6 +186,7 @@ pub(super) fn run_nested(
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
         + args.fs_timeout * fs_scripts
         + fs_virtiofsd_waits
+        + fs_edits
         + crate::egress::COMMAND_TIMEOUT * egress_calls
         + agent
         + churn;
@@ -330,6 +343,7 @@ pub(super) fn nested_command(
         ("--fs-mib", args.fs_mib),
         ("--fs-files", args.fs_files),
         ("--fs-runs", args.fs_runs.map(|r| r as u64)),
+        ("--fs-edit-rounds", args.fs_edit_rounds.map(|r| r as u64)),
     ] {
         if let Some(v) = v {
             cmd.args([flag, &n(v)]);

@@ -29,6 +29,9 @@ pub const QUICK_ROUNDS: usize = 3;
 /// within the guest's name cache (1 s), plus the emulation's slowness.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Files the host makes before its write in `fs_edits_watch_after_burst_ms`.
+pub const BURST_FILES: usize = 100;
+
 /// How long the host waits before each edit, so that each finds vmctl's watch idle
 /// (as a user's save does), not still busy with the last one's echo.
 const QUIET: Duration = Duration::from_millis(200);
@@ -95,14 +98,16 @@ const REPLACED_UNWATCHED: &str = ".git/objects/fs-edits/replaced.txt";
 enum Measure {
     Echo,
     Watch,
+    WatchAfterBurst,
     Replace,
     ReplaceUnwatched,
 }
 
 impl Measure {
-    const ALL: [Measure; 4] = [
+    const ALL: [Measure; 5] = [
         Measure::Echo,
         Measure::Watch,
+        Measure::WatchAfterBurst,
         Measure::Replace,
         Measure::ReplaceUnwatched,
     ];
@@ -111,6 +116,7 @@ impl Measure {
         match self {
             Measure::Echo => "fs_edits_echo_ms",
             Measure::Watch => "fs_edits_watch_ms",
+            Measure::WatchAfterBurst => "fs_edits_watch_after_burst_ms",
             Measure::Replace => "fs_edits_replace_read_ms",
             Measure::ReplaceUnwatched => "fs_edits_replace_read_unwatched_ms",
         }
@@ -120,6 +126,7 @@ impl Measure {
         match self {
             Measure::Echo => "a line to the probe's stdin and back (the floor)",
             Measure::Watch => "the host writes a file; the probe's fs.watch fires and reads the new content",
+            Measure::WatchAfterBurst => "the same, the host first making 100 files in a new directory (all in one batch)",
             Measure::Replace => "the host renames a new file over one the probe reads every ms; the probe reads the new one",
             Measure::ReplaceUnwatched => "the same in a directory the host's watch leaves out (git's object store): as a read-only share, or host edits off",
         }
@@ -148,7 +155,7 @@ pub struct EditsReport {
 }
 
 /// A side's samples (ms) per [`Measure`], in [`Measure::ALL`]'s order.
-type Samples = [Vec<f64>; 4];
+type Samples = [Vec<f64>; 5];
 
 /// Runs `rounds` rounds (after one unmeasured) on each side: `host` and `guest` start
 /// the probe in `host_dir` and `guest_dir` (distinct directories of the workspace),
@@ -244,6 +251,21 @@ fn measure_side(
         keep(
             Measure::Watch,
             probe.expect(&format!("seen {k}"), answer)? - written,
+        );
+
+        probe.send(&format!("watch {k}b"))?;
+        probe.expect(&format!("watching {k}b"), answer)?;
+        thread::sleep(QUIET);
+        let burst = dir.join(format!("burst-{k}"));
+        let started = Instant::now();
+        fs::create_dir(&burst).map_err(|e| format!("create {}: {e}", burst.display()))?;
+        for i in 0..BURST_FILES {
+            write(&burst.join(format!("f{i}")), "x")?;
+        }
+        write(&dir.join("watched.txt"), &format!("{k}b"))?;
+        keep(
+            Measure::WatchAfterBurst,
+            probe.expect(&format!("seen {k}b"), answer)? - started,
         );
 
         for (m, file) in [
@@ -483,7 +505,7 @@ mod tests {
             },
         );
         assert!(report.errors.is_empty(), "{:?}", report.errors);
-        assert_eq!(report.figures.len(), 4);
+        assert_eq!(report.figures.len(), 5);
         for f in &report.figures {
             for side in [&f.host, &f.guest] {
                 let side = side

@@ -260,7 +260,7 @@ impl HostEditTarget {
     }
 
     /// With `views[i]`, a read-only bind mount of `roots[i]`, where the names the host
-    /// created, removed or renamed over are checked again.
+    /// removed or renamed (from or over) are checked again.
     pub fn with_views(mut self, views: Vec<Option<PathBuf>>) -> Self {
         self.views = views;
         self

@@ -168,7 +168,7 @@ pub enum EditKind {
     Content,
     /// The directory's entries: one was created, removed or renamed.
     Entries,
-    /// This name was created, removed or renamed over: the guest checks its cached
+    /// This name was removed or renamed (from or over): the guest checks its cached
     /// name again (it may still lead to the file the name had before), and touches
     /// nothing (the directory's `Entries` is what file watchers see).
     Name,

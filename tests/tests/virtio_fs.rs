@@ -451,6 +451,18 @@ fn replaced_file_scenario() {
         "second\n",
         "the guest kept the replaced file"
     );
+    // A name the guest found missing is not kept (vmctl does not send the names the
+    // host creates): the file the host makes is there at once, even with day-long names.
+    let missing = ws.exec("cat made-later.txt 2>&1; true");
+    assert!(stdout(&missing).contains("No such file"), "{missing:?}");
+    std::fs::write(root.join("made-later.txt"), "made\n").unwrap();
+    let made = ws.exec("cat made-later.txt");
+    assert_eq!(
+        stdout(&made),
+        "made\n",
+        "the guest kept a missing name: {made:?}"
+    );
+    std::fs::remove_file(root.join("made-later.txt")).unwrap();
     // And removed: gone in the guest too.
     std::fs::remove_file(root.join("notes.txt")).unwrap();
     let gone = ws.exec(

@@ -6,7 +6,7 @@
 //! store) and sends what changed, by guest path, to the guest agent, which touches
 //! each path so that the guest's watchers see it (`guest_agent::host_edits`).
 //!
-//! It also sends every name the host created, removed or renamed: the guest's kernel
+//! It also sends every name the host removed or renamed (from or to): the guest's kernel
 //! keeps names for a second, and would show the old file where the host renamed a new
 //! one over it (git's index, an editor's save) until the agent has it look again.
 //!

@@ -1108,7 +1108,7 @@ mod tests {
         // probe + warm-up + 5 workloads x 2 runs + the host edits' probe, in the guest.
         assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 13);
         let edits = r.edits.as_ref().expect("host edits measured");
-        assert_eq!(edits.figures.len(), 5);
+        assert_eq!(edits.figures.len(), 6);
         for f in &edits.figures {
             assert_eq!(
                 f.guest.as_ref().map(|g| g.samples.len()),

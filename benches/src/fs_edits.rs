@@ -99,15 +99,17 @@ enum Measure {
     Echo,
     Watch,
     WatchAfterBurst,
+    WatchAfterRemoval,
     Replace,
     ReplaceUnwatched,
 }
 
 impl Measure {
-    const ALL: [Measure; 5] = [
+    const ALL: [Measure; 6] = [
         Measure::Echo,
         Measure::Watch,
         Measure::WatchAfterBurst,
+        Measure::WatchAfterRemoval,
         Measure::Replace,
         Measure::ReplaceUnwatched,
     ];
@@ -117,6 +119,7 @@ impl Measure {
             Measure::Echo => "fs_edits_echo_ms",
             Measure::Watch => "fs_edits_watch_ms",
             Measure::WatchAfterBurst => "fs_edits_watch_after_burst_ms",
+            Measure::WatchAfterRemoval => "fs_edits_watch_after_removal_ms",
             Measure::Replace => "fs_edits_replace_read_ms",
             Measure::ReplaceUnwatched => "fs_edits_replace_read_unwatched_ms",
         }
@@ -127,6 +130,7 @@ impl Measure {
             Measure::Echo => "a line to the probe's stdin and back (the floor)",
             Measure::Watch => "the host writes a file; the probe's fs.watch fires and reads the new content",
             Measure::WatchAfterBurst => "the same, the host first making 100 files in a new directory (all in one batch)",
+            Measure::WatchAfterRemoval => "the same, the host first removing that directory (rm -rf)",
             Measure::Replace => "the host renames a new file over one the probe reads every ms; the probe reads the new one",
             Measure::ReplaceUnwatched => "the same in a directory the host's watch leaves out (git's object store): as a read-only share, or host edits off",
         }
@@ -155,7 +159,7 @@ pub struct EditsReport {
 }
 
 /// A side's samples (ms) per [`Measure`], in [`Measure::ALL`]'s order.
-type Samples = [Vec<f64>; 5];
+type Samples = [Vec<f64>; 6];
 
 /// Runs `rounds` rounds (after one unmeasured) on each side: `host` and `guest` start
 /// the probe in `host_dir` and `guest_dir` (distinct directories of the workspace),
@@ -266,6 +270,17 @@ fn measure_side(
         keep(
             Measure::WatchAfterBurst,
             probe.expect(&format!("seen {k}b"), answer)? - started,
+        );
+
+        probe.send(&format!("watch {k}r"))?;
+        probe.expect(&format!("watching {k}r"), answer)?;
+        thread::sleep(QUIET);
+        let started = Instant::now();
+        fs::remove_dir_all(&burst).map_err(|e| format!("remove {}: {e}", burst.display()))?;
+        write(&dir.join("watched.txt"), &format!("{k}r"))?;
+        keep(
+            Measure::WatchAfterRemoval,
+            probe.expect(&format!("seen {k}r"), answer)? - started,
         );
 
         for (m, file) in [
@@ -505,7 +520,7 @@ mod tests {
             },
         );
         assert!(report.errors.is_empty(), "{:?}", report.errors);
-        assert_eq!(report.figures.len(), 5);
+        assert_eq!(report.figures.len(), 6);
         for f in &report.figures {
             for side in [&f.host, &f.guest] {
                 let side = side

@@ -168,7 +168,7 @@ fn check_report(report: &Value) {
     assert!(edits["errors"].is_null(), "fs edits: {}", edits["errors"]);
     let rounds = edits["rounds"].as_u64().expect("fs.edits.rounds");
     let figures = edits["figures"].as_array().expect("fs.edits.figures");
-    assert_eq!(figures.len(), 5, "{edits}");
+    assert_eq!(figures.len(), 6, "{edits}");
     for f in figures {
         for side in ["host", "guest"] {
             let n = f[side]["samples"].as_array().map_or(0, Vec::len) as u64;

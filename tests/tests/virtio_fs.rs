@@ -474,6 +474,20 @@ fn replaced_file_scenario() {
         !root.join("notes.txt").exists(),
         "checking the removed name again made it anew"
     );
+    // A tree removed (`rm -rf`, whose names vmctl sends as the top one alone): gone in
+    // the guest below it too.
+    std::fs::create_dir_all(root.join("tree/sub")).unwrap();
+    std::fs::write(root.join("tree/sub/deep.txt"), "deep\n").unwrap();
+    let deep = ws.exec(
+        "for i in $(seq 100); do [ -e tree/sub/deep.txt ] && break; sleep 0.2; done; cat tree/sub/deep.txt",
+    );
+    assert_eq!(stdout(&deep), "deep\n", "{deep:?}");
+    std::fs::remove_dir_all(root.join("tree")).unwrap();
+    let gone = ws.exec(
+        "for i in $(seq 100); do [ -e tree/sub/deep.txt ] || break; sleep 0.2; done
+         [ -e tree/sub/deep.txt ] && echo STILL-THERE; [ -e tree ] && echo TREE-THERE; true",
+    );
+    assert_eq!(stdout(&gone), "", "the guest kept a tree the host removed");
 
     // git: the host stages a file; once the guest's index has it, a guest `git add`
     // keeps it staged (it used to write back the index it had read before).

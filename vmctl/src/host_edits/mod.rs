@@ -18,8 +18,9 @@
 
 mod watcher;
 
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use guest_agent::client::Connection;
@@ -111,7 +112,10 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
             eprintln!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
         }
         let names = std::mem::take(&mut changes.names);
-        let mut edits = echoes.without_echoes(changes, Instant::now());
+        let edits = echoes.without_echoes(changes, Instant::now());
+        let (names, mut edits) = within_gone_left_out(names, edits, |path| {
+            std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+        });
         // The names first: the guest then sees the new files when it is shown them.
         let names = names.into_iter().map(|name| (name, EditKind::Name));
         edits.splice(0..0, names);
@@ -169,6 +173,42 @@ async fn send(
     }
 }
 
+/// Leaves out what lies below a removed or renamed name that is gone from the host
+/// (`is_gone`): the guest's check of that name finds it gone and drops all its kernel
+/// held below it, and touching a path there fails; so a host `rm -rf` of a tree costs
+/// the guest one lookup, not one per file. Returns the names (in order: each before
+/// what lies below it) and the edits left.
+fn within_gone_left_out(
+    names: BTreeSet<PathBuf>,
+    edits: Vec<(PathBuf, EditKind)>,
+    is_gone: impl Fn(&Path) -> bool,
+) -> (Vec<PathBuf>, Vec<(PathBuf, EditKind)>) {
+    // A path's descendants follow it directly in the set's (component-wise) order.
+    let mut gone: BTreeSet<PathBuf> = BTreeSet::new();
+    let mut kept = Vec::new();
+    let mut last_gone: Option<PathBuf> = None;
+    for name in names {
+        if last_gone.as_ref().is_some_and(|dir| name.starts_with(dir)) {
+            continue;
+        }
+        if is_gone(&name) {
+            gone.insert(name.clone());
+            last_gone = Some(name.clone());
+        }
+        kept.push(name);
+    }
+    let within_gone = |path: &Path| {
+        gone.range::<Path, _>((Bound::Unbounded, Bound::Included(path)))
+            .next_back()
+            .is_some_and(|dir| path.starts_with(dir))
+    };
+    let edits = edits
+        .into_iter()
+        .filter(|(path, _)| !within_gone(path))
+        .collect();
+    (kept, edits)
+}
+
 /// The paths sent lately, to tell the agent's touches from the host's own changes.
 #[derive(Debug, Default)]
 struct Echoes {
@@ -208,6 +248,39 @@ mod tests {
                 .collect(),
             ..Changes::default()
         }
+    }
+
+    #[test]
+    fn what_lies_below_a_gone_name_is_left_out() {
+        let paths = |list: &[&str]| list.iter().map(PathBuf::from).collect::<Vec<_>>();
+        // `rm -rf /w/a`, and `/w/a.txt` and `/w/b/x` removed; `/w/c` renamed away and
+        // another made in its place.
+        let names: BTreeSet<PathBuf> = paths(&[
+            "/w/a/b/x", "/w/a", "/w/a/b", "/w/a/y", "/w/a.txt", "/w/b/x", "/w/c", "/w/c/z",
+        ])
+        .into_iter()
+        .collect();
+        let edits: Vec<(PathBuf, EditKind)> = [
+            ("/w", EditKind::Entries),
+            ("/w/a", EditKind::Entries),
+            ("/w/a/b", EditKind::Entries),
+            ("/w/ab", EditKind::Entries),
+            ("/w/b", EditKind::Entries),
+            ("/w/c", EditKind::Entries),
+        ]
+        .into_iter()
+        .map(|(path, kind)| (PathBuf::from(path), kind))
+        .collect();
+        let gone = paths(&["/w/a", "/w/a/b", "/w/a/b/x", "/w/a/y", "/w/a.txt", "/w/b/x"]);
+        let (names, edits) =
+            within_gone_left_out(names, edits, |path| gone.iter().any(|g| g == path));
+        // `/w/c` is there again: what was below the old one is checked one by one.
+        assert_eq!(
+            names,
+            paths(&["/w/a", "/w/a.txt", "/w/b/x", "/w/c", "/w/c/z"])
+        );
+        let edits: Vec<&str> = edits.iter().map(|(p, _)| p.to_str().unwrap()).collect();
+        assert_eq!(edits, ["/w", "/w/ab", "/w/b", "/w/c"]);
     }
 
     #[test]

@@ -247,40 +247,32 @@ fn measure_side(
             probe.expect(&format!("pong {k}"), answer)? - sent,
         );
 
-        probe.send(&format!("watch {k}"))?;
-        probe.expect(&format!("watching {k}"), answer)?;
-        thread::sleep(QUIET);
-        let written = Instant::now();
-        write(&dir.join("watched.txt"), &k)?;
-        keep(
-            Measure::Watch,
-            probe.expect(&format!("seen {k}"), answer)? - written,
-        );
-
-        probe.send(&format!("watch {k}b"))?;
-        probe.expect(&format!("watching {k}b"), answer)?;
-        thread::sleep(QUIET);
+        // A write of `watched.txt` the probe's fs.watch must see, after `before`; the
+        // time counts from the start of `before`.
+        let mut watched = |want: &str, before: &dyn Fn() -> Result<(), String>| {
+            probe.send(&format!("watch {want}"))?;
+            probe.expect(&format!("watching {want}"), answer)?;
+            thread::sleep(QUIET);
+            let started = Instant::now();
+            before()?;
+            write(&dir.join("watched.txt"), want)?;
+            Ok::<_, String>(probe.expect(&format!("seen {want}"), answer)? - started)
+        };
+        keep(Measure::Watch, watched(&k, &|| Ok(()))?);
         let burst = dir.join(format!("burst-{k}"));
-        let started = Instant::now();
-        fs::create_dir(&burst).map_err(|e| format!("create {}: {e}", burst.display()))?;
-        for i in 0..BURST_FILES {
-            write(&burst.join(format!("f{i}")), "x")?;
-        }
-        write(&dir.join("watched.txt"), &format!("{k}b"))?;
+        let make_burst = || {
+            fs::create_dir(&burst).map_err(|e| format!("create {}: {e}", burst.display()))?;
+            (0..BURST_FILES).try_for_each(|i| write(&burst.join(format!("f{i}")), "x"))
+        };
         keep(
             Measure::WatchAfterBurst,
-            probe.expect(&format!("seen {k}b"), answer)? - started,
+            watched(&format!("{k}b"), &make_burst)?,
         );
-
-        probe.send(&format!("watch {k}r"))?;
-        probe.expect(&format!("watching {k}r"), answer)?;
-        thread::sleep(QUIET);
-        let started = Instant::now();
-        fs::remove_dir_all(&burst).map_err(|e| format!("remove {}: {e}", burst.display()))?;
-        write(&dir.join("watched.txt"), &format!("{k}r"))?;
+        let remove_burst =
+            || fs::remove_dir_all(&burst).map_err(|e| format!("remove {}: {e}", burst.display()));
         keep(
             Measure::WatchAfterRemoval,
-            probe.expect(&format!("seen {k}r"), answer)? - started,
+            watched(&format!("{k}r"), &remove_burst)?,
         );
 
         for (m, file) in [

@@ -38,8 +38,8 @@ pub const HOST_EDITS_VAR: &str = "VMCTL_HOST_EDITS";
 pub const MAX_WATCHED_DIRS: usize = 65_536;
 /// A burst of events (an editor's save: write, close, rename) becomes one batch: it
 /// ends once no event came for [`BURST_GAP`], or [`BURST_MAX`] after its first. A
-/// fixed wait of 50 ms instead was most of a host edit's way to the guest's watchers
-/// (measured in the nested host: 70 ms, where the exec's echo takes 6).
+/// fixed wait of 50 ms instead was half of a host edit's way to the guest's watchers
+/// (measured in the nested host: 95-100 ms against 47-51; docs/bench/experiments.md).
 const BURST_GAP: Duration = Duration::from_millis(10);
 const BURST_MAX: Duration = Duration::from_millis(50);
 /// How long the attribute change that the agent's touch causes counts as an echo.

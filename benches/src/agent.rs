@@ -20,6 +20,7 @@ use crate::boot::{say, warm_page_cache, TempDir};
 use crate::process::run_command;
 use crate::report::{first_line, fmt_sig, hardware_kvm, Figure, OURS};
 use crate::scan::tail;
+use crate::stats::ms;
 use crate::workspace::{GuestArtifacts, Vmctl};
 
 /// Cold runs (a fresh workspace each, so a VM boot each) and warm runs.
@@ -425,10 +426,6 @@ pub struct AgentBench {
     /// `/proc/meminfo` (the tests' is a file of their own).
     pub meminfo: PathBuf,
     pub settle: Settle,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn mib(kib: u64) -> f64 {

@@ -20,8 +20,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::boot::command_argv;
+use crate::process::{reader, text_so_far, Seen};
 use crate::report::{fmt_sig, Figure, GUEST, HOST};
 use crate::scan::tail;
+use crate::stats::ms;
 
 pub const DEFAULT_ROUNDS: usize = 10;
 pub const QUICK_ROUNDS: usize = 3;
@@ -175,7 +178,7 @@ pub fn measure(
     };
     let mut per_side: Vec<(String, Samples)> = Vec::new();
     for (side, cmd, dir) in sides {
-        report.commands.push((side.to_string(), argv(&cmd)));
+        report.commands.push((side.to_string(), command_argv(&cmd)));
         let mut samples = Samples::default();
         if let Err(e) = measure_side(cmd, dir, rounds, timeouts, &mut samples) {
             crate::boot::say(format!("error: fs_edits ({side}): {e}"));
@@ -198,17 +201,6 @@ pub fn measure(
         })
         .collect();
     report
-}
-
-fn argv(cmd: &Command) -> Vec<String> {
-    std::iter::once(cmd.get_program())
-        .chain(cmd.get_args())
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect()
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn measure_side(
@@ -300,14 +292,14 @@ struct Probe {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: Receiver<(Instant, String)>,
-    stderr: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<Seen>>,
     /// Lines read that were not the ones waited for (for errors).
     other: Vec<String>,
 }
 
 impl Probe {
     fn start(mut cmd: Command) -> Result<Probe, String> {
-        let line = argv(&cmd).join(" ");
+        let line = command_argv(&cmd).join(" ");
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -326,22 +318,11 @@ impl Probe {
                 }
             }
         });
-        let kept = Arc::new(Mutex::new(String::new()));
-        let stderr_kept = kept.clone();
-        thread::spawn(move || {
-            for read in BufReader::new(stderr).lines() {
-                let Ok(read) = read else { return };
-                if let Ok(mut kept) = stderr_kept.lock() {
-                    kept.push_str(&read);
-                    kept.push('\n');
-                }
-            }
-        });
         Ok(Probe {
             child,
             stdin: Some(stdin),
             lines,
-            stderr: kept,
+            stderr: reader(stderr, false),
             other: Vec::new(),
         })
     }
@@ -395,7 +376,7 @@ impl Probe {
 
     /// `what`, with the lines not waited for and the probe's stderr.
     fn failed(&self, what: &str) -> String {
-        let stderr = self.stderr.lock().map(|s| s.clone()).unwrap_or_default();
+        let stderr = text_so_far(&self.stderr);
         format!(
             "{what}\n--- other lines ---\n{}\n--- stderr (tail) ---\n{}",
             tail(&self.other.join("\n"), 1000),

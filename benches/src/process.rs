@@ -45,7 +45,7 @@ impl Ran {
 /// What a reader thread has seen so far; shared, so a reader stuck on a pipe that
 /// never closes still gives up what it read.
 #[derive(Default)]
-struct Seen {
+pub(crate) struct Seen {
     bytes: Vec<u8>,
     first: Option<Instant>,
     lines: Vec<(Instant, String)>,
@@ -53,7 +53,8 @@ struct Seen {
     lined: usize,
 }
 
-fn reader(mut pipe: impl Read + Send + 'static, split_lines: bool) -> Arc<Mutex<Seen>> {
+/// Reads `pipe` to its end on a thread of its own, into what it returns.
+pub(crate) fn reader(mut pipe: impl Read + Send + 'static, split_lines: bool) -> Arc<Mutex<Seen>> {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let shared = Arc::clone(&seen);
     thread::spawn(move || {
@@ -80,6 +81,13 @@ fn reader(mut pipe: impl Read + Send + 'static, split_lines: bool) -> Arc<Mutex<
         }
     });
     seen
+}
+
+/// The text `seen` holds so far.
+pub(crate) fn text_so_far(seen: &Mutex<Seen>) -> String {
+    seen.lock()
+        .map(|s| String::from_utf8_lossy(&s.bytes).into_owned())
+        .unwrap_or_default()
 }
 
 /// How [`run_command`]'s error for a command it had to kill begins, after its name.

@@ -10,6 +10,11 @@ pub struct Summary {
     pub max: f64,
 }
 
+/// A duration in milliseconds, the unit of the time figures.
+pub fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
 /// The `p`-th percentile (0 < p <= 100) by the nearest-rank method: the smallest
 /// sample such that at least p % of the samples are <= it. With few samples (N = 10)
 /// p90 is therefore the 9th smallest value, never an interpolation.

@@ -17,6 +17,7 @@ use guest_agent::protocol::{ExecRequest, HealthInfo};
 use crate::process::{run_command, Ran};
 use crate::report::{Figure, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS};
 use crate::scan::tail;
+use crate::stats::ms;
 
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
@@ -43,10 +44,6 @@ pub struct WorkspaceBench {
     pub cli_iterations: usize,
     /// For each `vmctl` command and each client round trip.
     pub timeout: Duration,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn mib(bytes: u64) -> f64 {

@@ -26,6 +26,7 @@ use crate::report::{
 use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::sections::Section;
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
+use crate::stats::ms;
 use crate::workspace::WorkspaceBench;
 use vm_tests::initramfs_with_script;
 
@@ -296,7 +297,7 @@ fn hardware_target(name: &str) -> Option<f64> {
     }
 }
 
-fn command_argv(cmd: &Command) -> Vec<String> {
+pub(crate) fn command_argv(cmd: &Command) -> Vec<String> {
     std::iter::once(cmd.get_program())
         .chain(cmd.get_args())
         .map(|a| a.to_string_lossy().into_owned())
@@ -392,10 +393,6 @@ pub(crate) struct VmRun {
     pub(crate) to_exit: Duration,
     stderr: String,
     memory: Option<MemoryUse>,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn mib(kib: u64) -> f64 {

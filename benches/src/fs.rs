@@ -74,13 +74,21 @@ pub fn sizes(
     runs: Option<usize>,
     edit_rounds: Option<usize>,
 ) -> FsSizes {
-    let (m, f, r, origin) = if quick {
-        (QUICK_FILE_MIB, QUICK_FILES, QUICK_RUNS, "--quick sizes")
+    use crate::fs_edits::{DEFAULT_ROUNDS, QUICK_ROUNDS};
+    let (m, f, r, e, origin) = if quick {
+        (
+            QUICK_FILE_MIB,
+            QUICK_FILES,
+            QUICK_RUNS,
+            QUICK_ROUNDS,
+            "--quick sizes",
+        )
     } else if nested {
         (
             NESTED_FILE_MIB,
             NESTED_FILES,
             DEFAULT_RUNS,
+            DEFAULT_ROUNDS,
             "reduced for the nested host",
         )
     } else {
@@ -88,6 +96,7 @@ pub fn sizes(
             ISSUE_FILE_MIB,
             ISSUE_FILES,
             DEFAULT_RUNS,
+            DEFAULT_ROUNDS,
             "the issue's sizes, hardware KVM",
         )
     };
@@ -97,11 +106,7 @@ pub fn sizes(
         file_mib: file_mib.unwrap_or(m),
         files: files.unwrap_or(f),
         runs: runs.unwrap_or(r),
-        edit_rounds: edit_rounds.unwrap_or(if quick {
-            crate::fs_edits::QUICK_ROUNDS
-        } else {
-            crate::fs_edits::DEFAULT_ROUNDS
-        }),
+        edit_rounds: edit_rounds.unwrap_or(e),
         origin: if overridden {
             format!("{origin}, with --fs-* overrides")
         } else {

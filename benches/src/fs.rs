@@ -922,11 +922,17 @@ fn measure_edits(b: &FsBench, runner: &Runner, ws: &Path) -> crate::fs_edits::Ed
             (GUEST, runner.command(Side::Guest, "node"), &guest),
         ],
         b.sizes.edit_rounds,
-        crate::fs_edits::Timeouts {
-            startup: b.script_timeout,
-            answer: crate::fs_edits::ANSWER_TIMEOUT,
-        },
+        edit_timeouts(b.script_timeout),
     )
+}
+
+/// The host edits' probe may take a script's time to start (Node.js in a nested
+/// guest), then [`crate::fs_edits::ANSWER_TIMEOUT`] per answer.
+pub fn edit_timeouts(script_timeout: Duration) -> crate::fs_edits::Timeouts {
+    crate::fs_edits::Timeouts {
+        startup: script_timeout,
+        answer: crate::fs_edits::ANSWER_TIMEOUT,
+    }
 }
 
 pub(crate) fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String> {

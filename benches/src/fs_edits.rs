@@ -39,6 +39,22 @@ pub const BURST_FILES: usize = 100;
 /// (as a user's save does), not still busy with the last one's echo.
 const QUIET: Duration = Duration::from_millis(200);
 
+/// The answers waited for per round: the echo; `watching` and `seen` for each of the
+/// three watched writes; `polling` and `read` for each of the two replaced files.
+const ANSWERS_PER_ROUND: u32 = 1 + 3 * 2 + 2 * 2;
+/// The host's pauses per round ([`QUIET`]): before each watched write and each rename.
+const PAUSES_PER_ROUND: u32 = 3 + 2;
+
+/// The longest [`measure`] may take with `rounds` and `timeouts`: on each side, the
+/// probe's start, every answer of every round (the unmeasured one too), its exit.
+pub fn time_budget(rounds: usize, timeouts: Timeouts) -> Duration {
+    let rounds = rounds as u32 + 1;
+    let side = timeouts.startup
+        + timeouts.answer * (ANSWERS_PER_ROUND * rounds + 1)
+        + QUIET * PAUSES_PER_ROUND * rounds;
+    side * 2
+}
+
 /// How long the probe may take to start, and then to give each answer.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {

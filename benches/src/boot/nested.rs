@@ -161,10 +161,10 @@ pub(super) fn run_nested(
     );
     let fs_runs = fs_sizes.runs;
     let fs_vmm_boots = if args.quick { 0 } else { fs_runs * 2 };
-    // The host edits' probe: its start on each side, then its answers.
-    let fs_edits = 2
-        * (args.fs_timeout
-            + crate::fs_edits::ANSWER_TIMEOUT * (5 * (fs_sizes.edit_rounds as u32 + 1) + 1));
+    let fs_edits = crate::fs_edits::time_budget(
+        fs_sizes.edit_rounds,
+        crate::fs::edit_timeouts(args.fs_timeout),
+    );
     let fs_scripts = (5 + fs_runs * 11 + 1 + fs_vmm_boots) as u32;
     let fs_virtiofsd_waits = crate::fs_vmm::VIRTIOFSD_WAIT * 2 * fs_vmm_boots as u32;
     // egress: policy, secret, vmctl up and rm; each curl call its own timeout.

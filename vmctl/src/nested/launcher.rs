@@ -619,6 +619,7 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nested::stall::Stuck;
 
     #[test]
     fn the_nested_host_uses_shadow_paging_unless_told_otherwise() {
@@ -640,19 +641,28 @@ mod tests {
 
     #[test]
     fn a_stall_says_what_stalled_and_how_to_keep_one_for_a_look() {
-        let stall = Stall {
-            cpu: 0,
-            pending: vec![236, 251],
-            seconds: 20,
-        };
-        let said = NestedError::Stalled(stall).to_string();
-        // What the VM tests and `vmctl exec` users recognise a lost VM by.
-        assert!(
-            said.starts_with("the nested host stalled, so vmctl stopped it: its vCPU 0 sat"),
-            "{said}"
-        );
-        assert!(said.contains("run it again"), "{said}");
-        assert!(said.contains("VMCTL_NESTED_STALL_WATCH=off"), "{said}");
+        for stuck in [
+            Stuck::Halted {
+                pending: vec![236, 251],
+            },
+            Stuck::Spinning {
+                rip: 0xffff_ffff_8158_9223,
+            },
+        ] {
+            let stall = Stall {
+                cpu: 0,
+                stuck,
+                seconds: 20,
+            };
+            let said = NestedError::Stalled(stall).to_string();
+            // What the VM tests and `vmctl exec` users recognise a lost VM by.
+            assert!(
+                said.starts_with("the nested host stalled, so vmctl stopped it: its vCPU 0 s"),
+                "{said}"
+            );
+            assert!(said.contains("run it again"), "{said}");
+            assert!(said.contains("VMCTL_NESTED_STALL_WATCH=off"), "{said}");
+        }
     }
 
     #[test]

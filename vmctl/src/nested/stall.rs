@@ -1,14 +1,21 @@
-//! Watching a running nested host for its known stall (docs/nested-host.md): one of
-//! its vCPUs halted, with interrupts enabled and an interrupt pending in its local
-//! APIC that it may take, which the emulation never delivers. The nested host never
-//! recovers from that (not even an NMI from QEMU's monitor wakes the vCPU), and
-//! whatever waits on that vCPU waits for good: the VM's commands hang, with every
-//! process at 0% CPU. So the launcher samples each vCPU through QEMU's monitor, and
-//! one seen stuck for [`STALL_AFTER`] ends the nested host with an error that says
-//! so, instead of a hang.
+//! Watching a running nested host for its known stalls (docs/nested-host.md):
 //!
-//! A healthy vCPU is stuck in that sense only between an interrupt's arrival and its
-//! wake-up, microseconds; consecutive samples seconds apart do not find it so.
+//! - one of its vCPUs halted, with interrupts enabled and an interrupt pending in its
+//!   local APIC that it may take, which the emulation never delivers. The nested host
+//!   never recovers from that (not even an NMI from QEMU's monitor wakes the vCPU),
+//!   and whatever waits on that vCPU waits for good: the VM's commands hang, with
+//!   every process at 0% CPU;
+//! - its vCPUs spinning at one instruction with interrupts disabled (seen: both in
+//!   the nested host kernel's `queued_spin_lock_slowpath`, a lock nobody would ever
+//!   release), with QEMU busy and the VM's commands hanging just the same.
+//!
+//! So the launcher samples each vCPU through QEMU's monitor, and one seen stuck for
+//! [`STALL_AFTER`] ends the nested host with an error that says so, instead of a hang.
+//!
+//! A healthy vCPU is halted with an interrupt it may take only between the
+//! interrupt's arrival and its wake-up, microseconds; it keeps interrupts disabled
+//! for microseconds too, and not at the same instruction seconds later. Consecutive
+//! samples seconds apart find neither.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -29,27 +36,60 @@ const MONITOR_TIMEOUT: Duration = Duration::from_secs(3);
 /// (`scripts/nested-monitor`).
 pub const WATCH_ENV: &str = "VMCTL_NESTED_STALL_WATCH";
 
-/// A vCPU of the nested host that stopped taking interrupts.
+/// How a vCPU of the nested host was seen stuck, sample after sample.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stuck {
+    /// Halted with interrupts enabled, never taking the deliverable interrupts
+    /// pending in its local APIC (their vectors).
+    Halted { pending: Vec<u8> },
+    /// Running with interrupts disabled, at the same instruction every time.
+    Spinning { rip: u64 },
+}
+
+impl Stuck {
+    /// Whether a vCPU first seen as `self` and now as `now` has been stuck all along:
+    /// a spinning one must still be at the same instruction.
+    fn continued_by(&self, now: &Stuck) -> bool {
+        match (self, now) {
+            (Stuck::Halted { .. }, Stuck::Halted { .. }) => true,
+            (Stuck::Spinning { rip: then }, Stuck::Spinning { rip }) => then == rip,
+            _ => false,
+        }
+    }
+}
+
+/// A vCPU of the nested host that stopped making progress.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stall {
     pub cpu: u32,
-    /// The interrupt vectors pending in its local APIC.
-    pub pending: Vec<u8>,
+    pub stuck: Stuck,
     /// How long it was seen stuck.
     pub seconds: u64,
 }
 
 impl std::fmt::Display for Stall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let vectors: Vec<String> = self.pending.iter().map(u8::to_string).collect();
-        write!(
-            f,
-            "its vCPU {} sat halted for {} s with interrupts it never took pending (vectors \
-             {})",
-            self.cpu,
-            self.seconds,
-            vectors.join(" ")
-        )
+        let Stall {
+            cpu,
+            stuck,
+            seconds,
+        } = self;
+        match stuck {
+            Stuck::Halted { pending } => {
+                let vectors: Vec<String> = pending.iter().map(u8::to_string).collect();
+                write!(
+                    f,
+                    "its vCPU {cpu} sat halted for {seconds} s with interrupts it never took \
+                     pending (vectors {})",
+                    vectors.join(" ")
+                )
+            }
+            Stuck::Spinning { rip } => write!(
+                f,
+                "its vCPU {cpu} spun for {seconds} s with interrupts disabled, at one \
+                 instruction (RIP {rip:#x})"
+            ),
+        }
     }
 }
 
@@ -57,6 +97,8 @@ impl std::fmt::Display for Stall {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct CpuSample {
     halted: bool,
+    /// The instruction pointer.
+    rip: u64,
     interrupts_enabled: bool,
     /// Vectors in the local APIC's interrupt request register.
     pending: Vec<u8>,
@@ -74,6 +116,7 @@ impl CpuSample {
             Some(line[start..].split_whitespace().next()?.to_string())
         };
         let flags = u64::from_str_radix(&value_of(register_line, "RFL=")?, 16).ok()?;
+        let rip = u64::from_str_radix(&value_of(register_line, "RIP=")?, 16).ok()?;
         let halted = value_of(register_line, "HLT=")? == "1";
         let irr = lapic
             .lines()
@@ -86,25 +129,33 @@ impl CpuSample {
         let priority = value_of(priority_line, "PPR 0x")?;
         Some(CpuSample {
             halted,
+            rip,
             interrupts_enabled: flags & (1 << 9) != 0,
             pending,
             priority: u8::from_str_radix(&priority, 16).ok()?,
         })
     }
 
-    /// Halted although it could take an interrupt it has.
-    fn stuck(&self) -> bool {
+    /// Halted although it could take an interrupt it has, or running with interrupts
+    /// disabled: either is a stall if it lasts.
+    fn stuck(&self) -> Option<Stuck> {
         let deliverable = self
             .pending
             .iter()
             .any(|vector| vector >> 4 > self.priority >> 4);
-        self.halted && self.interrupts_enabled && deliverable
+        match (self.halted, self.interrupts_enabled) {
+            (true, true) if deliverable => Some(Stuck::Halted {
+                pending: self.pending.clone(),
+            }),
+            (false, false) => Some(Stuck::Spinning { rip: self.rip }),
+            _ => None,
+        }
     }
 }
 
-/// Since when each vCPU has been seen stuck, sample after sample.
+/// Since when, and how, each vCPU has been seen stuck, sample after sample.
 #[derive(Debug, Default)]
-struct StuckSince(Vec<Option<Instant>>);
+struct StuckSince(Vec<Option<(Instant, Stuck)>>);
 
 impl StuckSince {
     /// Takes one round of samples (`None`: that vCPU could not be sampled, which
@@ -117,20 +168,23 @@ impl StuckSince {
     ) -> Option<Stall> {
         self.0.resize(samples.len(), None);
         for (cpu, (sample, since)) in samples.iter().zip(self.0.iter_mut()).enumerate() {
-            match sample.as_ref().filter(|s| s.stuck()) {
-                Some(sample) => {
-                    let since = *since.get_or_insert(now);
-                    let stuck_for = now.duration_since(since);
-                    if stuck_for >= after {
-                        return Some(Stall {
-                            cpu: cpu as u32,
-                            pending: sample.pending.clone(),
-                            seconds: stuck_for.as_secs(),
-                        });
-                    }
-                }
-                None => *since = None,
+            let Some(stuck) = sample.as_ref().and_then(CpuSample::stuck) else {
+                *since = None;
+                continue;
+            };
+            let first = match since.take() {
+                Some((first, then)) if then.continued_by(&stuck) => first,
+                _ => now,
+            };
+            let stuck_for = now.duration_since(first);
+            if stuck_for >= after {
+                return Some(Stall {
+                    cpu: cpu as u32,
+                    stuck,
+                    seconds: stuck_for.as_secs(),
+                });
             }
+            *since = Some((first, stuck));
         }
         None
     }
@@ -274,12 +328,17 @@ fn describe(samples: &[Option<CpuSample>]) -> String {
     let words: Vec<String> = samples
         .iter()
         .enumerate()
-        .map(|(cpu, sample)| match sample {
-            None => format!("{cpu} unreadable"),
-            Some(sample) if sample.stuck() => format!("{cpu} stuck {:?}", sample.pending),
-            Some(sample) if sample.halted => format!("{cpu} halted"),
-            Some(_) => format!("{cpu} running"),
-        })
+        .map(
+            |(cpu, sample)| match sample.as_ref().map(|s| (s, s.stuck())) {
+                None => format!("{cpu} unreadable"),
+                Some((_, Some(Stuck::Halted { pending }))) => format!("{cpu} stuck {pending:?}"),
+                Some((_, Some(Stuck::Spinning { rip }))) => {
+                    format!("{cpu} interrupts off at {rip:#x}")
+                }
+                Some((sample, None)) if sample.halted => format!("{cpu} halted"),
+                Some(_) => format!("{cpu} running"),
+            },
+        )
         .collect();
     words.join(", ")
 }
@@ -300,6 +359,10 @@ mod tests {
         ISR\t (none)\r\n\
         IRR\t 34 236 251 \r\n\r\n\
         APR 0x00 TPR 0x10 DFR 0x0f LDR 0x01 PPR 0x10\r\n(qemu) ";
+    /// What it answered for a vCPU of a nested host whose vCPUs both sat in its
+    /// kernel's `queued_spin_lock_slowpath` with interrupts off (2026-12-05).
+    const SPINNING_REGISTERS: &str = "info registers\r\n\r\nCPU#1\r\n\
+        RIP=ffffffff81589223 RFL=00000002 [-------] CPL=0 II=0 A20=1 SMM=0 HLT=0\r\n(qemu) ";
     const IDLE_LAPIC: &str = "info lapic\r\nISR\t (none)\r\nIRR\t (none)\r\n\r\n\
         APR 0x01 TPR 0x10 DFR 0x0f LDR 0x02 PPR 0x10\r\n(qemu) ";
 
@@ -314,29 +377,47 @@ mod tests {
             sample,
             CpuSample {
                 halted: true,
+                rip: 0xffff_ffff_8109_70ee,
                 interrupts_enabled: true,
                 pending: vec![34, 236, 251],
                 priority: 0x10,
             }
         );
-        assert!(sample.stuck());
+        assert_eq!(
+            sample.stuck(),
+            Some(Stuck::Halted {
+                pending: vec![34, 236, 251]
+            })
+        );
+    }
+
+    #[test]
+    fn a_running_vcpu_with_interrupts_off_is_stuck_at_its_instruction() {
+        let spinning = CpuSample::parse(SPINNING_REGISTERS, IDLE_LAPIC).unwrap();
+        assert_eq!(
+            spinning.stuck(),
+            Some(Stuck::Spinning {
+                rip: 0xffff_ffff_8158_9223
+            })
+        );
     }
 
     #[test]
     fn idle_running_masked_or_blocked_vcpus_are_not_stuck() {
         let idle = CpuSample::parse(STALLED_REGISTERS, IDLE_LAPIC).unwrap();
-        assert!(idle.halted && idle.pending.is_empty() && !idle.stuck());
+        assert!(idle.halted && idle.pending.is_empty() && idle.stuck().is_none());
         let running = CpuSample {
             halted: false,
             ..stalled()
         };
-        assert!(!running.stuck());
+        assert_eq!(running.stuck(), None);
         let interrupts_off = CpuSample {
             interrupts_enabled: false,
             ..stalled()
         };
-        assert!(
-            !interrupts_off.stuck(),
+        assert_eq!(
+            interrupts_off.stuck(),
+            None,
             "a halt with interrupts off waits for an NMI"
         );
         // An interrupt of the class being served waits for its end of interrupt.
@@ -345,7 +426,7 @@ mod tests {
             priority: 0xe0,
             ..stalled()
         };
-        assert!(!in_service.stuck());
+        assert_eq!(in_service.stuck(), None);
         assert_eq!(CpuSample::parse("garbage", STALLED_LAPIC), None);
         assert_eq!(CpuSample::parse(STALLED_REGISTERS, "garbage"), None);
     }
@@ -381,7 +462,9 @@ mod tests {
             stall,
             Stall {
                 cpu: 1,
-                pending: vec![34, 236, 251],
+                stuck: Stuck::Halted {
+                    pending: vec![34, 236, 251]
+                },
                 seconds: 20
             }
         );
@@ -390,13 +473,66 @@ mod tests {
             halted: false,
             ..stalled()
         });
+        let spinning = CpuSample::parse(SPINNING_REGISTERS, IDLE_LAPIC);
         assert_eq!(
-            describe(&[stuck, running, None]),
-            "0 stuck [34, 236, 251], 1 running, 2 unreadable"
+            describe(&[stuck, running, None, spinning]),
+            "0 stuck [34, 236, 251], 1 running, 2 unreadable, \
+             3 interrupts off at 0xffffffff81589223"
         );
         let said = stall.to_string();
         assert!(said.contains("vCPU 1 sat halted for 20 s"), "{said}");
         assert!(said.ends_with("(vectors 34 236 251)"), "{said}");
+    }
+
+    #[test]
+    fn a_vcpu_spinning_with_interrupts_off_stalls_only_if_it_stays_at_one_instruction() {
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        let after = Duration::from_secs(20);
+        let healthy = Some(CpuSample {
+            pending: Vec::new(),
+            ..stalled()
+        });
+        let spinning = CpuSample::parse(SPINNING_REGISTERS, IDLE_LAPIC).unwrap();
+        let elsewhere = Some(CpuSample {
+            rip: spinning.rip + 0x40,
+            ..spinning.clone()
+        });
+        let spinning = Some(spinning);
+        let halted_stuck = Some(stalled());
+        let mut since = StuckSince::default();
+        // Interrupts off at one instruction, then at another (a busy vCPU sampled in
+        // sections with interrupts off), then halted: each starts the count again.
+        for (vcpu0, secs) in [
+            (&spinning, 0),
+            (&spinning, 15),
+            (&elsewhere, 20),
+            (&spinning, 25),
+            (&halted_stuck, 40),
+            (&spinning, 45),
+        ] {
+            let round = [vcpu0.clone(), healthy.clone()];
+            assert_eq!(since.update(&round, at(secs), after), None, "at {secs} s");
+        }
+        let stall = since
+            .update(&[spinning, healthy], at(65), after)
+            .expect("at one instruction for 20 s");
+        assert_eq!(
+            stall,
+            Stall {
+                cpu: 0,
+                stuck: Stuck::Spinning {
+                    rip: 0xffff_ffff_8158_9223
+                },
+                seconds: 20
+            }
+        );
+        let said = stall.to_string();
+        assert!(
+            said.contains("vCPU 0 spun for 20 s with interrupts disabled"),
+            "{said}"
+        );
+        assert!(said.ends_with("(RIP 0xffffffff81589223)"), "{said}");
     }
 
     /// A stand-in for QEMU's monitor on `socket` that describes every vCPU with
@@ -452,7 +588,15 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         let stall = watch.stall().expect("the stall was found");
-        assert_eq!((stall.cpu, stall.pending), (0, vec![34, 236, 251]));
+        assert_eq!(
+            (stall.cpu, stall.stuck),
+            (
+                0,
+                Stuck::Halted {
+                    pending: vec![34, 236, 251]
+                }
+            )
+        );
     }
 
     #[test]

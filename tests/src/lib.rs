@@ -121,30 +121,42 @@ pub fn vmctl_bin() -> &'static Path {
     })
 }
 
-/// Runs one of the repository's build scripts, which print the artifact path on stdout
-/// and progress on stderr (passed through).
-pub(crate) fn build_artifact(script: &str, args: &[&str]) -> PathBuf {
+/// Runs one of the repository's build scripts, which print the artifact path as the
+/// last line of their stdout and progress on stderr (passed through). The benchmark
+/// calls this too; the tests' [`build_artifact`] panics where it returns an error.
+pub fn try_build_artifact(script: &str, args: &[&str]) -> Result<PathBuf, String> {
     let path = workspace_root().join(script);
-    eprintln!("vm-tests: running {script} {args:?} (cached after the first build)");
     let out = Command::new(&path)
         .args(args)
         .current_dir(workspace_root())
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
-    assert!(
-        out.status.success(),
-        "{script} failed ({}); run scripts/setup.sh first",
-        out.status
-    );
+        .map_err(|e| format!("cannot run {}: {e}", path.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{script} {} failed ({}); run scripts/setup.sh first",
+            args.join(" "),
+            out.status
+        ));
+    }
     let printed = String::from_utf8_lossy(&out.stdout);
-    let artifact = PathBuf::from(printed.lines().last().unwrap_or("").trim());
-    assert!(
-        artifact.is_file(),
-        "{script} printed {printed:?}, which is not a file"
-    );
-    artifact
+    let last = printed
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim();
+    let artifact = PathBuf::from(last);
+    if !artifact.is_file() {
+        return Err(format!("{script} printed {last:?}, which is not a file"));
+    }
+    Ok(artifact)
+}
+
+pub(crate) fn build_artifact(script: &str, args: &[&str]) -> PathBuf {
+    eprintln!("vm-tests: running {script} {args:?} (cached after the first build)");
+    try_build_artifact(script, args).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The guest kernel: `VMCTL_KERNEL`, else `kernel-config/build.sh guest`.
@@ -1040,6 +1052,36 @@ pub fn assert_guest_clock_is_hosts(when: &str, date_last: impl FnOnce() -> Outpu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_build_script_gives_the_file_it_printed_last_or_says_what_went_wrong() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let artifact = dir.path().join("artifact.bin");
+        std::fs::write(&artifact, b"x").unwrap();
+        let script = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            path.display().to_string()
+        };
+        // Progress may come before the path; a trailing empty line after it is allowed.
+        let good = script(
+            "good.sh",
+            &format!("echo building; echo {}; echo", artifact.display()),
+        );
+        assert_eq!(try_build_artifact(&good, &[]), Ok(artifact.clone()));
+        let missing = script("missing.sh", "echo /nonexistent/artifact");
+        let error = try_build_artifact(&missing, &[]).unwrap_err();
+        assert!(
+            error.contains("\"/nonexistent/artifact\", which is not a file"),
+            "{error}"
+        );
+        let failing = script("failing.sh", "exit 3");
+        let error = try_build_artifact(&failing, &["guest"]).unwrap_err();
+        assert!(error.contains("failing.sh guest failed"), "{error}");
+        assert!(error.contains("run scripts/setup.sh first"), "{error}");
+    }
 
     #[test]
     fn a_lost_vm_is_told_from_other_failures() {

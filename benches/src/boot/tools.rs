@@ -2,7 +2,9 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+
+use vm_tests::try_build_artifact;
+pub(super) use vm_tests::workspace_root;
 
 use crate::workspace::GuestArtifacts;
 
@@ -48,51 +50,12 @@ impl Tools {
     }
 }
 
-pub(super) fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("benches/ has a parent")
-        .to_path_buf()
-}
-
 pub(super) fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
         Some(d) => workspace_root().join(d),
         None => workspace_root().join("target"),
     }
-}
-
-/// Runs a build script of the workspace that prints an artifact path as its last line.
-pub(super) fn build_artifact(script: &str, args: &[&str]) -> Result<PathBuf, String> {
-    let path = workspace_root().join(script);
-    let out = Command::new(&path)
-        .args(args)
-        .current_dir(workspace_root())
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("run {}: {e}", path.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{} {} failed ({})",
-            path.display(),
-            args.join(" "),
-            out.status
-        ));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim();
-    let artifact = PathBuf::from(last);
-    if !artifact.is_file() {
-        return Err(format!("{script} printed {last:?}, which is not a file"));
-    }
-    Ok(artifact)
 }
 
 pub(super) fn find_in_path(program: &str) -> Option<PathBuf> {
@@ -118,20 +81,20 @@ pub(super) fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
 pub(super) fn resolve_tools(args: &Args) -> Result<Tools, String> {
     let kernel = match &args.kernel {
         Some(k) => k.clone(),
-        None => build_artifact("kernel-config/build.sh", &["guest"])?,
+        None => try_build_artifact("kernel-config/build.sh", &["guest"])?,
     };
     let initrd = match &args.initrd {
         Some(i) => i.clone(),
-        None => build_artifact("rootfs/build-initramfs.sh", &[])?,
+        None => try_build_artifact("rootfs/build-initramfs.sh", &[])?,
     };
     // The scripts vmctl up would run; cached builds make them quick.
     let agent_initrd = match &args.agent_initrd {
         Some(i) => i.clone(),
-        None => build_artifact("guest-agent/build-initramfs.sh", &[])?,
+        None => try_build_artifact("guest-agent/build-initramfs.sh", &[])?,
     };
     let rootfs = match &args.rootfs {
         Some(r) => r.clone(),
-        None => build_artifact("rootfs/build-rootfs.sh", &[])?,
+        None => try_build_artifact("rootfs/build-rootfs.sh", &[])?,
     };
     let vmctl = match (&args.vmctl, std::env::var_os("VMCTL_BIN")) {
         (Some(v), _) => v.clone(),

@@ -76,7 +76,10 @@ pub struct VmJob {
 }
 
 /// The environment variables of the host's that the nested host passes on to the VMM.
-const VMM_ENV: &[&str] = &[vmm::process::SECCOMP_SWITCH_ENV];
+const VMM_ENV: &[&str] = &[
+    vmm::process::SECCOMP_SWITCH_ENV,
+    vmm::process::VCPU_CPUS_ENV,
+];
 
 /// Where the VM's hybrid-vsock socket lives inside the nested host: a directory of its
 /// own, the one the VMM's jail shows it (not the virtiofsd sockets beside it).
@@ -171,7 +174,8 @@ impl NestedJob {
                     .filter_map(|name| Some((name.to_string(), std::env::var(name).ok()?)))
                     .collect(),
             }),
-            host_vcpus: config.vcpus,
+            // One more than the guest's: its vCPUs run on all but CPU 0 (init.rs).
+            host_vcpus: config.vcpus.saturating_add(1),
             host_memory_mib: config.memory_mib + NESTED_HOST_OVERHEAD_MIB,
             shared_dirs,
             fs_dirs,

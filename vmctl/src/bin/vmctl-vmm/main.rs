@@ -3,6 +3,7 @@
 //! Its arguments are parsed by hand: it is vmctl's, not a user's, command, and its
 //! resident code is the VMM's overhead.
 
+mod affinity;
 mod confine;
 mod jail;
 mod seccomp;
@@ -51,17 +52,21 @@ fn main() -> ExitCode {
     };
     let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
     // Read before the VM is built, so that a value it does not know costs no build.
-    let outcome = match seccomp::wanted() {
-        Ok(filter) => Outcome::of(run(
+    let wanted = seccomp::wanted()
+        .map_err(|e| e.to_string())
+        .and_then(|filter| Ok((filter, affinity::wanted().map_err(|e| e.to_string())?)));
+    let outcome = match wanted {
+        Ok((filter, vcpu_cpus)) => Outcome::of(run(
             &config,
             args.report_boot_time,
             vmm_start,
-            filter,
-            outcome_fd,
+            Privileges {
+                seccomp_filter: filter,
+                vcpu_cpus,
+                outcome_fd,
+            },
         )),
-        Err(e) => Outcome::Failed {
-            error: e.to_string(),
-        },
+        Err(error) => Outcome::Failed { error },
     };
     if let Outcome::Stopped { signal } = outcome {
         eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
@@ -75,12 +80,19 @@ fn main() -> ExitCode {
     ExitCode::from(outcome.exit_code())
 }
 
+/// What the VMM does just before its vCPUs start.
+struct Privileges {
+    seccomp_filter: bool,
+    /// The host CPUs the vCPU threads run on (`VMCTL_VCPU_CPUS`).
+    vcpu_cpus: Option<Vec<usize>>,
+    outcome_fd: Option<RawFd>,
+}
+
 fn run(
     config: &VmConfig,
     report_boot_time: bool,
     vmm_start: Instant,
-    seccomp_filter: bool,
-    outcome_fd: Option<RawFd>,
+    privileges: Privileges,
 ) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
         vmm_start,
@@ -107,7 +119,16 @@ fn run(
                 .map(Path::to_path_buf);
             let kernel = config.kernel.clone();
             Box::new(move || {
-                give_up_privileges(socket_dir.as_deref(), &kernel, seccomp_filter, outcome_fd)
+                // This thread starts the vCPU threads, which inherit its CPUs.
+                if let Some(cpus) = &privileges.vcpu_cpus {
+                    affinity::pin_this_thread(cpus).map_err(|e| e.to_string())?;
+                }
+                give_up_privileges(
+                    socket_dir.as_deref(),
+                    &kernel,
+                    privileges.seccomp_filter,
+                    privileges.outcome_fd,
+                )
             })
         },
     };

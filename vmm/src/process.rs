@@ -29,8 +29,9 @@ pub const BINARY: &str = "vmctl-vmm";
 /// `off` in the VMM's environment runs it without its seccomp filter (a stopgap for a
 /// host whose C library makes calls the filter does not expect).
 pub const SECCOMP_SWITCH_ENV: &str = "VMCTL_SECCOMP";
-/// The host CPUs the VMM's vCPU threads run on, as `taskset -c` takes them (`1-2`,
-/// `1,3`); unset or empty: any.
+/// The host CPUs the VMM runs on once its vCPUs start (they, its event loop and the
+/// device workers they start), as `taskset -c` takes them (`1-2`, `1,3`); unset or
+/// empty: any.
 pub const VCPU_CPUS_ENV: &str = "VMCTL_VCPU_CPUS";
 const CONFIG_FD_ARG: &str = "--config-fd";
 const BOOT_TIME_ARG: &str = "--boot-time";
@@ -46,7 +47,8 @@ Runs one VM to its end; vmctl starts it (`vmctl boot`, a workspace VM's supervis
                     printing an error
 Before the guest runs it jails itself (namespaces), gives up opening files (Landlock)
 and limits its system calls (seccomp); VMCTL_SECCOMP=off leaves the last out.
-VMCTL_VCPU_CPUS=LIST runs the vCPU threads only on those host CPUs (as taskset -c).
+VMCTL_VCPU_CPUS=LIST runs the VM (its vCPUs and device threads) only on those host
+CPUs (as taskset -c takes them).
 Exit status: 0 when the guest shut down, 128+N when stopped by signal N, 1 on error.";
 
 /// What the VMM process is asked to do.

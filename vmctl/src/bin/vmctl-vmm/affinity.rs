@@ -1,10 +1,12 @@
-//! Which host CPUs the vCPU threads run on: `VMCTL_VCPU_CPUS` in the VMM's
-//! environment, a list such as `1-2` or `1,3`, as `taskset -c` takes it (unset or
-//! empty: any CPU, the scheduler's choice).
+//! Which host CPUs the VM runs on: `VMCTL_VCPU_CPUS` in the VMM's environment, a list
+//! such as `1-2` or `1,3`, as `taskset -c` takes it (unset or empty: any CPU, the
+//! scheduler's choice).
 //!
 //! The VMM's main thread takes the set just before it starts the vCPU threads, which
-//! inherit it; the device threads, started earlier, keep every CPU. vmctl's nested
-//! host sets it to keep the guest off its CPU 0 (docs/nested-host.md).
+//! inherit it, as do the device workers they start when the guest's drivers are ready:
+//! from then on the whole VMM runs there (the main thread serves the block, rng and
+//! console devices). vmctl's nested host sets it to keep the guest off its CPU 0
+//! (docs/nested-host.md).
 
 use std::io;
 

@@ -186,14 +186,13 @@ fn within_gone_left_out(
     // A path's descendants follow it directly in the set's (component-wise) order.
     let mut gone: BTreeSet<PathBuf> = BTreeSet::new();
     let mut kept = Vec::new();
-    let mut last_gone: Option<PathBuf> = None;
     for name in names {
-        if last_gone.as_ref().is_some_and(|dir| name.starts_with(dir)) {
+        // Names come in order, so the last gone one is the only one `name` can be in.
+        if gone.last().is_some_and(|dir| name.starts_with(dir)) {
             continue;
         }
         if is_gone(&name) {
             gone.insert(name.clone());
-            last_gone = Some(name.clone());
         }
         kept.push(name);
     }

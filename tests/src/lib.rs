@@ -123,7 +123,7 @@ pub fn vmctl_bin() -> &'static Path {
 
 /// Runs one of the repository's build scripts, which print the artifact path as the
 /// last line of their stdout and progress on stderr (passed through). The benchmark
-/// calls this too; the tests' [`build_artifact`] panics where it returns an error.
+/// calls this too; the tests' own `build_artifact` panics where it returns an error.
 pub fn try_build_artifact(script: &str, args: &[&str]) -> Result<PathBuf, String> {
     let path = workspace_root().join(script);
     let out = Command::new(&path)

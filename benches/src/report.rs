@@ -275,6 +275,10 @@ pub struct Config {
     /// [`BootConfig::suffix`]. Empty in reports written before the matrix.
     #[serde(default)]
     pub configs: Vec<BootConfig>,
+    /// The host CPUs every VM the benchmark boots itself ran on, ours and QEMU's alike,
+    /// from spawn to exit (`VMCTL_VCPU_CPUS`, which the nested host sets); none: any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_cpus: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -481,11 +485,18 @@ impl Report {
             },
             if boot_measured {
                 format!(
-                    "{} boot(s) per VMM, {} vCPU, {} MiB; memory: {} boot(s) per VMM.",
+                    "{} boot(s) per VMM, {} vCPU, {} MiB; memory: {} boot(s) per VMM.{}",
                     self.config.runs,
                     self.config.vcpus,
                     self.config.memory_mib,
-                    self.config.memory_runs
+                    self.config.memory_runs,
+                    match &self.config.vm_cpus {
+                        Some(cpus) => format!(
+                            " Both VMMs ran on CPUs {cpus} only (`{}`).",
+                            vmm::process::VCPU_CPUS_ENV
+                        ),
+                        None => String::new(),
+                    }
                 )
             } else {
                 format!(

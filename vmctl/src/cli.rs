@@ -25,6 +25,10 @@ pub enum Command {
     Boot(BootArgs),
     /// Run a command inside a fresh QEMU-TCG nested host, which has a working
     /// /dev/kvm and sees this host's files read-only (for benchmarks and debugging).
+    ///
+    /// The command gets this environment, but for VMCTL_VCPU_CPUS: on the host it holds
+    /// the nested host on those CPUs; inside, it is set to every CPU of the nested host
+    /// but 0, where the VMMs the command starts run their guests.
     NestedExec(NestedExecArgs),
     /// Start the VM of a workspace (default: the current directory's) and wait until
     /// its guest agent answers.

@@ -22,6 +22,8 @@ use crate::builder::BuildError;
 use crate::config::VmConfig;
 use crate::vstate::exit::ExitReason;
 
+pub mod cpus;
+
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and
 /// installed beside it.
 pub const BINARY: &str = "vmctl-vmm";
@@ -31,7 +33,7 @@ pub const BINARY: &str = "vmctl-vmm";
 pub const SECCOMP_SWITCH_ENV: &str = "VMCTL_SECCOMP";
 /// The host CPUs the VMM runs on once its vCPUs start (they, its event loop and the
 /// device workers they start), as `taskset -c` takes them (`1-2`, `1,3`); unset or
-/// empty: any.
+/// empty: any ([`cpus`]).
 pub const VCPU_CPUS_ENV: &str = "VMCTL_VCPU_CPUS";
 const CONFIG_FD_ARG: &str = "--config-fd";
 const BOOT_TIME_ARG: &str = "--boot-time";

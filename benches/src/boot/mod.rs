@@ -29,6 +29,7 @@ use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
 use crate::stats::ms;
 use crate::workspace::WorkspaceBench;
 use vm_tests::initramfs_with_script;
+use vmm::process::cpus::CpuSet;
 
 mod args;
 mod nested;
@@ -529,6 +530,7 @@ fn measure(
             timeout_s: args.timeout.as_secs(),
             marker: BOOT_MARKER.into(),
             configs: args.configs.clone(),
+            vm_cpus: vm_cpus()?.map(|cpus| cpus.list().to_string()),
         },
         commands: [Vmm::Ours, Vmm::Qemu]
             .iter()
@@ -839,6 +841,13 @@ fn drain(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
     })
 }
 
+/// The CPUs every VM [`run_vm`] boots runs on, ours and QEMU's alike, from its spawn
+/// on: `VMCTL_VCPU_CPUS` (our VMM alone would take it only when its vCPUs start, and
+/// QEMU not at all). The nested host sets it to keep guests off its CPU 0.
+pub(crate) fn vm_cpus() -> Result<Option<CpuSet>, String> {
+    CpuSet::from_env().map_err(|e| e.to_string())
+}
+
 /// Boots one VM: spawns `argv`, waits for `marker` on its stdout (reading
 /// `/proc/<pid>/smaps` then, if `memory` is given), then for its exit. A VM that does
 /// not print the marker, or exit, within `timeout` each, or that exits with an error,
@@ -857,9 +866,13 @@ pub(crate) fn run_vm(
             .collect::<Vec<_>>(),
     );
     let start = Instant::now();
+    let mut command = Command::new(&argv[0]);
+    if let Some(cpus) = vm_cpus()? {
+        cpus.apply_to_command(&mut command);
+    }
     // stdin is a pipe we hold open: vmctl feeds stdin to the guest's serial port and
     // cannot poll /dev/null, and QEMU reads it for -serial stdio.
-    let mut child = Command::new(&argv[0])
+    let mut child = command
         .args(&argv[1..])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

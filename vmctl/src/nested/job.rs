@@ -76,10 +76,22 @@ pub struct VmJob {
 }
 
 /// The environment variables of the host's that the nested host passes on to the VMM.
-const VMM_ENV: &[&str] = &[
-    vmm::process::SECCOMP_SWITCH_ENV,
-    vmm::process::VCPU_CPUS_ENV,
-];
+const VMM_ENV: &[&str] = &[vmm::process::SECCOMP_SWITCH_ENV];
+
+/// Of the host's environment `vars`, what a VM job's VMM gets: the switches of
+/// `VMM_ENV`. Never `VMCTL_VCPU_CPUS`, whose CPUs are the host's: they hold the whole
+/// nested host (launcher.rs), and inside it the nested host's init chooses (init.rs).
+pub fn vmm_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
+    vars.filter(|(name, _)| VMM_ENV.contains(&name.as_str()))
+        .collect()
+}
+
+/// Of the host's environment `vars`, what a command job runs with: all of it but
+/// `VMCTL_VCPU_CPUS` (as in [`vmm_env`]).
+pub fn command_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
+    vars.filter(|(name, _)| name != vmm::process::VCPU_CPUS_ENV)
+        .collect()
+}
 
 /// Where the VM's hybrid-vsock socket lives inside the nested host: a directory of its
 /// own, the one the VMM's jail shows it (not the virtiofsd sockets beside it).
@@ -169,10 +181,7 @@ impl NestedJob {
                 report_boot_time,
                 vsock: config.vsock.is_some(),
                 shares: shares.cloned(),
-                vmm_env: VMM_ENV
-                    .iter()
-                    .filter_map(|name| Some((name.to_string(), std::env::var(name).ok()?)))
-                    .collect(),
+                vmm_env: vmm_env(std::env::vars()),
             }),
             // One more than the guest's: its vCPUs run on all but CPU 0 (init.rs).
             host_vcpus: config.vcpus.saturating_add(1),
@@ -271,6 +280,23 @@ pub struct NestedStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_cpu_list_stays_on_the_host_and_the_rest_goes_in() {
+        let host = || {
+            [
+                ("PATH", "/bin"),
+                ("VMCTL_SECCOMP", "off"),
+                ("VMCTL_VCPU_CPUS", "2-3"),
+            ]
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .into_iter()
+        };
+        let names =
+            |env: Vec<(String, String)>| env.into_iter().map(|(name, _)| name).collect::<Vec<_>>();
+        assert_eq!(names(vmm_env(host())), ["VMCTL_SECCOMP"]);
+        assert_eq!(names(command_env(host())), ["PATH", "VMCTL_SECCOMP"]);
+    }
 
     #[test]
     fn job_round_trips_the_vm_config() {

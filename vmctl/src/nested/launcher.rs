@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use vmm::config::VmConfig;
+use vmm::process::cpus::{CpuSet, CpusError};
+use vmm::process::VCPU_CPUS_ENV;
 use vmm_sys_util::signal::register_signal_handler;
 
 use super::job::{self, CommandJob, NestedJob, NestedStatus, Work};
@@ -60,6 +62,8 @@ pub enum NestedError {
     },
     #[error(transparent)]
     Virtiofsd(#[from] VirtiofsdError),
+    #[error(transparent)]
+    Cpus(#[from] CpusError),
     #[error("the nested host stopped before the VM finished (QEMU {status}); QEMU said: {log}")]
     Died { status: String, log: String },
     #[error("the nested host stalled, so vmctl stopped it: {0}; the emulation's known problem (README), not the guest's; what ran in it is lost, run it again ({WATCH_ENV}=off leaves such a nested host running, for a look inside with scripts/nested-monitor)")]
@@ -142,7 +146,7 @@ pub fn run_command(
         path: PathBuf::from("."),
         source,
     })?;
-    let env = std::env::vars().collect();
+    let env = job::command_env(std::env::vars());
     run(
         &NestedJob::for_command(CommandJob { argv, cwd, env }, vcpus, memory_mib, writable),
         None,
@@ -153,6 +157,7 @@ pub fn run_command(
 /// host clients connect to reach the VM's vsock (relayed over the multiplexed link).
 fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
     let qemu = find_qemu()?;
+    let host_cpus = CpuSet::from_env()?;
     let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
     let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
     for path in [&vmctl, &kernel] {
@@ -186,6 +191,13 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
     let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.0)?;
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, job);
     add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
+    if let Some(cpus) = &host_cpus {
+        tracing::info!(
+            "the nested host runs on host CPUs {} ({VCPU_CPUS_ENV})",
+            cpus.list()
+        );
+        cpus.apply_to_command(&mut command);
+    }
     if job.needs_mux() {
         command
             .arg("-chardev")

@@ -3,7 +3,6 @@
 //! Its arguments are parsed by hand: it is vmctl's, not a user's, command, and its
 //! resident code is the VMM's overhead.
 
-mod affinity;
 mod confine;
 mod jail;
 mod seccomp;
@@ -18,6 +17,7 @@ use std::time::Instant;
 use vmm::builder::{BuildError, RunOptions};
 use vmm::config::VmConfig;
 use vmm::devices::legacy::BootTimeReport;
+use vmm::process::cpus::CpuSet;
 use vmm::process::{decode_config, Args, ArgsError, Outcome, BINARY, USAGE};
 use vmm::vstate::exit::ExitReason;
 
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
     // Read before the VM is built, so that a value it does not know costs no build.
     let wanted = seccomp::wanted()
         .map_err(|e| e.to_string())
-        .and_then(|filter| Ok((filter, affinity::wanted().map_err(|e| e.to_string())?)));
+        .and_then(|filter| Ok((filter, CpuSet::from_env().map_err(|e| e.to_string())?)));
     let outcome = match wanted {
         Ok((filter, vcpu_cpus)) => Outcome::of(run(
             &config,
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
 struct Privileges {
     seccomp_filter: bool,
     /// The host CPUs the vCPU threads run on (`VMCTL_VCPU_CPUS`).
-    vcpu_cpus: Option<Vec<usize>>,
+    vcpu_cpus: Option<CpuSet>,
     outcome_fd: Option<RawFd>,
 }
 
@@ -121,7 +121,7 @@ fn run(
             Box::new(move || {
                 // This thread starts the vCPU threads, which inherit its CPUs.
                 if let Some(cpus) = &privileges.vcpu_cpus {
-                    affinity::pin_this_thread(cpus).map_err(|e| e.to_string())?;
+                    cpus.pin_this_thread().map_err(|e| e.to_string())?;
                 }
                 give_up_privileges(
                     socket_dir.as_deref(),

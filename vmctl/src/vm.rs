@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use vmm::process::cpus::CpuSet;
+
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::cli::VmSetupArgs;
 use crate::exec::AGENT_PORT;
@@ -402,14 +404,23 @@ fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
     Ok(file)
 }
 
-/// vCPUs and MiB of a new VM: the config's, else all vCPUs and 10% of the host's RAM
-/// (at least 1 GiB).
+/// vCPUs and MiB of a new VM: the config's, else one vCPU per CPU the VM may run on
+/// and 10% of the host's RAM (at least 1 GiB).
 fn vm_size(resources: Resources) -> (u32, u64) {
-    let host_cpus = std::thread::available_parallelism()
-        .map(|n| n.get() as u32)
-        .unwrap_or(1);
+    let host_cpus = vm_cpu_count();
     let host_mib = host_memory_mib().unwrap_or(0);
     size_from(resources, host_cpus, host_mib)
+}
+
+/// How many CPUs a VM may run on: those `VMCTL_VCPU_CPUS` names (the VMM's vCPUs, or
+/// the nested host, run there only), else those this process may use. A list the VMM
+/// would refuse counts as unset here: the VMM says what is wrong with it.
+fn vm_cpu_count() -> u32 {
+    match CpuSet::from_env() {
+        // At most CPU_SETSIZE (1024) CPUs.
+        Ok(Some(set)) => set.cpus().len() as u32,
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+    }
 }
 
 fn size_from(resources: Resources, host_cpus: u32, host_mib: u64) -> (u32, u64) {

@@ -1,5 +1,6 @@
 //! The job the outer vmctl hands to the nested host, and the status it gets back.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -78,19 +79,34 @@ pub struct VmJob {
 /// The environment variables of the host's that the nested host passes on to the VMM.
 const VMM_ENV: &[&str] = &[vmm::process::SECCOMP_SWITCH_ENV];
 
-/// Of the host's environment `vars`, what a VM job's VMM gets: the switches of
+/// What a VM job's VMM gets of the host's environment (`lookup`): the switches of
 /// `VMM_ENV`. Never `VMCTL_VCPU_CPUS`, whose CPUs are the host's: they hold the whole
 /// nested host (launcher.rs), and inside it the nested host's init chooses (init.rs).
-pub fn vmm_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
-    vars.filter(|(name, _)| VMM_ENV.contains(&name.as_str()))
+pub fn vmm_env(lookup: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+    VMM_ENV
+        .iter()
+        .filter_map(|name| Some((name.to_string(), lookup(name)?)))
         .collect()
 }
 
-/// Of the host's environment `vars`, what a command job runs with: all of it but
-/// `VMCTL_VCPU_CPUS` (as in [`vmm_env`]).
-pub fn command_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
-    vars.filter(|(name, _)| name != vmm::process::VCPU_CPUS_ENV)
-        .collect()
+/// What a command job runs with of the host's environment `vars`: all of it but
+/// `VMCTL_VCPU_CPUS` (as in [`vmm_env`]), and but what is not UTF-8, which the job
+/// (JSON) cannot carry: such a variable is left out with a warning.
+pub fn command_env(vars: impl Iterator<Item = (OsString, OsString)>) -> Vec<(String, String)> {
+    vars.filter_map(
+        |(name, value)| match (name.into_string(), value.into_string()) {
+            (Ok(name), Ok(value)) => Some((name, value)),
+            (name, _) => {
+                tracing::warn!(
+                    "{}: not UTF-8; the nested host's command runs without it",
+                    name.unwrap_or_else(|name| name.to_string_lossy().into_owned())
+                );
+                None
+            }
+        },
+    )
+    .filter(|(name, _)| name != vmm::process::VCPU_CPUS_ENV)
+    .collect()
 }
 
 /// Where the VM's hybrid-vsock socket lives inside the nested host: a directory of its
@@ -181,7 +197,7 @@ impl NestedJob {
                 report_boot_time,
                 vsock: config.vsock.is_some(),
                 shares: shares.cloned(),
-                vmm_env: vmm_env(std::env::vars()),
+                vmm_env: vmm_env(|name| std::env::var(name).ok()),
             }),
             // One more than the guest's: its vCPUs run on all but CPU 0 (init.rs).
             host_vcpus: config.vcpus.saturating_add(1),
@@ -283,19 +299,27 @@ mod tests {
 
     #[test]
     fn the_host_cpu_list_stays_on_the_host_and_the_rest_goes_in() {
-        let host = || {
-            [
-                ("PATH", "/bin"),
-                ("VMCTL_SECCOMP", "off"),
-                ("VMCTL_VCPU_CPUS", "2-3"),
-            ]
-            .map(|(name, value)| (name.to_string(), value.to_string()))
-            .into_iter()
+        use std::os::unix::ffi::OsStringExt;
+        let host = [
+            ("PATH", "/bin"),
+            ("VMCTL_SECCOMP", "off"),
+            ("VMCTL_VCPU_CPUS", "2-3"),
+        ];
+        let lookup = |name: &str| {
+            let found = host.iter().find(|(known, _)| *known == name);
+            found.map(|(_, value)| value.to_string())
         };
-        let names =
-            |env: Vec<(String, String)>| env.into_iter().map(|(name, _)| name).collect::<Vec<_>>();
-        assert_eq!(names(vmm_env(host())), ["VMCTL_SECCOMP"]);
-        assert_eq!(names(command_env(host())), ["PATH", "VMCTL_SECCOMP"]);
+        assert_eq!(vmm_env(lookup), [("VMCTL_SECCOMP".into(), "off".into())]);
+        let not_utf8 = (OsString::from("LANG"), OsString::from_vec(vec![0xff]));
+        let vars = host
+            .map(|(name, value)| (OsString::from(name), OsString::from(value)))
+            .into_iter()
+            .chain([not_utf8]);
+        let names: Vec<String> = command_env(vars)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(names, ["PATH", "VMCTL_SECCOMP"]);
     }
 
     #[test]

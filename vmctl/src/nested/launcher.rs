@@ -146,7 +146,7 @@ pub fn run_command(
         path: PathBuf::from("."),
         source,
     })?;
-    let env = job::command_env(std::env::vars());
+    let env = job::command_env(std::env::vars_os());
     run(
         &NestedJob::for_command(CommandJob { argv, cwd, env }, vcpus, memory_mib, writable),
         None,

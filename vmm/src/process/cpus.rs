@@ -30,6 +30,15 @@ pub enum CpusError {
         cpu: usize,
         max: usize,
     },
+    #[error(
+        "{VCPU_CPUS_ENV}={list:?} names CPU(s) {missing} that this process cannot run on \
+         (it may use {allowed}): name only those, or leave it unset"
+    )]
+    Unavailable {
+        list: String,
+        missing: String,
+        allowed: String,
+    },
     #[error("cannot run the VM on CPUs {list:?} ({VCPU_CPUS_ENV}): {reason}")]
     Pin { list: String, reason: String },
 }
@@ -55,12 +64,39 @@ impl PartialEq for CpuSet {
 }
 
 impl CpuSet {
-    /// The set `VMCTL_VCPU_CPUS` names; `None` when it is unset or empty.
+    /// The set `VMCTL_VCPU_CPUS` names; `None` when it is unset or empty. Every CPU
+    /// in it must be one this process may run on (the kernel would otherwise take
+    /// the rest of the set without a word, or refuse it with a bare EINVAL).
     pub fn from_env() -> Result<Option<Self>, CpusError> {
         match std::env::var(VCPU_CPUS_ENV) {
-            Ok(list) if !list.trim().is_empty() => Self::parse(&list).map(Some),
+            Ok(list) if !list.trim().is_empty() => {
+                let set = Self::parse(&list)?;
+                let allowed = allowed_cpus().map_err(|e| CpusError::Pin {
+                    list: set.list.clone(),
+                    reason: format!("cannot read the CPUs this process may use: {e}"),
+                })?;
+                set.within(&allowed).map(Some)
+            }
             _ => Ok(None),
         }
+    }
+
+    /// The set, if every CPU of it is in `allowed`.
+    fn within(self, allowed: &[usize]) -> Result<Self, CpusError> {
+        let missing: Vec<usize> = self
+            .cpus
+            .iter()
+            .copied()
+            .filter(|cpu| !allowed.contains(cpu))
+            .collect();
+        if missing.is_empty() {
+            return Ok(self);
+        }
+        Err(CpusError::Unavailable {
+            list: self.list,
+            missing: as_list(&missing),
+            allowed: as_list(allowed),
+        })
     }
 
     /// Parses a CPU list: comma-separated numbers and `first-last` ranges.
@@ -144,6 +180,25 @@ impl CpuSet {
     }
 }
 
+/// `cpus` (in order) as `taskset -c` takes them: runs of CPUs as ranges.
+fn as_list(cpus: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &cpu in cpus {
+        match runs.last_mut() {
+            Some((_, last)) if *last + 1 == cpu => *last = cpu,
+            _ => runs.push((cpu, cpu)),
+        }
+    }
+    runs.iter()
+        .map(|&(first, last)| match last - first {
+            0 => first.to_string(),
+            1 => format!("{first},{last}"),
+            _ => format!("{first}-{last}"),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The CPUs the calling thread may run on.
 pub fn allowed_cpus() -> io::Result<Vec<usize>> {
     // SAFETY: as in `CpuSet::parse`, an all-zero cpu_set_t is valid.
@@ -177,6 +232,24 @@ mod tests {
         }
         let error = cpus("0-100000").unwrap_err().to_string();
         assert!(error.contains("CPU 100000"), "{error}");
+    }
+
+    #[test]
+    fn a_set_beyond_the_cpus_this_process_may_use_is_refused_by_name() {
+        assert_eq!(as_list(&[0, 1, 2, 3, 5, 7, 8]), "0-3,5,7,8");
+        assert_eq!(as_list(&[]), "");
+        let set = || CpuSet::parse("1-3").unwrap();
+        assert_eq!(set().within(&[0, 1, 2, 3]), Ok(set()));
+        let error = set().within(&[0, 1]).unwrap_err();
+        assert_eq!(
+            error,
+            CpusError::Unavailable {
+                list: "1-3".into(),
+                missing: "2,3".into(),
+                allowed: "0,1".into(),
+            }
+        );
+        assert!(error.to_string().contains("names CPU(s) 2,3"), "{error}");
     }
 
     fn this_cpu() -> usize {

@@ -69,7 +69,12 @@ fn main() -> ExitCode {
         Err(error) => Outcome::Failed { error },
     };
     if let Outcome::Stopped { signal } = outcome {
-        eprintln!("{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly");
+        // Not eprintln!, which panics (and so aborts) when stderr is gone: often the
+        // case here, stopped because the supervisor died.
+        let _ = writeln!(
+            std::io::stderr(),
+            "{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly"
+        );
     }
     let reported = outcome_file.is_some_and(|file| report(file, &outcome));
     if !reported {

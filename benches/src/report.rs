@@ -278,7 +278,7 @@ pub struct Config {
     /// The host CPUs every VM the benchmark boots itself ran on, ours and QEMU's alike,
     /// from spawn to exit (`VMCTL_VCPU_CPUS`, which the nested host sets); none: any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vm_cpus: Option<String>,
+    pub vmm_cpus: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -490,7 +490,7 @@ impl Report {
                     self.config.vcpus,
                     self.config.memory_mib,
                     self.config.memory_runs,
-                    match &self.config.vm_cpus {
+                    match &self.config.vmm_cpus {
                         Some(cpus) => format!(
                             " Both VMMs ran on CPUs {cpus} only (`{}`).",
                             vmm::process::VCPU_CPUS_ENV
@@ -1181,6 +1181,11 @@ mod tests {
         assert!(r.measured(Section::Boot) && r.measured(Section::Fs));
         assert!(r.markdown().contains("10 boot(s) per VMM"));
         assert!(r.markdown().contains("| figure | unit | VMM |"));
+        assert!(!r.markdown().contains("Both VMMs ran on CPUs"));
+        r.config.vmm_cpus = Some("1-2".into());
+        assert!(r
+            .markdown()
+            .contains("Both VMMs ran on CPUs 1-2 only (`VMCTL_VCPU_CPUS`)."));
 
         r.sections = vec![Section::Fs, Section::Egress];
         assert!(!r.measured(Section::Boot) && r.measured(Section::Fs));

@@ -530,7 +530,7 @@ fn measure(
             timeout_s: args.timeout.as_secs(),
             marker: BOOT_MARKER.into(),
             configs: args.configs.clone(),
-            vm_cpus: vm_cpus()?.map(|cpus| cpus.list().to_string()),
+            vmm_cpus: vm_cpus()?.map(|cpus| cpus.list().to_string()),
         },
         commands: [Vmm::Ours, Vmm::Qemu]
             .iter()

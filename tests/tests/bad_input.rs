@@ -373,6 +373,35 @@ fn output_that_cannot_be_written() {
     );
 }
 
+/// vmctl's messages into a stderr that cannot be written (its reader gone with a killed
+/// parent, a full disk) are lost, not the end of vmctl: eprintln! would panic, and so
+/// abort it (with SIGABRT) halfway through what it was doing. `vmctl rm` of a
+/// workspace without a VM says so on stderr and succeeds.
+#[test]
+fn messages_that_cannot_be_written() {
+    let home = TempDir::new("unwritable-stderr");
+    let workspace = home.path().join("ws");
+    fs::create_dir_all(&workspace).unwrap();
+    let run = |stderr: std::process::Stdio| {
+        as_user_of(home.path(), vmctl_bin())
+            .arg("rm")
+            .current_dir(&workspace)
+            .stderr(stderr)
+            .status()
+            .expect("run vmctl rm")
+    };
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let status = run(writer.into());
+    assert_eq!(status.code(), Some(0), "into a pipe nobody reads: {status}");
+    let full = fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("open /dev/full");
+    let status = run(full.into());
+    assert_eq!(status.code(), Some(0), "into a full disk: {status}");
+}
+
 /// A workspace or share refused before the VM starts: one error line, and no ghost
 /// left in `vmctl ps` (it listed such a start as "starting" forever).
 #[test]

@@ -93,7 +93,7 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
         // Usually a no-op rebuild check: say something only when it fails.
         return run_script_quietly(&script, args);
     }
-    eprintln!("vmctl: building the {what} (first use only; cached afterwards)");
+    vmm::to_stderr!("vmctl: building the {what} (first use only; cached afterwards)");
     run_script(&script, args, false)
 }
 

@@ -31,7 +31,7 @@ pub fn run(quick: bool, args: Vec<String>) -> Result<u8, BenchError> {
     let mut command = harness_command(&vmctl)?;
     command.args(&harness_args);
     let what = format!("{command:?}");
-    eprintln!("vmctl: {what}");
+    vmm::to_stderr!("vmctl: {what}");
     let status = command
         .status()
         .map_err(|source| BenchError::Run { what, source })?;

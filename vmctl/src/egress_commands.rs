@@ -41,7 +41,9 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
         } => {
             let stdin = std::io::stdin();
             if stdin.is_terminal() {
-                eprintln!("vmctl: type the value of {name:?} (not shown), then Enter and Ctrl-D:");
+                vmm::to_stderr!(
+                    "vmctl: type the value of {name:?} (not shown), then Enter and Ctrl-D:"
+                );
             }
             let value = {
                 let _quiet = crate::terminal::EchoOff::new(&stdin);
@@ -49,7 +51,7 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
             };
             let summary = store.set(&name, value, hosts, header)?;
             store.save()?;
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: secret {} stored; it is sent as {} to {} (running VMs get its placeholder at their next exec)",
                 summary.name,
                 summary.header_name,
@@ -59,7 +61,7 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
         SecretCommand::Ls => {
             let secrets = store.list();
             if secrets.is_empty() {
-                eprintln!("vmctl: no secrets ('vmctl secret set NAME' stores one)");
+                vmm::to_stderr!("vmctl: no secrets ('vmctl secret set NAME' stores one)");
             } else {
                 print_out(format_args!("{:<16} {:<16} HOSTS\n", "NAME", "HEADER"));
                 for secret in secrets {
@@ -77,7 +79,7 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
                 return Err(EgressCommandError::NoSuchSecret(name));
             }
             store.save()?;
-            eprintln!("vmctl: secret {name} removed");
+            vmm::to_stderr!("vmctl: secret {name} removed");
         }
     }
     Ok(0)
@@ -90,19 +92,19 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             store.allow(&scope, &patterns)?;
             store.save()?;
-            eprintln!("vmctl: allowed {} ({scope})", joined(&patterns));
+            vmm::to_stderr!("vmctl: allowed {} ({scope})", joined(&patterns));
         }
         PolicyCommand::Deny { patterns, scope } => {
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             store.deny(&scope, &patterns)?;
             store.save()?;
-            eprintln!("vmctl: denied {} ({scope})", joined(&patterns));
+            vmm::to_stderr!("vmctl: denied {} ({scope})", joined(&patterns));
         }
         PolicyCommand::Rm { patterns, scope } => {
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             let removed = store.remove(&scope, &patterns);
             store.save()?;
-            eprintln!("vmctl: removed {removed} rule(s) ({scope})");
+            vmm::to_stderr!("vmctl: removed {removed} rule(s) ({scope})");
         }
         PolicyCommand::Ls { workspace } => {
             let workspace = canonical(workspace);
@@ -118,7 +120,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             let (workspace, vm) = VmDir::lookup(&crate::workspace::of_vm(workspace))?;
             let entries = egress::log::read_recent(&vm.egress_log(), lines)?;
             if entries.is_empty() {
-                eprintln!(
+                vmm::to_stderr!(
                     "vmctl: the egress proxy of {}'s VM has logged nothing (yet)",
                     workspace.display()
                 );

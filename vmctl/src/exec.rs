@@ -180,7 +180,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let session = match started {
         Ok(session) => session,
         Err((message, exit_code)) => {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: {} (in the VM)",
                 crate::terminal::printable(&message)
             );
@@ -256,7 +256,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         let event = tokio::select! {
             event = output.next_event() => event,
             Some(reason) = gave_up.recv() => {
-                eprintln!("vmctl: {reason}");
+                vmm::to_stderr!("vmctl: {reason}");
                 break reason.exit_code();
             }
         };

@@ -33,7 +33,7 @@ pub fn guest_env(vm: &VmDir) -> Option<(String, String)> {
         .and_then(|()| guest_writable::open_dir(&homes))
         .and_then(|dir| guest_writable::write_read_only(dir, FILE, text.as_bytes()));
     if let Err(e) = written {
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: warning: cannot give the VM your git identity ({}: {e}); git commit \
              there needs `git config user.email`",
             homes.join(FILE).display()

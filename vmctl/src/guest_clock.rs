@@ -38,7 +38,7 @@ pub fn keep_in_step(vsock: PathBuf) {
         Ok(Some(every)) => every,
         Ok(None) => return,
         Err(e) => {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: warning: {e}; using {} s",
                 DEFAULT_INTERVAL.as_secs()
             );
@@ -51,7 +51,7 @@ pub fn keep_in_step(vsock: PathBuf) {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("vmctl: warning: the guest's clock will not be kept in step: {e}");
+            vmm::to_stderr!("vmctl: warning: the guest's clock will not be kept in step: {e}");
             return;
         }
     };
@@ -59,7 +59,7 @@ pub fn keep_in_step(vsock: PathBuf) {
         .name("vmctl-clock".into())
         .spawn(move || runtime.block_on(say_hello_every(vsock, every)));
     if let Err(e) = spawned {
-        eprintln!("vmctl: warning: the guest's clock will not be kept in step: {e}");
+        vmm::to_stderr!("vmctl: warning: the guest's clock will not be kept in step: {e}");
     }
 }
 

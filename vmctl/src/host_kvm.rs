@@ -41,7 +41,7 @@ impl KvmKind {
 
     /// The one line vmctl prints on stderr when it runs a VM in the nested host.
     pub fn announce_nested(self) {
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: {}; running the VM inside a QEMU-TCG nested host (slower; see README)",
             self.why_nested()
         );

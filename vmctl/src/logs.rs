@@ -98,7 +98,7 @@ pub fn show(workspace: &Path, options: LogsOptions) -> Result<(), LogsError> {
     let is_running = || vm.running_pid().is_some();
     let was_running = is_running();
     follow(&path, file, start, is_running, &mut print, FOLLOW_POLL).map_err(read_error)?;
-    eprintln!(
+    vmm::to_stderr!(
         "vmctl: the VM of {} {}",
         workspace.display(),
         if was_running {

@@ -35,7 +35,7 @@ mod vmm_process;
 mod workspace;
 mod worktree;
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -78,7 +78,7 @@ fn main() -> ExitCode {
             unpin(&dir);
             vm::stop(&dir).map_err(|e| e.to_string()).map(|stopped| {
                 if !stopped {
-                    eprintln!("vmctl: no VM is running for {}", dir.display());
+                    vmm::to_stderr!("vmctl: no VM is running for {}", dir.display());
                 }
                 0
             })
@@ -88,7 +88,7 @@ fn main() -> ExitCode {
             unpin(&dir);
             vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
                 if !removed {
-                    eprintln!("vmctl: {} has no VM", dir.display());
+                    vmm::to_stderr!("vmctl: {} has no VM", dir.display());
                 }
                 0
             })
@@ -104,7 +104,7 @@ fn main() -> ExitCode {
         cli::Command::Daemon(args) if args.stop => daemon::client::shutdown()
             .map(|stopped| {
                 if !stopped {
-                    eprintln!("vmctl: no daemon is running");
+                    vmm::to_stderr!("vmctl: no daemon is running");
                 }
                 0
             })
@@ -141,7 +141,7 @@ fn main() -> ExitCode {
         cli::Command::Unpublish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
             ports::unpublish(&workspace::of_vm(dir), port)
                 .map(|host| {
-                    eprintln!("vmctl: {host} no longer forwards to guest port {port}");
+                    vmm::to_stderr!("vmctl: {host} no longer forwards to guest port {port}");
                     0
                 })
                 .map_err(|e| e.to_string())
@@ -191,7 +191,7 @@ fn lease(dir: &std::path::Path, purpose: &str) -> Option<daemon::client::Lease> 
 /// A lease on `vm`, or a warning that without one it will not stop by itself.
 fn lease_vm(vm: &state::VmDir, purpose: &str) -> Option<daemon::client::Lease> {
     daemon::client::lease(vm, purpose)
-        .map_err(|e| eprintln!("vmctl: warning: {e}; the VM will not stop by itself"))
+        .map_err(|e| vmm::to_stderr!("vmctl: warning: {e}; the VM will not stop by itself"))
         .ok()
 }
 
@@ -200,7 +200,7 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
     let (_, vm) = state::VmDir::for_workspace(dir).map_err(|e| e.to_string())?;
     // Pinned before it starts, so the daemon never takes it for idle.
     if let Err(e) = daemon::client::pin(&vm) {
-        eprintln!("vmctl: warning: {e}");
+        vmm::to_stderr!("vmctl: warning: {e}");
     }
     vm::up(dir, options).map(|_| 0).map_err(|e| {
         // One that did not start is not pinned for whoever starts it next.
@@ -215,7 +215,7 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
 fn unpin(dir: &std::path::Path) {
     if let Ok((_, vm)) = state::VmDir::lookup(dir) {
         if let Err(e) = daemon::client::unpin(&vm) {
-            eprintln!("vmctl: warning: {e}");
+            vmm::to_stderr!("vmctl: warning: {e}");
         }
     }
 }
@@ -230,7 +230,7 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let vm = vm::up_ephemeral(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
-        eprintln!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+        vmm::to_stderr!("vmctl: warning: cannot clean up the throwaway VM: {e}");
     }
     outcome
 }
@@ -347,6 +347,8 @@ fn init_logging() {
         )
         .with_writer(std::io::stderr)
         .with_target(false)
+        // Its report of a failed write is an eprintln!, which would abort vmctl.
+        .log_internal_errors(false)
         .init();
 }
 
@@ -354,13 +356,9 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            // Not eprintln!, which panics when stderr cannot be written (the error may
-            // be just that); the exit code still says it failed.
-            let _ = writeln!(
-                std::io::stderr(),
-                "vmctl: error: {}",
-                terminal::printable(&e)
-            );
+            // The error may be that stderr cannot be written; the exit code still says
+            // it failed.
+            vmm::to_stderr!("vmctl: error: {}", terminal::printable(&e));
             ExitCode::FAILURE
         }
     }
@@ -369,6 +367,7 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     #[test]
     fn a_lost_vm_is_explained_by_its_crash_else_by_its_log() {

@@ -335,13 +335,13 @@ pub fn run(command: PaseoCommand) -> Result<u8, PaseoError> {
                 .or_else(config_path)
                 .ok_or(PaseoError::NoConfigPath)?;
             let vmctl = own_executable()?;
-            eprintln!("{}", install(&config, &vmctl)?);
+            vmm::to_stderr!("{}", install(&config, &vmctl)?);
         }
         PaseoCommand::Uninstall { config } => {
             let config = config
                 .or_else(config_path)
                 .ok_or(PaseoError::NoConfigPath)?;
-            eprintln!("{}", uninstall(&config)?);
+            vmm::to_stderr!("{}", uninstall(&config)?);
         }
     }
     Ok(0)

@@ -22,7 +22,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         .map_err(|e| format!("{}: {e}", vm.pid_file().display()))?;
 
     let config = vm_config(&vm, &record);
-    eprintln!(
+    vmm::to_stderr!(
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
@@ -55,16 +55,16 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         crate::boot::run_vmm_sharing(&config, record.shares.as_ref(), &vm.sockets_dir(), false)
             .map_err(|e| e.to_string())
     };
-    eprintln!("vmctl: the VM ended: {outcome:?}");
+    vmm::to_stderr!("vmctl: the VM ended: {outcome:?}");
     if let Some(crash) = how_it_crashed(&vm, &outcome, record.nested) {
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: error: {crash} (its console: {})",
             vm.console_log().display()
         );
         // For `vmctl ps` and the next start, which would otherwise see a VM that
         // simply stopped.
         if let Err(e) = std::fs::write(vm.crash_file(), format!("{crash}\n")) {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: warning: cannot record the crash in {}: {e}",
                 vm.crash_file().display()
             );

@@ -149,7 +149,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     match crate::worktree::repository_share(workspace, &list) {
         Ok(Some(repository)) => list.push(repository),
         Ok(None) => {}
-        Err(why) => eprintln!(
+        Err(why) => vmm::to_stderr!(
             "vmctl: warning: {} is a git worktree, but {why}; git in the VM will not find \
              its repository",
             workspace.display()
@@ -172,7 +172,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
 /// Tells the user about shares the running VM lost.
 fn warn_about_share_failures(vm: &VmDir) {
     for failure in vm.read_share_failures() {
-        eprintln!("vmctl: warning: {failure}");
+        vmm::to_stderr!("vmctl: warning: {failure}");
     }
 }
 
@@ -230,25 +230,25 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     }
     if vm.running_pid().is_some() {
         if !quiet {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: the VM of {} is already running",
                 workspace.display()
             );
         }
         if recipe.is_some() {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: warning: it keeps the image it was started with; \
                  'vmctl stop' it first to boot another"
             );
         }
         if !mounts.is_empty() {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: warning: it keeps the shares it was started with; \
                  'vmctl stop' it first to change them"
             );
         }
         if egress.is_some() {
-            eprintln!("vmctl: warning: it keeps the egress settings it was started with");
+            vmm::to_stderr!("vmctl: warning: it keeps the egress settings it was started with");
         }
         warn_about_share_failures(&vm);
         configure_network(&vm, relay_ports)?;
@@ -256,7 +256,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     }
     if let Some(crash) = vm.read_crash() {
         // Whatever ran in it, and its root's changes, are gone: say so.
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: the last VM of {} crashed ({crash}); starting a new one (the crashed \
              run's logs: `vmctl logs --previous [--supervisor]`)",
             workspace.display(),
@@ -347,7 +347,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     );
     configure_network(&vm, &[])?;
     if !quiet {
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: the VM of {} is up (agent ready after {:.1} s)",
             workspace.display(),
             ready_after.as_secs_f64()
@@ -472,7 +472,7 @@ fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
     match control::request(&vm.control_socket(), &request)? {
         ControlResponse::Configured { failed_relays, .. } => {
             for (port, reason) in failed_relays {
-                eprintln!(
+                vmm::to_stderr!(
                     "vmctl: warning: port {port} is not relayed into the VM: {}",
                     crate::terminal::printable(&reason)
                 );
@@ -693,7 +693,7 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
     });
     if other_agent {
         // Another vmctl's agent cannot be asked; waiting for it would only delay this.
-        eprintln!(
+        vmm::to_stderr!(
             "vmctl: the VM in {} runs a guest agent of another protocol version, which \
              cannot be asked to shut down; stopping its VMM",
             vm.path.display()
@@ -704,7 +704,7 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
     let deadline = Instant::now() + Duration::from_secs(30);
     while vm.running_pid().is_some() {
         if Instant::now() > deadline {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: the VM in {} did not shut down; killing it",
                 vm.path.display()
             );
@@ -757,25 +757,25 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
             continue;
         };
         if dry_run {
-            eprintln!("vmctl: would forget {what} ({})", vm.path.display());
+            vmm::to_stderr!("vmctl: would forget {what} ({})", vm.path.display());
             forgotten += 1;
             continue;
         }
         match remove_vm(vm, "`vmctl prune` forgets it") {
             Ok(()) => {
                 forgotten += 1;
-                eprintln!("vmctl: forgot {what}");
+                vmm::to_stderr!("vmctl: forgot {what}");
             }
             Err(e) => {
                 failed = true;
-                eprintln!("vmctl: error: {e}");
+                vmm::to_stderr!("vmctl: error: {e}");
             }
         }
     }
     if dry_run {
-        eprintln!("vmctl: {forgotten} VM(s) would be forgotten");
+        vmm::to_stderr!("vmctl: {forgotten} VM(s) would be forgotten");
     } else {
-        eprintln!("vmctl: {forgotten} VM(s) forgotten");
+        vmm::to_stderr!("vmctl: {forgotten} VM(s) forgotten");
     }
     u8::from(failed)
 }
@@ -801,7 +801,7 @@ fn prunable(vm: &VmDir) -> Option<String> {
     let workspace = record.workspace.display();
     if !stopped() {
         if !throwaway {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl: the VM of {workspace} (removed) still runs: 'vmctl rm \
                  {workspace}' stops and forgets it"
             );

@@ -24,6 +24,18 @@ use crate::vstate::exit::ExitReason;
 
 pub mod cpus;
 
+/// `eprintln!` that cannot panic. vmctl and its VMM are built with `panic = "abort"`,
+/// and `eprintln!` panics when stderr cannot be written (its reader gone with a killed
+/// parent, a full disk): a message must not end the process halfway through its
+/// clean-up. A message that cannot be written is lost; the exit code still tells.
+#[macro_export]
+macro_rules! to_stderr {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and
 /// installed beside it.
 pub const BINARY: &str = "vmctl-vmm";

@@ -72,7 +72,7 @@ pub fn run() -> Result<u8, DaemonError> {
         .enable_all()
         .build()
         .map_err(DaemonError::Runtime)?;
-    eprintln!("vmctl daemon: listening on {}", socket.display());
+    vmm::to_stderr!("vmctl daemon: listening on {}", socket.display());
     let pid_file = super::pid_path();
     let _ = std::fs::write(
         &pid_file,
@@ -108,14 +108,14 @@ pub fn run() -> Result<u8, DaemonError> {
                 _ = daemon.shutdown.notified() => break,
             }
         }
-        eprintln!("vmctl daemon: stopping every VM");
+        vmm::to_stderr!("vmctl daemon: stopping every VM");
         let _ = std::fs::remove_file(&socket);
         tokio::task::spawn_blocking(stop_every_vm)
             .await
             .map_err(|e| DaemonError::Runtime(std::io::Error::other(e.to_string())))
     })?;
     let _ = std::fs::remove_file(&pid_file);
-    eprintln!("vmctl daemon: stopped");
+    vmm::to_stderr!("vmctl daemon: stopped");
     Ok(0)
 }
 
@@ -344,7 +344,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             idle
         };
         if still_idle {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl daemon: {} idle for {timeout:?}; stopping it",
                 vm.path.display()
             );
@@ -405,7 +405,7 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
         let mut vms = daemon.vms();
         vms.retain(|vm_dir, tracked| !forgettable(tracked, vm_dir));
         if vms.is_empty() && removed(&vms_dir) {
-            eprintln!(
+            vmm::to_stderr!(
                 "vmctl daemon: {} was removed; nothing left to serve",
                 vms_dir.display()
             );

@@ -73,13 +73,13 @@ pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
         .name("vmctl-host-edits".into())
         .spawn(move || {
             if let Err(e) = run(vsock, shares) {
-                eprintln!(
+                vmm::to_stderr!(
                     "vmctl: warning: host edits no longer reach the guest's file watchers: {e}"
                 );
             }
         });
     if let Err(e) = spawned {
-        eprintln!("vmctl: warning: host edits will not reach the guest's file watchers: {e}");
+        vmm::to_stderr!("vmctl: warning: host edits will not reach the guest's file watchers: {e}");
     }
 }
 
@@ -88,7 +88,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
     for share in shares.shares.iter().filter(|share| !share.read_only) {
         say_unwatched(watcher.watch_tree(&share.host));
     }
-    eprintln!(
+    vmm::to_stderr!(
         "vmctl: host edits of the writable shares reach the guest's file watchers ({} directories watched)",
         watcher.watched()
     );
@@ -109,7 +109,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
             }
         }
         if changes.overflowed {
-            eprintln!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
+            vmm::to_stderr!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
         }
         let names = std::mem::take(&mut changes.names);
         let edits = echoes.without_echoes(changes, Instant::now());
@@ -131,7 +131,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
 
 fn say_unwatched(why: Option<String>) {
     if let Some(why) = why {
-        eprintln!("vmctl: warning: {why}: edits the host makes in the directories left unwatched do not reach the guest's file watchers");
+        vmm::to_stderr!("vmctl: warning: {why}: edits the host makes in the directories left unwatched do not reach the guest's file watchers");
     }
 }
 

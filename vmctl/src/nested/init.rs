@@ -46,7 +46,7 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
     let exit_code = match prepare_and_run(spec) {
         Ok(code) => code,
         Err(message) => {
-            eprintln!("vmctl: error: {message}");
+            vmm::to_stderr!("vmctl: error: {message}");
             1
         }
     };
@@ -54,7 +54,7 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
     let status_path = Path::new(job::GUEST_JOB_DIR).join(job::STATUS_FILE);
     if let Ok(text) = serde_json::to_vec(&status) {
         if let Err(e) = std::fs::write(&status_path, text) {
-            eprintln!("vmctl: error: cannot write {}: {e}", status_path.display());
+            vmm::to_stderr!("vmctl: error: cannot write {}: {e}", status_path.display());
         }
     }
     // Let the consoles drain before the reset cuts them off.
@@ -76,18 +76,18 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
     tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
     mount_basics().map_err(|e| e.to_string())?;
     if let Err(e) = set_clock_from_host() {
-        eprintln!("vmctl: warning: cannot set the nested host's clock from the host's: {e}; the guest's clock may lag the host's by a second or more");
+        vmm::to_stderr!("vmctl: warning: cannot set the nested host's clock from the host's: {e}; the guest's clock may lag the host's by a second or more");
     }
     // Commands run here (benchmarks, `vmctl` itself with its relays and egress
     // proxy) need 127.0.0.1.
     if let Err(e) = guest_agent::init::loopback_up() {
-        eprintln!("vmctl: warning: the nested host has no loopback interface: {e}");
+        vmm::to_stderr!("vmctl: warning: the nested host has no loopback interface: {e}");
     }
     tracing::debug!("nested host: sending stderr to the host");
     redirect_stderr_to_host();
     // The console carries the guest's serial bytes to the host's stdout unchanged.
     if let Err(e) = terminal::make_raw(&std::io::stdout()) {
-        eprintln!("vmctl: warning: cannot put the nested console in raw mode: {e}");
+        vmm::to_stderr!("vmctl: warning: cannot put the nested console in raw mode: {e}");
     }
     let job = read_job(spec).map_err(|e| e.to_string())?;
     tracing::debug!("nested host: running {job:?}");
@@ -408,7 +408,7 @@ fn redirect_stderr_to_host() {
             // SAFETY: both descriptors are valid; dup2 atomically replaces fd 2.
             unsafe { libc::dup2(console.as_raw_fd(), 2) };
         }
-        Err(e) => eprintln!("vmctl: warning: no stderr channel to the host (/dev/hvc0: {e})"),
+        Err(e) => vmm::to_stderr!("vmctl: warning: no stderr channel to the host (/dev/hvc0: {e})"),
     }
 }
 

@@ -247,10 +247,9 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
         std::thread::sleep(Duration::from_millis(10));
     }
     if stopped_by != 0 {
-        // Not eprintln!, which panics (and so aborts, leaving the job directory
-        // behind) when stderr is gone: often the case here, with a parent that died.
-        let _ = writeln!(
-            std::io::stderr(),
+        // Often to a stderr that is gone, with a parent that died: to_stderr! does not
+        // abort there, so the job directory is still removed.
+        vmm::to_stderr!(
             "vmctl: stopped by signal {stopped_by}; the guest was not shut down cleanly"
         );
         return Ok(128u8.saturating_add(stopped_by as u8));

@@ -177,7 +177,7 @@ fn start_as(
     if !is_root && !shares.is_empty() {
         // Not a weaker sandbox but other ownership. (In a VM's supervisor log, which
         // `vmctl logs --supervisor` shows; not on the user's terminal at each start.)
-        eprintln!("{UNPRIVILEGED_NOTE}");
+        vmm::to_stderr!("{UNPRIVILEGED_NOTE}");
     }
     let mut daemons = Vec::with_capacity(shares.len());
     if let Err(e) = start_all(
@@ -291,7 +291,7 @@ fn start_all(
                         "virtiofsd could not set up its namespace sandbox; retrying without",
                     );
                     if !warned {
-                        eprintln!("{NO_SANDBOX_WARNING}");
+                        vmm::to_stderr!("{NO_SANDBOX_WARNING}");
                         warned = true;
                     }
                     let (socket, log) = (daemon.socket.clone(), daemon.log.clone());
@@ -350,7 +350,7 @@ fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
                 }
                 // Not ours to see (an unusual /proc): the check is lost, not the share.
                 tracing::warn!(host = %daemon.host.display(), "cannot see virtiofsd's root: {e}");
-                eprintln!(
+                vmm::to_stderr!(
                     "vmctl: warning: cannot confirm which directory virtiofsd serves for {} \
                      (its /proc/PID/root: {e})",
                     daemon.host.display()
@@ -406,7 +406,7 @@ fn watch(shared: &Shared) {
         }
         for failure in &new_failures {
             tracing::error!("{failure}");
-            eprintln!("vmctl: {failure}");
+            vmm::to_stderr!("vmctl: {failure}");
             if let Some(file) = &state.failure_file {
                 record_failure(file, failure);
             }
@@ -502,7 +502,7 @@ mod tests {
     /// installs it, so there these tests always run).
     fn installed_virtiofsd() -> Option<PathBuf> {
         find_virtiofsd()
-            .inspect_err(|e| eprintln!("SKIPPED: virtiofsd not installed ({e})"))
+            .inspect_err(|e| vmm::to_stderr!("SKIPPED: virtiofsd not installed ({e})"))
             .ok()
     }
 

@@ -120,7 +120,9 @@ mod tests {
             "what the VMM holds, and removing its socket, must keep working"
         );
         if kernel_abi() == 0 {
-            eprintln!("confine: this kernel has no Landlock: only checked that the VMM says so");
+            vmm::to_stderr!(
+                "confine: this kernel has no Landlock: only checked that the VMM says so"
+            );
             assert_eq!(confinement, Confinement::None);
             return;
         }

@@ -176,7 +176,7 @@ mod tests {
             .iter()
             .any(|reason| stdout.contains(reason));
         if stdout.contains("jail: NotEntered") && forbidden_here {
-            eprintln!(
+            vmm::to_stderr!(
                 "jail: this host forbids user namespaces: only checked that the VMM says so \
                  and goes on\n{stdout}"
             );

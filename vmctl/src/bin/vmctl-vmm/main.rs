@@ -34,7 +34,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("{BINARY}: error: {e}\n\n{USAGE}");
+            vmm::to_stderr!("{BINARY}: error: {e}\n\n{USAGE}");
             return ExitCode::from(2);
         }
     };
@@ -46,7 +46,7 @@ fn main() -> ExitCode {
     let (config, outcome_file) = match inherited {
         Ok(inherited) => inherited,
         Err(e) => {
-            eprintln!("{BINARY}: error: {e}");
+            vmm::to_stderr!("{BINARY}: error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -69,17 +69,14 @@ fn main() -> ExitCode {
         Err(error) => Outcome::Failed { error },
     };
     if let Outcome::Stopped { signal } = outcome {
-        // Not eprintln!, which panics (and so aborts) when stderr is gone: often the
-        // case here, stopped because the supervisor died.
-        let _ = writeln!(
-            std::io::stderr(),
+        vmm::to_stderr!(
             "{BINARY}: stopped by signal {signal}; the guest was not shut down cleanly"
         );
     }
     let reported = outcome_file.is_some_and(|file| report(file, &outcome));
     if !reported {
         if let Some(error) = outcome.error() {
-            eprintln!("{BINARY}: error: {error}");
+            vmm::to_stderr!("{BINARY}: error: {error}");
         }
     }
     ExitCode::from(outcome.exit_code())
@@ -109,7 +106,7 @@ fn run(
         console_input: true,
         on_boot_time: Box::new(move |report: BootTimeReport| {
             if report_boot_time {
-                eprintln!(
+                vmm::to_stderr!(
                     "{BINARY}: boot time: {:.1} ms since VMM start, {:.1} ms since the first vCPU ran",
                     report.since_vmm_start.as_secs_f64() * 1e3,
                     report.since_first_vcpu_run.as_secs_f64() * 1e3
@@ -157,7 +154,7 @@ fn give_up_privileges(
         Jail::Entered => {
             tracing::debug!("jailed: its root is an empty tmpfs showing only {socket_dir:?}")
         }
-        Jail::NotEntered(reason) => eprintln!(
+        Jail::NotEntered(reason) => vmm::to_stderr!(
             "{BINARY}: warning: cannot jail the VMM ({reason}): it still sees the host's \
              files, within Landlock's limits"
         ),
@@ -166,14 +163,14 @@ fn give_up_privileges(
     // Held until the process exits (see HeldPaths).
     std::mem::forget(held);
     if confinement == Confinement::None {
-        eprintln!(
+        vmm::to_stderr!(
             "{BINARY}: warning: this kernel has no Landlock: the VMM keeps the user's \
              access to files"
         );
     }
     tracing::debug!("confined to the VM's files: {confinement:?}");
     if !seccomp_filter {
-        eprintln!(
+        vmm::to_stderr!(
             "{BINARY}: warning: {}=off: the VMM runs without its seccomp filter",
             seccomp::SWITCH_ENV
         );
@@ -220,7 +217,7 @@ fn report(mut file: File, outcome: &Outcome) -> bool {
     match written {
         Ok(()) => true,
         Err(e) => {
-            eprintln!("{BINARY}: warning: cannot report how the VM ended to vmctl: {e}");
+            vmm::to_stderr!("{BINARY}: warning: cannot report how the VM ended to vmctl: {e}");
             false
         }
     }
@@ -233,7 +230,9 @@ fn report(mut file: File, outcome: &Outcome) -> bool {
 fn init_logging() {
     let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_target(false);
+        .with_target(false)
+        // Its report of a failed write is an eprintln!, which would abort the VMM.
+        .log_internal_errors(false);
     let filter = tracing_subscriber::EnvFilter::try_from_env("VMCTL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,virtio_queue=off"));
     builder.with_env_filter(filter).init();

@@ -107,7 +107,8 @@ fn run_script_quietly(script: &Path, args: &[&str]) -> Result<PathBuf, ArtifactE
             source,
         })?;
     if !output.status.success() {
-        eprint!("{}", String::from_utf8_lossy(&output.stderr));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        vmm::to_stderr!("{}", stderr.trim_end());
         return Err(ArtifactError::Failed {
             script: script.to_path_buf(),
             status: output.status,

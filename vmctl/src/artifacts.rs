@@ -108,7 +108,9 @@ fn run_script_quietly(script: &Path, args: &[&str]) -> Result<PathBuf, ArtifactE
         })?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        vmm::to_stderr!("{}", stderr.trim_end());
+        if !stderr.trim().is_empty() {
+            vmm::to_stderr!("{}", stderr.trim_end());
+        }
         return Err(ArtifactError::Failed {
             script: script.to_path_buf(),
             status: output.status,

@@ -513,6 +513,11 @@ fn commands_on_a_workspace_without_a_vm() {
         ),
         (&["rm"], 0, format!("vmctl: {ws} has no VM")),
         (
+            &["stop", "--workspace", &ws.to_string()],
+            0,
+            format!("vmctl: no VM is running for {ws}"),
+        ),
+        (
             &["ports"],
             1,
             format!("vmctl: error: no VM is running for {ws}; start it with 'vmctl up'"),

@@ -292,6 +292,9 @@ pub struct IsolationArg {
 pub struct ShellArgs {
     /// The workspace directory (default: the current directory's: see --isolation).
     pub dir: Option<PathBuf>,
+    /// The same as DIR, as `vmctl exec` takes it.
+    #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
+    pub workspace: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
 }
@@ -300,6 +303,9 @@ pub struct ShellArgs {
 pub struct UpArgs {
     /// The workspace directory (default: the current directory's: see --isolation).
     pub dir: Option<PathBuf>,
+    /// The same as DIR, as `vmctl exec` takes it.
+    #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
+    pub workspace: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
     /// Boot the image built from this recipe (built first if needed; see
@@ -336,7 +342,17 @@ pub struct WorkspaceArg {
     /// The workspace directory. Default: the current directory's VM: the nearest
     /// directory from here up to the workspace (see `vmctl up --isolation`) that has
     /// one, else that workspace.
-    pub dir: Option<PathBuf>,
+    dir: Option<PathBuf>,
+    /// The same as DIR, as `vmctl exec` takes it.
+    #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
+    workspace: Option<PathBuf>,
+}
+
+impl WorkspaceArg {
+    /// The directory given, as DIR or as `--workspace DIR`.
+    pub fn dir(self) -> Option<PathBuf> {
+        self.dir.or(self.workspace)
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -487,6 +503,30 @@ mod tests {
         );
         assert!(parse_resolve("api.test=127.0.0.1:1").is_err());
         assert!(parse_resolve("api.test:443=nowhere").is_err());
+    }
+
+    #[test]
+    fn the_workspace_is_dir_or_workspace_dir_as_for_exec() {
+        use clap::Parser;
+        let parse = |argv: &[&str]| Cli::try_parse_from([&["vmctl"], argv].concat());
+        for argv in [&["rm", "/w"][..], &["rm", "--workspace", "/w"]] {
+            let Ok(Cli {
+                command: Command::Rm(arg),
+            }) = parse(argv)
+            else {
+                panic!("{argv:?} does not parse as rm");
+            };
+            assert_eq!(arg.dir(), Some(PathBuf::from("/w")), "{argv:?}");
+        }
+        let Ok(Cli {
+            command: Command::Up(up),
+        }) = parse(&["up", "--workspace", "/w"])
+        else {
+            panic!("up --workspace does not parse");
+        };
+        assert_eq!(up.dir.or(up.workspace), Some(PathBuf::from("/w")));
+        let both = parse(&["stop", "/a", "--workspace", "/b"]).unwrap_err();
+        assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
     }
 
     #[test]

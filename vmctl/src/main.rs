@@ -62,7 +62,8 @@ fn main() -> ExitCode {
                 egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
-            let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
+            let dir =
+                workspace::resolve(args.dir.or(args.workspace), args.setup.isolation.isolation);
             up_pinned(&dir, &options)
         }
         cli::Command::Ps => {
@@ -74,7 +75,7 @@ fn main() -> ExitCode {
             Ok(0)
         }
         cli::Command::Stop(args) => {
-            let dir = workspace::of_vm(args.dir);
+            let dir = workspace::of_vm(args.dir());
             unpin(&dir);
             vm::stop(&dir).map_err(|e| e.to_string()).map(|stopped| {
                 if !stopped {
@@ -84,7 +85,7 @@ fn main() -> ExitCode {
             })
         }
         cli::Command::Rm(args) => {
-            let dir = workspace::of_vm(args.dir);
+            let dir = workspace::of_vm(args.dir());
             unpin(&dir);
             vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
                 if !removed {
@@ -117,7 +118,7 @@ fn main() -> ExitCode {
         cli::Command::Run(args) => run_oneshot(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
         cli::Command::Logs(args) => logs::show(
-            &workspace::of_vm(args.workspace.dir),
+            &workspace::of_vm(args.workspace.dir()),
             logs::LogsOptions {
                 supervisor: args.supervisor,
                 previous: args.previous,
@@ -127,7 +128,7 @@ fn main() -> ExitCode {
         )
         .map(|()| 0)
         .map_err(|e| e.to_string()),
-        cli::Command::Ports(args) => ports::list(&workspace::of_vm(args.dir))
+        cli::Command::Ports(args) => ports::list(&workspace::of_vm(args.dir()))
             .map(|_| 0)
             .map_err(|e| e.to_string()),
         cli::Command::Publish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
@@ -314,11 +315,12 @@ fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     // A named workspace starts the shell at its root, else where we are.
-    let start_in = match &args.dir {
+    let named = args.dir.or(args.workspace);
+    let start_in = match &named {
         Some(dir) => dir.clone(),
         None => workspace::current_dir(),
     };
-    let dir = workspace::resolve(args.dir, args.setup.isolation.isolation);
+    let dir = workspace::resolve(named, args.setup.isolation.isolation);
     let options = vm::StartOptions {
         mounts: &args.setup.mounts,
         relay_ports: &args.setup.relay_ports,

@@ -110,13 +110,13 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
         .map_err(|e| e.to_string())?;
     }
     let host_cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    let told = |env: &[(String, String)]| env.iter().any(|(name, _)| name == VCPU_CPUS_ENV);
     if let Work::Vm(vm) = &job.work {
         // Before this process starts any thread: the VMM, its child, inherits them.
+        // (The host's VMCTL_VCPU_CPUS is never among them: job::vmm_env.)
         for (name, value) in &vm.vmm_env {
             std::env::set_var(name, value);
         }
-        if let Some(cpus) = vcpu_cpus_off_cpu_0(told(&vm.vmm_env), host_cpus) {
+        if let Some(cpus) = vcpu_cpus_off_cpu_0(host_cpus) {
             std::env::set_var(VCPU_CPUS_ENV, cpus);
         }
     }
@@ -134,9 +134,10 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
             .map_err(|e| e.to_string())
         }
         Work::Command(command) => {
-            // Every VMM the command starts inherits it.
+            // Every VMM the command starts inherits it (the host's is never in the
+            // job: job::command_env).
             let mut command = command.clone();
-            if let Some(cpus) = vcpu_cpus_off_cpu_0(told(&command.env), host_cpus) {
+            if let Some(cpus) = vcpu_cpus_off_cpu_0(host_cpus) {
                 command.env.push((VCPU_CPUS_ENV.to_string(), cpus));
             }
             run_command(&command)
@@ -144,13 +145,14 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
     }
 }
 
-/// The vCPU threads' CPUs for the VMMs of this nested host of `host_cpus` CPUs, unless
-/// the job set `VMCTL_VCPU_CPUS` itself (`told`): every CPU but 0. While a guest runs on
-/// the nested host's CPU 0, the emulation now and then stops delivering that CPU's
-/// interrupts, or delivers one while its interrupts are disabled, and the nested host
-/// hangs for good; with no guest there, neither was seen (docs/nested-host.md).
-fn vcpu_cpus_off_cpu_0(told: bool, host_cpus: usize) -> Option<String> {
-    (!told && host_cpus >= 2).then(|| format!("1-{}", host_cpus - 1))
+/// The vCPU threads' CPUs for the VMMs of this nested host of `host_cpus` CPUs: every
+/// CPU but 0 (a command may still set `VMCTL_VCPU_CPUS` for what it starts). While a
+/// guest runs on the nested host's CPU 0, the emulation now and then stops delivering
+/// that CPU's interrupts, or delivers one while its interrupts are disabled, and the
+/// nested host hangs for good; with no guest there, neither was seen
+/// (docs/nested-host.md).
+fn vcpu_cpus_off_cpu_0(host_cpus: usize) -> Option<String> {
+    (host_cpus >= 2).then(|| format!("1-{}", host_cpus - 1))
 }
 
 /// Where the virtiofsd daemons of the VM's shares listen, inside the nested host.
@@ -426,14 +428,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_guest_runs_on_every_cpu_of_the_nested_host_but_0_unless_told() {
-        assert_eq!(vcpu_cpus_off_cpu_0(false, 3).as_deref(), Some("1-2"));
-        assert_eq!(vcpu_cpus_off_cpu_0(false, 2).as_deref(), Some("1-1"));
-        assert_eq!(vcpu_cpus_off_cpu_0(false, 1), None, "CPU 0 is all there is");
-        assert_eq!(
-            vcpu_cpus_off_cpu_0(true, 3),
-            None,
-            "the job's own choice stands"
-        );
+    fn the_guest_runs_on_every_cpu_of_the_nested_host_but_0() {
+        assert_eq!(vcpu_cpus_off_cpu_0(3).as_deref(), Some("1-2"));
+        assert_eq!(vcpu_cpus_off_cpu_0(2).as_deref(), Some("1-1"));
+        assert_eq!(vcpu_cpus_off_cpu_0(1), None, "CPU 0 is all there is");
     }
 }

@@ -189,21 +189,7 @@ fn spawn(
     let mut command = Command::new(path);
     command.args(args);
     keep_across_exec(&mut command, inherited_fds);
-    let parent = std::process::id();
-    // SAFETY: the closure runs in the child between fork and exec and only calls
-    // prctl(2) and getppid(2), which are async-signal-safe.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The parent may have ended before the line above took effect.
-            if u32::try_from(libc::getppid()).ok() != Some(parent) {
-                return Err(std::io::Error::other("vmctl ended before its VMM started"));
-            }
-            Ok(())
-        });
-    }
+    vmm::process::child::stop_with_parent(&mut command);
     command.spawn().map_err(|source| VmmProcessError::Start {
         path: path.to_path_buf(),
         source,

@@ -22,6 +22,7 @@ use crate::builder::BuildError;
 use crate::config::VmConfig;
 use crate::vstate::exit::ExitReason;
 
+pub mod child;
 pub mod cpus;
 
 /// `eprintln!` that cannot panic. vmctl and its VMM are built with `panic = "abort"`,

@@ -3,7 +3,6 @@
 
 use std::fs;
 use std::io::{self, BufRead, Read};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -95,19 +94,10 @@ pub(super) fn run_nested(
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: the closure runs in the child between fork and exec and only calls
-    // prctl(2), which is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            // Killed on its own (pkill vm-bench), this process would leave the nested
-            // host running to its end; vmctl stops it on SIGTERM. This thread, the
-            // main one, lives as long as the process.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // Killed on its own (pkill vm-bench), this process would leave the nested host
+    // running to its end; vmctl stops it on SIGTERM. This thread, the main one, lives
+    // as long as the process.
+    vmm::process::child::stop_with_parent(&mut cmd);
     say(format!("running: {}", shell_words(&command_argv(&cmd))));
     let mut child = cmd
         .spawn()

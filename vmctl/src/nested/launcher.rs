@@ -5,7 +5,6 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -212,18 +211,9 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
         .stdin(stdin_for_qemu())
         .stdout(Stdio::inherit())
         .stderr(qemu_log);
-    // SAFETY: the closure runs in the child between fork and exec and only calls
-    // prctl(2), which is async-signal-safe.
-    unsafe {
-        command.pre_exec(|| {
-            // If vmctl dies without stopping QEMU, QEMU gets SIGTERM (and restores
-            // the terminal) instead of living on as an orphan.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // If vmctl dies without stopping QEMU, QEMU gets SIGTERM (and restores the
+    // terminal) instead of living on as an orphan.
+    vmm::process::child::stop_with_parent(&mut command);
     tracing::debug!(
         "starting the nested host (monitor: {}): {command:?}",
         job_dir.file(MONITOR_SOCKET).display()

@@ -4,7 +4,6 @@
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Instant;
@@ -175,25 +174,9 @@ pub(super) fn spawn_daemon(
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(log_file);
-    // SAFETY: getpid is async-signal-safe; it runs before the fork.
-    let parent = unsafe { libc::getpid() };
-    // The daemon dies with the thread that spawned it (PR_SET_PDEATHSIG follows the
-    // thread, not the process), so a crashed vmctl leaves no daemon behind.
-    // SAFETY: prctl and getppid are async-signal-safe and touch no memory of ours.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // We died before prctl: the signal will never come.
-            if libc::getppid() != parent {
-                return Err(std::io::Error::other(
-                    "vmctl exited while starting virtiofsd",
-                ));
-            }
-            Ok(())
-        });
-    }
+    // The daemon dies with the thread that spawned it, so a crashed vmctl leaves no
+    // daemon behind.
+    vmm::process::child::stop_with_parent(&mut command);
     let child = command.spawn().map_err(|source| VirtiofsdError::Spawn {
         binary: binary.to_path_buf(),
         host: share.host.clone(),

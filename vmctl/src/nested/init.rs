@@ -109,14 +109,15 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
         })
         .map_err(|e| e.to_string())?;
     }
-    let host_cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let guest_cpus =
+        vcpu_cpus_off_cpu_0(std::thread::available_parallelism().map_or(1, usize::from));
     if let Work::Vm(vm) = &job.work {
         // Before this process starts any thread: the VMM, its child, inherits them.
         // (The host's VMCTL_VCPU_CPUS is never among them: job::vmm_env.)
         for (name, value) in &vm.vmm_env {
             std::env::set_var(name, value);
         }
-        if let Some(cpus) = vcpu_cpus_off_cpu_0(host_cpus) {
+        if let Some(cpus) = &guest_cpus {
             std::env::set_var(VCPU_CPUS_ENV, cpus);
         }
     }
@@ -137,7 +138,7 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
             // Every VMM the command starts inherits it (the host's is never in the
             // job: job::command_env).
             let mut command = command.clone();
-            if let Some(cpus) = vcpu_cpus_off_cpu_0(host_cpus) {
+            if let Some(cpus) = guest_cpus {
                 command.env.push((VCPU_CPUS_ENV.to_string(), cpus));
             }
             run_command(&command)

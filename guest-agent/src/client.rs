@@ -28,8 +28,8 @@ use tokio::net::UnixStream;
 
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, EditsShown, ExecRequest, FrameReader, HealthInfo,
-    Hello, HostEdit, ListeningPort, NetworkConfig, ProtocolError, CHUNK_SIZE, PROTOCOL_VERSION,
-    UNSUPPORTED_VERSION,
+    Hello, HostEdit, ListeningPort, NetworkConfig, OutputStream, ProtocolError, CHUNK_SIZE,
+    PROTOCOL_VERSION, UNSUPPORTED_VERSION,
 };
 pub use crate::raw::RawStream;
 
@@ -399,6 +399,12 @@ impl<S: AsyncRead + AsyncWrite> ExecInput<S> {
     pub async fn signal(&mut self, signal: i32) -> Result<()> {
         Ok(write_frame(&mut self.writer, &ClientMessage::Signal(signal)).await?)
     }
+
+    /// Says that this output's reader went away: the command's next write there
+    /// fails with `EPIPE` (`SIGPIPE`), and the session goes on (no effect with a tty).
+    pub async fn close_output(&mut self, stream: OutputStream) -> Result<()> {
+        Ok(write_frame(&mut self.writer, &ClientMessage::OutputClosed(stream)).await?)
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite> ExecOutput<S> {
@@ -449,6 +455,10 @@ impl<S: AsyncRead + AsyncWrite> ExecSession<S> {
 
     pub async fn signal(&mut self, signal: i32) -> Result<()> {
         self.input.signal(signal).await
+    }
+
+    pub async fn close_output(&mut self, stream: OutputStream) -> Result<()> {
+        self.input.close_output(stream).await
     }
 
     pub async fn next_event(&mut self) -> Result<Option<ExecEvent>> {

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -133,6 +133,18 @@ pub enum ClientMessage {
     /// makes the guest's file watchers see them (see [`HostEdit`]) and answers
     /// [`AgentMessage::EditsShown`]. More batches may follow on the same connection.
     HostEdits(Vec<HostEdit>),
+    /// The host can no longer take this output of the command (its reader went away,
+    /// as in `vmctl exec -- yes | head -1`): the agent closes its end of that pipe,
+    /// so the command's next write there fails with `EPIPE` (`SIGPIPE`), as it would
+    /// have on the host, and the command goes on otherwise. Ignored with a tty.
+    OutputClosed(OutputStream),
+}
+
+/// One of a command's output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
 }
 
 /// One change the host made in a share, at its guest path.

@@ -22,7 +22,7 @@ use crate::host_edits::HostEditTarget;
 use crate::network::{self, Network};
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, HostEdit,
-    NetworkConfig, ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
+    NetworkConfig, OutputStream, ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
     UNSUPPORTED_VERSION,
 };
 use crate::users::{self, Account};
@@ -804,23 +804,35 @@ impl OutputSource {
 }
 
 /// Copies one output stream into the outgoing message queue.
+/// Forwards one output of the command to the client. It stops, and so closes the
+/// pipe's read end, when the client says that output's reader went away
+/// (`closed_by_host`): the command's next write there then fails as it would have
+/// on the host.
 async fn pump_output(
     mut src: OutputSource,
     is_stderr: bool,
     tx: mpsc::Sender<AgentMessage>,
     mut exited: watch::Receiver<bool>,
+    mut host_closed: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0u8; OUTPUT_READ_SIZE];
     loop {
         let res = if *exited.borrow() {
-            match tokio::time::timeout(DRAIN_IDLE, src.read(&mut buf)).await {
-                Ok(r) => r,
-                Err(_) => break,
+            tokio::select! {
+                r = tokio::time::timeout(DRAIN_IDLE, src.read(&mut buf)) => match r {
+                    Ok(r) => r,
+                    Err(_) => break,
+                },
+                () = closed_by_host(&mut host_closed) => break,
             }
         } else {
             tokio::select! {
                 r = src.read(&mut buf) => r,
                 _ = exited.changed() => continue,
+                () = closed_by_host(&mut host_closed) => {
+                    debug!(is_stderr, "the client's reader went away: closing the pipe");
+                    break;
+                }
             }
         };
         let n = match res {
@@ -841,6 +853,29 @@ async fn pump_output(
         if tx.send(msg).await.is_err() {
             break; // the client is gone
         }
+    }
+}
+
+/// Resolves once the client has closed this output; never if it cannot any more.
+async fn closed_by_host(host_closed: &mut watch::Receiver<bool>) {
+    if host_closed.wait_for(|closed| *closed).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// What tells each output pump that the client's reader of its stream went away.
+struct OutputClosers {
+    stdout: watch::Sender<bool>,
+    stderr: watch::Sender<bool>,
+}
+
+impl OutputClosers {
+    fn close(&self, stream: OutputStream) {
+        let sender = match stream {
+            OutputStream::Stdout => &self.stdout,
+            OutputStream::Stderr => &self.stderr,
+        };
+        sender.send_replace(true);
     }
 }
 
@@ -892,6 +927,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
     pty: Option<Arc<AsyncFd<OwnedFd>>>,
     stdin_tx: mpsc::UnboundedSender<StdinItem>,
     out_tx: mpsc::Sender<AgentMessage>,
+    output_closers: OutputClosers,
 ) -> InputEnd {
     let backlog = Arc::new(Semaphore::new(STDIN_BACKLOG));
     let mut stdin_tx = Some(stdin_tx);
@@ -950,6 +986,10 @@ async fn pump_input<R: AsyncRead + Unpin>(
                     debug!(sig, "ignoring an invalid signal number");
                 }
             }
+            // A terminal's output has no separate reader to lose: the client ends the
+            // session instead.
+            ClientMessage::OutputClosed(stream) if pty.is_none() => output_closers.close(stream),
+            ClientMessage::OutputClosed(_) => debug!("ignoring OutputClosed with a tty"),
             other => {
                 let message = format!("unexpected message during exec: {other:?}");
                 let message: String = message.chars().take(200).collect();
@@ -1003,12 +1043,19 @@ where
     // Started goes first: queue it before any output pump exists.
     let _ = out_tx.send(AgentMessage::Started { pid: pid as u32 }).await;
     let (exited_tx, exited_rx) = watch::channel(false);
+    let (stdout_closer, stdout_closed) = watch::channel(false);
+    let (stderr_closer, stderr_closed) = watch::channel(false);
+    let output_closers = OutputClosers {
+        stdout: stdout_closer,
+        stderr: stderr_closer,
+    };
     let mut pumps = Vec::new();
     pumps.push(tokio::spawn(pump_output(
         stdout,
         false,
         out_tx.clone(),
         exited_rx.clone(),
+        stdout_closed,
     )));
     if let Some(e) = stderr {
         pumps.push(tokio::spawn(pump_output(
@@ -1016,11 +1063,19 @@ where
             true,
             out_tx.clone(),
             exited_rx.clone(),
+            stderr_closed,
         )));
     }
     let (stdin_tx, stdin_rx) = mpsc::unbounded_channel();
     let stdin_task = tokio::spawn(pump_stdin(stdin, stdin_rx));
-    let mut input = tokio::spawn(pump_input(reader, pid, pty, stdin_tx, out_tx.clone()));
+    let mut input = tokio::spawn(pump_input(
+        reader,
+        pid,
+        pty,
+        stdin_tx,
+        out_tx.clone(),
+        output_closers,
+    ));
     let mut writer = tokio::spawn(async move {
         while let Some(msg) = out_rx.recv().await {
             write_frame(&mut w, &msg).await?;

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use guest_agent::client::{connect_unix, ClientError, Connection, ExecEvent, ExecSession};
 use guest_agent::protocol::{
-    encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, TtyRequest, User,
-    PROTOCOL_VERSION,
+    encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, OutputStream,
+    TtyRequest, User, PROTOCOL_VERSION,
 };
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::AsyncWriteExt;
@@ -336,6 +336,50 @@ async fn signal_kills_the_command() {
             assert_eq!(st.code, None);
             break;
         }
+    }
+}
+
+/// `vmctl exec -- cmd | head -1`: once the host's reader of an output is gone, the
+/// command's next write there fails as on the host (`yes` dies of SIGPIPE), and the
+/// command goes on: its other output still arrives and its own exit code is reported.
+#[tokio::test]
+async fn a_closed_output_fails_the_next_write_there_and_the_command_goes_on() {
+    for (closed, other) in [
+        (OutputStream::Stdout, OutputStream::Stderr),
+        (OutputStream::Stderr, OutputStream::Stdout),
+    ] {
+        let (to_closed, to_other) = match closed {
+            OutputStream::Stdout => ("", ">&2"),
+            OutputStream::Stderr => (">&2", ""),
+        };
+        let script =
+            format!("echo up {to_closed}; yes {to_closed}; echo \"yes: $?\" {to_other}; exit 7");
+        let mut s = conn().await.exec(sh(&script)).await.unwrap();
+        let mut seen = String::new();
+        read_until(&mut s, "up", &mut seen).await;
+        s.close_output(closed).await.unwrap();
+        let mut other_output = String::new();
+        let status = loop {
+            let event = tokio::time::timeout(Duration::from_secs(30), s.next_event())
+                .await
+                .unwrap_or_else(|_| panic!("{closed:?} closed: `yes` still runs after 30 s"))
+                .unwrap();
+            match (event, other) {
+                (Some(ExecEvent::Exited(status)), _) => break status,
+                (Some(ExecEvent::Stdout(d)), OutputStream::Stdout)
+                | (Some(ExecEvent::Stderr(d)), OutputStream::Stderr) => {
+                    other_output.push_str(&String::from_utf8_lossy(&d))
+                }
+                (Some(_), _) => {}
+                (None, _) => panic!("no Exited"),
+            }
+        };
+        assert_eq!(other_output, "yes: 141\n", "{closed:?} closed");
+        assert_eq!(
+            (status.code, status.signal),
+            (Some(7), None),
+            "{closed:?} closed"
+        );
     }
 }
 

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::Path;
 
 use guest_agent::client::{self, ExecEvent};
-use guest_agent::protocol::{ExecRequest, TtyRequest, User};
+use guest_agent::protocol::{ExecRequest, OutputStream, TtyRequest, User};
 use tokio::io::AsyncReadExt;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -197,6 +197,8 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let is_tty = options.tty;
     // Set when we stop waiting for a command that a signal did not end.
     let (give_up, mut gave_up) = tokio::sync::mpsc::channel::<GiveUp>(1);
+    // An output whose reader went away, for the agent to close in the guest.
+    let (close_output, mut outputs_closed) = tokio::sync::mpsc::channel::<OutputStream>(2);
 
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
     let forward = tokio::spawn(async move {
@@ -229,6 +231,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                     }
                     continue;
                 },
+                Some(stream) = outputs_closed.recv() => {
+                    if input.close_output(stream).await.is_err() { return; }
+                    continue;
+                },
                 Some(()) = recv(&mut interrupt) => libc::SIGINT,
                 Some(()) = recv(&mut terminate) => libc::SIGTERM,
                 () = sleep_until(deadline(&forwarded)) => {
@@ -250,8 +256,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         }
     });
 
-    let mut stdout = std::io::stdout();
-    let mut stderr = std::io::stderr();
+    let mut outputs = HostOutputs {
+        stdout: Some(std::io::stdout()),
+        stderr: Some(std::io::stderr()),
+    };
     let code = loop {
         let event = tokio::select! {
             event = output.next_event() => event,
@@ -260,13 +268,9 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                 break reason.exit_code();
             }
         };
-        let written = match event {
-            Ok(Some(ExecEvent::Stdout(bytes))) => {
-                write_output(&mut stdout, &bytes).map_err(|e| ("standard output", e))
-            }
-            Ok(Some(ExecEvent::Stderr(bytes))) => {
-                write_output(&mut stderr, &bytes).map_err(|e| ("standard error", e))
-            }
+        let (stream, bytes) = match event {
+            Ok(Some(ExecEvent::Stdout(bytes))) => (OutputStream::Stdout, bytes),
+            Ok(Some(ExecEvent::Stderr(bytes))) => (OutputStream::Stderr, bytes),
             Ok(Some(ExecEvent::Exited(status))) => break exit_code(status.code, status.signal),
             Ok(None) => {
                 forward.abort();
@@ -279,17 +283,58 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                 return Err(ExecError::Session(e.to_string()));
             }
         };
-        // Closing the session (returning) makes the guest agent end the command.
-        if let Err((stream, source)) = written {
-            forward.abort();
-            return match output_lost(stream, source) {
-                OutputLost::ReaderGone => Ok(exit_code(None, Some(libc::SIGPIPE))),
-                OutputLost::Failed(e) => Err(e),
-            };
+        let Err(source) = outputs.write(stream, &bytes) else {
+            continue;
+        };
+        match output_lost(stream, source) {
+            OutputLost::ReaderGone if !is_tty => {
+                outputs.close(stream);
+                // The forward task may be gone (we gave up on a signal): nothing to tell.
+                let _ = close_output.send(stream).await;
+            }
+            // Closing the session (returning) makes the guest agent end the command.
+            OutputLost::ReaderGone => {
+                forward.abort();
+                return Ok(exit_code(None, Some(libc::SIGPIPE)));
+            }
+            OutputLost::Failed(e) => {
+                forward.abort();
+                return Err(e);
+            }
         }
     };
     forward.abort();
     Ok(code)
+}
+
+/// The host's ends of the command's output, each until its reader goes away.
+struct HostOutputs {
+    stdout: Option<std::io::Stdout>,
+    stderr: Option<std::io::Stderr>,
+}
+
+impl HostOutputs {
+    /// Writes `bytes` where `stream` goes on the host; what comes for an output
+    /// whose reader went away is dropped, as a closed pipe would have.
+    fn write(&mut self, stream: OutputStream, bytes: &[u8]) -> std::io::Result<()> {
+        match stream {
+            OutputStream::Stdout => self
+                .stdout
+                .as_mut()
+                .map_or(Ok(()), |s| write_output(s, bytes)),
+            OutputStream::Stderr => self
+                .stderr
+                .as_mut()
+                .map_or(Ok(()), |s| write_output(s, bytes)),
+        }
+    }
+
+    fn close(&mut self, stream: OutputStream) {
+        match stream {
+            OutputStream::Stdout => self.stdout = None,
+            OutputStream::Stderr => self.stderr = None,
+        }
+    }
 }
 
 fn write_output(sink: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
@@ -300,18 +345,25 @@ fn write_output(sink: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
 /// What a failed write of the command's output means.
 #[derive(Debug)]
 enum OutputLost {
-    /// Its reader went away (`vmctl exec -- yes | head -1`): the command stops, and
-    /// `vmctl` exits as a local command would, killed by SIGPIPE (141), silently.
+    /// Its reader went away (`vmctl exec -- yes | head -1`). Without a PTY the agent
+    /// closes that output in the guest too, so the command's next write there fails
+    /// as it would have on the host (`yes` dies of SIGPIPE, 141), and the command goes
+    /// on. With a PTY the session ends (the command gets SIGHUP) and `vmctl` exits
+    /// 141, silently, as a local command killed by SIGPIPE would.
     ReaderGone,
     /// Anything else (a full disk, an I/O error) is said: output must not be lost
     /// without a word.
     Failed(ExecError),
 }
 
-fn output_lost(stream: &'static str, source: std::io::Error) -> OutputLost {
+fn output_lost(stream: OutputStream, source: std::io::Error) -> OutputLost {
     if source.kind() == std::io::ErrorKind::BrokenPipe {
         OutputLost::ReaderGone
     } else {
+        let stream = match stream {
+            OutputStream::Stdout => "standard output",
+            OutputStream::Stderr => "standard error",
+        };
         OutputLost::Failed(ExecError::Output { stream, source })
     }
 }
@@ -505,15 +557,15 @@ mod tests {
     }
 
     #[test]
-    fn lost_output_ends_the_command_like_a_local_pipe_or_says_why() {
+    fn lost_output_is_a_closed_pipe_or_is_said() {
         let gone = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
         assert!(matches!(
-            output_lost("standard output", gone),
+            output_lost(OutputStream::Stdout, gone),
             OutputLost::ReaderGone
         ));
         assert_eq!(exit_code(None, Some(libc::SIGPIPE)), 141);
         let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
-        let OutputLost::Failed(error) = output_lost("standard output", full) else {
+        let OutputLost::Failed(error) = output_lost(OutputStream::Stdout, full) else {
             panic!("a full disk passed for a reader that went away");
         };
         let message = error.to_string();

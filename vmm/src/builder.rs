@@ -127,15 +127,16 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         1,
     )?;
 
+    let mut transports = Vec::new();
     for (index, device) in virtio_devices(config)?.into_iter().enumerate() {
-        attach_virtio_device(
+        transports.push(attach_virtio_device(
             &vm,
             &ram.memory,
             &mut mmio_bus,
             &mut event_loop,
             index,
             device,
-        )?;
+        )?);
     }
 
     install_kick_handler()?;
@@ -165,8 +166,14 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         if let Some(vcpu) = boot_vcpu {
             vcpu.kick();
         }
+        for transport in &transports {
+            if let Ok(mut transport) = transport.lock() {
+                transport.raise_missed_interrupt();
+            }
+        }
     });
     tracing::debug!("VM stopping: {outcome:?}");
+    report_missed_interrupts(&transports);
     context
         .stop
         .store(true, std::sync::atomic::Ordering::Release);
@@ -286,6 +293,22 @@ fn irqfd(vm: &Vm, irq: u32, device: &str) -> Result<EventFd, BuildError> {
     Ok(event)
 }
 
+/// Says, as the VM ends, which devices' drivers missed interrupts, and how often.
+fn report_missed_interrupts(transports: &[Arc<Mutex<MmioTransport>>]) {
+    for (index, transport) in transports.iter().enumerate() {
+        let Ok(transport) = transport.lock() else {
+            continue;
+        };
+        let count = transport.interrupts_raised_again();
+        if count > 0 {
+            tracing::warn!(
+                "virtio-mmio slot {index}: the driver missed {count} interrupt(s), each \
+                 raised again about half a second later"
+            );
+        }
+    }
+}
+
 /// Puts `device` in virtio-mmio slot `index`: its MMIO window, its IRQ (irqfd) and
 /// one ioeventfd per queue, served by the event loop.
 fn attach_virtio_device(
@@ -295,7 +318,7 @@ fn attach_virtio_device(
     event_loop: &mut EventLoop,
     index: usize,
     device: Box<dyn VirtioDevice>,
-) -> Result<(), BuildError> {
+) -> Result<Arc<Mutex<MmioTransport>>, BuildError> {
     let (base, irq) = layout::virtio_mmio_slot(index);
     let name = format!("virtio-mmio slot {index} (type {})", device.device_type());
     let device_error = |reason: String| BuildError::Device {
@@ -335,5 +358,5 @@ fn attach_virtio_device(
             event_loop.add_queue(transport.clone(), queue as u32, event)?;
         }
     }
-    Ok(())
+    Ok(transport)
 }

@@ -15,6 +15,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 
+use super::missed_interrupt::{Look, Missed, MissedInterruptWatch, UsedProgress};
 use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
 use crate::devices::bus::BusDevice;
 use crate::memory::GuestMemoryMmap;
@@ -156,6 +157,16 @@ pub struct MmioTransport {
     driver_features: u64,
     queue_sel: u32,
     config_generation: u32,
+    missed_interrupts: MissedInterruptWatch,
+    /// Interrupts raised again for a driver that missed one, since the VM started.
+    interrupts_raised_again: u64,
+}
+
+fn is_power_of_ten(mut n: u64) -> bool {
+    while n >= 10 && n.is_multiple_of(10) {
+        n /= 10;
+    }
+    n == 1
 }
 
 /// A queue with the largest valid maximum size not above `max` (virtio-queue
@@ -207,7 +218,57 @@ impl MmioTransport {
             driver_features: 0,
             queue_sel: 0,
             config_generation: 0,
+            missed_interrupts: MissedInterruptWatch::default(),
+            interrupts_raised_again: 0,
         }
+    }
+
+    /// Called about every half second: raises the device's interrupt again when the
+    /// driver missed one that was waiting for it at the previous call already (see
+    /// [`super::missed_interrupt`]). Said on the log the first time and at every
+    /// tenfold count.
+    pub fn raise_missed_interrupt(&mut self) {
+        if !self.device_activated {
+            return;
+        }
+        let event_idx = self.acked_features() & (1u64 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let queues = if event_idx {
+            self.queues
+                .iter()
+                .map(|setup| UsedProgress::read(&setup.queue, &self.memory))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let look = Look {
+            unacknowledged: self.interrupt.unacknowledged(),
+            queues,
+        };
+        let Some(missed) = self.missed_interrupts.missed(look) else {
+            return;
+        };
+        self.interrupts_raised_again += 1;
+        let count = self.interrupts_raised_again;
+        if is_power_of_ten(count) {
+            let what = match missed {
+                Missed::Unacknowledged => "left its interrupt unacknowledged",
+                Missed::UsedBuffersUntaken => "left used buffers untaken past their interrupt",
+            };
+            tracing::warn!(
+                "virtio device type {}: the driver {what} for half a second: interrupt raised \
+                 again (a lost interrupt; {count} so far)",
+                self.device.device_type()
+            );
+        }
+        match missed {
+            Missed::Unacknowledged => self.interrupt.raise(),
+            Missed::UsedBuffersUntaken => self.interrupt.signal_used_queue(),
+        }
+    }
+
+    /// How many times [`Self::raise_missed_interrupt`] raised the interrupt again.
+    pub fn interrupts_raised_again(&self) -> u64 {
+        self.interrupts_raised_again
     }
 
     /// Number of queues of the device (valid QueueNotify values are `0..queue_count()`).
@@ -456,6 +517,7 @@ impl MmioTransport {
         self.driver_features = 0;
         self.queue_sel = 0;
         self.interrupt.clear();
+        self.missed_interrupts.clear();
     }
 
     fn write_status(&mut self, value: u32) {
@@ -653,6 +715,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
+    use crate::devices::virtio::INTERRUPT_USED_BUFFER;
+    use vm_memory::Bytes;
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
     const ACK: u32 = S_ACKNOWLEDGE;
@@ -677,6 +741,7 @@ mod tests {
     struct TestDevice {
         record: Arc<Mutex<Record>>,
         sizes: Vec<u16>,
+        offered: u64,
     }
 
     impl VirtioDevice for TestDevice {
@@ -687,7 +752,7 @@ mod tests {
             &self.sizes
         }
         fn avail_features(&self) -> u64 {
-            OFFERED
+            self.offered
         }
         fn set_acked_features(&mut self, features: u64) {
             self.record.lock().unwrap().acked = Some(features);
@@ -746,12 +811,17 @@ mod tests {
     }
 
     fn harness_with(sizes: Vec<u16>) -> Harness {
+        harness_offering(sizes, OFFERED)
+    }
+
+    fn harness_offering(sizes: Vec<u16>, offered: u64) -> Harness {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let record = Arc::new(Mutex::new(Record::default()));
         let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
         let device = TestDevice {
             record: record.clone(),
             sizes,
+            offered,
         };
         Harness {
             t: MmioTransport::new(Box::new(device), memory, interrupt.clone()),
@@ -1108,6 +1178,90 @@ mod tests {
         assert_eq!(h.r(REG_INTERRUPT_STATUS), 1);
         h.w(REG_STATUS, 0);
         assert_eq!(h.r(REG_INTERRUPT_STATUS), 0);
+    }
+
+    /// A lost interrupt: the device used a buffer past the driver's `used_event` and
+    /// the driver has not moved for a whole look. Raised again with EVENT_IDX only
+    /// (without it the rings do not say what the driver took), never on the first
+    /// look after a reset, and no more once the driver takes its buffers.
+    #[test]
+    fn a_missed_interrupt_is_raised_again_with_event_idx_only() {
+        const EVENT_IDX: u64 = 1 << VIRTIO_RING_F_EVENT_IDX;
+        for negotiated in [FEATURE_VERSION_1 | EVENT_IDX, FEATURE_VERSION_1] {
+            let with_event_idx = negotiated & EVENT_IDX != 0;
+            let mut h = harness_offering(vec![256], OFFERED | EVENT_IDX);
+            h.negotiate(negotiated);
+            h.setup_queue(0, 256, 0x1000);
+            h.set_status(DOK);
+            let queue = h.t.queues().next().unwrap();
+            let used_idx = GuestAddress(queue.used_ring() + 2);
+            let used_event = GuestAddress(queue.avail_ring() + 4 + 2 * 256);
+            let memory = h.t.memory.clone();
+            let set = |address, value: u16| memory.write_obj(value.to_le(), address).unwrap();
+            let look = |h: &mut Harness| {
+                h.t.raise_missed_interrupt();
+                let raised = h.r(REG_INTERRUPT_STATUS) & INTERRUPT_USED_BUFFER != 0;
+                h.w(REG_INTERRUPT_ACK, INTERRUPT_USED_BUFFER);
+                raised
+            };
+            set(used_idx, 6);
+            set(used_event, 5);
+            assert!(!look(&mut h), "the first look");
+            assert_eq!(look(&mut h), with_event_idx, "the second, unmoved");
+            assert_eq!(look(&mut h), with_event_idx, "and the third");
+            set(used_event, 6);
+            assert!(!look(&mut h), "the driver took the buffer");
+            assert!(!look(&mut h), "and is idle");
+            set(used_event, 5);
+            h.w(REG_STATUS, 0);
+            h.negotiate(negotiated);
+            h.setup_queue(0, 256, 0x1000);
+            h.set_status(DOK);
+            assert!(!look(&mut h), "the first look after a reset");
+            assert_eq!(look(&mut h), with_event_idx, "the next");
+            let expected = if with_event_idx { 3 } else { 0 };
+            assert_eq!(h.t.interrupts_raised_again(), expected);
+        }
+    }
+
+    /// A device of the VMM's own signalled, and the driver's handler never ran (no
+    /// InterruptACK) for a whole look: the irqfd is signalled again, once per look,
+    /// until the driver acknowledges.
+    #[test]
+    fn an_interrupt_left_unacknowledged_is_raised_again() {
+        let mut h = harness();
+        h.bring_up();
+        let irqfd = h.interrupt.irqfd_for_backend().unwrap();
+        h.interrupt.signal_used_queue();
+        assert_eq!(irqfd.read().unwrap(), 1);
+        h.t.raise_missed_interrupt();
+        assert!(irqfd.read().is_err(), "the first look raises nothing");
+        h.t.raise_missed_interrupt();
+        assert_eq!(irqfd.read().unwrap(), 1, "raised again");
+        h.t.raise_missed_interrupt();
+        assert_eq!(irqfd.read().unwrap(), 1, "and again");
+        h.w(REG_INTERRUPT_ACK, INTERRUPT_USED_BUFFER);
+        h.t.raise_missed_interrupt();
+        h.t.raise_missed_interrupt();
+        assert!(irqfd.read().is_err(), "acknowledged: nothing to raise");
+        h.interrupt.signal_used_queue();
+        irqfd.read().unwrap();
+        h.t.raise_missed_interrupt();
+        h.w(REG_INTERRUPT_ACK, INTERRUPT_USED_BUFFER);
+        h.interrupt.signal_used_queue();
+        irqfd.read().unwrap();
+        h.t.raise_missed_interrupt();
+        assert!(
+            irqfd.read().is_err(),
+            "acknowledged between the looks, then signalled anew: not missed"
+        );
+        assert_eq!(h.t.interrupts_raised_again(), 2);
+    }
+
+    #[test]
+    fn is_power_of_ten_picks_the_counts_said_on_the_log() {
+        let said: Vec<u64> = (0..=1000).filter(|&n| is_power_of_ten(n)).collect();
+        assert_eq!(said, [1, 10, 100, 1000]);
     }
 
     #[test]

@@ -9,11 +9,12 @@
 
 pub mod block;
 pub mod fs;
+pub mod missed_interrupt;
 pub mod mmio;
 pub mod rng;
 pub mod vsock;
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
@@ -45,6 +46,9 @@ pub struct InterruptTrigger {
     /// Bits that read as set whatever the driver acknowledges, until the next reset:
     /// see [`InterruptTrigger::irqfd_for_backend`].
     always_set: Arc<AtomicU32>,
+    /// InterruptACK writes so far: tells a driver that acknowledged and got a new
+    /// interrupt apart from one that never ran its handler.
+    acknowledgements: Arc<AtomicU64>,
     irqfd: Arc<EventFd>,
 }
 
@@ -53,6 +57,7 @@ impl InterruptTrigger {
         Self {
             status: Arc::new(AtomicU32::new(0)),
             always_set: Arc::new(AtomicU32::new(0)),
+            acknowledgements: Arc::new(AtomicU64::new(0)),
             irqfd,
         }
     }
@@ -81,9 +86,22 @@ impl InterruptTrigger {
 
     fn signal(&self, bit: u32) {
         self.status.fetch_or(bit, Ordering::SeqCst);
+        self.raise();
+    }
+
+    /// Signals the irqfd again, for a driver that missed the interrupt.
+    pub fn raise(&self) {
         if let Err(e) = self.irqfd.write(1) {
             tracing::warn!("cannot signal the device's irqfd: {e}");
         }
+    }
+
+    /// While the VMM's own bits in InterruptStatus wait for the driver's InterruptACK,
+    /// how many acknowledgements came before (`None` when nothing waits): the same
+    /// value at two looks means the driver's handler did not run in between.
+    pub fn unacknowledged(&self) -> Option<u64> {
+        let acknowledgements = self.acknowledgements.load(Ordering::SeqCst);
+        (self.status.load(Ordering::SeqCst) != 0).then_some(acknowledgements)
     }
 
     /// The current InterruptStatus register value.
@@ -94,6 +112,7 @@ impl InterruptTrigger {
     /// InterruptACK: clears the acknowledged bits.
     pub fn acknowledge(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
+        self.acknowledgements.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Device reset.

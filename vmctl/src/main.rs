@@ -348,6 +348,8 @@ fn init_logging() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person: stderr is often a VM's log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         // Its report of a failed write is an eprintln!, which would abort vmctl.
         .log_internal_errors(false)

@@ -19,6 +19,7 @@ use crate::devices::legacy::{
 };
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::fs::VhostUserFs;
+use crate::devices::virtio::missed_interrupt;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vsock::Vsock;
@@ -301,10 +302,7 @@ fn report_missed_interrupts(transports: &[Arc<Mutex<MmioTransport>>]) {
         };
         let count = transport.interrupts_raised_again();
         if count > 0 {
-            tracing::warn!(
-                "virtio-mmio slot {index}: the driver missed {count} interrupt(s), each \
-                 raised again about half a second later"
-            );
+            tracing::warn!("{}", missed_interrupt::summary(index, count));
         }
     }
 }

@@ -392,7 +392,7 @@ pub(crate) struct VmRun {
     to_marker: Duration,
     /// From spawning the process to its exit.
     pub(crate) to_exit: Duration,
-    stderr: String,
+    pub(crate) stderr: String,
     memory: Option<MemoryUse>,
 }
 

@@ -8,7 +8,7 @@ mod jail;
 mod seccomp;
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
 use std::path::Path;
 use std::process::ExitCode;
@@ -230,6 +230,8 @@ fn report(mut file: File, outcome: &Outcome) -> bool {
 fn init_logging() {
     let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only for a person: stderr is mostly the VM's supervisor log.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         // Its report of a failed write is an eprintln!, which would abort the VMM.
         .log_internal_errors(false);

@@ -122,6 +122,25 @@ impl MissedInterruptWatch {
     }
 }
 
+/// What follows the count in the line the VMM logs as the VM ends, for each device
+/// whose driver missed interrupts ([`summary`]); [`total_in_log`] reads it back.
+const SUMMARY_TAIL: &str = "missed interrupt(s) raised again";
+
+/// The line said as the VM ends for the device in virtio-mmio slot `slot`.
+pub fn summary(slot: usize, count: u64) -> String {
+    format!("virtio-mmio slot {slot}: {count} {SUMMARY_TAIL}")
+}
+
+/// The missed interrupts a VMM's log says were raised again, over all its devices.
+pub fn total_in_log(log: &str) -> u64 {
+    log.lines()
+        .filter_map(|line| {
+            let before = line.strip_suffix(SUMMARY_TAIL)?.trim_end();
+            before.rsplit(' ').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +209,18 @@ mod tests {
         );
         let moved = queues(vec![progress(9, 4), None, None]);
         assert_eq!(watch.missed(moved), None, "newly watched");
+    }
+
+    #[test]
+    fn the_summaries_are_read_back_from_a_log() {
+        let log = format!(
+            "2026-12-05T12:00:00Z  WARN vmm::builder: {}\nother 7 lines\n\
+             2026-12-05T12:00:00Z  WARN vmm::builder: {}\n",
+            summary(3, 2),
+            summary(0, 40)
+        );
+        assert_eq!(total_in_log(&log), 42);
+        assert_eq!(total_in_log("nothing missed\n"), 0);
     }
 
     #[test]

@@ -162,11 +162,14 @@ pub struct MmioTransport {
     interrupts_raised_again: u64,
 }
 
-fn is_power_of_ten(mut n: u64) -> bool {
+/// Which missed interrupts are said: each of the first ten, then one at every
+/// tenfold count.
+fn said_on_the_log(count: u64) -> bool {
+    let mut n = count;
     while n >= 10 && n.is_multiple_of(10) {
         n /= 10;
     }
-    n == 1
+    count <= 10 || n == 1
 }
 
 /// A queue with the largest valid maximum size not above `max` (virtio-queue
@@ -225,8 +228,8 @@ impl MmioTransport {
 
     /// Called about every half second: raises the device's interrupt again when the
     /// driver missed one that was waiting for it at the previous call already (see
-    /// [`super::missed_interrupt`]). Said on the log the first time and at every
-    /// tenfold count.
+    /// [`super::missed_interrupt`]). Said on the log each of the first ten times, then
+    /// at every tenfold count (a guest stuck for good is raised again for ever).
     pub fn raise_missed_interrupt(&mut self) {
         if !self.device_activated {
             return;
@@ -249,7 +252,7 @@ impl MmioTransport {
         };
         self.interrupts_raised_again += 1;
         let count = self.interrupts_raised_again;
-        if is_power_of_ten(count) {
+        if said_on_the_log(count) {
             let what = match missed {
                 Missed::Unacknowledged => "left its interrupt unacknowledged",
                 Missed::UsedBuffersUntaken => "left used buffers untaken past their interrupt",
@@ -1259,9 +1262,9 @@ mod tests {
     }
 
     #[test]
-    fn is_power_of_ten_picks_the_counts_said_on_the_log() {
-        let said: Vec<u64> = (0..=1000).filter(|&n| is_power_of_ten(n)).collect();
-        assert_eq!(said, [1, 10, 100, 1000]);
+    fn the_first_ten_missed_interrupts_then_each_tenfold_count_are_said() {
+        let said: Vec<u64> = (1..=1000).filter(|&n| said_on_the_log(n)).collect();
+        assert_eq!(said, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100, 1000]);
     }
 
     #[test]

@@ -803,7 +803,6 @@ impl OutputSource {
     }
 }
 
-/// Copies one output stream into the outgoing message queue.
 /// Forwards one output of the command to the client. It stops, and so closes the
 /// pipe's read end, when the client says that output's reader went away
 /// (`closed_by_host`): the command's next write there then fails as it would have

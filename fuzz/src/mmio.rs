@@ -233,6 +233,9 @@ impl Session {
             Op::Setup { queues } => self.set_up(queues),
             Op::Poke { addr, bytes } => guest::poke(&self.memory, u64::from(*addr), bytes),
         }
+        // The event loop's look for missed interrupts may come between any two of the
+        // driver's steps, and reads the rings wherever the guest put them.
+        self.transport.raise_missed_interrupt();
     }
 
     fn write32(&mut self, offset: u64, value: u32) {

@@ -291,21 +291,28 @@ pub struct IsolationArg {
 #[derive(Debug, clap::Args)]
 pub struct ShellArgs {
     /// The workspace directory (default: the current directory's: see --isolation).
-    pub dir: Option<PathBuf>,
+    dir: Option<PathBuf>,
     /// The same as DIR, as `vmctl exec` takes it.
     #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
-    pub workspace: Option<PathBuf>,
+    workspace: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
+}
+
+impl ShellArgs {
+    /// The directory given, as DIR or as `--workspace DIR`.
+    pub fn dir(&self) -> Option<PathBuf> {
+        either(&self.dir, &self.workspace)
+    }
 }
 
 #[derive(Debug, clap::Args)]
 pub struct UpArgs {
     /// The workspace directory (default: the current directory's: see --isolation).
-    pub dir: Option<PathBuf>,
+    dir: Option<PathBuf>,
     /// The same as DIR, as `vmctl exec` takes it.
     #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
-    pub workspace: Option<PathBuf>,
+    workspace: Option<PathBuf>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
     /// Boot the image built from this recipe (built first if needed; see
@@ -320,6 +327,19 @@ pub struct UpArgs {
     /// resolving it (skips the private-address check, not the policy). Repeatable.
     #[arg(long, value_name = "HOST:PORT=ADDR", hide = true, value_parser = parse_resolve)]
     pub egress_test_resolve: Vec<(String, std::net::SocketAddr)>,
+}
+
+impl UpArgs {
+    /// The directory given, as DIR or as `--workspace DIR`.
+    pub fn dir(&self) -> Option<PathBuf> {
+        either(&self.dir, &self.workspace)
+    }
+}
+
+/// A workspace given as DIR or as `--workspace DIR` (clap refuses both): the fields
+/// stay private behind a `dir()` so that no caller reads one and misses the other.
+fn either(dir: &Option<PathBuf>, workspace: &Option<PathBuf>) -> Option<PathBuf> {
+    dir.as_ref().or(workspace.as_ref()).cloned()
 }
 
 fn parse_resolve(value: &str) -> Result<(String, std::net::SocketAddr), String> {
@@ -350,8 +370,8 @@ pub struct WorkspaceArg {
 
 impl WorkspaceArg {
     /// The directory given, as DIR or as `--workspace DIR`.
-    pub fn dir(self) -> Option<PathBuf> {
-        self.dir.or(self.workspace)
+    pub fn dir(&self) -> Option<PathBuf> {
+        either(&self.dir, &self.workspace)
     }
 }
 
@@ -524,7 +544,7 @@ mod tests {
         else {
             panic!("up --workspace does not parse");
         };
-        assert_eq!(up.dir.or(up.workspace), Some(PathBuf::from("/w")));
+        assert_eq!(up.dir(), Some(PathBuf::from("/w")));
         let both = parse(&["stop", "/a", "--workspace", "/b"]).unwrap_err();
         assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
     }

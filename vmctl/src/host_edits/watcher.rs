@@ -1,19 +1,23 @@
 //! A recursive inotify watch over host directories, read as batches of changes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
+use std::rc::Rc;
 use std::time::Duration;
 
 use guest_agent::protocol::EditKind;
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
+use rustix::fs::{Dir, FileType, Mode, OFlags};
 
-/// The events of a watched directory that matter to a guest's file watchers. Links
-/// are never followed: a share's links may point anywhere on the host.
+/// The events of a watched directory that matter to a guest's file watchers. Each
+/// directory is watched through a descriptor opened without following links (see
+/// [`open_beneath`]), so the watch itself is added through `/proc/self/fd`, whose
+/// magic link must be followed.
 const WATCHED: WatchFlags = WatchFlags::MODIFY
     .union(WatchFlags::CLOSE_WRITE)
     .union(WatchFlags::ATTRIB)
@@ -21,7 +25,6 @@ const WATCHED: WatchFlags = WatchFlags::MODIFY
     .union(WatchFlags::DELETE)
     .union(WatchFlags::MOVED_FROM)
     .union(WatchFlags::MOVED_TO)
-    .union(WatchFlags::DONT_FOLLOW)
     .union(WatchFlags::ONLYDIR)
     .union(WatchFlags::EXCL_UNLINK);
 
@@ -58,9 +61,19 @@ impl Changes {
 pub struct TreeWatcher {
     inotify: OwnedFd,
     dirs: HashMap<i32, PathBuf>,
+    /// Each tree's top, opened once: every directory below is reached from it, one
+    /// name at a time, never through a link.
+    roots: Vec<(PathBuf, OwnedFd)>,
     limit: usize,
     /// Why some directories go unwatched, said once.
     limit_reached: Option<String>,
+}
+
+/// A directory waiting in a walk: opened already, or to be opened by its name
+/// below its parent's descriptor.
+enum Next {
+    Opened(OwnedFd),
+    Below(Rc<OwnedFd>),
 }
 
 impl TreeWatcher {
@@ -70,6 +83,7 @@ impl TreeWatcher {
         Ok(TreeWatcher {
             inotify,
             dirs: HashMap::new(),
+            roots: Vec::new(),
             limit,
             limit_reached: None,
         })
@@ -82,22 +96,51 @@ impl TreeWatcher {
 
     /// Watches `root` and every directory below it, but for git's object store (which
     /// no file watcher looks at, and which holds hundreds of directories). Returns why
-    /// some went unwatched, the first time that happens.
+    /// some went unwatched, the first time that happens, or why `root` cannot be.
     pub fn watch_tree(&mut self, root: &Path) -> Option<String> {
+        // The root is the host's choice (a share), so a link to it is followed.
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        match rustix::fs::open(root, flags, Mode::empty()) {
+            Ok(fd) => self.roots.push((root.to_path_buf(), fd)),
+            Err(e) => return Some(format!("cannot watch {}: {e}", root.display())),
+        }
         self.watch_tree_noting(root, &mut Vec::new())
     }
 
-    /// [`Self::watch_tree`], adding each directory it watches to `added`.
-    fn watch_tree_noting(&mut self, root: &Path, added: &mut Vec<PathBuf>) -> Option<String> {
-        let mut pending = vec![root.to_path_buf()];
-        while let Some(dir) = pending.pop() {
+    /// [`Self::watch_tree`] of a directory below a root, adding each directory it
+    /// watches to `added`. The guest can swap any directory of a writable share for a
+    /// link (to `/`, say) at any moment, so nothing is reached by its path: each
+    /// directory is opened by name below the one above it, links refused, and watched
+    /// and read through that descriptor. Whatever the guest does, only directories
+    /// of the share are watched, and only their names are reported to it.
+    fn watch_tree_noting(&mut self, top: &Path, added: &mut Vec<PathBuf>) -> Option<String> {
+        let Some(top_fd) = self.open_below_a_root(top) else {
+            // Gone meanwhile, or reached through a link.
+            return None;
+        };
+        let mut pending = vec![(top.to_path_buf(), Next::Opened(top_fd))];
+        while let Some((dir, next)) = pending.pop() {
+            let fd = match next {
+                Next::Opened(fd) => fd,
+                Next::Below(parent) => {
+                    let Some(name) = dir.file_name() else {
+                        continue;
+                    };
+                    match open_directory_at(&parent, name) {
+                        Ok(fd) => fd,
+                        // Not a directory, a link, gone meanwhile, or unreadable.
+                        Err(_) => continue,
+                    }
+                }
+            };
             if self.dirs.len() >= self.limit {
                 return self.reached(format!(
                     "more than {} directories in the shares",
                     self.limit
                 ));
             }
-            match inotify::add_watch(&self.inotify, &dir, WATCHED) {
+            let by_descriptor = format!("/proc/self/fd/{}", fd.as_raw_fd());
+            match inotify::add_watch(&self.inotify, by_descriptor.as_str(), WATCHED) {
                 Ok(wd) => {
                     self.dirs.insert(wd, dir.clone());
                     added.push(dir.clone());
@@ -110,20 +153,37 @@ impl TreeWatcher {
                             .unwrap_or_else(|_| "?".into())
                     ));
                 }
-                // Gone meanwhile, or unreadable: nothing below it to watch.
                 Err(_) => continue,
             }
-            let Ok(entries) = std::fs::read_dir(&dir) else {
+            let Ok(names) = possible_subdirectories(&fd) else {
                 continue;
             };
-            for entry in entries.flatten() {
-                let is_dir = entry.file_type().is_ok_and(|kind| kind.is_dir());
-                if is_dir && !is_git_objects(&dir, &entry.file_name()) {
-                    pending.push(entry.path());
+            let fd = Rc::new(fd);
+            for name in names {
+                if !is_git_objects(&dir, &name) {
+                    pending.push((dir.join(name), Next::Below(Rc::clone(&fd))));
                 }
             }
         }
         None
+    }
+
+    /// `path`, opened from the root it lies below, one name at a time, refusing links.
+    fn open_below_a_root(&self, path: &Path) -> Option<OwnedFd> {
+        let (root, root_fd) = self
+            .roots
+            .iter()
+            .filter(|(root, _)| path.starts_with(root))
+            .max_by_key(|(root, _)| root.components().count())?;
+        let within = path.strip_prefix(root).ok()?;
+        let mut fd = open_directory_at(root_fd, OsStr::new(".")).ok()?;
+        for component in within.components() {
+            let Component::Normal(name) = component else {
+                return None;
+            };
+            fd = open_directory_at(&fd, name).ok()?;
+        }
+        Some(fd)
     }
 
     fn reached(&mut self, why: String) -> Option<String> {
@@ -245,6 +305,28 @@ fn forget_tree(inotify: &OwnedFd, dirs: &mut HashMap<i32, PathBuf>, root: &Path)
 
 fn is_git_objects(dir: &Path, name: &OsStr) -> bool {
     name == "objects" && dir.file_name().is_some_and(|parent| parent == ".git")
+}
+
+/// The directory `name` in `parent`, for reading; a link there is refused, not followed.
+fn open_directory_at(parent: &OwnedFd, name: &OsStr) -> rustix::io::Result<OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    rustix::fs::openat(parent, name, flags, Mode::empty())
+}
+
+/// The names in the directory `fd` that may be directories (those whose type the
+/// file system does not say are too: opening them tells).
+fn possible_subdirectories(fd: &OwnedFd) -> rustix::io::Result<Vec<OsString>> {
+    let mut names = Vec::new();
+    for entry in Dir::read_from(fd)?.flatten() {
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        if matches!(entry.file_type(), FileType::Directory | FileType::Unknown) {
+            names.push(OsStr::from_bytes(name).to_os_string());
+        }
+    }
+    Ok(names)
 }
 
 #[cfg(test)]
@@ -400,6 +482,57 @@ mod tests {
             .keys()
             .all(|(path, _)| !path.starts_with(root.join("old"))));
         assert_eq!(watcher.watched(), 3);
+    }
+
+    /// The guest's race: a directory made in a watched one, whose watched parent is
+    /// swapped for a link to a host directory before the watcher reads the event.
+    /// Walking by path would watch (and report to the guest) the host directory.
+    #[test]
+    fn a_directory_swapped_for_a_link_does_not_lead_the_watch_out_of_the_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("share");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root.join("a")).unwrap();
+        std::fs::create_dir_all(outside.join("made/deep")).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        assert_eq!(watcher.watched(), 2);
+
+        std::fs::create_dir(root.join("a/made")).unwrap();
+        std::fs::rename(root.join("a"), root.join("b")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("a")).unwrap();
+        let b_made = root.join("b/made");
+        read_until_watched(&mut watcher, &b_made);
+        drain(&mut watcher);
+        assert!(
+            watcher
+                .dirs
+                .values()
+                .all(|watched| !watched.starts_with(root.join("a"))),
+            "{:?}",
+            watcher.dirs
+        );
+
+        std::fs::write(outside.join("made/deep/secret.txt"), "s").unwrap();
+        std::fs::write(root.join("b/made/mine.txt"), "m").unwrap();
+        let changes = read_until(&mut watcher, |c| has(c, &b_made, EditKind::Entries, false));
+        drain(&mut watcher);
+        assert!(
+            changes
+                .edits
+                .keys()
+                .all(|(path, _)| !path.starts_with(root.join("a"))),
+            "{changes:?}"
+        );
+    }
+
+    #[test]
+    fn a_root_that_cannot_be_opened_is_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        let why = watcher.watch_tree(&dir.path().join("missing")).unwrap();
+        assert!(why.contains("cannot watch") && why.contains("missing"), "{why}");
+        assert_eq!(watcher.watched(), 0);
     }
 
     #[test]

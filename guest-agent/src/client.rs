@@ -21,15 +21,17 @@
 //! ```
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
+use tokio::sync::Semaphore;
 
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, EditsShown, ExecRequest, FrameReader, HealthInfo,
     Hello, HostEdit, ListeningPort, NetworkConfig, OutputStream, ProtocolError, CHUNK_SIZE,
-    PROTOCOL_VERSION, UNSUPPORTED_VERSION,
+    PROTOCOL_VERSION, STDIN_WINDOW, UNSUPPORTED_VERSION,
 };
 pub use crate::raw::RawStream;
 
@@ -306,16 +308,21 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             Some(AgentMessage::NotStarted { message, exit_code }) => {
                 Err(ClientError::NotStarted { message, exit_code })
             }
-            Some(AgentMessage::Started { pid }) => Ok(ExecSession {
-                pid,
-                input: ExecInput {
-                    writer: self.writer,
-                },
-                output: ExecOutput {
-                    reader: self.reader,
-                    done: false,
-                },
-            }),
+            Some(AgentMessage::Started { pid }) => {
+                let window = StdinWindow(Arc::new(Semaphore::new(STDIN_WINDOW)));
+                Ok(ExecSession {
+                    pid,
+                    input: ExecInput {
+                        writer: self.writer,
+                        window: window.clone(),
+                    },
+                    output: ExecOutput {
+                        reader: self.reader,
+                        window,
+                        done: false,
+                    },
+                })
+            }
             Some(other) => Err(unexpected(&other)),
             None => Err(ClientError::Closed),
         }
@@ -367,19 +374,62 @@ pub struct ExecSession<S = UnixStream> {
 /// The sending half of an exec session.
 pub struct ExecInput<S = UnixStream> {
     writer: WriteHalf<S>,
+    window: StdinWindow,
 }
 
 /// The receiving half of an exec session.
 pub struct ExecOutput<S = UnixStream> {
     reader: FrameReader<ReadHalf<S>>,
+    /// Grown by each `StdinTaken` read here, for the input half.
+    window: StdinWindow,
     done: bool,
+}
+
+/// How many bytes of stdin may be sent before the command takes some
+/// ([`STDIN_WINDOW`] ahead at most). The output half reads the agent's
+/// `StdinTaken`, so it must be read for stdin to go on.
+#[derive(Clone)]
+pub struct StdinWindow(Arc<Semaphore>);
+
+impl StdinWindow {
+    /// Waits until some stdin may be sent; returns how many bytes. Cancel-safe: a
+    /// `select!` can wait for this beside signals, and read only as much input as
+    /// [`ExecInput::send_stdin`] will then send without waiting.
+    pub async fn open(&self) -> usize {
+        loop {
+            let open = self.0.available_permits();
+            if open > 0 {
+                return open;
+            }
+            // Never closed: this only waits.
+            if let Ok(permit) = self.0.acquire().await {
+                drop(permit);
+            }
+        }
+    }
+
+    async fn take(&self, bytes: usize) {
+        let bytes = u32::try_from(bytes.min(STDIN_WINDOW)).unwrap_or(u32::MAX);
+        if let Ok(permits) = self.0.acquire_many(bytes).await {
+            permits.forget();
+        }
+    }
+
+    /// What the agent gave back, up to the whole window (an agent cannot grant more).
+    fn give_back(&self, taken: u32) {
+        let room = STDIN_WINDOW.saturating_sub(self.0.available_permits());
+        self.0.add_permits((taken as usize).min(room));
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite> ExecInput<S> {
     /// Sends bytes to the command's stdin (split into frames of at most [`CHUNK_SIZE`]).
-    /// Waits while the agent's stdin backlog is full.
+    /// Waits while the command has not taken the [`STDIN_WINDOW`] sent before, which
+    /// the output half learns: read it meanwhile (another task, [`ExecSession::output`]),
+    /// or wait for [`Self::stdin_window`] first. Not cancel-safe.
     pub async fn send_stdin(&mut self, data: &[u8]) -> Result<()> {
         for chunk in data.chunks(CHUNK_SIZE) {
+            self.window.take(chunk.len()).await;
             write_frame(&mut self.writer, &ClientMessage::Stdin(chunk.to_vec())).await?;
         }
         Ok(())
@@ -388,6 +438,11 @@ impl<S: AsyncRead + AsyncWrite> ExecInput<S> {
     /// Closes the command's stdin (with a tty: sends `^D`).
     pub async fn close_stdin(&mut self) -> Result<()> {
         Ok(write_frame(&mut self.writer, &ClientMessage::StdinEof).await?)
+    }
+
+    /// How much stdin may be sent now, and a way to wait for more.
+    pub fn stdin_window(&self) -> StdinWindow {
+        self.window.clone()
     }
 
     /// Resizes the command's terminal (no effect without a tty).
@@ -414,19 +469,25 @@ impl<S: AsyncRead + AsyncWrite> ExecOutput<S> {
         if self.done {
             return Ok(None);
         }
-        let msg = match self.reader.next::<AgentMessage>().await {
-            Ok(Some(m)) => m,
-            Ok(None) | Err(ProtocolError::TruncatedFrame) => return Err(ClientError::Closed),
-            Err(e) => return Err(e.into()),
-        };
-        match msg {
-            AgentMessage::Stdout(d) => Ok(Some(ExecEvent::Stdout(d))),
-            AgentMessage::Stderr(d) => Ok(Some(ExecEvent::Stderr(d))),
-            AgentMessage::Exited { code, signal } => {
-                self.done = true;
-                Ok(Some(ExecEvent::Exited(ExitStatus { code, signal })))
-            }
-            other => Err(unexpected(&other)),
+        loop {
+            let msg = match self.reader.next::<AgentMessage>().await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(ProtocolError::TruncatedFrame) => return Err(ClientError::Closed),
+                Err(e) => return Err(e.into()),
+            };
+            return match msg {
+                AgentMessage::StdinTaken(taken) => {
+                    self.window.give_back(taken);
+                    continue;
+                }
+                AgentMessage::Stdout(d) => Ok(Some(ExecEvent::Stdout(d))),
+                AgentMessage::Stderr(d) => Ok(Some(ExecEvent::Stderr(d))),
+                AgentMessage::Exited { code, signal } => {
+                    self.done = true;
+                    Ok(Some(ExecEvent::Exited(ExitStatus { code, signal })))
+                }
+                other => Err(unexpected(&other)),
+            };
         }
     }
 }

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -24,6 +24,11 @@ pub const MAX_FRAME_SIZE: usize = 1024 * 1024;
 pub const DEFAULT_PORT: u32 = 1024;
 /// The largest chunk of stdin/stdout/stderr bytes senders put in one frame.
 pub const CHUNK_SIZE: usize = 64 * 1024;
+/// Bytes of stdin a host may have sent that the command has not taken yet
+/// ([`AgentMessage::StdinTaken`] gives them back). The agent buffers that much, so it
+/// never has to stop reading the connection, and sees a `Signal` or the host's
+/// going away at once, whatever the command does with its stdin.
+pub const STDIN_WINDOW: usize = 1024 * 1024;
 /// The host's vsock port for connections the guest opens (egress proxy, loopback
 /// relays); each starts with one [`ServiceRequest`] frame, then carries raw bytes.
 pub const HOST_SERVICE_PORT: u32 = 1025;
@@ -298,6 +303,9 @@ pub enum AgentMessage {
     },
     /// Answers each `HostEdits` batch.
     EditsShown(EditsShown),
+    /// The command took this many bytes of stdin (or they were dropped, its stdin
+    /// being closed): the host may send that many more ([`STDIN_WINDOW`]).
+    StdinTaken(u32),
 }
 
 /// Encodes `msg` as a complete frame (length prefix + payload).

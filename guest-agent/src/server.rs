@@ -23,7 +23,7 @@ use crate::network::{self, Network};
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, HostEdit,
     NetworkConfig, OutputStream, ProtocolError, TtyRequest, User, AGENT_VERSION, PROTOCOL_VERSION,
-    UNSUPPORTED_VERSION,
+    STDIN_WINDOW, UNSUPPORTED_VERSION,
 };
 use crate::users::{self, Account};
 
@@ -49,8 +49,10 @@ pub enum ServerError {
 
 /// How long the client has to send `Hello` and its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
-/// Bytes of stdin the agent buffers for a command before it stops reading the socket.
-pub const STDIN_BACKLOG: usize = 1024 * 1024;
+/// Bytes of stdin the agent buffers for a command before it stops reading the socket:
+/// as much as a host may send ahead, so only a host that does not keep to
+/// [`STDIN_WINDOW`] is ever stopped.
+pub const STDIN_BACKLOG: usize = STDIN_WINDOW;
 /// Output messages queued towards the client before output reading pauses (each at
 /// most [`OUTPUT_READ_SIZE`] bytes).
 const OUTPUT_QUEUE: usize = 8;
@@ -883,7 +885,11 @@ enum StdinItem {
     Eof,
 }
 
-async fn pump_stdin(mut sink: StdinSink, mut rx: mpsc::UnboundedReceiver<StdinItem>) {
+async fn pump_stdin(
+    mut sink: StdinSink,
+    mut rx: mpsc::UnboundedReceiver<StdinItem>,
+    out_tx: mpsc::Sender<AgentMessage>,
+) {
     while let Some(item) = rx.recv().await {
         match item {
             StdinItem::Data(data, _permit) => {
@@ -891,17 +897,18 @@ async fn pump_stdin(mut sink: StdinSink, mut rx: mpsc::UnboundedReceiver<StdinIt
                     StdinSink::Pipe(p) => p.write_all(&data).await,
                     StdinSink::Pty(fd) => pty_write_all(fd, &data).await,
                 };
+                give_back_stdin_window(&out_tx, data.len()).await;
                 if let Err(e) = res {
                     // The command closed its stdin: drop further input.
                     debug!("stdin write failed: {e}");
-                    while rx.recv().await.is_some() {}
+                    drop_stdin(rx, &out_tx).await;
                     return;
                 }
             }
             StdinItem::Eof => match sink {
                 StdinSink::Pipe(p) => {
                     drop(p);
-                    while rx.recv().await.is_some() {}
+                    drop_stdin(rx, &out_tx).await;
                     return;
                 }
                 StdinSink::Pty(ref fd) => {
@@ -910,6 +917,24 @@ async fn pump_stdin(mut sink: StdinSink, mut rx: mpsc::UnboundedReceiver<StdinIt
             },
         }
     }
+}
+
+/// Drops the rest of a command's stdin (it closed its end, or the host closed it),
+/// giving the host its window back as if the command had read it.
+async fn drop_stdin(
+    mut rx: mpsc::UnboundedReceiver<StdinItem>,
+    out_tx: &mpsc::Sender<AgentMessage>,
+) {
+    while let Some(item) = rx.recv().await {
+        if let StdinItem::Data(data, _permit) = item {
+            give_back_stdin_window(out_tx, data.len()).await;
+        }
+    }
+}
+
+async fn give_back_stdin_window(out_tx: &mpsc::Sender<AgentMessage>, taken: usize) {
+    let taken = u32::try_from(taken).unwrap_or(u32::MAX);
+    let _ = out_tx.send(AgentMessage::StdinTaken(taken)).await;
 }
 
 /// How the client side of an exec ended.
@@ -951,7 +976,8 @@ async fn pump_input<R: AsyncRead + Unpin>(
                 if data.is_empty() {
                     continue;
                 }
-                // Waits (not reading the socket) while the backlog is full.
+                // Waits (not reading the socket) while the backlog is full, which only
+                // a host that sends more than STDIN_WINDOW ahead makes it.
                 let n = data.len().min(STDIN_BACKLOG) as u32;
                 let Ok(permit) = backlog.clone().acquire_many_owned(n).await else {
                     continue;
@@ -1066,7 +1092,7 @@ where
         )));
     }
     let (stdin_tx, stdin_rx) = mpsc::unbounded_channel();
-    let stdin_task = tokio::spawn(pump_stdin(stdin, stdin_rx));
+    let stdin_task = tokio::spawn(pump_stdin(stdin, stdin_rx, out_tx.clone()));
     let mut input = tokio::spawn(pump_input(
         reader,
         pid,
@@ -1135,9 +1161,11 @@ where
         (None, None)
     };
     info!(pid, ?code, ?signal, "exited");
+    // Nothing may follow Exited, its window given back included.
+    stdin_task.abort();
+    let _ = stdin_task.await;
     let _ = out_tx.send(AgentMessage::Exited { code, signal }).await;
     drop(out_tx);
-    stdin_task.abort();
     // The input task holds an out_tx clone; stop it so the writer can finish.
     input.abort();
     let _ = input.await;

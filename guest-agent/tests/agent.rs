@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use guest_agent::client::{connect_unix, ClientError, Connection, ExecEvent, ExecSession};
 use guest_agent::protocol::{
     encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, OutputStream,
-    TtyRequest, User, PROTOCOL_VERSION,
+    TtyRequest, User, PROTOCOL_VERSION, STDIN_WINDOW,
 };
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::AsyncWriteExt;
@@ -336,6 +336,69 @@ async fn signal_kills_the_command() {
             assert_eq!(st.code, None);
             break;
         }
+    }
+}
+
+/// The client sends stdin at most a window ahead of what the command takes, so the
+/// agent never stops reading the connection: a signal, or the client's going away,
+/// reaches a command that reads none of it at once (an agent that waited for the
+/// command to read left both queued behind the stdin). What the command reads comes
+/// back: three windows go through `wc -c`.
+#[tokio::test]
+async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
+    let total = 3 * STDIN_WINDOW + 5;
+    let out = run(sh("wc -c"), &vec![b'x'; total]).await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        total.to_string()
+    );
+
+    let mut s = conn()
+        .await
+        .exec(sh("echo up; exec sleep 100"))
+        .await
+        .unwrap();
+    let pid = s.pid() as i32;
+    read_until(&mut s, "up", &mut String::new()).await;
+    let (mut input, mut output) = s.split();
+    let window = input.stdin_window();
+    input.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
+    let events = tokio::spawn(async move {
+        loop {
+            match output.next_event().await.unwrap() {
+                Some(ExecEvent::Exited(status)) => return status,
+                Some(_) => {}
+                None => panic!("no Exited"),
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A pipe's worth at most went into `sleep`'s stdin.
+    let open = tokio::time::timeout(Duration::from_millis(10), window.open())
+        .await
+        .unwrap_or(0);
+    assert!(open < STDIN_WINDOW / 4, "{open} bytes may be sent");
+    input.signal(libc::SIGTERM).await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(5), events)
+        .await
+        .expect("the signal waited behind stdin")
+        .unwrap();
+    assert_eq!(status.signal, Some(libc::SIGTERM));
+    assert!(!alive(pid));
+
+    let mut s = conn()
+        .await
+        .exec(sh("echo up; exec sleep 100"))
+        .await
+        .unwrap();
+    let pid = s.pid() as i32;
+    read_until(&mut s, "up", &mut String::new()).await;
+    s.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "the hang-up waited behind stdin");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

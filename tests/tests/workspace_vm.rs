@@ -225,6 +225,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
     // on the host. (The guest's buffered output freed at once once stopped the VMM at
     // its seccomp filter, and the agent's ending of the session once panicked it.)
     assert_a_reader_that_goes_away_is_a_closed_pipe(&ws);
+    assert_ctrl_c_reaches_a_command_that_reads_no_stdin(&ws);
 
     // A command that ignores Ctrl-C and SIGTERM: vmctl forwards the signal, waits 10 s,
     // then stops waiting (143); a second Ctrl-C stops it at once (130). Either way the
@@ -482,6 +483,50 @@ fn assert_a_reader_that_goes_away_is_a_closed_pipe(ws: &Workspace) {
         );
         assert_guest_process_gone(ws, "/tmp/yes.pid");
     }
+}
+
+/// `vmctl exec -- sleep 1000 < big-file`, then Ctrl-C: the command dies of it, as
+/// locally. (Before stdin went only a window ahead of the command, vmctl's stdin
+/// filled the connection, and the forwarded Ctrl-C waited behind it for good.)
+fn assert_ctrl_c_reaches_a_command_that_reads_no_stdin(ws: &Workspace) {
+    let big = ws.path().join("unread-stdin");
+    std::fs::write(&big, vec![b'x'; 8 << 20]).unwrap();
+    let pid_file = "/tmp/unread.pid";
+    let mut sleeper = ws
+        .command(&[
+            "exec",
+            "--",
+            "sh",
+            "-c",
+            &format!("echo $$ > {pid_file}; exec sleep 1000"),
+        ])
+        .stdin(std::fs::File::open(&big).unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_guest_file(ws, pid_file);
+    // Time for vmctl to send all the stdin it may.
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = sleeper.id().to_string();
+    let kill = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(kill.success(), "kill -INT {pid} failed");
+    let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
+    else {
+        let _ = sleeper.kill();
+        panic!("vmctl exec still runs 60 s after Ctrl-C, with stdin the command does not read");
+    };
+    let mut stderr = String::new();
+    sleeper
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    // Killed by the signal itself, not given up on after the 10 s grace.
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(!stderr.contains("still running"), "{stderr}");
+    assert_guest_process_gone(ws, pid_file);
+    std::fs::remove_file(&big).unwrap();
 }
 
 /// What the harness prints when a guest command outlives the test's bound: a command

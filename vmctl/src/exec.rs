@@ -12,6 +12,8 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::state::VmDir;
 
+/// The most stdin read at once (it is then sent as one frame).
+const STDIN_READ: usize = 32 * 1024;
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
 
@@ -203,7 +205,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
     let forward = tokio::spawn(async move {
         let mut stdin = tokio::io::stdin();
-        let mut buf = vec![0u8; 32 * 1024];
+        let mut buf = vec![0u8; STDIN_READ];
+        // Input is read only as far as the agent will take it at once, so a signal
+        // never waits behind stdin that a command does not read.
+        let window = input.stdin_window();
         let mut stdin_open = true;
         let mut winch = signal(SignalKind::window_change()).ok();
         let mut interrupt = signal(SignalKind::interrupt()).ok();
@@ -215,7 +220,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         };
         loop {
             let received = tokio::select! {
-                read = stdin.read(&mut buf), if stdin_open => {
+                read = async {
+                    let open = window.open().await;
+                    stdin.read(&mut buf[..open.min(STDIN_READ)]).await
+                }, if stdin_open => {
                     match read {
                         Ok(0) | Err(_) => {
                             stdin_open = false;

@@ -531,7 +531,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut watcher = TreeWatcher::new(100).unwrap();
         let why = watcher.watch_tree(&dir.path().join("missing")).unwrap();
-        assert!(why.contains("cannot watch") && why.contains("missing"), "{why}");
+        assert!(
+            why.contains("cannot watch") && why.contains("missing"),
+            "{why}"
+        );
         assert_eq!(watcher.watched(), 0);
     }
 

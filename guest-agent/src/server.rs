@@ -576,6 +576,22 @@ fn open_pty(tty: &TtyRequest) -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((master, slave))
 }
 
+/// Makes the terminal `slave` the command's, as a login would: owned by its user and
+/// the `tty` group, mode 0620 (or 0600 to its own group without a `tty` group). The
+/// agent opened it, so it was root's, and a command running as another user could not
+/// open its own terminal by name (`$(tty)`: gpg's pinentry, `screen`).
+fn give_terminal_to(slave: &OwnedFd, account: &Account) -> io::Result<()> {
+    let (group, mode) = match users::group_id("tty") {
+        Some(tty) => (tty, 0o620),
+        None => (account.gid, 0o600),
+    };
+    // SAFETY: fchown and fchmod on a descriptor we own; no pointers involved.
+    cvt(unsafe { libc::fchown(slave.as_raw_fd(), account.uid, group) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fchmod(slave.as_raw_fd(), mode) })?;
+    Ok(())
+}
+
 fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     let Some(program) = req.argv.first() else {
         return Err(ServerError::BadRequest("argv is empty".into()));
@@ -631,6 +647,7 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     let pty = match &req.tty {
         Some(tty) => {
             let (master, slave) = open_pty(tty).map_err(ServerError::Spawn)?;
+            give_terminal_to(&slave, &account).map_err(ServerError::Spawn)?;
             let s1 = slave.try_clone().map_err(ServerError::Spawn)?;
             let s2 = slave.try_clone().map_err(ServerError::Spawn)?;
             cmd.stdin(Stdio::from(slave))

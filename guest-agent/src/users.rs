@@ -69,6 +69,21 @@ pub fn groups_of(group_text: &str, user: &str, primary: u32) -> Vec<u32> {
     out
 }
 
+/// The id of the group `name` in `group_text` (`/etc/group`'s lines).
+pub fn group_id_in(group_text: &str, name: &str) -> Option<u32> {
+    group_text.lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        (f.len() >= 3 && f[0] == name)
+            .then(|| f[2].parse().ok())
+            .flatten()
+    })
+}
+
+/// The id of the group `name` in `/etc/group`.
+pub fn group_id(name: &str) -> Option<u32> {
+    group_id_in(&std::fs::read_to_string("/etc/group").ok()?, name)
+}
+
 fn read(path: &Path) -> Result<String, UserError> {
     std::fs::read_to_string(path).map_err(|source| UserError::Read {
         path: path.to_path_buf(),
@@ -147,5 +162,14 @@ mod tests {
             lookup_in(dir.path(), "nobody"),
             Err(UserError::UnknownUser(_))
         ));
+    }
+
+    #[test]
+    fn a_group_id_is_found_by_name() {
+        let text = "root:x:0:\ntty:x:5:\n# a comment\nbroken:x:nope:\n";
+        assert_eq!(group_id_in(text, "tty"), Some(5));
+        assert_eq!(group_id_in(text, "root"), Some(0));
+        assert_eq!(group_id_in(text, "broken"), None);
+        assert_eq!(group_id_in(text, "ttyx"), None);
     }
 }

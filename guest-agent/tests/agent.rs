@@ -319,6 +319,38 @@ async fn pty_is_a_terminal_with_term() {
     assert_eq!(out.status.code, Some(0));
 }
 
+/// The terminal belongs to the command's user, as after a login: one running as
+/// another user than the agent's can open it by name (`$(tty)`, as gpg's pinentry
+/// and `screen` do).
+#[tokio::test]
+async fn a_terminal_belongs_to_the_commands_user() {
+    let Ok(nobody) = guest_agent::users::lookup("nobody") else {
+        panic!("this test needs a `nobody` account");
+    };
+    assert_eq!(
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() },
+        0,
+        "the agent must run as root to start a command as nobody"
+    );
+    let mut req = sh("stat -c '%u %G %a' \"$(tty)\"; exec 3<>\"$(tty)\" && echo opened");
+    req.user = User::Named("nobody".into());
+    req.cwd = Some("/".into());
+    req.tty = Some(TtyRequest {
+        rows: 24,
+        cols: 80,
+        term: "vt100".into(),
+    });
+    let out = run(req, b"").await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let owner = match guest_agent::users::group_id("tty") {
+        Some(_) => format!("{} tty 620", nobody.uid),
+        None => format!("{} {} 600", nobody.uid, nobody.gid),
+    };
+    assert!(text.contains(&owner), "{text:?}");
+    assert!(text.contains("opened"), "{text:?}");
+}
+
 #[tokio::test]
 async fn signal_kills_the_command() {
     let mut s = conn()

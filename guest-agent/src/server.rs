@@ -758,6 +758,14 @@ fn shell_report(program: &str, error: &io::Error) -> Option<(String, u8)> {
 /// Signals the command's process group (its pid: the command leads the session
 /// `spawn` made, or it did not start). Once the group is gone there is nobody to
 /// signal, and its number may already be another process's: never `kill(pid)` then.
+/// The process group in the foreground of the terminal whose master is `master`.
+fn foreground_group(master: &AsyncFd<OwnedFd>) -> Option<i32> {
+    let mut group: libc::pid_t = 0;
+    // SAFETY: TIOCGPGRP writes one pid_t into a live local.
+    let r = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPGRP, &mut group) };
+    (r == 0 && group > 0).then_some(group)
+}
+
 fn kill_group(pid: i32, sig: i32) {
     // SAFETY: kill has no memory-safety preconditions.
     if unsafe { libc::kill(-pid, sig) } < 0 {
@@ -1024,6 +1032,13 @@ async fn pump_input<R: AsyncRead + Unpin>(
             ClientMessage::Signal(sig) => {
                 if (1..=64).contains(&sig) {
                     kill_group(pid, sig);
+                    // An interactive shell runs each job in a group of its own (and
+                    // ignores SIGINT and SIGTERM itself): the job in the foreground
+                    // gets the signal too, as it would from the keyboard.
+                    match pty.as_deref().and_then(foreground_group) {
+                        Some(job) if job != pid => kill_group(job, sig),
+                        _ => {}
+                    }
                 } else {
                     debug!(sig, "ignoring an invalid signal number");
                 }

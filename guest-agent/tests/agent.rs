@@ -351,6 +351,51 @@ async fn a_terminal_belongs_to_the_commands_user() {
     assert!(text.contains("opened"), "{text:?}");
 }
 
+/// With a terminal, a signal reaches the job in the foreground too: an interactive
+/// shell runs it in a group of its own and ignores SIGTERM itself.
+#[tokio::test]
+async fn a_signal_reaches_the_foreground_job_of_an_interactive_shell() {
+    let mut req = ExecRequest {
+        argv: vec![
+            "bash".into(),
+            "--norc".into(),
+            "--noprofile".into(),
+            "-i".into(),
+        ],
+        ..Default::default()
+    };
+    req.tty = Some(TtyRequest {
+        rows: 24,
+        cols: 80,
+        term: "dumb".into(),
+    });
+    let mut s = conn().await.exec(req).await.unwrap();
+    s.send_stdin(b"echo up-$((1+1)); sleep 77\n").await.unwrap();
+    let mut seen = String::new();
+    read_until(&mut s, "up-2", &mut seen).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.signal(libc::SIGTERM).await.unwrap();
+    // Typed ahead: runs once `sleep` has ended.
+    s.send_stdin(b"echo after-$((2+2)); exit 3\n")
+        .await
+        .unwrap();
+    read_until(&mut s, "after-4", &mut seen).await;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.next_event())
+            .await
+            .expect("the shell did not exit")
+            .unwrap()
+        {
+            Some(ExecEvent::Exited(status)) => {
+                assert_eq!(status.code, Some(3), "{seen}");
+                break;
+            }
+            Some(_) => {}
+            None => panic!("no Exited"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn signal_kills_the_command() {
     let mut s = conn()

@@ -144,6 +144,11 @@ pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
     }
 }
 
+/// The most bytes [`ActiveQueue::serve`] moves in one call, give or take its last
+/// chain: some milliseconds of copying, where a ring of requests that each claim a
+/// disk's worth would hold the event loop for minutes.
+pub const SERVE_BYTES: u64 = 64 << 20;
+
 /// What an activated single-queue device (block, rng) works with.
 pub struct ActiveQueue {
     memory: GuestMemoryMmap,
@@ -167,10 +172,12 @@ impl ActiveQueue {
     /// Hands the available descriptor chains to `handle`, which returns how many
     /// bytes it wrote into guest memory; returns the chains to the driver and
     /// interrupts it once if it wants to be told. Serves at most a ring's worth (the
-    /// queue's size) per call and returns whether more are available: a guest can keep
-    /// the ring full for ever (its requests can even publish the next ones), and the
-    /// event loop that calls this must get back to its other work (a stop, a vCPU's
-    /// exit) in between.
+    /// queue's size) per call, and stops once the chains served add up to
+    /// [`SERVE_BYTES`], and returns whether more are available: a guest can keep the
+    /// ring full for ever (its requests can even publish the next ones), each chain can
+    /// ask for gigabytes (its descriptors may all name the same buffer), and the event
+    /// loop that calls this must get back to its other work (a stop, a vCPU's exit) in
+    /// between.
     pub fn serve(
         &mut self,
         device: &str,
@@ -178,11 +185,14 @@ impl ActiveQueue {
     ) -> QueueProgress {
         let mut used_any = false;
         let mut left = self.queue.size();
+        let mut bytes_left = SERVE_BYTES;
         let progress = loop {
             let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) else {
                 break QueueProgress::Done;
             };
             let head = chain.head_index();
+            // What the guest asked for, counted as it claims it (the handler checks).
+            let asked: u64 = chain.clone().map(|desc| u64::from(desc.len())).sum();
             let len = handle(chain, &self.memory);
             if let Err(e) = self.queue.add_used(&self.memory, head, len) {
                 guest_log::guest_warn!(
@@ -192,7 +202,8 @@ impl ActiveQueue {
             }
             used_any = true;
             left = left.saturating_sub(1);
-            if left == 0 {
+            bytes_left = bytes_left.saturating_sub(asked);
+            if left == 0 || bytes_left == 0 {
                 break if has_available(&self.queue, &self.memory) {
                     QueueProgress::MoreAvailable
                 } else {
@@ -448,5 +459,36 @@ mod tests {
             (QueueProgress::MoreAvailable, RING_SIZE)
         );
         assert_eq!(ring.used().idx().load(), RING_SIZE);
+    }
+
+    /// Chains that each claim a quarter of the budget (descriptors may all name the
+    /// same buffer): four per call, and the caller is told that more wait.
+    #[test]
+    fn a_call_stops_at_its_byte_budget() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let ring = MockSplitQueue::new(&memory, RING_SIZE);
+        let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
+        let big: Vec<RawDescriptor> = (0..6)
+            .map(|_| RawDescriptor::from(Descriptor::new(0x8_0000, quarter, 0, 0)))
+            .collect();
+        ring.add_desc_chains(&big, 0).unwrap();
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let mut active = ActiveQueue::new(
+            memory.clone(),
+            vec![ring.create_queue().unwrap()],
+            interrupt,
+        )
+        .unwrap();
+        let mut served = 0;
+        let progress = active.serve("test", |_, _| {
+            served += 1;
+            0
+        });
+        assert_eq!((progress, served), (QueueProgress::MoreAvailable, 4));
+        let progress = active.serve("test", |_, _| {
+            served += 1;
+            0
+        });
+        assert_eq!((progress, served), (QueueProgress::Done, 6));
     }
 }

@@ -23,6 +23,8 @@ use super::packet::{Header, Op, TxPacket, SHUTDOWN_RCV, SHUTDOWN_SEND};
 /// The receive buffer we advertise to the guest: the most guest→host bytes buffered
 /// per connection.
 pub const BUF_ALLOC: u32 = 256 * 1024;
+/// The host-bound buffer's capacity a connection keeps once it is drained.
+const TX_BUF_KEPT: usize = 16 * 1024;
 /// Forwarded bytes after which we tell the guest about the freed space unprompted.
 pub const CREDIT_UPDATE_THRESHOLD: u32 = BUF_ALLOC / 4;
 
@@ -333,6 +335,12 @@ impl Connection {
                 }
             }
         }
+        if self.tx_buf.is_empty() && self.tx_buf.capacity() > TX_BUF_KEPT {
+            // A burst's buffer (up to twice BUF_ALLOC, as it grows by doubling) is not
+            // kept for a connection's whole life: 1024 idle connections would hold
+            // half a gigabyte.
+            self.tx_buf = VecDeque::new();
+        }
         if (self.fwd_cnt - self.last_fwd_cnt_sent).0 >= CREDIT_UPDATE_THRESHOLD {
             self.pending |= PENDING_CREDIT_UPDATE;
         }
@@ -509,6 +517,38 @@ mod tests {
             ));
         }
         drop(b);
+    }
+
+    /// A burst the host socket could not take at once is buffered, and the buffer
+    /// goes once the socket took it all.
+    #[test]
+    fn a_drained_burst_does_not_keep_its_buffer() {
+        let (mut c, mut b) = established(4096);
+        let chunk = vec![1u8; 64 * 1024];
+        for _ in 0..4 {
+            c.handle_guest(&pkt(Op::Rw, 0, &chunk, 4096, 0), Op::Rw)
+                .unwrap();
+        }
+        assert!(
+            !c.tx_buf.is_empty(),
+            "the socket took the whole burst at once"
+        );
+        assert!(c.tx_buf.capacity() > TX_BUF_KEPT);
+        let mut received = vec![0u8; 4 * chunk.len()];
+        let reader = std::thread::spawn(move || {
+            b.read_exact(&mut received).unwrap();
+            b
+        });
+        while !c.tx_buf.is_empty() {
+            c.flush_tx();
+            std::thread::yield_now();
+        }
+        let _b = reader.join().unwrap();
+        assert!(
+            c.tx_buf.capacity() <= TX_BUF_KEPT,
+            "{}",
+            c.tx_buf.capacity()
+        );
     }
 
     #[test]

@@ -11,6 +11,27 @@ use tokio::task::AbortHandle;
 
 use super::control::PublishedPort;
 
+/// The answer to publishing `guest_port` at `asked` when it is published at
+/// `existing`: that address if it is as asked, else an error that says what to do.
+fn already_published(
+    guest_port: u16,
+    existing: SocketAddr,
+    asked: SocketAddr,
+) -> Result<PublishedPort, String> {
+    let as_asked =
+        existing.ip() == asked.ip() && (asked.port() == 0 || asked.port() == existing.port());
+    if as_asked {
+        return Ok(PublishedPort {
+            guest_port,
+            host: existing,
+        });
+    }
+    Err(format!(
+        "guest port {guest_port} is already published at {existing}; \
+         'vmctl unpublish {guest_port}' first"
+    ))
+}
+
 /// The published ports of one VM, by guest port.
 #[derive(Default)]
 pub struct Published {
@@ -29,25 +50,21 @@ impl Published {
         host: SocketAddr,
     ) -> Result<PublishedPort, String> {
         if let Some(existing) = self.address_of(guest_port) {
-            let as_asked =
-                existing.ip() == host.ip() && (host.port() == 0 || host.port() == existing.port());
-            if as_asked {
-                return Ok(PublishedPort {
-                    guest_port,
-                    host: existing,
-                });
-            }
-            return Err(format!(
-                "guest port {guest_port} is already published at {existing}; \
-                 'vmctl unpublish {guest_port}' first"
-            ));
+            return already_published(guest_port, existing, host);
         }
         let listener = TcpListener::bind(host)
             .await
             .map_err(|e| format!("cannot listen on {host}: {e}"))?;
+        let asked = host;
         let host = listener
             .local_addr()
             .map_err(|e| format!("cannot listen on {host}: {e}"))?;
+        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
+        // Another `vmctl publish` of the same port may have got here first while this
+        // one was binding: its listener stays, this one goes.
+        if let Some((existing, _)) = ports.get(&guest_port) {
+            return already_published(guest_port, *existing, asked);
+        }
         let vsock = Arc::new(vsock);
         let task = tokio::spawn(async move {
             loop {
@@ -62,7 +79,6 @@ impl Published {
                 }
             }
         });
-        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
         ports.insert(guest_port, (host, task.abort_handle()));
         Ok(PublishedPort { guest_port, host })
     }

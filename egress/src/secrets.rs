@@ -42,6 +42,10 @@ use crate::rules::Injection;
 
 /// The longest secret value accepted, in bytes.
 pub const MAX_SECRET_LEN: usize = 16 * 1024;
+/// The shortest credential `vmctl secret set` takes (the part after a value's last
+/// space, `Bearer` and the like being no secret): the proxy redacts secrets from what
+/// the guest reads, and shorter strings cannot be told from ordinary text.
+pub const MIN_SECRET_LEN: usize = 8;
 
 /// The value the guest sees in place of a secret (see [`placeholder_for`]).
 pub const PLACEHOLDER: &str = "vmctl-placeholder";
@@ -57,6 +61,8 @@ pub enum SecretError {
     Empty,
     #[error("the secret value is longer than {MAX_SECRET_LEN} bytes; no credential that goes in an HTTP header is this long")]
     TooLong,
+    #[error("the secret value is {len} bytes long (its part after the last space, if it has one); values shorter than {MIN_SECRET_LEN} are refused, as the egress proxy could not keep them out of the responses the guest reads without mangling ordinary text")]
+    TooShort { len: usize },
     #[error("the secret value {reason}; it must be printable ASCII to go in an HTTP header (pipe exactly one value, at most one trailing newline)")]
     InvalidValue { reason: String },
     #[error("{name:?} is not a valid secret name: {reason}; use anthropic, openai, github or a name of lower-case letters, digits, '-' and '_' (at most 64)")]
@@ -135,6 +141,19 @@ pub fn read_secret(mut reader: impl Read) -> Result<SecretValue, SecretError> {
     // Checked above: printable ASCII.
     value.extend(bytes.iter().map(|&b| char::from(b)));
     Ok(SecretValue(value))
+}
+
+/// Refuses a value whose credential (the part after its last space, if it has one)
+/// is shorter than [`MIN_SECRET_LEN`]: what `vmctl secret set` takes.
+pub fn check_redactable(value: &SecretValue) -> Result<(), SecretError> {
+    let bytes = value.0.as_bytes();
+    let credential = bytes.rsplit(|&b| b == b' ').next().unwrap_or(bytes);
+    if credential.len() < MIN_SECRET_LEN {
+        return Err(SecretError::TooShort {
+            len: credential.len(),
+        });
+    }
+    Ok(())
 }
 
 fn check_value(bytes: &[u8]) -> Result<(), SecretError> {
@@ -784,6 +803,18 @@ mod tests {
         let max = "x".repeat(MAX_SECRET_LEN);
         assert_eq!(secret(&max).expose(), max);
         assert_eq!(secret(&format!("{max}\r\n")).expose(), max);
+    }
+
+    #[test]
+    fn a_credential_too_short_to_redact_is_refused() {
+        for short in ["1234567", "Bearer 1234567", "a b"] {
+            let err = check_redactable(&secret(short)).unwrap_err();
+            assert!(matches!(err, SecretError::TooShort { .. }), "{short}");
+            assert!(!err.to_string().contains(short), "{err}");
+        }
+        for long in ["12345678", "Bearer 12345678", "sk-ant-api03-abcdefgh"] {
+            check_redactable(&secret(long)).unwrap();
+        }
     }
 
     #[test]

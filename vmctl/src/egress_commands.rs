@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use egress::policy::{Pattern, PolicyStore, Scope};
-use egress::secrets::{read_secret, SecretStore};
+use egress::secrets::{check_redactable, read_secret, SecretStore};
 
 use crate::cli::{PolicyCommand, PolicyScope, SecretCommand};
 use crate::network::guest_setup::EgressFiles;
@@ -49,6 +49,7 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
                 let _quiet = crate::terminal::EchoOff::new(&stdin);
                 read_secret(stdin.lock())?
             };
+            check_redactable(&value)?;
             let summary = store.set(&name, value, hosts, header)?;
             store.save()?;
             vmm::to_stderr!(

@@ -20,8 +20,9 @@ use super::BoxError;
 /// before sending them anyway (an interactive protocol must not stall on them).
 pub(super) const HOLD_FLUSH: Duration = Duration::from_millis(100);
 /// Secrets (or their credential part) shorter than this are not searched for in
-/// responses: redacting every short string would mangle ordinary content.
-pub(super) const MIN_REDACTED_LEN: usize = 8;
+/// responses: redacting every short string would mangle ordinary content. (`vmctl
+/// secret set` refuses them; a secrets file edited by hand may still hold one.)
+pub(super) const MIN_REDACTED_LEN: usize = crate::secrets::MIN_SECRET_LEN;
 
 /// Copies `from` to `to` through `redactor`, then closes `to`'s sending side (after
 /// a failure too: the other way goes on, and `to`'s reader must not wait forever).

@@ -339,6 +339,12 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         });
     }
     notice.clear();
+    // The supervisor's stderr is its log: what it warned of while the VM started (a
+    // virtiofsd without its sandbox, shares too large to watch) is said here too.
+    let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
+    for warning in warnings_in(&log) {
+        vmm::to_stderr!("{}", crate::terminal::printable(warning));
+    }
     let ready_after = started.elapsed();
     tracing::info!(
         "{AGENT_READY_LOG} after {} ms (VM of {})",
@@ -486,6 +492,12 @@ fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
 }
 
 /// The last lines of a log, to quote in an error (empty when there are none).
+/// The warnings vmctl wrote in a supervisor's log.
+fn warnings_in(log: &str) -> impl Iterator<Item = &str> {
+    log.lines()
+        .filter(|line| line.starts_with("vmctl: warning: "))
+}
+
 fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -941,6 +953,23 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_supervisors_warnings_are_found_in_its_log() {
+        let log = "vmctl: supervising the VM of /w\n\
+                   vmctl: warning: virtiofsd runs without its sandbox because ...\n\
+                   2026-12-05T15:00:00Z WARN vmm: vmctl: warning: not ours\n\
+                   vmctl: note: virtiofsd runs as this user\n\
+                   vmctl: warning: more than 2 directories in the shares: ...\n";
+        let warnings: Vec<&str> = warnings_in(log).collect();
+        assert_eq!(
+            warnings,
+            [
+                "vmctl: warning: virtiofsd runs without its sandbox because ...",
+                "vmctl: warning: more than 2 directories in the shares: ..."
+            ]
+        );
+    }
 
     /// Serves one hybrid-vsock connection on `socket` as a guest agent that answers
     /// every Hello with `reply`.

@@ -339,6 +339,47 @@ fn lifecycle_scenario() {
         "prune left the throwaway VM:\n{table}"
     );
 
+    // A daemon that dies (killed, crashed) loses its leases, and the one started next
+    // adopts the VM without them: the session still under way keeps it running, as
+    // the guest agent tells, and once the session ends the VM stops when idle.
+    let mut sleeper = ws
+        .command(&["exec", "--", "sleep", "600"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("vmctl exec");
+    wait_for(&ws, "the session's VM", vm_tests::vm_timeout(), |t| {
+        t.contains(" running ") && t.contains("exec")
+    });
+    let daemon = std::fs::read_to_string(ws.state().join("vmctl/daemon.pid"))
+        .expect("the daemon's pid file");
+    let daemon_pid = daemon.lines().next().expect("a pid").trim().to_string();
+    let kill = Command::new("kill")
+        .args(["-KILL", &daemon_pid])
+        .status()
+        .expect("kill");
+    assert!(kill.success(), "kill -KILL {daemon_pid}");
+    assert!(exited(&daemon_pid), "the daemon still runs");
+    // A new daemon, started by the next session, adopts the VM.
+    assert_ok(
+        &ws.run(&["exec", "--", "true"]),
+        "vmctl exec after the daemon died",
+    );
+    std::thread::sleep(Duration::from_secs(10));
+    let table = ps(&ws);
+    assert!(
+        table.contains(" running ") && sleeper.try_wait().expect("vmctl exec").is_none(),
+        "the new daemon stopped the VM under a session it held no lease for:\n{table}"
+    );
+    sleeper.kill().expect("SIGKILL vmctl exec");
+    let _ = sleeper.wait();
+    wait_for(
+        &ws,
+        "the VM to stop once its last session ended",
+        Duration::from_secs(90),
+        |t| t.contains(" stopped "),
+    );
+
     // `vmctl up` pins the VM before its start begins; a start that takes a while
     // (here: another one holds the start lock for longer than the daemon takes to
     // forget VMs that do not run) must not lose the pin.

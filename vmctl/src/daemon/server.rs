@@ -318,6 +318,19 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
     tokio::spawn(async move {
         tokio::time::sleep(timeout).await;
         let vm = VmDir { path: vm_dir };
+        // Sessions hold leases, but those of a daemon that died (killed, crashed) are
+        // lost with it, and the VM it left is adopted without: the guest agent knows.
+        if is_still_idle(&daemon.vms(), &vm.path, generation) {
+            if let Some(sessions) = sessions_in_guest(&vm).await {
+                vmm::to_stderr!(
+                    "vmctl daemon: {} has {sessions} session(s) under way that hold no \
+                     lease (a daemon before this one had theirs); not stopping it",
+                    vm.path.display()
+                );
+                schedule_idle_stop(&daemon, &vm.path);
+                return;
+            }
+        }
         // Held while the VM goes down, so that a session coming meanwhile waits in its
         // start and boots a fresh VM instead of attaching to this one as it stops.
         let start_lock = match crate::vm::try_lock_start(&vm) {
@@ -360,6 +373,21 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             .await;
         }
     });
+}
+
+/// How many commands the guest agent of `vm` runs, if any; `None` too when it does not
+/// answer (a VM stuck that way is stopped like an idle one).
+async fn sessions_in_guest(vm: &VmDir) -> Option<u32> {
+    let ask = async {
+        let connection =
+            guest_agent::client::connect_hybrid(&vm.vsock_socket(), crate::exec::AGENT_PORT)
+                .await?;
+        connection.health().await
+    };
+    match tokio::time::timeout(Duration::from_secs(5), ask).await {
+        Ok(Ok(health)) => (health.active_execs > 0).then_some(health.active_execs),
+        _ => None,
+    }
 }
 
 /// Whether no lease, pin or new idle timer came for the VM since `generation`.

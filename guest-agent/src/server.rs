@@ -122,11 +122,14 @@ struct Reaper {
 }
 
 impl Reaper {
-    /// Collects every exit status available now.
+    /// Collects every exit status available now; if a spawn holds the lock (it may
+    /// wait long on a share), the next SIGCHLD or sweep does, so that the runtime's
+    /// thread never waits for it.
     fn reap(&self) {
-        let mut waiting = match self.waiting.lock() {
+        let mut waiting = match self.waiting.try_lock() {
             Ok(w) => w,
-            Err(p) => p.into_inner(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
         };
         if self.reap_all {
             loop {
@@ -1074,7 +1077,19 @@ where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let spawned = match spawn(&req, &state) {
+    // Off the runtime's one thread: the checks of the working directory, and the
+    // fork and exec that `spawn` waits for, go through virtio-fs (a share's cwd, a
+    // program in node_modules) and may take long, when every session's output and
+    // input must go on meanwhile.
+    let spawning = {
+        let (req, state) = (req.clone(), state.clone());
+        tokio::task::spawn_blocking(move || spawn(&req, &state)).await
+    };
+    let spawned = match spawning.unwrap_or_else(|e| {
+        Err(ServerError::Spawn(io::Error::other(format!(
+            "the spawning thread failed: {e}"
+        ))))
+    }) {
         Ok(s) => s,
         Err(ServerError::NotRunnable { message, exit_code }) => {
             info!("not started: {message}");

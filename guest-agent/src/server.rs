@@ -706,7 +706,18 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     };
     drop(cmd); // closes our copies of the pty slave
     let pid = child.id() as i32;
+    // Running, but nobody would end it or report on it: it must not outlive the error.
+    connect_stdio(&mut child, pid, rx, pty).inspect_err(|_| kill_group(pid, libc::SIGKILL))
+}
 
+/// What the session works with: the running command's terminal or pipes, registered
+/// with the runtime.
+fn connect_stdio(
+    child: &mut std::process::Child,
+    pid: i32,
+    exit: oneshot::Receiver<i32>,
+    pty: Option<OwnedFd>,
+) -> Result<Spawned, ServerError> {
     let to_pipe_sender = |fd: OwnedFd| pipe::Sender::from_owned_fd(fd).map_err(ServerError::Spawn);
     let to_pipe_receiver =
         |fd: OwnedFd| pipe::Receiver::from_owned_fd(fd).map_err(ServerError::Spawn);
@@ -720,7 +731,7 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             let master = Arc::new(master);
             Ok(Spawned {
                 pid,
-                exit: rx,
+                exit,
                 stdin: StdinSink::Pty(master.clone()),
                 stdout: OutputSource::Pty(master.clone()),
                 stderr: None,
@@ -735,7 +746,7 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             };
             Ok(Spawned {
                 pid,
-                exit: rx,
+                exit,
                 stdin: StdinSink::Pipe(to_pipe_sender(i.into())?),
                 stdout: OutputSource::Pipe(to_pipe_receiver(o.into())?),
                 stderr: Some(OutputSource::Pipe(to_pipe_receiver(e.into())?)),

@@ -513,14 +513,19 @@ fn resolve_user(user: &User, config: &ServerConfig) -> Result<Account, ServerErr
         User::Named(name) => Ok(users::lookup(name)?),
         User::Default => match &config.default_user {
             None => Ok(users::root()),
-            Some(h) => Ok(users::lookup(&h.name).unwrap_or_else(|_| Account {
-                name: h.name.clone(),
-                uid: h.uid,
-                gid: h.gid,
-                home: h.home.clone(),
-                shell: "/bin/sh".into(),
-                groups: vec![h.gid],
-            })),
+            // The host user's ids, always: an account of that name the image already
+            // had (another uid) would make the shares look owned by someone else.
+            Some(h) => Ok(match users::lookup(&h.name) {
+                Ok(account) if account.uid == h.uid && account.gid == h.gid => account,
+                found => Account {
+                    name: h.name.clone(),
+                    uid: h.uid,
+                    gid: h.gid,
+                    home: h.home.clone(),
+                    shell: found.map_or_else(|_| "/bin/sh".into(), |account| account.shell),
+                    groups: vec![h.gid],
+                },
+            }),
         },
     }
 }
@@ -1231,5 +1236,37 @@ where
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The image has an account of the host user's name, with other ids: commands
+    /// still run with the host user's.
+    #[test]
+    fn the_default_user_has_the_host_users_ids_whatever_the_image_says() {
+        let root = users::root();
+        let config = ServerConfig {
+            default_user: Some(HostUser {
+                name: root.name.clone(),
+                uid: 4242,
+                gid: 4243,
+                home: "/home/dev".into(),
+            }),
+            ..ServerConfig::default()
+        };
+        let account = resolve_user(&User::Default, &config).unwrap();
+        assert_eq!(
+            (
+                account.uid,
+                account.gid,
+                account.home.as_str(),
+                account.groups
+            ),
+            (4242, 4243, "/home/dev", vec![4243])
+        );
+        assert_eq!(account.shell, root.shell);
     }
 }

@@ -538,11 +538,33 @@ pub fn ensure_user(root: &Path, user: &HostUser) -> Result<(), InitError> {
     Ok(())
 }
 
+/// The kernel gives PID 1 1,024 open files (4,096 at most), and every relayed
+/// connection (egress, loopback ports) costs the agent two: past 512, `accept` would
+/// fail for every session. Commands get the usual 1,024 back
+/// ([`crate::server::COMMAND_OPEN_FILES`]), with this higher ceiling.
+fn raise_open_files_limit() {
+    let limit = libc::rlimit {
+        rlim_cur: AGENT_OPEN_FILES,
+        rlim_max: crate::server::OPEN_FILES_CEILING,
+    };
+    // SAFETY: setrlimit reads one rlimit from a live local.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } < 0 {
+        console(&format!(
+            "warning: cannot raise the open files limit: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+}
+
+/// The agent's own open files limit.
+const AGENT_OPEN_FILES: libc::rlim_t = 65_536;
+
 /// Runs the PID-1 boot sequence; returns the configuration to serve with. Powers off
 /// when a root was requested but cannot be mounted, or when a share cannot be mounted
 /// (commands must not run on an empty directory where the user expects their files).
 pub fn boot() -> BootConfig {
     mount_basic_early();
+    raise_open_files_limit();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_else(|e| {
         console(&format!(
             "warning: cannot read /proc/cmdline: {e}; using defaults"

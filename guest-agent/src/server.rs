@@ -47,6 +47,12 @@ pub enum ServerError {
     BadRequest(String),
 }
 
+/// The open files limit commands start with (the agent's own is higher), as on a
+/// Debian host: `select()` users count on no descriptor past 1,023.
+pub const COMMAND_OPEN_FILES: libc::rlim_t = 1024;
+/// The hard open files limit of the agent and its commands (systemd's default).
+pub const OPEN_FILES_CEILING: libc::rlim_t = 524_288;
+
 /// How long the client has to send `Hello` and its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bytes of stdin the agent buffers for a command before it stops reading the socket:
@@ -682,6 +688,17 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             // A new session: the command leads its own process group, so signals and
             // the disconnect kill reach the whole group.
             cvt(libc::setsid())?;
+            // Lowered only if the agent's is higher (it raised it as PID 1).
+            let mut open_files = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut open_files) == 0
+                && open_files.rlim_cur > COMMAND_OPEN_FILES
+            {
+                open_files.rlim_cur = COMMAND_OPEN_FILES;
+                cvt(libc::setrlimit(libc::RLIMIT_NOFILE, &open_files))?;
+            }
             if want_ctty {
                 cvt(libc::ioctl(0, libc::TIOCSCTTY as _, 0))?;
             }

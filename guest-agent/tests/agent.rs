@@ -151,6 +151,24 @@ async fn exec_env_cwd_and_user() {
     }
 }
 
+/// Commands start with the usual open files limit, whatever the agent's own (PID 1
+/// raises it for its relays).
+#[tokio::test]
+async fn commands_get_the_usual_open_files_limit() {
+    let out = run(sh("ulimit -n"), b"").await;
+    let limit: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let mut ours = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into a live local.
+    assert_eq!(
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut ours) },
+        0
+    );
+    assert_eq!(limit, ours.rlim_cur.min(1024));
+}
+
 #[tokio::test]
 async fn exec_errors_are_reported() {
     let err = conn()

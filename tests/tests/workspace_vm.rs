@@ -292,6 +292,26 @@ sys.exit(os.waitstatus_to_exitcode(status))
     // when asked.
     let whoami = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&whoami).trim(), "0");
+    // The agent (PID 1) has room for many relayed connections; commands start with
+    // the usual open files limit.
+    let limits = ws.run(&[
+        "exec",
+        "--user",
+        "root",
+        "--",
+        "sh",
+        "-c",
+        "ulimit -n; grep 'open files' /proc/1/limits",
+    ]);
+    let limits = stdout(&limits);
+    let mut lines = limits.lines();
+    assert_eq!(lines.next(), Some("1024"), "{limits}");
+    let agent: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(agent.get(3..5), Some(&["65536", "524288"][..]), "{limits}");
     // Started outside the workspace (`--workspace` names it), the command runs at its
     // root, not in a directory of the guest's own (`/` exists there too).
     let at_root = ws

@@ -10,6 +10,7 @@ use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{chown, DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::protocol::DEFAULT_PORT;
 use crate::server::HostUser;
@@ -681,8 +682,52 @@ pub fn run_once_then_power_off(program: &Path) -> ! {
     power_off()
 }
 
-/// Syncs the filesystems and resets the VM (the VMM treats a reset as "VM ended").
+/// How long processes have to end after SIGTERM before they are killed.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// As an init does at shutdown: every other process gets SIGTERM, and SIGKILL if it is
+/// still there after [`SHUTDOWN_GRACE`], so that a program with files open in a share
+/// (a database in the workspace, a build writing its output) can close them cleanly
+/// before the reset. Only as PID 1, which every orphan is reparented to: once it has
+/// no child left, nothing else runs.
+fn end_processes() {
+    if std::process::id() != 1 {
+        return;
+    }
+    // SAFETY: kill has no memory-safety preconditions; -1 spares PID 1 itself.
+    unsafe { libc::kill(-1, libc::SIGTERM) };
+    let deadline = Instant::now() + SHUTDOWN_GRACE;
+    while reap_children() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if reap_children() {
+        console("shutdown: processes still running after SIGTERM; killing them");
+        // SAFETY: as above.
+        unsafe { libc::kill(-1, libc::SIGKILL) };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while reap_children() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Reaps the children that have ended; whether any is left.
+fn reap_children() -> bool {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid with a valid pointer to a local int.
+        match unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) } {
+            0 => return true,
+            pid if pid > 0 => continue,
+            _ => return std::io::Error::last_os_error().raw_os_error() != Some(libc::ECHILD),
+        }
+    }
+}
+
+/// Ends every process, syncs the filesystems and resets the VM (the VMM treats a reset
+/// as "VM ended").
 pub fn power_off() -> ! {
+    end_processes();
     // SAFETY: sync and reboot have no memory-safety preconditions.
     unsafe {
         libc::sync();

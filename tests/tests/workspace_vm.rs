@@ -366,10 +366,31 @@ sys.exit(os.waitstatus_to_exitcode(status))
     );
     let follower = LogFollower::start(&ws);
 
+    // A program left running in the background is asked to end (SIGTERM) as the VM
+    // shuts down, and so can leave its files in a share in order.
+    let ended_cleanly = ws.path().join("ended-cleanly");
+    let background = format!(
+        "trap 'echo bye > {}; exit 0' TERM; while :; do sleep 1; done",
+        ended_cleanly.display()
+    );
+    let nohup = ws.run(&[
+        "exec",
+        "--",
+        "sh",
+        "-c",
+        &format!("nohup sh -c \"{background}\" > /dev/null 2>&1 &"),
+    ]);
+    assert!(nohup.status.success(), "{nohup:?}");
+
     // A session that loses its VM to `vmctl stop` says so.
     let mut sleeper = start_guest_sleeper(&ws, "/tmp/last.pid");
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
+    assert_eq!(
+        std::fs::read_to_string(&ended_cleanly).ok().as_deref(),
+        Some("bye\n"),
+        "the background program was not asked to end before the VM stopped"
+    );
     // `vmctl logs --follow`, started before, printed the console as it grew, and ended
     // with the VM.
     let followed = follower.wait_for_end();

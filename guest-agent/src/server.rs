@@ -791,9 +791,6 @@ fn shell_report(program: &str, error: &io::Error) -> Option<(String, u8)> {
     }
 }
 
-/// Signals the command's process group (its pid: the command leads the session
-/// `spawn` made, or it did not start). Once the group is gone there is nobody to
-/// signal, and its number may already be another process's: never `kill(pid)` then.
 /// The process group in the foreground of the terminal whose master is `master`.
 fn foreground_group(master: &AsyncFd<OwnedFd>) -> Option<i32> {
     let mut group: libc::pid_t = 0;
@@ -802,6 +799,9 @@ fn foreground_group(master: &AsyncFd<OwnedFd>) -> Option<i32> {
     (r == 0 && group > 0).then_some(group)
 }
 
+/// Signals the command's process group (its pid: the command leads the session
+/// `spawn` made, or it did not start). Once the group is gone there is nobody to
+/// signal, and its number may already be another process's: never `kill(pid)` then.
 fn kill_group(pid: i32, sig: i32) {
     // SAFETY: kill has no memory-safety preconditions.
     if unsafe { libc::kill(-pid, sig) } < 0 {

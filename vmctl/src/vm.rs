@@ -491,13 +491,13 @@ fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
     }
 }
 
-/// The last lines of a log, to quote in an error (empty when there are none).
 /// The warnings vmctl wrote in a supervisor's log.
 fn warnings_in(log: &str) -> impl Iterator<Item = &str> {
     log.lines()
         .filter(|line| line.starts_with("vmctl: warning: "))
 }
 
+/// The last lines of a log, to quote in an error (empty when there are none).
 fn log_tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();

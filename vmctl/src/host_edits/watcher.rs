@@ -16,7 +16,7 @@ use rustix::fs::{Dir, FileType, Mode, OFlags};
 
 /// The events of a watched directory that matter to a guest's file watchers. Each
 /// directory is watched through a descriptor opened without following links (see
-/// [`open_beneath`]), so the watch itself is added through `/proc/self/fd`, whose
+/// [`open_directory_at`]), so the watch itself is added through `/proc/self/fd`, whose
 /// magic link must be followed.
 const WATCHED: WatchFlags = WatchFlags::MODIFY
     .union(WatchFlags::CLOSE_WRITE)

@@ -168,6 +168,7 @@ impl Snapshot {
 
     fn take(shares: &[Share], earlier: Option<&Snapshot>) -> Snapshot {
         let mut snapshot = Snapshot::default();
+        snapshot.runnables.extend(redirects(shares));
         let mut dirs = Vec::new();
         for git_dir in git_dirs(shares) {
             let (with_modules, all_modules) = with_submodules(&git_dir);
@@ -184,6 +185,13 @@ impl Snapshot {
         }
         for GitDir { host, guest } in dirs {
             let mut found = hooks(&host);
+            // Config and hooks come from there instead (a worktree's, or the guest's
+            // copy of the git directory with its own config).
+            if let Some(fingerprint) = fingerprint(&host.join("commondir")) {
+                let what = "commondir, which names the directory git takes its config and \
+                            hooks from";
+                found.push((what.into(), fingerprint));
+            }
             let (files, all_files) = config_files(&host);
             if !all_files {
                 found.push((
@@ -252,6 +260,30 @@ fn git_dirs(shares: &[Share]) -> Vec<GitDir> {
     }
     dirs.into_iter()
         .map(|(host, guest)| GitDir { host, guest })
+        .collect()
+}
+
+/// A share's `.git` that is not a directory: a file naming the git directory git on
+/// the host uses (a worktree's). The guest can point it at a copy of the repository's
+/// git directory with config and hooks of its own, which the snapshot of the share's
+/// `.git` would never see: its change is reported, as that of a hook.
+fn redirects(shares: &[Share]) -> Vec<(Runnable, String)> {
+    shares
+        .iter()
+        .filter(|share| !share.read_only)
+        .map(|share| share.host.join(".git"))
+        .filter(|dot_git| !dot_git.is_dir())
+        .filter_map(|dot_git| {
+            let fingerprint = fingerprint(&dot_git)?;
+            let what = "the .git file, which names the git directory git uses".into();
+            Some((
+                Runnable {
+                    git_dir: dot_git,
+                    what,
+                },
+                fingerprint,
+            ))
+        })
         .collect()
 }
 
@@ -519,6 +551,18 @@ pub fn report(changes: &Changes) {
     }
 }
 
+/// At most 200 characters of `text` on one line: a config value the guest wrote may
+/// hold line breaks, which would print lines of their own that look like vmctl's.
+fn one_line(text: &str) -> String {
+    text.chars()
+        .take(200)
+        .flat_map(|c| match c {
+            '\n' | '\r' => c.escape_default().collect::<Vec<_>>(),
+            c => vec![c],
+        })
+        .collect()
+}
+
 /// The warning [`report`] prints, if any.
 fn warning(changes: &Changes) -> Option<String> {
     let mut lines = Vec::new();
@@ -529,7 +573,7 @@ fn warning(changes: &Changes) -> Option<String> {
              git there on the host:",
         ));
         for runnable in &changes.runnables {
-            let what: String = runnable.what.chars().take(200).collect();
+            let what = one_line(&runnable.what);
             lines.push(format!("vmctl:   {}: {what}", runnable.git_dir.display()));
         }
         lines.push(format!(
@@ -545,7 +589,7 @@ fn warning(changes: &Changes) -> Option<String> {
              workspace:",
         ));
         for worktree in &changes.vm_only_worktrees {
-            let head: String = worktree.head.chars().take(200).collect();
+            let head = one_line(&worktree.head);
             lines.push(format!(
                 "vmctl:   {} ({head}), of {}",
                 worktree.path.display(),
@@ -616,6 +660,59 @@ mod tests {
         ] {
             assert!(!is_plain(command), "{command}");
         }
+    }
+
+    /// The guest points git elsewhere, at a copy of the git directory with config of
+    /// its own: through `.git` made a file (`gitdir:`), or through `commondir`.
+    #[test]
+    fn a_git_directory_redirected_elsewhere_is_seen() {
+        let (dir, shares) = new_repo();
+        let repo = dir.path();
+        let before = Snapshot::of(&shares);
+        std::fs::write(repo.join(".git/commondir"), "../.evil\n").unwrap();
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
+        assert_eq!(changed.len(), 1, "{changed:?}");
+        assert!(changed[0].what.starts_with("commondir"), "{changed:?}");
+
+        std::fs::rename(repo.join(".git"), repo.join(".evil")).unwrap();
+        std::fs::write(repo.join(".git"), "gitdir: .evil\n").unwrap();
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
+        assert!(
+            changed
+                .iter()
+                .any(|r| r.git_dir == repo.join(".git") && r.what.starts_with("the .git file")),
+            "{changed:?}"
+        );
+        // Pointed elsewhere again: a change too.
+        let pointing = Snapshot::of(&shares);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(repo.join(".git"), "gitdir: .other\n").unwrap();
+        assert_eq!(
+            Snapshot::of(&shares)
+                .changed_since(&pointing)
+                .runnables
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn a_value_with_line_breaks_is_reported_on_one_line() {
+        let changes = Changes {
+            runnables: vec![Runnable {
+                git_dir: PathBuf::from("/w/.git"),
+                what: "config core.fsmonitor=x\nvmctl: all is well\r".into(),
+            }],
+            vm_only_worktrees: vec![],
+        };
+        let warning = warning(&changes).unwrap();
+        assert!(
+            warning
+                .lines()
+                .all(|line| !line.starts_with("vmctl: all is well")),
+            "{warning}"
+        );
+        assert!(warning.contains("x\\nvmctl: all is well\\r"), "{warning}");
     }
 
     #[test]

@@ -551,16 +551,11 @@ pub fn report(changes: &Changes) {
     }
 }
 
-/// At most 200 characters of `text` on one line: a config value the guest wrote may
+/// At most 200 characters of `text`, on one line: a config value the guest wrote may
 /// hold line breaks, which would print lines of their own that look like vmctl's.
 fn one_line(text: &str) -> String {
-    text.chars()
-        .take(200)
-        .flat_map(|c| match c {
-            '\n' | '\r' => c.escape_default().collect::<Vec<_>>(),
-            c => vec![c],
-        })
-        .collect()
+    let cut: String = text.chars().take(200).collect();
+    crate::terminal::one_line(&cut).into_owned()
 }
 
 /// The warning [`report`] prints, if any.

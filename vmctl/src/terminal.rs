@@ -27,15 +27,22 @@ pub fn print_out(text: std::fmt::Arguments) {
 /// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
 /// console's panic line), and an escape sequence from it must not drive the terminal.
 pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text
-        .chars()
-        .any(|c| c.is_control() && c != '\n' && c != '\t')
-    {
+    escaped(text, |c| c.is_control() && c != '\n' && c != '\t')
+}
+
+/// [`printable`], and on one line: line breaks shown escaped too, for a guest's words
+/// quoted inside a message, where a line of their own could pass for vmctl's.
+pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    escaped(text, char::is_control)
+}
+
+fn escaped(text: &str, escape: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(&escape) {
         return std::borrow::Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
-        if c.is_control() && c != '\n' && c != '\t' {
+        if escape(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -114,6 +121,11 @@ mod tests {
         assert_eq!(
             printable("Kernel panic \u{1b}]0;owned\u{7}\r!"),
             "Kernel panic \\u{1b}]0;owned\\u{7}\\r!"
+        );
+        assert_eq!(one_line("plain text"), "plain text");
+        assert_eq!(
+            one_line("gitdir: /x\r\u{1b}[2K\nvmctl: ok"),
+            "gitdir: /x\\r\\u{1b}[2K\\nvmctl: ok"
         );
     }
 }

@@ -149,10 +149,12 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     match crate::worktree::repository_share(workspace, &list) {
         Ok(Some(repository)) => list.push(repository),
         Ok(None) => {}
+        // `why` quotes the worktree's .git file, which the guest writes.
         Err(why) => vmm::to_stderr!(
-            "vmctl: warning: {} is a git worktree, but {why}; git in the VM will not find \
+            "vmctl: warning: {} is a git worktree, but {}; git in the VM will not find \
              its repository",
-            workspace.display()
+            workspace.display(),
+            crate::terminal::one_line(&why)
         ),
     }
     shares::check_shares(&list)?;

@@ -113,9 +113,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
         }
         let names = std::mem::take(&mut changes.names);
         let edits = echoes.without_echoes(changes, Instant::now());
-        let (names, mut edits) = within_gone_left_out(names, edits, |path| {
-            std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-        });
+        let (names, mut edits) = within_gone_left_out(names, edits, |path| watcher.is_gone(path));
         // The names first: the guest then sees the new files when it is shown them.
         let names = names.into_iter().map(|name| (name, EditKind::Name));
         edits.splice(0..0, names);

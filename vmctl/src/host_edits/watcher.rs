@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use guest_agent::protocol::EditKind;
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
-use rustix::fs::{Dir, FileType, Mode, OFlags};
+use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags};
 
 /// The events of a watched directory that matter to a guest's file watchers. Each
 /// directory is watched through a descriptor opened without following links (see
@@ -27,6 +27,12 @@ const WATCHED: WatchFlags = WatchFlags::MODIFY
     .union(WatchFlags::MOVED_TO)
     .union(WatchFlags::ONLYDIR)
     .union(WatchFlags::EXCL_UNLINK);
+
+/// The longest path a program can name: a directory past it is not watched.
+const PATH_MAX: usize = libc::PATH_MAX as usize;
+/// The most bytes of directory paths held: a guest making a deep tree of long names
+/// would otherwise grow the supervisor's memory with the square of its depth.
+const MAX_PATH_BYTES: usize = 32 << 20;
 
 /// What changed in one read, by host path and kind.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -60,13 +66,64 @@ impl Changes {
 /// Directories watched, each by its inotify watch descriptor.
 pub struct TreeWatcher {
     inotify: OwnedFd,
-    dirs: HashMap<i32, PathBuf>,
+    dirs: WatchedDirs,
+    /// [`MAX_PATH_BYTES`] but in tests.
+    max_path_bytes: usize,
     /// Each tree's top, opened once: every directory below is reached from it, one
     /// name at a time, never through a link.
     roots: Vec<(PathBuf, OwnedFd)>,
     limit: usize,
     /// Why some directories go unwatched, said once.
     limit_reached: Option<String>,
+}
+
+/// The watched directories by watch descriptor, and the bytes of their paths.
+#[derive(Debug, Default)]
+struct WatchedDirs {
+    by_wd: HashMap<i32, PathBuf>,
+    path_bytes: usize,
+}
+
+impl WatchedDirs {
+    fn len(&self) -> usize {
+        self.by_wd.len()
+    }
+
+    fn get(&self, wd: &i32) -> Option<&PathBuf> {
+        self.by_wd.get(wd)
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = &PathBuf> {
+        self.by_wd.values()
+    }
+
+    fn insert(&mut self, wd: i32, dir: PathBuf) {
+        self.path_bytes += dir.as_os_str().len();
+        if let Some(replaced) = self.by_wd.insert(wd, dir) {
+            self.path_bytes -= replaced.as_os_str().len();
+        }
+    }
+
+    fn remove(&mut self, wd: i32) {
+        if let Some(removed) = self.by_wd.remove(&wd) {
+            self.path_bytes -= removed.as_os_str().len();
+        }
+    }
+
+    /// Stops watching `root` and the directories below it.
+    fn forget_tree(&mut self, inotify: &OwnedFd, root: &Path) {
+        let gone: Vec<i32> = self
+            .by_wd
+            .iter()
+            .filter(|(_, dir)| dir.starts_with(root))
+            .map(|(wd, _)| *wd)
+            .collect();
+        for wd in gone {
+            self.remove(wd);
+            let _ = inotify::remove_watch(inotify, wd);
+        }
+    }
 }
 
 /// A directory waiting in a walk: opened already, or to be opened by its name
@@ -82,7 +139,8 @@ impl TreeWatcher {
         let inotify = inotify::init(CreateFlags::CLOEXEC | CreateFlags::NONBLOCK)?;
         Ok(TreeWatcher {
             inotify,
-            dirs: HashMap::new(),
+            dirs: WatchedDirs::default(),
+            max_path_bytes: MAX_PATH_BYTES,
             roots: Vec::new(),
             limit,
             limit_reached: None,
@@ -139,6 +197,17 @@ impl TreeWatcher {
                     self.limit
                 ));
             }
+            let path_len = dir.as_os_str().len();
+            if path_len > PATH_MAX {
+                // Nor anything below: no program can name it.
+                continue;
+            }
+            if self.dirs.path_bytes + path_len > self.max_path_bytes {
+                return self.reached(format!(
+                    "the shares' directories have more than {} KiB of paths",
+                    self.max_path_bytes >> 10
+                ));
+            }
             let by_descriptor = format!("/proc/self/fd/{}", fd.as_raw_fd());
             match inotify::add_watch(&self.inotify, by_descriptor.as_str(), WATCHED) {
                 Ok(wd) => {
@@ -166,6 +235,20 @@ impl TreeWatcher {
             }
         }
         None
+    }
+
+    /// Whether `path` no longer names anything in its share: looked up as the walk
+    /// does, from the root, never through a link (a guest that swapped a directory
+    /// for a link to a host one must not learn which names exist there).
+    pub fn is_gone(&self, path: &Path) -> bool {
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            return false;
+        };
+        let Some(parent) = self.open_below_a_root(parent) else {
+            return true;
+        };
+        rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
+            .is_err_and(|e| e == rustix::io::Errno::NOENT)
     }
 
     /// `path`, opened from the root it lies below, one name at a time, refusing links.
@@ -233,7 +316,7 @@ impl TreeWatcher {
                 continue;
             }
             if flags.contains(ReadFlags::IGNORED) {
-                self.dirs.remove(&event.wd());
+                self.dirs.remove(event.wd());
                 continue;
             }
             let Some(dir) = self.dirs.get(&event.wd()).cloned() else {
@@ -258,7 +341,7 @@ impl TreeWatcher {
             if is_dir && flags.contains(ReadFlags::MOVED_FROM) {
                 // Its watches would report under the old name; moved back in, it is
                 // watched again under the new one.
-                forget_tree(&self.inotify, &mut self.dirs, &path);
+                self.dirs.forget_tree(&self.inotify, &path);
             }
             let name = path.file_name().unwrap_or_default();
             if is_dir
@@ -287,19 +370,6 @@ impl TreeWatcher {
             .edits
             .retain(|(path, kind), _| *kind == EditKind::Entries || !arrived.contains(path));
         Ok(unwatched)
-    }
-}
-
-/// Stops watching `root` and the directories below it.
-fn forget_tree(inotify: &OwnedFd, dirs: &mut HashMap<i32, PathBuf>, root: &Path) {
-    let gone: Vec<i32> = dirs
-        .iter()
-        .filter(|(_, dir)| dir.starts_with(root))
-        .map(|(wd, _)| *wd)
-        .collect();
-    for wd in gone {
-        dirs.remove(&wd);
-        let _ = inotify::remove_watch(inotify, wd);
     }
 }
 
@@ -523,6 +593,57 @@ mod tests {
                 .keys()
                 .all(|(path, _)| !path.starts_with(root.join("a"))),
             "{changes:?}"
+        );
+    }
+
+    /// A guest's deep tree of long names: nothing past PATH_MAX is watched, and the
+    /// paths held stop at their limit, said once.
+    #[test]
+    fn a_deep_tree_of_long_names_is_watched_within_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("share");
+        std::fs::create_dir(&root).unwrap();
+        let name = "d".repeat(200);
+        let mut fd = rustix::fs::open(&root, OFlags::DIRECTORY, Mode::empty()).unwrap();
+        for _ in 0..30 {
+            rustix::fs::mkdirat(&fd, name.as_str(), Mode::from_raw_mode(0o755)).unwrap();
+            fd = open_directory_at(&fd, OsStr::new(&name)).unwrap();
+        }
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        let levels_within = (PATH_MAX - root.as_os_str().len()) / (name.len() + 1);
+        assert_eq!(watcher.watched(), 1 + levels_within);
+        assert!(watcher
+            .dirs
+            .values()
+            .all(|path| path.as_os_str().len() <= PATH_MAX));
+
+        let mut small = TreeWatcher::new(100).unwrap();
+        small.max_path_bytes = 3 << 10;
+        let why = small.watch_tree(&root).unwrap();
+        assert!(why.contains("more than 3 KiB of paths"), "{why}");
+        assert!(small.dirs.path_bytes <= 3 << 10);
+        assert_eq!(small.watch_tree(&root), None, "said twice");
+    }
+
+    #[test]
+    fn a_name_is_gone_by_the_shares_own_lookup() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("share");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root.join("d/x")).unwrap();
+        std::fs::create_dir_all(outside.join("x")).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        assert!(!watcher.is_gone(&root.join("d/x")));
+        assert!(watcher.is_gone(&root.join("d/y")));
+        // `d` swapped for a link to a host directory that has an `x`: not there.
+        std::fs::remove_dir_all(root.join("d")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("d")).unwrap();
+        assert!(watcher.is_gone(&root.join("d/x")));
+        assert!(
+            !watcher.is_gone(&root.join("d")),
+            "the link itself is there"
         );
     }
 

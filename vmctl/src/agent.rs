@@ -106,8 +106,14 @@ pub struct AgentOptions {
 /// Runs the agent CLI in the workspace VM of the current directory; returns its exit
 /// code.
 pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
-    let (workspace, _) = VmDir::for_workspace(&options.workspace)?;
-    let relay_ports = loopback_ports(&options.args)?;
+    let (workspace, vm_dir) = VmDir::for_workspace(&options.workspace)?;
+    // What the guest can write: the workspace, and the writable shares it last had.
+    let mut guest_writable = vec![workspace.clone()];
+    if let Some(shares) = vm_dir.read_record().ok().and_then(|record| record.shares) {
+        let writable = shares.shares.into_iter().filter(|share| !share.read_only);
+        guest_writable.extend(writable.map(|share| share.host));
+    }
+    let relay_ports = loopback_ports(&options.args, &guest_writable)?;
     let _lease = crate::lease(&workspace, &format!("agent {}", options.cli.program()));
     let start = crate::vm::StartOptions {
         relay_ports: &relay_ports,
@@ -266,8 +272,10 @@ fn unquote(value: &str) -> String {
 
 /// Loopback ports named by URLs in the arguments and in the files `--mcp-config`
 /// names (Claude's SDK passes the MCP servers inline or as files; Codex's `-c`
-/// overrides carry them inline), so those URLs work unchanged in the VM.
-fn loopback_ports(args: &[String]) -> Result<Vec<u16>, AgentError> {
+/// overrides carry them inline), so those URLs work unchanged in the VM. A file in
+/// one of `guest_writable` (or a link to one) is passed over, said: the guest could
+/// name any host loopback port there (a database, a Docker socket) to be relayed.
+fn loopback_ports(args: &[String], guest_writable: &[PathBuf]) -> Result<Vec<u16>, AgentError> {
     let mut texts: Vec<String> = args.to_vec();
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -284,8 +292,21 @@ fn loopback_ports(args: &[String]) -> Result<Vec<u16>, AgentError> {
             if value.trim_start().starts_with('{') {
                 continue;
             }
-            // The file may be in the workspace, where the guest can swap it for a FIFO.
-            let text = match guest_writable::read_file(path, true, MAX_MCP_CONFIG_BYTES) {
+            let Ok(real) = path.canonicalize() else {
+                continue;
+            };
+            if guest_writable.iter().any(|dir| real.starts_with(dir)) {
+                vmm::to_stderr!(
+                    "vmctl: warning: --mcp-config {} is where the VM can write: the loopback \
+                     ports it names are not relayed to the host (keep it outside the \
+                     workspace)",
+                    crate::terminal::one_line(&path.display().to_string())
+                );
+                continue;
+            }
+            // Resolved, outside every share: nothing on its way is the guest's. (Still
+            // only a regular file is read.)
+            let text = match guest_writable::read_file(&real, false, MAX_MCP_CONFIG_BYTES) {
                 Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidData) => {
                     continue
                 }
@@ -354,7 +375,7 @@ mod tests {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        assert_eq!(loopback_ports(&args).unwrap(), [6767, 7000, 9100]);
+        assert_eq!(loopback_ports(&args, &[]).unwrap(), [6767, 7000, 9100]);
 
         // A FIFO (in the workspace, the guest's to make) is passed over, not waited on.
         let fifo = dir.path().join("fifo.json");
@@ -363,7 +384,22 @@ mod tests {
             "--mcp-config".to_string(),
             fifo.to_str().unwrap().to_string(),
         ];
-        assert_eq!(loopback_ports(&args).unwrap(), Vec::<u16>::new());
+        assert_eq!(loopback_ports(&args, &[]).unwrap(), Vec::<u16>::new());
+
+        // In a directory the guest writes, or reached through a link into one: its
+        // ports are not the host user's choice.
+        let share = dir.path().join("share");
+        std::fs::create_dir(&share).unwrap();
+        let planted = share.join("mcp.json");
+        std::fs::write(&planted, r#"{"url":"http://127.0.0.1:5432/"}"#).unwrap();
+        let link = dir.path().join("link.json");
+        std::os::unix::fs::symlink(&planted, &link).unwrap();
+        for path in [&planted, &link] {
+            let args = ["--mcp-config".to_string(), path.display().to_string()];
+            let writable = [share.canonicalize().unwrap()];
+            assert_eq!(loopback_ports(&args, &writable).unwrap(), Vec::<u16>::new());
+            assert_eq!(loopback_ports(&args, &[]).unwrap(), [5432]);
+        }
     }
 
     #[test]

@@ -171,6 +171,54 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     })
 }
 
+/// Says when what vmctl builds and runs on the host at a start (the guest agent from
+/// vmctl's sources, each start: cargo and build scripts; an image from a recipe, whose
+/// script runs as root in a chroot) lies where a VM can write, this one or another:
+/// a guest could have put there what then runs on the host.
+fn warn_of_builds_from_guest_writable(vm: &VmDir, record: &VmRecord, recipe: Option<&Path>) {
+    let others = VmDir::all()
+        .into_iter()
+        .filter(|other| other.path != vm.path)
+        .filter_map(|other| other.read_record().ok()?.shares);
+    let writable: Vec<PathBuf> = record
+        .shares
+        .iter()
+        .cloned()
+        .chain(others)
+        .flat_map(|set| set.shares)
+        .filter(|share| !share.read_only)
+        .map(|share| share.host)
+        .collect();
+    let recipe = recipe.and_then(|recipe| recipe.canonicalize().ok());
+    for (what, path, share) in builds_within(&artifacts::source_dir(), recipe, &writable) {
+        vmm::to_stderr!(
+            "vmctl: warning: a VM can write {}, which holds {what} ({}): what vmctl builds \
+             from there on this host runs with whatever a guest put there",
+            share.display(),
+            path.display()
+        );
+    }
+}
+
+/// Which of `sources` and `recipe` lie in one of `writable`, with that directory.
+fn builds_within<'a>(
+    sources: &Path,
+    recipe: Option<PathBuf>,
+    writable: &'a [PathBuf],
+) -> Vec<(&'static str, PathBuf, &'a PathBuf)> {
+    [
+        ("vmctl's sources", Some(sources.to_path_buf())),
+        ("the recipe", recipe),
+    ]
+    .into_iter()
+    .filter_map(|(what, path)| {
+        let path = path?;
+        let share = writable.iter().find(|share| path.starts_with(share))?;
+        Some((what, path, share))
+    })
+    .collect()
+}
+
 /// Tells the user about shares the running VM lost.
 fn warn_about_share_failures(vm: &VmDir) {
     for failure in vm.read_share_failures() {
@@ -290,6 +338,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         egress: egress.cloned().unwrap_or_default(),
     };
     check_cmdline_fits(&vm, &record)?;
+    warn_of_builds_from_guest_writable(&vm, &record, recipe);
     record.kernel = artifacts::ensure(Artifact::GuestKernel)?;
     record.initrd = artifacts::ensure(Artifact::AgentInitramfs)?;
     record.rootfs = match recipe {
@@ -955,6 +1004,30 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn builds_from_where_a_vm_writes_are_found() {
+        let writable = [PathBuf::from("/home/u/src"), PathBuf::from("/data")];
+        let found = builds_within(
+            Path::new("/home/u/src/vmctl"),
+            Some(PathBuf::from("/data/recipe.toml")),
+            &writable,
+        );
+        let found: Vec<(&str, &Path)> = found
+            .iter()
+            .map(|(what, _, share)| (*what, share.as_path()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("vmctl's sources", Path::new("/home/u/src")),
+                ("the recipe", Path::new("/data"))
+            ]
+        );
+        assert!(builds_within(Path::new("/opt/vmctl"), None, &writable).is_empty());
+        // A sibling that only shares a prefix of characters is not inside.
+        assert!(builds_within(Path::new("/home/u/src2/vmctl"), None, &writable).is_empty());
+    }
 
     #[test]
     fn a_supervisors_warnings_are_found_in_its_log() {

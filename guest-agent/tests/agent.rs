@@ -84,6 +84,15 @@ fn sh(script: &str) -> ExecRequest {
     }
 }
 
+/// A terminal of 80 columns and 24 rows, of the type `term`.
+fn terminal_80x24(term: &str) -> Option<TtyRequest> {
+    Some(TtyRequest {
+        rows: 24,
+        cols: 80,
+        term: term.into(),
+    })
+}
+
 async fn run(req: ExecRequest, stdin: &[u8]) -> guest_agent::client::Output {
     let s = conn().await.exec(req).await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), s.output(stdin))
@@ -325,11 +334,7 @@ async fn pty_size_and_resize() {
 #[tokio::test]
 async fn pty_is_a_terminal_with_term() {
     let mut req = sh("test -t 0 && test -t 1 && echo \"tty $TERM\"; read line; echo \"got $line\"");
-    req.tty = Some(TtyRequest {
-        rows: 24,
-        cols: 80,
-        term: "vt100".into(),
-    });
+    req.tty = terminal_80x24("vt100");
     let out = run(req, b"hello\n").await;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("tty vt100"), "{text:?}");
@@ -354,11 +359,7 @@ async fn a_terminal_belongs_to_the_commands_user() {
     let mut req = sh("stat -c '%u %G %a' \"$(tty)\"; exec 3<>\"$(tty)\" && echo opened");
     req.user = User::Named("nobody".into());
     req.cwd = Some("/".into());
-    req.tty = Some(TtyRequest {
-        rows: 24,
-        cols: 80,
-        term: "vt100".into(),
-    });
+    req.tty = terminal_80x24("vt100");
     let out = run(req, b"").await;
     let text = String::from_utf8_lossy(&out.stdout);
     let owner = match guest_agent::users::group_id("tty") {
@@ -382,11 +383,7 @@ async fn a_signal_reaches_the_foreground_job_of_an_interactive_shell() {
         ],
         ..Default::default()
     };
-    req.tty = Some(TtyRequest {
-        rows: 24,
-        cols: 80,
-        term: "dumb".into(),
-    });
+    req.tty = terminal_80x24("dumb");
     let mut s = conn().await.exec(req).await.unwrap();
     s.send_stdin(b"echo up-$((1+1)); sleep 77\n").await.unwrap();
     let mut seen = String::new();

@@ -399,18 +399,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
             && followed.contains("shutdown requested"),
         "{followed}"
     );
-    let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
-    else {
-        let _ = sleeper.kill();
-        panic!("vmctl exec still runs 60 s after its VM was stopped");
-    };
-    let mut stderr = String::new();
-    sleeper
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
+    let (status, stderr) = ended_within_a_minute(&mut sleeper, "after its VM was stopped");
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains("the VM was shut down, asked to by `vmctl stop`"),
@@ -467,6 +456,20 @@ fn assert_shell_with_and_without_a_terminal(ws: &Workspace) {
 }
 
 /// Runs `command` with `input` on its stdin, bounded to 120 s.
+/// How `vmctl` (spawned with its stderr piped) ended, and what it said, once it has:
+/// fails if it still runs a minute later, `after` what.
+fn ended_within_a_minute(vmctl: &mut Child, after: &str) -> (std::process::ExitStatus, String) {
+    let Some(status) = vm_tests::hang_report::wait_bounded(vmctl, Duration::from_secs(60)) else {
+        let _ = vmctl.kill();
+        panic!("vmctl exec still runs 60 s {after}");
+    };
+    let mut stderr = String::new();
+    if let Some(mut pipe) = vmctl.stderr.take() {
+        pipe.read_to_string(&mut stderr).unwrap();
+    }
+    (status, stderr)
+}
+
 fn output_of(mut command: Command, input: &str) -> Output {
     let mut child = command
         .stdin(Stdio::piped())
@@ -506,17 +509,8 @@ fn assert_a_reader_that_goes_away_is_a_closed_pipe(ws: &Workspace) {
         let mut first = [0u8; 2];
         yes.stdout.take().unwrap().read_exact(&mut first).unwrap();
         assert_eq!(&first, b"y\n");
-        let Some(status) = vm_tests::hang_report::wait_bounded(&mut yes, Duration::from_secs(60))
-        else {
-            let _ = yes.kill();
-            panic!("round {round}: vmctl exec still runs 60 s after its reader went away");
-        };
-        let mut stderr = String::new();
-        yes.stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
+        let after = format!("after its reader went away (round {round})");
+        let (status, stderr) = ended_within_a_minute(&mut yes, &after);
         assert_eq!(status.code(), Some(code), "round {round}: {stderr}");
         assert!(
             stderr.ends_with(says) && !stderr.contains("error"),
@@ -551,18 +545,10 @@ fn assert_ctrl_c_reaches_a_command_that_reads_no_stdin(ws: &Workspace) {
     let pid = sleeper.id().to_string();
     let kill = Command::new("kill").args(["-INT", &pid]).status().unwrap();
     assert!(kill.success(), "kill -INT {pid} failed");
-    let Some(status) = vm_tests::hang_report::wait_bounded(&mut sleeper, Duration::from_secs(60))
-    else {
-        let _ = sleeper.kill();
-        panic!("vmctl exec still runs 60 s after Ctrl-C, with stdin the command does not read");
-    };
-    let mut stderr = String::new();
-    sleeper
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
+    let (status, stderr) = ended_within_a_minute(
+        &mut sleeper,
+        "after Ctrl-C, with stdin the command does not read",
+    );
     // Killed by the signal itself, not given up on after the 10 s grace.
     assert_eq!(status.code(), Some(130), "{stderr}");
     assert!(!stderr.contains("still running"), "{stderr}");

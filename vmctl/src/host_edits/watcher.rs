@@ -418,6 +418,14 @@ mod tests {
         changes
     }
 
+    /// A temporary directory (kept while it lives) holding the paths of a share and
+    /// of a host directory outside it, neither made yet.
+    fn share_and_outside() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, outside) = (dir.path().join("share"), dir.path().join("outside"));
+        (dir, root, outside)
+    }
+
     /// Reads until `dir` is watched, or fails after 5 s.
     fn read_until_watched(watcher: &mut TreeWatcher, dir: &Path) {
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -559,9 +567,7 @@ mod tests {
     /// Walking by path would watch (and report to the guest) the host directory.
     #[test]
     fn a_directory_swapped_for_a_link_does_not_lead_the_watch_out_of_the_share() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("share");
-        let outside = dir.path().join("outside");
+        let (_dir, root, outside) = share_and_outside();
         std::fs::create_dir_all(root.join("a")).unwrap();
         std::fs::create_dir_all(outside.join("made/deep")).unwrap();
         let mut watcher = TreeWatcher::new(100).unwrap();
@@ -628,9 +634,7 @@ mod tests {
 
     #[test]
     fn a_name_is_gone_by_the_shares_own_lookup() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("share");
-        let outside = dir.path().join("outside");
+        let (_dir, root, outside) = share_and_outside();
         std::fs::create_dir_all(root.join("d/x")).unwrap();
         std::fs::create_dir_all(outside.join("x")).unwrap();
         let mut watcher = TreeWatcher::new(100).unwrap();
@@ -661,9 +665,7 @@ mod tests {
 
     #[test]
     fn links_git_objects_and_directories_past_the_limit_are_not_watched() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("share");
-        let outside = dir.path().join("outside");
+        let (_dir, root, outside) = share_and_outside();
         std::fs::create_dir_all(root.join(".git/objects/ab")).unwrap();
         std::fs::create_dir_all(root.join(".git/refs")).unwrap();
         std::fs::create_dir_all(outside.join("deep")).unwrap();

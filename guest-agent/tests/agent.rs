@@ -431,6 +431,18 @@ async fn signal_kills_the_command() {
     }
 }
 
+/// A session of `sleep 100`, which reads no stdin, once it runs; and its pid.
+async fn sleeping_a_while() -> (ExecSession<UnixStream>, i32) {
+    let mut s = conn()
+        .await
+        .exec(sh("echo up; exec sleep 100"))
+        .await
+        .unwrap();
+    read_until(&mut s, "up", &mut String::new()).await;
+    let pid = s.pid() as i32;
+    (s, pid)
+}
+
 /// The client sends stdin at most a window ahead of what the command takes, so the
 /// agent never stops reading the connection: a signal, or the client's going away,
 /// reaches a command that reads none of it at once (an agent that waited for the
@@ -445,13 +457,7 @@ async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
         total.to_string()
     );
 
-    let mut s = conn()
-        .await
-        .exec(sh("echo up; exec sleep 100"))
-        .await
-        .unwrap();
-    let pid = s.pid() as i32;
-    read_until(&mut s, "up", &mut String::new()).await;
+    let (mut s, pid) = sleeping_a_while().await;
     let (mut input, mut output) = s.split();
     let window = input.stdin_window();
     input.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
@@ -478,13 +484,7 @@ async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
     assert_eq!(status.signal, Some(libc::SIGTERM));
     assert!(!alive(pid));
 
-    let mut s = conn()
-        .await
-        .exec(sh("echo up; exec sleep 100"))
-        .await
-        .unwrap();
-    let pid = s.pid() as i32;
-    read_until(&mut s, "up", &mut String::new()).await;
+    let (mut s, pid) = sleeping_a_while().await;
     s.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -457,7 +457,7 @@ async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
         total.to_string()
     );
 
-    let (mut s, pid) = sleeping_a_while().await;
+    let (s, pid) = sleeping_a_while().await;
     let (mut input, mut output) = s.split();
     let window = input.stdin_window();
     input.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();

@@ -18,11 +18,10 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 
-/// How deep a tree under the directory is removed before giving up: the guest can nest
-/// directories far deeper than a recursion should follow (each level holds two
-/// descriptors open).
+/// How deep the removal of a tree recurses: the guest can nest directories far deeper
+/// than a recursion should follow (each level holds two descriptors open).
 const MAX_DEPTH: usize = 128;
 
 fn dir_flags() -> OFlags {
@@ -101,47 +100,79 @@ pub fn read_file(path: &Path, follow_links: bool, max: u64) -> io::Result<Vec<u8
 
 /// Removes the entry `name` of `parent`, a whole tree if it is a directory (even one
 /// made read-only); a missing entry is not an error. A symlink is removed, never
-/// followed.
+/// followed. A tree deeper than [`MAX_DEPTH`] (the guest's to make) is not recursed
+/// into past it: what lies deeper is moved up, into the directory being removed, and
+/// removed in a later pass.
 pub fn remove(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
-    remove_at_depth(parent.as_fd(), name.as_ref(), 0)
+    remove_at_depth(parent.as_fd(), name.as_ref(), 0, None)
 }
 
-fn remove_at_depth(parent: BorrowedFd<'_>, name: &OsStr, depth: usize) -> io::Result<()> {
+/// Passes over a directory being removed before giving up: each moves what lies
+/// [`MAX_DEPTH`] levels deeper up, so a tree of any depth the file system allows is
+/// gone in this many.
+const MAX_PASSES: usize = 4096;
+
+fn remove_at_depth(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    depth: usize,
+    top: Option<BorrowedFd<'_>>,
+) -> io::Result<()> {
     match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
         // A directory (EISDIR, or EPERM from some filesystems): empty it first.
         Err(rustix::io::Errno::ISDIR | rustix::io::Errno::PERM) => {}
         Err(e) => return Err(e.into()),
     }
-    if depth >= MAX_DEPTH {
-        return Err(io::Error::other(format!(
-            "{}: directories nested deeper than {MAX_DEPTH} levels",
-            name.to_string_lossy()
-        )));
+    if let Some(top) = top.filter(|_| depth >= MAX_DEPTH) {
+        return move_up(parent, name, top);
     }
     let dir = match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
         Ok(dir) => dir,
         // Replaced by a symlink or file meanwhile: remove that instead.
         Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
-            return remove_at_depth(parent, name, depth + 1);
+            return remove_at_depth(parent, name, depth + 1, top);
         }
         Err(rustix::io::Errno::NOENT) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
     // Our earlier copies are read-only; removing their entries needs write access.
     rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o700))?;
-    for entry in rustix::fs::Dir::read_from(&dir)? {
-        let entry = entry?;
-        // The name as it is, bytes not UTF-8 included: the guest chose it.
-        let child = OsStr::from_bytes(entry.file_name().to_bytes());
-        if child != "." && child != ".." {
-            remove_at_depth(dir.as_fd(), child, depth + 1)?;
+    // The directory being removed takes in what lies too deep below it.
+    let top = top.unwrap_or(dir.as_fd());
+    for _ in 0..MAX_PASSES {
+        for entry in rustix::fs::Dir::read_from(&dir)? {
+            let entry = entry?;
+            // The name as it is, bytes not UTF-8 included: the guest chose it.
+            let child = OsStr::from_bytes(entry.file_name().to_bytes());
+            if child != "." && child != ".." {
+                remove_at_depth(dir.as_fd(), child, depth + 1, Some(top))?;
+            }
+        }
+        match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
+            // What was moved up into it, after its listing had gone past.
+            Err(rustix::io::Errno::NOTEMPTY) if depth == 0 => {}
+            Err(e) => return Err(e.into()),
         }
     }
-    match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
-        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
-        Err(e) => Err(e.into()),
+    Err(io::Error::other(format!(
+        "{}: still not empty after {MAX_PASSES} passes (is something still writing there?)",
+        name.to_string_lossy()
+    )))
+}
+
+/// Moves the directory `name` of `parent` into `top`, under a name of its own.
+fn move_up(parent: BorrowedFd<'_>, name: &OsStr, top: BorrowedFd<'_>) -> io::Result<()> {
+    for attempt in 0u32.. {
+        let moved = format!(".vmctl-removing-{attempt}");
+        match rustix::fs::renameat_with(parent, name, top, moved.as_str(), RenameFlags::NOREPLACE) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(rustix::io::Errno::EXIST) => continue,
+            Err(e) => return Err(e.into()),
+        }
     }
+    Err(io::Error::other("no free name to move a deep directory to"))
 }
 
 /// Copies `from` (a file, a symlink or a directory tree of the host's own, whose
@@ -350,15 +381,23 @@ mod tests {
         assert!(!dir.exists());
     }
 
+    /// A tree several times deeper than the recursion goes (read-only, as the guest
+    /// can leave it) is removed all the same.
     #[test]
-    fn a_tree_nested_too_deep_is_refused_not_recursed() {
+    fn a_tree_nested_deeper_than_the_recursion_is_removed() {
         let tmp = tempfile::tempdir().unwrap();
         let mut deep = tmp.path().join("deep");
-        for _ in 0..=MAX_DEPTH + 1 {
+        for _ in 0..3 * MAX_DEPTH + 5 {
             deep.push("d");
         }
         std::fs::create_dir_all(&deep).unwrap();
-        let err = remove(open_dir(tmp.path()).unwrap(), "deep").unwrap_err();
-        assert!(err.to_string().contains("deeper than"), "{err}");
+        std::fs::write(deep.join("leaf"), "x").unwrap();
+        std::fs::set_permissions(
+            deep.parent().unwrap(),
+            std::fs::Permissions::from_mode(0o555),
+        )
+        .unwrap();
+        remove(open_dir(tmp.path()).unwrap(), "deep").unwrap();
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
 }

@@ -25,16 +25,48 @@ use crate::vstate::exit::ExitReason;
 pub mod child;
 pub mod cpus;
 
-/// `eprintln!` that cannot panic. vmctl and its VMM are built with `panic = "abort"`,
+/// `eprintln!` that cannot panic, and that escapes control characters. vmctl and its VMM are built with `panic = "abort"`,
 /// and `eprintln!` panics when stderr cannot be written (its reader gone with a killed
 /// parent, a full disk): a message must not end the process halfway through its
 /// clean-up. A message that cannot be written is lost; the exit code still tells.
+///
+/// Whatever the message quotes (a path, the guest's words) reaches the terminal
+/// [`printable`]: no escape sequence in it drives the user's terminal.
 #[macro_export]
 macro_rules! to_stderr {
     ($($arg:tt)*) => {{
         use ::std::io::Write as _;
-        let _ = ::std::writeln!(::std::io::stderr(), $($arg)*);
+        let text = ::std::format!($($arg)*);
+        let _ = ::std::writeln!(::std::io::stderr(), "{}", $crate::process::printable(&text));
     }};
+}
+
+/// `text` fit for the host's terminal: control characters other than newline and tab
+/// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
+/// console's panic line), and an escape sequence from it must not drive the terminal.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    escaped(text, |c| c.is_control() && c != '\n' && c != '\t')
+}
+
+/// [`printable`], and on one line: line breaks shown escaped too, for a guest's words
+/// quoted inside a message, where a line of their own could pass for vmctl's.
+pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    escaped(text, char::is_control)
+}
+
+fn escaped(text: &str, escape: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(&escape) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if escape(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and

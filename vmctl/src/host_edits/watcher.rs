@@ -244,6 +244,10 @@ impl TreeWatcher {
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return false;
         };
+        if !self.roots.iter().any(|(root, _)| parent.starts_with(root)) {
+            // A root itself (or no share's): not for the walk to say.
+            return false;
+        }
         let Some(parent) = self.open_below_a_root(parent) else {
             return true;
         };

@@ -34,6 +34,11 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// would otherwise grow the supervisor's memory with the square of its depth.
 const MAX_PATH_BYTES: usize = 32 << 20;
 
+/// How many levels below where it starts one walk goes: the supervisor's descriptors
+/// are not the guest's to use up (a directory made deeper still is watched when it
+/// is made).
+const MAX_WALK_DEPTH: usize = 128;
+
 /// What changed in one read, by host path and kind.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Changes {
@@ -176,8 +181,8 @@ impl TreeWatcher {
             // Gone meanwhile, or reached through a link.
             return None;
         };
-        let mut pending = vec![(top.to_path_buf(), Next::Opened(top_fd))];
-        while let Some((dir, next)) = pending.pop() {
+        let mut pending = vec![(top.to_path_buf(), Next::Opened(top_fd), 0)];
+        while let Some((dir, next, depth)) = pending.pop() {
             let fd = match next {
                 Next::Opened(fd) => fd,
                 Next::Below(parent) => {
@@ -224,13 +229,17 @@ impl TreeWatcher {
                 }
                 Err(_) => continue,
             }
+            if depth == MAX_WALK_DEPTH {
+                // Each level down holds its directory open while its others wait.
+                continue;
+            }
             let Ok(names) = possible_subdirectories(&fd) else {
                 continue;
             };
             let fd = Rc::new(fd);
             for name in names {
                 if !is_git_objects(&dir, &name) {
-                    pending.push((dir.join(name), Next::Below(Rc::clone(&fd))));
+                    pending.push((dir.join(name), Next::Below(Rc::clone(&fd)), depth + 1));
                 }
             }
         }
@@ -634,6 +643,19 @@ mod tests {
         assert!(why.contains("more than 3 KiB of paths"), "{why}");
         assert!(small.dirs.path_bytes <= 3 << 10);
         assert_eq!(small.watch_tree(&root), None, "said twice");
+    }
+
+    #[test]
+    fn a_walk_goes_so_many_levels_down() {
+        let (_dir, root, _) = share_and_outside();
+        let mut deep = root.clone();
+        for _ in 0..MAX_WALK_DEPTH + 5 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        let mut watcher = TreeWatcher::new(1000).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        assert_eq!(watcher.watched(), MAX_WALK_DEPTH + 1);
     }
 
     #[test]

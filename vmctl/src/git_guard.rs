@@ -264,7 +264,7 @@ fn git_dirs(shares: &[Share]) -> Vec<GitDir> {
 }
 
 /// A share's `.git` that is not a directory: a file naming the git directory git on
-/// the host uses (a worktree's). The guest can point it at a copy of the repository's
+/// the host uses (a worktree's), or a link. The guest can point it at a copy of the repository's
 /// git directory with config and hooks of its own, which the snapshot of the share's
 /// `.git` would never see: its change is reported, as that of a hook.
 fn redirects(shares: &[Share]) -> Vec<(Runnable, String)> {
@@ -272,10 +272,11 @@ fn redirects(shares: &[Share]) -> Vec<(Runnable, String)> {
         .iter()
         .filter(|share| !share.read_only)
         .map(|share| share.host.join(".git"))
-        .filter(|dot_git| !dot_git.is_dir())
+        // A link counts, even to a directory: to another repository's, say.
+        .filter(|dot_git| std::fs::symlink_metadata(dot_git).is_ok_and(|m| !m.is_dir()))
         .filter_map(|dot_git| {
             let fingerprint = fingerprint(&dot_git)?;
-            let what = "the .git file, which names the git directory git uses".into();
+            let what = ".git (a file or a link), which names the git directory git uses".into();
             Some((
                 Runnable {
                     git_dir: dot_git,
@@ -675,9 +676,25 @@ mod tests {
         assert!(
             changed
                 .iter()
-                .any(|r| r.git_dir == repo.join(".git") && r.what.starts_with("the .git file")),
+                .any(|r| r.git_dir == repo.join(".git")
+                    && r.what.starts_with(".git (a file or a link)")),
             "{changed:?}"
         );
+        // A link to another repository's git directory: a change too.
+        let other = tempfile::tempdir().unwrap();
+        git(other.path(), &["init", "-q"]);
+        std::fs::remove_file(repo.join(".git")).unwrap();
+        std::os::unix::fs::symlink(other.path().join(".git"), repo.join(".git")).unwrap();
+        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
+        assert!(
+            changed
+                .iter()
+                .any(|r| r.git_dir == repo.join(".git")
+                    && r.what.starts_with(".git (a file or a link)")),
+            "{changed:?}"
+        );
+        std::fs::remove_file(repo.join(".git")).unwrap();
+        std::fs::write(repo.join(".git"), "gitdir: .evil\n").unwrap();
         // Pointed elsewhere again: a change too.
         let pointing = Snapshot::of(&shares);
         std::thread::sleep(std::time::Duration::from_millis(20));

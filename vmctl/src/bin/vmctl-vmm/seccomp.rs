@@ -4,7 +4,8 @@
 //! on descriptors it already holds, KVM's ioctls, epoll and eventfds, Unix sockets
 //! (vsock connections, virtiofsd), memory that is never executable, its own threads
 //! and signals. Not allowed, among the rest: opening files, executing programs,
-//! creating processes, network sockets, signals to other processes, ptrace.
+//! creating processes, network sockets, signals to other processes (tgkill, or the
+//! kernel's on a descriptor's I/O: fcntl's F_SETOWN and O_ASYNC), ptrace.
 //!
 //! A call outside the list stops the VMM with a report that names the call (SIGSYS),
 //! instead of a silent kill: it is a bug of the VMM's, and the report says how to run
@@ -75,7 +76,7 @@ pub fn install(outcome_fd: Option<RawFd>) -> Result<(), SeccompError> {
 /// EACCES (see the module's comment). Of several filters the kernel takes the
 /// strictest answer, so the allowlist must allow these calls for the refusals to be
 /// heard; it goes last because installing a filter takes calls it does not allow.
-fn programs(pid: u32) -> Result<[BpfProgram; 3], SeccompError> {
+fn programs(pid: u32) -> Result<[BpfProgram; 4], SeccompError> {
     let arch = std::env::consts::ARCH.try_into()?;
     let allowlist = SeccompFilter::new(
         allowed_calls(pid)?,
@@ -93,9 +94,16 @@ fn programs(pid: u32) -> Result<[BpfProgram; 3], SeccompError> {
     };
     let no_clone3 = refusal(&[libc::SYS_clone3], libc::ENOSYS)?;
     let no_open = refusal(OPEN_CALLS, libc::EACCES)?;
+    let no_signals_by_descriptor = SeccompFilter::new(
+        [(libc::SYS_fcntl, signals_by_descriptor()?)].into(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch,
+    )?;
     Ok([
         no_clone3.try_into()?,
         no_open.try_into()?,
+        no_signals_by_descriptor.try_into()?,
         allowlist.try_into()?,
     ])
 }
@@ -230,6 +238,35 @@ fn allowed_calls(pid: u32) -> Result<BTreeMap<i64, Vec<SeccompRule>>, BackendErr
     Ok(calls)
 }
 
+/// fcntl(2) commands the libc crate does not name (asm-generic/fcntl.h).
+const F_SETSIG: c_int = 10;
+const F_SETOWN_EX: c_int = 15;
+
+/// The fcntl(2) commands refused with EPERM: those that make the kernel signal a
+/// process of the descriptor's owner's choosing, any process of the user's (the
+/// supervisor, the daemon, other VMs), when I/O happens on it (F_SETOWN, F_SETOWN_EX,
+/// F_SETSIG, O_ASYNC) or its file changes (F_NOTIFY, F_SETLEASE). The VMM uses none;
+/// the rest of fcntl stays allowed.
+fn signals_by_descriptor() -> Result<Vec<SeccompRule>, BackendError> {
+    use SeccompCmpOp::{Eq, MaskedEq};
+    let async_flag = libc::O_ASYNC as u64;
+    let mut rules = [
+        libc::F_SETOWN,
+        F_SETOWN_EX,
+        F_SETSIG,
+        libc::F_NOTIFY,
+        libc::F_SETLEASE,
+    ]
+    .into_iter()
+    .map(|command| rule(&[(1, Eq, command as u64)]))
+    .collect::<Result<Vec<_>, _>>()?;
+    rules.push(rule(&[
+        (1, Eq, libc::F_SETFL as u64),
+        (2, MaskedEq(async_flag), async_flag),
+    ])?);
+    Ok(rules)
+}
+
 /// A rule whose conditions (argument index, comparison, value) must all hold. Only
 /// the low 32 bits of an argument are compared: the arguments checked here are C
 /// `int`s (or, for ioctl and clone, numbers that fit in one), whose upper half the
@@ -337,6 +374,7 @@ fn write_all(fd: RawFd, mut bytes: &[u8]) {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
     use std::os::unix::net::{UnixListener, UnixStream};
     use std::os::unix::process::ExitStatusExt;
     use std::process::Command;
@@ -430,6 +468,22 @@ mod tests {
             Err(Some(libc::EACCES))
         );
         shrink_a_threads_heap();
+        // Signals by descriptor are refused; the rest of fcntl works.
+        let fd = client.as_raw_fd();
+        for (command, argument) in [
+            (libc::F_SETOWN, 1),
+            (F_SETSIG, libc::SIGKILL),
+            (libc::F_SETFL, libc::O_ASYNC | libc::O_NONBLOCK),
+        ] {
+            // SAFETY: fcntl on a socket this process holds, with int arguments.
+            let refused = unsafe { libc::fcntl(fd, command, argument) };
+            let error = std::io::Error::last_os_error().raw_os_error();
+            assert_eq!((refused, error), (-1, Some(libc::EPERM)), "{command}");
+        }
+        // SAFETY: as above.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFL, flags) }, 0);
         println!("{ALLOWED_WORKED}");
 
         match call {

@@ -81,6 +81,7 @@ pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
     };
     let mut command = Command::new(&path);
     command.args(args.to_args());
+    only_the_vmms_variables(&mut command);
     keep_across_exec(&mut command, vec![config_fd.as_raw_fd()]);
     let source = command.exec();
     VmmProcessError::Start { path, source }
@@ -166,6 +167,26 @@ fn above_stdio(fd: OwnedFd) -> Result<OwnedFd, VmmProcessError> {
 }
 
 /// Clears close-on-exec on `fds` in the child, between fork and exec.
+/// The variables of this process's environment the VMM reads; it gets no other.
+const VMM_VARIABLES: &[&str] = &[
+    vmm::process::SECCOMP_SWITCH_ENV,
+    vmm::process::VCPU_CPUS_ENV,
+    "VMCTL_LOG",
+    "RUST_BACKTRACE",
+];
+
+/// Clears the VMM's environment but for [`VMM_VARIABLES`]: the user's (a token in
+/// `GITHUB_TOKEN`, `SSH_AUTH_SOCK`) would sit in the memory of the process the guest
+/// is closest to, where reading it takes no system call a filter could refuse.
+fn only_the_vmms_variables(command: &mut Command) {
+    command.env_clear();
+    for name in VMM_VARIABLES {
+        if let Some(value) = std::env::var_os(name) {
+            command.env(name, value);
+        }
+    }
+}
+
 fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
     // SAFETY: the closure runs in the child between fork and exec (or before this
     // process's own exec) and only calls fcntl(2), which is async-signal-safe.
@@ -188,6 +209,7 @@ fn spawn(
 ) -> Result<std::process::Child, VmmProcessError> {
     let mut command = Command::new(path);
     command.args(args);
+    only_the_vmms_variables(&mut command);
     keep_across_exec(&mut command, inherited_fds);
     vmm::process::child::stop_with_parent(&mut command);
     command.spawn().map_err(|source| VmmProcessError::Start {
@@ -275,6 +297,21 @@ fn forward_pending() {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The VMM sees none of the user's variables (PATH and HOME stand for them: any
+    /// test run has them), only those it reads.
+    #[test]
+    fn the_vmm_gets_only_its_own_variables() {
+        assert!(std::env::var_os("PATH").is_some());
+        let mut env = Command::new("/usr/bin/env");
+        only_the_vmms_variables(&mut env);
+        let output = env.output().unwrap();
+        let listed = String::from_utf8_lossy(&output.stdout);
+        for line in listed.lines() {
+            let name = line.split('=').next().unwrap_or_default();
+            assert!(VMM_VARIABLES.contains(&name), "{line}");
+        }
+    }
 
     /// Writes an executable shell script.
     fn script(path: &Path, text: &str) {

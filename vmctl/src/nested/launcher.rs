@@ -429,6 +429,9 @@ fn qemu_command(
     job: &NestedJob,
 ) -> Command {
     let mut command = Command::new(qemu);
+    // QEMU reads none of the user's variables (the job carries what the nested host
+    // needs), and holds none of their tokens.
+    command.env_clear();
     let memory = job.host_memory_mib;
     let guest_job_spec = format!("{}/{}", job::GUEST_JOB_DIR, job::SPEC_FILE);
     let log_filter = std::env::var(LOG_ENV).ok();

@@ -169,7 +169,9 @@ pub(super) fn spawn_daemon(
     let args = daemon_args(share, socket, sandbox, policy);
     tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
     let mut command = Command::new(binary);
+    // It reads none of the user's variables, and holds none of their tokens.
     command
+        .env_clear()
         .args(&args)
         .stdin(Stdio::null())
         .stdout(stdout)

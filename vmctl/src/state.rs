@@ -221,9 +221,12 @@ impl VmDir {
     pub fn pid_file(&self) -> PathBuf {
         self.path.join("supervisor.pid")
     }
-    /// One line per virtiofsd that died while the VM ran.
+    /// One line per virtiofsd that died while the VM ran. In a directory of its own:
+    /// a nested host records its virtiofsd's there, and is given that directory alone
+    /// of the VM's (never its record, logs or sockets, which a nested host the guest
+    /// took over could otherwise rewrite or plant links among).
     pub fn share_failures(&self) -> PathBuf {
-        self.path.join("share-failures.log")
+        self.path.join("share-failures").join("failures.log")
     }
 
     /// What `share_failures` recorded (empty when all is well).
@@ -587,7 +590,17 @@ mod tests {
             crate::agent::agent_home_dir(&vm),
         ] {
             assert!(!other.starts_with(&vsock_dir), "{}", other.display());
+            // Nor what a nested host is given of it: the failures' directory.
+            let failures_dir = vm.share_failures().parent().unwrap().to_path_buf();
+            assert!(
+                other == vm.share_failures() || !other.starts_with(&failures_dir),
+                "{}",
+                other.display()
+            );
         }
+        assert!(!vm
+            .vsock_socket()
+            .starts_with(vm.share_failures().parent().unwrap()));
 
         let service = crate::network::services::service_socket(&vm.vsock_socket());
         for socket in [vm.vsock_socket(), service, vm.control_socket()] {

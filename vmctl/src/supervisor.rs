@@ -46,6 +46,10 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     crate::host_edits::forward(vm.vsock_socket(), record.shares.as_ref());
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        }
     }
     let _ = std::fs::remove_file(vm.crash_file());
     let outcome = if record.nested {

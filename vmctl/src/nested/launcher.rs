@@ -394,12 +394,7 @@ fn start_vsock_relay(
                 return;
             };
             let (reader, writer) = link.into_split();
-            // Guest connections to host port N go to `<host socket>_N`, as for a VM
-            // that runs directly.
-            let opener: Opener = Arc::new(move |port| {
-                let target = PathBuf::from(format!("{}_{port}", host_vsock.display()));
-                Box::pin(async move { tokio::net::UnixStream::connect(target).await })
-            });
+            let opener = host_service_opener(host_vsock);
             let (mux, _link) = Mux::start(reader, writer, true, opener);
             while let Ok((client, _)) = client_listener.accept().await {
                 let mux = mux.clone();
@@ -407,6 +402,24 @@ fn start_vsock_relay(
             }
         });
     }))
+}
+
+/// Opens the nested guest's connections to the host: to port N goes to `<host
+/// socket>_N`, as for a VM that runs directly. The host serves one port, and a nested
+/// host the guest took over gets no other socket of the host's by naming a port.
+fn host_service_opener(host_vsock: PathBuf) -> Opener {
+    Arc::new(move |port| {
+        let target = PathBuf::from(format!("{}_{port}", host_vsock.display()));
+        Box::pin(async move {
+            if port != guest_agent::protocol::HOST_SERVICE_PORT {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    format!("the host serves no vsock port {port}"),
+                ));
+            }
+            tokio::net::UnixStream::connect(target).await
+        })
+    })
 }
 
 /// QEMU reads the guest console's input from stdin; a closed stdin would make it
@@ -629,6 +642,26 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
 mod tests {
     use super::*;
     use crate::nested::stall::Stuck;
+
+    /// A nested host asks for host vsock ports: the host services' one is connected,
+    /// any other refused, even where a socket (or a link to one) waits under its name.
+    #[tokio::test]
+    async fn a_nested_host_reaches_the_host_service_port_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let host_vsock = dir.path().join("vsock.sock");
+        let service = format!(
+            "{}_{}",
+            host_vsock.display(),
+            guest_agent::protocol::HOST_SERVICE_PORT
+        );
+        let other = format!("{}_77", host_vsock.display());
+        let _service = tokio::net::UnixListener::bind(&service).unwrap();
+        let _other = tokio::net::UnixListener::bind(&other).unwrap();
+        let open = host_service_opener(host_vsock);
+        assert!(open(guest_agent::protocol::HOST_SERVICE_PORT).await.is_ok());
+        let refused = open(77).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    }
 
     #[test]
     fn the_nested_host_uses_shadow_paging_unless_told_otherwise() {

@@ -363,9 +363,12 @@ fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
 
 fn record_failure(file: &Path, failure: &str) {
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Never through a link: a nested host writes in the same directory.
     let appended = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(file)
         .and_then(|mut f| writeln!(f, "{failure}"));
     if let Err(e) = appended {
@@ -496,6 +499,25 @@ fn terminate(daemons: &mut [Daemon]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A link planted where the failures are recorded (a nested host writes in that
+    /// directory) is not written through.
+    #[test]
+    fn a_failure_is_not_recorded_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("bashrc");
+        std::fs::write(&target, "kept\n").unwrap();
+        let file = dir.path().join("failures.log");
+        std::os::unix::fs::symlink(&target, &file).unwrap();
+        record_failure(&file, "virtiofsd for /w exited");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "kept\n");
+        std::fs::remove_file(&file).unwrap();
+        record_failure(&file, "virtiofsd for /w exited");
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "virtiofsd for /w exited\n"
+        );
+    }
     use std::os::unix::fs::PermissionsExt;
 
     /// The virtiofsd vmctl would use; None, said loudly, where there is none (CI

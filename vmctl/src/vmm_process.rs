@@ -189,9 +189,20 @@ fn only_the_vmms_variables(command: &mut Command) {
 
 fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
     // SAFETY: the closure runs in the child between fork and exec (or before this
-    // process's own exec) and only calls fcntl(2), which is async-signal-safe.
+    // process's own exec) and only makes system calls (close_range, fcntl), which are
+    // async-signal-safe.
     unsafe {
         command.pre_exec(move || {
+            // Every other descriptor closes at exec, whatever this process inherited
+            // without close-on-exec (from an IDE, an agent harness): the VMM holds
+            // what it was given, nothing else. (An old kernel without close_range
+            // leaves them as they are.)
+            libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            );
             for &fd in &fds {
                 if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -297,6 +308,32 @@ fn forward_pending() {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The VMM gets the descriptors it is given, and no other this process holds,
+    /// close-on-exec or not.
+    #[test]
+    fn the_vmm_gets_only_the_descriptors_it_is_given() {
+        let stray = std::fs::File::open("/dev/null").unwrap();
+        let given = std::fs::File::open("/dev/null").unwrap();
+        // SAFETY: F_SETFD on a descriptor this test holds.
+        assert_eq!(
+            unsafe { libc::fcntl(stray.as_raw_fd(), libc::F_SETFD, 0) },
+            0
+        );
+        let mut ls = Command::new("/bin/ls");
+        ls.arg("/proc/self/fd");
+        keep_across_exec(&mut ls, vec![given.as_raw_fd()]);
+        let listed = String::from_utf8(ls.output().unwrap().stdout).unwrap();
+        let fds: Vec<&str> = listed.lines().collect();
+        assert!(
+            fds.contains(&given.as_raw_fd().to_string().as_str()),
+            "{fds:?}"
+        );
+        assert!(
+            !fds.contains(&stray.as_raw_fd().to_string().as_str()),
+            "{fds:?}"
+        );
+    }
 
     /// The VMM sees none of the user's variables (PATH and HOME stand for them: any
     /// test run has them), only those it reads.

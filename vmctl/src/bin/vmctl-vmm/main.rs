@@ -156,7 +156,8 @@ fn give_up_privileges(
         }
         Jail::NotEntered(reason) => vmm::to_stderr!(
             "{BINARY}: warning: cannot jail the VMM ({reason}): it still sees the host's \
-             files, within Landlock's limits"
+             files, within Landlock's limits, and can connect to the user's Unix sockets \
+             (other VMs' agents, an ssh agent) should the guest take it over"
         ),
     }
     let (confinement, held) = confine::confine(socket_dir).map_err(|e| e.to_string())?;

@@ -670,29 +670,21 @@ mod tests {
         assert_eq!(changed.len(), 1, "{changed:?}");
         assert!(changed[0].what.starts_with("commondir"), "{changed:?}");
 
+        let assert_redirected = |changed: &[Runnable]| {
+            let redirect = |r: &Runnable| {
+                r.git_dir == repo.join(".git") && r.what.starts_with(".git (a file or a link)")
+            };
+            assert!(changed.iter().any(redirect), "{changed:?}");
+        };
         std::fs::rename(repo.join(".git"), repo.join(".evil")).unwrap();
         std::fs::write(repo.join(".git"), "gitdir: .evil\n").unwrap();
-        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
-        assert!(
-            changed
-                .iter()
-                .any(|r| r.git_dir == repo.join(".git")
-                    && r.what.starts_with(".git (a file or a link)")),
-            "{changed:?}"
-        );
+        assert_redirected(&Snapshot::of(&shares).changed_since(&before).runnables);
         // A link to another repository's git directory: a change too.
         let other = tempfile::tempdir().unwrap();
         git(other.path(), &["init", "-q"]);
         std::fs::remove_file(repo.join(".git")).unwrap();
         std::os::unix::fs::symlink(other.path().join(".git"), repo.join(".git")).unwrap();
-        let changed = Snapshot::of(&shares).changed_since(&before).runnables;
-        assert!(
-            changed
-                .iter()
-                .any(|r| r.git_dir == repo.join(".git")
-                    && r.what.starts_with(".git (a file or a link)")),
-            "{changed:?}"
-        );
+        assert_redirected(&Snapshot::of(&shares).changed_since(&before).runnables);
         std::fs::remove_file(repo.join(".git")).unwrap();
         std::fs::write(repo.join(".git"), "gitdir: .evil\n").unwrap();
         // Pointed elsewhere again: a change too.

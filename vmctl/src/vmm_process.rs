@@ -166,7 +166,6 @@ fn above_stdio(fd: OwnedFd) -> Result<OwnedFd, VmmProcessError> {
     fd.try_clone().map_err(VmmProcessError::Setup)
 }
 
-/// Clears close-on-exec on `fds` in the child, between fork and exec.
 /// The variables of this process's environment the VMM reads; it gets no other.
 const VMM_VARIABLES: &[&str] = &[
     vmm::process::SECCOMP_SWITCH_ENV,
@@ -187,6 +186,8 @@ fn only_the_vmms_variables(command: &mut Command) {
     }
 }
 
+/// Clears close-on-exec on `fds` in the child, between fork and exec, and sets it on
+/// every other descriptor.
 fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
     // SAFETY: the closure runs in the child between fork and exec (or before this
     // process's own exec) and only makes system calls (close_range, fcntl), which are

@@ -499,6 +499,7 @@ fn terminate(daemons: &mut [Daemon]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     /// A link planted where the failures are recorded (a nested host writes in that
     /// directory) is not written through.
@@ -518,7 +519,6 @@ mod tests {
             "virtiofsd for /w exited\n"
         );
     }
-    use std::os::unix::fs::PermissionsExt;
 
     /// The virtiofsd vmctl would use; None, said loudly, where there is none (CI
     /// installs it, so there these tests always run).

@@ -182,10 +182,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let session = match started {
         Ok(session) => session,
         Err((message, exit_code)) => {
-            vmm::to_stderr!(
-                "vmctl: {} (in the VM)",
-                crate::terminal::printable(&message)
-            );
+            vmm::to_stderr!("vmctl: {message} (in the VM)");
             return Ok(exit_code);
         }
     };

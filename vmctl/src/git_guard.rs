@@ -548,7 +548,7 @@ pub fn watch<T>(vm: &VmDir, session: impl FnOnce() -> T) -> T {
 /// Tells the user, on stderr, what a session changed; nothing when nothing did.
 pub fn report(changes: &Changes) {
     if let Some(warning) = warning(changes) {
-        vmm::to_stderr!("{}", crate::terminal::printable(&warning));
+        vmm::to_stderr!("{warning}");
     }
 }
 

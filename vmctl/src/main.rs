@@ -361,7 +361,7 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
         Err(e) => {
             // The error may be that stderr cannot be written; the exit code still says
             // it failed.
-            vmm::to_stderr!("vmctl: error: {}", terminal::printable(&e));
+            vmm::to_stderr!("vmctl: error: {e}");
             ExitCode::FAILURE
         }
     }

@@ -394,7 +394,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     // virtiofsd without its sandbox, shares too large to watch) is said here too.
     let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
     for warning in warnings_in(&log) {
-        vmm::to_stderr!("{}", crate::terminal::printable(warning));
+        vmm::to_stderr!("{warning}");
     }
     let ready_after = started.elapsed();
     tracing::info!(
@@ -529,10 +529,7 @@ fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
     match control::request(&vm.control_socket(), &request)? {
         ControlResponse::Configured { failed_relays, .. } => {
             for (port, reason) in failed_relays {
-                vmm::to_stderr!(
-                    "vmctl: warning: port {port} is not relayed into the VM: {}",
-                    crate::terminal::printable(&reason)
-                );
+                vmm::to_stderr!("vmctl: warning: port {port} is not relayed into the VM: {reason}");
             }
             Ok(())
         }

@@ -139,12 +139,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     }
     list.extend(written.iter().map(|mount| mount.share.clone()));
     // Every VM's guest, running or not, may have left links in its writable shares.
-    let others = VmDir::all()
-        .into_iter()
-        .filter(|other| other.path != vm.path)
-        .filter_map(|other| other.read_record().ok()?.shares)
-        .flat_map(|set| set.shares);
-    let guarded: Vec<Share> = list.iter().cloned().chain(others).collect();
+    let guarded: Vec<Share> = list.iter().cloned().chain(other_vms_shares(vm)).collect();
     shares::check_no_guest_symlinks(&written, &guarded)?;
     match crate::worktree::repository_share(workspace, &list) {
         Ok(Some(repository)) => list.push(repository),
@@ -171,21 +166,27 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     })
 }
 
+/// The shares every other VM was last started with, running or not: what their
+/// guests may have written.
+fn other_vms_shares(vm: &VmDir) -> impl Iterator<Item = Share> + '_ {
+    VmDir::all()
+        .into_iter()
+        .filter(move |other| other.path != vm.path)
+        .filter_map(|other| other.read_record().ok()?.shares)
+        .flat_map(|set| set.shares)
+}
+
 /// Says when what vmctl builds and runs on the host at a start (the guest agent from
 /// vmctl's sources, each start: cargo and build scripts; an image from a recipe, whose
 /// script runs as root in a chroot) lies where a VM can write, this one or another:
 /// a guest could have put there what then runs on the host.
 fn warn_of_builds_from_guest_writable(vm: &VmDir, record: &VmRecord, recipe: Option<&Path>) {
-    let others = VmDir::all()
-        .into_iter()
-        .filter(|other| other.path != vm.path)
-        .filter_map(|other| other.read_record().ok()?.shares);
-    let writable: Vec<PathBuf> = record
+    let own = record
         .shares
         .iter()
-        .cloned()
-        .chain(others)
-        .flat_map(|set| set.shares)
+        .flat_map(|set| set.shares.iter().cloned());
+    let writable: Vec<PathBuf> = own
+        .chain(other_vms_shares(vm))
         .filter(|share| !share.read_only)
         .map(|share| share.host)
         .collect();

@@ -79,10 +79,7 @@ pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
         report_boot_time,
         outcome_fd: None,
     };
-    let mut command = Command::new(&path);
-    command.args(args.to_args());
-    only_the_vmms_variables(&mut command);
-    keep_across_exec(&mut command, vec![config_fd.as_raw_fd()]);
+    let mut command = vmm_command(&path, args.to_args(), vec![config_fd.as_raw_fd()]);
     let source = command.exec();
     VmmProcessError::Start { path, source }
 }
@@ -166,6 +163,16 @@ fn above_stdio(fd: OwnedFd) -> Result<OwnedFd, VmmProcessError> {
     fd.try_clone().map_err(VmmProcessError::Setup)
 }
 
+/// The VMM at `path` with `args`: its variables alone, and of this process's
+/// descriptors only `fds` ([`only_the_vmms_variables`], [`keep_across_exec`]).
+fn vmm_command(path: &Path, args: Vec<OsString>, fds: Vec<i32>) -> Command {
+    let mut command = Command::new(path);
+    command.args(args);
+    only_the_vmms_variables(&mut command);
+    keep_across_exec(&mut command, fds);
+    command
+}
+
 /// The variables of this process's environment the VMM reads; it gets no other.
 const VMM_VARIABLES: &[&str] = &[
     vmm::process::SECCOMP_SWITCH_ENV,
@@ -219,10 +226,7 @@ fn spawn(
     args: Vec<OsString>,
     inherited_fds: Vec<i32>,
 ) -> Result<std::process::Child, VmmProcessError> {
-    let mut command = Command::new(path);
-    command.args(args);
-    only_the_vmms_variables(&mut command);
-    keep_across_exec(&mut command, inherited_fds);
+    let mut command = vmm_command(path, args, inherited_fds);
     vmm::process::child::stop_with_parent(&mut command);
     command.spawn().map_err(|source| VmmProcessError::Start {
         path: path.to_path_buf(),

@@ -288,18 +288,17 @@ pub struct IsolationArg {
     pub isolation: Option<crate::workspace::Isolation>,
 }
 
+/// The workspace of a command that starts its VM (`up`, `shell`).
 #[derive(Debug, clap::Args)]
-pub struct ShellArgs {
+pub struct StartWorkspaceArg {
     /// The workspace directory (default: the current directory's: see --isolation).
     dir: Option<PathBuf>,
     /// The same as DIR, as `vmctl exec` takes it.
     #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
     workspace: Option<PathBuf>,
-    #[command(flatten)]
-    pub setup: VmSetupArgs,
 }
 
-impl ShellArgs {
+impl StartWorkspaceArg {
     /// The directory given, as DIR or as `--workspace DIR`.
     pub fn dir(&self) -> Option<PathBuf> {
         either(&self.dir, &self.workspace)
@@ -307,12 +306,17 @@ impl ShellArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct ShellArgs {
+    #[command(flatten)]
+    pub workspace: StartWorkspaceArg,
+    #[command(flatten)]
+    pub setup: VmSetupArgs,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct UpArgs {
-    /// The workspace directory (default: the current directory's: see --isolation).
-    dir: Option<PathBuf>,
-    /// The same as DIR, as `vmctl exec` takes it.
-    #[arg(long = "workspace", value_name = "DIR", conflicts_with = "dir")]
-    workspace: Option<PathBuf>,
+    #[command(flatten)]
+    pub workspace: StartWorkspaceArg,
     #[command(flatten)]
     pub setup: VmSetupArgs,
     /// Boot the image built from this recipe (built first if needed; see
@@ -327,13 +331,6 @@ pub struct UpArgs {
     /// resolving it (skips the private-address check, not the policy). Repeatable.
     #[arg(long, value_name = "HOST:PORT=ADDR", hide = true, value_parser = parse_resolve)]
     pub egress_test_resolve: Vec<(String, std::net::SocketAddr)>,
-}
-
-impl UpArgs {
-    /// The directory given, as DIR or as `--workspace DIR`.
-    pub fn dir(&self) -> Option<PathBuf> {
-        either(&self.dir, &self.workspace)
-    }
 }
 
 /// A workspace given as DIR or as `--workspace DIR` (clap refuses both): the fields
@@ -544,7 +541,7 @@ mod tests {
         else {
             panic!("up --workspace does not parse");
         };
-        assert_eq!(up.dir(), Some(PathBuf::from("/w")));
+        assert_eq!(up.workspace.dir(), Some(PathBuf::from("/w")));
         let both = parse(&["stop", "/a", "--workspace", "/b"]).unwrap_err();
         assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
     }

@@ -62,7 +62,7 @@ fn main() -> ExitCode {
                 egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
-            let dir = workspace::resolve(args.dir(), args.setup.isolation.isolation);
+            let dir = workspace::resolve(args.workspace.dir(), args.setup.isolation.isolation);
             up_pinned(&dir, &options)
         }
         cli::Command::Ps => {
@@ -314,7 +314,7 @@ fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     // A named workspace starts the shell at its root, else where we are.
-    let named = args.dir();
+    let named = args.workspace.dir();
     let start_in = match &named {
         Some(dir) => dir.clone(),
         None => workspace::current_dir(),

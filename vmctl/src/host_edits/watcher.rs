@@ -253,33 +253,28 @@ impl TreeWatcher {
         let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
             return false;
         };
-        if !self.roots.iter().any(|(root, _)| parent.starts_with(root)) {
+        let Some(root) = self.root_of(parent) else {
             // A root itself (or no share's): not for the walk to say.
             return false;
-        }
-        let Some(parent) = self.open_below_a_root(parent) else {
+        };
+        let Some(parent) = open_below(root, parent) else {
             return true;
         };
         rustix::fs::statat(&parent, name, AtFlags::SYMLINK_NOFOLLOW)
             .is_err_and(|e| e == rustix::io::Errno::NOENT)
     }
 
-    /// `path`, opened from the root it lies below, one name at a time, refusing links.
-    fn open_below_a_root(&self, path: &Path) -> Option<OwnedFd> {
-        let (root, root_fd) = self
-            .roots
+    /// The innermost root `path` lies below, with its descriptor.
+    fn root_of(&self, path: &Path) -> Option<&(PathBuf, OwnedFd)> {
+        self.roots
             .iter()
             .filter(|(root, _)| path.starts_with(root))
-            .max_by_key(|(root, _)| root.components().count())?;
-        let within = path.strip_prefix(root).ok()?;
-        let mut fd = open_directory_at(root_fd, OsStr::new(".")).ok()?;
-        for component in within.components() {
-            let Component::Normal(name) = component else {
-                return None;
-            };
-            fd = open_directory_at(&fd, name).ok()?;
-        }
-        Some(fd)
+            .max_by_key(|(root, _)| root.components().count())
+    }
+
+    /// `path`, opened from the root it lies below, one name at a time, refusing links.
+    fn open_below_a_root(&self, path: &Path) -> Option<OwnedFd> {
+        open_below(self.root_of(path)?, path)
     }
 
     fn reached(&mut self, why: String) -> Option<String> {
@@ -388,6 +383,19 @@ impl TreeWatcher {
 
 fn is_git_objects(dir: &Path, name: &OsStr) -> bool {
     name == "objects" && dir.file_name().is_some_and(|parent| parent == ".git")
+}
+
+/// `path`, opened from `root` (which it lies below) one name at a time, refusing links.
+fn open_below((root, root_fd): &(PathBuf, OwnedFd), path: &Path) -> Option<OwnedFd> {
+    let within = path.strip_prefix(root).ok()?;
+    let mut fd = open_directory_at(root_fd, OsStr::new(".")).ok()?;
+    for component in within.components() {
+        let Component::Normal(name) = component else {
+            return None;
+        };
+        fd = open_directory_at(&fd, name).ok()?;
+    }
+    Some(fd)
 }
 
 /// The directory `name` in `parent`, for reading; a link there is refused, not followed.

@@ -55,10 +55,6 @@ pub const OPEN_FILES_CEILING: libc::rlim_t = 524_288;
 
 /// How long the client has to send `Hello` and its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
-/// Bytes of stdin the agent buffers for a command before it stops reading the socket:
-/// as much as a host may send ahead, so only a host that does not keep to
-/// [`STDIN_WINDOW`] is ever stopped.
-pub const STDIN_BACKLOG: usize = STDIN_WINDOW;
 /// Output messages queued towards the client before output reading pauses (each at
 /// most [`OUTPUT_READ_SIZE`] bytes).
 const OUTPUT_QUEUE: usize = 8;
@@ -1014,7 +1010,10 @@ async fn pump_input<R: AsyncRead + Unpin>(
     out_tx: mpsc::Sender<AgentMessage>,
     output_closers: OutputClosers,
 ) -> InputEnd {
-    let backlog = Arc::new(Semaphore::new(STDIN_BACKLOG));
+    // Stdin buffered for the command before the agent stops reading the socket: as
+    // much as a host may send ahead, so only one that does not keep to the window is
+    // ever stopped.
+    let backlog = Arc::new(Semaphore::new(STDIN_WINDOW));
     let mut stdin_tx = Some(stdin_tx);
     loop {
         let msg = match reader.next::<ClientMessage>().await {
@@ -1039,7 +1038,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
                 }
                 // Waits (not reading the socket) while the backlog is full, which only
                 // a host that sends more than STDIN_WINDOW ahead makes it.
-                let n = data.len().min(STDIN_BACKLOG) as u32;
+                let n = data.len().min(STDIN_WINDOW) as u32;
                 let Ok(permit) = backlog.clone().acquire_many_owned(n).await else {
                     continue;
                 };

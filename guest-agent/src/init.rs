@@ -696,19 +696,24 @@ fn end_processes() {
     }
     // SAFETY: kill has no memory-safety preconditions; -1 spares PID 1 itself.
     unsafe { libc::kill(-1, libc::SIGTERM) };
-    let deadline = Instant::now() + SHUTDOWN_GRACE;
-    while reap_children() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if reap_children() {
+    if children_left_after(SHUTDOWN_GRACE) {
         console("shutdown: processes still running after SIGTERM; killing them");
         // SAFETY: as above.
         unsafe { libc::kill(-1, libc::SIGKILL) };
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while reap_children() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        children_left_after(Duration::from_secs(1));
     }
+}
+
+/// Reaps children as they end for up to `wait`; whether any is left then.
+fn children_left_after(wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    while reap_children() {
+        if Instant::now() >= deadline {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }
 
 /// Reaps the children that have ended; whether any is left.

@@ -488,6 +488,46 @@ fn has_id(text: &str, id: u32) -> bool {
         .any(|l| l.split(':').nth(2).and_then(|v| v.parse::<u32>().ok()) == Some(id))
 }
 
+/// `passwd` with the host user's entry as commands need it, or `None` when it already
+/// is. An image account of the host user's name keeps its comment and shell but takes
+/// the host's ids and home, or `whoami` (and ssh, npm, git) would not find a name for
+/// the uid commands run as. The entry goes before any other account of the same uid,
+/// so the uid's name is the host's, as on the host.
+fn passwd_with_host_user(passwd: &str, user: &HostUser, default_shell: &str) -> Option<String> {
+    let own_line = |l: &&str| l.split(':').next() == Some(user.name.as_str());
+    let (comment, shell) = match passwd
+        .lines()
+        .find(own_line)
+        .map(|l| l.split(':').collect::<Vec<_>>())
+    {
+        Some(f) if f.len() >= 7 => (f[4].to_string(), f[6].to_string()),
+        _ => (String::new(), default_shell.to_string()),
+    };
+    let entry = format!(
+        "{}:x:{}:{}:{comment}:{}:{shell}",
+        user.name, user.uid, user.gid, user.home
+    );
+    let uid_of = |l: &str| l.split(':').nth(2).and_then(|v| v.parse::<u32>().ok());
+    let mut lines: Vec<&str> = Vec::new();
+    let mut placed = false;
+    for line in passwd.lines() {
+        let own = own_line(&line);
+        if !placed && (own || uid_of(line) == Some(user.uid)) {
+            lines.push(&entry);
+            placed = true;
+        }
+        if !own {
+            lines.push(line);
+        }
+    }
+    if !placed {
+        lines.push(&entry);
+    }
+    let mut text = lines.join("\n");
+    text.push('\n');
+    (text != passwd).then_some(text)
+}
+
 fn append_line(path: &Path, line: &str) -> Result<(), InitError> {
     let mut text = std::fs::read_to_string(path).unwrap_or_default();
     if !text.is_empty() && !text.ends_with('\n') {
@@ -509,14 +549,13 @@ pub fn ensure_user(root: &Path, user: &HostUser) -> Result<(), InitError> {
         .into_iter()
         .find(|s| root.join(s.trim_start_matches('/')).exists())
         .unwrap_or("/bin/sh");
-    if !has_entry(&passwd, &user.name) {
-        append_line(
-            &passwd_path,
-            &format!(
-                "{}:x:{}:{}::{}:{shell}",
-                user.name, user.uid, user.gid, user.home
-            ),
-        )?;
+    let image_account = passwd
+        .lines()
+        .filter_map(crate::users::parse_passwd_line)
+        .find(|e| e.name == user.name);
+    if let Some(text) = passwd_with_host_user(&passwd, user, shell) {
+        std::fs::write(&passwd_path, text)
+            .map_err(sys(format!("write {}", passwd_path.display())))?;
     }
     let group_path = etc.join("group");
     let group = std::fs::read_to_string(&group_path).unwrap_or_default();
@@ -535,6 +574,15 @@ pub fn ensure_user(root: &Path, user: &HostUser) -> Result<(), InitError> {
         chown(&home, Some(user.uid), Some(user.gid))
             .map_err(sys(format!("chown {}", home.display())))?;
         let _ = std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o755));
+    } else if let Some(image) = image_account.filter(|a| a.home == user.home) {
+        // The image made this home for its own ids: the host user must at least be
+        // able to write in it (what the image put inside stays the image's).
+        let owned_by_image = std::fs::symlink_metadata(&home)
+            .is_ok_and(|m| m.is_dir() && m.uid() == image.uid && image.uid != user.uid);
+        if owned_by_image {
+            std::os::unix::fs::lchown(&home, Some(user.uid), Some(user.gid))
+                .map_err(sys(format!("chown {}", home.display())))?;
+        }
     }
     Ok(())
 }
@@ -847,6 +895,68 @@ mod tests {
             assert_eq!(warnings.len(), 1, "{bad}: {warnings:?}");
             assert!(warnings[0].to_string().contains(bad), "{}", warnings[0]);
         }
+    }
+
+    fn host_user() -> HostUser {
+        HostUser {
+            name: "dev".into(),
+            uid: 4242,
+            gid: 4243,
+            home: "/home/dev".into(),
+        }
+    }
+
+    #[test]
+    fn an_image_account_of_the_host_users_name_takes_the_host_users_ids() {
+        let image = "root:x:0:0:root:/root:/bin/sh\ndev:x:1000:1000:Dev,,,:/home/dev:/bin/zsh\nnobody:x:65534:65534::/:/bin/false\n";
+        let text = passwd_with_host_user(image, &host_user(), "/bin/sh").unwrap();
+        assert_eq!(
+            text,
+            "root:x:0:0:root:/root:/bin/sh\ndev:x:4242:4243:Dev,,,:/home/dev:/bin/zsh\nnobody:x:65534:65534::/:/bin/false\n"
+        );
+        assert_eq!(passwd_with_host_user(&text, &host_user(), "/bin/sh"), None);
+    }
+
+    #[test]
+    fn the_host_users_uid_is_named_after_the_host_user() {
+        let image = "root:x:0:0:root:/root:/bin/sh\nagent:x:4242:4242::/home/agent:/bin/bash\n";
+        let text = passwd_with_host_user(image, &host_user(), "/bin/bash").unwrap();
+        assert_eq!(
+            text,
+            "root:x:0:0:root:/root:/bin/sh\ndev:x:4242:4243::/home/dev:/bin/bash\nagent:x:4242:4242::/home/agent:/bin/bash\n"
+        );
+        assert_eq!(
+            passwd_with_host_user(&text, &host_user(), "/bin/bash"),
+            None
+        );
+        assert_eq!(
+            passwd_with_host_user("", &host_user(), "/bin/sh").as_deref(),
+            Some("dev:x:4242:4243::/home/dev:/bin/sh\n")
+        );
+    }
+
+    #[test]
+    fn the_image_accounts_home_becomes_the_host_users() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        std::fs::create_dir_all(dir.path().join("home/dev/.config")).unwrap();
+        for path in ["home/dev", "home/dev/.config"] {
+            std::os::unix::fs::chown(dir.path().join(path), Some(1000), Some(1000)).unwrap();
+        }
+        std::fs::write(
+            dir.path().join("etc/passwd"),
+            "dev:x:1000:1000::/home/dev:/bin/sh\n",
+        )
+        .unwrap();
+        ensure_user(dir.path(), &host_user()).unwrap();
+        let owner = |path: &str| {
+            let meta = std::fs::metadata(dir.path().join(path)).unwrap();
+            (meta.uid(), meta.gid())
+        };
+        assert_eq!(owner("home/dev"), (4242, 4243));
+        assert_eq!(owner("home/dev/.config"), (1000, 1000));
+        let a = crate::users::lookup_in(dir.path(), "dev").unwrap();
+        assert_eq!((a.uid, a.gid), (4242, 4243));
     }
 
     #[test]

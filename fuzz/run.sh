@@ -17,7 +17,7 @@ case $target in
     *) echo "fuzz/run.sh: no harness '$target' (mmio, vsock or fs_fallback)" >&2; exit 2 ;;
 esac
 if ! cargo fuzz --version >/dev/null 2>&1; then
-    echo "fuzz/run.sh: cargo-fuzz is missing; install it with: cargo install cargo-fuzz --locked" >&2
+    echo "fuzz/run.sh: cargo-fuzz is missing; install it with: cargo install cargo-fuzz --version 0.13.2 --locked" >&2
     exit 2
 fi
 

@@ -17,8 +17,8 @@ workspace="$(cd "$here/.." && pwd)"
 target=x86_64-unknown-linux-gnu
 target_dir="${CARGO_TARGET_DIR:-$workspace/target}"
 binary="$target_dir/$target/guest-agent/guest-agent"
-# Bump when a change to this script changes what it builds (not for cosmetic edits).
-recipe_version=1
+# shellcheck source=../scripts/lib/cache.sh
+source "$workspace/scripts/lib/cache.sh"
 
 say() { echo "agent-initramfs: $*" >&2; }
 die() { echo "agent-initramfs: error: $*" >&2; exit 1; }
@@ -30,7 +30,7 @@ case "${1:-}" in
     *) die "usage: $0 [--no-build]" ;;
 esac
 
-for tool in cpio gzip sha256sum file; do
+for tool in cpio gzip sha256sum readelf; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
 
@@ -47,13 +47,13 @@ else
 fi
 [[ -x "$binary" ]] || die "$binary is missing: run $0 without --no-build"
 # A dynamically linked agent would not run in the guest (the initramfs has no libc).
-file -L "$binary" | grep -Eq 'static(-pie)? linked|statically linked' ||
+! readelf -l "$binary" | grep -q 'Requesting program interpreter' ||
     die "$binary is not statically linked: rebuild with RUSTFLAGS='-C target-feature=+crt-static'"
 
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 mkdir -p "$cache_root/agent-initramfs"
 work="$(mktemp -d "$cache_root/agent-initramfs/build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work" ${out_dir:+"$out_dir.tmp.$$"}' EXIT
 
 # Strip a copy (the cargo profile keeps symbols); the key is the packed binary's hash.
 init="$work/init"
@@ -64,10 +64,11 @@ else
 fi
 chmod 0755 "$init"
 binary_sha="$(sha256sum "$init" | cut -d' ' -f1)"
-key="$(echo "$binary_sha $recipe_version" | sha256sum | cut -c1-16)"
+key="$(echo "$binary_sha $(cache_key_of_scripts "${BASH_SOURCE[0]}")" | sha256sum | cut -c1-16)"
 out_dir="$cache_root/agent-initramfs/$key"
 image="$out_dir/initramfs.cpio.gz"
 if [[ -f "$image" ]]; then
+    cache_mark_used "$out_dir"
     say "up to date: $image"
     echo "$image"
     exit 0
@@ -86,7 +87,7 @@ tmp_out="$out_dir.tmp.$$"
 mkdir -p "$tmp_out"
 mv "$work/initramfs.cpio.gz" "$tmp_out/initramfs.cpio.gz"
 echo "$binary_sha" > "$tmp_out/agent.sha256"
-rm -rf "$out_dir"
-mv "$tmp_out" "$out_dir"
+cache_publish "$tmp_out" "$out_dir"
+cache_prune "$cache_root/agent-initramfs" "????????????????" "$out_dir"
 say "done: $image ($(du -h "$image" | cut -f1))"
 echo "$image"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds a kernel (`vmlinux`, no modules) from Debian's linux-source package into a
-# cache directory keyed by the config fragments, the recipe version and the source
-# version, and reuses it when nothing changed. Two flavours:
+# cache directory keyed by the config fragments, the source and gcc versions and the
+# build scripts' own text, and reuses it when nothing changed (entries of other keys
+# unused for 30 days go at the next build). Two flavours:
 #   guest        guest.config: what every VM boots
 #   nested-host  guest.config + nested-host.config: the QEMU-TCG guest that runs the
 #                VMM where this machine's /dev/kvm cannot boot Linux (see README)
@@ -22,8 +23,8 @@ case "$flavour" in
     guest) fragments=("$here/guest.config") ;;
     nested-host) fragments=("$here/guest.config" "$here/nested-host.config") ;;
 esac
-# Bump when a change to this script changes what it builds (not for cosmetic edits).
-recipe_version=1
+# shellcheck source=../scripts/lib/cache.sh
+source "$here/../scripts/lib/cache.sh"
 
 say() { echo "kernel: $*" >&2; }
 die() { echo "kernel: error: $*" >&2; exit 1; }
@@ -32,7 +33,10 @@ source_version="$(dpkg-query -W -f='${Version}' "$source_package" 2>/dev/null ||
 [[ -n "$source_version" && -r "$source_tarball" ]] ||
     die "$source_tarball is missing: run 'apt-get install $source_package' (or scripts/setup.sh)"
 
-key="$( { echo "$source_version $recipe_version"; cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"
+# The compiler's version too: a vmlinux is only as good as the gcc that built it.
+compiler="$(gcc -dumpfullversion 2>/dev/null || echo none)"
+key="$( { echo "$source_version gcc-$compiler $(cache_key_of_scripts "${BASH_SOURCE[0]}")"
+          cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 out_dir="$cache_root/kernel/$flavour-$key"
 vmlinux="$out_dir/vmlinux"
@@ -42,7 +46,7 @@ case "${1:-}" in
     --print-path) echo "$vmlinux"; exit 0 ;;
     *) die "usage: $0 [guest|nested-host] [--print-path]" ;;
 esac
-if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
+if [[ -f "$vmlinux" ]]; then cache_mark_used "$out_dir"; echo "$vmlinux"; exit 0; fi
 
 # One build at a time per flavour: a second caller waits, then finds the result.
 mkdir -p "$cache_root/kernel"
@@ -57,9 +61,12 @@ for tool in make gcc bc flex bison xz; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
 
-mkdir -p "$cache_root/kernel"
-work="$(mktemp -d "$cache_root/kernel/build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+# One work directory per flavour, so a build killed outright (its trap never ran)
+# leaves at most one, which the next build under the lock clears.
+work="$cache_root/kernel/build.$flavour"
+rm -rf "$work" "$out_dir.tmp"
+mkdir -p "$work"
+trap 'rm -rf "$work" "$out_dir.tmp"' EXIT
 
 say "building the $flavour kernel (Linux $source_version) into $out_dir (takes ~6 min on 2 cores; cached afterwards)"
 say "[1/4] unpacking $source_tarball"
@@ -109,6 +116,7 @@ cp "$src/vmlinux" "$out_dir.tmp/vmlinux"
 cp "$src/.config" "$out_dir.tmp/config"
 echo "$source_version" > "$out_dir.tmp/source-version"
 rm -rf "$out_dir"
-mv "$out_dir.tmp" "$out_dir"
+cache_publish "$out_dir.tmp" "$out_dir"
+cache_prune "$cache_root/kernel" "$flavour-????????????????" "$out_dir"
 say "done: $vmlinux ($(du -h "$vmlinux" | cut -f1))"
 echo "$vmlinux"

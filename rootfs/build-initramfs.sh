@@ -18,6 +18,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 busybox="${VMCTL_BUSYBOX:-/bin/busybox}"
 inputs=("$here/build-initramfs.sh" "$here/init" "$here/boot-timer.c")
 
+# shellcheck source=../scripts/lib/cache.sh
+source "$here/../scripts/lib/cache.sh"
+
 say() { echo "initramfs: $*" >&2; }
 die() { echo "initramfs: error: $*" >&2; exit 1; }
 
@@ -28,14 +31,15 @@ if ldd "$busybox" >/dev/null 2>&1; then
 fi
 busybox_version="$("$busybox" 2>&1 | head -n1 || true)"
 
-key="$( { echo "$busybox_version"; sha256sum "$busybox" | cut -d' ' -f1; cat "${inputs[@]}"; } |
+key="$( { echo "$busybox_version $(cache_key_of_scripts "${BASH_SOURCE[0]}")"; sha256sum "$busybox" | cut -d' ' -f1
+          cat "${inputs[@]}"; } |
         sha256sum | cut -c1-16)"
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 out_dir="$cache_root/initramfs/$key"
 image="$out_dir/initramfs.cpio.gz"
 
 if [[ "${1:-}" == "--print-path" ]]; then echo "$image"; exit 0; fi
-if [[ -f "$image" ]]; then echo "$image"; exit 0; fi
+if [[ -f "$image" ]]; then cache_mark_used "$out_dir"; echo "$image"; exit 0; fi
 
 for tool in gcc cpio gzip; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
@@ -84,7 +88,7 @@ say "[3/3] packing $applets applets + init + boot-timer (cpio newc, gzip)"
 mkdir -p "$out_dir.tmp.$$"
 mv "$work/initramfs.cpio.gz" "$out_dir.tmp.$$/initramfs.cpio.gz"
 echo "$busybox_version" > "$out_dir.tmp.$$/busybox-version"
-rm -rf "$out_dir"
-mv "$out_dir.tmp.$$" "$out_dir"
+cache_publish "$out_dir.tmp.$$" "$out_dir"
+cache_prune "$cache_root/initramfs" "????????????????" "$out_dir"
 say "done: $image ($(du -h "$image" | cut -f1))"
 echo "$image"

@@ -3,8 +3,11 @@
 # every VM) from a recipe: a Debian base made by mmdebstrap (debootstrap if mmdebstrap
 # is absent) plus Debian packages, npm packages installed globally inside the image
 # (the coding-agent CLIs) and an optional script run in the image as the last step.
-# The image lands in a cache directory keyed by the recipe, its script, this script's
-# recipe version and the Debian suite, and is reused when none of them changed.
+# The image lands in a cache directory keyed by the recipe, its script, the build
+# scripts' own text and the Debian suite, and is reused when none of them changed
+# (images of the same recipe name unused for 30 days go at the next build). Pin the
+# npm packages' versions in a recipe: its text is the key, so an unpinned package
+# stays at whatever version the first build found.
 #
 #   rootfs/build-rootfs.sh [RECIPE]               build if needed, print the image path
 #   rootfs/build-rootfs.sh [RECIPE] --print-path  print where it would be, build nothing
@@ -13,7 +16,8 @@
 #
 # RECIPE defaults to rootfs/recipes/default.recipe (JSON; see rootfs/README.md).
 # Needs root (mmdebstrap's root mode, chroot, loop mounts) and the network to Debian's
-# mirror and the npm registry; ~3-5 min from nothing on 2 cores.
+# mirror and the npm registry; ~3-5 min from nothing on 2 cores. Under sudo, the image
+# goes to the invoking user's cache and is theirs.
 #
 # Environment: VMCTL_CACHE_DIR (default: ${XDG_CACHE_HOME:-~/.cache}/vmctl),
 #              VMCTL_BUILD_CA_BUNDLE (CAs that npm/curl in the image trust during the
@@ -26,8 +30,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 suite=bookworm
 arch=amd64
-# Bump when a change to this script changes what it builds (not for cosmetic edits).
-recipe_version=1
+# shellcheck source=../scripts/lib/cache.sh
+source "$here/../scripts/lib/cache.sh"
 
 say() { echo "rootfs: $*" >&2; }
 die() { echo "rootfs: error: $*" >&2; exit 1; }
@@ -75,9 +79,18 @@ if [[ -n "$script_rel" ]]; then
     [[ -r "$script" ]] || die "$recipe: script '$script_rel' not found (looked at $script)"
 fi
 
-key="$( { echo "rootfs $recipe_version $suite $arch"; cat "$recipe"; echo; [[ -z "$script" ]] || cat "$script"; } |
-        sha256sum | cut -c1-16)"
-cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}") $suite $arch"; cat "$recipe"; echo
+          [[ -z "$script" ]] || cat "$script"; } | sha256sum | cut -c1-16)"
+# Under sudo, the image is the invoking user's, in their cache (sudo resets HOME to
+# root's) unless VMCTL_CACHE_DIR says where.
+for_user=""
+invoking_home=""
+if [[ -n "${SUDO_UID:-}" && "${SUDO_UID}" != 0 ]]; then
+    for_user="$SUDO_UID:${SUDO_GID:-$SUDO_UID}"
+    invoking_home="$(getent passwd "$SUDO_UID" | cut -d: -f6)"
+fi
+cache_root="${VMCTL_CACHE_DIR:-${invoking_home:+$invoking_home/.cache/vmctl}}"
+cache_root="${cache_root:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 out_dir="$cache_root/rootfs/$name-$key"
 image="$out_dir/rootfs.ext4"
 
@@ -120,13 +133,20 @@ case "$action" in
     print) echo "$image"; exit 0 ;;
 esac
 if [[ -f "$image" ]]; then
+    cache_mark_used "$out_dir"
     [[ $action != check ]] || check_image
     echo "$image"; exit 0
 fi
 
 # --- building --------------------------------------------------------------------------
 [[ $(id -u) == 0 ]] ||
-    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo $0 ${*:-}'"
+    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo $0${*:+ $*}' (the image goes to your cache, $cache_root)"
+# The build's mounts (/proc, /dev in the image tree) live in a mount namespace of its
+# own: if the build is killed outright, they go with it, and no later clean-up can
+# delete through a bind mount of the host's /dev.
+if [[ -z "${VMCTL_ROOTFS_MOUNT_NS:-}" ]] && command -v unshare >/dev/null; then
+    VMCTL_ROOTFS_MOUNT_NS=1 exec unshare --mount --propagation private -- "$0" "$@"
+fi
 for tool in mkfs.ext4 chroot mount flock sha256sum; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
@@ -138,6 +158,11 @@ if ! command -v mmdebstrap >/dev/null; then
 fi
 
 # One build per recipe+key at a time: a second caller waits, then finds the result.
+if [[ -n "$for_user" ]]; then
+    # The user's cache directories are the user's, whoever makes them first.
+    setpriv --reuid="${for_user%:*}" --regid="${for_user#*:}" --init-groups mkdir -p "$cache_root/rootfs" ||
+        die "cannot create $cache_root/rootfs as uid $SUDO_UID"
+fi
 mkdir -p "$cache_root/rootfs"
 exec 9>"$cache_root/rootfs/.$name-$key.lock"
 if ! flock -n 9; then
@@ -161,7 +186,16 @@ security_mirror="${VMCTL_DEBIAN_SECURITY_MIRROR:-$(host_mirror debian-security)}
 security_mirror="${security_mirror:-http://deb.debian.org/debian-security}"
 npm_registry="${VMCTL_NPM_REGISTRY:-https://registry.npmjs.org/}"
 
-work="$(mktemp -d "$cache_root/rootfs/build.XXXXXX")"
+# One work directory per image, cleared under the lock: what a build killed outright
+# left behind goes at the next one.
+work="$cache_root/rootfs/build.$name-$key"
+if [[ -e "$work" ]]; then
+    say "removing what an interrupted build left in $work"
+    findmnt -rn -o TARGET | awk -v w="$work/" 'index($0, w) == 1' | sort -r |
+        while read -r m; do umount -l "$m" 2>/dev/null || true; done || true
+    rm -rf --one-file-system "$work" "$out_dir.tmp"
+fi
+mkdir -p "$work"
 root="$work/root"
 log="$work/build.log"
 heartbeat=""
@@ -395,7 +429,11 @@ if [[ -d "$root/usr/local/lib/node_modules" ]]; then
     done >"$out_dir.tmp/npm-packages.txt"
 fi
 rm -rf "$out_dir" "$cache_root/rootfs/$name-$key.failed.log"
-mv "$out_dir.tmp" "$out_dir"
+if [[ -n "$for_user" ]]; then
+    chown -R "$for_user" "$out_dir.tmp" "$cache_root/rootfs/.$name-$key.lock"
+fi
+cache_publish "$out_dir.tmp" "$out_dir"
+cache_prune "$cache_root/rootfs" "$name-????????????????" "$out_dir"
 
 elapsed=$(( $(date +%s) - t_start ))
 say "done in $(( elapsed / 60 )) min $(( elapsed % 60 )) s: $image" \

@@ -14,10 +14,11 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc libc6-dev
+packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc g++ libc6-dev
           make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq git
-          libcap-ng-dev libseccomp-dev pkg-config nodejs)
-# (nodejs: vm-bench's host-edits probe runs on the host too, as a reference.)
+          libcap-ng-dev libseccomp-dev pkg-config nodejs curl)
+# (g++: the fuzz harnesses' libFuzzer; nodejs and curl: vm-bench runs its host-edits
+# probe and its HTTPS requests on the host too, as references.)
 
 # The virtiofsd serving workspace shares (crates.io; its build needs libcap-ng and
 # libseccomp).
@@ -94,7 +95,23 @@ say "[5/7] guest agent (guest-agent/build-initramfs.sh)"
 agent="$("$root/guest-agent/build-initramfs.sh")"
 
 say "[6/7] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
-rootfs="$("$root/rootfs/build-rootfs.sh")"
+rootfs_build=("$root/rootfs/build-rootfs.sh")
+if [[ $(id -u) != 0 && ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]]; then
+    # Its build needs root (chroot, mmdebstrap's root mode); the image still goes to
+    # this user's cache, owned by them.
+    command -v sudo >/dev/null ||
+        die "building the guest root filesystem needs root: run 'sudo ${rootfs_build[0]}' (or setup.sh as root)"
+    say "      (as root, through sudo)"
+    # sudo drops the environment: pass on where the cache is and how to reach the
+    # mirrors.
+    pass_on=("VMCTL_CACHE_DIR=${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}")
+    for var in VMCTL_BUILD_CA_BUNDLE VMCTL_DEBIAN_MIRROR VMCTL_DEBIAN_SECURITY_MIRROR \
+               VMCTL_NPM_REGISTRY http_proxy https_proxy no_proxy; do
+        [[ -z "${!var:-}" ]] || pass_on+=("$var=${!var}")
+    done
+    rootfs_build=(sudo env "${pass_on[@]}" "${rootfs_build[0]}")
+fi
+rootfs="$("${rootfs_build[@]}")"
 
 say "[7/7] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
 virtiofsd="$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")"

@@ -40,7 +40,7 @@ pub enum DaemonError {
 struct Tracked {
     leases: HashMap<u64, String>,
     pinned: bool,
-    /// When it stops for idleness; bumping `generation` cancels that.
+    /// When it stops for idleness; a new `generation` cancels that.
     idle_deadline: Option<Instant>,
     generation: u64,
 }
@@ -48,6 +48,9 @@ struct Tracked {
 struct Daemon {
     vms: Mutex<HashMap<PathBuf, Tracked>>,
     next_lease: AtomicU64,
+    /// Daemon-wide, so that a VM forgotten and tracked again never takes a number an
+    /// idle timer of its earlier run still waits with.
+    next_generation: AtomicU64,
     shutdown: Notify,
 }
 
@@ -57,7 +60,15 @@ impl Daemon {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    fn new_generation(&self) -> u64 {
+        self.next_generation.fetch_add(1, Ordering::Relaxed)
+    }
 }
+
+/// How long a pin file may wait for its VM to start: `vmctl up` pins before it takes
+/// the start lock.
+const PIN_GRACE: Duration = Duration::from_secs(60);
 
 /// Runs the daemon in the foreground until it is told to stop.
 pub fn run() -> Result<u8, DaemonError> {
@@ -81,6 +92,7 @@ pub fn run() -> Result<u8, DaemonError> {
     let daemon = Arc::new(Daemon {
         vms: Mutex::new(HashMap::new()),
         next_lease: AtomicU64::new(1),
+        next_generation: AtomicU64::new(1),
         shutdown: Notify::new(),
     });
     runtime.block_on(async {
@@ -245,16 +257,36 @@ async fn answer(
 }
 
 /// What the daemon knows of the VM in `vm_dir`; one it does not know yet starts out
-/// pinned if `vmctl up` pinned it (its pin file, which outlives the daemon's memory).
+/// pinned if `vmctl up` pinned its current run (its pin file, which outlives the
+/// daemon's memory).
 fn track<'a>(vms: &'a mut HashMap<PathBuf, Tracked>, vm_dir: &Path) -> &'a mut Tracked {
     vms.entry(vm_dir.to_path_buf()).or_insert_with(|| Tracked {
-        pinned: VmDir {
+        pinned: pin_is_current(&VmDir {
             path: vm_dir.to_path_buf(),
-        }
-        .pin_file()
-        .exists(),
+        }),
         ..Tracked::default()
     })
+}
+
+/// Whether `vm`'s pin file pins a run that is on, starting, or about to start. One left
+/// by a run that ended without `vmctl stop` (the guest powered off, the host rebooted)
+/// is removed: it must not keep the next run from stopping when idle.
+fn pin_is_current(vm: &VmDir) -> bool {
+    let pin = vm.pin_file();
+    let Ok(meta) = std::fs::metadata(&pin) else {
+        return false;
+    };
+    let recent = meta
+        .modified()
+        .ok()
+        .and_then(|written| written.elapsed().ok())
+        .is_some_and(|age| age < PIN_GRACE);
+    if recent || vm.running_pid().is_some() || crate::vm::start_in_progress(vm) {
+        return true;
+    }
+    tracing::info!("{} pinned a run that has ended; removing it", pin.display());
+    let _ = std::fs::remove_file(&pin);
+    false
 }
 
 fn take_lease(daemon: &Daemon, vm_dir: &Path, id: u64, holder: String) {
@@ -262,7 +294,7 @@ fn take_lease(daemon: &Daemon, vm_dir: &Path, id: u64, holder: String) {
     let tracked = track(&mut vms, vm_dir);
     tracked.leases.insert(id, holder);
     tracked.idle_deadline = None;
-    tracked.generation += 1;
+    tracked.generation = daemon.new_generation();
 }
 
 fn release_lease(daemon: &Arc<Daemon>, vm_dir: &Path, id: u64) {
@@ -288,7 +320,7 @@ fn set_pinned(daemon: &Arc<Daemon>, vm_dir: &Path, pinned: bool) {
         let tracked = track(&mut vms, vm_dir);
         tracked.pinned = pinned;
         tracked.idle_deadline = None;
-        tracked.generation += 1;
+        tracked.generation = daemon.new_generation();
         !pinned && tracked.leases.is_empty()
     };
     if pinned {
@@ -309,7 +341,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         let Some(tracked) = vms.get_mut(vm_dir) else {
             return;
         };
-        tracked.generation += 1;
+        tracked.generation = daemon.new_generation();
         tracked.idle_deadline = Some(Instant::now() + timeout);
         tracked.generation
     };
@@ -431,7 +463,7 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
     loop {
         tokio::time::sleep(REAP_INTERVAL).await;
         let mut vms = daemon.vms();
-        vms.retain(|vm_dir, tracked| !forgettable(tracked, vm_dir));
+        forget_ended_vms(&mut vms);
         if vms.is_empty() && removed(&vms_dir) {
             vmm::to_stderr!(
                 "vmctl daemon: {} was removed; nothing left to serve",
@@ -441,6 +473,20 @@ async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
             return;
         }
     }
+}
+
+/// Forgets the VMs [`forgettable`] says the daemon may; a pinned one's pin goes too
+/// unless a new run of it is about to start.
+fn forget_ended_vms(vms: &mut HashMap<PathBuf, Tracked>) {
+    vms.retain(|vm_dir, tracked| {
+        let forget = forgettable(tracked, vm_dir);
+        if forget && tracked.pinned {
+            pin_is_current(&VmDir {
+                path: vm_dir.to_path_buf(),
+            });
+        }
+        !forget
+    });
 }
 
 /// Whether the daemon may forget `tracked`: nothing holds it and it neither runs nor
@@ -504,8 +550,117 @@ mod tests {
         Arc::new(Daemon {
             vms: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
+            next_generation: AtomicU64::new(1),
             shutdown: Notify::new(),
         })
+    }
+
+    /// A stand-in for `vm`'s supervisor (what `running_pid` takes for one) that exits
+    /// on SIGTERM; its `Drop` kills it.
+    struct FakeSupervisor(std::process::Child);
+
+    impl FakeSupervisor {
+        fn start(vm: &VmDir) -> Self {
+            let child = std::process::Command::new("sh")
+                .args(["-c", "trap 'exit 0' TERM; while :; do sleep 0.05; done"])
+                .arg("__supervise")
+                .arg(&vm.path)
+                .spawn()
+                .unwrap();
+            let cmdline = format!("/proc/{}/cmdline", child.id());
+            while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::fs::write(vm.pid_file(), child.id().to_string()).unwrap();
+            assert!(
+                vm.running_pid().is_some(),
+                "vmctl does not take it for a VM"
+            );
+            Self(child)
+        }
+
+        fn stopped(&mut self) -> bool {
+            self.0.try_wait().unwrap().is_some()
+        }
+    }
+
+    impl Drop for FakeSupervisor {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn age_file(path: &Path, by: Duration) {
+        let file = std::fs::File::options().write(true).open(path).unwrap();
+        file.set_modified(std::time::SystemTime::now() - by)
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_timer_of_an_earlier_run_does_not_stop_the_vm_up_pinned_since() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let daemon = daemon();
+        // A VM runs; an exec session on it ends: its idle timer starts.
+        let first = FakeSupervisor::start(&vm);
+        take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
+        release_lease(&daemon, &vm.path, 1);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // `vmctl stop`; the reaper forgets the VM.
+        set_pinned(&daemon, &vm.path, false);
+        drop(first);
+        forget_ended_vms(&mut daemon.vms());
+        assert!(status(&daemon).is_empty());
+        // `vmctl up` pins it and starts it again; a short `vmctl exec` on it.
+        set_pinned(&daemon, &vm.path, true);
+        let mut second = FakeSupervisor::start(&vm);
+        take_lease(&daemon, &vm.path, 2, "exec (pid 2)".into());
+        release_lease(&daemon, &vm.path, 2);
+        // The first run's timer comes due.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        tokio::task::yield_now().await;
+        assert!(!second.stopped(), "the pinned VM was stopped as idle");
+        assert!(status(&daemon)[0].pinned);
+    }
+
+    #[tokio::test]
+    async fn a_pin_whose_run_ended_by_itself_does_not_pin_the_next_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let daemon = daemon();
+        set_pinned(&daemon, &vm.path, true);
+        let run = FakeSupervisor::start(&vm);
+        // Within its grace a pin waits for its VM to start, even if the reaper runs.
+        forget_ended_vms(&mut daemon.vms());
+        assert!(status(&daemon)[0].pinned);
+        // The VM powers off by itself, a while later; the reaper forgets it.
+        drop(run);
+        age_file(&vm.pin_file(), PIN_GRACE * 2);
+        forget_ended_vms(&mut daemon.vms());
+        assert!(status(&daemon).is_empty());
+        assert!(!vm.pin_file().exists(), "the ended run's pin is left");
+        // A plain `vmctl exec` later: its VM stops when idle.
+        take_lease(&daemon, &vm.path, 7, "exec (pid 7)".into());
+        release_lease(&daemon, &vm.path, 7);
+        let after = status(&daemon);
+        assert!(!after[0].pinned && after[0].stops_in_s.is_some());
+
+        // The same when the daemon itself was gone meanwhile (a host reboot): the
+        // next daemon finds the file, and the run it pinned is over.
+        let daemon = super::tests::daemon();
+        std::fs::write(vm.pin_file(), b"pinned by vmctl up\n").unwrap();
+        age_file(&vm.pin_file(), PIN_GRACE * 2);
+        take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
+        release_lease(&daemon, &vm.path, 1);
+        assert!(!status(&daemon)[0].pinned);
+        assert!(!vm.pin_file().exists());
     }
 
     #[tokio::test]

@@ -104,6 +104,12 @@ impl Pattern {
         matches!(self.host, HostPattern::Subdomains(_))
     }
 
+    /// Whether this is a `*.domain` pattern of a one-label domain (`*.com`,
+    /// `*.internal`): every site under a top-level domain.
+    pub fn covers_a_top_level_domain(&self) -> bool {
+        matches!(&self.host, HostPattern::Subdomains(domain) if !domain.contains('.'))
+    }
+
     /// The pattern limited to `port` if it names no port yet.
     pub fn with_default_port(mut self, port: u16) -> Pattern {
         self.port.get_or_insert(port);

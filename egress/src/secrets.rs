@@ -76,6 +76,8 @@ pub enum SecretError {
     Header { spec: String, reason: String },
     #[error("secret {name} is not a built-in one (anthropic, openai, github): say where it goes with at least one --host HOST")]
     NoHosts { name: String },
+    #[error("secret {name}: --host {host} would send it to every site under a top-level domain; name the API's host, or its own domain ('*.example.com')")]
+    HostTooBroad { name: String, host: String },
     #[error("cannot read the secret file {}: {source}", .path.display())]
     Read { path: PathBuf, source: io::Error },
     #[error("the secret file {} is accessible by group or others (mode {mode:03o}); run 'chmod 600 {}'", .path.display(), .path.display())]
@@ -516,14 +518,7 @@ impl SecretStore {
         hosts: Vec<String>,
         header: Option<String>,
     ) -> Result<SecretSummary, SecretError> {
-        check_name(name)?;
-        let hosts = parse_hosts(name, &hosts)?;
-        if hosts.is_empty() && Kind::of(name) == Kind::Custom {
-            return Err(SecretError::NoHosts {
-                name: name.to_owned(),
-            });
-        }
-        let header = header.as_deref().map(HeaderSpec::from_str).transpose()?;
+        let (hosts, header) = check_destination(name, &hosts, header.as_deref())?;
         let entry = Entry {
             hosts,
             header,
@@ -532,6 +527,11 @@ impl SecretStore {
         let summary = entry.summary(name);
         self.secrets.insert(name.to_owned(), entry);
         Ok(summary)
+    }
+
+    /// Whether the secret `name` is stored.
+    pub fn contains(&self, name: &str) -> bool {
+        self.secrets.contains_key(name)
     }
 
     /// Removes the secret `name`; false if there was none.
@@ -630,6 +630,30 @@ pub fn placeholder_for(value: &SecretValue) -> &'static str {
     } else {
         PLACEHOLDER
     }
+}
+
+/// Checks what [`SecretStore::set`] is given besides the value (before anyone types
+/// one): the name, where the secret goes and in which header.
+pub fn check_destination(
+    name: &str,
+    hosts: &[String],
+    header: Option<&str>,
+) -> Result<(Vec<Pattern>, Option<HeaderSpec>), SecretError> {
+    check_name(name)?;
+    let hosts = parse_hosts(name, hosts)?;
+    if hosts.is_empty() && Kind::of(name) == Kind::Custom {
+        return Err(SecretError::NoHosts {
+            name: name.to_owned(),
+        });
+    }
+    if let Some(broad) = hosts.iter().find(|h| h.covers_a_top_level_domain()) {
+        return Err(SecretError::HostTooBroad {
+            name: name.to_owned(),
+            host: broad.to_string(),
+        });
+    }
+    let header = header.map(HeaderSpec::from_str).transpose()?;
+    Ok((hosts, header))
 }
 
 fn parse_hosts(name: &str, hosts: &[String]) -> Result<Vec<Pattern>, SecretError> {

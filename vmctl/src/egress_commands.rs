@@ -25,20 +25,44 @@ pub enum EgressCommandError {
     State(#[from] crate::state::StateError),
     #[error("no secret named {0:?} ('vmctl secret ls' lists them)")]
     NoSuchSecret(String),
+    #[error("no rule {patterns} of yours in {scope} ('vmctl policy ls' lists the rules in force; a default rule is overridden with 'vmctl policy deny', not removed)")]
+    NoSuchRule { patterns: String, scope: String },
+    #[error("cannot lock {}: {source}", .path.display())]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 fn files() -> Result<EgressFiles, EgressCommandError> {
     EgressFiles::locate().ok_or(EgressCommandError::NoConfigDir)
 }
 
+/// Held while a command reads, changes and writes the secrets or the policy, so two
+/// at once cannot both write what each read and lose the other's change.
+fn lock_stores(files: &EgressFiles) -> Result<std::fs::File, EgressCommandError> {
+    let dir = files.secrets.parent().unwrap_or(std::path::Path::new("."));
+    let path = dir.join(".egress.lock");
+    let lock_error = |source| EgressCommandError::Lock {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(lock_error)?;
+    let file = crate::state::open_lock_file(&path).map_err(lock_error)?;
+    file.lock().map_err(lock_error)?;
+    Ok(file)
+}
+
 pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
-    let mut store = SecretStore::load(files()?.secrets)?;
+    let files = files()?;
     match command {
         SecretCommand::Set {
             name,
             hosts,
             header,
         } => {
+            // Everything but the value is checked before anyone types it.
+            egress::secrets::check_destination(&name, &hosts, header.as_deref())?;
             let stdin = std::io::stdin();
             if stdin.is_terminal() {
                 vmm::to_stderr!(
@@ -50,17 +74,21 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
                 read_secret(stdin.lock())?
             };
             check_redactable(&value)?;
+            let _locked = lock_stores(&files)?;
+            let mut store = SecretStore::load(files.secrets)?;
+            let replaced = store.contains(&name);
             let summary = store.set(&name, value, hosts, header)?;
             store.save()?;
             vmm::to_stderr!(
-                "vmctl: secret {} stored; it is sent as {} to {} (running VMs get its placeholder at their next exec)",
+                "vmctl: secret {} {}; it is sent as {} to {} (running VMs get its placeholder at their next exec)",
                 summary.name,
+                if replaced { "replaced" } else { "stored" },
                 summary.header_name,
                 summary.hosts.join(", ")
             );
         }
         SecretCommand::Ls => {
-            let secrets = store.list();
+            let secrets = SecretStore::load(files.secrets)?.list();
             if secrets.is_empty() {
                 vmm::to_stderr!("vmctl: no secrets ('vmctl secret set NAME' stores one)");
             } else {
@@ -76,6 +104,8 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
             }
         }
         SecretCommand::Rm { name } => {
+            let _locked = lock_stores(&files)?;
+            let mut store = SecretStore::load(files.secrets)?;
             if !store.remove(&name) {
                 return Err(EgressCommandError::NoSuchSecret(name));
             }
@@ -87,7 +117,14 @@ pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {
 }
 
 pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
-    let mut store = PolicyStore::load(files()?.policy)?;
+    let files = files()?;
+    let _locked = match &command {
+        PolicyCommand::Allow { .. } | PolicyCommand::Deny { .. } | PolicyCommand::Rm { .. } => {
+            Some(lock_stores(&files)?)
+        }
+        PolicyCommand::Ls { .. } | PolicyCommand::Log { .. } => None,
+    };
+    let mut store = PolicyStore::load(files.policy)?;
     match command {
         PolicyCommand::Allow { patterns, scope } => {
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
@@ -104,6 +141,12 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
         PolicyCommand::Rm { patterns, scope } => {
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             let removed = store.remove(&scope, &patterns);
+            if removed == 0 {
+                return Err(EgressCommandError::NoSuchRule {
+                    patterns: joined(&patterns),
+                    scope: scope.to_string(),
+                });
+            }
             store.save()?;
             vmm::to_stderr!("vmctl: removed {removed} rule(s) ({scope})");
         }

@@ -1,0 +1,129 @@
+//! vmctl's commands that only change host files (no VM): the egress secrets and policy.
+
+use std::io::Write;
+use std::process::{Output, Stdio};
+use vm_tests::Workspace;
+
+/// `vmctl secret set NAME ARGS` with `value` on stdin (`None`: stdin closed at once).
+fn set_secret(ws: &Workspace, name: &str, args: &[&str], value: Option<&str>) -> Output {
+    let mut child = ws
+        .command(&[&["secret", "set", name], args].concat())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vmctl secret set");
+    let mut stdin = child.stdin.take().expect("vmctl's stdin");
+    if let Some(value) = value {
+        // A refusal before reading leaves nobody to read: a broken pipe is its answer.
+        let _ = stdin.write_all(value.as_bytes());
+    }
+    drop(stdin);
+    child.wait_with_output().expect("vmctl secret set")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn secrets_set_at_once_are_all_kept() {
+    let ws = Workspace::new("secrets-at-once");
+    // All waiting for their values, then all given them, so their reads and writes of
+    // the store overlap.
+    let mut setters: Vec<_> = (0..12)
+        .map(|n| {
+            ws.command(&["secret", "set", &format!("s{n}")])
+                .args(["--host", &format!("api{n}.example.com")])
+                .stdin(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("run vmctl secret set")
+        })
+        .collect();
+    for (n, setter) in setters.iter_mut().enumerate() {
+        let mut stdin = setter.stdin.take().expect("vmctl's stdin");
+        stdin
+            .write_all(format!("token-value-{n:04}").as_bytes())
+            .expect("write the secret");
+    }
+    for setter in setters {
+        let output = setter.wait_with_output().expect("vmctl secret set");
+        assert!(output.status.success(), "{}", stderr(&output));
+    }
+    let listed = ws
+        .command(&["secret", "ls"])
+        .output()
+        .expect("vmctl secret ls");
+    let table = String::from_utf8_lossy(&listed.stdout);
+    let kept = (0..12)
+        .filter(|n| {
+            table
+                .lines()
+                .any(|line| line.starts_with(&format!("s{n} ")))
+        })
+        .count();
+    assert_eq!(kept, 12, "secrets lost to concurrent sets:\n{table}");
+}
+
+#[test]
+fn a_secret_set_is_checked_before_its_value_is_read() {
+    let ws = Workspace::new("secret-checks");
+    // No value comes on stdin: a refusal must name the argument, not the empty value.
+    let no_host = set_secret(&ws, "mine", &[], None);
+    assert!(!no_host.status.success());
+    assert!(stderr(&no_host).contains("--host"), "{}", stderr(&no_host));
+    let broad = set_secret(&ws, "mine", &["--host", "*.com"], None);
+    assert!(!broad.status.success());
+    assert!(
+        stderr(&broad).contains("top-level domain"),
+        "{}",
+        stderr(&broad)
+    );
+    let stored = set_secret(
+        &ws,
+        "mine",
+        &["--host", "*.example.com"],
+        Some("value-one-1234"),
+    );
+    assert!(stored.status.success(), "{}", stderr(&stored));
+    assert!(
+        stderr(&stored).contains("mine stored"),
+        "{}",
+        stderr(&stored)
+    );
+    let again = set_secret(
+        &ws,
+        "mine",
+        &["--host", "*.example.com"],
+        Some("value-two-1234"),
+    );
+    assert!(
+        stderr(&again).contains("mine replaced"),
+        "{}",
+        stderr(&again)
+    );
+}
+
+#[test]
+fn removing_a_rule_that_is_not_there_fails() {
+    let ws = Workspace::new("policy-rm");
+    let run = |args: &[&str]| ws.command(args).output().expect("run vmctl policy");
+    let missing = run(&["policy", "rm", "nothere.example.com"]);
+    assert_eq!(missing.status.code(), Some(1), "{}", stderr(&missing));
+    assert!(
+        stderr(&missing).contains("policy ls"),
+        "{}",
+        stderr(&missing)
+    );
+    assert!(run(&["policy", "allow", "pkg.example.com"])
+        .status
+        .success());
+    let removed = run(&["policy", "rm", "pkg.example.com"]);
+    assert!(removed.status.success(), "{}", stderr(&removed));
+    assert!(
+        stderr(&removed).contains("removed 1 rule"),
+        "{}",
+        stderr(&removed)
+    );
+}

@@ -71,6 +71,21 @@ pub fn source_dir() -> PathBuf {
         })
 }
 
+/// Where the build scripts keep what they build (kernels, images, the guest agent):
+/// `VMCTL_CACHE_DIR`, else `$XDG_CACHE_HOME/vmctl`, else `~/.cache/vmctl`, as the
+/// scripts decide it.
+pub fn cache_dir() -> Option<PathBuf> {
+    cache_dir_in(|name| std::env::var_os(name))
+}
+
+fn cache_dir_in(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let set = |name| var(name).filter(|value| !value.is_empty());
+    set("VMCTL_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| set("XDG_CACHE_HOME").map(|dir| PathBuf::from(dir).join("vmctl")))
+        .or_else(|| set("HOME").map(|home| PathBuf::from(home).join(".cache/vmctl")))
+}
+
 /// Returns the artifact's path: the file its override variable names, else the cached
 /// build, building it first when needed (the build scripts show their progress).
 pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
@@ -160,4 +175,38 @@ pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
     let recipe = recipe.map(|r| r.display().to_string());
     let args: Vec<&str> = recipe.iter().map(String::as_str).collect();
     run_script(&script, &args, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_is_where_the_build_scripts_put_it() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(key, _)| *key == name)
+                    .map(|(_, value)| std::ffi::OsString::from(value))
+            }
+        };
+        assert_eq!(
+            cache_dir_in(env(&[
+                ("VMCTL_CACHE_DIR", "/c"),
+                ("XDG_CACHE_HOME", "/x"),
+                ("HOME", "/h")
+            ])),
+            Some("/c".into())
+        );
+        assert_eq!(
+            cache_dir_in(env(&[("VMCTL_CACHE_DIR", ""), ("XDG_CACHE_HOME", "/x")])),
+            Some("/x/vmctl".into())
+        );
+        assert_eq!(
+            cache_dir_in(env(&[("HOME", "/h")])),
+            Some("/h/.cache/vmctl".into())
+        );
+        assert_eq!(cache_dir_in(env(&[])), None);
+    }
 }

@@ -139,9 +139,10 @@ pub struct KeptOut {
 
 /// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
 /// cloud credentials: the host's secrets, which the VM must not have), and vmctl's own
-/// config and state directories, which no share may be inside either (the secrets the
-/// egress proxy adds and the policy it enforces, which a guest that could write them
-/// would rewrite; every VM's state, the egress CAs' keys among it).
+/// config, state and cache directories, which no share may be inside either (the
+/// secrets the egress proxy adds and the policy it enforces, which a guest that could
+/// write them would rewrite; every VM's state, the egress CAs' keys among it; the
+/// kernels, images and guest agent every VM boots).
 pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     let home = std::env::var_os("HOME")
         .filter(|home| !home.is_empty())
@@ -164,6 +165,13 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
             )
         }),
         state.map(|dir| kept(dir, "vmctl's state directory (every VM's state)", true)),
+        crate::artifacts::cache_dir().map(|dir| {
+            kept(
+                dir,
+                "vmctl's cache (the kernels, images and guest agent every VM boots)",
+                true,
+            )
+        }),
     ]
     .into_iter()
     .flatten()
@@ -471,6 +479,15 @@ mod tests {
             guest: guest.into(),
             read_only: false,
         }
+    }
+
+    #[test]
+    fn the_cache_every_vm_boots_from_is_kept_out_of_the_guest() {
+        let cache = crate::artifacts::cache_dir().expect("HOME is set in tests");
+        let cache = cache.canonicalize().unwrap_or(cache);
+        let kept = kept_out_of_the_guest();
+        let entry = kept.iter().find(|k| k.dir == cache).expect("the cache");
+        assert!(entry.inside_too, "a share inside the cache is allowed");
     }
 
     #[test]

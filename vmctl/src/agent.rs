@@ -159,6 +159,21 @@ pub fn agent_home_dir(vm: &VmDir) -> PathBuf {
     vm.path.join("agent-home")
 }
 
+/// Where the VM's agents keep their sessions (Claude's transcripts, which `claude
+/// --resume` reads; Codex's), those that hold any.
+pub fn session_dirs(vm: &VmDir) -> Vec<PathBuf> {
+    let home = agent_home_dir(vm);
+    [
+        home.join(AgentCli::Claude.program()).join("projects"),
+        home.join(AgentCli::Codex.program()).join("sessions"),
+    ]
+    .into_iter()
+    // The guest wrote these: a link is not followed, and counts for nothing.
+    .filter(|dir| std::fs::symlink_metadata(dir).is_ok_and(|meta| meta.is_dir()))
+    .filter(|dir| std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()))
+    .collect()
+}
+
 fn user_home() -> Option<PathBuf> {
     std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
@@ -350,6 +365,23 @@ fn loopback_ports_in(text: &str) -> Vec<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_agent_sessions_a_removal_would_take_are_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let home = agent_home_dir(&vm);
+        std::fs::create_dir_all(home.join("claude/projects")).unwrap();
+        std::fs::create_dir_all(home.join("codex")).unwrap();
+        assert!(session_dirs(&vm).is_empty(), "empty ones count");
+        std::fs::write(home.join("claude/projects/s.jsonl"), "{}").unwrap();
+        // The guest's link to a full directory elsewhere is no session of the VM's.
+        std::os::unix::fs::symlink(&home.join("claude/projects"), home.join("codex/sessions"))
+            .unwrap();
+        assert_eq!(session_dirs(&vm), [home.join("claude/projects")]);
+    }
 
     #[test]
     fn loopback_urls_in_inline_and_file_mcp_configs() {

@@ -42,8 +42,10 @@ pub enum Command {
     Ps,
     /// Shut down the VM of a workspace.
     Stop(WorkspaceArg),
-    /// Shut down the VM of a workspace and remove its state.
-    Rm(WorkspaceArg),
+    /// Shut down the VM of a workspace and remove its state: its logs, and the Claude
+    /// and Codex homes its agents used (their sessions, which `--resume` needs, and
+    /// settings). On a terminal, asks first when agent sessions would go.
+    Rm(RmArgs),
     /// Forget the stopped VMs of workspace directories that no longer exist (removed
     /// worktrees), throwaway VMs a `vmctl run` left behind (their state, logs and agent
     /// transcripts), and the directories of starts refused before a VM was recorded
@@ -391,6 +393,15 @@ pub struct LogsArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct RmArgs {
+    #[command(flatten)]
+    pub workspace: WorkspaceArg,
+    /// Do not ask, even on a terminal, before agent sessions are removed.
+    #[arg(short, long)]
+    pub force: bool,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct PruneArgs {
     /// Only list what would be removed.
     #[arg(long)]
@@ -533,7 +544,7 @@ mod tests {
             else {
                 panic!("{argv:?} does not parse as rm");
             };
-            assert_eq!(arg.dir(), Some(PathBuf::from("/w")), "{argv:?}");
+            assert_eq!(arg.workspace.dir(), Some(PathBuf::from("/w")), "{argv:?}");
         }
         let Ok(Cli {
             command: Command::Up(up),

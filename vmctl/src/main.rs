@@ -84,14 +84,20 @@ fn main() -> ExitCode {
             })
         }
         cli::Command::Rm(args) => {
-            let dir = workspace::of_vm(args.dir());
-            unpin(&dir);
-            vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
-                if !removed {
-                    vmm::to_stderr!("vmctl: {} has no VM", dir.display());
-                }
-                0
-            })
+            let dir = workspace::of_vm(args.workspace.dir());
+            if args.force || removal_confirmed(&dir) {
+                unpin(&dir);
+                vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
+                    if removed {
+                        vmm::to_stderr!("vmctl: removed the VM of {} and its state", dir.display());
+                    } else {
+                        vmm::to_stderr!("vmctl: {} has no VM", dir.display());
+                    }
+                    0
+                })
+            } else {
+                Err("nothing removed".to_string())
+            }
         }
         cli::Command::Prune(args) => Ok(vm::prune(&state::VmDir::all(), args.dry_run)),
         cli::Command::Agent(args) => agent::run(agent::AgentOptions {
@@ -209,6 +215,31 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
         }
         e.to_string()
     })
+}
+
+/// Whether `vmctl rm` may go on: yes, unless it would remove agent sessions and the
+/// person at the terminal says no.
+fn removal_confirmed(dir: &std::path::Path) -> bool {
+    use std::io::IsTerminal;
+    let Ok((_, vm)) = state::VmDir::lookup(dir) else {
+        return true;
+    };
+    let sessions = agent::session_dirs(&vm);
+    if sessions.is_empty() || !std::io::stdin().is_terminal() || !std::io::stderr().is_terminal() {
+        return true;
+    }
+    let listed: Vec<String> = sessions.iter().map(|d| d.display().to_string()).collect();
+    vmm::to_stderr!(
+        "vmctl: the VM of {} keeps agent sessions (in {}), which `--resume` needs; \
+         remove them with it? [y/N]",
+        dir.display(),
+        listed.join(", ")
+    );
+    let mut answer = String::new();
+    if std::io::stdin().read_line(&mut answer).is_err() {
+        return false;
+    }
+    matches!(answer.trim(), "y" | "Y" | "yes" | "Yes")
 }
 
 /// Lets the daemon stop the VM of `dir` (`vmctl stop`/`rm` stop it anyway).

@@ -24,6 +24,8 @@ pub enum VmError {
     State(#[from] StateError),
     #[error(transparent)]
     Artifact(#[from] ArtifactError),
+    #[error("the VM in {} is still running after it was told to stop; its directory is kept (look at its supervisor with 'vmctl ps', then 'vmctl rm' again)", .0.display())]
+    StillRunning(PathBuf),
     #[error("cannot start the VM's supervisor: {0}")]
     Spawn(std::io::Error),
     #[error(transparent)]
@@ -239,7 +241,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
     // comes as the daemon stops the VM for idleness: it then boots a fresh one.
-    let _start_lock = lock_exclusive(&vm.path.join(START_LOCK))?;
+    let _start_lock = lock_start(&vm)?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
@@ -420,18 +422,22 @@ pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
         .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
 
-/// Whether a `vmctl` still holds `vm`'s start lock after `grace`: a start in progress,
-/// not the daemon's idle stop finishing (which holds the lock until it has seen the VM
+/// `vm`'s start lock if it comes free within `grace`; else a start is in progress, not
+/// the daemon's idle stop finishing (which holds the lock until it has seen the VM
 /// gone, a moment after `vmctl ps` does).
-fn start_in_progress_after(vm: &VmDir, grace: Duration) -> bool {
+fn lock_start_within(vm: &VmDir, grace: Duration) -> Option<std::fs::File> {
     let deadline = Instant::now() + grace;
-    while start_in_progress(vm) {
-        if Instant::now() >= deadline {
-            return true;
+    loop {
+        match try_lock_start(vm) {
+            Ok(Some(lock)) => return Some(lock),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!("cannot take {}'s start lock: {e}", vm.path.display());
+                return None;
+            }
         }
-        std::thread::sleep(Duration::from_millis(50));
     }
-    false
 }
 
 /// How long `vmctl prune` waits for a VM's start lock before it takes the VM for one
@@ -715,9 +721,52 @@ fn agent_state(socket: &Path) -> AgentState {
 }
 
 /// Asks the guest to shut down, then waits for the supervisor; forces it after 30 s.
+/// A start under way finishes first.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
+    if !vm.path.exists() {
+        return Ok(false);
+    }
+    let _no_start_meanwhile = lock_start_saying(&vm, "stopping")?;
     Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
+}
+
+/// `vm`'s start lock, held while a VM is started, stopped or removed, so that none of
+/// these interleave. The directory is made if missing; one removed (by `vmctl rm`)
+/// while this waited is made again, with a lock of its own: the lock of a removed
+/// directory excludes nobody.
+fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
+    use std::os::unix::fs::MetadataExt;
+    let path = vm.path.join(START_LOCK);
+    for _ in 0..10 {
+        std::fs::create_dir_all(&vm.path).map_err(|source| {
+            VmError::State(StateError::Io {
+                path: vm.path.clone(),
+                source,
+            })
+        })?;
+        let file = lock_exclusive(&path)?;
+        let held = file.metadata().map(|m| (m.dev(), m.ino())).ok();
+        let current = std::fs::metadata(&path).map(|m| (m.dev(), m.ino())).ok();
+        if held.is_some() && held == current {
+            return Ok(file);
+        }
+    }
+    Err(VmError::State(StateError::Io {
+        path,
+        source: std::io::Error::other("it was removed each time it was locked"),
+    }))
+}
+
+/// [`lock_start`], saying what waits when a start holds it.
+fn lock_start_saying(vm: &VmDir, doing: &str) -> Result<std::fs::File, VmError> {
+    if start_in_progress(vm) {
+        vmm::to_stderr!(
+            "vmctl: the VM in {} is being started; {doing} it once that is done",
+            vm.path.display()
+        );
+    }
+    lock_start(vm)
 }
 
 /// How the line that says who shut a VM down begins in its supervisor's log, where a
@@ -725,8 +774,30 @@ pub fn stop(workspace: &Path) -> Result<bool, VmError> {
 pub const SHUTDOWN_REQUESTED: &str = "vmctl: shutting the VM down: ";
 
 /// Stops `vm`, first saying `why` in its supervisor's log; false when it was not
-/// running.
+/// running. The guest is asked to shut down (again and again while its agent does not
+/// answer yet, as when it still boots); after 30 s its supervisor is told to stop the
+/// VMM, and killed if it has not within 10 s more. Returns once the supervisor is gone.
 pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
+    stop_vm_within(vm, why, StopTimeouts::DEFAULT)
+}
+
+/// How long [`stop_vm`] gives the guest, then its supervisor after SIGTERM, then after
+/// SIGKILL.
+struct StopTimeouts {
+    guest: Duration,
+    after_term: Duration,
+    after_kill: Duration,
+}
+
+impl StopTimeouts {
+    const DEFAULT: StopTimeouts = StopTimeouts {
+        guest: Duration::from_secs(30),
+        after_term: Duration::from_secs(10),
+        after_kill: Duration::from_secs(5),
+    };
+}
+
+fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
     let Some(pid) = vm.running_pid() else {
         return false;
     };
@@ -737,46 +808,80 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
     if let Err(e) = said {
         tracing::debug!("cannot note the shutdown in the supervisor's log: {e}");
     }
-    let socket = vm.vsock_socket();
-    let other_agent = agent_runtime().is_some_and(|runtime| {
-        runtime.block_on(async {
-            let shutdown = async {
-                guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
-                    .await?
-                    .shutdown()
-                    .await
-            };
-            matches!(
-                tokio::time::timeout(Duration::from_secs(10), shutdown).await,
-                Ok(Err(guest_agent::client::ClientError::OtherProtocol(_)))
-            )
-        })
-    });
-    if other_agent {
-        // Another vmctl's agent cannot be asked; waiting for it would only delay this.
+    let deadline = Instant::now() + timeouts.guest;
+    let mut asked = false;
+    while vm.running_pid().is_some() && Instant::now() < deadline {
+        if !asked {
+            match ask_guest_to_shut_down(vm) {
+                ShutdownAsked::Yes => asked = true,
+                ShutdownAsked::NotYet => {}
+                ShutdownAsked::OtherAgent => {
+                    // Another vmctl's agent cannot be asked; waiting would only delay.
+                    vmm::to_stderr!(
+                        "vmctl: the VM in {} runs a guest agent of another protocol \
+                         version, which cannot be asked to shut down; stopping its VMM",
+                        vm.path.display()
+                    );
+                    break;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(if asked { 100 } else { 500 }));
+    }
+    if vm.running_pid().is_none() {
+        return true;
+    }
+    if asked {
         vmm::to_stderr!(
-            "vmctl: the VM in {} runs a guest agent of another protocol version, which \
-             cannot be asked to shut down; stopping its VMM",
+            "vmctl: the VM in {} did not shut down; stopping its VMM",
             vm.path.display()
         );
-        // SAFETY: signalling the supervisor's pid, read from its pid file.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while vm.running_pid().is_some() {
-        if Instant::now() > deadline {
-            vmm::to_stderr!(
-                "vmctl: the VM in {} did not shut down; killing it",
-                vm.path.display()
-            );
-            // SAFETY: signalling the supervisor's pid, read from its pid file.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-            std::thread::sleep(Duration::from_secs(2));
+    for (signal, wait) in [
+        (libc::SIGTERM, timeouts.after_term),
+        (libc::SIGKILL, timeouts.after_kill),
+    ] {
+        if vm.running_pid() != Some(pid) {
             break;
         }
-        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: signalling the supervisor, whose pid `running_pid` has just checked
+        // against its command line.
+        unsafe { libc::kill(pid, signal) };
+        let gone_by = Instant::now() + wait;
+        while vm.running_pid().is_some() && Instant::now() < gone_by {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
     true
+}
+
+enum ShutdownAsked {
+    Yes,
+    /// The agent did not answer (yet): the VM may still be booting.
+    NotYet,
+    OtherAgent,
+}
+
+fn ask_guest_to_shut_down(vm: &VmDir) -> ShutdownAsked {
+    let Some(runtime) = agent_runtime() else {
+        return ShutdownAsked::NotYet;
+    };
+    let socket = vm.vsock_socket();
+    runtime.block_on(async {
+        let shutdown = async {
+            guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
+                .await?
+                .shutdown()
+                .await
+        };
+        match tokio::time::timeout(Duration::from_secs(10), shutdown).await {
+            Ok(Ok(_)) => ShutdownAsked::Yes,
+            Ok(Err(guest_agent::client::ClientError::OtherProtocol(_))) => {
+                ShutdownAsked::OtherAgent
+            }
+            _ => ShutdownAsked::NotYet,
+        }
+    })
 }
 
 /// Stops the VM and removes its state; false when the workspace has none.
@@ -785,12 +890,17 @@ pub fn remove(workspace: &Path) -> Result<bool, VmError> {
     if !vm.path.exists() {
         return Ok(false);
     }
+    let _no_start_meanwhile = lock_start_saying(&vm, "removing")?;
     remove_vm(&vm, "asked to by `vmctl rm`").map(|()| true)
 }
 
-/// Stops `vm` (saying `why`, as [`stop_vm`]) and removes its state.
+/// Stops `vm` (saying `why`, as [`stop_vm`]) and removes its state; refuses while its
+/// supervisor still runs.
 pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     stop_vm(vm, why);
+    if vm.running_pid().is_some() {
+        return Err(VmError::StillRunning(vm.path.clone()));
+    }
     // The guest wrote parts of it (the agent homes), read-only directories included.
     let removed = match (vm.path.parent(), vm.path.file_name()) {
         (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
@@ -814,7 +924,21 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
     let mut failed = false;
     let mut forgotten = 0;
     for vm in vms {
-        let Some(what) = prunable(vm) else {
+        let untouched = untouched_for(vm, UNSTARTED_AGE);
+        // Held from the check to the removal: a start that comes meanwhile (Paseo
+        // making a worktree again at the same path) waits, and is not removed under.
+        // (A directory without the lock's file never saw a start take it; making the
+        // file would make the directory look fresh. A start that makes it meanwhile
+        // finds its directory removed, and makes both again.)
+        let _no_start_meanwhile = if vm.path.join(START_LOCK).exists() {
+            let Some(lock) = lock_start_within(vm, STOP_LOCK_GRACE) else {
+                continue;
+            };
+            Some(lock)
+        } else {
+            None
+        };
+        let Some(what) = prunable(vm, untouched) else {
             continue;
         };
         if dry_run {
@@ -842,14 +966,16 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
 }
 
 /// What `vmctl prune` would forget `vm` as, if it would.
-fn prunable(vm: &VmDir) -> Option<String> {
-    let stopped = || vm.running_pid().is_none() && !start_in_progress_after(vm, STOP_LOCK_GRACE);
+/// The caller holds `vm`'s start lock; `untouched`: whether its directory had not
+/// changed for [`UNSTARTED_AGE`] before that.
+fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
+    let stopped = || vm.running_pid().is_none();
     let record = match vm.read_record() {
         Ok(record) => record,
         // A start refused before it wrote the record (a bad --mount, say) left the
         // directory alone, which `vmctl ps` does not list. A recent one may be a start
         // that has not yet taken its lock.
-        Err(_) if !vm.record_path().exists() && stopped() && untouched_for(vm, UNSTARTED_AGE) => {
+        Err(_) if !vm.record_path().exists() && stopped() && untouched => {
             return Some("the directory of a VM that never started".into());
         }
         // An unreadable record is kept for whoever looks into it.
@@ -1188,6 +1314,76 @@ mod tests {
         drop(start_lock);
     }
 
+    /// A stand-in supervisor of `vm` that ignores SIGTERM, as one stuck in its teardown.
+    fn stuck_supervisor(vm: &VmDir) -> std::process::Child {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "trap '' TERM; while :; do sleep 0.05; done"])
+            .arg("__supervise")
+            .arg(&vm.path)
+            .spawn()
+            .unwrap();
+        let cmdline = format!("/proc/{}/cmdline", child.id());
+        while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::fs::write(vm.pid_file(), child.id().to_string()).unwrap();
+        assert!(vm.running_pid().is_some());
+        child
+    }
+
+    #[test]
+    fn a_stop_returns_once_the_supervisor_is_gone_killing_it_if_need_be() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let mut supervisor = stuck_supervisor(&vm);
+        let quick = StopTimeouts {
+            guest: Duration::from_millis(300),
+            after_term: Duration::from_millis(300),
+            after_kill: Duration::from_secs(5),
+        };
+        assert!(stop_vm_within(&vm, "a test", quick));
+        assert!(
+            vm.running_pid().is_none(),
+            "stop returned before it was gone"
+        );
+        let status = supervisor.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        assert!(remove_vm(&vm, "a test").is_ok());
+        assert!(!vm.path.exists());
+    }
+
+    #[test]
+    fn a_start_waiting_on_a_removed_vm_locks_the_directory_made_again() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let removing = lock_start(&vm).unwrap();
+        let waiting = {
+            let vm = vm.clone();
+            std::thread::spawn(move || lock_start(&vm).unwrap())
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        // `vmctl rm` removes the directory, its lock file with it, then lets go.
+        std::fs::remove_dir_all(&vm.path).unwrap();
+        drop(removing);
+        let started = waiting.join().unwrap();
+        let held = started.metadata().unwrap().ino();
+        let current = std::fs::metadata(vm.path.join(START_LOCK)).unwrap().ino();
+        assert_eq!(held, current, "the start holds the lock of a removed file");
+        assert!(
+            try_lock_start(&vm).unwrap().is_none(),
+            "the lock excludes nobody"
+        );
+    }
+
     #[test]
     fn a_start_is_in_progress_only_while_its_lock_is_held() {
         let dir = tempfile::tempdir().unwrap();
@@ -1215,13 +1411,13 @@ mod tests {
             drop(held);
         });
         assert!(
-            !start_in_progress_after(&vm, grace),
+            lock_start_within(&vm, grace).is_some(),
             "the stop's lock taken for a start"
         );
         stop_ends.join().unwrap();
         // A start holds it for longer.
         let _starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
-        assert!(start_in_progress_after(&vm, Duration::from_millis(300)));
+        assert!(lock_start_within(&vm, Duration::from_millis(300)).is_none());
     }
 
     #[test]

@@ -1009,6 +1009,11 @@ pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// A command's stderr as text.
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
 /// How far the guest's clock may be off the host's, in seconds: the nested host sets
 /// its clock from the host's to within half a 9p round trip. (A guest clock stepped to
 /// the time in a message of the host's reads between the host's before and after.)

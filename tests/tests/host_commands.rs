@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::process::{Output, Stdio};
-use vm_tests::Workspace;
+use vm_tests::{stderr, Workspace};
 
 /// `vmctl secret set NAME ARGS` with `value` on stdin (`None`: stdin closed at once).
 fn set_secret(ws: &Workspace, name: &str, args: &[&str], value: Option<&str>) -> Output {
@@ -20,10 +20,6 @@ fn set_secret(ws: &Workspace, name: &str, args: &[&str], value: Option<&str>) ->
     }
     drop(stdin);
     child.wait_with_output().expect("vmctl secret set")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 #[test]

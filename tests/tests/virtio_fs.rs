@@ -8,8 +8,8 @@ use std::process::{Command, Output};
 
 use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::{
-    assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stdout, vm_available, vmctl_bin,
-    TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
+    assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stderr, stdout, vm_available,
+    vmctl_bin, TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
 };
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
@@ -738,9 +738,13 @@ fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
     std::fs::write(users_claude.join("CLAUDE.md"), "the user's own\n").unwrap();
     std::fs::write(users_claude.join("skills/s1/SKILL.md"), "skill\n").unwrap();
     vm_tests::host_user::give_to(&home, user);
-    assert_ok(
-        &ws.run(&["agent", "claude", "--version"]),
-        "vmctl agent claude",
+    let first = ws.run(&["agent", "claude", "--version"]);
+    assert_ok(&first, "vmctl agent claude");
+    // No secret signs it in here: vmctl says so, and how to.
+    assert!(
+        stderr(&first).contains("`vmctl secret set anthropic`"),
+        "{}",
+        stderr(&first)
     );
     let redirect = ws.exec(&format!(
         "cd /var/lib/vmctl/agent-home && cat claude/CLAUDE.md claude/skills/s1/SKILL.md \

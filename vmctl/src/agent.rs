@@ -40,6 +40,14 @@ impl AgentCli {
     }
 
     /// The variable that points the CLI at its config home.
+    /// The egress secret that signs it in.
+    fn secret_name(self) -> &'static str {
+        match self {
+            AgentCli::Claude => "anthropic",
+            AgentCli::Codex => "openai",
+        }
+    }
+
     fn home_variable(self) -> &'static str {
         match self {
             AgentCli::Claude => "CLAUDE_CONFIG_DIR",
@@ -114,6 +122,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         guest_writable.extend(writable.map(|share| share.host));
     }
     let relay_ports = loopback_ports(&options.args, &guest_writable)?;
+    warn_if_not_signed_in(options.cli);
     let _lease = crate::lease(&workspace, &format!("agent {}", options.cli.program()));
     let start = crate::vm::StartOptions {
         relay_ports: &relay_ports,
@@ -157,6 +166,23 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
 pub fn agent_home_dir(vm: &VmDir) -> PathBuf {
     vm.path.join("agent-home")
+}
+
+/// Says so when no secret signs the CLI in: it would then ask to log in inside the VM,
+/// where its token would live.
+fn warn_if_not_signed_in(cli: AgentCli) {
+    let Some(files) = crate::network::guest_setup::EgressFiles::locate() else {
+        return;
+    };
+    let name = cli.secret_name();
+    match egress::secrets::SecretStore::load(files.secrets) {
+        Ok(store) if !store.contains(name) => vmm::to_stderr!(
+            "vmctl: warning: no '{name}' secret is stored, so {} in the VM is not signed \
+             in; `vmctl secret set {name}` stores one (the VM only ever sees a placeholder)",
+            cli.program()
+        ),
+        _ => {}
+    }
 }
 
 /// Where the VM's agents keep their sessions (Claude's transcripts, which `claude

@@ -31,7 +31,9 @@ pub enum Command {
     /// but 0, where the VMMs the command starts run their guests.
     NestedExec(NestedExecArgs),
     /// Start the VM of a workspace (default: the current directory's) and wait until
-    /// its guest agent answers.
+    /// its guest agent answers. It then stays up until `vmctl stop`, where one that
+    /// `exec`, `shell` or `agent` started stops once idle (30 s after its last session,
+    /// `idle_timeout_s` in the config file).
     Up(UpArgs),
     /// List workspace VMs.
     ///
@@ -71,8 +73,13 @@ pub enum Command {
     Ports(WorkspaceArg),
     /// Make a port of the VM (even one bound to its loopback only) reachable on the
     /// host; prints the host address.
+    #[command(
+        override_usage = "vmctl publish [OPTIONS] [DIR] <GUEST_PORT>",
+        after_help = "Example: vmctl publish 3000   (a dev server in the VM, on a free host port)"
+    )]
     Publish(PublishArgs),
     /// Stop publishing a port of the VM.
+    #[command(override_usage = "vmctl unpublish [DIR] <GUEST_PORT>")]
     Unpublish(UnpublishArgs),
     /// Credentials the egress proxy adds to the guest's requests; the guest itself
     /// only sees placeholders.
@@ -188,14 +195,18 @@ pub enum SecretCommand {
         #[arg(long = "host", value_name = "H")]
         hosts: Vec<String>,
         /// The header that carries it: "Name" (the value as is) or "Name: template"
-        /// with {} where the value goes, e.g. "Authorization: token {}".
+        /// with {} where the value goes, e.g. "Authorization: token {}". Default: the
+        /// built-in name's; for another name, "Authorization: Bearer {}".
         #[arg(long, value_name = "HEADER")]
         header: Option<String>,
     },
     /// List the stored secrets: names, hosts and headers, never values.
     Ls,
     /// Remove a stored secret.
-    Rm { name: String },
+    Rm {
+        /// Its name, as `vmctl secret ls` shows it.
+        name: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -214,6 +225,7 @@ pub enum PolicyCommand {
     /// Allow destinations: HOST, *.DOMAIN (its subdomains), each with an optional
     /// :PORT. A deny rule still wins.
     Allow {
+        /// HOST or *.DOMAIN, with an optional :PORT (without one, any port).
         #[arg(required = true, value_name = "PATTERN")]
         patterns: Vec<String>,
         #[command(flatten)]
@@ -221,13 +233,15 @@ pub enum PolicyCommand {
     },
     /// Deny destinations (wins over every allow rule, defaults included).
     Deny {
+        /// HOST or *.DOMAIN, with an optional :PORT (without one, any port).
         #[arg(required = true, value_name = "PATTERN")]
         patterns: Vec<String>,
         #[command(flatten)]
         scope: PolicyScope,
     },
-    /// Remove rules you added.
+    /// Remove rules you added (a default rule is overridden with `deny` instead).
     Rm {
+        /// The rules' patterns, as `vmctl policy ls` shows them.
         #[arg(required = true, value_name = "PATTERN")]
         patterns: Vec<String>,
         #[command(flatten)]
@@ -426,7 +440,7 @@ pub struct ExecArgs {
     #[command(flatten)]
     pub setup: VmSetupArgs,
     /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(required = true, trailing_var_arg = true)]
     pub command: Vec<String>,
 }
 
@@ -449,7 +463,7 @@ pub struct NestedExecArgs {
     #[arg(long = "writable", value_name = "DIR")]
     pub writable: Vec<PathBuf>,
     /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(required = true, trailing_var_arg = true)]
     pub command: Vec<String>,
 }
 
@@ -555,6 +569,42 @@ mod tests {
         assert_eq!(up.workspace.dir(), Some(PathBuf::from("/w")));
         let both = parse(&["stop", "/a", "--workspace", "/b"]).unwrap_err();
         assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
+
+    #[test]
+    fn a_mistyped_option_before_the_command_is_refused_not_run() {
+        use clap::Parser;
+        let parse = |argv: &[&str]| Cli::try_parse_from([&["vmctl"], argv].concat());
+        for argv in [&["exec", "--tyy", "bash"][..], &["run", "--bogus", "true"]] {
+            let error = parse(argv).unwrap_err();
+            assert_eq!(
+                error.kind(),
+                clap::error::ErrorKind::UnknownArgument,
+                "{argv:?}"
+            );
+        }
+        let command = |argv: &[&str]| match parse(argv) {
+            Ok(Cli {
+                command: Command::Exec(exec),
+            }) => exec.command,
+            Ok(Cli {
+                command: Command::Run(run),
+            }) => run.command,
+            other => panic!("{argv:?}: {other:?}"),
+        };
+        // The command's own options, after its name or after `--`, are its.
+        assert_eq!(
+            command(&["exec", "ls", "-la", "--tyy"]),
+            ["ls", "-la", "--tyy"]
+        );
+        assert_eq!(
+            command(&["exec", "--", "--odd-name", "-x"]),
+            ["--odd-name", "-x"]
+        );
+        assert_eq!(
+            command(&["run", "--", "sh", "-c", "true"]),
+            ["sh", "-c", "true"]
+        );
     }
 
     #[test]

@@ -208,13 +208,21 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
     if let Err(e) = daemon::client::pin(&vm) {
         vmm::to_stderr!("vmctl: warning: {e}");
     }
-    vm::up(dir, options).map(|_| 0).map_err(|e| {
-        // One that did not start is not pinned for whoever starts it next.
-        if vm.running_pid().is_none() {
-            unpin(dir);
-        }
-        e.to_string()
-    })
+    vm::up(dir, options)
+        .map(|_| {
+            vmm::to_stderr!(
+                "vmctl: it stays up until `vmctl stop` (a VM that `exec`, `shell` or \
+                 `agent` started alone stops once idle)"
+            );
+            0
+        })
+        .map_err(|e| {
+            // One that did not start is not pinned for whoever starts it next.
+            if vm.running_pid().is_none() {
+                unpin(dir);
+            }
+            e.to_string()
+        })
 }
 
 /// Whether `vmctl rm` may go on: yes, unless it would remove agent sessions and the

@@ -35,12 +35,12 @@ fn every_section_reports_figures() {
             "no qemu-system-x86_64 (apt-get install qemu-system-x86)",
         );
         assert!(
-            !std::env::var("VMCTL_REQUIRE_VM").is_ok_and(|v| v == "1"),
+            !vm_tests::vms_required(),
             "VMCTL_REQUIRE_VM=1 but {TEST} needs qemu-system-x86_64"
         );
         return;
     }
-    retry_if_vm_lost(quick_run);
+    retry_if_vm_lost(TEST, quick_run);
 }
 
 fn quick_run() {

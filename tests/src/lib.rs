@@ -78,6 +78,12 @@ pub(crate) fn env_path(name: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// Whether VM tests must run here (`VMCTL_REQUIRE_VM` set to 1, true or yes): a VM
+/// test that cannot then fails instead of being skipped.
+pub fn vms_required() -> bool {
+    env_flag("VMCTL_REQUIRE_VM")
+}
+
 fn env_flag(name: &str) -> bool {
     matches!(
         std::env::var(name).as_deref(),
@@ -198,17 +204,26 @@ pub fn record_skip(test: &str, reason: &str) {
     let line = format!("SKIPPED VM TEST {test}: {reason}");
     // Straight to the process's stderr: libtest captures eprintln! of passing tests.
     let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
-    let file = skip_file();
+    append_line(&skip_file(), &line, "skip");
+}
+
+/// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default
+/// `<target>/vm-tests-retried.txt`), for `scripts/test.sh` to count.
+pub fn retry_file() -> PathBuf {
+    env_path("VMCTL_RETRY_FILE").unwrap_or_else(|| target_dir().join("vm-tests-retried.txt"))
+}
+
+fn append_line(file: &Path, line: &str, what: &str) {
     if let Some(dir) = file.parent() {
         let _ = fs::create_dir_all(dir);
     }
     // One write per line: appends from parallel tests do not interleave.
-    match OpenOptions::new().create(true).append(true).open(&file) {
+    match OpenOptions::new().create(true).append(true).open(file) {
         Ok(mut f) => {
             let _ = f.write_all(format!("{line}\n").as_bytes());
         }
         Err(e) => eprintln!(
-            "vm-tests: cannot record the skip in {}: {e}",
+            "vm-tests: cannot record the {what} in {}: {e}",
             file.display()
         ),
     }
@@ -245,7 +260,7 @@ pub fn hardware_kvm() -> bool {
 pub fn vm_available(test: &str) -> bool {
     match vm_unavailable_reason() {
         None => true,
-        Some(reason) if env_flag("VMCTL_REQUIRE_VM") => {
+        Some(reason) if vms_required() => {
             panic!("VMCTL_REQUIRE_VM=1 but VM test {test} cannot run: {reason}")
         }
         Some(reason) => {
@@ -891,30 +906,39 @@ fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
 /// when the nested host loses its VM ([`retry_if_vm_lost`]).
 pub fn vm_scenario(test: &str, scenario: fn()) {
     if vm_available(test) {
-        retry_if_vm_lost(scenario);
+        retry_if_vm_lost(test, scenario);
     }
 }
 
 /// Guests in the nested host sometimes crash or hang under sustained device traffic
-/// (README, "Known problem"). A scenario that loses its VM that way is retried,
-/// loudly, at most three times; any other failure fails at once.
-pub fn retry_if_vm_lost(scenario: fn()) {
-    const ATTEMPTS: usize = 4;
-    for attempt in 1..=ATTEMPTS {
+/// (README, "Known problem"). There, a scenario that loses its VM that way is retried,
+/// loudly and recorded in [`retry_file`] (which `scripts/test.sh` reports), at most
+/// three times; any other failure fails at once. On hardware KVM nothing is retried:
+/// a lost VM there is a failure of ours.
+pub fn retry_if_vm_lost(test: &str, scenario: fn()) {
+    let attempts = if hardware_kvm() { 1 } else { 4 };
+    for attempt in 1..=attempts {
         VM_LOST.with(|lost| lost.set(false));
+        NO_RETRY.with(|no_retry| no_retry.set(false));
         match std::panic::catch_unwind(scenario) {
             Ok(()) => return,
             Err(panic)
-                if attempt < ATTEMPTS
+                if attempt < attempts
+                    && !NO_RETRY.with(|no_retry| no_retry.get())
                     && (vm_was_lost(panic.as_ref()) || VM_LOST.with(|lost| lost.get())) =>
             {
+                let why = telling_line(panic_message(panic.as_ref()));
                 // Straight to the process's stderr, like a skip: libtest would capture
                 // it once the scenario passes, and a CI log should show every retry.
                 let _ = writeln!(
                     std::io::stderr(),
                     "\nRETRY: attempt {attempt} lost its VM (the known nested-host crash or \
-                     hang; it failed with: {}); starting over with a fresh VM\n",
-                    telling_line(panic_message(panic.as_ref()))
+                     hang; it failed with: {why}); starting over with a fresh VM\n",
+                );
+                append_line(
+                    &retry_file(),
+                    &format!("RETRIED VM TEST {test} (attempt {attempt}): {why}"),
+                    "retry",
                 );
             }
             Err(panic) => std::panic::resume_unwind(panic),
@@ -922,10 +946,19 @@ pub fn retry_if_vm_lost(scenario: fn()) {
     }
 }
 
+/// From here on the current attempt of the scenario is not retried, whatever it fails
+/// with: for a scenario that makes its VM crash on purpose, whose assertions quote the
+/// crash.
+pub fn no_retry_from_here() {
+    NO_RETRY.with(|no_retry| no_retry.set(true));
+}
+
 thread_local! {
     /// Set by [`Workspace::run`] when vmctl reported its VM lost, whatever assertion
     /// then failed: the scenario (on this thread) is worth another attempt.
     static VM_LOST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by [`no_retry_from_here`].
+    static NO_RETRY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
@@ -1160,9 +1193,11 @@ mod tests {
 
     #[test]
     fn newc_is_read_by_cpio() {
-        if find_executable(Path::new("cpio")).is_none() {
-            return;
-        }
+        // scripts/setup.sh installs cpio (the initramfs builds need it too).
+        assert!(
+            find_executable(Path::new("cpio")).is_some(),
+            "no cpio: run scripts/setup.sh"
+        );
         let dir = TempDir::new("cpio");
         let a = newc_archive(&[
             CpioEntry {

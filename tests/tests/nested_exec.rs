@@ -15,7 +15,7 @@ fn nested_host_available(test: &str) -> bool {
         return true;
     }
     let reason = "no qemu-system-x86_64 for the nested host (apt-get install qemu-system-x86)";
-    if std::env::var("VMCTL_REQUIRE_VM").is_ok_and(|v| v == "1") {
+    if vm_tests::vms_required() {
         panic!("VMCTL_REQUIRE_VM=1 but {test} cannot run: {reason}");
     }
     record_skip(test, reason);

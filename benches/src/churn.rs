@@ -655,6 +655,21 @@ pub fn measure(b: &ChurnBench) -> ChurnReport {
         if let Some(e) = failure {
             report.failures.push((label.clone(), e));
         }
+        // Ours must leave nothing running; QEMU's leftovers are only reported.
+        if label == OURS && !l.leftover_processes.is_empty() {
+            report.failures.push((
+                label.clone(),
+                format!(
+                    "{} process(es) of its VMMs still ran after the loop (killed): {}",
+                    l.leftover_processes.len(),
+                    l.leftover_processes
+                        .iter()
+                        .map(|p| format!("pid {} {}", p.pid, first_line(&p.cmdline)))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            ));
+        }
         let one = |v: Option<f64>| v.map(|v| vec![v]).unwrap_or_default();
         let figures = [
             ("churn_cycle_wall_ms", "ms", l.cycle_ms.clone()),
@@ -945,7 +960,14 @@ echo booting; echo BENCH-INIT-REACHED; sleep 0.01
             vmms: b.vmms[..1].to_vec(),
             ..b.clone()
         });
-        assert!(r.errors().is_empty(), "{:?}", r.errors());
+        let errors = r.errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0]
+                .1
+                .starts_with("5 process(es) of its VMMs still ran"),
+            "{errors:?}"
+        );
         let l = &r.loops[0];
         assert!(l.memory.as_ref().unwrap().leak, "{l:?}");
         assert_eq!(l.leftover_processes.len(), 5, "{l:?}");

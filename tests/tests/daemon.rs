@@ -46,14 +46,15 @@ fn the_daemon_stops_once_its_state_directory_is_removed() {
         "the daemon stopped by itself while its state directory was there"
     );
     std::fs::remove_dir_all(&state).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // README: within 5 s (its check's period), given some room on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(status) = daemon.try_wait().unwrap() {
             break status;
         }
         if Instant::now() > deadline {
             let _ = daemon.kill();
-            panic!("the daemon outlived its removed state directory by 30 s");
+            panic!("the daemon outlived its removed state directory by 10 s");
         }
         std::thread::sleep(Duration::from_millis(100));
     };

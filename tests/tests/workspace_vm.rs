@@ -803,7 +803,9 @@ fn recipe_scenario() {
     // The default image has none of it.
     let default = Workspace::new("workspace-default-image");
     assert!(default.run(&["up"]).status.success());
-    assert!(!default.exec("command -v jq").status.success());
+    let jq = default.exec("command -v jq");
+    assert_eq!(jq.status.code(), Some(1), "{}", vm_tests::stderr(&jq));
+    assert_eq!(stdout(&jq), "");
 }
 
 /// A guest whose kernel panics (here its init exits) is reported as a crashed guest,

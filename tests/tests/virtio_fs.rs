@@ -308,11 +308,33 @@ with open('mapped-by-host.bin', 'rb') as f:
         "the guest read the host's /etc/shadow through a symlink"
     );
 
-    // Guest root makes no device node in a share (as root, virtiofsd would make it on
-    // the host: the host's disk, open to all); a FIFO is fine.
+    no_device_node_or_file_capability_from_guest_root(&ws, &root);
+}
+
+/// Guest root makes no device node in a share (virtiofsd as root would make it on the
+/// host: the host's disk, open to all) and sets no file capability (a program the host
+/// would run with them); a FIFO is fine.
+fn no_device_node_or_file_capability_from_guest_root(ws: &Workspace, root: &Path) {
     let nodes = ws.exec_as_root("mknod disk-node b 8 0; mkfifo guest-fifo && echo FIFO");
     assert_eq!(stdout(&nodes), "FIFO\n", "{nodes:?}");
     assert!(!root.join("disk-node").exists());
+    // `setcap cap_net_raw+ep` as bytes: vfs_cap_data revision 2, effective, bit 13.
+    let capability = ws.exec_as_root(
+        "cp /bin/true with-cap && python3 -c '
+import os, struct, sys
+try:
+    os.setxattr(\"with-cap\", \"security.capability\", struct.pack(\"<5I\", 0x02000001, 1 << 13, 0, 0, 0))
+    print(\"SET\")
+except OSError as e:
+    print(\"refused:\", e.strerror)
+'",
+    );
+    assert_ok(&capability, "setting a file capability");
+    assert!(
+        stdout(&capability).starts_with("refused:"),
+        "{}",
+        stdout(&capability)
+    );
 }
 
 /// A file watcher in the guest (Node's `fs.watch`, as dev servers use) sees the
@@ -694,6 +716,8 @@ fn normal_user_scenario() {
             "the guest wrote another user's file"
         );
     }
+
+    no_device_node_or_file_capability_from_guest_root(&ws, &root);
 
     let as_guest_root = ws.exec_as_root(&format!(
         "echo root > by-guest-root.txt

@@ -381,11 +381,25 @@ sys.exit(os.waitstatus_to_exitcode(status))
         &format!("nohup sh -c \"{background}\" > /dev/null 2>&1 &"),
     ]);
     assert!(nohup.status.success(), "{nohup:?}");
+    // One that ignores SIGTERM is killed 5 s later; the guest still shuts down itself.
+    let stubborn = ws.run(&[
+        "exec",
+        "--",
+        "sh",
+        "-c",
+        "nohup sh -c \"trap '' TERM; while :; do sleep 1; done\" > /dev/null 2>&1 &",
+    ]);
+    assert!(stubborn.status.success(), "{stubborn:?}");
 
     // A session that loses its VM to `vmctl stop` says so.
     let mut sleeper = start_guest_sleeper(&ws, "/tmp/last.pid");
     let stop = ws.run(&["stop"]);
     assert!(stop.status.success());
+    assert!(
+        !vm_tests::stderr(&stop).contains("did not shut down"),
+        "{}",
+        vm_tests::stderr(&stop)
+    );
     assert_eq!(
         std::fs::read_to_string(&ended_cleanly).ok().as_deref(),
         Some("bye\n"),
@@ -396,7 +410,8 @@ sys.exit(os.waitstatus_to_exitcode(status))
     let followed = follower.wait_for_end();
     assert!(
         followed.contains(r#"argv=["sh", "-c", "echo $$ > /tmp/last.pid; exec sleep 1000"]"#)
-            && followed.contains("shutdown requested"),
+            && followed.contains("shutdown requested")
+            && followed.contains("processes still running after SIGTERM; killing them"),
         "{followed}"
     );
     let (status, stderr) = ended_within_a_minute(&mut sleeper, "after its VM was stopped");

@@ -123,3 +123,24 @@ fn removing_a_rule_that_is_not_there_fails() {
         stderr(&removed)
     );
 }
+
+#[test]
+fn a_bad_mount_in_the_config_file_names_the_file() {
+    let ws = Workspace::new("config-mount");
+    std::fs::create_dir_all(ws.config_dir()).unwrap();
+    let config = ws.config_dir().join("config.toml");
+    std::fs::write(&config, "mounts = [\"/nonexistent-vmctl-test:/data\"]\n").unwrap();
+    // Refused before anything boots (a kernel that is not there would stop it anyway).
+    let up = ws
+        .command(&["up"])
+        .env("VMCTL_KERNEL", "/nonexistent-vmctl-test/vmlinux")
+        .output()
+        .expect("run vmctl up");
+    assert!(!up.status.success());
+    let said = stderr(&up);
+    assert!(
+        said.contains(&format!("{}: in 'mounts'", config.display()))
+            && said.contains("/nonexistent-vmctl-test"),
+        "{said}"
+    );
+}

@@ -30,6 +30,8 @@ pub enum VmError {
     Spawn(std::io::Error),
     #[error(transparent)]
     Share(#[from] ShareError),
+    #[error("{}: in 'mounts': {source}; fix the file (or remove the line)", .config.display())]
+    ConfigMount { config: PathBuf, source: ShareError },
     #[error(transparent)]
     UserConfig(#[from] UserConfigError),
     #[error(transparent)]
@@ -134,7 +136,13 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     let mut list = vec![shares::workspace_share(workspace)?, agent_home.clone()];
     let mut written = Vec::new();
     for spec in config.mounts_for(workspace) {
-        written.push(shares::parse_mount_as_written(&spec, workspace)?);
+        let mount = shares::parse_mount_as_written(&spec, workspace).map_err(|source| {
+            VmError::ConfigMount {
+                config: crate::user_config::config_path().unwrap_or_default(),
+                source,
+            }
+        })?;
+        written.push(mount);
     }
     for spec in mounts {
         written.push(shares::parse_mount_as_written(spec, &cwd)?);

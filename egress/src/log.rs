@@ -14,6 +14,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 const MAX_LOG_BYTES: u64 = 1024 * 1024;
+/// Longest host, rule or method a line keeps (the guest chooses them: a method of 60
+/// KiB would make a few requests fill the log).
+const MAX_FIELD_BYTES: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -55,6 +58,18 @@ impl LogEntry {
             secret: None,
         }
     }
+}
+
+/// `field`, cut to [`MAX_FIELD_BYTES`] (at a character) with `...` to say so.
+fn bounded(field: &str) -> String {
+    if field.len() <= MAX_FIELD_BYTES {
+        return field.to_string();
+    }
+    let mut end = MAX_FIELD_BYTES;
+    while !field.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &field[..end])
 }
 
 /// An append-only, rotating JSON-lines log. Appends are small and go through a
@@ -103,7 +118,13 @@ impl DecisionLog {
     }
 
     fn append(&self, entry: &LogEntry) -> io::Result<()> {
-        let mut line = serde_json::to_vec(entry).map_err(io::Error::other)?;
+        let bounded = LogEntry {
+            host: bounded(&entry.host),
+            rule: bounded(&entry.rule),
+            method: entry.method.as_deref().map(bounded),
+            ..entry.clone()
+        };
+        let mut line = serde_json::to_vec(&bounded).map_err(io::Error::other)?;
         line.push(b'\n');
         let mut slot = self.file.lock().unwrap_or_else(|e| e.into_inner());
         if slot.as_ref().is_some_and(|log| log.len >= self.max_bytes) {
@@ -201,6 +222,21 @@ mod tests {
         e.method = Some("GET".into());
         e.secret = Some(format!("secret{i}"));
         e
+    }
+
+    #[test]
+    fn what_the_guest_chooses_is_cut_so_a_few_requests_cannot_fill_the_log() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        let mut long = entry(0);
+        long.method = Some("X".repeat(60 * 1024));
+        long.rule = format!("Host {} disagrees", "é".repeat(1000));
+        log.record(&long);
+        let back = read_recent(&path, 1).unwrap();
+        assert_eq!(back[0].method.as_deref().map(str::len), Some(256 + 3));
+        assert!(back[0].rule.len() <= 256 + 3 && back[0].rule.ends_with("..."));
+        assert!(std::fs::metadata(&path).unwrap().len() < 1024);
     }
 
     #[test]

@@ -1105,3 +1105,66 @@ fn the_upstream_roots_go_to_the_guest_as_pem() {
         "PEM lines are 64 wide"
     );
 }
+
+/// A guest that has a bound host send back bytes it chose (an echo here; a file it
+/// stored there, on a real API) and watches whether their end comes back masked
+/// learns, a character at a time, how the secret goes on. Each such probe counts,
+/// right guess or wrong, and after a few the secret is no longer sent: the guest
+/// learns no more than a few characters past the secret's public start.
+#[tokio::test]
+async fn probing_for_the_secret_a_character_at_a_time_gets_it_withdrawn() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let alphabet: Vec<char> = (b' '..=b'~').map(char::from).collect();
+    let mut known = String::from("sk-test-");
+    let mut withdrawn = false;
+    'guessing: while known.len() < SECRET.len() {
+        let mut found = None;
+        // The last candidate is never asked: every other one coming back unmasked
+        // says it is the one.
+        for (n, &c) in alphabet.iter().enumerate() {
+            if n == alphabet.len() - 1 {
+                found = Some(c);
+                break;
+            }
+            let guess = format!("{known}{c}");
+            let (status, _, body) =
+                exchange(&mut client, request("/echo", "api.test", &[], &guess)).await;
+            if status == StatusCode::FORBIDDEN {
+                withdrawn = body.contains("secret") && body.contains("withdrawn");
+                break 'guessing;
+            }
+            assert_eq!(status, StatusCode::OK);
+            if !body.ends_with(&guess) {
+                found = Some(c);
+                break;
+            }
+        }
+        match found {
+            Some(c) => known.push(c),
+            None => break,
+        }
+    }
+    assert!(withdrawn, "the probing went on; it recovered {known:?}");
+    // The public start and what a long start of it may be before probes count
+    // ("sk-test-SECRET-" and four more characters), and no more.
+    assert!(
+        known.len() <= "sk-test-SECRET-".len() + 4,
+        "the guest recovered {known:?}"
+    );
+    // Other requests to the secret's hosts are refused too, with the reason logged.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let (status, _, _) = exchange(&mut client, request("/echo", "api.test", &[], "hello")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(
+        entries
+            .iter()
+            .any(|e| !e.allowed && e.rule.contains("withdrawn")),
+        "{entries:?}"
+    );
+}

@@ -6,8 +6,10 @@ use std::process::{Command, Stdio};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    #[error("{}: build script missing; set VMCTL_SOURCE_DIR to the vmctl source tree or pass the file explicitly", .0.display())]
-    ScriptMissing(PathBuf),
+    #[error("{}: build script missing; set VMCTL_SOURCE_DIR to the vmctl source tree, or name a prebuilt file with {var}", .script.display())]
+    ScriptMissing { script: PathBuf, var: &'static str },
+    #[error("{var}={}: no such file; unset {var} to use the cached build", .path.display())]
+    OverrideMissing { var: &'static str, path: PathBuf },
     #[error("cannot run {}: {source}", .script.display())]
     Spawn {
         script: PathBuf,
@@ -89,13 +91,17 @@ fn cache_dir_in(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<Path
 /// Returns the artifact's path: the file its override variable names, else the cached
 /// build, building it first when needed (the build scripts show their progress).
 pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
-    if let Some(path) = std::env::var_os(artifact.override_env()) {
-        return Ok(PathBuf::from(path));
+    let var = artifact.override_env();
+    if let Some(path) = std::env::var_os(var).map(PathBuf::from) {
+        if !path.is_file() {
+            return Err(ArtifactError::OverrideMissing { var, path });
+        }
+        return Ok(path);
     }
     let (script, args, what) = artifact.script_and_args();
     let script = source_dir().join(script);
     if !script.is_file() {
-        return Err(ArtifactError::ScriptMissing(script));
+        return Err(ArtifactError::ScriptMissing { script, var });
     }
     // The agent's script always runs: cargo decides quickly whether to rebuild.
     if !matches!(artifact, Artifact::AgentInitramfs) {
@@ -170,7 +176,10 @@ fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf,
 pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
     let script = source_dir().join("rootfs/build-rootfs.sh");
     if !script.is_file() {
-        return Err(ArtifactError::ScriptMissing(script));
+        return Err(ArtifactError::ScriptMissing {
+            script,
+            var: Artifact::RootfsImage.override_env(),
+        });
     }
     let recipe = recipe.map(|r| r.display().to_string());
     let args: Vec<&str> = recipe.iter().map(String::as_str).collect();

@@ -52,14 +52,16 @@ pub(super) fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("a loopback address")
     } else if let Some(v4) = ip.to_ipv4_mapped() {
         forbidden_v4(v4)
+    } else if seg[..3] == [0x64, 0xff9b, 1] {
+        // Local NAT64 (RFC 8215): its operator chooses where in the address the IPv4
+        // address goes (RFC 6052 prefix lengths), so it cannot be checked.
+        Some("a local-use NAT64 address (its IPv4 address cannot be checked)")
     } else if seg[..6] == [0; 6]
         || seg[..6] == [0, 0, 0, 0, 0xffff, 0]
         || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
-        || seg[..3] == [0x64, 0xff9b, 1]
     {
-        // IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d), NAT64
-        // (64:ff9b::a.b.c.d) and local NAT64 (64:ff9b:1::/48) end in an IPv4 address
-        // that may be a private one.
+        // IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d) and NAT64
+        // (64:ff9b::a.b.c.d) end in an IPv4 address that may be a private one.
         forbidden_v4(Ipv4Addr::from(((seg[6] as u32) << 16) | seg[7] as u32))
     } else if seg[0] == 0x2002 {
         // 6to4: 2002:a.b.c.d::/48.

@@ -109,6 +109,8 @@ pub struct ProxyConfig {
     pub limits: Limits,
     /// The connection slots, created on first use from `limits.max_connections`.
     slots: OnceLock<Arc<Semaphore>>,
+    /// Each secret's watch for probes, by name, for as long as this proxy runs.
+    tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
 }
 
 impl ProxyConfig {
@@ -126,7 +128,20 @@ impl ProxyConfig {
             log,
             limits: Limits::default(),
             slots: OnceLock::new(),
+            tripwires: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The watch for probes of the secret `name` (see [`redact::Tripwire`]).
+    fn tripwire(&self, name: &str) -> Arc<redact::Tripwire> {
+        let mut tripwires = self
+            .tripwires
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        tripwires
+            .entry(name.to_owned())
+            .or_insert_with(|| Arc::new(redact::Tripwire::new(name)))
+            .clone()
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {

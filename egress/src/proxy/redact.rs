@@ -4,6 +4,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -77,6 +78,69 @@ pub(super) async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io:
     Ok(bytes.len() as u64)
 }
 
+/// How many suspected probes of a secret one proxy (one VM's run) takes before it no
+/// longer sends that secret.
+pub const PROBES_TOLERATED: u32 = 3;
+
+/// Watches one secret for probes. Holding back or masking what might begin the secret
+/// tells whoever chose the bytes a bound host sends back (a file the guest stored
+/// there, an echo) whether they begin it: one guessed character at a time, the guest
+/// could learn it all. So each time a long start of the secret, longer than its public
+/// form (`sk-ant-api03-`, `Bearer `) and a few characters, ends without the whole
+/// secret (the stream turned away from it, paused on it, or ended in it) counts as a
+/// probe, the right guesses and the wrong alike; after [`PROBES_TOLERATED`], the
+/// proxy stops sending the secret for this VM. Ordinary traffic never holds that much
+/// of a secret it does not contain.
+#[derive(Debug)]
+pub struct Tripwire {
+    secret: String,
+    probes: AtomicU32,
+}
+
+impl Tripwire {
+    pub(super) fn new(secret: &str) -> Self {
+        Self {
+            secret: secret.to_owned(),
+            probes: AtomicU32::new(0),
+        }
+    }
+
+    /// Whether the secret is no longer sent.
+    pub(super) fn tripped(&self) -> bool {
+        self.probes.load(Ordering::Relaxed) >= PROBES_TOLERATED
+    }
+
+    fn probe(&self) {
+        let seen = self.probes.fetch_add(1, Ordering::Relaxed) + 1;
+        if seen == PROBES_TOLERATED {
+            tracing::error!(
+                "vmctl: the egress proxy withdrew secret {}: {seen} responses of its hosts \
+                 held a long start of it without the rest, as when the guest probes for it \
+                 a character at a time; it is not sent again until the VM restarts",
+                self.secret
+            );
+        } else if seen < PROBES_TOLERATED {
+            tracing::warn!(
+                "vmctl: a response held a long start of secret {} without the rest \
+                 ({seen} of {PROBES_TOLERATED} before it is withdrawn)",
+                self.secret
+            );
+        }
+    }
+}
+
+/// The length from which a start of `needle` counts as a probe: its public form (up to
+/// its last separator in the first 24 bytes, as in `sk-ant-api03-` or `Bearer `) and
+/// four characters more, [`MIN_REDACTED_LEN`] at least.
+fn probe_len(needle: &[u8]) -> usize {
+    let head = &needle[..needle.len().min(24)];
+    let public = head
+        .iter()
+        .rposition(|b| matches!(b, b'-' | b'_' | b' ' | b'.' | b':'))
+        .map_or(0, |at| at + 1);
+    (public + 4).max(MIN_REDACTED_LEN)
+}
+
 /// Replaces the secret in what the upstream sends back, so a server that echoes
 /// the request (or quotes the credential in an error) cannot hand it to the guest.
 /// Replacements keep the length, so Content-Length and framing stay right.
@@ -85,6 +149,8 @@ pub(super) struct Redactor {
     /// The whole header value and its credential part, longest first.
     /// Copies of the secret: wiped when the last redactor of a request goes.
     pub(super) needles: Arc<[zeroize::Zeroizing<Vec<u8>>]>,
+    /// Told of every suspected probe (see [`Tripwire`]).
+    pub(super) tripwire: Option<Arc<Tripwire>>,
     /// The end of the data seen so far when it might begin a needle.
     pub(super) held: Vec<u8>,
     /// Bytes already sent (by [`Redactor::flush_held`]) that might begin a needle:
@@ -107,9 +173,49 @@ impl Redactor {
         needles.dedup();
         (!needles.is_empty()).then(|| Self {
             needles: needles.into(),
+            tripwire: None,
             held: Vec::new(),
             carried: Vec::new(),
         })
+    }
+
+    /// The same, telling `tripwire` of suspected probes.
+    pub(super) fn watched_by(mut self, tripwire: Arc<Tripwire>) -> Self {
+        self.tripwire = Some(tripwire);
+        self
+    }
+
+    /// Whether `start`, a start of a needle the stream held, is long enough to be a
+    /// probe when it ends without the rest.
+    fn probing(&self, start: &[u8]) -> bool {
+        self.needles
+            .iter()
+            .any(|needle| start.len() >= probe_len(needle) && needle.starts_with(start))
+    }
+
+    /// Whether `window` holds a long start of a needle ([`probe_len`]) followed by a
+    /// byte that does not go on with it. (Whether such a start comes back masked or
+    /// not, held back or not, is what a probe asks; so the wrong guesses count too,
+    /// wherever the stream's chunks fall.)
+    fn turns_away_from_a_long_start(&self, window: &[u8]) -> bool {
+        self.needles.iter().any(|needle| {
+            let least = probe_len(needle);
+            (0..window.len().saturating_sub(least)).any(|at| {
+                let rest = &window[at..];
+                let matched = rest
+                    .iter()
+                    .zip(needle.iter())
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                matched >= least && matched < needle.len() && matched < rest.len()
+            })
+        })
+    }
+
+    fn count_probe(&self) {
+        if let Some(tripwire) = &self.tripwire {
+            tripwire.probe();
+        }
     }
 
     /// The part of the stream up to `chunk` that is safe to pass on now.
@@ -119,6 +225,9 @@ impl Redactor {
         let sent = window.len();
         window.append(&mut self.held);
         window.extend_from_slice(chunk);
+        if self.tripwire.is_some() && self.turns_away_from_a_long_start(&window) {
+            self.count_probe();
+        }
         self.redact(&mut window);
         let keep = self.prefix_at_end(&window);
         let hold = keep.min(window.len() - sent);
@@ -141,6 +250,9 @@ impl Redactor {
     pub(super) fn flush_held(&mut self) -> Bytes {
         let held = std::mem::take(&mut self.held);
         let started = self.carried.len() + held.len();
+        if !held.is_empty() && self.probing(&[self.carried.as_slice(), &held].concat()) {
+            self.count_probe();
+        }
         let out = if started >= MIN_REDACTED_LEN {
             vec![b'*'; held.len()]
         } else {

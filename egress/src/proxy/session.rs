@@ -115,6 +115,28 @@ impl Session {
         // The policy may have changed since the CONNECT; the secret may have too.
         let decision = ask.decide(config)?;
         let injection = config.rules.injection(&self.host, self.port);
+        let tripwire = injection
+            .as_ref()
+            .map(|injection| config.tripwire(&injection.secret));
+        if let (Some(injection), Some(tripwire)) = (&injection, &tripwire) {
+            if tripwire.tripped() {
+                let rule = format!(
+                    "secret {} withdrawn: responses held starts of it without the rest {} \
+                     times, as when the guest probes for it (restart the VM to send it again)",
+                    injection.secret,
+                    super::redact::PROBES_TOLERATED
+                );
+                let what = ask.what.clone();
+                return Err(ask.refuse(
+                    config,
+                    &rule,
+                    ProxyError::Refused {
+                        what,
+                        rule: rule.clone(),
+                    },
+                ));
+            }
+        }
         config
             .log
             .record(&ask.entry(true, &decision.rule, injection.as_ref()));
@@ -128,6 +150,10 @@ impl Session {
                 injection.value.as_bytes(),
                 injection.secret_value.expose().as_bytes(),
             )
+            .map(|redactor| match &tripwire {
+                Some(tripwire) => redactor.watched_by(tripwire.clone()),
+                None => redactor,
+            })
         });
         let response = self.send(Request::from_parts(parts, boxed(body))).await?;
         relay_response(response, guest_upgrade, redactor, ask, &self.conn)
@@ -221,4 +247,7 @@ pub(super) fn inject(headers: &mut HeaderMap, injection: &Injection) {
     );
     headers.remove(header::RANGE);
     headers.remove(header::IF_RANGE);
+    // A WebSocket's compression (permessage-deflate) would hide it on the upgraded
+    // connection the same way.
+    headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
 }

@@ -44,7 +44,9 @@ fn forbidden_addresses() {
         ("::127.0.0.1", "loopback"),
         ("64:ff9b::192.168.0.1", "private"),
         ("::ffff:0:10.0.0.1", "private"),
-        ("64:ff9b:1::10.0.0.1", "private"),
+        ("64:ff9b:1::10.0.0.1", "local-use NAT64"),
+        // 127.0.0.1 in bits 48-87 (a /48 prefix), 8.8.8.8 in the last 32.
+        ("64:ff9b:1:7f00:0:100:808:808", "local-use NAT64"),
         ("2002:a00:1::1", "private"),
         ("2002:7f00:1::", "loopback"),
         ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"),
@@ -68,7 +70,6 @@ fn forbidden_addresses() {
         "2606:4700::1111",
         "::ffff:1.1.1.1",
         "64:ff9b::8.8.8.8",
-        "64:ff9b:1::8.8.8.8",
         "2002:808:808::1",
         "2001:db9::1",
         "198.18.0.1",
@@ -108,6 +109,10 @@ fn a_bound_request_gets_its_secret_and_loses_what_would_hide_an_echo() {
     headers.insert(header::RANGE, HeaderValue::from_static("bytes=1-"));
     headers.insert(header::IF_RANGE, HeaderValue::from_static("\"etag\""));
     headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+    headers.insert(
+        header::SEC_WEBSOCKET_EXTENSIONS,
+        HeaderValue::from_static("permessage-deflate"),
+    );
     headers.insert("x-api-key", HeaderValue::from_static("placeholder"));
     let injection = Injection {
         secret: "test".into(),
@@ -121,6 +126,7 @@ fn a_bound_request_gets_its_secret_and_loses_what_would_hide_an_echo() {
     assert_eq!(headers[header::ACCEPT_ENCODING], "identity");
     assert!(!headers.contains_key(header::RANGE));
     assert!(!headers.contains_key(header::IF_RANGE));
+    assert!(!headers.contains_key(header::SEC_WEBSOCKET_EXTENSIONS));
 }
 
 /// The upstream gets the Host header the policy judged, not the guest's spelling.
@@ -442,4 +448,55 @@ fn redaction_in_headers() {
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     find(haystack, needle).is_some()
+}
+
+/// A watched redactor for [`SECRET`], and its tripwire.
+fn watched() -> (Redactor, Arc<redact::Tripwire>) {
+    let tripwire = Arc::new(redact::Tripwire::new("test"));
+    let redactor = Redactor::for_secret(SECRET, TOKEN)
+        .unwrap()
+        .watched_by(tripwire.clone());
+    (redactor, tripwire)
+}
+
+#[test]
+fn text_with_the_secrets_public_start_is_no_probe() {
+    let (mut redactor, tripwire) = watched();
+    // Documentation quotes the form of a key; a stream pauses right after it.
+    redactor.feed(b"set the header to Bearer sk-test-");
+    redactor.flush_held();
+    redactor.feed(b"xxxx, or sk-test-012 (a short start)");
+    redactor.finish();
+    assert!(!tripwire.tripped());
+    // The whole secret, echoed, is redacted and no probe either.
+    let (mut redactor, tripwire) = watched();
+    redactor.feed(b"you sent sk-test-0123");
+    redactor.flush_held();
+    redactor.feed(b"456789 and more");
+    redactor.finish();
+    for _ in 0..redact::PROBES_TOLERATED {
+        let (mut redactor, _) = (redactor.clone(), ());
+        redactor.feed(b"sk-test-0123456789");
+        redactor.finish();
+    }
+    assert!(!tripwire.tripped());
+}
+
+#[test]
+fn long_starts_of_the_secret_that_end_without_it_are_probes_right_or_wrong() {
+    let (redactor, tripwire) = watched();
+    // A wrong guess past the public start and four characters (the stream turns away
+    // from it), a right one (it ends in it), and one a pause cuts.
+    let mut wrong = redactor.clone();
+    wrong.feed(b"sk-test-0123X");
+    wrong.finish();
+    assert!(!tripwire.tripped());
+    let mut right = redactor.clone();
+    right.feed(b"sk-test-01234");
+    right.finish();
+    assert!(!tripwire.tripped());
+    let mut paused = redactor.clone();
+    paused.feed(b"sk-test-012345");
+    paused.flush_held();
+    assert!(tripwire.tripped());
 }

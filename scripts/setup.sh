@@ -9,7 +9,7 @@
 #   scripts/setup.sh               everything
 #   scripts/setup.sh --skip-vmctl  everything but `cargo build --release -p vmctl`
 #
-# Afterwards: ./target/release/vmctl boot   (boots the hello guest)
+# Afterwards: ./target/release/vmctl exec -- uname -a   (a command in this directory's VM)
 #             ./scripts/test.sh             (unit tests + VM tests)
 set -euo pipefail
 

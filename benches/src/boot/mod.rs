@@ -195,7 +195,25 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         } else {
             "--nested never: measuring directly on this machine's KVM"
         });
-        measure(&args, &tools, &|_, _| {})?
+        // A section that fails after others were measured still leaves their report,
+        // written below and marked incomplete with the failure.
+        let so_far: std::cell::RefCell<Option<Report>> = std::cell::RefCell::new(None);
+        let checkpoint = |report: &Report, done: &str| {
+            let mut partial = report.clone();
+            partial.incomplete = Some(format!("the run stopped after {done}"));
+            *so_far.borrow_mut() = Some(partial);
+        };
+        match measure(&args, &tools, &checkpoint) {
+            Ok(report) => report,
+            Err(e) => match so_far.into_inner() {
+                Some(mut partial) => {
+                    let done = partial.incomplete.take().unwrap_or_default();
+                    partial.incomplete = Some(format!("{done}, then failed: {e}"));
+                    partial
+                }
+                None => return Err(e),
+            },
+        }
     };
     report.commit = commit;
     report.dirty = dirty;

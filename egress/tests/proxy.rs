@@ -1168,3 +1168,13 @@ async fn probing_for_the_secret_a_character_at_a_time_gets_it_withdrawn() {
         "{entries:?}"
     );
 }
+
+/// A GET with a chunked body reaches the upstream with it.
+#[tokio::test]
+async fn a_chunked_get_body_goes_on() {
+    let h = Harness::start().await;
+    let answer = h
+        .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        .await;
+    assert!(answer.contains("hello"), "{answer}");
+}

@@ -9,10 +9,11 @@ use http::Uri;
 
 use super::ProxyError;
 
-pub(super) const HOP_BY_HOP: [HeaderName; 6] = [
+/// (`Trailer` is not one: it declares the trailer fields, which hyper sends only when
+/// declared.)
+pub(super) const HOP_BY_HOP: [HeaderName; 5] = [
     header::CONNECTION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     HeaderName::from_static("keep-alive"),

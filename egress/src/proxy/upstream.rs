@@ -195,7 +195,20 @@ where
 /// origin-form URI, a Host header.
 pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValue) {
     let upgrade = wants_upgrade(&parts.headers);
+    // A chunked body goes on chunked: without the header, hyper would send a GET's or
+    // HEAD's body of unknown length as none at all.
+    let chunked = parts
+        .headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .any(|value| value.as_bytes().eq_ignore_ascii_case(b"chunked"));
     strip_hop_by_hop(&mut parts.headers, upgrade);
+    if chunked {
+        parts.headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
     let origin = parts
         .uri
         .path_and_query()

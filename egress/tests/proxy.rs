@@ -38,6 +38,8 @@ struct TestRules;
 
 /// Whether the policy has since refused `revocable.test` (only its test uses that host).
 static REVOKED: AtomicBool = AtomicBool::new(false);
+/// Whether the secret of `unbound.test` has since been removed (only its test uses it).
+static SECRET_REMOVED: AtomicBool = AtomicBool::new(false);
 
 impl EgressRules for TestRules {
     fn decide(&self, host: &str, _port: u16) -> Decision {
@@ -60,7 +62,9 @@ impl EgressRules for TestRules {
     }
 
     fn injection(&self, host: &str, _port: u16) -> Option<Injection> {
-        matches!(host, "api.test" | "wronghost.test").then(|| Injection {
+        let bound = matches!(host, "api.test" | "wronghost.test")
+            || (host == "unbound.test" && !SECRET_REMOVED.load(Ordering::SeqCst));
+        bound.then(|| Injection {
             secret: "testkey".into(),
             header: HeaderName::from_static("x-api-key"),
             value: HeaderValue::from_static(SECRET),
@@ -235,9 +239,12 @@ fn upstream_tls() -> (String, Arc<rustls::ServerConfig>) {
     let ca = ca_params.self_signed(&ca_key).unwrap();
 
     let leaf_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-    let leaf_params =
-        rcgen::CertificateParams::new(vec!["api.test".to_string(), "open.test".to_string()])
-            .unwrap();
+    let leaf_params = rcgen::CertificateParams::new(vec![
+        "api.test".to_string(),
+        "open.test".to_string(),
+        "unbound.test".to_string(),
+    ])
+    .unwrap();
     let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).unwrap();
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
     let mut config = rustls::ServerConfig::builder_with_provider(provider())
@@ -318,6 +325,7 @@ impl Harness {
         .with_resolve_override("open.test:443", tls_addr)
         .with_resolve_override("revocable.test:443", tls_addr)
         .with_resolve_override("wronghost.test:443", tls_addr)
+        .with_resolve_override("unbound.test:443", tls_addr)
         .with_resolve_override("plain.test:80", plain_addr)
         .with_resolve_override("api.test:80", plain_addr);
         let config = Arc::new(config);
@@ -1177,4 +1185,45 @@ async fn a_chunked_get_body_goes_on() {
         .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
         .await;
     assert!(answer.contains("hello"), "{answer}");
+}
+
+/// An upgraded connection the secret authenticated closes once the secret is removed.
+#[tokio::test]
+async fn an_upgraded_connection_closes_once_its_secret_is_removed() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let mut client = h
+        .https_client("unbound.test:443", "unbound.test", &h.sandbox_ca)
+        .await;
+    let req = request(
+        "/ws",
+        "unbound.test",
+        &[("connection", "upgrade"), ("upgrade", "echo")],
+        "",
+    );
+    let response = client.send_request(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SWITCHING_PROTOCOLS);
+    let mut io = TokioIo::new(hyper::upgrade::on(response).await.unwrap());
+    io.write_all(b"hello").await.unwrap();
+    let mut buf = [0u8; 5];
+    timeout(Duration::from_secs(2), io.read_exact(&mut buf))
+        .await
+        .expect("echo in time")
+        .unwrap();
+    SECRET_REMOVED.store(true, Ordering::SeqCst);
+    let mut byte = [0u8; 1];
+    let ended = timeout(Duration::from_secs(5), io.read(&mut byte))
+        .await
+        .expect("the connection stayed open after its secret was removed");
+    assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(
+        entries
+            .iter()
+            .any(|e| e.host == "unbound.test" && !e.allowed && e.rule.contains("no longer bound")),
+        "{entries:?}"
+    );
 }

@@ -179,6 +179,11 @@ impl Redactor {
         })
     }
 
+    /// Whether `value` is the header value this redactor was made for.
+    pub(super) fn redacts_value(&self, value: &[u8]) -> bool {
+        self.needles.iter().any(|needle| needle.as_slice() == value)
+    }
+
     /// The same, telling `tripwire` of suspected probes.
     pub(super) fn watched_by(mut self, tripwire: Arc<Tripwire>) -> Self {
         self.tripwire = Some(tripwire);

@@ -90,6 +90,30 @@ impl Ask {
             }
         }
     }
+
+    /// Returns once the secret `redactor` redacts is no longer the one bound to what
+    /// was asked for (removed or replaced with `vmctl secret`, or withdrawn after
+    /// probes), checked as often as the policy: a connection it authenticated closes.
+    pub(super) async fn until_secret_withdrawn(&self, config: &ProxyConfig, redactor: &Redactor) {
+        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let still_bound = config
+                .rules
+                .injection(&self.host, self.port)
+                .is_some_and(|injection| redactor.redacts_value(injection.value.as_bytes()));
+            let tripped = redactor.tripwire.as_ref().is_some_and(|t| t.tripped());
+            if !still_bound || tripped {
+                let rule = "the secret it was opened with is no longer bound to it";
+                config.log.record(&self.entry(false, rule, None));
+                tracing::info!("{}: {rule}; closing the open connection", self.target());
+                return;
+            }
+        }
+    }
 }
 
 /// The addresses `host:port` resolves to, refused (and logged) if any of them is
@@ -269,6 +293,7 @@ pub(super) async fn splice(
     };
     let guest = TokioIo::new(guest);
     let upstream = TokioIo::new(upstream);
+    let watch = redactor.clone();
     let relay = async {
         match redactor {
             None => byte_relay::both_ways(guest, upstream).await,
@@ -283,5 +308,11 @@ pub(super) async fn splice(
             }
         }
     };
-    relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await;
+    match watch {
+        Some(redactor) => tokio::select! {
+            () = relay_while_allowed(relay, &ask, &conn.config, "upgraded connection") => {}
+            () = ask.until_secret_withdrawn(&conn.config, &redactor) => {}
+        },
+        None => relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await,
+    }
 }

@@ -144,3 +144,17 @@ fn a_bad_mount_in_the_config_file_names_the_file() {
         "{said}"
     );
 }
+
+#[test]
+fn a_file_is_no_workspace() {
+    let ws = Workspace::new("file-workspace");
+    let file = ws.path().join("notes.txt");
+    std::fs::write(&file, "x").unwrap();
+    let up = ws
+        .command(&["up", file.to_str().unwrap()])
+        .env("VMCTL_KERNEL", "/nonexistent-vmctl-test/vmlinux")
+        .output()
+        .expect("run vmctl up");
+    assert_eq!(up.status.code(), Some(1));
+    assert!(stderr(&up).contains("not a directory"), "{}", stderr(&up));
+}

@@ -123,12 +123,19 @@ impl VmDir {
     }
 
     fn create(workspace: &Path, suffix: &str) -> Result<(PathBuf, VmDir), StateError> {
+        let named = workspace;
         let workspace = workspace
             .canonicalize()
             .map_err(|source| StateError::Workspace {
-                path: workspace.to_path_buf(),
+                path: named.to_path_buf(),
                 source,
             })?;
+        if !workspace.is_dir() {
+            return Err(StateError::Workspace {
+                path: named.to_path_buf(),
+                source: std::io::Error::from(std::io::ErrorKind::NotADirectory),
+            });
+        }
         let dir = create_state_dir()?.join(format!("{}{suffix}", vm_name(&workspace)));
         std::fs::create_dir_all(&dir).map_err(|source| StateError::Io {
             path: dir.clone(),

@@ -11,7 +11,12 @@ use clap::{Parser, Subcommand, ValueEnum};
     about = "Run coding agents in lightweight KVM virtual machines",
     long_about = "Run coding agents in lightweight KVM virtual machines.\n\n\
         Where this machine's /dev/kvm cannot boot a Linux guest (no kvm_intel/kvm_amd, \
-        e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so."
+        e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so.",
+    after_help = "Getting started, in a project directory:\n  \
+        vmctl exec -- uname -a                            a command in its VM (started on demand)\n  \
+        vmctl shell                                       a shell there, at the same path\n  \
+        printenv ANTHROPIC_API_KEY | vmctl secret set anthropic\n  \
+        vmctl agent claude                                Claude Code in the VM, signed in from the host"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -20,21 +25,29 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Boot a guest kernel with its serial console on stdout; exits 0 when the guest
-    /// reboots or shuts down.
-    Boot(BootArgs),
-    /// Run a command inside a fresh QEMU-TCG nested host, which has a working
-    /// /dev/kvm and sees this host's files read-only (for benchmarks and debugging).
+    /// Run a command in the VM of a workspace, starting it if needed.
     ///
-    /// The command gets this environment, but for VMCTL_VCPU_CPUS: on the host it holds
-    /// the nested host on those CPUs; inside, it is set to every CPU of the nested host
-    /// but 0, where the VMMs the command starts run their guests.
-    NestedExec(NestedExecArgs),
-    /// Start the VM of a workspace (default: the current directory's) and wait until
-    /// its guest agent answers. It then stays up until `vmctl stop`, where one that
-    /// `exec`, `shell` or `agent` started stops once idle (30 s after its last session,
-    /// `idle_timeout_s` in the config file).
+    /// Stdio is relayed; vmctl exits with the command's exit code (128+N for signal N).
+    Exec(ExecArgs),
+    /// A login shell in the VM of a workspace.
+    ///
+    /// Interactive, on a pseudo-terminal, when stdin is a terminal; otherwise, as with
+    /// ssh, without one, reading its commands from stdin (`vmctl shell < script.sh`).
+    Shell(ShellArgs),
+    /// Run Claude Code or Codex in the VM of this directory's workspace.
+    ///
+    /// As on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin is
+    /// a terminal), exit code and signals passed on. This is the command Paseo's
+    /// claude-vm and codex-vm providers run.
+    Agent(AgentArgs),
+    /// Start the VM of a workspace and keep it up until `vmctl stop`.
+    ///
+    /// Waits until its guest agent answers. A VM that `exec`, `shell` or `agent`
+    /// started alone stops once idle (30 s after its last session, `idle_timeout_s` in
+    /// the config file).
     Up(UpArgs),
+    /// One-shot: a throwaway VM for the workspace, the command, teardown.
+    Run(ExecArgs),
     /// List workspace VMs.
     ///
     /// One line per VM: its state (running; degraded when a share's virtiofsd died;
@@ -42,37 +55,36 @@ pub enum Command {
     /// mode (direct or nested), size, the host memory it holds and what keeps it
     /// running.
     Ps,
+    /// A VM's console log, or its supervisor's (--supervisor).
+    ///
+    /// As `docker logs` shows a container's: the console holds what the guest agent
+    /// logs (the boot, each command started and how it ended, clock steps, relays, the
+    /// shutdown; a kernel's panic); the supervisor's log the host side's (shares,
+    /// relays, why the VM stopped). Kept across a restart once, as --previous. Escape
+    /// sequences from the guest are shown escaped.
+    Logs(LogsArgs),
     /// Shut down the VM of a workspace.
     Stop(WorkspaceArg),
-    /// Shut down the VM of a workspace and remove its state: its logs, and the Claude
-    /// and Codex homes its agents used (their sessions, which `--resume` needs, and
-    /// settings). On a terminal, asks first when agent sessions would go.
+    /// Shut down the VM of a workspace and remove its state.
+    ///
+    /// Its logs go, and the Claude and Codex homes its agents used (their sessions,
+    /// which `--resume` needs, and settings). On a terminal, asks first when agent
+    /// sessions would go.
     Rm(RmArgs),
-    /// Forget the stopped VMs of workspace directories that no longer exist (removed
+    /// Forget the VMs of removed directories and what failed runs left.
+    ///
+    /// The stopped VMs of workspace directories that no longer exist (removed
     /// worktrees), throwaway VMs a `vmctl run` left behind (their state, logs and agent
     /// transcripts), and the directories of starts refused before a VM was recorded
     /// (after a minute). Running ones are left, and named.
     Prune(PruneArgs),
-    /// Run a command in the VM of a workspace (starting it if needed), with stdio
-    /// relayed; exits with the command's exit code (128+N for signal N).
-    Exec(ExecArgs),
-    /// A login shell in the VM of a workspace: interactive, on a pseudo-terminal, when
-    /// stdin is a terminal; otherwise, as with ssh, without one, reading its commands
-    /// from stdin (`vmctl shell < script.sh`).
-    Shell(ShellArgs),
-    /// One-shot: boot a throwaway VM for the workspace, run the command, tear it down.
-    Run(ExecArgs),
-    /// A VM's log, as `docker logs` shows a container's: its console (what the guest
-    /// agent logs: the boot, each command started and how it ended, clock steps,
-    /// relays, the shutdown; a kernel's panic), or with --supervisor the host side's
-    /// (shares, relays, why the VM stopped). Kept across a restart once, as
-    /// --previous. Escape sequences from the guest are shown escaped.
-    Logs(LogsArgs),
-    /// The TCP ports listening in the VM (loopback-only ones included), and which
-    /// are published on the host.
+    /// The TCP ports listening in the VM, and which are published on the host.
+    ///
+    /// Loopback-only ones included.
     Ports(WorkspaceArg),
-    /// Make a port of the VM (even one bound to its loopback only) reachable on the
-    /// host; prints the host address.
+    /// Make a port of the VM reachable on the host; prints the host address.
+    ///
+    /// Even one the guest binds to its loopback only.
     #[command(
         override_usage = "vmctl publish [OPTIONS] [DIR] <GUEST_PORT>",
         after_help = "Example: vmctl publish 3000   (a dev server in the VM, on a free host port)"
@@ -81,31 +93,41 @@ pub enum Command {
     /// Stop publishing a port of the VM.
     #[command(override_usage = "vmctl unpublish [DIR] <GUEST_PORT>")]
     Unpublish(UnpublishArgs),
-    /// Credentials the egress proxy adds to the guest's requests; the guest itself
-    /// only sees placeholders.
+    /// Credentials the egress proxy adds to the guest's requests.
+    ///
+    /// The guest itself only sees placeholders.
     #[command(subcommand)]
     Secret(SecretCommand),
     /// Which destinations the guest may reach through the egress proxy.
     #[command(subcommand)]
     Policy(PolicyCommand),
-    /// Run Claude Code or Codex in the VM of the current directory's workspace, as
-    /// on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin is a
-    /// terminal), exit code and signals passed on. This is the command Paseo's
-    /// claude-vm and codex-vm providers run.
-    Agent(AgentArgs),
-    /// The per-user daemon that stops idle VMs (started on demand; this runs it in
-    /// the foreground). Stopping it stops every VM.
-    Daemon(DaemonArgs),
-    /// Paseo's providers for agents in VMs.
-    #[command(subcommand)]
-    Paseo(crate::paseo::PaseoCommand),
-    /// Run the benchmark harness (boot time and memory side by side with QEMU's
-    /// microvm, the workspace VM, virtio-fs, egress, agents): JSON and a Markdown
-    /// report in target/bench/, the table on stdout. `--quick` is a smoke run.
-    Bench(BenchArgs),
     /// Guest images.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Paseo's providers for agents in VMs.
+    #[command(subcommand)]
+    Paseo(crate::paseo::PaseoCommand),
+    /// The per-user daemon that stops idle VMs (started on demand).
+    ///
+    /// This runs it in the foreground. Stopping it stops every VM.
+    Daemon(DaemonArgs),
+    /// Run the benchmark harness.
+    ///
+    /// Boot time and memory side by side with QEMU's microvm, the workspace VM,
+    /// virtio-fs, egress, agents: JSON and a Markdown report in target/bench/, the
+    /// table on stdout. `--quick` is a smoke run.
+    Bench(BenchArgs),
+    /// Boot a guest kernel with its serial console on stdout (a developer's tool).
+    ///
+    /// Exits 0 when the guest reboots or shuts down.
+    Boot(BootArgs),
+    /// Run a command inside a fresh QEMU-TCG nested host (a developer's tool).
+    ///
+    /// It has a working /dev/kvm and sees this host's files read-only (for benchmarks
+    /// and debugging). The command gets this environment, but for VMCTL_VCPU_CPUS: on
+    /// the host it holds the nested host on those CPUs; inside, it is set to every CPU
+    /// of the nested host but 0, where the VMMs the command starts run their guests.
+    NestedExec(NestedExecArgs),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
 }

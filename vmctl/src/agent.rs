@@ -404,7 +404,7 @@ mod tests {
         assert!(session_dirs(&vm).is_empty(), "empty ones count");
         std::fs::write(home.join("claude/projects/s.jsonl"), "{}").unwrap();
         // The guest's link to a full directory elsewhere is no session of the VM's.
-        std::os::unix::fs::symlink(&home.join("claude/projects"), home.join("codex/sessions"))
+        std::os::unix::fs::symlink(home.join("claude/projects"), home.join("codex/sessions"))
             .unwrap();
         assert_eq!(session_dirs(&vm), [home.join("claude/projects")]);
     }

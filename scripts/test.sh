@@ -68,33 +68,27 @@ say "cargo test ${scope[*]}${scope[*]:+ }$*"
 status=0
 cargo test "${scope[@]}" "$@" || status=$?
 
-retried=0
-[[ -s "$VMCTL_RETRY_FILE" ]] && retried="$(wc -l < "$VMCTL_RETRY_FILE")"
-if (( retried > 0 )); then
-    {
-        echo
-        echo "######################################################################"
-        echo "#  VM test attempts that lost their VM in the nested host and were retried: $retried"
-        sed 's/^RETRIED VM TEST /#    /' "$VMCTL_RETRY_FILE"
-        echo "######################################################################"
-    } >&2
-else
-    say "VM test retries: 0"
-fi
-
-skipped=0
-[[ -s "$VMCTL_SKIP_FILE" ]] && skipped="$(wc -l < "$VMCTL_SKIP_FILE")"
-if (( skipped > 0 )); then
-    {
-        echo
-        echo "######################################################################"
-        echo "#  VM tests skipped: $skipped"
-        sed 's/^SKIPPED VM TEST /#    /' "$VMCTL_SKIP_FILE"
-        echo "######################################################################"
-    } >&2
-else
-    say "VM tests skipped: 0"
-fi
+# Prints how many lines FILE has and, when there are any, a box listing them with
+# their PREFIX dropped; sets `counted`.
+report_list() { # file title prefix
+    counted=0
+    [[ -s "$1" ]] && counted="$(wc -l < "$1")"
+    if (( counted > 0 )); then
+        {
+            echo
+            echo "######################################################################"
+            echo "#  $2: $counted"
+            sed "s/^$3 /#    /" "$1"
+            echo "######################################################################"
+        } >&2
+    else
+        say "$2: 0"
+    fi
+}
+report_list "$VMCTL_RETRY_FILE" \
+    "VM test attempts that lost their VM in the nested host and were retried" "RETRIED VM TEST"
+report_list "$VMCTL_SKIP_FILE" "VM tests skipped" "SKIPPED VM TEST"
+skipped=$counted
 
 if (( status != 0 )); then
     die "cargo test failed (exit status $status)"

@@ -463,6 +463,27 @@ pub fn short_hash(bytes: &[u8]) -> String {
     format!("{:08x}", hash as u32)
 }
 
+/// A stand-in for `vm`'s supervisor, running `script` (`sh -c`), that vmctl takes for
+/// one (`running_pid`): its pid file written, its command line `__supervise DIR`.
+#[cfg(test)]
+pub(crate) fn fake_supervisor(vm: &VmDir, script: &str) -> std::process::Child {
+    let child = std::process::Command::new("sh")
+        .args(["-c", script, "__supervise"])
+        .arg(&vm.path)
+        .spawn()
+        .expect("start a stand-in supervisor");
+    let cmdline = format!("/proc/{}/cmdline", child.id());
+    while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::fs::write(vm.pid_file(), child.id().to_string()).expect("write its pid file");
+    assert!(
+        vm.running_pid().is_some(),
+        "vmctl does not take it for a VM"
+    );
+    child
+}
+
 /// A record of `vm`, a VM of `workspace`, with a value in every field.
 #[cfg(test)]
 pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {

@@ -1324,19 +1324,7 @@ mod tests {
 
     /// A stand-in supervisor of `vm` that ignores SIGTERM, as one stuck in its teardown.
     fn stuck_supervisor(vm: &VmDir) -> std::process::Child {
-        let child = std::process::Command::new("sh")
-            .args(["-c", "trap '' TERM; while :; do sleep 0.05; done"])
-            .arg("__supervise")
-            .arg(&vm.path)
-            .spawn()
-            .unwrap();
-        let cmdline = format!("/proc/{}/cmdline", child.id());
-        while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        std::fs::write(vm.pid_file(), child.id().to_string()).unwrap();
-        assert!(vm.running_pid().is_some());
-        child
+        crate::state::fake_supervisor(vm, "trap '' TERM; while :; do sleep 0.05; done")
     }
 
     #[test]

@@ -76,12 +76,7 @@ impl Ask {
     /// Returns once the policy refuses what was asked for (the refusal logged), asked
     /// every [`Limits::policy_recheck`]; never while it allows it.
     pub(super) async fn until_refused(&self, config: &ProxyConfig) {
-        // A zero period would make `interval` panic.
-        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The first tick is at once; it was allowed a moment ago.
-        tick.tick().await;
+        let mut tick = recheck_ticks(config).await;
         loop {
             tick.tick().await;
             if let Err(e) = self.decide(config) {
@@ -95,10 +90,7 @@ impl Ask {
     /// was asked for (removed or replaced with `vmctl secret`, or withdrawn after
     /// probes), checked as often as the policy: a connection it authenticated closes.
     pub(super) async fn until_secret_withdrawn(&self, config: &ProxyConfig, redactor: &Redactor) {
-        let period = config.limits.policy_recheck.max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
+        let mut tick = recheck_ticks(config).await;
         loop {
             tick.tick().await;
             let still_bound = config
@@ -114,6 +106,17 @@ impl Ask {
             }
         }
     }
+}
+
+/// Ticks every [`Limits::policy_recheck`](super::Limits), the first one already gone:
+/// what was allowed a moment ago needs no check at once.
+async fn recheck_ticks(config: &ProxyConfig) -> tokio::time::Interval {
+    // A zero period would make `interval` panic.
+    let period = config.limits.policy_recheck.max(Duration::from_millis(10));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    tick
 }
 
 /// The addresses `host:port` resolves to, refused (and logged) if any of them is

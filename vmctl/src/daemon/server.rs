@@ -561,22 +561,10 @@ mod tests {
 
     impl FakeSupervisor {
         fn start(vm: &VmDir) -> Self {
-            let child = std::process::Command::new("sh")
-                .args(["-c", "trap 'exit 0' TERM; while :; do sleep 0.05; done"])
-                .arg("__supervise")
-                .arg(&vm.path)
-                .spawn()
-                .unwrap();
-            let cmdline = format!("/proc/{}/cmdline", child.id());
-            while !std::fs::read(&cmdline).is_ok_and(|c| c.starts_with(b"sh\0")) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            std::fs::write(vm.pid_file(), child.id().to_string()).unwrap();
-            assert!(
-                vm.running_pid().is_some(),
-                "vmctl does not take it for a VM"
-            );
-            Self(child)
+            Self(crate::state::fake_supervisor(
+                vm,
+                "trap 'exit 0' TERM; while :; do sleep 0.05; done",
+            ))
         }
 
         fn stopped(&mut self) -> bool {

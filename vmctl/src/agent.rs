@@ -177,8 +177,9 @@ fn warn_if_not_signed_in(cli: AgentCli) {
     let name = cli.secret_name();
     match egress::secrets::SecretStore::load(files.secrets) {
         Ok(store) if !store.contains(name) => vmm::to_stderr!(
-            "vmctl: warning: no '{name}' secret is stored, so {} in the VM is not signed \
-             in; `vmctl secret set {name}` stores one (the VM only ever sees a placeholder)",
+            "vmctl: warning: no '{name}' secret is stored, so vmctl signs {} in with \
+             nothing (signing in inside the VM would leave the token there); `vmctl secret \
+             set {name}` stores one, which the VM only ever sees a placeholder of",
             cli.program()
         ),
         _ => {}

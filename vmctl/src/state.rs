@@ -301,7 +301,11 @@ impl VmDir {
         };
         let text = serde_json::to_vec_pretty(record).map_err(|e| io(e.into()))?;
         let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, text).map_err(io)?;
+        // Synced before the rename: after a crash the record is the old one or the
+        // new one, never a truncated one `ps` can only call broken.
+        let mut file = std::fs::File::create(&tmp).map_err(io)?;
+        std::io::Write::write_all(&mut file, &text).map_err(io)?;
+        file.sync_all().map_err(io)?;
         std::fs::rename(&tmp, &path).map_err(io)
     }
 

@@ -277,6 +277,12 @@ impl VmDir {
         self.path.join("egress-ca")
     }
     /// The egress proxy's decisions (`vmctl policy log`).
+    /// Where the egress proxy keeps, per secret, the probes for it it saw (kept across
+    /// runs, gone with `vmctl rm`).
+    pub fn egress_probes(&self) -> PathBuf {
+        self.path.join("egress-probes")
+    }
+
     pub fn egress_log(&self) -> PathBuf {
         self.path.join("egress.log")
     }

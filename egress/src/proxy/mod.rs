@@ -111,6 +111,8 @@ pub struct ProxyConfig {
     slots: OnceLock<Arc<Semaphore>>,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
     tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
+    /// Where the watches keep their counts between runs (a file per secret), if at all.
+    probe_records: Option<PathBuf>,
 }
 
 impl ProxyConfig {
@@ -129,19 +131,36 @@ impl ProxyConfig {
             limits: Limits::default(),
             slots: OnceLock::new(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
+            probe_records: None,
         }
     }
 
-    /// The watch for probes of the secret `name` (see [`redact::Tripwire`]).
-    fn tripwire(&self, name: &str) -> Arc<redact::Tripwire> {
+    /// Keeps the secrets' probe counts (see [`redact::Tripwire`]) in `dir`, so that
+    /// they outlast this proxy.
+    pub fn with_probe_records(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.probe_records = Some(dir.into());
+        self
+    }
+
+    /// The watch for probes of the secret `name` of value `value`; a new value (set
+    /// while the proxy runs) gets a new watch.
+    fn tripwire(&self, name: &str, value: &[u8]) -> Arc<redact::Tripwire> {
         let mut tripwires = self
             .tripwires
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        tripwires
-            .entry(name.to_owned())
-            .or_insert_with(|| Arc::new(redact::Tripwire::new(name)))
-            .clone()
+        let fresh = || {
+            let record = self
+                .probe_records
+                .as_ref()
+                .map(|dir| dir.join(format!("{name}.json")));
+            Arc::new(redact::Tripwire::new(name, value, record))
+        };
+        let watch = tripwires.entry(name.to_owned()).or_insert_with(fresh);
+        if !watch.watches(value) {
+            *watch = fresh();
+        }
+        watch.clone()
     }
 
     pub fn with_limits(mut self, limits: Limits) -> Self {

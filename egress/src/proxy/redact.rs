@@ -3,6 +3,7 @@
 //! guest.
 
 use std::io;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -57,7 +58,8 @@ where
             match timeout(HOLD_FLUSH, from.read(&mut buf)).await {
                 Ok(read) => read?,
                 Err(_) => {
-                    sent += send(to, redactor.flush_held()).await?;
+                    let out = redactor.flush_held();
+                    sent += send(to, unless_withdrawn(&redactor, out)?).await?;
                     continue;
                 }
             }
@@ -65,11 +67,24 @@ where
             from.read(&mut buf).await?
         };
         if read == 0 {
-            return Ok(sent + send(to, redactor.finish()).await?);
+            let out = redactor.finish();
+            return Ok(sent + send(to, unless_withdrawn(&redactor, out)?).await?);
         }
-        sent += send(to, redactor.feed(&buf[..read])).await?;
+        let out = redactor.feed(&buf[..read]);
+        sent += send(to, unless_withdrawn(&redactor, out)?).await?;
     }
 }
+
+/// `out`, unless the secret was withdrawn meanwhile: then the stream ends with an error
+/// before `out` (which a probe decided) reaches the guest.
+fn unless_withdrawn(redactor: &Redactor, out: Bytes) -> io::Result<Bytes> {
+    if redactor.withdrawn() {
+        return Err(io::Error::other(WITHDRAWN));
+    }
+    Ok(out)
+}
+
+const WITHDRAWN: &str = "the secret this stream carried was withdrawn after probes for it";
 
 /// Writes and flushes `bytes`: the number sent.
 pub(super) async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io::Result<u64> {
@@ -89,20 +104,58 @@ pub const PROBES_TOLERATED: u32 = 3;
 /// form (`sk-ant-api03-`, `Bearer `) and a few characters, ends without the whole
 /// secret (the stream turned away from it, paused on it, or ended in it) counts as a
 /// probe, the right guesses and the wrong alike; after [`PROBES_TOLERATED`], the
-/// proxy stops sending the secret for this VM. Ordinary traffic never holds that much
-/// of a secret it does not contain.
+/// proxy stops sending the secret, and streams it redacts end at once. Ordinary
+/// traffic never holds that much of a secret it does not contain. The count is kept
+/// (in `record`, for this value of the secret) across the VM's runs: only a new
+/// value, which a leak of a few characters calls for anyway, starts it again.
 #[derive(Debug)]
 pub struct Tripwire {
     secret: String,
+    fingerprint: String,
     probes: AtomicU32,
+    record: Option<PathBuf>,
+    saving: std::sync::Mutex<()>,
+}
+
+/// A short digest of a secret's value: which value a count is of, and nothing of it.
+fn fingerprint(value: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, value);
+    digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// What a [`Tripwire`] keeps between runs.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ProbeRecord {
+    /// Of the secret's value: a new value starts a new count.
+    fingerprint: String,
+    probes: u32,
 }
 
 impl Tripwire {
-    pub(super) fn new(secret: &str) -> Self {
+    /// The watch of the secret `name` of value `value`, its count read from `record`.
+    pub(super) fn new(name: &str, value: &[u8], record: Option<PathBuf>) -> Self {
+        let fingerprint = fingerprint(value);
+        let kept = record
+            .as_deref()
+            .and_then(|path| std::fs::read(path).ok())
+            .and_then(|text| serde_json::from_slice::<ProbeRecord>(&text).ok())
+            .filter(|kept| kept.fingerprint == fingerprint)
+            .map_or(0, |kept| kept.probes);
         Self {
-            secret: secret.to_owned(),
-            probes: AtomicU32::new(0),
+            secret: name.to_owned(),
+            fingerprint,
+            probes: AtomicU32::new(kept),
+            record,
+            saving: std::sync::Mutex::new(()),
         }
+    }
+
+    /// Whether this watches the secret of value `value`.
+    pub(super) fn watches(&self, value: &[u8]) -> bool {
+        fingerprint(value) == self.fingerprint
     }
 
     /// Whether the secret is no longer sent.
@@ -110,13 +163,42 @@ impl Tripwire {
         self.probes.load(Ordering::Relaxed) >= PROBES_TOLERATED
     }
 
+    fn save(&self) {
+        let Some(path) = &self.record else { return };
+        let _one_at_a_time = self.saving.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = ProbeRecord {
+            fingerprint: self.fingerprint.clone(),
+            probes: self.probes.load(Ordering::Relaxed),
+        };
+        let saved = serde_json::to_vec(&kept)
+            .map_err(io::Error::other)
+            .and_then(|text| {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                let tmp = path.with_extension("tmp");
+                std::fs::write(&tmp, text)?;
+                std::fs::rename(&tmp, path)
+            });
+        if let Err(e) = saved {
+            tracing::warn!(
+                "cannot record the probes of secret {} in {}: {e}",
+                self.secret,
+                path.display()
+            );
+        }
+    }
+
     fn probe(&self) {
         let seen = self.probes.fetch_add(1, Ordering::Relaxed) + 1;
+        self.save();
         if seen == PROBES_TOLERATED {
             tracing::error!(
                 "vmctl: the egress proxy withdrew secret {}: {seen} responses of its hosts \
                  held a long start of it without the rest, as when the guest probes for it \
-                 a character at a time; it is not sent again until the VM restarts",
+                 a character at a time; it is not sent again until it is set anew (`vmctl \
+                 secret set`: a new value, as a few characters may have leaked) or the VM \
+                 is removed",
                 self.secret
             );
         } else if seen < PROBES_TOLERATED {
@@ -129,16 +211,22 @@ impl Tripwire {
     }
 }
 
-/// The length from which a start of `needle` counts as a probe: its public form (up to
-/// its last separator in the first 24 bytes, as in `sk-ant-api03-` or `Bearer `) and
-/// four characters more, [`MIN_REDACTED_LEN`] at least.
-fn probe_len(needle: &[u8]) -> usize {
-    let head = &needle[..needle.len().min(24)];
+/// The length from which a start of `needle` counts as a probe: up to the secret's own
+/// characters past its public form (up to its last separator in its first 24 bytes, as
+/// in `sk-ant-api03-`), and four more; [`MIN_REDACTED_LEN`] at least. A needle that
+/// holds the secret only encoded (HTTP Basic's base64, whose start is the same for every
+/// token) counts from its middle.
+fn probe_len(needle: &[u8], secret: &[u8]) -> usize {
+    let head = &secret[..secret.len().min(24)];
     let public = head
         .iter()
         .rposition(|b| matches!(b, b'-' | b'_' | b' ' | b'.' | b':'))
         .map_or(0, |at| at + 1);
-    (public + 4).max(MIN_REDACTED_LEN)
+    let least = match find(needle, secret) {
+        Some(at) => at + public + 4,
+        None => needle.len() / 2,
+    };
+    least.clamp(MIN_REDACTED_LEN, needle.len())
 }
 
 /// Replaces the secret in what the upstream sends back, so a server that echoes
@@ -149,8 +237,12 @@ pub(super) struct Redactor {
     /// The whole header value and its credential part, longest first.
     /// Copies of the secret: wiped when the last redactor of a request goes.
     pub(super) needles: Arc<[zeroize::Zeroizing<Vec<u8>>]>,
+    /// For each needle, the length from which a start of it is a probe ([`probe_len`]).
+    pub(super) probe_lens: Arc<[usize]>,
     /// Told of every suspected probe (see [`Tripwire`]).
     pub(super) tripwire: Option<Arc<Tripwire>>,
+    /// Whether the start `carried` holds was counted already (by a pause's flush).
+    pub(super) carried_counted: bool,
     /// The end of the data seen so far when it might begin a needle.
     pub(super) held: Vec<u8>,
     /// Bytes already sent (by [`Redactor::flush_held`]) that might begin a needle:
@@ -171,12 +263,24 @@ impl Redactor {
         needles.retain(|needle| needle.len() >= MIN_REDACTED_LEN);
         needles.sort_by_key(|needle| std::cmp::Reverse(needle.len()));
         needles.dedup();
+        let probe_lens: Vec<usize> = needles
+            .iter()
+            .map(|needle| probe_len(needle, secret))
+            .collect();
         (!needles.is_empty()).then(|| Self {
             needles: needles.into(),
+            probe_lens: probe_lens.into(),
             tripwire: None,
+            carried_counted: false,
             held: Vec::new(),
             carried: Vec::new(),
         })
+    }
+
+    /// Whether the secret was withdrawn (see [`Tripwire`]): the stream must end now,
+    /// before what was just fed or flushed reaches the guest.
+    pub(super) fn withdrawn(&self) -> bool {
+        self.tripwire.as_ref().is_some_and(|t| t.tripped())
     }
 
     /// Whether `value` is the header value this redactor was made for.
@@ -195,26 +299,29 @@ impl Redactor {
     fn probing(&self, start: &[u8]) -> bool {
         self.needles
             .iter()
-            .any(|needle| start.len() >= probe_len(needle) && needle.starts_with(start))
+            .zip(self.probe_lens.iter())
+            .any(|(needle, &least)| start.len() >= least && needle.starts_with(start))
     }
 
     /// Whether `window` holds a long start of a needle ([`probe_len`]) followed by a
     /// byte that does not go on with it. (Whether such a start comes back masked or
     /// not, held back or not, is what a probe asks; so the wrong guesses count too,
     /// wherever the stream's chunks fall.)
-    fn turns_away_from_a_long_start(&self, window: &[u8]) -> bool {
-        self.needles.iter().any(|needle| {
-            let least = probe_len(needle);
-            (0..window.len().saturating_sub(least)).any(|at| {
-                let rest = &window[at..];
-                let matched = rest
-                    .iter()
-                    .zip(needle.iter())
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                matched >= least && matched < needle.len() && matched < rest.len()
+    fn turns_away_from_a_long_start(&self, window: &[u8], from: usize) -> bool {
+        self.needles
+            .iter()
+            .zip(self.probe_lens.iter())
+            .any(|(needle, &least)| {
+                (from..window.len().saturating_sub(least)).any(|at| {
+                    let rest = &window[at..];
+                    let matched = rest
+                        .iter()
+                        .zip(needle.iter())
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    matched >= least && matched < needle.len() && matched < rest.len()
+                })
             })
-        })
     }
 
     fn count_probe(&self) {
@@ -230,7 +337,9 @@ impl Redactor {
         let sent = window.len();
         window.append(&mut self.held);
         window.extend_from_slice(chunk);
-        if self.tripwire.is_some() && self.turns_away_from_a_long_start(&window) {
+        // A start already counted when a pause flushed it is not counted again.
+        let from = if self.carried_counted { sent } else { 0 };
+        if self.tripwire.is_some() && self.turns_away_from_a_long_start(&window, from) {
             self.count_probe();
         }
         self.redact(&mut window);
@@ -244,6 +353,7 @@ impl Redactor {
         } else {
             Vec::new()
         };
+        self.carried_counted &= !self.carried.is_empty();
         Bytes::from(window.split_off(sent))
     }
 
@@ -257,6 +367,7 @@ impl Redactor {
         let started = self.carried.len() + held.len();
         if !held.is_empty() && self.probing(&[self.carried.as_slice(), &held].concat()) {
             self.count_probe();
+            self.carried_counted = true;
         }
         let out = if started >= MIN_REDACTED_LEN {
             vec![b'*'; held.len()]
@@ -379,6 +490,9 @@ impl Body for RedactedBody {
                 None => {
                     this.done = true;
                     let rest = this.redactor.finish();
+                    if this.redactor.withdrawn() {
+                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                    }
                     if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }
@@ -388,6 +502,10 @@ impl Body for RedactedBody {
             match frame.into_data() {
                 Ok(data) => {
                     let safe = this.redactor.feed(&data);
+                    if this.redactor.withdrawn() {
+                        this.done = true;
+                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                    }
                     if !safe.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(safe))));
                     }
@@ -400,6 +518,10 @@ impl Body for RedactedBody {
                     // Trailers end the body: send what was held, then them.
                     this.done = true;
                     let rest = this.redactor.finish();
+                    if this.redactor.withdrawn() {
+                        this.trailers = None;
+                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                    }
                     if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));
                     }

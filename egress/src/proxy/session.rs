@@ -115,14 +115,18 @@ impl Session {
         // The policy may have changed since the CONNECT; the secret may have too.
         let decision = ask.decide(config)?;
         let injection = config.rules.injection(&self.host, self.port);
-        let tripwire = injection
-            .as_ref()
-            .map(|injection| config.tripwire(&injection.secret));
+        let tripwire = injection.as_ref().map(|injection| {
+            config.tripwire(
+                &injection.secret,
+                injection.secret_value.expose().as_bytes(),
+            )
+        });
         if let (Some(injection), Some(tripwire)) = (&injection, &tripwire) {
             if tripwire.tripped() {
                 let rule = format!(
                     "secret {} withdrawn: responses held starts of it without the rest {} \
-                     times, as when the guest probes for it (restart the VM to send it again)",
+                     times, as when the guest probes for it (set it anew, with a new value, \
+                     to send it again)",
                     injection.secret,
                     super::redact::PROBES_TOLERATED
                 );

@@ -452,7 +452,7 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 /// A watched redactor for [`SECRET`], and its tripwire.
 fn watched() -> (Redactor, Arc<redact::Tripwire>) {
-    let tripwire = Arc::new(redact::Tripwire::new("test"));
+    let tripwire = Arc::new(redact::Tripwire::new("test", TOKEN, None));
     let redactor = Redactor::for_secret(SECRET, TOKEN)
         .unwrap()
         .watched_by(tripwire.clone());
@@ -499,4 +499,69 @@ fn long_starts_of_the_secret_that_end_without_it_are_probes_right_or_wrong() {
     paused.feed(b"sk-test-012345");
     paused.flush_held();
     assert!(tripwire.tripped());
+}
+
+#[test]
+fn a_withdrawn_secret_stays_withdrawn_across_runs_until_its_value_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("probes/test.json");
+    let run = |value: &[u8]| {
+        let tripwire = Arc::new(redact::Tripwire::new("test", value, Some(record.clone())));
+        let redactor = Redactor::for_secret(value, value)
+            .unwrap()
+            .watched_by(tripwire.clone());
+        (redactor, tripwire)
+    };
+    let (redactor, tripwire) = run(TOKEN);
+    for guess in [&b"sk-test-0123X"[..], b"sk-test-0123Y", b"sk-test-0123Z"] {
+        let mut stream = redactor.clone();
+        stream.feed(guess);
+        stream.finish();
+    }
+    assert!(tripwire.tripped() && redactor.withdrawn());
+    let text = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        !text.contains("sk-test"),
+        "the record holds the secret: {text}"
+    );
+    // The next run of the VM's proxy: still withdrawn.
+    assert!(run(TOKEN).1.tripped());
+    // A new value: a new count.
+    assert!(!run(b"sk-test-9876543210").1.tripped());
+}
+
+#[test]
+fn an_encoded_credential_counts_probes_from_its_own_characters_only() {
+    use base64::Engine;
+    let basic = |token: &str| {
+        let encoded =
+            base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"));
+        format!("Basic {encoded}")
+    };
+    let ours = "ghp_AAAAbbbbCCCCddddEEEEffffGGGGhhhh1234";
+    let theirs = "ghp_ZZZZyyyyXXXXwwwwVVVVuuuuTTTTssss9876";
+    let tripwire = Arc::new(redact::Tripwire::new("github", ours.as_bytes(), None));
+    let redactor = Redactor::for_secret(basic(ours).as_bytes(), ours.as_bytes())
+        .unwrap()
+        .watched_by(tripwire.clone());
+    // Pages quoting another token's header share the encoding's start with ours.
+    for _ in 0..redact::PROBES_TOLERATED {
+        let mut page = redactor.clone();
+        page.feed(format!("git -c http.extraheader='Authorization: {}'", basic(theirs)).as_bytes());
+        page.finish();
+    }
+    assert!(!tripwire.tripped());
+}
+
+#[test]
+fn a_start_a_pause_flushed_is_counted_once() {
+    let (redactor, tripwire) = watched();
+    for _ in 0..redact::PROBES_TOLERATED - 1 {
+        let mut stream = redactor.clone();
+        stream.feed(b"sk-test-012345");
+        stream.flush_held();
+        stream.feed(b"X and more");
+        stream.finish();
+    }
+    assert!(!tripwire.tripped(), "a start was counted twice");
 }

@@ -108,7 +108,8 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         Arc::new(rules),
         Arc::new(upstream_tls),
         Arc::new(egress::log::DecisionLog::open(vm.egress_log())),
-    );
+    )
+    .with_probe_records(vm.egress_probes());
     for (target, addr) in &record.egress.resolve {
         proxy = proxy.with_resolve_override(target.clone(), *addr);
     }

@@ -732,10 +732,7 @@ fn agent_state(socket: &Path) -> AgentState {
 /// A start under way finishes first.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
-    if !vm.path.exists() {
-        return Ok(false);
-    }
-    let _no_start_meanwhile = lock_start_saying(&vm, "stopping")?;
+    let _no_start_meanwhile = lock_to_stop(&vm, "stopping")?;
     Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
 }
 
@@ -766,16 +763,55 @@ fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
     }))
 }
 
-/// [`lock_start`], saying what waits when a start holds it.
-fn lock_start_saying(vm: &VmDir, doing: &str) -> Result<std::fs::File, VmError> {
-    if start_in_progress(vm) {
-        vmm::to_stderr!(
-            "vmctl: the VM in {} is being started; {doing} it once that is done",
-            vm.path.display()
-        );
-    }
-    lock_start(vm)
+/// `vm`'s start lock for `vmctl stop` or `rm` (`doing` it), so that no start runs
+/// meanwhile: a start under way finishes first, and this says so. A start that still
+/// holds the lock after [`STOP_WAITS_FOR_START`] while the VM runs only waits for its
+/// agent (which a VM the nested host stalled never sends): the stop goes ahead without
+/// the lock (`None`). `None` too when the VM's directory is gone.
+fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
+    lock_to_stop_within(vm, doing, STOP_WAITS_FOR_START)
 }
+
+fn lock_to_stop_within(
+    vm: &VmDir,
+    doing: &str,
+    wait: Duration,
+) -> Result<Option<std::fs::File>, VmError> {
+    let deadline = Instant::now() + wait;
+    let mut said = false;
+    loop {
+        if !vm.path.exists() {
+            return Ok(None);
+        }
+        match try_lock_start(vm) {
+            // Locked: unless `vmctl rm` removed the directory meanwhile.
+            Ok(Some(lock)) => return Ok(vm.path.exists().then_some(lock)),
+            Ok(None) if vm.running_pid().is_some() && Instant::now() >= deadline => {
+                return Ok(None)
+            }
+            Ok(None) => {
+                if !said {
+                    vmm::to_stderr!(
+                        "vmctl: the VM in {} is being started; {doing} it once that is done",
+                        vm.path.display()
+                    );
+                    said = true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(VmError::State(StateError::Io {
+                    path: vm.path.join(START_LOCK),
+                    source,
+                }))
+            }
+        }
+    }
+}
+
+/// How long `vmctl stop` or `rm` waits for a start under way of a VM that runs.
+const STOP_WAITS_FOR_START: Duration = Duration::from_secs(10);
 
 /// How the line that says who shut a VM down begins in its supervisor's log, where a
 /// session that loses its VM finds it (and quotes what follows).
@@ -820,7 +856,7 @@ fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
     let mut asked = false;
     while vm.running_pid().is_some() && Instant::now() < deadline {
         if !asked {
-            match ask_guest_to_shut_down(vm) {
+            match ask_guest_to_shut_down(vm, deadline.saturating_duration_since(Instant::now())) {
                 ShutdownAsked::Yes => asked = true,
                 ShutdownAsked::NotYet => {}
                 ShutdownAsked::OtherAgent => {
@@ -870,7 +906,8 @@ enum ShutdownAsked {
     OtherAgent,
 }
 
-fn ask_guest_to_shut_down(vm: &VmDir) -> ShutdownAsked {
+/// Asks `vm`'s guest agent to shut the guest down, waiting at most `limit` (and 10 s).
+fn ask_guest_to_shut_down(vm: &VmDir, limit: Duration) -> ShutdownAsked {
     let Some(runtime) = agent_runtime() else {
         return ShutdownAsked::NotYet;
     };
@@ -882,7 +919,7 @@ fn ask_guest_to_shut_down(vm: &VmDir) -> ShutdownAsked {
                 .shutdown()
                 .await
         };
-        match tokio::time::timeout(Duration::from_secs(10), shutdown).await {
+        match tokio::time::timeout(limit.min(Duration::from_secs(10)), shutdown).await {
             Ok(Ok(_)) => ShutdownAsked::Yes,
             Ok(Err(guest_agent::client::ClientError::OtherProtocol(_))) => {
                 ShutdownAsked::OtherAgent
@@ -895,10 +932,10 @@ fn ask_guest_to_shut_down(vm: &VmDir) -> ShutdownAsked {
 /// Stops the VM and removes its state; false when the workspace has none.
 pub fn remove(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
+    let _no_start_meanwhile = lock_to_stop(&vm, "removing")?;
     if !vm.path.exists() {
         return Ok(false);
     }
-    let _no_start_meanwhile = lock_start_saying(&vm, "removing")?;
     remove_vm(&vm, "asked to by `vmctl rm`").map(|()| true)
 }
 
@@ -933,19 +970,21 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
     let mut forgotten = 0;
     for vm in vms {
         let untouched = untouched_for(vm, UNSTARTED_AGE);
+        let modified = std::fs::metadata(&vm.path).and_then(|m| m.modified()).ok();
+        let had_lock_file = vm.path.join(START_LOCK).exists();
         // Held from the check to the removal: a start that comes meanwhile (Paseo
         // making a worktree again at the same path) waits, and is not removed under.
-        // (A directory without the lock's file never saw a start take it; making the
-        // file would make the directory look fresh. A start that makes it meanwhile
-        // finds its directory removed, and makes both again.)
-        let _no_start_meanwhile = if vm.path.join(START_LOCK).exists() {
-            let Some(lock) = lock_start_within(vm, STOP_LOCK_GRACE) else {
-                continue;
-            };
-            Some(lock)
-        } else {
-            None
+        let Some(_no_start_meanwhile) = lock_start_within(vm, STOP_LOCK_GRACE) else {
+            continue;
         };
+        // Making the lock's file must not make the directory look fresh to the next
+        // prune (or a dry run's to this one).
+        if let (false, Some(modified)) = (had_lock_file, modified) {
+            let restored = std::fs::File::open(&vm.path).and_then(|dir| dir.set_modified(modified));
+            if let Err(e) = restored {
+                tracing::debug!("cannot restore {}'s time: {e}", vm.path.display());
+            }
+        }
         let Some(what) = prunable(vm, untouched) else {
             continue;
         };
@@ -1352,6 +1391,49 @@ mod tests {
         );
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
+    }
+
+    #[test]
+    fn a_stop_waits_for_a_start_but_not_for_one_stuck_on_a_running_vm() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let wait = Duration::from_millis(300);
+        assert!(
+            lock_to_stop_within(&vm, "stopping", wait)
+                .unwrap()
+                .is_none(),
+            "no VM"
+        );
+        assert!(!vm.path.exists(), "the stop made the VM's directory");
+        std::fs::create_dir_all(&vm.path).unwrap();
+        // A start under way (the VM not running yet) is waited for, however long.
+        let starting = lock_start(&vm).unwrap();
+        let stopper = {
+            let vm = vm.clone();
+            std::thread::spawn(move || lock_to_stop_within(&vm, "stopping", wait).unwrap())
+        };
+        std::thread::sleep(wait * 3);
+        assert!(
+            !stopper.is_finished(),
+            "the stop did not wait for the start"
+        );
+        drop(starting);
+        assert!(
+            stopper.join().unwrap().is_some(),
+            "the stop did not take the lock"
+        );
+        // One holding the lock while the VM runs (waiting for its agent) is not.
+        let mut supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
+        let _attaching = lock_start(&vm).unwrap();
+        let started = Instant::now();
+        assert!(lock_to_stop_within(&vm, "stopping", wait)
+            .unwrap()
+            .is_none());
+        assert!(started.elapsed() < wait * 10);
+        let _ = supervisor.kill();
+        let _ = supervisor.wait();
     }
 
     #[test]

@@ -140,7 +140,7 @@ fi
 
 # --- building --------------------------------------------------------------------------
 [[ $(id -u) == 0 ]] ||
-    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo $0${*:+ $*}' (the image goes to your cache, $cache_root)"
+    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo VMCTL_CACHE_DIR=$cache_root $0${*:+ $*}' (the image is then yours, in your cache)"
 # The build's mounts (/proc, /dev in the image tree) live in a mount namespace of its
 # own: if the build is killed outright, they go with it, and no later clean-up can
 # delete through a bind mount of the host's /dev.

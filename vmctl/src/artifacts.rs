@@ -107,6 +107,7 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
     if !matches!(artifact, Artifact::AgentInitramfs) {
         let cached = run_script(&script, args, true)?;
         if cached.is_file() {
+            mark_used(&cached);
             return Ok(cached);
         }
     }
@@ -118,8 +119,29 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
     run_script(&script, args, false)
 }
 
+/// Marks the cache entry that holds `file` as used now: the build scripts remove
+/// entries of old keys no start used for 30 days (`scripts/lib/cache.sh`).
+fn mark_used(file: &Path) {
+    let Some(entry) = file.parent() else { return };
+    let marked =
+        std::fs::File::open(entry).and_then(|dir| dir.set_modified(std::time::SystemTime::now()));
+    if let Err(e) = marked {
+        tracing::debug!("cannot mark {} as used: {e}", entry.display());
+    }
+}
+
+/// A build script's command, told where vmctl's cache is, so that the script (run
+/// under sudo, say) never decides otherwise.
+fn script_command(script: &Path) -> Command {
+    let mut command = Command::new(script);
+    if let Some(cache) = cache_dir() {
+        command.env("VMCTL_CACHE_DIR", cache);
+    }
+    command
+}
+
 fn run_script_quietly(script: &Path, args: &[&str]) -> Result<PathBuf, ArtifactError> {
-    let output = Command::new(script)
+    let output = script_command(script)
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -150,7 +172,7 @@ fn last_path(script: &Path, stdout: &[u8]) -> Result<PathBuf, ArtifactError> {
 }
 
 fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf, ArtifactError> {
-    let mut command = Command::new(script);
+    let mut command = script_command(script);
     command
         .args(args)
         .stdin(Stdio::null())
@@ -189,6 +211,26 @@ pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cached_artifact_found_marks_its_entry_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = dir.path().join("guest-0123456789abcdef");
+        std::fs::create_dir(&entry).unwrap();
+        std::fs::write(entry.join("vmlinux"), "x").unwrap();
+        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(90 * 86_400);
+        std::fs::File::open(&entry)
+            .and_then(|dir| dir.set_modified(long_ago))
+            .unwrap();
+        mark_used(&entry.join("vmlinux"));
+        let age = std::fs::metadata(&entry)
+            .unwrap()
+            .modified()
+            .unwrap()
+            .elapsed()
+            .unwrap();
+        assert!(age.as_secs() < 60, "{age:?}");
+    }
 
     #[test]
     fn the_cache_is_where_the_build_scripts_put_it() {

@@ -52,6 +52,8 @@ struct Daemon {
     /// idle timer of its earlier run still waits with.
     next_generation: AtomicU64,
     shutdown: Notify,
+    /// The idle timeout in seconds, when not the config file's (tests).
+    idle_timeout_s: Option<u64>,
 }
 
 impl Daemon {
@@ -94,6 +96,7 @@ pub fn run() -> Result<u8, DaemonError> {
         next_lease: AtomicU64::new(1),
         next_generation: AtomicU64::new(1),
         shutdown: Notify::new(),
+        idle_timeout_s: None,
     });
     runtime.block_on(async {
         let listener = UnixListener::from_std(listener).map_err(|source| DaemonError::Listen {
@@ -335,7 +338,7 @@ fn set_pinned(daemon: &Arc<Daemon>, vm_dir: &Path, pinned: bool) {
 
 /// Stops the VM after the idle timeout, unless a lease or pin comes first.
 fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
-    let timeout = Duration::from_secs(idle_timeout_s());
+    let timeout = Duration::from_secs(daemon.idle_timeout_s.unwrap_or_else(idle_timeout_s));
     let generation = {
         let mut vms = daemon.vms();
         let Some(tracked) = vms.get_mut(vm_dir) else {
@@ -552,6 +555,8 @@ mod tests {
             next_lease: AtomicU64::new(1),
             next_generation: AtomicU64::new(1),
             shutdown: Notify::new(),
+            // Whatever the config file of whoever runs the tests says.
+            idle_timeout_s: Some(DEFAULT_IDLE_TIMEOUT_S),
         })
     }
 
@@ -681,7 +686,7 @@ mod tests {
         let vm = VmDir {
             path: dir.path().to_path_buf(),
         };
-        let timeout = Duration::from_secs(idle_timeout_s());
+        let timeout = Duration::from_secs(DEFAULT_IDLE_TIMEOUT_S);
         let daemon = daemon();
         take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
         release_lease(&daemon, &vm.path, 1);

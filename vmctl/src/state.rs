@@ -473,10 +473,22 @@ pub fn short_hash(bytes: &[u8]) -> String {
     format!("{:08x}", hash as u32)
 }
 
+/// Held by a test whose `flock`s must come free the moment it drops them, and by the
+/// tests' spawns of processes: a child forked meanwhile shares the test's open files,
+/// locks included, until it execs.
+#[cfg(test)]
+pub(crate) fn no_forks_meanwhile() -> std::sync::MutexGuard<'static, ()> {
+    static FORKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    FORKING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// A stand-in for `vm`'s supervisor, running `script` (`sh -c`), that vmctl takes for
 /// one (`running_pid`): its pid file written, its command line `__supervise DIR`.
 #[cfg(test)]
 pub(crate) fn fake_supervisor(vm: &VmDir, script: &str) -> std::process::Child {
+    let _forking = no_forks_meanwhile();
     let child = std::process::Command::new("sh")
         .args(["-c", script, "__supervise"])
         .arg(&vm.path)

@@ -1464,6 +1464,7 @@ mod tests {
 
     #[test]
     fn a_start_is_in_progress_only_while_its_lock_is_held() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
         let dir = tempfile::tempdir().unwrap();
         let vm = VmDir {
             path: dir.path().to_path_buf(),

@@ -530,6 +530,7 @@ mod tests {
 
     #[test]
     fn a_second_daemon_does_not_start_while_the_first_holds_the_lock() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("run/vmctl/daemon-x.sock");
         // The first daemon took the lock and has not bound its socket yet: nothing
@@ -681,7 +682,11 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    // The guard is held across the awaits on purpose: this test's whole run (a moment
+    // of real time) needs its start lock free the moment it drops it.
+    #[allow(clippy::await_holding_lock)]
     async fn an_idle_stop_waits_for_a_session_attaching_to_the_vm() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
         let dir = tempfile::tempdir().unwrap();
         let vm = VmDir {
             path: dir.path().to_path_buf(),

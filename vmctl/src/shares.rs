@@ -35,6 +35,8 @@ const SYSTEM_GUEST_DIRS: [&str; 10] = [
 pub enum ShareError {
     #[error("mount {spec:?}: {problem}; write it as {SYNTAX} (paths containing ':' cannot be written in this syntax)")]
     Syntax { spec: String, problem: &'static str },
+    #[error("mount {spec:?}: unknown option {option:?}; the last part may be ro (read-only) or rw, lower-case")]
+    UnknownOption { spec: String, option: String },
     #[error("mount {spec:?}: cannot expand '~': HOME is not set; write the full host path")]
     NoHome { spec: String },
     #[error("mount {spec:?}: host directory {}: {source}{hint}", .path.display())]
@@ -247,6 +249,12 @@ fn parse_mount_with_home(
     let (host, guest) = match parts.as_slice() {
         [host] => (*host, None),
         [host, guest] => (*host, Some(*guest)),
+        [.., option] if read_only.is_none() && !option.starts_with('/') => {
+            return Err(ShareError::UnknownOption {
+                spec: spec.to_string(),
+                option: option.to_string(),
+            })
+        }
         _ => return Err(syntax("too many ':'")),
     };
     if host.is_empty() {
@@ -717,13 +725,19 @@ mod tests {
     fn colons_in_paths_are_explained() {
         let dir = tempfile::tempdir().unwrap();
         let host = dir.path().display();
-        for spec in [
-            format!("{host}:/a:/b"),
-            format!("{host}:/a:/b:ro"),
-            format!("{host}:/a:rx"),
-        ] {
+        for spec in [format!("{host}:/a:/b"), format!("{host}:/a:/b:ro")] {
             let error = parse_mount(&spec, Path::new("/")).unwrap_err();
             assert!(error.to_string().contains("containing ':'"), "{error}");
+        }
+        for (spec, option) in [
+            (format!("{host}:/a:rx"), "rx"),
+            (format!("{host}:/a:RO"), "RO"),
+        ] {
+            let error = parse_mount(&spec, Path::new("/")).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("unknown option {option:?}")) && error.contains("ro"),
+                "{error}"
+            );
         }
         let error = parse_mount(&format!("{host}:x"), Path::new("/")).unwrap_err();
         assert!(error.to_string().contains("containing ':'"), "{error}");

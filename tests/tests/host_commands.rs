@@ -158,3 +158,19 @@ fn a_file_is_no_workspace() {
     assert_eq!(up.status.code(), Some(1));
     assert!(stderr(&up).contains("not a directory"), "{}", stderr(&up));
 }
+
+#[test]
+fn publishing_from_a_directory_that_is_not_there_says_so() {
+    let ws = Workspace::new("publish-missing");
+    let missing = ws.path().join("gone");
+    let publish = ws
+        .command(&["publish", missing.to_str().unwrap(), "8080"])
+        .output()
+        .expect("run vmctl publish");
+    assert_eq!(publish.status.code(), Some(1));
+    assert!(
+        stderr(&publish).contains("no such directory"),
+        "{}",
+        stderr(&publish)
+    );
+}

@@ -14,6 +14,8 @@ use crate::state::VmDir;
 pub enum PortsError {
     #[error("no VM is running for {}; start it with 'vmctl up'", .0.display())]
     NotRunning(std::path::PathBuf),
+    #[error("{}: no such directory, and no VM of one that was there", .0.display())]
+    NoWorkspace(std::path::PathBuf),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
     #[error(transparent)]
@@ -28,6 +30,7 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
     let (workspace, vm) = VmDir::lookup(workspace)?;
     match vm.running_pid() {
         Some(_) => Ok(vm),
+        None if !workspace.exists() && !vm.path.exists() => Err(PortsError::NoWorkspace(workspace)),
         None => Err(PortsError::NotRunning(workspace)),
     }
 }

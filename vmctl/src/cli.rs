@@ -453,7 +453,8 @@ pub struct ExecArgs {
     /// Run the command on a pseudo-terminal (the host terminal goes raw).
     #[arg(long, short = 't')]
     pub tty: bool,
-    /// Set an environment variable for the command. Repeatable.
+    /// Set an environment variable for the command: K=V, or K alone for the host's
+    /// value of K (as in the env file). Repeatable.
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
     pub env: Vec<(String, String)>,
     /// Run as this guest user ("root", or an account name); default: your host user.
@@ -467,9 +468,19 @@ pub struct ExecArgs {
 }
 
 fn parse_env(value: &str) -> Result<(String, String), String> {
+    parse_env_with(value, |key| std::env::var(key).ok())
+}
+
+fn parse_env_with(
+    value: &str,
+    host: impl Fn(&str) -> Option<String>,
+) -> Result<(String, String), String> {
     match value.split_once('=') {
         Some((key, val)) if !key.is_empty() => Ok((key.to_string(), val.to_string())),
-        _ => Err(format!("expected K=V, got {value:?}")),
+        None if !value.is_empty() => host(value)
+            .map(|val| (value.to_string(), val))
+            .ok_or_else(|| format!("{value} is not set here to pass on; write {value}=VALUE")),
+        _ => Err(format!("expected K=V or K, got {value:?}")),
     }
 }
 
@@ -627,6 +638,24 @@ mod tests {
             command(&["run", "--", "sh", "-c", "true"]),
             ["sh", "-c", "true"]
         );
+    }
+
+    #[test]
+    fn an_env_entry_is_a_value_or_the_hosts() {
+        let host = |key: &str| (key == "EDITOR").then(|| "vim".to_string());
+        assert_eq!(
+            parse_env_with("A=b=c", host),
+            Ok(("A".into(), "b=c".into()))
+        );
+        assert_eq!(
+            parse_env_with("EDITOR", host),
+            Ok(("EDITOR".into(), "vim".into()))
+        );
+        assert!(parse_env_with("UNSET", host)
+            .unwrap_err()
+            .contains("UNSET=VALUE"));
+        assert!(parse_env_with("=x", host).is_err());
+        assert!(parse_env_with("", host).is_err());
     }
 
     #[test]

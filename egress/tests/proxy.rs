@@ -40,6 +40,8 @@ struct TestRules;
 static REVOKED: AtomicBool = AtomicBool::new(false);
 /// Whether the secret of `unbound.test` has since been removed (only its test uses it).
 static SECRET_REMOVED: AtomicBool = AtomicBool::new(false);
+/// The same for `unbound-sse.test`.
+static SSE_SECRET_REMOVED: AtomicBool = AtomicBool::new(false);
 
 impl EgressRules for TestRules {
     fn decide(&self, host: &str, _port: u16) -> Decision {
@@ -63,7 +65,8 @@ impl EgressRules for TestRules {
 
     fn injection(&self, host: &str, _port: u16) -> Option<Injection> {
         let bound = matches!(host, "api.test" | "wronghost.test")
-            || (host == "unbound.test" && !SECRET_REMOVED.load(Ordering::SeqCst));
+            || (host == "unbound.test" && !SECRET_REMOVED.load(Ordering::SeqCst))
+            || (host == "unbound-sse.test" && !SSE_SECRET_REMOVED.load(Ordering::SeqCst));
         bound.then(|| Injection {
             secret: "testkey".into(),
             header: HeaderName::from_static("x-api-key"),
@@ -243,6 +246,7 @@ fn upstream_tls() -> (String, Arc<rustls::ServerConfig>) {
         "api.test".to_string(),
         "open.test".to_string(),
         "unbound.test".to_string(),
+        "unbound-sse.test".to_string(),
     ])
     .unwrap();
     let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).unwrap();
@@ -326,6 +330,7 @@ impl Harness {
         .with_resolve_override("revocable.test:443", tls_addr)
         .with_resolve_override("wronghost.test:443", tls_addr)
         .with_resolve_override("unbound.test:443", tls_addr)
+        .with_resolve_override("unbound-sse.test:443", tls_addr)
         .with_resolve_override("plain.test:80", plain_addr)
         .with_resolve_override("api.test:80", plain_addr);
         let config = Arc::new(config);
@@ -1245,4 +1250,53 @@ async fn an_upgraded_connection_closes_once_its_secret_is_removed() {
             .any(|e| e.host == "unbound.test" && !e.allowed && e.rule.contains("no longer bound")),
         "{entries:?}"
     );
+}
+
+/// A stream the secret's request opened (server-sent events, which may last for hours)
+/// ends once the secret is removed.
+#[tokio::test]
+async fn a_stream_ends_once_its_secret_is_removed() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let mut client = h
+        .https_client("unbound-sse.test:443", "unbound-sse.test", &h.sandbox_ca)
+        .await;
+    let response = client
+        .send_request(request("/sse", "unbound-sse.test", &[], ""))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = timeout(Duration::from_secs(5), body.frame())
+        .await
+        .expect("the first event in time")
+        .expect("a first frame")
+        .expect("the first event");
+    assert!(first
+        .into_data()
+        .is_ok_and(|d| d.starts_with(b"data: event 1")));
+    SSE_SECRET_REMOVED.store(true, Ordering::SeqCst);
+    let mut rest = String::new();
+    let ended_with_an_error = loop {
+        match timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("the stream in time")
+        {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    rest.push_str(&String::from_utf8_lossy(&data));
+                }
+            }
+            Some(Err(_)) => break true,
+            None => break false,
+        }
+    };
+    assert!(
+        ended_with_an_error,
+        "the stream went on to its end: {rest:?}"
+    );
+    assert!(!rest.contains("event 3"), "{rest:?}");
 }

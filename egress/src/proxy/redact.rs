@@ -85,6 +85,7 @@ fn unless_withdrawn(redactor: &Redactor, out: Bytes) -> io::Result<Bytes> {
 }
 
 const WITHDRAWN: &str = "the secret this stream carried was withdrawn after probes for it";
+const SECRET_GONE: &str = "the secret this stream carried is no longer bound to its host";
 
 /// Writes and flushes `bytes`: the number sent.
 pub(super) async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io::Result<u64> {
@@ -458,7 +459,13 @@ pub(super) struct RedactedBody {
     pub(super) redactor: Redactor,
     pub(super) trailers: Option<HeaderMap>,
     pub(super) done: bool,
+    /// Ends the body with an error once ready: the secret it carries was removed or
+    /// replaced (a stream, say server-sent events, may last for hours).
+    /// (In a mutex, which no one locks, for the Sync a boxed body needs.)
+    pub(super) cutoff: Option<std::sync::Mutex<Cutoff>>,
 }
+
+type Cutoff = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 impl RedactedBody {
     pub(super) fn new(inner: Incoming, redactor: Redactor) -> Self {
@@ -467,7 +474,17 @@ impl RedactedBody {
             redactor,
             trailers: None,
             done: false,
+            cutoff: None,
         }
+    }
+
+    /// The same, ended once `cutoff` is ready.
+    pub(super) fn until(
+        mut self,
+        cutoff: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Self {
+        self.cutoff = Some(std::sync::Mutex::new(Box::pin(cutoff)));
+        self
     }
 }
 
@@ -480,6 +497,16 @@ impl Body for RedactedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(cutoff) = this.cutoff.as_mut() {
+            let cutoff = cutoff
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if !this.done && cutoff.as_mut().poll(cx).is_ready() {
+                this.done = true;
+                this.trailers = None;
+                return Poll::Ready(Some(Err(SECRET_GONE.into())));
+            }
+        }
         loop {
             if this.done {
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));

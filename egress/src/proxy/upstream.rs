@@ -259,7 +259,8 @@ pub(super) fn relay_response(
     conn: &Arc<Conn>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
-    if switching {
+    // The upgraded connection's splice watches the secret itself; a body does here.
+    let body_ask = if switching {
         let Some(guest) = guest_upgrade else {
             return Err(ProxyError::UnaskedUpgrade {
                 target: ask.target(),
@@ -267,7 +268,10 @@ pub(super) fn relay_response(
         };
         let upstream = hyper::upgrade::on(&mut response);
         tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone(), ask));
-    }
+        None
+    } else {
+        Some(ask)
+    };
     strip_hop_by_hop(response.headers_mut(), switching);
     Ok(match redactor {
         Some(redactor) => {
@@ -275,7 +279,16 @@ pub(super) fn relay_response(
             // An upstream's own reason phrase could quote the secret: the guest gets
             // the standard one for the status.
             response.extensions_mut().remove::<ReasonPhrase>();
-            response.map(|body| RedactedBody::new(body, redactor).boxed())
+            let body = |inner| RedactedBody::new(inner, redactor.clone());
+            match body_ask {
+                Some(ask) => {
+                    let (watched, conn) = (redactor.clone(), conn.clone());
+                    let cutoff =
+                        async move { ask.until_secret_withdrawn(&conn.config, &watched).await };
+                    response.map(|inner| body(inner).until(cutoff).boxed())
+                }
+                None => response.map(|inner| body(inner).boxed()),
+            }
         }
         None => response.map(boxed),
     })

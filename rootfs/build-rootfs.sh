@@ -189,15 +189,6 @@ npm_registry="${VMCTL_NPM_REGISTRY:-https://registry.npmjs.org/}"
 # One work directory per image, cleared under the lock: what a build killed outright
 # left behind goes at the next one.
 work="$cache_root/rootfs/build.$name-$key"
-if [[ -e "$work" ]]; then
-    say "removing what an interrupted build left in $work"
-    findmnt -rn -o TARGET | awk -v w="$work/" 'index($0, w) == 1' | sort -r |
-        while read -r m; do umount -l "$m" 2>/dev/null || true; done || true
-    rm -rf --one-file-system "$work" "$out_dir.tmp"
-fi
-mkdir -p "$work"
-root="$work/root"
-log="$work/build.log"
 heartbeat=""
 # Never rm -rf through a mount: unmount whatever is left under the work dir first.
 unmount_all() {
@@ -210,6 +201,13 @@ cleanup() {
     unmount_all
     rm -rf --one-file-system "$work" "$out_dir.tmp"
 }
+if [[ -e "$work" ]]; then
+    say "removing what an interrupted build left in $work"
+    cleanup
+fi
+mkdir -p "$work"
+root="$work/root"
+log="$work/build.log"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 

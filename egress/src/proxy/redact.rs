@@ -173,14 +173,7 @@ impl Tripwire {
         };
         let saved = serde_json::to_vec(&kept)
             .map_err(io::Error::other)
-            .and_then(|text| {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                let tmp = path.with_extension("tmp");
-                std::fs::write(&tmp, text)?;
-                std::fs::rename(&tmp, path)
-            });
+            .and_then(|text| crate::policy::write_atomically(path, &text, 0o600));
         if let Err(e) = saved {
             tracing::warn!(
                 "cannot record the probes of secret {} in {}: {e}",
@@ -478,6 +471,13 @@ impl RedactedBody {
         }
     }
 
+    /// Ends the body with the error `why`, nothing more after it (trailers neither).
+    fn end_with(&mut self, why: &'static str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        self.trailers = None;
+        Poll::Ready(Some(Err(why.into())))
+    }
+
     /// The same, ended once `cutoff` is ready.
     pub(super) fn until(
         mut self,
@@ -502,9 +502,7 @@ impl Body for RedactedBody {
                 .get_mut()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             if !this.done && cutoff.as_mut().poll(cx).is_ready() {
-                this.done = true;
-                this.trailers = None;
-                return Poll::Ready(Some(Err(SECRET_GONE.into())));
+                return this.end_with(SECRET_GONE);
             }
         }
         loop {
@@ -518,7 +516,7 @@ impl Body for RedactedBody {
                     this.done = true;
                     let rest = this.redactor.finish();
                     if this.redactor.withdrawn() {
-                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                        return this.end_with(WITHDRAWN);
                     }
                     if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));
@@ -530,8 +528,7 @@ impl Body for RedactedBody {
                 Ok(data) => {
                     let safe = this.redactor.feed(&data);
                     if this.redactor.withdrawn() {
-                        this.done = true;
-                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                        return this.end_with(WITHDRAWN);
                     }
                     if !safe.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(safe))));
@@ -546,8 +543,7 @@ impl Body for RedactedBody {
                     this.done = true;
                     let rest = this.redactor.finish();
                     if this.redactor.withdrawn() {
-                        this.trailers = None;
-                        return Poll::Ready(Some(Err(WITHDRAWN.into())));
+                        return this.end_with(WITHDRAWN);
                     }
                     if !rest.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(rest))));

@@ -97,8 +97,7 @@ impl Ask {
                 .rules
                 .injection(&self.host, self.port)
                 .is_some_and(|injection| redactor.redacts_value(injection.value.as_bytes()));
-            let tripped = redactor.tripwire.as_ref().is_some_and(|t| t.tripped());
-            if !still_bound || tripped {
+            if !still_bound || redactor.withdrawn() {
                 let rule = "the secret it was opened with is no longer bound to it";
                 config.log.record(&self.entry(false, rule, None));
                 tracing::info!("{}: {rule}; closing the open connection", self.target());

@@ -48,9 +48,7 @@ fn lock_stores(files: &EgressFiles) -> Result<std::fs::File, EgressCommandError>
         source,
     };
     std::fs::create_dir_all(dir).map_err(lock_error)?;
-    let file = crate::state::open_lock_file(&path).map_err(lock_error)?;
-    file.lock().map_err(lock_error)?;
-    Ok(file)
+    crate::state::lock_file(&path).map_err(lock_error)
 }
 
 pub fn secret(command: SecretCommand) -> Result<u8, EgressCommandError> {

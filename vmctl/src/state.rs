@@ -362,6 +362,14 @@ pub fn open_lock_file(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
+/// An exclusive `flock` on `path` (created if missing), waited for and held until the
+/// file drops.
+pub fn lock_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let file = open_lock_file(path)?;
+    file.lock()?;
+    Ok(file)
+}
+
 /// Creates `dir` (mode 0700) or checks that the existing one is ours and private.
 pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};

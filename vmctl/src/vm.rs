@@ -465,15 +465,12 @@ pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File
 
 /// An exclusive `flock` on `path` (created if missing), held until the file drops.
 fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
-    let io = |source| {
+    crate::state::lock_file(path).map_err(|source| {
         VmError::State(StateError::Io {
             path: path.to_path_buf(),
             source,
         })
-    };
-    let file = crate::state::open_lock_file(path).map_err(io)?;
-    file.lock().map_err(io)?;
-    Ok(file)
+    })
 }
 
 /// vCPUs and MiB of a new VM: the config's, else one vCPU per CPU the VM may run on

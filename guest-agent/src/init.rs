@@ -479,13 +479,22 @@ pub fn set_hostname(name: &str) -> Result<(), InitError> {
     Ok(())
 }
 
+/// The name field of a passwd, group or shadow line.
+fn name_of(line: &str) -> Option<&str> {
+    line.split(':').next()
+}
+
+/// The third field of a passwd or group line: its uid or gid.
+fn id_of(line: &str) -> Option<u32> {
+    line.split(':').nth(2)?.parse().ok()
+}
+
 fn has_entry(text: &str, name: &str) -> bool {
-    text.lines().any(|l| l.split(':').next() == Some(name))
+    text.lines().any(|l| name_of(l) == Some(name))
 }
 
 fn has_id(text: &str, id: u32) -> bool {
-    text.lines()
-        .any(|l| l.split(':').nth(2).and_then(|v| v.parse::<u32>().ok()) == Some(id))
+    text.lines().any(|l| id_of(l) == Some(id))
 }
 
 /// `passwd` with the host user's entry as commands need it, or `None` when it already
@@ -494,7 +503,7 @@ fn has_id(text: &str, id: u32) -> bool {
 /// the uid commands run as. The entry goes before any other account of the same uid,
 /// so the uid's name is the host's, as on the host.
 fn passwd_with_host_user(passwd: &str, user: &HostUser, default_shell: &str) -> Option<String> {
-    let own_line = |l: &&str| l.split(':').next() == Some(user.name.as_str());
+    let own_line = |l: &&str| name_of(l) == Some(user.name.as_str());
     let (comment, shell) = match passwd
         .lines()
         .find(own_line)
@@ -507,12 +516,11 @@ fn passwd_with_host_user(passwd: &str, user: &HostUser, default_shell: &str) -> 
         "{}:x:{}:{}:{comment}:{}:{shell}",
         user.name, user.uid, user.gid, user.home
     );
-    let uid_of = |l: &str| l.split(':').nth(2).and_then(|v| v.parse::<u32>().ok());
     let mut lines: Vec<&str> = Vec::new();
     let mut placed = false;
     for line in passwd.lines() {
         let own = own_line(&line);
-        if !placed && (own || uid_of(line) == Some(user.uid)) {
+        if !placed && (own || id_of(line) == Some(user.uid)) {
             lines.push(&entry);
             placed = true;
         }

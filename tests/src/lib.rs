@@ -866,6 +866,25 @@ impl Workspace {
         }
     }
 
+    /// `vmctl secret set NAME ARGS` with `value` on stdin (`None`: stdin closed at once).
+    pub fn set_secret(&self, name: &str, args: &[&str], value: Option<&str>) -> Output {
+        let mut child = self
+            .command(&[&["secret", "set", name], args].concat())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run vmctl secret set");
+        let mut stdin = child.stdin.take().expect("vmctl's stdin");
+        if let Some(value) = value {
+            // A refusal before reading leaves nobody to read: a broken pipe is its
+            // answer, which the exit status tells.
+            let _ = stdin.write_all(value.as_bytes());
+        }
+        drop(stdin);
+        child.wait_with_output().expect("vmctl secret set")
+    }
+
     /// `vmctl exec -- sh -c SCRIPT`.
     pub fn exec(&self, script: &str) -> Output {
         self.run(&["exec", "--", "sh", "-c", script])

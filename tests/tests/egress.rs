@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Output, Stdio};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use vm_tests::upstream::{self, TestCa};
@@ -23,22 +23,9 @@ fn assert_ok(output: &Output, what: &str) {
     );
 }
 
-/// `vmctl secret set NAME ARGS`, the value on stdin.
+/// `vmctl secret set NAME ARGS`, the value on stdin; it must succeed.
 fn set_secret(ws: &Workspace, name: &str, value: &str, args: &[&str]) {
-    let mut command = ws.command(&[&["secret", "set", name], args].concat());
-    let mut child = command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run vmctl secret set");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(format!("{value}\n").as_bytes())
-        .expect("write the secret");
-    let output = child.wait_with_output().expect("vmctl secret set");
+    let output = ws.set_secret(name, args, Some(&format!("{value}\n")));
     assert_ok(&output, "vmctl secret set");
 }
 

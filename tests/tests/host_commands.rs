@@ -1,26 +1,8 @@
 //! vmctl's commands that only change host files (no VM): the egress secrets and policy.
 
 use std::io::Write;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use vm_tests::{stderr, Workspace};
-
-/// `vmctl secret set NAME ARGS` with `value` on stdin (`None`: stdin closed at once).
-fn set_secret(ws: &Workspace, name: &str, args: &[&str], value: Option<&str>) -> Output {
-    let mut child = ws
-        .command(&[&["secret", "set", name], args].concat())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run vmctl secret set");
-    let mut stdin = child.stdin.take().expect("vmctl's stdin");
-    if let Some(value) = value {
-        // A refusal before reading leaves nobody to read: a broken pipe is its answer.
-        let _ = stdin.write_all(value.as_bytes());
-    }
-    drop(stdin);
-    child.wait_with_output().expect("vmctl secret set")
-}
 
 #[test]
 fn secrets_set_at_once_are_all_kept() {
@@ -66,34 +48,24 @@ fn secrets_set_at_once_are_all_kept() {
 fn a_secret_set_is_checked_before_its_value_is_read() {
     let ws = Workspace::new("secret-checks");
     // No value comes on stdin: a refusal must name the argument, not the empty value.
-    let no_host = set_secret(&ws, "mine", &[], None);
+    let no_host = ws.set_secret("mine", &[], None);
     assert!(!no_host.status.success());
     assert!(stderr(&no_host).contains("--host"), "{}", stderr(&no_host));
-    let broad = set_secret(&ws, "mine", &["--host", "*.com"], None);
+    let broad = ws.set_secret("mine", &["--host", "*.com"], None);
     assert!(!broad.status.success());
     assert!(
         stderr(&broad).contains("top-level domain"),
         "{}",
         stderr(&broad)
     );
-    let stored = set_secret(
-        &ws,
-        "mine",
-        &["--host", "*.example.com"],
-        Some("value-one-1234"),
-    );
+    let stored = ws.set_secret("mine", &["--host", "*.example.com"], Some("value-one-1234"));
     assert!(stored.status.success(), "{}", stderr(&stored));
     assert!(
         stderr(&stored).contains("mine stored"),
         "{}",
         stderr(&stored)
     );
-    let again = set_secret(
-        &ws,
-        "mine",
-        &["--host", "*.example.com"],
-        Some("value-two-1234"),
-    );
+    let again = ws.set_secret("mine", &["--host", "*.example.com"], Some("value-two-1234"));
     assert!(
         stderr(&again).contains("mine replaced"),
         "{}",

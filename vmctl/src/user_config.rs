@@ -45,7 +45,17 @@ pub enum UserConfigError {
     RelativeWorkspace { path: PathBuf, key: String },
     #[error("vmctl config {}: idle_timeout_s = {value} is more than a year ({MAX_IDLE_TIMEOUT_S} s); write a smaller value (a VM started by `vmctl up` runs until `vmctl stop` anyway)", .path.display())]
     IdleTimeoutTooLong { path: PathBuf, value: u64 },
+    #[error("vmctl config {}: {key} = {value} is out of range; write a value in {allowed}", .path.display())]
+    OutOfRange {
+        path: PathBuf,
+        key: String,
+        value: u32,
+        allowed: &'static str,
+    },
 }
+
+/// The most vCPUs a VM may have: what a CPU list can name (CPU_SETSIZE).
+const MAX_CPUS: u32 = 1024;
 
 /// The longest idle timeout the config may ask for: a year. (Far larger values would
 /// overflow the daemon's clock arithmetic.)
@@ -153,7 +163,39 @@ impl UserConfig {
                 value,
             });
         }
+        config.check_ranges(path)?;
         Ok(config)
+    }
+
+    /// Refuses sizes no VM can have (`cpus = 0`, `memory_percent = 500`) rather than
+    /// quietly starting a VM of another size than the file says.
+    fn check_ranges(&self, path: &Path) -> Result<(), UserConfigError> {
+        let sections = std::iter::once((String::new(), self.cpus, self.memory_percent)).chain(
+            self.workspaces.iter().map(|(key, settings)| {
+                (
+                    format!("[workspaces.{key:?}] "),
+                    settings.cpus,
+                    settings.memory_percent,
+                )
+            }),
+        );
+        for (section, cpus, memory_percent) in sections {
+            let checks = [
+                ("cpus", cpus, 1..=MAX_CPUS, "1..=1024"),
+                ("memory_percent", memory_percent, 1..=100, "1..=100"),
+            ];
+            for (name, value, range, allowed) in checks {
+                if let Some(value) = value.filter(|value| !range.contains(value)) {
+                    return Err(UserConfigError::OutOfRange {
+                        path: path.to_path_buf(),
+                        key: format!("{section}{name}"),
+                        value,
+                        allowed,
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The mounts of `workspace`: the global ones, then the workspace's own.
@@ -449,6 +491,29 @@ mounts = ["/srv/other"]
         let error = UserConfig::load_from(&path).unwrap_err().to_string();
         assert!(error.contains("line 3"), "{error}");
         assert!(error.contains(&path.display().to_string()), "{error}");
+    }
+
+    #[test]
+    fn sizes_no_vm_can_have_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = [
+            ("cpus = 0\n", "cpus = 0"),
+            ("cpus = 1025\n", "cpus = 1025"),
+            ("memory_percent = 0\n", "memory_percent = 0"),
+            ("memory_percent = 500\n", "memory_percent = 500"),
+            (
+                "[workspaces.\"/w\"]\nmemory_percent = 101\n",
+                "[workspaces.\"/w\"] memory_percent = 101",
+            ),
+        ];
+        for (text, named) in refused {
+            let path = write_config(dir.path(), text);
+            let error = UserConfig::load_from(&path).unwrap_err().to_string();
+            assert!(error.contains(named), "{text:?}: {error}");
+            assert!(error.contains(&path.display().to_string()), "{error}");
+        }
+        let bounds = "cpus = 1024\nmemory_percent = 100\n[workspaces.\"/w\"]\ncpus = 1\nmemory_percent = 1\n";
+        UserConfig::load_from(&write_config(dir.path(), bounds)).unwrap();
     }
 
     #[test]

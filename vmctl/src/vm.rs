@@ -478,6 +478,9 @@ fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
 fn vm_size(resources: Resources) -> (u32, u64) {
     let host_cpus = vm_cpu_count();
     let host_mib = host_memory_mib().unwrap_or(0);
+    if let Some(asked) = resources.cpus.filter(|&asked| asked > host_cpus) {
+        tracing::warn!("the vmctl config asks for {asked} vCPUs, but VMs may run on {host_cpus} CPUs here; the VM gets {host_cpus}");
+    }
     size_from(resources, host_cpus, host_mib)
 }
 

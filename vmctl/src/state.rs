@@ -2,6 +2,7 @@
 //! state dir, holding its record, its vsock socket and its logs. Nothing is written
 //! into the workspace.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -404,18 +405,44 @@ pub fn vms_dir() -> PathBuf {
 }
 
 /// `$XDG_STATE_HOME/vmctl` (default `~/.local/state/vmctl`; without a home, in
-/// [`private_tmp_dir`]).
+/// [`private_tmp_dir`]), with symlinks resolved.
 pub fn state_dir() -> PathBuf {
-    let xdg = std::env::var_os("XDG_STATE_HOME")
+    state_dir_from(std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME"))
+}
+
+/// Resolved because a VM's directory path is its identity: the supervisor is found by
+/// it in /proc, and long socket paths are named after its hash. A home reached through
+/// a symlink, spelled one way by one shell and the other way by another, would
+/// otherwise see a running VM as stopped and start a second one on the same disk.
+fn state_dir_from(xdg_state_home: Option<OsString>, home: Option<OsString>) -> PathBuf {
+    let xdg = xdg_state_home
         .map(PathBuf::from)
         .filter(|p| p.is_absolute());
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute());
-    match (xdg, home) {
+    let home = home.map(PathBuf::from).filter(|p| p.is_absolute());
+    let dir = match (xdg, home) {
         (Some(state), _) => state.join("vmctl"),
         (None, Some(home)) => home.join(".local/state/vmctl"),
         (None, None) => private_tmp_dir().join("state"),
+    };
+    resolve_existing_part(&dir)
+}
+
+/// `path` with its longest existing ancestor canonicalized and the rest (not created
+/// yet) appended as given.
+fn resolve_existing_part(path: &Path) -> PathBuf {
+    let mut rest = Vec::new();
+    let mut ancestor = path;
+    loop {
+        if let Ok(resolved) = ancestor.canonicalize() {
+            return rest.iter().rev().fold(resolved, |dir, part| dir.join(part));
+        }
+        match (ancestor.parent(), ancestor.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                ancestor = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
     }
 }
 
@@ -547,6 +574,28 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_dir_is_the_same_whichever_way_home_is_spelled() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap().join("real-home");
+        std::fs::create_dir(&real).unwrap();
+        let link = tmp.path().join("home-link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let home = |path: &Path| state_dir_from(None, Some(path.as_os_str().to_owned()));
+        let expected = real.join(".local/state/vmctl");
+        assert_eq!(home(&real), expected, "not created yet");
+        assert_eq!(home(&link), expected, "not created yet, through the link");
+        std::fs::create_dir_all(&expected).unwrap();
+        assert_eq!(home(&link), expected, "created");
+        let xdg = state_dir_from(Some(link.join("state").into()), None);
+        assert_eq!(xdg, real.join("state/vmctl"));
+        assert_eq!(
+            state_dir_from(Some("relative".into()), Some("/nonexistent-home".into())),
+            Path::new("/nonexistent-home/.local/state/vmctl"),
+            "a relative XDG_STATE_HOME is ignored; a home that is not there is taken as given"
+        );
+    }
 
     /// A pid file left by a supervisor that did not exit cleanly (a reboot) names
     /// whatever process has that pid now: it is not the VM's, and not to be signalled.

@@ -80,11 +80,12 @@ impl JobDir {
             .map(PathBuf::from)
             .filter(|p| p.is_dir())
             .unwrap_or_else(std::env::temp_dir);
+        remove_stale_job_dirs(&base);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let path = base.join(format!("vmctl-nested-{}-{nanos}", std::process::id()));
+        let path = base.join(format!("{JOB_DIR_PREFIX}{}-{nanos}", std::process::id()));
         // Private: it holds the job (a nested-exec's environment) and the sockets of
         // the nested host's monitor and relays. Created, never taken over: a directory
         // someone else made at this name first is an error.
@@ -106,6 +107,47 @@ impl Drop for JobDir {
     fn drop(&mut self) {
         if let Err(e) = std::fs::remove_dir_all(&self.0) {
             tracing::warn!("cannot remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+const JOB_DIR_PREFIX: &str = "vmctl-nested-";
+
+/// Removes the job directories of launchers that are gone without removing their own
+/// (SIGKILL, a crash): those of ours whose pid is no process now. One whose pid was
+/// reused meanwhile stays until that process ends too.
+fn remove_stale_job_dirs(base: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix(JOB_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+            .filter(|&pid| pid > 0)
+        else {
+            continue;
+        };
+        let ours = entry
+            .metadata()
+            .is_ok_and(|meta| meta.is_dir() && meta.uid() == uid);
+        // SAFETY: signal 0 only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } == -1
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if ours && gone {
+            tracing::debug!(
+                "removing {}, left by a launcher that is gone",
+                name.to_string_lossy()
+            );
+            if let Err(e) = std::fs::remove_dir_all(entry.path()) {
+                tracing::warn!("cannot remove {}: {e}", entry.path().display());
+            }
         }
     }
 }
@@ -642,6 +684,27 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
 mod tests {
     use super::*;
     use crate::nested::stall::Stuck;
+
+    #[test]
+    fn job_dirs_of_launchers_that_are_gone_are_removed() {
+        let base = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = child.id();
+        child.wait().unwrap();
+        let dir = |name: String| {
+            let path = base.path().join(name);
+            std::fs::create_dir(&path).unwrap();
+            std::fs::write(path.join("spec"), "job").unwrap();
+            path
+        };
+        let stale = dir(format!("{JOB_DIR_PREFIX}{dead_pid}-12"));
+        let live = dir(format!("{JOB_DIR_PREFIX}{}-34", std::process::id()));
+        let other = dir(format!("vmctl-other-{dead_pid}-56"));
+        remove_stale_job_dirs(base.path());
+        assert!(!stale.exists(), "the dead launcher's directory is removed");
+        assert!(live.join("spec").exists(), "a running launcher's stays");
+        assert!(other.exists(), "what is not a job directory stays");
+    }
 
     /// A nested host asks for host vsock ports: the host services' one is connected,
     /// any other refused, even where a socket (or a link to one) waits under its name.

@@ -117,8 +117,24 @@ impl hyper::body::Body for Channel {
     }
 }
 
+/// A body of the frames given, of unknown length.
+struct Frames(std::collections::VecDeque<Frame<Bytes>>);
+
+impl hyper::body::Body for Frames {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.0.pop_front().map(Ok))
+    }
+}
+
 /// The test upstream: `/echo` returns the request it got, `/split` streams the
-/// x-api-key it got split over two chunks, `/sse` sends three events 300 ms apart,
+/// x-api-key it got split over two chunks, `/sse` sends three events 300 ms apart, `/trailers`
+/// ends its body with trailers (a checksum, and the x-api-key it got),
 /// `/ws` switches protocols and echoes bytes.
 async fn upstream_service(
     mut req: Request<Incoming>,
@@ -157,6 +173,29 @@ async fn upstream_service(
                     response.extensions_mut().insert(reason);
                 }
             }
+            response
+        }
+        "/trailers" => {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
+            if !key.is_empty() {
+                trailers.insert("x-echo-key", HeaderValue::from_bytes(&key).unwrap());
+            }
+            // Of unknown length, as a streamed body with trailers is: one of known
+            // length goes with a Content-Length, and so without trailers.
+            let body = Frames(
+                [
+                    Frame::data(Bytes::from_static(b"body with trailers\n")),
+                    Frame::trailers(trailers),
+                ]
+                .into(),
+            )
+            .boxed();
+            let mut response = Response::new(body);
+            response.headers_mut().insert(
+                header::TRAILER,
+                HeaderValue::from_static("x-checksum, x-echo-key"),
+            );
             response
         }
         "/split" => {
@@ -1209,6 +1248,41 @@ async fn a_chunked_get_body_goes_on() {
         .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
         .await;
     assert!(answer.contains("hello"), "{answer}");
+}
+
+/// A response's trailers reach a guest that asked for them (`TE: trailers`), as
+/// gRPC-style clients do, though TE itself is hop-by-hop.
+#[tokio::test]
+async fn trailers_reach_a_guest_that_asks_for_them() {
+    let h = Harness::start().await;
+    let answer = h
+        .raw(b"GET http://plain.test/trailers HTTP/1.1\r\nHost: plain.test\r\nTE: trailers\r\nConnection: close\r\n\r\n")
+        .await;
+    assert!(answer.contains("body with trailers"), "{answer}");
+    let after_last_chunk = answer
+        .split_once("\r\n0\r\n")
+        .map(|(_, rest)| rest.to_ascii_lowercase())
+        .unwrap_or_default();
+    assert!(
+        after_last_chunk.contains("x-checksum: abc123"),
+        "no trailer after the last chunk:\n{answer}"
+    );
+
+    // Where the secret is injected, a trailer that echoes it is redacted like a header.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request("/trailers", "api.test", &[("te", "trailers")], "");
+    let response = timeout(Duration::from_secs(10), client.send_request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    let collected = response.into_body().collect().await.unwrap();
+    let trailers = collected.trailers().cloned().expect("the trailers");
+    assert_eq!(trailers["x-checksum"], "abc123");
+    let echoed = String::from_utf8_lossy(trailers["x-echo-key"].as_bytes()).into_owned();
+    assert!(!echoed.contains(SECRET_CORE), "{echoed}");
+    assert_eq!(echoed.len(), SECRET.len(), "{echoed}");
 }
 
 /// An upgraded connection the secret authenticated closes once the secret is removed.

@@ -228,12 +228,26 @@ pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValu
         .get_all(header::TRANSFER_ENCODING)
         .iter()
         .any(|value| value.as_bytes().eq_ignore_ascii_case(b"chunked"));
+    // TE is hop-by-hop, but a guest that accepts trailers gets them only if this hop
+    // asks for them too: hyper sends trailers only to a peer that said `TE: trailers`.
+    let accepts_trailers = parts
+        .headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|coding| coding.trim().eq_ignore_ascii_case("trailers"));
     strip_hop_by_hop(&mut parts.headers, upgrade);
     if chunked {
         parts.headers.insert(
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
+    }
+    if accepts_trailers {
+        parts
+            .headers
+            .insert(header::TE, HeaderValue::from_static("trailers"));
     }
     let origin = parts
         .uri

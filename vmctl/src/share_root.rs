@@ -6,6 +6,7 @@
 //! namespace sandbox pivoted into, before any guest is connected.
 
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::{Component, Path};
 
 use rustix::fs::{Mode, OFlags};
@@ -26,9 +27,21 @@ impl DirId {
     }
 }
 
-/// The directory at `path` (absolute, without `.` or `..`), reached without following
-/// any link: a link anywhere on the way fails (ENOTDIR), so does `.` or `..`.
+/// The identity of the directory at `path`, as [`open_dir_without_links`] finds it.
+#[cfg(test)]
 pub fn dir_id_without_links(path: &Path) -> io::Result<DirId> {
+    dir_id_of(&open_dir_without_links(path)?)
+}
+
+/// The identity of the directory `dir` is open on.
+pub fn dir_id_of(dir: &OwnedFd) -> io::Result<DirId> {
+    Ok(DirId::of(&rustix::fs::fstat(dir)?))
+}
+
+/// Opens (`O_PATH`) the directory at `path` (absolute, without `.` or `..`), reached
+/// without following any link: a link anywhere on the way fails (ENOTDIR), so does
+/// `.` or `..`.
+pub fn open_dir_without_links(path: &Path) -> io::Result<OwnedFd> {
     let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let mut components = path.components();
     if components.next() != Some(Component::RootDir) {
@@ -47,7 +60,7 @@ pub fn dir_id_without_links(path: &Path) -> io::Result<DirId> {
         };
         dir = rustix::fs::openat(&dir, name, flags, Mode::empty())?;
     }
-    Ok(DirId::of(&rustix::fs::fstat(&dir)?))
+    Ok(dir)
 }
 
 /// Where a process and its children stand, seen from here.

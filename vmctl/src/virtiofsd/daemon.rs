@@ -4,6 +4,8 @@
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Instant;
@@ -31,18 +33,6 @@ impl Sandbox {
     }
 }
 
-/// The sandbox to retry with after a daemon in `tried` exited while starting, if any.
-/// Only an unprivileged namespace sandbox is worth a retry: it fails where user
-/// namespaces are disabled. Root's namespace sandbox needs none, so a failure there is
-/// something else, which another sandbox would not fix.
-pub(super) fn fallback_sandbox(
-    is_root: bool,
-    tried: Sandbox,
-    status: ExitStatus,
-) -> Option<Sandbox> {
-    (!is_root && tried == Sandbox::Namespace && !status.success()).then_some(Sandbox::None)
-}
-
 /// virtiofsd's command line for `share`, listening on `socket`.
 fn daemon_args(
     share: &Share,
@@ -50,9 +40,18 @@ fn daemon_args(
     sandbox: Sandbox,
     policy: CachePolicy,
 ) -> Vec<OsString> {
+    let shared_dir: OsString = match sandbox {
+        Sandbox::Namespace => share.host.clone().into(),
+        // Without its sandbox, virtiofsd opens its root by name at every mount by the
+        // guest, long after vmctl checked the path. "." is the directory it was started
+        // in, which vmctl enters by a descriptor opened without following links
+        // ([`spawn_daemon`]): a link swapped onto the share's path later (by another
+        // VM's guest, say) changes nothing.
+        Sandbox::None => ".".into(),
+    };
     let mut args: Vec<OsString> = vec![
         "--shared-dir".into(),
-        share.host.clone().into(),
+        shared_dir,
         "--socket-path".into(),
         socket.into(),
         "--cache".into(),
@@ -160,12 +159,12 @@ pub(super) fn spawn_daemon(
         .map_err(io(log))?;
     let log_start = log_file.metadata().map_err(io(log))?.len();
     let stdout = log_file.try_clone().map_err(io(log))?;
-    let expected_root = share_root::dir_id_without_links(&share.host).map_err(|source| {
-        VirtiofsdError::ShareUnreachable {
-            host: share.host.clone(),
-            source,
-        }
-    })?;
+    let unreachable = |source| VirtiofsdError::ShareUnreachable {
+        host: share.host.clone(),
+        source,
+    };
+    let share_dir = share_root::open_dir_without_links(&share.host).map_err(unreachable)?;
+    let expected_root = share_root::dir_id_of(&share_dir).map_err(unreachable)?;
     let args = daemon_args(share, socket, sandbox, policy);
     tracing::info!(binary = %binary.display(), ?args, "starting virtiofsd");
     let mut command = Command::new(binary);
@@ -179,6 +178,18 @@ pub(super) fn spawn_daemon(
     // The daemon dies with the thread that spawned it, so a crashed vmctl leaves no
     // daemon behind.
     vmm::process::child::stop_with_parent(&mut command);
+    if sandbox == Sandbox::None {
+        let dir = share_dir.as_raw_fd();
+        // SAFETY: the closure runs in the child between fork and exec and only calls
+        // fchdir, which is async-signal-safe; `dir` is open until the exec closes it
+        // (CLOEXEC), as `share_dir` outlives the spawn.
+        unsafe {
+            command.pre_exec(move || match libc::fchdir(dir) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            });
+        }
+    }
     let child = command.spawn().map_err(|source| VirtiofsdError::Spawn {
         binary: binary.to_path_buf(),
         host: share.host.clone(),
@@ -254,8 +265,6 @@ pub(super) fn wait_started(daemons: &mut [&mut Daemon]) -> Vec<StartOutcome> {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::process::ExitStatusExt;
-
     use super::*;
     use crate::virtiofsd::tests::share;
 
@@ -269,9 +278,12 @@ mod tests {
     #[test]
     fn the_benchmarks_own_virtiofsd_runs_with_vmctls_options() {
         let socket = Path::new("/s/fs0.sock");
-        for (root, sandbox) in [(true, Sandbox::Namespace), (false, Sandbox::None)] {
+        for (root, sandbox, dir) in [
+            (true, Sandbox::Namespace, "/h"),
+            (false, Sandbox::None, "."),
+        ] {
             assert_eq!(
-                vm_benches::fs_vmm::virtiofsd_args(Path::new("/h"), socket, root),
+                vm_benches::fs_vmm::virtiofsd_args(Path::new(dir), socket, root),
                 args_of(
                     &share(Path::new("/h"), false),
                     sandbox,
@@ -301,6 +313,10 @@ mod tests {
             CachePolicy::default(),
         );
         assert!(args.join(" ").contains("--sandbox none"));
+        assert!(
+            args.join(" ").starts_with("--shared-dir . "),
+            "without the sandbox, the share is the directory it starts in: {args:?}"
+        );
         assert_eq!(args.last().map(String::as_str), Some("--readonly"));
     }
 
@@ -312,18 +328,5 @@ mod tests {
             args.contains("--cache always") && args.ends_with("--writeback"),
             "{args}"
         );
-    }
-
-    #[test]
-    fn only_an_unprivileged_namespace_failure_falls_back_to_no_sandbox() {
-        let failed = ExitStatus::from_raw(1 << 8);
-        let clean = ExitStatus::from_raw(0);
-        assert_eq!(
-            fallback_sandbox(false, Sandbox::Namespace, failed),
-            Some(Sandbox::None)
-        );
-        assert_eq!(fallback_sandbox(true, Sandbox::Namespace, failed), None);
-        assert_eq!(fallback_sandbox(false, Sandbox::None, failed), None);
-        assert_eq!(fallback_sandbox(false, Sandbox::Namespace, clean), None);
     }
 }

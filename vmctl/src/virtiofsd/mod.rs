@@ -17,7 +17,7 @@ mod daemon;
 pub use self::binary::find_virtiofsd;
 use self::binary::VIRTIOFSD_ENV;
 pub use self::cache::{CachePolicy, CACHE_ENV};
-use self::daemon::{fallback_sandbox, spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
+use self::daemon::{spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
 use crate::share_root::{self, Root};
 use crate::shares::{self, Share};
 
@@ -74,13 +74,17 @@ pub enum VirtiofsdError {
         log: PathBuf,
         tail: String,
     },
-    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}", .host.display(), .log.display())]
+    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}{}", .host.display(), .log.display(), if *.sandboxed { SANDBOX_HINT } else { "" })]
     Exited {
         host: PathBuf,
         status: String,
         log: PathBuf,
         tail: String,
+        /// It was starting in its namespace sandbox, which may be what failed.
+        sandboxed: bool,
     },
+    #[error("{SANDBOX_ENV}={value:?}: expected namespace (the default) or none")]
+    BadSandbox { value: String },
     #[error("virtiofsd for the share {} did not create its socket {} within {} s; the end of its log {}:\n{tail}", .host.display(), .socket.display(), START_TIMEOUT.as_secs(), .log.display())]
     Timeout {
         host: PathBuf,
@@ -98,6 +102,75 @@ const UNPRIVILEGED_NOTE: &str = "vmctl: note: virtiofsd runs as this user, in a 
 const NO_SANDBOX_WARNING: &str = "vmctl: warning: virtiofsd runs without its sandbox because \
      user namespaces are unavailable to this user: a guest that exploits symlink races could \
      reach host files outside its shares";
+
+const NO_SANDBOX_ASKED_WARNING: &str = "vmctl: warning: virtiofsd runs without its sandbox, as \
+     VMCTL_VIRTIOFSD_SANDBOX=none asks: a guest that exploits symlink races could reach host \
+     files outside its shares";
+
+/// Chooses virtiofsd's sandbox: `namespace` (the default: the namespace sandbox
+/// wherever this user may have one) or `none`, for a host where the namespace sandbox
+/// fails although user namespaces are there (a container, an AppArmor rule).
+pub const SANDBOX_ENV: &str = "VMCTL_VIRTIOFSD_SANDBOX";
+
+const SANDBOX_HINT: &str = "\n(if it is virtiofsd's namespace sandbox that cannot work on \
+     this host, VMCTL_VIRTIOFSD_SANDBOX=none runs it without one, which is less safe: see the \
+     README's \"Shares\")";
+
+/// The sandbox for this start's daemons: the namespace sandbox, unless [`SANDBOX_ENV`]
+/// says none or this user cannot make the namespaces it needs. Decided once, before
+/// any daemon starts: a daemon that fails in its sandbox is an error, never a reason
+/// to try again without (a guest can make a start fail, by moving a directory on a
+/// share's path at the right moment).
+fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, VirtiofsdError> {
+    match asked.map(str::trim) {
+        None | Some("" | "namespace") => {}
+        Some("none") => {
+            vmm::to_stderr!("{NO_SANDBOX_ASKED_WARNING}");
+            return Ok(Sandbox::None);
+        }
+        Some(value) => {
+            return Err(VirtiofsdError::BadSandbox {
+                value: value.to_string(),
+            })
+        }
+    }
+    if is_root || user_namespaces_work() {
+        return Ok(Sandbox::Namespace);
+    }
+    vmm::to_stderr!("{NO_SANDBOX_WARNING}");
+    Ok(Sandbox::None)
+}
+
+/// Whether this user may make the namespaces of virtiofsd's sandbox (user, mount, PID,
+/// network). Tried in a child, as a threaded process may not make a user namespace.
+fn user_namespaces_work() -> bool {
+    use std::os::unix::process::CommandExt;
+    let mut probe = std::process::Command::new("true");
+    probe
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // unshare, which is async-signal-safe.
+    unsafe {
+        probe.pre_exec(|| {
+            let namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET;
+            for flags in [libc::CLONE_NEWUSER, namespaces] {
+                if libc::unshare(flags) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    match probe.status() {
+        Ok(status) => status.success(),
+        Err(e) => {
+            tracing::info!("user namespaces unavailable: {e}");
+            false
+        }
+    }
+}
 
 /// Refuses a share whose (canonical) host path no longer resolves to itself: the path
 /// was checked when the VM was set up, and a component swapped for a link since (by
@@ -163,7 +236,16 @@ pub fn start(
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
     // SAFETY: geteuid cannot fail.
     let is_root = unsafe { libc::geteuid() } == 0;
-    start_as(binary, shares, socket_dir, log_dir, is_root, policy)
+    let asked = std::env::var(SANDBOX_ENV).ok();
+    start_as(
+        binary,
+        shares,
+        socket_dir,
+        log_dir,
+        is_root,
+        asked.as_deref(),
+        policy,
+    )
 }
 
 fn start_as(
@@ -172,9 +254,14 @@ fn start_as(
     socket_dir: &Path,
     log_dir: &Path,
     is_root: bool,
+    sandbox_asked: Option<&str>,
     policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
-    if !is_root && !shares.is_empty() {
+    let sandbox = match shares.is_empty() {
+        true => Sandbox::Namespace,
+        false => choose_sandbox(is_root, sandbox_asked)?,
+    };
+    if !is_root && !shares.is_empty() && sandbox == Sandbox::Namespace {
         // Not a weaker sandbox but other ownership. (In a VM's supervisor log, which
         // `vmctl logs --supervisor` shows; not on the user's terminal at each start.)
         vmm::to_stderr!("{UNPRIVILEGED_NOTE}");
@@ -185,7 +272,7 @@ fn start_as(
         shares,
         socket_dir,
         log_dir,
-        is_root,
+        sandbox,
         policy,
         &mut daemons,
     ) {
@@ -235,7 +322,7 @@ fn start_all(
     shares: &[Share],
     socket_dir: &Path,
     log_dir: &Path,
-    is_root: bool,
+    sandbox: Sandbox,
     policy: CachePolicy,
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
@@ -255,68 +342,40 @@ fn start_all(
             share,
             &socket_of(index),
             &log_of(index),
-            Sandbox::Namespace,
+            sandbox,
             policy,
         )?);
     }
-    let mut pending: Vec<usize> = (0..daemons.len()).collect();
-    let mut warned = false;
-    while !pending.is_empty() {
-        let outcomes = {
-            let mut waiting: Vec<&mut Daemon> = daemons
-                .iter_mut()
-                .enumerate()
-                .filter(|(index, _)| pending.contains(index))
-                .map(|(_, daemon)| daemon)
-                .collect();
-            wait_started(&mut waiting)
-        };
-        let mut retry = Vec::new();
-        for (index, outcome) in pending.iter().copied().zip(outcomes) {
-            let daemon = &daemons[index];
-            match outcome {
-                StartOutcome::Ready => {}
-                StartOutcome::Exited(status) => {
-                    let Some(sandbox) = fallback_sandbox(is_root, daemon.sandbox, status) else {
-                        return Err(VirtiofsdError::Exited {
-                            host: daemon.host.clone(),
-                            status: status.to_string(),
-                            log: daemon.log.clone(),
-                            tail: daemon.log_tail(),
-                        });
-                    };
-                    tracing::warn!(
-                        host = %daemon.host.display(),
-                        %status,
-                        "virtiofsd could not set up its namespace sandbox; retrying without",
-                    );
-                    if !warned {
-                        vmm::to_stderr!("{NO_SANDBOX_WARNING}");
-                        warned = true;
-                    }
-                    let (socket, log) = (daemon.socket.clone(), daemon.log.clone());
-                    daemons[index] =
-                        spawn_daemon(binary, &shares[index], &socket, &log, sandbox, policy)?;
-                    retry.push(index);
-                }
-                StartOutcome::TimedOut => {
-                    return Err(VirtiofsdError::Timeout {
-                        host: daemon.host.clone(),
-                        socket: daemon.socket.clone(),
-                        log: daemon.log.clone(),
-                        tail: daemon.log_tail(),
-                    });
-                }
+    let outcomes = wait_started(&mut daemons.iter_mut().collect::<Vec<_>>());
+    for (daemon, outcome) in daemons.iter().zip(outcomes) {
+        match outcome {
+            StartOutcome::Ready => {}
+            StartOutcome::Exited(status) => {
+                return Err(VirtiofsdError::Exited {
+                    host: daemon.host.clone(),
+                    status: status.to_string(),
+                    log: daemon.log.clone(),
+                    tail: daemon.log_tail(),
+                    sandboxed: daemon.sandbox == Sandbox::Namespace,
+                });
+            }
+            StartOutcome::TimedOut => {
+                return Err(VirtiofsdError::Timeout {
+                    host: daemon.host.clone(),
+                    socket: daemon.socket.clone(),
+                    log: daemon.log.clone(),
+                    tail: daemon.log_tail(),
+                });
             }
         }
-        pending = retry;
     }
     daemons.iter_mut().try_for_each(confirm_root)
 }
 
 /// Makes sure `daemon` serves its share: the root its namespace sandbox pivoted into
 /// is the directory found on the share's path before it started ([`share_root`]).
-/// Without the sandbox there is no root to compare (vmctl has warned).
+/// Without the sandbox there is no root to compare: the daemon serves the directory it
+/// was started in, entered by a descriptor ([`daemon::spawn_daemon`]).
 fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
     if daemon.sandbox != Sandbox::Namespace {
         return Ok(());
@@ -346,6 +405,7 @@ fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
                         status: status.to_string(),
                         log: daemon.log.clone(),
                         tail: daemon.log_tail(),
+                        sandboxed: true,
                     });
                 }
                 // Not ours to see (an unusual /proc): the check is lost, not the share.
@@ -582,10 +642,49 @@ mod tests {
         unsafe { libc::kill(pid, 0) != 0 }
     }
 
+    /// A namespace sandbox that fails is an error that says what to do, never a reason
+    /// to start again without: a guest can make a start fail (by moving a directory on
+    /// a share's path at the right moment), and must not get the weaker daemon by it.
     #[test]
-    fn a_failed_namespace_sandbox_is_retried_without_and_deaths_are_reported() {
+    fn a_failed_namespace_sandbox_is_reported_not_retried_without() {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), "echo 'fake: cannot unshare' >&2; exit 1");
+        for is_root in [false, true] {
+            let error = start_as(
+                &fake,
+                &[share(dir.path(), false)],
+                dir.path(),
+                dir.path(),
+                is_root,
+                None,
+                CachePolicy::default(),
+            )
+            .err()
+            .expect("the start is refused")
+            .to_string();
+            assert!(error.contains("fake: cannot unshare"), "{error}");
+            assert!(error.contains("VMCTL_VIRTIOFSD_SANDBOX=none"), "{error}");
+        }
+        let bad = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            false,
+            Some("off"),
+            CachePolicy::default(),
+        );
+        assert!(
+            matches!(bad, Err(VirtiofsdError::BadSandbox { .. })),
+            "{:?}",
+            bad.err()
+        );
+    }
+
+    #[test]
+    fn without_the_sandbox_as_asked_deaths_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), "exit 1");
         let shared = [share(dir.path(), false), share(dir.path(), true)];
         let (daemons, devices) = start_as(
             &fake,
@@ -593,6 +692,7 @@ mod tests {
             dir.path(),
             dir.path(),
             false,
+            Some("none"),
             CachePolicy::default(),
         )
         .unwrap();
@@ -603,8 +703,6 @@ mod tests {
                 tag: format!("vmctl{i}"),
             })
         );
-        let log = std::fs::read_to_string(dir.path().join("virtiofsd-1.log")).unwrap();
-        assert!(log.contains("cannot unshare"), "{log}");
         assert!(daemons
             .shared
             .lock()
@@ -625,6 +723,61 @@ mod tests {
         assert!(!dir.path().join("fs0.sock").exists());
     }
 
+    /// Without its sandbox, virtiofsd serves the directory it starts in ("."), which
+    /// vmctl enters by a descriptor: a directory on the share's path swapped for a link
+    /// as it starts (as by another VM's guest) changes nothing, at its start or at any
+    /// later mount, when virtiofsd opens its root again by that name.
+    #[test]
+    fn without_the_sandbox_a_swapped_path_does_not_change_the_served_directory() {
+        let Some(binary) = installed_virtiofsd() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let workspace = root.join("workspace");
+        std::fs::create_dir_all(workspace.join("sub/project")).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
+        let original = share_root::dir_id_without_links(&workspace.join("sub/project")).unwrap();
+        let racer = root.join("racer.sh");
+        std::fs::write(
+            &racer,
+            format!(
+                "#!/bin/sh\necho \"$@\" > '{r}/args'\n\
+                 mv '{w}/sub' '{w}/sub.orig' && ln -s '{s}' '{w}/sub' && exec '{b}' \"$@\"\n",
+                r = root.display(),
+                w = workspace.display(),
+                s = root.join("elsewhere").display(),
+                b = binary.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&racer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let state = root.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let (daemons, _) = start_as(
+            &racer,
+            &[share(&workspace.join("sub/project"), false)],
+            &state,
+            &state,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        let args = std::fs::read_to_string(root.join("args")).unwrap();
+        assert!(args.starts_with("--shared-dir . "), "{args}");
+        let pid = daemon_pids(&daemons)[0];
+        let cwd = share_root::dir_id_without_links(
+            &std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            cwd, original,
+            "virtiofsd does not stand in the share it was given"
+        );
+        daemons.stop();
+    }
+
     /// Starts `binary` as root for the one share at `path`, with its socket and log in
     /// `dir`; the start must be refused, leaving no socket. Returns the error.
     fn refused_start(binary: &Path, path: &Path, dir: &Path) -> String {
@@ -634,6 +787,7 @@ mod tests {
             dir,
             dir,
             true,
+            None,
             CachePolicy::default(),
         )
         .err()

@@ -337,31 +337,52 @@ pub fn check_no_guest_symlinks(
 }
 
 /// The first symlink on the way to `path` (absolute) that lies in one of `writable`
-/// (canonical directories), with that directory.
+/// (canonical directories), with that directory. Links are followed as the kernel
+/// follows them, one at a time, so a link of the user's own that leads on through a
+/// guest's link is caught at the guest's.
 fn symlink_in_writable<'a>(path: &Path, writable: &[&'a Path]) -> Option<(PathBuf, &'a Path)> {
-    // Always canonical: followed as the kernel would, a link at a time.
+    /// The kernel's own bound on links in one lookup; past it the lookup fails (ELOOP),
+    /// and so does the mount, elsewhere.
+    const MAX_LINKS: usize = 40;
+    // What is left to walk, last component first.
+    let reversed = |path: &Path| -> Vec<std::ffi::OsString> {
+        path.components()
+            .filter_map(|component| match component {
+                Component::Normal(name) => Some(name.to_owned()),
+                Component::ParentDir => Some("..".into()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+            })
+            .rev()
+            .collect()
+    };
+    let mut left = reversed(path);
+    // Always without links: each one met is replaced by its target's components.
     let mut current = PathBuf::from("/");
-    for component in path.components() {
-        match component {
-            Component::Normal(name) => {
-                let next = current.join(name);
-                let is_link = std::fs::symlink_metadata(&next)
-                    .is_ok_and(|meta| meta.file_type().is_symlink());
-                if !is_link {
-                    current = next;
-                    continue;
-                }
-                if let Some(share) = writable.iter().find(|share| current.starts_with(share)) {
-                    return Some((next, share));
-                }
-                // A link of the host's own; a dangling one fails the mount elsewhere.
-                current = next.canonicalize().ok()?;
-            }
-            Component::ParentDir => {
-                current.pop();
-            }
-            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+    let mut links = 0;
+    while let Some(name) = left.pop() {
+        if name == ".." {
+            current.pop();
+            continue;
         }
+        let next = current.join(&name);
+        let is_link =
+            std::fs::symlink_metadata(&next).is_ok_and(|meta| meta.file_type().is_symlink());
+        if !is_link {
+            current = next;
+            continue;
+        }
+        if let Some(share) = writable.iter().find(|share| current.starts_with(share)) {
+            return Some((next, share));
+        }
+        links += 1;
+        let target = std::fs::read_link(&next).ok()?;
+        if links > MAX_LINKS {
+            return None;
+        }
+        if target.is_absolute() {
+            current = PathBuf::from("/");
+        }
+        left.extend(reversed(&target));
     }
     None
 }
@@ -667,6 +688,24 @@ mod tests {
         assert!(check(&through, false).is_err());
         let fine = format!("{}/real:/real", root.join("ws-link").display());
         assert!(check(&fine, false).is_ok());
+        // A link of the host's own whose target leads on through the guest's link is
+        // followed a link at a time, and so stopped at the guest's.
+        std::os::unix::fs::symlink(workspace.join("data"), root.join("current")).unwrap();
+        std::os::unix::fs::symlink("ws/data", root.join("current-relative")).unwrap();
+        std::os::unix::fs::symlink("ws/./real/../real", root.join("real-link")).unwrap();
+        for via_guest_link in ["current", "current-relative"] {
+            let spec = format!("{}:/out", root.join(via_guest_link).display());
+            let err = check(&spec, false).unwrap_err();
+            assert!(
+                matches!(err, ShareError::ThroughGuestSymlink { ref link, .. } if *link == workspace.join("data")),
+                "{via_guest_link}: {err}"
+            );
+        }
+        let spec = format!("{}:/out", root.join("real-link").display());
+        assert!(
+            check(&spec, false).is_ok(),
+            "a host link to a real directory"
+        );
     }
 
     #[test]

@@ -114,6 +114,7 @@ pub struct AgentOptions {
 /// Runs the agent CLI in the workspace VM of the current directory; returns its exit
 /// code.
 pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
+    crate::vm::check_workspace_ways(&options.workspace)?;
     let (workspace, vm_dir) = VmDir::for_workspace(&options.workspace)?;
     // What the guest can write: the workspace, and the writable shares it last had.
     let mut guest_writable = vec![workspace.clone()];

@@ -261,6 +261,7 @@ fn unpin(dir: &std::path::Path) {
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
+    vm::check_workspace_ways(&dir).map_err(|e| e.to_string())?;
     let (workspace, vm) = state::VmDir::ephemeral(&dir).map_err(|e| e.to_string())?;
     // Taken before the VM starts and held until it is gone: should this vmctl die
     // first, even while the VM boots, the daemon stops the VM once idle instead of

@@ -71,6 +71,12 @@ pub enum ShareError {
         link: PathBuf,
         share: PathBuf,
     },
+    #[error("the workspace {} is reached through {}, a symlink in {}, which a VM can write: its guest could point it at any directory of this host, so it is not followed; name the directory it points to instead", .way.display(), .link.display(), .share.display())]
+    WorkspaceThroughGuestSymlink {
+        way: PathBuf,
+        link: PathBuf,
+        share: PathBuf,
+    },
     #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead (run vmctl from one, or name it with --workspace DIR or --mount)", .host.display(), .kept_out.display())]
     KeptOut {
         host: PathBuf,
@@ -334,6 +340,31 @@ pub fn check_no_guest_symlinks(
         }
     }
     Ok(())
+}
+
+/// Refuses a workspace reached on `way` (an absolute path, as the user named it or
+/// their shell stands in it) through a symlink in a read-write share of any VM, unless
+/// that share holds the workspace anyway: its guest could have pointed the link at any
+/// host directory (`~/.aws`), which would become this VM's writable workspace. A link
+/// within the share that holds the workspace leads nowhere its guest cannot reach.
+pub fn check_workspace_way(way: &Path, shares: &[Share]) -> Result<(), ShareError> {
+    let Ok(workspace) = way.canonicalize() else {
+        // A missing workspace is refused, with its path, where it is opened.
+        return Ok(());
+    };
+    let writable: Vec<&Path> = shares
+        .iter()
+        .filter(|share| !share.read_only && !workspace.starts_with(&share.host))
+        .map(|share| share.host.as_path())
+        .collect();
+    match symlink_in_writable(way, &writable) {
+        Some((link, share)) => Err(ShareError::WorkspaceThroughGuestSymlink {
+            way: way.to_path_buf(),
+            link,
+            share: share.to_path_buf(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The first symlink on the way to `path` (absolute) that lies in one of `writable`
@@ -706,6 +737,38 @@ mod tests {
             check(&spec, false).is_ok(),
             "a host link to a real directory"
         );
+    }
+
+    #[test]
+    fn a_workspace_reached_through_a_guests_link_elsewhere_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (project, secret) = (root.join("proj"), root.join("dot-aws"));
+        std::fs::create_dir_all(project.join("packages/web")).unwrap();
+        std::fs::create_dir_all(&secret).unwrap();
+        std::os::unix::fs::symlink(&secret, project.join("sub")).unwrap();
+        std::os::unix::fs::symlink("packages/web", project.join("web")).unwrap();
+        let writable = |read_only| {
+            [Share {
+                host: project.clone(),
+                guest: project.clone(),
+                read_only,
+            }]
+        };
+        let err = check_workspace_way(&project.join("sub"), &writable(false)).unwrap_err();
+        assert!(
+            matches!(err, ShareError::WorkspaceThroughGuestSymlink { ref link, .. } if *link == project.join("sub")),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("name the directory it points to"),
+            "{err}"
+        );
+        // Through a read-only share, or a link that stays within the share that holds
+        // the workspace, or straight: fine.
+        check_workspace_way(&project.join("sub"), &writable(true)).unwrap();
+        check_workspace_way(&project.join("web"), &writable(false)).unwrap();
+        check_workspace_way(&secret, &writable(false)).unwrap();
     }
 
     #[test]

@@ -96,6 +96,7 @@ pub struct StartOptions<'a> {
 /// Starts the VM of `workspace` unless it runs; returns its directory once the guest
 /// agent answers.
 pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
+    check_workspace_ways(workspace)?;
     let (workspace, vm) = VmDir::for_workspace(workspace)?;
     start(&workspace, vm, options)
 }
@@ -116,6 +117,26 @@ pub fn up_ephemeral(workspace: &Path, vm: VmDir, setup: &VmSetupArgs) -> Result<
             let _ = remove_vm(&vm, "its start was refused");
         }
     })
+}
+
+/// Refuses `workspace` (as named, or found from the current directory) if the user
+/// reached it through a link a guest made ([`shares::check_workspace_way`]): as named
+/// (relative to where the shell stands), and from the current directory as the shell
+/// reached it, when that lies in the workspace.
+pub fn check_workspace_ways(workspace: &Path) -> Result<(), VmError> {
+    let cwd = crate::workspace::logical_current_dir();
+    let mut ways = vec![cwd.join(workspace)];
+    let canonical = |path: &Path| path.canonicalize().ok();
+    if let (Some(here), Some(root)) = (canonical(&cwd), canonical(workspace)) {
+        if here.starts_with(&root) {
+            ways.push(cwd);
+        }
+    }
+    let shares: Vec<Share> = vms_shares(None).collect();
+    for way in ways {
+        shares::check_workspace_way(&way, &shares)?;
+    }
+    Ok(())
 }
 
 /// The workspace, then the config file's shares, then `mounts`, then a worktree
@@ -179,9 +200,14 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
 /// The shares every other VM was last started with, running or not: what their
 /// guests may have written.
 fn other_vms_shares(vm: &VmDir) -> impl Iterator<Item = Share> + '_ {
+    vms_shares(Some(vm))
+}
+
+/// The shares every VM (but `except`) was last started with, running or not.
+fn vms_shares(except: Option<&VmDir>) -> impl Iterator<Item = Share> + '_ {
     VmDir::all()
         .into_iter()
-        .filter(move |other| other.path != vm.path)
+        .filter(move |other| except.is_none_or(|vm| other.path != vm.path))
         .filter_map(|other| other.read_record().ok()?.shares)
         .flat_map(|set| set.shares)
 }

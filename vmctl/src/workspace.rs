@@ -76,6 +76,17 @@ pub fn current_dir() -> PathBuf {
         .unwrap_or_else(|| ".".into())
 }
 
+/// The current directory as the shell reached it (`$PWD`, which keeps the links it
+/// went through) when that is where we are; else [`current_dir`].
+pub fn logical_current_dir() -> PathBuf {
+    let physical = current_dir();
+    std::env::var_os("PWD")
+        .map(PathBuf::from)
+        .filter(|pwd| pwd.is_absolute())
+        .filter(|pwd| pwd.canonicalize().ok() == physical.canonicalize().ok())
+        .unwrap_or(physical)
+}
+
 /// The nearest directory from `dir` up that holds `.git` (a repository, or a
 /// worktree's `.git` file), never the home directory or `/` themselves (a dotfiles
 /// repository must not make the whole home one workspace), and never a submodule (its

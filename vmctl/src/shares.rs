@@ -157,12 +157,44 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         .map(PathBuf::from);
     let config =
         crate::user_config::config_path().and_then(|file| file.parent().map(Path::to_path_buf));
-    let state = Some(crate::state::state_dir());
+    kept_out_from(
+        home,
+        config,
+        crate::state::state_dir(),
+        crate::artifacts::cache_dir(),
+    )
+}
+
+fn kept_out_from(
+    home: Option<PathBuf>,
+    config: Option<PathBuf>,
+    state: PathBuf,
+    cache: Option<PathBuf>,
+) -> Vec<KeptOut> {
+    // Resolved as far as it exists: a directory not made yet may still lie behind a
+    // link (`~/.config` into a dotfiles repository), where a guest could make it.
     let kept = |dir: PathBuf, what, inside_too| KeptOut {
-        dir: dir.canonicalize().unwrap_or(dir),
+        dir: crate::state::resolve_existing_part(&dir),
         what,
         inside_too,
     };
+    // The files vmctl reads there may be links out of it (GNU stow, chezmoi): where
+    // they lead is kept out as well.
+    let linked_config_files: Vec<KeptOut> = config
+        .iter()
+        .flat_map(|dir| {
+            CONFIG_FILES.iter().filter_map(move |name| {
+                let file = dir.join(name);
+                let target = std::fs::read_link(&file).ok()?;
+                let target = crate::state::resolve_existing_part(&file.parent()?.join(target));
+                Some(kept(
+                    target.parent()?.to_path_buf(),
+                    "the directory a file of vmctl's config directory links to",
+                    true,
+                ))
+            })
+        })
+        .collect();
     [
         home.map(|dir| kept(dir, "your home directory", false)),
         config.map(|dir| {
@@ -172,8 +204,12 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
                 true,
             )
         }),
-        state.map(|dir| kept(dir, "vmctl's state directory (every VM's state)", true)),
-        crate::artifacts::cache_dir().map(|dir| {
+        Some(kept(
+            state,
+            "vmctl's state directory (every VM's state)",
+            true,
+        )),
+        cache.map(|dir| {
             kept(
                 dir,
                 "vmctl's cache (the kernels, images and guest agent every VM boots)",
@@ -183,8 +219,13 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     ]
     .into_iter()
     .flatten()
+    .chain(linked_config_files)
     .collect()
 }
+
+/// The files vmctl reads from its config directory: the config, the egress policy and
+/// secrets, the variables forwarded to agents.
+const CONFIG_FILES: [&str; 4] = ["config.toml", "policy.json", "secrets.json", "env"];
 
 /// Refuses `share` if it is, holds or (where that counts) lies inside a directory that
 /// is kept out of the guest.
@@ -548,6 +589,51 @@ mod tests {
         let kept = kept_out_of_the_guest();
         let entry = kept.iter().find(|k| k.dir == cache).expect("the cache");
         assert!(entry.inside_too, "a share inside the cache is allowed");
+    }
+
+    /// vmctl's config directory is kept out where it will be, before it exists, and so
+    /// is where its files lead when they are links (a dotfiles repository): a guest
+    /// that could write them would widen every later VM's shares and its own egress.
+    #[test]
+    fn the_config_is_kept_out_behind_links_and_before_it_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let dotfiles = root.join("dotfiles");
+        std::fs::create_dir_all(dotfiles.join(".config")).unwrap();
+        std::fs::create_dir_all(dotfiles.join("vmctl")).unwrap();
+        std::fs::write(dotfiles.join("vmctl/config.toml"), "").unwrap();
+        std::os::unix::fs::symlink(dotfiles.join(".config"), root.join("xdg")).unwrap();
+        let shared_dotfiles = share(dotfiles.to_str().unwrap(), "/d");
+        let state = root.join("state");
+
+        // ~/.config is a link into the dotfiles; ~/.config/vmctl is not made yet.
+        let kept = kept_out_from(None, Some(root.join("xdg/vmctl")), state.clone(), None);
+        assert!(
+            kept.iter().any(|k| k.dir == dotfiles.join(".config/vmctl")),
+            "{kept:?}"
+        );
+        assert!(check_kept_out(&shared_dotfiles, &kept).is_err());
+
+        // The config file is a link into the dotfiles (GNU stow).
+        let config = root.join("cfg/vmctl");
+        std::fs::create_dir_all(&config).unwrap();
+        std::os::unix::fs::symlink(
+            "../../dotfiles/vmctl/config.toml",
+            config.join("config.toml"),
+        )
+        .unwrap();
+        let kept = kept_out_from(None, Some(config), state, None);
+        assert!(
+            kept.iter().any(|k| k.dir == dotfiles.join("vmctl")),
+            "{kept:?}"
+        );
+        assert!(check_kept_out(&shared_dotfiles, &kept).is_err());
+        assert!(check_kept_out(&share(root.join("cfg").to_str().unwrap(), "/c"), &kept).is_err());
+        assert!(check_kept_out(
+            &share(root.join("elsewhere").to_str().unwrap(), "/e"),
+            &kept
+        )
+        .is_ok());
     }
 
     #[test]

@@ -429,7 +429,7 @@ fn state_dir_from(xdg_state_home: Option<OsString>, home: Option<OsString>) -> P
 
 /// `path` with its longest existing ancestor canonicalized and the rest (not created
 /// yet) appended as given.
-fn resolve_existing_part(path: &Path) -> PathBuf {
+pub fn resolve_existing_part(path: &Path) -> PathBuf {
     let mut rest = Vec::new();
     let mut ancestor = path;
     loop {

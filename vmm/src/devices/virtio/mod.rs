@@ -17,6 +17,7 @@ pub mod vsock;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
     GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
@@ -154,6 +155,8 @@ pub struct ActiveQueue {
     memory: GuestMemoryMmap,
     queue: Queue,
     interrupt: InterruptTrigger,
+    /// The chain being served, as read from guest memory (kept for its allocation).
+    descriptors: Vec<Descriptor>,
 }
 
 impl ActiveQueue {
@@ -162,9 +165,11 @@ impl ActiveQueue {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<Self, ActivateError> {
+        let queue = single_ready_queue(queues)?;
         Ok(Self {
             memory,
-            queue: single_ready_queue(queues)?,
+            descriptors: Vec::with_capacity(usize::from(queue.size())),
+            queue,
             interrupt,
         })
     }
@@ -178,10 +183,17 @@ impl ActiveQueue {
     /// ask for gigabytes (its descriptors may all name the same buffer), and the event
     /// loop that calls this must get back to its other work (a stop, a vCPU's exit) in
     /// between.
+    ///
+    /// Each chain is read from guest memory once, and `handle` is given that copy,
+    /// the one the budget counted: the guest may rewrite its descriptors at any time
+    /// (another vCPU), and a second read could find them grown to 4 GiB. The copy
+    /// holds at most the queue's size in descriptors, which is as long as a chain of
+    /// the ring itself can be; a longer one (through an indirect table, up to 65,535
+    /// descriptors) is cut there, its last descriptor still saying that more follow.
     pub fn serve(
         &mut self,
         device: &str,
-        mut handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
+        mut handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> u32,
     ) -> QueueProgress {
         let mut used_any = false;
         let mut left = self.queue.size();
@@ -191,9 +203,16 @@ impl ActiveQueue {
                 break QueueProgress::Done;
             };
             let head = chain.head_index();
+            self.descriptors.clear();
+            self.descriptors
+                .extend(chain.take(usize::from(self.queue.size())));
             // What the guest asked for, counted as it claims it (the handler checks).
-            let asked: u64 = chain.clone().map(|desc| u64::from(desc.len())).sum();
-            let len = handle(chain, &self.memory);
+            let asked: u64 = self
+                .descriptors
+                .iter()
+                .map(|desc| u64::from(desc.len()))
+                .sum();
+            let len = handle(&self.descriptors, &self.memory);
             if let Err(e) = self.queue.add_used(&self.memory, head, len) {
                 guest_log::guest_warn!(
                     "{device}: cannot return descriptor {head} to the driver: {e}"
@@ -250,7 +269,7 @@ pub fn serve_single_queue(
     active: Option<&mut ActiveQueue>,
     device: &str,
     index: usize,
-    handle: impl FnMut(virtio_queue::DescriptorChain<&GuestMemoryMmap>, &GuestMemoryMmap) -> u32,
+    handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> u32,
 ) -> QueueProgress {
     let Some(active) = active else {
         tracing::debug!("{device}: queue {index} notified before activation");
@@ -444,10 +463,11 @@ mod tests {
         let (ring, mut active) = served_queue(&memory, 1);
         let avail = ring.avail_addr();
         let mut served = 0;
-        let progress = active.serve("test", |chain, memory| {
+        let progress = active.serve("test", |_, memory| {
+            // The one chain, at table index 0, is published again.
             let idx: u16 = memory.read_obj(avail.unchecked_add(2)).unwrap();
             let slot = avail.unchecked_add(4 + 2 * u64::from(idx % RING_SIZE));
-            memory.write_obj(chain.head_index(), slot).unwrap();
+            memory.write_obj(0u16, slot).unwrap();
             memory
                 .write_obj(idx.wrapping_add(1), avail.unchecked_add(2))
                 .unwrap();
@@ -490,5 +510,96 @@ mod tests {
             0
         });
         assert_eq!((progress, served), (QueueProgress::Done, 6));
+    }
+
+    /// A guest can change its descriptors at any time (another vCPU, in a tight
+    /// loop). Here it grows each one to a quarter of the budget as soon as the chain
+    /// is taken: the handler must be given the descriptors that were counted, so
+    /// that one call is never handed more than its budget and its last chain.
+    #[test]
+    fn the_byte_budget_counts_what_the_handler_is_given() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let ring = MockSplitQueue::new(&memory, RING_SIZE);
+        // Eight one-descriptor chains (table entries 0..8) that claim nothing when
+        // first read.
+        let empty: Vec<RawDescriptor> = (0..8)
+            .map(|_| RawDescriptor::from(Descriptor::new(0x8_0000, 0, 0, 0)))
+            .collect();
+        ring.add_desc_chains(&empty, 0).unwrap();
+        let table = ring.desc_table_addr();
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let mut active = ActiveQueue::new(
+            memory.clone(),
+            vec![ring.create_queue().unwrap()],
+            interrupt,
+        )
+        .unwrap();
+        let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
+        let mut served: u64 = 0;
+        let mut given: u64 = 0;
+        let _ = active.serve("test", |descriptors, memory| {
+            // The guest grows the chain's descriptor (its length field) once taken.
+            let len_at = table.unchecked_add(16 * served + 8);
+            memory.write_obj(quarter, len_at).unwrap();
+            served += 1;
+            for desc in descriptors {
+                given += u64::from(desc.len());
+            }
+            0
+        });
+        assert!(
+            given <= SERVE_BYTES + u64::from(quarter),
+            "one call was handed {given} bytes of requests, its budget is {SERVE_BYTES}"
+        );
+    }
+
+    /// A chain whose head is an indirect descriptor (VIRTIO_RING_F_INDIRECT_DESC is
+    /// not offered, but nothing stops a guest) names a table of up to 65,535
+    /// descriptors. The call reads no more of a chain than the queue's size, and
+    /// counts those against its budget: 65,535 descriptors of 4 KiB (256 MiB, four
+    /// budgets) would stop the call after one chain, 16 of them (64 KiB) do not.
+    #[test]
+    fn a_chain_is_read_no_further_than_the_queue_size() {
+        const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+        const NEXT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
+        let ring = MockSplitQueue::new(&memory, RING_SIZE);
+        let table = 0x10_0000u64;
+        let count: u16 = u16::MAX;
+        for i in 0..count {
+            let next = if i + 1 < count { NEXT } else { 0 };
+            let desc = Descriptor::new(0x8_0000, 4096, next, i.wrapping_add(1));
+            memory
+                .write_obj(
+                    RawDescriptor::from(desc),
+                    GuestAddress(table + 16 * u64::from(i)),
+                )
+                .unwrap();
+        }
+        let heads: Vec<RawDescriptor> = (0..8)
+            .map(|_| {
+                RawDescriptor::from(Descriptor::new(table, 16 * u32::from(count), INDIRECT, 0))
+            })
+            .collect();
+        ring.add_desc_chains(&heads, 0).unwrap();
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let mut active = ActiveQueue::new(
+            memory.clone(),
+            vec![ring.create_queue().unwrap()],
+            interrupt,
+        )
+        .unwrap();
+        let mut handed = Vec::new();
+        let progress = active.serve("test", |descriptors, _| {
+            // Walked, not asked for its length: whatever the handler is given.
+            let mut count = 0;
+            for _ in descriptors {
+                count += 1;
+            }
+            handed.push(count);
+            0
+        });
+        assert_eq!(handed, vec![usize::from(RING_SIZE); 8]);
+        assert_eq!(progress, QueueProgress::Done);
     }
 }

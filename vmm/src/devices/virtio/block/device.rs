@@ -351,16 +351,14 @@ impl VirtioDevice for Block {
 
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         let disk = &self.disk;
+        // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors. The chain
+        // comes cut at the queue's size: a longer one (only an indirect table can hold
+        // it) ends in a descriptor that says more follow, and is rejected as truncated.
         serve_single_queue(
             self.active.as_mut(),
             "virtio-blk",
             index,
-            |chain, memory| {
-                // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors; a longer
-                // chain is cut here and rejected as truncated.
-                let descs: Vec<Descriptor> = chain.take(usize::from(QUEUE_SIZE)).collect();
-                disk.handle_chain(&descs, memory)
-            },
+            |descs, memory| disk.handle_chain(descs, memory),
         )
     }
 
@@ -866,6 +864,34 @@ mod tests {
         ];
         let mut h = harness(8, false);
         assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+    }
+
+    /// An indirect table (the feature is not offered, but nothing stops a guest) can
+    /// hold a longer chain than the ring: the device is handed the first queue-size
+    /// descriptors (16 here) and drops the request as truncated, status untouched.
+    #[test]
+    fn a_chain_longer_than_the_queue_is_dropped_as_truncated() {
+        const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+        const TABLE: u64 = 0x18_0000;
+        let mem = memory();
+        // Header, 512-byte buffers, status: 16 descriptors fit a queue of 16, 17 do not.
+        for (buffers, expected) in [(14, vec![(0, 14 * 512 + 1)]), (15, vec![(0, 0)])] {
+            write_header(&mem, VIRTIO_BLK_T_IN, 0);
+            preset_status(&mem);
+            let data: Vec<(u64, u32, u16)> = (0..buffers).map(|_| (DATA, 512, W)).collect();
+            let table = chain(&data);
+            for (i, desc) in table.iter().enumerate() {
+                mem.write_obj(*desc, GuestAddress(TABLE + 16 * i as u64))
+                    .unwrap();
+            }
+            let len = 16 * table.len() as u32;
+            let mut h = harness(16, false);
+            let used = h.run(&mem, &[desc(TABLE, len, INDIRECT)]);
+            assert_eq!(used, expected, "{buffers} data buffers");
+            let status = mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap();
+            let expected_status = if buffers == 14 { 0 } else { 0xff };
+            assert_eq!(status, expected_status, "{buffers} data buffers");
+        }
     }
 
     #[test]

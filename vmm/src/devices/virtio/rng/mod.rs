@@ -1,6 +1,7 @@
 //! virtio-rng, the entropy device (virtio 1.2, section 5.4): one queue whose
 //! device-writable buffers are filled from the host's getrandom(2).
 
+use virtio_queue::desc::split::Descriptor;
 use virtio_queue::Queue;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
@@ -74,12 +75,9 @@ impl ReadVolatile for GetRandom {
 
 /// Fills the device-writable descriptors of one chain, up to the per-chain cap, and
 /// returns the bytes written. Device-readable descriptors are skipped.
-fn fill_chain<I>(descs: I, memory: &GuestMemoryMmap) -> u32
-where
-    I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
-{
+fn fill_chain(descs: &[Descriptor], memory: &GuestMemoryMmap) -> u32 {
     let mut written = 0u32;
-    for desc in descs.filter(|d| d.is_write_only()) {
+    for desc in descs.iter().filter(|d| d.is_write_only()) {
         let len = desc.len().min(MAX_BYTES_PER_CHAIN - written);
         if len == 0 {
             break;
@@ -140,12 +138,7 @@ impl VirtioDevice for Rng {
     }
 
     fn process_queue(&mut self, index: usize) -> QueueProgress {
-        serve_single_queue(
-            self.active.as_mut(),
-            "virtio-rng",
-            index,
-            |chain, memory| fill_chain(chain, memory),
-        )
+        serve_single_queue(self.active.as_mut(), "virtio-rng", index, fill_chain)
     }
 
     fn reset(&mut self) {

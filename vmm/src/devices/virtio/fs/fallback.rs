@@ -70,7 +70,7 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
         let mut popped_any = false;
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
             let head = chain.head_index();
-            let written = answer_with_eio(chain, memory);
+            let written = answer_with_eio(chain, memory, usize::from(queue.size()));
             if let Err(e) = queue.add_used(memory, head, written) {
                 guest_log::guest_warn!("virtio-fs: cannot return descriptor {head}: {e}");
                 break 'answering false;
@@ -118,15 +118,29 @@ fn warn_unusable_ring(queue: &Queue, memory: &GuestMemoryMmap) {
 
 /// Writes a fuse_out_header carrying -EIO; returns the bytes written (0 for requests
 /// that expect no reply, such as FORGET, or that are malformed).
+///
+/// Only the first `max_descriptors` of the chain are looked at (the queue's size: an
+/// indirect table can hold 65,535, Linux keeps a request within the queue's size),
+/// and the walk ends once the request's header and its reply buffer are found.
 fn answer_with_eio(
     chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
     memory: &GuestMemoryMmap,
+    max_descriptors: usize,
 ) -> u32 {
-    let descriptors: Vec<_> = chain.collect();
-    let Some(input) = descriptors.iter().find(|d| !d.is_write_only()) else {
-        return 0;
-    };
-    let Some(output) = descriptors.iter().find(|d| d.is_write_only()) else {
+    let mut input = None;
+    let mut output = None;
+    for desc in chain.take(max_descriptors) {
+        let first = if desc.is_write_only() {
+            &mut output
+        } else {
+            &mut input
+        };
+        first.get_or_insert(desc);
+        if input.is_some() && output.is_some() {
+            break;
+        }
+    }
+    let (Some(input), Some(output)) = (input, output) else {
         return 0;
     };
     let header_len = std::mem::size_of::<OutHeader>() as u32;
@@ -192,6 +206,57 @@ mod tests {
         memory
             .read_obj(GuestAddress(0x8_0000 + 0x100 * i + 0x80))
             .unwrap()
+    }
+
+    /// A request through an indirect table (the feature is offered) is looked at up to
+    /// the queue's size in descriptors (16 here): its reply buffer after 16 readable
+    /// ones is not found, and the request is returned unanswered.
+    #[test]
+    fn a_request_is_looked_at_no_further_than_the_queue_size() {
+        const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+        const TABLE: u64 = 0x4_0000;
+        const REQUEST: u64 = 0x8_0000;
+        const REPLY: u64 = 0x9_0000;
+        let memory = memory();
+        let header = InHeaderStart {
+            len: 40,
+            opcode: 16, // WRITE
+            unique: 7,
+        };
+        memory.write_obj(header, GuestAddress(REQUEST)).unwrap();
+        // The header, `payload` readable descriptors, the reply buffer.
+        for (payload, answered) in [(14u16, true), (15, false)] {
+            memory
+                .write_obj(OutHeader::default(), GuestAddress(REPLY))
+                .unwrap();
+            let mut table = vec![Descriptor::new(REQUEST, 40, NEXT, 1)];
+            for i in 1..=payload {
+                table.push(Descriptor::new(REQUEST + 0x100, 512, NEXT, i + 1));
+            }
+            table.push(Descriptor::new(REPLY, 16, WRITE, 0));
+            for (i, desc) in table.iter().enumerate() {
+                let at = GuestAddress(TABLE + 16 * i as u64);
+                memory.write_obj(RawDescriptor::from(*desc), at).unwrap();
+            }
+            let vq = MockSplitQueue::new(&memory, 16);
+            let len = 16 * table.len() as u32;
+            let head = RawDescriptor::from(Descriptor::new(TABLE, len, INDIRECT, 0));
+            vq.add_desc_chains(&[head], 0).unwrap();
+            let mut queue: Queue = vq.create_queue().unwrap();
+            let _ = fail_requests(&mut queue, &memory);
+            let used = vq.used().ring().ref_at(0).unwrap().load();
+            let reply: OutHeader = memory.read_obj(GuestAddress(REPLY)).unwrap();
+            let got = (used.len(), reply.unique, reply.error);
+            let expected = if answered {
+                (16, 7, -libc::EIO)
+            } else {
+                (0, 0, 0)
+            };
+            assert_eq!(
+                got, expected,
+                "{payload} readable descriptors after the header"
+            );
+        }
     }
 
     #[test]

@@ -115,6 +115,10 @@ struct QueueSetup {
     /// `BAD_*` bits: a field holds an invalid driver value, so the queue must not
     /// become ready until the driver writes a valid one.
     bad_fields: u8,
+    /// The addresses as the driver wrote them, both halves, indexed by [`QueueAddr`]:
+    /// each write completes its address from these, not from the queue's, which keeps
+    /// the last accepted value when one is refused.
+    written_addrs: [u64; 3],
 }
 
 /// Which address of a queue a register pair sets.
@@ -131,6 +135,14 @@ impl QueueAddr {
             QueueAddr::Desc => "descriptor table",
             QueueAddr::Driver => "driver (available) ring",
             QueueAddr::Device => "device (used) ring",
+        }
+    }
+
+    fn slot(self) -> usize {
+        match self {
+            QueueAddr::Desc => 0,
+            QueueAddr::Driver => 1,
+            QueueAddr::Device => 2,
         }
     }
 
@@ -207,6 +219,7 @@ impl MmioTransport {
             .map(|&max| QueueSetup {
                 queue: new_queue(max),
                 bad_fields: 0,
+                written_addrs: [0; 3],
             })
             .collect();
         Self {
@@ -370,17 +383,17 @@ impl MmioTransport {
     ) -> Result<(), MmioError> {
         let index = self.queue_sel;
         let setup = self.configurable_queue()?;
-        let q = &mut setup.queue;
-        let old = match which {
-            QueueAddr::Desc => q.desc_table(),
-            QueueAddr::Driver => q.avail_ring(),
-            QueueAddr::Device => q.used_ring(),
-        };
-        let new = if high {
-            (old & 0xffff_ffff) | (u64::from(value) << 32)
+        // The other half is the one the driver wrote last, even if it was refused: a
+        // refused low half followed by the high half must not give an address built
+        // from the last accepted low half, one the driver never asked for.
+        let written = &mut setup.written_addrs[which.slot()];
+        *written = if high {
+            (*written & 0xffff_ffff) | (u64::from(value) << 32)
         } else {
-            (old & !0xffff_ffff) | u64::from(value)
+            (*written & !0xffff_ffff) | u64::from(value)
         };
+        let new = *written;
+        let q = &mut setup.queue;
         let result = match which {
             QueueAddr::Desc => q.try_set_desc_table_address(GuestAddress(new)),
             QueueAddr::Driver => q.try_set_avail_ring_address(GuestAddress(new)),
@@ -512,6 +525,7 @@ impl MmioTransport {
         for setup in &mut self.queues {
             setup.queue.reset();
             setup.bad_fields = 0;
+            setup.written_addrs = [0; 3];
         }
         self.device_status = 0;
         self.device_activated = false;
@@ -1089,6 +1103,56 @@ mod tests {
         h.w(REG_QUEUE_READY, 1);
         assert_eq!(h.r(REG_QUEUE_READY), 1);
         assert_eq!(h.t.queues().next().unwrap().size(), 64);
+    }
+
+    /// Linux writes each address as its low half, then its high half. A refused
+    /// (misaligned) low half keeps the queue from going live after the high half too:
+    /// the address would be the queue's last accepted one, which the driver never
+    /// gave. The next valid low half completes the address with that high half.
+    #[test]
+    fn a_refused_low_half_stays_refused_after_the_high_half() {
+        let mut h = harness();
+        h.negotiate(FEATURE_VERSION_1);
+        h.w(REG_QUEUE_SEL, 0);
+        h.w(REG_QUEUE_NUM, 64);
+        h.w(REG_QUEUE_DESC_LOW, 0x1000);
+        h.w(REG_QUEUE_DESC_HIGH, 0);
+        h.w(REG_QUEUE_DESC_LOW, 0x1008); // misaligned: refused
+        h.w(REG_QUEUE_DESC_HIGH, 0); // the high half, as Linux writes it next
+        h.w(REG_QUEUE_DRIVER_LOW, 0x2000);
+        h.w(REG_QUEUE_DRIVER_HIGH, 0);
+        h.w(REG_QUEUE_DEVICE_LOW, 0x3000);
+        h.w(REG_QUEUE_DEVICE_HIGH, 0);
+        h.w(REG_QUEUE_READY, 1);
+        let desc = h.t.queues().next().unwrap().desc_table();
+        assert_eq!(
+            h.r(REG_QUEUE_READY),
+            0,
+            "queue went live with descriptor table {desc:#x}, the driver wrote 0x1008"
+        );
+        // The high half written last is kept: a valid low half completes it.
+        h.w(REG_QUEUE_DESC_HIGH, 0x1);
+        h.w(REG_QUEUE_DESC_LOW, 0x4000);
+        assert_eq!(h.t.queues().next().unwrap().desc_table(), 0x1_0000_4000);
+        h.w(REG_QUEUE_DESC_HIGH, 0);
+        h.w(REG_QUEUE_READY, 1);
+        assert_eq!(h.r(REG_QUEUE_READY), 1);
+        assert_eq!(h.t.queues().next().unwrap().desc_table(), 0x4000);
+    }
+
+    /// A reset forgets the halves the driver wrote: an address written after it has
+    /// 0 for the half not written again.
+    #[test]
+    fn a_reset_forgets_the_written_address_halves() {
+        let mut h = harness();
+        h.negotiate(FEATURE_VERSION_1);
+        h.w(REG_QUEUE_SEL, 0);
+        h.w(REG_QUEUE_DESC_HIGH, 0x1);
+        h.w(REG_STATUS, 0);
+        h.negotiate(FEATURE_VERSION_1);
+        h.w(REG_QUEUE_SEL, 0);
+        h.w(REG_QUEUE_DESC_LOW, 0x1000);
+        assert_eq!(h.t.queues().next().unwrap().desc_table(), 0x1000);
     }
 
     #[test]

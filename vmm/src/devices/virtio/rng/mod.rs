@@ -74,13 +74,16 @@ impl ReadVolatile for GetRandom {
 }
 
 /// Fills the device-writable descriptors of one chain, up to the per-chain cap, and
-/// returns the bytes written. Device-readable descriptors are skipped.
+/// returns the bytes written. Device-readable and empty descriptors are skipped.
 fn fill_chain(descs: &[Descriptor], memory: &GuestMemoryMmap) -> u32 {
     let mut written = 0u32;
     for desc in descs.iter().filter(|d| d.is_write_only()) {
+        if written == MAX_BYTES_PER_CHAIN {
+            break;
+        }
         let len = desc.len().min(MAX_BYTES_PER_CHAIN - written);
         if len == 0 {
-            break;
+            continue;
         }
         if let Err(source) = read_into_guest(memory, desc.addr(), len as usize, &mut GetRandom) {
             guest_log::guest_warn!(
@@ -214,6 +217,41 @@ mod tests {
         let mut ro = [0u8; 64];
         mem.read_slice(&mut ro, GuestAddress(0x20_0000)).unwrap();
         assert_eq!(ro, [0x77; 64]);
+    }
+
+    /// An empty writable buffer is passed over: the ones after it are filled.
+    #[test]
+    fn empty_writable_buffers_are_skipped() {
+        let mem = memory();
+        mem.write_slice(&[0u8; 64], GuestAddress(0x10_0000))
+            .unwrap();
+        let descs = [raw(0x20_0000, 0, W | N, 1), raw(0x10_0000, 64, W, 0)];
+        let (used, _) = run(&mem, &descs);
+        assert_eq!(used, vec![(0, 64)]);
+        let mut got = [0u8; 64];
+        mem.read_slice(&mut got, GuestAddress(0x10_0000)).unwrap();
+        // 64 bytes of zeros after getrandom is (practically) impossible.
+        assert!(got.iter().any(|&b| b != 0));
+    }
+
+    /// The cap holds across buffers: the one reaching it is filled in part, the
+    /// ones after it not at all.
+    #[test]
+    fn caps_each_chain_across_buffers() {
+        let mem = memory();
+        mem.write_slice(&[0u8; 16], GuestAddress(0x30_0000))
+            .unwrap();
+        let half = MAX_BYTES_PER_CHAIN / 2;
+        let descs = [
+            raw(0x10_0000, half, W | N, 1),
+            raw(0x20_0000, MAX_BYTES_PER_CHAIN, W | N, 2),
+            raw(0x30_0000, 16, W, 0),
+        ];
+        let (used, _) = run(&mem, &descs);
+        assert_eq!(used, vec![(0, MAX_BYTES_PER_CHAIN)]);
+        let mut last = [0u8; 16];
+        mem.read_slice(&mut last, GuestAddress(0x30_0000)).unwrap();
+        assert_eq!(last, [0; 16]);
     }
 
     #[test]

@@ -126,8 +126,26 @@ impl Block {
     }
 }
 
+/// The used length of a request whose data took the first `written` device-writable
+/// bytes of its chain, the status byte the last (virtio 1.x, 2.7.8.2: the device wrote
+/// at least the first `len` of them). The status counts when it follows the data,
+/// that is when the data filled all the rest; otherwise (a failed read, an ID shorter
+/// than its buffer) the bytes between were not written and only the data counts.
+fn used_len(written: u32, descs: &[Descriptor]) -> u32 {
+    let writable: u64 = descs
+        .iter()
+        .filter(|desc| desc.is_write_only())
+        .map(|desc| u64::from(desc.len()))
+        .sum();
+    if u64::from(written) + 1 == writable {
+        written.saturating_add(1)
+    } else {
+        written
+    }
+}
+
 impl Disk {
-    /// Handles one chain and returns the used length (bytes written to the guest).
+    /// Handles one chain and returns the used length (see [`used_len`]).
     fn handle_chain(&self, descs: &[Descriptor], memory: &GuestMemoryMmap) -> u32 {
         let status_addr = match request::status_address(descs, memory) {
             Ok(addr) => addr,
@@ -150,7 +168,7 @@ impl Disk {
             );
             return written;
         }
-        written.saturating_add(1)
+        used_len(written, descs)
     }
 
     /// Runs a parsed request: returns the status and the data bytes written to guest
@@ -672,12 +690,13 @@ mod tests {
                 let before = h.image();
                 write_header(&mem, request_type, sector);
                 preset_status(&mem);
-                let flags = if request_type == VIRTIO_BLK_T_IN {
-                    W
+                // A failed read wrote nothing before its status byte: used length 0.
+                let (flags, used) = if request_type == VIRTIO_BLK_T_IN {
+                    (W, 0)
                 } else {
-                    0
+                    (0, 1)
                 };
-                assert_eq!(h.run(&mem, &chain(&[(DATA, len, flags)])), vec![(0, 1)]);
+                assert_eq!(h.run(&mem, &chain(&[(DATA, len, flags)])), vec![(0, used)]);
                 assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR, "sector {sector}");
                 assert_eq!(h.image(), before);
             }
@@ -685,7 +704,7 @@ mod tests {
         // Length not a multiple of 512.
         let mut h = harness(8, false);
         write_header(&mem, VIRTIO_BLK_T_IN, 0);
-        assert_eq!(h.run(&mem, &chain(&[(DATA, 100, W)])), vec![(0, 1)]);
+        assert_eq!(h.run(&mem, &chain(&[(DATA, 100, W)])), vec![(0, 0)]);
         assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
         // The last sector is fine.
         let mut h = harness(8, false);
@@ -697,19 +716,21 @@ mod tests {
     #[test]
     fn data_outside_memory_or_wrong_direction_fails() {
         let mem = memory();
-        let cases: [(u32, u64, u32, u16); 5] = [
-            (VIRTIO_BLK_T_IN, MEM_SIZE, 512, W),
-            (VIRTIO_BLK_T_IN, MEM_SIZE - 256, 512, W),
-            (VIRTIO_BLK_T_IN, u64::MAX - 100, 512, W),
-            (VIRTIO_BLK_T_IN, DATA, 512, 0),
-            (VIRTIO_BLK_T_OUT, DATA, 512, W),
+        // The used length is 1 where the status is the only writable byte, else 0:
+        // the writable data before it was not written.
+        let cases: [(u32, u64, u32, u16, u32); 5] = [
+            (VIRTIO_BLK_T_IN, MEM_SIZE, 512, W, 0),
+            (VIRTIO_BLK_T_IN, MEM_SIZE - 256, 512, W, 0),
+            (VIRTIO_BLK_T_IN, u64::MAX - 100, 512, W, 0),
+            (VIRTIO_BLK_T_IN, DATA, 512, 0, 1),
+            (VIRTIO_BLK_T_OUT, DATA, 512, W, 0),
         ];
-        for (request_type, addr, len, flags) in cases {
+        for (request_type, addr, len, flags, used) in cases {
             let mut h = harness(8, false);
             let before = h.image();
             write_header(&mem, request_type, 0);
             preset_status(&mem);
-            assert_eq!(h.run(&mem, &chain(&[(addr, len, flags)])), vec![(0, 1)]);
+            assert_eq!(h.run(&mem, &chain(&[(addr, len, flags)])), vec![(0, used)]);
             assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR, "addr {addr:#x}");
             assert_eq!(h.image(), before);
         }
@@ -718,14 +739,14 @@ mod tests {
         write_header(&mem, VIRTIO_BLK_T_IN, 0);
         mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
         let used = h.run(&mem, &chain(&[(DATA, 512, W), (MEM_SIZE, 512, W)]));
-        assert_eq!(used, vec![(0, 1)]);
+        assert_eq!(used, vec![(0, 0)]);
         assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
     }
 
     #[test]
     fn bad_header_fails() {
         let mem = memory();
-        // Header too short / device-writable.
+        // Header too short / device-writable (the data before the status not written).
         for (len, flags) in [(8u32, 0u16), (16, W)] {
             let mut h = harness(8, false);
             write_header(&mem, VIRTIO_BLK_T_IN, 0);
@@ -737,7 +758,7 @@ mod tests {
                 flags | VRING_DESC_F_NEXT as u16,
                 1,
             ));
-            assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
+            assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
             assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
         }
         // Header outside memory.
@@ -835,6 +856,38 @@ mod tests {
         assert_eq!(h.run(&mem, &descs), vec![(0, 1)]);
         assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
         assert_eq!(h.image(), before);
+    }
+
+    /// The used length counts the device-writable bytes written from the first one on
+    /// (virtio 1.x, 2.7.8.2), the status byte only where it follows them: an ID
+    /// shorter than its buffer leaves bytes unwritten before the status.
+    #[test]
+    fn the_used_length_is_the_writable_bytes_written_from_the_first() {
+        let mem = memory();
+        for (buffer, used) in [(10, 11), (20, 21), (30, 20), (512, 20)] {
+            let mut h = harness(1, false);
+            write_header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+            preset_status(&mem);
+            mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
+            let got = h.run(&mem, &chain(&[(DATA, buffer, W)]));
+            assert_eq!(got, vec![(0, used)], "an ID buffer of {buffer} bytes");
+            assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
+            let id_len = buffer.min(20) as usize;
+            let mut written = vec![0u8; buffer as usize];
+            mem.read_slice(&mut written, GuestAddress(DATA)).unwrap();
+            assert!(written[id_len..].iter().all(|&b| b == 0xee));
+        }
+        // The same with the status in the ID's descriptor.
+        let mut h = harness(1, false);
+        write_header(&mem, VIRTIO_BLK_T_GET_ID, 0);
+        let descs = linked(&[(HDR, 16, 0), (DATA, 31, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 20)]);
+        // A read refused (past the disk's end) wrote nothing before its status.
+        let mut h = harness(1, false);
+        write_header(&mem, VIRTIO_BLK_T_IN, 0);
+        let descs = chain(&[(DATA, 512, W), (DATA + 512, 512, W)]);
+        assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+        assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
     }
 
     #[test]

@@ -723,6 +723,31 @@ mod tests {
         assert!(!dir.path().join("fs0.sock").exists());
     }
 
+    /// In `root`: `workspace/sub/project`, `elsewhere/project`, and a wrapper of
+    /// `binary` that notes its arguments in `args`, then, as a guest that can write
+    /// `workspace` would, swaps `workspace/sub` for a link to `elsewhere` and runs
+    /// `binary`. Returns the wrapper and the share's path (`workspace/sub/project`).
+    fn swapping_wrapper(root: &Path, binary: &Path) -> (PathBuf, PathBuf) {
+        let workspace = root.join("workspace");
+        std::fs::create_dir_all(workspace.join("sub/project")).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
+        let wrapper = root.join("racer.sh");
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\necho \"$@\" > '{r}/args'\n\
+                 mv '{w}/sub' '{w}/sub.orig' && ln -s '{s}' '{w}/sub' && exec '{b}' \"$@\"\n",
+                r = root.display(),
+                w = workspace.display(),
+                s = root.join("elsewhere").display(),
+                b = binary.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (wrapper, workspace.join("sub/project"))
+    }
+
     /// Without its sandbox, virtiofsd serves the directory it starts in ("."), which
     /// vmctl enters by a descriptor: a directory on the share's path swapped for a link
     /// as it starts (as by another VM's guest) changes nothing, at its start or at any
@@ -734,29 +759,13 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();
-        let workspace = root.join("workspace");
-        std::fs::create_dir_all(workspace.join("sub/project")).unwrap();
-        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
-        let original = share_root::dir_id_without_links(&workspace.join("sub/project")).unwrap();
-        let racer = root.join("racer.sh");
-        std::fs::write(
-            &racer,
-            format!(
-                "#!/bin/sh\necho \"$@\" > '{r}/args'\n\
-                 mv '{w}/sub' '{w}/sub.orig' && ln -s '{s}' '{w}/sub' && exec '{b}' \"$@\"\n",
-                r = root.display(),
-                w = workspace.display(),
-                s = root.join("elsewhere").display(),
-                b = binary.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&racer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (racer, project) = swapping_wrapper(&root, &binary);
+        let original = share_root::dir_id_without_links(&project).unwrap();
         let state = root.join("state");
         std::fs::create_dir(&state).unwrap();
         let (daemons, _) = start_as(
             &racer,
-            &[share(&workspace.join("sub/project"), false)],
+            &[share(&project, false)],
             &state,
             &state,
             false,
@@ -866,28 +875,14 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();
-        let workspace = root.join("workspace");
-        std::fs::create_dir_all(workspace.join("sub/project")).unwrap();
-        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
-        let racer = root.join("racer.sh");
-        std::fs::write(
-            &racer,
-            format!(
-                "#!/bin/sh\nmv '{w}/sub' '{w}/sub.orig' && ln -s '{s}' '{w}/sub' && exec '{b}' \"$@\"\n",
-                w = workspace.display(),
-                s = root.join("elsewhere").display(),
-                b = binary.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&racer, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (racer, project) = swapping_wrapper(&root, &binary);
         let state = root.join("state");
         std::fs::create_dir(&state).unwrap();
-        let error = refused_start(&racer, &workspace.join("sub/project"), &state);
+        let error = refused_start(&racer, &project, &state);
         assert!(
             error.starts_with(&format!(
                 "virtiofsd for the share {} got another directory",
-                workspace.join("sub/project").display()
+                project.display()
             )),
             "{error}"
         );

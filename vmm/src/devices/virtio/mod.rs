@@ -430,8 +430,17 @@ mod tests {
         memory: &'a GuestMemoryMmap,
         chains: u16,
     ) -> (MockSplitQueue<'a, GuestMemoryMmap>, ActiveQueue) {
+        queue_of(memory, &buffers(chains))
+    }
+
+    /// A ring with `chains` (one-descriptor chains, at table entries 0..) available,
+    /// and the queue that serves it.
+    fn queue_of<'a>(
+        memory: &'a GuestMemoryMmap,
+        chains: &[RawDescriptor],
+    ) -> (MockSplitQueue<'a, GuestMemoryMmap>, ActiveQueue) {
         let ring = MockSplitQueue::new(memory, RING_SIZE);
-        ring.add_desc_chains(&buffers(chains), 0).unwrap();
+        ring.add_desc_chains(chains, 0).unwrap();
         let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
         let active = ActiveQueue::new(
             memory.clone(),
@@ -486,19 +495,11 @@ mod tests {
     #[test]
     fn a_call_stops_at_its_byte_budget() {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let ring = MockSplitQueue::new(&memory, RING_SIZE);
         let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
         let big: Vec<RawDescriptor> = (0..6)
             .map(|_| RawDescriptor::from(Descriptor::new(0x8_0000, quarter, 0, 0)))
             .collect();
-        ring.add_desc_chains(&big, 0).unwrap();
-        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let mut active = ActiveQueue::new(
-            memory.clone(),
-            vec![ring.create_queue().unwrap()],
-            interrupt,
-        )
-        .unwrap();
+        let (_ring, mut active) = queue_of(&memory, &big);
         let mut served = 0;
         let progress = active.serve("test", |_, _| {
             served += 1;
@@ -519,21 +520,13 @@ mod tests {
     #[test]
     fn the_byte_budget_counts_what_the_handler_is_given() {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let ring = MockSplitQueue::new(&memory, RING_SIZE);
         // Eight one-descriptor chains (table entries 0..8) that claim nothing when
         // first read.
         let empty: Vec<RawDescriptor> = (0..8)
             .map(|_| RawDescriptor::from(Descriptor::new(0x8_0000, 0, 0, 0)))
             .collect();
-        ring.add_desc_chains(&empty, 0).unwrap();
+        let (ring, mut active) = queue_of(&memory, &empty);
         let table = ring.desc_table_addr();
-        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let mut active = ActiveQueue::new(
-            memory.clone(),
-            vec![ring.create_queue().unwrap()],
-            interrupt,
-        )
-        .unwrap();
         let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
         let mut served: u64 = 0;
         let mut given: u64 = 0;
@@ -563,7 +556,6 @@ mod tests {
         const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
         const NEXT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
-        let ring = MockSplitQueue::new(&memory, RING_SIZE);
         let table = 0x10_0000u64;
         let count: u16 = u16::MAX;
         for i in 0..count {
@@ -581,14 +573,7 @@ mod tests {
                 RawDescriptor::from(Descriptor::new(table, 16 * u32::from(count), INDIRECT, 0))
             })
             .collect();
-        ring.add_desc_chains(&heads, 0).unwrap();
-        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let mut active = ActiveQueue::new(
-            memory.clone(),
-            vec![ring.create_queue().unwrap()],
-            interrupt,
-        )
-        .unwrap();
+        let (_ring, mut active) = queue_of(&memory, &heads);
         let mut handed = Vec::new();
         let progress = active.serve("test", |descriptors, _| {
             // Walked, not asked for its length: whatever the handler is given.

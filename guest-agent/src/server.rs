@@ -59,9 +59,18 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// most [`OUTPUT_READ_SIZE`] bytes).
 const OUTPUT_QUEUE: usize = 8;
 const OUTPUT_READ_SIZE: usize = 32 * 1024;
-/// After the command exits, output is drained until EOF or this long without data
-/// (background processes may keep the pipes open forever).
+/// After the command exits, what its outputs (pipes or terminal) held then is always
+/// forwarded, however slowly the client reads it. Past that, whatever processes it
+/// left behind write there is forwarded until end of file, this long without data,
+/// or [`DRAIN_MAX`] after the exit, whichever comes first: a background process may
+/// keep the outputs open forever.
 const DRAIN_IDLE: Duration = Duration::from_millis(250);
+/// The longest the session waits for more output after the command exited. Without
+/// it, a job left behind that writes more often than every [`DRAIN_IDLE`] (a
+/// `while :; do echo tick; sleep 0.1; done &`) kept the session, and the client
+/// waiting for `Exited`, forever. Long enough for a command's children that finish
+/// writing just after it (a pipeline's last stage) to be heard.
+const DRAIN_MAX: Duration = Duration::from_secs(2);
 /// Between SIGHUP and SIGKILL when the client goes away.
 const KILL_GRACE: Duration = Duration::from_secs(1);
 pub(crate) const DEFAULT_PATH: &str =
@@ -860,12 +869,53 @@ impl OutputSource {
             OutputSource::Pty(fd) => pty_read(fd, buf).await,
         }
     }
+
+    /// How many bytes are there to read now, without waiting (`FIONREAD`); 0 if the
+    /// kernel does not say.
+    fn buffered(&self) -> usize {
+        let fd = match self {
+            OutputSource::Pipe(p) => p.as_raw_fd(),
+            OutputSource::Pty(fd) => fd.as_raw_fd(),
+        };
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int into a live local; the descriptor is ours
+        // and open for as long as `self` is.
+        let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) };
+        if r < 0 {
+            0
+        } else {
+            usize::try_from(n).unwrap_or(0)
+        }
+    }
+}
+
+/// How an output is drained once the command exited (see [`DRAIN_IDLE`]).
+struct Drain {
+    /// Bytes the output held when the exit was seen, not read yet: the command's
+    /// last words, forwarded whatever the time.
+    owed: usize,
+    /// When the session stops waiting for more: [`DRAIN_MAX`] after this output saw
+    /// the exit (late only if it was busy passing output on to a slow client).
+    until: tokio::time::Instant,
+}
+
+impl Drain {
+    /// How long the next read may wait for data; `None`: stop reading.
+    fn next_wait(&self) -> Option<Duration> {
+        if self.owed > 0 {
+            return Some(DRAIN_IDLE);
+        }
+        let left = self
+            .until
+            .saturating_duration_since(tokio::time::Instant::now());
+        (!left.is_zero()).then(|| left.min(DRAIN_IDLE))
+    }
 }
 
 /// Forwards one output of the command to the client. It stops, and so closes the
 /// pipe's read end, when the client says that output's reader went away
 /// (`closed_by_host`): the command's next write there then fails as it would have
-/// on the host.
+/// on the host. Once the command exited, it drains the output (see [`DRAIN_IDLE`]).
 async fn pump_output(
     mut src: OutputSource,
     is_stderr: bool,
@@ -874,11 +924,23 @@ async fn pump_output(
     mut host_closed: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0u8; OUTPUT_READ_SIZE];
+    let mut drain: Option<Drain> = None;
     loop {
-        let res = if *exited.borrow() {
+        if drain.is_none() && *exited.borrow() {
+            drain = Some(Drain {
+                owed: src.buffered(),
+                until: tokio::time::Instant::now() + DRAIN_MAX,
+            });
+        }
+        let res = if let Some(d) = &drain {
+            let Some(wait) = d.next_wait() else {
+                debug!(is_stderr, "done draining the output");
+                break;
+            };
             tokio::select! {
-                r = tokio::time::timeout(DRAIN_IDLE, src.read(&mut buf)) => match r {
+                r = tokio::time::timeout(wait, src.read(&mut buf)) => match r {
                     Ok(r) => r,
+                    // Silent for DRAIN_IDLE, or the time is up.
                     Err(_) => break,
                 },
                 () = closed_by_host(&mut host_closed) => break,
@@ -902,6 +964,9 @@ async fn pump_output(
                 break;
             }
         };
+        if let Some(d) = &mut drain {
+            d.owed = d.owed.saturating_sub(n);
+        }
         let data = buf[..n].to_vec();
         let msg = if is_stderr {
             AgentMessage::Stderr(data)
@@ -1240,14 +1305,19 @@ where
         (None, None)
     };
     info!(pid, ?code, ?signal, "exited");
-    // Nothing may follow Exited, its window given back included.
+    // Nothing may follow Exited, its window given back included. With both tasks
+    // gone (the pumps are) the last handle on a terminal's master is closed, which
+    // ends the terminal session as sshd does when the shell exits: the kernel hangs
+    // up the terminal, so a job the shell left in a group of its own (`set -m`),
+    // which its exit did not hang up, reads end of file and fails to write there
+    // instead of writing to a session nobody reads. And the input task holds an
+    // out_tx clone: the writer finishes once it is gone.
     stdin_task.abort();
     let _ = stdin_task.await;
-    let _ = out_tx.send(AgentMessage::Exited { code, signal }).await;
-    drop(out_tx);
-    // The input task holds an out_tx clone; stop it so the writer can finish.
     input.abort();
     let _ = input.await;
+    let _ = out_tx.send(AgentMessage::Exited { code, signal }).await;
+    drop(out_tx);
     match writer.await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.into()),
@@ -1258,6 +1328,70 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What an output held when the command exited is all forwarded, however long the
+    /// client takes to read it; the drain's time limit is for what comes after. Here a
+    /// pipe holds 160 KiB at the exit (its writer, a job left behind, stays), the client
+    /// takes one message and then reads nothing for longer than the limit.
+    #[tokio::test(start_paused = true)]
+    async fn what_an_output_held_at_the_exit_is_forwarded_however_late_it_is_read() {
+        const HELD: usize = 160 * 1024;
+        let (reader, mut writer) = std::io::pipe().unwrap();
+        // SAFETY: F_SETPIPE_SZ on a pipe descriptor we own; no pointers involved.
+        let size = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_SETPIPE_SZ, 256 * 1024) };
+        assert!(size >= 256 * 1024, "{}", io::Error::last_os_error());
+        std::io::Write::write_all(&mut writer, &[7; HELD]).unwrap();
+        let source = OutputSource::Pipe(pipe::Receiver::from_owned_fd(reader.into()).unwrap());
+        let (tx, mut rx) = mpsc::channel(1);
+        let (_exited_tx, exited) = watch::channel(true);
+        let (_closer, host_closed) = watch::channel(false);
+        let pump = tokio::spawn(pump_output(source, false, tx, exited, host_closed));
+        let mut forwarded = 0;
+        if let Some(AgentMessage::Stdout(d)) = rx.recv().await {
+            forwarded += d.len();
+        }
+        tokio::time::sleep(DRAIN_MAX * 5).await;
+        while let Some(message) = rx.recv().await {
+            let AgentMessage::Stdout(d) = message else {
+                panic!("{message:?}")
+            };
+            forwarded += d.len();
+        }
+        assert_eq!(forwarded, HELD);
+        pump.await.unwrap();
+        drop(writer);
+    }
+
+    /// A job left behind that writes more often than [`DRAIN_IDLE`] is heard for
+    /// [`DRAIN_MAX`] after the exit, no longer.
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_ends_in_time_while_a_job_left_behind_keeps_writing() {
+        let (reader, writer) = std::io::pipe().unwrap();
+        let source = OutputSource::Pipe(pipe::Receiver::from_owned_fd(reader.into()).unwrap());
+        let mut writer = pipe::Sender::from_owned_fd(writer.into()).unwrap();
+        let ticking = tokio::spawn(async move {
+            while writer.write_all(b"tick\n").await.is_ok() {
+                tokio::time::sleep(DRAIN_IDLE / 4).await;
+            }
+        });
+        let (tx, mut rx) = mpsc::channel(OUTPUT_QUEUE);
+        let (_exited_tx, exited) = watch::channel(true);
+        let (_closer, host_closed) = watch::channel(false);
+        let start = tokio::time::Instant::now();
+        let pump = tokio::spawn(pump_output(source, false, tx, exited, host_closed));
+        let drained = async { while rx.recv().await.is_some() {} };
+        tokio::time::timeout(DRAIN_MAX * 5, drained)
+            .await
+            .expect("still draining");
+        let took = start.elapsed();
+        assert!(
+            took >= DRAIN_MAX && took < DRAIN_MAX + DRAIN_IDLE,
+            "{took:?}"
+        );
+        pump.await.unwrap();
+        // The pipe's read end is closed: the job's next write fails.
+        ticking.await.unwrap();
+    }
 
     /// The image has an account of the host user's name, with other ids: commands
     /// still run with the host user's.

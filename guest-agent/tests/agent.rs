@@ -302,6 +302,83 @@ async fn output_back_pressure() {
     assert_eq!(stderr, b"done\n");
 }
 
+/// A process a test left behind, and its group if it leads one: killed when dropped.
+struct LeftBehind(i32);
+
+impl Drop for LeftBehind {
+    fn drop(&mut self) {
+        if self.0 > 0 {
+            // SAFETY: kill has no memory-safety preconditions. (The pid is of a job the
+            // test started, gone at the soonest a moment before.)
+            unsafe {
+                libc::kill(-self.0, libc::SIGKILL);
+                libc::kill(self.0, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Whether `Exited` came within `limit`, what the session printed, and the job the
+/// script left behind, whose pid it printed as `job=PID`.
+async fn exited_within(req: ExecRequest, limit: Duration) -> (bool, String, LeftBehind) {
+    let mut s = conn().await.exec(req).await.unwrap();
+    let start = Instant::now();
+    let mut seen = String::new();
+    let mut exited = false;
+    while start.elapsed() < limit {
+        match tokio::time::timeout(Duration::from_millis(500), s.next_event()).await {
+            Ok(Ok(Some(ExecEvent::Stdout(d)))) => seen.push_str(&String::from_utf8_lossy(&d)),
+            Ok(Ok(Some(ExecEvent::Exited(_)))) => {
+                exited = true;
+                break;
+            }
+            Ok(Ok(Some(_))) | Err(_) => {}
+            Ok(Ok(None)) | Ok(Err(_)) => break,
+        }
+    }
+    let job = seen
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("job=").and_then(|p| p.parse().ok()))
+        .unwrap_or(0);
+    (exited, seen, LeftBehind(job))
+}
+
+/// `sh -c 'ticker & exit 0'`: a job left behind that writes more often than the
+/// drain's idle gap does not keep the session (and the client) waiting for `Exited`
+/// forever; the drain after the exit has a time limit (2 s).
+#[tokio::test]
+async fn a_job_left_writing_to_the_pipes_does_not_hold_up_exited() {
+    let script = "(while :; do echo tick; sleep 0.1; done) & echo job=$!; exit 0";
+    let (exited, seen, _job) = exited_within(sh(script), Duration::from_secs(10)).await;
+    assert!(exited, "no Exited within 10 s; output {seen:?}");
+}
+
+/// An interactive shell with job control leaves a job in a process group of its own,
+/// which the kernel does not hang up when the shell exits: it does not keep the
+/// session going, and the session's end hangs up the terminal as sshd does, so the
+/// job's next write there fails (it ends its loop and says so in a file).
+#[tokio::test]
+async fn a_job_left_writing_to_the_terminal_does_not_hold_up_exited_and_is_hung_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let note = dir.path().join("hung-up");
+    let mut req = sh(&format!(
+        "set -m; (while echo tick; do sleep 0.1; done; echo hung up >'{}') & echo job=$!; exit 0",
+        note.display()
+    ));
+    req.tty = terminal_80x24("xterm");
+    let (exited, seen, _job) = exited_within(req, Duration::from_secs(10)).await;
+    assert!(exited, "no Exited within 10 s; output {seen:?}");
+    assert!(seen.contains("tick"), "{seen:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !note.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the job still writes to its terminal 10 s after the session ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn pty_size_and_resize() {
     let mut req = sh("stty size; trap 'echo WINCH; stty size; exit 7' WINCH; echo ready; while :; do sleep 0.05; done");

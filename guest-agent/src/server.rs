@@ -1079,7 +1079,6 @@ async fn pump_input<R: AsyncRead + Unpin>(
     // much as a host may send ahead, so only one that does not keep to the window is
     // ever stopped.
     let backlog = Arc::new(Semaphore::new(STDIN_WINDOW));
-    let mut stdin_tx = Some(stdin_tx);
     loop {
         let msg = match reader.next::<ClientMessage>().await {
             Ok(Some(m)) => m,
@@ -1107,17 +1106,18 @@ async fn pump_input<R: AsyncRead + Unpin>(
                 let Ok(permit) = backlog.clone().acquire_many_owned(n).await else {
                     continue;
                 };
-                if let Some(tx) = &stdin_tx {
-                    let _ = tx.send(StdinItem::Data(data, permit));
+                // Stdin after StdinEof goes there too: the stdin task drops it and
+                // gives the window back, as the host is told for a closed stdin.
+                if let Err(unsent) = stdin_tx.send(StdinItem::Data(data, permit)) {
+                    // The stdin task is gone (the session is ending): the window
+                    // still comes back.
+                    if let StdinItem::Data(data, _) = unsent.0 {
+                        give_back_stdin_window(&out_tx, data.len()).await;
+                    }
                 }
             }
             ClientMessage::StdinEof => {
-                if let Some(tx) = &stdin_tx {
-                    let _ = tx.send(StdinItem::Eof);
-                }
-                if pty.is_none() {
-                    stdin_tx = None;
-                }
+                let _ = stdin_tx.send(StdinItem::Eof);
             }
             ClientMessage::Resize { rows, cols } => {
                 if let Some(fd) = &pty {

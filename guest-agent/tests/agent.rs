@@ -570,6 +570,42 @@ async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
     }
 }
 
+/// Stdin that comes after the host closed it (no terminal) is dropped, and its window
+/// given back as for any stdin the command does not take: the host may go on sending
+/// (before, the window stayed taken for good).
+#[tokio::test]
+async fn stdin_sent_after_its_end_gives_the_window_back() {
+    let (s, pid) = sleeping_a_while().await;
+    let (mut input, mut output) = s.split();
+    let events = tokio::spawn(async move {
+        loop {
+            match output.next_event().await.unwrap() {
+                Some(ExecEvent::Exited(status)) => return status,
+                Some(_) => {}
+                None => panic!("no Exited"),
+            }
+        }
+    });
+    input.close_stdin().await.unwrap();
+    input.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
+    let window = input.stdin_window();
+    let whole = async {
+        while window.open().await < STDIN_WINDOW {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), whole)
+        .await
+        .expect("the window did not come back within 10 s");
+    input.signal(libc::SIGKILL).await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), events)
+        .await
+        .expect("no Exited within 10 s")
+        .unwrap();
+    assert_eq!(status.signal, Some(libc::SIGKILL));
+    assert!(!alive(pid));
+}
+
 /// `vmctl exec -- cmd | head -1`: once the host's reader of an output is gone, the
 /// command's next write there fails as on the host (`yes` dies of SIGPIPE), and the
 /// command goes on: its other output still arrives and its own exit code is reported.

@@ -115,27 +115,52 @@ fn poisoned() -> String {
     "the published-port table is unusable (a thread panicked)".into()
 }
 
+/// Relays one host connection to the guest's `guest_port`. The agent has
+/// [`crate::exec::AGENT_TIMEOUT`] to connect it, as for any call: one that takes the
+/// connection and never answers must not hold this task and both sockets forever.
 async fn forward(client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
-    let connection = match guest_agent::client::connect_hybrid(&vsock, crate::exec::AGENT_PORT)
-        .await
-    {
-        Ok(connection) => connection,
-        Err(e) => {
-            tracing::warn!("published port {guest_port} for {peer}: cannot reach the guest: {e}");
-            return;
-        }
-    };
-    match connection.connect_port(guest_port).await {
+    let connected =
+        crate::exec::call_agent(&vsock, |connection| connection.connect_port(guest_port)).await;
+    match connected {
         Ok(guest) => {
             byte_relay::both_ways(client, guest).await;
         }
-        Err(e) => tracing::info!("published port {guest_port} for {peer}: {e}"),
+        Err(e @ crate::exec::AgentCallError::Connect(_)) => tracing::warn!(
+            "published port {guest_port} for {peer}: {}",
+            e.describe("the guest agent did not connect it")
+        ),
+        Err(e) => tracing::info!(
+            "published port {guest_port} for {peer}: {}",
+            e.describe("the guest agent did not connect it")
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// A guest agent that takes the connection and never answers: the host
+    /// connection to the published port ends once the agent had its time to answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_agent_does_not_hold_a_published_connection_forever() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let silent = tokio::net::UnixListener::bind(&vsock).unwrap();
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let mut client = TcpStream::connect(at).await.unwrap();
+        let (_held, _) = silent.accept().await.unwrap();
+        let mut byte = [0u8; 1];
+        let ended =
+            tokio::time::timeout(crate::exec::AGENT_TIMEOUT * 2, client.read(&mut byte)).await;
+        assert!(
+            matches!(ended, Ok(Ok(0)) | Ok(Err(_))),
+            "still open: {ended:?}"
+        );
+    }
 
     #[tokio::test]
     async fn publishing_again_as_asked_answers_with_the_same_address() {

@@ -14,6 +14,9 @@ use crate::state::VmDir;
 
 /// The most stdin read at once (it is then sent as one frame).
 const STDIN_READ: usize = 32 * 1024;
+/// Output messages (each at most 32 KiB) waiting for the thread that writes them
+/// before output is no longer read from the agent, which then stops the command.
+const OUTPUT_QUEUE: usize = 4;
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
 
@@ -42,6 +45,8 @@ pub enum ExecError {
     },
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
+    #[error("the thread that writes the command's output: {0}")]
+    OutputThread(std::io::Error),
 }
 
 pub struct ExecOptions {
@@ -192,10 +197,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     } else {
         None
     };
-    let (mut input, mut output) = session.split();
+    let (mut input, output) = session.split();
     let is_tty = options.tty;
     // Set when we stop waiting for a command that a signal did not end.
-    let (give_up, mut gave_up) = tokio::sync::mpsc::channel::<GiveUp>(1);
+    let (give_up, gave_up) = tokio::sync::mpsc::channel::<GiveUp>(1);
     // An output whose reader went away, for the agent to close in the guest.
     let (close_output, mut outputs_closed) = tokio::sync::mpsc::channel::<OutputStream>(2);
 
@@ -261,64 +266,165 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         }
     });
 
-    let mut outputs = HostOutputs {
-        stdout: Some(std::io::stdout()),
-        stderr: Some(std::io::stderr()),
-    };
-    let code = loop {
-        let event = tokio::select! {
-            event = output.next_event() => event,
+    let writer = OutputWriter::start(std::io::stdout(), std::io::stderr())
+        .map_err(ExecError::OutputThread)?;
+    let outcome = relay_output(output, writer, gave_up, close_output, is_tty, interrupted).await;
+    forward.abort();
+    outcome
+}
+
+/// Passes the command's output on to where it goes on the host until the command
+/// exited and what it wrote is written, or `vmctl` gives up on it; returns its exit
+/// code. The writes are [`OutputWriter`]'s, off the runtime's one thread, so a write
+/// that blocks (a reader that stalls, Ctrl-S) holds up neither the forwarding of a
+/// signal nor giving up: `timeout 10 vmctl exec -- cmd | stalled` ends. After the
+/// exit, while output is still being written, the first signal of
+/// `after_exit_signal()` ends `vmctl` as it would a local command still writing.
+async fn relay_output<S, F, Fut>(
+    mut output: client::ExecOutput<S>,
+    writer: OutputWriter,
+    mut gave_up: tokio::sync::mpsc::Receiver<GiveUp>,
+    close_output: tokio::sync::mpsc::Sender<OutputStream>,
+    is_tty: bool,
+    after_exit_signal: F,
+) -> Result<u8, ExecError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = i32>,
+{
+    let OutputWriter {
+        queue,
+        mut failures,
+    } = writer;
+    let outcome = loop {
+        // Room for the event first: while the writer lags, no more output is read.
+        let (room, event) = tokio::select! {
+            next = async { (queue.reserve().await, output.next_event().await) } => next,
+            Some((stream, source)) = failures.recv() => {
+                match output_failed(stream, source, is_tty, &close_output).await {
+                    Some(end) => return end,
+                    None => continue,
+                }
+            }
             Some(reason) = gave_up.recv() => {
                 vmm::to_stderr!("vmctl: {reason}");
-                break reason.exit_code();
+                return Ok(reason.exit_code());
             }
         };
         let (stream, bytes) = match event {
             Ok(Some(ExecEvent::Stdout(bytes))) => (OutputStream::Stdout, bytes),
             Ok(Some(ExecEvent::Stderr(bytes))) => (OutputStream::Stderr, bytes),
-            Ok(Some(ExecEvent::Exited(status))) => break exit_code(status.code, status.signal),
+            Ok(Some(ExecEvent::Exited(status))) => {
+                break Ok(exit_code(status.code, status.signal));
+            }
             Ok(None) => {
-                forward.abort();
-                return Err(ExecError::Session(
+                break Err(ExecError::Session(
                     "the agent closed the session before the command exited".into(),
-                ));
+                ))
             }
-            Err(e) => {
-                forward.abort();
-                return Err(ExecError::Session(e.to_string()));
-            }
+            Err(e) => break Err(ExecError::Session(e.to_string())),
         };
-        let Err(source) = outputs.write(stream, &bytes) else {
-            continue;
+        let Ok(room) = room else {
+            return Err(ExecError::OutputThread(std::io::Error::other("it ended")));
         };
-        match output_lost(stream, source) {
-            OutputLost::ReaderGone if !is_tty => {
-                outputs.close(stream);
-                // The forward task may be gone (we gave up on a signal): nothing to tell.
-                let _ = close_output.send(stream).await;
-            }
-            // Closing the session (returning) makes the guest agent end the command.
-            OutputLost::ReaderGone => {
-                forward.abort();
-                return Ok(exit_code(None, Some(libc::SIGPIPE)));
-            }
-            OutputLost::Failed(e) => {
-                forward.abort();
-                return Err(e);
-            }
-        }
+        room.send((stream, bytes));
     };
-    forward.abort();
-    Ok(code)
+    // What came before is written, then the outcome is told; the writer ends once it
+    // has written all that is queued.
+    drop(queue);
+    let mut signalled = std::pin::pin!(after_exit_signal());
+    loop {
+        tokio::select! {
+            failure = failures.recv() => match failure {
+                None => return outcome,
+                Some((stream, source)) => {
+                    if let Some(end) = output_failed(stream, source, is_tty, &close_output).await {
+                        return end;
+                    }
+                }
+            },
+            signal = &mut signalled => return Ok(exit_code(None, Some(signal))),
+        }
+    }
+}
+
+/// What to do after a write of `stream` failed: nothing more (its reader went away
+/// without a PTY: the agent is told, to close that output in the guest), or end with
+/// this outcome.
+async fn output_failed(
+    stream: OutputStream,
+    source: std::io::Error,
+    is_tty: bool,
+    close_output: &tokio::sync::mpsc::Sender<OutputStream>,
+) -> Option<Result<u8, ExecError>> {
+    match output_lost(stream, source) {
+        OutputLost::ReaderGone if !is_tty => {
+            // The forward task may be gone (we gave up on a signal): nothing to tell.
+            let _ = close_output.send(stream).await;
+            None
+        }
+        // Closing the session (returning) makes the guest agent end the command.
+        OutputLost::ReaderGone => Some(Ok(exit_code(None, Some(libc::SIGPIPE)))),
+        OutputLost::Failed(e) => Some(Err(e)),
+    }
+}
+
+/// The first SIGINT or SIGTERM from now on: with the command gone, nobody to forward
+/// it to.
+async fn interrupted() -> i32 {
+    let mut interrupt = signal(SignalKind::interrupt()).ok();
+    let mut terminate = signal(SignalKind::terminate()).ok();
+    tokio::select! {
+        Some(()) = recv(&mut interrupt) => libc::SIGINT,
+        Some(()) = recv(&mut terminate) => libc::SIGTERM,
+        else => std::future::pending().await,
+    }
+}
+
+/// The thread that writes the command's output where it goes on the host, in order,
+/// so that the runtime's one thread never waits for a write: a blocked stdout (a
+/// reader that stalls, Ctrl-S) must not stop signals from being forwarded, nor
+/// `vmctl` from giving up. After a failed write it writes nothing more to that output
+/// and says why on `failures`; it ends once `queue` is dropped and all of it written.
+struct OutputWriter {
+    queue: tokio::sync::mpsc::Sender<(OutputStream, Vec<u8>)>,
+    failures: tokio::sync::mpsc::UnboundedReceiver<(OutputStream, std::io::Error)>,
+}
+
+impl OutputWriter {
+    fn start(
+        stdout: impl Write + Send + 'static,
+        stderr: impl Write + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let (queue, mut writes) =
+            tokio::sync::mpsc::channel::<(OutputStream, Vec<u8>)>(OUTPUT_QUEUE);
+        let (failed, failures) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::Builder::new()
+            .name("vmctl-output".into())
+            .spawn(move || {
+                let mut outputs = HostOutputs {
+                    stdout: Some(stdout),
+                    stderr: Some(stderr),
+                };
+                while let Some((stream, bytes)) = writes.blocking_recv() {
+                    if let Err(source) = outputs.write(stream, &bytes) {
+                        outputs.close(stream);
+                        let _ = failed.send((stream, source));
+                    }
+                }
+            })?;
+        Ok(Self { queue, failures })
+    }
 }
 
 /// The host's ends of the command's output, each until its reader goes away.
-struct HostOutputs {
-    stdout: Option<std::io::Stdout>,
-    stderr: Option<std::io::Stderr>,
+struct HostOutputs<O, E> {
+    stdout: Option<O>,
+    stderr: Option<E>,
 }
 
-impl HostOutputs {
+impl<O: Write, E: Write> HostOutputs<O, E> {
     /// Writes `bytes` where `stream` goes on the host; what comes for an output
     /// whose reader went away is dropped, as a closed pipe would have.
     fn write(&mut self, stream: OutputStream, bytes: &[u8]) -> std::io::Result<()> {
@@ -532,6 +638,223 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, ExecError::NotStarted), "{err}");
         assert!(err.to_string().contains("vmctl stop"), "{err}");
+    }
+
+    use guest_agent::protocol::{write_frame, AgentMessage, ClientMessage, FrameReader};
+    use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+    use std::time::Duration;
+
+    /// The output half of an exec session whose agent sends `messages` after
+    /// `Started`, and its input half (the agent keeps the connection until it goes).
+    async fn session_sending(
+        messages: Vec<AgentMessage>,
+    ) -> (
+        client::ExecOutput<tokio::net::UnixStream>,
+        client::ExecInput<tokio::net::UnixStream>,
+    ) {
+        let (host, agent) = tokio::net::UnixStream::pair().unwrap();
+        tokio::spawn(async move {
+            let (r, mut w) = agent.into_split();
+            let mut r = FrameReader::new(r);
+            let _hello = r.next::<ClientMessage>().await;
+            let hello_ok = AgentMessage::HelloOk {
+                agent_version: "test".into(),
+                protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+            };
+            let _ = write_frame(&mut w, &hello_ok).await;
+            let _exec = r.next::<ClientMessage>().await;
+            let _ = write_frame(&mut w, &AgentMessage::Started { pid: 1 }).await;
+            for message in messages {
+                if write_frame(&mut w, &message).await.is_err() {
+                    return;
+                }
+            }
+            while let Ok(Some(_)) = r.next::<ClientMessage>().await {}
+        });
+        let session = client::Connection::handshake(host)
+            .await
+            .unwrap()
+            .exec(ExecRequest::default())
+            .await
+            .unwrap();
+        let (input, output) = session.split();
+        (output, input)
+    }
+
+    /// An output whose reader stalls: its first write says so on `began`, then blocks
+    /// until `release` is dropped.
+    struct Stalled {
+        began: std_mpsc::Sender<()>,
+        release: std_mpsc::Receiver<()>,
+    }
+
+    impl Write for Stalled {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            let _ = self.began.send(());
+            let _ = self.release.recv();
+            Err(std::io::Error::other("released"))
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn stalled() -> (Stalled, std_mpsc::Receiver<()>, std_mpsc::Sender<()>) {
+        let (began, began_rx) = std_mpsc::channel();
+        let (release_tx, release) = std_mpsc::channel();
+        (Stalled { began, release }, began_rx, release_tx)
+    }
+
+    /// Runs `relay_output` as `vmctl` does, on a current-thread runtime (of a thread of
+    /// its own here, which a blocked write may hold for good); its outcome comes on the
+    /// channel returned.
+    fn relay_on_its_own_thread(
+        messages: Vec<AgentMessage>,
+        stdout: impl Write + Send + 'static,
+        gave_up: tokio::sync::mpsc::Receiver<GiveUp>,
+        after_exit_signal: tokio::sync::oneshot::Receiver<i32>,
+    ) -> std_mpsc::Receiver<Result<u8, ExecError>> {
+        let (outcome_tx, outcome) = std_mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let result = runtime.block_on(async move {
+                let (output, _input) = session_sending(messages).await;
+                let (close_output, _closed) = tokio::sync::mpsc::channel(2);
+                let writer = OutputWriter::start(stdout, std::io::sink()).unwrap();
+                let signalled = || async move { after_exit_signal.await.unwrap_or(0) };
+                relay_output(output, writer, gave_up, close_output, false, signalled).await
+            });
+            let _ = outcome_tx.send(result);
+        });
+        outcome
+    }
+
+    /// `timeout 10 vmctl exec -- cmd | stalled`: while a write of the command's output
+    /// blocks, vmctl still gives up on the command (here: a second signal) and ends;
+    /// before, the write held the runtime's one thread, so no signal was forwarded and
+    /// nothing could end vmctl.
+    #[test]
+    fn a_blocked_write_of_the_output_does_not_stop_vmctl_from_giving_up() {
+        let chunk = AgentMessage::Stdout(vec![b'x'; 32 * 1024]);
+        let (stdout, began, release) = stalled();
+        let (give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (_signal, after_exit_signal) = tokio::sync::oneshot::channel();
+        let outcome = relay_on_its_own_thread(vec![chunk; 16], stdout, gave_up, after_exit_signal);
+        began
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no output written within 10 s");
+        give_up.try_send(GiveUp::Again(libc::SIGTERM)).unwrap();
+        let outcome = outcome.recv_timeout(Duration::from_secs(10));
+        drop(release);
+        let code = outcome
+            .expect("vmctl still waits for the blocked write 10 s after giving up")
+            .unwrap();
+        assert_eq!(code, 143);
+    }
+
+    /// The command exited, and its last output is still being written to a reader that
+    /// stalls: a signal ends vmctl, as it would a local command still writing.
+    #[test]
+    fn a_signal_ends_vmctl_while_the_output_of_a_command_that_exited_is_written() {
+        let (stdout, began, release) = stalled();
+        let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (signal, after_exit_signal) = tokio::sync::oneshot::channel();
+        let messages = vec![
+            AgentMessage::Stdout(b"last words".to_vec()),
+            AgentMessage::Exited {
+                code: Some(0),
+                signal: None,
+            },
+        ];
+        let outcome = relay_on_its_own_thread(messages, stdout, gave_up, after_exit_signal);
+        began
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no output written within 10 s");
+        signal.send(libc::SIGTERM).unwrap();
+        let outcome = outcome.recv_timeout(Duration::from_secs(10));
+        drop(release);
+        let code = outcome
+            .expect("vmctl still waits for the blocked write 10 s after a signal")
+            .unwrap();
+        assert_eq!(code, 143);
+    }
+
+    /// One buffer behind both outputs, to see the order of the writes.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What the command wrote is all written, in order, before its exit code is
+    /// returned; without a PTY, an output whose reader went away is closed in the guest
+    /// too, and the rest goes on.
+    #[tokio::test]
+    async fn the_output_is_written_in_order_before_the_exit_code_is_returned() {
+        let messages = vec![
+            AgentMessage::Stdout(b"a".to_vec()),
+            AgentMessage::Stderr(b"b".to_vec()),
+            AgentMessage::Stdout(b"c".to_vec()),
+            AgentMessage::Exited {
+                code: Some(3),
+                signal: None,
+            },
+        ];
+        let (output, _input) = session_sending(messages).await;
+        let both = Shared::default();
+        let writer = OutputWriter::start(both.clone(), both.clone()).unwrap();
+        let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (close_output, _closed) = tokio::sync::mpsc::channel(2);
+        let code = relay_output(output, writer, gave_up, close_output, false, || {
+            std::future::pending::<i32>()
+        })
+        .await
+        .unwrap();
+        assert_eq!(code, 3);
+        assert_eq!(*both.0.lock().unwrap(), b"abc");
+
+        struct Gone;
+        impl Write for Gone {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let messages = vec![
+            AgentMessage::Stdout(b"lost".to_vec()),
+            AgentMessage::Stdout(b"lost too".to_vec()),
+            AgentMessage::Stderr(b"said".to_vec()),
+            AgentMessage::Exited {
+                code: Some(0),
+                signal: None,
+            },
+        ];
+        let (output, _input) = session_sending(messages).await;
+        let stderr = Shared::default();
+        let writer = OutputWriter::start(Gone, stderr.clone()).unwrap();
+        let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (close_output, mut closed) = tokio::sync::mpsc::channel(2);
+        let code = relay_output(output, writer, gave_up, close_output, false, || {
+            std::future::pending::<i32>()
+        })
+        .await
+        .unwrap();
+        assert_eq!(code, 0);
+        assert_eq!(*stderr.0.lock().unwrap(), b"said");
+        assert_eq!(closed.try_recv().ok(), Some(OutputStream::Stdout));
+        assert!(closed.try_recv().is_err(), "closed twice");
     }
 
     #[test]

@@ -370,6 +370,19 @@ where
 /// Reads frames from a byte stream. [`FrameReader::next`] is cancel-safe: bytes
 /// already read stay buffered when its future is dropped.
 #[derive(Debug)]
+/// Room added at the end of a buffer for a read: on drop, the buffer is cut back to
+/// `keep` bytes (what was there before, and what the read filled).
+struct Unread<'a> {
+    buf: &'a mut Vec<u8>,
+    keep: usize,
+}
+
+impl Drop for Unread<'_> {
+    fn drop(&mut self) {
+        self.buf.truncate(self.keep);
+    }
+}
+
 pub struct FrameReader<R> {
     inner: R,
     buf: Vec<u8>,
@@ -405,15 +418,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let want = want.min(CHUNK_SIZE);
             let start = self.buf.len();
             self.buf.resize(start + want, 0);
-            let res = self.inner.read(&mut self.buf[start..]).await;
+            // Should this future be dropped while the read waits (a `select!` that
+            // took another branch), the room made for it goes with it: left as zeros,
+            // it would be read as the rest of the frame.
+            let mut read_into = Unread {
+                buf: &mut self.buf,
+                keep: start,
+            };
+            let res = self.inner.read(&mut read_into.buf[start..]).await;
             let n = match res {
                 Ok(n) => n,
-                Err(e) => {
-                    self.buf.truncate(start);
-                    return Err(e.into());
-                }
+                Err(e) => return Err(e.into()),
             };
-            self.buf.truncate(start + n);
+            read_into.keep = start + n;
+            drop(read_into);
             if n == 0 {
                 return if self.buf.is_empty() {
                     Ok(None)
@@ -444,6 +462,29 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read given up while it waits for the rest of a frame (its future dropped by
+    /// a `select!` that took another branch) loses nothing: the next read still gets
+    /// the message whole.
+    #[tokio::test]
+    async fn a_read_given_up_midway_loses_nothing() {
+        use tokio::io::AsyncWriteExt;
+        let (mut agent, host) = tokio::io::duplex(1024);
+        let mut reader = FrameReader::new(host);
+        let frame = encode_frame(&ClientMessage::Stdin(vec![7; 100])).unwrap();
+        agent.write_all(&frame[..10]).await.unwrap();
+        for _ in 0..3 {
+            let waited = tokio::time::timeout(
+                std::time::Duration::from_millis(20),
+                reader.next::<ClientMessage>(),
+            )
+            .await;
+            assert!(waited.is_err(), "a message from half a frame: {waited:?}");
+        }
+        agent.write_all(&frame[10..]).await.unwrap();
+        let message = reader.next::<ClientMessage>().await.unwrap();
+        assert_eq!(message, Some(ClientMessage::Stdin(vec![7; 100])));
+    }
 
     fn samples() -> Vec<ClientMessage> {
         vec![

@@ -10,6 +10,7 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
 
 use vmm::config::VmConfig;
 use vmm::process::{encode_config, Args, ArgsError, Outcome, BINARY};
@@ -86,16 +87,23 @@ pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
 
 /// Runs `config` in a VMM child process to its end: its exit code (0 after a guest
 /// shutdown, 128+N when stopped by signal N), or how it failed. SIGINT and SIGTERM
-/// sent to this process are passed on to the VMM, which stops the VM; the VMM gets
-/// SIGTERM if this thread ends first.
+/// sent to this process are passed on to the VMM, which stops the VM; a VMM that has
+/// not ended [`STOP_GRACE`] later is killed (and counts as stopped by that signal).
+/// The VMM gets SIGKILL if this thread ends first.
 pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, VmmProcessError> {
-    run_binary(&binary()?, config, report_boot_time)
+    run_binary(&binary()?, config, report_boot_time, STOP_GRACE)
 }
+
+/// How long the VMM has to end after a stop signal was passed on to it, before it is
+/// killed. Well within the 10 s `vmctl stop` gives this process after its SIGTERM
+/// before it kills it, so that this process still removes what the VM leaves.
+const STOP_GRACE: Duration = Duration::from_secs(5);
 
 fn run_binary(
     path: &Path,
     config: &VmConfig,
     report_boot_time: bool,
+    stop_grace: Duration,
 ) -> Result<u8, VmmProcessError> {
     let config_fd = config_file(config)?;
     let (mut outcome_reader, outcome_writer) = std::io::pipe().map_err(VmmProcessError::Setup)?;
@@ -106,7 +114,8 @@ fn run_binary(
         outcome_fd: Some(outcome_writer.as_raw_fd()),
     };
     forward_stop_signals()?;
-    let child = spawn(
+    FORWARDED.store(0, Ordering::SeqCst);
+    let mut child = spawn(
         path,
         args.to_args(),
         vec![config_fd.as_raw_fd(), outcome_writer.as_raw_fd()],
@@ -117,28 +126,90 @@ fn run_binary(
     forward_pending();
     // Only the child holds the writing end now: end of file is the VMM's exit.
     drop(outcome_writer);
-    let mut report = String::new();
-    let read = outcome_reader.read_to_string(&mut report);
+    let (report, killed_after) = read_report(&mut outcome_reader, &mut child, stop_grace);
     let status = wait(child);
     FORWARD_TO.store(0, Ordering::SeqCst);
-    let outcome = read
+    let outcome = report
         .ok()
-        .and_then(|_| serde_json::from_str::<Outcome>(report.trim()).ok());
+        .and_then(|report| serde_json::from_str::<Outcome>(report.trim()).ok());
     let stop_signal = status
         .and_then(|s| s.signal())
-        .filter(|signal| STOP_SIGNALS.contains(signal));
+        .filter(|signal| STOP_SIGNALS.contains(signal))
+        .or(killed_after);
     match (outcome, stop_signal) {
         (Some(outcome), _) => match outcome.error() {
             None => Ok(outcome.exit_code()),
             Some(error) => Err(VmmProcessError::Vm(error)),
         },
-        // Stopped before it could handle the signal (one passed on as it started).
+        // Stopped before it could handle the signal (one passed on as it started), or
+        // killed when it did not end in time after it.
         (None, Some(signal)) => Ok(Outcome::Stopped { signal }.exit_code()),
         (None, None) => Err(VmmProcessError::Lost {
             pid,
             how: describe(status),
         }),
     }
+}
+
+/// The VMM's report, read until it exits (end of file: only it holds the pipe's
+/// writing end). A VMM that has not exited `grace` after a stop signal was passed on
+/// to it is killed, as it would otherwise keep this process waiting, and run on
+/// after `vmctl stop` kills this process; then also the signal it was killed after.
+fn read_report(
+    reader: &mut std::io::PipeReader,
+    child: &mut std::process::Child,
+    grace: Duration,
+) -> (std::io::Result<String>, Option<i32>) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    const AT_MOST: Duration = Duration::from_secs(1);
+    let mut report = Vec::new();
+    let mut stopping: Option<(i32, Instant)> = None;
+    let mut killed_after = None;
+    let read = loop {
+        // Checked every second at least while the VM runs: the signal may have come
+        // to another thread of this process, which does not interrupt the poll.
+        let mut nap = AT_MOST;
+        if killed_after.is_none() {
+            let signal = FORWARDED.load(Ordering::SeqCst);
+            match stopping {
+                None if signal != 0 => stopping = Some((signal, Instant::now())),
+                Some((signal, since)) if since.elapsed() >= grace => {
+                    vmm::to_stderr!(
+                        "vmctl: the VMM (pid {}) did not stop within {} s of signal {signal}; \
+                         killing it",
+                        child.id(),
+                        grace.as_secs_f64()
+                    );
+                    // Not reaped before `wait`, so the pid is still the VMM's.
+                    let _ = child.kill();
+                    killed_after = Some(signal);
+                }
+                _ => {}
+            }
+            if let Some((_, since)) = stopping {
+                nap = nap.min(grace.saturating_sub(since.elapsed()));
+            }
+        }
+        let timeout = Timespec::try_from(nap).unwrap_or(Timespec {
+            tv_sec: 1,
+            tv_nsec: 0,
+        });
+        let mut fds = [PollFd::new(&*reader, PollFlags::IN)];
+        match poll(&mut fds, Some(&timeout)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+            Ok(_) => {}
+            Err(e) => break Err(e.into()),
+        }
+        let mut chunk = [0; 4096];
+        match reader.read(&mut chunk) {
+            Ok(0) => break Ok(()),
+            Ok(n) => report.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    let report = read.and_then(|()| String::from_utf8(report).map_err(std::io::Error::other));
+    (report, killed_after)
 }
 
 /// The VM's configuration in a memory file, read from the start by the VMM.
@@ -227,7 +298,11 @@ fn spawn(
     inherited_fds: Vec<i32>,
 ) -> Result<std::process::Child, VmmProcessError> {
     let mut command = vmm_command(path, args, inherited_fds);
-    vmm::process::child::stop_with_parent(&mut command);
+    // SIGKILL, not SIGTERM: when this process dies (`vmctl stop` kills it when the
+    // VM did not stop in time) the VMM may be the reason, stuck in the stop a SIGTERM
+    // asks for; it must not run on as an orphan. What the VMM would remove at a clean
+    // stop, its vsock socket, the next VMM replaces.
+    vmm::process::child::kill_with_parent(&mut command);
     command.spawn().map_err(|source| VmmProcessError::Start {
         path: path.to_path_buf(),
         source,
@@ -277,6 +352,8 @@ fn child_pid(id: u32) -> i32 {
 /// VMM child at a time (a supervisor's VM, the nested host's).
 static FORWARD_TO: AtomicI32 = AtomicI32::new(0);
 static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// The last stop signal passed on to the VMM child (0: none yet).
+static FORWARDED: AtomicI32 = AtomicI32::new(0);
 
 /// The signals the VMM turns into a stop of the VM.
 const STOP_SIGNALS: [i32; 2] = [libc::SIGINT, libc::SIGTERM];
@@ -306,6 +383,7 @@ fn forward_pending() {
     if signal != 0 {
         // SAFETY: kill(2) is async-signal-safe and only sends a signal.
         unsafe { libc::kill(pid, signal) };
+        FORWARDED.store(signal, Ordering::SeqCst);
     }
 }
 
@@ -378,11 +456,146 @@ mod tests {
     }
 
     fn run_with(path: &Path) -> Result<u8, VmmProcessError> {
+        run_with_grace(path, STOP_GRACE)
+    }
+
+    fn run_with_grace(path: &Path, stop_grace: Duration) -> Result<u8, VmmProcessError> {
         // One VMM child at a time per process, as in vmctl (the signal forwarding's
         // statics).
         static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-        run_binary(path, &VmConfig::new("/k/vmlinux".into()), false)
+        run_binary(path, &VmConfig::new("/k/vmlinux".into()), false, stop_grace)
+    }
+
+    /// Waits up to 20 s for `path` to exist.
+    fn wait_for_file(path: &Path, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !path.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {} never came",
+                path.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether `pid` is a process that runs (not gone, nor a zombie left unreaped).
+    fn runs(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            !stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, state)| state.starts_with('Z'))
+        })
+    }
+
+    /// A stand-in for a VMM stuck in its stop: it writes its pid to `pid_file`, notes
+    /// each SIGTERM in `asked` and goes on.
+    fn stuck_in_its_stop(dir: &Path, pid_file: &Path, asked: &Path) -> PathBuf {
+        let path = dir.join(BINARY);
+        script(
+            &path,
+            &format!(
+                "#!/bin/sh\ntrap 'touch {asked}' TERM\n\
+                 echo $$ > {pid}.tmp; mv {pid}.tmp {pid}\nwhile :; do sleep 0.1; done\n",
+                pid = pid_file.display(),
+                asked = asked.display()
+            ),
+        );
+        path
+    }
+
+    /// A VMM that does not end after the stop signal passed on to it is killed, and
+    /// the VM counts as stopped by that signal (not crashed).
+    #[test]
+    fn a_vmm_that_does_not_stop_when_told_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("vmm.pid");
+        let asked = dir.path().join("asked");
+        let path = stuck_in_its_stop(dir.path(), &pid_file, &asked);
+        let signaller = {
+            let pid_file = pid_file.clone();
+            std::thread::spawn(move || {
+                wait_for_file(&pid_file, "the stand-in's pid");
+                // SAFETY: signals this process, whose SIGTERM handler `run_binary`
+                // installed before it started the stand-in that wrote its pid.
+                unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+            })
+        };
+        let started = Instant::now();
+        assert_eq!(
+            run_with_grace(&path, Duration::from_millis(300)).unwrap(),
+            128 + 15
+        );
+        signaller.join().unwrap();
+        assert!(asked.exists(), "the stop signal was passed on first");
+        assert!(started.elapsed() < Duration::from_secs(15));
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(!runs(pid), "the stand-in (pid {pid}) still runs");
+    }
+
+    const AS_SUPERVISOR: &str = "VMCTL_TEST_RUN_AS_SUPERVISOR";
+
+    /// When `vmctl stop` kills the supervisor of a VMM stuck in its stop (before the
+    /// supervisor's own grace is over), the VMM goes with it.
+    #[test]
+    fn a_vmm_stuck_in_its_stop_does_not_outlive_its_killed_supervisor() {
+        if let Some(vmm) = std::env::var_os(AS_SUPERVISOR) {
+            // The supervisor, in a process of its own: this test run again.
+            let _ = run_binary(
+                Path::new(&vmm),
+                &VmConfig::new("/k/vmlinux".into()),
+                false,
+                STOP_GRACE,
+            );
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("vmm.pid");
+        let asked = dir.path().join("asked");
+        let vmm = stuck_in_its_stop(dir.path(), &pid_file, &asked);
+        let mut supervisor = {
+            let _forking = crate::state::no_forks_meanwhile();
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "vmm_process::tests::a_vmm_stuck_in_its_stop_does_not_outlive_its_killed_supervisor",
+                    "--exact",
+                    "--test-threads=1",
+                ])
+                .env(AS_SUPERVISOR, &vmm)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        wait_for_file(&pid_file, "the VMM's pid");
+        let vmm_pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // SAFETY: signals our child, not yet reaped.
+        unsafe { libc::kill(supervisor.id() as i32, libc::SIGTERM) };
+        wait_for_file(&asked, "the VMM's SIGTERM");
+        supervisor.kill().unwrap();
+        supervisor.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while runs(vmm_pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let alive = runs(vmm_pid);
+        if alive {
+            // SAFETY: the stand-in this test started, seen running just now.
+            unsafe { libc::kill(vmm_pid, libc::SIGKILL) };
+        }
+        assert!(
+            !alive,
+            "the VMM (pid {vmm_pid}) outlived its killed supervisor: an orphan"
+        );
     }
 
     #[test]

@@ -675,8 +675,13 @@ fn valid_account(account: &str) -> bool {
 }
 
 fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
-    use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(VmError::Spawn)?;
+    spawn_supervisor_from(&exe, vm)
+}
+
+/// Starts `exe __supervise DIR` (`exe`: vmctl's own executable, or a test's stand-in).
+fn spawn_supervisor_from(exe: &Path, vm: &VmDir) -> Result<std::process::Child, VmError> {
+    use std::os::unix::process::CommandExt;
     // The last run's logs are kept beside the new ones: they say how it ended.
     for log in [vm.console_log(), vm.supervisor_log()] {
         if log.exists() {
@@ -693,6 +698,8 @@ fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
         .stdin(Stdio::null())
         .stdout(console)
         .stderr(log);
+    // It runs as long as the VM: it must not keep what this vmctl's caller gave it.
+    crate::vmm_process::start_without_inherited_descriptors(&mut command);
     // Its own session: the VM outlives this command and its terminal.
     // SAFETY: setsid is async-signal-safe and touches no memory.
     unsafe {
@@ -1201,6 +1208,31 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stand-in for vmctl's executable that ignores its arguments and sleeps.
+    fn sleeper(dir: &Path) -> PathBuf {
+        let path = dir.join("vmctl");
+        crate::vmm_process::script(&path, "#!/bin/sh\nexec sleep 30\n");
+        path
+    }
+
+    /// A caller waiting for the end of a pipe it gave vmctl (an IDE, an agent harness)
+    /// is not kept waiting as long as the VM runs.
+    #[test]
+    fn the_supervisor_gets_no_descriptor_vmctl_inherited() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let exe = sleeper(dir.path());
+        let held =
+            crate::vmm_process::inherited_pipe_ends(|| spawn_supervisor_from(&exe, &vm).unwrap());
+        assert!(
+            held.is_empty(),
+            "the supervisor holds the caller's pipe: {held:?}"
+        );
+    }
 
     #[test]
     fn builds_from_where_a_vm_writes_are_found() {

@@ -265,23 +265,15 @@ fn only_the_vmms_variables(command: &mut Command) {
 }
 
 /// Clears close-on-exec on `fds` in the child, between fork and exec, and sets it on
-/// every other descriptor.
+/// every other descriptor ([`close_inherited_at_exec`]).
 fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
     // SAFETY: the closure runs in the child between fork and exec (or before this
     // process's own exec) and only makes system calls (close_range, fcntl), which are
     // async-signal-safe.
     unsafe {
         command.pre_exec(move || {
-            // Every other descriptor closes at exec, whatever this process inherited
-            // without close-on-exec (from an IDE, an agent harness): the VMM holds
-            // what it was given, nothing else. (An old kernel without close_range
-            // leaves them as they are.)
-            libc::syscall(
-                libc::SYS_close_range,
-                3u32,
-                u32::MAX,
-                libc::CLOSE_RANGE_CLOEXEC,
-            );
+            // The VMM holds what it was given, nothing else.
+            close_inherited_at_exec();
             for &fd in &fds {
                 if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -289,6 +281,40 @@ fn keep_across_exec(command: &mut Command, fds: Vec<i32>) {
             }
             Ok(())
         });
+    }
+}
+
+/// Makes `command`'s process start with standard input, output and error alone of
+/// this process's descriptors ([`close_inherited_at_exec`]), for the processes vmctl
+/// leaves running (a VM's supervisor, the daemon): one that kept the end of a pipe
+/// its caller gave vmctl would keep that caller waiting for the pipe's end of file
+/// as long as it runs.
+pub(crate) fn start_without_inherited_descriptors(command: &mut Command) {
+    // SAFETY: the closure runs in the child between fork and exec, after its standard
+    // descriptors are set up, and only makes a system call (close_range), which is
+    // async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            close_inherited_at_exec();
+            Ok(())
+        });
+    }
+}
+
+/// Sets close-on-exec on every descriptor from 3 on, whatever this process inherited
+/// without it (from an IDE, an agent harness). For a child between fork and exec: a
+/// system call alone, async-signal-safe. (An old kernel without close_range leaves
+/// them as they are.)
+fn close_inherited_at_exec() {
+    // SAFETY: close_range(2) with CLOSE_RANGE_CLOEXEC only sets a flag on this
+    // process's descriptors; it touches no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        );
     }
 }
 
@@ -387,10 +413,49 @@ fn forward_pending() {
     }
 }
 
+/// The descriptors of the process `spawn` starts that are the writing end of a pipe
+/// this process held without close-on-exec as `spawn` ran (as a caller of vmctl may
+/// pass one), by their /proc paths; the process is killed then.
+#[cfg(test)]
+pub(crate) fn inherited_pipe_ends(spawn: impl FnOnce() -> std::process::Child) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let (_reader, writer) = std::io::pipe().unwrap();
+    // SAFETY: F_SETFD on a descriptor this function holds.
+    assert_eq!(
+        unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_SETFD, 0) },
+        0
+    );
+    let pipe = std::fs::metadata(format!("/proc/self/fd/{}", writer.as_raw_fd()))
+        .unwrap()
+        .ino();
+    let mut child = {
+        let _forking = crate::state::no_forks_meanwhile();
+        spawn()
+    };
+    drop(writer);
+    // The child has exec'd by now (spawn returns once it has).
+    let held = std::fs::read_dir(format!("/proc/{}/fd", child.id()))
+        .unwrap()
+        .flatten()
+        .map(|fd| fd.path())
+        .filter(|fd| std::fs::metadata(fd).is_ok_and(|m| m.ino() == pipe))
+        .collect();
+    let _ = child.kill();
+    let _ = child.wait();
+    held
+}
+
+/// Writes an executable shell script.
+#[cfg(test)]
+pub(crate) fn script(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
 
     /// The VMM gets the descriptors it is given, and no other this process holds,
     /// close-on-exec or not.
@@ -431,12 +496,6 @@ mod tests {
             let name = line.split('=').next().unwrap_or_default();
             assert!(VMM_VARIABLES.contains(&name), "{line}");
         }
-    }
-
-    /// Writes an executable shell script.
-    fn script(path: &Path, text: &str) {
-        std::fs::write(path, text).unwrap();
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
 
     /// A stand-in for the VMM: a shell script that reports `outcome` on the

@@ -125,12 +125,23 @@ fn start_daemon() -> Result<(), DaemonClientError> {
         .append(true)
         .open(&log_path)
         .map_err(error)?;
+    daemon_command(&exe, log)
+        .and_then(|mut command| command.spawn())
+        .map(drop)
+        .map_err(error)
+}
+
+/// `exe daemon` (`exe`: vmctl's own executable, or a test's stand-in) in a session of
+/// its own, writing to `log`, with no other descriptor of this process.
+fn daemon_command(exe: &Path, log: std::fs::File) -> std::io::Result<Command> {
     let mut command = Command::new(exe);
     command
         .arg("daemon")
         .stdin(Stdio::null())
-        .stdout(log.try_clone().map_err(error)?)
+        .stdout(log.try_clone()?)
         .stderr(log);
+    // It runs on after this vmctl: it must not keep what this vmctl's caller gave it.
+    crate::vmm_process::start_without_inherited_descriptors(&mut command);
     // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
     unsafe {
         command.pre_exec(|| {
@@ -138,7 +149,7 @@ fn start_daemon() -> Result<(), DaemonClientError> {
             Ok(())
         });
     }
-    command.spawn().map(drop).map_err(error)
+    Ok(command)
 }
 
 /// Sends `request` and reads the answer; returns the open connection too (a lease
@@ -165,5 +176,27 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
         } else {
             e.to_string()
         })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller waiting for the end of a pipe it gave vmctl (an IDE, an agent harness)
+    /// is not kept waiting as long as the daemon runs.
+    #[test]
+    fn the_daemon_gets_no_descriptor_vmctl_inherited() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("vmctl");
+        crate::vmm_process::script(&exe, "#!/bin/sh\nexec sleep 30\n");
+        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+        let held = crate::vmm_process::inherited_pipe_ends(|| {
+            daemon_command(&exe, log).unwrap().spawn().unwrap()
+        });
+        assert!(
+            held.is_empty(),
+            "the daemon holds the caller's pipe: {held:?}"
+        );
     }
 }

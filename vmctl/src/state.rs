@@ -229,6 +229,21 @@ impl VmDir {
     pub fn pid_file(&self) -> PathBuf {
         self.path.join("supervisor.pid")
     }
+
+    /// Records `pid` as the VM's supervisor's. Written whole or not at all (a file of
+    /// its own, renamed over the old one), as the starting vmctl and the supervisor
+    /// both write it, each the supervisor's pid.
+    pub fn write_pid(&self, pid: u32) -> Result<(), StateError> {
+        let path = self.pid_file();
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let written = std::fs::write(&tmp, pid.to_string())
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            });
+        written.map_err(|source| StateError::Io { path, source })
+    }
     /// One line per virtiofsd that died while the VM ran. In a directory of its own:
     /// a nested host records its virtiofsd's there, and is given that directory alone
     /// of the VM's (never its record, logs or sockets, which a nested host the guest

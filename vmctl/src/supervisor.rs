@@ -18,8 +18,9 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         path: dir.to_path_buf(),
     };
     let record = vm.read_record().map_err(|e| e.to_string())?;
-    std::fs::write(vm.pid_file(), std::process::id().to_string())
-        .map_err(|e| format!("{}: {e}", vm.pid_file().display()))?;
+    // Written by the vmctl that started this process too, with the same pid.
+    vm.write_pid(std::process::id())
+        .map_err(|e| e.to_string())?;
 
     let config = vm_config(&vm, &record);
     vmm::to_stderr!(

@@ -710,7 +710,18 @@ fn spawn_supervisor_from(exe: &Path, vm: &VmDir) -> Result<std::process::Child, 
             Ok(())
         });
     }
-    command.spawn().map_err(VmError::Spawn)
+    let mut supervisor = command.spawn().map_err(VmError::Spawn)?;
+    // Recorded now, while this vmctl holds the start lock, not only once the
+    // supervisor is under way: were this vmctl to die first, a vmctl waiting for the
+    // lock would find no VM running and start a second one in the same directory.
+    // (Spawned means exec'd: its command line is already `vmctl __supervise DIR`, which
+    // `running_pid` looks for.)
+    if let Err(e) = vm.write_pid(supervisor.id()) {
+        let _ = supervisor.kill();
+        let _ = supervisor.wait();
+        return Err(e.into());
+    }
+    Ok(supervisor)
 }
 
 /// One runtime for the agent calls of this process (`up` polls the agent every
@@ -1232,6 +1243,36 @@ mod tests {
             held.is_empty(),
             "the supervisor holds the caller's pipe: {held:?}"
         );
+    }
+
+    /// The start lock's proof of a running VM is there before the supervisor writes
+    /// it: a start that waits for the lock of one whose vmctl died just after starting
+    /// the supervisor finds that VM running, and starts no second one.
+    #[test]
+    fn a_started_supervisor_is_recorded_before_it_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        // A supervisor that never gets to write its pid file.
+        let exe = dir.path().join("vmctl");
+        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
+        let mut supervisor = {
+            let _forking = crate::state::no_forks_meanwhile();
+            spawn_supervisor_from(&exe, &vm).unwrap()
+        };
+        let running = vm.running_pid();
+        let _ = supervisor.kill();
+        let _ = supervisor.wait();
+        assert_eq!(running, Some(supervisor.id() as i32));
+        let leftovers: Vec<_> = std::fs::read_dir(&vm.path)
+            .unwrap()
+            .flatten()
+            .map(|entry| entry.file_name())
+            .filter(|name| name.to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
     }
 
     #[test]

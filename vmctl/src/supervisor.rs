@@ -21,6 +21,9 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     // Written by the vmctl that started this process too, with the same pid.
     vm.write_pid(std::process::id())
         .map_err(|e| e.to_string())?;
+    // The last run's crash is no longer what this run ended in, whatever happens
+    // next: a start that fails below must not show it in `vmctl ps`.
+    let _ = std::fs::remove_file(vm.crash_file());
 
     let config = vm_config(&vm, &record);
     vmm::to_stderr!(
@@ -52,7 +55,6 @@ pub fn run(dir: &Path) -> Result<u8, String> {
                 .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
         }
     }
-    let _ = std::fs::remove_file(vm.crash_file());
     let outcome = if record.nested {
         crate::nested::launcher::run_vm(&config, record.shares.as_ref(), false)
             .map_err(|e| e.to_string())
@@ -235,6 +237,32 @@ const OOPS_STARTS: [&str; 5] = [
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_that_fails_to_start_leaves_no_older_crash_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        vm.write_record(&crate::state::test_record(&vm, dir.path()))
+            .unwrap();
+        std::fs::write(
+            vm.crash_file(),
+            "the guest kernel crashed: Kernel panic (last week)\n",
+        )
+        .unwrap();
+        // Where the sockets' directory goes: the start fails before the VM runs.
+        assert_eq!(vm.sockets_dir(), vm.path);
+        std::fs::write(vm.vsock_dir(), "").unwrap();
+        let outcome = run(&vm.path);
+        assert!(outcome.is_err(), "{outcome:?}");
+        assert_eq!(
+            vm.read_crash(),
+            None,
+            "the failed start is reported as the older crash"
+        );
+    }
 
     #[test]
     fn the_open_files_limit_is_raised_to_the_hard_limit() {

@@ -57,7 +57,12 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
             return Err(BootCommandError::FsInNestedHost(fs.socket_path.clone()));
         }
         kvm.announce_nested();
-        return Ok(nested::launcher::run_vm(&config, None, args.boot_time)?);
+        return Ok(nested::launcher::run_vm(
+            &config,
+            None,
+            args.boot_time,
+            None,
+        )?);
     }
     // Here, so that a missing or forbidden /dev/kvm is a `vmctl: error:` like every
     // other problem with the input; the VMM opens it again.

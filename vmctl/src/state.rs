@@ -38,6 +38,11 @@ pub struct VmRecord {
     pub cpus: u32,
     pub memory_mib: u64,
     pub nested: bool,
+    /// The nested host's kernel, for a VM that runs in the nested host (`nested`):
+    /// built by `vmctl up` with the guest's files, before the VM's boot is timed.
+    /// (None in the records of older vmctl; the supervisor then finds it itself.)
+    #[serde(default)]
+    pub nested_host_kernel: Option<PathBuf>,
     /// Kernel arguments for the guest agent (`vmctl.*`).
     pub agent_cmdline: String,
     /// Seconds since the epoch when the VM was started.
@@ -567,6 +572,7 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
         cpus: 2,
         memory_mib: 512,
         nested: true,
+        nested_host_kernel: Some("/n".into()),
         agent_cmdline: "vmctl.root=/dev/vda".into(),
         started_at: 1,
         shares: Some(ShareSet {
@@ -770,5 +776,19 @@ mod tests {
         vm.write_record(&record).unwrap();
         assert_eq!(vm.read_record().unwrap(), record);
         assert_eq!(vm.running_pid(), None);
+    }
+
+    /// The record of a VM an older vmctl started, which built the nested host's
+    /// kernel in its supervisor, is still read (`vmctl ps` lists that VM).
+    #[test]
+    fn a_record_without_the_nested_host_kernel_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let mut json = serde_json::to_value(test_record(&vm, Path::new("/w"))).unwrap();
+        json.as_object_mut().unwrap().remove("nested_host_kernel");
+        std::fs::write(vm.record_path(), json.to_string()).unwrap();
+        assert_eq!(vm.read_record().unwrap().nested_host_kernel, None);
     }
 }

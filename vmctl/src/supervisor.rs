@@ -56,8 +56,13 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         }
     }
     let outcome = if record.nested {
-        crate::nested::launcher::run_vm(&config, record.shares.as_ref(), false)
-            .map_err(|e| e.to_string())
+        crate::nested::launcher::run_vm(
+            &config,
+            record.shares.as_ref(),
+            false,
+            record.nested_host_kernel.as_deref(),
+        )
+        .map_err(|e| e.to_string())
     } else {
         crate::boot::run_vmm_sharing(&config, record.shares.as_ref(), &vm.sockets_dir(), false)
             .map_err(|e| e.to_string())

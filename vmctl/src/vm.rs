@@ -361,6 +361,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         kernel: PathBuf::new(),
         initrd: PathBuf::new(),
         rootfs: PathBuf::new(),
+        nested_host_kernel: None,
         cpus,
         memory_mib,
         nested,
@@ -376,12 +377,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     };
     check_cmdline_fits(&vm, &record)?;
     warn_of_builds_from_guest_writable(&vm, &record, recipe);
-    record.kernel = artifacts::ensure(Artifact::GuestKernel)?;
-    record.initrd = artifacts::ensure(Artifact::AgentInitramfs)?;
-    record.rootfs = match recipe {
-        Some(recipe) => artifacts::build_image(Some(recipe))?,
-        None => artifacts::ensure(Artifact::RootfsImage)?,
-    };
+    boot_files(&mut record, recipe, artifacts::ensure)?;
     vm.write_record(&record)?;
     let started = Instant::now();
     let mut notice = crate::start_notice::StartNotice::on_terminal();
@@ -448,6 +444,30 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// Fills in `record`'s files to boot, building those not in the cache yet (`ensure`:
+/// [`artifacts::ensure`], or a test's), the nested host's kernel too for a VM that
+/// runs in it. All here, with their builds' progress on the terminal, before the
+/// VM's boot is timed: a build in the supervisor (the nested host's kernel, minutes
+/// after a compiler upgrade) would end the start with "did not answer in time".
+fn boot_files(
+    record: &mut VmRecord,
+    recipe: Option<&Path>,
+    ensure: impl Fn(Artifact) -> Result<PathBuf, ArtifactError>,
+) -> Result<(), VmError> {
+    record.kernel = ensure(Artifact::GuestKernel)?;
+    record.initrd = ensure(Artifact::AgentInitramfs)?;
+    record.rootfs = match recipe {
+        Some(recipe) => artifacts::build_image(Some(recipe))?,
+        None => ensure(Artifact::RootfsImage)?,
+    };
+    record.nested_host_kernel = if record.nested {
+        Some(ensure(Artifact::NestedHostKernel)?)
+    } else {
+        None
+    };
+    Ok(())
 }
 
 /// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now.
@@ -1219,6 +1239,46 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The files a VM boots, as `boot_files` found them with `record.nested`, and
+    /// which artifacts it asked for.
+    fn boot_files_of(nested: bool) -> (VmRecord, Vec<String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let mut record = crate::state::test_record(&vm, dir.path());
+        record.nested = nested;
+        record.nested_host_kernel = None;
+        let asked = std::cell::RefCell::new(Vec::new());
+        boot_files(&mut record, None, |artifact| {
+            let name = format!("{artifact:?}");
+            asked.borrow_mut().push(name.clone());
+            Ok(PathBuf::from("/cache").join(name))
+        })
+        .unwrap();
+        (record, asked.into_inner())
+    }
+
+    /// A VM that runs in the nested host has that host's kernel built with its own
+    /// files, by `vmctl up` before the boot is timed, not by its supervisor.
+    #[test]
+    fn the_nested_host_kernel_is_built_before_the_boot_is_timed() {
+        let (record, asked) = boot_files_of(true);
+        assert_eq!(
+            record.nested_host_kernel.as_deref(),
+            Some(Path::new("/cache/NestedHostKernel"))
+        );
+        assert_eq!(record.kernel, Path::new("/cache/GuestKernel"));
+        assert!(asked.contains(&"RootfsImage".to_string()), "{asked:?}");
+        // A VM that runs on the host's KVM does without.
+        let (record, asked) = boot_files_of(false);
+        assert_eq!(record.nested_host_kernel, None);
+        assert!(
+            !asked.contains(&"NestedHostKernel".to_string()),
+            "{asked:?}"
+        );
+    }
 
     /// A stand-in for vmctl's executable that ignores its arguments and sleeps.
     fn sleeper(dir: &Path) -> PathBuf {

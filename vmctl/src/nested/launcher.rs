@@ -162,16 +162,19 @@ extern "C" fn remember_stop_signal(
     STOP_SIGNAL.store(signal, Ordering::SeqCst);
 }
 
-/// Runs `config` in a fresh nested host; returns the VMM's exit code.
+/// Runs `config` in a fresh nested host; returns the VMM's exit code. `kernel`: the
+/// nested host's, if the caller has it (else it is built here if not in the cache).
 pub fn run_vm(
     config: &VmConfig,
     shares: Option<&ShareSet>,
     report_boot_time: bool,
+    kernel: Option<&Path>,
 ) -> Result<u8, NestedError> {
     let host_vsock = config.vsock.as_ref().map(|v| v.uds_path.as_path());
     run(
         &NestedJob::for_vm(config, shares, report_boot_time),
         host_vsock,
+        kernel,
     )
 }
 
@@ -191,15 +194,20 @@ pub fn run_command(
     run(
         &NestedJob::for_command(CommandJob { argv, cwd, env }, vcpus, memory_mib, writable),
         None,
+        None,
     )
 }
 
 /// Runs `job` in a fresh nested host; returns its exit code. `host_vsock` is where
 /// host clients connect to reach the VM's vsock (relayed over the multiplexed link).
-fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
+fn run(
+    job: &NestedJob,
+    host_vsock: Option<&Path>,
+    kernel: Option<&Path>,
+) -> Result<u8, NestedError> {
     let qemu = find_qemu()?;
     let host_cpus = CpuSet::from_env()?;
-    let kernel = artifacts::ensure(Artifact::NestedHostKernel)?;
+    let kernel = host_kernel(kernel, artifacts::ensure)?;
     let vmctl = std::env::current_exe().map_err(NestedError::CurrentExe)?;
     for path in [&vmctl, &kernel] {
         if !path
@@ -298,6 +306,19 @@ fn run(job: &NestedJob, host_vsock: Option<&Path>) -> Result<u8, NestedError> {
                 File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
             Err(died_early(status, &log))
         }
+    }
+}
+
+/// The nested host's kernel: `given` (`vmctl up` built it before the VM's boot was
+/// timed), else `ensure`'s ([`artifacts::ensure`]: built now if not in the cache), as
+/// for `vmctl boot` and `vmctl nested-exec`, whose caller waits for them anyway.
+fn host_kernel(
+    given: Option<&Path>,
+    ensure: impl FnOnce(Artifact) -> Result<PathBuf, ArtifactError>,
+) -> Result<PathBuf, NestedError> {
+    match given {
+        Some(kernel) => Ok(kernel.to_path_buf()),
+        None => Ok(ensure(Artifact::NestedHostKernel)?),
     }
 }
 
@@ -684,6 +705,24 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
 mod tests {
     use super::*;
     use crate::nested::stall::Stuck;
+
+    #[test]
+    fn the_nested_host_kernel_given_is_used_without_a_build() {
+        let given = Path::new("/cache/nested-host/vmlinux");
+        let kernel = host_kernel(Some(given), |artifact| {
+            panic!("{artifact:?} built though given")
+        });
+        assert_eq!(kernel.unwrap(), given);
+        // None given (`vmctl boot`, `vmctl nested-exec`): built or found here.
+        let kernel = host_kernel(None, |artifact| {
+            assert!(
+                matches!(artifact, Artifact::NestedHostKernel),
+                "{artifact:?}"
+            );
+            Ok(PathBuf::from("/built/vmlinux"))
+        });
+        assert_eq!(kernel.unwrap(), Path::new("/built/vmlinux"));
+    }
 
     #[test]
     fn job_dirs_of_launchers_that_are_gone_are_removed() {

@@ -1,6 +1,8 @@
 //! Debugging client: `agent-ctl unix:PATH|hybrid:PATH:PORT health|ports|shutdown|exec ARGV...`
 //! (exec forwards this process's stdin and prints output; exit code is the command's).
 
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 
 use guest_agent::client::{connect_hybrid, connect_unix, Connection, ExecEvent};
@@ -9,8 +11,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (Some(target), Some(cmd)) = (args.first(), args.get(1)) else {
+    // The command's arguments need not be UTF-8.
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let text = |at: usize| args.get(at).and_then(|arg| arg.to_str());
+    let (Some(target), Some(cmd)) = (text(0), text(1)) else {
         eprintln!("usage: agent-ctl unix:PATH|hybrid:PATH:PORT health|ports|shutdown|exec ARGV...");
         std::process::exit(2);
     };
@@ -22,13 +26,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         return Err("target must be unix:PATH or hybrid:PATH:PORT".into());
     };
-    match cmd.as_str() {
+    match cmd {
         "health" => println!("{:#?}", conn.health().await?),
         "ports" => println!("{:#?}", conn.list_ports().await?),
         "shutdown" => conn.shutdown().await?,
         "exec" => {
             let req = ExecRequest {
-                argv: args[2..].to_vec(),
+                argv: args[2..].iter().cloned().map(OsString::into_vec).collect(),
                 ..Default::default()
             };
             let (mut input, mut output) = conn.exec(req).await?.split();

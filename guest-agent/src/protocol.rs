@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -94,18 +94,57 @@ pub struct TtyRequest {
 }
 
 /// Run a command.
+///
+/// Arguments, environment values and the working directory are raw bytes, as the
+/// kernel takes them: they need not be UTF-8 (a file name in Latin-1, say), and pass
+/// through unchanged as they do with ssh. Variable names are text.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExecRequest {
     /// Program and arguments; `argv[0]` is looked up in `PATH`.
-    pub argv: Vec<String>,
+    #[serde(with = "byte_strings")]
+    pub argv: Vec<Vec<u8>>,
     /// Added to (and overriding) the default environment: `PATH`, `HOME`, `USER`,
     /// `LOGNAME`, `SHELL` and, with a tty, `TERM`.
-    pub env: Vec<(String, String)>,
+    #[serde(with = "byte_values")]
+    pub env: Vec<(String, Vec<u8>)>,
     /// Working directory; the user's home when `None` or when it does not exist.
-    pub cwd: Option<String>,
+    #[serde(with = "serde_bytes")]
+    pub cwd: Option<Vec<u8>>,
     pub user: User,
     /// `Some` runs the command on a new pseudo-terminal (stdout and stderr merged).
     pub tty: Option<TtyRequest>,
+}
+
+/// A list of byte strings (`serde_bytes` takes single ones), each encoded as one.
+mod byte_strings {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use serde_bytes::{ByteBuf, Bytes};
+
+    pub fn serialize<S: Serializer>(list: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(list.iter().map(|b| Bytes::new(b)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
+        let list = Vec::<ByteBuf>::deserialize(d)?;
+        Ok(list.into_iter().map(ByteBuf::into_vec).collect())
+    }
+}
+
+/// Environment variables: a name (text) and a value (a byte string) each.
+mod byte_values {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use serde_bytes::{ByteBuf, Bytes};
+
+    pub fn serialize<S: Serializer>(vars: &[(String, Vec<u8>)], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(vars.iter().map(|(k, v)| (k, Bytes::new(v))))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<(String, Vec<u8>)>, D::Error> {
+        let vars = Vec::<(String, ByteBuf)>::deserialize(d)?;
+        Ok(vars.into_iter().map(|(k, v)| (k, v.into_vec())).collect())
+    }
 }
 
 /// Host → agent messages.
@@ -504,6 +543,17 @@ mod tests {
                     term: "xterm".into(),
                 }),
             }),
+            // Bytes that are not UTF-8 (Latin-1 names) where the kernel takes bytes.
+            ClientMessage::Exec(ExecRequest {
+                argv: vec![b"cat".to_vec(), b"caf\xe9.txt".to_vec(), b"\xff".to_vec()],
+                env: vec![
+                    ("NAME".into(), b"Jos\xe9".to_vec()),
+                    ("EMPTY".into(), Vec::new()),
+                ],
+                cwd: Some(b"/home/a/d\xe9j\xe0".to_vec()),
+                user: User::Default,
+                tty: None,
+            }),
             ClientMessage::Health,
             ClientMessage::ListPorts,
             ClientMessage::Shutdown,
@@ -616,6 +666,24 @@ mod tests {
         // serde_bytes: a 1000-byte payload costs 1000 bytes + varint length + tag.
         let frame = encode_frame(&AgentMessage::Stdout(vec![7; 1000])).unwrap();
         assert!(frame.len() <= 4 + 1 + 2 + 1000, "{}", frame.len());
+    }
+
+    /// An `Exec` whose arguments, environment value and working directory are not
+    /// UTF-8 (Latin-1 names) decodes from the bytes a host sends for it and encodes
+    /// back to them: each a byte string, its length then its bytes (which is also how
+    /// a `String` goes, so UTF-8 ones are as they always were on the wire).
+    #[test]
+    fn an_exec_carries_arguments_environment_and_cwd_that_are_not_utf8() {
+        let mut payload = vec![1]; // ClientMessage::Exec
+        payload.extend(b"\x03\x06printf\x02%s\x04caf\xe9"); // argv
+        payload.extend(b"\x01\x04NAME\x04Jos\xe9"); // env
+        payload.extend(b"\x01\x09/tmp/d\xe9j\xe0"); // cwd: Some
+        payload.extend([0, 0]); // user: Default; tty: None
+        let message: ClientMessage = decode_payload(&payload)
+            .expect("an Exec with bytes that are not UTF-8 does not decode");
+        assert_eq!(postcard::to_allocvec(&message).unwrap(), payload);
+        let frame = encode_frame(&message).unwrap();
+        assert_eq!(decode_frame(&frame).unwrap(), Some((message, frame.len())));
     }
 
     #[test]

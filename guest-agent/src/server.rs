@@ -2,8 +2,10 @@
 //! per connection, and runs commands (`Exec`) with pipes or a pseudo-terminal.
 
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -612,12 +614,14 @@ fn give_terminal_to(slave: &OwnedFd, account: &Account) -> io::Result<()> {
 }
 
 fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
-    let Some(program) = req.argv.first() else {
+    // Arguments, values and the directory are bytes, which need not be UTF-8.
+    let Some((program, args)) = req.argv.split_first() else {
         return Err(ServerError::BadRequest("argv is empty".into()));
     };
+    let program = OsStr::from_bytes(program);
     let account = resolve_user(&req.user, &state.config)?;
     let mut cmd = Command::new(program);
-    cmd.args(&req.argv[1..]);
+    cmd.args(args.iter().map(|arg| OsStr::from_bytes(arg)));
     cmd.env_clear()
         .env("PATH", DEFAULT_PATH)
         .env("HOME", &account.home)
@@ -632,32 +636,35 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         cmd.env(k, v);
     }
     for (k, v) in &req.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains(&0) {
             return Err(ServerError::BadRequest(format!(
                 "invalid environment variable {k:?}"
             )));
         }
-        cmd.env(k, v);
+        cmd.env(k, OsStr::from_bytes(v));
     }
     // A working directory the guest does not have (a host directory outside the
     // shares) falls back to the home directory; one that exists but cannot be used
     // (a share whose server died: EIO) is an error, never a silent move elsewhere.
-    if let Some(dir) = req.cwd.as_deref() {
+    let asked_cwd = req
+        .cwd
+        .as_deref()
+        .map(|dir| Path::new(OsStr::from_bytes(dir)));
+    if let Some(dir) = asked_cwd {
         match std::fs::metadata(dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(ServerError::BadRequest(format!(
-                    "cannot use the working directory {dir}: {e}"
+                    "cannot use the working directory {}: {e}",
+                    dir.display()
                 )));
             }
             _ => {}
         }
     }
-    let cwd = req
-        .cwd
-        .as_deref()
-        .filter(|c| Path::new(c).is_dir())
-        .unwrap_or(account.home.as_str());
-    if Path::new(cwd).is_dir() {
+    let cwd = asked_cwd
+        .filter(|c| c.is_dir())
+        .unwrap_or(Path::new(&account.home));
+    if cwd.is_dir() {
         cmd.current_dir(cwd);
     } else {
         cmd.current_dir("/");
@@ -726,7 +733,10 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         };
         let child = cmd.spawn().map_err(|e| match shell_report(program, &e) {
             Some((message, exit_code)) => ServerError::NotRunnable { message, exit_code },
-            None => ServerError::Spawn(io::Error::new(e.kind(), format!("{program}: {e}"))),
+            None => ServerError::Spawn(io::Error::new(
+                e.kind(),
+                format!("{}: {e}", program.to_string_lossy()),
+            )),
         })?;
         waiting.insert(child.id() as i32, tx);
         child
@@ -785,9 +795,13 @@ fn connect_stdio(
 
 /// How a shell reports a program it could not run: its words, and its exit code
 /// (127: not found, 126: found but not runnable). None for other failures.
-fn shell_report(program: &str, error: &io::Error) -> Option<(String, u8)> {
+fn shell_report(program: &OsStr, error: &io::Error) -> Option<(String, u8)> {
+    let (has_slash, program) = (
+        program.as_bytes().contains(&b'/'),
+        program.to_string_lossy(),
+    );
     match error.kind() {
-        io::ErrorKind::NotFound if program.contains('/') => {
+        io::ErrorKind::NotFound if has_slash => {
             Some((format!("{program}: No such file or directory"), 127))
         }
         io::ErrorKind::NotFound => Some((format!("{program}: command not found"), 127)),
@@ -1206,7 +1220,9 @@ where
         stderr,
         pty,
     } = spawned;
-    info!(pid, argv = ?req.argv, tty = req.tty.is_some(), "started");
+    // Shown as text, a byte that is not UTF-8 escaped (`\xE9`).
+    let argv: Vec<&OsStr> = req.argv.iter().map(|arg| OsStr::from_bytes(arg)).collect();
+    info!(pid, ?argv, tty = req.tty.is_some(), "started");
 
     let (out_tx, mut out_rx) = mpsc::channel::<AgentMessage>(OUTPUT_QUEUE);
     // Started goes first: queue it before any output pump exists.

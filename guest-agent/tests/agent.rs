@@ -159,6 +159,44 @@ async fn exec_env_cwd_and_user() {
     );
 }
 
+/// Arguments, an environment value and a working directory that are not UTF-8
+/// (Latin-1 names) reach the command byte for byte, as through ssh.
+#[tokio::test]
+async fn arguments_environment_and_cwd_that_are_not_utf8_reach_the_command() {
+    use std::os::unix::ffi::OsStrExt;
+    let latin1 = b"caf\xe9 \xff".to_vec();
+    let out = run(
+        ExecRequest {
+            argv: vec!["printf".into(), "%s".into(), latin1.clone()],
+            ..Default::default()
+        },
+        b"",
+    )
+    .await;
+    assert_eq!(
+        out.stdout,
+        latin1,
+        "{:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code, Some(0));
+
+    let top = tempfile::tempdir().unwrap();
+    let dir = top.path().join(std::ffi::OsStr::from_bytes(b"d\xe9j\xe0"));
+    std::fs::create_dir(&dir).unwrap();
+    let mut req = sh("pwd; printf %s \"$NAME\"");
+    req.cwd = Some(dir.as_os_str().as_bytes().to_vec());
+    req.env = vec![("NAME".into(), b"Jos\xe9".to_vec())];
+    let out = run(req, b"").await;
+    let mut expected = dir.as_os_str().as_bytes().to_vec();
+    expected.extend(b"\nJos\xe9");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&expected)
+    );
+    assert_eq!(out.stdout, expected);
+}
+
 /// Commands start with the usual open files limit, whatever the agent's own (PID 1
 /// raises it for its relays).
 #[tokio::test]
@@ -198,7 +236,7 @@ async fn exec_errors_are_reported() {
         conn()
             .await
             .exec(ExecRequest {
-                argv: vec![argv0],
+                argv: vec![argv0.into()],
                 ..Default::default()
             })
             .await
@@ -662,7 +700,7 @@ async fn twenty_concurrent_execs() {
                 "touch {dir}/$0; while [ $(ls {dir} | wc -l) -lt 20 ]; do sleep 0.05; done; \
                  echo \"n=$0\"; cat"
             ));
-            req.argv.push(i.to_string());
+            req.argv.push(i.to_string().into());
             let out = run(req, format!("in{i}").as_bytes()).await;
             assert_eq!(
                 String::from_utf8_lossy(&out.stdout),

@@ -254,7 +254,7 @@ async fn exec_gets_the_network_environment_under_its_own() {
             "-c".into(),
             "echo \"$NET_ONLY|$SHARED|$HOME\"".into(),
         ],
-        env: env(&[("SHARED", "req")]),
+        env: vec![("SHARED".into(), "req".into())],
         ..Default::default()
     };
     let out = within(async {

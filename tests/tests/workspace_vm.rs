@@ -6,7 +6,9 @@
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
 
+use std::ffi::OsStr;
 use std::io::{Read, Write};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -331,6 +333,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
         "{}",
         String::from_utf8_lossy(&at_root.stderr)
     );
+    assert_bytes_that_are_not_utf8_pass_through(&ws);
 
     // From a subdirectory of a repository, a command about the VM finds the
     // repository's VM (the one `exec` uses there), not one of the subdirectory's.
@@ -675,6 +678,42 @@ fn assert_no_descriptors_left_behind(ws: &Workspace, before: usize) {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// As through ssh, bytes that are not UTF-8 (Latin-1 names) pass through: an argument
+/// reaches the command as it was given, and a command started in a workspace
+/// directory of such a name runs there.
+fn assert_bytes_that_are_not_utf8_pass_through(ws: &Workspace) {
+    let latin1 = OsStr::from_bytes(b"caf\xe9 \xff.txt");
+    let printed = ws
+        .command(&["exec", "--", "printf", "%s"])
+        .arg(latin1)
+        .output()
+        .unwrap();
+    let says = |output: &Output| String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(printed.status.success(), "{}", says(&printed));
+    assert_eq!(printed.stdout, latin1.as_bytes(), "{}", says(&printed));
+
+    let subdir = ws.path().join(OsStr::from_bytes(b"d\xe9j\xe0"));
+    std::fs::create_dir_all(&subdir).unwrap();
+    let mut expected = subdir.canonicalize().unwrap().into_os_string().into_vec();
+    expected.push(b'\n');
+    let pwd = ws
+        .command(&["exec", "--workspace"])
+        .arg(ws.path())
+        .args(["--", "pwd"])
+        .current_dir(&subdir)
+        .output()
+        .unwrap();
+    std::fs::remove_dir(&subdir).unwrap();
+    assert!(pwd.status.success(), "{}", says(&pwd));
+    assert_eq!(
+        String::from_utf8_lossy(&pwd.stdout),
+        String::from_utf8_lossy(&expected),
+        "{}",
+        says(&pwd)
+    );
+    assert_eq!(pwd.stdout, expected);
 }
 
 /// Starts `vmctl exec` of a guest `sleep 1000` (stderr piped) and waits until it runs

@@ -3,7 +3,9 @@
 //! relayed byte for byte (a PTY only when stdin is a terminal), exit code and
 //! signals propagated, loopback MCP URLs relayed, a per-VM config home.
 
+use std::ffi::{OsStr, OsString};
 use std::io::{ErrorKind, IsTerminal};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use crate::exec::{self, ExecOptions};
@@ -108,7 +110,8 @@ pub struct AgentOptions {
     pub workspace: PathBuf,
     pub cli: AgentCli,
     pub skip_permissions: bool,
-    pub args: Vec<String>,
+    /// Passed on as they are: bytes, which need not be UTF-8.
+    pub args: Vec<OsString>,
 }
 
 /// Runs the agent CLI in the workspace VM of the current directory; returns its exit
@@ -132,20 +135,23 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     };
     let vm = crate::vm::up(&workspace, &start)?;
     seed_home(options.cli, &vm, user_home().as_deref())?;
-    let mut env: Vec<(String, String)> = crate::git_identity::guest_env(&vm).into_iter().collect();
+    let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm)
+        .into_iter()
+        .map(|(name, value)| (name, value.into()))
+        .collect();
     if options.cli == AgentCli::Claude {
         // The VM is the sandbox: as root, Claude Code refuses to skip its permission
         // prompts (which Paseo's bypass modes ask for) unless told it runs in one.
-        env.push(("IS_SANDBOX".to_string(), "1".to_string()));
+        env.push(("IS_SANDBOX".to_string(), "1".into()));
     }
     env.extend(read_env_file(&env_file())?);
     env.push((
         options.cli.home_variable().to_string(),
-        format!("{GUEST_AGENT_HOME}/{}", options.cli.program()),
+        format!("{GUEST_AGENT_HOME}/{}", options.cli.program()).into(),
     ));
-    let mut argv = vec![options.cli.program().to_string()];
+    let mut argv: Vec<OsString> = vec![options.cli.program().into()];
     if options.skip_permissions {
-        argv.push(options.cli.skip_permissions_flag().to_string());
+        argv.push(options.cli.skip_permissions_flag().into());
     }
     argv.extend(options.args);
     let cwd = Some(crate::exec::guest_cwd(
@@ -249,9 +255,10 @@ fn env_file() -> PathBuf {
 
 /// The variables the user forwards to agents: `KEY=VALUE` lines (optionally with
 /// `export`, values optionally quoted), or a bare `KEY` to forward the host's value.
-/// A missing file forwards nothing.
-fn read_env_file(path: &Path) -> Result<Vec<(String, String)>, AgentError> {
-    let text = match std::fs::read_to_string(path) {
+/// A missing file forwards nothing. Names are text; values are bytes, which need not
+/// be UTF-8.
+fn read_env_file(path: &Path) -> Result<Vec<(String, OsString)>, AgentError> {
+    let text = match std::fs::read(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => {
@@ -262,7 +269,7 @@ fn read_env_file(path: &Path) -> Result<Vec<(String, String)>, AgentError> {
             })
         }
     };
-    parse_env_file(&text, |key| std::env::var(key).ok()).map_err(|(line, reason)| {
+    parse_env_file(&text, |key| std::env::var_os(key)).map_err(|(line, reason)| {
         AgentError::EnvFile {
             path: path.to_path_buf(),
             line,
@@ -272,28 +279,39 @@ fn read_env_file(path: &Path) -> Result<Vec<(String, String)>, AgentError> {
 }
 
 fn parse_env_file(
-    text: &str,
-    host: impl Fn(&str) -> Option<String>,
-) -> Result<Vec<(String, String)>, (usize, String)> {
+    text: &[u8],
+    host: impl Fn(&str) -> Option<OsString>,
+) -> Result<Vec<(String, OsString)>, (usize, String)> {
     let mut vars = Vec::new();
-    for (index, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
+    for (index, line) in text.split(|&b| b == b'\n').enumerate() {
+        let line = line.trim_ascii();
+        if line.is_empty() || line.starts_with(b"#") {
             continue;
         }
-        let line = line.strip_prefix("export ").unwrap_or(line).trim();
-        let (key, value) = match line.split_once('=') {
-            Some((key, value)) => (key.trim(), Some(unquote(value.trim()))),
+        let line = line.strip_prefix(b"export ").unwrap_or(line).trim_ascii();
+        let (key, value) = match line.iter().position(|&b| b == b'=') {
+            Some(at) => (
+                line[..at].trim_ascii(),
+                Some(unquote(line[at + 1..].trim_ascii())),
+            ),
             None => (line, None),
         };
         let valid = key
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            return Err((index + 1, format!("{key:?} is not a variable name")));
+            .first()
+            .is_some_and(|c| c.is_ascii_alphabetic() || *c == b'_')
+            && key.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_');
+        // A valid name is ASCII.
+        let key = match std::str::from_utf8(key) {
+            Ok(key) if valid => key,
+            _ => {
+                let key = OsStr::from_bytes(key);
+                return Err((index + 1, format!("{key:?} is not a variable name")));
+            }
+        };
+        if value.is_some_and(|value| value.contains(&0)) {
+            return Err((index + 1, format!("the value of {key} holds a NUL byte")));
         }
+        let value = value.map(|value| OsStr::from_bytes(value).to_os_string());
         if let Some(value) = value.or_else(|| host(key)) {
             vars.push((key.to_string(), value));
         }
@@ -301,16 +319,16 @@ fn parse_env_file(
     Ok(vars)
 }
 
-fn unquote(value: &str) -> String {
-    for quote in ['"', '\''] {
+fn unquote(value: &[u8]) -> &[u8] {
+    for quote in [b'"', b'\''] {
         if let Some(inner) = value
-            .strip_prefix(quote)
-            .and_then(|v| v.strip_suffix(quote))
+            .strip_prefix(&[quote])
+            .and_then(|v| v.strip_suffix(&[quote]))
         {
-            return inner.to_string();
+            return inner;
         }
     }
-    value.to_string()
+    value
 }
 
 /// Loopback ports named by URLs in the arguments and in the files `--mcp-config`
@@ -318,21 +336,27 @@ fn unquote(value: &str) -> String {
 /// overrides carry them inline), so those URLs work unchanged in the VM. A file in
 /// one of `guest_writable` (or a link to one) is passed over, said: the guest could
 /// name any host loopback port there (a database, a Docker socket) to be relayed.
-fn loopback_ports(args: &[String], guest_writable: &[PathBuf]) -> Result<Vec<u16>, AgentError> {
-    let mut texts: Vec<String> = args.to_vec();
-    let mut iter = args.iter();
+///
+/// Arguments are bytes: a `--mcp-config` path is used as it is, and the URLs (ASCII)
+/// are looked for in each argument read as text, where a byte that is not UTF-8 is
+/// U+FFFD, never part of a URL's host or port. (The arguments themselves go to the
+/// CLI unchanged.)
+fn loopback_ports(args: &[OsString], guest_writable: &[PathBuf]) -> Result<Vec<u16>, AgentError> {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    let mut texts: Vec<String> = args.iter().map(|arg| text(arg.as_bytes())).collect();
+    let mut iter = args.iter().map(|arg| arg.as_bytes());
     while let Some(arg) = iter.next() {
-        let values: Vec<&String> = if arg == "--mcp-config" {
-            iter.clone().take_while(|v| !v.starts_with("--")).collect()
-        } else if let Some(value) = arg.strip_prefix("--mcp-config=") {
-            texts.push(value.to_string());
+        let values: Vec<&[u8]> = if arg == b"--mcp-config" {
+            iter.clone().take_while(|v| !v.starts_with(b"--")).collect()
+        } else if let Some(value) = arg.strip_prefix(b"--mcp-config=") {
+            texts.push(text(value));
             Vec::new()
         } else {
             Vec::new()
         };
         for value in values {
-            let path = Path::new(value.as_str());
-            if value.trim_start().starts_with('{') {
+            let path = Path::new(OsStr::from_bytes(value));
+            if value.trim_ascii_start().starts_with(b"{") {
                 continue;
             }
             let Ok(real) = path.canonicalize() else {
@@ -420,7 +444,7 @@ mod tests {
             r#"{"mcpServers":{"b":{"type":"http","url":"http://localhost:9100/mcp"}}}"#,
         )
         .unwrap();
-        let args: Vec<String> = [
+        let args: Vec<OsString> = [
             "-p",
             "--output-format",
             "stream-json",
@@ -433,17 +457,24 @@ mod tests {
             "see http://example.com:81/ and http://127.0.0.1:notaport/",
         ]
         .iter()
-        .map(|s| s.to_string())
+        .map(OsString::from)
         .collect();
         assert_eq!(loopback_ports(&args, &[]).unwrap(), [6767, 7000, 9100]);
+
+        // Arguments that are not UTF-8: a file's path is a path, a URL is a URL.
+        let latin1 = dir.path().join(OsStr::from_bytes(b"mcp-\xe9.json"));
+        std::fs::write(&latin1, r#"{"url":"http://127.0.0.1:4100/"}"#).unwrap();
+        let args = [
+            OsString::from("--mcp-config"),
+            latin1.clone().into_os_string(),
+            OsStr::from_bytes(b"caf\xe9 http://localhost:4200/").to_os_string(),
+        ];
+        assert_eq!(loopback_ports(&args, &[]).unwrap(), [4100, 4200]);
 
         // A FIFO (in the workspace, the guest's to make) is passed over, not waited on.
         let fifo = dir.path().join("fifo.json");
         guest_writable::make_fifo(&fifo);
-        let args = [
-            "--mcp-config".to_string(),
-            fifo.to_str().unwrap().to_string(),
-        ];
+        let args = [OsString::from("--mcp-config"), fifo.into_os_string()];
         assert_eq!(loopback_ports(&args, &[]).unwrap(), Vec::<u16>::new());
 
         // In a directory the guest writes, or reached through a link into one: its
@@ -455,7 +486,7 @@ mod tests {
         let link = dir.path().join("link.json");
         std::os::unix::fs::symlink(&planted, &link).unwrap();
         for path in [&planted, &link] {
-            let args = ["--mcp-config".to_string(), path.display().to_string()];
+            let args = [OsString::from("--mcp-config"), path.into()];
             let writable = [share.canonicalize().unwrap()];
             assert_eq!(loopback_ports(&args, &writable).unwrap(), Vec::<u16>::new());
             assert_eq!(loopback_ports(&args, &[]).unwrap(), [5432]);
@@ -464,18 +495,30 @@ mod tests {
 
     #[test]
     fn env_files_forward_values_and_named_host_variables() {
-        let text = "# comment\nexport A=1\nB=\"two words\"\nC='x=y'\nHOSTVAR\nMISSING\n\n";
-        let host = |k: &str| (k == "HOSTVAR").then(|| "from host".to_string());
+        let text = b"# comment\nexport A=1\nB=\"two words\"\r\nC='x=y'\nHOSTVAR\nMISSING\n\n";
+        let host = |k: &str| (k == "HOSTVAR").then(|| "from host".into());
         assert_eq!(
             parse_env_file(text, host).unwrap(),
             [
-                ("A".to_string(), "1".to_string()),
+                ("A".to_string(), "1".into()),
                 ("B".into(), "two words".into()),
                 ("C".into(), "x=y".into()),
                 ("HOSTVAR".into(), "from host".into()),
             ]
         );
-        assert_eq!(parse_env_file("1BAD=x\n", |_| None).unwrap_err().0, 1);
+        assert_eq!(parse_env_file(b"1BAD=x\n", |_| None).unwrap_err().0, 1);
+        // Values are bytes (Latin-1 here), the file's or the host's; names are text.
+        let latin1 = || OsStr::from_bytes(b"Jos\xe9").to_os_string();
+        let host = |k: &str| (k == "HOSTVAR").then(latin1);
+        assert_eq!(
+            parse_env_file(b"NAME=\"Jos\xe9\"\nHOSTVAR\n", host).unwrap(),
+            [("NAME".to_string(), latin1()), ("HOSTVAR".into(), latin1())]
+        );
+        assert_eq!(
+            parse_env_file(b"A=1\nN\xc9=x\n", |_| None).unwrap_err().0,
+            2
+        );
+        assert_eq!(parse_env_file(b"NUL=a\0b\n", |_| None).unwrap_err().0, 1);
     }
 
     #[test]

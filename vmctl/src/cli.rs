@@ -1,7 +1,10 @@
 //! Command-line interface.
 
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
+use clap::builder::{OsStringValueParser, TypedValueParser};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
@@ -144,9 +147,9 @@ pub struct AgentArgs {
     /// Which CLI.
     #[arg(value_enum)]
     pub cli: crate::agent::AgentCli,
-    /// Its arguments, passed unchanged.
+    /// Its arguments, passed unchanged (bytes: they need not be UTF-8).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<String>,
+    pub args: Vec<OsString>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -455,32 +458,49 @@ pub struct ExecArgs {
     pub tty: bool,
     /// Set an environment variable for the command: K=V, or K alone for the host's
     /// value of K (as in the env file). Repeatable.
-    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
-    pub env: Vec<(String, String)>,
+    #[arg(
+        long = "env",
+        short = 'e',
+        value_name = "K=V",
+        value_parser = OsStringValueParser::new().try_map(parse_env)
+    )]
+    pub env: Vec<(String, OsString)>,
     /// Run as this guest user ("root", or an account name); default: your host user.
     #[arg(long, value_name = "USER")]
     pub user: Option<String>,
     #[command(flatten)]
     pub setup: VmSetupArgs,
-    /// The command and its arguments.
+    /// The command and its arguments (bytes: they need not be UTF-8).
     #[arg(required = true, trailing_var_arg = true)]
-    pub command: Vec<String>,
+    pub command: Vec<OsString>,
 }
 
-fn parse_env(value: &str) -> Result<(String, String), String> {
-    parse_env_with(value, |key| std::env::var(key).ok())
+fn parse_env(value: OsString) -> Result<(String, OsString), String> {
+    parse_env_with(&value, |key| std::env::var_os(key))
 }
 
+/// `K=V` or `K`: the name is text (names must be portable), the value the bytes given
+/// (or the host's), which need not be UTF-8.
 fn parse_env_with(
-    value: &str,
-    host: impl Fn(&str) -> Option<String>,
-) -> Result<(String, String), String> {
-    match value.split_once('=') {
-        Some((key, val)) if !key.is_empty() => Ok((key.to_string(), val.to_string())),
-        None if !value.is_empty() => host(value)
-            .map(|val| (value.to_string(), val))
-            .ok_or_else(|| format!("{value} is not set here to pass on; write {value}=VALUE")),
-        _ => Err(format!("expected K=V or K, got {value:?}")),
+    value: &OsStr,
+    host: impl Fn(&str) -> Option<OsString>,
+) -> Result<(String, OsString), String> {
+    let bytes = value.as_bytes();
+    let (key, val) = match bytes.iter().position(|&b| b == b'=') {
+        Some(at) => (&bytes[..at], Some(&bytes[at + 1..])),
+        None => (bytes, None),
+    };
+    let Ok(key) = std::str::from_utf8(key) else {
+        return Err(format!(
+            "the variable name in {value:?} is not UTF-8 (a value may be any bytes)"
+        ));
+    };
+    match val {
+        _ if key.is_empty() => Err(format!("expected K=V or K, got {value:?}")),
+        Some(val) => Ok((key.to_string(), OsStr::from_bytes(val).to_os_string())),
+        None => host(key)
+            .map(|val| (key.to_string(), val))
+            .ok_or_else(|| format!("{key} is not set here to pass on; write {key}=VALUE")),
     }
 }
 
@@ -495,9 +515,9 @@ pub struct NestedExecArgs {
     /// A host directory the command may write to (shared read-write). Repeatable.
     #[arg(long = "writable", value_name = "DIR")]
     pub writable: Vec<PathBuf>,
-    /// The command and its arguments.
+    /// The command and its arguments (UTF-8: the nested host's job is JSON).
     #[arg(required = true, trailing_var_arg = true)]
-    pub command: Vec<String>,
+    pub command: Vec<OsString>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -642,20 +662,76 @@ mod tests {
 
     #[test]
     fn an_env_entry_is_a_value_or_the_hosts() {
-        let host = |key: &str| (key == "EDITOR").then(|| "vim".to_string());
+        let latin1 = || OsStr::from_bytes(b"Jos\xe9").to_os_string();
+        let host = |key: &str| match key {
+            "EDITOR" => Some("vim".into()),
+            "NAME" => Some(latin1()),
+            _ => None,
+        };
+        let parse = |value: &[u8]| parse_env_with(OsStr::from_bytes(value), host);
+        assert_eq!(parse(b"A=b=c"), Ok(("A".into(), "b=c".into())));
+        assert_eq!(parse(b"EDITOR"), Ok(("EDITOR".into(), "vim".into())));
+        assert!(parse(b"UNSET").unwrap_err().contains("UNSET=VALUE"));
+        assert!(parse(b"=x").is_err());
+        assert!(parse(b"").is_err());
+        // A value is bytes, given or the host's; a name is text.
+        assert_eq!(parse(b"NAME=Jos\xe9"), Ok(("NAME".into(), latin1())));
+        assert_eq!(parse(b"NAME"), Ok(("NAME".into(), latin1())));
+        assert!(parse(b"N\xc9=x").unwrap_err().contains("not UTF-8"));
+        let parsed = Cli::try_parse_from([
+            OsStr::new("vmctl"),
+            OsStr::new("exec"),
+            OsStr::new("-e"),
+            OsStr::from_bytes(b"NAME=Jos\xe9"),
+            OsStr::new("true"),
+        ]);
+        let Ok(Cli {
+            command: Command::Exec(exec),
+        }) = parsed
+        else {
+            panic!("{parsed:?}");
+        };
+        assert_eq!(exec.env, [("NAME".to_string(), latin1())]);
+    }
+
+    /// As ssh and docker exec do: a command's arguments that are not UTF-8 (a
+    /// Latin-1 file name) are the command's to judge, and go to it byte for byte.
+    #[test]
+    fn arguments_that_are_not_utf8_are_passed_on_as_they_are() {
+        fn bytes_of<T: AsRef<OsStr>>(args: &[T]) -> Vec<&[u8]> {
+            args.iter().map(|arg| arg.as_ref().as_bytes()).collect()
+        }
+        let parse = |argv: &[&[u8]]| {
+            let argv = argv.iter().map(|arg| OsStr::from_bytes(arg));
+            Cli::try_parse_from(std::iter::once(OsStr::new("vmctl")).chain(argv))
+                .unwrap_or_else(|e| panic!("refused: {e}"))
+        };
+        for argv in [
+            &[&b"exec"[..], b"--", b"cat", b"caf\xe9.txt"][..],
+            &[b"exec", b"cat", b"caf\xe9.txt"],
+            &[b"run", b"--", b"cat", b"caf\xe9.txt"],
+        ] {
+            let (Cli {
+                command: Command::Exec(args),
+            }
+            | Cli {
+                command: Command::Run(args),
+            }) = parse(argv)
+            else {
+                panic!("{argv:?}");
+            };
+            assert_eq!(bytes_of(&args.command), [&b"cat"[..], b"caf\xe9.txt"]);
+        }
+        let Cli {
+            command: Command::Agent(agent),
+        } = parse(&[b"agent", b"claude", b"-p", b"caf\xe9", b"--verbose"])
+        else {
+            panic!("not agent");
+        };
         assert_eq!(
-            parse_env_with("A=b=c", host),
-            Ok(("A".into(), "b=c".into()))
+            bytes_of(&agent.args),
+            [&b"-p"[..], b"caf\xe9", b"--verbose"]
         );
-        assert_eq!(
-            parse_env_with("EDITOR", host),
-            Ok(("EDITOR".into(), "vim".into()))
-        );
-        assert!(parse_env_with("UNSET", host)
-            .unwrap_err()
-            .contains("UNSET=VALUE"));
-        assert!(parse_env_with("=x", host).is_err());
-        assert!(parse_env_with("", host).is_err());
     }
 
     #[test]

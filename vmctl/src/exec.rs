@@ -2,8 +2,10 @@
 //! `vmctl shell`, with stdio relayed, the terminal in raw mode for a PTY, window size
 //! followed and the exit code propagated.
 
+use std::ffi::OsString;
 use std::io::Write;
-use std::path::Path;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
 
 use guest_agent::client::{self, ExecEvent};
 use guest_agent::protocol::{ExecRequest, OutputStream, TtyRequest, User};
@@ -49,10 +51,12 @@ pub enum ExecError {
     OutputThread(std::io::Error),
 }
 
+/// What to run. Arguments, values and the directory go to the guest as the bytes they
+/// are (they need not be UTF-8); variable names are text.
 pub struct ExecOptions {
-    pub argv: Vec<String>,
-    pub env: Vec<(String, String)>,
-    pub cwd: Option<String>,
+    pub argv: Vec<OsString>,
+    pub env: Vec<(String, OsString)>,
+    pub cwd: Option<PathBuf>,
     pub user: User,
     pub tty: bool,
 }
@@ -62,18 +66,18 @@ pub struct ExecOptions {
 /// a directory of the guest's own, whose files would go with the VM. (Should the VM's
 /// record be unreadable, the guest agent decides: `host_dir` if the guest has it, else
 /// the home directory.)
-pub fn guest_cwd(vm: &VmDir, host_dir: &Path) -> String {
+pub fn guest_cwd(vm: &VmDir, host_dir: &Path) -> PathBuf {
     let host_dir = host_dir
         .canonicalize()
         .unwrap_or_else(|_| host_dir.to_path_buf());
-    let place = match vm.read_record() {
+    // A path, never text: a name that is not UTF-8 reaches the guest as it is.
+    match vm.read_record() {
         Ok(record) => record
             .shares
             .and_then(|set| set.guest_path_of(&host_dir))
             .unwrap_or(record.workspace),
         Err(_) => host_dir,
-    };
-    place.display().to_string()
+    }
 }
 
 /// Parses `--user`: empty/default → the host user, `root`, or a guest account name.
@@ -159,9 +163,13 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         }
     });
     let request = ExecRequest {
-        argv: options.argv,
-        env: options.env,
-        cwd: options.cwd,
+        argv: options.argv.into_iter().map(OsString::into_vec).collect(),
+        env: options
+            .env
+            .into_iter()
+            .map(|(name, value)| (name, value.into_vec()))
+            .collect(),
+        cwd: options.cwd.map(|dir| dir.into_os_string().into_vec()),
         user: options.user,
         tty,
     };
@@ -589,7 +597,7 @@ impl Drop for RawTerminal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
+    use std::os::unix::ffi::OsStrExt;
 
     #[test]
     fn a_command_runs_at_its_directorys_place_in_the_guest_else_at_the_workspace() {
@@ -603,19 +611,23 @@ mod tests {
             path: host.path().join("vm"),
         };
         std::fs::create_dir_all(&vm.path).unwrap();
+        // A name that is not UTF-8 (Latin-1): the guest has it byte for byte.
+        let latin1 = workspace.join(std::ffi::OsStr::from_bytes(b"d\xe9j\xe0"));
+        std::fs::create_dir(&latin1).unwrap();
         let canonical = workspace.canonicalize().unwrap();
-        let show = |path: PathBuf| path.display().to_string();
         let cwd = |dir: &Path| guest_cwd(&vm, dir);
 
         // No record: the host path as it is, for the agent to judge.
-        assert_eq!(cwd(&elsewhere), show(elsewhere.clone()));
+        assert_eq!(cwd(&elsewhere), elsewhere);
+        assert_eq!(cwd(&latin1), latin1);
 
         vm.write_record(&crate::state::test_record(&vm, &canonical))
             .unwrap();
-        assert_eq!(cwd(&workspace.join("src")), show(canonical.join("src")));
-        assert_eq!(cwd(&host.path().join("link")), show(canonical.join("src")));
-        assert_eq!(cwd(&elsewhere), show(canonical.clone()));
-        assert_eq!(cwd(Path::new("/")), show(canonical));
+        assert_eq!(cwd(&workspace.join("src")), canonical.join("src"));
+        assert_eq!(cwd(&host.path().join("link")), canonical.join("src"));
+        assert_eq!(cwd(&latin1), canonical.join(latin1.file_name().unwrap()));
+        assert_eq!(cwd(&elsewhere), canonical);
+        assert_eq!(cwd(Path::new("/")), canonical);
     }
 
     /// A VM whose vsock accepts but whose agent never answers: `vmctl exec` gives up

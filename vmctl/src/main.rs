@@ -166,10 +166,7 @@ fn main() -> ExitCode {
                 })
                 .map_err(|e| e.to_string())
         }
-        cli::Command::NestedExec(args) => {
-            nested::launcher::run_command(args.command, args.cpus, args.memory, &args.writable)
-                .map_err(|e| e.to_string())
-        }
+        cli::Command::NestedExec(args) => nested_exec(args),
     };
     exit_with(result)
 }
@@ -275,6 +272,25 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     outcome
 }
 
+/// `vmctl nested-exec`: its command goes to the nested host in a JSON job, which
+/// holds text only.
+fn nested_exec(args: cli::NestedExecArgs) -> Result<u8, String> {
+    let argv = args
+        .command
+        .into_iter()
+        .map(|arg| {
+            arg.into_string().map_err(|arg| {
+                format!(
+                    "the argument {arg:?} is not UTF-8, which the nested host's job (JSON) \
+                     cannot carry"
+                )
+            })
+        })
+        .collect::<Result<Vec<String>, String>>()?;
+    nested::launcher::run_command(argv, args.cpus, args.memory, &args.writable)
+        .map_err(|e| e.to_string())
+}
+
 fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     let cwd = exec::guest_cwd(vm, &workspace::current_dir());
     let options = exec::ExecOptions {
@@ -282,6 +298,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         // Yours last: `--env` can override what vmctl sets.
         env: git_identity::guest_env(vm)
             .into_iter()
+            .map(|(name, value)| (name, value.into()))
             .chain(args.env)
             .collect(),
         cwd: Some(cwd),
@@ -370,7 +387,10 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     let options = exec::ExecOptions {
         argv: vec!["/bin/bash".into(), "-l".into()],
-        env: git_identity::guest_env(&vm).into_iter().collect(),
+        env: git_identity::guest_env(&vm)
+            .into_iter()
+            .map(|(name, value)| (name, value.into()))
+            .collect(),
         cwd: Some(exec::guest_cwd(&vm, &start_in)),
         user: exec::parse_user(None),
         // As ssh: a terminal gets a PTY; commands piped in get a plain shell

@@ -353,6 +353,12 @@ where
                 }
             },
             signal = &mut signalled => return Ok(exit_code(None, Some(signal))),
+            // A signal forwarded before the exit (`timeout` sends one, once) still
+            // ends vmctl in its time while the output waits for a stalled reader.
+            Some(reason) = gave_up.recv() => {
+                vmm::to_stderr!("vmctl: {reason}");
+                return Ok(reason.exit_code());
+            }
         }
     }
 }
@@ -790,6 +796,34 @@ mod tests {
         drop(release);
         let code = outcome
             .expect("vmctl still waits for the blocked write 10 s after a signal")
+            .unwrap();
+        assert_eq!(code, 143);
+    }
+
+    /// `timeout 10 vmctl exec -- cmd | stalled`: the one SIGTERM was forwarded, the
+    /// command exited of it, and its last output waits for the stalled reader. Giving
+    /// up on the signal, in its time, still ends vmctl; no second signal comes.
+    #[test]
+    fn giving_up_after_the_exit_ends_vmctl_while_the_output_waits() {
+        let (stdout, began, release) = stalled();
+        let (give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (_signal, after_exit_signal) = tokio::sync::oneshot::channel();
+        let messages = vec![
+            AgentMessage::Stdout(b"last words".to_vec()),
+            AgentMessage::Exited {
+                code: None,
+                signal: Some(libc::SIGTERM),
+            },
+        ];
+        let outcome = relay_on_its_own_thread(messages, stdout, gave_up, after_exit_signal);
+        began
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no output written within 10 s");
+        give_up.try_send(GiveUp::Again(libc::SIGTERM)).unwrap();
+        let outcome = outcome.recv_timeout(Duration::from_secs(10));
+        drop(release);
+        let code = outcome
+            .expect("vmctl still waits for the blocked write 10 s after giving up")
             .unwrap();
         assert_eq!(code, 143);
     }

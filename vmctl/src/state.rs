@@ -351,12 +351,16 @@ impl VmDir {
     }
 }
 
-/// Whether a process's command line (`/proc/PID/cmdline`) is the supervisor of `dir`.
+/// Whether a process's command line (`/proc/PID/cmdline`) is the supervisor of `dir`:
+/// named as `dir` is, or another way to the same place (a supervisor started before
+/// the state directory was resolved through links, by an older vmctl).
 fn supervises(cmdline: &[u8], dir: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;
     let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
     args.windows(2).any(|pair| {
-        pair[0] == b"__supervise" && Path::new(std::ffi::OsStr::from_bytes(pair[1])) == dir
+        let named = Path::new(std::ffi::OsStr::from_bytes(pair[1]));
+        pair[0] == b"__supervise"
+            && (named == dir || resolve_existing_part(named) == resolve_existing_part(dir))
     })
 }
 
@@ -654,6 +658,29 @@ mod tests {
         supervisor.kill().unwrap();
         supervisor.wait().unwrap();
         assert_eq!(vm.running_pid(), None);
+    }
+
+    /// A supervisor an older vmctl started names its directory through the link
+    /// the state directory was reached by then: it is still this VM's.
+    #[test]
+    fn a_supervisor_named_through_a_link_is_the_vms() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap().join("vms/one");
+        std::fs::create_dir_all(&real).unwrap();
+        std::os::unix::fs::symlink(real.parent().unwrap(), tmp.path().join("link")).unwrap();
+        let cmdline = |dir: &Path| {
+            let mut line = b"vmctl\0__supervise\0".to_vec();
+            line.extend_from_slice(dir.as_os_str().as_encoded_bytes());
+            line.push(0);
+            line
+        };
+        let through_link = tmp.path().join("link/one");
+        assert!(supervises(&cmdline(&through_link), &real));
+        assert!(supervises(&cmdline(&real), &real));
+        assert!(!supervises(&cmdline(&tmp.path().join("link/two")), &real));
+        let mut not_a_supervisor = cmdline(&real);
+        not_a_supervisor.splice(6..17, b"__superviseX".iter().copied());
+        assert!(!supervises(&not_a_supervisor, &real));
     }
 
     /// The crash line may quote the guest's console: it is read back escaped, for

@@ -114,7 +114,7 @@ pub const SANDBOX_ENV: &str = "VMCTL_VIRTIOFSD_SANDBOX";
 
 const SANDBOX_HINT: &str = "\n(if it is virtiofsd's namespace sandbox that cannot work on \
      this host, VMCTL_VIRTIOFSD_SANDBOX=none runs it without one, which is less safe: see the \
-     README's \"Shares\")";
+     README's \"Workspace files (virtio-fs)\")";
 
 /// The sandbox for this start's daemons: the namespace sandbox, unless [`SANDBOX_ENV`]
 /// says none or this user cannot make the namespaces it needs. Decided once, before
@@ -143,9 +143,11 @@ fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, Virtiof
 
 /// Whether this user may make the namespaces of virtiofsd's sandbox (user, mount, PID,
 /// network). Tried in a child, as a threaded process may not make a user namespace.
+/// Only a refusal of the namespaces says no: a probe that fails for another reason
+/// (no process to spare) leaves the sandbox on, for virtiofsd to fail loudly if it must.
 fn user_namespaces_work() -> bool {
     use std::os::unix::process::CommandExt;
-    let mut probe = std::process::Command::new("true");
+    let mut probe = std::process::Command::new("/bin/true");
     probe
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -164,12 +166,21 @@ fn user_namespaces_work() -> bool {
         });
     }
     match probe.status() {
-        Ok(status) => status.success(),
+        Ok(_) => true,
         Err(e) => {
-            tracing::info!("user namespaces unavailable: {e}");
-            false
+            tracing::info!("probing for user namespaces: {e}");
+            !refuses_namespaces(&e)
         }
     }
+}
+
+/// Whether `error` (from unshare) is the kernel refusing the namespaces, rather than
+/// the probe failing for a reason of its own.
+fn refuses_namespaces(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EPERM | libc::EINVAL | libc::ENOSPC | libc::EUSERS | libc::EACCES)
+    )
 }
 
 /// Refuses a share whose (canonical) host path no longer resolves to itself: the path
@@ -640,6 +651,21 @@ mod tests {
     fn is_reaped(pid: libc::pid_t) -> bool {
         // SAFETY: signal 0 only checks whether the pid exists.
         unsafe { libc::kill(pid, 0) != 0 }
+    }
+
+    /// Only the kernel's refusal of the namespaces means none; a probe that could not
+    /// run (no process to spare, no /bin/true) leaves the sandbox on.
+    #[test]
+    fn only_a_refusal_of_the_namespaces_drops_the_sandbox() {
+        let errno = std::io::Error::from_raw_os_error;
+        for refusal in [libc::EPERM, libc::EINVAL, libc::ENOSPC, libc::EUSERS] {
+            assert!(refuses_namespaces(&errno(refusal)), "{refusal}");
+        }
+        for other in [libc::EAGAIN, libc::ENOMEM, libc::ENOENT] {
+            assert!(!refuses_namespaces(&errno(other)), "{other}");
+        }
+        // This test runs where namespaces work (as root, or with user namespaces).
+        assert!(user_namespaces_work());
     }
 
     /// A namespace sandbox that fails is an error that says what to do, never a reason

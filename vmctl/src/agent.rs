@@ -247,7 +247,7 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
 }
 
 /// The user's env file: `env` beside the config file (`~/.config/vmctl/env`).
-fn env_file() -> PathBuf {
+pub(crate) fn env_file() -> PathBuf {
     crate::user_config::config_path()
         .and_then(|p| p.parent().map(|d| d.join("env")))
         .unwrap_or_else(|| PathBuf::from("/nonexistent/vmctl/env"))

@@ -155,11 +155,25 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     let home = std::env::var_os("HOME")
         .filter(|home| !home.is_empty())
         .map(PathBuf::from);
-    let config =
-        crate::user_config::config_path().and_then(|file| file.parent().map(Path::to_path_buf));
+    let config_file = crate::user_config::config_path();
+    let config = config_file
+        .as_deref()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf);
+    let egress = crate::network::guest_setup::EgressFiles::locate();
+    let config_files: Vec<PathBuf> = config_file
+        .into_iter()
+        .chain(
+            egress
+                .into_iter()
+                .flat_map(|files| [files.policy, files.secrets]),
+        )
+        .chain([crate::agent::env_file()])
+        .collect();
     kept_out_from(
         home,
         config,
+        &config_files,
         crate::state::state_dir(),
         crate::artifacts::cache_dir(),
     )
@@ -168,6 +182,7 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
 fn kept_out_from(
     home: Option<PathBuf>,
     config: Option<PathBuf>,
+    config_files: &[PathBuf],
     state: PathBuf,
     cache: Option<PathBuf>,
 ) -> Vec<KeptOut> {
@@ -178,21 +193,17 @@ fn kept_out_from(
         what,
         inside_too,
     };
-    // The files vmctl reads there may be links out of it (GNU stow, chezmoi): where
-    // they lead is kept out as well.
-    let linked_config_files: Vec<KeptOut> = config
+    // The files vmctl reads may be links (GNU stow, chezmoi): the directory of each
+    // link on the way is kept out as well, where a guest could change where it leads.
+    let linked_config_files: Vec<KeptOut> = config_files
         .iter()
-        .flat_map(|dir| {
-            CONFIG_FILES.iter().filter_map(move |name| {
-                let file = dir.join(name);
-                let target = std::fs::read_link(&file).ok()?;
-                let target = crate::state::resolve_existing_part(&file.parent()?.join(target));
-                Some(kept(
-                    target.parent()?.to_path_buf(),
-                    "the directory a file of vmctl's config directory links to",
-                    true,
-                ))
-            })
+        .flat_map(|file| directories_of_links(file))
+        .map(|dir| {
+            kept(
+                dir,
+                "the directory a link to a file vmctl reads leads into",
+                true,
+            )
         })
         .collect();
     [
@@ -223,9 +234,30 @@ fn kept_out_from(
     .collect()
 }
 
-/// The files vmctl reads from its config directory: the config, the egress policy and
-/// secrets, the variables forwarded to agents.
-const CONFIG_FILES: [&str; 4] = ["config.toml", "policy.json", "secrets.json", "env"];
+/// Where each link from `file` on leads, one link at a time: the directories of the
+/// links' targets (not `file`'s own), as far as they exist.
+fn directories_of_links(file: &Path) -> Vec<PathBuf> {
+    /// The kernel's own bound on links in one lookup.
+    const MAX_LINKS: usize = 40;
+    let mut dirs = Vec::new();
+    let mut link = file.to_path_buf();
+    while dirs.len() < MAX_LINKS {
+        let Ok(target) = std::fs::read_link(&link) else {
+            break;
+        };
+        // A relative target is followed from the link's own directory.
+        let Some(next) = link.parent().map(|parent| parent.join(target)) else {
+            break;
+        };
+        let (Some(dir), Some(name)) = (next.parent(), next.file_name()) else {
+            break;
+        };
+        let dir = crate::state::resolve_existing_part(dir);
+        link = dir.join(name);
+        dirs.push(dir);
+    }
+    dirs
+}
 
 /// Refuses `share` if it is, holds or (where that counts) lies inside a directory that
 /// is kept out of the guest.
@@ -607,7 +639,14 @@ mod tests {
         let state = root.join("state");
 
         // ~/.config is a link into the dotfiles; ~/.config/vmctl is not made yet.
-        let kept = kept_out_from(None, Some(root.join("xdg/vmctl")), state.clone(), None);
+        let config_file = root.join("xdg/vmctl/config.toml");
+        let kept = kept_out_from(
+            None,
+            Some(root.join("xdg/vmctl")),
+            std::slice::from_ref(&config_file),
+            state.clone(),
+            None,
+        );
         assert!(
             kept.iter().any(|k| k.dir == dotfiles.join(".config/vmctl")),
             "{kept:?}"
@@ -622,7 +661,13 @@ mod tests {
             config.join("config.toml"),
         )
         .unwrap();
-        let kept = kept_out_from(None, Some(config), state, None);
+        let kept = kept_out_from(
+            None,
+            Some(config.clone()),
+            &[config.join("config.toml")],
+            state,
+            None,
+        );
         assert!(
             kept.iter().any(|k| k.dir == dotfiles.join("vmctl")),
             "{kept:?}"
@@ -634,6 +679,22 @@ mod tests {
             &kept
         )
         .is_ok());
+
+        // A config file named elsewhere ($VMCTL_CONFIG), a link into a chain of links:
+        // the directory of each link on the way is kept out, as a guest that could
+        // write one could point the chain elsewhere.
+        std::fs::create_dir_all(root.join("hop")).unwrap();
+        std::os::unix::fs::symlink(
+            dotfiles.join("vmctl/config.toml"),
+            root.join("hop/work.toml"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(root.join("hop/work.toml"), root.join("work.toml")).unwrap();
+        let named = root.join("work.toml");
+        let kept = kept_out_from(None, Some(root.clone()), &[named], root.join("state"), None);
+        for dir in [root.join("hop"), dotfiles.join("vmctl")] {
+            assert!(kept.iter().any(|k| k.dir == dir), "{dir:?} in {kept:?}");
+        }
     }
 
     #[test]

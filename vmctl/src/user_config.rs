@@ -8,7 +8,7 @@
 //! idle_timeout_s = 30           # a VM stops this long after its last session
 //! isolation = "workspace"       # or "directory": which VM a directory belongs to
 //! cpus = 2                      # a new VM's vCPUs (default: all)
-//! memory_percent = 10           # its memory, as a share of the host's RAM...
+//! memory_percent = 10           # its memory, as a share of the host's RAM (0-100)...
 //! memory_min_mib = 1024         # ...but at least this much
 //! [workspaces."/home/me/project"]
 //! mounts = ["/srv/data:/data:ro"]
@@ -182,7 +182,8 @@ impl UserConfig {
         for (section, cpus, memory_percent) in sections {
             let checks = [
                 ("cpus", cpus, 1..=MAX_CPUS, "1..=1024"),
-                ("memory_percent", memory_percent, 1..=100, "1..=100"),
+                // 0 leaves memory_min_mib alone to size the VM.
+                ("memory_percent", memory_percent, 0..=100, "0..=100"),
             ];
             for (name, value, range, allowed) in checks {
                 if let Some(value) = value.filter(|value| !range.contains(value)) {
@@ -499,7 +500,6 @@ mounts = ["/srv/other"]
         let refused = [
             ("cpus = 0\n", "cpus = 0"),
             ("cpus = 1025\n", "cpus = 1025"),
-            ("memory_percent = 0\n", "memory_percent = 0"),
             ("memory_percent = 500\n", "memory_percent = 500"),
             (
                 "[workspaces.\"/w\"]\nmemory_percent = 101\n",
@@ -512,7 +512,7 @@ mounts = ["/srv/other"]
             assert!(error.contains(named), "{text:?}: {error}");
             assert!(error.contains(&path.display().to_string()), "{error}");
         }
-        let bounds = "cpus = 1024\nmemory_percent = 100\n[workspaces.\"/w\"]\ncpus = 1\nmemory_percent = 1\n";
+        let bounds = "cpus = 1024\nmemory_percent = 100\n[workspaces.\"/w\"]\ncpus = 1\nmemory_percent = 0\n";
         UserConfig::load_from(&write_config(dir.path(), bounds)).unwrap();
     }
 

@@ -1267,6 +1267,10 @@ async fn trailers_reach_a_guest_that_asks_for_them() {
         after_last_chunk.contains("x-checksum: abc123"),
         "no trailer after the last chunk:\n{answer}"
     );
+    let seen = h.seen();
+    let upstream = seen.iter().find(|s| s.uri == "/trailers").unwrap();
+    assert_eq!(upstream.headers["te"], "trailers");
+    assert_eq!(upstream.headers["connection"], "te");
 
     // Where the secret is injected, a trailer that echoes it is redacted like a header.
     let mut client = h

@@ -406,9 +406,6 @@ where
     Ok(())
 }
 
-/// Reads frames from a byte stream. [`FrameReader::next`] is cancel-safe: bytes
-/// already read stay buffered when its future is dropped.
-#[derive(Debug)]
 /// Room added at the end of a buffer for a read: on drop, the buffer is cut back to
 /// `keep` bytes (what was there before, and what the read filled).
 struct Unread<'a> {
@@ -422,6 +419,9 @@ impl Drop for Unread<'_> {
     }
 }
 
+/// Reads frames from a byte stream. [`FrameReader::next`] is cancel-safe: bytes
+/// already read stay buffered when its future is dropped.
+#[derive(Debug)]
 pub struct FrameReader<R> {
     inner: R,
     buf: Vec<u8>,

@@ -248,6 +248,10 @@ pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValu
         parts
             .headers
             .insert(header::TE, HeaderValue::from_static("trailers"));
+        // A sender of TE lists it in Connection too (RFC 9110, 10.1.4).
+        parts
+            .headers
+            .append(header::CONNECTION, HeaderValue::from_static("te"));
     }
     let origin = parts
         .uri

@@ -72,7 +72,11 @@ pub enum NestedError {
 }
 
 /// The job directory, shared with the nested host and removed afterwards.
-struct JobDir(PathBuf);
+struct JobDir {
+    path: PathBuf,
+    /// Its lock, held while this launcher runs.
+    _lock: std::fs::File,
+}
 
 impl JobDir {
     fn create() -> Result<Self, NestedError> {
@@ -95,27 +99,37 @@ impl JobDir {
                 path: path.clone(),
                 source,
             })?;
-        Ok(Self(path))
+        // Held while this launcher runs, in whatever PID namespace: a sweep by another
+        // launcher leaves the directory alone while it is taken.
+        let lock = crate::state::lock_file(&path.join(JOB_DIR_LOCK)).map_err(|source| {
+            NestedError::JobDir {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        Ok(Self { path, _lock: lock })
     }
 
     fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
+        self.path.join(name)
     }
 }
 
 impl Drop for JobDir {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
-            tracing::warn!("cannot remove {}: {e}", self.0.display());
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            tracing::warn!("cannot remove {}: {e}", self.path.display());
         }
     }
 }
 
 const JOB_DIR_PREFIX: &str = "vmctl-nested-";
+const JOB_DIR_LOCK: &str = "launcher.lock";
 
 /// Removes the job directories of launchers that are gone without removing their own
-/// (SIGKILL, a crash): those of ours whose pid is no process now. One whose pid was
-/// reused meanwhile stays until that process ends too.
+/// (SIGKILL, a crash): those of ours whose lock nobody holds. One without a lock (its
+/// launcher has not taken it yet, or is an older vmctl) goes when its pid is no
+/// process now; one whose pid was reused meanwhile stays until that process ends too.
 fn remove_stale_job_dirs(base: &Path) {
     use std::os::unix::fs::MetadataExt;
     // SAFETY: geteuid cannot fail.
@@ -137,9 +151,15 @@ fn remove_stale_job_dirs(base: &Path) {
         let ours = entry
             .metadata()
             .is_ok_and(|meta| meta.is_dir() && meta.uid() == uid);
-        // SAFETY: signal 0 only asks whether the process exists.
-        let gone = unsafe { libc::kill(pid, 0) } == -1
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let pid_gone = || {
+            // SAFETY: signal 0 only asks whether the process exists.
+            let alive = unsafe { libc::kill(pid, 0) } == 0;
+            !alive && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        };
+        let gone = match std::fs::File::open(entry.path().join(JOB_DIR_LOCK)) {
+            Ok(lock) => lock.try_lock().is_ok(),
+            Err(_) => pid_gone(),
+        };
         if ours && gone {
             tracing::debug!(
                 "removing {}, left by a launcher that is gone",
@@ -221,7 +241,7 @@ fn run(
     let job_dir = JobDir::create()?;
     let spec_path = job_dir.file(job::SPEC_FILE);
     let job_dir_error = |source| NestedError::JobDir {
-        path: job_dir.0.clone(),
+        path: job_dir.path.clone(),
         source,
     };
     let spec = serde_json::to_vec_pretty(job).map_err(|e| job_dir_error(e.into()))?;
@@ -237,8 +257,8 @@ fn run(
         _ => None,
     };
     // Kept until QEMU is gone.
-    let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.0)?;
-    let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.0, &stderr_socket, job);
+    let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.path)?;
+    let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.path, &stderr_socket, job);
     add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
     if let Some(cpus) = &host_cpus {
         tracing::info!(
@@ -739,7 +759,17 @@ mod tests {
         let stale = dir(format!("{JOB_DIR_PREFIX}{dead_pid}-12"));
         let live = dir(format!("{JOB_DIR_PREFIX}{}-34", std::process::id()));
         let other = dir(format!("vmctl-other-{dead_pid}-56"));
+        // A launcher in another PID namespace: its pid means nothing here, its lock does.
+        let elsewhere = dir(format!("{JOB_DIR_PREFIX}{dead_pid}-78"));
+        let _held = crate::state::lock_file(&elsewhere.join(JOB_DIR_LOCK)).unwrap();
+        let released = dir(format!("{JOB_DIR_PREFIX}{}-90", std::process::id()));
+        drop(crate::state::lock_file(&released.join(JOB_DIR_LOCK)).unwrap());
         remove_stale_job_dirs(base.path());
+        assert!(
+            elsewhere.join("spec").exists(),
+            "a launcher holding its lock keeps it"
+        );
+        assert!(!released.exists(), "a lock nobody holds is a launcher gone");
         assert!(!stale.exists(), "the dead launcher's directory is removed");
         assert!(live.join("spec").exists(), "a running launcher's stays");
         assert!(other.exists(), "what is not a job directory stays");

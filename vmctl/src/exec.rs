@@ -750,6 +750,35 @@ mod tests {
         outcome
     }
 
+    /// How vmctl is told to end while a write of the command's output blocks.
+    enum EndBy {
+        /// Giving up on the command (a signal forwarded, and no exit in its time).
+        GivingUp,
+        /// A signal after the command exited.
+        Signal,
+    }
+
+    /// Relays `messages` to an output whose reader stalls, ends vmctl `by` once a
+    /// write blocks, and returns the code vmctl ended with, in 10 s at most.
+    fn code_when_ended_while_stalled(messages: Vec<AgentMessage>, by: EndBy) -> u8 {
+        let (stdout, began, release) = stalled();
+        let (give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (signal, after_exit_signal) = tokio::sync::oneshot::channel();
+        let outcome = relay_on_its_own_thread(messages, stdout, gave_up, after_exit_signal);
+        began
+            .recv_timeout(Duration::from_secs(10))
+            .expect("no output written within 10 s");
+        match by {
+            EndBy::GivingUp => give_up.try_send(GiveUp::Again(libc::SIGTERM)).unwrap(),
+            EndBy::Signal => signal.send(libc::SIGTERM).unwrap(),
+        }
+        let outcome = outcome.recv_timeout(Duration::from_secs(10));
+        drop(release);
+        outcome
+            .expect("vmctl still waits for the blocked write 10 s after it was told to end")
+            .unwrap()
+    }
+
     /// `timeout 10 vmctl exec -- cmd | stalled`: while a write of the command's output
     /// blocks, vmctl still gives up on the command (here: a second signal) and ends;
     /// before, the write held the runtime's one thread, so no signal was forwarded and
@@ -757,47 +786,26 @@ mod tests {
     #[test]
     fn a_blocked_write_of_the_output_does_not_stop_vmctl_from_giving_up() {
         let chunk = AgentMessage::Stdout(vec![b'x'; 32 * 1024]);
-        let (stdout, began, release) = stalled();
-        let (give_up, gave_up) = tokio::sync::mpsc::channel(1);
-        let (_signal, after_exit_signal) = tokio::sync::oneshot::channel();
-        let outcome = relay_on_its_own_thread(vec![chunk; 16], stdout, gave_up, after_exit_signal);
-        began
-            .recv_timeout(Duration::from_secs(10))
-            .expect("no output written within 10 s");
-        give_up.try_send(GiveUp::Again(libc::SIGTERM)).unwrap();
-        let outcome = outcome.recv_timeout(Duration::from_secs(10));
-        drop(release);
-        let code = outcome
-            .expect("vmctl still waits for the blocked write 10 s after giving up")
-            .unwrap();
-        assert_eq!(code, 143);
+        assert_eq!(
+            code_when_ended_while_stalled(vec![chunk; 16], EndBy::GivingUp),
+            143
+        );
+    }
+
+    /// The command's last output, then its exit.
+    fn last_words_then(code: Option<i32>, signal: Option<i32>) -> Vec<AgentMessage> {
+        vec![
+            AgentMessage::Stdout(b"last words".to_vec()),
+            AgentMessage::Exited { code, signal },
+        ]
     }
 
     /// The command exited, and its last output is still being written to a reader that
     /// stalls: a signal ends vmctl, as it would a local command still writing.
     #[test]
     fn a_signal_ends_vmctl_while_the_output_of_a_command_that_exited_is_written() {
-        let (stdout, began, release) = stalled();
-        let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
-        let (signal, after_exit_signal) = tokio::sync::oneshot::channel();
-        let messages = vec![
-            AgentMessage::Stdout(b"last words".to_vec()),
-            AgentMessage::Exited {
-                code: Some(0),
-                signal: None,
-            },
-        ];
-        let outcome = relay_on_its_own_thread(messages, stdout, gave_up, after_exit_signal);
-        began
-            .recv_timeout(Duration::from_secs(10))
-            .expect("no output written within 10 s");
-        signal.send(libc::SIGTERM).unwrap();
-        let outcome = outcome.recv_timeout(Duration::from_secs(10));
-        drop(release);
-        let code = outcome
-            .expect("vmctl still waits for the blocked write 10 s after a signal")
-            .unwrap();
-        assert_eq!(code, 143);
+        let messages = last_words_then(Some(0), None);
+        assert_eq!(code_when_ended_while_stalled(messages, EndBy::Signal), 143);
     }
 
     /// `timeout 10 vmctl exec -- cmd | stalled`: the one SIGTERM was forwarded, the
@@ -805,27 +813,11 @@ mod tests {
     /// up on the signal, in its time, still ends vmctl; no second signal comes.
     #[test]
     fn giving_up_after_the_exit_ends_vmctl_while_the_output_waits() {
-        let (stdout, began, release) = stalled();
-        let (give_up, gave_up) = tokio::sync::mpsc::channel(1);
-        let (_signal, after_exit_signal) = tokio::sync::oneshot::channel();
-        let messages = vec![
-            AgentMessage::Stdout(b"last words".to_vec()),
-            AgentMessage::Exited {
-                code: None,
-                signal: Some(libc::SIGTERM),
-            },
-        ];
-        let outcome = relay_on_its_own_thread(messages, stdout, gave_up, after_exit_signal);
-        began
-            .recv_timeout(Duration::from_secs(10))
-            .expect("no output written within 10 s");
-        give_up.try_send(GiveUp::Again(libc::SIGTERM)).unwrap();
-        let outcome = outcome.recv_timeout(Duration::from_secs(10));
-        drop(release);
-        let code = outcome
-            .expect("vmctl still waits for the blocked write 10 s after giving up")
-            .unwrap();
-        assert_eq!(code, 143);
+        let messages = last_words_then(None, Some(libc::SIGTERM));
+        assert_eq!(
+            code_when_ended_while_stalled(messages, EndBy::GivingUp),
+            143
+        );
     }
 
     /// One buffer behind both outputs, to see the order of the writes.

@@ -69,17 +69,41 @@ pub fn read_file(path: &Path, follow_links: bool, max: u64) -> io::Result<Vec<u8
         flags |= OFlags::NOFOLLOW;
     }
     let found = rustix::fs::open(path, flags, Mode::empty())?;
-    let stat = rustix::fs::fstat(&found)?;
+    read_found(&found, path, max).map(|(bytes, _)| bytes)
+}
+
+/// A file as the kernel knows it: device and inode.
+pub type FileId = (u64, u64);
+
+/// The identity of what `path` leads to (links followed), if anything.
+pub fn file_id(path: &Path) -> Option<FileId> {
+    let stat = rustix::fs::stat(path).ok()?;
+    Some((stat.st_dev, stat.st_ino))
+}
+
+/// [`read_file`] of the entry `name` of the directory `dir`, never through a link,
+/// with the identity of the file read: what a path read again later leads to can be
+/// compared with it.
+pub fn read_file_in(dir: impl AsFd, name: &Path, max: u64) -> io::Result<(Vec<u8>, FileId)> {
+    let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let found = rustix::fs::openat(dir, name, flags, Mode::empty())?;
+    read_found(&found, name, max)
+}
+
+/// The contents and identity of the file `found` (an `O_PATH` descriptor) if it is a
+/// regular file of at most `max` bytes; `shown` names it in errors.
+fn read_found(found: &OwnedFd, shown: &Path, max: u64) -> io::Result<(Vec<u8>, FileId)> {
+    let stat = rustix::fs::fstat(found)?;
     if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{}: not a regular file", path.display()),
+            format!("{}: not a regular file", shown.display()),
         ));
     }
     let too_large = || {
         io::Error::new(
             io::ErrorKind::FileTooLarge,
-            format!("{}: larger than {max} bytes", path.display()),
+            format!("{}: larger than {max} bytes", shown.display()),
         )
     };
     if u64::try_from(stat.st_size).map_or(true, |size| size > max) {
@@ -95,7 +119,7 @@ pub fn read_file(path: &Path, follow_links: bool, max: u64) -> io::Result<Vec<u8
     if bytes.len() as u64 > max {
         return Err(too_large());
     }
-    Ok(bytes)
+    Ok((bytes, (stat.st_dev, stat.st_ino)))
 }
 
 /// Removes the entry `name` of `parent`, a whole tree if it is a directory (even one

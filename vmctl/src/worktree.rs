@@ -30,10 +30,20 @@ pub enum GitDir {
 }
 
 /// Where the repository of the worktree at `workspace` (canonical) keeps its git
-/// directory.
+/// directory. The `.git` read is the one in `workspace` itself, reached without
+/// following links, and the back-link must lead to that very file (device and inode):
+/// a guest that swaps `.git`, or the workspace, between a file and a link to another
+/// worktree's as they are read cannot borrow that worktree's repository.
 pub fn common_git_dir(workspace: &Path) -> GitDir {
-    let dot_git = workspace.join(".git");
-    let Some(named) = read_link_file(&dot_git, "gitdir: ") else {
+    let Ok(dir) = crate::share_root::open_dir_without_links(workspace) else {
+        return GitDir::NotAWorktree;
+    };
+    let Ok((bytes, dot_git)) =
+        crate::guest_writable::read_file_in(&dir, Path::new(".git"), MAX_LINK_FILE)
+    else {
+        return GitDir::NotAWorktree;
+    };
+    let Some(named) = link_line(bytes, "gitdir: ") else {
         return GitDir::NotAWorktree;
     };
     let named = workspace.join(named);
@@ -53,8 +63,8 @@ pub fn common_git_dir(workspace: &Path) -> GitDir {
     };
     let back_link = read_link_file(&worktree_dir.join("gitdir"), "")
         .map(|link| worktree_dir.join(link))
-        .and_then(|link| link.canonicalize().ok());
-    if back_link.is_none() || back_link != dot_git.canonicalize().ok() {
+        .and_then(|link| crate::guest_writable::file_id(&link));
+    if back_link != Some(dot_git) {
         return GitDir::Unusable(format!(
             "{} does not name it back (its gitdir file names another worktree)",
             worktree_dir.display()
@@ -136,6 +146,11 @@ pub fn repository_share(workspace: &Path, shares: &[Share]) -> Result<Option<Sha
 /// the path for a link or a FIFO at any moment: [`crate::guest_writable::read_file`].
 pub(crate) fn read_link_file(path: &Path, prefix: &str) -> Option<PathBuf> {
     let bytes = crate::guest_writable::read_file(path, false, MAX_LINK_FILE).ok()?;
+    link_line(bytes, prefix)
+}
+
+/// The path on the first line of a link file's `bytes`, after `prefix`.
+fn link_line(bytes: Vec<u8>, prefix: &str) -> Option<PathBuf> {
     let text = String::from_utf8(bytes).ok()?;
     let line = text.lines().next()?.strip_prefix(prefix)?.trim();
     (!line.is_empty()).then(|| PathBuf::from(line))
@@ -195,6 +210,49 @@ mod tests {
             guest: guest.to_path_buf(),
             read_only: false,
         }
+    }
+
+    /// A guest that can write a workspace swaps its `.git` between a file naming
+    /// another worktree's directory in an unrelated repository and a link to that
+    /// worktree's own `.git`, which the back-link names: read one way, checked the
+    /// other, that repository's git directory would be shared. However the reads fall,
+    /// it never is.
+    #[test]
+    fn a_git_file_swapped_for_a_link_cannot_name_another_repository() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        let (other_repo, other_worktree) = repo_with_worktree(&root.join("other"));
+        let workspace = root.join("hostile");
+        std::fs::create_dir_all(&workspace).unwrap();
+        let file_text = format!("gitdir: {}/.git/worktrees/wt\n", other_repo.display());
+        std::fs::write(workspace.join(".git"), &file_text).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let swapper = {
+            let (stop, workspace) = (Arc::clone(&stop), workspace.clone());
+            let link_target = other_worktree.join(".git");
+            std::thread::spawn(move || {
+                let (file, link) = (workspace.join(".f"), workspace.join(".l"));
+                while !stop.load(Ordering::Relaxed) {
+                    std::fs::write(&file, &file_text).unwrap();
+                    std::fs::rename(&file, workspace.join(".git")).unwrap();
+                    let _ = std::fs::remove_file(&link);
+                    std::os::unix::fs::symlink(&link_target, &link).unwrap();
+                    std::fs::rename(&link, workspace.join(".git")).unwrap();
+                }
+            })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let mut taken = None;
+        while taken.is_none() && std::time::Instant::now() < deadline {
+            if let GitDir::Common(common) = common_git_dir(&workspace) {
+                taken = Some(common);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        swapper.join().unwrap();
+        assert_eq!(taken, None, "another repository's git directory was taken");
     }
 
     #[test]

@@ -161,9 +161,14 @@ impl TreeWatcher {
     /// no file watcher looks at, and which holds hundreds of directories). Returns why
     /// some went unwatched, the first time that happens, or why `root` cannot be.
     pub fn watch_tree(&mut self, root: &Path) -> Option<String> {
-        // The root is the host's choice (a share), so a link to it is followed.
-        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
-        match rustix::fs::open(root, flags, Mode::empty()) {
+        // A share's path is canonical, yet a directory on it may lie in another VM's
+        // writable share, whose guest could swap it for a link (to the home directory)
+        // as this opens it: no link is followed on the way.
+        let opened = crate::share_root::open_dir_without_links(root).and_then(|path_fd| {
+            let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+            Ok(rustix::fs::openat(&path_fd, ".", flags, Mode::empty())?)
+        });
+        match opened {
             Ok(fd) => self.roots.push((root.to_path_buf(), fd)),
             Err(e) => return Some(format!("cannot watch {}: {e}", root.display())),
         }
@@ -445,6 +450,30 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (root, outside) = (dir.path().join("share"), dir.path().join("outside"));
         (dir, root, outside)
+    }
+
+    /// A share's directory swapped for a link (by another VM's guest, whose share
+    /// holds it) as the watch starts: the link is not followed, so nothing of where it
+    /// led (the home directory, say) is watched, nor its names reported.
+    #[test]
+    fn a_link_swapped_in_at_a_shares_path_is_not_watched_through() {
+        let (dir, root, outside) = share_and_outside();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("users-own-name.txt"), "old").unwrap();
+        std::os::unix::fs::symlink(&outside, &root).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        let why = watcher.watch_tree(&root);
+        assert!(why.is_some_and(|why| why.contains("cannot watch")));
+        std::fs::remove_file(&root).unwrap();
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(outside.join("users-own-name.txt"), "new").unwrap();
+        let mut changes = Changes::default();
+        for _ in 0..5 {
+            watcher.wait(Some(Duration::from_millis(100))).unwrap();
+            watcher.read(&mut changes).unwrap();
+        }
+        assert!(changes.edits.is_empty(), "{changes:?}");
+        drop(dir);
     }
 
     /// Reads until `dir` is watched, or fails after 5 s.

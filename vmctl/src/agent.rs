@@ -197,14 +197,18 @@ fn warn_if_not_signed_in(cli: AgentCli) {
 /// --resume` reads; Codex's), those that hold any.
 pub fn session_dirs(vm: &VmDir) -> Vec<PathBuf> {
     let home = agent_home_dir(vm);
+    let Ok(home_dir) = crate::guest_writable::open_dir(&home) else {
+        return Vec::new();
+    };
     [
-        home.join(AgentCli::Claude.program()).join("projects"),
-        home.join(AgentCli::Codex.program()).join("sessions"),
+        (AgentCli::Claude.program(), "projects"),
+        (AgentCli::Codex.program(), "sessions"),
     ]
     .into_iter()
-    // The guest wrote these: a link is not followed, and counts for nothing.
-    .filter(|dir| std::fs::symlink_metadata(dir).is_ok_and(|meta| meta.is_dir()))
-    .filter(|dir| std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()))
+    // The guest wrote these: a link anywhere below the home is not followed, and
+    // counts for nothing.
+    .filter(|(cli, sessions)| crate::guest_writable::holds_entries(&home_dir, &[cli, sessions]))
+    .map(|(cli, sessions)| home.join(cli).join(sessions))
     .collect()
 }
 
@@ -432,6 +436,13 @@ mod tests {
         // The guest's link to a full directory elsewhere is no session of the VM's.
         std::os::unix::fs::symlink(home.join("claude/projects"), home.join("codex/sessions"))
             .unwrap();
+        assert_eq!(session_dirs(&vm), [home.join("claude/projects")]);
+        // Nor is a link higher up: the guest's codex home, a link to the user's own.
+        let users = dir.path().join("user/.codex");
+        std::fs::create_dir_all(users.join("sessions")).unwrap();
+        std::fs::write(users.join("sessions/s.jsonl"), "{}").unwrap();
+        std::fs::remove_dir_all(home.join("codex")).unwrap();
+        std::os::unix::fs::symlink(&users, home.join("codex")).unwrap();
         assert_eq!(session_dirs(&vm), [home.join("claude/projects")]);
     }
 

@@ -35,6 +35,25 @@ pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(rustix::fs::open(path, flags, Mode::empty())?)
 }
 
+/// Whether the directory reached from `dir` by `names`, one directory at a time and
+/// no link followed, holds any entry.
+pub fn holds_entries(dir: impl AsFd, names: &[&str]) -> bool {
+    let mut below: Option<OwnedFd> = None;
+    for name in names {
+        let parent = below.as_ref().map_or(dir.as_fd(), |fd| fd.as_fd());
+        match rustix::fs::openat(parent, *name, dir_flags(), Mode::empty()) {
+            Ok(fd) => below = Some(fd),
+            Err(_) => return false,
+        }
+    }
+    let Some(Ok(entries)) = below.as_ref().map(rustix::fs::Dir::read_from) else {
+        return false;
+    };
+    entries
+        .flatten()
+        .any(|entry| !matches!(entry.file_name().to_bytes(), b"." | b".."))
+}
+
 /// The directory `name` in `parent`, created if missing, writable by its owner (the
 /// guest may have made it read-only); anything else the guest put there under that
 /// name (a symlink, a file) is removed first.

@@ -232,7 +232,12 @@ fn forward_guest_connections_to_host(mux: Arc<Mux>) -> Result<(), String> {
     let listener = tokio::net::UnixListener::bind(&path)
         .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
     tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
+        loop {
+            let stream = crate::network::accept_again_and_again(
+                &listener,
+                "a guest connection to the host's services",
+            )
+            .await;
             let mux = mux.clone();
             tokio::spawn(async move {
                 mux.open(guest_agent::protocol::HOST_SERVICE_PORT, stream)

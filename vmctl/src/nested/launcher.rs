@@ -479,7 +479,12 @@ fn start_vsock_relay(
             let (reader, writer) = link.into_split();
             let opener = host_service_opener(host_vsock);
             let (mux, _link) = Mux::start(reader, writer, true, opener);
-            while let Ok((client, _)) = client_listener.accept().await {
+            loop {
+                let client = crate::network::accept_again_and_again(
+                    &client_listener,
+                    "a connection to the nested VM's vsock",
+                )
+                .await;
                 let mux = mux.clone();
                 tokio::spawn(async move { mux.open(VSOCK_PORT, client).await });
             }
@@ -742,6 +747,81 @@ mod tests {
             Ok(PathBuf::from("/built/vmlinux"))
         });
         assert_eq!(kernel.unwrap(), Path::new("/built/vmlinux"));
+    }
+
+    const ACCEPT_ERROR_CHILD: &str = "VMCTL_TEST_ACCEPT_ERROR_CHILD";
+
+    /// A failed accept (out of descriptors: a nested host the guest took over can
+    /// open streams until then) does not end the relay of the nested VM's vsock:
+    /// once descriptors are free again, `vmctl exec` reaches the VM. Run in a process
+    /// of its own, whose descriptor limit it lowers.
+    #[test]
+    fn an_accept_error_does_not_end_the_vsock_relay() {
+        if std::env::var_os(ACCEPT_ERROR_CHILD).is_some() {
+            return accept_error_scenario();
+        }
+        let output = {
+            let _forking = crate::state::no_forks_meanwhile();
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "nested::launcher::tests::an_accept_error_does_not_end_the_vsock_relay",
+                    "--exact",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(ACCEPT_ERROR_CHILD, "1")
+                .output()
+                .unwrap()
+        };
+        let report = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && report.contains("1 passed"),
+            "the scenario failed in its own process: {report}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    fn accept_error_scenario() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().unwrap();
+        let mux_socket = dir.path().join("mux.sock");
+        let host_vsock = dir.path().join("vsock.sock");
+        let _relay = start_vsock_relay(&mux_socket, &host_vsock).unwrap();
+        let mut link = std::os::unix::net::UnixStream::connect(&mux_socket).unwrap();
+        link.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        // A host client's connection becomes a frame on the link: the relay works.
+        let next_frame = |link: &mut std::os::unix::net::UnixStream| {
+            let mut header = [0u8; 4];
+            link.read_exact(&mut header)?;
+            let mut payload = vec![0u8; u32::from_le_bytes(header) as usize];
+            link.read_exact(&mut payload)
+        };
+        let _before = std::os::unix::net::UnixStream::connect(&host_vsock).unwrap();
+        next_frame(&mut link).expect("the relay works at first");
+        let open_now = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+        // SAFETY: plain libc calls on a local struct; this process is the test's own.
+        unsafe {
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+            limit.rlim_cur = open_now + 32;
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+        let mut filler = Vec::new();
+        while let Ok(file) = std::fs::File::open("/dev/null") {
+            filler.push(file);
+        }
+        // Room for the client's own socket, none for the relay's accept.
+        filler.pop();
+        let _refused = std::os::unix::net::UnixStream::connect(&host_vsock).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        drop(filler);
+        let _after = std::os::unix::net::UnixStream::connect(&host_vsock)
+            .expect("the relay no longer listens for host clients (vmctl exec)");
+        next_frame(&mut link).expect("no frame for a host client: the relay stopped serving");
     }
 
     #[test]

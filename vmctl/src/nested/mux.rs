@@ -24,6 +24,8 @@ pub const MAX_CHUNK: usize = 32 * 1024;
 pub const WINDOW: u32 = 256 * 1024;
 /// The port of an `Open` that means "the VM's hybrid-vsock socket".
 pub const VSOCK_PORT: u32 = 0;
+/// The most streams a link holds at once, as the VMM's vsock holds connections.
+pub const MAX_STREAMS: usize = 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MuxFrame {
@@ -63,6 +65,8 @@ enum UpEnd {
 
 struct StreamEntry {
     inbound: mpsc::UnboundedSender<Inbound>,
+    /// The peer closed its direction: a second Close is ignored, not queued.
+    peer_closed: bool,
     /// Bytes the peer may still send before our next credit: enforced, since a peer
     /// that ignores the window could make us buffer without bound.
     receive_budget: Arc<AtomicU32>,
@@ -128,6 +132,7 @@ impl Mux {
             stream,
             StreamEntry {
                 inbound: tx,
+                peer_closed: false,
                 receive_budget: Arc::new(AtomicU32::new(WINDOW)),
                 send_window: send_window.clone(),
             },
@@ -249,6 +254,13 @@ impl Mux {
                     tracing::warn!("mux: peer opened stream {stream}, which is not its to open");
                     return;
                 }
+                // Each stream holds a connection on this side: a peer (a nested host
+                // the guest took over) must not open them without bound.
+                if self.streams_lock().len() >= MAX_STREAMS {
+                    tracing::warn!("mux: peer opened stream {stream} past {MAX_STREAMS}; refused");
+                    let _ = self.out.try_send(MuxFrame::Reset { stream });
+                    return;
+                }
                 let inbound = self.register(stream);
                 let mux = self.clone();
                 let connect = opener(port);
@@ -273,10 +285,14 @@ impl Mux {
                     .receive_budget
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| b.checked_sub(len))
                     .is_ok();
-                if within_window {
+                // An empty one costs no window, but a place in the queue all the same.
+                if within_window && len > 0 {
                     let _ = entry.inbound.send(Inbound::Data(bytes));
                 } else {
-                    tracing::warn!("mux: peer overran the window of stream {stream}; resetting it");
+                    tracing::warn!(
+                        "mux: peer overran the window of stream {stream}, or sent it nothing; \
+                         resetting it"
+                    );
                     let _ = entry.inbound.send(Inbound::Reset);
                     streams.remove(&stream);
                     let _ = self.out.try_send(MuxFrame::Reset { stream });
@@ -290,8 +306,10 @@ impl Mux {
                 }
             }
             MuxFrame::Close { stream } => {
-                if let Some(entry) = self.streams_lock().get(&stream) {
-                    let _ = entry.inbound.send(Inbound::Close);
+                if let Some(entry) = self.streams_lock().get_mut(&stream) {
+                    if !std::mem::replace(&mut entry.peer_closed, true) {
+                        let _ = entry.inbound.send(Inbound::Close);
+                    }
                 }
             }
             MuxFrame::Reset { stream } => {
@@ -378,6 +396,97 @@ mod tests {
         let (host, _) = Mux::start(ar, aw, true, refuse);
         let (guest, _) = Mux::start(br, bw, false, to_echo);
         (host, guest)
+    }
+
+    /// A host-side mux whose peer is the test, writing raw frames on the returned
+    /// writer; the frames the mux sends are counted as Resets per stream on the
+    /// returned list. Each stream the peer opens connects to a listener that holds it.
+    async fn mux_with_raw_peer(
+        dir: &std::path::Path,
+    ) -> (
+        Arc<Mux>,
+        tokio::net::unix::OwnedWriteHalf,
+        Arc<Mutex<Vec<u32>>>,
+    ) {
+        let sink_path = dir.join("sink.sock");
+        let sink = UnixListener::bind(&sink_path).unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = sink.accept().await {
+                held.push(conn);
+            }
+        });
+        let opener: Opener = Arc::new(move |_| {
+            let path = sink_path.clone();
+            Box::pin(async move { UnixStream::connect(path).await })
+        });
+        let (a, b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let (br, bw) = b.into_split();
+        let resets = Arc::new(Mutex::new(Vec::new()));
+        let seen = resets.clone();
+        tokio::spawn(async move {
+            let mut frames = FrameReader::new(br);
+            while let Ok(Some(frame)) = frames.next::<MuxFrame>().await {
+                if let MuxFrame::Reset { stream } = frame {
+                    seen.lock().unwrap().push(stream);
+                }
+            }
+        });
+        let (mux, _) = Mux::start(ar, aw, true, opener);
+        (mux, bw, resets)
+    }
+
+    /// Each stream holds a connection on this side: a peer (a nested host the guest
+    /// took over) gets no more than MAX_STREAMS of them; the rest are refused.
+    #[tokio::test]
+    async fn a_peer_cannot_open_streams_without_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mux, mut peer, resets) = mux_with_raw_peer(dir.path()).await;
+        let asked = MAX_STREAMS as u32 + 50;
+        for i in 0..asked {
+            let open = MuxFrame::Open {
+                stream: 2 + 2 * i,
+                port: 0,
+            };
+            write_frame(&mut peer, &open).await.unwrap();
+        }
+        for _ in 0..100 {
+            if resets.lock().unwrap().len() >= 50 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert!(mux.stream_count() <= MAX_STREAMS, "{}", mux.stream_count());
+        assert_eq!(
+            resets.lock().unwrap().len(),
+            50,
+            "the streams past the bound are refused"
+        );
+    }
+
+    /// An empty Data frame costs no window but a place in the stream's queue, which a
+    /// peer could fill without bound: the stream is reset instead.
+    #[tokio::test]
+    async fn an_empty_data_frame_resets_its_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mux, mut peer, resets) = mux_with_raw_peer(dir.path()).await;
+        write_frame(&mut peer, &MuxFrame::Open { stream: 2, port: 0 })
+            .await
+            .unwrap();
+        let empty = MuxFrame::Data {
+            stream: 2,
+            bytes: Vec::new(),
+        };
+        write_frame(&mut peer, &empty).await.unwrap();
+        for _ in 0..100 {
+            if !resets.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(*resets.lock().unwrap(), [2]);
+        assert_eq!(mux.stream_count(), 0);
     }
 
     /// Opens a stream from `mux` and returns our end of it.

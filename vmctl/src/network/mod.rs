@@ -13,3 +13,21 @@ pub mod services;
 
 /// Paseo's daemon port, relayed into every VM so its MCP URLs work unchanged.
 pub const PASEO_PORT: u16 = 6767;
+
+/// The next connection to `listener`. A failed accept (out of descriptors, say) is
+/// logged and tried again after a pause, never the end of the service: every
+/// connection to come would be refused.
+pub async fn accept_again_and_again(
+    listener: &tokio::net::UnixListener,
+    what: &str,
+) -> tokio::net::UnixStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => return stream,
+            Err(e) => {
+                tracing::warn!("accepting {what}: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

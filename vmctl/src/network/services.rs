@@ -170,15 +170,8 @@ fn bind(path: &Path) -> Result<std::os::unix::net::UnixListener, NetworkError> {
 
 async fn serve_guest_connections(listener: UnixListener, service: Arc<NetworkService>) {
     loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve_guest_connection(stream, service.clone()));
-            }
-            Err(e) => {
-                tracing::warn!("accepting a guest connection: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        let stream = super::accept_again_and_again(&listener, "a guest connection").await;
+        tokio::spawn(serve_guest_connection(stream, service.clone()));
     }
 }
 
@@ -265,14 +258,7 @@ async fn accept_control(
     serve: impl Fn(UnixStream),
 ) {
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                tracing::warn!("accepting a control connection: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+        let stream = super::accept_again_and_again(&listener, "a control connection").await;
         let peer = stream.peer_cred().ok().and_then(|cred| cred.pid());
         match (peer, vmm_pid()) {
             (Some(peer), Some(vmm)) if u32::try_from(peer).ok() == Some(vmm) => {

@@ -44,6 +44,10 @@ pub enum NetworkError {
 }
 
 /// The state shared by everything the supervisor serves for one VM.
+/// The most relays to host loopback ports a VM holds at once, as its VMM holds vsock
+/// connections.
+const MAX_LOOPBACK_RELAYS: usize = 1024;
+
 pub struct NetworkService {
     /// The VM's hybrid-vsock socket, through which we reach the guest agent.
     vsock: PathBuf,
@@ -54,6 +58,8 @@ pub struct NetworkService {
     secrets: PathBuf,
     /// Host loopback ports the guest may reach.
     relays: Mutex<BTreeSet<u16>>,
+    /// One per relay to a host loopback port under way ([`MAX_LOOPBACK_RELAYS`]).
+    relay_slots: Arc<tokio::sync::Semaphore>,
     published: Published,
     /// The setup the guest last took without a failure: sessions ask for it at each
     /// start, and the guest need not redo it when nothing changed. Held across the
@@ -120,6 +126,7 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         trusted_roots_pem,
         secrets: files.secrets,
         relays: Mutex::new(record.relay_ports.iter().copied().collect()),
+        relay_slots: Arc::new(tokio::sync::Semaphore::new(MAX_LOOPBACK_RELAYS)),
         published: Published::default(),
         applied: tokio::sync::Mutex::new(None),
     });
@@ -193,7 +200,9 @@ async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkServ
         ServiceRequest::Egress => {
             egress::proxy::serve_connection(stream, service.proxy.clone()).await;
         }
-        ServiceRequest::Loopback { port } => relay_to_host_loopback(stream, port, &service).await,
+        ServiceRequest::Loopback { port } => {
+            relay_to_host_loopback(stream, port, &service.relays, &service.relay_slots).await
+        }
     }
 }
 
@@ -219,9 +228,17 @@ async fn read_preamble(stream: &mut UnixStream) -> Result<ServiceRequest, String
     decode_payload(&payload).map_err(|e| format!("unreadable request: {e}"))
 }
 
-async fn relay_to_host_loopback(stream: UnixStream, port: u16, service: &NetworkService) {
-    let allowed = service
-        .relays
+/// Relays `stream` to the host's loopback `port` if it is one of `relays`, while a
+/// slot is free: a relay lasts until both sides end, and a host server that never
+/// closes its side would otherwise let the guest hold connections (and descriptors)
+/// on the host without bound, past the VMM's own bound on vsock connections.
+async fn relay_to_host_loopback(
+    stream: UnixStream,
+    port: u16,
+    relays: &Mutex<BTreeSet<u16>>,
+    slots: &Arc<tokio::sync::Semaphore>,
+) {
+    let allowed = relays
         .lock()
         .map(|relays| relays.contains(&port))
         .unwrap_or(false);
@@ -231,6 +248,13 @@ async fn relay_to_host_loopback(stream: UnixStream, port: u16, service: &Network
         );
         return;
     }
+    let Ok(_slot) = slots.clone().try_acquire_owned() else {
+        guest_log::guest_warn!(
+            "the guest holds {MAX_LOOPBACK_RELAYS} relays to host ports already; one to \
+             {port} refused"
+        );
+        return;
+    };
     let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     match tokio::net::TcpStream::connect(target).await {
         Ok(host) => {
@@ -391,6 +415,48 @@ async fn configure_guest(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A host server that never closes its side keeps each relay to it: a guest gets
+    /// no more relays than there are slots; the one past them is refused, not made.
+    #[tokio::test]
+    async fn loopback_relays_are_bounded() {
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = server.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(conn);
+            }
+        });
+        let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let relay = |guest_end: UnixStream| {
+            let (relays, slots) = (relays.clone(), slots.clone());
+            tokio::spawn(
+                async move { relay_to_host_loopback(guest_end, port, &relays, &slots).await },
+            )
+        };
+        let (_first_guest, first) = UnixStream::pair().unwrap();
+        let _held = relay(first);
+        while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (mut second_guest, second) = UnixStream::pair().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), relay(second))
+            .await
+            .expect("the relay past the bound was made and held")
+            .unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            second_guest.read(&mut byte).await.unwrap(),
+            0,
+            "refused: closed"
+        );
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
 
     fn this_process() -> Option<u32> {
         Some(std::process::id())

@@ -24,12 +24,8 @@ pub(super) const HOP_BY_HOP: [HeaderName; 5] = [
 /// `Upgrade` and `Connection: upgrade`, which the next hop needs.
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     let upgrade = headers.get(header::UPGRADE).cloned();
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+    let listed: Vec<HeaderName> = list_tokens(headers, header::CONNECTION)
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
     let proxy: Vec<HeaderName> = headers
         .keys()
@@ -47,13 +43,22 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
 
 /// Does the request ask to switch protocols (`Connection: upgrade` and `Upgrade`)?
 pub(super) fn wants_upgrade(headers: &HeaderMap) -> bool {
-    let connection_upgrade = headers
-        .get_all(header::CONNECTION)
+    has_token(headers, header::CONNECTION, "upgrade") && headers.contains_key(header::UPGRADE)
+}
+
+/// The comma-separated tokens of every `name` header (`Connection: close, te`), trimmed.
+fn list_tokens(headers: &HeaderMap, name: HeaderName) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(name)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
-    connection_upgrade && headers.contains_key(header::UPGRADE)
+        .map(str::trim)
+}
+
+/// Whether a `name` header lists `token` (case aside).
+pub(super) fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    list_tokens(headers, name).any(|listed| listed.eq_ignore_ascii_case(token))
 }
 
 /// The authorities a request names: its URI's (absolute form, when `uri` is given)

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 use super::addresses::forbidden_address;
-use super::headers::{display_target, strip_hop_by_hop, wants_upgrade};
+use super::headers::{display_target, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
 use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
@@ -230,13 +230,7 @@ pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValu
         .any(|value| value.as_bytes().eq_ignore_ascii_case(b"chunked"));
     // TE is hop-by-hop, but a guest that accepts trailers gets them only if this hop
     // asks for them too: hyper sends trailers only to a peer that said `TE: trailers`.
-    let accepts_trailers = parts
-        .headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .any(|coding| coding.trim().eq_ignore_ascii_case("trailers"));
+    let accepts_trailers = has_token(&parts.headers, header::TE, "trailers");
     strip_hop_by_hop(&mut parts.headers, upgrade);
     if chunked {
         parts.headers.insert(

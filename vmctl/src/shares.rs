@@ -234,11 +234,13 @@ fn kept_out_from(
     .collect()
 }
 
+/// The kernel's own bound on links in one lookup (MAXSYMLINKS): past it a lookup fails
+/// (ELOOP), and so would what vmctl looks up, elsewhere.
+const MAX_LINKS: usize = 40;
+
 /// Where each link from `file` on leads, one link at a time: the directories of the
 /// links' targets (not `file`'s own), as far as they exist.
 fn directories_of_links(file: &Path) -> Vec<PathBuf> {
-    /// The kernel's own bound on links in one lookup.
-    const MAX_LINKS: usize = 40;
     let mut dirs = Vec::new();
     let mut link = file.to_path_buf();
     while dirs.len() < MAX_LINKS {
@@ -445,9 +447,6 @@ pub fn check_workspace_way(way: &Path, shares: &[Share]) -> Result<(), ShareErro
 /// follows them, one at a time, so a link of the user's own that leads on through a
 /// guest's link is caught at the guest's.
 fn symlink_in_writable<'a>(path: &Path, writable: &[&'a Path]) -> Option<(PathBuf, &'a Path)> {
-    /// The kernel's own bound on links in one lookup; past it the lookup fails (ELOOP),
-    /// and so does the mount, elsewhere.
-    const MAX_LINKS: usize = 40;
     // What is left to walk, last component first.
     let reversed = |path: &Path| -> Vec<std::ffi::OsString> {
         path.components()

@@ -461,8 +461,10 @@ mod tests {
     /// close-on-exec or not.
     #[test]
     fn the_vmm_gets_only_the_descriptors_it_is_given() {
-        let stray = std::fs::File::open("/dev/null").unwrap();
-        let given = std::fs::File::open("/dev/null").unwrap();
+        // Far above the lowest free number, which `ls` takes for its own listing of
+        // /proc/self/fd and would then list as if it had been passed on.
+        let stray = descriptor_at_or_above(100);
+        let given = descriptor_at_or_above(200);
         // SAFETY: F_SETFD on a descriptor this test holds.
         assert_eq!(
             unsafe { libc::fcntl(stray.as_raw_fd(), libc::F_SETFD, 0) },
@@ -481,6 +483,16 @@ mod tests {
             !fds.contains(&stray.as_raw_fd().to_string().as_str()),
             "{fds:?}"
         );
+    }
+
+    fn descriptor_at_or_above(lowest: i32) -> OwnedFd {
+        let null = File::open("/dev/null").unwrap();
+        // SAFETY: duplicates a descriptor this test holds; the new one is owned by the
+        // returned OwnedFd alone.
+        let fd = unsafe { libc::fcntl(null.as_raw_fd(), libc::F_DUPFD_CLOEXEC, lowest) };
+        assert!(fd >= lowest, "{}", std::io::Error::last_os_error());
+        // SAFETY: `fd` was just made by F_DUPFD_CLOEXEC and nothing else owns it.
+        unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }
     }
 
     /// The VMM sees none of the user's variables (PATH and HOME stand for them: any

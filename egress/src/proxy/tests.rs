@@ -565,3 +565,119 @@ fn a_start_a_pause_flushed_is_counted_once() {
     }
     assert!(!tripwire.tripped(), "a start was counted twice");
 }
+
+// ---- review (rev/egress): probes the tripwire does not count -----------------------
+
+/// The oracle a guest has when a bound host sends back bytes it chose (an echo, a
+/// file it stored there): does a response ending in `guess` come back changed?
+fn comes_back_masked(redactor: &Redactor, guess: &[u8]) -> bool {
+    let mut stream = redactor.clone();
+    let mut out = stream.feed(guess).to_vec();
+    out.extend_from_slice(&stream.finish());
+    out != guess
+}
+
+/// Guesses the needle that starts with `start` a character at a time from `alphabet`
+/// through [`comes_back_masked`], until the tripwire trips or nothing matches. Returns
+/// what was recovered and whether the tripwire tripped.
+fn probe_until_tripped(
+    value: &[u8],
+    secret: &[u8],
+    start: &[u8],
+    alphabet: &[u8],
+) -> (Vec<u8>, bool) {
+    let tripwire = Arc::new(redact::Tripwire::new("review", secret, None));
+    let redactor = Redactor::for_secret(value, secret)
+        .unwrap()
+        .watched_by(tripwire.clone());
+    let mut known = start.to_vec();
+    loop {
+        let mut next = None;
+        for &c in alphabet {
+            let guess = [known.as_slice(), &[c]].concat();
+            let masked = comes_back_masked(&redactor, &guess);
+            if tripwire.tripped() {
+                return (known, true);
+            }
+            if masked {
+                next = Some(c);
+                break;
+            }
+        }
+        match next {
+            Some(c) => known.push(c),
+            None => return (known, tripwire.tripped()),
+        }
+    }
+}
+
+const BASE64URL: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+/// README: a response holding "a long start of it (its public form, such as
+/// `sk-ant-api03-`, and four characters more) without the rest counts as a probe".
+/// Anthropic (and OpenAI) keys are base64url after their public form, so a '-' or '_'
+/// often falls in their first 24 bytes; `probe_len` takes everything up to it for the
+/// public form, and the random characters before it are probed for free.
+#[test]
+fn review_a_random_underscore_early_in_a_key_is_not_its_public_form() {
+    // A key as Anthropic issues them: `sk-ant-api03-` then base64url (here with an
+    // `_` as its 8th random character, as ~29% of keys have one in their first 11).
+    let key: &[u8] = b"sk-ant-api03-Qw3rTy8_Zx0Lm9Nb7Vc5Xz1As2Df3Gh4Jk5Lp6-Oi7Uy8Tr9Ew0QqAA";
+    let (known, tripped) = probe_until_tripped(key, key, b"sk-ant-api03-", BASE64URL);
+    assert!(tripped, "the probing never tripped");
+    assert!(
+        known.len() <= "sk-ant-api03-".len() + 4,
+        "the guest recovered {:?} ({} random characters) before the secret was withdrawn",
+        String::from_utf8_lossy(&known),
+        known.len() - "sk-ant-api03-".len()
+    );
+}
+
+/// The same for GitHub's `Authorization: Basic base64(x-access-token:TOKEN)`: the
+/// encoded needle counts probes only from its middle (`needle.len() / 2`), so about
+/// nine of the token's random characters can be read through its base64 first.
+#[test]
+fn review_the_basic_credential_leaks_half_its_base64_unnoticed() {
+    use base64::Engine;
+    let engine = base64::engine::general_purpose::STANDARD;
+    let token = "ghp_AAAAbbbbCCCCddddEEEEffffGGGGhhhh1234";
+    let value = format!("Basic {}", engine.encode(format!("x-access-token:{token}")));
+    // Public: the encoding of `x-access-token:ghp` (18 bytes, 24 characters).
+    let start = engine.encode("x-access-token:ghp");
+    let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let (known, tripped) =
+        probe_until_tripped(value.as_bytes(), token.as_bytes(), start.as_bytes(), alphabet);
+    assert!(tripped, "the probing never tripped");
+    // Decode what was recovered (whole 4-character groups).
+    let whole = &known[..known.len() / 4 * 4];
+    let decoded = engine.decode(whole).unwrap();
+    let token_part = &decoded["x-access-token:".len()..];
+    assert!(
+        token_part.len() <= "ghp_".len() + 4,
+        "the guest recovered the token's start {:?} before the secret was withdrawn",
+        String::from_utf8_lossy(token_part)
+    );
+}
+
+/// A header template with text after `{}` and a space (`X-Auth: {} Secure-Session`):
+/// its last word is taken for the credential ("Bearer <token>": the token alone), so
+/// ordinary responses that merely begin that word count as probes, and three of them
+/// withdraw the secret.
+#[test]
+fn review_a_templates_trailing_word_is_no_credential() {
+    let secret: &[u8] = b"Zx81Kq03Lm77Pw55";
+    let value: &[u8] = b"Zx81Kq03Lm77Pw55 Secure-Session";
+    let tripwire = Arc::new(redact::Tripwire::new("review", secret, None));
+    let redactor = Redactor::for_secret(value, secret)
+        .unwrap()
+        .watched_by(tripwire.clone());
+    for _ in 0..redact::PROBES_TOLERATED {
+        let mut page = redactor.clone();
+        page.feed(b"<p>Open Secure-Settings to turn it on.</p>");
+        page.finish();
+    }
+    assert!(
+        !tripwire.tripped(),
+        "ordinary pages that say 'Secure-Settings' withdrew the secret"
+    );
+}

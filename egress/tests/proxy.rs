@@ -1378,3 +1378,50 @@ async fn a_stream_ends_once_its_secret_is_removed() {
     );
     assert!(!rest.contains("event 3"), "{rest:?}");
 }
+
+// ---- review (rev/egress): framing the guest controls --------------------------------
+
+/// Smuggling attempts between the guest and the proxy: nothing reaches the upstream
+/// as a request of its own, and ambiguous framing is refused. (Sound: kept as a
+/// regression check.)
+#[tokio::test]
+async fn review_smuggling_attempts_reach_no_upstream_as_requests() {
+    let h = Harness::start().await;
+    let cases: &[&[u8]] = &[
+        // CL + TE: TE wins, the connection closes after.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET http://plain.test/smuggled1 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // TE + CL in the other order.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\nContent-Length: 60\r\n\r\n0\r\n\r\nGET http://plain.test/smuggled2 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // Two Content-Lengths that disagree.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nContent-Length: 0\r\nContent-Length: 48\r\n\r\nGET http://plain.test/smuggled3 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // A TE that does not end in chunked.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n\r\n0\r\n\r\nGET http://plain.test/smuggled4 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // obs-fold of TE.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding:\r\n chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\nGET http://plain.test/smuggled5 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // A chunk size that overflows.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffffff1\r\nx\r\n0\r\n\r\nGET http://plain.test/smuggled6 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+        // Space before the colon.
+        b"POST http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding : chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\nGET http://plain.test/smuggled7 HTTP/1.1\r\nHost: plain.test\r\n\r\n",
+    ];
+    for case in cases {
+        let _ = h.raw(case).await;
+    }
+    let seen = h.seen();
+    assert!(
+        !seen.iter().any(|s| s.uri.contains("smuggled")),
+        "{seen:#?}"
+    );
+}
+
+/// A request body with a transfer coding besides chunked (`gzip, chunked`, valid HTTP/1.1):
+/// `prepare_request` re-adds `Transfer-Encoding` only when it is exactly `chunked`, so
+/// the upstream gets the gzip bytes as if they were the body itself, and a GET's body is
+/// dropped altogether.
+#[tokio::test]
+async fn review_a_body_with_another_transfer_coding_keeps_it() {
+    let h = Harness::start().await;
+    let answer = h
+        .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        .await;
+    assert!(answer.contains("hello"), "the GET's body was dropped: {answer}");
+}

@@ -621,6 +621,43 @@ impl SecretStore {
     }
 }
 
+/// The starts that credentials of a kind all share, so that they say nothing of the
+/// credential: what a response may hold of a secret without probing for it (see the
+/// proxy's tripwire). The token formats of the built-in names (Anthropic's API, OAuth
+/// and admin keys and OAuth refresh tokens; OpenAI's project, service-account, admin
+/// and legacy keys; GitHub's personal, OAuth, user-to-server, server-to-server,
+/// refresh and fine-grained tokens), matched whatever the secret's name, as a custom
+/// secret may hold one of these too. What follows them is random, `-` and `_`
+/// included (base64url), so no separator further on ends a public form.
+const PUBLIC_PREFIXES: &[&str] = &[
+    "sk-ant-api03-",
+    "sk-ant-oat01-",
+    "sk-ant-ort01-",
+    "sk-ant-admin01-",
+    "sk-proj-",
+    "sk-svcacct-",
+    "sk-admin-",
+    "sk-None-",
+    "sk-",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+];
+
+/// The length of `value`'s public form: the longest of [`PUBLIC_PREFIXES`] it starts
+/// with, or 0 (a secret of no known format is secret from its first byte).
+pub(crate) fn public_form_len(value: &[u8]) -> usize {
+    PUBLIC_PREFIXES
+        .iter()
+        .filter(|prefix| value.starts_with(prefix.as_bytes()))
+        .map(|prefix| prefix.len())
+        .max()
+        .unwrap_or(0)
+}
+
 /// The placeholder the guest sees for `value`: [`PLACEHOLDER`], or a run of zeros if
 /// the value is part of it. (A non-empty part of `PLACEHOLDER` has no '0', so it is
 /// never part of the zeros.)
@@ -797,6 +834,24 @@ mod tests {
 
     fn secret(text: &str) -> SecretValue {
         read_secret(text.as_bytes()).unwrap()
+    }
+
+    /// The public form is a known prefix, whatever separators the random part after
+    /// it happens to hold; a secret of no known format has none.
+    #[test]
+    fn the_public_form_is_a_known_prefix_only() {
+        for (value, public) in [
+            ("sk-ant-api03-Qw3rTy8_Zx0Lm9Nb7Vc5-Xz1As2", "sk-ant-api03-"),
+            ("sk-ant-oat01-a_b-c", "sk-ant-oat01-"),
+            ("sk-proj-Ab_cd-Ef", "sk-proj-"),
+            ("sk-Ab_cd-Ef", "sk-"),
+            ("ghp_Ab_cd", "ghp_"),
+            ("github_pat_11AB_cd", "github_pat_"),
+            ("my-corp_token-1234", ""),
+            ("Zx81Kq03 Lm77", ""),
+        ] {
+            assert_eq!(public_form_len(value.as_bytes()), public.len(), "{value}");
+        }
     }
 
     fn store(dir: &tempfile::TempDir) -> SecretStore {

@@ -29,7 +29,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{sleep, timeout};
 
-const SECRET: &str = "sk-test-SECRET-0123456789";
+const SECRET: &str = "sk-proj-SECRET-0123456789";
 const SECRET_CORE: &str = "0123456789";
 
 // ---- rules -------------------------------------------------------------------------
@@ -1184,7 +1184,7 @@ async fn probing_for_the_secret_a_character_at_a_time_gets_it_withdrawn() {
         .https_client("api.test:443", "api.test", &h.sandbox_ca)
         .await;
     let alphabet: Vec<char> = (b' '..=b'~').map(char::from).collect();
-    let mut known = String::from("sk-test-");
+    let mut known = String::from("sk-proj-");
     let mut withdrawn = false;
     'guessing: while known.len() < SECRET.len() {
         let mut found = None;
@@ -1219,10 +1219,11 @@ async fn probing_for_the_secret_a_character_at_a_time_gets_it_withdrawn() {
         }
     }
     assert!(withdrawn, "the probing went on; it recovered {known:?}");
-    // The public start and what a long start of it may be before probes count
-    // ("sk-test-SECRET-" and four more characters), and no more.
+    // The public form (the known prefix "sk-proj-"; "SECRET-" is the key's own) and
+    // what a long start of it may be before probes count (four more characters), and
+    // no more.
     assert!(
-        known.len() <= "sk-test-SECRET-".len() + 4,
+        known.len() <= "sk-proj-".len() + 4,
         "the guest recovered {known:?}"
     );
     // Other requests to the secret's hosts are refused too, with the reason logged.
@@ -1423,5 +1424,8 @@ async fn review_a_body_with_another_transfer_coding_keeps_it() {
     let answer = h
         .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
         .await;
-    assert!(answer.contains("hello"), "the GET's body was dropped: {answer}");
+    assert!(
+        answer.contains("hello"),
+        "the GET's body was dropped: {answer}"
+    );
 }

@@ -206,16 +206,12 @@ impl Tripwire {
 }
 
 /// The length from which a start of `needle` counts as a probe: up to the secret's own
-/// characters past its public form (up to its last separator in its first 24 bytes, as
-/// in `sk-ant-api03-`), and four more; [`MIN_REDACTED_LEN`] at least. A needle that
-/// holds the secret only encoded (HTTP Basic's base64, whose start is the same for every
-/// token) counts from its middle.
+/// characters past its public form (a known token prefix such as `sk-ant-api03-`, see
+/// [`crate::secrets::public_form_len`]), and four more; [`MIN_REDACTED_LEN`] at least.
+/// A needle that holds the secret only encoded (HTTP Basic's base64, whose start is the
+/// same for every token) counts from its middle.
 fn probe_len(needle: &[u8], secret: &[u8]) -> usize {
-    let head = &secret[..secret.len().min(24)];
-    let public = head
-        .iter()
-        .rposition(|b| matches!(b, b'-' | b'_' | b' ' | b'.' | b':'))
-        .map_or(0, |at| at + 1);
+    let public = crate::secrets::public_form_len(secret);
     let least = match find(needle, secret) {
         Some(at) => at + public + 4,
         None => needle.len() / 2,

@@ -117,12 +117,12 @@ fn a_bound_request_gets_its_secret_and_loses_what_would_hide_an_echo() {
     let injection = Injection {
         secret: "test".into(),
         header: HeaderName::from_static("x-api-key"),
-        value: HeaderValue::from_static("sk-test-0123456789"),
-        secret_value: crate::secrets::read_secret(&b"sk-test-0123456789"[..]).unwrap(),
+        value: HeaderValue::from_static("sk-proj-0123456789"),
+        secret_value: crate::secrets::read_secret(&b"sk-proj-0123456789"[..]).unwrap(),
         remove: vec![],
     };
     inject(&mut headers, &injection);
-    assert_eq!(headers["x-api-key"], "sk-test-0123456789");
+    assert_eq!(headers["x-api-key"], "sk-proj-0123456789");
     assert_eq!(headers[header::ACCEPT_ENCODING], "identity");
     assert!(!headers.contains_key(header::RANGE));
     assert!(!headers.contains_key(header::IF_RANGE));
@@ -260,8 +260,8 @@ async fn the_first_head_is_read_within_limits() {
     assert_eq!(err.status(), StatusCode::REQUEST_TIMEOUT);
 }
 
-const SECRET: &[u8] = b"Bearer sk-test-0123456789";
-const TOKEN: &[u8] = b"sk-test-0123456789";
+const SECRET: &[u8] = b"Bearer sk-proj-0123456789";
+const TOKEN: &[u8] = b"sk-proj-0123456789";
 
 /// A template that wraps the secret without a space (`session={}`): the secret
 /// alone is redacted too, as an upstream might quote it without the wrapping.
@@ -289,11 +289,11 @@ fn redact_all(chunks: &[&[u8]]) -> Vec<u8> {
 
 #[test]
 fn redaction_keeps_lengths_and_finds_split_secrets() {
-    let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
+    let input = b"a Bearer sk-proj-0123456789 b sk-proj-0123456789 c";
     let out = redact_all(&[input]);
     assert_eq!(out.len(), input.len());
     assert!(
-        !contains(&out, b"sk-test"),
+        !contains(&out, b"sk-proj"),
         "{}",
         String::from_utf8_lossy(&out)
     );
@@ -311,7 +311,7 @@ fn redaction_keeps_lengths_and_finds_split_secrets() {
 /// does not end in that much of it.
 #[test]
 fn a_stream_ending_inside_the_secret_does_not_end_in_it() {
-    let input = b"key=sk-test-012345678";
+    let input = b"key=sk-proj-012345678";
     let out = redact_all(&[input]);
     assert_no_token_piece(&out, input.len(), "cut short");
     assert!(
@@ -367,7 +367,7 @@ fn assert_no_token_piece(out: &[u8], input_len: usize, context: &str) {
 /// guest never gets the secret in two pieces.
 #[test]
 fn a_pause_inside_the_secret_does_not_let_it_through() {
-    let input = b"a Bearer sk-test-0123456789 b sk-test-0123456789 c";
+    let input = b"a Bearer sk-proj-0123456789 b sk-proj-0123456789 c";
     for pause in 1..input.len() {
         let out = redact_paused(&[(&input[..pause], true), (&input[pause..], false)]);
         assert_no_token_piece(&out, input.len(), &format!("pause at {pause}"));
@@ -377,7 +377,7 @@ fn a_pause_inside_the_secret_does_not_let_it_through() {
 /// A pause byte by byte, the worst case: each byte is held, then flushed.
 #[test]
 fn a_pause_after_every_byte_does_not_let_the_secret_through() {
-    let input = b"x Bearer sk-test-0123456789 y";
+    let input = b"x Bearer sk-proj-0123456789 y";
     let bytes: Vec<(&[u8], bool)> = input.chunks(1).map(|byte| (byte, true)).collect();
     assert_no_token_piece(&redact_paused(&bytes), input.len(), "byte by byte");
 }
@@ -441,7 +441,7 @@ fn a_pause_after_a_short_lookalike_changes_nothing() {
 fn redaction_in_headers() {
     let redactor = Redactor::for_secret(SECRET, TOKEN).unwrap();
     let mut headers = HeaderMap::new();
-    headers.insert("x-echo", HeaderValue::from_static("got sk-test-0123456789"));
+    headers.insert("x-echo", HeaderValue::from_static("got sk-proj-0123456789"));
     redactor.redact_headers(&mut headers);
     assert_eq!(headers["x-echo"], "got [REDACTED]********");
 }
@@ -463,20 +463,20 @@ fn watched() -> (Redactor, Arc<redact::Tripwire>) {
 fn text_with_the_secrets_public_start_is_no_probe() {
     let (mut redactor, tripwire) = watched();
     // Documentation quotes the form of a key; a stream pauses right after it.
-    redactor.feed(b"set the header to Bearer sk-test-");
+    redactor.feed(b"set the header to Bearer sk-proj-");
     redactor.flush_held();
-    redactor.feed(b"xxxx, or sk-test-012 (a short start)");
+    redactor.feed(b"xxxx, or sk-proj-012 (a short start)");
     redactor.finish();
     assert!(!tripwire.tripped());
     // The whole secret, echoed, is redacted and no probe either.
     let (mut redactor, tripwire) = watched();
-    redactor.feed(b"you sent sk-test-0123");
+    redactor.feed(b"you sent sk-proj-0123");
     redactor.flush_held();
     redactor.feed(b"456789 and more");
     redactor.finish();
     for _ in 0..redact::PROBES_TOLERATED {
         let (mut redactor, _) = (redactor.clone(), ());
-        redactor.feed(b"sk-test-0123456789");
+        redactor.feed(b"sk-proj-0123456789");
         redactor.finish();
     }
     assert!(!tripwire.tripped());
@@ -488,15 +488,15 @@ fn long_starts_of_the_secret_that_end_without_it_are_probes_right_or_wrong() {
     // A wrong guess past the public start and four characters (the stream turns away
     // from it), a right one (it ends in it), and one a pause cuts.
     let mut wrong = redactor.clone();
-    wrong.feed(b"sk-test-0123X");
+    wrong.feed(b"sk-proj-0123X");
     wrong.finish();
     assert!(!tripwire.tripped());
     let mut right = redactor.clone();
-    right.feed(b"sk-test-01234");
+    right.feed(b"sk-proj-01234");
     right.finish();
     assert!(!tripwire.tripped());
     let mut paused = redactor.clone();
-    paused.feed(b"sk-test-012345");
+    paused.feed(b"sk-proj-012345");
     paused.flush_held();
     assert!(tripwire.tripped());
 }
@@ -513,7 +513,7 @@ fn a_withdrawn_secret_stays_withdrawn_across_runs_until_its_value_changes() {
         (redactor, tripwire)
     };
     let (redactor, tripwire) = run(TOKEN);
-    for guess in [&b"sk-test-0123X"[..], b"sk-test-0123Y", b"sk-test-0123Z"] {
+    for guess in [&b"sk-proj-0123X"[..], b"sk-proj-0123Y", b"sk-proj-0123Z"] {
         let mut stream = redactor.clone();
         stream.feed(guess);
         stream.finish();
@@ -521,13 +521,13 @@ fn a_withdrawn_secret_stays_withdrawn_across_runs_until_its_value_changes() {
     assert!(tripwire.tripped() && redactor.withdrawn());
     let text = std::fs::read_to_string(&record).unwrap();
     assert!(
-        !text.contains("sk-test"),
+        !text.contains("sk-proj"),
         "the record holds the secret: {text}"
     );
     // The next run of the VM's proxy: still withdrawn.
     assert!(run(TOKEN).1.tripped());
     // A new value: a new count.
-    assert!(!run(b"sk-test-9876543210").1.tripped());
+    assert!(!run(b"sk-proj-9876543210").1.tripped());
 }
 
 #[test]
@@ -558,7 +558,7 @@ fn a_start_a_pause_flushed_is_counted_once() {
     let (redactor, tripwire) = watched();
     for _ in 0..redact::PROBES_TOLERATED - 1 {
         let mut stream = redactor.clone();
-        stream.feed(b"sk-test-012345");
+        stream.feed(b"sk-proj-012345");
         stream.flush_held();
         stream.feed(b"X and more");
         stream.finish();
@@ -566,7 +566,7 @@ fn a_start_a_pause_flushed_is_counted_once() {
     assert!(!tripwire.tripped(), "a start was counted twice");
 }
 
-// ---- review (rev/egress): probes the tripwire does not count -----------------------
+// ---- probing for the secret a character at a time ---------------------------------
 
 /// The oracle a guest has when a bound host sends back bytes it chose (an echo, a
 /// file it stored there): does a response ending in `guess` come back changed?
@@ -586,7 +586,7 @@ fn probe_until_tripped(
     start: &[u8],
     alphabet: &[u8],
 ) -> (Vec<u8>, bool) {
-    let tripwire = Arc::new(redact::Tripwire::new("review", secret, None));
+    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
     let redactor = Redactor::for_secret(value, secret)
         .unwrap()
         .watched_by(tripwire.clone());
@@ -613,13 +613,13 @@ fn probe_until_tripped(
 
 const BASE64URL: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
-/// README: a response holding "a long start of it (its public form, such as
-/// `sk-ant-api03-`, and four characters more) without the rest counts as a probe".
-/// Anthropic (and OpenAI) keys are base64url after their public form, so a '-' or '_'
-/// often falls in their first 24 bytes; `probe_len` takes everything up to it for the
-/// public form, and the random characters before it are probed for free.
+/// A response holding the public form (`sk-ant-api03-`) and four characters more
+/// without the rest counts as a probe. Anthropic (and OpenAI) keys are base64url after
+/// their public form, so a '-' or '_' often falls early in them: it ends no public
+/// form (which once ran to the last one in the first 24 bytes, so the random
+/// characters before it were probed for free).
 #[test]
-fn review_a_random_underscore_early_in_a_key_is_not_its_public_form() {
+fn a_random_underscore_early_in_a_key_is_not_its_public_form() {
     // A key as Anthropic issues them: `sk-ant-api03-` then base64url (here with an
     // `_` as its 8th random character, as ~29% of keys have one in their first 11).
     let key: &[u8] = b"sk-ant-api03-Qw3rTy8_Zx0Lm9Nb7Vc5Xz1As2Df3Gh4Jk5Lp6-Oi7Uy8Tr9Ew0QqAA";
@@ -645,8 +645,12 @@ fn review_the_basic_credential_leaks_half_its_base64_unnoticed() {
     // Public: the encoding of `x-access-token:ghp` (18 bytes, 24 characters).
     let start = engine.encode("x-access-token:ghp");
     let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let (known, tripped) =
-        probe_until_tripped(value.as_bytes(), token.as_bytes(), start.as_bytes(), alphabet);
+    let (known, tripped) = probe_until_tripped(
+        value.as_bytes(),
+        token.as_bytes(),
+        start.as_bytes(),
+        alphabet,
+    );
     assert!(tripped, "the probing never tripped");
     // Decode what was recovered (whole 4-character groups).
     let whole = &known[..known.len() / 4 * 4];

@@ -208,15 +208,64 @@ impl Tripwire {
 /// The length from which a start of `needle` counts as a probe: up to the secret's own
 /// characters past its public form (a known token prefix such as `sk-ant-api03-`, see
 /// [`crate::secrets::public_form_len`]), and four more; [`MIN_REDACTED_LEN`] at least.
-/// A needle that holds the secret only encoded (HTTP Basic's base64, whose start is the
-/// same for every token) counts from its middle.
+/// For a needle that holds the secret base64-encoded (HTTP Basic's, whose start is the
+/// same for every token), from the encoded character that completes those bytes: a
+/// start of the encoding tells as much of the secret as its decoding holds. For a needle
+/// whose secret cannot be placed, from [`MIN_REDACTED_LEN`]: a guess that can be told
+/// apart from ordinary text may be one, and counting it too soon only costs a probe.
 fn probe_len(needle: &[u8], secret: &[u8]) -> usize {
-    let public = crate::secrets::public_form_len(secret);
-    let least = match find(needle, secret) {
-        Some(at) => at + public + 4,
-        None => needle.len() / 2,
+    let told = |at: usize| at + crate::secrets::public_form_len(secret) + 4;
+    let least = match placement(needle, secret) {
+        Some(Placement::Plain { at }) => told(at),
+        // Each 4 encoded characters carry 3 bytes; a partial group gives away the
+        // high bits of the next byte, so count from the character that completes them.
+        Some(Placement::Base64 { word, at }) => word + (told(at) * 4).div_ceil(3),
+        None => MIN_REDACTED_LEN,
     };
     least.clamp(MIN_REDACTED_LEN, needle.len())
+}
+
+/// Where a needle holds the secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// As is, from byte `at`.
+    Plain { at: usize },
+    /// Base64-encoded in the needle's last word, which starts at byte `word`; its
+    /// decoding holds the secret from byte `at` (`x-access-token:` before a token in
+    /// git's Basic credential).
+    Base64 { word: usize, at: usize },
+}
+
+/// Base64 as credentials use it (Basic's standard alphabet, or the URL-safe one),
+/// padded or not.
+const CREDENTIAL_BASE64: [base64::engine::GeneralPurpose; 2] = {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    let config =
+        GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
+    [
+        GeneralPurpose::new(&base64::alphabet::STANDARD, config),
+        GeneralPurpose::new(&base64::alphabet::URL_SAFE, config),
+    ]
+};
+
+/// Where `needle` holds `secret`, found rather than assumed from the header's form, so
+/// a template or encoding added later is placed too (or, when it cannot be, counted
+/// conservatively by [`probe_len`]).
+fn placement(needle: &[u8], secret: &[u8]) -> Option<Placement> {
+    use base64::Engine;
+    if let Some(at) = find(needle, secret) {
+        return Some(Placement::Plain { at });
+    }
+    let word = needle
+        .iter()
+        .rposition(|b| *b == b' ')
+        .map_or(0, |space| space + 1);
+    CREDENTIAL_BASE64.iter().find_map(|engine| {
+        // The decoding holds the secret: wiped when dropped, as the needles are.
+        let decoded = zeroize::Zeroizing::new(engine.decode(&needle[word..]).ok()?);
+        let at = find(&decoded, secret)?;
+        Some(Placement::Base64 { word, at })
+    })
 }
 
 /// Replaces the secret in what the upstream sends back, so a server that echoes

@@ -633,11 +633,12 @@ fn a_random_underscore_early_in_a_key_is_not_its_public_form() {
     );
 }
 
-/// The same for GitHub's `Authorization: Basic base64(x-access-token:TOKEN)`: the
-/// encoded needle counts probes only from its middle (`needle.len() / 2`), so about
-/// nine of the token's random characters can be read through its base64 first.
+/// The same for GitHub's `Authorization: Basic base64(x-access-token:TOKEN)`: probes of
+/// its base64 count from the character that completes `x-access-token:ghp_` and four
+/// more bytes (they once counted from the needle's middle only, so about nine of the
+/// token's random characters could be read through its base64 first).
 #[test]
-fn review_the_basic_credential_leaks_half_its_base64_unnoticed() {
+fn the_basic_credentials_base64_tells_no_more_than_the_token_would() {
     use base64::Engine;
     let engine = base64::engine::general_purpose::STANDARD;
     let token = "ghp_AAAAbbbbCCCCddddEEEEffffGGGGhhhh1234";
@@ -684,4 +685,23 @@ fn review_a_templates_trailing_word_is_no_credential() {
         !tripwire.tripped(),
         "ordinary pages that say 'Secure-Settings' withdrew the secret"
     );
+}
+
+/// A needle that does not hold the secret where it can be found (neither as is nor as
+/// the base64 of its last word) counts probes from the shortest start that is masked
+/// at all, not from its middle: where the secret's characters begin is unknown.
+#[test]
+fn a_needle_whose_secret_cannot_be_placed_counts_early() {
+    let secret: &[u8] = b"Zx81Kq03Lm77Pw55";
+    let value: &[u8] = b"Digest q7Hn2Vb9Rt4Wm6Xc8Lp3Jd5Fs1Gk0";
+    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
+    let redactor = Redactor::for_secret(value, secret)
+        .unwrap()
+        .watched_by(tripwire.clone());
+    for guess in [&b"Digest q7X"[..], b"Digest q7Y", b"Digest q7Z"] {
+        let mut stream = redactor.clone();
+        stream.feed(guess);
+        stream.finish();
+    }
+    assert!(tripwire.tripped());
 }

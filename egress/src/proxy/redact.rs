@@ -290,14 +290,20 @@ pub(super) struct Redactor {
 }
 
 impl Redactor {
-    /// Redacts the header `value` that carries `secret`, its last word, and `secret`
-    /// itself (which a header template may wrap in other text).
+    /// Redacts the header `value` that carries `secret`, its last word when that holds
+    /// the secret (as is or encoded), and `secret` itself (which a header template may
+    /// wrap in other text).
     pub(super) fn for_secret(value: &[u8], secret: &[u8]) -> Option<Self> {
         let secret_copy = |bytes: &[u8]| zeroize::Zeroizing::new(bytes.to_vec());
         let mut needles = vec![secret_copy(value), secret_copy(secret)];
-        // "Bearer <token>": the token alone is as secret as the whole value.
+        // "Basic <base64>": the encoded credential alone is as secret as the whole
+        // value. A last word without the secret is a template's text
+        // (`{} Secure-Session`): ordinary pages may begin it, and those are no probes.
         if let Some(space) = value.iter().rposition(|b| *b == b' ') {
-            needles.push(secret_copy(&value[space + 1..]));
+            let word = &value[space + 1..];
+            if placement(word, secret).is_some() {
+                needles.push(secret_copy(word));
+            }
         }
         needles.retain(|needle| needle.len() >= MIN_REDACTED_LEN);
         needles.sort_by_key(|needle| std::cmp::Reverse(needle.len()));

@@ -665,14 +665,13 @@ fn the_basic_credentials_base64_tells_no_more_than_the_token_would() {
 }
 
 /// A header template with text after `{}` and a space (`X-Auth: {} Secure-Session`):
-/// its last word is taken for the credential ("Bearer <token>": the token alone), so
-/// ordinary responses that merely begin that word count as probes, and three of them
-/// withdraw the secret.
+/// its last word is no credential (as the token of "Bearer <token>" is), so ordinary
+/// responses that merely begin that word are no probes and do not withdraw the secret.
 #[test]
-fn review_a_templates_trailing_word_is_no_credential() {
+fn a_templates_trailing_word_is_no_credential() {
     let secret: &[u8] = b"Zx81Kq03Lm77Pw55";
     let value: &[u8] = b"Zx81Kq03Lm77Pw55 Secure-Session";
-    let tripwire = Arc::new(redact::Tripwire::new("review", secret, None));
+    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
     let redactor = Redactor::for_secret(value, secret)
         .unwrap()
         .watched_by(tripwire.clone());

@@ -1380,13 +1380,12 @@ async fn a_stream_ends_once_its_secret_is_removed() {
     assert!(!rest.contains("event 3"), "{rest:?}");
 }
 
-// ---- review (rev/egress): framing the guest controls --------------------------------
+// ---- framing the guest controls -------------------------------------------------
 
 /// Smuggling attempts between the guest and the proxy: nothing reaches the upstream
-/// as a request of its own, and ambiguous framing is refused. (Sound: kept as a
-/// regression check.)
+/// as a request of its own, and ambiguous framing is refused.
 #[tokio::test]
-async fn review_smuggling_attempts_reach_no_upstream_as_requests() {
+async fn smuggling_attempts_reach_no_upstream_as_requests() {
     let h = Harness::start().await;
     let cases: &[&[u8]] = &[
         // CL + TE: TE wins, the connection closes after.
@@ -1414,18 +1413,25 @@ async fn review_smuggling_attempts_reach_no_upstream_as_requests() {
     );
 }
 
-/// A request body with a transfer coding besides chunked (`gzip, chunked`, valid HTTP/1.1):
-/// `prepare_request` re-adds `Transfer-Encoding` only when it is exactly `chunked`, so
-/// the upstream gets the gzip bytes as if they were the body itself, and a GET's body is
-/// dropped altogether.
+/// A request body with a transfer coding besides chunked (`gzip, chunked`, valid
+/// HTTP/1.1) goes upstream with its codings: once, only a `Transfer-Encoding` of exactly
+/// `chunked` was passed on, so the upstream got the gzip bytes as if they were the body
+/// itself, and a GET's body was dropped altogether.
 #[tokio::test]
-async fn review_a_body_with_another_transfer_coding_keeps_it() {
+async fn a_body_with_another_transfer_coding_keeps_it() {
     let h = Harness::start().await;
-    let answer = h
-        .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
-        .await;
-    assert!(
-        answer.contains("hello"),
-        "the GET's body was dropped: {answer}"
-    );
+    for method in ["GET", "POST"] {
+        let answer = h
+            .raw(format!("{method} http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n").as_bytes())
+            .await;
+        // The echo: the upstream's request head, then its body.
+        assert!(
+            answer.contains("transfer-encoding: gzip, chunked\n"),
+            "the {method}'s transfer coding was lost: {answer}"
+        );
+        assert!(
+            answer.ends_with("\n\nhello"),
+            "the {method}'s body was lost: {answer}"
+        );
+    }
 }

@@ -61,6 +61,14 @@ pub(super) fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> b
     list_tokens(headers, name).any(|listed| listed.eq_ignore_ascii_case(token))
 }
 
+/// Whether the message's transfer codings end in chunked, which frames its body (RFC
+/// 9112, 6.1: the codings before it, `gzip, chunked`, are the body's own).
+pub(super) fn ends_in_chunked(headers: &HeaderMap) -> bool {
+    list_tokens(headers, header::TRANSFER_ENCODING)
+        .last()
+        .is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"))
+}
+
 /// The authorities a request names: its URI's (absolute form, when `uri` is given)
 /// and its Host headers.
 pub(super) fn claimed_authorities(

@@ -144,6 +144,31 @@ fn the_host_header_sent_upstream_is_the_proxys() {
     assert_eq!(parts.uri, "/v1");
 }
 
+/// A chunked body's transfer codings go upstream as the guest listed them (the ones
+/// under chunked are still on the body), whatever else the hop-by-hop strip removes.
+#[test]
+fn a_chunked_bodys_transfer_codings_go_upstream_whole() {
+    let codings_sent = |listed: &[&str]| {
+        let mut request = Request::post("http://plain.test/up");
+        for value in listed {
+            request = request.header(header::TRANSFER_ENCODING, *value);
+        }
+        let (mut parts, ()) = request.body(()).unwrap().into_parts();
+        prepare_request(&mut parts, host_header("plain.test", 80, 80));
+        let sent: Vec<_> = parts
+            .headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .map(|value| value.to_str().unwrap().to_owned())
+            .collect();
+        sent
+    };
+    assert_eq!(codings_sent(&["chunked"]), ["chunked"]);
+    assert_eq!(codings_sent(&["gzip, chunked"]), ["gzip, chunked"]);
+    assert_eq!(codings_sent(&["gzip", "Chunked"]), ["gzip", "Chunked"]);
+    assert!(codings_sent(&[]).is_empty());
+}
+
 #[test]
 fn connect_targets() {
     let uri: Uri = "Example.com.:443".parse().unwrap();

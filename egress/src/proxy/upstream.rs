@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 use super::addresses::forbidden_address;
-use super::headers::{display_target, has_token, strip_hop_by_hop, wants_upgrade};
+use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
 use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
@@ -221,22 +221,27 @@ where
 /// origin-form URI, a Host header.
 pub(super) fn prepare_request(parts: &mut http::request::Parts, host: HeaderValue) {
     let upgrade = wants_upgrade(&parts.headers);
-    // A chunked body goes on chunked: without the header, hyper would send a GET's or
-    // HEAD's body of unknown length as none at all.
-    let chunked = parts
-        .headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .any(|value| value.as_bytes().eq_ignore_ascii_case(b"chunked"));
+    // A chunked body goes on with all the guest's transfer codings: hyper took off
+    // the final chunked and puts its own back, and those under it (`gzip, chunked`)
+    // are still on the bytes, which the upstream must undo. Without the header, hyper
+    // would send a GET's or HEAD's body of unknown length as none at all. (A request
+    // whose codings end otherwise, hyper refused with 400, as RFC 9112 6.3 says.)
+    let codings: Vec<HeaderValue> = if ends_in_chunked(&parts.headers) {
+        parts
+            .headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
     // TE is hop-by-hop, but a guest that accepts trailers gets them only if this hop
     // asks for them too: hyper sends trailers only to a peer that said `TE: trailers`.
     let accepts_trailers = has_token(&parts.headers, header::TE, "trailers");
     strip_hop_by_hop(&mut parts.headers, upgrade);
-    if chunked {
-        parts.headers.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
+    for coding in codings {
+        parts.headers.append(header::TRANSFER_ENCODING, coding);
     }
     if accepts_trailers {
         parts

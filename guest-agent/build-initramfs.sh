@@ -34,9 +34,18 @@ for tool in cpio gzip sha256sum readelf; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
 
+cargo="${CARGO:-cargo}"
+# rustup's ~/.cargo/bin is often not on PATH where vmctl runs (cron, systemd, an IDE,
+# `ssh host cmd`); without cargo at all, an agent built before still serves.
+if [[ -z "${CARGO:-}" ]] && ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    cargo="$HOME/.cargo/bin/cargo"
+fi
+if [[ $build == 1 ]] && ! command -v "$cargo" >/dev/null; then
+    [[ -x "$binary" ]] || die "'$cargo' is missing: install Rust (https://rustup.rs), or put it on PATH"
+    say "warning: '$cargo' is not on PATH: packing the agent built before ($binary), which may be older than this checkout"
+    build=0
+fi
 if [[ $build == 1 ]]; then
-    cargo="${CARGO:-cargo}"
-    command -v "$cargo" >/dev/null || die "'$cargo' is missing: install Rust (https://rustup.rs)"
     say "[1/3] building the static agent (cargo build --profile guest-agent -p guest-agent --target $target)"
     (cd "$workspace" &&
         RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
@@ -87,7 +96,7 @@ tmp_out="$out_dir.tmp.$$"
 mkdir -p "$tmp_out"
 mv "$work/initramfs.cpio.gz" "$tmp_out/initramfs.cpio.gz"
 echo "$binary_sha" > "$tmp_out/agent.sha256"
-cache_publish "$tmp_out" "$out_dir"
+cache_publish "$tmp_out" "$out_dir" initramfs.cpio.gz
 cache_prune "$cache_root/agent-initramfs" "????????????????" "$out_dir"
 say "done: $image ($(du -h "$image" | cut -f1))"
 echo "$image"

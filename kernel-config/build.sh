@@ -57,6 +57,9 @@ if ! flock -n 9; then
 fi
 if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
 
+# Kbuild splits its paths on spaces: say so now, not in a make error minutes later.
+[[ "$cache_root" != *[[:space:]]* ]] ||
+    die "the kernel cannot be built under '$cache_root' (a path with a space); set VMCTL_CACHE_DIR to a directory whose path has none"
 for tool in make gcc bc flex bison xz; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
@@ -75,7 +78,14 @@ src="$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)"
 
 say "[2/4] configuring: allnoconfig + ${fragments[*]##*/}"
 make -C "$src" -s allnoconfig >/dev/null
-"$src/scripts/kconfig/merge_config.sh" -m -O "$src" "$src/.config" "${fragments[@]}" >/dev/null
+# merge_config.sh splits its list of fragments on spaces and keeps its temporary files
+# in the directory it runs from: give it copies under the work directory, from there.
+merged=()
+for fragment in "${fragments[@]}"; do
+    cp "$fragment" "$work/${fragment##*/}"
+    merged+=("$work/${fragment##*/}")
+done
+(cd "$work" && "$src/scripts/kconfig/merge_config.sh" -m -O "$src" "$src/.config" "${merged[@]}" >/dev/null)
 make -C "$src" -s olddefconfig >/dev/null
 
 # merge_config.sh only warns when Kconfig drops an option; a silently missing
@@ -116,7 +126,7 @@ cp "$src/vmlinux" "$out_dir.tmp/vmlinux"
 cp "$src/.config" "$out_dir.tmp/config"
 echo "$source_version" > "$out_dir.tmp/source-version"
 rm -rf "$out_dir"
-cache_publish "$out_dir.tmp" "$out_dir"
+cache_publish "$out_dir.tmp" "$out_dir" vmlinux
 cache_prune "$cache_root/kernel" "$flavour-????????????????" "$out_dir"
 say "done: $vmlinux ($(du -h "$vmlinux" | cut -f1))"
 echo "$vmlinux"

@@ -88,7 +88,7 @@ say "[3/3] packing $applets applets + init + boot-timer (cpio newc, gzip)"
 mkdir -p "$out_dir.tmp.$$"
 mv "$work/initramfs.cpio.gz" "$out_dir.tmp.$$/initramfs.cpio.gz"
 echo "$busybox_version" > "$out_dir.tmp.$$/busybox-version"
-cache_publish "$out_dir.tmp.$$" "$out_dir"
+cache_publish "$out_dir.tmp.$$" "$out_dir" initramfs.cpio.gz
 cache_prune "$cache_root/initramfs" "????????????????" "$out_dir"
 say "done: $image ($(du -h "$image" | cut -f1))"
 echo "$image"

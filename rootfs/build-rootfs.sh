@@ -365,7 +365,7 @@ for tool in "${checks[@]}"; do
 done
 claude_bin="$root/usr/local/lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe"
 if [[ -f "$claude_bin" ]]; then
-    interp="$(readelf -l "$claude_bin" 2>/dev/null | sed -n 's/.*interpreter: \(.*\)]/\1/p')"
+    interp="$(readelf -l "$claude_bin" 2>/dev/null | sed -n 's/.*interpreter: \(.*\)]/\1/p' || true)"
     [[ "$interp" == */ld-linux-x86-64.so.2 ]] ||
         die "claude's native binary is not the linux-x64 glibc build (interpreter: '${interp:-none}')"
 fi
@@ -430,7 +430,7 @@ rm -rf "$out_dir" "$cache_root/rootfs/$name-$key.failed.log"
 if [[ -n "$for_user" ]]; then
     chown -R "$for_user" "$out_dir.tmp" "$cache_root/rootfs/.$name-$key.lock"
 fi
-cache_publish "$out_dir.tmp" "$out_dir"
+cache_publish "$out_dir.tmp" "$out_dir" rootfs.ext4
 cache_prune "$cache_root/rootfs" "$name-????????????????" "$out_dir"
 
 elapsed=$(( $(date +%s) - t_start ))

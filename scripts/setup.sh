@@ -41,6 +41,11 @@ if ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
 
+# vmctl's own rule, settled once: the build scripts, run as root with SUDO_UID set
+# (`sudo -s`), would otherwise put the root filesystem in the invoking user's cache,
+# apart from the kernels and from where vmctl looks.
+export VMCTL_CACHE_DIR="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+
 log="$(mktemp "${TMPDIR:-/tmp}/vmctl-setup.XXXXXX")"
 trap 'rm -f "$log"' EXIT
 # Runs a command with its output in the log; shows the log's end if it fails.
@@ -65,15 +70,18 @@ if (( ${#missing[@]} )); then
     fi
     say "      installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    quietly "${sudo[@]}" apt-get update -q
-    quietly "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+    # A fresh cloud machine's unattended upgrades may hold dpkg's lock for minutes.
+    apt=(apt-get -o DPkg::Lock::Timeout=600)
+    quietly "${sudo[@]}" "${apt[@]}" update -q
+    quietly "${sudo[@]}" "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}"
 fi
 
 if (( build_vmctl )); then
-    say "[2/7] vmctl (cargo build --release -p vmctl)"
+    say "[2/7] vmctl (cargo build --release -p vmctl; ~2 min the first time)"
     command -v cargo >/dev/null ||
         die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
-    (cd "$root" && quietly cargo build --release -p vmctl)
+    # Not quietly: cargo shows its progress (minutes on a fresh machine).
+    (cd "$root" && cargo build --release -p vmctl) || die "building vmctl failed (output above)"
 else
     say "[2/7] vmctl: skipped (--skip-vmctl)"
 fi
@@ -104,7 +112,7 @@ if [[ $(id -u) != 0 && ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]];
     say "      (as root, through sudo)"
     # sudo drops the environment: pass on where the cache is and how to reach the
     # mirrors.
-    pass_on=("VMCTL_CACHE_DIR=${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}")
+    pass_on=("VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR")
     for var in VMCTL_BUILD_CA_BUNDLE VMCTL_DEBIAN_MIRROR VMCTL_DEBIAN_SECURITY_MIRROR \
                VMCTL_NPM_REGISTRY http_proxy https_proxy no_proxy; do
         [[ -z "${!var:-}" ]] || pass_on+=("$var=${!var}")

@@ -12,15 +12,21 @@ cache_key_of_scripts() {
     cat "$@" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
 }
 
-# cache_publish TMP OUT: makes TMP's files durable, then renames TMP to OUT, so OUT is
-# either absent or whole, even across a crash. When a build of the same key finished
-# first, OUT is theirs and TMP is dropped.
+# cache_publish TMP OUT FILE: makes TMP's files durable, then renames TMP to OUT, so
+# OUT is either absent or whole, even across a crash. When a build of the same key
+# finished first (OUT holds FILE), OUT is theirs and TMP is dropped; an OUT without
+# FILE (emptied by hand) is replaced.
 cache_publish() {
-    local tmp="$1" out="$2"
+    local tmp="$1" out="$2" file="$3"
     find "$tmp" -type f -exec sync {} +
     if ! mv -T "$tmp" "$out" 2>/dev/null; then
-        [[ -d "$out" ]] || { echo "cache: cannot rename $tmp to $out" >&2; return 1; }
-        rm -rf "$tmp"
+        if [[ -f "$out/$file" ]]; then
+            rm -rf "$tmp"
+        else
+            echo "cache: replacing $out, which lacks its $file" >&2
+            rm -rf --one-file-system "$out"
+            mv -T "$tmp" "$out" || { echo "cache: cannot rename $tmp to $out" >&2; return 1; }
+        fi
     fi
     sync "$(dirname "$out")"
 }
@@ -31,8 +37,10 @@ cache_mark_used() {
 }
 
 # cache_prune PARENT PATTERN CURRENT: removes PARENT's entries named PATTERN, other than
-# CURRENT, that went unused for cache_keep_days. (A VM still running from one keeps its
-# open file.)
+# CURRENT, that went unused for cache_keep_days (a VM still running from one keeps its
+# open file), and what builds killed outright left behind (their work and unpublished
+# directories, `*.tmp*` and `build.*`, and failure logs) once a day old: no build
+# runs that long.
 cache_prune() {
     local parent="$1" pattern="$2" current="$3" entry
     while IFS= read -r -d '' entry; do
@@ -41,4 +49,9 @@ cache_prune() {
         rm -rf --one-file-system "$entry"
     done < <(find "$parent" -mindepth 1 -maxdepth 1 -type d -name "$pattern" ! -name '*.tmp*' \
                   -mtime +"$cache_keep_days" -print0 2>/dev/null)
+    while IFS= read -r -d '' entry; do
+        echo "cache: removing $entry (left by a build that was killed)" >&2
+        rm -rf --one-file-system "$entry"
+    done < <(find "$parent" -mindepth 1 -maxdepth 1 \( -name '*.tmp*' -o -name 'build.*' \
+                  -o -name '*.failed.log' \) -mtime +0 -print0 2>/dev/null)
 }

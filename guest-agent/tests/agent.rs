@@ -991,3 +991,39 @@ async fn hybrid_handshake_and_shutdown() {
         .unwrap()
         .unwrap();
 }
+
+/// A command run as another account gets that account's group ids and no other:
+/// not the agent's primary group (root's 0), nor any supplementary group the agent
+/// holds. (Review: dropping the `setgid` or the `setgroups` before `setuid` in
+/// `server.rs` left every other test passing; `exec_env_cwd_and_user` checks the
+/// uid alone.)
+#[tokio::test]
+async fn a_command_as_another_user_has_that_users_groups_only() {
+    let nobody = guest_agent::users::lookup("nobody").expect("this machine has no 'nobody'");
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the agent must run as root");
+    // Give the agent (this process; glibc applies setgroups to every thread) a
+    // supplementary group the command must not keep: `adm` (4) on Debian.
+    let extra: libc::gid_t = 4;
+    assert!(!nobody.groups.contains(&extra));
+    // SAFETY: one gid from a local array.
+    assert_eq!(unsafe { libc::setgroups(1, [extra].as_ptr()) }, 0);
+    let mut req = sh("id -g; id -G");
+    req.user = User::Named("nobody".into());
+    req.cwd = Some("/".into());
+    let out = run(req, b"").await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(nobody.gid.to_string().as_str()), "{text:?}");
+    let mut got: Vec<u32> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|g| g.parse().unwrap())
+        .collect();
+    got.sort();
+    let mut want = nobody.groups.clone();
+    want.sort();
+    want.dedup();
+    assert_eq!(got, want, "{text:?}");
+}

@@ -1014,7 +1014,11 @@ async fn a_command_as_another_user_has_that_users_groups_only() {
     let out = run(req, b"").await;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some(nobody.gid.to_string().as_str()), "{text:?}");
+    assert_eq!(
+        lines.next(),
+        Some(nobody.gid.to_string().as_str()),
+        "{text:?}"
+    );
     let mut got: Vec<u32> = lines
         .next()
         .unwrap_or_default()

@@ -399,6 +399,12 @@ mod tests {
         ("run a program", None),
         ("signal another process", Some(libc::SYS_tgkill)),
         ("map executable memory", Some(libc::SYS_mmap)),
+        // Review: the rules below had no test; allowing each call whatever its
+        // arguments left this test passing.
+        ("make memory executable", Some(libc::SYS_mprotect)),
+        ("an ioctl that is not KVM's", Some(libc::SYS_ioctl)),
+        ("look up a path's metadata", Some(libc::SYS_newfstatat)),
+        ("a prctl other than a thread's name", Some(libc::SYS_prctl)),
     ];
 
     #[test]
@@ -509,6 +515,39 @@ mod tests {
                     -1,
                     0,
                 );
+            },
+            // SAFETY: a fresh anonymous mapping of this child's, made executable.
+            "make memory executable" => unsafe {
+                let page = libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                assert_ne!(page, libc::MAP_FAILED);
+                libc::mprotect(page, 4096, libc::PROT_READ | libc::PROT_EXEC);
+            },
+            // SAFETY: FIONREAD on stdin into a local int.
+            "an ioctl that is not KVM's" => unsafe {
+                let mut n: c_int = 0;
+                libc::ioctl(0, libc::FIONREAD, &mut n);
+            },
+            // SAFETY: a stat of a path into a local buffer.
+            "look up a path's metadata" => unsafe {
+                let mut stat: libc::stat = std::mem::zeroed();
+                libc::syscall(
+                    libc::SYS_newfstatat,
+                    libc::AT_FDCWD,
+                    c"/etc/hostname".as_ptr(),
+                    &mut stat,
+                    0,
+                );
+            },
+            // SAFETY: PR_GET_DUMPABLE only reads a flag.
+            "a prctl other than a thread's name" => unsafe {
+                libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0);
             },
             other => panic!("unknown call {other:?}"),
         }

@@ -81,6 +81,39 @@ mod tests {
         assert!(relayed.error().is_some());
     }
 
+    /// A way that breaks on its read (the server reset its connection) still ends
+    /// the other side's reading: "after a failure too" in [`one_way`]. (Review: making
+    /// the shutdown conditional on a clean copy left both tests above passing.)
+    #[tokio::test]
+    async fn a_reset_from_the_server_ends_the_clients_reading() {
+        use tokio::net::{TcpListener, TcpStream};
+        let (mut client, relay_client_side) = UnixStream::pair().unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_server_side = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let relay = tokio::spawn(both_ways(relay_client_side, relay_server_side));
+        // Closing with a zero linger sends a reset: the relay's read from it fails.
+        server.set_linger(Some(std::time::Duration::ZERO)).unwrap();
+        drop(server);
+        // The client sends nothing and keeps its side open: only the relay's
+        // shutdown after the failed way can end this read.
+        let mut received = Vec::new();
+        let ended = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            client.read_to_end(&mut received),
+        )
+        .await;
+        assert!(
+            matches!(ended, Ok(Ok(0))),
+            "the client's read did not end after the server's reset: {ended:?}"
+        );
+        drop(client);
+        let relayed = relay.await.unwrap();
+        assert!(relayed.b_to_a.is_err(), "{relayed:?}");
+    }
+
     #[tokio::test]
     async fn each_end_is_passed_on_as_a_half_close() {
         let (mut client, relay_client_side) = UnixStream::pair().unwrap();

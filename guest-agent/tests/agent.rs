@@ -1031,3 +1031,30 @@ async fn a_command_as_another_user_has_that_users_groups_only() {
     want.dedup();
     assert_eq!(got, want, "{text:?}");
 }
+
+/// A command's environment is the one the agent builds (the account's variables and
+/// the request's), nothing of the agent's own. (Review: dropping `env_clear()` in
+/// `server.rs` left every other test passing: they look only at the variables they
+/// set.)
+#[tokio::test]
+async fn a_command_gets_none_of_the_agents_own_environment() {
+    // Any test run has PATH and HOME; cargo sets CARGO_PKG_NAME on the test binary.
+    assert!(std::env::var_os("CARGO_PKG_NAME").is_some());
+    let req = ExecRequest {
+        argv: vec!["/usr/bin/env".into()],
+        env: vec![("FOO".into(), "bar".into())],
+        ..Default::default()
+    };
+    let out = run(req, b"").await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut names: Vec<&str> = text
+        .lines()
+        .map(|line| line.split('=').next().unwrap_or_default())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["FOO", "HOME", "LOGNAME", "PATH", "SHELL", "USER"],
+        "{text}"
+    );
+}

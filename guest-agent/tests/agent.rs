@@ -1058,3 +1058,29 @@ async fn a_command_gets_none_of_the_agents_own_environment() {
         "{text}"
     );
 }
+
+/// A variable name execve would split or cut (empty, holding `=` or NUL), or a value
+/// holding NUL, is refused rather than passed on as some other variable.
+#[tokio::test]
+async fn an_environment_variable_execve_cannot_carry_is_refused() {
+    for (name, value) in [
+        ("A=B", b"x".to_vec()),
+        ("", b"x".to_vec()),
+        ("A\0B", b"x".to_vec()),
+        ("A", b"x\0y".to_vec()),
+    ] {
+        let req = ExecRequest {
+            argv: vec!["/usr/bin/env".into()],
+            env: vec![(name.into(), value.into())],
+            ..Default::default()
+        };
+        let refused = conn().await.exec(req).await;
+        let Err(error) = refused else {
+            panic!("{name:?} was accepted");
+        };
+        assert!(
+            error.to_string().contains("invalid environment variable"),
+            "{name:?}: {error}"
+        );
+    }
+}

@@ -546,7 +546,7 @@ pub(crate) fn no_forks_meanwhile() -> std::sync::MutexGuard<'static, ()> {
 /// A stand-in for `vm`'s supervisor, running `script` (`sh -c`), that vmctl takes for
 /// one (`running_pid`): its pid file written, its command line `__supervise DIR`.
 #[cfg(test)]
-pub(crate) fn fake_supervisor(vm: &VmDir, script: &str) -> std::process::Child {
+pub(crate) fn fake_supervisor(vm: &VmDir, script: &str) -> FakeSupervisor {
     let _forking = no_forks_meanwhile();
     let child = std::process::Command::new("sh")
         .args(["-c", script, "__supervise"])
@@ -558,11 +558,25 @@ pub(crate) fn fake_supervisor(vm: &VmDir, script: &str) -> std::process::Child {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     std::fs::write(vm.pid_file(), child.id().to_string()).expect("write its pid file");
+    let supervisor = FakeSupervisor(child);
     assert!(
         vm.running_pid().is_some(),
         "vmctl does not take it for a VM"
     );
-    child
+    supervisor
+}
+
+/// A [`fake_supervisor`], killed when dropped: a test that fails midway leaves no
+/// process behind.
+#[cfg(test)]
+pub(crate) struct FakeSupervisor(pub(crate) std::process::Child);
+
+#[cfg(test)]
+impl Drop for FakeSupervisor {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// A record of `vm`, a VM of `workspace`, with a value in every field.

@@ -1521,7 +1521,7 @@ mod tests {
     }
 
     /// A stand-in supervisor of `vm` that ignores SIGTERM, as one stuck in its teardown.
-    fn stuck_supervisor(vm: &VmDir) -> std::process::Child {
+    fn stuck_supervisor(vm: &VmDir) -> crate::state::FakeSupervisor {
         crate::state::fake_supervisor(vm, "trap '' TERM; while :; do sleep 0.05; done")
     }
 
@@ -1543,7 +1543,7 @@ mod tests {
             vm.running_pid().is_none(),
             "stop returned before it was gone"
         );
-        let status = supervisor.wait().unwrap();
+        let status = supervisor.0.wait().unwrap();
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
@@ -1584,15 +1584,13 @@ mod tests {
             "the stop did not take the lock"
         );
         // One holding the lock while the VM runs (waiting for its agent) is not.
-        let mut supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
+        let _supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
         let _attaching = lock_start(&vm).unwrap();
         let started = Instant::now();
         assert!(lock_to_stop_within(&vm, "stopping", wait)
             .unwrap()
             .is_none());
         assert!(started.elapsed() < wait * 10);
-        let _ = supervisor.kill();
-        let _ = supervisor.wait();
     }
 
     #[test]

@@ -562,8 +562,8 @@ mod tests {
     }
 
     /// A stand-in for `vm`'s supervisor (what `running_pid` takes for one) that exits
-    /// on SIGTERM; its `Drop` kills it.
-    struct FakeSupervisor(std::process::Child);
+    /// on SIGTERM; dropping it kills it.
+    struct FakeSupervisor(crate::state::FakeSupervisor);
 
     impl FakeSupervisor {
         fn start(vm: &VmDir) -> Self {
@@ -574,14 +574,7 @@ mod tests {
         }
 
         fn stopped(&mut self) -> bool {
-            self.0.try_wait().unwrap().is_some()
-        }
-    }
-
-    impl Drop for FakeSupervisor {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+            self.0 .0.try_wait().unwrap().is_some()
         }
     }
 

@@ -1071,7 +1071,7 @@ async fn an_environment_variable_execve_cannot_carry_is_refused() {
     ] {
         let req = ExecRequest {
             argv: vec!["/usr/bin/env".into()],
-            env: vec![(name.into(), value.into())],
+            env: vec![(name.into(), value)],
             ..Default::default()
         };
         let refused = conn().await.exec(req).await;

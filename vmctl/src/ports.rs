@@ -160,6 +160,22 @@ mod tests {
         );
     }
 
+    /// `vmctl publish 3000` before the dev server listens (the usual order: publish,
+    /// then start it) is still a publication: `vmctl ports` must show where it is on
+    /// the host, or the user cannot find the address again.
+    #[test]
+    fn a_published_port_nothing_listens_on_yet_is_listed() {
+        let published = [PublishedPort {
+            guest_port: 8080,
+            host: "127.0.0.1:41000".parse().unwrap(),
+        }];
+        let table = format_table(&[], &published, &[]);
+        assert!(
+            table.contains("8080") && table.contains("127.0.0.1:41000"),
+            "the publication is missing from the table:\n{table}"
+        );
+    }
+
     #[test]
     fn table_merges_addresses_and_marks_published_and_ours() {
         let port = |port: u16, address: &str| ListeningPort {

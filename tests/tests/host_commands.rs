@@ -146,3 +146,104 @@ fn publishing_from_a_directory_that_is_not_there_says_so() {
         stderr(&publish)
     );
 }
+
+/// `vmctl policy log` only reads the VM's egress log, and a malformed policy.json is
+/// exactly when one wants to read why the proxy refuses everything ("deny everything:
+/// the policy file ... is malformed"): the log must not be refused for it.
+#[test]
+fn the_egress_log_can_be_read_while_the_policy_file_is_malformed() {
+    let ws = Workspace::new("policy-log-bad-policy");
+    std::fs::create_dir_all(ws.config_dir()).expect("config dir");
+    std::fs::write(ws.config_dir().join("policy.json"), "{\"rules\": [")
+        .expect("write a malformed policy");
+    let workspace = ws.path();
+    let log = ws
+        .command(&["policy", "log", "--workspace", workspace.to_str().unwrap()])
+        .output()
+        .expect("run vmctl policy log");
+    assert!(
+        log.status.success() && !stderr(&log).contains("policy file"),
+        "policy log refused over policy.json: {}",
+        stderr(&log)
+    );
+}
+
+/// README, "Workspace VMs": "Where a command takes `[DIR]`, `--workspace DIR` works
+/// too". `publish` and `unpublish` take `[DIR]`.
+#[test]
+fn publish_takes_workspace_dir_as_the_readme_says() {
+    let ws = Workspace::new("publish-workspace-flag");
+    let workspace = ws.path();
+    for args in [
+        &["publish", "--workspace", workspace.to_str().unwrap(), "3000"][..],
+        &["unpublish", "--workspace", workspace.to_str().unwrap(), "3000"],
+    ] {
+        let output = ws.command(args).output().expect("run vmctl");
+        // Without a VM it must fail for that reason, not refuse the option.
+        assert!(
+            !stderr(&output).contains("unexpected argument '--workspace'"),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+}
+
+/// Paseo (a desktop app, a systemd user service) runs `vmctl agent claude` with the
+/// PATH it has, which need not hold ~/.cargo/bin. Once `scripts/setup.sh` has built
+/// and cached the guest agent, starting a VM must not need cargo on PATH: today every
+/// start runs guest-agent/build-initramfs.sh, which dies with "'cargo' is missing:
+/// install Rust", so no VM can start at all.
+#[test]
+fn a_vm_starts_without_cargo_on_path_once_set_up() {
+    if !vm_tests::vm_available("a_vm_starts_without_cargo_on_path_once_set_up") {
+        return;
+    }
+    let ws = Workspace::new("no-cargo-on-path");
+    let output = ws
+        .command(&["exec", "--", "true"])
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env_remove("CARGO")
+        .output()
+        .expect("run vmctl exec");
+    let _ = ws.command(&["rm", "-f"]).output();
+    assert!(
+        output.status.success() && !stderr(&output).contains("'cargo' is missing"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+/// With the VM already running, `exec` neither checks its `--mount` (a typo such as
+/// `:RO` is an error on a stopped VM) nor reads the config file: a broken config.toml
+/// passes silently (exit 0), then fails the next start, typically a Paseo agent's
+/// after the idle stop, far from the edit.
+#[test]
+fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
+    if !vm_tests::vm_available("a_running_vm_still_reports_bad_mounts_and_a_broken_config") {
+        return;
+    }
+    let ws = Workspace::new("running-vm-bad-input");
+    let data = ws.dir.join("data");
+    std::fs::create_dir_all(&data).expect("data dir");
+    let up = ws.command(&["exec", "--", "true"]).output().expect("vmctl exec");
+    assert!(up.status.success(), "{}", stderr(&up));
+    let typo = format!("{}:/data:RO", data.display());
+    let bad_mount = ws
+        .command(&["exec", "--mount", &typo, "--", "true"])
+        .output()
+        .expect("vmctl exec --mount");
+    std::fs::create_dir_all(ws.config_dir()).expect("config dir");
+    std::fs::write(ws.config_dir().join("config.toml"), "mount = [\"/x\"]\n").expect("config");
+    let bad_config = ws.command(&["exec", "--", "true"]).output().expect("vmctl exec");
+    let _ = ws.command(&["rm", "-f"]).output();
+    assert!(
+        stderr(&bad_mount).contains("unknown option") || !bad_mount.status.success(),
+        "a bad --mount passed on a running VM: {}",
+        stderr(&bad_mount)
+    );
+    assert!(
+        stderr(&bad_config).contains("config"),
+        "a broken config.toml passed on a running VM: {}",
+        stderr(&bad_config)
+    );
+}

@@ -1,4 +1,5 @@
-//! Bad input is rejected on the host, before any VM starts: exit code 1, exactly one
+//! Bad input is rejected on the host, before any VM starts: exit code 1 (125 for the
+//! commands that pass their command's code on: `exec`, `run`, ...), exactly one
 //! `vmctl: error: ` line naming the problem, never a panic.
 
 use std::fs;
@@ -448,7 +449,7 @@ fn refused_starts_leave_no_vm_behind() {
         ),
     ] {
         let (output, stderr) = vmctl(args);
-        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(output.status.code(), Some(125), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
     let (ps, stderr) = vmctl(&["ps"]);
@@ -482,7 +483,7 @@ fn a_removed_working_directory_is_named() {
         .output()
         .expect("run vmctl from a removed directory");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(125), "{stderr}");
     assert_eq!(
         stderr.trim_end(),
         format!(
@@ -624,7 +625,7 @@ fn a_mount_through_a_link_in_another_vms_share_is_refused() {
         &workspace,
         &["exec", "--mount", &mount, "--", "true"],
     );
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(125), "{stderr}");
     assert!(
         stderr.contains(&format!(
             "{} is a symlink in {}, which a VM can write",

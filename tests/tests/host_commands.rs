@@ -247,3 +247,44 @@ fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
         stderr(&bad_config)
     );
 }
+
+/// `exec`, `run`, `shell` and `agent` exit with their command's code, so vmctl's own
+/// failures (and wrong arguments) must exit with one a command rarely uses, 125 (as
+/// docker and podman), or a caller takes "the VM would not start" for the command's 1.
+#[test]
+fn vmctls_own_failures_are_told_from_the_commands_by_exit_code_125() {
+    let ws = Workspace::new("own-failure-code");
+    let gone = ws.path().join("gone");
+    let gone = gone.to_str().unwrap();
+    for args in [
+        &["exec", "--workspace", gone, "--", "true"][..],
+        &["run", "--workspace", gone, "--", "true"],
+        &["shell", gone],
+        &["exec"],
+        &["agent", "not-an-agent"],
+    ] {
+        let output = ws.command(args).output().expect("run vmctl");
+        assert_eq!(
+            output.status.code(),
+            Some(125),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+    // The other commands keep 1 and clap's 2.
+    let logs = ws
+        .command(&["logs", gone])
+        .output()
+        .expect("run vmctl logs");
+    let ps = ws
+        .command(&["ps", "--bogus"])
+        .output()
+        .expect("run vmctl ps");
+    assert_eq!(
+        (logs.status.code(), ps.status.code()),
+        (Some(1), Some(2)),
+        "{}{}",
+        stderr(&logs),
+        stderr(&ps)
+    );
+}

@@ -418,7 +418,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
         "{followed}"
     );
     let (status, stderr) = ended_within_a_minute(&mut sleeper, "after its VM was stopped");
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(125), "{stderr}");
     assert!(
         stderr.contains("the VM was shut down, asked to by `vmctl stop`"),
         "{stderr}"

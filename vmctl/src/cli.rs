@@ -14,7 +14,12 @@ use clap::{Parser, Subcommand, ValueEnum};
     about = "Run coding agents in lightweight KVM virtual machines",
     long_about = "Run coding agents in lightweight KVM virtual machines.\n\n\
         Where this machine's /dev/kvm cannot boot a Linux guest (no kvm_intel/kvm_amd, \
-        e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so.",
+        e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so.\n\n\
+        Exit status: exec, run, shell, agent and nested-exec exit with their command's \
+        code (128+N when signal N killed it; 127 or 126 for a program the guest does not \
+        have or cannot run), and with 125 when vmctl itself fails or their arguments are \
+        wrong, so that a caller can tell the two apart. Every other command exits 0, 1 when \
+        it fails, 2 for wrong arguments. 141: a reader of vmctl's output went away.",
     after_help = "Getting started, in a project directory:\n  \
         vmctl exec -- uname -a                            a command in its VM (started on demand)\n  \
         vmctl shell                                       a shell there, at the same path\n  \
@@ -30,18 +35,20 @@ pub struct Cli {
 pub enum Command {
     /// Run a command in the VM of a workspace, starting it if needed.
     ///
-    /// Stdio is relayed; vmctl exits with the command's exit code (128+N for signal N).
+    /// Stdio is relayed; vmctl exits with the command's exit code (128+N for signal N),
+    /// or 125 when vmctl itself fails.
     Exec(ExecArgs),
     /// A login shell in the VM of a workspace.
     ///
     /// Interactive, on a pseudo-terminal, when stdin is a terminal; otherwise, as with
     /// ssh, without one, reading its commands from stdin (`vmctl shell < script.sh`).
+    /// Exits with the shell's code, or 125 when vmctl itself fails.
     Shell(ShellArgs),
     /// Run Claude Code or Codex in the VM of this directory's workspace.
     ///
     /// As on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin is
-    /// a terminal), exit code and signals passed on. This is the command Paseo's
-    /// claude-vm and codex-vm providers run.
+    /// a terminal), exit code and signals passed on; 125 when vmctl itself fails. This
+    /// is the command Paseo's claude-vm and codex-vm providers run.
     Agent(AgentArgs),
     /// Start the VM of a workspace and keep it up until `vmctl stop`.
     ///
@@ -50,6 +57,8 @@ pub enum Command {
     /// the config file).
     Up(UpArgs),
     /// One-shot: a throwaway VM for the workspace, the command, teardown.
+    ///
+    /// Exits with the command's code, or 125 when vmctl itself fails.
     Run(ExecArgs),
     /// List workspace VMs.
     ///
@@ -130,9 +139,38 @@ pub enum Command {
     /// and debugging). The command gets this environment, but for VMCTL_VCPU_CPUS: on
     /// the host it holds the nested host on those CPUs; inside, it is set to every CPU
     /// of the nested host but 0, where the VMMs the command starts run their guests.
+    /// Exits with the command's code, or 125 when vmctl itself fails.
     NestedExec(NestedExecArgs),
     #[command(name = "__supervise", hide = true)]
     Supervise { dir: PathBuf },
+}
+
+/// The exit code of vmctl's own failure (a VM that would not start, wrong arguments)
+/// in a command that exits with another program's code: 125, as docker and podman
+/// use, which commands rarely use for themselves, so that a caller (a script, Paseo)
+/// can tell "vmctl could not run it" from "it ran and failed with 1 or 2".
+pub const OWN_FAILURE: u8 = 125;
+
+impl Command {
+    /// Whether its exit code is that of a command it runs.
+    pub fn passes_exit_code_on(&self) -> bool {
+        matches!(
+            self,
+            Command::Exec(_)
+                | Command::Run(_)
+                | Command::Shell(_)
+                | Command::Agent(_)
+                | Command::NestedExec(_)
+        )
+    }
+}
+
+/// Whether the command named `name` (a subcommand's name, as typed) exits with the
+/// code of a command it runs: for its usage errors, which come before any [`Command`].
+pub fn named_command_passes_exit_code_on(name: &OsStr) -> bool {
+    ["exec", "run", "shell", "agent", "nested-exec"]
+        .iter()
+        .any(|command| name == *command)
 }
 
 #[derive(Debug, clap::Args)]
@@ -732,6 +770,29 @@ mod tests {
             bytes_of(&agent.args),
             [&b"-p"[..], b"caf\xe9", b"--verbose"]
         );
+    }
+
+    #[test]
+    fn the_commands_that_pass_a_code_on_are_known_by_name() {
+        use clap::Parser;
+        for (argv, passes) in [
+            (&["exec", "true"][..], true),
+            (&["run", "true"], true),
+            (&["shell"], true),
+            (&["agent", "claude"], true),
+            (&["nested-exec", "true"], true),
+            (&["ps"][..], false),
+            (&["up"], false),
+            (&["boot"], false),
+        ] {
+            let cli = Cli::try_parse_from([&["vmctl"], argv].concat()).unwrap();
+            assert_eq!(cli.command.passes_exit_code_on(), passes, "{argv:?}");
+            assert_eq!(
+                named_command_passes_exit_code_on(OsStr::new(argv[0])),
+                passes,
+                "{argv:?}"
+            );
+        }
     }
 
     #[test]

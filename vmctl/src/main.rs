@@ -45,9 +45,20 @@ fn main() -> ExitCode {
     // The nested host's kernel starts us as its init with the job in the environment
     // (kernel arguments after `--` would hide QEMU's own device arguments).
     if let Some(job) = nested::init::job_from_environment() {
-        return exit_with(nested::init::run(&job).map_err(|e| e.to_string()));
+        return exit_with(
+            nested::init::run(&job).map_err(|e| e.to_string()),
+            ExitCode::FAILURE,
+        );
     }
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return usage_error(&error, std::env::args_os().nth(1).as_deref()),
+    };
+    let own_failure = if cli.command.passes_exit_code_on() {
+        ExitCode::from(cli::OWN_FAILURE)
+    } else {
+        ExitCode::FAILURE
+    };
     let result = match cli.command {
         cli::Command::Boot(args) => boot::run(args).map_err(|e| e.to_string()),
         cli::Command::Up(args) => {
@@ -168,7 +179,26 @@ fn main() -> ExitCode {
         }
         cli::Command::NestedExec(args) => nested_exec(args),
     };
-    exit_with(result)
+    exit_with(result, own_failure)
+}
+
+/// Prints clap's refusal (or the help asked for), and exits as clap would, but for a
+/// command that passes its command's exit code on: there wrong arguments are vmctl's
+/// failure, [`cli::OWN_FAILURE`], not a 2 the command might have exited with.
+fn usage_error(error: &clap::Error, command: Option<&std::ffi::OsStr>) -> ExitCode {
+    // A reader gone or a full disk: the exit code still tells.
+    let _ = error.print();
+    ExitCode::from(usage_exit_code(error, command))
+}
+
+fn usage_exit_code(error: &clap::Error, command: Option<&std::ffi::OsStr>) -> u8 {
+    let code = u8::try_from(error.exit_code()).unwrap_or(1);
+    // `use_stderr` is false for the help and the version, which are no failure.
+    if error.use_stderr() && command.is_some_and(cli::named_command_passes_exit_code_on) {
+        cli::OWN_FAILURE
+    } else {
+        code
+    }
 }
 
 fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
@@ -415,14 +445,15 @@ fn init_logging() {
         .init();
 }
 
-fn exit_with(result: Result<u8, String>) -> ExitCode {
+/// The command's outcome: its exit code, or its error said and `failure`.
+fn exit_with(result: Result<u8, String>, failure: ExitCode) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             // The error may be that stderr cannot be written; the exit code still says
             // it failed.
             vmm::to_stderr!("vmctl: error: {e}");
-            ExitCode::FAILURE
+            failure
         }
     }
 }
@@ -431,6 +462,30 @@ fn exit_with(result: Result<u8, String>) -> ExitCode {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    #[test]
+    fn wrong_arguments_to_a_command_that_passes_its_code_on_exit_125() {
+        let exit_code = |argv: &[&str]| {
+            let error = cli::Cli::try_parse_from([&["vmctl"], argv].concat()).unwrap_err();
+            usage_exit_code(&error, argv.first().map(std::ffi::OsStr::new))
+        };
+        for argv in [
+            &["exec"][..],
+            &["exec", "--tyy", "bash"],
+            &["run", "--bogus", "true"],
+            &["shell", "--bogus"],
+            &["agent", "gemini"],
+            &["nested-exec", "--cpus", "x", "true"],
+        ] {
+            assert_eq!(exit_code(argv), cli::OWN_FAILURE, "{argv:?}");
+        }
+        // Elsewhere, clap's: 2 for a refusal, 0 for the help asked for.
+        assert_eq!(exit_code(&["ps", "--bogus"]), 2);
+        assert_eq!(exit_code(&["bogus"]), 2);
+        assert_eq!(exit_code(&[]), 2);
+        assert_eq!(exit_code(&["exec", "--help"]), 0);
+        assert_eq!(exit_code(&["--version"]), 0);
+    }
 
     #[test]
     fn a_lost_vm_is_explained_by_its_crash_else_by_its_log() {

@@ -70,7 +70,8 @@ async fn ask_guest_ports(vsock: &std::path::Path) -> Result<Vec<ListeningPort>, 
         .map_err(|e| PortsError::Agent(e.describe("no answer")))
 }
 
-/// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses).
+/// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses), and
+/// per published one nothing listens on.
 fn format_table(
     listening: &[ListeningPort],
     published: &[PublishedPort],
@@ -84,6 +85,11 @@ fn format_table(
             addresses.push(address);
         }
     }
+    // Publishing comes before the server listens (publish, then start it), or outlives
+    // it: the table is where the user finds the host address again.
+    for port in published {
+        by_port.entry(port.guest_port).or_default();
+    }
     let mut out = format!("{:<7} {:<28} {:<22} NOTE\n", "PORT", "ADDRESS", "PUBLISHED");
     for (port, addresses) in by_port {
         let published_at = published
@@ -95,13 +101,17 @@ fn format_table(
             "vmctl egress proxy"
         } else if relays.contains(&port) {
             "relayed from the host"
+        } else if addresses.is_empty() {
+            "nothing listens on it in the VM (yet)"
         } else {
             ""
         };
-        let line = format!(
-            "{port:<7} {:<28} {published_at:<22} {note}",
+        let address = if addresses.is_empty() {
+            "-".to_string()
+        } else {
             addresses.join(",")
-        );
+        };
+        let line = format!("{port:<7} {address:<28} {published_at:<22} {note}");
         out.push_str(line.trim_end());
         out.push('\n');
     }
@@ -174,6 +184,7 @@ mod tests {
             table.contains("8080") && table.contains("127.0.0.1:41000"),
             "the publication is missing from the table:\n{table}"
         );
+        assert!(table.contains("nothing listens"), "{table}");
     }
 
     #[test]

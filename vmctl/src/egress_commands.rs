@@ -122,21 +122,26 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
         }
         PolicyCommand::Ls { .. } | PolicyCommand::Log { .. } => None,
     };
-    let mut store = PolicyStore::load(files.policy)?;
+    // Loaded by the commands that use it only: `log` must work while policy.json is
+    // malformed, which is when the proxy refuses everything and the log says why.
+    let load = || PolicyStore::load(files.policy.clone());
     match command {
         PolicyCommand::Allow { patterns, scope } => {
+            let mut store = load()?;
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             store.allow(&scope, &patterns)?;
             store.save()?;
             vmm::to_stderr!("vmctl: allowed {} ({scope})", joined(&patterns));
         }
         PolicyCommand::Deny { patterns, scope } => {
+            let mut store = load()?;
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             store.deny(&scope, &patterns)?;
             store.save()?;
             vmm::to_stderr!("vmctl: denied {} ({scope})", joined(&patterns));
         }
         PolicyCommand::Rm { patterns, scope } => {
+            let mut store = load()?;
             let (scope, patterns) = (scope_of(&scope), parse(&patterns)?);
             let removed = store.remove(&scope, &patterns);
             if removed == 0 {
@@ -149,6 +154,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             vmm::to_stderr!("vmctl: removed {removed} rule(s) ({scope})");
         }
         PolicyCommand::Ls { workspace } => {
+            let store = load()?;
             let workspace = canonical(workspace);
             print_out(format_args!(
                 "# rules for {} (deny wins over allow)\n",

@@ -103,7 +103,7 @@ pub enum Command {
     )]
     Publish(PublishArgs),
     /// Stop publishing a port of the VM.
-    #[command(override_usage = "vmctl unpublish [DIR] <GUEST_PORT>")]
+    #[command(override_usage = "vmctl unpublish [OPTIONS] [DIR] <GUEST_PORT>")]
     Unpublish(UnpublishArgs),
     /// Credentials the egress proxy adds to the guest's requests.
     ///
@@ -213,6 +213,9 @@ pub struct PublishArgs {
     /// VM, as for `vmctl stop`) and the port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
+    /// The same as DIR, as `vmctl exec` takes it.
+    #[arg(long = "workspace", value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
     /// The host port (default: a free one, printed).
     #[arg(long, value_name = "N")]
     pub host_port: Option<u16>,
@@ -227,13 +230,25 @@ pub struct UnpublishArgs {
     /// VM, as for `vmctl stop`) and the published port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
+    /// The same as DIR, as `vmctl exec` takes it.
+    #[arg(long = "workspace", value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
 }
 
-/// Splits `[DIR] GUEST_PORT`.
-pub fn dir_and_port(target: &[String]) -> Result<(Option<PathBuf>, u16), String> {
-    let (dir, port) = match target {
-        [port] => (None, port),
-        [dir, port] => (Some(PathBuf::from(dir)), port),
+/// Splits `[DIR] GUEST_PORT`, the workspace given as DIR or as `--workspace DIR`.
+pub fn dir_and_port(
+    target: &[String],
+    workspace: Option<PathBuf>,
+) -> Result<(Option<PathBuf>, u16), String> {
+    let (dir, port) = match (target, workspace) {
+        ([port], workspace) => (workspace, port),
+        ([dir, port], None) => (Some(PathBuf::from(dir)), port),
+        ([dir, _], Some(workspace)) => {
+            return Err(format!(
+                "the workspace is given twice, as {dir:?} and as --workspace {}: give one",
+                workspace.display()
+            ))
+        }
         _ => return Err("expected [DIR] GUEST_PORT".into()),
     };
     match port.parse::<u16>() {
@@ -617,15 +632,35 @@ mod tests {
     #[test]
     fn publish_targets_are_an_optional_dir_then_a_port() {
         let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(dir_and_port(&args(&["8080"])), Ok((None, 8080)));
+        assert_eq!(dir_and_port(&args(&["8080"]), None), Ok((None, 8080)));
         assert_eq!(
-            dir_and_port(&args(&["/w", "8080"])),
+            dir_and_port(&args(&["/w", "8080"]), None),
             Ok((Some(PathBuf::from("/w")), 8080))
         );
-        assert!(dir_and_port(&args(&["/w"]))
+        assert!(dir_and_port(&args(&["/w"]), None)
             .unwrap_err()
             .contains("not a port"));
-        assert!(dir_and_port(&args(&["0"])).is_err());
+        assert!(dir_and_port(&args(&["0"]), None).is_err());
+        // README: "Where a command takes `[DIR]`, `--workspace DIR` works too".
+        assert_eq!(
+            dir_and_port(&args(&["8080"]), Some("/w".into())),
+            Ok((Some(PathBuf::from("/w")), 8080))
+        );
+        assert!(dir_and_port(&args(&["/a", "8080"]), Some("/b".into()))
+            .unwrap_err()
+            .contains("given twice"));
+        use clap::Parser;
+        for argv in [
+            &["vmctl", "publish", "--workspace", "/w", "8080"][..],
+            &["vmctl", "unpublish", "--workspace", "/w", "8080"],
+        ] {
+            let workspace = match Cli::try_parse_from(argv).map(|cli| cli.command) {
+                Ok(Command::Publish(args)) => dir_and_port(&args.target, args.workspace),
+                Ok(Command::Unpublish(args)) => dir_and_port(&args.target, args.workspace),
+                other => panic!("{argv:?}: {other:?}"),
+            };
+            assert_eq!(workspace, Ok((Some(PathBuf::from("/w")), 8080)), "{argv:?}");
+        }
     }
 
     #[test]

@@ -147,22 +147,26 @@ fn main() -> ExitCode {
         cli::Command::Ports(args) => ports::list(&workspace::of_vm(args.dir()))
             .map(|_| 0)
             .map_err(|e| e.to_string()),
-        cli::Command::Publish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
-            ports::publish(&workspace::of_vm(dir), port, args.host_port, args.address)
-                .map(|host| {
-                    terminal::print_out(format_args!("{host}\n"));
-                    0
-                })
-                .map_err(|e| e.to_string())
-        }),
-        cli::Command::Unpublish(args) => cli::dir_and_port(&args.target).and_then(|(dir, port)| {
-            ports::unpublish(&workspace::of_vm(dir), port)
-                .map(|host| {
-                    vmm::to_stderr!("vmctl: {host} no longer forwards to guest port {port}");
-                    0
-                })
-                .map_err(|e| e.to_string())
-        }),
+        cli::Command::Publish(args) => {
+            cli::dir_and_port(&args.target, args.workspace).and_then(|(dir, port)| {
+                ports::publish(&workspace::of_vm(dir), port, args.host_port, args.address)
+                    .map(|host| {
+                        terminal::print_out(format_args!("{host}\n"));
+                        0
+                    })
+                    .map_err(|e| e.to_string())
+            })
+        }
+        cli::Command::Unpublish(args) => {
+            cli::dir_and_port(&args.target, args.workspace).and_then(|(dir, port)| {
+                ports::unpublish(&workspace::of_vm(dir), port)
+                    .map(|host| {
+                        vmm::to_stderr!("vmctl: {host} no longer forwards to guest port {port}");
+                        0
+                    })
+                    .map_err(|e| e.to_string())
+            })
+        }
         cli::Command::Secret(command) => {
             egress_commands::secret(command).map_err(|e| e.to_string())
         }

@@ -117,7 +117,7 @@ pub struct AgentOptions {
 /// Runs the agent CLI in the workspace VM of the current directory; returns its exit
 /// code.
 pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
-    crate::vm::check_workspace_ways(&options.workspace)?;
+    crate::vm::check_workspace_ways(&options.workspace).map_err(for_agent)?;
     let (workspace, vm_dir) = VmDir::for_workspace(&options.workspace)?;
     // What the guest can write: the workspace, and the writable shares it last had.
     let mut guest_writable = vec![workspace.clone()];
@@ -133,7 +133,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         quiet: true,
         ..crate::vm::StartOptions::default()
     };
-    let vm = crate::vm::up(&workspace, &start)?;
+    let vm = crate::vm::up(&workspace, &start).map_err(for_agent)?;
     seed_home(options.cli, &vm, user_home().as_deref())?;
     let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm)
         .into_iter()
@@ -168,6 +168,15 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     Ok(crate::git_guard::watch(&vm, || {
         exec::run(&vm.vsock_socket(), options)
     })?)
+}
+
+/// A refused start as `vmctl agent` says it: its remedies name no option it lacks
+/// ([`crate::shares::ShareError::for_agent`]).
+fn for_agent(error: crate::vm::VmError) -> AgentError {
+    match error {
+        crate::vm::VmError::Share(e) => AgentError::Vm(crate::vm::VmError::Share(e.for_agent())),
+        other => AgentError::Vm(other),
+    }
 }
 
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).

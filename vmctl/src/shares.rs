@@ -60,10 +60,11 @@ pub enum ShareError {
         guest: PathBuf,
         conflict: GuestConflict,
     },
-    #[error("the workspace {} cannot be shared at its own path in the guest: {conflict}; run vmctl from a project's directory, or name one with --workspace DIR", .workspace.display())]
+    #[error("the workspace {} cannot be shared at its own path in the guest: {conflict}; {}", .workspace.display(), .naming.another_workspace())]
     WorkspaceConflict {
         workspace: PathBuf,
         conflict: GuestConflict,
+        naming: Naming,
     },
     #[error("mount {spec:?}: {} is a symlink in {}, which a VM can write: its guest could point it at any directory of this host, so it is not followed; name the directory it points to instead", .link.display(), .share.display())]
     ThroughGuestSymlink {
@@ -77,12 +78,13 @@ pub enum ShareError {
         link: PathBuf,
         share: PathBuf,
     },
-    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead (run vmctl from one, or name it with --workspace DIR or --mount)", .host.display(), .kept_out.display())]
+    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead ({})", .host.display(), .kept_out.display(), .naming.another_share())]
     KeptOut {
         host: PathBuf,
         relation: &'static str,
         what: &'static str,
         kept_out: PathBuf,
+        naming: Naming,
     },
     #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
     DuplicateGuest {
@@ -90,6 +92,69 @@ pub enum ShareError {
         first_host: PathBuf,
         second_host: PathBuf,
     },
+}
+
+/// How the command that met a refused share lets its user name other directories, for
+/// the remedy its error gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Naming {
+    /// `exec`, `run`, `shell`, `up`: `--workspace DIR` and `--mount`.
+    Options,
+    /// `vmctl agent`: the current directory's workspace only (a Paseo provider runs it
+    /// in the agent's directory), other shares in the config file.
+    CurrentDirectory,
+}
+
+impl Naming {
+    fn another_workspace(self) -> &'static str {
+        match self {
+            Naming::Options => {
+                "run vmctl from a project's directory, or name one with --workspace DIR"
+            }
+            Naming::CurrentDirectory => "run `vmctl agent` from a project's directory",
+        }
+    }
+
+    fn another_share(self) -> &'static str {
+        match self {
+            Naming::Options => "run vmctl from one, or name it with --workspace DIR or --mount",
+            Naming::CurrentDirectory => {
+                "run `vmctl agent` from one; other directories are shared with `mounts` in \
+                 the config file"
+            }
+        }
+    }
+}
+
+impl ShareError {
+    /// The error as `vmctl agent` gives it: its remedies name no option it lacks.
+    pub fn for_agent(self) -> ShareError {
+        match self {
+            ShareError::WorkspaceConflict {
+                workspace,
+                conflict,
+                ..
+            } => ShareError::WorkspaceConflict {
+                workspace,
+                conflict,
+                naming: Naming::CurrentDirectory,
+            },
+            ShareError::KeptOut {
+                host,
+                relation,
+                what,
+                kept_out,
+                ..
+            } => ShareError::KeptOut {
+                host,
+                relation,
+                what,
+                kept_out,
+                naming: Naming::CurrentDirectory,
+            },
+            other => other,
+        }
+    }
 }
 
 /// Shown when a spec with ':' went wrong: the user may have meant a path with ':'.
@@ -279,6 +344,7 @@ pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareEr
             relation,
             what: kept.what,
             kept_out: kept.dir.clone(),
+            naming: Naming::Options,
         });
     }
     Ok(())
@@ -537,6 +603,7 @@ pub fn workspace_share(workspace: &Path) -> Result<Share, ShareError> {
         return Err(ShareError::WorkspaceConflict {
             workspace: host,
             conflict,
+            naming: Naming::Options,
         });
     }
     Ok(Share {
@@ -1018,6 +1085,32 @@ mod tests {
                 "{workspace}: {error}"
             );
             assert!(error.to_string().contains("--workspace DIR"), "{error}");
+        }
+    }
+
+    /// `vmctl agent` takes neither --workspace nor --mount: its refusals must not
+    /// tell its user to use them.
+    #[test]
+    fn an_agents_refusals_name_no_option_it_lacks() {
+        let root = tempfile::tempdir().unwrap();
+        let kept_out = [KeptOut {
+            dir: root.path().to_path_buf(),
+            what: "your home directory",
+            inside_too: false,
+        }];
+        let share = share(root.path().to_str().unwrap(), "/x");
+        let errors = [
+            workspace_share(Path::new("/etc")).unwrap_err(),
+            check_kept_out(&share, &kept_out).unwrap_err(),
+        ];
+        for error in errors {
+            let (for_exec, for_agent) = (error.to_string(), error.for_agent().to_string());
+            assert!(for_exec.contains("--workspace DIR"), "{for_exec}");
+            assert!(
+                !for_agent.contains("--workspace") && !for_agent.contains("--mount"),
+                "{for_agent}"
+            );
+            assert!(for_agent.contains("run `vmctl agent` from"), "{for_agent}");
         }
     }
 

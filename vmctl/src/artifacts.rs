@@ -1,6 +1,7 @@
 //! The project's own build outputs (guest kernel, hello initramfs), built on first use
 //! by the scripts in the source tree and cached outside it.
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -112,8 +113,8 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
         }
     }
     if matches!(artifact, Artifact::AgentInitramfs) {
-        // Usually a no-op rebuild check: say something only when it fails.
-        return run_script_quietly(&script, args);
+        // Usually a no-op rebuild check: quiet unless cargo has work to do, or it fails.
+        return run_script_quietly(&script, args, |message| vmm::to_stderr!("vmctl: {message}"));
     }
     vmm::to_stderr!("vmctl: building the {what} (first use only; cached afterwards)");
     run_script(&script, args, false)
@@ -140,26 +141,77 @@ fn script_command(script: &Path) -> Command {
     command
 }
 
-fn run_script_quietly(script: &Path, args: &[&str]) -> Result<PathBuf, ArtifactError> {
-    let output = script_command(script)
+/// Runs the guest agent's build script, its messages kept for a failure. Cargo at work
+/// (vmctl's sources changed since the agent was last built, or it never was) takes a
+/// minute or more, which would be a silent wait before the VM's boot: `announce` is
+/// told so, once. The script's own warnings are passed on.
+fn run_script_quietly(
+    script: &Path,
+    args: &[&str],
+    mut announce: impl FnMut(&str),
+) -> Result<PathBuf, ArtifactError> {
+    let spawn_error = |source| ArtifactError::Spawn {
+        script: script.to_path_buf(),
+        source,
+    };
+    let mut child = script_command(script)
         .args(args)
         .stdin(Stdio::null())
-        .output()
-        .map_err(|source| ArtifactError::Spawn {
-            script: script.to_path_buf(),
-            source,
-        })?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        if !stderr.trim().is_empty() {
-            vmm::to_stderr!("{}", stderr.trim_end());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn_error)?;
+    let (Some(mut stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(spawn_error(std::io::Error::other("no pipes to the script")));
+    };
+    // Read beside stderr: the script blocks once either pipe is full.
+    let stdout = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        stdout.read_to_end(&mut out).map(|_| out)
+    });
+    let mut messages = String::new();
+    let mut announced = false;
+    for line in BufReader::new(stderr).split(b'\n') {
+        let line = match line {
+            Ok(line) => String::from_utf8_lossy(&line).into_owned(),
+            Err(_) => break,
+        };
+        if !announced && cargo_is_at_work(&line) {
+            announce(
+                "building the guest agent (vmctl's sources changed since it was last \
+                 built; this takes a minute or two)",
+            );
+            announced = true;
+        }
+        if line.contains(": warning: ") && !line.starts_with(' ') {
+            announce(&line);
+        }
+        messages.push_str(&line);
+        messages.push('\n');
+    }
+    let stdout = stdout.join().unwrap_or_else(|_| Ok(Vec::new()));
+    let status = child.wait().map_err(spawn_error)?;
+    if !status.success() {
+        if !messages.trim().is_empty() {
+            vmm::to_stderr!("{}", messages.trim_end());
         }
         return Err(ArtifactError::Failed {
             script: script.to_path_buf(),
-            status: output.status,
+            status,
         });
     }
-    last_path(script, &output.stdout)
+    last_path(script, &stdout.map_err(spawn_error)?)
+}
+
+/// Whether a line of cargo's says it builds (or fetches, or waits for another build),
+/// rather than finding everything up to date ("Finished" alone).
+fn cargo_is_at_work(line: &str) -> bool {
+    matches!(
+        line.split_whitespace().next(),
+        Some("Compiling" | "Downloading" | "Downloaded" | "Updating" | "Locking" | "Blocking")
+    )
 }
 
 fn last_path(script: &Path, stdout: &[u8]) -> Result<PathBuf, ArtifactError> {
@@ -230,6 +282,57 @@ mod tests {
             .elapsed()
             .unwrap();
         assert!(age.as_secs() < 60, "{age:?}");
+    }
+
+    /// A stand-in for guest-agent/build-initramfs.sh that says `stderr` and prints
+    /// `/cached/initramfs.cpio.gz`.
+    fn fake_build_script(dir: &Path, stderr: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join("build.sh");
+        std::fs::write(
+            &script,
+            format!("#!/bin/sh\nprintf '%s' '{stderr}' >&2\necho /cached/initramfs.cpio.gz\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script
+    }
+
+    #[test]
+    fn an_agent_build_that_compiles_says_so_and_an_up_to_date_one_is_quiet() {
+        let dir = tempfile::tempdir().unwrap();
+        let compiling = "agent-initramfs: [1/3] building the static agent\n   Compiling \
+                         guest-agent v0.1.0 (/src)\n   Compiling vmctl v0.1.0\n    Finished \
+                         `guest-agent` profile\nagent-initramfs: done\n";
+        let mut said = Vec::new();
+        let path = run_script_quietly(&fake_build_script(dir.path(), compiling), &[], |m| {
+            said.push(m.to_string())
+        })
+        .unwrap();
+        assert_eq!(path, Path::new("/cached/initramfs.cpio.gz"));
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(said[0].starts_with("building the guest agent"), "{said:?}");
+
+        let up_to_date = "agent-initramfs: [1/3] building the static agent\n    Finished \
+                          `guest-agent` profile in 0.05s\nagent-initramfs: up to date\n";
+        let mut said = Vec::new();
+        run_script_quietly(&fake_build_script(dir.path(), up_to_date), &[], |m| {
+            said.push(m.to_string())
+        })
+        .unwrap();
+        assert_eq!(said, Vec::<String>::new());
+    }
+
+    #[test]
+    fn the_agent_scripts_warnings_are_passed_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let warning = "agent-initramfs: warning: cargo is not on PATH\n";
+        let mut said = Vec::new();
+        run_script_quietly(&fake_build_script(dir.path(), warning), &[], |m| {
+            said.push(m.to_string())
+        })
+        .unwrap();
+        assert_eq!(said, ["agent-initramfs: warning: cargo is not on PATH"]);
     }
 
     #[test]

@@ -755,18 +755,37 @@ mod value_serde {
     }
 }
 
+/// The secret file's shape, for the errors of a file that has another.
+const LAYOUT: &str = "the file must be {\"secrets\": {\"NAME\": {\"value\": \"...\", \
+     \"hosts\": [\"HOST\"], \"header\": \"NAME: TEMPLATE\"}}} (an empty store: \
+     {\"secrets\": {}})";
+
+/// Whether `text` is a JSON object without a `secrets` key (`{}`, say), for which
+/// serde's position (the object's end) alone says little. Its values are skipped, not
+/// kept.
+fn lacks_secrets_key(text: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct TopLevel {
+        secrets: Option<serde::de::IgnoredAny>,
+    }
+    serde_json::from_slice::<TopLevel>(text).is_ok_and(|top| top.secrets.is_none())
+}
+
 /// Parses the file's text. Errors never quote the file (it holds secrets): serde's
 /// messages can, so only their position is kept.
 fn parse_file(text: &[u8]) -> Result<BTreeMap<String, Entry>, String> {
     let file: SecretFile = serde_json::from_slice(text).map_err(|e| {
-        let what = match e.classify() {
-            serde_json::error::Category::Data => {
-                "unexpected content; the layout is {\"secrets\": {\"NAME\": {\"value\": \"...\", \"hosts\": [\"HOST\"], \"header\": \"NAME: TEMPLATE\"}}}"
+        let at = format!("at line {} column {}", e.line(), e.column());
+        match e.classify() {
+            serde_json::error::Category::Data if lacks_secrets_key(text) => {
+                format!("it has no top-level \"secrets\" key; {LAYOUT}")
             }
-            serde_json::error::Category::Eof => "the JSON text ends too early",
-            _ => "invalid JSON",
-        };
-        format!("{what}, at line {} column {}", e.line(), e.column())
+            serde_json::error::Category::Data => {
+                format!("its content does not fit the layout {at}; {LAYOUT}")
+            }
+            serde_json::error::Category::Eof => format!("the JSON text ends too early, {at}"),
+            _ => format!("invalid JSON, {at}"),
+        }
     })?;
     let mut secrets = BTreeMap::new();
     for (name, stored) in file.secrets {
@@ -1285,6 +1304,23 @@ mod tests {
             assert!(message.contains(&path.display().to_string()), "{message}");
             assert!(!message.contains("sk-leak"), "{message}");
             assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+        }
+    }
+
+    #[test]
+    fn a_file_without_the_secrets_key_is_told_the_layout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secrets.json");
+        for text in ["{}", r#"{"openai": {"value": "sk-leak-1"}}"#] {
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            let message = SecretStore::load(&path).unwrap_err().to_string();
+            assert!(
+                message.contains("no top-level \"secrets\" key"),
+                "{message}"
+            );
+            assert!(message.contains(r#"{"secrets": {}}"#), "{message}");
+            assert!(!message.contains("sk-leak"), "{message}");
         }
     }
 }

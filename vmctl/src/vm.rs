@@ -272,6 +272,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         quiet,
     } = *options;
     let workspace = workspace.to_path_buf();
+    crate::network::guest_setup::warn_of_unusable_egress_files();
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
     // comes as the daemon stops the VM for idleness: it then boots a fresh one.

@@ -21,6 +21,33 @@ impl EgressFiles {
     }
 }
 
+/// Says on stderr which of the egress files the proxy cannot use (malformed, not
+/// private, unreadable), read as the proxy reads them: the proxy then refuses every
+/// request, and tells only its log and the guest's 403s why.
+pub fn warn_of_unusable_egress_files() {
+    if let Some(files) = EgressFiles::locate() {
+        for problem in unusable_egress_files(&files) {
+            vmm::to_stderr!(
+                "vmctl: warning: {problem}; until it is fixed the VM's egress proxy \
+                 refuses every request"
+            );
+        }
+    }
+}
+
+/// What is wrong with each of `files` the proxy could not use.
+fn unusable_egress_files(files: &EgressFiles) -> Vec<String> {
+    let policy = egress::policy::PolicyStore::load(&files.policy).err();
+    let secrets = egress::secrets::SecretStore::load(&files.secrets).err();
+    [
+        policy.map(|e| e.to_string()),
+        secrets.map(|e| e.to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 /// Every variable the guest's commands get: the proxy (both spellings, since tools
 /// disagree), the CA for the runtimes that do not read the system bundle, and
 /// `placeholders` (fake credentials, so the CLIs believe they are signed in).
@@ -70,5 +97,30 @@ mod tests {
         assert_eq!(get("NO_PROXY"), Some("localhost,127.0.0.1,::1"));
         assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(GUEST_CA_BUNDLE));
         assert_eq!(env.last().map(|(k, _)| k.as_str()), Some("OPENAI_API_KEY"));
+    }
+
+    #[test]
+    fn egress_files_the_proxy_cannot_use_are_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let files = EgressFiles {
+            policy: dir.path().join("policy.json"),
+            secrets: dir.path().join("secrets.json"),
+        };
+        assert!(
+            unusable_egress_files(&files).is_empty(),
+            "missing files are fine"
+        );
+        std::fs::write(&files.policy, "{\"rules\": [").unwrap();
+        std::fs::write(&files.secrets, "{}").unwrap();
+        std::fs::set_permissions(&files.secrets, PermissionsExt::from_mode(0o600)).unwrap();
+        let problems = unusable_egress_files(&files);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].contains("policy.json"), "{problems:?}");
+        assert!(problems[1].contains("secrets.json"), "{problems:?}");
+        assert!(
+            problems[1].contains("no top-level \"secrets\" key"),
+            "{problems:?}"
+        );
     }
 }

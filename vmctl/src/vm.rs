@@ -61,6 +61,17 @@ pub enum VmError {
          shorter path"
     )]
     SharePathsTooLong { len: usize, max: usize },
+    #[error("recipe {}: {source}; name an existing recipe file (see rootfs/README.md)", .path.display())]
+    Recipe {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{GUEST_USER_ENV}={value:?} is not an account NAME:UID:GID:HOME (a name of \
+         letters, digits, '.', '_' and '-'; numeric ids; an absolute home without \
+         spaces); fix it, or unset it to run commands as your host user"
+    )]
+    GuestUser { value: String },
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -139,22 +150,25 @@ pub fn check_workspace_ways(workspace: &Path) -> Result<(), VmError> {
     Ok(())
 }
 
-/// The workspace, then the config file's shares, then `mounts`, then a worktree
-/// workspace's repository, in mount order.
-fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<ShareSet, VmError> {
+/// What a start asks for, checked whether or not the VM already runs: a typo in a
+/// `--mount`, a recipe that is not there or a broken config file is an error either
+/// way, not only at the next start (often a Paseo agent's, after the idle stop, far
+/// from the edit).
+struct Request {
+    config: UserConfig,
+    /// The config file's mounts for the workspace, then the command's.
+    mounts: Vec<shares::WrittenMount>,
+    /// `vmctl.user` of a new VM's agent ([`guest_account`]).
+    guest_account: Option<String>,
+}
+
+fn check_request(
+    workspace: &Path,
+    mounts: &[String],
+    recipe: Option<&Path>,
+) -> Result<Request, VmError> {
     let config = UserConfig::load()?;
     let cwd = std::env::current_dir().unwrap_or_else(|_| workspace.to_path_buf());
-    let agent_home = crate::agent::agent_home_dir(vm);
-    std::fs::create_dir_all(&agent_home).map_err(|source| StateError::Io {
-        path: agent_home.clone(),
-        source,
-    })?;
-    let agent_home = Share {
-        host: agent_home.canonicalize().unwrap_or(agent_home),
-        guest: crate::agent::GUEST_AGENT_HOME.into(),
-        read_only: false,
-    };
-    let mut list = vec![shares::workspace_share(workspace)?, agent_home.clone()];
     let mut written = Vec::new();
     for spec in config.mounts_for(workspace) {
         let mount = shares::parse_mount_as_written(&spec, workspace).map_err(|source| {
@@ -168,10 +182,61 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, mounts: &[String]) -> Result<Sha
     for spec in mounts {
         written.push(shares::parse_mount_as_written(spec, &cwd)?);
     }
+    if let Some(recipe) = recipe {
+        check_recipe(recipe)?;
+    }
+    Ok(Request {
+        config,
+        mounts: written,
+        guest_account: guest_account()?,
+    })
+}
+
+/// Refuses a recipe that is not a readable file (the build script would say so only
+/// when it runs, i.e. never while the VM runs).
+fn check_recipe(recipe: &Path) -> Result<(), VmError> {
+    let error = |source| VmError::Recipe {
+        path: recipe.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(recipe).map_err(error)?;
+    match file.metadata() {
+        Ok(meta) if meta.is_file() => Ok(()),
+        Ok(_) => Err(error(std::io::Error::other("not a file"))),
+        Err(e) => Err(error(e)),
+    }
+}
+
+/// Whether `requested` (a start's mounts) asks for a share the running VM, started
+/// with `record`, does not have: only then is "it keeps its shares" worth saying.
+fn asks_for_new_shares(requested: &[shares::WrittenMount], record: Option<&VmRecord>) -> bool {
+    let running: &[Share] = record
+        .and_then(|record| record.shares.as_ref())
+        .map_or(&[], |set| set.shares.as_slice());
+    requested
+        .iter()
+        .any(|mount| !running.contains(&mount.share))
+}
+
+/// The workspace, then the config file's shares, then `mounts` (both from the
+/// checked `request`), then a worktree workspace's repository, in mount order.
+fn resolve_shares(workspace: &Path, vm: &VmDir, request: &Request) -> Result<ShareSet, VmError> {
+    let agent_home = crate::agent::agent_home_dir(vm);
+    std::fs::create_dir_all(&agent_home).map_err(|source| StateError::Io {
+        path: agent_home.clone(),
+        source,
+    })?;
+    let agent_home = Share {
+        host: agent_home.canonicalize().unwrap_or(agent_home),
+        guest: crate::agent::GUEST_AGENT_HOME.into(),
+        read_only: false,
+    };
+    let mut list = vec![shares::workspace_share(workspace)?, agent_home.clone()];
+    let written = &request.mounts;
     list.extend(written.iter().map(|mount| mount.share.clone()));
     // Every VM's guest, running or not, may have left links in its writable shares.
     let guarded: Vec<Share> = list.iter().cloned().chain(other_vms_shares(vm)).collect();
-    shares::check_no_guest_symlinks(&written, &guarded)?;
+    shares::check_no_guest_symlinks(written, &guarded)?;
     match crate::worktree::repository_share(workspace, &list) {
         Ok(Some(repository)) => list.push(repository),
         Ok(None) => {}
@@ -272,6 +337,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         quiet,
     } = *options;
     let workspace = workspace.to_path_buf();
+    let request = check_request(&workspace, mounts, recipe)?;
     crate::network::guest_setup::warn_of_unusable_egress_files();
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
@@ -329,7 +395,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
                  'vmctl stop' it first to boot another"
             );
         }
-        if !mounts.is_empty() {
+        if asks_for_new_shares(&request.mounts, vm.read_record().ok().as_ref()) {
             vmm::to_stderr!(
                 "vmctl: warning: it keeps the shares it was started with; \
                  'vmctl stop' it first to change them"
@@ -350,13 +416,13 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             workspace.display(),
         );
     }
-    let share_set = resolve_shares(&workspace, &vm, mounts)?;
+    let share_set = resolve_shares(&workspace, &vm, &request)?;
     let kvm = KvmKind::detect();
     let nested = !kvm.boots_linux();
     if nested {
         kvm.announce_nested();
     }
-    let (cpus, memory_mib) = vm_size(UserConfig::load()?.resources_for(&workspace));
+    let (cpus, memory_mib) = vm_size(request.config.resources_for(&workspace));
     let mut record = VmRecord {
         // Filled in last: a start refused for its shares must not first build them.
         kernel: PathBuf::new(),
@@ -366,14 +432,14 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         cpus,
         memory_mib,
         nested,
-        agent_cmdline: agent_cmdline(&vm, &share_set.shares),
+        agent_cmdline: agent_cmdline(&vm, &share_set.shares, request.guest_account.as_deref()),
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         workspace: workspace.clone(),
         shares: Some(share_set),
-        relay_ports: relays_for(&workspace, relay_ports)?,
+        relay_ports: relays_for(&request.config, &workspace, relay_ports),
         egress: egress.cloned().unwrap_or_default(),
     };
     check_cmdline_fits(&vm, &record)?;
@@ -573,13 +639,13 @@ fn host_memory_mib() -> Option<u64> {
 
 /// Paseo's port, the config's relay ports for `workspace`, then `extra`, without
 /// repeats.
-fn relays_for(workspace: &Path, extra: &[u16]) -> Result<Vec<u16>, VmError> {
+fn relays_for(config: &UserConfig, workspace: &Path, extra: &[u16]) -> Vec<u16> {
     let mut ports = vec![crate::network::PASEO_PORT];
-    ports.extend(UserConfig::load()?.relay_ports_for(workspace));
+    ports.extend(config.relay_ports_for(workspace));
     ports.extend(extra);
     let mut seen = std::collections::BTreeSet::new();
     ports.retain(|port| seen.insert(*port));
-    Ok(ports)
+    ports
 }
 
 /// Has the supervisor (re)configure the guest's network: the CA, the proxy
@@ -621,14 +687,14 @@ fn log_tail(path: &Path) -> String {
 
 /// The guest agent's settings: the root image, a tmpfs upper layer, the host user,
 /// the shares to mount.
-fn agent_cmdline(vm: &VmDir, shares: &[Share]) -> String {
+fn agent_cmdline(vm: &VmDir, shares: &[Share], account: Option<&str>) -> String {
     let name = vm
         .path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "vm".into());
     let mut cmdline = format!("vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={name}");
-    if let Some(account) = guest_account() {
+    if let Some(account) = account {
         cmdline.push_str(&format!(" vmctl.user={account}"));
     }
     for (index, share) in shares.iter().enumerate() {
@@ -667,11 +733,26 @@ fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
 }
 
 /// The guest account commands run as by default, `NAME:UID:GID:HOME`: the host user
-/// (none when that is root), or `VMCTL_GUEST_USER` when set.
-fn guest_account() -> Option<String> {
-    if let Ok(account) = std::env::var(GUEST_USER_ENV) {
-        return valid_account(&account).then_some(account);
+/// (none when that is root), or `VMCTL_GUEST_USER` when set. A `VMCTL_GUEST_USER`
+/// that is not such an account is refused: ignored, it would have the commands run
+/// as root in the guest.
+fn guest_account() -> Result<Option<String>, VmError> {
+    match std::env::var_os(GUEST_USER_ENV) {
+        Some(value) => account_from_env(&value).map(Some),
+        None => Ok(host_account()),
     }
+}
+
+fn account_from_env(value: &std::ffi::OsStr) -> Result<String, VmError> {
+    match value.to_str() {
+        Some(account) if valid_account(account) => Ok(account.to_string()),
+        _ => Err(VmError::GuestUser {
+            value: value.to_string_lossy().into_owned(),
+        }),
+    }
+}
+
+fn host_account() -> Option<String> {
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let user = std::env::var("USER").ok()?;
@@ -1241,6 +1322,63 @@ fn format_duration(seconds: u64) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn an_invalid_guest_user_variable_is_refused_not_run_as_root() {
+        let error = account_from_env("alice:1000:1000:~".as_ref()).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("VMCTL_GUEST_USER=\"alice:1000:1000:~\""),
+            "{message}"
+        );
+        assert!(message.contains("NAME:UID:GID:HOME"), "{message}");
+        let account = account_from_env("alice:1000:1000:/home/alice".as_ref()).unwrap();
+        assert_eq!(account, "alice:1000:1000:/home/alice");
+    }
+
+    #[test]
+    fn a_recipe_that_is_not_there_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nonexistent.recipe");
+        let message = check_recipe(&missing).unwrap_err().to_string();
+        assert!(message.contains("nonexistent.recipe"), "{message}");
+        assert!(
+            check_recipe(dir.path()).is_err(),
+            "a directory is no recipe"
+        );
+        let recipe = dir.path().join("mine.recipe");
+        std::fs::write(&recipe, "{}").unwrap();
+        check_recipe(&recipe).unwrap();
+    }
+
+    #[test]
+    fn only_shares_the_running_vm_lacks_are_worth_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let mut record = crate::state::test_record(&vm, dir.path());
+        let mount = |spec: &str| shares::parse_mount_as_written(spec, dir.path()).unwrap();
+        record
+            .shares
+            .as_mut()
+            .unwrap()
+            .shares
+            .push(mount("data:/data:ro").share);
+        assert!(!asks_for_new_shares(&[], Some(&record)));
+        assert!(!asks_for_new_shares(
+            &[mount("data:/data:ro")],
+            Some(&record)
+        ));
+        assert!(asks_for_new_shares(&[mount("data:/data")], Some(&record)));
+        assert!(asks_for_new_shares(
+            &[mount("data:/other:ro")],
+            Some(&record)
+        ));
+        assert!(asks_for_new_shares(&[mount("data:/data:ro")], None));
+    }
+
     /// The files a VM boots, as `boot_files` found them with `record.nested`, and
     /// which artifacts it asked for.
     fn boot_files_of(nested: bool) -> (VmRecord, Vec<String>) {
@@ -1415,7 +1553,7 @@ mod tests {
                 guest,
                 read_only: false,
             });
-            record.agent_cmdline = agent_cmdline(&vm, &set.shares);
+            record.agent_cmdline = agent_cmdline(&vm, &set.shares, None);
         };
         share(&mut record, PathBuf::from("/data/").join("d".repeat(200)));
         check_cmdline_fits(&vm, &record).unwrap();

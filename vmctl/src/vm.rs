@@ -109,7 +109,24 @@ pub struct StartOptions<'a> {
 pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
     check_workspace_ways(workspace)?;
     let (workspace, vm) = VmDir::for_workspace(workspace)?;
-    start(&workspace, vm, options)
+    start(&workspace, vm.clone(), options).inspect_err(|_| forget_if_never_started(&vm))
+}
+
+/// Removes the directory of `vm` when a refused start (a workspace in $HOME, a bad
+/// `--mount`) leaves it as it was made, without a record: `vmctl ps` does not list
+/// such a directory, and only `vmctl prune` would remove it. One with a record (a VM
+/// that ran, or whose boot failed, with the logs the error names) is kept, and so is
+/// one another `vmctl` is starting (it holds the start lock).
+fn forget_if_never_started(vm: &VmDir) {
+    let Ok(Some(_no_start_meanwhile)) = try_lock_start(vm) else {
+        return;
+    };
+    if vm.record_path().exists() || vm.running_pid().is_some() {
+        return;
+    }
+    if let Err(e) = remove_dir(vm) {
+        tracing::debug!("cannot remove {}: {e}", vm.path.display());
+    }
 }
 
 /// Starts `vm`, a throwaway VM for `workspace` ([`VmDir::ephemeral`]) beside its
@@ -1092,18 +1109,22 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     if vm.running_pid().is_some() {
         return Err(VmError::StillRunning(vm.path.clone()));
     }
-    // The guest wrote parts of it (the agent homes), read-only directories included.
-    let removed = match (vm.path.parent(), vm.path.file_name()) {
-        (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
-            .and_then(|parent| crate::guest_writable::remove(parent, name)),
-        _ => std::fs::remove_dir_all(&vm.path),
-    };
-    removed.map_err(|source| {
+    remove_dir(vm).map_err(|source| {
         VmError::State(StateError::Io {
             path: vm.path.clone(),
             source,
         })
     })
+}
+
+/// Removes the directory of `vm`, which no VM runs from.
+fn remove_dir(vm: &VmDir) -> std::io::Result<()> {
+    // The guest wrote parts of it (the agent homes), read-only directories included.
+    match (vm.path.parent(), vm.path.file_name()) {
+        (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
+            .and_then(|parent| crate::guest_writable::remove(parent, name)),
+        _ => std::fs::remove_dir_all(&vm.path),
+    }
 }
 
 /// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
@@ -1377,6 +1398,39 @@ mod tests {
             Some(&record)
         ));
         assert!(asks_for_new_shares(&[mount("data:/data:ro")], None));
+    }
+
+    #[test]
+    fn a_refused_start_leaves_no_directory_but_a_started_vm_keeps_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = VmDir {
+            path: dir.path().join("refused"),
+        };
+        std::fs::create_dir_all(refused.path.join("agent-home")).unwrap();
+        forget_if_never_started(&refused);
+        assert!(!refused.path.exists());
+
+        let started = VmDir {
+            path: dir.path().join("started"),
+        };
+        std::fs::create_dir(&started.path).unwrap();
+        started
+            .write_record(&crate::state::test_record(&started, dir.path()))
+            .unwrap();
+        forget_if_never_started(&started);
+        assert!(started.record_path().exists());
+
+        let starting = VmDir {
+            path: dir.path().join("starting"),
+        };
+        std::fs::create_dir(&starting.path).unwrap();
+        let _held = try_lock_start(&starting).unwrap().unwrap();
+        let other = std::thread::spawn({
+            let starting = starting.clone();
+            move || forget_if_never_started(&starting)
+        });
+        other.join().unwrap();
+        assert!(starting.path.exists(), "another vmctl is starting it");
     }
 
     /// The files a VM boots, as `boot_files` found them with `record.nested`, and

@@ -410,10 +410,8 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
     let meta = std::fs::symlink_metadata(dir).map_err(io)?;
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    if !meta.is_dir() || meta.uid() != uid {
-        return Err(io(std::io::Error::other(format!(
-            "it exists but is not a directory of uid {uid}; remove it"
-        ))));
+    if let Some(problem) = not_ours(dir, meta.is_dir(), meta.uid(), uid) {
+        return Err(io(std::io::Error::other(problem)));
     }
     // Ours but open to others (e.g. made by an older vmctl): close it.
     if meta.mode() & 0o077 != 0 {
@@ -421,6 +419,25 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), StateError> {
             .map_err(io)?;
     }
     Ok(())
+}
+
+/// What keeps `dir` (a directory, or not; of `owner`) from being one of ours, `uid`'s,
+/// and how to make it one.
+fn not_ours(dir: &Path, is_dir: bool, owner: u32, uid: u32) -> Option<String> {
+    if !is_dir {
+        Some("it exists but is not a directory; remove it".to_string())
+    } else if owner != uid {
+        // SAFETY: getgid cannot fail.
+        let gid = unsafe { libc::getgid() };
+        Some(format!(
+            "it belongs to uid {owner}, not to you (uid {uid}), so someone else could have \
+             prepared it; remove it (sudo rm -r {dir}), or if it is yours to keep, make it \
+             yours: sudo chown -R {uid}:{gid} {dir}",
+            dir = dir.display()
+        ))
+    } else {
+        None
+    }
 }
 
 /// `$XDG_STATE_HOME/vmctl/vms` (default `~/.local/state/vmctl/vms`).
@@ -613,6 +630,38 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_of_someone_else_is_refused_with_its_owner_and_the_ways_out() {
+        let dir = Path::new("/home/me/.local/state/vmctl");
+        let problem = not_ours(dir, true, 4242, 1000).unwrap();
+        assert!(problem.contains("belongs to uid 4242"), "{problem}");
+        assert!(
+            problem.contains("sudo rm -r /home/me/.local/state/vmctl"),
+            "{problem}"
+        );
+        assert!(problem.contains("sudo chown -R 1000:"), "{problem}");
+        assert!(not_ours(dir, false, 1000, 1000)
+            .unwrap()
+            .contains("not a directory"));
+        assert_eq!(not_ours(dir, true, 1000, 1000), None);
+    }
+
+    #[test]
+    fn ensure_private_dir_names_the_owner_of_a_foreign_directory() {
+        // Only root can give a directory away.
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(4242), Some(4242)).unwrap();
+        let error = ensure_private_dir(&dir).unwrap_err().to_string();
+        assert!(error.contains("belongs to uid 4242"), "{error}");
+        assert!(error.contains("chown -R 0:"), "{error}");
+    }
 
     #[test]
     fn the_state_dir_is_the_same_whichever_way_home_is_spelled() {

@@ -22,9 +22,9 @@ pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
     let cwd = current_dir();
     let isolation = isolation
         .or_else(|| {
-            crate::user_config::UserConfig::load()
-                .ok()
-                .and_then(|c| c.isolation)
+            configured_isolation(crate::user_config::UserConfig::load(), |warning| {
+                vmm::to_stderr!("vmctl: warning: {warning}")
+            })
         })
         .unwrap_or_default();
     match isolation {
@@ -32,6 +32,25 @@ pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
         Isolation::Workspace => {
             let home = std::env::var_os("HOME").map(PathBuf::from);
             workspace_root(&cwd, home.as_deref())
+        }
+    }
+}
+
+/// The config's `isolation`. A config that cannot be read is said on stderr, not
+/// passed over: which VM a directory belongs to then is the default's. (A command
+/// that starts a VM refuses it too, where it reads the rest of the file.)
+fn configured_isolation(
+    config: Result<crate::user_config::UserConfig, crate::user_config::UserConfigError>,
+    warn: impl FnOnce(String),
+) -> Option<Isolation> {
+    match config {
+        Ok(config) => config.isolation,
+        Err(e) => {
+            warn(format!(
+                "{e}; until then each directory belongs to the VM of its git repository \
+                 (isolation = \"workspace\", the default)"
+            ));
+            None
         }
     }
 }
@@ -123,6 +142,25 @@ fn is_submodule(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_that_cannot_be_read_is_said_not_passed_over() {
+        let error = crate::user_config::UserConfigError::Parse {
+            path: "/home/me/.config/vmctl/config.toml".into(),
+            line: Some(1),
+            message: "unknown field `isolaton`".into(),
+        };
+        let mut warnings = Vec::new();
+        let isolation = configured_isolation(Err(error), |warning| warnings.push(warning));
+        assert_eq!(isolation, None);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("config.toml, line 1: unknown field `isolaton`"),
+            "{warnings:?}"
+        );
+        let quiet = configured_isolation(Ok(Default::default()), |w| panic!("warned: {w}"));
+        assert_eq!(quiet, None);
+    }
 
     #[test]
     fn the_workspace_is_the_enclosing_repository_but_never_home() {

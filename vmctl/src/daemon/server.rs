@@ -433,10 +433,21 @@ fn is_still_idle(vms: &HashMap<PathBuf, Tracked>, vm_dir: &Path, generation: u64
 /// The idle timeout from the user's config (`idle_timeout_s`), read each time so a
 /// change applies without restarting the daemon.
 fn idle_timeout_s() -> u64 {
-    crate::user_config::UserConfig::load()
-        .ok()
-        .and_then(|config| config.idle_timeout_s)
-        .unwrap_or(DEFAULT_IDLE_TIMEOUT_S)
+    idle_timeout_from(crate::user_config::UserConfig::load())
+}
+
+/// The default timeout stands in for a config the daemon cannot read (its VMs must
+/// still stop), and its log says why the file's is not used.
+fn idle_timeout_from(
+    config: Result<crate::user_config::UserConfig, crate::user_config::UserConfigError>,
+) -> u64 {
+    match config {
+        Ok(config) => config.idle_timeout_s.unwrap_or(DEFAULT_IDLE_TIMEOUT_S),
+        Err(e) => {
+            tracing::warn!("{e}; stopping idle VMs after the default {DEFAULT_IDLE_TIMEOUT_S} s");
+            DEFAULT_IDLE_TIMEOUT_S
+        }
+    }
 }
 
 fn status(daemon: &Daemon) -> Vec<VmStatus> {
@@ -527,6 +538,41 @@ fn stop_every_vm() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_the_daemon_cannot_read_is_logged_with_its_file() {
+        #[derive(Clone, Default)]
+        struct Log(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Log {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let error = crate::user_config::UserConfigError::Parse {
+            path: "/home/me/.config/vmctl/config.toml".into(),
+            line: Some(2),
+            message: "invalid type: string \"60\", expected u64".into(),
+        };
+        let timeout =
+            tracing::subscriber::with_default(subscriber, || idle_timeout_from(Err(error)));
+        assert_eq!(timeout, DEFAULT_IDLE_TIMEOUT_S);
+        let logged = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("WARN"), "{logged}");
+        assert!(
+            logged.contains("config.toml, line 2: invalid type"),
+            "{logged}"
+        );
+    }
 
     #[test]
     fn a_second_daemon_does_not_start_while_the_first_holds_the_lock() {

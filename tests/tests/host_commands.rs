@@ -175,8 +175,18 @@ fn publish_takes_workspace_dir_as_the_readme_says() {
     let ws = Workspace::new("publish-workspace-flag");
     let workspace = ws.path();
     for args in [
-        &["publish", "--workspace", workspace.to_str().unwrap(), "3000"][..],
-        &["unpublish", "--workspace", workspace.to_str().unwrap(), "3000"],
+        &[
+            "publish",
+            "--workspace",
+            workspace.to_str().unwrap(),
+            "3000",
+        ][..],
+        &[
+            "unpublish",
+            "--workspace",
+            workspace.to_str().unwrap(),
+            "3000",
+        ],
     ] {
         let output = ws.command(args).output().expect("run vmctl");
         // Without a VM it must fail for that reason, not refuse the option.
@@ -201,7 +211,10 @@ fn a_vm_starts_without_cargo_on_path_once_set_up() {
     let ws = Workspace::new("no-cargo-on-path");
     let output = ws
         .command(&["exec", "--", "true"])
-        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
         .env_remove("CARGO")
         .output()
         .expect("run vmctl exec");
@@ -225,7 +238,10 @@ fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
     let ws = Workspace::new("running-vm-bad-input");
     let data = ws.dir.join("data");
     std::fs::create_dir_all(&data).expect("data dir");
-    let up = ws.command(&["exec", "--", "true"]).output().expect("vmctl exec");
+    let up = ws
+        .command(&["exec", "--", "true"])
+        .output()
+        .expect("vmctl exec");
     assert!(up.status.success(), "{}", stderr(&up));
     let typo = format!("{}:/data:RO", data.display());
     let bad_mount = ws
@@ -234,7 +250,10 @@ fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
         .expect("vmctl exec --mount");
     std::fs::create_dir_all(ws.config_dir()).expect("config dir");
     std::fs::write(ws.config_dir().join("config.toml"), "mount = [\"/x\"]\n").expect("config");
-    let bad_config = ws.command(&["exec", "--", "true"]).output().expect("vmctl exec");
+    let bad_config = ws
+        .command(&["exec", "--", "true"])
+        .output()
+        .expect("vmctl exec");
     let _ = ws.command(&["rm", "-f"]).output();
     assert!(
         stderr(&bad_mount).contains("unknown option") || !bad_mount.status.success(),

@@ -13,6 +13,65 @@ pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
+/// Why the proxy never connects to `ip`: [`forbidden_address`]'s reasons, or that it
+/// is one of `host_addresses` (this host's own, [`host_addresses`]). A public address
+/// of the host's (a cloud machine's, a laptop's global IPv6 one) reaches every host
+/// service listening on all interfaces, as loopback would.
+pub(super) fn forbidden_destination(ip: IpAddr, host_addresses: &[IpAddr]) -> Option<&'static str> {
+    forbidden_address(ip).or_else(|| {
+        let ip = canonical(ip);
+        host_addresses
+            .iter()
+            .any(|own| canonical(*own) == ip)
+            .then_some("an address of this host")
+    })
+}
+
+/// `ip`, an IPv4-mapped IPv6 address as the IPv4 address it reaches.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// The addresses of this host's interfaces, read anew for each connection: they come
+/// and go (Wi-Fi, a VPN, DHCP).
+pub(super) fn host_addresses() -> std::io::Result<Vec<IpAddr>> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list it allocated to `list`, freed below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut addresses = Vec::new();
+    let mut entry = list;
+    while !entry.is_null() {
+        // SAFETY: `entry` is a node of the list getifaddrs made, not yet freed.
+        let node = unsafe { &*entry };
+        // SAFETY: a non-null ifa_addr points to a sockaddr of the family it says,
+        // which sockaddr_in/sockaddr_in6 describe.
+        if let Some(address) = unsafe { node.ifa_addr.as_ref() } {
+            match i32::from(address.sa_family) {
+                libc::AF_INET => {
+                    // SAFETY: see above: the family is AF_INET.
+                    let v4 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in) };
+                    addresses.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr))));
+                }
+                libc::AF_INET6 => {
+                    // SAFETY: see above: the family is AF_INET6.
+                    let v6 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in6) };
+                    addresses.push(IpAddr::V6(Ipv6Addr::from(v6.sin6_addr.s6_addr)));
+                }
+                _ => {}
+            }
+        }
+        entry = node.ifa_next;
+    }
+    // SAFETY: `list` came from getifaddrs and is freed once; no node is used after.
+    unsafe { libc::freeifaddrs(list) };
+    Ok(addresses)
+}
+
 pub(super) fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
     let [a, b, ..] = ip.octets();
     if ip == Ipv4Addr::new(169, 254, 169, 254) {

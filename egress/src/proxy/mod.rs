@@ -221,7 +221,8 @@ pub enum ProxyError {
     Refused { what: String, rule: String },
     #[error(
         "{what} refused: {target} resolves to {ip}, {reason}; \
-         the proxy does not connect to local, private or metadata addresses"
+         the proxy does not connect to local, private or metadata addresses, nor \
+         to the host's own"
     )]
     ForbiddenAddress {
         what: String,
@@ -229,6 +230,11 @@ pub enum ProxyError {
         ip: IpAddr,
         reason: &'static str,
     },
+    #[error(
+        "cannot list this host's own addresses, which the proxy never connects to, \
+         so {target} is not connected to: {source}"
+    )]
+    HostAddresses { target: String, source: io::Error },
     #[error("Host header {claimed:?} disagrees with {expected}; request not sent")]
     HostMismatch { claimed: String, expected: String },
     #[error("cannot resolve {target}: {source}")]
@@ -265,6 +271,7 @@ impl ProxyError {
             Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Refused { .. } | ForbiddenAddress { .. } | HostMismatch { .. } => StatusCode::FORBIDDEN,
             Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            HostAddresses { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Resolve { .. }
             | NoAddress { .. }
             | Connect { .. }

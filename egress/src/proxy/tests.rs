@@ -15,6 +15,34 @@ fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
+/// A public address is refused when it is one of the host's own: through it the
+/// guest would reach the host's services that listen on every interface.
+#[test]
+fn the_hosts_own_addresses_are_forbidden_even_public_ones() {
+    let own = [ip("203.0.113.5"), ip("2001:db8::5")];
+    for addr in ["203.0.113.5", "::ffff:203.0.113.5", "2001:db8::5"] {
+        assert_eq!(
+            forbidden_destination(ip(addr), &own),
+            Some("an address of this host"),
+            "{addr}"
+        );
+    }
+    for addr in ["203.0.113.6", "2001:db8::6", "8.8.8.8"] {
+        assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
+    }
+    // The other reasons come first, and stand without the host's addresses.
+    assert_eq!(
+        forbidden_destination(ip("10.0.0.1"), &[]),
+        Some("a private address")
+    );
+}
+
+#[test]
+fn the_hosts_addresses_are_read_from_its_interfaces() {
+    let own = host_addresses().unwrap();
+    assert!(own.contains(&ip("127.0.0.1")), "{own:?}");
+}
+
 #[test]
 fn forbidden_addresses() {
     for (addr, reason) in [

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-use super::addresses::forbidden_address;
+use super::addresses::{forbidden_destination, host_addresses};
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
@@ -146,9 +146,14 @@ pub(super) async fn vetted_addresses(
     if addrs.is_empty() {
         return Err(ProxyError::NoAddress { target });
     }
-    let forbidden = addrs
-        .iter()
-        .find_map(|addr| forbidden_address(addr.ip()).map(|reason| (addr.ip(), reason)));
+    // Failing closed: without the host's addresses, none can be told from another's.
+    let host_addresses = host_addresses().map_err(|source| ProxyError::HostAddresses {
+        target: target.clone(),
+        source,
+    })?;
+    let forbidden = addrs.iter().find_map(|addr| {
+        forbidden_destination(addr.ip(), &host_addresses).map(|reason| (addr.ip(), reason))
+    });
     if let Some((ip, reason)) = forbidden {
         let rule = format!("{}, but {ip} is {reason}", decision.rule);
         let err = ProxyError::ForbiddenAddress {

@@ -10,6 +10,7 @@ mod egress_commands;
 mod exec;
 mod git_guard;
 mod git_identity;
+mod guest_account;
 mod guest_clock;
 mod guest_writable;
 mod host_edits;

@@ -66,12 +66,8 @@ pub enum VmError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error(
-        "{GUEST_USER_ENV}={value:?} is not an account NAME:UID:GID:HOME (a name of \
-         letters, digits, '.', '_' and '-'; numeric ids; an absolute home without \
-         spaces); fix it, or unset it to run commands as your host user"
-    )]
-    GuestUser { value: String },
+    #[error(transparent)]
+    GuestAccount(#[from] crate::guest_account::GuestAccountError),
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -175,7 +171,7 @@ struct Request {
     config: UserConfig,
     /// The config file's mounts for the workspace, then the command's.
     mounts: Vec<shares::WrittenMount>,
-    /// `vmctl.user` of a new VM's agent ([`guest_account`]).
+    /// `vmctl.user` of a new VM's agent ([`crate::guest_account`]).
     guest_account: Option<String>,
 }
 
@@ -205,7 +201,9 @@ fn check_request(
     Ok(Request {
         config,
         mounts: written,
-        guest_account: guest_account()?,
+        guest_account: crate::guest_account::guest_account(|warning| {
+            vmm::to_stderr!("vmctl: warning: {warning}")
+        })?,
     })
 }
 
@@ -747,50 +745,6 @@ fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
         }
         _ => Ok(()),
     }
-}
-
-/// The guest account commands run as by default, `NAME:UID:GID:HOME`: the host user
-/// (none when that is root), or `VMCTL_GUEST_USER` when set. A `VMCTL_GUEST_USER`
-/// that is not such an account is refused: ignored, it would have the commands run
-/// as root in the guest.
-fn guest_account() -> Result<Option<String>, VmError> {
-    match std::env::var_os(GUEST_USER_ENV) {
-        Some(value) => account_from_env(&value).map(Some),
-        None => Ok(host_account()),
-    }
-}
-
-fn account_from_env(value: &std::ffi::OsStr) -> Result<String, VmError> {
-    match value.to_str() {
-        Some(account) if valid_account(account) => Ok(account.to_string()),
-        _ => Err(VmError::GuestUser {
-            value: value.to_string_lossy().into_owned(),
-        }),
-    }
-}
-
-fn host_account() -> Option<String> {
-    // SAFETY: getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let user = std::env::var("USER").ok()?;
-    let home = std::env::var("HOME").ok()?;
-    let account = format!("{user}:{uid}:{gid}:{home}");
-    (uid != 0 && valid_account(&account)).then_some(account)
-}
-
-const GUEST_USER_ENV: &str = "VMCTL_GUEST_USER";
-
-/// `NAME:UID:GID:HOME` with a plain name, numeric ids and an absolute home, nothing
-/// that would break the kernel command line.
-fn valid_account(account: &str) -> bool {
-    let parts: Vec<&str> = account.split(':').collect();
-    matches!(parts.as_slice(), [name, uid, gid, home]
-        if !name.is_empty()
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-            && uid.parse::<u32>().is_ok()
-            && gid.parse::<u32>().is_ok()
-            && home.starts_with('/')
-            && !home.contains(char::is_whitespace))
 }
 
 fn spawn_supervisor(vm: &VmDir) -> Result<std::process::Child, VmError> {
@@ -1344,19 +1298,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_invalid_guest_user_variable_is_refused_not_run_as_root() {
-        let error = account_from_env("alice:1000:1000:~".as_ref()).unwrap_err();
-        let message = error.to_string();
-        assert!(
-            message.contains("VMCTL_GUEST_USER=\"alice:1000:1000:~\""),
-            "{message}"
-        );
-        assert!(message.contains("NAME:UID:GID:HOME"), "{message}");
-        let account = account_from_env("alice:1000:1000:/home/alice".as_ref()).unwrap();
-        assert_eq!(account, "alice:1000:1000:/home/alice");
-    }
-
-    #[test]
     fn a_recipe_that_is_not_there_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("nonexistent.recipe");
@@ -1847,16 +1788,6 @@ mod tests {
         // A start holds it for longer.
         let _starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
         assert!(lock_start_within(&vm, Duration::from_millis(300)).is_none());
-    }
-
-    #[test]
-    fn accounts_are_checked_before_reaching_the_kernel_command_line() {
-        assert!(valid_account("alice:1000:1000:/home/alice"));
-        assert!(!valid_account("alice:1000:1000:relative"));
-        assert!(!valid_account("al ice:1000:1000:/home/alice"));
-        assert!(!valid_account("alice:x:1000:/home/alice"));
-        assert!(!valid_account("alice:1:1:/home/a b"));
-        assert!(!valid_account("alice:1:1"));
     }
 
     #[test]

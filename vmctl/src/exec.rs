@@ -212,6 +212,12 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     // An output whose reader went away, for the agent to close in the guest.
     let (close_output, mut outputs_closed) = tokio::sync::mpsc::channel::<OutputStream>(2);
 
+    // Signals have a task of their own: a write to the agent that blocks (a guest that
+    // stops reading) must not keep vmctl from giving up on the command.
+    let (signals, signal_source) = signals_received();
+    let (forward_signal, mut signals_to_forward) = tokio::sync::mpsc::channel::<i32>(1);
+    let watch = tokio::spawn(watch_signals(signals, forward_signal, give_up));
+
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
     let forward = tokio::spawn(async move {
         let mut stdin = tokio::io::stdin();
@@ -221,15 +227,8 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         let window = input.stdin_window();
         let mut stdin_open = true;
         let mut winch = signal(SignalKind::window_change()).ok();
-        let mut interrupt = signal(SignalKind::interrupt()).ok();
-        let mut terminate = signal(SignalKind::terminate()).ok();
-        // The first signal forwarded, and when we stop waiting for its effect.
-        let mut forwarded: Option<(i32, tokio::time::Instant)> = None;
-        let deadline = |forwarded: &Option<(i32, tokio::time::Instant)>| {
-            forwarded.map(|(_, at)| at + SIGNAL_GRACE)
-        };
         loop {
-            let received = tokio::select! {
+            tokio::select! {
                 read = async {
                     let open = window.open().await;
                     stdin.read(&mut buf[..open.min(STDIN_READ)]).await
@@ -241,35 +240,20 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                         }
                         Ok(n) => if input.send_stdin(&buf[..n]).await.is_err() { return; },
                     }
-                    continue;
                 },
                 Some(()) = recv(&mut winch), if is_tty => {
                     if let Some((rows, cols)) = terminal_size() {
                         if input.resize(rows, cols).await.is_err() { return; }
                     }
-                    continue;
                 },
                 Some(stream) = outputs_closed.recv() => {
                     if input.close_output(stream).await.is_err() { return; }
-                    continue;
                 },
-                Some(()) = recv(&mut interrupt) => libc::SIGINT,
-                Some(()) = recv(&mut terminate) => libc::SIGTERM,
-                () = sleep_until(deadline(&forwarded)) => {
-                    if let Some((signal, _)) = forwarded {
-                        let _ = give_up.send(GiveUp::Timeout(signal)).await;
-                    }
-                    return;
+                Some(signal) = signals_to_forward.recv() => {
+                    if input.signal(signal).await.is_err() { return; }
                 },
-            };
-            if forwarded.is_some() {
-                // A second signal: the user wants out now.
-                let _ = give_up.send(GiveUp::Again(received)).await;
-                return;
-            }
-            forwarded = Some((received, tokio::time::Instant::now()));
-            if input.signal(received).await.is_err() {
-                return;
+                // Nothing more to send; the session stays open until the command ends.
+                else => std::future::pending().await,
             }
         }
     });
@@ -278,7 +262,53 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         .map_err(ExecError::OutputThread)?;
     let outcome = relay_output(output, writer, gave_up, close_output, is_tty, interrupted).await;
     forward.abort();
+    watch.abort();
+    signal_source.abort();
     outcome
+}
+
+/// SIGINT and SIGTERM as they come, from now on, and the task that listens for them.
+fn signals_received() -> (
+    tokio::sync::mpsc::Receiver<i32>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (sender, signals) = tokio::sync::mpsc::channel(4);
+    let mut interrupt = signal(SignalKind::interrupt()).ok();
+    let mut terminate = signal(SignalKind::terminate()).ok();
+    let source = tokio::spawn(async move {
+        loop {
+            let received = tokio::select! {
+                Some(()) = recv(&mut interrupt) => libc::SIGINT,
+                Some(()) = recv(&mut terminate) => libc::SIGTERM,
+            };
+            if sender.send(received).await.is_err() {
+                return;
+            }
+        }
+    });
+    (signals, source)
+}
+
+/// Has the first of `signals` forwarded to the command (by the task that writes to
+/// the agent, through `forward`), and gives up on the command at a second one, or
+/// when the first has not ended it within [`SIGNAL_GRACE`]. Whether or not the
+/// forwarding got through: a guest that stops reading cannot keep vmctl waiting.
+async fn watch_signals(
+    mut signals: tokio::sync::mpsc::Receiver<i32>,
+    forward: tokio::sync::mpsc::Sender<i32>,
+    give_up: tokio::sync::mpsc::Sender<GiveUp>,
+) {
+    let Some(first) = signals.recv().await else {
+        return;
+    };
+    // The only signal ever forwarded: there is room for it.
+    let _ = forward.try_send(first);
+    let deadline = tokio::time::Instant::now() + SIGNAL_GRACE;
+    let reason = tokio::select! {
+        Some(again) = signals.recv() => GiveUp::Again(again),
+        () = tokio::time::sleep_until(deadline) => GiveUp::Timeout(first),
+    };
+    let _ = give_up.send(reason).await;
 }
 
 /// Passes the command's output on to where it goes on the host until the command
@@ -539,14 +569,6 @@ impl std::fmt::Display for GiveUp {
     }
 }
 
-/// Sleeps until `deadline`, or forever without one.
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
-    }
-}
-
 async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
     match signal {
         Some(signal) => signal.recv().await,
@@ -556,9 +578,10 @@ async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
 
 fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
     match (code, signal) {
-        (Some(code), _) => code.clamp(0, 255) as u8,
-        (None, Some(signal)) => 128u8.saturating_add(signal.clamp(0, 127) as u8),
-        (None, None) => 1,
+        // No exit status is out of 0..=255: a guest that says so did not succeed.
+        (Some(code), _) => u8::try_from(code).unwrap_or(255),
+        (None, Some(signal @ 1..=127)) => 128 + signal as u8,
+        _ => 1,
     }
 }
 
@@ -910,15 +933,41 @@ mod tests {
             .starts_with("Ctrl-C (SIGINT) again"));
     }
 
-    #[tokio::test]
-    async fn sleep_until_without_a_deadline_never_ends() {
-        let never = sleep_until(None);
-        let soon = sleep_until(Some(
-            tokio::time::Instant::now() + std::time::Duration::from_millis(10),
-        ));
-        tokio::select! {
-            () = never => panic!("a sleep without a deadline ended"),
-            () = soon => {}
+    /// A guest that stops reading its input blocks every write to it, the forwarded
+    /// signal's too: vmctl still gives up on the command, at a second signal or when
+    /// the first one's grace is over.
+    #[tokio::test(start_paused = true)]
+    async fn giving_up_does_not_wait_for_the_signal_to_reach_the_guest() {
+        use tokio::sync::mpsc;
+        let second = Duration::from_secs(1);
+        for again in [None, Some(libc::SIGINT)] {
+            let (send_signal, signals) = mpsc::channel(4);
+            // Taken only to check it: the task that writes to the agent is blocked.
+            let (forward, mut forwarded) = mpsc::channel(1);
+            let (give_up, mut gave_up) = mpsc::channel(1);
+            let watch = tokio::spawn(watch_signals(signals, forward, give_up));
+            send_signal.send(libc::SIGTERM).await.unwrap();
+            tokio::time::sleep(second).await;
+            assert_eq!(forwarded.try_recv().ok(), Some(libc::SIGTERM));
+            let reason = match again {
+                Some(signal) => {
+                    send_signal.send(signal).await.unwrap();
+                    tokio::time::sleep(second).await;
+                    gave_up.try_recv().ok()
+                }
+                None => {
+                    tokio::time::sleep(SIGNAL_GRACE - second * 2).await;
+                    assert!(gave_up.try_recv().is_err(), "gave up before the grace");
+                    tokio::time::sleep(second * 2).await;
+                    gave_up.try_recv().ok()
+                }
+            };
+            let expected = match again {
+                Some(signal) => GiveUp::Again(signal),
+                None => GiveUp::Timeout(libc::SIGTERM),
+            };
+            assert_eq!(reason, Some(expected));
+            watch.await.unwrap();
         }
     }
 
@@ -947,6 +996,13 @@ mod tests {
         assert_eq!(exit_code(None, Some(9)), 137);
         assert_eq!(exit_code(None, None), 1);
         assert_eq!(exit_code(Some(300), None), 255);
+        assert_eq!(
+            exit_code(Some(-1), None),
+            255,
+            "a negative code is no success"
+        );
+        assert_eq!(exit_code(None, Some(0)), 1, "0 is no signal");
+        assert_eq!(exit_code(None, Some(200)), 1);
     }
 
     #[test]

@@ -174,9 +174,31 @@ pub struct Connection<S = UnixStream> {
     protocol_version: u32,
 }
 
+/// The longest of the agent's words the host quotes, in characters.
+const QUOTED_MAX: usize = 300;
+
+/// The agent's words as the host quotes them in its own messages: on one line, its
+/// control characters escaped (a line break would start a line that could pass for
+/// the host's own), and at most [`QUOTED_MAX`] characters. The guest is not trusted.
+pub fn quoted(words: &str) -> String {
+    let mut out = String::new();
+    for (count, c) in words.chars().enumerate() {
+        if count == QUOTED_MAX {
+            out.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn unexpected(msg: &AgentMessage) -> ClientError {
     match msg {
-        AgentMessage::Error { message } => ClientError::Agent(message.clone()),
+        AgentMessage::Error { message } => ClientError::Agent(quoted(message)),
         other => {
             let s = format!("{other:?}");
             ClientError::Unexpected(s.chars().take(200).collect())
@@ -209,7 +231,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 protocol_version,
             }),
             Some(AgentMessage::Error { message }) if message.starts_with(UNSUPPORTED_VERSION) => {
-                Err(ClientError::OtherProtocol(message))
+                Err(ClientError::OtherProtocol(quoted(&message)))
             }
             Some(other) => Err(unexpected(&other)),
             None => Err(ClientError::Closed),
@@ -227,7 +249,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     async fn request(mut self, msg: ClientMessage) -> Result<AgentMessage> {
         write_frame(&mut self.writer, &msg).await?;
         match self.reader.next::<AgentMessage>().await? {
-            Some(AgentMessage::Error { message }) => Err(ClientError::Agent(message)),
+            Some(AgentMessage::Error { message }) => Err(ClientError::Agent(quoted(&message))),
             Some(m) => Ok(m),
             None => Err(ClientError::Closed),
         }
@@ -276,7 +298,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             .request(ClientMessage::ConfigureNetwork(config))
             .await?
         {
-            AgentMessage::NetworkConfigured { failed_relays } => Ok(failed_relays),
+            AgentMessage::NetworkConfigured { failed_relays } => Ok(failed_relays
+                .into_iter()
+                .map(|(port, reason)| (port, quoted(&reason)))
+                .collect()),
             other => Err(unexpected(&other)),
         }
     }
@@ -305,9 +330,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     pub async fn exec(mut self, req: ExecRequest) -> Result<ExecSession<S>> {
         write_frame(&mut self.writer, &ClientMessage::Exec(req)).await?;
         match self.reader.next::<AgentMessage>().await? {
-            Some(AgentMessage::NotStarted { message, exit_code }) => {
-                Err(ClientError::NotStarted { message, exit_code })
-            }
+            Some(AgentMessage::NotStarted { message, exit_code }) => Err(ClientError::NotStarted {
+                message: quoted(&message),
+                exit_code,
+            }),
             Some(AgentMessage::Started { pid }) => {
                 let window = StdinWindow(Arc::new(Semaphore::new(STDIN_WINDOW)));
                 Ok(ExecSession {
@@ -682,5 +708,35 @@ mod tests {
             text.contains(&message) && text.contains("vmctl stop"),
             "{text}"
         );
+    }
+
+    /// A guest's words in the host's errors stay on their line, and short: a line
+    /// break in them could start a line that passes for vmctl's own.
+    #[tokio::test]
+    async fn the_agents_words_are_quoted_on_one_line_and_cut() {
+        let forged = format!("no\nvmctl: error: fake\x1b[2J{}", "x".repeat(10_000));
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        let (r, mut w) = tokio::io::split(theirs);
+        let reply = AgentMessage::Error {
+            message: forged.clone(),
+        };
+        tokio::spawn(async move {
+            let mut reader = FrameReader::new(r);
+            let _hello = reader.next::<ClientMessage>().await;
+            let ok = AgentMessage::HelloOk {
+                agent_version: "test".into(),
+                protocol_version: PROTOCOL_VERSION,
+            };
+            write_frame(&mut w, &ok).await.unwrap();
+            let _health = reader.next::<ClientMessage>().await;
+            write_frame(&mut w, &reply).await.unwrap();
+        });
+        let connection = Connection::handshake(ours).await.unwrap();
+        let err = connection.health().await.unwrap_err();
+        let text = err.to_string();
+        assert!(!text.contains('\n') && !text.contains('\x1b'), "{text:?}");
+        assert!(text.contains("no\\nvmctl: error: fake"), "{text:?}");
+        assert!(text.len() < 400, "{} bytes", text.len());
+        assert_eq!(quoted("plain words"), "plain words");
     }
 }

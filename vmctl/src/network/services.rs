@@ -368,6 +368,17 @@ async fn apply_in_guest(vsock: &Path, config: NetworkConfig) -> Result<Vec<(u16,
         })
 }
 
+/// The guest's `failed` relays among those `asked` for, once each: a guest cannot
+/// have vmctl warn of other ports, nor make the answer too long for the control
+/// socket.
+fn only_asked(failed: Vec<(u16, String)>, asked: &[u16]) -> Vec<(u16, String)> {
+    let mut seen = std::collections::BTreeSet::new();
+    failed
+        .into_iter()
+        .filter(|(port, _)| asked.contains(port) && seen.insert(*port))
+        .collect()
+}
+
 /// Tells the guest agent the CA, the variables (with the placeholders of the secrets
 /// as they are now) and the relay ports, adding `extra_relays` to them.
 async fn configure_guest(
@@ -403,7 +414,10 @@ async fn configure_guest(
         });
     }
     // Bounded: the lock held meanwhile keeps every other session's setup waiting.
-    let failed_relays = apply_in_guest(&service.vsock, config.clone()).await?;
+    let failed_relays = only_asked(
+        apply_in_guest(&service.vsock, config.clone()).await?,
+        &relay_ports,
+    );
     // A failed relay is tried again next time.
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
@@ -415,6 +429,20 @@ async fn configure_guest(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_relays_asked_for_are_reported_failed_once_each() {
+        let failed = vec![
+            (3000, "in use".to_string()),
+            (22, "made up by the guest".to_string()),
+            (3000, "again".to_string()),
+            (6767, "refused".to_string()),
+        ];
+        assert_eq!(
+            only_asked(failed, &[6767, 3000]),
+            [(3000, "in use".to_string()), (6767, "refused".to_string())]
+        );
+    }
 
     /// A host server that never closes its side keeps each relay to it: a guest gets
     /// no more relays than there are slots; the one past them is refused, not made.

@@ -9,8 +9,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// Longest a request may take: configuring the guest goes through the nested host,
-/// which can be slow.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// which can be slow, and may wait behind another session's setup; each is given up
+/// after [`crate::exec::AGENT_TIMEOUT`], so the supervisor's own answer (why it gave
+/// up) comes within this.
+const REQUEST_TIMEOUT: Duration =
+    Duration::from_secs(crate::exec::AGENT_TIMEOUT.as_secs() * 2 + 15);
 /// Longest request or response line accepted.
 pub const MAX_LINE: usize = 64 * 1024;
 
@@ -26,6 +29,13 @@ pub enum ControlError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "the VM's supervisor at {} did not answer within {} s; if this goes on, \
+         'vmctl logs' may say why, and 'vmctl stop' ends the VM",
+        .path.display(),
+        .after.as_secs()
+    )]
+    NoAnswer { path: PathBuf, after: Duration },
     #[error("the VM's supervisor at {} answered something unreadable: {reason}", .path.display())]
     BadResponse { path: PathBuf, reason: String },
     #[error("{0}")]
@@ -82,6 +92,14 @@ pub enum ControlResponse {
 /// Sends one request to the supervisor behind `socket` and waits for its answer; an
 /// `Error` answer becomes [`ControlError::Refused`].
 pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
+    request_within(socket, request, REQUEST_TIMEOUT)
+}
+
+fn request_within(
+    socket: &Path,
+    request: &ControlRequest,
+    timeout: Duration,
+) -> Result<ControlResponse, ControlError> {
     let io = |source| ControlError::Io {
         path: socket.to_path_buf(),
         source,
@@ -91,7 +109,7 @@ pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlRespons
             path: socket.to_path_buf(),
             source,
         })?;
-    stream.set_read_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut line = serde_json::to_vec(request).map_err(|e| ControlError::BadResponse {
         path: socket.to_path_buf(),
         reason: e.to_string(),
@@ -101,7 +119,15 @@ pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlRespons
     let mut answer = String::new();
     BufReader::new(std::io::Read::take(stream, MAX_LINE as u64))
         .read_line(&mut answer)
-        .map_err(io)?;
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                ControlError::NoAnswer {
+                    path: socket.to_path_buf(),
+                    after: timeout,
+                }
+            }
+            _ => io(source),
+        })?;
     let response: ControlResponse =
         serde_json::from_str(&answer).map_err(|e| ControlError::BadResponse {
             path: socket.to_path_buf(),
@@ -114,5 +140,34 @@ pub fn request(socket: &Path, request: &ControlRequest) -> Result<ControlRespons
     match response {
         ControlResponse::Error { message } => Err(ControlError::Refused(message)),
         other => Ok(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A supervisor that takes the request and never answers is given up on with an
+    /// error that says so, not with EAGAIN.
+    #[test]
+    fn a_supervisor_that_does_not_answer_is_said_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("control.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let silent = std::thread::spawn(move || listener.accept().map(|(stream, _)| stream));
+        let request = ControlRequest::Configure {
+            relay_ports: Vec::new(),
+        };
+        let err = request_within(&socket, &request, Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(err, ControlError::NoAnswer { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains("did not answer within"), "{message}");
+        assert!(message.contains("vmctl stop"), "{message}");
+        drop(silent.join());
+    }
+
+    #[test]
+    fn a_request_waits_longer_than_two_guest_setups() {
+        assert!(REQUEST_TIMEOUT > crate::exec::AGENT_TIMEOUT * 2);
     }
 }

@@ -43,6 +43,9 @@ struct Tracked {
     /// When it stops for idleness; a new `generation` cancels that.
     idle_deadline: Option<Instant>,
     generation: u64,
+    /// Found running when this daemon started: the sessions of the daemon before it
+    /// may still be under way, without leases, and only the guest agent knows of them.
+    adopted: bool,
 }
 
 struct Daemon {
@@ -191,7 +194,12 @@ fn adopt_running_vms(daemon: &Arc<Daemon>) {
         if vm.running_pid().is_none() {
             continue;
         }
-        let pinned = track(&mut daemon.vms(), &vm.path).pinned;
+        let pinned = {
+            let mut vms = daemon.vms();
+            let tracked = track(&mut vms, &vm.path);
+            tracked.adopted = true;
+            tracked.pinned
+        };
         if !pinned {
             schedule_idle_stop(daemon, &vm.path);
         }
@@ -355,7 +363,8 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         let vm = VmDir { path: vm_dir };
         // Sessions hold leases, but those of a daemon that died (killed, crashed) are
         // lost with it, and the VM it left is adopted without: the guest agent knows.
-        if is_still_idle(&daemon.vms(), &vm.path, generation) {
+        // Asked of adopted VMs only: a guest's word must not keep every VM up.
+        if asks_guest_for_sessions(&daemon.vms(), &vm.path, generation) {
             if let Some(sessions) = sessions_in_guest(&vm).await {
                 vmm::to_stderr!(
                     "vmctl daemon: {} has {sessions} session(s) under way that hold no \
@@ -423,6 +432,16 @@ async fn sessions_in_guest(vm: &VmDir) -> Option<u32> {
         Ok(Ok(health)) => (health.active_execs > 0).then_some(health.active_execs),
         _ => None,
     }
+}
+
+/// Whether the VM is still idle since `generation` and was adopted, so that sessions
+/// without leases may be under way in it.
+fn asks_guest_for_sessions(
+    vms: &HashMap<PathBuf, Tracked>,
+    vm_dir: &Path,
+    generation: u64,
+) -> bool {
+    is_still_idle(vms, vm_dir, generation) && vms.get(vm_dir).is_some_and(|t| t.adopted)
 }
 
 /// Whether no lease, pin or new idle timer came for the VM since `generation`.
@@ -751,6 +770,31 @@ mod tests {
         release_lease(&daemon, &vm.path, 2);
         tokio::time::sleep(timeout + Duration::from_secs(1)).await;
         assert!(status(&daemon).is_empty(), "an idle VM was not stopped");
+    }
+
+    /// Only a VM found running when the daemon started may have sessions without
+    /// leases; any other's guest is not asked, so it cannot keep its VM up by saying
+    /// it has some.
+    #[tokio::test(start_paused = true)]
+    async fn only_adopted_vms_ask_their_guest_for_sessions() {
+        let dir = tempfile::tempdir().unwrap();
+        let daemon = daemon();
+        let leased = dir.path().join("leased");
+        take_lease(&daemon, &leased, 1, "exec (pid 1)".into());
+        release_lease(&daemon, &leased, 1);
+        let generation = daemon.vms()[&leased].generation;
+        assert!(!asks_guest_for_sessions(&daemon.vms(), &leased, generation));
+
+        let adopted = dir.path().join("adopted");
+        track(&mut daemon.vms(), &adopted).adopted = true;
+        schedule_idle_stop(&daemon, &adopted);
+        let generation = daemon.vms()[&adopted].generation;
+        assert!(asks_guest_for_sessions(&daemon.vms(), &adopted, generation));
+        assert!(!asks_guest_for_sessions(
+            &daemon.vms(),
+            &adopted,
+            generation + 1
+        ));
     }
 
     #[test]

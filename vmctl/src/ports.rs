@@ -78,11 +78,12 @@ fn format_table(
     relays: &[u16],
 ) -> String {
     let mut by_port: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+    // In linear time, whatever the guest's list holds.
+    let mut seen = std::collections::HashSet::new();
     for port in listening {
         let addresses = by_port.entry(port.port).or_default();
-        let address = port.address.to_string();
-        if !addresses.contains(&address) {
-            addresses.push(address);
+        if seen.insert((port.port, port.address)) {
+            addresses.push(port.address.to_string());
         }
     }
     // Publishing comes before the server listens (publish, then start it), or outlives

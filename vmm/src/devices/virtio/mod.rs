@@ -146,7 +146,8 @@ pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
 }
 
 /// The most bytes [`ActiveQueue::serve`] moves in one call, give or take its last
-/// chain: some milliseconds of copying, where a ring of requests that each claim a
+/// chain (no larger itself: virtio-blk refuses a request of more): some milliseconds
+/// of copying, where a ring of requests that each claim a
 /// disk's worth would hold the event loop for minutes.
 pub const SERVE_BYTES: u64 = 64 << 20;
 

@@ -676,6 +676,29 @@ mod tests {
         assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
     }
 
+    /// One request must not move gigabytes while the event loop waits: a chain whose
+    /// buffers (here one, the same memory listed twice) add up to more than
+    /// MAX_REQUEST_BYTES is refused, whatever the disk's size.
+    #[test]
+    fn a_request_larger_than_the_limit_is_refused() {
+        use super::super::request::{Request, RequestError, MAX_REQUEST_BYTES};
+        let size = MAX_REQUEST_BYTES + 0x10_0000;
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)]).unwrap();
+        let half = u32::try_from(MAX_REQUEST_BYTES / 2).unwrap();
+        let parse = |data: &[(u64, u32, u16)]| {
+            write_header(&mem, VIRTIO_BLK_T_OUT, 0);
+            let descs: Vec<Descriptor> = chain(data).into_iter().map(Descriptor::from).collect();
+            Request::parse(&descs, &mem, u64::MAX / SECTOR_SIZE)
+        };
+        let at_limit = parse(&[(DATA, half, 0), (DATA, half, 0)]).unwrap();
+        assert_eq!(at_limit.data_len, MAX_REQUEST_BYTES);
+        let over = parse(&[(DATA, half, 0), (DATA, half, 0), (DATA, 512, 0)]);
+        assert!(
+            matches!(over, Err(RequestError::TooLarge { len }) if len == MAX_REQUEST_BYTES + 512),
+            "{over:?}"
+        );
+    }
+
     #[test]
     fn requests_beyond_capacity_fail() {
         let mem = memory();

@@ -15,7 +15,7 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::{SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
-use crate::devices::virtio::guest_range_ok;
+use crate::devices::virtio::{guest_range_ok, SERVE_BYTES};
 use crate::memory::GuestMemoryMmap;
 
 /// Size of `struct virtio_blk_outhdr`.
@@ -60,7 +60,16 @@ pub enum RequestError {
     UnexpectedData { request_type: u32, len: u64 },
     #[error("get-id request has no data buffer")]
     NoIdBuffer,
+    #[error(
+        "request for {len} bytes is larger than the {MAX_REQUEST_BYTES} bytes a request may move"
+    )]
+    TooLarge { len: u64 },
 }
+
+/// The most data one read or write may carry: [`SERVE_BYTES`], so that a request
+/// cannot hold the event loop much longer than a ring of them may. Linux's requests are
+/// 1.25 MiB by default (`max_sectors_kb`).
+pub const MAX_REQUEST_BYTES: u64 = SERVE_BYTES;
 
 /// The request types the device implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,6 +269,11 @@ impl Request {
 
         match request_type {
             RequestType::In | RequestType::Out => {
+                if request.data_len > MAX_REQUEST_BYTES {
+                    return Err(RequestError::TooLarge {
+                        len: request.data_len,
+                    });
+                }
                 if !request.data_len.is_multiple_of(SECTOR_SIZE) {
                     return Err(RequestError::DataLength {
                         len: request.data_len,

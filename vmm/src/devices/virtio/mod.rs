@@ -129,6 +129,8 @@ pub enum ActivateError {
     QueueCount { expected: usize, got: usize },
     #[error("queue {index} is not valid (addresses outside guest memory or bad size)")]
     InvalidQueue { index: usize },
+    #[error("queue {index} was not made ready (QueueReady) before DRIVER_OK")]
+    QueueNotReady { index: usize },
     #[error("device activation failed: {0}")]
     Device(String),
 }
@@ -289,7 +291,7 @@ pub fn single_ready_queue(queues: Vec<Queue>) -> Result<Queue, ActivateError> {
     let [queue] = <[Queue; 1]>::try_from(queues)
         .map_err(|_| ActivateError::QueueCount { expected: 1, got })?;
     if !virtio_queue::QueueT::ready(&queue) {
-        return Err(ActivateError::InvalidQueue { index: 0 });
+        return Err(ActivateError::QueueNotReady { index: 0 });
     }
     Ok(queue)
 }

@@ -1001,7 +1001,7 @@ mod tests {
         let q = Queue::new(16).unwrap();
         assert!(matches!(
             h.block.activate(mem, vec![q], irq),
-            Err(ActivateError::InvalidQueue { index: 0 })
+            Err(ActivateError::QueueNotReady { index: 0 })
         ));
     }
 

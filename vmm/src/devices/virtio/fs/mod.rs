@@ -148,7 +148,7 @@ impl VirtioDevice for VhostUserFs {
             });
         }
         if let Some(index) = queues.iter().position(|q| !virtio_queue::QueueT::ready(q)) {
-            return Err(ActivateError::InvalidQueue { index });
+            return Err(ActivateError::QueueNotReady { index });
         }
         // Every queue's "call" is the device's irqfd: virtiofsd interrupts the guest
         // directly, and no VMM thread wakes per request.

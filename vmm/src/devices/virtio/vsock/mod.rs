@@ -167,7 +167,7 @@ impl VirtioDevice for Vsock {
                 got,
             })?;
         if let Some(index) = queues.iter().position(|q| !q.ready()) {
-            return Err(ActivateError::InvalidQueue { index });
+            return Err(ActivateError::QueueNotReady { index });
         }
         self.stop_worker();
         let muxer = Muxer::new(self.guest_cid, &self.uds_path, self.listener.clone())

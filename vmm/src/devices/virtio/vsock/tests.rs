@@ -394,7 +394,7 @@ fn device_basics() {
     ];
     assert!(matches!(
         dev.activate(mem, qs, irq),
-        Err(ActivateError::InvalidQueue { index: 0 })
+        Err(ActivateError::QueueNotReady { index: 0 })
     ));
     assert_eq!(dev.process_queue(0), QueueProgress::Done);
     dev.reset();

@@ -200,14 +200,17 @@ fn publish_takes_workspace_dir_as_the_readme_says() {
 
 /// Paseo (a desktop app, a systemd user service) runs `vmctl agent claude` with the
 /// PATH it has, which need not hold ~/.cargo/bin. Once `scripts/setup.sh` has built
-/// and cached the guest agent, starting a VM must not need cargo on PATH: today every
-/// start runs guest-agent/build-initramfs.sh, which dies with "'cargo' is missing:
-/// install Rust", so no VM can start at all.
+/// and cached the guest agent, starting a VM must not need cargo on PATH (the agent's
+/// build script once died with "'cargo' is missing: install Rust" at every start).
 #[test]
 fn a_vm_starts_without_cargo_on_path_once_set_up() {
-    if !vm_tests::vm_available("a_vm_starts_without_cargo_on_path_once_set_up") {
-        return;
-    }
+    vm_tests::vm_scenario(
+        "host_commands::a_vm_starts_without_cargo_on_path_once_set_up",
+        start_without_cargo_scenario,
+    );
+}
+
+fn start_without_cargo_scenario() {
     let ws = Workspace::new("no-cargo-on-path");
     let output = ws
         .command(&["exec", "--", "true"])
@@ -226,15 +229,19 @@ fn a_vm_starts_without_cargo_on_path_once_set_up() {
     );
 }
 
-/// With the VM already running, `exec` neither checks its `--mount` (a typo such as
-/// `:RO` is an error on a stopped VM) nor reads the config file: a broken config.toml
-/// passes silently (exit 0), then fails the next start, typically a Paseo agent's
-/// after the idle stop, far from the edit.
+/// With the VM already running, `exec` still checks its `--mount` (a typo such as
+/// `:RO`) and reads the config file: a broken config.toml that passed silently would
+/// fail the next start instead, typically a Paseo agent's after the idle stop, far
+/// from the edit.
 #[test]
 fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
-    if !vm_tests::vm_available("a_running_vm_still_reports_bad_mounts_and_a_broken_config") {
-        return;
-    }
+    vm_tests::vm_scenario(
+        "host_commands::a_running_vm_still_reports_bad_mounts_and_a_broken_config",
+        bad_input_on_a_running_vm_scenario,
+    );
+}
+
+fn bad_input_on_a_running_vm_scenario() {
     let ws = Workspace::new("running-vm-bad-input");
     let data = ws.dir.join("data");
     std::fs::create_dir_all(&data).expect("data dir");
@@ -242,7 +249,10 @@ fn a_running_vm_still_reports_bad_mounts_and_a_broken_config() {
         .command(&["exec", "--", "true"])
         .output()
         .expect("vmctl exec");
-    assert!(up.status.success(), "{}", stderr(&up));
+    if !up.status.success() {
+        let _ = ws.command(&["rm", "-f"]).output();
+        panic!("the VM did not start: {}", stderr(&up));
+    }
     let typo = format!("{}:/data:RO", data.display());
     let bad_mount = ws
         .command(&["exec", "--mount", &typo, "--", "true"])

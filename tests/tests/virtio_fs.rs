@@ -8,8 +8,8 @@ use std::process::{Command, Output};
 
 use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::{
-    assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stderr, stdout, vm_available,
-    vmctl_bin, TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
+    assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stderr, stdout, vmctl_bin,
+    TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
 };
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
@@ -808,9 +808,21 @@ fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
 /// so the test can reach the virtiofsd process; that also covers the direct-KVM path.
 #[test]
 fn a_dead_virtiofsd_is_reported_not_hung_on() {
-    if !vm_available("virtio_fs::a_dead_virtiofsd_is_reported_not_hung_on") {
-        return;
-    }
+    vm_tests::vm_scenario(
+        "virtio_fs::a_dead_virtiofsd_is_reported_not_hung_on",
+        dead_virtiofsd_scenario,
+    );
+}
+
+/// What the nested host's own failures look like (README, "Known problem"); the
+/// other signs of a lost VM are what this scenario's VM is expected to show.
+const NESTED_HOST_LOST: [&str; 3] = [
+    "the nested host stalled",
+    "the nested host's kernel crashed",
+    "the nested host stopped before the VM finished",
+];
+
+fn dead_virtiofsd_scenario() {
     let dir = TempDir::new("virtio-fs-kill");
     let ws = dir.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
@@ -851,7 +863,13 @@ fn a_dead_virtiofsd_is_reported_not_hung_on() {
         String::from_utf8_lossy(&output.stderr)
     );
     eprintln!("{text}");
-    assert!(output.status.success(), "the nested script failed");
+    // Named in the failure, the nested host's loss has the scenario tried again.
+    let lost = NESTED_HOST_LOST.iter().find(|sign| text.contains(**sign));
+    assert!(
+        output.status.success(),
+        "the nested script failed{}",
+        lost.map(|sign| format!(" ({sign})")).unwrap_or_default()
+    );
     let codes: Vec<&str> = text
         .lines()
         .filter_map(|line| line.strip_prefix("exec-after-kill="))

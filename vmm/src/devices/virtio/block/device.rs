@@ -4,8 +4,8 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
-    VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
 };
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::Queue;
@@ -22,12 +22,17 @@ use crate::devices::virtio::{
 use crate::memory::GuestMemoryMmap;
 
 /// Layout of the part of `struct virtio_blk_config` we fill in: capacity (le64),
-/// size_max (le32, unused), seg_max (le32). Later fields read as 0.
+/// size_max (le32), seg_max (le32). Later fields read as 0.
 const CONFIG_LEN: usize = 16;
 const CONFIG_CAPACITY: usize = 0;
+const CONFIG_SIZE_MAX: usize = 8;
 const CONFIG_SEG_MAX: usize = 12;
 /// Data segments per request: the queue size minus header and status.
 const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
+/// The largest data segment, in whole pages: SEG_MAX of them stay within
+/// [`request::MAX_REQUEST_BYTES`], so a driver that keeps to both never has a request
+/// refused for its size.
+const SIZE_MAX: u32 = (request::MAX_REQUEST_BYTES / SEG_MAX as u64) as u32 & !0xfff;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
@@ -85,8 +90,10 @@ impl Block {
             );
         }
 
-        let mut avail_features =
-            FEATURE_VERSION_1 | (1 << VIRTIO_BLK_F_FLUSH) | (1 << VIRTIO_BLK_F_SEG_MAX);
+        let mut avail_features = FEATURE_VERSION_1
+            | (1 << VIRTIO_BLK_F_FLUSH)
+            | (1 << VIRTIO_BLK_F_SEG_MAX)
+            | (1 << VIRTIO_BLK_F_SIZE_MAX);
         if read_only {
             avail_features |= 1 << VIRTIO_BLK_F_RO;
         }
@@ -94,6 +101,7 @@ impl Block {
         let mut config = [0u8; CONFIG_LEN];
         config[CONFIG_CAPACITY..CONFIG_CAPACITY + 8]
             .copy_from_slice(&capacity_sectors.to_le_bytes());
+        config[CONFIG_SIZE_MAX..CONFIG_SIZE_MAX + 4].copy_from_slice(&SIZE_MAX.to_le_bytes());
         config[CONFIG_SEG_MAX..CONFIG_SEG_MAX + 4].copy_from_slice(&SEG_MAX.to_le_bytes());
 
         Ok(Self {
@@ -561,7 +569,10 @@ mod tests {
         let f = h.block.avail_features();
         assert_eq!(
             f,
-            FEATURE_VERSION_1 | 1 << VIRTIO_BLK_F_FLUSH | 1 << VIRTIO_BLK_F_SEG_MAX
+            FEATURE_VERSION_1
+                | 1 << VIRTIO_BLK_F_FLUSH
+                | 1 << VIRTIO_BLK_F_SEG_MAX
+                | 1 << VIRTIO_BLK_F_SIZE_MAX
         );
         let mut cap = [0u8; 8];
         h.block.read_config(0, &mut cap);
@@ -569,6 +580,13 @@ mod tests {
         let mut seg = [0u8; 4];
         h.block.read_config(12, &mut seg);
         assert_eq!(u32::from_le_bytes(seg), 254);
+        // Whole pages, and a request of SEG_MAX of them is not too large.
+        let mut size_max = [0u8; 4];
+        h.block.read_config(8, &mut size_max);
+        let size_max = u32::from_le_bytes(size_max);
+        assert_eq!(size_max % 4096, 0);
+        assert!(size_max >= 4096);
+        assert!(u64::from(size_max) * 254 <= super::super::request::MAX_REQUEST_BYTES);
         let mut beyond = [0xaa; 4];
         h.block.read_config(u64::MAX - 1, &mut beyond);
         assert_eq!(beyond, [0; 4]);

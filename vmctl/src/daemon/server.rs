@@ -43,10 +43,23 @@ struct Tracked {
     /// When it stops for idleness; a new `generation` cancels that.
     idle_deadline: Option<Instant>,
     generation: u64,
-    /// Found running when this daemon started: the sessions of the daemon before it
-    /// may still be under way, without leases, and only the guest agent knows of them.
-    adopted: bool,
+    /// The run found going when this daemon started, if this is it.
+    adopted: Option<AdoptedRun>,
 }
+
+/// A run of a VM found going when the daemon started: sessions of the daemon before
+/// may still be under way in it, without leases, and only its guest agent knows of
+/// them.
+#[derive(Debug, Clone, Copy)]
+struct AdoptedRun {
+    /// Its supervisor's: a later run of the VM is not the one adopted.
+    pid: i32,
+    at: tokio::time::Instant,
+}
+
+/// How long the guest of an adopted run is believed when it says sessions are under
+/// way: a guest that keeps saying so is stopped when idle after that all the same.
+const ADOPTED_SESSIONS_TRUSTED: Duration = Duration::from_secs(24 * 3600);
 
 struct Daemon {
     vms: Mutex<HashMap<PathBuf, Tracked>>,
@@ -191,13 +204,16 @@ fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
 /// others get the idle timeout like any VM whose last session ended.
 fn adopt_running_vms(daemon: &Arc<Daemon>) {
     for vm in VmDir::all() {
-        if vm.running_pid().is_none() {
+        let Some(pid) = vm.running_pid() else {
             continue;
-        }
+        };
         let pinned = {
             let mut vms = daemon.vms();
             let tracked = track(&mut vms, &vm.path);
-            tracked.adopted = true;
+            tracked.adopted = Some(AdoptedRun {
+                pid,
+                at: tokio::time::Instant::now(),
+            });
             tracked.pinned
         };
         if !pinned {
@@ -363,8 +379,9 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         let vm = VmDir { path: vm_dir };
         // Sessions hold leases, but those of a daemon that died (killed, crashed) are
         // lost with it, and the VM it left is adopted without: the guest agent knows.
-        // Asked of adopted VMs only: a guest's word must not keep every VM up.
-        if asks_guest_for_sessions(&daemon.vms(), &vm.path, generation) {
+        // Asked of adopted runs only: a guest's word must not keep every VM up.
+        let asks_guest = asks_guest_for_sessions(&daemon.vms(), &vm, generation);
+        if asks_guest {
             if let Some(sessions) = sessions_in_guest(&vm).await {
                 vmm::to_stderr!(
                     "vmctl daemon: {} has {sessions} session(s) under way that hold no \
@@ -373,6 +390,10 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
                 );
                 schedule_idle_stop(&daemon, &vm.path);
                 return;
+            }
+            // Those sessions are over: from now on, leases alone count.
+            if let Some(tracked) = daemon.vms().get_mut(&vm.path) {
+                tracked.adopted = None;
             }
         }
         // Held while the VM goes down, so that a session coming meanwhile waits in its
@@ -434,14 +455,15 @@ async fn sessions_in_guest(vm: &VmDir) -> Option<u32> {
     }
 }
 
-/// Whether the VM is still idle since `generation` and was adopted, so that sessions
-/// without leases may be under way in it.
-fn asks_guest_for_sessions(
-    vms: &HashMap<PathBuf, Tracked>,
-    vm_dir: &Path,
-    generation: u64,
-) -> bool {
-    is_still_idle(vms, vm_dir, generation) && vms.get(vm_dir).is_some_and(|t| t.adopted)
+/// Whether `vm` is still idle since `generation` and runs as adopted (not for longer
+/// than [`ADOPTED_SESSIONS_TRUSTED`]), so that sessions without leases may be under
+/// way in it.
+fn asks_guest_for_sessions(vms: &HashMap<PathBuf, Tracked>, vm: &VmDir, generation: u64) -> bool {
+    let adopted = vms.get(&vm.path).and_then(|tracked| tracked.adopted);
+    is_still_idle(vms, &vm.path, generation)
+        && adopted.is_some_and(|run| {
+            vm.running_pid() == Some(run.pid) && run.at.elapsed() < ADOPTED_SESSIONS_TRUSTED
+        })
 }
 
 /// Whether no lease, pin or new idle timer came for the VM since `generation`.
@@ -772,28 +794,62 @@ mod tests {
         assert!(status(&daemon).is_empty(), "an idle VM was not stopped");
     }
 
-    /// Only a VM found running when the daemon started may have sessions without
-    /// leases; any other's guest is not asked, so it cannot keep its VM up by saying
-    /// it has some.
+    /// Only the run of a VM found going when the daemon started may have sessions
+    /// without leases, for a day at most; any other's guest is not asked, so it cannot
+    /// keep its VM up by saying it has some.
     #[tokio::test(start_paused = true)]
-    async fn only_adopted_vms_ask_their_guest_for_sessions() {
+    async fn only_adopted_runs_ask_their_guest_for_sessions() {
         let dir = tempfile::tempdir().unwrap();
         let daemon = daemon();
-        let leased = dir.path().join("leased");
-        take_lease(&daemon, &leased, 1, "exec (pid 1)".into());
-        release_lease(&daemon, &leased, 1);
-        let generation = daemon.vms()[&leased].generation;
+        let vm = |name: &str| {
+            let vm = VmDir {
+                path: dir.path().join(name),
+            };
+            std::fs::create_dir_all(&vm.path).unwrap();
+            vm
+        };
+        let idle = |vm: &VmDir, adopted: Option<AdoptedRun>| {
+            let mut vms = daemon.vms();
+            let tracked = track(&mut vms, &vm.path);
+            tracked.adopted = adopted;
+            tracked.generation = daemon.new_generation();
+            tracked.generation
+        };
+        let leased = vm("leased");
+        let _leased_run = FakeSupervisor::start(&leased);
+        let generation = idle(&leased, None);
         assert!(!asks_guest_for_sessions(&daemon.vms(), &leased, generation));
 
-        let adopted = dir.path().join("adopted");
-        track(&mut daemon.vms(), &adopted).adopted = true;
-        schedule_idle_stop(&daemon, &adopted);
-        let generation = daemon.vms()[&adopted].generation;
+        let adopted = vm("adopted");
+        let run = FakeSupervisor::start(&adopted);
+        let pid = adopted.running_pid().unwrap();
+        let at = tokio::time::Instant::now();
+        let generation = idle(&adopted, Some(AdoptedRun { pid, at }));
         assert!(asks_guest_for_sessions(&daemon.vms(), &adopted, generation));
+        assert!(
+            !asks_guest_for_sessions(&daemon.vms(), &adopted, generation + 1),
+            "a lease came since"
+        );
+        tokio::time::advance(ADOPTED_SESSIONS_TRUSTED).await;
+        assert!(
+            !asks_guest_for_sessions(&daemon.vms(), &adopted, generation),
+            "believed for longer than a day"
+        );
+
+        // A later run of the VM is not the one adopted.
+        drop(run);
+        let _next_run = FakeSupervisor::start(&adopted);
+        let generation = idle(
+            &adopted,
+            Some(AdoptedRun {
+                pid,
+                at: tokio::time::Instant::now(),
+            }),
+        );
         assert!(!asks_guest_for_sessions(
             &daemon.vms(),
             &adopted,
-            generation + 1
+            generation
         ));
     }
 

@@ -173,6 +173,8 @@ struct Request {
     mounts: Vec<shares::WrittenMount>,
     /// `vmctl.user` of a new VM's agent ([`crate::guest_account`]).
     guest_account: Option<String>,
+    /// Why a new VM's commands would run as root, said only when one boots.
+    account_warning: Option<String>,
 }
 
 fn check_request(
@@ -198,12 +200,14 @@ fn check_request(
     if let Some(recipe) = recipe {
         check_recipe(recipe)?;
     }
+    let mut account_warning = None;
+    let guest_account =
+        crate::guest_account::guest_account(|warning| account_warning = Some(warning))?;
     Ok(Request {
         config,
         mounts: written,
-        guest_account: crate::guest_account::guest_account(|warning| {
-            vmm::to_stderr!("vmctl: warning: {warning}")
-        })?,
+        guest_account,
+        account_warning,
     })
 }
 
@@ -432,6 +436,9 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     let share_set = resolve_shares(&workspace, &vm, &request)?;
+    if let Some(warning) = &request.account_warning {
+        vmm::to_stderr!("vmctl: warning: {warning}");
+    }
     let kvm = KvmKind::detect();
     let nested = !kvm.boots_linux();
     if nested {

@@ -174,12 +174,14 @@ pub struct Connection<S = UnixStream> {
     protocol_version: u32,
 }
 
-/// The longest of the agent's words the host quotes, in characters.
+/// How many of the agent's characters the host quotes.
 const QUOTED_MAX: usize = 300;
 
-/// The agent's words as the host quotes them in its own messages: on one line, its
-/// control characters escaped (a line break would start a line that could pass for
-/// the host's own), and at most [`QUOTED_MAX`] characters. The guest is not trusted.
+/// The agent's words as the host quotes them in its own messages: on one line, and
+/// shown as written: control characters, line and paragraph separators and
+/// bidirectional controls escaped (a line break would start a line that could pass
+/// for the host's own; a bidi override reorders what follows it), and only the first
+/// [`QUOTED_MAX`] characters. The guest is not trusted.
 pub fn quoted(words: &str) -> String {
     let mut out = String::new();
     for (count, c) in words.chars().enumerate() {
@@ -187,13 +189,22 @@ pub fn quoted(words: &str) -> String {
             out.push_str("...");
             break;
         }
-        if c.is_control() {
+        if c.is_control() || is_layout_control(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
         }
     }
     out
+}
+
+/// Characters that are not control characters yet change how a line is laid out.
+fn is_layout_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
+    ) || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
 fn unexpected(msg: &AgentMessage) -> ClientError {
@@ -738,5 +749,6 @@ mod tests {
         assert!(text.contains("no\\nvmctl: error: fake"), "{text:?}");
         assert!(text.len() < 400, "{} bytes", text.len());
         assert_eq!(quoted("plain words"), "plain words");
+        assert_eq!(quoted("a\u{2028}b\u{202e}c"), "a\\u{2028}b\\u{202e}c");
     }
 }

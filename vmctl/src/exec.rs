@@ -404,7 +404,7 @@ async fn output_failed(
 ) -> Option<Result<u8, ExecError>> {
     match output_lost(stream, source) {
         OutputLost::ReaderGone if !is_tty => {
-            // The forward task may be gone (we gave up on a signal): nothing to tell.
+            // The forward task may be gone (a write to the agent failed): nothing to tell.
             let _ = close_output.send(stream).await;
             None
         }

@@ -27,11 +27,31 @@ pub(super) fn forbidden_destination(ip: IpAddr, host_addresses: &[IpAddr]) -> Op
     })
 }
 
-/// `ip`, an IPv4-mapped IPv6 address as the IPv4 address it reaches.
+/// `ip`, an IPv6 address that carries an IPv4 address as that one ([`embedded_v4`]).
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        IpAddr::V6(v6) => embedded_v4(v6).map_or(ip, IpAddr::V4),
         v4 => v4,
+    }
+}
+
+/// The IPv4 address that `ip` carries, and may reach: IPv4-mapped (::ffff:a.b.c.d),
+/// IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d), NAT64 (64:ff9b::a.b.c.d) or
+/// 6to4 (2002:a.b.c.d::/48).
+fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
+    let seg = ip.segments();
+    let v4 = |high: u16, low: u16| Ipv4Addr::from((u32::from(high) << 16) | u32::from(low));
+    if let Some(mapped) = ip.to_ipv4_mapped() {
+        Some(mapped)
+    } else if seg[..6] == [0; 6]
+        || seg[..6] == [0, 0, 0, 0, 0xffff, 0]
+        || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+    {
+        Some(v4(seg[6], seg[7]))
+    } else if seg[0] == 0x2002 {
+        Some(v4(seg[1], seg[2]))
+    } else {
+        None
     }
 }
 
@@ -109,22 +129,13 @@ pub(super) fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("an unspecified address")
     } else if ip.is_loopback() {
         Some("a loopback address")
-    } else if let Some(v4) = ip.to_ipv4_mapped() {
-        forbidden_v4(v4)
     } else if seg[..3] == [0x64, 0xff9b, 1] {
         // Local NAT64 (RFC 8215): its operator chooses where in the address the IPv4
         // address goes (RFC 6052 prefix lengths), so it cannot be checked.
         Some("a local-use NAT64 address (its IPv4 address cannot be checked)")
-    } else if seg[..6] == [0; 6]
-        || seg[..6] == [0, 0, 0, 0, 0xffff, 0]
-        || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
-    {
-        // IPv4-compatible (::a.b.c.d), SIIT (::ffff:0:a.b.c.d) and NAT64
-        // (64:ff9b::a.b.c.d) end in an IPv4 address that may be a private one.
-        forbidden_v4(Ipv4Addr::from(((seg[6] as u32) << 16) | seg[7] as u32))
-    } else if seg[0] == 0x2002 {
-        // 6to4: 2002:a.b.c.d::/48.
-        forbidden_v4(Ipv4Addr::from(((seg[1] as u32) << 16) | seg[2] as u32))
+    } else if let Some(v4) = embedded_v4(ip) {
+        // The IPv4 address it carries may be a private one.
+        forbidden_v4(v4)
     } else if seg[..2] == [0x2001, 0] {
         Some("a Teredo address (its IPv4 address cannot be checked)")
     } else if seg[..4] == [0x100, 0, 0, 0] {

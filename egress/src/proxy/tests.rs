@@ -20,7 +20,14 @@ fn ip(s: &str) -> IpAddr {
 #[test]
 fn the_hosts_own_addresses_are_forbidden_even_public_ones() {
     let own = [ip("203.0.113.5"), ip("2001:db8::5")];
-    for addr in ["203.0.113.5", "::ffff:203.0.113.5", "2001:db8::5"] {
+    for addr in [
+        "203.0.113.5",
+        "::ffff:203.0.113.5",
+        "::ffff:0:203.0.113.5",
+        "64:ff9b::203.0.113.5",
+        "2002:cb00:7105::1",
+        "2001:db8::5",
+    ] {
         assert_eq!(
             forbidden_destination(ip(addr), &own),
             Some("an address of this host"),

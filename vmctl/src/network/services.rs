@@ -43,11 +43,11 @@ pub enum NetworkError {
     Runtime(std::io::Error),
 }
 
-/// The state shared by everything the supervisor serves for one VM.
 /// The most relays to host loopback ports a VM holds at once, as its VMM holds vsock
 /// connections.
 const MAX_LOOPBACK_RELAYS: usize = 1024;
 
+/// The state shared by everything the supervisor serves for one VM.
 pub struct NetworkService {
     /// The VM's hybrid-vsock socket, through which we reach the guest agent.
     vsock: PathBuf,

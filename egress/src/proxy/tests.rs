@@ -520,8 +520,13 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 /// A watched redactor for [`SECRET`], and its tripwire.
 fn watched() -> (Redactor, Arc<redact::Tripwire>) {
-    let tripwire = Arc::new(redact::Tripwire::new("test", TOKEN, None));
-    let redactor = Redactor::for_secret(SECRET, TOKEN)
+    watched_for(SECRET, TOKEN)
+}
+
+/// A watched redactor for the header `value` that carries `secret`, and its tripwire.
+fn watched_for(value: &[u8], secret: &[u8]) -> (Redactor, Arc<redact::Tripwire>) {
+    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
+    let redactor = Redactor::for_secret(value, secret)
         .unwrap()
         .watched_by(tripwire.clone());
     (redactor, tripwire)
@@ -654,10 +659,7 @@ fn probe_until_tripped(
     start: &[u8],
     alphabet: &[u8],
 ) -> (Vec<u8>, bool) {
-    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
-    let redactor = Redactor::for_secret(value, secret)
-        .unwrap()
-        .watched_by(tripwire.clone());
+    let (redactor, tripwire) = watched_for(value, secret);
     let mut known = start.to_vec();
     loop {
         let mut next = None;
@@ -739,10 +741,7 @@ fn the_basic_credentials_base64_tells_no_more_than_the_token_would() {
 fn a_templates_trailing_word_is_no_credential() {
     let secret: &[u8] = b"Zx81Kq03Lm77Pw55";
     let value: &[u8] = b"Zx81Kq03Lm77Pw55 Secure-Session";
-    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
-    let redactor = Redactor::for_secret(value, secret)
-        .unwrap()
-        .watched_by(tripwire.clone());
+    let (redactor, tripwire) = watched_for(value, secret);
     for _ in 0..redact::PROBES_TOLERATED {
         let mut page = redactor.clone();
         page.feed(b"<p>Open Secure-Settings to turn it on.</p>");
@@ -761,10 +760,7 @@ fn a_templates_trailing_word_is_no_credential() {
 fn a_needle_whose_secret_cannot_be_placed_counts_early() {
     let secret: &[u8] = b"Zx81Kq03Lm77Pw55";
     let value: &[u8] = b"Digest q7Hn2Vb9Rt4Wm6Xc8Lp3Jd5Fs1Gk0";
-    let tripwire = Arc::new(redact::Tripwire::new("test", secret, None));
-    let redactor = Redactor::for_secret(value, secret)
-        .unwrap()
-        .watched_by(tripwire.clone());
+    let (redactor, tripwire) = watched_for(value, secret);
     for guess in [&b"Digest q7X"[..], b"Digest q7Y", b"Digest q7Z"] {
         let mut stream = redactor.clone();
         stream.feed(guess);

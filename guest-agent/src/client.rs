@@ -183,17 +183,13 @@ const QUOTED_MAX: usize = 300;
 /// for the host's own; a bidi override reorders what follows it), and only the first
 /// [`QUOTED_MAX`] characters. The guest is not trusted.
 pub fn quoted(words: &str) -> String {
-    let mut out = String::new();
-    for (count, c) in words.chars().enumerate() {
-        if count == QUOTED_MAX {
-            out.push_str("...");
-            break;
-        }
-        if c.is_control() || is_layout_control(c) {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
+    let (head, cut) = match words.char_indices().nth(QUOTED_MAX) {
+        Some((at, _)) => (&words[..at], true),
+        None => (words, false),
+    };
+    let mut out = guest_log::escaped(head, |c| c.is_control() || is_layout_control(c)).into_owned();
+    if cut {
+        out.push_str("...");
     }
     out
 }

@@ -9,8 +9,27 @@
 #[doc(hidden)]
 pub use tracing;
 
+use std::borrow::Cow;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// `text` with the characters `escape` picks shown escaped (`\x1b`, `\n`), for words
+/// of the guest's that the host quotes: an escape sequence in them must not drive the
+/// user's terminal, nor a line break start a line that passes for the host's own.
+pub fn escaped(text: &str, escape: impl Fn(char) -> bool) -> Cow<'_, str> {
+    if !text.chars().any(&escape) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if escape(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
 
 /// Events logged per call site and window.
 pub const SHOWN_PER_WINDOW: u32 = 10;

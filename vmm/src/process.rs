@@ -45,28 +45,13 @@ macro_rules! to_stderr {
 /// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
 /// console's panic line), and an escape sequence from it must not drive the terminal.
 pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
-    escaped(text, |c| c.is_control() && c != '\n' && c != '\t')
+    guest_log::escaped(text, |c| c.is_control() && c != '\n' && c != '\t')
 }
 
 /// [`printable`], and on one line: line breaks shown escaped too, for a guest's words
 /// quoted inside a message, where a line of their own could pass for vmctl's.
 pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    escaped(text, char::is_control)
-}
-
-fn escaped(text: &str, escape: impl Fn(char) -> bool) -> std::borrow::Cow<'_, str> {
-    if !text.chars().any(&escape) {
-        return std::borrow::Cow::Borrowed(text);
-    }
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        if escape(c) {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    std::borrow::Cow::Owned(out)
+    guest_log::escaped(text, char::is_control)
 }
 
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and

@@ -132,7 +132,8 @@ impl hyper::body::Body for Frames {
     }
 }
 
-/// The test upstream: `/echo` returns the request it got, `/split` streams the
+/// The test upstream: `/echo` returns the request it got, `/gzip-echo` (`/br-echo`)
+/// the x-api-key it got gzipped (labelled br), `/split` streams the
 /// x-api-key it got split over two chunks, `/sse` sends three events 300 ms apart, `/trailers`
 /// ends its body with trailers (a checksum, and the x-api-key it got),
 /// `/ws` switches protocols and echoes bytes.
@@ -173,6 +174,29 @@ async fn upstream_service(
                     response.extensions_mut().insert(reason);
                 }
             }
+            response
+        }
+        // The echo's key compressed although the proxy asked for identity, as a server
+        // that ignores Accept-Encoding would; or in a coding the proxy cannot read.
+        "/gzip-echo" | "/br-echo" => {
+            let plain = [b"the key was ".as_slice(), &key, b"\n"].concat();
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            std::io::Write::write_all(&mut encoder, &plain).unwrap();
+            let coded = encoder.finish().unwrap();
+            // In small frames, so that the secret's coded bytes span several.
+            let frames = coded
+                .chunks(5)
+                .map(|chunk| Frame::data(Bytes::copy_from_slice(chunk)));
+            let mut response = Response::new(Frames(frames.collect()).boxed());
+            let coding = if req.uri().path() == "/br-echo" {
+                "br"
+            } else {
+                "gzip"
+            };
+            let headers = response.headers_mut();
+            headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static(coding));
+            headers.insert(header::ETAG, HeaderValue::from_static("\"coded\""));
             response
         }
         "/trailers" => {
@@ -621,6 +645,39 @@ async fn the_secret_is_injected_and_the_guest_never_sees_it() {
         && e.secret.as_deref() == Some("testkey")));
     let log_text = std::fs::read_to_string(&h.log_path).unwrap();
     assert!(!log_text.contains(SECRET_CORE));
+}
+
+#[tokio::test]
+async fn a_response_compressed_anyway_is_decoded_and_searched_or_refused() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let gzip_please = [("accept-encoding", "gzip")];
+    let req = request("/gzip-echo", "api.test", &gzip_please, "");
+    let (status, headers, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.starts_with("the key was [REDACTED]"), "{body}");
+    assert_eq!(body.len(), "the key was \n".len() + SECRET.len(), "{body}");
+    assert!(!body.contains(SECRET_CORE), "{body}");
+    assert!(
+        !headers.contains_key(header::CONTENT_ENCODING),
+        "{headers:?}"
+    );
+    assert_eq!(headers[header::ETAG], "W/\"coded\"");
+    let upstream = h.seen();
+    let upstream = upstream.iter().find(|s| s.uri == "/gzip-echo").unwrap();
+    assert_eq!(upstream.headers[header::ACCEPT_ENCODING], "identity");
+
+    // A coding the proxy cannot undo is not passed on, and the guest is told why.
+    let (status, headers, body) = exchange(
+        &mut client,
+        request("/br-echo", "api.test", &gzip_please, ""),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert!(body.contains("answered in the br coding"), "{body}");
+    assert!(!(headers_text(&headers) + &body).contains(SECRET_CORE));
 }
 
 #[tokio::test]

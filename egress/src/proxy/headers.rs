@@ -47,7 +47,7 @@ pub(super) fn wants_upgrade(headers: &HeaderMap) -> bool {
 }
 
 /// The comma-separated tokens of every `name` header (`Connection: close, te`), trimmed.
-fn list_tokens(headers: &HeaderMap, name: HeaderName) -> impl Iterator<Item = &str> {
+pub(super) fn list_tokens(headers: &HeaderMap, name: HeaderName) -> impl Iterator<Item = &str> {
     headers
         .get_all(name)
         .iter()

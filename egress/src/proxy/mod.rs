@@ -20,7 +20,8 @@
 //! hyper), `tunnels` (CONNECT), `session` (TLS terminated where a secret is
 //! set), `plain` (plain HTTP), `upstream` (the policy's question and the vetted
 //! upstream connection, shared by both), `headers`, `addresses` (where the proxy
-//! never connects) and `redact` (the secret kept out of what comes back).
+//! never connects), `decode` (compressed responses undone) and `redact` (the secret
+//! kept out of what comes back).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -49,6 +50,7 @@ use crate::log::DecisionLog;
 use crate::rules::EgressRules;
 
 mod addresses;
+mod decode;
 mod first_head;
 mod headers;
 mod plain;
@@ -258,6 +260,12 @@ pub enum ProxyError {
     },
     #[error("{target} switched protocols without being asked to")]
     UnaskedUpgrade { target: String },
+    #[error(
+        "{target} answered in the {codings} coding although asked for none; the proxy \
+         decodes only gzip and deflate, and a response it cannot search for the secret \
+         is not passed on"
+    )]
+    UndecodableResponse { target: String, codings: String },
 }
 
 impl ProxyError {
@@ -277,7 +285,8 @@ impl ProxyError {
             | Connect { .. }
             | UpstreamTls { .. }
             | Upstream { .. }
-            | UnaskedUpgrade { .. } => StatusCode::BAD_GATEWAY,
+            | UnaskedUpgrade { .. }
+            | UndecodableResponse { .. } => StatusCode::BAD_GATEWAY,
             ReadCa { .. } | NoCertificates { .. } | NoTrustRoots | Tls(_) | Ca(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::timeout;
 
-use super::BoxError;
+use super::{BoxError, ProxyBody};
 
 /// How long redacted upgraded streams hold back bytes that might begin a secret
 /// before sending them anyway (an interactive protocol must not stall on them).
@@ -499,7 +499,7 @@ pub(super) fn replacement(len: usize) -> Vec<u8> {
 
 /// A response body streamed through a [`Redactor`], chunk by chunk.
 pub(super) struct RedactedBody {
-    pub(super) inner: Incoming,
+    pub(super) inner: ProxyBody,
     pub(super) redactor: Redactor,
     pub(super) trailers: Option<HeaderMap>,
     pub(super) done: bool,
@@ -512,7 +512,7 @@ pub(super) struct RedactedBody {
 type Cutoff = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 impl RedactedBody {
-    pub(super) fn new(inner: Incoming, redactor: Redactor) -> Self {
+    pub(super) fn new(inner: ProxyBody, redactor: Redactor) -> Self {
         Self {
             inner,
             redactor,
@@ -562,7 +562,7 @@ impl Body for RedactedBody {
             }
             let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
                 Some(Ok(frame)) => frame,
-                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                 None => {
                     this.done = true;
                     let rest = this.redactor.finish();

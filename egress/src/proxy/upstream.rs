@@ -17,6 +17,7 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 use super::addresses::{forbidden_destination, host_addresses};
+use super::decode::{body_codings, decoding_for, headers_for_decoded, DecodedBody};
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
@@ -293,14 +294,35 @@ pub(super) fn relay_response(
     } else {
         Some(ask)
     };
+    // A body the redactor reads must be plain bytes: one compressed anyway is decoded.
+    let decoding = match (&redactor, &body_ask) {
+        (Some(_), Some(ask)) => {
+            decoding_for(&body_codings(response.headers())).map_err(|codings| {
+                ProxyError::UndecodableResponse {
+                    target: ask.target(),
+                    codings,
+                }
+            })?
+        }
+        _ => None,
+    };
     strip_hop_by_hop(response.headers_mut(), switching);
+    if decoding.is_some() {
+        headers_for_decoded(response.headers_mut());
+    }
     Ok(match redactor {
         Some(redactor) => {
             redactor.redact_headers(response.headers_mut());
             // An upstream's own reason phrase could quote the secret: the guest gets
             // the standard one for the status.
             response.extensions_mut().remove::<ReasonPhrase>();
-            let body = |inner| RedactedBody::new(inner, redactor.clone());
+            let body = |inner: Incoming| {
+                let plain = match decoding {
+                    Some(coding) => DecodedBody::new(inner, coding).boxed(),
+                    None => boxed(inner),
+                };
+                RedactedBody::new(plain, redactor.clone())
+            };
             match body_ask {
                 Some(ask) => {
                     let (watched, conn) = (redactor.clone(), conn.clone());

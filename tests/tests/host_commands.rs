@@ -117,6 +117,34 @@ fn a_bad_mount_in_the_config_file_names_the_file() {
     );
 }
 
+/// A config file that does not parse is said once, on one line, by a command that
+/// would start a VM: not first as a warning while finding the workspace, then again as
+/// the start's refusal.
+#[test]
+fn a_broken_config_file_is_one_error_said_once() {
+    let ws = Workspace::new("config-broken");
+    std::fs::create_dir_all(ws.config_dir()).unwrap();
+    let config = ws.config_dir().join("config.toml");
+    std::fs::write(&config, "mounts = [\n").unwrap();
+    // (`up` runs no command of the user's, so its own failures are its 1.)
+    for (args, code) in [
+        (&["exec", "--", "true"][..], 125),
+        (&["agent", "claude"], 125),
+        (&["up"], 1),
+    ] {
+        let output = ws
+            .command(args)
+            .env("VMCTL_KERNEL", "/nonexistent-vmctl-test/vmlinux")
+            .output()
+            .expect("run vmctl");
+        let said = stderr(&output);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {said}");
+        let naming = format!("{}, line 2", config.display());
+        assert_eq!(said.matches(&naming).count(), 1, "{args:?}: {said}");
+        assert_eq!(said.trim_end().lines().count(), 1, "{args:?}: {said}");
+    }
+}
+
 #[test]
 fn a_file_is_no_workspace() {
     let ws = Workspace::new("file-workspace");

@@ -74,8 +74,9 @@ fn main() -> ExitCode {
                 egress: Some(&egress).filter(|e| **e != state::EgressTestOptions::default()),
                 quiet: false,
             };
-            let dir = workspace::resolve(args.workspace.dir(), args.setup.isolation.isolation);
-            up_pinned(&dir, &options)
+            workspace::resolve_to_start(args.workspace.dir(), args.setup.isolation.isolation)
+                .map_err(|e| e.to_string())
+                .and_then(|dir| up_pinned(&dir, &options))
         }
         cli::Command::Ps => {
             // Paths and the daemon's lease names, which a directory's name (the
@@ -112,13 +113,17 @@ fn main() -> ExitCode {
             }
         }
         cli::Command::Prune(args) => Ok(vm::prune(&state::VmDir::all(), args.dry_run)),
-        cli::Command::Agent(args) => agent::run(agent::AgentOptions {
-            workspace: workspace::resolve(None, args.isolation.isolation),
-            cli: args.cli,
-            skip_permissions: args.skip_permissions,
-            args: args.args,
-        })
-        .map_err(|e| e.to_string()),
+        cli::Command::Agent(args) => workspace::resolve_to_start(None, args.isolation.isolation)
+            .map_err(|e| e.to_string())
+            .and_then(|workspace| {
+                agent::run(agent::AgentOptions {
+                    workspace,
+                    cli: args.cli,
+                    skip_permissions: args.skip_permissions,
+                    args: args.args,
+                })
+                .map_err(|e| e.to_string())
+            }),
         cli::Command::Daemon(args) if args.stop => daemon::client::shutdown()
             .map(|stopped| {
                 if !stopped {
@@ -213,7 +218,8 @@ fn run_exec(args: cli::ExecArgs) -> Result<u8, String> {
         quiet: true,
         ..vm::StartOptions::default()
     };
-    let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
+    let dir = workspace::resolve_to_start(args.workspace.clone(), args.setup.isolation.isolation)
+        .map_err(|e| e.to_string())?;
     let _lease = lease(&dir, "exec");
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     exec_in(&vm, args)
@@ -292,7 +298,8 @@ fn unpin(dir: &std::path::Path) {
 }
 
 fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
-    let dir = workspace::resolve(args.workspace.clone(), args.setup.isolation.isolation);
+    let dir = workspace::resolve_to_start(args.workspace.clone(), args.setup.isolation.isolation)
+        .map_err(|e| e.to_string())?;
     vm::check_workspace_ways(&dir).map_err(|e| e.to_string())?;
     let (workspace, vm) = state::VmDir::ephemeral(&dir).map_err(|e| e.to_string())?;
     // Taken before the VM starts and held until it is gone: should this vmctl die
@@ -411,7 +418,8 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         Some(dir) => dir.clone(),
         None => workspace::current_dir(),
     };
-    let dir = workspace::resolve(named, args.setup.isolation.isolation);
+    let dir = workspace::resolve_to_start(named, args.setup.isolation.isolation)
+        .map_err(|e| e.to_string())?;
     let options = vm::StartOptions {
         mounts: &args.setup.mounts,
         relay_ports: &args.setup.relay_ports,

@@ -145,7 +145,14 @@ impl UserConfig {
         let config: UserConfig = toml::from_str(&text).map_err(|e| UserConfigError::Parse {
             path: path.to_path_buf(),
             line: e.span().map(|span| line_of(&text, span.start)),
-            message: e.message().trim().to_string(),
+            // One line: toml's messages may run over several ("invalid array\nexpected `]`").
+            message: e
+                .message()
+                .lines()
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .collect::<Vec<_>>()
+                .join("; "),
         })?;
         if let Some(key) = config
             .workspaces

@@ -16,18 +16,32 @@ pub enum Isolation {
 /// The workspace of a command: `dir` when one is named; else, from the current
 /// directory, per `isolation` (the option, else the config file's, else workspace).
 pub fn resolve(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
+    if dir.is_some() || isolation.is_some() {
+        return resolve_with(dir, isolation);
+    }
+    let configured = configured_isolation(crate::user_config::UserConfig::load(), |warning| {
+        vmm::to_stderr!("vmctl: warning: {warning}")
+    });
+    resolve_with(None, configured)
+}
+
+/// The workspace of a command that starts a VM, as [`resolve`] finds it; but a config
+/// file that cannot be read is the command's error, said once, rather than a warning
+/// followed by the start's refusal of the same file.
+pub fn resolve_to_start(
+    dir: Option<PathBuf>,
+    isolation: Option<Isolation>,
+) -> Result<PathBuf, crate::user_config::UserConfigError> {
+    let config = crate::user_config::UserConfig::load()?;
+    Ok(resolve_with(dir, isolation.or(config.isolation)))
+}
+
+fn resolve_with(dir: Option<PathBuf>, isolation: Option<Isolation>) -> PathBuf {
     if let Some(dir) = dir {
         return dir;
     }
     let cwd = current_dir();
-    let isolation = isolation
-        .or_else(|| {
-            configured_isolation(crate::user_config::UserConfig::load(), |warning| {
-                vmm::to_stderr!("vmctl: warning: {warning}")
-            })
-        })
-        .unwrap_or_default();
-    match isolation {
+    match isolation.unwrap_or_default() {
         Isolation::Directory => cwd,
         Isolation::Workspace => {
             let home = std::env::var_os("HOME").map(PathBuf::from);

@@ -15,7 +15,7 @@ use crate::boot::say;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::boot::{version_line, TempDir};
 use crate::fs_vmm::{FsVmmReport, VmmCompare};
@@ -51,6 +51,15 @@ const NOTE_DIRECT: &str =
 /// `+writeback`), and what vmctl uses without it.
 pub const CACHE_ENV: &str = "VMCTL_VIRTIOFS_CACHE";
 pub const DEFAULT_CACHE: &str = "auto";
+/// vmctl's switch of the host edits' forwarding to the guest's file watchers (`0`,
+/// `off`, `false` or `no` turn it off), on by default.
+pub const HOST_EDITS_ENV: &str = "VMCTL_HOST_EDITS";
+/// vmctl's interval of guest clock syncs; `0` turns the periodic ones off.
+pub const CLOCK_SYNC_ENV: &str = "VMCTL_CLOCK_SYNC_SECS";
+/// Written by the host after each of its scripts that writes, and waited for until the
+/// guest agent touches it (see [`settle_host_edits`]). Its name sorts after every
+/// other path of the workspace, so that it is the last of a batch the agent touches.
+pub const SETTLE_MARKER: &str = "zz-host-edits-settled";
 
 /// The sizes one run measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,6 +143,41 @@ pub struct FsBench {
     /// Also run the workloads in a guest of our VMM's and of this QEMU's
     /// ([`crate::fs_vmm`]); `None` leaves that out.
     pub compare_with_qemu: Option<PathBuf>,
+    /// vmctl forwards the host's edits of the workspace to the guest agent (see
+    /// [`host_edits_forwarded`]), whose touches the benchmark waits out.
+    pub host_edits: bool,
+}
+
+/// Whether vmctl, given `value` of [`HOST_EDITS_ENV`], forwards host edits.
+pub fn host_edits_forwarded(value: Option<&str>) -> bool {
+    !value.is_some_and(|value| matches!(value.trim(), "0" | "off" | "false" | "no"))
+}
+
+/// Waits until the guest agent has touched [`SETTLE_MARKER`], written now in `ws`:
+/// the host's edits before it have then reached the guest (they are sent in order),
+/// so that their touches (a lookup and a setattr each, through virtiofsd) do not land
+/// in the guest's next timed script. How long it took.
+pub fn settle_host_edits(ws: &Path, timeout: Duration) -> Result<Duration, String> {
+    let marker = ws.join(SETTLE_MARKER);
+    let started = Instant::now();
+    let mtime = |path: &Path| fs::metadata(path).and_then(|m| m.modified());
+    // Read at once: the forwarding waits 10 ms for more edits before it sends any.
+    let written = fs::write(&marker, format!("{:?}\n", SystemTime::now()))
+        .and_then(|()| mtime(&marker))
+        .map_err(|e| format!("write {}: {e}", marker.display()))?;
+    loop {
+        if mtime(&marker).is_ok_and(|now| now != written) {
+            return Ok(started.elapsed());
+        }
+        if started.elapsed() > timeout {
+            return Err(format!(
+                "the guest agent did not touch {} within {timeout:?}: host edits are \
+                 forwarded slowly or not at all ({HOST_EDITS_ENV}=off turns them off)",
+                marker.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Whether a guest script's error means the guest answers nothing more: it timed out
@@ -152,6 +196,22 @@ pub fn marker<'a>(out: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// The script's `ELAPSED_NS=<n>`: a positive whole number of nanoseconds.
+/// `elapsed_ns`, the script's own timing, if it fits in `wall`, the time from the
+/// command's spawn to its exit: a script's clock (`$EPOCHREALTIME`, the real-time
+/// clock) that ran longer was stepped meanwhile (the guest agent steps a guest clock
+/// that lags), and its figure would be wrong.
+pub fn within_wall_time(elapsed_ns: u64, wall: Duration) -> Result<u64, String> {
+    if u128::from(elapsed_ns) > wall.as_nanos() {
+        return Err(format!(
+            "the script's clock ran {:.3} s while it ran {:.3} s from spawn to exit: its \
+             clock was stepped meanwhile; run the benchmark again",
+            elapsed_ns as f64 / 1e9,
+            wall.as_secs_f64()
+        ));
+    }
+    Ok(elapsed_ns)
+}
+
 pub fn parse_elapsed_ns(stdout: &str) -> Result<u64, String> {
     let v = marker(stdout, "ELAPSED_NS").ok_or("no ELAPSED_NS line in the script's output")?;
     match v.trim().parse::<u64>() {
@@ -262,6 +322,14 @@ impl Workload {
 
     fn sequential(self) -> bool {
         matches!(self, Workload::SeqWrite | Workload::SeqRead)
+    }
+
+    /// Whether its script writes in the workspace (git status: the index, at times).
+    fn writes(self) -> bool {
+        matches!(
+            self,
+            Workload::SeqWrite | Workload::Create | Workload::GitStatus
+        )
     }
 
     /// The issue's target: (max slowdown, class of work).
@@ -403,21 +471,34 @@ impl Runner<'_> {
 
     /// What runs a command on `side`: nothing on the host, `vmctl exec` for the guest.
     fn prefix(&self, side: Side) -> Vec<String> {
+        self.prefix_as(side, None)
+    }
+
+    /// The same, as the guest's `user` when given (else the host's user's account).
+    fn prefix_as(&self, side: Side, user: Option<&str>) -> Vec<String> {
         match side {
             Side::Host => Vec::new(),
-            Side::Guest => vec![
-                self.vmctl.bin.display().to_string(),
-                "exec".into(),
-                "--workspace".into(),
-                self.workspace.display().to_string(),
-                "--".into(),
-            ],
+            Side::Guest => {
+                let mut argv = vec![
+                    self.vmctl.bin.display().to_string(),
+                    "exec".into(),
+                    "--workspace".into(),
+                    self.workspace.display().to_string(),
+                ];
+                argv.extend(user.map(|user| format!("--user={user}")));
+                argv.push("--".into());
+                argv
+            }
         }
     }
 
     /// `program` on `side`, in the workspace directory, with vmctl's environment.
     fn command(&self, side: Side, program: &str) -> Command {
-        let mut argv = self.prefix(side);
+        self.command_as(side, None, program)
+    }
+
+    fn command_as(&self, side: Side, user: Option<&str>, program: &str) -> Command {
+        let mut argv = self.prefix_as(side, user);
         argv.push(program.into());
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]).current_dir(self.workspace);
@@ -430,7 +511,17 @@ impl Runner<'_> {
     /// Runs `script` on `side` in the workspace directory; exit 0 required. The error
     /// carries the script's output (and, for the guest, the VM's logs).
     fn run(&self, side: Side, what: &str, script: &str) -> Result<Ran, String> {
-        let mut cmd = self.command(side, "bash");
+        self.run_as(side, None, what, script)
+    }
+
+    fn run_as(
+        &self,
+        side: Side,
+        user: Option<&str>,
+        what: &str,
+        script: &str,
+    ) -> Result<Ran, String> {
+        let mut cmd = self.command_as(side, user, "bash");
         cmd.args(["-c", script]);
         let line = match side {
             Side::Host => format!("{what} (host: bash -c SCRIPT)"),
@@ -459,14 +550,16 @@ impl Runner<'_> {
     /// Runs a timed script: its elapsed time, and its output.
     fn timed(&self, side: Side, what: &str, script: &str) -> Result<(u64, Ran), String> {
         let ran = self.run(side, what, script)?;
-        let ns = parse_elapsed_ns(&ran.stdout).map_err(|e| {
-            format!(
-                "{what} ({}): {e}\n--- stderr (tail) ---\n{}\n--- stdout (tail) ---\n{}",
-                side.label(),
-                tail(&ran.stderr, 3000),
-                tail(&ran.stdout, 1500)
-            )
-        })?;
+        let ns = parse_elapsed_ns(&ran.stdout)
+            .and_then(|ns| within_wall_time(ns, ran.elapsed))
+            .map_err(|e| {
+                format!(
+                    "{what} ({}): {e}\n--- stderr (tail) ---\n{}\n--- stdout (tail) ---\n{}",
+                    side.label(),
+                    tail(&ran.stderr, 3000),
+                    tail(&ran.stdout, 1500)
+                )
+            })?;
         Ok((ns, ran))
     }
 }
@@ -525,7 +618,12 @@ pub fn measure(b: &FsBench) -> FsReport {
             vm_memory_mib: 0,
             vm_nested: false,
             virtiofsd: virtiofsd(),
-            guest_cache: b.cache.clone().unwrap_or_else(|| DEFAULT_CACHE.into()),
+            // vmctl up inherits this process's environment.
+            guest_cache: b
+                .cache
+                .clone()
+                .or_else(|| std::env::var(CACHE_ENV).ok().filter(|v| !v.is_empty()))
+                .unwrap_or_else(|| DEFAULT_CACHE.into()),
         },
         sides: Vec::new(),
         commands: Vec::new(),
@@ -598,6 +696,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     if let Some(policy) = &b.cache {
         vmctl.env.push((CACHE_ENV.into(), policy.clone()));
     }
+    // The supervisor's periodic clock syncs could step the guest's clock inside a
+    // timed script; the one at each exec's start cannot.
+    vmctl.env.push((CLOCK_SYNC_ENV.into(), "0".into()));
     report.environment = vmctl.env.clone();
     report.config.workspace = ws.display().to_string();
     say(format!(
@@ -651,6 +752,10 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
             git_warmup_script(Side::Host),
         ),
         ("probe (each side, once)".into(), PROBE.to_string()),
+        (
+            "drop_caches (guest, as root, before each guest read)".into(),
+            drop_caches_script(&b.drop_caches),
+        ),
     ]);
 
     // What each side is; and the guest must see the host's files at the same path.
@@ -707,9 +812,21 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         None
     };
     report.sides[0].cache_drop_skipped = host_drop_skipped.map(str::to_string);
+    // The guest's drop runs apart, as its root: the workloads run as the host's user.
     let drop_for = |side: Side| match side {
-        Side::Host if host_drop_skipped.is_some() => None,
-        _ => Some(b.drop_caches.as_path()),
+        Side::Host if host_drop_skipped.is_none() => Some(b.drop_caches.as_path()),
+        _ => None,
+    };
+    // After each host script that writes, the guest agent's touches of what it wrote
+    // are waited out, or they would be timed as the guest's next script's work.
+    let mut unsettled: Vec<String> = Vec::new();
+    let mut settle = |after: &str| {
+        if b.host_edits {
+            if let Err(e) = settle_host_edits(&ws, b.script_timeout) {
+                say(format!("warning: after {after}: {e}"));
+                unsettled.push(format!("after {after}: {e}"));
+            }
+        }
     };
 
     let n = Workload::ALL.len();
@@ -733,6 +850,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         }
         Err(e) => errors[git] = Some(e),
     }
+    // Before the warm-ups, which refresh the index: touched after `git add`, the files
+    // would otherwise be re-read by a timed git status.
+    settle("the git repository's setup");
     for side in [Side::Host, Side::Guest] {
         if errors[git].is_some() {
             break;
@@ -770,15 +890,12 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 continue;
             }
             for side in order(run) {
-                if w == Workload::SeqRead && side == Side::Guest && host_drop_skipped.is_none() {
-                    // The guest's reads go through the host's page cache too.
-                    let drop = drop_caches_script(&b.drop_caches);
-                    match runner.run(Side::Host, "drop the host's caches", &drop) {
-                        Ok(ran) => count_drop(&mut report.sides[0], &ran),
-                        Err(e) => {
-                            errors[i] = Some(e);
-                            break;
-                        }
+                if w == Workload::SeqRead && side == Side::Guest {
+                    // The guest's first: its sync writes back through virtiofsd into
+                    // the host's cache, which its reads go through too.
+                    if let Err(e) = drop_before_guest_read(&runner, b, host_drop_skipped, report) {
+                        errors[i] = Some(e);
+                        break;
                     }
                 }
                 let what = format!("{} run {}/{}", w.name(), run + 1, s.runs);
@@ -813,6 +930,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 }
                 if w == Workload::GitStatus {
                     git_index.push((side, marker(&ran.stdout, "INDEX").unwrap_or("").into()));
+                }
+                if side == Side::Host && w.writes() {
+                    settle(&what);
                 }
                 let v = w.sample(ns, s);
                 samples[i][if side == Side::Host { 0 } else { 1 }].push(v);
@@ -893,8 +1013,27 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         report.notes.push(format!(
             "The host's caches were not dropped: {why} ({}), so its reads come from memory \
              whatever is dropped, and conv=fsync writes reach memory only. The guest's reads \
-             still cross virtio-fs and virtiofsd, which reads that memory.",
+             still cross virtio-fs and virtiofsd, which reads that memory. The sequential \
+             ratios are so against the guest: a miss here does not tell how a workspace on \
+             disk fares (TMPDIR names where the benchmark makes its workspace).",
             report.sides[0].fs_type
+        ));
+    }
+    // A guest read served from the guest's own cache never crosses virtio-fs.
+    if report.sides[1].cache_drops_failed > 0 {
+        let why = "the guest could not drop its page cache before each read, so its reads \
+                   may not have crossed virtio-fs";
+        report.figures[index(Workload::SeqRead)].withhold_verdict(why);
+        report
+            .notes
+            .push(format!("{}: no verdict: {why}.", Workload::SeqRead.name()));
+    }
+    if !unsettled.is_empty() {
+        report.notes.push(format!(
+            "The guest agent's touches of the host's writes (host edits forwarded to the \
+             guest's file watchers) were not all waited out, so some guest figures may \
+             include them: {}",
+            unsettled.join("; ")
         ));
     }
 
@@ -944,6 +1083,24 @@ pub(crate) fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String
             tail(&ran.stderr, 2000)
         )),
     }
+}
+
+/// Drops the guest's page cache, as its root, then the host's unless
+/// `host_drop_skipped`; each counted on its side.
+fn drop_before_guest_read(
+    runner: &Runner,
+    b: &FsBench,
+    host_drop_skipped: Option<&str>,
+    report: &mut FsReport,
+) -> Result<(), String> {
+    let drop = drop_caches_script(&b.drop_caches);
+    let ran = runner.run_as(Side::Guest, Some("root"), "drop the guest's caches", &drop)?;
+    count_drop(&mut report.sides[1], &ran);
+    if host_drop_skipped.is_none() {
+        let ran = runner.run(Side::Host, "drop the host's caches", &drop)?;
+        count_drop(&mut report.sides[0], &ran);
+    }
+    Ok(())
 }
 
 fn count_drop(side: &mut FsSide, ran: &Ran) {
@@ -1044,7 +1201,8 @@ mod tests {
                  up) d=\"$XDG_STATE_HOME/vmctl/vms/x\"; mkdir -p \"$d\"; \
                  echo \"${{VMCTL_VIRTIOFS_CACHE:-unset}}\" >> {cache_log}; \
                  printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
-                 exec) shift 4\n    \
+                 exec) shift 3; user=; case \"$1\" in --user=*) user=\"${{1#--user=}}\"; shift;; esac; shift\n    \
+                 if [ -e {no_root} ] && [ \"$user\" = root ]; then echo DROPPED=0; exit 0; fi\n    \
                  if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
                  if [ -e {stall} ]; then case \"$3\" in *'echo x >'*) exec sleep 600;; esac; fi\n    \
                  exec \"$@\";;\n  \
@@ -1053,6 +1211,7 @@ mod tests {
                 cache_log = dir.join("cache.log").display(),
                 fail = dir.join("fail-git").display(),
                 stall = dir.join("stall-create").display(),
+                no_root = dir.join("no-guest-root").display(),
             ),
         )
         .unwrap();
@@ -1078,6 +1237,7 @@ mod tests {
             nested: false,
             drop_caches: dir.join("drop_caches"),
             compare_with_qemu: None,
+            host_edits: false,
         }
     }
 
@@ -1116,8 +1276,9 @@ mod tests {
         assert_eq!(calls.pop(), Some("daemon"));
         assert_eq!(calls.first(), Some(&"up"));
         assert_eq!(calls.last(), Some(&"rm"));
-        // probe + warm-up + 5 workloads x 2 runs + the host edits' probe, in the guest.
-        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 13);
+        // probe + warm-up + 5 workloads x 2 runs + 2 cache drops (as root) + the host
+        // edits' probe, in the guest.
+        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 15);
         let edits = r.edits.as_ref().expect("host edits measured");
         assert_eq!(edits.figures.len(), 6);
         for f in &edits.figures {
@@ -1183,6 +1344,75 @@ mod tests {
     }
 
     #[test]
+    fn a_guest_read_that_may_be_cached_gets_no_verdict() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-cached-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("no-guest-root"), "").unwrap();
+        let r = measure(&fake_bench(&dir));
+        assert!(r.errors().is_empty(), "{:?}", r.errors());
+        assert_eq!(r.sides[1].cache_drops_failed, 2);
+        for f in &r.figures {
+            let withheld = f.name == Workload::SeqRead.name();
+            assert!(f.guest_slowdown.is_some(), "{}", f.name);
+            assert_eq!(f.target.met.is_none(), withheld, "{}", f.name);
+            assert_eq!(f.target.withheld.is_some(), withheld, "{}", f.name);
+        }
+        assert!(r.markdown().contains("withheld (see notes)"));
+        assert!(
+            r.notes
+                .iter()
+                .any(|n| n.starts_with("fs_seq_read_mib_s: no verdict")),
+            "{:?}",
+            r.notes
+        );
+    }
+
+    #[test]
+    fn settling_waits_for_the_agents_touch_of_the_marker() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-settle-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        // Nobody touches it: given up on after the timeout, saying so.
+        let e = settle_host_edits(&dir, Duration::from_millis(100)).unwrap_err();
+        assert!(e.contains(HOST_EDITS_ENV), "{e}");
+        // A stand-in for the agent touches it 200 ms after it was written.
+        let marker = dir.join(SETTLE_MARKER);
+        fs::remove_file(&marker).unwrap();
+        let toucher = std::thread::spawn(move || {
+            while !marker.exists() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            fs::File::options()
+                .write(true)
+                .open(&marker)
+                .unwrap()
+                .set_modified(SystemTime::now())
+                .unwrap();
+        });
+        let took = settle_host_edits(&dir, Duration::from_secs(10)).unwrap();
+        toucher.join().unwrap();
+        assert!(took >= Duration::from_millis(200), "{took:?}");
+    }
+
+    #[test]
+    fn host_edits_are_forwarded_unless_turned_off() {
+        assert!(host_edits_forwarded(None));
+        assert!(host_edits_forwarded(Some("1")));
+        for off in ["0", "off", " no ", "false"] {
+            assert!(!host_edits_forwarded(Some(off)), "{off}");
+        }
+    }
+
+    #[test]
+    fn a_scripts_time_longer_than_its_run_is_refused() {
+        assert_eq!(within_wall_time(5, Duration::from_nanos(5)), Ok(5));
+        let e = within_wall_time(2_000_000_000, Duration::from_secs(1)).unwrap_err();
+        assert!(e.contains("stepped"), "{e}");
+    }
+
+    #[test]
     fn a_lost_guest_ends_the_section_with_what_it_measured() {
         let dir = std::env::temp_dir().join(format!("vm-bench-fs-lost-{}", std::process::id()));
         let _tmp = TempDir(dir.clone());
@@ -1209,9 +1439,10 @@ mod tests {
         let create = figure("fs_create_files_s").error.clone().unwrap();
         assert!(create.contains(TIMED_OUT), "{create}");
         // Nothing waited for the stalled guest after that: one guest exec per
-        // workload of run 1 up to the stall, after the probe and the warm-up.
+        // workload of run 1 up to the stall and the cache drop before its read, after
+        // the probe and the warm-up.
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
-        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 2 + 3);
+        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 2 + 3 + 1);
         assert_eq!(calls.lines().last(), Some("daemon"));
     }
 

@@ -26,7 +26,8 @@ use crate::boot::{
     order as vmm_order, run_vm, say, shell_words, Vmm, GUEST_CMDLINE, QEMU_DEVICES, QEMU_MACHINE,
 };
 use crate::fs::{
-    check_marker, git_setup_script, git_warmup_script, parse_elapsed_ns, FsSizes, Side, Workload,
+    check_marker, git_setup_script, git_warmup_script, marker, parse_elapsed_ns, FsSizes, Side,
+    Workload,
 };
 use crate::process::run_command;
 use crate::report::{fmt_sig, ratio_cell, ratios, Figure, Ratio};
@@ -288,6 +289,19 @@ fn step_output(dir: &Path, boot: usize, step: &str) -> Result<String, String> {
     }
 }
 
+/// Why git status is not measured, from the warm-up's output: a repository not clean
+/// after its commit would have every timed git status re-read files.
+fn unclean_repository(warmup_output: &str) -> Option<String> {
+    match marker(warmup_output, "CHANGES").map(str::trim) {
+        Some("0") => None,
+        changes => Some(format!(
+            "not measured: the git status warm-up found the freshly committed repository \
+             not clean (CHANGES={})",
+            changes.unwrap_or("missing")
+        )),
+    }
+}
+
 /// A virtiofsd serving `dir` on `socket`, its output in `log`.
 struct Virtiofsd {
     child: Child,
@@ -404,15 +418,16 @@ fn boot_once(
         "virtio-fs by VMM: boot {boot}: the guest ran the batch and stopped in {:.1} s",
         ran.to_exit.as_secs_f64()
     ));
-    if let Err(e) = step_output(dir, boot, "git_warmup") {
-        return Err(format!("git status warm-up: {e}"));
-    }
+    let warmup =
+        step_output(dir, boot, "git_warmup").map_err(|e| format!("git status warm-up: {e}"))?;
+    let unclean = unclean_repository(&warmup);
     let mut results: Vec<(Workload, Sample)> = Vec::new();
     for w in Workload::ALL {
         let failed = |dep: &Workload| results.iter().any(|(d, r)| d == dep && r.is_err());
-        let sample = match w.depends_on().filter(failed) {
-            Some(dep) => Err(format!("not measured: {} failed", dep.name())),
-            None => step_output(dir, boot, w.name()).and_then(|out| {
+        let sample = match (w.depends_on().filter(failed), &unclean) {
+            (Some(dep), _) => Err(format!("not measured: {} failed", dep.name())),
+            (None, Some(unclean)) if w == Workload::GitStatus => Err(unclean.clone()),
+            (None, _) => step_output(dir, boot, w.name()).and_then(|out| {
                 let ns = parse_elapsed_ns(&out)?;
                 w.check(&out, &c.sizes)?;
                 Ok(w.sample(ns, &c.sizes))
@@ -637,6 +652,14 @@ mod tests {
         assert!(!r.figures.iter().any(|f| f.name == "fs_create_files_s"));
         assert!(r.ratios.is_empty());
         assert!(r.markdown().contains("**Error:** qemu-microvm boot 2"));
+    }
+
+    #[test]
+    fn an_unclean_repository_is_not_timed() {
+        assert_eq!(unclean_repository("INDEX=x\nCHANGES=0\n"), None);
+        let unclean = unclean_repository("CHANGES=3\n").unwrap();
+        assert!(unclean.contains("CHANGES=3"), "{unclean}");
+        assert!(unclean_repository("").unwrap().contains("CHANGES=missing"));
     }
 
     #[test]

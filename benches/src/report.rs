@@ -647,8 +647,13 @@ pub struct SlowdownTarget {
     pub max_slowdown: f64,
     /// The class of work the target is set for: "metadata" or "sequential I/O".
     pub class: String,
-    /// `slowdown <= max_slowdown`; `None` without a slowdown (an error).
+    /// `slowdown <= max_slowdown`; `None` without a slowdown (an error), or when the
+    /// verdict is withheld.
     pub met: Option<bool>,
+    /// Why there is no verdict although there is a slowdown: the measurement cannot
+    /// back one (see [`FsFigure::withhold_verdict`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withheld: Option<String>,
 }
 
 impl SlowdownTarget {
@@ -657,6 +662,7 @@ impl SlowdownTarget {
             max_slowdown,
             class: class.into(),
             met: slowdown.map(|s| s <= max_slowdown),
+            withheld: None,
         }
     }
 }
@@ -689,6 +695,13 @@ pub const HOST: &str = "host";
 pub const GUEST: &str = "guest";
 
 impl FsFigure {
+    /// Keeps the figure and its slowdown, without a verdict: `why` the measurement
+    /// cannot back one.
+    pub fn withhold_verdict(&mut self, why: &str) {
+        self.target.met = None;
+        self.target.withheld = Some(why.into());
+    }
+
     /// The figure from both sides' samples; the slowdown and the target's verdict
     /// only when there is no error and both sides have samples.
     #[allow(clippy::too_many_arguments)]
@@ -951,10 +964,11 @@ impl FsReport {
                 (Some(r), None) => format!("{r:.2}x"),
                 (None, None) => "–".to_string(),
             };
-            let verdict = match f.target.met {
-                Some(true) => "met",
-                Some(false) => "missed",
-                None => "not evaluated",
+            let verdict = match (f.target.met, &f.target.withheld) {
+                (Some(true), _) => "met",
+                (Some(false), _) => "missed",
+                (None, Some(_)) => "withheld (see notes)",
+                (None, None) => "not evaluated",
             };
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | ≤ {}x ({}): {} |\n",

@@ -641,6 +641,9 @@ fn measure(
             // Not in the smoke run: in the nested host these boots of their own hang
             // far more often than the workspace VMs (benches/README.md).
             compare_with_qemu: (!args.quick).then(|| tools.qemu.clone()),
+            host_edits: crate::fs::host_edits_forwarded(
+                std::env::var(crate::fs::HOST_EDITS_ENV).ok().as_deref(),
+            ),
         }));
         checkpoint(&report, "virtio-fs");
     }

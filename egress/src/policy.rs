@@ -93,6 +93,41 @@ enum HostPattern {
     Ipv6(Ipv6Addr),
 }
 
+/// Second-level domains under which countries' registries sell names
+/// (`example.co.uk`): `*.co.uk` is every British company's site.
+const REGISTRY_SECOND_LEVELS: [&str; 18] = [
+    "ac", "co", "com", "edu", "go", "gob", "gov", "govt", "gv", "ltd", "me", "mil", "ne", "net",
+    "nom", "or", "org", "plc",
+];
+
+/// Hosting domains whose subdomains are their users' sites, anyone's to get.
+const HOSTING_DOMAINS: [&str; 24] = [
+    "appspot.com",
+    "azurewebsites.net",
+    "blogspot.com",
+    "cloudfront.net",
+    "deno.dev",
+    "firebaseapp.com",
+    "fly.dev",
+    "github.io",
+    "gitlab.io",
+    "glitch.me",
+    "herokuapp.com",
+    "netlify.app",
+    "ngrok-free.app",
+    "ngrok.app",
+    "ngrok.io",
+    "onrender.com",
+    "pages.dev",
+    "r2.dev",
+    "readthedocs.io",
+    "replit.dev",
+    "surge.sh",
+    "trycloudflare.com",
+    "vercel.app",
+    "workers.dev",
+];
+
 impl Pattern {
     /// The port the pattern is limited to, if any.
     pub fn port(&self) -> Option<u16> {
@@ -104,10 +139,24 @@ impl Pattern {
         matches!(self.host, HostPattern::Subdomains(_))
     }
 
-    /// Whether this is a `*.domain` pattern of a one-label domain (`*.com`,
-    /// `*.internal`): every site under a top-level domain.
-    pub fn covers_a_top_level_domain(&self) -> bool {
-        matches!(&self.host, HostPattern::Subdomains(domain) if !domain.contains('.'))
+    /// Whether this is a `*.domain` pattern of a domain under which anyone can get a
+    /// name of their own: a top-level domain (`*.com`, `*.internal`), a country's
+    /// registry domain (`*.co.uk`, `*.com.au`), or a hosting domain that hands out
+    /// subdomains (`*.github.io`, `*.vercel.app`). The common cases, from lists: not
+    /// the whole Public Suffix List.
+    pub fn covers_a_public_suffix(&self) -> bool {
+        let HostPattern::Subdomains(domain) = &self.host else {
+            return false;
+        };
+        match domain.split_once('.') {
+            None => true,
+            _ if HOSTING_DOMAINS.contains(&domain.as_str()) => true,
+            Some((second, country)) => {
+                country.len() == 2
+                    && !country.contains('.')
+                    && REGISTRY_SECOND_LEVELS.contains(&second)
+            }
+        }
     }
 
     /// The pattern limited to `port` if it names no port yet.
@@ -687,6 +736,32 @@ impl Policy {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn wildcards_of_domains_anyone_can_have_a_name_under_are_told() {
+        let broad = |text: &str| text.parse::<Pattern>().unwrap().covers_a_public_suffix();
+        for pattern in [
+            "*.com",
+            "*.internal",
+            "*.co.uk",
+            "*.com.au",
+            "*.GitHub.io",
+            "*.vercel.app:443",
+        ] {
+            assert!(broad(pattern), "{pattern}");
+        }
+        for pattern in [
+            "*.example.com",
+            "*.example.co.uk",
+            "*.corp.example",
+            "*.api.co",
+            "user.github.io",
+            "co.uk",
+            "api.example.com",
+        ] {
+            assert!(!broad(pattern), "{pattern}");
+        }
+    }
     use super::*;
 
     fn p(text: &str) -> Pattern {

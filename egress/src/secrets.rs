@@ -76,7 +76,7 @@ pub enum SecretError {
     Header { spec: String, reason: String },
     #[error("secret {name} is not a built-in one (anthropic, openai, github): say where it goes with at least one --host HOST")]
     NoHosts { name: String },
-    #[error("secret {name}: --host {host} would send it to every site under a top-level domain; name the API's host, or its own domain ('*.example.com')")]
+    #[error("secret {name}: --host {host} would send it to every site under a domain where anyone can have one (a top-level, registry or hosting domain); name the API's host, or its own domain ('*.example.com')")]
     HostTooBroad { name: String, host: String },
     #[error("cannot read the secret file {}: {source}", .path.display())]
     Read { path: PathBuf, source: io::Error },
@@ -683,7 +683,7 @@ pub fn check_destination(
             name: name.to_owned(),
         });
     }
-    if let Some(broad) = hosts.iter().find(|h| h.covers_a_top_level_domain()) {
+    if let Some(broad) = hosts.iter().find(|h| h.covers_a_public_suffix()) {
         return Err(SecretError::HostTooBroad {
             name: name.to_owned(),
             host: broad.to_string(),

@@ -45,6 +45,16 @@ pub enum CaError {
         dir: PathBuf,
         reason: String,
     },
+    #[error(
+        "{path} is not private to you ({why}): whoever can read it can mint certificates \
+         the guests trust. If nobody else could have read it, `chmod 600` it (and make it \
+         yours); else delete the directory {dir} to make a new CA"
+    )]
+    KeyNotPrivate {
+        path: PathBuf,
+        dir: PathBuf,
+        why: String,
+    },
     #[error("cannot generate a certificate: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("cannot build the TLS configuration for {host}: {source}")]
@@ -100,6 +110,7 @@ impl CertificateAuthority {
             path: cert_path.clone(),
             source,
         })?;
+        check_key_private(&key_path, dir)?;
         let key_pem =
             Zeroizing::new(
                 fs::read_to_string(&key_path).map_err(|source| CaError::Read {
@@ -258,6 +269,38 @@ pub(crate) fn verify_leaf(
     Ok(())
 }
 
+/// Refuses a key file that is not a regular file of this user's with no access for
+/// anyone else.
+fn check_key_private(path: &Path, dir: &Path) -> Result<(), CaError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::symlink_metadata(path).map_err(|source| CaError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let why = if !meta.file_type().is_file() {
+        Some("it is not a regular file".to_string())
+    } else if meta.uid() != me {
+        Some(format!(
+            "it belongs to uid {}, not to you ({me})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!("its mode is {:o}", meta.mode() & 0o7777))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(CaError::KeyNotPrivate {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Creates `dir` (and its parents) with the directory itself 0700.
 fn create_private_dir(dir: &Path) -> Result<(), CaError> {
     let err = |source| CaError::CreateDir {
@@ -324,6 +367,27 @@ mod tests {
         let on_disk = fs::read_to_string(dir.join(CERT_FILE)).unwrap();
         assert_eq!(on_disk, ca.cert_pem());
         assert!(!dir.join("ca-key.pem.tmp").exists());
+    }
+
+    #[test]
+    fn a_key_others_can_read_is_refused_until_it_is_private_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let key = tmp.path().join(KEY_FILE);
+        for open in [0o640, 0o604, 0o620] {
+            fs::set_permissions(&key, fs::Permissions::from_mode(open)).unwrap();
+            let e = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap_err();
+            assert!(matches!(e, CaError::KeyNotPrivate { .. }), "{open:o}: {e}");
+            assert!(e.to_string().contains(&format!("mode is {open:o}")), "{e}");
+        }
+        fs::set_permissions(&key, fs::Permissions::from_mode(0o600)).unwrap();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        // A symlink to a key elsewhere is no private key file of the CA's either.
+        let elsewhere = tmp.path().join("elsewhere.pem");
+        fs::rename(&key, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &key).unwrap();
+        let e = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
     }
 
     #[test]

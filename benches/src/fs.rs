@@ -195,7 +195,6 @@ pub fn marker<'a>(out: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|l| l.trim_end().strip_prefix(key)?.strip_prefix('='))
 }
 
-/// The script's `ELAPSED_NS=<n>`: a positive whole number of nanoseconds.
 /// `elapsed_ns`, the script's own timing, if it fits in `wall`, the time from the
 /// command's spawn to its exit: a script's clock (`$EPOCHREALTIME`, the real-time
 /// clock) that ran longer was stepped meanwhile (the guest agent steps a guest clock
@@ -212,6 +211,7 @@ pub fn within_wall_time(elapsed_ns: u64, wall: Duration) -> Result<u64, String> 
     Ok(elapsed_ns)
 }
 
+/// The script's `ELAPSED_NS=<n>`: a positive whole number of nanoseconds.
 pub fn parse_elapsed_ns(stdout: &str) -> Result<u64, String> {
     let v = marker(stdout, "ELAPSED_NS").ok_or("no ELAPSED_NS line in the script's output")?;
     match v.trim().parse::<u64>() {

@@ -1,8 +1,9 @@
 //! virtio-fs (virtio 1.2, section 5.11) through a vhost-user backend: virtiofsd
 //! serves the FUSE requests straight from guest memory (the memfd it maps), kicked by
 //! the queues' ioeventfds, and interrupts the guest through the device's irqfd. The
-//! VMM only sets the session up and, if the backend goes away, answers the guest's
-//! requests with EIO itself so nothing in the guest hangs on a dead share.
+//! VMM only sets the session up and, if the backend goes away (or leaves the VMM's
+//! requests unanswered for [`backend::REPLY_TIMEOUT`]), answers the guest's requests
+//! with EIO itself so nothing in the guest hangs on a dead share.
 
 mod backend;
 pub mod fallback;
@@ -189,7 +190,15 @@ impl VirtioDevice for VhostUserFs {
 
     fn reset(&mut self) {
         self.stop_worker();
-        self.backend.stop_rings(NUM_QUEUES);
+        if !self.backend.hung_up() {
+            match self.backend.stop_rings(NUM_QUEUES) {
+                Ok(()) => {}
+                Err(e @ BackendError::NoAnswer { .. }) => {
+                    tracing::error!("virtio-fs {:?}: {e}", self.tag);
+                }
+                Err(e) => tracing::debug!("virtio-fs {:?}: stopping the rings: {e}", self.tag),
+            }
+        }
         self.acked_features = 0;
     }
 }

@@ -68,6 +68,14 @@ pub enum BackendError {
     },
 }
 
+impl BackendError {
+    /// Whether the session is over: the backend hung up, broke the protocol, refused a
+    /// request (virtiofsd then exits) or did not answer in time.
+    pub fn ends_session(&self) -> bool {
+        matches!(self, Self::Request { .. } | Self::NoAnswer { .. })
+    }
+}
+
 /// A connected backend.
 pub struct Backend {
     frontend: Frontend,
@@ -238,13 +246,22 @@ impl Backend {
         })
     }
 
+    /// Ends the session: the backend sees us hang up, and so does the device's worker
+    /// (which then answers the guest itself). Nothing is asked of the backend again.
+    pub fn hang_up(&mut self) {
+        self.hung_up = true;
+        if let Err(e) = self.session.shutdown(Shutdown::Both) {
+            tracing::debug!("virtio-fs: shutting the backend's socket down: {e}");
+        }
+    }
+
     /// How long the backend has to answer (tests wait less than [`REPLY_TIMEOUT`]).
     #[cfg(test)]
     pub fn set_reply_timeout(&mut self, timeout: Duration) {
         self.reply_timeout = timeout;
     }
 
-    /// Whether the session was ended for want of an answer.
+    /// Whether the session was ended: by [`Self::hang_up`], or for want of an answer.
     pub fn hung_up(&self) -> bool {
         self.hung_up
     }

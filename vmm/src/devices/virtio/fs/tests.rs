@@ -183,6 +183,8 @@ enum Fake {
     /// Never answers GET_VRING_BASE (as virtiofsd whose queue thread is stuck on a
     /// file system that does not respond), but stays connected.
     StallsRingStop,
+    /// Hangs up once connected (as virtiofsd that died before the driver started).
+    DiesAfterConnect,
 }
 
 const GET_FEATURES: u32 = 1;
@@ -267,12 +269,40 @@ fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
             }
             GET_QUEUE_NUM => {
                 reply(&mut stream, code, &(NUM_QUEUES as u64).to_le_bytes());
+                if behaviour == Fake::DiesAfterConnect {
+                    return false;
+                }
             }
             GET_VRING_BASE if behaviour == Fake::StallsRingStop => {}
             GET_VRING_BASE => reply(&mut stream, code, &body[..4].repeat(2)),
             _ => ack(&mut stream, 0),
         }
     }
+}
+
+/// Guest memory with two ready queues of 16, each with one LOOKUP waiting (request at
+/// 0x10_0000 + 0x1000 * queue, reply buffer 0x800 further).
+fn memory_and_queues() -> (crate::memory::GuestRam, Vec<Queue>) {
+    let ram = create_guest_ram(4 << 20).unwrap();
+    let queues = (0..NUM_QUEUES as u64)
+        .map(|index| {
+            let request = 0x10_0000 + 0x1000 * index;
+            ram.memory
+                .write_slice(&request_header(1, 100 + index), GuestAddress(request))
+                .unwrap();
+            let vq = MockSplitQueue::create(&ram.memory, GuestAddress(0x1_0000 * (index + 1)), 16);
+            vq.add_desc_chains(&[raw(request, 40, N, 1), raw(request + 0x800, 64, W, 0)], 0)
+                .unwrap();
+            vq.create_queue().unwrap()
+        })
+        .collect();
+    (ram, queues)
+}
+
+fn eventfds() -> Vec<EventFd> {
+    (0..NUM_QUEUES)
+        .map(|_| EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap())
+        .collect()
 }
 
 /// A backend that stays connected but does not answer GET_VRING_BASE (a device reset
@@ -303,4 +333,42 @@ fn a_backend_that_does_not_answer_is_given_up_on() {
     );
     assert!(hung_up);
     assert!(fake.saw_hang_up(), "the session was not shut down");
+}
+
+/// A backend already gone when the driver starts the device: the device starts
+/// anyway, and the guest's requests (waiting in both queues) are answered with EIO,
+/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever.
+#[test]
+fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
+    let fake = FakeBackend::start(Fake::DiesAfterConnect);
+    let mut device = VhostUserFs::connect(&fake.socket, "share").unwrap();
+    assert!(
+        !fake.saw_hang_up(),
+        "the fake backend ends the session itself"
+    );
+    let (ram, queues) = memory_and_queues();
+    device.attach_queue_events(&eventfds()).unwrap();
+    let interrupt = InterruptTrigger::new(Arc::new(
+        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+    ));
+    device
+        .activate(ram.memory.clone(), queues, interrupt)
+        .expect("the device starts without its backend");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    for index in 0..NUM_QUEUES as u64 {
+        let mut reply = [0u8; 16];
+        loop {
+            ram.memory
+                .read_slice(&mut reply, GuestAddress(0x10_0800 + 0x1000 * index))
+                .unwrap();
+            if reply != [0u8; 16] || std::time::Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());
+        let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
+        assert_eq!((error, unique), (-libc::EIO, 100 + index), "queue {index}");
+    }
+    device.reset();
 }

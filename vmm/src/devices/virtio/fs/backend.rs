@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::{Queue, QueueT};
@@ -111,6 +111,12 @@ impl Backend {
             frontend
                 .set_protocol_features(offered & wanted)
                 .map_err(request("SET_PROTOCOL_FEATURES"))?;
+            // Without it the backend acknowledges nothing and the crate waits for no
+            // acknowledgement: a request it refused (a memory table it cannot map)
+            // would go unnoticed until it hung up.
+            if offered.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
             if offered.contains(VhostUserProtocolFeatures::MQ) {
                 let got = frontend.get_queue_num().map_err(request("GET_QUEUE_NUM"))?;
                 if got < queues as u64 {

@@ -180,6 +180,8 @@ fn connect_errors_name_the_socket_and_check_the_tag() {
 /// What the fake vhost-user backend does besides answering like virtiofsd.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fake {
+    /// Refuses SET_MEM_TABLE (as virtiofsd when it cannot map the memory), then exits.
+    RefusesMemoryTable,
     /// Never answers GET_VRING_BASE (as virtiofsd whose queue thread is stuck on a
     /// file system that does not respond), but stays connected.
     StallsRingStop,
@@ -188,6 +190,7 @@ enum Fake {
 }
 
 const GET_FEATURES: u32 = 1;
+const SET_MEM_TABLE: u32 = 5;
 const GET_VRING_BASE: u32 = 11;
 const GET_PROTOCOL_FEATURES: u32 = 15;
 const GET_QUEUE_NUM: u32 = 17;
@@ -273,6 +276,10 @@ fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
                     return false;
                 }
             }
+            SET_MEM_TABLE if behaviour == Fake::RefusesMemoryTable => {
+                ack(&mut stream, 1);
+                return false;
+            }
             GET_VRING_BASE if behaviour == Fake::StallsRingStop => {}
             GET_VRING_BASE => reply(&mut stream, code, &body[..4].repeat(2)),
             _ => ack(&mut stream, 0),
@@ -303,6 +310,28 @@ fn eventfds() -> Vec<EventFd> {
     (0..NUM_QUEUES)
         .map(|_| EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap())
         .collect()
+}
+
+/// With REPLY_ACK, the frontend asks for an acknowledgement of each request: one the
+/// backend refuses fails the start, named, instead of passing unnoticed.
+#[test]
+fn a_request_the_backend_refuses_fails_the_start() {
+    let fake = FakeBackend::start(Fake::RefusesMemoryTable);
+    let mut backend = Backend::connect(&fake.socket, NUM_QUEUES).unwrap();
+    let (ram, queues) = memory_and_queues();
+    let kicks: Vec<_> = eventfds().into_iter().map(Arc::new).collect();
+    let result = backend.start(FEATURE_VERSION_1, &ram.memory, &queues, &eventfds(), &kicks);
+    assert!(
+        matches!(
+            result,
+            Err(BackendError::Request {
+                step: "SET_MEM_TABLE",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(result.unwrap_err().ends_session());
 }
 
 /// A backend that stays connected but does not answer GET_VRING_BASE (a device reset

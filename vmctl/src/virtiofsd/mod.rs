@@ -473,8 +473,8 @@ fn watch(shared: &Shared) {
             };
             new_failures.push(format!(
                 "virtiofsd for {} exited unexpectedly ({status}); the VM can no longer use \
-                 that share (its files on the host are untouched); restart the VM with \
-                 'vmctl stop'",
+                 that share (its files on the host are untouched); stop the VM with \
+                 'vmctl stop', then start it again to get the share back",
                 daemon.host.display()
             ));
         }
@@ -744,6 +744,12 @@ mod tests {
         assert_eq!(failures.len(), 1, "{failures:?}");
         assert!(failures[0].contains(&dir.path().display().to_string()));
         assert!(failures[0].contains("SIGKILL"), "{}", failures[0]);
+        // Stopping alone does not bring the share back.
+        assert!(
+            failures[0].contains("'vmctl stop', then start it again"),
+            "{}",
+            failures[0]
+        );
         daemons.stop();
         assert!(pids.into_iter().all(is_reaped));
         assert!(!dir.path().join("fs0.sock").exists());

@@ -53,6 +53,10 @@ pub enum VirtiofsdError {
     OverrideNotExecutable(PathBuf),
     #[error("virtiofsd socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter XDG_STATE_HOME", .path.display())]
     SocketPathTooLong { path: PathBuf, len: usize },
+    #[error("the share {} is not valid UTF-8, which virtiofsd cannot take as its directory; rename the directory (or the one on its path whose name is not UTF-8)", .0.display())]
+    ShareNotUtf8(PathBuf),
+    #[error("virtiofsd socket path {} is not valid UTF-8, which virtiofsd cannot take; use an XDG_STATE_HOME that is", .0.display())]
+    SocketPathNotUtf8(PathBuf),
     #[error("cannot prepare {} for virtiofsd: {source}", .path.display())]
     Io {
         path: PathBuf,
@@ -355,6 +359,16 @@ fn start_all(
         let len = socket.as_os_str().len();
         if len > MAX_SOCKET_PATH {
             return Err(VirtiofsdError::SocketPathTooLong { path: socket, len });
+        }
+        // virtiofsd takes its paths as UTF-8 text and exits 2 otherwise, which would
+        // pass for its sandbox failing. Without the sandbox it is given "." instead.
+        if socket.to_str().is_none() {
+            return Err(VirtiofsdError::SocketPathNotUtf8(socket));
+        }
+    }
+    if sandbox == Sandbox::Namespace {
+        if let Some(share) = shares.iter().find(|share| share.host.to_str().is_none()) {
+            return Err(VirtiofsdError::ShareNotUtf8(share.host.clone()));
         }
     }
     for (index, share) in shares.iter().enumerate() {
@@ -837,6 +851,42 @@ mod tests {
                 assert!(failures.is_empty(), "{failures:?}");
             }
         }
+    }
+
+    /// virtiofsd takes its shared directory as UTF-8 text only (else it exits 2, which
+    /// looks like its sandbox failing): such a share is refused up front, saying so,
+    /// with no word of the sandbox. Without the sandbox virtiofsd is given "." and
+    /// serves it.
+    #[test]
+    fn a_share_whose_path_is_not_utf8_is_refused_up_front() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let fake = fake_virtiofsd(&root, "echo 'invalid UTF-8' >&2; exit 2");
+        let host = root.join(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+        std::fs::create_dir(&host).unwrap();
+        let error = refused_start(&fake, &host, &root);
+        assert!(
+            error.starts_with(&format!("the share {} is not valid UTF-8", host.display())),
+            "{error}"
+        );
+        assert!(!error.contains(SANDBOX_ENV), "{error}");
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(&host, false)],
+            &root,
+            &root,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        daemons.stop();
+        let socket_dir = root.join(std::ffi::OsStr::from_bytes(b"st\xe9"));
+        std::fs::create_dir(&socket_dir).unwrap();
+        let error = refused_start(&fake, &root, &socket_dir);
+        assert!(error.contains("is not valid UTF-8"), "{error}");
+        assert!(!error.contains(SANDBOX_ENV), "{error}");
     }
 
     /// In `root`: `workspace/sub/project`, `elsewhere/project`, and a wrapper of

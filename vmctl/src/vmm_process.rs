@@ -369,6 +369,23 @@ pub fn running_vmm_pid() -> Option<u32> {
         .filter(|&pid| pid != 0)
 }
 
+/// Whether the VMM child this process runs is still running: one that exited counts
+/// as ended before [`run`] has waited for it.
+pub fn vmm_running() -> bool {
+    running_vmm_pid().is_some_and(child_running)
+}
+
+/// Whether this process's child `pid` has not exited. NOWAIT: looked at, not reaped
+/// (its parent thread waits for it).
+fn child_running(pid: u32) -> bool {
+    use rustix::process::{waitid, Pid, WaitId, WaitIdOptions};
+    let Some(pid) = Pid::from_raw(child_pid(pid)) else {
+        return false;
+    };
+    let options = WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT;
+    matches!(waitid(WaitId::Pid(pid), options), Ok(None))
+}
+
 fn child_pid(id: u32) -> i32 {
     i32::try_from(id).unwrap_or(0)
 }
@@ -456,6 +473,26 @@ pub(crate) fn script(path: &Path, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child that exited counts as ended before it is waited for, and looking
+    /// leaves it for `run` to wait for, with its status.
+    #[test]
+    fn an_exited_child_is_not_running_and_is_left_to_wait_for() {
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", "read line; exit 3"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        assert!(child_running(child.id()));
+        drop(child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while child_running(child.id()) {
+            assert!(Instant::now() < deadline, "the child still runs");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(child.wait().unwrap().code(), Some(3));
+        assert!(!child_running(child.id()));
+    }
 
     /// The VMM gets the descriptors it is given, and no other this process holds,
     /// close-on-exec or not.

@@ -31,6 +31,11 @@ const START_POLL: Duration = Duration::from_millis(10);
 const SETTLE_TIME: Duration = Duration::from_millis(100);
 /// How often the watcher looks for dead daemons.
 const WATCH_POLL: Duration = Duration::from_millis(200);
+/// How long the VMM may take to end after a daemon exited cleanly (which it does as
+/// the VMM disconnects) before the daemon counts as lost while the VM runs. The VMM
+/// closes its sockets as its VM ends, just before it exits: this only covers a loaded
+/// host.
+const CLEAN_EXIT_GRACE: Duration = Duration::from_secs(2);
 /// How long daemons get to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 /// Lines of a daemon's log quoted when it fails to start.
@@ -48,6 +53,10 @@ pub enum VirtiofsdError {
     OverrideNotExecutable(PathBuf),
     #[error("virtiofsd socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter XDG_STATE_HOME", .path.display())]
     SocketPathTooLong { path: PathBuf, len: usize },
+    #[error("the share {} is not valid UTF-8, which virtiofsd cannot take as its directory; rename the directory (or the one on its path whose name is not UTF-8)", .0.display())]
+    ShareNotUtf8(PathBuf),
+    #[error("virtiofsd socket path {} is not valid UTF-8, which virtiofsd cannot take; use an XDG_STATE_HOME that is", .0.display())]
+    SocketPathNotUtf8(PathBuf),
     #[error("cannot prepare {} for virtiofsd: {source}", .path.display())]
     Io {
         path: PathBuf,
@@ -210,6 +219,11 @@ struct Watched {
     stopping: bool,
     /// Also appends each failure here.
     failure_file: Option<PathBuf>,
+    /// Whether the VM's VMM still runs ([`crate::vmm_process::vmm_running`]): a
+    /// daemon that exits cleanly before it ends lost its session with a running VM.
+    /// (Never where the frontend is not vmctl's VMM, such as the nested host's QEMU:
+    /// there a clean exit is taken for the VM's end, as it mostly is.)
+    vmm_running: fn() -> bool,
 }
 
 struct Shared {
@@ -304,6 +318,7 @@ fn start_as(
             failures: Vec::new(),
             stopping: false,
             failure_file: None,
+            vmm_running: crate::vmm_process::vmm_running,
         }),
         wake: Condvar::new(),
     });
@@ -344,6 +359,16 @@ fn start_all(
         let len = socket.as_os_str().len();
         if len > MAX_SOCKET_PATH {
             return Err(VirtiofsdError::SocketPathTooLong { path: socket, len });
+        }
+        // virtiofsd takes its paths as UTF-8 text and exits 2 otherwise, which would
+        // pass for its sandbox failing. Without the sandbox it is given "." instead.
+        if socket.to_str().is_none() {
+            return Err(VirtiofsdError::SocketPathNotUtf8(socket));
+        }
+    }
+    if sandbox == Sandbox::Namespace {
+        if let Some(share) = shares.iter().find(|share| share.host.to_str().is_none()) {
+            return Err(VirtiofsdError::ShareNotUtf8(share.host.clone()));
         }
     }
     for (index, share) in shares.iter().enumerate() {
@@ -447,21 +472,51 @@ fn record_failure(file: &Path, failure: &str) {
     }
 }
 
+/// What is said of a daemon that died while the VM ran.
+fn failure(daemon: &Daemon, status: &str) -> String {
+    format!(
+        "virtiofsd for {} exited unexpectedly ({status}); the VM can no longer use that \
+         share (its files on the host are untouched); stop the VM with 'vmctl stop', then \
+         start it again to get the share back",
+        daemon.host.display()
+    )
+}
+
 /// The watcher thread: reports daemons that die while the VM runs.
 fn watch(shared: &Shared) {
     let mut state = shared.lock();
+    // When each daemon that exited cleanly while the VMM ran did so: undecided until
+    // the VMM ends (the VM going away) or CLEAN_EXIT_GRACE passes (a lost share).
+    let mut clean_exits: Vec<Option<Instant>> = vec![None; state.daemons.len()];
     while !state.stopping {
         let mut new_failures = Vec::new();
-        for daemon in state.daemons.iter_mut() {
+        let vmm_running = state.vmm_running;
+        for (daemon, clean_exit) in state.daemons.iter_mut().zip(&mut clean_exits) {
+            if let Some(since) = *clean_exit {
+                if !vmm_running() {
+                    *clean_exit = None;
+                    tracing::info!(host = %daemon.host.display(), "virtiofsd exited: its VMM disconnected");
+                } else if since.elapsed() >= CLEAN_EXIT_GRACE {
+                    *clean_exit = None;
+                    // The VMM gave up on it (no answer in time), or it refused a
+                    // request (virtiofsd exits 0 then too).
+                    let status = format!(
+                        "exit status: 0, its session with the running VM over; its log {}",
+                        daemon.log.display()
+                    );
+                    new_failures.push(failure(daemon, &status));
+                }
+                continue;
+            }
             if daemon.status.is_some() {
                 continue;
             }
             let status = match daemon.poll_exit() {
                 Ok(None) => continue,
                 Ok(Some(status)) if status.success() => {
-                    // virtiofsd exits cleanly only when its VMM disconnects, that is
-                    // when the VM is going away: not a failure.
-                    tracing::info!(host = %daemon.host.display(), "virtiofsd exited: its VMM disconnected");
+                    // virtiofsd exits cleanly when its VMM disconnects: as the VM goes
+                    // away, which is not a failure, or as the VMM gives up on it.
+                    *clean_exit = Some(Instant::now());
                     continue;
                 }
                 Ok(Some(status)) => status.to_string(),
@@ -471,12 +526,7 @@ fn watch(shared: &Shared) {
                     format!("status unknown: {e}")
                 }
             };
-            new_failures.push(format!(
-                "virtiofsd for {} exited unexpectedly ({status}); the VM can no longer use \
-                 that share (its files on the host are untouched); restart the VM with \
-                 'vmctl stop'",
-                daemon.host.display()
-            ));
+            new_failures.push(failure(daemon, &status));
         }
         for failure in &new_failures {
             tracing::error!("{failure}");
@@ -744,9 +794,99 @@ mod tests {
         assert_eq!(failures.len(), 1, "{failures:?}");
         assert!(failures[0].contains(&dir.path().display().to_string()));
         assert!(failures[0].contains("SIGKILL"), "{}", failures[0]);
+        // Stopping alone does not bring the share back.
+        assert!(
+            failures[0].contains("'vmctl stop', then start it again"),
+            "{}",
+            failures[0]
+        );
         daemons.stop();
         assert!(pids.into_iter().all(is_reaped));
         assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    /// A daemon that exits cleanly (virtiofsd does when its VMM hangs up, or when it
+    /// refused a request) while the VMM runs lost the share: reported, once the VMM
+    /// has had its time to end. One that does as the VMM ends is not.
+    #[test]
+    fn a_clean_exit_while_the_vmm_runs_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("fake-virtiofsd");
+        let script = "#!/bin/sh\n\
+             while [ $# -gt 0 ]; do\n\
+               [ \"$1\" = --socket-path ] && socket=\"$2\"\n\
+               shift\n\
+             done\n\
+             : > \"$socket\"\n\
+             sleep 1\n\
+             exit 0\n";
+        std::fs::write(&fake, script).unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for vmm_running in [false, true] {
+            let (daemons, _) = start_as(
+                &fake,
+                &[share(dir.path(), false)],
+                dir.path(),
+                dir.path(),
+                false,
+                Some("none"),
+                CachePolicy::default(),
+            )
+            .unwrap();
+            daemons.shared.lock().vmm_running = if vmm_running { || true } else { || false };
+            let deadline = Instant::now() + Duration::from_secs(1) + 2 * CLEAN_EXIT_GRACE;
+            while daemons.failures().is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let failures = daemons.failures();
+            if vmm_running {
+                assert_eq!(failures.len(), 1, "{failures:?}");
+                assert!(failures[0].contains("exit status: 0"), "{}", failures[0]);
+                assert!(
+                    failures[0].contains("then start it again"),
+                    "{}",
+                    failures[0]
+                );
+            } else {
+                assert!(failures.is_empty(), "{failures:?}");
+            }
+        }
+    }
+
+    /// virtiofsd takes its shared directory as UTF-8 text only (else it exits 2, which
+    /// looks like its sandbox failing): such a share is refused up front, saying so,
+    /// with no word of the sandbox. Without the sandbox virtiofsd is given "." and
+    /// serves it.
+    #[test]
+    fn a_share_whose_path_is_not_utf8_is_refused_up_front() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let fake = fake_virtiofsd(&root, "echo 'invalid UTF-8' >&2; exit 2");
+        let host = root.join(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+        std::fs::create_dir(&host).unwrap();
+        let error = refused_start(&fake, &host, &root);
+        assert!(
+            error.starts_with(&format!("the share {} is not valid UTF-8", host.display())),
+            "{error}"
+        );
+        assert!(!error.contains(SANDBOX_ENV), "{error}");
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(&host, false)],
+            &root,
+            &root,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        daemons.stop();
+        let socket_dir = root.join(std::ffi::OsStr::from_bytes(b"st\xe9"));
+        std::fs::create_dir(&socket_dir).unwrap();
+        let error = refused_start(&fake, &root, &socket_dir);
+        assert!(error.contains("is not valid UTF-8"), "{error}");
+        assert!(!error.contains(SANDBOX_ENV), "{error}");
     }
 
     /// In `root`: `workspace/sub/project`, `elsewhere/project`, and a wrapper of

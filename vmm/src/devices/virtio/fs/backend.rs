@@ -1,11 +1,15 @@
 //! The vhost-user session with the backend (virtiofsd), on the rust-vmm `vhost`
 //! crate's frontend.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::net::Shutdown;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
+use std::time::Duration;
 
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::{Queue, QueueT};
@@ -18,6 +22,15 @@ use crate::memory::GuestMemoryMmap;
 /// session uses; never offered to the guest.
 const PROTOCOL_FEATURES_BIT: u64 = 1 << 30;
 
+/// How long the backend has to answer the requests of one step once the guest runs
+/// (starting the rings, stopping them). The vCPU that asked waits meanwhile, holding
+/// the device, so a stuck backend must not keep it for ever; a slow but live one must
+/// not be given up on. virtiofsd answers GET_VRING_BASE only once its queue thread has
+/// finished the requests it took (up to a queue's worth: 1,024 FUSE requests, each a
+/// write of up to 1 MiB to a slow disk or a network file system, on a loaded host or
+/// the nested host, under emulation). 30 s, as long as vmctl gives virtiofsd to start.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("cannot connect to the backend at {path}: {source} (is virtiofsd running there?)")]
@@ -27,6 +40,17 @@ pub enum BackendError {
         step: &'static str,
         source: vhost::Error,
     },
+    #[error(
+        "the backend did not answer {step} within {} s, so it is taken as lost; is the \
+         file system it serves stuck? Stop the VM and start it again once it responds",
+        .timeout.as_secs()
+    )]
+    NoAnswer {
+        step: &'static str,
+        timeout: Duration,
+    },
+    #[error("cannot keep a second descriptor of the backend's socket: {0}")]
+    Duplicate(std::io::Error),
     #[error("the backend does not offer VIRTIO_F_VERSION_1")]
     NotModern,
     #[error("the backend serves {got} queues; this device needs {needed}")]
@@ -44,11 +68,25 @@ pub enum BackendError {
     },
 }
 
+impl BackendError {
+    /// Whether the session is over: the backend hung up, broke the protocol, refused a
+    /// request (virtiofsd then exits) or did not answer in time.
+    pub fn ends_session(&self) -> bool {
+        matches!(self, Self::Request { .. } | Self::NoAnswer { .. })
+    }
+}
+
 /// A connected backend.
 pub struct Backend {
     frontend: Frontend,
+    /// Another descriptor of the frontend's socket, to shut the session down from
+    /// another thread while the frontend waits for a reply (and holds its lock).
+    session: Arc<UnixStream>,
     virtio_features: u64,
     protocol_features: bool,
+    reply_timeout: Duration,
+    /// The session was shut down: nothing more is asked of the backend.
+    hung_up: bool,
 }
 
 fn request(step: &'static str) -> impl FnOnce(vhost::Error) -> BackendError {
@@ -73,6 +111,12 @@ impl Backend {
             frontend
                 .set_protocol_features(offered & wanted)
                 .map_err(request("SET_PROTOCOL_FEATURES"))?;
+            // Without it the backend acknowledges nothing and the crate waits for no
+            // acknowledgement: a request it refused (a memory table it cannot map)
+            // would go unnoticed until it hung up.
+            if offered.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
             if offered.contains(VhostUserProtocolFeatures::MQ) {
                 let got = frontend.get_queue_num().map_err(request("GET_QUEUE_NUM"))?;
                 if got < queues as u64 {
@@ -83,10 +127,20 @@ impl Backend {
                 }
             }
         }
+        let fd = frontend.as_raw_fd();
+        // SAFETY: `fd` is the frontend's open socket, which it owns for this whole call;
+        // it is only borrowed here, to make a descriptor of our own.
+        let session = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map(|fd| Arc::new(UnixStream::from(fd)))
+            .map_err(BackendError::Duplicate)?;
         Ok(Self {
             frontend,
+            session,
             virtio_features,
             protocol_features,
+            reply_timeout: REPLY_TIMEOUT,
+            hung_up: false,
         })
     }
 
@@ -101,6 +155,19 @@ impl Backend {
 
     /// Hands the guest's memory and the driver's rings to the backend and starts it.
     pub fn start(
+        &mut self,
+        guest_features: u64,
+        memory: &GuestMemoryMmap,
+        queues: &[Queue],
+        calls: &[EventFd],
+        kicks: &[Arc<EventFd>],
+    ) -> Result<(), BackendError> {
+        self.within_deadline(|backend| {
+            backend.start_rings(guest_features, memory, queues, calls, kicks)
+        })
+    }
+
+    fn start_rings(
         &mut self,
         guest_features: u64,
         memory: &GuestMemoryMmap,
@@ -172,13 +239,80 @@ impl Backend {
         Ok(())
     }
 
-    /// Stops the rings (GET_VRING_BASE) after a device reset; a backend that is gone
-    /// has nothing to stop.
-    pub fn stop_rings(&mut self, queues: usize) {
-        for index in 0..queues {
-            if let Err(e) = self.frontend.get_vring_base(index) {
-                tracing::debug!("virtio-fs: stopping ring {index}: {e}");
+    /// Stops the rings (GET_VRING_BASE) after a device reset.
+    pub fn stop_rings(&mut self, queues: usize) -> Result<(), BackendError> {
+        self.within_deadline(|backend| {
+            for index in 0..queues {
+                backend
+                    .frontend
+                    .get_vring_base(index)
+                    .map_err(request("GET_VRING_BASE"))?;
             }
+            Ok(())
+        })
+    }
+
+    /// Ends the session: the backend sees us hang up, and so does the device's worker
+    /// (which then answers the guest itself). Nothing is asked of the backend again.
+    pub fn hang_up(&mut self) {
+        self.hung_up = true;
+        if let Err(e) = self.session.shutdown(Shutdown::Both) {
+            tracing::debug!("virtio-fs: shutting the backend's socket down: {e}");
+        }
+    }
+
+    /// How long the backend has to answer (tests wait less than [`REPLY_TIMEOUT`]).
+    #[cfg(test)]
+    pub fn set_reply_timeout(&mut self, timeout: Duration) {
+        self.reply_timeout = timeout;
+    }
+
+    /// Whether the session was ended: by [`Self::hang_up`], or for want of an answer.
+    pub fn hung_up(&self) -> bool {
+        self.hung_up
+    }
+
+    /// Runs `requests`, giving the backend its reply timeout ([`REPLY_TIMEOUT`]) to answer.
+    /// vhost retries a receive that times out (SO_RCVTIMEO), so a thread of its own
+    /// keeps the time: it shuts the session down, which ends the wait for a reply.
+    fn within_deadline(
+        &mut self,
+        requests: impl FnOnce(&mut Self) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        let timeout = self.reply_timeout;
+        let session = Arc::clone(&self.session);
+        let (answered, waiting) = mpsc::channel::<()>();
+        let watchdog = std::thread::Builder::new()
+            .name("virtio-fs deadline".into())
+            .spawn(move || {
+                let timed_out = waiting.recv_timeout(timeout) == Err(RecvTimeoutError::Timeout);
+                if timed_out {
+                    if let Err(e) = session.shutdown(Shutdown::Both) {
+                        tracing::warn!("virtio-fs: shutting the backend's socket down: {e}");
+                    }
+                }
+                timed_out
+            });
+        if let Err(e) = &watchdog {
+            tracing::warn!(
+                "virtio-fs: cannot start the thread that bounds the backend's answers ({e}); \
+                 a stuck backend could hold the vCPU that asked"
+            );
+        }
+        let result = requests(self);
+        drop(answered);
+        let timed_out = match watchdog {
+            Ok(watchdog) => watchdog.join().unwrap_or(false),
+            Err(_) => false,
+        };
+        if timed_out {
+            self.hung_up = true;
+        }
+        match result {
+            Err(BackendError::Request { step, .. }) if timed_out => {
+                Err(BackendError::NoAnswer { step, timeout })
+            }
+            other => other,
         }
     }
 }

@@ -1,13 +1,15 @@
 //! virtio-fs (virtio 1.2, section 5.11) through a vhost-user backend: virtiofsd
 //! serves the FUSE requests straight from guest memory (the memfd it maps), kicked by
 //! the queues' ioeventfds, and interrupts the guest through the device's irqfd. The
-//! VMM only sets the session up and, if the backend goes away, answers the guest's
-//! requests with EIO itself so nothing in the guest hangs on a dead share.
+//! VMM only sets the session up and, if the backend goes away (or leaves the VMM's
+//! requests unanswered for [`backend::REPLY_TIMEOUT`]), answers the guest's requests
+//! with EIO itself so nothing in the guest hangs on a dead share.
 
 mod backend;
 pub mod fallback;
 mod worker;
 
+use std::os::fd::RawFd;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -89,6 +91,45 @@ impl VhostUserFs {
         config
     }
 
+    /// Starts the backend on the driver's rings; returns its socket for the worker to
+    /// watch, or None when the backend is lost: the worker then answers the guest's
+    /// requests with EIO from the start, as the driver never looks at NEEDS_RESET
+    /// (Linux's virtio-fs waits on its FUSE_INIT for ever).
+    fn start_backend(
+        &mut self,
+        memory: &GuestMemoryMmap,
+        queues: &[Queue],
+        calls: &[EventFd],
+    ) -> Result<Option<RawFd>, ActivateError> {
+        if self.backend.hung_up() {
+            tracing::debug!(
+                "virtio-fs {:?}: the backend is lost; the guest's requests fail with EIO",
+                self.tag
+            );
+            return Ok(None);
+        }
+        match self
+            .backend
+            .start(self.acked_features, memory, queues, calls, &self.kicks)
+        {
+            Ok(()) => Ok(Some(self.backend.hangup_fd())),
+            Err(e) if e.ends_session() => {
+                // Once: a guest that resets the device again finds it hung up.
+                tracing::error!(
+                    "virtio-fs {:?}: starting the backend (virtiofsd) failed: {e}; the \
+                     guest's requests to this share fail with EIO",
+                    self.tag
+                );
+                self.backend.hang_up();
+                Ok(None)
+            }
+            Err(e) => Err(ActivateError::Device(format!(
+                "virtio-fs {:?}: {e}",
+                self.tag
+            ))),
+        }
+    }
+
     fn stop_worker(&mut self) {
         if let Some(worker) = self.worker.take() {
             worker.stop();
@@ -156,12 +197,10 @@ impl VirtioDevice for VhostUserFs {
             .map(|_| interrupt.irqfd_for_backend())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| ActivateError::Device(format!("virtio-fs: irqfd: {e}")))?;
-        self.backend
-            .start(self.acked_features, &memory, &queues, &calls, &self.kicks)
-            .map_err(|e| ActivateError::Device(format!("virtio-fs {:?}: {e}", self.tag)))?;
+        let backend = self.start_backend(&memory, &queues, &calls)?;
         let worker = Worker::new(
             self.tag.clone(),
-            self.backend.hangup_fd(),
+            backend,
             self.kicks.clone(),
             memory,
             queues,
@@ -189,7 +228,15 @@ impl VirtioDevice for VhostUserFs {
 
     fn reset(&mut self) {
         self.stop_worker();
-        self.backend.stop_rings(NUM_QUEUES);
+        if !self.backend.hung_up() {
+            match self.backend.stop_rings(NUM_QUEUES) {
+                Ok(()) => {}
+                Err(e @ BackendError::NoAnswer { .. }) => {
+                    tracing::error!("virtio-fs {:?}: {e}", self.tag);
+                }
+                Err(e) => tracing::debug!("virtio-fs {:?}: stopping the rings: {e}", self.tag),
+            }
+        }
         self.acked_features = 0;
     }
 }

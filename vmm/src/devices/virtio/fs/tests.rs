@@ -176,3 +176,228 @@ fn connect_errors_name_the_socket_and_check_the_tag() {
         ));
     }
 }
+
+/// What the fake vhost-user backend does besides answering like virtiofsd.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fake {
+    /// Refuses SET_MEM_TABLE (as virtiofsd when it cannot map the memory), then exits.
+    RefusesMemoryTable,
+    /// Never answers GET_VRING_BASE (as virtiofsd whose queue thread is stuck on a
+    /// file system that does not respond), but stays connected.
+    StallsRingStop,
+    /// Hangs up once connected (as virtiofsd that died before the driver started).
+    DiesAfterConnect,
+}
+
+const GET_FEATURES: u32 = 1;
+const SET_MEM_TABLE: u32 = 5;
+const GET_VRING_BASE: u32 = 11;
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const GET_QUEUE_NUM: u32 = 17;
+const NEED_REPLY: u32 = 0x8;
+
+/// A vhost-user backend on a socket in a directory of its own; its thread ends when
+/// the session does, returning whether it saw the frontend hang up.
+struct FakeBackend {
+    socket: std::path::PathBuf,
+    session: std::thread::JoinHandle<bool>,
+    _dir: tempfile::TempDir,
+}
+
+impl FakeBackend {
+    fn start(behaviour: Fake) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("fs.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let session = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            serve(stream, behaviour)
+        });
+        Self {
+            socket,
+            session,
+            _dir: dir,
+        }
+    }
+
+    /// Whether the frontend hung up, once the session is over (within 5 s).
+    fn saw_hang_up(self) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !self.session.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the fake backend's session is still open"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        self.session.join().unwrap()
+    }
+}
+
+/// Answers requests as virtiofsd does (with REPLY_ACK offered); returns true when the
+/// frontend hung up, false when the fake ended the session.
+fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
+    use std::io::{Read, Write};
+    let reply = |stream: &mut std::os::unix::net::UnixStream, code: u32, body: &[u8]| {
+        let mut message = Vec::new();
+        for word in [code, 0x1 | 0x4, body.len() as u32] {
+            message.extend_from_slice(&word.to_le_bytes());
+        }
+        message.extend_from_slice(body);
+        stream.write_all(&message).unwrap();
+    };
+    let mut header = [0u8; 12];
+    loop {
+        // Descriptors sent along are dropped with the control data nobody reads.
+        if stream.read_exact(&mut header).is_err() {
+            return true;
+        }
+        let word = |i: usize| u32::from_le_bytes(header[4 * i..4 * i + 4].try_into().unwrap());
+        let (code, flags, size) = (word(0), word(1), word(2));
+        let mut body = vec![0u8; size as usize];
+        stream.read_exact(&mut body).unwrap();
+        let ack = |stream: &mut std::os::unix::net::UnixStream, status: u64| {
+            if flags & NEED_REPLY != 0 {
+                reply(stream, code, &status.to_le_bytes());
+            }
+        };
+        match code {
+            GET_FEATURES => {
+                let features = FEATURE_VERSION_1 | (1 << 30);
+                reply(&mut stream, code, &features.to_le_bytes());
+            }
+            GET_PROTOCOL_FEATURES => {
+                let mq_and_reply_ack = 1u64 | (1 << 3);
+                reply(&mut stream, code, &mq_and_reply_ack.to_le_bytes());
+            }
+            GET_QUEUE_NUM => {
+                reply(&mut stream, code, &(NUM_QUEUES as u64).to_le_bytes());
+                if behaviour == Fake::DiesAfterConnect {
+                    return false;
+                }
+            }
+            SET_MEM_TABLE if behaviour == Fake::RefusesMemoryTable => {
+                ack(&mut stream, 1);
+                return false;
+            }
+            GET_VRING_BASE if behaviour == Fake::StallsRingStop => {}
+            GET_VRING_BASE => reply(&mut stream, code, &body[..4].repeat(2)),
+            _ => ack(&mut stream, 0),
+        }
+    }
+}
+
+/// Guest memory with two ready queues of 16, each with one LOOKUP waiting (request at
+/// 0x10_0000 + 0x1000 * queue, reply buffer 0x800 further).
+fn memory_and_queues() -> (crate::memory::GuestRam, Vec<Queue>) {
+    let ram = create_guest_ram(4 << 20).unwrap();
+    let queues = (0..NUM_QUEUES as u64)
+        .map(|index| {
+            let request = 0x10_0000 + 0x1000 * index;
+            ram.memory
+                .write_slice(&request_header(1, 100 + index), GuestAddress(request))
+                .unwrap();
+            let vq = MockSplitQueue::create(&ram.memory, GuestAddress(0x1_0000 * (index + 1)), 16);
+            vq.add_desc_chains(&[raw(request, 40, N, 1), raw(request + 0x800, 64, W, 0)], 0)
+                .unwrap();
+            vq.create_queue().unwrap()
+        })
+        .collect();
+    (ram, queues)
+}
+
+fn eventfds() -> Vec<EventFd> {
+    (0..NUM_QUEUES)
+        .map(|_| EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap())
+        .collect()
+}
+
+/// With REPLY_ACK, the frontend asks for an acknowledgement of each request: one the
+/// backend refuses fails the start, named, instead of passing unnoticed.
+#[test]
+fn a_request_the_backend_refuses_fails_the_start() {
+    let fake = FakeBackend::start(Fake::RefusesMemoryTable);
+    let mut backend = Backend::connect(&fake.socket, NUM_QUEUES).unwrap();
+    let (ram, queues) = memory_and_queues();
+    let kicks: Vec<_> = eventfds().into_iter().map(Arc::new).collect();
+    let result = backend.start(FEATURE_VERSION_1, &ram.memory, &queues, &eventfds(), &kicks);
+    assert!(
+        matches!(
+            result,
+            Err(BackendError::Request {
+                step: "SET_MEM_TABLE",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(result.unwrap_err().ends_session());
+}
+
+/// A backend that stays connected but does not answer GET_VRING_BASE (a device reset
+/// by the guest) is given up on after the timeout, and the session is shut down, so
+/// the vCPU that asked (holding the device) goes on.
+#[test]
+fn a_backend_that_does_not_answer_is_given_up_on() {
+    let fake = FakeBackend::start(Fake::StallsRingStop);
+    let mut backend = Backend::connect(&fake.socket, NUM_QUEUES).unwrap();
+    backend.set_reply_timeout(std::time::Duration::from_millis(200));
+    let (done, stopped) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = backend.stop_rings(NUM_QUEUES);
+        let _ = done.send((result, backend.hung_up()));
+    });
+    let (result, hung_up) = stopped
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("stopping the rings still waits for a backend that does not answer");
+    assert!(
+        matches!(
+            result,
+            Err(BackendError::NoAnswer {
+                step: "GET_VRING_BASE",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(hung_up);
+    assert!(fake.saw_hang_up(), "the session was not shut down");
+}
+
+/// A backend already gone when the driver starts the device: the device starts
+/// anyway, and the guest's requests (waiting in both queues) are answered with EIO,
+/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever.
+#[test]
+fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
+    let fake = FakeBackend::start(Fake::DiesAfterConnect);
+    let mut device = VhostUserFs::connect(&fake.socket, "share").unwrap();
+    assert!(
+        !fake.saw_hang_up(),
+        "the fake backend ends the session itself"
+    );
+    let (ram, queues) = memory_and_queues();
+    device.attach_queue_events(&eventfds()).unwrap();
+    let interrupt = InterruptTrigger::new(Arc::new(
+        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+    ));
+    device
+        .activate(ram.memory.clone(), queues, interrupt)
+        .expect("the device starts without its backend");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    for index in 0..NUM_QUEUES as u64 {
+        let mut reply = [0u8; 16];
+        loop {
+            ram.memory
+                .read_slice(&mut reply, GuestAddress(0x10_0800 + 0x1000 * index))
+                .unwrap();
+            if reply != [0u8; 16] || std::time::Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());
+        let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
+        assert_eq!((error, unique), (-libc::EIO, 100 + index), "queue {index}");
+    }
+    device.reset();
+}

@@ -1,6 +1,7 @@
 //! The device's thread: it waits for the backend to hang up, then serves the queues
 //! itself (see `fallback`). While the backend is there, the thread sleeps: the
-//! backend reads the kicks and signals the irqfd itself.
+//! backend reads the kicks and signals the irqfd itself. A device whose backend was
+//! already lost when the driver started it serves the queues from the start.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
@@ -23,7 +24,8 @@ pub struct Worker {
     tag: String,
     epoll: Epoll,
     stop: Arc<EventFd>,
-    hangup_fd: RawFd,
+    /// The backend's socket; None when it was lost before the worker started.
+    hangup_fd: Option<RawFd>,
     kicks: Vec<Arc<EventFd>>,
     memory: GuestMemoryMmap,
     queues: Vec<Queue>,
@@ -52,7 +54,7 @@ impl WorkerHandle {
 impl Worker {
     pub fn new(
         tag: String,
-        hangup_fd: RawFd,
+        hangup_fd: Option<RawFd>,
         kicks: Vec<Arc<EventFd>>,
         memory: GuestMemoryMmap,
         queues: Vec<Queue>,
@@ -74,7 +76,9 @@ impl Worker {
         worker.watch(worker.stop.as_raw_fd(), EventSet::IN, STOP)?;
         // Only the hang-up matters: the backend never writes unprompted, and replies
         // to our requests are read by the frontend itself.
-        worker.watch(hangup_fd, EventSet::READ_HANG_UP, HANGUP)?;
+        if let Some(fd) = hangup_fd {
+            worker.watch(fd, EventSet::READ_HANG_UP, HANGUP)?;
+        }
         Ok(worker)
     }
 
@@ -92,6 +96,10 @@ impl Worker {
     }
 
     fn run(mut self) {
+        if self.hangup_fd.is_none() {
+            // Said by the device, with what failed.
+            self.take_over_queues();
+        }
         let mut events = vec![EpollEvent::default(); 8];
         loop {
             let count = match self.epoll.wait(-1, &mut events) {
@@ -117,19 +125,25 @@ impl Worker {
         if self.backend_lost {
             return;
         }
-        self.backend_lost = true;
         tracing::error!(
             "virtio-fs {:?}: the backend (virtiofsd) hung up; the guest's requests to this \
              share now fail with EIO",
             self.tag
         );
-        if let Err(e) = self.epoll.ctl(
-            ControlOperation::Delete,
-            self.hangup_fd,
-            EpollEvent::default(),
-        ) {
-            tracing::warn!("virtio-fs {:?}: {e}", self.tag);
+        if let Some(fd) = self.hangup_fd.take() {
+            if let Err(e) = self
+                .epoll
+                .ctl(ControlOperation::Delete, fd, EpollEvent::default())
+            {
+                tracing::warn!("virtio-fs {:?}: {e}", self.tag);
+            }
         }
+        self.take_over_queues();
+    }
+
+    /// Serves the queues from where the backend left them, and from now on.
+    fn take_over_queues(&mut self) {
+        self.backend_lost = true;
         // Whatever the backend finished before it went, it may not have signalled.
         self.interrupt.signal_used_queue();
         for (index, queue) in self.queues.iter_mut().enumerate() {

@@ -156,7 +156,9 @@ pub fn host_edits_forwarded(value: Option<&str>) -> bool {
 /// Waits until the guest agent has touched [`SETTLE_MARKER`], written now in `ws`:
 /// the host's edits before it have then reached the guest (they are sent in order),
 /// so that their touches (a lookup and a setattr each, through virtiofsd) do not land
-/// in the guest's next timed script. How long it took.
+/// in the guest's next timed script. How long it took. The marker must exist before:
+/// a file the host creates is reported as its directory's new entry, and only the
+/// directory is touched.
 pub fn settle_host_edits(ws: &Path, timeout: Duration) -> Result<Duration, String> {
     let marker = ws.join(SETTLE_MARKER);
     let started = Instant::now();
@@ -765,6 +767,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     fs::write(ws.join("probe.txt"), &nonce).map_err(|e| format!("write probe.txt: {e}"))?;
+    // Made long before the first wait for the guest agent's touch of it: see
+    // settle_host_edits.
+    fs::write(ws.join(SETTLE_MARKER), "").map_err(|e| format!("write {SETTLE_MARKER}: {e}"))?;
     for side in [Side::Host, Side::Guest] {
         let ran = runner.run(side, "probe", PROBE)?;
         let get = |k: &str| marker(&ran.stdout, k).unwrap_or("").trim().to_string();

@@ -110,14 +110,7 @@ impl CertificateAuthority {
             path: cert_path.clone(),
             source,
         })?;
-        check_key_private(&key_path, dir)?;
-        let key_pem =
-            Zeroizing::new(
-                fs::read_to_string(&key_path).map_err(|source| CaError::Read {
-                    path: key_path.clone(),
-                    source,
-                })?,
-            );
+        let key_pem = read_private_key(&key_path, dir)?;
         let key = KeyPair::from_pem(&key_pem)
             .map_err(|e| corrupt(&key_path, format!("not a private key: {e}")))?;
         let cert_der = first_certificate(&cert_pem)
@@ -269,14 +262,30 @@ pub(crate) fn verify_leaf(
     Ok(())
 }
 
-/// Refuses a key file that is not a regular file of this user's with no access for
-/// anyone else.
-fn check_key_private(path: &Path, dir: &Path) -> Result<(), CaError> {
+/// Reads the key file, refusing one that is not a regular file of this user's with
+/// no access for anyone else. Checked on the file opened (no symlink followed), so
+/// what is read is what was checked.
+fn read_private_key(path: &Path, dir: &Path) -> Result<Zeroizing<String>, CaError> {
+    use std::io::Read;
     use std::os::unix::fs::MetadataExt;
-    let meta = fs::symlink_metadata(path).map_err(|source| CaError::Read {
+    let read_error = |source| CaError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    // O_NONBLOCK: a FIFO put there must not hold the open; it is refused below.
+    let mut file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => CaError::KeyNotPrivate {
+                path: path.to_path_buf(),
+                dir: dir.to_path_buf(),
+                why: "it is a symlink".into(),
+            },
+            _ => read_error(e),
+        })?;
+    let meta = file.metadata().map_err(read_error)?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     let why = if !meta.file_type().is_file() {
@@ -291,14 +300,16 @@ fn check_key_private(path: &Path, dir: &Path) -> Result<(), CaError> {
     } else {
         None
     };
-    match why {
-        Some(why) => Err(CaError::KeyNotPrivate {
+    if let Some(why) = why {
+        return Err(CaError::KeyNotPrivate {
             path: path.to_path_buf(),
             dir: dir.to_path_buf(),
             why,
-        }),
-        None => Ok(()),
+        });
     }
+    let mut key = Zeroizing::new(String::new());
+    file.read_to_string(&mut key).map_err(read_error)?;
+    Ok(key)
 }
 
 /// Creates `dir` (and its parents) with the directory itself 0700.
@@ -387,7 +398,7 @@ mod tests {
         fs::rename(&key, &elsewhere).unwrap();
         std::os::unix::fs::symlink(&elsewhere, &key).unwrap();
         let e = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap_err();
-        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(e.to_string().contains("it is a symlink"), "{e}");
     }
 
     #[test]

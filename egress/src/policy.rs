@@ -101,7 +101,7 @@ const REGISTRY_SECOND_LEVELS: [&str; 18] = [
 ];
 
 /// Hosting domains whose subdomains are their users' sites, anyone's to get.
-const HOSTING_DOMAINS: [&str; 24] = [
+const HOSTING_DOMAINS: [&str; 29] = [
     "appspot.com",
     "azurewebsites.net",
     "blogspot.com",
@@ -113,18 +113,23 @@ const HOSTING_DOMAINS: [&str; 24] = [
     "gitlab.io",
     "glitch.me",
     "herokuapp.com",
+    "hf.space",
     "netlify.app",
     "ngrok-free.app",
     "ngrok.app",
+    "ngrok.dev",
     "ngrok.io",
     "onrender.com",
     "pages.dev",
     "r2.dev",
     "readthedocs.io",
     "replit.dev",
+    "run.app",
     "surge.sh",
     "trycloudflare.com",
+    "up.railway.app",
     "vercel.app",
+    "web.app",
     "workers.dev",
 ];
 

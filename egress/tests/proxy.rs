@@ -678,6 +678,21 @@ async fn a_response_compressed_anyway_is_decoded_and_searched_or_refused() {
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
     assert!(body.contains("answered in the br coding"), "{body}");
     assert!(!(headers_text(&headers) + &body).contains(SECRET_CORE));
+    // A response without a body has nothing to search, whatever its coding. (On a
+    // connection of its own: the proxy closes one after its error.)
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let head = Request::builder()
+        .method("HEAD")
+        .uri("/br-echo")
+        .header(header::HOST, "api.test")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (status, headers, body) = exchange(&mut client, head).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers[header::CONTENT_ENCODING], "br");
+    assert!(body.is_empty(), "{body}");
 }
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, Bytes};
-use flate2::write::{MultiGzDecoder, ZlibDecoder};
+use flate2::write::{DeflateDecoder, MultiGzDecoder, ZlibDecoder};
 use http::header::{self, HeaderMap, HeaderValue};
 use hyper::body::{Body, Frame, Incoming};
 
@@ -42,7 +42,7 @@ pub(super) fn body_codings(headers: &HeaderMap) -> Vec<String> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Coding {
     Gzip,
-    /// RFC 9110's `deflate`: a zlib stream.
+    /// RFC 9110's `deflate`: a zlib stream, or raw deflate (as some servers send it).
     Deflate,
 }
 
@@ -76,44 +76,88 @@ pub(super) fn headers_for_decoded(headers: &mut HeaderMap) {
 
 enum Decoder {
     Gzip(MultiGzDecoder<Vec<u8>>),
-    Deflate(ZlibDecoder<Vec<u8>>),
+    Zlib(ZlibDecoder<Vec<u8>>),
+    RawDeflate(DeflateDecoder<Vec<u8>>),
+    /// `deflate` before its first two bytes, which tell a zlib stream from raw
+    /// deflate (as browsers tell them).
+    DeflateStart(Vec<u8>),
+}
+
+/// Whether `start` begins a zlib stream (RFC 1950: method 8, a window of at most
+/// 32 KiB, and a header check that makes the first 16 bits a multiple of 31).
+fn is_zlib_start(start: [u8; 2]) -> bool {
+    start[0] & 0x0f == 8 && start[0] >> 4 <= 7 && u16::from_be_bytes(start).is_multiple_of(31)
 }
 
 impl Decoder {
     fn new(coding: Coding) -> Self {
         match coding {
             Coding::Gzip => Self::Gzip(MultiGzDecoder::new(Vec::new())),
-            Coding::Deflate => Self::Deflate(ZlibDecoder::new(Vec::new())),
+            Coding::Deflate => Self::DeflateStart(Vec::with_capacity(2)),
         }
     }
 
     /// Decodes from the start of `input`; how much of it was taken (0 once the
     /// stream has ended).
     fn write(&mut self, input: &[u8]) -> io::Result<usize> {
+        if let Self::DeflateStart(start) = self {
+            let taken = input.len().min(2 - start.len());
+            start.extend_from_slice(&input[..taken]);
+            if let Ok(first) = <[u8; 2]>::try_from(start.as_slice()) {
+                *self = if is_zlib_start(first) {
+                    Self::Zlib(ZlibDecoder::new(Vec::new()))
+                } else {
+                    Self::RawDeflate(DeflateDecoder::new(Vec::new()))
+                };
+                self.write_all(&first)?;
+            }
+            return Ok(taken);
+        }
         let taken = match self {
             Self::Gzip(decoder) => decoder.write(input)?,
-            Self::Deflate(decoder) => decoder.write(input)?,
+            Self::Zlib(decoder) => decoder.write(input)?,
+            Self::RawDeflate(decoder) => decoder.write(input)?,
+            Self::DeflateStart(_) => 0,
         };
         // The decoder buffers its output until the next write; it is wanted now.
         match self {
             Self::Gzip(decoder) => decoder.flush()?,
-            Self::Deflate(decoder) => decoder.flush()?,
+            Self::Zlib(decoder) => decoder.flush()?,
+            Self::RawDeflate(decoder) => decoder.flush()?,
+            Self::DeflateStart(_) => {}
         }
         Ok(taken)
+    }
+
+    fn write_all(&mut self, mut input: &[u8]) -> io::Result<()> {
+        while !input.is_empty() {
+            match self.write(input)? {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                taken => input = &input[taken..],
+            }
+        }
+        Ok(())
     }
 
     /// Checks that the stream ended whole (its checksum included).
     fn finish(&mut self) -> io::Result<()> {
         match self {
             Self::Gzip(decoder) => decoder.try_finish(),
-            Self::Deflate(decoder) => decoder.try_finish(),
+            Self::Zlib(decoder) => decoder.try_finish(),
+            Self::RawDeflate(decoder) => decoder.try_finish(),
+            Self::DeflateStart(_) => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the deflate stream ends in its first byte",
+            )),
         }
     }
 
     fn take_output(&mut self) -> Bytes {
         let output = match self {
             Self::Gzip(decoder) => decoder.get_mut(),
-            Self::Deflate(decoder) => decoder.get_mut(),
+            Self::Zlib(decoder) => decoder.get_mut(),
+            Self::RawDeflate(decoder) => decoder.get_mut(),
+            Self::DeflateStart(_) => return Bytes::new(),
         };
         Bytes::from(std::mem::take(output))
     }
@@ -239,7 +283,7 @@ mod tests {
     use std::collections::VecDeque;
     use std::convert::Infallible;
 
-    use flate2::write::{GzEncoder, ZlibEncoder};
+    use flate2::write::{DeflateEncoder, GzEncoder, ZlibEncoder};
     use flate2::Compression;
     use http_body_util::BodyExt;
 
@@ -268,6 +312,12 @@ mod tests {
 
     fn zlib(plain: &[u8]) -> Vec<u8> {
         let mut encoder = ZlibEncoder::new(Vec::new(), Compression::default());
+        encoder.write_all(plain).unwrap();
+        encoder.finish().unwrap()
+    }
+
+    fn raw_deflate(plain: &[u8]) -> Vec<u8> {
+        let mut encoder = DeflateEncoder::new(Vec::new(), Compression::default());
         encoder.write_all(plain).unwrap();
         encoder.finish().unwrap()
     }
@@ -310,6 +360,8 @@ mod tests {
         for (coding, coded) in [
             (Coding::Gzip, gzip(&plain)),
             (Coding::Deflate, zlib(&plain)),
+            // Labelled deflate, as some servers send it.
+            (Coding::Deflate, raw_deflate(&plain)),
         ] {
             for cut in [1, 7, 4096, coded.len()] {
                 let (out, _, _) = decode(coding, &coded, cut, None).await.unwrap();
@@ -365,11 +417,14 @@ mod tests {
         let middle = corrupt.len() / 2;
         corrupt[middle] ^= 0xff;
         let trailing = [zlib(b"whole"), b"more".to_vec()].concat();
+        let gzip_trailing = [gzip(b"whole"), b"junk after the member".to_vec()].concat();
         for (coding, bytes, what) in [
             (Coding::Gzip, truncated.to_vec(), "truncated"),
             (Coding::Gzip, corrupt, "corrupt"),
             (Coding::Gzip, b"not gzip at all".to_vec(), "not gzip"),
             (Coding::Deflate, trailing, "bytes after the end"),
+            (Coding::Gzip, gzip_trailing, "junk after a gzip member"),
+            (Coding::Deflate, vec![0x78], "a deflate stream of one byte"),
         ] {
             let err = decode(coding, &bytes, 100, None).await.err();
             let err = err.unwrap_or_else(|| panic!("{what}: decoded without error"));

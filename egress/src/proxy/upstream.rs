@@ -295,15 +295,22 @@ pub(super) fn relay_response(
         Some(ask)
     };
     // A body the redactor reads must be plain bytes: one compressed anyway is decoded.
+    // (A response without a body has nothing to search, whatever its coding.)
+    let bodiless = |ask: &Ask| {
+        ask.method == "HEAD"
+            || matches!(
+                response.status(),
+                StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
+            )
+    };
     let decoding = match (&redactor, &body_ask) {
-        (Some(_), Some(ask)) => {
-            decoding_for(&body_codings(response.headers())).map_err(|codings| {
-                ProxyError::UndecodableResponse {
-                    target: ask.target(),
-                    codings,
-                }
-            })?
-        }
+        (Some(_), Some(ask)) if !bodiless(ask) => decoding_for(&body_codings(response.headers()))
+            .map_err(|codings| {
+            ProxyError::UndecodableResponse {
+                target: ask.target(),
+                codings,
+            }
+        })?,
         _ => None,
     };
     strip_hop_by_hop(response.headers_mut(), switching);

@@ -162,7 +162,7 @@ impl Backend {
         calls: &[EventFd],
         kicks: &[Arc<EventFd>],
     ) -> Result<(), BackendError> {
-        self.within_deadline(|backend| {
+        self.within_deadline("the requests that start the rings", |backend| {
             backend.start_rings(guest_features, memory, queues, calls, kicks)
         })
     }
@@ -241,7 +241,7 @@ impl Backend {
 
     /// Stops the rings (GET_VRING_BASE) after a device reset.
     pub fn stop_rings(&mut self, queues: usize) -> Result<(), BackendError> {
-        self.within_deadline(|backend| {
+        self.within_deadline("GET_VRING_BASE", |backend| {
             for index in 0..queues {
                 backend
                     .frontend
@@ -272,11 +272,13 @@ impl Backend {
         self.hung_up
     }
 
-    /// Runs `requests`, giving the backend its reply timeout ([`REPLY_TIMEOUT`]) to answer.
-    /// vhost retries a receive that times out (SO_RCVTIMEO), so a thread of its own
-    /// keeps the time: it shuts the session down, which ends the wait for a reply.
+    /// Runs `requests` (`what`, for the error), giving the backend its reply timeout
+    /// ([`REPLY_TIMEOUT`]) to answer. vhost retries a receive that times out
+    /// (SO_RCVTIMEO), so a thread of its own keeps the time: it shuts the session
+    /// down, which ends the wait for a reply.
     fn within_deadline(
         &mut self,
+        what: &'static str,
         requests: impl FnOnce(&mut Self) -> Result<(), BackendError>,
     ) -> Result<(), BackendError> {
         let timeout = self.reply_timeout;
@@ -312,6 +314,11 @@ impl Backend {
             Err(BackendError::Request { step, .. }) if timed_out => {
                 Err(BackendError::NoAnswer { step, timeout })
             }
+            // The last reply came as the time ran out, and the session is shut down.
+            Ok(()) if timed_out => Err(BackendError::NoAnswer {
+                step: what,
+                timeout,
+            }),
             other => other,
         }
     }

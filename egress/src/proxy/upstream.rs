@@ -304,13 +304,14 @@ pub(super) fn relay_response(
             )
     };
     let decoding = match (&redactor, &body_ask) {
-        (Some(_), Some(ask)) if !bodiless(ask) => decoding_for(&body_codings(response.headers()))
-            .map_err(|codings| {
-            ProxyError::UndecodableResponse {
+        (Some(_), Some(ask)) if !bodiless(ask) => {
+            let codings = body_codings(response.headers());
+            let undecodable = |codings| ProxyError::UndecodableResponse {
                 target: ask.target(),
                 codings,
-            }
-        })?,
+            };
+            decoding_for(&codings).map_err(undecodable)?
+        }
         _ => None,
     };
     strip_hop_by_hop(response.headers_mut(), switching);

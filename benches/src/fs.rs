@@ -1401,37 +1401,31 @@ mod tests {
         let e = settle_host_edits(&dir, Duration::from_millis(100)).unwrap_err();
         assert!(e.contains(HOST_EDITS_ENV), "{e}");
         // A stand-in for the agent touches it 200 ms after it was written.
-        let marker = dir.join(SETTLE_MARKER);
-        fs::remove_file(&marker).unwrap();
-        let toucher = std::thread::spawn(move || {
-            while !marker.exists() {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            std::thread::sleep(Duration::from_millis(200));
-            fs::File::options()
-                .write(true)
-                .open(&marker)
-                .unwrap()
-                .set_modified(SystemTime::now())
-                .unwrap();
-        });
-        let took = settle_host_edits(&dir, Duration::from_secs(10)).unwrap();
-        toucher.join().unwrap();
+        let took = settle_with_agent_stand_in(&dir, false, Duration::from_millis(200));
         assert!(took >= Duration::from_millis(200), "{took:?}");
-
         // The first write's edit is lost: the marker is written again, and that one's
         // touch ends the wait.
+        let took = settle_with_agent_stand_in(&dir, true, Duration::from_millis(50));
+        assert!(took >= SETTLE_RESEND, "{took:?}");
+    }
+
+    /// [`settle_host_edits`] in `dir`, a thread standing in for the guest agent: it
+    /// touches the marker `delay` after it is written (after it is written again, when
+    /// the first write's edit is `lost`).
+    fn settle_with_agent_stand_in(dir: &Path, lost: bool, delay: Duration) -> Duration {
         let marker = dir.join(SETTLE_MARKER);
-        fs::remove_file(&marker).unwrap();
+        let _ = fs::remove_file(&marker);
         let toucher = std::thread::spawn(move || {
             while !marker.exists() {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            let first = fs::read_to_string(&marker).unwrap();
-            while fs::read_to_string(&marker).is_ok_and(|now| now == first) {
-                std::thread::sleep(Duration::from_millis(5));
+            if lost {
+                let first = fs::read_to_string(&marker).unwrap();
+                while fs::read_to_string(&marker).is_ok_and(|now| now == first) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(delay);
             fs::File::options()
                 .write(true)
                 .open(&marker)
@@ -1439,9 +1433,9 @@ mod tests {
                 .set_modified(SystemTime::now())
                 .unwrap();
         });
-        let took = settle_host_edits(&dir, Duration::from_secs(10)).unwrap();
+        let took = settle_host_edits(dir, Duration::from_secs(10)).unwrap();
         toucher.join().unwrap();
-        assert!(took >= SETTLE_RESEND, "{took:?}");
+        took
     }
 
     #[test]

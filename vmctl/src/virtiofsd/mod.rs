@@ -661,6 +661,11 @@ mod tests {
     /// A stand-in for virtiofsd: creates its "socket", then fails when asked for the
     /// namespace sandbox (as where user namespaces are disabled), else waits.
     fn fake_virtiofsd(dir: &Path, namespace_behaviour: &str) -> PathBuf {
+        fake_virtiofsd_then(dir, namespace_behaviour, "exec sleep 600")
+    }
+
+    /// The same, running `then` once its socket is there (and the sandbox behaved).
+    fn fake_virtiofsd_then(dir: &Path, namespace_behaviour: &str, then: &str) -> PathBuf {
         let path = dir.join("fake-virtiofsd");
         let script = format!(
             "#!/bin/sh\n\
@@ -673,7 +678,7 @@ mod tests {
              done\n\
              : > \"$socket\"\n\
              if [ \"$sandbox\" = namespace ]; then {namespace_behaviour}; fi\n\
-             exec sleep 600\n"
+             {then}\n"
         );
         std::fs::write(&path, script).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -681,7 +686,11 @@ mod tests {
     }
 
     fn wait_for_failure(daemons: &FsDaemons) -> Vec<String> {
-        let deadline = Instant::now() + Duration::from_secs(5);
+        wait_for_failure_within(daemons, Duration::from_secs(5))
+    }
+
+    fn wait_for_failure_within(daemons: &FsDaemons, within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
         while daemons.failures().is_empty() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -811,17 +820,7 @@ mod tests {
     #[test]
     fn a_clean_exit_while_the_vmm_runs_is_reported() {
         let dir = tempfile::tempdir().unwrap();
-        let fake = dir.path().join("fake-virtiofsd");
-        let script = "#!/bin/sh\n\
-             while [ $# -gt 0 ]; do\n\
-               [ \"$1\" = --socket-path ] && socket=\"$2\"\n\
-               shift\n\
-             done\n\
-             : > \"$socket\"\n\
-             sleep 1\n\
-             exit 0\n";
-        std::fs::write(&fake, script).unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let fake = fake_virtiofsd_then(dir.path(), ":", "sleep 1; exit 0");
         for vmm_running in [false, true] {
             let (daemons, _) = start_as(
                 &fake,
@@ -834,11 +833,8 @@ mod tests {
             )
             .unwrap();
             daemons.shared.lock().vmm_running = if vmm_running { || true } else { || false };
-            let deadline = Instant::now() + Duration::from_secs(1) + 2 * CLEAN_EXIT_GRACE;
-            while daemons.failures().is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let failures = daemons.failures();
+            let within = Duration::from_secs(1) + 2 * CLEAN_EXIT_GRACE;
+            let failures = wait_for_failure_within(&daemons, within);
             if vmm_running {
                 assert_eq!(failures.len(), 1, "{failures:?}");
                 assert!(failures[0].contains("exit status: 0"), "{}", failures[0]);

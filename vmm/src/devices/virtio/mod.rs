@@ -20,7 +20,7 @@ use std::sync::Arc;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
-    GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
+    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
     WriteVolatile,
 };
 use vmm_sys_util::eventfd::EventFd;
@@ -177,11 +177,11 @@ impl ActiveQueue {
         })
     }
 
-    /// Hands the available descriptor chains to `handle`, which returns how many
-    /// bytes it wrote into guest memory; returns the chains to the driver and
-    /// interrupts it once if it wants to be told. Serves at most a ring's worth (the
-    /// queue's size) per call, and stops once the chains served add up to
-    /// [`SERVE_BYTES`], and returns whether more are available: a guest can keep the
+    /// Hands the available descriptor chains to `handle`, which says how many bytes
+    /// it wrote into guest memory (and what else it cost, see [`Served`]); returns the
+    /// chains to the driver and interrupts it once if it wants to be told. Serves at
+    /// most a ring's worth (the queue's size) per call, and stops once the chains
+    /// served cost [`SERVE_BYTES`], and returns whether more are available: a guest can keep the
     /// ring full for ever (its requests can even publish the next ones), each chain can
     /// ask for gigabytes (its descriptors may all name the same buffer), and the event
     /// loop that calls this must get back to its other work (a stop, a vCPU's exit) in
@@ -193,10 +193,10 @@ impl ActiveQueue {
     /// holds at most the queue's size in descriptors, which is as long as a chain of
     /// the ring itself can be; a longer one (through an indirect table, up to 65,535
     /// descriptors) is cut there, its last descriptor still saying that more follow.
-    pub fn serve(
+    pub fn serve<S: Into<Served>>(
         &mut self,
         device: &str,
-        mut handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> u32,
+        mut handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> S,
     ) -> QueueProgress {
         let mut used_any = false;
         let mut left = self.queue.size();
@@ -215,8 +215,8 @@ impl ActiveQueue {
                 .iter()
                 .map(|desc| u64::from(desc.len()))
                 .sum();
-            let len = handle(&self.descriptors, &self.memory);
-            if let Err(e) = self.queue.add_used(&self.memory, head, len) {
+            let served: Served = handle(&self.descriptors, &self.memory).into();
+            if let Err(e) = self.queue.add_used(&self.memory, head, served.used_len) {
                 guest_log::guest_warn!(
                     "{device}: cannot return descriptor {head} to the driver: {e}"
                 );
@@ -224,7 +224,9 @@ impl ActiveQueue {
             }
             used_any = true;
             left = left.saturating_sub(1);
-            bytes_left = bytes_left.saturating_sub(asked);
+            bytes_left = bytes_left
+                .saturating_sub(asked)
+                .saturating_sub(served.extra_cost);
             if left == 0 || bytes_left == 0 {
                 break if has_available(&self.queue, &self.memory) {
                     QueueProgress::MoreAvailable
@@ -234,7 +236,7 @@ impl ActiveQueue {
             }
         };
         if used_any {
-            match self.queue.needs_notification(&self.memory) {
+            match driver_wants_interrupt(&mut self.queue, &self.memory) {
                 Ok(false) => {}
                 Ok(true) => self.interrupt.signal_used_queue(),
                 Err(e) => {
@@ -245,6 +247,51 @@ impl ActiveQueue {
         }
         progress
     }
+}
+
+/// What a handler of [`ActiveQueue::serve`] did with one chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    /// The used length returned to the driver: bytes written into guest memory.
+    pub used_len: u32,
+    /// Work beyond the bytes the chain claims, counted against [`SERVE_BYTES`] like
+    /// them: a request that costs the host a disk flush is not the 17 bytes it names.
+    pub extra_cost: u64,
+}
+
+impl From<u32> for Served {
+    fn from(used_len: u32) -> Self {
+        Self {
+            used_len,
+            extra_cost: 0,
+        }
+    }
+}
+
+/// VIRTQ_AVAIL_F_NO_INTERRUPT (virtio 1.2, 2.7.7): the driver needs no interrupt.
+const AVAIL_F_NO_INTERRUPT: u16 = 1;
+
+/// Whether the driver wants an interrupt for the chains just put in `queue`'s used
+/// ring. virtio-queue answers for VIRTIO_RING_F_EVENT_IDX; without it, it always says
+/// yes, so the avail ring's NO_INTERRUPT flag is read here: Linux sets it while its
+/// handler is already taking used chains (virtqueue_disable_cb), and each interrupt
+/// then is a VM exit for nothing. Reading the flag after the used index was written
+/// (virtio-queue fences in between) keeps a driver that clears it, then rechecks
+/// the used index (virtqueue_enable_cb), from missing what was used.
+pub(crate) fn driver_wants_interrupt(
+    queue: &mut Queue,
+    memory: &GuestMemoryMmap,
+) -> Result<bool, virtio_queue::Error> {
+    if !queue.needs_notification(memory)? {
+        return Ok(false);
+    }
+    if queue.event_idx_enabled() {
+        return Ok(true);
+    }
+    let flags: u16 = memory
+        .load(GuestAddress(queue.avail_ring()), Ordering::Acquire)
+        .map_err(virtio_queue::Error::GuestMemory)?;
+    Ok(u16::from_le(flags) & AVAIL_F_NO_INTERRUPT == 0)
 }
 
 /// Whether the driver made chains available that `queue` has not taken yet (an
@@ -268,11 +315,11 @@ pub enum QueueProgress {
 /// The `process_queue` of a single-queue device: serves queue 0 of `active` with
 /// `handle` (see [`ActiveQueue::serve`]); other indexes and notifications before
 /// activation are logged and ignored.
-pub fn serve_single_queue(
+pub fn serve_single_queue<S: Into<Served>>(
     active: Option<&mut ActiveQueue>,
     device: &str,
     index: usize,
-    handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> u32,
+    handle: impl FnMut(&[Descriptor], &GuestMemoryMmap) -> S,
 ) -> QueueProgress {
     let Some(active) = active else {
         tracing::debug!("{device}: queue {index} notified before activation");
@@ -514,6 +561,57 @@ mod tests {
             0
         });
         assert_eq!((progress, served), (QueueProgress::Done, 6));
+    }
+
+    /// A chain whose handling cost more than its bytes (a disk flush) counts that
+    /// against the budget too.
+    #[test]
+    fn a_call_stops_at_its_budget_of_extra_cost() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (_ring, mut active) = served_queue(&memory, 6);
+        let mut served = 0;
+        let mut costly = || {
+            served += 1;
+            Served {
+                used_len: 0,
+                extra_cost: SERVE_BYTES / 4,
+            }
+        };
+        assert_eq!(
+            active.serve("test", |_, _| costly()),
+            QueueProgress::MoreAvailable
+        );
+        assert_eq!(active.serve("test", |_, _| costly()), QueueProgress::Done);
+        assert_eq!(served, 6);
+    }
+
+    /// A driver that set NO_INTERRUPT in its avail ring (Linux, while its handler
+    /// takes used chains) gets none; once it clears the flag, it gets one again.
+    #[test]
+    fn no_interrupt_is_sent_to_a_driver_that_asked_for_none() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let ring = MockSplitQueue::new(&memory, RING_SIZE);
+        ring.add_desc_chains(&buffers(2), 0).unwrap();
+        let irqfd = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        let mut active = ActiveQueue::new(
+            memory.clone(),
+            vec![ring.create_queue().unwrap()],
+            InterruptTrigger::new(irqfd.clone()),
+        )
+        .unwrap();
+        let flags = ring.avail_addr();
+        memory.write_obj(AVAIL_F_NO_INTERRUPT, flags).unwrap();
+        // The mock publishes every chain at once: hold the second one back.
+        let avail_idx = flags.unchecked_add(2);
+        memory.write_obj(1u16, avail_idx).unwrap();
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert!(irqfd.read().is_err(), "an interrupt the driver declined");
+
+        memory.write_obj(0u16, flags).unwrap();
+        memory.write_obj(2u16, avail_idx).unwrap();
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(irqfd.read().unwrap(), 1);
+        assert_eq!(ring.used().idx().load(), 2);
     }
 
     /// A guest can change its descriptors at any time (another vCPU, in a tight

@@ -16,7 +16,7 @@ use super::request::{self, Request, RequestType};
 use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::{
     read_into_guest, serve_single_queue, write_from_guest, ActivateError, ActiveQueue,
-    GuestIoError, InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_BLOCK,
+    GuestIoError, InterruptTrigger, QueueProgress, Served, VirtioDevice, DEVICE_ID_BLOCK,
     FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
@@ -56,9 +56,22 @@ struct Disk {
     read_only: bool,
     capacity_sectors: u64,
     id: [u8; VIRTIO_BLK_ID_LEN],
+    /// Written since the last flush: a flush with nothing to make durable (on a
+    /// read-only disk, never) costs the host no sync.
+    dirty: bool,
+    /// The driver did not take VIRTIO_BLK_F_FLUSH, so it sees a write-through cache
+    /// (virtio 1.2, 5.2.6.2) and never flushes: every write is made durable before it
+    /// completes.
+    write_through: bool,
+    /// Syncs of the host file so far, for the budget (see [`SYNC_COST`]).
+    syncs: u64,
 }
 
-/// Memory, queue and interrupt handed over at activation.
+/// What one flush of the host file costs in [`ActiveQueue::serve`]'s budget: a
+/// ring of flushes (or of small writes when write-through) must not hold the event
+/// loop for a ring's worth of syncs.
+const SYNC_COST: u64 = crate::devices::virtio::SERVE_BYTES / 16;
+
 /// A virtio-blk device backed by a raw disk image.
 pub struct Block {
     disk: Disk,
@@ -110,6 +123,9 @@ impl Block {
                 read_only,
                 capacity_sectors,
                 id: id_bytes,
+                dirty: false,
+                write_through: false,
+                syncs: 0,
             },
             avail_features,
             acked_features: 0,
@@ -153,15 +169,17 @@ fn used_len(written: u32, descs: &[Descriptor]) -> u32 {
 }
 
 impl Disk {
-    /// Handles one chain and returns the used length (see [`used_len`]).
-    fn handle_chain(&self, descs: &[Descriptor], memory: &GuestMemoryMmap) -> u32 {
+    /// Handles one chain: its used length (see [`used_len`]) and what it cost the
+    /// host beyond its bytes.
+    fn handle_chain(&mut self, descs: &[Descriptor], memory: &GuestMemoryMmap) -> Served {
         let status_addr = match request::status_address(descs, memory) {
             Ok(addr) => addr,
             Err(e) => {
                 guest_log::guest_warn!("virtio-blk: dropping a request: {e}");
-                return 0;
+                return Served::from(0);
             }
         };
+        let synced_before = self.syncs;
         let (status, written) = match Request::parse(descs, memory, self.capacity_sectors) {
             Ok(req) => self.execute(&req, memory),
             Err(e) => {
@@ -169,24 +187,31 @@ impl Disk {
                 (VIRTIO_BLK_S_IOERR, 0)
             }
         };
+        let extra_cost = SYNC_COST * (self.syncs - synced_before);
         // `status` is one of the VIRTIO_BLK_S_* values, all below 256.
-        if let Err(e) = memory.write_obj(status as u8, status_addr) {
-            guest_log::guest_warn!(
-                "virtio-blk: cannot write the status byte at {status_addr:?}: {e}"
-            );
-            return written;
+        let used_len = match memory.write_obj(status as u8, status_addr) {
+            Ok(()) => used_len(written, descs),
+            Err(e) => {
+                guest_log::guest_warn!(
+                    "virtio-blk: cannot write the status byte at {status_addr:?}: {e}"
+                );
+                written
+            }
+        };
+        Served {
+            used_len,
+            extra_cost,
         }
-        used_len(written, descs)
     }
 
     /// Runs a parsed request: returns the status and the data bytes written to guest
     /// memory.
-    fn execute(&self, req: &Request, memory: &GuestMemoryMmap) -> (u32, u32) {
+    fn execute(&mut self, req: &Request, memory: &GuestMemoryMmap) -> (u32, u32) {
         let data_len = u32::try_from(req.data_len).unwrap_or(u32::MAX);
         let result = match req.request_type {
             RequestType::In => self.read(req, memory).map(|()| data_len),
             RequestType::Out => self.write(req, memory).map(|()| 0),
-            RequestType::Flush => self.file.sync_data().map(|()| 0).map_err(BlockError::Flush),
+            RequestType::Flush => self.flush().map(|()| 0),
             RequestType::GetId => self.get_id(req, memory),
             RequestType::Unsupported(t) => {
                 tracing::debug!("virtio-blk: unsupported request type {t}");
@@ -223,10 +248,12 @@ impl Disk {
         Ok(())
     }
 
-    fn write(&self, req: &Request, memory: &GuestMemoryMmap) -> Result<(), BlockError> {
+    fn write(&mut self, req: &Request, memory: &GuestMemoryMmap) -> Result<(), BlockError> {
         if self.read_only {
             return Err(BlockError::ReadOnly { sector: req.sector });
         }
+        // Before the first byte: a write that fails half-way has changed the file.
+        self.dirty = true;
         let mut file = FileAt {
             file: &self.file,
             offset: Self::disk_offset(req.sector),
@@ -239,6 +266,20 @@ impl Disk {
                 }
             })?;
         }
+        if self.write_through {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Makes what was written durable; nothing to do when nothing was.
+    fn flush(&mut self) -> Result<(), BlockError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        self.syncs += 1;
+        self.file.sync_data().map_err(BlockError::Flush)?;
+        self.dirty = false;
         Ok(())
     }
 
@@ -351,6 +392,7 @@ impl VirtioDevice for Block {
 
     fn set_acked_features(&mut self, features: u64) {
         self.acked_features = features & self.avail_features;
+        self.disk.write_through = self.acked_features & (1 << VIRTIO_BLK_F_FLUSH) == 0;
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -376,7 +418,7 @@ impl VirtioDevice for Block {
     }
 
     fn process_queue(&mut self, index: usize) -> QueueProgress {
-        let disk = &self.disk;
+        let disk = &mut self.disk;
         // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors. The chain
         // comes cut at the queue's size: a longer one (only an indirect table can hold
         // it) ends in a descriptor that says more follow, and is rejected as truncated.
@@ -664,6 +706,58 @@ mod tests {
         write_header(&mem, VIRTIO_BLK_T_FLUSH, 0);
         assert_eq!(h.run(&mem, &chain(&[(DATA, 512, 0)])), vec![(0, 1)]);
         assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR);
+    }
+
+    /// Runs one request of `request_type` at sector 0 (a sector of data for a write)
+    /// and checks it succeeded.
+    fn run_ok(h: &mut Harness, mem: &GuestMemoryMmap, request_type: u32) {
+        write_header(mem, request_type, 0);
+        preset_status(mem);
+        let data: &[(u64, u32, u16)] = if request_type == VIRTIO_BLK_T_OUT {
+            &[(DATA, 512, 0)]
+        } else {
+            &[]
+        };
+        assert_eq!(h.run(mem, &chain(data)), vec![(0, 1)]);
+        assert_eq!(status(mem), VIRTIO_BLK_S_OK);
+    }
+
+    #[test]
+    fn a_flush_syncs_the_disk_only_after_a_write() {
+        let mem = memory();
+        let mut h = harness(8, false);
+        h.block.set_acked_features(h.block.avail_features());
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_FLUSH);
+        assert_eq!(h.block.disk.syncs, 0);
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_OUT);
+        assert_eq!(h.block.disk.syncs, 0, "a write-back cache syncs on flush");
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_FLUSH);
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_FLUSH);
+        assert_eq!(h.block.disk.syncs, 1);
+
+        let mut read_only = harness(8, true);
+        read_only
+            .block
+            .set_acked_features(read_only.block.avail_features());
+        run_ok(&mut read_only, &mem, VIRTIO_BLK_T_FLUSH);
+        assert_eq!(read_only.block.disk.syncs, 0);
+    }
+
+    /// A driver that did not take VIRTIO_BLK_F_FLUSH never flushes: it was told the
+    /// cache is write-through, so each write is durable before it completes.
+    #[test]
+    fn a_driver_without_flush_gets_each_write_synced() {
+        let mem = memory();
+        let mut h = harness(8, false);
+        h.block.set_acked_features(FEATURE_VERSION_1);
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_OUT);
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_OUT);
+        assert_eq!(h.block.disk.syncs, 2);
+
+        h.block.reset();
+        h.block.set_acked_features(h.block.avail_features());
+        run_ok(&mut h, &mem, VIRTIO_BLK_T_OUT);
+        assert_eq!(h.block.disk.syncs, 2);
     }
 
     #[test]

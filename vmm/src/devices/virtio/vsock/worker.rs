@@ -232,7 +232,7 @@ impl Datapath {
 
     /// Whether the driver wants an interrupt for what was just used in queue `index`.
     fn needs_notification(&mut self, index: usize) -> Result<bool, virtio_queue::Error> {
-        self.queues[index].needs_notification(&self.memory)
+        crate::devices::virtio::driver_wants_interrupt(&mut self.queues[index], &self.memory)
     }
 
     /// Hands the packets the guest sent to the muxer, a ring's worth at most (the

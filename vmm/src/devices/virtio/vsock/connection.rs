@@ -211,11 +211,36 @@ impl Connection {
     /// data before it was read); otherwise what is left is read first, up to EOF.
     pub fn hung_up(&mut self) {
         self.hup = true;
-        if self.host_eof {
+        self.readable = true;
+        self.close_if_drained();
+    }
+
+    /// After a hang-up, what is left is read up to EOF; once there is nothing more
+    /// the guest can be given (EOF was read, or the guest shut its receiving side),
+    /// the connection closes. Without this, a socket out of epoll that is never read
+    /// again would hold its connection until the guest closed it.
+    fn close_if_drained(&mut self) {
+        if self.hup && (self.host_eof || self.peer_shutdown & SHUTDOWN_RCV != 0) {
             self.host_closed();
-        } else {
-            self.readable = true;
         }
+    }
+
+    /// The host socket takes no more (its reader is gone): what the guest sent, and
+    /// sends from now on, is dropped, its credit given back. What the host wrote
+    /// before it went is still in the socket, so this is a hang-up, not the end: an
+    /// answer written just before the host closed still reaches the guest.
+    fn host_stopped_reading(&mut self) {
+        let dropped = self.unwritten();
+        tracing::debug!(
+            "vsock: {}:{}: the host socket takes no more ({dropped} bytes from the guest dropped)",
+            self.local_port,
+            self.peer_port,
+        );
+        // At most BUF_ALLOC.
+        self.fwd_cnt += dropped as u32;
+        self.tx_buf.clear();
+        self.prefix = 0;
+        self.hung_up();
     }
 
     /// The host shut down its sending side (a hang-up says when it closes for good):
@@ -287,6 +312,7 @@ impl Connection {
             (State::Established, Op::Shutdown) => {
                 self.peer_shutdown |= pkt.hdr.flags & (SHUTDOWN_RCV | SHUTDOWN_SEND);
                 self.check_shutdown();
+                self.close_if_drained();
                 Ok(())
             }
             (state, _) => unexpected(state),
@@ -316,8 +342,8 @@ impl Connection {
             let (front, _) = self.tx_buf.as_slices();
             match self.stream.write(front) {
                 Ok(0) => {
-                    self.host_closed();
-                    return;
+                    self.host_stopped_reading();
+                    break;
                 }
                 Ok(n) => {
                     self.tx_buf.drain(..n);
@@ -330,8 +356,8 @@ impl Connection {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     tracing::debug!("vsock: write to host socket failed: {e}");
-                    self.host_closed();
-                    return;
+                    self.host_stopped_reading();
+                    break;
                 }
             }
         }
@@ -584,6 +610,51 @@ mod tests {
         assert_eq!(h.op, Op::Rst as u16);
         assert!(c.dead);
         assert!(c.produce(&mut buf).is_none());
+    }
+
+    /// The host answers and closes while the guest is still sending: the guest's
+    /// bytes cannot be written any more, but the answer must still reach it, before
+    /// the SHUTDOWN and RST, and the dropped bytes' credit is given back.
+    #[test]
+    fn an_answer_written_before_the_host_closed_reaches_a_guest_still_sending() {
+        let (mut c, mut b) = established(4096);
+        b.write_all(b"answer").unwrap();
+        drop(b);
+        c.handle_guest(&pkt(Op::Rw, 0, b"more", 4096, 0), Op::Rw)
+            .unwrap();
+        assert_eq!(c.unwritten(), 0);
+        let mut buf = [0u8; 16];
+        let (h, n) = c.produce(&mut buf).unwrap();
+        assert_eq!((h.op, &buf[..n]), (Op::Rw as u16, &b"answer"[..]));
+        assert_eq!(h.fwd_cnt, 4, "the dropped bytes' credit");
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Shutdown as u16);
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Rst as u16);
+        assert!(c.dead);
+    }
+
+    /// A guest that shut its receiving side is given nothing more, so a host hang-up,
+    /// before or after that, ends the connection at once.
+    #[test]
+    fn a_host_hang_up_ends_a_connection_whose_guest_takes_nothing() {
+        for hang_up_first in [false, true] {
+            let (mut c, b) = established(4096);
+            drop(b);
+            let shut_receiving = pkt(Op::Shutdown, SHUTDOWN_RCV, &[], 4096, 0);
+            if hang_up_first {
+                c.hung_up();
+                c.handle_guest(&shut_receiving, Op::Shutdown).unwrap();
+            } else {
+                c.handle_guest(&shut_receiving, Op::Shutdown).unwrap();
+                c.hung_up();
+            }
+            let mut buf = [0u8; 16];
+            let (h, _) = c.produce(&mut buf).unwrap();
+            assert_eq!(h.op, Op::Shutdown as u16, "hang-up first: {hang_up_first}");
+            let (h, _) = c.produce(&mut buf).unwrap();
+            assert_eq!(h.op, Op::Rst as u16, "hang-up first: {hang_up_first}");
+        }
     }
 
     #[test]

@@ -45,6 +45,14 @@ pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 #[cfg(test)]
 pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
 
+/// How long a host client has, once accepted, to send its whole `CONNECT` line (vmctl
+/// sends it at once). Clients that never do would otherwise hold the pending slots
+/// for ever, and every later client would be refused.
+#[cfg(not(test))]
+pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+#[cfg(test)]
+pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// (local (host) port, peer (guest) port).
 pub type ConnKey = (u32, u32);
 
@@ -96,6 +104,9 @@ pub struct Muxer {
     /// Host clients' requests to the guest in the order they went out, each with when
     /// it expires and its socket's token (a key may be reused by a later connection).
     requests: VecDeque<(Instant, ConnKey, u64)>,
+    /// Pending clients' tokens in the order they were accepted, each with when its
+    /// handshake expires.
+    handshakes: VecDeque<(Instant, u64)>,
     /// The listener is out of epoll until then: accepting failed for want of file
     /// descriptors, and a level-triggered listener would wake us again at once.
     accept_paused_until: Option<Instant>,
@@ -131,6 +142,7 @@ impl Muxer {
             rx_ready: VecDeque::new(),
             rst_queue: VecDeque::new(),
             requests: VecDeque::new(),
+            handshakes: VecDeque::new(),
             accept_paused_until: None,
             exhaustion_reported: false,
             stats: Stats::default(),
@@ -216,6 +228,8 @@ impl Muxer {
                     line: Vec::new(),
                 },
             );
+            self.handshakes
+                .push_back((Instant::now() + HANDSHAKE_TIMEOUT, token));
         }
     }
 
@@ -243,13 +257,15 @@ impl Muxer {
     }
 
     /// The epoll timeout the worker should use: until the paused listener is due
-    /// back or the oldest request expires, else none (-1).
+    /// back or the oldest request or handshake expires, else none (-1).
     pub fn poll_timeout_ms(&self) -> i32 {
         let oldest_request = self.requests.front().map(|(expiry, _, _)| *expiry);
+        let oldest_handshake = self.handshakes.front().map(|(expiry, _)| *expiry);
         match self
             .accept_paused_until
             .into_iter()
             .chain(oldest_request)
+            .chain(oldest_handshake)
             .min()
         {
             Some(until) => {
@@ -261,10 +277,37 @@ impl Muxer {
         }
     }
 
+    /// Ends what waited too long: handshakes and requests.
+    pub fn expire_overdue(&mut self) {
+        self.expire_handshakes();
+        self.expire_requests();
+    }
+
+    /// Closes the host clients that did not send their `CONNECT` line within
+    /// [`HANDSHAKE_TIMEOUT`].
+    fn expire_handshakes(&mut self) {
+        let now = Instant::now();
+        while let Some(&(expiry, token)) = self.handshakes.front() {
+            if expiry > now {
+                return;
+            }
+            self.handshakes.pop_front();
+            // Dropping the stream closes it (and takes it out of epoll).
+            if let Some(client) = self.pending_clients.remove(&token) {
+                self.stats.refused_clients += 1;
+                tracing::debug!(
+                    "vsock: a host client sent no CONNECT line within {} s ({} bytes of it)",
+                    HANDSHAKE_TIMEOUT.as_secs_f32(),
+                    client.line.len()
+                );
+            }
+        }
+    }
+
     /// Ends the host clients' requests the guest left unanswered for
     /// [`REQUEST_TIMEOUT`]: the client's socket is closed, and the guest is sent an RST
     /// in case it answers later.
-    pub fn expire_requests(&mut self) {
+    fn expire_requests(&mut self) {
         let now = Instant::now();
         while let Some(&(expiry, key, token)) = self.requests.front() {
             if expiry > now {
@@ -609,6 +652,7 @@ fn parse_connect(line: &[u8]) -> Result<u32, MuxerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     /// Set in the child process that runs the out-of-descriptors scenario alone: it
     /// lowers the process's open files limit, which would starve tests beside it.
@@ -692,6 +736,39 @@ mod tests {
             "the waiting client is accepted"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_client_that_never_finishes_its_connect_line_is_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut muxer = Muxer::new(3, &path, Arc::new(listener)).unwrap();
+        let mut client = UnixStream::connect(&path).unwrap();
+        client.write_all(b"CONNECT 5").unwrap();
+        muxer.handle_event(LISTENER_TOKEN, EventSet::IN);
+        let token = *muxer.pending_clients.keys().next().unwrap();
+        muxer.handle_event(token, EventSet::IN);
+        assert_eq!(
+            muxer.pending_clients.len(),
+            1,
+            "half a line is no handshake"
+        );
+        let timeout = muxer.poll_timeout_ms();
+        assert!(
+            timeout > 0 && u128::from(timeout.unsigned_abs()) <= HANDSHAKE_TIMEOUT.as_millis() + 1
+        );
+
+        muxer.expire_overdue();
+        assert_eq!(muxer.pending_clients.len(), 1, "expired early");
+        std::thread::sleep(HANDSHAKE_TIMEOUT + Duration::from_millis(50));
+        muxer.expire_overdue();
+        assert!(muxer.pending_clients.is_empty());
+        assert_eq!(muxer.stats.refused_clients, 1);
+        assert_eq!(muxer.poll_timeout_ms(), -1);
+        let mut rest = Vec::new();
+        assert_eq!(client.read_to_end(&mut rest).unwrap(), 0, "closed");
     }
 
     #[test]

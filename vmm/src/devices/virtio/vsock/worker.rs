@@ -183,7 +183,7 @@ impl Worker {
                 return;
             }
             self.datapath.muxer.resume_accepting_if_due();
-            self.datapath.muxer.expire_requests();
+            self.datapath.muxer.expire_overdue();
             more = self.process();
         }
     }

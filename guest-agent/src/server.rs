@@ -10,7 +10,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
@@ -130,21 +130,57 @@ impl std::str::FromStr for ListenAddr {
 /// Dispatches exit statuses to the exec sessions waiting for them. There is one
 /// reaper per server; as PID 1 it also reaps orphans.
 struct Reaper {
+    /// Read-held over each spawn, until its pid is registered: std waits on a child
+    /// whose exec failed itself, and a new child's status must not be taken before
+    /// someone waits for it, so no reap-any-child sweep (`waitpid(-1)`) may run then.
+    /// Spawns do not wait for each other: one exec stuck on a share holds no other up.
+    spawning: RwLock<()>,
+    /// The sessions waiting for their command's exit status, by pid; held briefly.
     waiting: Mutex<HashMap<i32, oneshot::Sender<i32>>>,
     reap_all: bool,
 }
 
 impl Reaper {
-    /// Collects every exit status available now; if a spawn holds the lock (it may
-    /// wait long on a share), the next SIGCHLD or sweep does, so that the runtime's
-    /// thread never waits for it.
+    fn new(reap_all: bool) -> Self {
+        Self {
+            spawning: RwLock::new(()),
+            waiting: Mutex::new(HashMap::new()),
+            reap_all,
+        }
+    }
+
+    fn waiting(&self) -> MutexGuard<'_, HashMap<i32, oneshot::Sender<i32>>> {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Spawns `cmd` and registers its pid before any sweep can reap it; the receiver
+    /// gets its wait status.
+    fn spawn(
+        &self,
+        cmd: &mut Command,
+    ) -> io::Result<(std::process::Child, oneshot::Receiver<i32>)> {
+        let _spawning = self.spawning.read().unwrap_or_else(PoisonError::into_inner);
+        let child = cmd.spawn()?;
+        let (tx, rx) = oneshot::channel();
+        self.waiting().insert(child.id() as i32, tx);
+        Ok((child, rx))
+    }
+
+    /// Collects every exit status available now. While a spawn is under way (it may
+    /// wait long on a share), only the registered commands are reaped, each by its
+    /// pid; orphans wait for a later sweep.
     fn reap(&self) {
-        let mut waiting = match self.waiting.try_lock() {
-            Ok(w) => w,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return,
+        let sweep = if self.reap_all {
+            match self.spawning.try_write() {
+                Ok(guard) => Some(guard),
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            }
+        } else {
+            None
         };
-        if self.reap_all {
+        let mut waiting = self.waiting();
+        if sweep.is_some() {
             loop {
                 let mut status = 0;
                 // SAFETY: waitpid with a valid pointer to a local int.
@@ -226,10 +262,7 @@ impl Listener {
 /// powers off). Accept errors are logged and retried.
 pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), ServerError> {
     let state = Arc::new(State {
-        reaper: Reaper {
-            waiting: Mutex::new(HashMap::new()),
-            reap_all: config.reap_all,
-        },
+        reaper: Reaper::new(config.reap_all),
         config,
         started: Instant::now(),
         active_execs: AtomicU32::new(0),
@@ -551,12 +584,6 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn set_cloexec(fd: RawFd) -> io::Result<()> {
-    // SAFETY: fcntl on a descriptor we own; no pointers involved.
-    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) })?;
-    Ok(())
-}
-
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl on a descriptor we own; no pointers involved.
     let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFL) })?;
@@ -574,27 +601,48 @@ fn winsize(rows: u16, cols: u16) -> libc::winsize {
     }
 }
 
-/// Opens a pseudo-terminal of the requested size: (master, slave).
+/// Opens a pseudo-terminal of the requested size: (master, slave). Both ends are
+/// close-on-exec from the start: another session may spawn its command at any
+/// moment, and that command must not inherit this terminal (it could type into it,
+/// and would keep it from hanging up).
 fn open_pty(tty: &TtyRequest) -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut master: RawFd = -1;
-    let mut slave: RawFd = -1;
-    let ws = winsize(tty.rows, tty.cols);
-    // SAFETY: openpty writes two descriptors into the provided ints; the name and
-    // termios pointers may be null; the winsize pointer refers to a live local.
-    cvt(unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            &ws,
+    // SAFETY: posix_openpt takes flags only and returns a new descriptor or -1.
+    let master =
+        cvt(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
+    // SAFETY: posix_openpt succeeded, so the descriptor is open and nobody else owns it.
+    let master = unsafe { OwnedFd::from_raw_fd(master) };
+    // SAFETY: grantpt and unlockpt take a descriptor we own; no pointers involved.
+    cvt(unsafe { libc::grantpt(master.as_raw_fd()) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::unlockpt(master.as_raw_fd()) })?;
+    // SAFETY: TIOCGPTPEER takes the flags of the new descriptor and returns it or -1.
+    let slave = cvt(unsafe {
+        libc::ioctl(
+            master.as_raw_fd(),
+            libc::TIOCGPTPEER as _,
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
         )
     })?;
-    // SAFETY: openpty succeeded, so both descriptors are open and owned by nobody else.
-    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
-    set_cloexec(master.as_raw_fd())?;
-    set_cloexec(slave.as_raw_fd())?;
+    // SAFETY: the ioctl succeeded, so the descriptor is open and nobody else owns it.
+    let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+    let ws = winsize(tty.rows, tty.cols);
+    // SAFETY: TIOCSWINSZ reads one winsize from a live local.
+    cvt(unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCSWINSZ, &ws) })?;
+    accept_utf8_input(&slave)?;
     Ok((master, slave))
+}
+
+/// Sets IUTF8, as sshd does for a UTF-8 client: without it, a backspace in a line
+/// being typed erases one byte of a multi-byte character, not the character.
+fn accept_utf8_input(slave: &OwnedFd) -> io::Result<()> {
+    // SAFETY: an all-zero termios is a valid value for tcgetattr to overwrite.
+    let mut settings: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: tcgetattr writes one termios into a live local.
+    cvt(unsafe { libc::tcgetattr(slave.as_raw_fd(), &mut settings) })?;
+    settings.c_iflag |= libc::IUTF8;
+    // SAFETY: tcsetattr reads one termios from a live local.
+    cvt(unsafe { libc::tcsetattr(slave.as_raw_fd(), libc::TCSANOW, &settings) })?;
+    Ok(())
 }
 
 /// Makes the terminal `slave` the command's, as a login would: owned by its user and
@@ -723,24 +771,17 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         });
     }
 
-    // Spawn and register under the reaper lock so the exit status cannot be reaped
-    // before someone waits for it.
-    let (tx, rx) = oneshot::channel();
-    let mut child = {
-        let mut waiting = match state.reaper.waiting.lock() {
-            Ok(w) => w,
-            Err(p) => p.into_inner(),
-        };
-        let child = cmd.spawn().map_err(|e| match shell_report(program, &e) {
-            Some((message, exit_code)) => ServerError::NotRunnable { message, exit_code },
-            None => ServerError::Spawn(io::Error::new(
-                e.kind(),
-                format!("{}: {e}", program.to_string_lossy()),
-            )),
-        })?;
-        waiting.insert(child.id() as i32, tx);
-        child
-    };
+    let spawned = state.reaper.spawn(&mut cmd);
+    let (mut child, rx) =
+        spawned.map_err(
+            |e| match shell_report(program, &e, || program_exists(&cmd, program)) {
+                Some((message, exit_code)) => ServerError::NotRunnable { message, exit_code },
+                None => ServerError::Spawn(io::Error::new(
+                    e.kind(),
+                    format!("{}: {e}", program.to_string_lossy()),
+                )),
+            },
+        )?;
     drop(cmd); // closes our copies of the pty slave
     let pid = child.id() as i32;
     // Running, but nobody would end it or report on it: it must not outlive the error.
@@ -795,12 +836,22 @@ fn connect_stdio(
 
 /// How a shell reports a program it could not run: its words, and its exit code
 /// (127: not found, 126: found but not runnable). None for other failures.
-fn shell_report(program: &OsStr, error: &io::Error) -> Option<(String, u8)> {
+/// `exists` tells a program that is there from one that is not, when exec said "not
+/// found": a script whose `#!` interpreter the guest lacks is there.
+fn shell_report(
+    program: &OsStr,
+    error: &io::Error,
+    exists: impl FnOnce() -> bool,
+) -> Option<(String, u8)> {
     let (has_slash, program) = (
         program.as_bytes().contains(&b'/'),
         program.to_string_lossy(),
     );
     match error.kind() {
+        io::ErrorKind::NotFound if exists() => Some((
+            format!("{program}: cannot execute: required file not found (its interpreter?)"),
+            127,
+        )),
         io::ErrorKind::NotFound if has_slash => {
             Some((format!("{program}: No such file or directory"), 127))
         }
@@ -808,6 +859,22 @@ fn shell_report(program: &OsStr, error: &io::Error) -> Option<(String, u8)> {
         io::ErrorKind::PermissionDenied => Some((format!("{program}: Permission denied"), 126)),
         _ => None,
     }
+}
+
+/// Whether `program` names a file that `cmd` would run: beside its working
+/// directory when it has a slash, else in a directory of its PATH.
+fn program_exists(cmd: &Command, program: &OsStr) -> bool {
+    let is_file = |path: &Path| path.metadata().is_ok_and(|m| m.is_file());
+    if program.as_bytes().contains(&b'/') {
+        let dir = cmd.get_current_dir().unwrap_or(Path::new("/"));
+        return is_file(&dir.join(program));
+    }
+    let path = cmd
+        .get_envs()
+        .find(|(key, _)| *key == "PATH")
+        .and_then(|(_, value)| value)
+        .unwrap_or(OsStr::new(DEFAULT_PATH));
+    std::env::split_paths(path).any(|dir| is_file(&dir.join(program)))
 }
 
 /// The process group in the foreground of the terminal whose master is `master`.
@@ -1026,9 +1093,14 @@ async fn pump_stdin(
     mut rx: mpsc::UnboundedReceiver<StdinItem>,
     out_tx: mpsc::Sender<AgentMessage>,
 ) {
+    // Whether what went into the terminal ends in the middle of a line.
+    let mut line_open = false;
     while let Some(item) = rx.recv().await {
         match item {
             StdinItem::Data(data, _permit) => {
+                if let Some(&last) = data.last() {
+                    line_open = !matches!(last, b'\n' | b'\r');
+                }
                 let res = match &mut sink {
                     StdinSink::Pipe(p) => p.write_all(&data).await,
                     StdinSink::Pty(fd) => pty_write_all(fd, &data).await,
@@ -1048,10 +1120,37 @@ async fn pump_stdin(
                     return;
                 }
                 StdinSink::Pty(ref fd) => {
-                    let _ = pty_write_all(fd, &[0x04]).await;
+                    let _ = pty_write_all(fd, &end_of_input(fd, line_open)).await;
+                    line_open = false;
                 }
             },
         }
+    }
+}
+
+/// What ends a terminal's input, as a user's Ctrl-D does: in canonical mode its EOF
+/// character, twice after a partial line (the first only hands the line over, as a
+/// read without its newline, and `cat` would wait for more); in raw mode, one ^D,
+/// which is all a user's key sends there.
+fn end_of_input(master: &AsyncFd<OwnedFd>, line_open: bool) -> Vec<u8> {
+    const CTRL_D: u8 = 0x04;
+    // SAFETY: an all-zero termios is a valid value for tcgetattr to overwrite.
+    let mut settings: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: tcgetattr writes one termios into a live local; on a master it reads
+    // the terminal's settings, the ones the command set.
+    if unsafe { libc::tcgetattr(master.as_raw_fd(), &mut settings) } < 0
+        || settings.c_lflag & libc::ICANON == 0
+    {
+        return vec![CTRL_D];
+    }
+    let eof = match settings.c_cc[libc::VEOF] {
+        0 => CTRL_D, // disabled (_POSIX_VDISABLE): the usual key is all we have
+        eof => eof,
+    };
+    if line_open {
+        vec![eof, eof]
+    } else {
+        vec![eof]
     }
 }
 

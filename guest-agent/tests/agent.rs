@@ -1,6 +1,7 @@
 //! The agent served over a Unix socket in a temp dir, driven by the client.
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -259,6 +260,17 @@ async fn exec_errors_are_reported() {
             if *message == format!("{plain_file}: Permission denied")),
         "{err}"
     );
+    // A script that is there, whose interpreter is not: not "command not found".
+    let orphan_script = dir.path().join("no-interpreter");
+    std::fs::write(&orphan_script, "#!/no/such/interpreter\n").unwrap();
+    std::fs::set_permissions(&orphan_script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let orphan_script = orphan_script.display().to_string();
+    let err = not_runnable(orphan_script.clone()).await;
+    assert!(
+        matches!(&err, ClientError::NotStarted { message, exit_code: 127 }
+            if message.starts_with(&format!("{orphan_script}: cannot execute: required file not found"))),
+        "{err}"
+    );
     let err = conn()
         .await
         .exec(ExecRequest::default())
@@ -454,6 +466,33 @@ async fn pty_is_a_terminal_with_term() {
     assert!(text.contains("tty vt100"), "{text:?}");
     assert!(text.contains("got hello"), "{text:?}");
     assert_eq!(out.status.code, Some(0));
+}
+
+/// The end of input that does not end in a newline still ends the command's input:
+/// `printf abc | vmctl exec --tty -- cat` must not wait for ever.
+#[tokio::test]
+async fn terminal_input_without_a_final_newline_still_ends() {
+    let mut req = ExecRequest {
+        argv: vec!["cat".into()],
+        ..Default::default()
+    };
+    req.tty = terminal_80x24("vt100");
+    let out = tokio::time::timeout(Duration::from_secs(10), run(req, b"abc"))
+        .await
+        .expect("cat never saw the end of its input");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("abc"));
+    assert_eq!(out.status.code, Some(0));
+}
+
+/// A terminal takes UTF-8 input as sshd's does (IUTF8): a backspace erases a whole
+/// character.
+#[tokio::test]
+async fn a_terminal_erases_whole_utf8_characters() {
+    let mut req = sh("read line; printf '[%s]' \"$line\"");
+    req.tty = terminal_80x24("vt100");
+    let out = run(req, "xé\x7f\n".as_bytes()).await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[x]"), "{text:?}");
 }
 
 /// The terminal belongs to the command's user, as after a login: one running as

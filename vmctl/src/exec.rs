@@ -154,6 +154,12 @@ where
 }
 
 async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
+    // Listened for before the size is read: a resize while the command starts (an
+    // IDE's terminal settling) is then sent once it runs, not lost.
+    let mut winch = options
+        .tty
+        .then(|| signal(SignalKind::window_change()).ok())
+        .flatten();
     let tty = options.tty.then(|| {
         let (rows, cols) = terminal_size().unwrap_or((24, 80));
         TtyRequest {
@@ -226,7 +232,6 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         // never waits behind stdin that a command does not read.
         let window = input.stdin_window();
         let mut stdin_open = true;
-        let mut winch = signal(SignalKind::window_change()).ok();
         loop {
             tokio::select! {
                 read = async {
@@ -345,10 +350,7 @@ where
                     None => continue,
                 }
             }
-            Some(reason) = gave_up.recv() => {
-                vmm::to_stderr!("vmctl: {reason}");
-                return Ok(reason.exit_code());
-            }
+            Some(reason) = gave_up.recv() => return Ok(tell_gave_up(&reason, is_tty)),
         };
         let (stream, bytes) = match event {
             Ok(Some(ExecEvent::Stdout(bytes))) => (OutputStream::Stdout, bytes),
@@ -385,12 +387,20 @@ where
             signal = &mut signalled => return Ok(exit_code(None, Some(signal))),
             // A signal forwarded before the exit (`timeout` sends one, once) still
             // ends vmctl in its time while the output waits for a stalled reader.
-            Some(reason) = gave_up.recv() => {
-                vmm::to_stderr!("vmctl: {reason}");
-                return Ok(reason.exit_code());
-            }
+            Some(reason) = gave_up.recv() => return Ok(tell_gave_up(&reason, is_tty)),
         }
     }
+}
+
+/// Says why vmctl stopped waiting for the command; returns the exit code for it. On
+/// a terminal still raw, a line feed alone would not return the carriage.
+fn tell_gave_up(reason: &GiveUp, is_tty: bool) -> u8 {
+    if is_tty {
+        vmm::to_stderr!("\r\nvmctl: {reason}\r");
+    } else {
+        vmm::to_stderr!("vmctl: {reason}");
+    }
+    reason.exit_code()
 }
 
 /// What to do after a write of `stream` failed: nothing more (its reader went away

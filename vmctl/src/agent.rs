@@ -135,7 +135,8 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     };
     let vm = crate::vm::up(&workspace, &start).map_err(for_agent)?;
     seed_home(options.cli, &vm, user_home().as_deref())?;
-    let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm)
+    let here = crate::workspace::current_dir();
+    let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm, &here)
         .into_iter()
         .map(|(name, value)| (name, value.into()))
         .collect();
@@ -154,10 +155,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         argv.push(options.cli.skip_permissions_flag().into());
     }
     argv.extend(options.args);
-    let cwd = Some(crate::exec::guest_cwd(
-        &vm,
-        &crate::workspace::current_dir(),
-    ));
+    let cwd = Some(crate::exec::guest_cwd(&vm, &here));
     let options = ExecOptions {
         argv,
         env,
@@ -182,6 +180,14 @@ fn for_agent(error: crate::vm::VmError) -> AgentError {
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
 pub fn agent_home_dir(vm: &VmDir) -> PathBuf {
     vm.path.join("agent-home")
+}
+
+/// Held while a session refreshes what the host puts in `vm`'s agent homes: two
+/// sessions starting at once (Paseo starting two agents in one workspace) would each
+/// remove what the other was creating, and one would fail. Beside the homes, where the
+/// guest cannot reach it.
+pub fn lock_agent_homes(vm: &VmDir) -> std::io::Result<std::fs::File> {
+    crate::state::lock_file(&vm.path.join("agent-home.lock"))
 }
 
 /// Says so when no secret signs the CLI in: it would then ask to log in inside the VM,
@@ -240,6 +246,7 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         move |source| AgentError::Home { what, path, source }
     };
     std::fs::create_dir_all(&homes).map_err(error("agent homes", &homes))?;
+    let _refreshing = lock_agent_homes(vm).map_err(error("agent homes' lock", &vm.path))?;
     let home_dir = guest_writable::open_dir(&homes)
         .and_then(|homes| guest_writable::ensure_dir(homes, cli.program()))
         .map_err(error("config home", &home))?;
@@ -251,8 +258,10 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
         guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
-        let from = source.join(name);
-        if from.exists() {
+        // The entry itself may be a link into the user's dotfiles (stow, home-manager),
+        // which would lead nowhere in the guest: what it names is copied. (The links
+        // inside a tree stay links.)
+        if let Ok(from) = std::fs::canonicalize(source.join(name)) {
             guest_writable::copy_read_only(&from, &home_dir, name).map_err(error(name, &target))?;
         }
     }
@@ -574,6 +583,69 @@ mod tests {
             "v2"
         );
         assert!(home.join("history.jsonl").exists());
+    }
+
+    /// Instructions and skills kept in a dotfiles repository and linked into
+    /// `~/.claude` arrive as what the links name, not as links that lead nowhere in the
+    /// guest.
+    #[test]
+    fn linked_instructions_are_copied_as_what_they_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let dotfiles = dir.path().join("dotfiles");
+        std::fs::create_dir_all(dotfiles.join("skills/s1")).unwrap();
+        std::fs::write(dotfiles.join("CLAUDE.md"), "linked").unwrap();
+        std::fs::write(dotfiles.join("skills/s1/SKILL.md"), "skill").unwrap();
+        let user = dir.path().join("user");
+        std::fs::create_dir_all(user.join(".claude")).unwrap();
+        for name in ["CLAUDE.md", "skills"] {
+            std::os::unix::fs::symlink(dotfiles.join(name), user.join(".claude").join(name))
+                .unwrap();
+        }
+        std::os::unix::fs::symlink(dir.path().join("gone"), user.join(".claude/agents")).unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        let kind = |name: &str| std::fs::symlink_metadata(home.join(name)).map(|m| m.file_type());
+        assert!(kind("CLAUDE.md").unwrap().is_file());
+        assert!(kind("skills").unwrap().is_dir());
+        assert_eq!(
+            std::fs::read_to_string(home.join("skills/s1/SKILL.md")).unwrap(),
+            "skill"
+        );
+        assert!(kind("agents").is_err(), "a dangling link is left out");
+    }
+
+    /// Two sessions starting at once in one VM (Paseo starting two agents) both get
+    /// their home: neither removes what the other is creating.
+    #[test]
+    fn sessions_starting_together_both_seed_the_home() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        for skill in 0..20 {
+            let skill = user.join(format!(".claude/skills/s{skill}"));
+            std::fs::create_dir_all(&skill).unwrap();
+            std::fs::write(skill.join("SKILL.md"), "skill").unwrap();
+        }
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::thread::scope(|scope| {
+            let sessions: Vec<_> = (0..2)
+                .map(|_| {
+                    scope.spawn(|| {
+                        for _ in 0..20 {
+                            seed_home(AgentCli::Claude, &vm, Some(&user))?;
+                        }
+                        Ok::<(), AgentError>(())
+                    })
+                })
+                .collect();
+            for session in sessions {
+                session.join().unwrap().unwrap();
+            }
+        });
     }
 
     /// The guest replaced the VM's claude home with a symlink to the user's own

@@ -4,11 +4,13 @@
 //! not copied. Only [`KEYS`] are, at each session, into a file in the VM's agent home
 //! that git in the guest reads as its system config (`GIT_CONFIG_SYSTEM`), the lowest
 //! precedence: a repository's own identity, and the guest's own `~/.gitconfig`, win.
+//! The file includes the image's own system config (`/etc/gitconfig`), which the
+//! variable would otherwise replace.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::agent::{agent_home_dir, GUEST_AGENT_HOME};
+use crate::agent::{agent_home_dir, lock_agent_homes, GUEST_AGENT_HOME};
 use crate::guest_writable;
 use crate::state::VmDir;
 
@@ -23,15 +25,22 @@ const FILE: &str = "gitconfig";
 /// Git's variable naming the system config file.
 const SYSTEM_CONFIG_VAR: &str = "GIT_CONFIG_SYSTEM";
 
-/// Refreshes `vm`'s copy of the host user's git identity; the variable that points
-/// the guest's git at it, or None when the host has none (or it cannot be written,
-/// which is said).
-pub fn guest_env(vm: &VmDir) -> Option<(String, String)> {
-    let text = config_text(&host_values())?;
+/// The guest's own system config, which [`FILE`] includes.
+const IMAGE_SYSTEM_CONFIG: &str = "/etc/gitconfig";
+
+/// Refreshes `vm`'s copy of the host user's git identity, as git on the host gives it
+/// in `dir` (the directory the session starts in: an `includeIf "gitdir:..."` may
+/// choose a work identity there); the variable that points the guest's git at it, or
+/// None when the host has none (or it cannot be written, which is said).
+pub fn guest_env(vm: &VmDir, dir: &Path) -> Option<(String, String)> {
+    let text = config_text(&host_values(dir))?;
     let homes = agent_home_dir(vm);
     let written = std::fs::create_dir_all(&homes)
-        .and_then(|()| guest_writable::open_dir(&homes))
-        .and_then(|dir| guest_writable::write_read_only(dir, FILE, text.as_bytes()));
+        .and_then(|()| lock_agent_homes(vm))
+        .and_then(|_refreshing| {
+            let dir = guest_writable::open_dir(&homes)?;
+            guest_writable::write_read_only(dir, FILE, text.as_bytes())
+        });
     if let Err(e) = written {
         vmm::to_stderr!(
             "vmctl: warning: cannot give the VM your git identity ({}: {e}); git commit \
@@ -46,15 +55,15 @@ pub fn guest_env(vm: &VmDir) -> Option<(String, String)> {
     ))
 }
 
-/// The host user's global values of [`KEYS`] that are set, as (section, key, value),
-/// read by one `git config` (none when git is not there).
-fn host_values() -> Vec<(&'static str, &'static str, String)> {
-    values_in(&["--global", "--includes"])
+/// The host user's global values of [`KEYS`] that are set in `dir`, as (section, key,
+/// value), read by one `git config` (none when git is not there).
+fn host_values(dir: &Path) -> Vec<(&'static str, &'static str, String)> {
+    values_in(&["--global", "--includes"], dir)
 }
 
 /// The values of [`KEYS`] in the git config that `scope` selects (`--global`,
-/// `--file PATH`).
-fn values_in(scope: &[&str]) -> Vec<(&'static str, &'static str, String)> {
+/// `--file PATH`), as git reads it in `dir` (a directory that is gone reads as `/`).
+fn values_in(scope: &[&str], dir: &Path) -> Vec<(&'static str, &'static str, String)> {
     let pattern = KEYS
         .iter()
         .map(|(section, key)| format!("{section}\\.{}", key.to_lowercase()))
@@ -65,7 +74,7 @@ fn values_in(scope: &[&str]) -> Vec<(&'static str, &'static str, String)> {
         .args(scope)
         .args(["-z", "--get-regexp"])
         .arg(format!("^({pattern})$"))
-        .current_dir(Path::new("/"))
+        .current_dir(if dir.is_dir() { dir } else { Path::new("/") })
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output();
@@ -101,6 +110,8 @@ fn config_text(values: &[(&str, &str, String)]) -> Option<String> {
         "# Your git identity from the host, copied by vmctl at each session (only these\n\
          # settings). Set your own with `git config --global` in the VM.\n",
     );
+    // First, so that the identity below wins over the image's.
+    text.push_str(&format!("[include]\n\tpath = {IMAGE_SYSTEM_CONFIG}\n"));
     let mut section = "";
     for (this_section, key, value) in values {
         if *this_section != section {
@@ -129,7 +140,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            values_in(&["--file", file.to_str().unwrap()]),
+            values_in(&["--file", file.to_str().unwrap()], Path::new("/")),
             [
                 ("user", "name", "Ann".to_string()),
                 ("user", "email", "ann@example.com".to_string()),
@@ -151,6 +162,46 @@ mod tests {
         );
         assert_eq!(values_of(b""), []);
         assert_eq!(values_of(b"user.email\n\xff\0"), [], "not UTF-8");
+    }
+
+    /// A work identity chosen by `includeIf "gitdir:..."` is the one given in that
+    /// repository, as git on the host gives it there.
+    #[test]
+    fn the_identity_is_read_where_the_session_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let repo = work.join("repo");
+        std::fs::create_dir_all(&repo).unwrap();
+        let init = Command::new("git")
+            .args(["init", "-q"])
+            .arg(&repo)
+            .status()
+            .unwrap();
+        assert!(init.success());
+        let config = dir.path().join("config");
+        std::fs::write(
+            &config,
+            format!(
+                "[user]\n\temail = me@home.example\n\
+                 [includeIf \"gitdir:{}/\"]\n\tpath = {}/work.inc\n",
+                work.display(),
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("work.inc"),
+            "[user]\n\temail = me@work.example\n",
+        )
+        .unwrap();
+        let email = |at: &Path| {
+            values_in(&["--file", config.to_str().unwrap(), "--includes"], at)
+                .into_iter()
+                .find(|(_, key, _)| *key == "email")
+                .map(|(_, _, value)| value)
+        };
+        assert_eq!(email(&repo).as_deref(), Some("me@work.example"));
+        assert_eq!(email(dir.path()).as_deref(), Some("me@home.example"));
     }
 
     #[test]
@@ -176,6 +227,11 @@ mod tests {
         assert_eq!(git("user.name"), "Ann \"the \\ dev\" O'Neil\n", "{text}");
         assert_eq!(git("user.email"), "ann@example.com\n");
         assert_eq!(git("init.defaultBranch"), "main\n");
+        assert_eq!(
+            git("include.path"),
+            format!("{IMAGE_SYSTEM_CONFIG}\n"),
+            "the image's own system config still applies"
+        );
         assert_eq!(config_text(&[]), None);
     }
 }

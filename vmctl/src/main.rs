@@ -334,11 +334,12 @@ fn nested_exec(args: cli::NestedExecArgs) -> Result<u8, String> {
 }
 
 fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
-    let cwd = exec::guest_cwd(vm, &workspace::current_dir());
+    let here = workspace::current_dir();
+    let cwd = exec::guest_cwd(vm, &here);
     let options = exec::ExecOptions {
         argv: args.command,
         // Yours last: `--env` can override what vmctl sets.
-        env: git_identity::guest_env(vm)
+        env: git_identity::guest_env(vm, &here)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
             .chain(args.env)
@@ -430,7 +431,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
     let vm = vm::up(&dir, &options).map_err(|e| e.to_string())?;
     let options = exec::ExecOptions {
         argv: vec!["/bin/bash".into(), "-l".into()],
-        env: git_identity::guest_env(&vm)
+        env: git_identity::guest_env(&vm, &start_in)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
             .collect(),

@@ -4,7 +4,8 @@
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 use vm_tests::{
     assert_no_panic, base_initramfs, find_executable, kernel, random_bytes, record_skip, vmctl_bin,
@@ -326,6 +327,21 @@ fn vmctl_as_user_of(home: &Path, dir: &Path, args: &[&str]) -> (std::process::Ou
     (output, stderr)
 }
 
+/// The home directory of the account running the tests, from the password database.
+fn account_home() -> PathBuf {
+    let output = Command::new("sh")
+        .args(["-c", "getent passwd \"$(id -u)\""])
+        .output()
+        .expect("run getent");
+    let entry = String::from_utf8_lossy(&output.stdout).into_owned();
+    let home = entry.trim_end().split(':').nth(5).unwrap_or_default();
+    assert!(
+        home.starts_with('/') && home != "/",
+        "no usable home in {entry:?}"
+    );
+    PathBuf::from(home)
+}
+
 /// The names of the VM directories under the state of [`as_user_of`] `home`.
 fn vm_dir_names(home: &Path) -> Vec<String> {
     fs::read_dir(home.join("state/vmctl/vms"))
@@ -452,6 +468,19 @@ fn refused_starts_leave_no_vm_behind() {
         assert_eq!(output.status.code(), Some(125), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+    // HOME points elsewhere (here, to the test's): the account's own home is kept out
+    // all the same.
+    let account_home = account_home().canonicalize().unwrap();
+    assert_ne!(account_home.display().to_string(), home_dir);
+    let account_home = account_home.display().to_string();
+    let (output, stderr) = vmctl(&["exec", "--workspace", &account_home, "--", "true"]);
+    assert_eq!(output.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{account_home} cannot be shared with the guest: it is your home directory"
+        )),
+        "{stderr}"
+    );
     let (ps, stderr) = vmctl(&["ps"]);
     assert!(ps.status.success(), "{stderr}");
     let listing = String::from_utf8_lossy(&ps.stdout);

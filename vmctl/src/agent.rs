@@ -1,6 +1,6 @@
 //! `vmctl agent claude|codex [ARGS...]`: the agent CLI inside the VM of the current
 //! directory's workspace, as Paseo's providers launch it: cwd at the host path, stdio
-//! relayed byte for byte (a PTY only when stdin is a terminal), exit code and
+//! relayed byte for byte (a PTY only when stdin and stdout are terminals), exit code and
 //! signals propagated, loopback MCP URLs relayed, a per-VM config home.
 
 use std::ffi::{OsStr, OsString};
@@ -161,7 +161,8 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         env,
         cwd,
         user: exec::parse_user(None),
-        tty: std::io::stdin().is_terminal(),
+        // Output redirected to a file gets no terminal's line endings and escapes.
+        tty: std::io::stdin().is_terminal() && std::io::stdout().is_terminal(),
     };
     Ok(crate::git_guard::watch(&vm, || {
         exec::run(&vm.vsock_socket(), options)
@@ -353,61 +354,71 @@ fn unquote(value: &[u8]) -> &[u8] {
     value
 }
 
-/// Loopback ports named by URLs in the arguments and in the files `--mcp-config`
-/// names (Claude's SDK passes the MCP servers inline or as files; Codex's `-c`
-/// overrides carry them inline), so those URLs work unchanged in the VM. A file in
-/// one of `guest_writable` (or a link to one) is passed over, said: the guest could
-/// name any host loopback port there (a database, a Docker socket) to be relayed.
+/// Loopback ports named by URLs in the MCP configuration the arguments give: the
+/// values of `--mcp-config` (Claude's SDK passes the servers inline or as files) and
+/// Codex's `-c`/`--config mcp_servers.…` overrides, so those URLs work unchanged in
+/// the VM. Nothing else: a URL in a prompt (`-p "why does localhost:5432 refuse?"`)
+/// is no consent to open that port to the guest. A file in one of `guest_writable`
+/// (or a link to one) is passed over, said: the guest could name any host loopback
+/// port there (a database, a Docker socket) to be relayed.
 ///
 /// Arguments are bytes: a `--mcp-config` path is used as it is, and the URLs (ASCII)
-/// are looked for in each argument read as text, where a byte that is not UTF-8 is
+/// are looked for in each value read as text, where a byte that is not UTF-8 is
 /// U+FFFD, never part of a URL's host or port. (The arguments themselves go to the
 /// CLI unchanged.)
 fn loopback_ports(args: &[OsString], guest_writable: &[PathBuf]) -> Result<Vec<u16>, AgentError> {
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
-    let mut texts: Vec<String> = args.iter().map(|arg| text(arg.as_bytes())).collect();
+    let mut texts: Vec<String> = Vec::new();
+    let mut mcp_configs: Vec<&[u8]> = Vec::new();
     let mut iter = args.iter().map(|arg| arg.as_bytes());
     while let Some(arg) = iter.next() {
-        let values: Vec<&[u8]> = if arg == b"--mcp-config" {
-            iter.clone().take_while(|v| !v.starts_with(b"--")).collect()
+        if arg == b"--mcp-config" {
+            // Claude's takes several values.
+            mcp_configs.extend(iter.clone().take_while(|v| !v.starts_with(b"-")));
         } else if let Some(value) = arg.strip_prefix(b"--mcp-config=") {
-            texts.push(text(value));
-            Vec::new()
-        } else {
-            Vec::new()
-        };
-        for value in values {
-            let path = Path::new(OsStr::from_bytes(value));
-            if value.trim_ascii_start().starts_with(b"{") {
-                continue;
-            }
-            let Ok(real) = path.canonicalize() else {
-                continue;
-            };
-            if guest_writable.iter().any(|dir| real.starts_with(dir)) {
-                vmm::to_stderr!(
-                    "vmctl: warning: --mcp-config {} is where the VM can write: the loopback \
-                     ports it names are not relayed to the host (keep it outside the \
-                     workspace)",
-                    crate::terminal::one_line(&path.display().to_string())
-                );
-                continue;
-            }
-            // Resolved, outside every share: nothing on its way is the guest's. (Still
-            // only a regular file is read.)
-            let text = match guest_writable::read_file(&real, false, MAX_MCP_CONFIG_BYTES) {
-                Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidData) => {
-                    continue
+            mcp_configs.push(value);
+        } else if arg == b"-c" || arg == b"--config" {
+            if let Some(value) = iter.clone().next() {
+                if value.starts_with(b"mcp_servers") {
+                    texts.push(text(value));
                 }
-                read => read
-                    .and_then(|bytes| String::from_utf8(bytes).map_err(std::io::Error::other))
-                    .map_err(|source| AgentError::McpConfig {
-                        path: path.to_path_buf(),
-                        source,
-                    })?,
-            };
-            texts.push(text);
+            }
+        } else if let Some(value) = arg.strip_prefix(b"--config=") {
+            if value.starts_with(b"mcp_servers") {
+                texts.push(text(value));
+            }
         }
+    }
+    for value in mcp_configs {
+        if value.trim_ascii_start().starts_with(b"{") {
+            texts.push(text(value));
+            continue;
+        }
+        let path = Path::new(OsStr::from_bytes(value));
+        let Ok(real) = path.canonicalize() else {
+            continue;
+        };
+        if guest_writable.iter().any(|dir| real.starts_with(dir)) {
+            vmm::to_stderr!(
+                "vmctl: warning: --mcp-config {} is where the VM can write: the loopback \
+                 ports it names are not relayed to the host (keep it outside the \
+                 workspace)",
+                crate::terminal::one_line(&path.display().to_string())
+            );
+            continue;
+        }
+        // Resolved, outside every share: nothing on its way is the guest's. (Still
+        // only a regular file is read.)
+        let text = match guest_writable::read_file(&real, false, MAX_MCP_CONFIG_BYTES) {
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::InvalidData) => continue,
+            read => read
+                .and_then(|bytes| String::from_utf8(bytes).map_err(std::io::Error::other))
+                .map_err(|source| AgentError::McpConfig {
+                    path: path.to_path_buf(),
+                    source,
+                })?,
+        };
+        texts.push(text);
     }
     let mut ports: Vec<u16> = texts.iter().flat_map(|t| loopback_ports_in(t)).collect();
     ports.sort_unstable();
@@ -483,12 +494,31 @@ mod tests {
             "--verbose",
             "-c",
             "mcp_servers.x.url=\"https://[::1]:7000/\"",
+            "--config=mcp_servers.y.url=\"http://localhost:7100/\"",
             "see http://example.com:81/ and http://127.0.0.1:notaport/",
         ]
         .iter()
         .map(OsString::from)
         .collect();
-        assert_eq!(loopback_ports(&args, &[]).unwrap(), [6767, 7000, 9100]);
+        assert_eq!(
+            loopback_ports(&args, &[]).unwrap(),
+            [6767, 7000, 7100, 9100]
+        );
+        let joined = [OsString::from(format!("--mcp-config={}", file.display()))];
+        assert_eq!(loopback_ports(&joined, &[]).unwrap(), [9100]);
+
+        // Only the MCP configuration counts: a URL in a prompt, or in another setting,
+        // opens no port.
+        let args: Vec<OsString> = [
+            "-p",
+            "why does http://localhost:5432/ refuse?",
+            "-c",
+            "model_provider_url=\"http://127.0.0.1:8000/\"",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
+        assert_eq!(loopback_ports(&args, &[]).unwrap(), Vec::<u16>::new());
 
         // Arguments that are not UTF-8: a file's path is a path, a URL is a URL.
         let latin1 = dir.path().join(OsStr::from_bytes(b"mcp-\xe9.json"));
@@ -496,7 +526,7 @@ mod tests {
         let args = [
             OsString::from("--mcp-config"),
             latin1.clone().into_os_string(),
-            OsStr::from_bytes(b"caf\xe9 http://localhost:4200/").to_os_string(),
+            OsStr::from_bytes(b"{\"caf\xe9\": \"http://localhost:4200/\"}").to_os_string(),
         ];
         assert_eq!(loopback_ports(&args, &[]).unwrap(), [4100, 4200]);
 

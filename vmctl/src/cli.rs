@@ -46,9 +46,9 @@ pub enum Command {
     Shell(ShellArgs),
     /// Run Claude Code or Codex in the VM of this directory's workspace.
     ///
-    /// As on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin is
-    /// a terminal), exit code and signals passed on; 125 when vmctl itself fails. This
-    /// is the command Paseo's claude-vm and codex-vm providers run.
+    /// As on the host: same cwd, stdio relayed byte for byte (a PTY only when stdin
+    /// and stdout are terminals), exit code and signals passed on; 125 when vmctl
+    /// itself fails. This is the command Paseo's claude-vm and codex-vm providers run.
     Agent(AgentArgs),
     /// Start the VM of a workspace and keep it up until `vmctl stop`.
     ///
@@ -182,12 +182,36 @@ pub struct AgentArgs {
     pub skip_permissions: bool,
     #[command(flatten)]
     pub isolation: IsolationArg,
-    /// Which CLI.
-    #[arg(value_enum)]
-    pub cli: crate::agent::AgentCli,
-    /// Its arguments, passed unchanged (bytes: they need not be UTF-8).
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<OsString>,
+    /// Which CLI, `claude` or `codex`, then its arguments, passed unchanged (bytes:
+    /// they need not be UTF-8). Everything after the CLI's name is its own: `vmctl
+    /// agent claude --help` is Claude's help.
+    // One list, not a CLI then its arguments: clap would match vmctl's own options
+    // (`--help`) right after the CLI's name before taking them as arguments.
+    #[arg(
+        value_name = "CLI [ARGS]",
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub cli_and_args: Vec<OsString>,
+}
+
+impl AgentArgs {
+    /// The CLI named first, and its arguments.
+    pub fn cli(self) -> Result<(crate::agent::AgentCli, Vec<OsString>), String> {
+        let mut words = self.cli_and_args.into_iter();
+        let name = words.next().unwrap_or_default();
+        let cli = name
+            .to_str()
+            .and_then(|name| clap::ValueEnum::from_str(name, false).ok())
+            .ok_or_else(|| {
+                format!(
+                    "'{}' is not an agent CLI vmctl runs: name claude or codex",
+                    name.to_string_lossy()
+                )
+            })?;
+        Ok((cli, words.collect()))
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -801,10 +825,49 @@ mod tests {
         else {
             panic!("not agent");
         };
+        let (cli, args) = agent.cli().unwrap();
+        assert_eq!(cli, crate::agent::AgentCli::Claude);
+        assert_eq!(bytes_of(&args), [&b"-p"[..], b"caf\xe9", b"--verbose"]);
+    }
+
+    /// What follows the CLI's name is the CLI's, even vmctl's own options: `vmctl
+    /// agent claude --help` is Claude's help. Before the name, they are vmctl's.
+    #[test]
+    fn an_agent_clis_arguments_are_all_its_own() {
+        use clap::Parser;
+        let parsed = |argv: &[&str]| {
+            Cli::try_parse_from(std::iter::once("vmctl").chain(argv.iter().copied()))
+        };
+        let Ok(Cli {
+            command: Command::Agent(agent),
+        }) = parsed(&[
+            "agent",
+            "--skip-permissions",
+            "codex",
+            "--help",
+            "--skip-permissions",
+        ])
+        else {
+            panic!("not agent");
+        };
+        assert!(agent.skip_permissions);
+        let (cli, args) = agent.cli().unwrap();
+        assert_eq!(cli, crate::agent::AgentCli::Codex);
+        assert_eq!(args, ["--help", "--skip-permissions"]);
         assert_eq!(
-            bytes_of(&agent.args),
-            [&b"-p"[..], b"caf\xe9", b"--verbose"]
+            parsed(&["agent", "--help"]).map(drop).unwrap_err().kind(),
+            clap::error::ErrorKind::DisplayHelp
         );
+        let Ok(Cli {
+            command: Command::Agent(agent),
+        }) = parsed(&["agent", "claud"])
+        else {
+            panic!("not agent");
+        };
+        assert!(agent
+            .cli()
+            .unwrap_err()
+            .contains("'claud' is not an agent CLI"));
     }
 
     #[test]

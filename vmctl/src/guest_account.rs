@@ -96,7 +96,7 @@ impl HostUser {
 }
 
 /// `uid`'s name and home from the password database.
-fn password_entry(uid: u32) -> Option<(String, String)> {
+pub(crate) fn password_entry(uid: u32) -> Option<(String, String)> {
     let mut buffer = vec![0u8; 16 * 1024];
     loop {
         // SAFETY: all-zero bytes are a valid `passwd` (null pointers, zero ids).

@@ -113,17 +113,20 @@ fn main() -> ExitCode {
             }
         }
         cli::Command::Prune(args) => Ok(vm::prune(&state::VmDir::all(), args.dry_run)),
-        cli::Command::Agent(args) => workspace::resolve_to_start(None, args.isolation.isolation)
-            .map_err(|e| e.to_string())
-            .and_then(|workspace| {
+        cli::Command::Agent(args) => {
+            let (isolation, skip_permissions) = (args.isolation.isolation, args.skip_permissions);
+            args.cli().and_then(|(cli, args)| {
+                let workspace =
+                    workspace::resolve_to_start(None, isolation).map_err(|e| e.to_string())?;
                 agent::run(agent::AgentOptions {
                     workspace,
-                    cli: args.cli,
-                    skip_permissions: args.skip_permissions,
-                    args: args.args,
+                    cli,
+                    skip_permissions,
+                    args,
                 })
                 .map_err(|e| e.to_string())
-            }),
+            })
+        }
         cli::Command::Daemon(args) if args.stop => daemon::client::shutdown()
             .map(|stopped| {
                 if !stopped {
@@ -488,7 +491,7 @@ mod tests {
             &["exec", "--tyy", "bash"],
             &["run", "--bogus", "true"],
             &["shell", "--bogus"],
-            &["agent", "gemini"],
+            &["agent"],
             &["nested-exec", "--cpus", "x", "true"],
         ] {
             assert_eq!(exit_code(argv), cli::OWN_FAILURE, "{argv:?}");

@@ -220,11 +220,20 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     let home = std::env::var_os("HOME")
         .filter(|home| !home.is_empty())
         .map(PathBuf::from);
+    // HOME may be unset, or point elsewhere (a service's, a test's): the account's own
+    // home, and vmctl's config directory in it, are kept out all the same.
+    // SAFETY: getuid cannot fail.
+    let account_home = crate::guest_account::password_entry(unsafe { libc::getuid() })
+        .map(|(_, home)| PathBuf::from(home))
+        .filter(|home| home.is_absolute() && home != Path::new("/"));
     let config_file = crate::user_config::config_path();
     let config = config_file
         .as_deref()
         .and_then(Path::parent)
         .map(Path::to_path_buf);
+    let account_config = account_home.as_ref().map(|home| home.join(".config/vmctl"));
+    let homes: Vec<PathBuf> = home.into_iter().chain(account_home).collect();
+    let configs: Vec<PathBuf> = config.into_iter().chain(account_config).collect();
     let egress = crate::network::guest_setup::EgressFiles::locate();
     let config_files: Vec<PathBuf> = config_file
         .into_iter()
@@ -236,8 +245,8 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         .chain([crate::agent::env_file()])
         .collect();
     kept_out_from(
-        home,
-        config,
+        &homes,
+        &configs,
         &config_files,
         crate::state::state_dir(),
         crate::artifacts::cache_dir(),
@@ -245,8 +254,8 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
 }
 
 fn kept_out_from(
-    home: Option<PathBuf>,
-    config: Option<PathBuf>,
+    homes: &[PathBuf],
+    configs: &[PathBuf],
     config_files: &[PathBuf],
     state: PathBuf,
     cache: Option<PathBuf>,
@@ -271,15 +280,17 @@ fn kept_out_from(
             )
         })
         .collect();
-    [
-        home.map(|dir| kept(dir, "your home directory", false)),
-        config.map(|dir| {
-            kept(
-                dir,
-                "vmctl's config directory (secrets, egress policy)",
-                true,
-            )
-        }),
+    let homes = homes
+        .iter()
+        .map(|dir| kept(dir.clone(), "your home directory", false));
+    let configs = configs.iter().map(|dir| {
+        kept(
+            dir.clone(),
+            "vmctl's config directory (secrets, egress policy)",
+            true,
+        )
+    });
+    let others = [
         Some(kept(
             state,
             "vmctl's state directory (every VM's state)",
@@ -294,9 +305,13 @@ fn kept_out_from(
         }),
     ]
     .into_iter()
-    .flatten()
-    .chain(linked_config_files)
-    .collect()
+    .flatten();
+    // In this order: the first a share meets is what it is told.
+    homes
+        .chain(configs)
+        .chain(others)
+        .chain(linked_config_files)
+        .collect()
 }
 
 /// The kernel's own bound on links in one lookup (MAXSYMLINKS): past it a lookup fails
@@ -707,8 +722,8 @@ mod tests {
         // ~/.config is a link into the dotfiles; ~/.config/vmctl is not made yet.
         let config_file = root.join("xdg/vmctl/config.toml");
         let kept = kept_out_from(
-            None,
-            Some(root.join("xdg/vmctl")),
+            &[],
+            &[root.join("xdg/vmctl")],
             std::slice::from_ref(&config_file),
             state.clone(),
             None,
@@ -728,8 +743,8 @@ mod tests {
         )
         .unwrap();
         let kept = kept_out_from(
-            None,
-            Some(config.clone()),
+            &[],
+            std::slice::from_ref(&config),
             &[config.join("config.toml")],
             state,
             None,
@@ -757,7 +772,13 @@ mod tests {
         .unwrap();
         std::os::unix::fs::symlink(root.join("hop/work.toml"), root.join("work.toml")).unwrap();
         let named = root.join("work.toml");
-        let kept = kept_out_from(None, Some(root.clone()), &[named], root.join("state"), None);
+        let kept = kept_out_from(
+            &[],
+            std::slice::from_ref(&root),
+            &[named],
+            root.join("state"),
+            None,
+        );
         for dir in [root.join("hop"), dotfiles.join("vmctl")] {
             assert!(kept.iter().any(|k| k.dir == dir), "{dir:?} in {kept:?}");
         }

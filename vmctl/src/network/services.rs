@@ -255,12 +255,26 @@ async fn relay_to_host_loopback(
         );
         return;
     };
-    let target = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    match tokio::net::TcpStream::connect(target).await {
+    match connect_host_loopback(port).await {
         Ok(host) => {
             byte_relay::both_ways(stream, host).await;
         }
-        Err(e) => tracing::info!("relay to the host's {target}: {e}"),
+        Err(e) => tracing::info!("relay to the host's loopback port {port}: {e}"),
+    }
+}
+
+/// Connects to `port` on the host's loopback, IPv4 first, then IPv6: a server bound to
+/// `localhost` may listen on `::1` only (Node's, since version 17).
+async fn connect_host_loopback(port: u16) -> std::io::Result<tokio::net::TcpStream> {
+    let v4 = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    match tokio::net::TcpStream::connect(v4).await {
+        Ok(stream) => Ok(stream),
+        Err(v4_error) => {
+            let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+            tokio::net::TcpStream::connect(v6)
+                .await
+                .map_err(|_| v4_error)
+        }
     }
 }
 
@@ -442,6 +456,17 @@ mod tests {
             only_asked(failed, &[6767, 3000]),
             [(3000, "in use".to_string()), (6767, "refused".to_string())]
         );
+    }
+
+    /// A server listening on `::1` only (Node's `localhost`) is reached too.
+    #[tokio::test]
+    async fn a_host_server_on_ipv6_loopback_only_is_reached() {
+        let server = tokio::net::TcpListener::bind("[::1]:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let connected = connect_host_loopback(port).await.unwrap();
+        assert_eq!(connected.peer_addr().unwrap(), server.local_addr().unwrap());
+        drop(server);
+        assert!(connect_host_loopback(port).await.is_err());
     }
 
     /// A host server that never closes its side keeps each relay to it: a guest gets

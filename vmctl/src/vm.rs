@@ -746,7 +746,7 @@ fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
             socket_path: PathBuf::new(),
         })
         .collect();
-    match config.check_cmdline_length() {
+    match config.check_cmdline() {
         Err(vmm::config::ConfigError::CmdlineTooLong { len, max }) => {
             Err(VmError::SharePathsTooLong { len, max })
         }

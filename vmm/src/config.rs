@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::arch::x86_64::boot::BootError;
 use crate::arch::x86_64::layout;
 
 /// Kernel arguments every guest gets; `reboot=k` makes a guest reboot reach the
@@ -109,6 +110,11 @@ pub enum ConfigError {
     DiskMissing(PathBuf),
     #[error("kernel command line is {len} bytes; the limit is {max}")]
     CmdlineTooLong { len: usize, max: usize },
+    #[error(
+        "kernel command line holds {character:?}, which it cannot: only printable ASCII \
+         characters and spaces (no tabs, newlines or other characters)"
+    )]
+    CmdlineInvalid { character: char },
     #[error("--cpus 0: a VM needs at least 1 vCPU")]
     NoVcpus,
     #[error("--cpus {requested}: at most {max} vCPUs are supported")]
@@ -171,9 +177,14 @@ impl VmConfig {
         cmdline
     }
 
-    /// Whether [`Self::kernel_cmdline`] fits the boot protocol's buffer.
-    pub fn check_cmdline_length(&self) -> Result<(), ConfigError> {
-        let len = self.kernel_cmdline().len();
+    /// Whether [`Self::kernel_cmdline`] fits the boot protocol's buffer and holds
+    /// only what a kernel command line can (what linux-loader accepts).
+    pub fn check_cmdline(&self) -> Result<(), ConfigError> {
+        let cmdline = self.kernel_cmdline();
+        if let Some(character) = cmdline.chars().find(|c| !matches!(c, ' '..='~')) {
+            return Err(ConfigError::CmdlineInvalid { character });
+        }
+        let len = cmdline.len();
         // The kernel needs room for the terminating NUL.
         if len >= layout::CMDLINE_MAX_SIZE {
             return Err(ConfigError::CmdlineTooLong {
@@ -212,7 +223,7 @@ impl VmConfig {
                 max: layout::MAX_VIRTIO_DEVICES,
             });
         }
-        self.check_cmdline_length()?;
+        self.check_cmdline()?;
 
         let low_ram_end = self.memory_bytes().min(layout::MMIO_GAP_START);
         let kernel_end = kernel_memory_end(&self.kernel)?;
@@ -228,7 +239,9 @@ impl VmConfig {
                 .metadata()
                 .map_err(|e| unreadable("initrd", initrd, e))?
                 .len();
-            if kernel_end.saturating_add(size) > low_ram_end {
+            // Placed as the boot protocol allows: above the kernel, in the low RAM
+            // and below its address limit.
+            if crate::arch::x86_64::boot::initrd_address(low_ram_end, size, kernel_end).is_none() {
                 return Err(ConfigError::InitrdTooLarge {
                     path: initrd.clone(),
                     size_mib: size.div_ceil(1 << 20),
@@ -283,22 +296,18 @@ fn open_regular(
 fn kernel_memory_end(path: &Path) -> Result<u64, ConfigError> {
     let mut file = open_regular(path, "kernel", ConfigError::KernelMissing)?;
     let not_a_kernel = || ConfigError::NotAKernel(path.to_path_buf());
-    let mut header = [0u8; 0x270];
+    // An ELF64 file header.
+    let mut header = [0u8; 0x40];
     let len = read_up_to(&mut file, &mut header).map_err(|e| unreadable("kernel", path, e))?;
     let header = &header[..len];
     if header.starts_with(b"\x7fELF") {
         elf_memory_end(&mut file, header).ok_or_else(not_a_kernel)
-    } else if header.get(0x202..0x206) == Some(b"HdrS") {
-        // bzImage: the protected-mode kernel is loaded at 1 MiB and needs `init_size`
-        // bytes there to decompress itself.
-        let init_size = u32::from_le_bytes(
-            header[0x260..0x264]
-                .try_into()
-                .map_err(|_| not_a_kernel())?,
-        );
-        Ok(layout::HIMEM_START + u64::from(init_size))
     } else {
-        Err(not_a_kernel())
+        match crate::arch::x86_64::boot::bzimage_memory_end(&mut file) {
+            Ok(Some(end)) => Ok(end),
+            Err(BootError::ReadKernel(e)) => Err(unreadable("kernel", path, e)),
+            Ok(None) | Err(_) => Err(not_a_kernel()),
+        }
     }
 }
 
@@ -493,6 +502,48 @@ mod tests {
         assert_eq!(config.validate(1 << 20), Ok(()));
     }
 
+    /// A bzImage's setup sectors and header (boot protocol 2.15, 64-bit), with
+    /// `init_size` bytes to decompress into at its preferred address, 16 MiB.
+    fn tiny_bzimage(init_size: u32) -> Vec<u8> {
+        let mut image = vec![0u8; 8 << 10];
+        image[0x1f1] = 4; // setup_sects
+        image[0x202..0x206].copy_from_slice(b"HdrS");
+        image[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        image[0x211] = 1; // loadflags: LOADED_HIGH
+        image[0x230..0x234].copy_from_slice(&(2u32 << 20).to_le_bytes());
+        image[0x236..0x238].copy_from_slice(&1u16.to_le_bytes()); // XLF_KERNEL_64
+        image[0x258..0x260].copy_from_slice(&(16u64 << 20).to_le_bytes());
+        image[0x260..0x264].copy_from_slice(&init_size.to_le_bytes());
+        image
+    }
+
+    /// A bzImage decompresses at its preferred address (16 MiB), not at 1 MiB: what it
+    /// needs is counted from there, as the load does.
+    #[test]
+    fn a_bzimage_needs_memory_up_to_the_end_of_its_decompression() {
+        let (mut config, _kernel) = config_with_kernel(&tiny_bzimage(20 << 20));
+        config.memory_mib = 32;
+        assert!(matches!(
+            config.validate(1 << 20),
+            Err(ConfigError::KernelTooLarge { needed_mib: 36, .. })
+        ));
+        config.memory_mib = 40;
+        assert_eq!(config.validate(1 << 20), Ok(()));
+    }
+
+    /// A file cut short inside its setup header is no kernel, and no panic.
+    #[test]
+    fn a_truncated_bzimage_is_not_a_kernel() {
+        let image = tiny_bzimage(1 << 20);
+        for len in [0x206, 0x210, 0x262] {
+            let (config, _kernel) = config_with_kernel(&image[..len]);
+            assert!(matches!(
+                config.validate(1 << 20),
+                Err(ConfigError::NotAKernel(_))
+            ));
+        }
+    }
+
     #[test]
     fn rejects_a_long_cmdline_and_missing_disks() {
         let (mut config, _kernel) = config_with_kernel(&tiny_elf(16 << 20, 1 << 20));
@@ -501,6 +552,13 @@ mod tests {
             config.validate(1 << 20),
             Err(ConfigError::CmdlineTooLong { .. })
         ));
+        for (extra, character) in [("x=\u{e9}", '\u{e9}'), ("a\tb", '\t')] {
+            config.extra_cmdline = extra.into();
+            assert_eq!(
+                config.validate(1 << 20),
+                Err(ConfigError::CmdlineInvalid { character })
+            );
+        }
         config.extra_cmdline.clear();
         config
             .disks

@@ -1,6 +1,7 @@
 //! The VMM's main thread: waits for queue notifications (ioeventfds), console input,
 //! stop signals and the VM's exit, and dispatches each to its handler.
 
+use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -269,14 +270,19 @@ impl EventLoop {
         // most that many. Raw read(2) rather than std's Stdin, whose buffering would
         // hide pending input from epoll.
         let n = unsafe { libc::read(STDIN_FD, buf.as_mut_ptr().cast(), room) };
-        match usize::try_from(n) {
-            Ok(0) | Err(_) => {
+        let read = usize::try_from(n).map_err(|_| std::io::Error::last_os_error());
+        match read {
+            Ok(n) if n > 0 => {
+                serial.enqueue_input(&buf[..n]);
+            }
+            // Interrupted, or a stdin shared with another reader (non-blocking) that
+            // took the bytes first: nothing now, more later.
+            Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::WouldBlock) => {}
+            // The end of the input, or an input that fails.
+            _ => {
                 drop(serial);
                 self.unwatch(STDIN_FD);
                 self.console = None;
-            }
-            Ok(n) => {
-                serial.enqueue_input(&buf[..n]);
             }
         }
     }

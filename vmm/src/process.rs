@@ -81,7 +81,8 @@ Before the guest runs it jails itself (namespaces), gives up opening files (Land
 and limits its system calls (seccomp); VMCTL_SECCOMP=off leaves the last out.
 VMCTL_VCPU_CPUS=LIST runs the VM (its vCPUs and device threads) only on those host
 CPUs (as taskset -c takes them).
-Exit status: 0 when the guest shut down, 128+N when stopped by signal N, 1 on error.";
+Exit status: 0 when the guest shut down, 128+N when stopped by signal N, 1 on error,
+2 for wrong arguments or an unreadable configuration.";
 
 /// What the VMM process is asked to do.
 #[derive(Debug, Clone, PartialEq, Eq)]

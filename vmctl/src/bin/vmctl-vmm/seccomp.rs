@@ -231,7 +231,12 @@ fn allowed_calls(pid: u32) -> Result<BTreeMap<i64, Vec<SeccompRule>>, BackendErr
         (libc::SYS_tgkill, vec![rule(&[(0, Eq, u64::from(pid))])?]),
         (libc::SYS_mmap, vec![no_exec(2)?]),
         (libc::SYS_mprotect, vec![no_exec(2)?]),
-        // Metadata of a descriptor already held, never of a path.
+        // AT_EMPTY_PATH, as glibc's fstat passes it. A filter cannot read the path, so
+        // this does not keep a taken-over VMM from a non-empty one (AT_EMPTY_PATH only
+        // applies to an empty path), and Landlock does not govern stat: the size,
+        // owner and times of any host file it names are its to see. Only the jail's
+        // mount namespace hides the host's paths; where it cannot be set up (no user
+        // namespaces), they are not hidden.
         (libc::SYS_newfstatat, vec![empty_path(3)?]),
         (libc::SYS_statx, vec![empty_path(2)?]),
     ]);

@@ -288,6 +288,35 @@ fn bzimage_end(hdr: &setup_header, payload_size: u64) -> Option<u64> {
     Some(image_end.max(decompress_end))
 }
 
+/// Where the bzImage `kernel`, whose setup header is `hdr`, ends once loaded (see
+/// [`bzimage_end`]).
+fn bzimage_file_end(kernel: &File, hdr: &setup_header) -> Result<u64, BootError> {
+    let file_size = kernel.metadata().map_err(BootError::ReadKernel)?.len();
+    let setup_sects = match hdr.setup_sects {
+        0 => 4,
+        n => u64::from(n),
+    };
+    let setup_size = (setup_sects + 1) * 512;
+    let payload_size = file_size.checked_sub(setup_size).ok_or_else(|| {
+        BootError::InvalidBzImage(format!(
+            "file is {file_size} bytes, smaller than its {setup_size}-byte setup code"
+        ))
+    })?;
+    bzimage_end(hdr, payload_size).ok_or_else(|| {
+        BootError::InvalidBzImage("kernel size overflows the address space".to_string())
+    })
+}
+
+/// Where `kernel` ends in guest memory once loaded, decompression area included, if
+/// it is a bzImage (`None` if it has no setup header): the same figure the load
+/// checks, for a configuration to be checked before any memory is set up.
+pub fn bzimage_memory_end(kernel: &mut File) -> Result<Option<u64>, BootError> {
+    match read_setup_header(kernel)? {
+        Some(hdr) => bzimage_file_end(kernel, &hdr).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// Reads a bzImage's setup header; `None` if the file has none.
 fn read_setup_header(kernel: &mut File) -> Result<Option<setup_header>, BootError> {
     let mut hdr = setup_header::default();
@@ -320,20 +349,7 @@ fn load_bzimage(
             "a zImage (loadflags {loadflags:#x}) cannot be loaded high"
         )));
     }
-    let file_size = kernel.metadata().map_err(BootError::ReadKernel)?.len();
-    let setup_sects = match hdr.setup_sects {
-        0 => 4,
-        n => u64::from(n),
-    };
-    let setup_size = (setup_sects + 1) * 512;
-    let payload_size = file_size.checked_sub(setup_size).ok_or_else(|| {
-        BootError::InvalidBzImage(format!(
-            "file is {file_size} bytes, smaller than its {setup_size}-byte setup code"
-        ))
-    })?;
-    let end = bzimage_end(hdr, payload_size).ok_or_else(|| {
-        BootError::InvalidBzImage("kernel size overflows the address space".to_string())
-    })?;
+    let end = bzimage_file_end(kernel, hdr)?;
     // The payload and the decompression area, both from HIMEM_START upwards.
     if !fits(mem, HIMEM_START, end - HIMEM_START) {
         return Err(BootError::KernelTooBig {

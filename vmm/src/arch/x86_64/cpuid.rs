@@ -1,7 +1,9 @@
 //! The CPUID each vCPU sees: KVM's supported CPUID, adjusted so the guest gets a
 //! consistent topology (one package, `count` cores, one thread per core, APIC ID =
 //! vCPU index), knows it runs under a hypervisor, and is not offered features this
-//! VMM does not back (nested virtualisation, a vPMU, power management).
+//! VMM does not back (nested virtualisation, Intel's architectural vPMU, power
+//! management; on AMD, KVM's legacy PMU counters stay as KVM offers them) or that
+//! would make a running guest look powered off (KVM's PV_UNHALT).
 
 use kvm_bindings::{CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Cap, Kvm, VcpuFd};
@@ -52,6 +54,13 @@ pub const LEAF6_ECX_EPB: u32 = 1 << 3;
 const TOPO_LEVEL_INVALID: u32 = 0;
 const TOPO_LEVEL_SMT: u32 = 1;
 const TOPO_LEVEL_CORE: u32 = 2;
+
+// Leaf 0x4000_0001: KVM's paravirtual features.
+/// EAX bit 7: KVM_FEATURE_PV_UNHALT. With it, a guest kernel built with paravirtual
+/// spinlocks waits for a contended lock by halting with interrupts off until another
+/// vCPU kicks it: on the boot vCPU, what this VMM takes for a power-off (see
+/// `Vcpu::is_powered_off`). Without it, the kernel spins as on bare metal.
+pub const KVM_FEATURE_PV_UNHALT: u32 = 1 << 7;
 
 // Leaf 0x8000_0001.
 /// ECX bit 2: SVM.
@@ -195,7 +204,7 @@ fn add_missing_topology_subleaves(cpuid: &mut CpuId) {
 /// Adjusts KVM's supported CPUID for vCPU `vcpu_index` of `vcpu_count`.
 ///
 /// Leaves that are not mentioned are left as KVM reports them (e.g. the KVM
-/// paravirtual leaves 0x4000_00xx).
+/// paravirtual leaves 0x4000_00xx but for PV_UNHALT).
 pub fn filter_cpuid(cpuid: &mut CpuId, vcpu_index: u8, vcpu_count: u8) {
     let count = vcpu_count.max(1);
     let topo = Topology {
@@ -245,6 +254,7 @@ pub fn filter_cpuid(cpuid: &mut CpuId, vcpu_index: u8, vcpu_count: u8) {
                 entry.ecx = ecx;
                 entry.edx = edx;
             }
+            0x4000_0001 => entry.eax &= !KVM_FEATURE_PV_UNHALT,
             0x8000_0001 => entry.ecx &= !LEAF_8000_0001_ECX_SVM,
             0x8000_0008 if vendor == Vendor::Amd => {
                 entry.ecx = set_field(entry.ecx, 0, LEAF_8000_0008_ECX_NC_MASK, topo.cores - 1);
@@ -497,6 +507,15 @@ mod tests {
         assert_eq!(leaf6.ebx, 0);
     }
 
+    /// A guest with PV_UNHALT halts with interrupts off while it waits for a lock,
+    /// which looks like a power-off; KVM's other paravirtual features stay.
+    #[test]
+    fn pv_unhalt_is_not_offered() {
+        let kvm_features = find(&filtered(0, 2), 0x4000_0001, 0).eax;
+        assert_eq!(kvm_features & KVM_FEATURE_PV_UNHALT, 0);
+        assert_eq!(kvm_features, 0x0100_7afb & !KVM_FEATURE_PV_UNHALT);
+    }
+
     #[test]
     fn pmu_leaf_zeroed() {
         let leaf = find(&filtered(0, 2), 0xa, 0);
@@ -545,12 +564,11 @@ mod tests {
     }
 
     #[test]
-    fn svm_cleared_and_paravirt_untouched() {
+    fn svm_cleared() {
         let cpuid = filtered(0, 2);
         let ext = find(&cpuid, 0x8000_0001, 0);
         assert_eq!(ext.ecx & LEAF_8000_0001_ECX_SVM, 0);
         assert_eq!(ext.ecx, 0x121);
-        assert_eq!(find(&cpuid, 0x4000_0001, 0).eax, 0x0100_7afb);
         // Intel: 0x8000_0008 ECX is reserved and left alone.
         assert_eq!(find(&cpuid, 0x8000_0008, 0).ecx, 0);
     }

@@ -569,7 +569,9 @@ impl SecretStore {
             let vars: &[&str] = match Kind::of(name) {
                 Kind::Anthropic if entry.value.is_anthropic_oauth() => &["CLAUDE_CODE_OAUTH_TOKEN"],
                 Kind::Anthropic => &["ANTHROPIC_API_KEY"],
-                Kind::OpenAi => &["OPENAI_API_KEY"],
+                // Codex reads the second in `codex exec` (newer releases), the first
+                // elsewhere.
+                Kind::OpenAi => &["OPENAI_API_KEY", "CODEX_API_KEY"],
                 Kind::GitHub => &["GH_TOKEN", "GITHUB_TOKEN"],
                 Kind::Custom => &[],
             };
@@ -1022,7 +1024,10 @@ mod tests {
         );
         assert_eq!(
             store.placeholder_env(),
-            vec![("OPENAI_API_KEY".into(), PLACEHOLDER.into())]
+            vec![
+                ("OPENAI_API_KEY".into(), PLACEHOLDER.into()),
+                ("CODEX_API_KEY".into(), PLACEHOLDER.into())
+            ]
         );
     }
 
@@ -1212,7 +1217,7 @@ mod tests {
             store.set("github", secret(value), vec![], None).unwrap();
             store.set("anthropic", secret(value), vec![], None).unwrap();
             let env = store.placeholder_env();
-            assert_eq!(env.len(), 4);
+            assert_eq!(env.len(), 5);
             for (var, placeholder) in env {
                 assert!(
                     !placeholder.contains(value),

@@ -34,8 +34,25 @@ use watcher::{Changes, TreeWatcher};
 pub const HOST_EDITS_VAR: &str = "VMCTL_HOST_EDITS";
 /// Directories watched at most per VM: a watch pins a directory's inode in the host's
 /// memory, and the user's watches (`fs.inotify.max_user_watches`) are shared with the
-/// editor's.
+/// editor's: a VM takes at most a quarter of them (see [`watch_limit`]).
 pub const MAX_WATCHED_DIRS: usize = 65_536;
+
+/// How many directories one VM watches at most: [`MAX_WATCHED_DIRS`], or a quarter of
+/// the user's inotify watches when that is less, so that a guest making directories
+/// (a `node_modules`) leaves the host's editors and other VMs theirs.
+fn watch_limit(max_user_watches: Option<usize>) -> usize {
+    max_user_watches.map_or(MAX_WATCHED_DIRS, |watches| {
+        MAX_WATCHED_DIRS.min(watches / 4).max(1)
+    })
+}
+
+fn max_user_watches() -> Option<usize> {
+    std::fs::read_to_string("/proc/sys/fs/inotify/max_user_watches")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
 /// A burst of events (an editor's save: write, close, rename) becomes one batch: it
 /// ends once no event came for [`BURST_GAP`], or [`BURST_MAX`] after its first. A
 /// fixed wait of 50 ms instead was half of a host edit's way to the guest's watchers
@@ -84,7 +101,7 @@ pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
 }
 
 fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
-    let mut watcher = TreeWatcher::new(MAX_WATCHED_DIRS)?;
+    let mut watcher = TreeWatcher::new(watch_limit(max_user_watches()))?;
     for share in shares.shares.iter().filter(|share| !share.read_only) {
         say_unwatched(watcher.watch_tree(&share.host));
     }
@@ -236,6 +253,14 @@ impl Echoes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vm_watches_at_most_a_quarter_of_the_users_watches() {
+        assert_eq!(watch_limit(Some(8192)), 2048);
+        assert_eq!(watch_limit(Some(10_000_000)), MAX_WATCHED_DIRS);
+        assert_eq!(watch_limit(None), MAX_WATCHED_DIRS);
+        assert_eq!(watch_limit(Some(0)), 1);
+    }
 
     fn changes(edits: &[(&str, EditKind, bool)]) -> Changes {
         Changes {

@@ -282,6 +282,29 @@ impl TreeWatcher {
         open_below(self.root_of(path)?, path)
     }
 
+    /// After the kernel's queue overflowed: the creations and moves it dropped left
+    /// directories unwatched and watched paths stale, so every root is walked again
+    /// (a watch added again keeps its descriptor, and takes the path found now). The
+    /// directories watched only now go to `added`; the watches of those no longer
+    /// found are removed.
+    fn watch_all_again(&mut self, added: &mut Vec<PathBuf>) -> Option<String> {
+        let before = std::mem::take(&mut self.dirs);
+        let roots: Vec<PathBuf> = self.roots.iter().map(|(root, _)| root.clone()).collect();
+        let mut unwatched = None;
+        let mut walked = Vec::new();
+        for root in roots {
+            unwatched = unwatched.or(self.watch_tree_noting(&root, &mut walked));
+        }
+        for wd in before.by_wd.keys() {
+            if self.dirs.get(wd).is_none() {
+                let _ = inotify::remove_watch(&self.inotify, *wd);
+            }
+        }
+        let known: std::collections::HashSet<&PathBuf> = before.by_wd.values().collect();
+        added.extend(walked.into_iter().filter(|dir| !known.contains(dir)));
+        unwatched
+    }
+
     fn reached(&mut self, why: String) -> Option<String> {
         if self.limit_reached.is_some() {
             return None;
@@ -315,7 +338,9 @@ impl TreeWatcher {
     pub fn read(&mut self, changes: &mut Changes) -> io::Result<Option<String>> {
         let mut buf = [MaybeUninit::<u8>::uninit(); 16 * 1024];
         let mut reader = inotify::Reader::new(self.inotify.as_fd(), &mut buf);
-        let mut new_dirs = Vec::new();
+        // A set: a directory renamed back and forth a thousand times is walked once.
+        let mut new_dirs = BTreeSet::new();
+        let mut overflowed = false;
         loop {
             let event = match reader.next() {
                 Ok(event) => event,
@@ -326,6 +351,7 @@ impl TreeWatcher {
             let flags = event.events();
             if flags.contains(ReadFlags::QUEUE_OVERFLOW) {
                 changes.overflowed = true;
+                overflowed = true;
                 continue;
             }
             if flags.contains(ReadFlags::IGNORED) {
@@ -361,7 +387,7 @@ impl TreeWatcher {
                 && flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO)
                 && !is_git_objects(&dir, name)
             {
-                new_dirs.push(path.clone());
+                new_dirs.insert(path.clone());
             }
             if flags.intersects(ReadFlags::MODIFY | ReadFlags::CLOSE_WRITE) {
                 changes.add(path.clone(), EditKind::Content, false);
@@ -372,8 +398,18 @@ impl TreeWatcher {
         }
         let mut unwatched = None;
         let mut added = Vec::new();
-        for dir in new_dirs {
-            unwatched = unwatched.or(self.watch_tree_noting(&dir, &mut added));
+        if overflowed {
+            unwatched = self.watch_all_again(&mut added);
+        } else {
+            let mut walked: Vec<&PathBuf> = Vec::new();
+            for dir in &new_dirs {
+                // In order, so a directory's tree comes after it: walked with it.
+                if walked.iter().any(|top| dir.starts_with(top)) {
+                    continue;
+                }
+                walked.push(dir);
+                unwatched = unwatched.or(self.watch_tree_noting(dir, &mut added));
+            }
         }
         for dir in added {
             changes.add(dir, EditKind::Entries, false);
@@ -474,6 +510,45 @@ mod tests {
         }
         assert!(changes.edits.is_empty(), "{changes:?}");
         drop(dir);
+    }
+
+    /// Past the kernel's queue, events are dropped, the creation of a directory among
+    /// them: after the overflow, the trees are walked again, so that directory is
+    /// watched all the same, and reported as new.
+    #[test]
+    fn a_directory_made_while_the_queue_overflowed_is_watched() {
+        let queue: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            queue <= 1 << 20,
+            "a queue of {queue} events is too long to fill here"
+        );
+        let (_dir, root, _) = share_and_outside();
+        std::fs::create_dir_all(&root).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        // Each file is at least two events (created, closed after writing).
+        for index in 0..queue / 2 + 1 {
+            std::fs::write(root.join(index.to_string()), "").unwrap();
+        }
+        let late = root.join("late");
+        std::fs::create_dir_all(late.join("inner")).unwrap();
+        let changes = read_until(&mut watcher, |changes| changes.overflowed);
+        assert!(watcher.dirs.values().any(|dir| *dir == late.join("inner")));
+        assert!(
+            changes
+                .edits
+                .contains_key(&(late.join("inner"), EditKind::Entries)),
+            "{:?}",
+            changes
+                .edits
+                .keys()
+                .filter(|(path, _)| path.starts_with(&late))
+                .collect::<Vec<_>>()
+        );
     }
 
     /// Reads until `dir` is watched, or fails after 5 s.

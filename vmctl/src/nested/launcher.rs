@@ -270,7 +270,10 @@ fn run(
     if job.needs_mux() {
         command
             .arg("-chardev")
-            .arg(format!("socket,id=mux,path={}", mux_socket.display()))
+            .arg(format!(
+                "socket,id=mux,path={}",
+                qemu_option_path(&mux_socket)
+            ))
             .arg("-device")
             .arg(format!(
                 "virtserialport,chardev=mux,name={}",
@@ -407,7 +410,7 @@ fn add_filesystems(command: &mut Command, filesystems: &[FsConfig], memory_mib: 
             .arg("-chardev")
             .arg(format!(
                 "socket,id=fs{index},path={}",
-                fs.socket_path.display().to_string().replace(',', ",,")
+                qemu_option_path(&fs.socket_path)
             ))
             .arg("-device")
             .arg(format!(
@@ -581,15 +584,14 @@ fn qemu_command(
     // that stopped making progress (`info lapic`, `info registers -a`, `info cpus`).
     command.arg("-monitor").arg(format!(
         "unix:{},server=on,wait=off",
-        job_dir.join(MONITOR_SOCKET).display()
+        qemu_option_path(&job_dir.join(MONITOR_SOCKET))
     ));
     let mut share = |id: &str, path: &Path, tag: &str, read_only: bool| {
         command
             .arg("-fsdev")
             .arg(format!(
                 "local,id={id},path={},security_model=none,multidevs=remap{}",
-                // QEMU option values escape a comma by doubling it.
-                path.display().to_string().replace(',', ",,"),
+                qemu_option_path(path),
                 if read_only { ",readonly=on" } else { "" }
             ))
             .arg("-device")
@@ -607,7 +609,10 @@ fn qemu_command(
     }
     command
         .arg("-chardev")
-        .arg(format!("socket,id=vmmerr,path={}", stderr_socket.display()))
+        .arg(format!(
+            "socket,id=vmmerr,path={}",
+            qemu_option_path(stderr_socket)
+        ))
         .args([
             "-device",
             "virtio-serial-device",
@@ -726,8 +731,23 @@ fn wait_or_stop(child: &mut Child, watch: &StallWatch) -> Option<std::process::E
     }
 }
 
+/// `path` as a QEMU option value: a comma there would end the value (QEMU escapes
+/// one by doubling it), and a `$TMPDIR` may hold one.
+fn qemu_option_path(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn commas_in_a_path_are_doubled_for_qemu() {
+        assert_eq!(
+            qemu_option_path(Path::new("/tmp/a,b/m.sock")),
+            "/tmp/a,,b/m.sock"
+        );
+        assert_eq!(qemu_option_path(Path::new("/plain")), "/plain");
+    }
     use super::*;
     use crate::nested::stall::Stuck;
 

@@ -22,6 +22,11 @@ use tokio::sync::{mpsc, Semaphore};
 pub const MAX_CHUNK: usize = 32 * 1024;
 /// Bytes a sender may have in flight per stream before the receiver grants more.
 pub const WINDOW: u32 = 256 * 1024;
+/// What each data frame costs of the window besides its payload: what the receiver
+/// holds per queued frame. Without it, 1-byte frames would queue some 50 times the
+/// window's bytes (a peer that a guest took over, writing to a socket that does not
+/// read). Both sides run the same vmctl, so they agree on it.
+pub const FRAME_COST: u32 = 256;
 /// The port of an `Open` that means "the VM's hybrid-vsock socket".
 pub const VSOCK_PORT: u32 = 0;
 /// The most streams a link holds at once, as the VMM's vsock holds connections.
@@ -158,7 +163,7 @@ impl Mux {
                     Ok(0) => MuxFrame::Close { stream },
                     Ok(n) => {
                         // Wait for the peer's credit before sending what we read.
-                        match send_window.acquire_many(n as u32).await {
+                        match send_window.acquire_many(n as u32 + FRAME_COST).await {
                             Ok(permit) => permit.forget(),
                             Err(_) => return UpEnd::Reset,
                         }
@@ -212,7 +217,7 @@ impl Mux {
                                 }
                             }
                             // Dropped bytes are granted too, or the peer would stall.
-                            mux.grant(stream, bytes.len() as u32).await;
+                            mux.grant(stream, bytes.len() as u32 + FRAME_COST).await;
                         }
                         Some(Inbound::Close) => {
                             if !write_failed {
@@ -245,6 +250,15 @@ impl Mux {
         }
     }
 
+    /// Tells the peer `stream` is reset, however full the link's queue is now: a
+    /// dropped Reset would leave the stream, and its slot, open on the other side.
+    fn send_reset(&self, stream: u32) {
+        let out = self.out.clone();
+        tokio::spawn(async move {
+            let _ = out.send(MuxFrame::Reset { stream }).await;
+        });
+    }
+
     /// Handles one frame from the link.
     fn dispatch(self: &Arc<Self>, frame: MuxFrame, opener: &Opener) {
         match frame {
@@ -258,7 +272,7 @@ impl Mux {
                 // the guest took over) must not open them without bound.
                 if self.streams_lock().len() >= MAX_STREAMS {
                     tracing::warn!("mux: peer opened stream {stream} past {MAX_STREAMS}; refused");
-                    let _ = self.out.try_send(MuxFrame::Reset { stream });
+                    self.send_reset(stream);
                     return;
                 }
                 let inbound = self.register(stream);
@@ -283,7 +297,9 @@ impl Mux {
                 let len = bytes.len() as u32;
                 let within_window = entry
                     .receive_budget
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| b.checked_sub(len))
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+                        b.checked_sub(len.saturating_add(FRAME_COST))
+                    })
                     .is_ok();
                 // An empty one costs no window, but a place in the queue all the same.
                 if within_window && len > 0 {
@@ -295,7 +311,7 @@ impl Mux {
                     );
                     let _ = entry.inbound.send(Inbound::Reset);
                     streams.remove(&stream);
-                    let _ = self.out.try_send(MuxFrame::Reset { stream });
+                    self.send_reset(stream);
                 }
             }
             MuxFrame::Credit { stream, bytes } => {
@@ -749,6 +765,39 @@ mod tests {
             0,
             "the overrunning stream must be reset"
         );
+    }
+
+    /// Each frame costs the window more than its payload: a peer sending 1-byte frames
+    /// to a socket that does not read cannot queue 50 times the window's bytes in
+    /// frames (20,000 bytes are well within the window; 20,000 frames are not).
+    #[tokio::test]
+    async fn a_peer_sending_tiny_frames_is_held_to_the_window() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (ar, aw) = a.into_split();
+        let (_br, mut bw) = b.into_split();
+        let dir = tempfile::tempdir().unwrap();
+        let sink_path = dir.path().join("sink.sock");
+        let sink = UnixListener::bind(&sink_path).unwrap();
+        let opener: Opener = Arc::new(move |_| {
+            let path = sink_path.clone();
+            Box::pin(async move { UnixStream::connect(path).await })
+        });
+        let (mux, _) = Mux::start(ar, aw, true, opener);
+        write_frame(&mut bw, &MuxFrame::Open { stream: 2, port: 0 })
+            .await
+            .unwrap();
+        let _held = sink.accept().await.unwrap();
+        let tiny = MuxFrame::Data {
+            stream: 2,
+            bytes: vec![0],
+        };
+        for _ in 0..20_000 {
+            if write_frame(&mut bw, &tiny).await.is_err() {
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(mux.stream_count(), 0, "the stream must be reset");
     }
 
     #[tokio::test]

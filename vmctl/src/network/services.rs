@@ -349,15 +349,18 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
             guest_port,
             host_port,
             address,
-        } => service
-            .published
-            .publish(
-                service.vsock.clone(),
-                guest_port,
-                SocketAddr::new(address, host_port),
-            )
-            .await
-            .map(ControlResponse::Published),
+        } => match not_to_publish(&service.relays, guest_port) {
+            Some(why) => Err(why),
+            None => service
+                .published
+                .publish(
+                    service.vsock.clone(),
+                    guest_port,
+                    SocketAddr::new(address, host_port),
+                )
+                .await
+                .map(ControlResponse::Published),
+        },
         ControlRequest::Unpublish { guest_port } => service
             .published
             .unpublish(guest_port)
@@ -367,6 +370,28 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
         }),
     };
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
+}
+
+/// Why `guest_port` must not be published, if it must not: the VM's ports that are
+/// the host's own services, whose reach publishing would widen.
+fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<String> {
+    if guest_port == guest_agent::protocol::EGRESS_PROXY_PORT {
+        return Some(format!(
+            "port {guest_port} in the VM is vmctl's egress proxy, which adds your secrets to \
+             the requests through it: published, it would add them to the requests of \
+             whoever reaches it on the host; not published"
+        ));
+    }
+    let relayed = relays
+        .lock()
+        .is_ok_and(|relays| relays.contains(&guest_port));
+    relayed.then(|| {
+        format!(
+            "port {guest_port} in the VM is relayed from the host's own loopback port \
+             {guest_port}: published, that host service would be reachable where the host \
+             keeps it from; not published (on the host it is at 127.0.0.1:{guest_port})"
+        )
+    })
 }
 
 /// Sends `config` to the guest agent behind `vsock`, giving up after
@@ -456,6 +481,17 @@ mod tests {
             only_asked(failed, &[6767, 3000]),
             [(3000, "in use".to_string()), (6767, "refused".to_string())]
         );
+    }
+
+    /// The egress proxy and the ports relayed from the host's loopback are the host's
+    /// services: not published. Others are.
+    #[test]
+    fn the_hosts_own_services_in_the_vm_are_not_published() {
+        let relays = Mutex::new(BTreeSet::from([6767]));
+        let proxy = guest_agent::protocol::EGRESS_PROXY_PORT;
+        assert!(not_to_publish(&relays, proxy).is_some_and(|why| why.contains("egress proxy")));
+        assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("127.0.0.1:6767")));
+        assert_eq!(not_to_publish(&relays, 8080), None);
     }
 
     /// A server listening on `::1` only (Node's `localhost`) is reached too.

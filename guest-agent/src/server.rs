@@ -224,6 +224,8 @@ struct State {
     active_execs: AtomicU32,
     shutdown: Notify,
     shutdown_requested: std::sync::atomic::AtomicBool,
+    /// The last `Hello` that found the guest's clock ahead (see [`clock`]).
+    clock_ahead_seen: clock::AheadSeen,
 }
 
 /// A bound listener.
@@ -268,6 +270,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         active_execs: AtomicU32::new(0),
         shutdown: Notify::new(),
         shutdown_requested: Default::default(),
+        clock_ahead_seen: clock::AheadSeen::default(),
     });
     // SIGCHLD → reap. Registered before any command starts, so none is missed; a
     // periodic sweep covers anything odd (several runtimes in one test process).
@@ -335,8 +338,8 @@ async fn reply_and_close<W: AsyncWrite + Unpin>(
 }
 
 /// A clock that cannot be set costs the guest only its accuracy: said, not fatal.
-fn follow_host_clock(host_time_ns: u64) {
-    match clock::follow_host(host_time_ns) {
+fn follow_host_clock(host_time_ns: u64, ahead_seen: &clock::AheadSeen) {
+    match clock::follow_host(host_time_ns, ahead_seen) {
         Ok(None) => {}
         Ok(Some(step)) => info!("the guest's clock {step}"),
         Err(e) => warn!("{e}"),
@@ -357,7 +360,7 @@ async fn handle_connection(stream: Box<dyn Stream>, state: Arc<State>) -> Result
             debug!(client = %h.client, "hello");
             if state.config.follow_host_clock {
                 if let Some(host_time_ns) = h.host_time_ns {
-                    follow_host_clock(host_time_ns);
+                    follow_host_clock(host_time_ns, &state.clock_ahead_seen);
                 }
             }
             write_frame(

@@ -1229,14 +1229,7 @@ pub fn list() -> Vec<String> {
             Some(_) => format_duration(now.saturating_sub(record.started_at)),
             None => "-".into(),
         };
-        let crash = vm.read_crash().filter(|_| pid.is_none());
-        let state = match pid {
-            None if crash.is_some() => "crashed",
-            None => "stopped",
-            // A share's virtiofsd died: the VM runs but cannot reach those files.
-            Some(_) if !vm.read_share_failures().is_empty() => "degraded",
-            Some(_) => "running",
-        };
+        let (state, crash) = run_state(&vm, pid);
         let held = pid
             .and_then(crate::procfs::tree_pss_kib)
             .map(|kib| format!("{}M", kib / 1024))
@@ -1274,6 +1267,23 @@ pub fn list() -> Vec<String> {
         ));
     }
     lines
+}
+
+/// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
+/// and the crash its last run ended in, if that is what it shows.
+fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
+    match pid {
+        // A restart spends seconds, minutes for a rebuild of the guest agent, before
+        // its supervisor runs: neither the stop nor the crash before is what goes on.
+        None if start_in_progress(vm) => ("starting", None),
+        None => match vm.read_crash() {
+            Some(crash) => ("crashed", Some(crash)),
+            None => ("stopped", None),
+        },
+        // A share's virtiofsd died: the VM runs but cannot reach those files.
+        Some(_) if !vm.read_share_failures().is_empty() => ("degraded", None),
+        Some(_) => ("running", None),
+    }
 }
 
 /// What keeps a VM running, as the daemon sees it.
@@ -1772,6 +1782,26 @@ mod tests {
         assert!(start_in_progress(&vm));
         drop(held);
         assert!(!start_in_progress(&vm), "a start that ended (or failed)");
+    }
+
+    /// A VM that crashed, or stopped, and is being started again (its supervisor not
+    /// running yet, as while the guest agent is rebuilt) is shown starting.
+    #[test]
+    fn ps_shows_a_vm_being_restarted_as_starting() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        assert_eq!(run_state(&vm, None), ("stopped", None));
+        std::fs::write(vm.crash_file(), "the guest kernel crashed: oops\n").unwrap();
+        let crash = Some("the guest kernel crashed: oops".to_string());
+        assert_eq!(run_state(&vm, None), ("crashed", crash.clone()));
+        let starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        assert_eq!(run_state(&vm, None), ("starting", None));
+        drop(starting);
+        assert_eq!(run_state(&vm, None), ("crashed", crash));
+        assert_eq!(run_state(&vm, Some(1)).0, "running");
     }
 
     #[test]

@@ -24,8 +24,19 @@ pub enum VmError {
     State(#[from] StateError),
     #[error(transparent)]
     Artifact(#[from] ArtifactError),
-    #[error("the VM in {} is still running after it was told to stop; its directory is kept (look at its supervisor with 'vmctl ps', then 'vmctl rm' again)", .0.display())]
-    StillRunning(PathBuf),
+    #[error(
+        "the VM in {} still runs after it was told to stop (its supervisor, pid {pid}, \
+         outlived SIGKILL, or started since); its directory is kept. Once that process is \
+         gone (`ps -o pid,stat,wchan -p {pid}` shows where it is stuck; its log: {}), \
+         'vmctl rm' again",
+        .dir.display(),
+        .log.display()
+    )]
+    StillRunning {
+        dir: PathBuf,
+        pid: i32,
+        log: PathBuf,
+    },
     #[error("cannot start the VM's supervisor: {0}")]
     Spawn(std::io::Error),
     #[error(transparent)]
@@ -916,7 +927,8 @@ fn lock_to_stop_within(
             Ok(None) => {
                 if !said {
                     vmm::to_stderr!(
-                        "vmctl: the VM in {} is being started; {doing} it once that is done",
+                        "vmctl: the VM in {} is being started or stopped (another vmctl \
+                         holds its start lock); {doing} it once that is done",
                         vm.path.display()
                     );
                     said = true;
@@ -1067,8 +1079,12 @@ pub fn remove(workspace: &Path) -> Result<bool, VmError> {
 /// supervisor still runs.
 pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     stop_vm(vm, why);
-    if vm.running_pid().is_some() {
-        return Err(VmError::StillRunning(vm.path.clone()));
+    if let Some(pid) = vm.running_pid() {
+        return Err(VmError::StillRunning {
+            dir: vm.path.clone(),
+            pid,
+            log: vm.supervisor_log(),
+        });
     }
     remove_dir(vm).map_err(|source| {
         VmError::State(StateError::Io {
@@ -1701,6 +1717,27 @@ mod tests {
         );
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
+    }
+
+    /// `vmctl ps` shows no pid: the error must, and where to read why.
+    #[test]
+    fn a_vm_that_outlives_its_stop_is_named_by_its_supervisors_pid() {
+        let vm = VmDir {
+            path: "/state/vms/w-1234abcd".into(),
+        };
+        let error = VmError::StillRunning {
+            dir: vm.path.clone(),
+            pid: 4242,
+            log: vm.supervisor_log(),
+        }
+        .to_string();
+        assert!(error.contains("pid 4242,"), "{error}");
+        assert!(error.contains("-p 4242"), "{error}");
+        assert!(
+            error.contains("/state/vms/w-1234abcd/supervisor.log"),
+            "{error}"
+        );
+        assert!(!error.contains("vmctl ps"), "{error}");
     }
 
     #[test]

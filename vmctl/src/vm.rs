@@ -1094,14 +1094,29 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     })
 }
 
-/// Removes the directory of `vm`, which no VM runs from.
+/// Removes the directory of `vm`, which no VM runs from, and its sockets' directory
+/// when that is one of its own in /tmp ([`VmDir::sockets_dir`]).
 fn remove_dir(vm: &VmDir) -> std::io::Result<()> {
     // The guest wrote parts of it (the agent homes), read-only directories included.
-    match (vm.path.parent(), vm.path.file_name()) {
+    let removed = match (vm.path.parent(), vm.path.file_name()) {
         (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
             .and_then(|parent| crate::guest_writable::remove(parent, name)),
         _ => std::fs::remove_dir_all(&vm.path),
+    };
+    // Its last run removed its sockets, but an older vmctl kept virtiofsd's logs
+    // there too, and so the directory, one more in /tmp at each `vmctl run`.
+    let sockets = vm.sockets_dir();
+    if sockets != vm.path {
+        match std::fs::remove_dir_all(&sockets) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => vmm::to_stderr!(
+                "vmctl: warning: cannot remove the VM's sockets directory {}: {e}",
+                sockets.display()
+            ),
+        }
     }
+    removed
 }
 
 /// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
@@ -1717,6 +1732,24 @@ mod tests {
         );
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
+    }
+
+    /// A VM directory too deep for socket paths has its sockets in /tmp: removing the
+    /// VM removes that directory too, whatever an older vmctl left in it.
+    #[test]
+    fn removing_a_vm_removes_its_sockets_directory_in_tmp() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("x".repeat(100)).join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let sockets = vm.sockets_dir();
+        assert_ne!(sockets, vm.path, "not deep enough for a directory in /tmp");
+        vm.create_sockets_dir().unwrap();
+        std::fs::write(crate::virtiofsd::log_path(&sockets, 0), "a log\n").unwrap();
+        remove_vm(&vm, "a test").unwrap();
+        assert!(!vm.path.exists());
+        assert!(!sockets.exists(), "{} is left", sockets.display());
     }
 
     /// `vmctl ps` shows no pid: the error must, and where to read why.

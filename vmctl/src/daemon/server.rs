@@ -162,9 +162,15 @@ fn bind(socket: &Path) -> Result<Bound, DaemonError> {
         path: socket.to_path_buf(),
         source,
     };
-    // The runtime directory (or its /tmp stand-in), then vmctl's own in it.
-    let dirs = socket.ancestors().skip(1).take(2).collect::<Vec<_>>();
-    for dir in dirs.into_iter().rev() {
+    let mut dirs = Vec::new();
+    if let Some(own) = socket.parent() {
+        // The runtime directory itself only when it is vmctl's /tmp stand-in: a user's
+        // own is theirs, not vmctl's to change.
+        let runtime = own.parent();
+        dirs.extend(runtime.filter(|dir| *dir == crate::state::private_tmp_dir()));
+        dirs.push(own);
+    }
+    for dir in dirs {
         crate::state::ensure_private_dir(dir).map_err(|e| DaemonError::Listen {
             path: socket.to_path_buf(),
             source: std::io::Error::other(e.to_string()),
@@ -634,6 +640,24 @@ mod tests {
         let bound = bind(&socket).unwrap();
         assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
         assert!(matches!(bind(&socket), Err(DaemonError::AlreadyRunning(_))));
+        drop(bound);
+    }
+
+    /// The user's runtime directory is theirs: the daemon makes its own directory in
+    /// it, private, and leaves the runtime directory as it was.
+    #[test]
+    fn the_daemon_leaves_the_runtime_directory_as_it_is() {
+        use std::os::unix::fs::PermissionsExt;
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("run");
+        std::fs::create_dir(&runtime).unwrap();
+        std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = runtime.join("vmctl/daemon-x.sock");
+        let bound = bind(&socket).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&runtime), 0o755, "the runtime directory was changed");
+        assert_eq!(mode(socket.parent().unwrap()), 0o700);
         drop(bound);
     }
 

@@ -312,10 +312,21 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let _lease = lease_vm(&vm, "vmctl run");
     let vm = vm::up_ephemeral(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
-    if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
-        vmm::to_stderr!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+    match vm::remove_throwaway(&vm) {
+        vm::Teardown::Done(Ok(())) => outcome,
+        vm::Teardown::Done(Err(e)) => {
+            vmm::to_stderr!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+            outcome
+        }
+        vm::Teardown::Interrupted(signal) => {
+            vmm::to_stderr!(
+                "vmctl: interrupted while removing the throwaway VM: the daemon stops it \
+                 once idle, and `vmctl prune` removes what is left ({})",
+                vm.path.display()
+            );
+            Ok(exec::exit_code(None, Some(signal)))
+        }
     }
-    outcome
 }
 
 /// `vmctl nested-exec`: its command goes to the nested host in a JSON job, which

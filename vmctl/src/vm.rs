@@ -1094,6 +1094,82 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     })
 }
 
+/// How the removal of `vmctl run`'s throwaway VM ended.
+#[derive(Debug)]
+pub enum Teardown {
+    Done(Result<(), VmError>),
+    /// A second SIGINT or SIGTERM (this one) came first.
+    Interrupted(i32),
+}
+
+/// Removes `vm`, `vmctl run`'s throwaway VM, minding SIGINT and SIGTERM: the session
+/// forwarded them to its command, and their handlers outlive it, so that without this
+/// Ctrl-C would do nothing while a guest that does not shut down holds the removal up
+/// to 45 s ([`stop_vm`]). A first signal stops the VMM now (SIGTERM to the supervisor,
+/// which passes it on); a second ends the wait, leaving the VM to the daemon (it is
+/// stopped once idle) and its directory to `vmctl prune`.
+pub fn remove_throwaway(vm: &VmDir) -> Teardown {
+    let removal = {
+        let vm = vm.clone();
+        move || remove_vm(&vm, "`vmctl run` removes its throwaway VM")
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::debug!("no runtime to mind signals on ({e}); removing the VM regardless");
+            return Teardown::Done(removal());
+        }
+    };
+    let outcome = runtime.block_on(async {
+        let (signals, source) = crate::exec::signals_received();
+        let outcome = remove_minding(vm, signals, removal).await;
+        source.abort();
+        outcome
+    });
+    // An interrupted removal is not waited for: the process ends with it.
+    runtime.shutdown_background();
+    outcome
+}
+
+/// Runs `removal` of `vm` until it is done or the second of `signals` comes; the
+/// first has `vm`'s supervisor stop its VMM.
+async fn remove_minding(
+    vm: &VmDir,
+    mut signals: tokio::sync::mpsc::Receiver<i32>,
+    removal: impl FnOnce() -> Result<(), VmError> + Send + 'static,
+) -> Teardown {
+    let mut removal = tokio::task::spawn_blocking(removal);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            removed = &mut removal => {
+                return Teardown::Done(match removed {
+                    Ok(removed) => removed,
+                    Err(e) => std::panic::resume_unwind(e.into_panic()),
+                });
+            }
+            Some(signal) = signals.recv() => {
+                if stopping {
+                    return Teardown::Interrupted(signal);
+                }
+                stopping = true;
+                if let Some(pid) = vm.running_pid() {
+                    vmm::to_stderr!(
+                        "vmctl: stopping the throwaway VM's VMM now (once more, and vmctl \
+                         leaves it to the daemon and `vmctl prune`)"
+                    );
+                    // SAFETY: signalling the supervisor, whose pid `running_pid` has just
+                    // checked against its command line.
+                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                }
+            }
+        }
+    }
+}
+
 /// Removes the directory of `vm`, which no VM runs from, and its sockets' directory
 /// when that is one of its own in /tmp ([`VmDir::sockets_dir`]).
 fn remove_dir(vm: &VmDir) -> std::io::Result<()> {
@@ -1732,6 +1808,78 @@ mod tests {
         );
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
+    }
+
+    /// `remove_minding` of a VM with this supervisor (`sh -c script`), given `signals`
+    /// each after its delay; how it ended and how long it took.
+    fn remove_throwaway_with_signals(
+        script: &str,
+        signals: &[(Duration, i32)],
+    ) -> (Teardown, Duration, bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm-run1"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let supervisor = crate::state::fake_supervisor(&vm, script);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        let outcome = runtime.block_on(async {
+            let (sender, received) = tokio::sync::mpsc::channel(4);
+            let signals = signals.to_vec();
+            tokio::spawn(async move {
+                for (delay, signal) in signals {
+                    tokio::time::sleep(delay).await;
+                    let _ = sender.send(signal).await;
+                }
+                std::future::pending::<()>().await
+            });
+            let removal = {
+                let vm = vm.clone();
+                move || remove_vm(&vm, "a test")
+            };
+            remove_minding(&vm, received, removal).await
+        });
+        let took = started.elapsed();
+        let left = vm.path.exists();
+        // A removal left running ends with its supervisor.
+        drop(supervisor);
+        runtime.shutdown_background();
+        (outcome, took, left)
+    }
+
+    /// A guest that does not shut down holds a removal 30 s before its VMM is stopped:
+    /// Ctrl-C during `vmctl run`'s removal of its VM stops it at once.
+    #[test]
+    fn a_signal_during_a_throwaway_vms_removal_stops_its_vmm_now() {
+        let (outcome, took, left) = remove_throwaway_with_signals(
+            "trap 'exit 0' TERM; while :; do sleep 0.05; done",
+            &[(Duration::from_millis(300), libc::SIGINT)],
+        );
+        assert!(matches!(outcome, Teardown::Done(Ok(()))), "{outcome:?}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert!(!left, "the VM's directory is left");
+    }
+
+    /// A supervisor that does not stop either: a second signal ends the wait.
+    #[test]
+    fn a_second_signal_during_a_throwaway_vms_removal_ends_the_wait() {
+        let (outcome, took, left) = remove_throwaway_with_signals(
+            "trap '' TERM; while :; do sleep 0.05; done",
+            &[
+                (Duration::from_millis(300), libc::SIGINT),
+                (Duration::from_millis(300), libc::SIGTERM),
+            ],
+        );
+        assert!(
+            matches!(outcome, Teardown::Interrupted(libc::SIGTERM)),
+            "{outcome:?}"
+        );
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert!(left, "left to `vmctl prune`");
     }
 
     /// A VM directory too deep for socket paths has its sockets in /tmp: removing the

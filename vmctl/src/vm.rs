@@ -903,7 +903,7 @@ fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
 /// holds the lock after [`STOP_WAITS_FOR_START`] while the VM runs only waits for its
 /// agent (which a VM the nested host stalled never sends): the stop goes ahead without
 /// the lock (`None`). `None` too when the VM's directory is gone.
-fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
+pub(crate) fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
     lock_to_stop_within(vm, doing, STOP_WAITS_FOR_START)
 }
 

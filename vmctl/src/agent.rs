@@ -84,8 +84,10 @@ pub enum AgentError {
     Vm(#[from] crate::vm::VmError),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
-    #[error(transparent)]
-    Exec(#[from] crate::exec::ExecError),
+    /// The session's error, with why its VM went away if it did
+    /// ([`crate::lost_vm::explain`]).
+    #[error("{0}")]
+    Session(String),
     #[error("preparing the VM's {what} in {}: {source}", .path.display())]
     Home {
         what: String,
@@ -164,9 +166,8 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         // Output redirected to a file gets no terminal's line endings and escapes.
         tty: std::io::stdin().is_terminal() && std::io::stdout().is_terminal(),
     };
-    Ok(crate::git_guard::watch(&vm, || {
-        exec::run(&vm.vsock_socket(), options)
-    })?)
+    crate::git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
+        .map_err(|e| AgentError::Session(crate::lost_vm::explain(&vm, e.to_string())))
 }
 
 /// A refused start as `vmctl agent` says it: its remedies name no option it lacks

@@ -112,23 +112,20 @@ fn parse_fs(value: &str) -> Result<FsConfig, BootCommandError> {
 }
 
 /// Runs the VMM in a child process with one virtiofsd per share, started here (so
-/// inside the nested host when there is one), their sockets in `socket_dir`.
+/// inside the nested host when there is one), their sockets in `socket_dir`, their
+/// logs in `log_dir`.
 pub fn run_vmm_sharing(
     config: &VmConfig,
     shares: Option<&ShareSet>,
     socket_dir: &Path,
+    log_dir: &Path,
     report_boot_time: bool,
 ) -> Result<u8, BootCommandError> {
     let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
         return Ok(vmm_process::run(config, report_boot_time)?);
     };
-    let (daemons, filesystems) = virtiofsd::start(
-        &set.virtiofsd,
-        &set.shares,
-        socket_dir,
-        socket_dir,
-        set.cache,
-    )?;
+    let (daemons, filesystems) =
+        virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, log_dir, set.cache)?;
     if let Some(file) = &set.failure_file {
         daemons.record_failures_in(file.clone());
     }

@@ -273,7 +273,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
 }
 
 /// SIGINT and SIGTERM as they come, from now on, and the task that listens for them.
-fn signals_received() -> (
+pub(crate) fn signals_received() -> (
     tokio::sync::mpsc::Receiver<i32>,
     tokio::task::JoinHandle<()>,
 ) {
@@ -586,7 +586,7 @@ async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
     }
 }
 
-fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
+pub(crate) fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
     match (code, signal) {
         // No exit status is out of 0..=255: a guest that says so did not succeed.
         (Some(code), _) => u8::try_from(code).unwrap_or(255),

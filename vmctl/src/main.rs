@@ -17,6 +17,7 @@ mod host_edits;
 mod host_kvm;
 mod log_keeper;
 mod logs;
+mod lost_vm;
 mod nested;
 mod network;
 mod own_socket;
@@ -311,10 +312,21 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
     let _lease = lease_vm(&vm, "vmctl run");
     let vm = vm::up_ephemeral(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
-    if let Err(e) = vm::remove_vm(&vm, "`vmctl run` removes its throwaway VM") {
-        vmm::to_stderr!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+    match vm::remove_throwaway(&vm) {
+        vm::Teardown::Done(Ok(())) => outcome,
+        vm::Teardown::Done(Err(e)) => {
+            vmm::to_stderr!("vmctl: warning: cannot clean up the throwaway VM: {e}");
+            outcome
+        }
+        vm::Teardown::Interrupted(signal) => {
+            vmm::to_stderr!(
+                "vmctl: interrupted while removing the throwaway VM: the daemon stops it \
+                 once idle, and `vmctl prune` removes what is left ({})",
+                vm.path.display()
+            );
+            Ok(exec::exit_code(None, Some(signal)))
+        }
     }
-    outcome
 }
 
 /// `vmctl nested-exec`: its command goes to the nested host in a JSON job, which
@@ -352,67 +364,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         tty: args.tty,
     };
     git_guard::watch(vm, || exec::run(&vm.vsock_socket(), options))
-        .map_err(|e| explain_lost_vm(vm, e.to_string()))
-}
-
-/// What a session's error says when its connection to the agent broke: while
-/// connecting or after.
-const CONNECTION_LOST_SIGNS: [&str; 3] = [
-    "closed the connection",
-    "connection closed after",
-    "Connection reset by peer",
-];
-
-/// How long a session whose connection broke waits for its VM's supervisor to exit
-/// before it reports the error without saying why the VM went away.
-const LOST_VM_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// A session that failed because its VM went away says why the VM went away.
-fn explain_lost_vm(vm: &state::VmDir, error: String) -> String {
-    if !CONNECTION_LOST_SIGNS
-        .iter()
-        .any(|sign| error.contains(sign))
-    {
-        return error;
-    }
-    // Give the supervisor a moment to record the end and exit: in the nested host that
-    // waits for the nested host to shut down too, which under load takes seconds.
-    let deadline = std::time::Instant::now() + LOST_VM_WAIT;
-    while vm.running_pid().is_some() {
-        if std::time::Instant::now() > deadline {
-            return error;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    why_the_vm_stopped(vm, error)
-}
-
-/// `error`, with why its VM, no longer running, stopped: the crash its supervisor
-/// recorded (a guest panic, a triple fault, ...), else the last error in the
-/// supervisor's log (a supervisor killed before it could record one).
-fn why_the_vm_stopped(vm: &state::VmDir, error: String) -> String {
-    const STOPPED: &str = "the VM stopped: ";
-    if let Some(crash) = vm.read_crash() {
-        // The VMM's own errors already begin so.
-        let why = crash.strip_prefix(STOPPED).unwrap_or(&crash);
-        return format!("{error}; {STOPPED}{why}");
-    }
-    let tail = log_keeper::read_tail(&vm.supervisor_log(), supervisor::LOG_TAIL_BYTES);
-    let log = String::from_utf8_lossy(tail.as_deref().unwrap_or_default());
-    let last_word = log
-        .lines()
-        .rev()
-        .find(|l| l.contains("error") || l.starts_with(vm::SHUTDOWN_REQUESTED));
-    match last_word {
-        Some(line) => match line.strip_prefix(vm::SHUTDOWN_REQUESTED) {
-            Some(who) => format!("{error}; the VM was shut down, {}", who.trim()),
-            None => format!("{error}; {STOPPED}{}", line.trim()),
-        },
-        None => format!(
-            "{error}; the VM stopped (see {})",
-            vm.supervisor_log().display()
-        ),
-    }
+        .map_err(|e| lost_vm::explain(vm, e.to_string()))
 }
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
@@ -444,7 +396,8 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         // reading them, whose output carries no echo or escape sequences.
         tty: std::io::stdin().is_terminal(),
     };
-    git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options)).map_err(|e| e.to_string())
+    git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
+        .map_err(|e| lost_vm::explain(&vm, e.to_string()))
 }
 
 fn init_logging() {
@@ -478,7 +431,6 @@ fn exit_with(result: Result<u8, String>, failure: ExitCode) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     #[test]
     fn wrong_arguments_to_a_command_that_passes_its_code_on_exit_125() {
@@ -502,61 +454,5 @@ mod tests {
         assert_eq!(exit_code(&[]), 2);
         assert_eq!(exit_code(&["exec", "--help"]), 0);
         assert_eq!(exit_code(&["--version"]), 0);
-    }
-
-    #[test]
-    fn a_lost_vm_is_explained_by_its_crash_else_by_its_log() {
-        let dir = tempfile::tempdir().unwrap();
-        let vm = state::VmDir {
-            path: dir.path().to_path_buf(),
-        };
-        let error = || "the agent closed the connection".to_string();
-        assert_eq!(
-            why_the_vm_stopped(&vm, error()),
-            format!(
-                "the agent closed the connection; the VM stopped (see {})",
-                vm.supervisor_log().display()
-            )
-        );
-        std::fs::write(
-            vm.supervisor_log(),
-            "vmctl: supervising\nvmctl: error: the VM stopped: triple fault\nvmctl: the VM ended\n",
-        )
-        .unwrap();
-        assert_eq!(
-            why_the_vm_stopped(&vm, error()),
-            "the agent closed the connection; the VM stopped: vmctl: error: the VM stopped: \
-             triple fault"
-        );
-        // A shutdown someone asked for, after that: the last word counts.
-        let mut log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(vm.supervisor_log())
-            .unwrap();
-        writeln!(log, "{}asked to by `vmctl stop`", vm::SHUTDOWN_REQUESTED).unwrap();
-        assert_eq!(
-            why_the_vm_stopped(&vm, error()),
-            "the agent closed the connection; the VM was shut down, asked to by `vmctl stop`"
-        );
-        std::fs::write(
-            vm.crash_file(),
-            "the guest kernel crashed: Kernel panic - not syncing: Fatal exception\n",
-        )
-        .unwrap();
-        assert_eq!(
-            why_the_vm_stopped(&vm, error()),
-            "the agent closed the connection; the VM stopped: the guest kernel crashed: \
-             Kernel panic - not syncing: Fatal exception"
-        );
-        std::fs::write(
-            vm.crash_file(),
-            "the VM stopped: the guest crashed (triple fault on vCPU 1)\n",
-        )
-        .unwrap();
-        assert_eq!(
-            why_the_vm_stopped(&vm, error()),
-            "the agent closed the connection; the VM stopped: the guest crashed (triple fault \
-             on vCPU 1)"
-        );
     }
 }

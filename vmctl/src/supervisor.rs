@@ -33,8 +33,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     // virtiofsd's logs too: what the guest does can make them grow (they are in the
     // nested host's job directory, which goes with it, when the VMM runs there).
     let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
-    let virtiofsd_logs =
-        (0..share_count).map(|index| crate::virtiofsd::log_path(&vm.sockets_dir(), index));
+    let virtiofsd_logs = (0..share_count).map(|index| crate::virtiofsd::log_path(&vm.path, index));
     crate::log_keeper::keep_bounded(
         [vm.console_log(), vm.supervisor_log()]
             .into_iter()
@@ -64,8 +63,17 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         )
         .map_err(|e| e.to_string())
     } else {
-        crate::boot::run_vmm_sharing(&config, record.shares.as_ref(), &vm.sockets_dir(), false)
-            .map_err(|e| e.to_string())
+        // The logs beside the VM's others, not with the sockets: a sockets directory
+        // in /tmp (a VM directory too deep for socket paths) is removed with its last
+        // socket, which it could not be with logs in it.
+        crate::boot::run_vmm_sharing(
+            &config,
+            record.shares.as_ref(),
+            &vm.sockets_dir(),
+            &vm.path,
+            false,
+        )
+        .map_err(|e| e.to_string())
     };
     vmm::to_stderr!("vmctl: the VM ended: {outcome:?}");
     if let Some(crash) = how_it_crashed(&vm, &outcome, record.nested) {
@@ -82,8 +90,11 @@ pub fn run(dir: &Path) -> Result<u8, String> {
             );
         }
     }
-    let _ = std::fs::remove_file(vm.pid_file());
+    // Sockets first: the pid file's going is what lets a stopper (`vmctl stop`, the
+    // idle stop) drop the start lock, and a start waiting for it makes its sockets at
+    // the same paths, which a removal after that would take from the new VM.
     vm.remove_sockets();
+    let _ = std::fs::remove_file(vm.pid_file());
     outcome
 }
 

@@ -24,8 +24,19 @@ pub enum VmError {
     State(#[from] StateError),
     #[error(transparent)]
     Artifact(#[from] ArtifactError),
-    #[error("the VM in {} is still running after it was told to stop; its directory is kept (look at its supervisor with 'vmctl ps', then 'vmctl rm' again)", .0.display())]
-    StillRunning(PathBuf),
+    #[error(
+        "the VM in {} still runs after it was told to stop (its supervisor, pid {pid}, \
+         outlived SIGKILL, or started since); its directory is kept. Once that process is \
+         gone (`ps -o pid,stat,wchan -p {pid}` shows where it is stuck; its log: {}), \
+         'vmctl rm' again",
+        .dir.display(),
+        .log.display()
+    )]
+    StillRunning {
+        dir: PathBuf,
+        pid: i32,
+        log: PathBuf,
+    },
     #[error("cannot start the VM's supervisor: {0}")]
     Spawn(std::io::Error),
     #[error(transparent)]
@@ -892,7 +903,7 @@ fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
 /// holds the lock after [`STOP_WAITS_FOR_START`] while the VM runs only waits for its
 /// agent (which a VM the nested host stalled never sends): the stop goes ahead without
 /// the lock (`None`). `None` too when the VM's directory is gone.
-fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
+pub(crate) fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
     lock_to_stop_within(vm, doing, STOP_WAITS_FOR_START)
 }
 
@@ -916,7 +927,8 @@ fn lock_to_stop_within(
             Ok(None) => {
                 if !said {
                     vmm::to_stderr!(
-                        "vmctl: the VM in {} is being started; {doing} it once that is done",
+                        "vmctl: the VM in {} is being started or stopped (another vmctl \
+                         holds its start lock); {doing} it once that is done",
                         vm.path.display()
                     );
                     said = true;
@@ -1067,8 +1079,12 @@ pub fn remove(workspace: &Path) -> Result<bool, VmError> {
 /// supervisor still runs.
 pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     stop_vm(vm, why);
-    if vm.running_pid().is_some() {
-        return Err(VmError::StillRunning(vm.path.clone()));
+    if let Some(pid) = vm.running_pid() {
+        return Err(VmError::StillRunning {
+            dir: vm.path.clone(),
+            pid,
+            log: vm.supervisor_log(),
+        });
     }
     remove_dir(vm).map_err(|source| {
         VmError::State(StateError::Io {
@@ -1078,14 +1094,105 @@ pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     })
 }
 
-/// Removes the directory of `vm`, which no VM runs from.
+/// How the removal of `vmctl run`'s throwaway VM ended.
+#[derive(Debug)]
+pub enum Teardown {
+    Done(Result<(), VmError>),
+    /// A second SIGINT or SIGTERM (this one) came first.
+    Interrupted(i32),
+}
+
+/// Removes `vm`, `vmctl run`'s throwaway VM, minding SIGINT and SIGTERM: the session
+/// forwarded them to its command, and their handlers outlive it, so that without this
+/// Ctrl-C would do nothing while a guest that does not shut down holds the removal up
+/// to 45 s ([`stop_vm`]). A first signal stops the VMM now (SIGTERM to the supervisor,
+/// which passes it on); a second ends the wait, leaving the VM to the daemon (it is
+/// stopped once idle) and its directory to `vmctl prune`.
+pub fn remove_throwaway(vm: &VmDir) -> Teardown {
+    let removal = {
+        let vm = vm.clone();
+        move || remove_vm(&vm, "`vmctl run` removes its throwaway VM")
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::debug!("no runtime to mind signals on ({e}); removing the VM regardless");
+            return Teardown::Done(removal());
+        }
+    };
+    let outcome = runtime.block_on(async {
+        let (signals, source) = crate::exec::signals_received();
+        let outcome = remove_minding(vm, signals, removal).await;
+        source.abort();
+        outcome
+    });
+    // An interrupted removal is not waited for: the process ends with it.
+    runtime.shutdown_background();
+    outcome
+}
+
+/// Runs `removal` of `vm` until it is done or the second of `signals` comes; the
+/// first has `vm`'s supervisor stop its VMM.
+async fn remove_minding(
+    vm: &VmDir,
+    mut signals: tokio::sync::mpsc::Receiver<i32>,
+    removal: impl FnOnce() -> Result<(), VmError> + Send + 'static,
+) -> Teardown {
+    let mut removal = tokio::task::spawn_blocking(removal);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            removed = &mut removal => {
+                return Teardown::Done(match removed {
+                    Ok(removed) => removed,
+                    Err(e) => std::panic::resume_unwind(e.into_panic()),
+                });
+            }
+            Some(signal) = signals.recv() => {
+                if stopping {
+                    return Teardown::Interrupted(signal);
+                }
+                stopping = true;
+                if let Some(pid) = vm.running_pid() {
+                    vmm::to_stderr!(
+                        "vmctl: stopping the throwaway VM's VMM now (once more, and vmctl \
+                         leaves it to the daemon and `vmctl prune`)"
+                    );
+                    // SAFETY: signalling the supervisor, whose pid `running_pid` has just
+                    // checked against its command line.
+                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                }
+            }
+        }
+    }
+}
+
+/// Removes the directory of `vm`, which no VM runs from, and its sockets' directory
+/// when that is one of its own in /tmp ([`VmDir::sockets_dir`]).
 fn remove_dir(vm: &VmDir) -> std::io::Result<()> {
     // The guest wrote parts of it (the agent homes), read-only directories included.
-    match (vm.path.parent(), vm.path.file_name()) {
+    let removed = match (vm.path.parent(), vm.path.file_name()) {
         (Some(parent), Some(name)) => crate::guest_writable::open_dir(parent)
             .and_then(|parent| crate::guest_writable::remove(parent, name)),
         _ => std::fs::remove_dir_all(&vm.path),
+    };
+    // Its last run removed its sockets, but an older vmctl kept virtiofsd's logs
+    // there too, and so the directory, one more in /tmp at each `vmctl run`.
+    let sockets = vm.sockets_dir();
+    if sockets != vm.path {
+        match std::fs::remove_dir_all(&sockets) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => vmm::to_stderr!(
+                "vmctl: warning: cannot remove the VM's sockets directory {}: {e}",
+                sockets.display()
+            ),
+        }
     }
+    removed
 }
 
 /// `vmctl prune`: removes those of `vms` that are stopped and whose workspace
@@ -1229,14 +1336,7 @@ pub fn list() -> Vec<String> {
             Some(_) => format_duration(now.saturating_sub(record.started_at)),
             None => "-".into(),
         };
-        let crash = vm.read_crash().filter(|_| pid.is_none());
-        let state = match pid {
-            None if crash.is_some() => "crashed",
-            None => "stopped",
-            // A share's virtiofsd died: the VM runs but cannot reach those files.
-            Some(_) if !vm.read_share_failures().is_empty() => "degraded",
-            Some(_) => "running",
-        };
+        let (state, crash) = run_state(&vm, pid);
         let held = pid
             .and_then(crate::procfs::tree_pss_kib)
             .map(|kib| format!("{}M", kib / 1024))
@@ -1274,6 +1374,23 @@ pub fn list() -> Vec<String> {
         ));
     }
     lines
+}
+
+/// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
+/// and the crash its last run ended in, if that is what it shows.
+fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
+    match pid {
+        // A restart spends seconds, minutes for a rebuild of the guest agent, before
+        // its supervisor runs: neither the stop nor the crash before is what goes on.
+        None if start_in_progress(vm) => ("starting", None),
+        None => match vm.read_crash() {
+            Some(crash) => ("crashed", Some(crash)),
+            None => ("stopped", None),
+        },
+        // A share's virtiofsd died: the VM runs but cannot reach those files.
+        Some(_) if !vm.read_share_failures().is_empty() => ("degraded", None),
+        Some(_) => ("running", None),
+    }
 }
 
 /// What keeps a VM running, as the daemon sees it.
@@ -1693,6 +1810,117 @@ mod tests {
         assert!(!vm.path.exists());
     }
 
+    /// `remove_minding` of a VM with this supervisor (`sh -c script`), given `signals`
+    /// each after its delay; how it ended and how long it took.
+    fn remove_throwaway_with_signals(
+        script: &str,
+        signals: &[(Duration, i32)],
+    ) -> (Teardown, Duration, bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm-run1"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let supervisor = crate::state::fake_supervisor(&vm, script);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        let outcome = runtime.block_on(async {
+            let (sender, received) = tokio::sync::mpsc::channel(4);
+            let signals = signals.to_vec();
+            tokio::spawn(async move {
+                for (delay, signal) in signals {
+                    tokio::time::sleep(delay).await;
+                    let _ = sender.send(signal).await;
+                }
+                std::future::pending::<()>().await
+            });
+            let removal = {
+                let vm = vm.clone();
+                move || remove_vm(&vm, "a test")
+            };
+            remove_minding(&vm, received, removal).await
+        });
+        let took = started.elapsed();
+        let left = vm.path.exists();
+        // A removal left running ends with its supervisor.
+        drop(supervisor);
+        runtime.shutdown_background();
+        (outcome, took, left)
+    }
+
+    /// A guest that does not shut down holds a removal 30 s before its VMM is stopped:
+    /// Ctrl-C during `vmctl run`'s removal of its VM stops it at once.
+    #[test]
+    fn a_signal_during_a_throwaway_vms_removal_stops_its_vmm_now() {
+        let (outcome, took, left) = remove_throwaway_with_signals(
+            "trap 'exit 0' TERM; while :; do sleep 0.05; done",
+            &[(Duration::from_millis(300), libc::SIGINT)],
+        );
+        assert!(matches!(outcome, Teardown::Done(Ok(()))), "{outcome:?}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert!(!left, "the VM's directory is left");
+    }
+
+    /// A supervisor that does not stop either: a second signal ends the wait.
+    #[test]
+    fn a_second_signal_during_a_throwaway_vms_removal_ends_the_wait() {
+        let (outcome, took, left) = remove_throwaway_with_signals(
+            "trap '' TERM; while :; do sleep 0.05; done",
+            &[
+                (Duration::from_millis(300), libc::SIGINT),
+                (Duration::from_millis(300), libc::SIGTERM),
+            ],
+        );
+        assert!(
+            matches!(outcome, Teardown::Interrupted(libc::SIGTERM)),
+            "{outcome:?}"
+        );
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        assert!(left, "left to `vmctl prune`");
+    }
+
+    /// A VM directory too deep for socket paths has its sockets in /tmp: removing the
+    /// VM removes that directory too, whatever an older vmctl left in it.
+    #[test]
+    fn removing_a_vm_removes_its_sockets_directory_in_tmp() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("x".repeat(100)).join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let sockets = vm.sockets_dir();
+        assert_ne!(sockets, vm.path, "not deep enough for a directory in /tmp");
+        vm.create_sockets_dir().unwrap();
+        std::fs::write(crate::virtiofsd::log_path(&sockets, 0), "a log\n").unwrap();
+        remove_vm(&vm, "a test").unwrap();
+        assert!(!vm.path.exists());
+        assert!(!sockets.exists(), "{} is left", sockets.display());
+    }
+
+    /// `vmctl ps` shows no pid: the error must, and where to read why.
+    #[test]
+    fn a_vm_that_outlives_its_stop_is_named_by_its_supervisors_pid() {
+        let vm = VmDir {
+            path: "/state/vms/w-1234abcd".into(),
+        };
+        let error = VmError::StillRunning {
+            dir: vm.path.clone(),
+            pid: 4242,
+            log: vm.supervisor_log(),
+        }
+        .to_string();
+        assert!(error.contains("pid 4242,"), "{error}");
+        assert!(error.contains("-p 4242"), "{error}");
+        assert!(
+            error.contains("/state/vms/w-1234abcd/supervisor.log"),
+            "{error}"
+        );
+        assert!(!error.contains("vmctl ps"), "{error}");
+    }
+
     #[test]
     fn a_stop_waits_for_a_start_but_not_for_one_stuck_on_a_running_vm() {
         let dir = tempfile::tempdir().unwrap();
@@ -1772,6 +2000,26 @@ mod tests {
         assert!(start_in_progress(&vm));
         drop(held);
         assert!(!start_in_progress(&vm), "a start that ended (or failed)");
+    }
+
+    /// A VM that crashed, or stopped, and is being started again (its supervisor not
+    /// running yet, as while the guest agent is rebuilt) is shown starting.
+    #[test]
+    fn ps_shows_a_vm_being_restarted_as_starting() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        assert_eq!(run_state(&vm, None), ("stopped", None));
+        std::fs::write(vm.crash_file(), "the guest kernel crashed: oops\n").unwrap();
+        let crash = Some("the guest kernel crashed: oops".to_string());
+        assert_eq!(run_state(&vm, None), ("crashed", crash.clone()));
+        let starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        assert_eq!(run_state(&vm, None), ("starting", None));
+        drop(starting);
+        assert_eq!(run_state(&vm, None), ("crashed", crash));
+        assert_eq!(run_state(&vm, Some(1)).0, "running");
     }
 
     #[test]

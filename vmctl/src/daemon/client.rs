@@ -14,6 +14,10 @@ use crate::state::VmDir;
 /// How long a freshly started daemon may take to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a client waits for a daemon that is stopping to be gone: its VMs stop in
+/// parallel, each within 45 s, after at most 10 s for a start under way.
+const STOPPING_WAIT: Duration = Duration::from_secs(90);
+
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonClientError {
     #[error("cannot start the vmctl daemon: {0}; run 'vmctl daemon' to see why")]
@@ -27,6 +31,13 @@ pub enum DaemonClientError {
     BadAnswer(String),
     #[error("the vmctl daemon refused: {0}")]
     Refused(String),
+    #[error(
+        "the vmctl daemon at {} has been stopping its VMs for longer than {STOPPING_WAIT:?}; \
+         its log ({}) says which it waits for",
+        .socket.display(),
+        super::log_path().display()
+    )]
+    StillStopping { socket: PathBuf },
 }
 
 /// Keeps a VM running while it lives (dropping it closes the connection).
@@ -42,7 +53,7 @@ pub fn lease(vm: &VmDir, purpose: &str) -> Result<Lease, DaemonClientError> {
         purpose: purpose.to_string(),
         pid: std::process::id(),
     };
-    let (connection, _) = ask(&connect_or_start()?, &request)?;
+    let (connection, _) = ask_a_running_daemon(&request, connect_or_start, STOPPING_WAIT)?;
     Ok(Lease {
         _connection: connection,
     })
@@ -53,7 +64,7 @@ pub fn pin(vm: &VmDir) -> Result<(), DaemonClientError> {
     let request = Request::Pin {
         vm_dir: vm.path.clone(),
     };
-    ask(&connect_or_start()?, &request).map(drop)
+    ask_a_running_daemon(&request, connect_or_start, STOPPING_WAIT).map(drop)
 }
 
 /// Unpins `vm` if a daemon runs (`vmctl stop`).
@@ -65,7 +76,11 @@ pub fn unpin(vm: &VmDir) -> Result<(), DaemonClientError> {
     let request = Request::Unpin {
         vm_dir: vm.path.clone(),
     };
-    ask(&socket, &request).map(drop)
+    if let (_, Response::Stopping) = ask(&socket, &request)? {
+        // It stops the VM anyway; the pin must not outlive it for the next daemon.
+        let _ = std::fs::remove_file(vm.pin_file());
+    }
+    Ok(())
 }
 
 /// What keeps each VM running, if a daemon runs.
@@ -87,6 +102,34 @@ pub fn shutdown() -> Result<bool, DaemonClientError> {
     let _ = connection.set_read_timeout(Some(Duration::from_secs(120)));
     let _ = std::io::Read::read(&mut connection, &mut [0u8; 1]);
     Ok(true)
+}
+
+/// Sends `request` to the daemon `connect_or_start` reaches; one that answers it is
+/// stopping is waited out (for `wait` at most), and the request goes to the next.
+fn ask_a_running_daemon(
+    request: &Request,
+    mut connect_or_start: impl FnMut() -> Result<PathBuf, DaemonClientError>,
+    wait: Duration,
+) -> Result<(UnixStream, Response), DaemonClientError> {
+    let deadline = Instant::now() + wait;
+    let mut said = false;
+    loop {
+        let socket = connect_or_start()?;
+        match ask(&socket, request)? {
+            (_, Response::Stopping) if Instant::now() < deadline => {
+                if !said {
+                    vmm::to_stderr!(
+                        "vmctl: the vmctl daemon is stopping, and every VM with it; waiting \
+                         for it to end, to start the next"
+                    );
+                    said = true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (_, Response::Stopping) => return Err(DaemonClientError::StillStopping { socket }),
+            answered => return Ok(answered),
+        }
+    }
 }
 
 /// The socket of a running daemon, if one answers.
@@ -198,5 +241,55 @@ mod tests {
             held.is_empty(),
             "the daemon holds the caller's pipe: {held:?}"
         );
+    }
+    /// A stand-in daemon on `socket` that answers each connection with the next of
+    /// `answers`.
+    fn daemon_answering(socket: &Path, answers: Vec<Response>) -> std::thread::JoinHandle<()> {
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+        std::thread::spawn(move || {
+            for answer in answers {
+                let (connection, _) = listener.accept().unwrap();
+                let mut request = String::new();
+                BufReader::new(&connection).read_line(&mut request).unwrap();
+                let mut line = serde_json::to_vec(&answer).unwrap();
+                line.push(b'\n');
+                (&connection).write_all(&line).unwrap();
+            }
+        })
+    }
+
+    /// A session that comes as the daemon stops every VM waits for the next daemon,
+    /// which tracks the VM the session starts: the one stopping is about to go.
+    #[test]
+    fn a_daemon_that_is_stopping_is_waited_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, next) = (dir.path().join("old.sock"), dir.path().join("next.sock"));
+        let stopping = daemon_answering(&old, vec![Response::Stopping, Response::Stopping]);
+        let running = daemon_answering(&next, vec![Response::Ok]);
+        let mut asked = 0;
+        let connect = || {
+            asked += 1;
+            // The old daemon's socket until it is gone, then the next one's.
+            Ok(if asked <= 2 {
+                old.clone()
+            } else {
+                next.clone()
+            })
+        };
+        let request = Request::Status;
+        let (_, answer) = ask_a_running_daemon(&request, connect, Duration::from_secs(30)).unwrap();
+        assert_eq!(answer, Response::Ok);
+        assert_eq!(asked, 3);
+        stopping.join().unwrap();
+        running.join().unwrap();
+
+        // One that keeps stopping is given up on, saying where to look.
+        let stuck = dir.path().join("stuck.sock");
+        let _stuck = daemon_answering(&stuck, vec![Response::Stopping]);
+        let error = ask_a_running_daemon(&request, || Ok(stuck.clone()), Duration::ZERO)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("has been stopping its VMs"), "{error}");
+        assert!(error.contains("daemon.log"), "{error}");
     }
 }

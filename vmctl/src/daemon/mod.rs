@@ -15,19 +15,37 @@ pub mod client;
 pub mod protocol;
 pub mod server;
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 /// The daemon's socket: in the user's runtime directory, named after the state
 /// directory it serves (so separate state directories, e.g. tests', get separate
 /// daemons).
 pub fn socket_path() -> PathBuf {
-    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-        .unwrap_or_else(crate::state::private_tmp_dir);
+    let runtime = runtime_dir(std::env::var_os("XDG_RUNTIME_DIR"));
     let state = crate::state::vms_dir();
     let key = crate::state::short_hash(state.as_os_str().as_encoded_bytes());
     runtime.join("vmctl").join(format!("daemon-{key}.sock"))
+}
+
+/// `$XDG_RUNTIME_DIR` (`xdg`) when it is a directory of ours that no one else may
+/// write to, else [`crate::state::private_tmp_dir`]. The daemon makes only its own
+/// directory in it, and never changes or refuses the runtime directory itself: as
+/// root through `su` or `sudo -E` it is still the user's (`/run/user/1000`), and
+/// `XDG_RUNTIME_DIR=/tmp` is everyone's.
+fn runtime_dir(xdg: Option<OsString>) -> PathBuf {
+    xdg.map(PathBuf::from)
+        .filter(|dir| dir.is_absolute() && ours_alone(dir))
+        .unwrap_or_else(crate::state::private_tmp_dir)
+}
+
+/// Whether `dir` is a directory this user owns that no one else may write to.
+fn ours_alone(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::fs::metadata(dir)
+        .is_ok_and(|meta| meta.is_dir() && meta.uid() == uid && meta.mode() & 0o022 == 0)
 }
 
 /// The daemon's log when started on demand: beside the VMs' state.
@@ -38,4 +56,40 @@ pub fn log_path() -> PathBuf {
 /// The running daemon's pid and socket, one per line (removed when it stops).
 pub fn pid_path() -> PathBuf {
     crate::state::vms_dir().with_file_name("daemon.pid")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_directory_is_used_only_when_ours_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let fallback = crate::state::private_tmp_dir();
+        assert_eq!(runtime_dir(None), fallback);
+        assert_eq!(runtime_dir(Some("run/user/1000".into())), fallback);
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        assert_eq!(runtime_dir(Some(run.clone().into())), fallback, "missing");
+        std::fs::create_dir(&run).unwrap();
+        for (mode, ours) in [
+            (0o700, true),
+            (0o755, true),
+            (0o775, false),
+            (0o1777, false),
+        ] {
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+            let expected = if ours { &run } else { &fallback };
+            assert_eq!(&runtime_dir(Some(run.clone().into())), expected, "{mode:o}");
+        }
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // As root through sudo -E: the user's runtime directory, which is not root's.
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("NOT RUN: giving a directory to another user needs root");
+            return;
+        }
+        std::os::unix::fs::chown(&run, Some(4242), Some(4242)).unwrap();
+        assert_eq!(runtime_dir(Some(run.into())), fallback, "another user's");
+    }
 }

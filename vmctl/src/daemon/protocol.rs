@@ -31,8 +31,15 @@ pub enum Request {
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Response {
     Ok,
-    Status { vms: Vec<VmStatus> },
-    Error { message: String },
+    Status {
+        vms: Vec<VmStatus>,
+    },
+    Error {
+        message: String,
+    },
+    /// The daemon is stopping every VM, then itself: ask the next one, once this one is
+    /// gone (its socket with it).
+    Stopping,
 }
 
 /// One VM the daemon knows about.

@@ -91,10 +91,10 @@ const PIN_GRACE: Duration = Duration::from_secs(60);
 /// Runs the daemon in the foreground until it is told to stop.
 pub fn run() -> Result<u8, DaemonError> {
     let socket = super::socket_path();
-    // The lock is held until this function returns, after every VM stopped.
+    // The lock is held until every VM stopped.
     let Bound {
         listener,
-        lock: _held_until_stopped,
+        lock: held_until_stopped,
     } = bind(&socket)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -140,14 +140,51 @@ pub fn run() -> Result<u8, DaemonError> {
             }
         }
         vmm::to_stderr!("vmctl daemon: stopping every VM");
-        let _ = std::fs::remove_file(&socket);
-        tokio::task::spawn_blocking(stop_every_vm)
-            .await
-            .map_err(|e| DaemonError::Runtime(std::io::Error::other(e.to_string())))
+        let mut stopping = tokio::task::spawn_blocking(|| stop_every_vm(VmDir::all()));
+        // The socket stays, answering that this daemon is stopping: a session that
+        // comes meanwhile waits for the next daemon, which tracks the VM it starts,
+        // instead of starting a daemon that cannot run yet (this one holds the lock).
+        loop {
+            tokio::select! {
+                stopped = &mut stopping => {
+                    break stopped
+                        .map_err(|e| DaemonError::Runtime(std::io::Error::other(e.to_string())));
+                }
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => { tokio::spawn(answer_stopping(stream)); }
+                    Err(e) => tracing::warn!("accepting a client: {e}"),
+                },
+            }
+        }
     })?;
     let _ = std::fs::remove_file(&pid_file);
+    // The next daemon may start the moment the socket is gone: the lock goes with it
+    // (and the pid file before, not to remove the next one's).
+    let _ = std::fs::remove_file(&socket);
+    drop(held_until_stopped);
     vmm::to_stderr!("vmctl daemon: stopped");
     Ok(0)
+}
+
+/// Answers a client of a daemon that is stopping: [`Response::Stopping`], but for a
+/// `vmctl daemon --stop`, which is told yes and waits, as when it came first, for the
+/// connection to close as the daemon exits.
+async fn answer_stopping(stream: UnixStream) {
+    let (reader, mut writer) = stream.into_split();
+    let mut line = String::new();
+    if BufReader::new(reader.take(MAX_REQUEST))
+        .read_line(&mut line)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    if matches!(serde_json::from_str(&line), Ok(Request::Shutdown)) {
+        let _ = answer(&mut writer, &Response::Ok).await;
+        std::mem::forget(writer);
+    } else {
+        let _ = answer(&mut writer, &Response::Stopping).await;
+    }
 }
 
 /// The daemon's listening socket, and the lock that makes it the only daemon of this
@@ -162,9 +199,15 @@ fn bind(socket: &Path) -> Result<Bound, DaemonError> {
         path: socket.to_path_buf(),
         source,
     };
-    // The runtime directory (or its /tmp stand-in), then vmctl's own in it.
-    let dirs = socket.ancestors().skip(1).take(2).collect::<Vec<_>>();
-    for dir in dirs.into_iter().rev() {
+    let mut dirs = Vec::new();
+    if let Some(own) = socket.parent() {
+        // The runtime directory itself only when it is vmctl's /tmp stand-in: a user's
+        // own is theirs, not vmctl's to change.
+        let runtime = own.parent();
+        dirs.extend(runtime.filter(|dir| *dir == crate::state::private_tmp_dir()));
+        dirs.push(own);
+    }
+    for dir in dirs {
         crate::state::ensure_private_dir(dir).map_err(|e| DaemonError::Listen {
             path: socket.to_path_buf(),
             source: std::io::Error::other(e.to_string()),
@@ -560,20 +603,29 @@ fn removed(path: &Path) -> bool {
     )
 }
 
-/// Stops every running VM of this state directory, in parallel.
-fn stop_every_vm() {
-    let stoppers: Vec<_> = VmDir::all()
-        .into_iter()
-        .filter(|vm| vm.running_pid().is_some())
-        .map(|vm| {
-            std::thread::spawn(move || {
-                crate::vm::stop_vm(&vm, "the daemon stopped, and every VM with it")
-            })
-        })
-        .collect();
-    for stopper in stoppers {
-        let _ = stopper.join();
-    }
+/// Stops those of `vms` that run, in parallel.
+fn stop_every_vm(vms: Vec<VmDir>) {
+    stop_each(vms, |vm| {
+        crate::vm::stop_vm(vm, "the daemon stopped, and every VM with it");
+    });
+}
+
+/// `stop`s those of `vms` that run, in parallel, each with its start lock held, as the
+/// idle stop does: a session that comes meanwhile waits in its start, then boots a
+/// fresh VM, instead of attaching to one going down. (The lock is waited for while a
+/// start holds it, but no longer than `vmctl stop` waits for a start on a running VM.)
+fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
+    let running = vms.into_iter().filter(|vm| vm.running_pid().is_some());
+    std::thread::scope(|scope| {
+        for vm in running {
+            let stop = &stop;
+            scope.spawn(move || {
+                let _no_start_meanwhile = crate::vm::lock_to_stop(&vm, "stopping")
+                    .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
+                stop(&vm);
+            });
+        }
+    });
 }
 
 #[cfg(test)]
@@ -635,6 +687,81 @@ mod tests {
         assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
         assert!(matches!(bind(&socket), Err(DaemonError::AlreadyRunning(_))));
         drop(bound);
+    }
+
+    /// The user's runtime directory is theirs: the daemon makes its own directory in
+    /// it, private, and leaves the runtime directory as it was.
+    #[test]
+    fn the_daemon_leaves_the_runtime_directory_as_it_is() {
+        use std::os::unix::fs::PermissionsExt;
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("run");
+        std::fs::create_dir(&runtime).unwrap();
+        std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = runtime.join("vmctl/daemon-x.sock");
+        let bound = bind(&socket).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&runtime), 0o755, "the runtime directory was changed");
+        assert_eq!(mode(socket.parent().unwrap()), 0o700);
+        drop(bound);
+    }
+
+    /// A session that comes while the daemon stops its VM must not attach to it: the
+    /// daemon holds each VM's start lock while it stops it.
+    #[test]
+    fn the_daemon_stops_each_vm_with_its_start_lock_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let vms: Vec<VmDir> = ["one", "two", "stopped"]
+            .iter()
+            .map(|name| VmDir {
+                path: dir.path().join(name),
+            })
+            .collect();
+        for vm in &vms {
+            std::fs::create_dir_all(&vm.path).unwrap();
+        }
+        let _running: Vec<_> = vms[..2].iter().map(FakeSupervisor::start).collect();
+        let (stopped, stops) = std::sync::mpsc::channel();
+        let stopped = Mutex::new(stopped);
+        stop_each(vms.clone(), |vm| {
+            // Another open file's lock, as a session's start takes it.
+            let held = crate::vm::start_in_progress(vm);
+            let _ = stopped.lock().unwrap().send((vm.path.clone(), held));
+        });
+        let mut seen: Vec<(PathBuf, bool)> = stops.try_iter().collect();
+        seen.sort();
+        assert_eq!(
+            seen,
+            vec![(vms[0].path.clone(), true), (vms[1].path.clone(), true)],
+            "stopped without the start lock, or a VM that does not run"
+        );
+    }
+
+    /// A client of a daemon that is stopping is told so, but for `vmctl daemon
+    /// --stop`, which is told yes and then waits for the daemon to end.
+    #[tokio::test]
+    async fn a_daemon_that_is_stopping_says_so() {
+        let ask = |request: Request| async move {
+            let (client, server) = UnixStream::pair().unwrap();
+            let serving = tokio::spawn(answer_stopping(server));
+            let (reader, mut writer) = client.into_split();
+            let mut line = serde_json::to_vec(&request).unwrap();
+            line.push(b'\n');
+            writer.write_all(&line).await.unwrap();
+            let mut answer = String::new();
+            BufReader::new(reader).read_line(&mut answer).await.unwrap();
+            serving.await.unwrap();
+            serde_json::from_str::<Response>(&answer).unwrap()
+        };
+        let lease = Request::Lease {
+            vm_dir: "/vms/one".into(),
+            purpose: "exec".into(),
+            pid: 1,
+        };
+        assert_eq!(ask(lease).await, Response::Stopping);
+        assert_eq!(ask(Request::Status).await, Response::Stopping);
+        assert_eq!(ask(Request::Shutdown).await, Response::Ok);
     }
 
     fn daemon() -> Arc<Daemon> {

@@ -130,6 +130,7 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
                 &vm.vm_config(),
                 vm.shares.as_ref(),
                 Path::new(SHARE_SOCKET_DIR),
+                Path::new(SHARE_SOCKET_DIR),
                 vm.report_boot_time,
             )
             .map_err(|e| e.to_string())
@@ -176,6 +177,7 @@ fn run_vmm_with_relay(vm: &VmJob) -> Result<u8, String> {
         crate::boot::run_vmm_sharing(
             &config,
             shares.as_ref(),
+            Path::new(SHARE_SOCKET_DIR),
             Path::new(SHARE_SOCKET_DIR),
             report_boot_time,
         )

@@ -1,0 +1,160 @@
+//! Why a session's VM went away, for the error of a session (`exec`, `run`, `shell`,
+//! `agent`) whose connection to the guest agent broke.
+
+use crate::state::VmDir;
+
+/// What a session's error says when its connection to the agent broke: while
+/// connecting or after.
+const CONNECTION_LOST_SIGNS: [&str; 3] = [
+    "closed the connection",
+    "connection closed after",
+    "Connection reset by peer",
+];
+
+/// How long a session whose connection broke waits for its VM's supervisor to exit
+/// before it reports the error without saying why the VM went away.
+const LOST_VM_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// A session that failed because its VM went away says why the VM went away.
+pub fn explain(vm: &VmDir, error: String) -> String {
+    if !CONNECTION_LOST_SIGNS
+        .iter()
+        .any(|sign| error.contains(sign))
+    {
+        return error;
+    }
+    // Give the supervisor a moment to record the end and exit: in the nested host that
+    // waits for the nested host to shut down too, which under load takes seconds.
+    let deadline = std::time::Instant::now() + LOST_VM_WAIT;
+    while vm.running_pid().is_some() {
+        if std::time::Instant::now() > deadline {
+            return error;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    why_the_vm_stopped(vm, error)
+}
+
+/// `error`, with why its VM, no longer running, stopped: the crash its supervisor
+/// recorded (a guest panic, a triple fault, ...), else the last error in the
+/// supervisor's log (a supervisor killed before it could record one), else that the
+/// VM was removed, when its log is gone.
+fn why_the_vm_stopped(vm: &VmDir, error: String) -> String {
+    const STOPPED: &str = "the VM stopped: ";
+    if let Some(crash) = vm.read_crash() {
+        // The VMM's own errors already begin so.
+        let why = crash.strip_prefix(STOPPED).unwrap_or(&crash);
+        return format!("{error}; {STOPPED}{why}");
+    }
+    // Every run's supervisor writes to its log: one that is not there went with the
+    // VM's directory, which `vmctl rm` removes the moment the VM has stopped.
+    let Some(tail) =
+        crate::log_keeper::read_tail(&vm.supervisor_log(), crate::supervisor::LOG_TAIL_BYTES)
+    else {
+        return format!("{error}; the VM was removed (`vmctl rm`), its logs with it");
+    };
+    let log = String::from_utf8_lossy(&tail);
+    let last_word = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("error") || l.starts_with(crate::vm::SHUTDOWN_REQUESTED));
+    match last_word {
+        Some(line) => match line.strip_prefix(crate::vm::SHUTDOWN_REQUESTED) {
+            Some(who) => format!("{error}; the VM was shut down, {}", who.trim()),
+            None => format!("{error}; {STOPPED}{}", line.trim()),
+        },
+        None => format!(
+            "{error}; the VM stopped (see {})",
+            vm.supervisor_log().display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn a_lost_vm_is_explained_by_its_crash_else_by_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let error = || "the agent closed the connection".to_string();
+        std::fs::write(vm.supervisor_log(), "vmctl: supervising\n").unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            format!(
+                "the agent closed the connection; the VM stopped (see {})",
+                vm.supervisor_log().display()
+            )
+        );
+        std::fs::write(
+            vm.supervisor_log(),
+            "vmctl: supervising\nvmctl: error: the VM stopped: triple fault\nvmctl: the VM ended\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: vmctl: error: the VM stopped: \
+             triple fault"
+        );
+        // A shutdown someone asked for, after that: the last word counts.
+        let mut log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(vm.supervisor_log())
+            .unwrap();
+        writeln!(
+            log,
+            "{}asked to by `vmctl stop`",
+            crate::vm::SHUTDOWN_REQUESTED
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM was shut down, asked to by `vmctl stop`"
+        );
+        std::fs::write(
+            vm.crash_file(),
+            "the guest kernel crashed: Kernel panic - not syncing: Fatal exception\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: the guest kernel crashed: \
+             Kernel panic - not syncing: Fatal exception"
+        );
+        std::fs::write(
+            vm.crash_file(),
+            "the VM stopped: the guest crashed (triple fault on vCPU 1)\n",
+        )
+        .unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, error()),
+            "the agent closed the connection; the VM stopped: the guest crashed (triple fault \
+             on vCPU 1)"
+        );
+    }
+    /// `vmctl rm` removes the VM's directory right after the VM stopped: the session
+    /// says so, not "see" a log that is gone.
+    #[test]
+    fn a_vm_removed_under_its_session_is_said_to_be() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let removed = "the agent closed the connection; the VM was removed (`vmctl rm`), its \
+                       logs with it";
+        assert_eq!(
+            why_the_vm_stopped(&vm, "the agent closed the connection".into()),
+            removed
+        );
+        // Or while it goes: its log first, the directory after.
+        std::fs::create_dir(&vm.path).unwrap();
+        assert_eq!(
+            why_the_vm_stopped(&vm, "the agent closed the connection".into()),
+            removed
+        );
+    }
+}

@@ -62,6 +62,7 @@ pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
             None,
             args.boot_time,
             None,
+            None,
         )?);
     }
     // Here, so that a missing or forbidden /dev/kvm is a `vmctl: error:` like every

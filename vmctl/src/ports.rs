@@ -39,14 +39,17 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
 pub fn list(workspace: &Path) -> Result<(), PortsError> {
     let vm = running_vm(workspace)?;
     let listening = guest_ports(&vm)?;
-    let published = match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
-        ControlResponse::PublishedList { ports } => ports,
-        other => return Err(PortsError::Unexpected(format!("{other:?}"))),
-    };
-    let relays: Vec<u16> = vm
-        .read_record()
-        .map(|record| record.relay_ports)
-        .unwrap_or_default();
+    let (published, mut relays) =
+        match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
+            ControlResponse::PublishedList { ports, relays } => (ports, relays),
+            other => return Err(PortsError::Unexpected(format!("{other:?}"))),
+        };
+    // Those the VM started with, for a supervisor that does not say (an older one).
+    relays.extend(
+        vm.read_record()
+            .map(|record| record.relay_ports)
+            .unwrap_or_default(),
+    );
     crate::terminal::print_out(format_args!(
         "{}",
         format_table(&listening, &published, &relays)

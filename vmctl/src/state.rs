@@ -487,6 +487,17 @@ pub fn resolve_existing_part(path: &Path) -> PathBuf {
     }
 }
 
+/// Whether `dir` is a directory this user owns that no one else may write to (a
+/// runtime directory to put ours in: as root through `su` or `sudo -E`,
+/// `XDG_RUNTIME_DIR` is still the user's).
+pub fn is_ours_alone(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::fs::metadata(dir)
+        .is_ok_and(|meta| meta.is_dir() && meta.uid() == uid && meta.mode() & 0o022 == 0)
+}
+
 /// `/tmp/vmctl-<uid>`: this user's directory in /tmp, for what has no better place.
 /// Anyone may create it first; [`ensure_private_dir`] refuses one that is not ours.
 pub fn private_tmp_dir() -> PathBuf {

@@ -30,8 +30,8 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         "vmctl: supervising the VM of {}",
         record.workspace.display()
     );
-    // virtiofsd's logs too: what the guest does can make them grow (they are in the
-    // nested host's job directory, which goes with it, when the VMM runs there).
+    // virtiofsd's logs too (the host's, in the nested host's case): what the guest
+    // does can make them grow.
     let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
     let virtiofsd_logs = (0..share_count).map(|index| crate::virtiofsd::log_path(&vm.path, index));
     crate::log_keeper::keep_bounded(
@@ -60,6 +60,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
             record.shares.as_ref(),
             false,
             record.nested_host_kernel.as_deref(),
+            Some(&vm.path),
         )
         .map_err(|e| e.to_string())
     } else {

@@ -16,7 +16,7 @@ pub mod protocol;
 pub mod server;
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The daemon's socket: in the user's runtime directory, named after the state
 /// directory it serves (so separate state directories, e.g. tests', get separate
@@ -35,17 +35,8 @@ pub fn socket_path() -> PathBuf {
 /// `XDG_RUNTIME_DIR=/tmp` is everyone's.
 fn runtime_dir(xdg: Option<OsString>) -> PathBuf {
     xdg.map(PathBuf::from)
-        .filter(|dir| dir.is_absolute() && ours_alone(dir))
+        .filter(|dir| dir.is_absolute() && crate::state::is_ours_alone(dir))
         .unwrap_or_else(crate::state::private_tmp_dir)
-}
-
-/// Whether `dir` is a directory this user owns that no one else may write to.
-fn ours_alone(dir: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    // SAFETY: getuid cannot fail.
-    let uid = unsafe { libc::getuid() };
-    std::fs::metadata(dir)
-        .is_ok_and(|meta| meta.is_dir() && meta.uid() == uid && meta.mode() & 0o022 == 0)
 }
 
 /// The daemon's log when started on demand: beside the VMs' state.

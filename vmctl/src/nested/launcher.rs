@@ -80,9 +80,11 @@ struct JobDir {
 
 impl JobDir {
     fn create() -> Result<Self, NestedError> {
+        // Not another user's runtime directory (root through `sudo -E`): the job
+        // directory is private and made anew, so the shared temporary one serves.
         let base = std::env::var_os("XDG_RUNTIME_DIR")
             .map(PathBuf::from)
-            .filter(|p| p.is_dir())
+            .filter(|dir| dir.is_absolute() && crate::state::is_ours_alone(dir))
             .unwrap_or_else(std::env::temp_dir);
         remove_stale_job_dirs(&base);
         let nanos = std::time::SystemTime::now()
@@ -100,13 +102,15 @@ impl JobDir {
                 source,
             })?;
         // Held while this launcher runs, in whatever PID namespace: a sweep by another
-        // launcher leaves the directory alone while it is taken.
-        let lock = crate::state::lock_file(&path.join(JOB_DIR_LOCK)).map_err(|source| {
-            NestedError::JobDir {
-                path: path.clone(),
-                source,
-            }
-        })?;
+        // launcher leaves the directory alone while it is taken. Taken under another
+        // name, then put in place: a sweep must never find it there untaken.
+        let job_dir_error = |source| NestedError::JobDir {
+            path: path.clone(),
+            source,
+        };
+        let taking = path.join(format!("{JOB_DIR_LOCK}.new"));
+        let lock = crate::state::lock_file(&taking).map_err(job_dir_error)?;
+        std::fs::rename(&taking, path.join(JOB_DIR_LOCK)).map_err(job_dir_error)?;
         Ok(Self { path, _lock: lock })
     }
 
@@ -184,17 +188,21 @@ extern "C" fn remember_stop_signal(
 
 /// Runs `config` in a fresh nested host; returns the VMM's exit code. `kernel`: the
 /// nested host's, if the caller has it (else it is built here if not in the cache).
+/// `log_dir`: where the host's virtiofsd daemons log (the VM's directory, whose logs
+/// its supervisor keeps bounded), else the job directory, which goes with the run.
 pub fn run_vm(
     config: &VmConfig,
     shares: Option<&ShareSet>,
     report_boot_time: bool,
     kernel: Option<&Path>,
+    log_dir: Option<&Path>,
 ) -> Result<u8, NestedError> {
     let host_vsock = config.vsock.as_ref().map(|v| v.uds_path.as_path());
     run(
         &NestedJob::for_vm(config, shares, report_boot_time),
         host_vsock,
         kernel,
+        log_dir,
     )
 }
 
@@ -215,6 +223,7 @@ pub fn run_command(
         &NestedJob::for_command(CommandJob { argv, cwd, env }, vcpus, memory_mib, writable),
         None,
         None,
+        None,
     )
 }
 
@@ -224,6 +233,7 @@ fn run(
     job: &NestedJob,
     host_vsock: Option<&Path>,
     kernel: Option<&Path>,
+    log_dir: Option<&Path>,
 ) -> Result<u8, NestedError> {
     let qemu = find_qemu()?;
     let host_cpus = CpuSet::from_env()?;
@@ -257,7 +267,10 @@ fn run(
         _ => None,
     };
     // Kept until QEMU is gone.
-    let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.path)?;
+    // The job directory is the nested host's to write too: logs kept bounded outside
+    // it, where it cannot put a link in their place.
+    let log_dir = log_dir.unwrap_or(&job_dir.path);
+    let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.path, log_dir)?;
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.path, &stderr_socket, job);
     add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
     if let Some(cpus) = &host_cpus {
@@ -320,14 +333,14 @@ fn run(
     if let Some(stall) = watch.stall() {
         return Err(NestedError::Stalled(stall));
     }
-    let status_file = std::fs::read(job_dir.file(job::STATUS_FILE)).ok();
+    // Both in a directory the nested host can write: read no more than they can hold.
+    let status_file = crate::log_keeper::read_tail(&job_dir.file(job::STATUS_FILE), 64 << 10);
     match status_file.and_then(|s| serde_json::from_slice::<NestedStatus>(&s).ok()) {
         Some(status) => Ok(status.exit_code),
         None => {
-            let mut log = String::new();
-            let _ =
-                File::open(job_dir.file("qemu.log")).and_then(|mut f| f.read_to_string(&mut log));
-            Err(died_early(status, &log))
+            let log = crate::log_keeper::read_tail(&job_dir.file("qemu.log"), 1 << 20)
+                .unwrap_or_default();
+            Err(died_early(status, &String::from_utf8_lossy(&log)))
         }
     }
 }
@@ -369,6 +382,7 @@ fn died_early(status: Option<std::process::ExitStatus>, qemu_log: &str) -> Neste
 fn start_host_shares(
     job: &NestedJob,
     job_dir: &Path,
+    log_dir: &Path,
 ) -> Result<(Option<FsDaemons>, Vec<FsConfig>), NestedError> {
     let Work::Vm(job::VmJob {
         shares: Some(set), ..
@@ -384,7 +398,7 @@ fn start_host_shares(
         &set.virtiofsd,
         &shares,
         job_dir,
-        job_dir,
+        log_dir,
         virtiofsd::CachePolicy::PASS_THROUGH,
     )?;
     if let Some(file) = &set.failure_file {

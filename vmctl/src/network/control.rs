@@ -83,6 +83,10 @@ pub enum ControlResponse {
     },
     PublishedList {
         ports: Vec<PublishedPort>,
+        /// The host loopback ports relayed into the VM now, those added to it while it
+        /// runs among them (absent from a supervisor of an older vmctl).
+        #[serde(default)]
+        relays: Vec<u16>,
     },
     Error {
         message: String,
@@ -164,6 +168,19 @@ mod tests {
         assert!(message.contains("did not answer within"), "{message}");
         assert!(message.contains("vmctl stop"), "{message}");
         drop(silent.join());
+    }
+
+    /// A supervisor of an older vmctl lists no relays: read as none, not refused.
+    #[test]
+    fn a_published_list_without_relays_reads_as_none() {
+        let older = r#"{"result":"published_list","ports":[]}"#;
+        assert_eq!(
+            serde_json::from_str::<ControlResponse>(older).unwrap(),
+            ControlResponse::PublishedList {
+                ports: Vec::new(),
+                relays: Vec::new()
+            }
+        );
     }
 
     #[test]

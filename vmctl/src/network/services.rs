@@ -367,6 +367,11 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
             .map(|host| ControlResponse::Unpublished { host }),
         ControlRequest::ListPublished => Ok(ControlResponse::PublishedList {
             ports: service.published.list(),
+            relays: service
+                .relays
+                .lock()
+                .map(|relays| relays.iter().copied().collect())
+                .unwrap_or_default(),
         }),
     };
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })

@@ -731,8 +731,9 @@ mod tests {
         assert_eq!(host.stream_count(), 0);
     }
 
-    #[tokio::test]
-    async fn a_peer_that_ignores_the_window_gets_reset() {
+    /// A mux whose raw peer sends `frame` on stream 2 `count` times (until the link
+    /// refuses), into a local socket nobody reads; how many streams it holds after.
+    async fn streams_left_after_flooding(frame: MuxFrame, count: usize) -> usize {
         let (a, b) = UnixStream::pair().unwrap();
         let (ar, aw) = a.into_split();
         let (_br, mut bw) = b.into_split();
@@ -748,20 +749,24 @@ mod tests {
             .await
             .unwrap();
         let _held = sink.accept().await.unwrap();
-        // Far more than the window plus what the unread sink socket can buffer.
-        let chunk = vec![0u8; MAX_CHUNK];
-        for _ in 0..(4 << 20) / MAX_CHUNK {
-            let frame = MuxFrame::Data {
-                stream: 2,
-                bytes: chunk.clone(),
-            };
+        for _ in 0..count {
             if write_frame(&mut bw, &frame).await.is_err() {
                 break;
             }
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        mux.stream_count()
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_ignores_the_window_gets_reset() {
+        // Far more than the window plus what the unread sink socket can buffer.
+        let chunk = MuxFrame::Data {
+            stream: 2,
+            bytes: vec![0u8; MAX_CHUNK],
+        };
         assert_eq!(
-            mux.stream_count(),
+            streams_left_after_flooding(chunk, (4 << 20) / MAX_CHUNK).await,
             0,
             "the overrunning stream must be reset"
         );
@@ -772,32 +777,15 @@ mod tests {
     /// frames (20,000 bytes are well within the window; 20,000 frames are not).
     #[tokio::test]
     async fn a_peer_sending_tiny_frames_is_held_to_the_window() {
-        let (a, b) = UnixStream::pair().unwrap();
-        let (ar, aw) = a.into_split();
-        let (_br, mut bw) = b.into_split();
-        let dir = tempfile::tempdir().unwrap();
-        let sink_path = dir.path().join("sink.sock");
-        let sink = UnixListener::bind(&sink_path).unwrap();
-        let opener: Opener = Arc::new(move |_| {
-            let path = sink_path.clone();
-            Box::pin(async move { UnixStream::connect(path).await })
-        });
-        let (mux, _) = Mux::start(ar, aw, true, opener);
-        write_frame(&mut bw, &MuxFrame::Open { stream: 2, port: 0 })
-            .await
-            .unwrap();
-        let _held = sink.accept().await.unwrap();
         let tiny = MuxFrame::Data {
             stream: 2,
             bytes: vec![0],
         };
-        for _ in 0..20_000 {
-            if write_frame(&mut bw, &tiny).await.is_err() {
-                break;
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        assert_eq!(mux.stream_count(), 0, "the stream must be reset");
+        assert_eq!(
+            streams_left_after_flooding(tiny, 20_000).await,
+            0,
+            "the stream must be reset"
+        );
     }
 
     #[tokio::test]

@@ -23,8 +23,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// A guest clock behind the host's time by more than this is stepped; smaller
 /// differences are left alone so that a clock in step is not nudged by every message.
 pub const BEHIND_TOLERANCE: Duration = Duration::from_millis(20);
-/// A guest clock ahead by more than this is stepped back: a right clock is ahead by
-/// the message's transit (vsock, a busy agent), which takes far less.
+/// A guest clock ahead by more than this is stepped back (by up to
+/// [`STALE_HELLO_MAX`], once a second `Hello` agrees): a right clock is ahead by the
+/// message's transit (vsock, a busy agent), which takes far less.
 pub const AHEAD_TOLERANCE: Duration = Duration::from_secs(2);
 /// A clock ahead by more than this is stepped back at the first `Hello`: no client
 /// waits that long for the agent's answer (vmctl's longest wait is 60 s), so no
@@ -116,7 +117,11 @@ fn step_to_take(guest: Duration, host: Duration, ahead_seen: &AheadSeen) -> Opti
         Some(Step::Back(ahead)) if ahead <= STALE_HELLO_MAX => ahead_seen
             .confirms(host, ahead)
             .then_some(Step::Back(ahead)),
-        Some(Step::Back(_)) => step,
+        Some(Step::Back(_)) => {
+            // Stepped now: an earlier finding confirms nothing after it.
+            ahead_seen.forget();
+            step
+        }
         _ => {
             ahead_seen.forget();
             step

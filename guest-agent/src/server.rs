@@ -1096,13 +1096,14 @@ async fn pump_stdin(
     mut rx: mpsc::UnboundedReceiver<StdinItem>,
     out_tx: mpsc::Sender<AgentMessage>,
 ) {
-    // Whether what went into the terminal ends in the middle of a line.
-    let mut line_open = false;
+    // The last byte that went into the terminal since its last end of input: whether
+    // that ends a line is the terminal's settings' to say, at the end.
+    let mut last_byte: Option<u8> = None;
     while let Some(item) = rx.recv().await {
         match item {
             StdinItem::Data(data, _permit) => {
                 if let Some(&last) = data.last() {
-                    line_open = !matches!(last, b'\n' | b'\r');
+                    last_byte = Some(last);
                 }
                 let res = match &mut sink {
                     StdinSink::Pipe(p) => p.write_all(&data).await,
@@ -1123,8 +1124,8 @@ async fn pump_stdin(
                     return;
                 }
                 StdinSink::Pty(ref fd) => {
-                    let _ = pty_write_all(fd, &end_of_input(fd, line_open)).await;
-                    line_open = false;
+                    let _ = pty_write_all(fd, &end_of_input(fd, last_byte)).await;
+                    last_byte = None;
                 }
             },
         }
@@ -1134,8 +1135,9 @@ async fn pump_stdin(
 /// What ends a terminal's input, as a user's Ctrl-D does: in canonical mode its EOF
 /// character, twice after a partial line (the first only hands the line over, as a
 /// read without its newline, and `cat` would wait for more); in raw mode, one ^D,
-/// which is all a user's key sends there.
-fn end_of_input(master: &AsyncFd<OwnedFd>, line_open: bool) -> Vec<u8> {
+/// which is all a user's key sends there. `last_byte`: the last one written since the
+/// last end of input.
+fn end_of_input(master: &AsyncFd<OwnedFd>, last_byte: Option<u8>) -> Vec<u8> {
     const CTRL_D: u8 = 0x04;
     // SAFETY: an all-zero termios is a valid value for tcgetattr to overwrite.
     let mut settings: libc::termios = unsafe { std::mem::zeroed() };
@@ -1150,11 +1152,21 @@ fn end_of_input(master: &AsyncFd<OwnedFd>, line_open: bool) -> Vec<u8> {
         0 => CTRL_D, // disabled (_POSIX_VDISABLE): the usual key is all we have
         eof => eof,
     };
-    if line_open {
+    if last_byte.is_some_and(|byte| !ends_a_line(&settings, byte)) {
         vec![eof, eof]
     } else {
         vec![eof]
     }
+}
+
+/// Whether `byte`, typed into a canonical terminal with `settings`, ends a line: a
+/// newline, its EOF or end-of-line characters, or a carriage return it maps to a
+/// newline.
+fn ends_a_line(settings: &libc::termios, byte: u8) -> bool {
+    let special = [libc::VEOF, libc::VEOL, libc::VEOL2]
+        .iter()
+        .any(|&index| settings.c_cc[index] != 0 && settings.c_cc[index] == byte);
+    byte == b'\n' || special || (byte == b'\r' && settings.c_iflag & libc::ICRNL != 0)
 }
 
 /// Drops the rest of a command's stdin (it closed its end, or the host closed it),

@@ -260,10 +260,11 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
         guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
-        // The entry itself may be a link into the user's dotfiles (stow, home-manager),
-        // which would lead nowhere in the guest: what it names is copied. (The links
-        // inside a tree stay links.)
-        if let Ok(from) = std::fs::canonicalize(source.join(name)) {
+        // A link is copied as a link, never followed: where it leads may be a
+        // directory some VM can write, whose guest could swap a file there for a link
+        // to any of the user's (a key), to be copied here for it to read.
+        let from = source.join(name);
+        if from.exists() {
             guest_writable::copy_read_only(&from, &home_dir, name).map_err(error(name, &target))?;
         }
     }
@@ -616,36 +617,26 @@ mod tests {
         assert!(home.join("history.jsonl").exists());
     }
 
-    /// Instructions and skills kept in a dotfiles repository and linked into
-    /// `~/.claude` arrive as what the links name, not as links that lead nowhere in the
-    /// guest.
+    /// A `CLAUDE.md` linked into `~/.claude` (stow) is copied as the link, not as
+    /// what it leads to: a guest that can write where it leads could have made that a
+    /// link to any of the user's files.
     #[test]
-    fn linked_instructions_are_copied_as_what_they_name() {
+    fn a_linked_instruction_file_is_copied_as_a_link() {
         let dir = tempfile::tempdir().unwrap();
-        let dotfiles = dir.path().join("dotfiles");
-        std::fs::create_dir_all(dotfiles.join("skills/s1")).unwrap();
-        std::fs::write(dotfiles.join("CLAUDE.md"), "linked").unwrap();
-        std::fs::write(dotfiles.join("skills/s1/SKILL.md"), "skill").unwrap();
+        let share = dir.path().join("dotfiles");
+        std::fs::create_dir_all(&share).unwrap();
+        std::fs::write(dir.path().join("id_ed25519"), "private key").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("id_ed25519"), share.join("CLAUDE.md")).unwrap();
         let user = dir.path().join("user");
         std::fs::create_dir_all(user.join(".claude")).unwrap();
-        for name in ["CLAUDE.md", "skills"] {
-            std::os::unix::fs::symlink(dotfiles.join(name), user.join(".claude").join(name))
-                .unwrap();
-        }
-        std::os::unix::fs::symlink(dir.path().join("gone"), user.join(".claude/agents")).unwrap();
+        std::os::unix::fs::symlink(share.join("CLAUDE.md"), user.join(".claude/CLAUDE.md"))
+            .unwrap();
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
         seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
-        let home = agent_home_dir(&vm).join("claude");
-        let kind = |name: &str| std::fs::symlink_metadata(home.join(name)).map(|m| m.file_type());
-        assert!(kind("CLAUDE.md").unwrap().is_file());
-        assert!(kind("skills").unwrap().is_dir());
-        assert_eq!(
-            std::fs::read_to_string(home.join("skills/s1/SKILL.md")).unwrap(),
-            "skill"
-        );
-        assert!(kind("agents").is_err(), "a dangling link is left out");
+        let copy = agent_home_dir(&vm).join("claude/CLAUDE.md");
+        assert_eq!(std::fs::read_link(&copy).unwrap(), share.join("CLAUDE.md"));
     }
 
     /// Two sessions starting at once in one VM (Paseo starting two agents) both get

@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown;
 use std::num::Wrapping;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 
 use vmm_sys_util::epoll::EventSet;
@@ -241,6 +242,11 @@ impl Connection {
         self.tx_buf.clear();
         self.prefix = 0;
         self.hung_up();
+        // Nothing left to read: the end, at once. (Something left, for a guest that
+        // takes nothing now: it comes once the guest reads, then the end.)
+        if self.state != State::Closing && at_end_of_stream(&self.stream) {
+            self.host_closed();
+        }
     }
 
     /// The host shut down its sending side (a hang-up says when it closes for good):
@@ -451,6 +457,24 @@ impl Connection {
     }
 }
 
+/// Whether the non-blocking `stream` holds nothing more to read and its writer is
+/// gone: a peek (recvfrom, which the VMM's seccomp filter allows; FIONREAD it does
+/// not) reads 0.
+fn at_end_of_stream(stream: &UnixStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: recv writes at most one byte, into a live local; MSG_PEEK leaves it in
+    // the socket, MSG_DONTWAIT keeps the call from blocking.
+    let read = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            std::ptr::from_mut(&mut byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    read == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -632,6 +656,21 @@ mod tests {
         let (h, _) = c.produce(&mut buf).unwrap();
         assert_eq!(h.op, Op::Rst as u16);
         assert!(c.dead);
+    }
+
+    /// A guest that takes nothing now (no credit) and keeps sending to a host that
+    /// closed with nothing more to say is told at once: no answer waits for it.
+    #[test]
+    fn a_guest_without_credit_learns_at_once_that_the_host_closed() {
+        let (mut c, b) = established(0);
+        drop(b);
+        c.handle_guest(&pkt(Op::Rw, 0, b"more", 0, 0), Op::Rw)
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Shutdown as u16);
+        let (h, _) = c.produce(&mut buf).unwrap();
+        assert_eq!(h.op, Op::Rst as u16);
     }
 
     /// A guest that shut its receiving side is given nothing more, so a host hang-up,

@@ -327,19 +327,16 @@ fn vmctl_as_user_of(home: &Path, dir: &Path, args: &[&str]) -> (std::process::Ou
     (output, stderr)
 }
 
-/// The home directory of the account running the tests, from the password database.
-fn account_home() -> PathBuf {
+/// The home directory of the account running the tests, from the password database
+/// (None when there is none, or no `getent` to ask).
+fn account_home() -> Option<PathBuf> {
     let output = Command::new("sh")
         .args(["-c", "getent passwd \"$(id -u)\""])
         .output()
-        .expect("run getent");
+        .ok()?;
     let entry = String::from_utf8_lossy(&output.stdout).into_owned();
-    let home = entry.trim_end().split(':').nth(5).unwrap_or_default();
-    assert!(
-        home.starts_with('/') && home != "/",
-        "no usable home in {entry:?}"
-    );
-    PathBuf::from(home)
+    let home = entry.trim_end().split(':').nth(5)?;
+    (home.starts_with('/') && home != "/").then(|| PathBuf::from(home))
 }
 
 /// The names of the VM directories under the state of [`as_user_of`] `home`.
@@ -470,17 +467,24 @@ fn refused_starts_leave_no_vm_behind() {
     }
     // HOME points elsewhere (here, to the test's): the account's own home is kept out
     // all the same.
-    let account_home = account_home().canonicalize().unwrap();
-    assert_ne!(account_home.display().to_string(), home_dir);
-    let account_home = account_home.display().to_string();
-    let (output, stderr) = vmctl(&["exec", "--workspace", &account_home, "--", "true"]);
-    assert_eq!(output.status.code(), Some(125), "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "{account_home} cannot be shared with the guest: it is your home directory"
-        )),
-        "{stderr}"
-    );
+    match account_home().and_then(|home| home.canonicalize().ok()) {
+        Some(account_home) => {
+            assert_ne!(account_home.display().to_string(), home_dir);
+            let account_home = account_home.display().to_string();
+            let (output, stderr) = vmctl(&["exec", "--workspace", &account_home, "--", "true"]);
+            assert_eq!(output.status.code(), Some(125), "{stderr}");
+            assert!(
+                stderr.contains(&format!(
+                    "{account_home} cannot be shared with the guest: it is your home directory"
+                )),
+                "{stderr}"
+            );
+        }
+        None => eprintln!(
+            "NOT CHECKED: the account running the tests has no home directory that exists, \
+             so keeping it out of the guest cannot be tried"
+        ),
+    }
     let (ps, stderr) = vmctl(&["ps"]);
     assert!(ps.status.success(), "{stderr}");
     let listing = String::from_utf8_lossy(&ps.stdout);

@@ -63,6 +63,7 @@ pub enum Command {
     /// List workspace VMs.
     ///
     /// One line per VM: its state (running; degraded when a share's virtiofsd died;
+    /// starting, while a start or a stop is under way before its supervisor runs;
     /// stopped; crashed, with the guest kernel's panic line under the table), uptime,
     /// mode (direct or nested), size, the host memory it holds and what keeps it
     /// running.
@@ -205,10 +206,16 @@ impl AgentArgs {
             .to_str()
             .and_then(|name| clap::ValueEnum::from_str(name, false).ok())
             .ok_or_else(|| {
-                format!(
-                    "'{}' is not an agent CLI vmctl runs: name claude or codex",
-                    name.to_string_lossy()
-                )
+                let name = name.to_string_lossy();
+                if name.starts_with('-') {
+                    // What clap took for the name: an option `vmctl agent` lacks.
+                    format!(
+                        "unknown option '{name}' of 'vmctl agent' (see 'vmctl agent --help'); \
+                         the CLI's own options come after its name"
+                    )
+                } else {
+                    format!("'{name}' is not an agent CLI vmctl runs: name claude or codex")
+                }
             })?;
         Ok((cli, words.collect()))
     }
@@ -868,6 +875,16 @@ mod tests {
             .cli()
             .unwrap_err()
             .contains("'claud' is not an agent CLI"));
+        let Ok(Cli {
+            command: Command::Agent(agent),
+        }) = parsed(&["agent", "--isolaton", "directory", "claude"])
+        else {
+            panic!("not agent");
+        };
+        assert!(agent
+            .cli()
+            .unwrap_err()
+            .contains("unknown option '--isolaton' of 'vmctl agent'"));
     }
 
     #[test]

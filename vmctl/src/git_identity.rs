@@ -7,8 +7,10 @@
 //! The file includes the image's own system config (`/etc/gitconfig`), which the
 //! variable would otherwise replace.
 
+use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::agent::{agent_home_dir, lock_agent_homes, GUEST_AGENT_HOME};
 use crate::guest_writable;
@@ -58,30 +60,52 @@ pub fn guest_env(vm: &VmDir, dir: &Path) -> Option<(String, String)> {
 /// The host user's global values of [`KEYS`] that are set in `dir`, as (section, key,
 /// value), read by one `git config` (none when git is not there).
 fn host_values(dir: &Path) -> Vec<(&'static str, &'static str, String)> {
-    values_in(&["--global", "--includes"], dir)
+    const SCOPE: [&str; 2] = ["--global", "--includes"];
+    // `dir` may be in a repository the guest can write, whose `.git/HEAD` it can make
+    // a FIFO that git waits on for ever: past the deadline, the values outside it.
+    values_in(&SCOPE, dir)
+        .or_else(|| values_in(&SCOPE, Path::new("/")))
+        .unwrap_or_default()
 }
 
+/// How long one `git config` may take.
+const GIT_DEADLINE: Duration = Duration::from_secs(2);
+
 /// The values of [`KEYS`] in the git config that `scope` selects (`--global`,
-/// `--file PATH`), as git reads it in `dir` (a directory that is gone reads as `/`).
-fn values_in(scope: &[&str], dir: &Path) -> Vec<(&'static str, &'static str, String)> {
+/// `--file PATH`), as git reads it in `dir` (a directory that is gone reads as `/`);
+/// none when git is not there, None when it took longer than [`GIT_DEADLINE`].
+fn values_in(scope: &[&str], dir: &Path) -> Option<Vec<(&'static str, &'static str, String)>> {
     let pattern = KEYS
         .iter()
         .map(|(section, key)| format!("{section}\\.{}", key.to_lowercase()))
         .collect::<Vec<_>>()
         .join("|");
-    let output = Command::new("git")
+    let spawned = Command::new("git")
         .arg("config")
         .args(scope)
         .args(["-z", "--get-regexp"])
         .arg(format!("^({pattern})$"))
         .current_dir(if dir.is_dir() { dir } else { Path::new("/") })
         .stdin(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .output();
-    match output {
-        Ok(output) => values_of(&output.stdout),
-        Err(_) => Vec::new(),
+        .spawn();
+    let Ok(mut git) = spawned else {
+        return Some(Vec::new());
+    };
+    let deadline = Instant::now() + GIT_DEADLINE;
+    while git.try_wait().ok()?.is_none() {
+        if Instant::now() >= deadline {
+            let _ = git.kill();
+            let _ = git.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
+    // Exited: its few lines of output wait in the pipe.
+    let mut listed = Vec::new();
+    git.stdout.take()?.read_to_end(&mut listed).ok()?;
+    Some(values_of(&listed))
 }
 
 /// [`KEYS`]' values in `git config -z --get-regexp` output (`key\nvalue\0` entries,
@@ -140,7 +164,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            values_in(&["--file", file.to_str().unwrap()], Path::new("/")),
+            values_in(&["--file", file.to_str().unwrap()], Path::new("/")).unwrap(),
             [
                 ("user", "name", "Ann".to_string()),
                 ("user", "email", "ann@example.com".to_string()),
@@ -196,12 +220,34 @@ mod tests {
         .unwrap();
         let email = |at: &Path| {
             values_in(&["--file", config.to_str().unwrap(), "--includes"], at)
+                .unwrap()
                 .into_iter()
                 .find(|(_, key, _)| *key == "email")
                 .map(|(_, _, value)| value)
         };
         assert_eq!(email(&repo).as_deref(), Some("me@work.example"));
         assert_eq!(email(dir.path()).as_deref(), Some("me@home.example"));
+    }
+
+    /// A repository whose `.git/HEAD` the guest made a FIFO: git would wait on it for
+    /// ever; it is given up on, and the values outside the repository are used.
+    #[test]
+    fn a_git_that_hangs_in_the_repository_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        let init = Command::new("git")
+            .args(["init", "-q"])
+            .arg(&repo)
+            .status()
+            .unwrap();
+        assert!(init.success());
+        let head = repo.join(".git/HEAD");
+        std::fs::remove_file(&head).unwrap();
+        crate::guest_writable::make_fifo(&head);
+        let started = Instant::now();
+        assert_eq!(values_in(&["--global"], &repo), None);
+        assert!(started.elapsed() < GIT_DEADLINE * 3);
+        assert!(values_in(&["--global"], Path::new("/")).is_some());
     }
 
     #[test]

@@ -38,14 +38,26 @@ pub fn keep_bounded(logs: Vec<PathBuf>) {
     }
 }
 
-/// The last `max` bytes of a file (a log the guest can make grow without bound).
+/// The last `max` bytes of a regular file (a log the guest can make grow without
+/// bound). Never through a link, never a FIFO or device, never more than `max` bytes
+/// however the file grows meanwhile: some logs lie in a directory the nested host can
+/// write (`status.json -> /dev/zero` would otherwise be read until memory runs out).
 pub fn read_tail(path: &Path, max: u64) -> Option<Vec<u8>> {
     use std::io::{Read, Seek, SeekFrom};
-    let mut file = std::fs::File::open(path).ok()?;
-    let len = file.metadata().ok()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let metadata = file.metadata().ok()?;
+    if !metadata.is_file() {
+        return None;
+    }
+    file.seek(SeekFrom::Start(metadata.len().saturating_sub(max)))
+        .ok()?;
     let mut tail = Vec::new();
-    file.read_to_end(&mut tail).ok()?;
+    file.take(max).read_to_end(&mut tail).ok()?;
     Some(tail)
 }
 
@@ -76,6 +88,26 @@ fn shrink_if_larger(log: &Path, max: u64, tail: u64) -> io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a regular file's tail, at most `max` bytes: a link, a FIFO or a device
+    /// in its place is not read (one to /dev/zero would be read for ever).
+    #[test]
+    fn a_tail_is_read_only_from_a_regular_file_and_only_so_far() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log");
+        std::fs::write(&log, "0123456789").unwrap();
+        assert_eq!(read_tail(&log, 4).unwrap(), b"6789");
+        let link = dir.path().join("status.json");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        assert_eq!(read_tail(&link, 4), None);
+        let fifo = dir.path().join("fifo");
+        crate::guest_writable::make_fifo(&fifo);
+        assert_eq!(
+            read_tail(&fifo, 4),
+            None,
+            "and without waiting for a writer"
+        );
+    }
 
     #[test]
     fn a_log_past_its_limit_keeps_its_last_lines_and_its_writer_goes_on() {

@@ -319,6 +319,9 @@ fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
             outcome
         }
         vm::Teardown::Interrupted(signal) => {
+            if let Err(e) = &outcome {
+                vmm::to_stderr!("vmctl: error: {e}");
+            }
             vmm::to_stderr!(
                 "vmctl: interrupted while removing the throwaway VM: the daemon stops it \
                  once idle, and `vmctl prune` removes what is left ({})",

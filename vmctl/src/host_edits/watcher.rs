@@ -401,13 +401,14 @@ impl TreeWatcher {
         if overflowed {
             unwatched = self.watch_all_again(&mut added);
         } else {
-            let mut walked: Vec<&PathBuf> = Vec::new();
+            let mut walked: Option<&PathBuf> = None;
             for dir in &new_dirs {
-                // In order, so a directory's tree comes after it: walked with it.
-                if walked.iter().any(|top| dir.starts_with(top)) {
+                // In order, so the directories below one come right after it: walked
+                // with it.
+                if walked.is_some_and(|top| dir.starts_with(top)) {
                     continue;
                 }
-                walked.push(dir);
+                walked = Some(dir);
                 unwatched = unwatched.or(self.watch_tree_noting(dir, &mut added));
             }
         }

@@ -83,6 +83,8 @@ pub struct Mux {
     out: mpsc::Sender<MuxFrame>,
     streams: Mutex<HashMap<u32, StreamEntry>>,
     next_stream: AtomicU32,
+    /// Resets waiting for room in `out` (see [`Mux::send_reset`]).
+    pending_resets: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Mux {
@@ -104,6 +106,7 @@ impl Mux {
             out,
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU32::new(if odd_ids { 1 } else { 2 }),
+            pending_resets: Default::default(),
         });
         tokio::spawn(write_link(writer, out_rx));
         let link = tokio::spawn(read_link(mux.clone(), reader, opener));
@@ -252,28 +255,39 @@ impl Mux {
 
     /// Tells the peer `stream` is reset, however full the link's queue is now: a
     /// dropped Reset would leave the stream, and its slot, open on the other side.
-    fn send_reset(&self, stream: u32) {
-        let out = self.out.clone();
+    /// False when [`MAX_STREAMS`] resets wait already: a peer that provokes resets
+    /// while it reads nothing (a nested host a guest took over) is cut off, not
+    /// answered with ever more waiting tasks.
+    #[must_use]
+    fn send_reset(&self, stream: u32) -> bool {
+        if self.pending_resets.fetch_add(1, Ordering::AcqRel) >= MAX_STREAMS {
+            self.pending_resets.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        let (out, pending) = (self.out.clone(), self.pending_resets.clone());
         tokio::spawn(async move {
             let _ = out.send(MuxFrame::Reset { stream }).await;
+            pending.fetch_sub(1, Ordering::AcqRel);
         });
+        true
     }
 
-    /// Handles one frame from the link.
-    fn dispatch(self: &Arc<Self>, frame: MuxFrame, opener: &Opener) {
+    /// Handles one frame from the link; false when the link is to end (see
+    /// [`Mux::send_reset`]).
+    #[must_use]
+    fn dispatch(self: &Arc<Self>, frame: MuxFrame, opener: &Opener) -> bool {
         match frame {
             MuxFrame::Open { stream, port } => {
                 let ours = self.next_stream.load(Ordering::Relaxed) % 2 == stream % 2;
                 if ours || self.streams_lock().contains_key(&stream) {
                     tracing::warn!("mux: peer opened stream {stream}, which is not its to open");
-                    return;
+                    return true;
                 }
                 // Each stream holds a connection on this side: a peer (a nested host
                 // the guest took over) must not open them without bound.
                 if self.streams_lock().len() >= MAX_STREAMS {
                     tracing::warn!("mux: peer opened stream {stream} past {MAX_STREAMS}; refused");
-                    self.send_reset(stream);
-                    return;
+                    return self.send_reset(stream);
                 }
                 let inbound = self.register(stream);
                 let mux = self.clone();
@@ -292,7 +306,7 @@ impl Mux {
             MuxFrame::Data { stream, bytes } => {
                 let mut streams = self.streams_lock();
                 let Some(entry) = streams.get(&stream) else {
-                    return;
+                    return true;
                 };
                 let len = bytes.len() as u32;
                 let within_window = entry
@@ -311,7 +325,7 @@ impl Mux {
                     );
                     let _ = entry.inbound.send(Inbound::Reset);
                     streams.remove(&stream);
-                    self.send_reset(stream);
+                    return self.send_reset(stream);
                 }
             }
             MuxFrame::Credit { stream, bytes } => {
@@ -334,6 +348,7 @@ impl Mux {
                 }
             }
         }
+        true
     }
 
     /// The link is gone: every stream ends.
@@ -363,7 +378,14 @@ async fn read_link<R: AsyncRead + Unpin>(mux: Arc<Mux>, reader: R, opener: Opene
     let mut frames = FrameReader::new(reader);
     loop {
         match frames.next::<MuxFrame>().await {
-            Ok(Some(frame)) => mux.dispatch(frame, &opener),
+            Ok(Some(frame)) => {
+                if !mux.dispatch(frame, &opener) {
+                    tracing::warn!(
+                        "mux: the peer provokes resets faster than it reads them; link closed"
+                    );
+                    break;
+                }
+            }
             Ok(None) => break,
             Err(e) => {
                 tracing::warn!("mux: link read failed: {e}");

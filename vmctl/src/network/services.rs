@@ -377,6 +377,18 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
 }
 
+/// Of `extra` relays asked for, those to add, and those refused: published from the
+/// VM (`published`) and not relayed already (`relayed`).
+fn relays_to_add(
+    extra: Vec<u16>,
+    published: &BTreeSet<u16>,
+    relayed: &BTreeSet<u16>,
+) -> (Vec<u16>, Vec<u16>) {
+    extra
+        .into_iter()
+        .partition(|port| !published.contains(port) || relayed.contains(port))
+}
+
 /// Why `guest_port` must not be published, if it must not: the VM's ports that are
 /// the host's own services, whose reach publishing would widen.
 fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<String> {
@@ -429,14 +441,33 @@ async fn configure_guest(
     service: &NetworkService,
     extra_relays: Vec<u16>,
 ) -> Result<ControlResponse, String> {
-    let relay_ports: Vec<u16> = {
+    // A port published from the VM is not also relayed from the host's loopback: the
+    // published address would then reach the host's own service (see
+    // `not_to_publish`, which refuses the other order).
+    let published: BTreeSet<u16> = service
+        .published
+        .list()
+        .iter()
+        .map(|port| port.guest_port)
+        .collect();
+    let (relay_ports, refused): (Vec<u16>, Vec<u16>) = {
         let mut relays = service
             .relays
             .lock()
             .map_err(|_| "the relay list is unusable".to_string())?;
-        relays.extend(extra_relays);
-        relays.iter().copied().collect()
+        let (extra, refused) = relays_to_add(extra_relays, &published, &relays);
+        relays.extend(extra);
+        (relays.iter().copied().collect(), refused)
     };
+    let refused = refused.into_iter().map(|port| {
+        (
+            port,
+            format!(
+                "port {port} is published from the VM; relayed too, the published address \
+                 would reach the host's own port {port} ('vmctl unpublish {port}' first)"
+            ),
+        )
+    });
     let placeholders = match egress::secrets::SecretStore::load(&service.secrets) {
         Ok(store) => store.placeholder_env(),
         Err(e) => {
@@ -454,7 +485,7 @@ async fn configure_guest(
     if applied.as_ref() == Some(&config) {
         return Ok(ControlResponse::Configured {
             relay_ports,
-            failed_relays: Vec::new(),
+            failed_relays: refused.collect(),
         });
     }
     // Bounded: the lock held meanwhile keeps every other session's setup waiting.
@@ -466,7 +497,7 @@ async fn configure_guest(
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
         relay_ports,
-        failed_relays,
+        failed_relays: failed_relays.into_iter().chain(refused).collect(),
     })
 }
 
@@ -497,6 +528,19 @@ mod tests {
         assert!(not_to_publish(&relays, proxy).is_some_and(|why| why.contains("egress proxy")));
         assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("127.0.0.1:6767")));
         assert_eq!(not_to_publish(&relays, 8080), None);
+    }
+
+    /// A port published from the VM is not relayed from the host's loopback later
+    /// (the published address would reach the host's service); one relayed already
+    /// stays.
+    #[test]
+    fn a_published_port_is_not_relayed_later() {
+        let published = BTreeSet::from([5432, 6767]);
+        let relayed = BTreeSet::from([6767]);
+        assert_eq!(
+            relays_to_add(vec![5432, 6767, 9100], &published, &relayed),
+            (vec![6767, 9100], vec![5432])
+        );
     }
 
     /// A server listening on `::1` only (Node's `localhost`) is reached too.

@@ -188,6 +188,15 @@ mod tests {
         assert_eq!(values_of(b"user.email\n\xff\0"), [], "not UTF-8");
     }
 
+    fn init_repository(path: &Path) {
+        let init = Command::new("git")
+            .args(["init", "-q"])
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(init.success(), "git init {}", path.display());
+    }
+
     /// A work identity chosen by `includeIf "gitdir:..."` is the one given in that
     /// repository, as git on the host gives it there.
     #[test]
@@ -195,13 +204,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let work = dir.path().join("work");
         let repo = work.join("repo");
-        std::fs::create_dir_all(&repo).unwrap();
-        let init = Command::new("git")
-            .args(["init", "-q"])
-            .arg(&repo)
-            .status()
-            .unwrap();
-        assert!(init.success());
+        init_repository(&repo);
         let config = dir.path().join("config");
         std::fs::write(
             &config,
@@ -235,12 +238,7 @@ mod tests {
     fn a_git_that_hangs_in_the_repository_is_given_up_on() {
         let dir = tempfile::tempdir().unwrap();
         let repo = dir.path().join("repo");
-        let init = Command::new("git")
-            .args(["init", "-q"])
-            .arg(&repo)
-            .status()
-            .unwrap();
-        assert!(init.success());
+        init_repository(&repo);
         let head = repo.join(".git/HEAD");
         std::fs::remove_file(&head).unwrap();
         crate::guest_writable::make_fifo(&head);

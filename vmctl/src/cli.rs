@@ -845,43 +845,32 @@ mod tests {
         let parsed = |argv: &[&str]| {
             Cli::try_parse_from(std::iter::once("vmctl").chain(argv.iter().copied()))
         };
-        let Ok(Cli {
-            command: Command::Agent(agent),
-        }) = parsed(&[
+        let agent = |argv: &[&str]| match parsed(argv) {
+            Ok(Cli {
+                command: Command::Agent(agent),
+            }) => agent,
+            other => panic!("{argv:?} is no agent command: {other:?}"),
+        };
+        let args = agent(&[
             "agent",
             "--skip-permissions",
             "codex",
             "--help",
             "--skip-permissions",
-        ])
-        else {
-            panic!("not agent");
-        };
-        assert!(agent.skip_permissions);
-        let (cli, args) = agent.cli().unwrap();
+        ]);
+        assert!(args.skip_permissions);
+        let (cli, args) = args.cli().unwrap();
         assert_eq!(cli, crate::agent::AgentCli::Codex);
         assert_eq!(args, ["--help", "--skip-permissions"]);
         assert_eq!(
             parsed(&["agent", "--help"]).map(drop).unwrap_err().kind(),
             clap::error::ErrorKind::DisplayHelp
         );
-        let Ok(Cli {
-            command: Command::Agent(agent),
-        }) = parsed(&["agent", "claud"])
-        else {
-            panic!("not agent");
-        };
-        assert!(agent
+        assert!(agent(&["agent", "claud"])
             .cli()
             .unwrap_err()
             .contains("'claud' is not an agent CLI"));
-        let Ok(Cli {
-            command: Command::Agent(agent),
-        }) = parsed(&["agent", "--isolaton", "directory", "claude"])
-        else {
-            panic!("not agent");
-        };
-        assert!(agent
+        assert!(agent(&["agent", "--isolaton", "directory", "claude"])
             .cli()
             .unwrap_err()
             .contains("unknown option '--isolaton' of 'vmctl agent'"));

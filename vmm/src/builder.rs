@@ -203,9 +203,9 @@ fn load_guest_software(
         )?),
         None => None,
     };
-    config.check_cmdline()?;
     let cmdline_text = config.kernel_cmdline();
-    // Checked above as linux-loader checks it: an error here would be its own.
+    // `run` validated it first (`VmConfig::check_cmdline`, as linux-loader checks
+    // it): an error here would be linux-loader's own.
     let cmdline_error = |e: linux_loader::cmdline::Error| {
         tracing::debug!("kernel command line rejected: {e}");
         ConfigError::CmdlineTooLong {

@@ -331,12 +331,21 @@ async fn one_mib_of_stdin_through_cat() {
 async fn output_back_pressure() {
     // 16 MiB of output while the client does not read: the command must block
     // (not finish with everything buffered in the agent), then deliver it all.
+    let dir = tempfile::tempdir().unwrap();
+    let written = dir.path().join("all-written");
     let mut s = conn()
         .await
-        .exec(sh("head -c 16777216 /dev/zero; echo done >&2"))
+        .exec(sh(&format!(
+            "head -c 16777216 /dev/zero; touch '{}'; echo done >&2",
+            written.display()
+        )))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !written.exists(),
+        "the command wrote all 16 MiB while nobody read: the agent buffered it"
+    );
     let mut total = 0usize;
     let mut stderr = Vec::new();
     loop {

@@ -456,11 +456,19 @@ async fn connect_port_forwards_pipelined_bytes() {
 #[tokio::test]
 async fn connect_port_falls_back_to_ipv6_loopback() {
     let Ok(listener) = TcpListener::bind("[::1]:0").await else {
-        return; // no IPv6 here
+        not_run(
+            "connect_port_falls_back_to_ipv6_loopback",
+            "no IPv6 loopback here",
+        );
+        return;
     };
     let port = listener.local_addr().unwrap().port();
     if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
-        return; // the IPv4 port is taken: the agent would reach that instead
+        not_run(
+            "connect_port_falls_back_to_ipv6_loopback",
+            "the IPv4 port beside the IPv6 one is taken: the agent would reach that instead",
+        );
+        return;
     }
     echo(listener);
     let agent = Agent::start().await;
@@ -493,4 +501,11 @@ async fn connect_port_to_a_closed_port_is_an_error() {
         matches!(&err, ClientError::Agent(m) if m.contains("port 0")),
         "{err}"
     );
+}
+
+/// Says loudly, past libtest's capture of a passing test's output, that `test` did
+/// not run here and why.
+fn not_run(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "\n!!!!!!!! NOT RUN {test}: {why}\n");
 }

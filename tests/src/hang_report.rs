@@ -399,7 +399,9 @@ mod tests {
             .filter(|line| line.contains(" sh [R]"))
             .map(percent)
             .fold(0.0, f64::max);
-        assert!(busy > 50.0, "the busy loop is not shown busy:\n{shown}");
+        // Not near 100 %: on two CPUs shared with the nested host's TCG threads a
+        // runnable loop gets a third of one at times; a sleeper gets nothing.
+        assert!(busy > 25.0, "the busy loop is not shown busy:\n{shown}");
     }
 
     #[test]

@@ -21,6 +21,7 @@
 pub mod hang_report;
 pub mod host_user;
 pub mod upstream;
+pub mod watchdog;
 
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
@@ -244,6 +245,25 @@ pub fn vm_unavailable_reason() -> Option<String> {
          (apt-get install qemu-system-x86, or run scripts/setup.sh)",
         qemu.display()
     ))
+}
+
+/// Call first in a test that needs the nested host (QEMU), whatever this host's KVM
+/// is: `true` if QEMU is here; otherwise the skip is recorded (or, with
+/// `VMCTL_REQUIRE_VM=1`, the test panics).
+pub fn nested_host_available(test: &str) -> bool {
+    let qemu = env_path("VMCTL_QEMU").unwrap_or_else(|| "qemu-system-x86_64".into());
+    if find_executable(&qemu).is_some() {
+        return true;
+    }
+    let reason = format!(
+        "no {} for the nested host (apt-get install qemu-system-x86)",
+        qemu.display()
+    );
+    if vms_required() {
+        panic!("VMCTL_REQUIRE_VM=1 but {test} cannot run: {reason}");
+    }
+    record_skip(test, &reason);
+    false
 }
 
 /// Whether VMs run directly on this host's KVM (hardware-backed), not in the nested host.
@@ -657,7 +677,7 @@ impl Capture {
 }
 
 /// SIGKILLs process `pid`, its process group and every descendant (found in /proc).
-fn kill_tree(pid: u32) {
+pub(crate) fn kill_tree(pid: u32) {
     let mut victims = vec![pid];
     let mut i = 0;
     while i < victims.len() {
@@ -901,10 +921,33 @@ impl Drop for Workspace {
         if thread::panicking() {
             self.note_a_crash_under_the_failure();
         }
-        let _ = self.command(&["rm"]).output();
-        // Sessions start vmctl's daemon on demand (one per state directory).
-        let _ = self.command(&["daemon", "--stop"]).output();
+        // Sessions start vmctl's daemon on demand (one per state directory). Bounded
+        // even here: a stuck `rm` must not hang the run while a test unwinds.
+        for args in [&["rm"][..], &["daemon", "--stop"]] {
+            let Ok(mut child) = self
+                .command(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+            else {
+                continue;
+            };
+            if hang_report::wait_bounded(&mut child, vm_timeout()).is_none() {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "vm-tests: vmctl {args:?} did not end within {:?}; killed",
+                    vm_timeout()
+                );
+                kill_tree(child.id());
+                let _ = child.wait();
+            }
+        }
     }
+}
+
+/// Marks the scenario on this thread as one that lost its VM: worth another attempt.
+pub(crate) fn mark_vm_lost() {
+    VM_LOST.with(|lost| lost.set(true));
 }
 
 /// The directory of the one VM whose vmctl state is under `state`, if there is one.

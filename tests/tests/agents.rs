@@ -6,6 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use vm_tests::watchdog::{wait_within, Watchdog};
 use vm_tests::{stdout, upstream, Workspace};
 
 const STANDIN: &str = include_str!("../guest/standin_agent.py");
@@ -51,10 +52,12 @@ fn run_provider(ws: &Workspace, argv: &[String], input: &[u8]) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot run {argv:?}: {e}"));
+    let bounded = Watchdog::new(&child, &format!("{argv:?}"));
     let mut stdin = child.stdin.take().expect("stdin");
     stdin.write_all(input).expect("write stdin");
     drop(stdin);
     let output = child.wait_with_output().expect("provider command");
+    drop(bounded);
     eprintln!(
         "{argv:?} -> {:?}\nstdout: {}\nstderr: {}",
         output.status.code(),
@@ -286,7 +289,7 @@ fn lifecycle_scenario() {
     assert_eq!(table.matches(" running ").count(), 1, "{table}");
     for agent in [&mut first, &mut second] {
         drop(agent.stdin.take());
-        let status = agent.wait().expect("agent");
+        let status = wait_within(agent, "vmctl agent claude");
         assert!(status.success(), "{status:?}");
     }
 
@@ -389,7 +392,7 @@ fn lifecycle_scenario() {
     let mut up = ws.command(&["up"]).spawn().expect("vmctl up");
     std::thread::sleep(Duration::from_secs(7));
     drop(start_lock);
-    assert!(up.wait().expect("vmctl up").success(), "vmctl up");
+    assert!(wait_within(&mut up, "vmctl up").success(), "vmctl up");
     assert!(ps(&ws).contains("vmctl up"), "{}", ps(&ws));
     // A session on it does not undo the pin: past the idle timeout after the session
     // ended, it still runs, kept by `vmctl up`.

@@ -480,9 +480,10 @@ fn refused_starts_leave_no_vm_behind() {
                 "{stderr}"
             );
         }
-        None => eprintln!(
-            "NOT CHECKED: the account running the tests has no home directory that exists, \
-             so keeping it out of the guest cannot be tried"
+        None => record_skip(
+            "bad_input: the account's home kept out of shares",
+            "the account running the tests has no home directory that exists, so keeping \
+             it out of the guest cannot be tried",
         ),
     }
     let (ps, stderr) = vmctl(&["ps"]);

@@ -6,21 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::{base_initramfs, find_executable, kernel, record_skip, vmctl_bin, TempDir, Vmctl};
-
-/// Needs QEMU (the nested host), whatever this host's KVM is.
-fn nested_host_available(test: &str) -> bool {
-    let qemu = std::env::var_os("VMCTL_QEMU").unwrap_or_else(|| "qemu-system-x86_64".into());
-    if find_executable(Path::new(&qemu)).is_some() {
-        return true;
-    }
-    let reason = "no qemu-system-x86_64 for the nested host (apt-get install qemu-system-x86)";
-    if vm_tests::vms_required() {
-        panic!("VMCTL_REQUIRE_VM=1 but {test} cannot run: {reason}");
-    }
-    record_skip(test, reason);
-    false
-}
+use vm_tests::{base_initramfs, kernel, nested_host_available, vmctl_bin, TempDir, Vmctl};
 
 #[test]
 fn command_runs_with_kvm_and_its_exit_code_comes_back() {

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use vm_tests::host_user::{current_uid, unprivileged_user};
+use vm_tests::watchdog::output_within_timeout;
 use vm_tests::{
     assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stderr, stdout, vmctl_bin,
     TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
@@ -14,6 +15,10 @@ use vm_tests::{
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
     vm_tests::host_output(program, args, Some(dir))
+}
+
+fn mode_of(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
 }
 
 fn assert_ok(output: &Output, what: &str) {
@@ -38,6 +43,7 @@ fn shared_workspace_scenario() {
     let read_only = ws.dir.join("ro");
     std::fs::create_dir_all(&read_only).unwrap();
     std::fs::write(read_only.join("data.txt"), "read-only data\n").unwrap();
+    let read_only_data_mode = mode_of(&read_only.join("data.txt"));
     let outside = ws.dir.join("outside");
     std::fs::create_dir_all(&outside).unwrap();
     let marker = vm_tests::random_hex(16);
@@ -146,20 +152,40 @@ fn shared_workspace_scenario() {
         "seeing the host's edits",
     );
     host_edits_reach_the_guests_file_watchers(&ws, &root);
+    every_kind_of_host_change_is_seen_in_the_guest(&ws, &root);
 
-    // 64 MiB written in the guest arrives intact. (Written in 1 MiB blocks: through the
-    // nested host every small write is slow.)
+    // 64 MiB written in the guest arrives intact: the host's hash is that of the
+    // guest's source file, not of what the guest reads back (its own page cache).
+    // (Written in 1 MiB blocks: through the nested host every small write is slow.)
     let big = ws.exec(
         "head -c 67108864 /dev/urandom > /tmp/big.bin && \
-         dd if=/tmp/big.bin of=big.bin bs=1M status=none && sha256sum big.bin",
+         dd if=/tmp/big.bin of=big.bin bs=1M status=none && sha256sum < /tmp/big.bin",
     );
     assert_ok(&big, "writing 64 MiB");
+    assert_eq!(
+        std::fs::metadata(root.join("big.bin")).unwrap().len(),
+        64 << 20
+    );
     assert_eq!(
         stdout(&big).split_whitespace().next(),
         host("sha256sum", &["big.bin"], &root)
             .split_whitespace()
             .next()
     );
+    // And a large file the host wrote reads intact in the guest.
+    let host_big: Vec<u8> = (0..16u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    std::fs::write(root.join("host-big.bin"), &host_big).unwrap();
+    let read_back = ws.exec("sha256sum < host-big.bin");
+    assert_ok(&read_back, "reading 16 MiB the host wrote");
+    assert_eq!(
+        stdout(&read_back).split_whitespace().next(),
+        host("sha256sum", &["host-big.bin"], &root)
+            .split_whitespace()
+            .next()
+    );
+    std::fs::remove_file(root.join("host-big.bin")).unwrap();
 
     // Shared mmap writes reach the host's file; mmap reads see the host's bytes.
     std::fs::write(root.join("mapped-by-host.bin"), "host bytes").unwrap();
@@ -248,6 +274,8 @@ with open('mapped-by-host.bin', 'rb') as f:
         "plain settings were reported: {said}"
     );
     let unchanged = ws.exec("git config user.name");
+    assert_ok(&unchanged, "reading the guest's git config");
+    assert_eq!(stdout(&unchanged), "agent\n");
     assert!(
         !String::from_utf8_lossy(&unchanged.stderr).contains("changed what git"),
         "a session that changed nothing was reported"
@@ -276,7 +304,8 @@ with open('mapped-by-host.bin', 'rb') as f:
     std::fs::remove_dir_all(root.join("shared-worktree")).unwrap();
     std::fs::remove_dir_all(root.join(".git")).unwrap();
 
-    // A read-only share reads, and refuses writes whoever the guest user is.
+    // A read-only share reads, and refuses writes whoever the guest user is: guest
+    // root that mounts it read-write again is refused by virtiofsd itself.
     let ro = ws.exec("cat /data/data.txt; echo x > /data/new.txt");
     assert_eq!(stdout(&ro), "read-only data\n");
     assert!(!ro.status.success());
@@ -284,7 +313,23 @@ with open('mapped-by-host.bin', 'rb') as f:
         String::from_utf8_lossy(&ro.stderr).contains("Read-only file system"),
         "a write to a read-only share did not fail with EROFS"
     );
-    assert!(!read_only.join("new.txt").exists());
+    let remounted = ws.exec_as_root(
+        "mount -o remount,rw /data && echo REMOUNTED
+         echo x > /data/new.txt; echo write=$?
+         mkdir /data/new-dir; echo mkdir=$?
+         chmod 0777 /data/data.txt; echo chmod=$?",
+    );
+    assert_eq!(
+        stdout(&remounted),
+        "REMOUNTED\nwrite=1\nmkdir=1\nchmod=1\n",
+        "guest root wrote to a read-only share it had remounted: {remounted:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&remounted.stderr).contains("Read-only file system"),
+        "virtiofsd's refusal is not EROFS: {remounted:?}"
+    );
+    assert!(!read_only.join("new.txt").exists() && !read_only.join("new-dir").exists());
+    assert_eq!(mode_of(&read_only.join("data.txt")), read_only_data_mode);
 
     // Nothing outside the shares: not the directory beside the workspace, not
     // through a symlink the host placed inside it.
@@ -301,12 +346,24 @@ with open('mapped-by-host.bin', 'rb') as f:
     assert_ok(&outside_guest, "probing outside the shares");
     assert!(!stdout(&outside_guest).contains("REACHABLE"));
     assert!(!stdout(&outside_guest).contains(&marker));
-    let shadow = ws.exec("cat shadow-link 2>&1; true");
-    let host_shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
+    // A host symlink to /etc/shadow resolves in the guest, to the guest's own file
+    // (which guest root may read), never to the host's.
+    let shadow = ws.exec_as_root("cmp shadow-link /etc/shadow && echo GUESTS; cat shadow-link");
+    assert_ok(&shadow, "reading the shadow link as guest root");
     assert!(
-        host_shadow.is_empty() || stdout(&shadow) != host_shadow,
-        "the guest read the host's /etc/shadow through a symlink"
+        stdout(&shadow).starts_with("GUESTS\n"),
+        "the link did not resolve to the guest's own /etc/shadow: {shadow:?}"
     );
+    if let Ok(host_shadow) = std::fs::read_to_string("/etc/shadow") {
+        let guest_shadow = stdout(&shadow);
+        assert!(
+            host_shadow
+                .lines()
+                .filter(|line| line.split(':').nth(1).is_some_and(|hash| hash.len() > 2))
+                .all(|line| !guest_shadow.contains(line)),
+            "the guest read a line of the host's /etc/shadow through a symlink"
+        );
+    }
 
     no_device_node_or_file_capability_from_guest_root(&ws, &root);
 }
@@ -335,6 +392,74 @@ except OSError as e:
         "{}",
         stdout(&capability)
     );
+}
+
+/// The host's append, truncate, chmod, chown (as root), symlink, hard link, mkdir,
+/// rmdir and rename, each seen in the guest after the guest has looked at the state
+/// before (so its caches held the old one): within the share's attribute and entry
+/// timeouts, polled.
+fn every_kind_of_host_change_is_seen_in_the_guest(ws: &Workspace, root: &Path) {
+    let dir = root.join("host-ops");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("appended.txt"), "one").unwrap();
+    std::fs::write(dir.join("truncated.txt"), "0123456789").unwrap();
+    std::fs::write(dir.join("mode.txt"), "m").unwrap();
+    std::fs::set_permissions(dir.join("mode.txt"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(dir.join("owned.txt"), "o").unwrap();
+    std::fs::write(dir.join("hard-a"), "h").unwrap();
+    std::fs::create_dir(dir.join("gone-dir")).unwrap();
+    std::fs::write(dir.join("before-rename"), "renamed").unwrap();
+    let as_root = current_uid() == 0;
+    let owner_before = current_uid();
+    let owner_after = if as_root { 12345 } else { owner_before };
+    // One line of what the guest sees; the same script before and after the change.
+    let observe = "cd host-ops; printf '%s|' \
+        \"$(cat appended.txt)\" \"$(stat -c %s truncated.txt)\" \"$(stat -c %a mode.txt)\" \
+        \"$(stat -c %u owned.txt)\" \"$(readlink sym 2>/dev/null)\" \"$(stat -c %h hard-a)\" \
+        \"$(test -d new-dir && echo new-dir)\" \"$(test -e gone-dir && echo gone-dir)\" \
+        \"$(cat renamed.txt 2>/dev/null)\" \"$(test -e before-rename && echo before-rename)\"";
+    let before = ws.exec(observe);
+    assert_ok(&before, "looking at the host's files before the change");
+    assert_eq!(
+        stdout(&before),
+        format!("one|10|600|{owner_before}||1|||gone-dir||before-rename|")
+    );
+
+    let mut appended = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("appended.txt"))
+        .unwrap();
+    std::io::Write::write_all(&mut appended, b" two").unwrap();
+    drop(appended);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("truncated.txt"))
+        .unwrap()
+        .set_len(4)
+        .unwrap();
+    std::fs::set_permissions(dir.join("mode.txt"), std::fs::Permissions::from_mode(0o751)).unwrap();
+    if as_root {
+        std::os::unix::fs::chown(dir.join("owned.txt"), Some(owner_after), None).unwrap();
+    }
+    std::os::unix::fs::symlink("appended.txt", dir.join("sym")).unwrap();
+    std::fs::hard_link(dir.join("hard-a"), dir.join("hard-b")).unwrap();
+    std::fs::create_dir(dir.join("new-dir")).unwrap();
+    std::fs::remove_dir(dir.join("gone-dir")).unwrap();
+    std::fs::rename(dir.join("before-rename"), dir.join("renamed.txt")).unwrap();
+
+    let expected = format!("one two|4|751|{owner_after}|appended.txt|2|new-dir||renamed||");
+    let after = ws.exec(&format!(
+        "expected='{expected}'
+         for i in $(seq 50); do
+             seen=$( ( {observe} ) 2>/dev/null)
+             [ \"$seen\" = \"$expected\" ] && break
+             sleep 0.1
+         done
+         printf '%s' \"$seen\""
+    ));
+    assert_ok(&after, "looking at the host's files after the change");
+    assert_eq!(stdout(&after), expected, "the guest missed a host change");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A file watcher in the guest (Node's `fs.watch`, as dev servers use) sees the
@@ -803,15 +928,16 @@ fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
     assert!(left.is_empty(), "vmctl rm left {left:?}");
 }
 
-/// virtiofsd killed under a running VM: requests fail (no hang), `vmctl` says what
-/// happened, the host's files stay intact. Runs `vmctl` inside the nested host itself
-/// so the test can reach the virtiofsd process; that also covers the direct-KVM path.
+/// virtiofsd killed under a running VM while a command reads the share: its reads
+/// fail (no hang), later commands too, `vmctl` says what happened, the host's files
+/// stay intact. Runs `vmctl` inside the nested host itself so the test can reach the
+/// virtiofsd process (only this VM's there); that also covers the direct-KVM path.
 #[test]
 fn a_dead_virtiofsd_is_reported_not_hung_on() {
-    vm_tests::vm_scenario(
-        "virtio_fs::a_dead_virtiofsd_is_reported_not_hung_on",
-        dead_virtiofsd_scenario,
-    );
+    let test = "virtio_fs::a_dead_virtiofsd_is_reported_not_hung_on";
+    if vm_tests::nested_host_available(test) {
+        vm_tests::vm_scenario(test, dead_virtiofsd_scenario);
+    }
 }
 
 /// What the nested host's own failures look like (README, "Known problem"); the
@@ -832,12 +958,21 @@ fn dead_virtiofsd_scenario() {
         "set -u
          export XDG_STATE_HOME=/tmp/vmctl-state
          cd '{ws}'
-         {vmctl} up || exit 10
-         {vmctl} exec -- sh -c 'echo before > before.txt' || exit 11
+         timeout 240 {vmctl} up || exit 10
+         timeout 120 {vmctl} exec -- sh -c 'echo before > before.txt' || exit 11
+         timeout 120 {vmctl} exec -- sh -c \
+             'touch reading; while cat kept.txt > /dev/null; do :; done; exit 3' \
+             > during.out 2>&1 &
+         reader=$!
+         for i in $(seq 600); do [ -e reading ] && break; sleep 0.1; done
+         [ -e reading ] || exit 12
+         sleep 1
          for comm in /proc/[0-9]*/comm; do
              [ \"$(cat $comm 2>/dev/null)\" = virtiofsd ] || continue
              pid=${{comm#/proc/}}; kill -KILL ${{pid%/comm}}
          done
+         wait $reader; echo \"exec-during-kill=$?\"
+         cat during.out
          sleep 2
          cd /
          timeout 120 {vmctl} exec --workspace '{ws}' -- cat '{ws}/kept.txt' > after.out 2>&1
@@ -847,16 +982,19 @@ fn dead_virtiofsd_scenario() {
          timeout 120 {vmctl} exec -- true > after.out 2>&1
          echo \"exec-after-kill=$?\"
          cat after.out
-         {vmctl} ps
+         timeout 60 {vmctl} ps
          timeout 120 {vmctl} rm; echo \"rm=$?\"",
         ws = ws.display()
     );
-    let output = Command::new(vmctl_bin())
-        .args(["nested-exec", "--writable"])
-        .arg(&ws)
-        .args(["--", "sh", "-c", &script])
-        .output()
-        .unwrap();
+    // A nested host, a VM in it and five bounded steps: more than one VM's timeout.
+    let output = output_within_timeout(
+        Command::new(vmctl_bin())
+            .args(["nested-exec", "--writable"])
+            .arg(&ws)
+            .args(["--", "sh", "-c", &script]),
+        "vmctl nested-exec",
+        vm_tests::vm_timeout() * 3,
+    );
     let text = format!(
         "{}{}",
         stdout(&output),
@@ -869,6 +1007,15 @@ fn dead_virtiofsd_scenario() {
         output.status.success(),
         "the nested script failed{}",
         lost.map(|sign| format!(" ({sign})")).unwrap_or_default()
+    );
+    let during: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("exec-during-kill="))
+        .collect();
+    assert_eq!(
+        during,
+        ["3"],
+        "the command reading the share as virtiofsd died did not end with its read's failure"
     );
     let codes: Vec<&str> = text
         .lines()
@@ -885,7 +1032,8 @@ fn dead_virtiofsd_scenario() {
         "the guest did not get EIO from the dead share"
     );
     assert!(
-        text.contains("virtiofsd") && text.contains("exited unexpectedly"),
+        text.lines()
+            .any(|line| line.contains("virtiofsd for") && line.contains("exited unexpectedly")),
         "vmctl did not say that virtiofsd died"
     );
     assert!(text.contains("degraded"), "vmctl ps does not flag the VM");

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use vm_tests::watchdog::{output_within, Watchdog};
 use vm_tests::{assert_guest_clock_is_hosts, stdout, vmctl_bin, Workspace, CLOCK_SYNC_VAR};
 
 #[test]
@@ -125,6 +126,7 @@ fn workspace_scenario() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    let _bounded = Watchdog::new(&cat, "vmctl exec cat");
     let mut stdin = cat.stdin.take().unwrap();
     let feeder = {
         let data = data.clone();
@@ -203,6 +205,10 @@ sys.exit(os.waitstatus_to_exitcode(status))
                 .unwrap()
         })
         .collect();
+    let bounds: Vec<_> = children
+        .iter()
+        .map(|child| Watchdog::new(child, "one of 20 concurrent execs"))
+        .collect();
     for (i, child) in children.into_iter().enumerate() {
         let output = child.wait_with_output().unwrap();
         // vmctl's words in the message: a VM lost to the nested host is retried.
@@ -213,6 +219,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
         );
         assert_eq!(stdout(&output), format!("job-{i}\n"));
     }
+    drop(bounds);
     assert_no_descriptors_left_behind(&ws, descriptors_before);
 
     // Killing the host client kills the guest process.
@@ -525,7 +532,9 @@ fn assert_a_reader_that_goes_away_is_a_closed_pipe(ws: &Workspace) {
             .spawn()
             .unwrap();
         let mut first = [0u8; 2];
+        let first_read = Watchdog::new(&yes, "vmctl exec yes, its first line");
         yes.stdout.take().unwrap().read_exact(&mut first).unwrap();
+        drop(first_read);
         assert_eq!(&first, b"y\n");
         let after = format!("after its reader went away (round {round})");
         let (status, stderr) = ended_within_a_minute(&mut yes, &after);
@@ -747,7 +756,9 @@ impl LogFollower {
             .unwrap();
         let mut lines = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut first = String::new();
+        let first_read = Watchdog::new(&child, "vmctl logs --follow, its first line");
         lines.read_line(&mut first).unwrap();
+        drop(first_read);
         assert!(first.ends_with('\n'), "{first:?}");
         let output = std::thread::spawn(move || {
             let mut rest = String::new();
@@ -803,7 +814,7 @@ fn host_user_scenario() {
     // The tests run as root, whose commands run as root; name the account instead.
     let mut up = ws.command(&["up"]);
     up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
-    let up = up.output().unwrap();
+    let up = output_within(&mut up, "vmctl up");
     assert!(
         up.status.success(),
         "{}",

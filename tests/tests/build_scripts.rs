@@ -1,0 +1,100 @@
+//! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
+//! scripts run them: which Debian mirror a root filesystem comes from. No VM.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use vm_tests::{stderr, stdout, workspace_root};
+
+/// Runs `script` in bash after sourcing `scripts/lib/<lib>`, with `input` on stdin and
+/// `env` added; returns its stdout. Panics if bash fails.
+fn run_lib(lib: &str, script: &str, input: &str, env: &[(&str, &str)]) -> String {
+    let lib = workspace_root().join("scripts/lib").join(lib);
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg(format!("set -euo pipefail; source \"$0\"; {script}"))
+        .arg(&lib)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run bash");
+    child
+        .stdin
+        .take()
+        .expect("bash's stdin")
+        .write_all(input.as_bytes())
+        .expect("write bash's stdin");
+    let output = child.wait_with_output().expect("wait for bash");
+    assert!(
+        output.status.success(),
+        "{script} (after sourcing {}) failed: {}",
+        lib.display(),
+        stderr(&output)
+    );
+    stdout(&output)
+}
+
+/// `apt-cache policy` on a Debian 12 host with Docker's and MongoDB's repositories, a
+/// cloud image's `mirror+file:` source and a local mirror; a third-party URL first.
+const POLICY: &str = "\
+Package files:
+ 100 /var/lib/dpkg/status
+     release a=now
+ 500 https://download.docker.com/linux/debian bookworm/stable amd64 Packages
+     release o=Docker,a=bookworm,l=Docker CE,c=stable,b=amd64
+     origin download.docker.com
+ 500 https://repo.mongodb.org/apt/debian bookworm/mongodb-org/7.0/main amd64 Packages
+     release v=7.0,o=mongodb,a=bookworm,n=bookworm,l=mongodb,c=main,b=amd64
+     origin repo.mongodb.org
+ 500 mirror+file:/etc/apt/mirrors/debian.list bookworm/main amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=main,b=amd64
+     origin deb.debian.org
+ 100 http://mirror.example/debian/ bookworm-backports/main amd64 Packages
+     release o=Debian Backports,a=stable-backports,n=bookworm-backports,l=Debian Backports,c=main,b=amd64
+ 500 http://security.example/debian-security bookworm-security/main amd64 Packages
+     release v=12,o=Debian,a=stable-security,n=bookworm-security,l=Debian-Security,c=main,b=amd64
+ 500 http://mirror.example/debian/ bookworm-updates/main amd64 Packages
+     release v=12-updates,o=Debian,a=stable-updates,n=bookworm-updates,l=Debian,c=main,b=amd64
+ 500 http://other.example/debian bookworm/contrib amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=contrib,b=amd64
+ 500 http://mirror.example/debian/ bookworm/main amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=main,b=amd64
+Pinned packages:
+";
+
+fn mirror(suite: &str, label: &str, policy: &str) -> String {
+    run_lib(
+        "debian-mirror.sh",
+        &format!("debian_mirror_from_policy {suite} {label}"),
+        policy,
+        &[],
+    )
+}
+
+#[test]
+fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
+    assert_eq!(
+        mirror("bookworm", "Debian", POLICY),
+        "http://mirror.example/debian\n"
+    );
+    assert_eq!(
+        mirror("bookworm-security", "Debian-Security", POLICY),
+        "http://security.example/debian-security\n"
+    );
+    // A host of another Debian release: a mirror of Debian's all the same.
+    assert_eq!(
+        mirror("trixie", "Debian", POLICY),
+        "http://mirror.example/debian\n"
+    );
+    // Only third-party repositories and what the image's apt could not follow: none,
+    // and the build falls back to deb.debian.org.
+    let foreign: String = POLICY
+        .lines()
+        .take(12)
+        .map(|line| format!("{line}\n"))
+        .collect();
+    assert!(foreign.contains("mirror+file:") && !foreign.contains("mirror.example"));
+    assert_eq!(mirror("bookworm", "Debian", &foreign), "");
+}

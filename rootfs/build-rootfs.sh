@@ -27,6 +27,11 @@
 #              deb.debian.org),
 #              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/).
 set -euo pipefail
+# mkfs.ext4, chroot and e2fsck are in sbin, which root's PATH lacks after `su` without
+# `-` (Debian 12).
+for dir in /usr/sbin /sbin; do
+    [[ ":$PATH:" == *":$dir:"* ]] || PATH="$PATH:$dir"
+done
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 suite=bookworm

@@ -90,16 +90,15 @@ fi
 key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}" "$here/../scripts/lib/debian-mirror.sh") $suite $arch"
           cat "$recipe"; echo
           [[ -z "$script" ]] || cat "$script"; } | sha256sum | cut -c1-16)"
-# Under sudo, the image is the invoking user's, in their cache (sudo resets HOME to
-# root's) unless VMCTL_CACHE_DIR says where.
-for_user=""
+# Under sudo, the image goes to the invoking user's cache (sudo resets HOME to root's)
+# unless VMCTL_CACHE_DIR says where; in a cache of theirs, it is theirs.
 invoking_home=""
 if [[ -n "${SUDO_UID:-}" && "${SUDO_UID}" != 0 ]]; then
-    for_user="$SUDO_UID:${SUDO_GID:-$SUDO_UID}"
     invoking_home="$(getent passwd "$SUDO_UID" | cut -d: -f6)"
 fi
 cache_root="${VMCTL_CACHE_DIR:-${invoking_home:+$invoking_home/.cache/vmctl}}"
 cache_root="${cache_root:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+for_user="$(cache_owner "$cache_root")"
 out_dir="$cache_root/rootfs/$name-$key"
 image="$out_dir/rootfs.ext4"
 

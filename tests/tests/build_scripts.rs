@@ -1,10 +1,13 @@
 //! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
-//! scripts run them: which Debian mirror a root filesystem comes from. No VM.
+//! scripts run them: which Debian mirror a root filesystem comes from, whose a cache is
+//! when root builds into it. No VM.
 
 use std::io::Write;
+use std::path::Path;
 use std::process::{Command, Stdio};
 
-use vm_tests::{stderr, stdout, workspace_root};
+use vm_tests::host_user::current_uid;
+use vm_tests::{stderr, stdout, workspace_root, TempDir};
 
 /// Runs `script` in bash after sourcing `scripts/lib/<lib>`, with `input` on stdin and
 /// `env` added; returns its stdout. Panics if bash fails.
@@ -97,4 +100,39 @@ fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
         .collect();
     assert!(foreign.contains("mirror+file:") && !foreign.contains("mirror.example"));
     assert_eq!(mirror("bookworm", "Debian", &foreign), "");
+}
+
+#[test]
+fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
+    let dir = TempDir::new("cache-owner");
+    let not_yet_made = dir.join("home/.cache/vmctl");
+    let owner = |sudo_uid: &str, cache: &Path| {
+        run_lib(
+            "cache.sh",
+            "cache_owner \"$CACHE\"",
+            "",
+            &[
+                ("SUDO_UID", sudo_uid),
+                ("SUDO_GID", "4321"),
+                ("CACHE", cache.to_str().expect("utf-8")),
+            ],
+        )
+    };
+    if current_uid() != 0 {
+        // Only root builds for another user.
+        assert_eq!(owner("1234", &not_yet_made), "");
+        return;
+    }
+    // The nearest existing directory decides: the user's home, theirs.
+    std::fs::create_dir_all(dir.join("home")).expect("create the home");
+    let chown = Command::new("chown")
+        .arg("1234")
+        .arg(dir.join("home"))
+        .status()
+        .expect("run chown");
+    assert!(chown.success(), "chown 1234 failed");
+    assert_eq!(owner("1234", &not_yet_made), "1234:4321\n");
+    // Root's own cache (sudo's HOME=/root) stays root's; so does plain root's.
+    assert_eq!(owner("1234", dir.path()), "");
+    assert_eq!(owner("0", &not_yet_made), "");
 }

@@ -1,8 +1,9 @@
 //! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
-//! scripts run them: which Debian mirror a root filesystem comes from, whose a cache is
-//! when root builds into it. No VM.
+//! scripts run them: which Debian mirror a root filesystem comes from, which virtiofsd
+//! setup checks, whose a cache is when root builds into it. No VM.
 
 use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -100,6 +101,59 @@ fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
         .collect();
     assert!(foreign.contains("mirror+file:") && !foreign.contains("mirror.example"));
     assert_eq!(mirror("bookworm", "Debian", &foreign), "");
+}
+
+/// An executable file that prints `version` for `--version`.
+fn fake_virtiofsd(path: &Path, version: &str) {
+    std::fs::create_dir_all(path.parent().expect("a parent")).expect("create its directory");
+    std::fs::write(path, format!("#!/bin/sh\necho 'virtiofsd {version}'\n")).expect("write it");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod it");
+}
+
+#[test]
+fn setup_checks_the_virtiofsd_vmctl_will_find() {
+    let dir = TempDir::new("virtiofsd-search");
+    let home = dir.join("home");
+    let first = dir.join("first");
+    let later = dir.join("later");
+    std::fs::create_dir_all(&first).expect("create a PATH directory");
+    // Not executable: skipped, as vmctl skips it.
+    std::fs::write(first.join("virtiofsd"), "").expect("write a plain file");
+    fake_virtiofsd(&later.join("virtiofsd"), "1.10.0");
+    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "1.14.0");
+    // bash itself needs this process's PATH: the one searched is SEARCHED_PATH.
+    let find = |path: String, explicit: Option<&str>| {
+        let mut env = vec![
+            ("SEARCHED_PATH", path.as_str()),
+            ("HOME", home.to_str().expect("utf-8")),
+        ];
+        if let Some(explicit) = explicit {
+            env.push(("VMCTL_VIRTIOFSD", explicit));
+        }
+        run_lib(
+            "virtiofsd.sh",
+            "PATH=\"$SEARCHED_PATH\" vmctl_virtiofsd",
+            "",
+            &env,
+        )
+    };
+    let path = |dirs: &[&Path]| {
+        let mut dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        // vmctl ignores relative entries, which would be the working directory.
+        dirs.insert(1, "relative".into());
+        dirs.join(":")
+    };
+    // PATH first, even over ~/.cargo/bin's newer one: what setup must warn about.
+    assert_eq!(
+        find(path(&[&first, &later]), None),
+        format!("{}\n", later.join("virtiofsd").display())
+    );
+    assert_eq!(
+        find(path(&[&first, dir.path()]), None),
+        format!("{}\n", home.join(".cargo/bin/virtiofsd").display())
+    );
+    // VMCTL_VIRTIOFSD as it is, found or not: vmctl uses or refuses it.
+    assert_eq!(find(path(&[&later]), Some("/x/vfs")), "/x/vfs\n");
 }
 
 #[test]

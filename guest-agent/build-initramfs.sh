@@ -34,6 +34,11 @@ for tool in cpio gzip sha256sum readelf; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
 done
 
+cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+# Root building into a user's cache (`sudo -E vmctl`) builds as that user: the cache
+# entry, and cargo's output in their target directory, stay theirs.
+cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$@"
+
 cargo="${CARGO:-cargo}"
 # rustup's ~/.cargo/bin is often not on PATH where vmctl runs (cron, systemd, an IDE,
 # `ssh host cmd`); without cargo at all, an agent built before still serves.
@@ -59,7 +64,6 @@ fi
 ! readelf -l "$binary" | grep -q 'Requesting program interpreter' ||
     die "$binary is not statically linked: rebuild with RUSTFLAGS='-C target-feature=+crt-static'"
 
-cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 mkdir -p "$cache_root/agent-initramfs"
 work="$(mktemp -d "$cache_root/agent-initramfs/build.XXXXXX")"
 trap 'rm -rf "$work" ${out_dir:+"$out_dir.tmp.$$"}' EXIT

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Builds a kernel (`vmlinux`, no modules) from Debian's linux-source package into a
-# cache directory keyed by the config fragments, the source and gcc versions and the
-# build scripts' own text, and reuses it when nothing changed (entries of other keys
-# unused for 30 days go at the next build). Two flavours:
+# cache directory keyed by the config fragments, the source, gcc and binutils versions
+# and the build scripts' own text, and reuses it when nothing changed (entries of other
+# keys unused for 30 days go at the next build). So a Debian update of linux-source-6.1
+# (a security fix; unattended-upgrades installs them) makes the next use rebuild the
+# kernel from the new source (~6-10 min on 2 cores, saying why, with its progress):
+# run scripts/setup.sh after such an update to have that done before a VM needs it.
+# Two flavours:
 #   guest        guest.config: what every VM boots
 #   nested-host  guest.config + nested-host.config: the QEMU-TCG guest that runs the
 #                VMM where this machine's /dev/kvm cannot boot Linux (see README)
@@ -33,10 +37,12 @@ source_version="$(dpkg-query -W -f='${Version}' "$source_package" 2>/dev/null ||
 [[ -n "$source_version" && -r "$source_tarball" ]] ||
     die "$source_tarball is missing: run 'apt-get install $source_package' (or scripts/setup.sh)"
 
-# The compiler's version too: a vmlinux is only as good as the gcc that built it.
-compiler="$(gcc -dumpfullversion 2>/dev/null || echo none)"
-key="$( { echo "$source_version gcc-$compiler $(cache_key_of_scripts "${BASH_SOURCE[0]}")"
-          cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"
+# The toolchain's versions too: a vmlinux is only as good as the gcc and ld that built it.
+compiler="gcc-$(gcc -dumpfullversion 2>/dev/null || echo none) ld-$(ld --version 2>/dev/null | head -n1 | awk '{print $NF}' || true)"
+# What this checkout asks for (fragments, scripts), apart from the host's versions: a
+# rebuild can then say whether only those changed.
+inputs="$( { cache_key_of_scripts "${BASH_SOURCE[0]}"; cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"
+key="$(echo "$source_version $compiler $inputs" | sha256sum | cut -c1-16)"
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 out_dir="$cache_root/kernel/$flavour-$key"
 vmlinux="$out_dir/vmlinux"
@@ -47,6 +53,8 @@ case "${1:-}" in
     *) die "usage: $0 [guest|nested-host] [--print-path]" ;;
 esac
 if [[ -f "$vmlinux" ]]; then cache_mark_used "$out_dir"; echo "$vmlinux"; exit 0; fi
+# Root building into a user's cache (`sudo -E vmctl`) builds as that user.
+cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$flavour"
 
 # One build at a time per flavour: a second caller waits, then finds the result.
 mkdir -p "$cache_root/kernel"
@@ -56,6 +64,28 @@ if ! flock -n 9; then
     flock 9
 fi
 if [[ -f "$vmlinux" ]]; then echo "$vmlinux"; exit 0; fi
+
+# Why there is no kernel for this key, from the most recently used one of this flavour
+# (nothing when there is none): a kernel rebuilt minutes into someone's command should
+# say what made it necessary.
+why_rebuild() {
+    local previous="" entry old
+    for entry in "$cache_root/kernel/$flavour-"????????????????; do
+        if [[ -f "$entry/vmlinux" && ( -z "$previous" || "$entry" -nt "$previous" ) ]]; then
+            previous="$entry"
+        fi
+    done
+    [[ -n "$previous" ]] || return 0
+    old="$(cat "$previous/source-version" 2>/dev/null || echo unknown)"
+    [[ "$old" == "$source_version" ]] ||
+        echo "$source_package went from $old to $source_version (a Debian update)"
+    old="$(cat "$previous/compiler" 2>/dev/null || echo unknown)"
+    [[ "$old" == "$compiler" || "$old" == unknown ]] || echo "the toolchain went from $old to $compiler"
+    old="$(cat "$previous/inputs" 2>/dev/null || echo unknown)"
+    [[ "$old" == "$inputs" ]] || echo "this checkout's config fragments or build scripts differ from ${previous##*/}'s"
+}
+reasons="$(why_rebuild | paste -sd ';' | sed 's/;/; /g')"
+[[ -z "$reasons" ]] || say "rebuilding the $flavour kernel: $reasons"
 
 # Kbuild splits its paths on spaces: say so now, not in a make error minutes later.
 [[ "$cache_root" != *[[:space:]]* ]] ||
@@ -125,6 +155,8 @@ mkdir -p "$out_dir.tmp"
 cp "$src/vmlinux" "$out_dir.tmp/vmlinux"
 cp "$src/.config" "$out_dir.tmp/config"
 echo "$source_version" > "$out_dir.tmp/source-version"
+echo "$compiler" > "$out_dir.tmp/compiler"
+echo "$inputs" > "$out_dir.tmp/inputs"
 rm -rf "$out_dir"
 cache_publish "$out_dir.tmp" "$out_dir" vmlinux
 cache_prune "$cache_root/kernel" "$flavour-????????????????" "$out_dir"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the minimal test/hello guest initramfs (gzip'd newc cpio) from Debian's
 # busybox-static, rootfs/init and rootfs/boot-timer.c, into a cache directory keyed by
-# those inputs, and reuses it when nothing changed. No root needed: /dev/console comes
-# from the kernel's built-in initramfs and /init mounts devtmpfs on /dev.
+# those inputs and the gcc and static libc (libc6-dev) that build boot-timer, and
+# reuses it when nothing changed. No root needed: /dev/console comes from the kernel's
+# built-in initramfs and /init mounts devtmpfs on /dev.
 #
 #   rootfs/build-initramfs.sh               build if needed, print the initramfs path
 #   rootfs/build-initramfs.sh --print-path  print where it would be, build nothing
@@ -30,8 +31,10 @@ if ldd "$busybox" >/dev/null 2>&1; then
     die "$busybox is dynamically linked: run 'apt-get install busybox-static'"
 fi
 busybox_version="$("$busybox" 2>&1 | head -n1 || true)"
+# boot-timer links libc.a in: a glibc update (a security fix) is one to its binary too.
+toolchain="gcc-$(gcc -dumpfullversion 2>/dev/null || echo none) libc6-dev-$(dpkg-query -W -f='${Version}' libc6-dev 2>/dev/null || echo none)"
 
-key="$( { echo "$busybox_version $(cache_key_of_scripts "${BASH_SOURCE[0]}")"; sha256sum "$busybox" | cut -d' ' -f1
+key="$( { echo "$busybox_version $toolchain $(cache_key_of_scripts "${BASH_SOURCE[0]}")"; sha256sum "$busybox" | cut -d' ' -f1
           cat "${inputs[@]}"; } |
         sha256sum | cut -c1-16)"
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
@@ -40,6 +43,8 @@ image="$out_dir/initramfs.cpio.gz"
 
 if [[ "${1:-}" == "--print-path" ]]; then echo "$image"; exit 0; fi
 if [[ -f "$image" ]]; then cache_mark_used "$out_dir"; echo "$image"; exit 0; fi
+# Root building into a user's cache (`sudo -E vmctl`) builds as that user.
+cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}"
 
 for tool in gcc cpio gzip; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"

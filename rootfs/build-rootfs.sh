@@ -22,16 +22,24 @@
 # Environment: VMCTL_CACHE_DIR (default: ${XDG_CACHE_HOME:-~/.cache}/vmctl),
 #              VMCTL_BUILD_CA_BUNDLE (CAs that npm/curl in the image trust during the
 #              build only; default: this machine's /etc/ssl/certs/ca-certificates.crt),
-#              VMCTL_DEBIAN_MIRROR, VMCTL_DEBIAN_SECURITY_MIRROR (default: the ones in
-#              this machine's /etc/apt/sources.list*, else deb.debian.org),
+#              VMCTL_DEBIAN_MIRROR, VMCTL_DEBIAN_SECURITY_MIRROR (default: the Debian
+#              ones this machine's apt has fetched from, per `apt-cache policy`; else
+#              deb.debian.org),
 #              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/).
 set -euo pipefail
+# mkfs.ext4, chroot and e2fsck are in sbin, which root's PATH lacks after `su` without
+# `-` (Debian 12).
+for dir in /usr/sbin /sbin; do
+    [[ ":$PATH:" == *":$dir:"* ]] || PATH="$PATH:$dir"
+done
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 suite=bookworm
 arch=amd64
 # shellcheck source=../scripts/lib/cache.sh
 source "$here/../scripts/lib/cache.sh"
+# shellcheck source=../scripts/lib/debian-mirror.sh
+source "$here/../scripts/lib/debian-mirror.sh"
 
 say() { echo "rootfs: $*" >&2; }
 die() { echo "rootfs: error: $*" >&2; exit 1; }
@@ -79,18 +87,18 @@ if [[ -n "$script_rel" ]]; then
     [[ -r "$script" ]] || die "$recipe: script '$script_rel' not found (looked at $script)"
 fi
 
-key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}") $suite $arch"; cat "$recipe"; echo
+key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}" "$here/../scripts/lib/debian-mirror.sh") $suite $arch"
+          cat "$recipe"; echo
           [[ -z "$script" ]] || cat "$script"; } | sha256sum | cut -c1-16)"
-# Under sudo, the image is the invoking user's, in their cache (sudo resets HOME to
-# root's) unless VMCTL_CACHE_DIR says where.
-for_user=""
+# Under sudo, the image goes to the invoking user's cache (sudo resets HOME to root's)
+# unless VMCTL_CACHE_DIR says where; in a cache of theirs, it is theirs.
 invoking_home=""
 if [[ -n "${SUDO_UID:-}" && "${SUDO_UID}" != 0 ]]; then
-    for_user="$SUDO_UID:${SUDO_GID:-$SUDO_UID}"
     invoking_home="$(getent passwd "$SUDO_UID" | cut -d: -f6)"
 fi
 cache_root="${VMCTL_CACHE_DIR:-${invoking_home:+$invoking_home/.cache/vmctl}}"
 cache_root="${cache_root:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+for_user="$(cache_owner "$cache_root")"
 out_dir="$cache_root/rootfs/$name-$key"
 image="$out_dir/rootfs.ext4"
 
@@ -174,15 +182,10 @@ if [[ -f "$image" ]]; then
     echo "$image"; exit 0
 fi
 
-# The mirrors this machine's apt uses (deb822 or one-line sources), else Debian's CDN.
-host_mirror() {
-    cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-        grep -v '^[[:space:]]*#' | grep -oE "(https?|file)://[^[:space:]]+/$1/?([[:space:]]|$)" |
-        head -n1 | sed -E 's|[[:space:]]+$||; s|/$||' || true
-}
-mirror="${VMCTL_DEBIAN_MIRROR:-$(host_mirror debian)}"
+# The Debian mirrors this machine's apt uses, else Debian's CDN.
+mirror="${VMCTL_DEBIAN_MIRROR:-$(debian_mirror "$suite" Debian)}"
 mirror="${mirror:-http://deb.debian.org/debian}"
-security_mirror="${VMCTL_DEBIAN_SECURITY_MIRROR:-$(host_mirror debian-security)}"
+security_mirror="${VMCTL_DEBIAN_SECURITY_MIRROR:-$(debian_mirror "$suite-security" Debian-Security)}"
 security_mirror="${security_mirror:-http://deb.debian.org/debian-security}"
 npm_registry="${VMCTL_NPM_REGISTRY:-https://registry.npmjs.org/}"
 

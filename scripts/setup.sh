@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Sets everything up on a fresh Debian 12 machine: system packages, vmctl, the guest
-# kernel (and the nested host's, where there is no hardware KVM) and the test/hello
-# initramfs, the guest agent, the guest root filesystem (Debian + the agent CLIs) and
-# virtiofsd (which serves the workspace to the guest).
-# Idempotent and quiet unless something is wrong;
-# the kernel build (first run only, ~6-10 min on 2 cores) shows its progress.
+# Sets everything up on a fresh Debian 12 machine: system packages, access to /dev/kvm,
+# vmctl, the guest kernel and the nested host's (`vmctl nested-exec`'s, and the VMs'
+# where there is no hardware KVM), the test/hello initramfs, the guest agent, the guest
+# root filesystem (Debian + the agent CLIs) and virtiofsd (which serves the workspace
+# to the guest). Idempotent and quiet unless something is wrong; the kernel builds
+# (first run only, ~6-10 min each on 2 cores) show their progress.
 #
 #   scripts/setup.sh               everything
 #   scripts/setup.sh --skip-vmctl  everything but `cargo build --release -p vmctl`
 #
 # Afterwards: ./target/release/vmctl exec -- uname -a   (a command in this directory's VM)
 #             ./scripts/test.sh             (unit tests + VM tests)
+# With hardware KVM, a user who cannot open /dev/kvm is added to its group (through
+# sudo), and setup ends asking for a new login, which the group needs to take effect.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/rootfs-as-root.sh
+source "$root/scripts/lib/rootfs-as-root.sh"
+# shellcheck source=lib/virtiofsd.sh
+source "$root/scripts/lib/virtiofsd.sh"
 packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc g++ libc6-dev
           make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq git
           libcap-ng-dev libseccomp-dev pkg-config nodejs curl)
@@ -31,11 +37,13 @@ build_vmctl=1
 for arg in "$@"; do
     case "$arg" in
         --skip-vmctl) build_vmctl=0 ;;
-        -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^set /{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$arg' (see --help)" ;;
     esac
 done
 
+# The PATH vmctl will be run with, for which virtiofsd it finds.
+user_path="$PATH"
 # rustup installs into ~/.cargo/bin, which non-login shells (CI) may not have on PATH.
 if ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
@@ -56,7 +64,7 @@ quietly() {
     fi
 }
 
-say "[1/7] system packages"
+say "[1/8] system packages"
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
@@ -76,56 +84,96 @@ if (( ${#missing[@]} )); then
     quietly "${sudo[@]}" "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+# With hardware KVM, vmctl's VMM opens /dev/kvm as whoever runs vmctl (Debian's is
+# root:kvm 0660, and an ssh login gets no seat's access to it); the nested host's
+# QEMU-TCG needs none. A group added now counts from the next login: said at the end.
+hardware_kvm=0
+[[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]] || hardware_kvm=1
+kvm_problem=""
+if (( ! hardware_kvm )); then
+    say "[2/8] access to /dev/kvm: not needed (no hardware KVM: VMs run in the nested host)"
+elif [[ ! -e /dev/kvm ]]; then
+    say "[2/8] access to /dev/kvm: warning: there is none, although kvm_intel or kvm_amd is loaded (vmctl will say so too)"
+elif [[ -r /dev/kvm && -w /dev/kvm ]]; then
+    say "[2/8] access to /dev/kvm: ok"
+else
+    say "[2/8] access to /dev/kvm"
+    user="$(id -un)"
+    kvm_group="$(stat -c %G /dev/kvm)"
+    if [[ "$kvm_group" == root || $(( 8#$(stat -c %a /dev/kvm) & 8#060 )) != $(( 8#060 )) ]]; then
+        kvm_problem="/dev/kvm ($(stat -c '%A %U:%G' /dev/kvm)) cannot be opened through a group: give it to group kvm with mode 0660 (what Debian's udev rule does; until the next boot: 'sudo chgrp kvm /dev/kvm && sudo chmod 0660 /dev/kvm'), then rerun setup"
+    elif [[ " $(id -nG "$user") " == *" $kvm_group "* ]]; then
+        kvm_problem="$user is in group $kvm_group, which may use /dev/kvm, but this login started before that: log in again (or run 'newgrp $kvm_group'), then run vmctl"
+    elif command -v sudo >/dev/null; then
+        say "      adding $user to group $kvm_group, which may use /dev/kvm (sudo usermod -aG $kvm_group $user)"
+        sudo usermod -aG "$kvm_group" "$user" </dev/null ||
+            die "'sudo usermod -aG $kvm_group $user' failed: run it as root, log in again, then rerun setup"
+        kvm_problem="$user was added to group $kvm_group, which may use /dev/kvm; that counts from the next login: log in again (or run 'newgrp $kvm_group'), then run vmctl"
+    else
+        kvm_problem="$user cannot open /dev/kvm and there is no sudo: as root, run 'usermod -aG $kvm_group $user'; then log in again and rerun setup"
+    fi
+fi
+
 if (( build_vmctl )); then
-    say "[2/7] vmctl (cargo build --release -p vmctl; ~2 min the first time)"
+    say "[3/8] vmctl (cargo build --release -p vmctl; ~2 min the first time)"
     command -v cargo >/dev/null ||
         die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
     # Not quietly: cargo shows its progress (minutes on a fresh machine).
     (cd "$root" && cargo build --release -p vmctl) || die "building vmctl failed (output above)"
 else
-    say "[2/7] vmctl: skipped (--skip-vmctl)"
+    say "[3/8] vmctl: skipped (--skip-vmctl)"
 fi
 
-say "[3/7] guest kernel (kernel-config/build.sh guest, cached)"
+say "[4/8] guest kernel and the nested host's (kernel-config/build.sh guest, nested-host; cached)"
 kernel="$("$root/kernel-config/build.sh" guest)"
-# Without hardware KVM, vmctl runs its VMM inside the QEMU-TCG nested host, which
-# boots its own kernel flavour.
+# `vmctl nested-exec` (and its tests) run the nested host wherever QEMU is, hardware
+# KVM or not, and without hardware KVM every VM runs in it: built now, not in the
+# middle of a command (or under a test's timeout, which would kill it).
 nested_kernel=""
-if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
-    say "      no hardware KVM here: also the nested host's kernel (build.sh nested-host)"
+if command -v "${VMCTL_QEMU:-qemu-system-x86_64}" >/dev/null || (( ! hardware_kvm )); then
     nested_kernel="$("$root/kernel-config/build.sh" nested-host)"
 fi
 
-say "[4/7] initramfs (rootfs/build-initramfs.sh, cached)"
+say "[5/8] initramfs (rootfs/build-initramfs.sh, cached)"
 initramfs="$("$root/rootfs/build-initramfs.sh")"
 
-say "[5/7] guest agent (guest-agent/build-initramfs.sh)"
+say "[6/8] guest agent (guest-agent/build-initramfs.sh)"
 agent="$("$root/guest-agent/build-initramfs.sh")"
 
-say "[6/7] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
+say "[7/8] guest root filesystem (rootfs/build-rootfs.sh, cached; ~3 min the first time)"
 rootfs_build=("$root/rootfs/build-rootfs.sh")
-if [[ $(id -u) != 0 && ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]]; then
+if [[ ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]]; then
     # Its build needs root (chroot, mmdebstrap's root mode); the image still goes to
     # this user's cache, owned by them.
-    command -v sudo >/dev/null ||
-        die "building the guest root filesystem needs root: run 'sudo ${rootfs_build[0]}' (or setup.sh as root)"
-    say "      (as root, through sudo)"
-    # sudo drops the environment: pass on where the cache is and how to reach the
-    # mirrors.
-    pass_on=("VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR")
-    for var in VMCTL_BUILD_CA_BUNDLE VMCTL_DEBIAN_MIRROR VMCTL_DEBIAN_SECURITY_MIRROR \
-               VMCTL_NPM_REGISTRY http_proxy https_proxy no_proxy; do
-        [[ -z "${!var:-}" ]] || pass_on+=("$var=${!var}")
-    done
-    rootfs_build=(sudo env "${pass_on[@]}" "${rootfs_build[0]}")
+    rootfs_build_command rootfs_build "$root/rootfs/build-rootfs.sh" ||
+        die "building the guest root filesystem needs root, and there is no sudo: run 'VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR ${rootfs_build[0]}' as root (or setup.sh as root)"
+    [[ $(id -u) == 0 ]] || say "      (as root, through sudo)"
 fi
 rootfs="$("${rootfs_build[@]}")"
 
-say "[7/7] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
-virtiofsd="$(command -v virtiofsd || echo "$HOME/.cargo/bin/virtiofsd")"
-if [[ "$("$virtiofsd" --version 2>/dev/null)" != "virtiofsd $virtiofsd_version" ]]; then
-    quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
-    virtiofsd="$HOME/.cargo/bin/virtiofsd"
+say "[8/8] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
+wanted_virtiofsd="virtiofsd $virtiofsd_version"
+# Where `cargo install` puts it (vmctl looks in ~/.cargo/bin, after PATH).
+cargo_virtiofsd="${CARGO_HOME:-$HOME/.cargo}/bin/virtiofsd"
+version_of() { "$1" --version 2>/dev/null | head -n1 || true; }
+# The one vmctl will run, found with the PATH it will have (not this script's).
+virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
+if [[ -z "$virtiofsd" || "$(version_of "$virtiofsd")" != "$wanted_virtiofsd" ]]; then
+    if [[ "$(version_of "$cargo_virtiofsd")" != "$wanted_virtiofsd" ]]; then
+        quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
+    fi
+    virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
+fi
+virtiofsd_version_found="$(version_of "$virtiofsd")"
+virtiofsd_problem=""
+if [[ "$virtiofsd_version_found" != "$wanted_virtiofsd" ]]; then
+    found="$virtiofsd (${virtiofsd_version_found:-no version: is it virtiofsd?})"
+    if [[ -n "${VMCTL_VIRTIOFSD:-}" ]]; then
+        virtiofsd_problem="VMCTL_VIRTIOFSD names $found, not $wanted_virtiofsd, the one vmctl is tested with: unset it (vmctl then finds $cargo_virtiofsd) or set it to $cargo_virtiofsd"
+    else
+        virtiofsd_problem="vmctl would run $found, the first virtiofsd it finds (on PATH, then in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu), not $cargo_virtiofsd ($wanted_virtiofsd, the one vmctl is tested with): set VMCTL_VIRTIOFSD=$cargo_virtiofsd where vmctl runs (your shell's profile), or remove or upgrade $virtiofsd"
+    fi
+    say "      warning: $virtiofsd_problem"
 fi
 
 say "done"
@@ -135,4 +183,8 @@ say "  kernel:    $kernel"
 say "  initramfs: $initramfs"
 say "  agent:     $agent"
 say "  rootfs:    $rootfs"
-say "  virtiofsd: $virtiofsd"
+say "  virtiofsd: $virtiofsd${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
+[[ -z "$virtiofsd_problem" ]] || say "warning: $virtiofsd_problem"
+# Last, where it is seen, and failing the README's `setup.sh && vmctl exec`, which
+# could not open /dev/kvm yet.
+[[ -z "$kvm_problem" ]] || die "everything is set up but this login's access to /dev/kvm: $kvm_problem"

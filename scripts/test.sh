@@ -8,8 +8,12 @@
 # test was skipped.
 #
 # Environment: VMCTL_REQUIRE_VM=1 (fail instead of skipping), VMCTL_CACHE_DIR,
-#              CARGO_TARGET_DIR; exported to the tests: VMCTL_KERNEL, VMCTL_INITRAMFS,
-#              VMCTL_BIN, VMCTL_SKIP_FILE, VMCTL_RETRY_FILE.
+#              CARGO_TARGET_DIR, VMCTL_QEMU; exported to the tests: VMCTL_KERNEL,
+#              VMCTL_NESTED_KERNEL, VMCTL_INITRAMFS, VMCTL_AGENT_INITRAMFS,
+#              VMCTL_ROOTFS, VMCTL_BIN, VMCTL_SKIP_FILE, VMCTL_RETRY_FILE.
+#
+# Run as a normal user, it builds what needs root (the root filesystems) through sudo,
+# into this user's cache.
 #
 # In the nested host (no hardware KVM), a VM scenario whose VM the nested host lost
 # (README, "Known problem") is retried, at most three times; the retries are listed at
@@ -18,6 +22,8 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# shellcheck source=lib/rootfs-as-root.sh
+source "$root/scripts/lib/rootfs-as-root.sh"
 
 say() { echo "test: $*" >&2; }
 die() { echo "test: error: $*" >&2; exit 1; }
@@ -36,28 +42,41 @@ target_dir="${CARGO_TARGET_DIR:-target}"
 
 say "guest kernel (kernel-config/build.sh guest)"
 VMCTL_KERNEL="$(kernel-config/build.sh guest)" || die "no guest kernel: run scripts/setup.sh"
-if [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
-    # VM tests will go through the nested host: have its kernel ready rather than
-    # let the first VM test build it under its timeout.
+if command -v "${VMCTL_QEMU:-qemu-system-x86_64}" >/dev/null ||
+        [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
+    # The nested-exec tests run wherever QEMU is, hardware KVM or not, and without it
+    # every VM test goes through the nested host: its kernel's first build (6-10 min)
+    # must not run under a test's VM timeout, which would kill it, and the next test's
+    # build, again and again.
     say "nested host kernel (kernel-config/build.sh nested-host)"
-    kernel-config/build.sh nested-host >/dev/null || die "no nested host kernel: run scripts/setup.sh"
+    VMCTL_NESTED_KERNEL="$(kernel-config/build.sh nested-host)" ||
+        die "no nested host kernel: run scripts/setup.sh"
+    export VMCTL_NESTED_KERNEL
 fi
 say "initramfs (rootfs/build-initramfs.sh)"
 VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "no initramfs: run scripts/setup.sh"
 say "guest agent (guest-agent/build-initramfs.sh)"
 VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh)" || die "building the guest agent failed (messages above)"
+# Prints the root filesystem image of RECIPE (none: the default one), building it
+# first, as root: through sudo for a normal user, as setup.sh does.
+# (A cached one through the script too, which marks it as used.)
+rootfs_image() { # [RECIPE]
+    local build=("$root/rootfs/build-rootfs.sh")
+    if [[ ! -f "$(rootfs/build-rootfs.sh "$@" --print-path)" ]]; then
+        rootfs_build_command build "$root/rootfs/build-rootfs.sh" ||
+            die "building the root filesystem ${1:-} needs root, and there is no sudo: run" \
+                "'VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR rootfs/build-rootfs.sh${1:+ $1}' as root first"
+        [[ $(id -u) == 0 ]] || say "  (as root, through sudo)"
+    fi
+    "${build[@]}" "$@"
+}
 say "guest root filesystem (rootfs/build-rootfs.sh)"
-VMCTL_ROOTFS="$(rootfs/build-rootfs.sh)" || die "no guest root filesystem: run scripts/setup.sh"
+VMCTL_ROOTFS="$(rootfs_image)" || die "building the guest root filesystem failed (messages above)"
 # The recipe test's image too: its first build (minutes, more with other tests' VMs on
 # the same CPUs) must not run under that test's VM timeout.
 extra_recipe=rootfs/recipes/example-extra.recipe
 say "the recipe test's root filesystem (rootfs/build-rootfs.sh $extra_recipe)"
-if [[ $(id -u) == 0 || -f "$(rootfs/build-rootfs.sh "$extra_recipe" --print-path)" ]]; then
-    rootfs/build-rootfs.sh "$extra_recipe" >/dev/null || die "building $extra_recipe failed (messages above)"
-else
-    say "warning: only root can build it, and the recipe test fails without it: run" \
-        "'sudo VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR rootfs/build-rootfs.sh $extra_recipe' first"
-fi
+rootfs_image "$extra_recipe" >/dev/null || die "building $extra_recipe failed (messages above)"
 export VMCTL_AGENT_INITRAMFS VMCTL_ROOTFS
 command -v virtiofsd >/dev/null || [[ -x "$HOME/.cargo/bin/virtiofsd" ]] ||
     die "no virtiofsd (workspace VMs share their workspace through it): run scripts/setup.sh"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the build scripts that keep artifacts in vmctl's cache (sourced, not run):
 # how an entry is published, marked as used, and pruned. An entry is a directory named
 # after the hash of its inputs; the scripts' own text is one of those inputs, this
@@ -10,6 +11,34 @@ cache_keep_days="${VMCTL_CACHE_KEEP_DAYS:-30}"
 # cache_key_of_scripts FILE...: the hash of the build's own scripts, for its key.
 cache_key_of_scripts() {
     cat "$@" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
+}
+
+# cache_owner ROOT: prints "uid:gid" of the user whose cache ROOT is when root builds
+# into it for them under sudo (SUDO_UID; `sudo -E vmctl` keeps their HOME), else
+# nothing. Theirs means its nearest existing directory is theirs: what root left there
+# (a lock, a directory for the next mktemp) would fail their next build, while root's
+# own cache (sudo's HOME=/root) stays root's.
+cache_owner() {
+    local dir="$1"
+    [[ $(id -u) == 0 && -n "${SUDO_UID:-}" && "$SUDO_UID" != 0 ]] || return 0
+    while [[ ! -e "$dir" ]]; do dir="$(dirname "$dir")"; done
+    [[ "$(stat -c %u -- "$dir")" == "$SUDO_UID" ]] || return 0
+    echo "$SUDO_UID:${SUDO_GID:-$SUDO_UID}"
+}
+
+# cache_build_as_owner ROOT COMMAND...: for a build that needs no root. When root would
+# build into a user's cache (cache_owner), runs COMMAND (the script again) as that
+# user, with their home, so that everything the build makes is theirs, a work
+# directory a kill left behind included; does not return then. Otherwise returns.
+cache_build_as_owner() {
+    local root="$1" owner home
+    shift
+    owner="$(cache_owner "$root")"
+    [[ -n "$owner" ]] || return 0
+    home="$(getent passwd "${owner%:*}" | cut -d: -f6)"
+    echo "cache: $root is uid ${owner%:*}'s: building as that user" >&2
+    exec setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
+        env VMCTL_CACHE_DIR="$root" ${home:+HOME="$home"} "$@"
 }
 
 # cache_publish TMP OUT FILE: makes TMP's files durable, then renames TMP to OUT, so

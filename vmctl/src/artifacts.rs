@@ -116,7 +116,9 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
         // Usually a no-op rebuild check: quiet unless cargo has work to do, or it fails.
         return run_script_quietly(&script, args, |message| vmm::to_stderr!("vmctl: {message}"));
     }
-    vmm::to_stderr!("vmctl: building the {what} (first use only; cached afterwards)");
+    vmm::to_stderr!(
+        "vmctl: building the {what} (first use, or its inputs changed; cached afterwards)"
+    );
     run_script(&script, args, false)
 }
 

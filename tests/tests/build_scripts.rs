@@ -1,0 +1,192 @@
+//! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
+//! scripts run them: which Debian mirror a root filesystem comes from, which virtiofsd
+//! setup checks, whose a cache is when root builds into it. No VM.
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use vm_tests::host_user::current_uid;
+use vm_tests::{stderr, stdout, workspace_root, TempDir};
+
+/// Runs `script` in bash after sourcing `scripts/lib/<lib>`, with `input` on stdin and
+/// `env` added; returns its stdout. Panics if bash fails.
+fn run_lib(lib: &str, script: &str, input: &str, env: &[(&str, &str)]) -> String {
+    let lib = workspace_root().join("scripts/lib").join(lib);
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg(format!("set -euo pipefail; source \"$0\"; {script}"))
+        .arg(&lib)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run bash");
+    child
+        .stdin
+        .take()
+        .expect("bash's stdin")
+        .write_all(input.as_bytes())
+        .expect("write bash's stdin");
+    let output = child.wait_with_output().expect("wait for bash");
+    assert!(
+        output.status.success(),
+        "{script} (after sourcing {}) failed: {}",
+        lib.display(),
+        stderr(&output)
+    );
+    stdout(&output)
+}
+
+/// `apt-cache policy` on a Debian 12 host with Docker's and MongoDB's repositories, a
+/// cloud image's `mirror+file:` source and a local mirror; a third-party URL first.
+const POLICY: &str = "\
+Package files:
+ 100 /var/lib/dpkg/status
+     release a=now
+ 500 https://download.docker.com/linux/debian bookworm/stable amd64 Packages
+     release o=Docker,a=bookworm,l=Docker CE,c=stable,b=amd64
+     origin download.docker.com
+ 500 https://repo.mongodb.org/apt/debian bookworm/mongodb-org/7.0/main amd64 Packages
+     release v=7.0,o=mongodb,a=bookworm,n=bookworm,l=mongodb,c=main,b=amd64
+     origin repo.mongodb.org
+ 500 mirror+file:/etc/apt/mirrors/debian.list bookworm/main amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=main,b=amd64
+     origin deb.debian.org
+ 100 http://mirror.example/debian/ bookworm-backports/main amd64 Packages
+     release o=Debian Backports,a=stable-backports,n=bookworm-backports,l=Debian Backports,c=main,b=amd64
+ 500 http://security.example/debian-security bookworm-security/main amd64 Packages
+     release v=12,o=Debian,a=stable-security,n=bookworm-security,l=Debian-Security,c=main,b=amd64
+ 500 http://mirror.example/debian/ bookworm-updates/main amd64 Packages
+     release v=12-updates,o=Debian,a=stable-updates,n=bookworm-updates,l=Debian,c=main,b=amd64
+ 500 http://other.example/debian bookworm/contrib amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=contrib,b=amd64
+ 500 http://mirror.example/debian/ bookworm/main amd64 Packages
+     release v=12.5,o=Debian,a=stable,n=bookworm,l=Debian,c=main,b=amd64
+Pinned packages:
+";
+
+fn mirror(suite: &str, label: &str, policy: &str) -> String {
+    run_lib(
+        "debian-mirror.sh",
+        &format!("debian_mirror_from_policy {suite} {label}"),
+        policy,
+        &[],
+    )
+}
+
+#[test]
+fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
+    assert_eq!(
+        mirror("bookworm", "Debian", POLICY),
+        "http://mirror.example/debian\n"
+    );
+    assert_eq!(
+        mirror("bookworm-security", "Debian-Security", POLICY),
+        "http://security.example/debian-security\n"
+    );
+    // A host of another Debian release: a mirror of Debian's all the same.
+    assert_eq!(
+        mirror("trixie", "Debian", POLICY),
+        "http://mirror.example/debian\n"
+    );
+    // Only third-party repositories and what the image's apt could not follow: none,
+    // and the build falls back to deb.debian.org.
+    let foreign: String = POLICY
+        .lines()
+        .take(12)
+        .map(|line| format!("{line}\n"))
+        .collect();
+    assert!(foreign.contains("mirror+file:") && !foreign.contains("mirror.example"));
+    assert_eq!(mirror("bookworm", "Debian", &foreign), "");
+}
+
+/// An executable file that prints `version` for `--version`.
+fn fake_virtiofsd(path: &Path, version: &str) {
+    std::fs::create_dir_all(path.parent().expect("a parent")).expect("create its directory");
+    std::fs::write(path, format!("#!/bin/sh\necho 'virtiofsd {version}'\n")).expect("write it");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod it");
+}
+
+#[test]
+fn setup_checks_the_virtiofsd_vmctl_will_find() {
+    let dir = TempDir::new("virtiofsd-search");
+    let home = dir.join("home");
+    let first = dir.join("first");
+    let later = dir.join("later");
+    std::fs::create_dir_all(&first).expect("create a PATH directory");
+    // Not executable: skipped, as vmctl skips it.
+    std::fs::write(first.join("virtiofsd"), "").expect("write a plain file");
+    fake_virtiofsd(&later.join("virtiofsd"), "1.10.0");
+    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "1.14.0");
+    // bash itself needs this process's PATH: the one searched is SEARCHED_PATH.
+    let find = |path: String, explicit: Option<&str>| {
+        let mut env = vec![
+            ("SEARCHED_PATH", path.as_str()),
+            ("HOME", home.to_str().expect("utf-8")),
+        ];
+        if let Some(explicit) = explicit {
+            env.push(("VMCTL_VIRTIOFSD", explicit));
+        }
+        run_lib(
+            "virtiofsd.sh",
+            "PATH=\"$SEARCHED_PATH\" vmctl_virtiofsd",
+            "",
+            &env,
+        )
+    };
+    let path = |dirs: &[&Path]| {
+        let mut dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        // vmctl ignores relative entries, which would be the working directory.
+        dirs.insert(1, "relative".into());
+        dirs.join(":")
+    };
+    // PATH first, even over ~/.cargo/bin's newer one: what setup must warn about.
+    assert_eq!(
+        find(path(&[&first, &later]), None),
+        format!("{}\n", later.join("virtiofsd").display())
+    );
+    assert_eq!(
+        find(path(&[&first, dir.path()]), None),
+        format!("{}\n", home.join(".cargo/bin/virtiofsd").display())
+    );
+    // VMCTL_VIRTIOFSD as it is, found or not: vmctl uses or refuses it.
+    assert_eq!(find(path(&[&later]), Some("/x/vfs")), "/x/vfs\n");
+}
+
+#[test]
+fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
+    let dir = TempDir::new("cache-owner");
+    let not_yet_made = dir.join("home/.cache/vmctl");
+    let owner = |sudo_uid: &str, cache: &Path| {
+        run_lib(
+            "cache.sh",
+            "cache_owner \"$CACHE\"",
+            "",
+            &[
+                ("SUDO_UID", sudo_uid),
+                ("SUDO_GID", "4321"),
+                ("CACHE", cache.to_str().expect("utf-8")),
+            ],
+        )
+    };
+    if current_uid() != 0 {
+        // Only root builds for another user.
+        assert_eq!(owner("1234", &not_yet_made), "");
+        return;
+    }
+    // The nearest existing directory decides: the user's home, theirs.
+    std::fs::create_dir_all(dir.join("home")).expect("create the home");
+    let chown = Command::new("chown")
+        .arg("1234")
+        .arg(dir.join("home"))
+        .status()
+        .expect("run chown");
+    assert!(chown.success(), "chown 1234 failed");
+    assert_eq!(owner("1234", &not_yet_made), "1234:4321\n");
+    // Root's own cache (sudo's HOME=/root) stays root's; so does plain root's.
+    assert_eq!(owner("1234", dir.path()), "");
+    assert_eq!(owner("0", &not_yet_made), "");
+}

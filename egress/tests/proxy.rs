@@ -199,6 +199,38 @@ async fn upstream_service(
             headers.insert(header::ETAG, HeaderValue::from_static("\"coded\""));
             response
         }
+        // A coding named with the key in it, as a server reflecting the request in
+        // its headers might.
+        "/key-coding" => {
+            let mut response = Response::new(text("coded somehow\n"));
+            let coding = [b"x-".as_slice(), &key].concat();
+            response.headers_mut().insert(
+                header::CONTENT_ENCODING,
+                HeaderValue::from_bytes(&coding).unwrap(),
+            );
+            response
+        }
+        // Gzipped as a transfer coding (hyper frames it as `gzip, chunked`), which the
+        // proxy never asked for: the guest must get the text itself.
+        "/transfer-gzip" | "/transfer-br" => {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            std::io::Write::write_all(&mut encoder, b"transfer-coded text\n").unwrap();
+            let coded = encoder.finish().unwrap();
+            let frames = coded
+                .chunks(7)
+                .map(|chunk| Frame::data(Bytes::copy_from_slice(chunk)));
+            let mut response = Response::new(Frames(frames.collect()).boxed());
+            let coding = if req.uri().path() == "/transfer-br" {
+                "br"
+            } else {
+                "gzip"
+            };
+            response
+                .headers_mut()
+                .insert(header::TRANSFER_ENCODING, HeaderValue::from_static(coding));
+            response
+        }
         "/trailers" => {
             let mut trailers = HeaderMap::new();
             trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
@@ -676,8 +708,19 @@ async fn a_response_compressed_anyway_is_decoded_and_searched_or_refused() {
     )
     .await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
-    assert!(body.contains("answered in the br coding"), "{body}");
+    assert!(body.contains("cannot decode"), "{body}");
+    assert!(body.contains("cannot search for the secret"), "{body}");
     assert!(!(headers_text(&headers) + &body).contains(SECRET_CORE));
+    // Nor is the text of the upstream's coding shown: it may quote the secret.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let (status, headers, body) =
+        exchange(&mut client, request("/key-coding", "api.test", &[], "")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    let seen_by_guest = headers_text(&headers) + &body;
+    assert!(!seen_by_guest.contains(SECRET_CORE), "{seen_by_guest}");
+    assert!(!seen_by_guest.contains("x-"), "{seen_by_guest}");
     // A response without a body has nothing to search, whatever its coding. (On a
     // connection of its own: the proxy closes one after its error.)
     let mut client = h
@@ -889,6 +932,46 @@ async fn plain_http_is_forwarded_without_secrets() {
     let (status, _, body) = exchange(&mut client, req).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
     assert!(body.contains("disagrees"), "{body}");
+    // Logged, as the same refusal inside terminated TLS is.
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(
+        entries.iter().any(|e| e.host == "plain.test"
+            && e.kind == "http"
+            && !e.allowed
+            && e.rule.contains("\"other.test\" disagrees")),
+        "{entries:?}"
+    );
+}
+
+/// A transfer coding under chunked is this hop's: hyper takes off only the chunked,
+/// and the guest's response names none, so the proxy decodes what is left (once, it
+/// passed the gzip bytes on as if they were the body).
+#[tokio::test]
+async fn a_response_transfer_coding_is_decoded_for_the_guest() {
+    let h = Harness::start().await;
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/transfer-gzip", "plain.test", &[], "");
+    let (status, headers, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "transfer-coded text\n");
+    assert!(
+        !headers.contains_key(header::CONTENT_ENCODING),
+        "{headers:?}"
+    );
+    // The same inside terminated TLS, where the body is searched for the secret.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request("/transfer-gzip", "api.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "transfer-coded text\n");
+    // One the proxy cannot undo is refused, not passed on unnamed.
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/transfer-br", "plain.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert!(body.contains("cannot decode"), "{body}");
 }
 
 // ---- streaming and upgrades ------------------------------------------------------

@@ -261,11 +261,10 @@ pub enum ProxyError {
     #[error("{target} switched protocols without being asked to")]
     UnaskedUpgrade { target: String },
     #[error(
-        "{target} answered in the {codings} coding although asked for none; the proxy \
-         decodes only gzip and deflate, and a response it cannot search for the secret \
-         is not passed on"
+        "{target} answered in a coding the proxy did not ask for and cannot decode (it \
+         decodes gzip and deflate; the host's log names the coding): {why}"
     )]
-    UndecodableResponse { target: String, codings: String },
+    UndecodableResponse { target: String, why: &'static str },
 }
 
 impl ProxyError {

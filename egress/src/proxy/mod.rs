@@ -224,7 +224,7 @@ pub enum ProxyError {
     #[error(
         "{what} refused: {target} resolves to {ip}, {reason}; \
          the proxy does not connect to local, private or metadata addresses, nor \
-         to the host's own"
+         to the host's own or the networks it is attached to"
     )]
     ForbiddenAddress {
         what: String,
@@ -233,8 +233,8 @@ pub enum ProxyError {
         reason: &'static str,
     },
     #[error(
-        "cannot list this host's own addresses, which the proxy never connects to, \
-         so {target} is not connected to: {source}"
+        "cannot list this host's own addresses and networks, which the proxy never \
+         connects to, so {target} is not connected to: {source}"
     )]
     HostAddresses { target: String, source: io::Error },
     #[error("Host header {claimed:?} disagrees with {expected}; request not sent")]

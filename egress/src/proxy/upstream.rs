@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-use super::addresses::{forbidden_destination, host_addresses};
+use super::addresses::{forbidden_destination, host_networks};
 use super::decode::{
     content_codings, decoding_for, headers_for_decoded, transfer_codings, DecodedBody,
 };
@@ -149,13 +149,13 @@ pub(super) async fn vetted_addresses(
     if addrs.is_empty() {
         return Err(ProxyError::NoAddress { target });
     }
-    // Failing closed: without the host's addresses, none can be told from another's.
-    let host_addresses = host_addresses().map_err(|source| ProxyError::HostAddresses {
+    // Failing closed: without the host's networks, none can be told from another's.
+    let host_networks = host_networks().map_err(|source| ProxyError::HostAddresses {
         target: target.clone(),
         source,
     })?;
     let forbidden = addrs.iter().find_map(|addr| {
-        forbidden_destination(addr.ip(), &host_addresses).map(|reason| (addr.ip(), reason))
+        forbidden_destination(addr.ip(), &host_networks).map(|reason| (addr.ip(), reason))
     });
     if let Some((ip, reason)) = forbidden {
         let rule = format!("{}, but {ip} is {reason}", decision.rule);

@@ -1237,13 +1237,12 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     assert!(idle_since.elapsed() >= Duration::from_millis(900));
 }
 
-#[tokio::test]
-async fn many_idle_connections_do_not_block_a_real_request() {
-    let h = Harness::start().await;
+/// Opens `count` connections that never finish a request head: silent, part of a
+/// head, or part of a head and half-closed, in turn.
+async fn idle_connections(h: &Harness, count: usize) -> Vec<TcpStream> {
     let mut idle = Vec::new();
-    for i in 0..500 {
+    for i in 0..count {
         let mut stream = TcpStream::connect(h.proxy).await.unwrap();
-        // Silent, part of a head, or part of a head and half-closed.
         if i % 3 != 0 {
             stream
                 .write_all(b"GET http://plain.test/ HTTP/1.1\r\nx-half: ")
@@ -1255,11 +1254,59 @@ async fn many_idle_connections_do_not_block_a_real_request() {
         }
         idle.push(stream);
     }
+    // Let the proxy take them all in.
+    sleep(Duration::from_millis(200)).await;
+    idle
+}
+
+/// Connections that never send a request (a browser's speculative ones, a stuck
+/// program) hold no slot: twice as many as there are slots leave a real request
+/// served.
+#[tokio::test]
+async fn many_idle_connections_do_not_block_a_real_request() {
+    let h = Harness::with_limits(Limits {
+        max_connections: 10,
+        ..Limits::default()
+    })
+    .await;
+    let idle = idle_connections(&h, 20).await;
     let mut client = h.plain_client().await;
     let req = request("http://plain.test/echo", "plain.test", &[], "");
-    let (status, _, _) = exchange(&mut client, req).await;
-    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
     drop(idle);
+}
+
+/// Connections waiting for their first request head are bounded too: past the bound,
+/// the one that has waited longest is closed (answered, if it had started a head),
+/// and the newest, a real request, is served.
+#[tokio::test]
+async fn past_the_waiting_bound_the_longest_waiting_connection_is_closed() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 5,
+        ..Limits::default()
+    })
+    .await;
+    let mut idle = idle_connections(&h, 20).await;
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The first (silent) is just closed; the second (part of a head) is told why.
+    let mut answers = Vec::new();
+    for stream in &mut idle[..2] {
+        let mut out = Vec::new();
+        let ended = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(ended.is_ok(), "a displaced connection stayed open");
+        answers.push(String::from_utf8_lossy(&out).into_owned());
+    }
+    assert_eq!(answers[0], "");
+    assert!(answers[1].starts_with("HTTP/1.1 503"), "{}", answers[1]);
+    assert!(
+        answers[1].contains("more than 5 connections waited"),
+        "{}",
+        answers[1]
+    );
 }
 
 #[tokio::test]
@@ -1269,10 +1316,11 @@ async fn connections_over_the_limit_get_503() {
         ..Limits::default()
     })
     .await;
-    let first = TcpStream::connect(h.proxy).await.unwrap();
-    let _second = TcpStream::connect(h.proxy).await.unwrap();
-    // Let the proxy take both slots.
-    sleep(Duration::from_millis(200)).await;
+    // Open tunnels hold their slots.
+    let (status, _, first) = h.connect("open.test:443").await;
+    assert_eq!(status, 200);
+    let (status, _, _second) = h.connect("open.test:443").await;
+    assert_eq!(status, 200);
     let answer = h
         .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
         .await;

@@ -361,25 +361,64 @@ async fn the_first_head_is_read_within_limits() {
         ..Limits::default()
     };
     let mut input: &[u8] = b"GET http://x/ HTTP/1.1\r\n\r\nextra";
-    let head = read_first_head(&mut input, &limits).await.unwrap().unwrap();
+    let head = read_first_head(&mut input, &limits, std::future::pending())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(head, b"GET http://x/ HTTP/1.1\r\n\r\nextra");
     let mut input: &[u8] = &[b'a'; 1000];
-    let err = read_first_head(&mut input, &limits).await.unwrap_err();
+    let err = read_first_head(&mut input, &limits, std::future::pending())
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     let mut input: &[u8] = b"";
-    assert!(read_first_head(&mut input, &limits)
+    assert!(read_first_head(&mut input, &limits, std::future::pending())
         .await
         .unwrap()
         .is_none());
     let (mut silent, _other_end) = tokio::io::duplex(64);
-    assert!(read_first_head(&mut silent, &limits)
-        .await
-        .unwrap()
-        .is_none());
+    assert!(
+        read_first_head(&mut silent, &limits, std::future::pending())
+            .await
+            .unwrap()
+            .is_none()
+    );
     let (mut slow, mut other_end) = tokio::io::duplex(64);
     other_end.write_all(b"GET http://x/").await.unwrap();
-    let err = read_first_head(&mut slow, &limits).await.unwrap_err();
+    let err = read_first_head(&mut slow, &limits, std::future::pending())
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), StatusCode::REQUEST_TIMEOUT);
+    // Displaced by a newer connection: closed if it said nothing, told if it had begun.
+    let (mut silent, _other_end) = tokio::io::duplex(64);
+    let displaced = read_first_head(&mut silent, &limits, std::future::ready(())).await;
+    assert!(displaced.unwrap().is_none());
+    let (mut begun, mut other_end) = tokio::io::duplex(64);
+    other_end.write_all(b"GET http://x/").await.unwrap();
+    let displaced = async { tokio::time::sleep(Duration::from_millis(50)).await };
+    let err = read_first_head(&mut begun, &limits, displaced)
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[test]
+fn past_the_waiting_bound_the_longest_waiting_leaves() {
+    let room = WaitingRoom::default();
+    let mut entered: Vec<_> = (0..4).map(|_| room.enter(3)).collect();
+    let mut displaced = |i: usize| {
+        let (_, notice) = &mut entered[i];
+        notice.try_recv() != Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+    };
+    assert!(displaced(0), "the oldest stayed");
+    assert!(!displaced(1) && !displaced(2) && !displaced(3));
+    // One that leaves (its head arrived) frees its place: the next does not displace.
+    let (second, _) = entered.remove(1);
+    drop(second);
+    entered.push(room.enter(3));
+    assert!((1..4)
+        .all(|i| entered[i].1.try_recv() == Err(tokio::sync::oneshot::error::TryRecvError::Empty)));
+    assert_eq!(room.len(), 3);
 }
 
 const SECRET: &[u8] = b"Bearer sk-proj-0123456789";

@@ -384,12 +384,14 @@ where
         // An error too: the place was given up.
         let _ = displaced.await;
     };
-    let head = match read_first_head(&mut stream, &config.limits, displaced).await {
+    let head = read_first_head(&mut stream, &config.limits, displaced).await;
+    // Waiting is over, whatever came of it: an answer is no reason to keep the place.
+    drop(place);
+    let head = match head {
         Ok(Some(head)) => head,
         Ok(None) => return,
         Err(e) => return answer_and_close(stream, &e).await,
     };
-    drop(place);
     let Ok(permit) = config.slots().clone().try_acquire_owned() else {
         let busy = ProxyError::Busy {
             limit: config.limits.max_connections,

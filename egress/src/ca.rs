@@ -46,6 +46,16 @@ pub enum CaError {
         reason: String,
     },
     #[error(
+        "the sandbox's egress CA certificate {path} expired on {not_after}; delete the \
+         directory {dir} to make a new CA (the VM is given the new certificate when it \
+         next starts)"
+    )]
+    Expired {
+        path: PathBuf,
+        dir: PathBuf,
+        not_after: String,
+    },
+    #[error(
         "{path} is not private to you ({why}): whoever can read it can mint certificates \
          the guests trust. If nobody else could have read it, `chmod 600` it (and make it \
          yours); else delete the directory {dir} to make a new CA"
@@ -115,6 +125,17 @@ impl CertificateAuthority {
             .map_err(|e| corrupt(&key_path, format!("not a private key: {e}")))?;
         let cert_der = first_certificate(&cert_pem)
             .ok_or_else(|| corrupt(&cert_path, "no PEM certificate in it".into()))?;
+        // The proxy's own check below cannot see this: a root's validity is not
+        // checked when it is the trust anchor, but the guest's TLS clients check it.
+        let not_after = not_after(&cert_der)
+            .ok_or_else(|| corrupt(&cert_path, "its validity cannot be read".into()))?;
+        if not_after.unix_secs < since_epoch().as_secs() {
+            return Err(CaError::Expired {
+                path: cert_path,
+                dir: dir.to_path_buf(),
+                not_after: not_after.text,
+            });
+        }
         let issuer = ca_params(name).self_signed(&key)?;
         let ca = Self::new(cert_pem, issuer, key);
         // Prove the pair works: a leaf signed with the key must verify against the
@@ -240,6 +261,115 @@ pub(crate) fn crate_provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 fn first_certificate(pem: &str) -> Option<CertificateDer<'static>> {
     rustls_pemfile::certs(&mut pem.as_bytes()).next()?.ok()
+}
+
+/// When a certificate stops being valid: as Unix time, and as text for people.
+struct NotAfter {
+    unix_secs: u64,
+    text: String,
+}
+
+/// The end of `cert`'s validity (RFC 5280 4.1: Certificate, TBSCertificate,
+/// Validity), or `None` if the DER does not hold one where it should.
+fn not_after(cert: &[u8]) -> Option<NotAfter> {
+    let (SEQUENCE, cert, _) = der_element(cert)? else {
+        return None;
+    };
+    let (SEQUENCE, tbs, _) = der_element(cert)? else {
+        return None;
+    };
+    let mut rest = tbs;
+    // The version, [0], is absent from a v1 certificate.
+    let (tag, _, after_version) = der_element(rest)?;
+    if tag == VERSION_TAG {
+        rest = after_version;
+    }
+    // The serial number, the signature algorithm and the issuer come first.
+    for _ in 0..3 {
+        rest = der_element(rest)?.2;
+    }
+    let (SEQUENCE, validity, _) = der_element(rest)? else {
+        return None;
+    };
+    let (_, _, after_not_before) = der_element(validity)?;
+    let (tag, time, _) = der_element(after_not_before)?;
+    der_time(tag, time)
+}
+
+const SEQUENCE: u8 = 0x30;
+const VERSION_TAG: u8 = 0xa0;
+const UTC_TIME: u8 = 0x17;
+const GENERALIZED_TIME: u8 = 0x18;
+
+/// The DER element at the start of `der`: its tag, its contents and what follows it.
+fn der_element(der: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = der.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let count = usize::from(first & 0x7f);
+        if count == 0 || count > 4 || rest.len() < count {
+            return None;
+        }
+        let len = rest[..count]
+            .iter()
+            .fold(0usize, |len, byte| (len << 8) | usize::from(*byte));
+        (len, &rest[count..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// A certificate's time (RFC 5280 4.1.2.5: UTCTime `YYMMDDHHMMSSZ`, years 1950 to
+/// 2049, or GeneralizedTime `YYYYMMDDHHMMSSZ`).
+fn der_time(tag: u8, text: &[u8]) -> Option<NotAfter> {
+    let text = std::str::from_utf8(text).ok()?;
+    let digits = text.strip_suffix('Z')?;
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let (year, rest) = match (tag, digits.len()) {
+        (UTC_TIME, 12) => {
+            let short: u64 = digits[..2].parse().ok()?;
+            (
+                if short < 50 {
+                    2000 + short
+                } else {
+                    1900 + short
+                },
+                &digits[2..],
+            )
+        }
+        (GENERALIZED_TIME, 14) => (digits[..4].parse().ok()?, &digits[4..]),
+        _ => return None,
+    };
+    let field = |at: usize| rest[at..at + 2].parse::<u64>().ok();
+    let (month, day) = (field(0)?, field(2)?);
+    let (hour, minute, second) = (field(4)?, field(6)?, field(8)?);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 {
+        return None;
+    }
+    let unix_secs =
+        days_since_epoch(year, month, day)? * 86_400 + hour * 3600 + minute * 60 + second;
+    Some(NotAfter {
+        unix_secs,
+        text: format!("{year:04}-{month:02}-{day:02} {hour:02}:{minute:02}:{second:02} UTC"),
+    })
+}
+
+/// Days from 1970-01-01 to the date (Howard Hinnant's `days_from_civil`), for dates
+/// from 1970 on.
+fn days_since_epoch(year: u64, month: u64, day: u64) -> Option<u64> {
+    let year = if month <= 2 {
+        year.checked_sub(1)?
+    } else {
+        year
+    };
+    let era = year / 400;
+    let year_of_era = year % 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    (era * 146_097 + day_of_era).checked_sub(719_468)
 }
 
 /// Verifies `leaf` for `host` against the single root `ca`.
@@ -444,6 +574,54 @@ mod tests {
             .to_string();
         assert!(err.contains(KEY_FILE), "{err}");
         assert!(err.contains("delete the directory"), "{err}");
+    }
+
+    #[test]
+    fn an_expired_ca_says_so_and_what_to_do() {
+        let tmp = tempfile::tempdir().unwrap();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let key_pem = fs::read_to_string(tmp.path().join(KEY_FILE)).unwrap();
+        let key = KeyPair::from_pem(&key_pem).unwrap();
+        let mut params = ca_params("box1");
+        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2010, 1, 1);
+        let expired = params.self_signed(&key).unwrap();
+        fs::write(tmp.path().join(CERT_FILE), expired.pem()).unwrap();
+        let err = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap_err();
+        assert!(matches!(err, CaError::Expired { .. }), "{err}");
+        let err = err.to_string();
+        assert!(err.contains("expired on 2010-01-01 00:00:00 UTC"), "{err}");
+        assert!(err.contains("delete the directory"), "{err}");
+    }
+
+    #[test]
+    fn a_fresh_ca_lasts_ten_years() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let der = first_certificate(ca.cert_pem()).unwrap();
+        let end = not_after(&der).unwrap().unix_secs;
+        let ten_years = 3650 * DAY.as_secs();
+        let now = since_epoch().as_secs();
+        assert!(end.abs_diff(now + ten_years) < 60, "{end} vs {now}");
+    }
+
+    #[test]
+    fn certificate_times_read_in_both_forms() {
+        let utc = der_time(UTC_TIME, b"491231235959Z").unwrap();
+        assert_eq!(utc.unix_secs, 2_524_607_999);
+        assert_eq!(utc.text, "2049-12-31 23:59:59 UTC");
+        assert_eq!(der_time(UTC_TIME, b"700101000000Z").unwrap().unix_secs, 0);
+        let general = der_time(GENERALIZED_TIME, b"20500101000000Z").unwrap();
+        assert_eq!(general.unix_secs, 2_524_608_000);
+        for bad in [
+            &b"20500101000000"[..],
+            b"2050010100000Z",
+            b"20501301000000Z",
+            b"2050O101000000Z",
+        ] {
+            assert!(der_time(GENERALIZED_TIME, bad).is_none(), "{bad:?}");
+        }
+        assert!(der_time(UTC_TIME, b"20500101000000Z").is_none());
     }
 
     #[test]

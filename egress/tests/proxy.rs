@@ -199,6 +199,38 @@ async fn upstream_service(
             headers.insert(header::ETAG, HeaderValue::from_static("\"coded\""));
             response
         }
+        // A coding named with the key in it, as a server reflecting the request in
+        // its headers might.
+        "/key-coding" => {
+            let mut response = Response::new(text("coded somehow\n"));
+            let coding = [b"x-".as_slice(), &key].concat();
+            response.headers_mut().insert(
+                header::CONTENT_ENCODING,
+                HeaderValue::from_bytes(&coding).unwrap(),
+            );
+            response
+        }
+        // Gzipped as a transfer coding (hyper frames it as `gzip, chunked`), which the
+        // proxy never asked for: the guest must get the text itself.
+        "/transfer-gzip" | "/transfer-br" => {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            std::io::Write::write_all(&mut encoder, b"transfer-coded text\n").unwrap();
+            let coded = encoder.finish().unwrap();
+            let frames = coded
+                .chunks(7)
+                .map(|chunk| Frame::data(Bytes::copy_from_slice(chunk)));
+            let mut response = Response::new(Frames(frames.collect()).boxed());
+            let coding = if req.uri().path() == "/transfer-br" {
+                "br"
+            } else {
+                "gzip"
+            };
+            response
+                .headers_mut()
+                .insert(header::TRANSFER_ENCODING, HeaderValue::from_static(coding));
+            response
+        }
         "/trailers" => {
             let mut trailers = HeaderMap::new();
             trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
@@ -643,8 +675,14 @@ async fn the_secret_is_injected_and_the_guest_never_sees_it() {
     assert!(entries.iter().any(|e| e.kind == "tls-request"
         && e.method.as_deref() == Some("GET")
         && e.secret.as_deref() == Some("testkey")));
-    let log_text = std::fs::read_to_string(&h.log_path).unwrap();
-    assert!(!log_text.contains(SECRET_CORE));
+    // Both of its files: the requests with the secret are in the one beside it.
+    let mut beside = h.log_path.clone().into_os_string();
+    beside.push(".secret-decisions");
+    // (All of this test's decisions concern the secret: the first may not exist.)
+    let log_text = std::fs::read_to_string(&h.log_path).unwrap_or_default();
+    let secret_decisions = std::fs::read_to_string(&beside).unwrap();
+    assert!(secret_decisions.contains("\"secret\":\"testkey\""));
+    assert!(!(log_text + &secret_decisions).contains(SECRET_CORE));
 }
 
 #[tokio::test]
@@ -676,8 +714,19 @@ async fn a_response_compressed_anyway_is_decoded_and_searched_or_refused() {
     )
     .await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
-    assert!(body.contains("answered in the br coding"), "{body}");
+    assert!(body.contains("cannot decode"), "{body}");
+    assert!(body.contains("cannot search for the secret"), "{body}");
     assert!(!(headers_text(&headers) + &body).contains(SECRET_CORE));
+    // Nor is the text of the upstream's coding shown: it may quote the secret.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let (status, headers, body) =
+        exchange(&mut client, request("/key-coding", "api.test", &[], "")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    let seen_by_guest = headers_text(&headers) + &body;
+    assert!(!seen_by_guest.contains(SECRET_CORE), "{seen_by_guest}");
+    assert!(!seen_by_guest.contains("x-"), "{seen_by_guest}");
     // A response without a body has nothing to search, whatever its coding. (On a
     // connection of its own: the proxy closes one after its error.)
     let mut client = h
@@ -889,6 +938,46 @@ async fn plain_http_is_forwarded_without_secrets() {
     let (status, _, body) = exchange(&mut client, req).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
     assert!(body.contains("disagrees"), "{body}");
+    // Logged, as the same refusal inside terminated TLS is.
+    let entries = read_recent(&h.log_path, 10).unwrap();
+    assert!(
+        entries.iter().any(|e| e.host == "plain.test"
+            && e.kind == "http"
+            && !e.allowed
+            && e.rule.contains("\"other.test\" disagrees")),
+        "{entries:?}"
+    );
+}
+
+/// A transfer coding under chunked is this hop's: hyper takes off only the chunked,
+/// and the guest's response names none, so the proxy decodes what is left (once, it
+/// passed the gzip bytes on as if they were the body).
+#[tokio::test]
+async fn a_response_transfer_coding_is_decoded_for_the_guest() {
+    let h = Harness::start().await;
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/transfer-gzip", "plain.test", &[], "");
+    let (status, headers, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "transfer-coded text\n");
+    assert!(
+        !headers.contains_key(header::CONTENT_ENCODING),
+        "{headers:?}"
+    );
+    // The same inside terminated TLS, where the body is searched for the secret.
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let req = request("/transfer-gzip", "api.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "transfer-coded text\n");
+    // One the proxy cannot undo is refused, not passed on unnamed.
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/transfer-br", "plain.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert!(body.contains("cannot decode"), "{body}");
 }
 
 // ---- streaming and upgrades ------------------------------------------------------
@@ -1154,13 +1243,12 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     assert!(idle_since.elapsed() >= Duration::from_millis(900));
 }
 
-#[tokio::test]
-async fn many_idle_connections_do_not_block_a_real_request() {
-    let h = Harness::start().await;
+/// Opens `count` connections that never finish a request head: silent, part of a
+/// head, or part of a head and half-closed, in turn.
+async fn idle_connections(h: &Harness, count: usize) -> Vec<TcpStream> {
     let mut idle = Vec::new();
-    for i in 0..500 {
+    for i in 0..count {
         let mut stream = TcpStream::connect(h.proxy).await.unwrap();
-        // Silent, part of a head, or part of a head and half-closed.
         if i % 3 != 0 {
             stream
                 .write_all(b"GET http://plain.test/ HTTP/1.1\r\nx-half: ")
@@ -1172,11 +1260,59 @@ async fn many_idle_connections_do_not_block_a_real_request() {
         }
         idle.push(stream);
     }
+    // Let the proxy take them all in.
+    sleep(Duration::from_millis(200)).await;
+    idle
+}
+
+/// Connections that never send a request (a browser's speculative ones, a stuck
+/// program) hold no slot: twice as many as there are slots leave a real request
+/// served.
+#[tokio::test]
+async fn many_idle_connections_do_not_block_a_real_request() {
+    let h = Harness::with_limits(Limits {
+        max_connections: 10,
+        ..Limits::default()
+    })
+    .await;
+    let idle = idle_connections(&h, 20).await;
     let mut client = h.plain_client().await;
     let req = request("http://plain.test/echo", "plain.test", &[], "");
-    let (status, _, _) = exchange(&mut client, req).await;
-    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
     drop(idle);
+}
+
+/// Connections waiting for their first request head are bounded too: past the bound,
+/// the one that has waited longest is closed (answered, if it had started a head),
+/// and the newest, a real request, is served.
+#[tokio::test]
+async fn past_the_waiting_bound_the_longest_waiting_connection_is_closed() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 5,
+        ..Limits::default()
+    })
+    .await;
+    let mut idle = idle_connections(&h, 20).await;
+    let mut client = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    let (status, _, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The first (silent) is just closed; the second (part of a head) is told why.
+    let mut answers = Vec::new();
+    for stream in &mut idle[..2] {
+        let mut out = Vec::new();
+        let ended = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(ended.is_ok(), "a displaced connection stayed open");
+        answers.push(String::from_utf8_lossy(&out).into_owned());
+    }
+    assert_eq!(answers[0], "");
+    assert!(answers[1].starts_with("HTTP/1.1 503"), "{}", answers[1]);
+    assert!(
+        answers[1].contains("more than 5 connections waited"),
+        "{}",
+        answers[1]
+    );
 }
 
 #[tokio::test]
@@ -1186,10 +1322,11 @@ async fn connections_over_the_limit_get_503() {
         ..Limits::default()
     })
     .await;
-    let first = TcpStream::connect(h.proxy).await.unwrap();
-    let _second = TcpStream::connect(h.proxy).await.unwrap();
-    // Let the proxy take both slots.
-    sleep(Duration::from_millis(200)).await;
+    // Open tunnels hold their slots.
+    let (status, _, first) = h.connect("open.test:443").await;
+    assert_eq!(status, 200);
+    let (status, _, _second) = h.connect("open.test:443").await;
+    assert_eq!(status, 200);
     let answer = h
         .raw(b"GET http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
         .await;

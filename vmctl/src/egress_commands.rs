@@ -175,7 +175,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
             }
             for entry in entries {
                 print_out(format_args!(
-                    "{}  {:<7} {:<5} {}:{}{}  {}\n",
+                    "{}  {:<7} {:<5} {}:{}{}  {}{}\n",
                     utc_time(entry.time_unix_ms / 1000),
                     if entry.allowed { "allowed" } else { "refused" },
                     entry.method.as_deref().unwrap_or(entry.kind.as_str()),
@@ -186,7 +186,11 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
                         .as_deref()
                         .map(|s| format!(" +{s}"))
                         .unwrap_or_default(),
-                    entry.rule
+                    entry.rule,
+                    entry
+                        .repeated
+                        .map(|n| format!(" (made again {n} times in a row)"))
+                        .unwrap_or_default()
                 ));
             }
         }

@@ -13,17 +13,58 @@ pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
+/// An address of one of this host's interfaces, and the length of its on-link prefix
+/// (its netmask's): the network it reaches without a router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct HostNetwork {
+    pub(super) address: IpAddr,
+    pub(super) prefix_len: u32,
+}
+
+impl HostNetwork {
+    /// Whether `ip` is on this network; an IPv4 network holds the IPv4 address an
+    /// IPv6 form carries ([`canonical`]) too.
+    fn holds(&self, ip: IpAddr) -> bool {
+        let v4_bits = |v4: Ipv4Addr| u128::from(u32::from(v4)) << 96;
+        match (self.address, ip, canonical(ip)) {
+            (IpAddr::V4(own), _, IpAddr::V4(ip)) => {
+                same_prefix(v4_bits(own), v4_bits(ip), self.prefix_len)
+            }
+            (IpAddr::V6(own), IpAddr::V6(ip), _) => {
+                same_prefix(u128::from(own), u128::from(ip), self.prefix_len)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Whether `a` and `b` agree in their first `len` bits.
+fn same_prefix(a: u128, b: u128, len: u32) -> bool {
+    let mask = u128::MAX.checked_shl(128 - len.min(128)).unwrap_or(0);
+    a & mask == b & mask
+}
+
 /// Why the proxy never connects to `ip`: [`forbidden_address`]'s reasons, or that it
-/// is one of `host_addresses` (this host's own, [`host_addresses`]). A public address
-/// of the host's (a cloud machine's, a laptop's global IPv6 one) reaches every host
-/// service listening on all interfaces, as loopback would.
-pub(super) fn forbidden_destination(ip: IpAddr, host_addresses: &[IpAddr]) -> Option<&'static str> {
+/// is an address of this host's or on one of its networks ([`host_networks`]). A
+/// public address of the host's (a cloud machine's, a laptop's global IPv6 one)
+/// reaches every host service listening on all interfaces, as loopback would; a
+/// public one next to it (a LAN device's global IPv6 address, a neighbour in a
+/// cloud's public subnet) is the LAN's, which private addresses are refused to keep
+/// out of reach. (A public address the host is reached at through NAT, a cloud's
+/// elastic IP, is on none of its interfaces, so it cannot be told from another's:
+/// through it the guest reaches what the internet does.)
+pub(super) fn forbidden_destination(ip: IpAddr, networks: &[HostNetwork]) -> Option<&'static str> {
     forbidden_address(ip).or_else(|| {
-        let ip = canonical(ip);
-        host_addresses
+        if networks
             .iter()
-            .any(|own| canonical(*own) == ip)
-            .then_some("an address of this host")
+            .any(|own| canonical(own.address) == canonical(ip))
+        {
+            Some("an address of this host")
+        } else if networks.iter().any(|own| own.holds(ip)) {
+            Some("on a network this host is attached to")
+        } else {
+            None
+        }
     })
 }
 
@@ -55,41 +96,64 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     }
 }
 
-/// The addresses of this host's interfaces, read anew for each connection: they come
-/// and go (Wi-Fi, a VPN, DHCP).
-pub(super) fn host_addresses() -> std::io::Result<Vec<IpAddr>> {
+/// The addresses of this host's interfaces and their networks, read anew for each
+/// connection: they come and go (Wi-Fi, a VPN, DHCP).
+pub(super) fn host_networks() -> std::io::Result<Vec<HostNetwork>> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs writes a list it allocated to `list`, freed below.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut addresses = Vec::new();
+    let mut networks = Vec::new();
     let mut entry = list;
     while !entry.is_null() {
         // SAFETY: `entry` is a node of the list getifaddrs made, not yet freed.
         let node = unsafe { &*entry };
-        // SAFETY: a non-null ifa_addr points to a sockaddr of the family it says,
-        // which sockaddr_in/sockaddr_in6 describe.
-        if let Some(address) = unsafe { node.ifa_addr.as_ref() } {
-            match i32::from(address.sa_family) {
-                libc::AF_INET => {
-                    // SAFETY: see above: the family is AF_INET.
-                    let v4 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in) };
-                    addresses.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr))));
-                }
-                libc::AF_INET6 => {
-                    // SAFETY: see above: the family is AF_INET6.
-                    let v6 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in6) };
-                    addresses.push(IpAddr::V6(Ipv6Addr::from(v6.sin6_addr.s6_addr)));
-                }
-                _ => {}
-            }
+        // SAFETY: ifa_addr is null or points to a sockaddr the list owns.
+        if let Some(address) = unsafe { socket_address(node.ifa_addr) } {
+            // SAFETY: ifa_netmask is null or points to a sockaddr the list owns.
+            let prefix_len = match unsafe { socket_address(node.ifa_netmask) } {
+                Some(IpAddr::V4(mask)) if address.is_ipv4() => u32::from(mask).leading_ones(),
+                Some(IpAddr::V6(mask)) if address.is_ipv6() => u128::from(mask).leading_ones(),
+                // Without a netmask, the address alone.
+                _ => match address {
+                    IpAddr::V4(_) => 32,
+                    IpAddr::V6(_) => 128,
+                },
+            };
+            networks.push(HostNetwork {
+                address,
+                prefix_len,
+            });
         }
         entry = node.ifa_next;
     }
     // SAFETY: `list` came from getifaddrs and is freed once; no node is used after.
     unsafe { libc::freeifaddrs(list) };
-    Ok(addresses)
+    Ok(networks)
+}
+
+/// The IP address in `address`, if it holds one.
+///
+/// # Safety
+/// `address` is null or points to a valid sockaddr of the family it names (as
+/// getifaddrs's nodes do, while their list is not freed).
+unsafe fn socket_address(address: *const libc::sockaddr) -> Option<IpAddr> {
+    // SAFETY: the caller's promise: null or a valid sockaddr.
+    let family = i32::from(unsafe { address.as_ref() }?.sa_family);
+    match family {
+        libc::AF_INET => {
+            // SAFETY: the family is AF_INET, which sockaddr_in describes.
+            let v4 = unsafe { &*(address as *const libc::sockaddr_in) };
+            Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(v4.sin_addr.s_addr))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family is AF_INET6, which sockaddr_in6 describes.
+            let v6 = unsafe { &*(address as *const libc::sockaddr_in6) };
+            Some(IpAddr::V6(Ipv6Addr::from(v6.sin6_addr.s6_addr)))
+        }
+        _ => None,
+    }
 }
 
 pub(super) fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {

@@ -1,9 +1,15 @@
-//! Compressed responses from a host with a secret, decoded before redaction.
+//! Compressed responses from a host with a secret, decoded before redaction, and
+//! transfer codings besides chunked, decoded for every response.
 //!
-//! The proxy asks such a host for `Accept-Encoding: identity`, but a server may
-//! compress anyway, and a compressed echo of the request would carry the secret past
-//! the search for it. So a gzip or deflate body is decoded (and goes to the guest
+//! The proxy asks a host with a secret for `Accept-Encoding: identity`, but a server
+//! may compress anyway, and a compressed echo of the request would carry the secret
+//! past the search for it. So a gzip or deflate body is decoded (and goes to the guest
 //! uncompressed); a body in any other coding is refused, as it cannot be searched.
+//!
+//! A transfer coding (`Transfer-Encoding: gzip, chunked`) belongs to one hop, and the
+//! guest's hop is hyper's, which frames the body anew and sends no such header: the
+//! proxy undoes gzip and deflate, and refuses others, rather than pass on coded bytes
+//! that nothing names.
 
 use std::io::{self, Write};
 use std::pin::Pin;
@@ -22,17 +28,24 @@ use super::BoxError;
 /// still held a frame at a time.
 const FRAME_BYTES: usize = 64 * 1024;
 
-/// The codings on a response's body besides its framing, in the order they were
-/// applied: the content codings, then the transfer codings under a final `chunked`
-/// (RFC 9112, 6.1), or all of them when the body is read to the connection's close.
-/// `identity` is no coding.
-pub(super) fn body_codings(headers: &HeaderMap) -> Vec<String> {
+/// The content codings (`Content-Encoding`), which the response's recipient undoes.
+pub(super) fn content_codings(headers: &HeaderMap) -> Vec<String> {
+    codings_named(list_tokens(headers, header::CONTENT_ENCODING))
+}
+
+/// The transfer codings under a final `chunked` (RFC 9112, 6.1), or all of them when
+/// the body is read to the connection's close: this hop's, which the proxy undoes, as
+/// the `Transfer-Encoding` header naming them does not go on to the guest.
+pub(super) fn transfer_codings(headers: &HeaderMap) -> Vec<String> {
     let mut transfer: Vec<&str> = list_tokens(headers, header::TRANSFER_ENCODING).collect();
     if ends_in_chunked(headers) {
         transfer.pop();
     }
-    list_tokens(headers, header::CONTENT_ENCODING)
-        .chain(transfer)
+    codings_named(transfer.into_iter())
+}
+
+fn codings_named<'a>(listed: impl Iterator<Item = &'a str>) -> Vec<String> {
+    listed
         .filter(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case("identity"))
         .map(str::to_ascii_lowercase)
         .collect()
@@ -470,8 +483,16 @@ mod tests {
             ),
         ];
         for (pairs, expected) in cases {
-            assert_eq!(body_codings(&headers(pairs)), expected, "{pairs:?}");
+            let map = headers(pairs);
+            let codings = [content_codings(&map), transfer_codings(&map)].concat();
+            assert_eq!(codings, expected, "{pairs:?}");
         }
+        let both = headers(&[
+            ("content-encoding", "br"),
+            ("transfer-encoding", "deflate, chunked"),
+        ]);
+        assert_eq!(content_codings(&both), ["br"]);
+        assert_eq!(transfer_codings(&both), ["deflate"]);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The connection's first request head, read before hyper parses it, so that the
 //! commonest mistakes get an answer that says what was wrong.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -16,10 +17,12 @@ use super::{Limits, ProxyError};
 /// commonest failures (a client that is no HTTP proxy client, oversized or slow
 /// headers) get an answer saying what was wrong: hyper's own are empty, or none
 /// for a timeout. hyper then parses the head again from the returned bytes (which
-/// may include more than the head). `None`: closed, or silent until the timeout.
+/// may include more than the head). `None`: closed, or silent until the timeout or
+/// until `displaced` (by a newer connection, past the bound on waiting ones).
 pub(super) async fn read_first_head<S>(
     stream: &mut S,
     limits: &Limits,
+    displaced: impl Future<Output = ()>,
 ) -> Result<Option<Vec<u8>>, ProxyError>
 where
     S: AsyncRead + Unpin,
@@ -39,15 +42,24 @@ where
             }
         }
     };
-    match timeout(limits.header_timeout, read_head).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) | Ok(Err(_)) => return Ok(None),
-        Err(_) if buf.is_empty() => return Ok(None),
-        Err(_) => {
-            return Err(ProxyError::HeadTimeout {
+    let cut_off = tokio::select! {
+        read = timeout(limits.header_timeout, read_head) => match read {
+            Ok(Ok(true)) => None,
+            Ok(Ok(false)) | Ok(Err(_)) => return Ok(None),
+            Err(_) => Some(ProxyError::HeadTimeout {
                 after: limits.header_timeout,
-            })
-        }
+            }),
+        },
+        () = displaced => Some(ProxyError::Displaced {
+            limit: limits.max_waiting_connections,
+        }),
+    };
+    match cut_off {
+        // A connection that said nothing is just closed: there may be no HTTP client
+        // at its end to read an answer.
+        Some(_) if buf.is_empty() => return Ok(None),
+        Some(err) => return Err(err),
+        None => {}
     }
     match head_end(&buf, 0) {
         Some(end) if end <= limits.max_header_bytes => {

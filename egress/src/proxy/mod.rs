@@ -23,7 +23,7 @@
 //! never connects), `decode` (compressed responses undone) and `redact` (the secret
 //! kept out of what comes back).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::fs;
 use std::io;
@@ -43,7 +43,7 @@ use hyper::server::conn::http1 as server_http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::ca::{crate_provider, CaError, CertificateAuthority};
 use crate::log::DecisionLog;
@@ -79,8 +79,13 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Time to resolve, connect and TLS-handshake with an upstream.
     pub connect_timeout: Duration,
-    /// Guest connections served at once (tunnels included); more get 503.
+    /// Guest connections served at once (tunnels included), counted from their first
+    /// request head; more get 503.
     pub max_connections: usize,
+    /// Guest connections that have not sent their first request head yet. One more
+    /// closes the one that has waited longest: idle connections (a browser's
+    /// speculative ones, a stuck program) must not keep a real request out.
+    pub max_waiting_connections: usize,
     /// How often a tunnel or an upgraded connection asks the policy again: one the
     /// policy no longer allows is closed, as a new request would be refused.
     pub policy_recheck: Duration,
@@ -93,6 +98,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             max_connections: 512,
+            max_waiting_connections: 512,
             policy_recheck: Duration::from_secs(2),
         }
     }
@@ -111,6 +117,8 @@ pub struct ProxyConfig {
     pub limits: Limits,
     /// The connection slots, created on first use from `limits.max_connections`.
     slots: OnceLock<Arc<Semaphore>>,
+    /// The connections that have not sent their first request head yet.
+    waiting: WaitingRoom,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
     tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
     /// Where the watches keep their counts between runs (a file per secret), if at all.
@@ -132,6 +140,7 @@ impl ProxyConfig {
             log,
             limits: Limits::default(),
             slots: OnceLock::new(),
+            waiting: WaitingRoom::default(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
             probe_records: None,
         }
@@ -219,12 +228,17 @@ pub enum ProxyError {
     HeadTimeout { after: Duration },
     #[error("too many connections (limit {limit}); retry later")]
     Busy { limit: usize },
+    #[error(
+        "more than {limit} connections waited to send their first request, and this one \
+         had waited longest, so it was closed; send the request when the connection opens"
+    )]
+    Displaced { limit: usize },
     #[error("{what} refused by rule: {rule}")]
     Refused { what: String, rule: String },
     #[error(
         "{what} refused: {target} resolves to {ip}, {reason}; \
          the proxy does not connect to local, private or metadata addresses, nor \
-         to the host's own"
+         to the host's own or the networks it is attached to"
     )]
     ForbiddenAddress {
         what: String,
@@ -233,8 +247,8 @@ pub enum ProxyError {
         reason: &'static str,
     },
     #[error(
-        "cannot list this host's own addresses, which the proxy never connects to, \
-         so {target} is not connected to: {source}"
+        "cannot list this host's own addresses and networks, which the proxy never \
+         connects to, so {target} is not connected to: {source}"
     )]
     HostAddresses { target: String, source: io::Error },
     #[error("Host header {claimed:?} disagrees with {expected}; request not sent")]
@@ -261,11 +275,10 @@ pub enum ProxyError {
     #[error("{target} switched protocols without being asked to")]
     UnaskedUpgrade { target: String },
     #[error(
-        "{target} answered in the {codings} coding although asked for none; the proxy \
-         decodes only gzip and deflate, and a response it cannot search for the secret \
-         is not passed on"
+        "{target} answered in a coding the proxy did not ask for and cannot decode (it \
+         decodes gzip and deflate; the host's log names the coding): {why}"
     )]
-    UndecodableResponse { target: String, codings: String },
+    UndecodableResponse { target: String, why: &'static str },
 }
 
 impl ProxyError {
@@ -276,7 +289,7 @@ impl ProxyError {
             BadRequest(_) | MalformedRequestLine { .. } => StatusCode::BAD_REQUEST,
             HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Busy { .. } | Displaced { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Refused { .. } | ForbiddenAddress { .. } | HostMismatch { .. } => StatusCode::FORBIDDEN,
             Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             HostAddresses { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -364,16 +377,26 @@ pub async fn serve_connection<S>(mut stream: S, config: Arc<ProxyConfig>)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    // A slot is taken only once a request has come: connections that never send one
+    // are bounded apart, so that they cannot keep real requests out.
+    let (place, displaced) = config.waiting.enter(config.limits.max_waiting_connections);
+    let displaced = async {
+        // An error too: the place was given up.
+        let _ = displaced.await;
+    };
+    let head = read_first_head(&mut stream, &config.limits, displaced).await;
+    // Waiting is over, whatever came of it: an answer is no reason to keep the place.
+    drop(place);
+    let head = match head {
+        Ok(Some(head)) => head,
+        Ok(None) => return,
+        Err(e) => return answer_and_close(stream, &e).await,
+    };
     let Ok(permit) = config.slots().clone().try_acquire_owned() else {
         let busy = ProxyError::Busy {
             limit: config.limits.max_connections,
         };
         return answer_and_close(stream, &busy).await;
-    };
-    let head = match read_first_head(&mut stream, &config.limits).await {
-        Ok(Some(head)) => head,
-        Ok(None) => return,
-        Err(e) => return answer_and_close(stream, &e).await,
     };
     let conn = Arc::new(Conn {
         config,
@@ -394,6 +417,53 @@ where
         .await;
     if let Err(e) = served {
         tracing::debug!("guest connection ended: {e}");
+    }
+}
+
+/// The connections waiting for their first request head, oldest first, each with the
+/// sender of its notice to leave.
+#[derive(Default)]
+struct WaitingRoom {
+    waiting: std::sync::Mutex<(u64, BTreeMap<u64, oneshot::Sender<()>>)>,
+}
+
+/// A connection's place in the [`WaitingRoom`], given up when dropped.
+struct WaitingPlace<'a> {
+    room: &'a WaitingRoom,
+    number: u64,
+}
+
+impl WaitingRoom {
+    /// A place for a new connection, and its notice to leave: past `bound`, the one
+    /// that has waited longest is given that notice.
+    fn enter(&self, bound: usize) -> (WaitingPlace<'_>, oneshot::Receiver<()>) {
+        let (notice, receiver) = oneshot::channel();
+        let mut waiting = self.lock();
+        let (next, places) = &mut *waiting;
+        while places.len() >= bound.max(1) {
+            if let Some((_, longest)) = places.pop_first() {
+                let _ = longest.send(());
+            }
+        }
+        let number = *next;
+        *next += 1;
+        places.insert(number, notice);
+        (WaitingPlace { room: self, number }, receiver)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, BTreeMap<u64, oneshot::Sender<()>>)> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.lock().1.len()
+    }
+}
+
+impl Drop for WaitingPlace<'_> {
+    fn drop(&mut self) {
+        self.room.lock().1.remove(&self.number);
     }
 }
 

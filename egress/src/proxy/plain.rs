@@ -22,9 +22,6 @@ pub(super) async fn plain_http(
     let (host, port) = absolute_target(req.uri())?;
     let target = display_target(&host, port);
     let expected = format!("the request URI's {target}");
-    // The URI names the target; Host headers (optional in HTTP/1.0) must agree.
-    let claims = claimed_authorities(None, req.headers())?;
-    check_claims(claims, &host, port, 80, &expected)?;
     let ask = Ask {
         host: host.clone(),
         port,
@@ -32,6 +29,11 @@ pub(super) async fn plain_http(
         method: req.method().to_string(),
         what: format!("{} http://{target}", req.method()),
     };
+    // The URI names the target; Host headers (optional in HTTP/1.0) must agree.
+    let claims = claimed_authorities(None, req.headers())?;
+    if let Err(e) = check_claims(claims, &host, port, 80, &expected) {
+        return Err(ask.refuse(config, &e.to_string(), e));
+    }
     let decision = ask.decide(config)?;
     let addrs = vetted_addresses(config, &ask, &decision).await?;
     let mut entry = ask.entry(true, &decision.rule, None);

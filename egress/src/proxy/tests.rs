@@ -15,11 +15,18 @@ fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
+fn network(address: &str, prefix_len: u32) -> HostNetwork {
+    HostNetwork {
+        address: ip(address),
+        prefix_len,
+    }
+}
+
 /// A public address is refused when it is one of the host's own: through it the
 /// guest would reach the host's services that listen on every interface.
 #[test]
 fn the_hosts_own_addresses_are_forbidden_even_public_ones() {
-    let own = [ip("203.0.113.5"), ip("2001:db8::5")];
+    let own = [network("203.0.113.5", 32), network("2001:db8::5", 128)];
     for addr in [
         "203.0.113.5",
         "::ffff:203.0.113.5",
@@ -44,9 +51,55 @@ fn the_hosts_own_addresses_are_forbidden_even_public_ones() {
     );
 }
 
+/// Public addresses on the host's own networks (a LAN device's global IPv6 address in
+/// the host's /64, a neighbour in a public IPv4 subnet) are the LAN's: refused, as
+/// private ones are.
+#[test]
+fn the_networks_the_host_is_on_are_forbidden() {
+    let own = [
+        network("198.51.100.20", 24),
+        network("2001:db8:1:2::20", 64),
+        network("2002:cb00:7105::1", 48),
+    ];
+    for addr in [
+        "198.51.100.1",
+        "198.51.100.255",
+        "::ffff:198.51.100.7",
+        "64:ff9b::198.51.100.7",
+        "2001:db8:1:2::1",
+        "2001:db8:1:2:ffff:ffff:ffff:ffff",
+    ] {
+        assert_eq!(
+            forbidden_destination(ip(addr), &own),
+            Some("on a network this host is attached to"),
+            "{addr}"
+        );
+    }
+    // Just outside them; and a 6to4 interface address's network is IPv6's.
+    for addr in [
+        "198.51.101.1",
+        "198.51.99.255",
+        "2001:db8:1:3::1",
+        "2001:db8:1::1",
+        "203.0.113.9",
+        "2002:cb00:7106::1",
+    ] {
+        assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
+    }
+    // The extremes of a prefix's length.
+    assert_eq!(
+        forbidden_destination(ip("8.8.8.8"), &[network("1.1.1.1", 0)]),
+        Some("on a network this host is attached to")
+    );
+    assert_eq!(
+        forbidden_destination(ip("2001:db8::9"), &[network("2001:db8::8", 128)]),
+        None
+    );
+}
+
 #[test]
 fn the_hosts_addresses_are_read_from_its_interfaces() {
-    let own = host_addresses().unwrap();
+    let own = host_networks().unwrap();
     // Every network namespace has its loopback interface, which holds 127.0.0.1 once
     // it is up (`unshare -n` leaves it down).
     let loopback_up = std::fs::read_to_string("/sys/class/net/lo/operstate")
@@ -55,7 +108,8 @@ fn the_hosts_addresses_are_read_from_its_interfaces() {
         eprintln!("NOT RUN: the loopback interface is down here");
         return;
     }
-    assert!(own.contains(&ip("127.0.0.1")), "{own:?}");
+    // With its netmask: 127.0.0.1/8.
+    assert!(own.contains(&network("127.0.0.1", 8)), "{own:?}");
 }
 
 #[test]
@@ -307,25 +361,64 @@ async fn the_first_head_is_read_within_limits() {
         ..Limits::default()
     };
     let mut input: &[u8] = b"GET http://x/ HTTP/1.1\r\n\r\nextra";
-    let head = read_first_head(&mut input, &limits).await.unwrap().unwrap();
+    let head = read_first_head(&mut input, &limits, std::future::pending())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(head, b"GET http://x/ HTTP/1.1\r\n\r\nextra");
     let mut input: &[u8] = &[b'a'; 1000];
-    let err = read_first_head(&mut input, &limits).await.unwrap_err();
+    let err = read_first_head(&mut input, &limits, std::future::pending())
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     let mut input: &[u8] = b"";
-    assert!(read_first_head(&mut input, &limits)
+    assert!(read_first_head(&mut input, &limits, std::future::pending())
         .await
         .unwrap()
         .is_none());
     let (mut silent, _other_end) = tokio::io::duplex(64);
-    assert!(read_first_head(&mut silent, &limits)
-        .await
-        .unwrap()
-        .is_none());
+    assert!(
+        read_first_head(&mut silent, &limits, std::future::pending())
+            .await
+            .unwrap()
+            .is_none()
+    );
     let (mut slow, mut other_end) = tokio::io::duplex(64);
     other_end.write_all(b"GET http://x/").await.unwrap();
-    let err = read_first_head(&mut slow, &limits).await.unwrap_err();
+    let err = read_first_head(&mut slow, &limits, std::future::pending())
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), StatusCode::REQUEST_TIMEOUT);
+    // Displaced by a newer connection: closed if it said nothing, told if it had begun.
+    let (mut silent, _other_end) = tokio::io::duplex(64);
+    let displaced = read_first_head(&mut silent, &limits, std::future::ready(())).await;
+    assert!(displaced.unwrap().is_none());
+    let (mut begun, mut other_end) = tokio::io::duplex(64);
+    other_end.write_all(b"GET http://x/").await.unwrap();
+    let displaced = async { tokio::time::sleep(Duration::from_millis(50)).await };
+    let err = read_first_head(&mut begun, &limits, displaced)
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[test]
+fn past_the_waiting_bound_the_longest_waiting_leaves() {
+    let room = WaitingRoom::default();
+    let mut entered: Vec<_> = (0..4).map(|_| room.enter(3)).collect();
+    let mut displaced = |i: usize| {
+        let (_, notice) = &mut entered[i];
+        notice.try_recv() != Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+    };
+    assert!(displaced(0), "the oldest stayed");
+    assert!(!displaced(1) && !displaced(2) && !displaced(3));
+    // One that leaves (its head arrived) frees its place: the next does not displace.
+    let (second, _) = entered.remove(1);
+    drop(second);
+    entered.push(room.enter(3));
+    assert!((1..4)
+        .all(|i| entered[i].1.try_recv() == Err(tokio::sync::oneshot::error::TryRecvError::Empty)));
+    assert_eq!(room.len(), 3);
 }
 
 const SECRET: &[u8] = b"Bearer sk-proj-0123456789";

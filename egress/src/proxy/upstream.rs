@@ -16,8 +16,10 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-use super::addresses::{forbidden_destination, host_addresses};
-use super::decode::{body_codings, decoding_for, headers_for_decoded, DecodedBody};
+use super::addresses::{forbidden_destination, host_networks};
+use super::decode::{
+    content_codings, decoding_for, headers_for_decoded, transfer_codings, DecodedBody,
+};
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
@@ -147,13 +149,13 @@ pub(super) async fn vetted_addresses(
     if addrs.is_empty() {
         return Err(ProxyError::NoAddress { target });
     }
-    // Failing closed: without the host's addresses, none can be told from another's.
-    let host_addresses = host_addresses().map_err(|source| ProxyError::HostAddresses {
+    // Failing closed: without the host's networks, none can be told from another's.
+    let host_networks = host_networks().map_err(|source| ProxyError::HostAddresses {
         target: target.clone(),
         source,
     })?;
     let forbidden = addrs.iter().find_map(|addr| {
-        forbidden_destination(addr.ip(), &host_addresses).map(|reason| (addr.ip(), reason))
+        forbidden_destination(addr.ip(), &host_networks).map(|reason| (addr.ip(), reason))
     });
     if let Some((ip, reason)) = forbidden {
         let rule = format!("{}, but {ip} is {reason}", decision.rule);
@@ -294,8 +296,12 @@ pub(super) fn relay_response(
     } else {
         Some(ask)
     };
-    // A body the redactor reads must be plain bytes: one compressed anyway is decoded.
-    // (A response without a body has nothing to search, whatever its coding.)
+    // First, so that nothing below, the host's log included, sees the secret in a
+    // header an upstream quoted it in.
+    if let Some(redactor) = &redactor {
+        redactor.redact_headers(response.headers_mut());
+    }
+    // A response without a body has nothing to decode, whatever its coding.
     let bodiless = |ask: &Ask| {
         ask.method == "HEAD"
             || matches!(
@@ -303,34 +309,55 @@ pub(super) fn relay_response(
                 StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED
             )
     };
-    let decoding = match (&redactor, &body_ask) {
-        (Some(_), Some(ask)) if !bodiless(ask) => {
-            let codings = body_codings(response.headers());
-            let undecodable = |codings| ProxyError::UndecodableResponse {
-                target: ask.target(),
-                codings,
+    let (decoding, content_decoded) = match &body_ask {
+        Some(ask) if !bodiless(ask) => {
+            // A body the redactor reads must be plain bytes: one compressed anyway is
+            // decoded. Otherwise the guest undoes the content codings itself.
+            let content = match redactor {
+                Some(_) => content_codings(response.headers()),
+                None => Vec::new(),
             };
-            decoding_for(&codings).map_err(undecodable)?
+            let codings = [content.as_slice(), &transfer_codings(response.headers())].concat();
+            let decoding = decoding_for(&codings).map_err(|named| {
+                let target = ask.target();
+                // The upstream chose this text: the guest is not shown it (the secret
+                // may be in it, redacted or cut), the host's log is, escaped.
+                guest_log::guest_warn!(
+                    target = %target,
+                    codings = ?bounded_text(&named),
+                    "egress proxy: an upstream's response is in codings the proxy cannot decode"
+                );
+                ProxyError::UndecodableResponse {
+                    target,
+                    why: if redactor.is_some() {
+                        "a response it cannot search for the secret is not passed on"
+                    } else {
+                        "a transfer coding the guest did not ask for would reach it unnamed"
+                    },
+                }
+            })?;
+            (decoding, !content.is_empty())
         }
-        _ => None,
+        _ => (None, false),
     };
     strip_hop_by_hop(response.headers_mut(), switching);
-    if decoding.is_some() {
+    if content_decoded {
         headers_for_decoded(response.headers_mut());
+    } else if decoding.is_some() {
+        // Only this hop's coding is undone: the representation, and so its
+        // validators, are the same; its length in transfer is not known.
+        response.headers_mut().remove(header::CONTENT_LENGTH);
     }
+    let plain = move |inner: Incoming| match decoding {
+        Some(coding) => DecodedBody::new(inner, coding).boxed(),
+        None => boxed(inner),
+    };
     Ok(match redactor {
         Some(redactor) => {
-            redactor.redact_headers(response.headers_mut());
             // An upstream's own reason phrase could quote the secret: the guest gets
             // the standard one for the status.
             response.extensions_mut().remove::<ReasonPhrase>();
-            let body = |inner: Incoming| {
-                let plain = match decoding {
-                    Some(coding) => DecodedBody::new(inner, coding).boxed(),
-                    None => boxed(inner),
-                };
-                RedactedBody::new(plain, redactor.clone())
-            };
+            let body = |inner: Incoming| RedactedBody::new(plain(inner), redactor.clone());
             match body_ask {
                 Some(ask) => {
                     let (watched, conn) = (redactor.clone(), conn.clone());
@@ -341,8 +368,18 @@ pub(super) fn relay_response(
                 None => response.map(|inner| body(inner).boxed()),
             }
         }
-        None => response.map(boxed),
+        None => response.map(plain),
     })
+}
+
+/// `text`, cut to a length fit for a log line.
+fn bounded_text(text: &str) -> &str {
+    const MAX: usize = 256;
+    let mut end = text.len().min(MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// Copies between the upgraded guest and upstream connections (a WebSocket, say),

@@ -64,7 +64,9 @@ the host memory of idle VMs.
                        (default: guest-agent/build-initramfs.sh)
   --rootfs PATH        the workspace VM's root image (default: rootfs/build-rootfs.sh)
   --vmctl PATH         vmctl binary (default: $VMCTL_BIN or target/release/vmctl)
-  --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH)
+  --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH);
+                       needed by boot and churn only (fs leaves out its
+                       comparison by VMM without it)
   --cpus N             guest vCPUs: boot this one configuration only (default:
                        the matrix of 1 and 2 vCPUs, 128 and 1024 MiB)
   --memory MIB         guest memory: likewise (with one of --cpus/--memory, the

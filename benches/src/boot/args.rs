@@ -49,7 +49,8 @@ the host memory of idle VMs.
                        on hardware KVM, 64 in the nested host, 8 with --quick)
   --fs-files N         virtio-fs: small files created and stat-ed, and the git
                        repository's files (default 10000; nested 1000; quick 100)
-  --fs-runs N          virtio-fs: repetitions per side (default 3; quick 1)
+  --fs-runs N          virtio-fs: repetitions per side (default 5 on hardware
+                       KVM, 3 in the nested host; quick 1)
   --fs-edit-rounds N   virtio-fs: rounds of the host-edits probe per side (how
                        soon the host's edits reach the guest; default 10; quick 3)
   --fs-timeout SECS    virtio-fs: per script (default 600)

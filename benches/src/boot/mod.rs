@@ -656,6 +656,8 @@ fn measure(
             script_timeout: args.fs_timeout,
             cache: args.fs_cache.clone(),
             nested,
+            hardware_kvm: hardware_kvm(),
+            hypervisor: Machine::this().hypervisor,
             drop_caches: crate::fs::DROP_CACHES_FILE.into(),
             // Not in the smoke run: in the nested host these boots of their own hang
             // far more often than the workspace VMs (benches/README.md).

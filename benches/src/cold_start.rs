@@ -18,7 +18,7 @@ use crate::boot::{say, TempDir};
 use crate::process::run_command;
 use crate::report::{BootConfig, Figure};
 use crate::scan::tail;
-use crate::workspace::{figure, GuestArtifacts, Vmctl};
+use crate::workspace::{figure, write_vmctl_config, GuestArtifacts, Vmctl};
 
 /// What vmctl logs (at info, target `vmctl::vm`) when a VM's agent first answers;
 /// the same text as vmctl's `AGENT_READY_LOG`.
@@ -97,12 +97,7 @@ fn measure_config(
     let dir = tmp.join(format!("config-{index}"));
     let state = dir.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
-    // Beside the workspaces, not around them: vmctl shares no directory that holds
-    // its config (and the secrets beside it).
-    let config_file = dir.join("config").join("config.toml");
-    fs::create_dir_all(dir.join("config"))
-        .and_then(|()| fs::write(&config_file, config_toml(config)))
-        .map_err(|e| format!("write {}: {e}", config_file.display()))?;
+    let config_file = write_vmctl_config(&dir, config)?;
     let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config_file), b.timeout);
     let mut runs = Vec::new();
     for i in 0..b.runs {
@@ -125,15 +120,6 @@ fn measure_config(
         runs.push(run);
     }
     Ok(runs)
-}
-
-/// The vmctl config that gives a new VM exactly `config`'s size (and keeps it up
-/// until the benchmark removes it).
-fn config_toml(config: BootConfig) -> String {
-    format!(
-        "cpus = {}\nmemory_percent = 0\nmemory_min_mib = {}\nidle_timeout_s = 3600\n",
-        config.vcpus, config.memory_mib
-    )
 }
 
 /// `vmctl exec --workspace WS -- echo MARKER` on a workspace with no VM yet, checked
@@ -283,13 +269,5 @@ mod tests {
         assert!(descendants_named(&proc, 999, "virtiofsd").is_empty());
         assert_eq!(rss_kib(&proc, 103), Some(9000));
         assert_eq!(rss_kib(&proc, 555), None);
-    }
-
-    #[test]
-    fn the_config_sizes_the_vm_exactly() {
-        let toml = config_toml(BootConfig::new(2, 128));
-        assert!(toml.contains("cpus = 2\n"), "{toml}");
-        assert!(toml.contains("memory_percent = 0\n"), "{toml}");
-        assert!(toml.contains("memory_min_mib = 128\n"), "{toml}");
     }
 }

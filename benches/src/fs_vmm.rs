@@ -37,8 +37,8 @@ use crate::workspace::GuestArtifacts;
 /// The batch script's last line: the guest ran every workload.
 pub const BATCH_DONE: &str = "VM-BENCH-FS-BATCH-DONE";
 /// The guest of both VMMs: the workspace VM's size.
-pub const CPUS: u32 = 2;
-pub const MEMORY_MIB: u64 = 1024;
+pub const CPUS: u32 = crate::workspace::WORKSPACE_VM.vcpus;
+pub const MEMORY_MIB: u64 = crate::workspace::WORKSPACE_VM.memory_mib;
 /// The share's tag in both VMMs.
 const TAG: &str = "ws";
 /// The batch's files, in the shared directory.

@@ -21,6 +21,11 @@ pub struct Machine {
     pub kernel: String,
     /// `kvm_intel` / `kvm_amd` loaded: KVM is hardware-backed here.
     pub hardware_kvm: bool,
+    /// `/proc/cpuinfo` has the `hypervisor` flag: this machine is itself a VM (a cloud
+    /// instance), so its hardware KVM is nested VMX/SVM under the cloud's hypervisor.
+    /// `None` where the flags could not be read, and in reports written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hypervisor: Option<bool>,
 }
 
 impl Machine {
@@ -31,7 +36,8 @@ impl Machine {
                 .trim()
                 .to_string()
         };
-        let cpu_model = read("/proc/cpuinfo")
+        let cpuinfo = read("/proc/cpuinfo");
+        let cpu_model = cpuinfo
             .lines()
             .find_map(|l| {
                 l.strip_prefix("model name")?
@@ -49,8 +55,33 @@ impl Machine {
                 read("/proc/sys/kernel/version")
             ),
             hardware_kvm: hardware_kvm(),
+            hypervisor: cpuinfo_hypervisor_flag(&cpuinfo),
         }
     }
+
+    /// How the Markdown header names where a direct run measured: hardware KVM (in a
+    /// VM of its own, where the CPU says so), or KVM that is not hardware-backed.
+    pub fn kvm_label(&self) -> &'static str {
+        match (self.hardware_kvm, self.hypervisor) {
+            (false, _) => {
+                "direct, KVM not hardware-backed (no kvm_intel/kvm_amd): not hardware figures"
+            }
+            (true, Some(true)) => {
+                "direct, hardware KVM inside a VM (the CPU has the hypervisor flag: nested \
+                 VMX/SVM under the cloud's hypervisor)"
+            }
+            (true, _) => "direct, hardware KVM",
+        }
+    }
+}
+
+/// Whether the first `flags` line of `/proc/cpuinfo` text has `hypervisor`: the CPU
+/// says it runs under a hypervisor. `None` without a `flags` line.
+pub fn cpuinfo_hypervisor_flag(cpuinfo: &str) -> Option<bool> {
+    cpuinfo.lines().find_map(|line| {
+        let (key, flags) = line.split_once(':')?;
+        (key.trim() == "flags").then(|| flags.split_whitespace().any(|f| f == "hypervisor"))
+    })
 }
 
 /// KVM is hardware-backed where `kvm_intel` or `kvm_amd` is loaded (or built in).
@@ -128,16 +159,17 @@ impl Figure {
     }
 
     /// The target column of a table: the goal and, where the figure was measured
-    /// where the goal applies, whether the median met it.
-    pub fn target_cell(&self, nested: bool) -> String {
-        match &self.target {
-            None => String::new(),
-            // Times under TCG say nothing about hardware; a process's memory does.
-            Some(t) if nested && self.unit != "MiB" => format!(
-                "< {} {} (target on {}; not comparable in nested mode)",
+    /// where the goal applies, whether the median met it. `not_comparable` says where
+    /// a time was measured instead ("in nested mode"), when not on hardware KVM.
+    pub fn target_cell(&self, not_comparable: Option<&str>) -> String {
+        match (&self.target, not_comparable) {
+            (None, _) => String::new(),
+            // Times under emulation say nothing about hardware; a process's memory does.
+            (Some(t), Some(where_)) if self.unit != "MiB" => format!(
+                "< {} {} (target on {}; not comparable {where_})",
                 t.below, self.unit, t.on
             ),
-            Some(t) => format!(
+            (Some(t), _) => format!(
                 "< {} {} (target on {}): {}",
                 t.below,
                 self.unit,
@@ -449,7 +481,7 @@ impl Report {
         let where_ = if self.mode == "nested" {
             "nested host (QEMU TCG), not hardware figures"
         } else {
-            "direct, hardware KVM"
+            self.machine.kvm_label()
         };
         s.push_str(&format!("Boot benchmark, {where_}, {}\n\n", self.date));
         if let Some(why) = &self.incomplete {
@@ -514,7 +546,7 @@ impl Report {
         }
         if let Some(w) = &self.workspace {
             s.push('\n');
-            s.push_str(&w.markdown(self.mode == "nested"));
+            s.push_str(&w.markdown(self.targets_not_comparable()));
         }
         if let Some(f) = &self.fs {
             s.push('\n');
@@ -567,8 +599,20 @@ impl Report {
                 fmt_num(f.max, &f.unit),
                 f.samples.len(),
                 ratio,
-                f.target_cell(self.mode == "nested")
+                f.target_cell(self.targets_not_comparable())
             ));
+        }
+    }
+
+    /// Where the times were measured when that was not on hardware KVM, so that their
+    /// targets are not judged: "in nested mode", or without hardware KVM.
+    pub fn targets_not_comparable(&self) -> Option<&'static str> {
+        if self.mode == "nested" {
+            Some("in nested mode")
+        } else if !self.machine.hardware_kvm {
+            Some("without hardware KVM")
+        } else {
+            None
         }
     }
 
@@ -579,8 +623,9 @@ impl Report {
 }
 
 impl WorkspaceReport {
-    /// The workspace-VM table; `nested`: the figures were measured in the nested host.
-    pub fn markdown(&self, nested: bool) -> String {
+    /// The workspace-VM table; `not_comparable`: where the figures were measured when
+    /// that was not on hardware KVM ([`Report::targets_not_comparable`]).
+    pub fn markdown(&self, not_comparable: Option<&str>) -> String {
         let c = &self.config;
         let mut s = format!(
             "Workspace VM (`vmctl up`: {} vCPUs, {} MiB, guest agent as PID 1, Debian root image \
@@ -598,7 +643,7 @@ impl WorkspaceReport {
         s.push_str("| figure | unit | VMM | median | p90 | p99 | min | max | n | target |\n");
         s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|---|\n");
         for f in &self.figures {
-            let target = f.target_cell(nested);
+            let target = f.target_cell(not_comparable);
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 f.name,
@@ -696,10 +741,13 @@ pub const GUEST: &str = "guest";
 
 impl FsFigure {
     /// Keeps the figure and its slowdown, without a verdict: `why` the measurement
-    /// cannot back one.
+    /// cannot back one (added to the reasons already given).
     pub fn withhold_verdict(&mut self, why: &str) {
         self.target.met = None;
-        self.target.withheld = Some(why.into());
+        self.target.withheld = Some(match self.target.withheld.take() {
+            Some(earlier) => format!("{earlier}; {why}"),
+            None => why.into(),
+        });
     }
 
     /// The figure from both sides' samples; the slowdown and the target's verdict
@@ -764,6 +812,10 @@ pub struct FsSide {
     pub bash: String,
     pub git: String,
     pub uid: String,
+    /// `command -v node`, or `missing` (then the host edits are not measured); empty
+    /// in reports written before.
+    #[serde(default)]
+    pub node: String,
     /// `echo 3 > /proc/sys/vm/drop_caches` before the reads (the host's also before
     /// the guest's reads): how often it worked and how often it did not.
     pub cache_drops_ok: usize,
@@ -814,6 +866,16 @@ pub struct FsConfig {
     pub guest_cache: String,
 }
 
+/// What the host's reads of its sequential file came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostRead {
+    /// Its page cache was dropped before every read: from disk.
+    Cold,
+    /// Not dropped (skipped, or not writable) before at least one read: from memory.
+    Warm,
+}
+
 /// The shared workspace directory, guest against host.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FsReport {
@@ -823,6 +885,21 @@ pub struct FsReport {
     pub host: String,
     /// `true` when that is the QEMU-TCG nested host.
     pub nested: bool,
+    /// Whether KVM where the VMM runs is hardware-backed (`kvm_intel`/`kvm_amd`), and
+    /// whether that machine's CPU has the `hypervisor` flag (a cloud VM: its hardware
+    /// KVM is nested VMX/SVM). `None` in reports written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware_kvm: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hypervisor: Option<bool>,
+    /// Why no figure gets a verdict: the issue's targets are judged only on hardware
+    /// KVM in mode `direct`, with the VM not nested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdicts_withheld: Option<String>,
+    /// Whether the host's sequential reads were cold (its cache dropped before each)
+    /// or warm; `None` when no host read was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_read: Option<HostRead>,
     pub config: FsConfig,
     pub sides: Vec<FsSide>,
     /// How each side runs a script, and the scripts (the host's, first repetition;
@@ -921,8 +998,8 @@ impl FsReport {
              the script (bash `$EPOCHREALTIME`), so exec overhead is not counted. {} repetition(s), \
              alternating whether host or guest goes first. Sizes: {} MiB file, {} files ({}). \
              Workspace file system: host {}, guest {} (virtiofsd cache policy: {}). Caches dropped \
-             before each read: host {}, guest {}. Slowdown = guest/host for times, host/guest \
-             for throughputs: above 1 the guest is slower. {}\n\n",
+             before each read: host {}, guest {}; the host's reads were {}. Slowdown = guest/host \
+             for times, host/guest for throughputs: above 1 the guest is slower. {}\n\n",
             c.vm_cpus,
             c.vm_memory_mib,
             self.host,
@@ -935,6 +1012,11 @@ impl FsReport {
             c.guest_cache,
             dropped(HOST),
             dropped(GUEST),
+            match self.host_read {
+                Some(HostRead::Cold) => "cold",
+                Some(HostRead::Warm) => "warm (from memory)",
+                None => "not measured",
+            },
             self.note
         );
         if let Some(e) = &self.error {
@@ -1213,6 +1295,75 @@ mod tests {
     }
 
     #[test]
+    fn the_header_says_whether_kvm_is_hardware_and_in_a_vm() {
+        assert_eq!(cpuinfo_hypervisor_flag("model name\t: X\n"), None);
+        assert_eq!(
+            cpuinfo_hypervisor_flag("processor\t: 0\nflags\t\t: fpu vmx hypervisor lahf_lm\n"),
+            Some(true)
+        );
+        assert_eq!(
+            cpuinfo_hypervisor_flag("flags\t\t: fpu vmx\nflags\t\t: hypervisor\n"),
+            Some(false)
+        );
+        assert_eq!(
+            cpuinfo_hypervisor_flag("vmx flags\t: hypervisor\nflags\t: svm\n"),
+            Some(false)
+        );
+        let mut r: Report = serde_json::from_value(serde_json::json!({
+            "benchmark": "boot", "date": "d", "mode": "direct", "note": null,
+            "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
+                "hardware_kvm": true},
+            "measured_on": null, "commit": null, "dirty": null,
+            "kernel": "/k", "initrd": "/i", "vmctl": "/v", "qemu": "", "qemu_version": "",
+            "config": {"runs": 1, "quick": false, "vcpus": 1, "memory_mib": 128,
+                "memory_runs": 1, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
+            "commands": [], "memory_rules": [],
+            "figures": [Figure::new("boot_to_init_wall", "ms", OURS, vec![100.0])
+                .unwrap().with_hardware_target(125.0)],
+            "ratios": []
+        }))
+        .unwrap();
+        // A report from before the flag was recorded.
+        assert_eq!(r.machine.hypervisor, None);
+        let md = r.markdown();
+        assert!(
+            md.starts_with("Boot benchmark, direct, hardware KVM, d"),
+            "{md}"
+        );
+        assert!(md.contains("(target on hardware KVM): met |"), "{md}");
+        r.machine.hypervisor = Some(true);
+        let md = r.markdown();
+        assert!(
+            md.starts_with("Boot benchmark, direct, hardware KVM inside a VM (the CPU has the hypervisor flag: nested VMX/SVM"),
+            "{md}"
+        );
+        // `--nested never` where KVM is not hardware-backed: no verdicts on times.
+        r.machine.hardware_kvm = false;
+        let md = r.markdown();
+        assert!(
+            md.starts_with("Boot benchmark, direct, KVM not hardware-backed"),
+            "{md}"
+        );
+        assert!(
+            md.contains("(target on hardware KVM; not comparable without hardware KVM) |"),
+            "{md}"
+        );
+        assert!(!md.contains(": met |"), "{md}");
+        let json = serde_json::to_value(&r.machine).unwrap();
+        assert_eq!(json["hypervisor"], true);
+    }
+
+    #[test]
+    fn withheld_verdicts_keep_every_reason() {
+        let mut f = fs_figures().remove(0);
+        assert_eq!(f.target.met, Some(false));
+        f.withhold_verdict("nested");
+        f.withhold_verdict("cache");
+        assert_eq!(f.target.met, None);
+        assert_eq!(f.target.withheld.as_deref(), Some("nested; cache"));
+    }
+
+    #[test]
     fn dates() {
         assert_eq!(utc_from_unix(0), "1970-01-01T00:00:00Z");
         assert_eq!(utc_from_unix(951_782_400), "2000-02-29T00:00:00Z");
@@ -1347,6 +1498,10 @@ mod tests {
             note: "Nested: ratios are the point.".into(),
             host: "the QEMU-TCG nested host, where the VMM runs".into(),
             nested: true,
+            hardware_kvm: Some(true),
+            hypervisor: Some(true),
+            verdicts_withheld: None,
+            host_read: Some(HostRead::Warm),
             config: FsConfig {
                 file_mib: 16,
                 files: 200,
@@ -1405,6 +1560,10 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("host overlayfs, guest fuseblk"), "{md}");
+        assert!(
+            md.contains("the host's reads were warm (from memory)"),
+            "{md}"
+        );
         assert!(md.contains("host yes, guest partly"), "{md}");
         assert!(md.contains("Nested: ratios are the point."), "{md}");
         assert!(md.contains("The git index was not rewritten."), "{md}");
@@ -1451,7 +1610,7 @@ mod tests {
             ],
             ready_runs: vec![],
         };
-        let nested = w.markdown(true);
+        let nested = w.markdown(Some("in nested mode"));
         assert!(
             nested.contains("| agent_ready | ms | vmctl | 5600 | 5700 |  | 5500 | 5700 | 2 | < 250 ms (target on hardware KVM; not comparable in nested mode) |"),
             "{nested}"
@@ -1467,7 +1626,7 @@ mod tests {
             "{nested}"
         );
         assert!(nested.contains("No QEMU peer."), "{nested}");
-        let direct = w.markdown(false);
+        let direct = w.markdown(None);
         assert!(
             direct.contains("(target on hardware KVM): missed |"),
             "{direct}"

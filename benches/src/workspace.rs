@@ -15,7 +15,7 @@ use guest_agent::client::connect_hybrid;
 use guest_agent::protocol::{ExecRequest, HealthInfo};
 
 use crate::process::{run_command, Ran};
-use crate::report::{Figure, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS};
+use crate::report::{BootConfig, Figure, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS};
 use crate::scan::tail;
 use crate::stats::ms;
 
@@ -27,6 +27,10 @@ const VSOCK_SOCKET: &str = "vsock/vsock.sock";
 /// Targets on hardware KVM (the project's goals), printed beside the figures.
 pub const AGENT_READY_TARGET_MS: f64 = 250.0;
 pub const EXEC_ROUND_TRIP_TARGET_MS: f64 = 2.0;
+/// The workspace VM's size in this section and the virtio-fs one (and the guest of the
+/// virtio-fs comparison by VMM), set by their own vmctl config file: vmctl's default
+/// would size it by the host (every CPU, 10% of RAM).
+pub const WORKSPACE_VM: BootConfig = BootConfig::new(2, 1024);
 /// Client round trips run, unmeasured, before the measured ones (the first `true`
 /// is read from the root image; later ones come from the guest's page cache).
 pub const EXEC_WARMUP: usize = 3;
@@ -68,6 +72,28 @@ impl GuestArtifacts {
             ("VMCTL_ROOTFS", &self.rootfs),
         ]
     }
+}
+
+/// The vmctl config that gives every new VM exactly `size` (and keeps it up until the
+/// benchmark removes it). Nothing else: the user's config (size, mounts, ports) is not
+/// read by a vmctl pointed at this one.
+pub(crate) fn vmctl_config_toml(size: BootConfig) -> String {
+    format!(
+        "cpus = {}\nmemory_percent = 0\nmemory_min_mib = {}\nidle_timeout_s = 3600\n",
+        size.vcpus, size.memory_mib
+    )
+}
+
+/// Writes [`vmctl_config_toml`] to `dir/config/config.toml` and returns its path: a
+/// directory beside the workspaces, not around them, as vmctl shares no directory
+/// that holds its config (and the secrets beside it).
+pub(crate) fn write_vmctl_config(dir: &Path, size: BootConfig) -> Result<PathBuf, String> {
+    let config_dir = dir.join("config");
+    let file = config_dir.join("config.toml");
+    fs::create_dir_all(&config_dir)
+        .and_then(|()| fs::write(&file, vmctl_config_toml(size)))
+        .map_err(|e| format!("write {}: {e}", file.display()))?;
+    Ok(file)
 }
 
 /// `vmctl` with the benchmark's state directory and artifacts; remembers every
@@ -342,8 +368,9 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     let tmp = TempDir::unique("-ws");
     let state = tmp.0.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
+    let config = write_vmctl_config(&tmp.0, WORKSPACE_VM)?;
     // Declared after `tmp`, so dropped (VMs removed) before the directory goes.
-    let mut vmctl = Vmctl::new(&b.artifacts, state, None, b.timeout);
+    let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config), b.timeout);
     let env = vmctl.env.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -591,7 +618,17 @@ mod tests {
         assert_eq!(with_vm_end(&none, "e".into(), Duration::ZERO), "e");
     }
 
-    /// A fake `vmctl` that logs its arguments; `up` fails for the second workspace.
+    #[test]
+    fn the_config_sizes_the_vm_exactly() {
+        let toml = vmctl_config_toml(BootConfig::new(2, 128));
+        assert!(toml.contains("cpus = 2\n"), "{toml}");
+        assert!(toml.contains("memory_percent = 0\n"), "{toml}");
+        assert!(toml.contains("memory_min_mib = 128\n"), "{toml}");
+        assert_eq!((WORKSPACE_VM.vcpus, WORKSPACE_VM.memory_mib), (2, 1024));
+    }
+
+    /// A fake `vmctl` that logs its arguments, and the config its `up` was given;
+    /// `up` fails for the second workspace.
     fn fake(dir: &Path) -> WorkspaceBench {
         let log = dir.join("calls.log");
         let script = dir.join("vmctl");
@@ -600,11 +637,13 @@ mod tests {
             format!(
                 "#!/bin/sh\necho \"$*\" >> {log}\ncase \"$1 $2\" in\n  \
                  up*ws-2) echo 'no kvm here' >&2; exit 1;;\n  \
-                 up*) d=\"$XDG_STATE_HOME/vmctl/vms/x-$(basename $2)\"; mkdir -p \"$d\"; \
+                 up*) cat \"$VMCTL_CONFIG\" > {config_seen} 2>/dev/null; \
+                 d=\"$XDG_STATE_HOME/vmctl/vms/x-$(basename $2)\"; mkdir -p \"$d\"; \
                  printf '{{\"workspace\":\"%s\"}}' \"$2\" > \"$d/vm.json\"; \
                  echo 'booting' > \"$d/console.log\";;\n  \
                  rm*) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x-$(basename $2)\";;\nesac\n",
-                log = log.display()
+                log = log.display(),
+                config_seen = dir.join("config-seen.toml").display(),
             ),
         )
         .unwrap();
@@ -636,6 +675,11 @@ mod tests {
         // The first up "succeeds" but nothing answers on its vsock socket.
         let e = measure(&bench).unwrap_err();
         assert!(e.contains("health check of"), "{e}");
+        // vmctl up read the section's own config, not the user's.
+        assert_eq!(
+            fs::read_to_string(dir.join("config-seen.toml")).unwrap(),
+            vmctl_config_toml(WORKSPACE_VM)
+        );
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
         let mut lines: Vec<&str> = calls.lines().collect();
         // The cleanup stops the daemon that the sessions started, last.

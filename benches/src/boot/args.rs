@@ -49,7 +49,8 @@ the host memory of idle VMs.
                        on hardware KVM, 64 in the nested host, 8 with --quick)
   --fs-files N         virtio-fs: small files created and stat-ed, and the git
                        repository's files (default 10000; nested 1000; quick 100)
-  --fs-runs N          virtio-fs: repetitions per side (default 3; quick 1)
+  --fs-runs N          virtio-fs: repetitions per side (default 5 on hardware
+                       KVM, 3 in the nested host; quick 1)
   --fs-edit-rounds N   virtio-fs: rounds of the host-edits probe per side (how
                        soon the host's edits reach the guest; default 10; quick 3)
   --fs-timeout SECS    virtio-fs: per script (default 600)
@@ -64,7 +65,9 @@ the host memory of idle VMs.
                        (default: guest-agent/build-initramfs.sh)
   --rootfs PATH        the workspace VM's root image (default: rootfs/build-rootfs.sh)
   --vmctl PATH         vmctl binary (default: $VMCTL_BIN or target/release/vmctl)
-  --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH)
+  --qemu PATH          QEMU binary (default: qemu-system-x86_64 from $PATH);
+                       needed by boot and churn only (fs leaves out its
+                       comparison by VMM without it)
   --cpus N             guest vCPUs: boot this one configuration only (default:
                        the matrix of 1 and 2 vCPUs, 128 and 1024 MiB)
   --memory MIB         guest memory: likewise (with one of --cpus/--memory, the

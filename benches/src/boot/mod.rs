@@ -125,7 +125,8 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
             kernel: args.kernel.clone().ok_or("--inner needs --kernel")?,
             initrd: args.initrd.clone().ok_or("--inner needs --initrd")?,
             vmctl: args.vmctl.clone().ok_or("--inner needs --vmctl")?,
-            qemu: args.qemu.clone().ok_or("--inner needs --qemu")?,
+            // The outer run found it where a section needs it (resolve_tools).
+            qemu: args.qemu.clone(),
             agent_initrd: args
                 .agent_initrd
                 .clone()
@@ -372,7 +373,13 @@ impl Vmm {
                 push(&"--boot-time");
             }
             Vmm::Qemu => {
-                push(&tools.qemu);
+                // Run only where resolve_tools found QEMU (the sections that need it).
+                push(
+                    &tools
+                        .qemu
+                        .as_deref()
+                        .unwrap_or(Path::new(tools::QEMU_PROGRAM)),
+                );
                 for a in ["-M", QEMU_MACHINE, "-enable-kvm", "-cpu", "host", "-m"] {
                     push(&a);
                 }
@@ -505,8 +512,14 @@ fn measure(
         &memory_initrd,
         &format!("echo {MEMORY_MARKER}\nsleep {sleep_s}\n"),
     )?;
-    warm_page_cache(&[&tools.kernel, &tools.initrd, &tools.vmctl, &tools.qemu])?;
-    let qemu_version = version_line(&tools.qemu);
+    let mut programs = vec![
+        tools.kernel.as_path(),
+        tools.initrd.as_path(),
+        tools.vmctl.as_path(),
+    ];
+    programs.extend(tools.qemu.as_deref());
+    warm_page_cache(&programs)?;
+    let qemu_version = tools.qemu.as_deref().map(version_line).unwrap_or_default();
     let first = args.configs[0];
     let wanted = |section| args.sections.contains(&section);
     let (figures, ratios) = if wanted(Section::Boot) {
@@ -536,7 +549,11 @@ fn measure(
         kernel: tools.kernel.display().to_string(),
         initrd: tools.initrd.display().to_string(),
         vmctl: tools.vmctl.display().to_string(),
-        qemu: tools.qemu.display().to_string(),
+        qemu: tools
+            .qemu
+            .as_ref()
+            .map(|q| q.display().to_string())
+            .unwrap_or_default(),
         qemu_version,
         config: Config {
             runs: args.runs,
@@ -550,11 +567,13 @@ fn measure(
             configs: args.configs.clone(),
             vmm_cpus: vm_cpus()?.map(|cpus| cpus.list().to_string()),
         },
-        commands: [Vmm::Ours, Vmm::Qemu]
+        commands: tools
+            .vmms()
             .iter()
             .map(|v| (v.label().to_string(), str_argv(v.argv(tools, &boot_initrd, first))))
             .collect(),
-        memory_rules: [Vmm::Ours, Vmm::Qemu]
+        memory_rules: tools
+            .vmms()
             .iter()
             .map(|v| {
                 (
@@ -637,14 +656,26 @@ fn measure(
             script_timeout: args.fs_timeout,
             cache: args.fs_cache.clone(),
             nested,
+            hardware_kvm: hardware_kvm(),
+            hypervisor: Machine::this().hypervisor,
             drop_caches: crate::fs::DROP_CACHES_FILE.into(),
             // Not in the smoke run: in the nested host these boots of their own hang
             // far more often than the workspace VMs (benches/README.md).
-            compare_with_qemu: (!args.quick).then(|| tools.qemu.clone()),
+            compare_with_qemu: if args.quick { None } else { tools.qemu.clone() },
             host_edits: crate::fs::host_edits_forwarded(
                 std::env::var(crate::fs::HOST_EDITS_ENV).ok().as_deref(),
             ),
         }));
+        if !args.quick && tools.qemu.is_none() {
+            if let Some(fs) = report.fs.as_mut() {
+                let why = format!(
+                    "The same workloads under each VMM (fs.by_vmm) were not measured: {}.",
+                    tools::QEMU_MISSING
+                );
+                say(format!("virtio-fs: {why}"));
+                fs.notes.push(why);
+            }
+        }
         checkpoint(&report, "virtio-fs");
     }
     // The egress path, guest against host, in the same environment.

@@ -327,12 +327,13 @@ pub(super) fn nested_command(
     .arg(&tools.initrd)
     .arg("--vmctl")
     .arg(&tools.vmctl)
-    .arg("--qemu")
-    .arg(&tools.qemu)
     .arg("--agent-initrd")
     .arg(&tools.agent_initrd)
     .arg("--rootfs")
     .arg(&tools.rootfs);
+    if let Some(qemu) = &tools.qemu {
+        cmd.arg("--qemu").arg(qemu);
+    }
     if args.quick {
         cmd.arg("--quick");
     }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use vm_tests::try_build_artifact;
 pub(super) use vm_tests::workspace_root;
 
+use crate::sections::Section;
 use crate::workspace::GuestArtifacts;
 
 use super::args::Args;
@@ -17,13 +18,40 @@ pub(super) struct Tools {
     pub(super) kernel: PathBuf,
     pub(super) initrd: PathBuf,
     pub(super) vmctl: PathBuf,
-    pub(super) qemu: PathBuf,
+    /// Needed by the sections that compare against QEMU ([`qemu_needed_by`]); the
+    /// others run without it.
+    pub(super) qemu: Option<PathBuf>,
     /// The workspace VM's agent initramfs and root image.
     pub(super) agent_initrd: PathBuf,
     pub(super) rootfs: PathBuf,
 }
 
+/// QEMU's program, looked up in PATH without `--qemu`.
+pub(super) const QEMU_PROGRAM: &str = "qemu-system-x86_64";
+/// Why there is no QEMU, and how to get one.
+pub(super) const QEMU_MISSING: &str = "qemu-system-x86_64 is not in PATH (apt-get install \
+qemu-system-x86, or --qemu PATH)";
+
+/// The sections among `sections` that boot QEMU's microvm as the peer of ours: the
+/// benchmark needs QEMU for them (virtio-fs's comparison by VMM is left out without).
+pub(super) fn qemu_needed_by(sections: &[Section]) -> Vec<Section> {
+    sections
+        .iter()
+        .copied()
+        .filter(|s| matches!(s, Section::Boot | Section::Churn))
+        .collect()
+}
+
 impl Tools {
+    /// The VMMs this run can boot: ours, and QEMU's where it was found.
+    pub(super) fn vmms(&self) -> Vec<super::Vmm> {
+        let mut vmms = vec![super::Vmm::Ours];
+        if self.qemu.is_some() {
+            vmms.push(super::Vmm::Qemu);
+        }
+        vmms
+    }
+
     /// What the workspace-VM sections run: vmctl and the guest it boots.
     pub(super) fn guest_artifacts(&self) -> GuestArtifacts {
         GuestArtifacts {
@@ -43,7 +71,7 @@ impl Tools {
             kernel: "/k".into(),
             initrd: "/i".into(),
             vmctl: "/v".into(),
-            qemu: "/q".into(),
+            qemu: Some("/q".into()),
             agent_initrd: "/a".into(),
             rootfs: "/r".into(),
         }
@@ -127,13 +155,15 @@ pub(super) fn resolve_tools(args: &Args) -> Result<Tools, String> {
             ));
         }
     }
-    let qemu = match &args.qemu {
-        Some(q) => q.clone(),
-        None => find_in_path("qemu-system-x86_64").ok_or(
-            "qemu-system-x86_64 is not in PATH (apt-get install qemu-system-x86): the benchmark \
-             compares against QEMU's microvm",
-        )?,
-    };
+    let qemu = args.qemu.clone().or_else(|| find_in_path(QEMU_PROGRAM));
+    let needed_by = qemu_needed_by(&args.sections);
+    if qemu.is_none() && !needed_by.is_empty() {
+        return Err(format!(
+            "{QEMU_MISSING}: the sections {} compare against QEMU's microvm (--only without \
+             them runs without QEMU)",
+            crate::sections::join(&needed_by, ", ")
+        ));
+    }
     let abs = |p: PathBuf| {
         p.canonicalize()
             .map_err(|e| format!("{}: {e}", p.display()))
@@ -142,8 +172,32 @@ pub(super) fn resolve_tools(args: &Args) -> Result<Tools, String> {
         kernel: abs(kernel)?,
         initrd: abs(initrd)?,
         vmctl: abs(vmctl)?,
-        qemu: abs(qemu)?,
+        qemu: qemu.map(abs).transpose()?,
         agent_initrd: abs(agent_initrd)?,
         rootfs: abs(rootfs)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_sections_against_qemu_need_it() {
+        assert_eq!(
+            qemu_needed_by(&Section::ALL),
+            [Section::Boot, Section::Churn]
+        );
+        assert!(qemu_needed_by(&[Section::Fs]).is_empty());
+        assert!(qemu_needed_by(&[Section::Workspace, Section::Egress, Section::Agent]).is_empty());
+        let tools = Tools {
+            qemu: None,
+            ..Tools::fake()
+        };
+        assert_eq!(tools.vmms(), [super::super::Vmm::Ours]);
+        assert_eq!(
+            Tools::fake().vmms(),
+            [super::super::Vmm::Ours, super::super::Vmm::Qemu]
+        );
+    }
 }

@@ -524,34 +524,65 @@ setTimeout(finish, 60000);
     );
 
     // The guest's own write of a file the host watches raises no attribute event in
-    // the guest afterwards (a touch would: the write itself is IN_MODIFY only).
+    // the guest afterwards (a touch would: the write itself is IN_MODIFY only). The
+    // host then edits a sentinel: its event comes after any touch of the guest's
+    // write (the host sees that write first, and its edits go to the guest in order),
+    // so once the guest has seen the sentinel's, a touch cannot be still on its way.
     // Python's inotify, through libc: Node's `fs.watch` calls both kinds "change".
+    std::fs::write(probe.join("sentinel.txt"), "before").unwrap();
+    let written = probe.join("signals/own-written");
+    exec_ended.store(false, std::sync::atomic::Ordering::SeqCst);
+    let sentinel_editor = std::thread::spawn({
+        let probe = probe.clone();
+        let exec_ended = exec_ended.clone();
+        move || {
+            while !written.exists() {
+                if exec_ended.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            std::fs::write(probe.join("sentinel.txt"), "after").unwrap();
+        }
+    });
     let own = ws.exec(
         "python3 -c \"
 import ctypes, os, select, struct, time
 IN_MODIFY, IN_ATTRIB = 0x2, 0x4
 libc = ctypes.CDLL(None, use_errno=True)
 fd = libc.inotify_init1(os.O_NONBLOCK)
-assert libc.inotify_add_watch(fd, b'watch-probe/own.txt', IN_MODIFY | IN_ATTRIB) >= 0
+own = libc.inotify_add_watch(fd, b'watch-probe/own.txt', IN_MODIFY | IN_ATTRIB)
+sentinel = libc.inotify_add_watch(fd, b'watch-probe/sentinel.txt', IN_MODIFY | IN_ATTRIB)
+assert own >= 0 and sentinel >= 0
 with open('watch-probe/own.txt', 'w') as f:
     f.write('guest')
-seen = {'modify': 0, 'attrib': 0}
-end = time.time() + 4
-while time.time() < end:
+open('watch-probe/signals/own-written', 'w').close()
+seen = {'modify': 0, 'attrib': 0, 'sentinel': 0}
+end = time.time() + 120
+while time.time() < end and not seen['sentinel']:
     if not select.select([fd], [], [], max(0, end - time.time()))[0]:
         continue
     data, at = os.read(fd, 4096), 0
     while at < len(data):
-        _, mask, _, length = struct.unpack_from('iIII', data, at)
+        wd, mask, _, length = struct.unpack_from('iIII', data, at)
         at += 16 + length
+        if wd == sentinel:
+            seen['sentinel'] += 1
+            continue
         seen['modify'] += bool(mask & IN_MODIFY)
         seen['attrib'] += bool(mask & IN_ATTRIB)
-print(seen['modify'], seen['attrib'])
+print(seen['modify'], seen['attrib'], seen['sentinel'])
 \"",
     );
+    exec_ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    sentinel_editor.join().unwrap();
     assert_ok(&own, "watching a write of the guest");
     let own = stdout(&own);
     let counts: Vec<&str> = own.split_whitespace().collect();
+    assert!(
+        counts.len() == 3 && counts[2] != "0",
+        "the host's edit of the sentinel never reached the guest: {own}"
+    );
     assert!(
         counts[0] != "0",
         "the guest's watcher missed its own write: {own}"

@@ -83,14 +83,14 @@ pub enum VirtiofsdError {
         log: PathBuf,
         tail: String,
     },
-    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}{}", .host.display(), .log.display(), if *.sandboxed { SANDBOX_HINT } else { "" })]
+    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}{hint}", .host.display(), .log.display())]
     Exited {
         host: PathBuf,
         status: String,
         log: PathBuf,
         tail: String,
-        /// It was starting in its namespace sandbox, which may be what failed.
-        sandboxed: bool,
+        /// What to do if its namespace sandbox is what failed (empty without one).
+        hint: String,
     },
     #[error("{SANDBOX_ENV}={value:?}: expected namespace (the default) or none")]
     BadSandbox { value: String },
@@ -125,17 +125,53 @@ const SANDBOX_HINT: &str = "\n(if it is virtiofsd's namespace sandbox that canno
      this host, VMCTL_VIRTIOFSD_SANDBOX=none runs it without one, which is less safe: see the \
      README's \"Workspace files (virtio-fs)\")";
 
+/// The sandbox for this start's daemons, and what to add to the error of one that
+/// fails to start in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SandboxChoice {
+    sandbox: Sandbox,
+    hint: String,
+}
+
+/// What this user may do with the namespaces virtiofsd's sandbox makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Namespaces {
+    /// A user namespace, and mount, PID and network namespaces inside it.
+    Available,
+    /// No user namespace at all (`kernel.unprivileged_userns_clone=0`,
+    /// `user.max_user_namespaces=0`).
+    NoUserNamespace,
+    /// A user namespace, but none of the others inside it (the errno): what Ubuntu's
+    /// `kernel.apparmor_restrict_unprivileged_userns=1` does to a program without an
+    /// AppArmor profile that allows it. virtiofsd may have such a profile (vmctl, which
+    /// probed, may not), so its sandbox is still tried.
+    RestrictedInside(i32),
+    /// The probe failed for a reason of its own (no process to spare).
+    Unknown,
+}
+
 /// The sandbox for this start's daemons: the namespace sandbox, unless [`SANDBOX_ENV`]
-/// says none or this user cannot make the namespaces it needs. Decided once, before
+/// says none or this user cannot make a user namespace at all. Decided once, before
 /// any daemon starts: a daemon that fails in its sandbox is an error, never a reason
 /// to try again without (a guest can make a start fail, by moving a directory on a
-/// share's path at the right moment).
-fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, VirtiofsdError> {
+/// share's path at the right moment). `probe` is asked only when it matters.
+fn choose_sandbox(
+    is_root: bool,
+    asked: Option<&str>,
+    probe: impl FnOnce() -> Namespaces,
+) -> Result<SandboxChoice, VirtiofsdError> {
+    let namespace = |hint: String| SandboxChoice {
+        sandbox: Sandbox::Namespace,
+        hint,
+    };
     match asked.map(str::trim) {
         None | Some("" | "namespace") => {}
         Some("none") => {
             vmm::to_stderr!("{NO_SANDBOX_ASKED_WARNING}");
-            return Ok(Sandbox::None);
+            return Ok(SandboxChoice {
+                sandbox: Sandbox::None,
+                hint: String::new(),
+            });
         }
         Some(value) => {
             return Err(VirtiofsdError::BadSandbox {
@@ -143,18 +179,58 @@ fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, Virtiof
             })
         }
     }
-    if is_root || user_namespaces_work() {
-        return Ok(Sandbox::Namespace);
+    if is_root {
+        return Ok(namespace(SANDBOX_HINT.into()));
     }
-    vmm::to_stderr!("{NO_SANDBOX_WARNING}");
-    Ok(Sandbox::None)
+    match probe() {
+        Namespaces::Available | Namespaces::Unknown => Ok(namespace(SANDBOX_HINT.into())),
+        Namespaces::RestrictedInside(errno) => Ok(namespace(restricted_hint(errno))),
+        Namespaces::NoUserNamespace => {
+            vmm::to_stderr!("{NO_SANDBOX_WARNING}");
+            Ok(SandboxChoice {
+                sandbox: Sandbox::None,
+                hint: String::new(),
+            })
+        }
+    }
 }
 
-/// Whether this user may make the namespaces of virtiofsd's sandbox (user, mount, PID,
-/// network). Tried in a child, as a threaded process may not make a user namespace.
-/// Only a refusal of the namespaces says no: a probe that fails for another reason
-/// (no process to spare) leaves the sandbox on, for virtiofsd to fail loudly if it must.
-fn user_namespaces_work() -> bool {
+/// Why a daemon failed in its sandbox where this user may make a user namespace but
+/// nothing inside it, and the two ways out.
+fn restricted_hint(errno: i32) -> String {
+    format!(
+        "\n(this user may make a user namespace, but not the mount, PID and network \
+         namespaces virtiofsd's sandbox makes inside it: {}. On Ubuntu 23.10 and later \
+         AppArmor does this (kernel.apparmor_restrict_unprivileged_userns=1). Either give \
+         virtiofsd an AppArmor profile that allows user namespaces (the README's \
+         \"Workspace files (virtio-fs)\" shows one), or set {SANDBOX_ENV}=none to run it \
+         without its sandbox, which is less safe)",
+        std::io::Error::from_raw_os_error(errno)
+    )
+}
+
+/// What this user may do with namespaces: a user namespace, then the namespaces
+/// virtiofsd makes inside one, each tried in a child (a threaded process may not make
+/// a user namespace). Only a refusal by the kernel says no.
+fn probe_namespaces() -> Namespaces {
+    const INSIDE: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET;
+    match unshare_in_child(&[libc::CLONE_NEWUSER]) {
+        Ok(()) => {}
+        Err(e) if refuses_namespaces(&e) => return Namespaces::NoUserNamespace,
+        Err(_) => return Namespaces::Unknown,
+    }
+    match unshare_in_child(&[libc::CLONE_NEWUSER, INSIDE]) {
+        Ok(()) => Namespaces::Available,
+        Err(e) if refuses_namespaces(&e) => {
+            Namespaces::RestrictedInside(e.raw_os_error().unwrap_or(libc::EPERM))
+        }
+        Err(_) => Namespaces::Unknown,
+    }
+}
+
+/// Runs `/bin/true` after unsharing each of `steps` in turn; the error of the first
+/// step refused.
+fn unshare_in_child(steps: &'static [libc::c_int]) -> std::io::Result<()> {
     use std::os::unix::process::CommandExt;
     let mut probe = std::process::Command::new("/bin/true");
     probe
@@ -164,9 +240,8 @@ fn user_namespaces_work() -> bool {
     // SAFETY: the closure runs in the child between fork and exec and only calls
     // unshare, which is async-signal-safe.
     unsafe {
-        probe.pre_exec(|| {
-            let namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET;
-            for flags in [libc::CLONE_NEWUSER, namespaces] {
+        probe.pre_exec(move || {
+            for &flags in steps {
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -175,10 +250,10 @@ fn user_namespaces_work() -> bool {
         });
     }
     match probe.status() {
-        Ok(_) => true,
+        Ok(_) => Ok(()),
         Err(e) => {
-            tracing::info!("probing for user namespaces: {e}");
-            !refuses_namespaces(&e)
+            tracing::info!("probing for namespaces ({steps:#x?}): {e}");
+            Err(e)
         }
     }
 }
@@ -282,9 +357,12 @@ fn start_as(
     sandbox_asked: Option<&str>,
     policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
-    let sandbox = match shares.is_empty() {
-        true => Sandbox::Namespace,
-        false => choose_sandbox(is_root, sandbox_asked)?,
+    let SandboxChoice { sandbox, hint } = match shares.is_empty() {
+        true => SandboxChoice {
+            sandbox: Sandbox::Namespace,
+            hint: String::new(),
+        },
+        false => choose_sandbox(is_root, sandbox_asked, probe_namespaces)?,
     };
     if !is_root && !shares.is_empty() && sandbox == Sandbox::Namespace {
         // Not a weaker sandbox but other ownership. (In a VM's supervisor log, which
@@ -297,7 +375,7 @@ fn start_as(
         shares,
         socket_dir,
         log_dir,
-        sandbox,
+        SandboxChoice { sandbox, hint },
         policy,
         &mut daemons,
     ) {
@@ -348,7 +426,7 @@ fn start_all(
     shares: &[Share],
     socket_dir: &Path,
     log_dir: &Path,
-    sandbox: Sandbox,
+    SandboxChoice { sandbox, hint }: SandboxChoice,
     policy: CachePolicy,
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
@@ -392,7 +470,7 @@ fn start_all(
                     status: status.to_string(),
                     log: daemon.log.clone(),
                     tail: daemon.log_tail(),
-                    sandboxed: daemon.sandbox == Sandbox::Namespace,
+                    hint: hint.clone(),
                 });
             }
             StartOutcome::TimedOut => {
@@ -405,14 +483,17 @@ fn start_all(
             }
         }
     }
-    daemons.iter_mut().try_for_each(confirm_root)
+    daemons
+        .iter_mut()
+        .try_for_each(|daemon| confirm_root(daemon, &hint))
 }
 
 /// Makes sure `daemon` serves its share: the root its namespace sandbox pivoted into
 /// is the directory found on the share's path before it started ([`share_root`]).
 /// Without the sandbox there is no root to compare: the daemon serves the directory it
-/// was started in, entered by a descriptor ([`daemon::spawn_daemon`]).
-fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
+/// was started in, entered by a descriptor ([`daemon::spawn_daemon`]). `hint` goes with
+/// an exit, as with one while starting.
+fn confirm_root(daemon: &mut Daemon, hint: &str) -> Result<(), VirtiofsdError> {
     if daemon.sandbox != Sandbox::Namespace {
         return Ok(());
     }
@@ -441,7 +522,7 @@ fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
                         status: status.to_string(),
                         log: daemon.log.clone(),
                         tail: daemon.log_tail(),
-                        sandboxed: true,
+                        hint: hint.to_string(),
                     });
                 }
                 // Not ours to see (an unusual /proc): the check is lost, not the share.
@@ -724,7 +805,56 @@ mod tests {
             assert!(!refuses_namespaces(&errno(other)), "{other}");
         }
         // This test runs where namespaces work (as root, or with user namespaces).
-        assert!(user_namespaces_work());
+        assert_eq!(probe_namespaces(), Namespaces::Available);
+    }
+
+    /// Where a user namespace can be made but nothing inside it (Ubuntu's AppArmor
+    /// restriction), the sandbox is kept: virtiofsd may have a profile that lets it
+    /// work, and if not, its failure says why and what to do. Only where there are no
+    /// user namespaces at all does virtiofsd run without, saying so.
+    #[test]
+    fn a_user_namespace_restricted_inside_keeps_the_sandbox_and_explains_its_failure() {
+        let choose = |is_root, probed| choose_sandbox(is_root, None, || probed).unwrap();
+        let restricted = choose(false, Namespaces::RestrictedInside(libc::EPERM));
+        assert_eq!(restricted.sandbox, Sandbox::Namespace);
+        for needed in [
+            "apparmor_restrict_unprivileged_userns",
+            "AppArmor profile",
+            "VMCTL_VIRTIOFSD_SANDBOX=none",
+            &std::io::Error::from_raw_os_error(libc::EPERM).to_string(),
+        ] {
+            assert!(restricted.hint.contains(needed), "{needed}: {}", restricted.hint);
+        }
+        for probed in [Namespaces::Available, Namespaces::Unknown] {
+            assert_eq!(choose(false, probed).sandbox, Sandbox::Namespace);
+            assert_eq!(choose(false, probed).hint, SANDBOX_HINT);
+        }
+        assert_eq!(
+            choose(false, Namespaces::NoUserNamespace).sandbox,
+            Sandbox::None
+        );
+        assert_eq!(
+            choose(true, Namespaces::NoUserNamespace).sandbox,
+            Sandbox::Namespace,
+            "root needs no user namespace"
+        );
+        let asked_none = choose_sandbox(false, Some("none"), || {
+            panic!("probed although the sandbox was turned off")
+        });
+        assert_eq!(asked_none.unwrap().sandbox, Sandbox::None);
+        // The daemon's failure in its sandbox carries the explanation.
+        let error = VirtiofsdError::Exited {
+            host: "/w".into(),
+            status: "exit status: 1".into(),
+            log: "/l".into(),
+            tail: "  Error entering sandbox: Unshare(Os { code: 1 })".into(),
+            hint: restricted.hint,
+        }
+        .to_string();
+        assert!(
+            error.contains("Unshare") && error.contains("apparmor_restrict"),
+            "{error}"
+        );
     }
 
     /// A namespace sandbox that fails is an error that says what to do, never a reason

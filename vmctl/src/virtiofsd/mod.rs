@@ -823,7 +823,11 @@ mod tests {
             "VMCTL_VIRTIOFSD_SANDBOX=none",
             &std::io::Error::from_raw_os_error(libc::EPERM).to_string(),
         ] {
-            assert!(restricted.hint.contains(needed), "{needed}: {}", restricted.hint);
+            assert!(
+                restricted.hint.contains(needed),
+                "{needed}: {}",
+                restricted.hint
+            );
         }
         for probed in [Namespaces::Available, Namespaces::Unknown] {
             assert_eq!(choose(false, probed).sandbox, Sandbox::Namespace);

@@ -15,7 +15,7 @@ pub mod cache;
 mod daemon;
 
 pub use self::binary::find_virtiofsd;
-use self::binary::VIRTIOFSD_ENV;
+use self::binary::{MIN_VERSION, VIRTIOFSD_ENV};
 pub use self::cache::{CachePolicy, CACHE_ENV};
 use self::daemon::{spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
 use crate::share_root::{self, Root};
@@ -51,6 +51,8 @@ pub enum VirtiofsdError {
     NotFound { searched: String },
     #[error("{VIRTIOFSD_ENV}={}: not an executable file; point it at the virtiofsd binary or unset it", .0.display())]
     OverrideNotExecutable(PathBuf),
+    #[error("no virtiofsd recent enough: {found}. vmctl needs the Rust virtiofsd {MIN_VERSION} or later (older ones open a share again by its path at each mount by the guest, where a link could have been swapped in since); run scripts/setup.sh, or 'cargo install --locked virtiofsd' (it needs the Debian packages libcap-ng-dev and libseccomp-dev), or set {VIRTIOFSD_ENV} to one that is")]
+    TooOld { found: String },
     #[error("virtiofsd socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter XDG_STATE_HOME", .path.display())]
     SocketPathTooLong { path: PathBuf, len: usize },
     #[error("the share {} is not valid UTF-8, which virtiofsd cannot take as its directory; rename the directory (or the one on its path whose name is not UTF-8)", .0.display())]

@@ -565,6 +565,29 @@ fn failure(daemon: &Daemon, status: &str) -> String {
     )
 }
 
+/// What is said of a daemon the VMM gave up on, and vmctl killed.
+fn given_up_failure(daemon: &Daemon, reason: &str) -> String {
+    format!(
+        "the VMM gave up on virtiofsd for {}: {reason}; vmctl ended it, and the VM can no \
+         longer use that share (its files on the host are untouched; the guest's requests \
+         to it fail with EIO); stop the VM with 'vmctl stop', then start it again to get \
+         the share back",
+        daemon.host.display()
+    )
+}
+
+/// Says each of `failures` (stderr, the log, the failure file) and keeps them.
+fn report_failures(state: &mut Watched, failures: Vec<String>) {
+    for failure in &failures {
+        tracing::error!("{failure}");
+        vmm::to_stderr!("vmctl: {failure}");
+        if let Some(file) = &state.failure_file {
+            record_failure(file, failure);
+        }
+    }
+    state.failures.extend(failures);
+}
+
 /// The watcher thread: reports daemons that die while the VM runs.
 fn watch(shared: &Shared) {
     let mut state = shared.lock();
@@ -575,6 +598,11 @@ fn watch(shared: &Shared) {
         let mut new_failures = Vec::new();
         let vmm_running = state.vmm_running;
         for (daemon, clean_exit) in state.daemons.iter_mut().zip(&mut clean_exits) {
+            if daemon.given_up {
+                // Reported when it was given up on.
+                *clean_exit = None;
+                continue;
+            }
             if let Some(since) = *clean_exit {
                 if !vmm_running() {
                     *clean_exit = None;
@@ -611,14 +639,7 @@ fn watch(shared: &Shared) {
             };
             new_failures.push(failure(daemon, &status));
         }
-        for failure in &new_failures {
-            tracing::error!("{failure}");
-            vmm::to_stderr!("vmctl: {failure}");
-            if let Some(file) = &state.failure_file {
-                record_failure(file, failure);
-            }
-        }
-        state.failures.extend(new_failures);
+        report_failures(&mut state, new_failures);
         state = shared
             .wake
             .wait_timeout(state, WATCH_POLL)
@@ -633,6 +654,32 @@ impl FsDaemons {
     #[cfg(test)]
     pub fn failures(&self) -> Vec<String> {
         self.shared.lock().failures.clone()
+    }
+
+    /// Ends the daemon of the share tagged `tag`, which the VMM gave up on for
+    /// `reason` (it left a request unanswered, or refused one): such a daemon may
+    /// still run with the guest's memory mapped, and the VMM answers the share's
+    /// requests itself only once it is gone. The share is reported lost, as when its
+    /// daemon dies.
+    pub fn give_up(&self, tag: &str, reason: &str) {
+        let mut state = self.shared.lock();
+        let daemon = state
+            .daemons
+            .iter_mut()
+            .enumerate()
+            .find(|(index, _)| shares::tag(*index) == tag)
+            .map(|(_, daemon)| daemon);
+        let Some(daemon) = daemon else {
+            tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
+            return;
+        };
+        if daemon.given_up {
+            return;
+        }
+        daemon.given_up = true;
+        daemon.kill_group();
+        let failure = given_up_failure(daemon, reason);
+        report_failures(&mut state, vec![failure]);
     }
 
     /// Appends each later failure to `file` as a line (besides printing it).
@@ -948,6 +995,61 @@ mod tests {
         daemons.stop();
         assert!(pids.into_iter().all(is_reaped));
         assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    /// A daemon the VMM gave up on is killed, with what it forked (its sandbox's
+    /// server), and reported once, with the VMM's reason, however it then exits.
+    #[test]
+    fn a_daemon_the_vmm_gave_up_on_is_killed_and_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let forked = dir.path().join("forked.pid");
+        let fake = fake_virtiofsd_then(
+            dir.path(),
+            ":",
+            &format!("sleep 600 & echo $! > '{}'; wait", forked.display()),
+        );
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !forked.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let forked: libc::pid_t = std::fs::read_to_string(&forked)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        daemons.give_up("vmctl7", "not ours");
+        assert!(daemons.failures().is_empty());
+        let reason = "the backend did not answer GET_VRING_BASE within 30 s";
+        daemons.give_up("vmctl0", reason);
+        daemons.give_up("vmctl0", reason);
+        let failures = daemons.failures();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(
+            failures[0].contains(reason)
+                && failures[0].contains(&dir.path().display().to_string())
+                && failures[0].contains("then start it again"),
+            "{}",
+            failures[0]
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !is_reaped(forked) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(is_reaped(forked), "what the daemon forked still runs");
+        // Its death by SIGKILL is not reported a second time.
+        std::thread::sleep(3 * WATCH_POLL);
+        assert_eq!(daemons.failures().len(), 1, "{:?}", daemons.failures());
+        daemons.stop();
     }
 
     /// A daemon that exits cleanly (virtiofsd does when its VMM hangs up, or when it

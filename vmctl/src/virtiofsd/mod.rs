@@ -1187,6 +1187,222 @@ mod tests {
         daemons.stop();
     }
 
+    /// A FUSE client of a real virtiofsd, through the VMM's virtio-fs device, without
+    /// a guest: the test writes requests into guest memory (the memfd virtiofsd maps)
+    /// on the request queue, kicks it, and reads the replies.
+    mod fuse_client {
+        use std::os::unix::fs::FileExt;
+        use std::path::Path;
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+
+        use virtio_queue::{Queue, QueueT};
+        use vmm::devices::virtio::fs::VhostUserFs;
+        use vmm::devices::virtio::{InterruptTrigger, VirtioDevice, FEATURE_VERSION_1};
+        use vmm::memory::{create_guest_ram, GuestRam};
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+        const QUEUE_SIZE: u16 = 16;
+        /// The request queue (queue 0 is the high-priority one).
+        const REQUESTS: usize = 1;
+        const FUSE_GETATTR: u32 = 3;
+        const FUSE_INIT: u32 = 26;
+        const ROOT_NODE: u64 = 1;
+        /// Where request `n`'s header and reply go.
+        const REQUEST_AT: u64 = 0x10_0000;
+        const REPLY_AT: u64 = 0x18_0000;
+        const SLOT: u64 = 0x1000;
+
+        pub struct Client {
+            device: VhostUserFs,
+            ram: GuestRam,
+            kicks: Vec<EventFd>,
+            sent: u16,
+        }
+
+        /// Queue `index`'s rings: descriptors, then the available and used rings.
+        fn ring_base(index: usize) -> u64 {
+            0x1_0000 * (index as u64 + 1)
+        }
+
+        impl Client {
+            /// Connects to the virtiofsd on `socket` and starts the device, as a
+            /// guest's driver would.
+            pub fn connect(socket: &Path) -> Self {
+                let events: vmm::process::EventSink =
+                    Arc::new(|event| panic!("the VMM gave up on virtiofsd: {event:?}"));
+                let mut device = VhostUserFs::connect(socket, "test", events).unwrap();
+                let ram = create_guest_ram(16 << 20).unwrap();
+                let kicks: Vec<EventFd> = (0..2)
+                    .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
+                    .collect();
+                device.attach_queue_events(&kicks).unwrap();
+                device.set_acked_features(FEATURE_VERSION_1);
+                let queues = (0..2)
+                    .map(|index| {
+                        let base = ring_base(index);
+                        let mut queue = Queue::new(QUEUE_SIZE).unwrap();
+                        queue.set_size(QUEUE_SIZE);
+                        queue.set_desc_table_address(Some(base as u32), Some(0));
+                        queue.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
+                        queue.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
+                        queue.set_ready(true);
+                        queue
+                    })
+                    .collect();
+                let interrupt =
+                    InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+                device
+                    .activate(ram.memory.clone(), queues, interrupt)
+                    .unwrap();
+                Self {
+                    device,
+                    ram,
+                    kicks,
+                    sent: 0,
+                }
+            }
+
+            fn write(&self, at: u64, bytes: &[u8]) {
+                // Guest RAM starts at the memfd's start.
+                self.ram.backing_file.write_all_at(bytes, at).unwrap();
+            }
+
+            fn read(&self, at: u64, len: usize) -> Vec<u8> {
+                let mut bytes = vec![0; len];
+                self.ram.backing_file.read_exact_at(&mut bytes, at).unwrap();
+                bytes
+            }
+
+            /// Sends FUSE request `opcode` on `node` with `body`; returns the reply
+            /// (its header included) once virtiofsd has put it in the used ring.
+            fn request(&mut self, opcode: u32, node: u64, body: &[u8]) -> Vec<u8> {
+                let n = u64::from(self.sent);
+                let (request, reply) = (REQUEST_AT + SLOT * n, REPLY_AT + SLOT * n);
+                let mut header = Vec::new();
+                header.extend_from_slice(&(40 + body.len() as u32).to_le_bytes());
+                header.extend_from_slice(&opcode.to_le_bytes());
+                header.extend_from_slice(&(n + 1).to_le_bytes()); // unique
+                header.extend_from_slice(&node.to_le_bytes());
+                header.extend_from_slice(&[0; 16]); // uid, gid, pid, extlen, padding
+                header.extend_from_slice(body);
+                self.write(request, &header);
+                // Two descriptors: the request, then the reply buffer (device-written).
+                let base = ring_base(REQUESTS);
+                let first = 2 * (self.sent % (QUEUE_SIZE / 2));
+                let descriptor = |addr: u64, len: u32, flags: u16, next: u16| {
+                    let mut raw = Vec::new();
+                    raw.extend_from_slice(&addr.to_le_bytes());
+                    raw.extend_from_slice(&len.to_le_bytes());
+                    raw.extend_from_slice(&flags.to_le_bytes());
+                    raw.extend_from_slice(&next.to_le_bytes());
+                    raw
+                };
+                self.write(
+                    base + 16 * u64::from(first),
+                    &descriptor(request, header.len() as u32, 1, first + 1),
+                );
+                self.write(
+                    base + 16 * u64::from(first + 1),
+                    &descriptor(reply, 0x400, 2, 0),
+                );
+                let avail = base + 0x1000;
+                let slot = u64::from(self.sent % QUEUE_SIZE);
+                self.write(avail + 4 + 2 * slot, &first.to_le_bytes());
+                self.sent += 1;
+                self.write(avail + 2, &self.sent.to_le_bytes());
+                self.kicks[REQUESTS].write(1).unwrap();
+                let used_index = base + 0x2000 + 2;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let used = self.read(used_index, 2);
+                    if u16::from_le_bytes([used[0], used[1]]) == self.sent {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "virtiofsd did not answer {opcode}"
+                    );
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let reply = self.read(reply, 0x400);
+                let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());
+                assert_eq!(error, 0, "virtiofsd refused request {opcode}");
+                reply
+            }
+
+            /// FUSE_INIT, as the guest sends it when it mounts the share.
+            pub fn mount(&mut self) {
+                let mut init = Vec::new();
+                for word in [7u32, 31, 0x2_0000, 0] {
+                    init.extend_from_slice(&word.to_le_bytes());
+                }
+                self.request(FUSE_INIT, 0, &init);
+            }
+
+            /// The inode number of the served root, as the guest sees it.
+            pub fn root_inode(&mut self) -> u64 {
+                let reply = self.request(FUSE_GETATTR, ROOT_NODE, &[0; 16]);
+                // fuse_out_header (16), attr_valid and its nanoseconds (16), then
+                // fuse_attr, which starts with the inode number.
+                u64::from_le_bytes(reply[32..40].try_into().unwrap())
+            }
+        }
+
+        impl Drop for Client {
+            fn drop(&mut self) {
+                self.device.reset();
+            }
+        }
+    }
+
+    /// What the "." defence is for, asked of the virtiofsd vmctl would use: without
+    /// its sandbox, a directory on the share's path swapped for a link after virtiofsd
+    /// started (by another VM's guest) must not change what the guest mounts. A
+    /// virtiofsd that took the path by name at its start (older than 1.14) and opened
+    /// it again at the mount serves the link's target, and fails this.
+    #[test]
+    fn without_the_sandbox_a_path_swapped_after_the_start_is_not_what_a_mount_serves() {
+        use std::os::unix::fs::MetadataExt;
+        let Some(binary) = installed_virtiofsd() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let workspace = root.join("workspace");
+        let project = workspace.join("sub/project");
+        std::fs::create_dir_all(&project).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
+        let inode = |path: &Path| std::fs::metadata(path).unwrap().ino();
+        let (original, other) = (inode(&project), inode(&root.join("elsewhere/project")));
+        let state = root.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let (daemons, devices) = start_as(
+            &binary,
+            &[share(&project, false)],
+            &state,
+            &state,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        // As a guest that can write `workspace` would, once virtiofsd runs.
+        std::fs::rename(workspace.join("sub"), workspace.join("sub.orig")).unwrap();
+        std::os::unix::fs::symlink(root.join("elsewhere"), workspace.join("sub")).unwrap();
+        assert_eq!(inode(&project), other, "the swap did not take");
+        let mut client = fuse_client::Client::connect(&devices[0].socket_path);
+        client.mount();
+        let served = client.root_inode();
+        assert_eq!(
+            served, original,
+            "virtiofsd serves what the share's path leads to now ({other}), not the \
+             directory it started in ({original})"
+        );
+        drop(client);
+        daemons.stop();
+    }
+
     /// Starts `binary` as root for the one share at `path`, with its socket and log in
     /// `dir`; the start must be refused, leaving no socket. Returns the error.
     fn refused_start(binary: &Path, path: &Path, dir: &Path) -> String {

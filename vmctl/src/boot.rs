@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use vmm::config::{host_memory_mib, ConfigError, DiskConfig, FsConfig, VmConfig};
+use vmm::process::Event;
 use vmm::vstate::vm::VmError;
 
 use crate::artifacts::{self, Artifact, ArtifactError};
@@ -123,7 +124,18 @@ pub fn run_vmm_sharing(
     report_boot_time: bool,
 ) -> Result<u8, BootCommandError> {
     let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
-        return Ok(vmm_process::run(config, report_boot_time)?);
+        // The daemons of `--fs` are the user's: only they can end one.
+        return Ok(vmm_process::run(
+            config,
+            report_boot_time,
+            |event| match event {
+                Event::FsBackendGivenUp { tag, reason } => vmm::to_stderr!(
+                    "vmctl: warning: the VMM gave up on the virtio-fs backend of {tag:?} \
+                     ({reason}); end that virtiofsd, and the guest's requests to the share \
+                     then fail with EIO instead of waiting"
+                ),
+            },
+        )?);
     };
     let (daemons, filesystems) =
         virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, log_dir, set.cache)?;
@@ -132,7 +144,9 @@ pub fn run_vmm_sharing(
     }
     let mut config = config.clone();
     config.filesystems = filesystems;
-    let outcome = vmm_process::run(&config, report_boot_time);
+    let outcome = vmm_process::run(&config, report_boot_time, |event| match event {
+        Event::FsBackendGivenUp { tag, reason } => daemons.give_up(&tag, &reason),
+    });
     daemons.stop();
     Ok(outcome?)
 }

@@ -92,6 +92,32 @@ pub enum ShareError {
         first_host: PathBuf,
         second_host: PathBuf,
     },
+    #[error("the read-only mount of {} {} {}, which the VM can write (at {} in the guest): its guest could change those files there, so read-only would not hold; mount it without :ro, or share read-only a directory outside {}", .read_only.display(), if *.same { "is" } else { "lies inside" }, .writable.display(), .writable_guest.display(), .writable.display())]
+    ReadOnlyInsideWritable {
+        read_only: PathBuf,
+        /// The same directory, not one inside.
+        same: bool,
+        writable: PathBuf,
+        writable_guest: PathBuf,
+    },
+    #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; create that directory on the host (mkdir -p), or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.parent_guest.display())]
+    MountPointInShare(Box<MountPointInShare>),
+    #[error("{} cannot be shared with the guest: it is on {fs}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), .naming.another_share())]
+    PseudoFilesystem {
+        host: PathBuf,
+        fs: &'static str,
+        naming: Naming,
+    },
+}
+
+/// A share nested in another whose mount point is not a directory there on the host.
+#[derive(Debug)]
+pub struct MountPointInShare {
+    pub guest: PathBuf,
+    pub parent_host: PathBuf,
+    pub parent_guest: PathBuf,
+    pub mount_point: PathBuf,
+    pub problem: String,
 }
 
 /// How the command that met a refused share lets its user name other directories, for
@@ -150,6 +176,11 @@ impl ShareError {
                 relation,
                 what,
                 kept_out,
+                naming: Naming::CurrentDirectory,
+            },
+            ShareError::PseudoFilesystem { host, fs, .. } => ShareError::PseudoFilesystem {
+                host,
+                fs,
                 naming: Naming::CurrentDirectory,
             },
             other => other,
@@ -211,7 +242,9 @@ pub struct KeptOut {
 }
 
 /// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
-/// cloud credentials: the host's secrets, which the VM must not have), and vmctl's own
+/// cloud credentials: the host's secrets, which the VM must not have), the
+/// directories in it that hold those credentials ([`CREDENTIAL_DIRS`], and where
+/// `CLAUDE_CONFIG_DIR` and `CODEX_HOME` move the agents' sign-ins), and vmctl's own
 /// config, state and cache directories, which no share may be inside either (the
 /// secrets the egress proxy adds and the policy it enforces, which a guest that could
 /// write them would rewrite; every VM's state, the egress CAs' keys among it; the
@@ -244,13 +277,65 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         )
         .chain([crate::agent::env_file()])
         .collect();
-    kept_out_from(
+    let mut kept_out = kept_out_from(
         &homes,
         &configs,
         &config_files,
         crate::state::state_dir(),
         crate::artifacts::cache_dir(),
-    )
+    );
+    kept_out.extend(agents_sign_in_dirs_moved());
+    kept_out
+}
+
+/// Directories under a home that hold credentials (keys, tokens, sign-ins), with what
+/// each is, and whether a directory inside one is kept out too: so it is where the
+/// secrets may lie anywhere below (`~/.ssh/work/id_ed25519`); the agents' directories
+/// keep their sign-in at the top (`~/.claude/.credentials.json`, `~/.codex/auth.json`)
+/// and hold projects and worktrees below, which may be shared. Sharing one would hand
+/// the VM the secrets vmctl otherwise keeps on the host (the agents' tokens go to the
+/// egress proxy, never into the VM).
+pub const CREDENTIAL_DIRS: [(&str, &str, bool); 13] = [
+    (".ssh", "your SSH keys' directory", true),
+    (".gnupg", "your GnuPG keys' directory", true),
+    (".aws", "the AWS CLI's credentials directory", true),
+    (".azure", "the Azure CLI's sign-in directory", true),
+    (
+        ".config/gcloud",
+        "the Google Cloud CLI's sign-in directory",
+        true,
+    ),
+    (".kube", "kubectl's credentials directory", true),
+    (".docker", "Docker's registry sign-in directory", true),
+    (".config/gh", "the GitHub CLI's sign-in directory", true),
+    (".password-store", "your pass password store", true),
+    (
+        ".local/share/keyrings",
+        "your desktop keyrings' directory",
+        true,
+    ),
+    (".claude", "Claude Code's sign-in directory", false),
+    (".codex", "Codex's sign-in directory", false),
+    (".gemini", "the Gemini CLI's sign-in directory", false),
+];
+
+/// Where `CLAUDE_CONFIG_DIR` and `CODEX_HOME` move the agents' sign-ins, when set.
+fn agents_sign_in_dirs_moved() -> Vec<KeptOut> {
+    [
+        ("CLAUDE_CONFIG_DIR", "Claude Code's sign-in directory"),
+        ("CODEX_HOME", "Codex's sign-in directory"),
+    ]
+    .into_iter()
+    .filter_map(|(variable, what)| {
+        let dir = PathBuf::from(std::env::var_os(variable)?);
+        dir.is_absolute().then(|| KeptOut {
+            dir: crate::state::resolve_existing_part(&dir),
+            what,
+            // As `~/.claude` and `~/.codex` ([`CREDENTIAL_DIRS`]).
+            inside_too: false,
+        })
+    })
+    .collect()
 }
 
 fn kept_out_from(
@@ -278,6 +363,14 @@ fn kept_out_from(
                 "the directory a link to a file vmctl reads leads into",
                 true,
             )
+        })
+        .collect();
+    let credentials: Vec<KeptOut> = homes
+        .iter()
+        .flat_map(|home| {
+            CREDENTIAL_DIRS
+                .iter()
+                .map(|(dir, what, inside_too)| kept(home.join(dir), what, *inside_too))
         })
         .collect();
     let homes = homes
@@ -309,6 +402,7 @@ fn kept_out_from(
     // In this order: the first a share meets is what it is told.
     homes
         .chain(configs)
+        .chain(credentials)
         .chain(others)
         .chain(linked_config_files)
         .collect()
@@ -363,6 +457,74 @@ pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareEr
         });
     }
     Ok(())
+}
+
+/// File systems that are the kernel's view of the host rather than files (by
+/// `statfs`'s `f_type`), with their names.
+const PSEUDO_FILESYSTEMS: [(u32, &str); 18] = [
+    (0x0000_9fa0, "proc"),
+    (0x6265_6572, "sysfs"),
+    (0x6462_6720, "debugfs"),
+    (0x7472_6163, "tracefs"),
+    (0x7363_6673, "securityfs"),
+    (0x0027_e0eb, "cgroup"),
+    (0x6367_7270, "cgroup2"),
+    (0xcafe_4a11, "bpf"),
+    (0x0000_1cd1, "devpts"),
+    (0x6165_676c, "pstore"),
+    (0xde5e_81e4, "efivarfs"),
+    (0x6265_6570, "configfs"),
+    (0x6573_5543, "fusectl"),
+    (0x4249_4e4d, "binfmt_misc"),
+    (0x1980_0202, "mqueue"),
+    (0x6e73_6673, "nsfs"),
+    (0xf97c_ff8c, "selinuxfs"),
+    (0x4341_5d53, "smackfs"),
+];
+
+/// Where the host's device nodes are (devtmpfs, which `statfs` cannot tell from a
+/// tmpfs).
+const HOST_DEVICES: &str = "/dev";
+
+/// Refuses a share on a pseudo file system ([`PSEUDO_FILESYSTEMS`], or under `/dev`):
+/// as root, a guest that could write the host's `/proc/sys/kernel/core_pattern` would
+/// run what it likes on the host. A share whose file system cannot be looked at is
+/// left to virtiofsd, which says what is wrong with it.
+pub fn check_not_pseudo_filesystem(share: &Share) -> Result<(), ShareError> {
+    let refuse = |fs| ShareError::PseudoFilesystem {
+        host: share.host.clone(),
+        fs,
+        naming: Naming::Options,
+    };
+    if share.host.starts_with(HOST_DEVICES) {
+        return Err(refuse("devtmpfs (the host's devices)"));
+    }
+    let Some(f_type) = filesystem_type(&share.host) else {
+        return Ok(());
+    };
+    match PSEUDO_FILESYSTEMS
+        .iter()
+        .find(|(magic, _)| *magic == f_type)
+    {
+        Some((_, name)) => Err(refuse(name)),
+        None => Ok(()),
+    }
+}
+
+/// `statfs(2)`'s `f_type` of the file system `path` is on (magic numbers are 32 bits).
+fn filesystem_type(path: &Path) -> Option<u32> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut info = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and `info` is a writable statfs buffer, which
+    // the call fills when it returns 0.
+    if unsafe { libc::statfs(path.as_ptr(), info.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statfs returned 0, so it filled `info`.
+    let info = unsafe { info.assume_init() };
+    // The kernel's magic numbers fit in 32 bits; f_type's width varies by platform.
+    Some(info.f_type as u32)
 }
 
 /// [`parse_mount_as_written`], the share alone.
@@ -656,7 +818,10 @@ pub(crate) fn guest_conflict(guest: &Path) -> Option<GuestConflict> {
         .map(|dir| GuestConflict::SystemDirectory(dir))
 }
 
-/// Refuses two shares at the same guest path (the second would hide the first).
+/// Refuses two shares at the same guest path (the second would hide the first), and a
+/// read-only share of files another share lets the guest write: the same directory,
+/// or one inside it (`--mount ./vendor:/vendor:ro` in the writable workspace), where
+/// `:ro` would promise what does not hold.
 pub fn check_shares(shares: &[Share]) -> Result<(), ShareError> {
     let mut by_guest: HashMap<&Path, &Path> = HashMap::new();
     for share in shares {
@@ -666,6 +831,61 @@ pub fn check_shares(shares: &[Share]) -> Result<(), ShareError> {
                 first_host: first_host.to_path_buf(),
                 second_host: share.host.clone(),
             });
+        }
+    }
+    for read_only in shares.iter().filter(|share| share.read_only) {
+        let writable = shares
+            .iter()
+            .find(|share| !share.read_only && read_only.host.starts_with(&share.host));
+        if let Some(writable) = writable {
+            return Err(ShareError::ReadOnlyInsideWritable {
+                read_only: read_only.host.clone(),
+                same: read_only.host == writable.host,
+                writable: writable.host.clone(),
+                writable_guest: writable.guest.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a share whose guest path lies inside another share (the innermost, which
+/// the guest mounts first) unless its mount point is already a directory there on the
+/// host, reached without links. Otherwise the guest would have to make it: it cannot
+/// in a read-only share, and its init's failure to mount would power the VM off at
+/// every boot with the reason only on the console; in a writable one it would make
+/// it on the host, unasked.
+pub fn check_mount_points(shares: &[Share]) -> Result<(), ShareError> {
+    for share in shares {
+        let parent = shares
+            .iter()
+            .filter(|other| other.guest != share.guest && share.guest.starts_with(&other.guest))
+            .max_by_key(|other| other.guest.components().count());
+        let Some(parent) = parent else {
+            continue;
+        };
+        let Ok(below) = share.guest.strip_prefix(&parent.guest) else {
+            continue;
+        };
+        let mut mount_point = parent.host.clone();
+        for component in below.components() {
+            mount_point.push(component);
+            let problem = match std::fs::symlink_metadata(&mount_point) {
+                Ok(meta) if meta.is_dir() => continue,
+                Ok(meta) if meta.file_type().is_symlink() => {
+                    "is a symlink (which the guest would follow in its own files)".to_string()
+                }
+                Ok(_) => "is not a directory".to_string(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_string(),
+                Err(e) => format!("cannot be looked at ({e})"),
+            };
+            return Err(ShareError::MountPointInShare(Box::new(MountPointInShare {
+                guest: share.guest.clone(),
+                parent_host: parent.host.clone(),
+                parent_guest: parent.guest.clone(),
+                mount_point,
+                problem,
+            })));
         }
     }
     Ok(())
@@ -1165,6 +1385,174 @@ mod tests {
         ]);
         let hosts: Vec<_> = ordered.iter().map(|s| s.host.clone()).collect();
         assert_eq!(hosts, ["/2", "/4", "/3", "/1"].map(PathBuf::from));
+    }
+
+    fn read_only(host: &str, guest: &str) -> Share {
+        Share {
+            read_only: true,
+            ..share(host, guest)
+        }
+    }
+
+    /// `:ro` must hold: a read-only share of files the guest can write through another
+    /// share (the same directory, or one inside it) is refused, naming both. A
+    /// writable share inside a read-only one, or a read-only one beside, is fine.
+    #[test]
+    fn a_read_only_share_inside_a_writable_one_is_refused() {
+        let workspace = share("/home/me/project", "/home/me/project");
+        for (inner, relation) in [
+            (
+                read_only("/home/me/project/vendor", "/vendor"),
+                "lies inside",
+            ),
+            (read_only("/home/me/project", "/ro"), "is"),
+        ] {
+            let error = check_shares(&[workspace.clone(), inner.clone()]).unwrap_err();
+            assert!(
+                matches!(error, ShareError::ReadOnlyInsideWritable { same, .. } if same == (relation == "is")),
+                "{error}"
+            );
+            let message = error.to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "the read-only mount of {} {relation} /home/me/project, which the VM can write",
+                    inner.host.display()
+                )),
+                "{message}"
+            );
+        }
+        assert!(check_shares(&[
+            workspace.clone(),
+            read_only("/home/me/project-data", "/data"),
+            read_only("/srv", "/srv"),
+            share("/srv/out", "/out"),
+        ])
+        .is_ok());
+    }
+
+    /// A share mounted inside another is mounted on a directory the guest would have
+    /// to make in that share: refused before the VM starts unless it is there on the
+    /// host, as a directory (not a link).
+    #[test]
+    fn a_nested_mount_point_must_exist_in_the_parent_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (parent, child) = (root.join("d"), root.join("e"));
+        std::fs::create_dir_all(parent.join("there/deeper")).unwrap();
+        std::fs::create_dir_all(&child).unwrap();
+        std::fs::write(parent.join("file"), "").unwrap();
+        std::os::unix::fs::symlink(root.join("e"), parent.join("link")).unwrap();
+        let host = |path: &Path| path.to_str().unwrap().to_string();
+        for parent_share in [read_only(&host(&parent), "/x"), share(&host(&parent), "/x")] {
+            let check = |guest: &str| {
+                check_mount_points(&[parent_share.clone(), share(&host(&child), guest)])
+            };
+            assert!(check("/x/there").is_ok());
+            assert!(check("/x/there/deeper").is_ok());
+            assert!(check("/elsewhere").is_ok(), "not nested");
+            for (guest, problem) in [
+                ("/x/y", "does not exist"),
+                ("/x/there/y", "does not exist"),
+                ("/x/file", "is not a directory"),
+                ("/x/link", "is a symlink"),
+                ("/x/link/sub", "is a symlink"),
+            ] {
+                let error = check(guest).unwrap_err();
+                let message = error.to_string();
+                assert!(
+                    matches!(error, ShareError::MountPointInShare(_))
+                        && message.contains(problem)
+                        && message.contains(&format!(
+                            "guest path {guest} lies in the share of {}",
+                            parent.display()
+                        ))
+                        && message.contains("mkdir -p"),
+                    "{guest}: {message}"
+                );
+            }
+        }
+        // The innermost share is the one the mount point must be in.
+        let inner = root.join("inner");
+        std::fs::create_dir_all(inner.join("z")).unwrap();
+        let shares = [
+            share(&host(&parent), "/x"),
+            share(&host(&inner), "/x/there"),
+            share(&host(&child), "/x/there/z"),
+        ];
+        assert!(check_mount_points(&shares).is_ok());
+    }
+
+    /// The credential directories in a home are kept out, and anything inside them;
+    /// the home's other directories are not.
+    #[test]
+    fn credential_directories_are_kept_out_of_the_guest() {
+        let home = PathBuf::from("/nonexistent-home/me");
+        let kept_out = kept_out_from(
+            std::slice::from_ref(&home),
+            &[],
+            &[],
+            PathBuf::from("/nonexistent-state"),
+            None,
+        );
+        let refusal = |host: &str| {
+            check_kept_out(&share(host, "/x"), &kept_out)
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (secret, inside_too) in [
+            (".ssh", true),
+            (".aws", true),
+            (".gnupg", true),
+            (".config/gcloud", true),
+            (".config/gh", true),
+            (".docker", true),
+            (".kube", true),
+            // The agents' sign-in is at the top; their worktrees below may be shared.
+            (".claude", false),
+            (".codex", false),
+        ] {
+            let dir = home.join(secret);
+            let message = refusal(dir.to_str().unwrap()).unwrap_or_default();
+            assert!(
+                message.contains("it is ") && message.contains("must stay out of the VM"),
+                "{secret}: {message:?}"
+            );
+            let inside = refusal(dir.join("sub").to_str().unwrap());
+            assert_eq!(
+                inside.as_deref().is_some_and(|m| m.contains("is inside")),
+                inside_too,
+                "{secret}: {inside:?}"
+            );
+        }
+        assert!(refusal("/nonexistent-home/me/.claude")
+            .unwrap()
+            .contains("Claude Code's sign-in directory"));
+        assert_eq!(refusal("/nonexistent-home/me/project"), None);
+        assert_eq!(refusal("/nonexistent-home/me/.sshfs"), None);
+    }
+
+    /// The kernel's views of the host (proc, sysfs, the device nodes) are no directory
+    /// of files to share; a directory of files is.
+    #[test]
+    fn pseudo_filesystems_are_not_shared() {
+        for (host, fs) in [
+            ("/proc", "proc"),
+            ("/proc/sys", "proc"),
+            ("/sys", "sysfs"),
+            ("/dev", "devtmpfs"),
+        ] {
+            let error = check_not_pseudo_filesystem(&share(host, "/x")).unwrap_err();
+            let message = error.to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "{host} cannot be shared with the guest: it is on {fs}"
+                )),
+                "{message}"
+            );
+            assert!(!error.for_agent().to_string().contains("--mount"));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        check_not_pseudo_filesystem(&share(dir.path().to_str().unwrap(), "/x")).unwrap();
     }
 
     #[test]

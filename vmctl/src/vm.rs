@@ -279,10 +279,12 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, request: &Request) -> Result<Sha
         ),
     }
     shares::check_shares(&list)?;
+    shares::check_mount_points(&list)?;
     // The agents' home is vmctl's own, in its state directory, for the guest to have.
     let kept_out = shares::kept_out_of_the_guest();
     for share in list.iter().filter(|share| **share != agent_home) {
         shares::check_kept_out(share, &kept_out)?;
+        shares::check_not_pseudo_filesystem(share)?;
     }
     Ok(ShareSet {
         shares: shares::mount_order(list),

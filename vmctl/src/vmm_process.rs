@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use vmm::config::VmConfig;
-use vmm::process::{encode_config, Args, ArgsError, Outcome, BINARY};
+use vmm::process::{encode_config, Args, ArgsError, Event, Outcome, BINARY};
 use vmm_sys_util::signal::register_signal_handler;
 
 /// Names the VMM's executable instead of the one beside vmctl.
@@ -89,9 +89,20 @@ pub fn exec(config: &VmConfig, report_boot_time: bool) -> VmmProcessError {
 /// shutdown, 128+N when stopped by signal N), or how it failed. SIGINT and SIGTERM
 /// sent to this process are passed on to the VMM, which stops the VM; a VMM that has
 /// not ended [`STOP_GRACE`] later is killed (and counts as stopped by that signal).
-/// The VMM gets SIGKILL if this thread ends first.
-pub fn run(config: &VmConfig, report_boot_time: bool) -> Result<u8, VmmProcessError> {
-    run_binary(&binary()?, config, report_boot_time, STOP_GRACE)
+/// The VMM gets SIGKILL if this thread ends first. `on_event` gets each [`Event`] the
+/// VMM reports as it comes, while the VM runs.
+pub fn run(
+    config: &VmConfig,
+    report_boot_time: bool,
+    mut on_event: impl FnMut(Event),
+) -> Result<u8, VmmProcessError> {
+    run_binary(
+        &binary()?,
+        config,
+        report_boot_time,
+        STOP_GRACE,
+        &mut on_event,
+    )
 }
 
 /// How long the VMM has to end after a stop signal was passed on to it, before it is
@@ -104,6 +115,7 @@ fn run_binary(
     config: &VmConfig,
     report_boot_time: bool,
     stop_grace: Duration,
+    on_event: &mut dyn FnMut(Event),
 ) -> Result<u8, VmmProcessError> {
     let config_fd = config_file(config)?;
     let (mut outcome_reader, outcome_writer) = std::io::pipe().map_err(VmmProcessError::Setup)?;
@@ -126,7 +138,7 @@ fn run_binary(
     forward_pending();
     // Only the child holds the writing end now: end of file is the VMM's exit.
     drop(outcome_writer);
-    let (report, killed_after) = read_report(&mut outcome_reader, &mut child, stop_grace);
+    let (report, killed_after) = read_report(&mut outcome_reader, &mut child, stop_grace, on_event);
     let status = wait(child);
     FORWARD_TO.store(0, Ordering::SeqCst);
     let outcome = report
@@ -152,17 +164,21 @@ fn run_binary(
 }
 
 /// The VMM's report, read until it exits (end of file: only it holds the pipe's
-/// writing end). A VMM that has not exited `grace` after a stop signal was passed on
+/// writing end); each [`Event`] line in it goes to `on_event` as it comes, and is left
+/// out of the report. A VMM that has not exited `grace` after a stop signal was passed on
 /// to it is killed, as it would otherwise keep this process waiting, and run on
 /// after `vmctl stop` kills this process; then also the signal it was killed after.
 fn read_report(
     reader: &mut std::io::PipeReader,
     child: &mut std::process::Child,
     grace: Duration,
+    on_event: &mut dyn FnMut(Event),
 ) -> (std::io::Result<String>, Option<i32>) {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     const AT_MOST: Duration = Duration::from_secs(1);
     let mut report = Vec::new();
+    // How much of `report` is whole lines already looked at for events.
+    let mut events_end = 0;
     let mut stopping: Option<(i32, Instant)> = None;
     let mut killed_after = None;
     let read = loop {
@@ -203,13 +219,32 @@ fn read_report(
         let mut chunk = [0; 4096];
         match reader.read(&mut chunk) {
             Ok(0) => break Ok(()),
-            Ok(n) => report.extend_from_slice(&chunk[..n]),
+            Ok(n) => {
+                report.extend_from_slice(&chunk[..n]);
+                take_events(&mut report, &mut events_end, on_event);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => break Err(e),
         }
     };
     let report = read.and_then(|()| String::from_utf8(report).map_err(std::io::Error::other));
     (report, killed_after)
+}
+
+/// Hands each whole line of `report` from `looked_at` on that is an [`Event`] to
+/// `on_event` and removes it; other lines (the outcome) stay. `looked_at` moves past
+/// the whole lines.
+fn take_events(report: &mut Vec<u8>, looked_at: &mut usize, on_event: &mut dyn FnMut(Event)) {
+    while let Some(length) = report[*looked_at..].iter().position(|&b| b == b'\n') {
+        let line = *looked_at..*looked_at + length + 1;
+        match serde_json::from_slice::<Event>(&report[line.clone()]) {
+            Ok(event) => {
+                report.drain(line);
+                on_event(event);
+            }
+            Err(_) => *looked_at = line.end,
+        }
+    }
 }
 
 /// The VM's configuration in a memory file, read from the start by the VMM.
@@ -568,11 +603,27 @@ mod tests {
     }
 
     fn run_with_grace(path: &Path, stop_grace: Duration) -> Result<u8, VmmProcessError> {
+        run_with_events(path, stop_grace, &mut |event| {
+            panic!("unexpected event: {event:?}")
+        })
+    }
+
+    fn run_with_events(
+        path: &Path,
+        stop_grace: Duration,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<u8, VmmProcessError> {
         // One VMM child at a time per process, as in vmctl (the signal forwarding's
         // statics).
         static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-        run_binary(path, &VmConfig::new("/k/vmlinux".into()), false, stop_grace)
+        run_binary(
+            path,
+            &VmConfig::new("/k/vmlinux".into()),
+            false,
+            stop_grace,
+            on_event,
+        )
     }
 
     /// Waits up to 20 s for `path` to exist.
@@ -659,6 +710,7 @@ mod tests {
                 &VmConfig::new("/k/vmlinux".into()),
                 false,
                 STOP_GRACE,
+                &mut |_| {},
             );
             return;
         }
@@ -744,6 +796,60 @@ mod tests {
             run_with(&crashed).unwrap_err().to_string(),
             "the VM stopped: triple fault"
         );
+    }
+
+    /// An event the VMM reports while the VM runs reaches the caller then, not when
+    /// the VMM has ended: the stand-in waits for the caller's answer to it before it
+    /// reports its outcome. The event lines are no part of the outcome.
+    #[test]
+    fn the_vmms_events_are_handed_on_as_they_come() {
+        let dir = tempfile::tempdir().unwrap();
+        let answer = dir.path().join("answered");
+        let path = dir.path().join(BINARY);
+        let event = Event::FsBackendGivenUp {
+            tag: "vmctl1".into(),
+            reason: "it did not answer GET_VRING_BASE".into(),
+        };
+        let event_file = dir.path().join("event");
+        std::fs::write(&event_file, event.to_line()).unwrap();
+        script(
+            &path,
+            &format!(
+                "#!/bin/bash\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+                 cat '{event}' >&$fd\n\
+                 for i in $(seq 500); do [ -e '{answer}' ] && break; sleep 0.01; done\n\
+                 if [ -e '{answer}' ]; then echo '\"shutdown\"' >&$fd; fi\n",
+                event = event_file.display(),
+                answer = answer.display()
+            ),
+        );
+        let mut heard = Vec::new();
+        let result = run_with_events(&path, STOP_GRACE, &mut |event| {
+            std::fs::write(&answer, "").unwrap();
+            heard.push(event);
+        });
+        assert_eq!(result.unwrap(), 0, "the event came only at the end");
+        assert_eq!(heard, [event]);
+    }
+
+    #[test]
+    fn events_are_taken_out_of_the_report_line_by_line() {
+        let event = Event::FsBackendGivenUp {
+            tag: "vmctl0".into(),
+            reason: "refused SET_MEM_TABLE".into(),
+        };
+        let line = event.to_line();
+        let mut heard = Vec::new();
+        let mut report = Vec::new();
+        let mut looked_at = 0;
+        // In pieces, as a pipe may give them: half an event, the rest, the outcome.
+        let (first, second) = line.as_bytes().split_at(10);
+        for piece in [first, second, b"\"shutdown\"\n"] {
+            report.extend_from_slice(piece);
+            take_events(&mut report, &mut looked_at, &mut |e| heard.push(e));
+        }
+        assert_eq!(heard, [event]);
+        assert_eq!(report, b"\"shutdown\"\n");
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub struct RunOptions {
     /// seccomp filter). The process still has one thread then (vCPUs and device
     /// workers start later), which user namespaces need. An error ends the run.
     pub before_vcpus_start: Box<dyn FnOnce() -> Result<(), String>>,
+    /// Told what the caller must act on while the VM runs (a virtio-fs backend given
+    /// up on, to be killed).
+    pub events: crate::process::EventSink,
 }
 
 /// Boots the VM and runs it to the end. A guest shutdown is `Ok(GuestShutdown)`.
@@ -129,7 +132,10 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     )?;
 
     let mut transports = Vec::new();
-    for (index, device) in virtio_devices(config)?.into_iter().enumerate() {
+    for (index, device) in virtio_devices(config, &options.events)?
+        .into_iter()
+        .enumerate()
+    {
         transports.push(attach_virtio_device(
             &vm,
             &ram.memory,
@@ -237,7 +243,10 @@ fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildEr
 }
 
 /// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock, filesystems.
-fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
+fn virtio_devices(
+    config: &VmConfig,
+    events: &crate::process::EventSink,
+) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for (index, disk) in config.disks.iter().enumerate() {
         let file = File::options()
@@ -269,9 +278,11 @@ fn virtio_devices(config: &VmConfig) -> Result<Vec<Box<dyn VirtioDevice>>, Build
     }
     for fs in &config.filesystems {
         let device =
-            VhostUserFs::connect(&fs.socket_path, &fs.tag).map_err(|e| BuildError::Device {
-                device: fs.socket_path.display().to_string(),
-                reason: e.to_string(),
+            VhostUserFs::connect(&fs.socket_path, &fs.tag, events.clone()).map_err(|e| {
+                BuildError::Device {
+                    device: fs.socket_path.display().to_string(),
+                    reason: e.to_string(),
+                }
             })?;
         devices.push(Box::new(device));
     }

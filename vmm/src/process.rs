@@ -11,7 +11,8 @@
 //! Arguments: `--config-fd N` (descriptor N holds a [`VmConfig`] as JSON: short
 //! command lines in `ps`, `3<config.json` by hand), `--boot-time` (report the boot
 //! timer on stderr), `--outcome-fd N` (write the [`Outcome`] to descriptor N as one
-//! JSON line, and leave the reporting of errors to the caller). The guest's serial
+//! JSON line, after an [`Event`] line for each thing the caller must act on while the
+//! VM runs, and leave the reporting of errors to the caller). The guest's serial
 //! console is the process's stdin and stdout.
 
 use std::ffi::OsString;
@@ -176,6 +177,32 @@ pub fn encode_config(config: &VmConfig) -> Result<Vec<u8>, ArgsError> {
 pub fn decode_config(json: &[u8]) -> Result<VmConfig, ArgsError> {
     serde_json::from_slice(json).map_err(|e| ArgsError::BadConfig(e.to_string()))
 }
+
+/// What the VMM tells its caller while the VM runs: one JSON line each on the outcome
+/// descriptor, before the [`Outcome`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Event {
+    /// The VMM gave up on the virtio-fs backend (virtiofsd) of the device tagged `tag`:
+    /// it left a request unanswered past its time, or refused one. The VMM stopped
+    /// reading from it, but it may still run, with the guest's memory mapped and the
+    /// guest's rings in hand: whoever started it must kill it. The guest's requests to
+    /// that share are answered with EIO once it is gone, not before.
+    FsBackendGivenUp { tag: String, reason: String },
+}
+
+impl Event {
+    /// The event as its line on the outcome descriptor (newline included).
+    pub fn to_line(&self) -> String {
+        // A plain enum of strings always serializes.
+        let mut line = serde_json::to_string(self).unwrap_or_default();
+        line.push('\n');
+        line
+    }
+}
+
+/// Where the VM's devices send [`Event`]s.
+pub type EventSink = std::sync::Arc<dyn Fn(Event) + Send + Sync>;
 
 /// How a VM run ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -96,6 +96,8 @@ pub(super) struct Daemon {
     pub(super) child: Child,
     /// Set once the child is reaped: its pid may then belong to another process.
     pub(super) status: Option<ExitStatus>,
+    /// The VMM gave up on it, and it was killed and reported for that.
+    pub(super) given_up: bool,
 }
 
 impl Daemon {
@@ -109,6 +111,29 @@ impl Daemon {
 
     pub(super) fn log_tail(&self) -> String {
         log_tail(&self.log, self.log_start)
+    }
+
+    /// SIGKILL to the daemon and the processes it forked (its process group), unless
+    /// it was reaped already: a stuck daemon may be past acting on SIGTERM, and in its
+    /// sandbox the one that serves is its child, which the daemon's death only sends
+    /// SIGTERM.
+    pub(super) fn kill_group(&self) {
+        if self.status.is_some() {
+            return;
+        }
+        let Ok(pid) = libc::pid_t::try_from(self.child.id()) else {
+            return;
+        };
+        // SAFETY: kill only sends a signal. The group is the daemon's own
+        // (process_group(0)): its id is the daemon's pid, which stays its own until
+        // it is reaped, and it is not (status is None).
+        if unsafe { libc::kill(-pid, libc::SIGKILL) } != 0 {
+            tracing::warn!(
+                host = %self.host.display(),
+                "cannot kill virtiofsd's process group {pid}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
@@ -178,6 +203,9 @@ pub(super) fn spawn_daemon(
     // The daemon dies with the thread that spawned it, so a crashed vmctl leaves no
     // daemon behind.
     vmm::process::child::stop_with_parent(&mut command);
+    // A group of its own, which its sandbox's server process joins as it forks: what
+    // kills it when the VMM gives up on it ([`Daemon::kill_group`]) kills that too.
+    command.process_group(0);
     if sandbox == Sandbox::None {
         let dir = share_dir.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec and only calls
@@ -204,6 +232,7 @@ pub(super) fn spawn_daemon(
         expected_root,
         child,
         status: None,
+        given_up: false,
     })
 }
 

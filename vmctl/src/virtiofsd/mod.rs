@@ -15,7 +15,7 @@ pub mod cache;
 mod daemon;
 
 pub use self::binary::find_virtiofsd;
-use self::binary::VIRTIOFSD_ENV;
+use self::binary::{MIN_VERSION, VIRTIOFSD_ENV};
 pub use self::cache::{CachePolicy, CACHE_ENV};
 use self::daemon::{spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
 use crate::share_root::{self, Root};
@@ -51,6 +51,8 @@ pub enum VirtiofsdError {
     NotFound { searched: String },
     #[error("{VIRTIOFSD_ENV}={}: not an executable file; point it at the virtiofsd binary or unset it", .0.display())]
     OverrideNotExecutable(PathBuf),
+    #[error("no virtiofsd recent enough: {found}. vmctl needs the Rust virtiofsd {MIN_VERSION} or later (older ones open a share again by its path at each mount by the guest, where a link could have been swapped in since); run scripts/setup.sh, or 'cargo install --locked virtiofsd' (it needs the Debian packages libcap-ng-dev and libseccomp-dev), or set {VIRTIOFSD_ENV} to one that is")]
+    TooOld { found: String },
     #[error("virtiofsd socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket allows; use a shorter XDG_STATE_HOME", .path.display())]
     SocketPathTooLong { path: PathBuf, len: usize },
     #[error("the share {} is not valid UTF-8, which virtiofsd cannot take as its directory; rename the directory (or the one on its path whose name is not UTF-8)", .0.display())]
@@ -83,14 +85,14 @@ pub enum VirtiofsdError {
         log: PathBuf,
         tail: String,
     },
-    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}{}", .host.display(), .log.display(), if *.sandboxed { SANDBOX_HINT } else { "" })]
+    #[error("virtiofsd for the share {} exited while starting ({status}); the end of its log {}:\n{tail}{hint}", .host.display(), .log.display())]
     Exited {
         host: PathBuf,
         status: String,
         log: PathBuf,
         tail: String,
-        /// It was starting in its namespace sandbox, which may be what failed.
-        sandboxed: bool,
+        /// What to do if its namespace sandbox is what failed (empty without one).
+        hint: String,
     },
     #[error("{SANDBOX_ENV}={value:?}: expected namespace (the default) or none")]
     BadSandbox { value: String },
@@ -125,17 +127,53 @@ const SANDBOX_HINT: &str = "\n(if it is virtiofsd's namespace sandbox that canno
      this host, VMCTL_VIRTIOFSD_SANDBOX=none runs it without one, which is less safe: see the \
      README's \"Workspace files (virtio-fs)\")";
 
+/// The sandbox for this start's daemons, and what to add to the error of one that
+/// fails to start in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SandboxChoice {
+    sandbox: Sandbox,
+    hint: String,
+}
+
+/// What this user may do with the namespaces virtiofsd's sandbox makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Namespaces {
+    /// A user namespace, and mount, PID and network namespaces inside it.
+    Available,
+    /// No user namespace at all (`kernel.unprivileged_userns_clone=0`,
+    /// `user.max_user_namespaces=0`).
+    NoUserNamespace,
+    /// A user namespace, but none of the others inside it (the errno): what Ubuntu's
+    /// `kernel.apparmor_restrict_unprivileged_userns=1` does to a program without an
+    /// AppArmor profile that allows it. virtiofsd may have such a profile (vmctl, which
+    /// probed, may not), so its sandbox is still tried.
+    RestrictedInside(i32),
+    /// The probe failed for a reason of its own (no process to spare).
+    Unknown,
+}
+
 /// The sandbox for this start's daemons: the namespace sandbox, unless [`SANDBOX_ENV`]
-/// says none or this user cannot make the namespaces it needs. Decided once, before
+/// says none or this user cannot make a user namespace at all. Decided once, before
 /// any daemon starts: a daemon that fails in its sandbox is an error, never a reason
 /// to try again without (a guest can make a start fail, by moving a directory on a
-/// share's path at the right moment).
-fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, VirtiofsdError> {
+/// share's path at the right moment). `probe` is asked only when it matters.
+fn choose_sandbox(
+    is_root: bool,
+    asked: Option<&str>,
+    probe: impl FnOnce() -> Namespaces,
+) -> Result<SandboxChoice, VirtiofsdError> {
+    let namespace = |hint: String| SandboxChoice {
+        sandbox: Sandbox::Namespace,
+        hint,
+    };
     match asked.map(str::trim) {
         None | Some("" | "namespace") => {}
         Some("none") => {
             vmm::to_stderr!("{NO_SANDBOX_ASKED_WARNING}");
-            return Ok(Sandbox::None);
+            return Ok(SandboxChoice {
+                sandbox: Sandbox::None,
+                hint: String::new(),
+            });
         }
         Some(value) => {
             return Err(VirtiofsdError::BadSandbox {
@@ -143,18 +181,58 @@ fn choose_sandbox(is_root: bool, asked: Option<&str>) -> Result<Sandbox, Virtiof
             })
         }
     }
-    if is_root || user_namespaces_work() {
-        return Ok(Sandbox::Namespace);
+    if is_root {
+        return Ok(namespace(SANDBOX_HINT.into()));
     }
-    vmm::to_stderr!("{NO_SANDBOX_WARNING}");
-    Ok(Sandbox::None)
+    match probe() {
+        Namespaces::Available | Namespaces::Unknown => Ok(namespace(SANDBOX_HINT.into())),
+        Namespaces::RestrictedInside(errno) => Ok(namespace(restricted_hint(errno))),
+        Namespaces::NoUserNamespace => {
+            vmm::to_stderr!("{NO_SANDBOX_WARNING}");
+            Ok(SandboxChoice {
+                sandbox: Sandbox::None,
+                hint: String::new(),
+            })
+        }
+    }
 }
 
-/// Whether this user may make the namespaces of virtiofsd's sandbox (user, mount, PID,
-/// network). Tried in a child, as a threaded process may not make a user namespace.
-/// Only a refusal of the namespaces says no: a probe that fails for another reason
-/// (no process to spare) leaves the sandbox on, for virtiofsd to fail loudly if it must.
-fn user_namespaces_work() -> bool {
+/// Why a daemon failed in its sandbox where this user may make a user namespace but
+/// nothing inside it, and the two ways out.
+fn restricted_hint(errno: i32) -> String {
+    format!(
+        "\n(this user may make a user namespace, but not the mount, PID and network \
+         namespaces virtiofsd's sandbox makes inside it: {}. On Ubuntu 23.10 and later \
+         AppArmor does this (kernel.apparmor_restrict_unprivileged_userns=1). Either give \
+         virtiofsd an AppArmor profile that allows user namespaces (the README's \
+         \"Workspace files (virtio-fs)\" shows one), or set {SANDBOX_ENV}=none to run it \
+         without its sandbox, which is less safe)",
+        std::io::Error::from_raw_os_error(errno)
+    )
+}
+
+/// What this user may do with namespaces: a user namespace, then the namespaces
+/// virtiofsd makes inside one, each tried in a child (a threaded process may not make
+/// a user namespace). Only a refusal by the kernel says no.
+fn probe_namespaces() -> Namespaces {
+    const INSIDE: libc::c_int = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET;
+    match unshare_in_child(&[libc::CLONE_NEWUSER]) {
+        Ok(()) => {}
+        Err(e) if refuses_namespaces(&e) => return Namespaces::NoUserNamespace,
+        Err(_) => return Namespaces::Unknown,
+    }
+    match unshare_in_child(&[libc::CLONE_NEWUSER, INSIDE]) {
+        Ok(()) => Namespaces::Available,
+        Err(e) if refuses_namespaces(&e) => {
+            Namespaces::RestrictedInside(e.raw_os_error().unwrap_or(libc::EPERM))
+        }
+        Err(_) => Namespaces::Unknown,
+    }
+}
+
+/// Runs `/bin/true` after unsharing each of `steps` in turn; the error of the first
+/// step refused.
+fn unshare_in_child(steps: &'static [libc::c_int]) -> std::io::Result<()> {
     use std::os::unix::process::CommandExt;
     let mut probe = std::process::Command::new("/bin/true");
     probe
@@ -164,9 +242,8 @@ fn user_namespaces_work() -> bool {
     // SAFETY: the closure runs in the child between fork and exec and only calls
     // unshare, which is async-signal-safe.
     unsafe {
-        probe.pre_exec(|| {
-            let namespaces = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWNET;
-            for flags in [libc::CLONE_NEWUSER, namespaces] {
+        probe.pre_exec(move || {
+            for &flags in steps {
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -175,10 +252,10 @@ fn user_namespaces_work() -> bool {
         });
     }
     match probe.status() {
-        Ok(_) => true,
+        Ok(_) => Ok(()),
         Err(e) => {
-            tracing::info!("probing for user namespaces: {e}");
-            !refuses_namespaces(&e)
+            tracing::info!("probing for namespaces ({steps:#x?}): {e}");
+            Err(e)
         }
     }
 }
@@ -282,9 +359,12 @@ fn start_as(
     sandbox_asked: Option<&str>,
     policy: CachePolicy,
 ) -> Result<(FsDaemons, Vec<FsConfig>), VirtiofsdError> {
-    let sandbox = match shares.is_empty() {
-        true => Sandbox::Namespace,
-        false => choose_sandbox(is_root, sandbox_asked)?,
+    let SandboxChoice { sandbox, hint } = match shares.is_empty() {
+        true => SandboxChoice {
+            sandbox: Sandbox::Namespace,
+            hint: String::new(),
+        },
+        false => choose_sandbox(is_root, sandbox_asked, probe_namespaces)?,
     };
     if !is_root && !shares.is_empty() && sandbox == Sandbox::Namespace {
         // Not a weaker sandbox but other ownership. (In a VM's supervisor log, which
@@ -297,7 +377,7 @@ fn start_as(
         shares,
         socket_dir,
         log_dir,
-        sandbox,
+        SandboxChoice { sandbox, hint },
         policy,
         &mut daemons,
     ) {
@@ -348,7 +428,7 @@ fn start_all(
     shares: &[Share],
     socket_dir: &Path,
     log_dir: &Path,
-    sandbox: Sandbox,
+    SandboxChoice { sandbox, hint }: SandboxChoice,
     policy: CachePolicy,
     daemons: &mut Vec<Daemon>,
 ) -> Result<(), VirtiofsdError> {
@@ -392,7 +472,7 @@ fn start_all(
                     status: status.to_string(),
                     log: daemon.log.clone(),
                     tail: daemon.log_tail(),
-                    sandboxed: daemon.sandbox == Sandbox::Namespace,
+                    hint: hint.clone(),
                 });
             }
             StartOutcome::TimedOut => {
@@ -405,14 +485,17 @@ fn start_all(
             }
         }
     }
-    daemons.iter_mut().try_for_each(confirm_root)
+    daemons
+        .iter_mut()
+        .try_for_each(|daemon| confirm_root(daemon, &hint))
 }
 
 /// Makes sure `daemon` serves its share: the root its namespace sandbox pivoted into
 /// is the directory found on the share's path before it started ([`share_root`]).
 /// Without the sandbox there is no root to compare: the daemon serves the directory it
-/// was started in, entered by a descriptor ([`daemon::spawn_daemon`]).
-fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
+/// was started in, entered by a descriptor ([`daemon::spawn_daemon`]). `hint` goes with
+/// an exit, as with one while starting.
+fn confirm_root(daemon: &mut Daemon, hint: &str) -> Result<(), VirtiofsdError> {
     if daemon.sandbox != Sandbox::Namespace {
         return Ok(());
     }
@@ -441,7 +524,7 @@ fn confirm_root(daemon: &mut Daemon) -> Result<(), VirtiofsdError> {
                         status: status.to_string(),
                         log: daemon.log.clone(),
                         tail: daemon.log_tail(),
-                        sandboxed: true,
+                        hint: hint.to_string(),
                     });
                 }
                 // Not ours to see (an unusual /proc): the check is lost, not the share.
@@ -482,6 +565,29 @@ fn failure(daemon: &Daemon, status: &str) -> String {
     )
 }
 
+/// What is said of a daemon the VMM gave up on, and vmctl killed.
+fn given_up_failure(daemon: &Daemon, reason: &str) -> String {
+    format!(
+        "the VMM gave up on virtiofsd for {}: {reason}; vmctl ended it, and the VM can no \
+         longer use that share (its files on the host are untouched; the guest's requests \
+         to it fail with EIO); stop the VM with 'vmctl stop', then start it again to get \
+         the share back",
+        daemon.host.display()
+    )
+}
+
+/// Says each of `failures` (stderr, the log, the failure file) and keeps them.
+fn report_failures(state: &mut Watched, failures: Vec<String>) {
+    for failure in &failures {
+        tracing::error!("{failure}");
+        vmm::to_stderr!("vmctl: {failure}");
+        if let Some(file) = &state.failure_file {
+            record_failure(file, failure);
+        }
+    }
+    state.failures.extend(failures);
+}
+
 /// The watcher thread: reports daemons that die while the VM runs.
 fn watch(shared: &Shared) {
     let mut state = shared.lock();
@@ -492,6 +598,11 @@ fn watch(shared: &Shared) {
         let mut new_failures = Vec::new();
         let vmm_running = state.vmm_running;
         for (daemon, clean_exit) in state.daemons.iter_mut().zip(&mut clean_exits) {
+            if daemon.given_up {
+                // Reported when it was given up on.
+                *clean_exit = None;
+                continue;
+            }
             if let Some(since) = *clean_exit {
                 if !vmm_running() {
                     *clean_exit = None;
@@ -528,14 +639,7 @@ fn watch(shared: &Shared) {
             };
             new_failures.push(failure(daemon, &status));
         }
-        for failure in &new_failures {
-            tracing::error!("{failure}");
-            vmm::to_stderr!("vmctl: {failure}");
-            if let Some(file) = &state.failure_file {
-                record_failure(file, failure);
-            }
-        }
-        state.failures.extend(new_failures);
+        report_failures(&mut state, new_failures);
         state = shared
             .wake
             .wait_timeout(state, WATCH_POLL)
@@ -550,6 +654,32 @@ impl FsDaemons {
     #[cfg(test)]
     pub fn failures(&self) -> Vec<String> {
         self.shared.lock().failures.clone()
+    }
+
+    /// Ends the daemon of the share tagged `tag`, which the VMM gave up on for
+    /// `reason` (it left a request unanswered, or refused one): such a daemon may
+    /// still run with the guest's memory mapped, and the VMM answers the share's
+    /// requests itself only once it is gone. The share is reported lost, as when its
+    /// daemon dies.
+    pub fn give_up(&self, tag: &str, reason: &str) {
+        let mut state = self.shared.lock();
+        let daemon = state
+            .daemons
+            .iter_mut()
+            .enumerate()
+            .find(|(index, _)| shares::tag(*index) == tag)
+            .map(|(_, daemon)| daemon);
+        let Some(daemon) = daemon else {
+            tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
+            return;
+        };
+        if daemon.given_up {
+            return;
+        }
+        daemon.given_up = true;
+        daemon.kill_group();
+        let failure = given_up_failure(daemon, reason);
+        report_failures(&mut state, vec![failure]);
     }
 
     /// Appends each later failure to `file` as a line (besides printing it).
@@ -724,7 +854,60 @@ mod tests {
             assert!(!refuses_namespaces(&errno(other)), "{other}");
         }
         // This test runs where namespaces work (as root, or with user namespaces).
-        assert!(user_namespaces_work());
+        assert_eq!(probe_namespaces(), Namespaces::Available);
+    }
+
+    /// Where a user namespace can be made but nothing inside it (Ubuntu's AppArmor
+    /// restriction), the sandbox is kept: virtiofsd may have a profile that lets it
+    /// work, and if not, its failure says why and what to do. Only where there are no
+    /// user namespaces at all does virtiofsd run without, saying so.
+    #[test]
+    fn a_user_namespace_restricted_inside_keeps_the_sandbox_and_explains_its_failure() {
+        let choose = |is_root, probed| choose_sandbox(is_root, None, || probed).unwrap();
+        let restricted = choose(false, Namespaces::RestrictedInside(libc::EPERM));
+        assert_eq!(restricted.sandbox, Sandbox::Namespace);
+        for needed in [
+            "apparmor_restrict_unprivileged_userns",
+            "AppArmor profile",
+            "VMCTL_VIRTIOFSD_SANDBOX=none",
+            &std::io::Error::from_raw_os_error(libc::EPERM).to_string(),
+        ] {
+            assert!(
+                restricted.hint.contains(needed),
+                "{needed}: {}",
+                restricted.hint
+            );
+        }
+        for probed in [Namespaces::Available, Namespaces::Unknown] {
+            assert_eq!(choose(false, probed).sandbox, Sandbox::Namespace);
+            assert_eq!(choose(false, probed).hint, SANDBOX_HINT);
+        }
+        assert_eq!(
+            choose(false, Namespaces::NoUserNamespace).sandbox,
+            Sandbox::None
+        );
+        assert_eq!(
+            choose(true, Namespaces::NoUserNamespace).sandbox,
+            Sandbox::Namespace,
+            "root needs no user namespace"
+        );
+        let asked_none = choose_sandbox(false, Some("none"), || {
+            panic!("probed although the sandbox was turned off")
+        });
+        assert_eq!(asked_none.unwrap().sandbox, Sandbox::None);
+        // The daemon's failure in its sandbox carries the explanation.
+        let error = VirtiofsdError::Exited {
+            host: "/w".into(),
+            status: "exit status: 1".into(),
+            log: "/l".into(),
+            tail: "  Error entering sandbox: Unshare(Os { code: 1 })".into(),
+            hint: restricted.hint,
+        }
+        .to_string();
+        assert!(
+            error.contains("Unshare") && error.contains("apparmor_restrict"),
+            "{error}"
+        );
     }
 
     /// A namespace sandbox that fails is an error that says what to do, never a reason
@@ -812,6 +995,61 @@ mod tests {
         daemons.stop();
         assert!(pids.into_iter().all(is_reaped));
         assert!(!dir.path().join("fs0.sock").exists());
+    }
+
+    /// A daemon the VMM gave up on is killed, with what it forked (its sandbox's
+    /// server), and reported once, with the VMM's reason, however it then exits.
+    #[test]
+    fn a_daemon_the_vmm_gave_up_on_is_killed_and_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let forked = dir.path().join("forked.pid");
+        let fake = fake_virtiofsd_then(
+            dir.path(),
+            ":",
+            &format!("sleep 600 & echo $! > '{}'; wait", forked.display()),
+        );
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !forked.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let forked: libc::pid_t = std::fs::read_to_string(&forked)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        daemons.give_up("vmctl7", "not ours");
+        assert!(daemons.failures().is_empty());
+        let reason = "the backend did not answer GET_VRING_BASE within 30 s";
+        daemons.give_up("vmctl0", reason);
+        daemons.give_up("vmctl0", reason);
+        let failures = daemons.failures();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(
+            failures[0].contains(reason)
+                && failures[0].contains(&dir.path().display().to_string())
+                && failures[0].contains("then start it again"),
+            "{}",
+            failures[0]
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !is_reaped(forked) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(is_reaped(forked), "what the daemon forked still runs");
+        // Its death by SIGKILL is not reported a second time.
+        std::thread::sleep(3 * WATCH_POLL);
+        assert_eq!(daemons.failures().len(), 1, "{:?}", daemons.failures());
+        daemons.stop();
     }
 
     /// A daemon that exits cleanly (virtiofsd does when its VMM hangs up, or when it
@@ -946,6 +1184,222 @@ mod tests {
             cwd, original,
             "virtiofsd does not stand in the share it was given"
         );
+        daemons.stop();
+    }
+
+    /// A FUSE client of a real virtiofsd, through the VMM's virtio-fs device, without
+    /// a guest: the test writes requests into guest memory (the memfd virtiofsd maps)
+    /// on the request queue, kicks it, and reads the replies.
+    mod fuse_client {
+        use std::os::unix::fs::FileExt;
+        use std::path::Path;
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+
+        use virtio_queue::{Queue, QueueT};
+        use vmm::devices::virtio::fs::VhostUserFs;
+        use vmm::devices::virtio::{InterruptTrigger, VirtioDevice, FEATURE_VERSION_1};
+        use vmm::memory::{create_guest_ram, GuestRam};
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+        const QUEUE_SIZE: u16 = 16;
+        /// The request queue (queue 0 is the high-priority one).
+        const REQUESTS: usize = 1;
+        const FUSE_GETATTR: u32 = 3;
+        const FUSE_INIT: u32 = 26;
+        const ROOT_NODE: u64 = 1;
+        /// Where request `n`'s header and reply go.
+        const REQUEST_AT: u64 = 0x10_0000;
+        const REPLY_AT: u64 = 0x18_0000;
+        const SLOT: u64 = 0x1000;
+
+        pub struct Client {
+            device: VhostUserFs,
+            ram: GuestRam,
+            kicks: Vec<EventFd>,
+            sent: u16,
+        }
+
+        /// Queue `index`'s rings: descriptors, then the available and used rings.
+        fn ring_base(index: usize) -> u64 {
+            0x1_0000 * (index as u64 + 1)
+        }
+
+        impl Client {
+            /// Connects to the virtiofsd on `socket` and starts the device, as a
+            /// guest's driver would.
+            pub fn connect(socket: &Path) -> Self {
+                let events: vmm::process::EventSink =
+                    Arc::new(|event| panic!("the VMM gave up on virtiofsd: {event:?}"));
+                let mut device = VhostUserFs::connect(socket, "test", events).unwrap();
+                let ram = create_guest_ram(16 << 20).unwrap();
+                let kicks: Vec<EventFd> = (0..2)
+                    .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
+                    .collect();
+                device.attach_queue_events(&kicks).unwrap();
+                device.set_acked_features(FEATURE_VERSION_1);
+                let queues = (0..2)
+                    .map(|index| {
+                        let base = ring_base(index);
+                        let mut queue = Queue::new(QUEUE_SIZE).unwrap();
+                        queue.set_size(QUEUE_SIZE);
+                        queue.set_desc_table_address(Some(base as u32), Some(0));
+                        queue.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
+                        queue.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
+                        queue.set_ready(true);
+                        queue
+                    })
+                    .collect();
+                let interrupt =
+                    InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+                device
+                    .activate(ram.memory.clone(), queues, interrupt)
+                    .unwrap();
+                Self {
+                    device,
+                    ram,
+                    kicks,
+                    sent: 0,
+                }
+            }
+
+            fn write(&self, at: u64, bytes: &[u8]) {
+                // Guest RAM starts at the memfd's start.
+                self.ram.backing_file.write_all_at(bytes, at).unwrap();
+            }
+
+            fn read(&self, at: u64, len: usize) -> Vec<u8> {
+                let mut bytes = vec![0; len];
+                self.ram.backing_file.read_exact_at(&mut bytes, at).unwrap();
+                bytes
+            }
+
+            /// Sends FUSE request `opcode` on `node` with `body`; returns the reply
+            /// (its header included) once virtiofsd has put it in the used ring.
+            fn request(&mut self, opcode: u32, node: u64, body: &[u8]) -> Vec<u8> {
+                let n = u64::from(self.sent);
+                let (request, reply) = (REQUEST_AT + SLOT * n, REPLY_AT + SLOT * n);
+                let mut header = Vec::new();
+                header.extend_from_slice(&(40 + body.len() as u32).to_le_bytes());
+                header.extend_from_slice(&opcode.to_le_bytes());
+                header.extend_from_slice(&(n + 1).to_le_bytes()); // unique
+                header.extend_from_slice(&node.to_le_bytes());
+                header.extend_from_slice(&[0; 16]); // uid, gid, pid, extlen, padding
+                header.extend_from_slice(body);
+                self.write(request, &header);
+                // Two descriptors: the request, then the reply buffer (device-written).
+                let base = ring_base(REQUESTS);
+                let first = 2 * (self.sent % (QUEUE_SIZE / 2));
+                let descriptor = |addr: u64, len: u32, flags: u16, next: u16| {
+                    let mut raw = Vec::new();
+                    raw.extend_from_slice(&addr.to_le_bytes());
+                    raw.extend_from_slice(&len.to_le_bytes());
+                    raw.extend_from_slice(&flags.to_le_bytes());
+                    raw.extend_from_slice(&next.to_le_bytes());
+                    raw
+                };
+                self.write(
+                    base + 16 * u64::from(first),
+                    &descriptor(request, header.len() as u32, 1, first + 1),
+                );
+                self.write(
+                    base + 16 * u64::from(first + 1),
+                    &descriptor(reply, 0x400, 2, 0),
+                );
+                let avail = base + 0x1000;
+                let slot = u64::from(self.sent % QUEUE_SIZE);
+                self.write(avail + 4 + 2 * slot, &first.to_le_bytes());
+                self.sent += 1;
+                self.write(avail + 2, &self.sent.to_le_bytes());
+                self.kicks[REQUESTS].write(1).unwrap();
+                let used_index = base + 0x2000 + 2;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let used = self.read(used_index, 2);
+                    if u16::from_le_bytes([used[0], used[1]]) == self.sent {
+                        break;
+                    }
+                    assert!(
+                        Instant::now() < deadline,
+                        "virtiofsd did not answer {opcode}"
+                    );
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let reply = self.read(reply, 0x400);
+                let error = i32::from_le_bytes(reply[4..8].try_into().unwrap());
+                assert_eq!(error, 0, "virtiofsd refused request {opcode}");
+                reply
+            }
+
+            /// FUSE_INIT, as the guest sends it when it mounts the share.
+            pub fn mount(&mut self) {
+                let mut init = Vec::new();
+                for word in [7u32, 31, 0x2_0000, 0] {
+                    init.extend_from_slice(&word.to_le_bytes());
+                }
+                self.request(FUSE_INIT, 0, &init);
+            }
+
+            /// The inode number of the served root, as the guest sees it.
+            pub fn root_inode(&mut self) -> u64 {
+                let reply = self.request(FUSE_GETATTR, ROOT_NODE, &[0; 16]);
+                // fuse_out_header (16), attr_valid and its nanoseconds (16), then
+                // fuse_attr, which starts with the inode number.
+                u64::from_le_bytes(reply[32..40].try_into().unwrap())
+            }
+        }
+
+        impl Drop for Client {
+            fn drop(&mut self) {
+                self.device.reset();
+            }
+        }
+    }
+
+    /// What the "." defence is for, asked of the virtiofsd vmctl would use: without
+    /// its sandbox, a directory on the share's path swapped for a link after virtiofsd
+    /// started (by another VM's guest) must not change what the guest mounts. A
+    /// virtiofsd that took the path by name at its start (older than 1.14) and opened
+    /// it again at the mount serves the link's target, and fails this.
+    #[test]
+    fn without_the_sandbox_a_path_swapped_after_the_start_is_not_what_a_mount_serves() {
+        use std::os::unix::fs::MetadataExt;
+        let Some(binary) = installed_virtiofsd() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let workspace = root.join("workspace");
+        let project = workspace.join("sub/project");
+        std::fs::create_dir_all(&project).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/project")).unwrap();
+        let inode = |path: &Path| std::fs::metadata(path).unwrap().ino();
+        let (original, other) = (inode(&project), inode(&root.join("elsewhere/project")));
+        let state = root.join("state");
+        std::fs::create_dir(&state).unwrap();
+        let (daemons, devices) = start_as(
+            &binary,
+            &[share(&project, false)],
+            &state,
+            &state,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        // As a guest that can write `workspace` would, once virtiofsd runs.
+        std::fs::rename(workspace.join("sub"), workspace.join("sub.orig")).unwrap();
+        std::os::unix::fs::symlink(root.join("elsewhere"), workspace.join("sub")).unwrap();
+        assert_eq!(inode(&project), other, "the swap did not take");
+        let mut client = fuse_client::Client::connect(&devices[0].socket_path);
+        client.mount();
+        let served = client.root_inode();
+        assert_eq!(
+            served, original,
+            "virtiofsd serves what the share's path leads to now ({other}), not the \
+             directory it started in ({original})"
+        );
+        drop(client);
         daemons.stop();
     }
 

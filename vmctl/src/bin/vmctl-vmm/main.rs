@@ -18,7 +18,7 @@ use vmm::builder::{BuildError, RunOptions};
 use vmm::config::VmConfig;
 use vmm::devices::legacy::BootTimeReport;
 use vmm::process::cpus::CpuSet;
-use vmm::process::{decode_config, Args, ArgsError, Outcome, BINARY, USAGE};
+use vmm::process::{decode_config, Args, ArgsError, Event, EventSink, Outcome, BINARY, USAGE};
 use vmm::vstate::exit::ExitReason;
 
 use confine::Confinement;
@@ -51,6 +51,7 @@ fn main() -> ExitCode {
         }
     };
     let outcome_fd = outcome_file.as_ref().map(File::as_raw_fd);
+    let events = event_sink(outcome_file.as_ref());
     // Read before the VM is built, so that a value it does not know costs no build.
     let wanted = seccomp::wanted()
         .map_err(|e| e.to_string())
@@ -65,6 +66,7 @@ fn main() -> ExitCode {
                 vcpu_cpus,
                 outcome_fd,
             },
+            events,
         )),
         Err(error) => Outcome::Failed { error },
     };
@@ -95,8 +97,10 @@ fn run(
     report_boot_time: bool,
     vmm_start: Instant,
     privileges: Privileges,
+    events: EventSink,
 ) -> Result<ExitReason, BuildError> {
     let options = RunOptions {
+        events,
         vmm_start,
         serial_output: Box::new(unbuffered_stdout().map_err(|source| BuildError::Open {
             what: "the guest console on",
@@ -180,6 +184,34 @@ fn give_up_privileges(
     seccomp::install(outcome_fd).map_err(|e| e.to_string())?;
     tracing::debug!("system calls limited by the seccomp filter");
     Ok(())
+}
+
+/// Where the devices' [`Event`]s go: a line each on the outcome descriptor, for vmctl
+/// to act on while the VM runs, each in one write (a line is shorter than a pipe's
+/// atomic write, so lines from several threads never mix); stderr without one.
+fn event_sink(outcome: Option<&File>) -> EventSink {
+    let file = outcome.and_then(|file| {
+        file.try_clone()
+            .inspect_err(|e| {
+                vmm::to_stderr!("{BINARY}: warning: cannot report events to vmctl: {e}")
+            })
+            .ok()
+    });
+    std::sync::Arc::new(move |event: Event| {
+        let told = file
+            .as_ref()
+            .map(|mut file| file.write_all(event.to_line().as_bytes()));
+        if let Some(Ok(())) = told {
+            return;
+        }
+        match event {
+            Event::FsBackendGivenUp { tag, reason } => vmm::to_stderr!(
+                "{BINARY}: the virtio-fs backend of {tag:?} was given up on ({reason}); \
+                 nothing here stops it: end that virtiofsd, and the guest's requests to \
+                 the share then fail with EIO"
+            ),
+        }
+    })
 }
 
 /// An unbuffered handle on stdout: the guest's console must not wait for a newline

@@ -148,7 +148,8 @@ impl Backend {
         self.virtio_features
     }
 
-    /// A descriptor of the session's socket, to poll for the backend hanging up.
+    /// A descriptor of the session's socket, to poll for the backend going away
+    /// (EPOLLHUP: it closed its side, which it does as it exits).
     pub fn hangup_fd(&self) -> RawFd {
         self.frontend.as_raw_fd()
     }
@@ -252,13 +253,15 @@ impl Backend {
         })
     }
 
-    /// Ends the session: the backend sees us hang up, and so does the device's worker
-    /// (which then answers the guest itself). Nothing is asked of the backend again.
+    /// Ends the session: nothing is asked of the backend again, and what it says is
+    /// not read (a late reply of its fails). Only our reading side is shut: the
+    /// socket then still tells the device's worker when the backend is gone (EPOLLHUP
+    /// comes only once both sides are closed), and only then may the worker answer
+    /// the guest's requests itself. Until then the backend may still be working on
+    /// them, in the guest's memory.
     pub fn hang_up(&mut self) {
         self.hung_up = true;
-        if let Err(e) = self.session.shutdown(Shutdown::Both) {
-            tracing::debug!("virtio-fs: shutting the backend's socket down: {e}");
-        }
+        stop_reading(&self.session);
     }
 
     /// How long the backend has to answer (tests wait less than [`REPLY_TIMEOUT`]).
@@ -289,9 +292,8 @@ impl Backend {
             .spawn(move || {
                 let timed_out = waiting.recv_timeout(timeout) == Err(RecvTimeoutError::Timeout);
                 if timed_out {
-                    if let Err(e) = session.shutdown(Shutdown::Both) {
-                        tracing::warn!("virtio-fs: shutting the backend's socket down: {e}");
-                    }
+                    // Ends the frontend's wait for the reply (see `hang_up`).
+                    stop_reading(&session);
                 }
                 timed_out
             });
@@ -321,6 +323,14 @@ impl Backend {
             }),
             other => other,
         }
+    }
+}
+
+/// Shuts the reading side of the session: a wait for a reply ends at once, and the
+/// backend's writes fail from now on.
+fn stop_reading(session: &UnixStream) {
+    if let Err(e) = session.shutdown(Shutdown::Read) {
+        tracing::warn!("virtio-fs: shutting the backend's socket down for reading: {e}");
     }
 }
 

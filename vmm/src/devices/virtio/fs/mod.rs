@@ -1,9 +1,12 @@
 //! virtio-fs (virtio 1.2, section 5.11) through a vhost-user backend: virtiofsd
 //! serves the FUSE requests straight from guest memory (the memfd it maps), kicked by
 //! the queues' ioeventfds, and interrupts the guest through the device's irqfd. The
-//! VMM only sets the session up and, if the backend goes away (or leaves the VMM's
-//! requests unanswered for [`backend::REPLY_TIMEOUT`]), answers the guest's requests
-//! with EIO itself so nothing in the guest hangs on a dead share.
+//! VMM only sets the session up and, once the backend is gone, answers the guest's
+//! requests with EIO itself so nothing in the guest hangs on a dead share. A backend
+//! that refuses one of the VMM's requests, or leaves one unanswered for
+//! [`backend::REPLY_TIMEOUT`], is given up on: the VMM stops listening to it and tells
+//! its caller ([`Event::FsBackendGivenUp`]), which kills it; only when it is gone does
+//! the VMM answer for it, as it may be at work in the guest's rings until then.
 
 mod backend;
 pub mod fallback;
@@ -21,6 +24,7 @@ use self::worker::{Worker, WorkerHandle};
 use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
 use crate::config::MAX_FS_TAG_LEN;
 use crate::memory::GuestMemoryMmap;
+use crate::process::{Event, EventSink};
 
 pub const DEVICE_ID_FS: u32 = 26;
 /// One high-priority queue (FORGET, INTERRUPT) and one request queue.
@@ -47,6 +51,10 @@ pub struct VhostUserFs {
     /// kick descriptors.
     kicks: Vec<Arc<EventFd>>,
     worker: Option<WorkerHandle>,
+    /// Told when the backend is given up on.
+    events: EventSink,
+    /// The backend was given up on (and the caller told, once).
+    given_up: bool,
 }
 
 /// Transport features we let the guest and backend agree on. EVENT_IDX matters most:
@@ -57,8 +65,8 @@ const SUPPORTED_FEATURES: u64 = FEATURE_VERSION_1
 
 impl VhostUserFs {
     /// Connects to the backend listening on `socket` and negotiates what does not
-    /// depend on the guest.
-    pub fn connect(socket: &Path, tag: &str) -> Result<Self, FsError> {
+    /// depend on the guest. `events` is told if the backend is given up on.
+    pub fn connect(socket: &Path, tag: &str, events: EventSink) -> Result<Self, FsError> {
         if tag.is_empty() || tag.len() > MAX_FS_TAG_LEN {
             return Err(FsError::BadTag { tag: tag.into() });
         }
@@ -79,6 +87,8 @@ impl VhostUserFs {
             queue_max_sizes: [QUEUE_SIZE; NUM_QUEUES],
             kicks: Vec::new(),
             worker: None,
+            events,
+            given_up: false,
         })
     }
 
@@ -92,42 +102,59 @@ impl VhostUserFs {
     }
 
     /// Starts the backend on the driver's rings; returns its socket for the worker to
-    /// watch, or None when the backend is lost: the worker then answers the guest's
-    /// requests with EIO from the start, as the driver never looks at NEEDS_RESET
-    /// (Linux's virtio-fs waits on its FUSE_INIT for ever).
+    /// watch for its end. A backend given up on (before, or now, as it fails to
+    /// start) is not started: the worker answers the guest's requests with EIO once
+    /// it is gone, as the driver never looks at NEEDS_RESET (Linux's virtio-fs waits
+    /// on its FUSE_INIT for ever).
     fn start_backend(
         &mut self,
         memory: &GuestMemoryMmap,
         queues: &[Queue],
         calls: &[EventFd],
-    ) -> Result<Option<RawFd>, ActivateError> {
+    ) -> Result<RawFd, ActivateError> {
         if self.backend.hung_up() {
             tracing::debug!(
-                "virtio-fs {:?}: the backend is lost; the guest's requests fail with EIO",
+                "virtio-fs {:?}: the backend was given up on; the guest's requests fail \
+                 with EIO once it is gone",
                 self.tag
             );
-            return Ok(None);
+            return Ok(self.backend.hangup_fd());
         }
         match self
             .backend
             .start(self.acked_features, memory, queues, calls, &self.kicks)
         {
-            Ok(()) => Ok(Some(self.backend.hangup_fd())),
+            Ok(()) => Ok(self.backend.hangup_fd()),
             Err(e) if e.ends_session() => {
-                // Once: a guest that resets the device again finds it hung up.
-                tracing::error!(
-                    "virtio-fs {:?}: starting the backend (virtiofsd) failed: {e}; the \
-                     guest's requests to this share fail with EIO",
-                    self.tag
-                );
-                self.backend.hang_up();
-                Ok(None)
+                self.give_up(&e, "starting the backend (virtiofsd)");
+                Ok(self.backend.hangup_fd())
             }
             Err(e) => Err(ActivateError::Device(format!(
                 "virtio-fs {:?}: {e}",
                 self.tag
             ))),
         }
+    }
+
+    /// Stops listening to the backend after `error` (in `doing`) and tells the
+    /// caller, once, so that it kills the backend: a backend that stopped answering
+    /// may still write into the guest's memory, so its requests are answered only
+    /// when it is gone.
+    fn give_up(&mut self, error: &BackendError, doing: &str) {
+        self.backend.hang_up();
+        if self.given_up {
+            return;
+        }
+        self.given_up = true;
+        tracing::error!(
+            "virtio-fs {:?}: {doing} failed: {error}; the backend is given up on, and the \
+             guest's requests to this share fail with EIO once it has ended",
+            self.tag
+        );
+        (self.events)(Event::FsBackendGivenUp {
+            tag: self.tag.clone(),
+            reason: error.to_string(),
+        });
     }
 
     fn stop_worker(&mut self) {
@@ -231,8 +258,8 @@ impl VirtioDevice for VhostUserFs {
         if !self.backend.hung_up() {
             match self.backend.stop_rings(NUM_QUEUES) {
                 Ok(()) => {}
-                Err(e @ BackendError::NoAnswer { .. }) => {
-                    tracing::error!("virtio-fs {:?}: {e}", self.tag);
+                Err(e) if e.ends_session() => {
+                    self.give_up(&e, "stopping the rings for the guest's reset")
                 }
                 Err(e) => tracing::debug!("virtio-fs {:?}: stopping the rings: {e}", self.tag),
             }

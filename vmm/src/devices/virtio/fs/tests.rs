@@ -11,6 +11,19 @@ use super::fallback::{fail_requests, take_over};
 use super::*;
 use crate::memory::create_guest_ram;
 
+/// An event sink that keeps what it is told, for the test to look at.
+fn events() -> (EventSink, std::sync::mpsc::Receiver<Event>) {
+    let (told, heard) = std::sync::mpsc::channel();
+    let sink: EventSink = Arc::new(move |event| {
+        let _ = told.send(event);
+    });
+    (sink, heard)
+}
+
+fn no_events() -> EventSink {
+    Arc::new(|event| panic!("unexpected event: {event:?}"))
+}
+
 const W: u16 = VRING_DESC_F_WRITE as u16;
 const N: u16 = VRING_DESC_F_NEXT as u16;
 
@@ -160,7 +173,7 @@ fn an_available_ring_at_address_zero_does_not_spin_the_fallback() {
 #[test]
 fn connect_errors_name_the_socket_and_check_the_tag() {
     let missing = std::path::Path::new("/nonexistent/vmm-test-virtiofsd.sock");
-    let Err(err) = VhostUserFs::connect(missing, "share") else {
+    let Err(err) = VhostUserFs::connect(missing, "share", no_events()) else {
         panic!("connected to a socket that does not exist");
     };
     let text = err.to_string();
@@ -171,7 +184,7 @@ fn connect_errors_name_the_socket_and_check_the_tag() {
     assert!(text.contains("virtiofsd"), "{text}");
     for bad in ["", &"x".repeat(MAX_FS_TAG_LEN + 1)] {
         assert!(matches!(
-            VhostUserFs::connect(missing, bad),
+            VhostUserFs::connect(missing, bad, no_events()),
             Err(FsError::BadTag { .. })
         ));
     }
@@ -182,9 +195,12 @@ fn connect_errors_name_the_socket_and_check_the_tag() {
 enum Fake {
     /// Refuses SET_MEM_TABLE (as virtiofsd when it cannot map the memory), then exits.
     RefusesMemoryTable,
-    /// Never answers GET_VRING_BASE (as virtiofsd whose queue thread is stuck on a
-    /// file system that does not respond), but stays connected.
+    /// Answers GET_VRING_BASE only once released (as virtiofsd whose queue thread is
+    /// stuck on a file system that does not respond), staying connected meanwhile.
     StallsRingStop,
+    /// Does not acknowledge SET_MEM_TABLE; stays connected until released, then ends
+    /// the session (as virtiofsd stuck as the guest starts the device, then killed).
+    StallsStart,
     /// Hangs up once connected (as virtiofsd that died before the driver started).
     DiesAfterConnect,
 }
@@ -197,10 +213,12 @@ const GET_QUEUE_NUM: u32 = 17;
 const NEED_REPLY: u32 = 0x8;
 
 /// A vhost-user backend on a socket in a directory of its own; its thread ends when
-/// the session does, returning whether it saw the frontend hang up.
+/// the session does, returning whether it saw the frontend hang up (or refuse its
+/// late reply). A stalling one waits for [`FakeBackend::release`].
 struct FakeBackend {
     socket: std::path::PathBuf,
     session: std::thread::JoinHandle<bool>,
+    release: std::sync::mpsc::Sender<()>,
     _dir: tempfile::TempDir,
 }
 
@@ -209,15 +227,22 @@ impl FakeBackend {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("fs.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (release, released) = std::sync::mpsc::channel();
         let session = std::thread::spawn(move || {
             let (stream, _) = listener.accept().unwrap();
-            serve(stream, behaviour)
+            serve(stream, behaviour, &released)
         });
         Self {
             socket,
             session,
+            release,
             _dir: dir,
         }
+    }
+
+    /// Lets a stalling backend go on.
+    fn release(&self) {
+        let _ = self.release.send(());
     }
 
     /// Whether the frontend hung up, once the session is over (within 5 s).
@@ -235,8 +260,12 @@ impl FakeBackend {
 }
 
 /// Answers requests as virtiofsd does (with REPLY_ACK offered); returns true when the
-/// frontend hung up, false when the fake ended the session.
-fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
+/// frontend hung up or refused a reply, false when the fake ended the session.
+fn serve(
+    mut stream: std::os::unix::net::UnixStream,
+    behaviour: Fake,
+    released: &std::sync::mpsc::Receiver<()>,
+) -> bool {
     use std::io::{Read, Write};
     let reply = |stream: &mut std::os::unix::net::UnixStream, code: u32, body: &[u8]| {
         let mut message = Vec::new();
@@ -244,7 +273,7 @@ fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
             message.extend_from_slice(&word.to_le_bytes());
         }
         message.extend_from_slice(body);
-        stream.write_all(&message).unwrap();
+        stream.write_all(&message)
     };
     let mut header = [0u8; 12];
     loop {
@@ -258,20 +287,20 @@ fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
         stream.read_exact(&mut body).unwrap();
         let ack = |stream: &mut std::os::unix::net::UnixStream, status: u64| {
             if flags & NEED_REPLY != 0 {
-                reply(stream, code, &status.to_le_bytes());
+                reply(stream, code, &status.to_le_bytes()).unwrap();
             }
         };
         match code {
             GET_FEATURES => {
                 let features = FEATURE_VERSION_1 | (1 << 30);
-                reply(&mut stream, code, &features.to_le_bytes());
+                reply(&mut stream, code, &features.to_le_bytes()).unwrap();
             }
             GET_PROTOCOL_FEATURES => {
                 let mq_and_reply_ack = 1u64 | (1 << 3);
-                reply(&mut stream, code, &mq_and_reply_ack.to_le_bytes());
+                reply(&mut stream, code, &mq_and_reply_ack.to_le_bytes()).unwrap();
             }
             GET_QUEUE_NUM => {
-                reply(&mut stream, code, &(NUM_QUEUES as u64).to_le_bytes());
+                reply(&mut stream, code, &(NUM_QUEUES as u64).to_le_bytes()).unwrap();
                 if behaviour == Fake::DiesAfterConnect {
                     return false;
                 }
@@ -280,8 +309,15 @@ fn serve(mut stream: std::os::unix::net::UnixStream, behaviour: Fake) -> bool {
                 ack(&mut stream, 1);
                 return false;
             }
-            GET_VRING_BASE if behaviour == Fake::StallsRingStop => {}
-            GET_VRING_BASE => reply(&mut stream, code, &body[..4].repeat(2)),
+            SET_MEM_TABLE if behaviour == Fake::StallsStart => {
+                let _ = released.recv();
+                return false;
+            }
+            GET_VRING_BASE if behaviour == Fake::StallsRingStop => {
+                let _ = released.recv();
+                return reply(&mut stream, code, &body[..4].repeat(2)).is_err();
+            }
+            GET_VRING_BASE => reply(&mut stream, code, &body[..4].repeat(2)).unwrap(),
             _ => ack(&mut stream, 0),
         }
     }
@@ -335,8 +371,8 @@ fn a_request_the_backend_refuses_fails_the_start() {
 }
 
 /// A backend that stays connected but does not answer GET_VRING_BASE (a device reset
-/// by the guest) is given up on after the timeout, and the session is shut down, so
-/// the vCPU that asked (holding the device) goes on.
+/// by the guest) is given up on after the timeout, so the vCPU that asked (holding the
+/// device) goes on; its late answer is refused.
 #[test]
 fn a_backend_that_does_not_answer_is_given_up_on() {
     let fake = FakeBackend::start(Fake::StallsRingStop);
@@ -361,28 +397,12 @@ fn a_backend_that_does_not_answer_is_given_up_on() {
         "{result:?}"
     );
     assert!(hung_up);
-    assert!(fake.saw_hang_up(), "the session was not shut down");
+    fake.release();
+    assert!(fake.saw_hang_up(), "the late answer was taken");
 }
 
-/// A backend already gone when the driver starts the device: the device starts
-/// anyway, and the guest's requests (waiting in both queues) are answered with EIO,
-/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever.
-#[test]
-fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
-    let fake = FakeBackend::start(Fake::DiesAfterConnect);
-    let mut device = VhostUserFs::connect(&fake.socket, "share").unwrap();
-    assert!(
-        !fake.saw_hang_up(),
-        "the fake backend ends the session itself"
-    );
-    let (ram, queues) = memory_and_queues();
-    device.attach_queue_events(&eventfds()).unwrap();
-    let interrupt = InterruptTrigger::new(Arc::new(
-        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
-    ));
-    device
-        .activate(ram.memory.clone(), queues, interrupt)
-        .expect("the device starts without its backend");
+/// The guest's requests (waiting in both queues) are answered with EIO.
+fn assert_requests_fail_with_eio(ram: &crate::memory::GuestRam) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     for index in 0..NUM_QUEUES as u64 {
         let mut reply = [0u8; 16];
@@ -399,5 +419,68 @@ fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
         let unique = u64::from_le_bytes(reply[8..16].try_into().unwrap());
         assert_eq!((error, unique), (-libc::EIO, 100 + index), "queue {index}");
     }
+}
+
+/// A backend that stops answering as the driver starts the device is given up on:
+/// its caller is told (to kill it), and the guest's requests wait while it runs, as
+/// it may still complete them in the guest's memory; once it is gone they fail with
+/// EIO.
+#[test]
+fn a_backend_given_up_on_is_reported_and_answered_for_only_once_gone() {
+    let fake = FakeBackend::start(Fake::StallsStart);
+    let (sink, heard) = events();
+    let mut device = VhostUserFs::connect(&fake.socket, "share", sink).unwrap();
+    device
+        .backend
+        .set_reply_timeout(std::time::Duration::from_millis(200));
+    let (ram, queues) = memory_and_queues();
+    device.attach_queue_events(&eventfds()).unwrap();
+    let interrupt = InterruptTrigger::new(Arc::new(
+        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+    ));
+    device
+        .activate(ram.memory.clone(), queues, interrupt)
+        .expect("the device starts without its backend");
+    let event = heard
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("the caller was not told");
+    assert!(
+        matches!(&event, Event::FsBackendGivenUp { tag, reason }
+            if tag == "share" && reason.contains("did not answer")),
+        "{event:?}"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut reply = [0u8; 16];
+    ram.memory
+        .read_slice(&mut reply, GuestAddress(0x10_0800))
+        .unwrap();
+    assert_eq!(reply, [0u8; 16], "answered while the backend still runs");
+    fake.release();
+    assert_requests_fail_with_eio(&ram);
+    device.reset();
+    assert!(heard.try_recv().is_err(), "told more than once");
+}
+
+/// A backend already gone when the driver starts the device: the device starts
+/// anyway, and the guest's requests (waiting in both queues) are answered with EIO,
+/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever.
+#[test]
+fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
+    let fake = FakeBackend::start(Fake::DiesAfterConnect);
+    let (sink, _heard) = events();
+    let mut device = VhostUserFs::connect(&fake.socket, "share", sink).unwrap();
+    assert!(
+        !fake.saw_hang_up(),
+        "the fake backend ends the session itself"
+    );
+    let (ram, queues) = memory_and_queues();
+    device.attach_queue_events(&eventfds()).unwrap();
+    let interrupt = InterruptTrigger::new(Arc::new(
+        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+    ));
+    device
+        .activate(ram.memory.clone(), queues, interrupt)
+        .expect("the device starts without its backend");
+    assert_requests_fail_with_eio(&ram);
     device.reset();
 }

@@ -1,7 +1,9 @@
-//! The device's thread: it waits for the backend to hang up, then serves the queues
+//! The device's thread: it waits for the backend to be gone, then serves the queues
 //! itself (see `fallback`). While the backend is there, the thread sleeps: the
-//! backend reads the kicks and signals the irqfd itself. A device whose backend was
-//! already lost when the driver started it serves the queues from the start.
+//! backend reads the kicks and signals the irqfd itself. Gone means its end of the
+//! session closed (EPOLLHUP), as when it exits or is killed: a backend the VMM gave up
+//! on but that still runs may still complete requests in the guest's rings, and two
+//! servers of one ring would corrupt the guest's memory.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
@@ -24,7 +26,7 @@ pub struct Worker {
     tag: String,
     epoll: Epoll,
     stop: Arc<EventFd>,
-    /// The backend's socket; None when it was lost before the worker started.
+    /// The backend's socket, watched until the backend is gone.
     hangup_fd: Option<RawFd>,
     kicks: Vec<Arc<EventFd>>,
     memory: GuestMemoryMmap,
@@ -54,7 +56,7 @@ impl WorkerHandle {
 impl Worker {
     pub fn new(
         tag: String,
-        hangup_fd: Option<RawFd>,
+        hangup_fd: RawFd,
         kicks: Vec<Arc<EventFd>>,
         memory: GuestMemoryMmap,
         queues: Vec<Queue>,
@@ -66,7 +68,7 @@ impl Worker {
             tag,
             epoll,
             stop,
-            hangup_fd,
+            hangup_fd: Some(hangup_fd),
             kicks,
             memory,
             queues,
@@ -74,11 +76,10 @@ impl Worker {
             backend_lost: false,
         };
         worker.watch(worker.stop.as_raw_fd(), EventSet::IN, STOP)?;
-        // Only the hang-up matters: the backend never writes unprompted, and replies
-        // to our requests are read by the frontend itself.
-        if let Some(fd) = hangup_fd {
-            worker.watch(fd, EventSet::READ_HANG_UP, HANGUP)?;
-        }
+        // Only the backend's end matters: it never writes unprompted, and replies to
+        // our requests are read by the frontend itself. Not EPOLLRDHUP: a session the
+        // VMM gave up on is shut for reading on our side, which raises that at once.
+        worker.watch(hangup_fd, EventSet::HANG_UP, HANGUP)?;
         Ok(worker)
     }
 
@@ -96,10 +97,6 @@ impl Worker {
     }
 
     fn run(mut self) {
-        if self.hangup_fd.is_none() {
-            // Said by the device, with what failed.
-            self.take_over_queues();
-        }
         let mut events = vec![EpollEvent::default(); 8];
         loop {
             let count = match self.epoll.wait(-1, &mut events) {
@@ -120,13 +117,14 @@ impl Worker {
         }
     }
 
-    /// The backend closed the session (it exited or crashed): the rings are ours now.
+    /// The backend closed its end (it exited, crashed or was killed): the rings are
+    /// ours now.
     fn on_backend_lost(&mut self) {
         if self.backend_lost {
             return;
         }
         tracing::error!(
-            "virtio-fs {:?}: the backend (virtiofsd) hung up; the guest's requests to this \
+            "virtio-fs {:?}: the backend (virtiofsd) is gone; the guest's requests to this \
              share now fail with EIO",
             self.tag
         );

@@ -118,28 +118,43 @@ fn poisoned() -> String {
 /// Relays one host connection to the guest's `guest_port`. The agent has
 /// [`crate::exec::AGENT_TIMEOUT`] to connect it, as for any call: one that takes the
 /// connection and never answers must not hold this task and both sockets forever.
-async fn forward(client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
+/// A connection the guest does not take (nothing listens on the port) is reset, as
+/// is one whose guest side breaks: its client learns that, not that the stream ended.
+async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
     let connected =
         crate::exec::call_agent(&vsock, |connection| connection.connect_port(guest_port)).await;
     match connected {
         Ok(guest) => {
-            byte_relay::both_ways(client, guest).await;
+            let relayed = byte_relay::both_ways(&mut client, guest).await;
+            if relayed.broken() == Some(byte_relay::Side::B) {
+                reset_on_close(&client);
+            }
         }
-        Err(e @ crate::exec::AgentCallError::Connect(_)) => tracing::warn!(
-            "published port {guest_port} for {peer}: {}",
-            e.describe("the guest agent did not connect it")
-        ),
-        Err(e) => tracing::info!(
-            "published port {guest_port} for {peer}: {}",
-            e.describe("the guest agent did not connect it")
-        ),
+        Err(e) => {
+            // Rate-limited: whoever reaches the published address can make it fail
+            // as often as they connect.
+            guest_log::guest_warn!(
+                "published port {guest_port}: the connection from {peer} is refused: {}",
+                e.describe("the guest agent did not connect it")
+            );
+            reset_on_close(&client);
+        }
+    }
+}
+
+/// Makes closing `client` reset its connection.
+fn reset_on_close(client: &TcpStream) {
+    if let Err(e) = client.set_zero_linger() {
+        tracing::debug!("cannot make a published connection's close a reset: {e}");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncReadExt;
+    use guest_agent::protocol::{write_frame, AgentMessage, ClientMessage, FrameReader};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A guest agent that takes the connection and never answers: the host
     /// connection to the published port ends once the agent had its time to answer.
@@ -159,6 +174,65 @@ mod tests {
         assert!(
             matches!(ended, Ok(Ok(0)) | Ok(Err(_))),
             "still open: {ended:?}"
+        );
+    }
+
+    /// A guest agent listening on `vsock` (behind the VMM's hybrid handshake) that
+    /// answers each `ConnectPort` with `answer`, and keeps the connection open.
+    fn fake_agent(vsock: &std::path::Path, answer: AgentMessage) {
+        let listener = tokio::net::UnixListener::bind(vsock).unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut line = Vec::new();
+                while line.last() != Some(&b'\n') {
+                    line.push(stream.read_u8().await.unwrap());
+                }
+                stream.write_all(b"OK 1024\n").await.unwrap();
+                let hello = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+                assert!(
+                    matches!(hello, Ok(Some(ClientMessage::Hello(_)))),
+                    "{hello:?}"
+                );
+                let hello_ok = AgentMessage::HelloOk {
+                    agent_version: "test".into(),
+                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+                };
+                write_frame(&mut stream, &hello_ok).await.unwrap();
+                let request = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+                assert!(
+                    matches!(request, Ok(Some(ClientMessage::ConnectPort(_)))),
+                    "{request:?}"
+                );
+                write_frame(&mut stream, &answer).await.unwrap();
+                held.push(stream);
+            }
+        });
+    }
+
+    /// Nothing in the VM listens on the published port: its client is reset, not
+    /// given an empty answer it could take for the server's.
+    #[tokio::test]
+    async fn a_connection_nothing_in_the_vm_takes_is_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let refusal = AgentMessage::Error {
+            message: "cannot connect to guest port 8080: connection refused".into(),
+        };
+        fake_agent(&vsock, refusal);
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let mut client = TcpStream::connect(at).await.unwrap();
+        let mut got = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
+            .await
+            .expect("the refused connection was held");
+        assert!(
+            ended
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "not reset: {ended:?}"
         );
     }
 

@@ -9,7 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use guest_agent::network::files::MAX_ROOTS_SIZE;
-use guest_agent::protocol::{decode_payload, NetworkConfig, ServiceRequest, HOST_SERVICE_PORT};
+use guest_agent::protocol::{
+    decode_payload, NetworkConfig, ServiceAnswer, ServiceRequest, HOST_SERVICE_PORT,
+    SERVICE_ANSWER_TIMEOUT,
+};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -22,6 +25,12 @@ use crate::state::{VmDir, VmRecord};
 const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A service request is a few bytes; anything longer is garbage.
 const MAX_PREAMBLE: usize = 256;
+/// How long each connect to a host loopback port may take, IPv4 then IPv6: a wedged
+/// server whose accept queue is full would otherwise hold the guest's client, and a
+/// relay slot, through minutes of SYN retries. Both fit in the agent's wait for the
+/// answer.
+const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const _: () = assert!(HOST_CONNECT_TIMEOUT.as_secs() * 2 < SERVICE_ANSWER_TIMEOUT.as_secs());
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -198,7 +207,9 @@ async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkServ
     };
     match request {
         ServiceRequest::Egress => {
-            egress::proxy::serve_connection(stream, service.proxy.clone()).await;
+            if answer(&mut stream, ServiceAnswer::Connected).await.is_ok() {
+                egress::proxy::serve_connection(stream, service.proxy.clone()).await;
+            }
         }
         ServiceRequest::Loopback { port } => {
             relay_to_host_loopback(stream, port, &service.relays, &service.relay_slots).await
@@ -228,12 +239,18 @@ async fn read_preamble(stream: &mut UnixStream) -> Result<ServiceRequest, String
     decode_payload(&payload).map_err(|e| format!("unreadable request: {e}"))
 }
 
+/// Tells the guest's agent what became of its request: after anything but
+/// [`ServiceAnswer::Connected`] it resets its client's connection.
+async fn answer(stream: &mut UnixStream, answer: ServiceAnswer) -> std::io::Result<()> {
+    stream.write_all(&[answer as u8]).await
+}
+
 /// Relays `stream` to the host's loopback `port` if it is one of `relays`, while a
 /// slot is free: a relay lasts until both sides end, and a host server that never
 /// closes its side would otherwise let the guest hold connections (and descriptors)
 /// on the host without bound, past the VMM's own bound on vsock connections.
 async fn relay_to_host_loopback(
-    stream: UnixStream,
+    mut stream: UnixStream,
     port: u16,
     relays: &Mutex<BTreeSet<u16>>,
     slots: &Arc<tokio::sync::Semaphore>,
@@ -246,6 +263,7 @@ async fn relay_to_host_loopback(
         guest_log::guest_warn!(
             "the guest asked for host port {port}, which is not relayed; refused"
         );
+        let _ = answer(&mut stream, ServiceAnswer::Refused).await;
         return;
     }
     let Ok(_slot) = slots.clone().try_acquire_owned() else {
@@ -253,28 +271,58 @@ async fn relay_to_host_loopback(
             "the guest holds {MAX_LOOPBACK_RELAYS} relays to host ports already; one to \
              {port} refused"
         );
+        let _ = answer(&mut stream, ServiceAnswer::Busy).await;
         return;
     };
-    match connect_host_loopback(port).await {
-        Ok(host) => {
-            byte_relay::both_ways(stream, host).await;
+    let mut host = match connect_host_loopback(port).await {
+        Ok(host) => host,
+        Err(e) => {
+            // Rate-limited: a guest client that retries at once would flood the log.
+            guest_log::guest_warn!(
+                "the guest's connection to the host's loopback port {port} is refused: \
+                 {e} (is the host's service on that port running?)"
+            );
+            let _ = answer(&mut stream, ServiceAnswer::Refused).await;
+            return;
         }
-        Err(e) => tracing::info!("relay to the host's loopback port {port}: {e}"),
+    };
+    if answer(&mut stream, ServiceAnswer::Connected).await.is_err() {
+        return;
+    }
+    let relayed = byte_relay::both_ways(stream, &mut host).await;
+    if relayed.broken() == Some(byte_relay::Side::A) {
+        // The host's server learns that its client broke off, not that it finished.
+        if let Err(e) = host.set_zero_linger() {
+            tracing::debug!("cannot reset the relay to the host's port {port}: {e}");
+        }
     }
 }
 
 /// Connects to `port` on the host's loopback, IPv4 first, then IPv6: a server bound to
-/// `localhost` may listen on `::1` only (Node's, since version 17).
+/// `localhost` may listen on `::1` only (Node's, since version 17). Each try has
+/// [`HOST_CONNECT_TIMEOUT`].
 async fn connect_host_loopback(port: u16) -> std::io::Result<tokio::net::TcpStream> {
-    let v4 = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    match tokio::net::TcpStream::connect(v4).await {
+    let connect = |address: SocketAddr| async move {
+        tokio::time::timeout(
+            HOST_CONNECT_TIMEOUT,
+            tokio::net::TcpStream::connect(address),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "{address} did not accept the connection within {} s",
+                    HOST_CONNECT_TIMEOUT.as_secs()
+                ),
+            ))
+        })
+    };
+    match connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await {
         Ok(stream) => Ok(stream),
-        Err(v4_error) => {
-            let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
-            tokio::net::TcpStream::connect(v6)
-                .await
-                .map_err(|_| v4_error)
-        }
+        Err(v4_error) => connect(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)))
+            .await
+            .map_err(|_| v4_error),
     }
 }
 
@@ -587,13 +635,87 @@ mod tests {
             .await
             .expect("the relay past the bound was made and held")
             .unwrap();
-        let mut byte = [0u8; 1];
         assert_eq!(
-            second_guest.read(&mut byte).await.unwrap(),
-            0,
-            "refused: closed"
+            answer_and_end(&mut second_guest).await,
+            [ServiceAnswer::Busy as u8],
+            "refused as busy"
         );
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    /// All the guest's end of a relay gets before the relay closes it.
+    async fn answer_and_end(guest: &mut UnixStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), guest.read_to_end(&mut got))
+            .await
+            .expect("the relay neither answered nor closed")
+            .unwrap();
+        got
+    }
+
+    /// A loopback port nothing listens on, and a port not relayed, are answered
+    /// `Refused` (the agent then resets its client), not closed without a word.
+    #[tokio::test]
+    async fn a_relay_that_cannot_connect_is_answered_refused() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let relays = Mutex::new(BTreeSet::from([closed_port]));
+        let slots = Arc::new(tokio::sync::Semaphore::new(4));
+        for port in [closed_port, closed_port.wrapping_add(1).max(1)] {
+            let (mut guest, relay_end) = UnixStream::pair().unwrap();
+            relay_to_host_loopback(relay_end, port, &relays, &slots).await;
+            assert_eq!(
+                answer_and_end(&mut guest).await,
+                [ServiceAnswer::Refused as u8],
+                "port {port}"
+            );
+        }
+        assert_eq!(
+            slots.available_permits(),
+            4,
+            "a refused relay kept its slot"
+        );
+    }
+
+    /// A relay that connects answers `Connected`, then carries the bytes.
+    #[tokio::test]
+    async fn a_relay_answers_connected_then_carries_the_bytes() {
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let (mut guest, relay_end) = UnixStream::pair().unwrap();
+        tokio::spawn(async move { relay_to_host_loopback(relay_end, port, &relays, &slots).await });
+        let (mut host, _) = server.accept().await.unwrap();
+        host.write_all(b"hello").await.unwrap();
+        drop(host);
+        assert_eq!(answer_and_end(&mut guest).await, b"\0hello");
+    }
+
+    /// A host server whose accept queue is full never completes a connect: the relay
+    /// gives up within its bound instead of holding the guest's client for minutes.
+    #[tokio::test(start_paused = true)]
+    async fn a_host_port_that_never_accepts_is_given_up_on() {
+        let wedged = tokio::net::TcpSocket::new_v4().unwrap();
+        wedged
+            .bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+            .unwrap();
+        // The accept queue of a backlog of 0 holds one connection; this one, never
+        // accepted, fills it, and the SYNs of the next connect go unanswered.
+        let wedged = wedged.listen(0).unwrap();
+        let address = wedged.local_addr().unwrap();
+        let _queued = tokio::net::TcpStream::connect(address).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let error = tokio::time::timeout(
+            HOST_CONNECT_TIMEOUT * 3,
+            connect_host_loopback(address.port()),
+        )
+        .await
+        .expect("still connecting after twice the bound")
+        .unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::TimedOut, "{error}");
+        assert!(started.elapsed() >= HOST_CONNECT_TIMEOUT, "{error}");
     }
 
     fn this_process() -> Option<u32> {

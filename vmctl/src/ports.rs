@@ -39,9 +39,13 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
 pub fn list(workspace: &Path) -> Result<(), PortsError> {
     let vm = running_vm(workspace)?;
     let listening = guest_ports(&vm)?;
-    let (published, mut relays) =
+    let (published, mut relays, refused_at_limit) =
         match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
-            ControlResponse::PublishedList { ports, relays } => (ports, relays),
+            ControlResponse::PublishedList {
+                ports,
+                relays,
+                refused_at_limit,
+            } => (ports, relays, refused_at_limit),
             other => return Err(PortsError::Unexpected(format!("{other:?}"))),
         };
     // Those the VM started with, for a supervisor that does not say (an older one).
@@ -54,7 +58,24 @@ pub fn list(workspace: &Path) -> Result<(), PortsError> {
         "{}",
         format_table(&listening, &published, &relays)
     ));
+    if let Some(warning) = limit_warning(refused_at_limit) {
+        vmm::to_stderr!("{warning}");
+    }
     Ok(())
+}
+
+/// What to say of `refused` connections the guest opened to the host services past
+/// its limit: the guest's clients saw only resets, the supervisor's log is seldom read.
+fn limit_warning(refused: u64) -> Option<String> {
+    (refused > 0).then(|| {
+        format!(
+            "vmctl: warning: the VM reached its limit of {} connections to the host services \
+             (egress proxy and relays) at once, and {refused} of its connections were refused \
+             (reset in the VM); a program in it may leave its connections open ('vmctl exec \
+             ss -tnp' lists them)",
+            crate::network::services::MAX_GUEST_SERVICE_CONNECTIONS
+        )
+    })
 }
 
 fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
@@ -189,6 +210,16 @@ mod tests {
             "the publication is missing from the table:\n{table}"
         );
         assert!(table.contains("nothing listens"), "{table}");
+    }
+
+    #[test]
+    fn connections_refused_at_the_limit_are_warned_of() {
+        assert_eq!(limit_warning(0), None);
+        let warning = limit_warning(3).unwrap();
+        assert!(
+            warning.contains("768 connections") && warning.contains("3 of its connections"),
+            "{warning}"
+        );
     }
 
     #[test]

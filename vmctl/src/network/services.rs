@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,9 +53,35 @@ pub enum NetworkError {
     Runtime(std::io::Error),
 }
 
-/// The most relays to host loopback ports a VM holds at once, as its VMM holds vsock
-/// connections.
-const MAX_LOOPBACK_RELAYS: usize = 1024;
+/// The most connections the guest holds to the host services at once, the egress
+/// proxy's and the loopback relays' together: a relay lasts until both sides end,
+/// and a host server that never closes its side would otherwise let the guest hold
+/// connections (and descriptors) on the host without bound. Below the most the VMM
+/// lets the guest open, so that the supervisor refuses first, and says why.
+pub const MAX_GUEST_SERVICE_CONNECTIONS: usize = 768;
+const _: () = assert!(
+    MAX_GUEST_SERVICE_CONNECTIONS < vmm::devices::virtio::vsock::muxer::MAX_GUEST_CONNECTIONS
+);
+
+/// The guest's connections to the host services: their slots
+/// ([`MAX_GUEST_SERVICE_CONNECTIONS`]), and how many were refused for want of one.
+struct GuestSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    refused: AtomicU64,
+}
+
+impl GuestSlots {
+    fn new(limit: usize) -> GuestSlots {
+        GuestSlots {
+            slots: Arc::new(tokio::sync::Semaphore::new(limit)),
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.slots.clone().try_acquire_owned().ok()
+    }
+}
 
 /// The state shared by everything the supervisor serves for one VM.
 pub struct NetworkService {
@@ -67,8 +94,7 @@ pub struct NetworkService {
     secrets: PathBuf,
     /// Host loopback ports the guest may reach.
     relays: Mutex<BTreeSet<u16>>,
-    /// One per relay to a host loopback port under way ([`MAX_LOOPBACK_RELAYS`]).
-    relay_slots: Arc<tokio::sync::Semaphore>,
+    guest_slots: GuestSlots,
     published: Published,
     /// The setup the guest last took without a failure: sessions ask for it at each
     /// start, and the guest need not redo it when nothing changed. Held across the
@@ -135,7 +161,7 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         trusted_roots_pem,
         secrets: files.secrets,
         relays: Mutex::new(record.relay_ports.iter().copied().collect()),
-        relay_slots: Arc::new(tokio::sync::Semaphore::new(MAX_LOOPBACK_RELAYS)),
+        guest_slots: GuestSlots::new(MAX_GUEST_SERVICE_CONNECTIONS),
         published: Published::default(),
         applied: tokio::sync::Mutex::new(None),
     });
@@ -191,7 +217,28 @@ async fn serve_guest_connections(listener: UnixListener, service: Arc<NetworkSer
     }
 }
 
-async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkService>) {
+async fn serve_guest_connection(stream: UnixStream, service: Arc<NetworkService>) {
+    let proxy = service.proxy.clone();
+    serve_guest_request(stream, &service.guest_slots, &service.relays, |stream| {
+        egress::proxy::serve_connection(stream, proxy)
+    })
+    .await
+}
+
+/// Serves the request `stream` opens with: the egress proxy (`serve_egress`) or a
+/// relay to one of `relays`, while one of `slots` is free.
+async fn serve_guest_request<Egress, Served>(
+    mut stream: UnixStream,
+    slots: &GuestSlots,
+    relays: &Mutex<BTreeSet<u16>>,
+    serve_egress: Egress,
+) where
+    Egress: FnOnce(UnixStream) -> Served,
+    Served: std::future::Future<Output = ()>,
+{
+    // Taken before the request is read: a connection holds its vsock connection from
+    // its start.
+    let slot = slots.take();
     let request = match tokio::time::timeout(PREAMBLE_TIMEOUT, read_preamble(&mut stream)).await {
         Ok(Ok(request)) => request,
         Ok(Err(reason)) => {
@@ -205,15 +252,28 @@ async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkServ
             return;
         }
     };
+    let Some(_slot) = slot else {
+        slots.refused.fetch_add(1, Ordering::Relaxed);
+        guest_log::guest_warn!(
+            "the guest holds {MAX_GUEST_SERVICE_CONNECTIONS} connections to the host \
+             services (egress proxy and relays) already, the most it may; its {} is \
+             refused (reset in the VM). A program in the VM may leave its connections \
+             open: 'vmctl exec ss -tnp' lists them",
+            match request {
+                ServiceRequest::Egress => "connection to the egress proxy".to_string(),
+                ServiceRequest::Loopback { port } => format!("relay to host port {port}"),
+            }
+        );
+        let _ = answer(&mut stream, ServiceAnswer::Busy).await;
+        return;
+    };
     match request {
         ServiceRequest::Egress => {
             if answer(&mut stream, ServiceAnswer::Connected).await.is_ok() {
-                egress::proxy::serve_connection(stream, service.proxy.clone()).await;
+                serve_egress(stream).await;
             }
         }
-        ServiceRequest::Loopback { port } => {
-            relay_to_host_loopback(stream, port, &service.relays, &service.relay_slots).await
-        }
+        ServiceRequest::Loopback { port } => relay_to_host_loopback(stream, port, relays).await,
     }
 }
 
@@ -245,16 +305,8 @@ async fn answer(stream: &mut UnixStream, answer: ServiceAnswer) -> std::io::Resu
     stream.write_all(&[answer as u8]).await
 }
 
-/// Relays `stream` to the host's loopback `port` if it is one of `relays`, while a
-/// slot is free: a relay lasts until both sides end, and a host server that never
-/// closes its side would otherwise let the guest hold connections (and descriptors)
-/// on the host without bound, past the VMM's own bound on vsock connections.
-async fn relay_to_host_loopback(
-    mut stream: UnixStream,
-    port: u16,
-    relays: &Mutex<BTreeSet<u16>>,
-    slots: &Arc<tokio::sync::Semaphore>,
-) {
+/// Relays `stream` to the host's loopback `port` if it is one of `relays`.
+async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mutex<BTreeSet<u16>>) {
     let allowed = relays
         .lock()
         .map(|relays| relays.contains(&port))
@@ -266,14 +318,6 @@ async fn relay_to_host_loopback(
         let _ = answer(&mut stream, ServiceAnswer::Refused).await;
         return;
     }
-    let Ok(_slot) = slots.clone().try_acquire_owned() else {
-        guest_log::guest_warn!(
-            "the guest holds {MAX_LOOPBACK_RELAYS} relays to host ports already; one to \
-             {port} refused"
-        );
-        let _ = answer(&mut stream, ServiceAnswer::Busy).await;
-        return;
-    };
     let mut host = match connect_host_loopback(port).await {
         Ok(host) => host,
         Err(e) => {
@@ -420,6 +464,7 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
                 .lock()
                 .map(|relays| relays.iter().copied().collect())
                 .unwrap_or_default(),
+            refused_at_limit: service.guest_slots.refused.load(Ordering::Relaxed),
         }),
     };
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
@@ -602,10 +647,12 @@ mod tests {
         assert!(connect_host_loopback(port).await.is_err());
     }
 
-    /// A host server that never closes its side keeps each relay to it: a guest gets
-    /// no more relays than there are slots; the one past them is refused, not made.
+    /// A host server that never closes its side keeps each relay to it: the guest
+    /// gets no more connections to the host services, relays and the egress proxy's
+    /// together, than there are slots; one past them is answered `Busy` and counted,
+    /// not made.
     #[tokio::test]
-    async fn loopback_relays_are_bounded() {
+    async fn guest_connections_to_the_host_services_are_bounded() {
         let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = server.local_addr().unwrap().port();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -618,29 +665,43 @@ mod tests {
             }
         });
         let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
-        let relay = |guest_end: UnixStream| {
-            let (relays, slots) = (relays.clone(), slots.clone());
-            tokio::spawn(
-                async move { relay_to_host_loopback(guest_end, port, &relays, &slots).await },
-            )
+        let slots = Arc::new(GuestSlots::new(1));
+        let egress_served = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let serve = |request: ServiceRequest| {
+            let (relays, slots, egress_served) =
+                (relays.clone(), slots.clone(), egress_served.clone());
+            let (mut guest_end, host_end) = UnixStream::pair().unwrap();
+            let served = tokio::spawn(async move {
+                serve_guest_request(host_end, &slots, &relays, |_| async move {
+                    egress_served.store(true, std::sync::atomic::Ordering::SeqCst);
+                })
+                .await
+            });
+            let preamble = guest_agent::protocol::encode_frame(&request).unwrap();
+            async move {
+                guest_end.write_all(&preamble).await.unwrap();
+                (guest_end, served)
+            }
         };
-        let (_first_guest, first) = UnixStream::pair().unwrap();
-        let _held = relay(first);
-        while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let (mut first_guest, _held) = serve(ServiceRequest::Loopback { port }).await;
+        let mut connected = [0u8; 1];
+        first_guest.read_exact(&mut connected).await.unwrap();
+        assert_eq!(connected, [ServiceAnswer::Connected as u8]);
+        for past_the_bound in [ServiceRequest::Egress, ServiceRequest::Loopback { port }] {
+            let (mut guest, served) = serve(past_the_bound).await;
+            tokio::time::timeout(Duration::from_secs(5), served)
+                .await
+                .expect("the connection past the bound was served and held")
+                .unwrap();
+            assert_eq!(
+                answer_and_end(&mut guest).await,
+                [ServiceAnswer::Busy as u8],
+                "refused as busy"
+            );
         }
-        let (mut second_guest, second) = UnixStream::pair().unwrap();
-        tokio::time::timeout(Duration::from_secs(5), relay(second))
-            .await
-            .expect("the relay past the bound was made and held")
-            .unwrap();
-        assert_eq!(
-            answer_and_end(&mut second_guest).await,
-            [ServiceAnswer::Busy as u8],
-            "refused as busy"
-        );
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(!egress_served.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(slots.refused.load(Ordering::Relaxed), 2);
     }
 
     /// All the guest's end of a relay gets before the relay closes it.
@@ -661,21 +722,15 @@ mod tests {
         let closed_port = closed.local_addr().unwrap().port();
         drop(closed);
         let relays = Mutex::new(BTreeSet::from([closed_port]));
-        let slots = Arc::new(tokio::sync::Semaphore::new(4));
         for port in [closed_port, closed_port.wrapping_add(1).max(1)] {
             let (mut guest, relay_end) = UnixStream::pair().unwrap();
-            relay_to_host_loopback(relay_end, port, &relays, &slots).await;
+            relay_to_host_loopback(relay_end, port, &relays).await;
             assert_eq!(
                 answer_and_end(&mut guest).await,
                 [ServiceAnswer::Refused as u8],
                 "port {port}"
             );
         }
-        assert_eq!(
-            slots.available_permits(),
-            4,
-            "a refused relay kept its slot"
-        );
     }
 
     /// A relay that connects answers `Connected`, then carries the bytes.
@@ -684,9 +739,8 @@ mod tests {
         let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = server.local_addr().unwrap().port();
         let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
         let (mut guest, relay_end) = UnixStream::pair().unwrap();
-        tokio::spawn(async move { relay_to_host_loopback(relay_end, port, &relays, &slots).await });
+        tokio::spawn(async move { relay_to_host_loopback(relay_end, port, &relays).await });
         let (mut host, _) = server.accept().await.unwrap();
         host.write_all(b"hello").await.unwrap();
         drop(host);

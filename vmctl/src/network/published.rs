@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::AbortHandle;
+use tokio::sync::oneshot;
+use tokio::task::{JoinHandle, JoinSet};
 
 use super::control::PublishedPort;
 
@@ -35,7 +36,15 @@ fn already_published(
 /// The published ports of one VM, by guest port.
 #[derive(Default)]
 pub struct Published {
-    ports: Mutex<BTreeMap<u16, (SocketAddr, AbortHandle)>>,
+    ports: Mutex<BTreeMap<u16, Publication>>,
+}
+
+/// One published port: where it listens, and the task that serves it, which ends
+/// (its connections with it) once `stop` is sent or dropped.
+struct Publication {
+    host: SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
 }
 
 impl Published {
@@ -62,35 +71,33 @@ impl Published {
         let mut ports = self.ports.lock().map_err(|_| poisoned())?;
         // Another `vmctl publish` of the same port may have got here first while this
         // one was binding: its listener stays, this one goes.
-        if let Some((existing, _)) = ports.get(&guest_port) {
-            return already_published(guest_port, *existing, asked);
+        if let Some(existing) = ports.get(&guest_port) {
+            return already_published(guest_port, existing.host, asked);
         }
-        let vsock = Arc::new(vsock);
-        let task = tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((client, peer)) => {
-                        tokio::spawn(forward(client, peer, vsock.clone(), guest_port));
-                    }
-                    Err(e) => {
-                        tracing::warn!("published port {host}: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-        ports.insert(guest_port, (host, task.abort_handle()));
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(serve(listener, Arc::new(vsock), guest_port, stopped));
+        ports.insert(guest_port, Publication { host, stop, task });
         Ok(PublishedPort { guest_port, host })
     }
 
-    /// Stops publishing `guest_port`; returns the host address it had.
-    pub fn unpublish(&self, guest_port: u16) -> Result<SocketAddr, String> {
-        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
-        let (host, task) = ports
+    /// Stops publishing `guest_port`, and answers once its address is free again and
+    /// the connections it forwarded are closed (left open, a publication made by
+    /// mistake would go on serving whoever got in); returns the host address it had.
+    pub async fn unpublish(&self, guest_port: u16) -> Result<SocketAddr, String> {
+        let publication = self
+            .ports
+            .lock()
+            .map_err(|_| poisoned())?
             .remove(&guest_port)
             .ok_or_else(|| format!("guest port {guest_port} is not published"))?;
-        task.abort();
-        Ok(host)
+        let _ = publication.stop.send(());
+        if let Err(e) = publication.task.await {
+            tracing::warn!(
+                "published port {}: its task ended badly: {e}",
+                publication.host
+            );
+        }
+        Ok(publication.host)
     }
 
     pub fn list(&self) -> Vec<PublishedPort> {
@@ -99,7 +106,10 @@ impl Published {
             .map(|ports| {
                 ports
                     .iter()
-                    .map(|(&guest_port, &(host, _))| PublishedPort { guest_port, host })
+                    .map(|(&guest_port, publication)| PublishedPort {
+                        guest_port,
+                        host: publication.host,
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -107,8 +117,42 @@ impl Published {
 
     fn address_of(&self, guest_port: u16) -> Option<SocketAddr> {
         let ports = self.ports.lock().ok()?;
-        ports.get(&guest_port).map(|(host, _)| *host)
+        ports.get(&guest_port).map(|publication| publication.host)
     }
+}
+
+/// Forwards each connection to `listener` to the guest's `guest_port` until
+/// `stopped`; then closes the listener, ends the connections, and returns once they
+/// have ended.
+async fn serve(
+    listener: TcpListener,
+    vsock: Arc<PathBuf>,
+    guest_port: u16,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            // Ended connections are reaped, or the set would grow with each.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((client, peer)) => {
+                    connections.spawn(forward(client, peer, vsock.clone(), guest_port));
+                }
+                Err(e) => {
+                    tracing::warn!("published guest port {guest_port}: accepting: {e}");
+                    // Out of descriptors, most likely: let some connections end.
+                    tokio::select! {
+                        _ = &mut stopped => break,
+                        () = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                    }
+                }
+            },
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
 }
 
 fn poisoned() -> String {
@@ -178,9 +222,14 @@ mod tests {
     }
 
     /// A guest agent listening on `vsock` (behind the VMM's hybrid handshake) that
-    /// answers each `ConnectPort` with `answer`, and keeps the connection open.
-    fn fake_agent(vsock: &std::path::Path, answer: AgentMessage) {
+    /// answers each `ConnectPort` with `answer`, and keeps the connection open; each
+    /// answer is reported on the channel returned.
+    fn fake_agent(
+        vsock: &std::path::Path,
+        answer: AgentMessage,
+    ) -> tokio::sync::mpsc::UnboundedReceiver<()> {
         let listener = tokio::net::UnixListener::bind(vsock).unwrap();
+        let (answered_tx, answered) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut held = Vec::new();
             while let Ok((mut stream, _)) = listener.accept().await {
@@ -206,8 +255,35 @@ mod tests {
                 );
                 write_frame(&mut stream, &answer).await.unwrap();
                 held.push(stream);
+                let _ = answered_tx.send(());
             }
         });
+        answered
+    }
+
+    /// A publication ended by mistake's fix: its open connections close with it, and
+    /// its address is free when `unpublish` answers, for a publication there again.
+    #[tokio::test]
+    async fn unpublishing_closes_the_connections_and_frees_the_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let mut connected = fake_agent(&vsock, AgentMessage::Connected);
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let mut client = TcpStream::connect(at).await.unwrap();
+        connected.recv().await.unwrap();
+
+        assert_eq!(published.unpublish(8080).await.unwrap(), at);
+        assert!(published.list().is_empty());
+        let again = std::net::TcpListener::bind(at);
+        assert!(again.is_ok(), "{at} is not free: {again:?}");
+        let mut got = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut got))
+            .await
+            .expect("the connection outlived its publication");
+        assert!(got.is_empty(), "{ended:?}");
+        assert!(published.unpublish(8080).await.is_err());
     }
 
     /// Nothing in the VM listens on the published port: its client is reset, not
@@ -219,7 +295,7 @@ mod tests {
         let refusal = AgentMessage::Error {
             message: "cannot connect to guest port 8080: connection refused".into(),
         };
-        fake_agent(&vsock, refusal);
+        let _answered = fake_agent(&vsock, refusal);
         let published = Published::default();
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let at = published.publish(vsock, 8080, any_port).await.unwrap().host;

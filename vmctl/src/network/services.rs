@@ -456,6 +456,7 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
         ControlRequest::Unpublish { guest_port } => service
             .published
             .unpublish(guest_port)
+            .await
             .map(|host| ControlResponse::Unpublished { host }),
         ControlRequest::ListPublished => Ok(ControlResponse::PublishedList {
             ports: service.published.list(),

@@ -1,7 +1,7 @@
 //! Host ports published to guest loopback ports (`vmctl publish`): each host
 //! connection becomes a `ConnectPort` connection to the guest agent.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -51,15 +51,22 @@ impl Published {
     /// Listens on `host` (port 0: a free one) and forwards its connections to the
     /// guest's `guest_port`; returns the address it listens on. Asked again for a
     /// port already published as asked, it answers with that address, so that a
-    /// script can publish without first asking whether it did.
+    /// script can publish without first asking whether it did. `refuse` says why the
+    /// port must not be published, if it must not; it is asked again, with the
+    /// publications held still, right before the publication is made (see
+    /// [`Published::while_unchanged`]).
     pub async fn publish(
         &self,
         vsock: PathBuf,
         guest_port: u16,
         host: SocketAddr,
+        refuse: impl Fn() -> Option<String>,
     ) -> Result<PublishedPort, String> {
         if let Some(existing) = self.address_of(guest_port) {
             return already_published(guest_port, existing, host);
+        }
+        if let Some(why) = refuse() {
+            return Err(why);
         }
         let listener = TcpListener::bind(host)
             .await
@@ -73,6 +80,11 @@ impl Published {
         // one was binding: its listener stays, this one goes.
         if let Some(existing) = ports.get(&guest_port) {
             return already_published(guest_port, existing.host, asked);
+        }
+        // What `refuse` checks (the relays) may have changed while this one was
+        // binding.
+        if let Some(why) = refuse() {
+            return Err(why);
         }
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(serve(listener, Arc::new(vsock), guest_port, stopped));
@@ -98,6 +110,18 @@ impl Published {
             );
         }
         Ok(publication.host)
+    }
+
+    /// Runs `decide` on the guest ports published now, with none published or
+    /// unpublished until it returns: a decision about them (a relay to add) and a
+    /// publication's `refuse` never both pass on what the other is about to change.
+    pub fn while_unchanged<R>(
+        &self,
+        decide: impl FnOnce(&BTreeSet<u16>) -> R,
+    ) -> Result<R, String> {
+        let ports = self.ports.lock().map_err(|_| poisoned())?;
+        let published = ports.keys().copied().collect();
+        Ok(decide(&published))
     }
 
     pub fn list(&self) -> Vec<PublishedPort> {
@@ -209,7 +233,11 @@ mod tests {
         let silent = tokio::net::UnixListener::bind(&vsock).unwrap();
         let published = Published::default();
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
         let mut client = TcpStream::connect(at).await.unwrap();
         let (_held, _) = silent.accept().await.unwrap();
         let mut byte = [0u8; 1];
@@ -261,6 +289,29 @@ mod tests {
         answered
     }
 
+    /// A port relayed while its publication was binding (a `vmctl agent` start with
+    /// an MCP URL on that port) is not published: `refuse` is asked again, with the
+    /// publications held still, before the publication is made.
+    #[tokio::test]
+    async fn a_port_relayed_while_its_publication_binds_is_not_published() {
+        let published = Published::default();
+        let vsock = PathBuf::from("/nonexistent/vsock.sock");
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let asked = std::sync::atomic::AtomicUsize::new(0);
+        // Allowed before the bind, relayed by the time it is done.
+        let relayed_meanwhile = || {
+            (asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0)
+                .then(|| "relayed from the host".to_string())
+        };
+        let refused = published
+            .publish(vsock, 5432, any_port, relayed_meanwhile)
+            .await;
+        assert_eq!(refused, Err("relayed from the host".to_string()));
+        assert!(published.list().is_empty());
+        let held_still = published.while_unchanged(|ports| ports.contains(&5432));
+        assert_eq!(held_still, Ok(false));
+    }
+
     /// A publication ended by mistake's fix: its open connections close with it, and
     /// its address is free when `unpublish` answers, for a publication there again.
     #[tokio::test]
@@ -270,7 +321,11 @@ mod tests {
         let mut connected = fake_agent(&vsock, AgentMessage::Connected);
         let published = Published::default();
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
         let mut client = TcpStream::connect(at).await.unwrap();
         connected.recv().await.unwrap();
 
@@ -298,7 +353,11 @@ mod tests {
         let _answered = fake_agent(&vsock, refusal);
         let published = Published::default();
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
         let mut client = TcpStream::connect(at).await.unwrap();
         let mut got = Vec::new();
         let ended = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
@@ -318,16 +377,16 @@ mod tests {
         let vsock = PathBuf::from("/nonexistent/vsock.sock");
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let first = published
-            .publish(vsock.clone(), 8123, any_port)
+            .publish(vsock.clone(), 8123, any_port, || None)
             .await
             .unwrap();
         let again = published
-            .publish(vsock.clone(), 8123, any_port)
+            .publish(vsock.clone(), 8123, any_port, || None)
             .await
             .unwrap();
         assert_eq!(again.host, first.host);
         let same_port = published
-            .publish(vsock.clone(), 8123, first.host)
+            .publish(vsock.clone(), 8123, first.host, || None)
             .await
             .unwrap();
         assert_eq!(same_port.host, first.host);
@@ -336,9 +395,14 @@ mod tests {
         // Asked for another host port or address, it says where it is published.
         let mut other_port = first.host;
         other_port.set_port(first.host.port().wrapping_add(1).max(1));
-        let refused = published.publish(vsock.clone(), 8123, other_port).await;
+        let refused = published
+            .publish(vsock.clone(), 8123, other_port, || None)
+            .await;
         assert!(refused.is_err_and(|e| e.contains("already published at")));
         let other_address: SocketAddr = "0.0.0.0:0".parse().unwrap();
-        assert!(published.publish(vsock, 8123, other_address).await.is_err());
+        assert!(published
+            .publish(vsock, 8123, other_address, || None)
+            .await
+            .is_err());
     }
 }

@@ -441,18 +441,16 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
             guest_port,
             host_port,
             address,
-        } => match not_to_publish(&service.relays, guest_port) {
-            Some(why) => Err(why),
-            None => service
-                .published
-                .publish(
-                    service.vsock.clone(),
-                    guest_port,
-                    SocketAddr::new(address, host_port),
-                )
-                .await
-                .map(ControlResponse::Published),
-        },
+        } => service
+            .published
+            .publish(
+                service.vsock.clone(),
+                guest_port,
+                SocketAddr::new(address, host_port),
+                || not_to_publish(&service.relays, guest_port),
+            )
+            .await
+            .map(ControlResponse::Published),
         ControlRequest::Unpublish { guest_port } => service
             .published
             .unpublish(guest_port)
@@ -481,6 +479,27 @@ fn relays_to_add(
     extra
         .into_iter()
         .partition(|port| !published.contains(port) || relayed.contains(port))
+}
+
+/// Adds `extra` to `relays`, but for the ports `published` from the VM: relayed too,
+/// the published address would reach the host's own service (see `not_to_publish`,
+/// which refuses the other order). Decided with the publications held still, as a
+/// publication is made with the relays checked under the same lock, so that neither
+/// passes on what the other is about to change. Returns all the relays, and those
+/// refused.
+fn add_relays(
+    published: &Published,
+    relays: &Mutex<BTreeSet<u16>>,
+    extra: Vec<u16>,
+) -> Result<(Vec<u16>, Vec<u16>), String> {
+    published.while_unchanged(|published| {
+        let mut relays = relays
+            .lock()
+            .map_err(|_| "the relay list is unusable".to_string())?;
+        let (extra, refused) = relays_to_add(extra, published, &relays);
+        relays.extend(extra);
+        Ok((relays.iter().copied().collect(), refused))
+    })?
 }
 
 /// Why `guest_port` must not be published, if it must not: the VM's ports that are
@@ -535,24 +554,7 @@ async fn configure_guest(
     service: &NetworkService,
     extra_relays: Vec<u16>,
 ) -> Result<ControlResponse, String> {
-    // A port published from the VM is not also relayed from the host's loopback: the
-    // published address would then reach the host's own service (see
-    // `not_to_publish`, which refuses the other order).
-    let published: BTreeSet<u16> = service
-        .published
-        .list()
-        .iter()
-        .map(|port| port.guest_port)
-        .collect();
-    let (relay_ports, refused): (Vec<u16>, Vec<u16>) = {
-        let mut relays = service
-            .relays
-            .lock()
-            .map_err(|_| "the relay list is unusable".to_string())?;
-        let (extra, refused) = relays_to_add(extra_relays, &published, &relays);
-        relays.extend(extra);
-        (relays.iter().copied().collect(), refused)
-    };
+    let (relay_ports, refused) = add_relays(&service.published, &service.relays, extra_relays)?;
     let refused = refused.into_iter().map(|port| {
         (
             port,
@@ -635,6 +637,25 @@ mod tests {
             relays_to_add(vec![5432, 6767, 9100], &published, &relayed),
             (vec![6767, 9100], vec![5432])
         );
+    }
+
+    /// The relays added while ports are published: those published are refused,
+    /// the others added to the ones there were.
+    #[tokio::test]
+    async fn relays_are_added_but_for_the_published_ports() {
+        let published = Published::default();
+        let vsock = PathBuf::from("/nonexistent/vsock.sock");
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        published
+            .publish(vsock, 5432, any_port, || None)
+            .await
+            .unwrap();
+        let relays = Mutex::new(BTreeSet::from([6767]));
+        assert_eq!(
+            add_relays(&published, &relays, vec![5432, 9100]),
+            Ok((vec![6767, 9100], vec![5432]))
+        );
+        assert_eq!(relays.lock().unwrap().len(), 2);
     }
 
     /// A server listening on `::1` only (Node's `localhost`) is reached too.

@@ -39,13 +39,14 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
 pub fn list(workspace: &Path) -> Result<(), PortsError> {
     let vm = running_vm(workspace)?;
     let listening = guest_ports(&vm)?;
-    let (published, mut relays, refused_at_limit) =
+    let (published, mut relays, failed_relays, refused_at_limit) =
         match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
             ControlResponse::PublishedList {
                 ports,
                 relays,
+                failed_relays,
                 refused_at_limit,
-            } => (ports, relays, refused_at_limit),
+            } => (ports, relays, failed_relays, refused_at_limit),
             other => return Err(PortsError::Unexpected(format!("{other:?}"))),
         };
     // Those the VM started with, for a supervisor that does not say (an older one).
@@ -56,7 +57,7 @@ pub fn list(workspace: &Path) -> Result<(), PortsError> {
     );
     crate::terminal::print_out(format_args!(
         "{}",
-        format_table(&listening, &published, &relays)
+        format_table(&listening, &published, &relays, &failed_relays)
     ));
     if let Some(warning) = limit_warning(refused_at_limit) {
         vmm::to_stderr!("{warning}");
@@ -95,11 +96,13 @@ async fn ask_guest_ports(vsock: &std::path::Path) -> Result<Vec<ListeningPort>, 
 }
 
 /// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses), and
-/// per published one nothing listens on.
+/// per published one nothing listens on. Of `relays`, those in `failed_relays` are
+/// not relayed: what listens there is the VM's own.
 fn format_table(
     listening: &[ListeningPort],
     published: &[PublishedPort],
     relays: &[u16],
+    failed_relays: &[u16],
 ) -> String {
     let mut by_port: BTreeMap<u16, Vec<String>> = BTreeMap::new();
     // In linear time, whatever the guest's list holds.
@@ -124,6 +127,10 @@ fn format_table(
             .unwrap_or_else(|| "-".into());
         let note = if port == EGRESS_PROXY_PORT {
             "vmctl egress proxy"
+        } else if failed_relays.contains(&port) && !addresses.is_empty() {
+            "relay from the host failed: a server in the VM holds the port"
+        } else if failed_relays.contains(&port) {
+            "relay from the host failed; tried again when a session starts"
         } else if relays.contains(&port) {
             "relayed from the host"
         } else if addresses.is_empty() {
@@ -204,12 +211,29 @@ mod tests {
             guest_port: 8080,
             host: "127.0.0.1:41000".parse().unwrap(),
         }];
-        let table = format_table(&[], &published, &[]);
+        let table = format_table(&[], &published, &[], &[]);
         assert!(
             table.contains("8080") && table.contains("127.0.0.1:41000"),
             "the publication is missing from the table:\n{table}"
         );
         assert!(table.contains("nothing listens"), "{table}");
+    }
+
+    /// A guest server that holds a port to be relayed from the host (so the relay
+    /// failed) is the VM's own, not called the host's.
+    #[test]
+    fn a_relay_that_failed_is_not_listed_as_relayed() {
+        let listening = [ListeningPort {
+            port: 5432,
+            address: "127.0.0.1".parse().unwrap(),
+            ipv6: false,
+        }];
+        let table = format_table(&listening, &[], &[5432, 6767], &[5432]);
+        let line = table.lines().find(|l| l.starts_with("5432")).unwrap();
+        assert!(
+            line.contains("relay from the host failed") && !line.contains("relayed from"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -239,7 +263,7 @@ mod tests {
             guest_port: 8080,
             host: "127.0.0.1:41000".parse().unwrap(),
         }];
-        let table = format_table(&listening, &published, &[6767]);
+        let table = format_table(&listening, &published, &[6767], &[]);
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 4, "{table}");
         assert!(lines[1].starts_with("3128") && lines[1].ends_with("vmctl egress proxy"));

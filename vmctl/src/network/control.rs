@@ -87,6 +87,10 @@ pub enum ControlResponse {
         /// runs among them (absent from a supervisor of an older vmctl).
         #[serde(default)]
         relays: Vec<u16>,
+        /// Of `relays`, those the guest could not relay when last asked (a server in
+        /// the VM holds the port, most often).
+        #[serde(default)]
+        failed_relays: Vec<u16>,
         /// The guest's connections to the host services refused because it held the
         /// most it may already (`MAX_GUEST_SERVICE_CONNECTIONS`).
         #[serde(default)]
@@ -183,6 +187,7 @@ mod tests {
             ControlResponse::PublishedList {
                 ports: Vec::new(),
                 relays: Vec::new(),
+                failed_relays: Vec::new(),
                 refused_at_limit: 0,
             }
         );

@@ -83,6 +83,26 @@ impl GuestSlots {
     }
 }
 
+/// The host loopback ports relayed into the VM.
+#[derive(Debug, Default)]
+struct Relays {
+    /// Ports the guest may reach on the host's loopback.
+    allowed: BTreeSet<u16>,
+    /// Of those, the ones the guest said it could not relay when last asked (a server
+    /// in the VM holds the port, most often): its clients reach that server there,
+    /// not the host's. Each is tried again at the next network setup.
+    failed: BTreeSet<u16>,
+}
+
+impl Relays {
+    fn allowing(ports: impl IntoIterator<Item = u16>) -> Relays {
+        Relays {
+            allowed: ports.into_iter().collect(),
+            failed: BTreeSet::new(),
+        }
+    }
+}
+
 /// The state shared by everything the supervisor serves for one VM.
 pub struct NetworkService {
     /// The VM's hybrid-vsock socket, through which we reach the guest agent.
@@ -92,8 +112,7 @@ pub struct NetworkService {
     /// What the proxy trusts upstream, for the guest to trust too (PEM).
     trusted_roots_pem: String,
     secrets: PathBuf,
-    /// Host loopback ports the guest may reach.
-    relays: Mutex<BTreeSet<u16>>,
+    relays: Mutex<Relays>,
     guest_slots: GuestSlots,
     published: Published,
     /// The setup the guest last took without a failure: sessions ask for it at each
@@ -160,7 +179,7 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         ca_pem,
         trusted_roots_pem,
         secrets: files.secrets,
-        relays: Mutex::new(record.relay_ports.iter().copied().collect()),
+        relays: Mutex::new(Relays::allowing(record.relay_ports.iter().copied())),
         guest_slots: GuestSlots::new(MAX_GUEST_SERVICE_CONNECTIONS),
         published: Published::default(),
         applied: tokio::sync::Mutex::new(None),
@@ -230,7 +249,7 @@ async fn serve_guest_connection(stream: UnixStream, service: Arc<NetworkService>
 async fn serve_guest_request<Egress, Served>(
     mut stream: UnixStream,
     slots: &GuestSlots,
-    relays: &Mutex<BTreeSet<u16>>,
+    relays: &Mutex<Relays>,
     serve_egress: Egress,
 ) where
     Egress: FnOnce(UnixStream) -> Served,
@@ -306,10 +325,10 @@ async fn answer(stream: &mut UnixStream, answer: ServiceAnswer) -> std::io::Resu
 }
 
 /// Relays `stream` to the host's loopback `port` if it is one of `relays`.
-async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mutex<BTreeSet<u16>>) {
+async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mutex<Relays>) {
     let allowed = relays
         .lock()
-        .map(|relays| relays.contains(&port))
+        .map(|relays| relays.allowed.contains(&port))
         .unwrap_or(false);
     if !allowed {
         guest_log::guest_warn!(
@@ -456,15 +475,24 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
             .unpublish(guest_port)
             .await
             .map(|host| ControlResponse::Unpublished { host }),
-        ControlRequest::ListPublished => Ok(ControlResponse::PublishedList {
-            ports: service.published.list(),
-            relays: service
+        ControlRequest::ListPublished => {
+            let (relays, failed_relays) = service
                 .relays
                 .lock()
-                .map(|relays| relays.iter().copied().collect())
-                .unwrap_or_default(),
-            refused_at_limit: service.guest_slots.refused.load(Ordering::Relaxed),
-        }),
+                .map(|relays| {
+                    (
+                        relays.allowed.iter().copied().collect(),
+                        relays.failed.iter().copied().collect(),
+                    )
+                })
+                .unwrap_or_default();
+            Ok(ControlResponse::PublishedList {
+                ports: service.published.list(),
+                relays,
+                failed_relays,
+                refused_at_limit: service.guest_slots.refused.load(Ordering::Relaxed),
+            })
+        }
     };
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
 }
@@ -489,22 +517,36 @@ fn relays_to_add(
 /// refused.
 fn add_relays(
     published: &Published,
-    relays: &Mutex<BTreeSet<u16>>,
+    relays: &Mutex<Relays>,
     extra: Vec<u16>,
 ) -> Result<(Vec<u16>, Vec<u16>), String> {
     published.while_unchanged(|published| {
         let mut relays = relays
             .lock()
             .map_err(|_| "the relay list is unusable".to_string())?;
-        let (extra, refused) = relays_to_add(extra, published, &relays);
-        relays.extend(extra);
-        Ok((relays.iter().copied().collect(), refused))
+        let (extra, refused) = relays_to_add(extra, published, &relays.allowed);
+        relays.allowed.extend(extra);
+        Ok((relays.allowed.iter().copied().collect(), refused))
     })?
+}
+
+/// Records which of `asked` the guest could relay and which it could not (`failed`).
+fn record_relays(relays: &Mutex<Relays>, asked: &[u16], failed: &[(u16, String)]) {
+    let Ok(mut relays) = relays.lock() else {
+        return;
+    };
+    for port in asked {
+        if failed.iter().any(|(failed, _)| failed == port) {
+            relays.failed.insert(*port);
+        } else {
+            relays.failed.remove(port);
+        }
+    }
 }
 
 /// Why `guest_port` must not be published, if it must not: the VM's ports that are
 /// the host's own services, whose reach publishing would widen.
-fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<String> {
+fn not_to_publish(relays: &Mutex<Relays>, guest_port: u16) -> Option<String> {
     if guest_port == guest_agent::protocol::EGRESS_PROXY_PORT {
         return Some(format!(
             "port {guest_port} in the VM is vmctl's egress proxy, which adds your secrets to \
@@ -512,9 +554,24 @@ fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<Stri
              whoever reaches it on the host; not published"
         ));
     }
-    let relayed = relays
-        .lock()
-        .is_ok_and(|relays| relays.contains(&guest_port));
+    let (relayed, failed) = match relays.lock() {
+        Ok(relays) => (
+            relays.allowed.contains(&guest_port),
+            relays.failed.contains(&guest_port),
+        ),
+        // Unknown: refused as relayed, the safe side.
+        Err(_) => (true, false),
+    };
+    if failed {
+        return Some(format!(
+            "port {guest_port} in the VM is on its list of ports relayed from the host, but \
+             the relay failed (a server in the VM holds the port, most likely): once that \
+             server lets the port go, the relay is set up again at the next session's start, \
+             and the published address would reach the host's own port {guest_port}; not \
+             published (to publish the VM's server, take the port off the VM's relay ports, \
+             --relay-port or relay_ports in the config, and restart the VM)"
+        ));
+    }
     relayed.then(|| {
         format!(
             "port {guest_port} in the VM is relayed from the host's own loopback port \
@@ -589,6 +646,7 @@ async fn configure_guest(
         apply_in_guest(&service.vsock, config.clone()).await?,
         &relay_ports,
     );
+    record_relays(&service.relays, &relay_ports, &failed_relays);
     // A failed relay is tried again next time.
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
@@ -619,11 +677,32 @@ mod tests {
     /// services: not published. Others are.
     #[test]
     fn the_hosts_own_services_in_the_vm_are_not_published() {
-        let relays = Mutex::new(BTreeSet::from([6767]));
+        let relays = Mutex::new(Relays::allowing([6767]));
         let proxy = guest_agent::protocol::EGRESS_PROXY_PORT;
         assert!(not_to_publish(&relays, proxy).is_some_and(|why| why.contains("egress proxy")));
         assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("127.0.0.1:6767")));
         assert_eq!(not_to_publish(&relays, 8080), None);
+    }
+
+    /// A relay the guest could not set up (a server in the VM holds the port) is not
+    /// called the host's service when its publication is refused; once the guest
+    /// relays the port, it is again.
+    #[test]
+    fn a_relay_that_failed_is_said_to_have() {
+        let relays = Mutex::new(Relays::allowing([5432, 6767]));
+        record_relays(
+            &relays,
+            &[5432, 6767],
+            &[(5432, "cannot listen on 127.0.0.1:5432: in use".into())],
+        );
+        let why = not_to_publish(&relays, 5432).unwrap();
+        assert!(
+            why.contains("the relay failed") && !why.contains("is relayed from"),
+            "{why}"
+        );
+        assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("is relayed from")));
+        record_relays(&relays, &[5432, 6767], &[]);
+        assert!(not_to_publish(&relays, 5432).is_some_and(|why| why.contains("is relayed from")));
     }
 
     /// A port published from the VM is not relayed from the host's loopback later
@@ -650,12 +729,12 @@ mod tests {
             .publish(vsock, 5432, any_port, || None)
             .await
             .unwrap();
-        let relays = Mutex::new(BTreeSet::from([6767]));
+        let relays = Mutex::new(Relays::allowing([6767]));
         assert_eq!(
             add_relays(&published, &relays, vec![5432, 9100]),
             Ok((vec![6767, 9100], vec![5432]))
         );
-        assert_eq!(relays.lock().unwrap().len(), 2);
+        assert_eq!(relays.lock().unwrap().allowed.len(), 2);
     }
 
     /// A server listening on `::1` only (Node's `localhost`) is reached too.
@@ -686,7 +765,7 @@ mod tests {
                 held.push(conn);
             }
         });
-        let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
+        let relays = Arc::new(Mutex::new(Relays::allowing([port])));
         let slots = Arc::new(GuestSlots::new(1));
         let egress_served = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let serve = |request: ServiceRequest| {
@@ -743,7 +822,7 @@ mod tests {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let closed_port = closed.local_addr().unwrap().port();
         drop(closed);
-        let relays = Mutex::new(BTreeSet::from([closed_port]));
+        let relays = Mutex::new(Relays::allowing([closed_port]));
         for port in [closed_port, closed_port.wrapping_add(1).max(1)] {
             let (mut guest, relay_end) = UnixStream::pair().unwrap();
             relay_to_host_loopback(relay_end, port, &relays).await;
@@ -760,7 +839,7 @@ mod tests {
     async fn a_relay_answers_connected_then_carries_the_bytes() {
         let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = server.local_addr().unwrap().port();
-        let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
+        let relays = Arc::new(Mutex::new(Relays::allowing([port])));
         let (mut guest, relay_end) = UnixStream::pair().unwrap();
         tokio::spawn(async move { relay_to_host_loopback(relay_end, port, &relays).await });
         let (mut host, _) = server.accept().await.unwrap();

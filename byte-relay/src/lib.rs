@@ -7,10 +7,38 @@
 //! client is still sending (an upload refused early, a command that exits before
 //! reading all its input) breaks the client's way, and the answer, already read by
 //! the relay or waiting in the socket, was lost with it.
+//!
+//! A source that fails under a read (a reset, most often) is not an end of stream:
+//! passed on as one, a response cut short by a crashed server would look complete to
+//! the client. [`both_ways`] then stops both ways at once without closing anything,
+//! and [`Relayed::broken`] says which side broke, so that a caller that owns the
+//! other side's socket can reset it (`SO_LINGER` 0, then drop it).
 
 use std::io;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// What each way copies at a time: the most a relay holds per way.
+const CHUNK: usize = 8 * 1024;
+
+/// Why a way ended other than by its source's end, as the payload of its
+/// [`io::Error`] (whose kind is that of the failure itself).
+#[derive(Debug, thiserror::Error)]
+pub enum WayError {
+    /// Reading the way's source failed: that side's stream is broken.
+    #[error("reading: {0}")]
+    Read(io::Error),
+    /// The other way's source failed, which stopped this way too.
+    #[error("stopped: the other side's stream broke")]
+    Stopped,
+}
+
+/// One of the two streams given to [`both_ways`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    A,
+    B,
+}
 
 /// How each way of a relay ended: the bytes it carried, or what broke it.
 #[derive(Debug)]
@@ -20,13 +48,58 @@ pub struct Relayed {
 }
 
 impl Relayed {
-    /// The first way's error, if a way broke.
+    /// What broke the relay, if a way broke: a side's broken stream first, for the
+    /// way it stopped says only that.
     pub fn error(&self) -> Option<&io::Error> {
-        self.a_to_b.as_ref().err().or(self.b_to_a.as_ref().err())
+        let a_to_b = self.a_to_b.as_ref().err();
+        let b_to_a = self.b_to_a.as_ref().err();
+        let read_failure = |e: &&io::Error| is_read_failure(e);
+        a_to_b
+            .filter(read_failure)
+            .or(b_to_a.filter(read_failure))
+            .or(a_to_b)
+            .or(b_to_a)
+    }
+
+    /// The side whose stream failed under a read (a reset, most often), if one did:
+    /// the relay then did not tell the other side the stream ended. Closing the other
+    /// side would tell its peer just that; a caller that owns that socket resets it
+    /// instead, so the peer learns the stream broke.
+    pub fn broken(&self) -> Option<Side> {
+        if source_failed(&self.a_to_b) {
+            Some(Side::A)
+        } else if source_failed(&self.b_to_a) {
+            Some(Side::B)
+        } else {
+            None
+        }
     }
 }
 
-/// Relays `a` and `b` until both ways have ended.
+fn is_read_failure(error: &io::Error) -> bool {
+    error
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<WayError>())
+        .is_some_and(|e| matches!(e, WayError::Read(_)))
+}
+
+fn read_failed(error: io::Error) -> io::Error {
+    io::Error::new(error.kind(), WayError::Read(error))
+}
+
+fn stopped() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, WayError::Stopped)
+}
+
+/// Whether `way` ended because its source failed.
+fn source_failed(way: &io::Result<u64>) -> bool {
+    way.as_ref().err().is_some_and(is_read_failure)
+}
+
+/// Relays `a` and `b` until both ways have ended, or until either side's stream
+/// fails under a read: then both ways stop at once, and neither side is told the
+/// stream ended (see [`Relayed::broken`]). Pass `&mut stream` to keep a stream for
+/// that.
 pub async fn both_ways<A, B>(a: A, b: B) -> Relayed
 where
     A: AsyncRead + AsyncWrite,
@@ -34,22 +107,91 @@ where
 {
     let (a_reader, a_writer) = tokio::io::split(a);
     let (b_reader, b_writer) = tokio::io::split(b);
-    let (a_to_b, b_to_a) = tokio::join!(one_way(a_reader, b_writer), one_way(b_reader, a_writer));
-    Relayed { a_to_b, b_to_a }
+    let a_to_b = way(a_reader, b_writer);
+    let b_to_a = way(b_reader, a_writer);
+    tokio::pin!(a_to_b, b_to_a);
+    let (mut a_to_b_ended, mut b_to_a_ended) = (None, None);
+    loop {
+        tokio::select! {
+            ended = &mut a_to_b, if a_to_b_ended.is_none() => {
+                if source_failed(&ended) {
+                    return Relayed {
+                        a_to_b: ended,
+                        b_to_a: b_to_a_ended.unwrap_or_else(|| Err(stopped())),
+                    };
+                }
+                a_to_b_ended = Some(ended);
+            }
+            ended = &mut b_to_a, if b_to_a_ended.is_none() => {
+                if source_failed(&ended) {
+                    return Relayed {
+                        a_to_b: a_to_b_ended.unwrap_or_else(|| Err(stopped())),
+                        b_to_a: ended,
+                    };
+                }
+                b_to_a_ended = Some(ended);
+            }
+        }
+        match (a_to_b_ended, b_to_a_ended) {
+            (Some(a_to_b), Some(b_to_a)) => return Relayed { a_to_b, b_to_a },
+            unfinished => (a_to_b_ended, b_to_a_ended) = unfinished,
+        }
+    }
+}
+
+/// One way of [`both_ways`]: copies `from` to `to` until `from` ends or a side fails,
+/// then closes `to`'s sending side, unless `from` failed (see [`both_ways`]).
+async fn way<R, W>(mut from: R, mut to: W) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let copied = copy(&mut from, &mut to).await;
+    if !source_failed(&copied) {
+        // Fails too when `to` is what broke: nothing is left to tell it.
+        let _ = to.shutdown().await;
+    }
+    copied
 }
 
 /// Copies `from` to `to` until `from` ends or a side fails, then closes `to`'s
 /// sending side: its reader sees the end (after a failure too, so that a peer
-/// waiting for more does not wait forever).
+/// waiting for more does not wait forever). A failed read's error carries
+/// [`WayError::Read`].
 pub async fn one_way<R, W>(mut from: R, mut to: W) -> io::Result<u64>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let copied = tokio::io::copy(&mut from, &mut to).await;
+    let copied = copy(&mut from, &mut to).await;
     // Fails too when `to` is what broke: nothing is left to tell it.
     let _ = to.shutdown().await;
     copied
+}
+
+/// Copies until `from` ends; what it read is written out before it reads again, so a
+/// read that fails loses nothing read before it (`tokio::io::copy` reads ahead and
+/// drops what it holds when a read fails).
+async fn copy<R, W>(from: &mut R, to: &mut W) -> io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut chunk = vec![0u8; CHUNK];
+    let mut copied = 0u64;
+    loop {
+        let read = match from.read(&mut chunk).await {
+            Ok(0) => return Ok(copied),
+            Ok(read) => read,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(read_failed(e)),
+        };
+        to.write_all(&chunk[..read]).await?;
+        // A writer that buffers (TLS) must not sit on the chunk while the source is
+        // quiet: its peer may be waiting for it to answer.
+        to.flush().await?;
+        copied += read as u64;
+    }
 }
 
 #[cfg(test)]
@@ -81,9 +223,9 @@ mod tests {
         assert!(relayed.error().is_some());
     }
 
-    /// A way that breaks on its read (the server reset its connection) still ends
-    /// the other side's reading: "after a failure too" in [`one_way`] (the tests above
-    /// pass without it).
+    /// A way that breaks on its read (the server reset its connection) ends the
+    /// relay at once, both ways: the client's reading ends too, though it keeps its
+    /// side open and sends nothing, with nothing passed on as an end of stream.
     #[tokio::test]
     async fn a_reset_from_the_server_ends_the_clients_reading() {
         use tokio::net::{TcpListener, TcpStream};
@@ -97,8 +239,6 @@ mod tests {
         // Closing with a zero linger sends a reset: the relay's read from it fails.
         server.set_zero_linger().unwrap();
         drop(server);
-        // The client sends nothing and keeps its side open: only the relay's
-        // shutdown after the failed way can end this read.
         let mut received = Vec::new();
         let ended = tokio::time::timeout(
             std::time::Duration::from_secs(10),
@@ -109,9 +249,93 @@ mod tests {
             matches!(ended, Ok(Ok(0))),
             "the client's read did not end after the server's reset: {ended:?}"
         );
-        drop(client);
         let relayed = relay.await.unwrap();
+        assert_eq!(relayed.broken(), Some(Side::B), "{relayed:?}");
         assert!(relayed.b_to_a.is_err(), "{relayed:?}");
+        assert!(
+            relayed
+                .error()
+                .is_some_and(|e| e.to_string().starts_with("reading: ")),
+            "the stopped way's error was given as the cause: {relayed:?}"
+        );
+    }
+
+    /// A TCP connection pair: the relay's end first, then its peer's.
+    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let near = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (far, _) = listener.accept().await.unwrap();
+        (near, far)
+    }
+
+    /// The server resets its connection: a caller that owns the client's socket can
+    /// reset it in turn, and the client reads a reset, not an ordinary end (after
+    /// which a response cut short would look complete).
+    #[tokio::test]
+    async fn a_reset_is_passed_on_as_a_reset_by_a_caller_that_owns_the_socket() {
+        let (mut relay_client_side, mut client) = tcp_pair().await;
+        let (relay_server_side, server) = tcp_pair().await;
+        let relay = tokio::spawn(async move {
+            let relayed = both_ways(&mut relay_client_side, relay_server_side).await;
+            if relayed.broken() == Some(Side::B) {
+                relay_client_side.set_zero_linger().unwrap();
+            }
+            relayed
+        });
+        server.set_zero_linger().unwrap();
+        drop(server);
+        let mut received = Vec::new();
+        let ended = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            client.read_to_end(&mut received),
+        )
+        .await
+        .expect("the client's read did not end after the server's reset");
+        assert!(
+            ended
+                .as_ref()
+                .is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+            "the client read {ended:?}, not a reset"
+        );
+        let relayed = relay.await.unwrap();
+        assert!(
+            relayed
+                .a_to_b
+                .as_ref()
+                .is_err_and(|e| e.kind() == io::ErrorKind::ConnectionAborted),
+            "the client's way was not stopped: {relayed:?}"
+        );
+    }
+
+    /// A client that breaks off its upload: the server learns of it at once, not as
+    /// an end of the upload it would take for whole.
+    #[tokio::test]
+    async fn a_reset_from_the_client_is_reported_for_its_side() {
+        let (relay_client_side, client) = tcp_pair().await;
+        let (mut relay_server_side, mut server) = tcp_pair().await;
+        let relay = tokio::spawn(async move {
+            let relayed = both_ways(relay_client_side, &mut relay_server_side).await;
+            if relayed.broken() == Some(Side::A) {
+                relay_server_side.set_zero_linger().unwrap();
+            }
+            relayed
+        });
+        client.set_zero_linger().unwrap();
+        drop(client);
+        let mut received = Vec::new();
+        let ended = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            server.read_to_end(&mut received),
+        )
+        .await
+        .expect("the server's read did not end after the client's reset");
+        assert!(
+            ended.is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+            "the server did not read a reset"
+        );
+        assert_eq!(relay.await.unwrap().broken(), Some(Side::A));
     }
 
     #[tokio::test]
@@ -133,6 +357,7 @@ mod tests {
         assert_eq!(answer, b"answer");
 
         let relayed = relay.await.unwrap();
+        assert_eq!(relayed.broken(), None);
         assert_eq!(relayed.a_to_b.unwrap(), 7);
         assert_eq!(relayed.b_to_a.unwrap(), 6);
     }

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -30,8 +30,13 @@ pub const CHUNK_SIZE: usize = 64 * 1024;
 /// going away at once, whatever the command does with its stdin.
 pub const STDIN_WINDOW: usize = 1024 * 1024;
 /// The host's vsock port for connections the guest opens (egress proxy, loopback
-/// relays); each starts with one [`ServiceRequest`] frame, then carries raw bytes.
+/// relays); each starts with one [`ServiceRequest`] frame, which the host answers
+/// with one [`ServiceAnswer`] byte, then carries raw bytes.
 pub const HOST_SERVICE_PORT: u32 = 1025;
+/// How long the agent waits for the host's [`ServiceAnswer`]. The host answers well
+/// within it: its connect to a loopback port takes at most a third of it per address
+/// (IPv4, then IPv6).
+pub const SERVICE_ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// The guest's HTTP(S) proxy: the agent listens on 127.0.0.1 at this port and
 /// relays each connection to the host's egress proxy.
 pub const EGRESS_PROXY_PORT: u16 = 3128;
@@ -269,6 +274,32 @@ pub enum ServiceRequest {
     Egress,
     /// A connection to the host's 127.0.0.1 at this port.
     Loopback { port: u16 },
+}
+
+/// The host's answer to a [`ServiceRequest`]: one byte, before the service's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ServiceAnswer {
+    /// The service is connected: its bytes follow.
+    Connected = 0,
+    /// Refused: the host port is not relayed, nothing on the host accepted the
+    /// connection, or not in time.
+    Refused = 1,
+    /// Refused: the guest holds as many connections to the host services as the host
+    /// allows.
+    Busy = 2,
+}
+
+impl ServiceAnswer {
+    pub fn from_byte(byte: u8) -> Option<ServiceAnswer> {
+        [
+            ServiceAnswer::Connected,
+            ServiceAnswer::Refused,
+            ServiceAnswer::Busy,
+        ]
+        .into_iter()
+        .find(|answer| *answer as u8 == byte)
+    }
 }
 
 /// The agent's state, in answer to [`ClientMessage::Health`].
@@ -637,6 +668,16 @@ mod tests {
             let (back, _): (ServiceRequest, usize) = decode_frame(&frame).unwrap().unwrap();
             assert_eq!(back, msg);
         }
+    }
+
+    /// The answer bytes are the wire format (PROTOCOL.md): they must not move.
+    #[test]
+    fn service_answers_are_the_documented_bytes() {
+        assert_eq!(ServiceAnswer::from_byte(0), Some(ServiceAnswer::Connected));
+        assert_eq!(ServiceAnswer::from_byte(1), Some(ServiceAnswer::Refused));
+        assert_eq!(ServiceAnswer::from_byte(2), Some(ServiceAnswer::Busy));
+        assert_eq!(ServiceAnswer::from_byte(3), None);
+        assert_eq!(ServiceAnswer::from_byte(b'H'), None);
     }
 
     #[tokio::test]

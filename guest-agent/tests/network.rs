@@ -12,7 +12,7 @@ use guest_agent::network::files::{ENV_BLOCK_BEGIN, ENV_BLOCK_END};
 use guest_agent::network::{HostConnector, Network, NetworkPaths, NetworkSettings};
 use guest_agent::protocol::{
     encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, NetworkConfig,
-    ServiceRequest, PROTOCOL_VERSION,
+    ServiceAnswer, ServiceRequest, PROTOCOL_VERSION,
 };
 use guest_agent::server::{self, ListenAddr, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -71,8 +71,17 @@ impl Agent {
         within(self.conn().await.configure_network(config)).await
     }
 
-    /// Accepts the next host-service connection: its request and its raw bytes.
+    /// Accepts the next host-service connection and answers it `Connected`: its
+    /// request and its raw bytes.
     async fn accept_host(&self) -> (ServiceRequest, RawStream<UnixStream>) {
+        self.accept_host_answering(ServiceAnswer::Connected).await
+    }
+
+    /// Accepts the next host-service connection and gives `answer`.
+    async fn accept_host_answering(
+        &self,
+        answer: ServiceAnswer,
+    ) -> (ServiceRequest, RawStream<UnixStream>) {
         let (s, _) = within(self.host.accept()).await.unwrap();
         let mut frames = FrameReader::new(s);
         let req = within(frames.next::<ServiceRequest>())
@@ -80,7 +89,9 @@ impl Agent {
             .unwrap()
             .unwrap();
         let (s, pending) = frames.into_parts();
-        (req, RawStream::new(pending, s))
+        let mut s = RawStream::new(pending, s);
+        s.write_all(&[answer as u8]).await.unwrap();
+        (req, s)
     }
 }
 
@@ -307,7 +318,7 @@ async fn egress_connections_reach_the_host_with_half_close() {
 }
 
 #[tokio::test]
-async fn egress_without_a_host_service_closes_the_connection() {
+async fn egress_without_a_host_service_resets_the_connection() {
     let dir = tempfile::tempdir().unwrap();
     let network = Network::new(NetworkSettings {
         paths: NetworkPaths::under(dir.path()),
@@ -319,9 +330,69 @@ async fn egress_without_a_host_service_closes_the_connection() {
         .await
         .unwrap();
     let mut buf = Vec::new();
-    // End of stream or a reset, but not a hang.
+    // A reset, not an empty answer that looks like the server's.
     let r = within(tcp.read_to_end(&mut buf)).await;
-    assert!(buf.is_empty(), "{r:?}");
+    assert!(
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "{r:?}"
+    );
+}
+
+/// Reads what `tcp` gets until its end, which must be a reset: the guest's client
+/// learns that the connection was refused or broke, not that it ended.
+async fn assert_reset(tcp: &mut TcpStream) {
+    let mut buf = Vec::new();
+    let r = within(tcp.read_to_end(&mut buf)).await;
+    assert!(
+        r.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "not reset: {r:?} after {buf:?}"
+    );
+}
+
+/// The host refuses a relayed connection (nothing listens on its port, or the guest
+/// holds too many): the guest's client is reset, not given an empty answer.
+#[tokio::test]
+async fn a_connection_the_host_refuses_is_reset() {
+    let agent = Agent::start().await;
+    let ([port], _reserved) = reserve_ports::<1>();
+    let failed = agent
+        .configure(NetworkConfig {
+            relay_ports: vec![port],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(failed.is_empty(), "{failed:?}");
+    for answer in [ServiceAnswer::Refused, ServiceAnswer::Busy] {
+        let mut tcp = within(TcpStream::connect(("127.0.0.1", port)))
+            .await
+            .unwrap();
+        let (req, _host) = agent.accept_host_answering(answer).await;
+        assert_eq!(req, ServiceRequest::Loopback { port });
+        assert_reset(&mut tcp).await;
+    }
+}
+
+/// The host side's stream breaks mid-way (a Unix socket closed with data unread
+/// reads as a reset): the guest's client is reset too.
+#[tokio::test]
+async fn a_host_side_that_breaks_resets_the_guests_client() {
+    let agent = Agent::start().await;
+    agent.configure(NetworkConfig::default()).await.unwrap();
+    let mut tcp = within(TcpStream::connect(agent.network.egress_addr().unwrap()))
+        .await
+        .unwrap();
+    let (_, mut host) = agent.accept_host().await;
+    host.write_all(b"partial answer").await.unwrap();
+    let mut got = [0u8; 14];
+    within(tcp.read_exact(&mut got)).await.unwrap();
+    tcp.write_all(b"never read").await.unwrap();
+    // Let the bytes reach the host's socket, so that it closes with them unread.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(host);
+    assert_reset(&mut tcp).await;
 }
 
 #[tokio::test]

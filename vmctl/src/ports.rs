@@ -39,9 +39,14 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
 pub fn list(workspace: &Path) -> Result<(), PortsError> {
     let vm = running_vm(workspace)?;
     let listening = guest_ports(&vm)?;
-    let (published, mut relays) =
+    let (published, mut relays, failed_relays, refused_at_limit) =
         match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
-            ControlResponse::PublishedList { ports, relays } => (ports, relays),
+            ControlResponse::PublishedList {
+                ports,
+                relays,
+                failed_relays,
+                refused_at_limit,
+            } => (ports, relays, failed_relays, refused_at_limit),
             other => return Err(PortsError::Unexpected(format!("{other:?}"))),
         };
     // Those the VM started with, for a supervisor that does not say (an older one).
@@ -52,9 +57,26 @@ pub fn list(workspace: &Path) -> Result<(), PortsError> {
     );
     crate::terminal::print_out(format_args!(
         "{}",
-        format_table(&listening, &published, &relays)
+        format_table(&listening, &published, &relays, &failed_relays)
     ));
+    if let Some(warning) = limit_warning(refused_at_limit) {
+        vmm::to_stderr!("{warning}");
+    }
     Ok(())
+}
+
+/// What to say of `refused` connections the guest opened to the host services past
+/// its limit: the guest's clients saw only resets, the supervisor's log is seldom read.
+fn limit_warning(refused: u64) -> Option<String> {
+    (refused > 0).then(|| {
+        format!(
+            "vmctl: warning: the VM reached its limit of {} connections to the host services \
+             (egress proxy and relays) at once, and {refused} of its connections were refused \
+             (reset in the VM); a program in it may leave its connections open ('vmctl exec \
+             ss -tnp' lists them)",
+            crate::network::services::MAX_GUEST_SERVICE_CONNECTIONS
+        )
+    })
 }
 
 fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
@@ -74,11 +96,13 @@ async fn ask_guest_ports(vsock: &std::path::Path) -> Result<Vec<ListeningPort>, 
 }
 
 /// One line per guest port (a port bound on IPv4 and IPv6 shows both addresses), and
-/// per published one nothing listens on.
+/// per published one nothing listens on. Of `relays`, those in `failed_relays` are
+/// not relayed: what listens there is the VM's own.
 fn format_table(
     listening: &[ListeningPort],
     published: &[PublishedPort],
     relays: &[u16],
+    failed_relays: &[u16],
 ) -> String {
     let mut by_port: BTreeMap<u16, Vec<String>> = BTreeMap::new();
     // In linear time, whatever the guest's list holds.
@@ -103,6 +127,10 @@ fn format_table(
             .unwrap_or_else(|| "-".into());
         let note = if port == EGRESS_PROXY_PORT {
             "vmctl egress proxy"
+        } else if failed_relays.contains(&port) && !addresses.is_empty() {
+            "relay from the host failed: a server in the VM holds the port"
+        } else if failed_relays.contains(&port) {
+            "relay from the host failed; tried again when a session starts"
         } else if relays.contains(&port) {
             "relayed from the host"
         } else if addresses.is_empty() {
@@ -183,12 +211,39 @@ mod tests {
             guest_port: 8080,
             host: "127.0.0.1:41000".parse().unwrap(),
         }];
-        let table = format_table(&[], &published, &[]);
+        let table = format_table(&[], &published, &[], &[]);
         assert!(
             table.contains("8080") && table.contains("127.0.0.1:41000"),
             "the publication is missing from the table:\n{table}"
         );
         assert!(table.contains("nothing listens"), "{table}");
+    }
+
+    /// A guest server that holds a port to be relayed from the host (so the relay
+    /// failed) is the VM's own, not called the host's.
+    #[test]
+    fn a_relay_that_failed_is_not_listed_as_relayed() {
+        let listening = [ListeningPort {
+            port: 5432,
+            address: "127.0.0.1".parse().unwrap(),
+            ipv6: false,
+        }];
+        let table = format_table(&listening, &[], &[5432, 6767], &[5432]);
+        let line = table.lines().find(|l| l.starts_with("5432")).unwrap();
+        assert!(
+            line.contains("relay from the host failed") && !line.contains("relayed from"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn connections_refused_at_the_limit_are_warned_of() {
+        assert_eq!(limit_warning(0), None);
+        let warning = limit_warning(3).unwrap();
+        assert!(
+            warning.contains("768 connections") && warning.contains("3 of its connections"),
+            "{warning}"
+        );
     }
 
     #[test]
@@ -208,7 +263,7 @@ mod tests {
             guest_port: 8080,
             host: "127.0.0.1:41000".parse().unwrap(),
         }];
-        let table = format_table(&listening, &published, &[6767]);
+        let table = format_table(&listening, &published, &[6767], &[]);
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines.len(), 4, "{table}");
         assert!(lines[1].starts_with("3128") && lines[1].ends_with("vmctl egress proxy"));

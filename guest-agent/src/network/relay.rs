@@ -8,11 +8,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
-use crate::protocol::{write_frame, ProtocolError, ServiceRequest, HOST_SERVICE_PORT};
+use crate::protocol::{
+    write_frame, ProtocolError, ServiceAnswer, ServiceRequest, HOST_SERVICE_PORT,
+    SERVICE_ANSWER_TIMEOUT,
+};
 use crate::raw::RawStream;
 use crate::server::Stream;
 
@@ -28,6 +32,20 @@ pub enum RelayError {
     HostConnect { to: String, source: io::Error },
     #[error("cannot send the service request to the host: {0}")]
     HostRequest(#[from] ProtocolError),
+    #[error(
+        "the host refused the connection to {what}: it is not relayed, or nothing on the \
+         host accepted the connection in time ('vmctl logs --supervisor' on the host says \
+         which)"
+    )]
+    HostRefused { what: String },
+    #[error(
+        "the host refused the connection to {what}: the VM holds as many connections to \
+         the host services as the host allows; a program in the VM may leave its \
+         connections open"
+    )]
+    HostBusy { what: String },
+    #[error("the host did not answer the request for {what}: {why}")]
+    NoHostAnswer { what: String, why: String },
     #[error("port 0 is not a port one can connect to")]
     PortZero,
     #[error("cannot connect to guest port {port}: 127.0.0.1: {v4}; [::1]: {v6}")]
@@ -90,7 +108,8 @@ impl HostConnector {
         })
     }
 
-    /// A connection to the host service that asked for `req`; raw bytes follow.
+    /// A connection to the host service that asked for `req` and was answered
+    /// [`ServiceAnswer::Connected`]; raw bytes follow.
     pub async fn open(&self, req: &ServiceRequest) -> Result<Box<dyn Stream>, RelayError> {
         let mut s = self
             .connect()
@@ -100,7 +119,39 @@ impl HostConnector {
                 source,
             })?;
         write_frame(&mut s, req).await?;
-        Ok(s)
+        let what = || match req {
+            ServiceRequest::Egress => "the egress proxy".to_string(),
+            ServiceRequest::Loopback { port } => format!("its loopback port {port}"),
+        };
+        let answer = tokio::time::timeout(SERVICE_ANSWER_TIMEOUT, s.read_u8()).await;
+        match answer {
+            Ok(Ok(byte)) => match ServiceAnswer::from_byte(byte) {
+                Some(ServiceAnswer::Connected) => Ok(s),
+                Some(ServiceAnswer::Refused) => Err(RelayError::HostRefused { what: what() }),
+                Some(ServiceAnswer::Busy) => Err(RelayError::HostBusy { what: what() }),
+                None => Err(RelayError::NoHostAnswer {
+                    what: what(),
+                    why: format!("it answered {byte}, which is no answer this agent knows"),
+                }),
+            },
+            Ok(Err(e)) => Err(RelayError::NoHostAnswer {
+                what: what(),
+                why: e.to_string(),
+            }),
+            Err(_) => Err(RelayError::NoHostAnswer {
+                what: what(),
+                why: format!("none within {} s", SERVICE_ANSWER_TIMEOUT.as_secs()),
+            }),
+        }
+    }
+}
+
+/// Makes closing `tcp` reset the connection, so that its peer learns the connection
+/// broke or was refused: an ordinary close would tell it that the stream ended, and a
+/// client would take an empty or cut-short answer for a whole one.
+fn reset_on_close(tcp: &TcpStream) {
+    if let Err(e) = tcp.set_zero_linger() {
+        debug!("cannot make a connection's close a reset: {e}");
     }
 }
 
@@ -176,16 +227,25 @@ async fn accept_loop(listener: TcpListener, req: ServiceRequest, host: Arc<HostC
     }
 }
 
-async fn relay_to_host(tcp: TcpStream, req: &ServiceRequest, host: &HostConnector) {
+async fn relay_to_host(mut tcp: TcpStream, req: &ServiceRequest, host: &HostConnector) {
     let _ = tcp.set_nodelay(true);
     let upstream = match host.open(req).await {
         Ok(s) => s,
         Err(e) => {
-            warn!(?req, "{e}");
+            match e {
+                // The host warned of it, and the client gets a reset.
+                RelayError::HostRefused { .. } => info!(?req, "{e}"),
+                _ => warn!(?req, "{e}"),
+            }
+            reset_on_close(&tcp);
             return;
         }
     };
-    if let Some(e) = byte_relay::both_ways(tcp, upstream).await.error() {
+    let relayed = byte_relay::both_ways(&mut tcp, upstream).await;
+    if relayed.broken() == Some(byte_relay::Side::B) {
+        reset_on_close(&tcp);
+    }
+    if let Some(e) = relayed.error() {
         debug!(?req, "relay failed: {e}");
     }
 }
@@ -208,10 +268,14 @@ pub async fn connect_guest_port(port: u16) -> Result<TcpStream, RelayError> {
 
 /// Relays a host connection that switched to raw bytes (`pending`: bytes already
 /// read from it) and a guest TCP connection until both directions end.
-pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, tcp: TcpStream) {
+pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, mut tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let client = RawStream::new(pending, client);
-    match byte_relay::both_ways(client, tcp).await {
+    let relayed = byte_relay::both_ways(client, &mut tcp).await;
+    if relayed.broken() == Some(byte_relay::Side::A) {
+        reset_on_close(&tcp);
+    }
+    match relayed {
         byte_relay::Relayed {
             a_to_b: Ok(up),
             b_to_a: Ok(down),

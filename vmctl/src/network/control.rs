@@ -87,6 +87,14 @@ pub enum ControlResponse {
         /// runs among them (absent from a supervisor of an older vmctl).
         #[serde(default)]
         relays: Vec<u16>,
+        /// Of `relays`, those the guest could not relay when last asked (a server in
+        /// the VM holds the port, most often).
+        #[serde(default)]
+        failed_relays: Vec<u16>,
+        /// The guest's connections to the host services refused because it held the
+        /// most it may already (`MAX_GUEST_SERVICE_CONNECTIONS`).
+        #[serde(default)]
+        refused_at_limit: u64,
     },
     Error {
         message: String,
@@ -178,7 +186,9 @@ mod tests {
             serde_json::from_str::<ControlResponse>(older).unwrap(),
             ControlResponse::PublishedList {
                 ports: Vec::new(),
-                relays: Vec::new()
+                relays: Vec::new(),
+                failed_relays: Vec::new(),
+                refused_at_limit: 0,
             }
         );
     }

@@ -1,13 +1,14 @@
 //! Host ports published to guest loopback ports (`vmctl publish`): each host
 //! connection becomes a `ConnectPort` connection to the guest agent.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::AbortHandle;
+use tokio::sync::oneshot;
+use tokio::task::{JoinHandle, JoinSet};
 
 use super::control::PublishedPort;
 
@@ -35,22 +36,37 @@ fn already_published(
 /// The published ports of one VM, by guest port.
 #[derive(Default)]
 pub struct Published {
-    ports: Mutex<BTreeMap<u16, (SocketAddr, AbortHandle)>>,
+    ports: Mutex<BTreeMap<u16, Publication>>,
+}
+
+/// One published port: where it listens, and the task that serves it, which ends
+/// (its connections with it) once `stop` is sent or dropped.
+struct Publication {
+    host: SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
 }
 
 impl Published {
     /// Listens on `host` (port 0: a free one) and forwards its connections to the
     /// guest's `guest_port`; returns the address it listens on. Asked again for a
     /// port already published as asked, it answers with that address, so that a
-    /// script can publish without first asking whether it did.
+    /// script can publish without first asking whether it did. `refuse` says why the
+    /// port must not be published, if it must not; it is asked again, with the
+    /// publications held still, right before the publication is made (see
+    /// [`Published::while_unchanged`]).
     pub async fn publish(
         &self,
         vsock: PathBuf,
         guest_port: u16,
         host: SocketAddr,
+        refuse: impl Fn() -> Option<String>,
     ) -> Result<PublishedPort, String> {
         if let Some(existing) = self.address_of(guest_port) {
             return already_published(guest_port, existing, host);
+        }
+        if let Some(why) = refuse() {
+            return Err(why);
         }
         let listener = TcpListener::bind(host)
             .await
@@ -62,35 +78,50 @@ impl Published {
         let mut ports = self.ports.lock().map_err(|_| poisoned())?;
         // Another `vmctl publish` of the same port may have got here first while this
         // one was binding: its listener stays, this one goes.
-        if let Some((existing, _)) = ports.get(&guest_port) {
-            return already_published(guest_port, *existing, asked);
+        if let Some(existing) = ports.get(&guest_port) {
+            return already_published(guest_port, existing.host, asked);
         }
-        let vsock = Arc::new(vsock);
-        let task = tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((client, peer)) => {
-                        tokio::spawn(forward(client, peer, vsock.clone(), guest_port));
-                    }
-                    Err(e) => {
-                        tracing::warn!("published port {host}: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-        ports.insert(guest_port, (host, task.abort_handle()));
+        // What `refuse` checks (the relays) may have changed while this one was
+        // binding.
+        if let Some(why) = refuse() {
+            return Err(why);
+        }
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(serve(listener, Arc::new(vsock), guest_port, stopped));
+        ports.insert(guest_port, Publication { host, stop, task });
         Ok(PublishedPort { guest_port, host })
     }
 
-    /// Stops publishing `guest_port`; returns the host address it had.
-    pub fn unpublish(&self, guest_port: u16) -> Result<SocketAddr, String> {
-        let mut ports = self.ports.lock().map_err(|_| poisoned())?;
-        let (host, task) = ports
+    /// Stops publishing `guest_port`, and answers once its address is free again and
+    /// the connections it forwarded are closed (left open, a publication made by
+    /// mistake would go on serving whoever got in); returns the host address it had.
+    pub async fn unpublish(&self, guest_port: u16) -> Result<SocketAddr, String> {
+        let publication = self
+            .ports
+            .lock()
+            .map_err(|_| poisoned())?
             .remove(&guest_port)
             .ok_or_else(|| format!("guest port {guest_port} is not published"))?;
-        task.abort();
-        Ok(host)
+        let _ = publication.stop.send(());
+        if let Err(e) = publication.task.await {
+            tracing::warn!(
+                "published port {}: its task ended badly: {e}",
+                publication.host
+            );
+        }
+        Ok(publication.host)
+    }
+
+    /// Runs `decide` on the guest ports published now, with none published or
+    /// unpublished until it returns: a decision about them (a relay to add) and a
+    /// publication's `refuse` never both pass on what the other is about to change.
+    pub fn while_unchanged<R>(
+        &self,
+        decide: impl FnOnce(&BTreeSet<u16>) -> R,
+    ) -> Result<R, String> {
+        let ports = self.ports.lock().map_err(|_| poisoned())?;
+        let published = ports.keys().copied().collect();
+        Ok(decide(&published))
     }
 
     pub fn list(&self) -> Vec<PublishedPort> {
@@ -99,7 +130,10 @@ impl Published {
             .map(|ports| {
                 ports
                     .iter()
-                    .map(|(&guest_port, &(host, _))| PublishedPort { guest_port, host })
+                    .map(|(&guest_port, publication)| PublishedPort {
+                        guest_port,
+                        host: publication.host,
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -107,8 +141,42 @@ impl Published {
 
     fn address_of(&self, guest_port: u16) -> Option<SocketAddr> {
         let ports = self.ports.lock().ok()?;
-        ports.get(&guest_port).map(|(host, _)| *host)
+        ports.get(&guest_port).map(|publication| publication.host)
     }
+}
+
+/// Forwards each connection to `listener` to the guest's `guest_port` until
+/// `stopped`; then closes the listener, ends the connections, and returns once they
+/// have ended.
+async fn serve(
+    listener: TcpListener,
+    vsock: Arc<PathBuf>,
+    guest_port: u16,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            // Ended connections are reaped, or the set would grow with each.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((client, peer)) => {
+                    connections.spawn(forward(client, peer, vsock.clone(), guest_port));
+                }
+                Err(e) => {
+                    tracing::warn!("published guest port {guest_port}: accepting: {e}");
+                    // Out of descriptors, most likely: let some connections end.
+                    tokio::select! {
+                        _ = &mut stopped => break,
+                        () = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+                    }
+                }
+            },
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
 }
 
 fn poisoned() -> String {
@@ -118,28 +186,43 @@ fn poisoned() -> String {
 /// Relays one host connection to the guest's `guest_port`. The agent has
 /// [`crate::exec::AGENT_TIMEOUT`] to connect it, as for any call: one that takes the
 /// connection and never answers must not hold this task and both sockets forever.
-async fn forward(client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
+/// A connection the guest does not take (nothing listens on the port) is reset, as
+/// is one whose guest side breaks: its client learns that, not that the stream ended.
+async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
     let connected =
         crate::exec::call_agent(&vsock, |connection| connection.connect_port(guest_port)).await;
     match connected {
         Ok(guest) => {
-            byte_relay::both_ways(client, guest).await;
+            let relayed = byte_relay::both_ways(&mut client, guest).await;
+            if relayed.broken() == Some(byte_relay::Side::B) {
+                reset_on_close(&client);
+            }
         }
-        Err(e @ crate::exec::AgentCallError::Connect(_)) => tracing::warn!(
-            "published port {guest_port} for {peer}: {}",
-            e.describe("the guest agent did not connect it")
-        ),
-        Err(e) => tracing::info!(
-            "published port {guest_port} for {peer}: {}",
-            e.describe("the guest agent did not connect it")
-        ),
+        Err(e) => {
+            // Rate-limited: whoever reaches the published address can make it fail
+            // as often as they connect.
+            guest_log::guest_warn!(
+                "published port {guest_port}: the connection from {peer} is refused: {}",
+                e.describe("the guest agent did not connect it")
+            );
+            reset_on_close(&client);
+        }
+    }
+}
+
+/// Makes closing `client` reset its connection.
+fn reset_on_close(client: &TcpStream) {
+    if let Err(e) = client.set_zero_linger() {
+        tracing::debug!("cannot make a published connection's close a reset: {e}");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncReadExt;
+    use guest_agent::protocol::{write_frame, AgentMessage, ClientMessage, FrameReader};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A guest agent that takes the connection and never answers: the host
     /// connection to the published port ends once the agent had its time to answer.
@@ -150,7 +233,11 @@ mod tests {
         let silent = tokio::net::UnixListener::bind(&vsock).unwrap();
         let published = Published::default();
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published.publish(vsock, 8080, any_port).await.unwrap().host;
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
         let mut client = TcpStream::connect(at).await.unwrap();
         let (_held, _) = silent.accept().await.unwrap();
         let mut byte = [0u8; 1];
@@ -162,22 +249,144 @@ mod tests {
         );
     }
 
+    /// A guest agent listening on `vsock` (behind the VMM's hybrid handshake) that
+    /// answers each `ConnectPort` with `answer`, and keeps the connection open; each
+    /// answer is reported on the channel returned.
+    fn fake_agent(
+        vsock: &std::path::Path,
+        answer: AgentMessage,
+    ) -> tokio::sync::mpsc::UnboundedReceiver<()> {
+        let listener = tokio::net::UnixListener::bind(vsock).unwrap();
+        let (answered_tx, answered) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut line = Vec::new();
+                while line.last() != Some(&b'\n') {
+                    line.push(stream.read_u8().await.unwrap());
+                }
+                stream.write_all(b"OK 1024\n").await.unwrap();
+                let hello = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+                assert!(
+                    matches!(hello, Ok(Some(ClientMessage::Hello(_)))),
+                    "{hello:?}"
+                );
+                let hello_ok = AgentMessage::HelloOk {
+                    agent_version: "test".into(),
+                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+                };
+                write_frame(&mut stream, &hello_ok).await.unwrap();
+                let request = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+                assert!(
+                    matches!(request, Ok(Some(ClientMessage::ConnectPort(_)))),
+                    "{request:?}"
+                );
+                write_frame(&mut stream, &answer).await.unwrap();
+                held.push(stream);
+                let _ = answered_tx.send(());
+            }
+        });
+        answered
+    }
+
+    /// A port relayed while its publication was binding (a `vmctl agent` start with
+    /// an MCP URL on that port) is not published: `refuse` is asked again, with the
+    /// publications held still, before the publication is made.
+    #[tokio::test]
+    async fn a_port_relayed_while_its_publication_binds_is_not_published() {
+        let published = Published::default();
+        let vsock = PathBuf::from("/nonexistent/vsock.sock");
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let asked = std::sync::atomic::AtomicUsize::new(0);
+        // Allowed before the bind, relayed by the time it is done.
+        let relayed_meanwhile = || {
+            (asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0)
+                .then(|| "relayed from the host".to_string())
+        };
+        let refused = published
+            .publish(vsock, 5432, any_port, relayed_meanwhile)
+            .await;
+        assert_eq!(refused, Err("relayed from the host".to_string()));
+        assert!(published.list().is_empty());
+        let held_still = published.while_unchanged(|ports| ports.contains(&5432));
+        assert_eq!(held_still, Ok(false));
+    }
+
+    /// A publication ended by mistake's fix: its open connections close with it, and
+    /// its address is free when `unpublish` answers, for a publication there again.
+    #[tokio::test]
+    async fn unpublishing_closes_the_connections_and_frees_the_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let mut connected = fake_agent(&vsock, AgentMessage::Connected);
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
+        let mut client = TcpStream::connect(at).await.unwrap();
+        connected.recv().await.unwrap();
+
+        assert_eq!(published.unpublish(8080).await.unwrap(), at);
+        assert!(published.list().is_empty());
+        let again = std::net::TcpListener::bind(at);
+        assert!(again.is_ok(), "{at} is not free: {again:?}");
+        let mut got = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut got))
+            .await
+            .expect("the connection outlived its publication");
+        assert!(got.is_empty(), "{ended:?}");
+        assert!(published.unpublish(8080).await.is_err());
+    }
+
+    /// Nothing in the VM listens on the published port: its client is reset, not
+    /// given an empty answer it could take for the server's.
+    #[tokio::test]
+    async fn a_connection_nothing_in_the_vm_takes_is_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let refusal = AgentMessage::Error {
+            message: "cannot connect to guest port 8080: connection refused".into(),
+        };
+        let _answered = fake_agent(&vsock, refusal);
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
+        let mut client = TcpStream::connect(at).await.unwrap();
+        let mut got = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
+            .await
+            .expect("the refused connection was held");
+        assert!(
+            ended
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "not reset: {ended:?}"
+        );
+    }
+
     #[tokio::test]
     async fn publishing_again_as_asked_answers_with_the_same_address() {
         let published = Published::default();
         let vsock = PathBuf::from("/nonexistent/vsock.sock");
         let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let first = published
-            .publish(vsock.clone(), 8123, any_port)
+            .publish(vsock.clone(), 8123, any_port, || None)
             .await
             .unwrap();
         let again = published
-            .publish(vsock.clone(), 8123, any_port)
+            .publish(vsock.clone(), 8123, any_port, || None)
             .await
             .unwrap();
         assert_eq!(again.host, first.host);
         let same_port = published
-            .publish(vsock.clone(), 8123, first.host)
+            .publish(vsock.clone(), 8123, first.host, || None)
             .await
             .unwrap();
         assert_eq!(same_port.host, first.host);
@@ -186,9 +395,14 @@ mod tests {
         // Asked for another host port or address, it says where it is published.
         let mut other_port = first.host;
         other_port.set_port(first.host.port().wrapping_add(1).max(1));
-        let refused = published.publish(vsock.clone(), 8123, other_port).await;
+        let refused = published
+            .publish(vsock.clone(), 8123, other_port, || None)
+            .await;
         assert!(refused.is_err_and(|e| e.contains("already published at")));
         let other_address: SocketAddr = "0.0.0.0:0".parse().unwrap();
-        assert!(published.publish(vsock, 8123, other_address).await.is_err());
+        assert!(published
+            .publish(vsock, 8123, other_address, || None)
+            .await
+            .is_err());
     }
 }

@@ -5,11 +5,15 @@
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use guest_agent::network::files::MAX_ROOTS_SIZE;
-use guest_agent::protocol::{decode_payload, NetworkConfig, ServiceRequest, HOST_SERVICE_PORT};
+use guest_agent::protocol::{
+    decode_payload, NetworkConfig, ServiceAnswer, ServiceRequest, HOST_SERVICE_PORT,
+    SERVICE_ANSWER_TIMEOUT,
+};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
@@ -22,6 +26,12 @@ use crate::state::{VmDir, VmRecord};
 const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A service request is a few bytes; anything longer is garbage.
 const MAX_PREAMBLE: usize = 256;
+/// How long each connect to a host loopback port may take, IPv4 then IPv6: a wedged
+/// server whose accept queue is full would otherwise hold the guest's client, and a
+/// relay slot, through minutes of SYN retries. Both fit in the agent's wait for the
+/// answer.
+const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const _: () = assert!(HOST_CONNECT_TIMEOUT.as_secs() * 2 < SERVICE_ANSWER_TIMEOUT.as_secs());
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -43,9 +53,55 @@ pub enum NetworkError {
     Runtime(std::io::Error),
 }
 
-/// The most relays to host loopback ports a VM holds at once, as its VMM holds vsock
-/// connections.
-const MAX_LOOPBACK_RELAYS: usize = 1024;
+/// The most connections the guest holds to the host services at once, the egress
+/// proxy's and the loopback relays' together: a relay lasts until both sides end,
+/// and a host server that never closes its side would otherwise let the guest hold
+/// connections (and descriptors) on the host without bound. Below the most the VMM
+/// lets the guest open, so that the supervisor refuses first, and says why.
+pub const MAX_GUEST_SERVICE_CONNECTIONS: usize = 768;
+const _: () = assert!(
+    MAX_GUEST_SERVICE_CONNECTIONS < vmm::devices::virtio::vsock::muxer::MAX_GUEST_CONNECTIONS
+);
+
+/// The guest's connections to the host services: their slots
+/// ([`MAX_GUEST_SERVICE_CONNECTIONS`]), and how many were refused for want of one.
+struct GuestSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    refused: AtomicU64,
+}
+
+impl GuestSlots {
+    fn new(limit: usize) -> GuestSlots {
+        GuestSlots {
+            slots: Arc::new(tokio::sync::Semaphore::new(limit)),
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.slots.clone().try_acquire_owned().ok()
+    }
+}
+
+/// The host loopback ports relayed into the VM.
+#[derive(Debug, Default)]
+struct Relays {
+    /// Ports the guest may reach on the host's loopback.
+    allowed: BTreeSet<u16>,
+    /// Of those, the ones the guest said it could not relay when last asked (a server
+    /// in the VM holds the port, most often): its clients reach that server there,
+    /// not the host's. Each is tried again at the next network setup.
+    failed: BTreeSet<u16>,
+}
+
+impl Relays {
+    fn allowing(ports: impl IntoIterator<Item = u16>) -> Relays {
+        Relays {
+            allowed: ports.into_iter().collect(),
+            failed: BTreeSet::new(),
+        }
+    }
+}
 
 /// The state shared by everything the supervisor serves for one VM.
 pub struct NetworkService {
@@ -56,10 +112,8 @@ pub struct NetworkService {
     /// What the proxy trusts upstream, for the guest to trust too (PEM).
     trusted_roots_pem: String,
     secrets: PathBuf,
-    /// Host loopback ports the guest may reach.
-    relays: Mutex<BTreeSet<u16>>,
-    /// One per relay to a host loopback port under way ([`MAX_LOOPBACK_RELAYS`]).
-    relay_slots: Arc<tokio::sync::Semaphore>,
+    relays: Mutex<Relays>,
+    guest_slots: GuestSlots,
     published: Published,
     /// The setup the guest last took without a failure: sessions ask for it at each
     /// start, and the guest need not redo it when nothing changed. Held across the
@@ -125,8 +179,8 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         ca_pem,
         trusted_roots_pem,
         secrets: files.secrets,
-        relays: Mutex::new(record.relay_ports.iter().copied().collect()),
-        relay_slots: Arc::new(tokio::sync::Semaphore::new(MAX_LOOPBACK_RELAYS)),
+        relays: Mutex::new(Relays::allowing(record.relay_ports.iter().copied())),
+        guest_slots: GuestSlots::new(MAX_GUEST_SERVICE_CONNECTIONS),
         published: Published::default(),
         applied: tokio::sync::Mutex::new(None),
     });
@@ -182,7 +236,28 @@ async fn serve_guest_connections(listener: UnixListener, service: Arc<NetworkSer
     }
 }
 
-async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkService>) {
+async fn serve_guest_connection(stream: UnixStream, service: Arc<NetworkService>) {
+    let proxy = service.proxy.clone();
+    serve_guest_request(stream, &service.guest_slots, &service.relays, |stream| {
+        egress::proxy::serve_connection(stream, proxy)
+    })
+    .await
+}
+
+/// Serves the request `stream` opens with: the egress proxy (`serve_egress`) or a
+/// relay to one of `relays`, while one of `slots` is free.
+async fn serve_guest_request<Egress, Served>(
+    mut stream: UnixStream,
+    slots: &GuestSlots,
+    relays: &Mutex<Relays>,
+    serve_egress: Egress,
+) where
+    Egress: FnOnce(UnixStream) -> Served,
+    Served: std::future::Future<Output = ()>,
+{
+    // Taken before the request is read: a connection holds its vsock connection from
+    // its start.
+    let slot = slots.take();
     let request = match tokio::time::timeout(PREAMBLE_TIMEOUT, read_preamble(&mut stream)).await {
         Ok(Ok(request)) => request,
         Ok(Err(reason)) => {
@@ -196,13 +271,28 @@ async fn serve_guest_connection(mut stream: UnixStream, service: Arc<NetworkServ
             return;
         }
     };
+    let Some(_slot) = slot else {
+        slots.refused.fetch_add(1, Ordering::Relaxed);
+        guest_log::guest_warn!(
+            "the guest holds {MAX_GUEST_SERVICE_CONNECTIONS} connections to the host \
+             services (egress proxy and relays) already, the most it may; its {} is \
+             refused (reset in the VM). A program in the VM may leave its connections \
+             open: 'vmctl exec ss -tnp' lists them",
+            match request {
+                ServiceRequest::Egress => "connection to the egress proxy".to_string(),
+                ServiceRequest::Loopback { port } => format!("relay to host port {port}"),
+            }
+        );
+        let _ = answer(&mut stream, ServiceAnswer::Busy).await;
+        return;
+    };
     match request {
         ServiceRequest::Egress => {
-            egress::proxy::serve_connection(stream, service.proxy.clone()).await;
+            if answer(&mut stream, ServiceAnswer::Connected).await.is_ok() {
+                serve_egress(stream).await;
+            }
         }
-        ServiceRequest::Loopback { port } => {
-            relay_to_host_loopback(stream, port, &service.relays, &service.relay_slots).await
-        }
+        ServiceRequest::Loopback { port } => relay_to_host_loopback(stream, port, relays).await,
     }
 }
 
@@ -228,53 +318,74 @@ async fn read_preamble(stream: &mut UnixStream) -> Result<ServiceRequest, String
     decode_payload(&payload).map_err(|e| format!("unreadable request: {e}"))
 }
 
-/// Relays `stream` to the host's loopback `port` if it is one of `relays`, while a
-/// slot is free: a relay lasts until both sides end, and a host server that never
-/// closes its side would otherwise let the guest hold connections (and descriptors)
-/// on the host without bound, past the VMM's own bound on vsock connections.
-async fn relay_to_host_loopback(
-    stream: UnixStream,
-    port: u16,
-    relays: &Mutex<BTreeSet<u16>>,
-    slots: &Arc<tokio::sync::Semaphore>,
-) {
+/// Tells the guest's agent what became of its request: after anything but
+/// [`ServiceAnswer::Connected`] it resets its client's connection.
+async fn answer(stream: &mut UnixStream, answer: ServiceAnswer) -> std::io::Result<()> {
+    stream.write_all(&[answer as u8]).await
+}
+
+/// Relays `stream` to the host's loopback `port` if it is one of `relays`.
+async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mutex<Relays>) {
     let allowed = relays
         .lock()
-        .map(|relays| relays.contains(&port))
+        .map(|relays| relays.allowed.contains(&port))
         .unwrap_or(false);
     if !allowed {
         guest_log::guest_warn!(
             "the guest asked for host port {port}, which is not relayed; refused"
         );
+        let _ = answer(&mut stream, ServiceAnswer::Refused).await;
         return;
     }
-    let Ok(_slot) = slots.clone().try_acquire_owned() else {
-        guest_log::guest_warn!(
-            "the guest holds {MAX_LOOPBACK_RELAYS} relays to host ports already; one to \
-             {port} refused"
-        );
-        return;
-    };
-    match connect_host_loopback(port).await {
-        Ok(host) => {
-            byte_relay::both_ways(stream, host).await;
+    let mut host = match connect_host_loopback(port).await {
+        Ok(host) => host,
+        Err(e) => {
+            // Rate-limited: a guest client that retries at once would flood the log.
+            guest_log::guest_warn!(
+                "the guest's connection to the host's loopback port {port} is refused: \
+                 {e} (is the host's service on that port running?)"
+            );
+            let _ = answer(&mut stream, ServiceAnswer::Refused).await;
+            return;
         }
-        Err(e) => tracing::info!("relay to the host's loopback port {port}: {e}"),
+    };
+    if answer(&mut stream, ServiceAnswer::Connected).await.is_err() {
+        return;
+    }
+    let relayed = byte_relay::both_ways(stream, &mut host).await;
+    if relayed.broken() == Some(byte_relay::Side::A) {
+        // The host's server learns that its client broke off, not that it finished.
+        if let Err(e) = host.set_zero_linger() {
+            tracing::debug!("cannot reset the relay to the host's port {port}: {e}");
+        }
     }
 }
 
 /// Connects to `port` on the host's loopback, IPv4 first, then IPv6: a server bound to
-/// `localhost` may listen on `::1` only (Node's, since version 17).
+/// `localhost` may listen on `::1` only (Node's, since version 17). Each try has
+/// [`HOST_CONNECT_TIMEOUT`].
 async fn connect_host_loopback(port: u16) -> std::io::Result<tokio::net::TcpStream> {
-    let v4 = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    match tokio::net::TcpStream::connect(v4).await {
+    let connect = |address: SocketAddr| async move {
+        tokio::time::timeout(
+            HOST_CONNECT_TIMEOUT,
+            tokio::net::TcpStream::connect(address),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "{address} did not accept the connection within {} s",
+                    HOST_CONNECT_TIMEOUT.as_secs()
+                ),
+            ))
+        })
+    };
+    match connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await {
         Ok(stream) => Ok(stream),
-        Err(v4_error) => {
-            let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
-            tokio::net::TcpStream::connect(v6)
-                .await
-                .map_err(|_| v4_error)
-        }
+        Err(v4_error) => connect(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)))
+            .await
+            .map_err(|_| v4_error),
     }
 }
 
@@ -349,30 +460,39 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
             guest_port,
             host_port,
             address,
-        } => match not_to_publish(&service.relays, guest_port) {
-            Some(why) => Err(why),
-            None => service
-                .published
-                .publish(
-                    service.vsock.clone(),
-                    guest_port,
-                    SocketAddr::new(address, host_port),
-                )
-                .await
-                .map(ControlResponse::Published),
-        },
+        } => service
+            .published
+            .publish(
+                service.vsock.clone(),
+                guest_port,
+                SocketAddr::new(address, host_port),
+                || not_to_publish(&service.relays, guest_port),
+            )
+            .await
+            .map(ControlResponse::Published),
         ControlRequest::Unpublish { guest_port } => service
             .published
             .unpublish(guest_port)
+            .await
             .map(|host| ControlResponse::Unpublished { host }),
-        ControlRequest::ListPublished => Ok(ControlResponse::PublishedList {
-            ports: service.published.list(),
-            relays: service
+        ControlRequest::ListPublished => {
+            let (relays, failed_relays) = service
                 .relays
                 .lock()
-                .map(|relays| relays.iter().copied().collect())
-                .unwrap_or_default(),
-        }),
+                .map(|relays| {
+                    (
+                        relays.allowed.iter().copied().collect(),
+                        relays.failed.iter().copied().collect(),
+                    )
+                })
+                .unwrap_or_default();
+            Ok(ControlResponse::PublishedList {
+                ports: service.published.list(),
+                relays,
+                failed_relays,
+                refused_at_limit: service.guest_slots.refused.load(Ordering::Relaxed),
+            })
+        }
     };
     outcome.unwrap_or_else(|message| ControlResponse::Error { message })
 }
@@ -389,9 +509,44 @@ fn relays_to_add(
         .partition(|port| !published.contains(port) || relayed.contains(port))
 }
 
+/// Adds `extra` to `relays`, but for the ports `published` from the VM: relayed too,
+/// the published address would reach the host's own service (see `not_to_publish`,
+/// which refuses the other order). Decided with the publications held still, as a
+/// publication is made with the relays checked under the same lock, so that neither
+/// passes on what the other is about to change. Returns all the relays, and those
+/// refused.
+fn add_relays(
+    published: &Published,
+    relays: &Mutex<Relays>,
+    extra: Vec<u16>,
+) -> Result<(Vec<u16>, Vec<u16>), String> {
+    published.while_unchanged(|published| {
+        let mut relays = relays
+            .lock()
+            .map_err(|_| "the relay list is unusable".to_string())?;
+        let (extra, refused) = relays_to_add(extra, published, &relays.allowed);
+        relays.allowed.extend(extra);
+        Ok((relays.allowed.iter().copied().collect(), refused))
+    })?
+}
+
+/// Records which of `asked` the guest could relay and which it could not (`failed`).
+fn record_relays(relays: &Mutex<Relays>, asked: &[u16], failed: &[(u16, String)]) {
+    let Ok(mut relays) = relays.lock() else {
+        return;
+    };
+    for port in asked {
+        if failed.iter().any(|(failed, _)| failed == port) {
+            relays.failed.insert(*port);
+        } else {
+            relays.failed.remove(port);
+        }
+    }
+}
+
 /// Why `guest_port` must not be published, if it must not: the VM's ports that are
 /// the host's own services, whose reach publishing would widen.
-fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<String> {
+fn not_to_publish(relays: &Mutex<Relays>, guest_port: u16) -> Option<String> {
     if guest_port == guest_agent::protocol::EGRESS_PROXY_PORT {
         return Some(format!(
             "port {guest_port} in the VM is vmctl's egress proxy, which adds your secrets to \
@@ -399,9 +554,24 @@ fn not_to_publish(relays: &Mutex<BTreeSet<u16>>, guest_port: u16) -> Option<Stri
              whoever reaches it on the host; not published"
         ));
     }
-    let relayed = relays
-        .lock()
-        .is_ok_and(|relays| relays.contains(&guest_port));
+    let (relayed, failed) = match relays.lock() {
+        Ok(relays) => (
+            relays.allowed.contains(&guest_port),
+            relays.failed.contains(&guest_port),
+        ),
+        // Unknown: refused as relayed, the safe side.
+        Err(_) => (true, false),
+    };
+    if failed {
+        return Some(format!(
+            "port {guest_port} in the VM is on its list of ports relayed from the host, but \
+             the relay failed (a server in the VM holds the port, most likely): once that \
+             server lets the port go, the relay is set up again at the next session's start, \
+             and the published address would reach the host's own port {guest_port}; not \
+             published (to publish the VM's server, take the port off the VM's relay ports, \
+             --relay-port or relay_ports in the config, and restart the VM)"
+        ));
+    }
     relayed.then(|| {
         format!(
             "port {guest_port} in the VM is relayed from the host's own loopback port \
@@ -441,24 +611,7 @@ async fn configure_guest(
     service: &NetworkService,
     extra_relays: Vec<u16>,
 ) -> Result<ControlResponse, String> {
-    // A port published from the VM is not also relayed from the host's loopback: the
-    // published address would then reach the host's own service (see
-    // `not_to_publish`, which refuses the other order).
-    let published: BTreeSet<u16> = service
-        .published
-        .list()
-        .iter()
-        .map(|port| port.guest_port)
-        .collect();
-    let (relay_ports, refused): (Vec<u16>, Vec<u16>) = {
-        let mut relays = service
-            .relays
-            .lock()
-            .map_err(|_| "the relay list is unusable".to_string())?;
-        let (extra, refused) = relays_to_add(extra_relays, &published, &relays);
-        relays.extend(extra);
-        (relays.iter().copied().collect(), refused)
-    };
+    let (relay_ports, refused) = add_relays(&service.published, &service.relays, extra_relays)?;
     let refused = refused.into_iter().map(|port| {
         (
             port,
@@ -493,6 +646,7 @@ async fn configure_guest(
         apply_in_guest(&service.vsock, config.clone()).await?,
         &relay_ports,
     );
+    record_relays(&service.relays, &relay_ports, &failed_relays);
     // A failed relay is tried again next time.
     *applied = failed_relays.is_empty().then_some(config);
     Ok(ControlResponse::Configured {
@@ -523,11 +677,32 @@ mod tests {
     /// services: not published. Others are.
     #[test]
     fn the_hosts_own_services_in_the_vm_are_not_published() {
-        let relays = Mutex::new(BTreeSet::from([6767]));
+        let relays = Mutex::new(Relays::allowing([6767]));
         let proxy = guest_agent::protocol::EGRESS_PROXY_PORT;
         assert!(not_to_publish(&relays, proxy).is_some_and(|why| why.contains("egress proxy")));
         assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("127.0.0.1:6767")));
         assert_eq!(not_to_publish(&relays, 8080), None);
+    }
+
+    /// A relay the guest could not set up (a server in the VM holds the port) is not
+    /// called the host's service when its publication is refused; once the guest
+    /// relays the port, it is again.
+    #[test]
+    fn a_relay_that_failed_is_said_to_have() {
+        let relays = Mutex::new(Relays::allowing([5432, 6767]));
+        record_relays(
+            &relays,
+            &[5432, 6767],
+            &[(5432, "cannot listen on 127.0.0.1:5432: in use".into())],
+        );
+        let why = not_to_publish(&relays, 5432).unwrap();
+        assert!(
+            why.contains("the relay failed") && !why.contains("is relayed from"),
+            "{why}"
+        );
+        assert!(not_to_publish(&relays, 6767).is_some_and(|why| why.contains("is relayed from")));
+        record_relays(&relays, &[5432, 6767], &[]);
+        assert!(not_to_publish(&relays, 5432).is_some_and(|why| why.contains("is relayed from")));
     }
 
     /// A port published from the VM is not relayed from the host's loopback later
@@ -543,6 +718,25 @@ mod tests {
         );
     }
 
+    /// The relays added while ports are published: those published are refused,
+    /// the others added to the ones there were.
+    #[tokio::test]
+    async fn relays_are_added_but_for_the_published_ports() {
+        let published = Published::default();
+        let vsock = PathBuf::from("/nonexistent/vsock.sock");
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        published
+            .publish(vsock, 5432, any_port, || None)
+            .await
+            .unwrap();
+        let relays = Mutex::new(Relays::allowing([6767]));
+        assert_eq!(
+            add_relays(&published, &relays, vec![5432, 9100]),
+            Ok((vec![6767, 9100], vec![5432]))
+        );
+        assert_eq!(relays.lock().unwrap().allowed.len(), 2);
+    }
+
     /// A server listening on `::1` only (Node's `localhost`) is reached too.
     #[tokio::test]
     async fn a_host_server_on_ipv6_loopback_only_is_reached() {
@@ -554,10 +748,12 @@ mod tests {
         assert!(connect_host_loopback(port).await.is_err());
     }
 
-    /// A host server that never closes its side keeps each relay to it: a guest gets
-    /// no more relays than there are slots; the one past them is refused, not made.
+    /// A host server that never closes its side keeps each relay to it: the guest
+    /// gets no more connections to the host services, relays and the egress proxy's
+    /// together, than there are slots; one past them is answered `Busy` and counted,
+    /// not made.
     #[tokio::test]
-    async fn loopback_relays_are_bounded() {
+    async fn guest_connections_to_the_host_services_are_bounded() {
         let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = server.local_addr().unwrap().port();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -569,31 +765,112 @@ mod tests {
                 held.push(conn);
             }
         });
-        let relays = Arc::new(Mutex::new(BTreeSet::from([port])));
-        let slots = Arc::new(tokio::sync::Semaphore::new(1));
-        let relay = |guest_end: UnixStream| {
-            let (relays, slots) = (relays.clone(), slots.clone());
-            tokio::spawn(
-                async move { relay_to_host_loopback(guest_end, port, &relays, &slots).await },
-            )
+        let relays = Arc::new(Mutex::new(Relays::allowing([port])));
+        let slots = Arc::new(GuestSlots::new(1));
+        let egress_served = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let serve = |request: ServiceRequest| {
+            let (relays, slots, egress_served) =
+                (relays.clone(), slots.clone(), egress_served.clone());
+            let (mut guest_end, host_end) = UnixStream::pair().unwrap();
+            let served = tokio::spawn(async move {
+                serve_guest_request(host_end, &slots, &relays, |_| async move {
+                    egress_served.store(true, std::sync::atomic::Ordering::SeqCst);
+                })
+                .await
+            });
+            let preamble = guest_agent::protocol::encode_frame(&request).unwrap();
+            async move {
+                guest_end.write_all(&preamble).await.unwrap();
+                (guest_end, served)
+            }
         };
-        let (_first_guest, first) = UnixStream::pair().unwrap();
-        let _held = relay(first);
-        while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let (mut first_guest, _held) = serve(ServiceRequest::Loopback { port }).await;
+        let mut connected = [0u8; 1];
+        first_guest.read_exact(&mut connected).await.unwrap();
+        assert_eq!(connected, [ServiceAnswer::Connected as u8]);
+        for past_the_bound in [ServiceRequest::Egress, ServiceRequest::Loopback { port }] {
+            let (mut guest, served) = serve(past_the_bound).await;
+            tokio::time::timeout(Duration::from_secs(5), served)
+                .await
+                .expect("the connection past the bound was served and held")
+                .unwrap();
+            assert_eq!(
+                answer_and_end(&mut guest).await,
+                [ServiceAnswer::Busy as u8],
+                "refused as busy"
+            );
         }
-        let (mut second_guest, second) = UnixStream::pair().unwrap();
-        tokio::time::timeout(Duration::from_secs(5), relay(second))
-            .await
-            .expect("the relay past the bound was made and held")
-            .unwrap();
-        let mut byte = [0u8; 1];
-        assert_eq!(
-            second_guest.read(&mut byte).await.unwrap(),
-            0,
-            "refused: closed"
-        );
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(!egress_served.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(slots.refused.load(Ordering::Relaxed), 2);
+    }
+
+    /// All the guest's end of a relay gets before the relay closes it.
+    async fn answer_and_end(guest: &mut UnixStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), guest.read_to_end(&mut got))
+            .await
+            .expect("the relay neither answered nor closed")
+            .unwrap();
+        got
+    }
+
+    /// A loopback port nothing listens on, and a port not relayed, are answered
+    /// `Refused` (the agent then resets its client), not closed without a word.
+    #[tokio::test]
+    async fn a_relay_that_cannot_connect_is_answered_refused() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let relays = Mutex::new(Relays::allowing([closed_port]));
+        for port in [closed_port, closed_port.wrapping_add(1).max(1)] {
+            let (mut guest, relay_end) = UnixStream::pair().unwrap();
+            relay_to_host_loopback(relay_end, port, &relays).await;
+            assert_eq!(
+                answer_and_end(&mut guest).await,
+                [ServiceAnswer::Refused as u8],
+                "port {port}"
+            );
+        }
+    }
+
+    /// A relay that connects answers `Connected`, then carries the bytes.
+    #[tokio::test]
+    async fn a_relay_answers_connected_then_carries_the_bytes() {
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let relays = Arc::new(Mutex::new(Relays::allowing([port])));
+        let (mut guest, relay_end) = UnixStream::pair().unwrap();
+        tokio::spawn(async move { relay_to_host_loopback(relay_end, port, &relays).await });
+        let (mut host, _) = server.accept().await.unwrap();
+        host.write_all(b"hello").await.unwrap();
+        drop(host);
+        assert_eq!(answer_and_end(&mut guest).await, b"\0hello");
+    }
+
+    /// A host server whose accept queue is full never completes a connect: the relay
+    /// gives up within its bound instead of holding the guest's client for minutes.
+    #[tokio::test(start_paused = true)]
+    async fn a_host_port_that_never_accepts_is_given_up_on() {
+        let wedged = tokio::net::TcpSocket::new_v4().unwrap();
+        wedged
+            .bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+            .unwrap();
+        // The accept queue of a backlog of 0 holds one connection; this one, never
+        // accepted, fills it, and the SYNs of the next connect go unanswered.
+        let wedged = wedged.listen(0).unwrap();
+        let address = wedged.local_addr().unwrap();
+        let _queued = tokio::net::TcpStream::connect(address).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let error = tokio::time::timeout(
+            HOST_CONNECT_TIMEOUT * 3,
+            connect_host_loopback(address.port()),
+        )
+        .await
+        .expect("still connecting after twice the bound")
+        .unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::TimedOut, "{error}");
+        assert!(started.elapsed() >= HOST_CONNECT_TIMEOUT, "{error}");
     }
 
     fn this_process() -> Option<u32> {

@@ -88,6 +88,8 @@ pub struct Connection {
     pub registered: Option<EventSet>,
     /// The final RST went out: remove the connection.
     pub dead: bool,
+    /// The guest opened it (to a host service), not a host client.
+    pub opened_by_guest: bool,
 }
 
 impl Connection {
@@ -124,6 +126,7 @@ impl Connection {
             in_rx_ready: false,
             registered: None,
             dead: false,
+            opened_by_guest: false,
         }
     }
 
@@ -160,6 +163,7 @@ impl Connection {
         );
         conn.peer_buf_alloc = req.buf_alloc;
         conn.peer_fwd_cnt = Wrapping(req.fwd_cnt);
+        conn.opened_by_guest = true;
         conn
     }
 

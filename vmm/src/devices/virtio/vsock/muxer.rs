@@ -25,6 +25,13 @@ pub const LISTENER_TOKEN: u64 = 8;
 pub const FIRST_DYNAMIC_TOKEN: u64 = 1 << 32;
 /// Most live connections; further requests are refused.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections only host clients may open: vmctl's calls into the guest (`exec`, the
+/// network setup, published ports, `Shutdown`) must get through however many
+/// connections the guest holds to host services (a CLI leaking keep-alive
+/// connections to the egress proxy is enough to hold hundreds).
+pub const HOST_RESERVED_CONNECTIONS: usize = 128;
+/// Most live connections the guest opened; its further requests are refused.
+pub const MAX_GUEST_CONNECTIONS: usize = MAX_CONNECTIONS - HOST_RESERVED_CONNECTIONS;
 /// Most host clients still sending their `CONNECT` line.
 pub const MAX_PENDING_CLIENTS: usize = 256;
 /// Most RSTs for unknown connections waiting for a receive buffer.
@@ -66,6 +73,12 @@ pub enum MuxerError {
     BadConnectLine(String),
     #[error("too many connections ({MAX_CONNECTIONS})")]
     TooManyConnections,
+    #[error(
+        "the guest holds {MAX_GUEST_CONNECTIONS} connections to host services, the most it \
+         may (the other {HOST_RESERVED_CONNECTIONS} are kept for vmctl's calls into the \
+         guest); its connection to host port {0} is refused until it closes some"
+    )]
+    TooManyGuestConnections(u32),
     #[error("cannot connect to {path}: {source}")]
     Connect {
         path: PathBuf,
@@ -81,6 +94,8 @@ pub struct Stats {
     pub rsts_dropped: u64,
     pub refused_clients: u64,
     pub expired_requests: u64,
+    /// Guest requests refused for [`MAX_GUEST_CONNECTIONS`].
+    pub refused_guest_requests: u64,
 }
 
 /// A host client that has not finished its `CONNECT` line yet.
@@ -95,6 +110,8 @@ pub struct Muxer {
     listener: Arc<UnixListener>,
     epoll: Epoll,
     conns: HashMap<ConnKey, Connection>,
+    /// Of `conns`, those the guest opened.
+    guest_opened: usize,
     tokens: HashMap<u64, ConnKey>,
     pending_clients: HashMap<u64, PendingClient>,
     next_token: u64,
@@ -135,6 +152,7 @@ impl Muxer {
             listener,
             epoll,
             conns: HashMap::new(),
+            guest_opened: 0,
             tokens: HashMap::new(),
             pending_clients: HashMap::new(),
             next_token: FIRST_DYNAMIC_TOKEN,
@@ -421,6 +439,9 @@ impl Muxer {
 
     fn insert(&mut self, conn: Connection) {
         let key = (conn.local_port, conn.peer_port);
+        if conn.opened_by_guest {
+            self.guest_opened += 1;
+        }
         self.tokens.insert(conn.token, key);
         self.conns.insert(key, conn);
         self.sync(key);
@@ -428,6 +449,9 @@ impl Muxer {
 
     fn remove(&mut self, key: ConnKey) {
         if let Some(conn) = self.conns.remove(&key) {
+            if conn.opened_by_guest {
+                self.guest_opened = self.guest_opened.saturating_sub(1);
+            }
             self.tokens.remove(&conn.token);
             if conn.registered.is_some() {
                 // Closing the socket removes it too; this is for tidiness.
@@ -557,6 +581,15 @@ impl Muxer {
 
     /// The guest connects to host port `dst_port`: forward to `P_<port>`.
     fn guest_connect(&mut self, req: &Header) {
+        if self.guest_opened >= MAX_GUEST_CONNECTIONS {
+            self.stats.refused_guest_requests += 1;
+            guest_log::guest_warn!(
+                "vsock: {}",
+                MuxerError::TooManyGuestConnections(req.dst_port)
+            );
+            self.queue_rst(req);
+            return;
+        }
         if self.conns.len() >= MAX_CONNECTIONS {
             tracing::debug!("vsock: {}", MuxerError::TooManyConnections);
             self.queue_rst(req);

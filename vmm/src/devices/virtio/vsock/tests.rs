@@ -666,6 +666,64 @@ fn a_full_backlog_refuses_the_guest_instead_of_stalling_the_device() {
     assert_eq!(&buf, b"still here");
 }
 
+/// Raises this process's open files limit to at least `wanted`, as far as the hard
+/// limit allows: a test that holds a thousand connections needs two descriptors each.
+fn allow_open_files(wanted: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: both calls get a pointer to a live, properly aligned rlimit.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+        if limit.rlim_cur < wanted {
+            limit.rlim_cur = wanted.min(limit.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+    }
+}
+
+/// A guest that holds all the connections to host services it may (a CLI leaking
+/// keep-alive connections to the egress proxy) is refused more, while host clients
+/// (`vmctl exec`, the network setup, `Shutdown`) still get the connections kept for
+/// them; a connection the guest closes is its to open again.
+#[test]
+fn the_guest_cannot_take_the_connections_host_clients_need() {
+    use super::muxer::{HOST_RESERVED_CONNECTIONS, MAX_CONNECTIONS, MAX_GUEST_CONNECTIONS};
+    allow_open_files(4 * MAX_CONNECTIONS as u64);
+    let mut g = Guest::new();
+    let mut name = g.path().into_os_string();
+    name.push("_1234");
+    let listener = UnixListener::bind(PathBuf::from(name)).unwrap();
+    let mut held = Vec::new();
+    for port in 0..MAX_GUEST_CONNECTIONS as u32 {
+        g.send_op(40000 + port, 1234, Op::Request, &[]);
+        g.expect(Op::Response);
+        // Accepted at once: the service's backlog alone holds far fewer.
+        held.push(listener.accept().unwrap().0);
+    }
+    g.send_op(50000, 1234, Op::Request, &[]);
+    let (h, _) = g.expect(Op::Rst);
+    assert_eq!((h.src_port, h.dst_port), (1234, 50000));
+    listener.set_nonblocking(true).unwrap();
+    assert!(
+        listener
+            .accept()
+            .is_err_and(|e| e.kind() == ErrorKind::WouldBlock),
+        "the refused request reached the host service"
+    );
+
+    let clients: Vec<UnixStream> = (0..HOST_RESERVED_CONNECTIONS as u32)
+        .map(|i| g.host_connect(2000 + i).0)
+        .collect();
+    assert_eq!(held.len() + clients.len(), MAX_CONNECTIONS);
+
+    g.send_op(40000, 1234, Op::Rst, &[]);
+    g.send_op(50001, 1234, Op::Request, &[]);
+    let (h, _) = g.expect(Op::Response);
+    assert_eq!((h.src_port, h.dst_port), (1234, 50001));
+}
+
 #[test]
 fn host_close_and_guest_reset() {
     let mut g = Guest::new();

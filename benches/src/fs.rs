@@ -570,6 +570,21 @@ pub fn index_rewrites(seen: &[IndexSeen], initial: usize) -> (usize, usize) {
     (total, timed)
 }
 
+/// Each `git status`'s side, kind and index mtime, for a note.
+fn index_history(seen: &[IndexSeen]) -> String {
+    seen.iter()
+        .map(|seen| {
+            format!(
+                "{} {} {}",
+                seen.side.label(),
+                if seen.timed { "timed" } else { "warm-up" },
+                seen.mtime
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Counts changes between consecutive values.
 pub fn changes<'a>(values: impl IntoIterator<Item = &'a str>) -> usize {
     let mut last: Option<&str> = None;
@@ -1183,6 +1198,14 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                  warm-ups: host and guest agree on the files' stat data."
                     .into(),
             ),
+            (rewrites, 0) => report.notes.push(format!(
+                "The git index was rewritten {rewrites} time(s) after the first warm-ups, \
+                 all by untimed warm-ups, none by a timed run: host and guest disagree on \
+                 some files' stat data, so the first git status on one side after the other's \
+                 refreshes the index (a cost the timed runs, each after its own side's \
+                 warm-up, do not carry). Index mtimes: {}",
+                index_history(&git_index)
+            )),
             (rewrites, timed) => {
                 let why = format!(
                     "the git index was rewritten {rewrites} time(s) after the first warm-ups \
@@ -1193,16 +1216,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 report.notes.push(format!(
                     "{}: no verdict: {why}. Index mtimes: {}",
                     Workload::GitStatus.name(),
-                    git_index
-                        .iter()
-                        .map(|seen| format!(
-                            "{} {} {}",
-                            seen.side.label(),
-                            if seen.timed { "timed" } else { "warm-up" },
-                            seen.mtime
-                        ))
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    index_history(&git_index)
                 ));
             }
         }

@@ -989,8 +989,9 @@ fn dead_virtiofsd_scenario() {
         "set -u
          export XDG_STATE_HOME=/tmp/vmctl-state
          cd '{ws}'
-         timeout 240 {vmctl} up || exit 10
-         timeout 120 {vmctl} exec -- sh -c 'echo before > before.txt' || exit 11
+         timeout 240 {vmctl} up || {{ [ $? = 124 ] && echo 'vmctl up timed out'; exit 10; }}
+         timeout 120 {vmctl} exec -- sh -c 'echo before > before.txt' ||
+             {{ [ $? = 124 ] && echo 'the first exec timed out'; exit 11; }}
          timeout 120 {vmctl} exec -- sh -c \
              'touch reading; while cat kept.txt > /dev/null; do :; done; exit 3' \
              > during.out 2>&1 &

@@ -126,7 +126,7 @@ fn workspace_scenario() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let _bounded = Watchdog::new(&cat, "vmctl exec cat");
+    let bounded = Watchdog::new(&cat, "vmctl exec cat");
     let mut stdin = cat.stdin.take().unwrap();
     let feeder = {
         let data = data.clone();
@@ -136,6 +136,7 @@ fn workspace_scenario() {
     cat.stdout.take().unwrap().read_to_end(&mut echoed).unwrap();
     feeder.join().unwrap().unwrap();
     assert!(cat.wait().unwrap().success());
+    drop(bounded);
     assert_eq!(echoed.len(), data.len());
     assert!(echoed == data, "stdin did not come back byte-identical");
 

@@ -27,7 +27,8 @@ packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc
 # probe and its HTTPS requests on the host too, as references.)
 
 # The virtiofsd serving workspace shares (crates.io; its build needs libcap-ng and
-# libseccomp).
+# libseccomp), installed when vmctl would find none of virtiofsd_min_version or later
+# (scripts/lib/virtiofsd.sh).
 virtiofsd_version=1.14.0
 
 say() { echo "setup: $*" >&2; }
@@ -152,29 +153,27 @@ fi
 rootfs="$("${rootfs_build[@]}")"
 
 say "[8/8] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
-wanted_virtiofsd="virtiofsd $virtiofsd_version"
 # Where `cargo install` puts it (vmctl looks in ~/.cargo/bin, after PATH).
 cargo_virtiofsd="${CARGO_HOME:-$HOME/.cargo}/bin/virtiofsd"
-version_of() { "$1" --version 2>/dev/null | head -n1 || true; }
-# The one vmctl will run, found with the PATH it will have (not this script's).
-virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
-if [[ -z "$virtiofsd" || "$(version_of "$virtiofsd")" != "$wanted_virtiofsd" ]]; then
-    if [[ "$(version_of "$cargo_virtiofsd")" != "$wanted_virtiofsd" ]]; then
+# The one vmctl will run, found with the PATH it will have (not this script's): the
+# first virtiofsd_min_version or later, or VMCTL_VIRTIOFSD's, recent or not.
+virtiofsd="$(vmctl_virtiofsd "$user_path")"
+if [[ -z "$virtiofsd" ]] || ! virtiofsd_is_recent "$virtiofsd"; then
+    if ! virtiofsd_is_recent "$cargo_virtiofsd"; then
         quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
     fi
-    virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
+    virtiofsd="$(vmctl_virtiofsd "$user_path")"
 fi
-virtiofsd_version_found="$(version_of "$virtiofsd")"
+virtiofsd_version_found=""
+[[ -z "$virtiofsd" ]] || virtiofsd_version_found="$(virtiofsd_version_line "$virtiofsd")"
 virtiofsd_problem=""
-if [[ "$virtiofsd_version_found" != "$wanted_virtiofsd" ]]; then
-    found="$virtiofsd (${virtiofsd_version_found:-no version: is it virtiofsd?})"
-    if [[ -n "${VMCTL_VIRTIOFSD:-}" ]]; then
-        virtiofsd_problem="VMCTL_VIRTIOFSD names $found, not $wanted_virtiofsd, the one vmctl is tested with: unset it (vmctl then finds $cargo_virtiofsd) or set it to $cargo_virtiofsd"
-    else
-        virtiofsd_problem="vmctl would run $found, the first virtiofsd it finds (on PATH, then in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu), not $cargo_virtiofsd ($wanted_virtiofsd, the one vmctl is tested with): set VMCTL_VIRTIOFSD=$cargo_virtiofsd where vmctl runs (your shell's profile), or remove or upgrade $virtiofsd"
-    fi
-    say "      warning: $virtiofsd_problem"
+if [[ -n "${VMCTL_VIRTIOFSD:-}" ]] && ! virtiofsd_is_recent "$virtiofsd"; then
+    virtiofsd_problem="VMCTL_VIRTIOFSD names $virtiofsd (${virtiofsd_version_found:-no version: is it virtiofsd?}), which vmctl refuses: it runs the Rust virtiofsd $virtiofsd_min_version or later. Unset it (vmctl then finds $cargo_virtiofsd, virtiofsd $virtiofsd_version) or set it to $cargo_virtiofsd"
+elif [[ -z "$virtiofsd" ]]; then
+    # cargo's bin directory is elsewhere (CARGO_HOME) and not on PATH.
+    virtiofsd_problem="vmctl finds no virtiofsd $virtiofsd_min_version or later (it looks on PATH, then in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu); cargo installed $cargo_virtiofsd: set VMCTL_VIRTIOFSD=$cargo_virtiofsd where vmctl runs (your shell's profile), or put $(dirname "$cargo_virtiofsd") on PATH"
 fi
+[[ -z "$virtiofsd_problem" ]] || say "      warning: $virtiofsd_problem"
 
 say "done"
 say "  vmctl:     ${CARGO_TARGET_DIR:-$root/target}/release/vmctl"
@@ -183,7 +182,7 @@ say "  kernel:    $kernel"
 say "  initramfs: $initramfs"
 say "  agent:     $agent"
 say "  rootfs:    $rootfs"
-say "  virtiofsd: $virtiofsd${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
+say "  virtiofsd: ${virtiofsd:-none that vmctl would run}${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
 [[ -z "$virtiofsd_problem" ]] || say "warning: $virtiofsd_problem"
 # Last, where it is seen, and failing the README's `setup.sh && vmctl exec`, which
 # could not open /dev/kvm yet.

@@ -18,6 +18,11 @@ fn run_lib(lib: &str, script: &str, input: &str, env: &[(&str, &str)]) -> String
         .arg("-c")
         .arg(format!("set -euo pipefail; source \"$0\"; {script}"))
         .arg(&lib)
+        // What the libraries read comes only from `env`, never from the developer's
+        // shell (setup's own warning advises setting VMCTL_VIRTIOFSD).
+        .env_remove("VMCTL_VIRTIOFSD")
+        .env_remove("SUDO_UID")
+        .env_remove("SUDO_GID")
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -103,57 +108,116 @@ fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
     assert_eq!(mirror("bookworm", "Debian", &foreign), "");
 }
 
-/// An executable file that prints `version` for `--version`.
-fn fake_virtiofsd(path: &Path, version: &str) {
+/// An executable file that prints `line` for `--version`.
+fn fake_virtiofsd(path: &Path, line: &str) {
     std::fs::create_dir_all(path.parent().expect("a parent")).expect("create its directory");
-    std::fs::write(path, format!("#!/bin/sh\necho 'virtiofsd {version}'\n")).expect("write it");
+    std::fs::write(path, format!("#!/bin/sh\necho '{line}'\n")).expect("write it");
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod it");
 }
 
+/// Which virtiofsd `vmctl_virtiofsd` names, searching `path` (run from `cwd`, for the
+/// relative entries) with `home`, and `explicit` as VMCTL_VIRTIOFSD.
+fn setup_finds(cwd: &Path, path: &str, home: &Path, explicit: Option<&str>) -> String {
+    // The search runs tools (timeout, head): it needs this process's PATH.
+    let mut env = vec![
+        ("SEARCHED_PATH", path),
+        ("HOME", home.to_str().expect("utf-8")),
+        ("CWD", cwd.to_str().expect("utf-8")),
+    ];
+    if let Some(explicit) = explicit {
+        env.push(("VMCTL_VIRTIOFSD", explicit));
+    }
+    run_lib(
+        "virtiofsd.sh",
+        "cd \"$CWD\" && vmctl_virtiofsd \"$SEARCHED_PATH\"",
+        "",
+        &env,
+    )
+}
+
+/// setup names the virtiofsd vmctl runs (`vmctl/src/virtiofsd/binary.rs`): the first
+/// executable one of 1.14.0 or later, passing over older ones and QEMU's C one as vmctl
+/// does, so it neither warns about one vmctl skips nor installs over a newer one.
 #[test]
 fn setup_checks_the_virtiofsd_vmctl_will_find() {
     let dir = TempDir::new("virtiofsd-search");
     let home = dir.join("home");
-    let first = dir.join("first");
-    let later = dir.join("later");
-    std::fs::create_dir_all(&first).expect("create a PATH directory");
+    let plain = dir.join("plain");
+    let old = dir.join("old");
+    let qemu = dir.join("qemu");
+    let newer = dir.join("newer");
+    std::fs::create_dir_all(&plain).expect("create a PATH directory");
     // Not executable: skipped, as vmctl skips it.
-    std::fs::write(first.join("virtiofsd"), "").expect("write a plain file");
-    fake_virtiofsd(&later.join("virtiofsd"), "1.10.0");
-    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "1.14.0");
-    // bash itself needs this process's PATH: the one searched is SEARCHED_PATH.
-    let find = |path: String, explicit: Option<&str>| {
-        let mut env = vec![
-            ("SEARCHED_PATH", path.as_str()),
-            ("HOME", home.to_str().expect("utf-8")),
-        ];
-        if let Some(explicit) = explicit {
-            env.push(("VMCTL_VIRTIOFSD", explicit));
-        }
-        run_lib(
-            "virtiofsd.sh",
-            "PATH=\"$SEARCHED_PATH\" vmctl_virtiofsd",
-            "",
-            &env,
-        )
-    };
+    std::fs::write(plain.join("virtiofsd"), "").expect("write a plain file");
+    fake_virtiofsd(&old.join("virtiofsd"), "virtiofsd 1.10.0");
+    fake_virtiofsd(
+        &qemu.join("virtiofsd"),
+        "virtiofsd version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)",
+    );
+    fake_virtiofsd(&newer.join("virtiofsd"), "virtiofsd 1.15.0-rc1");
+    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "virtiofsd 1.14.0");
+    // vmctl ignores relative PATH entries (the working directory's): this one would
+    // be taken first.
+    fake_virtiofsd(&dir.join("relative/virtiofsd"), "virtiofsd 1.14.0");
     let path = |dirs: &[&Path]| {
         let mut dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
-        // vmctl ignores relative entries, which would be the working directory.
-        dirs.insert(1, "relative".into());
+        dirs.insert(0, "relative".into());
         dirs.join(":")
     };
-    // PATH first, even over ~/.cargo/bin's newer one: what setup must warn about.
+    let cargo_one = format!("{}\n", home.join(".cargo/bin/virtiofsd").display());
+    // An older one and QEMU's on PATH: passed over for ~/.cargo/bin's.
     assert_eq!(
-        find(path(&[&first, &later]), None),
-        format!("{}\n", later.join("virtiofsd").display())
+        setup_finds(dir.path(), &path(&[&plain, &old, &qemu]), &home, None),
+        cargo_one
     );
+    // A newer one than setup installs, first: the one vmctl runs, accepted.
     assert_eq!(
-        find(path(&[&first, dir.path()]), None),
-        format!("{}\n", home.join(".cargo/bin/virtiofsd").display())
+        setup_finds(dir.path(), &path(&[&old, &newer]), &home, None),
+        format!("{}\n", newer.join("virtiofsd").display())
     );
-    // VMCTL_VIRTIOFSD as it is, found or not: vmctl uses or refuses it.
-    assert_eq!(find(path(&[&later]), Some("/x/vfs")), "/x/vfs\n");
+    // None recent anywhere: nothing, and setup installs one.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&old]), &dir.join("nohome"), None),
+        ""
+    );
+    // VMCTL_VIRTIOFSD as it is, found or not, old or not: vmctl uses or refuses it.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&newer]), &home, Some("/x/vfs")),
+        "/x/vfs\n"
+    );
+}
+
+/// setup's reading of a virtiofsd's `--version` line is vmctl's (`parse_version`):
+/// "virtiofsd X.Y.Z", each part from its leading digits, 1.14.0 or later.
+#[test]
+fn setup_reads_virtiofsd_versions_as_vmctl_does() {
+    let dir = TempDir::new("virtiofsd-versions");
+    let binary = dir.join("virtiofsd");
+    for (line, recent) in [
+        ("virtiofsd 1.14.0", true),
+        ("virtiofsd 1.14.2", true),
+        ("virtiofsd 1.15.0", true),
+        ("virtiofsd 2.0.0-rc1", true),
+        ("  virtiofsd 1.14.08", true),
+        ("virtiofsd 1.13.9", false),
+        ("virtiofsd 0.99.99", false),
+        ("virtiofsd 1.14", false),
+        ("virtiofsd  1.14.0", false),
+        (
+            "virtiofsd version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)",
+            false,
+        ),
+        ("", false),
+    ] {
+        fake_virtiofsd(&binary, line);
+        let said = run_lib(
+            "virtiofsd.sh",
+            "if virtiofsd_is_recent \"$BINARY\"; then echo recent; else echo old; fi",
+            "",
+            &[("BINARY", binary.to_str().expect("utf-8"))],
+        );
+        assert_eq!(said.trim() == "recent", recent, "{line:?}: {said}");
+    }
 }
 
 #[test]

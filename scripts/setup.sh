@@ -3,8 +3,10 @@
 # vmctl, the guest kernel and the nested host's (`vmctl nested-exec`'s, and the VMs'
 # where there is no hardware KVM), the test/hello initramfs, the guest agent, the guest
 # root filesystem (Debian + the agent CLIs) and virtiofsd (which serves the workspace
-# to the guest). Idempotent and quiet unless something is wrong; the kernel builds
-# (first run only, ~6-10 min each on 2 cores) show their progress.
+# to the guest), with the AppArmor profile its sandbox needs where AppArmor restricts
+# user namespaces (Ubuntu 23.10 and later; through sudo). Idempotent and quiet unless
+# something is wrong; the kernel builds (first run only, ~6-10 min each on 2 cores)
+# show their progress.
 #
 #   scripts/setup.sh               everything
 #   scripts/setup.sh --skip-vmctl  everything but `cargo build --release -p vmctl`
@@ -175,6 +177,34 @@ elif [[ -z "$virtiofsd" ]]; then
 fi
 [[ -z "$virtiofsd_problem" ]] || say "      warning: $virtiofsd_problem"
 
+# Ubuntu 23.10 and later let an unprivileged program make a user namespace but nothing
+# inside it unless an AppArmor profile allows it, and virtiofsd's sandbox (vmctl's
+# default for a non-root user) makes mount, PID and network namespaces there: every
+# share, the workspace's included, would fail to start.
+apparmor_problem=""
+apparmor_advice="give $virtiofsd the README's AppArmor profile (\"Workspace files (virtio-fs)\"; as root, $virtiofsd_apparmor_file, then 'apparmor_parser -r $virtiofsd_apparmor_file'), or set VMCTL_VIRTIOFSD_SANDBOX=none where vmctl runs, which runs virtiofsd without its sandbox (less safe)"
+# (Root's virtiofsd needs no profile: the restriction is on unprivileged programs.)
+if [[ $(id -u) != 0 ]] && virtiofsd_is_recent "$virtiofsd" &&
+    apparmor_restricts_userns "$apparmor_userns_sysctl"; then
+    if [[ "${VMCTL_VIRTIOFSD_SANDBOX:-}" == none ]]; then
+        say "      AppArmor restricts user namespaces (kernel.apparmor_restrict_unprivileged_userns=1); VMCTL_VIRTIOFSD_SANDBOX=none runs virtiofsd without the sandbox that needs them: no profile installed"
+    elif command -v sudo >/dev/null; then
+        say "      AppArmor restricts user namespaces (kernel.apparmor_restrict_unprivileged_userns=1), which virtiofsd's sandbox needs: $virtiofsd gets the README's profile, which allows them ($virtiofsd_apparmor_file, loaded with apparmor_parser -r; through sudo if it is not there yet)"
+        if apparmor_done="$(virtiofsd_apparmor_install "$virtiofsd" sudo 2>"$log")"; then
+            case "$apparmor_done" in
+                "up to date") say "      the profile was there already" ;;
+                kept) say "      $virtiofsd_apparmor_file, not setup's, already names $(readlink -f -- "$virtiofsd"): kept" ;;
+                *) say "      profile installed and loaded" ;;
+            esac
+        else
+            apparmor_problem="AppArmor restricts user namespaces here, and setup could not give virtiofsd a profile ($(tr '\n' ' ' <"$log")): vmctl cannot start virtiofsd in its sandbox until you $apparmor_advice"
+        fi
+    else
+        apparmor_problem="AppArmor restricts user namespaces here (kernel.apparmor_restrict_unprivileged_userns=1), and without sudo setup cannot install the profile virtiofsd's sandbox needs: vmctl cannot start virtiofsd in its sandbox until you $apparmor_advice"
+    fi
+    [[ -z "$apparmor_problem" ]] || say "      warning: $apparmor_problem"
+fi
+
 say "done"
 say "  vmctl:     ${CARGO_TARGET_DIR:-$root/target}/release/vmctl"
 say "  kernel:    $kernel"
@@ -184,6 +214,7 @@ say "  agent:     $agent"
 say "  rootfs:    $rootfs"
 say "  virtiofsd: ${virtiofsd:-none that vmctl would run}${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
 [[ -z "$virtiofsd_problem" ]] || say "warning: $virtiofsd_problem"
+[[ -z "$apparmor_problem" ]] || say "warning: $apparmor_problem"
 # Last, where it is seen, and failing the README's `setup.sh && vmctl exec`, which
 # could not open /dev/kvm yet.
 [[ -z "$kvm_problem" ]] || die "everything is set up but this login's access to /dev/kvm: $kvm_problem"

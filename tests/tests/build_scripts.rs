@@ -221,6 +221,161 @@ fn setup_reads_virtiofsd_versions_as_vmctl_does() {
 }
 
 #[test]
+fn setup_sees_apparmors_user_namespace_restriction() {
+    let dir = TempDir::new("apparmor-sysctl");
+    let sysctl = dir.join("apparmor_restrict_unprivileged_userns");
+    let restricted = |contents: Option<&str>| {
+        match contents {
+            Some(contents) => std::fs::write(&sysctl, contents).expect("write the sysctl"),
+            None => {
+                let _ = std::fs::remove_file(&sysctl);
+            }
+        }
+        run_lib(
+            "virtiofsd.sh",
+            "if apparmor_restricts_userns \"$SYSCTL\"; then echo yes; else echo no; fi",
+            "",
+            &[("SYSCTL", sysctl.to_str().expect("utf-8"))],
+        )
+    };
+    assert_eq!(restricted(Some("1\n")), "yes\n");
+    assert_eq!(restricted(Some("0\n")), "no\n");
+    // A kernel without AppArmor's restriction has no such sysctl.
+    assert_eq!(restricted(None), "no\n");
+}
+
+/// The profile names the file vmctl runs, its links resolved (AppArmor attaches a
+/// profile to the file executed), and allows user namespaces; a path AppArmor would
+/// read as a pattern gets none.
+#[test]
+fn setup_writes_the_readmes_apparmor_profile_for_the_file_vmctl_runs() {
+    let dir = TempDir::new("apparmor-profile");
+    let binary = dir.join("cargo home/bin/virtiofsd");
+    fake_virtiofsd(&binary, "virtiofsd 1.14.0");
+    let link = dir.join("virtiofsd-link");
+    std::os::unix::fs::symlink(&binary, &link).expect("link to it");
+    let profile = run_lib(
+        "virtiofsd.sh",
+        "virtiofsd_apparmor_profile \"$BINARY\"",
+        "",
+        &[("BINARY", link.to_str().expect("utf-8"))],
+    );
+    let resolved = std::fs::canonicalize(&binary).expect("resolve it");
+    assert!(
+        profile.contains(&format!(
+            "profile virtiofsd \"{}\" flags=(unconfined) {{\n  userns,\n}}\n",
+            resolved.display()
+        )) && profile.contains("abi <abi/4.0>,\ninclude <tunables/global>\n"),
+        "{profile}"
+    );
+    let pattern = dir.join("bin*/virtiofsd");
+    fake_virtiofsd(&pattern, "virtiofsd 1.14.0");
+    let refused = run_lib(
+        "virtiofsd.sh",
+        "virtiofsd_apparmor_profile \"$BINARY\" || echo refused",
+        "",
+        &[("BINARY", pattern.to_str().expect("utf-8"))],
+    );
+    assert_eq!(refused, "refused\n");
+}
+
+/// Installing the profile: written and loaded through the prefix (sudo), left alone
+/// once there and loaded, loaded again once not; someone's own profile that names the
+/// binary is kept, and one that does not is not overwritten.
+#[test]
+fn setup_installs_the_apparmor_profile_through_sudo_and_only_its_own() {
+    let dir = TempDir::new("apparmor-install");
+    let binary = dir.join("bin/virtiofsd");
+    fake_virtiofsd(&binary, "virtiofsd 1.14.0");
+    let profile_file = dir.join("apparmor.d/virtiofsd");
+    std::fs::create_dir_all(profile_file.parent().expect("a parent")).expect("mkdir");
+    let loaded = dir.join("profiles");
+    let calls = dir.join("calls");
+    // The prefix (sudo) and apparmor_parser, each noting how it was run.
+    let tools = dir.join("tools");
+    std::fs::create_dir_all(&tools).expect("mkdir tools");
+    for (name, body) in [
+        ("fake-sudo", "echo \"sudo $*\" >>\"$CALLS\"\nexec \"$@\"\n"),
+        (
+            "apparmor_parser",
+            "echo \"apparmor_parser $*\" >>\"$CALLS\"\n",
+        ),
+    ] {
+        let tool = tools.join(name);
+        std::fs::write(&tool, format!("#!/bin/sh\n{body}")).expect("write a tool");
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod a tool");
+    }
+    let searched_path = format!(
+        "{}:{}",
+        tools.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let install = || {
+        let _ = std::fs::remove_file(&calls);
+        let said = run_lib(
+            "virtiofsd.sh",
+            "virtiofsd_apparmor_file=\"$PROFILE\" virtiofsd_apparmor_loaded=\"$LOADED\" \
+             PATH=\"$SEARCHED_PATH\"; \
+             virtiofsd_apparmor_install \"$BINARY\" fake-sudo || echo failed",
+            "",
+            &[
+                ("PROFILE", profile_file.to_str().expect("utf-8")),
+                ("LOADED", loaded.to_str().expect("utf-8")),
+                ("CALLS", calls.to_str().expect("utf-8")),
+                ("SEARCHED_PATH", &searched_path),
+                ("BINARY", binary.to_str().expect("utf-8")),
+            ],
+        );
+        let calls = std::fs::read_to_string(&calls).unwrap_or_default();
+        (said, calls)
+    };
+    let profile_path = profile_file.display();
+    // Nothing loaded yet.
+    std::fs::write(&loaded, "other (enforce)\n").expect("write the loaded list");
+    let (said, calls) = install();
+    assert_eq!(said, "installed\n");
+    assert_eq!(
+        calls,
+        format!(
+            "sudo tee -- {profile_path}\nsudo apparmor_parser -r {profile_path}\n\
+             apparmor_parser -r {profile_path}\n"
+        )
+    );
+    let written = std::fs::read_to_string(&profile_file).expect("read the profile");
+    let resolved = std::fs::canonicalize(&binary).expect("resolve it");
+    assert!(
+        written.starts_with("# Written by vmctl's scripts/setup.sh")
+            && written.contains(&format!("profile virtiofsd \"{}\"", resolved.display())),
+        "{written}"
+    );
+    // Written but not loaded (the load failed, or the list was emptied): loaded again.
+    let (said, _) = install();
+    assert_eq!(said, "installed\n");
+    // Loaded: nothing run, nothing asked of sudo.
+    std::fs::write(&loaded, "other (enforce)\nvirtiofsd (unconfined)\n").expect("write");
+    assert_eq!(install(), ("up to date\n".to_string(), String::new()));
+    // The loaded list cannot be read (only root may): the file is trusted.
+    std::fs::remove_file(&loaded).expect("remove the loaded list");
+    assert_eq!(install(), ("up to date\n".to_string(), String::new()));
+    // A profile made by hand from the README for this binary: kept.
+    let own = format!(
+        "abi <abi/4.0>,\ninclude <tunables/global>\nprofile virtiofsd {} flags=(unconfined) {{\n  userns,\n}}\n",
+        resolved.display()
+    );
+    std::fs::write(&profile_file, &own).expect("write an own profile");
+    assert_eq!(install(), ("kept\n".to_string(), String::new()));
+    // Someone's profile for another file: not setup's to replace.
+    let other = own.replace(&resolved.display().to_string(), "/opt/elsewhere/virtiofsd");
+    std::fs::write(&profile_file, &other).expect("write another profile");
+    assert_eq!(install(), ("failed\n".to_string(), String::new()));
+    assert_eq!(
+        std::fs::read_to_string(&profile_file).expect("read it"),
+        other
+    );
+}
+
+#[test]
 fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
     let dir = TempDir::new("cache-owner");
     let not_yet_made = dir.join("home/.cache/vmctl");

@@ -1,13 +1,14 @@
 //! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
 //! scripts run them: which Debian mirror a root filesystem comes from, which virtiofsd
-//! setup checks, whose a cache is when root builds into it. No VM.
+//! setup checks, whose a cache is when root builds into it; and as whom root builds the
+//! guest agent for a user. No VM.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use vm_tests::host_user::current_uid;
+use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::{stderr, stdout, workspace_root, TempDir};
 
 /// Runs `script` in bash after sourcing `scripts/lib/<lib>`, with `input` on stdin and
@@ -408,4 +409,117 @@ fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
     // Root's own cache (sudo's HOME=/root) stays root's; so does plain root's.
     assert_eq!(owner("1234", dir.path()), "");
     assert_eq!(owner("0", &not_yet_made), "");
+}
+
+/// Runs `guest-agent/build-initramfs.sh` as root for the user `sudo_uid`, into `cache`,
+/// with `target_dir` as cargo's target directory and a cargo that only says whose it
+/// ran as and fails; returns the script's stderr.
+fn agent_build_for(
+    dir: &TempDir,
+    sudo_uid: u32,
+    sudo_gid: u32,
+    cache: &Path,
+    target_dir: &Path,
+) -> String {
+    let cargo = dir.join("fake-cargo");
+    if !cargo.exists() {
+        std::fs::write(
+            &cargo,
+            "#!/bin/sh\necho \"fake cargo ran as uid $(id -u)\" >&2\nexit 3\n",
+        )
+        .expect("write the fake cargo");
+        std::fs::set_permissions(&cargo, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod the fake cargo");
+    }
+    let output = Command::new("bash")
+        .arg(workspace_root().join("guest-agent/build-initramfs.sh"))
+        .env("SUDO_UID", sudo_uid.to_string())
+        .env("SUDO_GID", sudo_gid.to_string())
+        .env("VMCTL_CACHE_DIR", cache)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO", &cargo)
+        .env_remove("CARGO_HOME")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run guest-agent/build-initramfs.sh");
+    assert!(!output.status.success(), "the fake cargo fails the build");
+    stderr(&output)
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) {
+    let status = Command::new("chown")
+        .arg("-R")
+        .arg(format!("{uid}:{gid}"))
+        .arg(path)
+        .status()
+        .expect("run chown");
+    assert!(status.success(), "chown -R {} failed", path.display());
+}
+
+/// Root building the agent into a user's cache builds as that user, except where they
+/// could not: their cargo would fail on a target directory root made (or a file in
+/// the agent's part of it), and a SUDO_UID that names no account has no home or
+/// groups to build with. Root then builds, saying why.
+#[test]
+fn the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it() {
+    if current_uid() != 0 {
+        // Only root builds for another user.
+        return;
+    }
+    let user = unprivileged_user();
+    let dir = TempDir::new("agent-owner");
+    let cache = dir.join("cache");
+    std::fs::create_dir_all(&cache).expect("create the cache");
+    chown(&cache, user.uid, user.gid);
+    let target_dir = dir.join("target");
+    let agent_dir = target_dir.join("x86_64-unknown-linux-gnu/guest-agent");
+    std::fs::create_dir_all(&agent_dir).expect("create the target directory");
+    let ran_as = |uid: u32| format!("fake cargo ran as uid {uid}\n");
+
+    // Root's target directory (setup's vmctl build, as root, made it): root builds.
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains(&format!("they could not write {}", target_dir.display()))
+            && said.contains("building as root")
+            && said.contains(&ran_as(0)),
+        "{said}"
+    );
+
+    // Theirs: built as them.
+    chown(&target_dir, user.uid, user.gid);
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains("building as that user") && said.contains(&ran_as(user.uid)),
+        "{said}"
+    );
+
+    // Theirs but for a lock root left in the agent's part: root builds.
+    let lock = agent_dir.join(".cargo-lock");
+    std::fs::write(&lock, "").expect("write a lock");
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains(&format!("they could not write {}", lock.display()))
+            && said.contains(&ran_as(0)),
+        "{said}"
+    );
+    std::fs::remove_file(&lock).expect("remove the lock");
+
+    // A SUDO_UID no account has: root builds.
+    let nobody_uid = (4_000_000..4_001_000)
+        .find(|uid| {
+            !Command::new("getent")
+                .args(["passwd", &uid.to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .expect("run getent")
+                .success()
+        })
+        .expect("a uid without an account");
+    chown(&cache, nobody_uid, nobody_uid);
+    chown(&target_dir, nobody_uid, nobody_uid);
+    let said = agent_build_for(&dir, nobody_uid, nobody_uid, &cache, &target_dir);
+    assert!(
+        said.contains("which names no account: building as root") && said.contains(&ran_as(0)),
+        "{said}"
+    );
 }

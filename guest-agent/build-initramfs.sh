@@ -35,9 +35,54 @@ for tool in cpio gzip sha256sum readelf; do
 done
 
 cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
+
+# unwritable_for UID:GID HOME: prints the first path this build writes that the user
+# could not (asked as them: modes, groups and ACLs all count), or "?" if they could not
+# be asked; nothing if they could write it all. Those are: cargo's target directory
+# (else the directory it would be made in), the agent's build directories in it, with
+# all they hold (cargo's locks and fingerprints), cargo's package lock in their cargo
+# home, and the cache's agent directory with its entries (a killed or old one is
+# removed). Only the agent's own part of the target directory is walked: it may hold
+# a whole workspace's builds.
+unwritable_for() {
+    local owner="$1" home="$2" dir shallow=() deep=() found
+    dir="$target_dir"
+    while [[ ! -e "$dir" ]]; do dir="$(dirname "$dir")"; done
+    shallow+=("$dir")
+    for dir in "$target_dir/$target" "${CARGO_HOME:-$home/.cargo}/.package-cache" \
+               "$cache_root" "$cache_root/agent-initramfs" "$cache_root/agent-initramfs"/*/; do
+        [[ ! -e "$dir" ]] || shallow+=("${dir%/}")
+    done
+    for dir in "$target_dir/$target/guest-agent" "$target_dir/guest-agent"; do
+        [[ ! -e "$dir" ]] || deep+=("$dir")
+    done
+    # find fails where it cannot read a directory: that too would fail their build.
+    found="$(setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
+        find "${shallow[@]}" -maxdepth 0 ! -writable -print -quit 2>/dev/null)" || found="${found:-?}"
+    if [[ -z "$found" && ${#deep[@]} -gt 0 ]]; then
+        found="$(setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
+            find "${deep[@]}" ! -type l ! -writable -print -quit 2>/dev/null)" || found="${found:-?}"
+    fi
+    echo "$found"
+}
+
 # Root building into a user's cache (`sudo -E vmctl`) builds as that user: the cache
-# entry, and cargo's output in their target directory, stay theirs.
-cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$@"
+# entry, and cargo's output in their target directory, stay theirs. Unless they could
+# not: a SUDO_UID with no account has no home or groups to build with, and a target
+# directory root made (`sudo -E ./scripts/setup.sh` builds vmctl first, as root; a
+# checkout that is root's) fails their cargo where root's works. Root then builds, as
+# it did before, and says why.
+owner="$(cache_owner "$cache_root")"
+if [[ -n "$owner" ]]; then
+    if ! owner_home="$(getent passwd "${owner%:*}" | cut -d: -f6)" || [[ -z "$owner_home" ]]; then
+        say "the cache $cache_root is uid ${owner%:*}'s (SUDO_UID), which names no account: building as root"
+    elif unwritable="$(unwritable_for "$owner" "$owner_home")" && [[ -n "$unwritable" ]]; then
+        [[ "$unwritable" != "?" ]] || unwritable="what it would write (asking as them failed)"
+        say "the cache $cache_root is uid ${owner%:*}'s, but they could not write $unwritable: building as root (what it adds to their cache is then root's; 'chown -R ${owner%:*}' what is root's there to have the agent built as them)"
+    else
+        cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$@"
+    fi
+fi
 
 cargo="${CARGO:-cargo}"
 # rustup's ~/.cargo/bin is often not on PATH where vmctl runs (cron, systemd, an IDE,

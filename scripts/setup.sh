@@ -3,8 +3,10 @@
 # vmctl, the guest kernel and the nested host's (`vmctl nested-exec`'s, and the VMs'
 # where there is no hardware KVM), the test/hello initramfs, the guest agent, the guest
 # root filesystem (Debian + the agent CLIs) and virtiofsd (which serves the workspace
-# to the guest). Idempotent and quiet unless something is wrong; the kernel builds
-# (first run only, ~6-10 min each on 2 cores) show their progress.
+# to the guest), with the AppArmor profile its sandbox needs where AppArmor restricts
+# user namespaces (Ubuntu 23.10 and later; through sudo). Idempotent and quiet unless
+# something is wrong; the kernel builds (first run only, ~6-10 min each on 2 cores)
+# show their progress.
 #
 #   scripts/setup.sh               everything
 #   scripts/setup.sh --skip-vmctl  everything but `cargo build --release -p vmctl`
@@ -27,7 +29,8 @@ packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc
 # probe and its HTTPS requests on the host too, as references.)
 
 # The virtiofsd serving workspace shares (crates.io; its build needs libcap-ng and
-# libseccomp).
+# libseccomp), installed when vmctl would find none of virtiofsd_min_version or later
+# (scripts/lib/virtiofsd.sh).
 virtiofsd_version=1.14.0
 
 say() { echo "setup: $*" >&2; }
@@ -152,28 +155,54 @@ fi
 rootfs="$("${rootfs_build[@]}")"
 
 say "[8/8] virtiofsd $virtiofsd_version (cargo install virtiofsd; ~1.5 min the first time)"
-wanted_virtiofsd="virtiofsd $virtiofsd_version"
 # Where `cargo install` puts it (vmctl looks in ~/.cargo/bin, after PATH).
 cargo_virtiofsd="${CARGO_HOME:-$HOME/.cargo}/bin/virtiofsd"
-version_of() { "$1" --version 2>/dev/null | head -n1 || true; }
-# The one vmctl will run, found with the PATH it will have (not this script's).
-virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
-if [[ -z "$virtiofsd" || "$(version_of "$virtiofsd")" != "$wanted_virtiofsd" ]]; then
-    if [[ "$(version_of "$cargo_virtiofsd")" != "$wanted_virtiofsd" ]]; then
+# The one vmctl will run, found with the PATH it will have (not this script's): the
+# first virtiofsd_min_version or later, or VMCTL_VIRTIOFSD's, recent or not.
+virtiofsd="$(vmctl_virtiofsd "$user_path")"
+if [[ -z "$virtiofsd" ]] || ! virtiofsd_is_recent "$virtiofsd"; then
+    if ! virtiofsd_is_recent "$cargo_virtiofsd"; then
         quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
     fi
-    virtiofsd="$(PATH="$user_path" vmctl_virtiofsd)"
+    virtiofsd="$(vmctl_virtiofsd "$user_path")"
 fi
-virtiofsd_version_found="$(version_of "$virtiofsd")"
+virtiofsd_version_found=""
+[[ -z "$virtiofsd" ]] || virtiofsd_version_found="$(virtiofsd_version_line "$virtiofsd")"
 virtiofsd_problem=""
-if [[ "$virtiofsd_version_found" != "$wanted_virtiofsd" ]]; then
-    found="$virtiofsd (${virtiofsd_version_found:-no version: is it virtiofsd?})"
-    if [[ -n "${VMCTL_VIRTIOFSD:-}" ]]; then
-        virtiofsd_problem="VMCTL_VIRTIOFSD names $found, not $wanted_virtiofsd, the one vmctl is tested with: unset it (vmctl then finds $cargo_virtiofsd) or set it to $cargo_virtiofsd"
+if [[ -n "${VMCTL_VIRTIOFSD:-}" ]] && ! virtiofsd_is_recent "$virtiofsd"; then
+    virtiofsd_problem="VMCTL_VIRTIOFSD names $virtiofsd (${virtiofsd_version_found:-no version: is it virtiofsd?}), which vmctl refuses: it runs the Rust virtiofsd $virtiofsd_min_version or later. Unset it (vmctl then finds $cargo_virtiofsd, virtiofsd $virtiofsd_version) or set it to $cargo_virtiofsd"
+elif [[ -z "$virtiofsd" ]]; then
+    # cargo's bin directory is elsewhere (CARGO_HOME) and not on PATH.
+    virtiofsd_problem="vmctl finds no virtiofsd $virtiofsd_min_version or later (it looks on PATH, then in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu); cargo installed $cargo_virtiofsd: set VMCTL_VIRTIOFSD=$cargo_virtiofsd where vmctl runs (your shell's profile), or put $(dirname "$cargo_virtiofsd") on PATH"
+fi
+[[ -z "$virtiofsd_problem" ]] || say "      warning: $virtiofsd_problem"
+
+# Ubuntu 23.10 and later let an unprivileged program make a user namespace but nothing
+# inside it unless an AppArmor profile allows it, and virtiofsd's sandbox (vmctl's
+# default for a non-root user) makes mount, PID and network namespaces there: every
+# share, the workspace's included, would fail to start.
+apparmor_problem=""
+apparmor_advice="give $virtiofsd the README's AppArmor profile (\"Workspace files (virtio-fs)\"; as root, $virtiofsd_apparmor_file, then 'apparmor_parser -r $virtiofsd_apparmor_file'), or set VMCTL_VIRTIOFSD_SANDBOX=none where vmctl runs, which runs virtiofsd without its sandbox (less safe)"
+# (Root's virtiofsd needs no profile: the restriction is on unprivileged programs.)
+if [[ $(id -u) != 0 ]] && virtiofsd_is_recent "$virtiofsd" &&
+    apparmor_restricts_userns "$apparmor_userns_sysctl"; then
+    if [[ "${VMCTL_VIRTIOFSD_SANDBOX:-}" == none ]]; then
+        say "      AppArmor restricts user namespaces (kernel.apparmor_restrict_unprivileged_userns=1); VMCTL_VIRTIOFSD_SANDBOX=none runs virtiofsd without the sandbox that needs them: no profile installed"
+    elif command -v sudo >/dev/null; then
+        say "      AppArmor restricts user namespaces (kernel.apparmor_restrict_unprivileged_userns=1), which virtiofsd's sandbox needs: $virtiofsd gets the README's profile, which allows them ($virtiofsd_apparmor_file, loaded with apparmor_parser -r; through sudo if it is not there yet)"
+        if apparmor_done="$(virtiofsd_apparmor_install "$virtiofsd" sudo 2>"$log")"; then
+            case "$apparmor_done" in
+                "up to date") say "      the profile was there already" ;;
+                kept) say "      $virtiofsd_apparmor_file, not setup's, already names $(readlink -f -- "$virtiofsd"): kept" ;;
+                *) say "      profile installed and loaded" ;;
+            esac
+        else
+            apparmor_problem="AppArmor restricts user namespaces here, and setup could not give virtiofsd a profile ($(tr '\n' ' ' <"$log")): vmctl cannot start virtiofsd in its sandbox until you $apparmor_advice"
+        fi
     else
-        virtiofsd_problem="vmctl would run $found, the first virtiofsd it finds (on PATH, then in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu), not $cargo_virtiofsd ($wanted_virtiofsd, the one vmctl is tested with): set VMCTL_VIRTIOFSD=$cargo_virtiofsd where vmctl runs (your shell's profile), or remove or upgrade $virtiofsd"
+        apparmor_problem="AppArmor restricts user namespaces here (kernel.apparmor_restrict_unprivileged_userns=1), and without sudo setup cannot install the profile virtiofsd's sandbox needs: vmctl cannot start virtiofsd in its sandbox until you $apparmor_advice"
     fi
-    say "      warning: $virtiofsd_problem"
+    [[ -z "$apparmor_problem" ]] || say "      warning: $apparmor_problem"
 fi
 
 say "done"
@@ -183,8 +212,9 @@ say "  kernel:    $kernel"
 say "  initramfs: $initramfs"
 say "  agent:     $agent"
 say "  rootfs:    $rootfs"
-say "  virtiofsd: $virtiofsd${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
+say "  virtiofsd: ${virtiofsd:-none that vmctl would run}${virtiofsd_version_found:+ ($virtiofsd_version_found)}"
 [[ -z "$virtiofsd_problem" ]] || say "warning: $virtiofsd_problem"
+[[ -z "$apparmor_problem" ]] || say "warning: $apparmor_problem"
 # Last, where it is seen, and failing the README's `setup.sh && vmctl exec`, which
 # could not open /dev/kvm yet.
 [[ -z "$kvm_problem" ]] || die "everything is set up but this login's access to /dev/kvm: $kvm_problem"

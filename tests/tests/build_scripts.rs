@@ -1,13 +1,14 @@
 //! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
 //! scripts run them: which Debian mirror a root filesystem comes from, which virtiofsd
-//! setup checks, whose a cache is when root builds into it. No VM.
+//! setup checks, whose a cache is when root builds into it; and as whom root builds the
+//! guest agent for a user. No VM.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use vm_tests::host_user::current_uid;
+use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::{stderr, stdout, workspace_root, TempDir};
 
 /// Runs `script` in bash after sourcing `scripts/lib/<lib>`, with `input` on stdin and
@@ -18,6 +19,11 @@ fn run_lib(lib: &str, script: &str, input: &str, env: &[(&str, &str)]) -> String
         .arg("-c")
         .arg(format!("set -euo pipefail; source \"$0\"; {script}"))
         .arg(&lib)
+        // What the libraries read comes only from `env`, never from the developer's
+        // shell (setup's own warning advises setting VMCTL_VIRTIOFSD).
+        .env_remove("VMCTL_VIRTIOFSD")
+        .env_remove("SUDO_UID")
+        .env_remove("SUDO_GID")
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -103,57 +109,271 @@ fn the_debian_mirror_is_debians_own_never_a_third_party_one() {
     assert_eq!(mirror("bookworm", "Debian", &foreign), "");
 }
 
-/// An executable file that prints `version` for `--version`.
-fn fake_virtiofsd(path: &Path, version: &str) {
+/// An executable file that prints `line` for `--version`.
+fn fake_virtiofsd(path: &Path, line: &str) {
     std::fs::create_dir_all(path.parent().expect("a parent")).expect("create its directory");
-    std::fs::write(path, format!("#!/bin/sh\necho 'virtiofsd {version}'\n")).expect("write it");
+    std::fs::write(path, format!("#!/bin/sh\necho '{line}'\n")).expect("write it");
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod it");
 }
 
+/// Which virtiofsd `vmctl_virtiofsd` names, searching `path` (run from `cwd`, for the
+/// relative entries) with `home`, and `explicit` as VMCTL_VIRTIOFSD.
+fn setup_finds(cwd: &Path, path: &str, home: &Path, explicit: Option<&str>) -> String {
+    // The search runs tools (timeout, head): it needs this process's PATH.
+    let mut env = vec![
+        ("SEARCHED_PATH", path),
+        ("HOME", home.to_str().expect("utf-8")),
+        ("CWD", cwd.to_str().expect("utf-8")),
+    ];
+    if let Some(explicit) = explicit {
+        env.push(("VMCTL_VIRTIOFSD", explicit));
+    }
+    run_lib(
+        "virtiofsd.sh",
+        "cd \"$CWD\" && vmctl_virtiofsd \"$SEARCHED_PATH\"",
+        "",
+        &env,
+    )
+}
+
+/// setup names the virtiofsd vmctl runs (`vmctl/src/virtiofsd/binary.rs`): the first
+/// executable one of 1.14.0 or later, passing over older ones and QEMU's C one as vmctl
+/// does, so it neither warns about one vmctl skips nor installs over a newer one.
 #[test]
 fn setup_checks_the_virtiofsd_vmctl_will_find() {
     let dir = TempDir::new("virtiofsd-search");
     let home = dir.join("home");
-    let first = dir.join("first");
-    let later = dir.join("later");
-    std::fs::create_dir_all(&first).expect("create a PATH directory");
+    let plain = dir.join("plain");
+    let old = dir.join("old");
+    let qemu = dir.join("qemu");
+    let newer = dir.join("newer");
+    std::fs::create_dir_all(&plain).expect("create a PATH directory");
     // Not executable: skipped, as vmctl skips it.
-    std::fs::write(first.join("virtiofsd"), "").expect("write a plain file");
-    fake_virtiofsd(&later.join("virtiofsd"), "1.10.0");
-    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "1.14.0");
-    // bash itself needs this process's PATH: the one searched is SEARCHED_PATH.
-    let find = |path: String, explicit: Option<&str>| {
-        let mut env = vec![
-            ("SEARCHED_PATH", path.as_str()),
-            ("HOME", home.to_str().expect("utf-8")),
-        ];
-        if let Some(explicit) = explicit {
-            env.push(("VMCTL_VIRTIOFSD", explicit));
+    std::fs::write(plain.join("virtiofsd"), "").expect("write a plain file");
+    fake_virtiofsd(&old.join("virtiofsd"), "virtiofsd 1.10.0");
+    fake_virtiofsd(
+        &qemu.join("virtiofsd"),
+        "virtiofsd version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)",
+    );
+    fake_virtiofsd(&newer.join("virtiofsd"), "virtiofsd 1.15.0-rc1");
+    fake_virtiofsd(&home.join(".cargo/bin/virtiofsd"), "virtiofsd 1.14.0");
+    // vmctl ignores relative PATH entries (the working directory's): this one would
+    // be taken first.
+    fake_virtiofsd(&dir.join("relative/virtiofsd"), "virtiofsd 1.14.0");
+    let path = |dirs: &[&Path]| {
+        let mut dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        dirs.insert(0, "relative".into());
+        dirs.join(":")
+    };
+    let cargo_one = format!("{}\n", home.join(".cargo/bin/virtiofsd").display());
+    // An older one and QEMU's on PATH: passed over for ~/.cargo/bin's.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&plain, &old, &qemu]), &home, None),
+        cargo_one
+    );
+    // A newer one than setup installs, first: the one vmctl runs, accepted.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&old, &newer]), &home, None),
+        format!("{}\n", newer.join("virtiofsd").display())
+    );
+    // None recent anywhere: nothing, and setup installs one.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&old]), &dir.join("nohome"), None),
+        ""
+    );
+    // VMCTL_VIRTIOFSD as it is, found or not, old or not: vmctl uses or refuses it.
+    assert_eq!(
+        setup_finds(dir.path(), &path(&[&newer]), &home, Some("/x/vfs")),
+        "/x/vfs\n"
+    );
+}
+
+/// setup's reading of a virtiofsd's `--version` line is vmctl's (`parse_version`):
+/// "virtiofsd X.Y.Z", each part from its leading digits, 1.14.0 or later.
+#[test]
+fn setup_reads_virtiofsd_versions_as_vmctl_does() {
+    let dir = TempDir::new("virtiofsd-versions");
+    let binary = dir.join("virtiofsd");
+    for (line, recent) in [
+        ("virtiofsd 1.14.0", true),
+        ("virtiofsd 1.14.2", true),
+        ("virtiofsd 1.15.0", true),
+        ("virtiofsd 2.0.0-rc1", true),
+        ("  virtiofsd 1.14.08", true),
+        ("virtiofsd 1.13.9", false),
+        ("virtiofsd 0.99.99", false),
+        ("virtiofsd 1.14", false),
+        ("virtiofsd  1.14.0", false),
+        (
+            "virtiofsd version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)",
+            false,
+        ),
+        ("", false),
+    ] {
+        fake_virtiofsd(&binary, line);
+        let said = run_lib(
+            "virtiofsd.sh",
+            "if virtiofsd_is_recent \"$BINARY\"; then echo recent; else echo old; fi",
+            "",
+            &[("BINARY", binary.to_str().expect("utf-8"))],
+        );
+        assert_eq!(said.trim() == "recent", recent, "{line:?}: {said}");
+    }
+}
+
+#[test]
+fn setup_sees_apparmors_user_namespace_restriction() {
+    let dir = TempDir::new("apparmor-sysctl");
+    let sysctl = dir.join("apparmor_restrict_unprivileged_userns");
+    let restricted = |contents: Option<&str>| {
+        match contents {
+            Some(contents) => std::fs::write(&sysctl, contents).expect("write the sysctl"),
+            None => {
+                let _ = std::fs::remove_file(&sysctl);
+            }
         }
         run_lib(
             "virtiofsd.sh",
-            "PATH=\"$SEARCHED_PATH\" vmctl_virtiofsd",
+            "if apparmor_restricts_userns \"$SYSCTL\"; then echo yes; else echo no; fi",
             "",
-            &env,
+            &[("SYSCTL", sysctl.to_str().expect("utf-8"))],
         )
     };
-    let path = |dirs: &[&Path]| {
-        let mut dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
-        // vmctl ignores relative entries, which would be the working directory.
-        dirs.insert(1, "relative".into());
-        dirs.join(":")
+    assert_eq!(restricted(Some("1\n")), "yes\n");
+    assert_eq!(restricted(Some("0\n")), "no\n");
+    // A kernel without AppArmor's restriction has no such sysctl.
+    assert_eq!(restricted(None), "no\n");
+}
+
+/// The profile names the file vmctl runs, its links resolved (AppArmor attaches a
+/// profile to the file executed), and allows user namespaces; a path AppArmor would
+/// read as a pattern gets none.
+#[test]
+fn setup_writes_the_readmes_apparmor_profile_for_the_file_vmctl_runs() {
+    let dir = TempDir::new("apparmor-profile");
+    let binary = dir.join("cargo home/bin/virtiofsd");
+    fake_virtiofsd(&binary, "virtiofsd 1.14.0");
+    let link = dir.join("virtiofsd-link");
+    std::os::unix::fs::symlink(&binary, &link).expect("link to it");
+    let profile = run_lib(
+        "virtiofsd.sh",
+        "virtiofsd_apparmor_profile \"$BINARY\"",
+        "",
+        &[("BINARY", link.to_str().expect("utf-8"))],
+    );
+    let resolved = std::fs::canonicalize(&binary).expect("resolve it");
+    assert!(
+        profile.contains(&format!(
+            "profile virtiofsd \"{}\" flags=(unconfined) {{\n  userns,\n}}\n",
+            resolved.display()
+        )) && profile.contains("abi <abi/4.0>,\ninclude <tunables/global>\n"),
+        "{profile}"
+    );
+    let pattern = dir.join("bin*/virtiofsd");
+    fake_virtiofsd(&pattern, "virtiofsd 1.14.0");
+    let refused = run_lib(
+        "virtiofsd.sh",
+        "virtiofsd_apparmor_profile \"$BINARY\" || echo refused",
+        "",
+        &[("BINARY", pattern.to_str().expect("utf-8"))],
+    );
+    assert_eq!(refused, "refused\n");
+}
+
+/// Installing the profile: written and loaded through the prefix (sudo), left alone
+/// once there and loaded, loaded again once not; someone's own profile that names the
+/// binary is kept, and one that does not is not overwritten.
+#[test]
+fn setup_installs_the_apparmor_profile_through_sudo_and_only_its_own() {
+    let dir = TempDir::new("apparmor-install");
+    let binary = dir.join("bin/virtiofsd");
+    fake_virtiofsd(&binary, "virtiofsd 1.14.0");
+    let profile_file = dir.join("apparmor.d/virtiofsd");
+    std::fs::create_dir_all(profile_file.parent().expect("a parent")).expect("mkdir");
+    let loaded = dir.join("profiles");
+    let calls = dir.join("calls");
+    // The prefix (sudo) and apparmor_parser, each noting how it was run.
+    let tools = dir.join("tools");
+    std::fs::create_dir_all(&tools).expect("mkdir tools");
+    for (name, body) in [
+        ("fake-sudo", "echo \"sudo $*\" >>\"$CALLS\"\nexec \"$@\"\n"),
+        (
+            "apparmor_parser",
+            "echo \"apparmor_parser $*\" >>\"$CALLS\"\n",
+        ),
+    ] {
+        let tool = tools.join(name);
+        std::fs::write(&tool, format!("#!/bin/sh\n{body}")).expect("write a tool");
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod a tool");
+    }
+    let searched_path = format!(
+        "{}:{}",
+        tools.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let install = || {
+        let _ = std::fs::remove_file(&calls);
+        let said = run_lib(
+            "virtiofsd.sh",
+            "virtiofsd_apparmor_file=\"$PROFILE\" virtiofsd_apparmor_loaded=\"$LOADED\" \
+             PATH=\"$SEARCHED_PATH\"; \
+             virtiofsd_apparmor_install \"$BINARY\" fake-sudo || echo failed",
+            "",
+            &[
+                ("PROFILE", profile_file.to_str().expect("utf-8")),
+                ("LOADED", loaded.to_str().expect("utf-8")),
+                ("CALLS", calls.to_str().expect("utf-8")),
+                ("SEARCHED_PATH", &searched_path),
+                ("BINARY", binary.to_str().expect("utf-8")),
+            ],
+        );
+        let calls = std::fs::read_to_string(&calls).unwrap_or_default();
+        (said, calls)
     };
-    // PATH first, even over ~/.cargo/bin's newer one: what setup must warn about.
+    let profile_path = profile_file.display();
+    // Nothing loaded yet.
+    std::fs::write(&loaded, "other (enforce)\n").expect("write the loaded list");
+    let (said, calls) = install();
+    assert_eq!(said, "installed\n");
     assert_eq!(
-        find(path(&[&first, &later]), None),
-        format!("{}\n", later.join("virtiofsd").display())
+        calls,
+        format!(
+            "sudo tee -- {profile_path}\nsudo apparmor_parser -r {profile_path}\n\
+             apparmor_parser -r {profile_path}\n"
+        )
     );
+    let written = std::fs::read_to_string(&profile_file).expect("read the profile");
+    let resolved = std::fs::canonicalize(&binary).expect("resolve it");
+    assert!(
+        written.starts_with("# Written by vmctl's scripts/setup.sh")
+            && written.contains(&format!("profile virtiofsd \"{}\"", resolved.display())),
+        "{written}"
+    );
+    // Written but not loaded (the load failed, or the list was emptied): loaded again.
+    let (said, _) = install();
+    assert_eq!(said, "installed\n");
+    // Loaded: nothing run, nothing asked of sudo.
+    std::fs::write(&loaded, "other (enforce)\nvirtiofsd (unconfined)\n").expect("write");
+    assert_eq!(install(), ("up to date\n".to_string(), String::new()));
+    // The loaded list cannot be read (only root may): the file is trusted.
+    std::fs::remove_file(&loaded).expect("remove the loaded list");
+    assert_eq!(install(), ("up to date\n".to_string(), String::new()));
+    // A profile made by hand from the README for this binary: kept.
+    let own = format!(
+        "abi <abi/4.0>,\ninclude <tunables/global>\nprofile virtiofsd {} flags=(unconfined) {{\n  userns,\n}}\n",
+        resolved.display()
+    );
+    std::fs::write(&profile_file, &own).expect("write an own profile");
+    assert_eq!(install(), ("kept\n".to_string(), String::new()));
+    // Someone's profile for another file: not setup's to replace.
+    let other = own.replace(&resolved.display().to_string(), "/opt/elsewhere/virtiofsd");
+    std::fs::write(&profile_file, &other).expect("write another profile");
+    assert_eq!(install(), ("failed\n".to_string(), String::new()));
     assert_eq!(
-        find(path(&[&first, dir.path()]), None),
-        format!("{}\n", home.join(".cargo/bin/virtiofsd").display())
+        std::fs::read_to_string(&profile_file).expect("read it"),
+        other
     );
-    // VMCTL_VIRTIOFSD as it is, found or not: vmctl uses or refuses it.
-    assert_eq!(find(path(&[&later]), Some("/x/vfs")), "/x/vfs\n");
 }
 
 #[test]
@@ -189,4 +409,117 @@ fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
     // Root's own cache (sudo's HOME=/root) stays root's; so does plain root's.
     assert_eq!(owner("1234", dir.path()), "");
     assert_eq!(owner("0", &not_yet_made), "");
+}
+
+/// Runs `guest-agent/build-initramfs.sh` as root for the user `sudo_uid`, into `cache`,
+/// with `target_dir` as cargo's target directory and a cargo that only says whose it
+/// ran as and fails; returns the script's stderr.
+fn agent_build_for(
+    dir: &TempDir,
+    sudo_uid: u32,
+    sudo_gid: u32,
+    cache: &Path,
+    target_dir: &Path,
+) -> String {
+    let cargo = dir.join("fake-cargo");
+    if !cargo.exists() {
+        std::fs::write(
+            &cargo,
+            "#!/bin/sh\necho \"fake cargo ran as uid $(id -u)\" >&2\nexit 3\n",
+        )
+        .expect("write the fake cargo");
+        std::fs::set_permissions(&cargo, std::fs::Permissions::from_mode(0o755))
+            .expect("chmod the fake cargo");
+    }
+    let output = Command::new("bash")
+        .arg(workspace_root().join("guest-agent/build-initramfs.sh"))
+        .env("SUDO_UID", sudo_uid.to_string())
+        .env("SUDO_GID", sudo_gid.to_string())
+        .env("VMCTL_CACHE_DIR", cache)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO", &cargo)
+        .env_remove("CARGO_HOME")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run guest-agent/build-initramfs.sh");
+    assert!(!output.status.success(), "the fake cargo fails the build");
+    stderr(&output)
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) {
+    let status = Command::new("chown")
+        .arg("-R")
+        .arg(format!("{uid}:{gid}"))
+        .arg(path)
+        .status()
+        .expect("run chown");
+    assert!(status.success(), "chown -R {} failed", path.display());
+}
+
+/// Root building the agent into a user's cache builds as that user, except where they
+/// could not: their cargo would fail on a target directory root made (or a file in
+/// the agent's part of it), and a SUDO_UID that names no account has no home or
+/// groups to build with. Root then builds, saying why.
+#[test]
+fn the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it() {
+    if current_uid() != 0 {
+        // Only root builds for another user.
+        return;
+    }
+    let user = unprivileged_user();
+    let dir = TempDir::new("agent-owner");
+    let cache = dir.join("cache");
+    std::fs::create_dir_all(&cache).expect("create the cache");
+    chown(&cache, user.uid, user.gid);
+    let target_dir = dir.join("target");
+    let agent_dir = target_dir.join("x86_64-unknown-linux-gnu/guest-agent");
+    std::fs::create_dir_all(&agent_dir).expect("create the target directory");
+    let ran_as = |uid: u32| format!("fake cargo ran as uid {uid}\n");
+
+    // Root's target directory (setup's vmctl build, as root, made it): root builds.
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains(&format!("they could not write {}", target_dir.display()))
+            && said.contains("building as root")
+            && said.contains(&ran_as(0)),
+        "{said}"
+    );
+
+    // Theirs: built as them.
+    chown(&target_dir, user.uid, user.gid);
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains("building as that user") && said.contains(&ran_as(user.uid)),
+        "{said}"
+    );
+
+    // Theirs but for a lock root left in the agent's part: root builds.
+    let lock = agent_dir.join(".cargo-lock");
+    std::fs::write(&lock, "").expect("write a lock");
+    let said = agent_build_for(&dir, user.uid, user.gid, &cache, &target_dir);
+    assert!(
+        said.contains(&format!("they could not write {}", lock.display()))
+            && said.contains(&ran_as(0)),
+        "{said}"
+    );
+    std::fs::remove_file(&lock).expect("remove the lock");
+
+    // A SUDO_UID no account has: root builds.
+    let nobody_uid = (4_000_000..4_001_000)
+        .find(|uid| {
+            !Command::new("getent")
+                .args(["passwd", &uid.to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .expect("run getent")
+                .success()
+        })
+        .expect("a uid without an account");
+    chown(&cache, nobody_uid, nobody_uid);
+    chown(&target_dir, nobody_uid, nobody_uid);
+    let said = agent_build_for(&dir, nobody_uid, nobody_uid, &cache, &target_dir);
+    assert!(
+        said.contains("which names no account: building as root") && said.contains(&ran_as(0)),
+        "{said}"
+    );
 }

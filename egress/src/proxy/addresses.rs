@@ -13,29 +13,58 @@ pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
-/// An address of one of this host's interfaces, and the length of its on-link prefix
-/// (its netmask's): the network it reaches without a router.
+/// An address of one of this host's interfaces, the length of its on-link prefix (its
+/// netmask's), and whether the interface is point-to-point: the network it reaches
+/// without a router, if it has one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct HostNetwork {
     pub(super) address: IpAddr,
     pub(super) prefix_len: u32,
+    /// A point-to-point or NOARP interface (a tun device, WireGuard): its netmask
+    /// names what is routed into it (all of a VPN's or a fake-IP proxy's range), not
+    /// neighbours on a link, so only its own address is the host's.
+    pub(super) point_to_point: bool,
 }
 
+/// The shortest IPv4 on-link prefix taken as a network. A shorter one (a /0 a VPN or
+/// a misconfiguration gives an interface) would refuse most of the internet, so only
+/// the address itself is taken.
+const SHORTEST_V4_NETWORK: u32 = 8;
+/// The shortest IPv6 on-link prefix taken as a network, as [`SHORTEST_V4_NETWORK`];
+/// /32 is a whole provider's allocation.
+const SHORTEST_V6_NETWORK: u32 = 32;
+
 impl HostNetwork {
-    /// Whether `ip` is on this network; an IPv4 network holds the IPv4 address an
-    /// IPv6 form carries ([`canonical`]) too.
+    /// Whether `ip` is on this network (the host's own address aside); an IPv4
+    /// network holds the IPv4 address an IPv6 form carries ([`canonical`]) too.
+    /// Never on a point-to-point interface, nor on a prefix too short to be a link
+    /// ([`SHORTEST_V4_NETWORK`]); never in 198.18.0.0/15, which [`forbidden_v4`]
+    /// allows for fake-IP DNS proxies, whose TUN interface sits in that range.
     fn holds(&self, ip: IpAddr) -> bool {
+        if self.point_to_point {
+            return false;
+        }
         let v4_bits = |v4: Ipv4Addr| u128::from(u32::from(v4)) << 96;
         match (self.address, ip, canonical(ip)) {
             (IpAddr::V4(own), _, IpAddr::V4(ip)) => {
-                same_prefix(v4_bits(own), v4_bits(ip), self.prefix_len)
+                self.prefix_len >= SHORTEST_V4_NETWORK
+                    && !is_fake_ip_range(ip)
+                    && same_prefix(v4_bits(own), v4_bits(ip), self.prefix_len)
             }
             (IpAddr::V6(own), IpAddr::V6(ip), _) => {
-                same_prefix(u128::from(own), u128::from(ip), self.prefix_len)
+                self.prefix_len >= SHORTEST_V6_NETWORK
+                    && same_prefix(u128::from(own), u128::from(ip), self.prefix_len)
             }
             _ => false,
         }
     }
+}
+
+/// Whether `ip` is in 198.18.0.0/15 (benchmarking), the range fake-IP DNS proxies on
+/// the host (Clash, mihomo, Surge, sing-box) answer every name with.
+fn is_fake_ip_range(ip: Ipv4Addr) -> bool {
+    let [a, b, ..] = ip.octets();
+    a == 198 && (b & 0xfe) == 18
 }
 
 /// Whether `a` and `b` agree in their first `len` bits.
@@ -104,6 +133,7 @@ pub(super) fn host_networks() -> std::io::Result<Vec<HostNetwork>> {
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    let point_to_point_flags = (libc::IFF_POINTOPOINT | libc::IFF_NOARP) as libc::c_uint;
     let mut networks = Vec::new();
     let mut entry = list;
     while !entry.is_null() {
@@ -124,6 +154,7 @@ pub(super) fn host_networks() -> std::io::Result<Vec<HostNetwork>> {
             networks.push(HostNetwork {
                 address,
                 prefix_len,
+                point_to_point: node.ifa_flags & point_to_point_flags != 0,
             });
         }
         entry = node.ifa_next;
@@ -179,8 +210,8 @@ pub(super) fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
     } else if a == 192 && b == 0 && ip.octets()[2] == 0 {
         Some("an IETF protocol address (192.0.0.0/24)")
     } else {
-        // Not 198.18.0.0/15 (benchmarking): "fake-IP" DNS proxies on the host
-        // (Clash, Surge, sing-box) answer every name with one of those.
+        // Not 198.18.0.0/15 ([`is_fake_ip_range`]): "fake-IP" DNS proxies on the
+        // host answer every name with one of those.
         None
     }
 }

@@ -19,6 +19,14 @@ fn network(address: &str, prefix_len: u32) -> HostNetwork {
     HostNetwork {
         address: ip(address),
         prefix_len,
+        point_to_point: false,
+    }
+}
+
+fn point_to_point(address: &str, prefix_len: u32) -> HostNetwork {
+    HostNetwork {
+        point_to_point: true,
+        ..network(address, prefix_len)
     }
 }
 
@@ -86,14 +94,89 @@ fn the_networks_the_host_is_on_are_forbidden() {
     ] {
         assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
     }
-    // The extremes of a prefix's length.
+    // The extremes of a prefix's length: a /0 is no network, only its address.
     assert_eq!(
         forbidden_destination(ip("8.8.8.8"), &[network("1.1.1.1", 0)]),
-        Some("on a network this host is attached to")
+        None
+    );
+    assert_eq!(
+        forbidden_destination(ip("1.1.1.1"), &[network("1.1.1.1", 0)]),
+        Some("an address of this host")
     );
     assert_eq!(
         forbidden_destination(ip("2001:db8::9"), &[network("2001:db8::8", 128)]),
         None
+    );
+}
+
+/// A prefix shorter than /8 (IPv4) or /32 (IPv6) is no link's: it would refuse half
+/// the internet, so only the address itself is refused.
+#[test]
+fn prefixes_too_short_for_a_link_are_only_their_address() {
+    let own = [network("44.0.0.1", 7), network("2600::1", 31)];
+    for addr in ["45.1.2.3", "44.0.0.2", "2601::1", "2600::2"] {
+        assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
+    }
+    for addr in ["44.0.0.1", "2600::1"] {
+        assert_eq!(
+            forbidden_destination(ip(addr), &own),
+            Some("an address of this host"),
+            "{addr}"
+        );
+    }
+    // The shortest taken as networks.
+    let own = [network("44.0.0.1", 8), network("2600::1", 32)];
+    for addr in ["44.255.0.1", "2600:0:ffff::1"] {
+        assert_eq!(
+            forbidden_destination(ip(addr), &own),
+            Some("on a network this host is attached to"),
+            "{addr}"
+        );
+    }
+}
+
+/// A tun device or WireGuard interface routes its whole prefix into a tunnel: only
+/// its own address is the host's, the rest is what the tunnel reaches.
+#[test]
+fn point_to_point_interfaces_are_only_their_address() {
+    let own = [
+        point_to_point("203.0.113.1", 24),
+        point_to_point("2001:db8:7::1", 64),
+    ];
+    for addr in ["203.0.113.2", "2001:db8:7::2"] {
+        assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
+    }
+    for addr in ["203.0.113.1", "::ffff:203.0.113.1", "2001:db8:7::1"] {
+        assert_eq!(
+            forbidden_destination(ip(addr), &own),
+            Some("an address of this host"),
+            "{addr}"
+        );
+    }
+}
+
+/// A fake-IP DNS proxy (Clash, mihomo in TUN mode) answers every name with an
+/// address in 198.18.0.0/15 and sits in that range itself: a network there, even on
+/// an interface that is not point-to-point, must not refuse those answers.
+#[test]
+fn no_network_reaches_into_the_fake_ip_range() {
+    let own = [network("198.18.0.1", 16), network("198.0.0.1", 8)];
+    for addr in [
+        "198.18.0.2",
+        "198.18.200.7",
+        "198.19.0.5",
+        "::ffff:198.18.0.2",
+    ] {
+        assert_eq!(forbidden_destination(ip(addr), &own), None, "{addr}");
+    }
+    // The proxy's own address is still the host's; the rest of 198/8 a network.
+    assert_eq!(
+        forbidden_destination(ip("198.18.0.1"), &own),
+        Some("an address of this host")
+    );
+    assert_eq!(
+        forbidden_destination(ip("198.20.0.1"), &own),
+        Some("on a network this host is attached to")
     );
 }
 
@@ -108,7 +191,7 @@ fn the_hosts_addresses_are_read_from_its_interfaces() {
         eprintln!("NOT RUN: the loopback interface is down here");
         return;
     }
-    // With its netmask: 127.0.0.1/8.
+    // With its netmask: 127.0.0.1/8, and not point-to-point.
     assert!(own.contains(&network("127.0.0.1", 8)), "{own:?}");
 }
 

@@ -4,11 +4,13 @@
 //!
 //! Two files, each rotated to `<name>.1` once it passes 1 MiB, so they stay bounded:
 //! `<path>` for most decisions, and `<path>.secret-decisions` for those that concern
-//! a secret (a request it was set on, anything inside TLS terminated for a host it is
-//! bound to, its withdrawal). A guest can make cheap refusals by the thousand; they
-//! must not rotate the record of what it did with a secret out of the log. A refusal
+//! a secret: a request it was set on, and its withdrawal. A guest can make cheap
+//! refusals by the thousand, with a host and method of its choosing; they must not
+//! rotate the record of what it did with a secret out of the log, so no refusal goes
+//! there but a withdrawal's (which names no method, and so repeats exactly). A refusal
 //! repeated without pause is written once and then counted ([`LogEntry::repeated`]),
-//! so that a program retrying in a loop does not fill the log either.
+//! so that a program retrying in a loop does not fill the log either; a count not yet
+//! written is written within [`REPEAT_WINDOW_MS`] ([`DecisionLog::write_due_counts`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -45,12 +47,18 @@ pub struct LogEntry {
     /// `connect`, `http` or `tls-request`.
     pub kind: String,
     pub method: Option<String>,
-    /// The name of the secret injected, never its value.
+    /// The name of the secret injected, never its value; on a `connect`, the secret
+    /// bound to its host (for which TLS is terminated; none is sent yet).
     pub secret: Option<String>,
+    /// The name of the secret whose withdrawal this refusal records: the proxy no
+    /// longer sends it (after probes for it), or cut a connection it was sent on
+    /// (it was removed, replaced or withdrawn meanwhile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub withdrawn_secret: Option<String>,
     /// On a refusal: how many times in a row it was made again, at most a minute
     /// apart, up to this entry's time (the entry before with the same decision was
-    /// its first, or an earlier count). Counts are written at 1, 2, 4, 8... and when
-    /// another entry comes.
+    /// its first, or an earlier count). Counts are written at 1, 2, 4, 8..., when
+    /// another entry comes, and otherwise within a minute of a repeat not yet counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeated: Option<u64>,
 }
@@ -58,12 +66,8 @@ pub struct LogEntry {
 impl LogEntry {
     /// An entry stamped now, without method or secret.
     pub fn new(host: &str, port: u16, allowed: bool, rule: &str, kind: &str) -> Self {
-        let time_unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or_default();
         Self {
-            time_unix_ms,
+            time_unix_ms: now_unix_ms(),
             host: host.to_string(),
             port,
             allowed,
@@ -71,15 +75,17 @@ impl LogEntry {
             kind: kind.to_string(),
             method: None,
             secret: None,
+            withdrawn_secret: None,
             repeated: None,
         }
     }
 
-    /// Whether the entry concerns a secret: one was set on the request, or it was
-    /// made inside TLS terminated for a host a secret is bound to (where the
-    /// secret's withdrawal is logged, and so are requests for another host).
+    /// Whether the entry concerns a secret: one was set on the request, or it
+    /// records a secret's withdrawal. Not any other refusal, even inside TLS
+    /// terminated for a secret's host, nor a CONNECT to that host, which sends no
+    /// secret: the guest makes those by the thousand at no cost.
     pub fn concerns_a_secret(&self) -> bool {
-        self.secret.is_some() || self.kind == "tls-request"
+        (self.secret.is_some() && self.kind != "connect") || self.withdrawn_secret.is_some()
     }
 
     /// Whether `other` is the same decision (its time and count aside).
@@ -92,7 +98,8 @@ impl LogEntry {
                 &other.rule,
                 &other.kind,
             )
-            && (&self.method, &self.secret) == (&other.method, &other.secret)
+            && (&self.method, &self.secret, &self.withdrawn_secret)
+                == (&other.method, &other.secret, &other.withdrawn_secret)
     }
 }
 
@@ -119,8 +126,16 @@ pub struct DecisionLog {
 
 #[derive(Debug, Default)]
 struct LogState {
-    general: Option<OpenLog>,
-    secret_decisions: Option<OpenLog>,
+    general: LogFile,
+    secret_decisions: LogFile,
+}
+
+/// One of the two files, and the refusal it is counting. Each file counts its own:
+/// refusals in the general one, made between two withdrawal refusals, must not have
+/// each of those written anew to the other.
+#[derive(Debug, Default)]
+struct LogFile {
+    open: Option<OpenLog>,
     /// The last refusal written, while it is being repeated.
     repeating: Option<Repeating>,
 }
@@ -132,6 +147,55 @@ struct Repeating {
     /// Repeats so far, and how many of them a written line counted.
     count: u64,
     written: u64,
+    /// The time of the first repeat no written line counted yet.
+    unwritten_since_ms: Option<u64>,
+}
+
+impl Repeating {
+    /// The line that counts the repeats so far, if one has not yet; taken as written.
+    fn count_line(&mut self) -> Option<LogEntry> {
+        if self.count == self.written {
+            return None;
+        }
+        self.written = self.count;
+        self.unwritten_since_ms = None;
+        Some(LogEntry {
+            repeated: Some(self.count),
+            ..self.entry.clone()
+        })
+    }
+}
+
+/// Which of the two files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Which {
+    General,
+    SecretDecisions,
+}
+
+impl LogState {
+    fn file(&mut self, which: Which) -> &mut LogFile {
+        match which {
+            Which::General => &mut self.general,
+            Which::SecretDecisions => &mut self.secret_decisions,
+        }
+    }
+}
+
+fn which(entry: &LogEntry) -> Which {
+    if entry.concerns_a_secret() {
+        Which::SecretDecisions
+    } else {
+        Which::General
+    }
+}
+
+/// The time now, as entries are stamped.
+fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
 }
 
 #[derive(Debug)]
@@ -170,52 +234,81 @@ impl DecisionLog {
         }
     }
 
+    /// Writes the counts due: of a refusal no longer repeated (its last repeat more
+    /// than [`REPEAT_WINDOW_MS`] ago), and of repeats not counted in a line for that
+    /// long. Called on each entry and by [`keep_counts_current`]: without it, a
+    /// count waited for the next entry, hours later, or was lost when the process
+    /// was killed.
+    pub fn write_due_counts(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = self.write_due(&mut state, now_unix_ms()) {
+            guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+        }
+    }
+
+    fn write_due(&self, state: &mut LogState, now_ms: u64) -> io::Result<()> {
+        for which in [Which::General, Which::SecretDecisions] {
+            let file = state.file(which);
+            let Some(repeating) = &mut file.repeating else {
+                continue;
+            };
+            let ended = now_ms.saturating_sub(repeating.entry.time_unix_ms) > REPEAT_WINDOW_MS;
+            let overdue = repeating
+                .unwritten_since_ms
+                .is_some_and(|since| now_ms.saturating_sub(since) >= REPEAT_WINDOW_MS);
+            if !ended && !overdue {
+                continue;
+            }
+            let line = repeating.count_line();
+            if ended {
+                file.repeating = None;
+            }
+            if let Some(line) = line {
+                self.write(state, which, &line)?;
+            }
+        }
+        Ok(())
+    }
+
     fn append(&self, entry: &LogEntry) -> io::Result<()> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(repeating) = &mut state.repeating {
-            let since_last = entry
-                .time_unix_ms
-                .saturating_sub(repeating.entry.time_unix_ms);
-            if repeating.entry.same_decision(entry) && since_last <= REPEAT_WINDOW_MS {
+        self.write_due(&mut state, entry.time_unix_ms)?;
+        let which = which(entry);
+        let file = state.file(which);
+        if let Some(repeating) = &mut file.repeating {
+            if repeating.entry.same_decision(entry) {
                 repeating.count += 1;
                 repeating.entry.time_unix_ms = entry.time_unix_ms;
                 if !repeating.count.is_power_of_two() {
+                    repeating
+                        .unwritten_since_ms
+                        .get_or_insert(entry.time_unix_ms);
                     return Ok(());
                 }
-                let count = repeating.count;
-                let line = LogEntry {
-                    repeated: Some(count),
-                    ..repeating.entry.clone()
+                let line = repeating.count_line();
+                return match line {
+                    Some(line) => self.write(&mut state, which, &line),
+                    None => Ok(()),
                 };
-                repeating.written = count;
-                return self.write(&mut state, &line);
             }
         }
-        self.write_repeats(&mut state)?;
-        state.repeating = (!entry.allowed).then(|| Repeating {
+        let ended = file
+            .repeating
+            .take()
+            .and_then(|mut ended| ended.count_line());
+        file.repeating = (!entry.allowed).then(|| Repeating {
             entry: entry.clone(),
             count: 0,
             written: 0,
+            unwritten_since_ms: None,
         });
-        self.write(&mut state, entry)
-    }
-
-    /// Writes the count of the refusal being repeated, if a line has not yet.
-    fn write_repeats(&self, state: &mut LogState) -> io::Result<()> {
-        let Some(repeating) = state.repeating.take() else {
-            return Ok(());
-        };
-        if repeating.count == repeating.written {
-            return Ok(());
+        if let Some(line) = ended {
+            self.write(&mut state, which, &line)?;
         }
-        let line = LogEntry {
-            repeated: Some(repeating.count),
-            ..repeating.entry
-        };
-        self.write(state, &line)
+        self.write(&mut state, which, entry)
     }
 
-    fn write(&self, state: &mut LogState, entry: &LogEntry) -> io::Result<()> {
+    fn write(&self, state: &mut LogState, which: Which, entry: &LogEntry) -> io::Result<()> {
         let bounded = LogEntry {
             host: bounded(&entry.host),
             rule: bounded(&entry.rule),
@@ -224,11 +317,11 @@ impl DecisionLog {
         };
         let mut line = serde_json::to_vec(&bounded).map_err(io::Error::other)?;
         line.push(b'\n');
-        let (slot, path) = if entry.concerns_a_secret() {
-            (&mut state.secret_decisions, secret_decisions(&self.path))
-        } else {
-            (&mut state.general, self.path.clone())
+        let path = match which {
+            Which::General => self.path.clone(),
+            Which::SecretDecisions => secret_decisions(&self.path),
         };
+        let slot = &mut state.file(which).open;
         if slot.as_ref().is_some_and(|log| log.len >= self.max_bytes) {
             *slot = None;
             fs::rename(&path, rotated(&path))?;
@@ -248,13 +341,36 @@ impl DecisionLog {
     }
 }
 
+/// Writes the counts of repeated refusals as they fall due
+/// ([`DecisionLog::write_due_counts`]) while the log is in use: run it beside the
+/// proxy. It ends once the log is dropped.
+pub async fn keep_counts_current(log: std::sync::Weak<DecisionLog>) {
+    // Often enough that a count is written at most a few seconds past its due time.
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(REPEAT_WINDOW_MS / 12));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(log) = log.upgrade() else {
+            return;
+        };
+        log.write_due_counts();
+    }
+}
+
 impl Drop for DecisionLog {
     /// Writes the count of a refusal still being repeated.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         let mut state = std::mem::take(state);
-        if let Err(e) = self.write_repeats(&mut state) {
-            guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+        for which in [Which::General, Which::SecretDecisions] {
+            let line = state
+                .file(which)
+                .repeating
+                .take()
+                .and_then(|mut ended| ended.count_line());
+            if let Some(Err(e)) = line.map(|line| self.write(&mut state, which, &line)) {
+                guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+            }
         }
     }
 }
@@ -364,6 +480,19 @@ mod tests {
         e
     }
 
+    /// The refusal that records `secret1`'s withdrawal.
+    fn withdrawal() -> LogEntry {
+        let mut withdrawn = LogEntry::new(
+            "api.example.com",
+            443,
+            false,
+            "secret secret1 withdrawn",
+            "tls-request",
+        );
+        withdrawn.withdrawn_secret = Some("secret1".into());
+        withdrawn
+    }
+
     fn lines(path: &Path) -> Vec<LogEntry> {
         read_entries(path).unwrap()
     }
@@ -436,14 +565,7 @@ mod tests {
         let path = tmp.path().join("egress.jsonl");
         let log = DecisionLog::with_max_bytes(path.clone(), 2000);
         log.record(&secret_entry(1));
-        let withdrawn = LogEntry::new(
-            "api.example.com",
-            443,
-            false,
-            "secret secret1 withdrawn",
-            "tls-request",
-        );
-        log.record(&withdrawn);
+        log.record(&withdrawal());
         for i in 0..2000 {
             let mut refusal = entry(2 * i + 1);
             refusal.rule = "deny * (default)".into();
@@ -455,6 +577,57 @@ mod tests {
         // Bounded all the same: the general file and its predecessor.
         assert!(all.len() < 100, "{} entries kept", all.len());
         assert!(fs::metadata(&path).unwrap().len() <= 2000 + 300);
+    }
+
+    /// Inside TLS terminated for a secret's host, the guest chooses the method and
+    /// the Host header a refusal names: each refusal differs from the one before. They
+    /// go to the general file; the withdrawal's refusals, the same whatever the
+    /// method, are counted in the other.
+    #[test]
+    fn a_flood_of_refusals_inside_terminated_tls_leaves_the_decisions_about_secrets() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::with_max_bytes(path.clone(), 4000);
+        log.record(&secret_entry(1));
+        for i in 0..2000 {
+            // A CONNECT to the secret's host, which sends it nowhere.
+            let mut connect =
+                LogEntry::new("api.example.com", 443, true, "allow api (test)", "connect");
+            connect.secret = Some("secret1".into());
+            log.record(&connect);
+            let mut refusal = LogEntry::new(
+                "api.example.com",
+                443,
+                false,
+                &format!("Host evil{i}.example.com disagrees with the CONNECT target"),
+                "tls-request",
+            );
+            refusal.method = Some(format!("M{i}"));
+            log.record(&refusal);
+            // The withdrawn secret asked for again and again, in between.
+            if i >= 1000 {
+                log.record(&withdrawal());
+            }
+        }
+        drop(log);
+        let about_secrets = lines(&secret_decisions(&path));
+        assert_eq!(about_secrets[0].secret.as_deref(), Some("secret1"));
+        assert_eq!(about_secrets[1], withdrawal_written(&about_secrets[1]));
+        // The withdrawal once, then its count at 1, 2, 4... 512 and 999.
+        assert_eq!(about_secrets.len(), 2 + 10 + 1, "{about_secrets:?}");
+        assert_eq!(about_secrets.last().unwrap().repeated, Some(999));
+        assert!(!rotated(&secret_decisions(&path)).exists());
+        assert!(lines(&path)
+            .iter()
+            .all(|e| e.kind == "connect" || e.secret.is_none() && e.withdrawn_secret.is_none()));
+    }
+
+    /// `entry` if it is [`withdrawal`]'s first line (its time aside).
+    fn withdrawal_written(entry: &LogEntry) -> LogEntry {
+        LogEntry {
+            time_unix_ms: entry.time_unix_ms,
+            ..withdrawal()
+        }
     }
 
     #[test]
@@ -518,6 +691,86 @@ mod tests {
                 (host(3), Some(2)),
             ]
         );
+    }
+
+    /// A count not yet written is written within a window of its first repeat, with
+    /// no other entry to come, and though the repeats go on at less than a window's
+    /// pause: `policy log` is never more than a minute behind.
+    #[test]
+    fn a_pending_count_is_written_when_its_window_closes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        let mut refusal = entry(1);
+        let start = refusal.time_unix_ms;
+        log.record(&refusal);
+        // Repeats every 20 s: 1 and 2 are written at once, 3 waits.
+        for _ in 0..3 {
+            refusal.time_unix_ms += 20_000;
+            log.record(&refusal);
+        }
+        let counts =
+            |path: &Path| -> Vec<Option<u64>> { lines(path).iter().map(|e| e.repeated).collect() };
+        assert_eq!(counts(&path), [None, Some(1), Some(2)]);
+        // A timer's check before the window closes writes nothing.
+        let mut state = log.state.lock().unwrap();
+        log.write_due(&mut state, start + 60_000 + REPEAT_WINDOW_MS - 1)
+            .unwrap();
+        drop(state);
+        assert_eq!(counts(&path), [None, Some(1), Some(2)]);
+        // Repeats 4 (written, a power of two) and 5..7, every 20 s: 5 waits, and
+        // when 8 would come, its window has closed; 6 and 7 go with it.
+        for _ in 0..3 {
+            refusal.time_unix_ms += 20_000;
+            log.record(&refusal);
+        }
+        assert_eq!(counts(&path), [None, Some(1), Some(2), Some(4)]);
+        refusal.time_unix_ms += 20_000;
+        log.record(&refusal);
+        assert_eq!(counts(&path), [None, Some(1), Some(2), Some(4)]);
+        let mut state = log.state.lock().unwrap();
+        log.write_due(&mut state, start + 100_000 + REPEAT_WINDOW_MS)
+            .unwrap();
+        drop(state);
+        assert_eq!(counts(&path), [None, Some(1), Some(2), Some(4), Some(7)]);
+        // The refusals stop: the run ends, counted, a window after the last, with no
+        // entry and no drop to write it.
+        refusal.time_unix_ms += 20_000;
+        log.record(&refusal);
+        let mut state = log.state.lock().unwrap();
+        log.write_due(&mut state, refusal.time_unix_ms + REPEAT_WINDOW_MS + 1)
+            .unwrap();
+        assert!(state.general.repeating.is_none());
+        drop(state);
+        let written = lines(&path);
+        assert_eq!(written.last().unwrap().repeated, Some(8));
+        assert_eq!(written.last().unwrap().time_unix_ms, refusal.time_unix_ms);
+        // Nothing more when the log closes.
+        drop(log);
+        assert_eq!(lines(&path).len(), written.len());
+    }
+
+    /// The timer that writes due counts ends with the log.
+    #[tokio::test(start_paused = true)]
+    async fn the_counts_timer_writes_due_counts_and_ends_with_the_log() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = std::sync::Arc::new(DecisionLog::open(&path));
+        // A refusal repeated 3 times, the last a window and more ago (its run ended).
+        let mut refusal = entry(1);
+        refusal.time_unix_ms -= 2 * REPEAT_WINDOW_MS;
+        for _ in 0..4 {
+            log.record(&refusal);
+        }
+        assert_eq!(lines(&path).len(), 3);
+        let timer = tokio::spawn(keep_counts_current(std::sync::Arc::downgrade(&log)));
+        tokio::time::sleep(std::time::Duration::from_millis(REPEAT_WINDOW_MS / 6)).await;
+        assert_eq!(lines(&path).last().unwrap().repeated, Some(3));
+        drop(log);
+        tokio::time::timeout(std::time::Duration::from_millis(REPEAT_WINDOW_MS), timer)
+            .await
+            .expect("the timer ended with the log")
+            .unwrap();
     }
 
     #[test]

@@ -18,7 +18,7 @@ use egress::log::{read_recent, DecisionLog};
 use egress::proxy::{serve_connection, upstream_tls_config, Limits, ProxyConfig};
 use egress::rules::{Decision, EgressRules, Injection};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
@@ -827,6 +827,60 @@ async fn a_host_header_for_another_host_is_refused() {
     assert!(h.seen().iter().all(|s| !s.uri.contains("mismatch")));
 }
 
+/// Refusals inside TLS terminated for a secret's host name a Host header and method
+/// the guest chose, so each is new to the log, and CONNECTs to that host cost the
+/// guest nothing: they go to the general file, and the one beside it keeps only the
+/// requests the secret was set on (a flood of them would rotate those out).
+#[tokio::test]
+async fn refusals_inside_terminated_tls_stay_out_of_the_secret_decisions() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let (status, _, body) = exchange(&mut client, request("/echo", "api.test", &[], "")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    const REFUSALS: usize = 200;
+    for i in 0..REFUSALS {
+        // The proxy closes the connection after a refusal.
+        let mut client = h
+            .https_client("api.test:443", "api.test", &h.sandbox_ca)
+            .await;
+        let mut req = request("/mismatch", &format!("evil{i}.test"), &[], "");
+        *req.method_mut() = Method::from_bytes(format!("M{i}").as_bytes()).unwrap();
+        let (status, _, body) = exchange(&mut client, req).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    }
+    let about_secrets = read_lines(&secret_decisions_of(&h.log_path));
+    assert!(
+        about_secrets.len() == 1 && about_secrets[0].secret.as_deref() == Some("testkey"),
+        "{about_secrets:?}"
+    );
+    let general = read_lines(&h.log_path);
+    let connects = general.iter().filter(|e| e.kind == "connect").count();
+    assert_eq!(connects, REFUSALS + 1);
+    let refused = general
+        .iter()
+        .filter(|e| !e.allowed && e.kind == "tls-request" && e.rule.contains("disagrees"))
+        .count();
+    assert_eq!(refused, REFUSALS);
+}
+
+/// The file of the decisions about secrets beside the log at `path`.
+fn secret_decisions_of(path: &std::path::Path) -> PathBuf {
+    let mut beside = path.to_path_buf().into_os_string();
+    beside.push(".secret-decisions");
+    PathBuf::from(beside)
+}
+
+/// The entries of one of the log's files.
+fn read_lines(path: &std::path::Path) -> Vec<egress::log::LogEntry> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect()
+}
+
 // ---- policy ------------------------------------------------------------------------
 
 #[tokio::test]
@@ -1441,12 +1495,13 @@ async fn probing_for_the_secret_a_character_at_a_time_gets_it_withdrawn() {
         .await;
     let (status, _, _) = exchange(&mut client, request("/echo", "api.test", &[], "hello")).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
-    let entries = read_recent(&h.log_path, 10).unwrap();
+    // In the file of the decisions about secrets, naming the one withdrawn.
+    let about_secrets = read_lines(&secret_decisions_of(&h.log_path));
     assert!(
-        entries
-            .iter()
-            .any(|e| !e.allowed && e.rule.contains("withdrawn")),
-        "{entries:?}"
+        about_secrets.iter().any(|e| !e.allowed
+            && e.rule.contains("withdrawn")
+            && e.withdrawn_secret.as_deref() == Some("testkey")),
+        "{about_secrets:?}"
     );
 }
 
@@ -1531,12 +1586,13 @@ async fn an_upgraded_connection_closes_once_its_secret_is_removed() {
         .await
         .expect("the connection stayed open after its secret was removed");
     assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
-    let entries = read_recent(&h.log_path, 10).unwrap();
+    let about_secrets = read_lines(&secret_decisions_of(&h.log_path));
     assert!(
-        entries
-            .iter()
-            .any(|e| e.host == "unbound.test" && !e.allowed && e.rule.contains("no longer bound")),
-        "{entries:?}"
+        about_secrets.iter().any(|e| e.host == "unbound.test"
+            && !e.allowed
+            && e.rule.contains("no longer bound")
+            && e.withdrawn_secret.as_deref() == Some("testkey")),
+        "{about_secrets:?}"
     );
 }
 

@@ -328,6 +328,13 @@ impl Redactor {
         self.tripwire.as_ref().is_some_and(|t| t.tripped())
     }
 
+    /// The name of the secret it redacts, as its tripwire knows it.
+    pub(super) fn secret_name(&self) -> Option<&str> {
+        self.tripwire
+            .as_deref()
+            .map(|tripwire| tripwire.secret.as_str())
+    }
+
     /// Whether `value` is the header value this redactor was made for.
     pub(super) fn redacts_value(&self, value: &[u8]) -> bool {
         self.needles.iter().any(|needle| needle.as_slice() == value)

@@ -130,15 +130,11 @@ impl Session {
                     injection.secret,
                     super::redact::PROBES_TOLERATED
                 );
-                let what = ask.what.clone();
-                return Err(ask.refuse(
-                    config,
-                    &rule,
-                    ProxyError::Refused {
-                        what,
-                        rule: rule.clone(),
-                    },
-                ));
+                config.log.record(&ask.withdrawal(&injection.secret, &rule));
+                return Err(ProxyError::Refused {
+                    what: ask.what.clone(),
+                    rule,
+                });
             }
         }
         config

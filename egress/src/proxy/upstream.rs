@@ -72,6 +72,15 @@ impl Ask {
         entry
     }
 
+    /// A log entry for the refusal that records `secret`'s withdrawal: without the
+    /// method, which the guest chooses, so that its retries repeat it exactly and
+    /// are counted rather than written ([`crate::log`]).
+    pub(super) fn withdrawal(&self, secret: &str, rule: &str) -> LogEntry {
+        let mut entry = LogEntry::new(&self.host, self.port, false, rule, self.kind);
+        entry.withdrawn_secret = Some(secret.to_owned());
+        entry
+    }
+
     pub(super) fn target(&self) -> String {
         display_target(&self.host, self.port)
     }
@@ -102,7 +111,11 @@ impl Ask {
                 .is_some_and(|injection| redactor.redacts_value(injection.value.as_bytes()));
             if !still_bound || redactor.withdrawn() {
                 let rule = "the secret it was opened with is no longer bound to it";
-                config.log.record(&self.entry(false, rule, None));
+                let entry = match redactor.secret_name() {
+                    Some(secret) => self.withdrawal(secret, rule),
+                    None => self.entry(false, rule, None),
+                };
+                config.log.record(&entry);
                 tracing::info!("{}: {rule}; closing the open connection", self.target());
                 return;
             }

@@ -205,6 +205,9 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
                     tracing::error!("cannot serve the VM's network sockets");
                     return;
                 };
+                tokio::spawn(egress::log::keep_counts_current(Arc::downgrade(
+                    &service.proxy.log,
+                )));
                 tokio::spawn(serve_guest_connections(services, service.clone()));
                 serve_control(control, service).await;
             })

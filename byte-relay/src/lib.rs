@@ -12,11 +12,70 @@
 //! passed on as one, a response cut short by a crashed server would look complete to
 //! the client. [`both_ways`] then stops both ways at once without closing anything,
 //! and [`Relayed::broken`] says which side broke, so that a caller that owns the
-//! other side's socket can reset it (`SO_LINGER` 0, then drop it).
+//! other side's socket can pass that on ([`pass_on_break`]: a reset, unless what the
+//! relay wrote is still queued for its peer).
 
 use std::io;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How long [`pass_on_break`] waits, after its end of stream, for the peer to take
+/// what is queued for it and close.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How [`pass_on_break`] ended a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// With a reset: nothing was queued for the peer.
+    Reset,
+    /// With an ordinary end of stream after what was queued for the peer, which a
+    /// reset would have thrown away (an answer the server sent before it broke off).
+    EndAfterQueued,
+}
+
+/// Ends `stream`, one side of a relay whose other side broke ([`Relayed::broken`]),
+/// so that its peer learns that the stream broke: with a reset (`SO_LINGER` 0, then
+/// the close), when nothing the relay wrote to it is still queued for its peer
+/// (`TIOCOUTQ` 0, or unknown). A reset throws away what is queued, though: an answer
+/// the server sent before it broke off (a `413` to an upload it did not read) would
+/// be lost. Then the stream ends as an ordinary end of stream after what is queued,
+/// and what the peer still sends is read and dropped until it closes, for at most
+/// [`DRAIN_TIMEOUT`]: a close with unread data would itself send a reset.
+pub async fn pass_on_break(mut stream: TcpStream) -> Ending {
+    if queued_for_peer(&stream).unwrap_or(0) == 0 {
+        // The close below is then a reset.
+        let _ = stream.set_zero_linger();
+        return Ending::Reset;
+    }
+    // Queues the end of stream after the data.
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let drained = async {
+        loop {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained).await;
+    Ending::EndAfterQueued
+}
+
+/// How many bytes written to `stream` its peer has not acknowledged yet (`TIOCOUTQ`).
+fn queued_for_peer(stream: &TcpStream) -> io::Result<usize> {
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ on a TCP socket writes one int to the pointer, which points to
+    // `queued`, alive for the call; the descriptor is `stream`'s, open while borrowed.
+    let done = unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    if done != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(queued).unwrap_or(0))
+}
 
 /// What each way copies at a time: the most a relay holds per way.
 const CHUNK: usize = 8 * 1024;
@@ -336,6 +395,81 @@ mod tests {
             "the server did not read a reset"
         );
         assert_eq!(relay.await.unwrap().broken(), Some(Side::A));
+    }
+
+    /// The peer has all the relay wrote: the break is passed on as a reset.
+    #[tokio::test]
+    async fn a_break_with_nothing_queued_is_passed_on_as_a_reset() {
+        let (mut near, mut far) = tcp_pair().await;
+        near.write_all(b"answer").await.unwrap();
+        let mut answer = [0u8; 6];
+        far.read_exact(&mut answer).await.unwrap();
+        assert_eq!(pass_on_break(near).await, Ending::Reset);
+        let ended = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            far.read_to_end(&mut Vec::new()),
+        )
+        .await
+        .expect("the peer's read did not end");
+        assert!(
+            ended.is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+            "the peer did not read a reset"
+        );
+    }
+
+    /// An answer the peer has not taken yet (it is still uploading, and reads only
+    /// after) reaches it whole, then an end of stream: a reset would have thrown the
+    /// queued part away.
+    #[tokio::test]
+    async fn a_break_with_an_answer_queued_delivers_the_answer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // A small receive buffer, so that most of the answer stays queued.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut far = socket
+            .connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (near, _) = listener.accept().await.unwrap();
+        // An upload the near side never reads.
+        far.write_all(&[1u8; 16 * 1024]).await.unwrap();
+        let answer: Vec<u8> = (0..256 * 1024).map(|i| (i % 251) as u8).collect();
+        let mut written = 0;
+        while written < answer.len() {
+            match near.try_write(&answer[written..]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let answer = &answer[..written];
+        assert!(queued_for_peer(&near).unwrap() > 0);
+        let ended = tokio::spawn(pass_on_break(near));
+        // More of the upload, once the near side has ended its stream: a closed
+        // socket would answer it with a reset.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        far.write_all(&[2u8; 1024]).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let mut received = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            far.read_to_end(&mut received),
+        )
+        .await
+        .expect("the peer's read did not end");
+        assert!(
+            read.is_ok(),
+            "the peer read {read:?} after {} bytes",
+            received.len()
+        );
+        assert!(
+            received == answer,
+            "{} of {} bytes",
+            received.len(),
+            answer.len()
+        );
+        drop(far);
+        assert_eq!(ended.await.unwrap(), Ending::EndAfterQueued);
     }
 
     #[tokio::test]

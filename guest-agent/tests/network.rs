@@ -376,7 +376,9 @@ async fn a_connection_the_host_refuses_is_reset() {
 }
 
 /// The host side's stream breaks mid-way (a Unix socket closed with data unread
-/// reads as a reset): the guest's client is reset too.
+/// reads as a reset): the guest's client, which has taken all that came, is reset
+/// too. Only a Unix socket breaks so: over vsock the guest's kernel reads the VMM's
+/// RST as an end of stream (PROTOCOL.md), which is passed on as one.
 #[tokio::test]
 async fn a_host_side_that_breaks_resets_the_guests_client() {
     let agent = Agent::start().await;

@@ -147,8 +147,9 @@ impl HostConnector {
 }
 
 /// Makes closing `tcp` reset the connection, so that its peer learns the connection
-/// broke or was refused: an ordinary close would tell it that the stream ended, and a
-/// client would take an empty or cut-short answer for a whole one.
+/// was refused: an ordinary close would tell it that the stream ended, and a client
+/// would take an empty answer for a whole one. (A relay that broke off after bytes
+/// went through ends with [`byte_relay::pass_on_break`], which keeps what is queued.)
 fn reset_on_close(tcp: &TcpStream) {
     if let Err(e) = tcp.set_zero_linger() {
         debug!("cannot make a connection's close a reset: {e}");
@@ -242,11 +243,11 @@ async fn relay_to_host(mut tcp: TcpStream, req: &ServiceRequest, host: &HostConn
         }
     };
     let relayed = byte_relay::both_ways(&mut tcp, upstream).await;
-    if relayed.broken() == Some(byte_relay::Side::B) {
-        reset_on_close(&tcp);
-    }
     if let Some(e) = relayed.error() {
         debug!(?req, "relay failed: {e}");
+    }
+    if relayed.broken() == Some(byte_relay::Side::B) {
+        byte_relay::pass_on_break(tcp).await;
     }
 }
 
@@ -272,14 +273,15 @@ pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, mut tcp: TcpStre
     let _ = tcp.set_nodelay(true);
     let client = RawStream::new(pending, client);
     let relayed = byte_relay::both_ways(client, &mut tcp).await;
-    if relayed.broken() == Some(byte_relay::Side::A) {
-        reset_on_close(&tcp);
-    }
+    let broken = relayed.broken();
     match relayed {
         byte_relay::Relayed {
             a_to_b: Ok(up),
             b_to_a: Ok(down),
         } => debug!(up, down, "published port connection ended"),
         relayed => debug!(?relayed, "published port connection failed"),
+    }
+    if broken == Some(byte_relay::Side::A) {
+        byte_relay::pass_on_break(tcp).await;
     }
 }

@@ -187,7 +187,10 @@ fn poisoned() -> String {
 /// [`crate::exec::AGENT_TIMEOUT`] to connect it, as for any call: one that takes the
 /// connection and never answers must not hold this task and both sockets forever.
 /// A connection the guest does not take (nothing listens on the port) is reset, as
-/// is one whose guest side breaks: its client learns that, not that the stream ended.
+/// is one whose guest side breaks (unless the guest's answer is still queued for the
+/// client, [`byte_relay::pass_on_break`]): its client learns that, not that the
+/// stream ended. (The VMM ends the vsock stream of a guest server that reset its
+/// connection as an ordinary end, though: that client sees an end of stream.)
 async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
     let connected =
         crate::exec::call_agent(&vsock, |connection| connection.connect_port(guest_port)).await;
@@ -195,7 +198,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, g
         Ok(guest) => {
             let relayed = byte_relay::both_ways(&mut client, guest).await;
             if relayed.broken() == Some(byte_relay::Side::B) {
-                reset_on_close(&client);
+                byte_relay::pass_on_break(client).await;
             }
         }
         Err(e) => {
@@ -249,6 +252,38 @@ mod tests {
         );
     }
 
+    /// Takes the next connection to a fake guest agent at `listener` through the
+    /// VMM's hybrid handshake, `Hello` and a `ConnectPort`, and answers that with
+    /// `answer`.
+    async fn take_connect_port(
+        listener: &tokio::net::UnixListener,
+        answer: &AgentMessage,
+    ) -> Option<tokio::net::UnixStream> {
+        let (mut stream, _) = listener.accept().await.ok()?;
+        let mut line = Vec::new();
+        while line.last() != Some(&b'\n') {
+            line.push(stream.read_u8().await.unwrap());
+        }
+        stream.write_all(b"OK 1024\n").await.unwrap();
+        let hello = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+        assert!(
+            matches!(hello, Ok(Some(ClientMessage::Hello(_)))),
+            "{hello:?}"
+        );
+        let hello_ok = AgentMessage::HelloOk {
+            agent_version: "test".into(),
+            protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+        };
+        write_frame(&mut stream, &hello_ok).await.unwrap();
+        let request = FrameReader::new(&mut stream).next::<ClientMessage>().await;
+        assert!(
+            matches!(request, Ok(Some(ClientMessage::ConnectPort(_)))),
+            "{request:?}"
+        );
+        write_frame(&mut stream, answer).await.unwrap();
+        Some(stream)
+    }
+
     /// A guest agent listening on `vsock` (behind the VMM's hybrid handshake) that
     /// answers each `ConnectPort` with `answer`, and keeps the connection open; each
     /// answer is reported on the channel returned.
@@ -260,33 +295,54 @@ mod tests {
         let (answered_tx, answered) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut held = Vec::new();
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let mut line = Vec::new();
-                while line.last() != Some(&b'\n') {
-                    line.push(stream.read_u8().await.unwrap());
-                }
-                stream.write_all(b"OK 1024\n").await.unwrap();
-                let hello = FrameReader::new(&mut stream).next::<ClientMessage>().await;
-                assert!(
-                    matches!(hello, Ok(Some(ClientMessage::Hello(_)))),
-                    "{hello:?}"
-                );
-                let hello_ok = AgentMessage::HelloOk {
-                    agent_version: "test".into(),
-                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
-                };
-                write_frame(&mut stream, &hello_ok).await.unwrap();
-                let request = FrameReader::new(&mut stream).next::<ClientMessage>().await;
-                assert!(
-                    matches!(request, Ok(Some(ClientMessage::ConnectPort(_)))),
-                    "{request:?}"
-                );
-                write_frame(&mut stream, &answer).await.unwrap();
+            while let Some(stream) = take_connect_port(&listener, &answer).await {
                 held.push(stream);
                 let _ = answered_tx.send(());
             }
         });
         answered
+    }
+
+    /// A guest server answers an upload it does not read (a 413) and hangs up, and
+    /// the VMM closes the vsock stream with the upload unread, which the relay reads
+    /// as a break: the answer still queued for the client (it reads only once it has
+    /// sent all) reaches it whole, not thrown away by a reset.
+    #[tokio::test]
+    async fn an_answer_queued_for_the_client_survives_the_guest_side_breaking() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let agent = tokio::net::UnixListener::bind(&vsock).unwrap();
+        let published = Published::default();
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let at = published
+            .publish(vsock, 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
+        // A small receive buffer: most of the answer stays queued on the host side.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut client = socket.connect(at).await.unwrap();
+        client.write_all(&[1u8; 16 * 1024]).await.unwrap();
+        let answer: Vec<u8> = (0..12 * 1024).map(|i| (i % 251) as u8).collect();
+        let mut guest = take_connect_port(&agent, &AgentMessage::Connected)
+            .await
+            .unwrap();
+        guest.write_all(&answer).await.unwrap();
+        // The upload reaches the guest's side, unread; closing it then is a break.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(guest);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut received = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut received))
+            .await
+            .expect("the client's connection was held");
+        assert!(
+            received == answer,
+            "the client got {} of the answer's {} bytes, then {read:?}",
+            received.len(),
+            answer.len()
+        );
     }
 
     /// A port relayed while its publication was binding (a `vmctl agent` start with

@@ -357,10 +357,10 @@ async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mute
     }
     let relayed = byte_relay::both_ways(stream, &mut host).await;
     if relayed.broken() == Some(byte_relay::Side::A) {
-        // The host's server learns that its client broke off, not that it finished.
-        if let Err(e) = host.set_zero_linger() {
-            tracing::debug!("cannot reset the relay to the host's port {port}: {e}");
-        }
+        // The host's server learns that its client broke off, not that it finished
+        // (unless what its client sent is still queued for it). Apart, so that the
+        // guest's slot, whose vsock connection is gone, is free meanwhile.
+        tokio::spawn(byte_relay::pass_on_break(host));
     }
 }
 

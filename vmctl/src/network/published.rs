@@ -7,10 +7,22 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::control::PublishedPort;
+use super::services::MAX_GUEST_SERVICE_CONNECTIONS;
+
+/// The most connections a VM's published ports forward at once, all of them
+/// together. Each holds one of the VMM's vsock connections, as each connection the
+/// guest makes to the host services does: with both at their limits, the VMM must
+/// still have some for vmctl's own calls into the guest (`exec`, the network setup,
+/// `stop`), whoever reaches a published address and however often.
+pub const MAX_PUBLISHED_CONNECTIONS: usize = 192;
+const _: () = assert!(
+    MAX_GUEST_SERVICE_CONNECTIONS + MAX_PUBLISHED_CONNECTIONS
+        < vmm::devices::virtio::vsock::muxer::MAX_CONNECTIONS
+);
 
 /// The answer to publishing `guest_port` at `asked` when it is published at
 /// `existing`: that address if it is as asked, else an error that says what to do.
@@ -34,9 +46,17 @@ fn already_published(
 }
 
 /// The published ports of one VM, by guest port.
-#[derive(Default)]
 pub struct Published {
     ports: Mutex<BTreeMap<u16, Publication>>,
+    /// The connections its publications forward, together
+    /// ([`MAX_PUBLISHED_CONNECTIONS`]).
+    connections: Arc<Semaphore>,
+}
+
+impl Default for Published {
+    fn default() -> Published {
+        Published::with_limit(MAX_PUBLISHED_CONNECTIONS)
+    }
 }
 
 /// One published port: where it listens, and the task that serves it, which ends
@@ -48,6 +68,14 @@ struct Publication {
 }
 
 impl Published {
+    /// Publications that forward at most `limit` connections at once, together.
+    fn with_limit(limit: usize) -> Published {
+        Published {
+            ports: Mutex::new(BTreeMap::new()),
+            connections: Arc::new(Semaphore::new(limit)),
+        }
+    }
+
     /// Listens on `host` (port 0: a free one) and forwards its connections to the
     /// guest's `guest_port`; returns the address it listens on. Asked again for a
     /// port already published as asked, it answers with that address, so that a
@@ -87,7 +115,13 @@ impl Published {
             return Err(why);
         }
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(serve(listener, Arc::new(vsock), guest_port, stopped));
+        let task = tokio::spawn(serve(
+            listener,
+            Arc::new(vsock),
+            guest_port,
+            self.connections.clone(),
+            stopped,
+        ));
         ports.insert(guest_port, Publication { host, stop, task });
         Ok(PublishedPort { guest_port, host })
     }
@@ -145,13 +179,14 @@ impl Published {
     }
 }
 
-/// Forwards each connection to `listener` to the guest's `guest_port` until
-/// `stopped`; then closes the listener, ends the connections, and returns once they
-/// have ended.
+/// Forwards each connection to `listener` to the guest's `guest_port`, while one of
+/// `slots` is free, until `stopped`; then closes the listener, ends the connections,
+/// and returns once they have ended. A connection with no slot free is reset.
 async fn serve(
     listener: TcpListener,
     vsock: Arc<PathBuf>,
     guest_port: u16,
+    slots: Arc<Semaphore>,
     mut stopped: oneshot::Receiver<()>,
 ) {
     let mut connections = JoinSet::new();
@@ -161,9 +196,25 @@ async fn serve(
             // Ended connections are reaped, or the set would grow with each.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
-                Ok((client, peer)) => {
-                    connections.spawn(forward(client, peer, vsock.clone(), guest_port));
-                }
+                Ok((client, peer)) => match slots.clone().try_acquire_owned() {
+                    Ok(slot) => {
+                        let forwarded = forward(client, peer, vsock.clone(), guest_port);
+                        connections.spawn(async move {
+                            forwarded.await;
+                            drop(slot);
+                        });
+                    }
+                    Err(_) => {
+                        // Rate-limited: whoever reaches the address connects at will.
+                        guest_log::guest_warn!(
+                            "published port {guest_port}: the connection from {peer} is \
+                             refused (reset): the VM's published ports forward \
+                             {MAX_PUBLISHED_CONNECTIONS} connections already, the most \
+                             they may at once"
+                        );
+                        reset_on_close(&client);
+                    }
+                },
                 Err(e) => {
                     tracing::warn!("published guest port {guest_port}: accepting: {e}");
                     // Out of descriptors, most likely: let some connections end.
@@ -424,6 +475,59 @@ mod tests {
                 .as_ref()
                 .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
             "not reset: {ended:?}"
+        );
+    }
+
+    /// Past the limit, a connection is reset at once, whatever publication it came
+    /// to; one is taken again once a connection ends.
+    #[tokio::test]
+    async fn connections_past_the_limit_are_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let vsock = dir.path().join("vsock.sock");
+        let agent = tokio::net::UnixListener::bind(&vsock).unwrap();
+        let connected = AgentMessage::Connected;
+        let published = Published::with_limit(2);
+        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let first = published
+            .publish(vsock.clone(), 8080, any_port, || None)
+            .await
+            .unwrap()
+            .host;
+        let second = published
+            .publish(vsock, 8081, any_port, || None)
+            .await
+            .unwrap()
+            .host;
+        let held = TcpStream::connect(first).await.unwrap();
+        let guest_side = take_connect_port(&agent, &connected).await.unwrap();
+        let _held_too = TcpStream::connect(second).await.unwrap();
+        let _guest_side_too = take_connect_port(&agent, &connected).await.unwrap();
+        for at in [first, second] {
+            let mut refused = TcpStream::connect(at).await.unwrap();
+            let ended = tokio::time::timeout(Duration::from_secs(10), refused.read(&mut [0u8; 1]))
+                .await
+                .expect("a connection past the limit was held");
+            assert!(
+                ended.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+                "not reset"
+            );
+        }
+        // One ends, both its sides: its slot is free for the next.
+        drop(held);
+        drop(guest_side);
+        let taken = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let _next = TcpStream::connect(first).await.unwrap();
+                tokio::select! {
+                    taken = take_connect_port(&agent, &connected) => return taken,
+                    () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            taken.is_ok_and(|stream| stream.is_some()),
+            "no connection was forwarded after one ended"
         );
     }
 

@@ -39,14 +39,23 @@ fn running_vm(workspace: &Path) -> Result<VmDir, PortsError> {
 pub fn list(workspace: &Path) -> Result<(), PortsError> {
     let vm = running_vm(workspace)?;
     let listening = guest_ports(&vm)?;
-    let (published, mut relays, failed_relays, refused_at_limit) =
+    let (published, mut relays, failed_relays, refused) =
         match control::request(&vm.control_socket(), &ControlRequest::ListPublished)? {
             ControlResponse::PublishedList {
                 ports,
                 relays,
                 failed_relays,
                 refused_at_limit,
-            } => (ports, relays, failed_relays, refused_at_limit),
+                last_refused_at_limit,
+            } => (
+                ports,
+                relays,
+                failed_relays,
+                RefusedAtLimit {
+                    count: refused_at_limit,
+                    last_unix_s: last_refused_at_limit,
+                },
+            ),
             other => return Err(PortsError::Unexpected(format!("{other:?}"))),
         };
     // Those the VM started with, for a supervisor that does not say (an older one).
@@ -59,24 +68,58 @@ pub fn list(workspace: &Path) -> Result<(), PortsError> {
         "{}",
         format_table(&listening, &published, &relays, &failed_relays)
     ));
-    if let Some(warning) = limit_warning(refused_at_limit) {
+    let now_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    if let Some(warning) = limit_warning(&refused, now_unix_s) {
         vmm::to_stderr!("{warning}");
     }
     Ok(())
 }
 
-/// What to say of `refused` connections the guest opened to the host services past
-/// its limit: the guest's clients saw only resets, the supervisor's log is seldom read.
-fn limit_warning(refused: u64) -> Option<String> {
-    (refused > 0).then(|| {
-        format!(
-            "vmctl: warning: the VM reached its limit of {} connections to the host services \
-             (egress proxy and relays) at once, and {refused} of its connections were refused \
-             (reset in the VM); a program in it may leave its connections open ('vmctl exec \
-             ss -tnp' lists them)",
-            crate::network::services::MAX_GUEST_SERVICE_CONNECTIONS
-        )
-    })
+/// The guest's connections to the host services refused past its limit, as the
+/// supervisor counts them.
+struct RefusedAtLimit {
+    /// Since the supervisor started.
+    count: u64,
+    /// When the last was (Unix time, seconds); none from a supervisor that does not
+    /// say.
+    last_unix_s: Option<u64>,
+}
+
+/// How long after the last connection refused at the limit `vmctl ports` warns of it:
+/// a burst long over is no news at every listing.
+const LIMIT_WARNING_FOR_S: u64 = 60 * 60;
+
+/// What to say of the connections the guest opened to the host services past its
+/// limit, if the last was refused lately: the guest's clients saw only resets, and
+/// the supervisor's log is seldom read.
+fn limit_warning(refused: &RefusedAtLimit, now_unix_s: u64) -> Option<String> {
+    if refused.count == 0 {
+        return None;
+    }
+    let when = match refused.last_unix_s {
+        Some(last) => {
+            let ago = now_unix_s.saturating_sub(last);
+            if ago > LIMIT_WARNING_FOR_S {
+                return None;
+            }
+            if ago < 120 {
+                format!("last {ago} s ago")
+            } else {
+                format!("last {} min ago", ago / 60)
+            }
+        }
+        None => "at some time since it started".to_string(),
+    };
+    Some(format!(
+        "vmctl: warning: the VM reached its limit of {} connections to the host services \
+         (egress proxy and relays) at once ({when}): its connections past it \
+         were refused (reset in the VM), {} since the VM started; a program in it may leave \
+         its connections open ('vmctl exec ss -tnp' lists them)",
+        crate::network::services::MAX_GUEST_SERVICE_CONNECTIONS,
+        refused.count
+    ))
 }
 
 fn guest_ports(vm: &VmDir) -> Result<Vec<ListeningPort>, PortsError> {
@@ -236,12 +279,29 @@ mod tests {
         );
     }
 
+    /// Warned of while the last refusal is recent, with when it was; not at every
+    /// listing for the rest of the VM's life.
     #[test]
-    fn connections_refused_at_the_limit_are_warned_of() {
-        assert_eq!(limit_warning(0), None);
-        let warning = limit_warning(3).unwrap();
+    fn connections_refused_at_the_limit_are_warned_of_while_recent() {
+        let refused = |count, last_unix_s| RefusedAtLimit { count, last_unix_s };
+        let now = 1_000_000;
+        assert_eq!(limit_warning(&refused(0, None), now), None);
+        let warning = limit_warning(&refused(3, Some(now - 30)), now).unwrap();
         assert!(
-            warning.contains("768 connections") && warning.contains("3 of its connections"),
+            warning.contains("768 connections")
+                && warning.contains("(last 30 s ago)")
+                && warning.contains("3 since the VM started"),
+            "{warning}"
+        );
+        let warning = limit_warning(&refused(3, Some(now - 600)), now).unwrap();
+        assert!(warning.contains("(last 10 min ago)"), "{warning}");
+        // A burst over an hour ago is no longer news.
+        let old = refused(3, Some(now - LIMIT_WARNING_FOR_S - 1));
+        assert_eq!(limit_warning(&old, now), None);
+        // A supervisor that does not say when: the count alone.
+        let warning = limit_warning(&refused(3, None), now).unwrap();
+        assert!(
+            warning.contains("(at some time since it started)"),
             "{warning}"
         );
     }

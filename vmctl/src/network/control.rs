@@ -92,9 +92,13 @@ pub enum ControlResponse {
         #[serde(default)]
         failed_relays: Vec<u16>,
         /// The guest's connections to the host services refused because it held the
-        /// most it may already (`MAX_GUEST_SERVICE_CONNECTIONS`).
+        /// most it may already (`MAX_GUEST_SERVICE_CONNECTIONS`), since the supervisor
+        /// started.
         #[serde(default)]
         refused_at_limit: u64,
+        /// When the last of those was refused (Unix time, seconds), if one was.
+        #[serde(default)]
+        last_refused_at_limit: Option<u64>,
     },
     Error {
         message: String,
@@ -189,6 +193,7 @@ mod tests {
                 relays: Vec::new(),
                 failed_relays: Vec::new(),
                 refused_at_limit: 0,
+                last_refused_at_limit: None,
             }
         );
     }

@@ -64,10 +64,12 @@ const _: () = assert!(
 );
 
 /// The guest's connections to the host services: their slots
-/// ([`MAX_GUEST_SERVICE_CONNECTIONS`]), and how many were refused for want of one.
+/// ([`MAX_GUEST_SERVICE_CONNECTIONS`]), how many were refused for want of one, and
+/// when the last was (Unix time, seconds; 0: none was).
 struct GuestSlots {
     slots: Arc<tokio::sync::Semaphore>,
     refused: AtomicU64,
+    last_refused_unix_s: AtomicU64,
 }
 
 impl GuestSlots {
@@ -75,7 +77,22 @@ impl GuestSlots {
         GuestSlots {
             slots: Arc::new(tokio::sync::Semaphore::new(limit)),
             refused: AtomicU64::new(0),
+            last_refused_unix_s: AtomicU64::new(0),
         }
+    }
+
+    /// Counts a connection refused for want of a slot, now.
+    fn count_refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        self.last_refused_unix_s.store(now, Ordering::Relaxed);
+    }
+
+    /// When the last connection was refused for want of a slot, if one was.
+    fn last_refused(&self) -> Option<u64> {
+        Some(self.last_refused_unix_s.load(Ordering::Relaxed)).filter(|&at| at != 0)
     }
 
     fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
@@ -275,7 +292,7 @@ async fn serve_guest_request<Egress, Served>(
         }
     };
     let Some(_slot) = slot else {
-        slots.refused.fetch_add(1, Ordering::Relaxed);
+        slots.count_refused();
         guest_log::guest_warn!(
             "the guest holds {MAX_GUEST_SERVICE_CONNECTIONS} connections to the host \
              services (egress proxy and relays) already, the most it may; its {} is \
@@ -494,6 +511,7 @@ async fn handle_control(request: ControlRequest, service: &Arc<NetworkService>) 
                 relays,
                 failed_relays,
                 refused_at_limit: service.guest_slots.refused.load(Ordering::Relaxed),
+                last_refused_at_limit: service.guest_slots.last_refused(),
             })
         }
     };
@@ -770,6 +788,7 @@ mod tests {
         });
         let relays = Arc::new(Mutex::new(Relays::allowing([port])));
         let slots = Arc::new(GuestSlots::new(1));
+        assert_eq!(slots.last_refused(), None);
         let egress_served = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let serve = |request: ServiceRequest| {
             let (relays, slots, egress_served) =
@@ -806,6 +825,13 @@ mod tests {
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
         assert!(!egress_served.load(std::sync::atomic::Ordering::SeqCst));
         assert_eq!(slots.refused.load(Ordering::Relaxed), 2);
+        // When, for 'vmctl ports' to say (and to stop saying once it is long over).
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let last = slots.last_refused().expect("the refusal's time");
+        assert!(now.abs_diff(last) <= 5, "{last} is not now ({now})");
     }
 
     /// All the guest's end of a relay gets before the relay closes it.

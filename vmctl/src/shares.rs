@@ -102,12 +102,35 @@ pub enum ShareError {
     },
     #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; create that directory on the host (mkdir -p), or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.parent_guest.display())]
     MountPointInShare(Box<MountPointInShare>),
-    #[error("{} cannot be shared with the guest: it is on {fs}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), .naming.another_share())]
+    #[error("{} cannot be shared with the guest: {}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), pseudo_place(.host, .mount, .fs), .naming.another_share())]
     PseudoFilesystem {
         host: PathBuf,
-        fs: &'static str,
+        /// The file system's name.
+        fs: String,
+        /// Where it is mounted: the share's own file system, or one mounted inside it.
+        mount: PathBuf,
         naming: Naming,
     },
+    #[error("{} cannot be shared with the guest: it lies under {HOST_DEVICES}, where the host keeps its device nodes and the memory its programs share (/dev/shm){}, not a project's files: a guest that could write there could change what the host's programs read; share a project's directory instead ({})", .host.display(), .fs.as_ref().map(|(fs, mount)| format!(" (here {fs}, mounted at {})", mount.display())).unwrap_or_default(), .naming.another_share())]
+    HostDevices {
+        host: PathBuf,
+        /// The file system it is on, and where that is mounted, when known.
+        fs: Option<(String, PathBuf)>,
+        naming: Naming,
+    },
+}
+
+/// Where a pseudo file system is, for [`ShareError::PseudoFilesystem`].
+fn pseudo_place(host: &Path, mount: &Path, fs: &str) -> String {
+    if host.starts_with(mount) {
+        format!("it is on {fs}")
+    } else {
+        format!(
+            "{} inside it is a mount of {fs} (virtiofsd serves what is mounted inside a \
+             share too)",
+            mount.display()
+        )
+    }
 }
 
 /// A share nested in another whose mount point is not a directory there on the host.
@@ -178,7 +201,15 @@ impl ShareError {
                 kept_out,
                 naming: Naming::CurrentDirectory,
             },
-            ShareError::PseudoFilesystem { host, fs, .. } => ShareError::PseudoFilesystem {
+            ShareError::PseudoFilesystem {
+                host, fs, mount, ..
+            } => ShareError::PseudoFilesystem {
+                host,
+                fs,
+                mount,
+                naming: Naming::CurrentDirectory,
+            },
+            ShareError::HostDevices { host, fs, .. } => ShareError::HostDevices {
                 host,
                 fs,
                 naming: Naming::CurrentDirectory,
@@ -459,8 +490,8 @@ pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareEr
     Ok(())
 }
 
-/// File systems that are the kernel's view of the host rather than files (by
-/// `statfs`'s `f_type`), with their names.
+/// File systems that are the kernel's view of the host rather than files, by
+/// `statfs`'s `f_type` and by the name `/proc/self/mountinfo` gives them.
 const PSEUDO_FILESYSTEMS: [(u32, &str); 18] = [
     (0x0000_9fa0, "proc"),
     (0x6265_6572, "sysfs"),
@@ -482,31 +513,126 @@ const PSEUDO_FILESYSTEMS: [(u32, &str); 18] = [
     (0x4341_5d53, "smackfs"),
 ];
 
-/// Where the host's device nodes are (devtmpfs, which `statfs` cannot tell from a
-/// tmpfs).
+/// The host's device nodes: a pseudo file system that `statfs` cannot tell from a
+/// tmpfs (they share a magic number), known by its name only.
+const DEVTMPFS: &str = "devtmpfs";
+
+/// Where the host's device nodes are, and the memory its programs share (`/dev/shm`).
 const HOST_DEVICES: &str = "/dev";
 
-/// Refuses a share on a pseudo file system ([`PSEUDO_FILESYSTEMS`], or under `/dev`):
-/// as root, a guest that could write the host's `/proc/sys/kernel/core_pattern` would
-/// run what it likes on the host. A share whose file system cannot be looked at is
-/// left to virtiofsd, which says what is wrong with it.
+/// One line of `/proc/self/mountinfo`: where a file system is mounted, and its type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mount {
+    point: PathBuf,
+    fs: String,
+}
+
+/// This process's mounts, in the order they were made (a later one over an earlier);
+/// None if they cannot be read.
+fn mounts() -> Option<Vec<Mount>> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    Some(text.lines().filter_map(parse_mountinfo_line).collect())
+}
+
+/// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`,
+/// with space, tab, newline and backslash in paths written as octal escapes.
+fn parse_mountinfo_line(line: &str) -> Option<Mount> {
+    let mut fields = line.split(' ');
+    let point = fields.nth(4)?;
+    let fs = fields.skip_while(|field| *field != "-").nth(1)?;
+    Some(Mount {
+        point: PathBuf::from(std::ffi::OsString::from(
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&unescape_octal(point)),
+        )),
+        fs: fs.to_string(),
+    })
+}
+
+/// `text` with each `\NNN` (three octal digits) replaced by that byte.
+fn unescape_octal(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let digits = bytes.get(i + 1..i + 4);
+        let value = digits
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|b| (b'0'..=b'7').contains(b)))
+            .and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok());
+        match value {
+            Some(byte) => {
+                out.push(byte);
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Whether `fs` (a name from mountinfo) is the kernel's view of the host.
+fn is_pseudo(fs: &str) -> bool {
+    fs == DEVTMPFS || PSEUDO_FILESYSTEMS.iter().any(|(_, name)| *name == fs)
+}
+
+/// Refuses a share on a pseudo file system ([`PSEUDO_FILESYSTEMS`], devtmpfs), one
+/// with such a file system mounted inside it (virtiofsd serves the mounts inside a
+/// share: `/srv/chroot` with the host's proc at `/srv/chroot/proc`), and anything
+/// under `/dev`: as root, a guest that could write the host's
+/// `/proc/sys/kernel/core_pattern` would run what it likes on the host. A share whose
+/// file system cannot be looked at is left to virtiofsd, which says what is wrong
+/// with it; where the mounts cannot be read, only the share's own file system is
+/// looked at.
 pub fn check_not_pseudo_filesystem(share: &Share) -> Result<(), ShareError> {
-    let refuse = |fs| ShareError::PseudoFilesystem {
-        host: share.host.clone(),
-        fs,
+    check_not_pseudo_in(
+        &share.host,
+        filesystem_type(&share.host),
+        &mounts().unwrap_or_default(),
+    )
+}
+
+/// [`check_not_pseudo_filesystem`] of the directory `host`, whose file system's
+/// `statfs` type is `f_type`, among `mounts`.
+fn check_not_pseudo_in(
+    host: &Path,
+    f_type: Option<u32>,
+    mounts: &[Mount],
+) -> Result<(), ShareError> {
+    let pseudo = |fs: &str, mount: &Path| ShareError::PseudoFilesystem {
+        host: host.to_path_buf(),
+        fs: fs.to_string(),
+        mount: mount.to_path_buf(),
         naming: Naming::Options,
     };
-    if share.host.starts_with(HOST_DEVICES) {
-        return Err(refuse("devtmpfs (the host's devices)"));
+    // The mount the share is on: the last made whose mount point holds it.
+    let own = mounts.iter().rev().find(|m| host.starts_with(&m.point));
+    let by_magic = f_type.and_then(|f_type| {
+        PSEUDO_FILESYSTEMS
+            .iter()
+            .find(|(magic, _)| *magic == f_type)
+            .map(|(_, name)| *name)
+    });
+    if let Some(name) = by_magic {
+        let point = own.map_or(host, |m| m.point.as_path());
+        return Err(pseudo(name, point));
     }
-    let Some(f_type) = filesystem_type(&share.host) else {
-        return Ok(());
-    };
-    match PSEUDO_FILESYSTEMS
+    if let Some(own) = own.filter(|m| is_pseudo(&m.fs)) {
+        return Err(pseudo(&own.fs, &own.point));
+    }
+    if host.starts_with(HOST_DEVICES) {
+        return Err(ShareError::HostDevices {
+            host: host.to_path_buf(),
+            fs: own.map(|m| (m.fs.clone(), m.point.clone())),
+            naming: Naming::Options,
+        });
+    }
+    match mounts
         .iter()
-        .find(|(magic, _)| *magic == f_type)
+        .find(|m| m.point != host && m.point.starts_with(host) && is_pseudo(&m.fs))
     {
-        Some((_, name)) => Err(refuse(name)),
+        Some(inside) => Err(pseudo(&inside.fs, &inside.point)),
         None => Ok(()),
     }
 }
@@ -1535,12 +1661,7 @@ mod tests {
     /// of files to share; a directory of files is.
     #[test]
     fn pseudo_filesystems_are_not_shared() {
-        for (host, fs) in [
-            ("/proc", "proc"),
-            ("/proc/sys", "proc"),
-            ("/sys", "sysfs"),
-            ("/dev", "devtmpfs"),
-        ] {
+        for (host, fs) in [("/proc", "proc"), ("/proc/sys", "proc"), ("/sys", "sysfs")] {
             let error = check_not_pseudo_filesystem(&share(host, "/x")).unwrap_err();
             let message = error.to_string();
             assert!(
@@ -1551,8 +1672,100 @@ mod tests {
             );
             assert!(!error.for_agent().to_string().contains("--mount"));
         }
+        let error = check_not_pseudo_filesystem(&share("/dev", "/x")).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("/dev cannot be shared with the guest: it "),
+            "{error}"
+        );
+        assert!(!error.for_agent().to_string().contains("--mount"));
         let dir = tempfile::tempdir().unwrap();
         check_not_pseudo_filesystem(&share(dir.path().to_str().unwrap(), "/x")).unwrap();
+    }
+
+    fn mount(point: &str, fs: &str) -> Mount {
+        Mount {
+            point: point.into(),
+            fs: fs.into(),
+        }
+    }
+
+    /// virtiofsd serves what is mounted inside a share: a pseudo file system mounted
+    /// anywhere inside one (a chroot's proc) is refused, named; a share beside it, or
+    /// holding only ordinary mounts, is not.
+    #[test]
+    fn a_pseudo_filesystem_mounted_inside_a_share_is_refused() {
+        const EXT4: u32 = 0xef53;
+        let mounts = [
+            mount("/", "ext4"),
+            mount("/proc", "proc"),
+            mount("/dev", "devtmpfs"),
+            mount("/dev/shm", "tmpfs"),
+            mount("/srv/chroot/proc", "proc"),
+            mount("/srv/chroot/data", "xfs"),
+            mount("/srv/jail/dev", "devtmpfs"),
+        ];
+        let check = |host: &str| check_not_pseudo_in(Path::new(host), Some(EXT4), &mounts);
+        for (host, inside, fs) in [
+            ("/srv", "/srv/chroot/proc", "proc"),
+            ("/srv/chroot", "/srv/chroot/proc", "proc"),
+            ("/srv/jail", "/srv/jail/dev", "devtmpfs"),
+        ] {
+            let message = check(host).unwrap_err().to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "{host} cannot be shared with the guest: {inside} inside it is a mount \
+                     of {fs}"
+                )),
+                "{message}"
+            );
+        }
+        assert!(check("/srv/chroot/data").is_ok());
+        assert!(check("/srv/other").is_ok());
+        assert!(
+            check("/srv/chroot/procs").is_ok(),
+            "a sibling's name, not inside"
+        );
+        // The share's own mount is known by its name where statfs cannot tell it.
+        let message = check("/dev/input").unwrap_err().to_string();
+        assert!(message.contains("it is on devtmpfs"), "{message}");
+    }
+
+    /// /dev/shm is a tmpfs, not the device nodes: it is refused for what it is.
+    #[test]
+    fn the_hosts_shared_memory_is_refused_for_what_it_is() {
+        const TMPFS: u32 = 0x0102_1994;
+        let mounts = [
+            mount("/", "ext4"),
+            mount("/dev", "devtmpfs"),
+            mount("/dev/shm", "tmpfs"),
+        ];
+        let message = check_not_pseudo_in(Path::new("/dev/shm"), Some(TMPFS), &mounts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("memory its programs share")
+                && message.contains("here tmpfs, mounted at /dev/shm")
+                && !message.contains("devtmpfs"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn mountinfo_lines_give_the_mount_point_and_type() {
+        assert_eq!(
+            parse_mountinfo_line(
+                "36 35 98:0 /mnt1 /mnt/my\\040dir rw,noatime master:1 shared:2 - proc proc rw"
+            ),
+            Some(mount("/mnt/my dir", "proc"))
+        );
+        assert_eq!(
+            parse_mountinfo_line("25 1 0:22 / /sys rw,nosuid - sysfs sysfs rw"),
+            Some(mount("/sys", "sysfs"))
+        );
+        assert_eq!(parse_mountinfo_line("garbage"), None);
+        assert_eq!(unescape_octal("a\\134b\\01"), b"a\\b\\01");
     }
 
     #[test]

@@ -100,7 +100,7 @@ pub enum ShareError {
         writable: PathBuf,
         writable_guest: PathBuf,
     },
-    #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; create that directory on the host (mkdir -p), or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.parent_guest.display())]
+    #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; {}, or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.problem.remedy(), .0.parent_guest.display())]
     MountPointInShare(Box<MountPointInShare>),
     #[error("{} cannot be shared with the guest: {}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), pseudo_place(.host, .mount, .fs), .naming.another_share())]
     PseudoFilesystem {
@@ -140,7 +140,46 @@ pub struct MountPointInShare {
     pub parent_host: PathBuf,
     pub parent_guest: PathBuf,
     pub mount_point: PathBuf,
-    pub problem: String,
+    pub problem: MountPointProblem,
+}
+
+/// What is wrong with a nested share's mount point in its parent share, on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountPointProblem {
+    Missing,
+    /// A file, or anything else that is not a directory.
+    NotADirectory,
+    Symlink,
+    /// It cannot be looked at (the error).
+    Unreadable(String),
+}
+
+impl std::fmt::Display for MountPointProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Missing => f.write_str("does not exist"),
+            Self::NotADirectory => f.write_str("is not a directory"),
+            Self::Symlink => {
+                f.write_str("is a symlink (which the guest would follow in its own files)")
+            }
+            Self::Unreadable(error) => write!(f, "cannot be looked at ({error})"),
+        }
+    }
+}
+
+impl MountPointProblem {
+    /// What makes the mount point a directory of the parent share.
+    fn remedy(&self) -> &'static str {
+        match self {
+            Self::Missing => "create that directory on the host (mkdir -p)",
+            Self::NotADirectory => {
+                "move what is there out of the way and create a directory in its place"
+            }
+            // mkdir -p would find the link's target and leave the link.
+            Self::Symlink => "replace the link there with a directory (rm the link, then mkdir)",
+            Self::Unreadable(_) => "make it a directory this user can look at",
+        }
+    }
 }
 
 /// How the command that met a refused share lets its user name other directories, for
@@ -998,12 +1037,10 @@ pub fn check_mount_points(shares: &[Share]) -> Result<(), ShareError> {
             mount_point.push(component);
             let problem = match std::fs::symlink_metadata(&mount_point) {
                 Ok(meta) if meta.is_dir() => continue,
-                Ok(meta) if meta.file_type().is_symlink() => {
-                    "is a symlink (which the guest would follow in its own files)".to_string()
-                }
-                Ok(_) => "is not a directory".to_string(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_string(),
-                Err(e) => format!("cannot be looked at ({e})"),
+                Ok(meta) if meta.file_type().is_symlink() => MountPointProblem::Symlink,
+                Ok(_) => MountPointProblem::NotADirectory,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => MountPointProblem::Missing,
+                Err(e) => MountPointProblem::Unreadable(e.to_string()),
             };
             return Err(ShareError::MountPointInShare(Box::new(MountPointInShare {
                 guest: share.guest.clone(),
@@ -1576,12 +1613,26 @@ mod tests {
             assert!(check("/x/there").is_ok());
             assert!(check("/x/there/deeper").is_ok());
             assert!(check("/elsewhere").is_ok(), "not nested");
-            for (guest, problem) in [
-                ("/x/y", "does not exist"),
-                ("/x/there/y", "does not exist"),
-                ("/x/file", "is not a directory"),
-                ("/x/link", "is a symlink"),
-                ("/x/link/sub", "is a symlink"),
+            // Each problem with the remedy that fixes it: mkdir -p would change nothing
+            // at a link (it follows it) or a file (it fails).
+            for (guest, problem, remedy) in [
+                ("/x/y", "does not exist", "mkdir -p"),
+                ("/x/there/y", "does not exist", "mkdir -p"),
+                (
+                    "/x/file",
+                    "is not a directory",
+                    "move what is there out of the way",
+                ),
+                (
+                    "/x/link",
+                    "is a symlink",
+                    "replace the link there with a directory",
+                ),
+                (
+                    "/x/link/sub",
+                    "is a symlink",
+                    "replace the link there with a directory",
+                ),
             ] {
                 let error = check(guest).unwrap_err();
                 let message = error.to_string();
@@ -1592,7 +1643,12 @@ mod tests {
                             "guest path {guest} lies in the share of {}",
                             parent.display()
                         ))
-                        && message.contains("mkdir -p"),
+                        && message.contains(remedy),
+                    "{guest}: {message}"
+                );
+                assert_eq!(
+                    message.contains("mkdir -p"),
+                    remedy == "mkdir -p",
                     "{guest}: {message}"
                 );
             }

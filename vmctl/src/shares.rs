@@ -78,12 +78,14 @@ pub enum ShareError {
         link: PathBuf,
         share: PathBuf,
     },
-    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead ({})", .host.display(), .kept_out.display(), .naming.another_share())]
+    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; {}", .host.display(), .kept_out.display(), kept_out_remedy(*.instead, *.naming))]
     KeptOut {
         host: PathBuf,
-        relation: &'static str,
+        relation: Relation,
         what: &'static str,
         kept_out: PathBuf,
+        /// What gives the VM what the user likely shared it for, if anything does.
+        instead: Option<&'static str>,
         naming: Naming,
     },
     #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
@@ -118,6 +120,35 @@ pub enum ShareError {
         fs: Option<(String, PathBuf)>,
         naming: Naming,
     },
+}
+
+/// How a refused share stands to a directory kept out of the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    Is,
+    Holds,
+    IsInside,
+}
+
+impl std::fmt::Display for Relation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Relation::Is => "is",
+            Relation::Holds => "holds",
+            Relation::IsInside => "is inside",
+        })
+    }
+}
+
+/// What to do instead of sharing a directory kept out of the guest.
+fn kept_out_remedy(instead: Option<&str>, naming: Naming) -> String {
+    let another = naming.another_share();
+    match instead {
+        Some(instead) => {
+            format!("{instead}. To share files, share a project's directory ({another})")
+        }
+        None => format!("share a project's directory instead ({another})"),
+    }
 }
 
 /// Where a pseudo file system is, for [`ShareError::PseudoFilesystem`].
@@ -232,12 +263,14 @@ impl ShareError {
                 relation,
                 what,
                 kept_out,
+                instead,
                 ..
             } => ShareError::KeptOut {
                 host,
                 relation,
                 what,
                 kept_out,
+                instead,
                 naming: Naming::CurrentDirectory,
             },
             ShareError::PseudoFilesystem {
@@ -309,6 +342,9 @@ pub struct KeptOut {
     pub what: &'static str,
     /// Whether a share inside it is refused too, not only one that is it or holds it.
     pub inside_too: bool,
+    /// What gives the VM what it would be shared for, if anything does (a refusal
+    /// says it).
+    pub instead: Option<&'static str>,
 }
 
 /// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
@@ -354,55 +390,151 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         crate::state::state_dir(),
         crate::artifacts::cache_dir(),
     );
-    kept_out.extend(agents_sign_in_dirs_moved());
+    kept_out.extend(sign_in_dirs_moved());
     kept_out
 }
 
-/// Directories under a home that hold credentials (keys, tokens, sign-ins), with what
-/// each is, and whether a directory inside one is kept out too: so it is where the
-/// secrets may lie anywhere below (`~/.ssh/work/id_ed25519`); the agents' directories
-/// keep their sign-in at the top (`~/.claude/.credentials.json`, `~/.codex/auth.json`)
-/// and hold projects and worktrees below, which may be shared. Sharing one would hand
-/// the VM the secrets vmctl otherwise keeps on the host (the agents' tokens go to the
-/// egress proxy, never into the VM).
-pub const CREDENTIAL_DIRS: [(&str, &str, bool); 13] = [
-    (".ssh", "your SSH keys' directory", true),
-    (".gnupg", "your GnuPG keys' directory", true),
-    (".aws", "the AWS CLI's credentials directory", true),
-    (".azure", "the Azure CLI's sign-in directory", true),
-    (
-        ".config/gcloud",
-        "the Google Cloud CLI's sign-in directory",
-        true,
-    ),
-    (".kube", "kubectl's credentials directory", true),
-    (".docker", "Docker's registry sign-in directory", true),
-    (".config/gh", "the GitHub CLI's sign-in directory", true),
-    (".password-store", "your pass password store", true),
-    (
-        ".local/share/keyrings",
-        "your desktop keyrings' directory",
-        true,
-    ),
-    (".claude", "Claude Code's sign-in directory", false),
-    (".codex", "Codex's sign-in directory", false),
-    (".gemini", "the Gemini CLI's sign-in directory", false),
+/// A directory under a home that holds credentials (keys, tokens, sign-ins). Sharing
+/// one would hand the VM the secrets vmctl otherwise keeps on the host (the agents'
+/// and GitHub's tokens go to the egress proxy, never into the VM).
+pub struct CredentialDir {
+    /// Its path under the home.
+    pub dir: &'static str,
+    pub what: &'static str,
+    /// Whether a directory inside it is kept out too: so it is where the secrets may
+    /// lie anywhere below (`~/.ssh/work/id_ed25519`); the agents' directories and
+    /// Cargo's keep theirs at the top (`~/.claude/.credentials.json`,
+    /// `~/.codex/auth.json`, `~/.cargo/credentials.toml`) and hold what may be shared
+    /// below (the agents' projects and worktrees, Cargo's download cache).
+    pub inside_too: bool,
+    /// What gives the VM what it is likely shared for, without the secret.
+    pub instead: Option<&'static str>,
+}
+
+/// What gives git and gh in the VM their access to GitHub, for `~/.ssh` and
+/// `~/.config/gh`.
+const GITHUB_INSTEAD: &str = "for git push and gh in the VM, store a GitHub token with \
+     `vmctl secret set github` (on stdin: `gh auth token | vmctl secret set github`): it \
+     stays on the host, and the egress proxy adds it to the VM's requests to GitHub (git \
+     over HTTPS; an SSH remote would need the key itself)";
+
+pub const CREDENTIAL_DIRS: [CredentialDir; 14] = [
+    CredentialDir {
+        dir: ".ssh",
+        what: "your SSH keys' directory",
+        inside_too: true,
+        instead: Some(GITHUB_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".gnupg",
+        what: "your GnuPG keys' directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".aws",
+        what: "the AWS CLI's credentials directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".azure",
+        what: "the Azure CLI's sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".config/gcloud",
+        what: "the Google Cloud CLI's sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".kube",
+        what: "kubectl's credentials directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".docker",
+        what: "Docker's registry sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".config/gh",
+        what: "the GitHub CLI's sign-in directory",
+        inside_too: true,
+        instead: Some(GITHUB_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".password-store",
+        what: "your pass password store",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".local/share/keyrings",
+        what: "your desktop keyrings' directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".claude",
+        what: "Claude Code's sign-in directory",
+        inside_too: false,
+        instead: Some(CLAUDE_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".codex",
+        what: "Codex's sign-in directory",
+        inside_too: false,
+        instead: Some(CODEX_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".gemini",
+        what: "the Gemini CLI's sign-in directory",
+        inside_too: false,
+        instead: None,
+    },
+    // Its top holds the crates.io token (`cargo publish`); below, the toolchain's
+    // proxies and the download cache hold none, and are left shareable: refusing what
+    // is inside would take the cache from a VM's builds to keep out no secret.
+    CredentialDir {
+        dir: ".cargo",
+        what: "Cargo's home and crates.io token directory",
+        inside_too: false,
+        instead: Some(CARGO_INSTEAD),
+    },
 ];
 
-/// Where `CLAUDE_CONFIG_DIR` and `CODEX_HOME` move the agents' sign-ins, when set.
-fn agents_sign_in_dirs_moved() -> Vec<KeptOut> {
+const CLAUDE_INSTEAD: &str = "Claude Code in the VM signs in through the egress proxy \
+     instead: `vmctl secret set anthropic` (an API key or OAuth token, on stdin), which stays \
+     on the host";
+
+const CODEX_INSTEAD: &str = "Codex in the VM signs in through the egress proxy instead: \
+     `vmctl secret set openai` (an API key, on stdin), which stays on the host";
+
+const CARGO_INSTEAD: &str = "the directories inside it hold no token and may be shared \
+     (its download cache ~/.cargo/registry, say)";
+
+/// Where `CLAUDE_CONFIG_DIR`, `CODEX_HOME` and `CARGO_HOME` move the agents' sign-ins
+/// and Cargo's crates.io token, when set.
+fn sign_in_dirs_moved() -> Vec<KeptOut> {
     [
-        ("CLAUDE_CONFIG_DIR", "Claude Code's sign-in directory"),
-        ("CODEX_HOME", "Codex's sign-in directory"),
+        ("CLAUDE_CONFIG_DIR", ".claude"),
+        ("CODEX_HOME", ".codex"),
+        ("CARGO_HOME", ".cargo"),
     ]
     .into_iter()
-    .filter_map(|(variable, what)| {
+    .filter_map(|(variable, default)| {
         let dir = PathBuf::from(std::env::var_os(variable)?);
+        let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
         dir.is_absolute().then(|| KeptOut {
             dir: crate::state::resolve_existing_part(&dir),
-            what,
-            // As `~/.claude` and `~/.codex` ([`CREDENTIAL_DIRS`]).
-            inside_too: false,
+            what: usual.what,
+            inside_too: usual.inside_too,
+            instead: usual.instead,
         })
     })
     .collect()
@@ -421,6 +553,7 @@ fn kept_out_from(
         dir: crate::state::resolve_existing_part(&dir),
         what,
         inside_too,
+        instead: None,
     };
     // The files vmctl reads may be links (GNU stow, chezmoi): the directory of each
     // link on the way is kept out as well, where a guest could change where it leads.
@@ -438,9 +571,14 @@ fn kept_out_from(
     let credentials: Vec<KeptOut> = homes
         .iter()
         .flat_map(|home| {
-            CREDENTIAL_DIRS
-                .iter()
-                .map(|(dir, what, inside_too)| kept(home.join(dir), what, *inside_too))
+            CREDENTIAL_DIRS.iter().map(|credentials| KeptOut {
+                instead: credentials.instead,
+                ..kept(
+                    home.join(credentials.dir),
+                    credentials.what,
+                    credentials.inside_too,
+                )
+            })
         })
         .collect();
     let homes = homes
@@ -510,11 +648,11 @@ fn directories_of_links(file: &Path) -> Vec<PathBuf> {
 pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareError> {
     for kept in kept_out {
         let relation = if share.host == kept.dir {
-            "is"
+            Relation::Is
         } else if kept.dir.starts_with(&share.host) {
-            "holds"
+            Relation::Holds
         } else if kept.inside_too && share.host.starts_with(&kept.dir) {
-            "is inside"
+            Relation::IsInside
         } else {
             continue;
         };
@@ -523,6 +661,7 @@ pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareEr
             relation,
             what: kept.what,
             kept_out: kept.dir.clone(),
+            instead: kept.instead,
             naming: Naming::Options,
         });
     }
@@ -1174,11 +1313,13 @@ mod tests {
                 dir: "/home/me".into(),
                 what: "your home directory",
                 inside_too: false,
+                instead: None,
             },
             KeptOut {
                 dir: "/home/me/.config/vmctl".into(),
                 what: "vmctl's config directory",
                 inside_too: true,
+                instead: None,
             },
         ];
         let refusal = |host: &str| match check_kept_out(&share(host, "/x"), &kept_out) {
@@ -1501,6 +1642,7 @@ mod tests {
             dir: root.path().to_path_buf(),
             what: "your home directory",
             inside_too: false,
+            instead: None,
         }];
         let share = share(root.path().to_str().unwrap(), "/x");
         let errors = [
@@ -1692,6 +1834,8 @@ mod tests {
             // The agents' sign-in is at the top; their worktrees below may be shared.
             (".claude", false),
             (".codex", false),
+            // So is Cargo's token; its download cache below may be shared.
+            (".cargo", false),
         ] {
             let dir = home.join(secret);
             let message = refusal(dir.to_str().unwrap()).unwrap_or_default();
@@ -1711,6 +1855,43 @@ mod tests {
             .contains("Claude Code's sign-in directory"));
         assert_eq!(refusal("/nonexistent-home/me/project"), None);
         assert_eq!(refusal("/nonexistent-home/me/.sshfs"), None);
+    }
+
+    /// A refusal of a directory shared for a sign-in names what gives the VM that
+    /// sign-in without its secret: a GitHub token the proxy adds for `~/.ssh` and
+    /// `~/.config/gh`, the agents' secrets for theirs; the others say to share a
+    /// project.
+    #[test]
+    fn credential_refusals_name_what_to_do_instead() {
+        let home = PathBuf::from("/nonexistent-home/me");
+        let kept_out = kept_out_from(
+            std::slice::from_ref(&home),
+            &[],
+            &[],
+            PathBuf::from("/nonexistent-state"),
+            None,
+        );
+        let refusal = |dir: &str| {
+            check_kept_out(&share(home.join(dir).to_str().unwrap(), "/x"), &kept_out).unwrap_err()
+        };
+        for (dir, instead) in [
+            (".ssh", "vmctl secret set github"),
+            (".ssh/work", "vmctl secret set github"),
+            (".config/gh", "vmctl secret set github"),
+            (".claude", "vmctl secret set anthropic"),
+            (".codex", "vmctl secret set openai"),
+            (
+                ".cargo",
+                "directories inside it hold no token and may be shared",
+            ),
+            (".aws", "share a project's directory instead"),
+        ] {
+            let error = refusal(dir);
+            for message in [error.to_string(), error.for_agent().to_string()] {
+                assert!(message.contains(instead), "{dir}: {message}");
+                assert!(message.contains("share a project's directory"), "{message}");
+            }
+        }
     }
 
     /// The kernel's views of the host (proc, sysfs, the device nodes) are no directory

@@ -78,12 +78,14 @@ pub enum ShareError {
         link: PathBuf,
         share: PathBuf,
     },
-    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; share a project's directory instead ({})", .host.display(), .kept_out.display(), .naming.another_share())]
+    #[error("{} cannot be shared with the guest: it {relation} {what} {}, which must stay out of the VM; {}", .host.display(), .kept_out.display(), kept_out_remedy(*.instead, *.naming))]
     KeptOut {
         host: PathBuf,
-        relation: &'static str,
+        relation: Relation,
         what: &'static str,
         kept_out: PathBuf,
+        /// What gives the VM what the user likely shared it for, if anything does.
+        instead: Option<&'static str>,
         naming: Naming,
     },
     #[error("guest path {} is used by two mounts, of {} and of {}; give one of them another guest path with HOST:GUEST", .guest.display(), .first_host.display(), .second_host.display())]
@@ -100,14 +102,66 @@ pub enum ShareError {
         writable: PathBuf,
         writable_guest: PathBuf,
     },
-    #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; create that directory on the host (mkdir -p), or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.parent_guest.display())]
+    #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; {}, or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.problem.remedy(), .0.parent_guest.display())]
     MountPointInShare(Box<MountPointInShare>),
-    #[error("{} cannot be shared with the guest: it is on {fs}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), .naming.another_share())]
+    #[error("{} cannot be shared with the guest: {}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), pseudo_place(.host, .mount, .fs), .naming.another_share())]
     PseudoFilesystem {
         host: PathBuf,
-        fs: &'static str,
+        /// The file system's name.
+        fs: String,
+        /// Where it is mounted: the share's own file system, or one mounted inside it.
+        mount: PathBuf,
         naming: Naming,
     },
+    #[error("{} cannot be shared with the guest: it lies under {HOST_DEVICES}, where the host keeps its device nodes and the memory its programs share (/dev/shm){}, not a project's files: a guest that could write there could change what the host's programs read; share a project's directory instead ({})", .host.display(), .fs.as_ref().map(|(fs, mount)| format!(" (here {fs}, mounted at {})", mount.display())).unwrap_or_default(), .naming.another_share())]
+    HostDevices {
+        host: PathBuf,
+        /// The file system it is on, and where that is mounted, when known.
+        fs: Option<(String, PathBuf)>,
+        naming: Naming,
+    },
+}
+
+/// How a refused share stands to a directory kept out of the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    Is,
+    Holds,
+    IsInside,
+}
+
+impl std::fmt::Display for Relation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Relation::Is => "is",
+            Relation::Holds => "holds",
+            Relation::IsInside => "is inside",
+        })
+    }
+}
+
+/// What to do instead of sharing a directory kept out of the guest.
+fn kept_out_remedy(instead: Option<&str>, naming: Naming) -> String {
+    let another = naming.another_share();
+    match instead {
+        Some(instead) => {
+            format!("{instead}. To share files, share a project's directory ({another})")
+        }
+        None => format!("share a project's directory instead ({another})"),
+    }
+}
+
+/// Where a pseudo file system is, for [`ShareError::PseudoFilesystem`].
+fn pseudo_place(host: &Path, mount: &Path, fs: &str) -> String {
+    if host.starts_with(mount) {
+        format!("it is on {fs}")
+    } else {
+        format!(
+            "{} inside it is a mount of {fs} (virtiofsd serves what is mounted inside a \
+             share too)",
+            mount.display()
+        )
+    }
 }
 
 /// A share nested in another whose mount point is not a directory there on the host.
@@ -117,7 +171,46 @@ pub struct MountPointInShare {
     pub parent_host: PathBuf,
     pub parent_guest: PathBuf,
     pub mount_point: PathBuf,
-    pub problem: String,
+    pub problem: MountPointProblem,
+}
+
+/// What is wrong with a nested share's mount point in its parent share, on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountPointProblem {
+    Missing,
+    /// A file, or anything else that is not a directory.
+    NotADirectory,
+    Symlink,
+    /// It cannot be looked at (the error).
+    Unreadable(String),
+}
+
+impl std::fmt::Display for MountPointProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Missing => f.write_str("does not exist"),
+            Self::NotADirectory => f.write_str("is not a directory"),
+            Self::Symlink => {
+                f.write_str("is a symlink (which the guest would follow in its own files)")
+            }
+            Self::Unreadable(error) => write!(f, "cannot be looked at ({error})"),
+        }
+    }
+}
+
+impl MountPointProblem {
+    /// What makes the mount point a directory of the parent share.
+    fn remedy(&self) -> &'static str {
+        match self {
+            Self::Missing => "create that directory on the host (mkdir -p)",
+            Self::NotADirectory => {
+                "move what is there out of the way and create a directory in its place"
+            }
+            // mkdir -p would find the link's target and leave the link.
+            Self::Symlink => "replace the link there with a directory (rm the link, then mkdir)",
+            Self::Unreadable(_) => "make it a directory this user can look at",
+        }
+    }
 }
 
 /// How the command that met a refused share lets its user name other directories, for
@@ -170,15 +263,25 @@ impl ShareError {
                 relation,
                 what,
                 kept_out,
+                instead,
                 ..
             } => ShareError::KeptOut {
                 host,
                 relation,
                 what,
                 kept_out,
+                instead,
                 naming: Naming::CurrentDirectory,
             },
-            ShareError::PseudoFilesystem { host, fs, .. } => ShareError::PseudoFilesystem {
+            ShareError::PseudoFilesystem {
+                host, fs, mount, ..
+            } => ShareError::PseudoFilesystem {
+                host,
+                fs,
+                mount,
+                naming: Naming::CurrentDirectory,
+            },
+            ShareError::HostDevices { host, fs, .. } => ShareError::HostDevices {
                 host,
                 fs,
                 naming: Naming::CurrentDirectory,
@@ -239,6 +342,9 @@ pub struct KeptOut {
     pub what: &'static str,
     /// Whether a share inside it is refused too, not only one that is it or holds it.
     pub inside_too: bool,
+    /// What gives the VM what it would be shared for, if anything does (a refusal
+    /// says it).
+    pub instead: Option<&'static str>,
 }
 
 /// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
@@ -284,55 +390,151 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         crate::state::state_dir(),
         crate::artifacts::cache_dir(),
     );
-    kept_out.extend(agents_sign_in_dirs_moved());
+    kept_out.extend(sign_in_dirs_moved());
     kept_out
 }
 
-/// Directories under a home that hold credentials (keys, tokens, sign-ins), with what
-/// each is, and whether a directory inside one is kept out too: so it is where the
-/// secrets may lie anywhere below (`~/.ssh/work/id_ed25519`); the agents' directories
-/// keep their sign-in at the top (`~/.claude/.credentials.json`, `~/.codex/auth.json`)
-/// and hold projects and worktrees below, which may be shared. Sharing one would hand
-/// the VM the secrets vmctl otherwise keeps on the host (the agents' tokens go to the
-/// egress proxy, never into the VM).
-pub const CREDENTIAL_DIRS: [(&str, &str, bool); 13] = [
-    (".ssh", "your SSH keys' directory", true),
-    (".gnupg", "your GnuPG keys' directory", true),
-    (".aws", "the AWS CLI's credentials directory", true),
-    (".azure", "the Azure CLI's sign-in directory", true),
-    (
-        ".config/gcloud",
-        "the Google Cloud CLI's sign-in directory",
-        true,
-    ),
-    (".kube", "kubectl's credentials directory", true),
-    (".docker", "Docker's registry sign-in directory", true),
-    (".config/gh", "the GitHub CLI's sign-in directory", true),
-    (".password-store", "your pass password store", true),
-    (
-        ".local/share/keyrings",
-        "your desktop keyrings' directory",
-        true,
-    ),
-    (".claude", "Claude Code's sign-in directory", false),
-    (".codex", "Codex's sign-in directory", false),
-    (".gemini", "the Gemini CLI's sign-in directory", false),
+/// A directory under a home that holds credentials (keys, tokens, sign-ins). Sharing
+/// one would hand the VM the secrets vmctl otherwise keeps on the host (the agents'
+/// and GitHub's tokens go to the egress proxy, never into the VM).
+pub struct CredentialDir {
+    /// Its path under the home.
+    pub dir: &'static str,
+    pub what: &'static str,
+    /// Whether a directory inside it is kept out too: so it is where the secrets may
+    /// lie anywhere below (`~/.ssh/work/id_ed25519`); the agents' directories and
+    /// Cargo's keep theirs at the top (`~/.claude/.credentials.json`,
+    /// `~/.codex/auth.json`, `~/.cargo/credentials.toml`) and hold what may be shared
+    /// below (the agents' projects and worktrees, Cargo's download cache).
+    pub inside_too: bool,
+    /// What gives the VM what it is likely shared for, without the secret.
+    pub instead: Option<&'static str>,
+}
+
+/// What gives git and gh in the VM their access to GitHub, for `~/.ssh` and
+/// `~/.config/gh`.
+const GITHUB_INSTEAD: &str = "for git push and gh in the VM, store a GitHub token with \
+     `vmctl secret set github` (on stdin: `gh auth token | vmctl secret set github`): it \
+     stays on the host, and the egress proxy adds it to the VM's requests to GitHub (git \
+     over HTTPS; an SSH remote would need the key itself)";
+
+pub const CREDENTIAL_DIRS: [CredentialDir; 14] = [
+    CredentialDir {
+        dir: ".ssh",
+        what: "your SSH keys' directory",
+        inside_too: true,
+        instead: Some(GITHUB_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".gnupg",
+        what: "your GnuPG keys' directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".aws",
+        what: "the AWS CLI's credentials directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".azure",
+        what: "the Azure CLI's sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".config/gcloud",
+        what: "the Google Cloud CLI's sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".kube",
+        what: "kubectl's credentials directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".docker",
+        what: "Docker's registry sign-in directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".config/gh",
+        what: "the GitHub CLI's sign-in directory",
+        inside_too: true,
+        instead: Some(GITHUB_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".password-store",
+        what: "your pass password store",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".local/share/keyrings",
+        what: "your desktop keyrings' directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".claude",
+        what: "Claude Code's sign-in directory",
+        inside_too: false,
+        instead: Some(CLAUDE_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".codex",
+        what: "Codex's sign-in directory",
+        inside_too: false,
+        instead: Some(CODEX_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".gemini",
+        what: "the Gemini CLI's sign-in directory",
+        inside_too: false,
+        instead: None,
+    },
+    // Its top holds the crates.io token (`cargo publish`); below, the toolchain's
+    // proxies and the download cache hold none, and are left shareable: refusing what
+    // is inside would take the cache from a VM's builds to keep out no secret.
+    CredentialDir {
+        dir: ".cargo",
+        what: "Cargo's home and crates.io token directory",
+        inside_too: false,
+        instead: Some(CARGO_INSTEAD),
+    },
 ];
 
-/// Where `CLAUDE_CONFIG_DIR` and `CODEX_HOME` move the agents' sign-ins, when set.
-fn agents_sign_in_dirs_moved() -> Vec<KeptOut> {
+const CLAUDE_INSTEAD: &str = "Claude Code in the VM signs in through the egress proxy \
+     instead: `vmctl secret set anthropic` (an API key or OAuth token, on stdin), which stays \
+     on the host";
+
+const CODEX_INSTEAD: &str = "Codex in the VM signs in through the egress proxy instead: \
+     `vmctl secret set openai` (an API key, on stdin), which stays on the host";
+
+const CARGO_INSTEAD: &str = "the directories inside it hold no token and may be shared \
+     (its download cache ~/.cargo/registry, say)";
+
+/// Where `CLAUDE_CONFIG_DIR`, `CODEX_HOME` and `CARGO_HOME` move the agents' sign-ins
+/// and Cargo's crates.io token, when set.
+fn sign_in_dirs_moved() -> Vec<KeptOut> {
     [
-        ("CLAUDE_CONFIG_DIR", "Claude Code's sign-in directory"),
-        ("CODEX_HOME", "Codex's sign-in directory"),
+        ("CLAUDE_CONFIG_DIR", ".claude"),
+        ("CODEX_HOME", ".codex"),
+        ("CARGO_HOME", ".cargo"),
     ]
     .into_iter()
-    .filter_map(|(variable, what)| {
+    .filter_map(|(variable, default)| {
         let dir = PathBuf::from(std::env::var_os(variable)?);
+        let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
         dir.is_absolute().then(|| KeptOut {
             dir: crate::state::resolve_existing_part(&dir),
-            what,
-            // As `~/.claude` and `~/.codex` ([`CREDENTIAL_DIRS`]).
-            inside_too: false,
+            what: usual.what,
+            inside_too: usual.inside_too,
+            instead: usual.instead,
         })
     })
     .collect()
@@ -351,6 +553,7 @@ fn kept_out_from(
         dir: crate::state::resolve_existing_part(&dir),
         what,
         inside_too,
+        instead: None,
     };
     // The files vmctl reads may be links (GNU stow, chezmoi): the directory of each
     // link on the way is kept out as well, where a guest could change where it leads.
@@ -368,9 +571,14 @@ fn kept_out_from(
     let credentials: Vec<KeptOut> = homes
         .iter()
         .flat_map(|home| {
-            CREDENTIAL_DIRS
-                .iter()
-                .map(|(dir, what, inside_too)| kept(home.join(dir), what, *inside_too))
+            CREDENTIAL_DIRS.iter().map(|credentials| KeptOut {
+                instead: credentials.instead,
+                ..kept(
+                    home.join(credentials.dir),
+                    credentials.what,
+                    credentials.inside_too,
+                )
+            })
         })
         .collect();
     let homes = homes
@@ -440,11 +648,11 @@ fn directories_of_links(file: &Path) -> Vec<PathBuf> {
 pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareError> {
     for kept in kept_out {
         let relation = if share.host == kept.dir {
-            "is"
+            Relation::Is
         } else if kept.dir.starts_with(&share.host) {
-            "holds"
+            Relation::Holds
         } else if kept.inside_too && share.host.starts_with(&kept.dir) {
-            "is inside"
+            Relation::IsInside
         } else {
             continue;
         };
@@ -453,14 +661,15 @@ pub fn check_kept_out(share: &Share, kept_out: &[KeptOut]) -> Result<(), ShareEr
             relation,
             what: kept.what,
             kept_out: kept.dir.clone(),
+            instead: kept.instead,
             naming: Naming::Options,
         });
     }
     Ok(())
 }
 
-/// File systems that are the kernel's view of the host rather than files (by
-/// `statfs`'s `f_type`), with their names.
+/// File systems that are the kernel's view of the host rather than files, by
+/// `statfs`'s `f_type` and by the name `/proc/self/mountinfo` gives them.
 const PSEUDO_FILESYSTEMS: [(u32, &str); 18] = [
     (0x0000_9fa0, "proc"),
     (0x6265_6572, "sysfs"),
@@ -482,31 +691,126 @@ const PSEUDO_FILESYSTEMS: [(u32, &str); 18] = [
     (0x4341_5d53, "smackfs"),
 ];
 
-/// Where the host's device nodes are (devtmpfs, which `statfs` cannot tell from a
-/// tmpfs).
+/// The host's device nodes: a pseudo file system that `statfs` cannot tell from a
+/// tmpfs (they share a magic number), known by its name only.
+const DEVTMPFS: &str = "devtmpfs";
+
+/// Where the host's device nodes are, and the memory its programs share (`/dev/shm`).
 const HOST_DEVICES: &str = "/dev";
 
-/// Refuses a share on a pseudo file system ([`PSEUDO_FILESYSTEMS`], or under `/dev`):
-/// as root, a guest that could write the host's `/proc/sys/kernel/core_pattern` would
-/// run what it likes on the host. A share whose file system cannot be looked at is
-/// left to virtiofsd, which says what is wrong with it.
+/// One line of `/proc/self/mountinfo`: where a file system is mounted, and its type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mount {
+    point: PathBuf,
+    fs: String,
+}
+
+/// This process's mounts, in the order they were made (a later one over an earlier);
+/// None if they cannot be read.
+fn mounts() -> Option<Vec<Mount>> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    Some(text.lines().filter_map(parse_mountinfo_line).collect())
+}
+
+/// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`,
+/// with space, tab, newline and backslash in paths written as octal escapes.
+fn parse_mountinfo_line(line: &str) -> Option<Mount> {
+    let mut fields = line.split(' ');
+    let point = fields.nth(4)?;
+    let fs = fields.skip_while(|field| *field != "-").nth(1)?;
+    Some(Mount {
+        point: PathBuf::from(std::ffi::OsString::from(
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&unescape_octal(point)),
+        )),
+        fs: fs.to_string(),
+    })
+}
+
+/// `text` with each `\NNN` (three octal digits) replaced by that byte.
+fn unescape_octal(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let digits = bytes.get(i + 1..i + 4);
+        let value = digits
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|b| (b'0'..=b'7').contains(b)))
+            .and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok());
+        match value {
+            Some(byte) => {
+                out.push(byte);
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Whether `fs` (a name from mountinfo) is the kernel's view of the host.
+fn is_pseudo(fs: &str) -> bool {
+    fs == DEVTMPFS || PSEUDO_FILESYSTEMS.iter().any(|(_, name)| *name == fs)
+}
+
+/// Refuses a share on a pseudo file system ([`PSEUDO_FILESYSTEMS`], devtmpfs), one
+/// with such a file system mounted inside it (virtiofsd serves the mounts inside a
+/// share: `/srv/chroot` with the host's proc at `/srv/chroot/proc`), and anything
+/// under `/dev`: as root, a guest that could write the host's
+/// `/proc/sys/kernel/core_pattern` would run what it likes on the host. A share whose
+/// file system cannot be looked at is left to virtiofsd, which says what is wrong
+/// with it; where the mounts cannot be read, only the share's own file system is
+/// looked at.
 pub fn check_not_pseudo_filesystem(share: &Share) -> Result<(), ShareError> {
-    let refuse = |fs| ShareError::PseudoFilesystem {
-        host: share.host.clone(),
-        fs,
+    check_not_pseudo_in(
+        &share.host,
+        filesystem_type(&share.host),
+        &mounts().unwrap_or_default(),
+    )
+}
+
+/// [`check_not_pseudo_filesystem`] of the directory `host`, whose file system's
+/// `statfs` type is `f_type`, among `mounts`.
+fn check_not_pseudo_in(
+    host: &Path,
+    f_type: Option<u32>,
+    mounts: &[Mount],
+) -> Result<(), ShareError> {
+    let pseudo = |fs: &str, mount: &Path| ShareError::PseudoFilesystem {
+        host: host.to_path_buf(),
+        fs: fs.to_string(),
+        mount: mount.to_path_buf(),
         naming: Naming::Options,
     };
-    if share.host.starts_with(HOST_DEVICES) {
-        return Err(refuse("devtmpfs (the host's devices)"));
+    // The mount the share is on: the last made whose mount point holds it.
+    let own = mounts.iter().rev().find(|m| host.starts_with(&m.point));
+    let by_magic = f_type.and_then(|f_type| {
+        PSEUDO_FILESYSTEMS
+            .iter()
+            .find(|(magic, _)| *magic == f_type)
+            .map(|(_, name)| *name)
+    });
+    if let Some(name) = by_magic {
+        let point = own.map_or(host, |m| m.point.as_path());
+        return Err(pseudo(name, point));
     }
-    let Some(f_type) = filesystem_type(&share.host) else {
-        return Ok(());
-    };
-    match PSEUDO_FILESYSTEMS
+    if let Some(own) = own.filter(|m| is_pseudo(&m.fs)) {
+        return Err(pseudo(&own.fs, &own.point));
+    }
+    if host.starts_with(HOST_DEVICES) {
+        return Err(ShareError::HostDevices {
+            host: host.to_path_buf(),
+            fs: own.map(|m| (m.fs.clone(), m.point.clone())),
+            naming: Naming::Options,
+        });
+    }
+    match mounts
         .iter()
-        .find(|(magic, _)| *magic == f_type)
+        .find(|m| m.point != host && m.point.starts_with(host) && is_pseudo(&m.fs))
     {
-        Some((_, name)) => Err(refuse(name)),
+        Some(inside) => Err(pseudo(&inside.fs, &inside.point)),
         None => Ok(()),
     }
 }
@@ -872,12 +1176,10 @@ pub fn check_mount_points(shares: &[Share]) -> Result<(), ShareError> {
             mount_point.push(component);
             let problem = match std::fs::symlink_metadata(&mount_point) {
                 Ok(meta) if meta.is_dir() => continue,
-                Ok(meta) if meta.file_type().is_symlink() => {
-                    "is a symlink (which the guest would follow in its own files)".to_string()
-                }
-                Ok(_) => "is not a directory".to_string(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_string(),
-                Err(e) => format!("cannot be looked at ({e})"),
+                Ok(meta) if meta.file_type().is_symlink() => MountPointProblem::Symlink,
+                Ok(_) => MountPointProblem::NotADirectory,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => MountPointProblem::Missing,
+                Err(e) => MountPointProblem::Unreadable(e.to_string()),
             };
             return Err(ShareError::MountPointInShare(Box::new(MountPointInShare {
                 guest: share.guest.clone(),
@@ -1011,11 +1313,13 @@ mod tests {
                 dir: "/home/me".into(),
                 what: "your home directory",
                 inside_too: false,
+                instead: None,
             },
             KeptOut {
                 dir: "/home/me/.config/vmctl".into(),
                 what: "vmctl's config directory",
                 inside_too: true,
+                instead: None,
             },
         ];
         let refusal = |host: &str| match check_kept_out(&share(host, "/x"), &kept_out) {
@@ -1338,6 +1642,7 @@ mod tests {
             dir: root.path().to_path_buf(),
             what: "your home directory",
             inside_too: false,
+            instead: None,
         }];
         let share = share(root.path().to_str().unwrap(), "/x");
         let errors = [
@@ -1450,12 +1755,26 @@ mod tests {
             assert!(check("/x/there").is_ok());
             assert!(check("/x/there/deeper").is_ok());
             assert!(check("/elsewhere").is_ok(), "not nested");
-            for (guest, problem) in [
-                ("/x/y", "does not exist"),
-                ("/x/there/y", "does not exist"),
-                ("/x/file", "is not a directory"),
-                ("/x/link", "is a symlink"),
-                ("/x/link/sub", "is a symlink"),
+            // Each problem with the remedy that fixes it: mkdir -p would change nothing
+            // at a link (it follows it) or a file (it fails).
+            for (guest, problem, remedy) in [
+                ("/x/y", "does not exist", "mkdir -p"),
+                ("/x/there/y", "does not exist", "mkdir -p"),
+                (
+                    "/x/file",
+                    "is not a directory",
+                    "move what is there out of the way",
+                ),
+                (
+                    "/x/link",
+                    "is a symlink",
+                    "replace the link there with a directory",
+                ),
+                (
+                    "/x/link/sub",
+                    "is a symlink",
+                    "replace the link there with a directory",
+                ),
             ] {
                 let error = check(guest).unwrap_err();
                 let message = error.to_string();
@@ -1466,7 +1785,12 @@ mod tests {
                             "guest path {guest} lies in the share of {}",
                             parent.display()
                         ))
-                        && message.contains("mkdir -p"),
+                        && message.contains(remedy),
+                    "{guest}: {message}"
+                );
+                assert_eq!(
+                    message.contains("mkdir -p"),
+                    remedy == "mkdir -p",
                     "{guest}: {message}"
                 );
             }
@@ -1510,6 +1834,8 @@ mod tests {
             // The agents' sign-in is at the top; their worktrees below may be shared.
             (".claude", false),
             (".codex", false),
+            // So is Cargo's token; its download cache below may be shared.
+            (".cargo", false),
         ] {
             let dir = home.join(secret);
             let message = refusal(dir.to_str().unwrap()).unwrap_or_default();
@@ -1531,16 +1857,48 @@ mod tests {
         assert_eq!(refusal("/nonexistent-home/me/.sshfs"), None);
     }
 
+    /// A refusal of a directory shared for a sign-in names what gives the VM that
+    /// sign-in without its secret: a GitHub token the proxy adds for `~/.ssh` and
+    /// `~/.config/gh`, the agents' secrets for theirs; the others say to share a
+    /// project.
+    #[test]
+    fn credential_refusals_name_what_to_do_instead() {
+        let home = PathBuf::from("/nonexistent-home/me");
+        let kept_out = kept_out_from(
+            std::slice::from_ref(&home),
+            &[],
+            &[],
+            PathBuf::from("/nonexistent-state"),
+            None,
+        );
+        let refusal = |dir: &str| {
+            check_kept_out(&share(home.join(dir).to_str().unwrap(), "/x"), &kept_out).unwrap_err()
+        };
+        for (dir, instead) in [
+            (".ssh", "vmctl secret set github"),
+            (".ssh/work", "vmctl secret set github"),
+            (".config/gh", "vmctl secret set github"),
+            (".claude", "vmctl secret set anthropic"),
+            (".codex", "vmctl secret set openai"),
+            (
+                ".cargo",
+                "directories inside it hold no token and may be shared",
+            ),
+            (".aws", "share a project's directory instead"),
+        ] {
+            let error = refusal(dir);
+            for message in [error.to_string(), error.for_agent().to_string()] {
+                assert!(message.contains(instead), "{dir}: {message}");
+                assert!(message.contains("share a project's directory"), "{message}");
+            }
+        }
+    }
+
     /// The kernel's views of the host (proc, sysfs, the device nodes) are no directory
     /// of files to share; a directory of files is.
     #[test]
     fn pseudo_filesystems_are_not_shared() {
-        for (host, fs) in [
-            ("/proc", "proc"),
-            ("/proc/sys", "proc"),
-            ("/sys", "sysfs"),
-            ("/dev", "devtmpfs"),
-        ] {
+        for (host, fs) in [("/proc", "proc"), ("/proc/sys", "proc"), ("/sys", "sysfs")] {
             let error = check_not_pseudo_filesystem(&share(host, "/x")).unwrap_err();
             let message = error.to_string();
             assert!(
@@ -1551,8 +1909,100 @@ mod tests {
             );
             assert!(!error.for_agent().to_string().contains("--mount"));
         }
+        let error = check_not_pseudo_filesystem(&share("/dev", "/x")).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("/dev cannot be shared with the guest: it "),
+            "{error}"
+        );
+        assert!(!error.for_agent().to_string().contains("--mount"));
         let dir = tempfile::tempdir().unwrap();
         check_not_pseudo_filesystem(&share(dir.path().to_str().unwrap(), "/x")).unwrap();
+    }
+
+    fn mount(point: &str, fs: &str) -> Mount {
+        Mount {
+            point: point.into(),
+            fs: fs.into(),
+        }
+    }
+
+    /// virtiofsd serves what is mounted inside a share: a pseudo file system mounted
+    /// anywhere inside one (a chroot's proc) is refused, named; a share beside it, or
+    /// holding only ordinary mounts, is not.
+    #[test]
+    fn a_pseudo_filesystem_mounted_inside_a_share_is_refused() {
+        const EXT4: u32 = 0xef53;
+        let mounts = [
+            mount("/", "ext4"),
+            mount("/proc", "proc"),
+            mount("/dev", "devtmpfs"),
+            mount("/dev/shm", "tmpfs"),
+            mount("/srv/chroot/proc", "proc"),
+            mount("/srv/chroot/data", "xfs"),
+            mount("/srv/jail/dev", "devtmpfs"),
+        ];
+        let check = |host: &str| check_not_pseudo_in(Path::new(host), Some(EXT4), &mounts);
+        for (host, inside, fs) in [
+            ("/srv", "/srv/chroot/proc", "proc"),
+            ("/srv/chroot", "/srv/chroot/proc", "proc"),
+            ("/srv/jail", "/srv/jail/dev", "devtmpfs"),
+        ] {
+            let message = check(host).unwrap_err().to_string();
+            assert!(
+                message.starts_with(&format!(
+                    "{host} cannot be shared with the guest: {inside} inside it is a mount \
+                     of {fs}"
+                )),
+                "{message}"
+            );
+        }
+        assert!(check("/srv/chroot/data").is_ok());
+        assert!(check("/srv/other").is_ok());
+        assert!(
+            check("/srv/chroot/procs").is_ok(),
+            "a sibling's name, not inside"
+        );
+        // The share's own mount is known by its name where statfs cannot tell it.
+        let message = check("/dev/input").unwrap_err().to_string();
+        assert!(message.contains("it is on devtmpfs"), "{message}");
+    }
+
+    /// /dev/shm is a tmpfs, not the device nodes: it is refused for what it is.
+    #[test]
+    fn the_hosts_shared_memory_is_refused_for_what_it_is() {
+        const TMPFS: u32 = 0x0102_1994;
+        let mounts = [
+            mount("/", "ext4"),
+            mount("/dev", "devtmpfs"),
+            mount("/dev/shm", "tmpfs"),
+        ];
+        let message = check_not_pseudo_in(Path::new("/dev/shm"), Some(TMPFS), &mounts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("memory its programs share")
+                && message.contains("here tmpfs, mounted at /dev/shm")
+                && !message.contains("devtmpfs"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn mountinfo_lines_give_the_mount_point_and_type() {
+        assert_eq!(
+            parse_mountinfo_line(
+                "36 35 98:0 /mnt1 /mnt/my\\040dir rw,noatime master:1 shared:2 - proc proc rw"
+            ),
+            Some(mount("/mnt/my dir", "proc"))
+        );
+        assert_eq!(
+            parse_mountinfo_line("25 1 0:22 / /sys rw,nosuid - sysfs sysfs rw"),
+            Some(mount("/sys", "sysfs"))
+        );
+        assert_eq!(parse_mountinfo_line("garbage"), None);
+        assert_eq!(unescape_octal("a\\134b\\01"), b"a\\b\\01");
     }
 
     #[test]

@@ -141,9 +141,7 @@ fn run_binary(
     let (report, killed_after) = read_report(&mut outcome_reader, &mut child, stop_grace, on_event);
     let status = wait(child);
     FORWARD_TO.store(0, Ordering::SeqCst);
-    let outcome = report
-        .ok()
-        .and_then(|report| serde_json::from_str::<Outcome>(report.trim()).ok());
+    let outcome = report.ok().and_then(|report| outcome_of(&report));
     let stop_signal = status
         .and_then(|s| s.signal())
         .filter(|signal| STOP_SIGNALS.contains(signal))
@@ -232,17 +230,42 @@ fn read_report(
 }
 
 /// Hands each whole line of `report` from `looked_at` on that is an [`Event`] to
-/// `on_event` and removes it; other lines (the outcome) stay. `looked_at` moves past
-/// the whole lines.
+/// `on_event` and removes it. Of the other lines only the last stays, before
+/// `looked_at`: the outcome is the VMM's last line, and one followed by another is an
+/// event this vmctl does not know (from a newer VMM), skipped. Blank lines go too.
 fn take_events(report: &mut Vec<u8>, looked_at: &mut usize, on_event: &mut dyn FnMut(Event)) {
     while let Some(length) = report[*looked_at..].iter().position(|&b| b == b'\n') {
         let line = *looked_at..*looked_at + length + 1;
-        match serde_json::from_slice::<Event>(&report[line.clone()]) {
-            Ok(event) => {
-                report.drain(line);
-                on_event(event);
-            }
-            Err(_) => *looked_at = line.end,
+        let text = &report[line.clone()];
+        if text.trim_ascii().is_empty() {
+            report.drain(line);
+            continue;
+        }
+        if let Ok(event) = serde_json::from_slice::<Event>(text) {
+            report.drain(line);
+            on_event(event);
+            continue;
+        }
+        if *looked_at > 0 {
+            tracing::debug!(
+                "skipping a line from the VMM that is no event this vmctl knows: {}",
+                String::from_utf8_lossy(&report[..*looked_at]).trim_end()
+            );
+            report.drain(..*looked_at);
+        }
+        *looked_at = length + 1;
+    }
+}
+
+/// The VMM's outcome: its report's last line that is not blank (earlier ones are
+/// events this vmctl does not know). None if that is no [`Outcome`].
+fn outcome_of(report: &str) -> Option<Outcome> {
+    let last = report.lines().rev().find(|line| !line.trim().is_empty())?;
+    match serde_json::from_str::<Outcome>(last.trim()) {
+        Ok(outcome) => Some(outcome),
+        Err(e) => {
+            tracing::warn!("the VMM's last line is no outcome this vmctl knows ({e}): {last}");
+            None
         }
     }
 }
@@ -850,6 +873,62 @@ mod tests {
         }
         assert_eq!(heard, [event]);
         assert_eq!(report, b"\"shutdown\"\n");
+    }
+
+    /// A line this vmctl does not know (an event of a newer VMM) is skipped, as it
+    /// comes or at the end, and the last line is still the outcome: the run is not
+    /// taken for lost.
+    #[test]
+    fn unknown_lines_before_the_outcome_are_skipped() {
+        let event = Event::FsBackendGivenUp {
+            tag: "vmctl0".into(),
+            reason: "refused SET_MEM_TABLE".into(),
+        };
+        let unknown = "{\"balloon_deflated\":{\"pages\":12}}\n";
+        let mut heard = Vec::new();
+        let mut report = Vec::new();
+        let mut looked_at = 0;
+        for piece in [
+            unknown,
+            "\n",
+            &event.to_line(),
+            unknown,
+            "{\"crashed\":{\"reason\":",
+            "\"triple fault\"}}",
+        ] {
+            report.extend_from_slice(piece.as_bytes());
+            take_events(&mut report, &mut looked_at, &mut |e| heard.push(e));
+        }
+        assert_eq!(heard, [event]);
+        let report = String::from_utf8(report).unwrap();
+        assert_eq!(
+            outcome_of(&report),
+            Some(Outcome::Crashed {
+                reason: "triple fault".into()
+            }),
+            "{report:?}"
+        );
+        // The outcome alone is kept of the whole lines once it is followed by nothing.
+        let mut report = format!("{unknown}\"shutdown\"\n").into_bytes();
+        let mut looked_at = 0;
+        take_events(&mut report, &mut looked_at, &mut |e| panic!("{e:?}"));
+        assert_eq!(report, b"\"shutdown\"\n");
+        assert_eq!(outcome_of("\"shutdown\"\n\n"), Some(Outcome::Shutdown));
+        assert_eq!(outcome_of(unknown), None);
+        assert_eq!(outcome_of(""), None);
+    }
+
+    /// A newer VMM's unknown event before its outcome does not make the run lost.
+    #[test]
+    fn a_newer_vmms_unknown_event_does_not_lose_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(BINARY);
+        script(
+            &path,
+            "#!/bin/bash\nwhile [ $# -gt 0 ]; do [ \"$1\" = --outcome-fd ] && fd=$2; shift; done\n\
+             echo '{\"balloon_deflated\":{\"pages\":12}}' >&$fd\necho '\"shutdown\"' >&$fd\n",
+        );
+        assert_eq!(run_with(&path).unwrap(), 0);
     }
 
     #[test]

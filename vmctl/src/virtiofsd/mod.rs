@@ -38,6 +38,10 @@ const WATCH_POLL: Duration = Duration::from_millis(200);
 const CLEAN_EXIT_GRACE: Duration = Duration::from_secs(2);
 /// How long daemons get to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long a daemon the VMM gave up on has, once killed, to end with what it forked.
+/// SIGKILL ends a process at once, unless it is stuck in the kernel (a hard NFS mount,
+/// a FUSE server that stopped): then it waits for that, and so do the guest's requests.
+const KILL_WAIT: Duration = Duration::from_secs(3);
 /// Lines of a daemon's log quoted when it fails to start.
 const LOG_TAIL_LINES: usize = 10;
 /// `sun_path` holds 108 bytes, with the terminating NUL.
@@ -301,6 +305,9 @@ struct Watched {
     /// (Never where the frontend is not vmctl's VMM, such as the nested host's QEMU:
     /// there a clean exit is taken for the VM's end, as it mostly is.)
     vmm_running: fn() -> bool,
+    /// Whether a process of the given process group still runs
+    /// ([`process_group_alive`]; tests stand in for a process stuck in the kernel).
+    group_alive: fn(libc::pid_t) -> bool,
 }
 
 struct Shared {
@@ -399,6 +406,7 @@ fn start_as(
             stopping: false,
             failure_file: None,
             vmm_running: crate::vmm_process::vmm_running,
+            group_alive: process_group_alive,
         }),
         wake: Condvar::new(),
     });
@@ -565,15 +573,84 @@ fn failure(daemon: &Daemon, status: &str) -> String {
     )
 }
 
-/// What is said of a daemon the VMM gave up on, and vmctl killed.
-fn given_up_failure(daemon: &Daemon, reason: &str) -> String {
+/// How a daemon the VMM gave up on ended, once vmctl killed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Ending {
+    /// It ended, with what it forked; its status.
+    Ended(ExitStatus),
+    /// It ended, reaped by someone else (its status unknown).
+    EndedUnseen(String),
+    /// It, or what it forked, still ran [`KILL_WAIT`] after SIGKILL: stuck in the
+    /// kernel, it still holds the share's session. Its process group.
+    Stuck(libc::pid_t),
+}
+
+/// What is said of a daemon the VMM gave up on, and vmctl killed: as it ended, or
+/// that it did not.
+fn given_up_failure(daemon: &Daemon, reason: &str, ending: &Ending) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    let host = daemon.host.display();
+    let how = match ending {
+        Ending::Ended(status) if status.signal() == Some(libc::SIGKILL) => {
+            "vmctl ended it".to_string()
+        }
+        // It ended on its own as vmctl came to kill it.
+        Ending::Ended(status) => format!("it ended ({status})"),
+        Ending::EndedUnseen(why) => format!("it ended (status unknown: {why})"),
+        Ending::Stuck(group) => {
+            return format!(
+                "the VMM gave up on virtiofsd for {host}: {reason}; vmctl sent it SIGKILL, \
+                 but it (or a process it forked) has not ended {} s later: it is stuck in \
+                 the kernel, most likely on the file system it serves (a hard NFS mount, a \
+                 FUSE server that stopped). The guest's requests to that share wait until \
+                 it ends, and only then fail with EIO (its files on the host are untouched); \
+                 'ps -o pid,stat,wchan:32,cmd -g {group}' shows it (stat D: waiting in the \
+                 kernel). Stop the VM with 'vmctl stop', then start it again once that \
+                 process has ended to get the share back",
+                KILL_WAIT.as_secs()
+            );
+        }
+    };
     format!(
-        "the VMM gave up on virtiofsd for {}: {reason}; vmctl ended it, and the VM can no \
+        "the VMM gave up on virtiofsd for {host}: {reason}; {how}, and the VM can no \
          longer use that share (its files on the host are untouched; the guest's requests \
          to it fail with EIO); stop the VM with 'vmctl stop', then start it again to get \
-         the share back",
-        daemon.host.display()
+         the share back"
     )
+}
+
+/// Whether a process of the process group `group` still runs. A zombie does not count:
+/// it closed its files (the share's session among them) as it died. Read from /proc;
+/// where that cannot be read, any member counts.
+fn process_group_alive(group: libc::pid_t) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        // SAFETY: signal 0 sends nothing; it only asks whether the group has a member.
+        return unsafe { libc::kill(-group, 0) } == 0;
+    };
+    entries.flatten().any(|entry| {
+        let is_process = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|name| name.bytes().all(|b| b.is_ascii_digit()));
+        is_process
+            && std::fs::read_to_string(entry.path().join("stat"))
+                .is_ok_and(|stat| is_live_member(&stat, group))
+    })
+}
+
+/// Whether the process whose `/proc/PID/stat` is `stat` is in process group `group`
+/// and not yet dead (a zombie, or being reaped).
+fn is_live_member(stat: &str, group: libc::pid_t) -> bool {
+    // The command name, in parentheses, may hold anything; after it: state, ppid, pgrp.
+    let Some((_, after_name)) = stat.rsplit_once(") ") else {
+        return false;
+    };
+    let mut fields = after_name.split_whitespace();
+    let state = fields.next();
+    let pgrp = fields
+        .nth(1)
+        .and_then(|field| field.parse::<libc::pid_t>().ok());
+    pgrp == Some(group) && !matches!(state, Some("Z" | "X" | "x") | None)
 }
 
 /// Says each of `failures` (stderr, the log, the failure file) and keeps them.
@@ -660,26 +737,65 @@ impl FsDaemons {
     /// `reason` (it left a request unanswered, or refused one): such a daemon may
     /// still run with the guest's memory mapped, and the VMM answers the share's
     /// requests itself only once it is gone. The share is reported lost, as when its
-    /// daemon dies.
+    /// daemon dies, saying whether it ended: this waits up to [`KILL_WAIT`] for that.
+    /// A daemon that had ended already is left to the watcher, which says how.
     pub fn give_up(&self, tag: &str, reason: &str) {
+        let (index, group) = {
+            let mut state = self.shared.lock();
+            let index = (0..state.daemons.len()).find(|index| shares::tag(*index) == tag);
+            let Some((index, daemon)) = index.map(|i| (i, &mut state.daemons[i])) else {
+                tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
+                return;
+            };
+            if daemon.given_up {
+                return;
+            }
+            if !matches!(daemon.poll_exit(), Ok(None)) {
+                // Its session broke as it died: the VMM's "giving up" is only that.
+                tracing::info!(
+                    host = %daemon.host.display(),
+                    "the VMM gave up on virtiofsd, which had ended: {reason}"
+                );
+                return;
+            }
+            daemon.given_up = true;
+            daemon.kill_group();
+            (index, daemon.child.id() as libc::pid_t)
+        };
+        // Without the lock, which the watcher and `stop` need meanwhile.
+        let ending = self.wait_for_end(index, group);
         let mut state = self.shared.lock();
-        let daemon = state
-            .daemons
-            .iter_mut()
-            .enumerate()
-            .find(|(index, _)| shares::tag(*index) == tag)
-            .map(|(_, daemon)| daemon);
-        let Some(daemon) = daemon else {
-            tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
+        let Some(daemon) = state.daemons.get(index) else {
             return;
         };
-        if daemon.given_up {
-            return;
-        }
-        daemon.given_up = true;
-        daemon.kill_group();
-        let failure = given_up_failure(daemon, reason);
+        let failure = given_up_failure(daemon, reason, &ending);
         report_failures(&mut state, vec![failure]);
+    }
+
+    /// Waits up to [`KILL_WAIT`] for the daemon at `index`, killed, to be reaped and
+    /// its process group `group` (what it forked) to be gone.
+    fn wait_for_end(&self, index: usize, group: libc::pid_t) -> Ending {
+        let deadline = Instant::now() + KILL_WAIT;
+        loop {
+            let (exited, group_alive) = {
+                let mut state = self.shared.lock();
+                let group_alive = state.group_alive;
+                match state.daemons.get_mut(index).map(Daemon::poll_exit) {
+                    Some(Ok(Some(status))) => (Some(Ending::Ended(status)), group_alive),
+                    Some(Ok(None)) => (None, group_alive),
+                    Some(Err(e)) => (Some(Ending::EndedUnseen(e.to_string())), group_alive),
+                    // Stopped meanwhile: `stop` reaps it.
+                    None => return Ending::EndedUnseen("stopped with the VM".into()),
+                }
+            };
+            if let Some(ending) = exited.filter(|_| !group_alive(group)) {
+                return ending;
+            }
+            if Instant::now() >= deadline {
+                return Ending::Stuck(group);
+            }
+            std::thread::sleep(START_POLL);
+        }
     }
 
     /// Appends each later failure to `file` as a line (besides printing it).
@@ -1027,6 +1143,7 @@ mod tests {
             .trim()
             .parse()
             .unwrap();
+        let group = daemon_pids(&daemons)[0];
         daemons.give_up("vmctl7", "not ours");
         assert!(daemons.failures().is_empty());
         let reason = "the backend did not answer GET_VRING_BASE within 30 s";
@@ -1037,19 +1154,109 @@ mod tests {
         assert!(
             failures[0].contains(reason)
                 && failures[0].contains(&dir.path().display().to_string())
+                && failures[0].contains("vmctl ended it")
+                && failures[0].contains("fail with EIO")
                 && failures[0].contains("then start it again"),
             "{}",
             failures[0]
         );
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !is_reaped(forked) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert!(is_reaped(forked), "what the daemon forked still runs");
+        // Reported only once it had ended, with what it forked (dead, if perhaps not
+        // yet reaped by init, which inherited it).
+        let forked_runs = std::fs::read_to_string(format!("/proc/{forked}/stat"))
+            .is_ok_and(|stat| is_live_member(&stat, group));
+        assert!(!forked_runs, "what the daemon forked still runs");
         // Its death by SIGKILL is not reported a second time.
         std::thread::sleep(3 * WATCH_POLL);
         assert_eq!(daemons.failures().len(), 1, "{:?}", daemons.failures());
         daemons.stop();
+    }
+
+    /// A daemon that SIGKILL does not end (stuck in the kernel, here a stand-in that
+    /// says its group still runs) is reported as such: the share's requests wait, they
+    /// do not fail with EIO.
+    #[test]
+    fn a_daemon_given_up_on_that_does_not_end_is_reported_as_still_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), ":");
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        daemons.shared.lock().group_alive = |_| true;
+        let group = daemon_pids(&daemons)[0];
+        let started = Instant::now();
+        daemons.give_up(
+            "vmctl0",
+            "the backend did not answer GET_VRING_BASE within 30 s",
+        );
+        assert!(
+            started.elapsed() >= KILL_WAIT,
+            "it did not wait for the end"
+        );
+        let failures = daemons.failures();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        for needed in [
+            "has not ended",
+            "requests to that share wait until it ends",
+            &format!("-g {group}"),
+        ] {
+            assert!(failures[0].contains(needed), "{needed}: {}", failures[0]);
+        }
+        assert!(!failures[0].contains("vmctl ended it"), "{}", failures[0]);
+        daemons.stop();
+    }
+
+    /// A daemon that died on its own before the VMM's word of it came (its session
+    /// broke as it died) is not said to have been given up on and ended by vmctl: the
+    /// watcher reports how it ended.
+    #[test]
+    fn a_daemon_that_ended_before_the_vmm_gave_up_on_it_is_reported_as_it_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd_then(dir.path(), ":", "sleep 0.3; exit 0");
+        let (daemons, _) = start_as(
+            &fake,
+            &[share(dir.path(), false)],
+            dir.path(),
+            dir.path(),
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap();
+        daemons.shared.lock().vmm_running = || true;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while daemons.shared.lock().daemons[0].status.is_none() {
+            assert!(Instant::now() < deadline, "the stand-in did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        daemons.give_up("vmctl0", "the backend refused SET_FEATURES: broken pipe");
+        let failures = wait_for_failure_within(&daemons, 2 * CLEAN_EXIT_GRACE);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(
+            failures[0].contains("exit status: 0") && !failures[0].contains("gave up"),
+            "{}",
+            failures[0]
+        );
+        daemons.stop();
+    }
+
+    #[test]
+    fn a_process_group_member_counts_until_it_is_dead() {
+        let stat = |state: &str| format!("42 (a) b) {state} 1 77 77 0 -1 4194560");
+        assert!(is_live_member(&stat("S"), 77));
+        assert!(is_live_member(&stat("D"), 77));
+        assert!(!is_live_member(&stat("Z"), 77));
+        assert!(!is_live_member(&stat("S"), 78));
+        assert!(!is_live_member("garbage", 77));
+        // SAFETY: getpgrp cannot fail.
+        let ours = unsafe { libc::getpgrp() };
+        assert!(process_group_alive(ours), "this test's own group");
     }
 
     /// A daemon that exits cleanly (virtiofsd does when its VMM hangs up, or when it

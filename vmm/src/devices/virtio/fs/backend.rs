@@ -270,6 +270,21 @@ impl Backend {
         self.reply_timeout = timeout;
     }
 
+    /// Whether the backend has closed its end of the session: it exited, crashed or
+    /// was killed (the socket shows a hang-up, as the device's worker waits for).
+    pub fn is_gone(&self) -> bool {
+        let mut watched = libc::pollfd {
+            fd: self.session.as_raw_fd(),
+            // A hang-up is reported whatever is asked for.
+            events: 0,
+            revents: 0,
+        };
+        // SAFETY: `watched` is one valid pollfd for the call's length, on a descriptor
+        // we own; a timeout of 0 only looks.
+        let ready = unsafe { libc::poll(&mut watched, 1, 0) };
+        ready == 1 && watched.revents & libc::POLLHUP != 0
+    }
+
     /// Whether the session was ended: by [`Self::hang_up`], or for want of an answer.
     pub fn hung_up(&self) -> bool {
         self.hung_up

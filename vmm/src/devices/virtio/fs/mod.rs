@@ -6,7 +6,8 @@
 //! that refuses one of the VMM's requests, or leaves one unanswered for
 //! [`backend::REPLY_TIMEOUT`], is given up on: the VMM stops listening to it and tells
 //! its caller ([`Event::FsBackendGivenUp`]), which kills it; only when it is gone does
-//! the VMM answer for it, as it may be at work in the guest's rings until then.
+//! the VMM answer for it, as it may be at work in the guest's rings until then. One
+//! that ended on its own is not reported: its caller sees it end.
 
 mod backend;
 pub mod fallback;
@@ -139,13 +140,24 @@ impl VhostUserFs {
     /// Stops listening to the backend after `error` (in `doing`) and tells the
     /// caller, once, so that it kills the backend: a backend that stopped answering
     /// may still write into the guest's memory, so its requests are answered only
-    /// when it is gone.
+    /// when it is gone. A backend already gone (it died on its own, and `error` is
+    /// only the broken session) is not reported: there is nothing to kill, and its
+    /// caller, which watches it, says how it ended; "given up on" would be untrue.
     fn give_up(&mut self, error: &BackendError, doing: &str) {
+        let gone = self.backend.is_gone();
         self.backend.hang_up();
         if self.given_up {
             return;
         }
         self.given_up = true;
+        if gone {
+            tracing::error!(
+                "virtio-fs {:?}: {doing} failed: {error}; the backend (virtiofsd) has \
+                 ended, and the guest's requests to this share fail with EIO",
+                self.tag
+            );
+            return;
+        }
         tracing::error!(
             "virtio-fs {:?}: {doing} failed: {error}; the backend is given up on, and the \
              guest's requests to this share fail with EIO once it has ended",

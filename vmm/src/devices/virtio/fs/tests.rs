@@ -381,9 +381,11 @@ fn a_backend_that_does_not_answer_is_given_up_on() {
     let (done, stopped) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let result = backend.stop_rings(NUM_QUEUES);
-        let _ = done.send((result, backend.hung_up()));
+        // The backend comes back with it: its socket must stay open until the fake
+        // replies, or that reply would fail however the session was ended.
+        let _ = done.send((result, backend));
     });
-    let (result, hung_up) = stopped
+    let (result, backend) = stopped
         .recv_timeout(std::time::Duration::from_secs(10))
         .expect("stopping the rings still waits for a backend that does not answer");
     assert!(
@@ -396,9 +398,10 @@ fn a_backend_that_does_not_answer_is_given_up_on() {
         ),
         "{result:?}"
     );
-    assert!(hung_up);
+    assert!(backend.hung_up());
     fake.release();
     assert!(fake.saw_hang_up(), "the late answer was taken");
+    drop(backend);
 }
 
 /// The guest's requests (waiting in both queues) are answered with EIO.
@@ -463,11 +466,13 @@ fn a_backend_given_up_on_is_reported_and_answered_for_only_once_gone() {
 
 /// A backend already gone when the driver starts the device: the device starts
 /// anyway, and the guest's requests (waiting in both queues) are answered with EIO,
-/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever.
+/// as Linux never looks at NEEDS_RESET and would wait on FUSE_INIT for ever. It is not
+/// reported as given up on: it ended on its own, which its caller sees (and says how),
+/// and there is nothing left to kill.
 #[test]
 fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
     let fake = FakeBackend::start(Fake::DiesAfterConnect);
-    let (sink, _heard) = events();
+    let (sink, heard) = events();
     let mut device = VhostUserFs::connect(&fake.socket, "share", sink).unwrap();
     assert!(
         !fake.saw_hang_up(),
@@ -483,4 +488,8 @@ fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
         .expect("the device starts without its backend");
     assert_requests_fail_with_eio(&ram);
     device.reset();
+    assert!(
+        heard.try_recv().is_err(),
+        "a backend that died on its own was reported as given up on"
+    );
 }

@@ -931,6 +931,25 @@ mod tests {
         path
     }
 
+    /// Starts `binary` for `shares` without the sandbox, as an unprivileged user asking
+    /// for none would, with the sockets and logs in `state`.
+    fn start_unsandboxed(
+        binary: &Path,
+        shares: &[Share],
+        state: &Path,
+    ) -> (FsDaemons, Vec<FsConfig>) {
+        start_as(
+            binary,
+            shares,
+            state,
+            state,
+            false,
+            Some("none"),
+            CachePolicy::default(),
+        )
+        .unwrap()
+    }
+
     fn wait_for_failure(daemons: &FsDaemons) -> Vec<String> {
         wait_for_failure_within(daemons, Duration::from_secs(5))
     }
@@ -1070,16 +1089,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), "exit 1");
         let shared = [share(dir.path(), false), share(dir.path(), true)];
-        let (daemons, devices) = start_as(
-            &fake,
-            &shared,
-            dir.path(),
-            dir.path(),
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, devices) = start_unsandboxed(&fake, &shared, dir.path());
         assert_eq!(
             devices,
             [0, 1].map(|i| FsConfig {
@@ -1124,16 +1134,7 @@ mod tests {
             ":",
             &format!("sleep 600 & echo $! > '{}'; wait", forked.display()),
         );
-        let (daemons, _) = start_as(
-            &fake,
-            &[share(dir.path(), false)],
-            dir.path(),
-            dir.path(),
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
         let deadline = Instant::now() + Duration::from_secs(5);
         while !forked.exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
@@ -1178,16 +1179,7 @@ mod tests {
     fn a_daemon_given_up_on_that_does_not_end_is_reported_as_still_there() {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), ":");
-        let (daemons, _) = start_as(
-            &fake,
-            &[share(dir.path(), false)],
-            dir.path(),
-            dir.path(),
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
         daemons.shared.lock().group_alive = |_| true;
         let group = daemon_pids(&daemons)[0];
         let started = Instant::now();
@@ -1219,16 +1211,7 @@ mod tests {
     fn a_daemon_that_ended_before_the_vmm_gave_up_on_it_is_reported_as_it_ended() {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd_then(dir.path(), ":", "sleep 0.3; exit 0");
-        let (daemons, _) = start_as(
-            &fake,
-            &[share(dir.path(), false)],
-            dir.path(),
-            dir.path(),
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
         daemons.shared.lock().vmm_running = || true;
         let deadline = Instant::now() + Duration::from_secs(5);
         while daemons.shared.lock().daemons[0].status.is_none() {
@@ -1267,16 +1250,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd_then(dir.path(), ":", "sleep 1; exit 0");
         for vmm_running in [false, true] {
-            let (daemons, _) = start_as(
-                &fake,
-                &[share(dir.path(), false)],
-                dir.path(),
-                dir.path(),
-                false,
-                Some("none"),
-                CachePolicy::default(),
-            )
-            .unwrap();
+            let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
             daemons.shared.lock().vmm_running = if vmm_running { || true } else { || false };
             let within = Duration::from_secs(1) + 2 * CLEAN_EXIT_GRACE;
             let failures = wait_for_failure_within(&daemons, within);
@@ -1312,16 +1286,7 @@ mod tests {
             "{error}"
         );
         assert!(!error.contains(SANDBOX_ENV), "{error}");
-        let (daemons, _) = start_as(
-            &fake,
-            &[share(&host, false)],
-            &root,
-            &root,
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, _) = start_unsandboxed(&fake, &[share(&host, false)], &root);
         daemons.stop();
         let socket_dir = root.join(std::ffi::OsStr::from_bytes(b"st\xe9"));
         std::fs::create_dir(&socket_dir).unwrap();
@@ -1370,16 +1335,7 @@ mod tests {
         let original = share_root::dir_id_without_links(&project).unwrap();
         let state = root.join("state");
         std::fs::create_dir(&state).unwrap();
-        let (daemons, _) = start_as(
-            &racer,
-            &[share(&project, false)],
-            &state,
-            &state,
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, _) = start_unsandboxed(&racer, &[share(&project, false)], &state);
         let args = std::fs::read_to_string(root.join("args")).unwrap();
         assert!(args.starts_with("--shared-dir . "), "{args}");
         let pid = daemon_pids(&daemons)[0];
@@ -1584,16 +1540,7 @@ mod tests {
         let (original, other) = (inode(&project), inode(&root.join("elsewhere/project")));
         let state = root.join("state");
         std::fs::create_dir(&state).unwrap();
-        let (daemons, devices) = start_as(
-            &binary,
-            &[share(&project, false)],
-            &state,
-            &state,
-            false,
-            Some("none"),
-            CachePolicy::default(),
-        )
-        .unwrap();
+        let (daemons, devices) = start_unsandboxed(&binary, &[share(&project, false)], &state);
         // As a guest that can write `workspace` would, once virtiofsd runs.
         std::fs::rename(workspace.join("sub"), workspace.join("sub.orig")).unwrap();
         std::os::unix::fs::symlink(root.join("elsewhere"), workspace.join("sub")).unwrap();

@@ -275,8 +275,29 @@ fn reset_on_close(client: &TcpStream) {
 mod tests {
     use super::*;
     use guest_agent::protocol::{write_frame, AgentMessage, ClientMessage, FrameReader};
+    use std::path::Path;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A free port on the loopback address, chosen as the publication binds.
+    const ANY_LOOPBACK_PORT: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        0,
+    ));
+
+    /// Publishes `guest_port` of the VM whose agent listens on `vsock` at a free
+    /// loopback port, refusing nothing; returns the host address it is published at.
+    async fn publish_on_any_port(
+        published: &Published,
+        vsock: &Path,
+        guest_port: u16,
+    ) -> SocketAddr {
+        published
+            .publish(vsock.to_path_buf(), guest_port, ANY_LOOPBACK_PORT, || None)
+            .await
+            .unwrap()
+            .host
+    }
 
     /// A guest agent that takes the connection and never answers: the host
     /// connection to the published port ends once the agent had its time to answer.
@@ -286,12 +307,7 @@ mod tests {
         let vsock = dir.path().join("vsock.sock");
         let silent = tokio::net::UnixListener::bind(&vsock).unwrap();
         let published = Published::default();
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published
-            .publish(vsock, 8080, any_port, || None)
-            .await
-            .unwrap()
-            .host;
+        let at = publish_on_any_port(&published, &vsock, 8080).await;
         let mut client = TcpStream::connect(at).await.unwrap();
         let (_held, _) = silent.accept().await.unwrap();
         let mut byte = [0u8; 1];
@@ -364,12 +380,7 @@ mod tests {
         let vsock = dir.path().join("vsock.sock");
         let agent = tokio::net::UnixListener::bind(&vsock).unwrap();
         let published = Published::default();
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published
-            .publish(vsock, 8080, any_port, || None)
-            .await
-            .unwrap()
-            .host;
+        let at = publish_on_any_port(&published, &vsock, 8080).await;
         // A small receive buffer: most of the answer stays queued on the host side.
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.set_recv_buffer_size(4096).unwrap();
@@ -403,7 +414,6 @@ mod tests {
     async fn a_port_relayed_while_its_publication_binds_is_not_published() {
         let published = Published::default();
         let vsock = PathBuf::from("/nonexistent/vsock.sock");
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let asked = std::sync::atomic::AtomicUsize::new(0);
         // Allowed before the bind, relayed by the time it is done.
         let relayed_meanwhile = || {
@@ -411,7 +421,7 @@ mod tests {
                 .then(|| "relayed from the host".to_string())
         };
         let refused = published
-            .publish(vsock, 5432, any_port, relayed_meanwhile)
+            .publish(vsock, 5432, ANY_LOOPBACK_PORT, relayed_meanwhile)
             .await;
         assert_eq!(refused, Err("relayed from the host".to_string()));
         assert!(published.list().is_empty());
@@ -427,12 +437,7 @@ mod tests {
         let vsock = dir.path().join("vsock.sock");
         let mut connected = fake_agent(&vsock, AgentMessage::Connected);
         let published = Published::default();
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published
-            .publish(vsock, 8080, any_port, || None)
-            .await
-            .unwrap()
-            .host;
+        let at = publish_on_any_port(&published, &vsock, 8080).await;
         let mut client = TcpStream::connect(at).await.unwrap();
         connected.recv().await.unwrap();
 
@@ -459,12 +464,7 @@ mod tests {
         };
         let _answered = fake_agent(&vsock, refusal);
         let published = Published::default();
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let at = published
-            .publish(vsock, 8080, any_port, || None)
-            .await
-            .unwrap()
-            .host;
+        let at = publish_on_any_port(&published, &vsock, 8080).await;
         let mut client = TcpStream::connect(at).await.unwrap();
         let mut got = Vec::new();
         let ended = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
@@ -487,17 +487,8 @@ mod tests {
         let agent = tokio::net::UnixListener::bind(&vsock).unwrap();
         let connected = AgentMessage::Connected;
         let published = Published::with_limit(2);
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let first = published
-            .publish(vsock.clone(), 8080, any_port, || None)
-            .await
-            .unwrap()
-            .host;
-        let second = published
-            .publish(vsock, 8081, any_port, || None)
-            .await
-            .unwrap()
-            .host;
+        let first = publish_on_any_port(&published, &vsock, 8080).await;
+        let second = publish_on_any_port(&published, &vsock, 8081).await;
         let held = TcpStream::connect(first).await.unwrap();
         let guest_side = take_connect_port(&agent, &connected).await.unwrap();
         let _held_too = TcpStream::connect(second).await.unwrap();
@@ -535,26 +526,19 @@ mod tests {
     async fn publishing_again_as_asked_answers_with_the_same_address() {
         let published = Published::default();
         let vsock = PathBuf::from("/nonexistent/vsock.sock");
-        let any_port: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let first = published
-            .publish(vsock.clone(), 8123, any_port, || None)
-            .await
-            .unwrap();
-        let again = published
-            .publish(vsock.clone(), 8123, any_port, || None)
-            .await
-            .unwrap();
-        assert_eq!(again.host, first.host);
+        let first = publish_on_any_port(&published, &vsock, 8123).await;
+        let again = publish_on_any_port(&published, &vsock, 8123).await;
+        assert_eq!(again, first);
         let same_port = published
-            .publish(vsock.clone(), 8123, first.host, || None)
+            .publish(vsock.clone(), 8123, first, || None)
             .await
             .unwrap();
-        assert_eq!(same_port.host, first.host);
+        assert_eq!(same_port.host, first);
         assert_eq!(published.list().len(), 1);
 
         // Asked for another host port or address, it says where it is published.
-        let mut other_port = first.host;
-        other_port.set_port(first.host.port().wrapping_add(1).max(1));
+        let mut other_port = first;
+        other_port.set_port(first.port().wrapping_add(1).max(1));
         let refused = published
             .publish(vsock.clone(), 8123, other_port, || None)
             .await;

@@ -1806,18 +1806,24 @@ mod tests {
         assert!(check_mount_points(&shares).is_ok());
     }
 
+    /// What is kept out of the guest for a user whose home is `home`, with vmctl's own
+    /// config, state and cache elsewhere.
+    fn kept_out_of_home(home: &Path) -> Vec<KeptOut> {
+        kept_out_from(
+            &[home.to_path_buf()],
+            &[],
+            &[],
+            PathBuf::from("/nonexistent-state"),
+            None,
+        )
+    }
+
     /// The credential directories in a home are kept out, and anything inside them;
     /// the home's other directories are not.
     #[test]
     fn credential_directories_are_kept_out_of_the_guest() {
         let home = PathBuf::from("/nonexistent-home/me");
-        let kept_out = kept_out_from(
-            std::slice::from_ref(&home),
-            &[],
-            &[],
-            PathBuf::from("/nonexistent-state"),
-            None,
-        );
+        let kept_out = kept_out_of_home(&home);
         let refusal = |host: &str| {
             check_kept_out(&share(host, "/x"), &kept_out)
                 .err()
@@ -1864,13 +1870,7 @@ mod tests {
     #[test]
     fn credential_refusals_name_what_to_do_instead() {
         let home = PathBuf::from("/nonexistent-home/me");
-        let kept_out = kept_out_from(
-            std::slice::from_ref(&home),
-            &[],
-            &[],
-            PathBuf::from("/nonexistent-state"),
-            None,
-        );
+        let kept_out = kept_out_of_home(&home);
         let refusal = |dir: &str| {
             check_kept_out(&share(home.join(dir).to_str().unwrap(), "/x"), &kept_out).unwrap_err()
         };

@@ -259,6 +259,45 @@ mod tests {
     use tokio::io::AsyncReadExt;
     use tokio::net::UnixStream;
 
+    /// How long a test waits for a stream the relay should end to end.
+    const END_WAIT: Duration = Duration::from_secs(10);
+
+    /// A TCP connection pair: the relay's end first, then its peer's.
+    async fn tcp_pair() -> (TcpStream, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let near = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (far, _) = listener.accept().await.unwrap();
+        (near, far)
+    }
+
+    /// Reads `stream` to its end into `received`, giving up (`Err`) after
+    /// [`END_WAIT`].
+    async fn read_to_end_in_time(
+        stream: &mut (impl AsyncRead + Unpin),
+        received: &mut Vec<u8>,
+    ) -> Result<io::Result<usize>, tokio::time::error::Elapsed> {
+        tokio::time::timeout(END_WAIT, stream.read_to_end(received)).await
+    }
+
+    /// Relays between `client_side` and `server_side` in a task, as a caller that
+    /// owns both sockets does: the side opposite the one that broke is reset in turn.
+    fn relay_passing_on_resets(
+        mut client_side: TcpStream,
+        mut server_side: TcpStream,
+    ) -> tokio::task::JoinHandle<Relayed> {
+        tokio::spawn(async move {
+            let relayed = both_ways(&mut client_side, &mut server_side).await;
+            match relayed.broken() {
+                Some(Side::A) => server_side.set_zero_linger().unwrap(),
+                Some(Side::B) => client_side.set_zero_linger().unwrap(),
+                None => {}
+            }
+            relayed
+        })
+    }
+
     /// A server that answers and hangs up without reading its client's request: the
     /// relay's write to it breaks, and its answer must still reach the client.
     #[tokio::test]
@@ -287,23 +326,14 @@ mod tests {
     /// side open and sends nothing, with nothing passed on as an end of stream.
     #[tokio::test]
     async fn a_reset_from_the_server_ends_the_clients_reading() {
-        use tokio::net::{TcpListener, TcpStream};
         let (mut client, relay_client_side) = UnixStream::pair().unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let relay_server_side = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let (server, _) = listener.accept().await.unwrap();
+        let (relay_server_side, server) = tcp_pair().await;
         let relay = tokio::spawn(both_ways(relay_client_side, relay_server_side));
         // Closing with a zero linger sends a reset: the relay's read from it fails.
         server.set_zero_linger().unwrap();
         drop(server);
         let mut received = Vec::new();
-        let ended = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            client.read_to_end(&mut received),
-        )
-        .await;
+        let ended = read_to_end_in_time(&mut client, &mut received).await;
         assert!(
             matches!(ended, Ok(Ok(0))),
             "the client's read did not end after the server's reset: {ended:?}"
@@ -319,39 +349,20 @@ mod tests {
         );
     }
 
-    /// A TCP connection pair: the relay's end first, then its peer's.
-    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let near = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let (far, _) = listener.accept().await.unwrap();
-        (near, far)
-    }
-
     /// The server resets its connection: a caller that owns the client's socket can
     /// reset it in turn, and the client reads a reset, not an ordinary end (after
     /// which a response cut short would look complete).
     #[tokio::test]
     async fn a_reset_is_passed_on_as_a_reset_by_a_caller_that_owns_the_socket() {
-        let (mut relay_client_side, mut client) = tcp_pair().await;
+        let (relay_client_side, mut client) = tcp_pair().await;
         let (relay_server_side, server) = tcp_pair().await;
-        let relay = tokio::spawn(async move {
-            let relayed = both_ways(&mut relay_client_side, relay_server_side).await;
-            if relayed.broken() == Some(Side::B) {
-                relay_client_side.set_zero_linger().unwrap();
-            }
-            relayed
-        });
+        let relay = relay_passing_on_resets(relay_client_side, relay_server_side);
         server.set_zero_linger().unwrap();
         drop(server);
         let mut received = Vec::new();
-        let ended = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            client.read_to_end(&mut received),
-        )
-        .await
-        .expect("the client's read did not end after the server's reset");
+        let ended = read_to_end_in_time(&mut client, &mut received)
+            .await
+            .expect("the client's read did not end after the server's reset");
         assert!(
             ended
                 .as_ref()
@@ -373,23 +384,14 @@ mod tests {
     #[tokio::test]
     async fn a_reset_from_the_client_is_reported_for_its_side() {
         let (relay_client_side, client) = tcp_pair().await;
-        let (mut relay_server_side, mut server) = tcp_pair().await;
-        let relay = tokio::spawn(async move {
-            let relayed = both_ways(relay_client_side, &mut relay_server_side).await;
-            if relayed.broken() == Some(Side::A) {
-                relay_server_side.set_zero_linger().unwrap();
-            }
-            relayed
-        });
+        let (relay_server_side, mut server) = tcp_pair().await;
+        let relay = relay_passing_on_resets(relay_client_side, relay_server_side);
         client.set_zero_linger().unwrap();
         drop(client);
         let mut received = Vec::new();
-        let ended = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            server.read_to_end(&mut received),
-        )
-        .await
-        .expect("the server's read did not end after the client's reset");
+        let ended = read_to_end_in_time(&mut server, &mut received)
+            .await
+            .expect("the server's read did not end after the client's reset");
         assert!(
             ended.is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
             "the server did not read a reset"
@@ -405,12 +407,9 @@ mod tests {
         let mut answer = [0u8; 6];
         far.read_exact(&mut answer).await.unwrap();
         assert_eq!(pass_on_break(near).await, Ending::Reset);
-        let ended = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            far.read_to_end(&mut Vec::new()),
-        )
-        .await
-        .expect("the peer's read did not end");
+        let ended = read_to_end_in_time(&mut far, &mut Vec::new())
+            .await
+            .expect("the peer's read did not end");
         assert!(
             ended.is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
             "the peer did not read a reset"
@@ -451,12 +450,9 @@ mod tests {
         far.write_all(&[2u8; 1024]).await.unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         let mut received = Vec::new();
-        let read = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            far.read_to_end(&mut received),
-        )
-        .await
-        .expect("the peer's read did not end");
+        let read = read_to_end_in_time(&mut far, &mut received)
+            .await
+            .expect("the peer's read did not end");
         assert!(
             read.is_ok(),
             "the peer read {read:?} after {} bytes",

@@ -424,6 +424,21 @@ fn assert_requests_fail_with_eio(ram: &crate::memory::GuestRam) {
     }
 }
 
+/// Starts `device` as the guest's driver does, with a request waiting in each queue
+/// (see [`memory_and_queues`]); it must start whatever state its backend is in.
+/// Returns the guest's memory, where the replies go.
+fn start_with_requests_waiting(device: &mut VhostUserFs) -> crate::memory::GuestRam {
+    let (ram, queues) = memory_and_queues();
+    device.attach_queue_events(&eventfds()).unwrap();
+    let interrupt = InterruptTrigger::new(Arc::new(
+        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+    ));
+    device
+        .activate(ram.memory.clone(), queues, interrupt)
+        .expect("the device starts without its backend");
+    ram
+}
+
 /// A backend that stops answering as the driver starts the device is given up on:
 /// its caller is told (to kill it), and the guest's requests wait while it runs, as
 /// it may still complete them in the guest's memory; once it is gone they fail with
@@ -436,14 +451,7 @@ fn a_backend_given_up_on_is_reported_and_answered_for_only_once_gone() {
     device
         .backend
         .set_reply_timeout(std::time::Duration::from_millis(200));
-    let (ram, queues) = memory_and_queues();
-    device.attach_queue_events(&eventfds()).unwrap();
-    let interrupt = InterruptTrigger::new(Arc::new(
-        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
-    ));
-    device
-        .activate(ram.memory.clone(), queues, interrupt)
-        .expect("the device starts without its backend");
+    let ram = start_with_requests_waiting(&mut device);
     let event = heard
         .recv_timeout(std::time::Duration::from_secs(5))
         .expect("the caller was not told");
@@ -478,14 +486,7 @@ fn a_backend_lost_before_the_driver_starts_answers_with_eio() {
         !fake.saw_hang_up(),
         "the fake backend ends the session itself"
     );
-    let (ram, queues) = memory_and_queues();
-    device.attach_queue_events(&eventfds()).unwrap();
-    let interrupt = InterruptTrigger::new(Arc::new(
-        EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
-    ));
-    device
-        .activate(ram.memory.clone(), queues, interrupt)
-        .expect("the device starts without its backend");
+    let ram = start_with_requests_waiting(&mut device);
     assert_requests_fail_with_eio(&ram);
     device.reset();
     assert!(

@@ -1359,10 +1359,14 @@ mod tests {
         use std::sync::Arc;
         use std::time::{Duration, Instant};
 
-        use virtio_queue::{Queue, QueueT};
+        use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+        use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+        use virtio_queue::mock::MockSplitQueue;
+        use virtio_queue::Queue;
+        use vm_memory::GuestAddress;
         use vmm::devices::virtio::fs::VhostUserFs;
         use vmm::devices::virtio::{InterruptTrigger, VirtioDevice, FEATURE_VERSION_1};
-        use vmm::memory::{create_guest_ram, GuestRam};
+        use vmm::memory::{GuestMemoryMmap, GuestRam};
         use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
         const QUEUE_SIZE: u16 = 16;
@@ -1376,51 +1380,46 @@ mod tests {
         const REPLY_AT: u64 = 0x18_0000;
         const SLOT: u64 = 0x1000;
 
-        pub struct Client {
+        /// The device over `ram`, which the caller keeps: the queues' rings are in it.
+        pub struct Client<'a> {
             device: VhostUserFs,
-            ram: GuestRam,
+            ram: &'a GuestRam,
+            queues: Vec<MockSplitQueue<'a, GuestMemoryMmap>>,
             kicks: Vec<EventFd>,
             sent: u16,
         }
 
-        /// Queue `index`'s rings: descriptors, then the available and used rings.
-        fn ring_base(index: usize) -> u64 {
-            0x1_0000 * (index as u64 + 1)
-        }
-
-        impl Client {
-            /// Connects to the virtiofsd on `socket` and starts the device, as a
-            /// guest's driver would.
-            pub fn connect(socket: &Path) -> Self {
+        impl<'a> Client<'a> {
+            /// Connects to the virtiofsd on `socket` and starts the device over `ram`,
+            /// as a guest's driver would.
+            pub fn connect(socket: &Path, ram: &'a GuestRam) -> Self {
                 let events: vmm::process::EventSink =
                     Arc::new(|event| panic!("the VMM gave up on virtiofsd: {event:?}"));
                 let mut device = VhostUserFs::connect(socket, "test", events).unwrap();
-                let ram = create_guest_ram(16 << 20).unwrap();
                 let kicks: Vec<EventFd> = (0..2)
                     .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
                     .collect();
                 device.attach_queue_events(&kicks).unwrap();
                 device.set_acked_features(FEATURE_VERSION_1);
-                let queues = (0..2)
+                let queues: Vec<_> = (0..2u64)
                     .map(|index| {
-                        let base = ring_base(index);
-                        let mut queue = Queue::new(QUEUE_SIZE).unwrap();
-                        queue.set_size(QUEUE_SIZE);
-                        queue.set_desc_table_address(Some(base as u32), Some(0));
-                        queue.set_avail_ring_address(Some((base + 0x1000) as u32), Some(0));
-                        queue.set_used_ring_address(Some((base + 0x2000) as u32), Some(0));
-                        queue.set_ready(true);
-                        queue
+                        let rings = GuestAddress(0x1_0000 * (index + 1));
+                        MockSplitQueue::create(&ram.memory, rings, QUEUE_SIZE)
                     })
+                    .collect();
+                let ready = queues
+                    .iter()
+                    .map(|queue| queue.create_queue::<Queue>().unwrap())
                     .collect();
                 let interrupt =
                     InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
                 device
-                    .activate(ram.memory.clone(), queues, interrupt)
+                    .activate(ram.memory.clone(), ready, interrupt)
                     .unwrap();
                 Self {
                     device,
                     ram,
+                    queues,
                     kicks,
                     sent: 0,
                 }
@@ -1451,37 +1450,19 @@ mod tests {
                 header.extend_from_slice(body);
                 self.write(request, &header);
                 // Two descriptors: the request, then the reply buffer (device-written).
-                let base = ring_base(REQUESTS);
                 let first = 2 * (self.sent % (QUEUE_SIZE / 2));
-                let descriptor = |addr: u64, len: u32, flags: u16, next: u16| {
-                    let mut raw = Vec::new();
-                    raw.extend_from_slice(&addr.to_le_bytes());
-                    raw.extend_from_slice(&len.to_le_bytes());
-                    raw.extend_from_slice(&flags.to_le_bytes());
-                    raw.extend_from_slice(&next.to_le_bytes());
-                    raw
-                };
-                self.write(
-                    base + 16 * u64::from(first),
-                    &descriptor(request, header.len() as u32, 1, first + 1),
-                );
-                self.write(
-                    base + 16 * u64::from(first + 1),
-                    &descriptor(reply, 0x400, 2, 0),
-                );
-                let avail = base + 0x1000;
-                let slot = u64::from(self.sent % QUEUE_SIZE);
-                self.write(avail + 4 + 2 * slot, &first.to_le_bytes());
+                let (next, write) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
+                let chain = [
+                    Descriptor::new(request, header.len() as u32, next, first + 1),
+                    Descriptor::new(reply, 0x400, write, 0),
+                ]
+                .map(RawDescriptor::from);
+                let queue = &self.queues[REQUESTS];
+                queue.add_desc_chains(&chain, first).unwrap();
                 self.sent += 1;
-                self.write(avail + 2, &self.sent.to_le_bytes());
                 self.kicks[REQUESTS].write(1).unwrap();
-                let used_index = base + 0x2000 + 2;
                 let deadline = Instant::now() + Duration::from_secs(10);
-                loop {
-                    let used = self.read(used_index, 2);
-                    if u16::from_le_bytes([used[0], used[1]]) == self.sent {
-                        break;
-                    }
+                while queue.used().idx().load() != self.sent {
                     assert!(
                         Instant::now() < deadline,
                         "virtiofsd did not answer {opcode}"
@@ -1512,7 +1493,7 @@ mod tests {
             }
         }
 
-        impl Drop for Client {
+        impl Drop for Client<'_> {
             fn drop(&mut self) {
                 self.device.reset();
             }
@@ -1545,7 +1526,8 @@ mod tests {
         std::fs::rename(workspace.join("sub"), workspace.join("sub.orig")).unwrap();
         std::os::unix::fs::symlink(root.join("elsewhere"), workspace.join("sub")).unwrap();
         assert_eq!(inode(&project), other, "the swap did not take");
-        let mut client = fuse_client::Client::connect(&devices[0].socket_path);
+        let ram = vmm::memory::create_guest_ram(16 << 20).unwrap();
+        let mut client = fuse_client::Client::connect(&devices[0].socket_path, &ram);
         client.mount();
         let served = client.root_inode();
         assert_eq!(

@@ -989,13 +989,18 @@ pub fn retry_if_vm_lost(test: &str, scenario: fn()) {
                     && !NO_RETRY.with(|no_retry| no_retry.get())
                     && (vm_was_lost(panic.as_ref()) || VM_LOST.with(|lost| lost.get())) =>
             {
-                let why = telling_line(panic_message(panic.as_ref()));
+                let message = panic_message(panic.as_ref());
+                let why = telling_line(message);
                 // Straight to the process's stderr, like a skip: libtest would capture
-                // it once the scenario passes, and a CI log should show every retry.
+                // it once the scenario passes, and a CI log should show every retry,
+                // with all the failure said (a table, a log's tail) to tell later
+                // whether it was the nested host or a bug of ours.
                 let _ = writeln!(
                     std::io::stderr(),
                     "\nRETRY: attempt {attempt} lost its VM (the known nested-host crash or \
-                     hang; it failed with: {why}); starting over with a fresh VM\n",
+                     hang; it failed with: {why}); starting over with a fresh VM\n\
+                     The whole failure of attempt {attempt}:\n{}\n",
+                    indented(message)
                 );
                 append_line(
                     &retry_file(),
@@ -1063,6 +1068,15 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("")
+}
+
+/// `text` with each line indented, to set a quoted failure apart from the test's own
+/// lines in a log.
+fn indented(text: &str) -> String {
+    text.lines()
+        .map(|line| format!("    | {line}"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The line of a failure's message that shows the VM was lost (a long log's first line

@@ -259,9 +259,25 @@ fn wait_for(ws: &Workspace, what: &str, timeout: Duration, done: impl Fn(&str) -
         }
         assert!(
             Instant::now() < deadline,
-            "timed out waiting for {what}:\n{table}"
+            "timed out waiting for {what}:\n{table}\n{}",
+            daemon_log_tail(ws)
         );
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The last lines of the workspace's daemon log: what the daemon decided (leases,
+/// idle timers, the guest's sessions, stops) when a wait on it times out.
+fn daemon_log_tail(ws: &Workspace) -> String {
+    const LINES: usize = 40;
+    let path = ws.state().join("vmctl/daemon.log");
+    match std::fs::read_to_string(&path) {
+        Ok(log) => {
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(LINES)..].join("\n");
+            format!("{} (last {LINES} lines):\n{tail}", path.display())
+        }
+        Err(e) => format!("no daemon log at {}: {e}", path.display()),
     }
 }
 

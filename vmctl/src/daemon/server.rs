@@ -259,6 +259,16 @@ fn adopt_running_vms(daemon: &Arc<Daemon>) {
             });
             tracked.pinned
         };
+        vmm::to_stderr!(
+            "vmctl daemon: adopted the VM of {} (pid {pid}), which ran before this daemon \
+             started; {}",
+            vm.path.display(),
+            if pinned {
+                "pinned by `vmctl up`"
+            } else {
+                "it stops once idle, unless the guest agent says sessions are under way"
+            }
+        );
         if !pinned {
             schedule_idle_stop(daemon, &vm.path);
         }
@@ -435,6 +445,11 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
                 return;
             }
             // Those sessions are over: from now on, leases alone count.
+            vmm::to_stderr!(
+                "vmctl daemon: {} runs no session that holds no lease; leases alone \
+                 count from now on",
+                vm.path.display()
+            );
             if let Some(tracked) = daemon.vms().get_mut(&vm.path) {
                 tracked.adopted = None;
             }
@@ -446,6 +461,11 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             Ok(None) => {
                 // A session is attaching to the VM (its lease decides from now on),
                 // or a start without one is under way: look again after a timeout.
+                vmm::to_stderr!(
+                    "vmctl daemon: {}'s start lock is held (a session attaching, or a \
+                     start); not stopping it now",
+                    vm.path.display()
+                );
                 if is_still_idle(&daemon.vms(), &vm.path, generation) {
                     schedule_idle_stop(&daemon, &vm.path);
                 }
@@ -475,13 +495,23 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
                 timeout.as_secs()
             );
             let _ = tokio::task::spawn_blocking(move || {
-                crate::vm::stop_vm(&vm, &why);
+                let began = std::time::Instant::now();
+                if crate::vm::stop_vm(&vm, &why) {
+                    vmm::to_stderr!(
+                        "vmctl daemon: {} stopped after {:.1} s",
+                        vm.path.display(),
+                        began.elapsed().as_secs_f64()
+                    );
+                }
                 drop(start_lock);
             })
             .await;
         }
     });
 }
+
+/// How long an adopted VM's guest agent has to say how many sessions it runs.
+const SESSIONS_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How many commands the guest agent of `vm` runs, if any; `None` too when it does not
 /// answer (a VM stuck that way is stopped like an idle one).
@@ -492,9 +522,25 @@ async fn sessions_in_guest(vm: &VmDir) -> Option<u32> {
                 .await?;
         connection.health().await
     };
-    match tokio::time::timeout(Duration::from_secs(5), ask).await {
+    match tokio::time::timeout(SESSIONS_ANSWER_TIMEOUT, ask).await {
         Ok(Ok(health)) => (health.active_execs > 0).then_some(health.active_execs),
-        _ => None,
+        Ok(Err(e)) => {
+            vmm::to_stderr!(
+                "vmctl daemon: cannot ask the guest agent of {} for its sessions ({e}); \
+                 taking it for idle",
+                vm.path.display()
+            );
+            None
+        }
+        Err(_) => {
+            vmm::to_stderr!(
+                "vmctl daemon: the guest agent of {} did not say within {} s whether \
+                 sessions are under way; taking it for idle",
+                vm.path.display(),
+                SESSIONS_ANSWER_TIMEOUT.as_secs()
+            );
+            None
+        }
     }
 }
 

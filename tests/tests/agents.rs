@@ -432,6 +432,12 @@ fn lifecycle_scenario() {
         !std::path::Path::new(daemon_socket).exists(),
         "its socket is left"
     );
+    let daemon_lock = std::path::Path::new(daemon_socket).with_extension("lock");
+    assert!(
+        !daemon_lock.exists(),
+        "its lock file {} is left",
+        daemon_lock.display()
+    );
     let table = ps(&ws);
     assert!(!table.contains(" running "), "{table}");
     let state = ws.state().display().to_string();

@@ -161,6 +161,10 @@ pub fn run() -> Result<u8, DaemonError> {
     // The next daemon may start the moment the socket is gone: the lock goes with it
     // (and the pid file before, not to remove the next one's).
     let _ = std::fs::remove_file(&socket);
+    // Unlinked while still held, so that lock files do not pile up in the runtime
+    // directory (one per state directory: tests make hundreds); `take_lock` tells a
+    // lock on a file unlinked meanwhile from the one at the path.
+    let _ = std::fs::remove_file(socket.with_extension("lock"));
     drop(held_until_stopped);
     vmm::to_stderr!("vmctl daemon: stopped");
     Ok(0)
@@ -233,13 +237,35 @@ fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
         path: path.to_path_buf(),
         source,
     };
-    let file = crate::state::open_lock_file(path).map_err(error)?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
+    // A daemon that stops unlinks its lock file before it lets go of it: a lock taken
+    // on the file it unlinked is no one's, and is taken again on the path's new file.
+    // A few tries are plenty: each one lost means another daemon stopped meanwhile.
+    for _ in 0..8 {
+        let file = crate::state::open_lock_file(path).map_err(error)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(error(e)),
         }
-        Err(std::fs::TryLockError::Error(e)) => Err(error(e)),
+        if is_linked_at(&file, path).map_err(error)? {
+            return Ok(file);
+        }
+    }
+    Err(error(std::io::Error::other(
+        "its lock file kept being replaced while it was taken; try again",
+    )))
+}
+
+/// Whether `file` is still the file at `path` (not one unlinked since it was opened).
+fn is_linked_at(file: &std::fs::File, path: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let held = file.metadata()?;
+    match std::fs::metadata(path) {
+        Ok(at_path) => Ok(at_path.dev() == held.dev() && at_path.ino() == held.ino()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -733,6 +759,31 @@ mod tests {
         assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
         assert!(matches!(bind(&socket), Err(DaemonError::AlreadyRunning(_))));
         drop(bound);
+    }
+
+    /// A stopping daemon unlinks its lock file while it still holds it. A daemon that
+    /// opened that file just before, and locks it once it is let go, must not take it
+    /// for the lock: a third one would take the path's new file, and both would run.
+    #[test]
+    fn a_lock_on_a_lock_file_unlinked_meanwhile_is_not_the_lock() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("daemon-x.sock");
+        let path = socket.with_extension("lock");
+        let stopping = take_lock(&path, &socket).unwrap();
+        let opened_before_the_unlink = crate::state::open_lock_file(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        drop(stopping);
+        opened_before_the_unlink.try_lock().unwrap();
+        assert!(!is_linked_at(&opened_before_the_unlink, &path).unwrap());
+        // The next daemon takes the path's own (new) file, and holds the only lock.
+        let next = take_lock(&path, &socket).unwrap();
+        assert!(is_linked_at(&next, &path).unwrap());
+        assert!(matches!(
+            take_lock(&path, &socket),
+            Err(DaemonError::AlreadyRunning(_))
+        ));
+        drop(next);
     }
 
     /// The user's runtime directory is theirs: the daemon makes its own directory in

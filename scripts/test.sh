@@ -120,6 +120,11 @@ report_list() { # file title prefix
 }
 report_list "$VMCTL_RETRY_FILE" \
     "VM test attempts that lost their VM in the nested host and were retried" "RETRIED VM TEST"
+# A retry whose hang report saw the command end once the diagnosis's own traffic went
+# through may hide a lost wake-up of ours rather than the nested host's stall.
+if [[ -s "$VMCTL_RETRY_FILE" ]] && suspects="$(grep -c 'LOST WAKE-UP?' "$VMCTL_RETRY_FILE")"; then
+    say "WARNING: $suspects of those retries may hide a lost wake-up (marked LOST WAKE-UP?): read their hang reports above"
+fi
 report_list "$VMCTL_SKIP_FILE" "VM tests skipped" "SKIPPED VM TEST"
 skipped=$counted
 

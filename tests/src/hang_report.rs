@@ -56,13 +56,34 @@ pub fn diagnose(
     hung: &mut Child,
     grace: Duration,
 ) -> Option<String> {
+    diagnose_with_verdict(workspace, args, hung, grace).map(|(report, _)| report)
+}
+
+/// What the diagnosis made of the hung command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Nothing could be asked (the VM was not running).
+    NotAsked,
+    /// It ended once the diagnosis's traffic went through: a lost wake-up of ours,
+    /// unless it was merely about to finish.
+    EndedAfterDiagnosis,
+    /// It still ran: a request nobody answered, or a guest stuck as a whole.
+    StillRunning,
+}
+
+fn diagnose_with_verdict(
+    workspace: &Workspace,
+    args: &[&str],
+    hung: &mut Child,
+    grace: Duration,
+) -> Option<(String, Verdict)> {
     if !runs_in_the_guest(args) {
         return None;
     }
     let mut report = format!("\nHANG REPORT for vmctl {args:?}\n");
     if !vm_is_up(workspace) {
         report.push_str("the workspace's VM is not running: nothing to ask\n");
-        return Some(report);
+        return Some((report, Verdict::NotAsked));
     }
     report.push_str(&console_tail(&workspace.state()));
     if let Some(vm_dir) = crate::find_vm_dir(&workspace.state()) {
@@ -70,28 +91,34 @@ pub fn diagnose(
     }
     let asked = Instant::now();
     report.push_str(&ask_the_guest(workspace));
-    report.push_str(&match wait_bounded(hung, grace) {
-        Some(status) => format!(
-            "verdict: the hung command ended ({status}) {:.1} s after the diagnosis began: \
-             a wake-up lost on the way that the diagnosis's traffic made up for (unless \
-             the command was merely about to finish)\n",
-            asked.elapsed().as_secs_f64()
-        ),
-        None => format!(
-            "verdict: the hung command was still running {} s after the diagnosis: \
-             see where its processes wait above\n",
-            grace.as_secs()
-        ),
-    });
-    Some(report)
+    let verdict = match wait_bounded(hung, grace) {
+        Some(status) => {
+            report.push_str(&format!(
+                "verdict: the hung command ended ({status}) {:.1} s after the diagnosis \
+                 began: a wake-up lost on the way that the diagnosis's traffic made up for \
+                 (unless the command was merely about to finish)\n",
+                asked.elapsed().as_secs_f64()
+            ));
+            Verdict::EndedAfterDiagnosis
+        }
+        None => {
+            report.push_str(&format!(
+                "verdict: the hung command was still running {} s after the diagnosis: \
+                 see where its processes wait above\n",
+                grace.as_secs()
+            ));
+            Verdict::StillRunning
+        }
+    };
+    Some((report, verdict))
 }
 
 /// [`diagnose`], written to the test process's stderr (uncaptured, like a retry, so
-/// that CI's log keeps it).
-pub(crate) fn report(workspace: &Workspace, args: &[&str], hung: &mut Child) {
-    if let Some(report) = diagnose(workspace, args, hung, GRACE_AFTER_DIAGNOSIS) {
-        let _ = std::io::stderr().write_all(report.as_bytes());
-    }
+/// that CI's log keeps it); returns the verdict, if there was a diagnosis.
+pub(crate) fn report(workspace: &Workspace, args: &[&str], hung: &mut Child) -> Option<Verdict> {
+    let (report, verdict) = diagnose_with_verdict(workspace, args, hung, GRACE_AFTER_DIAGNOSIS)?;
+    let _ = std::io::stderr().write_all(report.as_bytes());
+    Some(verdict)
 }
 
 fn runs_in_the_guest(args: &[&str]) -> bool {

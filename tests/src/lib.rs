@@ -845,7 +845,11 @@ impl Workspace {
         let out_reader = thread::spawn(move || read_all(out.as_mut()));
         let err_reader = thread::spawn(move || read_all(err.as_mut()));
         let Some(status) = hang_report::wait_bounded(&mut child, vm_timeout()) else {
-            hang_report::report(self, args, &mut child);
+            if hang_report::report(self, args, &mut child)
+                == Some(hang_report::Verdict::EndedAfterDiagnosis)
+            {
+                LOST_WAKEUP_SUSPECTED.with(|suspected| suspected.set(true));
+            }
             let _ = child.kill();
             let _ = child.wait();
             panic!("vmctl {args:?} timed out after {:?}", vm_timeout());
@@ -982,6 +986,7 @@ pub fn retry_if_vm_lost(test: &str, scenario: fn()) {
     for attempt in 1..=attempts {
         VM_LOST.with(|lost| lost.set(false));
         NO_RETRY.with(|no_retry| no_retry.set(false));
+        LOST_WAKEUP_SUSPECTED.with(|suspected| suspected.set(false));
         match std::panic::catch_unwind(scenario) {
             Ok(()) => return,
             Err(panic)
@@ -990,7 +995,10 @@ pub fn retry_if_vm_lost(test: &str, scenario: fn()) {
                     && (vm_was_lost(panic.as_ref()) || VM_LOST.with(|lost| lost.get())) =>
             {
                 let message = panic_message(panic.as_ref());
-                let why = telling_line(message);
+                let why = retry_reason(
+                    message,
+                    LOST_WAKEUP_SUSPECTED.with(|suspected| suspected.get()),
+                );
                 // Straight to the process's stderr, like a skip: libtest would capture
                 // it once the scenario passes, and a CI log should show every retry,
                 // with all the failure said (a table, a log's tail) to tell later
@@ -1026,6 +1034,9 @@ thread_local! {
     static VM_LOST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Set by [`no_retry_from_here`].
     static NO_RETRY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by [`Workspace::run`] when a command that timed out ended once the hang
+    /// report's traffic went through: said with the retry, which may hide a bug.
+    static LOST_WAKEUP_SUSPECTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// What vmctl or a panic says when the VM went away under a scenario.
@@ -1068,6 +1079,23 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("")
+}
+
+/// Added to a retry's reason when the hang report saw the timed-out command end once
+/// its own traffic went through; `scripts/test.sh` counts these apart.
+const LOST_WAKEUP_NOTE: &str =
+    " [LOST WAKE-UP? the hang report saw the command end once its diagnosis's traffic went through]";
+
+/// What a retry is said and recorded to be for: the failure's telling line, marked
+/// when a lost wake-up is suspected. Such a scenario is retried all the same (a
+/// command of a slow nested guest may merely have been about to finish), but
+/// `scripts/test.sh` counts it apart.
+fn retry_reason(message: &str, lost_wakeup_suspected: bool) -> String {
+    let mut why = telling_line(message);
+    if lost_wakeup_suspected {
+        why.push_str(LOST_WAKEUP_NOTE);
+    }
+    why
 }
 
 /// `text` with each line indented, to set a quoted failure apart from the test's own
@@ -1242,6 +1270,28 @@ mod tests {
         assert_eq!(telling_line(""), "");
         let long = "é".repeat(400);
         assert_eq!(telling_line(&long), format!("{}...", "é".repeat(300)));
+    }
+
+    /// `scripts/test.sh` counts the retries that may hide a lost wake-up by this mark.
+    #[test]
+    fn a_retry_after_a_suspected_lost_wake_up_is_marked() {
+        let message = "vmctl [\"exec\"] timed out after 240s\nmore";
+        assert_eq!(
+            retry_reason(message, false),
+            "vmctl [\"exec\"] timed out after 240s"
+        );
+        let marked = retry_reason(message, true);
+        assert!(
+            marked.starts_with("vmctl [\"exec\"] timed out after 240s")
+                && marked.contains("LOST WAKE-UP?"),
+            "{marked}"
+        );
+        let script = std::fs::read_to_string(workspace_root().join("scripts/test.sh"))
+            .expect("read scripts/test.sh");
+        assert!(
+            script.contains("'LOST WAKE-UP?'"),
+            "test.sh counts another mark"
+        );
     }
 
     #[test]

@@ -570,6 +570,46 @@ pub fn index_rewrites(seen: &[IndexSeen], initial: usize) -> (usize, usize) {
     (total, timed)
 }
 
+/// What the index's rewrites (see [`index_rewrites`]) say of the git status figure:
+/// rewritten by a timed run, that run re-read files the other side's stat data left
+/// stale, so the figure is no measure of a plain `git status` and gets no verdict;
+/// rewritten by untimed warm-ups only, the figure stands and a note says why.
+fn judge_git_index(
+    git_index: &[IndexSeen],
+    warmup_index: usize,
+    figure: &mut FsFigure,
+    notes: &mut Vec<String>,
+) {
+    match index_rewrites(git_index, warmup_index) {
+        (0, _) => notes.push(
+            "The git index was not rewritten by the `git status` runs after the first \
+             warm-ups: host and guest agree on the files' stat data."
+                .into(),
+        ),
+        (rewrites, 0) => notes.push(format!(
+            "The git index was rewritten {rewrites} time(s) after the first warm-ups, \
+             all by untimed warm-ups, none by a timed run: host and guest disagree on \
+             some files' stat data, so the first git status on one side after the other's \
+             refreshes the index (a cost the timed runs, each after its own side's \
+             warm-up, do not carry). Index mtimes: {}",
+            index_history(git_index)
+        )),
+        (rewrites, timed) => {
+            let why = format!(
+                "the git index was rewritten {rewrites} time(s) after the first warm-ups \
+                 ({timed} of them by timed runs): host and guest disagree on the files' \
+                 stat data, so each git status refreshes the index and re-reads the files"
+            );
+            figure.withhold_verdict(&why);
+            notes.push(format!(
+                "{}: no verdict: {why}. Index mtimes: {}",
+                Workload::GitStatus.name(),
+                index_history(git_index)
+            ));
+        }
+    }
+}
+
 /// Each `git status`'s side, kind and index mtime, for a note.
 fn index_history(seen: &[IndexSeen]) -> String {
     seen.iter()
@@ -1192,34 +1232,12 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         ));
     }
     if git_index.len() > warmup_index {
-        match index_rewrites(&git_index, warmup_index) {
-            (0, _) => report.notes.push(
-                "The git index was not rewritten by the `git status` runs after the first \
-                 warm-ups: host and guest agree on the files' stat data."
-                    .into(),
-            ),
-            (rewrites, 0) => report.notes.push(format!(
-                "The git index was rewritten {rewrites} time(s) after the first warm-ups, \
-                 all by untimed warm-ups, none by a timed run: host and guest disagree on \
-                 some files' stat data, so the first git status on one side after the other's \
-                 refreshes the index (a cost the timed runs, each after its own side's \
-                 warm-up, do not carry). Index mtimes: {}",
-                index_history(&git_index)
-            )),
-            (rewrites, timed) => {
-                let why = format!(
-                    "the git index was rewritten {rewrites} time(s) after the first warm-ups \
-                     ({timed} of them by timed runs): host and guest disagree on the files' \
-                     stat data, so each git status refreshes the index and re-reads the files"
-                );
-                report.figures[git].withhold_verdict(&why);
-                report.notes.push(format!(
-                    "{}: no verdict: {why}. Index mtimes: {}",
-                    Workload::GitStatus.name(),
-                    index_history(&git_index)
-                ));
-            }
-        }
+        judge_git_index(
+            &git_index,
+            warmup_index,
+            &mut report.figures[git],
+            &mut report.notes,
+        );
     }
     for side in &report.sides {
         if side.cache_drops_failed > 0 {
@@ -1493,6 +1511,61 @@ mod tests {
         all.push(seen(Side::Host, false, "e"));
         assert_eq!(index_rewrites(&all, 2), (3, 2));
         assert_eq!(index_rewrites(&[], 0), (0, 0));
+    }
+
+    /// The git status verdict stands unless a timed run rewrote the index; rewrites by
+    /// untimed warm-ups only are told in a note.
+    #[test]
+    fn only_a_timed_runs_index_rewrite_withholds_the_git_verdict() {
+        let seen = |side, timed, mtime: &str| IndexSeen {
+            side,
+            timed,
+            mtime: mtime.into(),
+        };
+        let judged = |history: &[IndexSeen]| {
+            let mut figure = FsFigure::new(
+                Workload::GitStatus.name(),
+                "s",
+                Better::Lower,
+                (None, Some(200)),
+                (3.0, "metadata"),
+                vec![0.01, 0.01],
+                vec![0.02, 0.02],
+                None,
+            );
+            assert_eq!(figure.target.met, Some(true), "met before judging");
+            let mut notes = Vec::new();
+            judge_git_index(history, 2, &mut figure, &mut notes);
+            assert_eq!(notes.len(), 1, "{notes:?}");
+            (figure.target, notes.remove(0))
+        };
+        let first = [seen(Side::Host, false, "a"), seen(Side::Guest, false, "b")];
+        let runs = |later: &[IndexSeen]| [&first[..], later].concat();
+
+        let (target, note) = judged(&runs(&[
+            seen(Side::Host, false, "b"),
+            seen(Side::Host, true, "b"),
+        ]));
+        assert_eq!((target.met, target.withheld), (Some(true), None));
+        assert!(note.contains("not rewritten"), "{note}");
+
+        let (target, note) = judged(&runs(&[
+            seen(Side::Host, false, "c"),
+            seen(Side::Host, true, "c"),
+            seen(Side::Guest, false, "d"),
+            seen(Side::Guest, true, "d"),
+        ]));
+        assert_eq!((target.met, target.withheld), (Some(true), None));
+        assert!(note.contains("all by untimed warm-ups"), "{note}");
+
+        let (target, note) = judged(&runs(&[
+            seen(Side::Host, false, "b"),
+            seen(Side::Host, true, "c"),
+        ]));
+        assert_eq!(target.met, None);
+        let withheld = target.withheld.expect("a reason");
+        assert!(withheld.contains("1 of them by timed runs"), "{withheld}");
+        assert!(note.contains("no verdict"), "{note}");
     }
 
     /// Which caches hold the repository's metadata as the plan runs: the host's (its

@@ -1124,6 +1124,22 @@ pub fn utc_from_unix(secs: u64) -> String {
     )
 }
 
+/// A boot report's JSON with every required field and nothing measured, in `mode`
+/// ("direct" or "nested"), for tests to adjust and read back as a [`Report`].
+#[cfg(test)]
+pub(crate) fn minimal_report_json(mode: &str, hardware_kvm: bool) -> serde_json::Value {
+    serde_json::json!({
+        "benchmark": "boot", "date": "d", "mode": mode, "note": null,
+        "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
+            "hardware_kvm": hardware_kvm},
+        "measured_on": null, "commit": null, "dirty": null,
+        "kernel": "/k", "initrd": "/i", "vmctl": "/v", "qemu": "", "qemu_version": "",
+        "config": {"runs": 1, "quick": false, "vcpus": 1, "memory_mib": 128,
+            "memory_runs": 1, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
+        "commands": [], "memory_rules": [], "figures": [], "ratios": []
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1262,17 +1278,9 @@ mod tests {
 
     #[test]
     fn a_run_without_the_boot_section_says_so_instead_of_its_table() {
-        let mut r: Report = serde_json::from_value(serde_json::json!({
-            "benchmark": "boot", "date": "d", "mode": "direct", "note": null,
-            "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
-                "hardware_kvm": true},
-            "measured_on": null, "commit": "abc1234", "dirty": false,
-            "kernel": "/k", "initrd": "/i", "vmctl": "/v", "qemu": "/q", "qemu_version": "q",
-            "config": {"runs": 10, "quick": false, "vcpus": 1, "memory_mib": 128,
-                "memory_runs": 3, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
-            "commands": [], "memory_rules": [], "figures": [], "ratios": []
-        }))
-        .unwrap();
+        let mut json = minimal_report_json("direct", true);
+        json["config"]["runs"] = 10.into();
+        let mut r: Report = serde_json::from_value(json).unwrap();
         // A report from before --only measured every section.
         assert!(r.measured(Section::Boot) && r.measured(Section::Fs));
         assert!(r.markdown().contains("10 boot(s) per VMM"));
@@ -1309,20 +1317,12 @@ mod tests {
             cpuinfo_hypervisor_flag("vmx flags\t: hypervisor\nflags\t: svm\n"),
             Some(false)
         );
-        let mut r: Report = serde_json::from_value(serde_json::json!({
-            "benchmark": "boot", "date": "d", "mode": "direct", "note": null,
-            "machine": {"hostname": "box", "cpu_model": "c", "cpus": 2, "kernel": "k",
-                "hardware_kvm": true},
-            "measured_on": null, "commit": null, "dirty": null,
-            "kernel": "/k", "initrd": "/i", "vmctl": "/v", "qemu": "", "qemu_version": "",
-            "config": {"runs": 1, "quick": false, "vcpus": 1, "memory_mib": 128,
-                "memory_runs": 1, "memory_run_sleep_s": 3, "timeout_s": 60, "marker": "M"},
-            "commands": [], "memory_rules": [],
-            "figures": [Figure::new("boot_to_init_wall", "ms", OURS, vec![100.0])
-                .unwrap().with_hardware_target(125.0)],
-            "ratios": []
-        }))
-        .unwrap();
+        let mut json = minimal_report_json("direct", true);
+        json["figures"] =
+            serde_json::json!([Figure::new("boot_to_init_wall", "ms", OURS, vec![100.0])
+                .unwrap()
+                .with_hardware_target(125.0)]);
+        let mut r: Report = serde_json::from_value(json).unwrap();
         // A report from before the flag was recorded.
         assert_eq!(r.machine.hypervisor, None);
         let md = r.markdown();

@@ -96,18 +96,9 @@ mod tests {
     use super::*;
 
     fn report_with(sections: &[Section]) -> Report {
-        let mut report: Report = serde_json::from_value(serde_json::json!({
-            "benchmark": "boot", "date": "d", "mode": "nested", "note": null,
-            "machine": {"hostname": "h", "cpu_model": "c", "cpus": 2, "kernel": "k",
-                        "hardware_kvm": false},
-            "measured_on": null, "commit": null, "dirty": null,
-            "kernel": "", "initrd": "", "vmctl": "", "qemu": "", "qemu_version": "",
-            "config": {"runs": 1, "quick": true, "vcpus": 1, "memory_mib": 128,
-                       "memory_runs": 1, "memory_run_sleep_s": 1, "timeout_s": 1,
-                       "marker": "m", "configs": []},
-            "commands": [], "memory_rules": [], "figures": [], "ratios": []
-        }))
-        .expect("a minimal report");
+        let mut report: Report =
+            serde_json::from_value(crate::report::minimal_report_json("nested", false))
+                .expect("a minimal report");
         report.sections = sections.to_vec();
         if sections.contains(&Section::Boot) {
             report.figures = serde_json::from_value(serde_json::json!([{

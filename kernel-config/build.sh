@@ -38,7 +38,14 @@ source_version="$(dpkg-query -W -f='${Version}' "$source_package" 2>/dev/null ||
     die "$source_tarball is missing: run 'apt-get install $source_package' (or scripts/setup.sh)"
 
 # The toolchain's versions too: a vmlinux is only as good as the gcc and ld that built it.
-compiler="gcc-$(gcc -dumpfullversion 2>/dev/null || echo none) ld-$(ld --version 2>/dev/null | head -n1 | awk '{print $NF}' || true)"
+# Debian's package revisions where dpkg knows them: a security fix to gcc or binutils
+# (12.2.0-14 to 12.2.0-14+deb12u1) leaves the upstream version as it was.
+package_revision() { dpkg-query -W -f='${Version}' "$1" 2>/dev/null || true; }
+gcc_version="$(gcc -dumpfullversion 2>/dev/null || echo none)"
+ld_version="$(ld --version 2>/dev/null | head -n1 | awk '{print $NF}' || true)"
+gcc_revision="$(package_revision "gcc-${gcc_version%%.*}")"
+ld_revision="$(package_revision binutils)"
+compiler="gcc-${gcc_revision:-$gcc_version} ld-${ld_revision:-$ld_version}"
 # What this checkout asks for (fragments, scripts), apart from the host's versions: a
 # rebuild can then say whether only those changed.
 inputs="$( { cache_key_of_scripts "${BASH_SOURCE[0]}"; cat "${fragments[@]}"; } | sha256sum | cut -c1-16)"

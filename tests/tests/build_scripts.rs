@@ -523,3 +523,53 @@ fn the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it() {
         "{said}"
     );
 }
+
+/// Root building a kernel or an image into a user's cache builds as them, unless an
+/// earlier build as root left something there they could not write (a lock, an entry,
+/// a work directory): their build would fail on it, so root builds and says how to
+/// give the cache back.
+#[test]
+fn builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write() {
+    if current_uid() != 0 {
+        // Only root builds for another user.
+        return;
+    }
+    let user = unprivileged_user();
+    let dir = TempDir::new("cache-unwritable");
+    let cache = dir.join("cache");
+    let kernels = cache.join("kernel");
+    std::fs::create_dir_all(&kernels).expect("create the cache");
+    chown(&cache, user.uid, user.gid);
+    let build = || {
+        let output = Command::new("bash")
+            .arg("-c")
+            .arg(
+                "set -euo pipefail; source \"$0\"; \
+                 cache_build_as_owner \"$CACHE\" bash -c 'echo \"built as $(id -u)\"'; \
+                 echo \"built as $(id -u)\"",
+            )
+            .arg(workspace_root().join("scripts/lib/cache.sh"))
+            .env("SUDO_UID", user.uid.to_string())
+            .env("SUDO_GID", user.gid.to_string())
+            .env("CACHE", &cache)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run bash");
+        assert!(output.status.success(), "{}", stderr(&output));
+        (stdout(&output), stderr(&output))
+    };
+
+    let (built, said) = build();
+    assert_eq!(built, format!("built as {}\n", user.uid), "{said}");
+
+    // A lock an earlier build as root left among the kernels.
+    let lock = kernels.join(".guest.lock");
+    std::fs::write(&lock, "").expect("write a root-owned lock");
+    let (built, said) = build();
+    assert_eq!(built, "built as 0\n", "{said}");
+    assert!(
+        said.contains(&format!("they could not write {}", lock.display()))
+            && said.contains(&format!("sudo chown -R {} ", user.uid)),
+        "{said}"
+    );
+}

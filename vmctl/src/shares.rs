@@ -104,6 +104,16 @@ pub enum ShareError {
     },
     #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; {}, or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.problem.remedy(), .0.parent_guest.display())]
     MountPointInShare(Box<MountPointInShare>),
+    /// A writable share the user added (`--mount`, the config file's `mounts`) that is
+    /// or holds a directory whose programs the host user runs ([`ProgramDir`]): the
+    /// guest could put a program there that the host later runs, outside the VM.
+    /// Read-only, it is fine. The workspace itself (and a worktree's repository) is
+    /// never refused for this: a project often holds a directory on PATH (an
+    /// activated `.venv/bin`, `node_modules/.bin` named by its absolute path), and
+    /// refusing its own workspace would leave it no VM; the guest writing a project's
+    /// tools is what working in it means.
+    #[error("mount {:?}: {}{}, and a guest that could write it could put a program there that you then run on this host; mount it read-only ({:?}), or share a directory that holds none of your programs", .0.spec, program_dir_place(&.0.host, .0.relation, &.0.program_dir), .0.what, .0.read_only_spec)]
+    HostProgramDir(Box<HostProgramDir>),
     #[error("{} cannot be shared with the guest: {}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), pseudo_place(.host, .mount, .fs), .naming.another_share())]
     PseudoFilesystem {
         host: PathBuf,
@@ -149,6 +159,35 @@ fn kept_out_remedy(instead: Option<&str>, naming: Naming) -> String {
         }
         None => format!("share a project's directory instead ({another})"),
     }
+}
+
+/// A writable mount refused as [`ShareError::HostProgramDir`].
+#[derive(Debug)]
+pub struct HostProgramDir {
+    pub spec: String,
+    pub host: PathBuf,
+    pub relation: Relation,
+    pub program_dir: PathBuf,
+    pub what: &'static str,
+    /// The same mount, read-only.
+    pub read_only_spec: String,
+}
+
+/// How a refused share stands to a directory of the user's programs, for
+/// [`ShareError::HostProgramDir`].
+fn program_dir_place(host: &Path, relation: Relation, program_dir: &Path) -> String {
+    match relation {
+        Relation::Is => format!("{} is ", host.display()),
+        Relation::Holds | Relation::IsInside => {
+            format!("{} {relation} {}, ", host.display(), program_dir.display())
+        }
+    }
+}
+
+/// `spec` (`HOST[:GUEST][:ro|:rw]`) made read-only.
+fn read_only_spec(spec: &str) -> String {
+    let writable = spec.strip_suffix(":rw").unwrap_or(spec);
+    format!("{writable}:ro")
 }
 
 /// Where a pseudo file system is, for [`ShareError::PseudoFilesystem`].
@@ -356,15 +395,7 @@ pub struct KeptOut {
 /// write them would rewrite; every VM's state, the egress CAs' keys among it; the
 /// kernels, images and guest agent every VM boots).
 pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
-    let home = std::env::var_os("HOME")
-        .filter(|home| !home.is_empty())
-        .map(PathBuf::from);
-    // HOME may be unset, or point elsewhere (a service's, a test's): the account's own
-    // home, and vmctl's config directory in it, are kept out all the same.
-    // SAFETY: getuid cannot fail.
-    let account_home = crate::guest_account::password_entry(unsafe { libc::getuid() })
-        .map(|(_, home)| PathBuf::from(home))
-        .filter(|home| home.is_absolute() && home != Path::new("/"));
+    let (home, account_home) = homes();
     let config_file = crate::user_config::config_path();
     let config = config_file
         .as_deref()
@@ -392,6 +423,135 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     );
     kept_out.extend(sign_in_dirs_moved());
     kept_out
+}
+
+/// `HOME`, and the account's own home from the password database. HOME may be unset,
+/// or point elsewhere (a service's, a test's): what is in the account's own home is
+/// kept from the guest all the same.
+fn homes() -> (Option<PathBuf>, Option<PathBuf>) {
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    // SAFETY: getuid cannot fail.
+    let account_home = crate::guest_account::password_entry(unsafe { libc::getuid() })
+        .map(|(_, home)| PathBuf::from(home))
+        .filter(|home| home.is_absolute() && home != Path::new("/"));
+    (home, account_home)
+}
+
+/// A directory under the host user's home whose programs the host user runs: a guest
+/// that could write it could plant a program there that runs on the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramDir {
+    /// Resolved as far as it exists: one not made yet is where a guest could make it.
+    pub dir: PathBuf,
+    pub what: &'static str,
+}
+
+/// The directories under a home that login shells and installers put on PATH, whether
+/// or not vmctl's own PATH has them (a desktop app's or a service's has not), with
+/// what each is.
+const USUAL_PROGRAM_DIRS: [(&str, &str); 3] = [
+    (
+        "bin",
+        "your own programs' directory, which login shells put on PATH",
+    ),
+    (
+        ".local/bin",
+        "where pip, pipx and others install your programs, which login shells put on PATH",
+    ),
+    (
+        ".cargo/bin",
+        "where cargo install and rustup put your programs, on your PATH",
+    ),
+];
+
+const ON_PATH: &str = "a directory on your PATH";
+
+/// The directories under the user's home whose programs the host user runs: each
+/// absolute entry of this process's `PATH` that lies under a home, the usual ones
+/// (`~/bin`, `~/.local/bin`, `~/.cargo/bin`) and `$CARGO_HOME/bin`. A relative entry
+/// (`node_modules/.bin`) names no directory of its own and is left out.
+pub fn host_program_dirs() -> Vec<ProgramDir> {
+    let (home, account_home) = homes();
+    let homes: Vec<PathBuf> = home.into_iter().chain(account_home).collect();
+    program_dirs_from(
+        std::env::var_os("PATH").as_deref(),
+        &homes,
+        std::env::var_os("CARGO_HOME").map(PathBuf::from),
+    )
+}
+
+fn program_dirs_from(
+    path: Option<&std::ffi::OsStr>,
+    homes: &[PathBuf],
+    cargo_home: Option<PathBuf>,
+) -> Vec<ProgramDir> {
+    let on_path = path
+        .map(|path| std::env::split_paths(path).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|dir| (dir, ON_PATH));
+    let usual = homes.iter().flat_map(|home| {
+        USUAL_PROGRAM_DIRS
+            .iter()
+            .map(|(dir, what)| (home.join(dir), *what))
+    });
+    let cargo_what = USUAL_PROGRAM_DIRS[2].1;
+    let cargo = cargo_home.map(|cargo| (cargo.join("bin"), cargo_what));
+    let resolved_homes: Vec<PathBuf> = homes
+        .iter()
+        .map(|home| crate::state::resolve_existing_part(home))
+        .collect();
+    let mut dirs: Vec<ProgramDir> = Vec::new();
+    for (dir, what) in on_path.chain(usual).chain(cargo) {
+        if !dir.is_absolute() {
+            continue;
+        }
+        let resolved = crate::state::resolve_existing_part(&dir);
+        // Under a home as named, or where it leads (`~/bin` a link into dotfiles
+        // elsewhere is still the user's).
+        let under_home = homes.iter().any(|home| dir.starts_with(home))
+            || resolved_homes.iter().any(|home| resolved.starts_with(home));
+        if under_home && !dirs.iter().any(|known| known.dir == resolved) {
+            dirs.push(ProgramDir {
+                dir: resolved,
+                what,
+            });
+        }
+    }
+    dirs
+}
+
+/// Refuses a writable `mount` that is, or holds, one of `program_dirs`
+/// ([`ShareError::HostProgramDir`]). For the shares the user adds only: see there why
+/// not the workspace.
+pub fn check_not_program_dir(
+    mount: &WrittenMount,
+    program_dirs: &[ProgramDir],
+) -> Result<(), ShareError> {
+    let share = &mount.share;
+    if share.read_only {
+        return Ok(());
+    }
+    for program_dir in program_dirs {
+        let relation = if share.host == program_dir.dir {
+            Relation::Is
+        } else if program_dir.dir.starts_with(&share.host) {
+            Relation::Holds
+        } else {
+            continue;
+        };
+        return Err(ShareError::HostProgramDir(Box::new(HostProgramDir {
+            spec: mount.spec.clone(),
+            host: share.host.clone(),
+            relation,
+            program_dir: program_dir.dir.clone(),
+            what: program_dir.what,
+            read_only_spec: read_only_spec(&mount.spec),
+        })));
+    }
+    Ok(())
 }
 
 /// A directory under a home that holds credentials (keys, tokens, sign-ins). Sharing
@@ -499,7 +659,8 @@ pub const CREDENTIAL_DIRS: [CredentialDir; 14] = [
     },
     // Its top holds the crates.io token (`cargo publish`); below, the toolchain's
     // proxies and the download cache hold none, and are left shareable: refusing what
-    // is inside would take the cache from a VM's builds to keep out no secret.
+    // is inside would take the cache from a VM's builds to keep out no secret. (Its
+    // `bin`, which the host runs, is refused writable: [`ProgramDir`].)
     CredentialDir {
         dir: ".cargo",
         what: "Cargo's home and crates.io token directory",
@@ -1304,6 +1465,138 @@ mod tests {
         for dir in [root.join("hop"), dotfiles.join("vmctl")] {
             assert!(kept.iter().any(|k| k.dir == dir), "{dir:?} in {kept:?}");
         }
+    }
+
+    /// In `root`: a home with `.local/bin`, `.local/share`, `.cargo/bin`,
+    /// `.cargo/registry` and `project/.venv/bin`, its `bin` a link into `dotfiles`.
+    /// Returns the home and a PATH naming some of them, a system directory, a
+    /// relative and an empty entry, and a directory outside the home.
+    fn home_with_programs(root: &Path) -> (PathBuf, std::ffi::OsString) {
+        let home = root.join("home");
+        for dir in [
+            ".local/bin",
+            ".local/share",
+            ".cargo/bin",
+            ".cargo/registry",
+            "project/.venv/bin",
+        ] {
+            std::fs::create_dir_all(home.join(dir)).unwrap();
+        }
+        std::fs::create_dir_all(root.join("dotfiles/bin")).unwrap();
+        std::fs::create_dir_all(root.join("elsewhere/bin")).unwrap();
+        std::os::unix::fs::symlink(root.join("dotfiles/bin"), home.join("bin")).unwrap();
+        let path = std::env::join_paths([
+            home.join(".local/bin"),
+            "/usr/bin".into(),
+            "node_modules/.bin".into(),
+            "".into(),
+            home.join("project/.venv/bin"),
+            root.join("elsewhere/bin"),
+        ])
+        .unwrap();
+        (home, path)
+    }
+
+    /// The directories whose programs the user runs: PATH's absolute entries under the
+    /// home (none elsewhere, no relative one), and the usual ones whether on PATH or
+    /// not, made yet or not, taken through links.
+    #[test]
+    fn program_dirs_are_the_path_entries_under_the_home_and_the_usual_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (home, path) = home_with_programs(&root);
+        let dirs = program_dirs_from(
+            Some(&path),
+            std::slice::from_ref(&home),
+            Some(root.join("opt-cargo")),
+        );
+        let found: Vec<(&Path, &str)> = dirs.iter().map(|d| (d.dir.as_path(), d.what)).collect();
+        assert_eq!(
+            found,
+            [
+                (home.join(".local/bin").as_path(), ON_PATH),
+                (home.join("project/.venv/bin").as_path(), ON_PATH),
+                (root.join("dotfiles/bin").as_path(), USUAL_PROGRAM_DIRS[0].1),
+                (home.join(".cargo/bin").as_path(), USUAL_PROGRAM_DIRS[2].1),
+            ]
+        );
+        // A CARGO_HOME under the home counts, not made yet.
+        let dirs = program_dirs_from(None, std::slice::from_ref(&home), Some(home.join("c")));
+        assert!(dirs.iter().any(|d| d.dir == home.join("c/bin")), "{dirs:?}");
+    }
+
+    /// A writable share the user adds that is or holds a directory of the user's
+    /// programs is refused, saying what to do; read-only it is fine, and so are the
+    /// directories beside them (`~/.local/share`, Cargo's download cache).
+    #[test]
+    fn a_writable_mount_of_a_directory_of_the_users_programs_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (home, path) = home_with_programs(&root);
+        let dirs = program_dirs_from(Some(&path), std::slice::from_ref(&home), None);
+        let check = |spec: &str| {
+            let mount = parse_mount_with_home(spec, &root, Some(&home)).unwrap();
+            check_not_program_dir(&mount, &dirs)
+        };
+        let refusal = |spec: &str| match check(spec) {
+            Err(ShareError::HostProgramDir(refused)) => {
+                format!("{} {}", refused.relation, refused.program_dir.display())
+            }
+            other => panic!("{spec}: {other:?}"),
+        };
+        assert_eq!(
+            refusal("~/.local/bin"),
+            format!("is {}", home.join(".local/bin").display())
+        );
+        assert_eq!(
+            refusal("~/.local:/l:rw"),
+            format!("holds {}", home.join(".local/bin").display())
+        );
+        assert_eq!(
+            refusal("~/project:/p"),
+            format!("holds {}", home.join("project/.venv/bin").display())
+        );
+        assert_eq!(
+            refusal("~/.cargo/bin"),
+            format!("is {}", home.join(".cargo/bin").display())
+        );
+        assert_eq!(
+            refusal("~/bin"),
+            format!("is {}", root.join("dotfiles/bin").display())
+        );
+        assert_eq!(
+            refusal(root.join("dotfiles").to_str().unwrap()),
+            format!("holds {}", root.join("dotfiles/bin").display())
+        );
+        for allowed in [
+            "~/.local/bin:ro",
+            "~/.local:/l:ro",
+            "~/.local/share",
+            "~/.cargo/registry",
+            "elsewhere",
+        ] {
+            assert!(check(allowed).is_ok(), "{allowed}: {:?}", check(allowed));
+        }
+        let message = check("~/.local:/l:rw").unwrap_err().to_string();
+        assert!(
+            message.starts_with(&format!(
+                "mount \"~/.local:/l:rw\": {} holds {}, a directory on your PATH, and a \
+                 guest that could write it could put a program there that you then run on \
+                 this host; mount it read-only (\"~/.local:/l:ro\")",
+                home.join(".local").display(),
+                home.join(".local/bin").display()
+            )),
+            "{message}"
+        );
+        let message = check("~/.cargo/bin").unwrap_err().to_string();
+        assert!(
+            message.starts_with(&format!(
+                "mount \"~/.cargo/bin\": {} is where cargo install and rustup put your \
+                 programs",
+                home.join(".cargo/bin").display()
+            )),
+            "{message}"
+        );
     }
 
     #[test]

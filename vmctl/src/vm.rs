@@ -286,6 +286,11 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, request: &Request) -> Result<Sha
         shares::check_kept_out(share, &kept_out)?;
         shares::check_not_pseudo_filesystem(share)?;
     }
+    // The shares the user added only: the workspace may well hold a directory on PATH.
+    let program_dirs = shares::host_program_dirs();
+    for mount in written {
+        shares::check_not_program_dir(mount, &program_dirs)?;
+    }
     Ok(ShareSet {
         shares: shares::mount_order(list),
         virtiofsd: virtiofsd::find_virtiofsd()?,

@@ -96,8 +96,22 @@ pub(super) struct Daemon {
     pub(super) child: Child,
     /// Set once the child is reaped: its pid may then belong to another process.
     pub(super) status: Option<ExitStatus>,
-    /// The VMM gave up on it, and it was killed and reported for that.
-    pub(super) given_up: bool,
+    /// Whether the VMM gave up on it, and what has been said of that.
+    pub(super) given_up: GivenUp,
+}
+
+/// Where a daemon stands once the VMM gave up on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GivenUp {
+    /// The VMM has not given up on it.
+    No,
+    /// Killed for it; how it ends is still being waited for, then reported.
+    Killing,
+    /// Reported as ended: nothing more is said of it.
+    Reported,
+    /// Reported as still there after SIGKILL (stuck in the kernel): its end, once it
+    /// comes, is reported too, so that the user learns the share is gone.
+    Stuck,
 }
 
 impl Daemon {
@@ -232,7 +246,7 @@ pub(super) fn spawn_daemon(
         expected_root,
         child,
         status: None,
-        given_up: false,
+        given_up: GivenUp::No,
     })
 }
 

@@ -17,7 +17,7 @@ mod daemon;
 pub use self::binary::find_virtiofsd;
 use self::binary::{MIN_VERSION, VIRTIOFSD_ENV};
 pub use self::cache::{CachePolicy, CACHE_ENV};
-use self::daemon::{spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
+use self::daemon::{spawn_daemon, wait_started, Daemon, GivenUp, Sandbox, StartOutcome};
 use crate::share_root::{self, Root};
 use crate::shares::{self, Share};
 
@@ -38,10 +38,17 @@ const WATCH_POLL: Duration = Duration::from_millis(200);
 const CLEAN_EXIT_GRACE: Duration = Duration::from_secs(2);
 /// How long daemons get to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long a daemon killed as the VM stops has to end, with what it forked, before
+/// vmctl says it is still there and goes on without it: one stuck in the kernel (a
+/// hung NFS mount) would otherwise hold up `vmctl stop` for ever.
+const STOP_KILL_WAIT: Duration = Duration::from_secs(3);
 /// How long a daemon the VMM gave up on has, once killed, to end with what it forked.
 /// SIGKILL ends a process at once, unless it is stuck in the kernel (a hard NFS mount,
 /// a FUSE server that stopped): then it waits for that, and so do the guest's requests.
 const KILL_WAIT: Duration = Duration::from_secs(3);
+/// How often [`terminate`] looks whether the daemons it killed are gone: each look
+/// reads every process's `/proc/PID/stat`.
+const KILL_POLL: Duration = Duration::from_millis(50);
 /// Lines of a daemon's log quoted when it fails to start.
 const LOG_TAIL_LINES: usize = 10;
 /// `sun_path` holds 108 bytes, with the terminating NUL.
@@ -328,6 +335,10 @@ impl Shared {
 pub struct FsDaemons {
     shared: Arc<Shared>,
     watcher: Option<JoinHandle<()>>,
+    /// The threads that wait for the daemons given up on to end, and report it:
+    /// stopping waits for them, so that no report is cut short or comes after the
+    /// VM's end is said.
+    give_ups: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// Starts one virtiofsd per share: share `i` on `socket_dir/fs{i}.sock` with tag
@@ -388,7 +399,9 @@ fn start_as(
         policy,
         &mut daemons,
     ) {
-        terminate(&mut daemons);
+        for index in terminate(&mut daemons, process_group_alive) {
+            say_still_there(&daemons[index]);
+        }
         return Err(e);
     }
     let devices = daemons
@@ -424,6 +437,7 @@ fn start_as(
     let mut fs_daemons = FsDaemons {
         shared,
         watcher: None,
+        give_ups: Mutex::new(Vec::new()),
     };
     fs_daemons.watcher = Some(watcher?);
     Ok((fs_daemons, devices))
@@ -619,6 +633,63 @@ fn given_up_failure(daemon: &Daemon, reason: &str, ending: &Ending) -> String {
     )
 }
 
+/// What is said of a daemon given up on that outlived SIGKILL ([`Ending::Stuck`]),
+/// once it has ended with what it forked: while the VM runs, or (`as_vm_stopped`)
+/// found as it stopped.
+fn late_end_failure(daemon: &Daemon, as_vm_stopped: bool) -> String {
+    let host = daemon.host.display();
+    let status = daemon
+        .status
+        .map_or_else(|| "status unknown".to_string(), |status| status.to_string());
+    if as_vm_stopped {
+        return format!(
+            "virtiofsd for {host}, which the VMM gave up on and which outlived vmctl's \
+             SIGKILL, has ended as the VM stopped ({status})"
+        );
+    }
+    format!(
+        "virtiofsd for {host}, which the VMM gave up on and which outlived vmctl's SIGKILL, \
+         has now ended ({status}): the guest's requests to that share no longer wait, they \
+         fail with EIO (its files on the host are untouched); stop the VM with 'vmctl \
+         stop', then start it again to get the share back"
+    )
+}
+
+/// What is said of a daemon that [`terminate`] killed and that is still there.
+fn still_there_message(daemon: &Daemon) -> String {
+    let group = group_of(daemon);
+    format!(
+        "virtiofsd (pid {group}) for {} has not ended {} s after SIGKILL: it (or a process \
+         it forked) is stuck in the kernel, most likely on the file system it serves (a \
+         hard NFS mount, a FUSE server that stopped), and vmctl goes on without it; \
+         'ps -o pid,stat,wchan:32,cmd -g {group}' shows it (stat D: waiting in the \
+         kernel). It ends once that file system answers",
+        daemon.host.display(),
+        STOP_KILL_WAIT.as_secs()
+    )
+}
+
+fn say_still_there(daemon: &Daemon) {
+    let message = still_there_message(daemon);
+    tracing::warn!("{message}");
+    vmm::to_stderr!("vmctl: warning: {message}");
+}
+
+/// The daemon's pid, which is also its process group's id ([`spawn_daemon`] makes it
+/// a group of its own).
+fn group_of(daemon: &Daemon) -> libc::pid_t {
+    // A pid fits a pid_t: the kernel's pid_max is far below i32::MAX.
+    daemon.child.id() as libc::pid_t
+}
+
+/// Whether `daemon`, killed, has ended with what it forked: reaped (here, or by
+/// someone else) and no process of its group left, which could hold the share's
+/// session.
+fn has_ended(daemon: &mut Daemon, group_alive: fn(libc::pid_t) -> bool) -> bool {
+    let reaped = !matches!(daemon.poll_exit(), Ok(None));
+    reaped && !group_alive(group_of(daemon))
+}
+
 /// Whether a process of the process group `group` still runs. A zombie does not count:
 /// it closed its files (the share's session among them) as it died. Read from /proc;
 /// where that cannot be read, any member counts.
@@ -674,11 +745,24 @@ fn watch(shared: &Shared) {
     while !state.stopping {
         let mut new_failures = Vec::new();
         let vmm_running = state.vmm_running;
+        let group_alive = state.group_alive;
         for (daemon, clean_exit) in state.daemons.iter_mut().zip(&mut clean_exits) {
-            if daemon.given_up {
-                // Reported when it was given up on.
-                *clean_exit = None;
-                continue;
+            match daemon.given_up {
+                GivenUp::No => {}
+                // Reported when it was given up on, or about to be.
+                GivenUp::Killing | GivenUp::Reported => {
+                    *clean_exit = None;
+                    continue;
+                }
+                // Said to be still there: its end is news to the user.
+                GivenUp::Stuck => {
+                    *clean_exit = None;
+                    if has_ended(daemon, group_alive) {
+                        daemon.given_up = GivenUp::Reported;
+                        new_failures.push(late_end_failure(daemon, false));
+                    }
+                    continue;
+                }
             }
             if let Some(since) = *clean_exit {
                 if !vmm_running() {
@@ -737,64 +821,31 @@ impl FsDaemons {
     /// `reason` (it left a request unanswered, or refused one): such a daemon may
     /// still run with the guest's memory mapped, and the VMM answers the share's
     /// requests itself only once it is gone. The share is reported lost, as when its
-    /// daemon dies, saying whether it ended: this waits up to [`KILL_WAIT`] for that.
-    /// A daemon that had ended already is left to the watcher, which says how.
+    /// daemon dies, saying whether it ended: a thread of its own waits up to
+    /// [`KILL_WAIT`] for that, so that the caller (the thread that reads the VMM's
+    /// events) goes on at once; stopping waits for that thread. One still there then
+    /// is reported again once it has ended. A daemon that had ended already is left to
+    /// the watcher, which says how.
     pub fn give_up(&self, tag: &str, reason: &str) {
-        let (index, group) = {
-            let mut state = self.shared.lock();
-            let index = (0..state.daemons.len()).find(|index| shares::tag(*index) == tag);
-            let Some((index, daemon)) = index.map(|i| (i, &mut state.daemons[i])) else {
-                tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
-                return;
-            };
-            if daemon.given_up {
-                return;
-            }
-            if !matches!(daemon.poll_exit(), Ok(None)) {
-                // Its session broke as it died: the VMM's "giving up" is only that.
-                tracing::info!(
-                    host = %daemon.host.display(),
-                    "the VMM gave up on virtiofsd, which had ended: {reason}"
-                );
-                return;
-            }
-            daemon.given_up = true;
-            daemon.kill_group();
-            (index, daemon.child.id() as libc::pid_t)
-        };
-        // Without the lock, which the watcher and `stop` need meanwhile.
-        let ending = self.wait_for_end(index, group);
-        let mut state = self.shared.lock();
-        let Some(daemon) = state.daemons.get(index) else {
+        let Some((index, group)) = kill_given_up(&self.shared, tag, reason) else {
             return;
         };
-        let failure = given_up_failure(daemon, reason, &ending);
-        report_failures(&mut state, vec![failure]);
-    }
-
-    /// Waits up to [`KILL_WAIT`] for the daemon at `index`, killed, to be reaped and
-    /// its process group `group` (what it forked) to be gone.
-    fn wait_for_end(&self, index: usize, group: libc::pid_t) -> Ending {
-        let deadline = Instant::now() + KILL_WAIT;
-        loop {
-            let (exited, group_alive) = {
-                let mut state = self.shared.lock();
-                let group_alive = state.group_alive;
-                match state.daemons.get_mut(index).map(Daemon::poll_exit) {
-                    Some(Ok(Some(status))) => (Some(Ending::Ended(status)), group_alive),
-                    Some(Ok(None)) => (None, group_alive),
-                    Some(Err(e)) => (Some(Ending::EndedUnseen(e.to_string())), group_alive),
-                    // Stopped meanwhile: `stop` reaps it.
-                    None => return Ending::EndedUnseen("stopped with the VM".into()),
-                }
-            };
-            if let Some(ending) = exited.filter(|_| !group_alive(group)) {
-                return ending;
+        let shared = Arc::clone(&self.shared);
+        let owned_reason = reason.to_string();
+        let waiter = std::thread::Builder::new()
+            .name("virtiofsd-give-up".into())
+            .spawn(move || report_given_up(&shared, index, group, &owned_reason));
+        match waiter {
+            Ok(waiter) => self
+                .give_ups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(waiter),
+            Err(e) => {
+                // The report matters more than the wait it costs here.
+                tracing::warn!("cannot start a thread to wait for virtiofsd's end: {e}");
+                report_given_up(&self.shared, index, group, reason);
             }
-            if Instant::now() >= deadline {
-                return Ending::Stuck(group);
-            }
-            std::thread::sleep(START_POLL);
         }
     }
 
@@ -807,6 +858,15 @@ impl FsDaemons {
     pub fn stop(self) {}
 
     fn shutdown(&mut self) {
+        // First the reports of the daemons given up on, each within KILL_WAIT of its
+        // start: they are said before the VM's end is, with their daemons still here.
+        let give_ups =
+            std::mem::take(&mut *self.give_ups.lock().unwrap_or_else(|e| e.into_inner()));
+        for waiter in give_ups {
+            if waiter.join().is_err() {
+                tracing::error!("a thread waiting for a virtiofsd given up on panicked");
+            }
+        }
         self.shared.lock().stopping = true;
         self.shared.wake.notify_all();
         if let Some(watcher) = self.watcher.take() {
@@ -814,8 +874,94 @@ impl FsDaemons {
                 tracing::error!("the virtiofsd watcher panicked");
             }
         }
-        let mut daemons = std::mem::take(&mut self.shared.lock().daemons);
-        terminate(&mut daemons);
+        let (mut daemons, group_alive) = {
+            let mut state = self.shared.lock();
+            (std::mem::take(&mut state.daemons), state.group_alive)
+        };
+        let still_there = terminate(&mut daemons, group_alive);
+        // One given up on and said to be still there that has ended since, unseen by
+        // the watcher, is said to have ended, as the watcher would have.
+        let late_ends = daemons
+            .iter()
+            .enumerate()
+            .filter(|(index, daemon)| {
+                daemon.given_up == GivenUp::Stuck && !still_there.contains(index)
+            })
+            .map(|(_, daemon)| late_end_failure(daemon, true))
+            .collect();
+        report_failures(&mut self.shared.lock(), late_ends);
+        for index in still_there {
+            say_still_there(&daemons[index]);
+        }
+    }
+}
+
+/// Marks the daemon of the share tagged `tag` given up on, for `reason`, and kills it
+/// with what it forked; its index and process group. None when there is nothing to
+/// kill: not one of ours, given up on already, or ended already.
+fn kill_given_up(shared: &Shared, tag: &str, reason: &str) -> Option<(usize, libc::pid_t)> {
+    let mut state = shared.lock();
+    let index = (0..state.daemons.len()).find(|index| shares::tag(*index) == tag);
+    let Some((index, daemon)) = index.map(|i| (i, &mut state.daemons[i])) else {
+        tracing::warn!("the VMM gave up on the virtio-fs backend {tag:?}, not one of ours");
+        return None;
+    };
+    if daemon.given_up != GivenUp::No {
+        return None;
+    }
+    if !matches!(daemon.poll_exit(), Ok(None)) {
+        // Its session broke as it died: the VMM's "giving up" is only that.
+        tracing::info!(
+            host = %daemon.host.display(),
+            "the VMM gave up on virtiofsd, which had ended: {reason}"
+        );
+        return None;
+    }
+    daemon.given_up = GivenUp::Killing;
+    daemon.kill_group();
+    Some((index, group_of(daemon)))
+}
+
+/// Waits for the daemon at `index`, killed as given up on for `reason`, to end with
+/// its process group `group`, then reports the share lost, saying how it ended.
+fn report_given_up(shared: &Shared, index: usize, group: libc::pid_t, reason: &str) {
+    // Without the lock, which the watcher and `stop` need meanwhile.
+    let ending = wait_for_end(shared, index, group);
+    let mut state = shared.lock();
+    let Some(daemon) = state.daemons.get_mut(index) else {
+        return;
+    };
+    daemon.given_up = match ending {
+        Ending::Stuck(_) => GivenUp::Stuck,
+        Ending::Ended(_) | Ending::EndedUnseen(_) => GivenUp::Reported,
+    };
+    let failure = given_up_failure(daemon, reason, &ending);
+    report_failures(&mut state, vec![failure]);
+}
+
+/// Waits up to [`KILL_WAIT`] for the daemon at `index`, killed, to be reaped and its
+/// process group `group` (what it forked) to be gone.
+fn wait_for_end(shared: &Shared, index: usize, group: libc::pid_t) -> Ending {
+    let deadline = Instant::now() + KILL_WAIT;
+    loop {
+        let (exited, group_alive) = {
+            let mut state = shared.lock();
+            let group_alive = state.group_alive;
+            match state.daemons.get_mut(index).map(Daemon::poll_exit) {
+                Some(Ok(Some(status))) => (Some(Ending::Ended(status)), group_alive),
+                Some(Ok(None)) => (None, group_alive),
+                Some(Err(e)) => (Some(Ending::EndedUnseen(e.to_string())), group_alive),
+                // Stopped meanwhile: `stop` reaps it.
+                None => return Ending::EndedUnseen("stopped with the VM".into()),
+            }
+        };
+        if let Some(ending) = exited.filter(|_| !group_alive(group)) {
+            return ending;
+        }
+        if Instant::now() >= deadline {
+            return Ending::Stuck(group);
+        }
+        std::thread::sleep(START_POLL);
     }
 }
 
@@ -825,30 +971,52 @@ impl Drop for FsDaemons {
     }
 }
 
-/// SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL; reaps every daemon and removes
-/// its socket.
-fn terminate(daemons: &mut [Daemon]) {
+/// Stops `daemons`: SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL to the process
+/// group of each still running, and up to [`STOP_KILL_WAIT`] for those (and for any
+/// given up on that outlived its SIGKILL before) to end with what they forked. It
+/// waits no longer: a daemon stuck in the kernel (a hung NFS mount) must not hold up
+/// the VM's stop for ever. Removes every socket. Returns the indexes of the daemons
+/// still there, for the caller to say so ([`say_still_there`]).
+fn terminate(daemons: &mut [Daemon], group_alive: fn(libc::pid_t) -> bool) -> Vec<usize> {
+    let running = |daemon: &mut Daemon| matches!(daemon.poll_exit(), Ok(None));
+    // One given up on had SIGKILL already: SIGTERM would change nothing.
+    let asked = |daemon: &Daemon| daemon.given_up == GivenUp::No;
     for daemon in daemons.iter_mut() {
-        if let Ok(None) = daemon.poll_exit() {
-            let pid = daemon.child.id() as libc::pid_t;
+        if asked(daemon) && running(daemon) {
             // SAFETY: the child is not reaped yet, so the pid is still its own.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
+            unsafe { libc::kill(group_of(daemon), libc::SIGTERM) };
         }
     }
     let deadline = Instant::now() + STOP_GRACE;
     while Instant::now() < deadline
         && daemons
             .iter_mut()
-            .any(|daemon| matches!(daemon.poll_exit(), Ok(None)))
+            .any(|daemon| asked(daemon) && running(daemon))
     {
         std::thread::sleep(START_POLL);
     }
-    for daemon in daemons.iter_mut() {
-        if let Ok(None) = daemon.poll_exit() {
-            tracing::warn!(host = %daemon.host.display(), "virtiofsd ignored SIGTERM; killing it");
-            let _ = daemon.child.kill();
-            daemon.status = daemon.child.wait().ok();
+    let mut killed = Vec::new();
+    for (index, daemon) in daemons.iter_mut().enumerate() {
+        let killed_before = matches!(daemon.given_up, GivenUp::Stuck | GivenUp::Killing);
+        if running(daemon) {
+            if asked(daemon) {
+                tracing::warn!(host = %daemon.host.display(), "virtiofsd ignored SIGTERM; killing it");
+            }
+            daemon.kill_group();
+            killed.push(index);
+        } else if killed_before {
+            killed.push(index);
         }
+    }
+    let deadline = Instant::now() + STOP_KILL_WAIT;
+    loop {
+        killed.retain(|&index| !has_ended(&mut daemons[index], group_alive));
+        if killed.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(KILL_POLL);
+    }
+    for daemon in daemons.iter() {
         // virtiofsd keeps a pid file beside its socket.
         let mut pid_file = daemon.socket.clone().into_os_string();
         pid_file.push(".pid");
@@ -861,6 +1029,7 @@ fn terminate(daemons: &mut [Daemon]) {
             }
         }
     }
+    killed
 }
 
 #[cfg(test)]
@@ -1150,7 +1319,7 @@ mod tests {
         let reason = "the backend did not answer GET_VRING_BASE within 30 s";
         daemons.give_up("vmctl0", reason);
         daemons.give_up("vmctl0", reason);
-        let failures = daemons.failures();
+        let failures = wait_for_failure(&daemons);
         assert_eq!(failures.len(), 1, "{failures:?}");
         assert!(
             failures[0].contains(reason)
@@ -1174,13 +1343,17 @@ mod tests {
 
     /// A daemon that SIGKILL does not end (stuck in the kernel, here a stand-in that
     /// says its group still runs) is reported as such: the share's requests wait, they
-    /// do not fail with EIO.
+    /// do not fail with EIO. The wait for its end is not the caller's (the thread that
+    /// reads the VMM's events, whose later events would wait), and stopping waits for
+    /// the report, which comes before the VM's end is said.
     #[test]
     fn a_daemon_given_up_on_that_does_not_end_is_reported_as_still_there() {
         let dir = tempfile::tempdir().unwrap();
         let fake = fake_virtiofsd(dir.path(), ":");
         let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
         daemons.shared.lock().group_alive = |_| true;
+        let recorded = dir.path().join("failures.log");
+        daemons.record_failures_in(recorded.clone());
         let group = daemon_pids(&daemons)[0];
         let started = Instant::now();
         daemons.give_up(
@@ -1188,10 +1361,18 @@ mod tests {
             "the backend did not answer GET_VRING_BASE within 30 s",
         );
         assert!(
+            started.elapsed() < KILL_WAIT / 3,
+            "giving up waited for the daemon's end: {:?}",
+            started.elapsed()
+        );
+        assert!(daemons.failures().is_empty(), "{:?}", daemons.failures());
+        daemons.stop();
+        assert!(
             started.elapsed() >= KILL_WAIT,
             "it did not wait for the end"
         );
-        let failures = daemons.failures();
+        let failures = std::fs::read_to_string(&recorded).unwrap();
+        let failures: Vec<&str> = failures.lines().collect();
         assert_eq!(failures.len(), 1, "{failures:?}");
         for needed in [
             "has not ended",
@@ -1201,7 +1382,116 @@ mod tests {
             assert!(failures[0].contains(needed), "{needed}: {}", failures[0]);
         }
         assert!(!failures[0].contains("vmctl ended it"), "{}", failures[0]);
+    }
+
+    /// A daemon given up on that outlived its SIGKILL is reported once more when it
+    /// ends at last, while the VM runs: the share's requests no longer wait.
+    #[test]
+    fn a_daemon_given_up_on_that_ends_later_is_reported_when_it_ends() {
+        static STUCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), ":");
+        let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
+        daemons.shared.lock().group_alive = |_| STUCK.load(SeqCst);
+        let recorded = dir.path().join("failures.log");
+        daemons.record_failures_in(recorded.clone());
+        daemons.give_up("vmctl0", "the backend refused SET_VRING_BASE");
+        let failures = wait_for_failure_within(&daemons, 2 * KILL_WAIT);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].contains("has not ended"), "{}", failures[0]);
+        // What it forked (here, by the stand-in's word) ends at last.
+        STUCK.store(false, SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while daemons.failures().len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let failures = daemons.failures();
+        assert_eq!(failures.len(), 2, "{failures:?}");
+        for needed in [
+            &dir.path().display().to_string(),
+            "has now ended (signal: 9",
+            "fail with EIO",
+            "then start it again",
+        ] {
+            assert!(failures[1].contains(needed), "{needed}: {}", failures[1]);
+        }
+        std::thread::sleep(3 * WATCH_POLL);
         daemons.stop();
+        let recorded = std::fs::read_to_string(&recorded).unwrap();
+        assert_eq!(recorded.lines().count(), 2, "said again: {recorded}");
+    }
+
+    /// A daemon given up on that outlived its SIGKILL and has ended by the time the VM
+    /// stops, unseen by the watcher, is said to have ended then.
+    #[test]
+    fn a_daemon_given_up_on_that_ended_unseen_is_reported_as_the_vm_stops() {
+        static STUCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), ":");
+        let (mut daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
+        daemons.shared.lock().group_alive = |_| STUCK.load(SeqCst);
+        let recorded = dir.path().join("failures.log");
+        daemons.record_failures_in(recorded.clone());
+        daemons.give_up("vmctl0", "the backend refused SET_VRING_BASE");
+        assert_eq!(wait_for_failure_within(&daemons, 2 * KILL_WAIT).len(), 1);
+        // The watcher sees no more.
+        daemons.shared.lock().stopping = true;
+        daemons.shared.wake.notify_all();
+        daemons.watcher.take().unwrap().join().unwrap();
+        STUCK.store(false, SeqCst);
+        daemons.stop();
+        let recorded = std::fs::read_to_string(&recorded).unwrap();
+        let lines: Vec<&str> = recorded.lines().collect();
+        assert_eq!(lines.len(), 2, "{recorded}");
+        assert!(
+            lines[1].contains("outlived vmctl's SIGKILL, has ended as the VM stopped"),
+            "{}",
+            lines[1]
+        );
+    }
+
+    /// Stopping waits for a daemon a bounded time: one that ignores SIGTERM gets
+    /// SIGKILL, and one that outlives that too (stuck in the kernel: here a stand-in
+    /// that says its group still runs) is said to be still there, and left.
+    #[test]
+    fn stopping_a_daemon_that_does_not_end_is_bounded_and_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd_then(dir.path(), ":", "trap '' TERM; exec sleep 600");
+        for stuck in [false, true] {
+            let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
+            let pid = daemon_pids(&daemons)[0];
+            let mut taken = std::mem::take(&mut daemons.shared.lock().daemons);
+            let group_alive = if stuck { |_| true } else { process_group_alive };
+            let started = Instant::now();
+            let still_there = terminate(&mut taken, group_alive);
+            let took = started.elapsed();
+            assert!(
+                took < STOP_GRACE + STOP_KILL_WAIT + Duration::from_secs(1),
+                "took {took:?}"
+            );
+            assert!(
+                took >= STOP_GRACE,
+                "SIGTERM was not given its time: {took:?}"
+            );
+            assert!(is_reaped(pid), "SIGKILL did not end it");
+            assert!(!dir.path().join("fs0.sock").exists());
+            if stuck {
+                assert_eq!(still_there, [0]);
+                let said = still_there_message(&taken[0]);
+                for needed in [
+                    &format!("virtiofsd (pid {pid}) for {}", dir.path().display()),
+                    "has not ended 3 s after SIGKILL",
+                    &format!("-g {pid}"),
+                ] {
+                    assert!(said.contains(needed), "{needed}: {said}");
+                }
+            } else {
+                assert!(still_there.is_empty(), "{still_there:?}");
+            }
+            daemons.stop();
+        }
     }
 
     /// A daemon that died on its own before the VMM's word of it came (its session

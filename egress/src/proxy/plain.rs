@@ -13,6 +13,7 @@ use super::upstream::{
     connect_tcp, http1_client, prepare_request, relay_response, vetted_addresses, Ask,
 };
 use super::{boxed, Conn, ProxyBody, ProxyError};
+use crate::log::Refusal;
 
 pub(super) async fn plain_http(
     mut req: Request<Incoming>,
@@ -32,7 +33,7 @@ pub(super) async fn plain_http(
     // The URI names the target; Host headers (optional in HTTP/1.0) must agree.
     let claims = claimed_authorities(None, req.headers())?;
     if let Err(e) = check_claims(claims, &host, port, 80, &expected) {
-        return Err(ask.refuse(config, &e.to_string(), e));
+        return Err(ask.refuse(config, Refusal::HostMismatch, &e.to_string(), e));
     }
     let decision = ask.decide(config)?;
     let addrs = vetted_addresses(config, &ask, &decision).await?;

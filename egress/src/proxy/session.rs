@@ -20,6 +20,7 @@ use super::headers::{check_claims, claimed_authorities, host_header, path_of, wa
 use super::redact::Redactor;
 use super::upstream::{connect_tcp, http1_client, prepare_request, relay_response, Ask};
 use super::{boxed, error_response, server_builder, Conn, ProxyBody, ProxyError, Upstream};
+use crate::log::Refusal;
 use crate::rules::Injection;
 
 /// The guest's side of a CONNECT whose TLS the proxy terminates, and the upstream
@@ -110,7 +111,7 @@ impl Session {
         }
         let expected = format!("CONNECT target {}", self.target);
         if let Err(e) = check_claims(claims, &self.host, self.port, 443, &expected) {
-            return Err(ask.refuse(config, &e.to_string(), e));
+            return Err(ask.refuse(config, Refusal::HostMismatch, &e.to_string(), e));
         }
         // The policy may have changed since the CONNECT; the secret may have too.
         let decision = ask.decide(config)?;

@@ -24,7 +24,7 @@ use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_ho
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
 use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
-use crate::log::LogEntry;
+use crate::log::{LogEntry, Refusal};
 use crate::rules::{Decision, Injection};
 
 /// One thing the guest asked for, as the policy checks and the log need it. A
@@ -50,13 +50,27 @@ impl Ask {
             what: self.what.clone(),
             rule: decision.rule.clone(),
         };
-        Err(self.refuse(config, &decision.rule, refused))
+        Err(self.refuse(config, Refusal::Policy, &decision.rule, refused))
     }
 
-    /// Logs a refusal for `rule` (the reason) and passes `err` on.
-    pub(super) fn refuse(&self, config: &ProxyConfig, rule: &str, err: ProxyError) -> ProxyError {
-        config.log.record(&self.entry(false, rule, None));
+    /// Logs a refusal of kind `why` for `rule` (the reason in words) and passes `err`
+    /// on.
+    pub(super) fn refuse(
+        &self,
+        config: &ProxyConfig,
+        why: Refusal,
+        rule: &str,
+        err: ProxyError,
+    ) -> ProxyError {
+        config.log.record(&self.refusal(why, rule));
         err
+    }
+
+    /// The log entry of a refusal of kind `why`.
+    pub(super) fn refusal(&self, why: Refusal, rule: &str) -> LogEntry {
+        let mut entry = self.entry(false, rule, None);
+        entry.refusal = Some(why);
+        entry
     }
 
     /// A log entry; with the secret's name (never its value) if one is injected.
@@ -78,6 +92,7 @@ impl Ask {
     pub(super) fn withdrawal(&self, secret: &str, rule: &str) -> LogEntry {
         let mut entry = LogEntry::new(&self.host, self.port, false, rule, self.kind);
         entry.withdrawn_secret = Some(secret.to_owned());
+        entry.refusal = Some(Refusal::SecretWithdrawn);
         entry
     }
 
@@ -113,7 +128,7 @@ impl Ask {
                 let rule = "the secret it was opened with is no longer bound to it";
                 let entry = match redactor.secret_name() {
                     Some(secret) => self.withdrawal(secret, rule),
-                    None => self.entry(false, rule, None),
+                    None => self.refusal(Refusal::SecretWithdrawn, rule),
                 };
                 config.log.record(&entry);
                 tracing::info!("{}: {rule}; closing the open connection", self.target());
@@ -178,7 +193,7 @@ pub(super) async fn vetted_addresses(
             ip,
             reason,
         };
-        return Err(ask.refuse(config, &rule, err));
+        return Err(ask.refuse(config, Refusal::ForbiddenAddress, &rule, err));
     }
     Ok(addrs)
 }

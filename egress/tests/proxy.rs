@@ -1380,6 +1380,72 @@ async fn past_the_waiting_bound_the_longest_waiting_connection_is_closed() {
     );
 }
 
+/// Waits until `client`'s connection is closed, at most 5 s; whether it was.
+async fn closes(client: &Client) -> bool {
+    timeout(Duration::from_secs(5), async {
+        while !client.is_closed() {
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// Kept-alive connections between requests hold no slot, plain or inside TLS
+/// terminated for a secret's host: with every slot's worth of them idle, a new
+/// request is served, and so are theirs when they send the next.
+#[tokio::test]
+async fn idle_kept_alive_connections_do_not_block_a_real_request() {
+    let h = Harness::with_limits(Limits {
+        max_connections: 2,
+        ..Limits::default()
+    })
+    .await;
+    let echo = || request("http://plain.test/echo", "plain.test", &[], "");
+    let mut plain = h.plain_client().await;
+    assert_eq!(exchange(&mut plain, echo()).await.0, StatusCode::OK);
+    let mut terminated = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let inside = || request("/echo", "api.test", &[], "");
+    assert_eq!(exchange(&mut terminated, inside()).await.0, StatusCode::OK);
+    // Both idle now, kept alive.
+    sleep(Duration::from_millis(100)).await;
+    for _ in 0..3 {
+        let mut client = h.plain_client().await;
+        let (status, _, body) = exchange(&mut client, echo()).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    assert!(!plain.is_closed() && !terminated.is_closed());
+    assert_eq!(exchange(&mut plain, echo()).await.0, StatusCode::OK);
+    assert_eq!(exchange(&mut terminated, inside()).await.0, StatusCode::OK);
+}
+
+/// Idle kept-alive connections wait with those that have not sent a request yet:
+/// past the bound, the one that has waited longest is closed.
+#[tokio::test]
+async fn past_the_waiting_bound_an_idle_kept_alive_connection_is_closed() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 2,
+        ..Limits::default()
+    })
+    .await;
+    let echo = || request("http://plain.test/echo", "plain.test", &[], "");
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let mut client = h.plain_client().await;
+        assert_eq!(exchange(&mut client, echo()).await.0, StatusCode::OK);
+        clients.push(client);
+        sleep(Duration::from_millis(100)).await;
+    }
+    assert!(clients.iter().all(|client| !client.is_closed()));
+    let mut newest = h.plain_client().await;
+    assert_eq!(exchange(&mut newest, echo()).await.0, StatusCode::OK);
+    assert!(closes(&clients[0]).await, "the longest idle stayed open");
+    assert!(!clients[1].is_closed() && !newest.is_closed());
+    assert_eq!(exchange(&mut clients[1], echo()).await.0, StatusCode::OK);
+}
+
 #[tokio::test]
 async fn connections_over_the_limit_get_503() {
     let h = Harness::with_limits(Limits {
@@ -1397,7 +1463,7 @@ async fn connections_over_the_limit_get_503() {
         .await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(
-        answer.contains("too many connections (limit 2)"),
+        answer.contains("too many requests at once (limit 2, open tunnels"),
         "{answer}"
     );
 

@@ -23,7 +23,7 @@ use super::decode::{
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
-use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
+use super::{boxed, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream};
 use crate::log::{LogEntry, Refusal};
 use crate::rules::{Decision, Injection};
 
@@ -308,7 +308,7 @@ pub(super) fn relay_response(
     guest_upgrade: Option<OnUpgrade>,
     redactor: Option<Redactor>,
     ask: Ask,
-    conn: &Arc<Conn>,
+    in_flight: &Arc<InFlight>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
     // The upgraded connection's splice watches the secret itself; a body does here.
@@ -319,7 +319,13 @@ pub(super) fn relay_response(
             });
         };
         let upstream = hyper::upgrade::on(&mut response);
-        tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone(), ask));
+        tokio::spawn(splice(
+            guest,
+            upstream,
+            redactor.clone(),
+            in_flight.clone(),
+            ask,
+        ));
         None
     } else {
         Some(ask)
@@ -388,9 +394,11 @@ pub(super) fn relay_response(
             let body = |inner: Incoming| RedactedBody::new(plain(inner), redactor.clone());
             match body_ask {
                 Some(ask) => {
-                    let (watched, conn) = (redactor.clone(), conn.clone());
-                    let cutoff =
-                        async move { ask.until_secret_withdrawn(&conn.config, &watched).await };
+                    let (watched, in_flight) = (redactor.clone(), in_flight.clone());
+                    let cutoff = async move {
+                        ask.until_secret_withdrawn(&in_flight.config, &watched)
+                            .await
+                    };
                     response.map(|inner| body(inner).until(cutoff).boxed())
                 }
                 None => response.map(|inner| body(inner).boxed()),
@@ -416,7 +424,7 @@ pub(super) async fn splice(
     guest: OnUpgrade,
     upstream: OnUpgrade,
     redactor: Option<Redactor>,
-    conn: Arc<Conn>,
+    in_flight: Arc<InFlight>,
     ask: Ask,
 ) {
     let (guest, upstream) = match tokio::try_join!(guest, upstream) {
@@ -442,9 +450,9 @@ pub(super) async fn splice(
     };
     match watch {
         Some(redactor) => tokio::select! {
-            () = relay_while_allowed(relay, &ask, &conn.config, "upgraded connection") => {}
-            () = ask.until_secret_withdrawn(&conn.config, &redactor) => {}
+            () = relay_while_allowed(relay, &ask, &in_flight.config, "upgraded connection") => {}
+            () = ask.until_secret_withdrawn(&in_flight.config, &redactor) => {}
         },
-        None => relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await,
+        None => relay_while_allowed(relay, &ask, &in_flight.config, "upgraded connection").await,
     }
 }

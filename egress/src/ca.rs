@@ -4,7 +4,16 @@
 //! The private key never leaves the host.
 //!
 //! Files: `<dir>/ca.pem` (certificate, 0644) and `<dir>/ca-key.pem` (PKCS#8 key, 0600,
-//! created with that mode so it is never readable by others, not even briefly).
+//! created with that mode so it is never readable by others, not even briefly), in
+//! `<dir>` (0700). Each load refuses a directory or key file others can reach, as ssh
+//! does its keys, and warns of a certificate that expires within
+//! [`EXPIRY_WARNING_DAYS`] days.
+//!
+//! The key's bytes, as read, written or generated here, are held in buffers zeroized
+//! when dropped. rcgen signs through [`rcgen::RemoteKeyPair`] with ring's key pair
+//! rather than with its own key pair, which keeps a plain copy of the PKCS#8 bytes;
+//! what ring keeps inside its key pairs (the CA's, and the leaves' inside rustls's
+//! server configurations) is beyond this crate's reach and is not zeroized.
 
 use std::collections::HashMap;
 use std::fs::{self, DirBuilder, OpenOptions};
@@ -17,8 +26,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rcgen::{
     BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, PublicKeyData, RemoteKeyPair, SanType,
+    SignatureAlgorithm,
 };
+use ring::rand::SystemRandom;
+use ring::signature::{EcdsaKeyPair, KeyPair as _, ECDSA_P256_SHA256_ASN1_SIGNING};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use zeroize::Zeroizing;
 
@@ -30,6 +42,12 @@ const LEAF_CACHE_ENTRIES: usize = 512;
 const LEAF_REFRESH: Duration = Duration::from_secs(24 * 3600);
 const HOUR: Duration = Duration::from_secs(3600);
 const DAY: Duration = Duration::from_secs(24 * 3600);
+/// A CA certificate that expires within this many days is warned of at each load.
+pub const EXPIRY_WARNING_DAYS: u64 = 30;
+/// The one key type this CA and its leaves use.
+static KEY_ALGORITHM: &SignatureAlgorithm = &rcgen::PKCS_ECDSA_P256_SHA256;
+/// The PEM label of a PKCS#8 private key.
+const PRIVATE_KEY_LABEL: &str = "PRIVATE KEY";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -46,15 +64,21 @@ pub enum CaError {
         reason: String,
     },
     #[error(
-        "the sandbox's egress CA certificate {path} expired on {not_after}; delete the \
-         directory {dir} to make a new CA (the VM is given the new certificate when it \
-         next starts)"
+        "the sandbox's egress CA certificate {path} expired on {not_after}; {remedy}",
+        remedy = renewal(.dir)
     )]
     Expired {
         path: PathBuf,
         dir: PathBuf,
         not_after: String,
     },
+    #[error(
+        "the egress CA directory {path} is not private to you ({why}): others could list \
+         or replace what is in it. `chmod 700 {path}` (and make it yours); if anyone else \
+         could have written in it, delete it to make a new CA",
+        path = .path.display()
+    )]
+    DirNotPrivate { path: PathBuf, why: String },
     #[error(
         "{path} is not private to you ({why}): whoever can read it can mint certificates \
          the guests trust. If nobody else could have read it, `chmod 600` it (and make it \
@@ -67,8 +91,45 @@ pub enum CaError {
     },
     #[error("cannot generate a certificate: {0}")]
     Generate(#[from] rcgen::Error),
+    #[error("cannot generate a key: {0}")]
+    GenerateKey(ring::error::Unspecified),
     #[error("cannot build the TLS configuration for {host}: {source}")]
     Tls { host: String, source: rustls::Error },
+}
+
+/// What to do about a CA certificate that expired or is about to.
+fn renewal(dir: &Path) -> String {
+    format!(
+        "delete the directory {} to make a new CA (the VM is given the new certificate \
+         when it next starts)",
+        dir.display()
+    )
+}
+
+/// A CA certificate that expires within [`EXPIRY_WARNING_DAYS`] days: when, and what
+/// to do (as for one that expired).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpiresSoon {
+    pub path: PathBuf,
+    pub dir: PathBuf,
+    pub not_after: String,
+    /// Whole days left (0: less than one).
+    pub days_left: u64,
+}
+
+impl std::fmt::Display for ExpiresSoon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the sandbox's egress CA certificate {} expires on {} (in {} day(s)); after \
+             that the VM's TLS through the proxy to the hosts secrets are bound to fails. \
+             Before then, {}",
+            self.path.display(),
+            self.not_after,
+            self.days_left,
+            renewal(&self.dir)
+        )
+    }
 }
 
 /// The CA of one sandbox.
@@ -77,8 +138,65 @@ pub struct CertificateAuthority {
     /// The CA certificate as rcgen needs it to sign leaves: rebuilt from the same
     /// name and key, so its subject and key identifier match the stored certificate.
     issuer: Certificate,
+    /// A [`CaKey`] lent to rcgen: it holds no copy of the key's bytes.
     key: KeyPair,
+    expires_soon: Option<ExpiresSoon>,
     leaves: Mutex<HashMap<String, (Instant, Arc<rustls::ServerConfig>)>>,
+}
+
+/// The CA's signing key as rcgen uses it ([the module](self) says why not rcgen's own).
+struct CaKey {
+    key: EcdsaKeyPair,
+    rng: SystemRandom,
+}
+
+impl CaKey {
+    /// The key pair rcgen signs with, from PKCS#8 bytes (P-256 ECDSA, as this module
+    /// makes them); the error says why they are not.
+    fn key_pair(pkcs8: &[u8]) -> Result<KeyPair, String> {
+        let rng = SystemRandom::new();
+        let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8, &rng)
+            .map_err(|e| format!("not a P-256 ECDSA key ({e})"))?;
+        KeyPair::from_remote(Box::new(CaKey { key, rng })).map_err(|e| e.to_string())
+    }
+}
+
+impl RemoteKeyPair for CaKey {
+    fn public_key(&self) -> &[u8] {
+        self.key.public_key().as_ref()
+    }
+
+    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+        self.key
+            .sign(&self.rng, msg)
+            .map(|signature| signature.as_ref().to_vec())
+            .map_err(|_| rcgen::Error::RingUnspecified)
+    }
+
+    fn algorithm(&self) -> &'static SignatureAlgorithm {
+        KEY_ALGORITHM
+    }
+}
+
+/// A leaf's public key, for rcgen to put in its certificate.
+struct LeafPublicKey(Vec<u8>);
+
+impl PublicKeyData for LeafPublicKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn algorithm(&self) -> &SignatureAlgorithm {
+        KEY_ALGORITHM
+    }
+}
+
+/// A new P-256 key, PKCS#8.
+fn generate_pkcs8() -> Result<Zeroizing<Vec<u8>>, CaError> {
+    let document =
+        EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &SystemRandom::new())
+            .map_err(CaError::GenerateKey)?;
+    Ok(Zeroizing::new(document.as_ref().to_vec()))
 }
 
 impl std::fmt::Debug for CertificateAuthority {
@@ -93,6 +211,9 @@ impl CertificateAuthority {
     /// `name` (the sandbox's) goes into the CA's common name.
     pub fn load_or_create(dir: &Path, name: &str) -> Result<Self, CaError> {
         create_private_dir(dir)?;
+        // Each time, not only when made: a directory opened up since (a `chmod -R`, a
+        // copy, a restore from a backup) lets others see or swap what is in it.
+        check_private_dir(dir)?;
         let cert_path = dir.join(CERT_FILE);
         let key_path = dir.join(KEY_FILE);
         if cert_path.exists() && key_path.exists() {
@@ -100,12 +221,17 @@ impl CertificateAuthority {
         }
         // A half-written CA (one file only) cannot have been handed to a guest
         // together with its key, so starting over loses nothing.
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let pkcs8 = generate_pkcs8()?;
+        let key = CaKey::key_pair(&pkcs8).map_err(|reason| CaError::Corrupt {
+            path: key_path.clone(),
+            dir: dir.to_path_buf(),
+            reason: format!("the key just generated is unusable: {reason}"),
+        })?;
         let cert = ca_params(name).self_signed(&key)?;
-        let key_pem = Zeroizing::new(key.serialize_pem());
+        let key_pem = to_pem(PRIVATE_KEY_LABEL, &pkcs8);
         write_new(&key_path, key_pem.as_bytes(), 0o600)?;
         write_new(&cert_path, cert.pem().as_bytes(), 0o644)?;
-        Ok(Self::new(cert.pem(), cert, key))
+        Ok(Self::new(cert.pem(), cert, key, None))
     }
 
     fn load(dir: &Path, name: &str) -> Result<Self, CaError> {
@@ -121,23 +247,33 @@ impl CertificateAuthority {
             source,
         })?;
         let key_pem = read_private_key(&key_path, dir)?;
-        let key = KeyPair::from_pem(&key_pem)
-            .map_err(|e| corrupt(&key_path, format!("not a private key: {e}")))?;
+        let pkcs8 = from_pem(PRIVATE_KEY_LABEL, &key_pem)
+            .ok_or_else(|| corrupt(&key_path, "no PEM private key (PKCS#8) in it".into()))?;
+        let key = CaKey::key_pair(&pkcs8).map_err(|reason| corrupt(&key_path, reason))?;
         let cert_der = first_certificate(&cert_pem)
             .ok_or_else(|| corrupt(&cert_path, "no PEM certificate in it".into()))?;
         // The proxy's own check below cannot see this: a root's validity is not
         // checked when it is the trust anchor, but the guest's TLS clients check it.
         let not_after = not_after(&cert_der)
             .ok_or_else(|| corrupt(&cert_path, "its validity cannot be read".into()))?;
-        if not_after.unix_secs < since_epoch().as_secs() {
+        let now = since_epoch().as_secs();
+        if not_after.unix_secs < now {
             return Err(CaError::Expired {
                 path: cert_path,
                 dir: dir.to_path_buf(),
                 not_after: not_after.text,
             });
         }
+        let seconds_left = not_after.unix_secs - now;
+        let expires_soon =
+            (seconds_left < EXPIRY_WARNING_DAYS * DAY.as_secs()).then(|| ExpiresSoon {
+                path: cert_path.clone(),
+                dir: dir.to_path_buf(),
+                not_after: not_after.text,
+                days_left: seconds_left / DAY.as_secs(),
+            });
         let issuer = ca_params(name).self_signed(&key)?;
-        let ca = Self::new(cert_pem, issuer, key);
+        let ca = Self::new(cert_pem, issuer, key, expires_soon);
         // Prove the pair works: a leaf signed with the key must verify against the
         // stored certificate. This catches a key from another CA and a certificate
         // made for another sandbox name, which would otherwise fail later, in the
@@ -149,16 +285,31 @@ impl CertificateAuthority {
                 format!("it does not match {KEY_FILE} or was made for another name: {e}"),
             )
         })?;
+        if let Some(soon) = &ca.expires_soon {
+            tracing::warn!("{soon}");
+        }
         Ok(ca)
     }
 
-    fn new(cert_pem: String, issuer: Certificate, key: KeyPair) -> Self {
+    fn new(
+        cert_pem: String,
+        issuer: Certificate,
+        key: KeyPair,
+        expires_soon: Option<ExpiresSoon>,
+    ) -> Self {
         Self {
             cert_pem,
             issuer,
             key,
+            expires_soon,
             leaves: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Set when the CA certificate expires within [`EXPIRY_WARNING_DAYS`] days (it
+    /// was logged as a warning at load): for the user, with what to do.
+    pub fn expires_soon(&self) -> Option<&ExpiresSoon> {
+        self.expires_soon.as_ref()
     }
 
     /// The CA certificate, PEM, as the guest installs it.
@@ -172,7 +323,9 @@ impl CertificateAuthority {
         if let Some(config) = self.cached(host) {
             return Ok(config);
         }
-        let (cert, key) = self.mint_leaf(host)?;
+        let (cert, mut key) = self.mint_leaf(host)?;
+        // Moved out, not copied: rustls's key provider zeroizes it once read.
+        let key = std::mem::replace(&mut *key, PrivateKeyDer::Pkcs8(Vec::new().into()));
         let tls = |source| CaError::Tls {
             host: host.to_string(),
             source,
@@ -204,7 +357,7 @@ impl CertificateAuthority {
     fn mint_leaf(
         &self,
         host: &str,
-    ) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), CaError> {
+    ) -> Result<(CertificateDer<'static>, Zeroizing<PrivateKeyDer<'static>>), CaError> {
         let mut params = CertificateParams::default();
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, host);
@@ -221,10 +374,20 @@ impl CertificateAuthority {
         let since_epoch = since_epoch();
         params.not_before = rcgen::date_time_ymd(1970, 1, 1) + since_epoch.saturating_sub(HOUR);
         params.not_after = rcgen::date_time_ymd(1970, 1, 1) + since_epoch + 30 * DAY;
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
-        let cert = params.signed_by(&key, &self.issuer, &self.key)?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        Ok((cert.der().clone(), key_der))
+        let mut pkcs8 = generate_pkcs8()?;
+        let public_key = EcdsaKeyPair::from_pkcs8(
+            &ECDSA_P256_SHA256_ASN1_SIGNING,
+            &pkcs8,
+            &SystemRandom::new(),
+        )
+        .map_err(|_| CaError::GenerateKey(ring::error::Unspecified))?
+        .public_key()
+        .as_ref()
+        .to_vec();
+        let cert = params.signed_by(&LeafPublicKey(public_key), &self.issuer, &self.key)?;
+        // Moved, not copied: one buffer holds the key's bytes, zeroized when dropped.
+        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(std::mem::take(&mut *pkcs8)));
+        Ok((cert.der().clone(), Zeroizing::new(key_der)))
     }
 }
 
@@ -442,6 +605,76 @@ fn read_private_key(path: &Path, dir: &Path) -> Result<Zeroizing<String>, CaErro
     Ok(key)
 }
 
+/// Refuses `dir` unless it is a directory of this user's that no one else has any
+/// access to (it is made so: 0700).
+fn check_private_dir(dir: &Path) -> Result<(), CaError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(dir).map_err(|source| CaError::Read {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let why = if !meta.is_dir() {
+        Some("it is not a directory".to_string())
+    } else if meta.uid() != me {
+        Some(format!(
+            "it belongs to uid {}, not to you ({me})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!("its mode is {:o}", meta.mode() & 0o7777))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(CaError::DirNotPrivate {
+            path: dir.to_path_buf(),
+            why,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `der` as PEM with `label`, in a buffer zeroized when dropped.
+fn to_pem(label: &str, der: &[u8]) -> Zeroizing<String> {
+    use base64::Engine;
+    let body = Zeroizing::new(base64::engine::general_purpose::STANDARD.encode(der));
+    let lines = body.len().div_ceil(64);
+    let mut pem = Zeroizing::new(String::with_capacity(
+        body.len() + lines + 2 * label.len() + 40,
+    ));
+    pem.push_str(&format!("-----BEGIN {label}-----\n"));
+    for line in body.as_bytes().chunks(64) {
+        // Base64 is ASCII: each chunk is text.
+        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+        pem.push('\n');
+    }
+    pem.push_str(&format!("-----END {label}-----\n"));
+    pem
+}
+
+/// The bytes of the first PEM block labelled `label` in `pem`, decoded into a buffer
+/// zeroized when dropped (as are the intermediate copies).
+fn from_pem(label: &str, pem: &str) -> Option<Zeroizing<Vec<u8>>> {
+    use base64::Engine;
+    let begin = format!("-----BEGIN {label}-----");
+    let end = format!("-----END {label}-----");
+    let start = pem.find(&begin)? + begin.len();
+    let stop = start + pem[start..].find(&end)?;
+    let mut text = Zeroizing::new(String::with_capacity(stop - start));
+    text.extend(
+        pem[start..stop]
+            .chars()
+            .filter(|c| !c.is_ascii_whitespace()),
+    );
+    let mut der = Zeroizing::new(Vec::with_capacity(text.len() / 4 * 3 + 3));
+    base64::engine::general_purpose::STANDARD
+        .decode_vec(text.as_bytes(), &mut der)
+        .ok()?;
+    Some(der)
+}
+
 /// Creates `dir` (and its parents) with the directory itself 0700.
 fn create_private_dir(dir: &Path) -> Result<(), CaError> {
     let err = |source| CaError::CreateDir {
@@ -492,13 +725,20 @@ fn write_new(path: &Path, contents: &[u8], mode: u32) -> Result<(), CaError> {
 mod tests {
     use super::*;
 
+    /// A temporary directory as the CA's is made: 0700 (tempfile's may be wider).
+    fn private_tempdir() -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o700)).unwrap();
+        tmp
+    }
+
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
     }
 
     #[test]
     fn creates_files_with_private_modes() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         let dir = tmp.path().join("state/ca");
         let ca = CertificateAuthority::load_or_create(&dir, "box1").unwrap();
         assert_eq!(mode(&dir), 0o700);
@@ -512,7 +752,7 @@ mod tests {
 
     #[test]
     fn a_key_others_can_read_is_refused_until_it_is_private_again() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let key = tmp.path().join(KEY_FILE);
         for open in [0o640, 0o604, 0o620] {
@@ -533,7 +773,7 @@ mod tests {
 
     #[test]
     fn reload_gives_the_same_ca_and_its_leaves_verify() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         let first = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let again = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         assert_eq!(first.cert_pem(), again.cert_pem());
@@ -545,7 +785,7 @@ mod tests {
 
     #[test]
     fn leaf_for_an_ip_literal_has_an_ip_san() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let root = first_certificate(ca.cert_pem()).unwrap();
         let (leaf, _) = ca.mint_leaf("203.0.113.7").unwrap();
@@ -554,7 +794,7 @@ mod tests {
 
     #[test]
     fn server_configs_are_cached_per_host() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let a = ca.server_config_for("a.test").unwrap();
         let a2 = ca.server_config_for("a.test").unwrap();
@@ -566,7 +806,7 @@ mod tests {
 
     #[test]
     fn corrupt_files_name_the_path_and_the_remedy() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         fs::write(tmp.path().join(KEY_FILE), "garbage").unwrap();
         let err = CertificateAuthority::load_or_create(tmp.path(), "box1")
@@ -578,7 +818,7 @@ mod tests {
 
     #[test]
     fn an_expired_ca_says_so_and_what_to_do() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let key_pem = fs::read_to_string(tmp.path().join(KEY_FILE)).unwrap();
         let key = KeyPair::from_pem(&key_pem).unwrap();
@@ -594,9 +834,129 @@ mod tests {
         assert!(err.contains("delete the directory"), "{err}");
     }
 
+    /// A CA certificate signed by the key in `dir` for `name`, valid until `days`
+    /// from now, written over the one there.
+    fn reissue(dir: &Path, name: &str, days: u64) {
+        let key_pem = fs::read_to_string(dir.join(KEY_FILE)).unwrap();
+        let key = KeyPair::from_pem(&key_pem).unwrap();
+        let mut params = ca_params(name);
+        params.not_after = rcgen::date_time_ymd(1970, 1, 1) + since_epoch() + DAY * days as u32;
+        fs::write(dir.join(CERT_FILE), params.self_signed(&key).unwrap().pem()).unwrap();
+    }
+
+    #[test]
+    fn a_ca_that_expires_within_30_days_is_loaded_with_a_warning() {
+        let tmp = private_tempdir();
+        let fresh = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert_eq!(fresh.expires_soon(), None);
+        reissue(tmp.path(), "box1", 10);
+        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let soon = ca.expires_soon().expect("no warning 10 days before expiry");
+        // 10 days less the time since, or 10 with the certificate's whole seconds.
+        assert!((9..=10).contains(&soon.days_left), "{soon}");
+        let text = soon.to_string();
+        assert!(
+            text.contains(&tmp.path().join(CERT_FILE).display().to_string()),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("expires on {}", soon.not_after)),
+            "{text}"
+        );
+        // The same remedy as for an expired CA.
+        assert!(text.contains(&renewal(tmp.path())), "{text}");
+        // Still usable meanwhile.
+        ca.server_config_for("api.example.com").unwrap();
+        reissue(tmp.path(), "box1", EXPIRY_WARNING_DAYS + 1);
+        let later = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert_eq!(later.expires_soon(), None);
+    }
+
+    #[test]
+    fn a_ca_directory_others_can_reach_is_refused_until_it_is_private_again() {
+        let tmp = private_tempdir();
+        let dir = tmp.path().join("ca");
+        CertificateAuthority::load_or_create(&dir, "box1").unwrap();
+        for open in [0o750, 0o705, 0o701, 0o770] {
+            fs::set_permissions(&dir, fs::Permissions::from_mode(open)).unwrap();
+            let e = CertificateAuthority::load_or_create(&dir, "box1").unwrap_err();
+            assert!(matches!(e, CaError::DirNotPrivate { .. }), "{open:o}: {e}");
+            let text = e.to_string();
+            assert!(text.contains(&format!("mode is {open:o}")), "{text}");
+            assert!(
+                text.contains(&format!("`chmod 700 {}`", dir.display())),
+                "{text}"
+            );
+        }
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+        CertificateAuthority::load_or_create(&dir, "box1").unwrap();
+        // One made by someone else, before any CA was: no CA is made in it.
+        let premade = tmp.path().join("premade");
+        fs::create_dir(&premade).unwrap();
+        fs::set_permissions(&premade, fs::Permissions::from_mode(0o755)).unwrap();
+        let e = CertificateAuthority::load_or_create(&premade, "box1").unwrap_err();
+        assert!(matches!(e, CaError::DirNotPrivate { .. }), "{e}");
+        assert!(!premade.join(KEY_FILE).exists());
+    }
+
+    /// Whether rcgen holds the bytes of `key`: it serializes them if it does, and
+    /// panics if it has none (a remote key pair), its only way of telling.
+    fn rcgen_holds_the_bytes_of(key: &KeyPair) -> bool {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| key.serialized_der().len()))
+            .is_ok_and(|len| len > 0)
+    }
+
+    /// rcgen's own key pairs keep the PKCS#8 bytes in a buffer never zeroized; the
+    /// CA's is lent to rcgen without them.
+    #[test]
+    fn rcgen_holds_no_copy_of_the_ca_key() {
+        let generated = KeyPair::generate_for(KEY_ALGORITHM).unwrap();
+        assert!(rcgen_holds_the_bytes_of(&generated));
+        let tmp = private_tempdir();
+        let created = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert!(!rcgen_holds_the_bytes_of(&created.key));
+        let loaded = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert!(!rcgen_holds_the_bytes_of(&loaded.key));
+        let root = first_certificate(loaded.cert_pem()).unwrap();
+        let (leaf, key) = loaded.mint_leaf("api.example.com").unwrap();
+        verify_leaf(&root, &leaf, "api.example.com").unwrap();
+        assert!(matches!(&*key, PrivateKeyDer::Pkcs8(der) if !der.secret_pkcs8_der().is_empty()));
+    }
+
+    /// A CA made before the key was written here (by rcgen) loads as before.
+    #[test]
+    fn a_key_written_by_rcgen_loads() {
+        let tmp = private_tempdir();
+        CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let key = KeyPair::generate_for(KEY_ALGORITHM).unwrap();
+        let cert = ca_params("box1").self_signed(&key).unwrap();
+        fs::write(tmp.path().join(KEY_FILE), key.serialize_pem()).unwrap();
+        fs::write(tmp.path().join(CERT_FILE), cert.pem()).unwrap();
+        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        assert_eq!(ca.cert_pem(), cert.pem());
+        let root = first_certificate(ca.cert_pem()).unwrap();
+        let (leaf, _) = ca.mint_leaf("api.example.com").unwrap();
+        verify_leaf(&root, &leaf, "api.example.com").unwrap();
+    }
+
+    #[test]
+    fn pem_round_trips_and_finds_its_block() {
+        let der: Vec<u8> = (0..=255).collect();
+        let pem = to_pem(PRIVATE_KEY_LABEL, &der);
+        assert!(pem.lines().all(|line| line.len() <= 64));
+        assert_eq!(from_pem(PRIVATE_KEY_LABEL, &pem).as_deref(), Some(&der));
+        let crlf = format!("junk\r\n{}", pem.replace('\n', "\r\n"));
+        assert_eq!(from_pem(PRIVATE_KEY_LABEL, &crlf).as_deref(), Some(&der));
+        assert_eq!(from_pem("CERTIFICATE", &pem), None);
+        assert_eq!(
+            from_pem(PRIVATE_KEY_LABEL, "-----BEGIN PRIVATE KEY-----\n!!\n"),
+            None
+        );
+    }
+
     #[test]
     fn a_fresh_ca_lasts_ten_years() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
         let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         let der = first_certificate(ca.cert_pem()).unwrap();
         let end = not_after(&der).unwrap().unix_secs;
@@ -626,8 +986,8 @@ mod tests {
 
     #[test]
     fn a_key_from_another_ca_is_refused() {
-        let tmp = tempfile::tempdir().unwrap();
-        let other = tempfile::tempdir().unwrap();
+        let tmp = private_tempdir();
+        let other = private_tempdir();
         CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         CertificateAuthority::load_or_create(other.path(), "box1").unwrap();
         fs::copy(other.path().join(KEY_FILE), tmp.path().join(KEY_FILE)).unwrap();

@@ -11,6 +11,10 @@
 //! repeated without pause is written once and then counted ([`LogEntry::repeated`]),
 //! so that a program retrying in a loop does not fill the log either; a count not yet
 //! written is written within [`REPEAT_WINDOW_MS`] ([`DecisionLog::write_due_counts`]).
+//! A repeat is the same kind of refusal ([`Refusal`]) of the same destination: what
+//! the guest varies from request to request (the method, the Host header a refusal
+//! quotes) does not make it another, and the allowed entries written meanwhile (the
+//! CONNECT before each refused request inside terminated TLS) do not end the count.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -55,12 +59,36 @@ pub struct LogEntry {
     /// (it was removed, replaced or withdrawn meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub withdrawn_secret: Option<String>,
-    /// On a refusal: how many times in a row it was made again, at most a minute
-    /// apart, up to this entry's time (the entry before with the same decision was
-    /// its first, or an earlier count). Counts are written at 1, 2, 4, 8..., when
-    /// another entry comes, and otherwise within a minute of a repeat not yet counted.
+    /// On a refusal: how many times it was made again, at most a minute apart and
+    /// with no other refusal between, up to this entry's time (the entry before with
+    /// the same decision was its first, or an earlier count). The same decision: the
+    /// same [`Refusal`] of the same destination (and secret); the repeats' methods and
+    /// their rules' details (a Host header) may differ from this entry's. Counts are
+    /// written at 1, 2, 4, 8..., when another refusal comes, and otherwise within a
+    /// minute of a repeat not yet counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeated: Option<u64>,
+    /// On a refusal: what kind of reason refused it; `None` on entries written before
+    /// it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<Refusal>,
+}
+
+/// Why the proxy refused a request, as repeats are counted by: the rule's text may
+/// quote what the guest sent, which it can vary at will.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Refusal {
+    /// The policy's rule (its text is the policy's, and counts: a changed policy
+    /// makes a new decision).
+    Policy,
+    /// A Host header (or an absolute URI) naming another destination than the
+    /// request's target.
+    HostMismatch,
+    /// The destination resolves to an address the proxy never connects to.
+    ForbiddenAddress,
+    /// The secret bound to the destination was withdrawn, removed or replaced.
+    SecretWithdrawn,
 }
 
 impl LogEntry {
@@ -77,6 +105,7 @@ impl LogEntry {
             secret: None,
             withdrawn_secret: None,
             repeated: None,
+            refusal: None,
         }
     }
 
@@ -88,18 +117,20 @@ impl LogEntry {
         (self.secret.is_some() && self.kind != "connect") || self.withdrawn_secret.is_some()
     }
 
-    /// Whether `other` is the same decision (its time and count aside).
+    /// Whether `other` is the same decision (its time and count aside): the same
+    /// kind of refusal of the same destination. Without a [`Refusal`], the same in
+    /// every field.
     fn same_decision(&self, other: &LogEntry) -> bool {
-        (&self.host, self.port, self.allowed, &self.rule, &self.kind)
-            == (
-                &other.host,
-                other.port,
-                other.allowed,
-                &other.rule,
-                &other.kind,
-            )
-            && (&self.method, &self.secret, &self.withdrawn_secret)
-                == (&other.method, &other.secret, &other.withdrawn_secret)
+        let same_destination = (&self.host, self.port, self.allowed, &self.kind)
+            == (&other.host, other.port, other.allowed, &other.kind)
+            && (&self.secret, &self.withdrawn_secret) == (&other.secret, &other.withdrawn_secret);
+        let same_reason = match (self.refusal, other.refusal) {
+            (Some(Refusal::Policy), Some(Refusal::Policy)) => self.rule == other.rule,
+            (Some(mine), Some(theirs)) => mine == theirs,
+            (None, None) => (&self.rule, &self.method) == (&other.rule, &other.method),
+            _ => false,
+        };
+        same_destination && same_reason
     }
 }
 
@@ -275,6 +306,11 @@ impl DecisionLog {
         self.write_due(&mut state, entry.time_unix_ms)?;
         let which = which(entry);
         let file = state.file(which);
+        if entry.allowed {
+            // Written, and the refusal being counted goes on: a guest that retries a
+            // refused request inside terminated TLS opens a tunnel (allowed) each time.
+            return self.write(&mut state, which, entry);
+        }
         if let Some(repeating) = &mut file.repeating {
             if repeating.entry.same_decision(entry) {
                 repeating.count += 1;
@@ -296,7 +332,7 @@ impl DecisionLog {
             .repeating
             .take()
             .and_then(|mut ended| ended.count_line());
-        file.repeating = (!entry.allowed).then(|| Repeating {
+        file.repeating = Some(Repeating {
             entry: entry.clone(),
             count: 0,
             written: 0,
@@ -640,17 +676,122 @@ mod tests {
             refusal.time_unix_ms += 10;
             log.record(&refusal);
         }
+        // An allowed entry is written, and the count goes on; another refusal ends it.
         log.record(&entry(2));
+        log.record(&entry(3));
         let written = lines(&path);
         let counts: Vec<Option<u64>> = written.iter().map(|e| e.repeated).collect();
         let mut expected = vec![None];
         expected.extend((0..10).map(|k| Some(1 << k)));
-        expected.extend([Some(999), None]);
+        expected.extend([None, Some(999), None]);
         assert_eq!(counts, expected);
+        assert_eq!(written[11].host, "host2.example.com");
         // The count's line has the last repeat's time; the entries are the refusal's.
-        assert_eq!(written[11].time_unix_ms, refusal.time_unix_ms);
-        assert!(written[..12].iter().all(|e| e.same_decision(&refusal)));
-        assert_eq!(written[12].host, "host2.example.com");
+        assert_eq!(written[12].time_unix_ms, refusal.time_unix_ms);
+        assert!(written[..11].iter().all(|e| e.same_decision(&refusal)));
+        assert!(written[12].same_decision(&refusal));
+        assert_eq!(written[13].host, "host3.example.com");
+    }
+
+    /// A refusal of `kind` for api.example.com:443 inside terminated TLS, by a rule
+    /// that quotes `detail`, for a request of method `method`.
+    fn refusal_of(kind: Refusal, detail: &str, method: &str) -> LogEntry {
+        let mut e = LogEntry::new(
+            "api.example.com",
+            443,
+            false,
+            &format!("refused for {detail}"),
+            "tls-request",
+        );
+        e.method = Some(method.into());
+        e.refusal = Some(kind);
+        e
+    }
+
+    /// What the guest varies from request to request (the method, the Host header
+    /// a refusal quotes) does not make a refusal another; nor does the CONNECT it
+    /// makes before each, which is written as every allowed entry is.
+    #[test]
+    fn refusals_of_one_kind_for_one_destination_are_counted_whatever_their_details() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        for i in 0..10 {
+            let mut connect =
+                LogEntry::new("api.example.com", 443, true, "allow api (test)", "connect");
+            connect.secret = Some("secret1".into());
+            log.record(&connect);
+            let detail = format!("Host evil{i}.example.com");
+            log.record(&refusal_of(
+                Refusal::HostMismatch,
+                &detail,
+                &format!("M{i}"),
+            ));
+        }
+        drop(log);
+        let written = lines(&path);
+        let refusals: Vec<(&str, Option<u64>)> = written
+            .iter()
+            .filter(|e| !e.allowed)
+            .map(|e| (e.rule.as_str(), e.repeated))
+            .collect();
+        let first = "refused for Host evil0.example.com";
+        assert_eq!(
+            refusals,
+            [
+                (first, None),
+                (first, Some(1)),
+                (first, Some(2)),
+                (first, Some(4)),
+                (first, Some(8)),
+                (first, Some(9)),
+            ]
+        );
+        assert_eq!(written.iter().filter(|e| e.allowed).count(), 10);
+        assert!(written
+            .iter()
+            .all(|e| e.allowed || e.refusal == Some(Refusal::HostMismatch)));
+    }
+
+    /// Another kind of refusal, another destination or (for the policy's refusals)
+    /// another rule is another decision.
+    #[test]
+    fn another_kind_destination_or_policy_rule_is_another_refusal() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        let deny = |rule: &str, method: &str| refusal_of(Refusal::Policy, rule, method);
+        log.record(&deny("deny api", "GET"));
+        log.record(&deny("deny api", "POST"));
+        log.record(&deny("deny * (changed)", "POST"));
+        log.record(&refusal_of(Refusal::ForbiddenAddress, "10.0.0.1", "POST"));
+        let mut other_port = refusal_of(Refusal::ForbiddenAddress, "10.0.0.2", "POST");
+        other_port.port = 8443;
+        log.record(&other_port);
+        // Entries without a kind (written before it was recorded) compare whole.
+        let mut kindless = refusal_of(Refusal::Policy, "x", "GET");
+        kindless.refusal = None;
+        log.record(&kindless);
+        kindless.method = Some("PUT".into());
+        log.record(&kindless);
+        drop(log);
+        let written: Vec<(String, Option<u64>)> = lines(&path)
+            .into_iter()
+            .map(|e| (e.rule, e.repeated))
+            .collect();
+        let line = |rule: &str, repeated| (format!("refused for {rule}"), repeated);
+        assert_eq!(
+            written,
+            [
+                line("deny api", None),
+                line("deny api", Some(1)),
+                line("deny * (changed)", None),
+                line("10.0.0.1", None),
+                line("10.0.0.2", None),
+                line("x", None),
+                line("x", None),
+            ]
+        );
     }
 
     #[test]

@@ -828,9 +828,11 @@ async fn a_host_header_for_another_host_is_refused() {
 }
 
 /// Refusals inside TLS terminated for a secret's host name a Host header and method
-/// the guest chose, so each is new to the log, and CONNECTs to that host cost the
-/// guest nothing: they go to the general file, and the one beside it keeps only the
-/// requests the secret was set on (a flood of them would rotate those out).
+/// the guest chose, and CONNECTs to that host cost the guest nothing: they go to the
+/// general file, and the one beside it keeps only the requests the secret was set on
+/// (a flood of them would rotate those out). There they are counted as repeats of
+/// the first: the same kind of refusal of the same destination, whatever the Host
+/// header and method, and the CONNECTs between them do not end the count.
 #[tokio::test]
 async fn refusals_inside_terminated_tls_stay_out_of_the_secret_decisions() {
     let h = Harness::start().await;
@@ -858,11 +860,20 @@ async fn refusals_inside_terminated_tls_stay_out_of_the_secret_decisions() {
     let general = read_lines(&h.log_path);
     let connects = general.iter().filter(|e| e.kind == "connect").count();
     assert_eq!(connects, REFUSALS + 1);
-    let refused = general
-        .iter()
-        .filter(|e| !e.allowed && e.kind == "tls-request" && e.rule.contains("disagrees"))
-        .count();
-    assert_eq!(refused, REFUSALS);
+    let refused: Vec<&egress::log::LogEntry> = general.iter().filter(|e| !e.allowed).collect();
+    assert!(
+        refused.iter().all(|e| e.kind == "tls-request"
+            && e.rule.contains("Host header \"evil0.test\" disagrees")
+            && e.method.as_deref() == Some("M0")
+            && e.refusal == Some(egress::log::Refusal::HostMismatch)),
+        "{refused:?}"
+    );
+    // The first, then the counts at 1, 2, 4... 128 (199 is written within a minute,
+    // or when the log closes).
+    let counts: Vec<Option<u64>> = refused.iter().map(|e| e.repeated).collect();
+    let mut expected = vec![None];
+    expected.extend((0..8).map(|k| Some(1 << k)));
+    assert_eq!(counts, expected);
 }
 
 /// The file of the decisions about secrets beside the log at `path`.
@@ -1369,6 +1380,72 @@ async fn past_the_waiting_bound_the_longest_waiting_connection_is_closed() {
     );
 }
 
+/// Waits until `client`'s connection is closed, at most 5 s; whether it was.
+async fn closes(client: &Client) -> bool {
+    timeout(Duration::from_secs(5), async {
+        while !client.is_closed() {
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// Kept-alive connections between requests hold no slot, plain or inside TLS
+/// terminated for a secret's host: with every slot's worth of them idle, a new
+/// request is served, and so are theirs when they send the next.
+#[tokio::test]
+async fn idle_kept_alive_connections_do_not_block_a_real_request() {
+    let h = Harness::with_limits(Limits {
+        max_connections: 2,
+        ..Limits::default()
+    })
+    .await;
+    let echo = || request("http://plain.test/echo", "plain.test", &[], "");
+    let mut plain = h.plain_client().await;
+    assert_eq!(exchange(&mut plain, echo()).await.0, StatusCode::OK);
+    let mut terminated = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let inside = || request("/echo", "api.test", &[], "");
+    assert_eq!(exchange(&mut terminated, inside()).await.0, StatusCode::OK);
+    // Both idle now, kept alive.
+    sleep(Duration::from_millis(100)).await;
+    for _ in 0..3 {
+        let mut client = h.plain_client().await;
+        let (status, _, body) = exchange(&mut client, echo()).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    assert!(!plain.is_closed() && !terminated.is_closed());
+    assert_eq!(exchange(&mut plain, echo()).await.0, StatusCode::OK);
+    assert_eq!(exchange(&mut terminated, inside()).await.0, StatusCode::OK);
+}
+
+/// Idle kept-alive connections wait with those that have not sent a request yet:
+/// past the bound, the one that has waited longest is closed.
+#[tokio::test]
+async fn past_the_waiting_bound_an_idle_kept_alive_connection_is_closed() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 2,
+        ..Limits::default()
+    })
+    .await;
+    let echo = || request("http://plain.test/echo", "plain.test", &[], "");
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let mut client = h.plain_client().await;
+        assert_eq!(exchange(&mut client, echo()).await.0, StatusCode::OK);
+        clients.push(client);
+        sleep(Duration::from_millis(100)).await;
+    }
+    assert!(clients.iter().all(|client| !client.is_closed()));
+    let mut newest = h.plain_client().await;
+    assert_eq!(exchange(&mut newest, echo()).await.0, StatusCode::OK);
+    assert!(closes(&clients[0]).await, "the longest idle stayed open");
+    assert!(!clients[1].is_closed() && !newest.is_closed());
+    assert_eq!(exchange(&mut clients[1], echo()).await.0, StatusCode::OK);
+}
+
 #[tokio::test]
 async fn connections_over_the_limit_get_503() {
     let h = Harness::with_limits(Limits {
@@ -1386,7 +1463,7 @@ async fn connections_over_the_limit_get_503() {
         .await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(
-        answer.contains("too many connections (limit 2)"),
+        answer.contains("too many requests at once (limit 2, open tunnels"),
         "{answer}"
     );
 

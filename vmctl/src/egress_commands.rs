@@ -187,10 +187,7 @@ pub fn policy(command: PolicyCommand) -> Result<u8, EgressCommandError> {
                         .map(|s| format!(" +{s}"))
                         .unwrap_or_default(),
                     entry.rule,
-                    entry
-                        .repeated
-                        .map(|n| format!(" (made again {n} times in a row)"))
-                        .unwrap_or_default()
+                    entry.repeated.map(repeats_note).unwrap_or_default()
                 ));
             }
         }
@@ -225,6 +222,13 @@ fn scope_of(scope: &PolicyScope) -> Scope {
 fn canonical(dir: Option<PathBuf>) -> PathBuf {
     let dir = crate::workspace::of_vm(dir);
     dir.canonicalize().unwrap_or(dir)
+}
+
+/// What `policy log` adds to a line that counts the repeats of a refusal: the same
+/// kind of refusal of the same destination, whose method and details (a Host header
+/// the guest named) may differ from the line's.
+fn repeats_note(times: u64) -> String {
+    format!(" (refused {times} more times like this: same reason and destination, method and details aside)")
 }
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time.

@@ -43,7 +43,7 @@ use hyper::server::conn::http1 as server_http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::ca::{crate_provider, CaError, CertificateAuthority};
 use crate::log::DecisionLog;
@@ -79,12 +79,14 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// Time to resolve, connect and TLS-handshake with an upstream.
     pub connect_timeout: Duration,
-    /// Guest connections served at once (tunnels included), counted from their first
-    /// request head; more get 503.
+    /// Requests served at once, each counted from its head until its response is
+    /// sent, or until the tunnel or upgraded connection it opened closes; more get
+    /// 503. A kept-alive connection between requests holds none.
     pub max_connections: usize,
-    /// Guest connections that have not sent their first request head yet. One more
-    /// closes the one that has waited longest: idle connections (a browser's
-    /// speculative ones, a stuck program) must not keep a real request out.
+    /// Guest connections waiting for a request head: their first, or, kept alive,
+    /// their next. One more closes the one that has waited longest: idle connections
+    /// (a browser's speculative ones, a stuck program, a pool's spare) must not keep a
+    /// real request out.
     pub max_waiting_connections: usize,
     /// How often a tunnel or an upgraded connection asks the policy again: one the
     /// policy no longer allows is closed, as a new request would be refused.
@@ -115,9 +117,9 @@ pub struct ProxyConfig {
     pub resolve_overrides: HashMap<String, SocketAddr>,
     pub log: Arc<DecisionLog>,
     pub limits: Limits,
-    /// The connection slots, created on first use from `limits.max_connections`.
+    /// The request slots, created on first use from `limits.max_connections`.
     slots: OnceLock<Arc<Semaphore>>,
-    /// The connections that have not sent their first request head yet.
+    /// The connections waiting for a request head: their first, or their next.
     waiting: WaitingRoom,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
     tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
@@ -226,7 +228,10 @@ pub enum ProxyError {
     HeadTooLarge { max: usize },
     #[error("the request headers did not arrive within {after:?}")]
     HeadTimeout { after: Duration },
-    #[error("too many connections (limit {limit}); retry later")]
+    #[error(
+        "too many requests at once (limit {limit}, open tunnels and upgraded connections \
+         included); retry later"
+    )]
     Busy { limit: usize },
     #[error(
         "more than {limit} connections waited to send their first request, and this one \
@@ -372,7 +377,7 @@ pub fn to_pem(certs: &[rustls::pki_types::CertificateDer<'_>]) -> String {
 }
 
 /// Serves one guest connection until it closes (tunnels and upgraded connections it
-/// starts run on in their own tasks, holding the connection's slot).
+/// starts run on in their own tasks, holding their request's slot).
 pub async fn serve_connection<S>(mut stream: S, config: Arc<ProxyConfig>)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -398,30 +403,109 @@ where
         };
         return answer_and_close(stream, &busy).await;
     };
-    let conn = Arc::new(Conn {
-        config,
-        _permit: permit,
-    });
-    let limits = conn.config.limits.clone();
-    let service = service_fn(move |req| {
-        let conn = conn.clone();
-        async move { Ok::<_, Infallible>(handle(req, conn).await) }
-    });
     let stream = Prefixed {
         prefix: head.into(),
         inner: stream,
     };
-    let served = server_builder(&limits)
-        .serve_connection(TokioIo::new(stream), service)
-        .with_upgrades()
-        .await;
+    let served = serve_requests(TokioIo::new(stream), config, Some(permit), handle).await;
     if let Err(e) = served {
         tracing::debug!("guest connection ended: {e}");
     }
 }
 
-/// The connections waiting for their first request head, oldest first, each with the
-/// sender of its notice to leave.
+/// Serves the HTTP/1.1 requests that come on `io`, each with `handler`, until the
+/// connection closes or is upgraded. Each request holds a slot of its own from its
+/// head until it is done ([`InFlight`]); `first` is the one already taken for the
+/// first request, whose head has come. Between requests a kept-alive connection holds
+/// none: it waits in the [`WaitingRoom`] with the connections that have not sent
+/// their first head, and is closed if it has waited longest when that is full. An
+/// idle connection must not keep a real request out, first or next.
+async fn serve_requests<I, H, F>(
+    io: I,
+    config: Arc<ProxyConfig>,
+    first: Option<OwnedSemaphorePermit>,
+    handler: H,
+) -> Result<(), hyper::Error>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    H: Fn(Request<Incoming>, Arc<InFlight>) -> F + Send + Sync + 'static,
+    F: std::future::Future<Output = Response<ProxyBody>> + Send + 'static,
+{
+    let (busy, mut requests_in_flight) = watch::channel(0usize);
+    let busy = Arc::new(busy);
+    // Made now: the first head has come, so the connection is not idle before hyper
+    // has even parsed it.
+    let first = first.map(|permit| InFlight::new(config.clone(), permit, busy.clone()));
+    let first = std::sync::Mutex::new(first);
+    let handler = Arc::new(handler);
+    let service_config = config.clone();
+    let service = service_fn(move |req| {
+        let taken = first
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        let in_flight = taken.or_else(|| {
+            let permit = service_config.slots().clone().try_acquire_owned().ok()?;
+            Some(InFlight::new(service_config.clone(), permit, busy.clone()))
+        });
+        let limit = service_config.limits.max_connections;
+        let handler = handler.clone();
+        async move {
+            let Some(in_flight) = in_flight else {
+                return Ok::<_, Infallible>(error_response(&ProxyError::Busy { limit }));
+            };
+            let in_flight = Arc::new(in_flight);
+            let response = handler(req, in_flight.clone()).await;
+            Ok(response.map(|body| holding(body, in_flight)))
+        }
+    });
+    let connection = server_builder(&config.limits)
+        .serve_connection(io, service)
+        .with_upgrades();
+    tokio::pin!(connection);
+    let mut waiting = None;
+    let mut closing = false;
+    loop {
+        let idle = *requests_in_flight.borrow_and_update() == 0;
+        if !idle || closing {
+            waiting = None;
+        } else if waiting.is_none() {
+            waiting = Some(config.waiting.enter(config.limits.max_waiting_connections));
+        }
+        let displaced = async {
+            match &mut waiting {
+                // An error too: the place was given up.
+                Some((_, notice)) => {
+                    let _ = notice.await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let event = tokio::select! {
+            served = connection.as_mut() => return served,
+            Ok(()) = requests_in_flight.changed() => None,
+            () = displaced => Some(()),
+        };
+        if event.is_some() {
+            // Closes it now if idle, else after the request that has just come.
+            connection.as_mut().graceful_shutdown();
+            closing = true;
+        }
+    }
+}
+
+/// `body`, holding `in_flight` (its request's slot) until it is sent or dropped.
+fn holding(body: ProxyBody, in_flight: Arc<InFlight>) -> ProxyBody {
+    body.map_frame(move |frame| {
+        // Owned by the closure, so by the body: dropped with it.
+        let _held = &in_flight;
+        frame
+    })
+    .boxed()
+}
+
+/// The connections waiting for a request head (their first, or kept alive, their
+/// next), oldest first, each with the sender of its notice to leave.
 #[derive(Default)]
 struct WaitingRoom {
     waiting: std::sync::Mutex<(u64, BTreeMap<u64, oneshot::Sender<()>>)>,
@@ -467,11 +551,37 @@ impl Drop for WaitingPlace<'_> {
     }
 }
 
-/// One guest connection's share of the proxy; tasks it spawns keep a clone, so the
-/// connection slot is held until all of them are done.
-struct Conn {
+/// One request's share of the proxy: a slot, held until the request is done. The
+/// handler, the response's body and the tasks it spawns (a tunnel, an upgraded
+/// connection, TLS terminated for a secret's host until its handshake is done) each
+/// keep a clone.
+struct InFlight {
     config: Arc<ProxyConfig>,
     _permit: OwnedSemaphorePermit,
+    /// The count of its connection's requests in flight, which this is one of.
+    busy: Arc<watch::Sender<usize>>,
+}
+
+impl InFlight {
+    fn new(
+        config: Arc<ProxyConfig>,
+        permit: OwnedSemaphorePermit,
+        busy: Arc<watch::Sender<usize>>,
+    ) -> Self {
+        busy.send_modify(|count| *count += 1);
+        Self {
+            config,
+            _permit: permit,
+            busy,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.busy
+            .send_modify(|count| *count = count.saturating_sub(1));
+    }
 }
 
 /// hyper's server with our limits: it answers 431 to oversized heads, 400 to
@@ -489,11 +599,11 @@ fn server_builder(limits: &Limits) -> server_http1::Builder {
     builder
 }
 
-async fn handle(req: Request<Incoming>, conn: Arc<Conn>) -> Response<ProxyBody> {
+async fn handle(req: Request<Incoming>, in_flight: Arc<InFlight>) -> Response<ProxyBody> {
     let result = if req.method() == Method::CONNECT {
-        connect(req, &conn).await
+        connect(req, &in_flight).await
     } else {
-        plain_http(req, &conn).await
+        plain_http(req, &in_flight).await
     };
     result.unwrap_or_else(|e| error_response(&e))
 }

@@ -12,13 +12,14 @@ use super::headers::{
 use super::upstream::{
     connect_tcp, http1_client, prepare_request, relay_response, vetted_addresses, Ask,
 };
-use super::{boxed, Conn, ProxyBody, ProxyError};
+use super::{boxed, InFlight, ProxyBody, ProxyError};
+use crate::log::Refusal;
 
 pub(super) async fn plain_http(
     mut req: Request<Incoming>,
-    conn: &Arc<Conn>,
+    in_flight: &Arc<InFlight>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let config = &conn.config;
+    let config = &in_flight.config;
     let (host, port) = absolute_target(req.uri())?;
     let target = display_target(&host, port);
     let expected = format!("the request URI's {target}");
@@ -32,7 +33,7 @@ pub(super) async fn plain_http(
     // The URI names the target; Host headers (optional in HTTP/1.0) must agree.
     let claims = claimed_authorities(None, req.headers())?;
     if let Err(e) = check_claims(claims, &host, port, 80, &expected) {
-        return Err(ask.refuse(config, &e.to_string(), e));
+        return Err(ask.refuse(config, Refusal::HostMismatch, &e.to_string(), e));
     }
     let decision = ask.decide(config)?;
     let addrs = vetted_addresses(config, &ask, &decision).await?;
@@ -58,7 +59,7 @@ pub(super) async fn plain_http(
             target: target.clone(),
             source,
         })?;
-    relay_response(response, guest_upgrade, None, ask, conn)
+    relay_response(response, guest_upgrade, None, ask, in_flight)
 }
 
 /// `host:port` of an absolute-form `http://` request, normalised.

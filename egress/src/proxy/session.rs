@@ -1,14 +1,12 @@
 //! TLS terminated for a destination with a secret: each request forwarded over
 //! verified TLS with the secret set on the way out.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
@@ -19,13 +17,16 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use super::headers::{check_claims, claimed_authorities, host_header, path_of, wants_upgrade};
 use super::redact::Redactor;
 use super::upstream::{connect_tcp, http1_client, prepare_request, relay_response, Ask};
-use super::{boxed, error_response, server_builder, Conn, ProxyBody, ProxyError, Upstream};
+use super::{
+    boxed, error_response, serve_requests, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream,
+};
+use crate::log::Refusal;
 use crate::rules::Injection;
 
 /// The guest's side of a CONNECT whose TLS the proxy terminates, and the upstream
 /// connection its requests go out on.
 pub(super) struct Session {
-    pub(super) conn: Arc<Conn>,
+    pub(super) config: Arc<ProxyConfig>,
     pub(super) host: String,
     pub(super) port: u16,
     pub(super) target: String,
@@ -36,12 +37,16 @@ pub(super) struct Session {
 }
 
 impl Session {
+    /// Serves the guest's side once the CONNECT (`connect`, whose slot is held until
+    /// the TLS handshake is done) is upgraded; each request inside takes a slot of
+    /// its own ([`serve_requests`]).
     pub(super) async fn serve(
         self: Arc<Self>,
         on_upgrade: OnUpgrade,
         tls: Arc<rustls::ServerConfig>,
+        connect: Arc<InFlight>,
     ) {
-        let limits = self.conn.config.limits.clone();
+        let limits = self.config.limits.clone();
         let upgraded = match on_upgrade.await {
             Ok(upgraded) => upgraded,
             Err(e) => return tracing::debug!("CONNECT was not upgraded: {e}"),
@@ -62,18 +67,16 @@ impl Session {
                 )
             }
         };
+        drop(connect);
         let session = self.clone();
-        let service = service_fn(move |req| {
+        let handler = move |req, in_flight: Arc<InFlight>| {
             let session = session.clone();
             async move {
-                let response = session.forward(req).await;
-                Ok::<_, Infallible>(response.unwrap_or_else(|e| error_response(&e)))
+                let response = session.forward(req, &in_flight).await;
+                response.unwrap_or_else(|e| error_response(&e))
             }
-        });
-        let served = server_builder(&limits)
-            .serve_connection(TokioIo::new(stream), service)
-            .with_upgrades()
-            .await;
+        };
+        let served = serve_requests(TokioIo::new(stream), self.config.clone(), None, handler).await;
         if let Err(e) = served {
             tracing::debug!("terminated TLS connection for {} ended: {e}", self.target);
         }
@@ -83,8 +86,9 @@ impl Session {
     pub(super) async fn forward(
         &self,
         mut req: Request<Incoming>,
+        in_flight: &Arc<InFlight>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let config = &self.conn.config;
+        let config = &self.config;
         if req.method() == Method::CONNECT {
             return Err(ProxyError::BadRequest(
                 "CONNECT inside a CONNECT tunnel is not supported".into(),
@@ -110,7 +114,7 @@ impl Session {
         }
         let expected = format!("CONNECT target {}", self.target);
         if let Err(e) = check_claims(claims, &self.host, self.port, 443, &expected) {
-            return Err(ask.refuse(config, &e.to_string(), e));
+            return Err(ask.refuse(config, Refusal::HostMismatch, &e.to_string(), e));
         }
         // The policy may have changed since the CONNECT; the secret may have too.
         let decision = ask.decide(config)?;
@@ -156,7 +160,7 @@ impl Session {
             })
         });
         let response = self.send(Request::from_parts(parts, boxed(body))).await?;
-        relay_response(response, guest_upgrade, redactor, ask, &self.conn)
+        relay_response(response, guest_upgrade, redactor, ask, in_flight)
     }
 
     /// Sends on the session's upstream connection, (re)connecting as needed. A
@@ -195,7 +199,7 @@ impl Session {
 
     /// A verified TLS connection to the destination, SNI = the CONNECT host.
     pub(super) async fn connect_upstream(&self) -> Result<Upstream, ProxyError> {
-        let config = &self.conn.config;
+        let config = &self.config;
         let limit = config.limits.connect_timeout;
         let tcp = connect_tcp(&self.addrs, &self.target, limit).await?;
         let name = ServerName::try_from(self.host.clone()).map_err(|e| {

@@ -13,13 +13,13 @@ use tokio::sync::Mutex;
 use super::headers::{display_target, normalize_host};
 use super::session::Session;
 use super::upstream::{connect_tcp, vetted_addresses, Ask};
-use super::{empty, Conn, ProxyBody, ProxyConfig, ProxyError};
+use super::{empty, InFlight, ProxyBody, ProxyConfig, ProxyError};
 
 pub(super) async fn connect(
     mut req: Request<Incoming>,
-    conn: &Arc<Conn>,
+    in_flight: &Arc<InFlight>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let config = &conn.config;
+    let config = &in_flight.config;
     let (host, port) = connect_target(req.uri())?;
     let target = display_target(&host, port);
     let ask = Ask {
@@ -39,18 +39,18 @@ pub(super) async fn connect(
     if injection.is_none() {
         // Connect before answering, so a dead upstream is a 502, not a dead tunnel.
         let upstream = connect_tcp(&addrs, &target, config.limits.connect_timeout).await?;
-        tokio::spawn(tunnel(on_upgrade, upstream, conn.clone(), ask));
+        tokio::spawn(tunnel(on_upgrade, upstream, in_flight.clone(), ask));
     } else {
         let tls = config.ca.server_config_for(&host)?;
         let session = Arc::new(Session {
-            conn: conn.clone(),
+            config: config.clone(),
             host,
             port,
             target,
             addrs,
             upstream: Mutex::new(None),
         });
-        tokio::spawn(session.serve(on_upgrade, tls));
+        tokio::spawn(session.serve(on_upgrade, tls, in_flight.clone()));
     }
     let mut response = Response::new(empty());
     response
@@ -60,12 +60,17 @@ pub(super) async fn connect(
 }
 
 /// Relays raw bytes between the guest and `upstream`: TLS the proxy does not touch.
-pub(super) async fn tunnel(on_upgrade: OnUpgrade, upstream: TcpStream, conn: Arc<Conn>, ask: Ask) {
+pub(super) async fn tunnel(
+    on_upgrade: OnUpgrade,
+    upstream: TcpStream,
+    in_flight: Arc<InFlight>,
+    ask: Ask,
+) {
     match on_upgrade.await {
         Ok(upgraded) => {
             let guest = TokioIo::new(upgraded);
             let relay = byte_relay::both_ways(guest, upstream);
-            relay_while_allowed(relay, &ask, &conn.config, "tunnel").await;
+            relay_while_allowed(relay, &ask, &in_flight.config, "tunnel").await;
         }
         Err(e) => tracing::debug!("CONNECT was not upgraded: {e}"),
     }

@@ -23,8 +23,8 @@ use super::decode::{
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
 use super::redact::{copy_redacted, RedactedBody, Redactor};
 use super::tunnels::relay_while_allowed;
-use super::{boxed, Conn, ProxyBody, ProxyConfig, ProxyError, Upstream};
-use crate::log::LogEntry;
+use super::{boxed, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream};
+use crate::log::{LogEntry, Refusal};
 use crate::rules::{Decision, Injection};
 
 /// One thing the guest asked for, as the policy checks and the log need it. A
@@ -50,13 +50,27 @@ impl Ask {
             what: self.what.clone(),
             rule: decision.rule.clone(),
         };
-        Err(self.refuse(config, &decision.rule, refused))
+        Err(self.refuse(config, Refusal::Policy, &decision.rule, refused))
     }
 
-    /// Logs a refusal for `rule` (the reason) and passes `err` on.
-    pub(super) fn refuse(&self, config: &ProxyConfig, rule: &str, err: ProxyError) -> ProxyError {
-        config.log.record(&self.entry(false, rule, None));
+    /// Logs a refusal of kind `why` for `rule` (the reason in words) and passes `err`
+    /// on.
+    pub(super) fn refuse(
+        &self,
+        config: &ProxyConfig,
+        why: Refusal,
+        rule: &str,
+        err: ProxyError,
+    ) -> ProxyError {
+        config.log.record(&self.refusal(why, rule));
         err
+    }
+
+    /// The log entry of a refusal of kind `why`.
+    pub(super) fn refusal(&self, why: Refusal, rule: &str) -> LogEntry {
+        let mut entry = self.entry(false, rule, None);
+        entry.refusal = Some(why);
+        entry
     }
 
     /// A log entry; with the secret's name (never its value) if one is injected.
@@ -78,6 +92,7 @@ impl Ask {
     pub(super) fn withdrawal(&self, secret: &str, rule: &str) -> LogEntry {
         let mut entry = LogEntry::new(&self.host, self.port, false, rule, self.kind);
         entry.withdrawn_secret = Some(secret.to_owned());
+        entry.refusal = Some(Refusal::SecretWithdrawn);
         entry
     }
 
@@ -113,7 +128,7 @@ impl Ask {
                 let rule = "the secret it was opened with is no longer bound to it";
                 let entry = match redactor.secret_name() {
                     Some(secret) => self.withdrawal(secret, rule),
-                    None => self.entry(false, rule, None),
+                    None => self.refusal(Refusal::SecretWithdrawn, rule),
                 };
                 config.log.record(&entry);
                 tracing::info!("{}: {rule}; closing the open connection", self.target());
@@ -178,7 +193,7 @@ pub(super) async fn vetted_addresses(
             ip,
             reason,
         };
-        return Err(ask.refuse(config, &rule, err));
+        return Err(ask.refuse(config, Refusal::ForbiddenAddress, &rule, err));
     }
     Ok(addrs)
 }
@@ -293,7 +308,7 @@ pub(super) fn relay_response(
     guest_upgrade: Option<OnUpgrade>,
     redactor: Option<Redactor>,
     ask: Ask,
-    conn: &Arc<Conn>,
+    in_flight: &Arc<InFlight>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let switching = response.status() == StatusCode::SWITCHING_PROTOCOLS;
     // The upgraded connection's splice watches the secret itself; a body does here.
@@ -304,7 +319,13 @@ pub(super) fn relay_response(
             });
         };
         let upstream = hyper::upgrade::on(&mut response);
-        tokio::spawn(splice(guest, upstream, redactor.clone(), conn.clone(), ask));
+        tokio::spawn(splice(
+            guest,
+            upstream,
+            redactor.clone(),
+            in_flight.clone(),
+            ask,
+        ));
         None
     } else {
         Some(ask)
@@ -373,9 +394,11 @@ pub(super) fn relay_response(
             let body = |inner: Incoming| RedactedBody::new(plain(inner), redactor.clone());
             match body_ask {
                 Some(ask) => {
-                    let (watched, conn) = (redactor.clone(), conn.clone());
-                    let cutoff =
-                        async move { ask.until_secret_withdrawn(&conn.config, &watched).await };
+                    let (watched, in_flight) = (redactor.clone(), in_flight.clone());
+                    let cutoff = async move {
+                        ask.until_secret_withdrawn(&in_flight.config, &watched)
+                            .await
+                    };
                     response.map(|inner| body(inner).until(cutoff).boxed())
                 }
                 None => response.map(|inner| body(inner).boxed()),
@@ -401,7 +424,7 @@ pub(super) async fn splice(
     guest: OnUpgrade,
     upstream: OnUpgrade,
     redactor: Option<Redactor>,
-    conn: Arc<Conn>,
+    in_flight: Arc<InFlight>,
     ask: Ask,
 ) {
     let (guest, upstream) = match tokio::try_join!(guest, upstream) {
@@ -427,9 +450,9 @@ pub(super) async fn splice(
     };
     match watch {
         Some(redactor) => tokio::select! {
-            () = relay_while_allowed(relay, &ask, &conn.config, "upgraded connection") => {}
-            () = ask.until_secret_withdrawn(&conn.config, &redactor) => {}
+            () = relay_while_allowed(relay, &ask, &in_flight.config, "upgraded connection") => {}
+            () = ask.until_secret_withdrawn(&in_flight.config, &redactor) => {}
         },
-        None => relay_while_allowed(relay, &ask, &conn.config, "upgraded connection").await,
+        None => relay_while_allowed(relay, &ask, &in_flight.config, "upgraded connection").await,
     }
 }

@@ -170,6 +170,10 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
                 source,
             }
         })?;
+    if let Some(soon) = ca.expires_soon() {
+        // The supervisor's stderr is its log, whose warnings `vmctl up` shows.
+        vmm::to_stderr!("vmctl: warning: {soon}");
+    }
     let extra_ca = record.egress.extra_ca.as_deref();
     let upstream_tls =
         egress::proxy::upstream_tls_config(extra_ca).map_err(NetworkError::TrustRoots)?;

@@ -114,8 +114,10 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
         .build()?;
     let mut echoes = Echoes::default();
     let mut agent: Option<Connection<UnixStream>> = None;
+    let mut overflow_warning = OverflowWarning::default();
     loop {
-        watcher.wait(None)?;
+        // Not for ever while an overflow's walk waits its turn: it is done by a read.
+        watcher.wait(watcher.rewalk_due_in())?;
         let burst_ends = Instant::now() + BURST_MAX;
         let mut changes = Changes::default();
         loop {
@@ -126,7 +128,19 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
             }
         }
         if changes.overflowed {
-            vmm::to_stderr!("vmctl: warning: the host changed more in the shares than inotify could report; some changes do not reach the guest's file watchers");
+            if let Some(times) = overflow_warning.due(Instant::now()) {
+                vmm::to_stderr!(
+                    "vmctl: warning: the host changed more in the shares than inotify could \
+                     report{}; some changes do not reach the guest's file watchers (the shares \
+                     are walked again, at most every {} s, to watch what was made meanwhile)",
+                    if times > 1 {
+                        format!(" ({times} times since the last warning)")
+                    } else {
+                        String::new()
+                    },
+                    watcher::REWALK_MIN_GAP.as_secs()
+                );
+            }
         }
         let names = std::mem::take(&mut changes.names);
         let edits = echoes.without_echoes(changes, Instant::now());
@@ -141,6 +155,32 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
         for batch in edits.chunks(MAX_BATCH) {
             runtime.block_on(send(&vsock, &mut agent, batch.to_vec()));
         }
+    }
+}
+
+/// How often the overflow warning may be said: a host command that overflows the
+/// queue at every burst must not fill the supervisor's log.
+const OVERFLOW_WARNING_GAP: Duration = Duration::from_secs(60);
+
+/// The overflows since the warning was last said, and when that was.
+#[derive(Debug, Default)]
+struct OverflowWarning {
+    said_at: Option<Instant>,
+    unsaid: u64,
+}
+
+impl OverflowWarning {
+    /// Counts an overflow at `now`; how many to say, when the warning is due.
+    fn due(&mut self, now: Instant) -> Option<u64> {
+        self.unsaid += 1;
+        if self
+            .said_at
+            .is_some_and(|at| now.saturating_duration_since(at) < OVERFLOW_WARNING_GAP)
+        {
+            return None;
+        }
+        self.said_at = Some(now);
+        Some(std::mem::take(&mut self.unsaid))
     }
 }
 
@@ -253,6 +293,20 @@ impl Echoes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Said at the first overflow, then at most once a minute, with how many there were.
+    #[test]
+    fn the_overflow_warning_is_said_at_most_once_a_minute_with_a_count() {
+        let mut warning = OverflowWarning::default();
+        let start = Instant::now();
+        assert_eq!(warning.due(start), Some(1));
+        for second in 1..60 {
+            assert_eq!(warning.due(start + Duration::from_secs(second)), None);
+        }
+        assert_eq!(warning.due(start + Duration::from_secs(60)), Some(60));
+        assert_eq!(warning.due(start + Duration::from_secs(61)), None);
+        assert_eq!(warning.due(start + Duration::from_secs(200)), Some(2));
+    }
 
     #[test]
     fn a_vm_watches_at_most_a_quarter_of_the_users_watches() {

@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use guest_agent::protocol::EditKind;
 use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
@@ -80,7 +80,22 @@ pub struct TreeWatcher {
     limit: usize,
     /// Why some directories go unwatched, said once.
     limit_reached: Option<String>,
+    /// The queue overflowed since the trees were last walked again.
+    rewalk_pending: bool,
+    /// When the trees were last walked again, and how long that took.
+    last_rewalk: Option<(Instant, Duration)>,
+    /// [`REWALK_MIN_GAP`] but in tests.
+    rewalk_min_gap: Duration,
 }
+
+/// The least time between two walks of every tree after overflows: a host command
+/// that makes files faster than inotify reports them (an `npm install`) overflows the
+/// queue again and again, and walking a large tree at each 50 ms burst would keep a
+/// core busy for as long as it runs.
+pub const REWALK_MIN_GAP: Duration = Duration::from_secs(2);
+/// A walk that took long waits this many times as long before the next one, so walks
+/// take at most a fifth of the time.
+const REWALK_GAP_PER_WALK: u32 = 4;
 
 /// The watched directories by watch descriptor, and the bytes of their paths.
 #[derive(Debug, Default)]
@@ -149,6 +164,24 @@ impl TreeWatcher {
             roots: Vec::new(),
             limit,
             limit_reached: None,
+            rewalk_pending: false,
+            last_rewalk: None,
+            rewalk_min_gap: REWALK_MIN_GAP,
+        })
+    }
+
+    /// How long until the walk that an overflow calls for may run, if one is pending:
+    /// the caller waits for events no longer than that, then reads (which walks).
+    pub fn rewalk_due_in(&self) -> Option<Duration> {
+        if !self.rewalk_pending {
+            return None;
+        }
+        Some(match self.last_rewalk {
+            Some((at, took)) => {
+                let gap = self.rewalk_min_gap.max(took * REWALK_GAP_PER_WALK);
+                gap.saturating_sub(at.elapsed())
+            }
+            None => Duration::ZERO,
         })
     }
 
@@ -398,9 +431,14 @@ impl TreeWatcher {
         }
         let mut unwatched = None;
         let mut added = Vec::new();
-        if overflowed {
+        self.rewalk_pending |= overflowed;
+        if self.rewalk_due_in() == Some(Duration::ZERO) {
+            let began = Instant::now();
             unwatched = self.watch_all_again(&mut added);
+            self.rewalk_pending = false;
+            self.last_rewalk = Some((began, began.elapsed()));
         } else {
+            // Until the walk is due, the directories seen made are walked as always.
             let mut walked: Option<&PathBuf> = None;
             for dir in &new_dirs {
                 // In order, so the directories below one come right after it: walked
@@ -550,6 +588,65 @@ mod tests {
                 .filter(|(path, _)| path.starts_with(&late))
                 .collect::<Vec<_>>()
         );
+    }
+
+    /// Overflows again and again (an `npm install` on the host) walk the trees at most
+    /// once per gap: an overflow within it leaves the walk pending, done by the first
+    /// read once the gap has passed (the caller waits no longer than that).
+    #[test]
+    fn overflows_in_a_row_walk_the_trees_at_most_once_per_gap() {
+        let queue: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            queue <= 1 << 20,
+            "a queue of {queue} events is too long to fill here"
+        );
+        let (_dir, root, _) = share_and_outside();
+        std::fs::create_dir_all(&root).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        watcher.rewalk_min_gap = Duration::from_millis(1500);
+        assert_eq!(watcher.watch_tree(&root), None);
+        let overflow = |round: usize, made: &Path| {
+            for index in 0..queue / 2 + 1 {
+                std::fs::write(root.join(format!("{round}-{index}")), "").unwrap();
+            }
+            std::fs::create_dir_all(made).unwrap();
+        };
+        assert_eq!(watcher.rewalk_due_in(), None);
+        let first = root.join("first");
+        overflow(1, &first);
+        read_until(&mut watcher, |changes| changes.overflowed);
+        assert!(
+            watcher.dirs.values().any(|dir| *dir == first),
+            "walked at once"
+        );
+        assert_eq!(watcher.rewalk_due_in(), None);
+
+        let second = root.join("second/inner");
+        overflow(2, &second);
+        read_until(&mut watcher, |changes| changes.overflowed);
+        let due = watcher.rewalk_due_in().expect("a walk pending");
+        assert!(due > Duration::ZERO, "due at once, within the gap");
+        assert!(
+            !watcher.dirs.values().any(|dir| *dir == second),
+            "walked again within the gap"
+        );
+        // The caller's wait ends when the walk is due; the read then walks.
+        watcher.wait(watcher.rewalk_due_in()).unwrap();
+        std::thread::sleep(watcher.rewalk_due_in().unwrap_or_default());
+        let mut changes = Changes::default();
+        watcher.read(&mut changes).unwrap();
+        assert!(
+            watcher.dirs.values().any(|dir| *dir == second),
+            "not walked once due"
+        );
+        assert!(changes
+            .edits
+            .contains_key(&(second.clone(), EditKind::Entries)));
+        assert_eq!(watcher.rewalk_due_in(), None);
     }
 
     /// Reads until `dir` is watched, or fails after 5 s.

@@ -374,7 +374,12 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
     // comes as the daemon stops the VM for idleness: it then boots a fresh one.
-    let _start_lock = lock_start(&vm)?;
+    let _start_lock = lock_start(&vm, || {
+        vmm::to_stderr!(
+            "vmctl: another vmctl is starting or stopping the VM of {}; waiting for it",
+            workspace.display()
+        )
+    })?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
@@ -609,16 +614,6 @@ pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File
         Err(std::fs::TryLockError::WouldBlock) => Ok(None),
         Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
-}
-
-/// An exclusive `flock` on `path` (created if missing), held until the file drops.
-fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
-    crate::state::lock_file(path).map_err(|source| {
-        VmError::State(StateError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-    })
 }
 
 /// vCPUs and MiB of a new VM: the config's, else one vCPU per CPU the VM may run on
@@ -876,10 +871,18 @@ pub fn stop(workspace: &Path) -> Result<bool, VmError> {
 /// `vm`'s start lock, held while a VM is started, stopped or removed, so that none of
 /// these interleave. The directory is made if missing; one removed (by `vmctl rm`)
 /// while this waited is made again, with a lock of its own: the lock of a removed
-/// directory excludes nobody.
-fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
+/// directory excludes nobody. `on_wait` runs (once) before it waits for another
+/// holder: a boot, a kernel rebuild or the daemon's idle stop can take minutes.
+fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmError> {
     use std::os::unix::fs::MetadataExt;
     let path = vm.path.join(START_LOCK);
+    let io = |source| {
+        VmError::State(StateError::Io {
+            path: path.clone(),
+            source,
+        })
+    };
+    let mut on_wait = Some(on_wait);
     for _ in 0..10 {
         std::fs::create_dir_all(&vm.path).map_err(|source| {
             VmError::State(StateError::Io {
@@ -887,7 +890,17 @@ fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
                 source,
             })
         })?;
-        let file = lock_exclusive(&path)?;
+        let file = crate::state::open_lock_file(&path).map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                if let Some(say) = on_wait.take() {
+                    say();
+                }
+                file.lock().map_err(io)?;
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        }
         let held = file.metadata().map(|m| (m.dev(), m.ino())).ok();
         let current = std::fs::metadata(&path).map(|m| (m.dev(), m.ino())).ok();
         if held.is_some() && held == current {
@@ -1423,6 +1436,12 @@ fn format_duration(seconds: u64) -> String {
 mod tests {
     use super::*;
 
+    /// An exclusive `flock` on `path` (created if missing), held until the file drops:
+    /// another vmctl's start lock, without the directory checks of [`lock_start`].
+    fn lock_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
+        crate::state::lock_file(path)
+    }
+
     #[test]
     fn a_recipe_that_is_not_there_is_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -1939,7 +1958,7 @@ mod tests {
         assert!(!vm.path.exists(), "the stop made the VM's directory");
         std::fs::create_dir_all(&vm.path).unwrap();
         // A start under way (the VM not running yet) is waited for, however long.
-        let starting = lock_start(&vm).unwrap();
+        let starting = lock_start(&vm, || {}).unwrap();
         let stopper = {
             let vm = vm.clone();
             std::thread::spawn(move || lock_to_stop_within(&vm, "stopping", wait).unwrap())
@@ -1956,12 +1975,36 @@ mod tests {
         );
         // One holding the lock while the VM runs (waiting for its agent) is not.
         let _supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
-        let _attaching = lock_start(&vm).unwrap();
+        let _attaching = lock_start(&vm, || {}).unwrap();
         let started = Instant::now();
         assert!(lock_to_stop_within(&vm, "stopping", wait)
             .unwrap()
             .is_none());
         assert!(started.elapsed() < wait * 10);
+    }
+
+    /// A start that has to wait for another vmctl's start or stop says so before it
+    /// waits, once; one that takes a free lock says nothing.
+    #[test]
+    fn a_start_waiting_for_the_start_lock_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let held = lock_start(&vm, || panic!("the lock was free")).unwrap();
+        let (said, heard) = std::sync::mpsc::channel();
+        let waiting = {
+            let vm = vm.clone();
+            std::thread::spawn(move || lock_start(&vm, move || said.send(()).unwrap()).unwrap())
+        };
+        heard
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the waiting start said nothing");
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiting.is_finished(), "it did not wait for the lock");
+        drop(held);
+        let _started = waiting.join().unwrap();
+        assert!(heard.try_recv().is_err(), "it said so more than once");
     }
 
     #[test]
@@ -1971,10 +2014,10 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        let removing = lock_start(&vm).unwrap();
+        let removing = lock_start(&vm, || {}).unwrap();
         let waiting = {
             let vm = vm.clone();
-            std::thread::spawn(move || lock_start(&vm).unwrap())
+            std::thread::spawn(move || lock_start(&vm, || {}).unwrap())
         };
         std::thread::sleep(Duration::from_millis(200));
         // `vmctl rm` removes the directory, its lock file with it, then lets go.

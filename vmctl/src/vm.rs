@@ -49,11 +49,16 @@ pub enum VmError {
     Virtiofsd(#[from] VirtiofsdError),
     #[error("the VM's network setup failed: {0}")]
     Network(#[from] ControlError),
-    #[error("the VM of {} did not come up: {reason}; its logs: {}", .workspace.display(), .logs.display())]
+    #[error(
+        "the VM of {} did not come up: {reason}; {}",
+        .workspace.display(),
+        how_to_read_logs(.workspace, .vm_dir)
+    )]
     NotReady {
         workspace: PathBuf,
         reason: String,
-        logs: PathBuf,
+        /// The VM's directory, which holds its logs.
+        vm_dir: PathBuf,
     },
     #[error(
         "the VM of {} runs a guest agent of another protocol version ({agent_said}), so it \
@@ -79,6 +84,42 @@ pub enum VmError {
     },
     #[error(transparent)]
     GuestAccount(#[from] crate::guest_account::GuestAccountError),
+}
+
+/// How to read the logs of the VM in `vm_dir`, the VM of `workspace`, for an error:
+/// `vmctl logs` finds a workspace's own VM, but not `vmctl run`'s throwaway one, whose
+/// files are named instead.
+fn how_to_read_logs(workspace: &Path, vm_dir: &Path) -> String {
+    let vm = VmDir {
+        path: vm_dir.to_path_buf(),
+    };
+    if vm.is_throwaway() {
+        format!(
+            "its logs: {} (the host side) and {} (the guest's console); `vmctl prune` \
+             removes them",
+            vm.supervisor_log().display(),
+            vm.console_log().display()
+        )
+    } else {
+        let workspace = shell_word(workspace);
+        format!(
+            "see `vmctl logs --supervisor {workspace}` (the host side) and `vmctl logs \
+             {workspace}` (the guest's console), in {}",
+            vm_dir.display()
+        )
+    }
+}
+
+/// `path` as one word of a shell command: quoted unless it holds only characters no
+/// shell reads specially.
+fn shell_word(path: &Path) -> String {
+    let text = path.display().to_string();
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        text
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -404,16 +445,18 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
                     reason: "it was started by an older vmctl, which kept its vsock socket \
                              elsewhere ('vmctl stop' it, then start it again)"
                         .into(),
-                    logs: vm.path.clone(),
+                    vm_dir: vm.path.clone(),
                 });
             }
             if Instant::now() > deadline {
                 return Err(VmError::NotReady {
                     workspace,
-                    reason: "it is running but its guest agent does not answer \
-                             ('vmctl stop' it, or read its logs)"
-                        .into(),
-                    logs: vm.path.clone(),
+                    reason: format!(
+                        "it is running, but its guest agent did not answer within {} s \
+                         ('vmctl stop' it, then start it again)",
+                        BOOT_TIMEOUT_NESTED.as_secs()
+                    ),
+                    vm_dir: vm.path.clone(),
                 });
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -489,17 +532,17 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     let started = Instant::now();
     let mut notice = crate::start_notice::StartNotice::on_terminal();
     let mut supervisor = spawn_supervisor(&vm)?;
-    let deadline = started
-        + if nested {
-            BOOT_TIMEOUT_NESTED
-        } else {
-            BOOT_TIMEOUT_DIRECT
-        };
+    let boot_timeout = if nested {
+        BOOT_TIMEOUT_NESTED
+    } else {
+        BOOT_TIMEOUT_DIRECT
+    };
+    let deadline = started + boot_timeout;
     loop {
         let not_ready = |reason: String| VmError::NotReady {
             workspace: workspace.clone(),
             reason,
-            logs: vm.path.clone(),
+            vm_dir: vm.path.clone(),
         };
         match agent_state(&vm.vsock_socket()) {
             AgentState::Answers => break,
@@ -520,7 +563,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         }
         if Instant::now() > deadline {
             let _ = supervisor.kill();
-            return Err(not_ready("the guest agent did not answer in time".into()));
+            return Err(not_ready(format!(
+                "the guest agent did not answer within {} s",
+                boot_timeout.as_secs()
+            )));
         }
         notice.update(&workspace, started.elapsed());
         std::thread::sleep(if nested {
@@ -1940,6 +1986,41 @@ mod tests {
             "{error}"
         );
         assert!(!error.contains("vmctl ps"), "{error}");
+    }
+
+    /// A VM that did not come up is followed by the commands that show its logs; a
+    /// throwaway one (`vmctl run`), which `vmctl logs` does not reach, by its files.
+    #[test]
+    fn a_start_that_failed_says_how_to_read_the_vms_logs() {
+        let error = |workspace: &str, vm_dir: &str| {
+            VmError::NotReady {
+                workspace: workspace.into(),
+                reason: "the guest agent did not answer within 30 s".into(),
+                vm_dir: vm_dir.into(),
+            }
+            .to_string()
+        };
+        let own = error("/src/app", "/state/vms/app-1234abcd");
+        assert_eq!(
+            own,
+            "the VM of /src/app did not come up: the guest agent did not answer within 30 s; \
+             see `vmctl logs --supervisor /src/app` (the host side) and `vmctl logs /src/app` \
+             (the guest's console), in /state/vms/app-1234abcd"
+        );
+        let spaced = error("/src/it's mine", "/state/vms/it-s-mine-1234abcd");
+        assert!(
+            spaced.contains("`vmctl logs '/src/it'\\''s mine'`"),
+            "{spaced}"
+        );
+        let throwaway = error("/src/app", "/state/vms/app-1234abcd-run4242");
+        assert!(!throwaway.contains("vmctl logs"), "{throwaway}");
+        assert!(
+            throwaway.contains(
+                "its logs: /state/vms/app-1234abcd-run4242/supervisor.log (the host side) and \
+                 /state/vms/app-1234abcd-run4242/console.log"
+            ),
+            "{throwaway}"
+        );
     }
 
     #[test]

@@ -64,9 +64,10 @@ pub enum Command {
     ///
     /// One line per VM: its state (running; degraded when a share's virtiofsd died;
     /// starting, while a start or a stop is under way before its supervisor runs;
-    /// stopped; crashed, with the guest kernel's panic line under the table), uptime,
-    /// mode (direct or nested), size, the host memory it holds and what keeps it
-    /// running.
+    /// stopped; crashed, with how its last run ended under the table; broken: its
+    /// record cannot be read, said under the table, and `vmctl rm DIR` forgets it),
+    /// uptime, mode (direct or nested), size, the host memory it holds and what keeps
+    /// it running.
     Ps,
     /// A VM's console log, or its supervisor's (--supervisor).
     ///

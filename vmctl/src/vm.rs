@@ -1369,8 +1369,8 @@ pub fn list() -> Vec<String> {
         "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
         "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
     )];
-    // Why crashed VMs crashed, after the table.
-    let mut crashes = Vec::new();
+    // Why crashed VMs crashed, and why broken ones are, after the table.
+    let mut notes = Vec::new();
     let mut of_removed_directories = 0;
     for vm in VmDir::all() {
         let name = vm
@@ -1378,19 +1378,15 @@ pub fn list() -> Vec<String> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let Ok(record) = vm.read_record() else {
-            // `vmctl up` creates the directory, then writes the record. A start that
-            // failed before that (a bad --mount, say) leaves a directory without one,
-            // and no VM to list.
-            let state = if vm.record_path().exists() {
-                "broken"
-            } else if start_in_progress(&vm) {
-                "starting"
-            } else {
+        let record = match vm.read_record() {
+            Ok(record) => record,
+            Err(error) => {
+                if let Some((line, note)) = row_without_record(&vm, &name, &error) {
+                    lines.push(line);
+                    notes.extend(note);
+                }
                 continue;
-            };
-            lines.push(format!("{name:<28} {state}"));
-            continue;
+            }
         };
         let pid = vm.running_pid();
         let uptime = match pid {
@@ -1419,12 +1415,12 @@ pub fn list() -> Vec<String> {
             if removed { " (removed)" } else { "" }
         ));
         if let Some(crash) = crash {
-            crashes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
+            notes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
         }
     }
-    if !crashes.is_empty() {
+    if !notes.is_empty() {
         lines.push(String::new());
-        lines.extend(crashes);
+        lines.extend(notes);
     }
     if of_removed_directories > 0 {
         lines.push(String::new());
@@ -1435,6 +1431,28 @@ pub fn list() -> Vec<String> {
         ));
     }
     lines
+}
+
+/// `vmctl ps`'s line for `vm`, named `name`, whose record could not be read
+/// (`error`), and the note under the table that says why and what to do; no line for
+/// a directory without a record and no start under way (`vmctl up` creates the
+/// directory, then writes the record: a start refused before that, say for a bad
+/// `--mount`, leaves no VM to list).
+fn row_without_record(
+    vm: &VmDir,
+    name: &str,
+    error: &StateError,
+) -> Option<(String, Option<String>)> {
+    if vm.record_path().exists() {
+        Some((
+            format!("{name:<28} broken"),
+            Some(format!("{name}: {error}")),
+        ))
+    } else if start_in_progress(vm) {
+        Some((format!("{name:<28} starting"), None))
+    } else {
+        None
+    }
 }
 
 /// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
@@ -2146,6 +2164,35 @@ mod tests {
         drop(starting);
         assert_eq!(run_state(&vm, None), ("crashed", crash));
         assert_eq!(run_state(&vm, Some(1)).0, "running");
+    }
+
+    /// A VM whose record cannot be read is listed as broken, with why and what to do
+    /// under the table; a directory a refused start left is not listed.
+    #[test]
+    fn ps_says_why_a_vm_is_broken() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("app-1234abcd"),
+        };
+        std::fs::create_dir(&vm.path).unwrap();
+        assert!(vm.read_record().is_err());
+        let error = vm.read_record().unwrap_err();
+        assert!(row_without_record(&vm, "app-1234abcd", &error).is_none());
+        std::fs::write(vm.record_path(), "{ half a record").unwrap();
+        let error = vm.read_record().unwrap_err();
+        let (line, note) = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        assert_eq!(
+            line.split_whitespace().collect::<Vec<_>>(),
+            ["app-1234abcd", "broken"]
+        );
+        let note = note.expect("a note under the table");
+        assert!(
+            note.starts_with("app-1234abcd: ")
+                && note.contains(&vm.record_path().display().to_string())
+                && note.contains("unreadable VM record")
+                && note.contains("'vmctl rm'"),
+            "{note}"
+        );
     }
 
     #[test]

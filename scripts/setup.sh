@@ -15,6 +15,9 @@
 #             ./scripts/test.sh             (unit tests + VM tests)
 # With hardware KVM, a user who cannot open /dev/kvm is added to its group (through
 # sudo), and setup ends asking for a new login, which the group needs to take effect.
+# It needs Rust: a cargo at least the release rust-toolchain.toml pins, which rustup
+# (https://rustup.rs) fetches on first use; Debian's own cargo is older, and refused
+# before anything else runs.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +25,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/lib/rootfs-as-root.sh"
 # shellcheck source=lib/virtiofsd.sh
 source "$root/scripts/lib/virtiofsd.sh"
+# shellcheck source=lib/rust-toolchain.sh
+source "$root/scripts/lib/rust-toolchain.sh"
 packages=(linux-source-6.1 bc flex bison libelf-dev libssl-dev cpio xz-utils gcc g++ libc6-dev
           make qemu-system-x86 busybox-static e2fsprogs mmdebstrap jq git
           libcap-ng-dev libseccomp-dev pkg-config nodejs curl)
@@ -50,6 +55,12 @@ user_path="$PATH"
 # rustup installs into ~/.cargo/bin, which non-login shells (CI) may not have on PATH.
 if ! command -v cargo >/dev/null && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
+fi
+# Before anything that takes minutes: a cargo older than this checkout needs (Debian's
+# own) would fail vmctl's build, after the packages, and the guest agent's, after the
+# kernels. Under rustup this fetches the pinned release, showing its progress.
+if ! rust_problem="$(rust_toolchain_problem "$root")"; then
+    die "$rust_problem"
 fi
 
 # vmctl's own rule, settled once: the build scripts, run as root with SUDO_UID set
@@ -119,8 +130,6 @@ fi
 
 if (( build_vmctl )); then
     say "[3/8] vmctl (cargo build --release -p vmctl; ~2 min the first time)"
-    command -v cargo >/dev/null ||
-        die "cargo is missing: install the Rust toolchain (https://rustup.rs), then rerun"
     # Not quietly: cargo shows its progress (minutes on a fresh machine).
     (cd "$root" && cargo build --release -p vmctl) || die "building vmctl failed (output above)"
 else
@@ -162,7 +171,8 @@ cargo_virtiofsd="${CARGO_HOME:-$HOME/.cargo}/bin/virtiofsd"
 virtiofsd="$(vmctl_virtiofsd "$user_path")"
 if [[ -z "$virtiofsd" ]] || ! virtiofsd_is_recent "$virtiofsd"; then
     if ! virtiofsd_is_recent "$cargo_virtiofsd"; then
-        quietly cargo install --locked virtiofsd --version "$virtiofsd_version"
+        # In the checkout, with the cargo checked above (rustup's pinned release).
+        quietly env -C "$root" cargo install --locked virtiofsd --version "$virtiofsd_version"
     fi
     virtiofsd="$(vmctl_virtiofsd "$user_path")"
 fi

@@ -8,9 +8,11 @@
 # test was skipped.
 #
 # Environment: VMCTL_REQUIRE_VM=1 (fail instead of skipping), VMCTL_CACHE_DIR,
-#              CARGO_TARGET_DIR, VMCTL_QEMU; exported to the tests: VMCTL_KERNEL,
-#              VMCTL_NESTED_KERNEL, VMCTL_INITRAMFS, VMCTL_AGENT_INITRAMFS,
-#              VMCTL_ROOTFS, VMCTL_BIN, VMCTL_SKIP_FILE, VMCTL_RETRY_FILE.
+#              CARGO_TARGET_DIR, VMCTL_QEMU, VMCTL_VIRTIOFSD (as for vmctl: checked
+#              before the tests run, as setup.sh checks it); exported to the tests:
+#              VMCTL_KERNEL, VMCTL_NESTED_KERNEL, VMCTL_INITRAMFS,
+#              VMCTL_AGENT_INITRAMFS, VMCTL_ROOTFS, VMCTL_BIN, VMCTL_SKIP_FILE,
+#              VMCTL_RETRY_FILE.
 #
 # Run as a normal user, it builds what needs root (the root filesystems) through sudo,
 # into this user's cache.
@@ -24,6 +26,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=lib/rootfs-as-root.sh
 source "$root/scripts/lib/rootfs-as-root.sh"
+# shellcheck source=lib/virtiofsd.sh
+source "$root/scripts/lib/virtiofsd.sh"
 
 say() { echo "test: $*" >&2; }
 die() { echo "test: error: $*" >&2; exit 1; }
@@ -78,8 +82,16 @@ extra_recipe=rootfs/recipes/example-extra.recipe
 say "the recipe test's root filesystem (rootfs/build-rootfs.sh $extra_recipe)"
 rootfs_image "$extra_recipe" >/dev/null || die "building $extra_recipe failed (messages above)"
 export VMCTL_AGENT_INITRAMFS VMCTL_ROOTFS
-command -v virtiofsd >/dev/null || [[ -x "$HOME/.cargo/bin/virtiofsd" ]] ||
-    die "no virtiofsd (workspace VMs share their workspace through it): run scripts/setup.sh"
+# The virtiofsd the tests' vmctl will run (workspace VMs share their workspace through
+# it), found as vmctl finds it, with this PATH, which the tests get.
+virtiofsd="$(vmctl_virtiofsd "$PATH")"
+if [[ -z "$virtiofsd" ]]; then
+    die "vmctl would find no virtiofsd $virtiofsd_min_version or later (it looks on PATH, then" \
+        "in ~/.cargo/bin, /usr/libexec, /usr/lib/qemu): run scripts/setup.sh, or set VMCTL_VIRTIOFSD"
+elif ! virtiofsd_is_recent "$virtiofsd"; then
+    die "VMCTL_VIRTIOFSD names $virtiofsd, which vmctl refuses (it runs the Rust virtiofsd" \
+        "$virtiofsd_min_version or later): unset it, or name one that is"
+fi
 say "vmctl (cargo build --release -p vmctl)"
 cargo build --release --quiet -p vmctl || die "building vmctl failed"
 VMCTL_BIN="$target_dir/release/vmctl"

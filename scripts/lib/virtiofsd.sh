@@ -1,8 +1,8 @@
 # shellcheck shell=bash
-# Shared by setup.sh (sourced, not run): which virtiofsd vmctl will run, so that setup
-# checks that one, not merely the one it installed; and the AppArmor profile that lets
-# it make its sandbox where Ubuntu (23.10 and later) forbids that to unprivileged
-# programs.
+# Shared by setup.sh and test.sh (sourced, not run): which virtiofsd vmctl will run, so
+# that they check that one, not merely the one setup installed; and the AppArmor profile
+# that lets it make its sandbox where Ubuntu (23.10 and later) forbids that to
+# unprivileged programs.
 
 # The oldest virtiofsd vmctl runs (MIN_VERSION in vmctl/src/virtiofsd/binary.rs).
 virtiofsd_min_version=1.14.0

@@ -1049,7 +1049,7 @@ const VM_LOST_SIGNS: [&str; 15] = [
     "did not start the command within",
     // `vmctl up`'s bound on a booting VM: a guest stalled after its agent started
     // listening (as seen in CI, 2026-12-02) never answers the first health check.
-    "the guest agent did not answer in time",
+    "the guest agent did not answer within",
     // The benchmark's per-script timeout: a guest the nested host stalled leaves its
     // script unfinished (a script that always hangs still fails every attempt).
     "did not finish within",
@@ -1248,7 +1248,9 @@ mod tests {
         ));
         assert!(lost(
             "egress: vmctl up: ... failed (exit status: 1)\n--- stderr (tail) ---\nvmctl: error: \
-             the VM of /tmp/w did not come up: the guest agent did not answer in time; its logs: /tmp/s"
+             the VM of /tmp/w did not come up: the guest agent did not answer within 240 s; \
+             see `vmctl logs --supervisor /tmp/w` (the host side) and `vmctl logs /tmp/w` (the \
+             guest's console), in /tmp/s"
         ));
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
         // A panic with a payload that is not text is not taken for a lost VM.

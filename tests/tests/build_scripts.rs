@@ -1,7 +1,7 @@
 //! The build scripts' shared shell functions (`scripts/lib/`), run by bash as the
 //! scripts run them: which Debian mirror a root filesystem comes from, which virtiofsd
-//! setup checks, whose a cache is when root builds into it; and as whom root builds the
-//! guest agent for a user. No VM.
+//! setup checks, whether setup's cargo is new enough, whose a cache is when root builds
+//! into it; and as whom root builds the guest agent for a user. No VM.
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -373,6 +373,149 @@ fn setup_installs_the_apparmor_profile_through_sudo_and_only_its_own() {
     assert_eq!(
         std::fs::read_to_string(&profile_file).expect("read it"),
         other
+    );
+}
+
+/// What `rust_pinned_version` reads from a rust-toolchain.toml holding `toml`
+/// ("none" where it pins no release).
+fn pinned_in(dir: &TempDir, toml: &str) -> String {
+    let file = dir.join("rust-toolchain.toml");
+    std::fs::write(&file, toml).expect("write rust-toolchain.toml");
+    run_lib(
+        "rust-toolchain.sh",
+        "rust_pinned_version \"$TOML\" || echo none",
+        "",
+        &[("TOML", file.to_str().expect("utf-8"))],
+    )
+}
+
+/// setup checks cargo against the release this checkout's rust-toolchain.toml pins,
+/// read from the file, so that the check follows the pin; a channel without a version
+/// pins none.
+#[test]
+fn setup_reads_the_release_rust_toolchain_toml_pins() {
+    let toml = workspace_root().join("rust-toolchain.toml");
+    let pinned = run_lib(
+        "rust-toolchain.sh",
+        "rust_pinned_version \"$TOML\"",
+        "",
+        &[("TOML", toml.to_str().expect("utf-8"))],
+    );
+    let written = std::fs::read_to_string(&toml).expect("read rust-toolchain.toml");
+    assert!(
+        pinned
+            .trim()
+            .split('.')
+            .all(|part| part.parse::<u32>().is_ok())
+            && written.contains(&format!("channel = \"{}\"", pinned.trim())),
+        "{} pins {pinned:?}, which setup cannot check cargo against: pin a release \
+         (channel = \"X.Y.Z\")",
+        toml.display()
+    );
+
+    let dir = TempDir::new("rust-toolchain-toml");
+    for (toml, pinned) in [
+        (
+            "[toolchain]\nchannel = \"1.95.0\"\ncomponents = [\"clippy\"]\n",
+            "1.95.0\n",
+        ),
+        ("[toolchain]\n  channel=\"1.96\"  # the MSRV\n", "1.96\n"),
+        ("[toolchain]\nchannel = \"1.97.1\"", "1.97.1\n"),
+        ("[toolchain]\nchannel = \"stable\"\n", "none\n"),
+        ("[toolchain]\nchannel = \"nightly-2026-01-01\"\n", "none\n"),
+        ("[toolchain]\ncomponents = [\"clippy\"]\n", "none\n"),
+    ] {
+        assert_eq!(pinned_in(&dir, toml), pinned, "{toml:?}");
+    }
+}
+
+/// An executable stand-in for cargo at `path`, running `body` (sh).
+fn fake_cargo(path: &Path, body: &str) {
+    std::fs::write(path, format!("#!/bin/sh\n{body}\n")).expect("write the fake cargo");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .expect("chmod the fake cargo");
+}
+
+/// setup's check of its cargo (`rust_toolchain_problem`): at least the release the
+/// checkout pins, as `cargo --version` says it in the checkout, where rustup applies
+/// the pin (installing it first, with its progress on stderr); an older one (Debian's)
+/// is refused, naming the version found, the one needed and rustup.
+#[test]
+fn setup_refuses_a_cargo_older_than_the_release_the_checkout_pins() {
+    let dir = TempDir::new("rust-toolchain-check");
+    let checkout = dir.join("checkout");
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir_all(&checkout).expect("create the checkout");
+    std::fs::create_dir_all(&elsewhere).expect("create another directory");
+    std::fs::write(
+        checkout.join("rust-toolchain.toml"),
+        "[toolchain]\nchannel = \"1.95.0\"\n",
+    )
+    .expect("write rust-toolchain.toml");
+    let cargo = dir.join("cargo");
+    // Run from another directory, as setup may be.
+    let problem = |body: &str| {
+        fake_cargo(&cargo, body);
+        run_lib(
+            "rust-toolchain.sh",
+            "cd \"$ELSEWHERE\" && { rust_toolchain_problem \"$CHECKOUT\" \"$CARGO\" || echo refused; }",
+            "",
+            &[
+                ("ELSEWHERE", elsewhere.to_str().expect("utf-8")),
+                ("CHECKOUT", checkout.to_str().expect("utf-8")),
+                ("CARGO", cargo.to_str().expect("utf-8")),
+            ],
+        )
+    };
+    for new_enough in [
+        "cargo 1.95.0 (f2d3ce0bd 2026-03-21)",
+        "cargo 1.95.3",
+        "cargo 1.96.0-nightly (0123abc 2026-04-01)",
+        "cargo 1.100.0 (0123abc 2027-01-01)",
+        "cargo 2.0.0",
+    ] {
+        assert_eq!(problem(&format!("echo '{new_enough}'")), "", "{new_enough}");
+    }
+    // Debian 12's, and one a release short.
+    for (too_old, found) in [
+        ("cargo 1.65.0", "1.65.0"),
+        ("cargo 1.94.1 (0123abc 2026-02-01)", "1.94.1"),
+    ] {
+        let said = problem(&format!("echo '{too_old}'"));
+        assert!(
+            said.contains(&format!("cargo {found} ({})", cargo.display()))
+                && said.contains("needs Rust 1.95.0 or later")
+                && said.contains("https://rustup.rs")
+                && said.ends_with("refused\n"),
+            "{too_old}: {said}"
+        );
+    }
+    // rustup: the pinned release only where rust-toolchain.toml is, downloaded first,
+    // saying so on stderr (on stdout would be no version line either way).
+    let rustup = "if [ -f rust-toolchain.toml ]; then \
+                      echo \"info: downloading component 'cargo'\" >&2; \
+                      echo 'cargo 1.95.0 (f2d3ce0bd 2026-03-21)'; \
+                  else echo 'cargo 1.65.0'; fi";
+    assert_eq!(problem(rustup), "");
+    // A cargo that fails (rustup that cannot fetch the release), or says no version.
+    let said = problem("echo \"error: toolchain '1.95.0' is not installed\" >&2; exit 1");
+    assert!(
+        said.contains("failed or said no version") && said.contains("1.95.0 or later"),
+        "{said}"
+    );
+    let said = problem("echo 'rustup-init 1.29.0'");
+    assert!(said.contains("failed or said no version"), "{said}");
+    // None at all.
+    let said = run_lib(
+        "rust-toolchain.sh",
+        "rust_toolchain_problem \"$CHECKOUT\" no-such-cargo-anywhere || echo refused",
+        "",
+        &[("CHECKOUT", checkout.to_str().expect("utf-8"))],
+    );
+    assert!(
+        said.starts_with("cargo is missing; this checkout needs Rust 1.95.0 or later")
+            && said.contains("https://rustup.rs"),
+        "{said}"
     );
 }
 

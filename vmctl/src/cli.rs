@@ -64,9 +64,10 @@ pub enum Command {
     ///
     /// One line per VM: its state (running; degraded when a share's virtiofsd died;
     /// starting, while a start or a stop is under way before its supervisor runs;
-    /// stopped; crashed, with the guest kernel's panic line under the table), uptime,
-    /// mode (direct or nested), size, the host memory it holds and what keeps it
-    /// running.
+    /// stopped; crashed, with how its last run ended under the table; broken: its
+    /// record cannot be read, said under the table, and `vmctl rm DIR` forgets it),
+    /// uptime, mode (direct or nested), size, the host memory it holds and what keeps
+    /// it running.
     Ps,
     /// A VM's console log, or its supervisor's (--supervisor).
     ///
@@ -127,8 +128,9 @@ pub enum Command {
     /// Run the benchmark harness.
     ///
     /// Boot time and memory side by side with QEMU's microvm, the workspace VM,
-    /// virtio-fs, egress, agents: JSON and a Markdown report in target/bench/, the
-    /// table on stdout. `--quick` is a smoke run.
+    /// virtio-fs, egress, agents: a JSON report on stdout and in
+    /// target/bench/boot.json, the Markdown tables on stderr and in
+    /// target/bench/boot.md, with PNG charts beside them. `--quick` is a smoke run.
     Bench(BenchArgs),
     /// Boot a guest kernel with its serial console on stdout (a developer's tool).
     ///
@@ -376,7 +378,8 @@ pub enum PolicyCommand {
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
     /// Build (or find in the cache) a guest root image and print its path: the
-    /// default one, or the one a recipe describes (see rootfs/README.md).
+    /// default one, or the one a recipe describes (see rootfs/README.md). Building one
+    /// needs root: run as a user, the build script says how to run it through sudo.
     Build {
         /// A recipe file (JSON: name, debian_packages, npm_packages, script).
         #[arg(long, value_name = "FILE")]
@@ -391,7 +394,8 @@ pub struct VmSetupArgs {
     /// Share a host directory with the VM, at GUEST (default: the same path),
     /// read-write unless ":ro" is given. Repeatable; more shares can be listed in
     /// ~/.config/vmctl/config.toml. The workspace itself is always shared read-write
-    /// at its own path.
+    /// at its own path. Applies when this command starts the VM: a running VM keeps
+    /// its shares (`vmctl stop` it first).
     #[arg(long = "mount", value_name = "HOST[:GUEST][:ro]")]
     pub mounts: Vec<String>,
     /// Relay the host's 127.0.0.1:PORT into the VM: a guest connection to its
@@ -444,8 +448,8 @@ pub struct UpArgs {
     pub workspace: StartWorkspaceArg,
     #[command(flatten)]
     pub setup: VmSetupArgs,
-    /// Boot the image built from this recipe (built first if needed; see
-    /// `vmctl image build`) instead of the default image.
+    /// Boot the image built from this recipe (built first if needed, which needs
+    /// root: see `vmctl image build`) instead of the default image.
     #[arg(long, value_name = "FILE")]
     pub recipe: Option<PathBuf>,
     /// Testing only: trust the PEM CAs in FILE for the egress proxy's upstream TLS,

@@ -130,7 +130,9 @@ fn main() -> ExitCode {
         }
         cli::Command::Daemon(args) if args.stop => daemon::client::shutdown()
             .map(|stopped| {
-                if !stopped {
+                if stopped {
+                    vmm::to_stderr!("vmctl: the daemon stopped, and every VM with it");
+                } else {
                     vmm::to_stderr!("vmctl: no daemon is running");
                 }
                 0

@@ -49,11 +49,16 @@ pub enum VmError {
     Virtiofsd(#[from] VirtiofsdError),
     #[error("the VM's network setup failed: {0}")]
     Network(#[from] ControlError),
-    #[error("the VM of {} did not come up: {reason}; its logs: {}", .workspace.display(), .logs.display())]
+    #[error(
+        "the VM of {} did not come up: {reason}; {}",
+        .workspace.display(),
+        how_to_read_logs(.workspace, .vm_dir)
+    )]
     NotReady {
         workspace: PathBuf,
         reason: String,
-        logs: PathBuf,
+        /// The VM's directory, which holds its logs.
+        vm_dir: PathBuf,
     },
     #[error(
         "the VM of {} runs a guest agent of another protocol version ({agent_said}), so it \
@@ -79,6 +84,42 @@ pub enum VmError {
     },
     #[error(transparent)]
     GuestAccount(#[from] crate::guest_account::GuestAccountError),
+}
+
+/// How to read the logs of the VM in `vm_dir`, the VM of `workspace`, for an error:
+/// `vmctl logs` finds a workspace's own VM, but not `vmctl run`'s throwaway one, whose
+/// files are named instead.
+fn how_to_read_logs(workspace: &Path, vm_dir: &Path) -> String {
+    let vm = VmDir {
+        path: vm_dir.to_path_buf(),
+    };
+    if vm.is_throwaway() {
+        format!(
+            "its logs: {} (the host side) and {} (the guest's console); `vmctl prune` \
+             removes them",
+            vm.supervisor_log().display(),
+            vm.console_log().display()
+        )
+    } else {
+        let workspace = shell_word(workspace);
+        format!(
+            "see `vmctl logs --supervisor {workspace}` (the host side) and `vmctl logs \
+             {workspace}` (the guest's console), in {}",
+            vm_dir.display()
+        )
+    }
+}
+
+/// `path` as one word of a shell command: quoted unless it holds only characters no
+/// shell reads specially.
+fn shell_word(path: &Path) -> String {
+    let text = path.display().to_string();
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c);
+    if !text.is_empty() && text.chars().all(plain) {
+        text
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
 }
 
 /// Defaults for a workspace VM: this share of the host's RAM, at least this much.
@@ -379,7 +420,12 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
     // comes as the daemon stops the VM for idleness: it then boots a fresh one.
-    let _start_lock = lock_start(&vm)?;
+    let _start_lock = lock_start(&vm, || {
+        vmm::to_stderr!(
+            "vmctl: another vmctl is starting or stopping the VM of {}; waiting for it",
+            workspace.display()
+        )
+    })?;
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
@@ -404,16 +450,18 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
                     reason: "it was started by an older vmctl, which kept its vsock socket \
                              elsewhere ('vmctl stop' it, then start it again)"
                         .into(),
-                    logs: vm.path.clone(),
+                    vm_dir: vm.path.clone(),
                 });
             }
             if Instant::now() > deadline {
                 return Err(VmError::NotReady {
                     workspace,
-                    reason: "it is running but its guest agent does not answer \
-                             ('vmctl stop' it, or read its logs)"
-                        .into(),
-                    logs: vm.path.clone(),
+                    reason: format!(
+                        "it is running, but its guest agent did not answer within {} s \
+                         ('vmctl stop' it, then start it again)",
+                        BOOT_TIMEOUT_NESTED.as_secs()
+                    ),
+                    vm_dir: vm.path.clone(),
                 });
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -489,17 +537,17 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     let started = Instant::now();
     let mut notice = crate::start_notice::StartNotice::on_terminal();
     let mut supervisor = spawn_supervisor(&vm)?;
-    let deadline = started
-        + if nested {
-            BOOT_TIMEOUT_NESTED
-        } else {
-            BOOT_TIMEOUT_DIRECT
-        };
+    let boot_timeout = if nested {
+        BOOT_TIMEOUT_NESTED
+    } else {
+        BOOT_TIMEOUT_DIRECT
+    };
+    let deadline = started + boot_timeout;
     loop {
         let not_ready = |reason: String| VmError::NotReady {
             workspace: workspace.clone(),
             reason,
-            logs: vm.path.clone(),
+            vm_dir: vm.path.clone(),
         };
         match agent_state(&vm.vsock_socket()) {
             AgentState::Answers => break,
@@ -520,7 +568,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         }
         if Instant::now() > deadline {
             let _ = supervisor.kill();
-            return Err(not_ready("the guest agent did not answer in time".into()));
+            return Err(not_ready(format!(
+                "the guest agent did not answer within {} s",
+                boot_timeout.as_secs()
+            )));
         }
         notice.update(&workspace, started.elapsed());
         std::thread::sleep(if nested {
@@ -614,16 +665,6 @@ pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File
         Err(std::fs::TryLockError::WouldBlock) => Ok(None),
         Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
-}
-
-/// An exclusive `flock` on `path` (created if missing), held until the file drops.
-fn lock_exclusive(path: &Path) -> Result<std::fs::File, VmError> {
-    crate::state::lock_file(path).map_err(|source| {
-        VmError::State(StateError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-    })
 }
 
 /// vCPUs and MiB of a new VM: the config's, else one vCPU per CPU the VM may run on
@@ -881,10 +922,18 @@ pub fn stop(workspace: &Path) -> Result<bool, VmError> {
 /// `vm`'s start lock, held while a VM is started, stopped or removed, so that none of
 /// these interleave. The directory is made if missing; one removed (by `vmctl rm`)
 /// while this waited is made again, with a lock of its own: the lock of a removed
-/// directory excludes nobody.
-fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
+/// directory excludes nobody. `on_wait` runs (once) before it waits for another
+/// holder: a boot, a kernel rebuild or the daemon's idle stop can take minutes.
+fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmError> {
     use std::os::unix::fs::MetadataExt;
     let path = vm.path.join(START_LOCK);
+    let io = |source| {
+        VmError::State(StateError::Io {
+            path: path.clone(),
+            source,
+        })
+    };
+    let mut on_wait = Some(on_wait);
     for _ in 0..10 {
         std::fs::create_dir_all(&vm.path).map_err(|source| {
             VmError::State(StateError::Io {
@@ -892,7 +941,17 @@ fn lock_start(vm: &VmDir) -> Result<std::fs::File, VmError> {
                 source,
             })
         })?;
-        let file = lock_exclusive(&path)?;
+        let file = crate::state::open_lock_file(&path).map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                if let Some(say) = on_wait.take() {
+                    say();
+                }
+                file.lock().map_err(io)?;
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        }
         let held = file.metadata().map(|m| (m.dev(), m.ino())).ok();
         let current = std::fs::metadata(&path).map(|m| (m.dev(), m.ino())).ok();
         if held.is_some() && held == current {
@@ -1315,8 +1374,8 @@ pub fn list() -> Vec<String> {
         "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
         "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
     )];
-    // Why crashed VMs crashed, after the table.
-    let mut crashes = Vec::new();
+    // Why crashed VMs crashed, and why broken ones are, after the table.
+    let mut notes = Vec::new();
     let mut of_removed_directories = 0;
     for vm in VmDir::all() {
         let name = vm
@@ -1324,19 +1383,15 @@ pub fn list() -> Vec<String> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let Ok(record) = vm.read_record() else {
-            // `vmctl up` creates the directory, then writes the record. A start that
-            // failed before that (a bad --mount, say) leaves a directory without one,
-            // and no VM to list.
-            let state = if vm.record_path().exists() {
-                "broken"
-            } else if start_in_progress(&vm) {
-                "starting"
-            } else {
+        let record = match vm.read_record() {
+            Ok(record) => record,
+            Err(error) => {
+                if let Some((line, note)) = row_without_record(&vm, &name, &error) {
+                    lines.push(line);
+                    notes.extend(note);
+                }
                 continue;
-            };
-            lines.push(format!("{name:<28} {state}"));
-            continue;
+            }
         };
         let pid = vm.running_pid();
         let uptime = match pid {
@@ -1365,12 +1420,12 @@ pub fn list() -> Vec<String> {
             if removed { " (removed)" } else { "" }
         ));
         if let Some(crash) = crash {
-            crashes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
+            notes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
         }
     }
-    if !crashes.is_empty() {
+    if !notes.is_empty() {
         lines.push(String::new());
-        lines.extend(crashes);
+        lines.extend(notes);
     }
     if of_removed_directories > 0 {
         lines.push(String::new());
@@ -1381,6 +1436,28 @@ pub fn list() -> Vec<String> {
         ));
     }
     lines
+}
+
+/// `vmctl ps`'s line for `vm`, named `name`, whose record could not be read
+/// (`error`), and the note under the table that says why and what to do; no line for
+/// a directory without a record and no start under way (`vmctl up` creates the
+/// directory, then writes the record: a start refused before that, say for a bad
+/// `--mount`, leaves no VM to list).
+fn row_without_record(
+    vm: &VmDir,
+    name: &str,
+    error: &StateError,
+) -> Option<(String, Option<String>)> {
+    if vm.record_path().exists() {
+        Some((
+            format!("{name:<28} broken"),
+            Some(format!("{name}: {error}")),
+        ))
+    } else if start_in_progress(vm) {
+        Some((format!("{name:<28} starting"), None))
+    } else {
+        None
+    }
 }
 
 /// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
@@ -1427,6 +1504,12 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An exclusive `flock` on `path` (created if missing), held until the file drops:
+    /// another vmctl's start lock, without the directory checks of [`lock_start`].
+    fn lock_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
+        crate::state::lock_file(path)
+    }
 
     #[test]
     fn a_recipe_that_is_not_there_is_refused() {
@@ -1928,6 +2011,41 @@ mod tests {
         assert!(!error.contains("vmctl ps"), "{error}");
     }
 
+    /// A VM that did not come up is followed by the commands that show its logs; a
+    /// throwaway one (`vmctl run`), which `vmctl logs` does not reach, by its files.
+    #[test]
+    fn a_start_that_failed_says_how_to_read_the_vms_logs() {
+        let error = |workspace: &str, vm_dir: &str| {
+            VmError::NotReady {
+                workspace: workspace.into(),
+                reason: "the guest agent did not answer within 30 s".into(),
+                vm_dir: vm_dir.into(),
+            }
+            .to_string()
+        };
+        let own = error("/src/app", "/state/vms/app-1234abcd");
+        assert_eq!(
+            own,
+            "the VM of /src/app did not come up: the guest agent did not answer within 30 s; \
+             see `vmctl logs --supervisor /src/app` (the host side) and `vmctl logs /src/app` \
+             (the guest's console), in /state/vms/app-1234abcd"
+        );
+        let spaced = error("/src/it's mine", "/state/vms/it-s-mine-1234abcd");
+        assert!(
+            spaced.contains("`vmctl logs '/src/it'\\''s mine'`"),
+            "{spaced}"
+        );
+        let throwaway = error("/src/app", "/state/vms/app-1234abcd-run4242");
+        assert!(!throwaway.contains("vmctl logs"), "{throwaway}");
+        assert!(
+            throwaway.contains(
+                "its logs: /state/vms/app-1234abcd-run4242/supervisor.log (the host side) and \
+                 /state/vms/app-1234abcd-run4242/console.log"
+            ),
+            "{throwaway}"
+        );
+    }
+
     #[test]
     fn a_stop_waits_for_a_start_but_not_for_one_stuck_on_a_running_vm() {
         let dir = tempfile::tempdir().unwrap();
@@ -1944,7 +2062,7 @@ mod tests {
         assert!(!vm.path.exists(), "the stop made the VM's directory");
         std::fs::create_dir_all(&vm.path).unwrap();
         // A start under way (the VM not running yet) is waited for, however long.
-        let starting = lock_start(&vm).unwrap();
+        let starting = lock_start(&vm, || {}).unwrap();
         let stopper = {
             let vm = vm.clone();
             std::thread::spawn(move || lock_to_stop_within(&vm, "stopping", wait).unwrap())
@@ -1961,12 +2079,36 @@ mod tests {
         );
         // One holding the lock while the VM runs (waiting for its agent) is not.
         let _supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
-        let _attaching = lock_start(&vm).unwrap();
+        let _attaching = lock_start(&vm, || {}).unwrap();
         let started = Instant::now();
         assert!(lock_to_stop_within(&vm, "stopping", wait)
             .unwrap()
             .is_none());
         assert!(started.elapsed() < wait * 10);
+    }
+
+    /// A start that has to wait for another vmctl's start or stop says so before it
+    /// waits, once; one that takes a free lock says nothing.
+    #[test]
+    fn a_start_waiting_for_the_start_lock_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let held = lock_start(&vm, || panic!("the lock was free")).unwrap();
+        let (said, heard) = std::sync::mpsc::channel();
+        let waiting = {
+            let vm = vm.clone();
+            std::thread::spawn(move || lock_start(&vm, move || said.send(()).unwrap()).unwrap())
+        };
+        heard
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the waiting start said nothing");
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiting.is_finished(), "it did not wait for the lock");
+        drop(held);
+        let _started = waiting.join().unwrap();
+        assert!(heard.try_recv().is_err(), "it said so more than once");
     }
 
     #[test]
@@ -1976,10 +2118,10 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        let removing = lock_start(&vm).unwrap();
+        let removing = lock_start(&vm, || {}).unwrap();
         let waiting = {
             let vm = vm.clone();
-            std::thread::spawn(move || lock_start(&vm).unwrap())
+            std::thread::spawn(move || lock_start(&vm, || {}).unwrap())
         };
         std::thread::sleep(Duration::from_millis(200));
         // `vmctl rm` removes the directory, its lock file with it, then lets go.
@@ -2027,6 +2169,35 @@ mod tests {
         drop(starting);
         assert_eq!(run_state(&vm, None), ("crashed", crash));
         assert_eq!(run_state(&vm, Some(1)).0, "running");
+    }
+
+    /// A VM whose record cannot be read is listed as broken, with why and what to do
+    /// under the table; a directory a refused start left is not listed.
+    #[test]
+    fn ps_says_why_a_vm_is_broken() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("app-1234abcd"),
+        };
+        std::fs::create_dir(&vm.path).unwrap();
+        assert!(vm.read_record().is_err());
+        let error = vm.read_record().unwrap_err();
+        assert!(row_without_record(&vm, "app-1234abcd", &error).is_none());
+        std::fs::write(vm.record_path(), "{ half a record").unwrap();
+        let error = vm.read_record().unwrap_err();
+        let (line, note) = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        assert_eq!(
+            line.split_whitespace().collect::<Vec<_>>(),
+            ["app-1234abcd", "broken"]
+        );
+        let note = note.expect("a note under the table");
+        assert!(
+            note.starts_with("app-1234abcd: ")
+                && note.contains(&vm.record_path().display().to_string())
+                && note.contains("unreadable VM record")
+                && note.contains("'vmctl rm'"),
+            "{note}"
+        );
     }
 
     #[test]

@@ -70,7 +70,7 @@ fn configured_isolation(
 }
 
 /// The workspace a command about an existing VM or a workspace's settings means
-/// (`vmctl stop`, `rm`, `ports`, `publish`, `policy`): `dir` when one is named; else
+/// (`vmctl stop`, `rm`, `logs`, `ports`, `publish`, `policy`): `dir` when one is named; else
 /// the nearest directory, from the current one up to its workspace ([`resolve`]),
 /// that has a VM (one started with `--isolation directory` or `vmctl up SUBDIR` is
 /// found from inside it); else that workspace, the one `vmctl exec` would use here.

@@ -1,7 +1,7 @@
 //! The daemon's client side: leases, pins, status, shutdown; starts the daemon when
 //! none runs.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -18,6 +18,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// parallel, each within 45 s, after at most 10 s for a start under way.
 const STOPPING_WAIT: Duration = Duration::from_secs(90);
 
+/// How long `vmctl daemon --stop` waits for the daemon it stops to end (as
+/// [`STOPPING_WAIT`], with room for a daemon slow to see the request).
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(120);
+
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonClientError {
     #[error("cannot start the vmctl daemon: {0}; run 'vmctl daemon' to see why")]
@@ -32,12 +36,12 @@ pub enum DaemonClientError {
     #[error("the vmctl daemon refused: {0}")]
     Refused(String),
     #[error(
-        "the vmctl daemon at {} has been stopping its VMs for longer than {STOPPING_WAIT:?}; \
-         its log ({}) says which it waits for",
+        "the vmctl daemon at {} has been stopping its VMs for longer than {waited:?}; \
+         its log ({}) says which it waits for, and `vmctl ps` which still run",
         .socket.display(),
         super::log_path().display()
     )]
-    StillStopping { socket: PathBuf },
+    StillStopping { socket: PathBuf, waited: Duration },
 }
 
 /// Keeps a VM running while it lives (dropping it closes the connection).
@@ -92,16 +96,56 @@ pub fn status() -> Option<Vec<VmStatus>> {
     }
 }
 
-/// Stops the daemon (and with it every VM); false if none ran.
+/// Stops the daemon (and with it every VM), saying so while it waits; false if none
+/// ran.
 pub fn shutdown() -> Result<bool, DaemonClientError> {
     let Some(socket) = running_socket() else {
         return Ok(false);
     };
-    let (mut connection, _) = ask(&socket, &Request::Shutdown)?;
-    // The daemon closes the connection once every VM has stopped.
-    let _ = connection.set_read_timeout(Some(Duration::from_secs(120)));
-    let _ = std::io::Read::read(&mut connection, &mut [0u8; 1]);
+    let (connection, _) = ask(&socket, &Request::Shutdown)?;
+    // Each VM's guest gets up to 30 s to shut down, and the command no word meanwhile
+    // otherwise.
+    vmm::to_stderr!("vmctl: stopping the daemon and every VM with it (up to a minute)");
+    wait_for_the_end(connection, &socket, SHUTDOWN_WAIT)?;
     Ok(true)
+}
+
+/// Waits for the daemon at `socket` to close `connection` to it, which it does as it
+/// exits, once every VM has stopped; one that has not after `wait` still stops VMs
+/// ([`DaemonClientError::StillStopping`]).
+fn wait_for_the_end(
+    mut connection: UnixStream,
+    socket: &Path,
+    wait: Duration,
+) -> Result<(), DaemonClientError> {
+    let still_stopping = || DaemonClientError::StillStopping {
+        socket: socket.to_path_buf(),
+        waited: wait,
+    };
+    let io = |source| DaemonClientError::Io {
+        socket: socket.to_path_buf(),
+        source,
+    };
+    let deadline = Instant::now() + wait;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(still_stopping());
+        }
+        connection.set_read_timeout(Some(left)).map_err(io)?;
+        match connection.read(&mut [0u8; 64]) {
+            Ok(0) => return Ok(()),
+            // Nothing follows the answer; only the end counts.
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(still_stopping())
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            // A daemon that died rather than exited is gone all the same.
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return Ok(()),
+            Err(source) => return Err(io(source)),
+        }
+    }
 }
 
 /// Sends `request` to the daemon `connect_or_start` reaches; one that answers it is
@@ -126,7 +170,12 @@ fn ask_a_running_daemon(
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
-            (_, Response::Stopping) => return Err(DaemonClientError::StillStopping { socket }),
+            (_, Response::Stopping) => {
+                return Err(DaemonClientError::StillStopping {
+                    socket,
+                    waited: wait,
+                })
+            }
             answered => return Ok(answered),
         }
     }
@@ -290,6 +339,43 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("has been stopping its VMs"), "{error}");
+        assert!(error.contains("daemon.log"), "{error}");
+    }
+
+    /// `vmctl daemon --stop` succeeds once the daemon is gone (it closes the
+    /// connection as it exits), and says when it is not after its wait.
+    #[test]
+    fn a_daemon_stop_succeeds_only_once_the_daemon_is_gone() {
+        let socket = Path::new("/run/user/1000/vmctl/daemon-x.sock");
+        let (client, daemon) = UnixStream::pair().unwrap();
+        let exits = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(daemon);
+        });
+        wait_for_the_end(client, socket, Duration::from_secs(30)).unwrap();
+        exits.join().unwrap();
+
+        // One that wrote more before it exited: still only its end counts.
+        let (client, mut daemon) = UnixStream::pair().unwrap();
+        daemon.write_all(b"{\"ok\":null}\n").unwrap();
+        drop(daemon);
+        wait_for_the_end(client, socket, Duration::from_secs(30)).unwrap();
+
+        // Still stopping its VMs when the wait ends.
+        let (client, _still_running) = UnixStream::pair().unwrap();
+        let wait = Duration::from_millis(200);
+        let started = Instant::now();
+        let error = wait_for_the_end(client, socket, wait).unwrap_err();
+        assert!(started.elapsed() >= wait);
+        assert!(
+            matches!(&error, DaemonClientError::StillStopping { waited, .. } if *waited == wait),
+            "{error:?}"
+        );
+        let error = error.to_string();
+        assert!(
+            error.contains("daemon-x.sock has been stopping its VMs for longer than 200ms"),
+            "{error}"
+        );
         assert!(error.contains("daemon.log"), "{error}");
     }
 }

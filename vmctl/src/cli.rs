@@ -63,8 +63,9 @@ pub enum Command {
     /// List workspace VMs.
     ///
     /// One line per VM: its state (running; degraded when a share's virtiofsd died;
-    /// starting, while a start or a stop is under way before its supervisor runs;
-    /// stopped; crashed, with how its last run ended under the table; broken: its
+    /// starting, while a start is under way before its supervisor runs; stopping or
+    /// removing, from when `vmctl stop`, `rm` or the daemon's idle stop begins until
+    /// it is done; stopped; crashed, with how its last run ended under the table; broken: its
     /// record cannot be read, said under the table, and `vmctl rm DIR` forgets it),
     /// uptime, mode (direct or nested), size, the host memory it holds and what keeps
     /// it running.

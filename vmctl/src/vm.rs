@@ -628,10 +628,62 @@ fn boot_files(
     Ok(())
 }
 
-/// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now.
+/// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now (or stopping
+/// or removing it: see [`start_lock_held_for`]).
 pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
-    std::fs::File::open(vm.path.join(START_LOCK))
-        .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+    start_lock_held_for(vm).is_some()
+}
+
+/// What the holder of `vm`'s start lock does, if someone holds it: `vmctl ps` shows
+/// "stopping" for a VM the daemon's idle stop or `vmctl stop` is taking down, not
+/// "starting" (nor "running" while it still runs).
+fn start_lock_held_for(vm: &VmDir) -> Option<LockHolder> {
+    let mut file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
+    if !matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)) {
+        return None;
+    }
+    let mut said = [0u8; 16];
+    let read = std::io::Read::read(&mut file, &mut said).unwrap_or(0);
+    Some(LockHolder::from_note(&said[..read]))
+}
+
+/// Why a `vmctl` holds a VM's start lock, as it notes in the lock's file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LockHolder {
+    Starting,
+    Stopping,
+    Removing,
+}
+
+impl LockHolder {
+    fn note(self) -> &'static str {
+        match self {
+            LockHolder::Starting => "starting",
+            LockHolder::Stopping => "stopping",
+            LockHolder::Removing => "removing",
+        }
+    }
+
+    /// A holder that noted nothing (an older vmctl, or between its lock and its note)
+    /// is taken for a start, as before there were notes.
+    fn from_note(note: &[u8]) -> LockHolder {
+        [LockHolder::Stopping, LockHolder::Removing]
+            .into_iter()
+            .find(|holder| note.trim_ascii() == holder.note().as_bytes())
+            .unwrap_or(LockHolder::Starting)
+    }
+}
+
+/// Notes in `lock`, a held start lock, what its holder does, for `vmctl ps`; a note
+/// that cannot be written only leaves `ps` saying "starting".
+pub(crate) fn note_lock_holder(lock: &std::fs::File, holder: LockHolder) {
+    use std::os::unix::fs::FileExt;
+    let noted = lock
+        .set_len(0)
+        .and_then(|()| lock.write_all_at(holder.note().as_bytes(), 0));
+    if let Err(e) = noted {
+        tracing::debug!("cannot note the start lock's holder: {e}");
+    }
 }
 
 /// `vm`'s start lock if it comes free within `grace`; else a start is in progress, not
@@ -661,7 +713,11 @@ const STOP_LOCK_GRACE: Duration = Duration::from_secs(2);
 pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
     let file = crate::state::open_lock_file(&vm.path.join(START_LOCK))?;
     match file.try_lock() {
-        Ok(()) => Ok(Some(file)),
+        Ok(()) => {
+            // Not the last holder's note: what this one does, if it says.
+            let _ = file.set_len(0);
+            Ok(Some(file))
+        }
         Err(std::fs::TryLockError::WouldBlock) => Ok(None),
         Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
@@ -915,7 +971,7 @@ fn agent_state(socket: &Path) -> AgentState {
 /// A start under way finishes first.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
-    let _no_start_meanwhile = lock_to_stop(&vm, "stopping")?;
+    let _no_start_meanwhile = lock_to_stop(&vm, LockHolder::Stopping)?;
     Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
 }
 
@@ -955,6 +1011,7 @@ fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmErr
         let held = file.metadata().map(|m| (m.dev(), m.ino())).ok();
         let current = std::fs::metadata(&path).map(|m| (m.dev(), m.ino())).ok();
         if held.is_some() && held == current {
+            note_lock_holder(&file, LockHolder::Starting);
             return Ok(file);
         }
     }
@@ -969,13 +1026,16 @@ fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmErr
 /// holds the lock after [`STOP_WAITS_FOR_START`] while the VM runs only waits for its
 /// agent (which a VM the nested host stalled never sends): the stop goes ahead without
 /// the lock (`None`). `None` too when the VM's directory is gone.
-pub(crate) fn lock_to_stop(vm: &VmDir, doing: &str) -> Result<Option<std::fs::File>, VmError> {
+pub(crate) fn lock_to_stop(
+    vm: &VmDir,
+    doing: LockHolder,
+) -> Result<Option<std::fs::File>, VmError> {
     lock_to_stop_within(vm, doing, STOP_WAITS_FOR_START)
 }
 
 fn lock_to_stop_within(
     vm: &VmDir,
-    doing: &str,
+    doing: LockHolder,
     wait: Duration,
 ) -> Result<Option<std::fs::File>, VmError> {
     let deadline = Instant::now() + wait;
@@ -986,7 +1046,10 @@ fn lock_to_stop_within(
         }
         match try_lock_start(vm) {
             // Locked: unless `vmctl rm` removed the directory meanwhile.
-            Ok(Some(lock)) => return Ok(vm.path.exists().then_some(lock)),
+            Ok(Some(lock)) => {
+                note_lock_holder(&lock, doing);
+                return Ok(vm.path.exists().then_some(lock));
+            }
             Ok(None) if vm.running_pid().is_some() && Instant::now() >= deadline => {
                 return Ok(None)
             }
@@ -994,8 +1057,9 @@ fn lock_to_stop_within(
                 if !said {
                     vmm::to_stderr!(
                         "vmctl: the VM in {} is being started or stopped (another vmctl \
-                         holds its start lock); {doing} it once that is done",
-                        vm.path.display()
+                         holds its start lock); {} it once that is done",
+                        vm.path.display(),
+                        doing.note()
                     );
                     said = true;
                 }
@@ -1134,7 +1198,7 @@ fn ask_guest_to_shut_down(vm: &VmDir, limit: Duration) -> ShutdownAsked {
 /// Stops the VM and removes its state; false when the workspace has none.
 pub fn remove(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
-    let _no_start_meanwhile = lock_to_stop(&vm, "removing")?;
+    let _no_start_meanwhile = lock_to_stop(&vm, LockHolder::Removing)?;
     if !vm.path.exists() {
         return Ok(false);
     }
@@ -1463,10 +1527,15 @@ fn row_without_record(
 /// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
 /// and the crash its last run ended in, if that is what it shows.
 fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
+    let lock_holder = start_lock_held_for(vm);
     match pid {
+        // Going down, until its stopper lets go of the lock (the VM gone, or not yet).
+        _ if lock_holder.is_some_and(|holder| holder != LockHolder::Starting) => {
+            (lock_holder.map_or("stopping", LockHolder::note), None)
+        }
         // A restart spends seconds, minutes for a rebuild of the guest agent, before
         // its supervisor runs: neither the stop nor the crash before is what goes on.
-        None if start_in_progress(vm) => ("starting", None),
+        None if lock_holder.is_some() => ("starting", None),
         None => match vm.read_crash() {
             Some(crash) => ("crashed", Some(crash)),
             None => ("stopped", None),
@@ -2054,7 +2123,7 @@ mod tests {
         };
         let wait = Duration::from_millis(300);
         assert!(
-            lock_to_stop_within(&vm, "stopping", wait)
+            lock_to_stop_within(&vm, LockHolder::Stopping, wait)
                 .unwrap()
                 .is_none(),
             "no VM"
@@ -2065,7 +2134,9 @@ mod tests {
         let starting = lock_start(&vm, || {}).unwrap();
         let stopper = {
             let vm = vm.clone();
-            std::thread::spawn(move || lock_to_stop_within(&vm, "stopping", wait).unwrap())
+            std::thread::spawn(move || {
+                lock_to_stop_within(&vm, LockHolder::Stopping, wait).unwrap()
+            })
         };
         std::thread::sleep(wait * 3);
         assert!(
@@ -2081,7 +2152,7 @@ mod tests {
         let _supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
         let _attaching = lock_start(&vm, || {}).unwrap();
         let started = Instant::now();
-        assert!(lock_to_stop_within(&vm, "stopping", wait)
+        assert!(lock_to_stop_within(&vm, LockHolder::Stopping, wait)
             .unwrap()
             .is_none());
         assert!(started.elapsed() < wait * 10);
@@ -2169,6 +2240,47 @@ mod tests {
         drop(starting);
         assert_eq!(run_state(&vm, None), ("crashed", crash));
         assert_eq!(run_state(&vm, Some(1)).0, "running");
+    }
+
+    /// A VM being stopped (by `vmctl stop`, or the daemon's idle stop) or removed is
+    /// shown so while it still runs and until its stopper lets go of the lock; a start
+    /// that takes the lock after that is shown starting again.
+    #[test]
+    fn ps_shows_a_vm_being_stopped_as_stopping_not_starting() {
+        let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let stopping = lock_to_stop_within(&vm, LockHolder::Stopping, Duration::ZERO)
+            .unwrap()
+            .expect("the lock");
+        assert_eq!(run_state(&vm, Some(1)), ("stopping", None));
+        assert_eq!(run_state(&vm, None), ("stopping", None));
+        drop(stopping);
+        assert_eq!(run_state(&vm, None), ("stopped", None));
+        let removing = lock_to_stop_within(&vm, LockHolder::Removing, Duration::ZERO)
+            .unwrap()
+            .expect("the lock");
+        assert_eq!(run_state(&vm, Some(1)), ("removing", None));
+        drop(removing);
+        // The daemon's idle stop notes itself on the lock it takes.
+        let idle_stop = try_lock_start(&vm).unwrap().expect("the lock");
+        note_lock_holder(&idle_stop, LockHolder::Stopping);
+        assert_eq!(run_state(&vm, Some(1)), ("stopping", None));
+        drop(idle_stop);
+        // The next holder's note replaces the last one's.
+        let starting = lock_start(&vm, || {}).unwrap();
+        assert_eq!(run_state(&vm, None), ("starting", None));
+        assert_eq!(run_state(&vm, Some(1)), ("running", None));
+        drop(starting);
+        let pruning = try_lock_start(&vm).unwrap().expect("the lock");
+        assert_eq!(
+            run_state(&vm, None),
+            ("starting", None),
+            "a holder that notes nothing"
+        );
+        drop(pruning);
     }
 
     /// A VM whose record cannot be read is listed as broken, with why and what to do

@@ -483,7 +483,10 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         // Held while the VM goes down, so that a session coming meanwhile waits in its
         // start and boots a fresh VM instead of attaching to this one as it stops.
         let start_lock = match crate::vm::try_lock_start(&vm) {
-            Ok(Some(lock)) => Some(lock),
+            Ok(Some(lock)) => {
+                crate::vm::note_lock_holder(&lock, crate::vm::LockHolder::Stopping);
+                Some(lock)
+            }
             Ok(None) => {
                 // A session is attaching to the VM (its lease decides from now on),
                 // or a start without one is under way: look again after a timeout.
@@ -692,8 +695,9 @@ fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
         for vm in running {
             let stop = &stop;
             scope.spawn(move || {
-                let _no_start_meanwhile = crate::vm::lock_to_stop(&vm, "stopping")
-                    .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
+                let _no_start_meanwhile =
+                    crate::vm::lock_to_stop(&vm, crate::vm::LockHolder::Stopping)
+                        .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
                 stop(&vm);
             });
         }

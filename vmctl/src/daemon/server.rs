@@ -685,12 +685,16 @@ fn stop_every_vm(vms: Vec<VmDir>) {
     });
 }
 
-/// `stop`s those of `vms` that run, in parallel, each with its start lock held, as the
-/// idle stop does: a session that comes meanwhile waits in its start, then boots a
-/// fresh VM, instead of attaching to one going down. (The lock is waited for while a
-/// start holds it, but no longer than `vmctl stop` waits for a start on a running VM.)
+/// `stop`s those of `vms` that run or are being started, in parallel, each with its
+/// start lock held, as the idle stop does: a session that comes meanwhile waits in its
+/// start, then boots a fresh VM, instead of attaching to one going down. (The lock is
+/// waited for while a start holds it, but no longer than `vmctl stop` waits for a start
+/// on a running VM.) A VM whose start is under way is stopped once it is up: left
+/// alone, it would come up after the daemon that should have stopped it.
 fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
-    let running = vms.into_iter().filter(|vm| vm.running_pid().is_some());
+    let running = vms
+        .into_iter()
+        .filter(|vm| vm.running_pid().is_some() || crate::vm::start_in_progress(vm));
     std::thread::scope(|scope| {
         for vm in running {
             let stop = &stop;
@@ -698,7 +702,10 @@ fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
                 let _no_start_meanwhile =
                     crate::vm::lock_to_stop(&vm, crate::vm::LockHolder::Stopping)
                         .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
-                stop(&vm);
+                // A start that failed left nothing to stop.
+                if vm.running_pid().is_some() {
+                    stop(&vm);
+                }
             });
         }
     });
@@ -837,6 +844,50 @@ mod tests {
             vec![(vms[0].path.clone(), true), (vms[1].path.clone(), true)],
             "stopped without the start lock, or a VM that does not run"
         );
+    }
+
+    /// A VM whose start is under way as the daemon stops (its start lock held, its
+    /// supervisor not running yet) is stopped once the start is done, not left to come
+    /// up after the daemon; one whose start fails is left alone.
+    #[test]
+    fn the_daemon_stops_a_vm_whose_start_is_under_way_once_it_is_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let vms: Vec<VmDir> = ["coming-up", "failing"]
+            .iter()
+            .map(|name| VmDir {
+                path: dir.path().join(name),
+            })
+            .collect();
+        for vm in &vms {
+            std::fs::create_dir_all(&vm.path).unwrap();
+        }
+        let starts: Vec<std::fs::File> = vms
+            .iter()
+            .map(|vm| crate::vm::try_lock_start(vm).unwrap().expect("the lock"))
+            .collect();
+        let (stopped, stops) = std::sync::mpsc::channel();
+        let stopped = Mutex::new(stopped);
+        let supervisor = std::thread::scope(|scope| {
+            let stopping = scope.spawn(|| {
+                stop_each(vms.clone(), |vm| {
+                    let running = vm.running_pid().is_some();
+                    let _ = stopped.lock().unwrap().send((vm.path.clone(), running));
+                })
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(
+                stops.try_recv().is_err(),
+                "stopped before the start was done"
+            );
+            // One start brings its VM up, the other fails; both let go of the lock.
+            let supervisor = FakeSupervisor::start(&vms[0]);
+            drop(starts);
+            stopping.join().unwrap();
+            supervisor
+        });
+        drop(supervisor);
+        let seen: Vec<(PathBuf, bool)> = stops.try_iter().collect();
+        assert_eq!(seen, vec![(vms[0].path.clone(), true)]);
     }
 
     /// A client of a daemon that is stopping is told so, but for `vmctl daemon

@@ -80,7 +80,7 @@ if [[ -n "$owner" ]]; then
         [[ "$unwritable" != "?" ]] || unwritable="what it would write (asking as them failed)"
         say "the cache $cache_root is uid ${owner%:*}'s, but they could not write $unwritable: building as root (what it adds to their cache is then root's; 'chown -R ${owner%:*}' what is root's there to have the agent built as them)"
     else
-        cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$@"
+        cache_build_as_owner "$cache_root" agent-initramfs "${BASH_SOURCE[0]}" "$@"
     fi
 fi
 

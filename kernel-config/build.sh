@@ -61,7 +61,7 @@ case "${1:-}" in
 esac
 if [[ -f "$vmlinux" ]]; then cache_mark_used "$out_dir"; echo "$vmlinux"; exit 0; fi
 # Root building into a user's cache (`sudo -E vmctl`) builds as that user.
-cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}" "$flavour"
+cache_build_as_owner "$cache_root" kernel "${BASH_SOURCE[0]}" "$flavour"
 
 # One build at a time per flavour: a second caller waits, then finds the result.
 mkdir -p "$cache_root/kernel"

@@ -44,7 +44,7 @@ image="$out_dir/initramfs.cpio.gz"
 if [[ "${1:-}" == "--print-path" ]]; then echo "$image"; exit 0; fi
 if [[ -f "$image" ]]; then cache_mark_used "$out_dir"; echo "$image"; exit 0; fi
 # Root building into a user's cache (`sudo -E vmctl`) builds as that user.
-cache_build_as_owner "$cache_root" "${BASH_SOURCE[0]}"
+cache_build_as_owner "$cache_root" initramfs "${BASH_SOURCE[0]}"
 
 for tool in gcc cpio gzip; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"

@@ -173,6 +173,9 @@ if [[ -n "$for_user" ]]; then
 fi
 mkdir -p "$cache_root/rootfs"
 exec 9>"$cache_root/rootfs/.$name-$key.lock"
+# The user's from the start: a build that fails must not leave root's files in their
+# cache, where their own builds (a kernel's, as them) could not replace them.
+[[ -z "$for_user" ]] || chown "$for_user" "$cache_root/rootfs/.$name-$key.lock"
 if ! flock -n 9; then
     say "another build of $name-$key is running; waiting for it"
     flock 9
@@ -242,6 +245,7 @@ logged() { # description, command...
         [[ -z "$heartbeat" ]] || stop_heartbeat
         tail -n 40 "$log" >&2
         cp "$log" "$cache_root/rootfs/$name-$key.failed.log" 2>/dev/null || true
+        [[ -z "$for_user" ]] || chown "$for_user" "$cache_root/rootfs/$name-$key.failed.log" 2>/dev/null || true
         die "$what failed (output above; full log: $cache_root/rootfs/$name-$key.failed.log)"
     fi
 }
@@ -431,7 +435,7 @@ if [[ -d "$root/usr/local/lib/node_modules" ]]; then
 fi
 rm -rf "$out_dir" "$cache_root/rootfs/$name-$key.failed.log"
 if [[ -n "$for_user" ]]; then
-    chown -R "$for_user" "$out_dir.tmp" "$cache_root/rootfs/.$name-$key.lock"
+    chown -R "$for_user" "$out_dir.tmp"
 fi
 cache_publish "$out_dir.tmp" "$out_dir" rootfs.ext4
 cache_prune "$cache_root/rootfs" "$name-????????????????" "$out_dir"

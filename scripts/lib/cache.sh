@@ -26,32 +26,37 @@ cache_owner() {
     echo "$SUDO_UID:${SUDO_GID:-$SUDO_UID}"
 }
 
-# cache_unwritable_for UID:GID ROOT: prints the first of ROOT, its kinds' directories
-# and their entries (locks, cache entries, work directories) that the user could not
-# write (asked as them: modes, groups and ACLs all count), "?" if they could not be
-# asked; nothing if they could write it all. An earlier build as root (before builds
-# ran as the cache's owner) may have left such entries, and the build, its lock or
-# its pruning would fail on them.
+# cache_unwritable_for UID:GID ROOT KIND: prints the first of ROOT, its directory
+# KIND and KIND's entries (locks, cache entries, work directories) that the user could
+# not write (asked as them: modes, groups and ACLs all count), "?" if they could not
+# be asked; nothing if they could write it all. An earlier build as root (before
+# builds ran as the cache's owner) may have left such entries, and the build, its lock
+# or its pruning would fail on them. Other kinds' entries are not this build's.
 cache_unwritable_for() {
-    local owner="$1" root="$2" found
+    local owner="$1" root="$2" kind="$3" found
     [[ -e "$root" ]] || return 0
     found="$(setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
-        find "$root" -maxdepth 2 ! -type l ! -writable -print -quit 2>/dev/null)" || found="${found:-?}"
+        find "$root" -maxdepth 0 ! -writable -print -quit 2>/dev/null)" || found="${found:-?}"
+    if [[ -z "$found" && -e "$root/$kind" ]]; then
+        found="$(setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
+            find "$root/$kind" -maxdepth 1 ! -type l ! -writable -print -quit 2>/dev/null)" ||
+            found="${found:-?}"
+    fi
     echo "$found"
 }
 
-# cache_build_as_owner ROOT COMMAND...: for a build that needs no root. When root would
-# build into a user's cache (cache_owner), runs COMMAND (the script again) as that
-# user, with their home, so that everything the build makes is theirs, a work
-# directory a kill left behind included; does not return then. Otherwise returns, also
-# when the user could not write all of the cache (root then builds, as before, and
-# says why and what to do).
+# cache_build_as_owner ROOT KIND COMMAND...: for a build that needs no root, into
+# ROOT/KIND. When root would build into a user's cache (cache_owner), runs COMMAND
+# (the script again) as that user, with their home, so that everything the build makes
+# is theirs, a work directory a kill left behind included; does not return then.
+# Otherwise returns, also when the user could not write all the build would (root
+# then builds, as before, and says why and what to do).
 cache_build_as_owner() {
-    local root="$1" owner home unwritable
-    shift
+    local root="$1" kind="$2" owner home unwritable
+    shift 2
     owner="$(cache_owner "$root")"
     [[ -n "$owner" ]] || return 0
-    unwritable="$(cache_unwritable_for "$owner" "$root")"
+    unwritable="$(cache_unwritable_for "$owner" "$root" "$kind")"
     if [[ -n "$unwritable" ]]; then
         [[ "$unwritable" != "?" ]] || unwritable="what it holds (asking as them failed)"
         echo "cache: $root is uid ${owner%:*}'s, but they could not write $unwritable (left by an earlier build as root?): building as root; 'sudo chown -R ${owner%:*} $root' has later builds run as them" >&2

@@ -688,7 +688,7 @@ fn builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write() {
             .arg("-c")
             .arg(
                 "set -euo pipefail; source \"$0\"; \
-                 cache_build_as_owner \"$CACHE\" bash -c 'echo \"built as $(id -u)\"'; \
+                 cache_build_as_owner \"$CACHE\" kernel bash -c 'echo \"built as $(id -u)\"'; \
                  echo \"built as $(id -u)\"",
             )
             .arg(workspace_root().join("scripts/lib/cache.sh"))
@@ -702,6 +702,15 @@ fn builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write() {
         (stdout(&output), stderr(&output))
     };
 
+    let (built, said) = build();
+    assert_eq!(built, format!("built as {}\n", user.uid), "{said}");
+
+    // What a failed build as root left among another kind's entries is not this
+    // build's to write: it still runs as the user.
+    let images = cache.join("rootfs");
+    std::fs::create_dir_all(&images).expect("create the images' directory");
+    chown(&images, user.uid, user.gid);
+    std::fs::write(images.join("base-0123456789abcdef.failed.log"), "").expect("write a log");
     let (built, said) = build();
     assert_eq!(built, format!("built as {}\n", user.uid), "{said}");
 

@@ -638,13 +638,31 @@ pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
 /// "stopping" for a VM the daemon's idle stop or `vmctl stop` is taking down, not
 /// "starting" (nor "running" while it still runs).
 fn start_lock_held_for(vm: &VmDir) -> Option<LockHolder> {
-    let mut file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
-    if !matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)) {
-        return None;
-    }
+    let file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
+    let holder = LockHolder::from_note(&read_note(&file));
+    held_by_another(&file).then_some(holder)
+}
+
+/// [`start_lock_held_for`] a VM whose supervisor runs, asked without trying its lock
+/// unless its note says a stop: trying takes a free lock for a moment, and a start or
+/// the idle stop that comes in that moment would wait or put off its stop for nothing
+/// (`vmctl ps` in a loop). A running VM's lock is its start's, noted "starting", or a
+/// stopper's.
+fn running_vm_stopped_by(vm: &VmDir) -> Option<LockHolder> {
+    let file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
+    let holder = LockHolder::from_note(&read_note(&file));
+    (holder != LockHolder::Starting && held_by_another(&file)).then_some(holder)
+}
+
+fn read_note(file: &std::fs::File) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
     let mut said = [0u8; 16];
-    let read = std::io::Read::read(&mut file, &mut said).unwrap_or(0);
-    Some(LockHolder::from_note(&said[..read]))
+    let read = file.read_at(&mut said, 0).unwrap_or(0);
+    said[..read].to_vec()
+}
+
+fn held_by_another(file: &std::fs::File) -> bool {
+    matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock))
 }
 
 /// Why a `vmctl` holds a VM's start lock, as it notes in the lock's file.
@@ -675,12 +693,14 @@ impl LockHolder {
 }
 
 /// Notes in `lock`, a held start lock, what its holder does, for `vmctl ps`; a note
-/// that cannot be written only leaves `ps` saying "starting".
+/// that cannot be written only leaves `ps` saying "starting". Written over the last
+/// one, then cut to its length, so that a reader never finds the file empty meanwhile.
 pub(crate) fn note_lock_holder(lock: &std::fs::File, holder: LockHolder) {
     use std::os::unix::fs::FileExt;
+    let note = holder.note().as_bytes();
     let noted = lock
-        .set_len(0)
-        .and_then(|()| lock.write_all_at(holder.note().as_bytes(), 0));
+        .write_all_at(note, 0)
+        .and_then(|()| lock.set_len(note.len() as u64));
     if let Err(e) = noted {
         tracing::debug!("cannot note the start lock's holder: {e}");
     }
@@ -1527,7 +1547,10 @@ fn row_without_record(
 /// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
 /// and the crash its last run ended in, if that is what it shows.
 fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
-    let lock_holder = start_lock_held_for(vm);
+    let lock_holder = match pid {
+        Some(_) => running_vm_stopped_by(vm),
+        None => start_lock_held_for(vm),
+    };
     match pid {
         // Going down, until its stopper lets go of the lock (the VM gone, or not yet).
         _ if lock_holder.is_some_and(|holder| holder != LockHolder::Starting) => {
@@ -2274,13 +2297,27 @@ mod tests {
         assert_eq!(run_state(&vm, None), ("starting", None));
         assert_eq!(run_state(&vm, Some(1)), ("running", None));
         drop(starting);
+        // A holder that notes nothing (`vmctl prune`) is not taken for the last
+        // holder, a stop.
+        let stopping = lock_to_stop_within(&vm, LockHolder::Stopping, Duration::ZERO)
+            .unwrap()
+            .expect("the lock");
+        drop(stopping);
         let pruning = try_lock_start(&vm).unwrap().expect("the lock");
         assert_eq!(
             run_state(&vm, None),
             ("starting", None),
             "a holder that notes nothing"
         );
+        assert_eq!(run_state(&vm, Some(1)), ("running", None));
         drop(pruning);
+        // A running VM's free lock is not taken just to look: its start's note
+        // ("starting") says no stop is under way.
+        let starting = lock_start(&vm, || {}).unwrap();
+        drop(starting);
+        let file = std::fs::File::open(vm.path.join(START_LOCK)).unwrap();
+        assert_eq!(read_note(&file), b"starting");
+        assert_eq!(run_state(&vm, Some(1)), ("running", None));
     }
 
     /// A VM whose record cannot be read is listed as broken, with why and what to do

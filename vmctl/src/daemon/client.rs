@@ -15,7 +15,8 @@ use crate::state::VmDir;
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a client waits for a daemon that is stopping to be gone: its VMs stop in
-/// parallel, each within 45 s, after at most 10 s for a start under way.
+/// parallel, each within 45 s, after at most 30 s for a start under way to run the
+/// VM's supervisor and 10 s more for the start to finish.
 const STOPPING_WAIT: Duration = Duration::from_secs(90);
 
 /// How long `vmctl daemon --stop` waits for the daemon it stops to end (as

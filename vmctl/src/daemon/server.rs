@@ -242,20 +242,34 @@ fn take_lock(path: &Path, socket: &Path) -> Result<std::fs::File, DaemonError> {
     // A few tries are plenty: each one lost means another daemon stopped meanwhile.
     for _ in 0..8 {
         let file = crate::state::open_lock_file(path).map_err(error)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(error(e)),
-        }
-        if is_linked_at(&file, path).map_err(error)? {
-            return Ok(file);
+        if let Some(locked) = lock_if_current(file, path, socket)? {
+            return Ok(locked);
         }
     }
     Err(error(std::io::Error::other(
         "its lock file kept being replaced while it was taken; try again",
     )))
+}
+
+/// `file`, opened at `path`, locked, if it is still the file there once locked; `None`
+/// when a stopping daemon unlinked it meanwhile (its lock is no one's).
+fn lock_if_current(
+    file: std::fs::File,
+    path: &Path,
+    socket: &Path,
+) -> Result<Option<std::fs::File>, DaemonError> {
+    let error = |source| DaemonError::Listen {
+        path: path.to_path_buf(),
+        source,
+    };
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(DaemonError::AlreadyRunning(socket.to_path_buf()))
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(error(e)),
+    }
+    Ok(is_linked_at(&file, path).map_err(error)?.then_some(file))
 }
 
 /// Whether `file` is still the file at `path` (not one unlinked since it was opened).
@@ -680,7 +694,7 @@ fn removed(path: &Path) -> bool {
 
 /// Stops those of `vms` that run, in parallel.
 fn stop_every_vm(vms: Vec<VmDir>) {
-    stop_each(vms, |vm| {
+    stop_each(vms, START_WAIT_AT_SHUTDOWN, |vm| {
         crate::vm::stop_vm(vm, "the daemon stopped, and every VM with it");
     });
 }
@@ -689,9 +703,12 @@ fn stop_every_vm(vms: Vec<VmDir>) {
 /// start lock held, as the idle stop does: a session that comes meanwhile waits in its
 /// start, then boots a fresh VM, instead of attaching to one going down. (The lock is
 /// waited for while a start holds it, but no longer than `vmctl stop` waits for a start
-/// on a running VM.) A VM whose start is under way is stopped once it is up: left
-/// alone, it would come up after the daemon that should have stopped it.
-fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
+/// on a running VM.) A VM whose start is under way is stopped once its supervisor
+/// runs, if that is within `start_wait`: left alone, it would come up after the daemon
+/// that should have stopped it. A start that takes longer (a root filesystem built
+/// first, a sudo prompt, a start stopped with Ctrl-Z) is left to the next daemon,
+/// which adopts its VM, rather than holding this one's end past what its clients wait.
+fn stop_each(vms: Vec<VmDir>, start_wait: Duration, stop: impl Fn(&VmDir) + Sync) {
     let running = vms
         .into_iter()
         .filter(|vm| vm.running_pid().is_some() || crate::vm::start_in_progress(vm));
@@ -699,17 +716,47 @@ fn stop_each(vms: Vec<VmDir>, stop: impl Fn(&VmDir) + Sync) {
         for vm in running {
             let stop = &stop;
             scope.spawn(move || {
+                if !supervisor_runs_within(&vm, start_wait) {
+                    return;
+                }
                 let _no_start_meanwhile =
                     crate::vm::lock_to_stop(&vm, crate::vm::LockHolder::Stopping)
                         .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
-                // A start that failed left nothing to stop.
-                if vm.running_pid().is_some() {
-                    stop(&vm);
-                }
+                stop(&vm);
             });
         }
     });
 }
+
+/// Whether `vm`'s supervisor runs, now or within `wait` while a start of it is under
+/// way; says so when a start outlasts `wait`.
+fn supervisor_runs_within(vm: &VmDir, wait: Duration) -> bool {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if vm.running_pid().is_some() {
+            return true;
+        }
+        if !crate::vm::start_in_progress(vm) {
+            // The start failed (or was given up): nothing to stop.
+            return vm.running_pid().is_some();
+        }
+        if std::time::Instant::now() >= deadline {
+            vmm::to_stderr!(
+                "vmctl daemon: the start of {} is still under way after {} s; leaving its \
+                 VM to the next daemon, which adopts it (`vmctl stop` stops it)",
+                vm.path.display(),
+                wait.as_secs()
+            );
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// How long a stopping daemon waits for a start under way to run its VM's supervisor:
+/// with the 10 s `vmctl stop` then waits for the start and the 45 s of the stop, within
+/// the 90 s its clients wait for it to be gone.
+const START_WAIT_AT_SHUTDOWN: Duration = Duration::from_secs(30);
 
 #[cfg(test)]
 mod tests {
@@ -785,8 +832,12 @@ mod tests {
         let opened_before_the_unlink = crate::state::open_lock_file(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         drop(stopping);
-        opened_before_the_unlink.try_lock().unwrap();
-        assert!(!is_linked_at(&opened_before_the_unlink, &path).unwrap());
+        assert!(
+            lock_if_current(opened_before_the_unlink, &path, &socket)
+                .unwrap()
+                .is_none(),
+            "took the lock of an unlinked file"
+        );
         // The next daemon takes the path's own (new) file, and holds the only lock.
         let next = take_lock(&path, &socket).unwrap();
         assert!(is_linked_at(&next, &path).unwrap());
@@ -832,7 +883,7 @@ mod tests {
         let _running: Vec<_> = vms[..2].iter().map(FakeSupervisor::start).collect();
         let (stopped, stops) = std::sync::mpsc::channel();
         let stopped = Mutex::new(stopped);
-        stop_each(vms.clone(), |vm| {
+        stop_each(vms.clone(), START_WAIT_AT_SHUTDOWN, |vm| {
             // Another open file's lock, as a session's start takes it.
             let held = crate::vm::start_in_progress(vm);
             let _ = stopped.lock().unwrap().send((vm.path.clone(), held));
@@ -869,7 +920,7 @@ mod tests {
         let stopped = Mutex::new(stopped);
         let supervisor = std::thread::scope(|scope| {
             let stopping = scope.spawn(|| {
-                stop_each(vms.clone(), |vm| {
+                stop_each(vms.clone(), START_WAIT_AT_SHUTDOWN, |vm| {
                     let running = vm.running_pid().is_some();
                     let _ = stopped.lock().unwrap().send((vm.path.clone(), running));
                 })
@@ -888,6 +939,20 @@ mod tests {
         drop(supervisor);
         let seen: Vec<(PathBuf, bool)> = stops.try_iter().collect();
         assert_eq!(seen, vec![(vms[0].path.clone(), true)]);
+
+        // A start that outlasts the wait is left to the next daemon: the stop ends.
+        let stuck = crate::vm::try_lock_start(&vms[1])
+            .unwrap()
+            .expect("the lock");
+        let began = std::time::Instant::now();
+        stop_each(vms[1..].to_vec(), Duration::from_millis(300), |vm| {
+            panic!("stopped {}, which never came up", vm.path.display())
+        });
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "waited past its bound"
+        );
+        drop(stuck);
     }
 
     /// A client of a daemon that is stopping is told so, but for `vmctl daemon

@@ -82,7 +82,7 @@ pub struct TreeWatcher {
     limit_reached: Option<String>,
     /// The queue overflowed since the trees were last walked again.
     rewalk_pending: bool,
-    /// When the trees were last walked again, and how long that took.
+    /// When the trees were last walked again (the walk's end), and how long it took.
     last_rewalk: Option<(Instant, Duration)>,
     /// [`REWALK_MIN_GAP`] but in tests.
     rewalk_min_gap: Duration,
@@ -93,8 +93,8 @@ pub struct TreeWatcher {
 /// queue again and again, and walking a large tree at each 50 ms burst would keep a
 /// core busy for as long as it runs.
 pub const REWALK_MIN_GAP: Duration = Duration::from_secs(2);
-/// A walk that took long waits this many times as long before the next one, so walks
-/// take at most a fifth of the time.
+/// A walk that took long is followed by this many times as long without one (counted
+/// from its end), so walks take at most a fifth of the time.
 const REWALK_GAP_PER_WALK: u32 = 4;
 
 /// The watched directories by watch descriptor, and the bytes of their paths.
@@ -436,7 +436,7 @@ impl TreeWatcher {
             let began = Instant::now();
             unwatched = self.watch_all_again(&mut added);
             self.rewalk_pending = false;
-            self.last_rewalk = Some((began, began.elapsed()));
+            self.last_rewalk = Some((Instant::now(), began.elapsed()));
         } else {
             // Until the walk is due, the directories seen made are walked as always.
             let mut walked: Option<&PathBuf> = None;

@@ -10,10 +10,13 @@
 //! [`EXPIRY_WARNING_DAYS`] days.
 //!
 //! The key's bytes, as read, written or generated here, are held in buffers zeroized
-//! when dropped. rcgen signs through [`rcgen::RemoteKeyPair`] with ring's key pair
-//! rather than with its own key pair, which keeps a plain copy of the PKCS#8 bytes;
-//! what ring keeps inside its key pairs (the CA's, and the leaves' inside rustls's
-//! server configurations) is beyond this crate's reach and is not zeroized.
+//! when dropped, and the PKCS#8 document ring generates a key into is zeroed once
+//! copied (it has no `Drop` that would). rcgen signs through [`rcgen::RemoteKeyPair`]
+//! with ring's key pair rather than with its own key pair, which keeps a plain copy of
+//! the PKCS#8 bytes, and a leaf's public key is read from its PKCS#8 bytes rather
+//! than from a key pair built for the purpose. What ring keeps inside its key pairs
+//! (the CA's, and the leaves' inside rustls's server configurations) and the
+//! temporaries of its key generation are beyond this crate's reach and not zeroized.
 
 use std::collections::HashMap;
 use std::fs::{self, DirBuilder, OpenOptions};
@@ -93,6 +96,12 @@ pub enum CaError {
     Generate(#[from] rcgen::Error),
     #[error("cannot generate a key: {0}")]
     GenerateKey(ring::error::Unspecified),
+    #[error(
+        "the key just generated has no public key where PKCS#8 (RFC 5915) puts it, so \
+         no certificate can be made for it; the crypto library's key format has changed \
+         and this is a bug in vmctl: report it"
+    )]
+    NoPublicKey,
     #[error("cannot build the TLS configuration for {host}: {source}")]
     Tls { host: String, source: rustls::Error },
 }
@@ -193,10 +202,63 @@ impl PublicKeyData for LeafPublicKey {
 
 /// A new P-256 key, PKCS#8.
 fn generate_pkcs8() -> Result<Zeroizing<Vec<u8>>, CaError> {
-    let document =
+    let mut document =
         EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &SystemRandom::new())
             .map_err(CaError::GenerateKey)?;
-    Ok(Zeroizing::new(document.as_ref().to_vec()))
+    Ok(take_pkcs8(&mut document))
+}
+
+/// The bytes of `document`, copied into a buffer zeroized when dropped, and
+/// `document` zeroed: it has no `Drop`, so the key would stay where it lay (on the
+/// stack) once it is gone.
+fn take_pkcs8(document: &mut ring::pkcs8::Document) -> Zeroizing<Vec<u8>> {
+    let pkcs8 = Zeroizing::new(document.as_ref().to_vec());
+    // SAFETY: `document` is borrowed exclusively, and ring 0.17's `Document` is plain
+    // data (a byte array and its length: no pointer, reference, niche or `Drop`), so
+    // all zeros is a valid value of it: an empty document.
+    unsafe { zeroize::zeroize_flat_type(document as *mut ring::pkcs8::Document) };
+    pkcs8
+}
+
+/// The public key (an uncompressed point) in `pkcs8`, a P-256 key as ring makes
+/// them: RFC 5208's PrivateKeyInfo holding RFC 5915's ECPrivateKey, whose optional
+/// `publicKey [1]` ring always fills in. Read from the bytes, as a key pair built to
+/// ask it would hold the private key where nothing zeroizes it.
+fn public_key_of(pkcs8: &[u8]) -> Option<&[u8]> {
+    let (SEQUENCE, info, _) = der_element(pkcs8)? else {
+        return None;
+    };
+    // The version and the algorithm come first.
+    let mut rest = info;
+    for _ in 0..2 {
+        rest = der_element(rest)?.2;
+    }
+    let (OCTET_STRING, private_key, _) = der_element(rest)? else {
+        return None;
+    };
+    let (SEQUENCE, ec_private_key, _) = der_element(private_key)? else {
+        return None;
+    };
+    // Its version and the private key itself, then the optional fields.
+    let mut rest = ec_private_key;
+    for _ in 0..2 {
+        rest = der_element(rest)?.2;
+    }
+    while !rest.is_empty() {
+        let (tag, field, after) = der_element(rest)?;
+        if tag == EC_PUBLIC_KEY_TAG {
+            let (BIT_STRING, bits, _) = der_element(field)? else {
+                return None;
+            };
+            // A point is whole bytes: no unused bits.
+            return match bits.split_first()? {
+                (0, point) if point.first() == Some(&UNCOMPRESSED_POINT) => Some(point),
+                _ => None,
+            };
+        }
+        rest = after;
+    }
+    None
 }
 
 impl std::fmt::Debug for CertificateAuthority {
@@ -375,15 +437,7 @@ impl CertificateAuthority {
         params.not_before = rcgen::date_time_ymd(1970, 1, 1) + since_epoch.saturating_sub(HOUR);
         params.not_after = rcgen::date_time_ymd(1970, 1, 1) + since_epoch + 30 * DAY;
         let mut pkcs8 = generate_pkcs8()?;
-        let public_key = EcdsaKeyPair::from_pkcs8(
-            &ECDSA_P256_SHA256_ASN1_SIGNING,
-            &pkcs8,
-            &SystemRandom::new(),
-        )
-        .map_err(|_| CaError::GenerateKey(ring::error::Unspecified))?
-        .public_key()
-        .as_ref()
-        .to_vec();
+        let public_key = public_key_of(&pkcs8).ok_or(CaError::NoPublicKey)?.to_vec();
         let cert = params.signed_by(&LeafPublicKey(public_key), &self.issuer, &self.key)?;
         // Moved, not copied: one buffer holds the key's bytes, zeroized when dropped.
         let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(std::mem::take(&mut *pkcs8)));
@@ -460,6 +514,12 @@ fn not_after(cert: &[u8]) -> Option<NotAfter> {
 }
 
 const SEQUENCE: u8 = 0x30;
+const BIT_STRING: u8 = 0x03;
+const OCTET_STRING: u8 = 0x04;
+/// ECPrivateKey's `publicKey [1]` (RFC 5915, 3).
+const EC_PUBLIC_KEY_TAG: u8 = 0xa1;
+/// The first byte of an uncompressed elliptic-curve point (SEC 1, 2.3.3).
+const UNCOMPRESSED_POINT: u8 = 0x04;
 const VERSION_TAG: u8 = 0xa0;
 const UTC_TIME: u8 = 0x17;
 const GENERALIZED_TIME: u8 = 0x18;
@@ -921,6 +981,47 @@ mod tests {
         let (leaf, key) = loaded.mint_leaf("api.example.com").unwrap();
         verify_leaf(&root, &leaf, "api.example.com").unwrap();
         assert!(matches!(&*key, PrivateKeyDer::Pkcs8(der) if !der.secret_pkcs8_der().is_empty()));
+    }
+
+    #[test]
+    fn rings_pkcs8_document_is_zeroed_once_copied() {
+        let mut document =
+            EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &SystemRandom::new())
+                .unwrap();
+        let pkcs8 = take_pkcs8(&mut document);
+        let rng = SystemRandom::new();
+        EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &pkcs8, &rng).unwrap();
+        assert!(document.as_ref().is_empty());
+        // SAFETY: reads the bytes of a value that is borrowed immutably for as long and
+        // not moved since the wipe, which wrote every one of them (padding included).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&document as *const ring::pkcs8::Document).cast::<u8>(),
+                std::mem::size_of::<ring::pkcs8::Document>(),
+            )
+        };
+        assert!(bytes.iter().all(|byte| *byte == 0), "{bytes:?}");
+    }
+
+    #[test]
+    fn a_leafs_public_key_is_read_from_its_pkcs8_bytes() {
+        let rng = SystemRandom::new();
+        for _ in 0..8 {
+            let pkcs8 = generate_pkcs8().unwrap();
+            let pair =
+                EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &pkcs8, &rng).unwrap();
+            assert_eq!(public_key_of(&pkcs8), Some(pair.public_key().as_ref()));
+            // Cut anywhere, the bytes hold no key.
+            for end in 0..pkcs8.len() {
+                assert_eq!(public_key_of(&pkcs8[..end]), None, "cut at {end}");
+            }
+        }
+        let by_rcgen = KeyPair::generate_for(KEY_ALGORITHM).unwrap();
+        assert_eq!(
+            public_key_of(&by_rcgen.serialize_der()),
+            Some(by_rcgen.public_key_raw())
+        );
+        assert_eq!(public_key_of(b"\x30\x00"), None);
     }
 
     /// A CA made before the key was written here (by rcgen) loads as before.

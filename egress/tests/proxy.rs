@@ -1446,6 +1446,90 @@ async fn past_the_waiting_bound_an_idle_kept_alive_connection_is_closed() {
     assert_eq!(exchange(&mut clients[1], echo()).await.0, StatusCode::OK);
 }
 
+/// An idle kept-alive connection told to leave while half-way through its next head
+/// is given a moment to finish it: the request is served, and the connection closed
+/// after it. One that does not finish it in that moment is told why, not just cut.
+#[tokio::test]
+async fn a_displaced_kept_alive_connection_half_way_through_a_head_is_answered() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 1,
+        ..Limits::default()
+    })
+    .await;
+    let mut answers = Vec::new();
+    for finishes in [true, false] {
+        let mut stream = TcpStream::connect(h.proxy).await.unwrap();
+        stream
+            .write_all(b"HEAD http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
+            .await
+            .unwrap();
+        let head = read_head(&mut stream).await;
+        assert_eq!(status_of(&head), 200, "{head}");
+        // Idle, kept alive, waiting for its next head, which it then begins.
+        sleep(Duration::from_millis(100)).await;
+        stream
+            .write_all(b"GET http://plain.test/echo HTTP/1.1\r\nHost: pla")
+            .await
+            .unwrap();
+        sleep(Duration::from_millis(100)).await;
+        let _newer = TcpStream::connect(h.proxy).await.unwrap();
+        sleep(Duration::from_millis(300)).await;
+        if finishes {
+            // Not unwrapped: a connection closed at once may refuse it.
+            let _ = stream.write_all(b"in.test\r\n\r\n").await;
+        }
+        let mut out = Vec::new();
+        let ended = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(ended.is_ok(), "a displaced connection stayed open");
+        answers.push(String::from_utf8_lossy(&out).into_owned());
+    }
+    assert!(answers[0].starts_with("HTTP/1.1 200"), "{:?}", answers[0]);
+    assert!(answers[0].contains("GET /echo"), "{:?}", answers[0]);
+    assert!(answers[1].starts_with("HTTP/1.1 503"), "{:?}", answers[1]);
+    assert!(
+        answers[1].contains("more than 1 connections waited to send a request"),
+        "{:?}",
+        answers[1]
+    );
+}
+
+/// Inside TLS terminated for a secret's host, a connection told to leave while
+/// half-way through its first head is closed once the moment to finish it is over
+/// (told why), not left open outside the waiting bound until its header timeout.
+#[tokio::test]
+async fn a_displaced_connection_inside_terminated_tls_does_not_stay_open() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 1,
+        ..Limits::default()
+    })
+    .await;
+    let (status, head, stream) = h.connect("api.test:443").await;
+    assert_eq!(status, 200, "{head}");
+    let mut tls = tls_connect(stream, "api.test", &h.sandbox_ca)
+        .await
+        .unwrap();
+    tls.write_all(b"GET /echo HTTP/1.1\r\nHost: api")
+        .await
+        .unwrap();
+    tls.flush().await.unwrap();
+    sleep(Duration::from_millis(200)).await;
+    let displaced_at = Instant::now();
+    let _newer = TcpStream::connect(h.proxy).await.unwrap();
+    let mut out = Vec::new();
+    let ended = timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    assert!(
+        ended.is_ok(),
+        "still open {:?} after it was displaced",
+        displaced_at.elapsed()
+    );
+    let answer = String::from_utf8_lossy(&out);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
+    assert!(
+        answer.contains("more than 1 connections waited"),
+        "{answer:?}"
+    );
+}
+
 #[tokio::test]
 async fn connections_over_the_limit_get_503() {
     let h = Harness::with_limits(Limits {

@@ -29,6 +29,7 @@ use std::fs;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -234,8 +235,9 @@ pub enum ProxyError {
     )]
     Busy { limit: usize },
     #[error(
-        "more than {limit} connections waited to send their first request, and this one \
-         had waited longest, so it was closed; send the request when the connection opens"
+        "more than {limit} connections waited to send a request (their first, or kept \
+         alive, their next), and this one had waited longest, so it was closed; send \
+         the request at once on a new connection"
     )]
     Displaced { limit: usize },
     #[error("{what} refused by rule: {rule}")]
@@ -420,6 +422,14 @@ where
 /// none: it waits in the [`WaitingRoom`] with the connections that have not sent
 /// their first head, and is closed if it has waited longest when that is full. An
 /// idle connection must not keep a real request out, first or next.
+///
+/// A connection told to leave may be half-way through a head. It leaves the room at
+/// once, but is given [`CLOSING_GRACE`] to finish it: a request that comes is served,
+/// and the connection closed after it. Past the grace it is closed, answered first
+/// with why if it had begun a head, as one displaced before its first head is.
+/// hyper's own way, a graceful shutdown, does neither: it closes a kept-alive
+/// connection between requests at once, whatever part of a head it has read, and
+/// leaves one that has not finished its first open until its header timeout.
 async fn serve_requests<I, H, F>(
     io: I,
     config: Arc<ProxyConfig>,
@@ -459,15 +469,20 @@ where
             Ok(response.map(|body| holding(body, in_flight)))
         }
     });
-    let connection = server_builder(&config.limits)
+    // Not pinned in place: a connection whose grace runs out is taken apart.
+    let mut connection = server_builder(&config.limits)
         .serve_connection(io, service)
         .with_upgrades();
-    tokio::pin!(connection);
     let mut waiting = None;
-    let mut closing = false;
+    let mut closing = Closing::No;
     loop {
         let idle = *requests_in_flight.borrow_and_update() == 0;
-        if !idle || closing {
+        if !idle && matches!(closing, Closing::Grace { .. }) {
+            // Told to leave as its request came: served, then closed.
+            Pin::new(&mut connection).graceful_shutdown();
+            closing = Closing::AfterRequest;
+        }
+        if !idle || !matches!(closing, Closing::No) {
             waiting = None;
         } else if waiting.is_none() {
             waiting = Some(config.waiting.enter(config.limits.max_waiting_connections));
@@ -481,17 +496,75 @@ where
                 None => std::future::pending().await,
             }
         };
-        let event = tokio::select! {
-            served = connection.as_mut() => return served,
-            Ok(()) = requests_in_flight.changed() => None,
-            () = displaced => Some(()),
+        let grace_over = async {
+            match closing {
+                Closing::Grace { until } => tokio::time::sleep_until(until).await,
+                _ => std::future::pending().await,
+            }
         };
-        if event.is_some() {
-            // Closes it now if idle, else after the request that has just come.
-            connection.as_mut().graceful_shutdown();
-            closing = true;
+        let event = tokio::select! {
+            served = &mut connection => return served,
+            Ok(()) = requests_in_flight.changed() => Event::RequestsChanged,
+            () = displaced => Event::Displaced,
+            () = grace_over => Event::GraceOver,
+        };
+        match event {
+            Event::Displaced => {
+                closing = Closing::Grace {
+                    until: tokio::time::Instant::now() + CLOSING_GRACE,
+                };
+            }
+            // No request was in flight when the grace began, so one has come since
+            // (it may even be done already).
+            Event::RequestsChanged if matches!(closing, Closing::Grace { .. }) => {
+                Pin::new(&mut connection).graceful_shutdown();
+                closing = Closing::AfterRequest;
+            }
+            Event::RequestsChanged => {}
+            Event::GraceOver => {
+                // `None`: upgraded, which no request has been.
+                if let Some(parts) = connection.into_parts() {
+                    if began_a_head(&parts.read_buf) {
+                        let displaced = ProxyError::Displaced {
+                            limit: config.limits.max_waiting_connections,
+                        };
+                        answer_and_close(TokioIo::new(parts.io), &displaced).await;
+                    }
+                }
+                return Ok(());
+            }
         }
     }
+}
+
+/// How long a connection told to leave the [`WaitingRoom`] has to finish the head it
+/// may be sending: a client that has begun one sends the rest at once.
+const CLOSING_GRACE: Duration = Duration::from_secs(1);
+
+/// Where a connection is in being closed for the [`WaitingRoom`]'s sake.
+#[derive(Clone, Copy)]
+enum Closing {
+    No,
+    /// Told to leave while no request was in flight; closed at `until` unless a
+    /// request comes first.
+    Grace {
+        until: tokio::time::Instant,
+    },
+    /// Told to leave; closed once its request is done.
+    AfterRequest,
+}
+
+/// What [`serve_requests`] waits for, besides the connection's end.
+enum Event {
+    RequestsChanged,
+    Displaced,
+    GraceOver,
+}
+
+/// Whether `unparsed` (what hyper read and has not parsed) begins a request head:
+/// the empty lines a client may send between requests (RFC 9112, 2.2) do not.
+fn began_a_head(unparsed: &[u8]) -> bool {
+    unparsed.iter().any(|byte| !matches!(byte, b'\r' | b'\n'))
 }
 
 /// `body`, holding `in_flight` (its request's slot) until it is sent or dropped.

@@ -6,8 +6,9 @@
 //! Files: `<dir>/ca.pem` (certificate, 0644) and `<dir>/ca-key.pem` (PKCS#8 key, 0600,
 //! created with that mode so it is never readable by others, not even briefly), in
 //! `<dir>` (0700). Each load refuses a directory or key file others can reach, as ssh
-//! does its keys, and warns of a certificate that expires within
-//! [`EXPIRY_WARNING_DAYS`] days.
+//! does its keys, and notes a certificate that expires within
+//! [`EXPIRY_WARNING_DAYS`] days ([`CertificateAuthority::expires_soon`]) for the
+//! caller to warn of, once, where its user reads it.
 //!
 //! The key's bytes, as read, written or generated here, are held in buffers zeroized
 //! when dropped, and the PKCS#8 document ring generates a key into is zeroed once
@@ -347,9 +348,9 @@ impl CertificateAuthority {
                 format!("it does not match {KEY_FILE} or was made for another name: {e}"),
             )
         })?;
-        if let Some(soon) = &ca.expires_soon {
-            tracing::warn!("{soon}");
-        }
+        // Not logged here: the caller says it where its user reads it (vmctl's
+        // supervisor, as a `vmctl: warning:` line that `vmctl up` shows), and a log
+        // line here would say it a second time.
         Ok(ca)
     }
 
@@ -368,8 +369,8 @@ impl CertificateAuthority {
         }
     }
 
-    /// Set when the CA certificate expires within [`EXPIRY_WARNING_DAYS`] days (it
-    /// was logged as a warning at load): for the user, with what to do.
+    /// Set when the CA certificate expires within [`EXPIRY_WARNING_DAYS`] days: for
+    /// the caller to warn its user of, with what to do (loading logs nothing of it).
     pub fn expires_soon(&self) -> Option<&ExpiresSoon> {
         self.expires_soon.as_ref()
     }
@@ -904,13 +905,42 @@ mod tests {
         fs::write(dir.join(CERT_FILE), params.self_signed(&key).unwrap().pem()).unwrap();
     }
 
+    /// What `run` logs through `tracing`, at any level, with its result.
+    fn logged_while<T>(run: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Log(Arc<Mutex<Vec<u8>>>);
+        impl Write for Log {
+            fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::TRACE)
+            .finish();
+        let result = tracing::subscriber::with_default(subscriber, run);
+        let logged = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+        (result, logged)
+    }
+
     #[test]
     fn a_ca_that_expires_within_30_days_is_loaded_with_a_warning() {
         let tmp = private_tempdir();
         let fresh = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
         assert_eq!(fresh.expires_soon(), None);
         reissue(tmp.path(), "box1", 10);
-        let ca = CertificateAuthority::load_or_create(tmp.path(), "box1").unwrap();
+        let (ca, logged) =
+            logged_while(|| CertificateAuthority::load_or_create(tmp.path(), "box1"));
+        let ca = ca.unwrap();
+        // Said once, by the caller (vmctl's `vmctl: warning:` line): not logged too.
+        assert_eq!(logged, "");
         let soon = ca.expires_soon().expect("no warning 10 days before expiry");
         // 10 days less the time since, or 10 with the certificate's whole seconds.
         assert!((9..=10).contains(&soon.days_left), "{soon}");

@@ -105,7 +105,8 @@ pub enum ShareError {
     #[error("guest path {} lies in the share of {} (mounted at {}), so the guest mounts it on {} of the host, which {}; {}, or choose a guest path outside {}", .0.guest.display(), .0.parent_host.display(), .0.parent_guest.display(), .0.mount_point.display(), .0.problem, .0.problem.remedy(), .0.parent_guest.display())]
     MountPointInShare(Box<MountPointInShare>),
     /// A writable share the user added (`--mount`, the config file's `mounts`) that is
-    /// or holds a directory whose programs the host user runs ([`ProgramDir`]): the
+    /// or holds a directory whose programs the host user runs, or lies inside a
+    /// toolchain or version manager's ([`ProgramDir`]): the
     /// guest could put a program there that the host later runs, outside the VM.
     /// Read-only, it is fine. The workspace itself (and a worktree's repository) is
     /// never refused for this: a project often holds a directory on PATH (an
@@ -439,13 +440,18 @@ fn homes() -> (Option<PathBuf>, Option<PathBuf>) {
     (home, account_home)
 }
 
-/// A directory under the host user's home whose programs the host user runs: a guest
-/// that could write it could plant a program there that runs on the host.
+/// A directory whose programs the host user runs: a guest that could write it could
+/// plant a program there that runs on the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProgramDir {
     /// Resolved as far as it exists: one not made yet is where a guest could make it.
     pub dir: PathBuf,
     pub what: &'static str,
+    /// Whether a share inside it is refused too: so for a toolchain or version
+    /// manager's directory, whose programs lie anywhere below
+    /// (`~/.rustup/toolchains/*/bin`); a directory on PATH holds its programs at its
+    /// top.
+    pub inside_too: bool,
 }
 
 /// The directories under a home that login shells and installers put on PATH, whether
@@ -466,65 +472,194 @@ const USUAL_PROGRAM_DIRS: [(&str, &str); 3] = [
     ),
 ];
 
+/// The directories of the toolchain and version managers that the programs on PATH
+/// lead into: rustup's proxies in `~/.cargo/bin` run the toolchains in `~/.rustup`,
+/// pyenv's, rbenv's, asdf's and Volta's shims run the versions in their own
+/// directories, pipx's programs in `~/.local/bin` are links into its environments, and
+/// nvm and Bun put directories of their own on PATH. Each with the variable that moves
+/// it, where it is under the home otherwise, and what it is.
+const MANAGER_DIRS: [(&str, &str, &str); 8] = [
+    (
+        "RUSTUP_HOME",
+        ".rustup",
+        "rustup's home, whose toolchains the cargo and rustc you run are",
+    ),
+    (
+        "PYENV_ROOT",
+        ".pyenv",
+        "pyenv's root, whose Python versions its shims on your PATH run",
+    ),
+    (
+        "RBENV_ROOT",
+        ".rbenv",
+        "rbenv's root, whose Ruby versions its shims on your PATH run",
+    ),
+    (
+        "ASDF_DATA_DIR",
+        ".asdf",
+        "asdf's data directory, whose tool versions its shims on your PATH run",
+    ),
+    (
+        "NVM_DIR",
+        ".nvm",
+        "nvm's directory, whose Node versions your shell puts on PATH",
+    ),
+    (
+        "PIPX_HOME",
+        ".local/share/pipx",
+        "pipx's home, whose environments the programs it puts in ~/.local/bin run",
+    ),
+    (
+        "VOLTA_HOME",
+        ".volta",
+        "Volta's home, whose Node tools its shims on your PATH run",
+    ),
+    (
+        "BUN_INSTALL",
+        ".bun",
+        "Bun's home, whose programs your shell puts on PATH",
+    ),
+];
+
 const ON_PATH: &str = "a directory on your PATH";
 
-/// The directories under the user's home whose programs the host user runs: each
-/// absolute entry of this process's `PATH` that lies under a home, the usual ones
-/// (`~/bin`, `~/.local/bin`, `~/.cargo/bin`) and `$CARGO_HOME/bin`. A relative entry
-/// (`node_modules/.bin`) names no directory of its own and is left out.
+/// A directory on PATH outside the homes, which counts only where the user can write
+/// it (Linuxbrew's `/home/linuxbrew/.linuxbrew/bin`, a `/opt/TOOL/bin` of one's own).
+const ON_PATH_WRITABLE: &str = "a directory on your PATH that you can write";
+
+/// The directories whose programs the host user runs:
+/// - under a home (made yet or not): each absolute entry of this process's `PATH` that
+///   lies there, the usual ones (`~/bin`, `~/.local/bin`, `~/.cargo/bin`),
+///   `$CARGO_HOME/bin`, and the toolchain and version managers' directories
+///   ([`MANAGER_DIRS`]: `$RUSTUP_HOME`, `$PYENV_ROOT`, `~/.rbenv`, `$ASDF_DATA_DIR`,
+///   `~/.nvm`, pipx's `~/.local/share/pipx`, `~/.volta`, `~/.bun`);
+/// - outside the homes, the same where the user can write them, or make them
+///   ([`user_can_write`]): Linuxbrew's bin, a `RUSTUP_HOME` in `/opt`.
+///
+/// A relative entry (`node_modules/.bin`) names no directory of its own and is left
+/// out. Where each program on PATH leads (its link's target, the directory a shim
+/// runs from) is not followed: that would read every program at each start, and could
+/// change under us; the managers' directories cover the common places instead, and a
+/// program linked elsewhere is not seen.
 pub fn host_program_dirs() -> Vec<ProgramDir> {
     let (home, account_home) = homes();
     let homes: Vec<PathBuf> = home.into_iter().chain(account_home).collect();
     program_dirs_from(
         std::env::var_os("PATH").as_deref(),
         &homes,
-        std::env::var_os("CARGO_HOME").map(PathBuf::from),
+        |name| std::env::var_os(name).filter(|value| !value.is_empty()),
+        user_can_write,
     )
+}
+
+/// Whether this user may write `dir`, or make it where it is not made yet: write
+/// access to it or to the nearest directory above it that exists, or owning that
+/// directory (its owner may give itself write access).
+fn user_can_write(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some((existing, meta)) = dir
+        .ancestors()
+        .find_map(|dir| std::fs::metadata(dir).ok().map(|meta| (dir, meta)))
+    else {
+        return false;
+    };
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    meta.uid() == uid || rustix::fs::access(existing, rustix::fs::Access::WRITE_OK).is_ok()
+}
+
+/// A place that may hold programs the user runs, before it is resolved and judged.
+struct Candidate {
+    dir: PathBuf,
+    what: &'static str,
+    /// What it is when it lies outside the homes.
+    what_outside: &'static str,
+    inside_too: bool,
 }
 
 fn program_dirs_from(
     path: Option<&std::ffi::OsStr>,
     homes: &[PathBuf],
-    cargo_home: Option<PathBuf>,
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+    can_write: impl Fn(&Path) -> bool,
 ) -> Vec<ProgramDir> {
     let on_path = path
         .map(|path| std::env::split_paths(path).collect::<Vec<_>>())
         .unwrap_or_default()
         .into_iter()
-        .map(|dir| (dir, ON_PATH));
+        .map(|dir| Candidate {
+            dir,
+            what: ON_PATH,
+            what_outside: ON_PATH_WRITABLE,
+            inside_too: false,
+        });
     let usual = homes.iter().flat_map(|home| {
-        USUAL_PROGRAM_DIRS
-            .iter()
-            .map(|(dir, what)| (home.join(dir), *what))
+        USUAL_PROGRAM_DIRS.iter().map(|(dir, what)| Candidate {
+            dir: home.join(dir),
+            what,
+            what_outside: what,
+            inside_too: false,
+        })
     });
     let cargo_what = USUAL_PROGRAM_DIRS[2].1;
-    let cargo = cargo_home.map(|cargo| (cargo.join("bin"), cargo_what));
+    let cargo = var("CARGO_HOME").map(|cargo| Candidate {
+        dir: PathBuf::from(cargo).join("bin"),
+        what: cargo_what,
+        what_outside: cargo_what,
+        inside_too: false,
+    });
+    let managers = MANAGER_DIRS
+        .iter()
+        .flat_map(|(variable, under_home, what)| {
+            let moved = var(variable).map(PathBuf::from);
+            // Where it is by default too: a variable set for vmctl may not be the shells'.
+            let defaults = homes.iter().map(|home| home.join(under_home));
+            moved
+                .into_iter()
+                .chain(defaults)
+                .map(|dir| Candidate {
+                    dir,
+                    what,
+                    what_outside: what,
+                    inside_too: true,
+                })
+                .collect::<Vec<_>>()
+        });
     let resolved_homes: Vec<PathBuf> = homes
         .iter()
         .map(|home| crate::state::resolve_existing_part(home))
         .collect();
     let mut dirs: Vec<ProgramDir> = Vec::new();
-    for (dir, what) in on_path.chain(usual).chain(cargo) {
-        if !dir.is_absolute() {
+    for candidate in on_path.chain(usual).chain(cargo).chain(managers) {
+        if !candidate.dir.is_absolute() {
             continue;
         }
-        let resolved = crate::state::resolve_existing_part(&dir);
+        let resolved = crate::state::resolve_existing_part(&candidate.dir);
         // Under a home as named, or where it leads (`~/bin` a link into dotfiles
         // elsewhere is still the user's).
-        let under_home = homes.iter().any(|home| dir.starts_with(home))
+        let under_home = homes.iter().any(|home| candidate.dir.starts_with(home))
             || resolved_homes.iter().any(|home| resolved.starts_with(home));
-        if under_home && !dirs.iter().any(|known| known.dir == resolved) {
-            dirs.push(ProgramDir {
+        let what = if under_home {
+            candidate.what
+        } else if can_write(&resolved) {
+            candidate.what_outside
+        } else {
+            continue;
+        };
+        match dirs.iter_mut().find(|known| known.dir == resolved) {
+            Some(known) => known.inside_too |= candidate.inside_too,
+            None => dirs.push(ProgramDir {
                 dir: resolved,
                 what,
-            });
+                inside_too: candidate.inside_too,
+            }),
         }
     }
     dirs
 }
 
-/// Refuses a writable `mount` that is, or holds, one of `program_dirs`
-/// ([`ShareError::HostProgramDir`]). For the shares the user adds only: see there why
+/// Refuses a writable `mount` that is, or holds, one of `program_dirs`, or lies inside
+/// one whose programs lie anywhere below ([`ShareError::HostProgramDir`]). For the shares the user adds only: see there why
 /// not the workspace.
 pub fn check_not_program_dir(
     mount: &WrittenMount,
@@ -539,6 +674,8 @@ pub fn check_not_program_dir(
             Relation::Is
         } else if program_dir.dir.starts_with(&share.host) {
             Relation::Holds
+        } else if program_dir.inside_too && share.host.starts_with(&program_dir.dir) {
+            Relation::IsInside
         } else {
             continue;
         };
@@ -1497,20 +1634,36 @@ mod tests {
         (home, path)
     }
 
+    /// No variable set.
+    fn unset(_: &str) -> Option<std::ffi::OsString> {
+        None
+    }
+
+    /// Nothing outside the home writable (as for a user other than root).
+    fn nothing_writable(_: &Path) -> bool {
+        false
+    }
+
     /// The directories whose programs the user runs: PATH's absolute entries under the
-    /// home (none elsewhere, no relative one), and the usual ones whether on PATH or
-    /// not, made yet or not, taken through links.
+    /// home (no relative one, none elsewhere that the user cannot write), and the
+    /// usual ones whether on PATH or not, made yet or not, taken through links.
     #[test]
     fn program_dirs_are_the_path_entries_under_the_home_and_the_usual_ones() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();
         let (home, path) = home_with_programs(&root);
+        let cargo_home = |name: &str| (name == "CARGO_HOME").then(|| root.join("opt-cargo").into());
         let dirs = program_dirs_from(
             Some(&path),
             std::slice::from_ref(&home),
-            Some(root.join("opt-cargo")),
+            cargo_home,
+            nothing_writable,
         );
-        let found: Vec<(&Path, &str)> = dirs.iter().map(|d| (d.dir.as_path(), d.what)).collect();
+        let found: Vec<(&Path, &str)> = dirs
+            .iter()
+            .filter(|d| !d.inside_too)
+            .map(|d| (d.dir.as_path(), d.what))
+            .collect();
         assert_eq!(
             found,
             [
@@ -1521,19 +1674,121 @@ mod tests {
             ]
         );
         // A CARGO_HOME under the home counts, not made yet.
-        let dirs = program_dirs_from(None, std::slice::from_ref(&home), Some(home.join("c")));
+        let cargo_home = |name: &str| (name == "CARGO_HOME").then(|| home.join("c").into());
+        let dirs = program_dirs_from(
+            None,
+            std::slice::from_ref(&home),
+            cargo_home,
+            nothing_writable,
+        );
         assert!(dirs.iter().any(|d| d.dir == home.join("c/bin")), "{dirs:?}");
     }
 
+    /// The toolchain and version managers' directories, which the programs on PATH
+    /// lead into, count whole (what is inside them too), made yet or not, where their
+    /// variables put them as well as where they are by default.
+    #[test]
+    fn the_managers_directories_are_program_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (home, path) = home_with_programs(&root);
+        let moved = |name: &str| match name {
+            "RUSTUP_HOME" => Some(home.join("toolchains/rustup").into()),
+            // Outside the home, where this user cannot write: not theirs to fear for.
+            "PYENV_ROOT" => Some(root.join("system-pyenv").into()),
+            _ => None,
+        };
+        let dirs = program_dirs_from(
+            Some(&path),
+            std::slice::from_ref(&home),
+            moved,
+            nothing_writable,
+        );
+        let managers: Vec<(PathBuf, &str)> = dirs
+            .iter()
+            .filter(|d| d.inside_too)
+            .map(|d| (d.dir.clone(), d.what))
+            .collect();
+        let mut expected = vec![(home.join("toolchains/rustup"), MANAGER_DIRS[0].2)];
+        expected.extend(
+            MANAGER_DIRS
+                .iter()
+                .map(|(_, under_home, what)| (home.join(under_home), *what)),
+        );
+        assert_eq!(managers, expected);
+        // None of them made yet.
+        assert!(expected.iter().all(|(dir, _)| !dir.exists()));
+    }
+
+    /// PATH's entries, and the managers' directories, outside the home count where the
+    /// user can write them (Linuxbrew's, one in /opt of the user's own), or make them.
+    #[test]
+    fn writable_program_dirs_outside_the_home_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let (home, path) = home_with_programs(&root);
+        let brew = root.join("linuxbrew/.linuxbrew/bin");
+        std::fs::create_dir_all(&brew).unwrap();
+        let mut entries: Vec<PathBuf> = std::env::split_paths(&path).collect();
+        entries.push(brew.clone());
+        let path = std::env::join_paths(entries).unwrap();
+        let rustup = root.join("opt/rustup");
+        let moved = |name: &str| (name == "RUSTUP_HOME").then(|| rustup.clone().into());
+        // The user's own: everything below `linuxbrew` and `opt` (not made yet).
+        let ours = |dir: &Path| {
+            dir.starts_with(root.join("linuxbrew")) || dir.starts_with(root.join("opt"))
+        };
+        let dirs = program_dirs_from(Some(&path), std::slice::from_ref(&home), moved, ours);
+        let outside: Vec<(&Path, &str, bool)> = dirs
+            .iter()
+            .filter(|d| !d.dir.starts_with(&home) && d.dir != root.join("dotfiles/bin"))
+            .map(|d| (d.dir.as_path(), d.what, d.inside_too))
+            .collect();
+        assert_eq!(
+            outside,
+            [
+                (brew.as_path(), ON_PATH_WRITABLE, false),
+                (rustup.as_path(), MANAGER_DIRS[0].2, true),
+            ]
+        );
+    }
+
+    /// This user can write a directory of theirs, and make one in it; not one that
+    /// only another user may write (where the tests do not run as root, who may).
+    #[test]
+    fn what_the_user_can_write_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(user_can_write(dir.path()));
+        assert!(user_can_write(&dir.path().join("not/made/yet")));
+        // SAFETY: getuid cannot fail.
+        if unsafe { libc::getuid() } != 0 {
+            assert!(!user_can_write(Path::new("/usr/bin")));
+            assert!(!user_can_write(Path::new("/usr/not-made-yet/bin")));
+        }
+    }
+
     /// A writable share the user adds that is or holds a directory of the user's
-    /// programs is refused, saying what to do; read-only it is fine, and so are the
-    /// directories beside them (`~/.local/share`, Cargo's download cache).
+    /// programs, or lies inside a manager's, is refused, saying what to do; read-only
+    /// it is fine, and so are the directories beside them (`~/.local/share/fonts`,
+    /// Cargo's download cache).
     #[test]
     fn a_writable_mount_of_a_directory_of_the_users_programs_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();
         let (home, path) = home_with_programs(&root);
-        let dirs = program_dirs_from(Some(&path), std::slice::from_ref(&home), None);
+        for made in [
+            ".rustup/toolchains/stable-x86_64-unknown-linux-gnu",
+            ".local/share/pipx/venvs/black",
+            ".local/share/fonts",
+        ] {
+            std::fs::create_dir_all(home.join(made)).unwrap();
+        }
+        let dirs = program_dirs_from(
+            Some(&path),
+            std::slice::from_ref(&home),
+            unset,
+            nothing_writable,
+        );
         let check = |spec: &str| {
             let mount = parse_mount_with_home(spec, &root, Some(&home)).unwrap();
             check_not_program_dir(&mount, &dirs)
@@ -1568,10 +1823,29 @@ mod tests {
             refusal(root.join("dotfiles").to_str().unwrap()),
             format!("holds {}", root.join("dotfiles/bin").display())
         );
+        // A manager's directory, what holds it, and what is inside it: its programs
+        // lie anywhere below (rustup's toolchains, pipx's environments).
+        assert_eq!(
+            refusal("~/.rustup"),
+            format!("is {}", home.join(".rustup").display())
+        );
+        assert_eq!(
+            refusal("~/.rustup/toolchains/stable-x86_64-unknown-linux-gnu"),
+            format!("is inside {}", home.join(".rustup").display())
+        );
+        assert_eq!(
+            refusal("~/.local/share"),
+            format!("holds {}", home.join(".local/share/pipx").display())
+        );
+        assert_eq!(
+            refusal("~/.local/share/pipx/venvs/black"),
+            format!("is inside {}", home.join(".local/share/pipx").display())
+        );
         for allowed in [
             "~/.local/bin:ro",
             "~/.local:/l:ro",
-            "~/.local/share",
+            "~/.rustup:ro",
+            "~/.local/share/fonts",
             "~/.cargo/registry",
             "elsewhere",
         ] {
@@ -1585,6 +1859,17 @@ mod tests {
                  this host; mount it read-only (\"~/.local:/l:ro\")",
                 home.join(".local").display(),
                 home.join(".local/bin").display()
+            )),
+            "{message}"
+        );
+        let message = check("~/.rustup/toolchains").unwrap_err().to_string();
+        assert!(
+            message.starts_with(&format!(
+                "mount \"~/.rustup/toolchains\": {} is inside {}, rustup's home, whose \
+                 toolchains the cargo and rustc you run are, and a guest that could write \
+                 it could put a program there",
+                home.join(".rustup/toolchains").display(),
+                home.join(".rustup").display()
             )),
             "{message}"
         );

@@ -171,7 +171,9 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
             }
         })?;
     if let Some(soon) = ca.expires_soon() {
-        // The supervisor's stderr is its log, whose warnings `vmctl up` shows.
+        // The supervisor's stderr is its log, whose `vmctl: warning:` lines `vmctl up`
+        // shows (a tracing line it does not pick out). The only time it is said: egress
+        // leaves it to us.
         vmm::to_stderr!("vmctl: warning: {soon}");
     }
     let extra_ca = record.egress.extra_ca.as_deref();

@@ -142,10 +142,35 @@ impl Daemon {
         // (process_group(0)): its id is the daemon's pid, which stays its own until
         // it is reaped, and it is not (status is None).
         if unsafe { libc::kill(-pid, libc::SIGKILL) } != 0 {
+            self.say_not_killed(pid);
+        }
+    }
+
+    /// SIGKILL to what the daemon forked and left running once it ended itself (in its
+    /// sandbox, the server, which the daemon's death only sends SIGTERM, and which may
+    /// be stuck in the kernel). Only for a group just found to have a live member
+    /// ([`super::process_group_alive`]).
+    pub(super) fn kill_group_left(&self) {
+        let Ok(pid) = libc::pid_t::try_from(self.child.id()) else {
+            return;
+        };
+        // SAFETY: kill only sends a signal. The daemon is reaped, but its pid stays
+        // the group's id while a member lives: the kernel hands out no pid that is
+        // still a process group's id, so the group is still the one the daemon made.
+        // (Were its last member to die in the moment since it was seen, the pid would
+        // have to come round the whole pid space to another group first.)
+        if unsafe { libc::kill(-pid, libc::SIGKILL) } != 0 {
+            self.say_not_killed(pid);
+        }
+    }
+
+    fn say_not_killed(&self, group: libc::pid_t) {
+        let error = std::io::Error::last_os_error();
+        // Gone since it was seen: nothing to kill.
+        if error.raw_os_error() != Some(libc::ESRCH) {
             tracing::warn!(
                 host = %self.host.display(),
-                "cannot kill virtiofsd's process group {pid}: {}",
-                std::io::Error::last_os_error()
+                "cannot kill virtiofsd's process group {group}: {error}"
             );
         }
     }

@@ -655,17 +655,37 @@ fn late_end_failure(daemon: &Daemon, as_vm_stopped: bool) -> String {
     )
 }
 
-/// What is said of a daemon that [`terminate`] killed and that is still there.
+/// What is said of a daemon that [`terminate`] killed (or that was killed when the
+/// VMM gave up on it) and that is still there.
 fn still_there_message(daemon: &Daemon) -> String {
     let group = group_of(daemon);
+    let host = daemon.host.display();
+    let what = if daemon.given_up != GivenUp::No {
+        // Its SIGKILL came when the VMM gave up on it, and it was said then not to
+        // have ended.
+        format!(
+            "virtiofsd (pid {group}) for {host}, which the VMM gave up on and which \
+             outlived vmctl's SIGKILL then, is still there as the VM stops: it (or a \
+             process it forked) is stuck in the kernel"
+        )
+    } else if daemon.status.is_some() {
+        format!(
+            "virtiofsd (pid {group}) for {host} has ended, but a process it forked has \
+             not, {} s after SIGKILL: it is stuck in the kernel",
+            STOP_KILL_WAIT.as_secs()
+        )
+    } else {
+        format!(
+            "virtiofsd (pid {group}) for {host} has not ended {} s after SIGKILL: it (or \
+             a process it forked) is stuck in the kernel",
+            STOP_KILL_WAIT.as_secs()
+        )
+    };
     format!(
-        "virtiofsd (pid {group}) for {} has not ended {} s after SIGKILL: it (or a process \
-         it forked) is stuck in the kernel, most likely on the file system it serves (a \
-         hard NFS mount, a FUSE server that stopped), and vmctl goes on without it; \
-         'ps -o pid,stat,wchan:32,cmd -g {group}' shows it (stat D: waiting in the \
-         kernel). It ends once that file system answers",
-        daemon.host.display(),
-        STOP_KILL_WAIT.as_secs()
+        "{what}, most likely on the file system it serves (a hard NFS mount, a FUSE \
+         server that stopped), and vmctl goes on without it; 'ps -o \
+         pid,stat,wchan:32,cmd -g {group}' shows it (stat D: waiting in the kernel). It \
+         ends once that file system answers"
     )
 }
 
@@ -971,12 +991,15 @@ impl Drop for FsDaemons {
     }
 }
 
-/// Stops `daemons`: SIGTERM, up to [`STOP_GRACE`] to exit, then SIGKILL to the process
-/// group of each still running, and up to [`STOP_KILL_WAIT`] for those (and for any
-/// given up on that outlived its SIGKILL before) to end with what they forked. It
-/// waits no longer: a daemon stuck in the kernel (a hung NFS mount) must not hold up
-/// the VM's stop for ever. Removes every socket. Returns the indexes of the daemons
-/// still there, for the caller to say so ([`say_still_there`]).
+/// Stops `daemons`: SIGTERM, up to [`STOP_GRACE`] for each to exit with what it
+/// forked, then SIGKILL to the process group of each still running, or whose forked
+/// processes outlived it (in its sandbox the server is the daemon's child, which the
+/// daemon's death only sends SIGTERM: one stuck in the kernel stays), and up to
+/// [`STOP_KILL_WAIT`] for those (and for any given up on that outlived its SIGKILL
+/// before) to end with what they forked. It waits no longer: a daemon stuck in the
+/// kernel (a hung NFS mount) must not hold up the VM's stop for ever. Removes every
+/// socket. Returns the indexes of the daemons still there, for the caller to say so
+/// ([`say_still_there`]).
 fn terminate(daemons: &mut [Daemon], group_alive: fn(libc::pid_t) -> bool) -> Vec<usize> {
     let running = |daemon: &mut Daemon| matches!(daemon.poll_exit(), Ok(None));
     // One given up on had SIGKILL already: SIGTERM would change nothing.
@@ -987,12 +1010,12 @@ fn terminate(daemons: &mut [Daemon], group_alive: fn(libc::pid_t) -> bool) -> Ve
             unsafe { libc::kill(group_of(daemon), libc::SIGTERM) };
         }
     }
+    // Its group is looked at only once it has ended: reading every process's stat
+    // at each poll while daemons still run would be wasted.
+    let lingers =
+        |daemon: &mut Daemon| asked(daemon) && (running(daemon) || group_alive(group_of(daemon)));
     let deadline = Instant::now() + STOP_GRACE;
-    while Instant::now() < deadline
-        && daemons
-            .iter_mut()
-            .any(|daemon| asked(daemon) && running(daemon))
-    {
+    while Instant::now() < deadline && daemons.iter_mut().any(&lingers) {
         std::thread::sleep(START_POLL);
     }
     let mut killed = Vec::new();
@@ -1005,6 +1028,13 @@ fn terminate(daemons: &mut [Daemon], group_alive: fn(libc::pid_t) -> bool) -> Ve
             daemon.kill_group();
             killed.push(index);
         } else if killed_before {
+            killed.push(index);
+        } else if group_alive(group_of(daemon)) {
+            tracing::warn!(
+                host = %daemon.host.display(),
+                "virtiofsd ended, but a process it forked did not; killing it"
+            );
+            daemon.kill_group_left();
             killed.push(index);
         }
     }
@@ -1463,6 +1493,16 @@ mod tests {
             let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
             let pid = daemon_pids(&daemons)[0];
             let mut taken = std::mem::take(&mut daemons.shared.lock().daemons);
+            // What is said of one still there whose own process SIGKILL did not end
+            // (not reaped yet, as here before it gets SIGKILL).
+            let said = still_there_message(&taken[0]);
+            for needed in [
+                &format!("virtiofsd (pid {pid}) for {}", dir.path().display()),
+                "has not ended 3 s after SIGKILL: it (or a process it forked)",
+                &format!("-g {pid}"),
+            ] {
+                assert!(said.contains(needed), "{needed}: {said}");
+            }
             let group_alive = if stuck { |_| true } else { process_group_alive };
             let started = Instant::now();
             let still_there = terminate(&mut taken, group_alive);
@@ -1479,11 +1519,95 @@ mod tests {
             assert!(!dir.path().join("fs0.sock").exists());
             if stuck {
                 assert_eq!(still_there, [0]);
+                // It was reaped: what the stand-in says still runs is what it forked.
+                let said = still_there_message(&taken[0]);
+                assert!(said.contains("a process it forked has not"), "{said}");
+            } else {
+                assert!(still_there.is_empty(), "{still_there:?}");
+            }
+            daemons.stop();
+        }
+    }
+
+    /// Waits for the stand-in's forked process to write its pid to `file`; that pid.
+    fn forked_pid(file: &Path) -> libc::pid_t {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !file.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::fs::read_to_string(file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// Kills a test's stray process should the test fail before it is dead.
+    struct KillOnDrop {
+        pid: libc::pid_t,
+        group: libc::pid_t,
+    }
+
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid));
+            if stat.is_ok_and(|stat| is_live_member(&stat, self.group)) {
+                // SAFETY: kill only sends a signal, to the test's own process, still
+                // in the group it was started in.
+                unsafe { libc::kill(self.pid, libc::SIGKILL) };
+            }
+        }
+    }
+
+    /// A daemon that ends on SIGTERM but leaves a process it forked running (its
+    /// sandbox's server, which its death sends only SIGTERM, stuck in the kernel on a
+    /// hung NFS mount; here one that does not heed the daemon's death) has that
+    /// process killed once SIGTERM's time is up, and, if that does not end it either
+    /// (a stand-in says its group still runs), is said to be still there, as the
+    /// process it forked.
+    #[test]
+    fn stopping_kills_what_a_daemon_forked_that_outlived_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let forked_file = dir.path().join("forked.pid");
+        let fake = fake_virtiofsd_then(
+            dir.path(),
+            ":",
+            &format!("sleep 600 & echo $! > '{}'; wait", forked_file.display()),
+        );
+        for stuck in [false, true] {
+            let _ = std::fs::remove_file(&forked_file);
+            let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
+            let group = daemon_pids(&daemons)[0];
+            let forked = forked_pid(&forked_file);
+            let _cleanup = KillOnDrop { pid: forked, group };
+            let mut taken = std::mem::take(&mut daemons.shared.lock().daemons);
+            let group_alive = if stuck { |_| true } else { process_group_alive };
+            let started = Instant::now();
+            let still_there = terminate(&mut taken, group_alive);
+            let took = started.elapsed();
+            assert!(
+                took >= STOP_GRACE,
+                "what it forked was not given SIGTERM's time: {took:?}"
+            );
+            assert!(
+                took < STOP_GRACE + STOP_KILL_WAIT + Duration::from_secs(1),
+                "took {took:?}"
+            );
+            assert!(
+                taken[0].status.is_some(),
+                "the daemon did not end on SIGTERM"
+            );
+            // Dead, if perhaps not yet reaped by init, which inherited it.
+            let forked_runs = std::fs::read_to_string(format!("/proc/{forked}/stat"))
+                .is_ok_and(|stat| is_live_member(&stat, group));
+            assert!(!forked_runs, "what the daemon forked still runs");
+            if stuck {
+                assert_eq!(still_there, [0]);
                 let said = still_there_message(&taken[0]);
                 for needed in [
-                    &format!("virtiofsd (pid {pid}) for {}", dir.path().display()),
-                    "has not ended 3 s after SIGKILL",
-                    &format!("-g {pid}"),
+                    &format!("virtiofsd (pid {group}) for {}", dir.path().display()),
+                    "has ended, but a process it forked has not, 3 s after SIGKILL",
+                    &format!("-g {group}"),
                 ] {
                     assert!(said.contains(needed), "{needed}: {said}");
                 }
@@ -1492,6 +1616,40 @@ mod tests {
             }
             daemons.stop();
         }
+    }
+
+    /// A daemon given up on that outlived its SIGKILL then and is still there as the
+    /// VM stops is said to be so as such: not as one that got its SIGKILL 3 s ago.
+    #[test]
+    fn a_daemon_given_up_on_still_there_as_the_vm_stops_is_said_to_be_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = fake_virtiofsd(dir.path(), ":");
+        let (daemons, _) = start_unsandboxed(&fake, &[share(dir.path(), false)], dir.path());
+        daemons.shared.lock().group_alive = |_| true;
+        let group = daemon_pids(&daemons)[0];
+        daemons.give_up("vmctl0", "the backend refused SET_VRING_BASE");
+        let failures = wait_for_failure_within(&daemons, 2 * KILL_WAIT);
+        assert!(failures[0].contains("has not ended"), "{failures:?}");
+        let mut taken = std::mem::take(&mut daemons.shared.lock().daemons);
+        let started = Instant::now();
+        let still_there = terminate(&mut taken, |_| true);
+        assert!(
+            started.elapsed() < STOP_KILL_WAIT + Duration::from_secs(1),
+            "SIGTERM's time was waited for one that had SIGKILL: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(still_there, [0]);
+        let said = still_there_message(&taken[0]);
+        for needed in [
+            &format!("virtiofsd (pid {group}) for {}", dir.path().display()),
+            "which the VMM gave up on and which outlived vmctl's SIGKILL then, is still \
+             there as the VM stops",
+            &format!("-g {group}"),
+        ] {
+            assert!(said.contains(needed), "{needed}: {said}");
+        }
+        assert!(!said.contains("s after SIGKILL"), "{said}");
+        daemons.stop();
     }
 
     /// A daemon that died on its own before the VMM's word of it came (its session

@@ -521,6 +521,21 @@ const MANAGER_DIRS: [(&str, &str, &str); 8] = [
     ),
 ];
 
+/// Cargo's sources of the crates it builds, under `$CARGO_HOME`: cargo does not check
+/// an unpacked crate again, so a build script or proc macro changed there runs at the
+/// host's next `cargo build`. Shared read-only they are safe (and save the guest the
+/// downloads).
+const CARGO_SOURCE_DIRS: [(&str, &str); 2] = [
+    (
+        "registry",
+        "cargo's registry, whose unpacked crates' build scripts and proc macros your cargo build runs",
+    ),
+    (
+        "git",
+        "cargo's git checkouts, whose crates' build scripts and proc macros your cargo build runs",
+    ),
+];
+
 const ON_PATH: &str = "a directory on your PATH";
 
 /// A directory on PATH outside the homes, which counts only where the user can write
@@ -608,6 +623,19 @@ fn program_dirs_from(
         what_outside: cargo_what,
         inside_too: false,
     });
+    let cargo_homes: Vec<PathBuf> = var("CARGO_HOME")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(homes.iter().map(|home| home.join(".cargo")))
+        .collect();
+    let cargo_sources = cargo_homes.into_iter().flat_map(|cargo_home| {
+        CARGO_SOURCE_DIRS.iter().map(move |(dir, what)| Candidate {
+            dir: cargo_home.join(dir),
+            what,
+            what_outside: what,
+            inside_too: true,
+        })
+    });
     let managers = MANAGER_DIRS
         .iter()
         .flat_map(|(variable, under_home, what)| {
@@ -630,7 +658,12 @@ fn program_dirs_from(
         .map(|home| crate::state::resolve_existing_part(home))
         .collect();
     let mut dirs: Vec<ProgramDir> = Vec::new();
-    for candidate in on_path.chain(usual).chain(cargo).chain(managers) {
+    for candidate in on_path
+        .chain(usual)
+        .chain(cargo)
+        .chain(cargo_sources)
+        .chain(managers)
+    {
         if !candidate.dir.is_absolute() {
             continue;
         }
@@ -814,7 +847,7 @@ const CODEX_INSTEAD: &str = "Codex in the VM signs in through the egress proxy i
      `vmctl secret set openai` (an API key, on stdin), which stays on the host";
 
 const CARGO_INSTEAD: &str = "the directories inside it hold no token and may be shared \
-     (its download cache ~/.cargo/registry, say)";
+     (its download cache read-only, say: `--mount ~/.cargo/registry:ro`)";
 
 /// Where `CLAUDE_CONFIG_DIR`, `CODEX_HOME` and `CARGO_HOME` move the agents' sign-ins
 /// and Cargo's crates.io token, when set.
@@ -1605,7 +1638,7 @@ mod tests {
     }
 
     /// In `root`: a home with `.local/bin`, `.local/share`, `.cargo/bin`,
-    /// `.cargo/registry` and `project/.venv/bin`, its `bin` a link into `dotfiles`.
+    /// `.cargo/registry/src` and `project/.venv/bin`, its `bin` a link into `dotfiles`.
     /// Returns the home and a PATH naming some of them, a system directory, a
     /// relative and an empty entry, and a directory outside the home.
     fn home_with_programs(root: &Path) -> (PathBuf, std::ffi::OsString) {
@@ -1614,7 +1647,7 @@ mod tests {
             ".local/bin",
             ".local/share",
             ".cargo/bin",
-            ".cargo/registry",
+            ".cargo/registry/src",
             "project/.venv/bin",
         ] {
             std::fs::create_dir_all(home.join(dir)).unwrap();
@@ -1704,11 +1737,21 @@ mod tests {
             moved,
             nothing_writable,
         );
+        let cargo_sources: Vec<&str> = CARGO_SOURCE_DIRS.iter().map(|(_, what)| *what).collect();
         let managers: Vec<(PathBuf, &str)> = dirs
             .iter()
-            .filter(|d| d.inside_too)
+            .filter(|d| d.inside_too && !cargo_sources.contains(&d.what))
             .map(|d| (d.dir.clone(), d.what))
             .collect();
+        let sources: Vec<PathBuf> = dirs
+            .iter()
+            .filter(|d| d.inside_too && cargo_sources.contains(&d.what))
+            .map(|d| d.dir.clone())
+            .collect();
+        assert_eq!(
+            sources,
+            vec![home.join(".cargo/registry"), home.join(".cargo/git")]
+        );
         let mut expected = vec![(home.join("toolchains/rustup"), MANAGER_DIRS[0].2)];
         expected.extend(
             MANAGER_DIRS
@@ -1846,11 +1889,20 @@ mod tests {
             "~/.local:/l:ro",
             "~/.rustup:ro",
             "~/.local/share/fonts",
-            "~/.cargo/registry",
+            "~/.cargo/registry:ro",
             "elsewhere",
         ] {
             assert!(check(allowed).is_ok(), "{allowed}: {:?}", check(allowed));
         }
+        // Cargo's unpacked crates: their build scripts run at the host's next build.
+        assert_eq!(
+            refusal("~/.cargo/registry"),
+            format!("is {}", home.join(".cargo/registry").display())
+        );
+        assert_eq!(
+            refusal("~/.cargo/registry/src"),
+            format!("is inside {}", home.join(".cargo/registry").display())
+        );
         let message = check("~/.local:/l:rw").unwrap_err().to_string();
         assert!(
             message.starts_with(&format!(

@@ -621,7 +621,6 @@ pub(crate) fn verify_leaf(
 /// what is read is what was checked.
 fn read_private_key(path: &Path, dir: &Path) -> Result<Zeroizing<String>, CaError> {
     use std::io::Read;
-    use std::os::unix::fs::MetadataExt;
     let read_error = |source| CaError::Read {
         path: path.to_path_buf(),
         source,
@@ -640,19 +639,10 @@ fn read_private_key(path: &Path, dir: &Path) -> Result<Zeroizing<String>, CaErro
             _ => read_error(e),
         })?;
     let meta = file.metadata().map_err(read_error)?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
     let why = if !meta.file_type().is_file() {
         Some("it is not a regular file".to_string())
-    } else if meta.uid() != me {
-        Some(format!(
-            "it belongs to uid {}, not to you ({me})",
-            meta.uid()
-        ))
-    } else if meta.mode() & 0o077 != 0 {
-        Some(format!("its mode is {:o}", meta.mode() & 0o7777))
     } else {
-        None
+        why_not_private(&meta)
     };
     if let Some(why) = why {
         return Err(CaError::KeyNotPrivate {
@@ -666,19 +656,13 @@ fn read_private_key(path: &Path, dir: &Path) -> Result<Zeroizing<String>, CaErro
     Ok(key)
 }
 
-/// Refuses `dir` unless it is a directory of this user's that no one else has any
-/// access to (it is made so: 0700).
-fn check_private_dir(dir: &Path) -> Result<(), CaError> {
+/// Why a file or directory with `meta` is not this user's alone: another's, or open
+/// to its group or others in any way.
+fn why_not_private(meta: &fs::Metadata) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
-    let meta = fs::metadata(dir).map_err(|source| CaError::Read {
-        path: dir.to_path_buf(),
-        source,
-    })?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
-    let why = if !meta.is_dir() {
-        Some("it is not a directory".to_string())
-    } else if meta.uid() != me {
+    if meta.uid() != me {
         Some(format!(
             "it belongs to uid {}, not to you ({me})",
             meta.uid()
@@ -687,6 +671,20 @@ fn check_private_dir(dir: &Path) -> Result<(), CaError> {
         Some(format!("its mode is {:o}", meta.mode() & 0o7777))
     } else {
         None
+    }
+}
+
+/// Refuses `dir` unless it is a directory of this user's that no one else has any
+/// access to (it is made so: 0700).
+fn check_private_dir(dir: &Path) -> Result<(), CaError> {
+    let meta = fs::metadata(dir).map_err(|source| CaError::Read {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let why = if !meta.is_dir() {
+        Some("it is not a directory".to_string())
+    } else {
+        why_not_private(&meta)
     };
     match why {
         Some(why) => Err(CaError::DirNotPrivate {

@@ -871,15 +871,7 @@ mod tests {
     #[test]
     fn the_daemon_stops_each_vm_with_its_start_lock_held() {
         let dir = tempfile::tempdir().unwrap();
-        let vms: Vec<VmDir> = ["one", "two", "stopped"]
-            .iter()
-            .map(|name| VmDir {
-                path: dir.path().join(name),
-            })
-            .collect();
-        for vm in &vms {
-            std::fs::create_dir_all(&vm.path).unwrap();
-        }
+        let vms = vm_dirs_in(dir.path(), &["one", "two", "stopped"]);
         let _running: Vec<_> = vms[..2].iter().map(FakeSupervisor::start).collect();
         let (stopped, stops) = std::sync::mpsc::channel();
         let stopped = Mutex::new(stopped);
@@ -903,15 +895,7 @@ mod tests {
     #[test]
     fn the_daemon_stops_a_vm_whose_start_is_under_way_once_it_is_up() {
         let dir = tempfile::tempdir().unwrap();
-        let vms: Vec<VmDir> = ["coming-up", "failing"]
-            .iter()
-            .map(|name| VmDir {
-                path: dir.path().join(name),
-            })
-            .collect();
-        for vm in &vms {
-            std::fs::create_dir_all(&vm.path).unwrap();
-        }
+        let vms = vm_dirs_in(dir.path(), &["coming-up", "failing"]);
         let starts: Vec<std::fs::File> = vms
             .iter()
             .map(|vm| crate::vm::try_lock_start(vm).unwrap().expect("the lock"))
@@ -994,6 +978,20 @@ mod tests {
 
     /// A stand-in for `vm`'s supervisor (what `running_pid` takes for one) that exits
     /// on SIGTERM; dropping it kills it.
+    /// VM directories named `names`, made in `parent`.
+    fn vm_dirs_in(parent: &Path, names: &[&str]) -> Vec<VmDir> {
+        names
+            .iter()
+            .map(|name| {
+                let vm = VmDir {
+                    path: parent.join(name),
+                };
+                std::fs::create_dir_all(&vm.path).unwrap();
+                vm
+            })
+            .collect()
+    }
+
     struct FakeSupervisor(crate::state::FakeSupervisor);
 
     impl FakeSupervisor {

@@ -556,15 +556,7 @@ mod tests {
     /// watched all the same, and reported as new.
     #[test]
     fn a_directory_made_while_the_queue_overflowed_is_watched() {
-        let queue: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        assert!(
-            queue <= 1 << 20,
-            "a queue of {queue} events is too long to fill here"
-        );
+        let queue = inotify_queue_len();
         let (_dir, root, _) = share_and_outside();
         std::fs::create_dir_all(&root).unwrap();
         let mut watcher = TreeWatcher::new(100).unwrap();
@@ -595,15 +587,7 @@ mod tests {
     /// read once the gap has passed (the caller waits no longer than that).
     #[test]
     fn overflows_in_a_row_walk_the_trees_at_most_once_per_gap() {
-        let queue: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        assert!(
-            queue <= 1 << 20,
-            "a queue of {queue} events is too long to fill here"
-        );
+        let queue = inotify_queue_len();
         let (_dir, root, _) = share_and_outside();
         std::fs::create_dir_all(&root).unwrap();
         let mut watcher = TreeWatcher::new(100).unwrap();
@@ -647,6 +631,20 @@ mod tests {
             .edits
             .contains_key(&(second.clone(), EditKind::Entries)));
         assert_eq!(watcher.rewalk_due_in(), None);
+    }
+
+    /// How many events the kernel queues per inotify instance before it drops them.
+    fn inotify_queue_len() -> usize {
+        let queue: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            queue <= 1 << 20,
+            "a queue of {queue} events is too long to fill here"
+        );
+        queue
     }
 
     /// Reads until `dir` is watched, or fails after 5 s.

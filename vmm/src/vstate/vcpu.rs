@@ -162,7 +162,7 @@ impl Vcpu {
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 tracing::info!("vcpu{index}: guest system event {kind}");
-                Err(ExitReason::GuestShutdown)
+                Err(system_event_exit(index, kind))
             }
             Ok(VcpuExit::Hlt) => {
                 // Only reachable without an in-kernel LAPIC; nothing to do but wait.
@@ -172,10 +172,12 @@ impl Vcpu {
             Ok(VcpuExit::FailEntry(reason, cpu)) => Err(ExitReason::Fatal(format!(
                 "vCPU {index}: KVM could not enter the guest (hardware reason {reason:#x}, cpu {cpu})"
             ))),
-            Ok(VcpuExit::InternalError) => Err(ExitReason::Fatal(format!(
-                "vCPU {index}: KVM internal error (emulation failure); this host's KVM may not \
-                 be able to run a standard Linux guest (try --nested always)"
-            ))),
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: after a KVM_EXIT_INTERNAL_ERROR exit, `internal` is the union
+                // member KVM filled in; suberror is a plain u32.
+                let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                Err(ExitReason::Fatal(internal_error_message(index, suberror)))
+            }
             Ok(other) => {
                 guest_log::guest_warn!("vcpu{index}: unexpected exit {other:?}; continuing");
                 Ok(())
@@ -190,6 +192,35 @@ impl Vcpu {
             Err(e) => Err(ExitReason::Fatal(format!("vCPU {index}: KVM_RUN failed: {e}"))),
         }
     }
+}
+
+/// What a KVM_EXIT_SYSTEM_EVENT of `kind` ends the VM with: the guest's own report of
+/// a crash (pvpanic-style, through a hypervisor interface) is a crash, anything else
+/// (a shutdown, a reset: our guests reboot to exit) an orderly end.
+fn system_event_exit(index: u8, kind: u32) -> ExitReason {
+    if kind == kvm_bindings::KVM_SYSTEM_EVENT_CRASH {
+        ExitReason::Fatal(format!(
+            "the guest reported a crash (system event on vCPU {index})"
+        ))
+    } else {
+        ExitReason::GuestShutdown
+    }
+}
+
+/// Why vCPU `index` stopped with KVM's internal error `suberror`. An emulation failure
+/// may be this host's KVM (PVM cannot run every guest) or the guest itself (an access
+/// KVM cannot emulate, such as a vector instruction on a device's registers).
+fn internal_error_message(index: u8, suberror: u32) -> String {
+    let what = if suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
+        "an instruction KVM could not emulate"
+    } else {
+        "see KVM_INTERNAL_ERROR_* in linux/kvm.h"
+    };
+    format!(
+        "vCPU {index}: KVM internal error (suberror {suberror}: {what}); either the guest did \
+         something KVM cannot handle, or this host's KVM cannot run a standard Linux guest (if \
+         other guests fail the same way, try --nested always)"
+    )
 }
 
 /// Where a vCPU was when it triple-faulted, or why that is unknown. On AMD, KVM
@@ -271,6 +302,36 @@ impl VcpuHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_crash_the_guest_reports_is_a_crash_and_other_system_events_an_end() {
+        assert!(matches!(
+            system_event_exit(1, kvm_bindings::KVM_SYSTEM_EVENT_CRASH),
+            ExitReason::Fatal(why) if why.contains("the guest reported a crash")
+        ));
+        for orderly in [
+            kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN,
+            kvm_bindings::KVM_SYSTEM_EVENT_RESET,
+        ] {
+            assert!(matches!(
+                system_event_exit(0, orderly),
+                ExitReason::GuestShutdown
+            ));
+        }
+    }
+
+    #[test]
+    fn an_internal_error_names_its_suberror_and_both_possible_causes() {
+        let emulation = internal_error_message(2, kvm_bindings::KVM_INTERNAL_ERROR_EMULATION);
+        assert!(
+            emulation.contains("vCPU 2")
+                && emulation.contains("suberror 1: an instruction KVM could not emulate")
+                && emulation.contains("the guest did something")
+                && emulation.contains("--nested always"),
+            "{emulation}"
+        );
+        assert!(internal_error_message(0, 99).contains("suberror 99"));
+    }
 
     fn long_mode_crash() -> (kvm_regs, kvm_sregs) {
         let regs = kvm_regs {

@@ -423,6 +423,11 @@ impl MmioTransport {
             .ok()
             .and_then(|i| self.queues.get_mut(i))
             .ok_or(MmioError::NoSuchQueue { index, count })?;
+        // Linux's vm_del_vq writes 0 to each queue's QueueReady as it unbinds the
+        // driver, after the reset: not a fault, and nothing to do.
+        if value == 0 && !setup.queue.ready() {
+            return Ok(());
+        }
         if status & (S_FEATURES_OK | S_DRIVER_OK | S_FAILED) != S_FEATURES_OK {
             return Err(MmioError::QueueLocked {
                 index,
@@ -1020,6 +1025,29 @@ mod tests {
         h.set_status(S_FAILED);
         h.set_status(DRV);
         assert_eq!(h.status(), ACK | S_FAILED);
+    }
+
+    /// Linux unbinding a driver resets the device, then writes 0 to each queue's
+    /// QueueReady: no fault to report. Taking a live queue down stays refused.
+    #[test]
+    fn clearing_the_ready_bit_of_a_queue_not_ready_is_no_fault() {
+        let mut h = harness();
+        h.w(REG_QUEUE_SEL, 0);
+        assert!(h.t.set_queue_ready(0).is_ok(), "after a reset, status 0");
+        h.set_status(ACK);
+        h.set_status(DRV);
+        h.write_features(FEATURE_VERSION_1);
+        h.set_status(FOK);
+        h.setup_queue(0, 128, 0x1_0000);
+        h.set_status(DOK);
+        h.w(REG_QUEUE_SEL, 0);
+        assert!(matches!(
+            h.t.set_queue_ready(0),
+            Err(MmioError::QueueLocked { ready: true, .. })
+        ));
+        assert_eq!(h.r(REG_QUEUE_READY), 1);
+        h.w(REG_QUEUE_SEL, 1);
+        assert!(h.t.set_queue_ready(0).is_ok(), "a queue the driver never set up");
     }
 
     #[test]

@@ -226,6 +226,7 @@ struct State {
     shutdown_requested: std::sync::atomic::AtomicBool,
     /// The last `Hello` that found the guest's clock ahead (see [`clock`]).
     clock_ahead_seen: clock::AheadSeen,
+    refused_peers: RefusedPeers,
 }
 
 /// A bound listener.
@@ -271,6 +272,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         shutdown: Notify::new(),
         shutdown_requested: Default::default(),
         clock_ahead_seen: clock::AheadSeen::default(),
+        refused_peers: RefusedPeers::default(),
     });
     // SIGCHLD → reap. Registered before any command starts, so none is missed; a
     // periodic sweep covers anything odd (several runtimes in one test process).
@@ -289,7 +291,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
     let result = loop {
         let accepted: io::Result<Box<dyn Stream>> = tokio::select! {
             _ = state.shutdown.notified() => break Ok(()),
-            r = accept(&listener) => r,
+            r = accept(&listener, &state.refused_peers) => r,
         };
         match accepted {
             Ok(stream) => {
@@ -314,11 +316,89 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
-async fn accept(listener: &Listener) -> io::Result<Box<dyn Stream>> {
-    Ok(match listener {
-        Listener::Vsock(l) => Box::new(l.accept().await?.0),
-        Listener::Unix(l) => Box::new(l.accept().await?.0),
-    })
+/// Accepts the next connection to serve. On vsock that is the host's only: a guest
+/// process can reach the listener too, through vsock loopback (CID 1, or the guest's
+/// own CID), and would run commands as root. Such connections are closed at once,
+/// before a byte is read.
+async fn accept(listener: &Listener, refused: &RefusedPeers) -> io::Result<Box<dyn Stream>> {
+    match listener {
+        Listener::Vsock(l) => loop {
+            let (stream, peer) = l.accept().await?;
+            match vsock_peer(peer.cid()) {
+                VsockPeer::Host => return Ok(Box::new(stream)),
+                other => {
+                    refused.note(other, peer.cid(), peer.port());
+                    // Closed unread: the guest process sees the connection end.
+                    drop(stream);
+                }
+            }
+        },
+        Listener::Unix(l) => Ok(Box::new(l.accept().await?.0)),
+    }
+}
+
+/// Who is at the other end of a vsock connection, as its CID says. The transport
+/// sets the CID, so a guest process cannot claim the host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum VsockPeer {
+    /// `VMADDR_CID_HOST`: the VMM, on behalf of vmctl. The only peer served.
+    Host,
+    /// `VMADDR_CID_LOCAL`: a process of this guest, through vsock loopback.
+    Loopback,
+    /// Any other CID: this guest's own (loopback again), the hypervisor's, or another
+    /// VM's.
+    Other,
+}
+
+impl VsockPeer {
+    fn describe(self) -> &'static str {
+        match self {
+            VsockPeer::Host => "the host",
+            VsockPeer::Loopback => "this guest through vsock loopback (CID 1)",
+            VsockPeer::Other => "a CID other than the host's (the guest's own, or another VM's)",
+        }
+    }
+}
+
+fn vsock_peer(cid: u32) -> VsockPeer {
+    match cid {
+        tokio_vsock::VMADDR_CID_HOST => VsockPeer::Host,
+        tokio_vsock::VMADDR_CID_LOCAL => VsockPeer::Loopback,
+        _ => VsockPeer::Other,
+    }
+}
+
+/// The refused vsock peers: each kind is warned of once, on the console, and at
+/// debug level after that, so that a guest process connecting in a loop cannot flood
+/// the console.
+#[derive(Default)]
+struct RefusedPeers {
+    loopback_warned: std::sync::atomic::AtomicBool,
+    other_warned: std::sync::atomic::AtomicBool,
+}
+
+impl RefusedPeers {
+    /// Logs a refused connection; whether it was warned of (the first of its kind).
+    fn note(&self, peer: VsockPeer, cid: u32, port: u32) -> bool {
+        let warned = match peer {
+            VsockPeer::Host => return false,
+            VsockPeer::Loopback => &self.loopback_warned,
+            VsockPeer::Other => &self.other_warned,
+        };
+        let kind = peer.describe();
+        if warned.swap(true, Ordering::Relaxed) {
+            debug!(cid, port, "refused a vsock connection from {kind}");
+            false
+        } else {
+            warn!(
+                cid,
+                port,
+                "refused a vsock connection from {kind}: only the host may talk to the \
+                 agent (further ones of this kind are logged at debug level)"
+            );
+            true
+        }
+    }
 }
 
 /// Replies `Error` and closes the sending side (failures are moot: the peer is gone).
@@ -1458,6 +1538,30 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only the host's CID is served: vsock loopback (CID 1), the guest's own CID (3
+    /// under vmctl) and anything else would let a guest process run commands as root.
+    #[test]
+    fn only_the_hosts_cid_is_a_peer_to_serve() {
+        assert_eq!(vsock_peer(tokio_vsock::VMADDR_CID_HOST), VsockPeer::Host);
+        assert_eq!(vsock_peer(2), VsockPeer::Host);
+        assert_eq!(vsock_peer(1), VsockPeer::Loopback);
+        for cid in [0, 3, 4, 1000, tokio_vsock::VMADDR_CID_ANY] {
+            assert_eq!(vsock_peer(cid), VsockPeer::Other, "CID {cid}");
+        }
+    }
+
+    /// A guest process that connects in a loop gets one warning per kind of peer, not
+    /// one per connection.
+    #[test]
+    fn refused_peers_are_warned_of_once_per_kind() {
+        let refused = RefusedPeers::default();
+        assert!(refused.note(VsockPeer::Loopback, 1, 50_000));
+        assert!(!refused.note(VsockPeer::Loopback, 1, 50_001));
+        assert!(refused.note(VsockPeer::Other, 3, 50_002));
+        assert!(!refused.note(VsockPeer::Other, 3, 50_003));
+        assert!(!refused.note(VsockPeer::Loopback, 1, 50_004));
+    }
 
     /// What an output held when the command exited is all forwarded, however long the
     /// client takes to read it; the drain's time limit is for what comes after. Here a

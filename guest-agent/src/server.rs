@@ -401,8 +401,30 @@ impl RefusedPeers {
     }
 }
 
+/// The most characters of a message the agent sends about a failure. Messages quote
+/// what the peer sent (an environment variable's name, a program's), which may take
+/// up to a whole frame, and grow when quoted (`\0` for a NUL, U+FFFD for a byte that
+/// is not UTF-8): cut, the reply always fits in a frame.
+const MAX_MESSAGE_CHARS: usize = 400;
+
+/// `message`, cut to [`MAX_MESSAGE_CHARS`] (with `…` where it was cut).
+fn clipped(message: String) -> String {
+    match message.char_indices().nth(MAX_MESSAGE_CHARS) {
+        None => message,
+        Some((cut, _)) => format!("{}…", &message[..cut]),
+    }
+}
+
+/// An `Error` reply, its message cut to fit in a frame.
+fn error_reply(message: String) -> AgentMessage {
+    AgentMessage::Error {
+        message: clipped(message),
+    }
+}
+
 /// Replies `Error` and closes the sending side (failures are moot: the peer is gone).
 async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, message: String) -> Result<(), ServerError> {
+    let message = clipped(message);
     debug!("replying with an error: {message}");
     reply_and_close(w, &AgentMessage::Error { message }).await
 }
@@ -412,7 +434,9 @@ async fn reply_and_close<W: AsyncWrite + Unpin>(
     w: &mut W,
     reply: &AgentMessage,
 ) -> Result<(), ServerError> {
-    let _ = write_frame(w, reply).await;
+    if let Err(e) = write_frame(w, reply).await {
+        debug!("the last reply was not sent: {e}");
+    }
     let _ = w.shutdown().await;
     Ok(())
 }
@@ -1295,11 +1319,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
                 return InputEnd::Disconnected
             }
             Err(e) => {
-                let _ = out_tx
-                    .send(AgentMessage::Error {
-                        message: e.to_string(),
-                    })
-                    .await;
+                let _ = out_tx.send(error_reply(e.to_string())).await;
                 return InputEnd::Malformed;
             }
         };
@@ -1357,8 +1377,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
             ClientMessage::OutputClosed(_) => debug!("ignoring OutputClosed with a tty"),
             other => {
                 let message = format!("unexpected message during exec: {other:?}");
-                let message: String = message.chars().take(200).collect();
-                let _ = out_tx.send(AgentMessage::Error { message }).await;
+                let _ = out_tx.send(error_reply(message)).await;
                 return InputEnd::Malformed;
             }
         }
@@ -1397,6 +1416,7 @@ where
     }) {
         Ok(s) => s,
         Err(ServerError::NotRunnable { message, exit_code }) => {
+            let message = clipped(message);
             info!("not started: {message}");
             return reply_and_close(&mut w, &AgentMessage::NotStarted { message, exit_code }).await;
         }
@@ -1549,6 +1569,17 @@ mod tests {
         for cid in [0, 3, 4, 1000, tokio_vsock::VMADDR_CID_ANY] {
             assert_eq!(vsock_peer(cid), VsockPeer::Other, "CID {cid}");
         }
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        let short = "no such user 'x'".to_string();
+        assert_eq!(clipped(short.clone()), short);
+        let exact = "é".repeat(MAX_MESSAGE_CHARS);
+        assert_eq!(clipped(exact.clone()), exact);
+        let long = clipped("é".repeat(MAX_MESSAGE_CHARS + 1));
+        assert_eq!(long.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(long.ends_with("é…"), "{long}");
     }
 
     /// A guest process that connects in a loop gets one warning per kind of peer, not

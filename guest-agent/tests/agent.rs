@@ -1141,3 +1141,41 @@ async fn an_environment_variable_execve_cannot_carry_is_refused() {
         );
     }
 }
+
+/// A refusal that quotes what the client sent is cut to fit in a frame: an
+/// environment variable's name of 600,000 NULs is quoted as `\0` each (1.2 MB), a
+/// program's name of 400,000 bytes that are not UTF-8 as U+FFFD each (1.2 MB), and
+/// either reply, over the 1 MiB a frame may hold, was not sent: the client saw the
+/// connection close with no word why.
+#[tokio::test]
+async fn a_refusal_quoting_a_huge_request_still_reaches_the_client() {
+    let req = ExecRequest {
+        argv: vec!["/usr/bin/env".into()],
+        env: vec![("\0".repeat(600_000), b"x".to_vec())],
+        ..Default::default()
+    };
+    let refused = conn().await.exec(req).await.err().unwrap();
+    assert!(
+        matches!(&refused, ClientError::Agent(m)
+            if m.contains("invalid environment variable") && m.len() < 2_000),
+        "{}",
+        refused.to_string().chars().take(300).collect::<String>()
+    );
+    let req = ExecRequest {
+        argv: vec![vec![0xff; 400_000]],
+        ..Default::default()
+    };
+    let refused = conn().await.exec(req).await.err().unwrap();
+    let message = match &refused {
+        ClientError::Agent(m) | ClientError::NotStarted { message: m, .. } => m,
+        other => panic!(
+            "{}",
+            other.to_string().chars().take(300).collect::<String>()
+        ),
+    };
+    assert!(
+        message.len() < 2_000 && message.contains('\u{fffd}'),
+        "{}",
+        message.chars().take(300).collect::<String>()
+    );
+}

@@ -19,6 +19,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::cgroups::{ExecCgroup, ExecCgroups};
 use crate::clock;
 use crate::host_edits::HostEditTarget;
 use crate::network::{self, Network};
@@ -103,6 +104,9 @@ pub struct ServerConfig {
     pub network: Arc<Network>,
     /// The writable shares, where `HostEdits` are shown (none by default).
     pub host_edits: Arc<HostEditTarget>,
+    /// Where each command gets a cgroup of its own, which a client that goes away
+    /// has killed whole; without it (the default), its process group only is.
+    pub exec_cgroups: Option<Arc<ExecCgroups>>,
 }
 
 /// Where the agent listens.
@@ -658,6 +662,8 @@ struct Spawned {
     stdout: OutputSource,
     stderr: Option<OutputSource>,
     pty: Option<Arc<AsyncFd<OwnedFd>>>,
+    /// Kept until the session ends, so that it is not swept while the command runs.
+    cgroup: Option<ExecCgroup>,
 }
 
 fn resolve_user(user: &User, config: &ServerConfig) -> Result<Account, ServerError> {
@@ -844,14 +850,36 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         }
     };
 
+    // Without its cgroup, a command is still killed by process group: said, not fatal.
+    let cgroup = state
+        .config
+        .exec_cgroups
+        .as_ref()
+        .and_then(|cgroups| match cgroups.create() {
+            Ok(cgroup) => Some(cgroup),
+            Err(e) => {
+                warn!(
+                    "{e}: this command's processes outside its process group will outlive \
+                     a client that goes away"
+                );
+                None
+            }
+        });
+    let joiner = cgroup.as_ref().map(ExecCgroup::joiner);
     let groups: Vec<libc::gid_t> = account.groups.clone();
     let (uid, gid) = (account.uid, account.gid);
     let want_ctty = pty.is_some();
     let change_ids = uid != 0 || gid != 0 || groups.iter().any(|g| *g != 0);
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (no allocation: `groups` was built before fork).
+    // async-signal-safe system calls (no allocation: `groups` and the cgroup's path
+    // were built before fork).
     unsafe {
         cmd.pre_exec(move || {
+            // First, as root. A failure (the cgroup was removed meanwhile) leaves the
+            // command in the agent's cgroup, still killed by process group.
+            if let Some(joiner) = &joiner {
+                let _ = joiner.join();
+            }
             // A new session: the command leads its own process group, so signals and
             // the disconnect kill reach the whole group.
             cvt(libc::setsid())?;
@@ -892,7 +920,14 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     drop(cmd); // closes our copies of the pty slave
     let pid = child.id() as i32;
     // Running, but nobody would end it or report on it: it must not outlive the error.
-    connect_stdio(&mut child, pid, rx, pty).inspect_err(|_| kill_group(pid, libc::SIGKILL))
+    match connect_stdio(&mut child, pid, rx, pty) {
+        Ok(spawned) => Ok(Spawned { cgroup, ..spawned }),
+        Err(e) => {
+            kill_group(pid, libc::SIGKILL);
+            kill_cgroup(cgroup.as_ref());
+            Err(e)
+        }
+    }
 }
 
 /// What the session works with: the running command's terminal or pipes, registered
@@ -921,6 +956,7 @@ fn connect_stdio(
                 stdout: OutputSource::Pty(master.clone()),
                 stderr: None,
                 pty: Some(master),
+                cgroup: None,
             })
         }
         None => {
@@ -936,6 +972,7 @@ fn connect_stdio(
                 stdout: OutputSource::Pipe(to_pipe_receiver(o.into())?),
                 stderr: Some(OutputSource::Pipe(to_pipe_receiver(e.into())?)),
                 pty: None,
+                cgroup: None,
             })
         }
     }
@@ -1004,6 +1041,54 @@ fn kill_group(pid: i32, sig: i32) {
             "no process group to signal: {}",
             io::Error::last_os_error()
         );
+    }
+}
+
+/// Whether any process is left in the process group `pgid` (a zombie not yet reaped
+/// counts: its number is still taken).
+fn group_exists(pgid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks; no memory-safety preconditions.
+    let found = unsafe { libc::kill(-pgid, 0) } == 0;
+    found || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// SIGKILLs every process of the command's cgroup, if it has one.
+fn kill_cgroup(cgroup: Option<&ExecCgroup>) {
+    if let Some(Err(e)) = cgroup.map(ExecCgroup::kill) {
+        warn!("{e}: processes the command started outside its process group live on");
+    }
+}
+
+/// Ends a command whose client went away: `SIGHUP` (and `SIGCONT`, for a stopped
+/// one) to its process group; [`KILL_GRACE`] later, `SIGKILL` to whatever is left of
+/// it: the group, whether or not its leader is still there (one that died of the
+/// hang-up leaves members that ignore it, and the group's number cannot be taken
+/// while they remain), and everything in the command's cgroup (processes that moved
+/// to groups or sessions of their own). Returns once the leader has ended.
+async fn end_abandoned_command(
+    pid: i32,
+    exit: &mut oneshot::Receiver<i32>,
+    cgroup: Option<&ExecCgroup>,
+) {
+    kill_group(pid, libc::SIGHUP);
+    kill_group(pid, libc::SIGCONT);
+    let grace_end = tokio::time::Instant::now() + KILL_GRACE;
+    let leader_ended = tokio::time::timeout_at(grace_end, &mut *exit).await.is_ok();
+    // Whatever heeds the hang-up may end before the grace is over; once nothing is
+    // left, nothing is signalled.
+    let lingering = loop {
+        let lingering = group_exists(pid) || cgroup.is_some_and(ExecCgroup::is_populated);
+        if !lingering || tokio::time::Instant::now() >= grace_end {
+            break lingering;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    if lingering {
+        kill_group(pid, libc::SIGKILL);
+        kill_cgroup(cgroup);
+    }
+    if !leader_ended {
+        let _ = exit.await;
     }
 }
 
@@ -1433,6 +1518,7 @@ where
         stdout,
         stderr,
         pty,
+        cgroup,
     } = spawned;
     // Shown as text, a byte that is not UTF-8 escaped (`\xE9`).
     let argv: Vec<&OsStr> = req.argv.iter().map(|arg| OsStr::from_bytes(arg)).collect();
@@ -1503,12 +1589,7 @@ where
         }
     };
     let Some(status) = status else {
-        kill_group(pid, libc::SIGHUP);
-        kill_group(pid, libc::SIGCONT);
-        if tokio::time::timeout(KILL_GRACE, &mut exit).await.is_err() {
-            kill_group(pid, libc::SIGKILL);
-            let _ = exit.await;
-        }
+        end_abandoned_command(pid, &mut exit, cgroup.as_ref()).await;
         input.abort();
         stdin_task.abort();
         for p in &pumps {

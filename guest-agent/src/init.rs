@@ -750,13 +750,24 @@ fn end_processes() {
     if std::process::id() != 1 {
         return;
     }
-    // SAFETY: kill has no memory-safety preconditions; -1 spares PID 1 itself.
-    unsafe { libc::kill(-1, libc::SIGTERM) };
+    // -1: every process but PID 1 itself.
+    ask_to_end(-1);
     if children_left_after(SHUTDOWN_GRACE) {
         console("shutdown: processes still running after SIGTERM; killing them");
         // SAFETY: as above.
         unsafe { libc::kill(-1, libc::SIGKILL) };
         children_left_after(Duration::from_secs(1));
+    }
+}
+
+/// SIGTERM to `target` (a `kill` target), then SIGCONT, as killall5 and systemd do: a
+/// stopped process (an editor suspended with Ctrl-Z) would otherwise act on the
+/// SIGTERM only once killed, and never close its files.
+fn ask_to_end(target: libc::pid_t) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(target, libc::SIGTERM);
+        libc::kill(target, libc::SIGCONT);
     }
 }
 
@@ -801,6 +812,46 @@ pub fn power_off() -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stopped process that handles SIGTERM gets to run its handler. (Review: only
+    /// SIGTERM was sent, and a suspended editor was SIGKILLed 5 s later instead.)
+    #[test]
+    fn a_stopped_process_asked_to_end_runs_its_handler() {
+        let dir = tempfile::tempdir().unwrap();
+        let said = dir.path().join("said");
+        let script = format!(
+            "trap 'echo bye > {}; exit 0' TERM; kill -STOP $$; while :; do sleep 0.05; done",
+            said.display()
+        );
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let after_name = stat.rsplit_once(") ")?.1.to_owned();
+                    after_name.chars().next()
+                })
+        };
+        while state() != Some('T') {
+            assert!(Instant::now() < deadline, "the shell never stopped itself");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ask_to_end(pid);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the stopped process never ran its SIGTERM handler");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(std::fs::read_to_string(&said).unwrap(), "bye\n");
+    }
 
     #[test]
     fn parses_cmdline() {

@@ -244,16 +244,61 @@ fn mount_logged(source: &str, target: &str, fstype: &str, flags: libc::c_ulong, 
 }
 
 /// Points fds 0, 1 and 2 at `/dev/console` (the initramfs has no device nodes, so
-/// the kernel could not open it for us).
+/// the kernel could not open it for us), or, when it cannot be opened, at a
+/// placeholder (see [`fill_standard_fds`]).
 fn open_console() {
-    if let Ok(f) = std::fs::OpenOptions::new()
+    match std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/console")
     {
-        for fd in 0..3 {
-            // SAFETY: dup2 onto the standard descriptors; `f` stays open during the call.
-            unsafe { libc::dup2(f.as_raw_fd(), fd) };
+        Ok(f) => {
+            for fd in 0..3 {
+                // SAFETY: dup2 onto the standard descriptors; `f` stays open during the
+                // call.
+                unsafe { libc::dup2(f.as_raw_fd(), fd) };
+            }
+        }
+        Err(_) => fill_standard_fds(CONSOLE_PLACEHOLDERS),
+    }
+}
+
+/// What stands in for the console on fds 0-2 when it cannot be opened: `/dev/null`,
+/// or, without devtmpfs, the root directory (which reads and writes fail on).
+const CONSOLE_PLACEHOLDERS: &[&std::ffi::CStr] = &[c"/dev/null", c"/"];
+
+/// Opens each of fds 0-2 that is closed on the first of `placeholders` that opens.
+/// A free one would go to the next descriptor opened (the vsock listener, a host
+/// connection), and the log lines written to stderr into a host connection.
+/// Async-signal-safe: it allocates nothing.
+fn fill_standard_fds(placeholders: &[&std::ffi::CStr]) {
+    for fd in 0..3 {
+        // SAFETY: F_GETFD only reads the descriptor's flags; no pointers involved.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0 {
+            continue;
+        }
+        for path in placeholders {
+            // A directory opens read-only only.
+            let Some(opened) = [libc::O_RDWR, libc::O_RDONLY]
+                .into_iter()
+                .find_map(|flags| {
+                    // SAFETY: open with a valid NUL-terminated path. Not close-on-exec:
+                    // the standard descriptors are inherited.
+                    let opened = unsafe { libc::open(path.as_ptr(), flags) };
+                    (opened >= 0).then_some(opened)
+                })
+            else {
+                continue;
+            };
+            // The lowest free number: `fd` itself, unless a lower one was free too.
+            if opened != fd {
+                // SAFETY: dup2 and close on descriptors this function opened.
+                unsafe {
+                    libc::dup2(opened, fd);
+                    libc::close(opened);
+                }
+            }
+            break;
         }
     }
 }
@@ -750,13 +795,24 @@ fn end_processes() {
     if std::process::id() != 1 {
         return;
     }
-    // SAFETY: kill has no memory-safety preconditions; -1 spares PID 1 itself.
-    unsafe { libc::kill(-1, libc::SIGTERM) };
+    // -1: every process but PID 1 itself.
+    ask_to_end(-1);
     if children_left_after(SHUTDOWN_GRACE) {
         console("shutdown: processes still running after SIGTERM; killing them");
         // SAFETY: as above.
         unsafe { libc::kill(-1, libc::SIGKILL) };
         children_left_after(Duration::from_secs(1));
+    }
+}
+
+/// SIGTERM to `target` (a `kill` target), then SIGCONT, as killall5 and systemd do: a
+/// stopped process (an editor suspended with Ctrl-Z) would otherwise act on the
+/// SIGTERM only once killed, and never close its files.
+fn ask_to_end(target: libc::pid_t) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(target, libc::SIGTERM);
+        libc::kill(target, libc::SIGCONT);
     }
 }
 
@@ -801,6 +857,84 @@ pub fn power_off() -> ! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In a forked child (the test harness needs its own fds 0-2) whose standard
+    /// descriptors are closed, the placeholders fill them, the first that opens
+    /// winning: the next descriptor opened is not one of them. (Other tests' files,
+    /// open at the fork, may hold 3 and up.)
+    #[test]
+    fn closed_standard_fds_are_filled_with_a_placeholder() {
+        // SAFETY: the child makes async-signal-safe calls only (close, the fill, open,
+        // fcntl, _exit), as a fork of a multi-threaded process must.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: see above; the child exits without returning to the harness.
+            unsafe {
+                for fd in 0..3 {
+                    libc::close(fd);
+                }
+                fill_standard_fds(&[c"/no/such/console", c"/"]);
+                let all_open = (0..3).all(|fd| libc::fcntl(fd, libc::F_GETFD) >= 0);
+                let next = libc::open(c"/".as_ptr(), libc::O_RDONLY);
+                libc::_exit(match (all_open, next) {
+                    (false, _) => 1,
+                    (true, next) if next > 2 => 0,
+                    (true, _) => 2,
+                });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waitpid on our own child with a valid pointer to a local int.
+        let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(waited, pid);
+        assert!(libc::WIFEXITED(status), "the child died: status {status}");
+        match libc::WEXITSTATUS(status) {
+            0 => {}
+            1 => panic!("fds 0-2 were not all filled"),
+            code => panic!("the next descriptor opened took 0-2 (child exit {code})"),
+        }
+    }
+
+    /// A stopped process that handles SIGTERM gets to run its handler. (Review: only
+    /// SIGTERM was sent, and a suspended editor was SIGKILLed 5 s later instead.)
+    #[test]
+    fn a_stopped_process_asked_to_end_runs_its_handler() {
+        let dir = tempfile::tempdir().unwrap();
+        let said = dir.path().join("said");
+        let script = format!(
+            "trap 'echo bye > {}; exit 0' TERM; kill -STOP $$; while :; do sleep 0.05; done",
+            said.display()
+        );
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let after_name = stat.rsplit_once(") ")?.1.to_owned();
+                    after_name.chars().next()
+                })
+        };
+        while state() != Some('T') {
+            assert!(Instant::now() < deadline, "the shell never stopped itself");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ask_to_end(pid);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the stopped process never ran its SIGTERM handler");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(std::fs::read_to_string(&said).unwrap(), "bye\n");
+    }
 
     #[test]
     fn parses_cmdline() {

@@ -3,6 +3,7 @@
 //! - [`protocol`]: messages and framing (see `PROTOCOL.md`);
 //! - [`client`]: the async client `vmctl` uses;
 //! - [`clock`]: the guest's clock follows the host's;
+//! - [`cgroups`]: a cgroup for each command, to kill all it started;
 //! - [`server`]: the agent's request handling and command execution;
 //! - [`init`]: PID-1 duties inside the VM;
 //! - [`host_edits`]: host edits of the shares, shown to the guest's file watchers;
@@ -10,6 +11,7 @@
 //! - [`network`]: the guest side of networking (egress proxy, port relays, CA);
 //! - [`raw`]: a connection switched from frames to raw bytes.
 
+pub mod cgroups;
 pub mod client;
 pub mod clock;
 pub mod host_edits;

@@ -1,9 +1,11 @@
 //! The guest agent: `/init` of the VM's initramfs (PID 1), or a plain server for
 //! tests and debugging (`guest-agent --listen unix:/tmp/agent.sock`).
 
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use guest_agent::cgroups::{self, ExecCgroups};
 use guest_agent::host_edits::HostEditTarget;
 use guest_agent::init;
 use guest_agent::server::{self, ListenAddr, ServerConfig};
@@ -88,6 +90,15 @@ fn main() -> ExitCode {
     // After the logger: a guest that cannot watch its own writes is said.
     config.host_edits =
         Arc::new(HostEditTarget::for_shares(writable_shares).with_views(share_views));
+    if pid1 {
+        match ExecCgroups::open(Path::new(cgroups::GUEST_DIR)) {
+            Ok(cgroups) => config.exec_cgroups = Some(cgroups),
+            Err(e) => tracing::warn!(
+                "{e}: when a client goes away, its command's processes outside the \
+                 command's process group live on"
+            ),
+        }
+    }
 
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -19,6 +19,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::cgroups::{ExecCgroup, ExecCgroups};
 use crate::clock;
 use crate::host_edits::HostEditTarget;
 use crate::network::{self, Network};
@@ -103,6 +104,9 @@ pub struct ServerConfig {
     pub network: Arc<Network>,
     /// The writable shares, where `HostEdits` are shown (none by default).
     pub host_edits: Arc<HostEditTarget>,
+    /// Where each command gets a cgroup of its own, which a client that goes away
+    /// has killed whole; without it (the default), its process group only is.
+    pub exec_cgroups: Option<Arc<ExecCgroups>>,
 }
 
 /// Where the agent listens.
@@ -226,6 +230,7 @@ struct State {
     shutdown_requested: std::sync::atomic::AtomicBool,
     /// The last `Hello` that found the guest's clock ahead (see [`clock`]).
     clock_ahead_seen: clock::AheadSeen,
+    refused_peers: RefusedPeers,
 }
 
 /// A bound listener.
@@ -271,6 +276,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         shutdown: Notify::new(),
         shutdown_requested: Default::default(),
         clock_ahead_seen: clock::AheadSeen::default(),
+        refused_peers: RefusedPeers::default(),
     });
     // SIGCHLD → reap. Registered before any command starts, so none is missed; a
     // periodic sweep covers anything odd (several runtimes in one test process).
@@ -289,7 +295,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
     let result = loop {
         let accepted: io::Result<Box<dyn Stream>> = tokio::select! {
             _ = state.shutdown.notified() => break Ok(()),
-            r = accept(&listener) => r,
+            r = accept(&listener, &state.refused_peers) => r,
         };
         match accepted {
             Ok(stream) => {
@@ -314,15 +320,115 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
-async fn accept(listener: &Listener) -> io::Result<Box<dyn Stream>> {
-    Ok(match listener {
-        Listener::Vsock(l) => Box::new(l.accept().await?.0),
-        Listener::Unix(l) => Box::new(l.accept().await?.0),
-    })
+/// Accepts the next connection to serve. On vsock that is the host's only: a guest
+/// process can reach the listener too, through vsock loopback (CID 1, or the guest's
+/// own CID), and would run commands as root. Such connections are closed at once,
+/// before a byte is read.
+async fn accept(listener: &Listener, refused: &RefusedPeers) -> io::Result<Box<dyn Stream>> {
+    match listener {
+        Listener::Vsock(l) => loop {
+            let (stream, peer) = l.accept().await?;
+            match vsock_peer(peer.cid()) {
+                VsockPeer::Host => return Ok(Box::new(stream)),
+                other => {
+                    refused.note(other, peer.cid(), peer.port());
+                    // Closed unread: the guest process sees the connection end.
+                    drop(stream);
+                }
+            }
+        },
+        Listener::Unix(l) => Ok(Box::new(l.accept().await?.0)),
+    }
+}
+
+/// Who is at the other end of a vsock connection, as its CID says. The transport
+/// sets the CID, so a guest process cannot claim the host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum VsockPeer {
+    /// `VMADDR_CID_HOST`: the VMM, on behalf of vmctl. The only peer served.
+    Host,
+    /// `VMADDR_CID_LOCAL`: a process of this guest, through vsock loopback.
+    Loopback,
+    /// Any other CID: this guest's own (loopback again), the hypervisor's, or another
+    /// VM's.
+    Other,
+}
+
+impl VsockPeer {
+    fn describe(self) -> &'static str {
+        match self {
+            VsockPeer::Host => "the host",
+            VsockPeer::Loopback => "this guest through vsock loopback (CID 1)",
+            VsockPeer::Other => "a CID other than the host's (the guest's own, or another VM's)",
+        }
+    }
+}
+
+fn vsock_peer(cid: u32) -> VsockPeer {
+    match cid {
+        tokio_vsock::VMADDR_CID_HOST => VsockPeer::Host,
+        tokio_vsock::VMADDR_CID_LOCAL => VsockPeer::Loopback,
+        _ => VsockPeer::Other,
+    }
+}
+
+/// The refused vsock peers: each kind is warned of once, on the console, and at
+/// debug level after that, so that a guest process connecting in a loop cannot flood
+/// the console.
+#[derive(Default)]
+struct RefusedPeers {
+    loopback_warned: std::sync::atomic::AtomicBool,
+    other_warned: std::sync::atomic::AtomicBool,
+}
+
+impl RefusedPeers {
+    /// Logs a refused connection; whether it was warned of (the first of its kind).
+    fn note(&self, peer: VsockPeer, cid: u32, port: u32) -> bool {
+        let warned = match peer {
+            VsockPeer::Host => return false,
+            VsockPeer::Loopback => &self.loopback_warned,
+            VsockPeer::Other => &self.other_warned,
+        };
+        let kind = peer.describe();
+        if warned.swap(true, Ordering::Relaxed) {
+            debug!(cid, port, "refused a vsock connection from {kind}");
+            false
+        } else {
+            warn!(
+                cid,
+                port,
+                "refused a vsock connection from {kind}: only the host may talk to the \
+                 agent (further ones of this kind are logged at debug level)"
+            );
+            true
+        }
+    }
+}
+
+/// The most characters of a message the agent sends about a failure. Messages quote
+/// what the peer sent (an environment variable's name, a program's), which may take
+/// up to a whole frame, and grow when quoted (`\0` for a NUL, U+FFFD for a byte that
+/// is not UTF-8): cut, the reply always fits in a frame.
+const MAX_MESSAGE_CHARS: usize = 400;
+
+/// `message`, cut to [`MAX_MESSAGE_CHARS`] (with `…` where it was cut).
+fn clipped(message: String) -> String {
+    match message.char_indices().nth(MAX_MESSAGE_CHARS) {
+        None => message,
+        Some((cut, _)) => format!("{}…", &message[..cut]),
+    }
+}
+
+/// An `Error` reply, its message cut to fit in a frame.
+fn error_reply(message: String) -> AgentMessage {
+    AgentMessage::Error {
+        message: clipped(message),
+    }
 }
 
 /// Replies `Error` and closes the sending side (failures are moot: the peer is gone).
 async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, message: String) -> Result<(), ServerError> {
+    let message = clipped(message);
     debug!("replying with an error: {message}");
     reply_and_close(w, &AgentMessage::Error { message }).await
 }
@@ -332,7 +438,9 @@ async fn reply_and_close<W: AsyncWrite + Unpin>(
     w: &mut W,
     reply: &AgentMessage,
 ) -> Result<(), ServerError> {
-    let _ = write_frame(w, reply).await;
+    if let Err(e) = write_frame(w, reply).await {
+        debug!("the last reply was not sent: {e}");
+    }
     let _ = w.shutdown().await;
     Ok(())
 }
@@ -554,6 +662,8 @@ struct Spawned {
     stdout: OutputSource,
     stderr: Option<OutputSource>,
     pty: Option<Arc<AsyncFd<OwnedFd>>>,
+    /// Kept until the session ends, so that it is not swept while the command runs.
+    cgroup: Option<ExecCgroup>,
 }
 
 fn resolve_user(user: &User, config: &ServerConfig) -> Result<Account, ServerError> {
@@ -740,14 +850,36 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         }
     };
 
+    // Without its cgroup, a command is still killed by process group: said, not fatal.
+    let cgroup = state
+        .config
+        .exec_cgroups
+        .as_ref()
+        .and_then(|cgroups| match cgroups.create() {
+            Ok(cgroup) => Some(cgroup),
+            Err(e) => {
+                warn!(
+                    "{e}: this command's processes outside its process group will outlive \
+                     a client that goes away"
+                );
+                None
+            }
+        });
+    let joiner = cgroup.as_ref().map(ExecCgroup::joiner);
     let groups: Vec<libc::gid_t> = account.groups.clone();
     let (uid, gid) = (account.uid, account.gid);
     let want_ctty = pty.is_some();
     let change_ids = uid != 0 || gid != 0 || groups.iter().any(|g| *g != 0);
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (no allocation: `groups` was built before fork).
+    // async-signal-safe system calls (no allocation: `groups` and the cgroup's path
+    // were built before fork).
     unsafe {
         cmd.pre_exec(move || {
+            // First, as root. A failure (the cgroup was removed meanwhile) leaves the
+            // command in the agent's cgroup, still killed by process group.
+            if let Some(joiner) = &joiner {
+                let _ = joiner.join();
+            }
             // A new session: the command leads its own process group, so signals and
             // the disconnect kill reach the whole group.
             cvt(libc::setsid())?;
@@ -788,7 +920,14 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     drop(cmd); // closes our copies of the pty slave
     let pid = child.id() as i32;
     // Running, but nobody would end it or report on it: it must not outlive the error.
-    connect_stdio(&mut child, pid, rx, pty).inspect_err(|_| kill_group(pid, libc::SIGKILL))
+    match connect_stdio(&mut child, pid, rx, pty) {
+        Ok(spawned) => Ok(Spawned { cgroup, ..spawned }),
+        Err(e) => {
+            kill_group(pid, libc::SIGKILL);
+            kill_cgroup(cgroup.as_ref());
+            Err(e)
+        }
+    }
 }
 
 /// What the session works with: the running command's terminal or pipes, registered
@@ -817,6 +956,7 @@ fn connect_stdio(
                 stdout: OutputSource::Pty(master.clone()),
                 stderr: None,
                 pty: Some(master),
+                cgroup: None,
             })
         }
         None => {
@@ -832,6 +972,7 @@ fn connect_stdio(
                 stdout: OutputSource::Pipe(to_pipe_receiver(o.into())?),
                 stderr: Some(OutputSource::Pipe(to_pipe_receiver(e.into())?)),
                 pty: None,
+                cgroup: None,
             })
         }
     }
@@ -900,6 +1041,54 @@ fn kill_group(pid: i32, sig: i32) {
             "no process group to signal: {}",
             io::Error::last_os_error()
         );
+    }
+}
+
+/// Whether any process is left in the process group `pgid` (a zombie not yet reaped
+/// counts: its number is still taken).
+fn group_exists(pgid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks; no memory-safety preconditions.
+    let found = unsafe { libc::kill(-pgid, 0) } == 0;
+    found || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// SIGKILLs every process of the command's cgroup, if it has one.
+fn kill_cgroup(cgroup: Option<&ExecCgroup>) {
+    if let Some(Err(e)) = cgroup.map(ExecCgroup::kill) {
+        warn!("{e}: processes the command started outside its process group live on");
+    }
+}
+
+/// Ends a command whose client went away: `SIGHUP` (and `SIGCONT`, for a stopped
+/// one) to its process group; [`KILL_GRACE`] later, `SIGKILL` to whatever is left of
+/// it: the group, whether or not its leader is still there (one that died of the
+/// hang-up leaves members that ignore it, and the group's number cannot be taken
+/// while they remain), and everything in the command's cgroup (processes that moved
+/// to groups or sessions of their own). Returns once the leader has ended.
+async fn end_abandoned_command(
+    pid: i32,
+    exit: &mut oneshot::Receiver<i32>,
+    cgroup: Option<&ExecCgroup>,
+) {
+    kill_group(pid, libc::SIGHUP);
+    kill_group(pid, libc::SIGCONT);
+    let grace_end = tokio::time::Instant::now() + KILL_GRACE;
+    let leader_ended = tokio::time::timeout_at(grace_end, &mut *exit).await.is_ok();
+    // Whatever heeds the hang-up may end before the grace is over; once nothing is
+    // left, nothing is signalled.
+    let lingering = loop {
+        let lingering = group_exists(pid) || cgroup.is_some_and(ExecCgroup::is_populated);
+        if !lingering || tokio::time::Instant::now() >= grace_end {
+            break lingering;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    if lingering {
+        kill_group(pid, libc::SIGKILL);
+        kill_cgroup(cgroup);
+    }
+    if !leader_ended {
+        let _ = exit.await;
     }
 }
 
@@ -1215,11 +1404,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
                 return InputEnd::Disconnected
             }
             Err(e) => {
-                let _ = out_tx
-                    .send(AgentMessage::Error {
-                        message: e.to_string(),
-                    })
-                    .await;
+                let _ = out_tx.send(error_reply(e.to_string())).await;
                 return InputEnd::Malformed;
             }
         };
@@ -1277,8 +1462,7 @@ async fn pump_input<R: AsyncRead + Unpin>(
             ClientMessage::OutputClosed(_) => debug!("ignoring OutputClosed with a tty"),
             other => {
                 let message = format!("unexpected message during exec: {other:?}");
-                let message: String = message.chars().take(200).collect();
-                let _ = out_tx.send(AgentMessage::Error { message }).await;
+                let _ = out_tx.send(error_reply(message)).await;
                 return InputEnd::Malformed;
             }
         }
@@ -1317,6 +1501,7 @@ where
     }) {
         Ok(s) => s,
         Err(ServerError::NotRunnable { message, exit_code }) => {
+            let message = clipped(message);
             info!("not started: {message}");
             return reply_and_close(&mut w, &AgentMessage::NotStarted { message, exit_code }).await;
         }
@@ -1333,6 +1518,7 @@ where
         stdout,
         stderr,
         pty,
+        cgroup,
     } = spawned;
     // Shown as text, a byte that is not UTF-8 escaped (`\xE9`).
     let argv: Vec<&OsStr> = req.argv.iter().map(|arg| OsStr::from_bytes(arg)).collect();
@@ -1403,12 +1589,7 @@ where
         }
     };
     let Some(status) = status else {
-        kill_group(pid, libc::SIGHUP);
-        kill_group(pid, libc::SIGCONT);
-        if tokio::time::timeout(KILL_GRACE, &mut exit).await.is_err() {
-            kill_group(pid, libc::SIGKILL);
-            let _ = exit.await;
-        }
+        end_abandoned_command(pid, &mut exit, cgroup.as_ref()).await;
         input.abort();
         stdin_task.abort();
         for p in &pumps {
@@ -1458,6 +1639,41 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only the host's CID is served: vsock loopback (CID 1), the guest's own CID (3
+    /// under vmctl) and anything else would let a guest process run commands as root.
+    #[test]
+    fn only_the_hosts_cid_is_a_peer_to_serve() {
+        assert_eq!(vsock_peer(tokio_vsock::VMADDR_CID_HOST), VsockPeer::Host);
+        assert_eq!(vsock_peer(2), VsockPeer::Host);
+        assert_eq!(vsock_peer(1), VsockPeer::Loopback);
+        for cid in [0, 3, 4, 1000, tokio_vsock::VMADDR_CID_ANY] {
+            assert_eq!(vsock_peer(cid), VsockPeer::Other, "CID {cid}");
+        }
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_character_boundary() {
+        let short = "no such user 'x'".to_string();
+        assert_eq!(clipped(short.clone()), short);
+        let exact = "é".repeat(MAX_MESSAGE_CHARS);
+        assert_eq!(clipped(exact.clone()), exact);
+        let long = clipped("é".repeat(MAX_MESSAGE_CHARS + 1));
+        assert_eq!(long.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(long.ends_with("é…"), "{long}");
+    }
+
+    /// A guest process that connects in a loop gets one warning per kind of peer, not
+    /// one per connection.
+    #[test]
+    fn refused_peers_are_warned_of_once_per_kind() {
+        let refused = RefusedPeers::default();
+        assert!(refused.note(VsockPeer::Loopback, 1, 50_000));
+        assert!(!refused.note(VsockPeer::Loopback, 1, 50_001));
+        assert!(refused.note(VsockPeer::Other, 3, 50_002));
+        assert!(!refused.note(VsockPeer::Other, 3, 50_003));
+        assert!(!refused.note(VsockPeer::Loopback, 1, 50_004));
+    }
 
     /// What an output held when the command exited is all forwarded, however long the
     /// client takes to read it; the drain's time limit is for what comes after. Here a

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use guest_agent::cgroups::ExecCgroups;
 use guest_agent::client::{connect_unix, ClientError, Connection, ExecEvent, ExecSession};
 use guest_agent::protocol::{
     encode_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, Hello, OutputStream,
@@ -806,6 +807,145 @@ async fn disconnect_kills_the_process_group() {
     }
 }
 
+/// The leader dies of the hang-up at once, and leaves a member of its group that
+/// ignores it: the member is killed all the same, when the grace is over. (Review: the
+/// agent sent SIGKILL only if the leader was still alive, so `nohup yes &` outlived
+/// the client for the VM's life.)
+#[tokio::test]
+async fn disconnect_kills_the_members_a_leader_that_died_of_the_hang_up_left() {
+    let mut s = conn()
+        .await
+        .exec(sh(
+            "(trap '' HUP; exec sleep 1000) & echo \"member $!\"; wait",
+        ))
+        .await
+        .unwrap();
+    let leader = s.pid() as i32;
+    let mut seen = String::new();
+    read_until(&mut s, "\n", &mut seen).await;
+    let member: i32 = seen.trim().trim_start_matches("member ").parse().unwrap();
+    assert!(alive(leader) && alive(member));
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(leader) || alive(member) {
+        assert!(
+            Instant::now() < deadline,
+            "leader alive: {}, member alive: {} 5 s after the client left",
+            alive(leader),
+            alive(member)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A writable cgroup v2 directory for a test's own agent, or `None` where this
+/// machine has none (the test then says it did not run).
+fn test_exec_cgroups(test: &str) -> Option<std::sync::Arc<ExecCgroups>> {
+    let own = guest_agent::cgroups::own_cgroup_dir()?;
+    let dir = own.join(format!("guest-agent-{test}-{}", std::process::id()));
+    match ExecCgroups::open(&dir) {
+        Ok(cgroups) => Some(cgroups),
+        Err(e) => {
+            eprintln!("{test}: not run, no writable cgroup v2 here: {e}");
+            None
+        }
+    }
+}
+
+/// Removes a test's cgroups when dropped, killing what still runs there (a test
+/// that failed).
+struct TestCgroups(PathBuf);
+
+impl Drop for TestCgroups {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for entry in std::fs::read_dir(&self.0).into_iter().flatten().flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                let _ = std::fs::write(entry.path().join("cgroup.kill"), "1");
+                while std::fs::remove_dir(entry.path()).is_err() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        if let Err(e) = std::fs::remove_dir(&self.0) {
+            eprintln!("cannot remove the test's cgroup {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// An agent of the test's own with `config`, on its own runtime; its socket's path.
+fn own_agent(dir: &std::path::Path, config: ServerConfig) -> PathBuf {
+    let path = dir.join("own-agent.sock");
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let agent_path = path.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = server::Listener::bind(&ListenAddr::Unix(agent_path)).unwrap();
+            let _ = bound_tx.send(());
+            server::serve(l, config).await.unwrap();
+        });
+    });
+    bound_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the test's own agent listens within 10 s");
+    path
+}
+
+/// A process that moved to a session of its own (`setsid`), which no signal to the
+/// command's group reaches, is killed with the command's cgroup when the client goes
+/// away.
+#[tokio::test]
+async fn disconnect_kills_what_left_the_process_group_through_the_commands_cgroup() {
+    let Some(cgroups) = test_exec_cgroups("left-the-group") else {
+        return;
+    };
+    let _cleanup = TestCgroups(cgroups.dir().to_path_buf());
+    let dir = tempfile::tempdir().unwrap();
+    let agent = own_agent(
+        dir.path(),
+        ServerConfig {
+            exec_cgroups: Some(cgroups),
+            ..ServerConfig::default()
+        },
+    );
+    let connection = connect_unix(&agent).await.unwrap();
+    let mut s = connection
+        .exec(sh(
+            "setsid sh -c 'echo \"moved $$\"; exec sleep 1000' & wait",
+        ))
+        .await
+        .unwrap();
+    let leader = s.pid() as i32;
+    let mut seen = String::new();
+    read_until(&mut s, "\n", &mut seen).await;
+    let moved: i32 = seen.trim().trim_start_matches("moved ").parse().unwrap();
+    // SAFETY: getsid has no memory-safety preconditions.
+    let moved_session = unsafe { libc::getsid(moved) };
+    assert_eq!(moved_session, moved, "sleep is not in a session of its own");
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(leader) || alive(moved) {
+        assert!(
+            Instant::now() < deadline,
+            "leader alive: {}, the process in its own session alive: {} 5 s after the \
+             client left",
+            alive(leader),
+            alive(moved)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    connect_unix(&agent)
+        .await
+        .unwrap()
+        .shutdown()
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_client_that_stops_reading_output_ends_the_command() {
     // The host side stops reading while the command writes: the agent's next write
@@ -1140,4 +1280,42 @@ async fn an_environment_variable_execve_cannot_carry_is_refused() {
             "{name:?}: {error}"
         );
     }
+}
+
+/// A refusal that quotes what the client sent is cut to fit in a frame: an
+/// environment variable's name of 600,000 NULs is quoted as `\0` each (1.2 MB), a
+/// program's name of 400,000 bytes that are not UTF-8 as U+FFFD each (1.2 MB), and
+/// either reply, over the 1 MiB a frame may hold, was not sent: the client saw the
+/// connection close with no word why.
+#[tokio::test]
+async fn a_refusal_quoting_a_huge_request_still_reaches_the_client() {
+    let req = ExecRequest {
+        argv: vec!["/usr/bin/env".into()],
+        env: vec![("\0".repeat(600_000), b"x".to_vec())],
+        ..Default::default()
+    };
+    let refused = conn().await.exec(req).await.err().unwrap();
+    assert!(
+        matches!(&refused, ClientError::Agent(m)
+            if m.contains("invalid environment variable") && m.len() < 2_000),
+        "{}",
+        refused.to_string().chars().take(300).collect::<String>()
+    );
+    let req = ExecRequest {
+        argv: vec![vec![0xff; 400_000]],
+        ..Default::default()
+    };
+    let refused = conn().await.exec(req).await.err().unwrap();
+    let message = match &refused {
+        ClientError::Agent(m) | ClientError::NotStarted { message: m, .. } => m,
+        other => panic!(
+            "{}",
+            other.to_string().chars().take(300).collect::<String>()
+        ),
+    };
+    assert!(
+        message.len() < 2_000 && message.contains('\u{fffd}'),
+        "{}",
+        message.chars().take(300).collect::<String>()
+    );
 }

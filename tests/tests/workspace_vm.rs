@@ -1,7 +1,8 @@
 //! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
 //! and resizes through a real host terminal, concurrency, client death, a reader that
 //! goes away), `shell` with and without a terminal, the agent CLIs inside, `ps`,
-//! `logs`, `stop`, `rm`, `run`, the host user's account, and an image built from a recipe.
+//! `logs`, `stop`, `rm`, `run`, the host user's account, a guest process that tries
+//! to reach the guest agent, and an image built from a recipe.
 //!
 //! One VM serves the whole scenario (booting one costs seconds through the nested
 //! host); a guard removes it even when an assertion fails.
@@ -840,6 +841,107 @@ fn host_user_scenario() {
     );
     let root = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&root).trim(), "0");
+}
+
+/// Connects, as the guest's default (non-root) user, to the agent's vsock port at
+/// each CID given, sends a `Hello` (hex) and prints, a line per CID, `CID refused`
+/// (no connection), `CID closed` (connected, no answer) or `CID answered HEX`.
+const AGENT_PROBE: &str = r#"
+import os, socket, sys
+port, hello = int(sys.argv[1]), bytes.fromhex(sys.argv[2])
+print("uid", os.getuid())
+for cid in map(int, sys.argv[3:]):
+    s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect((cid, port))
+    except OSError as e:
+        print(cid, "refused", repr(e))
+        continue
+    try:
+        s.sendall(hello)
+        answer = s.recv(4096)
+    except OSError as e:
+        print(cid, "closed", repr(e))
+        continue
+    print(cid, "answered " + answer.hex() if answer else "closed")
+"#;
+
+/// The guest's own vsock CID (root only: `/dev/vsock` is root's).
+const OWN_CID: &str = r#"
+import fcntl, socket, struct
+with open("/dev/vsock", "rb") as f:
+    print(struct.unpack("I", fcntl.ioctl(f, socket.IOCTL_VM_SOCKETS_GET_LOCAL_CID, b"\0" * 4))[0])
+"#;
+
+/// A command of the default user cannot talk to the agent, which runs commands as
+/// root: not through vsock loopback (CID 1), nor at the guest's own CID. (Review: the
+/// agent served any peer, and the guest kernel had loopback, so any guest process was
+/// root.) The agent closes such a connection unread; a kernel without vsock loopback
+/// refuses it before.
+#[test]
+fn a_guest_process_cannot_reach_the_agent() {
+    vm_tests::vm_scenario(
+        "workspace_vm::a_guest_process_cannot_reach_the_agent",
+        agent_reach_scenario,
+    );
+}
+
+fn agent_reach_scenario() {
+    use guest_agent::protocol::{encode_frame, ClientMessage, Hello, PROTOCOL_VERSION};
+
+    let ws = Workspace::new("workspace-agent-reach");
+    // The tests run as root, whose commands run as root; name an account instead.
+    let mut up = ws.command(&["up"]);
+    up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
+    let up = output_within(&mut up, "vmctl up");
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let own_cid = ws.run(&["exec", "--user", "root", "--", "python3", "-c", OWN_CID]);
+    assert!(own_cid.status.success(), "{}", vm_tests::stderr(&own_cid));
+    let own_cid = stdout(&own_cid).trim().to_string();
+    assert!(own_cid.parse::<u32>().is_ok_and(|cid| cid > 2), "{own_cid}");
+
+    let hello = encode_frame(&ClientMessage::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        client: "guest-process".into(),
+        host_time_ns: None,
+    }))
+    .unwrap();
+    let hello: String = hello.iter().map(|byte| format!("{byte:02x}")).collect();
+    let port = guest_agent::protocol::DEFAULT_PORT.to_string();
+    let probe = ws.run(&[
+        "exec",
+        "--",
+        "python3",
+        "-c",
+        AGENT_PROBE,
+        &port,
+        &hello,
+        "1",
+        &own_cid,
+    ]);
+    assert!(probe.status.success(), "{}", vm_tests::stderr(&probe));
+    let said = stdout(&probe);
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.first(), Some(&"uid 4242"), "{said}");
+    for cid in ["1", own_cid.as_str()] {
+        let line = lines
+            .iter()
+            .find(|line| line.split(' ').next() == Some(cid))
+            .unwrap_or_else(|| panic!("no word of CID {cid}: {said}"));
+        assert!(
+            line.starts_with(&format!("{cid} refused"))
+                || line.starts_with(&format!("{cid} closed")),
+            "a guest process reached the agent at CID {cid}: {line}"
+        );
+    }
+    // The host still is served.
+    let out = ws.exec("echo still served");
+    assert_eq!(stdout(&out), "still served\n");
 }
 
 #[test]

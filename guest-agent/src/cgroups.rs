@@ -5,7 +5,8 @@
 //!
 //! The cgroups are numbered directories of one parent ([`GUEST_DIR`] in the VM). A
 //! command's cgroup is removed when its session ends, or, when processes it left
-//! behind still run there, by the first command started after they are gone.
+//! behind still run there, by the first command started after they are gone; with
+//! the cgroups a command (as root) made under it, once nothing runs in any of them.
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -41,9 +42,16 @@ pub enum CgroupError {
 pub struct ExecCgroups {
     dir: PathBuf,
     next: AtomicU64,
-    /// The numbers of the cgroups whose sessions still run: never swept, even while
-    /// empty (a command about to join its cgroup).
+    /// The numbers of the cgroups whose sessions still run, and of those being made:
+    /// never swept, even while empty (a command about to join its cgroup). A number
+    /// is taken here before its directory exists, under this lock, which a sweep holds
+    /// from its listing to its last removal: so no sweep, however concurrent, removes
+    /// a cgroup it finds that a command is about to join.
     in_use: Mutex<HashSet<u64>>,
+    /// Run by [`ExecCgroups::create`] once the new cgroup's directory exists: the
+    /// tests' stand-in for another command's `create` that sweeps just then.
+    #[cfg(test)]
+    after_mkdir: Option<fn(&ExecCgroups)>,
 }
 
 impl ExecCgroups {
@@ -69,6 +77,8 @@ impl ExecCgroups {
             dir: dir.to_path_buf(),
             next: AtomicU64::new(1),
             in_use: Mutex::new(HashSet::new()),
+            #[cfg(test)]
+            after_mkdir: None,
         }))
     }
 
@@ -82,23 +92,42 @@ impl ExecCgroups {
     }
 
     /// A new, empty cgroup for one command. The cgroups of earlier commands that are
-    /// empty by now are removed first.
+    /// empty by now are removed first. A parent that root removed while it was empty
+    /// is made again.
     pub fn create(self: &Arc<Self>) -> Result<ExecCgroup, CgroupError> {
         self.sweep();
+        let mut parent_made_again = false;
         loop {
-            let id = self.next.fetch_add(1, Ordering::Relaxed);
+            let id = self.reserve();
             let path = self.dir.join(id.to_string());
             let procs = path.join("cgroup.procs");
-            let procs = CString::new(procs.as_os_str().as_bytes())
-                .map_err(|_| CgroupError::Nul { path: procs })?;
+            let Ok(procs) = CString::new(procs.as_os_str().as_bytes()) else {
+                self.release(id);
+                return Err(CgroupError::Nul { path: procs });
+            };
             match std::fs::create_dir(&path) {
                 Ok(()) => {}
                 // Left by an earlier agent that served from the same parent (a test
                 // agent on a host): take the next number.
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(source) => return Err(CgroupError::Create { path, source }),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    self.release(id);
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound && !parent_made_again => {
+                    self.release(id);
+                    parent_made_again = true;
+                    self.make_parent_again()?;
+                    continue;
+                }
+                Err(source) => {
+                    self.release(id);
+                    return Err(CgroupError::Create { path, source });
+                }
             }
-            self.in_use().insert(id);
+            #[cfg(test)]
+            if let Some(after_mkdir) = self.after_mkdir {
+                after_mkdir(self);
+            }
             return Ok(ExecCgroup {
                 owner: self.clone(),
                 id,
@@ -108,12 +137,45 @@ impl ExecCgroups {
         }
     }
 
-    /// Removes the cgroups no session uses that nothing runs in any more (the kernel
-    /// refuses to remove the others: `EBUSY`).
+    /// A number of a cgroup no sweep removes from now on (see `in_use`).
+    fn reserve(&self) -> u64 {
+        let mut in_use = self.in_use();
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        in_use.insert(id);
+        id
+    }
+
+    fn release(&self, id: u64) {
+        self.in_use().remove(&id);
+    }
+
+    /// Makes the parent again (root removed it: `rmdir /sys/fs/cgroup/vmctl-exec`
+    /// works while it is empty), so that every later command is not left without a
+    /// cgroup, and warned of.
+    fn make_parent_again(&self) -> Result<(), CgroupError> {
+        match std::fs::create_dir(&self.dir) {
+            Ok(()) => {
+                tracing::warn!(
+                    "{} was removed; made again for the commands' cgroups",
+                    self.dir.display()
+                );
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(source) => Err(CgroupError::Create {
+                path: self.dir.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// Removes the cgroups no session uses that nothing runs in any more, with the
+    /// cgroups made under them (the kernel refuses to remove the others: `EBUSY`).
     fn sweep(&self) {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
             return;
         };
+        // Held to the end: a number reserved meanwhile waits for the sweep to finish.
         let in_use = self.in_use();
         for entry in entries.flatten() {
             let name = entry.file_name();
@@ -121,10 +183,64 @@ impl ExecCgroups {
                 continue;
             };
             if !in_use.contains(&id) {
-                let _ = std::fs::remove_dir(entry.path());
+                let _ = remove_unless_populated(&entry.path());
             }
         }
     }
+}
+
+/// Removes the cgroup `path` unless a process runs in it or below it, with the cgroups
+/// below it (made by a command that ran as root: a container runtime, `systemd-run`),
+/// which the kernel wants removed first. `Ok` when it is gone.
+fn remove_unless_populated(path: &Path) -> io::Result<()> {
+    match std::fs::remove_dir(path) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        // EBUSY: processes run in it, or it has children.
+        Err(e) if e.raw_os_error() != Some(libc::EBUSY) => return Err(e),
+        Err(e) if populated(path) != Some(false) => return Err(e),
+        Err(_) => {}
+    }
+    remove_tree(path)
+}
+
+/// Whether any process runs in the cgroup `path` or below it (`populated` of its
+/// `cgroup.events`); `None` when that cannot be read.
+fn populated(path: &Path) -> Option<bool> {
+    let events = std::fs::read_to_string(path.join("cgroup.events")).ok()?;
+    events.lines().find_map(|line| match line {
+        "populated 1" => Some(true),
+        "populated 0" => Some(false),
+        _ => None,
+    })
+}
+
+/// Removes the cgroup `root` and every cgroup below it, each after its children
+/// (their interface files go with them). Without recursion: a command may nest
+/// cgroups deeper than the agent's stack would allow.
+fn remove_tree(root: &Path) -> io::Result<()> {
+    let mut pending = vec![(root.to_path_buf(), false)];
+    while let Some((dir, children_pending)) = pending.pop() {
+        if children_pending {
+            match std::fs::remove_dir(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => continue,
+            }
+        }
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        pending.push((dir, true));
+        for entry in entries {
+            let entry = entry?;
+            if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                pending.push((entry.path(), false));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One command's cgroup. Dropping it removes it if nothing runs there any more;
@@ -153,8 +269,14 @@ impl ExecCgroup {
     /// Whether any process is in the cgroup (`populated` of `cgroup.events`); false
     /// when that cannot be read.
     pub fn is_populated(&self) -> bool {
-        std::fs::read_to_string(self.path.join("cgroup.events"))
-            .is_ok_and(|events| events.lines().any(|line| line == "populated 1"))
+        populated(&self.path) == Some(true)
+    }
+
+    /// Whether the process `pid` (a zombie too) is in this cgroup, as its
+    /// `/proc/PID/cgroup` says: the parent's check that its child joined.
+    pub fn holds(&self, pid: u32) -> io::Result<bool> {
+        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+        Ok(names_cgroup(&cgroups, &self.path))
     }
 
     /// SIGKILLs every process in the cgroup, wherever it moved in the process tree.
@@ -168,10 +290,25 @@ impl ExecCgroup {
 
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
-        // EBUSY while processes the command left behind still run there.
-        let _ = std::fs::remove_dir(&self.path);
-        self.owner.in_use().remove(&self.id);
+        // Fails while processes the command left behind still run there.
+        let _ = remove_unless_populated(&self.path);
+        self.owner.release(self.id);
     }
+}
+
+/// Whether the cgroup v2 line (`0::PATH`) of a `/proc/PID/cgroup` names the cgroup
+/// directory `dir` (`PATH` is `dir` under the hierarchy's mount point). A removed
+/// cgroup's path has ` (deleted)` after it: not `dir` any more.
+fn names_cgroup(proc_cgroup: &str, dir: &Path) -> bool {
+    let Some(path) = proc_cgroup
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+    else {
+        return false;
+    };
+    let path = path.trim_start_matches('/');
+    // "/", the root, would match any directory.
+    !path.is_empty() && dir.ends_with(path)
 }
 
 /// Moves the calling process into a command's cgroup; see [`CgroupJoiner::join`].
@@ -252,11 +389,88 @@ fn unescape_mountinfo(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// What the tests of the agent that need real cgroups share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+
+    /// A writable cgroup v2 directory with cgroup.kill for the test `test`, removed
+    /// with what runs there when the guard drops; `None` where this machine has none
+    /// (see [`not_run`]).
+    pub(crate) fn test_parent(test: &str) -> Option<TestParent> {
+        let Some(own) = own_cgroup_dir() else {
+            not_run(test, "this process is in no cgroup v2 hierarchy");
+            return None;
+        };
+        let dir = own.join(format!("guest-agent-{test}-{}", std::process::id()));
+        match ExecCgroups::open(&dir) {
+            Ok(cgroups) => Some(TestParent { cgroups }),
+            Err(e) => {
+                not_run(test, &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Says on the terminal, past the test harness's capture, that `test` did not run
+    /// for want of a writable cgroup v2; fails it instead under CI (`CI` set, as
+    /// `.ci/run` sets it), whose machines have one: there, a test that cannot run is a
+    /// broken machine, not a pass.
+    pub(crate) fn not_run(test: &str, why: &str) {
+        let ci = std::env::var("CI").unwrap_or_default();
+        if !ci.is_empty() && ci != "false" && ci != "0" {
+            panic!(
+                "{test}: needs a writable cgroup v2 directory, which CI (CI={ci}) must have: {why}"
+            );
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOT RUN: {test}: no writable cgroup v2 here ({why}); it passes without \
+             testing anything (with CI set it fails)"
+        );
+    }
+
+    pub(crate) struct TestParent {
+        pub(crate) cgroups: Arc<ExecCgroups>,
+    }
+
+    impl Drop for TestParent {
+        fn drop(&mut self) {
+            let dir = self.cgroups.dir();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+            for entry in entries.filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir())) {
+                // Whatever a failed test left running there.
+                let _ = std::fs::write(entry.path().join("cgroup.kill"), "1");
+                while remove_unless_populated(&entry.path()).is_err() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            if let Err(e) = std::fs::remove_dir(dir) {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "cannot remove the test's cgroup {}: {e}",
+                    dir.display()
+                );
+            }
+        }
+    }
+
+    pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::process::CommandExt;
-    use std::time::{Duration, Instant};
 
     #[test]
     fn the_cgroup2_mount_point_is_read_from_mountinfo() {
@@ -284,37 +498,7 @@ mod tests {
         );
     }
 
-    /// A writable cgroup v2 directory with cgroup.kill for this test (removed when the
-    /// guard drops), or `None` where this machine has none: the test then says so.
-    fn test_parent(test: &str) -> Option<TestParent> {
-        let dir = own_cgroup_dir()?.join(format!("guest-agent-{test}-{}", std::process::id()));
-        match ExecCgroups::open(&dir) {
-            Ok(cgroups) => Some(TestParent { cgroups }),
-            Err(e) => {
-                eprintln!("{test}: skipped, no writable cgroup v2 here: {e}");
-                None
-            }
-        }
-    }
-
-    struct TestParent {
-        cgroups: Arc<ExecCgroups>,
-    }
-
-    impl Drop for TestParent {
-        fn drop(&mut self) {
-            self.cgroups.sweep();
-            let _ = std::fs::remove_dir(self.cgroups.dir());
-        }
-    }
-
-    fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !done() {
-            assert!(Instant::now() < deadline, "timed out waiting until {what}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    use test_support::{test_parent, wait_until};
 
     /// A child that joined its cgroup before exec, and went to another session there,
     /// is killed with the cgroup; the cgroup it left behind is swept by the next
@@ -390,5 +574,155 @@ mod tests {
         cgroup.kill().unwrap();
         child.wait().unwrap();
         wait_until("the cgroup is empty", || !cgroup.is_populated());
+    }
+
+    /// A child of `sleep 1000` that joined `cgroup` before exec.
+    fn sleeper_in(cgroup: &ExecCgroup) -> std::process::Child {
+        let joiner = cgroup.joiner();
+        let mut sleep = std::process::Command::new("sleep");
+        sleep.arg("1000");
+        // SAFETY: join is async-signal-safe.
+        unsafe { sleep.pre_exec(move || joiner.join()) };
+        sleep.spawn().unwrap()
+    }
+
+    /// Another command's `create` sweeps just after this one made its cgroup and
+    /// before its command joined: the cgroup stays. (Review: the number was taken
+    /// after the directory was made, so that sweep removed it, and the command ran
+    /// outside any cgroup unnoticed.)
+    #[test]
+    fn a_concurrent_sweep_leaves_a_cgroup_that_is_being_made() {
+        let Some(mut parent) = test_parent("concurrent-sweep") else {
+            return;
+        };
+        let Some(cgroups) = Arc::get_mut(&mut parent.cgroups) else {
+            panic!("the test's cgroups are shared already");
+        };
+        cgroups.after_mkdir = Some(|cgroups| {
+            std::thread::scope(|scope| {
+                scope.spawn(|| cgroups.sweep());
+            })
+        });
+        let cgroup = parent.cgroups.create().unwrap();
+        assert!(
+            cgroup.path().is_dir(),
+            "a sweep removed {} before its command could join it",
+            cgroup.path().display()
+        );
+        let mut child = sleeper_in(&cgroup);
+        assert!(cgroup.holds(child.id()).unwrap());
+        cgroup.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// The parent's check after spawn: a child that joined is in the cgroup, zombie
+    /// or not; one that did not is not.
+    #[test]
+    fn holds_tells_whether_a_child_joined() {
+        let Some(parent) = test_parent("holds") else {
+            return;
+        };
+        let cgroup = parent.cgroups.create().unwrap();
+        let mut joined = sleeper_in(&cgroup);
+        let mut outside = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        assert!(cgroup.holds(joined.id()).unwrap());
+        assert!(!cgroup.holds(outside.id()).unwrap());
+        cgroup.kill().unwrap();
+        wait_until("the joined child is a zombie", || {
+            std::fs::read_to_string(format!("/proc/{}/stat", joined.id())).is_ok_and(|stat| {
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('Z'))
+            })
+        });
+        assert!(
+            cgroup.holds(joined.id()).unwrap(),
+            "a zombie left its cgroup"
+        );
+        joined.wait().unwrap();
+        outside.kill().unwrap();
+        outside.wait().unwrap();
+    }
+
+    #[test]
+    fn the_cgroup_v2_line_names_the_directory_under_the_mount_point() {
+        let dir = Path::new("/sys/fs/cgroup/vmctl-exec/7");
+        assert!(names_cgroup("0::/vmctl-exec/7\n", dir));
+        assert!(names_cgroup("1:name=systemd:/\n0::/vmctl-exec/7\n", dir));
+        assert!(!names_cgroup("0::/vmctl-exec/17\n", dir));
+        assert!(!names_cgroup("0::/vmctl-exec/7/inner\n", dir));
+        assert!(!names_cgroup("0::/\n", dir), "the root");
+        assert!(!names_cgroup("0::/vmctl-exec/7 (deleted)\n", dir));
+        assert!(
+            !names_cgroup("1:name=systemd:/vmctl-exec/7\n", dir),
+            "a v1 line"
+        );
+    }
+
+    /// A root command made cgroups under its own (a container runtime would): once
+    /// nothing runs in any of them, they go, deepest first, and the command's with
+    /// them; not while something still runs in the deepest.
+    #[test]
+    fn cgroups_made_under_a_commands_go_once_nothing_runs_there() {
+        let Some(parent) = test_parent("nested") else {
+            return;
+        };
+        let cgroups = &parent.cgroups;
+        let cgroup = cgroups.create().unwrap();
+        let path = cgroup.path().to_path_buf();
+        let deepest = path.join("runtime/container/init");
+        std::fs::create_dir_all(&deepest).unwrap();
+        std::fs::create_dir(path.join("other")).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        std::fs::write(deepest.join("cgroup.procs"), child.id().to_string()).unwrap();
+        assert!(cgroup.is_populated());
+
+        drop(cgroup);
+        let next = cgroups.create().unwrap();
+        assert!(deepest.is_dir(), "removed while a process ran there");
+        assert!(
+            path.join("other").is_dir(),
+            "removed while a process ran in its sibling"
+        );
+
+        child.kill().unwrap();
+        child.wait().unwrap();
+        wait_until("nothing runs there", || populated(&path) == Some(false));
+        drop(next);
+        let last = cgroups.create().unwrap();
+        assert!(
+            !path.exists(),
+            "a cgroup with children nothing runs in was not swept"
+        );
+        let last_path = last.path().to_path_buf();
+        std::fs::create_dir_all(last_path.join("a/b")).unwrap();
+        drop(last);
+        assert!(
+            !last_path.exists(),
+            "an ended session's cgroup with children stayed"
+        );
+    }
+
+    /// Root removed the parent while it was empty: the next command's cgroup is made
+    /// in it all the same, made again.
+    #[test]
+    fn a_removed_parent_is_made_again() {
+        let Some(parent) = test_parent("parent-removed") else {
+            return;
+        };
+        let cgroups = &parent.cgroups;
+        drop(cgroups.create().unwrap());
+        std::fs::remove_dir(cgroups.dir()).unwrap();
+        let cgroup = cgroups.create().unwrap();
+        assert!(cgroup.path().is_dir());
+        let mut child = sleeper_in(&cgroup);
+        assert!(cgroup.holds(child.id()).unwrap());
+        cgroup.kill().unwrap();
+        child.wait().unwrap();
     }
 }

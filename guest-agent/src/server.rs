@@ -231,6 +231,10 @@ struct State {
     /// The last `Hello` that found the guest's clock ahead (see [`clock`]).
     clock_ahead_seen: clock::AheadSeen,
     refused_peers: RefusedPeers,
+    /// Whether a command was started without its cgroup yet: warned of on the console
+    /// once, at debug level after that (a cgroup that cannot be made fails for every
+    /// command alike).
+    cgroup_failure_warned: std::sync::atomic::AtomicBool,
 }
 
 /// A bound listener.
@@ -277,6 +281,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         shutdown_requested: Default::default(),
         clock_ahead_seen: clock::AheadSeen::default(),
         refused_peers: RefusedPeers::default(),
+        cgroup_failure_warned: Default::default(),
     });
     // SIGCHLD → reap. Registered before any command starts, so none is missed; a
     // periodic sweep covers anything odd (several runtimes in one test process).
@@ -320,24 +325,46 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
-/// Accepts the next connection to serve. On vsock that is the host's only: a guest
-/// process can reach the listener too, through vsock loopback (CID 1, or the guest's
-/// own CID), and would run commands as root. Such connections are closed at once,
-/// before a byte is read.
+/// Accepts the next connection to serve. On vsock that is the host's only (see
+/// [`accept_from_host`]).
 async fn accept(listener: &Listener, refused: &RefusedPeers) -> io::Result<Box<dyn Stream>> {
     match listener {
-        Listener::Vsock(l) => loop {
-            let (stream, peer) = l.accept().await?;
-            match vsock_peer(peer.cid()) {
-                VsockPeer::Host => return Ok(Box::new(stream)),
-                other => {
-                    refused.note(other, peer.cid(), peer.port());
-                    // Closed unread: the guest process sees the connection end.
-                    drop(stream);
-                }
-            }
-        },
+        Listener::Vsock(l) => Ok(Box::new(accept_from_host(l, refused).await?)),
         Listener::Unix(l) => Ok(Box::new(l.accept().await?.0)),
+    }
+}
+
+/// A listener whose connections come with their peer's vsock CID and port.
+trait PeerListener {
+    type Connection: Stream;
+    async fn accept_with_peer(&self) -> io::Result<(Self::Connection, u32, u32)>;
+}
+
+impl PeerListener for tokio_vsock::VsockListener {
+    type Connection = tokio_vsock::VsockStream;
+    async fn accept_with_peer(&self) -> io::Result<(Self::Connection, u32, u32)> {
+        let (stream, peer) = self.accept().await?;
+        Ok((stream, peer.cid(), peer.port()))
+    }
+}
+
+/// The next connection from the host. A guest process can reach the listener too,
+/// through vsock loopback (CID 1, or the guest's own CID), and would run commands as
+/// root: such connections are closed at once, before a byte is read.
+async fn accept_from_host<L: PeerListener>(
+    listener: &L,
+    refused: &RefusedPeers,
+) -> io::Result<L::Connection> {
+    loop {
+        let (stream, cid, port) = listener.accept_with_peer().await?;
+        match vsock_peer(cid) {
+            VsockPeer::Host => return Ok(stream),
+            other => {
+                refused.note(other, cid, port);
+                // Closed unread: the guest process sees the connection end.
+                drop(stream);
+            }
+        }
     }
 }
 
@@ -858,10 +885,15 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         .and_then(|cgroups| match cgroups.create() {
             Ok(cgroup) => Some(cgroup),
             Err(e) => {
-                warn!(
-                    "{e}: this command's processes outside its process group will outlive \
-                     a client that goes away"
-                );
+                if state.cgroup_failure_warned.swap(true, Ordering::Relaxed) {
+                    debug!("{e}: started without its cgroup");
+                } else {
+                    warn!(
+                        "{e}: this command's processes outside its process group will \
+                         outlive a client that goes away (further such failures are \
+                         logged at debug level)"
+                    );
+                }
                 None
             }
         });
@@ -875,8 +907,8 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     // were built before fork).
     unsafe {
         cmd.pre_exec(move || {
-            // First, as root. A failure (the cgroup was removed meanwhile) leaves the
-            // command in the agent's cgroup, still killed by process group.
+            // First, as root. A failure leaves the command in the agent's cgroup,
+            // which the parent finds and says (`in_its_cgroup`).
             if let Some(joiner) = &joiner {
                 let _ = joiner.join();
             }
@@ -919,6 +951,7 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         )?;
     drop(cmd); // closes our copies of the pty slave
     let pid = child.id() as i32;
+    let cgroup = cgroup.filter(|cgroup| in_its_cgroup(cgroup, child.id()));
     // Running, but nobody would end it or report on it: it must not outlive the error.
     match connect_stdio(&mut child, pid, rx, pty) {
         Ok(spawned) => Ok(Spawned { cgroup, ..spawned }),
@@ -926,6 +959,30 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             kill_group(pid, libc::SIGKILL);
             kill_cgroup(cgroup.as_ref());
             Err(e)
+        }
+    }
+}
+
+/// Whether the command `pid` (exec'd by now) joined its cgroup, as it did before exec
+/// unless its cgroup could not be joined. One that did not is said, and ended by
+/// process group alone: its cgroup, empty, would make the kill of a client's going
+/// away reach nothing.
+fn in_its_cgroup(cgroup: &ExecCgroup, pid: u32) -> bool {
+    match cgroup.holds(pid) {
+        Ok(true) => true,
+        Ok(false) => {
+            warn!(
+                pid,
+                cgroup = %cgroup.path().display(),
+                "the command is not in its cgroup (it could not join it): its processes \
+                 outside its process group will outlive a client that goes away"
+            );
+            false
+        }
+        // Ended and reaped already: what it started is in the cgroup, if anything.
+        Err(e) => {
+            debug!(pid, "cannot read the command's cgroup: {e}");
+            true
         }
     }
 }
@@ -1061,10 +1118,7 @@ fn kill_cgroup(cgroup: Option<&ExecCgroup>) {
 
 /// Ends a command whose client went away: `SIGHUP` (and `SIGCONT`, for a stopped
 /// one) to its process group; [`KILL_GRACE`] later, `SIGKILL` to whatever is left of
-/// it: the group, whether or not its leader is still there (one that died of the
-/// hang-up leaves members that ignore it, and the group's number cannot be taken
-/// while they remain), and everything in the command's cgroup (processes that moved
-/// to groups or sessions of their own). Returns once the leader has ended.
+/// it (see [`final_kill`]). Returns once the leader has ended.
 async fn end_abandoned_command(
     pid: i32,
     exit: &mut oneshot::Receiver<i32>,
@@ -1084,11 +1138,45 @@ async fn end_abandoned_command(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     if lingering {
-        kill_group(pid, libc::SIGKILL);
-        kill_cgroup(cgroup);
+        match final_kill(cgroup.is_some(), || group_exists(pid)) {
+            FinalKill::Cgroup => kill_cgroup(cgroup),
+            FinalKill::Group => kill_group(pid, libc::SIGKILL),
+            FinalKill::Nothing => {}
+        }
     }
     if !leader_ended {
         let _ = exit.await;
+    }
+}
+
+/// What the `SIGKILL` after the grace goes to.
+#[derive(Debug, PartialEq, Eq)]
+enum FinalKill {
+    /// Everything in the command's cgroup: its process group's members (the command
+    /// joined it before exec, and its children are born there), and what moved to
+    /// groups or sessions of their own.
+    Cgroup,
+    /// The command's process group, whether or not its leader is still there (one
+    /// that died of the hang-up leaves members that ignore it).
+    Group,
+    Nothing,
+}
+
+/// The last kill of an abandoned command, once the grace is over. With a cgroup, the
+/// cgroup alone: its process group may be gone by then, and its number another's (a
+/// new command's group: each calls `setsid`, and the guest's pids wrap at 32768),
+/// which a group `SIGKILL` would kill. (A member that root moved out of the cgroup
+/// is spared.) Without one, the group, if a group of that number is there right
+/// before: while a member of the command's remains, no other group can take the
+/// number; once none does, only the moment between the check and the kill is left
+/// for a new group to take it.
+fn final_kill(has_cgroup: bool, group_exists: impl FnOnce() -> bool) -> FinalKill {
+    if has_cgroup {
+        FinalKill::Cgroup
+    } else if group_exists() {
+        FinalKill::Group
+    } else {
+        FinalKill::Nothing
     }
 }
 
@@ -1661,6 +1749,162 @@ mod tests {
         let long = clipped("é".repeat(MAX_MESSAGE_CHARS + 1));
         assert_eq!(long.chars().count(), MAX_MESSAGE_CHARS + 1);
         assert!(long.ends_with("é…"), "{long}");
+    }
+
+    /// Connections as from vsock peers of the CIDs given, in that order; each
+    /// connection's other end is the test's.
+    struct InjectedPeers(Mutex<std::collections::VecDeque<(tokio::net::UnixStream, u32)>>);
+
+    impl PeerListener for InjectedPeers {
+        type Connection = tokio::net::UnixStream;
+        async fn accept_with_peer(&self) -> io::Result<(Self::Connection, u32, u32)> {
+            let next = self
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop_front();
+            match next {
+                Some((stream, cid)) => Ok((stream, cid, 50_000 + cid)),
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    /// The agent's CID filter, with the peers' CIDs injected (the guest kernel has no
+    /// vsock loopback, so no VM test can get a guest process's connection to it): a
+    /// guest process through loopback (CID 1) or at the guest's own CID (3), whose
+    /// Hello is already sent, is closed unread; the host's connection is the one
+    /// served.
+    #[tokio::test]
+    async fn only_a_connection_from_the_hosts_cid_is_accepted() {
+        let hello = crate::protocol::encode_frame(&crate::protocol::ClientMessage::Hello(
+            crate::protocol::Hello {
+                protocol_version: crate::protocol::PROTOCOL_VERSION,
+                client: "guest-process".into(),
+                host_time_ns: None,
+            },
+        ))
+        .unwrap();
+        let mut queue = std::collections::VecDeque::new();
+        let mut peers = Vec::new();
+        for cid in [1, 3, tokio_vsock::VMADDR_CID_HOST] {
+            let (agent_end, mut peer_end) = tokio::net::UnixStream::pair().unwrap();
+            peer_end.write_all(&hello).await.unwrap();
+            peer_end.write_all(&[cid as u8]).await.unwrap();
+            queue.push_back((agent_end, cid));
+            peers.push((cid, peer_end));
+        }
+        let listener = InjectedPeers(Mutex::new(queue));
+        let refused = RefusedPeers::default();
+        let mut served = tokio::time::timeout(
+            Duration::from_secs(10),
+            accept_from_host(&listener, &refused),
+        )
+        .await
+        .expect("the host's connection was not accepted")
+        .unwrap();
+        let mut sent = vec![0; hello.len() + 1];
+        served.read_exact(&mut sent).await.unwrap();
+        assert_eq!(
+            sent.last(),
+            Some(&(tokio_vsock::VMADDR_CID_HOST as u8)),
+            "served a connection from another CID than the host's"
+        );
+        for (cid, mut peer_end) in peers {
+            if cid == tokio_vsock::VMADDR_CID_HOST {
+                continue;
+            }
+            // Closed with the Hello unread: the end of the stream, or a reset.
+            let mut answer = [0; 64];
+            let read = tokio::time::timeout(Duration::from_secs(10), peer_end.read(&mut answer))
+                .await
+                .unwrap_or_else(|_| panic!("the connection from CID {cid} is still open"));
+            assert!(
+                matches!(read, Ok(0) | Err(_)),
+                "CID {cid} got an answer: {read:?}"
+            );
+        }
+        assert!(refused.loopback_warned.load(Ordering::Relaxed));
+        assert!(refused.other_warned.load(Ordering::Relaxed));
+    }
+
+    /// With a cgroup, the last kill is the cgroup's alone; without, the group's, only
+    /// while a group of its number is there.
+    #[test]
+    fn the_last_kill_goes_to_the_group_only_without_a_cgroup() {
+        let unasked = || panic!("the group was looked for, though the cgroup reaches all");
+        assert_eq!(final_kill(true, unasked), FinalKill::Cgroup);
+        assert_eq!(final_kill(false, || true), FinalKill::Group);
+        assert_eq!(final_kill(false, || false), FinalKill::Nothing);
+    }
+
+    /// By the end of the grace, the command's group is gone and its number is
+    /// another's (here a stranger's session, which ignores the hang-up as a group that
+    /// took the number after it was sent would not have had it): the `SIGKILL` goes to
+    /// the command's cgroup, where what it left still runs, and spares the stranger.
+    /// (Review: the group was SIGKILLed whenever the cgroup was still populated.)
+    #[tokio::test]
+    async fn the_last_kill_spares_a_group_that_took_the_commands_number() {
+        let Some(parent) = crate::cgroups::test_support::test_parent("spares-stranger") else {
+            return;
+        };
+        let cgroup = parent.cgroups.create().unwrap();
+        let joiner = cgroup.joiner();
+        let mut left = Command::new("sleep");
+        left.arg("1000");
+        // SAFETY: join is async-signal-safe.
+        unsafe { left.pre_exec(move || joiner.join()) };
+        let mut left = left.spawn().unwrap();
+        let mut stranger = Command::new("sleep");
+        stranger.arg("1000");
+        // SAFETY: setsid and signal are plain system calls, async-signal-safe; an
+        // ignored signal stays ignored across exec.
+        unsafe {
+            stranger.pre_exec(|| {
+                cvt(libc::setsid())?;
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+                Ok(())
+            })
+        };
+        let mut stranger = stranger.spawn().unwrap();
+        let (leader_ended, mut exit) = oneshot::channel();
+        let _ = leader_ended.send(0);
+
+        end_abandoned_command(stranger.id() as i32, &mut exit, Some(&cgroup)).await;
+        let left_status = left.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&left_status),
+            Some(libc::SIGKILL)
+        );
+        let spared = stranger.try_wait().unwrap();
+        let _ = stranger.kill();
+        let _ = stranger.wait();
+        assert_eq!(spared, None, "the stranger's group was killed");
+    }
+
+    /// The parent's check after spawn: a command that did not join its cgroup is
+    /// ended by process group, not through its empty cgroup; one already reaped keeps
+    /// its cgroup, where what it started is.
+    #[test]
+    fn a_command_outside_its_cgroup_is_ended_by_process_group() {
+        let Some(parent) = crate::cgroups::test_support::test_parent("outside") else {
+            return;
+        };
+        let cgroup = parent.cgroups.create().unwrap();
+        let mut outside = Command::new("sleep").arg("1000").spawn().unwrap();
+        assert!(!in_its_cgroup(&cgroup, outside.id()));
+        let joiner = cgroup.joiner();
+        let mut inside = Command::new("sleep");
+        inside.arg("1000");
+        // SAFETY: join is async-signal-safe.
+        unsafe { inside.pre_exec(move || joiner.join()) };
+        let mut inside = inside.spawn().unwrap();
+        assert!(in_its_cgroup(&cgroup, inside.id()));
+        outside.kill().unwrap();
+        outside.wait().unwrap();
+        assert!(in_its_cgroup(&cgroup, outside.id()), "a reaped command");
+        inside.kill().unwrap();
+        inside.wait().unwrap();
     }
 
     /// A guest process that connects in a loop gets one warning per kind of peer, not

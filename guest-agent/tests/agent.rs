@@ -1,5 +1,6 @@
 //! The agent served over a Unix socket in a temp dir, driven by the client.
 
+use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -839,17 +840,30 @@ async fn disconnect_kills_the_members_a_leader_that_died_of_the_hang_up_left() {
 }
 
 /// A writable cgroup v2 directory for a test's own agent, or `None` where this
-/// machine has none (the test then says it did not run).
+/// machine has none: the test then says so on the terminal, past the harness's
+/// capture, or fails under CI (`CI` set, as `.ci/run` sets it), whose machines have
+/// one, where a test that cannot run is a broken machine, not a pass.
 fn test_exec_cgroups(test: &str) -> Option<std::sync::Arc<ExecCgroups>> {
-    let own = guest_agent::cgroups::own_cgroup_dir()?;
-    let dir = own.join(format!("guest-agent-{test}-{}", std::process::id()));
-    match ExecCgroups::open(&dir) {
-        Ok(cgroups) => Some(cgroups),
-        Err(e) => {
-            eprintln!("{test}: not run, no writable cgroup v2 here: {e}");
-            None
+    let why = match guest_agent::cgroups::own_cgroup_dir() {
+        None => "this process is in no cgroup v2 hierarchy".to_string(),
+        Some(own) => {
+            let dir = own.join(format!("guest-agent-{test}-{}", std::process::id()));
+            match ExecCgroups::open(&dir) {
+                Ok(cgroups) => return Some(cgroups),
+                Err(e) => e.to_string(),
+            }
         }
+    };
+    let ci = std::env::var("CI").unwrap_or_default();
+    if !ci.is_empty() && ci != "false" && ci != "0" {
+        panic!("{test}: needs a writable cgroup v2 directory, which CI (CI={ci}) must have: {why}");
     }
+    let _ = writeln!(
+        std::io::stderr(),
+        "NOT RUN: {test}: no writable cgroup v2 here ({why}); it passes without testing \
+         anything (with CI set it fails)"
+    );
+    None
 }
 
 /// Removes a test's cgroups when dropped, killing what still runs there (a test
@@ -912,6 +926,39 @@ async fn disconnect_kills_what_left_the_process_group_through_the_commands_cgrou
             ..ServerConfig::default()
         },
     );
+    // Each command is in a cgroup of its own under the agent's.
+    let mut own_cgroups = Vec::new();
+    for _ in 0..2 {
+        let session = connect_unix(&agent)
+            .await
+            .unwrap()
+            .exec(sh("cat /proc/self/cgroup"))
+            .await
+            .unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(60), session.output(b""))
+            .await
+            .expect("cat /proc/self/cgroup still runs after 60 s")
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        let own = said
+            .lines()
+            .find_map(|line| line.strip_prefix("0::"))
+            .unwrap_or_else(|| panic!("no cgroup v2 line: {said}"));
+        let (parent, number) = own.rsplit_once('/').unwrap_or_else(|| panic!("{said}"));
+        assert!(
+            parent.ends_with(&format!(
+                "/guest-agent-left-the-group-{}",
+                std::process::id()
+            )) && number.parse::<u64>().is_ok(),
+            "not in a cgroup of its own: {said}"
+        );
+        own_cgroups.push(own.to_string());
+    }
+    assert_ne!(
+        own_cgroups[0], own_cgroups[1],
+        "two commands shared a cgroup"
+    );
+
     let connection = connect_unix(&agent).await.unwrap();
     let mut s = connection
         .exec(sh(

@@ -1047,7 +1047,10 @@ mod tests {
         ));
         assert_eq!(h.r(REG_QUEUE_READY), 1);
         h.w(REG_QUEUE_SEL, 1);
-        assert!(h.t.set_queue_ready(0).is_ok(), "a queue the driver never set up");
+        assert!(
+            h.t.set_queue_ready(0).is_ok(),
+            "a queue the driver never set up"
+        );
     }
 
     #[test]

@@ -109,9 +109,11 @@ scope=(--workspace)
 for arg in "$@"; do
     case "$arg" in --) break ;; -p|-p*|--package|--package=*) scope=() ;; esac
 done
-say "cargo test ${scope[*]}${scope[*]:+ }$*"
+# --no-fail-fast: a VM test binary that fails must not keep the others from running;
+# one run then shows every failure (CI's is half an hour).
+say "cargo test --no-fail-fast ${scope[*]}${scope[*]:+ }$*"
 status=0
-cargo test "${scope[@]}" "$@" || status=$?
+cargo test --no-fail-fast "${scope[@]}" "$@" || status=$?
 
 # Prints how many lines FILE has and, when there are any, a box listing them with
 # their PREFIX dropped; sets `counted`.

@@ -329,24 +329,26 @@ fn lifecycle_scenario() {
         .stderr(Stdio::null())
         .spawn()
         .expect("vmctl run");
-    let throwaway_runs = |table: &str| {
+    let throwaway_in = |table: &str, state: &str| {
         table
             .lines()
-            .any(|line| line.contains("-run") && line.contains(" running "))
+            .any(|line| line.contains("-run") && line.contains(&format!(" {state} ")))
     };
     wait_for(
         &ws,
         "the throwaway VM to run",
         Duration::from_secs(240),
-        throwaway_runs,
+        |t| throwaway_in(t, "running"),
     );
     run.kill().expect("SIGKILL vmctl run");
     let _ = run.wait();
+    // Stopped, not only no longer running: while the idle stop holds its start lock
+    // (`ps` says "stopping"), prune leaves it alone.
     wait_for(
         &ws,
         "the orphaned throwaway VM to stop",
         Duration::from_secs(90),
-        |t| !throwaway_runs(t),
+        |t| throwaway_in(t, "stopped"),
     );
     let prune = ws.run(&["prune"]);
     assert_ok(&prune, "vmctl prune");

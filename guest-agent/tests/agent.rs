@@ -660,11 +660,7 @@ async fn stdin_goes_a_window_ahead_and_never_holds_up_a_signal_or_a_hang_up() {
     let (mut s, pid) = sleeping_a_while().await;
     s.send_stdin(&vec![0; STDIN_WINDOW]).await.unwrap();
     drop(s);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(pid) {
-        assert!(Instant::now() < deadline, "the hang-up waited behind stdin");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    all_gone_within_5_s(&[pid]).await;
 }
 
 /// Stdin that comes after the host closed it (no terminal) is dropped, and its window
@@ -798,11 +794,20 @@ async fn disconnect_kills_the_process_group() {
     let child: i32 = seen.trim().trim_start_matches("child ").parse().unwrap();
     assert!(alive(pid) && alive(child));
     drop(s);
+    all_gone_within_5_s(&[pid, child]).await;
+}
+
+/// Waits until none of `pids` lives, failing after 5 s with which still do.
+async fn all_gone_within_5_s(pids: &[i32]) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(pid) || alive(child) {
+    loop {
+        let alive: Vec<i32> = pids.iter().copied().filter(|&pid| alive(pid)).collect();
+        if alive.is_empty() {
+            return;
+        }
         assert!(
             Instant::now() < deadline,
-            "process still alive after the client left"
+            "still alive 5 s after the client left: {alive:?} (of {pids:?})"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -827,16 +832,7 @@ async fn disconnect_kills_the_members_a_leader_that_died_of_the_hang_up_left() {
     let member: i32 = seen.trim().trim_start_matches("member ").parse().unwrap();
     assert!(alive(leader) && alive(member));
     drop(s);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(leader) || alive(member) {
-        assert!(
-            Instant::now() < deadline,
-            "leader alive: {}, member alive: {} 5 s after the client left",
-            alive(leader),
-            alive(member)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    all_gone_within_5_s(&[leader, member]).await;
 }
 
 /// A writable cgroup v2 directory for a test's own agent, or `None` where this
@@ -974,17 +970,7 @@ async fn disconnect_kills_what_left_the_process_group_through_the_commands_cgrou
     let moved_session = unsafe { libc::getsid(moved) };
     assert_eq!(moved_session, moved, "sleep is not in a session of its own");
     drop(s);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(leader) || alive(moved) {
-        assert!(
-            Instant::now() < deadline,
-            "leader alive: {}, the process in its own session alive: {} 5 s after the \
-             client left",
-            alive(leader),
-            alive(moved)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    all_gone_within_5_s(&[leader, moved]).await;
     connect_unix(&agent)
         .await
         .unwrap()
@@ -1101,11 +1087,7 @@ async fn malformed_frames_only_affect_their_connection() {
     };
     w.write_all(&[1, 0, 0, 0, 0xee]).await.unwrap();
     let _ = expect_error_then_close(&mut r).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while alive(pid as i32) {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    all_gone_within_5_s(&[pid as i32]).await;
 
     // No Hello first.
     let (r, mut w) = UnixStream::connect(agent()).await.unwrap().into_split();

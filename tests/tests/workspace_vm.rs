@@ -853,6 +853,19 @@ fn assert_guest_process_gone(ws: &Workspace, pid_file: &str) {
     assert_eq!(stdout(&ws.exec(&check)).trim(), "GONE", "{pid_file}");
 }
 
+/// `vmctl up` with the guest's default account named `tester` (uid 4242): the tests
+/// run as root, whose commands would run as root.
+fn up_as_tester(ws: &Workspace) {
+    let mut up = ws.command(&["up"]);
+    up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
+    let up = output_within(&mut up, "vmctl up");
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+}
+
 #[test]
 fn commands_run_as_the_host_users_account() {
     vm_tests::vm_scenario(
@@ -863,15 +876,7 @@ fn commands_run_as_the_host_users_account() {
 
 fn host_user_scenario() {
     let ws = Workspace::new("workspace-user");
-    // The tests run as root, whose commands run as root; name the account instead.
-    let mut up = ws.command(&["up"]);
-    up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
-    let up = output_within(&mut up, "vmctl up");
-    assert!(
-        up.status.success(),
-        "{}",
-        String::from_utf8_lossy(&up.stderr)
-    );
+    up_as_tester(&ws);
     let out = ws.exec(
         "id -un; id -u; id -g; echo $HOME; cd; pwd; touch /tmp/owned; stat -c %u:%g /tmp/owned",
     );
@@ -951,15 +956,7 @@ fn agent_reach_scenario() {
     use guest_agent::protocol::{encode_frame, ClientMessage, Hello, PROTOCOL_VERSION};
 
     let ws = Workspace::new("workspace-agent-reach");
-    // The tests run as root, whose commands run as root; name an account instead.
-    let mut up = ws.command(&["up"]);
-    up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
-    let up = output_within(&mut up, "vmctl up");
-    assert!(
-        up.status.success(),
-        "{}",
-        String::from_utf8_lossy(&up.stderr)
-    );
+    up_as_tester(&ws);
     let own_cid = ws.run(&["exec", "--user", "root", "--", "python3", "-c", OWN_CID]);
     assert!(own_cid.status.success(), "{}", vm_tests::stderr(&own_cid));
     let own_cid = stdout(&own_cid).trim().to_string();

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{
     Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, ReadVolatile, VolatileMemoryError,
     WriteVolatile,
@@ -160,6 +160,9 @@ pub struct ActiveQueue {
     interrupt: InterruptTrigger,
     /// The chain being served, as read from guest memory (kept for its allocation).
     descriptors: Vec<Descriptor>,
+    /// Whether an available ring that cannot be read was reported (once per
+    /// activation: the driver's requests then go unanswered until it resets).
+    unreadable_ring_reported: bool,
 }
 
 impl ActiveQueue {
@@ -174,7 +177,24 @@ impl ActiveQueue {
             descriptors: Vec::with_capacity(usize::from(queue.size())),
             queue,
             interrupt,
+            unreadable_ring_reported: false,
         })
+    }
+
+    /// Says, once, why the available ring cannot be read, if that is why nothing was
+    /// popped: virtio-queue only logs it (and the VMM filters its log), and the
+    /// driver's requests would go unanswered without a word.
+    fn report_an_unreadable_ring(&mut self, device: &str) {
+        if self.unreadable_ring_reported {
+            return;
+        }
+        if let Some(why) = unreadable_ring(&mut self.queue, &self.memory) {
+            guest_log::guest_warn!(
+                "{device}: the driver's available ring cannot be read ({why}); its requests \
+                 go unanswered until it resets the device"
+            );
+            self.unreadable_ring_reported = true;
+        }
     }
 
     /// Hands the available descriptor chains to `handle`, which says how many bytes
@@ -203,6 +223,7 @@ impl ActiveQueue {
         let mut bytes_left = SERVE_BYTES;
         let progress = loop {
             let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) else {
+                self.report_an_unreadable_ring(device);
                 break QueueProgress::Done;
             };
             let head = chain.head_index();
@@ -247,6 +268,13 @@ impl ActiveQueue {
         }
         progress
     }
+}
+
+/// Why `queue`'s available ring cannot be read, if it cannot: an index more than the
+/// queue's size ahead of what was served, or a ring at guest address 0. Nothing for a
+/// ring that is merely empty.
+fn unreadable_ring(queue: &mut Queue, memory: &GuestMemoryMmap) -> Option<String> {
+    queue.iter(memory).err().map(|e| e.to_string())
 }
 
 /// What a handler of [`ActiveQueue::serve`] did with one chain.
@@ -502,6 +530,25 @@ mod tests {
         )
         .unwrap();
         (ring, active)
+    }
+
+    /// An avail index more than a ring ahead of what was served cannot be right: the
+    /// queue stops, and why is told (once); an empty ring is no fault.
+    #[test]
+    fn an_avail_index_far_ahead_is_told_as_the_reason_nothing_is_served() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (ring, mut active) = served_queue(&memory, 0);
+        assert_eq!(unreadable_ring(&mut active.queue, &memory), None);
+        ring.avail().idx().store(RING_SIZE + 1);
+        let why = unreadable_ring(&mut active.queue, &memory).expect("a reason");
+        assert!(!why.is_empty());
+        let mut served = 0;
+        let progress = active.serve("test", |_, _| {
+            served += 1;
+            0
+        });
+        assert_eq!((progress, served), (QueueProgress::Done, 0));
+        assert!(active.unreadable_ring_reported);
     }
 
     #[test]

@@ -1109,10 +1109,17 @@ fn group_exists(pgid: i32) -> bool {
     found || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
-/// SIGKILLs every process of the command's cgroup, if it has one.
-fn kill_cgroup(cgroup: Option<&ExecCgroup>) {
-    if let Some(Err(e)) = cgroup.map(ExecCgroup::kill) {
-        warn!("{e}: processes the command started outside its process group live on");
+/// SIGKILLs every process of the command's cgroup, if it has one; whether that was
+/// done (false: no cgroup, or its `cgroup.kill` failed, as in a cgroup a root command
+/// made threaded).
+fn kill_cgroup(cgroup: Option<&ExecCgroup>) -> bool {
+    match cgroup.map(ExecCgroup::kill) {
+        Some(Ok(())) => true,
+        Some(Err(e)) => {
+            warn!("{e}: processes the command started outside its process group live on");
+            false
+        }
+        None => false,
     }
 }
 
@@ -1138,14 +1145,32 @@ async fn end_abandoned_command(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     if lingering {
-        match final_kill(cgroup.is_some(), || group_exists(pid)) {
-            FinalKill::Cgroup => kill_cgroup(cgroup),
-            FinalKill::Group => kill_group(pid, libc::SIGKILL),
-            FinalKill::Nothing => {}
-        }
+        kill_what_is_left(
+            cgroup.map(|cgroup| move || kill_cgroup(Some(cgroup))),
+            || group_exists(pid),
+            || kill_group(pid, libc::SIGKILL),
+        );
     }
     if !leader_ended {
         let _ = exit.await;
+    }
+}
+
+/// The `SIGKILL` after the grace ([`final_kill`]): to the cgroup through
+/// `kill_cgroup`, if the command has one; to its process group through `kill_group`
+/// without one, or when the cgroup's could not be sent (a root command made its
+/// cgroup threaded, where `cgroup.kill` is refused): its process group at least.
+fn kill_what_is_left(
+    kill_cgroup: Option<impl FnOnce() -> bool>,
+    group_exists: impl Fn() -> bool,
+    kill_group: impl FnOnce(),
+) {
+    let cgroup_killed = match kill_cgroup {
+        Some(kill) => kill(),
+        None => false,
+    };
+    if !cgroup_killed && final_kill(false, group_exists) == FinalKill::Group {
+        kill_group();
     }
 }
 
@@ -1836,6 +1861,29 @@ mod tests {
         assert_eq!(final_kill(true, unasked), FinalKill::Cgroup);
         assert_eq!(final_kill(false, || true), FinalKill::Group);
         assert_eq!(final_kill(false, || false), FinalKill::Nothing);
+    }
+
+    /// A cgroup whose `cgroup.kill` fails (made threaded by a root command) leaves the
+    /// process group to be killed, as without a cgroup; one that is killed does not.
+    #[test]
+    fn a_failed_cgroup_kill_falls_back_to_the_process_group() {
+        let group_killed = |cgroup_kill_works: Option<bool>, group_exists: bool| {
+            let killed = std::cell::Cell::new(false);
+            kill_what_is_left(
+                cgroup_kill_works.map(|works| move || works),
+                || group_exists,
+                || killed.set(true),
+            );
+            killed.get()
+        };
+        assert!(
+            !group_killed(Some(true), true),
+            "the cgroup's kill reached all"
+        );
+        assert!(group_killed(Some(false), true), "the cgroup's kill failed");
+        assert!(!group_killed(Some(false), false), "no group left to kill");
+        assert!(group_killed(None, true));
+        assert!(!group_killed(None, false));
     }
 
     /// By the end of the grace, the command's group is gone and its number is

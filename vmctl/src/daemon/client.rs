@@ -34,6 +34,12 @@ pub enum DaemonClientError {
     },
     #[error("the vmctl daemon answered something unreadable: {0}")]
     BadAnswer(String),
+    #[error(
+        "the vmctl daemon at {} went away before it answered (killed, or crashed); its log: {}",
+        .socket.display(),
+        super::log_path().display()
+    )]
+    Vanished { socket: PathBuf },
     #[error("the vmctl daemon refused: {0}")]
     Refused(String),
     #[error(
@@ -158,9 +164,25 @@ fn ask_a_running_daemon(
 ) -> Result<(UnixStream, Response), DaemonClientError> {
     let deadline = Instant::now() + wait;
     let mut said = false;
+    let mut said_vanished = false;
     loop {
         let socket = connect_or_start()?;
-        match ask(&socket, request)? {
+        let asked = match ask(&socket, request) {
+            // A daemon killed a moment ago may still take a connection (its threads
+            // close its socket last) but never answer: the next daemon will.
+            Err(DaemonClientError::Vanished { .. }) if Instant::now() < deadline => {
+                if !said_vanished {
+                    vmm::to_stderr!(
+                        "vmctl: the vmctl daemon went away before it answered; starting the next"
+                    );
+                    said_vanished = true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            asked => asked?,
+        };
+        match asked {
             (_, Response::Stopping) if Instant::now() < deadline => {
                 if !said {
                     vmm::to_stderr!(
@@ -252,23 +274,32 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
         socket: socket.to_path_buf(),
         source,
     };
-    let mut connection = crate::own_socket::connect(socket).map_err(io)?;
+    let vanished = || DaemonClientError::Vanished {
+        socket: socket.to_path_buf(),
+    };
+    let gone_or = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::ConnectionRefused
+        | std::io::ErrorKind::NotFound => vanished(),
+        _ => io(e),
+    };
+    let mut connection = crate::own_socket::connect(socket).map_err(gone_or)?;
     let mut line =
         serde_json::to_vec(request).map_err(|e| DaemonClientError::BadAnswer(e.to_string()))?;
     line.push(b'\n');
-    connection.write_all(&line).map_err(io)?;
+    connection.write_all(&line).map_err(gone_or)?;
     let mut answer = String::new();
     BufReader::new(connection.try_clone().map_err(io)?)
         .read_line(&mut answer)
-        .map_err(io)?;
+        .map_err(gone_or)?;
+    if answer.is_empty() {
+        return Err(vanished());
+    }
     match serde_json::from_str::<Response>(&answer) {
         Ok(Response::Error { message }) => Err(DaemonClientError::Refused(message)),
         Ok(response) => Ok((connection, response)),
-        Err(e) => Err(DaemonClientError::BadAnswer(if answer.is_empty() {
-            "no answer".into()
-        } else {
-            e.to_string()
-        })),
+        Err(e) => Err(DaemonClientError::BadAnswer(e.to_string())),
     }
 }
 
@@ -341,6 +372,50 @@ mod tests {
             .to_string();
         assert!(error.contains("has been stopping its VMs"), "{error}");
         assert!(error.contains("daemon.log"), "{error}");
+    }
+
+    /// A daemon killed a moment ago may still take a connection and then close it
+    /// unanswered (its socket goes with its last thread): the client starts over with
+    /// the next daemon instead of going on without a lease. (CI: a session after a
+    /// SIGKILLed daemon ran with no daemon, and its VM never stopped when idle.)
+    #[test]
+    fn a_daemon_that_goes_away_unanswering_is_followed_by_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let (dying, next) = (dir.path().join("dying.sock"), dir.path().join("next.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&dying).unwrap();
+        let dies = std::thread::spawn(move || {
+            let (connection, _) = listener.accept().unwrap();
+            drop(connection);
+        });
+        let running = daemon_answering(&next, vec![Response::Ok]);
+        let mut asked = 0;
+        let connect = || {
+            asked += 1;
+            Ok(if asked == 1 {
+                dying.clone()
+            } else {
+                next.clone()
+            })
+        };
+        let (_, answer) =
+            ask_a_running_daemon(&Request::Status, connect, Duration::from_secs(30)).unwrap();
+        assert_eq!(answer, Response::Ok);
+        assert_eq!(asked, 2);
+        dies.join().unwrap();
+        running.join().unwrap();
+
+        // Past the wait, it is said, with the log to read.
+        let gone = dir.path().join("gone.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&gone).unwrap();
+        let closes = std::thread::spawn(move || drop(listener.accept().unwrap()));
+        let error = ask_a_running_daemon(&Request::Status, || Ok(gone.clone()), Duration::ZERO)
+            .unwrap_err();
+        assert!(
+            matches!(error, DaemonClientError::Vanished { .. }),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("daemon.log"), "{error}");
+        closes.join().unwrap();
     }
 
     /// `vmctl daemon --stop` succeeds once the daemon is gone (it closes the

@@ -1125,7 +1125,7 @@ fn kill_cgroup(cgroup: Option<&ExecCgroup>) -> bool {
 
 /// Ends a command whose client went away: `SIGHUP` (and `SIGCONT`, for a stopped
 /// one) to its process group; [`KILL_GRACE`] later, `SIGKILL` to whatever is left of
-/// it (see [`final_kill`]). Returns once the leader has ended.
+/// it (see [`kill_what_is_left`]). Returns once the leader has ended.
 async fn end_abandoned_command(
     pid: i32,
     exit: &mut oneshot::Receiver<i32>,
@@ -1156,52 +1156,27 @@ async fn end_abandoned_command(
     }
 }
 
-/// The `SIGKILL` after the grace ([`final_kill`]): to the cgroup through
-/// `kill_cgroup`, if the command has one; to its process group through `kill_group`
-/// without one, or when the cgroup's could not be sent (a root command made its
-/// cgroup threaded, where `cgroup.kill` is refused): its process group at least.
+/// The last kill of an abandoned command, once the grace is over. With a cgroup, the
+/// cgroup alone (`kill_cgroup`): its process group may be gone by then, and its number
+/// another's (a new command's group: each calls `setsid`, and the guest's pids wrap at
+/// 32768), which a group `SIGKILL` would kill. (A member that root moved out of the
+/// cgroup is spared.) Without one, or when the cgroup's kill could not be sent (a root
+/// command made its cgroup threaded, where `cgroup.kill` is refused), the process
+/// group (`kill_group`), if a group of that number is there right before: while a
+/// member of the command's remains, no other group can take the number; once none
+/// does, only the moment between the check and the kill is left for a new group to
+/// take it.
 fn kill_what_is_left(
     kill_cgroup: Option<impl FnOnce() -> bool>,
-    group_exists: impl Fn() -> bool,
+    group_exists: impl FnOnce() -> bool,
     kill_group: impl FnOnce(),
 ) {
     let cgroup_killed = match kill_cgroup {
         Some(kill) => kill(),
         None => false,
     };
-    if !cgroup_killed && final_kill(false, group_exists) == FinalKill::Group {
+    if !cgroup_killed && group_exists() {
         kill_group();
-    }
-}
-
-/// What the `SIGKILL` after the grace goes to.
-#[derive(Debug, PartialEq, Eq)]
-enum FinalKill {
-    /// Everything in the command's cgroup: its process group's members (the command
-    /// joined it before exec, and its children are born there), and what moved to
-    /// groups or sessions of their own.
-    Cgroup,
-    /// The command's process group, whether or not its leader is still there (one
-    /// that died of the hang-up leaves members that ignore it).
-    Group,
-    Nothing,
-}
-
-/// The last kill of an abandoned command, once the grace is over. With a cgroup, the
-/// cgroup alone: its process group may be gone by then, and its number another's (a
-/// new command's group: each calls `setsid`, and the guest's pids wrap at 32768),
-/// which a group `SIGKILL` would kill. (A member that root moved out of the cgroup
-/// is spared.) Without one, the group, if a group of that number is there right
-/// before: while a member of the command's remains, no other group can take the
-/// number; once none does, only the moment between the check and the kill is left
-/// for a new group to take it.
-fn final_kill(has_cgroup: bool, group_exists: impl FnOnce() -> bool) -> FinalKill {
-    if has_cgroup {
-        FinalKill::Cgroup
-    } else if group_exists() {
-        FinalKill::Group
-    } else {
-        FinalKill::Nothing
     }
 }
 
@@ -1858,9 +1833,17 @@ mod tests {
     #[test]
     fn the_last_kill_goes_to_the_group_only_without_a_cgroup() {
         let unasked = || panic!("the group was looked for, though the cgroup reaches all");
-        assert_eq!(final_kill(true, unasked), FinalKill::Cgroup);
-        assert_eq!(final_kill(false, || true), FinalKill::Group);
-        assert_eq!(final_kill(false, || false), FinalKill::Nothing);
+        let cgroup_killed = std::cell::Cell::new(false);
+        kill_what_is_left(
+            Some(|| {
+                cgroup_killed.set(true);
+                true
+            }),
+            unasked,
+            || panic!("the group was killed, though the cgroup reaches all"),
+        );
+        assert!(cgroup_killed.get());
+        // Without a cgroup: a_failed_cgroup_kill_falls_back_to_the_process_group.
     }
 
     /// A cgroup whose `cgroup.kill` fails (made threaded by a root command) leaves the

@@ -105,6 +105,17 @@ async fn run(req: ExecRequest, stdin: &[u8]) -> guest_agent::client::Output {
 }
 
 /// Reads stdout until `needle` appears.
+/// The pid in the command's first line, `LABEL PID`.
+async fn said_pid(s: &mut ExecSession<UnixStream>, label: &str) -> i32 {
+    let mut seen = String::new();
+    read_until(s, "\n", &mut seen).await;
+    let line = seen.lines().next().unwrap_or_default();
+    line.trim()
+        .strip_prefix(label)
+        .and_then(|rest| rest.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `{label} PID` line: {seen:?}"))
+}
+
 async fn read_until(s: &mut ExecSession<UnixStream>, needle: &str, seen: &mut String) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !seen.contains(needle) {
@@ -789,9 +800,7 @@ async fn disconnect_kills_the_process_group() {
         .await
         .unwrap();
     let pid = s.pid() as i32;
-    let mut seen = String::new();
-    read_until(&mut s, "\n", &mut seen).await;
-    let child: i32 = seen.trim().trim_start_matches("child ").parse().unwrap();
+    let child = said_pid(&mut s, "child").await;
     assert!(alive(pid) && alive(child));
     drop(s);
     all_gone_within_5_s(&[pid, child]).await;
@@ -827,9 +836,7 @@ async fn disconnect_kills_the_members_a_leader_that_died_of_the_hang_up_left() {
         .await
         .unwrap();
     let leader = s.pid() as i32;
-    let mut seen = String::new();
-    read_until(&mut s, "\n", &mut seen).await;
-    let member: i32 = seen.trim().trim_start_matches("member ").parse().unwrap();
+    let member = said_pid(&mut s, "member").await;
     assert!(alive(leader) && alive(member));
     drop(s);
     all_gone_within_5_s(&[leader, member]).await;
@@ -963,9 +970,7 @@ async fn disconnect_kills_what_left_the_process_group_through_the_commands_cgrou
         .await
         .unwrap();
     let leader = s.pid() as i32;
-    let mut seen = String::new();
-    read_until(&mut s, "\n", &mut seen).await;
-    let moved: i32 = seen.trim().trim_start_matches("moved ").parse().unwrap();
+    let moved = said_pid(&mut s, "moved").await;
     // SAFETY: getsid has no memory-safety preconditions.
     let moved_session = unsafe { libc::getsid(moved) };
     assert_eq!(moved_session, moved, "sleep is not in a session of its own");

@@ -631,7 +631,7 @@ fn boot_files(
 /// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now (or stopping
 /// or removing it: see [`start_lock_held_for`]).
 pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
-    start_lock_held_for(vm).is_some()
+    std::fs::File::open(vm.path.join(START_LOCK)).is_ok_and(|file| held_by_another(&file))
 }
 
 /// What the holder of `vm`'s start lock does, if someone holds it: `vmctl ps` shows

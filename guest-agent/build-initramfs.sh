@@ -41,17 +41,16 @@ cache_root="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl}"
 # be asked; nothing if they could write it all. Those are: cargo's target directory
 # (else the directory it would be made in), the agent's build directories in it, with
 # all they hold (cargo's locks and fingerprints), cargo's package lock in their cargo
-# home, and the cache's agent directory with its entries (a killed or old one is
-# removed). Only the agent's own part of the target directory is walked: it may hold
-# a whole workspace's builds.
+# home, and the cache's agent directory with its entries (cache_unwritable_for: a
+# killed or old one is removed). Only the agent's own part of the target directory is
+# walked: it may hold a whole workspace's builds.
 unwritable_for() {
     local owner="$1" home="$2" dir shallow=() deep=() found
     dir="$target_dir"
     while [[ ! -e "$dir" ]]; do dir="$(dirname "$dir")"; done
     shallow+=("$dir")
-    for dir in "$target_dir/$target" "${CARGO_HOME:-$home/.cargo}/.package-cache" \
-               "$cache_root" "$cache_root/agent-initramfs" "$cache_root/agent-initramfs"/*/; do
-        [[ ! -e "$dir" ]] || shallow+=("${dir%/}")
+    for dir in "$target_dir/$target" "${CARGO_HOME:-$home/.cargo}/.package-cache"; do
+        [[ ! -e "$dir" ]] || shallow+=("$dir")
     done
     for dir in "$target_dir/$target/guest-agent" "$target_dir/guest-agent"; do
         [[ ! -e "$dir" ]] || deep+=("$dir")
@@ -63,6 +62,7 @@ unwritable_for() {
         found="$(setpriv --reuid="${owner%:*}" --regid="${owner#*:}" --init-groups -- \
             find "${deep[@]}" ! -type l ! -writable -print -quit 2>/dev/null)" || found="${found:-?}"
     fi
+    [[ -n "$found" ]] || found="$(cache_unwritable_for "$owner" "$cache_root" agent-initramfs)"
     echo "$found"
 }
 

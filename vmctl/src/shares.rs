@@ -457,7 +457,7 @@ pub struct ProgramDir {
 /// The directories under a home that login shells and installers put on PATH, whether
 /// or not vmctl's own PATH has them (a desktop app's or a service's has not), with
 /// what each is.
-const USUAL_PROGRAM_DIRS: [(&str, &str); 3] = [
+const USUAL_PROGRAM_DIRS: [(&str, &str); 4] = [
     (
         "bin",
         "your own programs' directory, which login shells put on PATH",
@@ -469,6 +469,10 @@ const USUAL_PROGRAM_DIRS: [(&str, &str); 3] = [
     (
         ".cargo/bin",
         "where cargo install and rustup put your programs, on your PATH",
+    ),
+    (
+        "go/bin",
+        "where go install puts your programs, which you put on PATH",
     ),
 ];
 
@@ -536,6 +540,61 @@ const CARGO_SOURCE_DIRS: [(&str, &str); 2] = [
     ),
 ];
 
+/// Package managers' and build tools' caches and homes whose contents the host's next
+/// build or install uses without checking them again (or, like Gradle's `init.d`,
+/// runs at every build): a guest that could write them would choose what runs on the
+/// host. Each with the variable that moves it (if any), where it is under the home
+/// otherwise, and what it is. npm's, pnpm's and Yarn's caches check a package against
+/// the checksum their index holds, which sits in the same cache; pip installs a wheel
+/// it built before as it finds it. Shared read-only they are safe.
+const BUILD_CACHE_DIRS: [(Option<&str>, &str, &str); 9] = [
+    (
+        Some("GRADLE_USER_HOME"),
+        ".gradle",
+        "Gradle's home, whose init scripts, plugins and libraries your Gradle builds run",
+    ),
+    (
+        None,
+        ".m2",
+        "Maven's directory, whose settings, plugins and libraries your Maven builds run",
+    ),
+    (
+        Some("GOMODCACHE"),
+        "go/pkg/mod",
+        "Go's module cache, whose modules your go builds compile without checking them again",
+    ),
+    (
+        Some("GOCACHE"),
+        ".cache/go-build",
+        "Go's build cache, whose compiled packages your go builds link without checking them again",
+    ),
+    (
+        Some("PIP_CACHE_DIR"),
+        ".cache/pip",
+        "pip's cache, whose wheels pip installs without checking them again",
+    ),
+    (
+        Some("npm_config_cache"),
+        ".npm",
+        "npm's cache, whose packages (and the checksums they are checked against) npm installs",
+    ),
+    (
+        Some("PNPM_HOME"),
+        ".local/share/pnpm",
+        "pnpm's home, whose store and global programs your pnpm installs and PATH use",
+    ),
+    (
+        Some("YARN_CACHE_FOLDER"),
+        ".cache/yarn",
+        "Yarn's cache, whose packages (and the checksums they are checked against) yarn installs",
+    ),
+    (
+        Some("UV_CACHE_DIR"),
+        ".cache/uv",
+        "uv's cache, whose wheels and Python environments uv installs without checking them again",
+    ),
+];
+
 const ON_PATH: &str = "a directory on your PATH";
 
 /// A directory on PATH outside the homes, which counts only where the user can write
@@ -547,7 +606,10 @@ const ON_PATH_WRITABLE: &str = "a directory on your PATH that you can write";
 ///   lies there, the usual ones (`~/bin`, `~/.local/bin`, `~/.cargo/bin`),
 ///   `$CARGO_HOME/bin`, and the toolchain and version managers' directories
 ///   ([`MANAGER_DIRS`]: `$RUSTUP_HOME`, `$PYENV_ROOT`, `~/.rbenv`, `$ASDF_DATA_DIR`,
-///   `~/.nvm`, pipx's `~/.local/share/pipx`, `~/.volta`, `~/.bun`);
+///   `~/.nvm`, pipx's `~/.local/share/pipx`, `~/.volta`, `~/.bun`), and the build
+///   tools' caches whose contents the host's builds use unchecked
+///   ([`BUILD_CACHE_DIRS`]: Gradle's, Maven's, Go's, pip's, npm's, pnpm's, Yarn's,
+///   uv's);
 /// - outside the homes, the same where the user can write them, or make them
 ///   ([`user_can_write`]): Linuxbrew's bin, a `RUSTUP_HOME` in `/opt`.
 ///
@@ -636,10 +698,13 @@ fn program_dirs_from(
             inside_too: true,
         })
     });
-    let managers = MANAGER_DIRS
+    let named_variables = MANAGER_DIRS
         .iter()
+        .map(|(variable, under_home, what)| (Some(*variable), *under_home, *what));
+    let managers = named_variables
+        .chain(BUILD_CACHE_DIRS.iter().copied())
         .flat_map(|(variable, under_home, what)| {
-            let moved = var(variable).map(PathBuf::from);
+            let moved = variable.and_then(&var).map(PathBuf::from);
             // Where it is by default too: a variable set for vmctl may not be the shells'.
             let defaults = homes.iter().map(|home| home.join(under_home));
             moved
@@ -1704,6 +1769,7 @@ mod tests {
                 (home.join("project/.venv/bin").as_path(), ON_PATH),
                 (root.join("dotfiles/bin").as_path(), USUAL_PROGRAM_DIRS[0].1),
                 (home.join(".cargo/bin").as_path(), USUAL_PROGRAM_DIRS[2].1),
+                (home.join("go/bin").as_path(), USUAL_PROGRAM_DIRS[3].1),
             ]
         );
         // A CARGO_HOME under the home counts, not made yet.
@@ -1727,6 +1793,7 @@ mod tests {
         let (home, path) = home_with_programs(&root);
         let moved = |name: &str| match name {
             "RUSTUP_HOME" => Some(home.join("toolchains/rustup").into()),
+            "GOMODCACHE" => Some(home.join("src/go-modules").into()),
             // Outside the home, where this user cannot write: not theirs to fear for.
             "PYENV_ROOT" => Some(root.join("system-pyenv").into()),
             _ => None,
@@ -1758,6 +1825,12 @@ mod tests {
                 .iter()
                 .map(|(_, under_home, what)| (home.join(under_home), *what)),
         );
+        for (variable, under_home, what) in BUILD_CACHE_DIRS {
+            if variable == Some("GOMODCACHE") {
+                expected.push((home.join("src/go-modules"), what));
+            }
+            expected.push((home.join(under_home), what));
+        }
         assert_eq!(managers, expected);
         // None of them made yet.
         assert!(expected.iter().all(|(dir, _)| !dir.exists()));
@@ -1823,6 +1896,11 @@ mod tests {
             ".rustup/toolchains/stable-x86_64-unknown-linux-gnu",
             ".local/share/pipx/venvs/black",
             ".local/share/fonts",
+            ".gradle/caches",
+            ".m2",
+            ".cache/ms-playwright",
+            "go",
+            ".npm",
         ] {
             std::fs::create_dir_all(home.join(made)).unwrap();
         }
@@ -1903,6 +1981,26 @@ mod tests {
             refusal("~/.cargo/registry/src"),
             format!("is inside {}", home.join(".cargo/registry").display())
         );
+        // Build tools' caches and homes whose contents the host's builds use unchecked.
+        assert_eq!(
+            refusal("~/.gradle/caches"),
+            format!("is inside {}", home.join(".gradle").display())
+        );
+        assert_eq!(
+            refusal("~/.m2"),
+            format!("is {}", home.join(".m2").display())
+        );
+        assert_eq!(
+            refusal("~/.cache:/c"),
+            format!("holds {}", home.join(".cache/go-build").display())
+        );
+        assert_eq!(
+            refusal("~/go"),
+            format!("holds {}", home.join("go/bin").display())
+        );
+        for allowed in ["~/.cache:/c:ro", "~/.npm:ro", "~/.cache/ms-playwright"] {
+            assert!(check(allowed).is_ok(), "{allowed}: {:?}", check(allowed));
+        }
         let message = check("~/.local:/l:rw").unwrap_err().to_string();
         assert!(
             message.starts_with(&format!(

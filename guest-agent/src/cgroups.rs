@@ -44,14 +44,18 @@ pub struct ExecCgroups {
     next: AtomicU64,
     /// The numbers of the cgroups whose sessions still run, and of those being made:
     /// never swept, even while empty (a command about to join its cgroup). A number
-    /// is taken here before its directory exists, under this lock, which a sweep holds
-    /// from its listing to its last removal: so no sweep, however concurrent, removes
-    /// a cgroup it finds that a command is about to join.
+    /// is taken here (from `next`) before its directory exists, under this lock; a
+    /// sweep takes, under it, this set and `next`, and removes only numbers below
+    /// that: so no sweep, however concurrent, removes a cgroup a command is about to
+    /// join, and none holds the lock through its removals.
     in_use: Mutex<HashSet<u64>>,
     /// Run by [`ExecCgroups::create`] once the new cgroup's directory exists: the
     /// tests' stand-in for another command's `create` that sweeps just then.
     #[cfg(test)]
     after_mkdir: Option<fn(&ExecCgroups)>,
+    /// Run by a sweep before each removal it tries.
+    #[cfg(test)]
+    before_removal: Option<fn(&ExecCgroups)>,
 }
 
 impl ExecCgroups {
@@ -79,6 +83,8 @@ impl ExecCgroups {
             in_use: Mutex::new(HashSet::new()),
             #[cfg(test)]
             after_mkdir: None,
+            #[cfg(test)]
+            before_removal: None,
         }))
     }
 
@@ -172,17 +178,27 @@ impl ExecCgroups {
     /// Removes the cgroups no session uses that nothing runs in any more, with the
     /// cgroups made under them (the kernel refuses to remove the others: `EBUSY`).
     fn sweep(&self) {
+        // Numbers from `reserved_below` on are taken after this: their cgroups, made
+        // or being made, are not this sweep's to judge. The lock is not held through
+        // the removals, which a session ending meanwhile would wait for on the agent's
+        // one runtime thread.
+        let (in_use, reserved_below) = {
+            let in_use = self.in_use();
+            (in_use.clone(), self.next.load(Ordering::Relaxed))
+        };
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
             return;
         };
-        // Held to the end: a number reserved meanwhile waits for the sweep to finish.
-        let in_use = self.in_use();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(id) = name.to_str().and_then(|n| n.parse::<u64>().ok()) else {
                 continue;
             };
-            if !in_use.contains(&id) {
+            if id < reserved_below && !in_use.contains(&id) {
+                #[cfg(test)]
+                if let Some(before_removal) = self.before_removal {
+                    before_removal(self);
+                }
                 let _ = remove_unless_populated(&entry.path());
             }
         }
@@ -613,6 +629,35 @@ mod tests {
         assert!(cgroup.holds(child.id()).unwrap());
         cgroup.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A sweep's removals run without the lock a command's `create` and a session's
+    /// end take (review: a slow sweep made every session ending meanwhile wait).
+    #[test]
+    fn a_sweep_removes_without_holding_the_lock() {
+        let Some(mut parent) = test_parent("sweep-unlocked") else {
+            return;
+        };
+        let Some(cgroups) = Arc::get_mut(&mut parent.cgroups) else {
+            panic!("the test's cgroups are shared already");
+        };
+        cgroups.before_removal = Some(|cgroups| {
+            assert!(
+                cgroups.in_use.try_lock().is_ok(),
+                "the sweep holds the lock through its removals"
+            );
+        });
+        let ended = parent.cgroups.create().unwrap();
+        let (ended_id, ended_path) = (ended.id, ended.path().to_path_buf());
+        // Left behind as by a session whose processes outlived it: the sweep's to remove.
+        std::mem::forget(ended);
+        parent.cgroups.release(ended_id);
+        let _next = parent.cgroups.create().unwrap();
+        assert!(
+            !ended_path.exists(),
+            "{} was not swept",
+            ended_path.display()
+        );
     }
 
     /// The parent's check after spawn: a child that joined is in the cgroup, zombie

@@ -3,26 +3,30 @@
 //! name, and may only remove files in the directory of its vsock socket (the socket
 //! itself, when the VM ends). Whatever it already holds keeps working; anything else
 //! of the host's (the user's home, its credentials) is out of reach even if a guest
-//! took the VMM over, jailed or not (see `jail`). Connecting to Unix sockets (the
-//! supervisor's vsock services) is not a file access Landlock restricts here.
-//! Best effort: a kernel without Landlock, or with an older ABI, enforces what it can,
-//! and [`Confinement`] says which.
+//! took the VMM over, jailed or not (see `jail`). Connecting to Unix sockets by path
+//! (the supervisor's vsock services) is not a file access Landlock restricts here;
+//! connecting to abstract ones made outside the VMM (a desktop session's, which an
+//! unjailed VMM shares the network namespace of) is refused, and so is signalling
+//! other processes. Best effort: a kernel without Landlock, or with an older ABI,
+//! enforces what it can, and [`Confinement`] says which.
 
 use std::path::Path;
 
 use landlock::{
     Access, AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
-    ABI,
+    Scope, ABI,
 };
 
-/// The newest Landlock ABI whose rights this policy was written (and tested) for.
-const POLICY_ABI: ABI = ABI::V5;
+/// The newest Landlock ABI whose rights this policy was written (and tested) for: 6
+/// (Linux 6.12) scopes abstract Unix sockets and signals.
+const POLICY_ABI: ABI = ABI::V6;
 
 /// What the kernel enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Confinement {
     Full,
-    /// An older Landlock: some rights (truncation, device ioctls) are not restricted.
+    /// An older Landlock: some rights (truncation, device ioctls, abstract Unix
+    /// sockets, signals) are not restricted.
     Partial,
     /// No Landlock in this kernel: the VMM keeps the user's access to files.
     None,
@@ -53,6 +57,7 @@ pub fn confine(socket_dir: Option<&Path>) -> Result<(Confinement, HeldPaths), Co
     let status =
         Ruleset::default()
             .handle_access(AccessFs::from_all(POLICY_ABI))?
+            .scope(Scope::from_all(POLICY_ABI))?
             .create()?
             .add_rules(opened.iter().map(|fd| {
                 Ok::<_, landlock::RulesetError>(PathBeneath::new(fd, AccessFs::RemoveFile))
@@ -129,5 +134,41 @@ mod tests {
         assert_ne!(confinement, Confinement::None);
         let denied = Err(std::io::ErrorKind::PermissionDenied);
         assert_eq!((kernel_open, created), (denied, denied));
+    }
+
+    /// An abstract Unix socket made outside the VMM (a desktop session's, reachable
+    /// from an unjailed VMM's network namespace) cannot be connected to once it is
+    /// confined, where the kernel's Landlock scopes them (ABI 6).
+    #[test]
+    fn the_vmm_cannot_reach_abstract_sockets_made_outside_it() {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+        let name = format!("vmctl-confine-test-{}", std::process::id());
+        let address = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let _listener = UnixListener::bind_addr(&address).unwrap();
+        assert!(
+            UnixStream::connect_addr(&address).is_ok(),
+            "a socket to reach"
+        );
+        let (confinement, connected) = std::thread::spawn(move || {
+            let (confinement, _held) = confine(None).unwrap();
+            (confinement, UnixStream::connect_addr(&address).map(drop))
+        })
+        .join()
+        .unwrap();
+        if kernel_abi() < 6 {
+            vmm::to_stderr!(
+                "confine: this kernel's Landlock (ABI {}) does not scope abstract sockets: \
+                 only checked that the VMM says it is confined in part at most",
+                kernel_abi()
+            );
+            assert_ne!(confinement, Confinement::Full);
+            return;
+        }
+        assert_eq!(confinement, Confinement::Full);
+        assert_eq!(
+            connected.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied)
+        );
     }
 }

@@ -14,7 +14,7 @@ pub mod mmio;
 pub mod rng;
 pub mod vsock;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::desc::split::Descriptor;
@@ -40,10 +40,14 @@ pub const INTERRUPT_USED_BUFFER: u32 = 1;
 pub const INTERRUPT_CONFIG_CHANGE: u32 = 2;
 
 /// Raises the device's interrupt: sets a bit in the transport's InterruptStatus and
-/// signals the irqfd wired to the device's IOAPIC pin.
+/// signals the irqfd wired to the device's IOAPIC pin. Also carries the one status
+/// bit a device sets on its own, DEVICE_NEEDS_RESET, which comes with an interrupt.
 #[derive(Clone)]
 pub struct InterruptTrigger {
     status: Arc<AtomicU32>,
+    /// DEVICE_NEEDS_RESET: the device cannot go on until the driver resets it. The
+    /// transport's Status register shows it; a reset clears it.
+    needs_reset: Arc<AtomicBool>,
     /// Bits that read as set whatever the driver acknowledges, until the next reset:
     /// see [`InterruptTrigger::irqfd_for_backend`].
     always_set: Arc<AtomicU32>,
@@ -57,6 +61,7 @@ impl InterruptTrigger {
     pub fn new(irqfd: Arc<EventFd>) -> Self {
         Self {
             status: Arc::new(AtomicU32::new(0)),
+            needs_reset: Arc::new(AtomicBool::new(false)),
             always_set: Arc::new(AtomicU32::new(0)),
             acknowledgements: Arc::new(AtomicU64::new(0)),
             irqfd,
@@ -83,6 +88,21 @@ impl InterruptTrigger {
 
     pub fn signal_config_change(&self) {
         self.signal(INTERRUPT_CONFIG_CHANGE);
+    }
+
+    /// Sets DEVICE_NEEDS_RESET and tells the driver with a configuration change
+    /// interrupt, which virtio 1.x (2.1.2) requires once DRIVER_OK is set: a device
+    /// only calls this while active, that is after DRIVER_OK. Once set, the interrupt
+    /// is not raised again until a reset clears the bit.
+    pub fn signal_needs_reset(&self) {
+        if !self.needs_reset.swap(true, Ordering::SeqCst) {
+            self.signal_config_change();
+        }
+    }
+
+    /// Whether the device set DEVICE_NEEDS_RESET since the last reset.
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
     }
 
     fn signal(&self, bit: u32) {
@@ -120,6 +140,7 @@ impl InterruptTrigger {
     pub fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
         self.always_set.store(0, Ordering::SeqCst);
+        self.needs_reset.store(false, Ordering::SeqCst);
     }
 }
 
@@ -161,7 +182,8 @@ pub struct ActiveQueue {
     /// The chain being served, as read from guest memory (kept for its allocation).
     descriptors: Vec<Descriptor>,
     /// Whether an available ring that cannot be read was reported (once per
-    /// activation: the driver's requests then go unanswered until it resets).
+    /// activation: the device then needs a reset, and the driver's requests go
+    /// unanswered until it does one).
     unreadable_ring_reported: bool,
 }
 
@@ -182,18 +204,21 @@ impl ActiveQueue {
     }
 
     /// Says, once, why the available ring cannot be read, if that is why nothing was
-    /// popped: virtio-queue only logs it (and the VMM filters its log), and the
-    /// driver's requests would go unanswered without a word.
+    /// popped, and sets DEVICE_NEEDS_RESET (with its configuration change interrupt):
+    /// virtio-queue only logs it (and the VMM filters its log), and the driver's
+    /// requests would go unanswered without a word to the guest or the host.
     fn report_an_unreadable_ring(&mut self, device: &str) {
         if self.unreadable_ring_reported {
             return;
         }
         if let Some(why) = unreadable_ring(&mut self.queue, &self.memory) {
             guest_log::guest_warn!(
-                "{device}: the driver's available ring cannot be read ({why}); its requests \
-                 go unanswered until it resets the device"
+                "{device}: the driver's available ring cannot be read ({why}); the device \
+                 needs a reset (DEVICE_NEEDS_RESET) and answers no request until the driver \
+                 resets it"
             );
             self.unreadable_ring_reported = true;
+            self.interrupt.signal_needs_reset();
         }
     }
 
@@ -549,6 +574,18 @@ mod tests {
         });
         assert_eq!((progress, served), (QueueProgress::Done, 0));
         assert!(active.unreadable_ring_reported);
+        assert!(active.interrupt.needs_reset());
+        assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+    }
+
+    /// An empty ring is no fault: nothing to reset, no interrupt.
+    #[test]
+    fn an_empty_ring_needs_no_reset() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (_ring, mut active) = served_queue(&memory, 0);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert!(!active.interrupt.needs_reset());
+        assert_eq!(active.interrupt.status(), 0);
     }
 
     #[test]

@@ -222,11 +222,11 @@ fn load_guest_software(
     let mut cmdline = Cmdline::new(layout::CMDLINE_MAX_SIZE).map_err(cmdline_error)?;
     cmdline.insert_str(&cmdline_text).map_err(cmdline_error)?;
     tracing::debug!("initrd: {initrd:x?}; kernel command line: {cmdline_text}");
-    boot::write_cmdline(memory, &cmdline)?;
+    let cmdline_len = boot::write_cmdline(memory, &cmdline)?;
     boot::write_boot_params(
         memory,
         config.memory_bytes(),
-        cmdline_text.len(),
+        cmdline_len,
         initrd,
         kernel.setup_header,
     )?;

@@ -128,12 +128,23 @@ impl Vcpu {
         tracing::trace!("vcpu{index}: exit {exit:?}");
         match exit {
             Ok(VcpuExit::IoIn(port, data)) => {
-                data.fill(0xff);
-                context.pio_bus.read(u64::from(port), data);
+                let (at, len) = (data.as_mut_ptr(), data.len());
+                let element_size = self.port_io_element_size();
+                // SAFETY: `at..at + len` is the port I/O data area kvm-ioctls handed out
+                // for this exit: it lies in the vCPU's kvm_run mapping, which lives as
+                // long as `self.fd`, past the kvm_run struct (2,352 bytes) that
+                // `port_io_element_size` borrowed (KVM puts it at `data_offset`, a page
+                // in), and nothing else refers to it until the next KVM_RUN.
+                let data = unsafe { std::slice::from_raw_parts_mut(at, len) };
+                port_in(&context.pio_bus, port, data, element_size);
                 Ok(())
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                if !context.pio_bus.write(u64::from(port), data) {
+                let (at, len) = (data.as_ptr(), data.len());
+                let element_size = self.port_io_element_size();
+                // SAFETY: as for IoIn above; the area is only read.
+                let data = unsafe { std::slice::from_raw_parts(at, len) };
+                if !port_out(&context.pio_bus, port, data, element_size) {
                     tracing::trace!("vcpu{index}: write to unclaimed port {port:#x}");
                 }
                 Ok(())
@@ -194,6 +205,26 @@ impl Vcpu {
     }
 }
 
+/// An `in` exit on `port`: `data` holds `data.len() / element_size` elements (more
+/// than one for `rep ins*`), each read from the device in turn, as the CPU would. An
+/// element no device answers reads as all-ones, like an open bus.
+fn port_in(bus: &Bus, port: u16, data: &mut [u8], element_size: usize) {
+    for element in data.chunks_mut(element_size.max(1)) {
+        element.fill(0xff);
+        bus.read(u64::from(port), element);
+    }
+}
+
+/// An `out` exit on `port`: each of the elements in `data` (more than one for
+/// `rep outs*`) written to the device in turn. Returns whether a device took them.
+fn port_out(bus: &Bus, port: u16, data: &[u8], element_size: usize) -> bool {
+    let mut claimed = true;
+    for element in data.chunks(element_size.max(1)) {
+        claimed &= bus.write(u64::from(port), element);
+    }
+    claimed
+}
+
 /// What a KVM_EXIT_SYSTEM_EVENT of `kind` ends the VM with: the guest's own report of
 /// a crash (pvpanic-style, through a hypervisor interface) is a crash, anything else
 /// (a shutdown, a reset: our guests reboot to exit) an orderly end.
@@ -250,6 +281,16 @@ fn describe_crash_registers(regs: &kvm_regs, sregs: &kvm_sregs) -> String {
 }
 
 impl Vcpu {
+    /// The size of each element of the port I/O exit being handled: kvm-ioctls hands
+    /// out the data of all of them as one slice (`size * count` bytes) and drops the
+    /// size, which a string instruction (`rep outsb`, `rep insw`) needs to be split by.
+    fn port_io_element_size(&mut self) -> usize {
+        // SAFETY: only called while handling a KVM_EXIT_IO exit, after which `io` is
+        // the union member KVM filled in; it holds plain integers.
+        let io = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.io };
+        usize::from(io.size)
+    }
+
     /// Without ACPI, a guest's power-off ends with its boot CPU halted and interrupts
     /// disabled, which nothing but an NMI can wake: with an in-kernel LAPIC that halt
     /// never reaches us as an exit, so the event loop kicks the boot vCPU now and then
@@ -302,6 +343,69 @@ impl VcpuHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::bus::BusDevice;
+    use std::sync::Mutex;
+
+    /// Records each write; each read returns the next value of a counter, in every
+    /// byte of the access.
+    #[derive(Default)]
+    struct Port {
+        writes: Vec<(u64, Vec<u8>)>,
+        reads: u8,
+    }
+
+    impl BusDevice for Port {
+        fn read(&mut self, offset: u64, data: &mut [u8]) {
+            assert_eq!(offset, 0);
+            data.fill(self.reads);
+            self.reads += 1;
+        }
+        fn write(&mut self, offset: u64, data: &[u8]) {
+            self.writes.push((offset, data.to_vec()));
+        }
+    }
+
+    fn bus_with_port_at(port: u16) -> (Bus, Arc<Mutex<Port>>) {
+        let device = Arc::new(Mutex::new(Port::default()));
+        let mut bus = Bus::new();
+        bus.insert(device.clone(), u64::from(port), 1).unwrap();
+        (bus, device)
+    }
+
+    /// `rep outsb` / `rep outsw`: KVM exits once with all the elements; the device
+    /// sees one write per element, of the element's size, in order.
+    #[test]
+    fn a_string_out_is_one_write_per_element() {
+        let (bus, device) = bus_with_port_at(0x3f8);
+        assert!(port_out(&bus, 0x3f8, b"abc", 1));
+        assert!(port_out(&bus, 0x3f8, &[1, 2, 3, 4], 2));
+        assert!(port_out(&bus, 0x3f8, &[9, 8, 7, 6], 4));
+        let writes: Vec<Vec<u8>> = device
+            .lock()
+            .unwrap()
+            .writes
+            .iter()
+            .map(|(_, w)| w.clone())
+            .collect();
+        let expected: Vec<&[u8]> = vec![b"a", b"b", b"c", &[1, 2], &[3, 4], &[9, 8, 7, 6]];
+        assert_eq!(writes, expected);
+        assert!(!port_out(&bus, 0x3f9, b"xy", 1), "an unclaimed port");
+    }
+
+    /// `rep insb` / `rep insw`: each element is its own read of the device.
+    #[test]
+    fn a_string_in_is_one_read_per_element() {
+        let (bus, _device) = bus_with_port_at(0x60);
+        let mut bytes = [0u8; 4];
+        port_in(&bus, 0x60, &mut bytes, 1);
+        assert_eq!(bytes, [0, 1, 2, 3]);
+        let mut words = [0u8; 4];
+        port_in(&bus, 0x60, &mut words, 2);
+        assert_eq!(words, [4, 4, 5, 5]);
+        let mut open_bus = [0u8; 3];
+        port_in(&bus, 0x61, &mut open_bus, 1);
+        assert_eq!(open_bus, [0xff; 3]);
+    }
 
     #[test]
     fn a_crash_the_guest_reports_is_a_crash_and_other_system_events_an_end() {

@@ -92,6 +92,13 @@ pub enum BootError {
     InvalidCmdline(linux_loader::cmdline::Error),
     #[error("kernel command line is {len} bytes (with its NUL), more than the {max} allowed")]
     CmdlineTooLong { len: usize, max: usize },
+    #[error(
+        "kernel command line is {len} bytes (without its NUL), more than the {kernel_max} this \
+         kernel accepts (cmdline_size in its bzImage header): shorten the command line (fewer \
+         devices or extra kernel arguments) or use a kernel built with a larger \
+         COMMAND_LINE_SIZE"
+    )]
+    CmdlineTooLongForKernel { len: usize, kernel_max: u32 },
     #[error("cannot write the kernel command line at guest address {addr:#x}: {source}")]
     WriteCmdline {
         addr: u64,
@@ -472,9 +479,22 @@ pub fn e820_entries(mem_size: u64) -> Vec<boot_e820_entry> {
     entries
 }
 
+/// The longest command line, without its NUL, that the kernel whose setup header is
+/// `hdr` accepts: its `cmdline_size` (boot protocol 2.06+; 255 before).
+fn kernel_cmdline_max(hdr: &setup_header) -> u32 {
+    let version = hdr.version;
+    if version >= 0x0206 {
+        hdr.cmdline_size
+    } else {
+        255
+    }
+}
+
 /// Builds the zero page. `cmdline_len` includes the NUL; `initrd` is (address, size);
 /// `setup_header` is the bzImage's own header, if any, whose fields are kept except
-/// those a boot loader fills in.
+/// those a boot loader fills in. `cmdline_size` is one of those kept: it is the
+/// kernel's word to the boot loader (how long a command line it takes), which the
+/// command line is checked against, not a field for the loader to fill.
 pub fn build_boot_params(
     mem_size: u64,
     cmdline_len: usize,
@@ -486,6 +506,13 @@ pub fn build_boot_params(
             len: cmdline_len,
             max: CMDLINE_MAX_SIZE,
         });
+    }
+    if let Some(kernel) = &setup_header {
+        let kernel_max = kernel_cmdline_max(kernel);
+        let len = cmdline_len.saturating_sub(1);
+        if len > usize::try_from(kernel_max).unwrap_or(usize::MAX) {
+            return Err(BootError::CmdlineTooLongForKernel { len, kernel_max });
+        }
     }
     let mut params = boot_params::default();
     let mut hdr = setup_header.unwrap_or_default();
@@ -501,7 +528,6 @@ pub fn build_boot_params(
     hdr.loadflags |= LOADED_HIGH;
     hdr.cmd_line_ptr = CMDLINE_START as u32;
     params.ext_cmd_line_ptr = (CMDLINE_START >> 32) as u32;
-    hdr.cmdline_size = cmdline_len as u32;
     let (initrd_addr, initrd_size) = initrd.map_or((0, 0), |(a, s)| (a.raw_value(), s));
     hdr.ramdisk_image = initrd_addr as u32;
     hdr.ramdisk_size = initrd_size as u32;
@@ -887,7 +913,10 @@ mod tests {
         assert_eq!(align, 0x0100_0000);
         let (ptr, size, loadflags) = (hdr.cmd_line_ptr, hdr.cmdline_size, hdr.loadflags);
         assert_eq!(u64::from(ptr), CMDLINE_START);
-        assert_eq!(size, 42);
+        assert_eq!(
+            size, 0,
+            "a vmlinux has no header whose cmdline_size could be kept"
+        );
         assert_ne!(loadflags & LOADED_HIGH, 0);
         let (image, rsize) = (hdr.ramdisk_image, hdr.ramdisk_size);
         assert_eq!((image, rsize), (0x0f00_0000, 0x12_3456));
@@ -909,6 +938,7 @@ mod tests {
             init_size: 0x123_4000,
             xloadflags: XLF_KERNEL_64,
             loadflags: LOADED_HIGH | 0x80,
+            cmdline_size: 2047,
             ..Default::default()
         };
         let params = build_boot_params(5 << 30, 10, None, Some(bz)).unwrap();
@@ -927,6 +957,11 @@ mod tests {
         );
         assert_eq!(align, 0x20_0000, "the kernel's own alignment is kept");
         assert_eq!(lf, LOADED_HIGH | 0x80);
+        let cmdline_size = hdr.cmdline_size;
+        assert_eq!(
+            cmdline_size, 2047,
+            "the kernel's limit, not the command line's length"
+        );
         let (magic, image, size) = (hdr.header, hdr.ramdisk_image, hdr.ramdisk_size);
         assert_eq!(magic, BOOT_HDR_MAGIC);
         assert_eq!((image, size), (0, 0));
@@ -936,6 +971,44 @@ mod tests {
     #[test]
     fn boot_params_reject_long_cmdline() {
         assert!(build_boot_params(1 << 30, CMDLINE_MAX_SIZE + 1, None, None).is_err());
+    }
+
+    /// `cmdline_size` is the kernel's own limit (without the NUL): kept as the bzImage
+    /// says, and a command line longer than it is refused with both sizes named.
+    #[test]
+    fn boot_params_keep_the_kernels_cmdline_size_and_hold_to_it() {
+        let bz = setup_header {
+            version: 0x020f,
+            cmdline_size: 511,
+            ..Default::default()
+        };
+        // 511 characters and the NUL.
+        let params = build_boot_params(1 << 30, 512, None, Some(bz)).unwrap();
+        let size = params.hdr.cmdline_size;
+        assert_eq!(size, 511);
+        let err = build_boot_params(1 << 30, 513, None, Some(bz)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BootError::CmdlineTooLongForKernel {
+                    len: 512,
+                    kernel_max: 511
+                }
+            ),
+            "{err}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains("512 bytes") && message.contains("the 511 this kernel accepts"),
+            "{message}"
+        );
+        // Before boot protocol 2.06 the field did not exist: 255 was the limit.
+        let old = setup_header {
+            version: 0x0205,
+            ..Default::default()
+        };
+        assert!(build_boot_params(1 << 30, 256, None, Some(old)).is_ok());
+        assert!(build_boot_params(1 << 30, 257, None, Some(old)).is_err());
     }
 
     #[test]

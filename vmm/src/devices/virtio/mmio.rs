@@ -161,6 +161,8 @@ pub struct MmioTransport {
     memory: GuestMemoryMmap,
     interrupt: InterruptTrigger,
     queues: Vec<QueueSetup>,
+    /// The status bits the driver set. DEVICE_NEEDS_RESET is the device's own and
+    /// lives in `interrupt`, which the device shares (see [`Self::device_status`]).
     device_status: u32,
     device_activated: bool,
     device_features_sel: u32,
@@ -298,9 +300,15 @@ impl MmioTransport {
         self.queues.iter().map(|q| &q.queue)
     }
 
-    /// The device status register.
+    /// The device status register: what the driver set, and DEVICE_NEEDS_RESET when
+    /// the device (or its activation) failed.
     pub fn device_status(&self) -> u32 {
-        self.device_status
+        let needs_reset = if self.interrupt.needs_reset() {
+            S_NEEDS_RESET
+        } else {
+            0
+        };
+        self.device_status | needs_reset
     }
 
     /// Whether the device was activated (DRIVER_OK accepted and activation succeeded).
@@ -312,6 +320,11 @@ impl MmioTransport {
     pub fn notify_queue(&mut self, index: u32) -> QueueProgress {
         if !self.device_activated {
             tracing::debug!("virtio-mmio: notification for queue {index} before activation");
+            return QueueProgress::Done;
+        }
+        if self.interrupt.needs_reset() {
+            // The device said why when it set the bit; only a reset gets it going.
+            tracing::debug!("virtio-mmio: notification for queue {index} ignored until reset");
             return QueueProgress::Done;
         }
         match usize::try_from(index) {
@@ -548,8 +561,9 @@ impl MmioTransport {
             self.reset();
             return;
         }
-        // NEEDS_RESET belongs to the device; drivers write back what they read.
-        let old = self.device_status & !S_NEEDS_RESET;
+        // NEEDS_RESET belongs to the device (kept apart, see `device_status()`);
+        // drivers write back what they read.
+        let old = self.device_status;
         let new = value & !S_NEEDS_RESET;
         if new == old {
             return;
@@ -586,9 +600,7 @@ impl MmioTransport {
                             "virtio-mmio: activating device type {} failed: {e}",
                             self.device.device_type()
                         );
-                        self.device_status |= S_NEEDS_RESET;
-                        // Required after DEVICE_NEEDS_RESET once DRIVER_OK is set.
-                        self.interrupt.signal_config_change();
+                        self.interrupt.signal_needs_reset();
                     }
                 }
             }
@@ -614,7 +626,7 @@ impl MmioTransport {
                 .selected_queue()
                 .map_or(0, |q| u32::from(q.queue.ready())),
             REG_INTERRUPT_STATUS => self.interrupt.status(),
-            REG_STATUS => self.device_status,
+            REG_STATUS => self.device_status(),
             // No shared memory regions: length reads as all-ones (-1).
             REG_SHM_LEN_LOW | REG_SHM_LEN_HIGH => u32::MAX,
             REG_SHM_BASE_LOW | REG_SHM_BASE_HIGH => u32::MAX,
@@ -737,7 +749,7 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    use crate::devices::virtio::INTERRUPT_USED_BUFFER;
+    use crate::devices::virtio::{INTERRUPT_CONFIG_CHANGE, INTERRUPT_USED_BUFFER};
     use vm_memory::Bytes;
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -1464,6 +1476,81 @@ mod tests {
         assert_eq!(sizes, vec![1, 256, 32768]);
         h.w(REG_QUEUE_SEL, 1);
         assert_eq!(h.r(REG_QUEUE_NUM_MAX), 256);
+    }
+
+    /// The rng device's queue at 0x1000 (256 entries), the driver done.
+    fn rng_harness() -> (Harness, Arc<EventFd>) {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let irqfd = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        let interrupt = InterruptTrigger::new(irqfd.clone());
+        let mut h = Harness {
+            t: MmioTransport::new(
+                Box::new(super::super::rng::Rng::new()),
+                memory,
+                interrupt.clone(),
+            ),
+            record: Arc::new(Mutex::new(Record::default())),
+            interrupt,
+        };
+        h.negotiate(FEATURE_VERSION_1);
+        h.setup_queue(0, 256, 0x1000);
+        h.set_status(DOK);
+        (h, irqfd)
+    }
+
+    /// A device whose available ring cannot be read (its index more than a ring ahead
+    /// of what the device took) sets DEVICE_NEEDS_RESET and raises a configuration
+    /// change interrupt (virtio 1.x, 2.1.2), once; the driver's reset clears both and
+    /// the device works again.
+    #[test]
+    fn an_unreadable_ring_makes_the_device_need_a_reset() {
+        let (mut h, irqfd) = rng_harness();
+        let queue = h.t.queues().next().unwrap();
+        let avail_idx = GuestAddress(queue.avail_ring() + 2);
+        let used_idx = GuestAddress(queue.used_ring() + 2);
+        let memory = h.t.memory.clone();
+        memory.write_obj(257u16.to_le(), avail_idx).unwrap();
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        assert_eq!(h.status(), ACK | DRV | FOK | DOK | S_NEEDS_RESET);
+        assert_eq!(h.t.device_status() & S_NEEDS_RESET, S_NEEDS_RESET);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), INTERRUPT_CONFIG_CHANGE);
+        assert_eq!(irqfd.read().unwrap(), 1);
+        // Said once: more notifications raise nothing more.
+        h.w(REG_INTERRUPT_ACK, INTERRUPT_CONFIG_CHANGE);
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), 0);
+        assert!(irqfd.read().is_err(), "a second interrupt");
+        // The driver writing the bit back does not clear it; a reset does.
+        let s = h.status();
+        h.w(REG_STATUS, s | S_FAILED);
+        assert_eq!(h.status(), s | S_FAILED);
+        h.w(REG_STATUS, 0);
+        assert_eq!(h.status(), 0);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), 0);
+
+        // Brought up again on a sane ring (one entropy request), it serves.
+        memory.write_obj(0u16, avail_idx).unwrap();
+        memory.write_obj(0u16, used_idx).unwrap();
+        h.negotiate(FEATURE_VERSION_1);
+        h.setup_queue(0, 256, 0x1000);
+        h.set_status(DOK);
+        let desc = virtio_queue::desc::split::Descriptor::new(
+            0x8_0000,
+            16,
+            virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16,
+            0,
+        );
+        memory
+            .write_obj(
+                virtio_queue::desc::RawDescriptor::from(desc),
+                GuestAddress(0x1000),
+            )
+            .unwrap();
+        memory.write_obj(1u16.to_le(), avail_idx).unwrap();
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        assert_eq!(h.status(), ACK | DRV | FOK | DOK);
+        assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 1);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), INTERRUPT_USED_BUFFER);
     }
 
     #[test]

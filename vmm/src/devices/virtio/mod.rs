@@ -8,13 +8,14 @@
 //! device's irqfd.
 
 pub mod block;
+pub mod chain;
 pub mod fs;
 pub mod missed_interrupt;
 pub mod mmio;
 pub mod rng;
 pub mod vsock;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::desc::split::Descriptor;
@@ -40,10 +41,14 @@ pub const INTERRUPT_USED_BUFFER: u32 = 1;
 pub const INTERRUPT_CONFIG_CHANGE: u32 = 2;
 
 /// Raises the device's interrupt: sets a bit in the transport's InterruptStatus and
-/// signals the irqfd wired to the device's IOAPIC pin.
+/// signals the irqfd wired to the device's IOAPIC pin. Also carries the one status
+/// bit a device sets on its own, DEVICE_NEEDS_RESET, which comes with an interrupt.
 #[derive(Clone)]
 pub struct InterruptTrigger {
     status: Arc<AtomicU32>,
+    /// DEVICE_NEEDS_RESET: the device cannot go on until the driver resets it. The
+    /// transport's Status register shows it; a reset clears it.
+    needs_reset: Arc<AtomicBool>,
     /// Bits that read as set whatever the driver acknowledges, until the next reset:
     /// see [`InterruptTrigger::irqfd_for_backend`].
     always_set: Arc<AtomicU32>,
@@ -57,6 +62,7 @@ impl InterruptTrigger {
     pub fn new(irqfd: Arc<EventFd>) -> Self {
         Self {
             status: Arc::new(AtomicU32::new(0)),
+            needs_reset: Arc::new(AtomicBool::new(false)),
             always_set: Arc::new(AtomicU32::new(0)),
             acknowledgements: Arc::new(AtomicU64::new(0)),
             irqfd,
@@ -83,6 +89,21 @@ impl InterruptTrigger {
 
     pub fn signal_config_change(&self) {
         self.signal(INTERRUPT_CONFIG_CHANGE);
+    }
+
+    /// Sets DEVICE_NEEDS_RESET and tells the driver with a configuration change
+    /// interrupt, which virtio 1.x (2.1.2) requires once DRIVER_OK is set: a device
+    /// only calls this while active, that is after DRIVER_OK. Once set, the interrupt
+    /// is not raised again until a reset clears the bit.
+    pub fn signal_needs_reset(&self) {
+        if !self.needs_reset.swap(true, Ordering::SeqCst) {
+            self.signal_config_change();
+        }
+    }
+
+    /// Whether the device set DEVICE_NEEDS_RESET since the last reset.
+    pub fn needs_reset(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
     }
 
     fn signal(&self, bit: u32) {
@@ -120,6 +141,7 @@ impl InterruptTrigger {
     pub fn clear(&self) {
         self.status.store(0, Ordering::SeqCst);
         self.always_set.store(0, Ordering::SeqCst);
+        self.needs_reset.store(false, Ordering::SeqCst);
     }
 }
 
@@ -160,8 +182,11 @@ pub struct ActiveQueue {
     interrupt: InterruptTrigger,
     /// The chain being served, as read from guest memory (kept for its allocation).
     descriptors: Vec<Descriptor>,
+    /// Whether a refused chain was told as a guest warning since activation.
+    refused_chain_told: bool,
     /// Whether an available ring that cannot be read was reported (once per
-    /// activation: the driver's requests then go unanswered until it resets).
+    /// activation: the device then needs a reset, and the driver's requests go
+    /// unanswered until it does one).
     unreadable_ring_reported: bool,
 }
 
@@ -177,23 +202,27 @@ impl ActiveQueue {
             descriptors: Vec::with_capacity(usize::from(queue.size())),
             queue,
             interrupt,
+            refused_chain_told: false,
             unreadable_ring_reported: false,
         })
     }
 
     /// Says, once, why the available ring cannot be read, if that is why nothing was
-    /// popped: virtio-queue only logs it (and the VMM filters its log), and the
-    /// driver's requests would go unanswered without a word.
+    /// popped, and sets DEVICE_NEEDS_RESET (with its configuration change interrupt):
+    /// virtio-queue only logs it (and the VMM filters its log), and the driver's
+    /// requests would go unanswered without a word to the guest or the host.
     fn report_an_unreadable_ring(&mut self, device: &str) {
         if self.unreadable_ring_reported {
             return;
         }
         if let Some(why) = unreadable_ring(&mut self.queue, &self.memory) {
             guest_log::guest_warn!(
-                "{device}: the driver's available ring cannot be read ({why}); its requests \
-                 go unanswered until it resets the device"
+                "{device}: the driver's available ring cannot be read ({why}); the device \
+                 needs a reset (DEVICE_NEEDS_RESET) and answers no request until the driver \
+                 resets it"
             );
             self.unreadable_ring_reported = true;
+            self.interrupt.signal_needs_reset();
         }
     }
 
@@ -207,12 +236,14 @@ impl ActiveQueue {
     /// loop that calls this must get back to its other work (a stop, a vCPU's exit) in
     /// between.
     ///
-    /// Each chain is read from guest memory once, and `handle` is given that copy,
-    /// the one the budget counted: the guest may rewrite its descriptors at any time
-    /// (another vCPU), and a second read could find them grown to 4 GiB. The copy
-    /// holds at most the queue's size in descriptors, which is as long as a chain of
-    /// the ring itself can be; a longer one (through an indirect table, up to 65,535
-    /// descriptors) is cut there, its last descriptor still saying that more follow.
+    /// Each chain is read from guest memory once ([`chain::read_chain`]), and `handle`
+    /// is given that copy, the one the budget counted: the guest may rewrite its
+    /// descriptors at any time (another vCPU), and a second read could find them grown
+    /// to 4 GiB. A chain that uses an indirect table (the devices served here do not
+    /// offer VIRTIO_RING_F_INDIRECT_DESC) or does not end within the queue's size is
+    /// refused whole: `handle` never sees it, and it goes back to the driver with a
+    /// used length of 0 (there is no status byte to write: it would lie past the end
+    /// that the chain does not have, or in the table that must not be read).
     pub fn serve<S: Into<Served>>(
         &mut self,
         device: &str,
@@ -227,16 +258,23 @@ impl ActiveQueue {
                 break QueueProgress::Done;
             };
             let head = chain.head_index();
-            self.descriptors.clear();
-            self.descriptors
-                .extend(chain.take(usize::from(self.queue.size())));
-            // What the guest asked for, counted as it claims it (the handler checks).
-            let asked: u64 = self
-                .descriptors
-                .iter()
-                .map(|desc| u64::from(desc.len()))
-                .sum();
-            let served: Served = handle(&self.descriptors, &self.memory).into();
+            let (served, asked) =
+                match chain::read_chain(&self.queue, &self.memory, head, &mut self.descriptors) {
+                    Ok(()) => {
+                        // What the guest asked for, counted as it claims it (the
+                        // handler checks).
+                        let asked: u64 = self
+                            .descriptors
+                            .iter()
+                            .map(|desc| u64::from(desc.len()))
+                            .sum();
+                        (handle(&self.descriptors, &self.memory).into(), asked)
+                    }
+                    Err(e) => {
+                        chain::tell_refused_chain(device, &e, &mut self.refused_chain_told);
+                        (Served::from(0), 0)
+                    }
+                };
             if let Err(e) = self.queue.add_used(&self.memory, head, served.used_len) {
                 guest_log::guest_warn!(
                     "{device}: cannot return descriptor {head} to the driver: {e}"
@@ -549,6 +587,18 @@ mod tests {
         });
         assert_eq!((progress, served), (QueueProgress::Done, 0));
         assert!(active.unreadable_ring_reported);
+        assert!(active.interrupt.needs_reset());
+        assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+    }
+
+    /// An empty ring is no fault: nothing to reset, no interrupt.
+    #[test]
+    fn an_empty_ring_needs_no_reset() {
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (_ring, mut active) = served_queue(&memory, 0);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert!(!active.interrupt.needs_reset());
+        assert_eq!(active.interrupt.status(), 0);
     }
 
     #[test]
@@ -699,11 +749,11 @@ mod tests {
 
     /// A chain whose head is an indirect descriptor (VIRTIO_RING_F_INDIRECT_DESC is
     /// not offered, but nothing stops a guest) names a table of up to 65,535
-    /// descriptors. The call reads no more of a chain than the queue's size, and
-    /// counts those against its budget: 65,535 descriptors of 4 KiB (256 MiB, four
-    /// budgets) would stop the call after one chain, 16 of them (64 KiB) do not.
+    /// descriptors, and one that loops never ends: each is refused whole, never handed
+    /// to the handler (not even cut), and goes back to the driver with a used length
+    /// of 0. The chains after them are served as usual.
     #[test]
-    fn a_chain_is_read_no_further_than_the_queue_size() {
+    fn indirect_and_endless_chains_are_refused_whole() {
         const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
         const NEXT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
@@ -719,23 +769,34 @@ mod tests {
                 )
                 .unwrap();
         }
-        let heads: Vec<RawDescriptor> = (0..8)
-            .map(|_| {
-                RawDescriptor::from(Descriptor::new(table, 16 * u32::from(count), INDIRECT, 0))
-            })
-            .collect();
-        let (_ring, mut active) = queue_of(&memory, &heads);
+        let indirect =
+            RawDescriptor::from(Descriptor::new(table, 16 * u32::from(count), INDIRECT, 0));
+        // Table entries: 0-3 indirect heads, 4 a one-descriptor chain, 5 a chain that
+        // loops on itself (the mock publishes each entry that follows one without NEXT).
+        let mut chains = vec![indirect; 4];
+        chains.push(buffers(1)[0]);
+        let write = VRING_DESC_F_WRITE as u16;
+        chains.push(RawDescriptor::from(Descriptor::new(
+            0x8_0000,
+            16,
+            NEXT | write,
+            5,
+        )));
+        let (ring, mut active) = queue_of(&memory, &chains);
         let mut handed = Vec::new();
         let progress = active.serve("test", |descriptors, _| {
-            // Walked, not asked for its length: whatever the handler is given.
-            let mut count = 0;
-            for _ in descriptors {
-                count += 1;
-            }
-            handed.push(count);
-            0
+            handed.push(descriptors.len());
+            7
         });
-        assert_eq!(handed, vec![usize::from(RING_SIZE); 8]);
         assert_eq!(progress, QueueProgress::Done);
+        assert_eq!(handed, vec![1], "only the one well-formed chain");
+        let used: Vec<(u32, u32)> = (0..ring.used().idx().load())
+            .map(|i| {
+                let e = ring.used().ring().ref_at(usize::from(i)).unwrap().load();
+                (e.id(), e.len())
+            })
+            .collect();
+        assert_eq!(used, [(0, 0), (1, 0), (2, 0), (3, 0), (4, 7), (5, 0)]);
+        assert!(active.refused_chain_told);
     }
 }

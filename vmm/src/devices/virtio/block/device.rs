@@ -419,9 +419,10 @@ impl VirtioDevice for Block {
 
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         let disk = &mut self.disk;
-        // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors. The chain
-        // comes cut at the queue's size: a longer one (only an indirect table can hold
-        // it) ends in a descriptor that says more follow, and is rejected as truncated.
+        // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors. A chain
+        // that does not end within the queue's size (it loops; an indirect table,
+        // which could hold more, is refused) never reaches the handler: see
+        // ActiveQueue::serve.
         serve_single_queue(
             self.active.as_mut(),
             "virtio-blk",
@@ -1054,31 +1055,67 @@ mod tests {
         assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
     }
 
-    /// An indirect table (the feature is not offered, but nothing stops a guest) can
-    /// hold a longer chain than the ring: the device is handed the first queue-size
-    /// descriptors (16 here) and drops the request as truncated, status untouched.
+    /// A driver that did not negotiate VIRTIO_RING_F_INDIRECT_DESC (the device does
+    /// not offer it) must not use an indirect table: a request through one, at the
+    /// head or after direct descriptors, is refused whole, well-formed or not, with no
+    /// I/O and a used length of 0 (its status byte lies in the table, not read).
     #[test]
-    fn a_chain_longer_than_the_queue_is_dropped_as_truncated() {
+    fn a_request_through_an_indirect_table_is_refused() {
         const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
         const TABLE: u64 = 0x18_0000;
+        let indirect_desc = 1u64 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
+        assert_eq!(harness(1, false).block.avail_features() & indirect_desc, 0);
         let mem = memory();
         // Header, 512-byte buffers, status: 16 descriptors fit a queue of 16, 17 do not.
-        for (buffers, expected) in [(14, vec![(0, 14 * 512 + 1)]), (15, vec![(0, 0)])] {
-            write_header(&mem, VIRTIO_BLK_T_IN, 0);
-            preset_status(&mem);
+        for buffers in [1, 14, 15] {
             let data: Vec<(u64, u32, u16)> = (0..buffers).map(|_| (DATA, 512, W)).collect();
             let table = chain(&data);
             for (i, desc) in table.iter().enumerate() {
                 mem.write_obj(*desc, GuestAddress(TABLE + 16 * i as u64))
                     .unwrap();
             }
-            let len = 16 * table.len() as u32;
+            let whole_table = desc(TABLE, 16 * table.len() as u32, INDIRECT);
+            // The header direct, the rest (from the table's second entry) indirect.
+            let after_header = linked(&[(HDR, 16, 0), (TABLE + 16, 16 * buffers + 16, INDIRECT)]);
+            for descs in [vec![whole_table], after_header] {
+                write_header(&mem, VIRTIO_BLK_T_IN, 0);
+                preset_status(&mem);
+                mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
+                let mut h = harness(16, false);
+                assert_eq!(h.run(&mem, &descs), vec![(0, 0)], "{buffers} data buffers");
+                assert_eq!(status(&mem), 0xff, "{buffers} data buffers");
+                assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
+            }
+        }
+    }
+
+    /// A chain that runs on past the queue's size (it can only loop) is refused whole,
+    /// never served as the request its first descriptors make: here a complete write
+    /// (header, 14 sectors, a status descriptor) whose last descriptor leads back to
+    /// its first sector. Nothing is written to the disk, and there is no status byte
+    /// to answer with (the chain has no last descriptor).
+    #[test]
+    fn a_chain_longer_than_the_queue_is_refused_whole() {
+        let mem = memory();
+        for request_type in [VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_IN] {
+            let direction = if request_type == VIRTIO_BLK_T_OUT {
+                0
+            } else {
+                W
+            };
+            let data: Vec<(u64, u32, u16)> = (0..14).map(|_| (DATA, 512, direction)).collect();
+            let mut descs = chain(&data);
+            descs[15] =
+                RawDescriptor::from(Descriptor::new(STATUS, 1, W | VRING_DESC_F_NEXT as u16, 1));
+            write_header(&mem, request_type, 0);
+            preset_status(&mem);
+            mem.write_slice(&[0xee; 512], GuestAddress(DATA)).unwrap();
             let mut h = harness(16, false);
-            let used = h.run(&mem, &[desc(TABLE, len, INDIRECT)]);
-            assert_eq!(used, expected, "{buffers} data buffers");
-            let status = mem.read_obj::<u8>(GuestAddress(STATUS)).unwrap();
-            let expected_status = if buffers == 14 { 0 } else { 0xff };
-            assert_eq!(status, expected_status, "{buffers} data buffers");
+            let before = h.image();
+            assert_eq!(h.run(&mem, &descs), vec![(0, 0)]);
+            assert_eq!(status(&mem), 0xff);
+            assert_eq!(h.image(), before);
+            assert_eq!(mem.read_obj::<u8>(GuestAddress(DATA)).unwrap(), 0xee);
         }
     }
 

@@ -274,6 +274,42 @@ mod tests {
         assert_eq!(used, vec![(0, 0)]);
     }
 
+    /// A driver that did not negotiate VIRTIO_RING_F_INDIRECT_DESC (the device does
+    /// not offer it) must not use an indirect table: a chain through one gets nothing,
+    /// its buffers left as they were.
+    #[test]
+    fn a_chain_through_an_indirect_table_is_refused() {
+        const INDIRECT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+        const TABLE: u64 = 0x30_0000;
+        let indirect_desc = 1u64 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC;
+        assert_eq!(Rng::new().avail_features() & indirect_desc, 0);
+        let mem = memory();
+        mem.write_slice(&[0u8; 64], GuestAddress(0x10_0000))
+            .unwrap();
+        mem.write_obj(raw(0x10_0000, 64, W, 0), GuestAddress(TABLE))
+            .unwrap();
+        let (used, _) = run(&mem, &[raw(TABLE, 16, INDIRECT, 0)]);
+        assert_eq!(used, vec![(0, 0)]);
+        let mut got = [0xffu8; 64];
+        mem.read_slice(&mut got, GuestAddress(0x10_0000)).unwrap();
+        assert_eq!(got, [0; 64]);
+    }
+
+    /// A chain that does not end (it loops back) is refused whole rather than filled
+    /// as far as the queue's size.
+    #[test]
+    fn a_chain_that_does_not_end_gets_nothing() {
+        let mem = memory();
+        mem.write_slice(&[0u8; 64], GuestAddress(0x10_0000))
+            .unwrap();
+        let descs = [raw(0x10_0000, 32, W | N, 1), raw(0x10_0020, 32, W | N, 0)];
+        let (used, _) = run(&mem, &descs);
+        assert_eq!(used, vec![(0, 0)]);
+        let mut got = [0xffu8; 64];
+        mem.read_slice(&mut got, GuestAddress(0x10_0000)).unwrap();
+        assert_eq!(got, [0; 64]);
+    }
+
     #[test]
     fn reset_and_activation_errors() {
         let mem = memory();

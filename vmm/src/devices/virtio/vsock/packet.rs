@@ -101,6 +101,8 @@ pub enum PacketError {
     RxBufferTooSmall { capacity: usize, needed: usize },
     #[error("guest memory access failed: {0}")]
     Memory(#[from] vm_memory::GuestMemoryError),
+    #[error(transparent)]
+    Chain(crate::devices::virtio::chain::ChainError),
 }
 
 /// `struct virtio_vsock_hdr`, host byte order.

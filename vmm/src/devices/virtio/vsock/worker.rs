@@ -6,12 +6,14 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::muxer::Muxer;
-use super::packet::{read_tx_packet, RxBuffer, MAX_PKT_LEN};
+use super::packet::{read_tx_packet, PacketError, RxBuffer, MAX_CHAIN_DESCS, MAX_PKT_LEN};
+use crate::devices::virtio::chain::{read_chain, tell_refused_chain};
 use crate::devices::virtio::{has_available, InterruptTrigger};
 use crate::memory::GuestMemoryMmap;
 
@@ -93,6 +95,10 @@ pub struct Datapath {
     pub muxer: Muxer,
     guest_cid: u64,
     scratch: Vec<u8>,
+    /// The chain being handled, as read from guest memory (kept for its allocation).
+    descriptors: Vec<Descriptor>,
+    /// Whether a refused chain was told as a guest warning since activation.
+    refused_chain_told: bool,
 }
 
 /// Starts the worker thread.
@@ -227,6 +233,8 @@ impl Datapath {
             muxer,
             guest_cid,
             scratch: vec![0u8; MAX_PKT_LEN as usize],
+            descriptors: Vec::with_capacity(MAX_CHAIN_DESCS),
+            refused_chain_told: false,
         }
     }
 
@@ -243,7 +251,17 @@ impl Datapath {
         let mut left = queue.size();
         while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
             let head = chain.head_index();
-            let result = read_tx_packet(chain, &self.memory, self.guest_cid);
+            let result = match read_chain(queue, &self.memory, head, &mut self.descriptors) {
+                Ok(()) => read_tx_packet(
+                    self.descriptors.iter().copied(),
+                    &self.memory,
+                    self.guest_cid,
+                ),
+                Err(e) => {
+                    tell_refused_chain("vsock", &e, &mut self.refused_chain_told);
+                    Err(PacketError::Chain(e))
+                }
+            };
             if let Err(e) = queue.add_used(&self.memory, head, 0) {
                 guest_log::guest_warn!("vsock: cannot return tx descriptor {head}: {e}");
                 break;
@@ -281,7 +299,14 @@ impl Datapath {
                 break;
             };
             let head = chain.head_index();
-            let len = match RxBuffer::from_chain(chain, &self.memory) {
+            let buffer = match read_chain(queue, &self.memory, head, &mut self.descriptors) {
+                Ok(()) => RxBuffer::from_chain(self.descriptors.iter().copied(), &self.memory),
+                Err(e) => {
+                    tell_refused_chain("vsock", &e, &mut self.refused_chain_told);
+                    Err(PacketError::Chain(e))
+                }
+            };
+            let len = match buffer {
                 Ok(buf) => {
                     let max = buf.max_payload();
                     match self.muxer.next_rx_packet(&mut self.scratch[..max]) {
@@ -324,4 +349,118 @@ impl Datapath {
 pub struct Round {
     pub used: bool,
     pub more: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use virtio_bindings::virtio_ring::{
+        VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_INDIRECT, VRING_DESC_F_WRITE,
+    };
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+
+    use super::super::packet::{Header, Op, HDR_LEN, HOST_CID, TYPE_STREAM};
+    use super::super::Vsock;
+    use super::*;
+    use crate::devices::virtio::VirtioDevice;
+
+    const CID: u64 = 3;
+    const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
+    const W: u16 = VRING_DESC_F_WRITE as u16;
+
+    fn raw(addr: u64, len: u32, flags: u16) -> RawDescriptor {
+        RawDescriptor::from(Descriptor::new(addr, len, flags, 0))
+    }
+
+    fn used(ring: &MockSplitQueue<'_, GuestMemoryMmap>) -> Vec<(u32, u32)> {
+        (0..ring.used().idx().load())
+            .map(|i| {
+                let e = ring.used().ring().ref_at(usize::from(i)).unwrap().load();
+                (e.id(), e.len())
+            })
+            .collect()
+    }
+
+    /// A driver that did not negotiate VIRTIO_RING_F_INDIRECT_DESC (the device does
+    /// not offer it) must not use an indirect table: a packet sent through one is not
+    /// read, and a receive buffer given through one is not written; both go back to
+    /// the driver with a used length of 0.
+    #[test]
+    fn chains_through_an_indirect_table_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.sock");
+        let offered = Vsock::new(CID, &dir.path().join("device.sock"))
+            .unwrap()
+            .avail_features();
+        assert_eq!(offered & (1 << VIRTIO_RING_F_INDIRECT_DESC), 0);
+
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let rx = MockSplitQueue::create(&mem, GuestAddress(0), 16);
+        let tx = MockSplitQueue::create(&mem, GuestAddress(0x1_0000), 16);
+        let event = MockSplitQueue::create(&mem, GuestAddress(0x2_0000), 16);
+        // A packet of an unknown operation, which the device answers with a RST.
+        const PACKET: u64 = 0x8_0000;
+        let packet = Header {
+            src_cid: CID,
+            dst_cid: HOST_CID,
+            src_port: 1,
+            dst_port: 2,
+            type_: TYPE_STREAM,
+            op: 42,
+            ..Header::default()
+        };
+        mem.write_slice(&packet.to_bytes(), GuestAddress(PACKET))
+            .unwrap();
+        // One-entry indirect tables: the packet, and a receive buffer.
+        const TX_TABLE: u64 = 0x9_0000;
+        const RX_TABLE: u64 = 0x9_1000;
+        const TABLE_BUFFER: u64 = 0xa_0000;
+        const DIRECT_BUFFER: u64 = 0xb_0000;
+        mem.write_obj(raw(PACKET, HDR_LEN as u32, 0), GuestAddress(TX_TABLE))
+            .unwrap();
+        mem.write_obj(raw(TABLE_BUFFER, 4096, W), GuestAddress(RX_TABLE))
+            .unwrap();
+        mem.write_slice(&[0xee; HDR_LEN], GuestAddress(TABLE_BUFFER))
+            .unwrap();
+        tx.add_desc_chains(&[raw(TX_TABLE, 16, INDIRECT)], 0)
+            .unwrap();
+        rx.add_desc_chains(
+            &[raw(RX_TABLE, 16, INDIRECT), raw(DIRECT_BUFFER, 4096, W)],
+            0,
+        )
+        .unwrap();
+
+        let listener = Arc::new(UnixListener::bind(&path).unwrap());
+        let muxer = Muxer::new(CID, &path, listener).unwrap();
+        let queues = [
+            rx.create_queue().unwrap(),
+            tx.create_queue().unwrap(),
+            event.create_queue().unwrap(),
+        ];
+        let mut datapath = Datapath::new(mem.clone(), queues, muxer, CID);
+        assert!(datapath.process_tx().used);
+        assert_eq!(used(&tx), [(0, 0)]);
+        assert!(!datapath.muxer.has_pending_rx(), "the packet was read");
+        assert_eq!(datapath.muxer.stats.bad_packets, 1);
+
+        // The same packet sent directly is answered: the RST goes to the second
+        // receive buffer, the first (through a table) refused.
+        tx.add_desc_chains(&[raw(PACKET, HDR_LEN as u32, 0)], 1)
+            .unwrap();
+        datapath.process_tx();
+        assert!(datapath.muxer.has_pending_rx());
+        assert!(datapath.process_rx().used);
+        assert_eq!(used(&rx), [(0, 0), (1, HDR_LEN as u32)]);
+        let mut untouched = [0u8; HDR_LEN];
+        mem.read_slice(&mut untouched, GuestAddress(TABLE_BUFFER))
+            .unwrap();
+        assert_eq!(untouched, [0xee; HDR_LEN]);
+        let mut answer = [0u8; HDR_LEN];
+        mem.read_slice(&mut answer, GuestAddress(DIRECT_BUFFER))
+            .unwrap();
+        assert_eq!(Header::from_bytes(&answer).op, Op::Rst as u16);
+    }
 }

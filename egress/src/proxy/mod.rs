@@ -122,6 +122,8 @@ pub struct ProxyConfig {
     slots: OnceLock<Arc<Semaphore>>,
     /// The connections waiting for a request head: their first, or their next.
     waiting: WaitingRoom,
+    /// The host's own addresses and networks, which the proxy never connects to.
+    host_networks: addresses::HostNetworksCache,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
     tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
     /// Where the watches keep their counts between runs (a file per secret), if at all.
@@ -144,6 +146,7 @@ impl ProxyConfig {
             limits: Limits::default(),
             slots: OnceLock::new(),
             waiting: WaitingRoom::default(),
+            host_networks: addresses::HostNetworksCache::default(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
             probe_records: None,
         }

@@ -549,6 +549,22 @@ fn past_the_waiting_bound_the_longest_waiting_leaves() {
     assert_eq!(room.len(), 3);
 }
 
+/// Connections told to leave get a place in grace only while fewer than its bound
+/// hold one, and give it up when they close or their request comes.
+#[test]
+fn places_in_grace_are_bounded() {
+    let room = WaitingRoom::default();
+    let first = room.grace(2).expect("a first place in grace");
+    let second = room.grace(2).expect("a second place in grace");
+    assert!(room.grace(2).is_none(), "a third place past a bound of 2");
+    drop(first);
+    let third = room.grace(2).expect("the place given up, taken again");
+    assert!(room.grace(2).is_none());
+    drop((second, third));
+    assert!(room.grace(0).is_none(), "a bound of 0: no grace at all");
+    assert_eq!(room.lock().in_grace, 0);
+}
+
 const SECRET: &[u8] = b"Bearer sk-proj-0123456789";
 const TOKEN: &[u8] = b"sk-proj-0123456789";
 

@@ -15,7 +15,11 @@
 //! the guest varies from request to request (the method, the Host header a refusal
 //! quotes) does not make it another, and the allowed entries written meanwhile (the
 //! CONNECT before each refused request inside terminated TLS) do not end the count.
+//! Nor do other refusals: each of the last [`MAX_REPEATING_REFUSALS`] refusals made
+//! is counted on its own, so that a program retrying two refused hosts in turn gets
+//! two counts, not a line per request.
 
+use std::collections::VecDeque;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -26,9 +30,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 const MAX_LOG_BYTES: u64 = 1024 * 1024;
-/// A refusal the same as the one before, within this long of it, is counted rather
-/// than written again.
+/// A refusal the same as one made within this long is counted rather than written
+/// again.
 const REPEAT_WINDOW_MS: u64 = 60_000;
+/// How many different refusals each file counts at once: the guest names the
+/// destinations, so the ones it refers to are not all kept. Past this, the one made
+/// least recently is no longer counted (its count is written), and written anew when
+/// it comes again.
+const MAX_REPEATING_REFUSALS: usize = 64;
 /// Longest host, rule or method a line keeps (the guest chooses them: a method of 60
 /// KiB would make a few requests fill the log).
 const MAX_FIELD_BYTES: usize = 256;
@@ -59,13 +68,13 @@ pub struct LogEntry {
     /// (it was removed, replaced or withdrawn meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub withdrawn_secret: Option<String>,
-    /// On a refusal: how many times it was made again, at most a minute apart and
-    /// with no other refusal between, up to this entry's time (the entry before with
-    /// the same decision was its first, or an earlier count). The same decision: the
+    /// On a refusal: how many times it was made again, at most a minute apart (other
+    /// refusals between aside), up to this entry's time (the entry before with the
+    /// same decision was its first, or an earlier count). The same decision: the
     /// same [`Refusal`] of the same destination (and secret); the repeats' methods and
     /// their rules' details (a Host header) may differ from this entry's. Counts are
-    /// written at 1, 2, 4, 8..., when another refusal comes, and otherwise within a
-    /// minute of a repeat not yet counted.
+    /// written at 1, 2, 4, 8..., when a refusal not being counted comes, and otherwise
+    /// within a minute of a repeat not yet counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeated: Option<u64>,
     /// On a refusal: what kind of reason refused it; `None` on entries written before
@@ -161,14 +170,15 @@ struct LogState {
     secret_decisions: LogFile,
 }
 
-/// One of the two files, and the refusal it is counting. Each file counts its own:
+/// One of the two files, and the refusals it is counting. Each file counts its own:
 /// refusals in the general one, made between two withdrawal refusals, must not have
 /// each of those written anew to the other.
 #[derive(Debug, Default)]
 struct LogFile {
     open: Option<OpenLog>,
-    /// The last refusal written, while it is being repeated.
-    repeating: Option<Repeating>,
+    /// The refusals written, while they are being repeated, the one made least
+    /// recently first; at most [`MAX_REPEATING_REFUSALS`].
+    repeating: VecDeque<Repeating>,
 }
 
 #[derive(Debug)]
@@ -279,22 +289,18 @@ impl DecisionLog {
 
     fn write_due(&self, state: &mut LogState, now_ms: u64) -> io::Result<()> {
         for which in [Which::General, Which::SecretDecisions] {
-            let file = state.file(which);
-            let Some(repeating) = &mut file.repeating else {
-                continue;
-            };
-            let ended = now_ms.saturating_sub(repeating.entry.time_unix_ms) > REPEAT_WINDOW_MS;
-            let overdue = repeating
-                .unwritten_since_ms
-                .is_some_and(|since| now_ms.saturating_sub(since) >= REPEAT_WINDOW_MS);
-            if !ended && !overdue {
-                continue;
-            }
-            let line = repeating.count_line();
-            if ended {
-                file.repeating = None;
-            }
-            if let Some(line) = line {
+            let mut due = Vec::new();
+            state.file(which).repeating.retain_mut(|repeating| {
+                let ended = now_ms.saturating_sub(repeating.entry.time_unix_ms) > REPEAT_WINDOW_MS;
+                let overdue = repeating
+                    .unwritten_since_ms
+                    .is_some_and(|since| now_ms.saturating_sub(since) >= REPEAT_WINDOW_MS);
+                if ended || overdue {
+                    due.extend(repeating.count_line());
+                }
+                !ended
+            });
+            for line in due {
                 self.write(state, which, &line)?;
             }
         }
@@ -302,56 +308,71 @@ impl DecisionLog {
     }
 
     fn append(&self, entry: &LogEntry) -> io::Result<()> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        self.write_due(&mut state, entry.time_unix_ms)?;
-        let which = which(entry);
-        let file = state.file(which);
-        if entry.allowed {
-            // Written, and the refusal being counted goes on: a guest that retries a
-            // refused request inside terminated TLS opens a tunnel (allowed) each time.
-            return self.write(&mut state, which, entry);
-        }
-        if let Some(repeating) = &mut file.repeating {
-            if repeating.entry.same_decision(entry) {
-                repeating.count += 1;
-                repeating.entry.time_unix_ms = entry.time_unix_ms;
-                if !repeating.count.is_power_of_two() {
-                    repeating
-                        .unwritten_since_ms
-                        .get_or_insert(entry.time_unix_ms);
-                    return Ok(());
-                }
-                let line = repeating.count_line();
-                return match line {
-                    Some(line) => self.write(&mut state, which, &line),
-                    None => Ok(()),
-                };
-            }
-        }
-        let ended = file
-            .repeating
-            .take()
-            .and_then(|mut ended| ended.count_line());
-        file.repeating = Some(Repeating {
-            entry: entry.clone(),
-            count: 0,
-            written: 0,
-            unwritten_since_ms: None,
-        });
-        if let Some(line) = ended {
-            self.write(&mut state, which, &line)?;
-        }
-        self.write(&mut state, which, entry)
-    }
-
-    fn write(&self, state: &mut LogState, which: Which, entry: &LogEntry) -> io::Result<()> {
-        let bounded = LogEntry {
+        // Cut before it is kept to count its repeats as well as before it is written:
+        // those kept are as many as MAX_REPEATING_REFUSALS, each of the guest's choosing.
+        let entry = &LogEntry {
             host: bounded(&entry.host),
             rule: bounded(&entry.rule),
             method: entry.method.as_deref().map(bounded),
             ..entry.clone()
         };
-        let mut line = serde_json::to_vec(&bounded).map_err(io::Error::other)?;
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.write_due(&mut state, entry.time_unix_ms)?;
+        let which = which(entry);
+        let file = state.file(which);
+        if entry.allowed {
+            // Written, and the refusals being counted go on: a guest that retries a
+            // refused request inside terminated TLS opens a tunnel (allowed) each time.
+            return self.write(&mut state, which, entry);
+        }
+        let made_before = file
+            .repeating
+            .iter()
+            .position(|repeating| repeating.entry.same_decision(entry));
+        if let Some(mut repeating) = made_before.and_then(|at| file.repeating.remove(at)) {
+            repeating.count += 1;
+            repeating.entry.time_unix_ms = entry.time_unix_ms;
+            let line = if repeating.count.is_power_of_two() {
+                repeating.count_line()
+            } else {
+                repeating
+                    .unwritten_since_ms
+                    .get_or_insert(entry.time_unix_ms);
+                None
+            };
+            // Now the one made most recently.
+            file.repeating.push_back(repeating);
+            return match line {
+                Some(line) => self.write(&mut state, which, &line),
+                None => Ok(()),
+            };
+        }
+        // A refusal not being counted: the counts not yet written go first, so that
+        // the file reads in order; their refusals are still counted after it.
+        let mut lines = Vec::new();
+        if file.repeating.len() >= MAX_REPEATING_REFUSALS {
+            lines.extend(
+                file.repeating
+                    .pop_front()
+                    .and_then(|mut oldest| oldest.count_line()),
+            );
+        }
+        lines.extend(file.repeating.iter_mut().filter_map(Repeating::count_line));
+        file.repeating.push_back(Repeating {
+            entry: entry.clone(),
+            count: 0,
+            written: 0,
+            unwritten_since_ms: None,
+        });
+        for line in lines.iter().chain([entry]) {
+            self.write(&mut state, which, line)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `entry` to its file; its fields were cut ([`bounded`]) by [`Self::append`].
+    fn write(&self, state: &mut LogState, which: Which, entry: &LogEntry) -> io::Result<()> {
+        let mut line = serde_json::to_vec(entry).map_err(io::Error::other)?;
         line.push(b'\n');
         let path = match which {
             Which::General => self.path.clone(),
@@ -394,18 +415,20 @@ pub async fn keep_counts_current(log: std::sync::Weak<DecisionLog>) {
 }
 
 impl Drop for DecisionLog {
-    /// Writes the count of a refusal still being repeated.
+    /// Writes the counts of the refusals still being repeated.
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         let mut state = std::mem::take(state);
         for which in [Which::General, Which::SecretDecisions] {
-            let line = state
-                .file(which)
-                .repeating
-                .take()
-                .and_then(|mut ended| ended.count_line());
-            if let Some(Err(e)) = line.map(|line| self.write(&mut state, which, &line)) {
-                guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+            let repeating = std::mem::take(&mut state.file(which).repeating);
+            for mut ended in repeating {
+                let Some(line) = ended.count_line() else {
+                    continue;
+                };
+                if let Err(e) = self.write(&mut state, which, &line) {
+                    guest_log::guest_warn!(path = %self.path.display(), "cannot write the decision log: {e}");
+                    break;
+                }
             }
         }
     }
@@ -753,6 +776,61 @@ mod tests {
             .all(|e| e.allowed || e.refusal == Some(Refusal::HostMismatch)));
     }
 
+    /// Two destinations refused in turn (a program retrying both) are each counted,
+    /// not written anew on every request for ending each other's count.
+    #[test]
+    fn refusals_of_two_destinations_in_turn_are_each_counted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        let (mut first, mut second) = (entry(1), entry(3));
+        for _ in 0..1000 {
+            first.time_unix_ms += 10;
+            log.record(&first);
+            second.time_unix_ms += 10;
+            log.record(&second);
+        }
+        drop(log);
+        let written: Vec<(String, Option<u64>)> = lines(&path)
+            .into_iter()
+            .map(|e| (e.host, e.repeated))
+            .collect();
+        let (a, b) = (first.host.clone(), second.host.clone());
+        let mut expected = vec![(a.clone(), None), (b.clone(), None)];
+        for k in 0..10 {
+            expected.extend([(a.clone(), Some(1 << k)), (b.clone(), Some(1 << k))]);
+        }
+        // Written when the log closes, as they were still being repeated.
+        expected.extend([(a, Some(999)), (b, Some(999))]);
+        assert_eq!(written, expected);
+    }
+
+    /// The refusals counted at once are bounded, whatever number of destinations the
+    /// guest names: past the bound, the one made least recently gets its count
+    /// written and is no longer counted (written anew when it comes again).
+    #[test]
+    fn the_refusals_being_counted_are_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("egress.jsonl");
+        let log = DecisionLog::open(&path);
+        let oldest = entry(1);
+        for _ in 0..3 {
+            log.record(&oldest);
+        }
+        for i in 0..10 * MAX_REPEATING_REFUSALS {
+            log.record(&entry(2 * i + 3));
+            let state = log.state.lock().unwrap();
+            assert!(state.general.repeating.len() <= MAX_REPEATING_REFUSALS);
+        }
+        log.record(&oldest);
+        let of_the_oldest: Vec<Option<u64>> = lines(&path)
+            .into_iter()
+            .filter(|e| e.host == oldest.host)
+            .map(|e| e.repeated)
+            .collect();
+        assert_eq!(of_the_oldest, [None, Some(1), Some(2), None]);
+    }
+
     /// Another kind of refusal, another destination or (for the policy's refusals)
     /// another rule is another decision.
     #[test]
@@ -881,7 +959,7 @@ mod tests {
         let mut state = log.state.lock().unwrap();
         log.write_due(&mut state, refusal.time_unix_ms + REPEAT_WINDOW_MS + 1)
             .unwrap();
-        assert!(state.general.repeating.is_none());
+        assert!(state.general.repeating.is_empty());
         drop(state);
         let written = lines(&path);
         assert_eq!(written.last().unwrap().repeated, Some(8));

@@ -1493,6 +1493,63 @@ async fn a_displaced_kept_alive_connection_half_way_through_a_head_is_answered()
     );
 }
 
+/// A connection that has had a request answered (HEAD, so nothing follows the head),
+/// idle and kept alive, and then half-way through its next head.
+async fn kept_alive_half_way_through_a_head(h: &Harness) -> TcpStream {
+    let mut stream = TcpStream::connect(h.proxy).await.unwrap();
+    stream
+        .write_all(b"HEAD http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut stream).await;
+    assert_eq!(status_of(&head), 200, "{head}");
+    sleep(Duration::from_millis(100)).await;
+    stream
+        .write_all(b"GET http://plain.test/echo HTTP/1.1\r\nHost: pla")
+        .await
+        .unwrap();
+    sleep(Duration::from_millis(100)).await;
+    stream
+}
+
+/// The connections in their grace after being displaced are bounded too: one
+/// displaced while the grace's places are taken is closed at once, answered why,
+/// though it would have finished its head in time; the one in grace is served.
+#[tokio::test]
+async fn past_the_bound_on_graces_a_displaced_connection_is_closed_at_once() {
+    let h = Harness::with_limits(Limits {
+        max_waiting_connections: 1,
+        max_displaced_in_grace: 1,
+        ..Limits::default()
+    })
+    .await;
+    // The second displaces the first into the only grace there is; a third, silent
+    // one displaces the second, for which there is none.
+    let mut in_grace = kept_alive_half_way_through_a_head(&h).await;
+    let mut without_grace = kept_alive_half_way_through_a_head(&h).await;
+    let _newer = TcpStream::connect(h.proxy).await.unwrap();
+    sleep(Duration::from_millis(100)).await;
+    let mut answers = Vec::new();
+    for stream in [&mut in_grace, &mut without_grace] {
+        // Not unwrapped: a connection closed at once may refuse it.
+        let _ = stream.write_all(b"in.test\r\n\r\n").await;
+    }
+    for stream in [&mut in_grace, &mut without_grace] {
+        let mut out = Vec::new();
+        let ended = timeout(Duration::from_secs(5), stream.read_to_end(&mut out)).await;
+        assert!(ended.is_ok(), "a displaced connection stayed open");
+        answers.push(String::from_utf8_lossy(&out).into_owned());
+    }
+    assert!(answers[0].starts_with("HTTP/1.1 200"), "{:?}", answers[0]);
+    assert!(answers[0].contains("GET /echo"), "{:?}", answers[0]);
+    assert!(answers[1].starts_with("HTTP/1.1 503"), "{:?}", answers[1]);
+    assert!(
+        answers[1].contains("more than 1 connections waited to send a request"),
+        "{:?}",
+        answers[1]
+    );
+}
+
 /// Inside TLS terminated for a secret's host, a connection told to leave while
 /// half-way through its first head is closed once the moment to finish it is over
 /// (told why), not left open outside the waiting bound until its header timeout.

@@ -1,6 +1,8 @@
 //! The destinations the proxy never connects to, whatever the policy says.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Why the proxy never connects to `ip`, if it is a loopback, private, link-local,
 /// shared, metadata, multicast, broadcast, reserved or unspecified address, or one
@@ -125,8 +127,71 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     }
 }
 
-/// The addresses of this host's interfaces and their networks, read anew for each
-/// connection: they come and go (Wi-Fi, a VPN, DHCP).
+/// How long a reading of the host's addresses ([`host_networks`]) is used before it
+/// is read again. Reading them is a netlink dump of every interface, too dear for each
+/// connection a guest opens; a second is still too short for an address the host has
+/// just been given (a VPN coming up, DHCP) to be reached through the proxy in earnest.
+pub(super) const HOST_NETWORKS_LIFETIME: Duration = Duration::from_secs(1);
+
+/// The host's addresses and networks ([`host_networks`]), read at most once per
+/// `lifetime`, shared by all the proxy's connections. A failed reading is not kept:
+/// the next connection reads again, and is refused if that fails too.
+pub(super) struct HostNetworksCache {
+    lifetime: Duration,
+    read: fn() -> std::io::Result<Vec<HostNetwork>>,
+    last: Mutex<Option<(Instant, Arc<[HostNetwork]>)>>,
+}
+
+impl Default for HostNetworksCache {
+    fn default() -> Self {
+        Self::new(HOST_NETWORKS_LIFETIME, host_networks)
+    }
+}
+
+impl HostNetworksCache {
+    pub(super) fn new(lifetime: Duration, read: fn() -> std::io::Result<Vec<HostNetwork>>) -> Self {
+        Self {
+            lifetime,
+            read,
+            last: Mutex::new(None),
+        }
+    }
+
+    /// The host's networks, as read less than the lifetime ago, or read now.
+    pub(super) fn get(&self) -> std::io::Result<Arc<[HostNetwork]>> {
+        self.get_at(Instant::now())
+    }
+
+    pub(super) fn get_at(&self, now: Instant) -> std::io::Result<Arc<[HostNetwork]>> {
+        if let Some((read_at, networks)) = &*self.lock() {
+            // A reading from after `now` (another connection's, a moment later) is
+            // fresher still.
+            if now.saturating_duration_since(*read_at) < self.lifetime {
+                return Ok(networks.clone());
+            }
+        }
+        // Read without the lock: connections that find the reading stale together
+        // each read (as each did before there was a cache) rather than queue behind
+        // one another's system call.
+        let networks: Arc<[HostNetwork]> = (self.read)()?.into();
+        let mut last = self.lock();
+        let newer_kept = last.as_ref().is_some_and(|(read_at, _)| *read_at > now);
+        if !newer_kept {
+            *last = Some((now, networks.clone()));
+        }
+        Ok(networks)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, Arc<[HostNetwork]>)>> {
+        self.last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The addresses of this host's interfaces and their networks, as they are now: they
+/// come and go (Wi-Fi, a VPN, DHCP). The proxy reads them through its
+/// [`HostNetworksCache`].
 pub(super) fn host_networks() -> std::io::Result<Vec<HostNetwork>> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs writes a list it allocated to `list`, freed below.

@@ -89,6 +89,15 @@ pub struct Limits {
     /// (a browser's speculative ones, a stuck program, a pool's spare) must not keep a
     /// real request out.
     pub max_waiting_connections: usize,
+    /// Connections displaced from the waiting room that are given [`CLOSING_GRACE`]
+    /// to finish the request head they may be sending. Past them, a displaced
+    /// connection is closed at once (answered 503 if it had begun a head): in their
+    /// grace they wait outside `max_waiting_connections`, and a guest that keeps
+    /// displacing its own connections must not hold more that way. A proxy holds
+    /// at most `max_connections + max_waiting_connections + max_displaced_in_grace`
+    /// guest connections open, besides those it is answering 503 (for a second at
+    /// the most).
+    pub max_displaced_in_grace: usize,
     /// How often a tunnel or an upgraded connection asks the policy again: one the
     /// policy no longer allows is closed, as a new request would be refused.
     pub policy_recheck: Duration,
@@ -102,6 +111,9 @@ impl Default for Limits {
             connect_timeout: Duration::from_secs(10),
             max_connections: 512,
             max_waiting_connections: 512,
+            // A grace is for a client caught half-way through a head, a moment's
+            // race: a few at once are plenty.
+            max_displaced_in_grace: 64,
             policy_recheck: Duration::from_secs(2),
         }
     }
@@ -122,6 +134,8 @@ pub struct ProxyConfig {
     slots: OnceLock<Arc<Semaphore>>,
     /// The connections waiting for a request head: their first, or their next.
     waiting: WaitingRoom,
+    /// The host's own addresses and networks, which the proxy never connects to.
+    host_networks: addresses::HostNetworksCache,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
     tripwires: std::sync::Mutex<HashMap<String, Arc<redact::Tripwire>>>,
     /// Where the watches keep their counts between runs (a file per secret), if at all.
@@ -144,6 +158,7 @@ impl ProxyConfig {
             limits: Limits::default(),
             slots: OnceLock::new(),
             waiting: WaitingRoom::default(),
+            host_networks: addresses::HostNetworksCache::default(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
             probe_records: None,
         }
@@ -424,9 +439,11 @@ where
 /// idle connection must not keep a real request out, first or next.
 ///
 /// A connection told to leave may be half-way through a head. It leaves the room at
-/// once, but is given [`CLOSING_GRACE`] to finish it: a request that comes is served,
-/// and the connection closed after it. Past the grace it is closed, answered first
-/// with why if it had begun a head, as one displaced before its first head is.
+/// once, but is given [`CLOSING_GRACE`] to finish it, if fewer than
+/// [`Limits::max_displaced_in_grace`] are: a request that comes is served, and the
+/// connection closed after it. Past the grace (or without one) it is closed,
+/// answered first with why if it had begun a head, as one displaced before its first
+/// head is.
 /// hyper's own way, a graceful shutdown, does neither: it closes a kept-alive
 /// connection between requests at once, whatever part of a head it has read, and
 /// leaves one that has not finished its first open until its header timeout.
@@ -497,8 +514,8 @@ where
             }
         };
         let grace_over = async {
-            match closing {
-                Closing::Grace { until } => tokio::time::sleep_until(until).await,
+            match &closing {
+                Closing::Grace { until, .. } => tokio::time::sleep_until(*until).await,
                 _ => std::future::pending().await,
             }
         };
@@ -508,31 +525,38 @@ where
             () = displaced => Event::Displaced,
             () = grace_over => Event::GraceOver,
         };
-        match event {
-            Event::Displaced => {
-                closing = Closing::Grace {
-                    until: tokio::time::Instant::now() + CLOSING_GRACE,
-                };
-            }
+        let close_now = match event {
+            Event::Displaced => match config.waiting.grace(config.limits.max_displaced_in_grace) {
+                Some(in_grace) => {
+                    closing = Closing::Grace {
+                        until: tokio::time::Instant::now() + CLOSING_GRACE,
+                        _in_grace: in_grace,
+                    };
+                    false
+                }
+                None => true,
+            },
             // No request was in flight when the grace began, so one has come since
             // (it may even be done already).
             Event::RequestsChanged if matches!(closing, Closing::Grace { .. }) => {
                 Pin::new(&mut connection).graceful_shutdown();
                 closing = Closing::AfterRequest;
+                false
             }
-            Event::RequestsChanged => {}
-            Event::GraceOver => {
-                // `None`: upgraded, which no request has been.
-                if let Some(parts) = connection.into_parts() {
-                    if began_a_head(&parts.read_buf) {
-                        let displaced = ProxyError::Displaced {
-                            limit: config.limits.max_waiting_connections,
-                        };
-                        answer_and_close(TokioIo::new(parts.io), &displaced).await;
-                    }
+            Event::RequestsChanged => false,
+            Event::GraceOver => true,
+        };
+        if close_now {
+            // `None`: upgraded, which no request has been.
+            if let Some(parts) = connection.into_parts() {
+                if began_a_head(&parts.read_buf) {
+                    let displaced = ProxyError::Displaced {
+                        limit: config.limits.max_waiting_connections,
+                    };
+                    answer_and_close(TokioIo::new(parts.io), &displaced).await;
                 }
-                return Ok(());
             }
+            return Ok(());
         }
     }
 }
@@ -542,13 +566,13 @@ where
 const CLOSING_GRACE: Duration = Duration::from_secs(1);
 
 /// Where a connection is in being closed for the [`WaitingRoom`]'s sake.
-#[derive(Clone, Copy)]
-enum Closing {
+enum Closing<'a> {
     No,
     /// Told to leave while no request was in flight; closed at `until` unless a
-    /// request comes first.
+    /// request comes first. It holds one of the room's places in grace meanwhile.
     Grace {
         until: tokio::time::Instant,
+        _in_grace: InGrace<'a>,
     },
     /// Told to leave; closed once its request is done.
     AfterRequest,
@@ -578,10 +602,25 @@ fn holding(body: ProxyBody, in_flight: Arc<InFlight>) -> ProxyBody {
 }
 
 /// The connections waiting for a request head (their first, or kept alive, their
-/// next), oldest first, each with the sender of its notice to leave.
+/// next), oldest first, each with the sender of its notice to leave, and how many
+/// told to leave are in their grace.
 #[derive(Default)]
 struct WaitingRoom {
-    waiting: std::sync::Mutex<(u64, BTreeMap<u64, oneshot::Sender<()>>)>,
+    waiting: std::sync::Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    /// The number the next connection to enter gets: the oldest has the lowest.
+    next: u64,
+    places: BTreeMap<u64, oneshot::Sender<()>>,
+    in_grace: usize,
+}
+
+/// A displaced connection's place in grace ([`WaitingRoom::grace`]), given up when
+/// dropped.
+struct InGrace<'a> {
+    room: &'a WaitingRoom,
 }
 
 /// A connection's place in the [`WaitingRoom`], given up when dropped.
@@ -596,31 +635,48 @@ impl WaitingRoom {
     fn enter(&self, bound: usize) -> (WaitingPlace<'_>, oneshot::Receiver<()>) {
         let (notice, receiver) = oneshot::channel();
         let mut waiting = self.lock();
-        let (next, places) = &mut *waiting;
-        while places.len() >= bound.max(1) {
-            if let Some((_, longest)) = places.pop_first() {
+        while waiting.places.len() >= bound.max(1) {
+            if let Some((_, longest)) = waiting.places.pop_first() {
                 let _ = longest.send(());
             }
         }
-        let number = *next;
-        *next += 1;
-        places.insert(number, notice);
+        let number = waiting.next;
+        waiting.next += 1;
+        waiting.places.insert(number, notice);
         (WaitingPlace { room: self, number }, receiver)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, BTreeMap<u64, oneshot::Sender<()>>)> {
+    /// A place in grace for a connection told to leave, if fewer than `bound` hold
+    /// one.
+    fn grace(&self, bound: usize) -> Option<InGrace<'_>> {
+        let mut waiting = self.lock();
+        if waiting.in_grace >= bound {
+            return None;
+        }
+        waiting.in_grace += 1;
+        Some(InGrace { room: self })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.lock().1.len()
+        self.lock().places.len()
     }
 }
 
 impl Drop for WaitingPlace<'_> {
     fn drop(&mut self) {
-        self.room.lock().1.remove(&self.number);
+        self.room.lock().places.remove(&self.number);
+    }
+}
+
+impl Drop for InGrace<'_> {
+    fn drop(&mut self) {
+        let mut waiting = self.room.lock();
+        waiting.in_grace = waiting.in_grace.saturating_sub(1);
     }
 }
 

@@ -195,6 +195,51 @@ fn the_hosts_addresses_are_read_from_its_interfaces() {
     assert!(own.contains(&network("127.0.0.1", 8)), "{own:?}");
 }
 
+/// How many times [`counted_reading`] has read; one counter per test that uses it.
+static READINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A reading of the host's networks that counts itself, and names the count in its
+/// address (10.0.0.N), so a test can tell which reading it was given.
+fn counted_reading() -> std::io::Result<Vec<HostNetwork>> {
+    let n = READINGS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    Ok(vec![network(&format!("10.0.0.{n}"), 32)])
+}
+
+/// The host's addresses are read once per lifetime, for every connection within it,
+/// and read again once it is over: an address the host gains is forbidden a lifetime
+/// later at the most.
+#[test]
+fn the_hosts_addresses_are_read_again_once_their_reading_expires() {
+    let cache = HostNetworksCache::new(Duration::from_secs(1), counted_reading);
+    let start = std::time::Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
+    let first = cache.get_at(at(0)).unwrap();
+    assert_eq!(&*first, [network("10.0.0.1", 32)]);
+    // Within the lifetime: the same reading, without a system call.
+    assert_eq!(cache.get_at(at(500)).unwrap(), first);
+    assert_eq!(cache.get_at(at(999)).unwrap(), first);
+    assert_eq!(READINGS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Past it: read again, and that reading is kept for a lifetime of its own.
+    let second = cache.get_at(at(1000)).unwrap();
+    assert_eq!(&*second, [network("10.0.0.2", 32)]);
+    assert_eq!(cache.get_at(at(1999)).unwrap(), second);
+    assert_eq!(&*cache.get_at(at(2000)).unwrap(), [network("10.0.0.3", 32)]);
+    assert_eq!(READINGS.load(std::sync::atomic::Ordering::SeqCst), 3);
+}
+
+/// A reading that failed is not kept: each connection tries again, and is refused
+/// (fails closed) while it fails.
+#[test]
+fn a_failed_reading_of_the_hosts_addresses_is_not_kept() {
+    fn failing() -> std::io::Result<Vec<HostNetwork>> {
+        Err(std::io::Error::other("no netlink"))
+    }
+    let cache = HostNetworksCache::new(Duration::from_secs(1), failing);
+    let now = std::time::Instant::now();
+    assert!(cache.get_at(now).is_err());
+    assert!(cache.get_at(now).is_err());
+}
+
 #[test]
 fn forbidden_addresses() {
     for (addr, reason) in [
@@ -502,6 +547,22 @@ fn past_the_waiting_bound_the_longest_waiting_leaves() {
     assert!((1..4)
         .all(|i| entered[i].1.try_recv() == Err(tokio::sync::oneshot::error::TryRecvError::Empty)));
     assert_eq!(room.len(), 3);
+}
+
+/// Connections told to leave get a place in grace only while fewer than its bound
+/// hold one, and give it up when they close or their request comes.
+#[test]
+fn places_in_grace_are_bounded() {
+    let room = WaitingRoom::default();
+    let first = room.grace(2).expect("a first place in grace");
+    let second = room.grace(2).expect("a second place in grace");
+    assert!(room.grace(2).is_none(), "a third place past a bound of 2");
+    drop(first);
+    let third = room.grace(2).expect("the place given up, taken again");
+    assert!(room.grace(2).is_none());
+    drop((second, third));
+    assert!(room.grace(0).is_none(), "a bound of 0: no grace at all");
+    assert_eq!(room.lock().in_grace, 0);
 }
 
 const SECRET: &[u8] = b"Bearer sk-proj-0123456789";

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-use super::addresses::{forbidden_destination, host_networks};
+use super::addresses::forbidden_destination;
 use super::decode::{
     content_codings, decoding_for, headers_for_decoded, transfer_codings, DecodedBody,
 };
@@ -178,10 +178,13 @@ pub(super) async fn vetted_addresses(
         return Err(ProxyError::NoAddress { target });
     }
     // Failing closed: without the host's networks, none can be told from another's.
-    let host_networks = host_networks().map_err(|source| ProxyError::HostAddresses {
-        target: target.clone(),
-        source,
-    })?;
+    let host_networks = config
+        .host_networks
+        .get()
+        .map_err(|source| ProxyError::HostAddresses {
+            target: target.clone(),
+            source,
+        })?;
     let forbidden = addrs.iter().find_map(|addr| {
         forbidden_destination(addr.ip(), &host_networks).map(|reason| (addr.ip(), reason))
     });

@@ -63,6 +63,42 @@ const _: () = assert!(
     MAX_GUEST_SERVICE_CONNECTIONS < vmm::devices::virtio::vsock::muxer::MAX_GUEST_CONNECTIONS
 );
 
+/// The egress proxy's bounds here, which keep the connections it holds open (its
+/// requests, those waiting for a request head, those displaced in their grace) under
+/// [`MAX_GUEST_SERVICE_CONNECTIONS`] with [`ROOM_FOR_RELAYS`] to spare. Under egress's
+/// own defaults (512 requests, 512 waiting, 64 in grace) idle kept-alive connections
+/// filled that bound before the proxy closed any to make room, and the guest's next
+/// connection, a real request, was refused there instead of served.
+///
+/// Requests get the most: a tunnel (HTTPS without a secret, most of the guest's
+/// traffic) is one request for as long as it is open, idle or not. Waiting ones are
+/// idle plain HTTP and TLS terminated for a secret's host between requests, and
+/// connections before their first request; past the bound the longest waiting is
+/// closed, so fewer do.
+const EGRESS_REQUEST_SLOTS: usize = 416;
+const EGRESS_WAITING_CONNECTIONS: usize = 192;
+const EGRESS_DISPLACED_IN_GRACE: usize = 32;
+/// What the egress proxy leaves of [`MAX_GUEST_SERVICE_CONNECTIONS`]: for the
+/// loopback relays (Paseo's MCP server, the relay ports), and for the moments a
+/// connection holds a slot without the proxy counting it (while it names its
+/// service, while the proxy answers it 503).
+const ROOM_FOR_RELAYS: usize = 128;
+const _: () = assert!(
+    EGRESS_REQUEST_SLOTS + EGRESS_WAITING_CONNECTIONS + EGRESS_DISPLACED_IN_GRACE + ROOM_FOR_RELAYS
+        <= MAX_GUEST_SERVICE_CONNECTIONS
+);
+
+/// The egress proxy's limits in the supervisor ([`EGRESS_REQUEST_SLOTS`]), egress's
+/// defaults for the rest.
+fn egress_limits() -> egress::proxy::Limits {
+    egress::proxy::Limits {
+        max_connections: EGRESS_REQUEST_SLOTS,
+        max_waiting_connections: EGRESS_WAITING_CONNECTIONS,
+        max_displaced_in_grace: EGRESS_DISPLACED_IN_GRACE,
+        ..egress::proxy::Limits::default()
+    }
+}
+
 /// The guest's connections to the host services: their slots
 /// ([`MAX_GUEST_SERVICE_CONNECTIONS`]), how many were refused for want of one, and
 /// when the last was (Unix time, seconds; 0: none was).
@@ -192,7 +228,8 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         Arc::new(upstream_tls),
         Arc::new(egress::log::DecisionLog::open(vm.egress_log())),
     )
-    .with_probe_records(vm.egress_probes());
+    .with_probe_records(vm.egress_probes())
+    .with_limits(egress_limits());
     for (target, addr) in &record.egress.resolve {
         proxy = proxy.with_resolve_override(target.clone(), *addr);
     }
@@ -838,6 +875,22 @@ mod tests {
             .as_secs();
         let last = slots.last_refused().expect("the refusal's time");
         assert!(now.abs_diff(last) <= 5, "{last} is not now ({now})");
+    }
+
+    /// The connections the egress proxy holds open at the most (requests, waiting
+    /// ones, displaced ones in their grace) leave room under the guest's bound for
+    /// the relays: idle connections to the proxy must not use up that bound before
+    /// the proxy closes one of them for a real request.
+    #[test]
+    fn the_egress_proxy_leaves_room_for_the_relays_under_the_guests_bound() {
+        let limits = egress_limits();
+        let held_by_the_proxy =
+            limits.max_connections + limits.max_waiting_connections + limits.max_displaced_in_grace;
+        assert!(
+            held_by_the_proxy + ROOM_FOR_RELAYS <= MAX_GUEST_SERVICE_CONNECTIONS,
+            "the egress proxy may hold {held_by_the_proxy} of the guest's \
+             {MAX_GUEST_SERVICE_CONNECTIONS} connections to the host services"
+        );
     }
 
     /// All the guest's end of a relay gets before the relay closes it.

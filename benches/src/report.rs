@@ -855,7 +855,7 @@ impl FsFigure {
 /// tools it ran.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FsSide {
-    /// "host" or "guest".
+    /// "host", "guest" or "guest_disk".
     pub side: String,
     /// `stat -f -c %T` of the workspace directory.
     pub fs_type: String,
@@ -875,6 +875,12 @@ pub struct FsSide {
     /// Why this side's caches were not dropped at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_drop_skipped: Option<String>,
+    /// The guest disk side only: what holds the guest root overlay's upper layer,
+    /// where its files go (`vmctl.upper=` on the guest kernel's command line: `tmpfs`,
+    /// or a block device); `None` for the other sides, where the guest does not say,
+    /// and in reports written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_upper: Option<String>,
 }
 
 impl FsSide {
@@ -928,7 +934,8 @@ pub enum HostRead {
     Warm,
 }
 
-/// The shared workspace directory, guest against host.
+/// The shared workspace directory, guest against host (and against the guest's own
+/// file system).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FsReport {
     pub note: String,
@@ -954,8 +961,9 @@ pub struct FsReport {
     pub host_read: Option<HostRead>,
     pub config: FsConfig,
     pub sides: Vec<FsSide>,
-    /// How each side runs a script, and the scripts (the host's, first repetition;
-    /// the guest's name its files `-guest` instead of `-host`).
+    /// How each side runs a script (the guest disk's first `cd`s to its directory),
+    /// and the scripts (the host's, first repetition; the guest's sides name their
+    /// files `-guest` and `-guest_disk` instead of `-host`).
     pub commands: Vec<(String, Vec<String>)>,
     pub scripts: Vec<(String, String)>,
     pub environment: Vec<(String, String)>,
@@ -1088,9 +1096,8 @@ impl FsReport {
                 "Guest disk: the same scripts in the same guest, in a directory of its own file \
                  system ({}) instead of the share; caches dropped before each read: {}. \
                  virtio-fs / guest disk = the guest's slowdown on the share against it (the \
-                 same formula): what virtio-fs costs over the guest's own file system, under the \
-                 same kernel and virtualization. Informative only: it gets no verdict; the \
-                 issue's targets are the guest slowdown's.\n\n",
+                 same formula: above 1 virtio-fs is slower). Informative only, it gets no \
+                 verdict: the issue's targets are the guest slowdown's (see the notes).\n\n",
                 fs(GUEST_DISK),
                 dropped(GUEST_DISK)
             ));
@@ -1826,6 +1833,7 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("it gets no verdict"), "{md}");
+        assert!(md.contains("above 1 virtio-fs is slower"), "{md}");
         let errors = r.errors();
         assert!(
             errors

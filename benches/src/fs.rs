@@ -517,7 +517,16 @@ impl Workload {
                 "",
             ),
             Workload::Create => timed(
-                &format!("mkdir {dir}"),
+                &match side {
+                    // The guest disk is guest memory (the root overlay's tmpfs upper
+                    // layer, half the guest's RAM at most): with the sizes,
+                    // every run's files and the file read before would fill it.
+                    Side::GuestDisk => format!(
+                        "rm -rf -- small-{}-* {seq}\nmkdir {dir}",
+                        side.label()
+                    ),
+                    Side::Host | Side::Guest => format!("mkdir {dir}"),
+                },
                 &format!("for ((k = 0; k < {files}; k++)); do echo x > {dir}/f$k; done"),
                 "",
             ),
@@ -1827,6 +1836,15 @@ mod tests {
         assert!(ran.status.success(), "{}", ran.stderr);
         assert!(disk.join("small-guest_disk-1/f2").is_file());
         assert!(!ws.join("small-guest_disk-1").exists());
+        // Its next run's create first removes what the runs before left, which the
+        // guest keeps in memory.
+        fs::write(disk.join("seq-guest_disk.bin"), "x").unwrap();
+        let create = Workload::Create.script(Side::GuestDisk, 2, &s, None);
+        let ran = run_script(&script_in_place(Side::GuestDisk, &disk, &create), &ws);
+        assert!(ran.status.success(), "{}", ran.stderr);
+        assert!(disk.join("small-guest_disk-2/f2").is_file());
+        assert!(!disk.join("small-guest_disk-1").exists());
+        assert!(!disk.join("seq-guest_disk.bin").exists());
         for side in [Side::Host, Side::Guest] {
             assert_eq!(script_in_place(side, &disk, "true"), "true");
         }

@@ -644,16 +644,6 @@ impl Step {
             Step::DropBeforeGuestRead(_) | Step::Settle => false,
         }
     }
-
-    /// The side whose figure the step is for.
-    pub fn side(self) -> Option<Side> {
-        match self {
-            Step::DropBeforeGuestRead(side) | Step::GitWarmup(side) | Step::Timed(_, side) => {
-                Some(side)
-            }
-            Step::Settle => None,
-        }
-    }
 }
 
 /// The steps of repetition `run` (from 0): each workload on every side, in
@@ -1194,6 +1184,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
             Some(format!("guest disk setup: {e}"))
         }
     };
+    let disk_ready = disk_error.is_none();
     say(format!(
         "virtio-fs: file system: host {}, guest {}, guest disk {} ({})",
         report.sides[0].fs_type,
@@ -1485,9 +1476,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
              may include them: {unsettled}"
         ));
     }
-    report
-        .notes
-        .extend(guest_disk_notes(&report.sides[2], &disk_dir));
+    if disk_ready {
+        report
+            .notes
+            .extend(guest_disk_notes(&report.sides[2], &disk_dir));
+    }
 
     if lost.is_none() {
         match edits_skip_reason(&report.sides) {
@@ -1621,8 +1614,8 @@ fn guest_disk_setup(
     result
 }
 
-/// What the notes say of the guest disk side: what its ratio means, and where its
-/// directory is memory, not a disk.
+/// What the notes say of the guest disk side, once set up: what its ratio means, and
+/// where its directory is memory, not a disk.
 fn guest_disk_notes(disk: &FsSide, disk_dir: &Path) -> Vec<String> {
     let mut notes = vec![format!(
         "Guest disk: the same scripts ran in the same guest in {} ({}), a directory of \
@@ -1635,11 +1628,7 @@ fn guest_disk_notes(disk: &FsSide, disk_dir: &Path) -> Vec<String> {
          judged: the issue's targets are the guest's slowdown against the host, on \
          hardware KVM.",
         disk_dir.display(),
-        if disk.fs_type.is_empty() {
-            "file system unknown"
-        } else {
-            &disk.fs_type
-        }
+        disk.fs_type
     )];
     if let Some(why) = guest_disk_in_memory(&disk.fs_type, disk.root_upper.as_deref().unwrap_or(""))
     {
@@ -1875,6 +1864,29 @@ mod tests {
         assert!(why.contains("vmctl.upper=tmpfs"), "{why}");
         assert_eq!(guest_disk_in_memory("overlayfs", "/dev/vdb"), None);
         assert_eq!(guest_disk_in_memory("ext2/ext3", ""), None);
+        // The notes: what the ratio is and that it is never judged; then, for a
+        // vmctl up guest's root overlay, that it is memory.
+        let disk = |fs_type: &str, root_upper: Option<&str>| FsSide {
+            side: GUEST_DISK.into(),
+            fs_type: fs_type.into(),
+            root_upper: root_upper.map(str::to_string),
+            ..FsSide::default()
+        };
+        let dir = Path::new("/var/tmp/vm-bench-fs-1-2");
+        let notes = guest_disk_notes(&disk("overlayfs", Some("tmpfs")), dir);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[0].contains("/var/tmp/vm-bench-fs-1-2 (overlayfs)"),
+            "{}",
+            notes[0]
+        );
+        assert!(notes[0].contains("never judged"), "{}", notes[0]);
+        assert!(
+            notes[1].starts_with("The guest disk is memory, not a disk"),
+            "{}",
+            notes[1]
+        );
+        assert_eq!(guest_disk_notes(&disk("overlayfs", None), dir).len(), 1);
     }
 
     #[test]
@@ -2428,6 +2440,10 @@ mod tests {
             assert!(f.guest_slowdown.is_some(), "{}", f.name);
         }
         assert_eq!(r.errors().len(), r.figures.len());
+        assert!(!r
+            .notes
+            .iter()
+            .any(|n| n.starts_with("Guest disk: the same scripts ran")));
         assert!(r
             .markdown()
             .contains("(guest disk) error:** guest disk setup: "));

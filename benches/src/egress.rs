@@ -19,11 +19,36 @@ use serde::{Deserialize, Serialize};
 use vm_tests::upstream::{self, TestCa, Upstream};
 
 use crate::boot::{say, TempDir};
-use crate::fs::{order, Side};
 use crate::process::{run_command, Ran};
 use crate::report::{guest_slowdown, Better, Figure, GUEST, HOST};
 use crate::scan::tail;
 use crate::workspace::{GuestArtifacts, Vmctl};
+
+/// Where a request is made: on the host, or in the guest through its egress proxy.
+/// (Its own type: the virtio-fs section's [`crate::fs::Side`] has a third side.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Host,
+    Guest,
+}
+
+impl Side {
+    pub fn label(self) -> &'static str {
+        match self {
+            Side::Host => HOST,
+            Side::Guest => GUEST,
+        }
+    }
+}
+
+/// Both sides, alternating which goes first.
+pub fn order(call: usize) -> [Side; 2] {
+    if call.is_multiple_of(2) {
+        [Side::Host, Side::Guest]
+    } else {
+        [Side::Guest, Side::Host]
+    }
+}
 
 /// The upstreams' name: the policy allows it, the secret is bound to it, and
 /// `--egress-test-resolve` points its ports 80 and 443 at the upstreams.
@@ -903,6 +928,13 @@ fn measure_into(b: &EgressBench, report: &mut EgressReport) -> Result<(), String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_and_guest_alternate_which_goes_first() {
+        assert_eq!(order(0), [Side::Host, Side::Guest]);
+        assert_eq!(order(1), [Side::Guest, Side::Host]);
+        assert_eq!(order(2), order(0));
+    }
 
     #[test]
     fn latency_lines_are_parsed() {

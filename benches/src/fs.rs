@@ -7,6 +7,9 @@
 //! benchmark runs in, where the VMM runs: this machine or the nested host) with
 //! `bash -c`, and in the guest with `vmctl exec --workspace WS -- bash -c` (the guest
 //! sees the workspace at its host path, and `vmctl exec` runs in the caller's cwd).
+//! A third time in the same guest, in a directory of its own file system instead of
+//! the share ([`Side::GuestDisk`]): what virtio-fs costs over the guest's native file
+//! system, informative only (the issue's targets are host against guest).
 //! The script times its own work with bash's `$EPOCHREALTIME` and prints
 //! `ELAPSED_NS=<n>`: neither the exec nor a `date` process is counted. See
 //! `benches/README.md`.
@@ -17,10 +20,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::boot::{version_line, TempDir};
+use crate::boot::{shell_words, version_line, TempDir};
 use crate::fs_vmm::{FsVmmReport, VmmCompare};
 use crate::process::{run_command, Ran, TIMED_OUT};
-use crate::report::{Better, FsConfig, FsFigure, FsReport, FsSide, HostRead, GUEST, HOST};
+use crate::report::{
+    Better, FsConfig, FsFigure, FsReport, FsSide, HostRead, GUEST, GUEST_DISK, HOST,
+};
 use crate::scan::tail;
 use crate::workspace::{write_vmctl_config, GuestArtifacts, Vmctl, WORKSPACE_VM};
 
@@ -63,6 +68,13 @@ pub const CLOCK_SYNC_ENV: &str = "VMCTL_CLOCK_SYNC_SECS";
 /// guest agent touches it (see [`settle_host_edits`]). Its name sorts after every
 /// other path of the workspace, so that it is the last of a batch the agent touches.
 pub const SETTLE_MARKER: &str = "zz-host-edits-settled";
+/// Where the guest disk side's directory is made, in the guest: on its root file
+/// system (the overlay on the root image that `vmctl up` gives every guest), not on
+/// the share.
+pub const GUEST_DISK_PARENT: &str = "/var/tmp";
+/// What `stat -f -c %T` says of a virtio-fs share in the guest (virtio-fs is FUSE;
+/// coreutils names its magic `fuseblk`, newer ones may say `virtiofs`).
+const SHARE_FS_TYPES: [&str; 3] = ["fuse", "fuseblk", "virtiofs"];
 
 /// The sizes one run measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +167,9 @@ pub struct FsBench {
     /// vmctl forwards the host's edits of the workspace to the guest agent (see
     /// [`host_edits_forwarded`]), whose touches the benchmark waits out.
     pub host_edits: bool,
+    /// The directory, in the guest, under which the guest disk side makes its own
+    /// ([`GUEST_DISK_PARENT`]; the tests' fake guest is this machine).
+    pub guest_disk_parent: PathBuf,
 }
 
 /// Whether vmctl, given `value` of [`HOST_EDITS_ENV`], forwards host edits.
@@ -254,24 +269,121 @@ pub fn parse_elapsed_ns(stdout: &str) -> Result<u64, String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
     Host,
+    /// The guest, in the shared workspace (virtio-fs).
     Guest,
+    /// The same guest in a directory of its own file system, not the share.
+    GuestDisk,
 }
 
 impl Side {
+    /// In the order of the report's `sides`.
+    pub const ALL: [Side; 3] = [Side::Host, Side::Guest, Side::GuestDisk];
+
     pub fn label(self) -> &'static str {
         match self {
             Side::Host => HOST,
             Side::Guest => GUEST,
+            Side::GuestDisk => GUEST_DISK,
         }
+    }
+
+    /// Its place in [`Side::ALL`] and in the report's `sides`.
+    fn index(self) -> usize {
+        match self {
+            Side::Host => 0,
+            Side::Guest => 1,
+            Side::GuestDisk => 2,
+        }
+    }
+
+    /// Whether its scripts run in the shared workspace: the host's watch reports
+    /// what they write there (the guest's through virtiofsd), and the guest agent
+    /// touches it.
+    pub fn shared(self) -> bool {
+        self != Side::GuestDisk
+    }
+
+    fn in_guest(self) -> bool {
+        self != Side::Host
+    }
+
+    /// Which of a figure's two results its samples and errors go to: host and guest
+    /// make the host-vs-guest one (a failure on either stops both, as their slowdown
+    /// needs both), the guest disk its own, so that neither's failure takes the
+    /// other's figure.
+    fn track(self) -> usize {
+        usize::from(self == Side::GuestDisk)
     }
 }
 
-/// Both sides, alternating which goes first.
-pub fn order(run: usize) -> [Side; 2] {
-    if run.is_multiple_of(2) {
-        [Side::Host, Side::Guest]
-    } else {
-        [Side::Guest, Side::Host]
+/// All three sides, rotating which goes first: each is first once in three
+/// repetitions (and host and guest swap places from one to the next).
+pub fn order(run: usize) -> [Side; 3] {
+    let mut sides = Side::ALL;
+    sides.rotate_left(run % Side::ALL.len());
+    sides
+}
+
+/// The guest disk side's directory in the guest, unique to this run.
+pub fn guest_disk_dir(parent: &Path, nonce: &str) -> PathBuf {
+    parent.join(nonce)
+}
+
+/// `script` as `side` runs it: the guest disk side's in its directory `disk_dir`
+/// (`vmctl exec` runs in the caller's cwd, the workspace), the others' as they are.
+pub fn script_in_place(side: Side, disk_dir: &Path, script: &str) -> String {
+    match side {
+        Side::GuestDisk => format!(
+            "cd -- {} || exit 1\n{script}",
+            shell_words(&[disk_dir.display().to_string()])
+        ),
+        Side::Host | Side::Guest => script.to_string(),
+    }
+}
+
+/// The guest disk side's untimed setup, run in the guest (in the workspace): makes
+/// its directory with the probe's file (so that its probe checks that it runs
+/// there), and says what holds the guest root overlay's upper layer, where new files
+/// go (`vmctl.upper=` on the guest kernel's command line: vmctl's is tmpfs).
+pub fn guest_disk_setup_script(disk_dir: &Path, nonce: &str) -> String {
+    let dir = shell_words(&[disk_dir.display().to_string()]);
+    format!(
+        "{PRELUDE}\nmkdir -p -- {dir}\necho {} > {dir}/probe.txt\n\
+         echo ROOT_UPPER=$(tr ' ' '\\n' < /proc/cmdline | sed -n 's/^vmctl\\.upper=//p')",
+        shell_words(&[nonce.to_string()])
+    )
+}
+
+/// Refuses a guest disk directory on the share: its file system type (`stat -f -c
+/// %T`) is the guest workspace's `share_fs_type`, or one a share has.
+pub fn check_not_the_share(disk_fs_type: &str, share_fs_type: &str) -> Result<(), String> {
+    if disk_fs_type.is_empty() {
+        return Err("its probe printed no file system type".into());
+    }
+    if disk_fs_type == share_fs_type || SHARE_FS_TYPES.contains(&disk_fs_type) {
+        return Err(format!(
+            "its directory is on {disk_fs_type}, a share's file system (the shared \
+             workspace is on {share_fs_type} in the guest): it would measure a share again, \
+             not the guest's own file system ({GUEST_DISK_PARENT} in the guest must not be \
+             on a share)"
+        ));
+    }
+    Ok(())
+}
+
+/// Why the guest disk side's directory is memory, not a disk, if it is: a tmpfs, or
+/// an overlay whose upper layer (`root_upper`, where new files go) is one.
+pub fn guest_disk_in_memory(fs_type: &str, root_upper: &str) -> Option<String> {
+    match (fs_type, root_upper) {
+        ("tmpfs", _) => Some("it is a tmpfs".into()),
+        ("overlayfs", "tmpfs") => Some(
+            "it is on the guest's root overlay, whose upper layer, where every file the \
+             scripts write goes, is a tmpfs (vmctl.upper=tmpfs on the guest kernel's \
+             command line, as vmctl up boots every guest); only the root image below it, \
+             read-only, is on virtio-blk"
+                .into(),
+        ),
+        _ => None,
     }
 }
 
@@ -405,7 +517,16 @@ impl Workload {
                 "",
             ),
             Workload::Create => timed(
-                &format!("mkdir {dir}"),
+                &match side {
+                    // The guest disk is guest memory (the root overlay's tmpfs upper
+                    // layer, half the guest's RAM at most): with the issue's sizes,
+                    // every run's files and the file read before would fill it.
+                    Side::GuestDisk => format!(
+                        "rm -rf -- small-{}-* {seq}\nmkdir {dir}",
+                        side.label()
+                    ),
+                    Side::Host | Side::Guest => format!("mkdir {dir}"),
+                },
                 &format!("for ((k = 0; k < {files}; k++)); do echo x > {dir}/f$k; done"),
                 "",
             ),
@@ -479,7 +600,8 @@ echo NODE=$(command -v node || echo missing)";
 pub fn edits_skip_reason(sides: &[FsSide]) -> Option<String> {
     let missing: Vec<&str> = sides
         .iter()
-        .filter(|side| side.node == "missing")
+        // The edits are measured in the shared workspace only.
+        .filter(|side| side.side != GUEST_DISK && side.node == "missing")
         .map(|side| side.side.as_str())
         .collect();
     (!missing.is_empty()).then(|| {
@@ -495,9 +617,10 @@ pub fn edits_skip_reason(sides: &[FsSide]) -> Option<String> {
 /// One step of a repetition, in the order [`plan`] lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
-    /// Drops the guest's page cache (as its root), then the host's unless that is
-    /// skipped: right before the guest's read.
-    DropBeforeGuestRead,
+    /// Drops the guest's page cache (as its root) right before this guest side's
+    /// read; before the shared workspace's, then the host's too unless that is
+    /// skipped (the guest's reads of the share go through it).
+    DropBeforeGuestRead(Side),
     /// An untimed `git status` on this side right before its timed one. The reads'
     /// cache drops evict the repository's inodes; without it, the first side to time
     /// git would stat its files from disk and the second find them cached (by the
@@ -512,25 +635,27 @@ pub enum Step {
 
 impl Step {
     /// Whether its script writes in the workspace: the host's watch then reports it
-    /// (the guest's writes too, through virtiofsd), and the agent may touch it.
+    /// (the guest's writes too, through virtiofsd), and the agent may touch it. The
+    /// guest disk's writes are not in the workspace.
     pub fn writes(self) -> bool {
         match self {
-            Step::GitWarmup(_) => true,
-            Step::Timed(w, _) => w.writes(),
-            Step::DropBeforeGuestRead | Step::Settle => false,
+            Step::GitWarmup(side) => side.shared(),
+            Step::Timed(w, side) => side.shared() && w.writes(),
+            Step::DropBeforeGuestRead(_) | Step::Settle => false,
         }
     }
 }
 
-/// The steps of repetition `run` (from 0): each workload on both sides, in [`order`];
-/// with `host_edits` forwarded, a [`Step::Settle`] after every step that writes, on
-/// either side, so that no touch of it lands in the next timed script.
+/// The steps of repetition `run` (from 0): each workload on every side, in
+/// [`order`]; with `host_edits` forwarded, a [`Step::Settle`] after every step that
+/// writes in the workspace, on either side, so that no touch of it lands in the next
+/// timed script.
 pub fn plan(run: usize, host_edits: bool) -> Vec<Step> {
     let mut steps = Vec::new();
     for w in Workload::ALL {
         for side in order(run) {
-            if w == Workload::SeqRead && side == Side::Guest {
-                steps.push(Step::DropBeforeGuestRead);
+            if w == Workload::SeqRead && side.in_guest() {
+                steps.push(Step::DropBeforeGuestRead(side));
             }
             if w == Workload::GitStatus {
                 steps.push(Step::GitWarmup(side));
@@ -547,7 +672,8 @@ pub fn plan(run: usize, host_edits: bool) -> Vec<Step> {
     steps
 }
 
-/// The git index's mtime after one `git status`.
+/// The shared repository's git index's mtime after one `git status` (the guest
+/// disk's repository is another, which only the guest writes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexSeen {
     pub side: Side,
@@ -638,17 +764,23 @@ pub fn changes<'a>(values: impl IntoIterator<Item = &'a str>) -> usize {
     n
 }
 
-/// The two places a script runs.
+/// The places a script runs.
 struct Runner<'a> {
     vmctl: &'a Vmctl,
     workspace: &'a Path,
     timeout: Duration,
+    /// The guest disk side's directory, in the guest.
+    guest_disk: &'a Path,
 }
 
 impl Runner<'_> {
     fn argv(&self, side: Side, script: &str) -> Vec<String> {
         let mut v = self.prefix(side);
-        v.extend(["bash".into(), "-c".into(), script.into()]);
+        v.extend([
+            "bash".into(),
+            "-c".into(),
+            script_in_place(side, self.guest_disk, script),
+        ]);
         v
     }
 
@@ -661,7 +793,7 @@ impl Runner<'_> {
     fn prefix_as(&self, side: Side, user: Option<&str>) -> Vec<String> {
         match side {
             Side::Host => Vec::new(),
-            Side::Guest => {
+            Side::Guest | Side::GuestDisk => {
                 let mut argv = vec![
                     self.vmctl.bin.display().to_string(),
                     "exec".into(),
@@ -685,7 +817,7 @@ impl Runner<'_> {
         argv.push(program.into());
         let mut cmd = Command::new(&argv[0]);
         cmd.args(&argv[1..]).current_dir(self.workspace);
-        if side == Side::Guest {
+        if side.in_guest() {
             cmd.envs(self.vmctl.env.iter().map(|(k, v)| (k, v)));
         }
         cmd
@@ -704,14 +836,19 @@ impl Runner<'_> {
         what: &str,
         script: &str,
     ) -> Result<Ran, String> {
+        let script = &script_in_place(side, self.guest_disk, script);
         let mut cmd = self.command_as(side, user, "bash");
         cmd.args(["-c", script]);
         let line = match side {
             Side::Host => format!("{what} (host: bash -c SCRIPT)"),
             Side::Guest => format!("{what} (guest: vmctl exec -- bash -c SCRIPT)"),
+            Side::GuestDisk => format!(
+                "{what} (guest disk: vmctl exec -- bash -c 'cd {}; SCRIPT')",
+                self.guest_disk.display()
+            ),
         };
         let logs = || match side {
-            Side::Guest => self.vmctl.logs(),
+            Side::Guest | Side::GuestDisk => self.vmctl.logs(),
             Side::Host => String::new(),
         };
         // The host's script gets a process group of its own, so a timeout kills its
@@ -961,15 +1098,24 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 .into(),
         );
     }
+    // Unique to this run: the temporary directory's name.
+    let nonce = tmp
+        .0
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    // Nothing removes it: it goes with the guest (vmctl rm).
+    let disk_dir = guest_disk_dir(&b.guest_disk_parent, &nonce);
     let runner = Runner {
         vmctl: &vmctl,
         workspace: &ws,
         timeout: b.script_timeout,
+        guest_disk: &disk_dir,
     };
     report.commands = vec![
         ("up".into(), vmctl.argv(&["up"], &ws)),
         (HOST.into(), runner.argv(Side::Host, "SCRIPT")),
         (GUEST.into(), runner.argv(Side::Guest, "SCRIPT")),
+        (GUEST_DISK.into(), runner.argv(Side::GuestDisk, "SCRIPT")),
         ("rm".into(), vmctl.argv(&["rm"], &ws)),
     ];
     report.scripts = Workload::ALL
@@ -982,24 +1128,26 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         })
         .collect();
     report.scripts.extend([
-        ("git_setup (host, once)".into(), git_setup_script(s.files)),
+        (
+            "guest_disk_setup (guest, once, in the workspace)".into(),
+            guest_disk_setup_script(&disk_dir, &nonce),
+        ),
+        (
+            "git_setup (host, and guest disk in its directory, once)".into(),
+            git_setup_script(s.files),
+        ),
         (
             "git_warmup (each side, once, then right before each timed git status)".into(),
             git_warmup_script(Side::Host),
         ),
         ("probe (each side, once)".into(), PROBE.to_string()),
         (
-            "drop_caches (guest, as root, before each guest read)".into(),
+            "drop_caches (guest, as root, before each guest read, the guest disk's too)".into(),
             drop_caches_script(&b.drop_caches),
         ),
     ]);
 
     // What each side is; and the guest must see the host's files at the same path.
-    // Unique to this run: the temporary directory's name.
-    let nonce = tmp
-        .0
-        .file_name()
-        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     fs::write(ws.join("probe.txt"), &nonce).map_err(|e| format!("write probe.txt: {e}"))?;
     // Made long before the first wait for the guest agent's touch of it: see
     // settle_host_edits.
@@ -1024,20 +1172,25 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 get("SHARED")
             ));
         }
-        report.sides.push(FsSide {
-            side: side.label().into(),
-            fs_type: get("FSTYPE"),
-            kernel: get("KERNEL"),
-            bash: get("BASH"),
-            git: get("GIT"),
-            uid: get("UID"),
-            node: get("NODE"),
-            ..FsSide::default()
-        });
+        report.sides.push(probed_side(side, &ran));
     }
+    // The guest disk side's failures are its figures' own: the host-vs-guest ones are
+    // measured whatever they are.
+    let disk_error = match guest_disk_setup(&runner, &disk_dir, &nonce, report) {
+        Ok(()) => None,
+        Err(e) if guest_lost(&e) => return Err(format!("guest disk setup: {e}")),
+        Err(e) => {
+            say(format!("error: virtio-fs: guest disk setup: {e}"));
+            Some(format!("guest disk setup: {e}"))
+        }
+    };
+    let disk_ready = disk_error.is_none();
     say(format!(
-        "virtio-fs: workspace file system: host {}, guest {}",
-        report.sides[0].fs_type, report.sides[1].fs_type
+        "virtio-fs: file system: host {}, guest {}, guest disk {} ({})",
+        report.sides[0].fs_type,
+        report.sides[1].fs_type,
+        report.sides[2].fs_type,
+        disk_dir.display()
     ));
     // The host's caches are dropped only where that makes its reads cold. In the
     // nested host the workspace is in memory anyway (/tmp: an overlay with a tmpfs
@@ -1072,38 +1225,46 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
 
     let n = Workload::ALL.len();
     let index = |w: Workload| Workload::ALL.iter().position(|x| *x == w).expect("listed");
-    let mut samples: Vec<[Vec<f64>; 2]> = vec![[Vec::new(), Vec::new()]; n];
-    let mut errors: Vec<Option<String>> = vec![None; n];
-    // The git index's mtime after each git status, in order.
+    // Per workload, each side's samples (in Side::ALL's order); the errors of the
+    // host-vs-guest figure and of the guest disk's (see Side::track).
+    let mut samples: Vec<[Vec<f64>; 3]> = vec![Default::default(); n];
+    let mut errors: [Vec<Option<String>>; 2] = [vec![None; n], vec![disk_error; n]];
+    // The shared repository's git index's mtime after each git status, in order.
     let mut git_index: Vec<IndexSeen> = Vec::new();
 
-    // The repository (host, untimed), then one untimed git status per side.
+    // The repositories (the host's in the workspace, the guest disk's in its
+    // directory, untimed), then one untimed git status per side.
     let git = index(Workload::GitStatus);
-    match runner.run(
-        Side::Host,
-        "git repository setup",
-        &git_setup_script(s.files),
-    ) {
-        Ok(ran) => {
-            if let Err(e) = check_marker(&ran, "TRACKED", s.files) {
-                errors[git] = Some(format!("git repository setup: {e}"));
-            }
+    for side in [Side::Host, Side::GuestDisk] {
+        let error = &mut errors[side.track()][git];
+        if error.is_some() {
+            continue;
         }
-        Err(e) => errors[git] = Some(e),
+        let what = format!("git repository setup ({})", side.label());
+        *error = match runner.run(side, &what, &git_setup_script(s.files)) {
+            Ok(ran) => check_marker(&ran, "TRACKED", s.files)
+                .map_err(|e| format!("{what}: {e}"))
+                .err(),
+            Err(e) => Some(e),
+        };
     }
     // Before the warm-ups, which refresh the index: touched after `git add`, the files
     // would otherwise be re-read by a timed git status.
     settle("the git repository's setup");
-    for side in [Side::Host, Side::Guest] {
-        if errors[git].is_some() {
-            break;
+    for side in Side::ALL {
+        let error = &mut errors[side.track()][git];
+        if error.is_some() {
+            continue;
         }
         let what = "git status warm-up";
         match git_warmup(&runner, side, what) {
-            Ok(seen) => git_index.push(seen),
-            Err(e) => errors[git] = Some(e),
+            Ok(seen) if side.shared() => git_index.push(seen),
+            Ok(_) => {}
+            Err(e) => *error = Some(e),
         }
-        settle(&format!("the {what} ({})", side.label()));
+        if side.shared() {
+            settle(&format!("the {what} ({})", side.label()));
+        }
     }
     let warmup_index = git_index.len();
 
@@ -1115,24 +1276,28 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     let mut wrote: Option<String> = None;
     'runs: for run in 0..s.runs {
         for step in plan(run, b.host_edits) {
-            let w = match step {
+            let (w, side) = match step {
                 Step::Settle => {
                     if let Some(what) = wrote.take() {
                         settle(&what);
                     }
                     continue;
                 }
-                Step::DropBeforeGuestRead => Workload::SeqRead,
-                Step::GitWarmup(_) => Workload::GitStatus,
-                Step::Timed(w, _) => w,
+                Step::DropBeforeGuestRead(side) => (Workload::SeqRead, side),
+                Step::GitWarmup(side) => (Workload::GitStatus, side),
+                Step::Timed(w, side) => (w, side),
             };
+            let figure_errors = &mut errors[side.track()];
             let i = index(w);
-            if errors[i].is_none() {
-                if let Some(dep) = w.depends_on().filter(|d| errors[index(*d)].is_some()) {
-                    errors[i] = Some(format!("not measured: {} failed", dep.name()));
+            if figure_errors[i].is_none() {
+                if let Some(dep) = w
+                    .depends_on()
+                    .filter(|d| figure_errors[index(*d)].is_some())
+                {
+                    figure_errors[i] = Some(format!("not measured: {} failed", dep.name()));
                 }
             }
-            if errors[i].is_some() {
+            if figure_errors[i].is_some() {
                 continue;
             }
             let what = format!("{} run {}/{}", w.name(), run + 1, s.runs);
@@ -1143,11 +1308,15 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 Step::Settle => Ok(()),
                 // The guest's first: its sync writes back through virtiofsd into the
                 // host's cache, which its reads go through too.
-                Step::DropBeforeGuestRead => {
-                    drop_before_guest_read(&runner, b, host_drop_skipped, report)
+                Step::DropBeforeGuestRead(side) => {
+                    drop_before_guest_read(&runner, b, side, host_drop_skipped, report)
                 }
                 Step::GitWarmup(side) => git_warmup(&runner, side, &format!("{what}: warm-up"))
-                    .map(|seen| git_index.push(seen))
+                    .map(|seen| {
+                        if side.shared() {
+                            git_index.push(seen);
+                        }
+                    })
                     .map_err(|e| (side, e)),
                 Step::Timed(w, side) => runner
                     .timed(side, &what, &w.script(side, run + 1, s, drop_for(side)))
@@ -1162,11 +1331,10 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                         Ok((ns, ran))
                     })
                     .map(|(ns, ran)| {
-                        let k = if side == Side::Host { 0 } else { 1 };
                         if w == Workload::SeqRead {
-                            count_drop(&mut report.sides[k], &ran);
+                            count_drop(&mut report.sides[side.index()], &ran);
                         }
-                        if w == Workload::GitStatus {
+                        if w == Workload::GitStatus && side.shared() {
                             git_index.push(IndexSeen {
                                 side,
                                 timed: true,
@@ -1174,9 +1342,9 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                             });
                         }
                         let v = w.sample(ns, s);
-                        samples[i][k].push(v);
+                        samples[i][side.index()].push(v);
                         say(format!(
-                            "[fs {}/{}] {:>5} {}: {:.4} {} ({:.3} s)",
+                            "[fs {}/{}] {:>10} {}: {:.4} {} ({:.3} s)",
                             run + 1,
                             s.runs,
                             side.label(),
@@ -1188,10 +1356,10 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                     })
                     .map_err(|e| (side, e)),
             };
-            if let Err((side, e)) = outcome {
+            if let Err((failed, e)) = outcome {
                 say(format!("error: {e}"));
-                let guest_gone = side == Side::Guest && guest_lost(&e);
-                errors[i] = Some(e);
+                let guest_gone = failed.in_guest() && guest_lost(&e);
+                figure_errors[i] = Some(e);
                 if guest_gone {
                     lost = Some(w);
                     break 'runs;
@@ -1200,36 +1368,46 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         }
     }
 
+    let [mut errors, mut disk_errors] = errors;
     if let Some(failed) = lost {
         // Figures that got every run keep their verdict; the others say why they stop
         // short (their samples so far stay in the report).
-        for (error, [host, guest]) in errors.iter_mut().zip(&samples) {
-            if error.is_none() && (host.len() < s.runs || guest.len() < s.runs) {
-                *error = Some(format!(
-                    "not measured further: the guest was lost in {} (see its error)",
-                    failed.name()
-                ));
+        let short = format!(
+            "not measured further: the guest was lost in {} (see its error)",
+            failed.name()
+        );
+        for (i, [host, guest, disk]) in samples.iter().enumerate() {
+            for (error, taken) in [
+                (&mut errors[i], host.len().min(guest.len())),
+                (&mut disk_errors[i], disk.len()),
+            ] {
+                if error.is_none() && taken < s.runs {
+                    *error = Some(short.clone());
+                }
             }
         }
     }
     for w in Workload::ALL {
         let i = index(w);
-        let [host, guest] = std::mem::take(&mut samples[i]);
+        let [host, guest, disk] = std::mem::take(&mut samples[i]);
         let size = if w.sequential() {
             (Some(s.file_mib), None)
         } else {
             (None, Some(s.files))
         };
-        report.figures.push(FsFigure::new(
-            w.name(),
-            w.unit(),
-            w.better(),
-            size,
-            w.target(),
-            host,
-            guest,
-            errors[i].take(),
-        ));
+        report.figures.push(
+            FsFigure::new(
+                w.name(),
+                w.unit(),
+                w.better(),
+                size,
+                w.target(),
+                host,
+                guest,
+                errors[i].take(),
+            )
+            .with_guest_disk(disk, disk_errors[i].take()),
+        );
     }
     if git_index.len() > warmup_index {
         judge_git_index(
@@ -1244,7 +1422,8 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
             report.notes.push(format!(
                 "The {} could not drop its page cache (/proc/sys/vm/drop_caches not writable) \
                  {} time(s): those reads may have come from memory.",
-                side.side, side.cache_drops_failed
+                side.side.replace('_', " "),
+                side.cache_drops_failed
             ));
         }
     }
@@ -1296,6 +1475,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
              the guest's file watchers) were not waited out from then on, so some figures \
              may include them: {unsettled}"
         ));
+    }
+    if disk_ready {
+        report
+            .notes
+            .extend(guest_disk_notes(&report.sides[2], &disk_dir));
     }
 
     if lost.is_none() {
@@ -1352,27 +1536,112 @@ pub(crate) fn check_marker(ran: &Ran, key: &str, want: u64) -> Result<(), String
     }
 }
 
-/// Drops the guest's page cache, as its root, then the host's unless
-/// `host_drop_skipped`; each counted on its side. An error names the side that
-/// failed (a guest lost here ends the section as in a workload).
+/// Drops the guest's page cache, as its root, before the read of `side` (a guest
+/// side), then the host's unless `host_drop_skipped` or the read is the guest disk's
+/// (which does not go through the host's cache); each counted on its side. An error
+/// names the side that failed (a guest lost here ends the section as in a workload).
 fn drop_before_guest_read(
     runner: &Runner,
     b: &FsBench,
+    side: Side,
     host_drop_skipped: Option<&str>,
     report: &mut FsReport,
 ) -> Result<(), (Side, String)> {
     let drop = drop_caches_script(&b.drop_caches);
     let ran = runner
         .run_as(Side::Guest, Some("root"), "drop the guest's caches", &drop)
-        .map_err(|e| (Side::Guest, e))?;
-    count_drop(&mut report.sides[1], &ran);
-    if host_drop_skipped.is_none() {
+        .map_err(|e| (side, e))?;
+    count_drop(&mut report.sides[side.index()], &ran);
+    if side == Side::Guest && host_drop_skipped.is_none() {
         let ran = runner
             .run(Side::Host, "drop the host's caches", &drop)
             .map_err(|e| (Side::Host, e))?;
         count_drop(&mut report.sides[0], &ran);
     }
     Ok(())
+}
+
+/// What a side's probe ([`PROBE`]) says of it.
+fn probed_side(side: Side, ran: &Ran) -> FsSide {
+    let get = |k: &str| marker(&ran.stdout, k).unwrap_or("").trim().to_string();
+    FsSide {
+        side: side.label().into(),
+        fs_type: get("FSTYPE"),
+        kernel: get("KERNEL"),
+        bash: get("BASH"),
+        git: get("GIT"),
+        uid: get("UID"),
+        node: get("NODE"),
+        ..FsSide::default()
+    }
+}
+
+/// Makes the guest disk side's directory ([`guest_disk_setup_script`]) and probes it
+/// there: it must run in that directory, which must not be on a share. Adds the
+/// side to `report.sides` (with as much as was learnt, on failure too).
+fn guest_disk_setup(
+    runner: &Runner,
+    disk_dir: &Path,
+    nonce: &str,
+    report: &mut FsReport,
+) -> Result<(), String> {
+    let mut disk = FsSide {
+        side: GUEST_DISK.into(),
+        ..FsSide::default()
+    };
+    let result = (|| {
+        let setup = guest_disk_setup_script(disk_dir, nonce);
+        let ran = runner.run(Side::Guest, "guest disk setup", &setup)?;
+        let root_upper = marker(&ran.stdout, "ROOT_UPPER").unwrap_or("").trim();
+        let ran = runner.run(Side::GuestDisk, "probe", PROBE)?;
+        disk = FsSide {
+            root_upper: Some(root_upper.to_string()).filter(|u| !u.is_empty()),
+            ..probed_side(Side::GuestDisk, &ran)
+        };
+        let get = |k: &str| marker(&ran.stdout, k).unwrap_or("").trim().to_string();
+        if get("PWD") != disk_dir.display().to_string() || get("SHARED") != nonce {
+            return Err(format!(
+                "the script did not run in its directory: pwd {:?} (expected {}), \
+                 probe.txt {:?} (expected {nonce:?})",
+                get("PWD"),
+                disk_dir.display(),
+                get("SHARED")
+            ));
+        }
+        check_not_the_share(&disk.fs_type, &report.sides[Side::Guest.index()].fs_type)
+    })();
+    report.sides.push(disk);
+    result
+}
+
+/// What the notes say of the guest disk side, once set up: what its ratio means, and
+/// where its directory is memory, not a disk.
+fn guest_disk_notes(disk: &FsSide, disk_dir: &Path) -> Vec<String> {
+    let mut notes = vec![format!(
+        "Guest disk: the same scripts ran in the same guest in {} ({}), a directory of \
+         the guest's own file system instead of the share. virtio_fs_over_guest_disk is \
+         the guest's slowdown on the share against it (guest/guest disk for times, guest \
+         disk/guest for throughputs: above 1 virtio-fs is slower): what virtio-fs \
+         (FUSE, virtiofsd and the host's file system behind it) costs over the guest's \
+         native file system, under the same guest kernel and the same virtualization, so \
+         it means something in the nested host too. It is informative only and never \
+         judged: the issue's targets are the guest's slowdown against the host, on \
+         hardware KVM.",
+        disk_dir.display(),
+        disk.fs_type
+    )];
+    if let Some(why) = guest_disk_in_memory(&disk.fs_type, disk.root_upper.as_deref().unwrap_or(""))
+    {
+        notes.push(format!(
+            "The guest disk is memory, not a disk: {why}. Its writes (conv=fsync too) \
+             reach memory only and its reads come from memory whatever is dropped, so \
+             virtio_fs_over_guest_disk compares virtio-fs with a guest file system in \
+             memory: for the sequential figures it overstates what virtio-fs costs over a \
+             guest disk; the metadata figures (create, stat, git status, all from caches \
+             on a disk too) are less affected."
+        ));
+    }
+    notes
 }
 
 /// The untimed `git status` of `side` ([`git_warmup_script`]): the repository must be
@@ -1470,8 +1739,154 @@ mod tests {
         assert_eq!(Workload::SeqRead.better(), Better::Higher);
         assert_eq!(Workload::Stat.better(), Better::Lower);
         assert_eq!(Workload::Stat.depends_on(), Some(Workload::Create));
-        assert_eq!(order(0), [Side::Host, Side::Guest]);
-        assert_eq!(order(1), [Side::Guest, Side::Host]);
+    }
+
+    #[test]
+    fn the_sides_rotate_so_that_each_goes_first_once_in_three_runs() {
+        use Side::*;
+        assert_eq!(order(0), [Host, Guest, GuestDisk]);
+        assert_eq!(order(1), [Guest, GuestDisk, Host]);
+        assert_eq!(order(2), [GuestDisk, Host, Guest]);
+        assert_eq!(order(3), order(0));
+        // In the plan: each side's timed script is first of its workload once in
+        // three runs, and host and guest swap places from one run to the next.
+        for w in Workload::ALL {
+            let firsts: Vec<Side> = (0..3)
+                .map(|run| {
+                    plan(run, true)
+                        .into_iter()
+                        .find_map(|step| match step {
+                            Step::Timed(timed, side) if timed == w => Some(side),
+                            _ => None,
+                        })
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(firsts, Side::ALL, "{w:?}");
+        }
+        let host_before_guest = |run| {
+            let sides = order(run);
+            sides.iter().position(|s| *s == Host) < sides.iter().position(|s| *s == Guest)
+        };
+        assert_eq!(
+            (0..3).map(host_before_guest).collect::<Vec<_>>(),
+            [true, false, true]
+        );
+    }
+
+    #[test]
+    fn each_guest_sides_read_follows_its_own_cache_drop() {
+        for run in 0..3 {
+            let steps = plan(run, false);
+            for side in Side::ALL {
+                let read = steps
+                    .iter()
+                    .position(|s| *s == Step::Timed(Workload::SeqRead, side))
+                    .unwrap();
+                let dropped =
+                    steps.get(read.wrapping_sub(1)) == Some(&Step::DropBeforeGuestRead(side));
+                assert_eq!(dropped, side.in_guest(), "run {run}: {side:?}");
+            }
+            assert_eq!(
+                steps
+                    .iter()
+                    .filter(|s| matches!(s, Step::DropBeforeGuestRead(_)))
+                    .count(),
+                2
+            );
+        }
+    }
+
+    /// The guest disk side's scripts run in its directory, not in the workspace they
+    /// are started in; the others' where they are started.
+    #[test]
+    fn the_guest_disk_sides_scripts_run_in_its_directory() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-disk-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        let ws = dir.join("ws");
+        fs::create_dir_all(&ws).unwrap();
+        let dir = dir.canonicalize().unwrap();
+        let disk = guest_disk_dir(&dir.join("it's disk"), "vm-bench-fs-1-2");
+        assert_eq!(disk, dir.join("it's disk/vm-bench-fs-1-2"));
+        let setup = run_script(&guest_disk_setup_script(&disk, "nonce"), &ws);
+        assert!(setup.status.success(), "{}", setup.stderr);
+        assert!(
+            marker(&setup.stdout, "ROOT_UPPER").is_some(),
+            "{}",
+            setup.stdout
+        );
+        let probe = run_script(&script_in_place(Side::GuestDisk, &disk, PROBE), &ws);
+        assert!(probe.status.success(), "{}", probe.stderr);
+        assert_eq!(marker(&probe.stdout, "PWD"), Some(disk.to_str().unwrap()));
+        assert_eq!(marker(&probe.stdout, "SHARED"), Some("nonce"));
+        let s = sizes(true, false, Some(1), Some(3), None, None);
+        let create = Workload::Create.script(Side::GuestDisk, 1, &s, None);
+        let ran = run_script(&script_in_place(Side::GuestDisk, &disk, &create), &ws);
+        assert!(ran.status.success(), "{}", ran.stderr);
+        assert!(disk.join("small-guest_disk-1/f2").is_file());
+        assert!(!ws.join("small-guest_disk-1").exists());
+        // Its next run's create first removes what the runs before left, which the
+        // guest keeps in memory.
+        fs::write(disk.join("seq-guest_disk.bin"), "x").unwrap();
+        let create = Workload::Create.script(Side::GuestDisk, 2, &s, None);
+        let ran = run_script(&script_in_place(Side::GuestDisk, &disk, &create), &ws);
+        assert!(ran.status.success(), "{}", ran.stderr);
+        assert!(disk.join("small-guest_disk-2/f2").is_file());
+        assert!(!disk.join("small-guest_disk-1").exists());
+        assert!(!disk.join("seq-guest_disk.bin").exists());
+        for side in [Side::Host, Side::Guest] {
+            assert_eq!(script_in_place(side, &disk, "true"), "true");
+        }
+        // A directory that is not there fails the script before it does anything.
+        let gone = run_script(
+            &script_in_place(Side::GuestDisk, &dir.join("gone"), "echo RAN=1"),
+            &ws,
+        );
+        assert!(!gone.status.success());
+        assert_eq!(marker(&gone.stdout, "RAN"), None);
+    }
+
+    #[test]
+    fn a_guest_disk_on_the_share_is_refused() {
+        assert_eq!(check_not_the_share("overlayfs", "fuseblk"), Ok(()));
+        assert_eq!(check_not_the_share("tmpfs", "fuseblk"), Ok(()));
+        for (disk, share) in [("fuseblk", "fuseblk"), ("virtiofs", "fuseblk"), ("x", "x")] {
+            let e = check_not_the_share(disk, share).unwrap_err();
+            assert!(e.contains("a share's file system"), "{e}");
+        }
+        assert!(check_not_the_share("", "fuseblk").is_err());
+    }
+
+    #[test]
+    fn a_guest_disk_in_memory_is_said_so() {
+        assert!(guest_disk_in_memory("tmpfs", "").is_some());
+        let why = guest_disk_in_memory("overlayfs", "tmpfs").unwrap();
+        assert!(why.contains("vmctl.upper=tmpfs"), "{why}");
+        assert_eq!(guest_disk_in_memory("overlayfs", "/dev/vdb"), None);
+        assert_eq!(guest_disk_in_memory("ext2/ext3", ""), None);
+        // The notes: what the ratio is and that it is never judged; then, for a
+        // vmctl up guest's root overlay, that it is memory.
+        let disk = |fs_type: &str, root_upper: Option<&str>| FsSide {
+            side: GUEST_DISK.into(),
+            fs_type: fs_type.into(),
+            root_upper: root_upper.map(str::to_string),
+            ..FsSide::default()
+        };
+        let dir = Path::new("/var/tmp/vm-bench-fs-1-2");
+        let notes = guest_disk_notes(&disk("overlayfs", Some("tmpfs")), dir);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[0].contains("/var/tmp/vm-bench-fs-1-2 (overlayfs)"),
+            "{}",
+            notes[0]
+        );
+        assert!(notes[0].contains("never judged"), "{}", notes[0]);
+        assert!(
+            notes[1].starts_with("The guest disk is memory, not a disk"),
+            "{}",
+            notes[1]
+        );
+        assert_eq!(guest_disk_notes(&disk("overlayfs", None), dir).len(), 1);
     }
 
     #[test]
@@ -1568,19 +1983,21 @@ mod tests {
         assert!(note.contains("no verdict"), "{note}");
     }
 
-    /// Which caches hold the repository's metadata as the plan runs: the host's (its
-    /// inodes and dentries, which virtiofsd's lookups use too) and the guest's.
+    /// Which caches hold the repositories' metadata as the plan runs: the shared
+    /// one's in the host's (its inodes and dentries, which virtiofsd's lookups use
+    /// too) and in the guest's, and the guest disk's own repository in the guest's.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     struct RepoCached {
         host: bool,
         guest: bool,
+        disk: bool,
     }
 
     /// Runs `runs` repetitions of the plan against a model of the caches, with the
     /// scripts as they are run (the host's read drops its caches unless
     /// `host_drop_skipped`): for each timed git status, whether every cache on its path
     /// held the repository (the host's for the host; the guest's and the host's, behind
-    /// virtiofsd, for the guest).
+    /// virtiofsd, for the guest; the guest's for the guest disk).
     fn git_status_caches(runs: usize, host_drop_skipped: bool) -> Vec<(usize, Side, bool)> {
         let s = sizes(true, false, None, None, None, None);
         let drop_file = Path::new(DROP_CACHES_FILE);
@@ -1588,14 +2005,19 @@ mod tests {
         let mut cached = RepoCached {
             host: true,
             guest: true,
+            disk: true,
         };
         let mut seen = Vec::new();
         for run in 0..runs {
             for step in plan(run, true) {
                 match step {
-                    Step::DropBeforeGuestRead => {
+                    Step::DropBeforeGuestRead(side) => {
+                        // The guest's drop evicts both its repositories.
                         cached.guest = false;
-                        cached.host &= host_drop_skipped;
+                        cached.disk = false;
+                        if side == Side::Guest {
+                            cached.host &= host_drop_skipped;
+                        }
                     }
                     Step::Timed(w, side) => {
                         let drop = (side == Side::Host && !host_drop_skipped).then_some(drop_file);
@@ -1606,17 +2028,22 @@ mod tests {
                             let warm = match side {
                                 Side::Host => cached.host,
                                 Side::Guest => cached.guest && cached.host,
+                                Side::GuestDisk => cached.disk,
                             };
                             seen.push((run, side, warm));
                         }
                     }
                     Step::GitWarmup(_) | Step::Settle => {}
                 }
-                // A git status on either side loads the host's cache; the guest's
-                // loads its own too.
+                // A git status on the share loads the host's cache, the guest's its
+                // own too; the guest disk's loads the guest's with its repository.
                 if let Step::GitWarmup(side) | Step::Timed(Workload::GitStatus, side) = step {
-                    cached.host = true;
-                    cached.guest |= side == Side::Guest;
+                    if side.shared() {
+                        cached.host = true;
+                        cached.guest |= side == Side::Guest;
+                    } else {
+                        cached.disk = true;
+                    }
                 }
             }
         }
@@ -1624,10 +2051,10 @@ mod tests {
     }
 
     #[test]
-    fn both_sides_time_git_status_with_the_same_caches_in_every_run() {
+    fn every_side_times_git_status_with_the_same_caches_in_every_run() {
         for host_drop_skipped in [false, true] {
             let seen = git_status_caches(4, host_drop_skipped);
-            assert_eq!(seen.len(), 8);
+            assert_eq!(seen.len(), 12);
             for (run, side, warm) in seen {
                 assert!(
                     warm,
@@ -1648,11 +2075,14 @@ mod tests {
                     assert_eq!(steps.get(k + 1), Some(&Step::Settle), "after {step:?}");
                 }
             }
-            for side in [Side::Host, Side::Guest] {
+            for side in Side::ALL {
                 for w in [Workload::SeqWrite, Workload::Create, Workload::GitStatus] {
                     assert!(steps.contains(&Step::Timed(w, side)), "{w:?} {side:?}");
-                    assert!(Step::Timed(w, side).writes());
+                    // The guest disk's writes are not in the workspace: nothing to
+                    // wait for after them.
+                    assert_eq!(Step::Timed(w, side).writes(), side.shared());
                 }
+                assert_eq!(Step::GitWarmup(side).writes(), side.shared());
                 assert!(!Step::Timed(Workload::Stat, side).writes());
             }
             // Without host edits there is nothing to wait for.
@@ -1717,7 +2147,10 @@ mod tests {
     }
 
     /// A fake `vmctl` whose "guest" is this machine: `exec` runs the command in the
-    /// caller's cwd; with `dir/fail-git`, the timed git status fails in the "guest".
+    /// caller's cwd; with `dir/fail-git`, the timed git status fails in the "guest"
+    /// (with `dir/fail-disk-git`, on its guest disk). Its probe in the workspace says
+    /// `fuseblk`, as a real guest's of the share does; with `dir/disk-on-share` the
+    /// guest disk's says so too.
     fn fake_bench(dir: &Path) -> FsBench {
         let script = dir.join("vmctl");
         fs::write(
@@ -1729,12 +2162,16 @@ mod tests {
                  cat \"$VMCTL_CONFIG\" > {config_seen}; \
                  printf '{{\"workspace\":\"%s\",\"cpus\":2,\"memory_mib\":1024}}' \"$2\" > \"$d/vm.json\";;\n  \
                  exec) shift 3; user=; case \"$1\" in --user=*) user=\"${{1#--user=}}\"; shift;; esac; shift\n    \
+                 disk=; case \"$3\" in 'cd -- '*) disk=1;; esac\n    \
+                 case \"$3\" in *FSTYPE=*) if [ -z \"$disk\" ] || [ -e {disk_on_share} ]; then \
+                 \"$@\" | sed 's/^FSTYPE=.*/FSTYPE=fuseblk/'; exit 0; fi;; esac\n    \
                  if [ -e {no_root} ] && [ \"$user\" = root ]; then echo DROPPED=0; exit 0; fi\n    \
                  if [ -e {stop_on_drop} ] && [ \"$user\" = root ]; then \
                  echo 'vmctl: exec: the VM stopped' >&2; exit 1; fi\n    \
-                 if [ -e {touch_before_git} ]; then case \"$3\" in *' status '*) \
+                 if [ -e {touch_before_git} ] && [ -z \"$disk\" ]; then case \"$3\" in *' status '*) \
                  touch repo/dir0/file0;; esac; fi\n    \
-                 if [ -e {fail} ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
+                 if [ -e {fail} ] && [ -z \"$disk\" ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest broke' >&2; exit 7;; esac; fi\n    \
+                 if [ -e {fail_disk} ] && [ -n \"$disk\" ]; then case \"$3\" in *'status > /dev/null'*) echo 'guest disk broke' >&2; exit 9;; esac; fi\n    \
                  if [ -e {stall} ]; then case \"$3\" in *'echo x >'*) exec sleep 600;; esac; fi\n    \
                  exec \"$@\";;\n  \
                  rm) rm -rf \"$XDG_STATE_HOME/vmctl/vms/x\";;\nesac\n",
@@ -1746,6 +2183,8 @@ mod tests {
                 config_seen = dir.join("config-seen.toml").display(),
                 stop_on_drop = dir.join("stop-on-drop").display(),
                 touch_before_git = dir.join("touch-before-git").display(),
+                fail_disk = dir.join("fail-disk-git").display(),
+                disk_on_share = dir.join("disk-on-share").display(),
             ),
         )
         .unwrap();
@@ -1774,11 +2213,13 @@ mod tests {
             drop_caches: dir.join("drop_caches"),
             compare_with_qemu: None,
             host_edits: false,
+            // Under the test's directory, not this machine's /var/tmp.
+            guest_disk_parent: dir.canonicalize().unwrap().join("guest-disk"),
         }
     }
 
     #[test]
-    fn measures_both_sides_and_removes_the_vm() {
+    fn measures_every_side_and_removes_the_vm() {
         let dir = std::env::temp_dir().join(format!("vm-bench-fs-flow-{}", std::process::id()));
         let _tmp = TempDir(dir.clone());
         fs::create_dir_all(&dir).unwrap();
@@ -1791,12 +2232,48 @@ mod tests {
         for f in &r.figures {
             assert_eq!(f.host.as_ref().unwrap().samples.len(), 2, "{}", f.name);
             assert_eq!(f.guest.as_ref().unwrap().samples.len(), 2, "{}", f.name);
+            assert_eq!(
+                f.guest_disk.as_ref().unwrap().samples.len(),
+                2,
+                "{}",
+                f.name
+            );
             // On tmpfs the host reads from memory: no verdict for the read.
             let withheld = tmpfs && f.name == Workload::SeqRead.name();
             assert!(f.guest_slowdown.is_some(), "{}", f.name);
+            assert!(f.virtio_fs_over_guest_disk.is_some(), "{}", f.name);
             assert_eq!(f.target.met.is_none(), withheld, "{}", f.name);
         }
         assert_eq!(r.verdicts_withheld, None);
+        // The guest disk ran in its own directory, which its probe found not shared.
+        let nonce = Path::new(&r.config.workspace)
+            .parent()
+            .and_then(Path::file_name)
+            .unwrap();
+        let disk_dir = guest_disk_dir(&b.guest_disk_parent, &nonce.to_string_lossy());
+        assert!(
+            disk_dir.join("repo/.git").is_dir(),
+            "{}",
+            disk_dir.display()
+        );
+        assert!(disk_dir.join("small-guest_disk-2").is_dir());
+        assert!(!Path::new(&r.config.workspace)
+            .join("small-guest_disk-1")
+            .exists());
+        let sides: Vec<&str> = r.sides.iter().map(|s| s.side.as_str()).collect();
+        assert_eq!(sides, [HOST, GUEST, GUEST_DISK]);
+        assert_eq!(r.sides[1].fs_type, "fuseblk");
+        assert_eq!(r.sides[2].fs_type, r.sides[0].fs_type);
+        assert!(r
+            .notes
+            .iter()
+            .any(|n| n.starts_with("Guest disk: the same scripts")));
+        assert!(r.markdown().contains("| virtio-fs / guest disk |"));
+        assert!(r.commands.iter().any(|(side, argv)| side == GUEST_DISK
+            && argv
+                .last()
+                .unwrap()
+                .starts_with(&format!("cd -- {}", disk_dir.display()))));
         assert_eq!(
             r.host_read,
             Some(if tmpfs {
@@ -1815,10 +2292,10 @@ mod tests {
         // Two reads per side drop caches, plus the host's before each guest read
         // (not on tmpfs).
         let host_drops = if tmpfs { 0 } else { 4 };
-        assert_eq!(
-            (r.sides[0].cache_drops_ok, r.sides[1].cache_drops_ok),
-            (host_drops, 2)
-        );
+        // The guest drops its caches before each of its two sides' reads; the host
+        // only before the share's.
+        let drops: Vec<usize> = r.sides.iter().map(|s| s.cache_drops_ok).collect();
+        assert_eq!(drops, [host_drops, 2, 2]);
         assert_eq!(r.sides[0].cache_drop_skipped.is_some(), host_drops == 0);
         assert!(
             r.notes.iter().any(|n| n.contains("not rewritten")),
@@ -1831,9 +2308,13 @@ mod tests {
         assert_eq!(calls.pop(), Some("daemon"));
         assert_eq!(calls.first(), Some(&"up"));
         assert_eq!(calls.last(), Some(&"rm"));
-        // probe + warm-up + 5 workloads x 2 runs + a git warm-up and a cache drop (as
-        // root) per run + the host edits' probe, in the guest.
-        assert_eq!(calls.iter().filter(|c| **c == "exec").count(), 17);
+        // In the guest: the probe and the warm-up on the share, the guest disk's setup,
+        // probe, git setup and warm-up, then per run on each guest side 5 workloads, a
+        // git warm-up and a cache drop (as root), and the host edits' probe.
+        assert_eq!(
+            calls.iter().filter(|c| **c == "exec").count(),
+            2 + 4 + 2 * 2 * 7 + 1
+        );
         let edits = r.edits.as_ref().expect("host edits measured");
         assert_eq!(edits.figures.len(), 6);
         for f in &edits.figures {
@@ -1894,7 +2375,8 @@ mod tests {
         );
 
         // The guest's git status fails: that figure has the error and its stderr,
-        // the others are measured, and the VM is removed.
+        // the others are measured, and the VM is removed. The guest disk's git status
+        // is measured still (without a ratio: the guest's side of it failed).
         fs::remove_file(dir.join("calls.log")).unwrap();
         fs::write(dir.join("fail-git"), "").unwrap();
         let r = measure(&b);
@@ -1909,9 +2391,62 @@ mod tests {
             errors[0].1
         );
         assert!(r.figures[0].guest_slowdown.is_some());
+        let git = r.figures.last().unwrap();
+        assert_eq!(git.guest_disk.as_ref().unwrap().samples.len(), 2);
+        assert_eq!(
+            (git.guest_disk_error.as_ref(), git.virtio_fs_over_guest_disk),
+            (None, None)
+        );
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
         let calls: Vec<&str> = calls.lines().collect();
         assert_eq!(calls[calls.len().saturating_sub(2)..], ["rm", "daemon"]);
+    }
+
+    /// A failure on the guest disk is its figure's own: the host-vs-guest figure keeps
+    /// its samples, slowdown and verdict.
+    #[test]
+    fn a_guest_disk_failure_leaves_host_and_guest_alone() {
+        let dir = std::env::temp_dir().join(format!("vm-bench-fs-diskfail-{}", std::process::id()));
+        let _tmp = TempDir(dir.clone());
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("fail-disk-git"), "").unwrap();
+        let r = measure(&fake_bench(&dir));
+        assert_eq!(r.error, None);
+        let errors = r.errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].0, "fs_git_status_s (guest_disk)");
+        assert!(errors[0].1.contains("guest disk broke"), "{}", errors[0].1);
+        let git = r.figures.last().unwrap();
+        assert_eq!(git.error, None);
+        assert_eq!(git.guest.as_ref().unwrap().samples.len(), 2);
+        assert!(git.guest_slowdown.is_some());
+        assert!(git.target.met.is_some());
+        assert_eq!(git.virtio_fs_over_guest_disk, None);
+        // The other figures have all three sides.
+        assert!(r.figures[0].virtio_fs_over_guest_disk.is_some());
+
+        // A guest disk that is on the share: the side is refused before anything
+        // runs in it, every figure says why, and host against guest is measured.
+        fs::remove_file(dir.join("fail-disk-git")).unwrap();
+        fs::write(dir.join("disk-on-share"), "").unwrap();
+        let r = measure(&fake_bench(&dir));
+        assert_eq!(r.error, None);
+        assert_eq!(r.sides[2].fs_type, "fuseblk");
+        for f in &r.figures {
+            let e = f.guest_disk_error.as_deref().unwrap_or("");
+            assert!(e.contains("a share's file system"), "{}: {e}", f.name);
+            assert!(f.guest_disk.is_none(), "{}", f.name);
+            assert!(f.error.is_none(), "{}: {:?}", f.name, f.error);
+            assert!(f.guest_slowdown.is_some(), "{}", f.name);
+        }
+        assert_eq!(r.errors().len(), r.figures.len());
+        assert!(!r
+            .notes
+            .iter()
+            .any(|n| n.starts_with("Guest disk: the same scripts ran")));
+        assert!(r
+            .markdown()
+            .contains("(guest disk) error:** guest disk setup: "));
     }
 
     #[test]
@@ -1995,9 +2530,16 @@ mod tests {
             let e = f.error.as_deref().unwrap_or("");
             assert!(e.contains("lost in fs_seq_read_mib_s"), "{}: {e}", f.name);
         }
-        // No guest script ran after the drop: probe, warm-up, the write, the drop.
+        // The guest disk's figures stop there too (its write got its first run).
+        for f in &r.figures {
+            let e = f.guest_disk_error.as_deref().unwrap_or("");
+            assert!(e.contains("lost in fs_seq_read_mib_s"), "{}: {e}", f.name);
+        }
+        assert_eq!(r.figures[0].guest_disk.as_ref().unwrap().samples.len(), 1);
+        // No guest script ran after the drop: the probe, the guest disk's setup, probe
+        // and git setup, both warm-ups, both guest sides' write, the drop.
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
-        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 4, "{calls}");
+        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 9, "{calls}");
         assert!(r.edits.is_none());
     }
 
@@ -2077,10 +2619,16 @@ mod tests {
         };
         let r = measure(&b);
         let figure = |name: &str| r.figures.iter().find(|f| f.name == name).unwrap();
-        // Run 1 measured both sequential figures on both sides before the stall.
+        // Run 1 measured both sequential figures on every side before the stall.
         for name in ["fs_seq_write_mib_s", "fs_seq_read_mib_s"] {
             let f = figure(name);
             assert_eq!(f.guest.as_ref().unwrap().samples.len(), 1, "{name}");
+            assert_eq!(f.guest_disk.as_ref().unwrap().samples.len(), 1, "{name}");
+            assert!(f
+                .guest_disk_error
+                .as_ref()
+                .unwrap()
+                .contains("lost in fs_create_files_s"));
             assert!(f
                 .error
                 .as_ref()
@@ -2089,11 +2637,15 @@ mod tests {
         }
         let create = figure("fs_create_files_s").error.clone().unwrap();
         assert!(create.contains(TIMED_OUT), "{create}");
-        // Nothing waited for the stalled guest after that: one guest exec per
-        // workload of run 1 up to the stall and the cache drop before its read, after
-        // the probe and the warm-up.
+        // Nothing waited for the stalled guest after that: after the probe, the guest
+        // disk's setup, probe and git setup and both warm-ups, one exec per guest side
+        // and workload of run 1 and the cache drop before each read, up to the stall
+        // (the guest's create, before the guest disk's).
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
-        assert_eq!(calls.lines().filter(|c| *c == "exec").count(), 2 + 3 + 1);
+        assert_eq!(
+            calls.lines().filter(|c| *c == "exec").count(),
+            6 + 2 * 3 + 1
+        );
         assert_eq!(calls.lines().last(), Some("daemon"));
     }
 

@@ -442,7 +442,12 @@ impl Report {
             .fs
             .iter_mut()
             .flat_map(|f| f.figures.iter_mut())
-            .flat_map(|f| f.host.iter_mut().chain(f.guest.iter_mut()));
+            .flat_map(|f| {
+                f.host
+                    .iter_mut()
+                    .chain(f.guest.iter_mut())
+                    .chain(f.guest_disk.iter_mut())
+            });
         let egress = self
             .egress
             .iter_mut()
@@ -734,10 +739,29 @@ pub struct FsFigure {
     /// then there is no slowdown, whatever samples were taken before are kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The same workload in the same guest on its own file system instead of the
+    /// share (`vmm` "guest_disk"); `None` in reports written before, and when no
+    /// sample was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_disk: Option<Figure>,
+    /// The virtio-fs guest's slowdown against the guest disk, computed as
+    /// [`guest_slowdown`] with the guest disk in the host's place: above 1 virtio-fs
+    /// is slower. What virtio-fs costs over the guest's native file system, under the
+    /// same guest kernel and the same virtualization; informative only, never judged
+    /// against the issue's targets (those are `guest_slowdown`'s). `None` when either
+    /// the guest's or the guest disk's figure has an error or no samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtio_fs_over_guest_disk: Option<f64>,
+    /// Why the guest disk's figure is incomplete; kept apart from `error`, so that a
+    /// failure there leaves the host-vs-guest figure and its verdict alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_disk_error: Option<String>,
 }
 
 pub const HOST: &str = "host";
 pub const GUEST: &str = "guest";
+/// The guest's own file system (not the share), as a side of the virtio-fs figures.
+pub const GUEST_DISK: &str = "guest_disk";
 
 impl FsFigure {
     /// Keeps the figure and its slowdown, without a verdict: `why` the measurement
@@ -787,7 +811,35 @@ impl FsFigure {
             guest_slowdown: slowdown,
             target: SlowdownTarget::evaluate(max_slowdown, class, slowdown),
             error,
+            guest_disk: None,
+            virtio_fs_over_guest_disk: None,
+            guest_disk_error: None,
         }
+    }
+
+    /// Adds the guest disk's samples and error (see [`FsFigure::guest_disk`]); the
+    /// ratio only when neither the guest's side nor the guest disk's has an error.
+    pub fn with_guest_disk(mut self, samples: Vec<f64>, mut error: Option<String>) -> FsFigure {
+        let taken = samples.len();
+        self.guest_disk = Figure::new(&self.name, &self.unit, GUEST_DISK, samples);
+        if error.is_none() && self.guest_disk.is_none() {
+            error = Some(format!("no valid samples (guest disk: {taken} taken)"));
+        }
+        self.virtio_fs_over_guest_disk = match (&self.guest, &self.guest_disk, &self.error, &error)
+        {
+            (Some(guest), Some(disk), None, None) => {
+                guest_slowdown(disk.median, guest.median, self.better)
+            }
+            _ => None,
+        };
+        self.guest_disk_error = error;
+        self
+    }
+
+    /// Whether the guest disk was measured for this figure (or tried and failed):
+    /// reports written before have no such side.
+    fn has_guest_disk(&self) -> bool {
+        self.guest_disk.is_some() || self.guest_disk_error.is_some()
     }
 
     fn size(&self) -> String {
@@ -803,7 +855,7 @@ impl FsFigure {
 /// tools it ran.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FsSide {
-    /// "host" or "guest".
+    /// "host", "guest" or "guest_disk".
     pub side: String,
     /// `stat -f -c %T` of the workspace directory.
     pub fs_type: String,
@@ -823,6 +875,12 @@ pub struct FsSide {
     /// Why this side's caches were not dropped at all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_drop_skipped: Option<String>,
+    /// The guest disk side only: what holds the guest root overlay's upper layer,
+    /// where its files go (`vmctl.upper=` on the guest kernel's command line: `tmpfs`,
+    /// or a block device); `None` for the other sides, where the guest does not say,
+    /// and in reports written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root_upper: Option<String>,
 }
 
 impl FsSide {
@@ -876,7 +934,8 @@ pub enum HostRead {
     Warm,
 }
 
-/// The shared workspace directory, guest against host.
+/// The shared workspace directory, guest against host (and against the guest's own
+/// file system).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FsReport {
     pub note: String,
@@ -902,8 +961,9 @@ pub struct FsReport {
     pub host_read: Option<HostRead>,
     pub config: FsConfig,
     pub sides: Vec<FsSide>,
-    /// How each side runs a script, and the scripts (the host's, first repetition;
-    /// the guest's name its files `-guest` instead of `-host`).
+    /// How each side runs a script (the guest disk's first `cd`s to its directory),
+    /// and the scripts (the host's, first repetition; the guest's sides name their
+    /// files `-guest` and `-guest_disk` instead of `-host`).
     pub commands: Vec<(String, Vec<String>)>,
     pub scripts: Vec<(String, String)>,
     pub environment: Vec<(String, String)>,
@@ -971,6 +1031,10 @@ impl FsReport {
     pub fn errors(&self) -> Vec<(String, String)> {
         let figures = self.figures.iter().map(|f| (&f.name, &f.error));
         let mut errors = section_errors("virtio-fs", &self.error, figures);
+        errors.extend(self.figures.iter().filter_map(|f| {
+            let e = f.guest_disk_error.as_ref()?;
+            Some((format!("{} ({GUEST_DISK})", f.name), e.clone()))
+        }));
         if let Some(edits) = &self.edits {
             errors.extend(edits.errors());
         }
@@ -990,13 +1054,16 @@ impl FsReport {
         let side = |name: &str| self.sides.iter().find(|s| s.side == name);
         let fs = |name: &str| side(name).map_or("unknown".into(), |s| s.fs_type.clone());
         let dropped = |name: &str| side(name).map_or("unknown".into(), |s| s.caches_dropped());
+        // Reports written before the guest disk side have neither it nor its columns.
+        let with_disk =
+            side(GUEST_DISK).is_some() || self.figures.iter().any(|f| f.has_guest_disk());
         let mut s = format!(
             "Shared workspace over virtio-fs (virtiofsd + our vhost-user-fs device, the workspace \
              mounted in the guest at its host path; VM of `vmctl up`: {} vCPUs, {} MiB): each \
              workload is one bash script, run in the workspace directory on the host ({}) with \
              `bash -c` and in the guest with `vmctl exec --workspace WS -- bash -c`, timed inside \
              the script (bash `$EPOCHREALTIME`), so exec overhead is not counted. {} repetition(s), \
-             alternating whether host or guest goes first. Sizes: {} MiB file, {} files ({}). \
+             {}. Sizes: {} MiB file, {} files ({}). \
              Workspace file system: host {}, guest {} (virtiofsd cache policy: {}). Caches dropped \
              before each read: host {}, guest {}; the host's reads were {}. Slowdown = guest/host \
              for times, host/guest for throughputs: above 1 the guest is slower. {}\n\n",
@@ -1004,6 +1071,11 @@ impl FsReport {
             c.vm_memory_mib,
             self.host,
             c.runs,
+            if with_disk {
+                "rotating which side goes first"
+            } else {
+                "alternating whether host or guest goes first"
+            },
             c.file_mib,
             c.files,
             c.sizes,
@@ -1019,6 +1091,17 @@ impl FsReport {
             },
             self.note
         );
+        if with_disk {
+            s.push_str(&format!(
+                "Guest disk: the same scripts in the same guest, in a directory of its own file \
+                 system ({}) instead of the share; caches dropped before each read: {}. \
+                 virtio-fs / guest disk = the guest's slowdown on the share against it (the \
+                 same formula: above 1 virtio-fs is slower). Informative only, it gets no \
+                 verdict: the issue's targets are the guest slowdown's (see the notes).\n\n",
+                fs(GUEST_DISK),
+                dropped(GUEST_DISK)
+            ));
+        }
         if let Some(e) = &self.error {
             s.push_str(&format!(
                 "**Error:** {}\n\n",
@@ -1028,57 +1111,82 @@ impl FsReport {
         if self.figures.is_empty() {
             return s;
         }
-        s.push_str(
-            "| figure | unit | size | host median | guest median | host min–max | guest min–max \
-             | n | guest slowdown | target |\n",
-        );
-        s.push_str("|---|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+        let mut columns = vec!["figure", "unit", "size", "host median", "guest median"];
+        columns.extend(with_disk.then_some("guest disk median"));
+        columns.extend(["host min–max", "guest min–max"]);
+        columns.extend(with_disk.then_some("guest disk min–max"));
+        columns.extend(["n", "guest slowdown", "target"]);
+        columns.extend(with_disk.then_some("virtio-fs / guest disk"));
+        s.push_str(&format!("| {} |\n", columns.join(" | ")));
+        let align: Vec<&str> = columns
+            .iter()
+            .map(|c| match *c {
+                "figure" | "unit" | "size" | "target" => "---",
+                _ => "---:",
+            })
+            .collect();
+        s.push_str(&format!("|{}|\n", align.join("|")));
         let median = |f: &Option<Figure>| f.as_ref().map_or("–".into(), |f| fmt_sig(f.median));
         let range = |f: &Option<Figure>| {
             f.as_ref().map_or("–".into(), |f| {
                 format!("{}–{}", fmt_sig(f.min), fmt_sig(f.max))
             })
         };
+        let ratio = |r: Option<f64>, error: &Option<String>| match (r, error) {
+            (_, Some(_)) => "error".to_string(),
+            (Some(r), None) => format!("{r:.2}x"),
+            (None, None) => "–".to_string(),
+        };
         for f in &self.figures {
             let n = |f: &Option<Figure>| f.as_ref().map_or(0, |f| f.samples.len());
-            let slowdown = match (f.guest_slowdown, &f.error) {
-                (_, Some(_)) => "error".to_string(),
-                (Some(r), None) => format!("{r:.2}x"),
-                (None, None) => "–".to_string(),
-            };
+            let mut counts = vec![n(&f.host), n(&f.guest)];
+            counts.extend(f.has_guest_disk().then(|| n(&f.guest_disk)));
             let verdict = match (f.target.met, &f.target.withheld) {
                 (Some(true), _) => "met",
                 (Some(false), _) => "missed",
                 (None, Some(_)) => "withheld (see notes)",
                 (None, None) => "not evaluated",
             };
-            s.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | ≤ {}x ({}): {} |\n",
-                f.name,
-                f.unit,
+            let mut cells = vec![
+                f.name.clone(),
+                f.unit.clone(),
                 f.size(),
                 median(&f.host),
                 median(&f.guest),
-                range(&f.host),
-                range(&f.guest),
-                if n(&f.host) == n(&f.guest) {
-                    n(&f.host).to_string()
+            ];
+            cells.extend(with_disk.then(|| median(&f.guest_disk)));
+            cells.extend([range(&f.host), range(&f.guest)]);
+            cells.extend(with_disk.then(|| range(&f.guest_disk)));
+            cells.extend([
+                if counts.iter().all(|k| *k == counts[0]) {
+                    counts[0].to_string()
                 } else {
-                    format!("{}/{}", n(&f.host), n(&f.guest))
+                    counts
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join("/")
                 },
-                slowdown,
-                f.target.max_slowdown,
-                f.target.class,
-                verdict
-            ));
+                ratio(f.guest_slowdown, &f.error),
+                format!(
+                    "≤ {}x ({}): {verdict}",
+                    f.target.max_slowdown, f.target.class
+                ),
+            ]);
+            cells
+                .extend(with_disk.then(|| ratio(f.virtio_fs_over_guest_disk, &f.guest_disk_error)));
+            s.push_str(&format!("| {} |\n", cells.join(" | ")));
         }
-        for f in self.figures.iter().filter(|f| f.error.is_some()) {
-            let e = f.error.as_deref().unwrap_or("");
-            s.push_str(&format!(
-                "\n**{} error:** {} (full message in the JSON report)\n",
-                f.name,
-                e.lines().next().unwrap_or("")
-            ));
+        for f in &self.figures {
+            for (what, error) in [("", &f.error), (" (guest disk)", &f.guest_disk_error)] {
+                if let Some(e) = error {
+                    s.push_str(&format!(
+                        "\n**{}{what} error:** {} (full message in the JSON report)\n",
+                        f.name,
+                        e.lines().next().unwrap_or("")
+                    ));
+                }
+            }
         }
         for n in &self.notes {
             s.push_str(&format!("\n{n}\n"));
@@ -1493,6 +1601,68 @@ mod tests {
     }
 
     #[test]
+    fn the_guest_disk_is_a_side_of_its_own() {
+        let [write, git, ..] = <[FsFigure; 4]>::try_from(fs_figures()).unwrap();
+        // Throughputs: guest disk / guest, so above 1 virtio-fs is slower.
+        let write = write.with_guest_disk(vec![80.0], None);
+        assert_eq!(write.virtio_fs_over_guest_disk, Some(4.0));
+        assert_eq!(write.guest_disk.as_ref().unwrap().vmm, GUEST_DISK);
+        // Times: guest / guest disk.
+        let r = git
+            .clone()
+            .with_guest_disk(vec![0.01, 0.02, 0.03], None)
+            .virtio_fs_over_guest_disk
+            .unwrap();
+        assert!((r - 2.5).abs() < 1e-9, "{r}");
+        // An error on the guest disk keeps the host-vs-guest figure and its verdict.
+        let failed = git
+            .clone()
+            .with_guest_disk(vec![0.01], Some("guest disk broke".into()));
+        assert_eq!(failed.guest_slowdown, git.guest_slowdown);
+        assert_eq!(failed.target, git.target);
+        assert_eq!(failed.target.met, Some(true));
+        assert_eq!(failed.error, None);
+        assert!(failed.guest_disk.is_some());
+        assert_eq!(failed.virtio_fs_over_guest_disk, None);
+        // No samples on the guest disk is its error, not the figure's.
+        let empty = git.clone().with_guest_disk(vec![], None);
+        let e = empty.guest_disk_error.as_deref().unwrap();
+        assert!(e.contains("no valid samples (guest disk: 0 taken)"), "{e}");
+        assert_eq!((empty.error, empty.target.met), (None, Some(true)));
+        // And the other way: an error of the host-vs-guest figure keeps the guest
+        // disk's samples (no ratio: the guest's side of it failed).
+        let stat = fs_figures().remove(2).with_guest_disk(vec![0.1], None);
+        assert!(stat.error.is_some() && stat.guest_disk_error.is_none());
+        assert_eq!(stat.guest_disk.as_ref().unwrap().samples, [0.1]);
+        assert_eq!(stat.virtio_fs_over_guest_disk, None);
+    }
+
+    #[test]
+    fn fs_figures_written_before_the_guest_disk_still_load() {
+        let mut json = serde_json::to_value(&fs_figures()[1]).unwrap();
+        let object = json.as_object_mut().unwrap();
+        for key in [
+            "guest_disk",
+            "virtio_fs_over_guest_disk",
+            "guest_disk_error",
+        ] {
+            assert!(!object.contains_key(key), "{key} written though None");
+        }
+        // As an older report has it: without the new keys at all.
+        object.remove("error");
+        let back: FsFigure = serde_json::from_value(json).unwrap();
+        assert!(back.guest_disk.is_none() && back.guest_disk_error.is_none());
+        assert_eq!(back.virtio_fs_over_guest_disk, None);
+        assert_eq!(back.guest_slowdown, fs_figures()[1].guest_slowdown);
+        // With them, they come back.
+        let with_disk = fs_figures().remove(1).with_guest_disk(vec![0.02], None);
+        let back: FsFigure =
+            serde_json::from_str(&serde_json::to_string(&with_disk).unwrap()).unwrap();
+        assert_eq!(back.virtio_fs_over_guest_disk, Some(2.5));
+        assert_eq!(back.guest_disk.unwrap().samples, [0.02]);
+    }
+
+    #[test]
     fn fs_table() {
         let r = FsReport {
             note: "Nested: ratios are the point.".into(),
@@ -1577,6 +1747,112 @@ mod tests {
         assert!(md.contains("**Error:** vmctl up: failed\n"), "{md}");
         assert!(!md.contains("| figure |"), "{md}");
         assert_eq!(failed.errors()[0].0, "virtio-fs");
+    }
+
+    #[test]
+    fn fs_table_with_the_guest_disk() {
+        let disk_samples = [vec![80.0], vec![0.01, 0.02, 0.03], vec![0.2], vec![]];
+        let disk_errors = [None, None, None, Some("mkdir: no space\nmore".to_string())];
+        let figures = fs_figures()
+            .into_iter()
+            .zip(disk_samples.into_iter().zip(disk_errors))
+            .map(|(f, (samples, error))| f.with_guest_disk(samples, error))
+            .collect();
+        let side = |name: &str, fs_type: &str| FsSide {
+            side: name.into(),
+            fs_type: fs_type.into(),
+            cache_drops_ok: 1,
+            ..FsSide::default()
+        };
+        let r = FsReport {
+            note: "Nested.".into(),
+            host: "the nested host".into(),
+            nested: true,
+            hardware_kvm: Some(false),
+            hypervisor: None,
+            verdicts_withheld: None,
+            host_read: Some(HostRead::Warm),
+            config: FsConfig {
+                file_mib: 16,
+                files: 200,
+                runs: 3,
+                sizes: "--quick sizes".into(),
+                script_timeout_s: 600,
+                timeout_s: 60,
+                workspace: "/tmp/ws".into(),
+                vm_cpus: 2,
+                vm_memory_mib: 1024,
+                vm_nested: false,
+                virtiofsd: "/v".into(),
+                guest_cache: "auto".into(),
+            },
+            sides: vec![
+                side(HOST, "overlayfs"),
+                side(GUEST, "fuseblk"),
+                side(GUEST_DISK, "overlayfs"),
+            ],
+            commands: vec![],
+            scripts: vec![],
+            environment: vec![],
+            figures,
+            notes: vec![],
+            error: None,
+            edits: None,
+            by_vmm: None,
+        };
+        let md = r.markdown();
+        assert!(
+            md.contains("| figure | unit | size | host median | guest median | guest disk median | host min–max | guest min–max | guest disk min–max | n | guest slowdown | target | virtio-fs / guest disk |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| fs_seq_write_mib_s | MiB/s | 16 MiB | 300 | 20.0 | 80.0 | 300–300 | 20.0–20.0 | 80.0–80.0 | 1 | 15.00x | ≤ 2x (sequential I/O): missed | 4.00x |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| fs_git_status_s | s | 200 files | 0.0200 | 0.0500 | 0.0200 | 0.0100–0.0300 | 0.0400–0.0600 | 0.0100–0.0300 | 3 | 2.50x | ≤ 3x (metadata): met | 2.50x |"),
+            "{md}"
+        );
+        // The host-vs-guest error leaves the guest disk's figure; the ratio needs both.
+        assert!(
+            md.contains("| fs_stat_files_s | s | 200 files | 0.500 | – | 0.200 | 0.500–0.500 | – | 0.200–0.200 | 1/0/1 | error | ≤ 3x (metadata): not evaluated | – |"),
+            "{md}"
+        );
+        // The guest disk's error leaves the host-vs-guest columns alone.
+        assert!(
+            md.contains("| fs_create_files_s | s | 200 files | 0.500 | – | – | 0.500–0.500 | – | – | 1/0/0 | error | ≤ 3x (metadata): not evaluated | error |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("**fs_create_files_s (guest disk) error:** mkdir: no space (full"),
+            "{md}"
+        );
+        assert!(md.contains("rotating which side goes first"), "{md}");
+        assert!(
+            md.contains("Guest disk: the same scripts in the same guest, in a directory of its own file system (overlayfs)"),
+            "{md}"
+        );
+        assert!(md.contains("it gets no verdict"), "{md}");
+        assert!(md.contains("above 1 virtio-fs is slower"), "{md}");
+        let errors = r.errors();
+        assert!(
+            errors
+                .iter()
+                .any(|(what, e)| what == "fs_create_files_s (guest_disk)" && e.starts_with("mkdir")),
+            "{errors:?}"
+        );
+        // Without the guest disk (an older report), the table is as it was.
+        let older = FsReport {
+            sides: r.sides[..2].to_vec(),
+            figures: fs_figures(),
+            ..r
+        };
+        let md = older.markdown();
+        assert!(!md.contains("guest disk"), "{md}");
+        assert!(
+            md.contains("alternating whether host or guest goes first"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -76,7 +76,12 @@ fn quick_run() {
         assert!(len > 100, "{} holds only {len} bytes", path.display());
     }
     let markdown = std::fs::read_to_string(dir.join("quick.md")).expect("markdown");
-    for needle in ["cold_agent_ready", "ours/QEMU", "virtiofsd_rss"] {
+    for needle in [
+        "cold_agent_ready",
+        "ours/QEMU",
+        "virtiofsd_rss",
+        "virtio-fs / guest disk",
+    ] {
         assert!(markdown.contains(needle), "quick.md lacks {needle:?}");
     }
 }
@@ -162,6 +167,36 @@ fn check_report(report: &Value) {
                 f["error"]
             );
         }
+    }
+    // The guest disk side (the same workloads in the guest on its own file system)
+    // measured every workload, off the share, and its ratio to the share.
+    let fs = &report["fs"];
+    let sides = fs["sides"].as_array().expect("fs.sides");
+    let disk = sides
+        .iter()
+        .find(|s| s["side"] == "guest_disk")
+        .unwrap_or_else(|| panic!("no guest_disk side in fs.sides: {sides:?}"));
+    let disk_fs = disk["fs_type"].as_str().unwrap_or("");
+    assert!(
+        !disk_fs.is_empty() && !["fuse", "fuseblk", "virtiofs"].contains(&disk_fs),
+        "the guest disk's file system: {disk}"
+    );
+    for f in fs["figures"].as_array().expect("fs.figures") {
+        let name = &f["name"];
+        assert!(
+            f["guest_disk_error"].is_null(),
+            "fs {name} (guest disk): {}",
+            f["guest_disk_error"]
+        );
+        let n = f["guest_disk"]["samples"].as_array().map_or(0, Vec::len);
+        assert!(n > 0, "fs {name}: no guest disk samples: {f}");
+        assert!(
+            f["virtio_fs_over_guest_disk"]
+                .as_f64()
+                .is_some_and(|r| r > 0.0),
+            "fs {name}: virtio_fs_over_guest_disk {}",
+            f["virtio_fs_over_guest_disk"]
+        );
     }
     // The host edits' probe answered every round on both sides.
     let edits = &report["fs"]["edits"];

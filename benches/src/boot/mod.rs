@@ -665,6 +665,7 @@ fn measure(
             host_edits: crate::fs::host_edits_forwarded(
                 std::env::var(crate::fs::HOST_EDITS_ENV).ok().as_deref(),
             ),
+            guest_disk_parent: crate::fs::GUEST_DISK_PARENT.into(),
         }));
         if !args.quick && tools.qemu.is_none() {
             if let Some(fs) = report.fs.as_mut() {

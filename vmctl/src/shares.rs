@@ -547,52 +547,60 @@ const CARGO_SOURCE_DIRS: [(&str, &str); 2] = [
 /// otherwise, and what it is. npm's, pnpm's and Yarn's caches check a package against
 /// the checksum their index holds, which sits in the same cache; pip installs a wheel
 /// it built before as it finds it. Shared read-only they are safe.
-const BUILD_CACHE_DIRS: [(Option<&str>, &str, &str); 9] = [
+const BUILD_CACHE_DIRS: [(&[&str], &str, &str); 9] = [
     (
-        Some("GRADLE_USER_HOME"),
+        &["GRADLE_USER_HOME"],
         ".gradle",
         "Gradle's home, whose init scripts, plugins and libraries your Gradle builds run",
     ),
     (
-        None,
+        &[],
         ".m2",
         "Maven's directory, whose settings, plugins and libraries your Maven builds run",
     ),
+    (&["GOMODCACHE"], "go/pkg/mod", GO_MODULES),
     (
-        Some("GOMODCACHE"),
-        "go/pkg/mod",
-        "Go's module cache, whose modules your go builds compile without checking them again",
-    ),
-    (
-        Some("GOCACHE"),
+        &["GOCACHE"],
         ".cache/go-build",
         "Go's build cache, whose compiled packages your go builds link without checking them again",
     ),
     (
-        Some("PIP_CACHE_DIR"),
+        &["PIP_CACHE_DIR"],
         ".cache/pip",
         "pip's cache, whose wheels pip installs without checking them again",
     ),
     (
-        Some("npm_config_cache"),
+        &["npm_config_cache", "NPM_CONFIG_CACHE"],
         ".npm",
         "npm's cache, whose packages (and the checksums they are checked against) npm installs",
     ),
     (
-        Some("PNPM_HOME"),
+        &["PNPM_HOME"],
         ".local/share/pnpm",
         "pnpm's home, whose store and global programs your pnpm installs and PATH use",
     ),
     (
-        Some("YARN_CACHE_FOLDER"),
+        &["YARN_CACHE_FOLDER"],
         ".cache/yarn",
         "Yarn's cache, whose packages (and the checksums they are checked against) yarn installs",
     ),
     (
-        Some("UV_CACHE_DIR"),
+        &["UV_CACHE_DIR"],
         ".cache/uv",
         "uv's cache, whose wheels and Python environments uv installs without checking them again",
     ),
+];
+
+const GO_MODULES: &str =
+    "Go's module cache, whose modules your go builds compile without checking them again";
+
+/// Where the XDG variables move what is under the home by default: a table entry
+/// under `.cache` is also looked for under `$XDG_CACHE_HOME`, one under
+/// `.local/share` under `$XDG_DATA_HOME` (where the tools follow them: Go's build
+/// cache, pip, Yarn, uv, pnpm).
+const XDG_BASES: [(&str, &str); 2] = [
+    ("XDG_CACHE_HOME", ".cache"),
+    ("XDG_DATA_HOME", ".local/share"),
 ];
 
 const ON_PATH: &str = "a directory on your PATH";
@@ -700,15 +708,19 @@ fn program_dirs_from(
     });
     let named_variables = MANAGER_DIRS
         .iter()
-        .map(|(variable, under_home, what)| (Some(*variable), *under_home, *what));
+        .map(|(variable, under_home, what)| (std::slice::from_ref(variable), *under_home, *what));
     let managers = named_variables
         .chain(BUILD_CACHE_DIRS.iter().copied())
-        .flat_map(|(variable, under_home, what)| {
-            let moved = variable.and_then(&var).map(PathBuf::from);
+        .flat_map(|(variables, under_home, what)| {
+            let moved = variables.iter().filter_map(|v| var(v)).map(PathBuf::from);
+            let xdg_moved = XDG_BASES.iter().filter_map(|(variable, default)| {
+                let rest = Path::new(under_home).strip_prefix(default).ok()?;
+                Some(PathBuf::from(var(variable)?).join(rest))
+            });
             // Where it is by default too: a variable set for vmctl may not be the shells'.
             let defaults = homes.iter().map(|home| home.join(under_home));
             moved
-                .into_iter()
+                .chain(xdg_moved)
                 .chain(defaults)
                 .map(|dir| Candidate {
                     dir,
@@ -718,6 +730,37 @@ fn program_dirs_from(
                 })
                 .collect::<Vec<_>>()
         });
+    // GOPATH is a list; `go install` puts programs in its first entry's bin (or
+    // GOBIN), modules in its first entry's pkg/mod (or GOMODCACHE): each entry counts.
+    let go_paths: Vec<PathBuf> = var("GOPATH")
+        .map(|paths| std::env::split_paths(&paths).collect())
+        .unwrap_or_default();
+    let go_bin_what = USUAL_PROGRAM_DIRS[3].1;
+    let go = go_paths
+        .iter()
+        .flat_map(|go_path| {
+            [
+                Candidate {
+                    dir: go_path.join("bin"),
+                    what: go_bin_what,
+                    what_outside: go_bin_what,
+                    inside_too: false,
+                },
+                Candidate {
+                    dir: go_path.join("pkg/mod"),
+                    what: GO_MODULES,
+                    what_outside: GO_MODULES,
+                    inside_too: true,
+                },
+            ]
+        })
+        .chain(var("GOBIN").map(|bin| Candidate {
+            dir: PathBuf::from(bin),
+            what: go_bin_what,
+            what_outside: go_bin_what,
+            inside_too: false,
+        }))
+        .collect::<Vec<_>>();
     let resolved_homes: Vec<PathBuf> = homes
         .iter()
         .map(|home| crate::state::resolve_existing_part(home))
@@ -728,6 +771,7 @@ fn program_dirs_from(
         .chain(cargo)
         .chain(cargo_sources)
         .chain(managers)
+        .chain(go)
     {
         if !candidate.dir.is_absolute() {
             continue;
@@ -1794,6 +1838,10 @@ mod tests {
         let moved = |name: &str| match name {
             "RUSTUP_HOME" => Some(home.join("toolchains/rustup").into()),
             "GOMODCACHE" => Some(home.join("src/go-modules").into()),
+            "NPM_CONFIG_CACHE" => Some(home.join("npm-cache").into()),
+            "XDG_CACHE_HOME" => Some(home.join("xdg-cache").into()),
+            "GOPATH" => std::env::join_paths([home.join("code/go"), home.join("vendor-go")]).ok(),
+            "GOBIN" => Some(home.join("go-programs").into()),
             // Outside the home, where this user cannot write: not theirs to fear for.
             "PYENV_ROOT" => Some(root.join("system-pyenv").into()),
             _ => None,
@@ -1825,13 +1873,30 @@ mod tests {
                 .iter()
                 .map(|(_, under_home, what)| (home.join(under_home), *what)),
         );
-        for (variable, under_home, what) in BUILD_CACHE_DIRS {
-            if variable == Some("GOMODCACHE") {
+        for (variables, under_home, what) in BUILD_CACHE_DIRS {
+            if variables.contains(&"GOMODCACHE") {
                 expected.push((home.join("src/go-modules"), what));
+            }
+            if variables.contains(&"NPM_CONFIG_CACHE") {
+                expected.push((home.join("npm-cache"), what));
+            }
+            if let Ok(rest) = Path::new(under_home).strip_prefix(".cache") {
+                expected.push((home.join("xdg-cache").join(rest), what));
             }
             expected.push((home.join(under_home), what));
         }
+        // Each GOPATH entry's module cache.
+        expected.push((home.join("code/go/pkg/mod"), GO_MODULES));
+        expected.push((home.join("vendor-go/pkg/mod"), GO_MODULES));
         assert_eq!(managers, expected);
+        // And its programs, and GOBIN's.
+        for bin in ["code/go/bin", "vendor-go/bin", "go-programs"] {
+            assert!(
+                dirs.iter()
+                    .any(|d| d.dir == home.join(bin) && !d.inside_too),
+                "{bin}: {dirs:?}"
+            );
+        }
         // None of them made yet.
         assert!(expected.iter().all(|(dir, _)| !dir.exists()));
     }

@@ -332,20 +332,23 @@ impl DecisionLog {
         if let Some(mut repeating) = made_before.and_then(|at| file.repeating.remove(at)) {
             repeating.count += 1;
             repeating.entry.time_unix_ms = entry.time_unix_ms;
-            let line = if repeating.count.is_power_of_two() {
-                repeating.count_line()
+            let mut lines = Vec::new();
+            if repeating.count.is_power_of_two() {
+                // The others' counts not yet written are older: they go first, so that
+                // the file reads in order.
+                lines.extend(file.repeating.iter_mut().filter_map(Repeating::count_line));
+                lines.extend(repeating.count_line());
             } else {
                 repeating
                     .unwritten_since_ms
                     .get_or_insert(entry.time_unix_ms);
-                None
-            };
+            }
             // Now the one made most recently.
             file.repeating.push_back(repeating);
-            return match line {
-                Some(line) => self.write(&mut state, which, &line),
-                None => Ok(()),
-            };
+            for line in &lines {
+                self.write(&mut state, which, line)?;
+            }
+            return Ok(());
         }
         // A refusal not being counted: the counts not yet written go first, so that
         // the file reads in order; their refusals are still counted after it.
@@ -791,18 +794,52 @@ mod tests {
             log.record(&second);
         }
         drop(log);
-        let written: Vec<(String, Option<u64>)> = lines(&path)
-            .into_iter()
-            .map(|e| (e.host, e.repeated))
-            .collect();
+        let entries = lines(&path);
+        // In the order they were made (review: a count waiting to be written came
+        // after another's written at once).
+        assert!(entries
+            .windows(2)
+            .all(|pair| pair[0].time_unix_ms <= pair[1].time_unix_ms));
+        let written: Vec<(String, Option<u64>)> =
+            entries.into_iter().map(|e| (e.host, e.repeated)).collect();
         let (a, b) = (first.host.clone(), second.host.clone());
         let mut expected = vec![(a.clone(), None), (b.clone(), None)];
         for k in 0..10 {
+            if k >= 2 {
+                // The other's count so far, not yet written, goes before.
+                expected.push((b.clone(), Some((1 << k) - 1)));
+            }
             expected.extend([(a.clone(), Some(1 << k)), (b.clone(), Some(1 << k))]);
         }
         // Written when the log closes, as they were still being repeated.
         expected.extend([(a, Some(999)), (b, Some(999))]);
         assert_eq!(written, expected);
+
+        // One's count waits (3) when the other's is written (4): the waiting one first.
+        let path = tmp.path().join("in-order.jsonl");
+        let log = DecisionLog::open(&path);
+        let order = [
+            &first, &second, &first, &second, &first, &second, &first, &second, &second,
+        ];
+        for (i, made) in order.into_iter().enumerate() {
+            log.record(&LogEntry {
+                time_unix_ms: first.time_unix_ms + i as u64,
+                ..made.clone()
+            });
+        }
+        drop(log);
+        let counts: Vec<(String, Option<u64>)> = lines(&path)
+            .into_iter()
+            .map(|e| (e.host, e.repeated))
+            .filter(|(_, repeated)| repeated.is_some_and(|n| n > 2))
+            .collect();
+        assert_eq!(
+            counts,
+            [
+                (first.host.clone(), Some(3)),
+                (second.host.clone(), Some(4))
+            ]
+        );
     }
 
     /// The refusals counted at once are bounded, whatever number of destinations the

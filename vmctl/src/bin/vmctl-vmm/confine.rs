@@ -136,6 +136,56 @@ mod tests {
         assert_eq!((kernel_open, created), (denied, denied));
     }
 
+    /// The VMM's own threads, all started after it is confined, still signal each
+    /// other (the event loop kicks the vCPUs out of KVM_RUN); another process it
+    /// cannot signal, where the kernel's Landlock scopes signals (ABI 6).
+    #[test]
+    fn the_vmm_signals_its_own_threads_and_no_other_process() {
+        let mut other = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let other_pid = other.id() as libc::pid_t;
+        let (own_thread, other_process) = std::thread::spawn(move || {
+            let (_confinement, _held) = confine(None).unwrap();
+            let (parked_tx, parked_rx) = std::sync::mpsc::channel();
+            let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+            let vcpu = std::thread::spawn(move || {
+                // SAFETY: pthread_self has no preconditions.
+                let _ = parked_tx.send(unsafe { libc::pthread_self() });
+                let _ = done_rx.recv();
+            });
+            let vcpu_thread = parked_rx.recv().unwrap();
+            // Signal 0: the permission check alone, Landlock's included.
+            // SAFETY: the thread is alive (it waits for `done_tx`), so its handle is valid.
+            let own_thread = unsafe { libc::pthread_kill(vcpu_thread, 0) };
+            // SAFETY: kill with signal 0 only checks.
+            let other_process = if unsafe { libc::kill(other_pid, 0) } == 0 {
+                0
+            } else {
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+            };
+            drop(done_tx);
+            vcpu.join().unwrap();
+            (own_thread, other_process)
+        })
+        .join()
+        .unwrap();
+        let _ = other.kill();
+        let _ = other.wait();
+        assert_eq!(
+            own_thread, 0,
+            "a confined VMM could not signal its own thread"
+        );
+        if kernel_abi() >= 6 {
+            assert_eq!(
+                other_process,
+                libc::EPERM,
+                "a confined VMM could signal another process"
+            );
+        }
+    }
+
     /// An abstract Unix socket made outside the VMM (a desktop session's, reachable
     /// from an unjailed VMM's network namespace) cannot be connected to once it is
     /// confined, where the kernel's Landlock scopes them (ABI 6).

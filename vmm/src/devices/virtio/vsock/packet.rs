@@ -16,7 +16,9 @@ use crate::memory::GuestMemoryMmap;
 pub const HDR_LEN: usize = 44;
 /// Largest payload the device accepts from or hands to the guest in one packet.
 pub const MAX_PKT_LEN: u32 = 64 * 1024;
-/// Most descriptors one chain may have (direct or indirect); longer chains are refused.
+/// Most descriptors one chain may have; longer chains are refused. (The chains come
+/// from [`crate::devices::virtio::chain::read_chain`], which already refuses one
+/// longer than the queue, 256 too: this stays as a bound of its own.)
 pub const MAX_CHAIN_DESCS: usize = 256;
 
 /// The well-known CID of the host.
@@ -202,11 +204,10 @@ impl TxPacket {
 /// The (address, length) segments of a chain, all in guest memory and all of one
 /// direction.
 ///
-/// virtio-queue's chain iterator does not report malformed chains: it just stops
-/// after as many descriptors as the table holds (a chain that loops), at a `next`
-/// index beyond the table, at an unreadable or bad indirect descriptor, or past
-/// 4 GiB. So a chain whose last descriptor still has NEXT set was cut short, and
-/// is refused rather than parsed from whatever its first descriptors hold.
+/// The chains come whole from [`crate::devices::virtio::chain::read_chain`], which
+/// refuses those that loop, leave the table or use an indirect table; a chain whose
+/// last descriptor still has NEXT set (cut short) is refused here as well, as a check
+/// of its own, rather than parsed from whatever its first descriptors hold.
 fn segments<I>(
     descs: I,
     memory: &GuestMemoryMmap,

@@ -1638,10 +1638,13 @@ fn guest_disk_notes(disk: &FsSide, disk_dir: &Path) -> Vec<String> {
          the guest's slowdown on the share against it (guest/guest disk for times, guest \
          disk/guest for throughputs: above 1 virtio-fs is slower): what virtio-fs \
          (FUSE, virtiofsd and the host's file system behind it) costs over the guest's \
-         native file system, under the same guest kernel and the same virtualization, so \
-         it means something in the nested host too. It is informative only and never \
-         judged: the issue's targets are the guest's slowdown against the host, on \
-         hardware KVM.",
+         native file system, under the same guest kernel and the same virtualization. \
+         Work on the guest's own file system never leaves the guest; each FUSE request \
+         is a notification to the VMM's device (a VM exit) and an interrupt back, which \
+         in the nested host cross emulated hardware virtualization: there the ratio \
+         measures mostly those crossings, far dearer than on hardware KVM. It is \
+         informative only and never judged: the issue's targets are the guest's slowdown \
+         against the host, on hardware KVM.",
         disk_dir.display(),
         disk.fs_type
     )];

@@ -26,3 +26,25 @@ fn two_vcpus_are_online() {
         "{report}"
     );
 }
+
+/// The guest gets no performance-monitoring unit: KVM's vPMU (on AMD its legacy
+/// counters, which CPUID cannot hide) is turned off for the VM, as Firecracker's
+/// guests have none either: the counters would cost every VM exit the host's perf
+/// state switches, and let a guest watch the host CPU's events.
+#[test]
+fn the_guest_has_no_pmu() {
+    if !vm_available("smp::the_guest_has_no_pmu") {
+        return;
+    }
+    let dir = TempDir::new("pmu");
+    let script = "dmesg | grep -i 'Performance Events' | sed 's/^[^]]*] /PMU=/'\n\
+                  echo \"PMU_DONE=1\"\n";
+    let run = boot_script(&dir, script, &[]);
+    let report = run.report();
+    assert_eq!(guest_value(&run.stdout, "PMU_DONE"), Some("1"), "{report}");
+    let pmu = guest_value(&run.stdout, "PMU").unwrap_or_else(|| panic!("no PMU line\n{report}"));
+    assert!(
+        pmu.contains("software events only") || pmu.contains("no PMU driver"),
+        "the guest found a PMU: {pmu:?}\n{report}"
+    );
+}

@@ -2,7 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_enable_cap, kvm_pit_config, kvm_userspace_memory_region, KVM_CAP_PMU_CAPABILITY,
+    KVM_PIT_SPEAKER_DUMMY, KVM_PMU_CAP_DISABLE,
+};
 use kvm_ioctls::{Cap, Kvm, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
@@ -59,6 +62,33 @@ pub fn max_vcpus(kvm: &Kvm) -> usize {
     kvm.get_max_vcpus()
 }
 
+/// Turns KVM's vPMU off for the VM (before any vCPU exists, as KVM requires): the
+/// guest then finds no performance counters. CPUID hides Intel's architectural PMU
+/// (leaf 0xA is zeroed), but AMD's legacy counters have no CPUID bit, and KVM serves
+/// their MSRs whatever CPUID says. A guest's counters would make the host switch perf
+/// state around its runs and let it count the host CPU's events. Where KVM cannot
+/// (before Linux 5.18, or its vPMU off already), the VM goes on without: a debug
+/// line, since the guest's counters are then as KVM offers them.
+fn disable_pmu(kvm: &Kvm, vm: &VmFd) {
+    let supported = kvm.check_extension_raw(u64::from(KVM_CAP_PMU_CAPABILITY));
+    if supported & KVM_PMU_CAP_DISABLE as i32 == 0 {
+        tracing::debug!(
+            "KVM cannot turn its vPMU off for a VM (KVM_CAP_PMU_CAPABILITY: {supported})"
+        );
+        return;
+    }
+    let mut cap = kvm_enable_cap {
+        cap: KVM_CAP_PMU_CAPABILITY,
+        ..Default::default()
+    };
+    cap.args[0] = u64::from(KVM_PMU_CAP_DISABLE);
+    if let Err(e) = vm.enable_cap(&cap) {
+        tracing::warn!(
+            "cannot turn KVM's vPMU off for the VM: {e}; the guest may count performance events"
+        );
+    }
+}
+
 /// A KVM VM with its guest memory registered and its interrupt controllers created.
 pub struct Vm {
     fd: VmFd,
@@ -85,6 +115,7 @@ impl Vm {
             });
         }
         let fd = kvm.create_vm().map_err(VmError::CreateVm)?;
+        disable_pmu(kvm, &fd);
         let setup = |step| move |source| VmError::Setup { step, source };
         fd.set_tss_address(KVM_TSS_ADDRESS)
             .map_err(setup("TSS address"))?;

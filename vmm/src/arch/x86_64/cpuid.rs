@@ -2,8 +2,9 @@
 //! consistent topology (one package, `count` cores, one thread per core, APIC ID =
 //! vCPU index), knows it runs under a hypervisor, and is not offered features this
 //! VMM does not back (nested virtualisation, Intel's architectural vPMU, power
-//! management; on AMD, KVM's legacy PMU counters stay as KVM offers them) or that
-//! would make a running guest look powered off (KVM's PV_UNHALT).
+//! management; AMD's legacy PMU counters, which no CPUID bit hides, go with KVM's
+//! vPMU, turned off for the whole VM in `vstate::vm`) or that would make a running
+//! guest look powered off (KVM's PV_UNHALT).
 
 use kvm_bindings::{CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Cap, Kvm, VcpuFd};

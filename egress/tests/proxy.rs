@@ -1458,20 +1458,7 @@ async fn a_displaced_kept_alive_connection_half_way_through_a_head_is_answered()
     .await;
     let mut answers = Vec::new();
     for finishes in [true, false] {
-        let mut stream = TcpStream::connect(h.proxy).await.unwrap();
-        stream
-            .write_all(b"HEAD http://plain.test/echo HTTP/1.1\r\nHost: plain.test\r\n\r\n")
-            .await
-            .unwrap();
-        let head = read_head(&mut stream).await;
-        assert_eq!(status_of(&head), 200, "{head}");
-        // Idle, kept alive, waiting for its next head, which it then begins.
-        sleep(Duration::from_millis(100)).await;
-        stream
-            .write_all(b"GET http://plain.test/echo HTTP/1.1\r\nHost: pla")
-            .await
-            .unwrap();
-        sleep(Duration::from_millis(100)).await;
+        let mut stream = kept_alive_half_way_through_a_head(&h).await;
         let _newer = TcpStream::connect(h.proxy).await.unwrap();
         sleep(Duration::from_millis(300)).await;
         if finishes {

@@ -1555,21 +1555,8 @@ mod tests {
 
     #[test]
     fn works_with_the_rng_device() {
-        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let mut h = Harness {
-            t: MmioTransport::new(
-                Box::new(super::super::rng::Rng::new()),
-                memory,
-                interrupt.clone(),
-            ),
-            record: Arc::new(Mutex::new(Record::default())),
-            interrupt,
-        };
+        let (mut h, _irqfd) = rng_harness();
         assert_eq!(h.r(REG_DEVICE_ID), super::super::DEVICE_ID_RNG);
-        h.negotiate(FEATURE_VERSION_1);
-        h.setup_queue(0, 256, 0x1000);
-        h.set_status(DOK);
         assert_eq!(h.status(), ACK | DRV | FOK | DOK);
         h.w(QUEUE_NOTIFY_OFFSET, 0);
     }

@@ -113,7 +113,7 @@ pub enum ShareError {
     /// activated `.venv/bin`, `node_modules/.bin` named by its absolute path), and
     /// refusing its own workspace would leave it no VM; the guest writing a project's
     /// tools is what working in it means.
-    #[error("mount {:?}: {}{}, and a guest that could write it could put a program there that you then run on this host; mount it read-only ({:?}), or share a directory that holds none of your programs", .0.spec, program_dir_place(&.0.host, .0.relation, &.0.program_dir), .0.what, .0.read_only_spec)]
+    #[error("mount {:?}: {}{}, and a guest that could write it {}", .0.spec, program_dir_place(&.0.host, .0.relation, &.0.program_dir), .0.what, program_dir_remedy(.0.cache, &.0.read_only_spec))]
     HostProgramDir(Box<HostProgramDir>),
     #[error("{} cannot be shared with the guest: {}, the host kernel's own view of its processes, devices or settings, not a directory of files (a guest that could write there could take over the host); share a project's directory instead ({})", .host.display(), pseudo_place(.host, .mount, .fs), .naming.another_share())]
     PseudoFilesystem {
@@ -172,6 +172,25 @@ pub struct HostProgramDir {
     pub what: &'static str,
     /// The same mount, read-only.
     pub read_only_spec: String,
+    /// Whether the directory is a build tool's cache (see [`ProgramDir::cache`]).
+    pub cache: bool,
+}
+
+/// What a guest could do with a writable share of a directory of the user's programs
+/// (or a build tool's cache: `cache`), and what to do instead.
+fn program_dir_remedy(cache: bool, read_only_spec: &str) -> String {
+    if cache {
+        format!(
+            "could change what your next build or install on this host runs; mount it \
+             read-only ({read_only_spec:?}), or leave it out (the guest keeps a cache of its \
+             own)"
+        )
+    } else {
+        format!(
+            "could put a program there that you then run on this host; mount it read-only \
+             ({read_only_spec:?}), or share a directory that holds none of your programs"
+        )
+    }
 }
 
 /// How a refused share stands to a directory of the user's programs, for
@@ -452,6 +471,9 @@ pub struct ProgramDir {
     /// (`~/.rustup/toolchains/*/bin`); a directory on PATH holds its programs at its
     /// top.
     pub inside_too: bool,
+    /// Whether it is a build tool's cache or home (cargo's registry, Go's modules,
+    /// npm's cache...), which the guest can do without, rather than where programs are.
+    pub cache: bool,
 }
 
 /// The directories under a home that login shells and installers put on PATH, whether
@@ -660,6 +682,29 @@ struct Candidate {
     /// What it is when it lies outside the homes.
     what_outside: &'static str,
     inside_too: bool,
+    cache: bool,
+}
+
+impl Candidate {
+    /// A directory of programs (`inside_too`: anywhere below it too), the same
+    /// whether under a home or not.
+    fn programs(dir: PathBuf, what: &'static str, inside_too: bool) -> Candidate {
+        Candidate {
+            dir,
+            what,
+            what_outside: what,
+            inside_too,
+            cache: false,
+        }
+    }
+
+    /// A build tool's cache or home: what lies anywhere below it counts.
+    fn cache(dir: PathBuf, what: &'static str) -> Candidate {
+        Candidate {
+            cache: true,
+            ..Candidate::programs(dir, what, true)
+        }
+    }
 }
 
 fn program_dirs_from(
@@ -673,63 +718,53 @@ fn program_dirs_from(
         .unwrap_or_default()
         .into_iter()
         .map(|dir| Candidate {
-            dir,
-            what: ON_PATH,
             what_outside: ON_PATH_WRITABLE,
-            inside_too: false,
+            ..Candidate::programs(dir, ON_PATH, false)
         });
     let usual = homes.iter().flat_map(|home| {
-        USUAL_PROGRAM_DIRS.iter().map(|(dir, what)| Candidate {
-            dir: home.join(dir),
-            what,
-            what_outside: what,
-            inside_too: false,
-        })
+        USUAL_PROGRAM_DIRS
+            .iter()
+            .map(|(dir, what)| Candidate::programs(home.join(dir), what, false))
     });
     let cargo_what = USUAL_PROGRAM_DIRS[2].1;
-    let cargo = var("CARGO_HOME").map(|cargo| Candidate {
-        dir: PathBuf::from(cargo).join("bin"),
-        what: cargo_what,
-        what_outside: cargo_what,
-        inside_too: false,
-    });
+    let cargo = var("CARGO_HOME")
+        .map(|cargo| Candidate::programs(PathBuf::from(cargo).join("bin"), cargo_what, false));
     let cargo_homes: Vec<PathBuf> = var("CARGO_HOME")
         .map(PathBuf::from)
         .into_iter()
         .chain(homes.iter().map(|home| home.join(".cargo")))
         .collect();
     let cargo_sources = cargo_homes.into_iter().flat_map(|cargo_home| {
-        CARGO_SOURCE_DIRS.iter().map(move |(dir, what)| Candidate {
-            dir: cargo_home.join(dir),
-            what,
-            what_outside: what,
-            inside_too: true,
-        })
+        CARGO_SOURCE_DIRS
+            .iter()
+            .map(move |(dir, what)| Candidate::cache(cargo_home.join(dir), what))
     });
-    let named_variables = MANAGER_DIRS
+    let named_variables = MANAGER_DIRS.iter().map(|(variable, under_home, what)| {
+        (std::slice::from_ref(variable), *under_home, *what, false)
+    });
+    let build_caches = BUILD_CACHE_DIRS
         .iter()
-        .map(|(variable, under_home, what)| (std::slice::from_ref(variable), *under_home, *what));
-    let managers = named_variables
-        .chain(BUILD_CACHE_DIRS.iter().copied())
-        .flat_map(|(variables, under_home, what)| {
-            let moved = variables.iter().filter_map(|v| var(v)).map(PathBuf::from);
-            let xdg_moved = XDG_BASES.iter().filter_map(|(variable, default)| {
-                let rest = Path::new(under_home).strip_prefix(default).ok()?;
-                Some(PathBuf::from(var(variable)?).join(rest))
+        .map(|(variables, under_home, what)| (*variables, *under_home, *what, true));
+    let managers =
+        named_variables
+            .chain(build_caches)
+            .flat_map(|(variables, under_home, what, cache)| {
+                let moved = variables.iter().filter_map(|v| var(v)).map(PathBuf::from);
+                let xdg_moved = XDG_BASES.iter().filter_map(|(variable, default)| {
+                    let rest = Path::new(under_home).strip_prefix(default).ok()?;
+                    Some(PathBuf::from(var(variable)?).join(rest))
+                });
+                // Where it is by default too: a variable set for vmctl may not be the shells'.
+                let defaults = homes.iter().map(|home| home.join(under_home));
+                moved
+                    .chain(xdg_moved)
+                    .chain(defaults)
+                    .map(|dir| match cache {
+                        true => Candidate::cache(dir, what),
+                        false => Candidate::programs(dir, what, true),
+                    })
+                    .collect::<Vec<_>>()
             });
-            // Where it is by default too: a variable set for vmctl may not be the shells'.
-            let defaults = homes.iter().map(|home| home.join(under_home));
-            moved
-                .chain(xdg_moved)
-                .chain(defaults)
-                .map(|dir| Candidate {
-                    dir,
-                    what,
-                    what_outside: what,
-                    inside_too: true,
-                })
-                .collect::<Vec<_>>()
-        });
     // GOPATH is a list; `go install` puts programs in its first entry's bin (or
     // GOBIN), modules in its first entry's pkg/mod (or GOMODCACHE): each entry counts.
     let go_paths: Vec<PathBuf> = var("GOPATH")
@@ -740,26 +775,11 @@ fn program_dirs_from(
         .iter()
         .flat_map(|go_path| {
             [
-                Candidate {
-                    dir: go_path.join("bin"),
-                    what: go_bin_what,
-                    what_outside: go_bin_what,
-                    inside_too: false,
-                },
-                Candidate {
-                    dir: go_path.join("pkg/mod"),
-                    what: GO_MODULES,
-                    what_outside: GO_MODULES,
-                    inside_too: true,
-                },
+                Candidate::programs(go_path.join("bin"), go_bin_what, false),
+                Candidate::cache(go_path.join("pkg/mod"), GO_MODULES),
             ]
         })
-        .chain(var("GOBIN").map(|bin| Candidate {
-            dir: PathBuf::from(bin),
-            what: go_bin_what,
-            what_outside: go_bin_what,
-            inside_too: false,
-        }))
+        .chain(var("GOBIN").map(|bin| Candidate::programs(PathBuf::from(bin), go_bin_what, false)))
         .collect::<Vec<_>>();
     let resolved_homes: Vec<PathBuf> = homes
         .iter()
@@ -794,6 +814,7 @@ fn program_dirs_from(
                 dir: resolved,
                 what,
                 inside_too: candidate.inside_too,
+                cache: candidate.cache,
             }),
         }
     }
@@ -828,6 +849,7 @@ pub fn check_not_program_dir(
             program_dir: program_dir.dir.clone(),
             what: program_dir.what,
             read_only_spec: read_only_spec(&mount.spec),
+            cache: program_dir.cache,
         })));
     }
     Ok(())
@@ -2087,6 +2109,19 @@ mod tests {
                 home.join(".rustup").display()
             )),
             "{message}"
+        );
+        // A cache the guest can do without is said to be one.
+        let message = check("~/.npm").unwrap_err().to_string();
+        assert_eq!(
+            message,
+            format!(
+                "mount \"~/.npm\": {} is npm's cache, whose packages (and the checksums they \
+                 are checked against) npm installs, and a guest that could write it could \
+                 change what your next build or install on this host runs; mount it \
+                 read-only (\"~/.npm:ro\"), or leave it out (the guest keeps a cache of its \
+                 own)",
+                home.join(".npm").display()
+            )
         );
         let message = check("~/.cargo/bin").unwrap_err().to_string();
         assert!(

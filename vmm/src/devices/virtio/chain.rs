@@ -81,19 +81,50 @@ pub fn read_chain(
     }
 }
 
-/// Says why a chain was refused: the first time since the device was activated
-/// (`told` is its flag) as a guest warning, later ones at debug level (a driver that
-/// sends one such chain usually sends many, and the first says what is wrong).
-pub fn tell_refused_chain(device: &str, error: &ChainError, told: &mut bool) {
-    if *told {
-        tracing::debug!("{device}: descriptor chain refused: {error}");
-        return;
+/// What a device reads its chains with, for one activation: the chain being handled
+/// (kept for its allocation), and whether a refused chain was told yet.
+#[derive(Debug)]
+pub struct ChainReader {
+    descriptors: Vec<Descriptor>,
+    pub(super) refused_told: bool,
+}
+
+impl ChainReader {
+    /// Room for chains of up to `capacity` descriptors before it grows.
+    pub fn new(capacity: usize) -> ChainReader {
+        ChainReader {
+            descriptors: Vec::with_capacity(capacity),
+            refused_told: false,
+        }
     }
-    *told = true;
-    guest_log::guest_warn!(
-        "{device}: descriptor chain refused and returned unused: {error} (later refused chains \
-         are logged at debug level only, until the device is reset)"
-    );
+
+    /// The chain that starts at `head` ([`read_chain`]). A refused one is said: the
+    /// first time since the device was activated as a guest warning, later ones at
+    /// debug level (a driver that sends one such chain usually sends many, and the
+    /// first says what is wrong).
+    pub fn read(
+        &mut self,
+        device: &str,
+        queue: &Queue,
+        memory: &GuestMemoryMmap,
+        head: u16,
+    ) -> Result<&[Descriptor], ChainError> {
+        match read_chain(queue, memory, head, &mut self.descriptors) {
+            Ok(()) => Ok(&self.descriptors),
+            Err(error) if self.refused_told => {
+                tracing::debug!("{device}: descriptor chain refused: {error}");
+                Err(error)
+            }
+            Err(error) => {
+                self.refused_told = true;
+                guest_log::guest_warn!(
+                    "{device}: descriptor chain refused and returned unused: {error} (later \
+                     refused chains are logged at debug level only, until the device is reset)"
+                );
+                Err(error)
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -183,14 +183,7 @@ pub struct ActiveQueue {
     memory: GuestMemoryMmap,
     queue: Queue,
     interrupt: InterruptTrigger,
-    /// The chain being served, as read from guest memory (kept for its allocation).
-    descriptors: Vec<Descriptor>,
-    /// Whether a refused chain was told as a guest warning since activation.
-    refused_chain_told: bool,
-    /// Whether an available ring that cannot be read was reported (once per
-    /// activation: the device then needs a reset, and the driver's requests go
-    /// unanswered until it does one).
-    unreadable_ring_reported: bool,
+    chains: chain::ChainReader,
 }
 
 impl ActiveQueue {
@@ -202,31 +195,25 @@ impl ActiveQueue {
         let queue = single_ready_queue(queues)?;
         Ok(Self {
             memory,
-            descriptors: Vec::with_capacity(usize::from(queue.size())),
+            chains: chain::ChainReader::new(usize::from(queue.size())),
             queue,
             interrupt,
-            refused_chain_told: false,
-            unreadable_ring_reported: false,
         })
     }
 
-    /// Says, once, why the available ring cannot be read, if that is why nothing was
-    /// popped, and sets DEVICE_NEEDS_RESET (with its configuration change interrupt):
-    /// virtio-queue only logs it (and the VMM filters its log), and the driver's
-    /// requests would go unanswered without a word to the guest or the host.
-    fn report_an_unreadable_ring(&mut self, device: &str) {
-        if self.unreadable_ring_reported {
+    /// Says why the available ring cannot be read and sets DEVICE_NEEDS_RESET (with
+    /// its configuration change interrupt), once until the driver resets the device:
+    /// the driver's requests would otherwise go unanswered without a word to the
+    /// guest or the host.
+    fn report_an_unreadable_ring(&self, device: &str, why: &str) {
+        if self.interrupt.needs_reset() {
             return;
         }
-        if let Some(why) = unreadable_ring(&mut self.queue, &self.memory) {
-            guest_log::guest_warn!(
-                "{device}: the driver's available ring cannot be read ({why}); the device \
-                 needs a reset (DEVICE_NEEDS_RESET) and answers no request until the driver \
-                 resets it"
-            );
-            self.unreadable_ring_reported = true;
-            self.interrupt.signal_needs_reset();
-        }
+        guest_log::guest_warn!(
+            "{device}: the driver's available ring cannot be read ({why}); the device needs \
+             a reset (DEVICE_NEEDS_RESET) and answers no request until the driver resets it"
+        );
+        self.interrupt.signal_needs_reset();
     }
 
     /// Hands the available descriptor chains to `handle`, which says how many bytes
@@ -256,28 +243,23 @@ impl ActiveQueue {
         let mut left = self.queue.size();
         let mut bytes_left = SERVE_BYTES;
         let progress = loop {
-            let Some(chain) = self.queue.pop_descriptor_chain(&self.memory) else {
-                self.report_an_unreadable_ring(device);
-                break QueueProgress::Done;
+            let head = match pop_head(&mut self.queue, &self.memory) {
+                Ok(Some(head)) => head,
+                Ok(None) => break QueueProgress::Done,
+                Err(why) => {
+                    self.report_an_unreadable_ring(device, &why);
+                    break QueueProgress::Done;
+                }
             };
-            let head = chain.head_index();
-            let (served, asked) =
-                match chain::read_chain(&self.queue, &self.memory, head, &mut self.descriptors) {
-                    Ok(()) => {
-                        // What the guest asked for, counted as it claims it (the
-                        // handler checks).
-                        let asked: u64 = self
-                            .descriptors
-                            .iter()
-                            .map(|desc| u64::from(desc.len()))
-                            .sum();
-                        (handle(&self.descriptors, &self.memory).into(), asked)
-                    }
-                    Err(e) => {
-                        chain::tell_refused_chain(device, &e, &mut self.refused_chain_told);
-                        (Served::from(0), 0)
-                    }
-                };
+            let (served, asked) = match self.chains.read(device, &self.queue, &self.memory, head) {
+                Ok(descriptors) => {
+                    // What the guest asked for, counted as it claims it (the handler
+                    // checks).
+                    let asked: u64 = descriptors.iter().map(|desc| u64::from(desc.len())).sum();
+                    (handle(descriptors, &self.memory).into(), asked)
+                }
+                Err(_) => (Served::from(0), 0),
+            };
             if let Err(e) = self.queue.add_used(&self.memory, head, served.used_len) {
                 // A head past the table, or a used ring that cannot be written: that
                 // request can never be answered, nor the ones after it in order.
@@ -315,11 +297,14 @@ impl ActiveQueue {
     }
 }
 
-/// Why `queue`'s available ring cannot be read, if it cannot: an index more than the
-/// queue's size ahead of what was served, or a ring at guest address 0. Nothing for a
-/// ring that is merely empty.
-fn unreadable_ring(queue: &mut Queue, memory: &GuestMemoryMmap) -> Option<String> {
-    queue.iter(memory).err().map(|e| e.to_string())
+/// The head of the next available chain, taken off the ring (as virtio-queue's
+/// `pop_descriptor_chain`, whose error it keeps instead of logging it): `Ok(None)` when
+/// the ring is empty, `Err` with why when it cannot be read (an index more than the
+/// queue's size ahead of what was served, a ring at guest address 0). The ring's index
+/// is read once.
+fn pop_head(queue: &mut Queue, memory: &GuestMemoryMmap) -> Result<Option<u16>, String> {
+    let mut available = queue.iter(memory).map_err(|e| e.to_string())?;
+    Ok(available.next().map(|chain| chain.head_index()))
 }
 
 /// What a handler of [`ActiveQueue::serve`] did with one chain.
@@ -583,9 +568,9 @@ mod tests {
     fn an_avail_index_far_ahead_is_told_as_the_reason_nothing_is_served() {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let (ring, mut active) = served_queue(&memory, 0);
-        assert_eq!(unreadable_ring(&mut active.queue, &memory), None);
+        assert_eq!(pop_head(&mut active.queue, &memory), Ok(None));
         ring.avail().idx().store(RING_SIZE + 1);
-        let why = unreadable_ring(&mut active.queue, &memory).expect("a reason");
+        let why = pop_head(&mut active.queue, &memory).expect_err("a reason");
         assert!(!why.is_empty());
         let mut served = 0;
         let progress = active.serve("test", |_, _| {
@@ -593,7 +578,6 @@ mod tests {
             0
         });
         assert_eq!((progress, served), (QueueProgress::Done, 0));
-        assert!(active.unreadable_ring_reported);
         assert!(active.interrupt.needs_reset());
         assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
     }
@@ -823,6 +807,6 @@ mod tests {
             })
             .collect();
         assert_eq!(used, [(0, 0), (1, 0), (2, 0), (3, 0), (4, 7), (5, 0)]);
-        assert!(active.refused_chain_told);
+        assert!(active.chains.refused_told);
     }
 }

@@ -6,14 +6,13 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::muxer::Muxer;
 use super::packet::{read_tx_packet, PacketError, RxBuffer, MAX_CHAIN_DESCS, MAX_PKT_LEN};
-use crate::devices::virtio::chain::{read_chain, tell_refused_chain};
+use crate::devices::virtio::chain::ChainReader;
 use crate::devices::virtio::{has_available, InterruptTrigger};
 use crate::memory::GuestMemoryMmap;
 
@@ -95,10 +94,7 @@ pub struct Datapath {
     pub muxer: Muxer,
     guest_cid: u64,
     scratch: Vec<u8>,
-    /// The chain being handled, as read from guest memory (kept for its allocation).
-    descriptors: Vec<Descriptor>,
-    /// Whether a refused chain was told as a guest warning since activation.
-    refused_chain_told: bool,
+    chains: ChainReader,
 }
 
 /// Starts the worker thread.
@@ -233,8 +229,7 @@ impl Datapath {
             muxer,
             guest_cid,
             scratch: vec![0u8; MAX_PKT_LEN as usize],
-            descriptors: Vec::with_capacity(MAX_CHAIN_DESCS),
-            refused_chain_told: false,
+            chains: ChainReader::new(MAX_CHAIN_DESCS),
         }
     }
 
@@ -251,16 +246,11 @@ impl Datapath {
         let mut left = queue.size();
         while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
             let head = chain.head_index();
-            let result = match read_chain(queue, &self.memory, head, &mut self.descriptors) {
-                Ok(()) => read_tx_packet(
-                    self.descriptors.iter().copied(),
-                    &self.memory,
-                    self.guest_cid,
-                ),
-                Err(e) => {
-                    tell_refused_chain("vsock", &e, &mut self.refused_chain_told);
-                    Err(PacketError::Chain(e))
+            let result = match self.chains.read("vsock", queue, &self.memory, head) {
+                Ok(descriptors) => {
+                    read_tx_packet(descriptors.iter().copied(), &self.memory, self.guest_cid)
                 }
+                Err(e) => Err(PacketError::Chain(e)),
             };
             if let Err(e) = queue.add_used(&self.memory, head, 0) {
                 guest_log::guest_warn!("vsock: cannot return tx descriptor {head}: {e}");
@@ -299,12 +289,9 @@ impl Datapath {
                 break;
             };
             let head = chain.head_index();
-            let buffer = match read_chain(queue, &self.memory, head, &mut self.descriptors) {
-                Ok(()) => RxBuffer::from_chain(self.descriptors.iter().copied(), &self.memory),
-                Err(e) => {
-                    tell_refused_chain("vsock", &e, &mut self.refused_chain_told);
-                    Err(PacketError::Chain(e))
-                }
+            let buffer = match self.chains.read("vsock", queue, &self.memory, head) {
+                Ok(descriptors) => RxBuffer::from_chain(descriptors.iter().copied(), &self.memory),
+                Err(e) => Err(PacketError::Chain(e)),
             };
             let len = match buffer {
                 Ok(buf) => {
@@ -358,6 +345,7 @@ mod tests {
     use virtio_bindings::virtio_ring::{
         VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_INDIRECT, VRING_DESC_F_WRITE,
     };
+    use virtio_queue::desc::split::Descriptor;
     use virtio_queue::desc::RawDescriptor;
     use virtio_queue::mock::MockSplitQueue;
     use vm_memory::{Bytes, GuestAddress};

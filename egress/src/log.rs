@@ -329,45 +329,50 @@ impl DecisionLog {
             .repeating
             .iter()
             .position(|repeating| repeating.entry.same_decision(entry));
-        if let Some(mut repeating) = made_before.and_then(|at| file.repeating.remove(at)) {
-            repeating.count += 1;
-            repeating.entry.time_unix_ms = entry.time_unix_ms;
-            let mut lines = Vec::new();
-            if repeating.count.is_power_of_two() {
-                // The others' counts not yet written are older: they go first, so that
-                // the file reads in order.
-                lines.extend(file.repeating.iter_mut().filter_map(Repeating::count_line));
-                lines.extend(repeating.count_line());
-            } else {
-                repeating
-                    .unwritten_since_ms
-                    .get_or_insert(entry.time_unix_ms);
-            }
-            // Now the one made most recently.
-            file.repeating.push_back(repeating);
-            for line in &lines {
-                self.write(&mut state, which, line)?;
-            }
-            return Ok(());
-        }
-        // A refusal not being counted: the counts not yet written go first, so that
-        // the file reads in order; their refusals are still counted after it.
         let mut lines = Vec::new();
-        if file.repeating.len() >= MAX_REPEATING_REFUSALS {
-            lines.extend(
-                file.repeating
-                    .pop_front()
-                    .and_then(|mut oldest| oldest.count_line()),
-            );
+        let (repeating, line) = match made_before.and_then(|at| file.repeating.remove(at)) {
+            Some(mut repeating) => {
+                repeating.count += 1;
+                repeating.entry.time_unix_ms = entry.time_unix_ms;
+                let line = if repeating.count.is_power_of_two() {
+                    repeating.count_line()
+                } else {
+                    repeating
+                        .unwritten_since_ms
+                        .get_or_insert(entry.time_unix_ms);
+                    None
+                };
+                (repeating, line)
+            }
+            // A refusal not being counted: written whole, and counted from now on, in
+            // the place of the one made least recently once all are taken (its count
+            // written first).
+            None => {
+                if file.repeating.len() >= MAX_REPEATING_REFUSALS {
+                    lines.extend(
+                        file.repeating
+                            .pop_front()
+                            .and_then(|mut oldest| oldest.count_line()),
+                    );
+                }
+                let first = Repeating {
+                    entry: entry.clone(),
+                    count: 0,
+                    written: 0,
+                    unwritten_since_ms: None,
+                };
+                (first, Some(entry.clone()))
+            }
+        };
+        if let Some(line) = line {
+            // The others' counts not yet written are older: they go first, so that the
+            // file reads in order (their refusals are still counted after it).
+            lines.extend(file.repeating.iter_mut().filter_map(Repeating::count_line));
+            lines.push(line);
         }
-        lines.extend(file.repeating.iter_mut().filter_map(Repeating::count_line));
-        file.repeating.push_back(Repeating {
-            entry: entry.clone(),
-            count: 0,
-            written: 0,
-            unwritten_since_ms: None,
-        });
-        for line in lines.iter().chain([entry]) {
+        // Now the one made most recently.
+        file.repeating.push_back(repeating);
+        for line in &lines {
             self.write(&mut state, which, line)?;
         }
         Ok(())

@@ -504,44 +504,44 @@ const USUAL_PROGRAM_DIRS: [(&str, &str); 4] = [
 /// directories, pipx's programs in `~/.local/bin` are links into its environments, and
 /// nvm and Bun put directories of their own on PATH. Each with the variable that moves
 /// it, where it is under the home otherwise, and what it is.
-const MANAGER_DIRS: [(&str, &str, &str); 8] = [
+const MANAGER_DIRS: [(&[&str], &str, &str); 8] = [
     (
-        "RUSTUP_HOME",
+        &["RUSTUP_HOME"],
         ".rustup",
         "rustup's home, whose toolchains the cargo and rustc you run are",
     ),
     (
-        "PYENV_ROOT",
+        &["PYENV_ROOT"],
         ".pyenv",
         "pyenv's root, whose Python versions its shims on your PATH run",
     ),
     (
-        "RBENV_ROOT",
+        &["RBENV_ROOT"],
         ".rbenv",
         "rbenv's root, whose Ruby versions its shims on your PATH run",
     ),
     (
-        "ASDF_DATA_DIR",
+        &["ASDF_DATA_DIR"],
         ".asdf",
         "asdf's data directory, whose tool versions its shims on your PATH run",
     ),
     (
-        "NVM_DIR",
+        &["NVM_DIR"],
         ".nvm",
         "nvm's directory, whose Node versions your shell puts on PATH",
     ),
     (
-        "PIPX_HOME",
+        &["PIPX_HOME"],
         ".local/share/pipx",
         "pipx's home, whose environments the programs it puts in ~/.local/bin run",
     ),
     (
-        "VOLTA_HOME",
+        &["VOLTA_HOME"],
         ".volta",
         "Volta's home, whose Node tools its shims on your PATH run",
     ),
     (
-        "BUN_INSTALL",
+        &["BUN_INSTALL"],
         ".bun",
         "Bun's home, whose programs your shell puts on PATH",
     ),
@@ -633,8 +633,9 @@ const ON_PATH_WRITABLE: &str = "a directory on your PATH that you can write";
 
 /// The directories whose programs the host user runs:
 /// - under a home (made yet or not): each absolute entry of this process's `PATH` that
-///   lies there, the usual ones (`~/bin`, `~/.local/bin`, `~/.cargo/bin`),
-///   `$CARGO_HOME/bin`, and the toolchain and version managers' directories
+///   lies there, the usual ones (`~/bin`, `~/.local/bin`, `~/.cargo/bin`, `~/go/bin`),
+///   `$CARGO_HOME/bin`, `bin` and `pkg/mod` of each `$GOPATH` entry, `$GOBIN`, and the
+///   toolchain and version managers' directories
 ///   ([`MANAGER_DIRS`]: `$RUSTUP_HOME`, `$PYENV_ROOT`, `~/.rbenv`, `$ASDF_DATA_DIR`,
 ///   `~/.nvm`, pipx's `~/.local/share/pipx`, `~/.volta`, `~/.bun`), and the build
 ///   tools' caches whose contents the host's builds use unchecked
@@ -739,32 +740,30 @@ fn program_dirs_from(
             .iter()
             .map(move |(dir, what)| Candidate::cache(cargo_home.join(dir), what))
     });
-    let named_variables = MANAGER_DIRS.iter().map(|(variable, under_home, what)| {
-        (std::slice::from_ref(variable), *under_home, *what, false)
-    });
-    let build_caches = BUILD_CACHE_DIRS
+    let managers_and_caches = MANAGER_DIRS
         .iter()
-        .map(|(variables, under_home, what)| (*variables, *under_home, *what, true));
-    let managers =
-        named_variables
-            .chain(build_caches)
-            .flat_map(|(variables, under_home, what, cache)| {
-                let moved = variables.iter().filter_map(|v| var(v)).map(PathBuf::from);
-                let xdg_moved = XDG_BASES.iter().filter_map(|(variable, default)| {
-                    let rest = Path::new(under_home).strip_prefix(default).ok()?;
-                    Some(PathBuf::from(var(variable)?).join(rest))
-                });
-                // Where it is by default too: a variable set for vmctl may not be the shells'.
-                let defaults = homes.iter().map(|home| home.join(under_home));
-                moved
-                    .chain(xdg_moved)
-                    .chain(defaults)
-                    .map(|dir| match cache {
-                        true => Candidate::cache(dir, what),
-                        false => Candidate::programs(dir, what, true),
-                    })
-                    .collect::<Vec<_>>()
+        .map(|dir| (dir, false))
+        .chain(BUILD_CACHE_DIRS.iter().map(|dir| (dir, true)))
+        .flat_map(|(&(variables, under_home, what), cache)| {
+            let moved = variables.iter().filter_map(|v| var(v)).map(PathBuf::from);
+            let xdg_moved = XDG_BASES.iter().filter_map(|(variable, default)| {
+                let rest = Path::new(under_home).strip_prefix(default).ok()?;
+                Some(PathBuf::from(var(variable)?).join(rest))
             });
+            // Where it is by default too: a variable set for vmctl may not be the shells'.
+            let defaults = homes.iter().map(|home| home.join(under_home));
+            moved
+                .chain(xdg_moved)
+                .chain(defaults)
+                .map(|dir| {
+                    if cache {
+                        Candidate::cache(dir, what)
+                    } else {
+                        Candidate::programs(dir, what, true)
+                    }
+                })
+                .collect::<Vec<_>>()
+        });
     // GOPATH is a list; `go install` puts programs in its first entry's bin (or
     // GOBIN), modules in its first entry's pkg/mod (or GOMODCACHE): each entry counts.
     let go_paths: Vec<PathBuf> = var("GOPATH")
@@ -790,7 +789,7 @@ fn program_dirs_from(
         .chain(usual)
         .chain(cargo)
         .chain(cargo_sources)
-        .chain(managers)
+        .chain(managers_and_caches)
         .chain(go)
     {
         if !candidate.dir.is_absolute() {

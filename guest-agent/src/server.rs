@@ -1171,10 +1171,7 @@ fn kill_what_is_left(
     group_exists: impl FnOnce() -> bool,
     kill_group: impl FnOnce(),
 ) {
-    let cgroup_killed = match kill_cgroup {
-        Some(kill) => kill(),
-        None => false,
-    };
+    let cgroup_killed = kill_cgroup.is_some_and(|kill| kill());
     if !cgroup_killed && group_exists() {
         kill_group();
     }

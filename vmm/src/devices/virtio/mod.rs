@@ -562,6 +562,19 @@ mod tests {
         (ring, active)
     }
 
+    /// `active` hands no chain to its handler, and the device needs a reset, said with
+    /// a configuration change interrupt.
+    fn serves_nothing_and_needs_a_reset(active: &mut ActiveQueue) {
+        let mut served = 0;
+        let progress = active.serve("test", |_, _| {
+            served += 1;
+            0
+        });
+        assert_eq!((progress, served), (QueueProgress::Done, 0));
+        assert!(active.interrupt.needs_reset());
+        assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+    }
+
     /// An avail index more than a ring ahead of what was served cannot be right: the
     /// queue stops, and why is told (once); an empty ring is no fault.
     #[test]
@@ -572,14 +585,7 @@ mod tests {
         ring.avail().idx().store(RING_SIZE + 1);
         let why = pop_head(&mut active.queue, &memory).expect_err("a reason");
         assert!(!why.is_empty());
-        let mut served = 0;
-        let progress = active.serve("test", |_, _| {
-            served += 1;
-            0
-        });
-        assert_eq!((progress, served), (QueueProgress::Done, 0));
-        assert!(active.interrupt.needs_reset());
-        assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+        serves_nothing_and_needs_a_reset(&mut active);
     }
 
     /// A head past the table can never be returned to the driver (the used ring
@@ -591,14 +597,7 @@ mod tests {
         let (ring, mut active) = served_queue(&memory, 1);
         let slot = ring.avail_addr().unchecked_add(4);
         memory.write_obj(RING_SIZE + 3, slot).unwrap();
-        let mut served = 0;
-        let progress = active.serve("test", |_, _| {
-            served += 1;
-            0
-        });
-        assert_eq!((progress, served), (QueueProgress::Done, 0));
-        assert!(active.interrupt.needs_reset());
-        assert_eq!(active.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+        serves_nothing_and_needs_a_reset(&mut active);
     }
 
     /// An empty ring is no fault: nothing to reset, no interrupt.

@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use vmm::devices::virtio::vsock::muxer::{Muxer, MAX_CONNECTIONS};
 use vmm::devices::virtio::vsock::worker::{Datapath, NUM_QUEUES};
+use vmm::devices::virtio::InterruptTrigger;
 use vmm::memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EpollEvent;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::guest::{self, QueueLayout};
 use crate::input::{Reader, Writer};
@@ -156,6 +158,11 @@ fn host() -> &'static Host {
     })
 }
 
+/// The device's interrupt, raised into an event fd nobody reads.
+fn interrupt() -> InterruptTrigger {
+    InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).expect("an eventfd")))
+}
+
 /// The device's datapath over the guest's queues, and the host's sockets. One
 /// session at a time per process: they share the host's sockets (as libFuzzer runs,
 /// and as the tests that use one do, each in a binary of its own).
@@ -183,7 +190,7 @@ impl Session {
         let muxer =
             Muxer::new(GUEST_CID, &host.socket, host.listener.clone()).expect("the muxer's epoll");
         Some(Session {
-            datapath: Datapath::new(memory.clone(), queues, muxer, GUEST_CID),
+            datapath: Datapath::new(memory.clone(), queues, interrupt(), muxer, GUEST_CID),
             memory,
             accepted: Vec::new(),
             clients: Vec::new(),

@@ -104,6 +104,37 @@ impl InterruptTrigger {
         }
     }
 
+    /// Says why a queue's available ring cannot be read and sets DEVICE_NEEDS_RESET,
+    /// once until the driver resets the device: the driver's requests would otherwise
+    /// go unanswered without a word to the guest or the host.
+    pub fn report_unreadable_ring(&self, device: &str, why: &str) {
+        if self.needs_reset() {
+            return;
+        }
+        guest_log::guest_warn!(
+            "{device}: the driver's available ring cannot be read ({why}); the device needs \
+             a reset (DEVICE_NEEDS_RESET) and answers no request until the driver resets it"
+        );
+        self.signal_needs_reset();
+    }
+
+    /// Says that chain `head`, taken off a queue, cannot be returned to the driver (a
+    /// head past the table, a used ring that cannot be written) and sets
+    /// DEVICE_NEEDS_RESET: that request can never be answered, nor the ones after it
+    /// in order.
+    pub fn report_unreturnable_head(
+        &self,
+        device: &str,
+        head: u16,
+        error: &impl std::fmt::Display,
+    ) {
+        guest_log::guest_warn!(
+            "{device}: cannot return descriptor {head} to the driver: {error}; the device \
+             needs a reset (DEVICE_NEEDS_RESET)"
+        );
+        self.signal_needs_reset();
+    }
+
     /// Whether the device set DEVICE_NEEDS_RESET since the last reset.
     pub fn needs_reset(&self) -> bool {
         self.needs_reset.load(Ordering::SeqCst)
@@ -201,21 +232,6 @@ impl ActiveQueue {
         })
     }
 
-    /// Says why the available ring cannot be read and sets DEVICE_NEEDS_RESET (with
-    /// its configuration change interrupt), once until the driver resets the device:
-    /// the driver's requests would otherwise go unanswered without a word to the
-    /// guest or the host.
-    fn report_an_unreadable_ring(&self, device: &str, why: &str) {
-        if self.interrupt.needs_reset() {
-            return;
-        }
-        guest_log::guest_warn!(
-            "{device}: the driver's available ring cannot be read ({why}); the device needs \
-             a reset (DEVICE_NEEDS_RESET) and answers no request until the driver resets it"
-        );
-        self.interrupt.signal_needs_reset();
-    }
-
     /// Hands the available descriptor chains to `handle`, which says how many bytes
     /// it wrote into guest memory (and what else it cost, see [`Served`]); returns the
     /// chains to the driver and interrupts it once if it wants to be told. Serves at
@@ -243,13 +259,9 @@ impl ActiveQueue {
         let mut left = self.queue.size();
         let mut bytes_left = SERVE_BYTES;
         let progress = loop {
-            let head = match pop_head(&mut self.queue, &self.memory) {
-                Ok(Some(head)) => head,
-                Ok(None) => break QueueProgress::Done,
-                Err(why) => {
-                    self.report_an_unreadable_ring(device, &why);
-                    break QueueProgress::Done;
-                }
+            let Some(head) = take_head(&mut self.queue, &self.memory, &self.interrupt, device)
+            else {
+                break QueueProgress::Done;
             };
             let (served, asked) = match self.chains.read(device, &self.queue, &self.memory, head) {
                 Ok(descriptors) => {
@@ -261,13 +273,7 @@ impl ActiveQueue {
                 Err(_) => (Served::from(0), 0),
             };
             if let Err(e) = self.queue.add_used(&self.memory, head, served.used_len) {
-                // A head past the table, or a used ring that cannot be written: that
-                // request can never be answered, nor the ones after it in order.
-                guest_log::guest_warn!(
-                    "{device}: cannot return descriptor {head} to the driver: {e}; the \
-                     device needs a reset (DEVICE_NEEDS_RESET)"
-                );
-                self.interrupt.signal_needs_reset();
+                self.interrupt.report_unreturnable_head(device, head, &e);
                 break QueueProgress::Done;
             }
             used_any = true;
@@ -305,6 +311,20 @@ impl ActiveQueue {
 fn pop_head(queue: &mut Queue, memory: &GuestMemoryMmap) -> Result<Option<u16>, String> {
     let mut available = queue.iter(memory).map_err(|e| e.to_string())?;
     Ok(available.next().map(|chain| chain.head_index()))
+}
+
+/// [`pop_head`] for a device: the head of the next available chain, or `None` when
+/// there is none, or when the ring cannot be read, which is reported (DEVICE_NEEDS_RESET).
+pub(crate) fn take_head(
+    queue: &mut Queue,
+    memory: &GuestMemoryMmap,
+    interrupt: &InterruptTrigger,
+    device: &str,
+) -> Option<u16> {
+    pop_head(queue, memory).unwrap_or_else(|why| {
+        interrupt.report_unreadable_ring(device, &why);
+        None
+    })
 }
 
 /// What a handler of [`ActiveQueue::serve`] did with one chain.

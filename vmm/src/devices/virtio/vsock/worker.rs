@@ -13,7 +13,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::muxer::Muxer;
 use super::packet::{read_tx_packet, PacketError, RxBuffer, MAX_CHAIN_DESCS, MAX_PKT_LEN};
 use crate::devices::virtio::chain::ChainReader;
-use crate::devices::virtio::{has_available, InterruptTrigger};
+use crate::devices::virtio::{has_available, take_head, InterruptTrigger};
 use crate::memory::GuestMemoryMmap;
 
 pub const RX_QUEUE: usize = 0;
@@ -80,7 +80,6 @@ impl Drop for WorkerHandle {
 
 struct Worker {
     datapath: Datapath,
-    interrupt: InterruptTrigger,
     queue_evts: [Arc<EventFd>; NUM_QUEUES],
     stop: Arc<EventFd>,
 }
@@ -91,6 +90,8 @@ struct Worker {
 pub struct Datapath {
     memory: GuestMemoryMmap,
     queues: [Queue; NUM_QUEUES],
+    /// Also how a ring the device cannot go on with is told (DEVICE_NEEDS_RESET).
+    interrupt: InterruptTrigger,
     pub muxer: Muxer,
     guest_cid: u64,
     scratch: Vec<u8>,
@@ -112,7 +113,7 @@ pub fn spawn(
     };
     let queue_evts = [new_evt()?, new_evt()?, new_evt()?];
     let stop = new_evt()?;
-    let datapath = Datapath::new(memory, queues, muxer, guest_cid);
+    let datapath = Datapath::new(memory, queues, interrupt, muxer, guest_cid);
     let epoll = datapath.muxer.epoll();
     epoll
         .ctl(
@@ -132,7 +133,6 @@ pub fn spawn(
     }
     let worker = Worker {
         datapath,
-        interrupt,
         queue_evts: queue_evts.clone(),
         stop: stop.clone(),
     };
@@ -207,10 +207,10 @@ impl Worker {
     fn notify(&mut self, index: usize) {
         match self.datapath.needs_notification(index) {
             Ok(false) => {}
-            Ok(true) => self.interrupt.signal_used_queue(),
+            Ok(true) => self.datapath.interrupt.signal_used_queue(),
             Err(e) => {
                 tracing::warn!("vsock: cannot check whether to notify: {e}");
-                self.interrupt.signal_used_queue();
+                self.datapath.interrupt.signal_used_queue();
             }
         }
     }
@@ -220,12 +220,14 @@ impl Datapath {
     pub fn new(
         memory: GuestMemoryMmap,
         queues: [Queue; NUM_QUEUES],
+        interrupt: InterruptTrigger,
         muxer: Muxer,
         guest_cid: u64,
     ) -> Datapath {
         Datapath {
             memory,
             queues,
+            interrupt,
             muxer,
             guest_cid,
             scratch: vec![0u8; MAX_PKT_LEN as usize],
@@ -244,8 +246,7 @@ impl Datapath {
         let mut round = Round::default();
         let queue = &mut self.queues[TX_QUEUE];
         let mut left = queue.size();
-        while let Some(chain) = queue.pop_descriptor_chain(&self.memory) {
-            let head = chain.head_index();
+        while let Some(head) = take_head(queue, &self.memory, &self.interrupt, "vsock tx") {
             let result = match self.chains.read("vsock", queue, &self.memory, head) {
                 Ok(descriptors) => {
                     read_tx_packet(descriptors.iter().copied(), &self.memory, self.guest_cid)
@@ -253,7 +254,8 @@ impl Datapath {
                 Err(e) => Err(PacketError::Chain(e)),
             };
             if let Err(e) = queue.add_used(&self.memory, head, 0) {
-                guest_log::guest_warn!("vsock: cannot return tx descriptor {head}: {e}");
+                self.interrupt
+                    .report_unreturnable_head("vsock tx", head, &e);
                 break;
             }
             round.used = true;
@@ -285,10 +287,9 @@ impl Datapath {
                 break;
             }
             left -= 1;
-            let Some(chain) = queue.pop_descriptor_chain(&self.memory) else {
+            let Some(head) = take_head(queue, &self.memory, &self.interrupt, "vsock rx") else {
                 break;
             };
-            let head = chain.head_index();
             let buffer = match self.chains.read("vsock", queue, &self.memory, head) {
                 Ok(descriptors) => RxBuffer::from_chain(descriptors.iter().copied(), &self.memory),
                 Err(e) => Err(PacketError::Chain(e)),
@@ -321,7 +322,8 @@ impl Datapath {
                 }
             };
             if let Err(e) = queue.add_used(&self.memory, head, len) {
-                guest_log::guest_warn!("vsock: cannot return rx descriptor {head}: {e}");
+                self.interrupt
+                    .report_unreturnable_head("vsock rx", head, &e);
                 break;
             }
             round.used = true;
@@ -348,12 +350,12 @@ mod tests {
     use virtio_queue::desc::split::Descriptor;
     use virtio_queue::desc::RawDescriptor;
     use virtio_queue::mock::MockSplitQueue;
-    use vm_memory::{Bytes, GuestAddress};
+    use vm_memory::{Address, Bytes, GuestAddress};
 
     use super::super::packet::{Header, Op, HDR_LEN, HOST_CID, TYPE_STREAM};
     use super::super::Vsock;
     use super::*;
-    use crate::devices::virtio::VirtioDevice;
+    use crate::devices::virtio::{VirtioDevice, INTERRUPT_CONFIG_CHANGE};
 
     const CID: u64 = 3;
     const INDIRECT: u16 = VRING_DESC_F_INDIRECT as u16;
@@ -372,25 +374,33 @@ mod tests {
             .collect()
     }
 
-    /// A driver that did not negotiate VIRTIO_RING_F_INDIRECT_DESC (the device does
-    /// not offer it) must not use an indirect table: a packet sent through one is not
-    /// read, and a receive buffer given through one is not written; both go back to
-    /// the driver with a used length of 0.
-    #[test]
-    fn chains_through_an_indirect_table_are_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("v.sock");
-        let offered = Vsock::new(CID, &dir.path().join("device.sock"))
-            .unwrap()
-            .avail_features();
-        assert_eq!(offered & (1 << VIRTIO_RING_F_INDIRECT_DESC), 0);
+    /// A datapath over the rings (rx, tx, event), its muxer listening at `path`.
+    fn datapath_over(
+        mem: &GuestMemoryMmap,
+        rings: [&MockSplitQueue<'_, GuestMemoryMmap>; NUM_QUEUES],
+        path: &std::path::Path,
+    ) -> Datapath {
+        let listener = Arc::new(UnixListener::bind(path).unwrap());
+        let muxer = Muxer::new(CID, path, listener).unwrap();
+        let queues = rings.map(|ring| ring.create_queue().unwrap());
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        Datapath::new(mem.clone(), queues, interrupt, muxer, CID)
+    }
 
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let rx = MockSplitQueue::create(&mem, GuestAddress(0), 16);
-        let tx = MockSplitQueue::create(&mem, GuestAddress(0x1_0000), 16);
-        let event = MockSplitQueue::create(&mem, GuestAddress(0x2_0000), 16);
-        // A packet of an unknown operation, which the device answers with a RST.
-        const PACKET: u64 = 0x8_0000;
+    /// A vsock datapath over 16-entry rings and a fresh socket directory.
+    fn small_datapath<'a>(
+        mem: &'a GuestMemoryMmap,
+        dir: &std::path::Path,
+    ) -> ([MockSplitQueue<'a, GuestMemoryMmap>; NUM_QUEUES], Datapath) {
+        let rings =
+            [0x0, 0x1_0000, 0x2_0000].map(|at| MockSplitQueue::create(mem, GuestAddress(at), 16));
+        let datapath = datapath_over(mem, [&rings[0], &rings[1], &rings[2]], &dir.join("v.sock"));
+        (rings, datapath)
+    }
+
+    /// Writes, at guest address `at`, a packet of an unknown operation, which the
+    /// device answers with a RST.
+    fn write_unknown_op_packet(mem: &GuestMemoryMmap, at: u64) {
         let packet = Header {
             src_cid: CID,
             dst_cid: HOST_CID,
@@ -400,8 +410,80 @@ mod tests {
             op: 42,
             ..Header::default()
         };
-        mem.write_slice(&packet.to_bytes(), GuestAddress(PACKET))
+        mem.write_slice(&packet.to_bytes(), GuestAddress(at))
             .unwrap();
+    }
+
+    /// A tx ring whose available index is more than a ring ahead cannot be read: the
+    /// device needs a reset, said once with a configuration change interrupt, and
+    /// nothing is taken. (Before: virtio-queue logged it on every kick, and the
+    /// driver waited for ever.)
+    #[test]
+    fn an_unreadable_tx_ring_makes_the_device_need_a_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (rings, mut datapath) = small_datapath(&mem, dir.path());
+        assert_eq!(datapath.process_tx(), Round::default());
+        assert!(
+            !datapath.interrupt.needs_reset(),
+            "an empty ring is no fault"
+        );
+        rings[TX_QUEUE].avail().idx().store(16 + 1);
+        assert_eq!(datapath.process_tx(), Round::default());
+        assert!(datapath.interrupt.needs_reset());
+        assert_eq!(datapath.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+    }
+
+    /// A receive buffer whose head lies past the table can never be returned: the
+    /// device needs a reset. The same for an unreadable rx ring.
+    #[test]
+    fn rx_rings_the_device_cannot_go_on_with_make_it_need_a_reset() {
+        for break_ring in [
+            |ring: &MockSplitQueue<'_, GuestMemoryMmap>, mem: &GuestMemoryMmap| {
+                ring.add_desc_chains(&[raw(0x8_0000, 4096, W)], 0).unwrap();
+                mem.write_obj(16u16 + 3, ring.avail_addr().unchecked_add(4))
+                    .unwrap();
+            },
+            |ring: &MockSplitQueue<'_, GuestMemoryMmap>, _: &GuestMemoryMmap| {
+                ring.avail().idx().store(16 + 1);
+            },
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+            let (rings, mut datapath) = small_datapath(&mem, dir.path());
+            // Something for the guest: the RST that answers the packet.
+            write_unknown_op_packet(&mem, 0x9_0000);
+            rings[TX_QUEUE]
+                .add_desc_chains(&[raw(0x9_0000, HDR_LEN as u32, 0)], 0)
+                .unwrap();
+            datapath.process_tx();
+            assert!(datapath.muxer.has_pending_rx());
+            assert!(!datapath.interrupt.needs_reset());
+
+            break_ring(&rings[RX_QUEUE], &mem);
+            assert!(!datapath.process_rx().used);
+            assert!(datapath.interrupt.needs_reset());
+            assert_eq!(datapath.interrupt.status(), INTERRUPT_CONFIG_CHANGE);
+        }
+    }
+
+    /// A driver that did not negotiate VIRTIO_RING_F_INDIRECT_DESC (the device does
+    /// not offer it) must not use an indirect table: a packet sent through one is not
+    /// read, and a receive buffer given through one is not written; both go back to
+    /// the driver with a used length of 0.
+    #[test]
+    fn chains_through_an_indirect_table_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let offered = Vsock::new(CID, &dir.path().join("device.sock"))
+            .unwrap()
+            .avail_features();
+        assert_eq!(offered & (1 << VIRTIO_RING_F_INDIRECT_DESC), 0);
+
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let (rings, mut datapath) = small_datapath(&mem, dir.path());
+        let [rx, tx, _event] = &rings;
+        const PACKET: u64 = 0x8_0000;
+        write_unknown_op_packet(&mem, PACKET);
         // One-entry indirect tables: the packet, and a receive buffer.
         const TX_TABLE: u64 = 0x9_0000;
         const RX_TABLE: u64 = 0x9_1000;
@@ -421,16 +503,8 @@ mod tests {
         )
         .unwrap();
 
-        let listener = Arc::new(UnixListener::bind(&path).unwrap());
-        let muxer = Muxer::new(CID, &path, listener).unwrap();
-        let queues = [
-            rx.create_queue().unwrap(),
-            tx.create_queue().unwrap(),
-            event.create_queue().unwrap(),
-        ];
-        let mut datapath = Datapath::new(mem.clone(), queues, muxer, CID);
         assert!(datapath.process_tx().used);
-        assert_eq!(used(&tx), [(0, 0)]);
+        assert_eq!(used(tx), [(0, 0)]);
         assert!(!datapath.muxer.has_pending_rx(), "the packet was read");
         assert_eq!(datapath.muxer.stats.bad_packets, 1);
 
@@ -441,7 +515,7 @@ mod tests {
         datapath.process_tx();
         assert!(datapath.muxer.has_pending_rx());
         assert!(datapath.process_rx().used);
-        assert_eq!(used(&rx), [(0, 0), (1, HDR_LEN as u32)]);
+        assert_eq!(used(rx), [(0, 0), (1, HDR_LEN as u32)]);
         let mut untouched = [0u8; HDR_LEN];
         mem.read_slice(&mut untouched, GuestAddress(TABLE_BUFFER))
             .unwrap();

@@ -442,6 +442,65 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
         crate::artifacts::cache_dir(),
     );
     kept_out.extend(sign_in_dirs_moved());
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|dir| dir.is_absolute());
+    kept_out.extend(session_dirs_kept_out(
+        &[PathBuf::from("/tmp"), std::env::temp_dir()],
+        &[Some(PathBuf::from(format!("/run/user/{uid}"))), runtime]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>(),
+        crate::state::private_tmp_dir(),
+    ));
+    kept_out
+}
+
+/// The directories every program of the user's session shares, which no share may be
+/// or hold: the temporary directories (`tmp`: Kerberos tickets, other programs' files,
+/// the jobs of `vmctl nested-exec` with their whole environment) and the user's
+/// runtime directory (`runtime`, nothing inside it either: podman's registry sign-in,
+/// keyring and agent sockets). Both also hold vmctl's own sockets, relocated there
+/// when a VM's own directory makes their paths too long (`private`, nothing inside it
+/// either): a guest that could write there would point the VMM's sockets elsewhere
+/// with a link (its own guest agent, another VM's, the host's Docker socket).
+fn session_dirs_kept_out(tmp: &[PathBuf], runtime: &[PathBuf], private: PathBuf) -> Vec<KeptOut> {
+    let kept = |dir: &Path, what, inside_too| KeptOut {
+        dir: crate::state::resolve_existing_part(dir),
+        what,
+        inside_too,
+        instead: None,
+    };
+    let runtime = runtime.iter().map(|dir| {
+        kept(
+            dir,
+            "your runtime directory (your session's sockets and credentials, vmctl's sockets)",
+            true,
+        )
+    });
+    let tmp = tmp.iter().map(|dir| {
+        kept(
+            dir,
+            "a temporary directory every program shares (their files and tickets, vmctl's \
+             sockets)",
+            false,
+        )
+    });
+    let private = kept(
+        &private,
+        "vmctl's own directory for sockets (the VMs' and the daemon's)",
+        true,
+    );
+    // The first that a share meets is what it is told; the same directory twice
+    // (TMPDIR unset, XDG_RUNTIME_DIR the usual one) would never be met.
+    let mut kept_out: Vec<KeptOut> = Vec::new();
+    for candidate in runtime.chain(tmp).chain([private]) {
+        if !kept_out.iter().any(|k| k.dir == candidate.dir) {
+            kept_out.push(candidate);
+        }
+    }
     kept_out
 }
 
@@ -878,7 +937,7 @@ const GITHUB_INSTEAD: &str = "for git push and gh in the VM, store a GitHub toke
      stays on the host, and the egress proxy adds it to the VM's requests to GitHub (git \
      over HTTPS; an SSH remote would need the key itself)";
 
-pub const CREDENTIAL_DIRS: [CredentialDir; 14] = [
+pub const CREDENTIAL_DIRS: [CredentialDir; 20] = [
     CredentialDir {
         dir: ".ssh",
         what: "your SSH keys' directory",
@@ -940,6 +999,48 @@ pub const CREDENTIAL_DIRS: [CredentialDir; 14] = [
         instead: None,
     },
     CredentialDir {
+        dir: ".config/git",
+        what: "git's own config directory (its credential store among it)",
+        inside_too: true,
+        instead: Some(GITHUB_INSTEAD),
+    },
+    CredentialDir {
+        dir: ".config/containers",
+        what: "podman's config directory (its registry sign-in)",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".terraform.d",
+        what: "Terraform's credentials directory",
+        inside_too: true,
+        instead: None,
+    },
+    CredentialDir {
+        dir: ".config/rclone",
+        what: "rclone's config directory (its cloud storage tokens)",
+        inside_too: true,
+        instead: None,
+    },
+    // Their tops hold the repositories' passwords (`gradle.properties`, Maven's
+    // `settings.xml` and `settings-security.xml`), which read-only would hand the guest
+    // just the same; the caches below may be shared read-only (writable, they are
+    // refused as the host's builds use them unchecked: [`BUILD_CACHE_DIRS`]).
+    CredentialDir {
+        dir: ".gradle",
+        what: "Gradle's home (gradle.properties holds your repositories' passwords)",
+        inside_too: false,
+        instead: Some(
+            "share its dependency cache read-only instead: `--mount ~/.gradle/caches:ro`",
+        ),
+    },
+    CredentialDir {
+        dir: ".m2",
+        what: "Maven's home (settings.xml holds your repositories' passwords)",
+        inside_too: false,
+        instead: Some("share its repository read-only instead: `--mount ~/.m2/repository:ro`"),
+    },
+    CredentialDir {
         dir: ".claude",
         what: "Claude Code's sign-in directory",
         inside_too: false,
@@ -979,26 +1080,54 @@ const CODEX_INSTEAD: &str = "Codex in the VM signs in through the egress proxy i
 const CARGO_INSTEAD: &str = "the directories inside it hold no token and may be shared \
      (its download cache read-only, say: `--mount ~/.cargo/registry:ro`)";
 
-/// Where `CLAUDE_CONFIG_DIR`, `CODEX_HOME` and `CARGO_HOME` move the agents' sign-ins
-/// and Cargo's crates.io token, when set.
+/// The variables that move a credential directory, and the directory ([`CREDENTIAL_DIRS`])
+/// they move.
+const CREDENTIAL_DIR_VARIABLES: [(&str, &str); 10] = [
+    ("CLAUDE_CONFIG_DIR", ".claude"),
+    ("CODEX_HOME", ".codex"),
+    ("CARGO_HOME", ".cargo"),
+    ("GNUPGHOME", ".gnupg"),
+    ("DOCKER_CONFIG", ".docker"),
+    ("GH_CONFIG_DIR", ".config/gh"),
+    ("PASSWORD_STORE_DIR", ".password-store"),
+    ("CLOUDSDK_CONFIG", ".config/gcloud"),
+    ("GRADLE_USER_HOME", ".gradle"),
+    ("TF_CLI_CONFIG_DIR", ".terraform.d"),
+];
+
+/// Where [`CREDENTIAL_DIR_VARIABLES`] move the credential directories, and the files
+/// `KUBECONFIG` names (kubectl's cluster credentials, which may lie in a project:
+/// that project is then refused, as it holds them).
 fn sign_in_dirs_moved() -> Vec<KeptOut> {
-    [
-        ("CLAUDE_CONFIG_DIR", ".claude"),
-        ("CODEX_HOME", ".codex"),
-        ("CARGO_HOME", ".cargo"),
-    ]
-    .into_iter()
-    .filter_map(|(variable, default)| {
-        let dir = PathBuf::from(std::env::var_os(variable)?);
-        let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
-        dir.is_absolute().then(|| KeptOut {
-            dir: crate::state::resolve_existing_part(&dir),
-            what: usual.what,
-            inside_too: usual.inside_too,
-            instead: usual.instead,
+    sign_in_dirs_moved_by(|name| std::env::var_os(name).filter(|value| !value.is_empty()))
+}
+
+fn sign_in_dirs_moved_by(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<KeptOut> {
+    let kube_configs = var("KUBECONFIG")
+        .map(|list| std::env::split_paths(&list).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|file| file.is_absolute())
+        .map(|file| KeptOut {
+            dir: crate::state::resolve_existing_part(&file),
+            what: "kubectl's credentials file (KUBECONFIG)",
+            inside_too: false,
+            instead: None,
+        });
+    CREDENTIAL_DIR_VARIABLES
+        .into_iter()
+        .filter_map(|(variable, default)| {
+            let dir = PathBuf::from(var(variable)?);
+            let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
+            dir.is_absolute().then(|| KeptOut {
+                dir: crate::state::resolve_existing_part(&dir),
+                what: usual.what,
+                inside_too: usual.inside_too,
+                instead: usual.instead,
+            })
         })
-    })
-    .collect()
+        .chain(kube_configs)
+        .collect()
 }
 
 fn kept_out_from(
@@ -2645,6 +2774,51 @@ mod tests {
         )
     }
 
+    /// The session's shared directories: none may be shared or held by a share, and
+    /// nothing inside the runtime directory or vmctl's socket directory; a project
+    /// inside /tmp may. (Review: `cd /tmp && vmctl run` gave the guest vmctl's
+    /// relocated socket directories, where a link made the VMM connect the guest to
+    /// its own agent or the host's Docker socket.)
+    #[test]
+    fn the_sessions_temporary_and_runtime_directories_are_kept_out() {
+        let kept_out = session_dirs_kept_out(
+            &["/nonexistent/tmp".into(), "/nonexistent/tmp".into()],
+            &["/nonexistent/run/user/1000".into()],
+            "/nonexistent/tmp/vmctl-1000".into(),
+        );
+        assert_eq!(kept_out.len(), 3, "the same directory is kept out once");
+        let refusal = |host: &str| match check_kept_out(&share(host, "/x"), &kept_out) {
+            Ok(()) => None,
+            Err(error @ ShareError::KeptOut { .. }) => Some(error.to_string()),
+            Err(other) => panic!("{other}"),
+        };
+        assert_eq!(refusal("/nonexistent/tmp/project"), None);
+        assert_eq!(refusal("/nonexistent/srv"), None);
+        for (host, says) in [
+            (
+                "/nonexistent/tmp",
+                "a temporary directory every program shares",
+            ),
+            ("/nonexistent", "your runtime directory"),
+            ("/nonexistent/run/user", "your runtime directory"),
+            (
+                "/nonexistent/run/user/1000/containers",
+                "your runtime directory",
+            ),
+            (
+                "/nonexistent/tmp/vmctl-1000",
+                "vmctl's own directory for sockets",
+            ),
+            (
+                "/nonexistent/tmp/vmctl-1000/vm-1234/vsock",
+                "vmctl's own directory for sockets",
+            ),
+        ] {
+            let refusal = refusal(host).unwrap_or_else(|| panic!("{host} was shared"));
+            assert!(refusal.contains(says), "{host}: {refusal}");
+        }
+    }
+
     /// The credential directories in a home are kept out, and anything inside them;
     /// the home's other directories are not.
     #[test]
@@ -2664,6 +2838,13 @@ mod tests {
             (".config/gh", true),
             (".docker", true),
             (".kube", true),
+            (".config/git", true),
+            (".config/containers", true),
+            (".terraform.d", true),
+            (".config/rclone", true),
+            // Their passwords are at the top; the caches below may be shared read-only.
+            (".gradle", false),
+            (".m2", false),
             // The agents' sign-in is at the top; their worktrees below may be shared.
             (".claude", false),
             (".codex", false),
@@ -2688,6 +2869,54 @@ mod tests {
             .contains("Claude Code's sign-in directory"));
         assert_eq!(refusal("/nonexistent-home/me/project"), None);
         assert_eq!(refusal("/nonexistent-home/me/.sshfs"), None);
+    }
+
+    /// Where the tools' variables move their credentials is kept out as their usual
+    /// directory is, and so is each file KUBECONFIG names (with what holds it: a
+    /// project that keeps one). Relative and empty values move nothing.
+    #[test]
+    fn credentials_moved_by_variables_are_kept_out() {
+        let kept_out = sign_in_dirs_moved_by(|name| {
+            match name {
+                "GNUPGHOME" => Some("/nonexistent/keys/gpg"),
+                "DOCKER_CONFIG" => Some("relative/docker"),
+                "KUBECONFIG" => {
+                    Some("/nonexistent/project/kubeconfig:relative:/nonexistent/k8s/admin.conf")
+                }
+                "GRADLE_USER_HOME" => Some("/nonexistent/gradle"),
+                _ => None,
+            }
+            .map(Into::into)
+        });
+        let refusal = |host: &str| {
+            check_kept_out(&share(host, "/x"), &kept_out)
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (host, says) in [
+            ("/nonexistent/keys/gpg", "GnuPG"),
+            ("/nonexistent/keys/gpg/private-keys-v1.d", "GnuPG"),
+            (
+                "/nonexistent/project",
+                "kubectl's credentials file (KUBECONFIG)",
+            ),
+            (
+                "/nonexistent/k8s",
+                "kubectl's credentials file (KUBECONFIG)",
+            ),
+            ("/nonexistent/gradle", "Gradle's home"),
+        ] {
+            let refusal = refusal(host).unwrap_or_else(|| panic!("{host} was shared"));
+            assert!(refusal.contains(says), "{host}: {refusal}");
+        }
+        assert_eq!(refusal("/nonexistent/gradle/caches"), None);
+        assert_eq!(refusal("/nonexistent/elsewhere"), None);
+        assert_eq!(
+            kept_out.len(),
+            4,
+            "{:?}",
+            kept_out.iter().map(|k| &k.dir).collect::<Vec<_>>()
+        );
     }
 
     /// A refusal of a directory shared for a sign-in names what gives the VM that

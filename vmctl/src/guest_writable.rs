@@ -218,29 +218,108 @@ fn move_up(parent: BorrowedFd<'_>, name: &OsStr, top: BorrowedFd<'_>) -> io::Res
     Err(io::Error::other("no free name to move a deep directory to"))
 }
 
-/// Copies `from` (a file, a symlink or a directory tree of the host's own, whose
-/// symlinks are copied as links, never followed) to the new entry `name` of `parent`,
-/// read-only: files 0444, directories 0555. `name` must not exist yet ([`remove`]).
+/// Copies `from` (a file, a symlink or a directory tree, whose symlinks are copied as
+/// links, never followed) to the new entry `name` of `parent`, read-only: files 0444,
+/// directories 0555. `name` must not exist yet ([`remove`]).
+///
+/// The source may lie where a guest can write too (the user's skills directory shared
+/// into some VM), so it is read as the target is written: from the directory holding
+/// `from` (the user's own path) down, one directory descriptor at a time, no link
+/// followed. A guest that swaps a directory for a link to `~/.ssh` between its
+/// listing and its copy gets nothing copied for it: an entry that is no longer what
+/// it was listed as is left out. Sockets, FIFOs and devices are not instructions:
+/// left out too.
 pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
-    let (parent, name) = (parent.as_fd(), name.as_ref());
-    let meta = std::fs::symlink_metadata(from)?;
-    let kind = meta.file_type();
-    if kind.is_symlink() {
-        rustix::fs::symlinkat(std::fs::read_link(from)?, parent, name)?;
-    } else if kind.is_dir() {
-        rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
-        let dir = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
-        for entry in std::fs::read_dir(from)? {
-            let entry = entry?;
-            copy_read_only(&entry.path(), &dir, entry.file_name())?;
+    let (Some(source_dir), Some(source_name)) = (from.parent(), from.file_name()) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{}: not a file or directory to copy", from.display()),
+        ));
+    };
+    let source_dir = open_dir(source_dir)?;
+    let source = Entry {
+        dir: source_dir.as_fd(),
+        name: source_name,
+    };
+    copy_entry(source, parent.as_fd(), name.as_ref(), 0)
+}
+
+/// An entry of a directory the host holds open.
+#[derive(Clone, Copy)]
+struct Entry<'a> {
+    dir: BorrowedFd<'a>,
+    name: &'a OsStr,
+}
+
+fn copy_entry(
+    source: Entry<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    depth: usize,
+) -> io::Result<()> {
+    let stat = match rustix::fs::statat(source.dir, source.name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(stat) => stat,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    match FileType::from_raw_mode(stat.st_mode) {
+        FileType::Symlink => {
+            let target = match rustix::fs::readlinkat(source.dir, source.name, Vec::new()) {
+                Ok(target) => target,
+                // Replaced by something else since: left out.
+                Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            };
+            rustix::fs::symlinkat(OsStr::from_bytes(target.as_bytes()), parent, name)?;
         }
-        rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o555))?;
-    } else if kind.is_file() {
-        create_read_only(parent, name, |to| {
-            io::copy(&mut File::open(from)?, to).map(drop)
-        })?;
+        FileType::Directory => {
+            if depth >= MAX_DEPTH {
+                return Err(io::Error::other(format!(
+                    "{}: directories nested deeper than {MAX_DEPTH}",
+                    name.to_string_lossy()
+                )));
+            }
+            let listed =
+                match rustix::fs::openat(source.dir, source.name, dir_flags(), Mode::empty()) {
+                    Ok(dir) => dir,
+                    Err(
+                        rustix::io::Errno::LOOP
+                        | rustix::io::Errno::NOTDIR
+                        | rustix::io::Errno::NOENT,
+                    ) => return Ok(()),
+                    Err(e) => return Err(e.into()),
+                };
+            rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
+            let copy = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
+            for entry in rustix::fs::Dir::read_from(&listed)? {
+                let entry = entry?;
+                let child = OsStr::from_bytes(entry.file_name().to_bytes());
+                if child != "." && child != ".." {
+                    let source = Entry {
+                        dir: listed.as_fd(),
+                        name: child,
+                    };
+                    copy_entry(source, copy.as_fd(), child, depth + 1)?;
+                }
+            }
+            rustix::fs::fchmod(&copy, Mode::from_raw_mode(0o555))?;
+        }
+        FileType::RegularFile => {
+            // Non-blocking: a FIFO swapped in meanwhile must not hold the copy up (it
+            // is then left out, as what is open is no regular file).
+            let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+            let file = match rustix::fs::openat(source.dir, source.name, flags, Mode::empty()) {
+                Ok(file) => File::from(file),
+                Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            };
+            if FileType::from_raw_mode(rustix::fs::fstat(&file)?.st_mode) != FileType::RegularFile {
+                return Ok(());
+            }
+            create_read_only(parent, name, |to| io::copy(&mut &file, to).map(drop))?;
+        }
+        _ => {}
     }
-    // Sockets, FIFOs and devices are not instructions: left out.
     Ok(())
 }
 
@@ -281,7 +360,7 @@ pub(crate) fn make_fifo(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::{symlink, PermissionsExt};
+    use std::os::unix::fs::{symlink, FileTypeExt, PermissionsExt};
 
     #[test]
     fn only_regular_files_are_read() {
@@ -368,6 +447,78 @@ mod tests {
         remove(open_dir(&to).unwrap(), "copy").unwrap();
         assert!(!copy.exists());
         remove(open_dir(&to).unwrap(), "copy").unwrap();
+    }
+
+    /// A source a guest can write into (the user's skills shared into a VM) is read
+    /// without following a link it swaps in: while a directory of it keeps turning into
+    /// a link to the user's keys and back, no copy ever holds a key. (Review: each
+    /// entry was looked up again by its whole path, so a directory listed before the
+    /// swap was read through the link after it.) FIFOs are left out, never waited on.
+    #[test]
+    fn a_source_the_guest_swaps_links_into_never_gives_it_what_they_lead_to() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        const KEY: &str = "-----BEGIN OPENSSH PRIVATE KEY-----";
+        let tmp = tempfile::tempdir().unwrap();
+        let keys = tmp.path().join("ssh");
+        std::fs::create_dir(&keys).unwrap();
+        let skills = tmp.path().join("skills");
+        let swapped = skills.join("x");
+        std::fs::create_dir_all(&swapped).unwrap();
+        for i in 0..300 {
+            std::fs::write(keys.join(format!("id_{i}")), KEY).unwrap();
+            std::fs::write(swapped.join(format!("id_{i}")), "a skill").unwrap();
+        }
+        make_fifo(&skills.join("fifo"));
+        let to = tmp.path().join("to");
+        std::fs::create_dir(&to).unwrap();
+
+        // Set however the copies end (a failed assertion too), or the swapping thread
+        // would keep the scope from ever ending.
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let aside = skills.join("x.aside");
+                while !stop.load(Ordering::Relaxed) {
+                    std::fs::rename(&swapped, &aside).unwrap();
+                    symlink(&keys, &swapped).unwrap();
+                    std::thread::yield_now();
+                    std::fs::remove_file(&swapped).unwrap();
+                    std::fs::rename(&aside, &swapped).unwrap();
+                }
+            });
+            let _stop = StopOnDrop(&stop);
+            for round in 0..200 {
+                let name = format!("copy{round}");
+                copy_read_only(&skills, open_dir(&to).unwrap(), &name).unwrap();
+                for entry in walk(&to.join(&name)) {
+                    let meta = std::fs::symlink_metadata(&entry).unwrap();
+                    assert!(!meta.file_type().is_fifo(), "{}", entry.display());
+                    if meta.is_file() {
+                        let text = std::fs::read_to_string(&entry).unwrap();
+                        assert_ne!(text, KEY, "{} holds a key", entry.display());
+                    }
+                }
+            }
+        });
+    }
+
+    /// Every path below `dir`, links not followed.
+    fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if std::fs::symlink_metadata(&path).unwrap().is_dir() {
+                found.extend(walk(&path));
+            }
+            found.push(path);
+        }
+        found
     }
 
     /// The guest's symlinks lead nowhere: removing one removes the link, a directory

@@ -401,7 +401,8 @@ pub struct VmSetupArgs {
     pub mounts: Vec<String>,
     /// Relay the host's 127.0.0.1:PORT into the VM: a guest connection to its
     /// 127.0.0.1:PORT reaches it. Repeatable; also `relay_ports` in the config file.
-    /// Paseo's port (6767) is always relayed.
+    /// Paseo's port (6767) is relayed too, unless `relay_paseo = false` in the config
+    /// file (a guest that reaches Paseo can start agents outside any VM).
     #[arg(long = "relay-port", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub relay_ports: Vec<u16>,
     #[command(flatten)]

@@ -5,6 +5,7 @@
 //! # every workspace
 //! mounts = ["~/.gitconfig-dir:ro"]
 //! relay_ports = [5432]          # host loopback ports every VM reaches at 127.0.0.1
+//! relay_paseo = false           # Paseo's 6767 too? (default true; see relays_paseo)
 //! idle_timeout_s = 30           # a VM stops this long after its last session
 //! isolation = "workspace"       # or "directory": which VM a directory belongs to
 //! cpus = 2                      # a new VM's vCPUs (default: all)
@@ -68,9 +69,12 @@ pub struct UserConfig {
     /// Shares (`HOST[:GUEST][:ro]`) of every workspace VM.
     #[serde(default)]
     pub mounts: Vec<String>,
-    /// Host loopback ports relayed into every workspace VM (Paseo's 6767 always is).
+    /// Host loopback ports relayed into every workspace VM.
     #[serde(default)]
     pub relay_ports: Vec<u16>,
+    /// Whether Paseo's port is relayed into every workspace VM (default: yes).
+    #[serde(default)]
+    pub relay_paseo: Option<bool>,
     /// Seconds a VM keeps running after its last session ends (default 30).
     #[serde(default)]
     pub idle_timeout_s: Option<u64>,
@@ -99,6 +103,8 @@ pub struct WorkspaceConfig {
     pub mounts: Vec<String>,
     #[serde(default)]
     pub relay_ports: Vec<u16>,
+    #[serde(default)]
+    pub relay_paseo: Option<bool>,
     #[serde(default)]
     pub cpus: Option<u32>,
     #[serde(default)]
@@ -249,6 +255,23 @@ impl UserConfig {
             ports.extend(settings.relay_ports.iter().copied());
         }
         ports
+    }
+
+    /// Whether Paseo's port is relayed into the VM of `workspace`: yes, unless the
+    /// workspace's settings or, failing those, the global ones say no. Paseo's daemon
+    /// takes any local client, so a guest that reaches it can start agents outside any
+    /// VM; the MCP servers an agent session names are relayed anyway.
+    pub fn relays_paseo(&self, workspace: &Path) -> bool {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        self.relays_paseo_with_home(workspace, home.as_deref())
+    }
+
+    fn relays_paseo_with_home(&self, workspace: &Path, home: Option<&Path>) -> bool {
+        self.settings_of(workspace, home)
+            .fold(self.relay_paseo, |global, settings| {
+                settings.relay_paseo.or(global)
+            })
+            .unwrap_or(true)
     }
 
     /// The sections that apply to `workspace`, weakest first: for a git worktree, its
@@ -431,6 +454,26 @@ mounts = ["/srv/other"]
             config.mounts_for_with_home(dir.path(), Some(dir.path())),
             ["~/.gitconfig-dir:ro"]
         );
+    }
+
+    #[test]
+    fn paseo_is_relayed_unless_the_workspace_or_else_the_global_settings_say_no() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        std::fs::create_dir(&project).unwrap();
+        let relays = |text: &str, workspace: &Path| {
+            let config: UserConfig = toml::from_str(text).unwrap();
+            config.relays_paseo_with_home(workspace, Some(dir.path()))
+        };
+        assert!(relays("", &project));
+        assert!(!relays("relay_paseo = false\n", &project));
+        let only_project = "[workspaces.\"~/project\"]\nrelay_paseo = false\n";
+        assert!(!relays(only_project, &project));
+        assert!(relays(only_project, dir.path()));
+        let all_but_project =
+            "relay_paseo = false\n[workspaces.\"~/project\"]\nrelay_paseo = true\n";
+        assert!(relays(all_but_project, &project));
+        assert!(!relays(all_but_project, dir.path()));
     }
 
     #[test]

@@ -794,10 +794,13 @@ fn host_memory_mib() -> Option<u64> {
     Some(kib / 1024)
 }
 
-/// Paseo's port, the config's relay ports for `workspace`, then `extra`, without
-/// repeats.
+/// Paseo's port (unless the config says not to), the config's relay ports for
+/// `workspace`, then `extra`, without repeats.
 fn relays_for(config: &UserConfig, workspace: &Path, extra: &[u16]) -> Vec<u16> {
-    let mut ports = vec![crate::network::PASEO_PORT];
+    let mut ports = Vec::new();
+    if config.relays_paseo(workspace) {
+        ports.push(crate::network::PASEO_PORT);
+    }
     ports.extend(config.relay_ports_for(workspace));
     ports.extend(extra);
     let mut seen = std::collections::BTreeSet::new();
@@ -1596,6 +1599,36 @@ fn format_duration(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Paseo's port first unless the config turns it off; then the config's ports and
+    /// the extra ones, each once.
+    #[test]
+    fn the_relays_are_paseos_unless_turned_off_then_the_configs_and_the_extra_ones() {
+        let workspace = tempfile::tempdir().unwrap();
+        let config = |text: &str| -> UserConfig { toml::from_str(text).unwrap() };
+        let paseo = crate::network::PASEO_PORT;
+        assert_eq!(
+            relays_for(
+                &config("relay_ports = [5432]"),
+                workspace.path(),
+                &[8080, 5432]
+            ),
+            [paseo, 5432, 8080]
+        );
+        assert_eq!(
+            relays_for(
+                &config("relay_paseo = false\nrelay_ports = [5432]"),
+                workspace.path(),
+                &[paseo]
+            ),
+            [5432, paseo],
+            "asked for by a session, it is relayed all the same"
+        );
+        assert_eq!(
+            relays_for(&config("relay_paseo = false"), workspace.path(), &[]),
+            [] as [u16; 0]
+        );
+    }
 
     /// An exclusive `flock` on `path` (created if missing), held until the file drops:
     /// another vmctl's start lock, without the directory checks of [`lock_start`].

@@ -91,7 +91,8 @@ pub enum Command {
     /// The stopped VMs of workspace directories that no longer exist (removed
     /// worktrees), throwaway VMs a `vmctl run` left behind (their state, logs and agent
     /// transcripts), and the directories of starts refused before a VM was recorded
-    /// (after a minute). Running ones are left, and named.
+    /// (after a minute). Running ones are left (those of removed directories are
+    /// named).
     Prune(PruneArgs),
     /// The TCP ports listening in the VM, and which are published on the host.
     ///

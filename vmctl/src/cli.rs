@@ -254,7 +254,9 @@ pub struct PublishArgs {
     /// The host port (default: a free one, printed).
     #[arg(long, value_name = "N")]
     pub host_port: Option<u16>,
-    /// The host address to listen on.
+    /// The host address to listen on. A browser sends a page served at 127.0.0.1 the
+    /// cookies of every other 127.0.0.1 service (ports do not count): give a server
+    /// you do not trust an address of its own, such as 127.0.0.2.
     #[arg(long, value_name = "A", default_value = "127.0.0.1")]
     pub address: std::net::IpAddr,
 }

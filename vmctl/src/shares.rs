@@ -2873,7 +2873,7 @@ mod tests {
 
     /// Where the tools' variables move their credentials is kept out as their usual
     /// directory is, and so is each file KUBECONFIG names (with what holds it: a
-    /// project that keeps one). Relative and empty values move nothing.
+    /// project that keeps one). Relative values move nothing.
     #[test]
     fn credentials_moved_by_variables_are_kept_out() {
         let kept_out = sign_in_dirs_moved_by(|name| {

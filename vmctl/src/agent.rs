@@ -235,6 +235,14 @@ fn user_home() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// How much of each instruction file or skill directory a VM's agent home gets: far
+/// more than instructions take, far less than a guest that can write one (shared into
+/// some VM) could make of it.
+const SEED_LIMITS: guest_writable::CopyLimits = guest_writable::CopyLimits {
+    bytes: 128 << 20,
+    entries: 20_000,
+};
+
 /// Refreshes the VM's copy of the user's instructions and skill directories (made
 /// read-only, so what the agent in the VM changes is its own business, never the
 /// user's); the VM's transcripts and settings beside them are kept. The guest can write
@@ -265,7 +273,21 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         // to any of the user's (a key), to be copied here for it to read.
         let from = source.join(name);
         if from.exists() {
-            guest_writable::copy_read_only(&from, &home_dir, name).map_err(error(name, &target))?;
+            let left_out = guest_writable::copy_read_only(&from, &home_dir, name, SEED_LIMITS)
+                .map_err(error(name, &target))?;
+            if left_out.count > 0 {
+                vmm::to_stderr!(
+                    "vmctl: warning: {} entries of {} were left out of the VM's copy ({}{})",
+                    left_out.count,
+                    from.display(),
+                    left_out.reasons.join("; "),
+                    if left_out.count > left_out.reasons.len() as u64 {
+                        "; ..."
+                    } else {
+                        ""
+                    }
+                );
+            }
         }
     }
     Ok(())

@@ -218,18 +218,56 @@ fn move_up(parent: BorrowedFd<'_>, name: &OsStr, top: BorrowedFd<'_>) -> io::Res
     Err(io::Error::other("no free name to move a deep directory to"))
 }
 
+/// Bounds on a copy from where a guest may write: it can make the tree as large or as
+/// deep as it likes, and the copy lands on the host's disk.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyLimits {
+    /// Bytes of file contents, all files together.
+    pub bytes: u64,
+    /// Entries (files, links, directories), all together.
+    pub entries: u64,
+}
+
+/// What a copy left out of what it found: how many entries, and why for the first
+/// few ([`LeftOut::REASONS_KEPT`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct LeftOut {
+    pub count: u64,
+    pub reasons: Vec<String>,
+}
+
+impl LeftOut {
+    pub const REASONS_KEPT: usize = 3;
+
+    fn add(&mut self, name: &OsStr, why: impl std::fmt::Display) {
+        self.count += 1;
+        if self.reasons.len() < Self::REASONS_KEPT {
+            self.reasons
+                .push(format!("{}: {why}", name.to_string_lossy()));
+        }
+    }
+}
+
 /// Copies `from` (a file, a symlink or a directory tree, whose symlinks are copied as
 /// links, never followed) to the new entry `name` of `parent`, read-only: files 0444,
-/// directories 0555. `name` must not exist yet ([`remove`]).
+/// directories 0555, within `limits`. `name` must not exist yet ([`remove`]).
 ///
 /// The source may lie where a guest can write too (the user's skills directory shared
 /// into some VM), so it is read as the target is written: from the directory holding
 /// `from` (the user's own path) down, one directory descriptor at a time, no link
 /// followed. A guest that swaps a directory for a link to `~/.ssh` between its
 /// listing and its copy gets nothing copied for it: an entry that is no longer what
-/// it was listed as is left out. Sockets, FIFOs and devices are not instructions:
-/// left out too.
-pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
+/// it was listed as, or vanished, is skipped. What such a guest can make unreadable or
+/// too large (no permission, a socket swapped in, past [`MAX_DEPTH`] or `limits`) is
+/// left out and told in the result, never an error: that guest must not be able to
+/// stop the copies of every VM. Sockets, FIFOs and devices are not instructions:
+/// skipped. Errors are the host's own (the source's top, the target).
+pub fn copy_read_only(
+    from: &Path,
+    parent: impl AsFd,
+    name: impl AsRef<OsStr>,
+    limits: CopyLimits,
+) -> io::Result<LeftOut> {
     let (Some(source_dir), Some(source_name)) = (from.parent(), from.file_name()) else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -241,7 +279,13 @@ pub fn copy_read_only(from: &Path, parent: impl AsFd, name: impl AsRef<OsStr>) -
         dir: source_dir.as_fd(),
         name: source_name,
     };
-    copy_entry(source, parent.as_fd(), name.as_ref(), 0)
+    let mut copy = Copy {
+        bytes_left: limits.bytes,
+        entries_left: limits.entries,
+        left_out: LeftOut::default(),
+    };
+    copy.entry(source, parent.as_fd(), name.as_ref(), 0)?;
+    Ok(copy.left_out)
 }
 
 /// An entry of a directory the host holds open.
@@ -251,76 +295,114 @@ struct Entry<'a> {
     name: &'a OsStr,
 }
 
-fn copy_entry(
-    source: Entry<'_>,
-    parent: BorrowedFd<'_>,
-    name: &OsStr,
-    depth: usize,
-) -> io::Result<()> {
-    let stat = match rustix::fs::statat(source.dir, source.name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(stat) => stat,
-        Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    match FileType::from_raw_mode(stat.st_mode) {
-        FileType::Symlink => {
-            let target = match rustix::fs::readlinkat(source.dir, source.name, Vec::new()) {
-                Ok(target) => target,
-                // Replaced by something else since: left out.
-                Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOENT) => return Ok(()),
-                Err(e) => return Err(e.into()),
-            };
-            rustix::fs::symlinkat(OsStr::from_bytes(target.as_bytes()), parent, name)?;
-        }
-        FileType::Directory => {
-            if depth >= MAX_DEPTH {
-                return Err(io::Error::other(format!(
-                    "{}: directories nested deeper than {MAX_DEPTH}",
-                    name.to_string_lossy()
-                )));
+/// A copy under way: what is left of its limits, what it left out.
+struct Copy {
+    bytes_left: u64,
+    entries_left: u64,
+    left_out: LeftOut,
+}
+
+impl Copy {
+    /// What reading the source entry `name` gave, if it gave something: `None` when it
+    /// is gone or no longer of the kind listed (skipped without a word), or when the
+    /// guest made it unreadable (no permission, a socket swapped in: left out, told).
+    fn source<T>(&mut self, name: &OsStr, result: rustix::io::Result<T>) -> io::Result<Option<T>> {
+        use rustix::io::Errno;
+        match result {
+            Ok(value) => Ok(Some(value)),
+            Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::INVAL) => Ok(None),
+            Err(e @ (Errno::ACCESS | Errno::PERM | Errno::NXIO)) => {
+                self.left_out.add(name, e);
+                Ok(None)
             }
-            let listed =
-                match rustix::fs::openat(source.dir, source.name, dir_flags(), Mode::empty()) {
-                    Ok(dir) => dir,
-                    Err(
-                        rustix::io::Errno::LOOP
-                        | rustix::io::Errno::NOTDIR
-                        | rustix::io::Errno::NOENT,
-                    ) => return Ok(()),
-                    Err(e) => return Err(e.into()),
-                };
-            rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
-            let copy = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
-            for entry in rustix::fs::Dir::read_from(&listed)? {
-                let entry = entry?;
-                let child = OsStr::from_bytes(entry.file_name().to_bytes());
-                if child != "." && child != ".." {
-                    let source = Entry {
-                        dir: listed.as_fd(),
-                        name: child,
-                    };
-                    copy_entry(source, copy.as_fd(), child, depth + 1)?;
-                }
-            }
-            rustix::fs::fchmod(&copy, Mode::from_raw_mode(0o555))?;
+            Err(e) => Err(e.into()),
         }
-        FileType::RegularFile => {
-            // Non-blocking: a FIFO swapped in meanwhile must not hold the copy up (it
-            // is then left out, as what is open is no regular file).
-            let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
-            let file = match rustix::fs::openat(source.dir, source.name, flags, Mode::empty()) {
-                Ok(file) => File::from(file),
-                Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOENT) => return Ok(()),
-                Err(e) => return Err(e.into()),
-            };
-            if FileType::from_raw_mode(rustix::fs::fstat(&file)?.st_mode) != FileType::RegularFile {
-                return Ok(());
-            }
-            create_read_only(parent, name, |to| io::copy(&mut &file, to).map(drop))?;
-        }
-        _ => {}
     }
-    Ok(())
+
+    fn entry(
+        &mut self,
+        source: Entry<'_>,
+        parent: BorrowedFd<'_>,
+        name: &OsStr,
+        depth: usize,
+    ) -> io::Result<()> {
+        if self.entries_left == 0 {
+            self.left_out.add(name, "past the copy's limit on entries");
+            return Ok(());
+        }
+        self.entries_left -= 1;
+        let found = rustix::fs::statat(source.dir, source.name, AtFlags::SYMLINK_NOFOLLOW);
+        let Some(stat) = self.source(name, found)? else {
+            return Ok(());
+        };
+        match FileType::from_raw_mode(stat.st_mode) {
+            FileType::Symlink => {
+                let target = rustix::fs::readlinkat(source.dir, source.name, Vec::new());
+                let Some(target) = self.source(name, target)? else {
+                    return Ok(());
+                };
+                rustix::fs::symlinkat(OsStr::from_bytes(target.as_bytes()), parent, name)?;
+            }
+            FileType::Directory => {
+                if depth >= MAX_DEPTH {
+                    self.left_out.add(
+                        name,
+                        format_args!("nested deeper than {MAX_DEPTH} directories"),
+                    );
+                    return Ok(());
+                }
+                let opened =
+                    rustix::fs::openat(source.dir, source.name, dir_flags(), Mode::empty());
+                let Some(listed) = self.source(name, opened)? else {
+                    return Ok(());
+                };
+                rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
+                let copy = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
+                for entry in rustix::fs::Dir::read_from(&listed)? {
+                    let entry = entry?;
+                    let child = OsStr::from_bytes(entry.file_name().to_bytes());
+                    if child != "." && child != ".." {
+                        let source = Entry {
+                            dir: listed.as_fd(),
+                            name: child,
+                        };
+                        self.entry(source, copy.as_fd(), child, depth + 1)?;
+                    }
+                }
+                rustix::fs::fchmod(&copy, Mode::from_raw_mode(0o555))?;
+            }
+            FileType::RegularFile => {
+                // Non-blocking: a FIFO swapped in meanwhile must not hold the copy up
+                // (it is then skipped, as what is open is no regular file).
+                let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+                let opened = rustix::fs::openat(source.dir, source.name, flags, Mode::empty());
+                let Some(file) = self.source(name, opened)?.map(File::from) else {
+                    return Ok(());
+                };
+                let stat = rustix::fs::fstat(&file)?;
+                if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+                    return Ok(());
+                }
+                // The size looked at, not what the file grows to while it is copied.
+                let size = u64::try_from(stat.st_size).unwrap_or(0);
+                if size > self.bytes_left {
+                    self.left_out.add(
+                        name,
+                        format_args!("{size} bytes, past the copy's limit on bytes"),
+                    );
+                    return Ok(());
+                }
+                let mut copied = 0;
+                create_read_only(parent, name, |to| {
+                    copied = io::copy(&mut (&file).take(size), to)?;
+                    Ok(())
+                })?;
+                self.bytes_left -= copied;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// Writes `bytes` as the file `name` of `parent`, read-only (0444), replacing
@@ -421,6 +503,86 @@ mod tests {
             & 0o777
     }
 
+    const NO_LIMITS: CopyLimits = CopyLimits {
+        bytes: u64::MAX,
+        entries: u64::MAX,
+    };
+
+    /// What a guest can make of a source it writes (too large, too many entries, too
+    /// deep) is left out and told, never an error, and never copied past the limits.
+    #[test]
+    fn a_copy_keeps_to_its_limits_and_tells_what_it_left_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let from = tmp.path().join("from");
+        std::fs::create_dir(&from).unwrap();
+        std::fs::write(from.join("small"), "1234").unwrap();
+        std::fs::write(from.join("large"), vec![b'x'; 4096]).unwrap();
+        let to = tmp.path().join("to");
+        std::fs::create_dir(&to).unwrap();
+        let copy = |name: &str, limits| copy_read_only(&from, open_dir(&to).unwrap(), name, limits);
+
+        let left_out = copy(
+            "bytes",
+            CopyLimits {
+                bytes: 100,
+                entries: 10,
+            },
+        )
+        .unwrap();
+        assert_eq!(left_out.count, 1);
+        assert!(
+            left_out.reasons[0].starts_with("large: 4096 bytes"),
+            "{left_out:?}"
+        );
+        assert_eq!(std::fs::read(to.join("bytes/small")).unwrap(), b"1234");
+        assert!(!to.join("bytes/large").exists());
+
+        // The directory itself and one file.
+        let left_out = copy(
+            "entries",
+            CopyLimits {
+                bytes: u64::MAX,
+                entries: 2,
+            },
+        )
+        .unwrap();
+        assert_eq!(left_out.count, 1, "{left_out:?}");
+        assert_eq!(std::fs::read_dir(to.join("entries")).unwrap().count(), 1);
+
+        let mut deep = from.clone();
+        for _ in 0..MAX_DEPTH + 5 {
+            deep.push("d");
+        }
+        std::fs::create_dir_all(&deep).unwrap();
+        let left_out = copy("deep", NO_LIMITS).unwrap();
+        assert_eq!(left_out.count, 1, "{left_out:?}");
+        assert!(
+            left_out.reasons[0].contains("nested deeper than"),
+            "{left_out:?}"
+        );
+        assert_eq!(std::fs::read(to.join("deep/small")).unwrap(), b"1234");
+    }
+
+    /// Sockets and FIFOs are not instructions: skipped, not waited on, not told.
+    #[test]
+    fn sockets_and_fifos_are_skipped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let from = tmp.path().join("from");
+        std::fs::create_dir(&from).unwrap();
+        make_fifo(&from.join("fifo"));
+        let _listener = std::os::unix::net::UnixListener::bind(from.join("socket")).unwrap();
+        std::fs::write(from.join("file"), "text").unwrap();
+        let to = tmp.path().join("to");
+        std::fs::create_dir(&to).unwrap();
+        let left_out = copy_read_only(&from, open_dir(&to).unwrap(), "copy", NO_LIMITS).unwrap();
+        assert_eq!(left_out, LeftOut::default());
+        let names: Vec<_> = std::fs::read_dir(to.join("copy"))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["file"]);
+    }
+
     #[test]
     fn a_tree_is_copied_read_only_with_its_links_as_links() {
         let tmp = tempfile::tempdir().unwrap();
@@ -430,7 +592,8 @@ mod tests {
         symlink("/etc/hostname", from.join("link")).unwrap();
         let to = tmp.path().join("to");
         std::fs::create_dir(&to).unwrap();
-        copy_read_only(&from, open_dir(&to).unwrap(), "copy").unwrap();
+        let left_out = copy_read_only(&from, open_dir(&to).unwrap(), "copy", NO_LIMITS).unwrap();
+        assert_eq!(left_out, LeftOut::default());
         let copy = to.join("copy");
         assert_eq!(
             std::fs::read_to_string(copy.join("sub/file")).unwrap(),
@@ -495,7 +658,13 @@ mod tests {
             let _stop = StopOnDrop(&stop);
             for round in 0..200 {
                 let name = format!("copy{round}");
-                copy_read_only(&skills, open_dir(&to).unwrap(), &name).unwrap();
+                let left_out =
+                    copy_read_only(&skills, open_dir(&to).unwrap(), &name, NO_LIMITS).unwrap();
+                assert_eq!(
+                    left_out,
+                    LeftOut::default(),
+                    "what changed is skipped, not told"
+                );
                 for entry in walk(&to.join(&name)) {
                     let meta = std::fs::symlink_metadata(&entry).unwrap();
                     assert!(!meta.file_type().is_fifo(), "{}", entry.display());
@@ -548,9 +717,9 @@ mod tests {
         remove(&home, "precious").unwrap();
         let source = tmp.path().join("source");
         std::fs::write(&source, "seeded").unwrap();
-        assert!(copy_read_only(&source, &root, "file").is_err());
+        assert!(copy_read_only(&source, &root, "file", NO_LIMITS).is_err());
         remove(&root, "file").unwrap();
-        copy_read_only(&source, &root, "file").unwrap();
+        copy_read_only(&source, &root, "file", NO_LIMITS).unwrap();
 
         assert_eq!(
             std::fs::read_to_string(users.join("precious")).unwrap(),

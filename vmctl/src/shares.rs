@@ -444,15 +444,19 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
     kept_out.extend(sign_in_dirs_moved());
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .filter(|dir| dir.is_absolute());
+    // A runtime directory that is not the user's alone (`XDG_RUNTIME_DIR=/tmp`) is a
+    // temporary directory, kept out as such.
+    let runtime: Vec<PathBuf> = [
+        Some(PathBuf::from(format!("/run/user/{uid}"))),
+        std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|dir| dir.is_absolute() && crate::state::is_ours_alone(dir))
+    .collect();
     kept_out.extend(session_dirs_kept_out(
         &[PathBuf::from("/tmp"), std::env::temp_dir()],
-        &[Some(PathBuf::from(format!("/run/user/{uid}"))), runtime]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>(),
+        &runtime,
         crate::state::private_tmp_dir(),
     ));
     kept_out
@@ -461,11 +465,14 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
 /// The directories every program of the user's session shares, which no share may be
 /// or hold: the temporary directories (`tmp`: Kerberos tickets, other programs' files,
 /// the jobs of `vmctl nested-exec` with their whole environment) and the user's
-/// runtime directory (`runtime`, nothing inside it either: podman's registry sign-in,
-/// keyring and agent sockets). Both also hold vmctl's own sockets, relocated there
-/// when a VM's own directory makes their paths too long (`private`, nothing inside it
-/// either): a guest that could write there would point the VMM's sockets elsewhere
-/// with a link (its own guest agent, another VM's, the host's Docker socket).
+/// runtime directories (`runtime`, nothing inside them either: podman's registry
+/// sign-in, keyring and agent sockets; but for one that holds a temporary directory,
+/// `TMPDIR=/run/user/1000/tmp`, whose projects may be shared: then only its `vmctl`
+/// and `containers` are kept out from inside). Both also hold vmctl's own sockets:
+/// the daemon's, and the VMs' where a VM's own directory makes their paths too long
+/// (`private`, nothing inside it either): a guest that could write there would point
+/// the VMM's sockets elsewhere with a link (its own guest agent, another VM's, the
+/// host's Docker socket).
 fn session_dirs_kept_out(tmp: &[PathBuf], runtime: &[PathBuf], private: PathBuf) -> Vec<KeptOut> {
     let kept = |dir: &Path, what, inside_too| KeptOut {
         dir: crate::state::resolve_existing_part(dir),
@@ -473,12 +480,24 @@ fn session_dirs_kept_out(tmp: &[PathBuf], runtime: &[PathBuf], private: PathBuf)
         inside_too,
         instead: None,
     };
-    let runtime = runtime.iter().map(|dir| {
-        kept(
-            dir,
-            "your runtime directory (your session's sockets and credentials, vmctl's sockets)",
-            true,
-        )
+    const RUNTIME: &str =
+        "your runtime directory (your session's sockets and credentials, vmctl's sockets)";
+    let tmp_resolved: Vec<PathBuf> = tmp
+        .iter()
+        .map(|dir| crate::state::resolve_existing_part(dir))
+        .collect();
+    let runtime = runtime.iter().flat_map(|dir| {
+        let resolved = crate::state::resolve_existing_part(dir);
+        let holds_tmp = tmp_resolved.iter().any(|tmp| tmp.starts_with(&resolved));
+        let mut kept_out = vec![kept(dir, RUNTIME, !holds_tmp)];
+        if holds_tmp {
+            kept_out.extend(
+                ["vmctl", "containers"]
+                    .into_iter()
+                    .map(|inside| kept(&dir.join(inside), RUNTIME, true)),
+            );
+        }
+        kept_out
     });
     let tmp = tmp.iter().map(|dir| {
         kept(
@@ -1030,15 +1049,13 @@ pub const CREDENTIAL_DIRS: [CredentialDir; 20] = [
         dir: ".gradle",
         what: "Gradle's home (gradle.properties holds your repositories' passwords)",
         inside_too: false,
-        instead: Some(
-            "share its dependency cache read-only instead: `--mount ~/.gradle/caches:ro`",
-        ),
+        instead: Some("share the dependency cache in it (`caches`) read-only instead"),
     },
     CredentialDir {
         dir: ".m2",
         what: "Maven's home (settings.xml holds your repositories' passwords)",
         inside_too: false,
-        instead: Some("share its repository read-only instead: `--mount ~/.m2/repository:ro`"),
+        instead: Some("share the repository in it (`repository`) read-only instead"),
     },
     CredentialDir {
         dir: ".claude",
@@ -1080,19 +1097,60 @@ const CODEX_INSTEAD: &str = "Codex in the VM signs in through the egress proxy i
 const CARGO_INSTEAD: &str = "the directories inside it hold no token and may be shared \
      (its download cache read-only, say: `--mount ~/.cargo/registry:ro`)";
 
-/// The variables that move a credential directory, and the directory ([`CREDENTIAL_DIRS`])
-/// they move.
-const CREDENTIAL_DIR_VARIABLES: [(&str, &str); 10] = [
-    ("CLAUDE_CONFIG_DIR", ".claude"),
-    ("CODEX_HOME", ".codex"),
-    ("CARGO_HOME", ".cargo"),
-    ("GNUPGHOME", ".gnupg"),
-    ("DOCKER_CONFIG", ".docker"),
-    ("GH_CONFIG_DIR", ".config/gh"),
-    ("PASSWORD_STORE_DIR", ".password-store"),
-    ("CLOUDSDK_CONFIG", ".config/gcloud"),
-    ("GRADLE_USER_HOME", ".gradle"),
-    ("TF_CLI_CONFIG_DIR", ".terraform.d"),
+/// The variables that move a credential directory, the directory ([`CREDENTIAL_DIRS`])
+/// they move, and what it is then: the variable is named, since unsetting it for
+/// vmctl is what lifts a refusal of a project that keeps it (direnv, CI setups).
+const CREDENTIAL_DIR_VARIABLES: [(&str, &str, &str); 10] = [
+    (
+        "CLAUDE_CONFIG_DIR",
+        ".claude",
+        "Claude Code's sign-in directory (CLAUDE_CONFIG_DIR)",
+    ),
+    (
+        "CODEX_HOME",
+        ".codex",
+        "Codex's sign-in directory (CODEX_HOME)",
+    ),
+    (
+        "CARGO_HOME",
+        ".cargo",
+        "Cargo's home and crates.io token directory (CARGO_HOME)",
+    ),
+    (
+        "GNUPGHOME",
+        ".gnupg",
+        "your GnuPG keys' directory (GNUPGHOME)",
+    ),
+    (
+        "DOCKER_CONFIG",
+        ".docker",
+        "Docker's registry sign-in directory (DOCKER_CONFIG)",
+    ),
+    (
+        "GH_CONFIG_DIR",
+        ".config/gh",
+        "the GitHub CLI's sign-in directory (GH_CONFIG_DIR)",
+    ),
+    (
+        "PASSWORD_STORE_DIR",
+        ".password-store",
+        "your pass password store (PASSWORD_STORE_DIR)",
+    ),
+    (
+        "CLOUDSDK_CONFIG",
+        ".config/gcloud",
+        "the Google Cloud CLI's sign-in directory (CLOUDSDK_CONFIG)",
+    ),
+    (
+        "GRADLE_USER_HOME",
+        ".gradle",
+        "Gradle's home (GRADLE_USER_HOME; gradle.properties holds your repositories' passwords)",
+    ),
+    (
+        "TF_CLI_CONFIG_DIR",
+        ".terraform.d",
+        "Terraform's credentials directory (TF_CLI_CONFIG_DIR)",
+    ),
 ];
 
 /// Where [`CREDENTIAL_DIR_VARIABLES`] move the credential directories, and the files
@@ -1116,12 +1174,12 @@ fn sign_in_dirs_moved_by(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Ve
         });
     CREDENTIAL_DIR_VARIABLES
         .into_iter()
-        .filter_map(|(variable, default)| {
+        .filter_map(|(variable, default, what)| {
             let dir = PathBuf::from(var(variable)?);
             let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
             dir.is_absolute().then(|| KeptOut {
                 dir: crate::state::resolve_existing_part(&dir),
-                what: usual.what,
+                what,
                 inside_too: usual.inside_too,
                 instead: usual.instead,
             })
@@ -2819,6 +2877,36 @@ mod tests {
         }
     }
 
+    /// A runtime directory that holds the temporary one (`TMPDIR=/run/user/1000/tmp`,
+    /// or `TMPDIR=$XDG_RUNTIME_DIR`) leaves the projects there shareable; vmctl's own
+    /// sockets and podman's sign-in in it stay out. (Review: every share in the
+    /// temporary directory was refused as the runtime directory.)
+    #[test]
+    fn a_runtime_directory_that_holds_the_temporary_one_leaves_its_projects_shareable() {
+        for tmp in [
+            "/nonexistent/run/user/1000/tmp",
+            "/nonexistent/run/user/1000",
+        ] {
+            let kept_out = session_dirs_kept_out(
+                &["/nonexistent/tmp".into(), tmp.into()],
+                &["/nonexistent/run/user/1000".into()],
+                "/nonexistent/tmp/vmctl-1000".into(),
+            );
+            let refused = |host: &str| check_kept_out(&share(host, "/x"), &kept_out).is_err();
+            assert!(!refused(&format!("{tmp}/project")), "{tmp}");
+            assert!(!refused("/nonexistent/tmp/project"), "{tmp}");
+            for host in [
+                "/nonexistent/run/user/1000",
+                "/nonexistent/run/user/1000/vmctl",
+                "/nonexistent/run/user/1000/containers/auth",
+                "/nonexistent/tmp",
+                tmp,
+            ] {
+                assert!(refused(host), "{tmp}: {host} was shared");
+            }
+        }
+    }
+
     /// The credential directories in a home are kept out, and anything inside them;
     /// the home's other directories are not.
     #[test]
@@ -2894,8 +2982,8 @@ mod tests {
                 .map(|e| e.to_string())
         };
         for (host, says) in [
-            ("/nonexistent/keys/gpg", "GnuPG"),
-            ("/nonexistent/keys/gpg/private-keys-v1.d", "GnuPG"),
+            ("/nonexistent/keys/gpg", "GnuPG keys' directory (GNUPGHOME)"),
+            ("/nonexistent/keys/gpg/private-keys-v1.d", "(GNUPGHOME)"),
             (
                 "/nonexistent/project",
                 "kubectl's credentials file (KUBECONFIG)",
@@ -2904,7 +2992,7 @@ mod tests {
                 "/nonexistent/k8s",
                 "kubectl's credentials file (KUBECONFIG)",
             ),
-            ("/nonexistent/gradle", "Gradle's home"),
+            ("/nonexistent/gradle", "Gradle's home (GRADLE_USER_HOME"),
         ] {
             let refusal = refusal(host).unwrap_or_else(|| panic!("{host} was shared"));
             assert!(refusal.contains(says), "{host}: {refusal}");

@@ -55,6 +55,9 @@ pub struct Answered {
     pub notify: bool,
     /// It stopped at its limit with requests left: call again (after other events).
     pub more: bool,
+    /// The ring cannot be served (requests that cannot be taken, or a head that
+    /// cannot be returned): the device needs a reset (DEVICE_NEEDS_RESET).
+    pub needs_reset: bool,
 }
 
 /// Answers the available requests with EIO.
@@ -66,19 +69,23 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
     let mut answered = 0;
     // Rounds in a row that took nothing although the ring's index promised more.
     let mut empty_rounds = 0;
-    let more = 'answering: loop {
+    // (More left, the device needs a reset.)
+    let (more, needs_reset) = 'answering: loop {
         let mut popped_any = false;
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
             let head = chain.head_index();
             let written = answer_with_eio(chain, memory, usize::from(queue.size()));
             if let Err(e) = queue.add_used(memory, head, written) {
-                guest_log::guest_warn!("virtio-fs: cannot return descriptor {head}: {e}");
-                break 'answering false;
+                guest_log::guest_warn!(
+                    "virtio-fs: cannot return descriptor {head}: {e}; the device needs a \
+                     reset (DEVICE_NEEDS_RESET)"
+                );
+                break 'answering (false, true);
             }
             popped_any = true;
             answered += 1;
             if answered == max {
-                break 'answering true;
+                break 'answering (true, false);
             }
         }
         // Re-arm notifications and catch requests that raced with it. A ring whose
@@ -90,14 +97,15 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
             Ok(true) if empty_rounds < 2 => continue,
             Ok(true) => {
                 warn_unusable_ring(queue, memory);
-                break false;
+                break (false, true);
             }
-            _ => break false,
+            _ => break (false, false),
         }
     };
     Answered {
         notify: answered > 0 && queue.needs_notification(memory).unwrap_or(true),
         more,
+        needs_reset,
     }
 }
 
@@ -109,7 +117,8 @@ fn warn_unusable_ring(queue: &Queue, memory: &GuestMemoryMmap) {
         .map_or_else(|e| e.to_string(), |idx| idx.0.to_string());
     guest_log::guest_warn!(
         "virtio-fs: the driver's available ring (at {:#x}, index {avail}, next request {}, \
-         queue size {}) offers requests that cannot be taken; they are no longer answered",
+         queue size {}) offers requests that cannot be taken; they are no longer answered, \
+         and the device needs a reset (DEVICE_NEEDS_RESET)",
         queue.avail_ring(),
         queue.next_avail(),
         queue.size()
@@ -269,7 +278,8 @@ mod tests {
             0,
             "the third waits for the next call"
         );
-        assert!(!fail_at_most(&mut queue, &memory, 2).more);
+        let last = fail_at_most(&mut queue, &memory, 2);
+        assert!(!last.more && !last.needs_reset);
         assert_eq!(reply(&memory, 2).unique, 102);
     }
 }

@@ -74,7 +74,8 @@ fn without_a_backend_requests_fail_with_eio() {
     .unwrap();
     let mut queue: Queue = vq.create_queue().unwrap();
     take_over(&mut queue, mem);
-    assert!(fail_requests(&mut queue, mem).notify);
+    let answered = fail_requests(&mut queue, mem);
+    assert!(answered.notify && !answered.needs_reset);
     assert_eq!(used_entries(&vq), vec![(0, 16), (2, 0), (3, 0)]);
     let mut reply = [0u8; 16];
     mem.read_slice(&mut reply, GuestAddress(0x11_0000)).unwrap();
@@ -147,7 +148,7 @@ fn an_available_index_out_of_range_does_not_spin_the_fallback() {
     take_over(&mut queue, &ram.memory);
     vq.avail().idx().store(17);
     let answered = fail_requests_within_5s(queue, ram.memory.clone(), "a broken ring");
-    assert!(!answered.notify && !answered.more);
+    assert!(!answered.notify && !answered.more && answered.needs_reset);
     assert!(used_entries(&vq).is_empty());
 }
 
@@ -167,7 +168,7 @@ fn an_available_ring_at_address_zero_does_not_spin_the_fallback() {
     assert!(queue.is_valid(&memory), "a ring the transport accepts");
     memory.write_obj(1u16, GuestAddress(2)).unwrap();
     let answered = fail_requests_within_5s(queue, memory, "a ring at address 0");
-    assert!(!answered.notify && !answered.more);
+    assert!(!answered.notify && !answered.more && answered.needs_reset);
 }
 
 #[test]

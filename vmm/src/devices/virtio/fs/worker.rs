@@ -169,6 +169,9 @@ impl Worker {
         if answered.notify {
             self.interrupt.signal_used_queue();
         }
+        if answered.needs_reset {
+            self.interrupt.signal_needs_reset();
+        }
         // Back to this queue after the other events, as if kicked again.
         if answered.more {
             if let Err(e) = kick.write(1) {

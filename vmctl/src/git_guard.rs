@@ -117,6 +117,17 @@ const HOOKS: &[&str] = &[
 /// Largest config file read; a larger one is reported whenever it changes.
 const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 
+/// What one snapshot reads of config files, all together: the guest can make a
+/// thousand worktrees in each of a thousand submodules, each with a config file
+/// (links to one file, even), and each entry is kept. Past either, a file is reported
+/// unread whenever it changes, as a file too large is.
+const SNAPSHOT_CONFIG_BYTES: u64 = 4 * MAX_CONFIG_BYTES;
+const SNAPSHOT_CONFIG_FILES: usize = 2 * MAX_ENTRIES;
+
+/// Entries of one config file kept (those that are more than plain settings); past
+/// it, the file is one entry saying so, reported whenever the file changes.
+const MAX_CONFIG_ENTRIES: usize = 256;
+
 /// A change the guest may have made to what git on the host runs.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Runnable {
@@ -168,6 +179,10 @@ impl Snapshot {
 
     fn take(shares: &[Share], earlier: Option<&Snapshot>) -> Snapshot {
         let mut snapshot = Snapshot::default();
+        let mut budget = ConfigBudget {
+            bytes_left: SNAPSHOT_CONFIG_BYTES,
+            files_left: SNAPSHOT_CONFIG_FILES,
+        };
         snapshot.runnables.extend(redirects(shares));
         let mut dirs = Vec::new();
         for git_dir in git_dirs(shares) {
@@ -202,7 +217,7 @@ impl Snapshot {
             for file in files {
                 let path = host.join(&file);
                 let reused = earlier.and_then(|earlier| earlier.configs.get(&path));
-                if let Some(reading) = commands(&host, &file, reused) {
+                if let Some(reading) = commands(&host, &file, reused, &mut budget) {
                     found.extend(reading.1.iter().cloned());
                     snapshot.configs.insert(path, reading);
                 }
@@ -459,17 +474,28 @@ fn fingerprint(path: &Path) -> Option<String> {
 /// entry saying so. Parsed by `git config --file -`, which runs nothing and follows
 /// no includes (without git on the host there is nothing to run them), unless
 /// `earlier`, an earlier reading, has the same fingerprint.
-fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Option<ConfigReading> {
+fn commands(
+    git_dir: &Path,
+    file: &Path,
+    earlier: Option<&ConfigReading>,
+    budget: &mut ConfigBudget,
+) -> Option<ConfigReading> {
     let path = git_dir.join(file);
     let fingerprint = fingerprint(&path)?;
-    if let Some(earlier) = earlier.filter(|earlier| earlier.0 == fingerprint) {
-        return Some(earlier.clone());
-    }
     let file = file.display();
     let unread = |why: &str| {
         let what = format!("{file} ({why}, not read)");
         Some((fingerprint.clone(), vec![(what, fingerprint.clone())]))
     };
+    if budget.files_left == 0 {
+        return unread(&format!(
+            "over {SNAPSHOT_CONFIG_FILES} config files in the shares"
+        ));
+    }
+    budget.files_left -= 1;
+    if let Some(earlier) = earlier.filter(|earlier| earlier.0 == fingerprint) {
+        return Some(earlier.clone());
+    }
     // Read here, once, and handed to git on its stdin: git never opens what the
     // guest may have swapped in since.
     let text = match read_file(&path, true, MAX_CONFIG_BYTES) {
@@ -480,17 +506,36 @@ fn commands(git_dir: &Path, file: &Path, earlier: Option<&ConfigReading>) -> Opt
         Err(e) if e.kind() == ErrorKind::InvalidData => return unread("not a regular file"),
         Err(_) => return None,
     };
+    let Some(bytes_left) = budget.bytes_left.checked_sub(text.len() as u64) else {
+        budget.bytes_left = 0;
+        return unread(&format!(
+            "over the {SNAPSHOT_CONFIG_BYTES} bytes of config files in the shares"
+        ));
+    };
+    budget.bytes_left = bytes_left;
     let entries = list_config(&text)?;
     let mut found = Vec::new();
     for entry in entries.split(|b| *b == 0).filter(|e| !e.is_empty()) {
         let entry = String::from_utf8_lossy(entry);
         let (key, value) = entry.split_once('\n').unwrap_or((&entry, ""));
         if !is_plain(key) {
+            if found.len() == MAX_CONFIG_ENTRIES {
+                return unread(&format!(
+                    "over {MAX_CONFIG_ENTRIES} entries that are more than plain settings"
+                ));
+            }
             let what = format!("{file} {key}={value}");
             found.push((what.clone(), what));
         }
     }
     Some((fingerprint, found))
+}
+
+/// What is left of what one snapshot reads of config files ([`SNAPSHOT_CONFIG_BYTES`],
+/// [`SNAPSHOT_CONFIG_FILES`]).
+struct ConfigBudget {
+    bytes_left: u64,
+    files_left: usize,
 }
 
 /// `git config --list` of the config file `text`, NUL-separated; None without git.
@@ -798,6 +843,75 @@ mod tests {
             .changed_since(&after)
             .runnables
             .is_empty());
+    }
+
+    /// What a snapshot reads and keeps of config files is bounded, all files together
+    /// (links to one large file in every worktree's entry) and each file's entries;
+    /// past a bound a file is one entry saying so, reported whenever the file changes.
+    /// (Review: a thousand links to a 1 MiB file of half a million entries each kept
+    /// tens of GB in every session's first snapshot.)
+    #[test]
+    fn what_a_snapshot_reads_of_config_files_is_bounded() {
+        let (dir, shares) = new_repo();
+        let repo = dir.path();
+        let many = (0..MAX_CONFIG_ENTRIES + 1)
+            .map(|i| format!("[alias]\n\ta{i} = status\n"))
+            .collect::<String>();
+        std::fs::write(repo.join("many"), &many).unwrap();
+        let large = format!("[alias]\n\tst = status\n# {}\n", "x".repeat(900 << 10));
+        std::fs::write(repo.join("large"), &large).unwrap();
+        let worktrees = repo.join(".git/worktrees");
+        for i in 0..6 {
+            std::fs::create_dir_all(worktrees.join(format!("w{i}"))).unwrap();
+            let target = if i == 0 { "many" } else { "large" };
+            std::fs::hard_link(
+                repo.join(target),
+                worktrees.join(format!("w{i}/config.worktree")),
+            )
+            .unwrap();
+        }
+        let snapshot = Snapshot::of(&shares);
+        let found: Vec<&str> = snapshot
+            .runnables
+            .iter()
+            .map(|(runnable, _)| runnable.what.as_str())
+            .collect();
+        assert!(
+            found.contains(&"worktrees/w0/config.worktree (over 256 entries that are more than plain settings, not read)"),
+            "{found:?}"
+        );
+        // 4 MiB: four of the 900 KiB files are read, the fifth is not.
+        let read = found
+            .iter()
+            .filter(|what| what.ends_with("alias.st=status"))
+            .count();
+        let unread = found
+            .iter()
+            .filter(|what| what.contains("bytes of config files in the shares"))
+            .count();
+        assert_eq!((read, unread), (4, 1), "{found:?}");
+        assert!(snapshot
+            .configs
+            .values()
+            .all(|(_, entries)| entries.len() <= MAX_CONFIG_ENTRIES));
+
+        // Past the number of files, a file is not read at all.
+        let mut no_files_left = ConfigBudget {
+            bytes_left: SNAPSHOT_CONFIG_BYTES,
+            files_left: 0,
+        };
+        let (_, entries) = commands(
+            &repo.join(".git"),
+            Path::new("config"),
+            None,
+            &mut no_files_left,
+        )
+        .unwrap();
+        assert_eq!(entries.len(), 1);
+        assert!(
+            entries[0].0.starts_with("config (over 2048 config files"),
+            "{entries:?}"
+        );
     }
 
     #[test]

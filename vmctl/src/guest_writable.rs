@@ -147,7 +147,7 @@ fn read_found(found: &OwnedFd, shown: &Path, max: u64) -> io::Result<(Vec<u8>, F
 /// into past it: what lies deeper is moved up, into the directory being removed, and
 /// removed in a later pass.
 pub fn remove(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
-    remove_at_depth(parent.as_fd(), name.as_ref(), 0, None)
+    remove_at_depth(parent.as_fd(), name.as_ref(), 0, None, &mut 0)
 }
 
 /// Passes over a directory being removed before giving up: each moves what lies
@@ -155,11 +155,13 @@ pub fn remove(parent: impl AsFd, name: impl AsRef<OsStr>) -> io::Result<()> {
 /// gone in this many.
 const MAX_PASSES: usize = 4096;
 
+/// `moved`: how many names [`move_up`] has used so far in this removal.
 fn remove_at_depth(
     parent: BorrowedFd<'_>,
     name: &OsStr,
     depth: usize,
     top: Option<BorrowedFd<'_>>,
+    moved: &mut u64,
 ) -> io::Result<()> {
     match rustix::fs::unlinkat(parent, name, AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
@@ -168,13 +170,13 @@ fn remove_at_depth(
         Err(e) => return Err(e.into()),
     }
     if let Some(top) = top.filter(|_| depth >= MAX_DEPTH) {
-        return move_up(parent, name, top);
+        return move_up(parent, name, top, moved);
     }
     let dir = match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
         Ok(dir) => dir,
         // Replaced by a symlink or file meanwhile: remove that instead.
         Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
-            return remove_at_depth(parent, name, depth + 1, top);
+            return remove_at_depth(parent, name, depth + 1, top, moved);
         }
         Err(rustix::io::Errno::NOENT) => return Ok(()),
         Err(e) => return Err(e.into()),
@@ -189,7 +191,7 @@ fn remove_at_depth(
             // The name as it is, bytes not UTF-8 included: the guest chose it.
             let child = OsStr::from_bytes(entry.file_name().to_bytes());
             if child != "." && child != ".." {
-                remove_at_depth(dir.as_fd(), child, depth + 1, Some(top))?;
+                remove_at_depth(dir.as_fd(), child, depth + 1, Some(top), moved)?;
             }
         }
         match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
@@ -205,17 +207,24 @@ fn remove_at_depth(
     )))
 }
 
-/// Moves the directory `name` of `parent` into `top`, under a name of its own.
-fn move_up(parent: BorrowedFd<'_>, name: &OsStr, top: BorrowedFd<'_>) -> io::Result<()> {
-    for attempt in 0u32.. {
-        let moved = format!(".vmctl-removing-{attempt}");
-        match rustix::fs::renameat_with(parent, name, top, moved.as_str(), RenameFlags::NOREPLACE) {
+/// Moves the directory `name` of `parent` into `top`, under a name of its own: the
+/// next of this removal's (`moved` counts them), so each move costs one rename
+/// whatever the number before it (a name the guest took is passed over).
+fn move_up(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    top: BorrowedFd<'_>,
+    moved: &mut u64,
+) -> io::Result<()> {
+    loop {
+        let to = format!(".vmctl-removing-{moved}");
+        *moved += 1;
+        match rustix::fs::renameat_with(parent, name, top, to.as_str(), RenameFlags::NOREPLACE) {
             Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
             Err(rustix::io::Errno::EXIST) => continue,
             Err(e) => return Err(e.into()),
         }
     }
-    Err(io::Error::other("no free name to move a deep directory to"))
 }
 
 /// Bounds on a copy from where a guest may write: it can make the tree as large or as
@@ -762,5 +771,34 @@ mod tests {
         .unwrap();
         remove(open_dir(tmp.path()).unwrap(), "deep").unwrap();
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    /// Each directory moved up takes the removal's next name, one rename, whatever the
+    /// number moved before. (Review: each
+    /// move tried every name from the first again, and 100,000 directories at the
+    /// depth limit took billions of renames.)
+    #[test]
+    fn each_directory_moved_up_costs_one_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let top = tmp.path().join("top");
+        let mut deep = top.clone();
+        for _ in 0..MAX_DEPTH - 1 {
+            deep.push("d");
+        }
+        const SIBLINGS: u64 = 300;
+        for i in 0..SIBLINGS {
+            std::fs::create_dir_all(deep.join(format!("s{i}"))).unwrap();
+        }
+        let mut moved = 0;
+        remove_at_depth(
+            open_dir(tmp.path()).unwrap().as_fd(),
+            OsStr::new("top"),
+            0,
+            None,
+            &mut moved,
+        )
+        .unwrap();
+        assert!(!top.exists());
+        assert_eq!(moved, SIBLINGS, "one name each");
     }
 }

@@ -257,10 +257,17 @@ impl VmDir {
         self.path.join("share-failures").join("failures.log")
     }
 
-    /// What `share_failures` recorded (empty when all is well).
+    /// What `share_failures` recorded (empty when all is well): its last 64 KiB, of a
+    /// regular file only, as the nested host writes there (a FIFO or a link to
+    /// `/dev/zero` must not hang or swell `vmctl ps`).
     pub fn read_share_failures(&self) -> Vec<String> {
-        std::fs::read_to_string(self.share_failures())
-            .map(|text| text.lines().map(str::to_string).collect())
+        crate::log_keeper::read_tail(&self.share_failures(), 64 << 10)
+            .map(|text| {
+                String::from_utf8_lossy(&text)
+                    .lines()
+                    .map(str::to_string)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -641,6 +648,32 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The share failures are read as a log's tail: lines of a regular file, nothing
+    /// of a FIFO (not waited on) or a link (to `/dev/zero`, not read for ever).
+    #[test]
+    fn share_failures_are_read_from_a_regular_file_only_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let log = vm.share_failures();
+        std::fs::create_dir_all(log.parent().unwrap()).unwrap();
+        assert!(vm.read_share_failures().is_empty());
+        std::fs::write(
+            &log,
+            format!("{}\nfs0 died\nfs1 died\n", "x".repeat(100 << 10)),
+        )
+        .unwrap();
+        assert_eq!(vm.read_share_failures()[1..], ["fs0 died", "fs1 died"]);
+        assert!(vm.read_share_failures()[0].len() < 64 << 10);
+        std::fs::remove_file(&log).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &log).unwrap();
+        assert!(vm.read_share_failures().is_empty());
+        std::fs::remove_file(&log).unwrap();
+        crate::guest_writable::make_fifo(&log);
+        assert!(vm.read_share_failures().is_empty());
+    }
 
     #[test]
     fn a_directory_of_someone_else_is_refused_with_its_owner_and_the_ways_out() {

@@ -1572,6 +1572,32 @@ async fn a_displaced_connection_inside_terminated_tls_does_not_stay_open() {
     );
 }
 
+/// New upstream connections past the burst, faster than the rate, get 503 saying so;
+/// the rate refills. (Review: a guest opening and closing thousands a second left the
+/// host's ports to that destination in TIME_WAIT, none for its other programs.)
+#[tokio::test]
+async fn new_upstream_connections_past_the_rate_get_503() {
+    let h = Harness::with_limits(Limits {
+        connects_per_second: 5,
+        connect_burst: 2,
+        ..Limits::default()
+    })
+    .await;
+    for _ in 0..2 {
+        let (status, head, _) = h.connect("open.test:443").await;
+        assert_eq!(status, 200, "{head}");
+    }
+    let (status, answer, _) = h.connect("open.test:443").await;
+    assert_eq!(status, 503, "{answer}");
+    assert!(
+        answer.contains("too many new connections to upstreams (over 5 a second)"),
+        "{answer}"
+    );
+    sleep(Duration::from_millis(500)).await;
+    let (status, head, _) = h.connect("open.test:443").await;
+    assert_eq!(status, 200, "{head}");
+}
+
 #[tokio::test]
 async fn connections_over_the_limit_get_503() {
     let h = Harness::with_limits(Limits {

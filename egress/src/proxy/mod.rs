@@ -31,7 +31,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -101,6 +101,13 @@ pub struct Limits {
     /// How often a tunnel or an upgraded connection asks the policy again: one the
     /// policy no longer allows is closed, as a new request would be refused.
     pub policy_recheck: Duration,
+    /// New upstream connections a second, on average, after a burst of
+    /// `connect_burst`; past them a request gets 503. Each connection the guest has
+    /// the proxy open and close leaves a host port in TIME_WAIT for a minute: a guest
+    /// opening thousands a second would leave none for the host's other programs
+    /// towards that destination.
+    pub connects_per_second: u32,
+    pub connect_burst: u32,
 }
 
 impl Default for Limits {
@@ -115,6 +122,10 @@ impl Default for Limits {
             // race: a few at once are plenty.
             max_displaced_in_grace: 64,
             policy_recheck: Duration::from_secs(2),
+            // At most some 6,000 ports in TIME_WAIT at a time, of the host's 28,000
+            // towards one destination; far more than a build or an agent opens.
+            connects_per_second: 100,
+            connect_burst: 400,
         }
     }
 }
@@ -134,6 +145,8 @@ pub struct ProxyConfig {
     slots: OnceLock<Arc<Semaphore>>,
     /// The connections waiting for a request head: their first, or their next.
     waiting: WaitingRoom,
+    /// What is left of `limits.connects_per_second` and `connect_burst`.
+    connects: std::sync::Mutex<Option<ConnectTokens>>,
     /// The host's own addresses and networks, which the proxy never connects to.
     host_networks: addresses::HostNetworksCache,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
@@ -158,6 +171,7 @@ impl ProxyConfig {
             limits: Limits::default(),
             slots: OnceLock::new(),
             waiting: WaitingRoom::default(),
+            connects: std::sync::Mutex::new(None),
             host_networks: addresses::HostNetworksCache::default(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
             probe_records: None,
@@ -202,6 +216,25 @@ impl ProxyConfig {
         self
     }
 
+    /// Takes one new upstream connection of the rate the limits allow, or says why
+    /// not.
+    fn take_connect(&self, target: &str) -> Result<(), ProxyError> {
+        let mut tokens = self
+            .connects
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (rate, burst) = (self.limits.connects_per_second, self.limits.connect_burst);
+        let tokens = tokens.get_or_insert_with(|| ConnectTokens::full(burst));
+        if tokens.take(Instant::now(), rate, burst) {
+            Ok(())
+        } else {
+            Err(ProxyError::TooManyConnects {
+                target: target.to_string(),
+                per_second: rate,
+            })
+        }
+    }
+
     fn slots(&self) -> &Arc<Semaphore> {
         self.slots.get_or_init(|| {
             Arc::new(Semaphore::new(
@@ -218,6 +251,36 @@ impl std::fmt::Debug for ProxyConfig {
             .field("log", &self.log.path())
             .field("limits", &self.limits)
             .finish_non_exhaustive()
+    }
+}
+
+/// A token bucket: new upstream connections the rate still allows.
+#[derive(Debug)]
+struct ConnectTokens {
+    left: f64,
+    at: Instant,
+}
+
+impl ConnectTokens {
+    fn full(burst: u32) -> Self {
+        Self {
+            left: f64::from(burst),
+            at: Instant::now(),
+        }
+    }
+
+    /// Refills for the time since the last take, at `rate` a second up to `burst`,
+    /// then takes one if there is one.
+    fn take(&mut self, now: Instant, rate: u32, burst: u32) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.left = (self.left + elapsed * f64::from(rate)).min(f64::from(burst));
+        self.at = now;
+        if self.left >= 1.0 {
+            self.left -= 1.0;
+            true
+        } else {
+            false
+        }
     }
 }
 
@@ -249,6 +312,11 @@ pub enum ProxyError {
          included); retry later"
     )]
     Busy { limit: usize },
+    #[error(
+        "too many new connections to upstreams (over {per_second} a second); {target} \
+         not connected to; retry later, or keep connections alive"
+    )]
+    TooManyConnects { target: String, per_second: u32 },
     #[error(
         "more than {limit} connections waited to send a request (their first, or kept \
          alive, their next), and this one had waited longest, so it was closed; send \
@@ -311,7 +379,9 @@ impl ProxyError {
             BadRequest(_) | MalformedRequestLine { .. } => StatusCode::BAD_REQUEST,
             HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Busy { .. } | Displaced { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Busy { .. } | Displaced { .. } | TooManyConnects { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Refused { .. } | ForbiddenAddress { .. } | HostMismatch { .. } => StatusCode::FORBIDDEN,
             Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             HostAddresses { .. } => StatusCode::INTERNAL_SERVER_ERROR,

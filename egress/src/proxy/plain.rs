@@ -50,7 +50,7 @@ pub(super) async fn plain_http(
     let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     prepare_request(&mut parts, host_header(&host, port, 80));
-    let tcp = connect_tcp(&addrs, &target, config.limits.connect_timeout).await?;
+    let tcp = connect_tcp(config, &addrs, &target).await?;
     let mut sender = http1_client(TokioIo::new(tcp), &target).await?;
     let response = sender
         .send_request(Request::from_parts(parts, boxed(body)))

@@ -201,7 +201,7 @@ impl Session {
     pub(super) async fn connect_upstream(&self) -> Result<Upstream, ProxyError> {
         let config = &self.config;
         let limit = config.limits.connect_timeout;
-        let tcp = connect_tcp(&self.addrs, &self.target, limit).await?;
+        let tcp = connect_tcp(config, &self.addrs, &self.target).await?;
         let name = ServerName::try_from(self.host.clone()).map_err(|e| {
             ProxyError::BadRequest(format!("{} is not a TLS server name: {e}", self.host))
         })?;

@@ -1005,3 +1005,24 @@ fn a_needle_whose_secret_cannot_be_placed_counts_early() {
     }
     assert!(tripwire.tripped());
 }
+
+/// The connect rate refills at its rate, up to its burst, however long it was idle.
+#[test]
+fn the_connect_tokens_refill_at_their_rate_up_to_the_burst() {
+    let start = std::time::Instant::now();
+    let mut tokens = ConnectTokens {
+        left: 2.0,
+        at: start,
+    };
+    let took = |tokens: &mut ConnectTokens, after_ms: u64| {
+        tokens.take(start + Duration::from_millis(after_ms), 10, 2)
+    };
+    assert!(took(&mut tokens, 0) && took(&mut tokens, 0));
+    assert!(!took(&mut tokens, 0));
+    assert!(!took(&mut tokens, 50), "half a token");
+    assert!(took(&mut tokens, 100));
+    assert!(!took(&mut tokens, 100));
+    let hour = 3_600_000;
+    assert!(took(&mut tokens, hour) && took(&mut tokens, hour));
+    assert!(!took(&mut tokens, hour), "no more than the burst");
+}

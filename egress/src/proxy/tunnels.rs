@@ -38,7 +38,7 @@ pub(super) async fn connect(
     let on_upgrade = hyper::upgrade::on(&mut req);
     if injection.is_none() {
         // Connect before answering, so a dead upstream is a 502, not a dead tunnel.
-        let upstream = connect_tcp(&addrs, &target, config.limits.connect_timeout).await?;
+        let upstream = connect_tcp(config, &addrs, &target).await?;
         tokio::spawn(tunnel(on_upgrade, upstream, in_flight.clone(), ask));
     } else {
         let tls = config.ca.server_config_for(&host)?;

@@ -201,12 +201,15 @@ pub(super) async fn vetted_addresses(
     Ok(addrs)
 }
 
-/// The first of `addrs` that accepts a connection.
+/// The first of `addrs` that accepts a connection, within the limits' time and rate
+/// of new connections.
 pub(super) async fn connect_tcp(
+    config: &ProxyConfig,
     addrs: &[SocketAddr],
     target: &str,
-    limit: Duration,
 ) -> Result<TcpStream, ProxyError> {
+    config.take_connect(target)?;
+    let limit = config.limits.connect_timeout;
     let mut last = ProxyError::NoAddress {
         target: target.to_string(),
     };

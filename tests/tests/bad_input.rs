@@ -428,6 +428,11 @@ fn refused_starts_leave_no_vm_behind() {
     fs::create_dir_all(home.path().join("data")).unwrap();
     let long_guest_path = format!("~/data:/data{}", "/d".repeat(1100));
     let home_dir = home.path().canonicalize().unwrap().display().to_string();
+    // The runtime directory (XDG_RUNTIME_DIR, the user's alone): its sockets and
+    // sign-ins stay out, as does anything in it.
+    let runtime = home.path().join("run");
+    fs::create_dir_all(runtime.join("containers")).unwrap();
+    fs::set_permissions(&runtime, fs::Permissions::from_mode(0o700)).unwrap();
     for (args, says) in [
         (
             &["exec", "--mount", "/nonexistent", "--", "true"][..],
@@ -453,6 +458,10 @@ fn refused_starts_leave_no_vm_behind() {
         (
             &["exec", "--workspace", &home_dir, "--", "true"][..],
             &format!("{home_dir} cannot be shared with the guest: it is your home directory"),
+        ),
+        (
+            &["exec", "--mount", "~/run/containers:/c:ro", "--", "true"][..],
+            &format!("it is inside your runtime directory (your session's sockets and credentials, vmctl's sockets) {home_dir}/run"),
         ),
         (
             &["exec", "--mount", "~/config/vmctl:/cfg:ro", "--", "true"][..],

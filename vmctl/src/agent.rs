@@ -243,11 +243,18 @@ const SEED_LIMITS: guest_writable::CopyLimits = guest_writable::CopyLimits {
     entries: 20_000,
 };
 
+/// The file in a CLI's home that names what the last refresh copied there from the
+/// user's, one name a line: what the user has since removed goes from the VM too,
+/// and nothing else of the agent's own.
+const SEEDED_LIST: &str = ".vmctl-seeded";
+
 /// Refreshes the VM's copy of the user's instructions and skill directories (made
 /// read-only, so what the agent in the VM changes is its own business, never the
-/// user's); the VM's transcripts and settings beside them are kept. The guest can write
-/// the agent homes: [`guest_writable`] keeps its symlinks from leading these writes
-/// into the user's files.
+/// user's); the VM's transcripts and settings beside them are kept, and so is an
+/// instruction file or directory the agent made where the user has none (its memory,
+/// its own subagents or skills): only what an earlier refresh copied is removed when
+/// the user's is gone. The guest can write the agent homes: [`guest_writable`] keeps
+/// its symlinks from leading these writes into the user's files.
 fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), AgentError> {
     let homes = agent_home_dir(vm);
     let home = homes.join(cli.program());
@@ -265,14 +272,26 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     };
     let (dir, files, dirs) = cli.seeded_from_user_home();
     let source = user_home.join(dir);
+    // Written by the guest as much as by us: it only says what may be removed, and
+    // the guest may remove its own entries anyway.
+    let seeded_before = guest_writable::read_file_in(&home_dir, Path::new(SEEDED_LIST), 64 << 10)
+        .map(|(text, _)| text)
+        .unwrap_or_default();
+    let seeded_before: Vec<&[u8]> = seeded_before.split(|b| *b == b'\n').collect();
+    let mut seeded = String::new();
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
-        guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
         // A link is copied as a link, never followed: where it leads may be a
         // directory some VM can write, whose guest could swap a file there for a link
         // to any of the user's (a key), to be copied here for it to read.
         let from = source.join(name);
-        if from.exists() {
+        let users = std::fs::symlink_metadata(&from).is_ok();
+        if users || seeded_before.contains(&name.as_bytes()) {
+            guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
+        }
+        if users {
+            seeded.push_str(name);
+            seeded.push('\n');
             let left_out = guest_writable::copy_read_only(&from, &home_dir, name, SEED_LIMITS)
                 .map_err(error(name, &target))?;
             if left_out.count > 0 {
@@ -290,6 +309,8 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
             }
         }
     }
+    guest_writable::write_read_only(&home_dir, SEEDED_LIST, seeded.as_bytes())
+        .map_err(error(SEEDED_LIST, &home.join(SEEDED_LIST)))?;
     Ok(())
 }
 
@@ -637,6 +658,49 @@ mod tests {
             "v2"
         );
         assert!(home.join("history.jsonl").exists());
+    }
+
+    /// What the agent in the VM made where the user has nothing (its memory in
+    /// `CLAUDE.md`, its own subagents) outlives the next session's refresh; what a
+    /// refresh copied goes once the user removes theirs. (Review: every refresh removed
+    /// the agent's own entries.)
+    #[test]
+    fn the_agents_own_entries_are_kept_and_what_the_user_removed_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        std::fs::create_dir_all(user.join(".claude/skills/s1")).unwrap();
+        std::fs::write(user.join(".claude/skills/s1/SKILL.md"), "skill").unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        std::fs::write(home.join("CLAUDE.md"), "the agent's memory").unwrap();
+        std::fs::create_dir(home.join("agents")).unwrap();
+        std::fs::write(home.join("agents/reviewer.md"), "its subagent").unwrap();
+
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "the agent's memory"
+        );
+        assert!(home.join("agents/reviewer.md").is_file());
+        assert!(home.join("skills/s1/SKILL.md").is_file());
+
+        std::fs::remove_dir_all(user.join(".claude/skills")).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert!(
+            !home.join("skills").exists(),
+            "the user's removal reaches the VM"
+        );
+        assert!(home.join("agents/reviewer.md").is_file());
+        // The user's own, once there, takes the name (read-only, as every copy).
+        std::fs::write(user.join(".claude/CLAUDE.md"), "the user's").unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "the user's"
+        );
     }
 
     /// A `CLAUDE.md` linked into `~/.claude` (stow) is copied as the link, not as

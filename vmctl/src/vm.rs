@@ -1417,10 +1417,21 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
         Err(_) => return None,
     };
     let throwaway = vm.is_throwaway();
-    if record.workspace.exists() && !throwaway {
-        return None;
-    }
     let workspace = record.workspace.display();
+    if !throwaway {
+        match record.workspace.try_exists() {
+            Ok(true) => return None,
+            Ok(false) => {}
+            // Not removed, perhaps only out of reach (a volume not mounted, a parent
+            // directory not readable): its agent sessions are kept.
+            Err(e) => {
+                vmm::to_stderr!(
+                    "vmctl: cannot tell whether {workspace} is still there ({e}): its VM                      is kept ('vmctl rm {workspace}' forgets it)"
+                );
+                return None;
+            }
+        }
+    }
     if !stopped() {
         if !throwaway {
             vmm::to_stderr!(
@@ -1932,6 +1943,10 @@ mod tests {
         };
         let kept = vm_of("kept", &kept_workspace);
         let gone = vm_of("gone", &dir.path().join("removed-worktree"));
+        // Whether its workspace is there cannot be told (a link loop on the way, as an
+        // unreadable parent or a dead mount would): kept, with its agent sessions.
+        std::os::unix::fs::symlink("loop", dir.path().join("loop")).unwrap();
+        let unknown = vm_of("unknown", &dir.path().join("loop/ws"));
         let starting = vm_of("starting", &dir.path().join("removed-too"));
         // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
         let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);
@@ -1957,6 +1972,7 @@ mod tests {
         let vms = [
             kept.clone(),
             gone.clone(),
+            unknown.clone(),
             starting.clone(),
             throwaway.clone(),
             refused.clone(),
@@ -1972,6 +1988,10 @@ mod tests {
             "the stopped VM of a removed directory is left"
         );
         assert!(!throwaway.path.exists(), "a stopped throwaway VM is left");
+        assert!(
+            unknown.path.exists(),
+            "a VM whose workspace may be only out of reach was removed"
+        );
         assert!(
             !refused.path.exists(),
             "a refused start's directory is left"

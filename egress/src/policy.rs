@@ -19,7 +19,7 @@ use std::fmt;
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::io::{self, Write};
 use std::net::{Ipv4Addr, Ipv6Addr};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -580,10 +580,18 @@ impl PolicyStore {
     }
 }
 
-/// Writes `data` to `path` atomically: a new file (created with `mode`, before the
-/// umask) in the same directory, synced, then renamed over `path`. The directory is
-/// created 0700 if missing. Shared with the secret store.
+/// Writes `data` to `path` atomically: a new file in the same directory, synced, then
+/// renamed over `path`. Created with `mode` (before the umask), or, over a file
+/// already there, with that file's mode within `mode` (a user's 0600 policy stays
+/// 0600). Where `path` is a link (dotfiles kept by stow or chezmoi), the file it leads
+/// to is the one replaced, and the link stays. The directory is created 0700 if
+/// missing. Shared with the secret store.
 pub(crate) fn write_atomically(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    let path = &std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let mode = match std::fs::metadata(path) {
+        Ok(existing) => existing.permissions().mode() & mode,
+        Err(_) => mode,
+    };
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the path names no file"))?;
@@ -741,6 +749,36 @@ impl Policy {
 
 #[cfg(test)]
 mod tests {
+
+    /// A rewrite keeps the file's own mode within the one asked for, and replaces the
+    /// file a link leads to, not the link. (Review: a user's 0600 policy came back
+    /// 0644, and a dotfiles link became a file of its own, the dotfile no longer
+    /// written.)
+    #[test]
+    fn a_rewrite_keeps_the_mode_and_writes_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let dotfile = dir.path().join("dotfiles/policy.json");
+        std::fs::create_dir_all(dotfile.parent().unwrap()).unwrap();
+        std::fs::write(&dotfile, "old").unwrap();
+        std::fs::set_permissions(&dotfile, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let link = dir.path().join("policy.json");
+        std::os::unix::fs::symlink(&dotfile, &link).unwrap();
+
+        super::write_atomically(&link, b"new", 0o644).unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read_to_string(&dotfile).unwrap(), "new");
+        let mode = |path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dotfile), 0o600);
+        // Never wider than asked: a secret store made 0644 by hand comes back 0600.
+        std::fs::set_permissions(&dotfile, std::fs::Permissions::from_mode(0o644)).unwrap();
+        super::write_atomically(&link, b"newer", 0o600).unwrap();
+        assert_eq!(mode(&dotfile), 0o600);
+        // A new file gets the mode asked for (within the umask).
+        let fresh = dir.path().join("fresh.json");
+        super::write_atomically(&fresh, b"{}", 0o600).unwrap();
+        assert_eq!(mode(&fresh), 0o600);
+    }
 
     #[test]
     fn wildcards_of_domains_anyone_can_have_a_name_under_are_told() {

@@ -141,6 +141,31 @@ fn workspace_scenario() {
     assert_eq!(echoed.len(), data.len());
     assert!(echoed == data, "stdin did not come back byte-identical");
 
+    // `-n`: the command reads end of file at once, and vmctl reads none of its stdin,
+    // which stays for the next reader (a loop reading its list there).
+    let list = ws.path().join("list");
+    std::fs::write(&list, "a\nb\n").unwrap();
+    let list = std::fs::File::open(&list).unwrap();
+    let mut cat = ws
+        .command(&["exec", "-n", "--", "cat"])
+        .stdin(list.try_clone().unwrap())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let bounded = Watchdog::new(&cat, "vmctl exec -n cat");
+    let mut echoed = String::new();
+    cat.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut echoed)
+        .unwrap();
+    assert!(cat.wait().unwrap().success());
+    drop(bounded);
+    assert_eq!(echoed, "", "the command read vmctl's stdin");
+    let mut rest = String::new();
+    (&list).read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "a\nb\n", "vmctl read stdin it was told not to");
+
     // A PTY of the default size when the host side is not a terminal.
     let tty = ws.run(&["exec", "--tty", "--", "sh", "-c", "test -t 0 && stty size"]);
     assert!(tty.status.success());

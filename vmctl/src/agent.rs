@@ -165,6 +165,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         user: exec::parse_user(None),
         // Output redirected to a file gets no terminal's line endings and escapes.
         tty: std::io::stdin().is_terminal() && std::io::stdout().is_terminal(),
+        stdin: true,
     };
     crate::git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
         .map_err(|e| AgentError::Session(crate::lost_vm::explain(&vm, e.to_string())))

@@ -549,6 +549,11 @@ pub struct ExecArgs {
     /// Run the command on a pseudo-terminal (the host terminal goes raw).
     #[arg(long, short = 't')]
     pub tty: bool,
+    /// Give the command no input (end of file at once) and read none of vmctl's own
+    /// stdin, as `ssh -n`: in `while read f; do vmctl exec -n -- cmd "$f"; done <
+    /// list`, without it the first vmctl would take the rest of the list.
+    #[arg(long = "no-stdin", short = 'n', conflicts_with = "tty")]
+    pub no_stdin: bool,
     /// Set an environment variable for the command: K=V, or K alone for the host's
     /// value of K (as in the env file). Repeatable.
     #[arg(

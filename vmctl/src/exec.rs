@@ -59,6 +59,10 @@ pub struct ExecOptions {
     pub cwd: Option<PathBuf>,
     pub user: User,
     pub tty: bool,
+    /// Whether vmctl's stdin is the command's; otherwise the command reads end of
+    /// file at once, and vmctl reads none of its stdin (a loop reading its list from
+    /// it keeps the rest).
+    pub stdin: bool,
 }
 
 /// Where a command started in the host directory `host_dir` runs in `vm`: at the same
@@ -213,6 +217,7 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     };
     let (mut input, output) = session.split();
     let is_tty = options.tty;
+    let forward_stdin = options.stdin;
     // Set when we stop waiting for a command that a signal did not end.
     let (give_up, gave_up) = tokio::sync::mpsc::channel::<GiveUp>(1);
     // An output whose reader went away, for the agent to close in the guest.
@@ -231,7 +236,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         // Input is read only as far as the agent will take it at once, so a signal
         // never waits behind stdin that a command does not read.
         let window = input.stdin_window();
-        let mut stdin_open = true;
+        let mut stdin_open = forward_stdin;
+        if !forward_stdin && input.close_stdin().await.is_err() {
+            return;
+        }
         loop {
             tokio::select! {
                 read = async {
@@ -682,6 +690,7 @@ mod tests {
             cwd: None,
             user: User::Default,
             tty: false,
+            stdin: true,
         };
         let err = tokio::time::timeout(AGENT_TIMEOUT * 2, relay(&socket, options))
             .await

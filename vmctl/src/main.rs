@@ -367,6 +367,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         cwd: Some(cwd),
         user: exec::parse_user(args.user.as_deref()),
         tty: args.tty,
+        stdin: !args.no_stdin,
     };
     git_guard::watch(vm, || exec::run(&vm.vsock_socket(), options))
         .map_err(|e| lost_vm::explain(vm, e.to_string()))
@@ -400,6 +401,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         // As ssh: a terminal gets a PTY; commands piped in get a plain shell
         // reading them, whose output carries no echo or escape sequences.
         tty: std::io::stdin().is_terminal(),
+        stdin: true,
     };
     git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
         .map_err(|e| lost_vm::explain(&vm, e.to_string()))

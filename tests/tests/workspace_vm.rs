@@ -166,6 +166,21 @@ fn workspace_scenario() {
     (&list).read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "a\nb\n", "vmctl read stdin it was told not to");
 
+    // The agents' CLIs run from any session keep their homes where `vmctl agent` does
+    // (the VM's state directory), not in the guest's memory.
+    let homes = ws.run(&[
+        "exec",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$CLAUDE_CONFIG_DIR $CODEX_HOME\"",
+    ]);
+    assert!(homes.status.success());
+    assert_eq!(
+        stdout(&homes).trim(),
+        "/var/lib/vmctl/agent-home/claude /var/lib/vmctl/agent-home/codex"
+    );
+
     // A PTY of the default size when the host side is not a terminal.
     let tty = ws.run(&["exec", "--tty", "--", "sh", "-c", "test -t 0 && stty size"]);
     assert!(tty.status.success());

@@ -41,7 +41,6 @@ impl AgentCli {
         }
     }
 
-    /// The variable that points the CLI at its config home.
     /// The egress secret that signs it in.
     fn secret_name(self) -> &'static str {
         match self {
@@ -50,6 +49,7 @@ impl AgentCli {
         }
     }
 
+    /// The variable that points the CLI at its config home.
     fn home_variable(self) -> &'static str {
         match self {
             AgentCli::Claude => "CLAUDE_CONFIG_DIR",
@@ -148,10 +148,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         env.push(("IS_SANDBOX".to_string(), "1".into()));
     }
     env.extend(read_env_file(&env_file())?);
-    env.push((
-        options.cli.home_variable().to_string(),
-        format!("{GUEST_AGENT_HOME}/{}", options.cli.program()).into(),
-    ));
+    env.extend(config_homes_env());
     let mut argv: Vec<OsString> = vec![options.cli.program().into()];
     if options.skip_permissions {
         argv.push(options.cli.skip_permissions_flag().into());
@@ -178,6 +175,20 @@ fn for_agent(error: crate::vm::VmError) -> AgentError {
         crate::vm::VmError::Share(e) => AgentError::Vm(crate::vm::VmError::Share(e.for_agent())),
         other => AgentError::Vm(other),
     }
+}
+
+/// The variables that point both CLIs at the VM's config homes, for every session
+/// (`exec`, `shell`, `run`): `claude` or `codex` run from a shell keeps its
+/// transcripts, settings and memory where `vmctl agent` does, in the VM's state
+/// directory, not in the guest's own home, which is memory and goes with the VM.
+pub fn config_homes_env() -> Vec<(String, OsString)> {
+    [AgentCli::Claude, AgentCli::Codex]
+        .into_iter()
+        .map(|cli| {
+            let home = format!("{GUEST_AGENT_HOME}/{}", cli.program());
+            (cli.home_variable().to_string(), home.into())
+        })
+        .collect()
 }
 
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).

@@ -362,6 +362,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         env: git_identity::guest_env(vm, &here)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
+            .chain(agent::config_homes_env())
             .chain(args.env)
             .collect(),
         cwd: Some(cwd),
@@ -395,6 +396,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         env: git_identity::guest_env(&vm, &start_in)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
+            .chain(agent::config_homes_env())
             .collect(),
         cwd: Some(exec::guest_cwd(&vm, &start_in)),
         user: exec::parse_user(None),

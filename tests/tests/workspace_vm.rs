@@ -167,13 +167,15 @@ fn workspace_scenario() {
     assert_eq!(rest, "a\nb\n", "vmctl read stdin it was told not to");
 
     // The agents' CLIs run from any session keep their homes where `vmctl agent` does
-    // (the VM's state directory), not in the guest's memory.
+    // (the VM's state directory), not in the guest's memory; the homes are there and
+    // writable (Codex refuses a CODEX_HOME that is not).
     let homes = ws.run(&[
         "exec",
         "--",
         "sh",
         "-c",
-        "echo \"$CLAUDE_CONFIG_DIR $CODEX_HOME\"",
+        "test -w \"$CLAUDE_CONFIG_DIR\" && test -w \"$CODEX_HOME\" && \
+         echo \"$CLAUDE_CONFIG_DIR $CODEX_HOME\"",
     ]);
     assert!(homes.status.success());
     assert_eq!(

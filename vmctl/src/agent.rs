@@ -148,7 +148,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         env.push(("IS_SANDBOX".to_string(), "1".into()));
     }
     env.extend(read_env_file(&env_file())?);
-    env.extend(config_homes_env());
+    env.extend(config_homes_env(&vm, &guest_agent::protocol::User::Default));
     let mut argv: Vec<OsString> = vec![options.cli.program().into()];
     if options.skip_permissions {
         argv.push(options.cli.skip_permissions_flag().into());
@@ -177,18 +177,50 @@ fn for_agent(error: crate::vm::VmError) -> AgentError {
     }
 }
 
+const BOTH_CLIS: [AgentCli; 2] = [AgentCli::Claude, AgentCli::Codex];
+
 /// The variables that point both CLIs at the VM's config homes, for every session
-/// (`exec`, `shell`, `run`): `claude` or `codex` run from a shell keeps its
-/// transcripts, settings and memory where `vmctl agent` does, in the VM's state
-/// directory, not in the guest's own home, which is memory and goes with the VM.
-pub fn config_homes_env() -> Vec<(String, OsString)> {
-    [AgentCli::Claude, AgentCli::Codex]
+/// (`exec`, `shell`, `run`) of the default user or root: `claude` or `codex` run from a
+/// shell keeps its transcripts, settings and memory where `vmctl agent` does, in the
+/// VM's state directory, not in the guest's own home, which is memory and goes with
+/// the VM. The homes are made first (Codex refuses a `CODEX_HOME` that is not there);
+/// one that cannot be made is said, and its variable left out. Another guest account
+/// (`--user NAME`) keeps its own: it could not write the homes.
+pub fn config_homes_env(vm: &VmDir, user: &guest_agent::protocol::User) -> Vec<(String, OsString)> {
+    if matches!(user, guest_agent::protocol::User::Named(_)) {
+        return Vec::new();
+    }
+    BOTH_CLIS
         .into_iter()
+        .filter(|cli| match ensure_config_home(vm, *cli) {
+            Ok(()) => true,
+            Err(e) => {
+                vmm::to_stderr!("vmctl: warning: {e}");
+                false
+            }
+        })
         .map(|cli| {
             let home = format!("{GUEST_AGENT_HOME}/{}", cli.program());
             (cli.home_variable().to_string(), home.into())
         })
         .collect()
+}
+
+/// Makes `cli`'s config home in the VM's agent homes if it is not there.
+fn ensure_config_home(vm: &VmDir, cli: AgentCli) -> Result<(), AgentError> {
+    let homes = agent_home_dir(vm);
+    let home = homes.join(cli.program());
+    let error = |source| AgentError::Home {
+        what: "config home".into(),
+        path: home.clone(),
+        source,
+    };
+    std::fs::create_dir_all(&homes).map_err(error)?;
+    let _refreshing = lock_agent_homes(vm).map_err(error)?;
+    guest_writable::open_dir(&homes)
+        .and_then(|homes| guest_writable::ensure_dir(homes, cli.program()))
+        .map(drop)
+        .map_err(error)
 }
 
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
@@ -288,8 +320,14 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     // the guest may remove its own entries anyway.
     let seeded_before = guest_writable::read_file_in(&home_dir, Path::new(SEEDED_LIST), 64 << 10)
         .map(|(text, _)| text)
-        .unwrap_or_default();
-    let seeded_before: Vec<&[u8]> = seeded_before.split(|b| *b == b'\n').collect();
+        .ok();
+    // A home seeded before the list was kept: what looks like a copy was one.
+    let was_seeded = |name: &str| match &seeded_before {
+        Some(list) => list
+            .split(|b| *b == b'\n')
+            .any(|line| line == name.as_bytes()),
+        None => guest_writable::looks_copied(&home_dir, name),
+    };
     let mut seeded = String::new();
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
@@ -298,7 +336,7 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         // to any of the user's (a key), to be copied here for it to read.
         let from = source.join(name);
         let users = std::fs::symlink_metadata(&from).is_ok();
-        if users || seeded_before.contains(&name.as_bytes()) {
+        if users || was_seeded(name) {
             guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
         }
         if users {
@@ -713,6 +751,26 @@ mod tests {
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
             "the user's"
         );
+    }
+
+    /// A home seeded before the list of copies was kept: what looks like a copy (read
+    /// only) goes once the user's is gone; what the agent wrote stays.
+    #[test]
+    fn a_home_without_the_list_takes_read_only_entries_for_copies() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        std::fs::create_dir_all(user.join(".claude/skills/s1")).unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        std::fs::remove_file(home.join(SEEDED_LIST)).unwrap();
+        std::fs::create_dir(home.join("agents")).unwrap();
+        std::fs::remove_dir_all(user.join(".claude/skills")).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert!(!home.join("skills").exists());
+        assert!(home.join("agents").is_dir());
     }
 
     /// A `CLAUDE.md` linked into `~/.claude` (stow) is copied as the link, not as

@@ -441,6 +441,14 @@ fn create_read_only(
     Ok(())
 }
 
+/// Whether the entry `name` of `dir` looks like a copy [`copy_read_only`] made: a link,
+/// or without write permission for anyone (never followed; false when not there).
+pub fn looks_copied(dir: impl AsFd, name: impl AsRef<OsStr>) -> bool {
+    rustix::fs::statat(dir.as_fd(), name.as_ref(), AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|stat| {
+        FileType::from_raw_mode(stat.st_mode) == FileType::Symlink || stat.st_mode & 0o222 == 0
+    })
+}
+
 /// Makes a FIFO at `path`: what a guest can put where the host expects a file.
 #[cfg(test)]
 pub(crate) fn make_fifo(path: &Path) {

@@ -356,17 +356,18 @@ fn nested_exec(args: cli::NestedExecArgs) -> Result<u8, String> {
 fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
     let here = workspace::current_dir();
     let cwd = exec::guest_cwd(vm, &here);
+    let user = exec::parse_user(args.user.as_deref());
     let options = exec::ExecOptions {
         argv: args.command,
         // Yours last: `--env` can override what vmctl sets.
         env: git_identity::guest_env(vm, &here)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
-            .chain(agent::config_homes_env())
+            .chain(agent::config_homes_env(vm, &user))
             .chain(args.env)
             .collect(),
         cwd: Some(cwd),
-        user: exec::parse_user(args.user.as_deref()),
+        user,
         tty: args.tty,
         stdin: !args.no_stdin,
     };
@@ -396,7 +397,10 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         env: git_identity::guest_env(&vm, &start_in)
             .into_iter()
             .map(|(name, value)| (name, value.into()))
-            .chain(agent::config_homes_env())
+            .chain(agent::config_homes_env(
+                &vm,
+                &guest_agent::protocol::User::Default,
+            ))
             .collect(),
         cwd: Some(exec::guest_cwd(&vm, &start_in)),
         user: exec::parse_user(None),

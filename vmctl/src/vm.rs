@@ -1422,11 +1422,14 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
         match record.workspace.try_exists() {
             Ok(true) => return None,
             Ok(false) => {}
-            // Not removed, perhaps only out of reach (a volume not mounted, a parent
-            // directory not readable): its agent sessions are kept.
+            // Perhaps only out of reach (a parent directory not readable, a dead
+            // network mount): its agent sessions are kept. (A volume not mounted looks
+            // removed: its mount point is an empty directory.)
             Err(e) => {
                 vmm::to_stderr!(
-                    "vmctl: cannot tell whether {workspace} is still there ({e}): its VM                      is kept ('vmctl rm {workspace}' forgets it)"
+                    "vmctl: cannot tell whether {workspace} is still there ({e}): its VM \
+                     is kept, for a prune once it can be told ({} holds it)",
+                    vm.path.display()
                 );
                 return None;
             }

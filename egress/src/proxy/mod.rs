@@ -313,8 +313,8 @@ pub enum ProxyError {
     )]
     Busy { limit: usize },
     #[error(
-        "too many new connections to upstreams (over {per_second} a second); {target} \
-         not connected to; retry later, or keep connections alive"
+        "too many new connections to upstreams (over {per_second} a second: each tunnel, \
+         and each plain-HTTP request, is one); {target} not connected to; retry later"
     )]
     TooManyConnects { target: String, per_second: u32 },
     #[error(

@@ -99,7 +99,14 @@ fn fail_at_most(queue: &mut Queue, memory: &GuestMemoryMmap, max: usize) -> Answ
                 warn_unusable_ring(queue, memory);
                 break (false, true);
             }
-            _ => break (false, false),
+            Ok(false) => break (false, false),
+            Err(e) => {
+                guest_log::guest_warn!(
+                    "virtio-fs: cannot re-arm the driver's notifications ({e}); the device \
+                     needs a reset (DEVICE_NEEDS_RESET)"
+                );
+                break (false, true);
+            }
         }
     };
     Answered {

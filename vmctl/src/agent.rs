@@ -192,8 +192,8 @@ pub fn config_homes_env(vm: &VmDir, user: &guest_agent::protocol::User) -> Vec<(
     }
     BOTH_CLIS
         .into_iter()
-        .filter(|cli| match ensure_config_home(vm, *cli) {
-            Ok(()) => true,
+        .filter(|cli| match open_config_home(vm, *cli) {
+            Ok(_) => true,
             Err(e) => {
                 vmm::to_stderr!("vmctl: warning: {e}");
                 false
@@ -206,21 +206,25 @@ pub fn config_homes_env(vm: &VmDir, user: &guest_agent::protocol::User) -> Vec<(
         .collect()
 }
 
-/// Makes `cli`'s config home in the VM's agent homes if it is not there.
-fn ensure_config_home(vm: &VmDir, cli: AgentCli) -> Result<(), AgentError> {
+/// `cli`'s config home in the VM's agent homes, made if it is not there, and the
+/// agent homes' lock, taken to make it and held for as long as the caller keeps it.
+fn open_config_home(
+    vm: &VmDir,
+    cli: AgentCli,
+) -> Result<(std::os::fd::OwnedFd, std::fs::File), AgentError> {
     let homes = agent_home_dir(vm);
-    let home = homes.join(cli.program());
-    let error = |source| AgentError::Home {
-        what: "config home".into(),
-        path: home.clone(),
-        source,
-    };
-    std::fs::create_dir_all(&homes).map_err(error)?;
-    let _refreshing = lock_agent_homes(vm).map_err(error)?;
-    guest_writable::open_dir(&homes)
+    std::fs::create_dir_all(&homes).map_err(home_error("agent homes", &homes))?;
+    let lock = lock_agent_homes(vm).map_err(home_error("agent homes' lock", &vm.path))?;
+    let home = guest_writable::open_dir(&homes)
         .and_then(|homes| guest_writable::ensure_dir(homes, cli.program()))
-        .map(drop)
-        .map_err(error)
+        .map_err(home_error("config home", &homes.join(cli.program())))?;
+    Ok((home, lock))
+}
+
+/// An [`AgentError::Home`] for preparing `what` at `path`.
+fn home_error(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> AgentError {
+    let (what, path) = (what.to_string(), path.to_path_buf());
+    move |source| AgentError::Home { what, path, source }
 }
 
 /// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
@@ -300,17 +304,8 @@ const SEEDED_LIST: &str = ".vmctl-seeded";
 /// the user's is gone. The guest can write the agent homes: [`guest_writable`] keeps
 /// its symlinks from leading these writes into the user's files.
 fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), AgentError> {
-    let homes = agent_home_dir(vm);
-    let home = homes.join(cli.program());
-    let error = |what: &str, path: &Path| {
-        let (what, path) = (what.to_string(), path.to_path_buf());
-        move |source| AgentError::Home { what, path, source }
-    };
-    std::fs::create_dir_all(&homes).map_err(error("agent homes", &homes))?;
-    let _refreshing = lock_agent_homes(vm).map_err(error("agent homes' lock", &vm.path))?;
-    let home_dir = guest_writable::open_dir(&homes)
-        .and_then(|homes| guest_writable::ensure_dir(homes, cli.program()))
-        .map_err(error("config home", &home))?;
+    let home = agent_home_dir(vm).join(cli.program());
+    let (home_dir, _refreshing) = open_config_home(vm, cli)?;
     let Some(user_home) = user_home else {
         return Ok(());
     };
@@ -337,13 +332,13 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         let from = source.join(name);
         let users = std::fs::symlink_metadata(&from).is_ok();
         if users || was_seeded(name) {
-            guest_writable::remove(&home_dir, name).map_err(error(name, &target))?;
+            guest_writable::remove(&home_dir, name).map_err(home_error(name, &target))?;
         }
         if users {
             seeded.push_str(name);
             seeded.push('\n');
             let left_out = guest_writable::copy_read_only(&from, &home_dir, name, SEED_LIMITS)
-                .map_err(error(name, &target))?;
+                .map_err(home_error(name, &target))?;
             if left_out.count > 0 {
                 vmm::to_stderr!(
                     "vmctl: warning: {} entries of {} were left out of the VM's copy ({}{})",
@@ -360,7 +355,7 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         }
     }
     guest_writable::write_read_only(&home_dir, SEEDED_LIST, seeded.as_bytes())
-        .map_err(error(SEEDED_LIST, &home.join(SEEDED_LIST)))?;
+        .map_err(home_error(SEEDED_LIST, &home.join(SEEDED_LIST)))?;
     Ok(())
 }
 

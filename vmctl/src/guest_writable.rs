@@ -186,14 +186,9 @@ fn remove_at_depth(
     // The directory being removed takes in what lies too deep below it.
     let top = top.unwrap_or(dir.as_fd());
     for _ in 0..MAX_PASSES {
-        for entry in rustix::fs::Dir::read_from(&dir)? {
-            let entry = entry?;
-            // The name as it is, bytes not UTF-8 included: the guest chose it.
-            let child = OsStr::from_bytes(entry.file_name().to_bytes());
-            if child != "." && child != ".." {
-                remove_at_depth(dir.as_fd(), child, depth + 1, Some(top), moved)?;
-            }
-        }
+        for_each_entry(&dir, |child| {
+            remove_at_depth(dir.as_fd(), child, depth + 1, Some(top), moved)
+        })?;
         match rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR) {
             Ok(()) | Err(rustix::io::Errno::NOENT) => return Ok(()),
             // What was moved up into it, after its listing had gone past.
@@ -205,6 +200,19 @@ fn remove_at_depth(
         "{}: still not empty after {MAX_PASSES} passes (is something still writing there?)",
         name.to_string_lossy()
     )))
+}
+
+/// Calls `each` with the name of every entry of the directory `dir` but `.` and `..`,
+/// as it is (bytes not UTF-8 included: the guest chose it), until one fails.
+fn for_each_entry(dir: &OwnedFd, mut each: impl FnMut(&OsStr) -> io::Result<()>) -> io::Result<()> {
+    for entry in rustix::fs::Dir::read_from(dir)? {
+        let entry = entry?;
+        let name = OsStr::from_bytes(entry.file_name().to_bytes());
+        if name != "." && name != ".." {
+            each(name)?;
+        }
+    }
+    Ok(())
 }
 
 /// Moves the directory `name` of `parent` into `top`, under a name of its own: the
@@ -367,17 +375,13 @@ impl Copy {
                 };
                 rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o700))?;
                 let copy = rustix::fs::openat(parent, name, dir_flags(), Mode::empty())?;
-                for entry in rustix::fs::Dir::read_from(&listed)? {
-                    let entry = entry?;
-                    let child = OsStr::from_bytes(entry.file_name().to_bytes());
-                    if child != "." && child != ".." {
-                        let source = Entry {
-                            dir: listed.as_fd(),
-                            name: child,
-                        };
-                        self.entry(source, copy.as_fd(), child, depth + 1)?;
-                    }
-                }
+                for_each_entry(&listed, |child| {
+                    let source = Entry {
+                        dir: listed.as_fd(),
+                        name: child,
+                    };
+                    self.entry(source, copy.as_fd(), child, depth + 1)
+                })?;
                 rustix::fs::fchmod(&copy, Mode::from_raw_mode(0o555))?;
             }
             FileType::RegularFile => {

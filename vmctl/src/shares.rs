@@ -406,6 +406,20 @@ pub struct KeptOut {
     pub instead: Option<&'static str>,
 }
 
+impl KeptOut {
+    /// `dir` kept out, resolved as far as it exists: a directory not made yet may still
+    /// lie behind a link (`~/.config` into a dotfiles repository), where a guest could
+    /// make it.
+    fn resolved(dir: &Path, what: &'static str, inside_too: bool) -> KeptOut {
+        KeptOut {
+            dir: crate::state::resolve_existing_part(dir),
+            what,
+            inside_too,
+            instead: None,
+        }
+    }
+}
+
 /// What no share may be or hold: the home directory (its `.ssh`, the agents' sign-ins,
 /// cloud credentials: the host's secrets, which the VM must not have), the
 /// directories in it that hold those credentials ([`CREDENTIAL_DIRS`], and where
@@ -474,40 +488,36 @@ pub fn kept_out_of_the_guest() -> Vec<KeptOut> {
 /// the VMM's sockets elsewhere with a link (its own guest agent, another VM's, the
 /// host's Docker socket).
 fn session_dirs_kept_out(tmp: &[PathBuf], runtime: &[PathBuf], private: PathBuf) -> Vec<KeptOut> {
-    let kept = |dir: &Path, what, inside_too| KeptOut {
-        dir: crate::state::resolve_existing_part(dir),
-        what,
-        inside_too,
-        instead: None,
-    };
     const RUNTIME: &str =
         "your runtime directory (your session's sockets and credentials, vmctl's sockets)";
-    let tmp_resolved: Vec<PathBuf> = tmp
+    let tmp: Vec<KeptOut> = tmp
         .iter()
-        .map(|dir| crate::state::resolve_existing_part(dir))
+        .map(|dir| {
+            KeptOut::resolved(
+                dir,
+                "a temporary directory every program shares (their files and tickets, \
+                 vmctl's sockets)",
+                false,
+            )
+        })
         .collect();
-    let runtime = runtime.iter().flat_map(|dir| {
-        let resolved = crate::state::resolve_existing_part(dir);
-        let holds_tmp = tmp_resolved.iter().any(|tmp| tmp.starts_with(&resolved));
-        let mut kept_out = vec![kept(dir, RUNTIME, !holds_tmp)];
-        if holds_tmp {
-            kept_out.extend(
-                ["vmctl", "containers"]
-                    .into_iter()
-                    .map(|inside| kept(&dir.join(inside), RUNTIME, true)),
-            );
-        }
-        kept_out
-    });
-    let tmp = tmp.iter().map(|dir| {
-        kept(
-            dir,
-            "a temporary directory every program shares (their files and tickets, vmctl's \
-             sockets)",
-            false,
-        )
-    });
-    let private = kept(
+    let runtime: Vec<KeptOut> = runtime
+        .iter()
+        .flat_map(|dir| {
+            let whole = KeptOut::resolved(dir, RUNTIME, true);
+            if !tmp.iter().any(|tmp| tmp.dir.starts_with(&whole.dir)) {
+                return vec![whole];
+            }
+            let inside = ["vmctl", "containers"]
+                .map(|inside| KeptOut::resolved(&dir.join(inside), RUNTIME, true));
+            let whole = KeptOut {
+                inside_too: false,
+                ..whole
+            };
+            [whole].into_iter().chain(inside).collect()
+        })
+        .collect();
+    let private = KeptOut::resolved(
         &private,
         "vmctl's own directory for sockets (the VMs' and the daemon's)",
         true,
@@ -515,7 +525,7 @@ fn session_dirs_kept_out(tmp: &[PathBuf], runtime: &[PathBuf], private: PathBuf)
     // The first that a share meets is what it is told; the same directory twice
     // (TMPDIR unset, XDG_RUNTIME_DIR the usual one) would never be met.
     let mut kept_out: Vec<KeptOut> = Vec::new();
-    for candidate in runtime.chain(tmp).chain([private]) {
+    for candidate in runtime.into_iter().chain(tmp).chain([private]) {
         if !kept_out.iter().any(|k| k.dir == candidate.dir) {
             kept_out.push(candidate);
         }
@@ -733,7 +743,7 @@ pub fn host_program_dirs() -> Vec<ProgramDir> {
     program_dirs_from(
         std::env::var_os("PATH").as_deref(),
         &homes,
-        |name| std::env::var_os(name).filter(|value| !value.is_empty()),
+        set_variable,
         user_can_write,
     )
 }
@@ -1157,7 +1167,13 @@ const CREDENTIAL_DIR_VARIABLES: [(&str, &str, &str); 10] = [
 /// `KUBECONFIG` names (kubectl's cluster credentials, which may lie in a project:
 /// that project is then refused, as it holds them).
 fn sign_in_dirs_moved() -> Vec<KeptOut> {
-    sign_in_dirs_moved_by(|name| std::env::var_os(name).filter(|value| !value.is_empty()))
+    sign_in_dirs_moved_by(set_variable)
+}
+
+/// The environment variable `name`'s value, unless it is unset or empty (as tools take
+/// an empty one).
+fn set_variable(name: &str) -> Option<std::ffi::OsString> {
+    std::env::var_os(name).filter(|value| !value.is_empty())
 }
 
 fn sign_in_dirs_moved_by(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<KeptOut> {
@@ -1166,22 +1182,15 @@ fn sign_in_dirs_moved_by(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Ve
         .unwrap_or_default()
         .into_iter()
         .filter(|file| file.is_absolute())
-        .map(|file| KeptOut {
-            dir: crate::state::resolve_existing_part(&file),
-            what: "kubectl's credentials file (KUBECONFIG)",
-            inside_too: false,
-            instead: None,
-        });
+        .map(|file| KeptOut::resolved(&file, "kubectl's credentials file (KUBECONFIG)", false));
     CREDENTIAL_DIR_VARIABLES
         .into_iter()
         .filter_map(|(variable, default, what)| {
             let dir = PathBuf::from(var(variable)?);
             let usual = CREDENTIAL_DIRS.iter().find(|c| c.dir == default)?;
             dir.is_absolute().then(|| KeptOut {
-                dir: crate::state::resolve_existing_part(&dir),
-                what,
-                inside_too: usual.inside_too,
                 instead: usual.instead,
+                ..KeptOut::resolved(&dir, what, usual.inside_too)
             })
         })
         .chain(kube_configs)
@@ -1195,22 +1204,14 @@ fn kept_out_from(
     state: PathBuf,
     cache: Option<PathBuf>,
 ) -> Vec<KeptOut> {
-    // Resolved as far as it exists: a directory not made yet may still lie behind a
-    // link (`~/.config` into a dotfiles repository), where a guest could make it.
-    let kept = |dir: PathBuf, what, inside_too| KeptOut {
-        dir: crate::state::resolve_existing_part(&dir),
-        what,
-        inside_too,
-        instead: None,
-    };
     // The files vmctl reads may be links (GNU stow, chezmoi): the directory of each
     // link on the way is kept out as well, where a guest could change where it leads.
     let linked_config_files: Vec<KeptOut> = config_files
         .iter()
         .flat_map(|file| directories_of_links(file))
         .map(|dir| {
-            kept(
-                dir,
+            KeptOut::resolved(
+                &dir,
                 "the directory a link to a file vmctl reads leads into",
                 true,
             )
@@ -1221,8 +1222,8 @@ fn kept_out_from(
         .flat_map(|home| {
             CREDENTIAL_DIRS.iter().map(|credentials| KeptOut {
                 instead: credentials.instead,
-                ..kept(
-                    home.join(credentials.dir),
+                ..KeptOut::resolved(
+                    &home.join(credentials.dir),
                     credentials.what,
                     credentials.inside_too,
                 )
@@ -1231,23 +1232,23 @@ fn kept_out_from(
         .collect();
     let homes = homes
         .iter()
-        .map(|dir| kept(dir.clone(), "your home directory", false));
+        .map(|dir| KeptOut::resolved(dir, "your home directory", false));
     let configs = configs.iter().map(|dir| {
-        kept(
-            dir.clone(),
+        KeptOut::resolved(
+            dir,
             "vmctl's config directory (secrets, egress policy)",
             true,
         )
     });
     let others = [
-        Some(kept(
-            state,
+        Some(KeptOut::resolved(
+            &state,
             "vmctl's state directory (every VM's state)",
             true,
         )),
         cache.map(|dir| {
-            kept(
-                dir,
+            KeptOut::resolved(
+                &dir,
                 "vmctl's cache (the kernels, images and guest agent every VM boots)",
                 true,
             )

@@ -122,6 +122,11 @@ pub struct Resources {
     pub memory_min_mib: Option<u64>,
 }
 
+/// `HOME`, against which the sections' `~/` paths are read.
+fn home_from_env() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(PathBuf::from)
+}
+
 impl UserConfig {
     /// Reads the user's config file; a missing file is an empty config.
     pub fn load() -> Result<UserConfig, UserConfigError> {
@@ -214,7 +219,7 @@ impl UserConfig {
 
     /// The mounts of `workspace`: the global ones, then the workspace's own.
     pub fn mounts_for(&self, workspace: &Path) -> Vec<String> {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let home = home_from_env();
         self.mounts_for_with_home(workspace, home.as_deref())
     }
 
@@ -229,7 +234,7 @@ impl UserConfig {
     /// The resources of a new VM of `workspace`: the workspace's settings, else the
     /// global ones.
     pub fn resources_for(&self, workspace: &Path) -> Resources {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let home = home_from_env();
         let global = Resources {
             cpus: self.cpus,
             memory_percent: self.memory_percent,
@@ -245,7 +250,7 @@ impl UserConfig {
 
     /// The relay ports of `workspace`: the global ones, then the workspace's own.
     pub fn relay_ports_for(&self, workspace: &Path) -> Vec<u16> {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let home = home_from_env();
         self.relay_ports_for_with_home(workspace, home.as_deref())
     }
 
@@ -262,7 +267,7 @@ impl UserConfig {
     /// takes any local client, so a guest that reaches it can start agents outside any
     /// VM; the MCP servers an agent session names are relayed anyway.
     pub fn relays_paseo(&self, workspace: &Path) -> bool {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let home = home_from_env();
         self.relays_paseo_with_home(workspace, home.as_deref())
     }
 

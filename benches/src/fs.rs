@@ -2599,7 +2599,13 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
             if lost {
-                let first = fs::read_to_string(&marker).unwrap();
+                // What the first write wrote: the file exists before it holds anything.
+                let first = loop {
+                    match fs::read_to_string(&marker) {
+                        Ok(text) if !text.is_empty() => break text,
+                        _ => std::thread::sleep(Duration::from_millis(1)),
+                    }
+                };
                 while fs::read_to_string(&marker).is_ok_and(|now| now == first) {
                     std::thread::sleep(Duration::from_millis(5));
                 }

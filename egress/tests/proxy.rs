@@ -368,6 +368,8 @@ struct Harness {
     sandbox_ca: String,
     upstream_ca: String,
     seen: SeenLog,
+    /// How many connections the plain-HTTP upstream has taken.
+    plain_upstream_connections: Arc<AtomicUsize>,
     log_path: PathBuf,
     _tmp: tempfile::TempDir,
 }
@@ -403,9 +405,12 @@ impl Harness {
         let plain_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let plain_addr = plain_listener.local_addr().unwrap();
         let seen_plain = seen.clone();
+        let plain_upstream_connections = Arc::new(AtomicUsize::new(0));
+        let accepted = plain_upstream_connections.clone();
         tokio::spawn(async move {
             loop {
                 let (tcp, _) = plain_listener.accept().await.unwrap();
+                accepted.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(serve_upstream(tcp, seen_plain.clone()));
             }
         });
@@ -445,6 +450,7 @@ impl Harness {
             sandbox_ca,
             upstream_ca,
             seen,
+            plain_upstream_connections,
             log_path,
             _tmp: tmp,
         }
@@ -1012,6 +1018,41 @@ async fn plain_http_is_forwarded_without_secrets() {
             && e.rule.contains("\"other.test\" disagrees")),
         "{entries:?}"
     );
+}
+
+/// A kept-alive guest connection's plain requests to one host go out on one upstream
+/// connection; a request to another host takes one of its own. (Before, each request
+/// opened its own: a guest's `apt-get` from an `http://` mirror spent the connect
+/// rate a package at a time, and could be answered 503.)
+#[tokio::test]
+async fn plain_requests_on_a_kept_alive_connection_share_an_upstream_connection() {
+    let h = Harness::start().await;
+    let mut client = h.plain_client().await;
+    let targets = [
+        ("plain.test", "/echo?n=1"),
+        ("plain.test", "/transfer-gzip"),
+        ("plain.test", "/echo?n=3"),
+        ("api.test", "/echo?n=4"),
+        ("api.test", "/echo?n=5"),
+    ];
+    for (host, path) in targets {
+        let req = request(&format!("http://{host}{path}"), host, &[], "");
+        let (status, _, body) = exchange(&mut client, req).await;
+        assert_eq!(status, StatusCode::OK, "{host}{path}: {body}");
+    }
+    assert_eq!(h.plain_upstream_connections.load(Ordering::SeqCst), 2);
+    let paths: Vec<String> = h.seen().into_iter().map(|seen| seen.uri).collect();
+    assert_eq!(
+        paths,
+        ["/echo?n=1", "/transfer-gzip", "/echo?n=3", "/echo?n=4", "/echo?n=5"]
+    );
+
+    // A second guest connection has its own.
+    let mut other = h.plain_client().await;
+    let req = request("http://plain.test/echo", "plain.test", &[], "");
+    let (status, _, body) = exchange(&mut other, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(h.plain_upstream_connections.load(Ordering::SeqCst), 3);
 }
 
 /// A transfer coding under chunked is this hop's: hyper takes off only the chunked,

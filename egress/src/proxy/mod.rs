@@ -54,6 +54,7 @@ mod addresses;
 mod decode;
 mod first_head;
 mod headers;
+mod kept;
 mod plain;
 mod redact;
 mod session;
@@ -64,6 +65,7 @@ mod upstream;
 
 pub use addresses::forbidden_address;
 use first_head::{answer_and_close, read_first_head, Prefixed};
+use kept::KeptUpstream;
 use plain::plain_http;
 use tunnels::connect;
 
@@ -494,7 +496,10 @@ where
         prefix: head.into(),
         inner: stream,
     };
-    let served = serve_requests(TokioIo::new(stream), config, Some(permit), handle).await;
+    // Plain HTTP requests of this connection go on using one upstream connection.
+    let kept = Arc::new(KeptUpstream::default());
+    let handler = move |req, in_flight| handle(req, in_flight, kept.clone());
+    let served = serve_requests(TokioIo::new(stream), config, Some(permit), handler).await;
     if let Err(e) = served {
         tracing::debug!("guest connection ended: {e}");
     }
@@ -798,11 +803,15 @@ fn server_builder(limits: &Limits) -> server_http1::Builder {
     builder
 }
 
-async fn handle(req: Request<Incoming>, in_flight: Arc<InFlight>) -> Response<ProxyBody> {
+async fn handle(
+    req: Request<Incoming>,
+    in_flight: Arc<InFlight>,
+    kept: Arc<KeptUpstream>,
+) -> Response<ProxyBody> {
     let result = if req.method() == Method::CONNECT {
         connect(req, &in_flight).await
     } else {
-        plain_http(req, &in_flight).await
+        plain_http(req, &in_flight, &kept).await
     };
     result.unwrap_or_else(|e| error_response(&e))
 }

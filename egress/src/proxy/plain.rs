@@ -9,6 +9,7 @@ use hyper_util::rt::TokioIo;
 use super::headers::{
     check_claims, claimed_authorities, display_target, host_header, normalize_host, wants_upgrade,
 };
+use super::kept::KeptUpstream;
 use super::upstream::{
     connect_tcp, http1_client, prepare_request, relay_response, vetted_addresses, Ask,
 };
@@ -18,6 +19,7 @@ use crate::log::Refusal;
 pub(super) async fn plain_http(
     mut req: Request<Incoming>,
     in_flight: &Arc<InFlight>,
+    kept: &KeptUpstream,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let config = &in_flight.config;
     let (host, port) = absolute_target(req.uri())?;
@@ -50,15 +52,12 @@ pub(super) async fn plain_http(
     let guest_upgrade = wants_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     prepare_request(&mut parts, host_header(&host, port, 80));
-    let tcp = connect_tcp(config, &addrs, &target).await?;
-    let mut sender = http1_client(TokioIo::new(tcp), &target).await?;
-    let response = sender
-        .send_request(Request::from_parts(parts, boxed(body)))
-        .await
-        .map_err(|source| ProxyError::Upstream {
-            target: target.clone(),
-            source,
-        })?;
+    let connect = || async {
+        let tcp = connect_tcp(config, &addrs, &target).await?;
+        http1_client(TokioIo::new(tcp), &target).await
+    };
+    let req = Request::from_parts(parts, boxed(body));
+    let response = kept.send(&target, req, connect).await?;
     relay_response(response, guest_upgrade, None, ask, in_flight)
 }
 

@@ -10,11 +10,11 @@ use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use tokio::sync::Mutex;
 use tokio::time::timeout;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::headers::{check_claims, claimed_authorities, host_header, path_of, wants_upgrade};
+use super::kept::KeptUpstream;
 use super::redact::Redactor;
 use super::upstream::{connect_tcp, http1_client, prepare_request, relay_response, Ask};
 use super::{
@@ -33,7 +33,7 @@ pub(super) struct Session {
     /// Vetted at CONNECT time; reconnections use them rather than resolve again
     /// (a second lookup could answer a private address).
     pub(super) addrs: Vec<SocketAddr>,
-    pub(super) upstream: Mutex<Option<Upstream>>,
+    pub(super) upstream: KeptUpstream,
 }
 
 impl Session {
@@ -159,42 +159,11 @@ impl Session {
                 None => redactor,
             })
         });
-        let response = self.send(Request::from_parts(parts, boxed(body))).await?;
+        let req = Request::from_parts(parts, boxed(body));
+        let response = (self.upstream)
+            .send(&self.target, req, || self.connect_upstream())
+            .await?;
         relay_response(response, guest_upgrade, redactor, ask, in_flight)
-    }
-
-    /// Sends on the session's upstream connection, (re)connecting as needed. A
-    /// request a stale pooled connection did not take is retried once on a new one.
-    pub(super) async fn send(
-        &self,
-        req: Request<ProxyBody>,
-    ) -> Result<Response<Incoming>, ProxyError> {
-        let mut slot = self.upstream.lock().await;
-        let pooled = slot.take().filter(|sender| !sender.is_closed());
-        let was_pooled = pooled.is_some();
-        let mut sender = match pooled {
-            Some(sender) => sender,
-            None => self.connect_upstream().await?,
-        };
-        let upstream_err = |source| ProxyError::Upstream {
-            target: self.target.clone(),
-            source,
-        };
-        match send_on(&mut sender, req).await {
-            Ok(response) => {
-                *slot = Some(sender);
-                Ok(response)
-            }
-            Err((Some(req), _)) if was_pooled => {
-                let mut fresh = self.connect_upstream().await?;
-                let response = send_on(&mut fresh, req)
-                    .await
-                    .map_err(|(_, e)| upstream_err(e))?;
-                *slot = Some(fresh);
-                Ok(response)
-            }
-            Err((_, e)) => Err(upstream_err(e)),
-        }
     }
 
     /// A verified TLS connection to the destination, SNI = the CONNECT host.
@@ -219,19 +188,6 @@ impl Session {
             })?;
         http1_client(TokioIo::new(tls), &self.target).await
     }
-}
-
-pub(super) async fn send_on(
-    sender: &mut Upstream,
-    req: Request<ProxyBody>,
-) -> Result<Response<Incoming>, (Option<Request<ProxyBody>>, hyper::Error)> {
-    if let Err(e) = sender.ready().await {
-        return Err((Some(req), e));
-    }
-    sender
-        .try_send_request(req)
-        .await
-        .map_err(|mut e| (e.take_message(), e.into_error()))
 }
 
 /// Sets the secret's header (replacing what the guest sent) and removes the headers

@@ -8,9 +8,9 @@ use hyper::ext::ReasonPhrase;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
-use tokio::sync::Mutex;
 
 use super::headers::{display_target, normalize_host};
+use super::kept::KeptUpstream;
 use super::session::Session;
 use super::upstream::{connect_tcp, vetted_addresses, Ask};
 use super::{empty, InFlight, ProxyBody, ProxyConfig, ProxyError};
@@ -48,7 +48,7 @@ pub(super) async fn connect(
             port,
             target,
             addrs,
-            upstream: Mutex::new(None),
+            upstream: KeptUpstream::default(),
         });
         tokio::spawn(session.serve(on_upgrade, tls, in_flight.clone()));
     }

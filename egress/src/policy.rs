@@ -587,7 +587,25 @@ impl PolicyStore {
 /// to is the one replaced, and the link stays. The directory is created 0700 if
 /// missing. Shared with the secret store.
 pub(crate) fn write_atomically(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    let path = &std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let resolved = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    if resolved == path {
+        return replace_file(path, data, mode);
+    }
+    // The caller names the link; the failure is the place it leads to (a read-only
+    // /nix/store, say), which the message must name.
+    replace_file(&resolved, data, mode).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "it links to {}, which cannot be replaced: {e}",
+                resolved.display()
+            ),
+        )
+    })
+}
+
+/// [`write_atomically`] once `path` is no link.
+fn replace_file(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
     let mode = match std::fs::metadata(path) {
         Ok(existing) => existing.permissions().mode() & mode,
         Err(_) => mode,
@@ -778,6 +796,22 @@ mod tests {
         let fresh = dir.path().join("fresh.json");
         super::write_atomically(&fresh, b"{}", 0o600).unwrap();
         assert_eq!(mode(&fresh), 0o600);
+    }
+
+    /// A link into a place that cannot be written (a read-only /nix/store) fails
+    /// naming that place, not only the link. (Review: the error named the link alone.)
+    #[test]
+    fn a_link_to_a_file_that_cannot_be_replaced_is_named_in_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("policy.json");
+        std::os::unix::fs::symlink("/proc/version", &link).unwrap();
+        let err = super::write_atomically(&link, b"{}", 0o644).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("it links to /proc/version, which cannot be replaced: "),
+            "{err}"
+        );
+        assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
     }
 
     #[test]

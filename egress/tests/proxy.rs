@@ -1044,7 +1044,13 @@ async fn plain_requests_on_a_kept_alive_connection_share_an_upstream_connection(
     let paths: Vec<String> = h.seen().into_iter().map(|seen| seen.uri).collect();
     assert_eq!(
         paths,
-        ["/echo?n=1", "/transfer-gzip", "/echo?n=3", "/echo?n=4", "/echo?n=5"]
+        [
+            "/echo?n=1",
+            "/transfer-gzip",
+            "/echo?n=3",
+            "/echo?n=4",
+            "/echo?n=5"
+        ]
     );
 
     // A second guest connection has its own.

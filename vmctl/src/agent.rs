@@ -326,9 +326,6 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     let mut seeded = String::new();
     for name in files.iter().chain(dirs.iter()) {
         let target = home.join(name);
-        // A link is copied as a link, never followed: where it leads may be a
-        // directory some VM can write, whose guest could swap a file there for a link
-        // to any of the user's (a key), to be copied here for it to read.
         let from = source.join(name);
         let users = std::fs::symlink_metadata(&from).is_ok();
         if users || was_seeded(name) {
@@ -337,8 +334,7 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
         if users {
             seeded.push_str(name);
             seeded.push('\n');
-            let left_out = guest_writable::copy_read_only(&from, &home_dir, name, SEED_LIMITS)
-                .map_err(home_error(name, &target))?;
+            let left_out = copy_users(&from, &home_dir, name).map_err(home_error(name, &target))?;
             if left_out.count > 0 {
                 vmm::to_stderr!(
                     "vmctl: warning: {} entries of {} were left out of the VM's copy ({}{})",
@@ -357,6 +353,44 @@ fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), 
     guest_writable::write_read_only(&home_dir, SEEDED_LIST, seeded.as_bytes())
         .map_err(home_error(SEEDED_LIST, &home.join(SEEDED_LIST)))?;
     Ok(())
+}
+
+/// Copies the user's `from` (an instruction file or skill directory) to `name` in
+/// the CLI's home. A link there (stow's, to the user's dotfiles) is followed once:
+/// what it leads to is copied, as any entry is, no further link followed (where it
+/// leads may be a directory some VM can write, whose guest could have put a link to a
+/// key there, to be copied here for it to read). A link that cannot be followed so is
+/// copied as the link, and said: the guest has no such path.
+fn copy_users(
+    from: &Path,
+    home_dir: &std::os::fd::OwnedFd,
+    name: &str,
+) -> std::io::Result<guest_writable::LeftOut> {
+    use std::os::fd::AsFd;
+    match guest_writable::open_link_target(from) {
+        Ok(Some((dir, target))) => {
+            return guest_writable::copy_read_only_at(
+                dir.as_fd(),
+                &target,
+                home_dir,
+                name,
+                SEED_LIMITS,
+            );
+        }
+        Ok(None) => {}
+        Err(e) => vmm::to_stderr!(
+            "vmctl: warning: {} is a link that vmctl does not follow ({}): the VM's \
+             agents get the link itself, which leads nowhere in the VM; link it straight \
+             to the file or directory, through no other link",
+            from.display(),
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                "another link is on its way".to_string()
+            } else {
+                e.to_string()
+            }
+        ),
+    }
+    guest_writable::copy_read_only(from, home_dir, name, SEED_LIMITS)
 }
 
 /// The user's env file: `env` beside the config file (`~/.config/vmctl/env`).
@@ -768,11 +802,11 @@ mod tests {
         assert!(home.join("agents").is_dir());
     }
 
-    /// A `CLAUDE.md` linked into `~/.claude` (stow) is copied as the link, not as
-    /// what it leads to: a guest that can write where it leads could have made that a
-    /// link to any of the user's files.
+    /// A `CLAUDE.md` linked into `~/.claude` (stow) is followed once, and no further:
+    /// a guest that can write where it leads could have made that a link to any of the
+    /// user's files, which the VM gets as the link, never as the file.
     #[test]
-    fn a_linked_instruction_file_is_copied_as_a_link() {
+    fn a_linked_instruction_file_is_followed_once_and_no_further() {
         let dir = tempfile::tempdir().unwrap();
         let share = dir.path().join("dotfiles");
         std::fs::create_dir_all(&share).unwrap();
@@ -787,7 +821,65 @@ mod tests {
         };
         seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
         let copy = agent_home_dir(&vm).join("claude/CLAUDE.md");
-        assert_eq!(std::fs::read_link(&copy).unwrap(), share.join("CLAUDE.md"));
+        assert_eq!(
+            std::fs::read_link(&copy).unwrap(),
+            dir.path().join("id_ed25519")
+        );
+    }
+
+    /// Stow's relative links to the user's dotfiles bring what they lead to, read-only:
+    /// the guest has no such path, so the links alone left the VM's agents without the
+    /// user's instructions and skills. A link with another link on its way (which a
+    /// guest could have swapped in, in a directory it can write) is copied as the link.
+    #[test]
+    fn the_users_links_to_dotfiles_bring_what_they_lead_to() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user");
+        let dotfiles = user.join("dotfiles/claude");
+        std::fs::create_dir_all(dotfiles.join("skills/review")).unwrap();
+        std::fs::write(dotfiles.join("CLAUDE.md"), "be brief").unwrap();
+        std::fs::write(dotfiles.join("skills/review/SKILL.md"), "review").unwrap();
+        std::fs::create_dir_all(user.join(".claude")).unwrap();
+        let link = |target: &str, name: &str| {
+            std::os::unix::fs::symlink(target, user.join(".claude").join(name)).unwrap()
+        };
+        link("../dotfiles/claude/CLAUDE.md", "CLAUDE.md");
+        link("../dotfiles/claude/skills", "skills");
+        // A link on the way: the guest's, for all vmctl can tell.
+        std::fs::create_dir_all(user.join("dotfiles/claude/agents")).unwrap();
+        std::os::unix::fs::symlink("claude", user.join("dotfiles/way")).unwrap();
+        link("../dotfiles/way/agents", "agents");
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        let home = agent_home_dir(&vm).join("claude");
+        assert!(!std::fs::symlink_metadata(home.join("CLAUDE.md"))
+            .unwrap()
+            .is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "be brief"
+        );
+        let skill = home.join("skills/review/SKILL.md");
+        assert!(!std::fs::symlink_metadata(home.join("skills"))
+            .unwrap()
+            .is_symlink());
+        assert_eq!(std::fs::read_to_string(&skill).unwrap(), "review");
+        let mode = std::fs::metadata(&skill).unwrap().permissions().mode();
+        assert_eq!(mode & 0o222, 0, "{mode:o}");
+        assert_eq!(
+            std::fs::read_link(home.join("agents")).unwrap(),
+            Path::new("../dotfiles/way/agents")
+        );
+        // The next refresh replaces the copies, as it does any.
+        std::fs::write(dotfiles.join("CLAUDE.md"), "be briefer").unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
+            "be briefer"
+        );
     }
 
     /// Two sessions starting at once in one VM (Paseo starting two agents) both get

@@ -292,8 +292,19 @@ pub fn copy_read_only(
         ));
     };
     let source_dir = open_dir(source_dir)?;
+    copy_read_only_at(source_dir.as_fd(), source_name, parent, name, limits)
+}
+
+/// [`copy_read_only`] of the entry `source_name` of the directory `source_dir`.
+pub fn copy_read_only_at(
+    source_dir: BorrowedFd<'_>,
+    source_name: &OsStr,
+    parent: impl AsFd,
+    name: impl AsRef<OsStr>,
+    limits: CopyLimits,
+) -> io::Result<LeftOut> {
     let source = Entry {
-        dir: source_dir.as_fd(),
+        dir: source_dir,
         name: source_name,
     };
     let mut copy = Copy {
@@ -303,6 +314,44 @@ pub fn copy_read_only(
     };
     copy.entry(source, parent.as_fd(), name.as_ref(), 0)?;
     Ok(copy.left_out)
+}
+
+/// Where the link `link` leads, one step: the directory holding its target, opened
+/// without following any link on the way there, and the target's name in it. For the
+/// user's own links to their dotfiles (`~/.claude/CLAUDE.md` made by stow), whose
+/// target a guest may be able to write: a link the guest put on the way (to
+/// `~/.ssh`) fails the open with `ELOOP` rather than be followed, and the target
+/// itself, if a link, is for the caller to take as one. `Ok(None)`: `link` is no
+/// link.
+pub fn open_link_target(link: &Path) -> io::Result<Option<(OwnedFd, std::ffi::OsString)>> {
+    let (Some(dir), Some(name)) = (link.parent(), link.file_name()) else {
+        return Ok(None);
+    };
+    let dir = open_dir(dir)?;
+    let target = match rustix::fs::readlinkat(&dir, name, Vec::new()) {
+        Ok(target) => target,
+        Err(rustix::io::Errno::INVAL) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let target = Path::new(OsStr::from_bytes(target.as_bytes()));
+    let Some(target_name) = target.file_name() else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("it leads to {}, which names no file", target.display()),
+        ));
+    };
+    let target_dir = match target.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let opened = rustix::fs::openat2(
+        &dir,
+        target_dir,
+        dir_flags(),
+        Mode::empty(),
+        rustix::fs::ResolveFlags::NO_SYMLINKS,
+    )?;
+    Ok(Some((opened, target_name.to_owned())))
 }
 
 /// An entry of a directory the host holds open.

@@ -37,6 +37,12 @@ pub enum VmError {
         pid: i32,
         log: PathBuf,
     },
+    #[error(
+        "another vmctl started the VM in {} again each time `vmctl rm` stopped it ({times} \
+         times); stop that vmctl (`vmctl ps` shows the VM starting), then 'vmctl rm' again",
+        .dir.display()
+    )]
+    KeptStarting { dir: PathBuf, times: usize },
     #[error("cannot start the VM's supervisor: {0}")]
     Spawn(std::io::Error),
     #[error(transparent)]
@@ -128,6 +134,8 @@ pub const DEFAULT_MEMORY_MIN_MIB: u64 = 1024;
 /// How long a VM may take until its guest agent answers.
 const BOOT_TIMEOUT_DIRECT: Duration = Duration::from_secs(30);
 const BOOT_TIMEOUT_NESTED: Duration = Duration::from_secs(240);
+/// How long a start waits, silent, for the agent of a VM already running.
+const AGENT_WAIT_NOTICE: Duration = Duration::from_secs(2);
 /// How often a booting VM's agent is asked whether it is ready: the interval is
 /// added to every cold start, so short where boots take milliseconds.
 const READY_POLL_DIRECT: Duration = Duration::from_millis(10);
@@ -429,7 +437,15 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     if vm.running_pid().is_some() {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
-        let deadline = Instant::now() + BOOT_TIMEOUT_NESTED;
+        let nested = vm.read_record().map_or(true, |record| record.nested);
+        let boot_timeout = if nested {
+            BOOT_TIMEOUT_NESTED
+        } else {
+            BOOT_TIMEOUT_DIRECT
+        };
+        let waiting_since = Instant::now();
+        let deadline = waiting_since + boot_timeout;
+        let mut said = false;
         loop {
             match agent_state(&vm.vsock_socket()) {
                 AgentState::Answers => break,
@@ -459,10 +475,19 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
                     reason: format!(
                         "it is running, but its guest agent did not answer within {} s \
                          ('vmctl stop' it, then start it again)",
-                        BOOT_TIMEOUT_NESTED.as_secs()
+                        boot_timeout.as_secs()
                     ),
                     vm_dir: vm.path.clone(),
                 });
+            }
+            if !said && waiting_since.elapsed() >= AGENT_WAIT_NOTICE {
+                vmm::to_stderr!(
+                    "vmctl: the VM of {} runs, but its guest agent does not answer yet \
+                     (still booting?); waiting up to {} s",
+                    workspace.display(),
+                    boot_timeout.as_secs()
+                );
+                said = true;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -1116,6 +1141,7 @@ pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
 
 /// How long [`stop_vm`] gives the guest, then its supervisor after SIGTERM, then after
 /// SIGKILL.
+#[derive(Clone)]
 struct StopTimeouts {
     guest: Duration,
     after_term: Duration,
@@ -1221,17 +1247,51 @@ fn ask_guest_to_shut_down(vm: &VmDir, limit: Duration) -> ShutdownAsked {
 /// Stops the VM and removes its state; false when the workspace has none.
 pub fn remove(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
-    let _no_start_meanwhile = lock_to_stop(&vm, LockHolder::Removing)?;
+    remove_within(&vm, STOP_WAITS_FOR_START, StopTimeouts::DEFAULT)
+}
+
+/// How many times `vmctl rm` stops a VM that a start holding its lock boots again.
+const REMOVAL_STOPS: usize = 3;
+
+/// [`remove`] of `vm`, waiting `wait` for a start under way of a running VM (as
+/// [`lock_to_stop_within`]), stopping within `timeouts`. The directory is emptied only
+/// under the start lock: a start that held it past `wait` was waiting for the running
+/// VM's agent, and once the VM is stopped goes on to boot it again (a `vmctl exec`
+/// queued behind a hung VM), writing into the directory the removal empties. So the
+/// VM is stopped first without the lock, then the lock waited for again, and whatever
+/// that start booted stopped under it.
+fn remove_within(vm: &VmDir, wait: Duration, timeouts: StopTimeouts) -> Result<bool, VmError> {
+    const WHY: &str = "asked to by `vmctl rm`";
+    let mut lock = lock_to_stop_within(vm, LockHolder::Removing, wait)?;
+    for _ in 0..REMOVAL_STOPS {
+        if lock.is_some() || !vm.path.exists() {
+            break;
+        }
+        stop_vm_within(vm, WHY, timeouts.clone());
+        lock = lock_to_stop_within(vm, LockHolder::Removing, wait)?;
+    }
     if !vm.path.exists() {
         return Ok(false);
     }
-    remove_vm(&vm, "asked to by `vmctl rm`").map(|()| true)
+    let Some(_no_start_meanwhile) = lock else {
+        return Err(VmError::KeptStarting {
+            dir: vm.path.clone(),
+            times: REMOVAL_STOPS,
+        });
+    };
+    stop_vm_within(vm, WHY, timeouts);
+    remove_stopped(vm).map(|()| true)
 }
 
 /// Stops `vm` (saying `why`, as [`stop_vm`]) and removes its state; refuses while its
 /// supervisor still runs.
 pub fn remove_vm(vm: &VmDir, why: &str) -> Result<(), VmError> {
     stop_vm(vm, why);
+    remove_stopped(vm)
+}
+
+/// Removes the state of `vm`, stopped; refuses while its supervisor still runs.
+fn remove_stopped(vm: &VmDir) -> Result<(), VmError> {
     if let Some(pid) = vm.running_pid() {
         return Err(VmError::StillRunning {
             dir: vm.path.clone(),
@@ -2045,6 +2105,50 @@ mod tests {
             Some(libc::SIGKILL)
         );
         assert!(remove_vm(&vm, "a test").is_ok());
+        assert!(!vm.path.exists());
+    }
+
+    /// `vmctl rm` of a hung VM whose start lock a `vmctl exec` holds while it waits for
+    /// the agent: the removal stops the VM without the lock, but empties the directory
+    /// only once that start, which goes on to boot the VM again, has let go. (Review: it
+    /// emptied the directory while the start wrote its new VM's record there.)
+    #[test]
+    fn a_removal_empties_the_directory_only_once_a_start_waiting_on_the_vm_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let _hung = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
+        let (locked, lock_taken) = std::sync::mpsc::channel();
+        let starter = {
+            let vm = vm.clone();
+            std::thread::spawn(move || {
+                let _lock = lock_start(&vm, || {}).unwrap();
+                locked.send(()).unwrap();
+                while vm.running_pid().is_some() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                // The VM is gone: it boots a new one, writing its record.
+                let booted = (0..10).all(|round| {
+                    std::thread::sleep(Duration::from_millis(50));
+                    std::fs::write(vm.path.join(format!("record-{round}")), "new").is_ok()
+                });
+                booted && vm.path.exists()
+            })
+        };
+        lock_taken.recv().unwrap();
+        let quick = StopTimeouts {
+            guest: Duration::from_millis(200),
+            after_term: Duration::from_secs(5),
+            after_kill: Duration::from_secs(5),
+        };
+        let removed = remove_within(&vm, Duration::from_millis(200), quick).unwrap();
+        assert!(
+            starter.join().unwrap(),
+            "the start's directory was emptied under it"
+        );
+        assert!(removed);
         assert!(!vm.path.exists());
     }
 

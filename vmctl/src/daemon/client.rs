@@ -40,6 +40,15 @@ pub enum DaemonClientError {
         super::log_path().display()
     )]
     Vanished { socket: PathBuf },
+    #[error(
+        "the vmctl daemon at {} did not answer within {waited:?}: it is stopped (Ctrl-Z \
+         in its terminal: 'fg' it) or stuck (its pid is in {}, its log: {}; kill it, and \
+         the next command starts another)",
+        .socket.display(),
+        super::pid_path().display(),
+        super::log_path().display()
+    )]
+    NotAnswering { socket: PathBuf, waited: Duration },
     #[error("the vmctl daemon refused: {0}")]
     Refused(String),
     #[error(
@@ -267,9 +276,22 @@ fn daemon_command(exe: &Path, log: std::fs::File) -> std::io::Result<Command> {
     Ok(command)
 }
 
+/// How long the daemon has to take a request and answer it: it answers at once,
+/// unless it is stopped (Ctrl-Z on `vmctl daemon` in a terminal) or stuck, when every
+/// command that asks it would hang without a word.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Sends `request` and reads the answer; returns the open connection too (a lease
 /// lives as long as it).
 fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), DaemonClientError> {
+    ask_within(socket, request, ANSWER_TIMEOUT)
+}
+
+fn ask_within(
+    socket: &Path,
+    request: &Request,
+    timeout: Duration,
+) -> Result<(UnixStream, Response), DaemonClientError> {
     let io = |source| DaemonClientError::Io {
         socket: socket.to_path_buf(),
         source,
@@ -282,9 +304,22 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
         | std::io::ErrorKind::BrokenPipe
         | std::io::ErrorKind::ConnectionRefused
         | std::io::ErrorKind::NotFound => vanished(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            DaemonClientError::NotAnswering {
+                socket: socket.to_path_buf(),
+                waited: timeout,
+            }
+        }
         _ => io(e),
     };
     let mut connection = crate::own_socket::connect(socket).map_err(gone_or)?;
+    let set_timeouts = |connection: &UnixStream, timeout| {
+        connection
+            .set_read_timeout(timeout)
+            .and_then(|()| connection.set_write_timeout(timeout))
+            .map_err(io)
+    };
+    set_timeouts(&connection, Some(timeout))?;
     let mut line =
         serde_json::to_vec(request).map_err(|e| DaemonClientError::BadAnswer(e.to_string()))?;
     line.push(b'\n');
@@ -296,6 +331,8 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
     if answer.is_empty() {
         return Err(vanished());
     }
+    // A lease's connection is held for as long as the session runs.
+    set_timeouts(&connection, None)?;
     match serde_json::from_str::<Response>(&answer) {
         Ok(Response::Error { message }) => Err(DaemonClientError::Refused(message)),
         Ok(response) => Ok((connection, response)),
@@ -306,6 +343,33 @@ fn ask(socket: &Path, request: &Request) -> Result<(UnixStream, Response), Daemo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A daemon that takes connections but answers none (stopped with Ctrl-Z) is
+    /// reported, not waited for. (Review: every command, `vmctl stop` too, hung.)
+    #[test]
+    fn a_daemon_that_does_not_answer_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("daemon.sock");
+        // Bound and listening, never accepting: the kernel takes the connection.
+        let _stopped = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (answered, answer) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let asked = ask_within(&socket, &Request::Status, Duration::from_millis(300));
+            let _ = answered.send(asked.map(|(_, response)| response));
+        });
+        let err = answer
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the client still waits for the answer")
+            .unwrap_err();
+        assert!(
+            matches!(err, DaemonClientError::NotAnswering { .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("did not answer within 300ms"),
+            "{err}"
+        );
+    }
 
     /// A caller waiting for the end of a pipe it gave vmctl (an IDE, an agent harness)
     /// is not kept waiting as long as the daemon runs.

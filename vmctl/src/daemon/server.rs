@@ -287,31 +287,53 @@ fn is_linked_at(file: &std::fs::File, path: &Path) -> std::io::Result<bool> {
 /// others get the idle timeout like any VM whose last session ended.
 fn adopt_running_vms(daemon: &Arc<Daemon>) {
     for vm in VmDir::all() {
+        if let Some(pid) = vm.running_pid() {
+            adopt(daemon, &vm, pid, "which ran before this daemon started");
+        }
+    }
+}
+
+/// Running VMs this daemon does not track are adopted as [`adopt_running_vms`] does
+/// at its start: one whose session took its lease from a daemon that died while the
+/// VM booted (the start scan missed it) would otherwise never stop when idle.
+fn adopt_untracked_vms(daemon: &Arc<Daemon>, vms: Vec<VmDir>) {
+    for vm in vms {
         let Some(pid) = vm.running_pid() else {
             continue;
         };
-        let pinned = {
-            let mut vms = daemon.vms();
-            let tracked = track(&mut vms, &vm.path);
-            tracked.adopted = Some(AdoptedRun {
+        if !daemon.vms().contains_key(&vm.path) {
+            adopt(
+                daemon,
+                &vm,
                 pid,
-                at: tokio::time::Instant::now(),
-            });
-            tracked.pinned
-        };
-        vmm::to_stderr!(
-            "vmctl daemon: adopted the VM of {} (pid {pid}), which ran before this daemon \
-             started; {}",
-            vm.path.display(),
-            if pinned {
-                "pinned by `vmctl up`"
-            } else {
-                "it stops once idle, unless the guest agent says sessions are under way"
-            }
-        );
-        if !pinned {
-            schedule_idle_stop(daemon, &vm.path);
+                "which runs without this daemon's lease or pin",
+            );
         }
+    }
+}
+
+/// Tracks `vm`, running as `pid` (`how` says why the daemon did not know it).
+fn adopt(daemon: &Arc<Daemon>, vm: &VmDir, pid: i32, how: &str) {
+    let pinned = {
+        let mut vms = daemon.vms();
+        let tracked = track(&mut vms, &vm.path);
+        tracked.adopted = Some(AdoptedRun {
+            pid,
+            at: tokio::time::Instant::now(),
+        });
+        tracked.pinned
+    };
+    vmm::to_stderr!(
+        "vmctl daemon: adopted the VM of {} (pid {pid}), {how}; {}",
+        vm.path.display(),
+        if pinned {
+            "pinned by `vmctl up`"
+        } else {
+            "it stops once idle, unless the guest agent says sessions are under way"
+        }
+    );
+    if !pinned {
+        schedule_idle_stop(daemon, &vm.path);
     }
 }
 
@@ -649,6 +671,7 @@ fn status(daemon: &Daemon) -> Vec<VmStatus> {
 async fn reap_stopped_vms(daemon: Arc<Daemon>, vms_dir: PathBuf) {
     loop {
         tokio::time::sleep(REAP_INTERVAL).await;
+        adopt_untracked_vms(&daemon, VmDir::all());
         let mut vms = daemon.vms();
         forget_ended_vms(&mut vms);
         if vms.is_empty() && removed(&vms_dir) {
@@ -1193,6 +1216,42 @@ mod tests {
             &adopted,
             generation
         ));
+    }
+
+    /// A running VM the daemon does not track (its session's lease went to a daemon
+    /// that died as it booted) is adopted by the next look, and so stops once idle;
+    /// one tracked keeps how it is tracked.
+    #[tokio::test(start_paused = true)]
+    async fn running_vms_the_daemon_does_not_track_are_adopted() {
+        let dir = tempfile::tempdir().unwrap();
+        let daemon = daemon();
+        let vm = |name: &str| {
+            let vm = VmDir {
+                path: dir.path().join(name),
+            };
+            std::fs::create_dir_all(&vm.path).unwrap();
+            vm
+        };
+        let (untracked, leased, stopped) = (vm("untracked"), vm("leased"), vm("stopped"));
+        let _untracked_run = FakeSupervisor::start(&untracked);
+        let _leased_run = FakeSupervisor::start(&leased);
+        take_lease(&daemon, &leased.path, 2, "exec (pid 2)".into());
+        adopt_untracked_vms(
+            &daemon,
+            vec![untracked.clone(), leased.clone(), stopped.clone()],
+        );
+        let vms = daemon.vms();
+        let adopted = vms.get(&untracked.path).and_then(|tracked| tracked.adopted);
+        assert_eq!(
+            adopted.map(|run| run.pid),
+            untracked.running_pid(),
+            "not adopted"
+        );
+        assert!(
+            vms[&leased.path].adopted.is_none(),
+            "a leased VM was adopted"
+        );
+        assert!(!vms.contains_key(&stopped.path), "a stopped VM was tracked");
     }
 
     #[test]

@@ -261,8 +261,11 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
             0
         })
         .map_err(|e| {
-            // One that did not start is not pinned for whoever starts it next.
-            if vm.running_pid().is_none() {
+            // One that did not start is not pinned for whoever starts it next; but
+            // another `vmctl up` starting it meanwhile pinned it too (a pin is one
+            // flag), and its VM must stay up. (A start of another kind keeps the pin
+            // as well: a VM kept up by mistake beats one stopped by mistake.)
+            if vm.running_pid().is_none() && !vm::start_in_progress(&vm) {
                 unpin(dir);
             }
             e.to_string()

@@ -2,7 +2,7 @@
 //! triple-faults; and the VMM's seccomp switch.
 
 use std::ffi::OsStr;
-use vm_tests::{base_initramfs, boot_script, vm_available, TempDir, Vmctl};
+use vm_tests::{base_initramfs, boot_script, vm_scenario, TempDir, Vmctl};
 
 /// Parses `vmctl-vmm: boot time: <a> ms since VMM start, <b> ms since the first vCPU ran`.
 fn parse_boot_time(line: &str) -> Option<(f64, f64)> {
@@ -24,87 +24,85 @@ fn boot_time_line_parses() {
 
 #[test]
 fn hello_guest_boots_and_reports_boot_time() {
-    if !vm_available("boot::hello_guest_boots_and_reports_boot_time") {
-        return;
-    }
-    let run = Vmctl::boot(base_initramfs()).arg("--boot-time").run();
-    eprintln!("{}", run.report());
-    run.assert_success();
+    vm_scenario("boot::hello_guest_boots_and_reports_boot_time", || {
+        let run = Vmctl::boot(base_initramfs()).arg("--boot-time").run();
+        eprintln!("{}", run.report());
+        run.assert_success();
 
-    let hello = run
-        .stdout
-        .lines()
-        .find(|l| l.contains("Hello from the guest: "))
-        .unwrap_or_else(|| panic!("no hello line on the serial console\n{}", run.report()));
-    assert!(
-        hello.contains("Linux 6.1"),
-        "unexpected kernel in {hello:?}"
-    );
-    assert!(
-        hello.contains(", 1 CPU(s)"),
-        "default should be 1 vCPU: {hello:?}"
-    );
+        let hello = run
+            .stdout
+            .lines()
+            .find(|l| l.contains("Hello from the guest: "))
+            .unwrap_or_else(|| panic!("no hello line on the serial console\n{}", run.report()));
+        assert!(
+            hello.contains("Linux 6.1"),
+            "unexpected kernel in {hello:?}"
+        );
+        assert!(
+            hello.contains(", 1 CPU(s)"),
+            "default should be 1 vCPU: {hello:?}"
+        );
 
-    let times: Vec<(f64, f64)> = run
-        .stderr
-        .lines()
-        .filter(|l| l.starts_with("vmctl-vmm: boot time: "))
-        .map(|l| {
-            parse_boot_time(l.trim_end())
-                .unwrap_or_else(|| panic!("malformed boot-time line {l:?}\n{}", run.report()))
-        })
-        .collect();
-    assert_eq!(
-        times.len(),
-        1,
-        "expected one boot-time line\n{}",
-        run.report()
-    );
-    let (since_start, since_vcpu) = times[0];
-    assert!(
-        since_start > 0.0 && since_vcpu > 0.0,
-        "boot times must be positive: {times:?}"
-    );
-    assert!(
-        since_vcpu <= since_start,
-        "the first vCPU cannot run before the VMM starts: {times:?}"
-    );
-    assert!(
-        !run.stderr.contains("boot-timer failed") && !run.stdout.contains("boot-timer failed"),
-        "the guest's boot timer write failed\n{}",
-        run.report()
-    );
+        let times: Vec<(f64, f64)> = run
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("vmctl-vmm: boot time: "))
+            .map(|l| {
+                parse_boot_time(l.trim_end())
+                    .unwrap_or_else(|| panic!("malformed boot-time line {l:?}\n{}", run.report()))
+            })
+            .collect();
+        assert_eq!(
+            times.len(),
+            1,
+            "expected one boot-time line\n{}",
+            run.report()
+        );
+        let (since_start, since_vcpu) = times[0];
+        assert!(
+            since_start > 0.0 && since_vcpu > 0.0,
+            "boot times must be positive: {times:?}"
+        );
+        assert!(
+            since_vcpu <= since_start,
+            "the first vCPU cannot run before the VMM starts: {times:?}"
+        );
+        assert!(
+            !run.stderr.contains("boot-timer failed") && !run.stdout.contains("boot-timer failed"),
+            "the guest's boot timer write failed\n{}",
+            run.report()
+        );
+    });
 }
 
 #[test]
 fn guest_script_that_reboots_exits_zero() {
-    if !vm_available("boot::guest_script_that_reboots_exits_zero") {
-        return;
-    }
-    let dir = TempDir::new("reboot");
-    let marker = vm_tests::random_hex(16);
-    let script = format!(
-        "echo GUEST_MARKER={marker}\n\
-         sync\n\
-         reboot -f\n\
-         sleep 600\n\
-         echo NOT_REBOOTED\n"
-    );
-    let run = boot_script(
-        &dir,
-        &script,
-        &[OsStr::new("--cmdline"), OsStr::new("vmtest.flag=1")],
-    );
-    assert_eq!(
-        vm_tests::guest_value(&run.stdout, "GUEST_MARKER"),
-        Some(marker.as_str())
-    );
-    assert!(!run.stdout.contains("NOT_REBOOTED"), "{}", run.report());
-    assert!(
-        !run.stdout.contains("Hello from the guest"),
-        "/etc/vmtest.sh should replace the hello line\n{}",
-        run.report()
-    );
+    vm_scenario("boot::guest_script_that_reboots_exits_zero", || {
+        let dir = TempDir::new("reboot");
+        let marker = vm_tests::random_hex(16);
+        let script = format!(
+            "echo GUEST_MARKER={marker}\n\
+             sync\n\
+             reboot -f\n\
+             sleep 600\n\
+             echo NOT_REBOOTED\n"
+        );
+        let run = boot_script(
+            &dir,
+            &script,
+            &[OsStr::new("--cmdline"), OsStr::new("vmtest.flag=1")],
+        );
+        assert_eq!(
+            vm_tests::guest_value(&run.stdout, "GUEST_MARKER"),
+            Some(marker.as_str())
+        );
+        assert!(!run.stdout.contains("NOT_REBOOTED"), "{}", run.report());
+        assert!(
+            !run.stdout.contains("Hello from the guest"),
+            "/etc/vmtest.sh should replace the hello line\n{}",
+            run.report()
+        );
+    });
 }
 
 /// `VMCTL_SECCOMP` reaches the VMM wherever it runs (where KVM is not hardware-backed,
@@ -112,61 +110,59 @@ fn guest_script_that_reboots_exits_zero() {
 /// does not know stops the VM with an error that names it.
 #[test]
 fn the_seccomp_switch_reaches_the_vmm() {
-    if !vm_available("boot::the_seccomp_switch_reaches_the_vmm") {
-        return;
-    }
-    let off = Vmctl::boot(base_initramfs())
-        .env("VMCTL_SECCOMP", "off")
-        .run();
-    eprintln!("{}", off.report());
-    off.assert_success();
-    assert!(
-        off.stderr
-            .contains("VMCTL_SECCOMP=off: the VMM runs without its seccomp filter"),
-        "{}",
-        off.report()
-    );
-    let unknown = Vmctl::boot(base_initramfs())
-        .env("VMCTL_SECCOMP", "maybe")
-        .run();
-    eprintln!("{}", unknown.report());
-    assert_eq!(unknown.code, Some(1), "{}", unknown.report());
-    assert!(
-        unknown
-            .stderr
-            .contains("VMCTL_SECCOMP=\"maybe\" is not understood"),
-        "{}",
-        unknown.report()
-    );
+    vm_scenario("boot::the_seccomp_switch_reaches_the_vmm", || {
+        let off = Vmctl::boot(base_initramfs())
+            .env("VMCTL_SECCOMP", "off")
+            .run();
+        eprintln!("{}", off.report());
+        off.assert_success();
+        assert!(
+            off.stderr
+                .contains("VMCTL_SECCOMP=off: the VMM runs without its seccomp filter"),
+            "{}",
+            off.report()
+        );
+        let unknown = Vmctl::boot(base_initramfs())
+            .env("VMCTL_SECCOMP", "maybe")
+            .run();
+        eprintln!("{}", unknown.report());
+        assert_eq!(unknown.code, Some(1), "{}", unknown.report());
+        assert!(
+            unknown
+                .stderr
+                .contains("VMCTL_SECCOMP=\"maybe\" is not understood"),
+            "{}",
+            unknown.report()
+        );
+    });
 }
 
 #[test]
 fn cmdline_is_appended() {
-    if !vm_available("boot::cmdline_is_appended") {
-        return;
-    }
-    let dir = TempDir::new("cmdline");
-    let token = format!("vmtest.token={}", vm_tests::random_hex(12));
-    let run = boot_script(
-        &dir,
-        "echo \"CMDLINE=$(cat /proc/cmdline)\"\n",
-        &[OsStr::new("--cmdline"), OsStr::new(&token)],
-    );
-    let cmdline = vm_tests::guest_value(&run.stdout, "CMDLINE")
-        .unwrap_or_else(|| panic!("no CMDLINE line\n{}", run.report()));
-    let words: Vec<&str> = cmdline.split_whitespace().collect();
-    assert!(
-        words.contains(&token.as_str()),
-        "{token} missing from {cmdline:?}"
-    );
-    assert!(
-        words.len() > 1,
-        "--cmdline must append to the default, not replace it: {cmdline:?}"
-    );
-    assert!(
-        words.contains(&"reboot=k"),
-        "the default command line should have reboot=k: {cmdline:?}"
-    );
+    vm_scenario("boot::cmdline_is_appended", || {
+        let dir = TempDir::new("cmdline");
+        let token = format!("vmtest.token={}", vm_tests::random_hex(12));
+        let run = boot_script(
+            &dir,
+            "echo \"CMDLINE=$(cat /proc/cmdline)\"\n",
+            &[OsStr::new("--cmdline"), OsStr::new(&token)],
+        );
+        let cmdline = vm_tests::guest_value(&run.stdout, "CMDLINE")
+            .unwrap_or_else(|| panic!("no CMDLINE line\n{}", run.report()));
+        let words: Vec<&str> = cmdline.split_whitespace().collect();
+        assert!(
+            words.contains(&token.as_str()),
+            "{token} missing from {cmdline:?}"
+        );
+        assert!(
+            words.len() > 1,
+            "--cmdline must append to the default, not replace it: {cmdline:?}"
+        );
+        assert!(
+            words.contains(&"reboot=k"),
+            "the default command line should have reboot=k: {cmdline:?}"
+        );
+    });
 }
 
 /// A guest that triple-faults (the kernel's own `reboot=t`: an empty IDT, then `int3`)
@@ -175,42 +171,47 @@ fn cmdline_is_appended() {
 /// rather than pass the reset vector off as the crash site.
 #[test]
 fn a_guest_that_triple_faults_is_reported_as_crashed() {
-    if !vm_available("boot::a_guest_that_triple_faults_is_reported_as_crashed") {
-        return;
-    }
-    let dir = TempDir::new("triple-fault");
-    let initrd = vm_tests::test_initramfs(
-        &dir,
-        "echo ABOUT_TO_TRIPLE_FAULT=1\nreboot -f\nsleep 600\necho NOT_REBOOTED\n",
+    vm_scenario(
+        "boot::a_guest_that_triple_faults_is_reported_as_crashed",
+        || {
+            let dir = TempDir::new("triple-fault");
+            let initrd = vm_tests::test_initramfs(
+                &dir,
+                "echo ABOUT_TO_TRIPLE_FAULT=1\nreboot -f\nsleep 600\necho NOT_REBOOTED\n",
+            );
+            let run = Vmctl::boot(&initrd).args(["--cmdline", "reboot=t"]).run();
+            eprintln!("{}", run.report());
+            assert!(!run.timed_out, "vmctl timed out\n{}", run.report());
+            // The crash is the point: what follows quotes it, and is no lost VM.
+            vm_tests::no_retry_from_here();
+            vm_tests::assert_no_panic(&run);
+            assert_eq!(
+                vm_tests::guest_value(&run.stdout, "ABOUT_TO_TRIPLE_FAULT"),
+                Some("1"),
+                "the guest's script did not run\n{}",
+                run.report()
+            );
+            assert_ne!(run.code, Some(0), "a crash must fail\n{}", run.report());
+            let crash = run
+                .stderr
+                .lines()
+                // From the nested host's vmctl, or from the VMM that `vmctl boot` became.
+                .find(|l| {
+                    (l.contains("vmctl: error: ") || l.contains("vmctl-vmm: error: "))
+                        && l.contains("the guest crashed (triple fault")
+                })
+                .unwrap_or_else(|| panic!("no triple fault reported\n{}", run.report()));
+            assert!(crash.contains("on vCPU 0: "), "{crash}");
+            // The nested host's emulated CPU is an AMD one.
+            let amd =
+                !vm_tests::hardware_kvm() || std::path::Path::new("/sys/module/kvm_amd").exists();
+            if amd {
+                assert!(crash.contains("its registers are lost"), "{crash}");
+                assert!(!crash.contains("rip 0xfff0"), "{crash}");
+            } else {
+                // The kernel's `int3`, in its text, with paging on.
+                assert!(crash.contains("rip 0xffffffff8"), "{crash}");
+            }
+        },
     );
-    let run = Vmctl::boot(&initrd).args(["--cmdline", "reboot=t"]).run();
-    eprintln!("{}", run.report());
-    assert!(!run.timed_out, "vmctl timed out\n{}", run.report());
-    vm_tests::assert_no_panic(&run);
-    assert_eq!(
-        vm_tests::guest_value(&run.stdout, "ABOUT_TO_TRIPLE_FAULT"),
-        Some("1"),
-        "the guest's script did not run\n{}",
-        run.report()
-    );
-    assert_ne!(run.code, Some(0), "a crash must fail\n{}", run.report());
-    let crash = run
-        .stderr
-        .lines()
-        // From the nested host's vmctl, or from the VMM that `vmctl boot` became.
-        .find(|l| {
-            (l.contains("vmctl: error: ") || l.contains("vmctl-vmm: error: "))
-                && l.contains("the guest crashed (triple fault")
-        })
-        .unwrap_or_else(|| panic!("no triple fault reported\n{}", run.report()));
-    assert!(crash.contains("on vCPU 0: "), "{crash}");
-    // The nested host's emulated CPU is an AMD one.
-    let amd = !vm_tests::hardware_kvm() || std::path::Path::new("/sys/module/kvm_amd").exists();
-    if amd {
-        assert!(crash.contains("its registers are lost"), "{crash}");
-        assert!(!crash.contains("rip 0xfff0"), "{crash}");
-    } else {
-        // The kernel's `int3`, in its text, with paging on.
-        assert!(crash.contains("rip 0xffffffff8"), "{crash}");
-    }
 }

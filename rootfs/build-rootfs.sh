@@ -218,15 +218,20 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # Prints a line every 20 s while a long step runs: elapsed time and the tree's size.
+# It ends with the build: a build killed outright (SIGKILL) must not leave it holding
+# the build's lock (fd 9), which every later build would wait for, nor the caller's
+# output, whose end the caller waits for.
 start_heartbeat() { # label
-    local label="$1" t0
+    local label="$1" t0 build=$$
     t0="$(date +%s)"
     (
+        exec 9>&-
         s=""
         trap '[[ -z "$s" ]] || kill "$s" 2>/dev/null; exit 0' TERM
-        while :; do
+        while kill -0 "$build" 2>/dev/null; do
             sleep 20 & s=$!
             wait "$s"
+            kill -0 "$build" 2>/dev/null || exit 0
             say "      ... $label: $(( $(date +%s) - t0 )) s, image tree $(du -sxm "$root" 2>/dev/null | cut -f1) MB"
         done
     ) &
@@ -320,8 +325,11 @@ if (( ${#npm_packages[@]} )); then
     start_heartbeat "npm install"
     # The image's own npm (Debian's) does the install, so paths, shebangs and native
     # binaries match the image; --foreground-scripts shows the postinstall output.
+    # A registry's moment of failure must not cost the whole build: more retries than
+    # npm's two.
     logged "npm install" in_root npm install -g --prefix /usr/local --registry "$npm_registry" \
-        --no-audit --no-fund --no-update-notifier --foreground-scripts --loglevel=http "${npm_packages[@]}"
+        --fetch-retries=6 --no-audit --no-fund --no-update-notifier --foreground-scripts \
+        --loglevel=http "${npm_packages[@]}"
     stop_heartbeat
     # Debian's npm 9 does not know the 'libc' field of optional dependencies, so it
     # installs musl builds of native binaries next to the glibc ones: drop those that

@@ -94,7 +94,20 @@ if (( ${#missing[@]} )); then
     export DEBIAN_FRONTEND=noninteractive
     # A fresh cloud machine's unattended upgrades may hold dpkg's lock for minutes.
     apt=(apt-get -o DPkg::Lock::Timeout=600)
-    quietly "${sudo[@]}" "${apt[@]}" update -q
+    # That timeout is dpkg's: `update` takes the package lists' lock without waiting
+    # (apt-daily, cloud-init or another setup may be updating), and a mirror may fail
+    # for a moment. So it is tried again, for up to 10 minutes.
+    for attempt in $(seq 1 20); do
+        if "${sudo[@]}" "${apt[@]}" update -q >"$log" 2>&1 </dev/null; then
+            break
+        fi
+        if (( attempt == 20 )); then
+            tail -n 30 "$log" >&2
+            die "'${apt[*]} update' failed 20 times in 10 minutes (output above)"
+        fi
+        say "      apt-get update failed ($(grep -m1 -E '^(E|W): ' "$log" || tail -n 1 "$log")); trying again in 30 s"
+        sleep 30
+    done
     quietly "${sudo[@]}" "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}"
 fi
 

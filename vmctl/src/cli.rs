@@ -16,8 +16,9 @@ use clap::{Parser, Subcommand, ValueEnum};
         Where this machine's /dev/kvm cannot boot a Linux guest (no kvm_intel/kvm_amd, \
         e.g. PVM), vmctl runs its VMM inside a QEMU-TCG nested host instead, and says so.\n\n\
         Exit status: exec, run, shell, agent and nested-exec exit with their command's \
-        code (128+N when signal N killed it; 127 or 126 for a program the guest does not \
-        have or cannot run), and with 125 when vmctl itself fails or their arguments are \
+        code (128+N when signal N killed it, unless that signal came to vmctl, which then \
+        dies of it too; 127 or 126 for a program the guest does not have or cannot run), \
+        and with 125 when vmctl itself fails or their arguments are \
         wrong, so that a caller can tell the two apart. Every other command exits 0, 1 when \
         it fails, 2 for wrong arguments. 141: a reader of vmctl's output went away.",
     after_help = "Getting started, in a project directory:\n  \

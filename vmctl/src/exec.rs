@@ -280,6 +280,34 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     outcome
 }
 
+/// The first SIGINT or SIGTERM that [`signals_received`] took (0: none yet).
+static FIRST_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Ends vmctl by the signal it took, when `code` (what it would exit with) says that
+/// signal ended the command: as a local command would end. A shell that ran vmctl
+/// (in a loop, a script) stops at Ctrl-C only when its child died of SIGINT; a child
+/// that exits with 130 has handled it, it takes, and goes on. Returns otherwise.
+pub(crate) fn end_by_the_signal_that_ended_it(code: u8) {
+    let Some(signal) =
+        signal_to_end_by(code, FIRST_SIGNAL.load(std::sync::atomic::Ordering::SeqCst))
+    else {
+        return;
+    };
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: puts back the default action of a signal vmctl handled (tokio's handler
+    // only notes it) and raises it in this thread; neither touches memory of ours.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+}
+
+/// The signal to end by: `first`, the signal vmctl took, when `code` is 128 + it.
+fn signal_to_end_by(code: u8, first: i32) -> Option<i32> {
+    (first != 0 && i32::from(code) == 128 + first).then_some(first)
+}
+
 /// SIGINT and SIGTERM as they come, from now on, and the task that listens for them.
 pub(crate) fn signals_received() -> (
     tokio::sync::mpsc::Receiver<i32>,
@@ -294,6 +322,12 @@ pub(crate) fn signals_received() -> (
                 Some(()) = recv(&mut interrupt) => libc::SIGINT,
                 Some(()) = recv(&mut terminate) => libc::SIGTERM,
             };
+            let _ = FIRST_SIGNAL.compare_exchange(
+                0,
+                received,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            );
             if sender.send(received).await.is_err() {
                 return;
             }
@@ -645,6 +679,41 @@ impl Drop for RawTerminal {
 mod tests {
     use super::*;
     use std::os::unix::ffi::OsStrExt;
+
+    /// vmctl, having taken a SIGINT that ended the command (exit code 130), dies of
+    /// SIGINT rather than exit 130, so that a shell loop around it stops. (Review: one
+    /// Ctrl-C ended only the current `vmctl exec` of a `for` loop.) Run in a child of
+    /// this test, which the signal ends.
+    #[test]
+    fn vmctl_dies_of_the_signal_it_took_when_that_ended_the_command() {
+        const CHILD: &str = "VMCTL_TEST_END_BY_SIGNAL";
+        if std::env::var_os(CHILD).is_some() {
+            FIRST_SIGNAL.store(libc::SIGINT, std::sync::atomic::Ordering::SeqCst);
+            // The command ended otherwise (its own exit 143): vmctl exits with that.
+            end_by_the_signal_that_ended_it(128 + libc::SIGTERM as u8);
+            end_by_the_signal_that_ended_it(128 + libc::SIGINT as u8);
+            std::process::exit(0);
+        }
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "exec::tests::vmctl_dies_of_the_signal_it_took_when_that_ended_the_command",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGINT),
+            "{status}"
+        );
+        // No signal taken: the guest's own SIGINT is an exit code like any.
+        assert_eq!(signal_to_end_by(130, 0), None);
+        assert_eq!(signal_to_end_by(143, libc::SIGTERM), Some(libc::SIGTERM));
+    }
 
     #[test]
     fn a_command_runs_at_its_directorys_place_in_the_guest_else_at_the_workspace() {

@@ -195,6 +195,9 @@ fn main() -> ExitCode {
         }
         cli::Command::NestedExec(args) => nested_exec(args),
     };
+    if let Ok(code) = result {
+        exec::end_by_the_signal_that_ended_it(code);
+    }
     exit_with(result, own_failure)
 }
 

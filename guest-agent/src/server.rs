@@ -801,6 +801,9 @@ fn give_terminal_to(slave: &OwnedFd, account: &Account) -> io::Result<()> {
     Ok(())
 }
 
+/// Every command's locale unless its request names one.
+const DEFAULT_LANG: &str = "C.UTF-8";
+
 fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     // Arguments, values and the directory are bytes, which need not be UTF-8.
     let Some((program, args)) = req.argv.split_first() else {
@@ -815,7 +818,11 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
         .env("HOME", &account.home)
         .env("USER", &account.name)
         .env("LOGNAME", &account.name)
-        .env("SHELL", &account.shell);
+        .env("SHELL", &account.shell)
+        // UTF-8, as an ssh session gets from the host's LANG: without it `ls`, less and
+        // vim show every non-ASCII name as escapes. The image's one locale is glibc's
+        // built-in C.UTF-8; the request's LANG or LC_* still win.
+        .env("LANG", DEFAULT_LANG);
     if let Some(tty) = &req.tty {
         cmd.env("TERM", &tty.term);
     }

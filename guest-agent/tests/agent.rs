@@ -1285,9 +1285,26 @@ async fn a_command_gets_none_of_the_agents_own_environment() {
     names.sort();
     assert_eq!(
         names,
-        ["FOO", "HOME", "LOGNAME", "PATH", "SHELL", "USER"],
+        ["FOO", "HOME", "LANG", "LOGNAME", "PATH", "SHELL", "USER"],
         "{text}"
     );
+}
+
+/// Commands run in UTF-8 (`LANG=C.UTF-8`, the image's built-in locale), as an ssh
+/// session would, unless the request names a locale. (Review: with no LANG at all,
+/// `ls` showed `café` as `'caf'$'\303\251'`, and less and vim garbled it.)
+#[tokio::test]
+async fn commands_run_in_utf8_unless_asked_otherwise() {
+    let lang_of = |env: Vec<(String, Vec<u8>)>| async move {
+        let req = ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), "echo \"$LANG\"".into()],
+            env,
+            ..Default::default()
+        };
+        String::from_utf8_lossy(&run(req, b"").await.stdout).into_owned()
+    };
+    assert_eq!(lang_of(Vec::new()).await, "C.UTF-8\n");
+    assert_eq!(lang_of(vec![("LANG".into(), b"C".to_vec())]).await, "C\n");
 }
 
 /// A variable name execve would split or cut (empty, holding `=` or NUL), or a value

@@ -1300,13 +1300,13 @@ async fn pump_output(
         let res = if let Some(d) = &drain {
             let Some(wait) = d.next_wait() else {
                 debug!(is_stderr, "done draining the output");
-                break;
+                return left_to_background(src);
             };
             tokio::select! {
                 r = tokio::time::timeout(wait, src.read(&mut buf)) => match r {
                     Ok(r) => r,
                     // Silent for DRAIN_IDLE, or the time is up.
-                    Err(_) => break,
+                    Err(_) => return left_to_background(src),
                 },
                 () = closed_by_host(&mut host_closed) => break,
             }
@@ -1342,6 +1342,28 @@ async fn pump_output(
             break; // the client is gone
         }
     }
+}
+
+/// An output the session stopped draining, which processes the command left behind
+/// (`npm run dev &`) may still hold. A pipe is read on, what comes discarded, until
+/// they close it, as a terminal nobody watches would take it: closed, it would kill
+/// them (SIGPIPE) at their next write, or fail it (EPIPE). A terminal is hung up, as
+/// sshd does.
+fn left_to_background(src: OutputSource) {
+    let OutputSource::Pipe(mut pipe) = src else {
+        return;
+    };
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; OUTPUT_READ_SIZE];
+        loop {
+            match pipe.read(&mut buf).await {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return debug!("reading what a job left behind wrote failed: {e}"),
+            }
+        }
+    });
 }
 
 /// Resolves once the client has closed this output; never if it cannot any more.

@@ -434,6 +434,30 @@ async fn a_job_left_writing_to_the_pipes_does_not_hold_up_exited() {
     assert!(exited, "no Exited within 10 s; output {seen:?}");
 }
 
+/// A job left behind on the pipes lives on once the session ended: what it writes
+/// later is read and dropped, as a terminal nobody watches would take it. (Review:
+/// the pipes were closed, and a `npm run dev &` died of SIGPIPE at its next log line.)
+#[tokio::test]
+async fn a_job_left_on_the_pipes_lives_on_after_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let note = dir.path().join("survived");
+    let script = format!(
+        "(sleep 3; echo late; echo late >&2; echo survived >'{}') & echo job=$!; exit 0",
+        note.display()
+    );
+    let (exited, seen, _job) = exited_within(sh(&script), Duration::from_secs(10)).await;
+    assert!(exited, "no Exited within 10 s; output {seen:?}");
+    assert!(!seen.contains("late"), "{seen:?}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !note.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the job did not live to write after the session ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// An interactive shell with job control leaves a job in a process group of its own,
 /// which the kernel does not hang up when the shell exits: it does not keep the
 /// session going, and the session's end hangs up the terminal as sshd does, so the

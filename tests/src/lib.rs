@@ -881,10 +881,20 @@ impl Workspace {
         };
         let table = String::from_utf8_lossy(&ps.stdout);
         if VM_LOST_SIGNS.iter().any(|sign| table.contains(sign)) {
-            // Uncaptured, as the retry that follows: CI's log shows what crashed.
+            // Uncaptured, as the retry that follows: CI's log shows what crashed, and
+            // the console's end, which the test's directory takes with it.
+            let console = self
+                .command(&["logs"])
+                .output()
+                .map(|logs| String::from_utf8_lossy(&logs.stdout).into_owned())
+                .unwrap_or_default();
+            let lines: Vec<&str> = console.lines().collect();
+            let tail = lines[lines.len().saturating_sub(CONSOLE_TAIL_LINES)..].join("\n");
             let _ = writeln!(
                 std::io::stderr(),
-                "\nthe workspace's VM crashed under this failure:\n{table}"
+                "\nthe workspace's VM crashed under this failure:\n{table}\n\
+                 the last {CONSOLE_TAIL_LINES} lines of its console:\n{}",
+                indented(&tail)
             );
             VM_LOST.with(|lost| lost.set(true));
         }
@@ -948,6 +958,9 @@ impl Drop for Workspace {
         }
     }
 }
+
+/// How much of a crashed VM's console a failing test prints.
+const CONSOLE_TAIL_LINES: usize = 40;
 
 /// Marks the scenario on this thread as one that lost its VM: worth another attempt.
 pub(crate) fn mark_vm_lost() {

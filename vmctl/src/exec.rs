@@ -646,9 +646,32 @@ fn terminal_size() -> Option<(u16, u16)> {
     (rc == 0 && size.ws_row > 0).then_some((size.ws_row, size.ws_col))
 }
 
-/// Raw mode on the host terminal for the life of a PTY session; restored on drop.
+/// Raw mode on the host terminal for the life of a PTY session; restored on drop, and
+/// by the panic hook ([`restore_on_panic`]).
 struct RawTerminal {
     saved: libc::termios,
+}
+
+/// The settings a raw session saved, while it lasts: vmctl's release build aborts on
+/// panic, running no destructor, and a panic mid-session would leave the user's
+/// terminal raw (no echo, no line editing) after vmctl is gone.
+static SAVED_TERMINAL: std::sync::Mutex<Option<libc::termios>> = std::sync::Mutex::new(None);
+
+/// Has a panic put the terminal back as [`SAVED_TERMINAL`] holds it, before the
+/// panic's message (which must be readable) and whatever the hook before did.
+fn restore_on_panic() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let saved = *SAVED_TERMINAL.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(saved) = saved {
+                // SAFETY: restores the termios read from the same descriptor.
+                unsafe { libc::tcsetattr(0, libc::TCSANOW, &saved) };
+            }
+            previous(info);
+        }));
+    });
 }
 
 impl RawTerminal {
@@ -663,6 +686,8 @@ impl RawTerminal {
         if unsafe { libc::tcgetattr(0, &mut saved) } != 0 {
             return None;
         }
+        restore_on_panic();
+        *SAVED_TERMINAL.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
         crate::terminal::make_raw(&std::io::stdin()).ok()?;
         Some(Self { saved })
     }
@@ -670,6 +695,7 @@ impl RawTerminal {
 
 impl Drop for RawTerminal {
     fn drop(&mut self) {
+        *SAVED_TERMINAL.lock().unwrap_or_else(|e| e.into_inner()) = None;
         // SAFETY: restores the termios read from the same descriptor.
         unsafe { libc::tcsetattr(0, libc::TCSANOW, &self.saved) };
     }
@@ -679,6 +705,63 @@ impl Drop for RawTerminal {
 mod tests {
     use super::*;
     use std::os::unix::ffi::OsStrExt;
+
+    /// A panic in a raw session puts the terminal back, with no destructor run (the
+    /// release build aborts). (Review: the user's terminal stayed raw.) Run in a child
+    /// of this test, on a pseudo-terminal this test made, which it then looks at.
+    #[test]
+    fn a_panic_in_a_raw_session_puts_the_terminal_back() {
+        const CHILD: &str = "VMCTL_TEST_PANIC_RAW";
+        if std::env::var_os(CHILD).is_some() {
+            let raw = RawTerminal::enter().expect("stdin is a terminal");
+            std::mem::forget(raw);
+            panic!("a bug mid-session");
+        }
+        let (mut master, mut slave) = (-1, -1);
+        // SAFETY: openpty writes the two descriptors; the other arguments may be null.
+        let opened = unsafe {
+            libc::openpty(
+                &mut master,
+                &mut slave,
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(opened, 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: both were just opened and are ours alone.
+        let (_master, slave) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::os::fd::OwnedFd::from_raw_fd(master),
+                std::os::fd::OwnedFd::from_raw_fd(slave),
+            )
+        };
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "exec::tests::a_panic_in_a_raw_session_puts_the_terminal_back",
+                "--exact",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .stdin(slave.try_clone().unwrap())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(!status.success(), "the child did not panic: {status}");
+        // SAFETY: termios is plain data that tcgetattr fills (checked).
+        let mut termios: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: `termios` is a valid, writable termios; the descriptor is open.
+        let got = unsafe { libc::tcgetattr(std::os::fd::AsRawFd::as_raw_fd(&slave), &mut termios) };
+        assert_eq!(got, 0);
+        assert_ne!(
+            termios.c_lflag & libc::ICANON,
+            0,
+            "left raw: no line editing"
+        );
+        assert_ne!(termios.c_lflag & libc::ECHO, 0, "left raw: no echo");
+    }
 
     /// vmctl, having taken a SIGINT that ended the command (exit code 130), dies of
     /// SIGINT rather than exit 130, so that a shell loop around it stops. (Review: one

@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use guest_agent::client::{self, ExecEvent};
 use guest_agent::protocol::{ExecRequest, OutputStream, TtyRequest, User};
-use tokio::io::AsyncReadExt;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::state::VmDir;
@@ -49,6 +48,8 @@ pub enum ExecError {
     Runtime(std::io::Error),
     #[error("the thread that writes the command's output: {0}")]
     OutputThread(std::io::Error),
+    #[error("cannot start the thread that reads stdin: {0}")]
+    StdinThread(std::io::Error),
 }
 
 /// What to run. Arguments, values and the directory go to the guest as the bytes they
@@ -101,8 +102,8 @@ pub fn run(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         .build()
         .map_err(ExecError::Runtime)?;
     let outcome = runtime.block_on(relay(socket, options));
-    // tokio reads stdin on a blocking thread, which may wait forever for a terminal's
-    // next key: do not wait for it (a plain drop of the runtime would).
+    // What is left of the session's tasks is not waited for, as a plain drop of the
+    // runtime would.
     runtime.shutdown_background();
     outcome
 }
@@ -230,9 +231,14 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let watch = tokio::spawn(watch_signals(signals, forward_signal, give_up));
 
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
+    let mut stdin = match forward_stdin {
+        true => Some(
+            crate::stdin_reader::StdinReader::start(rustix::stdio::stdin())
+                .map_err(ExecError::StdinThread)?,
+        ),
+        false => None,
+    };
     let forward = tokio::spawn(async move {
-        let mut stdin = tokio::io::stdin();
-        let mut buf = vec![0u8; STDIN_READ];
         // Input is read only as far as the agent will take it at once, so a signal
         // never waits behind stdin that a command does not read.
         let window = input.stdin_window();
@@ -244,14 +250,19 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
             tokio::select! {
                 read = async {
                     let open = window.open().await;
-                    stdin.read(&mut buf[..open.min(STDIN_READ)]).await
+                    match &mut stdin {
+                        Some(stdin) => stdin.read(open.min(STDIN_READ)).await,
+                        None => Ok(Vec::new()),
+                    }
                 }, if stdin_open => {
                     match read {
-                        Ok(0) | Err(_) => {
+                        Ok(bytes) if !bytes.is_empty() => {
+                            if input.send_stdin(&bytes).await.is_err() { return; }
+                        }
+                        Ok(_) | Err(_) => {
                             stdin_open = false;
                             if input.close_stdin().await.is_err() { return; }
                         }
-                        Ok(n) => if input.send_stdin(&buf[..n]).await.is_err() { return; },
                     }
                 },
                 Some(()) = recv(&mut winch), if is_tty => {

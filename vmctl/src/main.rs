@@ -28,6 +28,7 @@ mod share_root;
 mod shares;
 mod start_notice;
 mod state;
+mod stdin_reader;
 mod supervisor;
 mod terminal;
 mod user_config;

@@ -1159,6 +1159,15 @@ mod tests {
         assert!(status(&daemon).is_empty(), "an idle VM was not stopped");
     }
 
+    /// The directory of a VM named `name` in `dir`, made.
+    fn vm_dir_in(dir: &Path, name: &str) -> VmDir {
+        let vm = VmDir {
+            path: dir.join(name),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        vm
+    }
+
     /// Only the run of a VM found going when the daemon started may have sessions
     /// without leases, for a day at most; any other's guest is not asked, so it cannot
     /// keep its VM up by saying it has some.
@@ -1166,13 +1175,7 @@ mod tests {
     async fn only_adopted_runs_ask_their_guest_for_sessions() {
         let dir = tempfile::tempdir().unwrap();
         let daemon = daemon();
-        let vm = |name: &str| {
-            let vm = VmDir {
-                path: dir.path().join(name),
-            };
-            std::fs::create_dir_all(&vm.path).unwrap();
-            vm
-        };
+        let vm = |name: &str| vm_dir_in(dir.path(), name);
         let idle = |vm: &VmDir, adopted: Option<AdoptedRun>| {
             let mut vms = daemon.vms();
             let tracked = track(&mut vms, &vm.path);
@@ -1225,13 +1228,7 @@ mod tests {
     async fn running_vms_the_daemon_does_not_track_are_adopted() {
         let dir = tempfile::tempdir().unwrap();
         let daemon = daemon();
-        let vm = |name: &str| {
-            let vm = VmDir {
-                path: dir.path().join(name),
-            };
-            std::fs::create_dir_all(&vm.path).unwrap();
-            vm
-        };
+        let vm = |name: &str| vm_dir_in(dir.path(), name);
         let (untracked, leased, stopped) = (vm("untracked"), vm("leased"), vm("stopped"));
         let _untracked_run = FakeSupervisor::start(&untracked);
         let _leased_run = FakeSupervisor::start(&leased);

@@ -44,6 +44,13 @@ pub enum ExecError {
         stream: &'static str,
         source: std::io::Error,
     },
+    #[error(
+        "the command's arguments and environment take {size} bytes, more than the {} the \
+         guest agent takes in one request; pass a long list in a file, or on stdin (to \
+         `xargs` in the VM)",
+        guest_agent::protocol::MAX_FRAME_SIZE
+    )]
+    TooLong { size: usize },
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
     #[error("the thread that writes the command's output: {0}")]
@@ -184,6 +191,14 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         user: options.user,
         tty,
     };
+    // The agent takes requests of a bounded size: a command line past it is said so,
+    // with what to do, not as a protocol error once sent.
+    let exec = guest_agent::protocol::ClientMessage::Exec(request.clone());
+    if let Err(guest_agent::protocol::ProtocolError::FrameTooLarge(size)) =
+        guest_agent::protocol::encode_frame(&exec)
+    {
+        return Err(ExecError::TooLong { size });
+    }
     // A program the guest cannot run is the command's outcome, as in a shell: its
     // words on stderr, and 127 or 126.
     let started = call_agent(socket, |connection| async move {
@@ -861,6 +876,25 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, ExecError::NotStarted), "{err}");
         assert!(err.to_string().contains("vmctl stop"), "{err}");
+    }
+
+    /// A command line longer than a request may be is refused before any agent is
+    /// asked, saying what to do. (Review: it failed as a protocol error, with 125.)
+    #[tokio::test]
+    async fn a_command_line_longer_than_a_request_is_refused_saying_what_to_do() {
+        let options = ExecOptions {
+            argv: vec!["echo".into(), "x".repeat(2 << 20).into()],
+            env: Vec::new(),
+            cwd: None,
+            user: User::Default,
+            tty: false,
+            stdin: false,
+        };
+        let err = relay(Path::new("/nonexistent/vsock.sock"), options)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ExecError::TooLong { .. }), "{err}");
+        assert!(err.to_string().contains("xargs"), "{err}");
     }
 
     use guest_agent::protocol::{write_frame, AgentMessage, ClientMessage, FrameReader};

@@ -15,7 +15,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol version this crate speaks; sent in [`Hello`], checked by the agent.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
@@ -118,6 +118,10 @@ pub struct ExecRequest {
     pub user: User,
     /// `Some` runs the command on a new pseudo-terminal (stdout and stderr merged).
     pub tty: Option<TtyRequest>,
+    /// The file mode creation mask the command starts with: the host's, so that what
+    /// it makes in the shares gets the modes it would on the host (a 0002 host keeps
+    /// group-write). The agent's own (0022) when `None`.
+    pub umask: Option<u32>,
 }
 
 /// A list of byte strings (`serde_bytes` takes single ones), each encoded as one.
@@ -573,6 +577,7 @@ mod tests {
                     cols: 80,
                     term: "xterm".into(),
                 }),
+                umask: Some(0o002),
             }),
             // Bytes that are not UTF-8 (Latin-1 names) where the kernel takes bytes.
             ClientMessage::Exec(ExecRequest {
@@ -584,6 +589,7 @@ mod tests {
                 cwd: Some(b"/home/a/d\xe9j\xe0".to_vec()),
                 user: User::Default,
                 tty: None,
+                umask: None,
             }),
             ClientMessage::Health,
             ClientMessage::ListPorts,
@@ -720,6 +726,7 @@ mod tests {
         payload.extend(b"\x01\x04NAME\x04Jos\xe9"); // env
         payload.extend(b"\x01\x09/tmp/d\xe9j\xe0"); // cwd: Some
         payload.extend([0, 0]); // user: Default; tty: None
+        payload.extend([1, 0x12]); // umask: Some(0o022)
         let message: ClientMessage = decode_payload(&payload)
             .expect("an Exec with bytes that are not UTF-8 does not decode");
         assert_eq!(postcard::to_allocvec(&message).unwrap(), payload);

@@ -908,6 +908,7 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
     let groups: Vec<libc::gid_t> = account.groups.clone();
     let (uid, gid) = (account.uid, account.gid);
     let want_ctty = pty.is_some();
+    let umask = req.umask.map(|mask| (mask & 0o777) as libc::mode_t);
     let change_ids = uid != 0 || gid != 0 || groups.iter().any(|g| *g != 0);
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe system calls (no allocation: `groups` and the cgroup's path
@@ -935,6 +936,9 @@ fn spawn(req: &ExecRequest, state: &State) -> Result<Spawned, ServerError> {
             }
             if want_ctty {
                 cvt(libc::ioctl(0, libc::TIOCSCTTY as _, 0))?;
+            }
+            if let Some(mask) = umask {
+                libc::umask(mask);
             }
             if change_ids {
                 cvt(libc::setgroups(groups.len(), groups.as_ptr()))?;

@@ -1314,6 +1314,27 @@ async fn a_command_gets_none_of_the_agents_own_environment() {
     );
 }
 
+/// A command starts with the umask the request names (the host's), else the agent's.
+#[tokio::test]
+async fn commands_start_with_the_umask_asked_for() {
+    let umask_of = |umask: Option<u32>| async move {
+        let req = ExecRequest {
+            umask,
+            ..sh("umask")
+        };
+        String::from_utf8_lossy(&run(req, b"").await.stdout).into_owned()
+    };
+    assert_eq!(umask_of(Some(0o002)).await, "0002\n");
+    assert_eq!(umask_of(Some(0o077)).await, "0077\n");
+    // SAFETY: umask only sets this process's mask; set back at once.
+    let agents = unsafe {
+        let mask = libc::umask(0o022);
+        libc::umask(mask);
+        mask
+    };
+    assert_eq!(umask_of(None).await, format!("{agents:04o}\n"));
+}
+
 /// Commands run in UTF-8 (`LANG=C.UTF-8`, the image's built-in locale), as an ssh
 /// session would, unless the request names a locale. (Review: with no LANG at all,
 /// `ls` showed `café` as `'caf'$'\303\251'`, and less and vim garbled it.)

@@ -247,13 +247,10 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
     let watch = tokio::spawn(watch_signals(signals, forward_signal, give_up));
 
     // Host → guest: stdin, window resizes, and (without a PTY) Ctrl-C / SIGTERM.
-    let mut stdin = match forward_stdin {
-        true => Some(
-            crate::stdin_reader::StdinReader::start(rustix::stdio::stdin())
-                .map_err(ExecError::StdinThread)?,
-        ),
-        false => None,
-    };
+    let mut stdin = forward_stdin
+        .then(|| crate::stdin_reader::StdinReader::start(rustix::stdio::stdin()))
+        .transpose()
+        .map_err(ExecError::StdinThread)?;
     let forward = tokio::spawn(async move {
         // Input is read only as far as the agent will take it at once, so a signal
         // never waits behind stdin that a command does not read.
@@ -312,8 +309,8 @@ static FIRST_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32
 
 /// Ends vmctl by the signal it took, when `code` (what it would exit with) says that
 /// signal ended the command: as a local command would end. A shell that ran vmctl
-/// (in a loop, a script) stops at Ctrl-C only when its child died of SIGINT; a child
-/// that exits with 130 has handled it, it takes, and goes on. Returns otherwise.
+/// (in a loop, a script) stops at Ctrl-C only when its child died of SIGINT: it takes
+/// a child that exits 130 to have handled the Ctrl-C, and goes on. Returns otherwise.
 pub(crate) fn end_by_the_signal_that_ended_it(code: u8) {
     let Some(signal) =
         signal_to_end_by(code, FIRST_SIGNAL.load(std::sync::atomic::Ordering::SeqCst))

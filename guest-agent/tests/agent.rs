@@ -448,14 +448,11 @@ async fn a_job_left_on_the_pipes_lives_on_after_the_session() {
     let (exited, seen, _job) = exited_within(sh(&script), Duration::from_secs(10)).await;
     assert!(exited, "no Exited within 10 s; output {seen:?}");
     assert!(!seen.contains("late"), "{seen:?}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !note.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the job did not live to write after the session ended"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    note_within_10_s(
+        &note,
+        "the job did not live to write after the session ended",
+    )
+    .await;
 }
 
 /// An interactive shell with job control leaves a job in a process group of its own,
@@ -474,12 +471,18 @@ async fn a_job_left_writing_to_the_terminal_does_not_hold_up_exited_and_is_hung_
     let (exited, seen, _job) = exited_within(req, Duration::from_secs(10)).await;
     assert!(exited, "no Exited within 10 s; output {seen:?}");
     assert!(seen.contains("tick"), "{seen:?}");
+    note_within_10_s(
+        &note,
+        "the job still writes to its terminal 10 s after the session ended",
+    )
+    .await;
+}
+
+/// Waits up to 10 s for the job left behind to write `note`; fails saying `otherwise`.
+async fn note_within_10_s(note: &std::path::Path, otherwise: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !note.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the job still writes to its terminal 10 s after the session ended"
-        );
+        assert!(Instant::now() < deadline, "{otherwise}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -255,7 +255,6 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
         // Input is read only as far as the agent will take it at once, so a signal
         // never waits behind stdin that a command does not read.
         let window = input.stdin_window();
-        let mut stdin_open = forward_stdin;
         if !forward_stdin && input.close_stdin().await.is_err() {
             return;
         }
@@ -267,13 +266,14 @@ async fn relay(socket: &Path, options: ExecOptions) -> Result<u8, ExecError> {
                         Some(stdin) => stdin.read(open.min(STDIN_READ)).await,
                         None => Ok(Vec::new()),
                     }
-                }, if stdin_open => {
+                }, if stdin.is_some() => {
                     match read {
                         Ok(bytes) if !bytes.is_empty() => {
                             if input.send_stdin(&bytes).await.is_err() { return; }
                         }
                         Ok(_) | Err(_) => {
-                            stdin_open = false;
+                            // Its end: the reader (and its thread) goes.
+                            stdin = None;
                             if input.close_stdin().await.is_err() { return; }
                         }
                     }

@@ -18,6 +18,12 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub const PROTOCOL_VERSION: u32 = 12;
 /// How the agent's `Error` for a `Hello` of another protocol version begins.
 pub const UNSUPPORTED_VERSION: &str = "unsupported protocol version";
+/// The protocol version an agent's [`UNSUPPORTED_VERSION`] error says it speaks (its
+/// words end "speaks N)"), if they say so.
+pub fn version_spoken_in(agent_said: &str) -> Option<u32> {
+    let (_, after) = agent_said.rsplit_once("speaks ")?;
+    after.trim_end_matches(')').trim().parse().ok()
+}
 /// The largest payload a frame may carry (the 4-byte length prefix excluded).
 pub const MAX_FRAME_SIZE: usize = 1024 * 1024;
 /// The vsock port the agent listens on unless `vmctl.port=` says otherwise.

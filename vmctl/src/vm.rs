@@ -578,10 +578,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             AgentState::Answers => break,
             AgentState::OtherProtocol(agent_said) => {
                 let _ = supervisor.kill();
-                return Err(not_ready(format!(
-                    "its guest agent speaks another protocol version ({agent_said}); \
-                     rebuild it with scripts/setup.sh"
-                )));
+                return Err(not_ready(fresh_agent_mismatch(&agent_said)));
             }
             AgentState::Silent => {}
         }
@@ -980,6 +977,33 @@ fn agent_runtime() -> Option<&'static tokio::runtime::Runtime> {
                 .ok()
         })
         .as_ref()
+}
+
+/// Why the guest agent of a VM this vmctl just booted speaks another protocol, and
+/// what to do. Its image was built from the sources in [`artifacts::source_dir`], so a
+/// newer agent means vmctl itself is older than those sources: a `git pull` without
+/// `scripts/setup.sh` rebuilds the agent at the next start, but not vmctl.
+fn fresh_agent_mismatch(agent_said: &str) -> String {
+    let ours = guest_agent::protocol::PROTOCOL_VERSION;
+    let vmctl = std::env::current_exe()
+        .map_or_else(|_| "vmctl".to_owned(), |exe| exe.display().to_string());
+    match guest_agent::protocol::version_spoken_in(agent_said) {
+        Some(theirs) if theirs > ours => format!(
+            "its guest agent, built from the sources in {}, speaks protocol {theirs}, and \
+             this vmctl ({vmctl}) speaks {ours}: vmctl is older than its sources (pulled \
+             but not rebuilt?); rebuild it with scripts/setup.sh",
+            artifacts::source_dir().display()
+        ),
+        Some(theirs) => format!(
+            "its guest agent speaks protocol {theirs}, older than this vmctl's {ours}: the \
+             agent image is stale (an old VMCTL_AGENT_INITRAMFS?); rebuild it with \
+             scripts/setup.sh"
+        ),
+        None => format!(
+            "its guest agent speaks another protocol version ({agent_said}); rebuild it \
+             with scripts/setup.sh"
+        ),
+    }
 }
 
 /// Whether a VM's guest agent answers a health check, as [`agent_state`] found it.
@@ -1988,6 +2012,25 @@ mod tests {
         );
         assert_eq!(agent_state(&socket), AgentState::OtherProtocol(said));
         agent.join().unwrap();
+    }
+
+    #[test]
+    fn a_fresh_agent_newer_than_vmctl_says_vmctl_needs_rebuilding() {
+        let said = |version: u32| {
+            format!(
+                "{} {} (this agent 0.1.0 speaks {version})",
+                guest_agent::protocol::UNSUPPORTED_VERSION,
+                guest_agent::protocol::PROTOCOL_VERSION
+            )
+        };
+        let ours = guest_agent::protocol::PROTOCOL_VERSION;
+        let newer = fresh_agent_mismatch(&said(ours + 1));
+        assert!(newer.contains("vmctl is older than its sources"), "{newer}");
+        assert!(newer.contains(&format!("speaks protocol {}", ours + 1)), "{newer}");
+        let older = fresh_agent_mismatch(&said(ours - 1));
+        assert!(older.contains("agent image is stale"), "{older}");
+        let unparsed = fresh_agent_mismatch("unsupported protocol version, oddly");
+        assert!(unparsed.contains("oddly"), "{unparsed}");
     }
 
     #[test]

@@ -56,10 +56,7 @@ pub enum ClientError {
     HybridHandshake(String),
     #[error("the agent reported: {0}")]
     Agent(String),
-    #[error(
-        "the agent reported: {0}. The VM was started with another version of the guest \
-         agent; stop it (`vmctl stop`, which ends what runs in it) and start it again"
-    )]
+    #[error("the agent reported: {0}. {advice}", advice = other_protocol_advice(.0))]
     OtherProtocol(String),
     /// The program could not be run (`NotStarted`): the shell's words and exit code.
     #[error("{message}")]
@@ -72,12 +69,76 @@ pub enum ClientError {
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
+/// What to do about a running VM whose agent refused this crate's protocol, from its
+/// words (`agent_said`): a newer agent's VM works with the vmctl that started it, and
+/// stopping it would end that vmctl's sessions for nothing.
+pub fn other_protocol_advice(agent_said: &str) -> String {
+    match crate::protocol::version_spoken_in(agent_said) {
+        Some(theirs) if theirs > PROTOCOL_VERSION => format!(
+            "The VM was started by a newer vmctl (guest agent protocol {theirs}, this \
+             vmctl's {PROTOCOL_VERSION}): use that vmctl, or rebuild this one with \
+             scripts/setup.sh; the VM itself is fine"
+        ),
+        _ => "The VM was started by an older vmctl, with an older guest agent; stop it \
+              (`vmctl stop`, which asks it to shut down, ending what runs in it) and start \
+              it again"
+            .to_owned(),
+    }
+}
+
 /// Connects to the guest's vsock `port` through the VMM's hybrid-vsock Unix socket
 /// (`CONNECT <port>\n` → `OK <n>\n`), then says Hello.
 pub async fn connect_hybrid(uds_path: &Path, port: u32) -> Result<Connection<UnixStream>> {
     let mut stream = connect_own(uds_path).await?;
     hybrid_connect(&mut stream, port).await?;
     Connection::handshake(stream).await
+}
+
+/// The oldest protocol whose `Hello`, `Health`/`Healthy`, `Shutdown`/`Ok` and `Error`
+/// encode as this one's: they never change (PROTOCOL.md, "Messages every version
+/// keeps").
+pub const OLDEST_WITH_STABLE_MESSAGES: u32 = 3;
+
+/// A connection to an agent of any protocol since [`OLDEST_WITH_STABLE_MESSAGES`], for
+/// the messages they all encode alike: a VM that another vmctl (older or newer) started
+/// can still be asked how many commands it runs, and to shut down cleanly.
+pub struct StableConnection(Connection<UnixStream>);
+
+impl StableConnection {
+    /// The agent's health and resource usage.
+    pub async fn health(self) -> Result<HealthInfo> {
+        self.0.health().await
+    }
+
+    /// Asks the guest to power off cleanly (its commands get SIGTERM, the guest syncs).
+    pub async fn shutdown(self) -> Result<()> {
+        self.0.shutdown().await
+    }
+
+    /// The protocol the agent speaks, which need not be this crate's.
+    pub fn protocol_version(&self) -> u32 {
+        self.0.protocol_version()
+    }
+}
+
+/// [`connect_hybrid`] to an agent of any protocol that keeps the stable messages: one
+/// that refuses this crate's `Hello`, saying which version it speaks, is greeted again
+/// in that version.
+pub async fn connect_hybrid_any_protocol(uds_path: &Path, port: u32) -> Result<StableConnection> {
+    let agent_said = match connect_hybrid(uds_path, port).await {
+        Err(ClientError::OtherProtocol(agent_said)) => agent_said,
+        connected => return connected.map(StableConnection),
+    };
+    let Some(spoken) = crate::protocol::version_spoken_in(&agent_said)
+        .filter(|version| *version >= OLDEST_WITH_STABLE_MESSAGES)
+    else {
+        return Err(ClientError::OtherProtocol(agent_said));
+    };
+    let mut stream = connect_own(uds_path).await?;
+    hybrid_connect(&mut stream, port).await?;
+    Connection::handshake_speaking(stream, spoken)
+        .await
+        .map(StableConnection)
 }
 
 /// Connects to an agent listening on a plain Unix socket (`guest-agent --listen unix:PATH`).
@@ -216,10 +277,16 @@ fn unexpected(msg: &AgentMessage) -> ClientError {
 impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// Sends Hello over `stream` and waits for HelloOk.
     pub async fn handshake(stream: S) -> Result<Self> {
+        Self::handshake_speaking(stream, PROTOCOL_VERSION).await
+    }
+
+    /// [`Self::handshake`] in `protocol_version`: only the stable messages may follow
+    /// when that is not this crate's ([`StableConnection`]).
+    async fn handshake_speaking(stream: S, protocol_version: u32) -> Result<Self> {
         let (r, mut writer) = tokio::io::split(stream);
         let mut reader = FrameReader::new(r);
         let hello = Hello {
-            protocol_version: PROTOCOL_VERSION,
+            protocol_version,
             client: format!("vmctl {}", env!("CARGO_PKG_VERSION")),
             host_time_ns: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -715,6 +782,86 @@ mod tests {
             text.contains(&message) && text.contains("vmctl stop"),
             "{text}"
         );
+    }
+
+    /// An agent of another protocol (answering its own version only, as agents do)
+    /// can still be asked to shut down; one older than the stable messages cannot.
+    #[tokio::test]
+    async fn an_agent_of_another_protocol_is_greeted_in_its_own_for_a_shutdown() {
+        for (spoken, greeted) in [(PROTOCOL_VERSION - 1, true), (2, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let socket = dir.path().join("vsock.sock");
+            let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+            let agent = tokio::spawn(async move {
+                let mut requests = Vec::new();
+                for _ in 0..2 {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        break;
+                    };
+                    let (r, mut w) = tokio::io::split(stream);
+                    let mut reader = tokio::io::BufReader::new(r);
+                    let mut line = String::new();
+                    tokio::io::AsyncBufReadExt::read_line(&mut reader, &mut line)
+                        .await
+                        .unwrap();
+                    assert_eq!(line, "CONNECT 1024\n");
+                    tokio::io::AsyncWriteExt::write_all(&mut w, b"OK 7\n")
+                        .await
+                        .unwrap();
+                    let mut reader = FrameReader::new(reader);
+                    let Ok(Some(ClientMessage::Hello(hello))) = reader.next().await else {
+                        panic!("expected Hello");
+                    };
+                    if hello.protocol_version != spoken {
+                        let message = format!(
+                            "{UNSUPPORTED_VERSION} {} (this agent 0.0.9 speaks {spoken})",
+                            hello.protocol_version
+                        );
+                        write_frame(&mut w, &AgentMessage::Error { message })
+                            .await
+                            .unwrap();
+                        continue;
+                    }
+                    let ok = AgentMessage::HelloOk {
+                        agent_version: "0.0.9".into(),
+                        protocol_version: spoken,
+                    };
+                    write_frame(&mut w, &ok).await.unwrap();
+                    let request: Option<ClientMessage> = reader.next().await.unwrap();
+                    requests.extend(request);
+                    write_frame(&mut w, &AgentMessage::Ok).await.unwrap();
+                }
+                requests
+            });
+            let asked = connect_hybrid_any_protocol(&socket, 1024).await;
+            match asked {
+                Ok(connection) => {
+                    assert!(greeted, "greeted an agent of protocol {spoken}");
+                    assert_eq!(connection.protocol_version(), spoken);
+                    connection.shutdown().await.unwrap();
+                    assert_eq!(agent.await.unwrap(), vec![ClientMessage::Shutdown]);
+                }
+                Err(ClientError::OtherProtocol(said)) => {
+                    assert!(!greeted, "refused protocol {spoken}: {said}");
+                    agent.abort();
+                }
+                Err(other) => panic!("{other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn advice_on_another_protocol_says_which_side_is_older() {
+        let said = |spoken: u32| {
+            format!("{UNSUPPORTED_VERSION} {PROTOCOL_VERSION} (this agent 9.9 speaks {spoken})")
+        };
+        let newer = other_protocol_advice(&said(PROTOCOL_VERSION + 1));
+        assert!(
+            newer.contains("use that vmctl") && !newer.contains("vmctl stop"),
+            "{newer}"
+        );
+        let older = other_protocol_advice(&said(PROTOCOL_VERSION - 1));
+        assert!(older.contains("vmctl stop"), "{older}");
     }
 
     /// A guest's words in the host's errors stay on their line, and short: a line

@@ -692,6 +692,58 @@ mod tests {
         assert_eq!(ServiceAnswer::from_byte(b'H'), None);
     }
 
+    /// The messages that ask an agent of any protocol since
+    /// `client::OLDEST_WITH_STABLE_MESSAGES` for its health or to shut down: their
+    /// bytes must never move (PROTOCOL.md, "Messages every version keeps").
+    #[test]
+    fn the_stable_messages_are_the_documented_bytes() {
+        let hello = ClientMessage::Hello(Hello {
+            protocol_version: 11,
+            client: "v".into(),
+            host_time_ns: Some(1),
+        });
+        assert_eq!(
+            postcard::to_allocvec(&hello).unwrap(),
+            [0, 11, 1, b'v', 1, 1]
+        );
+        assert_eq!(postcard::to_allocvec(&ClientMessage::Health).unwrap(), [2]);
+        assert_eq!(
+            postcard::to_allocvec(&ClientMessage::Shutdown).unwrap(),
+            [4]
+        );
+        let hello_ok = AgentMessage::HelloOk {
+            agent_version: "a".into(),
+            protocol_version: 11,
+        };
+        assert_eq!(postcard::to_allocvec(&hello_ok).unwrap(), [0, 1, b'a', 11]);
+        let error = AgentMessage::Error {
+            message: "e".into(),
+        };
+        assert_eq!(postcard::to_allocvec(&error).unwrap(), [1, 1, b'e']);
+        let healthy = AgentMessage::Healthy(HealthInfo {
+            agent_version: "a".into(),
+            uptime_ms: 1,
+            agent_uptime_ms: 2,
+            agent_rss_bytes: 3,
+            active_execs: 4,
+            mem_total_kib: 5,
+            mem_available_kib: 6,
+        });
+        assert_eq!(
+            postcard::to_allocvec(&healthy).unwrap(),
+            [2, 1, b'a', 1, 2, 3, 4, 5, 6]
+        );
+        assert_eq!(postcard::to_allocvec(&AgentMessage::Ok).unwrap(), [4]);
+    }
+
+    #[test]
+    fn the_version_an_agent_speaks_is_read_from_its_refusal() {
+        let said = format!("{UNSUPPORTED_VERSION} 12 (this agent 0.1.0 speaks 11)");
+        assert_eq!(version_spoken_in(&said), Some(11));
+        assert_eq!(version_spoken_in("unsupported protocol version 12"), None);
+        assert_eq!(version_spoken_in("speaks many)"), None);
+    }
+
     #[tokio::test]
     async fn into_parts_keeps_what_follows_the_frames() {
         let mut bytes = encode_frame(&ClientMessage::ConnectPort(1)).unwrap();

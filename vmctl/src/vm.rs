@@ -67,10 +67,9 @@ pub enum VmError {
         vm_dir: PathBuf,
     },
     #[error(
-        "the VM of {} runs a guest agent of another protocol version ({agent_said}), so it \
-         was started by another vmctl; 'vmctl stop' it (which ends what runs in it), then \
-         start it again",
-        .workspace.display()
+        "the VM of {} runs a guest agent of another protocol version ({agent_said}). {}",
+        .workspace.display(),
+        guest_agent::client::other_protocol_advice(.agent_said)
     )]
     OtherAgent {
         workspace: PathBuf,
@@ -1199,10 +1198,11 @@ fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
                 ShutdownAsked::Yes => asked = true,
                 ShutdownAsked::NotYet => {}
                 ShutdownAsked::OtherAgent => {
-                    // Another vmctl's agent cannot be asked; waiting would only delay.
+                    // An agent older than the stable messages cannot be asked;
+                    // waiting would only delay.
                     vmm::to_stderr!(
-                        "vmctl: the VM in {} runs a guest agent of another protocol \
-                         version, which cannot be asked to shut down; stopping its VMM",
+                        "vmctl: the VM in {} runs a guest agent too old to be asked to \
+                         shut down; stopping its VMM",
                         vm.path.display()
                     );
                     break;
@@ -1242,6 +1242,7 @@ enum ShutdownAsked {
     Yes,
     /// The agent did not answer (yet): the VM may still be booting.
     NotYet,
+    /// Its agent speaks a protocol older than the stable messages.
     OtherAgent,
 }
 
@@ -1253,7 +1254,10 @@ fn ask_guest_to_shut_down(vm: &VmDir, limit: Duration) -> ShutdownAsked {
     let socket = vm.vsock_socket();
     runtime.block_on(async {
         let shutdown = async {
-            guest_agent::client::connect_hybrid(&socket, AGENT_PORT)
+            // A VM another vmctl started is asked too, in its own protocol: its
+            // commands get SIGTERM and the guest syncs, where cutting its power would
+            // leave a guest `git`'s index.lock in the workspace.
+            guest_agent::client::connect_hybrid_any_protocol(&socket, AGENT_PORT)
                 .await?
                 .shutdown()
                 .await
@@ -2026,7 +2030,10 @@ mod tests {
         let ours = guest_agent::protocol::PROTOCOL_VERSION;
         let newer = fresh_agent_mismatch(&said(ours + 1));
         assert!(newer.contains("vmctl is older than its sources"), "{newer}");
-        assert!(newer.contains(&format!("speaks protocol {}", ours + 1)), "{newer}");
+        assert!(
+            newer.contains(&format!("speaks protocol {}", ours + 1)),
+            "{newer}"
+        );
         let older = fresh_agent_mismatch(&said(ours - 1));
         assert!(older.contains("agent image is stale"), "{older}");
         let unparsed = fresh_agent_mismatch("unsupported protocol version, oddly");

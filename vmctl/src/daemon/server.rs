@@ -582,9 +582,13 @@ const SESSIONS_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// answer (a VM stuck that way is stopped like an idle one).
 async fn sessions_in_guest(vm: &VmDir) -> Option<u32> {
     let ask = async {
-        let connection =
-            guest_agent::client::connect_hybrid(&vm.vsock_socket(), crate::exec::AGENT_PORT)
-                .await?;
+        // An older vmctl's VM (its sessions' leases went with an older daemon) is
+        // asked in its own protocol: "cannot ask" would stop it under them.
+        let connection = guest_agent::client::connect_hybrid_any_protocol(
+            &vm.vsock_socket(),
+            crate::exec::AGENT_PORT,
+        )
+        .await?;
         connection.health().await
     };
     match tokio::time::timeout(SESSIONS_ANSWER_TIMEOUT, ask).await {

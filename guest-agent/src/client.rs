@@ -166,6 +166,15 @@ async fn connect_own(path: &Path) -> Result<UnixStream> {
 /// The uid of the process serving the Unix socket `stream` is connected to (as it was
 /// when it listened), if that is not this process's user.
 pub fn foreign_peer(stream: &impl std::os::fd::AsRawFd) -> std::io::Result<Option<u32>> {
+    let cred = peer_credentials(stream)?;
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    Ok((cred.uid != me).then_some(cred.uid))
+}
+
+/// The pid, uid and gid of the process at the other end of the Unix socket `stream`
+/// (as they were when it listened or connected).
+pub fn peer_credentials(stream: &impl std::os::fd::AsRawFd) -> std::io::Result<libc::ucred> {
     // SAFETY: ucred is plain data; all zeroes is a valid value.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -183,9 +192,7 @@ pub fn foreign_peer(stream: &impl std::os::fd::AsRawFd) -> std::io::Result<Optio
     if done != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: geteuid cannot fail and touches no memory.
-    let me = unsafe { libc::geteuid() };
-    Ok((cred.uid != me).then_some(cred.uid))
+    Ok(cred)
 }
 
 /// The hybrid-vsock preamble: sends `CONNECT <port>\n` and expects `OK <n>\n`. Reads

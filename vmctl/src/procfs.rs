@@ -1,6 +1,8 @@
 //! What `/proc` says about a VM's processes.
 
 use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
 
 /// The proportional set size (KiB) of `pid` and all its descendants: the VMM or the
 /// nested host's QEMU, and the virtiofsd daemons. PSS splits the guest memory they
@@ -52,9 +54,64 @@ fn pss_kib(pid: i32) -> Option<u64> {
         .ok()
 }
 
+/// Whether process `pid` runs the same program as this one: the same file, or a copy
+/// of it byte for byte (two installs of one build); `None` when its program cannot be
+/// read. A program replaced since the process started (`cargo build` after a pull)
+/// is still the one it runs: `/proc/PID/exe` leads to it, deleted or not.
+pub fn runs_this_program(pid: u32) -> Option<bool> {
+    same_file_contents(
+        std::path::Path::new(&format!("/proc/{pid}/exe")),
+        std::path::Path::new("/proc/self/exe"),
+    )
+}
+
+fn same_file_contents(a: &std::path::Path, b: &std::path::Path) -> Option<bool> {
+    let (meta_a, meta_b) = (std::fs::metadata(a).ok()?, std::fs::metadata(b).ok()?);
+    if (meta_a.dev(), meta_a.ino()) == (meta_b.dev(), meta_b.ino()) {
+        return Some(true);
+    }
+    if meta_a.len() != meta_b.len() {
+        return Some(false);
+    }
+    let (mut file_a, mut file_b) = (std::fs::File::open(a).ok()?, std::fs::File::open(b).ok()?);
+    let (mut chunk_a, mut chunk_b) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+    loop {
+        let read = file_a.read(&mut chunk_a).ok()?;
+        if read == 0 {
+            return Some(true);
+        }
+        file_b.read_exact(&mut chunk_b[..read]).ok()?;
+        if chunk_a[..read] != chunk_b[..read] {
+            return Some(false);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_program_is_told_from_a_copy_and_from_another() {
+        assert_eq!(runs_this_program(std::process::id()), Some(true));
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: &[u8]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            path
+        };
+        let build = write("vmctl", &[7u8; 200_000]);
+        let copy = write("copy", &[7u8; 200_000]);
+        let mut changed_at_the_end = vec![7u8; 200_000];
+        changed_at_the_end[199_999] = 8;
+        let rebuilt = write("rebuilt", &changed_at_the_end);
+        let longer = write("longer", &[7u8; 200_001]);
+        assert_eq!(same_file_contents(&build, &build), Some(true));
+        assert_eq!(same_file_contents(&build, &copy), Some(true));
+        assert_eq!(same_file_contents(&build, &rebuilt), Some(false));
+        assert_eq!(same_file_contents(&build, &longer), Some(false));
+        assert_eq!(same_file_contents(&build, &dir.path().join("gone")), None);
+    }
 
     #[test]
     fn parent_pids_survive_odd_command_names() {

@@ -95,6 +95,52 @@ pub struct UserConfig {
     pub workspaces: BTreeMap<String, WorkspaceConfig>,
 }
 
+/// The one key the daemon reads, unknown ones ignored ([`UserConfig::load_idle_timeout`]).
+#[derive(Debug, Default, Deserialize)]
+struct IdleTimeoutOnly {
+    #[serde(default)]
+    idle_timeout_s: Option<u64>,
+}
+
+/// The config file at `path` parsed as `T`; `T`'s default where there is none.
+fn parse_file<T: serde::de::DeserializeOwned + Default>(path: &Path) -> Result<T, UserConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::debug!("no user config at {}", path.display());
+            return Ok(T::default());
+        }
+        Err(source) => {
+            return Err(UserConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    toml::from_str(&text).map_err(|e| UserConfigError::Parse {
+        path: path.to_path_buf(),
+        line: e.span().map(|span| line_of(&text, span.start)),
+        // One line: toml's messages may run over several ("invalid array\nexpected `]`").
+        message: e
+            .message()
+            .lines()
+            .map(str::trim)
+            .filter(|line| !line.is_empty())
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+fn check_idle_timeout(path: &Path, idle_timeout_s: Option<u64>) -> Result<(), UserConfigError> {
+    match idle_timeout_s.filter(|&s| s > MAX_IDLE_TIMEOUT_S) {
+        Some(value) => Err(UserConfigError::IdleTimeoutTooLong {
+            path: path.to_path_buf(),
+            value,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Settings of one workspace, added to the global ones.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -140,31 +186,7 @@ impl UserConfig {
     }
 
     fn load_from(path: &Path) -> Result<UserConfig, UserConfigError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                tracing::debug!("no user config at {}", path.display());
-                return Ok(UserConfig::default());
-            }
-            Err(source) => {
-                return Err(UserConfigError::Read {
-                    path: path.to_path_buf(),
-                    source,
-                })
-            }
-        };
-        let config: UserConfig = toml::from_str(&text).map_err(|e| UserConfigError::Parse {
-            path: path.to_path_buf(),
-            line: e.span().map(|span| line_of(&text, span.start)),
-            // One line: toml's messages may run over several ("invalid array\nexpected `]`").
-            message: e
-                .message()
-                .lines()
-                .map(str::trim)
-                .filter(|line| !line.is_empty())
-                .collect::<Vec<_>>()
-                .join("; "),
-        })?;
+        let config: UserConfig = parse_file(path)?;
         if let Some(key) = config
             .workspaces
             .keys()
@@ -175,14 +197,26 @@ impl UserConfig {
                 key: key.clone(),
             });
         }
-        if let Some(value) = config.idle_timeout_s.filter(|&s| s > MAX_IDLE_TIMEOUT_S) {
-            return Err(UserConfigError::IdleTimeoutTooLong {
-                path: path.to_path_buf(),
-                value,
-            });
-        }
+        check_idle_timeout(path, config.idle_timeout_s)?;
         config.check_ranges(path)?;
         Ok(config)
+    }
+
+    /// The idle timeout alone, as the daemon reads it: keys it does not know are not its
+    /// business. A daemon outlives upgrades (an older one still runs when the user adds
+    /// a key a newer vmctl knows), and must not drop the user's timeout for them; the
+    /// commands still refuse unknown keys, so typos are caught.
+    pub fn load_idle_timeout() -> Result<Option<u64>, UserConfigError> {
+        match config_path() {
+            Some(path) => Self::idle_timeout_in(&path),
+            None => Ok(None),
+        }
+    }
+
+    fn idle_timeout_in(path: &Path) -> Result<Option<u64>, UserConfigError> {
+        let config: IdleTimeoutOnly = parse_file(path)?;
+        check_idle_timeout(path, config.idle_timeout_s)?;
+        Ok(config.idle_timeout_s)
     }
 
     /// Refuses sizes no VM can have (`cpus = 0`, `memory_percent = 500`) rather than
@@ -372,6 +406,28 @@ mod tests {
         let path = dir.join("config.toml");
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    /// An older daemon still running when the user adds a key a newer vmctl knows
+    /// must keep their timeout (it fell back to 30 s); the commands still refuse it.
+    #[test]
+    fn the_daemon_reads_the_idle_timeout_past_keys_it_does_not_know() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_config(
+            dir.path(),
+            "idle_timeout_s = 3600\nkey_of_a_newer_vmctl = 1\n",
+        );
+        assert_eq!(UserConfig::idle_timeout_in(&path).unwrap(), Some(3600));
+        assert!(
+            UserConfig::load_from(&path).is_err(),
+            "the commands take typos"
+        );
+        let too_long = write_config(dir.path(), &format!("idle_timeout_s = {}\n", u64::MAX));
+        assert!(UserConfig::idle_timeout_in(&too_long).is_err());
+        assert_eq!(
+            UserConfig::idle_timeout_in(&dir.path().join("none")).unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub fn lease(vm: &VmDir, purpose: &str) -> Result<Lease, DaemonClientError> {
         pid: std::process::id(),
     };
     let (connection, _) = ask_a_running_daemon(&request, connect_or_start, STOPPING_WAIT)?;
+    warn_if_another_build_serves(&connection);
     Ok(Lease {
         _connection: connection,
     })
@@ -84,7 +85,31 @@ pub fn pin(vm: &VmDir) -> Result<(), DaemonClientError> {
     let request = Request::Pin {
         vm_dir: vm.path.clone(),
     };
-    ask_a_running_daemon(&request, connect_or_start, STOPPING_WAIT).map(drop)
+    let (connection, _) = ask_a_running_daemon(&request, connect_or_start, STOPPING_WAIT)?;
+    warn_if_another_build_serves(&connection);
+    Ok(())
+}
+
+/// Says so when the daemon at the other end of `connection` runs another build of
+/// vmctl than this one: one started before an upgrade keeps running, with the old
+/// build's idle stops and config reading, until it is restarted.
+fn warn_if_another_build_serves(connection: &UnixStream) {
+    if let Some(pid) = served_by_another_build(connection) {
+        vmm::to_stderr!(
+            "vmctl: the vmctl daemon (pid {pid}) runs another build of vmctl than this one \
+             (started before an upgrade?), and keeps that build's ways until it restarts: \
+             `vmctl daemon --stop` restarts it at the next command, stopping every VM \
+             cleanly"
+        );
+    }
+}
+
+/// The pid of the process at the other end of `connection` if it runs another program
+/// than this one.
+fn served_by_another_build(connection: &UnixStream) -> Option<u32> {
+    let peer = guest_agent::client::peer_credentials(connection).ok()?;
+    let pid = u32::try_from(peer.pid).ok()?;
+    (crate::procfs::runs_this_program(pid) == Some(false)).then_some(pid)
 }
 
 /// Unpins `vm` if a daemon runs (`vmctl stop`).
@@ -343,6 +368,22 @@ fn ask_within(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_daemon_of_this_build_is_not_taken_for_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("daemon.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let connection = UnixStream::connect(&socket).unwrap();
+        assert_eq!(served_by_another_build(&connection), None);
+        let peer = guest_agent::client::peer_credentials(&connection).unwrap();
+        assert_eq!(peer.pid, std::process::id() as i32);
+        let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+        let verdict = crate::procfs::runs_this_program(other.id());
+        let _ = other.kill();
+        let _ = other.wait();
+        assert_eq!(verdict, Some(false), "sleep taken for this build");
+    }
 
     /// A daemon that takes connections but answers none (stopped with Ctrl-Z) is
     /// reported, not waited for. (Review: every command, `vmctl stop` too, hung.)

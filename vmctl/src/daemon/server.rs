@@ -632,16 +632,14 @@ fn is_still_idle(vms: &HashMap<PathBuf, Tracked>, vm_dir: &Path, generation: u64
 /// The idle timeout from the user's config (`idle_timeout_s`), read each time so a
 /// change applies without restarting the daemon.
 fn idle_timeout_s() -> u64 {
-    idle_timeout_from(crate::user_config::UserConfig::load())
+    idle_timeout_from(crate::user_config::UserConfig::load_idle_timeout())
 }
 
 /// The default timeout stands in for a config the daemon cannot read (its VMs must
 /// still stop), and its log says why the file's is not used.
-fn idle_timeout_from(
-    config: Result<crate::user_config::UserConfig, crate::user_config::UserConfigError>,
-) -> u64 {
-    match config {
-        Ok(config) => config.idle_timeout_s.unwrap_or(DEFAULT_IDLE_TIMEOUT_S),
+fn idle_timeout_from(configured: Result<Option<u64>, crate::user_config::UserConfigError>) -> u64 {
+    match configured {
+        Ok(timeout) => timeout.unwrap_or(DEFAULT_IDLE_TIMEOUT_S),
         Err(e) => {
             tracing::warn!("{e}; stopping idle VMs after the default {DEFAULT_IDLE_TIMEOUT_S} s");
             DEFAULT_IDLE_TIMEOUT_S

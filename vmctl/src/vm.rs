@@ -770,10 +770,16 @@ fn vm_size(resources: Resources) -> (u32, u64) {
     let host_cpus = vm_cpu_count();
     let host_mib = host_memory_mib().unwrap_or(0);
     if let Some(asked) = resources.cpus.filter(|&asked| asked > host_cpus) {
-        tracing::warn!("the vmctl config asks for {asked} vCPUs, but VMs may run on {host_cpus} CPUs here; the VM gets {host_cpus}");
+        tracing::warn!("the vmctl config asks for {asked} vCPUs, but VMs may run on {host_cpus} CPUs here; the VM gets {}", host_cpus.min(MAX_VCPUS));
+    } else if let Some(asked) = resources.cpus.filter(|&asked| asked > MAX_VCPUS) {
+        tracing::warn!("the vmctl config asks for {asked} vCPUs, but the VMM gives a VM at most {MAX_VCPUS}; the VM gets {MAX_VCPUS}");
     }
     size_from(resources, host_cpus, host_mib)
 }
+
+/// The most vCPUs the VMM gives a VM (its MP table's room): a host with more CPUs
+/// still gets VMs, of this many.
+const MAX_VCPUS: u32 = vmm::config::MAX_VCPUS;
 
 /// How many CPUs a VM may run on: those `VMCTL_VCPU_CPUS` names (the VMM's vCPUs, or
 /// the nested host, run there only), else those this process may use. A list the VMM
@@ -790,7 +796,7 @@ fn size_from(resources: Resources, host_cpus: u32, host_mib: u64) -> (u32, u64) 
     let cpus = resources
         .cpus
         .unwrap_or(host_cpus)
-        .clamp(1, host_cpus.max(1));
+        .clamp(1, host_cpus.clamp(1, MAX_VCPUS));
     let percent = u64::from(
         resources
             .memory_percent
@@ -2586,6 +2592,8 @@ mod tests {
     fn vm_size_is_a_share_of_the_host_with_a_floor() {
         let unset = Resources::default();
         assert_eq!(size_from(unset, 8, 32 * 1024), (8, 3276));
+        // A host of more CPUs than the VMM gives a VM (a 2-socket server).
+        assert_eq!(size_from(unset, 64, 32 * 1024).0, MAX_VCPUS);
         assert_eq!(size_from(unset, 2, 4 * 1024), (2, 1024));
         let set = Resources {
             cpus: Some(16),

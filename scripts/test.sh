@@ -12,7 +12,7 @@
 #              before the tests run, as setup.sh checks it); exported to the tests:
 #              VMCTL_KERNEL, VMCTL_NESTED_KERNEL, VMCTL_INITRAMFS,
 #              VMCTL_AGENT_INITRAMFS, VMCTL_ROOTFS, VMCTL_BIN, VMCTL_SKIP_FILE,
-#              VMCTL_RETRY_FILE.
+#              VMCTL_RETRY_FILE, VMCTL_PARTIAL_FILE.
 #
 # Run as a normal user, it builds what needs root (the root filesystems) through sudo,
 # into this user's cache.
@@ -99,10 +99,12 @@ VMCTL_BIN="$target_dir/release/vmctl"
 
 VMCTL_SKIP_FILE="$target_dir/vm-tests-skipped.txt"
 VMCTL_RETRY_FILE="$target_dir/vm-tests-retried.txt"
+VMCTL_PARTIAL_FILE="$target_dir/vm-tests-partial.txt"
 mkdir -p "$target_dir"
 : > "$VMCTL_SKIP_FILE"
 : > "$VMCTL_RETRY_FILE"
-export VMCTL_KERNEL VMCTL_INITRAMFS VMCTL_BIN VMCTL_SKIP_FILE VMCTL_RETRY_FILE
+: > "$VMCTL_PARTIAL_FILE"
+export VMCTL_KERNEL VMCTL_INITRAMFS VMCTL_BIN VMCTL_SKIP_FILE VMCTL_RETRY_FILE VMCTL_PARTIAL_FILE
 
 # --workspace unless the caller picked packages (cargo would ignore their -p).
 scope=(--workspace)
@@ -139,6 +141,8 @@ report_list "$VMCTL_RETRY_FILE" \
 if [[ -s "$VMCTL_RETRY_FILE" ]] && suspects="$(grep -c 'LOST WAKE-UP?' "$VMCTL_RETRY_FILE")"; then
     say "WARNING: $suspects of those retries may hide a lost wake-up (marked LOST WAKE-UP?): read their hang reports above"
 fi
+# Checks a test that ran left out on this machine (running as a normal user, say).
+report_list "$VMCTL_PARTIAL_FILE" "Checks of VM tests that ran, not made here" "CHECK NOT MADE"
 report_list "$VMCTL_SKIP_FILE" "VM tests skipped" "SKIPPED VM TEST"
 skipped=$counted
 

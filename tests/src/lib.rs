@@ -208,6 +208,23 @@ pub fn record_skip(test: &str, reason: &str) {
     append_line(&skip_file(), &line, "skip");
 }
 
+/// Where checks left out of tests that ran are recorded (`VMCTL_PARTIAL_FILE`, default
+/// `<target>/vm-tests-partial.txt`), for `scripts/test.sh` to list: a check this
+/// machine cannot make (only root can make another user's file) is not a skipped VM
+/// test, which `VMCTL_REQUIRE_VM=1` refuses, but must not pass unsaid either.
+pub fn partial_file() -> PathBuf {
+    env_path("VMCTL_PARTIAL_FILE").unwrap_or_else(|| target_dir().join("vm-tests-partial.txt"))
+}
+
+/// Records a check a running test leaves out: a loud line on stderr and one in the
+/// partial file.
+pub fn record_check_not_made(check: &str, reason: &str) {
+    let line = format!("CHECK NOT MADE {check}: {reason}");
+    // Straight to the process's stderr: libtest captures eprintln! of passing tests.
+    let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
+    append_line(&partial_file(), &line, "left-out check");
+}
+
 /// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default
 /// `<target>/vm-tests-retried.txt`), for `scripts/test.sh` to count.
 pub fn retry_file() -> PathBuf {

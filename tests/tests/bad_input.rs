@@ -489,7 +489,7 @@ fn refused_starts_leave_no_vm_behind() {
                 "{stderr}"
             );
         }
-        None => record_skip(
+        None => vm_tests::record_check_not_made(
             "bad_input: the account's home kept out of shares",
             "the account running the tests has no home directory that exists, so keeping \
              it out of the guest cannot be tried",

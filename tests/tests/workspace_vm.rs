@@ -705,6 +705,17 @@ fn assert_vmm_jailed_in_its_vsock_directory(ws: &Workspace) {
         .and_then(|(_, rest)| rest.split_once('"'))
         .map(|(dir, _)| Path::new(dir).to_path_buf());
     let Some(shown) = shown else {
+        if let Some(restriction) = user_namespaces_restricted().filter(|_| {
+            text.contains("vmctl-vmm: warning: cannot jail the VMM (")
+                && vm_tests::host_user::current_uid() != 0
+        }) {
+            // The README's promise there: the VMM runs on without the jail, and says so.
+            vm_tests::record_check_not_made(
+                "workspace_vm: the VMM's jail",
+                &format!("{restriction}, so the VMM of a normal user runs unjailed"),
+            );
+            return;
+        }
         panic!(
             "the VMM did not say it was jailed; {}:\n{text}",
             log.display()
@@ -716,6 +727,25 @@ fn assert_vmm_jailed_in_its_vsock_directory(ws: &Workspace) {
         "the jail shows {} (expected the vsock socket's own directory)",
         shown.display()
     );
+}
+
+/// Which of the host's settings keeps a normal user's program from the user
+/// namespace the VMM's jail needs, if one does: Ubuntu's AppArmor (23.10 on) lets it
+/// make one but takes every capability inside.
+fn user_namespaces_restricted() -> Option<String> {
+    let sysctl = |name: &str| {
+        std::fs::read_to_string(Path::new("/proc/sys").join(name.replace('.', "/")))
+            .ok()
+            .map(|value| value.trim().to_owned())
+    };
+    [
+        ("kernel.apparmor_restrict_unprivileged_userns", "1"),
+        ("kernel.unprivileged_userns_clone", "0"),
+        ("user.max_user_namespaces", "0"),
+    ]
+    .into_iter()
+    .find(|(name, restricting)| sysctl(name).as_deref() == Some(*restricting))
+    .map(|(name, value)| format!("{name} = {value}"))
 }
 
 /// The descriptors the VM's supervisor has open.

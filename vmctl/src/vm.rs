@@ -854,10 +854,13 @@ fn configure_network(vm: &VmDir, extra_relays: &[u16]) -> Result<(), VmError> {
     }
 }
 
-/// The warnings vmctl wrote in a supervisor's log.
+/// The warnings vmctl and its VMM wrote in a supervisor's log (the VMM's: running
+/// without its jail or Landlock, which the user must hear of at the start too).
 fn warnings_in(log: &str) -> impl Iterator<Item = &str> {
-    log.lines()
-        .filter(|line| line.starts_with("vmctl: warning: "))
+    let vmm_warning = format!("{}: warning: ", vmm::process::BINARY);
+    log.lines().filter(move |line| {
+        line.starts_with("vmctl: warning: ") || line.starts_with(vmm_warning.as_str())
+    })
 }
 
 /// The last lines of a log, to quote in an error (empty when there are none).
@@ -1946,13 +1949,15 @@ mod tests {
                    vmctl: warning: virtiofsd runs without its sandbox because ...\n\
                    2026-12-05T15:00:00Z WARN vmm: vmctl: warning: not ours\n\
                    vmctl: note: virtiofsd runs as this user\n\
-                   vmctl: warning: more than 2 directories in the shares: ...\n";
+                   vmctl: warning: more than 2 directories in the shares: ...\n\
+                   vmctl-vmm: warning: cannot jail the VMM (EPERM): ...\n";
         let warnings: Vec<&str> = warnings_in(log).collect();
         assert_eq!(
             warnings,
             [
                 "vmctl: warning: virtiofsd runs without its sandbox because ...",
-                "vmctl: warning: more than 2 directories in the shares: ..."
+                "vmctl: warning: more than 2 directories in the shares: ...",
+                "vmctl-vmm: warning: cannot jail the VMM (EPERM): ..."
             ]
         );
     }

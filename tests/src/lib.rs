@@ -1006,13 +1006,29 @@ pub fn vm_scenario(test: &str, scenario: fn()) {
     }
 }
 
+/// [`vm_scenario`] for a scenario whose VMs run in a nested host whatever this machine
+/// has (through `vmctl nested-exec`): a hardware-KVM machine runs its nested host in
+/// QEMU-TCG as well, with the same known losses, retried as they are there.
+pub fn nested_scenario(test: &str, scenario: fn()) {
+    if nested_host_available(test) {
+        retry_if_lost_within(test, scenario, NESTED_ATTEMPTS);
+    }
+}
+
+/// How many times a scenario whose VM the nested host may lose is run at most.
+const NESTED_ATTEMPTS: u32 = 4;
+
 /// Guests in the nested host sometimes crash or hang under sustained device traffic
 /// (README, "Known problem"). There, a scenario that loses its VM that way is retried,
 /// loudly and recorded in [`retry_file`] (which `scripts/test.sh` reports), at most
 /// three times; any other failure fails at once. On hardware KVM nothing is retried:
 /// a lost VM there is a failure of ours.
 pub fn retry_if_vm_lost(test: &str, scenario: fn()) {
-    let attempts = if hardware_kvm() { 1 } else { 4 };
+    let attempts = if hardware_kvm() { 1 } else { NESTED_ATTEMPTS };
+    retry_if_lost_within(test, scenario, attempts);
+}
+
+fn retry_if_lost_within(test: &str, scenario: fn(), attempts: u32) {
     for attempt in 1..=attempts {
         VM_LOST.with(|lost| lost.set(false));
         NO_RETRY.with(|no_retry| no_retry.set(false));

@@ -966,9 +966,7 @@ fn agent_home_scenario(ws: &Workspace, user: &vm_tests::host_user::HostUser) {
 #[test]
 fn a_dead_virtiofsd_is_reported_not_hung_on() {
     let test = "virtio_fs::a_dead_virtiofsd_is_reported_not_hung_on";
-    if vm_tests::nested_host_available(test) {
-        vm_tests::vm_scenario(test, dead_virtiofsd_scenario);
-    }
+    vm_tests::nested_scenario(test, dead_virtiofsd_scenario);
 }
 
 /// What the nested host's own failures look like (README, "Known problem"); the

@@ -21,9 +21,17 @@ use crate::stats::ms;
 
 /// The vsock port the guest agent listens on.
 pub const AGENT_PORT: u32 = 1024;
-/// A workspace VM's hybrid-vsock socket, in its state directory (vmctl's
-/// `VmDir::vsock_socket`).
+/// A workspace VM's hybrid-vsock socket in its state directory, where a record of an
+/// older vmctl (without `vsock_socket`) has it.
 const VSOCK_SOCKET: &str = "vsock/vsock.sock";
+
+/// The VM's hybrid-vsock socket as its record says: vmctl moves it out of the VM's
+/// directory when that makes its path too long for a Unix socket (a long TMPDIR).
+fn vsock_socket_of(vm_dir: &Path, record: &serde_json::Value) -> PathBuf {
+    record["vsock_socket"]
+        .as_str()
+        .map_or_else(|| vm_dir.join(VSOCK_SOCKET), PathBuf::from)
+}
 /// Targets on hardware KVM (the project's goals), printed beside the figures.
 pub const AGENT_READY_TARGET_MS: f64 = 250.0;
 pub const EXEC_ROUND_TRIP_TARGET_MS: f64 = 2.0;
@@ -397,7 +405,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         let ran = vmctl.up(&workspace)?;
         let exited = Instant::now();
         let (dir, record) = vmctl.vm_dir(&workspace)?;
-        let socket = dir.join(VSOCK_SOCKET);
+        let socket = vsock_socket_of(&dir, &record);
         let h = block_on_within(
             &runtime,
             b.timeout,
@@ -582,6 +590,21 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vsock_socket_is_where_the_record_says() {
+        let vm = Path::new("/state/vms/ws-1");
+        let moved = serde_json::json!({"vsock_socket": "/tmp/vmctl-0/vm-ab12/vsock/vsock.sock"});
+        assert_eq!(
+            vsock_socket_of(vm, &moved),
+            Path::new("/tmp/vmctl-0/vm-ab12/vsock/vsock.sock")
+        );
+        let older = serde_json::json!({"workspace": "/w"});
+        assert_eq!(
+            vsock_socket_of(vm, &older),
+            Path::new("/state/vms/ws-1/vsock/vsock.sock")
+        );
+    }
 
     #[test]
     fn a_failure_says_how_the_vm_ended() {

@@ -56,6 +56,11 @@ pub struct VmRecord {
     /// Test-only settings of the egress proxy.
     #[serde(default)]
     pub egress: EgressTestOptions,
+    /// Where the VM's hybrid-vsock socket is ([`VmDir::vsock_socket`]), for other
+    /// programs (the benchmark harness): not always in the VM's directory. Written,
+    /// never read by vmctl, which works it out.
+    #[serde(default)]
+    pub vsock_socket: Option<PathBuf>,
 }
 
 /// Settings that let tests point the egress proxy at a local test upstream. Each is
@@ -641,6 +646,7 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
             },
         }),
         relay_ports: vec![6767],
+        vsock_socket: Some(vm.vsock_socket()),
         egress: EgressTestOptions {
             extra_ca: Some("/tmp/ca.pem".into()),
             resolve: vec![("api.test:443".into(), "127.0.0.1:8443".parse().unwrap())],

@@ -553,6 +553,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         shares: Some(share_set),
         relay_ports: relays_for(&request.config, &workspace, relay_ports),
         egress: egress.cloned().unwrap_or_default(),
+        vsock_socket: Some(vm.vsock_socket()),
     };
     check_cmdline_fits(&vm, &record)?;
     warn_of_builds_from_guest_writable(&vm, &record, recipe);

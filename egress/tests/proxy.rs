@@ -1645,6 +1645,38 @@ async fn new_upstream_connections_past_the_rate_get_503() {
     assert_eq!(status, 200, "{head}");
 }
 
+/// Name lookups past the burst, faster than the rate, get 503 before the host's
+/// resolver is asked. (Review: a guest asking for `<random>.githubusercontent.com` in
+/// a loop had the host send thousands of uncached queries a second, on up to 512
+/// threads.)
+#[tokio::test]
+async fn name_lookups_past_the_rate_get_503() {
+    let h = Harness::with_limits(Limits {
+        lookups_per_second: 1,
+        lookup_burst: 2,
+        ..Limits::default()
+    })
+    .await;
+    // Allowed by the rules and looked up; refused for where it leads (this machine).
+    for _ in 0..2 {
+        let (status, answer, _) = h.connect("localhost:443").await;
+        assert_eq!(status, 403, "{answer}");
+        assert!(answer.contains("loopback"), "{answer}");
+    }
+    let (status, answer, _) = h.connect("localhost:443").await;
+    assert_eq!(status, 503, "{answer}");
+    assert!(
+        answer.contains("too many name lookups (over 1 a second"),
+        "{answer}"
+    );
+    // Names the proxy need not look up are not counted.
+    let (status, head, _) = h.connect("open.test:443").await;
+    assert_eq!(status, 200, "{head}");
+    sleep(Duration::from_millis(1100)).await;
+    let (status, answer, _) = h.connect("localhost:443").await;
+    assert_eq!(status, 403, "{answer}");
+}
+
 #[tokio::test]
 async fn connections_over_the_limit_get_503() {
     let h = Harness::with_limits(Limits {

@@ -110,6 +110,15 @@ pub struct Limits {
     /// towards that destination.
     pub connects_per_second: u32,
     pub connect_burst: u32,
+    /// Name lookups a second, on average, after a burst of `lookup_burst`; past them
+    /// a request gets 503. Each lookup of a new name (a guest asking for
+    /// `<random>.githubusercontent.com`) goes to the host's resolver, whose upstream
+    /// limits queries per client: a guest must not spend the host's share.
+    pub lookups_per_second: u32,
+    pub lookup_burst: u32,
+    /// Lookups under way at once, each on a thread of its own (getaddrinfo blocks
+    /// and outlives `connect_timeout`); more wait their turn within that timeout.
+    pub max_lookups: usize,
 }
 
 impl Default for Limits {
@@ -128,6 +137,11 @@ impl Default for Limits {
             // towards one destination; far more than a build or an agent opens.
             connects_per_second: 100,
             connect_burst: 400,
+            // Each new connection needs at most one; cached names cost the resolver
+            // little, and a build resolves a handful of registries.
+            lookups_per_second: 100,
+            lookup_burst: 400,
+            max_lookups: 16,
         }
     }
 }
@@ -149,6 +163,10 @@ pub struct ProxyConfig {
     waiting: WaitingRoom,
     /// What is left of `limits.connects_per_second` and `connect_burst`.
     connects: std::sync::Mutex<Option<ConnectTokens>>,
+    /// What is left of `limits.lookups_per_second` and `lookup_burst`.
+    lookup_tokens: std::sync::Mutex<Option<ConnectTokens>>,
+    /// The lookups under way, created on first use from `limits.max_lookups`.
+    lookups: OnceLock<Arc<Semaphore>>,
     /// The host's own addresses and networks, which the proxy never connects to.
     host_networks: addresses::HostNetworksCache,
     /// Each secret's watch for probes, by name, for as long as this proxy runs.
@@ -174,6 +192,8 @@ impl ProxyConfig {
             slots: OnceLock::new(),
             waiting: WaitingRoom::default(),
             connects: std::sync::Mutex::new(None),
+            lookup_tokens: std::sync::Mutex::new(None),
+            lookups: OnceLock::new(),
             host_networks: addresses::HostNetworksCache::default(),
             tripwires: std::sync::Mutex::new(HashMap::new()),
             probe_records: None,
@@ -221,13 +241,8 @@ impl ProxyConfig {
     /// Takes one new upstream connection of the rate the limits allow, or says why
     /// not.
     fn take_connect(&self, target: &str) -> Result<(), ProxyError> {
-        let mut tokens = self
-            .connects
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let (rate, burst) = (self.limits.connects_per_second, self.limits.connect_burst);
-        let tokens = tokens.get_or_insert_with(|| ConnectTokens::full(burst));
-        if tokens.take(Instant::now(), rate, burst) {
+        if take_token(&self.connects, rate, burst) {
             Ok(())
         } else {
             Err(ProxyError::TooManyConnects {
@@ -235,6 +250,27 @@ impl ProxyConfig {
                 per_second: rate,
             })
         }
+    }
+
+    /// Takes one name lookup of the rate the limits allow, or says why not.
+    fn take_lookup(&self, target: &str) -> Result<(), ProxyError> {
+        let (rate, burst) = (self.limits.lookups_per_second, self.limits.lookup_burst);
+        if take_token(&self.lookup_tokens, rate, burst) {
+            Ok(())
+        } else {
+            Err(ProxyError::TooManyLookups {
+                target: target.to_string(),
+                per_second: rate,
+            })
+        }
+    }
+
+    fn lookups(&self) -> &Arc<Semaphore> {
+        self.lookups.get_or_init(|| {
+            Arc::new(Semaphore::new(
+                self.limits.max_lookups.clamp(1, Semaphore::MAX_PERMITS),
+            ))
+        })
     }
 
     fn slots(&self) -> &Arc<Semaphore> {
@@ -256,7 +292,17 @@ impl std::fmt::Debug for ProxyConfig {
     }
 }
 
-/// A token bucket: new upstream connections the rate still allows.
+/// Takes a token of `bucket` (full at first), refilled at `rate` a second up to `burst`.
+fn take_token(bucket: &std::sync::Mutex<Option<ConnectTokens>>, rate: u32, burst: u32) -> bool {
+    let mut tokens = bucket
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    tokens
+        .get_or_insert_with(|| ConnectTokens::full(burst))
+        .take(Instant::now(), rate, burst)
+}
+
+/// A token bucket: new upstream connections (or lookups) the rate still allows.
 #[derive(Debug)]
 struct ConnectTokens {
     left: f64,
@@ -320,6 +366,11 @@ pub enum ProxyError {
     )]
     TooManyConnects { target: String, per_second: u32 },
     #[error(
+        "too many name lookups (over {per_second} a second: each new connection to a \
+         name is one); {target} not resolved; retry later"
+    )]
+    TooManyLookups { target: String, per_second: u32 },
+    #[error(
         "more than {limit} connections waited to send a request (their first, or kept \
          alive, their next), and this one had waited longest, so it was closed; send \
          the request at once on a new connection"
@@ -381,7 +432,7 @@ impl ProxyError {
             BadRequest(_) | MalformedRequestLine { .. } => StatusCode::BAD_REQUEST,
             HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Busy { .. } | Displaced { .. } | TooManyConnects { .. } => {
+            Busy { .. } | Displaced { .. } | TooManyConnects { .. } | TooManyLookups { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Refused { .. } | ForbiddenAddress { .. } | HostMismatch { .. } => StatusCode::FORBIDDEN,

@@ -1006,6 +1006,31 @@ fn a_needle_whose_secret_cannot_be_placed_counts_early() {
     assert!(tripwire.tripped());
 }
 
+/// A lookup that outlives its time limit keeps its place until the resolver answers:
+/// the next waits for it (a guest asking for names nobody answers piles up no threads).
+#[tokio::test]
+async fn a_lookup_past_its_time_keeps_its_place_until_it_ends() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let places = Arc::new(tokio::sync::Semaphore::new(1));
+    let limit = Duration::from_millis(100);
+    let running = Arc::new(AtomicUsize::new(0));
+    let slow = |running: Arc<AtomicUsize>| {
+        move || {
+            running.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(600));
+            Ok(())
+        }
+    };
+    let first = upstream::blocking_within(places.clone(), limit, slow(running.clone())).await;
+    assert!(first.is_err(), "the first lookup ended within its time");
+    let second = upstream::blocking_within(places.clone(), limit, slow(running.clone())).await;
+    assert!(second.is_err(), "the second ran beside the first");
+    assert_eq!(running.load(Ordering::SeqCst), 1, "two lookups ran at once");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let third = upstream::blocking_within(places, limit, || Ok(7)).await;
+    assert_eq!(third.unwrap().unwrap(), 7);
+}
+
 /// The connect rate refills at its rate, up to its burst, however long it was idle.
 #[test]
 fn the_connect_tokens_refill_at_their_rate_up_to_the_burst() {

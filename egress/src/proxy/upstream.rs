@@ -1,6 +1,7 @@
 //! Shared by CONNECT and plain HTTP: the policy's question, the vetted upstream
 //! connection, and what goes back to the guest.
 
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -162,18 +163,7 @@ pub(super) async fn vetted_addresses(
     if let Some(addr) = config.resolve_overrides.get(&target) {
         return Ok(vec![*addr]);
     }
-    let limit = config.limits.connect_timeout;
-    let addrs: Vec<SocketAddr> = match timeout(limit, tokio::net::lookup_host((host, port))).await {
-        Err(_) => {
-            return Err(ProxyError::Timeout {
-                what: "resolving",
-                target,
-                after: limit,
-            })
-        }
-        Ok(Err(source)) => return Err(ProxyError::Resolve { target, source }),
-        Ok(Ok(addrs)) => addrs.collect(),
-    };
+    let addrs = resolve(config, host, port, &target).await?;
     if addrs.is_empty() {
         return Err(ProxyError::NoAddress { target });
     }
@@ -199,6 +189,58 @@ pub(super) async fn vetted_addresses(
         return Err(ask.refuse(config, Refusal::ForbiddenAddress, &rule, err));
     }
     Ok(addrs)
+}
+
+/// What `host` resolves to, within the limits' rate and number of lookups at once.
+/// The lookup runs on a blocking thread (getaddrinfo), which holds its place among
+/// `max_lookups` until the resolver answers, after `connect_timeout` too: a guest
+/// asking for names nobody answers must not pile up threads.
+async fn resolve(
+    config: &ProxyConfig,
+    host: &str,
+    port: u16,
+    target: &str,
+) -> Result<Vec<SocketAddr>, ProxyError> {
+    config.take_lookup(target)?;
+    let host = host.to_owned();
+    let limit = config.limits.connect_timeout;
+    let looked_up = blocking_within(Arc::clone(config.lookups()), limit, move || {
+        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))
+            .map(Iterator::collect::<Vec<SocketAddr>>)
+    });
+    match looked_up.await {
+        Err(_) => Err(ProxyError::Timeout {
+            what: "resolving",
+            target: target.to_owned(),
+            after: limit,
+        }),
+        Ok(Err(source)) => Err(ProxyError::Resolve {
+            target: target.to_owned(),
+            source,
+        }),
+        Ok(Ok(addrs)) => Ok(addrs),
+    }
+}
+
+/// Runs `work` on a blocking thread once one of `places` is free, waiting at most
+/// `limit` for both. The place is the thread's until `work` returns, however long
+/// after `limit` that is.
+pub(super) async fn blocking_within<T: Send + 'static>(
+    places: Arc<tokio::sync::Semaphore>,
+    limit: Duration,
+    work: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> Result<io::Result<T>, tokio::time::error::Elapsed> {
+    let run = async move {
+        let Ok(place) = places.acquire_owned().await else {
+            return Err(io::Error::other("no more places for blocking work"));
+        };
+        let done = tokio::task::spawn_blocking(move || {
+            let _place = place;
+            work()
+        });
+        done.await.map_err(io::Error::other)?
+    };
+    timeout(limit, run).await
 }
 
 /// The first of `addrs` that accepts a connection, within the limits' time and rate

@@ -419,10 +419,34 @@ async fn relay_to_host_loopback(mut stream: UnixStream, port: u16, relays: &Mute
     if relayed.broken() == Some(byte_relay::Side::A) {
         // The host's server learns that its client broke off, not that it finished
         // (unless what its client sent is still queued for it). Apart, so that the
-        // guest's slot, whose vsock connection is gone, is free meanwhile.
-        tokio::spawn(byte_relay::pass_on_break(host));
+        // guest's slot, whose vsock connection is gone, is free meanwhile; but among
+        // a few such drains only: a guest breaking off connection after connection
+        // to a server that does not read would hold host sockets past its slots.
+        pass_on_break_apart(host, &HOST_DRAINS);
     }
 }
+
+/// [`byte_relay::pass_on_break`] of `host` on a task of its own if one of `drains` is
+/// free, else a reset at once (what was queued for the server is lost with it).
+fn pass_on_break_apart(host: tokio::net::TcpStream, drains: &Arc<tokio::sync::Semaphore>) {
+    match Arc::clone(drains).try_acquire_owned() {
+        Ok(place) => {
+            tokio::spawn(async move {
+                byte_relay::pass_on_break(host).await;
+                drop(place);
+            });
+        }
+        Err(_) => {
+            let _ = host.set_zero_linger();
+        }
+    }
+}
+
+/// Host connections at most whose broken-off relays are drained at once (each for up
+/// to [`byte_relay::DRAIN_TIMEOUT`]); past them a broken-off relay is reset.
+const MAX_HOST_DRAINS: usize = 32;
+static HOST_DRAINS: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
+    std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(MAX_HOST_DRAINS)));
 
 /// Connects to `port` on the host's loopback, IPv4 first, then IPv6: a server bound to
 /// `localhost` may listen on `::1` only (Node's, since version 17). Each try has
@@ -934,6 +958,45 @@ mod tests {
         host.write_all(b"hello").await.unwrap();
         drop(host);
         assert_eq!(answer_and_end(&mut guest).await, b"\0hello");
+    }
+
+    /// A relay broken off while its writes are queued for a host server that does not
+    /// read is drained apart (the server gets what was queued, then an end) while a
+    /// drain's place is free, and reset at once when none is.
+    #[tokio::test]
+    async fn broken_off_relays_are_drained_apart_within_their_places() {
+        for places in [1, 0] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.set_recv_buffer_size(4096).unwrap();
+            let mut server = socket
+                .connect(listener.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (relay_side, _) = listener.accept().await.unwrap();
+            let mut written = 0;
+            loop {
+                match relay_side.try_write(&[7u8; 64 * 1024]) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let drains = Arc::new(tokio::sync::Semaphore::new(places));
+            pass_on_break_apart(relay_side, &drains);
+            let mut received = Vec::new();
+            let read =
+                tokio::time::timeout(Duration::from_secs(5), server.read_to_end(&mut received))
+                    .await
+                    .expect("the server's read did not end");
+            if places == 1 {
+                assert!(read.is_ok(), "{read:?}");
+                assert_eq!(received.len(), written, "drained apart");
+            } else {
+                let error = read.expect_err("a reset was expected");
+                assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset);
+            }
+        }
     }
 
     /// A host server whose accept queue is full never completes a connect: the relay

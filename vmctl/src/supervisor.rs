@@ -46,7 +46,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     crate::network::services::start(&vm, &record)
         .map_err(|e| format!("cannot serve the VM's network: {e}"))?;
     crate::guest_clock::keep_in_step(vm.vsock_socket());
-    crate::host_edits::forward(vm.vsock_socket(), record.shares.as_ref());
+    crate::host_edits::forward(&vm, record.shares.as_ref());
     if let Some(file) = record.shares.as_ref().and_then(|s| s.failure_file.as_ref()) {
         let _ = std::fs::remove_file(file);
         if let Some(dir) = file.parent() {

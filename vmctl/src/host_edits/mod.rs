@@ -3,8 +3,13 @@
 //! virtio-fs tells the guest's kernel nothing of what the host changes, so a dev
 //! server in the VM would never see the user save a file in the host's editor. The
 //! supervisor watches the writable shares (inotify, every directory but git's object
-//! store) and sends what changed, by guest path, to the guest agent, which touches
-//! each path so that the guest's watchers see it (`guest_agent::host_edits`).
+//! store and what lies below each package in a `node_modules`) and sends what
+//! changed, by guest path, to the guest agent, which touches each path so that the
+//! guest's watchers see it (`guest_agent::host_edits`).
+//!
+//! The user's inotify watches are shared by all of the user's processes: the user's
+//! VMs together take at most a quarter of them, each publishing in its VM directory
+//! how many it holds ([`watch_limit`]).
 //!
 //! It also sends every name the host removed or renamed (from or to): the guest's kernel
 //! keeps names for a second, and would show the old file where the host renamed a new
@@ -19,7 +24,9 @@
 mod watcher;
 
 use std::collections::{BTreeSet, HashMap};
+use std::io::Read;
 use std::ops::Bound;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -28,22 +35,152 @@ use guest_agent::protocol::{EditKind, HostEdit};
 use tokio::net::UnixStream;
 
 use crate::shares::ShareSet;
-use watcher::{Changes, TreeWatcher};
+use crate::state::VmDir;
+use watcher::{Changes, Limit, TreeWatcher};
 
 /// `0` or `off` turns the forwarding off (for a VM started with it in the environment).
 pub const HOST_EDITS_VAR: &str = "VMCTL_HOST_EDITS";
 /// Directories watched at most per VM: a watch pins a directory's inode in the host's
 /// memory, and the user's watches (`fs.inotify.max_user_watches`) are shared with the
-/// editor's: a VM takes at most a quarter of them (see [`watch_limit`]).
+/// editor's: the user's VMs take at most a quarter of them (see [`watch_limit`]).
 pub const MAX_WATCHED_DIRS: usize = 65_536;
+/// Directories a VM may watch whatever the user's other VMs take: one started while
+/// they hold the whole quarter still shows its top directories' edits.
+const MIN_WATCHED_DIRS: usize = 256;
+/// The file in a VM's directory where its supervisor publishes how many directories
+/// it watches (a decimal number), for the other VMs' [`watch_limit`].
+const WATCHED_FILE: &str = "host-edits-watched";
+/// How often at most the count is published again while it changes: each time writes
+/// and renames a file, and a host `npm install` changes it at every burst.
+const PUBLISH_GAP: Duration = Duration::from_secs(1);
 
-/// How many directories one VM watches at most: [`MAX_WATCHED_DIRS`], or a quarter of
-/// the user's inotify watches when that is less, so that a guest making directories
-/// (a `node_modules`) leaves the host's editors and other VMs theirs.
-fn watch_limit(max_user_watches: Option<usize>) -> usize {
-    max_user_watches.map_or(MAX_WATCHED_DIRS, |watches| {
-        MAX_WATCHED_DIRS.min(watches / 4).max(1)
-    })
+/// How many directories this VM watches at most: [`MAX_WATCHED_DIRS`], or less to keep
+/// the user's VMs together within a quarter of the user's inotify watches (`others`:
+/// what the user's other running VMs watch), so that guests making directories leave
+/// the host's editors, dev servers and `tail -f` theirs; but never less than
+/// [`MIN_WATCHED_DIRS`] (or the quarter, if that is less).
+fn watch_limit(max_user_watches: Option<usize>, others: usize) -> Limit {
+    let Some(quarter) = max_user_watches.map(|watches| watches / 4) else {
+        return Limit {
+            dirs: MAX_WATCHED_DIRS,
+            lowered: None,
+        };
+    };
+    let alone = MAX_WATCHED_DIRS.min(quarter).max(1);
+    let dirs = alone
+        .min(quarter.saturating_sub(others))
+        .max(MIN_WATCHED_DIRS.min(alone));
+    Limit {
+        dirs,
+        lowered: (dirs < alone).then(|| {
+            format!(
+                "the user's other running VMs watch {others} of the {quarter} directories \
+                 the VMs may watch together, a quarter of fs.inotify.max_user_watches"
+            )
+        }),
+    }
+}
+
+/// What the user's other running VMs watch (`vms`: all of the user's; `own`: this
+/// supervisor's pid), as their supervisors last published it. A stopped VM's count
+/// is left behind in its directory, so only a running supervisor's counts. Two VMs
+/// that start at once may each walk before the other published, and so together take
+/// more than the quarter: accepted, as it takes two starts within one walk's time, and
+/// each still keeps to [`MAX_WATCHED_DIRS`].
+fn watched_by_others(vms: &[VmDir], own: u32) -> usize {
+    vms.iter()
+        .filter(|vm| {
+            vm.running_pid()
+                .is_some_and(|pid| u32::try_from(pid) != Ok(own))
+        })
+        .map(|vm| read_watched(&vm.path.join(WATCHED_FILE)))
+        .fold(0, usize::saturating_add)
+}
+
+/// A count published at `path`; 0 if there is none (a VM with host edits off, or
+/// started by an older vmctl). The user's own file, yet read without following a
+/// link or waiting on a FIFO, and bounded, as a supervisor must not hang on it.
+fn read_watched(path: &Path) -> usize {
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path);
+    let Ok(file) = opened else {
+        return 0;
+    };
+    if !file.metadata().is_ok_and(|meta| meta.is_file()) {
+        return 0;
+    }
+    let mut text = String::new();
+    if file.take(32).read_to_string(&mut text).is_err() {
+        return 0;
+    }
+    text.trim()
+        .parse::<usize>()
+        .map_or(0, |count| count.min(MAX_WATCHED_DIRS))
+}
+
+/// This VM's count of watched directories as the other VMs read it: published after
+/// the first walk, then whenever it changed, at most once per [`PUBLISH_GAP`].
+#[derive(Debug)]
+struct Publication {
+    file: PathBuf,
+    count: Option<usize>,
+    at: Option<Instant>,
+}
+
+impl Publication {
+    fn new(vm: &VmDir) -> Self {
+        Publication {
+            file: vm.path.join(WATCHED_FILE),
+            count: None,
+            at: None,
+        }
+    }
+
+    /// How long until `watched` is to be published; `None` if it is already.
+    fn due_in(&self, watched: usize, now: Instant) -> Option<Duration> {
+        if self.count == Some(watched) {
+            return None;
+        }
+        Some(self.at.map_or(Duration::ZERO, |at| {
+            PUBLISH_GAP.saturating_sub(now.saturating_duration_since(at))
+        }))
+    }
+
+    /// Publishes `watched` if it is due: written whole or not at all (a file of its
+    /// own, renamed over the old one), as other supervisors read it any time.
+    fn publish_if_due(&mut self, watched: usize, now: Instant) {
+        if self.due_in(watched, now) != Some(Duration::ZERO) {
+            return;
+        }
+        let mut tmp = self.file.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let written = std::fs::write(&tmp, format!("{watched}\n"))
+            .and_then(|()| std::fs::rename(&tmp, &self.file))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            });
+        if let Err(e) = written {
+            // Tried again at the next change: the others then count this VM short.
+            tracing::debug!("host edits: cannot publish the watched directories: {e}");
+        }
+        self.count = Some(watched);
+        self.at = Some(now);
+    }
+}
+
+/// What the supervisor's log says once the shares are first walked.
+fn watched_line(watched: usize, limit: &Limit) -> String {
+    let lowered = limit.lowered.as_ref();
+    format!(
+        "vmctl: host edits of the writable shares reach the guest's file watchers \
+         ({watched} directories watched{})",
+        lowered.map_or(String::new(), |why| format!(
+            "; at most {}, as {why}",
+            limit.dirs
+        ))
+    )
 }
 
 fn max_user_watches() -> Option<usize> {
@@ -76,9 +213,12 @@ pub fn turned_off(value: Option<&str>) -> bool {
 }
 
 /// Starts forwarding the host's edits of the writable `shares` to the guest agent
-/// behind the hybrid vsock socket `vsock`, on a thread that lives as long as the
-/// supervisor. Problems are said in the supervisor's log; the VM runs regardless.
-pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
+/// of `vm`, on a thread that lives as long as the supervisor. Problems are said in the
+/// supervisor's log; the VM runs regardless.
+pub fn forward(vm: &VmDir, shares: Option<&ShareSet>) {
+    // The count of the VM's last run, which the other VMs would take for this one's
+    // while it walks, or all along with host edits off.
+    let _ = std::fs::remove_file(vm.path.join(WATCHED_FILE));
     if turned_off(std::env::var(HOST_EDITS_VAR).ok().as_deref()) {
         return;
     }
@@ -86,10 +226,11 @@ pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
         return;
     };
     let shares = shares.clone();
+    let vm = vm.clone();
     let spawned = std::thread::Builder::new()
         .name("vmctl-host-edits".into())
         .spawn(move || {
-            if let Err(e) = run(vsock, shares) {
+            if let Err(e) = run(&vm, shares) {
                 vmm::to_stderr!(
                     "vmctl: warning: host edits no longer reach the guest's file watchers: {e}"
                 );
@@ -100,15 +241,18 @@ pub fn forward(vsock: PathBuf, shares: Option<&ShareSet>) {
     }
 }
 
-fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
-    let mut watcher = TreeWatcher::new(watch_limit(max_user_watches()))?;
+fn run(vm: &VmDir, shares: ShareSet) -> std::io::Result<()> {
+    let vsock = vm.vsock_socket();
+    let own = std::process::id();
+    let mut watcher = TreeWatcher::new(MAX_WATCHED_DIRS)?.limited_by(Box::new(move || {
+        watch_limit(max_user_watches(), watched_by_others(&VmDir::all(), own))
+    }));
     for share in shares.shares.iter().filter(|share| !share.read_only) {
         say_unwatched(watcher.watch_tree(&share.host));
     }
-    vmm::to_stderr!(
-        "vmctl: host edits of the writable shares reach the guest's file watchers ({} directories watched)",
-        watcher.watched()
-    );
+    vmm::to_stderr!("{}", watched_line(watcher.watched(), watcher.limit()));
+    let mut publication = Publication::new(vm);
+    publication.publish_if_due(watcher.watched(), Instant::now());
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -116,8 +260,14 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
     let mut agent: Option<Connection<UnixStream>> = None;
     let mut overflow_warning = OverflowWarning::default();
     loop {
-        // Not for ever while an overflow's walk waits its turn: it is done by a read.
-        watcher.wait(watcher.rewalk_due_in())?;
+        // Not for ever while an overflow's walk waits its turn (it is done by a read),
+        // nor while a count waits to be published.
+        let unpublished = publication.due_in(watcher.watched(), Instant::now());
+        let timeout = [watcher.rewalk_due_in(), unpublished]
+            .into_iter()
+            .flatten()
+            .min();
+        watcher.wait(timeout)?;
         let burst_ends = Instant::now() + BURST_MAX;
         let mut changes = Changes::default();
         loop {
@@ -127,6 +277,7 @@ fn run(vsock: PathBuf, shares: ShareSet) -> std::io::Result<()> {
                 break;
             }
         }
+        publication.publish_if_due(watcher.watched(), Instant::now());
         if changes.overflowed {
             if let Some(times) = overflow_warning.due(Instant::now()) {
                 vmm::to_stderr!(
@@ -309,11 +460,108 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_watches_at_most_a_quarter_of_the_users_watches() {
-        assert_eq!(watch_limit(Some(8192)), 2048);
-        assert_eq!(watch_limit(Some(10_000_000)), MAX_WATCHED_DIRS);
-        assert_eq!(watch_limit(None), MAX_WATCHED_DIRS);
-        assert_eq!(watch_limit(Some(0)), 1);
+    fn the_users_vms_share_a_quarter_of_the_users_watches() {
+        let alone = |dirs| Limit {
+            dirs,
+            lowered: None,
+        };
+        assert_eq!(watch_limit(Some(8192), 0), alone(2048));
+        assert_eq!(watch_limit(Some(10_000_000), 0), alone(MAX_WATCHED_DIRS));
+        assert_eq!(watch_limit(None, 5000), alone(MAX_WATCHED_DIRS));
+        assert_eq!(watch_limit(Some(0), 0), alone(1));
+        // What the others leave of the quarter.
+        let limit = watch_limit(Some(8192), 1000);
+        assert_eq!(limit.dirs, 1048);
+        let why = limit.lowered.unwrap();
+        assert!(why.contains("watch 1000 of the 2048 directories"), "{why}");
+        // Where the quarter is more than one VM may watch: what is left of it.
+        assert_eq!(watch_limit(Some(1 << 20), 100_000), alone(MAX_WATCHED_DIRS));
+        assert_eq!(watch_limit(Some(1 << 20), 200_000).dirs, 62_144);
+        // Never nothing, nor more than the quarter.
+        assert_eq!(watch_limit(Some(8192), 2000).dirs, MIN_WATCHED_DIRS);
+        assert_eq!(watch_limit(Some(8192), usize::MAX).dirs, MIN_WATCHED_DIRS);
+        assert_eq!(watch_limit(Some(400), 50), alone(100));
+    }
+
+    #[test]
+    fn only_the_other_running_vms_counts_are_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = |name: &str, count: Option<&str>| {
+            let vm = VmDir {
+                path: dir.path().join(name),
+            };
+            std::fs::create_dir(&vm.path).unwrap();
+            if let Some(count) = count {
+                std::fs::write(vm.path.join(WATCHED_FILE), count).unwrap();
+            }
+            vm
+        };
+        let running = "while :; do sleep 0.05; done";
+        let other = vm("other", Some("1000\n"));
+        let _other = crate::state::fake_supervisor(&other, running);
+        let own = vm("own", Some("7000\n"));
+        let own_supervisor = crate::state::fake_supervisor(&own, running);
+        let garbled = vm("garbled", Some("many"));
+        let _garbled = crate::state::fake_supervisor(&garbled, running);
+        let huge = vm("huge", Some("99999999999"));
+        let _huge = crate::state::fake_supervisor(&huge, running);
+        let unpublished = vm("unpublished", None);
+        let _unpublished = crate::state::fake_supervisor(&unpublished, running);
+        let stopped = vm("stopped", Some("5000\n"));
+        std::fs::write(stopped.pid_file(), std::process::id().to_string()).unwrap();
+        let vms = [other, own, garbled, huge, unpublished, stopped];
+        assert_eq!(
+            watched_by_others(&vms, own_supervisor.0.id()),
+            1000 + MAX_WATCHED_DIRS
+        );
+    }
+
+    #[test]
+    fn the_count_is_published_at_once_then_at_most_once_a_gap() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let file = vm.path.join(WATCHED_FILE);
+        let mut publication = Publication::new(&vm);
+        let start = Instant::now();
+        assert_eq!(publication.due_in(10, start), Some(Duration::ZERO));
+        publication.publish_if_due(10, start);
+        assert_eq!(read_watched(&file), 10);
+        assert_eq!(publication.due_in(10, start), None);
+
+        let soon = start + PUBLISH_GAP / 4;
+        publication.publish_if_due(20, soon);
+        assert_eq!(read_watched(&file), 10, "published again within the gap");
+        assert_eq!(publication.due_in(20, soon), Some(PUBLISH_GAP * 3 / 4));
+        publication.publish_if_due(20, start + PUBLISH_GAP);
+        assert_eq!(read_watched(&file), 20);
+        let names: Vec<_> = std::fs::read_dir(&vm.path).unwrap().flatten().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    /// A VM started again with host edits off is not counted as watching what it
+    /// watched in its last run.
+    #[test]
+    fn the_last_runs_count_is_removed_at_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        std::fs::write(vm.path.join(WATCHED_FILE), "5000\n").unwrap();
+        forward(&vm, None);
+        assert!(!vm.path.join(WATCHED_FILE).exists());
+    }
+
+    #[test]
+    fn the_log_says_when_the_other_vms_lowered_the_limit() {
+        let line = watched_line(3, &watch_limit(Some(8192), 0));
+        assert!(line.ends_with("(3 directories watched)"), "{line}");
+        let line = watched_line(3, &watch_limit(Some(8192), 2000));
+        assert!(
+            line.contains("3 directories watched; at most 256, as the user's other running VMs watch 2000 of the 2048"),
+            "{line}"
+        );
     }
 
     fn changes(edits: &[(&str, EditKind, bool)]) -> Changes {

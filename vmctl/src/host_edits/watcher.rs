@@ -68,6 +68,18 @@ impl Changes {
     }
 }
 
+/// How many directories may be watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    pub dirs: usize,
+    /// Why it is lower than it would be for this VM alone, said with it.
+    pub lowered: Option<String>,
+}
+
+/// Asked for the [`Limit`] again at each walk of every tree: what the other VMs take
+/// of the user's watches changes while this one runs.
+pub type LimitSource = Box<dyn FnMut() -> Limit>;
+
 /// Directories watched, each by its inotify watch descriptor.
 pub struct TreeWatcher {
     inotify: OwnedFd,
@@ -77,7 +89,8 @@ pub struct TreeWatcher {
     /// Each tree's top, opened once: every directory below is reached from it, one
     /// name at a time, never through a link.
     roots: Vec<(PathBuf, OwnedFd)>,
-    limit: usize,
+    limit: Limit,
+    limit_source: Option<LimitSource>,
     /// Why some directories go unwatched, said once.
     limit_reached: Option<String>,
     /// The queue overflowed since the trees were last walked again.
@@ -86,6 +99,9 @@ pub struct TreeWatcher {
     last_rewalk: Option<(Instant, Duration)>,
     /// [`REWALK_MIN_GAP`] but in tests.
     rewalk_min_gap: Duration,
+    /// The most directories, and bytes of their paths, a walk held waiting at once.
+    #[cfg(test)]
+    peak_pending: (usize, usize),
 }
 
 /// The least time between two walks of every tree after overflows: a host command
@@ -153,6 +169,32 @@ enum Next {
     Below(Rc<OwnedFd>),
 }
 
+/// The directories a walk holds waiting, with the bytes of their paths: they count
+/// against the limits as they are queued, since one directory of the guest's can
+/// have a million subdirectories with long names.
+#[derive(Default)]
+struct Pending {
+    dirs: Vec<(PathBuf, Next, usize)>,
+    path_bytes: usize,
+}
+
+impl Pending {
+    fn push(&mut self, dir: PathBuf, next: Next, depth: usize) {
+        self.path_bytes += dir.as_os_str().len();
+        self.dirs.push((dir, next, depth));
+    }
+
+    fn pop(&mut self) -> Option<(PathBuf, Next, usize)> {
+        let popped = self.dirs.pop()?;
+        self.path_bytes -= popped.0.as_os_str().len();
+        Some(popped)
+    }
+
+    fn len(&self) -> usize {
+        self.dirs.len()
+    }
+}
+
 impl TreeWatcher {
     /// A watcher of at most `limit` directories.
     pub fn new(limit: usize) -> io::Result<Self> {
@@ -162,12 +204,31 @@ impl TreeWatcher {
             dirs: WatchedDirs::default(),
             max_path_bytes: MAX_PATH_BYTES,
             roots: Vec::new(),
-            limit,
+            limit: Limit {
+                dirs: limit,
+                lowered: None,
+            },
+            limit_source: None,
             limit_reached: None,
             rewalk_pending: false,
             last_rewalk: None,
             rewalk_min_gap: REWALK_MIN_GAP,
+            #[cfg(test)]
+            peak_pending: (0, 0),
         })
+    }
+
+    /// The watcher, its limit taken from `source` now and at each walk of every tree
+    /// after an overflow (not at each new directory: `source` may be costly).
+    pub fn limited_by(mut self, mut source: LimitSource) -> Self {
+        self.limit = source();
+        self.limit_source = Some(source);
+        self
+    }
+
+    /// The limit of the last walk of every tree.
+    pub fn limit(&self) -> &Limit {
+        &self.limit
     }
 
     /// How long until the walk that an overflow calls for may run, if one is pending:
@@ -190,9 +251,9 @@ impl TreeWatcher {
         self.dirs.len()
     }
 
-    /// Watches `root` and every directory below it, but for git's object store (which
-    /// no file watcher looks at, and which holds hundreds of directories). Returns why
-    /// some went unwatched, the first time that happens, or why `root` cannot be.
+    /// Watches `root` and every directory below it, but for those [`left_unwatched`]
+    /// (git's object store, what lies below each package in a `node_modules`). Returns
+    /// why some went unwatched, the first time that happens, or why `root` cannot be.
     pub fn watch_tree(&mut self, root: &Path) -> Option<String> {
         // A share's path is canonical, yet a directory on it may lie in another VM's
         // writable share, whose guest could swap it for a link (to the home directory)
@@ -215,11 +276,15 @@ impl TreeWatcher {
     /// and read through that descriptor. Whatever the guest does, only directories
     /// of the share are watched, and only their names are reported to it.
     fn watch_tree_noting(&mut self, top: &Path, added: &mut Vec<PathBuf>) -> Option<String> {
-        let Some(top_fd) = self.open_below_a_root(top) else {
-            // Gone meanwhile, or reached through a link.
-            return None;
-        };
-        let mut pending = vec![(top.to_path_buf(), Next::Opened(top_fd), 0)];
+        let found = self.root_of(top)?;
+        let root = found.0.clone();
+        // Gone meanwhile, or reached through a link: nothing to say.
+        let top_fd = open_below(found, top)?;
+        let mut pending = Pending::default();
+        pending.push(top.to_path_buf(), Next::Opened(top_fd), 0);
+        // Why no more directories are queued: the limits count those queued, so the
+        // queue stays within them however wide a directory is.
+        let mut full: Option<String> = None;
         while let Some((dir, next, depth)) = pending.pop() {
             let fd = match next {
                 Next::Opened(fd) => fd,
@@ -234,22 +299,17 @@ impl TreeWatcher {
                     }
                 }
             };
-            if self.dirs.len() >= self.limit {
-                return self.reached(format!(
-                    "more than {} directories in the shares",
-                    self.limit
-                ));
+            // Only the top can be past these: what is queued was counted.
+            if self.dirs.len() >= self.limit.dirs {
+                return self.reached(self.too_many_directories());
             }
             let path_len = dir.as_os_str().len();
             if path_len > PATH_MAX {
                 // Nor anything below: no program can name it.
                 continue;
             }
-            if self.dirs.path_bytes + path_len > self.max_path_bytes {
-                return self.reached(format!(
-                    "the shares' directories have more than {} KiB of paths",
-                    self.max_path_bytes >> 10
-                ));
+            if self.dirs.path_bytes + pending.path_bytes + path_len > self.max_path_bytes {
+                return self.reached(self.too_many_path_bytes());
             }
             let by_descriptor = format!("/proc/self/fd/{}", fd.as_raw_fd());
             match inotify::add_watch(&self.inotify, by_descriptor.as_str(), WATCHED) {
@@ -267,8 +327,9 @@ impl TreeWatcher {
                 }
                 Err(_) => continue,
             }
-            if depth == MAX_WALK_DEPTH {
-                // Each level down holds its directory open while its others wait.
+            if depth == MAX_WALK_DEPTH || full.is_some() || is_package(&root, &dir) {
+                // No deeper than that: each level down holds its directory open while
+                // its others wait.
                 continue;
             }
             let Ok(names) = possible_subdirectories(&fd) else {
@@ -276,12 +337,56 @@ impl TreeWatcher {
             };
             let fd = Rc::new(fd);
             for name in names {
-                if !is_git_objects(&dir, &name) {
-                    pending.push((dir.join(name), Next::Below(Rc::clone(&fd)), depth + 1));
+                if is_git_objects(&dir, &name) {
+                    continue;
+                }
+                if self.dirs.len() + pending.len() >= self.limit.dirs {
+                    full = Some(self.too_many_directories());
+                    break;
+                }
+                let path = dir.join(name);
+                let path_len = path.as_os_str().len();
+                if path_len > PATH_MAX {
+                    continue;
+                }
+                if self.dirs.path_bytes + pending.path_bytes + path_len > self.max_path_bytes {
+                    full = Some(self.too_many_path_bytes());
+                    break;
+                }
+                pending.push(path, Next::Below(Rc::clone(&fd)), depth + 1);
+                #[cfg(test)]
+                {
+                    self.peak_pending.0 = self.peak_pending.0.max(pending.len());
+                    self.peak_pending.1 = self.peak_pending.1.max(pending.path_bytes);
                 }
             }
         }
-        None
+        full.and_then(|why| self.reached(why))
+    }
+
+    fn too_many_directories(&self) -> String {
+        let lowered = self.limit.lowered.as_ref();
+        format!(
+            "more than {} directories in the shares{}",
+            self.limit.dirs,
+            lowered.map_or(String::new(), |why| format!(" ({why})"))
+        )
+    }
+
+    fn too_many_path_bytes(&self) -> String {
+        format!(
+            "the shares' directories have more than {} KiB of paths",
+            self.max_path_bytes >> 10
+        )
+    }
+
+    /// Whether the directory `name` in the watched directory `dir` is left
+    /// unwatched, with all below it: see [`is_package`] and [`is_git_objects`].
+    fn left_unwatched(&self, dir: &Path, name: &OsStr) -> bool {
+        is_git_objects(dir, name)
+            || self
+                .root_of(dir)
+                .is_some_and(|(root, _)| is_package(root, dir))
     }
 
     /// Whether `path` no longer names anything in its share: looked up as the walk
@@ -310,17 +415,15 @@ impl TreeWatcher {
             .max_by_key(|(root, _)| root.components().count())
     }
 
-    /// `path`, opened from the root it lies below, one name at a time, refusing links.
-    fn open_below_a_root(&self, path: &Path) -> Option<OwnedFd> {
-        open_below(self.root_of(path)?, path)
-    }
-
     /// After the kernel's queue overflowed: the creations and moves it dropped left
     /// directories unwatched and watched paths stale, so every root is walked again
     /// (a watch added again keeps its descriptor, and takes the path found now). The
     /// directories watched only now go to `added`; the watches of those no longer
     /// found are removed.
     fn watch_all_again(&mut self, added: &mut Vec<PathBuf>) -> Option<String> {
+        if let Some(source) = self.limit_source.as_mut() {
+            self.limit = source();
+        }
         let before = std::mem::take(&mut self.dirs);
         let roots: Vec<PathBuf> = self.roots.iter().map(|(root, _)| root.clone()).collect();
         let mut unwatched = None;
@@ -418,7 +521,7 @@ impl TreeWatcher {
             let name = path.file_name().unwrap_or_default();
             if is_dir
                 && flags.intersects(ReadFlags::CREATE | ReadFlags::MOVED_TO)
-                && !is_git_objects(&dir, name)
+                && !self.left_unwatched(&dir, name)
             {
                 new_dirs.insert(path.clone());
             }
@@ -461,8 +564,36 @@ impl TreeWatcher {
     }
 }
 
+/// Git's object store: no file watcher looks at it, and it holds hundreds of
+/// directories.
 fn is_git_objects(dir: &Path, name: &OsStr) -> bool {
     name == "objects" && dir.file_name().is_some_and(|parent| parent == ".git")
+}
+
+/// Whether `dir` is a package in a `node_modules` of the share at `root` (`@scope/pkg`
+/// for a scoped one), whose subdirectories go unwatched, as VS Code's default
+/// `files.watcherExclude` has it: a `node_modules` holds tens of thousands of
+/// directories, which would take the user's inotify watches from the host's editors,
+/// and most dev servers' watchers do not look inside them by default either. `node_modules` and
+/// its packages themselves are watched, so that a package added or removed is seen.
+/// Only names within the share count: a workspace that is itself a package (one
+/// opened to debug it) is watched whole.
+fn is_package(root: &Path, dir: &Path) -> bool {
+    let Ok(within) = dir.strip_prefix(root) else {
+        return false;
+    };
+    let mut up = within.components().rev().map(Component::as_os_str);
+    let (Some(name), Some(parent)) = (up.next(), up.next()) else {
+        return false;
+    };
+    let is_scope = |name: &OsStr| name.as_bytes().starts_with(b"@");
+    if parent == "node_modules" {
+        return !is_scope(name);
+    }
+    is_scope(parent)
+        && up
+            .next()
+            .is_some_and(|grandparent| grandparent == "node_modules")
 }
 
 /// `path`, opened from `root` (which it lies below) one name at a time, refusing links.
@@ -485,19 +616,16 @@ fn open_directory_at(parent: &OwnedFd, name: &OsStr) -> rustix::io::Result<Owned
 }
 
 /// The names in the directory `fd` that may be directories (those whose type the
-/// file system does not say are too: opening them tells).
-fn possible_subdirectories(fd: &OwnedFd) -> rustix::io::Result<Vec<OsString>> {
-    let mut names = Vec::new();
-    for entry in Dir::read_from(fd)?.flatten() {
+/// file system does not say are too: opening them tells), read as they are taken: a
+/// walk stops taking them at its limits.
+fn possible_subdirectories(fd: &OwnedFd) -> rustix::io::Result<impl Iterator<Item = OsString>> {
+    Ok(Dir::read_from(fd)?.flatten().filter_map(|entry| {
         let name = entry.file_name().to_bytes();
-        if name == b"." || name == b".." {
-            continue;
-        }
-        if matches!(entry.file_type(), FileType::Directory | FileType::Unknown) {
-            names.push(OsStr::from_bytes(name).to_os_string());
-        }
-    }
-    Ok(names)
+        let possible = name != b"."
+            && name != b".."
+            && matches!(entry.file_type(), FileType::Directory | FileType::Unknown);
+        possible.then(|| OsStr::from_bytes(name).to_os_string())
+    }))
 }
 
 #[cfg(test)]
@@ -851,6 +979,130 @@ mod tests {
         assert!(why.contains("more than 3 KiB of paths"), "{why}");
         assert!(small.dirs.path_bytes <= 3 << 10);
         assert_eq!(small.watch_tree(&root), None, "said twice");
+    }
+
+    /// A guest's directory of thousands of subdirectories: the walk queues no more of
+    /// them than it may watch, nor more bytes of paths than it may hold.
+    #[test]
+    fn a_wide_directory_is_queued_within_the_limits() {
+        let (_dir, root, _) = share_and_outside();
+        let wide = root.join("wide");
+        std::fs::create_dir_all(&wide).unwrap();
+        let long = "w".repeat(200);
+        for index in 0..3000 {
+            std::fs::create_dir(wide.join(format!("{long}{index}"))).unwrap();
+        }
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        let why = watcher.watch_tree(&root).unwrap();
+        assert!(why.contains("more than 100 directories"), "{why}");
+        assert_eq!(watcher.watched(), 100);
+        assert!(watcher.peak_pending.0 <= 100, "{:?}", watcher.peak_pending);
+
+        let mut small = TreeWatcher::new(10_000).unwrap();
+        small.max_path_bytes = 64 << 10;
+        let why = small.watch_tree(&root).unwrap();
+        assert!(why.contains("more than 64 KiB of paths"), "{why}");
+        assert!(
+            small.dirs.path_bytes <= 64 << 10,
+            "{}",
+            small.dirs.path_bytes
+        );
+        assert!(small.peak_pending.1 <= 64 << 10, "{:?}", small.peak_pending);
+        assert!(small.watched() > 100, "{}", small.watched());
+    }
+
+    /// Below a package in a `node_modules` (`@scope/pkg` for a scoped one) nothing is
+    /// watched, in the first walk as for directories made later; a workspace that is
+    /// itself a package is watched whole.
+    #[test]
+    fn nothing_below_a_package_in_node_modules_is_watched() {
+        let (_dir, root, outside) = share_and_outside();
+        for made in [
+            "node_modules/a/lib/deep",
+            "node_modules/a/node_modules/b",
+            "node_modules/@s/b/dist",
+            "node_modules/.bin",
+            "src/node_modules/c/lib",
+        ] {
+            std::fs::create_dir_all(root.join(made)).unwrap();
+        }
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&root), None);
+        let watched = |watcher: &TreeWatcher| {
+            let mut watched: Vec<PathBuf> = watcher
+                .dirs
+                .values()
+                .map(|dir| dir.strip_prefix(&root).unwrap().to_path_buf())
+                .collect();
+            watched.sort();
+            watched
+        };
+        let paths = |list: &[&str]| list.iter().map(PathBuf::from).collect::<Vec<_>>();
+        let first = [
+            "",
+            "node_modules",
+            "node_modules/.bin",
+            "node_modules/@s",
+            "node_modules/@s/b",
+            "node_modules/a",
+            "src",
+            "src/node_modules",
+            "src/node_modules/c",
+        ];
+        assert_eq!(watched(&watcher), paths(&first));
+
+        // Packages installed later: each seen, nothing below.
+        std::fs::create_dir_all(root.join("node_modules/d/lib/deep")).unwrap();
+        std::fs::create_dir_all(root.join("node_modules/@t/e/lib")).unwrap();
+        std::fs::create_dir(root.join("node_modules/a/later")).unwrap();
+        let scoped = root.join("node_modules/@t/e");
+        read_until_watched(&mut watcher, &root.join("node_modules/d"));
+        read_until_watched(&mut watcher, &scoped);
+        std::fs::create_dir(scoped.join("later")).unwrap();
+        read_until(&mut watcher, |c| has(c, &scoped, EditKind::Entries, false));
+        drain(&mut watcher);
+        let mut then = paths(&first);
+        then.extend(paths(&[
+            "node_modules/@t",
+            "node_modules/@t/e",
+            "node_modules/d",
+        ]));
+        then.sort();
+        assert_eq!(watched(&watcher), then);
+
+        let package = outside.join("node_modules/pkg");
+        std::fs::create_dir_all(package.join("lib")).unwrap();
+        let mut watcher = TreeWatcher::new(100).unwrap();
+        assert_eq!(watcher.watch_tree(&package), None);
+        assert_eq!(watcher.watched(), 2);
+    }
+
+    /// What the other VMs watch changes while this one runs: each walk of every tree
+    /// takes its limit anew, and says why it is lower.
+    #[test]
+    fn each_walk_of_every_tree_takes_the_limit_anew() {
+        let (_dir, root, _) = share_and_outside();
+        for index in 0..5 {
+            std::fs::create_dir_all(root.join(index.to_string())).unwrap();
+        }
+        let limit = Rc::new(std::cell::Cell::new(100));
+        let source = Rc::clone(&limit);
+        let mut watcher = TreeWatcher::new(1)
+            .unwrap()
+            .limited_by(Box::new(move || Limit {
+                dirs: source.get(),
+                lowered: (source.get() < 100).then(|| "others watch more".to_string()),
+            }));
+        assert_eq!(watcher.watch_tree(&root), None);
+        assert_eq!(watcher.watched(), 6);
+        limit.set(3);
+        let why = watcher.watch_all_again(&mut Vec::new()).unwrap();
+        assert!(
+            why.contains("more than 3 directories in the shares (others watch more)"),
+            "{why}"
+        );
+        assert_eq!(watcher.watched(), 3);
+        assert_eq!(watcher.limit().dirs, 3);
     }
 
     #[test]

@@ -216,7 +216,12 @@ impl VmDir {
     /// straight in [`Self::sockets_dir`] (before it had a directory of its own): this
     /// vmctl cannot reach that VM's agent.
     pub fn runs_an_older_layout(&self) -> bool {
-        !self.vsock_socket().exists() && self.sockets_dir().join(VSOCK_SOCKET_NAME).exists()
+        !self.vsock_socket().exists() && self.older_layout_vsock_socket().exists()
+    }
+
+    /// Where an older vmctl's VM has its vsock socket ([`Self::runs_an_older_layout`]).
+    pub fn older_layout_vsock_socket(&self) -> PathBuf {
+        self.sockets_dir().join(VSOCK_SOCKET_NAME)
     }
 
     /// Removes the sockets a finished VM leaves and the directories

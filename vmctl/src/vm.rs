@@ -1261,7 +1261,13 @@ fn ask_guest_to_shut_down(vm: &VmDir, limit: Duration) -> ShutdownAsked {
     let Some(runtime) = agent_runtime() else {
         return ShutdownAsked::NotYet;
     };
-    let socket = vm.vsock_socket();
+    // An older layout's VM is asked where its socket is: waiting for one it never
+    // makes would only delay its stop by the whole wait.
+    let socket = if vm.runs_an_older_layout() {
+        vm.older_layout_vsock_socket()
+    } else {
+        vm.vsock_socket()
+    };
     runtime.block_on(async {
         let shutdown = async {
             // A VM another vmctl started is asked too, in its own protocol: its
@@ -1985,6 +1991,57 @@ mod tests {
             let frame = guest_agent::protocol::encode_frame(&reply).unwrap();
             writer.write_all(&frame).unwrap();
         })
+    }
+
+    /// A VM an older vmctl started, its socket where that vmctl kept it, is asked to
+    /// shut down there (not waited for at the new place until the stop's time is up).
+    #[test]
+    fn an_older_layouts_vm_is_asked_to_shut_down_where_its_socket_is() {
+        use guest_agent::protocol::AgentMessage;
+        use std::io::{BufRead, Read, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let socket = vm.older_layout_vsock_socket();
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        assert!(vm.runs_an_older_layout());
+        let agent = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+            let mut writer = stream;
+            let mut connect = String::new();
+            reader.read_line(&mut connect).unwrap();
+            writer.write_all(b"OK 1\n").unwrap();
+            let mut requests = Vec::new();
+            let replies = [
+                AgentMessage::HelloOk {
+                    agent_version: "0.0.9".into(),
+                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+                },
+                AgentMessage::Ok,
+            ];
+            for reply in replies {
+                let mut length = [0u8; 4];
+                reader.read_exact(&mut length).unwrap();
+                let mut frame = vec![0u8; u32::from_le_bytes(length) as usize];
+                reader.read_exact(&mut frame).unwrap();
+                requests.push(frame);
+                let frame = guest_agent::protocol::encode_frame(&reply).unwrap();
+                writer.write_all(&frame).unwrap();
+            }
+            requests
+        });
+        assert!(matches!(
+            ask_guest_to_shut_down(&vm, Duration::from_secs(5)),
+            ShutdownAsked::Yes
+        ));
+        let requests = agent.join().unwrap();
+        let shutdown =
+            guest_agent::protocol::encode_frame(&guest_agent::protocol::ClientMessage::Shutdown)
+                .unwrap();
+        assert_eq!(requests[1], shutdown[4..], "not asked to shut down");
     }
 
     #[test]

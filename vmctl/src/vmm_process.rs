@@ -154,10 +154,18 @@ fn run_binary(
         // Stopped before it could handle the signal (one passed on as it started), or
         // killed when it did not end in time after it.
         (None, Some(signal)) => Ok(Outcome::Stopped { signal }.exit_code()),
-        (None, None) => Err(VmmProcessError::Lost {
-            pid,
-            how: describe(status),
-        }),
+        (None, None) => {
+            let mut how = describe(status);
+            if status.and_then(|s| s.signal()) == Some(libc::SIGKILL)
+                && killed_for_memory(&kernel_log(), pid)
+            {
+                how.push_str(
+                    " by the kernel, which had run out of memory (in the nested host, if \
+                     the VM runs there: one whose guest fills its memory leaves it little)",
+                );
+            }
+            Err(VmmProcessError::Lost { pid, how })
+        }
     }
 }
 
@@ -403,6 +411,46 @@ fn wait(mut child: std::process::Child) -> Option<ExitStatus> {
     }
 }
 
+/// What the kernel's log holds now (`/dev/kmsg`, one record per read), if this
+/// process may read it: root may, as the nested host's init is; others where
+/// `kernel.dmesg_restrict` is 0.
+fn kernel_log() -> String {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut kmsg) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+    else {
+        return String::new();
+    };
+    let mut log = String::new();
+    let mut record = vec![0u8; 8192];
+    // Ends at the log's end (EAGAIN); a record overwritten meanwhile (EPIPE) is
+    // skipped. Bounded all the same: the ring holds a few MiB at most.
+    for _ in 0..100_000 {
+        match kmsg.read(&mut record) {
+            Ok(0) => break,
+            Ok(n) => {
+                log.push_str(&String::from_utf8_lossy(&record[..n]));
+                if !log.ends_with('\n') {
+                    log.push('\n');
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(_) => break,
+        }
+    }
+    log
+}
+
+/// Whether the kernel's log says its OOM killer killed process `pid` ("Out of memory:
+/// Killed process 55 (vmctl-vmm) ...", or a cgroup's "Memory cgroup out of memory").
+fn killed_for_memory(kernel_log: &str, pid: u32) -> bool {
+    let killed = format!("Killed process {pid} (");
+    kernel_log.lines().any(|line| line.contains(&killed))
+}
+
 fn describe(status: Option<ExitStatus>) -> String {
     match status {
         None => "was lost (cannot wait for it)".to_string(),
@@ -531,6 +579,15 @@ pub(crate) fn script(path: &Path, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_oom_kill_of_the_vmm_is_found_in_the_kernels_log() {
+        let log = "6,1024,5000,-;vmctl-vmm invoked oom-killer: gfp_mask=0x140cca\n\
+                   3,1090,5100,-;Out of memory: Killed process 55 (vmctl-vmm) total-vm:5300000kB, anon-rss:1200kB\n";
+        assert!(killed_for_memory(log, 55));
+        assert!(!killed_for_memory(log, 5), "another pid");
+        assert!(!killed_for_memory("3,1,1,-;Killed process 550 (x)\n", 55));
+    }
 
     /// A child that exited counts as ended before it is waited for, and looking
     /// leaves it for `run` to wait for, with its status.

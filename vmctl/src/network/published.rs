@@ -24,6 +24,27 @@ const _: () = assert!(
         < vmm::devices::virtio::vsock::muxer::MAX_CONNECTIONS
 );
 
+/// Why `host` cannot be listened on, and what to do: a port another program holds
+/// (the host's own dev server on 3000) or one only root may take.
+fn cannot_listen(host: SocketAddr, error: &std::io::Error) -> String {
+    let advice = match error.kind() {
+        std::io::ErrorKind::AddrInUse => {
+            "another program listens there: pick another --host-port, or leave it out for a \
+             free one"
+        }
+        std::io::ErrorKind::PermissionDenied if host.port() < 1024 => {
+            "a port below 1024 needs root: pick one above 1023, or leave --host-port out for \
+             a free one"
+        }
+        std::io::ErrorKind::AddrNotAvailable => {
+            "no interface of this host has that address: give --address one it has \
+             (127.0.0.1 by default)"
+        }
+        _ => return format!("cannot listen on {host}: {error}"),
+    };
+    format!("cannot listen on {host} ({error}): {advice}")
+}
+
 /// The answer to publishing `guest_port` at `asked` when it is published at
 /// `existing`: that address if it is as asked, else an error that says what to do.
 fn already_published(
@@ -98,7 +119,7 @@ impl Published {
         }
         let listener = TcpListener::bind(host)
             .await
-            .map_err(|e| format!("cannot listen on {host}: {e}"))?;
+            .map_err(|e| cannot_listen(host, &e))?;
         let asked = host;
         let host = listener
             .local_addr()
@@ -297,6 +318,21 @@ mod tests {
             .await
             .unwrap()
             .host
+    }
+
+    /// A host port another program holds is refused saying so, and what to do.
+    #[tokio::test]
+    async fn a_host_port_in_use_says_to_pick_another() {
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = holder.local_addr().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let refused = Published::default()
+            .publish(dir.path().join("vsock.sock"), 3000, taken, || None)
+            .await
+            .map(|port| port.host)
+            .unwrap_err();
+        assert!(refused.contains(&format!("cannot listen on {taken}")), "{refused}");
+        assert!(refused.contains("pick another --host-port"), "{refused}");
     }
 
     /// A guest agent that takes the connection and never answers: the host

@@ -775,6 +775,14 @@ fn vm_size(resources: Resources) -> (u32, u64) {
     } else if let Some(asked) = resources.cpus.filter(|&asked| asked > MAX_VCPUS) {
         tracing::warn!("the vmctl config asks for {asked} vCPUs, but the VMM gives a VM at most {MAX_VCPUS}; the VM gets {MAX_VCPUS}");
     }
+    let minimum = resources.memory_min_mib.unwrap_or(DEFAULT_MEMORY_MIN_MIB);
+    if host_mib > 0 && minimum > host_mib {
+        tracing::warn!(
+            "a VM of at least {minimum} MiB (memory_min_mib) does not fit this host's \
+             {host_mib} MiB of RAM; the VM gets {host_mib} MiB (lower memory_min_mib in the \
+             vmctl config)"
+        );
+    }
     size_from(resources, host_cpus, host_mib)
 }
 
@@ -805,7 +813,10 @@ fn size_from(resources: Resources, host_cpus: u32, host_mib: u64) -> (u32, u64) 
             .min(100),
     );
     let minimum = resources.memory_min_mib.unwrap_or(DEFAULT_MEMORY_MIN_MIB);
-    (cpus, (host_mib * percent / 100).max(minimum))
+    let memory_mib = (host_mib * percent / 100).max(minimum);
+    // More than the host has, the VMM refuses (0: the host's size is unknown).
+    let fits = if host_mib > 0 { host_mib } else { memory_mib };
+    (cpus, memory_mib.min(fits))
 }
 
 /// `MemTotal` of /proc/meminfo, in MiB.
@@ -2655,6 +2666,14 @@ mod tests {
     fn vm_size_is_a_share_of_the_host_with_a_floor() {
         let unset = Resources::default();
         assert_eq!(size_from(unset, 8, 32 * 1024), (8, 3276));
+        // A floor above the host's RAM (a config shared with a bigger machine, or the
+        // default 1 GiB on a 1 GiB host): all of it, not a VM the VMM refuses.
+        let floor = Resources {
+            memory_min_mib: Some(16 * 1024),
+            ..unset
+        };
+        assert_eq!(size_from(floor, 4, 7900), (4, 7900));
+        assert_eq!(size_from(unset, 1, 970), (1, 970));
         // A host of more CPUs than the VMM gives a VM (a 2-socket server).
         assert_eq!(size_from(unset, 64, 32 * 1024).0, MAX_VCPUS);
         assert_eq!(size_from(unset, 2, 4 * 1024), (2, 1024));

@@ -44,6 +44,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    user_config::make_config_path_absolute();
     init_logging();
     // The nested host's kernel starts us as its init with the job in the environment
     // (kernel arguments after `--` would hide QEMU's own device arguments).

@@ -343,6 +343,23 @@ impl UserConfig {
     }
 }
 
+/// Makes a relative `VMCTL_CONFIG` absolute (from the current directory), for this
+/// process and the daemon and supervisors it starts, which run from elsewhere: its
+/// directory is the one kept out of the VM's shares and holding the egress files,
+/// and an empty one (`VMCTL_CONFIG=test.toml`) would keep every share out. Call before
+/// any thread starts.
+pub fn make_config_path_absolute() {
+    let Some(given) = std::env::var_os(CONFIG_ENV).filter(|p| !p.is_empty()) else {
+        return;
+    };
+    if Path::new(&given).is_absolute() {
+        return;
+    }
+    if let Ok(absolute) = std::path::absolute(&given) {
+        std::env::set_var(CONFIG_ENV, absolute);
+    }
+}
+
 /// Where the user's config file is; None without HOME (and no override).
 pub fn config_path() -> Option<PathBuf> {
     config_path_from(
@@ -358,7 +375,8 @@ fn config_path_from(
     home: Option<OsString>,
 ) -> Option<PathBuf> {
     if let Some(explicit) = explicit.filter(|p| !p.is_empty()) {
-        return Some(explicit.into());
+        let explicit = PathBuf::from(explicit);
+        return Some(std::path::absolute(&explicit).unwrap_or(explicit));
     }
     // The XDG spec says to ignore a relative XDG_CONFIG_HOME.
     let config_home = xdg_config_home
@@ -651,6 +669,10 @@ mounts = ["/srv/other"]
             Some("/h/.config/vmctl/config.toml".into())
         );
         assert_eq!(config_path_from(None, None, None), None);
+        // A relative override is the current directory's: its parent must never be
+        // the empty path, which every share would be "inside".
+        let relative = config_path_from(os("test.toml"), None, os("/h")).unwrap();
+        assert_eq!(relative, std::env::current_dir().unwrap().join("test.toml"));
     }
 
     #[test]

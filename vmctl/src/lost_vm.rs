@@ -54,21 +54,36 @@ fn why_the_vm_stopped(vm: &VmDir, error: String) -> String {
         return format!("{error}; the VM was removed (`vmctl rm`), its logs with it");
     };
     let log = String::from_utf8_lossy(&tail);
-    let last_word = log
-        .lines()
-        .rev()
-        .find(|l| l.contains("error") || l.starts_with(crate::vm::SHUTDOWN_REQUESTED));
+    // This run's part: an earlier run's errors are not this one's.
+    let run = log
+        .rfind(RUN_STARTS)
+        .map_or(log.as_ref(), |start| &log[start..]);
+    // vmctl's own errors only: warnings quoting an `io::Error` ("os error 111", a
+    // relay the guest asked for) say "error" without being why the VM stopped.
+    let last_word = run.lines().rev().find(|l| {
+        l.starts_with("vmctl: error: ") || l.starts_with(crate::vm::SHUTDOWN_REQUESTED)
+    });
     match last_word {
         Some(line) => match line.strip_prefix(crate::vm::SHUTDOWN_REQUESTED) {
             Some(who) => format!("{error}; the VM was shut down, {}", who.trim()),
             None => format!("{error}; {STOPPED}{}", line.trim()),
         },
+        None if !run.contains(RUN_ENDED) => format!(
+            "{error}; the VM's supervisor ended without recording why (killed, or vmctl \
+             crashed: the end of {} may say)",
+            vm.supervisor_log().display()
+        ),
         None => format!(
             "{error}; the VM stopped (see {})",
             vm.supervisor_log().display()
         ),
     }
 }
+
+/// How a run's part of the supervisor's log begins, and the line it writes as its VM
+/// ends (`supervisor.rs`).
+const RUN_STARTS: &str = "vmctl: supervising the VM of ";
+const RUN_ENDED: &str = "vmctl: the VM ended: ";
 
 #[cfg(test)]
 mod tests {
@@ -82,7 +97,11 @@ mod tests {
             path: dir.path().to_path_buf(),
         };
         let error = || "the agent closed the connection".to_string();
-        std::fs::write(vm.supervisor_log(), "vmctl: supervising\n").unwrap();
+        std::fs::write(
+            vm.supervisor_log(),
+            "vmctl: supervising the VM of /w\nvmctl: the VM ended: Ok(0)\n",
+        )
+        .unwrap();
         assert_eq!(
             why_the_vm_stopped(&vm, error()),
             format!(
@@ -90,9 +109,24 @@ mod tests {
                 vm.supervisor_log().display()
             )
         );
+        // Killed before it could say how the VM ended; the warning's "os error" and the
+        // earlier run's error are not why.
         std::fs::write(
             vm.supervisor_log(),
-            "vmctl: supervising\nvmctl: error: the VM stopped: triple fault\nvmctl: the VM ended\n",
+            "vmctl: supervising the VM of /w\nvmctl: error: an earlier run's\n\
+             vmctl: the VM ended: Ok(1)\nvmctl: supervising the VM of /w\n\
+             2026-12-06T23:00:00Z WARN the guest's connection to the host's loopback port \
+             6767 is refused: Connection refused (os error 111)\n",
+        )
+        .unwrap();
+        let killed = why_the_vm_stopped(&vm, error());
+        assert!(
+            killed.contains("the VM's supervisor ended without recording why"),
+            "{killed}"
+        );
+        std::fs::write(
+            vm.supervisor_log(),
+            "vmctl: supervising the VM of /w\nvmctl: error: the VM stopped: triple fault\nvmctl: the VM ended: Ok(1)\n",
         )
         .unwrap();
         assert_eq!(

@@ -71,7 +71,9 @@ fn version_line(binary: &Path) -> Result<String, String> {
         .env_clear()
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        // Why it cannot run ("error while loading shared libraries: libseccomp.so.2"
+        // after a distribution upgrade) is the one thing worth saying then.
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run it with --version: {e}"))?;
     let deadline = Instant::now() + VERSION_TIMEOUT;
@@ -96,7 +98,16 @@ fn version_line(binary: &Path) -> Result<String, String> {
         let _ = stdout.by_ref().take(4096).read_to_string(&mut said);
     }
     if !status.success() {
-        return Err(format!("--version failed ({status})"));
+        let mut complaint = String::new();
+        if let Some(mut stderr) = child.stderr.take() {
+            let _ = stderr.by_ref().take(4096).read_to_string(&mut complaint);
+        }
+        return Err(
+            match complaint.lines().map(str::trim).find(|l| !l.is_empty()) {
+                Some(first) => format!("--version failed ({status}: {first}): it cannot run"),
+                None => format!("--version failed ({status})"),
+            },
+        );
     }
     Ok(said.lines().next().unwrap_or_default().trim().to_string())
 }
@@ -321,5 +332,15 @@ mod tests {
         assert!(version_line(&failing)
             .unwrap_err()
             .contains("exit status: 3"));
+        // One that cannot run says why (a shared library gone after an upgrade).
+        let broken = dir.path().join("broken");
+        std::fs::write(
+            &broken,
+            "#!/bin/sh\necho 'virtiofsd: error while loading shared libraries: libseccomp.so.2' >&2\nexit 127\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let why = version_line(&broken).unwrap_err();
+        assert!(why.contains("exit status: 127: virtiofsd: error while loading shared libraries: libseccomp.so.2"), "{why}");
     }
 }

@@ -24,8 +24,13 @@ pub enum StateError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{}: unreadable VM record ({reason}); remove it with 'vmctl rm'", .path.display())]
-    Corrupt { path: PathBuf, reason: String },
+    #[error("{}: unreadable VM record ({reason}); {removal}", .path.display())]
+    Corrupt {
+        path: PathBuf,
+        reason: String,
+        /// How to remove the VM, whose workspace the record no longer says.
+        removal: String,
+    },
 }
 
 /// What `vmctl up` decided for a workspace's VM; read by the supervisor and by `ps`.
@@ -337,7 +342,31 @@ impl VmDir {
         serde_json::from_slice(&text).map_err(|e| StateError::Corrupt {
             path,
             reason: e.to_string(),
+            removal: self.removal_without_record(),
         })
+    }
+
+    /// How to remove this VM when its record cannot say its workspace (`vmctl rm`
+    /// finds a VM by its workspace): the workspace its supervisor's log names, else
+    /// the directory itself.
+    fn removal_without_record(&self) -> String {
+        const SUPERVISING: &str = "vmctl: supervising the VM of ";
+        let workspace =
+            crate::log_keeper::read_tail(&self.supervisor_log(), 64 * 1024).and_then(|tail| {
+                let log = String::from_utf8_lossy(&tail).into_owned();
+                let line = log.lines().rev().find(|l| l.starts_with(SUPERVISING))?;
+                Some(line[SUPERVISING.len()..].trim().to_owned())
+            });
+        match workspace {
+            Some(workspace) => format!(
+                "remove it with `vmctl rm {}`",
+                crate::vm::shell_word(Path::new(&workspace))
+            ),
+            None => format!(
+                "once 'vmctl ps' shows it stopped, delete {}",
+                self.path.display()
+            ),
+        }
     }
 
     pub fn write_record(&self, record: &VmRecord) -> Result<(), StateError> {

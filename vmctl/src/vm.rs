@@ -117,7 +117,7 @@ fn how_to_read_logs(workspace: &Path, vm_dir: &Path) -> String {
 
 /// `path` as one word of a shell command: quoted unless it holds only characters no
 /// shell reads specially.
-fn shell_word(path: &Path) -> String {
+pub(crate) fn shell_word(path: &Path) -> String {
     let text = path.display().to_string();
     let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+,:@%=".contains(c);
     if !text.is_empty() && text.chars().all(plain) {
@@ -2634,7 +2634,20 @@ mod tests {
             note.starts_with("app-1234abcd: ")
                 && note.contains(&vm.record_path().display().to_string())
                 && note.contains("unreadable VM record")
-                && note.contains("'vmctl rm'"),
+                && note.contains(&format!("delete {}", vm.path.display())),
+            "{note}"
+        );
+        // The workspace `vmctl rm` needs, from the supervisor's log.
+        std::fs::write(
+            vm.supervisor_log(),
+            "vmctl: supervising the VM of /home/u/app\nvmctl: the VM ended: Ok(0)\n",
+        )
+        .unwrap();
+        let error = vm.read_record().unwrap_err();
+        let (_, note) = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        let note = note.unwrap();
+        assert!(
+            note.contains("remove it with `vmctl rm /home/u/app`"),
             "{note}"
         );
     }

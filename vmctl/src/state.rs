@@ -19,7 +19,7 @@ pub enum StateError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot use the state directory {}: {source}", .path.display())]
+    #[error("cannot use {}: {source}", .path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

@@ -25,7 +25,7 @@ const SHUTDOWN_WAIT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonClientError {
-    #[error("cannot start the vmctl daemon: {0}; run 'vmctl daemon' to see why")]
+    #[error("cannot start the vmctl daemon: {0}")]
     Start(String),
     #[error("talking to the vmctl daemon at {}: {source}", .socket.display())]
     Io {
@@ -265,19 +265,25 @@ fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
 
 /// Starts `vmctl daemon` in a session of its own, logging to [`super::log_path`].
 fn start_daemon() -> Result<(), DaemonClientError> {
-    let error = |e: std::io::Error| DaemonClientError::Start(e.to_string());
-    let exe = std::env::current_exe().map_err(error)?;
+    let start = DaemonClientError::Start;
+    let exe = std::env::current_exe()
+        .map_err(|e| start(format!("cannot find vmctl's own executable: {e}")))?;
     let log_path = super::log_path();
-    crate::state::create_state_dir().map_err(|e| DaemonClientError::Start(e.to_string()))?;
+    crate::state::create_state_dir().map_err(|e| start(e.to_string()))?;
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log_path)
-        .map_err(error)?;
+        .map_err(|e| start(format!("cannot open its log {}: {e}", log_path.display())))?;
     daemon_command(&exe, log)
         .and_then(|mut command| command.spawn())
         .map(drop)
-        .map_err(error)
+        .map_err(|e| {
+            start(format!(
+                "cannot run {} daemon: {e}; run it by hand to see why",
+                exe.display()
+            ))
+        })
 }
 
 /// `exe daemon` (`exe`: vmctl's own executable, or a test's stand-in) in a session of

@@ -60,9 +60,10 @@ fn why_the_vm_stopped(vm: &VmDir, error: String) -> String {
         .map_or(log.as_ref(), |start| &log[start..]);
     // vmctl's own errors only: warnings quoting an `io::Error` ("os error 111", a
     // relay the guest asked for) say "error" without being why the VM stopped.
-    let last_word = run.lines().rev().find(|l| {
-        l.starts_with("vmctl: error: ") || l.starts_with(crate::vm::SHUTDOWN_REQUESTED)
-    });
+    let last_word = run
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("vmctl: error: ") || l.starts_with(crate::vm::SHUTDOWN_REQUESTED));
     match last_word {
         Some(line) => match line.strip_prefix(crate::vm::SHUTDOWN_REQUESTED) {
             Some(who) => format!("{error}; the VM was shut down, {}", who.trim()),

@@ -331,7 +331,10 @@ mod tests {
             .await
             .map(|port| port.host)
             .unwrap_err();
-        assert!(refused.contains(&format!("cannot listen on {taken}")), "{refused}");
+        assert!(
+            refused.contains(&format!("cannot listen on {taken}")),
+            "{refused}"
+        );
         assert!(refused.contains("pick another --host-port"), "{refused}");
     }
 

@@ -40,6 +40,8 @@ arch=amd64
 source "$here/../scripts/lib/cache.sh"
 # shellcheck source=../scripts/lib/debian-mirror.sh
 source "$here/../scripts/lib/debian-mirror.sh"
+# shellcheck source=../scripts/lib/rootfs-as-root.sh
+source "$here/../scripts/lib/rootfs-as-root.sh"
 
 say() { echo "rootfs: $*" >&2; }
 die() { echo "rootfs: error: $*" >&2; exit 1; }
@@ -147,8 +149,18 @@ if [[ -f "$image" ]]; then
 fi
 
 # --- building --------------------------------------------------------------------------
-[[ $(id -u) == 0 ]] ||
-    die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run 'sudo VMCTL_CACHE_DIR=$cache_root $0${*:+ $*}' (the image is then yours, in your cache)"
+if [[ $(id -u) != 0 ]]; then
+    # What to run instead, as setup.sh and test.sh run it: through sudo, told what its
+    # reset environment would lose (this cache, the mirrors, the proxies), quoted.
+    as_root=()
+    if VMCTL_CACHE_DIR="$cache_root" rootfs_build_command as_root "$0"; then
+        suggested="$(printf '%q ' "${as_root[@]}" "$@")"
+        die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run '${suggested% }' (the image is then yours, in your cache)"
+    fi
+    VMCTL_CACHE_DIR="$cache_root" rootfs_build_env as_root
+    suggested="$(printf '%q ' env "${as_root[@]}" "$0" "$@")"
+    die "building the root filesystem needs root (mmdebstrap's root mode, chroot), and there is no sudo: as root, run '${suggested% }' (the image is then yours, in your cache)"
+fi
 # The build's mounts (/proc, /dev in the image tree) live in a mount namespace of its
 # own: if the build is killed outright, they go with it, and no later clean-up can
 # delete through a bind mount of the host's /dev.
@@ -242,6 +254,15 @@ stop_heartbeat() {
     wait "$heartbeat" 2>/dev/null || true
     heartbeat=""
 }
+# For a failure's message: copies the build's log, which goes with the work directory
+# when the build ends, to where it stays until the next successful build (the user's);
+# prints that path.
+kept_log() {
+    local kept="$cache_root/rootfs/$name-$key.failed.log"
+    cp "$log" "$kept" 2>/dev/null || true
+    [[ -z "$for_user" ]] || chown "$for_user" "$kept" 2>/dev/null || true
+    echo "$kept"
+}
 # Runs a command with its output in the log; shows the log's end if it fails.
 logged() { # description, command...
     local what="$1"; shift
@@ -249,9 +270,7 @@ logged() { # description, command...
     if ! "$@" >>"$log" 2>&1 </dev/null; then
         [[ -z "$heartbeat" ]] || stop_heartbeat
         tail -n 40 "$log" >&2
-        cp "$log" "$cache_root/rootfs/$name-$key.failed.log" 2>/dev/null || true
-        [[ -z "$for_user" ]] || chown "$for_user" "$cache_root/rootfs/$name-$key.failed.log" 2>/dev/null || true
-        die "$what failed (output above; full log: $cache_root/rootfs/$name-$key.failed.log)"
+        die "$what failed (output above; full log: $(kept_log))"
     fi
 }
 # Runs a command in the image with /proc, /dev and the host's DNS (for apt/npm).
@@ -259,14 +278,15 @@ logged() { # description, command...
 # where egress goes through an intercepting proxy, the image's own CAs would not do.
 build_ca=/tmp/vmctl-build-ca.crt
 in_root() {
-    local ca=()
+    local ca=() proxy=() var
     [[ ! -f "$root$build_ca" ]] || ca=(NODE_EXTRA_CA_CERTS="$build_ca" npm_config_cafile="$build_ca"
         SSL_CERT_FILE="$build_ca" CURL_CA_BUNDLE="$build_ca" GIT_SSL_CAINFO="$build_ca"
         PIP_CERT="$build_ca" REQUESTS_CA_BUNDLE="$build_ca")
+    for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
+        [[ -z "${!var:-}" ]] || proxy+=("$var=${!var}")
+    done
     chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "${ca[@]}" \
-        ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} \
-        ${no_proxy:+no_proxy="$no_proxy"} "$@"
+        HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "${ca[@]}" "${proxy[@]}" "$@"
 }
 
 t_start="$(date +%s)"
@@ -370,7 +390,7 @@ done
 for tool in "${checks[@]}"; do
     path="$(chroot "$root" /bin/sh -c "PATH=/usr/local/bin:/usr/bin:/bin command -v $tool" || true)"
     [[ -n "$path" ]] || { if [[ $tool == git || $tool == python3 || $tool == node ]]; then continue; fi
-                           die "'$tool' is not in the image after installing its npm package (log: $log)"; }
+                           die "'$tool' is not in the image after installing its npm package (the build's log: $(kept_log))"; }
     if ! out="$(in_root "$path" --version 2>&1 </dev/null)"; then
         echo "$out" | tail -n 20 >&2
         die "'$tool --version' fails in the image (output above)"
@@ -425,11 +445,12 @@ for attempt in 1 2 3; do
             -E root_owner=0:0 -d "$root" "$out_dir.tmp/rootfs.ext4" >>"$log" 2>&1; then
         break
     fi
-    (( attempt < 3 )) || { tail -n 20 "$log" >&2; die "mkfs.ext4 failed (output above)"; }
+    (( attempt < 3 )) || { tail -n 20 "$log" >&2; die "mkfs.ext4 failed (output above; full log: $(kept_log))"; }
     size_kb=$(( size_kb + size_kb / 10 ))
     say "      image too small; retrying with $(( size_kb / 1024 )) MiB"
 done
-e2fsck -fn "$out_dir.tmp/rootfs.ext4" >>"$log" 2>&1 || { tail -n 20 "$log" >&2; die "the new image fails e2fsck"; }
+e2fsck -fn "$out_dir.tmp/rootfs.ext4" >>"$log" 2>&1 ||
+    { tail -n 20 "$log" >&2; die "the new image fails e2fsck (output above; full log: $(kept_log))"; }
 
 # Records of what is inside, next to the image.
 cp "$recipe" "$out_dir.tmp/recipe.json"

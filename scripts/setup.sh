@@ -70,6 +70,24 @@ export VMCTL_CACHE_DIR="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl
 
 log="$(mktemp "${TMPDIR:-/tmp}/vmctl-setup.XXXXXX")"
 trap 'rm -f "$log"' EXIT
+# Whether sudo will run COMMAND (harmless, standing for what a step runs through it),
+# asked once before the step, which would otherwise fail only after its retries, or
+# after minutes of other work: with a terminal, sudo may ask for the password there
+# (and then remembers it a while); without one (CI, ssh without -t) it must not need
+# to. If not, sets sudo_refused to sudo's last line and why.
+sudo_works() { # COMMAND...
+    local no_terminal=""
+    if ( : </dev/tty ) 2>/dev/null; then
+        # shellcheck disable=SC2024 # the terminal is this user's, as sudo's prompt is
+        sudo "$@" </dev/tty >/dev/null 2>"$log" && return 0
+    else
+        sudo -n "$@" </dev/null >/dev/null 2>"$log" && return 0
+        no_terminal="; there is no terminal for it to ask for a password on"
+    fi
+    sudo_refused="$(tail -n 1 "$log")"
+    sudo_refused="${sudo_refused:-'sudo $*' failed, saying nothing}$no_terminal"
+    return 1
+}
 # Runs a command with its output in the log; shows the log's end if it fails.
 quietly() {
     if ! "$@" >"$log" 2>&1 </dev/null; then
@@ -89,6 +107,8 @@ if (( ${#missing[@]} )); then
         command -v sudo >/dev/null ||
             die "installing ${missing[*]} needs root: run 'apt-get install ${missing[*]}' as root"
         sudo=(sudo)
+        sudo_works apt-get --version ||
+            die "installing ${missing[*]} needs root, and sudo refused ($sudo_refused): run setup where sudo can ask for your password (a terminal), or as root, or first run 'apt-get install ${missing[*]}' as root"
     fi
     say "      installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -100,6 +120,12 @@ if (( ${#missing[@]} )); then
     for attempt in $(seq 1 20); do
         if "${sudo[@]}" "${apt[@]}" update -q >"$log" 2>&1 </dev/null; then
             break
+        fi
+        # sudo's own refusal (its remembered password expired, say) is not a mirror's
+        # or a lock's moment: no retry.
+        if grep -q '^sudo: ' "$log"; then
+            tail -n 30 "$log" >&2
+            die "installing ${missing[*]} needs root, and sudo refused (output above): run setup where sudo can ask for your password (a terminal), or as root, or first run 'apt-get install ${missing[*]}' as root"
         fi
         if (( attempt == 20 )); then
             tail -n 30 "$log" >&2
@@ -172,7 +198,15 @@ if [[ ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]]; then
     # this user's cache, owned by them.
     rootfs_build_command rootfs_build "$root/rootfs/build-rootfs.sh" ||
         die "building the guest root filesystem needs root, and there is no sudo: run 'VMCTL_CACHE_DIR=$VMCTL_CACHE_DIR ${rootfs_build[0]}' as root (or setup.sh as root)"
-    [[ $(id -u) == 0 ]] || say "      (as root, through sudo)"
+    if [[ $(id -u) != 0 ]]; then
+        if ! sudo_works true; then
+            rootfs_env=()
+            rootfs_build_env rootfs_env
+            rootfs_as_root="$(printf '%q ' env "${rootfs_env[@]}" "$root/rootfs/build-rootfs.sh")"
+            die "building the guest root filesystem needs root (chroot, mmdebstrap's root mode), and sudo refused ($sudo_refused): run setup where sudo can ask for your password (a terminal), or as root, or first run '${rootfs_as_root% }' as root"
+        fi
+        say "      (as root, through sudo)"
+    fi
 fi
 rootfs="$("${rootfs_build[@]}")"
 

@@ -44,8 +44,10 @@ export VMCTL_CACHE_DIR="${VMCTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmctl
 target_dir="${CARGO_TARGET_DIR:-target}"
 [[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
 
+# A build script that fails says why (and, where a tool or package is missing, to run
+# scripts/setup.sh, which installs it): setup would build the same way.
 say "guest kernel (kernel-config/build.sh guest)"
-VMCTL_KERNEL="$(kernel-config/build.sh guest)" || die "no guest kernel: run scripts/setup.sh"
+VMCTL_KERNEL="$(kernel-config/build.sh guest)" || die "building the guest kernel failed (messages above)"
 if command -v "${VMCTL_QEMU:-qemu-system-x86_64}" >/dev/null ||
         [[ ! -e /sys/module/kvm_intel && ! -e /sys/module/kvm_amd ]]; then
     # The nested-exec tests run wherever QEMU is, hardware KVM or not, and without it
@@ -54,11 +56,11 @@ if command -v "${VMCTL_QEMU:-qemu-system-x86_64}" >/dev/null ||
     # build, again and again.
     say "nested host kernel (kernel-config/build.sh nested-host)"
     VMCTL_NESTED_KERNEL="$(kernel-config/build.sh nested-host)" ||
-        die "no nested host kernel: run scripts/setup.sh"
+        die "building the nested host kernel failed (messages above)"
     export VMCTL_NESTED_KERNEL
 fi
 say "initramfs (rootfs/build-initramfs.sh)"
-VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "no initramfs: run scripts/setup.sh"
+VMCTL_INITRAMFS="$(rootfs/build-initramfs.sh)" || die "building the initramfs failed (messages above)"
 say "guest agent (guest-agent/build-initramfs.sh)"
 VMCTL_AGENT_INITRAMFS="$(guest-agent/build-initramfs.sh)" || die "building the guest agent failed (messages above)"
 # Prints the root filesystem image of RECIPE (none: the default one), building it

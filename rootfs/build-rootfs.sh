@@ -154,12 +154,12 @@ if [[ $(id -u) != 0 ]]; then
     # reset environment would lose (this cache, the mirrors, the proxies), quoted.
     as_root=()
     if VMCTL_CACHE_DIR="$cache_root" rootfs_build_command as_root "$0"; then
-        suggested="$(printf '%q ' "${as_root[@]}" "$@")"
-        die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run '${suggested% }' (the image is then yours, in your cache)"
+        suggested="$(rootfs_shown_command "${as_root[@]}" "$@")"
+        die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run '$suggested' (the image is then yours, in your cache)"
     fi
     VMCTL_CACHE_DIR="$cache_root" rootfs_build_env as_root
-    suggested="$(printf '%q ' env "${as_root[@]}" "$0" "$@")"
-    die "building the root filesystem needs root (mmdebstrap's root mode, chroot), and there is no sudo: as root, run '${suggested% }' (the image is then yours, in your cache)"
+    suggested="$(rootfs_shown_command env "${as_root[@]}" "$0" "$@")"
+    die "building the root filesystem needs root (mmdebstrap's root mode, chroot), and there is no sudo: as root, run '$suggested' (the image is then yours, in your cache)"
 fi
 # The build's mounts (/proc, /dev in the image tree) live in a mount namespace of its
 # own: if the build is killed outright, they go with it, and no later clean-up can

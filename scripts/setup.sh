@@ -202,8 +202,8 @@ if [[ ! -f "$("$root/rootfs/build-rootfs.sh" --print-path)" ]]; then
         if ! sudo_works true; then
             rootfs_env=()
             rootfs_build_env rootfs_env
-            rootfs_as_root="$(printf '%q ' env "${rootfs_env[@]}" "$root/rootfs/build-rootfs.sh")"
-            die "building the guest root filesystem needs root (chroot, mmdebstrap's root mode), and sudo refused ($sudo_refused): run setup where sudo can ask for your password (a terminal), or as root, or first run '${rootfs_as_root% }' as root"
+            rootfs_as_root="$(rootfs_shown_command env "${rootfs_env[@]}" "$root/rootfs/build-rootfs.sh")"
+            die "building the guest root filesystem needs root (chroot, mmdebstrap's root mode), and sudo refused ($sudo_refused): run setup where sudo can ask for your password (a terminal), or as root, or first run '$rootfs_as_root' as root"
         fi
         say "      (as root, through sudo)"
     fi

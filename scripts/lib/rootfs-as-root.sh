@@ -35,3 +35,19 @@ rootfs_build_command() {
     rootfs_build_env pass_on
     rootfs_build_command_out=(sudo env "${pass_on[@]}" "$script")
 }
+
+# rootfs_shown_command WORD...: the command WORD... as one line to copy into a shell,
+# each word quoted (printf %q), but a VAR=VALUE whose value holds a password (a proxy's
+# scheme://user:password@host) shown as VAR="$VAR": a message must not print it, and
+# the shell the user pastes into has it.
+rootfs_shown_command() {
+    local word shown=()
+    for word in "$@"; do
+        if [[ "$word" =~ ^([A-Za-z_][A-Za-z0-9_]*)=[A-Za-z][A-Za-z0-9+.-]*://[^/@]*:[^/@]*@ ]]; then
+            shown+=("${BASH_REMATCH[1]}=\"\$${BASH_REMATCH[1]}\"")
+        else
+            shown+=("$(printf '%q' "$word")")
+        fi
+    done
+    echo "${shown[*]}"
+}

@@ -1112,6 +1112,59 @@ fn recipe_scenario() {
     assert_eq!(stdout(&jq), "ABSENT\n");
 }
 
+/// A guest of more memory than fits below the 32-bit MMIO gap (any host of 33 GiB and
+/// more gives its VMs that much by default) boots with its RAM in two regions, the
+/// second above 4 GiB, and its files cross virtio-fs whole: the kernel allocates from
+/// that high region first, so the rings' buffers live there, and the vhost-user
+/// memory table holds both regions.
+#[test]
+fn a_guest_with_memory_above_4_gib_boots_and_shares_files() {
+    vm_tests::vm_scenario(
+        "workspace_vm::a_guest_with_memory_above_4_gib_boots_and_shares_files",
+        high_memory_scenario,
+    );
+}
+
+fn high_memory_scenario() {
+    let ws = Workspace::new("high-memory");
+    std::fs::create_dir_all(ws.config_dir()).expect("make the config directory");
+    std::fs::write(
+        ws.config_dir().join("config.toml"),
+        "memory_percent = 0\nmemory_min_mib = 4608\n",
+    )
+    .expect("write the config");
+    let up = ws.run(&["up"]);
+    assert!(up.status.success(), "vmctl up of a 4.5 GiB guest failed");
+    let out = ws.exec(
+        "awk '/^MemTotal/ {print $2}' /proc/meminfo; \
+         dmesg | grep -c 'BIOS-e820: \\[mem 0x0000000100000000-' ; \
+         head -c 48M /dev/urandom > made-in-guest; sha256sum made-in-guest | cut -d' ' -f1",
+    );
+    assert!(out.status.success(), "{}", vm_tests::stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    let total_kib: u64 = lines[0].parse().expect("MemTotal in KiB");
+    assert!(
+        total_kib > 4 * 1024 * 1024,
+        "MemTotal {total_kib} KiB: not above 4 GiB"
+    );
+    assert_eq!(
+        lines[1], "1",
+        "no RAM region at 4 GiB in the guest's e820 map: {text}"
+    );
+    let host = std::process::Command::new("sha256sum")
+        .arg(ws.path().join("made-in-guest"))
+        .output()
+        .expect("run sha256sum");
+    let host_sum = String::from_utf8_lossy(&host.stdout);
+    assert_eq!(
+        host_sum.split_whitespace().next(),
+        Some(lines[2]),
+        "the file the guest wrote differs on the host"
+    );
+}
+
 /// A guest whose kernel panics (here its init exits) is reported as a crashed guest,
 /// in the kernel's own words, not as a VM that simply ended.
 #[test]

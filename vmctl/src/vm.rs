@@ -1638,6 +1638,9 @@ pub fn list() -> Vec<String> {
         if let Some(crash) = crash {
             notes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
         }
+        if let Some(note) = pid.and_then(|pid| another_builds_vm(&name, pid)) {
+            notes.push(note);
+        }
     }
     if !notes.is_empty() {
         lines.push(String::new());
@@ -1652,6 +1655,19 @@ pub fn list() -> Vec<String> {
         ));
     }
     lines
+}
+
+/// `vmctl ps`'s note for the VM `name` whose supervisor, `pid`, runs another build of
+/// vmctl than this one (started before an upgrade): it keeps that build's ways, its
+/// guest agent's protocol among them, until it is started again.
+fn another_builds_vm(name: &str, pid: i32) -> Option<String> {
+    let pid = u32::try_from(pid).ok()?;
+    (crate::procfs::runs_this_program(pid) == Some(false)).then(|| {
+        format!(
+            "{name}: started by another build of vmctl (before an upgrade?), whose ways it \
+             keeps: `vmctl stop` it and start it again to run this one's"
+        )
+    })
 }
 
 /// `vmctl ps`'s line for `vm`, named `name`, whose record could not be read
@@ -2612,6 +2628,23 @@ mod tests {
 
     /// A VM whose record cannot be read is listed as broken, with why and what to do
     /// under the table; a directory a refused start left is not listed.
+    #[test]
+    fn ps_points_out_a_vm_another_build_of_vmctl_runs() {
+        assert_eq!(another_builds_vm("app", std::process::id() as i32), None);
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let note = another_builds_vm("app", other.id() as i32);
+        let _ = other.kill();
+        let _ = other.wait();
+        let note = note.expect("a note for a VM of another build");
+        assert!(
+            note.starts_with("app: started by another build of vmctl"),
+            "{note}"
+        );
+    }
+
     #[test]
     fn ps_says_why_a_vm_is_broken() {
         let dir = tempfile::tempdir().unwrap();

@@ -103,8 +103,45 @@ pub struct GuestWrites {
 #[derive(Debug, Default)]
 struct WatchState {
     recent: RecentWrites,
-    dirs: HashMap<i32, PathBuf>,
+    /// Each watch's directory, and when the host last reported a change in it (a
+    /// count of reports, for the least recently reported to go at the limit).
+    dirs: HashMap<i32, (PathBuf, u64)>,
     watched: HashMap<PathBuf, i32>,
+    reports: u64,
+}
+
+impl WatchState {
+    /// Notes that `dir` is watched as `wd` (a path may now lead to another directory,
+    /// and a directory be known by another path: the host recreated or renamed it),
+    /// and returns a watch that no path leads to any more, to remove.
+    fn watching(&mut self, dir: &Path, wd: i32) -> Option<i32> {
+        self.reports += 1;
+        let stale = self
+            .watched
+            .insert(dir.to_path_buf(), wd)
+            .filter(|&old| old != wd);
+        if let Some(old) = stale {
+            self.dirs.remove(&old);
+        }
+        if let Some((old_path, _)) = self.dirs.insert(wd, (dir.to_path_buf(), self.reports)) {
+            if old_path != dir && self.watched.get(&old_path) == Some(&wd) {
+                self.watched.remove(&old_path);
+            }
+        }
+        stale
+    }
+
+    /// The watch the host reported a change in least recently, taken out of the
+    /// tables, to make room for another.
+    fn least_recently_reported(&mut self) -> Option<i32> {
+        let (&wd, (path, _)) = self.dirs.iter().min_by_key(|(_, (_, at))| *at)?;
+        let path = path.clone();
+        self.dirs.remove(&wd);
+        if self.watched.get(&path) == Some(&wd) {
+            self.watched.remove(&path);
+        }
+        Some(wd)
+    }
 }
 
 impl GuestWrites {
@@ -128,25 +165,38 @@ impl GuestWrites {
         Ok(writes)
     }
 
-    /// Watches `dir` from now on (if it is not yet, and the limit allows).
+    /// Watches `dir` from now on: the directory its path leads to now, which the host
+    /// may have removed and made again (a `git checkout` there) since it was last
+    /// reported. The kernel gives a directory already watched its watch again. At the
+    /// limit, the directory reported least recently makes room: a deleted directory's
+    /// watch never ends by itself (the guest holds it), and must not fill the table.
     pub fn watch(&self, dir: &Path) {
         let Ok(mut state) = self.state.lock() else {
             return;
         };
-        if state.watched.contains_key(dir) || state.watched.len() >= MAX_WATCHED_DIRS {
-            return;
-        }
         let Ok(path) = CString::new(dir.as_os_str().as_bytes()) else {
             return;
         };
+        if !state.watched.contains_key(dir) && state.dirs.len() >= MAX_WATCHED_DIRS {
+            if let Some(wd) = state.least_recently_reported() {
+                self.remove_watch(wd);
+            }
+        }
         let mask =
             GUEST_WRITE_EVENTS | libc::IN_ONLYDIR | libc::IN_DONT_FOLLOW | libc::IN_EXCL_UNLINK;
         // SAFETY: `path` is NUL-terminated and lives through the call.
         let wd = unsafe { libc::inotify_add_watch(self.inotify.as_raw_fd(), path.as_ptr(), mask) };
-        if wd >= 0 {
-            state.dirs.insert(wd, dir.to_path_buf());
-            state.watched.insert(dir.to_path_buf(), wd);
+        if wd < 0 {
+            return;
         }
+        if let Some(stale) = state.watching(dir, wd) {
+            self.remove_watch(stale);
+        }
+    }
+
+    fn remove_watch(&self, wd: i32) {
+        // SAFETY: plain integers; a watch already gone only makes it fail (EINVAL).
+        unsafe { libc::inotify_rm_watch(self.inotify.as_raw_fd(), wd) };
     }
 
     /// Whether the guest itself made the change the host reports at `path`.
@@ -188,12 +238,14 @@ impl WatchState {
             return;
         }
         if event.mask & libc::IN_IGNORED != 0 {
-            if let Some(dir) = self.dirs.remove(&event.wd) {
-                self.watched.remove(&dir);
+            if let Some((dir, _)) = self.dirs.remove(&event.wd) {
+                if self.watched.get(&dir) == Some(&event.wd) {
+                    self.watched.remove(&dir);
+                }
             }
             return;
         }
-        let Some(dir) = self.dirs.get(&event.wd) else {
+        let Some((dir, _)) = self.dirs.get(&event.wd) else {
             return;
         };
         if event.mask & ENTRY_EVENTS != 0 {
@@ -491,6 +543,51 @@ mod tests {
         recent.record(Path::new("/w/new"), EditKind::Content, after);
         assert_eq!(recent.seen.len(), 1);
         assert!(recent.wrote(Path::new("/w/new"), EditKind::Content, after));
+    }
+
+    /// A directory the host removed and made again (a `git checkout` there) is
+    /// watched anew: the guest's writes in it are told from the host's again.
+    #[test]
+    fn a_directory_made_again_is_watched_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let feature = dir.path().join("feature");
+        std::fs::create_dir(&feature).unwrap();
+        let writes = GuestWrites::start().unwrap();
+        writes.watch(&feature);
+        std::fs::remove_dir(&feature).unwrap();
+        std::fs::create_dir(&feature).unwrap();
+        writes.watch(&feature);
+        let file = feature.join("a.js");
+        std::fs::write(&file, "guest\n").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !writes.wrote(&file, EditKind::Content, Instant::now()) {
+            assert!(Instant::now() < deadline, "the guest's write went unseen");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let state = writes.state.lock().unwrap();
+        assert_eq!(state.dirs.len(), 1, "{:?}", state.dirs);
+        assert_eq!(state.watched.len(), 1, "{:?}", state.watched);
+    }
+
+    #[test]
+    fn watches_follow_their_directories_and_the_least_recent_makes_room() {
+        let mut state = WatchState::default();
+        let (a, b) = (Path::new("/w/a"), Path::new("/w/b"));
+        assert_eq!(state.watching(a, 1), None);
+        // Made again: another watch for the path; the old one is to go.
+        assert_eq!(state.watching(a, 2), Some(1));
+        assert_eq!(state.dirs.keys().copied().collect::<Vec<_>>(), [2]);
+        // Renamed: the same watch under its new path only.
+        assert_eq!(state.watching(b, 2), None);
+        assert_eq!(state.watched.get(b), Some(&2));
+        assert!(!state.watched.contains_key(a));
+        assert_eq!(state.watching(a, 3), None);
+        // b, reported again, is now the more recent: a makes room first.
+        assert_eq!(state.watching(b, 2), None);
+        assert_eq!(state.least_recently_reported(), Some(3));
+        assert_eq!(state.least_recently_reported(), Some(2));
+        assert_eq!(state.least_recently_reported(), None);
+        assert!(state.watched.is_empty());
     }
 
     fn raw_event(wd: i32, mask: u32, name: &[u8], padded_to: usize) -> Vec<u8> {

@@ -2626,8 +2626,6 @@ mod tests {
         assert_eq!(run_state(&vm, Some(1)), ("running", None));
     }
 
-    /// A VM whose record cannot be read is listed as broken, with why and what to do
-    /// under the table; a directory a refused start left is not listed.
     #[test]
     fn ps_points_out_a_vm_another_build_of_vmctl_runs() {
         assert_eq!(another_builds_vm("app", std::process::id() as i32), None);
@@ -2645,6 +2643,8 @@ mod tests {
         );
     }
 
+    /// A VM whose record cannot be read is listed as broken, with why and what to do
+    /// under the table; a directory a refused start left is not listed.
     #[test]
     fn ps_says_why_a_vm_is_broken() {
         let dir = tempfile::tempdir().unwrap();

@@ -2,6 +2,7 @@
 //! `agent`) whose connection to the guest agent broke.
 
 use crate::state::VmDir;
+use crate::supervisor::{RUN_ENDED, RUN_STARTS};
 
 /// What a session's error says when its connection to the agent broke: while
 /// connecting or after.
@@ -80,11 +81,6 @@ fn why_the_vm_stopped(vm: &VmDir, error: String) -> String {
         ),
     }
 }
-
-/// How a run's part of the supervisor's log begins, and the line it writes as its VM
-/// ends (`supervisor.rs`).
-const RUN_STARTS: &str = "vmctl: supervising the VM of ";
-const RUN_ENDED: &str = "vmctl: the VM ended: ";
 
 #[cfg(test)]
 mod tests {

@@ -350,12 +350,12 @@ impl VmDir {
     /// finds a VM by its workspace): the workspace its supervisor's log names, else
     /// the directory itself.
     fn removal_without_record(&self) -> String {
-        const SUPERVISING: &str = "vmctl: supervising the VM of ";
-        let workspace =
-            crate::log_keeper::read_tail(&self.supervisor_log(), 64 * 1024).and_then(|tail| {
+        use crate::supervisor::{LOG_TAIL_BYTES, RUN_STARTS};
+        let workspace = crate::log_keeper::read_tail(&self.supervisor_log(), LOG_TAIL_BYTES)
+            .and_then(|tail| {
                 let log = String::from_utf8_lossy(&tail).into_owned();
-                let line = log.lines().rev().find(|l| l.starts_with(SUPERVISING))?;
-                Some(line[SUPERVISING.len()..].trim().to_owned())
+                let line = log.lines().rev().find_map(|l| l.strip_prefix(RUN_STARTS))?;
+                Some(line.trim().to_owned())
             });
         match workspace {
             Some(workspace) => format!(

@@ -26,10 +26,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
     let _ = std::fs::remove_file(vm.crash_file());
 
     let config = vm_config(&vm, &record);
-    vmm::to_stderr!(
-        "vmctl: supervising the VM of {}",
-        record.workspace.display()
-    );
+    vmm::to_stderr!("{RUN_STARTS}{}", record.workspace.display());
     // virtiofsd's logs too (the host's, in the nested host's case): what the guest
     // does can make them grow.
     let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
@@ -76,7 +73,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         )
         .map_err(|e| e.to_string())
     };
-    vmm::to_stderr!("vmctl: the VM ended: {outcome:?}");
+    vmm::to_stderr!("{RUN_ENDED}{outcome:?}");
     if let Some(crash) = how_it_crashed(&vm, &outcome, record.nested) {
         vmm::to_stderr!(
             "vmctl: error: {crash} (its console: {})",
@@ -188,6 +185,10 @@ fn last_error(log: &str) -> Option<String> {
 /// How much of a log's end is searched: of the console for a panic (the oops before
 /// it is a few KiB at most), of the supervisor's log for the VMM's last error.
 pub const LOG_TAIL_BYTES: u64 = 64 * 1024;
+/// How a run's part of the supervisor's log begins (the workspace follows), and the
+/// line it writes as its VM ends (the outcome follows): others read the log by them.
+pub const RUN_STARTS: &str = "vmctl: supervising the VM of ";
+pub const RUN_ENDED: &str = "vmctl: the VM ended: ";
 /// The longest crash report kept (a kernel's panic line and its cause are far
 /// shorter).
 const MAX_REPORT_CHARS: usize = 500;

@@ -54,15 +54,13 @@ fn pss_kib(pid: i32) -> Option<u64> {
         .ok()
 }
 
-/// Whether process `pid` runs the same program as this one: the same file, or a copy
-/// of it byte for byte (two installs of one build); `None` when its program cannot be
-/// read. A program replaced since the process started (`cargo build` after a pull)
+/// Whether process `pid` runs another program than this one: not the same file, nor a
+/// copy of it byte for byte (two installs of one build); false when its program cannot
+/// be read. A program replaced since the process started (`cargo build` after a pull)
 /// is still the one it runs: `/proc/PID/exe` leads to it, deleted or not.
-pub fn runs_this_program(pid: u32) -> Option<bool> {
-    same_file_contents(
-        std::path::Path::new(&format!("/proc/{pid}/exe")),
-        std::path::Path::new("/proc/self/exe"),
-    )
+pub fn runs_another_program(pid: i32) -> bool {
+    let theirs = std::path::PathBuf::from(format!("/proc/{pid}/exe"));
+    pid > 0 && same_file_contents(&theirs, std::path::Path::new("/proc/self/exe")) == Some(false)
 }
 
 fn same_file_contents(a: &std::path::Path, b: &std::path::Path) -> Option<bool> {
@@ -93,7 +91,7 @@ mod tests {
 
     #[test]
     fn a_program_is_told_from_a_copy_and_from_another() {
-        assert_eq!(runs_this_program(std::process::id()), Some(true));
+        assert!(!runs_another_program(std::process::id() as i32));
         let dir = tempfile::tempdir().unwrap();
         let write = |name: &str, bytes: &[u8]| {
             let path = dir.path().join(name);

@@ -1661,8 +1661,7 @@ pub fn list() -> Vec<String> {
 /// vmctl than this one (started before an upgrade): it keeps that build's ways, its
 /// guest agent's protocol among them, until it is started again.
 fn another_builds_vm(name: &str, pid: i32) -> Option<String> {
-    let pid = u32::try_from(pid).ok()?;
-    (crate::procfs::runs_this_program(pid) == Some(false)).then(|| {
+    crate::procfs::runs_another_program(pid).then(|| {
         format!(
             "{name}: started by another build of vmctl (before an upgrade?), whose ways it \
              keeps: `vmctl stop` it and start it again to run this one's"

@@ -2000,7 +2000,17 @@ mod tests {
     fn fake_agent(
         socket: &Path,
         reply: guest_agent::protocol::AgentMessage,
-    ) -> std::thread::JoinHandle<()> {
+    ) -> std::thread::JoinHandle<Vec<Vec<u8>>> {
+        fake_agent_answering(socket, vec![reply])
+    }
+
+    /// Serves one hybrid-vsock connection on `socket` as a guest agent that answers
+    /// the frames it is sent with `replies`, one each, in order; returns those frames'
+    /// payloads.
+    fn fake_agent_answering(
+        socket: &Path,
+        replies: Vec<guest_agent::protocol::AgentMessage>,
+    ) -> std::thread::JoinHandle<Vec<Vec<u8>>> {
         use std::io::{BufRead, Read, Write};
         let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
         std::thread::spawn(move || {
@@ -2010,44 +2020,7 @@ mod tests {
             reader.read_line(&mut connect).unwrap();
             let mut writer = stream;
             writer.write_all(b"OK 1\n").unwrap();
-            let mut length = [0u8; 4];
-            reader.read_exact(&mut length).unwrap();
-            let mut hello = vec![0u8; u32::from_le_bytes(length) as usize];
-            reader.read_exact(&mut hello).unwrap();
-            let frame = guest_agent::protocol::encode_frame(&reply).unwrap();
-            writer.write_all(&frame).unwrap();
-        })
-    }
-
-    /// A VM an older vmctl started, its socket where that vmctl kept it, is asked to
-    /// shut down there (not waited for at the new place until the stop's time is up).
-    #[test]
-    fn an_older_layouts_vm_is_asked_to_shut_down_where_its_socket_is() {
-        use guest_agent::protocol::AgentMessage;
-        use std::io::{BufRead, Read, Write};
-        let dir = tempfile::tempdir().unwrap();
-        let vm = VmDir {
-            path: dir.path().join("vm"),
-        };
-        std::fs::create_dir_all(&vm.path).unwrap();
-        let socket = vm.older_layout_vsock_socket();
-        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        assert!(vm.runs_an_older_layout());
-        let agent = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
-            let mut writer = stream;
-            let mut connect = String::new();
-            reader.read_line(&mut connect).unwrap();
-            writer.write_all(b"OK 1\n").unwrap();
             let mut requests = Vec::new();
-            let replies = [
-                AgentMessage::HelloOk {
-                    agent_version: "0.0.9".into(),
-                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
-                },
-                AgentMessage::Ok,
-            ];
             for reply in replies {
                 let mut length = [0u8; 4];
                 reader.read_exact(&mut length).unwrap();
@@ -2058,7 +2031,30 @@ mod tests {
                 writer.write_all(&frame).unwrap();
             }
             requests
-        });
+        })
+    }
+
+    /// A VM an older vmctl started, its socket where that vmctl kept it, is asked to
+    /// shut down there (not waited for at the new place until the stop's time is up).
+    #[test]
+    fn an_older_layouts_vm_is_asked_to_shut_down_where_its_socket_is() {
+        use guest_agent::protocol::AgentMessage;
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let agent = fake_agent_answering(
+            &vm.older_layout_vsock_socket(),
+            vec![
+                AgentMessage::HelloOk {
+                    agent_version: "0.0.9".into(),
+                    protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+                },
+                AgentMessage::Ok,
+            ],
+        );
+        assert!(vm.runs_an_older_layout());
         assert!(matches!(
             ask_guest_to_shut_down(&vm, Duration::from_secs(5)),
             ShutdownAsked::Yes

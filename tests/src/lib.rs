@@ -202,10 +202,18 @@ pub fn skip_file() -> PathBuf {
 
 /// Records a skipped test: a loud line on stderr and one in the skip file.
 pub fn record_skip(test: &str, reason: &str) {
-    let line = format!("SKIPPED VM TEST {test}: {reason}");
+    say_and_record(
+        &skip_file(),
+        &format!("SKIPPED VM TEST {test}: {reason}"),
+        "skip",
+    );
+}
+
+/// `line`, loud on stderr and appended to `file`, for `scripts/test.sh` to count.
+fn say_and_record(file: &Path, line: &str, what: &str) {
     // Straight to the process's stderr: libtest captures eprintln! of passing tests.
     let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
-    append_line(&skip_file(), &line, "skip");
+    append_line(file, line, what);
 }
 
 /// Where checks left out of tests that ran are recorded (`VMCTL_PARTIAL_FILE`, default
@@ -219,10 +227,11 @@ pub fn partial_file() -> PathBuf {
 /// Records a check a running test leaves out: a loud line on stderr and one in the
 /// partial file.
 pub fn record_check_not_made(check: &str, reason: &str) {
-    let line = format!("CHECK NOT MADE {check}: {reason}");
-    // Straight to the process's stderr: libtest captures eprintln! of passing tests.
-    let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
-    append_line(&partial_file(), &line, "left-out check");
+    say_and_record(
+        &partial_file(),
+        &format!("CHECK NOT MADE {check}: {reason}"),
+        "left-out check",
+    );
 }
 
 /// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default

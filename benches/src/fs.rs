@@ -448,6 +448,14 @@ impl Workload {
         Workload::GitStatus,
     ];
 
+    /// Its place in [`Workload::ALL`] and in the report's `figures`.
+    fn index(self) -> usize {
+        Workload::ALL
+            .iter()
+            .position(|w| *w == self)
+            .expect("every workload is listed")
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Workload::SeqWrite => "fs_seq_write_mib_s",
@@ -1239,7 +1247,6 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
     };
 
     let n = Workload::ALL.len();
-    let index = |w: Workload| Workload::ALL.iter().position(|x| *x == w).expect("listed");
     // Per workload, each side's samples (in Side::ALL's order); the errors of the
     // host-vs-guest figure and of the guest disk's (see Side::track).
     let mut samples: Vec<[Vec<f64>; 3]> = vec![Default::default(); n];
@@ -1249,7 +1256,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
 
     // The repositories (the host's in the workspace, the guest disk's in its
     // directory, untimed), then one untimed git status per side.
-    let git = index(Workload::GitStatus);
+    let git = Workload::GitStatus.index();
     for side in [Side::Host, Side::GuestDisk] {
         let error = &mut errors[side.track()][git];
         if error.is_some() {
@@ -1303,11 +1310,11 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
                 Step::Timed(w, side) => (w, side),
             };
             let figure_errors = &mut errors[side.track()];
-            let i = index(w);
+            let i = w.index();
             if figure_errors[i].is_none() {
                 if let Some(dep) = w
                     .depends_on()
-                    .filter(|d| figure_errors[index(*d)].is_some())
+                    .filter(|d| figure_errors[d.index()].is_some())
                 {
                     figure_errors[i] = Some(format!("not measured: {} failed", dep.name()));
                 }
@@ -1403,7 +1410,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         }
     }
     for w in Workload::ALL {
-        let i = index(w);
+        let i = w.index();
         let [host, guest, disk] = std::mem::take(&mut samples[i]);
         let size = if w.sequential() {
             (Some(s.file_mib), None)
@@ -1453,7 +1460,7 @@ fn measure_into(b: &FsBench, report: &mut FsReport) -> Result<(), String> {
         ));
     }
     withhold_write_verdict_on_tmpfs(report);
-    let seq_read = index(Workload::SeqRead);
+    let seq_read = Workload::SeqRead.index();
     let host_reads = report.figures[seq_read]
         .host
         .as_ref()
@@ -1562,11 +1569,7 @@ fn withhold_write_verdict_on_tmpfs(report: &mut FsReport) {
     let why = "the host's workspace is on tmpfs, where its conv=fsync writes end in memory \
                while the guest's cross virtio-fs (TMPDIR=a directory on disk gives the \
                ratio of a workspace on disk)";
-    let seq_write = Workload::ALL
-        .iter()
-        .position(|w| *w == Workload::SeqWrite)
-        .expect("listed");
-    report.figures[seq_write].withhold_verdict(why);
+    report.figures[Workload::SeqWrite.index()].withhold_verdict(why);
     report
         .notes
         .push(format!("{}: no verdict: {why}.", Workload::SeqWrite.name()));
@@ -2557,7 +2560,6 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         let mut r = measure(&fake_bench(&dir));
         assert!(r.errors().is_empty(), "{:?}", r.errors());
-        let index = |w: Workload| Workload::ALL.iter().position(|x| *x == w).unwrap();
         let verdicts = |r: &FsReport| {
             r.figures
                 .iter()
@@ -2567,13 +2569,13 @@ mod tests {
         let before = verdicts(&r);
         r.sides[0].fs_type = "tmpfs".into();
         withhold_write_verdict_on_tmpfs(&mut r);
-        let write = &r.figures[index(Workload::SeqWrite)];
+        let write = &r.figures[Workload::SeqWrite.index()];
         assert_eq!(write.target.met, None);
         assert!(write.target.withheld.as_deref().unwrap().contains("tmpfs"));
         let mut expected = before;
-        expected[index(Workload::SeqWrite)] = false;
+        expected[Workload::SeqWrite.index()] = false;
         assert_eq!(verdicts(&r), expected, "only the write's verdict goes");
-        assert!(r.figures[index(Workload::GitStatus)].target.met.is_some());
+        assert!(r.figures[Workload::GitStatus.index()].target.met.is_some());
     }
 
     #[test]

@@ -349,13 +349,11 @@ impl UserConfig {
 /// and an empty one (`VMCTL_CONFIG=test.toml`) would keep every share out. Call before
 /// any thread starts.
 pub fn make_config_path_absolute() {
-    let Some(given) = std::env::var_os(CONFIG_ENV).filter(|p| !p.is_empty()) else {
-        return;
-    };
-    if Path::new(&given).is_absolute() {
+    let given = std::env::var_os(CONFIG_ENV).unwrap_or_default();
+    if given.is_empty() || Path::new(&given).is_absolute() {
         return;
     }
-    if let Ok(absolute) = std::path::absolute(&given) {
+    if let Some(absolute) = config_path() {
         std::env::set_var(CONFIG_ENV, absolute);
     }
 }

@@ -318,28 +318,26 @@ mod tests {
     #[test]
     fn the_version_is_what_the_binary_says() {
         let dir = tempfile::tempdir().unwrap();
-        let fake = dir.path().join("virtiofsd");
-        std::fs::write(
-            &fake,
-            "#!/bin/sh\n[ \"$1\" = --version ] && echo 'virtiofsd 1.14.2'\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let script = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            path
+        };
+        let fake = script(
+            "virtiofsd",
+            "[ \"$1\" = --version ] && echo 'virtiofsd 1.14.2'",
+        );
         assert_eq!(version_line(&fake).unwrap(), "virtiofsd 1.14.2");
-        let failing = dir.path().join("failing");
-        std::fs::write(&failing, "#!/bin/sh\nexit 3\n").unwrap();
-        std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let failing = script("failing", "exit 3");
         assert!(version_line(&failing)
             .unwrap_err()
             .contains("exit status: 3"));
         // One that cannot run says why (a shared library gone after an upgrade).
-        let broken = dir.path().join("broken");
-        std::fs::write(
-            &broken,
-            "#!/bin/sh\necho 'virtiofsd: error while loading shared libraries: libseccomp.so.2' >&2\nexit 127\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let broken = script(
+            "broken",
+            "echo 'virtiofsd: error while loading shared libraries: libseccomp.so.2' >&2\nexit 127",
+        );
         let why = version_line(&broken).unwrap_err();
         assert!(why.contains("exit status: 127: virtiofsd: error while loading shared libraries: libseccomp.so.2"), "{why}");
     }

@@ -165,23 +165,20 @@ fn ask_the_guest(workspace: &Workspace) -> String {
         Ok(child) => child,
         Err(e) => return format!("cannot run the diagnosing exec: {e}\n"),
     };
-    let (mut out, mut err) = (diagnosis.stdout.take(), diagnosis.stderr.take());
-    let out_reader = thread::spawn(move || crate::read_all(out.as_mut()));
-    let err_reader = thread::spawn(move || crate::read_all(err.as_mut()));
+    let pipes = crate::Pipes::read(&mut diagnosis);
     let started = Instant::now();
     let status = wait_bounded(&mut diagnosis, DIAGNOSIS_TIMEOUT);
     if status.is_none() {
         let _ = diagnosis.kill();
         let _ = diagnosis.wait();
     }
-    let stdout = out_reader.join().unwrap_or_default();
-    let stderr = err_reader.join().unwrap_or_default();
+    pipes.ended_within_grace();
     match status {
         Some(status) => format!(
             "the guest's processes, as a second exec saw them ({status}, {:.1} s):\n{}{}",
             started.elapsed().as_secs_f64(),
-            String::from_utf8_lossy(&stdout),
-            String::from_utf8_lossy(&stderr),
+            pipes.out.text(),
+            pipes.err.text(),
         ),
         None => format!(
             "a second exec (working directory on no share) got no answer within {} s \

@@ -27,7 +27,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::thread;
@@ -232,6 +232,28 @@ pub fn record_check_not_made(check: &str, reason: &str) {
         &format!("CHECK NOT MADE {check}: {reason}"),
         "left-out check",
     );
+}
+
+/// For unit tests of the workspace's crates that need what only some machines have
+/// (root, a program): says, past libtest's capture, that `test` checked nothing here
+/// for want of it (`why`), or fails it under CI (`CI` set, as `.ci/run` sets it),
+/// whose machines have it: there a test that cannot run is a broken machine, not a
+/// pass.
+pub fn not_run(test: &str, why: &str) {
+    if let Some(ci) = ci() {
+        panic!("{test} did not run, which it must under CI (CI={ci}): {why}");
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "NOT RUN: {test}: {why}; it passes here unchecked (with CI set it fails)"
+    );
+}
+
+/// `CI`'s value when it says this is a CI run (set, not empty, "0" or "false").
+fn ci() -> Option<String> {
+    std::env::var("CI")
+        .ok()
+        .filter(|ci| !ci.is_empty() && ci != "0" && ci != "false")
 }
 
 /// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default
@@ -629,8 +651,7 @@ impl Vmctl {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
         let pid = child.id();
-        let out = Capture::start(child.stdout.take());
-        let err = Capture::start(child.stderr.take());
+        let pipes = Pipes::read(&mut child);
         let mut timed_out = false;
         let status = loop {
             if let Some(status) = child.try_wait().expect("wait for vmctl") {
@@ -646,11 +667,7 @@ impl Vmctl {
         let elapsed = start.elapsed();
         // Children left behind (by a crash, or by a timeout kill that missed one) may
         // still hold the pipes: give them a moment, then take what was read so far.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !(out.done() && err.done()) && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(20));
-        }
-        if !(out.done() && err.done()) {
+        if !pipes.ended_within_grace() {
             kill_tree(pid);
         }
         let mut args = self.wrapper.clone();
@@ -658,12 +675,136 @@ impl Vmctl {
         Run {
             args,
             code: status.code(),
-            stdout: out.text(),
-            stderr: err.text(),
+            stdout: pipes.out.text(),
+            stderr: pipes.err.text(),
             timed_out,
             elapsed,
         }
     }
+}
+
+/// How long a command's stdout and stderr may stay open after it exited: what holds
+/// them longer is a process it left behind, which inherited them.
+const PIPES_GRACE: Duration = Duration::from_secs(5);
+
+/// A child's stdout and stderr, each read to its end by a thread of its own.
+pub(crate) struct Pipes {
+    out: Capture,
+    err: Capture,
+    /// The pipes' inodes, to name what holds them.
+    inodes: Vec<u64>,
+}
+
+impl Pipes {
+    /// Starts reading `child`'s stdout and stderr (one not piped reads as empty).
+    pub(crate) fn read(child: &mut Child) -> Pipes {
+        let inodes = [
+            child.stdout.as_ref().and_then(pipe_inode),
+            child.stderr.as_ref().and_then(pipe_inode),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        Pipes {
+            out: Capture::start(child.stdout.take()),
+            err: Capture::start(child.stderr.take()),
+            inodes,
+        }
+    }
+
+    fn ended(&self) -> bool {
+        self.out.done() && self.err.done()
+    }
+
+    /// Once the child exited: waits at most [`PIPES_GRACE`] for both pipes to end, and
+    /// says whether they did.
+    pub(crate) fn ended_within_grace(&self) -> bool {
+        let deadline = Instant::now() + PIPES_GRACE;
+        while !self.ended() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.ended()
+    }
+
+    /// The output of `what`, which exited with `status`, once both its pipes ended;
+    /// panics when a process still holds them [`PIPES_GRACE`] later, naming it and the
+    /// pipes as `whose` ("vmctl's"). Without this bound such a process (a daemon that
+    /// kept them) would hang the test for good, as it hangs `out=$(vmctl up)`.
+    pub(crate) fn output(self, status: ExitStatus, what: &str, whose: &str) -> Output {
+        if !self.ended_within_grace() {
+            let holders = pipe_holders(&self.inodes);
+            // What was read goes to the test's log, not into the failure: the guest's
+            // words there must not pass for a lost VM.
+            eprintln!(
+                "{what} printed, before a process kept its pipes:\n--- stdout ---\n{}\n\
+                 --- stderr ---\n{}",
+                self.out.text(),
+                self.err.text()
+            );
+            panic!(
+                "{PIPES_GRACE:?} after {what} exited ({status}), a process still holds \
+                 {whose} stdout/stderr: {}; one it left behind inherited them, and a caller \
+                 reading them to their end (`out=$(vmctl up)`) never returns",
+                if holders.is_empty() {
+                    "(which one was not found in /proc)".to_string()
+                } else {
+                    holders.join(", ")
+                }
+            );
+        }
+        Output {
+            status,
+            stdout: self.out.bytes(),
+            stderr: self.err.bytes(),
+        }
+    }
+}
+
+/// The inode of the pipe `pipe` is an end of.
+fn pipe_inode(pipe: &impl std::os::fd::AsRawFd) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(format!("/proc/self/fd/{}", pipe.as_raw_fd()))
+        .ok()
+        .map(|metadata| metadata.ino())
+}
+
+/// The processes but this one that hold an end of a pipe of `inodes`, each as
+/// "PID (its command line)".
+fn pipe_holders(inodes: &[u64]) -> Vec<String> {
+    let pipes: Vec<String> = inodes
+        .iter()
+        .map(|inode| format!("pipe:[{inode}]"))
+        .collect();
+    let me = std::process::id().to_string();
+    let Ok(processes) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    processes
+        .flatten()
+        .filter(|process| {
+            let name = process.file_name();
+            let name = name.to_string_lossy();
+            name != me && name.bytes().all(|b| b.is_ascii_digit())
+        })
+        .filter(|process| {
+            fs::read_dir(process.path().join("fd")).is_ok_and(|fds| {
+                fds.flatten().any(|fd| {
+                    fs::read_link(fd.path())
+                        .is_ok_and(|target| pipes.iter().any(|pipe| target == Path::new(pipe)))
+                })
+            })
+        })
+        .map(|process| {
+            let cmdline = fs::read(process.path().join("cmdline")).unwrap_or_default();
+            format!(
+                "{} ({})",
+                process.file_name().to_string_lossy(),
+                String::from_utf8_lossy(&cmdline)
+                    .replace('\0', " ")
+                    .trim_end()
+            )
+        })
+        .collect()
 }
 
 /// A pipe read to its end by a thread; its text so far is available at any time.
@@ -691,6 +832,10 @@ impl Capture {
 
     fn done(&self) -> bool {
         self.thread.is_finished()
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        self.buf.lock().unwrap().clone()
     }
 
     fn text(&self) -> String {
@@ -846,14 +991,25 @@ impl Workspace {
         command
             .args(args)
             .current_dir(self.path())
-            .env("XDG_STATE_HOME", self.state())
-            .env("VMCTL_CONFIG", self.config_dir().join("config.toml"))
+            .envs(self.vmctl_env())
             .stdin(Stdio::null());
         command
     }
 
+    /// What makes a vmctl use this test's state and config directories, not the
+    /// user's (`~/.config/vmctl`, whose typo would fail the test): for a vmctl the test
+    /// starts another way than [`Workspace::command`] (through a terminal).
+    pub fn vmctl_env(&self) -> [(&'static str, PathBuf); 2] {
+        [
+            ("XDG_STATE_HOME", self.state()),
+            ("VMCTL_CONFIG", self.config_dir().join("config.toml")),
+        ]
+    }
+
     /// Runs `vmctl ARGS` and logs what it printed; panics with "timed out" when it
-    /// takes longer than [`vm_timeout`] (a hung guest must fail the test, not hang it).
+    /// takes longer than [`vm_timeout`] (a hung guest must fail the test, not hang it),
+    /// and when a process it left behind still holds its stdout or stderr 5 s after
+    /// it exited.
     pub fn run(&self, args: &[&str]) -> Output {
         self.run_with_env(args, &[])
     }
@@ -867,9 +1023,7 @@ impl Workspace {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot run vmctl {args:?}: {e}"));
-        let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
-        let out_reader = thread::spawn(move || read_all(out.as_mut()));
-        let err_reader = thread::spawn(move || read_all(err.as_mut()));
+        let pipes = Pipes::read(&mut child);
         let Some(status) = hang_report::wait_bounded(&mut child, vm_timeout()) else {
             if hang_report::report(self, args, &mut child)
                 == Some(hang_report::Verdict::EndedAfterDiagnosis)
@@ -880,14 +1034,9 @@ impl Workspace {
             let _ = child.wait();
             panic!("vmctl {args:?} timed out after {:?}", vm_timeout());
         };
-        let output = Output {
-            status,
-            stdout: out_reader.join().unwrap_or_default(),
-            stderr: err_reader.join().unwrap_or_default(),
-        };
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        if VM_LOST_SIGNS.iter().any(|sign| stderr.contains(sign)) {
-            VM_LOST.with(|lost| lost.set(true));
+        let output = pipes.output(status, &format!("vmctl {args:?}"), "vmctl's");
+        if vmctl_says_its_vm_was_lost(&String::from_utf8_lossy(&output.stderr)) {
+            mark_vm_lost();
         }
         eprintln!(
             "vmctl {args:?} -> {:?}\nstdout: {}\nstderr: {}",
@@ -962,24 +1111,40 @@ impl Drop for Workspace {
             self.note_a_crash_under_the_failure();
         }
         // Sessions start vmctl's daemon on demand (one per state directory). Bounded
-        // even here: a stuck `rm` must not hang the run while a test unwinds.
+        // even here: a stuck `rm` must not hang the run while a test unwinds. A
+        // failure is said (past the capture: the test may pass): the state directory
+        // goes next, under whatever it left running.
         for args in [&["rm"][..], &["daemon", "--stop"]] {
             let Ok(mut child) = self
                 .command(args)
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(Stdio::piped())
                 .spawn()
             else {
                 continue;
             };
-            if hang_report::wait_bounded(&mut child, vm_timeout()).is_none() {
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "vm-tests: vmctl {args:?} did not end within {:?}; killed",
-                    vm_timeout()
-                );
-                kill_tree(child.id());
-                let _ = child.wait();
+            let pipes = Pipes::read(&mut child);
+            match hang_report::wait_bounded(&mut child, vm_timeout()) {
+                None => {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "vm-tests: vmctl {args:?} did not end within {:?}; killed",
+                        vm_timeout()
+                    );
+                    kill_tree(child.id());
+                    let _ = child.wait();
+                }
+                Some(status) if !status.success() => {
+                    pipes.ended_within_grace();
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "vm-tests: removing the test's VM: vmctl {args:?} in {} failed \
+                         ({status}); its stderr:\n{}",
+                        self.path().display(),
+                        indented(&pipes.err.text())
+                    );
+                }
+                Some(_) => {}
             }
         }
     }
@@ -997,14 +1162,6 @@ pub(crate) fn mark_vm_lost() {
 pub fn find_vm_dir(state: &Path) -> Option<PathBuf> {
     let mut vms = std::fs::read_dir(state.join("vmctl/vms")).ok()?;
     Some(vms.next()?.ok()?.path())
-}
-
-fn read_all(stream: Option<&mut impl Read>) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    if let Some(stream) = stream {
-        let _ = stream.read_to_end(&mut bytes);
-    }
-    bytes
 }
 
 /// A VM test's body: skipped (loudly) where no VM can run, else the scenario, retried
@@ -1122,6 +1279,18 @@ const VM_LOST_SIGNS: [&str; 15] = [
     "the nested host stopped before the VM finished",
     "the nested host stalled",
 ];
+
+/// Whether vmctl's own lines on its stderr (`vmctl: ...`, `vmctl-vmm: ...`) say its
+/// VM was lost. The guest command's stderr comes on the same stream and does not
+/// count: a probe's `TimeoutError: timed out` or curl's "Connection timed out" is the
+/// command failing, which a retry must not hide.
+fn vmctl_says_its_vm_was_lost(stderr: &str) -> bool {
+    stderr
+        .lines()
+        .map(|line| line.trim_start_matches('\r'))
+        .filter(|line| line.starts_with("vmctl: ") || line.starts_with("vmctl-vmm: "))
+        .any(|line| VM_LOST_SIGNS.iter().any(|sign| line.contains(sign)))
+}
 
 fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
     let message = panic_message(panic);
@@ -1310,6 +1479,79 @@ mod tests {
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
         // A panic with a payload that is not text is not taken for a lost VM.
         assert!(!vm_was_lost(&42));
+    }
+
+    #[test]
+    fn only_vmctls_own_lines_say_its_vm_was_lost() {
+        // The guest command's stderr, relayed: its timeouts are its own failures.
+        assert!(!vmctl_says_its_vm_was_lost(
+            "Traceback (most recent call last):\nTimeoutError: timed out\n\
+             curl: (28) Connection timed out after 5001 milliseconds\n\
+             echo says the VM stopped\n"
+        ));
+        // vmctl's own words, also after the command's output and on a terminal's line.
+        assert!(vmctl_says_its_vm_was_lost(
+            "some output\nvmctl: error: connecting to the guest agent timed out after 60 s\n"
+        ));
+        assert!(vmctl_says_its_vm_was_lost(
+            "\rvmctl: error: the agent closed the connection; the VM stopped: the guest \
+             crashed (triple fault on vCPU 1)\r\n"
+        ));
+        assert!(vmctl_says_its_vm_was_lost(
+            "vmctl-vmm: error: the VM stopped: the guest crashed (triple fault on vCPU 0)\n"
+        ));
+        // vmctl's lines without a sign.
+        assert!(!vmctl_says_its_vm_was_lost(
+            "vmctl: no-such-program: command not found (in the VM)\n"
+        ));
+    }
+
+    #[test]
+    fn a_process_that_keeps_the_pipes_fails_the_wait_for_them_and_is_named() {
+        // The child exits at once; a process it left behind (in a session of its own,
+        // as a daemon) keeps its stdout and stderr.
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("holder.pid");
+        let mut child = Command::new("sh")
+            .args(["-c", "setsid sleep 30 & echo $! > \"$0\"; echo started"])
+            .arg(&pid_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pipes = Pipes::read(&mut child);
+        let status = child.wait().unwrap();
+        let started = Instant::now();
+        let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pipes.output(status, "sh -c ...", "its")
+        }));
+        let holder = fs::read_to_string(&pid_file).unwrap();
+        let _ = Command::new("kill").arg(holder.trim()).status();
+        let panic = failed.expect_err("the wait outlived the grace");
+        let message = panic_message(panic.as_ref()).to_string();
+        assert!(started.elapsed() < PIPES_GRACE * 2, "{message}");
+        assert!(
+            message.contains("a process still holds its stdout/stderr: ")
+                && message.contains(&format!("{} (sleep 30)", holder.trim())),
+            "{message}"
+        );
+        assert!(!vm_was_lost(panic.as_ref()), "{message}");
+
+        // Pipes that end with the child give its output.
+        let mut child = Command::new("sh")
+            .args(["-c", "echo out; echo err >&2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pipes = Pipes::read(&mut child);
+        let status = child.wait().unwrap();
+        let output = pipes.output(status, "sh -c ...", "its");
+        assert_eq!(
+            (&output.stdout[..], &output.stderr[..]),
+            (&b"out\n"[..], &b"err\n"[..])
+        );
     }
 
     #[test]

@@ -65,24 +65,27 @@ impl Drop for Watchdog {
 }
 
 /// `command`'s output, its stdout and stderr captured, within [`crate::vm_timeout`]
-/// (else the panic of [`Watchdog`]).
+/// (else the panic of [`Watchdog`]); panics too when a process it left behind still
+/// holds its stdout or stderr 5 s after it exited (the watchdog, which kills by
+/// process group and parentage, would not find one in a session of its own).
 pub fn output_within(command: &mut Command, what: &str) -> Output {
     output_within_timeout(command, what, crate::vm_timeout())
 }
 
 /// [`output_within`] for a command that may take longer than one VM's timeout.
 pub fn output_within_timeout(command: &mut Command, what: &str, timeout: Duration) -> Output {
-    let child = command
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let pipes = crate::Pipes::read(&mut child);
     let watchdog = Watchdog::with_timeout(&child, what, timeout);
-    let output = child
-        .wait_with_output()
+    let status = child
+        .wait()
         .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
     drop(watchdog);
-    output
+    pipes.output(status, what, "its")
 }
 
 /// Waits for `child` within [`crate::vm_timeout`] (else the panic of [`Watchdog`]).

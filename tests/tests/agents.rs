@@ -6,7 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vm_tests::watchdog::{wait_within, Watchdog};
+use vm_tests::watchdog::{output_within, wait_within, Watchdog};
 use vm_tests::{stdout, upstream, Workspace};
 
 const STANDIN: &str = include_str!("../guest/standin_agent.py");
@@ -192,7 +192,10 @@ fn provider_scenario() {
     let sub = root.join("sub");
     std::fs::create_dir_all(&sub).unwrap();
     let in_sub = |args: &[&str]| {
-        let output = ws.command(args).current_dir(&sub).output().expect("vmctl");
+        let output = output_within(
+            ws.command(args).current_dir(&sub),
+            &format!("vmctl {args:?} in sub/"),
+        );
         assert_ok(&output, &format!("vmctl {args:?} in sub/"));
         stdout(&output)
     };
@@ -257,9 +260,11 @@ fn wait_for(ws: &Workspace, what: &str, timeout: Duration, done: impl Fn(&str) -
         if done(&table) {
             return table;
         }
+        // Not "timed out", which would have the scenario retried as a VM the nested
+        // host lost: what this waits for is the daemon's doing.
         assert!(
             Instant::now() < deadline,
-            "timed out waiting for {what}:\n{table}\n{}",
+            "still waiting after {timeout:?} for {what}:\n{table}\n{}",
             daemon_log_tail(ws)
         );
         std::thread::sleep(Duration::from_millis(500));
@@ -319,6 +324,17 @@ fn lifecycle_scenario() {
     assert!(
         ended.elapsed() >= Duration::from_secs(4),
         "stopped before the idle timeout"
+    );
+    // And by the configured timeout, not the daemon's default (30 s), which a daemon
+    // that missed the test's config would use: the checks below that the daemon does
+    // not stop a VM too soon are worth something only with a timeout this short. Told
+    // by the daemon's log, not by the clock: the stop itself may take a nested VM under
+    // load more than the 25 s between the two timeouts (see `exited`).
+    let log = std::fs::read_to_string(ws.state().join("vmctl/daemon.log")).unwrap_or_default();
+    assert!(
+        log.contains(" idle for 5s; stopping it"),
+        "the daemon did not stop the VM after the configured idle_timeout_s = 5\n{}",
+        daemon_log_tail(&ws)
     );
 
     // A `vmctl run` killed outright does not leave its throwaway VM running for good:

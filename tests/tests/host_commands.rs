@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::process::Stdio;
+use vm_tests::watchdog::output_within;
 use vm_tests::{stderr, Workspace};
 
 #[test]
@@ -249,17 +250,17 @@ fn start_without_cargo_scenario() {
     // build script, as it does for Paseo; `CARGO` naming no program stands for a
     // machine whose cargo is nowhere (not even in ~/.cargo/bin, where the script
     // would otherwise find it).
-    let output = ws
-        .command(&["exec", "--", "true"])
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        )
-        .env_remove("VMCTL_AGENT_INITRAMFS")
-        .env("CARGO", "/nonexistent/cargo")
-        .output()
-        .expect("run vmctl exec");
-    let _ = ws.command(&["rm", "-f"]).output();
+    let output = output_within(
+        ws.command(&["exec", "--", "true"])
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
+            .env_remove("VMCTL_AGENT_INITRAMFS")
+            .env("CARGO", "/nonexistent/cargo"),
+        "vmctl exec -- true, without cargo on PATH",
+    );
+    ws.run(&["rm", "-f"]);
     let said = stderr(&output);
     assert!(
         output.status.success() && !said.contains("is missing"),
@@ -287,26 +288,17 @@ fn bad_input_on_a_running_vm_scenario() {
     let ws = Workspace::new("running-vm-bad-input");
     let data = ws.dir.join("data");
     std::fs::create_dir_all(&data).expect("data dir");
-    let up = ws
-        .command(&["exec", "--", "true"])
-        .output()
-        .expect("vmctl exec");
+    let up = ws.run(&["exec", "--", "true"]);
     if !up.status.success() {
-        let _ = ws.command(&["rm", "-f"]).output();
+        ws.run(&["rm", "-f"]);
         panic!("the VM did not start: {}", stderr(&up));
     }
     let typo = format!("{}:/data:RO", data.display());
-    let bad_mount = ws
-        .command(&["exec", "--mount", &typo, "--", "true"])
-        .output()
-        .expect("vmctl exec --mount");
+    let bad_mount = ws.run(&["exec", "--mount", &typo, "--", "true"]);
     std::fs::create_dir_all(ws.config_dir()).expect("config dir");
     std::fs::write(ws.config_dir().join("config.toml"), "mount = [\"/x\"]\n").expect("config");
-    let bad_config = ws
-        .command(&["exec", "--", "true"])
-        .output()
-        .expect("vmctl exec");
-    let _ = ws.command(&["rm", "-f"]).output();
+    let bad_config = ws.run(&["exec", "--", "true"]);
+    ws.run(&["rm", "-f"]);
     assert!(
         !bad_mount.status.success() && stderr(&bad_mount).contains("unknown option \"RO\""),
         "a bad --mount passed on a running VM: {}",

@@ -1,4 +1,4 @@
-//! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, PTY size
+//! A workspace VM end to end: `vmctl up`, `exec` (stdio, exit codes, stdin, `--env`, PTY size
 //! and resizes through a real host terminal, concurrency, each command's cgroup,
 //! client death, a reader that goes away), `shell` with and without a terminal, the
 //! agent CLIs inside, `ps`, `logs`, `stop`, `rm`, `run`, the host user's account, a
@@ -188,51 +188,103 @@ fn workspace_scenario() {
         "/var/lib/vmctl/agent-home/claude /var/lib/vmctl/agent-home/codex"
     );
 
+    // `--env K=V`, and `--env K` for vmctl's own value of K. Given last, they override
+    // what the command gets otherwise: the guest's LANG (C.UTF-8, the image's one
+    // locale) and what vmctl sets itself (here an agent's home).
+    let env_script = "echo \"$LANG ${FOO-unset} ${VMCTL_TEST_NAME-unset} $CODEX_HOME\"";
+    let plain = ws.exec(env_script);
+    assert_eq!(
+        stdout(&plain),
+        "C.UTF-8 unset unset /var/lib/vmctl/agent-home/codex\n",
+        "{}",
+        vm_tests::stderr(&plain)
+    );
+    let given = ws.run_with_env(
+        &[
+            "exec",
+            "--env",
+            "LANG=C",
+            "--env",
+            "FOO=bar",
+            "--env",
+            "VMCTL_TEST_NAME",
+            "--env",
+            "CODEX_HOME=/tmp/codex-home",
+            "--",
+            "sh",
+            "-c",
+            env_script,
+        ],
+        &[("VMCTL_TEST_NAME", Path::new("from vmctl's environment"))],
+    );
+    assert_eq!(
+        stdout(&given),
+        "C bar from vmctl's environment /tmp/codex-home\n",
+        "{}",
+        vm_tests::stderr(&given)
+    );
+
     // A PTY of the default size when the host side is not a terminal.
     let tty = ws.run(&["exec", "--tty", "--", "sh", "-c", "test -t 0 && stty size"]);
     assert!(tty.status.success());
     assert_eq!(stdout(&tty).trim(), "24 80");
 
     // Through a real host terminal: the guest sees its size, and a resize of the host
-    // terminal reaches the command as SIGWINCH with the new size.
+    // terminal reaches the command as SIGWINCH with the new size. The command ends
+    // only once that resize reached it: a driver that waited for it without a bound
+    // would hang the run on the very regression it is there to catch, so past its
+    // deadline it kills vmctl and fails.
     let pty_driver = r#"
-import fcntl, os, pty, select, struct, sys, termios, time
-vmctl, ws, state = sys.argv[1:4]
+import fcntl, os, pty, select, signal, struct, sys, termios, time
+vmctl, ws = sys.argv[1:3]
 script = "stty size; trap 'stty size; exit 0' WINCH; echo READY; while :; do sleep 0.1; done"
 pid, master = pty.fork()
 if pid == 0:
     fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-    os.environ["XDG_STATE_HOME"] = state
     os.chdir(ws)
     os.execv(vmctl, [vmctl, "exec", "--tty", "--", "sh", "-c", script])
-out, resized, deadline = b"", False, time.time() + 120
+out, resized, ended, deadline = b"", False, False, time.time() + 120
 while time.time() < deadline:
     r, _, _ = select.select([master], [], [], 0.5)
     if r:
         try:
             chunk = os.read(master, 4096)
         except OSError:
-            break
+            chunk = b""
         if not chunk:
+            ended = True
             break
         out += chunk
     if b"READY" in out and not resized:
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         resized = True
+if not ended:
+    os.kill(pid, signal.SIGKILL)
 _, status = os.waitpid(pid, 0)
 sys.stdout.write(out.decode(errors="replace"))
+if not ended:
+    sys.stderr.write("the PTY driver: vmctl exec --tty still ran after 120 s (READY seen and "
+                     "the terminal resized: %s); killed it\n" % resized)
+    sys.exit(70)
 sys.exit(os.waitstatus_to_exitcode(status))
 "#;
-    let pty = Command::new("python3")
-        .args(["-c", pty_driver])
-        .arg(vmctl_bin())
-        .arg(ws.path())
-        .arg(ws.state())
-        .output()
-        .expect("run python3 as the host terminal");
+    let pty = output_within(
+        Command::new("python3")
+            .args(["-c", pty_driver])
+            .arg(vmctl_bin())
+            .arg(ws.path())
+            .envs(ws.vmctl_env())
+            .stdin(Stdio::null()),
+        "the PTY driver (python3 as the host terminal of vmctl exec --tty)",
+    );
     let pty_out = stdout(&pty);
     eprintln!("pty session: {pty:?}\n{pty_out}");
-    assert_eq!(pty.status.code(), Some(0), "{pty_out}");
+    assert_eq!(
+        pty.status.code(),
+        Some(0),
+        "{pty_out}\n{}",
+        vm_tests::stderr(&pty)
+    );
     let sizes: Vec<&str> = pty_out
         .lines()
         .map(|l| l.trim())
@@ -377,17 +429,17 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert_eq!(agent.get(3..5), Some(&["65536", "524288"][..]), "{limits}");
     // Started outside the workspace (`--workspace` names it), the command runs at its
     // root, not in a directory of the guest's own (`/` exists there too).
-    let at_root = ws
-        .command(&[
+    let at_root = output_within(
+        ws.command(&[
             "exec",
             "--workspace",
             ws.path().to_str().unwrap(),
             "--",
             "pwd",
         ])
-        .current_dir("/")
-        .output()
-        .unwrap();
+        .current_dir("/"),
+        "vmctl exec --workspace WS -- pwd, from /",
+    );
     assert_eq!(
         stdout(&at_root).trim(),
         ws.path().canonicalize().unwrap().to_str().unwrap(),
@@ -402,7 +454,10 @@ sys.exit(os.waitstatus_to_exitcode(status))
     let deep = ws.path().join("src/deep");
     std::fs::create_dir_all(&git_dir).unwrap();
     std::fs::create_dir_all(&deep).unwrap();
-    let ports = ws.command(&["ports"]).current_dir(&deep).output().unwrap();
+    let ports = output_within(
+        ws.command(&["ports"]).current_dir(&deep),
+        "vmctl ports, from src/deep",
+    );
     std::fs::remove_dir(&git_dir).unwrap();
     assert!(
         ports.status.success() && stdout(&ports).contains("egress proxy"),
@@ -467,7 +522,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert_eq!(
         std::fs::read_to_string(&ended_cleanly).ok().as_deref(),
         Some("bye\n"),
-        "the background program was not asked to end before the VM stopped"
+        "the background program was not asked to end before shutdown"
     );
     // `vmctl logs --follow`, started before, printed the console as it grew, and ended
     // with the VM.
@@ -524,7 +579,7 @@ fn assert_shell_with_and_without_a_terminal(ws: &Workspace) {
             "/dev/null",
         ])
         .current_dir(ws.path())
-        .env("XDG_STATE_HOME", ws.state());
+        .envs(ws.vmctl_env());
     let terminal = output_of(script, "echo $((6*7)); exit 5\n");
     assert_eq!(terminal.status.code(), Some(5), "{terminal:?}");
     // The terminal's line ending: the command's output went through a PTY.
@@ -779,11 +834,10 @@ fn assert_no_descriptors_left_behind(ws: &Workspace, before: usize) {
 /// directory of such a name runs there.
 fn assert_bytes_that_are_not_utf8_pass_through(ws: &Workspace) {
     let latin1 = OsStr::from_bytes(b"caf\xe9 \xff.txt");
-    let printed = ws
-        .command(&["exec", "--", "printf", "%s"])
-        .arg(latin1)
-        .output()
-        .unwrap();
+    let printed = output_within(
+        ws.command(&["exec", "--", "printf", "%s"]).arg(latin1),
+        "vmctl exec -- printf %s LATIN-1",
+    );
     let says = |output: &Output| String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(printed.status.success(), "{}", says(&printed));
     assert_eq!(printed.stdout, latin1.as_bytes(), "{}", says(&printed));
@@ -792,13 +846,13 @@ fn assert_bytes_that_are_not_utf8_pass_through(ws: &Workspace) {
     std::fs::create_dir_all(&subdir).unwrap();
     let mut expected = subdir.canonicalize().unwrap().into_os_string().into_vec();
     expected.push(b'\n');
-    let pwd = ws
-        .command(&["exec", "--workspace"])
-        .arg(ws.path())
-        .args(["--", "pwd"])
-        .current_dir(&subdir)
-        .output()
-        .unwrap();
+    let pwd = output_within(
+        ws.command(&["exec", "--workspace"])
+            .arg(ws.path())
+            .args(["--", "pwd"])
+            .current_dir(&subdir),
+        "vmctl exec -- pwd, from a LATIN-1 directory",
+    );
     std::fs::remove_dir(&subdir).unwrap();
     assert!(pwd.status.success(), "{}", says(&pwd));
     assert_eq!(

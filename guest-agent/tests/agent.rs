@@ -596,10 +596,14 @@ async fn a_signal_reaches_the_foreground_job_of_an_interactive_shell() {
     };
     req.tty = terminal_80x24("dumb");
     let mut s = conn().await.exec(req).await.unwrap();
-    s.send_stdin(b"echo up-$((1+1)); sleep 77\n").await.unwrap();
+    // The job says itself that it runs, so it is in the foreground by then (the shell
+    // gives it the terminal before it runs it); the shell's echo of the line typed
+    // shows `$((1+1))`, not its value.
+    s.send_stdin(b"sh -c 'echo up-$((1+1)); exec sleep 77'\n")
+        .await
+        .unwrap();
     let mut seen = String::new();
     read_until(&mut s, "up-2", &mut seen).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
     s.signal(libc::SIGTERM).await.unwrap();
     // Typed ahead: runs once `sleep` has ended.
     s.send_stdin(b"echo after-$((2+2)); exit 3\n")

@@ -391,10 +391,43 @@ async fn a_host_side_that_breaks_resets_the_guests_client() {
     let mut got = [0u8; 14];
     within(tcp.read_exact(&mut got)).await.unwrap();
     tcp.write_all(b"never read").await.unwrap();
-    // Let the bytes reach the host's socket, so that it closes with them unread.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Once the bytes are in the host's socket, it closes with them unread.
+    within(bytes_arrived(host.get_ref())).await;
     drop(host);
     assert_reset(&mut tcp).await;
+}
+
+/// Returns once `socket` holds bytes to read, which it leaves there.
+async fn bytes_arrived(socket: &UnixStream) {
+    use std::os::fd::AsRawFd;
+    loop {
+        socket.readable().await.unwrap();
+        // Readiness may be left over from the frames read before: a peek that finds
+        // nothing clears it, and the wait goes on.
+        let peeked = socket.try_io(tokio::io::Interest::READABLE, || {
+            let mut byte = 0u8;
+            // SAFETY: a one-byte buffer of ours, on a descriptor the stream keeps open.
+            let n = unsafe {
+                libc::recv(
+                    socket.as_raw_fd(),
+                    (&mut byte as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(n)
+            }
+        });
+        match peeked {
+            Ok(0) => panic!("the host's socket reached its end before the bytes came"),
+            Ok(_) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => panic!("peeking at the host's socket: {e}"),
+        }
+    }
 }
 
 #[tokio::test]

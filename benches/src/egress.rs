@@ -1171,7 +1171,10 @@ esac
     #[test]
     fn measures_both_sides_and_removes_the_vm() {
         if Command::new("curl").arg("--version").output().is_err() {
-            eprintln!("skipped: no curl");
+            vm_tests::not_run(
+                "egress::tests::measures_both_sides_and_removes_the_vm",
+                "it needs curl (scripts/setup.sh installs it), and there is none here",
+            );
             return;
         }
         let dir = std::env::temp_dir().join(format!("vm-bench-egress-{}", std::process::id()));

@@ -690,7 +690,10 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         // SAFETY: geteuid touches no memory.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("NOT RUN: serving a socket as another user needs root");
+            crate::not_run(
+                "client::tests::a_socket_another_user_serves_is_refused",
+                "serving a socket as another user needs root",
+            );
             return;
         }
         const NOBODY: u32 = 65534;

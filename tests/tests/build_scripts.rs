@@ -538,6 +538,11 @@ fn a_cache_is_its_owners_when_root_builds_into_it_under_sudo() {
     if current_uid() != 0 {
         // Only root builds for another user.
         assert_eq!(owner("1234", &not_yet_made), "");
+        vm_tests::record_check_not_made(
+            "build_scripts::a_cache_is_its_owners_when_root_builds_into_it_under_sudo, \
+             root's half",
+            "only root builds for another user, and these tests do not run as root",
+        );
         return;
     }
     // The nearest existing directory decides: the user's home, theirs.
@@ -606,7 +611,10 @@ fn chown(path: &Path, uid: u32, gid: u32) {
 #[test]
 fn the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it() {
     if current_uid() != 0 {
-        // Only root builds for another user.
+        vm_tests::record_check_not_made(
+            "build_scripts::the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it",
+            "only root builds for another user, and these tests do not run as root",
+        );
         return;
     }
     let user = unprivileged_user();
@@ -674,7 +682,10 @@ fn the_agent_is_built_as_the_caches_owner_only_where_they_could_build_it() {
 #[test]
 fn builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write() {
     if current_uid() != 0 {
-        // Only root builds for another user.
+        vm_tests::record_check_not_made(
+            "build_scripts::builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write",
+            "only root builds for another user, and these tests do not run as root",
+        );
         return;
     }
     let user = unprivileged_user();

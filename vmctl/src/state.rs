@@ -738,7 +738,10 @@ mod tests {
         // Only root can give a directory away.
         // SAFETY: geteuid cannot fail.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("NOT RUN: giving a directory to another user needs root");
+            vm_tests::not_run(
+                "state::tests::ensure_private_dir_names_the_owner_of_a_foreign_directory",
+                "giving a directory to another user needs root",
+            );
             return;
         }
         let tmp = tempfile::tempdir().unwrap();

@@ -77,7 +77,11 @@ mod tests {
         // As root through sudo -E: the user's runtime directory, which is not root's.
         // SAFETY: geteuid cannot fail.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("NOT RUN: giving a directory to another user needs root");
+            vm_tests::not_run(
+                "daemon::tests::the_runtime_directory_is_used_only_when_ours_alone, \
+                 another user's",
+                "giving a directory to another user needs root",
+            );
             return;
         }
         std::os::unix::fs::chown(&run, Some(4242), Some(4242)).unwrap();

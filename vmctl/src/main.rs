@@ -101,7 +101,7 @@ fn main() -> ExitCode {
         }
         cli::Command::Rm(args) => {
             let dir = workspace::of_vm(args.workspace.dir());
-            if args.force || removal_confirmed(&dir) {
+            if removal_confirmed(&dir, args.force) {
                 unpin(&dir);
                 vm::remove(&dir).map_err(|e| e.to_string()).map(|removed| {
                     if removed {
@@ -277,29 +277,56 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
         })
 }
 
-/// Whether `vmctl rm` may go on: yes, unless it would remove agent sessions and the
-/// person at the terminal says no.
-fn removal_confirmed(dir: &std::path::Path) -> bool {
+/// Whether `vmctl rm` (`-f`: `force`) may go on: see [`removal_decision`].
+fn removal_confirmed(dir: &std::path::Path, force: bool) -> bool {
     use std::io::IsTerminal;
-    let Ok((_, vm)) = state::VmDir::lookup(dir) else {
-        return true;
+    // `-f` does not look: it asks nothing whatever there is.
+    let sessions = if force {
+        Vec::new()
+    } else {
+        state::VmDir::lookup(dir)
+            .map(|(_, vm)| agent::session_dirs(&vm))
+            .unwrap_or_default()
     };
-    let sessions = agent::session_dirs(&vm);
-    if sessions.is_empty() || !std::io::stdin().is_terminal() || !std::io::stderr().is_terminal() {
+    let terminal = std::io::stdin().is_terminal() && std::io::stderr().is_terminal();
+    removal_decision(
+        dir,
+        &sessions,
+        force,
+        terminal,
+        &mut std::io::stdin().lock(),
+        &mut std::io::stderr(),
+    )
+}
+
+/// Whether removing the VM of `dir`, which keeps agent `sessions`, may go on: yes,
+/// unless there are sessions (which `--resume` needs) and the person at the terminal
+/// (`terminal`: stdin and stderr are terminals), asked on `prompt`, does not answer yes on
+/// `answer`. `force` (`-f`) and a caller with no terminal (a script) are not asked.
+fn removal_decision(
+    dir: &std::path::Path,
+    sessions: &[std::path::PathBuf],
+    force: bool,
+    terminal: bool,
+    answer: &mut impl std::io::BufRead,
+    prompt: &mut impl std::io::Write,
+) -> bool {
+    if force || sessions.is_empty() || !terminal {
         return true;
     }
     let listed: Vec<String> = sessions.iter().map(|d| d.display().to_string()).collect();
-    vmm::to_stderr!(
+    let question = format!(
         "vmctl: the VM of {} keeps agent sessions (in {}), which `--resume` needs; \
          remove them with it? [y/N]",
         dir.display(),
         listed.join(", ")
     );
-    let mut answer = String::new();
-    if std::io::stdin().read_line(&mut answer).is_err() {
+    let _ = writeln!(prompt, "{}", vmm::process::printable(&question));
+    let mut said = String::new();
+    if answer.read_line(&mut said).is_err() {
         return false;
     }
-    matches!(answer.trim(), "y" | "Y" | "yes" | "Yes")
+    matches!(said.trim(), "y" | "Y" | "yes" | "Yes")
 }
 
 /// Lets the daemon stop the VM of `dir` (`vmctl stop`/`rm` stop it anyway).
@@ -452,6 +479,62 @@ fn exit_with(result: Result<u8, String>, failure: ExitCode) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// README: `vmctl rm` "asks first on a terminal when there are sessions; -f does
+    /// not". Each case: what was answered, whether it may remove, what was asked.
+    #[test]
+    fn rm_asks_before_removing_agent_sessions_on_a_terminal_alone() {
+        let dir = std::path::Path::new("/src/app");
+        let sessions = [std::path::PathBuf::from(
+            "/state/vms/app-1/agent-home/claude/projects",
+        )];
+        let decide = |sessions: &[std::path::PathBuf], force: bool, terminal: bool, typed: &str| {
+            let mut answer = typed.as_bytes();
+            let mut prompt = Vec::new();
+            let removes =
+                removal_decision(dir, sessions, force, terminal, &mut answer, &mut prompt);
+            (
+                removes,
+                answer.len() < typed.len(),
+                String::from_utf8(prompt).unwrap(),
+            )
+        };
+
+        // On a terminal, with sessions: asked; only a yes removes.
+        for (typed, removes) in [
+            ("n\n", false),
+            ("\n", false),
+            ("", false),
+            ("yes please\n", false),
+            ("y\n", true),
+            ("yes\n", true),
+            (" Y \n", true),
+        ] {
+            let (removed, read, asked) = decide(&sessions, false, true, typed);
+            assert_eq!(removed, removes, "{typed:?}");
+            assert!(read || typed.is_empty(), "{typed:?} was not read");
+            assert_eq!(
+                asked,
+                "vmctl: the VM of /src/app keeps agent sessions (in \
+                 /state/vms/app-1/agent-home/claude/projects), which `--resume` needs; remove \
+                 them with it? [y/N]\n"
+            );
+        }
+        // `-f`, no terminal (a script: the README's promise is about a terminal), or no
+        // sessions: removed without a question, and nothing read.
+        for (sessions, force, terminal) in [
+            (&sessions[..], true, true),
+            (&sessions[..], false, false),
+            (&[][..], false, true),
+        ] {
+            assert_eq!(
+                decide(sessions, force, terminal, "n\n"),
+                (true, false, String::new()),
+                "force {force}, terminal {terminal}, {} session(s)",
+                sessions.len()
+            );
+        }
+    }
 
     #[test]
     fn wrong_arguments_to_a_command_that_passes_its_code_on_exit_125() {

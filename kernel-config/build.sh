@@ -150,11 +150,15 @@ done
 [[ $missing == 0 ]] || die "the kernel rejected options of the fragment (dependencies missing?)"
 
 jobs="${VMCTL_KERNEL_JOBS:-$(( $(nproc) + 1 ))}"
+# The log outlives a failed build (the work directory goes with it) until the next
+# build of this flavour succeeds, or a day passes (cache_prune).
+failed_log="$cache_root/kernel/$flavour-$key.failed.log"
 say "[3/4] compiling vmlinux with $jobs jobs (log: $work/build.log)"
 if ! make -C "$src" -j"$jobs" vmlinux 2>&1 | tee "$work/build.log" |
         awk '/^  (CC|AS|LD|AR)/ { n++; if (n % 250 == 0) { printf "kernel:       %d objects built\n", n > "/dev/stderr" } }'; then
     tail -n 40 "$work/build.log" >&2
-    die "kernel build failed (see the lines above)"
+    cp "$work/build.log" "$failed_log" 2>/dev/null || true
+    die "kernel build failed (output above; full log: $failed_log)"
 fi
 
 say "[4/4] storing in $out_dir"
@@ -164,7 +168,7 @@ cp "$src/.config" "$out_dir.tmp/config"
 echo "$source_version" > "$out_dir.tmp/source-version"
 echo "$compiler" > "$out_dir.tmp/compiler"
 echo "$inputs" > "$out_dir.tmp/inputs"
-rm -rf "$out_dir"
+rm -rf "$out_dir" "$cache_root/kernel/$flavour-"*.failed.log
 cache_publish "$out_dir.tmp" "$out_dir" vmlinux
 cache_prune "$cache_root/kernel" "$flavour-????????????????" "$out_dir"
 say "done: $vmlinux ($(du -h "$vmlinux" | cut -f1))"

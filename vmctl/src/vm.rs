@@ -786,8 +786,8 @@ fn vm_size(resources: Resources) -> (u32, u64) {
     size_from(resources, host_cpus, host_mib)
 }
 
-/// The most vCPUs the VMM gives a VM (its MP table's room): a host with more CPUs
-/// still gets VMs, of this many.
+/// The most vCPUs the VMM gives a VM (all its MP table describes): a host with more
+/// CPUs still gets VMs, of this many.
 const MAX_VCPUS: u32 = vmm::config::MAX_VCPUS;
 
 /// How many CPUs a VM may run on: those `VMCTL_VCPU_CPUS` names (the VMM's vCPUs, or
@@ -2715,8 +2715,9 @@ mod tests {
         };
         assert_eq!(size_from(floor, 4, 7900), (4, 7900));
         assert_eq!(size_from(unset, 1, 970), (1, 970));
-        // A host of more CPUs than the VMM gives a VM (a 2-socket server).
-        assert_eq!(size_from(unset, 64, 32 * 1024).0, MAX_VCPUS);
+        // A host of more CPUs than the VMM gives a VM (a large server).
+        assert_eq!(size_from(unset, 64, 32 * 1024).0, 64);
+        assert_eq!(size_from(unset, 512, 32 * 1024).0, MAX_VCPUS);
         assert_eq!(size_from(unset, 2, 4 * 1024), (2, 1024));
         let set = Resources {
             cpus: Some(16),

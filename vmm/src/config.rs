@@ -15,7 +15,7 @@ use crate::arch::x86_64::layout;
 /// Kernel arguments every guest gets; `reboot=k` makes a guest reboot reach the
 /// i8042 reset, which is how the VMM learns that the guest is done.
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
-/// Bounded by how many processor entries the MP table can hold in the EBDA.
+/// Bounded by the MP table: 8-bit APIC IDs, the IOAPIC taking the one after the last CPU.
 pub const MAX_VCPUS: u32 = crate::arch::x86_64::mptable::MAX_CPUS as u32;
 pub const DEFAULT_VCPUS: u32 = 1;
 pub const DEFAULT_MEMORY_MIB: u64 = 256;

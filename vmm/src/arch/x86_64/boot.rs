@@ -895,6 +895,23 @@ mod tests {
         assert_eq!(e820_entries(MMIO_GAP_START).len(), 2);
     }
 
+    /// The kernel must not take the MP table's bytes for RAM before it has read them.
+    #[test]
+    fn the_largest_mp_table_is_outside_the_guests_ram() {
+        use crate::arch::x86_64::layout::EBDA_START;
+        use crate::arch::x86_64::mptable::{mptable_size, MAX_CPUS};
+        let table = (EBDA_START, EBDA_START + mptable_size(MAX_CPUS) as u64);
+        for (addr, size, _) in ranges(&e820_entries(4 << 30)) {
+            assert!(
+                addr + size <= table.0 || addr >= table.1,
+                "RAM [{addr:#x}, {:#x}) overlaps the MP table [{:#x}, {:#x})",
+                addr + size,
+                table.0,
+                table.1
+            );
+        }
+    }
+
     #[test]
     fn boot_params_for_vmlinux() {
         let mem_size = 256 << 20;

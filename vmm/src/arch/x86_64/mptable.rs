@@ -4,16 +4,20 @@
 //!
 //! Layout at `EBDA_START`, where the kernel scans for it: the 16-byte floating
 //! pointer, immediately followed by the configuration table (header, then one entry
-//! per processor, the ISA bus, the IOAPIC, its 24 pins and the two LINT pins).
+//! per processor, the ISA bus, the IOAPIC, its 24 pins and the two LINT pins). With
+//! more than 37 CPUs the table runs on past the EBDA into the legacy VGA/BIOS hole:
+//! the kernel finds the floating pointer in the EBDA's first KiB and maps the table
+//! wherever it points, and the e820 map keeps both areas out of the guest's RAM.
 //! Every multi-byte field is little-endian; the table is serialised byte by byte.
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryError};
 
-use super::layout::{APIC_START, EBDA_START, IOAPIC_START};
+use super::layout::{APIC_START, EBDA_START, HIMEM_START, IOAPIC_START};
 use crate::memory::GuestMemoryMmap;
 
-/// The table must end before the VGA hole.
-pub const MPTABLE_LIMIT: u64 = 0xa_0000;
+/// The table must end below 1 MiB, where the guest's RAM resumes (and the kernel is
+/// loaded); nothing else lives between the EBDA and there.
+pub const MPTABLE_LIMIT: u64 = HIMEM_START;
 
 const MPF_SIZE: usize = 16;
 const HEADER_SIZE: usize = 44;
@@ -257,9 +261,9 @@ mod tests {
 
     #[test]
     fn max_cpus_fits() {
-        assert!(EBDA_START + mptable_size(MAX_CPUS) as u64 <= MPTABLE_LIMIT);
-        assert!(MAX_CPUS == 254 || EBDA_START + mptable_size(MAX_CPUS + 1) as u64 > MPTABLE_LIMIT);
-        assert!(build_mptable(EBDA_START, MAX_CPUS).is_ok());
+        let table = build_mptable(EBDA_START, MAX_CPUS).unwrap();
+        assert!(EBDA_START + table.len() as u64 <= MPTABLE_LIMIT);
+        assert_eq!(MAX_CPUS, 254, "APIC IDs, not the room, are the limit");
     }
 
     #[test]
@@ -373,6 +377,21 @@ mod tests {
             setup_mptable(&mem, 0).unwrap_err().to_string(),
             MptableError::NoCpus.to_string()
         );
+    }
+
+    #[test]
+    fn the_largest_table_fits_in_a_guest_of_1_mib() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        setup_mptable(&mem, MAX_CPUS).unwrap();
+        let table = build_mptable(EBDA_START, MAX_CPUS).unwrap();
+        assert!(
+            EBDA_START + table.len() as u64 > 0xa_0000,
+            "the test should cover a table reaching past the EBDA"
+        );
+        let mut written = vec![0u8; table.len()];
+        mem.read_slice(&mut written, GuestAddress(EBDA_START))
+            .unwrap();
+        assert_eq!(written, table);
     }
 
     #[test]

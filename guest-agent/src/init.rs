@@ -120,6 +120,39 @@ pub fn parse_user(value: &str) -> Result<HostUser, InitError> {
     })
 }
 
+/// The most bytes of a host name the guest takes (`vmctl.hostname=`).
+pub const HOSTNAME_MAX_LEN: usize = 64;
+
+/// Whether the guest takes `name` as its host name: letters, digits, '-' and '.'.
+pub fn valid_hostname(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= HOSTNAME_MAX_LEN
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+}
+
+/// `name` as a host name the guest takes: every other character becomes '-' (a
+/// workspace `my_project` is host `my-project`), cut to `HOSTNAME_MAX_LEN`.
+pub fn hostname_from(name: &str) -> String {
+    let hostname: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(HOSTNAME_MAX_LEN)
+        .collect();
+    if hostname.is_empty() {
+        "vm".into()
+    } else {
+        hostname
+    }
+}
+
 /// Parses the kernel command line. Unknown parameters are ignored; invalid
 /// `vmctl.*` values are returned as warnings and left at their defaults.
 pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
@@ -144,12 +177,7 @@ pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
                 Err(e) => warnings.push(e),
             },
             "vmctl.hostname" => {
-                let ok = !value.is_empty()
-                    && value.len() <= 64
-                    && value
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-                if ok {
+                if valid_hostname(value) {
                     cfg.hostname = Some(value.to_string());
                 } else {
                     warnings.push(bad(word, "invalid host name"));
@@ -972,6 +1000,23 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn any_name_becomes_a_host_name_the_guest_takes() {
+        for (name, hostname) in [
+            ("my_project-c61c616e", "my-project-c61c616e"),
+            ("a.b-c", "a.b-c"),
+            ("", "vm"),
+            ("caf\u{e9}", "caf-"),
+        ] {
+            assert_eq!(hostname_from(name), hostname);
+            assert!(valid_hostname(&hostname_from(name)), "{name}");
+        }
+        let long = hostname_from(&"x".repeat(100));
+        assert_eq!(long.len(), HOSTNAME_MAX_LEN);
+        assert!(valid_hostname(&long));
+        assert!(!valid_hostname("a_b") && !valid_hostname(""));
     }
 
     #[test]

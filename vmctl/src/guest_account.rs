@@ -135,17 +135,11 @@ pub(crate) fn password_entry(uid: u32) -> Option<(String, String)> {
     }
 }
 
-/// `NAME:UID:GID:HOME` with a plain name, numeric ids and an absolute home, nothing
-/// that would break the kernel command line.
+/// `NAME:UID:GID:HOME` as the guest takes it (its own parser decides: a value it
+/// refused would leave the commands running as root), with nothing that would break
+/// the kernel command line.
 fn valid_account(account: &str) -> bool {
-    let parts: Vec<&str> = account.split(':').collect();
-    matches!(parts.as_slice(), [name, uid, gid, home]
-        if !name.is_empty()
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-            && uid.parse::<u32>().is_ok()
-            && gid.parse::<u32>().is_ok()
-            && home.starts_with('/')
-            && !home.contains(char::is_whitespace))
+    !account.contains(char::is_whitespace) && guest_agent::init::parse_user(account).is_ok()
 }
 
 #[cfg(test)]
@@ -160,6 +154,11 @@ mod tests {
         assert!(!valid_account("alice:x:1000:/home/alice"));
         assert!(!valid_account("alice:1:1:/home/a b"));
         assert!(!valid_account("alice:1:1"));
+        assert!(!valid_account("alice:1:1:/home/a:b"));
+        // The guest's own limits: a name of at most 32 bytes, not an option.
+        assert!(valid_account(&format!("{}:1:1:/h", "a".repeat(32))));
+        assert!(!valid_account(&format!("{}:1:1:/h", "a".repeat(33))));
+        assert!(!valid_account("-alice:1:1:/h"));
     }
 
     #[test]

@@ -895,7 +895,10 @@ fn agent_cmdline(vm: &VmDir, shares: &[Share], account: Option<&str>) -> String 
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "vm".into());
-    let mut cmdline = format!("vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={name}");
+    let mut cmdline = format!(
+        "vmctl.root=/dev/vda vmctl.upper=tmpfs vmctl.hostname={}",
+        guest_agent::init::hostname_from(&name)
+    );
     if let Some(account) = account {
         cmdline.push_str(&format!(" vmctl.user={account}"));
     }
@@ -2064,6 +2067,26 @@ mod tests {
             guest_agent::protocol::encode_frame(&guest_agent::protocol::ClientMessage::Shutdown)
                 .unwrap();
         assert_eq!(requests[1], shutdown[4..], "not asked to shut down");
+    }
+
+    /// What vmctl tells the guest, the guest takes: a value it refused would be a
+    /// warning in the console log only (a workspace `my_project` had no host name).
+    #[test]
+    fn the_guest_takes_every_setting_of_the_command_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("my_project.v2-c61c616e"),
+        };
+        let shares = [Share {
+            host: dir.path().into(),
+            guest: dir.path().into(),
+            read_only: true,
+        }];
+        let cmdline = agent_cmdline(&vm, &shares, Some("alice:1000:1000:/home/alice"));
+        let (config, refused) = guest_agent::init::parse_cmdline(&cmdline);
+        assert!(refused.is_empty(), "{cmdline}: {refused:?}");
+        assert_eq!(config.hostname.as_deref(), Some("my-project.v2-c61c616e"));
+        assert_eq!(config.user.map(|user| user.name).as_deref(), Some("alice"));
     }
 
     #[test]

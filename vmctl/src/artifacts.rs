@@ -89,6 +89,17 @@ fn cache_dir_in(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<Path
         .or_else(|| set("HOME").map(|home| PathBuf::from(home).join(".cache/vmctl")))
 }
 
+/// Held while a build script may build: a start looks for its files at once, and their
+/// builds (each on every CPU, one perhaps asking for sudo's password) go one at a time.
+static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_build_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    // A build that panicked left nothing for the next to trust less.
+    BUILDING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Returns the artifact's path: the file its override variable names, else the cached
 /// build, building it first when needed (the build scripts show their progress).
 pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
@@ -112,6 +123,7 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
             return Ok(cached);
         }
     }
+    let _building = one_build_at_a_time();
     if matches!(artifact, Artifact::AgentInitramfs) {
         // Usually a no-op rebuild check: quiet unless cargo has work to do, or it fails.
         return run_script_quietly(&script, args, |message| vmm::to_stderr!("vmctl: {message}"));
@@ -259,6 +271,7 @@ pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
     }
     let recipe = recipe.map(|r| r.display().to_string());
     let args: Vec<&str> = recipe.iter().map(String::as_str).collect();
+    let _building = one_build_at_a_time();
     run_script(&script, &args, false)
 }
 

@@ -649,7 +649,8 @@ pub struct BootArgs {
     #[arg(long = "fs", value_name = "TAG:SOCKET")]
     pub filesystems: Vec<String>,
     /// Extra kernel command-line arguments, appended to the defaults
-    /// ("console=ttyS0 reboot=k panic=1 quiet" and the virtio-mmio devices).
+    /// ("console=ttyS0 reboot=k panic=1 quiet cpu_init_udelay=0" and the virtio-mmio
+    /// devices).
     #[arg(
         long,
         value_name = "ARGS",

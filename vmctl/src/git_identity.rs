@@ -10,7 +10,7 @@
 use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::agent::{agent_home_dir, lock_agent_homes, GUEST_AGENT_HOME};
 use crate::guest_writable;
@@ -41,6 +41,9 @@ pub fn guest_env(vm: &VmDir, dir: &Path) -> Option<(String, String)> {
         .and_then(|()| lock_agent_homes(vm))
         .and_then(|_refreshing| {
             let dir = guest_writable::open_dir(&homes)?;
+            if guest_writable::holds_read_only(&dir, FILE, text.as_bytes()) {
+                return Ok(());
+            }
             guest_writable::write_read_only(dir, FILE, text.as_bytes())
         });
     if let Err(e) = written {
@@ -93,18 +96,21 @@ fn values_in(scope: &[&str], dir: &Path) -> Option<Vec<(&'static str, &'static s
     let Ok(mut git) = spawned else {
         return Some(Vec::new());
     };
-    let deadline = Instant::now() + GIT_DEADLINE;
-    while git.try_wait().ok()?.is_none() {
-        if Instant::now() >= deadline {
-            let _ = git.kill();
-            let _ = git.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // Exited: its few lines of output wait in the pipe.
-    let mut listed = Vec::new();
-    git.stdout.take()?.read_to_end(&mut listed).ok()?;
+    // Read as it comes: the end of its output is git's exit, with no poll's delay.
+    let mut stdout = git.stdout.take()?;
+    let (sender, listing) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut listed = Vec::new();
+        let read = stdout.read_to_end(&mut listed).map(|_| listed);
+        let _ = sender.send(read);
+    });
+    let Ok(Ok(listed)) = listing.recv_timeout(GIT_DEADLINE) else {
+        // Killed, git's end of the pipe closes and the reader ends too.
+        let _ = git.kill();
+        let _ = git.wait();
+        return None;
+    };
+    let _ = git.wait();
     Some(values_of(&listed))
 }
 
@@ -242,7 +248,7 @@ mod tests {
         let head = repo.join(".git/HEAD");
         std::fs::remove_file(&head).unwrap();
         crate::guest_writable::make_fifo(&head);
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         assert_eq!(values_in(&["--global"], &repo), None);
         assert!(started.elapsed() < GIT_DEADLINE * 3);
         assert!(values_in(&["--global"], Path::new("/")).is_some());

@@ -475,6 +475,18 @@ pub fn write_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8])
     create_read_only(parent, name, |file| io::Write::write_all(file, bytes))
 }
 
+/// Whether `name` of `parent` is already what [`write_read_only`] of `bytes` would
+/// leave: a read-only (0444) regular file holding exactly them. Writing it again would
+/// only make the guest see an edit (and git, for a moment, no such file).
+pub fn holds_read_only(parent: impl AsFd, name: impl AsRef<OsStr>, bytes: &[u8]) -> bool {
+    let (parent, name) = (parent.as_fd(), name.as_ref());
+    let read_only = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)
+        .is_ok_and(|stat| stat.st_mode & 0o7777 == 0o444);
+    read_only
+        && read_file_in(parent, Path::new(name), bytes.len() as u64)
+            .is_ok_and(|(held, _)| held == bytes)
+}
+
 /// Creates the new file `name` of `parent` (never through a symlink: `O_EXCL`), lets
 /// `fill` write it, then makes it read-only (0444).
 fn create_read_only(
@@ -563,6 +575,44 @@ mod tests {
         // Written again over its own read-only copy.
         write_read_only(open_dir(&shared).unwrap(), "gitconfig", b"[init]\n").unwrap();
         assert_eq!(std::fs::read_to_string(&written).unwrap(), "[init]\n");
+    }
+
+    #[test]
+    fn only_the_very_file_written_counts_as_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = open_dir(dir.path()).unwrap();
+        assert!(
+            !holds_read_only(&shared, "gitconfig", b"[user]\n"),
+            "none yet"
+        );
+        write_read_only(&shared, "gitconfig", b"[user]\n").unwrap();
+        assert!(holds_read_only(&shared, "gitconfig", b"[user]\n"));
+        assert!(
+            !holds_read_only(&shared, "gitconfig", b"[user]\n\n"),
+            "longer"
+        );
+        assert!(
+            !holds_read_only(&shared, "gitconfig", b"[init]\n"),
+            "other bytes"
+        );
+        let path = dir.path().join("gitconfig");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(
+            !holds_read_only(&shared, "gitconfig", b"[user]\n"),
+            "made writable"
+        );
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(dir.path().join("elsewhere"), "[user]\n").unwrap();
+        std::fs::set_permissions(
+            dir.path().join("elsewhere"),
+            std::fs::Permissions::from_mode(0o444),
+        )
+        .unwrap();
+        symlink(dir.path().join("elsewhere"), &path).unwrap();
+        assert!(
+            !holds_read_only(&shared, "gitconfig", b"[user]\n"),
+            "a link"
+        );
     }
 
     fn mode(path: &Path) -> u32 {

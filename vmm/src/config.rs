@@ -14,7 +14,10 @@ use crate::arch::x86_64::layout;
 
 /// Kernel arguments every guest gets; `reboot=k` makes a guest reboot reach the
 /// i8042 reset, which is how the VMM learns that the guest is done.
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
+/// `cpu_init_udelay=0`: a vCPU needs none of the 10 ms INIT settling delay that Linux
+/// 6.1 keeps for CPUs it does not know as modern (Intel families other than 6, such
+/// as recent ones), paid once per vCPU it starts.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet cpu_init_udelay=0";
 /// Bounded by the MP table: 8-bit APIC IDs, the IOAPIC taking the one after the last CPU.
 pub const MAX_VCPUS: u32 = crate::arch::x86_64::mptable::MAX_CPUS as u32;
 pub const DEFAULT_VCPUS: u32 = 1;

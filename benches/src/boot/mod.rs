@@ -66,7 +66,7 @@ pub(crate) const QEMU_DEVICES: [&str; 8] = [
 ];
 /// The command line our VMM gives the guest by default (it appends its virtio-mmio
 /// devices, of which a boot with only an initrd has none).
-pub(crate) const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
+pub(crate) const GUEST_CMDLINE: &str = vmm::config::DEFAULT_CMDLINE;
 /// The boot figures' configurations (the 1 and 2 vCPUs, 128 MiB and 1 GiB):
 /// the first names its figures plainly, the others with a suffix.
 pub const BOOT_CONFIGS: [BootConfig; 4] = [

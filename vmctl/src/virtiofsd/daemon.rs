@@ -283,8 +283,9 @@ pub(super) enum StartOutcome {
     TimedOut,
 }
 
-/// Waits for each of `daemons` (started together) to create its socket and outlive
-/// [`SETTLE_TIME`]; a daemon that exits meanwhile is reaped.
+/// Waits for each of `daemons` (started together) to create its socket, and one
+/// without a namespace sandbox to outlive [`SETTLE_TIME`] too; a daemon that exits
+/// meanwhile is reaped.
 pub(super) fn wait_started(daemons: &mut [&mut Daemon]) -> Vec<StartOutcome> {
     let deadline = Instant::now() + START_TIMEOUT;
     let mut outcomes: Vec<Option<StartOutcome>> = vec![None; daemons.len()];
@@ -315,7 +316,11 @@ pub(super) fn wait_started(daemons: &mut [&mut Daemon]) -> Vec<StartOutcome> {
         }
         std::thread::sleep(START_POLL);
     }
-    if outcomes.iter().any(Option::is_none) {
+    let unsettled = daemons
+        .iter()
+        .zip(&outcomes)
+        .any(|(daemon, outcome)| outcome.is_none() && daemon.sandbox != Sandbox::Namespace);
+    if unsettled {
         std::thread::sleep(SETTLE_TIME);
     }
     daemons

@@ -24,10 +24,13 @@ use crate::shares::{self, Share};
 /// How long a daemon may take to create its socket.
 /// Generous: a loaded machine (or the nested host, under emulation) can take seconds.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
-const START_POLL: Duration = Duration::from_millis(10);
+/// Every poll is a stat or a readlink: often, as every VM start waits on these.
+const START_POLL: Duration = Duration::from_millis(2);
 /// virtiofsd creates its socket before it enters its sandbox, so a daemon whose
-/// sandbox fails exits just after its socket appeared: it must live this long past
-/// that to count as started.
+/// sandbox fails exits just after its socket appeared. In a namespace sandbox,
+/// [`confirm_root`] waits for the pivot into the share, which a failing one never
+/// makes; a daemon without one must live this long past its socket to count as
+/// started.
 const SETTLE_TIME: Duration = Duration::from_millis(100);
 /// How often the watcher looks for dead daemons.
 const WATCH_POLL: Duration = Duration::from_millis(200);
@@ -488,15 +491,7 @@ fn start_all(
     for (daemon, outcome) in daemons.iter().zip(outcomes) {
         match outcome {
             StartOutcome::Ready => {}
-            StartOutcome::Exited(status) => {
-                return Err(VirtiofsdError::Exited {
-                    host: daemon.host.clone(),
-                    status: status.to_string(),
-                    log: daemon.log.clone(),
-                    tail: daemon.log_tail(),
-                    hint: hint.clone(),
-                });
-            }
+            StartOutcome::Exited(status) => return Err(exited(daemon, status, &hint)),
             StartOutcome::TimedOut => {
                 return Err(VirtiofsdError::Timeout {
                     host: daemon.host.clone(),
@@ -507,9 +502,27 @@ fn start_all(
             }
         }
     }
-    daemons
-        .iter_mut()
-        .try_for_each(|daemon| confirm_root(daemon, &hint))
+    for daemon in daemons.iter_mut() {
+        confirm_root(daemon, &hint)?;
+    }
+    // One that failed just after its pivot (dropping capabilities, seccomp) and is
+    // gone already; a later death is the watcher's to report.
+    for daemon in daemons.iter_mut() {
+        if let Ok(Some(status)) = daemon.poll_exit() {
+            return Err(exited(daemon, status, &hint));
+        }
+    }
+    Ok(())
+}
+
+fn exited(daemon: &Daemon, status: std::process::ExitStatus, hint: &str) -> VirtiofsdError {
+    VirtiofsdError::Exited {
+        host: daemon.host.clone(),
+        status: status.to_string(),
+        log: daemon.log.clone(),
+        tail: daemon.log_tail(),
+        hint: hint.to_string(),
+    }
 }
 
 /// Makes sure `daemon` serves its share: the root its namespace sandbox pivoted into
@@ -541,13 +554,7 @@ fn confirm_root(daemon: &mut Daemon, hint: &str) -> Result<(), VirtiofsdError> {
             }
             Err(e) => {
                 if let Ok(Some(status)) = daemon.poll_exit() {
-                    return Err(VirtiofsdError::Exited {
-                        host: daemon.host.clone(),
-                        status: status.to_string(),
-                        log: daemon.log.clone(),
-                        tail: daemon.log_tail(),
-                        hint: hint.to_string(),
-                    });
+                    return Err(exited(daemon, status, hint));
                 }
                 // Not ours to see (an unusual /proc): the check is lost, not the share.
                 tracing::warn!(host = %daemon.host.display(), "cannot see virtiofsd's root: {e}");

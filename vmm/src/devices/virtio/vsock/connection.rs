@@ -309,6 +309,7 @@ impl Connection {
                         free,
                     });
                 }
+                self.reserve_tx(pkt.data.len());
                 self.tx_buf.extend(&pkt.data);
                 self.recv_cnt += pkt.hdr.len;
                 self.flush_tx();
@@ -346,6 +347,21 @@ impl Connection {
         }
     }
 
+    /// Makes room for `more` host-bound bytes, doubling as `VecDeque` would but never
+    /// past what the credit lets the guest send (`BUF_ALLOC`, and the "OK" line before
+    /// it): doubling alone takes a full buffer to twice that, which the guest can have
+    /// every connection hold while the host side does not read.
+    fn reserve_tx(&mut self, more: usize) {
+        let (len, capacity) = (self.tx_buf.len(), self.tx_buf.capacity());
+        let needed = len + more;
+        if needed <= capacity {
+            return;
+        }
+        let most = BUF_ALLOC as usize + self.prefix;
+        let target = needed.max(capacity.saturating_mul(2).min(most));
+        self.tx_buf.reserve_exact(target - len);
+    }
+
     /// Writes as much of the host-bound buffer as the socket takes.
     pub fn flush_tx(&mut self) {
         while !self.tx_buf.is_empty() {
@@ -372,9 +388,8 @@ impl Connection {
             }
         }
         if self.tx_buf.is_empty() && self.tx_buf.capacity() > TX_BUF_KEPT {
-            // A burst's buffer (up to twice BUF_ALLOC, as it grows by doubling) is not
-            // kept for a connection's whole life: 1024 idle connections would hold
-            // half a gigabyte.
+            // A burst's buffer (up to BUF_ALLOC and the reply line) is not kept for a
+            // connection's whole life: 1024 idle connections would hold 256 MiB.
             self.tx_buf = VecDeque::new();
         }
         if (self.fwd_cnt - self.last_fwd_cnt_sent).0 >= CREDIT_UPDATE_THRESHOLD {
@@ -573,6 +588,33 @@ mod tests {
         drop(b);
     }
 
+    /// While the host side reads nothing, the guest may fill a connection's buffer to
+    /// its credit, in packets of any size: the buffer's room stays within the credit
+    /// (doubling from 3 KiB steps had it at 385 KiB for 255 KiB held).
+    #[test]
+    fn a_full_buffer_takes_no_more_room_than_the_credit() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        while (&a).write(&[0u8; 4096]).is_ok() {}
+        let mut c = Connection::new_local(3, 1024, 52, a, 7);
+        let mut buf = [0u8; 16];
+        c.produce(&mut buf).unwrap();
+        c.handle_guest(&pkt(Op::Response, 0, &[], 4096, 0), Op::Response)
+            .unwrap();
+        let chunk = vec![1u8; 3 * 1024];
+        for _ in 0..BUF_ALLOC as usize / chunk.len() {
+            c.handle_guest(&pkt(Op::Rw, 0, &chunk, 4096, 0), Op::Rw)
+                .unwrap();
+        }
+        let most = BUF_ALLOC as usize + c.prefix;
+        assert!(c.tx_buf.len() > most - chunk.len(), "{}", c.tx_buf.len());
+        assert!(
+            c.tx_buf.capacity() <= most,
+            "{} bytes of room for at most {most}",
+            c.tx_buf.capacity()
+        );
+    }
+
     /// A burst the host socket could not take at once is buffered, and the buffer
     /// goes once the socket took it all.
     #[test]
@@ -588,6 +630,12 @@ mod tests {
             "the socket took the whole burst at once"
         );
         assert!(c.tx_buf.capacity() > TX_BUF_KEPT);
+        let most = BUF_ALLOC as usize + c.prefix;
+        assert!(
+            c.tx_buf.capacity() <= most,
+            "a full buffer holds {} bytes of room, past the {most} the credit allows",
+            c.tx_buf.capacity()
+        );
         let mut received = vec![0u8; 4 * chunk.len()];
         let reader = std::thread::spawn(move || {
             b.read_exact(&mut received).unwrap();

@@ -54,6 +54,16 @@ fn pss_kib(pid: i32) -> Option<u64> {
         .ok()
 }
 
+/// When process `pid` started, in clock ticks since the host booted: with the pid, it
+/// names one process for good (a pid alone may be reused).
+pub fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command's name, in parentheses (which may hold anything), field 22 is
+    // the 20th.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Whether process `pid` runs another program than this one: not the same file, nor a
 /// copy of it byte for byte (two installs of one build); false when its program cannot
 /// be read. A program replaced since the process started (`cargo build` after a pull)
@@ -88,6 +98,22 @@ fn same_file_contents(a: &std::path::Path, b: &std::path::Path) -> Option<bool> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_start_time_is_its_own() {
+        let ours = start_time(std::process::id() as i32).expect("our own start time");
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let theirs = start_time(child.id() as i32).expect("a child's start time");
+        assert!(theirs >= ours, "{theirs} < {ours}");
+        assert_eq!(start_time(child.id() as i32), Some(theirs), "stable");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(start_time(child.id() as i32), None, "reaped");
+        assert_eq!(start_time(-1), None);
+    }
 
     #[test]
     fn a_program_is_told_from_a_copy_and_from_another() {

@@ -433,7 +433,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             workspace.display()
         )
     })?;
-    if vm.running_pid().is_some() {
+    let answered_before = vm
+        .running_pid()
+        .is_some_and(|pid| agent_answered_for(&vm, pid));
+    if vm.running_pid().is_some() && !answered_before {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
         let nested = vm.read_record().map_or(true, |record| record.nested);
@@ -447,7 +450,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         let mut said = false;
         loop {
             match agent_state(&vm.vsock_socket()) {
-                AgentState::Answers => break,
+                AgentState::Answers => {
+                    mark_agent_answered(&vm);
+                    break;
+                }
                 AgentState::OtherProtocol(agent_said) => {
                     return Err(VmError::OtherAgent {
                         workspace,
@@ -578,7 +584,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             vm_dir: vm.path.clone(),
         };
         match agent_state(&vm.vsock_socket()) {
-            AgentState::Answers => break,
+            AgentState::Answers => {
+                mark_agent_answered(&vm);
+                break;
+            }
             AgentState::OtherProtocol(agent_said) => {
                 let _ = supervisor.kill();
                 return Err(not_ready(fresh_agent_mismatch(&agent_said)));
@@ -627,6 +636,29 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// The file in a VM's directory naming the supervisor (pid and start time) whose guest
+/// agent answered a start: a session that finds it still running knows the VM booted,
+/// without a round trip to the agent of its own (which every `vmctl exec` paid).
+const AGENT_ANSWERED: &str = "agent-answered";
+
+fn supervisor_named(pid: i32) -> Option<String> {
+    Some(format!("{pid} {}", crate::procfs::start_time(pid)?))
+}
+
+/// Records that the agent of `vm`'s running supervisor answered. Best effort: without
+/// the file, the next session asks the agent itself.
+fn mark_agent_answered(vm: &VmDir) {
+    if let Some(named) = vm.running_pid().and_then(supervisor_named) {
+        let _ = std::fs::write(vm.path.join(AGENT_ANSWERED), named);
+    }
+}
+
+/// Whether the agent of supervisor `pid` answered a start already.
+fn agent_answered_for(vm: &VmDir, pid: i32) -> bool {
+    let recorded = std::fs::read_to_string(vm.path.join(AGENT_ANSWERED));
+    recorded.is_ok_and(|recorded| Some(recorded) == supervisor_named(pid))
 }
 
 /// Fills in `record`'s files to boot, building those not in the cache yet (`ensure`:
@@ -1946,6 +1978,37 @@ mod tests {
             held.is_empty(),
             "the supervisor holds the caller's pipe: {held:?}"
         );
+    }
+
+    /// A session after the start that saw the agent answer skips asking it again, but
+    /// only while that very supervisor runs.
+    #[test]
+    fn a_start_whose_agent_answered_is_known_by_its_supervisor() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let exe = dir.path().join("vmctl");
+        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
+        let mut supervisor = {
+            let _forking = crate::state::no_forks_meanwhile();
+            spawn_supervisor_from(&exe, &vm).unwrap()
+        };
+        let pid = supervisor.id() as i32;
+        assert_eq!(vm.running_pid(), Some(pid));
+        assert!(!agent_answered_for(&vm, pid), "nothing answered yet");
+        mark_agent_answered(&vm);
+        let answered = agent_answered_for(&vm, pid);
+        // The same pid, another process (a pid reused since).
+        std::fs::write(vm.path.join(AGENT_ANSWERED), format!("{pid} 1")).unwrap();
+        let reused = agent_answered_for(&vm, pid);
+        mark_agent_answered(&vm);
+        let _ = supervisor.kill();
+        let _ = supervisor.wait();
+        assert!(answered);
+        assert!(!reused, "another process of that pid counted");
+        assert!(!agent_answered_for(&vm, pid), "a supervisor gone counted");
     }
 
     /// The start lock's proof of a running VM is there before the supervisor writes

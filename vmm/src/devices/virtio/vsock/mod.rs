@@ -7,9 +7,11 @@
 //! - guest → host: a guest connection to CID 2 port `N` is forwarded to the Unix
 //!   socket `P_N`; if nothing listens there the guest gets a reset.
 //!
-//! The transport calls [`VirtioDevice::process_queue`] from the VMM's event loop
-//! with its lock held, so the device only wakes its worker thread ([`worker`]),
-//! which does all queue and socket I/O.
+//! The worker thread ([`worker`]) does all queue and socket I/O. It waits on the
+//! queues' ioeventfds itself ([`VirtioDevice::attach_queue_events`]): a guest's kick
+//! wakes it directly, not through the VMM's event loop, which may be busy serving a
+//! block device's reads. [`VirtioDevice::process_queue`] (a kick the transport
+//! forwards, as in tests) only wakes it.
 
 pub mod connection;
 pub mod muxer;
@@ -22,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::{
     ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_VSOCK,
@@ -61,6 +64,8 @@ pub struct Vsock {
     listener: Arc<UnixListener>,
     acked_features: u64,
     queue_max_sizes: [u16; NUM_QUEUES],
+    /// The queues' ioeventfds, when the VMM gave them ([`VirtioDevice::attach_queue_events`]).
+    kicks: Option<[Arc<EventFd>; NUM_QUEUES]>,
     worker: Option<WorkerHandle>,
 }
 
@@ -92,6 +97,7 @@ impl Vsock {
             listener: Arc::new(listener),
             acked_features: 0,
             queue_max_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            kicks: None,
             worker: None,
         })
     }
@@ -154,6 +160,19 @@ impl VirtioDevice for Vsock {
         );
     }
 
+    fn attach_queue_events(&mut self, events: &[EventFd]) -> Result<bool, std::io::Error> {
+        let Ok(events) = <&[EventFd; NUM_QUEUES]>::try_from(events) else {
+            return Ok(false);
+        };
+        let [rx, tx, event] = events;
+        self.kicks = Some([
+            Arc::new(rx.try_clone()?),
+            Arc::new(tx.try_clone()?),
+            Arc::new(event.try_clone()?),
+        ]);
+        Ok(true)
+    }
+
     fn activate(
         &mut self,
         memory: GuestMemoryMmap,
@@ -172,8 +191,15 @@ impl VirtioDevice for Vsock {
         self.stop_worker();
         let muxer = Muxer::new(self.guest_cid, &self.uds_path, self.listener.clone())
             .map_err(|e| ActivateError::Device(e.to_string()))?;
-        let handle = worker::spawn(memory, queues, interrupt, muxer, self.guest_cid)
-            .map_err(|e| ActivateError::Device(e.to_string()))?;
+        let handle = worker::spawn(
+            memory,
+            queues,
+            interrupt,
+            muxer,
+            self.guest_cid,
+            self.kicks.clone(),
+        )
+        .map_err(|e| ActivateError::Device(e.to_string()))?;
         self.worker = Some(handle);
         Ok(())
     }

@@ -174,6 +174,12 @@ impl Guest {
 
     /// Sends raw bytes as one single-descriptor tx chain.
     fn send_raw(&mut self, bytes: &[u8]) {
+        self.post_tx(bytes);
+        assert_eq!(self.dev.process_queue(1), QueueProgress::Done);
+    }
+
+    /// Makes raw bytes available as one single-descriptor tx chain, without a kick.
+    fn post_tx(&mut self, bytes: &[u8]) {
         let deadline = Instant::now() + TIMEOUT;
         let slot = loop {
             self.reclaim_tx();
@@ -187,7 +193,6 @@ impl Guest {
         let addr = TX_BUF_BASE + u64::from(slot) * TX_SLOT;
         self.mem.write_slice(bytes, GuestAddress(addr)).unwrap();
         self.post(1, slot, &[raw(addr, bytes.len() as u32, 0, 0)]);
-        assert_eq!(self.dev.process_queue(1), QueueProgress::Done);
     }
 
     fn send(&mut self, hdr: Header, data: &[u8]) {
@@ -636,6 +641,30 @@ fn guest_initiated_connections() {
     g.expect(Op::Rst);
     g.send_op(40002, 1236, Op::Rst, &[]);
     g.assert_quiet();
+}
+
+/// Given the queues' ioeventfds, the worker waits on them itself: a guest's kick,
+/// which KVM signals there with no VMM thread in between, is served without the
+/// event loop's `process_queue`.
+#[test]
+fn a_kick_on_a_queues_ioeventfd_reaches_the_worker() {
+    let dir = TempDir::new();
+    let mut dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+    let kicks: Vec<EventFd> = (0..3)
+        .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
+        .collect();
+    assert!(dev.attach_queue_events(&kicks).unwrap(), "served elsewhere");
+    let mut g = Guest::with_device(dir, dev);
+    // Nobody listens on port 1235: the answer is a reset.
+    let mut request = hdr(40001, 1235, Op::Request);
+    request.len = 0;
+    g.post_tx(&request.to_bytes());
+    kicks[1].write(1).unwrap();
+    let (h, _) = g.expect(Op::Rst);
+    assert_eq!((h.src_port, h.dst_port), (1235, 40001));
+    // Two events are not the device's three queues: the event loop keeps them.
+    let mut other = Vsock::new(CID, &g._dir.0.join("w.sock")).unwrap();
+    assert!(!other.attach_queue_events(&kicks[..2]).unwrap());
 }
 
 /// A host service that does not accept: the guest's connections beyond its backlog

@@ -98,20 +98,25 @@ pub struct Datapath {
     chains: ChainReader,
 }
 
-/// Starts the worker thread.
+/// Starts the worker thread, woken for the queues by `kicks` (the queues' ioeventfds)
+/// or, without them, by eventfds of its own that [`WorkerHandle::notify`] writes.
 pub fn spawn(
     memory: GuestMemoryMmap,
     queues: [Queue; NUM_QUEUES],
     interrupt: InterruptTrigger,
     muxer: Muxer,
     guest_cid: u64,
+    kicks: Option<[Arc<EventFd>; NUM_QUEUES]>,
 ) -> Result<WorkerHandle, WorkerError> {
     let new_evt = || {
         EventFd::new(EFD_NONBLOCK)
             .map(Arc::new)
             .map_err(WorkerError::EventFd)
     };
-    let queue_evts = [new_evt()?, new_evt()?, new_evt()?];
+    let queue_evts = match kicks {
+        Some(kicks) => kicks,
+        None => [new_evt()?, new_evt()?, new_evt()?],
+    };
     let stop = new_evt()?;
     let datapath = Datapath::new(memory, queues, interrupt, muxer, guest_cid);
     let epoll = datapath.muxer.epoll();

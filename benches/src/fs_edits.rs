@@ -180,9 +180,10 @@ pub struct EditsReport {
 /// A side's samples (ms) per [`Measure`], in [`Measure::ALL`]'s order.
 type Samples = [Vec<f64>; 6];
 
-/// Runs `rounds` rounds (after one unmeasured) on each side: `host` and `guest` start
-/// the probe in `host_dir` and `guest_dir` (distinct directories of the workspace),
-/// each given the probe's path and that directory as arguments.
+/// Runs `rounds` rounds (after one unmeasured) on each of `sides`, given as (name,
+/// command, directory) with the names [`HOST`] and [`GUEST`]: each command starts the
+/// probe in its directory (distinct directories of the workspace, [`side_dir`]), given
+/// the probe's path and that directory as arguments.
 pub fn measure(
     sides: [(&str, Command, &Path); 2],
     rounds: usize,

@@ -4,7 +4,8 @@
 //! VMM's hybrid-vsock Unix socket, or [`Connection::handshake`] over any byte
 //! stream), then call one of [`Connection::exec`], [`Connection::health`],
 //! [`Connection::list_ports`], [`Connection::configure_network`],
-//! [`Connection::connect_port`] or [`Connection::shutdown`].
+//! [`Connection::connect_port`] or [`Connection::shutdown`]. The exception is
+//! [`Connection::show_host_edits`], which keeps its connection for batch after batch.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), guest_agent::client::ClientError> {

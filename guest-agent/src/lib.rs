@@ -9,6 +9,8 @@
 //! - [`host_edits`]: host edits of the shares, shown to the guest's file watchers;
 //! - [`shares`]: the `vmctl.share=` kernel parameter and mounting virtio-fs shares;
 //! - [`network`]: the guest side of networking (egress proxy, port relays, CA);
+//! - [`ports`]: the guest's listening TCP ports, from `/proc/net/tcp{,6}`;
+//! - [`users`]: account lookup from `/etc/passwd` and `/etc/group`;
 //! - [`raw`]: a connection switched from frames to raw bytes.
 
 pub mod cgroups;

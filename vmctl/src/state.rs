@@ -1,5 +1,6 @@
 //! Where a workspace's VM keeps its state: one directory per workspace under the XDG
-//! state dir, holding its record, its vsock socket and its logs. Nothing is written
+//! state dir, holding its record and its logs, and its sockets unless their paths
+//! would be too long ([`VmDir::sockets_dir`], then under /tmp). Nothing is written
 //! into the workspace.
 
 use std::ffi::OsString;

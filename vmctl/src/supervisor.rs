@@ -1,8 +1,10 @@
 //! `vmctl __supervise DIR`: the long-lived process behind a workspace VM, started
 //! detached by `vmctl up`. It runs the VMM (directly, or in the nested host) with the
-//! VM's vsock at `DIR/vsock.sock`, the guest console in `DIR/console.log`, and the
-//! VM's network side ([`crate::network`]): the egress proxy, relays, published ports
-//! and the control socket `DIR/control.sock`; it keeps the guest's clock in step
+//! VM's vsock at `SOCKETS/vsock/vsock.sock`, the guest console in `DIR/console.log`,
+//! and the VM's network side ([`crate::network`]): the egress proxy, relays, published
+//! ports and the control socket `SOCKETS/control.sock`, where `SOCKETS` is `DIR` or,
+//! when that makes the paths too long, a directory under /tmp
+//! ([`VmDir::sockets_dir`]); it keeps the guest's clock in step
 //! ([`crate::guest_clock`]) and shows the host's edits of the shares to the guest's
 //! file watchers ([`crate::host_edits`]).
 

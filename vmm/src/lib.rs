@@ -1,6 +1,7 @@
 //! A minimal KVM virtual machine monitor built on the rust-vmm crates.
 //!
 //! - [`vstate`]: the KVM VM and vCPU file descriptors and their run loops.
+//! - [`memory`]: guest memory, a memfd mapped shared for vhost-user backends.
 //! - [`arch::x86_64`]: boot details (layout, boot_params/e820, page tables, GDT,
 //!   CPUID, MSRs, MP table).
 //! - [`devices`]: the port-I/O and MMIO buses, legacy devices (serial, i8042, boot

@@ -4,7 +4,8 @@
 //! kernel and images are used at the same paths.
 //!
 //! - [`launcher`]: on the host, starts QEMU and relays the outcome.
-//! - [`init`]: inside, `vmctl __nested-init` is PID 1 and runs the VMM.
+//! - [`init`]: inside, `vmctl` is PID 1 (told so by [`job::JOB_ENV`] in its
+//!   environment) and runs the VMM.
 //! - [`job`]: the job file between the two.
 //! - [`stall`]: on the host, ends a nested host whose vCPU stopped taking interrupts.
 

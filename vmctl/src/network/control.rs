@@ -1,5 +1,6 @@
-//! The supervisor's control socket (`DIR/control.sock`): one JSON request and one
-//! JSON response per connection.
+//! The supervisor's control socket (`control.sock` in the VM's sockets directory,
+//! [`crate::state::VmDir::control_socket`]): one JSON request and one JSON response
+//! per connection.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};

@@ -8,7 +8,7 @@ use crate::devices::bus::BusDevice;
 
 /// The guest's ttyS0: a vm-superio 8250 whose output goes to the VMM's stdout (or any
 /// writer) and whose interrupt is an irqfd on IRQ 4. Without that interrupt the
-/// guest's 8250 driver waits for every transmitted character (see ENVIRONMENT.md).
+/// guest's 8250 driver polls THRE (transmitter empty) for every character it sends.
 pub struct SerialConsole {
     uart: Serial<EventFdTrigger, NoEvents, Box<dyn Write + Send>>,
 }

@@ -50,7 +50,8 @@ pub const MIN_SECRET_LEN: usize = 8;
 /// The value the guest sees in place of a secret (see [`placeholder_for`]).
 pub const PLACEHOLDER: &str = "vmctl-placeholder";
 
-/// The built-in secret names, which have default bindings.
+/// The built-in secret names, which have default bindings (`Kind::of` tells them
+/// apart; a test keeps the two in step).
 pub const BUILTIN_NAMES: &[&str] = &["anthropic", "openai", "github"];
 
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +66,7 @@ pub enum SecretError {
     TooShort { len: usize },
     #[error("the secret value {reason}; it must be printable ASCII to go in an HTTP header (pipe exactly one value, at most one trailing newline)")]
     InvalidValue { reason: String },
-    #[error("{name:?} is not a valid secret name: {reason}; use anthropic, openai, github or a name of lower-case letters, digits, '-' and '_' (at most 64)")]
+    #[error("{name:?} is not a valid secret name: {reason}; use {builtins} or a name of lower-case letters, digits, '-' and '_' (at most 64)", builtins = BUILTIN_NAMES.join(", "))]
     Name { name: String, reason: String },
     #[error("secret {name}: {source}")]
     Host {
@@ -74,7 +75,7 @@ pub enum SecretError {
     },
     #[error("{spec:?} is not a valid header: {reason}; write NAME (the secret as is) or 'NAME: TEMPLATE' with {{}} once, e.g. 'Authorization: token {{}}'")]
     Header { spec: String, reason: String },
-    #[error("secret {name} is not a built-in one (anthropic, openai, github): say where it goes with at least one --host HOST")]
+    #[error("secret {name} is not a built-in one ({builtins}): say where it goes with at least one --host HOST", builtins = BUILTIN_NAMES.join(", "))]
     NoHosts { name: String },
     #[error("secret {name}: --host {host} would send it to every site under a domain where anyone can have one (a top-level, registry or hosting domain); name the API's host, or its own domain ('*.example.com')")]
     HostTooBroad { name: String, host: String },
@@ -855,6 +856,28 @@ mod tests {
 
     fn secret(text: &str) -> SecretValue {
         read_secret(text.as_bytes()).unwrap()
+    }
+
+    /// The names the messages list are the ones with bindings of their own, and only
+    /// those.
+    #[test]
+    fn the_builtin_names_are_the_built_in_kinds() {
+        let kinds: Vec<Kind> = BUILTIN_NAMES.iter().map(|name| Kind::of(name)).collect();
+        assert_eq!(kinds, [Kind::Anthropic, Kind::OpenAi, Kind::GitHub]);
+        let no_hosts = SecretError::NoHosts { name: "x".into() }.to_string();
+        assert!(
+            no_hosts.contains(" (anthropic, openai, github): "),
+            "{no_hosts}"
+        );
+        let name = SecretError::Name {
+            name: "X".into(),
+            reason: "r".into(),
+        }
+        .to_string();
+        assert!(
+            name.contains("; use anthropic, openai, github or a name "),
+            "{name}"
+        );
     }
 
     /// The public form is a known prefix, whatever separators the random part after

@@ -139,11 +139,6 @@ impl Pattern {
         self.port
     }
 
-    /// Whether this is a `*.domain` pattern.
-    pub fn is_wildcard(&self) -> bool {
-        matches!(self.host, HostPattern::Subdomains(_))
-    }
-
     /// Whether this is a `*.domain` pattern of a domain under which anyone can get a
     /// name of their own: a top-level domain (`*.com`, `*.internal`), a country's
     /// registry domain (`*.co.uk`, `*.com.au`), or a hosting domain that hands out

@@ -11,8 +11,9 @@ pub const APIC_LVT1: usize = 0x360;
 /// Delivery mode field of an LVT register: bits 10:8.
 pub const APIC_DELIVERY_MODE_SHIFT: u32 = 8;
 pub const APIC_DELIVERY_MODE_MASK: u32 = 0x7 << APIC_DELIVERY_MODE_SHIFT;
-/// Delivery modes.
-pub const APIC_MODE_FIXED: u32 = 0x0;
+/// Delivery modes (fixed only in the tests: the LINT pins get NMI and ExtINT).
+#[cfg(test)]
+const APIC_MODE_FIXED: u32 = 0x0;
 pub const APIC_MODE_NMI: u32 = 0x4;
 pub const APIC_MODE_EXTINT: u32 = 0x7;
 

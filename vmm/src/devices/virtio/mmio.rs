@@ -290,7 +290,8 @@ impl MmioTransport {
     }
 
     /// Number of queues of the device (valid QueueNotify values are `0..queue_count()`).
-    pub fn queue_count(&self) -> usize {
+    #[cfg(test)]
+    fn queue_count(&self) -> usize {
         self.queues.len()
     }
 
@@ -312,7 +313,8 @@ impl MmioTransport {
     }
 
     /// Whether the device was activated (DRIVER_OK accepted and activation succeeded).
-    pub fn is_activated(&self) -> bool {
+    #[cfg(test)]
+    fn is_activated(&self) -> bool {
         self.device_activated
     }
 

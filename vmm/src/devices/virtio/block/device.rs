@@ -140,10 +140,6 @@ impl Block {
         self.disk.capacity_sectors
     }
 
-    pub fn is_read_only(&self) -> bool {
-        self.disk.read_only
-    }
-
     /// Features the driver acknowledged (0 before FEATURES_OK and after a reset).
     pub fn acked_features(&self) -> u64 {
         self.acked_features

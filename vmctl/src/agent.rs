@@ -2,6 +2,7 @@
 //! directory's workspace, as Paseo's providers launch it: cwd at the host path, stdio
 //! relayed byte for byte (a PTY only when stdin and stdout are terminals), exit code and
 //! signals propagated, loopback MCP URLs relayed, a per-VM config home.
+//! "Agent" here is the coding agent's CLI (claude, codex), not `guest-agent`, the VM's PID 1.
 
 use std::ffi::{OsStr, OsString};
 use std::io::{ErrorKind, IsTerminal};

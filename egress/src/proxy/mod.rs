@@ -455,8 +455,16 @@ impl ProxyError {
 /// The TLS client configuration for upstream connections, trusting
 /// [`upstream_roots`]. HTTP/1.1 only, which is what the proxy speaks upstream.
 pub fn upstream_tls_config(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, ProxyError> {
+    tls_config_trusting(upstream_roots(extra_ca)?)
+}
+
+/// [`upstream_tls_config`] of roots read already (a caller that needs them for the
+/// guest too reads the host's store once: a few hundred files and certificates).
+pub fn tls_config_trusting(
+    certs: Vec<rustls::pki_types::CertificateDer<'static>>,
+) -> Result<rustls::ClientConfig, ProxyError> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add_parsable_certificates(upstream_roots(extra_ca)?);
+    roots.add_parsable_certificates(certs);
     if roots.is_empty() {
         return Err(ProxyError::NoTrustRoots);
     }

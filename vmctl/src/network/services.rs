@@ -174,23 +174,21 @@ pub struct NetworkService {
     applied: tokio::sync::Mutex<Option<NetworkConfig>>,
 }
 
-/// The roots the egress proxy trusts upstream, as PEM for the guest: its TLS through
-/// the proxy's tunnels runs end to end, so behind a TLS-inspecting company proxy it
-/// must trust that proxy's CA as the host does. Too many to send: none, with a
-/// warning (the guest keeps its image's roots).
-fn guest_roots(extra_ca: Option<&Path>) -> Result<String, NetworkError> {
-    let roots = egress::proxy::upstream_roots(extra_ca).map_err(NetworkError::TrustRoots)?;
-    let pem = egress::proxy::to_pem(&roots);
+/// The roots the egress proxy trusts upstream (`pem`, of `count` certificates), for the
+/// guest: its TLS through the proxy's tunnels runs end to end, so behind a
+/// TLS-inspecting company proxy it must trust that proxy's CA as the host does. Too
+/// many to send: none, with a warning (the guest keeps its image's roots).
+fn guest_roots(pem: String, count: usize) -> String {
     if pem.len() > MAX_ROOTS_SIZE {
         tracing::warn!(
             "the host trusts {} certificates ({} bytes of PEM, more than the {MAX_ROOTS_SIZE} \
              the guest takes): the guest keeps its own roots only",
-            roots.len(),
+            count,
             pem.len()
         );
-        return Ok(String::new());
+        return String::new();
     }
-    Ok(pem)
+    pem
 }
 
 /// Starts serving the VM's network on a thread of its own; it runs until the
@@ -213,9 +211,10 @@ pub fn start(vm: &VmDir, record: &VmRecord) -> Result<(), NetworkError> {
         vmm::to_stderr!("vmctl: warning: {soon}");
     }
     let extra_ca = record.egress.extra_ca.as_deref();
+    let roots = egress::proxy::upstream_roots(extra_ca).map_err(NetworkError::TrustRoots)?;
+    let trusted_roots_pem = guest_roots(egress::proxy::to_pem(&roots), roots.len());
     let upstream_tls =
-        egress::proxy::upstream_tls_config(extra_ca).map_err(NetworkError::TrustRoots)?;
-    let trusted_roots_pem = guest_roots(extra_ca)?;
+        egress::proxy::tls_config_trusting(roots).map_err(NetworkError::TrustRoots)?;
     let rules = egress::file_rules::FileRules::new(
         files.policy.clone(),
         files.secrets.clone(),

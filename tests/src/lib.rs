@@ -1292,9 +1292,26 @@ fn vmctl_says_its_vm_was_lost(stderr: &str) -> bool {
         .any(|line| VM_LOST_SIGNS.iter().any(|sign| line.contains(sign)))
 }
 
+/// Where a failure's message starts quoting a command's stderr, which relays the
+/// guest command's own: past it, only vmctl's own lines are read for a lost VM.
+pub const QUOTED_OUTPUT: &str =
+    "--- its stderr (only vmctl's own lines in it can mean a lost VM) ---";
+
+/// Asserts that `output` (of a vmctl that ran a guest command) succeeded, quoting its
+/// stderr after [`QUOTED_OUTPUT`].
+pub fn assert_ok(output: &Output, what: &str) {
+    assert!(
+        output.status.success(),
+        "{what} failed ({})\n{QUOTED_OUTPUT}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 fn vm_was_lost(panic: &(dyn std::any::Any + Send)) -> bool {
     let message = panic_message(panic);
-    VM_LOST_SIGNS.iter().any(|sign| message.contains(sign))
+    let (own, quoted) = message.split_once(QUOTED_OUTPUT).unwrap_or((message, ""));
+    VM_LOST_SIGNS.iter().any(|sign| own.contains(sign)) || vmctl_says_its_vm_was_lost(quoted)
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
@@ -1477,6 +1494,16 @@ mod tests {
              guest's console), in /tmp/s"
         ));
         assert!(!lost("assertion `left == right` failed: left: \"job-1\""));
+        // A command's stderr quoted in the failure: the guest's own timeout is not
+        // vmctl's, which still counts there.
+        let quoted =
+            |stderr: &str| format!("probe failed (exit status: 1)\n{QUOTED_OUTPUT}\n{stderr}");
+        assert!(!lost(&quoted(
+            "Traceback (most recent call last):\nTimeoutError: timed out\n"
+        )));
+        assert!(lost(&quoted(
+            "vmctl: error: the agent closed the connection; the VM stopped: the guest crashed\n"
+        )));
         // A panic with a payload that is not text is not taken for a lost VM.
         assert!(!vm_was_lost(&42));
     }

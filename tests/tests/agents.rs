@@ -7,18 +7,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vm_tests::watchdog::{output_within, wait_within, Watchdog};
-use vm_tests::{stdout, upstream, Workspace};
+use vm_tests::{assert_ok, stdout, upstream, Workspace};
 
 const STANDIN: &str = include_str!("../guest/standin_agent.py");
-
-fn assert_ok(output: &Output, what: &str) {
-    assert!(
-        output.status.success(),
-        "{what} failed ({:?}): {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
 
 /// Puts the stand-in CLI in the workspace as `bin/claude` and makes the agents find it
 /// first, through the user's env file (forwarded to agents).

@@ -7,21 +7,12 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use vm_tests::upstream::{self, TestCa};
-use vm_tests::{random_hex, stdout, Workspace};
+use vm_tests::{assert_ok, random_hex, stdout, Workspace};
 
 const PROBE: &str = include_str!("../guest/proxy_probe.py");
-
-fn assert_ok(output: &Output, what: &str) {
-    assert!(
-        output.status.success(),
-        "{what} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
 
 /// `vmctl secret set NAME ARGS`, the value on stdin; it must succeed.
 fn set_secret(ws: &Workspace, name: &str, value: &str, args: &[&str]) {

@@ -4,13 +4,13 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use vm_tests::host_user::{current_uid, unprivileged_user};
 use vm_tests::watchdog::output_within_timeout;
 use vm_tests::{
-    assert_guest_clock_is_hosts, guest_value, seconds_since_epoch, stderr, stdout, vmctl_bin,
-    TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
+    assert_guest_clock_is_hosts, assert_ok, guest_value, seconds_since_epoch, stderr, stdout,
+    vmctl_bin, TempDir, Workspace, CLOCK_SYNC_VAR, CLOCK_TOLERANCE_S,
 };
 
 fn host(program: &str, args: &[&str], dir: &Path) -> String {
@@ -19,14 +19,6 @@ fn host(program: &str, args: &[&str], dir: &Path) -> String {
 
 fn mode_of(path: &Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
-}
-
-fn assert_ok(output: &Output, what: &str) {
-    assert!(
-        output.status.success(),
-        "{what} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 #[test]

@@ -313,11 +313,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
     for (i, child) in children.into_iter().enumerate() {
         let output = child.wait_with_output().unwrap();
         // vmctl's words in the message: a VM lost to the nested host is retried.
-        assert!(
-            output.status.success(),
-            "exec {i} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        vm_tests::assert_ok(&output, &format!("exec {i}"));
         assert_eq!(stdout(&output), format!("job-{i}\n"));
     }
     drop(bounds);

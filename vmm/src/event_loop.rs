@@ -80,11 +80,26 @@ pub struct EventLoop {
 }
 
 /// The serial console fed from the VMM's stdin. While the guest's receive FIFO is
-/// full, stdin is left unread (not dropped) and polled again a little later.
+/// full, or a vCPU holds the console (its write of the guest's output to a stdout
+/// nobody reads may block for good), stdin is left unread (not dropped) and polled
+/// again a little later: the loop's other work never waits for the console.
 struct Console {
     serial: Arc<Mutex<SerialConsole>>,
+    /// The VMM's stdin ([`STDIN_FD`]), a test's pipe.
+    input: RawFd,
     token: u64,
     paused: bool,
+}
+
+/// The console unless a vCPU holds it now.
+fn console_if_free(
+    serial: &Mutex<SerialConsole>,
+) -> Option<std::sync::MutexGuard<'_, SerialConsole>> {
+    match serial.try_lock() {
+        Ok(serial) => Some(serial),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 const STDIN_FD: RawFd = 0;
@@ -125,15 +140,24 @@ impl EventLoop {
         &mut self,
         console: Arc<Mutex<SerialConsole>>,
     ) -> Result<(), EventLoopError> {
+        self.add_console_input_from(STDIN_FD, console)
+    }
+
+    fn add_console_input_from(
+        &mut self,
+        input: RawFd,
+        console: Arc<Mutex<SerialConsole>>,
+    ) -> Result<(), EventLoopError> {
         let token = self.sources.len() as u64;
         // A regular file or /dev/null cannot be polled (EPERM): there is no input then.
-        if let Err(e) = self.add_to_epoll(STDIN_FD, token) {
+        if let Err(e) = self.add_to_epoll(input, token) {
             tracing::debug!("no console input: stdin cannot be polled ({e})");
             return Ok(());
         }
         self.sources.push(Source::ConsoleInput);
         self.console = Some(Console {
             serial: console,
+            input,
             token,
             paused: false,
         });
@@ -257,19 +281,19 @@ impl EventLoop {
         let Some(console) = &mut self.console else {
             return;
         };
-        let mut serial = console.serial.lock().unwrap_or_else(|p| p.into_inner());
-        let room = serial.input_capacity();
-        if room == 0 {
-            drop(serial);
+        let input = console.input;
+        let serial = console_if_free(&console.serial);
+        let room = serial.as_ref().map_or(0, |serial| serial.input_capacity());
+        let Some(mut serial) = serial.filter(|_| room > 0) else {
             console.paused = true;
-            self.unwatch(STDIN_FD);
+            self.unwatch(input);
             return;
-        }
+        };
         let mut buf = vec![0u8; room];
         // SAFETY: `buf` is a live, writable buffer of `room` bytes; read(2) writes at
         // most that many. Raw read(2) rather than std's Stdin, whose buffering would
         // hide pending input from epoll.
-        let n = unsafe { libc::read(STDIN_FD, buf.as_mut_ptr().cast(), room) };
+        let n = unsafe { libc::read(input, buf.as_mut_ptr().cast(), room) };
         let read = usize::try_from(n).map_err(|_| std::io::Error::last_os_error());
         match read {
             Ok(n) if n > 0 => {
@@ -281,7 +305,7 @@ impl EventLoop {
             // The end of the input, or an input that fails.
             _ => {
                 drop(serial);
-                self.unwatch(STDIN_FD);
+                self.unwatch(input);
                 self.console = None;
             }
         }
@@ -294,15 +318,11 @@ impl EventLoop {
         if !console.paused {
             return;
         }
-        let has_room = console
-            .serial
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .input_capacity()
-            > 0;
+        let has_room =
+            console_if_free(&console.serial).is_some_and(|serial| serial.input_capacity() > 0);
         if has_room {
-            let token = console.token;
-            if let Err(e) = self.add_to_epoll(STDIN_FD, token) {
+            let (input, token) = (console.input, console.token);
+            if let Err(e) = self.add_to_epoll(input, token) {
                 tracing::warn!("cannot resume console input: {e}");
                 self.console = None;
             } else if let Some(console) = &mut self.console {
@@ -333,6 +353,60 @@ mod tests {
             self.exit.notify(ExitReason::GuestShutdown);
             QueueProgress::Done
         }
+    }
+
+    /// A vCPU holding the console (blocked writing the guest's output to a stdout
+    /// nobody reads) does not hold up the loop: console input waits, unread, until
+    /// the console is free again, then reaches the guest.
+    #[test]
+    fn console_input_waits_for_a_console_a_vcpu_holds() {
+        use std::io::Write;
+        use std::os::unix::net::UnixStream;
+        let exit = Arc::new(ExitNotifier::new().unwrap());
+        let mut event_loop = EventLoop::new(exit).unwrap();
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let serial = Arc::new(Mutex::new(SerialConsole::new(
+            crate::devices::legacy::EventFdTrigger::new(irq),
+            Box::new(std::io::sink()),
+        )));
+        let empty = serial.lock().unwrap().input_capacity();
+        let (mut host, input) = UnixStream::pair().unwrap();
+        event_loop
+            .add_console_input_from(input.as_raw_fd(), serial.clone())
+            .unwrap();
+        host.write_all(b"ab").unwrap();
+
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (holding, held) = std::sync::mpsc::channel();
+        let vcpu = {
+            let serial = serial.clone();
+            std::thread::spawn(move || {
+                let _writing = serial.lock().unwrap();
+                holding.send(()).unwrap();
+                // Long enough to tell a loop that waited from one that did not.
+                let _ = released.recv_timeout(Duration::from_secs(10));
+            })
+        };
+        held.recv().unwrap();
+        let started = Instant::now();
+        event_loop.forward_console_input();
+        let waited = started.elapsed();
+        release.send(()).unwrap();
+        vcpu.join().unwrap();
+        assert!(
+            waited < Duration::from_secs(5),
+            "the loop waited {waited:?} for the console"
+        );
+        assert!(event_loop.console.as_ref().unwrap().paused);
+
+        event_loop.resume_console_input();
+        assert!(!event_loop.console.as_ref().unwrap().paused);
+        event_loop.forward_console_input();
+        assert_eq!(
+            serial.lock().unwrap().input_capacity(),
+            empty - 2,
+            "the input arrived"
+        );
     }
 
     /// A queue left with chains is served again without a new notification (and

@@ -55,6 +55,13 @@ pub enum ClientError {
     ForeignPeer { path: String, uid: u32 },
     #[error("hybrid vsock handshake failed: {0}")]
     HybridHandshake(String),
+    /// The VMM's socket closed the connection during the hybrid-vsock handshake, after
+    /// `received` of its reply line.
+    #[error(
+        "hybrid vsock handshake failed: connection closed after {received:?} (is the agent \
+         listening on port {port}?)"
+    )]
+    HybridClosed { received: String, port: u32 },
     #[error("the agent reported: {0}")]
     Agent(String),
     #[error("the agent reported: {0}. {advice}", advice = other_protocol_advice(.0))]
@@ -66,6 +73,23 @@ pub enum ClientError {
     Unexpected(String),
     #[error("the agent closed the connection unexpectedly")]
     Closed,
+}
+
+impl ClientError {
+    /// Whether the connection to the agent broke, while connecting or after: closed by
+    /// the other end, or reset. A VM that went away (a guest crash, a stop) ends its
+    /// connections so; vmctl then says why (`vmctl/src/lost_vm.rs`).
+    pub fn is_connection_lost(&self) -> bool {
+        match self {
+            ClientError::Closed | ClientError::HybridClosed { .. } => true,
+            ClientError::Io(e)
+            | ClientError::Protocol(ProtocolError::Io(e))
+            | ClientError::Connect { source: e, .. } => {
+                e.kind() == std::io::ErrorKind::ConnectionReset
+            }
+            _ => false,
+        }
+    }
 }
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
@@ -210,10 +234,10 @@ pub async fn hybrid_connect<S: AsyncRead + AsyncWrite + Unpin>(
         let b = match stream.read_u8().await {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return Err(ClientError::HybridHandshake(format!(
-                    "connection closed after {:?} (is the agent listening on port {port}?)",
-                    String::from_utf8_lossy(&line)
-                )))
+                return Err(ClientError::HybridClosed {
+                    received: String::from_utf8_lossy(&line).into_owned(),
+                    port,
+                })
             }
             Err(e) => return Err(e.into()),
         };
@@ -793,6 +817,83 @@ mod tests {
             text.contains(&message) && text.contains("vmctl stop"),
             "{text}"
         );
+    }
+
+    /// However the connection breaks, the error says it was lost: vmctl then says why
+    /// the VM went away, whatever the words of the error.
+    #[tokio::test]
+    async fn a_connection_that_breaks_is_lost_at_every_step() {
+        // In the hybrid handshake: the VMM's socket closes in the middle of its reply.
+        let (mut ours, theirs) = tokio::io::duplex(4096);
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(theirs);
+            let mut line = String::new();
+            tokio::io::AsyncBufReadExt::read_line(&mut reader, &mut line)
+                .await
+                .unwrap();
+            tokio::io::AsyncWriteExt::write_all(reader.get_mut(), b"OK")
+                .await
+                .unwrap();
+        });
+        let err = hybrid_connect(&mut ours, 1024).await.unwrap_err();
+        assert!(err.is_connection_lost(), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "hybrid vsock handshake failed: connection closed after \"OK\" (is the agent \
+             listening on port 1024?)"
+        );
+
+        // In the Hello exchange: the agent reads Hello and goes.
+        let (ours, theirs) = tokio::io::duplex(4096);
+        tokio::spawn(async move {
+            let _hello = FrameReader::new(theirs).next::<ClientMessage>().await;
+        });
+        let Err(err) = Connection::handshake(ours).await else {
+            panic!("the handshake succeeded");
+        };
+        assert!(matches!(err, ClientError::Closed), "{err:?}");
+        assert!(err.is_connection_lost(), "{err:?}");
+
+        // In a command's session: the agent goes after its first output.
+        let (ours, theirs) = tokio::io::duplex(4096);
+        tokio::spawn(async move {
+            let (r, mut w) = tokio::io::split(theirs);
+            let mut reader = FrameReader::new(r);
+            let _hello = reader.next::<ClientMessage>().await;
+            let ok = AgentMessage::HelloOk {
+                agent_version: "0.0.9".into(),
+                protocol_version: PROTOCOL_VERSION,
+            };
+            write_frame(&mut w, &ok).await.unwrap();
+            let _exec = reader.next::<ClientMessage>().await;
+            write_frame(&mut w, &AgentMessage::Started { pid: 7 })
+                .await
+                .unwrap();
+            write_frame(&mut w, &AgentMessage::Stdout(b"hi".to_vec()))
+                .await
+                .unwrap();
+        });
+        let session = Connection::handshake(ours)
+            .await
+            .unwrap()
+            .exec(ExecRequest::default())
+            .await
+            .unwrap();
+        let (_input, mut output) = session.split();
+        assert_eq!(
+            output.next_event().await.unwrap(),
+            Some(ExecEvent::Stdout(b"hi".to_vec()))
+        );
+        let err = output.next_event().await.unwrap_err();
+        assert!(err.is_connection_lost(), "{err:?}");
+
+        // A reset, wherever it is read.
+        let reset = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(ClientError::Io(reset()).is_connection_lost());
+        assert!(ClientError::Protocol(ProtocolError::Io(reset())).is_connection_lost());
+        // Not a lost connection: the agent's refusal, even in those words.
+        assert!(!ClientError::Agent("the agent closed the connection".into()).is_connection_lost());
+        assert!(!ClientError::Io(std::io::ErrorKind::BrokenPipe.into()).is_connection_lost());
     }
 
     /// An agent of another protocol (answering its own version only, as agents do)

@@ -166,7 +166,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         stdin: true,
     };
     crate::git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
-        .map_err(|e| AgentError::Session(crate::lost_vm::explain(&vm, e.to_string())))
+        .map_err(|e| AgentError::Session(crate::lost_vm::explain(&vm, &e)))
 }
 
 /// A refused start as `vmctl agent` says it: its remedies name no option it lacks

@@ -26,10 +26,10 @@ pub enum ExecError {
     #[error("cannot reach the guest agent through {}: {reason}", .socket.display())]
     Connect {
         socket: std::path::PathBuf,
-        reason: String,
+        reason: client::ClientError,
     },
     #[error("the command's session failed: {0}")]
-    Session(String),
+    Session(client::ClientError),
     #[error(
         "the guest agent did not start the command within {} s; the VM may be stuck \
          (`vmctl ps` shows it, `vmctl stop` stops it)",
@@ -57,6 +57,19 @@ pub enum ExecError {
     OutputThread(std::io::Error),
     #[error("cannot start the thread that reads stdin: {0}")]
     StdinThread(std::io::Error),
+}
+
+impl ExecError {
+    /// Whether the connection to the guest agent broke, while connecting or during the
+    /// session: what a VM that went away does ([`crate::lost_vm::explain`]).
+    pub fn is_connection_lost(&self) -> bool {
+        match self {
+            ExecError::Connect { reason, .. } | ExecError::Session(reason) => {
+                reason.is_connection_lost()
+            }
+            _ => false,
+        }
+    }
 }
 
 /// What to run. Arguments, values and the directory go to the guest as the bytes they
@@ -124,9 +137,9 @@ pub const AGENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60
 #[derive(Debug)]
 pub enum AgentCallError {
     /// Its vsock socket did not take the connection.
-    Connect(String),
+    Connect(client::ClientError),
     /// The agent took it and refused or broke the call.
-    Call(String),
+    Call(client::ClientError),
     /// No answer within [`AGENT_TIMEOUT`].
     Timeout,
 }
@@ -136,7 +149,7 @@ impl AgentCallError {
     pub fn describe(&self, timed_out: &str) -> String {
         match self {
             AgentCallError::Connect(e) => format!("cannot reach the guest agent: {e}"),
-            AgentCallError::Call(e) => e.clone(),
+            AgentCallError::Call(e) => e.to_string(),
             AgentCallError::Timeout => format!(
                 "{timed_out} within {} s; the VM may be stuck (`vmctl stop` stops it)",
                 AGENT_TIMEOUT.as_secs()
@@ -155,10 +168,8 @@ where
     let attempt = async {
         let connection = client::connect_hybrid(vsock, AGENT_PORT)
             .await
-            .map_err(|e| AgentCallError::Connect(e.to_string()))?;
-        call(connection)
-            .await
-            .map_err(|e| AgentCallError::Call(e.to_string()))
+            .map_err(AgentCallError::Connect)?;
+        call(connection).await.map_err(AgentCallError::Call)
     };
     tokio::time::timeout(AGENT_TIMEOUT, attempt)
         .await
@@ -424,12 +435,9 @@ where
             Ok(Some(ExecEvent::Exited(status))) => {
                 break Ok(exit_code(status.code, status.signal));
             }
-            Ok(None) => {
-                break Err(ExecError::Session(
-                    "the agent closed the session before the command exited".into(),
-                ))
-            }
-            Err(e) => break Err(ExecError::Session(e.to_string())),
+            // `None` comes only after `Exited`, which ends the loop.
+            Ok(None) => break Err(ExecError::Session(client::ClientError::Closed)),
+            Err(e) => break Err(ExecError::Session(e)),
         };
         let Ok(room) = room else {
             return Err(ExecError::OutputThread(std::io::Error::other("it ended")));
@@ -888,6 +896,84 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, ExecError::NotStarted), "{err}");
         assert!(err.to_string().contains("vmctl stop"), "{err}");
+    }
+
+    /// An agent that goes away (its VM stopped) while connecting or while the command
+    /// runs fails the session with a lost connection, which [`crate::lost_vm::explain`]
+    /// explains, whatever the words of the client's error.
+    #[tokio::test]
+    async fn an_agent_that_goes_away_loses_the_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let removed = "; the VM was removed (`vmctl rm`), its logs with it";
+
+        // While connecting: the VMM's socket closes before its `OK`.
+        let socket = dir.path().join("vsock.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut reader = tokio::io::BufReader::new(stream);
+            let mut line = String::new();
+            let _ = tokio::io::AsyncBufReadExt::read_line(&mut reader, &mut line).await;
+        });
+        let options = ExecOptions {
+            argv: vec!["true".into()],
+            env: Vec::new(),
+            cwd: None,
+            user: User::Default,
+            tty: false,
+            stdin: false,
+        };
+        let err = relay(&socket, options).await.unwrap_err();
+        assert!(matches!(err, ExecError::Connect { .. }), "{err}");
+        assert!(err.is_connection_lost(), "{err}");
+        assert_eq!(
+            crate::lost_vm::explain(&vm, &err),
+            format!("{err}{removed}")
+        );
+
+        // While the command runs: the agent goes after `Started`.
+        let (host, agent) = tokio::net::UnixStream::pair().unwrap();
+        tokio::spawn(async move {
+            let (r, mut w) = agent.into_split();
+            let mut r = FrameReader::new(r);
+            let _hello = r.next::<ClientMessage>().await;
+            let hello_ok = AgentMessage::HelloOk {
+                agent_version: "test".into(),
+                protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
+            };
+            let _ = write_frame(&mut w, &hello_ok).await;
+            let _exec = r.next::<ClientMessage>().await;
+            let _ = write_frame(&mut w, &AgentMessage::Started { pid: 1 }).await;
+        });
+        let (_input, output) = client::Connection::handshake(host)
+            .await
+            .unwrap()
+            .exec(ExecRequest::default())
+            .await
+            .unwrap()
+            .split();
+        let writer = OutputWriter::start(std::io::sink(), std::io::sink()).unwrap();
+        let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
+        let (close_output, _closed) = tokio::sync::mpsc::channel(2);
+        let err = relay_output(
+            output,
+            writer,
+            gave_up,
+            close_output,
+            false,
+            std::future::pending::<i32>,
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, ExecError::Session(_)), "{err}");
+        assert!(err.is_connection_lost(), "{err}");
+        assert_eq!(
+            crate::lost_vm::explain(&vm, &err),
+            format!("{err}{removed}")
+        );
     }
 
     /// The command starts with vmctl's umask, read from /proc. (Review: a 0002 host's

@@ -1,27 +1,21 @@
 //! Why a session's VM went away, for the error of a session (`exec`, `run`, `shell`,
 //! `agent`) whose connection to the guest agent broke.
 
+use crate::exec::ExecError;
 use crate::state::VmDir;
 use crate::supervisor::{RUN_ENDED, RUN_STARTS};
-
-/// What a session's error says when its connection to the agent broke: while
-/// connecting or after.
-const CONNECTION_LOST_SIGNS: [&str; 3] = [
-    "closed the connection",
-    "connection closed after",
-    "Connection reset by peer",
-];
 
 /// How long a session whose connection broke waits for its VM's supervisor to exit
 /// before it reports the error without saying why the VM went away.
 const LOST_VM_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// A session that failed because its VM went away says why the VM went away.
-pub fn explain(vm: &VmDir, error: String) -> String {
-    if !CONNECTION_LOST_SIGNS
-        .iter()
-        .any(|sign| error.contains(sign))
-    {
+/// A session's error, as said to the user: one that failed because its VM went away
+/// (its connection to the agent broke, [`ExecError::is_connection_lost`]) says why the
+/// VM went away.
+pub fn explain(vm: &VmDir, error: &ExecError) -> String {
+    let lost = error.is_connection_lost();
+    let error = error.to_string();
+    if !lost {
         return error;
     }
     // Give the supervisor a moment to record the end and exit: in the nested host that
@@ -167,6 +161,35 @@ mod tests {
              on vCPU 1)"
         );
     }
+    /// Whether a session's error is explained depends on what the error is, not on its
+    /// words: a lost connection is, whatever `guest_agent::client` calls it; the agent's
+    /// own words are not, even when they say the same.
+    #[test]
+    fn only_a_lost_connection_is_explained() {
+        use guest_agent::client::ClientError;
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let removed = "; the VM was removed (`vmctl rm`), its logs with it";
+        for lost in [
+            ExecError::Session(ClientError::Closed),
+            ExecError::Connect {
+                socket: "/s/vsock.sock".into(),
+                reason: ClientError::HybridClosed {
+                    received: String::new(),
+                    port: 1024,
+                },
+            },
+            ExecError::Session(ClientError::Io(std::io::ErrorKind::ConnectionReset.into())),
+        ] {
+            assert_eq!(explain(&vm, &lost), format!("{lost}{removed}"));
+        }
+        let refused =
+            ExecError::Session(ClientError::Agent("the agent closed the connection".into()));
+        assert_eq!(explain(&vm, &refused), refused.to_string());
+    }
+
     /// `vmctl rm` removes the VM's directory right after the VM stopped: the session
     /// says so, not "see" a log that is gone.
     #[test]

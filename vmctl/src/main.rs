@@ -407,7 +407,7 @@ fn exec_in(vm: &state::VmDir, args: cli::ExecArgs) -> Result<u8, String> {
         stdin: !args.no_stdin,
     };
     git_guard::watch(vm, || exec::run(&vm.vsock_socket(), options))
-        .map_err(|e| lost_vm::explain(vm, e.to_string()))
+        .map_err(|e| lost_vm::explain(vm, &e))
 }
 
 fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
@@ -445,7 +445,7 @@ fn run_shell(args: cli::ShellArgs) -> Result<u8, String> {
         stdin: true,
     };
     git_guard::watch(&vm, || exec::run(&vm.vsock_socket(), options))
-        .map_err(|e| lost_vm::explain(&vm, e.to_string()))
+        .map_err(|e| lost_vm::explain(&vm, &e))
 }
 
 fn init_logging() {

@@ -270,7 +270,7 @@ fn up_pinned(dir: &std::path::Path, options: &vm::StartOptions) -> Result<u8, St
             // another `vmctl up` starting it meanwhile pinned it too (a pin is one
             // flag), and its VM must stay up. (A start of another kind keeps the pin
             // as well: a VM kept up by mistake beats one stopped by mistake.)
-            if vm.running_pid().is_none() && !vm::start_in_progress(&vm) {
+            if vm.running_pid().is_none() && !vm::lifecycle_lock_held(&vm) {
                 unpin(dir);
             }
             e.to_string()

@@ -91,8 +91,8 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         }
     }
     // Sockets first: the pid file's going is what lets a stopper (`vmctl stop`, the
-    // idle stop) drop the start lock, and a start waiting for it makes its sockets at
-    // the same paths, which a removal after that would take from the new VM.
+    // idle stop) drop the lifecycle lock, and a start waiting for it makes its sockets
+    // at the same paths, which a removal after that would take from the new VM.
     vm.remove_sockets();
     let _ = std::fs::remove_file(vm.pid_file());
     outcome

@@ -171,9 +171,9 @@ pub fn up(workspace: &Path, options: &StartOptions) -> Result<VmDir, VmError> {
 /// `--mount`) leaves it as it was made, without a record: `vmctl ps` does not list
 /// such a directory, and only `vmctl prune` would remove it. One with a record (a VM
 /// that ran, or whose boot failed, with the logs the error names) is kept, and so is
-/// one another `vmctl` is starting (it holds the start lock).
+/// one another `vmctl` is starting (it holds the lifecycle lock).
 fn forget_if_never_started(vm: &VmDir) {
-    let Ok(Some(_no_start_meanwhile)) = try_lock_start(vm) else {
+    let Ok(Some(_lifecycle_lock)) = try_lock_lifecycle(vm) else {
         return;
     };
     if vm.record_path().exists() || vm.running_pid().is_some() {
@@ -427,7 +427,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     // Two sessions starting the same workspace at once must not boot two VMs: the
     // second waits here, then finds the first's VM running. So does a session that
     // comes as the daemon stops the VM for idleness: it then boots a fresh one.
-    let _start_lock = lock_start(&vm, || {
+    let _lifecycle_lock = lock_lifecycle(&vm, || {
         vmm::to_stderr!(
             "vmctl: another vmctl is starting or stopping the VM of {}; waiting for it",
             workspace.display()
@@ -705,28 +705,28 @@ fn boot_files(
     Ok(())
 }
 
-/// Whether a `vmctl` holds `vm`'s start lock, i.e. is starting it now (or stopping
-/// or removing it: see [`start_lock_held_for`]).
-pub(crate) fn start_in_progress(vm: &VmDir) -> bool {
-    std::fs::File::open(vm.path.join(START_LOCK)).is_ok_and(|file| held_by_another(&file))
+/// Whether a `vmctl` holds `vm`'s lifecycle lock, i.e. is starting, stopping or
+/// removing it now ([`lifecycle_lock_held_for`] says which).
+pub(crate) fn lifecycle_lock_held(vm: &VmDir) -> bool {
+    std::fs::File::open(vm.path.join(LIFECYCLE_LOCK)).is_ok_and(|file| held_by_another(&file))
 }
 
-/// What the holder of `vm`'s start lock does, if someone holds it: `vmctl ps` shows
+/// What the holder of `vm`'s lifecycle lock does, if someone holds it: `vmctl ps` shows
 /// "stopping" for a VM the daemon's idle stop or `vmctl stop` is taking down, not
 /// "starting" (nor "running" while it still runs).
-fn start_lock_held_for(vm: &VmDir) -> Option<LockHolder> {
-    let file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
+fn lifecycle_lock_held_for(vm: &VmDir) -> Option<LockHolder> {
+    let file = std::fs::File::open(vm.path.join(LIFECYCLE_LOCK)).ok()?;
     let holder = LockHolder::from_note(&read_note(&file));
     held_by_another(&file).then_some(holder)
 }
 
-/// [`start_lock_held_for`] a VM whose supervisor runs, asked without trying its lock
-/// unless its note says a stop: trying takes a free lock for a moment, and a start or
-/// the idle stop that comes in that moment would wait or put off its stop for nothing
-/// (`vmctl ps` in a loop). A running VM's lock is its start's, noted "starting", or a
-/// stopper's.
+/// [`lifecycle_lock_held_for`] a VM whose supervisor runs, asked without trying its
+/// lock unless its note says a stop: trying takes a free lock for a moment, and a start
+/// or the idle stop that comes in that moment would wait or put off its stop for
+/// nothing (`vmctl ps` in a loop). A running VM's lock is its start's, noted
+/// "starting", or a stopper's.
 fn running_vm_stopped_by(vm: &VmDir) -> Option<LockHolder> {
-    let file = std::fs::File::open(vm.path.join(START_LOCK)).ok()?;
+    let file = std::fs::File::open(vm.path.join(LIFECYCLE_LOCK)).ok()?;
     let holder = LockHolder::from_note(&read_note(&file));
     (holder != LockHolder::Starting && held_by_another(&file)).then_some(holder)
 }
@@ -742,7 +742,14 @@ fn held_by_another(file: &std::fs::File) -> bool {
     matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock))
 }
 
-/// Why a `vmctl` holds a VM's start lock, as it notes in the lock's file.
+/// The file in a VM's directory whose `flock` is the VM's lifecycle lock: whoever
+/// starts, stops or removes the VM holds it, so that none of these interleave, and
+/// notes in it which it does ([`LockHolder`]). Any new operation that must not run
+/// beside those takes it too. The name is from when only a start took it; it stays, so
+/// that an older vmctl and this one still exclude each other.
+pub(crate) const LIFECYCLE_LOCK: &str = "start.lock";
+
+/// Why a `vmctl` holds a VM's lifecycle lock, as it notes in the lock's file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LockHolder {
     Starting,
@@ -769,7 +776,7 @@ impl LockHolder {
     }
 }
 
-/// Notes in `lock`, a held start lock, what its holder does, for `vmctl ps`; a note
+/// Notes in `lock`, a held lifecycle lock, what its holder does, for `vmctl ps`; a note
 /// that cannot be written only leaves `ps` saying "starting". Written over the last
 /// one, then cut to its length, so that a reader never finds the file empty meanwhile.
 pub(crate) fn note_lock_holder(lock: &std::fs::File, holder: LockHolder) {
@@ -783,13 +790,13 @@ pub(crate) fn note_lock_holder(lock: &std::fs::File, holder: LockHolder) {
     }
 }
 
-/// `vm`'s start lock if it comes free within `grace`; else a start is in progress, not
-/// the daemon's idle stop finishing (which holds the lock until it has seen the VM
+/// `vm`'s lifecycle lock if it comes free within `grace`; else a start is in progress,
+/// not the daemon's idle stop finishing (which holds the lock until it has seen the VM
 /// gone, a moment after `vmctl ps` does).
-fn lock_start_within(vm: &VmDir, grace: Duration) -> Option<std::fs::File> {
+fn lock_lifecycle_within(vm: &VmDir, grace: Duration) -> Option<std::fs::File> {
     let deadline = Instant::now() + grace;
     loop {
-        match try_lock_start(vm) {
+        match try_lock_lifecycle(vm) {
             Ok(Some(lock)) => return Some(lock),
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
             Ok(None) => return None,
@@ -801,14 +808,14 @@ fn lock_start_within(vm: &VmDir, grace: Duration) -> Option<std::fs::File> {
     }
 }
 
-/// How long `vmctl prune` waits for a VM's start lock before it takes the VM for one
-/// being started: longer than the daemon's idle stop holds it past the VM's end.
+/// How long `vmctl prune` waits for a VM's lifecycle lock before it takes the VM for
+/// one being started: longer than the daemon's idle stop holds it past the VM's end.
 const STOP_LOCK_GRACE: Duration = Duration::from_secs(2);
 
-/// `vm`'s start lock, unless someone holds it (`Ok(None)`). While it is held no
+/// `vm`'s lifecycle lock, unless someone holds it (`Ok(None)`). While it is held no
 /// `vmctl` attaches to the VM or starts it: they wait in [`start`].
-pub(crate) fn try_lock_start(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
-    let file = crate::state::open_lock_file(&vm.path.join(START_LOCK))?;
+pub(crate) fn try_lock_lifecycle(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
+    let file = crate::state::open_lock_file(&vm.path.join(LIFECYCLE_LOCK))?;
     match file.try_lock() {
         Ok(()) => {
             // Not the last holder's note: what this one does, if it says.
@@ -1029,7 +1036,7 @@ fn spawn_supervisor_from(exe: &Path, vm: &VmDir) -> Result<std::process::Child, 
         });
     }
     let mut supervisor = command.spawn().map_err(VmError::Spawn)?;
-    // Recorded now, while this vmctl holds the start lock, not only once the
+    // Recorded now, while this vmctl holds the lifecycle lock, not only once the
     // supervisor is under way: were this vmctl to die first, a vmctl waiting for the
     // lock would find no VM running and start a second one in the same directory.
     // (Spawned means exec'd: its command line is already `vmctl __supervise DIR`, which
@@ -1121,18 +1128,18 @@ fn agent_state(socket: &Path) -> AgentState {
 /// A start under way finishes first.
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
-    let _no_start_meanwhile = lock_to_stop(&vm, LockHolder::Stopping)?;
+    let _lifecycle_lock = lock_to_stop(&vm, LockHolder::Stopping)?;
     Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
 }
 
-/// `vm`'s start lock, held while a VM is started, stopped or removed, so that none of
-/// these interleave. The directory is made if missing; one removed (by `vmctl rm`)
+/// `vm`'s lifecycle lock, held while a VM is started, stopped or removed, so that none
+/// of these interleave. The directory is made if missing; one removed (by `vmctl rm`)
 /// while this waited is made again, with a lock of its own: the lock of a removed
-/// directory excludes nobody. `on_wait` runs (once) before it waits for another
-/// holder: a boot, a kernel rebuild or the daemon's idle stop can take minutes.
-fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmError> {
+/// directory excludes nobody. `on_wait` runs (once) before it waits for another holder:
+/// a boot, a kernel rebuild or the daemon's idle stop can take minutes.
+fn lock_lifecycle(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmError> {
     use std::os::unix::fs::MetadataExt;
-    let path = vm.path.join(START_LOCK);
+    let path = vm.path.join(LIFECYCLE_LOCK);
     let io = |source| {
         VmError::State(StateError::Io {
             path: path.clone(),
@@ -1171,7 +1178,7 @@ fn lock_start(vm: &VmDir, on_wait: impl FnOnce()) -> Result<std::fs::File, VmErr
     }))
 }
 
-/// `vm`'s start lock for `vmctl stop` or `rm` (`doing` it), so that no start runs
+/// `vm`'s lifecycle lock for `vmctl stop` or `rm` (`doing` it), so that no start runs
 /// meanwhile: a start under way finishes first, and this says so. A start that still
 /// holds the lock after [`STOP_WAITS_FOR_START`] while the VM runs only waits for its
 /// agent (which a VM the nested host stalled never sends): the stop goes ahead without
@@ -1194,7 +1201,7 @@ fn lock_to_stop_within(
         if !vm.path.exists() {
             return Ok(None);
         }
-        match try_lock_start(vm) {
+        match try_lock_lifecycle(vm) {
             // Locked: unless `vmctl rm` removed the directory meanwhile.
             Ok(Some(lock)) => {
                 note_lock_holder(&lock, doing);
@@ -1218,7 +1225,7 @@ fn lock_to_stop_within(
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => {
                 return Err(VmError::State(StateError::Io {
-                    path: vm.path.join(START_LOCK),
+                    path: vm.path.join(LIFECYCLE_LOCK),
                     source,
                 }))
             }
@@ -1368,11 +1375,11 @@ const REMOVAL_STOPS: usize = 3;
 
 /// [`remove`] of `vm`, waiting `wait` for a start under way of a running VM (as
 /// [`lock_to_stop_within`]), stopping within `timeouts`. The directory is emptied only
-/// under the start lock: a start that held it past `wait` was waiting for the running
-/// VM's agent, and once the VM is stopped goes on to boot it again (a `vmctl exec`
-/// queued behind a hung VM), writing into the directory the removal empties. So the
-/// VM is stopped first without the lock, then the lock waited for again, and whatever
-/// that start booted stopped under it.
+/// under the lifecycle lock: a start that held it past `wait` was waiting for the
+/// running VM's agent, and once the VM is stopped goes on to boot it again (a `vmctl
+/// exec` queued behind a hung VM), writing into the directory the removal empties. So
+/// the VM is stopped first without the lock, then the lock waited for again, and
+/// whatever that start booted stopped under it.
 fn remove_within(vm: &VmDir, wait: Duration, timeouts: StopTimeouts) -> Result<bool, VmError> {
     const WHY: &str = "asked to by `vmctl rm`";
     let mut lock = lock_to_stop_within(vm, LockHolder::Removing, wait)?;
@@ -1386,7 +1393,7 @@ fn remove_within(vm: &VmDir, wait: Duration, timeouts: StopTimeouts) -> Result<b
     if !vm.path.exists() {
         return Ok(false);
     }
-    let Some(_no_start_meanwhile) = lock else {
+    let Some(_lifecycle_lock) = lock else {
         return Err(VmError::KeptStarting {
             dir: vm.path.clone(),
             times: REMOVAL_STOPS,
@@ -1532,10 +1539,10 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
     for vm in vms {
         let untouched = untouched_for(vm, UNSTARTED_AGE);
         let modified = std::fs::metadata(&vm.path).and_then(|m| m.modified()).ok();
-        let had_lock_file = vm.path.join(START_LOCK).exists();
+        let had_lock_file = vm.path.join(LIFECYCLE_LOCK).exists();
         // Held from the check to the removal: a start that comes meanwhile (Paseo
         // making a worktree again at the same path) waits, and is not removed under.
-        let Some(_no_start_meanwhile) = lock_start_within(vm, STOP_LOCK_GRACE) else {
+        let Some(_lifecycle_lock) = lock_lifecycle_within(vm, STOP_LOCK_GRACE) else {
             continue;
         };
         // Making the lock's file must not make the directory look fresh to the next
@@ -1574,7 +1581,7 @@ pub fn prune(vms: &[VmDir], dry_run: bool) -> u8 {
 }
 
 /// What `vmctl prune` would forget `vm` as, if it would.
-/// The caller holds `vm`'s start lock; `untouched`: whether its directory had not
+/// The caller holds `vm`'s lifecycle lock; `untouched`: whether its directory had not
 /// changed for [`UNSTARTED_AGE`] before that.
 fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
     let stopped = || vm.running_pid().is_none();
@@ -1633,9 +1640,6 @@ fn untouched_for(vm: &VmDir, age: Duration) -> bool {
         .and_then(|meta| meta.modified())
         .is_ok_and(|modified| modified.elapsed().is_ok_and(|elapsed| elapsed >= age))
 }
-
-/// The file in a VM's directory that whoever starts the VM holds an `flock` on.
-pub(crate) const START_LOCK: &str = "start.lock";
 
 /// `vmctl ps`: one line per VM, with what it holds and what keeps it running.
 pub fn list() -> Vec<String> {
@@ -1742,7 +1746,7 @@ fn row_without_record(
             format!("{name:<28} broken"),
             Some(format!("{name}: {error}")),
         ))
-    } else if start_in_progress(vm) {
+    } else if lifecycle_lock_held(vm) {
         Some((format!("{name:<28} starting"), None))
     } else {
         None
@@ -1754,7 +1758,7 @@ fn row_without_record(
 fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
     let lock_holder = match pid {
         Some(_) => running_vm_stopped_by(vm),
-        None => start_lock_held_for(vm),
+        None => lifecycle_lock_held_for(vm),
     };
     match pid {
         // Going down, until its stopper lets go of the lock (the VM gone, or not yet).
@@ -1833,7 +1837,8 @@ mod tests {
     }
 
     /// An exclusive `flock` on `path` (created if missing), held until the file drops:
-    /// another vmctl's start lock, without the directory checks of [`lock_start`].
+    /// another vmctl's lifecycle lock, without the directory checks of
+    /// [`lock_lifecycle`].
     fn lock_exclusive(path: &Path) -> std::io::Result<std::fs::File> {
         crate::state::lock_file(path)
     }
@@ -1906,7 +1911,7 @@ mod tests {
             path: dir.path().join("starting"),
         };
         std::fs::create_dir(&starting.path).unwrap();
-        let _held = try_lock_start(&starting).unwrap().unwrap();
+        let _held = try_lock_lifecycle(&starting).unwrap().unwrap();
         let other = std::thread::spawn({
             let starting = starting.clone();
             move || forget_if_never_started(&starting)
@@ -2011,7 +2016,7 @@ mod tests {
         assert!(!agent_answered_for(&vm, pid), "a supervisor gone counted");
     }
 
-    /// The start lock's proof of a running VM is there before the supervisor writes
+    /// The lifecycle lock's proof of a running VM is there before the supervisor writes
     /// it: a start that waits for the lock of one whose vmctl died just after starting
     /// the supervisor finds that VM running, and starts no second one.
     #[test]
@@ -2263,7 +2268,7 @@ mod tests {
         let starting = vm_of("starting", &dir.path().join("removed-too"));
         // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
         let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);
-        let start_lock = lock_exclusive(&starting.path.join(START_LOCK)).unwrap();
+        let lifecycle_lock = lock_exclusive(&starting.path.join(LIFECYCLE_LOCK)).unwrap();
         // A start refused before it wrote a record; and one still going.
         let refused = VmDir {
             path: dir.path().join("vms/refused"),
@@ -2281,7 +2286,7 @@ mod tests {
             path: dir.path().join("vms/unrecorded"),
         };
         std::fs::create_dir_all(&unrecorded_start.path).unwrap();
-        let unrecorded_lock = lock_exclusive(&unrecorded_start.path.join(START_LOCK)).unwrap();
+        let unrecorded_lock = lock_exclusive(&unrecorded_start.path.join(LIFECYCLE_LOCK)).unwrap();
         let vms = [
             kept.clone(),
             gone.clone(),
@@ -2323,7 +2328,7 @@ mod tests {
             "a VM of an existing directory was removed"
         );
         assert!(starting.path.exists(), "a VM being started was removed");
-        drop(start_lock);
+        drop(lifecycle_lock);
     }
 
     /// A stand-in supervisor of `vm` that ignores SIGTERM, as one stuck in its teardown.
@@ -2358,10 +2363,11 @@ mod tests {
         assert!(!vm.path.exists());
     }
 
-    /// `vmctl rm` of a hung VM whose start lock a `vmctl exec` holds while it waits for
-    /// the agent: the removal stops the VM without the lock, but empties the directory
-    /// only once that start, which goes on to boot the VM again, has let go. (Review: it
-    /// emptied the directory while the start wrote its new VM's record there.)
+    /// `vmctl rm` of a hung VM whose lifecycle lock a `vmctl exec` holds while it waits
+    /// for the agent: the removal stops the VM without the lock, but empties the
+    /// directory only once that start, which goes on to boot the VM again, has let go.
+    /// (Review: it emptied the directory while the start wrote its new VM's record
+    /// there.)
     #[test]
     fn a_removal_empties_the_directory_only_once_a_start_waiting_on_the_vm_lets_go() {
         let dir = tempfile::tempdir().unwrap();
@@ -2374,7 +2380,7 @@ mod tests {
         let starter = {
             let vm = vm.clone();
             std::thread::spawn(move || {
-                let _lock = lock_start(&vm, || {}).unwrap();
+                let _lock = lock_lifecycle(&vm, || {}).unwrap();
                 locked.send(()).unwrap();
                 while vm.running_pid().is_some() {
                     std::thread::sleep(Duration::from_millis(20));
@@ -2564,7 +2570,7 @@ mod tests {
         assert!(!vm.path.exists(), "the stop made the VM's directory");
         std::fs::create_dir_all(&vm.path).unwrap();
         // A start under way (the VM not running yet) is waited for, however long.
-        let starting = lock_start(&vm, || {}).unwrap();
+        let starting = lock_lifecycle(&vm, || {}).unwrap();
         let stopper = {
             let vm = vm.clone();
             std::thread::spawn(move || {
@@ -2583,7 +2589,7 @@ mod tests {
         );
         // One holding the lock while the VM runs (waiting for its agent) is not.
         let _supervisor = crate::state::fake_supervisor(&vm, "while :; do sleep 0.05; done");
-        let _attaching = lock_start(&vm, || {}).unwrap();
+        let _attaching = lock_lifecycle(&vm, || {}).unwrap();
         let started = Instant::now();
         assert!(lock_to_stop_within(&vm, LockHolder::Stopping, wait)
             .unwrap()
@@ -2594,16 +2600,16 @@ mod tests {
     /// A start that has to wait for another vmctl's start or stop says so before it
     /// waits, once; one that takes a free lock says nothing.
     #[test]
-    fn a_start_waiting_for_the_start_lock_says_so() {
+    fn a_start_waiting_for_the_lifecycle_lock_says_so() {
         let dir = tempfile::tempdir().unwrap();
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        let held = lock_start(&vm, || panic!("the lock was free")).unwrap();
+        let held = lock_lifecycle(&vm, || panic!("the lock was free")).unwrap();
         let (said, heard) = std::sync::mpsc::channel();
         let waiting = {
             let vm = vm.clone();
-            std::thread::spawn(move || lock_start(&vm, move || said.send(()).unwrap()).unwrap())
+            std::thread::spawn(move || lock_lifecycle(&vm, move || said.send(()).unwrap()).unwrap())
         };
         heard
             .recv_timeout(Duration::from_secs(10))
@@ -2622,10 +2628,10 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        let removing = lock_start(&vm, || {}).unwrap();
+        let removing = lock_lifecycle(&vm, || {}).unwrap();
         let waiting = {
             let vm = vm.clone();
-            std::thread::spawn(move || lock_start(&vm, || {}).unwrap())
+            std::thread::spawn(move || lock_lifecycle(&vm, || {}).unwrap())
         };
         std::thread::sleep(Duration::from_millis(200));
         // `vmctl rm` removes the directory, its lock file with it, then lets go.
@@ -2633,10 +2639,12 @@ mod tests {
         drop(removing);
         let started = waiting.join().unwrap();
         let held = started.metadata().unwrap().ino();
-        let current = std::fs::metadata(vm.path.join(START_LOCK)).unwrap().ino();
+        let current = std::fs::metadata(vm.path.join(LIFECYCLE_LOCK))
+            .unwrap()
+            .ino();
         assert_eq!(held, current, "the start holds the lock of a removed file");
         assert!(
-            try_lock_start(&vm).unwrap().is_none(),
+            try_lock_lifecycle(&vm).unwrap().is_none(),
             "the lock excludes nobody"
         );
     }
@@ -2648,11 +2656,11 @@ mod tests {
         let vm = VmDir {
             path: dir.path().to_path_buf(),
         };
-        assert!(!start_in_progress(&vm), "no lock file yet");
-        let held = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
-        assert!(start_in_progress(&vm));
+        assert!(!lifecycle_lock_held(&vm), "no lock file yet");
+        let held = lock_exclusive(&vm.path.join(LIFECYCLE_LOCK)).unwrap();
+        assert!(lifecycle_lock_held(&vm));
         drop(held);
-        assert!(!start_in_progress(&vm), "a start that ended (or failed)");
+        assert!(!lifecycle_lock_held(&vm), "a start that ended (or failed)");
     }
 
     /// A VM that crashed, or stopped, and is being started again (its supervisor not
@@ -2668,7 +2676,7 @@ mod tests {
         std::fs::write(vm.crash_file(), "the guest kernel crashed: oops\n").unwrap();
         let crash = Some("the guest kernel crashed: oops".to_string());
         assert_eq!(run_state(&vm, None), ("crashed", crash.clone()));
-        let starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        let starting = lock_exclusive(&vm.path.join(LIFECYCLE_LOCK)).unwrap();
         assert_eq!(run_state(&vm, None), ("starting", None));
         drop(starting);
         assert_eq!(run_state(&vm, None), ("crashed", crash));
@@ -2698,12 +2706,12 @@ mod tests {
         assert_eq!(run_state(&vm, Some(1)), ("removing", None));
         drop(removing);
         // The daemon's idle stop notes itself on the lock it takes.
-        let idle_stop = try_lock_start(&vm).unwrap().expect("the lock");
+        let idle_stop = try_lock_lifecycle(&vm).unwrap().expect("the lock");
         note_lock_holder(&idle_stop, LockHolder::Stopping);
         assert_eq!(run_state(&vm, Some(1)), ("stopping", None));
         drop(idle_stop);
         // The next holder's note replaces the last one's.
-        let starting = lock_start(&vm, || {}).unwrap();
+        let starting = lock_lifecycle(&vm, || {}).unwrap();
         assert_eq!(run_state(&vm, None), ("starting", None));
         assert_eq!(run_state(&vm, Some(1)), ("running", None));
         drop(starting);
@@ -2713,7 +2721,7 @@ mod tests {
             .unwrap()
             .expect("the lock");
         drop(stopping);
-        let pruning = try_lock_start(&vm).unwrap().expect("the lock");
+        let pruning = try_lock_lifecycle(&vm).unwrap().expect("the lock");
         assert_eq!(
             run_state(&vm, None),
             ("starting", None),
@@ -2723,9 +2731,9 @@ mod tests {
         drop(pruning);
         // A running VM's free lock is not taken just to look: its start's note
         // ("starting") says no stop is under way.
-        let starting = lock_start(&vm, || {}).unwrap();
+        let starting = lock_lifecycle(&vm, || {}).unwrap();
         drop(starting);
-        let file = std::fs::File::open(vm.path.join(START_LOCK)).unwrap();
+        let file = std::fs::File::open(vm.path.join(LIFECYCLE_LOCK)).unwrap();
         assert_eq!(read_note(&file), b"starting");
         assert_eq!(run_state(&vm, Some(1)), ("running", None));
     }
@@ -2790,26 +2798,26 @@ mod tests {
     }
 
     #[test]
-    fn prune_waits_out_a_start_lock_held_a_moment_past_the_vms_end() {
+    fn prune_waits_out_a_lifecycle_lock_held_a_moment_past_the_vms_end() {
         let dir = tempfile::tempdir().unwrap();
         let vm = VmDir {
             path: dir.path().to_path_buf(),
         };
         let grace = Duration::from_secs(2);
         // The daemon's idle stop lets go of the lock just after the VM is gone.
-        let held = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
+        let held = lock_exclusive(&vm.path.join(LIFECYCLE_LOCK)).unwrap();
         let stop_ends = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(200));
             drop(held);
         });
         assert!(
-            lock_start_within(&vm, grace).is_some(),
+            lock_lifecycle_within(&vm, grace).is_some(),
             "the stop's lock taken for a start"
         );
         stop_ends.join().unwrap();
         // A start holds it for longer.
-        let _starting = lock_exclusive(&vm.path.join(START_LOCK)).unwrap();
-        assert!(lock_start_within(&vm, Duration::from_millis(300)).is_none());
+        let _starting = lock_exclusive(&vm.path.join(LIFECYCLE_LOCK)).unwrap();
+        assert!(lock_lifecycle_within(&vm, Duration::from_millis(300)).is_none());
     }
 
     #[test]

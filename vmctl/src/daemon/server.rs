@@ -85,7 +85,7 @@ impl Daemon {
 }
 
 /// How long a pin file may wait for its VM to start: `vmctl up` pins before it takes
-/// the start lock.
+/// the lifecycle lock.
 const PIN_GRACE: Duration = Duration::from_secs(60);
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -423,7 +423,7 @@ fn pin_is_current(vm: &VmDir) -> bool {
         .ok()
         .and_then(|written| written.elapsed().ok())
         .is_some_and(|age| age < PIN_GRACE);
-    if recent || vm.running_pid().is_some() || crate::vm::start_in_progress(vm) {
+    if recent || vm.running_pid().is_some() || crate::vm::lifecycle_lock_held(vm) {
         return true;
     }
     tracing::info!("{} pinned a run that has ended; removing it", pin.display());
@@ -518,7 +518,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
         }
         // Held while the VM goes down, so that a session coming meanwhile waits in its
         // start and boots a fresh VM instead of attaching to this one as it stops.
-        let start_lock = match crate::vm::try_lock_start(&vm) {
+        let lifecycle_lock = match crate::vm::try_lock_lifecycle(&vm) {
             Ok(Some(lock)) => {
                 crate::vm::note_lock_holder(&lock, crate::vm::LockHolder::Stopping);
                 Some(lock)
@@ -568,7 +568,7 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
                         began.elapsed().as_secs_f64()
                     );
                 }
-                drop(start_lock);
+                drop(lifecycle_lock);
             })
             .await;
         }
@@ -707,7 +707,7 @@ fn forgettable(tracked: &Tracked, vm_dir: &Path) -> bool {
     let vm = VmDir {
         path: vm_dir.to_path_buf(),
     };
-    tracked.leases.is_empty() && vm.running_pid().is_none() && !crate::vm::start_in_progress(&vm)
+    tracked.leases.is_empty() && vm.running_pid().is_none() && !crate::vm::lifecycle_lock_held(&vm)
 }
 
 fn removed(path: &Path) -> bool {
@@ -725,18 +725,18 @@ fn stop_every_vm(vms: Vec<VmDir>) {
 }
 
 /// `stop`s those of `vms` that run or are being started, in parallel, each with its
-/// start lock held, as the idle stop does: a session that comes meanwhile waits in its
-/// start, then boots a fresh VM, instead of attaching to one going down. (The lock is
-/// waited for while a start holds it, but no longer than `vmctl stop` waits for a start
-/// on a running VM.) A VM whose start is under way is stopped once its supervisor
+/// lifecycle lock held, as the idle stop does: a session that comes meanwhile waits in
+/// its start, then boots a fresh VM, instead of attaching to one going down. (The lock
+/// is waited for while a start holds it, but no longer than `vmctl stop` waits for a
+/// start on a running VM.) A VM whose start is under way is stopped once its supervisor
 /// runs, if that is within `start_wait`: left alone, it would come up after the daemon
 /// that should have stopped it. A start that takes longer (a root filesystem built
-/// first, a sudo prompt, a start stopped with Ctrl-Z) is left to the next daemon,
-/// which adopts its VM, rather than holding this one's end past what its clients wait.
+/// first, a sudo prompt, a start stopped with Ctrl-Z) is left to the next daemon, which
+/// adopts its VM, rather than holding this one's end past what its clients wait.
 fn stop_each(vms: Vec<VmDir>, start_wait: Duration, stop: impl Fn(&VmDir) + Sync) {
     let running = vms
         .into_iter()
-        .filter(|vm| vm.running_pid().is_some() || crate::vm::start_in_progress(vm));
+        .filter(|vm| vm.running_pid().is_some() || crate::vm::lifecycle_lock_held(vm));
     std::thread::scope(|scope| {
         for vm in running {
             let stop = &stop;
@@ -744,9 +744,8 @@ fn stop_each(vms: Vec<VmDir>, start_wait: Duration, stop: impl Fn(&VmDir) + Sync
                 if !supervisor_runs_within(&vm, start_wait) {
                     return;
                 }
-                let _no_start_meanwhile =
-                    crate::vm::lock_to_stop(&vm, crate::vm::LockHolder::Stopping)
-                        .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
+                let _lifecycle_lock = crate::vm::lock_to_stop(&vm, crate::vm::LockHolder::Stopping)
+                    .inspect_err(|e| tracing::warn!("stopping it without its start lock: {e}"));
                 stop(&vm);
             });
         }
@@ -761,7 +760,7 @@ fn supervisor_runs_within(vm: &VmDir, wait: Duration) -> bool {
         if vm.running_pid().is_some() {
             return true;
         }
-        if !crate::vm::start_in_progress(vm) {
+        if !crate::vm::lifecycle_lock_held(vm) {
             // The start failed (or was given up): nothing to stop.
             return vm.running_pid().is_some();
         }
@@ -892,9 +891,9 @@ mod tests {
     }
 
     /// A session that comes while the daemon stops its VM must not attach to it: the
-    /// daemon holds each VM's start lock while it stops it.
+    /// daemon holds each VM's lifecycle lock while it stops it.
     #[test]
-    fn the_daemon_stops_each_vm_with_its_start_lock_held() {
+    fn the_daemon_stops_each_vm_with_its_lifecycle_lock_held() {
         let dir = tempfile::tempdir().unwrap();
         let vms = vm_dirs_in(dir.path(), &["one", "two", "stopped"]);
         let _running: Vec<_> = vms[..2].iter().map(FakeSupervisor::start).collect();
@@ -902,7 +901,7 @@ mod tests {
         let stopped = Mutex::new(stopped);
         stop_each(vms.clone(), START_WAIT_AT_SHUTDOWN, |vm| {
             // Another open file's lock, as a session's start takes it.
-            let held = crate::vm::start_in_progress(vm);
+            let held = crate::vm::lifecycle_lock_held(vm);
             let _ = stopped.lock().unwrap().send((vm.path.clone(), held));
         });
         let mut seen: Vec<(PathBuf, bool)> = stops.try_iter().collect();
@@ -910,11 +909,11 @@ mod tests {
         assert_eq!(
             seen,
             vec![(vms[0].path.clone(), true), (vms[1].path.clone(), true)],
-            "stopped without the start lock, or a VM that does not run"
+            "stopped without the lifecycle lock, or a VM that does not run"
         );
     }
 
-    /// A VM whose start is under way as the daemon stops (its start lock held, its
+    /// A VM whose start is under way as the daemon stops (its lifecycle lock held, its
     /// supervisor not running yet) is stopped once the start is done, not left to come
     /// up after the daemon; one whose start fails is left alone.
     #[test]
@@ -923,7 +922,11 @@ mod tests {
         let vms = vm_dirs_in(dir.path(), &["coming-up", "failing"]);
         let starts: Vec<std::fs::File> = vms
             .iter()
-            .map(|vm| crate::vm::try_lock_start(vm).unwrap().expect("the lock"))
+            .map(|vm| {
+                crate::vm::try_lock_lifecycle(vm)
+                    .unwrap()
+                    .expect("the lock")
+            })
             .collect();
         let (stopped, stops) = std::sync::mpsc::channel();
         let stopped = Mutex::new(stopped);
@@ -950,7 +953,7 @@ mod tests {
         assert_eq!(seen, vec![(vms[0].path.clone(), true)]);
 
         // A start that outlasts the wait is left to the next daemon: the stop ends.
-        let stuck = crate::vm::try_lock_start(&vms[1])
+        let stuck = crate::vm::try_lock_lifecycle(&vms[1])
             .unwrap()
             .expect("the lock");
         let began = std::time::Instant::now();
@@ -1130,7 +1133,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     // The guard is held across the awaits on purpose: this test's whole run (a moment
-    // of real time) needs its start lock free the moment it drops it.
+    // of real time) needs its lifecycle lock free the moment it drops it.
     #[allow(clippy::await_holding_lock)]
     async fn an_idle_stop_waits_for_a_session_attaching_to_the_vm() {
         let _locks_free_when_dropped = crate::state::no_forks_meanwhile();
@@ -1143,7 +1146,7 @@ mod tests {
         take_lease(&daemon, &vm.path, 1, "exec (pid 1)".into());
         release_lease(&daemon, &vm.path, 1);
         // The next session is attaching to the VM as its idle timeout ends.
-        let attaching = crate::vm::try_lock_start(&vm)
+        let attaching = crate::vm::try_lock_lifecycle(&vm)
             .unwrap()
             .expect("a free lock");
         tokio::time::sleep(timeout + Duration::from_secs(1)).await;
@@ -1262,14 +1265,14 @@ mod tests {
             "neither running nor starting"
         );
 
-        let start_lock =
-            crate::state::open_lock_file(&dir.path().join(crate::vm::START_LOCK)).unwrap();
-        start_lock.lock().unwrap();
+        let lifecycle_lock =
+            crate::state::open_lock_file(&dir.path().join(crate::vm::LIFECYCLE_LOCK)).unwrap();
+        lifecycle_lock.lock().unwrap();
         assert!(
             !forgettable(&untracked, dir.path()),
             "forgotten while it starts"
         );
-        drop(start_lock);
+        drop(lifecycle_lock);
         assert!(
             forgettable(&untracked, dir.path()),
             "a start that ended (or failed)"

@@ -2,18 +2,15 @@
 //! Linux, vmctl becomes the VMM process (`vmctl-vmm`); elsewhere it runs the VM in the
 //! nested host.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use vmm::config::{host_memory_mib, ConfigError, DiskConfig, FsConfig, VmConfig};
-use vmm::process::Event;
 use vmm::vstate::vm::VmError;
 
 use crate::artifacts::{self, Artifact, ArtifactError};
 use crate::cli::{BootArgs, NestedMode};
 use crate::host_kvm::KvmKind;
 use crate::nested::{self, NestedError};
-use crate::shares::ShareSet;
-use crate::virtiofsd::{self, VirtiofsdError};
 use crate::vmm_process::{self, VmmProcessError};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,8 +25,6 @@ pub enum BootCommandError {
     Nested(#[from] NestedError),
     #[error(transparent)]
     Vmm(#[from] VmmProcessError),
-    #[error(transparent)]
-    Virtiofsd(#[from] VirtiofsdError),
     #[error("--fs {0:?}: expected TAG:SOCKET (the tag the guest mounts, the backend's socket)")]
     BadFs(String),
     #[error(
@@ -113,44 +108,6 @@ fn parse_fs(value: &str) -> Result<FsConfig, BootCommandError> {
     }
 }
 
-/// Runs the VMM in a child process with one virtiofsd per share, started here (so
-/// inside the nested host when there is one), their sockets in `socket_dir`, their
-/// logs in `log_dir`.
-pub fn run_vmm_sharing(
-    config: &VmConfig,
-    shares: Option<&ShareSet>,
-    socket_dir: &Path,
-    log_dir: &Path,
-    report_boot_time: bool,
-) -> Result<u8, BootCommandError> {
-    let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
-        // The daemons of `--fs` are the user's: only they can end one.
-        return Ok(vmm_process::run(
-            config,
-            report_boot_time,
-            |event| match event {
-                Event::FsBackendGivenUp { tag, reason } => vmm::to_stderr!(
-                    "vmctl: warning: the VMM gave up on the virtio-fs backend of {tag:?} \
-                     ({reason}); end that virtiofsd, and the guest's requests to the share \
-                     then fail with EIO instead of waiting"
-                ),
-            },
-        )?);
-    };
-    let (daemons, filesystems) =
-        virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, log_dir, set.cache)?;
-    if let Some(file) = &set.failure_file {
-        daemons.record_failures_in(file.clone());
-    }
-    let mut config = config.clone();
-    config.filesystems = filesystems;
-    let outcome = vmm_process::run(&config, report_boot_time, |event| match event {
-        Event::FsBackendGivenUp { tag, reason } => daemons.give_up(&tag, &reason),
-    });
-    daemons.stop();
-    Ok(outcome?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,7 +117,7 @@ mod tests {
         let fs = parse_fs("ws:/run/fs:0.sock").unwrap();
         assert_eq!(
             (fs.tag.as_str(), fs.socket_path.as_path()),
-            ("ws", Path::new("/run/fs:0.sock"))
+            ("ws", std::path::Path::new("/run/fs:0.sock"))
         );
         for bad in ["ws", "ws:", ":/s.sock", ""] {
             let error = parse_fs(bad).unwrap_err().to_string();

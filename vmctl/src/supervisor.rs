@@ -66,7 +66,7 @@ pub fn run(dir: &Path) -> Result<u8, String> {
         // The logs beside the VM's others, not with the sockets: a sockets directory
         // in /tmp (a VM directory too deep for socket paths) is removed with its last
         // socket, which it could not be with logs in it.
-        crate::boot::run_vmm_sharing(
+        crate::vmm_process::run_with_shares(
             &config,
             record.shares.as_ref(),
             &vm.sockets_dir(),

@@ -1,6 +1,7 @@
 //! Starting the VMM process, `vmctl-vmm` (see `vmm::process`): `vmctl boot` becomes
-//! it; a workspace VM's supervisor and the nested host's init run it as a child, pass
-//! on their stop signals and read how the VM ended from a pipe.
+//! it; a workspace VM's supervisor and the nested host's init run it as a child, with
+//! a virtiofsd per share ([`run_with_shares`]), pass on their stop signals and read how
+//! the VM ended from a pipe.
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -15,6 +16,8 @@ use std::time::{Duration, Instant};
 use vmm::config::VmConfig;
 use vmm::process::{encode_config, Args, ArgsError, Event, Outcome, BINARY};
 use vmm_sys_util::signal::register_signal_handler;
+
+use crate::shares::ShareSet;
 
 /// Names the VMM's executable instead of the one beside vmctl.
 const BINARY_ENV: &str = "VMCTL_VMM_BIN";
@@ -103,6 +106,50 @@ pub fn run(
         STOP_GRACE,
         &mut on_event,
     )
+}
+
+/// Why [`run_with_shares`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunWithSharesError {
+    #[error(transparent)]
+    Vmm(#[from] VmmProcessError),
+    #[error(transparent)]
+    Virtiofsd(#[from] crate::virtiofsd::VirtiofsdError),
+}
+
+/// Runs the VMM in a child process ([`run`]) with one virtiofsd per share, started
+/// here (so inside the nested host when there is one), their sockets in `socket_dir`,
+/// their logs in `log_dir`: how a workspace VM's supervisor, and the nested host's
+/// init, run its VM.
+pub fn run_with_shares(
+    config: &VmConfig,
+    shares: Option<&ShareSet>,
+    socket_dir: &Path,
+    log_dir: &Path,
+    report_boot_time: bool,
+) -> Result<u8, RunWithSharesError> {
+    let Some(set) = shares.filter(|set| !set.shares.is_empty()) else {
+        // The daemons of `--fs` are the user's: only they can end one.
+        return Ok(run(config, report_boot_time, |event| match event {
+            Event::FsBackendGivenUp { tag, reason } => vmm::to_stderr!(
+                "vmctl: warning: the VMM gave up on the virtio-fs backend of {tag:?} \
+                     ({reason}); end that virtiofsd, and the guest's requests to the share \
+                     then fail with EIO instead of waiting"
+            ),
+        })?);
+    };
+    let (daemons, filesystems) =
+        crate::virtiofsd::start(&set.virtiofsd, &set.shares, socket_dir, log_dir, set.cache)?;
+    if let Some(file) = &set.failure_file {
+        daemons.record_failures_in(file.clone());
+    }
+    let mut config = config.clone();
+    config.filesystems = filesystems;
+    let outcome = run(&config, report_boot_time, |event| match event {
+        Event::FsBackendGivenUp { tag, reason } => daemons.give_up(&tag, &reason),
+    });
+    daemons.stop();
+    Ok(outcome?)
 }
 
 /// How long the VMM has to end after a stop signal was passed on to it, before it is

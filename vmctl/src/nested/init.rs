@@ -126,7 +126,7 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
         Work::Vm(vm) => {
             std::fs::create_dir_all(SHARE_SOCKET_DIR)
                 .map_err(|e| format!("{SHARE_SOCKET_DIR}: {e}"))?;
-            crate::boot::run_vmm_sharing(
+            crate::vmm_process::run_with_shares(
                 &vm.vm_config(),
                 vm.shares.as_ref(),
                 Path::new(SHARE_SOCKET_DIR),
@@ -174,7 +174,7 @@ fn run_vmm_with_relay(vm: &VmJob) -> Result<u8, String> {
     // The VMM's thread also starts the virtiofsd daemons, which die with their
     // parent thread.
     let vmm = std::thread::spawn(move || {
-        crate::boot::run_vmm_sharing(
+        crate::vmm_process::run_with_shares(
             &config,
             shares.as_ref(),
             Path::new(SHARE_SOCKET_DIR),

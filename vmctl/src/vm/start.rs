@@ -334,63 +334,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     if vm.running_pid().is_some() && !answered_before {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
-        let nested = vm.read_record().map_or(true, |record| record.nested);
-        let boot_timeout = if nested {
-            BOOT_TIMEOUT_NESTED
-        } else {
-            BOOT_TIMEOUT_DIRECT
-        };
-        let waiting_since = Instant::now();
-        let deadline = waiting_since + boot_timeout;
-        let mut said = false;
-        loop {
-            match agent_state(&vm.vsock_socket()) {
-                AgentState::Answers => {
-                    mark_agent_answered(&vm);
-                    break;
-                }
-                AgentState::OtherProtocol(agent_said) => {
-                    return Err(VmError::OtherAgent {
-                        workspace,
-                        agent_said,
-                    })
-                }
-                AgentState::Silent => {}
-            }
-            if vm.running_pid().is_none() {
-                break;
-            }
-            if vm.runs_an_older_layout() {
-                return Err(VmError::NotReady {
-                    workspace,
-                    reason: "it was started by an older vmctl, which kept its vsock socket \
-                             elsewhere ('vmctl stop' it, then start it again)"
-                        .into(),
-                    vm_dir: vm.path.clone(),
-                });
-            }
-            if Instant::now() > deadline {
-                return Err(VmError::NotReady {
-                    workspace,
-                    reason: format!(
-                        "it is running, but its guest agent did not answer within {} s \
-                         ('vmctl stop' it, then start it again)",
-                        boot_timeout.as_secs()
-                    ),
-                    vm_dir: vm.path.clone(),
-                });
-            }
-            if !said && waiting_since.elapsed() >= AGENT_WAIT_NOTICE {
-                vmm::to_stderr!(
-                    "vmctl: the VM of {} runs, but its guest agent does not answer yet \
-                     (still booting?); waiting up to {} s",
-                    workspace.display(),
-                    boot_timeout.as_secs()
-                );
-                said = true;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_for_running_agent(&vm, &workspace)?;
     }
     if vm.running_pid().is_some() {
         if !quiet {
@@ -464,52 +408,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     boot_files(&mut record, recipe, artifacts::ensure)?;
     vm.write_record(&record)?;
     let started = Instant::now();
-    let mut notice = crate::start_notice::StartNotice::on_terminal();
-    let mut supervisor = spawn_supervisor(&vm)?;
-    let boot_timeout = if nested {
-        BOOT_TIMEOUT_NESTED
-    } else {
-        BOOT_TIMEOUT_DIRECT
-    };
-    let deadline = started + boot_timeout;
-    loop {
-        let not_ready = |reason: String| VmError::NotReady {
-            workspace: workspace.clone(),
-            reason,
-            vm_dir: vm.path.clone(),
-        };
-        match agent_state(&vm.vsock_socket()) {
-            AgentState::Answers => {
-                mark_agent_answered(&vm);
-                break;
-            }
-            AgentState::OtherProtocol(agent_said) => {
-                let _ = supervisor.kill();
-                return Err(not_ready(fresh_agent_mismatch(&agent_said)));
-            }
-            AgentState::Silent => {}
-        }
-        if let Ok(Some(status)) = supervisor.try_wait() {
-            return Err(not_ready(format!(
-                "its supervisor exited ({status}){}",
-                log_tail(&vm.supervisor_log())
-            )));
-        }
-        if Instant::now() > deadline {
-            let _ = supervisor.kill();
-            return Err(not_ready(format!(
-                "the guest agent did not answer within {} s",
-                boot_timeout.as_secs()
-            )));
-        }
-        notice.update(&workspace, started.elapsed());
-        std::thread::sleep(if nested {
-            READY_POLL_NESTED
-        } else {
-            READY_POLL_DIRECT
-        });
-    }
-    notice.clear();
+    let supervisor = spawn_supervisor(&vm)?;
+    wait_for_new_agent(&vm, &workspace, supervisor, nested, started)?;
     // The supervisor's stderr is its log: what it warned of while the VM started (a
     // virtiofsd without its sandbox, shares too large to watch) is said here too.
     let log = std::fs::read_to_string(vm.supervisor_log()).unwrap_or_default();
@@ -531,6 +431,129 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         );
     }
     Ok(vm)
+}
+
+/// How long a VM may take until its guest agent answers.
+fn boot_timeout(nested: bool) -> Duration {
+    if nested {
+        BOOT_TIMEOUT_NESTED
+    } else {
+        BOOT_TIMEOUT_DIRECT
+    }
+}
+
+/// Waits for the agent of `vm`, which runs but has not yet answered a start (another
+/// vmctl started it, and it may still be booting): until it answers or the VM stops,
+/// within [`boot_timeout`].
+fn wait_for_running_agent(vm: &VmDir, workspace: &Path) -> Result<(), VmError> {
+    let nested = vm.read_record().map_or(true, |record| record.nested);
+    let boot_timeout = boot_timeout(nested);
+    let waiting_since = Instant::now();
+    let deadline = waiting_since + boot_timeout;
+    let mut said = false;
+    loop {
+        match agent_state(&vm.vsock_socket()) {
+            AgentState::Answers => {
+                mark_agent_answered(vm);
+                return Ok(());
+            }
+            AgentState::OtherProtocol(agent_said) => {
+                return Err(VmError::OtherAgent {
+                    workspace: workspace.to_path_buf(),
+                    agent_said,
+                })
+            }
+            AgentState::Silent => {}
+        }
+        if vm.running_pid().is_none() {
+            return Ok(());
+        }
+        if vm.runs_an_older_layout() {
+            return Err(VmError::NotReady {
+                workspace: workspace.to_path_buf(),
+                reason: "it was started by an older vmctl, which kept its vsock socket \
+                         elsewhere ('vmctl stop' it, then start it again)"
+                    .into(),
+                vm_dir: vm.path.clone(),
+            });
+        }
+        if Instant::now() > deadline {
+            return Err(VmError::NotReady {
+                workspace: workspace.to_path_buf(),
+                reason: format!(
+                    "it is running, but its guest agent did not answer within {} s \
+                     ('vmctl stop' it, then start it again)",
+                    boot_timeout.as_secs()
+                ),
+                vm_dir: vm.path.clone(),
+            });
+        }
+        if !said && waiting_since.elapsed() >= AGENT_WAIT_NOTICE {
+            vmm::to_stderr!(
+                "vmctl: the VM of {} runs, but its guest agent does not answer yet \
+                 (still booting?); waiting up to {} s",
+                workspace.display(),
+                boot_timeout.as_secs()
+            );
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until the agent of `vm`, whose `supervisor` was started at `started`,
+/// answers, within [`boot_timeout`]; on a terminal, a line counts the seconds
+/// meanwhile. A supervisor that exits fails the start; one whose agent does not
+/// answer in time, or speaks another protocol, is killed.
+fn wait_for_new_agent(
+    vm: &VmDir,
+    workspace: &Path,
+    mut supervisor: std::process::Child,
+    nested: bool,
+    started: Instant,
+) -> Result<(), VmError> {
+    let mut notice = crate::start_notice::StartNotice::on_terminal();
+    let boot_timeout = boot_timeout(nested);
+    let deadline = started + boot_timeout;
+    loop {
+        let not_ready = |reason: String| VmError::NotReady {
+            workspace: workspace.to_path_buf(),
+            reason,
+            vm_dir: vm.path.clone(),
+        };
+        match agent_state(&vm.vsock_socket()) {
+            AgentState::Answers => {
+                mark_agent_answered(vm);
+                break;
+            }
+            AgentState::OtherProtocol(agent_said) => {
+                let _ = supervisor.kill();
+                return Err(not_ready(fresh_agent_mismatch(&agent_said)));
+            }
+            AgentState::Silent => {}
+        }
+        if let Ok(Some(status)) = supervisor.try_wait() {
+            return Err(not_ready(format!(
+                "its supervisor exited ({status}){}",
+                log_tail(&vm.supervisor_log())
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = supervisor.kill();
+            return Err(not_ready(format!(
+                "the guest agent did not answer within {} s",
+                boot_timeout.as_secs()
+            )));
+        }
+        notice.update(workspace, started.elapsed());
+        std::thread::sleep(if nested {
+            READY_POLL_NESTED
+        } else {
+            READY_POLL_DIRECT
+        });
+    }
+    notice.clear();
+    Ok(())
 }
 
 /// The file in a VM's directory naming the supervisor (pid and start time) whose guest

@@ -17,7 +17,7 @@ use crate::state::VmDir;
 const MAX_MCP_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
 
 /// Where the VM's agent homes (a per-VM host directory) are mounted in the guest.
-pub const GUEST_AGENT_HOME: &str = "/var/lib/vmctl/agent-home";
+pub const AGENT_HOMES_IN_GUEST: &str = "/var/lib/vmctl/agent-home";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AgentCli {
@@ -201,7 +201,7 @@ pub fn config_homes_env(vm: &VmDir, user: &guest_agent::protocol::User) -> Vec<(
             }
         })
         .map(|cli| {
-            let home = format!("{GUEST_AGENT_HOME}/{}", cli.program());
+            let home = format!("{AGENT_HOMES_IN_GUEST}/{}", cli.program());
             (cli.home_variable().to_string(), home.into())
         })
         .collect()
@@ -228,7 +228,8 @@ fn home_error(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> AgentEr
     move |source| AgentError::Home { what, path, source }
 }
 
-/// The host directory the VM's agent homes live in (shared at [`GUEST_AGENT_HOME`]).
+/// The host directory the VM's agent homes live in (shared at
+/// [`AGENT_HOMES_IN_GUEST`]).
 pub fn agent_home_dir(vm: &VmDir) -> PathBuf {
     vm.path.join("agent-home")
 }

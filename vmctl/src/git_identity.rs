@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::agent::{agent_home_dir, lock_agent_homes, GUEST_AGENT_HOME};
+use crate::agent::{agent_home_dir, lock_agent_homes, AGENT_HOMES_IN_GUEST};
 use crate::guest_writable;
 use crate::state::VmDir;
 
@@ -56,7 +56,7 @@ pub fn guest_env(vm: &VmDir, dir: &Path) -> Option<(String, String)> {
     }
     Some((
         SYSTEM_CONFIG_VAR.to_string(),
-        format!("{GUEST_AGENT_HOME}/{FILE}"),
+        format!("{AGENT_HOMES_IN_GUEST}/{FILE}"),
     ))
 }
 

@@ -145,7 +145,7 @@ fn main() -> ExitCode {
         cli::Command::Paseo(command) => paseo::run(command).map_err(|e| e.to_string()),
         cli::Command::Exec(args) => run_exec(args),
         cli::Command::Shell(args) => run_shell(args),
-        cli::Command::Run(args) => run_oneshot(args),
+        cli::Command::Run(args) => run_throwaway(args),
         cli::Command::Supervise { dir } => supervisor::run(&dir),
         cli::Command::Logs(args) => logs::show(
             &workspace::of_vm(args.workspace.dir()),
@@ -338,16 +338,16 @@ fn unpin(dir: &std::path::Path) {
     }
 }
 
-fn run_oneshot(args: cli::ExecArgs) -> Result<u8, String> {
+fn run_throwaway(args: cli::ExecArgs) -> Result<u8, String> {
     let dir = workspace::resolve_to_start(args.workspace.clone(), args.setup.isolation.isolation)
         .map_err(|e| e.to_string())?;
     vm::check_workspace_ways(&dir).map_err(|e| e.to_string())?;
-    let (workspace, vm) = state::VmDir::ephemeral(&dir).map_err(|e| e.to_string())?;
+    let (workspace, vm) = state::VmDir::throwaway(&dir).map_err(|e| e.to_string())?;
     // Taken before the VM starts and held until it is gone: should this vmctl die
     // first, even while the VM boots, the daemon stops the VM once idle instead of
     // leaving it running for good.
     let _lease = lease_vm(&vm, "vmctl run");
-    let vm = vm::up_ephemeral(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
+    let vm = vm::up_throwaway(&workspace, vm, &args.setup).map_err(|e| e.to_string())?;
     let outcome = exec_in(&vm, args);
     match vm::remove_throwaway(&vm) {
         vm::Teardown::Done(Ok(())) => outcome,

@@ -122,14 +122,14 @@ impl VmDir {
     }
 
     /// A fresh directory for a throwaway VM of `workspace`.
-    pub fn ephemeral(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
+    pub fn throwaway(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
         Self::create(
             workspace,
             &format!("{THROWAWAY_SUFFIX}{}", std::process::id()),
         )
     }
 
-    /// Whether this is a throwaway VM's directory ([`VmDir::ephemeral`]: its name ends
+    /// Whether this is a throwaway VM's directory ([`VmDir::throwaway`]: its name ends
     /// in `-run<pid>`), which nothing reuses once the VM stopped.
     pub fn is_throwaway(&self) -> bool {
         self.path

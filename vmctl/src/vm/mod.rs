@@ -14,7 +14,7 @@ pub(crate) use lock::LIFECYCLE_LOCK;
 pub(crate) use lock::{
     lifecycle_lock_held, lock_to_stop, note_lock_holder, try_lock_lifecycle, LockHolder,
 };
-pub use start::{check_workspace_ways, up, up_ephemeral, StartOptions};
+pub use start::{check_workspace_ways, up, up_throwaway, StartOptions};
 pub use stop::{prune, remove, remove_throwaway, stop, stop_vm, Teardown, SHUTDOWN_REQUESTED};
 
 use std::path::{Path, PathBuf};

@@ -79,9 +79,9 @@ fn forget_if_never_started(vm: &VmDir) {
     }
 }
 
-/// Starts `vm`, a throwaway VM for `workspace` ([`VmDir::ephemeral`]) beside its
+/// Starts `vm`, a throwaway VM for `workspace` ([`VmDir::throwaway`]) beside its
 /// regular one (`vmctl run`).
-pub fn up_ephemeral(workspace: &Path, vm: VmDir, setup: &VmSetupArgs) -> Result<VmDir, VmError> {
+pub fn up_throwaway(workspace: &Path, vm: VmDir, setup: &VmSetupArgs) -> Result<VmDir, VmError> {
     let options = StartOptions {
         mounts: &setup.mounts,
         relay_ports: &setup.relay_ports,
@@ -201,7 +201,7 @@ fn resolve_shares(workspace: &Path, vm: &VmDir, request: &Request) -> Result<Sha
     })?;
     let agent_home = Share {
         host: agent_home.canonicalize().unwrap_or(agent_home),
-        guest: crate::agent::GUEST_AGENT_HOME.into(),
+        guest: crate::agent::AGENT_HOMES_IN_GUEST.into(),
         read_only: false,
     };
     let mut list = vec![shares::workspace_share(workspace)?, agent_home.clone()];

@@ -253,7 +253,9 @@ fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
         if let Some(socket) = running_socket() {
             return Ok(socket);
         }
-        std::thread::sleep(Duration::from_millis(50));
+        // The first command after a login waits on this: the daemon listens within
+        // a few ms of its start.
+        std::thread::sleep(Duration::from_millis(5));
     }
     Err(DaemonClientError::Start(format!(
         "it did not listen on {} within {START_TIMEOUT:?} (its log: {})",

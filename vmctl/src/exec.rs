@@ -935,26 +935,7 @@ mod tests {
         );
 
         // While the command runs: the agent goes after `Started`.
-        let (host, agent) = tokio::net::UnixStream::pair().unwrap();
-        tokio::spawn(async move {
-            let (r, mut w) = agent.into_split();
-            let mut r = FrameReader::new(r);
-            let _hello = r.next::<ClientMessage>().await;
-            let hello_ok = AgentMessage::HelloOk {
-                agent_version: "test".into(),
-                protocol_version: guest_agent::protocol::PROTOCOL_VERSION,
-            };
-            let _ = write_frame(&mut w, &hello_ok).await;
-            let _exec = r.next::<ClientMessage>().await;
-            let _ = write_frame(&mut w, &AgentMessage::Started { pid: 1 }).await;
-        });
-        let (_input, output) = client::Connection::handshake(host)
-            .await
-            .unwrap()
-            .exec(ExecRequest::default())
-            .await
-            .unwrap()
-            .split();
+        let (output, _input) = session_with(Vec::new(), AfterMessages::GoAway).await;
         let writer = OutputWriter::start(std::io::sink(), std::io::sink()).unwrap();
         let (_give_up, gave_up) = tokio::sync::mpsc::channel(1);
         let (close_output, _closed) = tokio::sync::mpsc::channel(2);
@@ -1025,6 +1006,24 @@ mod tests {
         client::ExecOutput<tokio::net::UnixStream>,
         client::ExecInput<tokio::net::UnixStream>,
     ) {
+        session_with(messages, AfterMessages::Stay).await
+    }
+
+    /// What the fake agent of [`session_with`] does once it sent its messages.
+    enum AfterMessages {
+        /// Keeps the connection until the client closes it.
+        Stay,
+        /// Goes away, as an agent whose VM stopped.
+        GoAway,
+    }
+
+    async fn session_with(
+        messages: Vec<AgentMessage>,
+        after: AfterMessages,
+    ) -> (
+        client::ExecOutput<tokio::net::UnixStream>,
+        client::ExecInput<tokio::net::UnixStream>,
+    ) {
         let (host, agent) = tokio::net::UnixStream::pair().unwrap();
         tokio::spawn(async move {
             let (r, mut w) = agent.into_split();
@@ -1042,7 +1041,9 @@ mod tests {
                     return;
                 }
             }
-            while let Ok(Some(_)) = r.next::<ClientMessage>().await {}
+            if let AfterMessages::Stay = after {
+                while let Ok(Some(_)) = r.next::<ClientMessage>().await {}
+            }
         });
         let session = client::Connection::handshake(host)
             .await

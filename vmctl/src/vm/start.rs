@@ -1082,21 +1082,28 @@ mod tests {
         );
     }
 
+    /// A VM directory in `dir` and its supervisor, started as vmctl starts one: a
+    /// stand-in that runs until killed and never writes its pid file itself.
+    fn silent_supervisor(dir: &Path) -> (VmDir, std::process::Child) {
+        let vm = VmDir {
+            path: dir.join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let exe = dir.join("vmctl");
+        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
+        let supervisor = {
+            let _forking = crate::state::no_forks_meanwhile();
+            spawn_supervisor_from(&exe, &vm).unwrap()
+        };
+        (vm, supervisor)
+    }
+
     /// A session after the start that saw the agent answer skips asking it again, but
     /// only while that very supervisor runs.
     #[test]
     fn a_start_whose_agent_answered_is_known_by_its_supervisor() {
         let dir = tempfile::tempdir().unwrap();
-        let vm = VmDir {
-            path: dir.path().join("vm"),
-        };
-        std::fs::create_dir_all(&vm.path).unwrap();
-        let exe = dir.path().join("vmctl");
-        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
-        let mut supervisor = {
-            let _forking = crate::state::no_forks_meanwhile();
-            spawn_supervisor_from(&exe, &vm).unwrap()
-        };
+        let (vm, mut supervisor) = silent_supervisor(dir.path());
         let pid = supervisor.id() as i32;
         assert_eq!(vm.running_pid(), Some(pid));
         assert!(!agent_answered_for(&vm, pid), "nothing answered yet");
@@ -1119,17 +1126,7 @@ mod tests {
     #[test]
     fn a_started_supervisor_is_recorded_before_it_runs() {
         let dir = tempfile::tempdir().unwrap();
-        let vm = VmDir {
-            path: dir.path().join("vm"),
-        };
-        std::fs::create_dir_all(&vm.path).unwrap();
-        // A supervisor that never gets to write its pid file.
-        let exe = dir.path().join("vmctl");
-        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
-        let mut supervisor = {
-            let _forking = crate::state::no_forks_meanwhile();
-            spawn_supervisor_from(&exe, &vm).unwrap()
-        };
+        let (vm, mut supervisor) = silent_supervisor(dir.path());
         let running = vm.running_pid();
         let _ = supervisor.kill();
         let _ = supervisor.wait();

@@ -96,7 +96,7 @@ pub fn guest_kernel_crash(console: &str) -> Option<&str> {
         .map(str::trim)
 }
 
-/// Whether a console line carries the kernel's "[ seconds]" timestamp, as our guest
+/// Whether a console line carries the kernel's `[ seconds]` timestamp, as our guest
 /// kernel's do (CONFIG_PRINTK_TIME). The nested host's kernel, which shares the
 /// guest's console there, prints none (`printk.time=0`).
 pub fn has_kernel_timestamp(line: &str) -> bool {

@@ -201,7 +201,7 @@ struct KernelPanic {
     /// The panic line, with the first line of the report that led to it (`BUG:`,
     /// `Oops:`, ...).
     report: String,
-    /// Its lines carry the kernel's "[ seconds]" timestamps: the guest kernel's do
+    /// Its lines carry the kernel's `[ seconds]` timestamps: the guest kernel's do
     /// (CONFIG_PRINTK_TIME), the nested host's kernel prints none (`printk.time=0`).
     timestamped: bool,
 }
@@ -237,7 +237,7 @@ fn kernel_panic(console: &Path) -> Option<KernelPanic> {
     })
 }
 
-/// A console line's kernel message, after the kernel's "[ seconds] " timestamp when
+/// A console line's kernel message, after the kernel's `[ seconds] ` timestamp when
 /// it has one (other output may precede it on the line), and whether it had one.
 fn kernel_message(line: &str) -> (String, bool) {
     let stamp = line.find("] ").and_then(|end| {

@@ -251,7 +251,7 @@ impl TreeWatcher {
         self.dirs.len()
     }
 
-    /// Watches `root` and every directory below it, but for those [`left_unwatched`]
+    /// Watches `root` and every directory below it, but for those [`Self::left_unwatched`]
     /// (git's object store, what lies below each package in a `node_modules`). Returns
     /// why some went unwatched, the first time that happens, or why `root` cannot be.
     pub fn watch_tree(&mut self, root: &Path) -> Option<String> {

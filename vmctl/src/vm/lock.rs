@@ -111,7 +111,7 @@ pub(super) fn lock_lifecycle_within(vm: &VmDir, grace: Duration) -> Option<std::
 }
 
 /// `vm`'s lifecycle lock, unless someone holds it (`Ok(None)`). While it is held no
-/// `vmctl` attaches to the VM or starts it: they wait in [`start`].
+/// `vmctl` attaches to the VM or starts it: they wait in `start`.
 pub(crate) fn try_lock_lifecycle(vm: &VmDir) -> std::io::Result<Option<std::fs::File>> {
     let file = crate::state::open_lock_file(&vm.path.join(LIFECYCLE_LOCK))?;
     match file.try_lock() {

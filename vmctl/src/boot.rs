@@ -40,7 +40,7 @@ const KVM_DEVICE_ENV: &str = "VMCTL_KVM_DEVICE";
 
 pub fn run(args: BootArgs) -> Result<u8, BootCommandError> {
     let config = resolve_config(&args)?;
-    config.validate(host_memory_mib())?;
+    config.validate(host_memory_mib().unwrap_or(u64::MAX))?;
 
     let kvm = KvmKind::detect();
     let use_nested = match args.nested {

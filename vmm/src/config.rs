@@ -355,16 +355,12 @@ fn elf_memory_end(file: &mut File, header: &[u8]) -> Option<u64> {
     end
 }
 
-/// The host's total RAM in MiB (from /proc/meminfo), or `u64::MAX` when unknown.
-pub fn host_memory_mib() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|meminfo| {
-            let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib / 1024)
-        })
-        .unwrap_or(u64::MAX)
+/// The host's total RAM in MiB (from /proc/meminfo), if it can be read.
+pub fn host_memory_mib() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
 }
 
 #[cfg(test)]
@@ -574,6 +570,6 @@ mod tests {
 
     #[test]
     fn host_memory_is_known_here() {
-        assert!(host_memory_mib() > 0);
+        assert!(host_memory_mib().is_some_and(|mib| mib > 0));
     }
 }

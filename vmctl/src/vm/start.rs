@@ -627,7 +627,7 @@ fn boot_files(
 /// and 10% of the host's RAM (at least 1 GiB).
 fn vm_size(resources: Resources) -> (u32, u64) {
     let host_cpus = vm_cpu_count();
-    let host_mib = host_memory_mib().unwrap_or(0);
+    let host_mib = vmm::config::host_memory_mib().unwrap_or(0);
     if let Some(asked) = resources.cpus.filter(|&asked| asked > host_cpus) {
         tracing::warn!("the vmctl config asks for {asked} vCPUs, but VMs may run on {host_cpus} CPUs here; the VM gets {}", host_cpus.min(MAX_VCPUS));
     } else if let Some(asked) = resources.cpus.filter(|&asked| asked > MAX_VCPUS) {
@@ -675,20 +675,6 @@ fn size_from(resources: Resources, host_cpus: u32, host_mib: u64) -> (u32, u64) 
     // More than the host has, the VMM refuses (0: the host's size is unknown).
     let fits = if host_mib > 0 { host_mib } else { memory_mib };
     (cpus, memory_mib.min(fits))
-}
-
-/// `MemTotal` of /proc/meminfo, in MiB.
-fn host_memory_mib() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024)
 }
 
 /// Paseo's port (unless the config says not to), the config's relay ports for

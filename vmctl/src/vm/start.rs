@@ -721,7 +721,10 @@ fn warnings_in(log: &str) -> impl Iterator<Item = &str> {
 
 /// The last lines of a log, to quote in an error (empty when there are none).
 fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // Its end only, and a byte that is not UTF-8 (a guest's words quoted) does not
+    // cost the rest.
+    let tail = crate::log_keeper::read_tail(path, 64 << 10).unwrap_or_default();
+    let text = String::from_utf8_lossy(&tail);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let tail = &lines[lines.len().saturating_sub(5)..];
     if tail.is_empty() {
@@ -1167,6 +1170,23 @@ mod tests {
                 "vmctl-vmm: warning: cannot jail the VMM (EPERM): ..."
             ]
         );
+    }
+
+    /// An error quotes the log's last lines even when one is not UTF-8.
+    #[test]
+    fn a_log_tail_survives_a_byte_that_is_not_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("supervisor.log");
+        std::fs::write(
+            &log,
+            b"first\n\nthe guest said \xff\nvmctl: error: the end\n",
+        )
+        .unwrap();
+        assert_eq!(
+            log_tail(&log),
+            ":\n  first\n  the guest said \u{fffd}\n  vmctl: error: the end\n"
+        );
+        assert_eq!(log_tail(&dir.path().join("missing")), "");
     }
 
     /// What vmctl tells the guest, the guest takes: a value it refused would be a

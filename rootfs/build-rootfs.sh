@@ -62,19 +62,31 @@ done
 command -v jq >/dev/null || die "'jq' is missing: run 'apt-get install jq' (or scripts/setup.sh)"
 [[ -r "$recipe" ]] || die "recipe '$recipe' not found (default: rootfs/recipes/default.recipe)"
 recipe="$(cd "$(dirname "$recipe")" && pwd)/$(basename "$recipe")"
-jq -e 'type == "object"' "$recipe" >/dev/null 2>&1 ||
-    die "$recipe is not a JSON object (see rootfs/README.md for the format)"
-unknown="$(jq -r 'keys - ["name", "description", "debian_packages", "npm_packages", "script"] | join(", ")' "$recipe")"
-[[ -z "$unknown" ]] || die "$recipe: unknown field(s): $unknown (known: name, description, debian_packages, npm_packages, script)"
-jq -e '(.name | type == "string")
-       and ((.debian_packages // []) | type == "array" and all(type == "string"))
-       and ((.npm_packages // []) | type == "array" and all(type == "string"))
-       and ((.script // "") | type == "string")' "$recipe" >/dev/null ||
-    die "$recipe: 'name' must be a string, 'debian_packages' and 'npm_packages' arrays of strings, 'script' a string"
-name="$(jq -r '.name' "$recipe")"
+# One jq reads and checks the whole recipe: every VM start runs this script, and each
+# jq costs some 15 ms. It prints shell assignments, its strings quoted by @sh.
+recipe_fields="$(jq -r '
+    ["name", "description", "debian_packages", "npm_packages", "script"] as $known
+    | if type != "object" then "problem=not_an_object"
+      elif (keys - $known | length) > 0 then
+          "problem=unknown_fields unknown=" + (keys - $known | join(", ") | @sh)
+      elif ((.name | type == "string")
+            and ((.debian_packages // []) | type == "array" and all(type == "string"))
+            and ((.npm_packages // []) | type == "array" and all(type == "string"))
+            and ((.script // "") | type == "string")) | not then "problem=types"
+      else "problem=",
+           "name=" + (.name | @sh),
+           "script_rel=" + ((.script // "") | @sh),
+           "debian_packages=(" + ((.debian_packages // []) | @sh) + ")",
+           "npm_packages=(" + ((.npm_packages // []) | @sh) + ")"
+      end' "$recipe" 2>/dev/null)" || recipe_fields="problem=not_an_object"
+problem="" unknown="" name="" script_rel="" debian_packages=() npm_packages=()
+eval "$recipe_fields"
+case "$problem" in
+    not_an_object) die "$recipe is not a JSON object (see rootfs/README.md for the format)" ;;
+    unknown_fields) die "$recipe: unknown field(s): $unknown (known: name, description, debian_packages, npm_packages, script)" ;;
+    types) die "$recipe: 'name' must be a string, 'debian_packages' and 'npm_packages' arrays of strings, 'script' a string" ;;
+esac
 [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || die "$recipe: name '$name' must match [A-Za-z0-9][A-Za-z0-9._-]*"
-mapfile -t debian_packages < <(jq -r '(.debian_packages // [])[]' "$recipe")
-mapfile -t npm_packages < <(jq -r '(.npm_packages // [])[]' "$recipe")
 for pkg in "${debian_packages[@]}"; do
     [[ "$pkg" =~ ^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+:~-]+)?$ ]] || die "$recipe: '$pkg' is not a Debian package name (pkg or pkg=version)"
 done
@@ -82,7 +94,6 @@ for pkg in "${npm_packages[@]}"; do
     [[ "$pkg" =~ ^[@A-Za-z0-9][^[:space:]]*$ ]] || die "$recipe: '$pkg' is not an npm package spec"
 done
 script=""
-script_rel="$(jq -r '.script // ""' "$recipe")"
 if [[ -n "$script_rel" ]]; then
     # Relative to the recipe's folder.
     if [[ "$script_rel" == /* ]]; then script="$script_rel"; else script="$(dirname "$recipe")/$script_rel"; fi

@@ -736,3 +736,76 @@ fn builds_stay_root_where_the_cache_holds_what_its_owner_cannot_write() {
         "{said}"
     );
 }
+
+/// A recipe is checked before anything is built, with one message per kind of mistake
+/// (one `jq` reads it all: every VM start runs this script); a string of the recipe
+/// never reaches the shell as code.
+#[test]
+fn a_root_image_recipe_is_checked_before_any_build() {
+    let dir = TempDir::new("recipes");
+    let script = workspace_root().join("rootfs/build-rootfs.sh");
+    let check = |name: &str, recipe: &str| {
+        let path = dir.path().join(format!("{name}.recipe"));
+        std::fs::write(&path, recipe).unwrap();
+        let output = Command::new(&script)
+            .arg(&path)
+            .arg("--print-path")
+            .env("VMCTL_CACHE_DIR", dir.path().join("cache"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (output.status.success(), stdout(&output), stderr(&output))
+    };
+    let refused = |name: &str, recipe: &str, says: &str| {
+        let (ok, _, said) = check(name, recipe);
+        assert!(!ok && said.contains(says), "{name}: {said}");
+    };
+    refused("not-json", "x{", "is not a JSON object");
+    refused("array", "[1]", "is not a JSON object");
+    refused(
+        "unknown",
+        r#"{"name": "a", "foo": 1, "bar": 2}"#,
+        "unknown field(s): bar, foo (known: name,",
+    );
+    let types = "'name' must be a string, 'debian_packages' and 'npm_packages' arrays";
+    refused("types", r#"{"name": 1}"#, types);
+    refused(
+        "packages",
+        r#"{"name": "a", "debian_packages": "curl"}"#,
+        types,
+    );
+    refused("name", r#"{"name": "a b"}"#, "name 'a b' must match");
+    refused("two-lines", r#"{"name": "a\nb"}"#, "must match");
+    refused(
+        "package",
+        r#"{"name": "a", "debian_packages": ["curl\nvim"]}"#,
+        "is not a Debian package name",
+    );
+    let planted = dir.path().join("planted");
+    refused(
+        "code",
+        &format!(
+            r#"{{"name": "a", "npm_packages": ["$(touch {})", "x'; touch {}; '"]}}"#,
+            planted.display(),
+            planted.display()
+        ),
+        "is not an npm package spec",
+    );
+    assert!(!planted.exists(), "a recipe's string ran as shell code");
+    refused(
+        "script",
+        r#"{"name": "a", "script": "missing.sh"}"#,
+        "script 'missing.sh' not found",
+    );
+    let (ok, path, said) = check(
+        "good",
+        r#"{"name": "good", "debian_packages": ["curl=7.88.1-10"], "npm_packages": ["@scope/x@1"]}"#,
+    );
+    assert!(ok, "{said}");
+    let path = path.trim();
+    assert!(
+        path.starts_with(&dir.path().join("cache/rootfs/good-").display().to_string())
+            && path.ends_with("/rootfs.ext4"),
+        "{path}"
+    );
+}

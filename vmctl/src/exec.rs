@@ -875,6 +875,19 @@ mod tests {
         assert_eq!(cwd(Path::new("/")), canonical);
     }
 
+    /// `argv` run as the default user, in the default directory, without a terminal
+    /// or stdin.
+    fn plain(argv: Vec<OsString>) -> ExecOptions {
+        ExecOptions {
+            argv,
+            env: Vec::new(),
+            cwd: None,
+            user: User::Default,
+            tty: false,
+            stdin: false,
+        }
+    }
+
     /// A VM whose vsock accepts but whose agent never answers: `vmctl exec` gives up
     /// (before raw mode, so Ctrl-C works meanwhile) instead of waiting forever.
     #[tokio::test(start_paused = true)]
@@ -883,12 +896,8 @@ mod tests {
         let socket = dir.path().join("vsock.sock");
         let _silent = tokio::net::UnixListener::bind(&socket).unwrap();
         let options = ExecOptions {
-            argv: vec!["true".into()],
-            env: Vec::new(),
-            cwd: None,
-            user: User::Default,
-            tty: false,
             stdin: true,
+            ..plain(vec!["true".into()])
         };
         let err = tokio::time::timeout(AGENT_TIMEOUT * 2, relay(&socket, options))
             .await
@@ -918,14 +927,7 @@ mod tests {
             let mut line = String::new();
             let _ = tokio::io::AsyncBufReadExt::read_line(&mut reader, &mut line).await;
         });
-        let options = ExecOptions {
-            argv: vec!["true".into()],
-            env: Vec::new(),
-            cwd: None,
-            user: User::Default,
-            tty: false,
-            stdin: false,
-        };
+        let options = plain(vec!["true".into()]);
         let err = relay(&socket, options).await.unwrap_err();
         assert!(matches!(err, ExecError::Connect { .. }), "{err}");
         assert!(err.is_connection_lost(), "{err}");
@@ -979,14 +981,7 @@ mod tests {
     /// asked, saying what to do. (Review: it failed as a protocol error, with 125.)
     #[tokio::test]
     async fn a_command_line_longer_than_a_request_is_refused_saying_what_to_do() {
-        let options = ExecOptions {
-            argv: vec!["echo".into(), "x".repeat(2 << 20).into()],
-            env: Vec::new(),
-            cwd: None,
-            user: User::Default,
-            tty: false,
-            stdin: false,
-        };
+        let options = plain(vec!["echo".into(), "x".repeat(2 << 20).into()]);
         let err = relay(Path::new("/nonexistent/vsock.sock"), options)
             .await
             .unwrap_err();

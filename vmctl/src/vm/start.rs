@@ -328,10 +328,10 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
             workspace.display()
         )
     })?;
-    let answered_before = vm
+    if vm
         .running_pid()
-        .is_some_and(|pid| agent_answered_for(&vm, pid));
-    if vm.running_pid().is_some() && !answered_before {
+        .is_some_and(|pid| !agent_answered_for(&vm, pid))
+    {
         // Running: it may still be booting (another vmctl started it). Never start a
         // second VM over it.
         wait_for_running_agent(&vm, &workspace)?;

@@ -67,6 +67,15 @@ pub struct VmRecord {
     /// never read by vmctl, which works it out.
     #[serde(default)]
     pub vsock_socket: Option<PathBuf>,
+    /// Whether the guest gives the memory it frees back to the host (the config
+    /// file's `free_page_reporting`). Records of older vmctl lack it: true, as then.
+    #[serde(default = "reports_free_pages")]
+    pub free_page_reporting: bool,
+}
+
+/// A record's `free_page_reporting` when it does not say.
+fn reports_free_pages() -> bool {
+    true
 }
 
 /// Settings that let tests point the egress proxy at a local test upstream. Each is
@@ -667,6 +676,7 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
         rootfs: "/r".into(),
         cpus: 2,
         memory_mib: 512,
+        free_page_reporting: false,
         nested: true,
         nested_host_kernel: Some("/n".into()),
         agent_cmdline: "vmctl.root=/dev/vda".into(),
@@ -971,5 +981,20 @@ mod tests {
         json.as_object_mut().unwrap().remove("nested_host_kernel");
         std::fs::write(vm.record_path(), json.to_string()).unwrap();
         assert_eq!(vm.read_record().unwrap().nested_host_kernel, None);
+    }
+
+    /// The record of a VM an older vmctl started, before free page reporting, reads
+    /// as reporting: what the config's default gives.
+    #[test]
+    fn a_record_without_free_page_reporting_reads_as_reporting() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().to_path_buf(),
+        };
+        let mut json = serde_json::to_value(test_record(&vm, Path::new("/w"))).unwrap();
+        assert_eq!(json["free_page_reporting"], false);
+        json.as_object_mut().unwrap().remove("free_page_reporting");
+        std::fs::write(vm.record_path(), json.to_string()).unwrap();
+        assert!(vm.read_record().unwrap().free_page_reporting);
     }
 }

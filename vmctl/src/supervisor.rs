@@ -110,6 +110,7 @@ pub fn vm_config(vm: &VmDir, record: &VmRecord) -> VmConfig {
     config.extra_cmdline = record.agent_cmdline.clone();
     config.vcpus = record.cpus;
     config.memory_mib = record.memory_mib;
+    config.free_page_reporting = record.free_page_reporting;
     config.vsock = Some(VsockConfig {
         guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,
         uds_path: vm.vsock_socket(),

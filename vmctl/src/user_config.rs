@@ -11,6 +11,7 @@
 //! cpus = 2                      # a new VM's vCPUs (default: all)
 //! memory_percent = 10           # its memory, as a share of the host's RAM (0-100)...
 //! memory_min_mib = 1024         # ...but at least this much
+//! free_page_reporting = false   # a new VM keeps what its guest frees (default true)
 //! [workspaces."/home/me/project"]
 //! mounts = ["/srv/data:/data:ro"]
 //! relay_ports = [8080]
@@ -90,6 +91,10 @@ pub struct UserConfig {
     /// The least memory of a new VM, in MiB (default 1024).
     #[serde(default)]
     pub memory_min_mib: Option<u64>,
+    /// Whether a new VM's guest gives the memory it frees back to the host (default
+    /// yes; `vmm::config::VmConfig::free_page_reporting`).
+    #[serde(default)]
+    pub free_page_reporting: Option<bool>,
     /// Settings of one workspace, by its path (`~/` allowed).
     #[serde(default)]
     pub workspaces: BTreeMap<String, WorkspaceConfig>,
@@ -157,6 +162,8 @@ pub struct WorkspaceConfig {
     pub memory_percent: Option<u32>,
     #[serde(default)]
     pub memory_min_mib: Option<u64>,
+    #[serde(default)]
+    pub free_page_reporting: Option<bool>,
 }
 
 /// What a new VM gets (unset: the defaults); a workspace's settings override the
@@ -166,6 +173,7 @@ pub struct Resources {
     pub cpus: Option<u32>,
     pub memory_percent: Option<u32>,
     pub memory_min_mib: Option<u64>,
+    pub free_page_reporting: Option<bool>,
 }
 
 /// `HOME`, against which the sections' `~/` paths are read.
@@ -273,12 +281,14 @@ impl UserConfig {
             cpus: self.cpus,
             memory_percent: self.memory_percent,
             memory_min_mib: self.memory_min_mib,
+            free_page_reporting: self.free_page_reporting,
         };
         self.settings_of(workspace, home.as_deref())
             .fold(global, |global, settings| Resources {
                 cpus: settings.cpus.or(global.cpus),
                 memory_percent: settings.memory_percent.or(global.memory_percent),
                 memory_min_mib: settings.memory_min_mib.or(global.memory_min_mib),
+                free_page_reporting: settings.free_page_reporting.or(global.free_page_reporting),
             })
     }
 
@@ -594,9 +604,35 @@ mounts = ["/srv/other"]
             cpus,
             memory_percent,
             memory_min_mib: None,
+            free_page_reporting: None,
         };
         assert_eq!(config.resources_for(&project), expect(Some(4), Some(50)));
         assert_eq!(config.resources_for(dir.path()), expect(Some(4), Some(20)));
+    }
+
+    #[test]
+    fn free_page_reporting_is_on_unless_the_workspace_or_else_the_global_settings_say_no() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        let reporting = |text: &str, workspace: &Path| {
+            let config = UserConfig::load_from(&write_config(dir.path(), text)).unwrap();
+            config.resources_for(workspace).free_page_reporting
+        };
+        // Unset: the record gets the default, true (vm::start).
+        assert_eq!(reporting("", &project), None);
+        let all_but_project = format!(
+            "free_page_reporting = false\n[workspaces.\"{}\"]\nfree_page_reporting = true\n",
+            project.display()
+        );
+        assert_eq!(reporting(&all_but_project, &project), Some(true));
+        assert_eq!(reporting(&all_but_project, dir.path()), Some(false));
+        let only_project = format!(
+            "[workspaces.\"{}\"]\nfree_page_reporting = false\n",
+            project.display()
+        );
+        assert_eq!(reporting(&only_project, &project), Some(false));
+        assert_eq!(reporting(&only_project, dir.path()), None);
     }
 
     #[test]

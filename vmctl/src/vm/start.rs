@@ -379,7 +379,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
     if nested {
         kvm.announce_nested();
     }
-    let (cpus, memory_mib) = vm_size(request.config.resources_for(&workspace));
+    let resources = request.config.resources_for(&workspace);
+    let (cpus, memory_mib) = vm_size(resources);
     let mut record = VmRecord {
         // Filled in last: a start refused for its shares must not first build them.
         kernel: PathBuf::new(),
@@ -388,6 +389,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         nested_host_kernel: None,
         cpus,
         memory_mib,
+        free_page_reporting: resources.free_page_reporting.unwrap_or(true),
         nested,
         agent_cmdline: agent_cmdline(&vm, &share_set.shares, request.guest_account.as_deref()),
         started_at: std::time::SystemTime::now()
@@ -1294,6 +1296,7 @@ mod tests {
             cpus: Some(16),
             memory_percent: Some(50),
             memory_min_mib: Some(512),
+            free_page_reporting: Some(false),
         };
         assert_eq!(size_from(set, 4, 2 * 1024), (4, 1024));
     }

@@ -17,6 +17,7 @@ use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::legacy::{
     BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole,
 };
+use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::fs::VhostUserFs;
 use crate::devices::virtio::missed_interrupt;
@@ -243,7 +244,8 @@ fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildEr
     })
 }
 
-/// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock, filesystems.
+/// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock, filesystems,
+/// balloon.
 fn virtio_devices(
     config: &VmConfig,
     events: &crate::process::EventSink,
@@ -286,6 +288,9 @@ fn virtio_devices(
                 }
             })?;
         devices.push(Box::new(device));
+    }
+    if config.free_page_reporting {
+        devices.push(Box::new(Balloon::new()));
     }
     Ok(devices)
 }

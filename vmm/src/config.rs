@@ -79,6 +79,10 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// virtio-fs devices, placed after vsock.
     pub filesystems: Vec<FsConfig>,
+    /// Adds a virtio-balloon device for free page reporting, placed last: the guest
+    /// tells the VMM which memory it freed, and the VMM gives those pages back to the
+    /// host (see `devices::virtio::balloon`).
+    pub free_page_reporting: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -145,6 +149,7 @@ impl VmConfig {
             rng: true,
             vsock: None,
             filesystems: Vec::new(),
+            free_page_reporting: true,
         }
     }
 
@@ -153,12 +158,13 @@ impl VmConfig {
     }
 
     /// Number of virtio-mmio devices, in the order they are placed: disks, rng, vsock,
-    /// filesystems.
+    /// filesystems, balloon.
     pub fn virtio_device_count(&self) -> usize {
         self.disks.len()
             + usize::from(self.rng)
             + usize::from(self.vsock.is_some())
             + self.filesystems.len()
+            + usize::from(self.free_page_reporting)
     }
 
     /// The full kernel command line: defaults, the virtio-mmio devices, then the
@@ -419,9 +425,12 @@ mod tests {
             config.kernel_cmdline(),
             format!(
                 "{DEFAULT_CMDLINE} virtio_mmio.device=4K@0xd0000000:5 \
-                 virtio_mmio.device=4K@0xd0001000:6 loglevel=7"
+                 virtio_mmio.device=4K@0xd0001000:6 virtio_mmio.device=4K@0xd0002000:7 \
+                 loglevel=7"
             )
         );
+        config.free_page_reporting = false;
+        assert_eq!(config.virtio_device_count(), 2);
     }
 
     #[test]

@@ -75,6 +75,7 @@ pub fn run(spec: &Path) -> Result<u8, NestedInitError> {
 fn prepare_and_run(spec: &Path) -> Result<u8, String> {
     tracing::debug!("nested host: mounting /proc, /sys, /dev, /run and the job directory");
     mount_basics().map_err(|e| e.to_string())?;
+    report_smaller_free_blocks();
     if let Err(e) = set_clock_from_host() {
         vmm::to_stderr!("vmctl: warning: cannot set the nested host's clock from the host's: {e}; the guest's clock may lag the host's by a second or more");
     }
@@ -144,6 +145,24 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
             }
             run_command(&command)
         }
+    }
+}
+
+/// The sysfs knob of the smallest free block Linux reports to a free page reporting
+/// device (as a buddy order), and what the nested host sets it to.
+const PAGE_REPORTING_ORDER: &str = "/sys/module/page_reporting/parameters/page_reporting_order";
+const NESTED_PAGE_REPORTING_ORDER: &str = "6";
+
+/// Has the nested host's kernel report free blocks of 256 KiB, not its default 4 MiB
+/// (its pageblock order; Linux 6.1 overrides a command-line value when the balloon
+/// registers, so it is set here): the guest memory our VMM gives back leaves one page
+/// in use in every 4 MiB block here (KVM's), so none of it would ever be reported to
+/// QEMU, and the host would keep the nested host's high-water mark (seen in
+/// /proc/buddyinfo: 1 GiB free, none of it in 4 MiB blocks). With 256 KiB blocks some
+/// 94% of it comes back.
+fn report_smaller_free_blocks() {
+    if let Err(e) = std::fs::write(PAGE_REPORTING_ORDER, NESTED_PAGE_REPORTING_ORDER) {
+        tracing::debug!("nested host: cannot set {PAGE_REPORTING_ORDER}: {e}");
     }
 }
 

@@ -70,6 +70,9 @@ pub struct VmJob {
     pub vsock: bool,
     /// Directory shares, each served by a virtiofsd inside the nested host.
     pub shares: Option<ShareSet>,
+    /// The guest hands back the memory it frees (the VMM's balloon), and the nested
+    /// host the memory that frees in turn (QEMU's).
+    pub free_page_reporting: bool,
     /// The VMM's switches as the host's environment sets them (`VMCTL_SECCOMP`): the
     /// nested host's VMM gets them too.
     #[serde(default)]
@@ -145,6 +148,15 @@ impl NestedJob {
         matches!(&self.work, Work::Vm(vm) if vm.vsock)
     }
 
+    /// Whether the nested host hands back the memory it frees: as its VM does, and
+    /// always for a command.
+    pub fn free_page_reporting(&self) -> bool {
+        match &self.work {
+            Work::Vm(vm) => vm.free_page_reporting,
+            Work::Command(_) => true,
+        }
+    }
+
     /// A job that boots `config` with `shares`; directories holding writable disks
     /// and the shares' directories are mounted so the guest's writes reach the
     /// host's files.
@@ -197,6 +209,7 @@ impl NestedJob {
                 report_boot_time,
                 vsock: config.vsock.is_some(),
                 shares: shares.cloned(),
+                free_page_reporting: config.free_page_reporting,
                 vmm_env: vmm_env(|name| std::env::var(name).ok()),
             }),
             // One more than the guest's: its vCPUs run on all but CPU 0 (init.rs).
@@ -277,6 +290,7 @@ impl VmJob {
         config.extra_cmdline = self.extra_cmdline.clone();
         config.vcpus = self.vcpus;
         config.memory_mib = self.memory_mib;
+        config.free_page_reporting = self.free_page_reporting;
         if self.vsock {
             config.vsock = Some(vmm::config::VsockConfig {
                 guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,

@@ -273,6 +273,11 @@ fn run(
     let (_host_daemons, host_filesystems) = start_host_shares(job, &job_dir.path, log_dir)?;
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.path, &stderr_socket, job);
     add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
+    if job.free_page_reporting() {
+        // The root and job directories, the shared ones, the shares, virtio-serial.
+        let devices = 2 + job.shared_dirs.len() + host_filesystems.len() + 1;
+        add_free_page_reporting(&mut command, devices);
+    }
     if let Some(cpus) = &host_cpus {
         tracing::info!(
             "the nested host runs on host CPUs {} ({VCPU_CPUS_ENV})",
@@ -432,6 +437,27 @@ fn add_filesystems(command: &mut Command, filesystems: &[FsConfig], memory_mib: 
                 fs.tag
             ));
     }
+}
+
+/// The virtio-mmio transports of QEMU's microvm without ACPI (its `ioapic2` is off).
+const MICROVM_TRANSPORTS: usize = 8;
+
+/// A virtio-balloon for free page reporting, when a transport is left after the
+/// `devices` the nested host has: its kernel then hands back to this host the memory
+/// it frees, that of a guest's freed memory, which our VMM dropped, among it. Without
+/// it the nested host holds its high-water mark until it stops.
+fn add_free_page_reporting(command: &mut Command, devices: usize) {
+    if devices >= MICROVM_TRANSPORTS {
+        tracing::info!(
+            "the nested host has {devices} virtio devices, QEMU's microvm {MICROVM_TRANSPORTS}: \
+             none is left for free page reporting, so the nested host keeps the memory its \
+             guest frees until it stops"
+        );
+        return;
+    }
+    command
+        .arg("-device")
+        .arg("virtio-balloon-device,free-page-reporting=on");
 }
 
 fn find_qemu() -> Result<String, NestedError> {

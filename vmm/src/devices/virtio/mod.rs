@@ -7,6 +7,7 @@
 //! [`InterruptTrigger`], which sets the transport's InterruptStatus and signals the
 //! device's irqfd.
 
+pub mod balloon;
 pub mod block;
 pub mod chain;
 pub mod fs;

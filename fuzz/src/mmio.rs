@@ -1,13 +1,15 @@
 //! A guest driving a virtio-mmio device: register reads and writes at any offset, of
 //! any size, in any order; queues wherever it likes; notifications for any queue; and
 //! its memory (rings, descriptors, requests) changing between them. The devices are
-//! the VMM's own (block on a scratch disk, rng), behind the VMM's own transport.
+//! the VMM's own (block on a scratch disk, rng, the free page reporting balloon),
+//! behind the VMM's own transport.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::Arc;
 
 use vmm::devices::bus::BusDevice;
+use vmm::devices::virtio::balloon::Balloon;
 use vmm::devices::virtio::block::Block;
 use vmm::devices::virtio::mmio::MmioTransport;
 use vmm::devices::virtio::rng::Rng;
@@ -52,8 +54,12 @@ pub fn disk_pattern() -> Vec<u8> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
-    Disk { read_only: bool },
+    Disk {
+        read_only: bool,
+    },
     Rng,
+    /// Reports free ranges of guest memory, whose pages it drops.
+    Balloon,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,10 +155,11 @@ pub struct Input {
 impl Input {
     pub fn decode(data: &[u8]) -> Input {
         let mut r = Reader::new(data);
-        let device = match r.u8() % 3 {
+        let device = match r.u8() % 4 {
             0 => DeviceKind::Disk { read_only: false },
             1 => DeviceKind::Disk { read_only: true },
-            _ => DeviceKind::Rng,
+            2 => DeviceKind::Rng,
+            _ => DeviceKind::Balloon,
         };
         let (image, ops) = r.image_and_ops(Op::read);
         Input { device, image, ops }
@@ -164,6 +171,7 @@ impl Input {
             DeviceKind::Disk { read_only: false } => 0,
             DeviceKind::Disk { read_only: true } => 1,
             DeviceKind::Rng => 2,
+            DeviceKind::Balloon => 3,
         });
         w.image(&self.image);
         for op in &self.ops {
@@ -195,6 +203,7 @@ impl Session {
                 (Box::new(block), Some(file))
             }
             DeviceKind::Rng => (Box::new(Rng::new()), None),
+            DeviceKind::Balloon => (Box::new(Balloon::new()), None),
         };
         let transport = MmioTransport::new(virtio, memory.clone(), InterruptTrigger::new(irqfd));
         Session {
@@ -275,7 +284,7 @@ impl Session {
         self.write32(reg::STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK);
     }
 
-    /// The scratch disk's whole content (None for the rng).
+    /// The scratch disk's whole content (None for the other devices).
     pub fn disk_content(&mut self) -> Option<Vec<u8>> {
         let disk = self.disk.as_mut()?;
         let mut content = Vec::new();

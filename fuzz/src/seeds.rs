@@ -94,6 +94,32 @@ pub fn rng_request() -> mmio::Input {
     }
 }
 
+/// The balloon's queues: inflate, deflate, reporting, laid out as vsock's.
+pub fn balloon_layouts() -> [QueueLayout; 3] {
+    vsock_layouts()
+}
+
+/// The guest reports two pages at [`DATA`] free, which it filled with `0x5a` first.
+pub fn balloon_report() -> mmio::Input {
+    let layouts = balloon_layouts();
+    let reporting = layouts[2];
+    let mut ops = vec![mmio::Op::Setup {
+        queues: layouts.to_vec(),
+    }];
+    ops.extend(mmio_poke(DATA, &[0x5a; 0x2000]));
+    ops.extend(mmio_poke(
+        reporting.desc,
+        &descriptor(DATA, 0x2000, WRITE, 0),
+    ));
+    ops.extend(mmio_poke(reporting.avail, &avail_ring(&[0])));
+    ops.push(mmio::Op::Notify { queue: 2 });
+    mmio::Input {
+        device: mmio::DeviceKind::Balloon,
+        image: Vec::new(),
+        ops,
+    }
+}
+
 /// vsock's queues: rx, tx, event, each of 8 descriptors, their rings 2 KiB apart.
 pub fn vsock_layouts() -> [QueueLayout; 3] {
     [0u64, 1, 2].map(|i| QueueLayout {
@@ -218,6 +244,7 @@ pub fn corpus() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             block_request(false, BLK_OUT, 5, DATA, 512, &pattern).encode(),
         ),
         ("mmio", "rng", rng_request().encode()),
+        ("mmio", "balloon-report", balloon_report().encode()),
         (
             "vsock",
             "connect-and-send",

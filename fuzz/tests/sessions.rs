@@ -65,6 +65,15 @@ fn the_rng_fills_the_buffer() {
     assert!(read(&session.memory, DATA, 64).iter().any(|&b| b != 0));
 }
 
+/// The reported pages read as zeros afterwards: the device dropped them.
+#[test]
+fn the_balloon_drops_the_reported_pages() {
+    let session = mmio::run_input(&balloon_report());
+    let reporting = balloon_layouts()[2];
+    assert_eq!(used_element(&session.memory, reporting.used, 0), (0, 0));
+    assert!(read(&session.memory, DATA, 0x2000).iter().all(|&b| b == 0));
+}
+
 #[test]
 fn a_guest_connects_to_the_host_service_and_its_data_arrives() {
     let mut session = vsock::run_input(&vsock_connect_and_send()).expect("valid queues");

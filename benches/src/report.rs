@@ -379,6 +379,60 @@ pub struct WorkspaceReport {
     pub figures: Vec<Figure>,
     /// Each `vmctl up`, in order.
     pub ready_runs: Vec<ReadyRun>,
+    /// The host memory a VM gives back after a burst, with free page reporting and
+    /// without (its figures are among `figures`); `None` where not measured (`--quick`,
+    /// a failure) and in reports written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_return: Option<MemoryReturn>,
+    /// What of the section failed while its other figures stand (the memory measure).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<String>,
+}
+
+/// Two fresh workspace VMs of the section's size, one with free page reporting
+/// (vmctl's default) and one with `free_page_reporting = false`, one after the other
+/// (alternating which goes first): HELD of `vmctl ps` idle, after the guest filled a
+/// tmpfs of its own, and over a window after it freed it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemoryReturn {
+    pub rounds: usize,
+    /// The guest writes this much to a tmpfs of `tmpfs_mib`, then frees it.
+    pub fill_mib: u64,
+    pub tmpfs_mib: u64,
+    /// After the free, HELD is read every `interval_s` for `window_s`.
+    pub interval_s: f64,
+    pub window_s: f64,
+    /// Settled: within this share of the window's last reading, from then on.
+    pub settle_tolerance: f64,
+    /// Whose memory HELD is here (the VMM's, or the nested host's QEMU's).
+    pub note: String,
+    /// The command lines of one VM, in order (with this run's temporary paths).
+    pub commands: Vec<(String, Vec<String>)>,
+    /// The config file's section that turns free page reporting off.
+    pub config_without_reporting: String,
+    /// Each VM, in the order measured.
+    pub runs: Vec<MemoryRun>,
+}
+
+/// One VM of [`MemoryReturn`]; HELD in MiB.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryRun {
+    /// From 1.
+    pub round: usize,
+    pub free_page_reporting: bool,
+    /// vmctl ran it in a nested host of its own (`MODE` nested): HELD is that
+    /// nested host's QEMU's.
+    pub vm_nested: bool,
+    /// Right after `vmctl up`.
+    pub held_idle_mib: f64,
+    /// Right after the fill.
+    pub held_full_mib: f64,
+    /// `[s, MiB]`: each reading after the free, timed from the free's exit.
+    pub after_free: Vec<(f64, f64)>,
+    /// The window's last reading.
+    pub held_after_free_mib: f64,
+    /// When the readings came within the tolerance of the last one for good.
+    pub settle_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -398,6 +452,9 @@ pub struct WorkspaceConfig {
     /// runs where KVM boots Linux).
     pub vm_nested: bool,
     pub timeout_s: u64,
+    /// Rounds of the memory measure (`--free-page-rounds`; 0: not measured).
+    #[serde(default)]
+    pub free_page_rounds: usize,
 }
 
 /// One `vmctl up` on a fresh workspace.
@@ -663,7 +720,57 @@ impl WorkspaceReport {
                 target
             ));
         }
+        s.push('\n');
+        s.push_str(&match &self.memory_return {
+            Some(m) => m.describe(),
+            None if self.failures.is_empty() => format!(
+                "Memory given back after a burst: not measured (`--free-page-rounds {}`; 0 is \
+                 the default of `--quick`).\n",
+                c.free_page_rounds
+            ),
+            None => String::new(),
+        });
+        for failure in &self.failures {
+            s.push_str(&format!("\n**Failed**: {}\n", first_line(failure)));
+        }
         s
+    }
+}
+
+impl WorkspaceReport {
+    /// What failed while the section's other figures stand, as (what, message).
+    pub fn errors(&self) -> Vec<(String, String)> {
+        self.failures
+            .iter()
+            .map(|e| ("workspace VM".to_string(), e.clone()))
+            .collect()
+    }
+}
+
+impl MemoryReturn {
+    /// The paragraph that says how the `held_*`, `given_back_*` and `settle_*`
+    /// figures of the table were measured.
+    pub fn describe(&self) -> String {
+        format!(
+            "Memory given back after a burst (`held_*`, `given_back_*`, `settle_*`; `_reporting`: \
+             free page reporting, vmctl's default; `_not_reporting`: `free_page_reporting = \
+             false` in the config's section of that workspace): {} round(s) of two fresh VMs \
+             of the section's size, one of each, one after the other (alternating which goes \
+             first). HELD is `vmctl ps`'s PSS of the VM's supervisor tree, read after `vmctl \
+             up` (`held_idle`), after the guest (as root) wrote {} MiB of zeros to a {} MiB \
+             tmpfs of its own (`held_full`), then every {} s for {} s after it removed the file \
+             and unmounted the tmpfs: `held_after_free` is the last reading, `given_back` = \
+             `held_full - held_after_free`, `settle` when the readings came within {:.0}% of \
+             the last one for good; `held_after_free_reporting_over_not` pairs the VMs of a \
+             round. {}\n",
+            self.rounds,
+            self.fill_mib,
+            self.tmpfs_mib,
+            self.interval_s,
+            self.window_s,
+            self.settle_tolerance * 100.0,
+            self.note
+        )
     }
 }
 
@@ -1342,11 +1449,14 @@ mod tests {
                 vm_memory_mib: 1024,
                 vm_nested: false,
                 timeout_s: 1,
+                free_page_rounds: 0,
             },
             commands: vec![],
             environment: vec![],
             figures: vec![Figure::new("ws", "ms", OURS, vec![2.0]).unwrap()],
             ready_runs: vec![],
+            memory_return: None,
+            failures: vec![],
         });
         r.fill_figure_metadata();
         let n = r.figures_mut().count();
@@ -1871,6 +1981,7 @@ mod tests {
                 vm_memory_mib: 1024,
                 vm_nested: false,
                 timeout_s: 60,
+                free_page_rounds: 0,
             },
             commands: vec![],
             environment: vec![],
@@ -1885,6 +1996,8 @@ mod tests {
                 Figure::new("agent_rss", "MiB", OURS, vec![3.0]).unwrap(),
             ],
             ready_runs: vec![],
+            memory_return: None,
+            failures: vec![],
         };
         let nested = w.markdown(Some("in nested mode"));
         assert!(
@@ -1911,5 +2024,83 @@ mod tests {
             direct.contains("(target on hardware KVM): met |"),
             "{direct}"
         );
+        // Without the memory measure (--quick), the table says so.
+        assert!(
+            direct.contains(
+                "Memory given back after a burst: not measured (`--free-page-rounds 0`; 0 is \
+                 the default of `--quick`)."
+            ),
+            "{direct}"
+        );
+        assert!(w.errors().is_empty());
+        // With it, its figures are in the table and a paragraph says how.
+        let mut m = w.clone();
+        m.config.free_page_rounds = 1;
+        m.figures
+            .push(Figure::new("held_after_free_reporting", "MiB", OURS, vec![350.0]).unwrap());
+        m.memory_return = Some(MemoryReturn {
+            rounds: 1,
+            fill_mib: 512,
+            tmpfs_mib: 576,
+            interval_s: 2.0,
+            window_s: 30.0,
+            settle_tolerance: 0.1,
+            note: "HELD is the VMM's (with virtiofsd) on this machine.".into(),
+            commands: vec![],
+            config_without_reporting: String::new(),
+            runs: vec![],
+        });
+        let md = m.markdown(None);
+        assert!(
+            md.contains("| held_after_free_reporting | MiB | vmctl | 350.00 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "Memory given back after a burst (`held_*`, `given_back_*`, `settle_*`; \
+                 `_reporting`: free page reporting, vmctl's default; `_not_reporting`: \
+                 `free_page_reporting = false` in the config's section of that workspace): 1 \
+                 round(s)"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("wrote 512 MiB of zeros to a 576 MiB tmpfs"),
+            "{md}"
+        );
+        assert!(md.contains("then every 2 s for 30 s after"), "{md}");
+        assert!(md.contains("within 10% of the last one for good"), "{md}");
+        assert!(
+            md.ends_with("round. HELD is the VMM's (with virtiofsd) on this machine.\n"),
+            "{md}"
+        );
+        assert!(!md.contains("not measured"), "{md}");
+        // A failed memory measure is said, and is an error of the run.
+        m.memory_return = None;
+        m.failures = vec!["memory given back: vmctl ps has no row of /w:\nNAME".into()];
+        let md = m.markdown(None);
+        assert!(
+            md.ends_with("\n**Failed**: memory given back: vmctl ps has no row of /w:\n"),
+            "{md}"
+        );
+        assert!(!md.contains("not measured"), "{md}");
+        assert_eq!(
+            m.errors(),
+            [(
+                "workspace VM".to_string(),
+                "memory given back: vmctl ps has no row of /w:\nNAME".to_string()
+            )]
+        );
+        // The JSON keeps both, and a report from before reads without them.
+        let v = serde_json::to_value(&m).unwrap();
+        assert_eq!(v["failures"].as_array().map(Vec::len), Some(1));
+        let mut older = serde_json::to_value(&w).unwrap();
+        assert!(older.get("memory_return").is_none() && older.get("failures").is_none());
+        older["config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("free_page_rounds");
+        let back: WorkspaceReport = serde_json::from_value(older).unwrap();
+        assert_eq!(back.config.free_page_rounds, 0);
     }
 }

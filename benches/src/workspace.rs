@@ -1,6 +1,8 @@
 //! The workspace-VM figures: how long `vmctl up` takes until the guest agent answers,
-//! the latency of running `true` through the agent (Rust client and CLI), and the
-//! agent's memory. There is no QEMU peer for these: no comparable figure.
+//! the latency of running `true` through the agent (Rust client and CLI), the
+//! agent's memory, and the host memory a VM gives back after a burst with free page
+//! reporting and without ([`MemoryReturnSizes`]). There is no QEMU peer for these: no
+//! comparable figure.
 //!
 //! Every VM lives under a temporary `XDG_STATE_HOME` (the user's VMs are never
 //! touched) and is removed with `vmctl rm`, also when a step fails.
@@ -15,7 +17,9 @@ use guest_agent::client::connect_hybrid;
 use guest_agent::protocol::{ExecRequest, HealthInfo};
 
 use crate::process::{run_command, Ran};
-use crate::report::{BootConfig, Figure, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS};
+use crate::report::{
+    BootConfig, Figure, MemoryReturn, MemoryRun, ReadyRun, WorkspaceConfig, WorkspaceReport, OURS,
+};
 use crate::scan::tail;
 use crate::stats::ms;
 
@@ -56,6 +60,370 @@ pub struct WorkspaceBench {
     pub cli_iterations: usize,
     /// For each `vmctl` command and each client round trip.
     pub timeout: Duration,
+    /// The memory given back after a burst.
+    pub memory_return: MemoryReturnSizes,
+    /// Measuring inside the nested host (`--inner`).
+    pub nested: bool,
+}
+
+/// The memory measure: `rounds` of two fresh VMs (with free page reporting and
+/// without) whose guest fills `fill_mib` of a tmpfs, then frees it; HELD is read every
+/// `interval` for `window` after that.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryReturnSizes {
+    /// 0: not measured.
+    pub rounds: usize,
+    pub fill_mib: u64,
+    pub window: Duration,
+    pub interval: Duration,
+}
+
+/// The guest's burst; its tmpfs is a little larger.
+pub const FILL_MIB: u64 = 512;
+const FILL_TMPFS_EXTRA_MIB: u64 = 64;
+/// The guest reports freed memory a couple of seconds after it freed it.
+pub const HELD_WINDOW: Duration = Duration::from_secs(30);
+pub const HELD_INTERVAL: Duration = Duration::from_secs(2);
+/// Settled: within this share of the window's last reading, from then on.
+pub const SETTLE_TOLERANCE: f64 = 0.10;
+/// Where the guest mounts its tmpfs.
+const FILL_DIR: &str = "/run/fill";
+
+impl MemoryReturnSizes {
+    /// `rounds` as given, else 1; with `--quick` 0 (not measured: each VM costs a
+    /// start, the fill and the 30 s window).
+    pub fn for_run(quick: bool, rounds: Option<usize>) -> MemoryReturnSizes {
+        MemoryReturnSizes {
+            rounds: rounds.unwrap_or(if quick { 0 } else { 1 }),
+            fill_mib: FILL_MIB,
+            window: HELD_WINDOW,
+            interval: HELD_INTERVAL,
+        }
+    }
+
+    fn tmpfs_mib(&self) -> u64 {
+        self.fill_mib + FILL_TMPFS_EXTRA_MIB
+    }
+
+    /// HELD readings after the free: at 0, every interval, through the window.
+    fn readings(&self) -> u32 {
+        match self.interval.as_nanos() {
+            0 => 1,
+            interval => (self.window.as_nanos() / interval) as u32 + 1,
+        }
+    }
+
+    /// The longest it may take: per VM `up`, `ps`, fill, `ps`, free, each reading's
+    /// `ps` and `rm`, each within `timeout`, and the window.
+    pub fn time_budget(&self, timeout: Duration) -> Duration {
+        let per_vm = timeout * (6 + self.readings()) + self.window;
+        per_vm * 2 * self.rounds as u32
+    }
+
+    /// `sh -c` of the fill: a tmpfs of the guest's own, `fill_mib` of zeros in it.
+    fn fill_script(&self) -> String {
+        format!(
+            "mkdir -p {FILL_DIR} && mount -t tmpfs -o size={}M fill {FILL_DIR} && \
+             head -c {}M /dev/zero > {FILL_DIR}/zeros",
+            self.tmpfs_mib(),
+            self.fill_mib
+        )
+    }
+}
+
+/// `sh -c` of the free: the file removed and the tmpfs unmounted.
+fn free_script() -> String {
+    format!("rm {FILL_DIR}/zeros && umount {FILL_DIR}")
+}
+
+/// HELD (MiB) of `workspace`'s VM in `vmctl ps`'s output: the row that ends with the
+/// workspace's path (its last column), its 7th column (`NAME STATE UPTIME MODE CPUS
+/// MEMORY HELD ...`, `1019M`). No such row, two, or a HELD that is not MiB (`-`: the
+/// VM is not running) is an error.
+pub(crate) fn held_mib(ps: &str, workspace: &str) -> Result<u64, String> {
+    let quote = || tail(ps, 2000);
+    let mut rows = ps.lines().filter(|line| {
+        line.trim_end()
+            .strip_suffix(workspace)
+            .is_some_and(|rest| rest.ends_with(char::is_whitespace))
+    });
+    let row = rows
+        .next()
+        .ok_or_else(|| format!("vmctl ps has no row of {workspace}:\n{}", quote()))?;
+    if rows.next().is_some() {
+        return Err(format!(
+            "vmctl ps has two rows of {workspace}:\n{}",
+            quote()
+        ));
+    }
+    let held = row
+        .split_whitespace()
+        .nth(6)
+        .ok_or_else(|| format!("vmctl ps: no HELD column in {row:?}"))?;
+    held.strip_suffix('M')
+        .and_then(|m| m.parse::<u64>().ok())
+        .ok_or_else(|| format!("vmctl ps: HELD {held:?} of {workspace} is not MiB (in {row:?})"))
+}
+
+/// When `readings` (`[s, MiB]`, in time order) settled: the time of the first one
+/// from which on every reading is within `tolerance` (a share) of the last one. For a
+/// falling curve that is when it first came that close. No readings, or one that is
+/// not a finite number, is an error.
+pub(crate) fn settle_time(readings: &[(f64, f64)], tolerance: f64) -> Result<f64, String> {
+    let &(_, last) = readings.last().ok_or("no readings to settle")?;
+    if let Some((t, v)) = readings
+        .iter()
+        .find(|(t, v)| !t.is_finite() || !v.is_finite())
+    {
+        return Err(format!("a reading is not a number: {v} MiB at {t} s"));
+    }
+    let band = tolerance * last.abs();
+    let settled_from = readings
+        .iter()
+        .rposition(|(_, v)| (v - last).abs() > band)
+        .map_or(0, |outside| outside + 1);
+    Ok(readings[settled_from].0)
+}
+
+/// The config file's section that turns free page reporting off for `workspace` (its
+/// canonical path, which vmctl matches).
+pub(crate) fn without_reporting_toml(workspace: &Path) -> String {
+    format!(
+        "\n[workspaces.{:?}]\nfree_page_reporting = false\n",
+        workspace.display().to_string()
+    )
+}
+
+/// Whose memory HELD is, as the note under the figures says.
+fn memory_note(vm_nested: bool, bench_nested: bool) -> String {
+    if vm_nested {
+        "vmctl ran these VMs in a nested host of their own (MODE nested): HELD is that \
+         nested host's QEMU's (with virtiofsd), which gives back only what the nested host's \
+         kernel in turn reports free of what the VMM dropped; on hardware KVM it is the \
+         VMM's."
+            .into()
+    } else if bench_nested {
+        "Measured inside the nested host: HELD is the VMM's (with virtiofsd) there, as on \
+         hardware KVM; what the nested host's QEMU gives back in turn to this machine is not \
+         in these figures."
+            .into()
+    } else {
+        "HELD is the VMM's (with virtiofsd) on this machine.".into()
+    }
+}
+
+/// Two workspace directories of the memory measure: with free page reporting
+/// (vmctl's default), and without (the config's section for it).
+pub(crate) struct MemoryWorkspaces {
+    pub(crate) reporting: PathBuf,
+    pub(crate) not_reporting: PathBuf,
+}
+
+impl MemoryWorkspaces {
+    /// Creates them under `dir`, with their canonical paths (vmctl's).
+    pub(crate) fn create(dir: &Path) -> Result<MemoryWorkspaces, String> {
+        let make = |name: &str| {
+            let path = dir.join(name);
+            fs::create_dir_all(&path)
+                .and_then(|()| path.canonicalize())
+                .map_err(|e| format!("create {}: {e}", path.display()))
+        };
+        Ok(MemoryWorkspaces {
+            reporting: make("mem-reporting")?,
+            not_reporting: make("mem-not-reporting")?,
+        })
+    }
+}
+
+/// `vmctl exec --workspace DIR --user root -- sh -c SCRIPT`.
+fn guest_root_sh(vmctl: &Vmctl, workspace: &Path, script: &str) -> Vec<String> {
+    [
+        vmctl.bin.display().to_string(),
+        "exec".into(),
+        "--workspace".into(),
+        workspace.display().to_string(),
+        "--user".into(),
+        "root".into(),
+        "--".into(),
+        "sh".into(),
+        "-c".into(),
+        script.into(),
+    ]
+    .into()
+}
+
+/// HELD of `workspace`'s VM now.
+fn held_now(vmctl: &Vmctl, workspace: &Path) -> Result<f64, String> {
+    let ps = vmctl.run_ok(&[vmctl.bin.display().to_string(), "ps".into()])?;
+    held_mib(&ps.stdout, &workspace.display().to_string()).map(|m| m as f64)
+}
+
+/// One VM of the memory measure: up, HELD idle, fill, HELD full, free, HELD over the
+/// window, rm.
+fn memory_run(
+    vmctl: &mut Vmctl,
+    sizes: &MemoryReturnSizes,
+    workspace: &Path,
+    reporting: bool,
+    round: usize,
+) -> Result<MemoryRun, String> {
+    vmctl.up(workspace)?;
+    let (_, record) = vmctl.vm_dir(workspace)?;
+    // Records of a vmctl before the key read as reporting, as vmctl reads them.
+    let recorded = record["free_page_reporting"].as_bool().unwrap_or(true);
+    if recorded != reporting {
+        return Err(format!(
+            "vmctl up {} recorded free_page_reporting = {recorded}, the benchmark's config \
+             asked for {reporting}",
+            workspace.display()
+        ));
+    }
+    let held_idle_mib = held_now(vmctl, workspace)?;
+    vmctl.run_ok(&guest_root_sh(vmctl, workspace, &sizes.fill_script()))?;
+    let held_full_mib = held_now(vmctl, workspace)?;
+    vmctl.run_ok(&guest_root_sh(vmctl, workspace, &free_script()))?;
+    let freed = Instant::now();
+    let mut after_free = Vec::new();
+    for k in 0..sizes.readings() {
+        let due = freed + sizes.interval * k;
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        let at = freed.elapsed().as_secs_f64();
+        after_free.push((at, held_now(vmctl, workspace)?));
+    }
+    vmctl.rm(workspace)?;
+    let settle_s = settle_time(&after_free, SETTLE_TOLERANCE)?;
+    let held_after_free_mib = after_free.last().map_or(0.0, |r| r.1);
+    Ok(MemoryRun {
+        round,
+        free_page_reporting: reporting,
+        vm_nested: record["nested"].as_bool().unwrap_or(false),
+        held_idle_mib,
+        held_full_mib,
+        after_free,
+        held_after_free_mib,
+        settle_s,
+    })
+}
+
+/// The memory measure's rounds (each a VM with free page reporting and one without,
+/// alternating which goes first) and its figures.
+fn measure_memory_return(
+    vmctl: &mut Vmctl,
+    sizes: &MemoryReturnSizes,
+    workspaces: &MemoryWorkspaces,
+    bench_nested: bool,
+) -> Result<(MemoryReturn, Vec<Figure>), String> {
+    let mut runs = Vec::new();
+    for round in 1..=sizes.rounds {
+        let order = if round % 2 == 1 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for reporting in order {
+            let workspace = if reporting {
+                &workspaces.reporting
+            } else {
+                &workspaces.not_reporting
+            };
+            let run = memory_run(vmctl, sizes, workspace, reporting, round)?;
+            say(format!(
+                "[memory {round}/{}] free page reporting {}: HELD idle {:.0} MiB, full {:.0}, \
+                 {:.0} s after the free {:.0} (settled at {:.1} s)",
+                sizes.rounds,
+                if reporting { "on" } else { "off" },
+                run.held_idle_mib,
+                run.held_full_mib,
+                run.after_free.last().map_or(0.0, |r| r.0),
+                run.held_after_free_mib,
+                run.settle_s
+            ));
+            runs.push(run);
+        }
+    }
+    let figures = memory_figures(&runs)?;
+    let w = &workspaces.reporting;
+    Ok((
+        MemoryReturn {
+            rounds: sizes.rounds,
+            fill_mib: sizes.fill_mib,
+            tmpfs_mib: sizes.tmpfs_mib(),
+            interval_s: sizes.interval.as_secs_f64(),
+            window_s: sizes.window.as_secs_f64(),
+            settle_tolerance: SETTLE_TOLERANCE,
+            note: memory_note(runs.iter().any(|r| r.vm_nested), bench_nested),
+            commands: vec![
+                ("up".into(), vmctl.argv(&["up"], w)),
+                (
+                    "held".into(),
+                    vec![vmctl.bin.display().to_string(), "ps".into()],
+                ),
+                ("fill".into(), guest_root_sh(vmctl, w, &sizes.fill_script())),
+                ("free".into(), guest_root_sh(vmctl, w, &free_script())),
+                ("rm".into(), vmctl.argv(&["rm"], w)),
+            ],
+            config_without_reporting: without_reporting_toml(&workspaces.not_reporting),
+            runs,
+        },
+        figures,
+    ))
+}
+
+/// The memory measure's figures, per mode: HELD idle, full and after the free, what
+/// was given back and when it settled; and per round the ratio of the two modes'
+/// HELD after the free.
+pub(crate) fn memory_figures(runs: &[MemoryRun]) -> Result<Vec<Figure>, String> {
+    let mut figures = Vec::new();
+    for (reporting, suffix) in [(true, "reporting"), (false, "not_reporting")] {
+        let of: Vec<&MemoryRun> = runs
+            .iter()
+            .filter(|r| r.free_page_reporting == reporting)
+            .collect();
+        let values = |f: fn(&MemoryRun) -> f64| of.iter().map(|r| f(r)).collect::<Vec<f64>>();
+        figures.extend([
+            figure(
+                &format!("held_idle_{suffix}"),
+                "MiB",
+                values(|r| r.held_idle_mib),
+            )?,
+            figure(
+                &format!("held_full_{suffix}"),
+                "MiB",
+                values(|r| r.held_full_mib),
+            )?,
+            figure(
+                &format!("held_after_free_{suffix}"),
+                "MiB",
+                values(|r| r.held_after_free_mib),
+            )?,
+            figure(
+                &format!("given_back_{suffix}"),
+                "MiB",
+                values(|r| r.held_full_mib - r.held_after_free_mib),
+            )?,
+            figure(&format!("settle_{suffix}"), "s", values(|r| r.settle_s))?,
+        ]);
+    }
+    let mut ratios = Vec::new();
+    for on in runs.iter().filter(|r| r.free_page_reporting) {
+        let off = runs
+            .iter()
+            .find(|r| !r.free_page_reporting && r.round == on.round)
+            .ok_or_else(|| format!("round {}: no VM without free page reporting", on.round))?;
+        if off.held_after_free_mib <= 0.0 {
+            return Err(format!(
+                "round {}: HELD after the free without free page reporting is {} MiB",
+                on.round, off.held_after_free_mib
+            ));
+        }
+        ratios.push(on.held_after_free_mib / off.held_after_free_mib);
+    }
+    figures.push(figure(
+        "held_after_free_reporting_over_not",
+        "ratio",
+        ratios,
+    )?);
+    Ok(figures)
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -96,10 +464,15 @@ pub(crate) fn vmctl_config_toml(size: BootConfig) -> String {
 /// directory beside the workspaces, not around them, as vmctl shares no directory
 /// that holds its config (and the secrets beside it).
 pub(crate) fn write_vmctl_config(dir: &Path, size: BootConfig) -> Result<PathBuf, String> {
+    write_vmctl_config_text(dir, &vmctl_config_toml(size))
+}
+
+/// Writes `text` as [`write_vmctl_config`] writes its config.
+fn write_vmctl_config_text(dir: &Path, text: &str) -> Result<PathBuf, String> {
     let config_dir = dir.join("config");
     let file = config_dir.join("config.toml");
     fs::create_dir_all(&config_dir)
-        .and_then(|()| fs::write(&file, vmctl_config_toml(size)))
+        .and_then(|()| fs::write(&file, text))
         .map_err(|e| format!("write {}: {e}", file.display()))?;
     Ok(file)
 }
@@ -376,7 +749,16 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     let tmp = TempDir::unique("-ws");
     let state = tmp.0.join("state");
     fs::create_dir_all(&state).map_err(|e| format!("create {}: {e}", state.display()))?;
-    let config = write_vmctl_config(&tmp.0, WORKSPACE_VM)?;
+    // The memory measure's VM without free page reporting has a section of its own.
+    let memory_workspaces = match b.memory_return.rounds {
+        0 => None,
+        _ => Some(MemoryWorkspaces::create(&tmp.0)?),
+    };
+    let mut config_text = vmctl_config_toml(WORKSPACE_VM);
+    if let Some(w) = &memory_workspaces {
+        config_text.push_str(&without_reporting_toml(&w.not_reporting));
+    }
+    let config = write_vmctl_config_text(&tmp.0, &config_text)?;
     // Declared after `tmp`, so dropped (VMs removed) before the directory goes.
     let mut vmctl = Vmctl::new(&b.artifacts, state, Some(&config), b.timeout);
     let env = vmctl.env.clone();
@@ -392,8 +774,22 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     fs::metadata(&b.artifacts.rootfs)
         .map_err(|e| format!("{}: {e}", b.artifacts.rootfs.display()))?;
     say(format!(
-        "workspace VM: {} vmctl up, {} client round trips (+{EXEC_WARMUP} warm-up), {} vmctl exec",
-        b.ready_runs, b.exec_iterations, b.cli_iterations
+        "workspace VM: {} vmctl up, {} client round trips (+{EXEC_WARMUP} warm-up), {} vmctl exec; \
+         {}",
+        b.ready_runs,
+        b.exec_iterations,
+        b.cli_iterations,
+        match b.memory_return.rounds {
+            0 => "memory given back after a burst: not measured (--free-page-rounds 0, the \
+                  default of --quick)"
+                .to_string(),
+            n => format!(
+                "then {n} round(s) of the memory given back after a burst of {} MiB, with free \
+                 page reporting and without (2 VMs, about {} s each)",
+                b.memory_return.fill_mib,
+                b.memory_return.window.as_secs() + 15
+            ),
+        }
     ));
 
     let mut ready_runs = Vec::new();
@@ -520,7 +916,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
     let rm_argv = vmctl.argv(&["rm"], &workspace);
     vmctl.rm(&workspace)?;
 
-    let figures = vec![
+    let mut figures = vec![
         figure(
             "agent_ready",
             "ms",
@@ -554,6 +950,23 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         )?,
         figure("agent_rss", "MiB", vec![mib(h.agent_rss_bytes)])?,
     ];
+    // A failure of the memory measure leaves the figures above standing: the report
+    // says it, and the run fails (`WorkspaceReport::errors`).
+    let mut failures = Vec::new();
+    let memory_return = match &memory_workspaces {
+        None => None,
+        Some(w) => match measure_memory_return(&mut vmctl, &b.memory_return, w, b.nested) {
+            Ok((m, memory_figures)) => {
+                figures.extend(memory_figures);
+                Some(m)
+            }
+            Err(e) => {
+                say(format!("error: workspace VM: memory given back: {e}"));
+                failures.push(format!("memory given back: {e}"));
+                None
+            }
+        },
+    };
     Ok(WorkspaceReport {
         note: NOTE.into(),
         config: WorkspaceConfig {
@@ -568,6 +981,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
             vm_memory_mib: record["memory_mib"].as_u64().unwrap_or(0),
             vm_nested,
             timeout_s: b.timeout.as_secs(),
+            free_page_rounds: b.memory_return.rounds,
         },
         commands: vec![
             ("up".into(), up_argv),
@@ -584,6 +998,8 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         environment: env,
         figures,
         ready_runs,
+        memory_return,
+        failures,
     })
 }
 
@@ -686,6 +1102,8 @@ mod tests {
             exec_iterations: 1,
             cli_iterations: 1,
             timeout: Duration::from_secs(5),
+            memory_return: MemoryReturnSizes::for_run(false, None),
+            nested: false,
         }
     }
 
@@ -698,10 +1116,15 @@ mod tests {
         // The first up "succeeds" but nothing answers on its vsock socket.
         let e = measure(&bench).unwrap_err();
         assert!(e.contains("health check of"), "{e}");
-        // vmctl up read the section's own config, not the user's.
-        assert_eq!(
-            fs::read_to_string(dir.join("config-seen.toml")).unwrap(),
-            vmctl_config_toml(WORKSPACE_VM)
+        // vmctl up read the section's own config, not the user's: the size, and the
+        // section of the memory measure's workspace without free page reporting.
+        let seen = fs::read_to_string(dir.join("config-seen.toml")).unwrap();
+        let (size, memory) = seen.split_at(vmctl_config_toml(WORKSPACE_VM).len());
+        assert_eq!(size, vmctl_config_toml(WORKSPACE_VM));
+        assert!(
+            memory.starts_with("\n[workspaces.\"/")
+                && memory.ends_with("/mem-not-reporting\"]\nfree_page_reporting = false\n"),
+            "{seen}"
         );
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
         let mut lines: Vec<&str> = calls.lines().collect();
@@ -745,5 +1168,290 @@ mod tests {
         let calls = fs::read_to_string(dir.join("calls.log")).unwrap();
         assert!(calls.contains(&format!("rm {}", ws1.display())), "{calls}");
         assert!(calls.contains(&format!("rm {}", ws2.display())), "{calls}");
+    }
+    /// `vmctl ps` as vmctl/src/vm/list.rs prints it: two VMs (one kept by two words),
+    /// a VM of a directory since removed, and a note after the table.
+    const PS: &str = "\
+NAME                         STATE      UPTIME MODE   CPUS  MEMORY    HELD  KEPT BY                        WORKSPACE
+mem-reporting-1a2b           running       12s direct    2   1024M   1019M  no daemon                      /tmp/b/mem-reporting
+ws-1-77aa                    running     1m05s nested    2   1024M    350M  vmctl up                       /tmp/b/ws 1
+mem-not-reporting-3c4d       running        8s direct    2   1024M       -  idle, stops in 30s             /tmp/b/mem-not-reporting
+gone-9f                      stopped         - direct    2   1024M       -  -                              /tmp/b/gone (removed)
+
+mem-reporting-1a2b: crashed before (its logs: /tmp/b/mem-reporting)
+";
+
+    #[test]
+    fn held_is_the_seventh_column_of_the_workspace_row() {
+        assert_eq!(held_mib(PS, "/tmp/b/mem-reporting"), Ok(1019));
+        // A path with a space; a kept-by of two words before it.
+        assert_eq!(held_mib(PS, "/tmp/b/ws 1"), Ok(350));
+        // Only a row that ends with the whole path.
+        assert_eq!(
+            held_mib(PS, "b/mem-reporting"),
+            Err(format!("vmctl ps has no row of b/mem-reporting:\n{PS}"))
+        );
+        let e = held_mib(PS, "/tmp/b/mem-not-reporting").unwrap_err();
+        assert!(
+            e.starts_with("vmctl ps: HELD \"-\" of /tmp/b/mem-not-reporting is not MiB"),
+            "{e}"
+        );
+        let e = held_mib(PS, "/tmp/b/gone").unwrap_err();
+        assert!(e.starts_with("vmctl ps has no row of /tmp/b/gone"), "{e}");
+        let e = held_mib("x running 1s direct 2 1024M 12G idle /w\n", "/w").unwrap_err();
+        assert!(e.contains("HELD \"12G\""), "{e}");
+        let e = held_mib("x running /w\n", "/w").unwrap_err();
+        assert!(e.starts_with("vmctl ps: no HELD column"), "{e}");
+        let twice = "a r 1s direct 2 1M 5M idle /w\nb r 1s direct 2 1M 6M idle /w\n";
+        assert!(held_mib(twice, "/w")
+            .unwrap_err()
+            .starts_with("vmctl ps has two rows of /w"));
+        assert!(held_mib("", "/w").is_err());
+    }
+
+    #[test]
+    fn settle_is_when_the_readings_stay_within_the_tolerance_of_the_last() {
+        let falling = [
+            (0.0, 1018.0),
+            (2.0, 1010.0),
+            (4.0, 700.0),
+            (6.0, 380.0),
+            (8.0, 352.0),
+            (10.0, 350.0),
+        ];
+        // 380 is within 10% of 350 (35 MiB), 700 is not.
+        assert_eq!(settle_time(&falling, 0.10), Ok(6.0));
+        assert_eq!(settle_time(&falling, 0.01), Ok(8.0));
+        // Without free page reporting HELD stays where it was: settled at once.
+        let flat = [(0.0, 1018.0), (2.0, 1019.0), (4.0, 1018.0)];
+        assert_eq!(settle_time(&flat, 0.10), Ok(0.0));
+        // A reading close to the end early on does not count: it left the band again.
+        let dip = [(0.0, 1000.0), (2.0, 360.0), (4.0, 800.0), (6.0, 350.0)];
+        assert_eq!(settle_time(&dip, 0.10), Ok(6.0));
+        assert_eq!(settle_time(&[(1.5, 7.0)], 0.10), Ok(1.5));
+        assert_eq!(
+            settle_time(&[], 0.10),
+            Err("no readings to settle".to_string())
+        );
+        let e = settle_time(&[(0.0, f64::NAN), (2.0, 350.0)], 0.10).unwrap_err();
+        assert!(e.starts_with("a reading is not a number"), "{e}");
+    }
+
+    fn memory_run(round: usize, reporting: bool, after: f64) -> MemoryRun {
+        MemoryRun {
+            round,
+            free_page_reporting: reporting,
+            vm_nested: false,
+            held_idle_mib: 300.0,
+            held_full_mib: 1000.0,
+            after_free: vec![(0.0, 1000.0), (2.0, after)],
+            held_after_free_mib: after,
+            settle_s: 2.0,
+        }
+    }
+
+    #[test]
+    fn memory_figures_per_mode_and_the_ratio_per_round() {
+        let runs = [
+            memory_run(1, true, 350.0),
+            memory_run(1, false, 1000.0),
+            memory_run(2, false, 800.0),
+            memory_run(2, true, 400.0),
+        ];
+        let figures = memory_figures(&runs).unwrap();
+        let median = |name: &str| {
+            let f = figures
+                .iter()
+                .find(|f| f.name == name)
+                .unwrap_or_else(|| panic!("{name}"));
+            (f.median, f.unit.as_str(), f.samples.len())
+        };
+        assert_eq!(median("held_idle_reporting"), (300.0, "MiB", 2));
+        assert_eq!(median("held_full_not_reporting"), (1000.0, "MiB", 2));
+        assert_eq!(median("held_after_free_reporting"), (375.0, "MiB", 2));
+        assert_eq!(median("held_after_free_not_reporting"), (900.0, "MiB", 2));
+        assert_eq!(median("given_back_reporting"), (625.0, "MiB", 2));
+        assert_eq!(median("given_back_not_reporting"), (100.0, "MiB", 2));
+        assert_eq!(median("settle_reporting"), (2.0, "s", 2));
+        // Round 1: 350 / 1000; round 2: 400 / 800.
+        assert_eq!(
+            median("held_after_free_reporting_over_not"),
+            (0.425, "ratio", 2)
+        );
+        assert_eq!(figures.len(), 11);
+        let e = memory_figures(&runs[..1]).unwrap_err();
+        assert!(
+            e.starts_with("held_idle_not_reporting: no valid samples"),
+            "{e}"
+        );
+        let e = memory_figures(&[runs[0].clone(), runs[2].clone(), runs[3].clone()]).unwrap_err();
+        assert_eq!(e, "round 1: no VM without free page reporting");
+    }
+
+    #[test]
+    fn memory_sizes_and_commands() {
+        let full = MemoryReturnSizes::for_run(false, None);
+        assert_eq!((full.rounds, full.fill_mib), (1, 512));
+        assert_eq!((full.window, full.interval), (HELD_WINDOW, HELD_INTERVAL));
+        assert_eq!(full.readings(), 16);
+        assert_eq!(MemoryReturnSizes::for_run(true, None).rounds, 0);
+        assert_eq!(MemoryReturnSizes::for_run(true, Some(2)).rounds, 2);
+        assert_eq!(
+            MemoryReturnSizes::for_run(true, None).time_budget(Duration::from_secs(60)),
+            Duration::ZERO
+        );
+        assert_eq!(
+            full.time_budget(Duration::from_secs(60)),
+            Duration::from_secs(2 * (22 * 60 + 30))
+        );
+        assert_eq!(
+            full.fill_script(),
+            "mkdir -p /run/fill && mount -t tmpfs -o size=576M fill /run/fill && \
+             head -c 512M /dev/zero > /run/fill/zeros"
+        );
+        assert_eq!(free_script(), "rm /run/fill/zeros && umount /run/fill");
+        assert_eq!(
+            without_reporting_toml(Path::new("/tmp/b/mem-not-reporting")),
+            "\n[workspaces.\"/tmp/b/mem-not-reporting\"]\nfree_page_reporting = false\n"
+        );
+        assert!(memory_note(true, true).contains("nested host's QEMU"));
+        assert!(memory_note(false, true)
+            .starts_with("Measured inside the nested host: HELD is the VMM's"));
+        assert!(memory_note(false, false).starts_with("HELD is the VMM's"));
+    }
+
+    /// A fake `vmctl` for the memory measure: `up` records free page reporting as the
+    /// config's workspace section says; `ps` prints HELD 300 M idle, 1000 M after the
+    /// fill and, after the free, 1000 M once more and then 350 M where the VM reports
+    /// free pages; every call is logged.
+    fn memory_fake(dir: &Path) -> Vmctl {
+        let script = dir.join("vmctl");
+        fs::write(
+            &script,
+            format!(
+                r#"#!/bin/sh
+echo "$*" >> {log}
+vms="$XDG_STATE_HOME/vmctl/vms"
+case "$1" in
+  up)
+    d="$vms/x-$(basename "$2")"; mkdir -p "$d"
+    fpr=true; grep -qF "[workspaces.\"$2\"]" "$VMCTL_CONFIG" && fpr=false
+    printf '{{"workspace":"%s","free_page_reporting":%s}}' "$2" "$fpr" > "$d/vm.json"
+    echo 300 > "$d/held";;
+  exec)
+    d="$vms/x-$(basename "$3")"
+    case "$*" in
+      *umount*) echo 1000 > "$d/held"; touch "$d/freed";;
+      *mount*) echo 1000 > "$d/held";;
+    esac;;
+  ps)
+    echo "NAME STATE UPTIME MODE CPUS MEMORY HELD KEPT BY WORKSPACE"
+    for d in "$vms"/*; do
+      [ -f "$d/vm.json" ] || continue
+      ws=$(sed 's/.*"workspace":"\([^"]*\)".*/\1/' "$d/vm.json")
+      held=$(cat "$d/held")
+      if [ -f "$d/freed" ] && grep -q '"free_page_reporting":true' "$d/vm.json"; then
+        echo 350 > "$d/held"
+      fi
+      echo "$(basename "$d") running 3s direct 2 1024M ${{held}}M vmctl up $ws"
+    done;;
+  rm) rm -rf "$vms/x-$(basename "$2")";;
+esac
+"#,
+                log = dir.join("calls.log").display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+        let state = dir.join("state");
+        Vmctl {
+            bin: script,
+            env: vec![("XDG_STATE_HOME".into(), state.display().to_string())],
+            state,
+            timeout: Duration::from_secs(5),
+            live: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn memory_rounds_alternate_and_measure_both_modes() {
+        let dir = TempDir::unique("-memory");
+        fs::create_dir_all(&dir.0).unwrap();
+        let workspaces = MemoryWorkspaces::create(&dir.0).unwrap();
+        let config = write_vmctl_config_text(
+            &dir.0,
+            &(vmctl_config_toml(WORKSPACE_VM) + &without_reporting_toml(&workspaces.not_reporting)),
+        )
+        .unwrap();
+        let mut vmctl = memory_fake(&dir.0);
+        vmctl
+            .env
+            .push(("VMCTL_CONFIG".into(), config.display().to_string()));
+        let sizes = MemoryReturnSizes {
+            rounds: 2,
+            fill_mib: 8,
+            window: Duration::from_millis(150),
+            interval: Duration::from_millis(50),
+        };
+        let (m, figures) = measure_memory_return(&mut vmctl, &sizes, &workspaces, true).unwrap();
+        assert!(vmctl.live.is_empty(), "every VM removed: {:?}", vmctl.live);
+        let order: Vec<(usize, bool)> = m
+            .runs
+            .iter()
+            .map(|r| (r.round, r.free_page_reporting))
+            .collect();
+        assert_eq!(order, [(1, true), (1, false), (2, false), (2, true)]);
+        for r in &m.runs {
+            assert_eq!((r.held_idle_mib, r.held_full_mib), (300.0, 1000.0), "{r:?}");
+            let held: Vec<f64> = r.after_free.iter().map(|a| a.1).collect();
+            let times: Vec<f64> = r.after_free.iter().map(|a| a.0).collect();
+            assert!(times.windows(2).all(|t| t[1] >= t[0] + 0.04), "{times:?}");
+            if r.free_page_reporting {
+                assert_eq!(held, [1000.0, 350.0, 350.0, 350.0], "{r:?}");
+                assert_eq!((r.held_after_free_mib, r.settle_s), (350.0, times[1]));
+            } else {
+                assert_eq!(held, [1000.0; 4], "{r:?}");
+                assert_eq!((r.held_after_free_mib, r.settle_s), (1000.0, times[0]));
+            }
+        }
+        let ratio = figures
+            .iter()
+            .find(|f| f.name == "held_after_free_reporting_over_not")
+            .unwrap();
+        assert_eq!(ratio.samples, [0.35, 0.35]);
+        assert!(
+            m.note.starts_with("Measured inside the nested host"),
+            "{}",
+            m.note
+        );
+        assert_eq!((m.fill_mib, m.tmpfs_mib), (8, 72));
+        // Per VM: up, ps, fill, ps, free, 4 readings, rm.
+        let calls = fs::read_to_string(dir.0.join("calls.log")).unwrap();
+        let verbs: Vec<&str> = calls
+            .lines()
+            .map(|l| l.split(' ').next().unwrap())
+            .collect();
+        let one = [
+            "up", "ps", "exec", "ps", "exec", "ps", "ps", "ps", "ps", "rm",
+        ];
+        assert_eq!(verbs, one.repeat(4), "{calls}");
+        let fill = format!(
+            "exec --workspace {} --user root -- sh -c mkdir -p /run/fill && mount -t tmpfs -o \
+             size=72M fill /run/fill && head -c 8M /dev/zero > /run/fill/zeros",
+            workspaces.reporting.display()
+        );
+        assert_eq!(calls.lines().nth(2), Some(fill.as_str()), "{calls}");
+        // A VM whose record does not say what the config asked is an error, and is
+        // removed with the rest.
+        fs::write(&config, vmctl_config_toml(WORKSPACE_VM)).unwrap();
+        let e = measure_memory_return(&mut vmctl, &sizes, &workspaces, false).unwrap_err();
+        assert!(
+            e.ends_with(
+                "recorded free_page_reporting = true, the benchmark's config asked for false"
+            ),
+            "{e}"
+        );
+        assert_eq!(vmctl.live, std::slice::from_ref(&workspaces.not_reporting));
     }
 }

@@ -27,7 +27,8 @@ the host memory of idle VMs.
                        with 1 vCPU/128 MiB and 2 vCPUs/1024 MiB only (default:
                        also 2/128 and 1/1024); 1 cold exec per configuration
                        (3); 1 vmctl up, 20 client and 3 CLI exec round trips
-                       (5, 200, 20); virtio-fs 8 MiB and 100 files once;
+                       (5, 200, 20), no memory-given-back round (1);
+                       virtio-fs 8 MiB and 100 files once;
                        egress: 10 requests per curl call and 2 downloads of
                        16 MiB per side (50, and 3 of 64 MiB); agent: 1 cold
                        and 3 warm runs (3, 10), 1 idle VM in the nested host
@@ -44,6 +45,9 @@ the host memory of idle VMs.
                        quick 1): to the agent's answer and the first output
   --exec-iterations N  round trips of `true` through the guest agent's Rust client
   --cli-iterations N   round trips of `vmctl exec -- true`
+  --free-page-rounds N workspace: rounds of the memory given back after a burst
+                       (two VMs each, with free page reporting and without; about
+                       90 s a round; default 1, quick 0: not measured)
   --churn-cycles N     churn: create/destroy cycles per VMM
   --fs-mib N           virtio-fs: the sequential file's size in MiB (default 256
                        on hardware KVM, 64 in the nested host, 8 with --quick)
@@ -98,6 +102,8 @@ pub(super) struct Args {
     pub(super) cold_runs: usize,
     pub(super) exec_iterations: usize,
     pub(super) cli_iterations: usize,
+    /// `--free-page-rounds` as given (default: [`crate::workspace::MemoryReturnSizes`]).
+    pub(super) free_page_rounds: Option<usize>,
     /// Churn: create/destroy cycles per VMM.
     pub(super) churn_cycles: usize,
     /// The virtio-fs sizes given on the command line (defaults: [`crate::fs::sizes`]).
@@ -139,6 +145,7 @@ pub(super) fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args,
         cold_runs: 0,
         exec_iterations: 0,
         cli_iterations: 0,
+        free_page_rounds: None,
         churn_cycles: 0,
         fs_mib: None,
         fs_files: None,
@@ -198,6 +205,10 @@ pub(super) fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args,
             "--cli-iterations" => {
                 cli_iterations =
                     Some(number("--cli-iterations", value("--cli-iterations")?)? as usize)
+            }
+            "--free-page-rounds" => {
+                a.free_page_rounds =
+                    Some(number("--free-page-rounds", value("--free-page-rounds")?)? as usize)
             }
             "--churn-cycles" => {
                 churn_cycles = Some(number("--churn-cycles", value("--churn-cycles")?)? as usize)

@@ -27,7 +27,7 @@ use crate::scan::{parse_boot_timer, tail, MarkerScanner};
 use crate::sections::Section;
 use crate::smaps::{account, parse_smaps, GuestMemoryRule, MemoryUse};
 use crate::stats::ms;
-use crate::workspace::WorkspaceBench;
+use crate::workspace::{MemoryReturnSizes, WorkspaceBench};
 use vm_tests::initramfs_with_script;
 use vmm::process::cpus::CpuSet;
 
@@ -237,6 +237,11 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         .as_ref()
         .map(|c| c.errors())
         .unwrap_or_default();
+    let workspace_errors = report
+        .workspace
+        .as_ref()
+        .map(|w| w.errors())
+        .unwrap_or_default();
 
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
     let md_path = out.with_extension("md");
@@ -263,19 +268,22 @@ fn run(argv: impl IntoIterator<Item = String>) -> Result<(), String> {
         ));
     }
     if !churn_errors.is_empty()
+        || !workspace_errors.is_empty()
         || !fs_errors.is_empty()
         || !egress_errors.is_empty()
         || !agent_errors.is_empty()
     {
         return Err(format!(
-            "{} churn, {} virtio-fs, {} egress and {} agent figure(s) failed (the report was \
-             written, with the errors):\n{}",
+            "{} churn, {} workspace VM, {} virtio-fs, {} egress and {} agent figure(s) failed \
+             (the report was written, with the errors):\n{}",
             churn_errors.len(),
+            workspace_errors.len(),
             fs_errors.len(),
             egress_errors.len(),
             agent_errors.len(),
             churn_errors
                 .iter()
+                .chain(&workspace_errors)
                 .chain(&fs_errors)
                 .chain(&egress_errors)
                 .chain(&agent_errors)
@@ -634,6 +642,8 @@ fn measure(
                 exec_iterations: args.exec_iterations,
                 cli_iterations: args.cli_iterations,
                 timeout: args.timeout,
+                memory_return: MemoryReturnSizes::for_run(args.quick, args.free_page_rounds),
+                nested,
             })
             .map_err(|e| format!("workspace VM: {e}"))?,
         );
@@ -1109,6 +1119,16 @@ mod tests {
             4
         );
         assert!(args(&["--churn-cycles", "0"]).is_err());
+        // The memory measure: its rounds as given (0 too: not measured), else by
+        // MemoryReturnSizes (1; quick 0).
+        assert_eq!((a.free_page_rounds, q.free_page_rounds), (None, None));
+        let m = args(&["--quick", "--free-page-rounds", "2"]).unwrap();
+        assert_eq!(m.free_page_rounds, Some(2));
+        assert_eq!(
+            args(&["--free-page-rounds", "0"]).unwrap().free_page_rounds,
+            Some(0)
+        );
+        assert!(args(&["--free-page-rounds", "x"]).is_err());
         assert_eq!((a.fs_mib, a.fs_files, a.fs_runs), (None, None, None));
         assert_eq!(a.fs_timeout, Duration::from_secs(600));
         let f = args(&[

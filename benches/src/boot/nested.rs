@@ -187,8 +187,14 @@ pub(super) fn run_nested(
         args.timeout,
         &crate::churn::Sampling::for_run(args.quick),
     );
+    // The workspace's memory measure: per VM its vmctl commands, each with its own
+    // timeout, and the window after the free.
+    let memory_return =
+        crate::workspace::MemoryReturnSizes::for_run(args.quick, args.free_page_rounds)
+            .time_budget(args.timeout);
     let limit = Duration::from_secs(180)
         + args.timeout * (2 * boots + workspace_steps + 2 + 4)
+        + memory_return
         + args.fs_timeout * fs_scripts
         + fs_virtiofsd_waits
         + fs_edits
@@ -350,6 +356,10 @@ pub(super) fn nested_command(
         ("--fs-files", args.fs_files),
         ("--fs-runs", args.fs_runs.map(|r| r as u64)),
         ("--fs-edit-rounds", args.fs_edit_rounds.map(|r| r as u64)),
+        (
+            "--free-page-rounds",
+            args.free_page_rounds.map(|r| r as u64),
+        ),
     ] {
         if let Some(v) = v {
             cmd.args([flag, &n(v)]);
@@ -391,6 +401,18 @@ mod tests {
         assert!(line.contains(" --only fs,agent"), "{line}");
         assert!(line.contains(" --fs-mib 4"), "{line}");
         assert!(!line.contains("--fs-files"), "{line}");
+        assert!(!line.contains("--free-page-rounds"), "{line}");
         assert!(!line.contains("/tmp/x.json"), "{line}");
+        let a = parse_args(["--quick", "--free-page-rounds", "1"].map(String::from)).unwrap();
+        let cmd = nested_command(
+            &a,
+            &tools,
+            &[Section::Workspace],
+            Path::new("/b/vm-bench"),
+            Path::new("/tmp/vm-bench-nested-1"),
+        );
+        let line = shell_words(&command_argv(&cmd));
+        assert!(line.contains(" --quick "), "{line}");
+        assert!(line.contains(" --free-page-rounds 1"), "{line}");
     }
 }

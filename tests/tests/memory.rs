@@ -23,6 +23,41 @@ fn memory_the_guest_frees_goes_back_to_the_host() {
     );
 }
 
+/// `free_page_reporting = false` in a workspace's section of the config: its VM has
+/// no balloon (virtio device 5) among its virtio devices.
+#[test]
+fn a_workspace_can_keep_its_memory() {
+    vm_tests::vm_scenario(
+        "memory::a_workspace_can_keep_its_memory",
+        kept_memory_scenario,
+    );
+}
+
+fn kept_memory_scenario() {
+    let keeps = Workspace::new("memory-kept");
+    std::fs::create_dir_all(keeps.config_dir()).expect("config directory");
+    std::fs::write(
+        keeps.config_dir().join("config.toml"),
+        format!(
+            "[workspaces.{:?}]\nfree_page_reporting = false\n",
+            keeps.path().canonicalize().expect("the workspace's path")
+        ),
+    )
+    .expect("config.toml");
+    let devices = keeps
+        .exec("cat /sys/bus/virtio/devices/*/device | sort | uniq -c | awk '{print $2 \"=\" $1}'");
+    assert_ok(&devices, "listing the VM's virtio devices");
+    let devices = stdout(&devices);
+    assert!(
+        devices.contains("0x0013="),
+        "no vsock among the VM's virtio devices: the listing is wrong\n{devices}"
+    );
+    assert!(
+        !devices.contains("0x0005="),
+        "a VM whose workspace set free_page_reporting = false has a balloon\n{devices}"
+    );
+}
+
 fn freed_memory_scenario() {
     let ws = Workspace::new("memory-back");
     std::fs::create_dir_all(ws.config_dir()).expect("config directory");

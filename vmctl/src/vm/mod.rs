@@ -90,6 +90,24 @@ pub enum VmError {
          shorter path"
     )]
     SharePathsTooLong { len: usize, max: usize },
+    #[error(
+        "the VM's {shares} shares (the workspace, the agent's home, the --mount and config \
+         mounts) and its other devices need {devices} virtio devices, and a VM has {max}: \
+         share {} fewer{}",
+        devices - max,
+        if *free_page_reporting {
+            ", or set free_page_reporting = false for this workspace in the config file \
+             (its balloon takes one)"
+        } else {
+            ""
+        }
+    )]
+    TooManyShares {
+        shares: usize,
+        devices: usize,
+        max: usize,
+        free_page_reporting: bool,
+    },
     #[error("recipe {}: {source}; name an existing recipe file (see rootfs/README.md)", .path.display())]
     Recipe {
         path: PathBuf,

@@ -402,7 +402,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         egress: egress.cloned().unwrap_or_default(),
         vsock_socket: Some(vm.vsock_socket()),
     };
-    check_cmdline_fits(&vm, &record)?;
+    check_config_fits(&vm, &record)?;
     warn_of_builds_from_guest_writable(&vm, &record, recipe);
     // The user waits for the VM from here: "agent ready after" counts the lookups of
     // its files too (builds, when there are some, show their own progress).
@@ -766,9 +766,10 @@ fn agent_cmdline(vm: &VmDir, shares: &[Share], account: Option<&str>) -> String 
     cmdline
 }
 
-/// Refuses up front the shares whose guest paths the guest kernel's command line
-/// cannot hold, which the VMM would refuse only once the supervisor runs.
-fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
+/// Refuses up front the shares the VM cannot have, which the VMM would refuse only
+/// once the supervisor runs: more than its virtio device slots hold, or guest paths
+/// the guest kernel's command line cannot.
+fn check_config_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
     let mut config = crate::supervisor::vm_config(vm, record);
     let share_count = record.shares.as_ref().map_or(0, |set| set.shares.len());
     // Each virtio-fs device adds its own parameter; the socket is not part of it.
@@ -778,6 +779,16 @@ fn check_cmdline_fits(vm: &VmDir, record: &VmRecord) -> Result<(), VmError> {
             socket_path: PathBuf::new(),
         })
         .collect();
+    let devices = config.virtio_device_count();
+    let max = vmm::arch::x86_64::layout::MAX_VIRTIO_DEVICES;
+    if devices > max {
+        return Err(VmError::TooManyShares {
+            shares: share_count,
+            devices,
+            max,
+            free_page_reporting: config.free_page_reporting,
+        });
+    }
     match config.check_cmdline() {
         Err(vmm::config::ConfigError::CmdlineTooLong { len, max }) => {
             Err(VmError::SharePathsTooLong { len, max })
@@ -1228,11 +1239,52 @@ mod tests {
             record.agent_cmdline = agent_cmdline(&vm, &set.shares, None);
         };
         share(&mut record, PathBuf::from("/data/").join("d".repeat(200)));
-        check_cmdline_fits(&vm, &record).unwrap();
+        check_config_fits(&vm, &record).unwrap();
         share(&mut record, PathBuf::from("/data/").join("x".repeat(1800)));
-        let error = check_cmdline_fits(&vm, &record).unwrap_err().to_string();
+        let error = check_config_fits(&vm, &record).unwrap_err().to_string();
         assert!(error.contains("at most 2047"), "{error}");
         assert!(error.contains("--mount HOST:GUEST"), "{error}");
+    }
+
+    /// More shares than the VM's virtio slots hold are refused before the start, with
+    /// how many to drop; the balloon's slot is named as one to give up while it has it.
+    #[test]
+    fn shares_past_the_virtio_slots_are_refused_before_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        let mut record = crate::state::test_record(&vm, dir.path());
+        let set = record.shares.as_mut().unwrap();
+        set.shares.clear();
+        // The root disk, rng, vsock and the balloon take 4 of the 19 slots.
+        for index in 0..15 {
+            set.shares.push(Share {
+                host: dir.path().into(),
+                guest: PathBuf::from(format!("/s{index}")),
+                read_only: false,
+            });
+        }
+        record.agent_cmdline = agent_cmdline(&vm, &set.shares, None);
+        record.free_page_reporting = true;
+        check_config_fits(&vm, &record).unwrap();
+
+        let set = record.shares.as_mut().unwrap();
+        set.shares.push(Share {
+            host: dir.path().into(),
+            guest: PathBuf::from("/s15"),
+            read_only: false,
+        });
+        record.agent_cmdline = agent_cmdline(&vm, &set.shares, None);
+        let error = check_config_fits(&vm, &record).unwrap_err().to_string();
+        assert!(error.contains("16 shares"), "{error}");
+        assert!(error.contains("need 20 virtio devices"), "{error}");
+        assert!(error.contains("share 1 fewer"), "{error}");
+        assert!(error.contains("free_page_reporting = false"), "{error}");
+
+        // Without the balloon the same 16 shares fit.
+        record.free_page_reporting = false;
+        check_config_fits(&vm, &record).unwrap();
     }
 
     #[test]

@@ -978,6 +978,16 @@ impl Workspace {
         self.dir.join("config")
     }
 
+    /// Writes `toml` as this test's vmctl config file (`config.toml` in
+    /// [`Workspace::config_dir`]) and returns its path.
+    pub fn write_config(&self, toml: &str) -> PathBuf {
+        let file = self.config_dir().join("config.toml");
+        std::fs::create_dir_all(self.config_dir())
+            .and_then(|()| std::fs::write(&file, toml))
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", file.display()));
+        file
+    }
+
     /// `vmctl ARGS` run in the workspace, with stdin from /dev/null.
     pub fn command(&self, args: &[&str]) -> Command {
         let mut command = match &self.runner {

@@ -279,8 +279,7 @@ fn daemon_log_tail(ws: &Workspace) -> String {
 
 fn lifecycle_scenario() {
     let ws = Workspace::new("lifecycle");
-    std::fs::create_dir_all(ws.config_dir()).unwrap();
-    std::fs::write(ws.config_dir().join("config.toml"), "idle_timeout_s = 5\n").unwrap();
+    ws.write_config("idle_timeout_s = 5\n");
     install_standin(&ws);
     assert!(!ps(&ws).contains("running"), "no VM before the first use");
 

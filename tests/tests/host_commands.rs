@@ -102,9 +102,7 @@ fn removing_a_rule_that_is_not_there_fails() {
 #[test]
 fn a_bad_mount_in_the_config_file_names_the_file() {
     let ws = Workspace::new("config-mount");
-    std::fs::create_dir_all(ws.config_dir()).unwrap();
-    let config = ws.config_dir().join("config.toml");
-    std::fs::write(&config, "mounts = [\"/nonexistent-vmctl-test:/data\"]\n").unwrap();
+    let config = ws.write_config("mounts = [\"/nonexistent-vmctl-test:/data\"]\n");
     // Refused before anything boots (a kernel that is not there would stop it anyway).
     let up = ws
         .command(&["up"])
@@ -126,9 +124,7 @@ fn a_bad_mount_in_the_config_file_names_the_file() {
 #[test]
 fn a_broken_config_file_is_one_error_said_once() {
     let ws = Workspace::new("config-broken");
-    std::fs::create_dir_all(ws.config_dir()).unwrap();
-    let config = ws.config_dir().join("config.toml");
-    std::fs::write(&config, "mounts = [\n").unwrap();
+    let config = ws.write_config("mounts = [\n");
     // (`up` runs no command of the user's, so its own failures are its 1.)
     for (args, code) in [
         (&["exec", "--", "true"][..], 125),
@@ -295,8 +291,7 @@ fn bad_input_on_a_running_vm_scenario() {
     }
     let typo = format!("{}:/data:RO", data.display());
     let bad_mount = ws.run(&["exec", "--mount", &typo, "--", "true"]);
-    std::fs::create_dir_all(ws.config_dir()).expect("config dir");
-    std::fs::write(ws.config_dir().join("config.toml"), "mount = [\"/x\"]\n").expect("config");
+    ws.write_config("mount = [\"/x\"]\n");
     let bad_config = ws.run(&["exec", "--", "true"]);
     ws.run(&["rm", "-f"]);
     assert!(

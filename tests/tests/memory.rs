@@ -35,15 +35,10 @@ fn a_workspace_can_keep_its_memory() {
 
 fn kept_memory_scenario() {
     let keeps = Workspace::new("memory-kept");
-    std::fs::create_dir_all(keeps.config_dir()).expect("config directory");
-    std::fs::write(
-        keeps.config_dir().join("config.toml"),
-        format!(
-            "[workspaces.{:?}]\nfree_page_reporting = false\n",
-            keeps.path().canonicalize().expect("the workspace's path")
-        ),
-    )
-    .expect("config.toml");
+    keeps.write_config(&format!(
+        "[workspaces.{:?}]\nfree_page_reporting = false\n",
+        keeps.path().canonicalize().expect("the workspace's path")
+    ));
     let devices = keeps
         .exec("cat /sys/bus/virtio/devices/*/device | sort | uniq -c | awk '{print $2 \"=\" $1}'");
     assert_ok(&devices, "listing the VM's virtio devices");
@@ -60,12 +55,7 @@ fn kept_memory_scenario() {
 
 fn freed_memory_scenario() {
     let ws = Workspace::new("memory-back");
-    std::fs::create_dir_all(ws.config_dir()).expect("config directory");
-    std::fs::write(
-        ws.config_dir().join("config.toml"),
-        "memory_percent = 0\nmemory_min_mib = 1024\n",
-    )
-    .expect("config.toml");
+    ws.write_config("memory_percent = 0\nmemory_min_mib = 1024\n");
     assert_ok(&ws.run(&["up"]), "vmctl up");
     let idle = held_mib(&ws);
 

@@ -1177,12 +1177,7 @@ fn a_guest_with_memory_above_4_gib_boots_and_shares_files() {
 
 fn high_memory_scenario() {
     let ws = Workspace::new("high-memory");
-    std::fs::create_dir_all(ws.config_dir()).expect("make the config directory");
-    std::fs::write(
-        ws.config_dir().join("config.toml"),
-        "memory_percent = 0\nmemory_min_mib = 4608\n",
-    )
-    .expect("write the config");
+    ws.write_config("memory_percent = 0\nmemory_min_mib = 4608\n");
     let up = ws.run(&["up"]);
     assert!(up.status.success(), "vmctl up of a 4.5 GiB guest failed");
     let out = ws.exec(

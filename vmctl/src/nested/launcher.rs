@@ -274,9 +274,7 @@ fn run(
     let mut command = qemu_command(&qemu, &kernel, &vmctl, &job_dir.path, &stderr_socket, job);
     add_filesystems(&mut command, &host_filesystems, job.host_memory_mib);
     if job.free_page_reporting() {
-        // The root and job directories, the shared ones, the shares, virtio-serial.
-        let devices = 2 + job.shared_dirs.len() + host_filesystems.len() + 1;
-        add_free_page_reporting(&mut command, devices);
+        add_free_page_reporting(&mut command);
     }
     if let Some(cpus) = &host_cpus {
         tracing::info!(
@@ -442,11 +440,29 @@ fn add_filesystems(command: &mut Command, filesystems: &[FsConfig], memory_mib: 
 /// The virtio-mmio transports of QEMU's microvm without ACPI (its `ioapic2` is off).
 const MICROVM_TRANSPORTS: usize = 8;
 
+/// The virtio-mmio devices `command` gives the nested host so far: each `-device` of a
+/// `*-device` type (virtio-9p-device, vhost-user-fs-device, ...) takes a transport; a
+/// port on virtio-serial (virtserialport) does not.
+fn virtio_mmio_devices(command: &Command) -> usize {
+    command
+        .get_args()
+        .zip(command.get_args().skip(1))
+        .filter(|(option, value)| {
+            *option == "-device"
+                && value
+                    .to_str()
+                    .and_then(|value| value.split(',').next())
+                    .is_some_and(|kind| kind.ends_with("-device"))
+        })
+        .count()
+}
+
 /// A virtio-balloon for free page reporting, when a transport is left after the
-/// `devices` the nested host has: its kernel then hands back to this host the memory
-/// it frees, that of a guest's freed memory, which our VMM dropped, among it. Without
-/// it the nested host holds its high-water mark until it stops.
-fn add_free_page_reporting(command: &mut Command, devices: usize) {
+/// devices `command` has: the nested host's kernel then hands back to this host the
+/// memory it frees, that of a guest's freed memory, which our VMM dropped, among it.
+/// Without it the nested host holds its high-water mark until it stops.
+fn add_free_page_reporting(command: &mut Command) {
+    let devices = virtio_mmio_devices(command);
     if devices >= MICROVM_TRANSPORTS {
         tracing::info!(
             "the nested host has {devices} virtio devices, QEMU's microvm {MICROVM_TRANSPORTS}: \
@@ -790,6 +806,42 @@ mod tests {
     }
     use super::*;
     use crate::nested::stall::Stuck;
+
+    /// The balloon takes a transport only while one is left; a virtserialport is a
+    /// port on virtio-serial, not a transport.
+    #[test]
+    fn the_balloon_comes_while_a_virtio_transport_is_left() {
+        let devices = |command: &Command| {
+            command
+                .get_args()
+                .filter(|arg| {
+                    arg.to_str()
+                        .is_some_and(|a| a.starts_with("virtio-balloon"))
+                })
+                .count()
+        };
+        let mut command = Command::new("qemu");
+        command.args([
+            "-device",
+            "virtio-serial-device",
+            "-device",
+            "virtconsole,chardev=e",
+        ]);
+        for index in 0..6 {
+            command.args(["-device", &format!("virtio-9p-device,fsdev=rw{index}")]);
+        }
+        command.args(["-device", "virtserialport,chardev=mux"]);
+        assert_eq!(virtio_mmio_devices(&command), 7);
+        add_free_page_reporting(&mut command);
+        assert_eq!(devices(&command), 1);
+        assert_eq!(virtio_mmio_devices(&command), 8);
+        add_free_page_reporting(&mut command);
+        assert_eq!(
+            devices(&command),
+            1,
+            "no transport was left for a second one"
+        );
+    }
 
     #[test]
     fn the_nested_host_kernel_given_is_used_without_a_build() {

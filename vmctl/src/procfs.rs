@@ -102,10 +102,7 @@ mod tests {
     #[test]
     fn a_process_start_time_is_its_own() {
         let ours = start_time(std::process::id() as i32).expect("our own start time");
-        let mut child = std::process::Command::new("sleep")
-            .arg("5")
-            .spawn()
-            .unwrap();
+        let mut child = crate::state::spawn_in_test(std::process::Command::new("sleep").arg("5"));
         let theirs = start_time(child.id() as i32).expect("a child's start time");
         assert!(theirs >= ours, "{theirs} < {ours}");
         assert_eq!(start_time(child.id() as i32), Some(theirs), "stable");

@@ -155,10 +155,7 @@ mod tests {
         assert_eq!(root_of(me, slash).unwrap(), Root::Expected);
         assert_eq!(root_of(me, elsewhere).unwrap(), Root::Ours);
         // Children are looked at too.
-        let mut child = std::process::Command::new("sleep")
-            .arg("10")
-            .spawn()
-            .unwrap();
+        let mut child = crate::state::spawn_in_test(std::process::Command::new("sleep").arg("10"));
         assert!(children(me).contains(&child.id()), "{:?}", children(me));
         assert_eq!(root_of(me, slash).unwrap(), Root::Expected);
         child.kill().unwrap();

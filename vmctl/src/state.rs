@@ -630,6 +630,16 @@ pub(crate) fn no_forks_meanwhile() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// `command` spawned by a test, while no test that needs its locks to come free holds
+/// them ([`no_forks_meanwhile`]).
+#[cfg(test)]
+pub(crate) fn spawn_in_test(command: &mut std::process::Command) -> std::process::Child {
+    let _forking = no_forks_meanwhile();
+    command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot spawn {command:?}: {e}"))
+}
+
 /// A stand-in for `vm`'s supervisor, running `script` (`sh -c`), that vmctl takes for
 /// one (`running_pid`): its pid file written, its command line `__supervise DIR`.
 #[cfg(test)]
@@ -798,11 +808,11 @@ mod tests {
         std::fs::write(vm.pid_file(), std::process::id().to_string()).unwrap();
         assert_eq!(vm.running_pid(), None, "the test process is no supervisor");
 
-        let mut supervisor = std::process::Command::new("sh")
-            .args(["-c", "sleep 30; true", "__supervise"])
-            .arg(&vm.path)
-            .spawn()
-            .unwrap();
+        let mut supervisor = spawn_in_test(
+            std::process::Command::new("sh")
+                .args(["-c", "sleep 30; true", "__supervise"])
+                .arg(&vm.path),
+        );
         // As the real supervisor, which writes its pid file once it runs: spawn() may
         // return while the exec is still setting up the new command line.
         let cmdline = format!("/proc/{}/cmdline", supervisor.id());

@@ -385,7 +385,7 @@ mod tests {
         assert_eq!(served_by_another_build(&connection), None);
         let peer = guest_agent::client::peer_credentials(&connection).unwrap();
         assert_eq!(peer.pid, std::process::id() as i32);
-        let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+        let mut other = crate::state::spawn_in_test(Command::new("sleep").arg("30"));
         let verdict = crate::procfs::runs_another_program(other.id() as i32);
         let _ = other.kill();
         let _ = other.wait();

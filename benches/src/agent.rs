@@ -169,70 +169,6 @@ fn read_meminfo(path: &Path) -> Result<MemInfo, String> {
     parse_meminfo(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// One VM line of `vmctl ps`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PsRow {
-    pub name: String,
-    pub state: String,
-    /// The HELD column (PSS of the VM's process tree) in MiB; `None` for `-`.
-    pub held_mib: Option<u64>,
-    /// The columns after HELD: what keeps it running, then the workspace.
-    pub rest: String,
-}
-
-/// `vmctl ps`: `NAME STATE UPTIME MODE CPUS MEMORY HELD  KEPT BY  WORKSPACE`, where
-/// only the last two may contain spaces; lines of VMs without a record (`starting`,
-/// `broken`) have two columns and are skipped.
-pub fn parse_ps(text: &str) -> Result<Vec<PsRow>, String> {
-    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    let header = lines.next().ok_or("vmctl ps printed nothing")?;
-    let columns: Vec<&str> = header.split_whitespace().collect();
-    if columns.first() != Some(&"NAME") || columns.get(6) != Some(&"HELD") {
-        return Err(format!(
-            "vmctl ps: unexpected header {header:?} (HELD is not the 7th column)"
-        ));
-    }
-    let mut rows = Vec::new();
-    for line in lines {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if words.len() < 7 {
-            continue;
-        }
-        let held = words[6];
-        let held_mib = match held {
-            "-" => None,
-            h => Some(
-                h.strip_suffix('M')
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .ok_or_else(|| format!("vmctl ps: HELD {h:?} is not N M in {line:?}"))?,
-            ),
-        };
-        // Everything after the 7th word, as printed.
-        let mut rest = line.trim_start();
-        for _ in 0..7 {
-            rest = rest.trim_start();
-            rest = &rest[rest.find(char::is_whitespace).unwrap_or(rest.len())..];
-        }
-        rows.push(PsRow {
-            name: words[0].into(),
-            state: words[1].into(),
-            held_mib,
-            rest: rest.trim().into(),
-        });
-    }
-    Ok(rows)
-}
-
-/// The row of the VM of `workspace` (its path is the line's last column).
-pub fn row_of<'a>(rows: &'a [PsRow], workspace: &Path) -> Option<&'a PsRow> {
-    let ws = workspace.display().to_string();
-    rows.iter().find(|r| {
-        r.rest
-            .strip_suffix(ws.as_str())
-            .is_some_and(|before| before.is_empty() || before.ends_with(char::is_whitespace))
-    })
-}
-
 /// When the used memory counts as settled after the VMs started.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Settle {
@@ -748,7 +684,7 @@ fn measure_into(b: &AgentBench, report: &mut AgentReport) -> Result<(), String> 
     report.commands = vec![
         ("agent (cwd: the workspace)".into(), agent_argv),
         ("up".into(), session.vmctl.argv(&["up"], Path::new("WS"))),
-        ("ps".into(), vec![bin.clone(), "ps".into()]),
+        ("ps".into(), vec![bin.clone(), "ps".into(), "--json".into()]),
         ("rm".into(), session.vmctl.argv(&["rm"], Path::new("WS"))),
         (
             "cleanup".into(),
@@ -921,26 +857,17 @@ fn idle_vms(
     let after = b.settle.value(&samples);
     let ps = session
         .vmctl
-        .run_ok(&[b.artifacts.vmctl.display().to_string(), "ps".into()])
+        .run_ok(&[
+            b.artifacts.vmctl.display().to_string(),
+            "ps".into(),
+            "--json".into(),
+        ])
         .map_err(|e| format!("vmctl ps: {e}"))?;
-    let rows = parse_ps(&ps.stdout)?;
-    let mut held = Vec::new();
-    for ws in workspaces.iter() {
-        let row = row_of(&rows, ws).ok_or_else(|| {
-            format!(
-                "vmctl ps has no line for {}:\n{}",
-                ws.display(),
-                tail(&ps.stdout, 3000)
-            )
-        })?;
-        held.push(row.held_mib.ok_or_else(|| {
-            format!(
-                "vmctl ps: the VM of {} holds no memory (HELD -, state {})",
-                ws.display(),
-                row.state
-            )
-        })?);
-    }
+    let rows = vm_tests::ps::parse(&ps.stdout)?;
+    let held = workspaces
+        .iter()
+        .map(|ws| vm_tests::ps::held_mib(&rows, ws))
+        .collect::<Result<Vec<u64>, String>>()?;
     let per_vm = mib(after.saturating_sub(before)) / n as f64;
     let held_per_vm = held.iter().sum::<u64>() as f64 / n as f64;
     say(format!(
@@ -995,50 +922,6 @@ mod tests {
         assert!(parse_meminfo("MemTotal: 10 MB\nMemAvailable: 1 kB\n").is_err());
         assert!(parse_meminfo("MemTotal: 10 kB\nMemAvailable: 11 kB\n").is_err());
         assert!(parse_meminfo("").is_err());
-    }
-
-    const PS: &str = "\
-NAME                         STATE      UPTIME MODE   CPUS  MEMORY    HELD  KEPT BY                        WORKSPACE
-idle-1-0123abcd              running       12s direct    2   1024M    143M  vmctl up                       /tmp/a b/idle-1
-idle-2-4567ef01              running     2m05s direct    2   1024M     97M  idle, stops in 30s             /tmp/x/idle-2
-old-89abcdef                 stopped         - direct    2   1024M       -  -                              /tmp/x/old
-new-00000000                 starting
-";
-
-    #[test]
-    fn ps_held_column_is_parsed() {
-        let rows = parse_ps(PS).unwrap();
-        assert_eq!(rows.len(), 3);
-        assert_eq!(rows[0].held_mib, Some(143));
-        assert_eq!(
-            rows[0].rest,
-            "vmctl up                       /tmp/a b/idle-1"
-        );
-        assert_eq!(rows[1].held_mib, Some(97));
-        assert_eq!(rows[1].state, "running");
-        assert_eq!(
-            (rows[2].held_mib, rows[2].state.as_str()),
-            (None, "stopped")
-        );
-        // By workspace, which may contain spaces, and only as the whole last column.
-        assert_eq!(
-            row_of(&rows, Path::new("/tmp/a b/idle-1")).unwrap().name,
-            "idle-1-0123abcd"
-        );
-        assert_eq!(
-            row_of(&rows, Path::new("/tmp/x/idle-2")).unwrap().held_mib,
-            Some(97)
-        );
-        assert!(row_of(&rows, Path::new("/x/idle-2")).is_none());
-        assert!(row_of(&rows, Path::new("/tmp/x/idle")).is_none());
-        // Only the header: no VMs.
-        assert!(parse_ps(PS.lines().next().unwrap()).unwrap().is_empty());
-        // A changed layout is an error, not a wrong figure.
-        let e = parse_ps("NAME STATE UPTIME MODE CPUS MEMORY KEPT WORKSPACE\n").unwrap_err();
-        assert!(e.contains("HELD is not the 7th column"), "{e}");
-        assert!(parse_ps("").is_err());
-        let bad = PS.replace("143M", "143G");
-        assert!(parse_ps(&bad).unwrap_err().contains("\"143G\""));
     }
 
     #[test]
@@ -1152,11 +1035,13 @@ case "$1" in
     [ -e {dir}/no-claude ] && {{ echo 'claude: not found' >&2; exit 127; }}
     sleep 0.05; echo '2.1.332 (Claude Code)';;
   up) start "$2";;
-  ps) printf '%-28s %-8s %8s %-6s %4s %7s %7s  %-30s %s\n' NAME STATE UPTIME MODE CPUS MEMORY HELD 'KEPT BY' WORKSPACE
+  ps) [ "$2" = --json ]; sep=; printf '['
     for d in "$s"/vms/*/; do
       [ -f "$d/ws" ] || continue
-      printf '%-28s %-8s %8s %-6s %4s %7s %7s  %-30s %s\n' "$(basename "$d")" running 5s direct 2 1024M 90M 'vmctl up' "$(cat "$d/ws")"
-    done;;
+      printf '%s{{"name":"%s","state":"running","workspace":"%s","held_mib":90}}' "$sep" "$(basename "$d")" "$(cat "$d/ws")"
+      sep=,
+    done
+    echo ']';;
   rm) d="$s/vms/$(basename "$2")"
     if [ -d "$d" ]; then
       rm -rf "$d"

@@ -136,35 +136,6 @@ fn free_script() -> String {
     format!("rm {FILL_DIR}/zeros && umount {FILL_DIR}")
 }
 
-/// HELD (MiB) of `workspace`'s VM in `vmctl ps`'s output: the row that ends with the
-/// workspace's path (its last column), its 7th column (`NAME STATE UPTIME MODE CPUS
-/// MEMORY HELD ...`, `1019M`). No such row, two, or a HELD that is not MiB (`-`: the
-/// VM is not running) is an error.
-pub(crate) fn held_mib(ps: &str, workspace: &str) -> Result<u64, String> {
-    let quote = || tail(ps, 2000);
-    let mut rows = ps.lines().filter(|line| {
-        line.trim_end()
-            .strip_suffix(workspace)
-            .is_some_and(|rest| rest.ends_with(char::is_whitespace))
-    });
-    let row = rows
-        .next()
-        .ok_or_else(|| format!("vmctl ps has no row of {workspace}:\n{}", quote()))?;
-    if rows.next().is_some() {
-        return Err(format!(
-            "vmctl ps has two rows of {workspace}:\n{}",
-            quote()
-        ));
-    }
-    let held = row
-        .split_whitespace()
-        .nth(6)
-        .ok_or_else(|| format!("vmctl ps: no HELD column in {row:?}"))?;
-    held.strip_suffix('M')
-        .and_then(|m| m.parse::<u64>().ok())
-        .ok_or_else(|| format!("vmctl ps: HELD {held:?} of {workspace} is not MiB (in {row:?})"))
-}
-
 /// When `readings` (`[s, MiB]`, in time order) settled: the time of the first one
 /// from which on every reading is within `tolerance` (a share) of the last one. For a
 /// falling curve that is when it first came that close. No readings, or one that is
@@ -254,8 +225,12 @@ fn guest_root_sh(vmctl: &Vmctl, workspace: &Path, script: &str) -> Vec<String> {
 
 /// HELD of `workspace`'s VM now.
 fn held_now(vmctl: &Vmctl, workspace: &Path) -> Result<f64, String> {
-    let ps = vmctl.run_ok(&[vmctl.bin.display().to_string(), "ps".into()])?;
-    held_mib(&ps.stdout, &workspace.display().to_string()).map(|m| m as f64)
+    let ps = vmctl.run_ok(&[
+        vmctl.bin.display().to_string(),
+        "ps".into(),
+        "--json".into(),
+    ])?;
+    vm_tests::ps::held_mib(&vm_tests::ps::parse(&ps.stdout)?, workspace).map(|m| m as f64)
 }
 
 /// One VM of the memory measure: up, HELD idle, fill, HELD full, free, HELD over the
@@ -356,7 +331,11 @@ fn measure_memory_return(
                 ("up".into(), vmctl.argv(&["up"], w)),
                 (
                     "held".into(),
-                    vec![vmctl.bin.display().to_string(), "ps".into()],
+                    vec![
+                        vmctl.bin.display().to_string(),
+                        "ps".into(),
+                        "--json".into(),
+                    ],
                 ),
                 ("fill".into(), guest_root_sh(vmctl, w, &sizes.fill_script())),
                 ("free".into(), guest_root_sh(vmctl, w, &free_script())),
@@ -1169,46 +1148,6 @@ mod tests {
         assert!(calls.contains(&format!("rm {}", ws1.display())), "{calls}");
         assert!(calls.contains(&format!("rm {}", ws2.display())), "{calls}");
     }
-    /// `vmctl ps` as vmctl/src/vm/list.rs prints it: two VMs (one kept by two words),
-    /// a VM of a directory since removed, and a note after the table.
-    const PS: &str = "\
-NAME                         STATE      UPTIME MODE   CPUS  MEMORY    HELD  KEPT BY                        WORKSPACE
-mem-reporting-1a2b           running       12s direct    2   1024M   1019M  no daemon                      /tmp/b/mem-reporting
-ws-1-77aa                    running     1m05s nested    2   1024M    350M  vmctl up                       /tmp/b/ws 1
-mem-not-reporting-3c4d       running        8s direct    2   1024M       -  idle, stops in 30s             /tmp/b/mem-not-reporting
-gone-9f                      stopped         - direct    2   1024M       -  -                              /tmp/b/gone (removed)
-
-mem-reporting-1a2b: crashed before (its logs: /tmp/b/mem-reporting)
-";
-
-    #[test]
-    fn held_is_the_seventh_column_of_the_workspace_row() {
-        assert_eq!(held_mib(PS, "/tmp/b/mem-reporting"), Ok(1019));
-        // A path with a space; a kept-by of two words before it.
-        assert_eq!(held_mib(PS, "/tmp/b/ws 1"), Ok(350));
-        // Only a row that ends with the whole path.
-        assert_eq!(
-            held_mib(PS, "b/mem-reporting"),
-            Err(format!("vmctl ps has no row of b/mem-reporting:\n{PS}"))
-        );
-        let e = held_mib(PS, "/tmp/b/mem-not-reporting").unwrap_err();
-        assert!(
-            e.starts_with("vmctl ps: HELD \"-\" of /tmp/b/mem-not-reporting is not MiB"),
-            "{e}"
-        );
-        let e = held_mib(PS, "/tmp/b/gone").unwrap_err();
-        assert!(e.starts_with("vmctl ps has no row of /tmp/b/gone"), "{e}");
-        let e = held_mib("x running 1s direct 2 1024M 12G idle /w\n", "/w").unwrap_err();
-        assert!(e.contains("HELD \"12G\""), "{e}");
-        let e = held_mib("x running /w\n", "/w").unwrap_err();
-        assert!(e.starts_with("vmctl ps: no HELD column"), "{e}");
-        let twice = "a r 1s direct 2 1M 5M idle /w\nb r 1s direct 2 1M 6M idle /w\n";
-        assert!(held_mib(twice, "/w")
-            .unwrap_err()
-            .starts_with("vmctl ps has two rows of /w"));
-        assert!(held_mib("", "/w").is_err());
-    }
-
     #[test]
     fn settle_is_when_the_readings_stay_within_the_tolerance_of_the_last() {
         let falling = [
@@ -1345,7 +1284,7 @@ case "$1" in
       *mount*) echo 1000 > "$d/held";;
     esac;;
   ps)
-    echo "NAME STATE UPTIME MODE CPUS MEMORY HELD KEPT BY WORKSPACE"
+    [ "$2" = --json ]; sep=; printf '['
     for d in "$vms"/*; do
       [ -f "$d/vm.json" ] || continue
       ws=$(sed 's/.*"workspace":"\([^"]*\)".*/\1/' "$d/vm.json")
@@ -1353,8 +1292,10 @@ case "$1" in
       if [ -f "$d/freed" ] && grep -q '"free_page_reporting":true' "$d/vm.json"; then
         echo 350 > "$d/held"
       fi
-      echo "$(basename "$d") running 3s direct 2 1024M ${{held}}M vmctl up $ws"
-    done;;
+      printf '%s{{"name":"%s","state":"running","workspace":"%s","held_mib":%s}}' "$sep" "$(basename "$d")" "$ws" "$held"
+      sep=,
+    done
+    echo ']';;
   rm) rm -rf "$vms/x-$(basename "$2")";;
 esac
 "#,

@@ -127,18 +127,12 @@ fn runs_in_the_guest(args: &[&str]) -> bool {
 }
 
 fn vm_is_up(workspace: &Workspace) -> bool {
-    let Ok(ps) = workspace.command(&["ps"]).output() else {
+    let Ok(ps) = workspace.command(&["ps", "--json"]).output() else {
         return false;
     };
-    let workspace_path = workspace.path();
-    let workspace_path = workspace_path.to_string_lossy();
-    String::from_utf8_lossy(&ps.stdout).lines().any(|line| {
-        line.ends_with(workspace_path.as_ref())
-            && line
-                .split_whitespace()
-                .nth(1)
-                .is_some_and(|state| matches!(state, "running" | "degraded"))
-    })
+    crate::ps::parse(&String::from_utf8_lossy(&ps.stdout))
+        .and_then(|rows| crate::ps::row_of(&rows, &workspace.path()).map(|row| row.is_up()))
+        .unwrap_or(false)
 }
 
 /// The guest's answer to [`GUEST_SCRIPT`], or why there is none.

@@ -20,6 +20,7 @@
 
 pub mod hang_report;
 pub mod host_user;
+pub mod ps;
 pub mod upstream;
 pub mod watchdog;
 
@@ -1014,6 +1015,17 @@ impl Workspace {
             ("XDG_STATE_HOME", self.state()),
             ("VMCTL_CONFIG", self.config_dir().join("config.toml")),
         ]
+    }
+
+    /// The VM of this workspace as `vmctl ps --json` lists it; panics when vmctl fails
+    /// or lists it not once.
+    pub fn ps_row(&self) -> ps::PsRow {
+        let output = self.run(&["ps", "--json"]);
+        assert_ok(&output, "vmctl ps --json");
+        let rows = ps::parse(&stdout(&output)).unwrap_or_else(|e| panic!("{e}"));
+        ps::row_of(&rows, &self.path())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .clone()
     }
 
     /// Runs `vmctl ARGS` and logs what it printed; panics with "timed out" when it

@@ -96,20 +96,9 @@ fn freed_memory_scenario() {
     );
 }
 
-/// The HELD column of the workspace's row in `vmctl ps`, in MiB.
+/// The host memory the workspace's VM holds, in MiB (`vmctl ps`'s HELD).
 fn held_mib(ws: &Workspace) -> u64 {
-    let ps = ws.run(&["ps"]);
-    assert_ok(&ps, "vmctl ps");
-    let table = stdout(&ps);
-    let workspace = ws.path();
-    let row = table
-        .lines()
-        .find(|line| line.ends_with(workspace.to_str().expect("UTF-8 path")))
-        .unwrap_or_else(|| panic!("vmctl ps has no row for the workspace:\n{table}"));
-    // NAME STATE UPTIME MODE CPUS MEMORY HELD ...
-    row.split_whitespace()
-        .nth(6)
-        .and_then(|held| held.strip_suffix('M'))
-        .and_then(|mib| mib.parse().ok())
-        .unwrap_or_else(|| panic!("no HELD figure in vmctl ps's row {row:?}\n{table}"))
+    let row = ws.ps_row();
+    row.held_mib
+        .unwrap_or_else(|| panic!("vmctl ps gives no memory held by the VM: {row:?}"))
 }

@@ -50,6 +50,11 @@ fn workspace_scenario() {
         "ps does not show the VM running"
     );
     assert!(stdout(&ps).contains(ws.path().to_str().unwrap()));
+    let row = ws.ps_row();
+    assert!(
+        row.state == "running" && row.held_mib.is_some_and(|mib| mib > 0),
+        "vmctl ps --json: {row:?}"
+    );
 
     // The clock of a VM nobody connects to is kept in step too: set an hour back by a
     // command, it is the host's again while that same command sleeps.

@@ -69,8 +69,8 @@ pub enum Command {
     /// it is done; stopped; crashed, with how its last run ended under the table; broken: its
     /// record cannot be read, said under the table, and `vmctl rm DIR` forgets it),
     /// uptime, mode (direct or nested), size, the host memory it holds and what keeps
-    /// it running.
-    Ps,
+    /// it running. --json prints the same as a JSON list, for scripts.
+    Ps(PsArgs),
     /// A VM's console log, or its supervisor's (--supervisor).
     ///
     /// As `docker logs` shows a container's: the console holds what the guest agent
@@ -523,6 +523,15 @@ pub struct LogsArgs {
     /// Keep printing what is logged until the VM stops (Ctrl-C ends it sooner).
     #[arg(long, short = 'f')]
     pub follow: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PsArgs {
+    /// A JSON list, an object per VM (name, state, vm_dir, workspace,
+    /// workspace_removed, mode, cpus, memory_mib, uptime_s, held_mib, kept_by, notes;
+    /// null where a VM has none), instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, clap::Args)]

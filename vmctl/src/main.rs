@@ -81,13 +81,25 @@ fn main() -> ExitCode {
                 .map_err(|e| e.to_string())
                 .and_then(|dir| up_pinned(&dir, &options))
         }
-        cli::Command::Ps => {
-            // Paths and the daemon's lease names, which a directory's name (the
-            // guest's to choose, in a share) may fill with escape sequences.
-            vm::list().iter().for_each(|line| {
-                terminal::print_out(format_args!("{}\n", terminal::printable(line)))
-            });
-            Ok(0)
+        cli::Command::Ps(args) => {
+            let rows = vm::list();
+            if args.json {
+                // JSON escapes what a directory's name (the guest's to choose, in a
+                // share) may hold.
+                serde_json::to_string_pretty(&rows)
+                    .map_err(|e| format!("cannot write the VM list as JSON: {e}"))
+                    .map(|json| {
+                        terminal::print_out(format_args!("{json}\n"));
+                        0
+                    })
+            } else {
+                // Paths and the daemon's lease names, which a directory's name may
+                // fill with escape sequences.
+                vm::table(&rows).iter().for_each(|line| {
+                    terminal::print_out(format_args!("{}\n", terminal::printable(line)))
+                });
+                Ok(0)
+            }
         }
         cli::Command::Stop(args) => {
             let dir = workspace::of_vm(args.dir());

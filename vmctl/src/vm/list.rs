@@ -1,4 +1,8 @@
-//! `vmctl ps`: one line per VM.
+//! `vmctl ps`: one row per VM, as a table or (`--json`) as JSON.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
 
 use crate::state::{StateError, VmDir};
 
@@ -6,20 +10,58 @@ use super::lock::{
     lifecycle_lock_held, lifecycle_lock_held_for, running_vm_stopped_by, LockHolder,
 };
 
-/// `vmctl ps`: one line per VM, with what it holds and what keeps it running.
-pub fn list() -> Vec<String> {
+/// One VM as `vmctl ps` sees it; `vmctl ps --json` prints a list of these, so its
+/// field names are a format scripts read: add fields, do not rename them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VmRow {
+    /// The VM's directory's name (the workspace's name and a hash of its path).
+    pub name: String,
+    /// running, degraded (a share's virtiofsd died), starting, stopping, removing,
+    /// stopped, crashed, or broken (its record cannot be read).
+    pub state: &'static str,
+    /// Where its record and logs are.
+    pub vm_dir: PathBuf,
+    /// The rest is unknown (null) without a readable record.
+    pub workspace: Option<PathBuf>,
+    /// The workspace directory no longer exists (a worktree Paseo removed).
+    pub workspace_removed: bool,
+    /// "direct" (on this host's KVM) or "nested" (inside a QEMU nested host).
+    pub mode: Option<&'static str>,
+    pub cpus: Option<u32>,
+    pub memory_mib: Option<u64>,
+    /// Set while it runs.
+    pub uptime_s: Option<u64>,
+    /// The host memory its processes hold (proportional set size), while it runs.
+    pub held_mib: Option<u64>,
+    /// What keeps it running, while it runs.
+    pub kept_by: Option<KeptBy>,
+    /// Why it crashed, why it is broken and what to do, or that another build of
+    /// vmctl runs it.
+    pub notes: Vec<String>,
+}
+
+/// What keeps a running VM running, as the daemon sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeptBy {
+    /// No daemon answered, so nothing stops it for idleness.
+    NoDaemon,
+    /// The daemon does not know it.
+    Untracked,
+    /// `vmctl up` (a pin) and the sessions' leases, `purpose (pid N)`.
+    Holders(Vec<String>),
+    /// Nothing: it stops in this many seconds (null: it does not stop by itself).
+    Idle { stops_in_s: Option<u64> },
+}
+
+/// `vmctl ps`: a row per VM, with what it holds and what keeps it running.
+pub fn list() -> Vec<VmRow> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let daemon = crate::daemon::client::status();
-    let mut lines = vec![format!(
-        "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
-        "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
-    )];
-    // Why crashed VMs crashed, and why broken ones are, after the table.
-    let mut notes = Vec::new();
-    let mut of_removed_directories = 0;
+    let mut rows = Vec::new();
     for vm in VmDir::all() {
         let name = vm
             .path
@@ -29,50 +71,79 @@ pub fn list() -> Vec<String> {
         let record = match vm.read_record() {
             Ok(record) => record,
             Err(error) => {
-                if let Some((line, note)) = row_without_record(&vm, &name, &error) {
-                    lines.push(line);
-                    notes.extend(note);
-                }
+                rows.extend(row_without_record(&vm, &name, &error));
                 continue;
             }
         };
         let pid = vm.running_pid();
-        let uptime = match pid {
-            Some(_) => format_duration(now.saturating_sub(record.started_at)),
-            None => "-".into(),
-        };
         let (state, crash) = run_state(&vm, pid);
-        let held = pid
-            .and_then(crate::procfs::tree_pss_kib)
-            .map(|kib| format!("{}M", kib / 1024))
-            .unwrap_or_else(|| "-".into());
-        let kept_by = match (pid, &daemon) {
-            (None, _) => "-".to_string(),
-            (Some(_), None) => "no daemon".to_string(),
-            (Some(_), Some(vms)) => kept_by(vms.iter().find(|v| v.vm_dir == vm.path)),
-        };
-        // Worktrees come and go (Paseo removes them): their VMs' state stays behind.
-        let removed = !record.workspace.exists();
-        of_removed_directories += usize::from(removed);
-        lines.push(format!(
-            "{name:<28} {state:<8} {uptime:>8} {:<6} {:>4} {:>7} {held:>7}  {kept_by:<30} {}{}",
-            if record.nested { "nested" } else { "direct" },
-            record.cpus,
-            format!("{}M", record.memory_mib),
-            record.workspace.display(),
-            if removed { " (removed)" } else { "" }
-        ));
+        let kept_by = pid.map(|_| match &daemon {
+            None => KeptBy::NoDaemon,
+            Some(vms) => kept_by(vms.iter().find(|v| v.vm_dir == vm.path)),
+        });
+        let mut notes = Vec::new();
         if let Some(crash) = crash {
-            notes.push(format!("{name}: {crash} (its logs: {})", vm.path.display()));
+            notes.push(format!("{crash} (its logs: {})", vm.path.display()));
         }
-        if let Some(note) = pid.and_then(|pid| another_builds_vm(&name, pid)) {
-            notes.push(note);
-        }
+        notes.extend(pid.and_then(another_builds_vm));
+        rows.push(VmRow {
+            state,
+            workspace_removed: !record.workspace.exists(),
+            mode: Some(if record.nested { "nested" } else { "direct" }),
+            cpus: Some(record.cpus),
+            memory_mib: Some(record.memory_mib),
+            uptime_s: pid.map(|_| now.saturating_sub(record.started_at)),
+            held_mib: pid
+                .and_then(crate::procfs::tree_pss_kib)
+                .map(|kib| kib / 1024),
+            kept_by,
+            notes,
+            workspace: Some(record.workspace),
+            vm_dir: vm.path,
+            name,
+        });
+    }
+    rows
+}
+
+/// `vmctl ps`'s table of `rows`: a line per VM, then each VM's notes, then what to do
+/// about VMs of removed directories.
+pub fn table(rows: &[VmRow]) -> Vec<String> {
+    let mut lines = vec![format!(
+        "{:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} WORKSPACE",
+        "NAME", "STATE", "UPTIME", "MODE", "CPUS", "MEMORY", "HELD", "KEPT BY"
+    )];
+    let mut notes = Vec::new();
+    for row in rows {
+        let name = &row.name;
+        notes.extend(row.notes.iter().map(|note| format!("{name}: {note}")));
+        let Some(workspace) = &row.workspace else {
+            lines.push(format!("{name:<28} {}", row.state));
+            continue;
+        };
+        let dash_or = |value: Option<String>| value.unwrap_or_else(|| "-".into());
+        lines.push(format!(
+            "{name:<28} {:<8} {:>8} {:<6} {:>4} {:>7} {:>7}  {:<30} {}{}",
+            row.state,
+            dash_or(row.uptime_s.map(format_duration)),
+            row.mode.unwrap_or("-"),
+            dash_or(row.cpus.map(|cpus| cpus.to_string())),
+            dash_or(row.memory_mib.map(|mib| format!("{mib}M"))),
+            dash_or(row.held_mib.map(|mib| format!("{mib}M"))),
+            dash_or(row.kept_by.as_ref().map(KeptBy::describe)),
+            workspace.display(),
+            if row.workspace_removed {
+                " (removed)"
+            } else {
+                ""
+            }
+        ));
     }
     if !notes.is_empty() {
         lines.push(String::new());
         lines.extend(notes);
     }
+    let of_removed_directories = rows.iter().filter(|row| row.workspace_removed).count();
     if of_removed_directories > 0 {
         lines.push(String::new());
         lines.push(format!(
@@ -84,38 +155,44 @@ pub fn list() -> Vec<String> {
     lines
 }
 
-/// `vmctl ps`'s note for the VM `name` whose supervisor, `pid`, runs another build of
-/// vmctl than this one (started before an upgrade): it keeps that build's ways, its
-/// guest agent's protocol among them, until it is started again.
-fn another_builds_vm(name: &str, pid: i32) -> Option<String> {
+/// `vmctl ps`'s note for a VM whose supervisor, `pid`, runs another build of vmctl
+/// than this one (started before an upgrade): it keeps that build's ways, its guest
+/// agent's protocol among them, until it is started again.
+fn another_builds_vm(pid: i32) -> Option<String> {
     crate::procfs::runs_another_program(pid).then(|| {
-        format!(
-            "{name}: started by another build of vmctl (before an upgrade?), whose ways it \
-             keeps: `vmctl stop` it and start it again to run this one's"
-        )
+        "started by another build of vmctl (before an upgrade?), whose ways it keeps: \
+         `vmctl stop` it and start it again to run this one's"
+            .to_string()
     })
 }
 
-/// `vmctl ps`'s line for `vm`, named `name`, whose record could not be read
-/// (`error`), and the note under the table that says why and what to do; no line for
-/// a directory without a record and no start under way (`vmctl up` creates the
-/// directory, then writes the record: a start refused before that, say for a bad
-/// `--mount`, leaves no VM to list).
-fn row_without_record(
-    vm: &VmDir,
-    name: &str,
-    error: &StateError,
-) -> Option<(String, Option<String>)> {
-    if vm.record_path().exists() {
-        Some((
-            format!("{name:<28} broken"),
-            Some(format!("{name}: {error}")),
-        ))
+/// `vmctl ps`'s row for `vm`, named `name`, whose record could not be read (`error`):
+/// broken, with a note that says why and what to do; no row for a directory without
+/// a record and no start under way (`vmctl up` creates the directory, then writes the
+/// record: a start refused before that, say for a bad `--mount`, leaves no VM to
+/// list).
+fn row_without_record(vm: &VmDir, name: &str, error: &StateError) -> Option<VmRow> {
+    let (state, notes) = if vm.record_path().exists() {
+        ("broken", vec![error.to_string()])
     } else if lifecycle_lock_held(vm) {
-        Some((format!("{name:<28} starting"), None))
+        ("starting", Vec::new())
     } else {
-        None
-    }
+        return None;
+    };
+    Some(VmRow {
+        name: name.to_string(),
+        state,
+        vm_dir: vm.path.clone(),
+        workspace: None,
+        workspace_removed: false,
+        mode: None,
+        cpus: None,
+        memory_mib: None,
+        uptime_s: None,
+        held_mib: None,
+        kept_by: None,
+        notes,
+    })
 }
 
 /// What `vmctl ps` says of `vm`, a VM with a record whose supervisor runs as `pid`,
@@ -143,19 +220,35 @@ fn run_state(vm: &VmDir, pid: Option<i32>) -> (&'static str, Option<String>) {
     }
 }
 
-/// What keeps a VM running, as the daemon sees it.
-fn kept_by(status: Option<&crate::daemon::protocol::VmStatus>) -> String {
+/// What keeps a running VM running, from the daemon's `status` of it.
+fn kept_by(status: Option<&crate::daemon::protocol::VmStatus>) -> KeptBy {
     let Some(status) = status else {
-        return "untracked".into();
+        return KeptBy::Untracked;
     };
-    let mut reasons = status.leases.clone();
+    let mut holders = status.leases.clone();
     if status.pinned {
-        reasons.insert(0, "vmctl up".into());
+        holders.insert(0, "vmctl up".into());
     }
-    match (reasons.is_empty(), status.stops_in_s) {
-        (false, _) => reasons.join(", "),
-        (true, Some(s)) => format!("idle, stops in {s}s"),
-        (true, None) => "idle".into(),
+    match holders.is_empty() {
+        false => KeptBy::Holders(holders),
+        true => KeptBy::Idle {
+            stops_in_s: status.stops_in_s,
+        },
+    }
+}
+
+impl KeptBy {
+    /// As the table's KEPT BY column says it.
+    fn describe(&self) -> String {
+        match self {
+            KeptBy::NoDaemon => "no daemon".into(),
+            KeptBy::Untracked => "untracked".into(),
+            KeptBy::Holders(holders) => holders.join(", "),
+            KeptBy::Idle {
+                stops_in_s: Some(s),
+            } => format!("idle, stops in {s}s"),
+            KeptBy::Idle { stops_in_s: None } => "idle".into(),
+        }
     }
 }
 
@@ -254,17 +347,14 @@ mod tests {
 
     #[test]
     fn ps_points_out_a_vm_another_build_of_vmctl_runs() {
-        assert_eq!(another_builds_vm("app", std::process::id() as i32), None);
-        let mut other = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let note = another_builds_vm("app", other.id() as i32);
+        assert_eq!(another_builds_vm(std::process::id() as i32), None);
+        let mut other = crate::state::spawn_in_test(std::process::Command::new("sleep").arg("30"));
+        let note = another_builds_vm(other.id() as i32);
         let _ = other.kill();
         let _ = other.wait();
         let note = note.expect("a note for a VM of another build");
         assert!(
-            note.starts_with("app: started by another build of vmctl"),
+            note.starts_with("started by another build of vmctl"),
             "{note}"
         );
     }
@@ -283,19 +373,24 @@ mod tests {
         assert!(row_without_record(&vm, "app-1234abcd", &error).is_none());
         std::fs::write(vm.record_path(), "{ half a record").unwrap();
         let error = vm.read_record().unwrap_err();
-        let (line, note) = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        let row = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        assert_eq!(row.state, "broken");
         assert_eq!(
-            line.split_whitespace().collect::<Vec<_>>(),
+            table(std::slice::from_ref(&row))[1]
+                .split_whitespace()
+                .collect::<Vec<_>>(),
             ["app-1234abcd", "broken"]
         );
-        let note = note.expect("a note under the table");
+        let note = &row.notes[0];
         assert!(
-            note.starts_with("app-1234abcd: ")
-                && note.contains(&vm.record_path().display().to_string())
+            note.contains(&vm.record_path().display().to_string())
                 && note.contains("unreadable VM record")
                 && note.contains(&format!("delete {}", vm.path.display())),
             "{note}"
         );
+        assert!(table(std::slice::from_ref(&row))
+            .iter()
+            .any(|line| line.starts_with("app-1234abcd: ") && line.ends_with(note.as_str())));
         // The workspace `vmctl rm` needs, from the supervisor's log.
         std::fs::write(
             vm.supervisor_log(),
@@ -303,11 +398,140 @@ mod tests {
         )
         .unwrap();
         let error = vm.read_record().unwrap_err();
-        let (_, note) = row_without_record(&vm, "app-1234abcd", &error).unwrap();
-        let note = note.unwrap();
+        let row = row_without_record(&vm, "app-1234abcd", &error).unwrap();
+        let note = &row.notes[0];
         assert!(
             note.contains("remove it with `vmctl rm /home/u/app`"),
             "{note}"
+        );
+    }
+
+    fn running_row(name: &str, workspace: &str) -> VmRow {
+        VmRow {
+            name: name.into(),
+            state: "running",
+            vm_dir: PathBuf::from("/state/vms").join(name),
+            workspace: Some(workspace.into()),
+            workspace_removed: false,
+            mode: Some("nested"),
+            cpus: Some(2),
+            memory_mib: Some(1024),
+            uptime_s: Some(125),
+            held_mib: Some(143),
+            kept_by: Some(KeptBy::Holders(vec![
+                "vmctl up".into(),
+                "shell (pid 7)".into(),
+            ])),
+            notes: Vec::new(),
+        }
+    }
+
+    /// The table: a line per VM in the header's columns, a dash for what a VM does not
+    /// have, each VM's notes under it by name, and what to do with VMs of removed
+    /// directories.
+    #[test]
+    fn the_table_shows_each_row_and_the_notes_under_it() {
+        let running = running_row("app-1", "/home/u/a b");
+        let mut idle = running_row("web-2", "/home/u/web");
+        idle.kept_by = Some(KeptBy::Idle {
+            stops_in_s: Some(12),
+        });
+        let mut crashed = running_row("old-3", "/home/u/gone");
+        (crashed.state, crashed.workspace_removed) = ("crashed", true);
+        (crashed.uptime_s, crashed.held_mib, crashed.kept_by) = (None, None, None);
+        crashed.notes = vec!["the guest kernel crashed: oops".into()];
+        let lines = table(&[running, idle, crashed]);
+        let words = |line: &str| {
+            line.split_whitespace()
+                .map(String::from)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            words(&lines[0]),
+            [
+                "NAME",
+                "STATE",
+                "UPTIME",
+                "MODE",
+                "CPUS",
+                "MEMORY",
+                "HELD",
+                "KEPT",
+                "BY",
+                "WORKSPACE"
+            ]
+        );
+        assert_eq!(
+            words(&lines[1]),
+            [
+                "app-1",
+                "running",
+                "2m05s",
+                "nested",
+                "2",
+                "1024M",
+                "143M",
+                "vmctl",
+                "up,",
+                "shell",
+                "(pid",
+                "7)",
+                "/home/u/a",
+                "b"
+            ]
+        );
+        assert!(lines[2].contains(" idle, stops in 12s "), "{}", lines[2]);
+        assert_eq!(
+            words(&lines[3]),
+            [
+                "old-3",
+                "crashed",
+                "-",
+                "nested",
+                "2",
+                "1024M",
+                "-",
+                "-",
+                "/home/u/gone",
+                "(removed)"
+            ]
+        );
+        assert_eq!(lines[4], "");
+        assert_eq!(lines[5], "old-3: the guest kernel crashed: oops");
+        assert_eq!(lines[6], "");
+        assert!(lines[7].starts_with("1 VM(s) of directories since removed"));
+        assert_eq!(lines.len(), 8);
+        assert_eq!(table(&[]).len(), 1, "the header alone");
+    }
+
+    /// `vmctl ps --json`'s names are what scripts (the benchmarks, the VM tests) read.
+    #[test]
+    fn the_json_names_each_field() {
+        let row = running_row("app-1", "/home/u/app");
+        let json = serde_json::to_value([row]).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!([{
+                "name": "app-1",
+                "state": "running",
+                "vm_dir": "/state/vms/app-1",
+                "workspace": "/home/u/app",
+                "workspace_removed": false,
+                "mode": "nested",
+                "cpus": 2,
+                "memory_mib": 1024,
+                "uptime_s": 125,
+                "held_mib": 143,
+                "kept_by": { "holders": ["vmctl up", "shell (pid 7)"] },
+                "notes": [],
+            }])
+        );
+        let kept = |kept_by: KeptBy| serde_json::to_value(kept_by).unwrap();
+        assert_eq!(kept(KeptBy::NoDaemon), serde_json::json!("no_daemon"));
+        assert_eq!(kept(KeptBy::Untracked), serde_json::json!("untracked"));
+        assert_eq!(
+            kept(KeptBy::Idle { stops_in_s: None }),
+            serde_json::json!({ "idle": { "stops_in_s": null } })
         );
     }
 

@@ -8,7 +8,7 @@ mod lock;
 mod start;
 mod stop;
 
-pub use list::list;
+pub use list::{list, table};
 #[cfg(test)]
 pub(crate) use lock::LIFECYCLE_LOCK;
 pub(crate) use lock::{

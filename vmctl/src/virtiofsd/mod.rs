@@ -1,7 +1,7 @@
 //! The virtiofsd daemons that serve a VM's shares: one per share, started before the
 //! VMM connects to their vhost-user sockets, watched while the VM runs, and stopped
 //! with it. The choice of their sandbox is in [`sandbox`]; watching them, ending one
-//! the VMM gave up on, and stopping them (the methods of [`FsDaemons`]) in [`watch`](mod@watch).
+//! the VMM gave up on, and stopping them (the methods of [`FsDaemons`]) in [`watch`].
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
@@ -22,7 +22,9 @@ pub use self::cache::{CachePolicy, CACHE_ENV};
 use self::daemon::{spawn_daemon, wait_started, Daemon, Sandbox, StartOutcome};
 pub use self::sandbox::SANDBOX_ENV;
 use self::sandbox::{choose_sandbox, probe_namespaces, SandboxChoice};
-use self::watch::{process_group_alive, say_still_there, terminate, watch, Shared, Watched};
+use self::watch::{
+    process_group_alive, say_still_there, terminate, watch_daemons, Shared, Watched,
+};
 use crate::share_root::{self, Root};
 use crate::shares::{self, Share};
 
@@ -225,7 +227,7 @@ fn start_as(
         let shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("virtiofsd-watch".into())
-            .spawn(move || watch(&shared))
+            .spawn(move || watch_daemons(&shared))
             .map_err(|source| VirtiofsdError::Io {
                 path: socket_dir.to_path_buf(),
                 source,

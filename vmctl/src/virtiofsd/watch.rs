@@ -31,7 +31,6 @@ const KILL_WAIT: Duration = Duration::from_secs(3);
 /// reads every process's `/proc/PID/stat`.
 const KILL_POLL: Duration = Duration::from_millis(50);
 
-/// virtiofsd's arguments for `share` on `socket`.
 /// What the watcher and `stop` share.
 pub(super) struct Watched {
     pub(super) daemons: Vec<Daemon>,
@@ -259,7 +258,7 @@ fn report_failures(state: &mut Watched, failures: Vec<String>) {
 }
 
 /// The watcher thread: reports daemons that die while the VM runs.
-pub(super) fn watch(shared: &Shared) {
+pub(super) fn watch_daemons(shared: &Shared) {
     let mut state = shared.lock();
     // When each daemon that exited cleanly while the VMM ran did so: undecided until
     // the VMM ends (the VM going away) or CLEAN_EXIT_GRACE passes (a lost share).

@@ -1,10 +1,15 @@
 //! Workspace VMs: `vmctl up`, `ps`, `stop`, `rm`, and what `exec`/`shell` need to
-//! find (or start) a workspace's VM. `start.rs` starts one, `stop.rs` stops and
-//! removes them (`prune` too), `list.rs` is `vmctl ps`, and `lock.rs` holds the
-//! VM's lifecycle lock, which all but `ps` take.
+//! find (or start) a workspace's VM. `start.rs` starts one, with `size.rs` (the VM's
+//! vCPUs and memory), `launch.rs` (its boot files, its kernel command line and its
+//! supervisor's start) and `agent_wait.rs` (the wait for its guest agent);
+//! `stop.rs` stops and removes them (`prune` too), `list.rs` is `vmctl ps`, and
+//! `lock.rs` holds the VM's lifecycle lock, which all but `ps` take.
 
+mod agent_wait;
+mod launch;
 mod list;
 mod lock;
+mod size;
 mod start;
 mod stop;
 
@@ -170,6 +175,7 @@ fn agent_runtime() -> Option<&'static tokio::runtime::Runtime> {
 
 #[cfg(test)]
 mod tests {
+    use super::launch::spawn_supervisor_from;
     use super::*;
 
     /// An exclusive `flock` on `path` (created if missing), held until the file drops:
@@ -216,6 +222,22 @@ mod tests {
             }
             requests
         })
+    }
+
+    /// A VM directory in `dir` and its supervisor, started as vmctl starts one: a
+    /// stand-in that runs until killed and never writes its pid file itself.
+    pub(super) fn silent_supervisor(dir: &Path) -> (VmDir, std::process::Child) {
+        let vm = VmDir {
+            path: dir.join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let exe = dir.join("vmctl");
+        crate::vmm_process::script(&exe, "#!/bin/sh\nwhile :; do sleep 0.1; done\n");
+        let supervisor = {
+            let _forking = crate::state::no_forks_meanwhile();
+            spawn_supervisor_from(&exe, &vm).unwrap()
+        };
+        (vm, supervisor)
     }
 
     /// `vmctl ps` shows no pid: the error must, and where to read why.

@@ -1,5 +1,5 @@
 //! Boots the base hello guest, a guest whose script reboots by itself, and one that
-//! triple-faults; and the VMM's seccomp switch.
+//! triple-faults; the balloon left out; and the VMM's seccomp switch.
 
 use std::ffi::OsStr;
 use vm_tests::{base_initramfs, boot_script, vm_scenario, TempDir, Vmctl};
@@ -101,6 +101,36 @@ fn guest_script_that_reboots_exits_zero() {
             !run.stdout.contains("Hello from the guest"),
             "/etc/vmtest.sh should replace the hello line\n{}",
             run.report()
+        );
+    });
+}
+
+/// `vmctl boot` gives the guest the balloon through which it gives back what it frees
+/// (virtio device 5), unless `--no-free-page-reporting` leaves it out, as the boot
+/// benchmark does.
+#[test]
+fn the_balloon_is_there_unless_left_out() {
+    vm_scenario("boot::the_balloon_is_there_unless_left_out", || {
+        let dir = TempDir::new("balloon");
+        let script =
+            "echo VIRTIO_IDS=$(cat /sys/bus/virtio/devices/*/device 2>/dev/null | tr '\\n' ,)\n";
+        let ids = |extra: &[&OsStr]| {
+            let run = boot_script(&dir, script, extra);
+            vm_tests::guest_value(&run.stdout, "VIRTIO_IDS")
+                .unwrap_or_else(|| panic!("no VIRTIO_IDS line\n{}", run.report()))
+                .trim_end()
+                .to_string()
+        };
+        // virtio-rng (4), then the balloon (5).
+        assert_eq!(
+            ids(&[]),
+            "0x0004,0x0005,",
+            "the default boot's virtio devices"
+        );
+        assert_eq!(
+            ids(&[OsStr::new("--no-free-page-reporting")]),
+            "0x0004,",
+            "virtio devices with --no-free-page-reporting"
         );
     });
 }

@@ -91,6 +91,7 @@ fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
     config.extra_cmdline = args.cmdline.clone();
     config.vcpus = args.cpus;
     config.memory_mib = args.memory;
+    config.free_page_reporting = !args.no_free_page_reporting;
     if let Some(device) = std::env::var_os(KVM_DEVICE_ENV) {
         config.kvm_device = PathBuf::from(device);
     }
@@ -126,5 +127,19 @@ mod tests {
                 "{error}"
             );
         }
+    }
+
+    #[test]
+    fn the_balloon_is_there_unless_left_out() {
+        use clap::Parser;
+        let config = |extra: &[&str]| {
+            let argv = [&["vmctl", "boot", "--kernel", "/k"][..], extra].concat();
+            match crate::cli::Cli::try_parse_from(argv).unwrap().command {
+                crate::cli::Command::Boot(args) => resolve_config(&args).unwrap(),
+                other => panic!("not boot: {other:?}"),
+            }
+        };
+        assert!(config(&[]).free_page_reporting);
+        assert!(!config(&["--no-free-page-reporting"]).free_page_reporting);
     }
 }

@@ -676,6 +676,11 @@ pub struct BootArgs {
     /// Print how long the guest took to reach its init (it writes the boot timer).
     #[arg(long)]
     pub boot_time: bool,
+    /// Leave out the virtio-balloon through which the guest gives back the memory it
+    /// frees (free page reporting; the config key `free_page_reporting` of workspace
+    /// VMs).
+    #[arg(long)]
+    pub no_free_page_reporting: bool,
     /// Whether to run the VMM inside the QEMU-TCG nested host.
     #[arg(long, value_enum, default_value_t = NestedMode::Auto)]
     pub nested: NestedMode,

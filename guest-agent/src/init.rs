@@ -63,6 +63,9 @@ pub struct BootConfig {
     /// then power off, instead of serving on vsock. For a guest under a VMM without
     /// our vsock device (the benchmark's QEMU comparison).
     pub run: Option<PathBuf>,
+    /// `vmctl.drop_caches_idle=SECS`: drop the caches after this long without a
+    /// command ([`crate::idle_caches`]); `0` or absent: never.
+    pub drop_caches_idle: Option<Duration>,
 }
 
 impl Default for BootConfig {
@@ -75,6 +78,7 @@ impl Default for BootConfig {
             port: DEFAULT_PORT,
             shares: Vec::new(),
             run: None,
+            drop_caches_idle: None,
         }
     }
 }
@@ -190,6 +194,11 @@ pub fn parse_cmdline(cmdline: &str) -> (BootConfig, Vec<InitError>) {
             shares::CMDLINE_KEY => match ShareMount::parse(value) {
                 Ok(s) => cfg.shares.push(s),
                 Err(e) => warnings.push(bad(word, e.to_string())),
+            },
+            crate::idle_caches::CMDLINE_KEY => match value.parse::<u64>() {
+                Ok(0) => cfg.drop_caches_idle = None,
+                Ok(secs) => cfg.drop_caches_idle = Some(Duration::from_secs(secs)),
+                Err(_) => warnings.push(bad(word, "not a number of seconds")),
             },
             RUN_KEY => match shares::decode_path(value) {
                 Ok(path) => cfg.run = Some(path),
@@ -1000,6 +1009,22 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn the_idle_time_before_the_caches_go_is_seconds_and_0_is_never() {
+        let idle = |cmdline: &str| {
+            let (cfg, warnings) = parse_cmdline(cmdline);
+            (cfg.drop_caches_idle, warnings.len())
+        };
+        assert_eq!(idle("quiet"), (None, 0));
+        assert_eq!(
+            idle("vmctl.drop_caches_idle=300"),
+            (Some(Duration::from_secs(300)), 0)
+        );
+        assert_eq!(idle("vmctl.drop_caches_idle=0"), (None, 0));
+        assert_eq!(idle("vmctl.drop_caches_idle=5m"), (None, 1));
+        assert_eq!(idle("vmctl.drop_caches_idle=-1"), (None, 1));
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod cgroups;
 pub mod client;
 pub mod clock;
 pub mod host_edits;
+pub mod idle_caches;
 pub mod init;
 pub mod network;
 pub mod ports;

@@ -72,6 +72,7 @@ fn main() -> ExitCode {
             init::run_once_then_power_off(program);
         }
         config.default_user = boot.user.clone();
+        config.drop_caches_after_idle = boot.drop_caches_idle;
         let writable = boot.shares.iter().filter(|share| !share.read_only);
         writable_shares = writable.map(|share| share.path.clone()).collect();
         share_views = init::read_only_views(&writable_shares);

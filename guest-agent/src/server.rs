@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 use crate::cgroups::{ExecCgroup, ExecCgroups};
 use crate::clock;
 use crate::host_edits::HostEditTarget;
+use crate::idle_caches::{self, Activity};
 use crate::network::{self, Network};
 use crate::protocol::{
     write_frame, AgentMessage, ClientMessage, ExecRequest, FrameReader, HealthInfo, HostEdit,
@@ -107,6 +108,9 @@ pub struct ServerConfig {
     /// Where each command gets a cgroup of its own, which a client that goes away
     /// has killed whole; without it (the default), its process group only is.
     pub exec_cgroups: Option<Arc<ExecCgroups>>,
+    /// Drop the guest's caches once no command has run for this long (see
+    /// [`crate::idle_caches`]); never when `None` (the default).
+    pub drop_caches_after_idle: Option<Duration>,
 }
 
 /// Where the agent listens.
@@ -225,7 +229,8 @@ struct State {
     config: ServerConfig,
     reaper: Reaper,
     started: Instant,
-    active_execs: AtomicU32,
+    /// Commands running and started, for the health report and the idle watch.
+    activity: Arc<Activity>,
     shutdown: Notify,
     shutdown_requested: std::sync::atomic::AtomicBool,
     /// The last `Hello` that found the guest's clock ahead (see [`clock`]).
@@ -276,7 +281,7 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         reaper: Reaper::new(config.reap_all),
         config,
         started: Instant::now(),
-        active_execs: AtomicU32::new(0),
+        activity: Arc::default(),
         shutdown: Notify::new(),
         shutdown_requested: Default::default(),
         clock_ahead_seen: clock::AheadSeen::default(),
@@ -297,6 +302,10 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
             reaper_state.reaper.reap();
         }
     });
+    let idle_watch = state
+        .config
+        .drop_caches_after_idle
+        .map(|after| tokio::spawn(idle_caches::watch(state.activity.clone(), after)));
     let result = loop {
         let accepted: io::Result<Box<dyn Stream>> = tokio::select! {
             _ = state.shutdown.notified() => break Ok(()),
@@ -318,6 +327,9 @@ pub async fn serve(listener: Listener, config: ServerConfig) -> Result<(), Serve
         }
     };
     reaper.abort();
+    if let Some(idle_watch) = idle_watch {
+        idle_watch.abort();
+    }
     result
 }
 
@@ -632,7 +644,7 @@ async fn connect_port(
     Ok(())
 }
 
-fn read_kib_field(text: &str, key: &str) -> u64 {
+pub(crate) fn read_kib_field(text: &str, key: &str) -> u64 {
     text.lines()
         .find_map(|l| l.strip_prefix(key))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
@@ -661,7 +673,7 @@ fn health(state: &State) -> HealthInfo {
         uptime_ms,
         agent_uptime_ms: state.started.elapsed().as_millis() as u64,
         agent_rss_bytes: agent_rss_bytes(),
-        active_execs: state.active_execs.load(Ordering::Relaxed),
+        active_execs: state.activity.running.load(Ordering::Relaxed),
         mem_total_kib: read_kib_field(&meminfo, "MemTotal:"),
         mem_available_kib: read_kib_field(&meminfo, "MemAvailable:"),
     }
@@ -1627,8 +1639,9 @@ where
             return send_error(&mut w, e.to_string()).await;
         }
     };
-    state.active_execs.fetch_add(1, Ordering::Relaxed);
-    let _active = ActiveGuard(&state.active_execs);
+    state.activity.started.fetch_add(1, Ordering::Relaxed);
+    state.activity.running.fetch_add(1, Ordering::Relaxed);
+    let _active = ActiveGuard(&state.activity.running);
     let Spawned {
         pid,
         mut exit,

@@ -1,5 +1,5 @@
-//! Free page reporting: memory the guest frees goes back to the host, as `vmctl ps`
-//! shows it (HELD: the memory the VM's processes hold on the host; in the nested host,
+//! Free page reporting: memory the guest frees, and the caches an idle guest drops, go
+//! back to the host, as `vmctl ps` shows it (HELD: the memory the VM's processes hold on the host; in the nested host,
 //! QEMU's, which the nested host's own free page reporting gives back).
 
 use std::time::{Duration, Instant};
@@ -20,6 +20,18 @@ fn memory_the_guest_frees_goes_back_to_the_host() {
     vm_tests::vm_scenario(
         "memory::memory_the_guest_frees_goes_back_to_the_host",
         freed_memory_scenario,
+    );
+}
+
+/// What the guest reads through the workspace's share stays in its page cache until
+/// the guest has gone `drop_caches_after_idle_s` without a command; then it drops its
+/// caches, free page reporting gives the memory back (HELD falls), and its console
+/// says so.
+#[test]
+fn an_idle_guests_caches_go_back_to_the_host() {
+    vm_tests::vm_scenario(
+        "memory::an_idle_guests_caches_go_back_to_the_host",
+        idle_caches_scenario,
     );
 }
 
@@ -93,6 +105,60 @@ fn freed_memory_scenario() {
         "held {idle} MiB idle, {full} MiB with {FILL_MIB} MiB filled, {held} MiB {:.0?} \
          after the guest freed it",
         freed_at.elapsed()
+    );
+}
+
+/// What the guest reads through the share into its page cache.
+const READ_MIB: u64 = 384;
+/// The idle time the test's config sets: long enough to read HELD with the cache full
+/// after the reading command.
+const IDLE_S: u64 = 20;
+
+fn idle_caches_scenario() {
+    let ws = Workspace::new("memory-idle");
+    ws.write_config(&format!(
+        "memory_percent = 0\nmemory_min_mib = 1024\ndrop_caches_after_idle_s = {IDLE_S}\n"
+    ));
+    let file = ws.path().join("read-me.bin");
+    let block: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8).collect();
+    let mut out = std::fs::File::create(&file).expect("creating the file to read");
+    for _ in 0..READ_MIB {
+        std::io::Write::write_all(&mut out, &block).expect("writing the file to read");
+    }
+    drop(out);
+    assert_ok(&ws.run(&["up"]), "vmctl up");
+    let idle = held_mib(&ws);
+    let read = ws.exec(&format!("cat -- '{}' > /dev/null", file.display()));
+    assert_ok(&read, "reading the file in the guest");
+    let full = held_mib(&ws);
+    let read_at = Instant::now();
+    assert!(
+        full >= idle + READ_MIB / 2,
+        "the VM held {idle} MiB idle and {full} MiB after the guest read {READ_MIB} MiB: \
+         the guest does not cache what it reads, or the measure does not see it"
+    );
+    let mut held = full;
+    while full.saturating_sub(held) < READ_MIB / 2 {
+        assert!(
+            read_at.elapsed() < BACK_WITHIN + Duration::from_secs(IDLE_S),
+            "{:?} after the guest read {READ_MIB} MiB and went idle ({IDLE_S} s to drop its \
+             caches), the VM still holds {held} MiB ({full} MiB after the read, {idle} MiB \
+             before)\n{}",
+            read_at.elapsed(),
+            stdout(&ws.run(&["logs", "-n", "20"]))
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        held = held_mib(&ws);
+    }
+    let console = stdout(&ws.run(&["logs"]));
+    assert!(
+        console.contains(&format!("idle for {IDLE_S} s: dropped the guest's caches")),
+        "the console does not say the caches went\n{console}"
+    );
+    eprintln!(
+        "held {idle} MiB idle, {full} MiB after reading {READ_MIB} MiB, {held} MiB {:.0?} \
+         after the read",
+        read_at.elapsed()
     );
 }
 

@@ -12,6 +12,8 @@
 //! memory_percent = 10           # its memory, as a share of the host's RAM (0-100)...
 //! memory_min_mib = 1024         # ...but at least this much
 //! free_page_reporting = false   # a new VM keeps what its guest frees (default true)
+//! drop_caches_after_idle_s = 600 # its guest drops its caches after this long without a
+//!                                # command (default 300; 0: never; only with reporting)
 //! [workspaces."/home/me/project"]
 //! mounts = ["/srv/data:/data:ro"]
 //! relay_ports = [8080]
@@ -95,6 +97,11 @@ pub struct UserConfig {
     /// yes; `vmm::config::VmConfig::free_page_reporting`).
     #[serde(default)]
     pub free_page_reporting: Option<bool>,
+    /// Seconds without a command after which a new VM's guest drops its caches, so
+    /// that free page reporting gives that memory back too (default
+    /// [`DEFAULT_DROP_CACHES_AFTER_IDLE_S`]; 0: never).
+    #[serde(default)]
+    pub drop_caches_after_idle_s: Option<u64>,
     /// Settings of one workspace, by its path (`~/` allowed).
     #[serde(default)]
     pub workspaces: BTreeMap<String, WorkspaceConfig>,
@@ -164,7 +171,12 @@ pub struct WorkspaceConfig {
     pub memory_min_mib: Option<u64>,
     #[serde(default)]
     pub free_page_reporting: Option<bool>,
+    #[serde(default)]
+    pub drop_caches_after_idle_s: Option<u64>,
 }
+
+/// How long a guest goes without a command before it drops its caches, by default.
+pub const DEFAULT_DROP_CACHES_AFTER_IDLE_S: u64 = 300;
 
 /// What a new VM gets (unset: the defaults); a workspace's settings override the
 /// global ones.
@@ -174,6 +186,7 @@ pub struct Resources {
     pub memory_percent: Option<u32>,
     pub memory_min_mib: Option<u64>,
     pub free_page_reporting: Option<bool>,
+    pub drop_caches_after_idle_s: Option<u64>,
 }
 
 /// `HOME`, against which the sections' `~/` paths are read.
@@ -282,6 +295,7 @@ impl UserConfig {
             memory_percent: self.memory_percent,
             memory_min_mib: self.memory_min_mib,
             free_page_reporting: self.free_page_reporting,
+            drop_caches_after_idle_s: self.drop_caches_after_idle_s,
         };
         self.settings_of(workspace, home.as_deref())
             .fold(global, |global, settings| Resources {
@@ -289,6 +303,9 @@ impl UserConfig {
                 memory_percent: settings.memory_percent.or(global.memory_percent),
                 memory_min_mib: settings.memory_min_mib.or(global.memory_min_mib),
                 free_page_reporting: settings.free_page_reporting.or(global.free_page_reporting),
+                drop_caches_after_idle_s: settings
+                    .drop_caches_after_idle_s
+                    .or(global.drop_caches_after_idle_s),
             })
     }
 
@@ -605,9 +622,31 @@ mounts = ["/srv/other"]
             memory_percent,
             memory_min_mib: None,
             free_page_reporting: None,
+            drop_caches_after_idle_s: None,
         };
         assert_eq!(config.resources_for(&project), expect(Some(4), Some(50)));
         assert_eq!(config.resources_for(dir.path()), expect(Some(4), Some(20)));
+    }
+
+    #[test]
+    fn the_idle_time_before_the_caches_go_is_the_workspaces_else_the_global_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("project");
+        std::fs::create_dir_all(&project).unwrap();
+        let idle = |text: &str, workspace: &Path| {
+            let config = UserConfig::load_from(&write_config(dir.path(), text)).unwrap();
+            config.resources_for(workspace).drop_caches_after_idle_s
+        };
+        assert_eq!(idle("", &project), None);
+        let text = format!(
+            "drop_caches_after_idle_s = 60
+[workspaces.\"{}\"]
+drop_caches_after_idle_s = 0
+",
+            project.display()
+        );
+        assert_eq!(idle(&text, &project), Some(0));
+        assert_eq!(idle(&text, dir.path()), Some(60));
     }
 
     #[test]

@@ -85,6 +85,21 @@ pub(super) fn agent_cmdline(vm: &VmDir, shares: &[Share], account: Option<&str>)
     cmdline
 }
 
+/// The guest agent's parameter for when the guest drops its caches, from `resources`:
+/// after the idle time they set (default
+/// [`DEFAULT_DROP_CACHES_AFTER_IDLE_S`](crate::user_config::DEFAULT_DROP_CACHES_AFTER_IDLE_S)),
+/// or never where its guest gives nothing back (no free page reporting): the memory
+/// would stay the VM's anyway.
+pub(super) fn drop_caches_param(resources: &crate::user_config::Resources) -> String {
+    let after_s = match resources.free_page_reporting.unwrap_or(true) {
+        true => resources
+            .drop_caches_after_idle_s
+            .unwrap_or(crate::user_config::DEFAULT_DROP_CACHES_AFTER_IDLE_S),
+        false => 0,
+    };
+    format!(" {}={after_s}", guest_agent::idle_caches::CMDLINE_KEY)
+}
+
 /// Refuses up front the shares the VM cannot have, which the VMM would refuse only
 /// once the supervisor runs: more than its virtio device slots hold, or guest paths
 /// the guest kernel's command line cannot.
@@ -272,11 +287,45 @@ mod tests {
             guest: dir.path().into(),
             read_only: true,
         }];
-        let cmdline = agent_cmdline(&vm, &shares, Some("alice:1000:1000:/home/alice"));
+        let resources = crate::user_config::Resources {
+            drop_caches_after_idle_s: Some(90),
+            ..Default::default()
+        };
+        let cmdline = agent_cmdline(&vm, &shares, Some("alice:1000:1000:/home/alice"))
+            + &drop_caches_param(&resources);
         let (config, refused) = guest_agent::init::parse_cmdline(&cmdline);
         assert!(refused.is_empty(), "{cmdline}: {refused:?}");
         assert_eq!(config.hostname.as_deref(), Some("my-project.v2-c61c616e"));
         assert_eq!(config.user.map(|user| user.name).as_deref(), Some("alice"));
+        assert_eq!(
+            config.drop_caches_idle,
+            Some(std::time::Duration::from_secs(90))
+        );
+    }
+
+    /// The caches go after the idle time the config sets, 300 s by default, and never
+    /// where the guest gives no memory back.
+    #[test]
+    fn the_guest_drops_its_caches_only_where_it_gives_memory_back() {
+        use crate::user_config::Resources;
+        let idle = |resources: Resources| {
+            let (config, refused) =
+                guest_agent::init::parse_cmdline(&drop_caches_param(&resources));
+            assert!(refused.is_empty(), "{refused:?}");
+            config.drop_caches_idle.map(|after| after.as_secs())
+        };
+        assert_eq!(idle(Resources::default()), Some(300));
+        let never = Resources {
+            drop_caches_after_idle_s: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(idle(never), None);
+        let keeps_memory = Resources {
+            free_page_reporting: Some(false),
+            drop_caches_after_idle_s: Some(60),
+            ..Default::default()
+        };
+        assert_eq!(idle(keeps_memory), None);
     }
 
     #[test]

@@ -89,6 +89,7 @@ mod tests {
             memory_percent: Some(50),
             memory_min_mib: Some(512),
             free_page_reporting: Some(false),
+            drop_caches_after_idle_s: None,
         };
         assert_eq!(size_from(set, 4, 2 * 1024), (4, 1024));
     }

@@ -16,7 +16,9 @@ use crate::user_config::UserConfig;
 use crate::virtiofsd;
 
 use super::agent_wait::{agent_answered_for, wait_for_new_agent, wait_for_running_agent};
-use super::launch::{agent_cmdline, boot_files, check_config_fits, spawn_supervisor};
+use super::launch::{
+    agent_cmdline, boot_files, check_config_fits, drop_caches_param, spawn_supervisor,
+};
 use super::lock::{lock_lifecycle, try_lock_lifecycle};
 use super::size::vm_size;
 use super::stop::{remove_dir, remove_vm};
@@ -379,7 +381,8 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         memory_mib,
         free_page_reporting: resources.free_page_reporting.unwrap_or(true),
         nested,
-        agent_cmdline: agent_cmdline(&vm, &share_set.shares, request.guest_account.as_deref()),
+        agent_cmdline: agent_cmdline(&vm, &share_set.shares, request.guest_account.as_deref())
+            + &drop_caches_param(&resources),
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

@@ -265,14 +265,8 @@ impl VmDir {
     /// both write it, each the supervisor's pid.
     pub fn write_pid(&self, pid: u32) -> Result<(), StateError> {
         let path = self.pid_file();
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".{}.tmp", std::process::id()));
-        let written = std::fs::write(&tmp, pid.to_string())
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .inspect_err(|_| {
-                let _ = std::fs::remove_file(&tmp);
-            });
-        written.map_err(|source| StateError::Io { path, source })
+        replace_file(&path, pid.to_string().as_bytes())
+            .map_err(|source| StateError::Io { path, source })
     }
     /// One line per virtiofsd that died while the VM ran. In a directory of its own:
     /// a nested host records its virtiofsd's there, and is given that directory alone
@@ -617,6 +611,18 @@ pub fn short_hash(bytes: &[u8]) -> String {
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
     format!("{:08x}", hash as u32)
+}
+
+/// Replaces `path` with `contents` whole or not at all, for files other processes read
+/// any time: written to a file of this process's own beside it, then renamed over it.
+pub(crate) fn replace_file(path: &Path, contents: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    std::fs::write(&tmp, contents)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
 }
 
 /// Held by a test whose `flock`s must come free the moment it drops them, and by the

@@ -154,14 +154,7 @@ impl Publication {
         if self.due_in(watched, now) != Some(Duration::ZERO) {
             return;
         }
-        let mut tmp = self.file.as_os_str().to_owned();
-        tmp.push(format!(".{}.tmp", std::process::id()));
-        let written = std::fs::write(&tmp, format!("{watched}\n"))
-            .and_then(|()| std::fs::rename(&tmp, &self.file))
-            .inspect_err(|_| {
-                let _ = std::fs::remove_file(&tmp);
-            });
-        if let Err(e) = written {
+        if let Err(e) = crate::state::replace_file(&self.file, format!("{watched}\n").as_bytes()) {
             // Tried again at the next change: the others then count this VM short.
             tracing::debug!("host edits: cannot publish the watched directories: {e}");
         }

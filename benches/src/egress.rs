@@ -222,7 +222,7 @@ fn status(v: &str) -> Result<u16, String> {
     }
 }
 
-/// The latency calls' output: `expected` lines of [`LATENCY_FORMAT`], each 200.
+/// The latency calls' output: `expected` lines of `LATENCY_FORMAT`, each 200.
 pub fn parse_latency(out: &str, expected: usize) -> Result<Vec<Transfer>, String> {
     let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
     if lines.len() != expected {
@@ -248,7 +248,7 @@ pub fn parse_latency(out: &str, expected: usize) -> Result<Vec<Transfer>, String
         .collect()
 }
 
-/// The throughput call's output: one line of [`THROUGHPUT_FORMAT`], 200, all
+/// The throughput call's output: one line of `THROUGHPUT_FORMAT`, 200, all
 /// `expected_bytes` downloaded, at a positive speed.
 pub fn parse_download(out: &str, expected_bytes: u64) -> Result<Download, String> {
     let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();

@@ -10,12 +10,12 @@
 //! there but a withdrawal's (which names no method, and so repeats exactly). A refusal
 //! repeated without pause is written once and then counted ([`LogEntry::repeated`]),
 //! so that a program retrying in a loop does not fill the log either; a count not yet
-//! written is written within [`REPEAT_WINDOW_MS`] ([`DecisionLog::write_due_counts`]).
+//! written is written within `REPEAT_WINDOW_MS` ([`DecisionLog::write_due_counts`]).
 //! A repeat is the same kind of refusal ([`Refusal`]) of the same destination: what
 //! the guest varies from request to request (the method, the Host header a refusal
 //! quotes) does not make it another, and the allowed entries written meanwhile (the
 //! CONNECT before each refused request inside terminated TLS) do not end the count.
-//! Nor do other refusals: each of the last [`MAX_REPEATING_REFUSALS`] refusals made
+//! Nor do other refusals: each of the last `MAX_REPEATING_REFUSALS` refusals made
 //! is counted on its own, so that a program retrying two refused hosts in turn gets
 //! two counts, not a line per request.
 
@@ -276,7 +276,7 @@ impl DecisionLog {
     }
 
     /// Writes the counts due: of a refusal no longer repeated (its last repeat more
-    /// than [`REPEAT_WINDOW_MS`] ago), and of repeats not counted in a line for that
+    /// than `REPEAT_WINDOW_MS` ago), and of repeats not counted in a line for that
     /// long. Called on each entry and by [`keep_counts_current`]: without it, a
     /// count waited for the next entry, hours later, or was lost when the process
     /// was killed.

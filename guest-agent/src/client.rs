@@ -274,7 +274,7 @@ const QUOTED_MAX: usize = 300;
 /// shown as written: control characters, line and paragraph separators and
 /// bidirectional controls escaped (a line break would start a line that could pass
 /// for the host's own; a bidi override reorders what follows it), and only the first
-/// [`QUOTED_MAX`] characters. The guest is not trusted.
+/// `QUOTED_MAX` characters. The guest is not trusted.
 pub fn quoted(words: &str) -> String {
     let (head, cut) = match words.char_indices().nth(QUOTED_MAX) {
         Some((at, _)) => (&words[..at], true),
@@ -413,7 +413,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     }
 
     /// Connects this connection to the guest's loopback `port` (127.0.0.1, else
-    /// [::1]); the returned stream carries that TCP connection's bytes. Shutting
+    /// `[::1]`); the returned stream carries that TCP connection's bytes. Shutting
     /// down its write side half-closes the guest connection.
     pub async fn connect_port(mut self, port: u16) -> Result<RawStream<S>>
     where

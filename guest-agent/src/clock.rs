@@ -24,7 +24,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// differences are left alone so that a clock in step is not nudged by every message.
 pub const BEHIND_TOLERANCE: Duration = Duration::from_millis(20);
 /// A guest clock ahead by more than this is stepped back (by up to
-/// [`STALE_HELLO_MAX`], once a second `Hello` agrees): a right clock is ahead by the
+/// `STALE_HELLO_MAX`, once a second `Hello` agrees): a right clock is ahead by the
 /// message's transit (vsock, a busy agent), which takes far less.
 pub const AHEAD_TOLERANCE: Duration = Duration::from_secs(2);
 /// A clock ahead by more than this is stepped back at the first `Hello`: no client

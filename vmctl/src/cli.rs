@@ -245,8 +245,8 @@ pub struct DaemonArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
-    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory's
-    /// VM, as for `vmctl stop`) and the port in the VM.
+    /// The workspace directory, optional (default: the current directory's VM, as
+    /// for `vmctl stop`), then the port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
     /// The same as DIR, as `vmctl exec` takes it.
@@ -264,8 +264,8 @@ pub struct PublishArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct UnpublishArgs {
-    /// [DIR] GUEST_PORT: the workspace directory (default: the current directory's
-    /// VM, as for `vmctl stop`) and the published port in the VM.
+    /// The workspace directory, optional (default: the current directory's VM, as
+    /// for `vmctl stop`), then the published port in the VM.
     #[arg(required = true, num_args = 1..=2, value_name = "[DIR] GUEST_PORT")]
     pub target: Vec<String>,
     /// The same as DIR, as `vmctl exec` takes it.

@@ -52,7 +52,7 @@ pub enum PaseoCommand {
     /// The providers extend Paseo's claude and codex providers and launch
     /// `vmctl agent claude` / `vmctl agent codex` by this vmctl's absolute path. The
     /// rest of the config is kept; the previous file is backed up beside it as
-    /// config.json.bak-<unix seconds>. Running it again changes nothing. Restart Paseo
+    /// config.json.bak-N, N the time in Unix seconds. Running it again changes nothing. Restart Paseo
     /// afterwards and pick "Claude (VM)" or "Codex (VM)" as an agent's provider.
     Install {
         /// Paseo's config file [default: $PASEO_HOME/config.json, else
@@ -63,7 +63,8 @@ pub enum PaseoCommand {
     /// Remove the providers `vmctl paseo install` added from Paseo's config.
     ///
     /// An entry that was changed by hand since is left alone (and reported). The
-    /// previous file is backed up beside it as config.json.bak-<unix seconds>.
+    /// previous file is backed up beside it as config.json.bak-N, N the time in Unix
+    /// seconds.
     Uninstall {
         /// Paseo's config file [default: $PASEO_HOME/config.json, else
         /// ~/.paseo/config.json]

@@ -91,7 +91,7 @@ pub struct Limits {
     /// (a browser's speculative ones, a stuck program, a pool's spare) must not keep a
     /// real request out.
     pub max_waiting_connections: usize,
-    /// Connections displaced from the waiting room that are given [`CLOSING_GRACE`]
+    /// Connections displaced from the waiting room that are given `CLOSING_GRACE`
     /// to finish the request head they may be sending. Past them, a displaced
     /// connection is closed at once (answered 503 if it had begun a head): in their
     /// grace they wait outside `max_waiting_connections`, and a guest that keeps
@@ -200,7 +200,7 @@ impl ProxyConfig {
         }
     }
 
-    /// Keeps the secrets' probe counts (see [`redact::Tripwire`]) in `dir`, so that
+    /// Keeps the secrets' probe counts (see `redact::Tripwire`) in `dir`, so that
     /// they outlast this proxy.
     pub fn with_probe_records(mut self, dir: impl Into<PathBuf>) -> Self {
         self.probe_records = Some(dir.into());

@@ -191,7 +191,7 @@ fn listen(ip: IpAddr, port: u16) -> io::Result<TcpListener> {
 }
 
 /// Listens on 127.0.0.1:`port` (0: any free port) and, best effort, on the same
-/// port of [::1], and relays every connection to the host with `req`. Must run in a
+/// port of `[::1]`, and relays every connection to the host with `req`. Must run in a
 /// tokio runtime.
 pub fn start(port: u16, req: ServiceRequest, host: Arc<HostConnector>) -> io::Result<Relay> {
     let v4 = listen(IpAddr::V4(Ipv4Addr::LOCALHOST), port)?;
@@ -251,7 +251,7 @@ async fn relay_to_host(mut tcp: TcpStream, req: &ServiceRequest, host: &HostConn
     }
 }
 
-/// Connects to the guest's loopback `port`: 127.0.0.1, then [::1] (a server bound
+/// Connects to the guest's loopback `port`: 127.0.0.1, then `[::1]` (a server bound
 /// to IPv6 only).
 pub async fn connect_guest_port(port: u16) -> Result<TcpStream, RelayError> {
     if port == 0 {

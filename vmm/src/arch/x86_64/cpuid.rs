@@ -27,7 +27,7 @@ pub const LEAF1_ECX_VMX: u32 = 1 << 5;
 pub const LEAF1_ECX_TSC_DEADLINE: u32 = 1 << 24;
 /// ECX bit 31: running under a hypervisor.
 pub const LEAF1_ECX_HYPERVISOR: u32 = 1 << 31;
-/// EDX bit 28: HTT (EBX[23:16] is valid / more than one logical processor).
+/// EDX bit 28: HTT (`EBX[23:16]` is valid / more than one logical processor).
 pub const LEAF1_EDX_HTT: u32 = 1 << 28;
 
 // Leaf 4 (and AMD 0x8000_001d, which has the same layout for these fields).

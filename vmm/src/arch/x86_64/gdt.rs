@@ -50,7 +50,7 @@ pub enum GdtError {
 }
 
 /// Encodes a segment descriptor. `flags` holds the access byte in bits 7:0 and the
-/// G/DB/L/AVL nibble in bits 15:12 (bits 11:8 are where limit[19:16] goes and are
+/// G/DB/L/AVL nibble in bits 15:12 (bits 11:8 are where `limit[19:16]` goes and are
 /// ignored); `limit` is 20 bits.
 pub const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
     let base = base as u64;

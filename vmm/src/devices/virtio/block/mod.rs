@@ -1,7 +1,7 @@
 //! virtio-blk (virtio 1.2, section 5.2) over a raw disk image.
 //!
 //! - [`request`]: parsing and checking of request descriptor chains.
-//! - [`device`]: the [`Block`] device, which executes requests with positional I/O
+//! - `device`: the [`Block`] device, which executes requests with positional I/O
 //!   straight between the image file and guest memory.
 
 mod device;

@@ -4,7 +4,7 @@
 //! VMM only sets the session up and, once the backend is gone, answers the guest's
 //! requests with EIO itself so nothing in the guest hangs on a dead share. A backend
 //! that refuses one of the VMM's requests, or leaves one unanswered for
-//! [`backend::REPLY_TIMEOUT`], is given up on: the VMM stops listening to it and tells
+//! `backend::REPLY_TIMEOUT`, is given up on: the VMM stops listening to it and tells
 //! its caller ([`Event::FsBackendGivenUp`]), which kills it; only when it is gone does
 //! the VMM answer for it, as it may be at work in the guest's rings until then. One
 //! that ended on its own is not reported: its caller sees it end.

@@ -117,11 +117,12 @@ fn discard_report(
     }
     returned.bytes += dropped;
     tracing::debug!(
-        "{NAME}: the guest reported {} KiB free in {} blocks; {} MiB given back since boot; \
-         its memory holds {} MiB of the host's",
+        "{NAME}: the guest reported {} KiB free in {} blocks; {} MiB given back since boot \
+         in {} reports; its memory holds {} MiB of the host's",
         dropped >> 10,
         descriptors.len(),
         returned.bytes >> 20,
+        returned.reports,
         resident_bytes(memory).map_or_else(|| "?".into(), |bytes| (bytes >> 20).to_string())
     );
     0

@@ -15,7 +15,7 @@ use crate::arch::x86_64::{boot, layout, mptable};
 use crate::config::{host_memory_mib, ConfigError, VmConfig};
 use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::legacy::{
-    BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole,
+    BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole, StoppableOutput,
 };
 use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::block::Block;
@@ -104,9 +104,12 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     let mut pio_bus = Bus::new();
     let mut mmio_bus = Bus::new();
 
+    // Set before the vCPUs are kicked to stop: a vCPU blocked writing the console's
+    // output then lets go of it.
+    let stop = Arc::new(AtomicBool::new(false));
     let serial = Arc::new(Mutex::new(SerialConsole::new(
         EventFdTrigger::new(irqfd(&vm, layout::SERIAL_IRQ, "serial console")?),
-        options.serial_output,
+        Box::new(StoppableOutput::new(options.serial_output, stop.clone())),
     )));
     pio_bus.insert(
         serial.clone(),
@@ -153,7 +156,7 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         pio_bus: Arc::new(pio_bus),
         mmio_bus: Arc::new(mmio_bus),
         exit,
-        stop: Arc::new(AtomicBool::new(false)),
+        stop,
         first_run,
     };
     let vcpu_count = config.vcpus as u8;

@@ -20,8 +20,10 @@ pub struct VmRow {
     /// stopped, crashed, or broken (its record cannot be read).
     pub state: &'static str,
     /// Where its record and logs are.
+    #[serde(serialize_with = "lossy_path")]
     pub vm_dir: PathBuf,
     /// The rest is unknown (null) without a readable record.
+    #[serde(serialize_with = "lossy_optional_path")]
     pub workspace: Option<PathBuf>,
     /// The workspace directory no longer exists (a worktree Paseo removed).
     pub workspace_removed: bool,
@@ -52,6 +54,22 @@ pub enum KeptBy {
     Holders(Vec<String>),
     /// Nothing: it stops in this many seconds (null: it does not stop by itself).
     Idle { stops_in_s: Option<u64> },
+}
+
+/// A path as JSON text, whatever its bytes: a directory whose name is not UTF-8 must
+/// not make the whole list fail (its odd bytes show as U+FFFD).
+fn lossy_path<S: serde::Serializer>(path: &std::path::Path, out: S) -> Result<S::Ok, S::Error> {
+    out.serialize_str(&path.to_string_lossy())
+}
+
+fn lossy_optional_path<S: serde::Serializer>(
+    path: &Option<PathBuf>,
+    out: S,
+) -> Result<S::Ok, S::Error> {
+    match path {
+        Some(path) => lossy_path(path, out),
+        None => out.serialize_none(),
+    }
 }
 
 /// `vmctl ps`: a row per VM, with what it holds and what keeps it running.
@@ -507,6 +525,7 @@ mod tests {
     /// `vmctl ps --json`'s names are what scripts (the benchmarks, the VM tests) read.
     #[test]
     fn the_json_names_each_field() {
+        use std::os::unix::ffi::OsStrExt;
         let row = running_row("app-1", "/home/u/app");
         let json = serde_json::to_value([row]).unwrap();
         assert_eq!(
@@ -525,6 +544,15 @@ mod tests {
                 "kept_by": { "holders": ["vmctl up", "shell (pid 7)"] },
                 "notes": [],
             }])
+        );
+        // A workspace whose name is not UTF-8 is listed too.
+        let mut odd = running_row("odd-1", "/home/u");
+        odd.workspace = Some(PathBuf::from(std::ffi::OsStr::from_bytes(
+            b"/home/u/caf\xe9",
+        )));
+        assert_eq!(
+            serde_json::to_value(&odd).unwrap()["workspace"],
+            "/home/u/caf\u{fffd}"
         );
         let kept = |kept_by: KeptBy| serde_json::to_value(kept_by).unwrap();
         assert_eq!(kept(KeptBy::NoDaemon), serde_json::json!("no_daemon"));

@@ -71,6 +71,8 @@ pub async fn watch(activity: std::sync::Arc<Activity>, after: Duration) {
     let mut watch = IdleWatch::new(after);
     let mut tick = tokio::time::interval(CHECK_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once; each look counts the interval before it as idle.
+    tick.tick().await;
     loop {
         tick.tick().await;
         let running = activity.running.load(Ordering::Relaxed);

@@ -125,16 +125,7 @@ fn measure_config(
 /// `vmctl exec --workspace WS -- echo MARKER` on a workspace with no VM yet, checked
 /// and timed; then virtiofsd's memory while the VM is up.
 fn cold_exec(vmctl: &mut Vmctl, ws: &Path) -> Result<ColdRun, String> {
-    let ws_arg = ws.display().to_string();
-    let argv = [
-        vmctl.bin.display().to_string(),
-        "exec".into(),
-        "--workspace".into(),
-        ws_arg,
-        "--".into(),
-        "echo".into(),
-        EXEC_MARKER.into(),
-    ];
+    let argv = vmctl.exec_argv(ws, None, &["echo", EXEC_MARKER]);
     let line = argv.join(" ");
     let mut cmd = Command::new(&argv[0]);
     cmd.args(&argv[1..])

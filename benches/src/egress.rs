@@ -553,14 +553,7 @@ impl Runner<'_> {
         let mut v = Vec::new();
         match side {
             Side::Host => v.push(self.curl.display().to_string()),
-            Side::Guest => v.extend([
-                self.vmctl.bin.display().to_string(),
-                "exec".into(),
-                "--workspace".into(),
-                self.workspace.display().to_string(),
-                "--".into(),
-                "curl".into(),
-            ]),
+            Side::Guest => v.extend(self.vmctl.exec_argv(self.workspace, None, &["curl"])),
         }
         v.extend(args);
         v

@@ -816,17 +816,7 @@ impl Runner<'_> {
     fn prefix_as(&self, side: Side, user: Option<&str>) -> Vec<String> {
         match side {
             Side::Host => Vec::new(),
-            Side::Guest | Side::GuestDisk => {
-                let mut argv = vec![
-                    self.vmctl.bin.display().to_string(),
-                    "exec".into(),
-                    "--workspace".into(),
-                    self.workspace.display().to_string(),
-                ];
-                argv.extend(user.map(|user| format!("--user={user}")));
-                argv.push("--".into());
-                argv
-            }
+            Side::Guest | Side::GuestDisk => self.vmctl.exec_argv(self.workspace, user, &[]),
         }
     }
 

@@ -735,9 +735,7 @@ impl WorkspaceReport {
         }
         s
     }
-}
 
-impl WorkspaceReport {
     /// What failed while the section's other figures stand, as (what, message).
     pub fn errors(&self) -> Vec<(String, String)> {
         self.failures

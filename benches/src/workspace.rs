@@ -206,21 +206,9 @@ impl MemoryWorkspaces {
     }
 }
 
-/// `vmctl exec --workspace DIR --user root -- sh -c SCRIPT`.
+/// `vmctl exec --workspace DIR --user=root -- sh -c SCRIPT`.
 fn guest_root_sh(vmctl: &Vmctl, workspace: &Path, script: &str) -> Vec<String> {
-    [
-        vmctl.bin.display().to_string(),
-        "exec".into(),
-        "--workspace".into(),
-        workspace.display().to_string(),
-        "--user".into(),
-        "root".into(),
-        "--".into(),
-        "sh".into(),
-        "-c".into(),
-        script.into(),
-    ]
-    .into()
+    vmctl.exec_argv(workspace, Some("root"), &["sh", "-c", script])
 }
 
 /// HELD of `workspace`'s VM now.
@@ -489,6 +477,26 @@ impl Vmctl {
             timeout,
             live: Vec::new(),
         }
+    }
+
+    /// `vmctl exec --workspace WORKSPACE [--user=USER] -- COMMAND...`; with no
+    /// `command`, the prefix a caller adds its command to.
+    pub(crate) fn exec_argv(
+        &self,
+        workspace: &Path,
+        user: Option<&str>,
+        command: &[&str],
+    ) -> Vec<String> {
+        let mut argv = vec![
+            self.bin.display().to_string(),
+            "exec".into(),
+            "--workspace".into(),
+            workspace.display().to_string(),
+        ];
+        argv.extend(user.map(|user| format!("--user={user}")));
+        argv.push("--".into());
+        argv.extend(command.iter().map(|word| word.to_string()));
+        argv
     }
 
     pub(crate) fn argv(&self, args: &[&str], dir: &Path) -> Vec<String> {
@@ -849,14 +857,7 @@ pub fn measure(b: &WorkspaceBench) -> Result<WorkspaceReport, String> {
         .map_err(explain)?;
         client.push(ms(start.elapsed()));
     }
-    let exec_argv = vec![
-        b.artifacts.vmctl.display().to_string(),
-        "exec".into(),
-        "--workspace".into(),
-        workspace.display().to_string(),
-        "--".into(),
-        "true".into(),
-    ];
+    let exec_argv = vmctl.exec_argv(&workspace, None, &["true"]);
     let mut cli = Vec::with_capacity(b.cli_iterations);
     for _ in 0..b.cli_iterations {
         cli.push(ms(vmctl.run_ok(&exec_argv)?.elapsed));
@@ -1378,7 +1379,7 @@ esac
         ];
         assert_eq!(verbs, one.repeat(4), "{calls}");
         let fill = format!(
-            "exec --workspace {} --user root -- sh -c mkdir -p /run/fill && mount -t tmpfs -o \
+            "exec --workspace {} --user=root -- sh -c mkdir -p /run/fill && mount -t tmpfs -o \
              size=72M fill /run/fill && head -c 8M /dev/zero > /run/fill/zeros",
             workspaces.reporting.display()
         );

@@ -811,7 +811,7 @@ mod tests {
     /// port on virtio-serial, not a transport.
     #[test]
     fn the_balloon_comes_while_a_virtio_transport_is_left() {
-        let devices = |command: &Command| {
+        let balloons = |command: &Command| {
             command
                 .get_args()
                 .filter(|arg| {
@@ -833,11 +833,11 @@ mod tests {
         command.args(["-device", "virtserialport,chardev=mux"]);
         assert_eq!(virtio_mmio_devices(&command), 7);
         add_free_page_reporting(&mut command);
-        assert_eq!(devices(&command), 1);
+        assert_eq!(balloons(&command), 1);
         assert_eq!(virtio_mmio_devices(&command), 8);
         add_free_page_reporting(&mut command);
         assert_eq!(
-            devices(&command),
+            balloons(&command),
             1,
             "no transport was left for a second one"
         );

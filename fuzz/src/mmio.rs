@@ -1,16 +1,19 @@
 //! A guest driving a virtio-mmio device: register reads and writes at any offset, of
 //! any size, in any order; queues wherever it likes; notifications for any queue; and
 //! its memory (rings, descriptors, requests) changing between them. The devices are
-//! the VMM's own (block on a scratch disk, rng, the free page reporting balloon),
-//! behind the VMM's own transport.
+//! the VMM's own (block on a scratch disk, rng, the free page reporting balloon, the
+//! output-only console), behind the VMM's own transport.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vmm::devices::bus::BusDevice;
+use vmm::devices::console_output::ConsoleOutput;
 use vmm::devices::virtio::balloon::Balloon;
 use vmm::devices::virtio::block::Block;
+use vmm::devices::virtio::console::Console;
 use vmm::devices::virtio::mmio::MmioTransport;
 use vmm::devices::virtio::rng::Rng;
 use vmm::devices::virtio::{InterruptTrigger, QueueProgress, VirtioDevice};
@@ -60,6 +63,8 @@ pub enum DeviceKind {
     Rng,
     /// Reports free ranges of guest memory, whose pages it drops.
     Balloon,
+    /// Takes what the guest writes, for the VMM's output.
+    Console,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,11 +160,12 @@ pub struct Input {
 impl Input {
     pub fn decode(data: &[u8]) -> Input {
         let mut r = Reader::new(data);
-        let device = match r.u8() % 4 {
+        let device = match r.u8() % 5 {
             0 => DeviceKind::Disk { read_only: false },
             1 => DeviceKind::Disk { read_only: true },
             2 => DeviceKind::Rng,
-            _ => DeviceKind::Balloon,
+            3 => DeviceKind::Balloon,
+            _ => DeviceKind::Console,
         };
         let (image, ops) = r.image_and_ops(Op::read);
         Input { device, image, ops }
@@ -172,6 +178,7 @@ impl Input {
             DeviceKind::Disk { read_only: true } => 1,
             DeviceKind::Rng => 2,
             DeviceKind::Balloon => 3,
+            DeviceKind::Console => 4,
         });
         w.image(&self.image);
         for op in &self.ops {
@@ -187,12 +194,32 @@ pub struct Session {
     pub memory: GuestMemoryMmap,
     pub device: DeviceKind,
     pub disk: Option<File>,
+    /// The console's output thread, ended with the session, and what it wrote.
+    pub console_output: Option<(ConsoleOutput, SharedOutput)>,
+}
+
+/// What the console wrote out, kept for the sessions' checks.
+#[derive(Clone, Default)]
+pub struct SharedOutput(Arc<Mutex<Vec<u8>>>);
+
+impl Write for SharedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl Session {
     pub fn new(device: DeviceKind, image: &[u8]) -> Session {
         let memory = guest::memory(image);
         let irqfd = Arc::new(EventFd::new(EFD_NONBLOCK).expect("an eventfd"));
+        let mut console_output = None;
         let (virtio, disk): (Box<dyn VirtioDevice>, _) = match device {
             DeviceKind::Disk { read_only } => {
                 let mut file = tempfile::tempfile().expect("a scratch disk");
@@ -204,6 +231,14 @@ impl Session {
             }
             DeviceKind::Rng => (Box::new(Rng::new()), None),
             DeviceKind::Balloon => (Box::new(Balloon::new()), None),
+            DeviceKind::Console => {
+                let written = SharedOutput::default();
+                let output = ConsoleOutput::start(Box::new(written.clone()))
+                    .expect("the console output thread");
+                let console = Console::new(output.queue());
+                console_output = Some((output, written));
+                (Box::new(console), None)
+            }
         };
         let transport = MmioTransport::new(virtio, memory.clone(), InterruptTrigger::new(irqfd));
         Session {
@@ -211,6 +246,7 @@ impl Session {
             memory,
             device,
             disk,
+            console_output,
         }
     }
 
@@ -285,6 +321,17 @@ impl Session {
     }
 
     /// The scratch disk's whole content (None for the other devices).
+    /// What the console wrote out, once all of it is (None for other devices).
+    pub fn console_written(&mut self) -> Option<Vec<u8>> {
+        let (output, written) = self.console_output.take()?;
+        assert!(
+            output.finish(Duration::from_secs(10)),
+            "the console's output was not written out"
+        );
+        let bytes = written.0.lock().expect("the output's lock").clone();
+        Some(bytes)
+    }
+
     pub fn disk_content(&mut self) -> Option<Vec<u8>> {
         let disk = self.disk.as_mut()?;
         let mut content = Vec::new();

@@ -120,6 +120,36 @@ pub fn balloon_report() -> mmio::Input {
     }
 }
 
+/// The console's queues: receive (of the 2 descriptors the device allows, laid out
+/// as vsock's rx) and transmit (vsock's tx).
+pub fn console_layouts() -> [QueueLayout; 2] {
+    let [receive, transmit, _] = vsock_layouts();
+    [QueueLayout { size: 2, ..receive }, transmit]
+}
+
+/// What [`console_write`] writes.
+pub const CONSOLE_LINE: &[u8] = b"guest-agent: hello, host\n";
+
+/// The guest writes [`CONSOLE_LINE`] to the console, from [`DATA`].
+pub fn console_write() -> mmio::Input {
+    let [_, transmit] = console_layouts();
+    let mut ops = vec![mmio::Op::Setup {
+        queues: console_layouts().to_vec(),
+    }];
+    ops.extend(mmio_poke(DATA, CONSOLE_LINE));
+    ops.extend(mmio_poke(
+        transmit.desc,
+        &descriptor(DATA, CONSOLE_LINE.len() as u32, 0, 0),
+    ));
+    ops.extend(mmio_poke(transmit.avail, &avail_ring(&[0])));
+    ops.push(mmio::Op::Notify { queue: 1 });
+    mmio::Input {
+        device: mmio::DeviceKind::Console,
+        image: Vec::new(),
+        ops,
+    }
+}
+
 /// vsock's queues: rx, tx, event, each of 8 descriptors, their rings 2 KiB apart.
 pub fn vsock_layouts() -> [QueueLayout; 3] {
     [0u64, 1, 2].map(|i| QueueLayout {
@@ -245,6 +275,7 @@ pub fn corpus() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         ),
         ("mmio", "rng", rng_request().encode()),
         ("mmio", "balloon-report", balloon_report().encode()),
+        ("mmio", "console-write", console_write().encode()),
         (
             "vsock",
             "connect-and-send",

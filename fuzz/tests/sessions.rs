@@ -74,6 +74,15 @@ fn the_balloon_drops_the_reported_pages() {
     assert!(read(&session.memory, DATA, 0x2000).iter().all(|&b| b == 0));
 }
 
+/// The line reaches the output, and its buffer comes back.
+#[test]
+fn the_consoles_line_reaches_the_output() {
+    let mut session = mmio::run_input(&console_write());
+    let [_, transmit] = console_layouts();
+    assert_eq!(used_element(&session.memory, transmit.used, 0), (0, 0));
+    assert_eq!(session.console_written().unwrap(), CONSOLE_LINE);
+}
+
 #[test]
 fn a_guest_connects_to_the_host_service_and_its_data_arrives() {
     let mut session = vsock::run_input(&vsock_connect_and_send()).expect("valid queues");

@@ -106,33 +106,41 @@ fn guest_script_that_reboots_exits_zero() {
 }
 
 /// `vmctl boot` gives the guest the balloon through which it gives back what it frees
-/// (virtio device 5), unless `--no-free-page-reporting` leaves it out, as the boot
-/// benchmark does.
+/// (virtio device 5) and a virtio console (3), unless `--no-free-page-reporting` and
+/// `--no-virtio-console` leave them out, as the boot benchmark does.
 #[test]
-fn the_balloon_is_there_unless_left_out() {
-    vm_scenario("boot::the_balloon_is_there_unless_left_out", || {
-        let dir = TempDir::new("balloon");
-        let script =
-            "echo VIRTIO_IDS=$(cat /sys/bus/virtio/devices/*/device 2>/dev/null | tr '\\n' ,)\n";
-        let ids = |extra: &[&OsStr]| {
-            let run = boot_script(&dir, script, extra);
-            vm_tests::guest_value(&run.stdout, "VIRTIO_IDS")
-                .unwrap_or_else(|| panic!("no VIRTIO_IDS line\n{}", run.report()))
-                .trim_end()
-                .to_string()
-        };
-        // virtio-rng (4), then the balloon (5).
-        assert_eq!(
-            ids(&[]),
-            "0x0004,0x0005,",
-            "the default boot's virtio devices"
-        );
-        assert_eq!(
-            ids(&[OsStr::new("--no-free-page-reporting")]),
-            "0x0004,",
-            "virtio devices with --no-free-page-reporting"
-        );
-    });
+fn the_balloon_and_the_virtio_console_are_there_unless_left_out() {
+    vm_scenario(
+        "boot::the_balloon_and_the_virtio_console_are_there_unless_left_out",
+        || {
+            let dir = TempDir::new("balloon");
+            let script = "echo VIRTIO_IDS=$(cat /sys/bus/virtio/devices/*/device 2>/dev/null | tr '\\n' ,)\n";
+            let ids = |extra: &[&str]| {
+                let extra: Vec<&OsStr> = extra.iter().map(OsStr::new).collect();
+                let run = boot_script(&dir, script, &extra);
+                vm_tests::guest_value(&run.stdout, "VIRTIO_IDS")
+                    .unwrap_or_else(|| panic!("no VIRTIO_IDS line\n{}", run.report()))
+                    .trim_end()
+                    .to_string()
+            };
+            // virtio-rng (4), the balloon (5), the console (3).
+            assert_eq!(
+                ids(&[]),
+                "0x0004,0x0005,0x0003,",
+                "the default boot's virtio devices"
+            );
+            assert_eq!(
+                ids(&["--no-free-page-reporting"]),
+                "0x0004,0x0003,",
+                "virtio devices with --no-free-page-reporting"
+            );
+            assert_eq!(
+                ids(&["--no-free-page-reporting", "--no-virtio-console"]),
+                "0x0004,",
+                "virtio devices with --no-free-page-reporting --no-virtio-console"
+            );
+        },
+    );
 }
 
 /// `VMCTL_SECCOMP` reaches the VMM wherever it runs (where KVM is not hardware-backed,

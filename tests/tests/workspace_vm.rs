@@ -479,6 +479,15 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert!(!console.contains('\r'), "{console:?}");
     assert_eq!(last_two.lines().count(), 2, "{last_two}");
     assert!(console.contains(&last_two), "{last_two}");
+    // Those lines came through the virtio console (a buffer per notification), not
+    // the 8250 (a VM exit per byte).
+    let agent_stderr = ws.run(&["exec", "--user", "root", "--", "readlink", "/proc/1/fd/2"]);
+    assert_eq!(
+        stdout(&agent_stderr).trim(),
+        "/dev/hvc0",
+        "where the guest agent writes its log: {}",
+        String::from_utf8_lossy(&agent_stderr.stderr)
+    );
     let supervisor = stdout(&ws.run(&["logs", "--supervisor"]));
     assert!(
         supervisor.contains("vmctl: supervising the VM of"),

@@ -92,6 +92,7 @@ fn resolve_config(args: &BootArgs) -> Result<VmConfig, BootCommandError> {
     config.vcpus = args.cpus;
     config.memory_mib = args.memory;
     config.free_page_reporting = !args.no_free_page_reporting;
+    config.virtio_console = !args.no_virtio_console;
     if let Some(device) = std::env::var_os(KVM_DEVICE_ENV) {
         config.kvm_device = PathBuf::from(device);
     }
@@ -130,7 +131,7 @@ mod tests {
     }
 
     #[test]
-    fn the_balloon_is_there_unless_left_out() {
+    fn the_balloon_and_the_virtio_console_are_there_unless_left_out() {
         use clap::Parser;
         let config = |extra: &[&str]| {
             let argv = [&["vmctl", "boot", "--kernel", "/k"][..], extra].concat();
@@ -141,5 +142,7 @@ mod tests {
         };
         assert!(config(&[]).free_page_reporting);
         assert!(!config(&["--no-free-page-reporting"]).free_page_reporting);
+        assert!(config(&[]).virtio_console);
+        assert!(!config(&["--no-virtio-console"]).virtio_console);
     }
 }

@@ -681,6 +681,10 @@ pub struct BootArgs {
     /// VMs).
     #[arg(long)]
     pub no_free_page_reporting: bool,
+    /// Leave out the virtio console (the guest's hvc0, where workspace VMs' guest agent
+    /// writes its log); the kernel's console is the serial port either way.
+    #[arg(long)]
+    pub no_virtio_console: bool,
     /// Whether to run the VMM inside the QEMU-TCG nested host.
     #[arg(long, value_enum, default_value_t = NestedMode::Auto)]
     pub nested: NestedMode,

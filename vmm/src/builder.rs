@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::Write;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvm_ioctls::IoEventAddress;
 use linux_loader::cmdline::Cmdline;
@@ -14,11 +14,13 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::arch::x86_64::{boot, layout, mptable};
 use crate::config::{host_memory_mib, ConfigError, VmConfig};
 use crate::devices::bus::{Bus, BusDevice, BusError};
+use crate::devices::console_output::{ConsoleOutput, ConsoleQueue};
 use crate::devices::legacy::{
-    BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole, StoppableOutput,
+    BootTimeReport, BootTimer, EventFdTrigger, ResetController, SerialConsole,
 };
 use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::block::Block;
+use crate::devices::virtio::console::Console;
 use crate::devices::virtio::fs::VhostUserFs;
 use crate::devices::virtio::missed_interrupt;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
@@ -66,7 +68,8 @@ pub enum BuildError {
 pub struct RunOptions {
     /// When the VMM process started, for the boot timer.
     pub vmm_start: Instant,
-    /// Where the guest's serial console goes (unbuffered writes are best).
+    /// Where the guest's console output goes, the serial's and the virtio console's
+    /// (unbuffered writes are best; a thread of its own writes it).
     pub serial_output: Box<dyn Write + Send>,
     /// Feed the VMM's stdin to the serial console.
     pub console_input: bool,
@@ -104,12 +107,16 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     let mut pio_bus = Bus::new();
     let mut mmio_bus = Bus::new();
 
-    // Set before the vCPUs are kicked to stop: a vCPU blocked writing the console's
-    // output then lets go of it.
     let stop = Arc::new(AtomicBool::new(false));
+    let console_output =
+        ConsoleOutput::start(options.serial_output).map_err(|source| BuildError::Open {
+            what: "the console output thread",
+            path: "console-out".into(),
+            source,
+        })?;
     let serial = Arc::new(Mutex::new(SerialConsole::new(
         EventFdTrigger::new(irqfd(&vm, layout::SERIAL_IRQ, "serial console")?),
-        Box::new(StoppableOutput::new(options.serial_output, stop.clone())),
+        console_output.queue().serial_output(),
     )));
     pio_bus.insert(
         serial.clone(),
@@ -137,7 +144,7 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     )?;
 
     let mut transports = Vec::new();
-    for (index, device) in virtio_devices(config, &options.events)?
+    for (index, device) in virtio_devices(config, &options.events, console_output.queue())?
         .into_iter()
         .enumerate()
     {
@@ -185,9 +192,12 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     context
         .stop
         .store(true, std::sync::atomic::Ordering::Release);
+    // A vCPU waiting for room in the output of a console nobody reads must stop too.
+    console_output.stop_waiting();
     for handle in handles {
         handle.stop();
     }
+    console_output.finish(CONSOLE_WRITE_OUT_TIMEOUT);
     // Guest memory (`ram`) outlives every vCPU: they are all joined above.
     drop(ram);
     Ok(outcome?)
@@ -247,11 +257,16 @@ fn open_file(what: &'static str, path: &std::path::Path) -> Result<File, BuildEr
     })
 }
 
+/// How long the end of a run waits for the guest's last console output to be written
+/// out, when the output is not being read.
+const CONSOLE_WRITE_OUT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The virtio devices in slot order: disks (vda, vdb, ...), rng, vsock, filesystems,
-/// balloon.
+/// balloon, console.
 fn virtio_devices(
     config: &VmConfig,
     events: &crate::process::EventSink,
+    console_output: ConsoleQueue,
 ) -> Result<Vec<Box<dyn VirtioDevice>>, BuildError> {
     let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
     for (index, disk) in config.disks.iter().enumerate() {
@@ -294,6 +309,9 @@ fn virtio_devices(
     }
     if config.free_page_reporting {
         devices.push(Box::new(Balloon::new()));
+    }
+    if config.virtio_console {
+        devices.push(Box::new(Console::new(console_output)));
     }
     Ok(devices)
 }

@@ -83,6 +83,10 @@ pub struct VmConfig {
     /// tells the VMM which memory it freed, and the VMM gives those pages back to the
     /// host (see `devices::virtio::balloon`).
     pub free_page_reporting: bool,
+    /// Adds a virtio console (the guest's hvc0), placed after the balloon: the guest
+    /// agent writes its log there, a buffer per notification rather than a VM exit per
+    /// byte of the 8250 (see `devices::virtio::console`).
+    pub virtio_console: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -150,6 +154,7 @@ impl VmConfig {
             vsock: None,
             filesystems: Vec::new(),
             free_page_reporting: true,
+            virtio_console: true,
         }
     }
 
@@ -158,13 +163,14 @@ impl VmConfig {
     }
 
     /// Number of virtio-mmio devices, in the order they are placed: disks, rng, vsock,
-    /// filesystems, balloon.
+    /// filesystems, balloon, console.
     pub fn virtio_device_count(&self) -> usize {
         self.disks.len()
             + usize::from(self.rng)
             + usize::from(self.vsock.is_some())
             + self.filesystems.len()
             + usize::from(self.free_page_reporting)
+            + usize::from(self.virtio_console)
     }
 
     /// The full kernel command line: defaults, the virtio-mmio devices, then the
@@ -426,10 +432,12 @@ mod tests {
             format!(
                 "{DEFAULT_CMDLINE} virtio_mmio.device=4K@0xd0000000:5 \
                  virtio_mmio.device=4K@0xd0001000:6 virtio_mmio.device=4K@0xd0002000:7 \
-                 loglevel=7"
+                 virtio_mmio.device=4K@0xd0003000:8 loglevel=7"
             )
         );
         config.free_page_reporting = false;
+        assert_eq!(config.virtio_device_count(), 3);
+        config.virtio_console = false;
         assert_eq!(config.virtio_device_count(), 2);
     }
 

@@ -379,9 +379,11 @@ impl Vmm {
                 push(&config.memory_mib.to_string());
                 push(&"--cpus");
                 push(&config.vcpus.to_string());
-                // QEMU's microvm gets no balloon either (ours keeps its virtio-rng):
-                // the figures stay comparable with those from before the balloon.
+                // QEMU's microvm gets no balloon and no virtio console either (ours
+                // keeps its virtio-rng): the figures stay comparable with those from
+                // before them.
                 push(&"--no-free-page-reporting");
+                push(&"--no-virtio-console");
                 push(&"--boot-time");
             }
             Vmm::Qemu => {
@@ -1189,7 +1191,7 @@ mod tests {
         assert_eq!(
             s(Vmm::Ours.argv(&tools, Path::new("/x"), a.configs[0])),
             "/v boot --nested never --kernel /k --initrd /x --memory 128 --cpus 1 \
-             --no-free-page-reporting --boot-time"
+             --no-free-page-reporting --no-virtio-console --boot-time"
         );
         let q = s(Vmm::Qemu.argv(&tools, Path::new("/x"), a.configs[0]));
         assert!(q.starts_with("/q -M microvm,acpi=off"), "{q}");

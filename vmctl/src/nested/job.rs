@@ -73,6 +73,8 @@ pub struct VmJob {
     /// The guest hands back the memory it frees (the VMM's balloon), and the nested
     /// host the memory that frees in turn (QEMU's).
     pub free_page_reporting: bool,
+    /// The guest has a virtio console beside its serial one.
+    pub virtio_console: bool,
     /// The VMM's switches as the host's environment sets them (`VMCTL_SECCOMP`): the
     /// nested host's VMM gets them too.
     #[serde(default)]
@@ -212,6 +214,7 @@ impl NestedJob {
                 vsock: config.vsock.is_some(),
                 shares: shares.cloned(),
                 free_page_reporting: config.free_page_reporting,
+                virtio_console: config.virtio_console,
                 vmm_env: vmm_env(|name| std::env::var(name).ok()),
             }),
             // One more than the guest's: its vCPUs run on all but CPU 0 (init.rs).
@@ -293,6 +296,7 @@ impl VmJob {
         config.vcpus = self.vcpus;
         config.memory_mib = self.memory_mib;
         config.free_page_reporting = self.free_page_reporting;
+        config.virtio_console = self.virtio_console;
         if self.vsock {
             config.vsock = Some(vmm::config::VsockConfig {
                 guest_cid: vmm::devices::virtio::vsock::DEFAULT_GUEST_CID,
@@ -336,6 +340,18 @@ mod tests {
             .map(|(name, _)| name)
             .collect();
         assert_eq!(names, ["PATH", "VMCTL_SECCOMP"]);
+    }
+
+    #[test]
+    fn the_virtio_console_reaches_the_nested_hosts_vmm_as_configured() {
+        let mut config = VmConfig::new("/k".into());
+        for with_console in [true, false] {
+            config.virtio_console = with_console;
+            let Work::Vm(vm) = NestedJob::for_vm(&config, None, false).work else {
+                panic!("not a VM job")
+            };
+            assert_eq!(vm.vm_config().virtio_console, with_console);
+        }
     }
 
     /// A VM's nested host gives back memory as the VM does; a command's never.

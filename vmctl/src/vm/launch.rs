@@ -363,8 +363,8 @@ mod tests {
         let mut record = crate::state::test_record(&vm, dir.path());
         let set = record.shares.as_mut().unwrap();
         set.shares.clear();
-        // The root disk, rng, vsock and the balloon take 4 of the 19 slots.
-        for index in 0..15 {
+        // The root disk, rng, vsock, the balloon and the console take 5 of the 19 slots.
+        for index in 0..14 {
             set.shares.push(Share {
                 host: dir.path().into(),
                 guest: PathBuf::from(format!("/s{index}")),
@@ -378,17 +378,17 @@ mod tests {
         let set = record.shares.as_mut().unwrap();
         set.shares.push(Share {
             host: dir.path().into(),
-            guest: PathBuf::from("/s15"),
+            guest: PathBuf::from("/s14"),
             read_only: false,
         });
         record.agent_cmdline = agent_cmdline(&vm, &set.shares, None);
         let error = check_config_fits(&vm, &record).unwrap_err().to_string();
-        assert!(error.contains("16 shares"), "{error}");
+        assert!(error.contains("15 shares"), "{error}");
         assert!(error.contains("need 20 virtio devices"), "{error}");
         assert!(error.contains("share 1 fewer"), "{error}");
         assert!(error.contains("free_page_reporting = false"), "{error}");
 
-        // Without the balloon the same 16 shares fit.
+        // Without the balloon the same 15 shares fit.
         record.free_page_reporting = false;
         check_config_fits(&vm, &record).unwrap();
     }

@@ -31,7 +31,7 @@ pub enum VcpuError {
 }
 
 /// The signal that interrupts a vCPU thread's KVM_RUN so it sees the stop request.
-pub(crate) fn kick_signal() -> i32 {
+fn kick_signal() -> i32 {
     SIGRTMIN()
 }
 

@@ -8,7 +8,7 @@ mod serial;
 
 pub use boot_timer::{BootTimeReport, BootTimer};
 pub use i8042::ResetController;
-pub use serial::{SerialConsole, StoppableOutput};
+pub use serial::SerialConsole;
 
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;

@@ -1,6 +1,4 @@
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 use vm_superio::serial::NoEvents;
 use vm_superio::Serial;
@@ -56,46 +54,10 @@ impl BusDevice for SerialConsole {
     }
 }
 
-/// The console's output as the VM stops: a vCPU blocked writing the guest's output to
-/// a stdout nobody reads (a foreground `vmctl boot` piped into a program that stopped
-/// reading) is kicked out of write(2) with EINTR, and must then let go of it, or the
-/// VM could never stop. Until the VM stops, a full output holds the guest back, and
-/// nothing is lost; once it stops, what is left of a write interrupted so is dropped.
-pub struct StoppableOutput {
-    inner: Box<dyn Write + Send>,
-    stopping: Arc<AtomicBool>,
-}
-
-impl StoppableOutput {
-    /// `stopping` is the flag the VMM sets before it kicks the vCPUs to stop them.
-    pub fn new(inner: Box<dyn Write + Send>, stopping: Arc<AtomicBool>) -> Self {
-        Self { inner, stopping }
-    }
-}
-
-impl Write for StoppableOutput {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        loop {
-            match self.inner.write(buf) {
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {
-                    if self.stopping.load(Ordering::Acquire) {
-                        return Ok(buf.len());
-                    }
-                }
-                done => return done,
-            }
-        }
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
     use vmm_sys_util::eventfd::EventFd;
 
     #[derive(Clone, Default)]
@@ -142,53 +104,5 @@ mod tests {
         let capacity = serial.input_capacity();
         assert_eq!(serial.enqueue_input(&vec![b'x'; capacity + 10]), capacity);
         assert_eq!(serial.enqueue_input(b"more"), 0);
-    }
-
-    /// A write blocked on a full pipe nobody reads is interrupted by the vCPU's kick:
-    /// before the VM stops it goes on waiting (nothing is lost), once it stops it gives
-    /// up.
-    #[test]
-    fn a_write_blocked_on_a_full_output_ends_when_the_vm_stops() {
-        use std::os::fd::AsRawFd;
-        use vmm_sys_util::signal::Killable;
-        crate::vstate::vcpu::install_kick_handler().unwrap();
-        let (reader, writer) = std::io::pipe().unwrap();
-        // SAFETY: F_GETPIPE_SZ only reads the size of this open pipe.
-        let capacity = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_GETPIPE_SZ) };
-        assert!(capacity > 0);
-        let stopping = Arc::new(AtomicBool::new(false));
-        let mut output = StoppableOutput::new(Box::new(writer), stopping.clone());
-        let (wrote, told) = std::sync::mpsc::channel();
-        let writing = std::thread::spawn(move || {
-            let full = vec![b'x'; capacity as usize + 1];
-            let result = output.write_all(&full).map(|()| full.len());
-            let _ = wrote.send(());
-            result
-        });
-        let kick = || {
-            writing
-                .kill(crate::vstate::vcpu::kick_signal())
-                .expect("kicking the writer")
-        };
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        kick();
-        assert!(
-            told.recv_timeout(std::time::Duration::from_millis(300))
-                .is_err(),
-            "a kick before the stop ended the write"
-        );
-        stopping.store(true, Ordering::Release);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while told.try_recv().is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the write never ended"
-            );
-            kick();
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let written = writing.join().unwrap().unwrap();
-        assert_eq!(written, capacity as usize + 1);
-        drop(reader);
     }
 }

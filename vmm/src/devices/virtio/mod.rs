@@ -10,6 +10,7 @@
 pub mod balloon;
 pub mod block;
 pub mod chain;
+pub mod console;
 pub mod fs;
 pub mod missed_interrupt;
 pub mod mmio;
@@ -31,6 +32,7 @@ use crate::memory::GuestMemoryMmap;
 
 /// virtio device IDs (virtio 1.2, section 5).
 pub const DEVICE_ID_BLOCK: u32 = 2;
+pub const DEVICE_ID_CONSOLE: u32 = 3;
 pub const DEVICE_ID_RNG: u32 = 4;
 pub const DEVICE_ID_VSOCK: u32 = 19;
 

@@ -215,7 +215,8 @@ pub fn is_pid1() -> bool {
     std::process::id() == 1
 }
 
-/// Prints to the console (stderr, which init points at `/dev/console`).
+/// Prints to the console (stderr, which init points at the virtio console or
+/// `/dev/console`, see `open_console`).
 pub fn console(msg: &str) {
     let mut e = std::io::stderr().lock();
     let _ = writeln!(e, "guest-agent: {msg}");

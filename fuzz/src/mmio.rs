@@ -194,7 +194,7 @@ pub struct Session {
     pub memory: GuestMemoryMmap,
     pub device: DeviceKind,
     pub disk: Option<File>,
-    /// The console's output thread, ended with the session, and what it wrote.
+    /// The console's output, written out as the session ends, and what it wrote.
     pub console_output: Option<(ConsoleOutput, SharedOutput)>,
 }
 
@@ -233,8 +233,8 @@ impl Session {
             DeviceKind::Balloon => (Box::new(Balloon::new()), None),
             DeviceKind::Console => {
                 let written = SharedOutput::default();
-                let output = ConsoleOutput::start(Box::new(written.clone()))
-                    .expect("the console output thread");
+                // Written out as the session ends (no thread per input).
+                let output = ConsoleOutput::new(Box::new(written.clone()));
                 let console = Console::new(output.queue());
                 console_output = Some((output, written));
                 (Box::new(console), None)

@@ -108,12 +108,8 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     let mut mmio_bus = Bus::new();
 
     let stop = Arc::new(AtomicBool::new(false));
-    let console_output =
-        ConsoleOutput::start(options.serial_output).map_err(|source| BuildError::Open {
-            what: "the console output thread",
-            path: "console-out".into(),
-            source,
-        })?;
+    // Its thread starts with the vCPUs: until then the VMM must keep to one thread.
+    let mut console_output = ConsoleOutput::new(options.serial_output);
     let serial = Arc::new(Mutex::new(SerialConsole::new(
         EventFdTrigger::new(irqfd(&vm, layout::SERIAL_IRQ, "serial console")?),
         console_output.queue().serial_output(),
@@ -174,6 +170,12 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         vcpus.push(vcpu);
     }
     (options.before_vcpus_start)().map_err(BuildError::BeforeVcpusStart)?;
+    console_output
+        .start_writing()
+        .map_err(|e| BuildError::Device {
+            device: "console output".into(),
+            reason: format!("cannot start its thread: {e}"),
+        })?;
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
         handles.push(vcpu.start(context.clone())?);

@@ -64,13 +64,23 @@ impl Shared {
     }
 }
 
-/// The writer thread's side: started with the VM, finished as it ends.
-/// Dropped without [`ConsoleOutput::finish`] (a VM that failed to build), it lets
-/// the thread write out what is queued and end, without waiting for it.
+/// The writer thread's side: made with the VM, writing once the VM runs, finished as
+/// it ends. Dropped without [`ConsoleOutput::finish`] (a VM that failed to build), it
+/// lets the thread write out what is queued and end, without waiting for it.
 pub struct ConsoleOutput {
     shared: Arc<Shared>,
-    writer: Option<JoinHandle<()>>,
-    written_out: Receiver<()>,
+    writer: Writer,
+}
+
+enum Writer {
+    /// Not started yet: the VMM jails itself while it still has one thread (user
+    /// namespaces need that), so the thread starts with the vCPUs.
+    NotStarted(Box<dyn Write + Send>),
+    Running {
+        thread: JoinHandle<()>,
+        written_out: Receiver<()>,
+    },
+    Finished,
 }
 
 /// A console's side: cheap to clone, one per console.
@@ -80,28 +90,40 @@ pub struct ConsoleQueue {
 }
 
 impl ConsoleOutput {
-    /// Starts the thread that writes the queued output to `sink`.
-    pub fn start(mut sink: Box<dyn Write + Send>) -> std::io::Result<Self> {
-        let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue::default()),
-            room: Condvar::new(),
-            work: Condvar::new(),
-        });
-        let (done, written_out) = std::sync::mpsc::channel();
-        let writer = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("console-out".into())
-                .spawn(move || {
-                    write_out(&shared, &mut sink);
-                    let _ = done.send(());
-                })?
+    /// The output to `sink`, queued until [`Self::start_writing`].
+    pub fn new(sink: Box<dyn Write + Send>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                queue: Mutex::new(Queue::default()),
+                room: Condvar::new(),
+                work: Condvar::new(),
+            }),
+            writer: Writer::NotStarted(sink),
+        }
+    }
+
+    /// Starts the thread that writes the queued output out (once).
+    pub fn start_writing(&mut self) -> std::io::Result<()> {
+        let mut sink = match std::mem::replace(&mut self.writer, Writer::Finished) {
+            Writer::NotStarted(sink) => sink,
+            started => {
+                self.writer = started;
+                return Ok(());
+            }
         };
-        Ok(Self {
-            shared,
-            writer: Some(writer),
+        let (done, written_out) = std::sync::mpsc::channel();
+        let shared = self.shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("console-out".into())
+            .spawn(move || {
+                write_out(&shared, &mut sink);
+                let _ = done.send(());
+            })?;
+        self.writer = Writer::Running {
+            thread,
             written_out,
-        })
+        };
+        Ok(())
     }
 
     /// A handle for a console to queue its bytes with.
@@ -124,20 +146,30 @@ impl ConsoleOutput {
     /// when it is stuck (the process is about to end anyway).
     pub fn finish(mut self, timeout: Duration) -> bool {
         self.close();
-        match self.written_out.recv_timeout(timeout) {
-            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
-                if let Some(Err(_)) = self.writer.take().map(JoinHandle::join) {
-                    tracing::error!("the console output thread panicked");
-                }
+        match std::mem::replace(&mut self.writer, Writer::Finished) {
+            Writer::NotStarted(mut sink) => {
+                write_out(&self.shared, &mut sink);
                 true
             }
-            Err(RecvTimeoutError::Timeout) => {
-                let left = self.shared.lock().bytes.len();
-                tracing::warn!(
-                    "the guest console's output is not being read: {left} bytes of it not written out"
-                );
-                false
-            }
+            Writer::Running {
+                thread,
+                written_out,
+            } => match written_out.recv_timeout(timeout) {
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                    if thread.join().is_err() {
+                        tracing::error!("the console output thread panicked");
+                    }
+                    true
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let left = self.shared.lock().bytes.len();
+                    tracing::warn!(
+                        "the guest console's output is not being read: {left} bytes of it not written out"
+                    );
+                    false
+                }
+            },
+            Writer::Finished => true,
         }
     }
 
@@ -154,6 +186,10 @@ impl ConsoleOutput {
 impl Drop for ConsoleOutput {
     fn drop(&mut self) {
         self.close();
+        // Never started, no vCPU ran: there is next to nothing to write.
+        if let Writer::NotStarted(sink) = &mut self.writer {
+            write_out(&self.shared, sink);
+        }
     }
 }
 
@@ -276,6 +312,33 @@ mod tests {
         }
     }
 
+    fn started(sink: Box<dyn Write + Send>) -> std::io::Result<ConsoleOutput> {
+        let mut output = ConsoleOutput::new(sink);
+        output.start_writing()?;
+        Ok(output)
+    }
+
+    /// Until the thread starts, the output waits in the queue; a VM that never ran
+    /// still writes out what was queued as it ends.
+    #[test]
+    fn the_output_waits_for_the_writer_and_is_written_out_without_one() {
+        let sink = SharedBuf::default();
+        let mut output = ConsoleOutput::new(Box::new(sink.clone()));
+        output.queue().queue_or_drop(b"early\n");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(sink.0.lock().unwrap().is_empty());
+        output.start_writing().unwrap();
+        output.queue().queue_or_drop(b"late\n");
+        assert!(output.finish(Duration::from_secs(10)));
+        assert_eq!(&*sink.0.lock().unwrap(), b"early\nlate\n");
+
+        let sink = SharedBuf::default();
+        let output = ConsoleOutput::new(Box::new(sink.clone()));
+        output.queue().queue_or_drop(b"never ran\n");
+        assert!(output.finish(Duration::from_secs(10)));
+        assert_eq!(&*sink.0.lock().unwrap(), b"never ran\n");
+    }
+
     /// A pipe whose reader is kept but never read, full once `CAPACITY` and the pipe's
     /// own buffer are.
     fn unread_pipe() -> (std::io::PipeReader, Box<dyn Write + Send>) {
@@ -286,7 +349,7 @@ mod tests {
     #[test]
     fn both_consoles_output_arrives_in_the_order_written() {
         let sink = SharedBuf::default();
-        let output = ConsoleOutput::start(Box::new(sink.clone())).unwrap();
+        let output = started(Box::new(sink.clone())).unwrap();
         let mut serial = output.queue().serial_output();
         let virtio = output.queue();
         serial.write_all(b"[kernel] one\n").unwrap();
@@ -304,7 +367,7 @@ mod tests {
     #[test]
     fn an_unread_output_holds_back_the_8250_until_the_stop_and_never_the_virtio_console() {
         let (reader, writer) = unread_pipe();
-        let output = ConsoleOutput::start(writer).unwrap();
+        let output = started(writer).unwrap();
         let virtio = output.queue();
         let started = Instant::now();
         virtio.queue_or_drop(&vec![b'v'; CAPACITY]);
@@ -371,7 +434,7 @@ mod tests {
     #[test]
     fn dropped_bytes_are_said_in_the_output() {
         let gate = Gate::default();
-        let output = ConsoleOutput::start(Box::new(gate.clone())).unwrap();
+        let output = started(Box::new(gate.clone())).unwrap();
         let virtio = output.queue();
         virtio.queue_or_drop(b"first\n");
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -403,7 +466,7 @@ mod tests {
     #[test]
     fn a_dropped_output_still_writes_out_what_was_queued() {
         let sink = SharedBuf::default();
-        let output = ConsoleOutput::start(Box::new(sink.clone())).unwrap();
+        let output = started(Box::new(sink.clone())).unwrap();
         output.queue().queue_or_drop(b"last words\n");
         drop(output);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -424,7 +487,7 @@ mod tests {
                 Ok(())
             }
         }
-        let output = ConsoleOutput::start(Box::new(Failing)).unwrap();
+        let output = started(Box::new(Failing)).unwrap();
         let mut serial = output.queue().serial_output();
         let started = Instant::now();
         for _ in 0..3 {

@@ -183,7 +183,8 @@ mod tests {
     /// the used entries.
     fn transmit(mem: &GuestMemoryMmap, descs: &[RawDescriptor]) -> (Vec<u8>, Vec<(u32, u32)>) {
         let sink = SharedBuf::default();
-        let output = ConsoleOutput::start(Box::new(sink.clone())).unwrap();
+        let mut output = ConsoleOutput::new(Box::new(sink.clone()));
+        output.start_writing().unwrap();
         let receive = MockSplitQueue::new(mem, RECEIVE_QUEUE_SIZE);
         let vq = MockSplitQueue::create(mem, GuestAddress(0x1_0000), 16);
         vq.add_desc_chains(descs, 0).unwrap();
@@ -258,7 +259,7 @@ mod tests {
     #[test]
     fn offers_no_features_but_version_1_and_resets() {
         let sink = SharedBuf::default();
-        let output = ConsoleOutput::start(Box::new(sink)).unwrap();
+        let output = ConsoleOutput::new(Box::new(sink));
         let mut console = Console::new(output.queue());
         assert_eq!(console.avail_features(), FEATURE_VERSION_1);
         console.set_acked_features(u64::MAX);

@@ -70,7 +70,7 @@ pub struct RunOptions {
     pub vmm_start: Instant,
     /// Where the guest's console output goes, the serial's and the virtio console's
     /// (unbuffered writes are best; a thread of its own writes it).
-    pub serial_output: Box<dyn Write + Send>,
+    pub console_output: Box<dyn Write + Send>,
     /// Feed the VMM's stdin to the serial console.
     pub console_input: bool,
     /// Called once when the guest's init writes the boot timer.
@@ -109,7 +109,7 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
 
     let stop = Arc::new(AtomicBool::new(false));
     // Its thread starts with the vCPUs: until then the VMM must keep to one thread.
-    let mut console_output = ConsoleOutput::new(options.serial_output);
+    let mut console_output = ConsoleOutput::new(options.console_output);
     let serial = Arc::new(Mutex::new(SerialConsole::new(
         EventFdTrigger::new(irqfd(&vm, layout::SERIAL_IRQ, "serial console")?),
         console_output.queue().serial_output(),

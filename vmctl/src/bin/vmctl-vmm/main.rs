@@ -102,7 +102,7 @@ fn run(
     let options = RunOptions {
         events,
         vmm_start,
-        serial_output: Box::new(unbuffered_stdout().map_err(|source| BuildError::Open {
+        console_output: Box::new(unbuffered_stdout().map_err(|source| BuildError::Open {
             what: "the guest console on",
             path: "stdout".into(),
             source,

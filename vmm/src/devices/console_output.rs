@@ -24,7 +24,7 @@ use std::time::Duration;
 pub const CAPACITY: usize = 1 << 20;
 /// How long the writer, woken by new output, lets more come before it writes. The
 /// 8250 queues a byte per vCPU exit, and a wake-up of the writer for each cost three
-/// times the exit itself in the nested host (23 ms for a 100-byte line, against 7.4 ms
+/// times the exit itself in the nested host (23 ms for a 100-byte line, against 12 ms
 /// when the vCPU wrote each byte itself); a console line a few ms later costs nobody.
 const COLLECT_BURST: Duration = Duration::from_millis(5);
 

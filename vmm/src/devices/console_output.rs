@@ -309,13 +309,16 @@ impl Write for WaitingWriter {
     }
 }
 
+/// What the consoles' tests write to.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Instant;
+pub(crate) mod testing {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
 
+    /// A `Write` that keeps what it is given.
     #[derive(Clone, Default)]
-    struct SharedBuf(Arc<Mutex<Vec<u8>>>);
+    pub(crate) struct SharedBuf(pub(crate) Arc<Mutex<Vec<u8>>>);
+
     impl Write for SharedBuf {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             self.0.lock().unwrap().extend_from_slice(buf);
@@ -325,6 +328,14 @@ mod tests {
             Ok(())
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    use testing::SharedBuf;
 
     fn started(sink: Box<dyn Write + Send>) -> std::io::Result<ConsoleOutput> {
         let mut output = ConsoleOutput::new(sink);

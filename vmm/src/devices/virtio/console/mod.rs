@@ -150,9 +150,9 @@ impl VirtioDevice for Console {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::console_output::testing::SharedBuf;
     use crate::devices::console_output::ConsoleOutput;
-    use std::io::Write;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
     use std::time::Duration;
 
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
@@ -163,18 +163,6 @@ mod tests {
 
     const W: u16 = VRING_DESC_F_WRITE as u16;
     const N: u16 = VRING_DESC_F_NEXT as u16;
-
-    #[derive(Clone, Default)]
-    struct SharedBuf(Arc<Mutex<Vec<u8>>>);
-    impl Write for SharedBuf {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
 
     fn raw(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
         RawDescriptor::from(Descriptor::new(addr, len, flags, next))

@@ -113,7 +113,7 @@ fn the_balloon_and_the_virtio_console_are_there_unless_left_out() {
     vm_scenario(
         "boot::the_balloon_and_the_virtio_console_are_there_unless_left_out",
         || {
-            let dir = TempDir::new("balloon");
+            let dir = TempDir::new("devices");
             let script = "echo VIRTIO_IDS=$(cat /sys/bus/virtio/devices/*/device 2>/dev/null | tr '\\n' ,)\n";
             let ids = |extra: &[&str]| {
                 let extra: Vec<&OsStr> = extra.iter().map(OsStr::new).collect();

@@ -1,9 +1,8 @@
 //! virtio-console (virtio 1.2, section 5.3), output only: the guest's hvc0, for what
 //! it writes often. Each line through the 8250 costs a VM exit per byte (12 ms for a
 //! 100-byte line in the nested host); here a whole buffer costs one notification (2 ms
-//! there, docs/benchmarks.md).
-//! The guest agent writes its log here when the device is there, the kernel keeps
-//! ttyS0 (it is up before any virtio device, and for a panic).
+//! there, docs/benchmarks.md). The guest agent writes its log here when the device is
+//! there; the kernel keeps ttyS0 (it is up before any virtio device, and for a panic).
 //!
 //! No features: one port, no multiport control queue, no size, no emergency write. The
 //! receive queue is never filled (host input goes to the 8250), so it is kept small:

@@ -235,6 +235,20 @@ impl ActiveQueue {
         })
     }
 
+    /// Queue `index` of a device with several, served as a single-queue device's; one
+    /// the driver left unready is named by its index in the device.
+    pub fn for_queue(
+        memory: GuestMemoryMmap,
+        queue: Queue,
+        index: usize,
+        interrupt: InterruptTrigger,
+    ) -> Result<Self, ActivateError> {
+        Self::new(memory, vec![queue], interrupt).map_err(|e| match e {
+            ActivateError::QueueNotReady { .. } => ActivateError::QueueNotReady { index },
+            other => other,
+        })
+    }
+
     /// Hands the available descriptor chains to `handle`, which says how many bytes
     /// it wrote into guest memory (and what else it cost, see [`Served`]); returns the
     /// chains to the driver and interrupts it once if it wants to be told. Serves at
@@ -416,11 +430,15 @@ pub fn serve_single_queue<S: Into<Served>>(
     active.serve(device, handle)
 }
 
+/// The `N` queues of a device that has `N`.
+pub fn queues_of<const N: usize>(queues: Vec<Queue>) -> Result<[Queue; N], ActivateError> {
+    let got = queues.len();
+    <[Queue; N]>::try_from(queues).map_err(|_| ActivateError::QueueCount { expected: N, got })
+}
+
 /// The one queue of a single-queue device, which must be ready.
 pub fn single_ready_queue(queues: Vec<Queue>) -> Result<Queue, ActivateError> {
-    let got = queues.len();
-    let [queue] = <[Queue; 1]>::try_from(queues)
-        .map_err(|_| ActivateError::QueueCount { expected: 1, got })?;
+    let [queue] = queues_of(queues)?;
     if !virtio_queue::QueueT::ready(&queue) {
         return Err(ActivateError::QueueNotReady { index: 0 });
     }

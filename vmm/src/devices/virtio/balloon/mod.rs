@@ -15,8 +15,8 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::Queue;
 
 use super::{
-    read_config_bytes, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress, VirtioDevice,
-    FEATURE_VERSION_1,
+    queues_of, read_config_bytes, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress,
+    VirtioDevice, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -185,16 +185,9 @@ impl VirtioDevice for Balloon {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let [inflate, deflate, reporting] = <[Queue; 3]>::try_from(queues)
-            .map_err(|_| ActivateError::QueueCount { expected: 3, got })?;
-        // Each queue is served like a single-queue device's; a queue the driver left
-        // unready is named by its index here, not by its place in that one-queue list.
+        let [inflate, deflate, reporting] = queues_of(queues)?;
         let serve = |queue: Queue, index: usize| {
-            ActiveQueue::new(memory.clone(), vec![queue], interrupt.clone()).map_err(|e| match e {
-                ActivateError::QueueNotReady { .. } => ActivateError::QueueNotReady { index },
-                other => other,
-            })
+            ActiveQueue::for_queue(memory.clone(), queue, index, interrupt.clone())
         };
         let reporting = if self.acked_features & FEATURE_REPORTING != 0 {
             Some(serve(reporting, REPORTING_QUEUE)?)

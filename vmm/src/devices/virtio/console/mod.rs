@@ -12,8 +12,8 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::Queue;
 
 use super::{
-    write_from_guest, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress, VirtioDevice,
-    DEVICE_ID_CONSOLE, FEATURE_VERSION_1,
+    queues_of, write_from_guest, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress,
+    VirtioDevice, DEVICE_ID_CONSOLE, FEATURE_VERSION_1,
 };
 use crate::devices::console_output::ConsoleQueue;
 use crate::memory::GuestMemoryMmap;
@@ -104,17 +104,13 @@ impl VirtioDevice for Console {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let [_receive, transmit] = <[Queue; 2]>::try_from(queues)
-            .map_err(|_| ActivateError::QueueCount { expected: 2, got })?;
-        let transmit =
-            ActiveQueue::new(memory, vec![transmit], interrupt).map_err(|e| match e {
-                ActivateError::QueueNotReady { .. } => ActivateError::QueueNotReady {
-                    index: TRANSMIT_QUEUE,
-                },
-                other => other,
-            })?;
-        self.transmit = Some(transmit);
+        let [_receive, transmit] = queues_of(queues)?;
+        self.transmit = Some(ActiveQueue::for_queue(
+            memory,
+            transmit,
+            TRANSMIT_QUEUE,
+            interrupt,
+        )?);
         Ok(())
     }
 

@@ -179,12 +179,7 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         interrupt: InterruptTrigger,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let queues =
-            <[Queue; NUM_QUEUES]>::try_from(queues).map_err(|_| ActivateError::QueueCount {
-                expected: NUM_QUEUES,
-                got,
-            })?;
+        let queues: [Queue; NUM_QUEUES] = super::queues_of(queues)?;
         if let Some(index) = queues.iter().position(|q| !q.ready()) {
             return Err(ActivateError::QueueNotReady { index });
         }

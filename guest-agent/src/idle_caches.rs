@@ -78,14 +78,16 @@ pub async fn watch(activity: std::sync::Arc<Activity>, after: Duration) {
         let running = activity.running.load(Ordering::Relaxed);
         let started = activity.started.load(Ordering::Relaxed);
         if watch.look(running, started, CHECK_INTERVAL) {
-            match tokio::task::spawn_blocking(drop_caches).await {
-                Ok(Ok((before, after_drop))) => tracing::info!(
+            let dropped = tokio::task::spawn_blocking(drop_caches)
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+            match dropped {
+                Ok((before, after_drop)) => tracing::info!(
                     "idle for {} s: dropped the guest's caches; free memory {} MiB -> {} MiB",
                     after.as_secs(),
                     before / 1024,
                     after_drop / 1024
                 ),
-                Ok(Err(e)) => tracing::warn!("cannot drop the guest's caches: {e}"),
                 Err(e) => tracing::warn!("cannot drop the guest's caches: {e}"),
             }
         }

@@ -1,6 +1,7 @@
 //! Free page reporting: memory the guest frees, and the caches an idle guest drops, go
-//! back to the host, as `vmctl ps` shows it (HELD: the memory the VM's processes hold on the host; in the nested host,
-//! QEMU's, which the nested host's own free page reporting gives back).
+//! back to the host, as `vmctl ps` shows it (HELD: the memory the VM's processes hold
+//! on the host; in the nested host, QEMU's, which the nested host's own free page
+//! reporting gives back).
 
 use std::time::{Duration, Instant};
 

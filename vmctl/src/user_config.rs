@@ -189,6 +189,14 @@ pub struct Resources {
     pub drop_caches_after_idle_s: Option<u64>,
 }
 
+impl Resources {
+    /// Whether the VM's guest gives back the memory it frees (its balloon): unless the
+    /// config says no.
+    pub fn reports_free_pages(&self) -> bool {
+        self.free_page_reporting.unwrap_or(true)
+    }
+}
+
 /// `HOME`, against which the sections' `~/` paths are read.
 fn home_from_env() -> Option<PathBuf> {
     std::env::var_os("HOME").map(PathBuf::from)
@@ -628,14 +636,19 @@ mounts = ["/srv/other"]
         assert_eq!(config.resources_for(dir.path()), expect(Some(4), Some(20)));
     }
 
+    /// What a new VM of `workspace` gets under the config `text`, written in `dir`.
+    fn resources_in(dir: &Path, text: &str, workspace: &Path) -> Resources {
+        let config = UserConfig::load_from(&write_config(dir, text)).unwrap();
+        config.resources_for(workspace)
+    }
+
     #[test]
     fn the_idle_time_before_the_caches_go_is_the_workspaces_else_the_global_one() {
         let dir = tempfile::tempdir().unwrap();
         let project = dir.path().join("project");
         std::fs::create_dir_all(&project).unwrap();
         let idle = |text: &str, workspace: &Path| {
-            let config = UserConfig::load_from(&write_config(dir.path(), text)).unwrap();
-            config.resources_for(workspace).drop_caches_after_idle_s
+            resources_in(dir.path(), text, workspace).drop_caches_after_idle_s
         };
         assert_eq!(idle("", &project), None);
         let text = format!(
@@ -655,11 +668,11 @@ drop_caches_after_idle_s = 0
         let project = dir.path().join("project");
         std::fs::create_dir_all(&project).unwrap();
         let reporting = |text: &str, workspace: &Path| {
-            let config = UserConfig::load_from(&write_config(dir.path(), text)).unwrap();
-            config.resources_for(workspace).free_page_reporting
+            resources_in(dir.path(), text, workspace).free_page_reporting
         };
-        // Unset: the record gets the default, true (vm::start).
+        // Unset: the record gets the default, true.
         assert_eq!(reporting("", &project), None);
+        assert!(resources_in(dir.path(), "", &project).reports_free_pages());
         let all_but_project = format!(
             "free_page_reporting = false\n[workspaces.\"{}\"]\nfree_page_reporting = true\n",
             project.display()
@@ -671,6 +684,7 @@ drop_caches_after_idle_s = 0
             project.display()
         );
         assert_eq!(reporting(&only_project, &project), Some(false));
+        assert!(!resources_in(dir.path(), &only_project, &project).reports_free_pages());
         assert_eq!(reporting(&only_project, dir.path()), None);
     }
 

@@ -91,7 +91,7 @@ pub(super) fn agent_cmdline(vm: &VmDir, shares: &[Share], account: Option<&str>)
 /// or never where its guest gives nothing back (no free page reporting): the memory
 /// would stay the VM's anyway.
 pub(super) fn drop_caches_param(resources: &crate::user_config::Resources) -> String {
-    let after_s = match resources.free_page_reporting.unwrap_or(true) {
+    let after_s = match resources.reports_free_pages() {
         true => resources
             .drop_caches_after_idle_s
             .unwrap_or(crate::user_config::DEFAULT_DROP_CACHES_AFTER_IDLE_S),

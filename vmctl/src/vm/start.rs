@@ -379,7 +379,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         nested_host_kernel: None,
         cpus,
         memory_mib,
-        free_page_reporting: resources.free_page_reporting.unwrap_or(true),
+        free_page_reporting: resources.reports_free_pages(),
         nested,
         agent_cmdline: agent_cmdline(&vm, &share_set.shares, request.guest_account.as_deref())
             + &drop_caches_param(&resources),

@@ -388,11 +388,16 @@ fn attach_virtio_device(
     let served_elsewhere = device
         .attach_queue_events(&queue_events)
         .map_err(|e| device_error(format!("queue events: {e}")))?;
-    let transport = Arc::new(Mutex::new(MmioTransport::new(
-        device,
-        memory.clone(),
-        interrupt,
-    )));
+    let mut transport = MmioTransport::new(device, memory.clone(), interrupt);
+    if !served_elsewhere {
+        let clones = queue_events
+            .iter()
+            .map(EventFd::try_clone)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| device_error(format!("queue events: {e}")))?;
+        transport.deliver_through(clones);
+    }
+    let transport = Arc::new(Mutex::new(transport));
     mmio_bus.insert(
         transport.clone() as Arc<Mutex<dyn BusDevice>>,
         base,

@@ -4,6 +4,11 @@
 //! up through the register window, negotiates features, walks the device status state
 //! machine and, on DRIVER_OK, hands checked copies of the queues to the device.
 //!
+//! A notification that comes before DRIVER_OK is held, not dropped, and delivered
+//! at activation: the chains it announced would otherwise wait for a notification
+//! the driver has no reason to send again (Linux drivers spin or sleep on their
+//! buffers' return).
+//!
 //! Everything written here comes from the guest: malformed accesses are logged and
 //! ignored (reads return 0), never a panic.
 
@@ -14,6 +19,7 @@ use virtio_bindings::virtio_config::{
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
+use vmm_sys_util::eventfd::EventFd;
 
 use super::missed_interrupt::{Look, Missed, MissedInterruptWatch, UsedProgress};
 use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
@@ -165,6 +171,12 @@ pub struct MmioTransport {
     /// lives in `interrupt`, which the device shares (see [`Self::device_status`]).
     device_status: u32,
     device_activated: bool,
+    /// The queues notified before activation, by index (see the module doc).
+    held_notifications: Vec<bool>,
+    /// The queues' ioeventfds, when the builder gave them
+    /// ([`Self::deliver_through`]): held notifications are signalled there, so the
+    /// event loop serves them as it serves any other.
+    queue_events: Vec<EventFd>,
     device_features_sel: u32,
     driver_features_sel: u32,
     /// Exactly what the driver wrote to DriverFeatures (both halves).
@@ -223,14 +235,16 @@ impl MmioTransport {
                 bad_fields: 0,
                 written_addrs: [0; 3],
             })
-            .collect();
+            .collect::<Vec<_>>();
         Self {
             device,
             memory,
             interrupt,
+            held_notifications: vec![false; queues.len()],
             queues,
             device_status: 0,
             device_activated: false,
+            queue_events: Vec::new(),
             device_features_sel: 0,
             driver_features_sel: 0,
             driver_features: 0,
@@ -239,6 +253,14 @@ impl MmioTransport {
             missed_interrupts: MissedInterruptWatch::default(),
             interrupts_raised_again: 0,
         }
+    }
+
+    /// Delivers the notifications held until activation through the queues'
+    /// ioeventfds (clones of those the event loop watches), so they are served in the
+    /// event loop, as far as it takes, rather than once on the vCPU that set
+    /// DRIVER_OK.
+    pub fn deliver_through(&mut self, queue_events: Vec<EventFd>) {
+        self.queue_events = queue_events;
     }
 
     /// Called about every half second: raises the device's interrupt again when the
@@ -321,7 +343,16 @@ impl MmioTransport {
     /// The driver notified queue `index` (ioeventfd or a trapped QueueNotify write).
     pub fn notify_queue(&mut self, index: u32) -> QueueProgress {
         if !self.device_activated {
-            tracing::debug!("virtio-mmio: notification for queue {index} before activation");
+            let held = usize::try_from(index)
+                .ok()
+                .and_then(|i| self.held_notifications.get_mut(i));
+            if let Some(held) = held {
+                *held = true;
+            }
+            tracing::debug!(
+                "virtio-mmio: notification for queue {index} before activation: held until \
+                 DRIVER_OK"
+            );
             return QueueProgress::Done;
         }
         if self.interrupt.needs_reset() {
@@ -538,6 +569,32 @@ impl MmioTransport {
             .activate(self.memory.clone(), queues, self.interrupt.clone())
     }
 
+    /// Delivers the notifications that came before activation, for the queues the
+    /// driver made ready. Without ioeventfds (tests) the device serves each here,
+    /// once, as it serves a trapped QUEUE_NOTIFY write.
+    fn deliver_held_notifications(&mut self) {
+        for index in 0..self.held_notifications.len() {
+            let held = std::mem::take(&mut self.held_notifications[index]);
+            if !held || !self.queues[index].queue.ready() {
+                continue;
+            }
+            match self.queue_events.get(index) {
+                Some(event) => {
+                    if let Err(e) = event.write(1) {
+                        tracing::error!(
+                            "virtio device type {}: cannot deliver the notification of queue \
+                             {index} held until activation: {e}",
+                            self.device.device_type()
+                        );
+                    }
+                }
+                None => {
+                    let _ = self.device.process_queue(index);
+                }
+            }
+        }
+    }
+
     /// Device reset (Status = 0): the device and every transport register return to
     /// their initial values.
     fn reset(&mut self) {
@@ -549,6 +606,7 @@ impl MmioTransport {
         }
         self.device_status = 0;
         self.device_activated = false;
+        self.held_notifications.fill(false);
         self.device_features_sel = 0;
         self.driver_features_sel = 0;
         self.driver_features = 0;
@@ -594,7 +652,10 @@ impl MmioTransport {
             (o, S_DRIVER_OK) if o == S_ACKNOWLEDGE | S_DRIVER | S_FEATURES_OK => {
                 self.device_status |= S_DRIVER_OK;
                 match self.activate() {
-                    Ok(()) => self.device_activated = true,
+                    Ok(()) => {
+                        self.device_activated = true;
+                        self.deliver_held_notifications();
+                    }
                     Err(e) => {
                         // Mostly the guest's doing (rings outside its memory), and
                         // it can retry at will: rate-limited.
@@ -1244,7 +1305,7 @@ mod tests {
             assert_eq!(q.size(), q.max_size());
             assert_eq!(q.desc_table(), 0);
         }
-        // Notifications are ignored until the next activation.
+        // Notifications wait for the next activation.
         assert_eq!(h.t.notify_queue(0), QueueProgress::Done);
         assert!(h.record.lock().unwrap().processed.is_empty());
         // The driver can start over; the old feature choice is gone.
@@ -1258,6 +1319,63 @@ mod tests {
         h.setup_queue(1, 16, 0x8000);
         h.set_status(DOK);
         assert!(h.t.is_activated());
+        assert_eq!(h.record.lock().unwrap().processed, vec![0]);
+    }
+
+    /// Notifications before DRIVER_OK reach the device at activation, once each,
+    /// for the queues that are ready; nonexistent queues are not remembered.
+    #[test]
+    fn notifications_before_driver_ok_are_served_at_activation() {
+        let mut h = harness_with(vec![256, 16, 8]);
+        h.negotiate(FEATURE_VERSION_1);
+        h.setup_queue(0, 256, 0x1000);
+        h.setup_queue(2, 8, 0xc000);
+        for index in [2, 1, 2, 7, u32::MAX] {
+            h.w(QUEUE_NOTIFY_OFFSET, index);
+        }
+        assert!(h.record.lock().unwrap().processed.is_empty());
+        h.set_status(DOK);
+        assert!(h.t.is_activated());
+        // Queue 1 was notified but never made ready.
+        assert_eq!(h.record.lock().unwrap().processed, vec![2]);
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        assert_eq!(h.record.lock().unwrap().processed, vec![2, 0]);
+    }
+
+    /// With the queues' ioeventfds, a held notification is signalled there, for the
+    /// event loop to serve, and the device is not called on the vCPU's thread.
+    #[test]
+    fn held_notifications_go_through_the_queue_events() {
+        let mut h = harness();
+        let events: Vec<EventFd> = (0..2).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
+        h.t.deliver_through(events.iter().map(|e| e.try_clone().unwrap()).collect());
+        h.negotiate(FEATURE_VERSION_1);
+        h.setup_queue(0, 256, 0x1000);
+        h.setup_queue(1, 16, 0x8000);
+        assert_eq!(h.t.notify_queue(1), QueueProgress::Done);
+        h.set_status(DOK);
+        assert!(h.record.lock().unwrap().processed.is_empty());
+        assert!(events[0].read().is_err(), "queue 0 was not notified");
+        assert_eq!(events[1].read().unwrap(), 1);
+    }
+
+    /// A failed activation delivers nothing, and a reset forgets what was held.
+    #[test]
+    fn a_reset_forgets_held_notifications() {
+        let mut h = harness();
+        h.record.lock().unwrap().fail_activation = true;
+        h.negotiate(FEATURE_VERSION_1);
+        h.setup_queue(0, 256, 0x1000);
+        h.setup_queue(1, 16, 0x8000);
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        h.set_status(DOK);
+        assert_ne!(h.status() & S_NEEDS_RESET, 0);
+        h.w(QUEUE_NOTIFY_OFFSET, 1);
+        h.w(REG_STATUS, 0);
+        h.record.lock().unwrap().fail_activation = false;
+        h.bring_up();
+        assert!(h.t.is_activated());
+        assert!(h.record.lock().unwrap().processed.is_empty());
     }
 
     #[test]
@@ -1481,7 +1599,8 @@ mod tests {
     }
 
     /// The rng device's queue at 0x1000 (256 entries), the driver done.
-    fn rng_harness() -> (Harness, Arc<EventFd>) {
+    /// An rng device, its queue 0 set up at 0x1000, before DRIVER_OK.
+    fn rng_before_driver_ok() -> (Harness, Arc<EventFd>) {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let irqfd = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
         let interrupt = InterruptTrigger::new(irqfd.clone());
@@ -1496,8 +1615,50 @@ mod tests {
         };
         h.negotiate(FEATURE_VERSION_1);
         h.setup_queue(0, 256, 0x1000);
+        (h, irqfd)
+    }
+
+    fn rng_harness() -> (Harness, Arc<EventFd>) {
+        let (mut h, irqfd) = rng_before_driver_ok();
         h.set_status(DOK);
         (h, irqfd)
+    }
+
+    /// Makes one 16-byte entropy request (descriptor 0) available on the rng's queue.
+    fn offer_entropy_request(memory: &GuestMemoryMmap, avail_idx: GuestAddress) {
+        let desc = virtio_queue::desc::split::Descriptor::new(
+            0x8_0000,
+            16,
+            virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16,
+            0,
+        );
+        memory
+            .write_obj(
+                virtio_queue::desc::RawDescriptor::from(desc),
+                GuestAddress(0x1000),
+            )
+            .unwrap();
+        memory.write_obj(1u16.to_le(), avail_idx).unwrap();
+    }
+
+    /// A request the driver made available and notified before DRIVER_OK is served
+    /// at activation: a driver waiting for it would otherwise wait for ever.
+    #[test]
+    fn a_request_notified_before_driver_ok_is_served() {
+        let (mut h, irqfd) = rng_before_driver_ok();
+        let queue = h.t.queues().next().unwrap();
+        let (avail_idx, used_idx) = (
+            GuestAddress(queue.avail_ring() + 2),
+            GuestAddress(queue.used_ring() + 2),
+        );
+        let memory = h.t.memory.clone();
+        offer_entropy_request(&memory, avail_idx);
+        h.w(QUEUE_NOTIFY_OFFSET, 0);
+        assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 0);
+        h.set_status(DOK);
+        assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 1);
+        assert_eq!(h.r(REG_INTERRUPT_STATUS), INTERRUPT_USED_BUFFER);
+        assert_eq!(irqfd.read().unwrap(), 1);
     }
 
     /// A device whose available ring cannot be read (its index more than a ring ahead
@@ -1536,19 +1697,7 @@ mod tests {
         h.negotiate(FEATURE_VERSION_1);
         h.setup_queue(0, 256, 0x1000);
         h.set_status(DOK);
-        let desc = virtio_queue::desc::split::Descriptor::new(
-            0x8_0000,
-            16,
-            virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16,
-            0,
-        );
-        memory
-            .write_obj(
-                virtio_queue::desc::RawDescriptor::from(desc),
-                GuestAddress(0x1000),
-            )
-            .unwrap();
-        memory.write_obj(1u16.to_le(), avail_idx).unwrap();
+        offer_entropy_request(&memory, avail_idx);
         h.w(QUEUE_NOTIFY_OFFSET, 0);
         assert_eq!(h.status(), ACK | DRV | FOK | DOK);
         assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 1);

@@ -1347,7 +1347,9 @@ mod tests {
     #[test]
     fn held_notifications_go_through_the_queue_events() {
         let mut h = harness();
-        let events: Vec<EventFd> = (0..2).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
+        let events: Vec<EventFd> = (0..2)
+            .map(|_| EventFd::new(EFD_NONBLOCK).unwrap())
+            .collect();
         h.t.deliver_through(events.iter().map(|e| e.try_clone().unwrap()).collect());
         h.negotiate(FEATURE_VERSION_1);
         h.setup_queue(0, 256, 0x1000);

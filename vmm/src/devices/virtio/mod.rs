@@ -456,9 +456,20 @@ pub trait VirtioDevice: Send {
     /// Feature bits the driver acknowledged, set before activation.
     fn set_acked_features(&mut self, features: u64);
     /// Reads the device-specific configuration space; out-of-range bytes read as 0.
-    fn read_config(&self, offset: u64, data: &mut [u8]);
-    /// Writes the configuration space; devices ignore writes they do not support.
-    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// By default the device has none (or none that its features give a meaning):
+    /// every byte reads as 0.
+    fn read_config(&self, _offset: u64, data: &mut [u8]) {
+        data.fill(0);
+    }
+    /// Writes the configuration space; devices ignore writes they do not support. By
+    /// default nothing in it is writable.
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        tracing::debug!(
+            "virtio device type {}: config write of {} bytes at {offset:#x} ignored",
+            self.device_type(),
+            data.len()
+        );
+    }
     /// Offered the queues' ioeventfds at build time. A device served by another
     /// process (vhost-user) keeps clones and returns true: the guest's notifications
     /// then go straight to that process and the event loop does not watch them.

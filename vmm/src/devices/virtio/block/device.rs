@@ -395,13 +395,8 @@ impl VirtioDevice for Block {
         crate::devices::virtio::read_config_bytes(&self.config, offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        // Nothing in our configuration space is writable (no CONFIG_WCE).
-        tracing::debug!(
-            "virtio-blk: config write of {} bytes at {offset:#x} ignored",
-            data.len()
-        );
-    }
+    // Nothing in the configuration space is writable (no CONFIG_WCE): writes are
+    // ignored, the trait's default.
 
     fn activate(
         &mut self,

@@ -85,18 +85,9 @@ impl VirtioDevice for Console {
         self.acked_features = features & self.avail_features();
     }
 
-    fn read_config(&self, _offset: u64, data: &mut [u8]) {
-        // Its fields (cols, rows, max_nr_ports, emerg_wr) only mean something with
-        // the features this device does not offer.
-        data.fill(0);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        tracing::debug!(
-            "{NAME}: config write of {} bytes at {offset:#x} ignored",
-            data.len()
-        );
-    }
+    // The config space's fields (cols, rows, max_nr_ports, emerg_wr) only mean
+    // something with features this device does not offer: it reads as zeros, the
+    // trait's default.
 
     fn activate(
         &mut self,

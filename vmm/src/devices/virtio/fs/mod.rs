@@ -197,14 +197,6 @@ impl VirtioDevice for VhostUserFs {
         super::read_config_bytes(&self.config_space(), offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        tracing::debug!(
-            "virtio-fs {:?}: ignoring a write of {} bytes to its read-only config at {offset:#x}",
-            self.tag,
-            data.len()
-        );
-    }
-
     fn attach_queue_events(&mut self, events: &[EventFd]) -> Result<bool, std::io::Error> {
         self.kicks = events
             .iter()

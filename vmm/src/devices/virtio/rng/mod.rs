@@ -118,18 +118,6 @@ impl VirtioDevice for Rng {
         self.acked_features = features & self.avail_features();
     }
 
-    fn read_config(&self, _offset: u64, data: &mut [u8]) {
-        // virtio-rng has no configuration space.
-        data.fill(0);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        tracing::debug!(
-            "virtio-rng: config write of {} bytes at {offset:#x} ignored",
-            data.len()
-        );
-    }
-
     fn activate(
         &mut self,
         memory: GuestMemoryMmap,

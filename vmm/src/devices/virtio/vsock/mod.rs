@@ -153,13 +153,6 @@ impl VirtioDevice for Vsock {
         super::read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        tracing::debug!(
-            "virtio-vsock: config write of {} bytes at {offset:#x} ignored",
-            data.len()
-        );
-    }
-
     fn attach_queue_events(&mut self, events: &[EventFd]) -> Result<bool, std::io::Error> {
         let Ok(events) = <&[EventFd; NUM_QUEUES]>::try_from(events) else {
             return Ok(false);

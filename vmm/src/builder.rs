@@ -22,10 +22,10 @@ use crate::devices::virtio::balloon::Balloon;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::console::Console;
 use crate::devices::virtio::fs::VhostUserFs;
-use crate::devices::virtio::missed_interrupt;
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::{missed_interrupt, missed_notification};
 use crate::devices::virtio::{InterruptTrigger, VirtioDevice};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::memory::{create_guest_ram, GuestMemoryMmap, MemoryError};
@@ -187,10 +187,10 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         if let Some(vcpu) = boot_vcpu {
             vcpu.kick();
         }
-        raise_missed_interrupts(&transports);
+        make_up_for_lost_wakeups(&transports);
     });
     tracing::debug!("VM stopping: {outcome:?}");
-    report_missed_interrupts(&transports);
+    report_lost_wakeups(&transports);
     context
         .stop
         .store(true, std::sync::atomic::Ordering::Release);
@@ -330,19 +330,22 @@ fn irqfd(vm: &Vm, irq: u32, device: &str) -> Result<EventFd, BuildError> {
     Ok(event)
 }
 
-/// The event loop's tick: each device's lost interrupt raised again. A transport a
-/// vCPU holds is left for the next tick: that vCPU may be waiting on a vhost-user
-/// backend (up to its reply timeout), and the loop must go on handling stop signals.
-fn raise_missed_interrupts(transports: &[Arc<Mutex<MmioTransport>>]) {
+/// The event loop's tick: each device's lost interrupt raised again, and its lost
+/// notifications made up for. A transport a vCPU holds is left for the next tick:
+/// that vCPU may be waiting on a vhost-user backend (up to its reply timeout), and the
+/// loop must go on handling stop signals.
+fn make_up_for_lost_wakeups(transports: &[Arc<Mutex<MmioTransport>>]) {
     for transport in transports {
         if let Ok(mut transport) = transport.try_lock() {
             transport.raise_missed_interrupt();
+            transport.serve_missed_notifications();
         }
     }
 }
 
-/// Says, as the VM ends, which devices' drivers missed interrupts, and how often.
-fn report_missed_interrupts(transports: &[Arc<Mutex<MmioTransport>>]) {
+/// Says, as the VM ends, which devices' drivers missed interrupts and which devices
+/// missed notifications, and how often.
+fn report_lost_wakeups(transports: &[Arc<Mutex<MmioTransport>>]) {
     for (index, transport) in transports.iter().enumerate() {
         let Ok(transport) = transport.lock() else {
             continue;
@@ -350,6 +353,10 @@ fn report_missed_interrupts(transports: &[Arc<Mutex<MmioTransport>>]) {
         let count = transport.interrupts_raised_again();
         if count > 0 {
             tracing::warn!("{}", missed_interrupt::summary(index, count));
+        }
+        let count = transport.notifications_made_up();
+        if count > 0 {
+            tracing::warn!("{}", missed_notification::summary(index, count));
         }
     }
 }
@@ -429,7 +436,7 @@ mod tests {
         let (done, ticked) = std::sync::mpsc::channel();
         let tick_transports = transports.clone();
         std::thread::spawn(move || {
-            raise_missed_interrupts(&tick_transports);
+            make_up_for_lost_wakeups(&tick_transports);
             let _ = done.send(());
         });
         let ticked = ticked.recv_timeout(Duration::from_secs(5));

@@ -7,7 +7,9 @@
 //! A notification that comes before DRIVER_OK is held, not dropped, and delivered
 //! at activation: the chains it announced would otherwise wait for a notification
 //! the driver has no reason to send again (Linux drivers spin or sleep on their
-//! buffers' return).
+//! buffers' return). For the same reason, a notification that never arrived is
+//! made up for ([`super::missed_notification`]), as a missed interrupt is
+//! ([`super::missed_interrupt`]).
 //!
 //! Everything written here comes from the guest: malformed accesses are logged and
 //! ignored (reads return 0), never a panic.
@@ -22,6 +24,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::missed_interrupt::{Look, Missed, MissedInterruptWatch, UsedProgress};
+use super::missed_notification::{MissedNotificationWatch, RingIndexes};
 use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
 use crate::devices::bus::BusDevice;
 use crate::memory::GuestMemoryMmap;
@@ -186,6 +189,9 @@ pub struct MmioTransport {
     missed_interrupts: MissedInterruptWatch,
     /// Interrupts raised again for a driver that missed one, since the VM started.
     interrupts_raised_again: u64,
+    missed_notifications: MissedNotificationWatch,
+    /// Queues served for a notification that never came, since the VM started.
+    notifications_made_up: u64,
 }
 
 /// Which missed interrupts are said: each of the first ten, then one at every
@@ -252,6 +258,8 @@ impl MmioTransport {
             config_generation: 0,
             missed_interrupts: MissedInterruptWatch::default(),
             interrupts_raised_again: 0,
+            missed_notifications: MissedNotificationWatch::default(),
+            notifications_made_up: 0,
         }
     }
 
@@ -309,6 +317,44 @@ impl MmioTransport {
     /// How many times [`Self::raise_missed_interrupt`] raised the interrupt again.
     pub fn interrupts_raised_again(&self) -> u64 {
         self.interrupts_raised_again
+    }
+
+    /// Called about every half second, with [`Self::raise_missed_interrupt`]: has the
+    /// device serve each queue whose chains waited, unmoved, since the previous call
+    /// for a notification that never came (see [`super::missed_notification`]).
+    /// Said on the log as missed interrupts are.
+    pub fn serve_missed_notifications(&mut self) {
+        if !self.device_activated || self.interrupt.needs_reset() {
+            return;
+        }
+        let look = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(index, setup)| {
+                (!self.device.holds_chains(index))
+                    .then(|| RingIndexes::read(&setup.queue, &self.memory))
+                    .flatten()
+            })
+            .collect();
+        for index in self.missed_notifications.missed(look) {
+            self.notifications_made_up += 1;
+            let count = self.notifications_made_up;
+            if said_on_the_log(count) {
+                tracing::warn!(
+                    "virtio device type {}: chains on queue {index} waited half a second \
+                     for a notification that never came: served (a lost notification; \
+                     {count} so far)",
+                    self.device.device_type()
+                );
+            }
+            self.deliver_notification(index);
+        }
+    }
+
+    /// How many times [`Self::serve_missed_notifications`] served a queue.
+    pub fn notifications_made_up(&self) -> u64 {
+        self.notifications_made_up
     }
 
     /// Number of queues of the device (valid QueueNotify values are `0..queue_count()`).
@@ -570,27 +616,32 @@ impl MmioTransport {
     }
 
     /// Delivers the notifications that came before activation, for the queues the
-    /// driver made ready. Without ioeventfds (tests) the device serves each here,
-    /// once, as it serves a trapped QUEUE_NOTIFY write.
+    /// driver made ready.
     fn deliver_held_notifications(&mut self) {
         for index in 0..self.held_notifications.len() {
             let held = std::mem::take(&mut self.held_notifications[index]);
-            if !held || !self.queues[index].queue.ready() {
-                continue;
+            if held && self.queues[index].queue.ready() {
+                self.deliver_notification(index);
             }
-            match self.queue_events.get(index) {
-                Some(event) => {
-                    if let Err(e) = event.write(1) {
-                        tracing::error!(
-                            "virtio device type {}: cannot deliver the notification of queue \
-                             {index} held until activation: {e}",
-                            self.device.device_type()
-                        );
-                    }
+        }
+    }
+
+    /// Notifies queue `index` on the driver's behalf: through its ioeventfd, for the
+    /// event loop to serve it as far as it takes; without one (tests), the device
+    /// serves it here, once, as it serves a trapped QUEUE_NOTIFY write.
+    fn deliver_notification(&mut self, index: usize) {
+        match self.queue_events.get(index) {
+            Some(event) => {
+                if let Err(e) = event.write(1) {
+                    tracing::error!(
+                        "virtio device type {}: cannot notify queue {index} on the driver's \
+                         behalf: {e}",
+                        self.device.device_type()
+                    );
                 }
-                None => {
-                    let _ = self.device.process_queue(index);
-                }
+            }
+            None => {
+                let _ = self.device.process_queue(index);
             }
         }
     }
@@ -613,6 +664,7 @@ impl MmioTransport {
         self.queue_sel = 0;
         self.interrupt.clear();
         self.missed_interrupts.clear();
+        self.missed_notifications.clear();
     }
 
     fn write_status(&mut self, value: u32) {
@@ -1704,6 +1756,70 @@ mod tests {
         assert_eq!(h.status(), ACK | DRV | FOK | DOK);
         assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 1);
         assert_eq!(h.r(REG_INTERRUPT_STATUS), INTERRUPT_USED_BUFFER);
+    }
+
+    /// A request made available without a notification (one lost on its way) is
+    /// served at the second look that finds it unmoved, through the queue's
+    /// ioeventfd when there is one, and counted.
+    #[test]
+    fn a_request_whose_notification_never_came_is_served_a_look_later() {
+        let (mut h, irqfd) = rng_harness();
+        let queue = h.t.queues().next().unwrap();
+        let (avail_idx, used_idx) = (
+            GuestAddress(queue.avail_ring() + 2),
+            GuestAddress(queue.used_ring() + 2),
+        );
+        let memory = h.t.memory.clone();
+        h.t.serve_missed_notifications();
+        offer_entropy_request(&memory, avail_idx);
+        h.t.serve_missed_notifications();
+        assert_eq!(
+            memory.read_obj::<u16>(used_idx).unwrap(),
+            0,
+            "it may yet come"
+        );
+        h.t.serve_missed_notifications();
+        assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 1);
+        assert_eq!(irqfd.read().unwrap(), 1);
+        assert_eq!(h.t.notifications_made_up(), 1);
+        h.t.serve_missed_notifications();
+        h.t.serve_missed_notifications();
+        assert_eq!(h.t.notifications_made_up(), 1, "nothing waits any more");
+
+        // With the queue's ioeventfd, the event loop is told.
+        let event = EventFd::new(EFD_NONBLOCK).unwrap();
+        h.t.deliver_through(vec![event.try_clone().unwrap()]);
+        memory.write_obj(2u16.to_le(), avail_idx).unwrap();
+        h.t.serve_missed_notifications();
+        h.t.serve_missed_notifications();
+        assert_eq!(event.read().unwrap(), 1);
+        assert_eq!(
+            memory.read_obj::<u16>(used_idx).unwrap(),
+            1,
+            "left to the event loop"
+        );
+        assert_eq!(h.t.notifications_made_up(), 2);
+    }
+
+    /// Queues whose device may hold chains (the test device's, by the trait's
+    /// default) are not watched, nor are those of a device not activated.
+    #[test]
+    fn queues_that_hold_chains_are_not_watched() {
+        let mut h = harness();
+        let memory = h.t.memory.clone();
+        // Queue 0's available index, once brought up at 0x1000 with 256 entries.
+        memory
+            .write_obj(3u16.to_le(), GuestAddress(0x1000 + 16 * 256 + 2))
+            .unwrap();
+        for _ in 0..3 {
+            h.t.serve_missed_notifications();
+        }
+        h.bring_up();
+        for _ in 0..3 {
+            h.t.serve_missed_notifications();
+        }
+        assert!(h.record.lock().unwrap().processed.is_empty());
+        assert_eq!(h.t.notifications_made_up(), 0);
     }
 
     #[test]

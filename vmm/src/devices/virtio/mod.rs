@@ -13,6 +13,7 @@ pub mod chain;
 pub mod console;
 pub mod fs;
 pub mod missed_interrupt;
+pub mod missed_notification;
 pub mod mmio;
 pub mod rng;
 pub mod vsock;
@@ -486,6 +487,13 @@ pub trait VirtioDevice: Send {
     /// The driver notified queue `index`: process what is available, or as much of
     /// it as one call may (see [`ActiveQueue::serve`]).
     fn process_queue(&mut self, index: usize) -> QueueProgress;
+    /// Whether the device may keep chains of queue `index` for a while (a receive
+    /// queue's buffers wait for data to come). The transport watches a queue that
+    /// holds none for notifications that never came
+    /// ([`missed_notification`]); by default none is watched.
+    fn holds_chains(&self, _index: usize) -> bool {
+        true
+    }
     /// The driver reset the device: drop the queues and return to the initial state.
     fn reset(&mut self);
 }

@@ -204,6 +204,11 @@ impl VirtioDevice for Balloon {
         Ok(())
     }
 
+    /// Every chain goes back as it is served.
+    fn holds_chains(&self, _index: usize) -> bool {
+        false
+    }
+
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         let Some(active) = self.active.as_mut() else {
             tracing::debug!("{NAME}: queue {index} notified before activation");

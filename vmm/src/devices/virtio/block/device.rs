@@ -408,6 +408,11 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
+    /// Every chain goes back as it is served.
+    fn holds_chains(&self, _index: usize) -> bool {
+        false
+    }
+
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         let disk = &mut self.disk;
         // A valid request has at most SEG_MAX + 2 = QUEUE_SIZE descriptors. A chain

@@ -105,6 +105,12 @@ impl VirtioDevice for Console {
         Ok(())
     }
 
+    /// The receive queue's buffers wait for input that never comes; every transmit
+    /// chain goes back as it is served.
+    fn holds_chains(&self, index: usize) -> bool {
+        index == RECEIVE_QUEUE
+    }
+
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         let Some(transmit) = self.transmit.as_mut() else {
             tracing::debug!("{NAME}: queue {index} notified before activation");

@@ -128,6 +128,11 @@ impl VirtioDevice for Rng {
         Ok(())
     }
 
+    /// Every chain goes back as it is served.
+    fn holds_chains(&self, _index: usize) -> bool {
+        false
+    }
+
     fn process_queue(&mut self, index: usize) -> QueueProgress {
         serve_single_queue(self.active.as_mut(), "virtio-rng", index, fill_chain)
     }

@@ -278,9 +278,11 @@ impl Session {
             Op::Setup { queues } => self.set_up(queues),
             Op::Poke { addr, bytes } => guest::poke(&self.memory, u64::from(*addr), bytes),
         }
-        // The event loop's look for missed interrupts may come between any two of the
-        // driver's steps, and reads the rings wherever the guest put them.
+        // The event loop's looks for missed interrupts and notifications may come
+        // between any two of the driver's steps, and read the rings wherever the guest
+        // put them (the second serves a queue left waiting since the previous look).
         self.transport.raise_missed_interrupt();
+        self.transport.serve_missed_notifications();
     }
 
     fn write32(&mut self, offset: u64, value: u32) {

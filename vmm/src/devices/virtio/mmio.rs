@@ -343,8 +343,8 @@ impl MmioTransport {
             if said_on_the_log(count) {
                 tracing::warn!(
                     "virtio device type {}: chains on queue {index} waited half a second \
-                     for a notification that never came: served (a lost notification; \
-                     {count} so far)",
+                     for a notification that did not come: served (a lost notification, or \
+                     a driver held up before it notified; {count} so far)",
                     self.device.device_type()
                 );
             }

@@ -25,9 +25,9 @@ fn memory_the_guest_frees_goes_back_to_the_host() {
 }
 
 /// What the guest reads through the workspace's share stays in its page cache until
-/// the guest has gone `drop_caches_after_idle_s` without a command; then it drops its
-/// caches, free page reporting gives the memory back (HELD falls), and its console
-/// says so.
+/// the guest has gone `drop_caches_after_idle_s` without a command, or a program left
+/// running at work; then it drops its caches, free page reporting gives the memory
+/// back (HELD falls), and its console says so.
 #[test]
 fn an_idle_guests_caches_go_back_to_the_host() {
     vm_tests::vm_scenario(
@@ -114,6 +114,10 @@ const READ_MIB: u64 = 384;
 /// The idle time the test's config sets: long enough to read HELD with the cache full
 /// after the reading command.
 const IDLE_S: u64 = 20;
+/// How long a program the test leaves running in the guest keeps a CPU busy after
+/// the read: past the idle time and the agent's next look (5 s), with room to see
+/// that the caches stayed.
+const BUSY_S: u64 = IDLE_S + 15;
 
 fn idle_caches_scenario() {
     let ws = Workspace::new("memory-idle");
@@ -131,19 +135,35 @@ fn idle_caches_scenario() {
     let idle = held_mib(&ws);
     let read = ws.exec(&format!("cat -- '{}' > /dev/null", file.display()));
     assert_ok(&read, "reading the file in the guest");
-    let full = held_mib(&ws);
     let read_at = Instant::now();
+    // No command of the agent's runs while this does: `nohup`, as one leaves a build
+    // or a dev server running.
+    let busy = ws.exec(&format!(
+        "nohup timeout {BUSY_S} sh -c 'while :; do :; done' > /dev/null 2>&1 &"
+    ));
+    assert_ok(&busy, "leaving a busy program running in the guest");
+    let full = held_mib(&ws);
     assert!(
         full >= idle + READ_MIB / 2,
         "the VM held {idle} MiB idle and {full} MiB after the guest read {READ_MIB} MiB: \
          the guest does not cache what it reads, or the measure does not see it"
     );
+    // Without the busy program the caches would go IDLE_S after the read, at the
+    // agent's first look past it.
+    std::thread::sleep(Duration::from_secs(IDLE_S + 10).saturating_sub(read_at.elapsed()));
+    let console = stdout(&ws.run(&["logs"]));
+    assert!(
+        !console.contains("dropped the guest's caches"),
+        "{:?} after the read, with a program at work in the guest all along, its caches \
+         went\n{console}",
+        read_at.elapsed()
+    );
     let mut held = full;
     while full.saturating_sub(held) < READ_MIB / 2 {
         assert!(
-            read_at.elapsed() < BACK_WITHIN + Duration::from_secs(IDLE_S),
-            "{:?} after the guest read {READ_MIB} MiB and went idle ({IDLE_S} s to drop its \
-             caches), the VM still holds {held} MiB ({full} MiB after the read, {idle} MiB \
+            read_at.elapsed() < BACK_WITHIN + Duration::from_secs(BUSY_S + IDLE_S),
+            "{:?} after the guest read {READ_MIB} MiB and went idle {BUSY_S} s later \
+             ({IDLE_S} s to drop its caches), the VM still holds {held} MiB ({full} MiB after the read, {idle} MiB \
              before)\n{}",
             read_at.elapsed(),
             stdout(&ws.run(&["logs", "-n", "20"]))

@@ -1035,6 +1035,16 @@ mod tests {
             self.w(REG_QUEUE_READY, 1);
         }
 
+        /// Guest memory, and where queue 0's available and used indexes are in it.
+        fn queue_0_indexes(&self) -> (GuestMemoryMmap, GuestAddress, GuestAddress) {
+            let queue = self.t.queues().next().unwrap();
+            (
+                self.t.memory.clone(),
+                GuestAddress(queue.avail_ring() + 2),
+                GuestAddress(queue.used_ring() + 2),
+            )
+        }
+
         fn bring_up(&mut self) {
             self.negotiate(FEATURE_VERSION_1);
             self.setup_queue(0, 256, 0x1000);
@@ -1700,12 +1710,7 @@ mod tests {
     #[test]
     fn a_request_notified_before_driver_ok_is_served() {
         let (mut h, irqfd) = rng_before_driver_ok();
-        let queue = h.t.queues().next().unwrap();
-        let (avail_idx, used_idx) = (
-            GuestAddress(queue.avail_ring() + 2),
-            GuestAddress(queue.used_ring() + 2),
-        );
-        let memory = h.t.memory.clone();
+        let (memory, avail_idx, used_idx) = h.queue_0_indexes();
         offer_entropy_request(&memory, avail_idx);
         h.w(QUEUE_NOTIFY_OFFSET, 0);
         assert_eq!(memory.read_obj::<u16>(used_idx).unwrap(), 0);
@@ -1722,10 +1727,7 @@ mod tests {
     #[test]
     fn an_unreadable_ring_makes_the_device_need_a_reset() {
         let (mut h, irqfd) = rng_harness();
-        let queue = h.t.queues().next().unwrap();
-        let avail_idx = GuestAddress(queue.avail_ring() + 2);
-        let used_idx = GuestAddress(queue.used_ring() + 2);
-        let memory = h.t.memory.clone();
+        let (memory, avail_idx, used_idx) = h.queue_0_indexes();
         memory.write_obj(257u16.to_le(), avail_idx).unwrap();
         h.w(QUEUE_NOTIFY_OFFSET, 0);
         assert_eq!(h.status(), ACK | DRV | FOK | DOK | S_NEEDS_RESET);
@@ -1764,12 +1766,7 @@ mod tests {
     #[test]
     fn a_request_whose_notification_never_came_is_served_a_look_later() {
         let (mut h, irqfd) = rng_harness();
-        let queue = h.t.queues().next().unwrap();
-        let (avail_idx, used_idx) = (
-            GuestAddress(queue.avail_ring() + 2),
-            GuestAddress(queue.used_ring() + 2),
-        );
-        let memory = h.t.memory.clone();
+        let (memory, avail_idx, used_idx) = h.queue_0_indexes();
         h.t.serve_missed_notifications();
         offer_entropy_request(&memory, avail_idx);
         h.t.serve_missed_notifications();

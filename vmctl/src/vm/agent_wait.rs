@@ -129,8 +129,9 @@ pub(super) fn wait_for_new_agent(
         if Instant::now() > deadline {
             let _ = supervisor.kill();
             return Err(not_ready(format!(
-                "the guest agent did not answer within {} s",
-                boot_timeout.as_secs()
+                "the guest agent did not answer within {} s{}",
+                boot_timeout.as_secs(),
+                console_ending(&vm.console_log())
             )));
         }
         notice.update(workspace, started.elapsed());
@@ -179,6 +180,38 @@ fn log_tail(path: &Path) -> String {
         String::new()
     } else {
         format!(":\n  {}\n", tail.join("\n  "))
+    }
+}
+
+/// Most characters of a console line quoted in an error.
+const QUOTED_LINE_CHARS: usize = 200;
+
+/// How far a guest whose agent never answered got, as its console shows it: the
+/// last line, or that there is none. The guest's kernel is quiet, and its agent's
+/// first line comes once the guest's file systems are mounted.
+fn console_ending(path: &Path) -> String {
+    let tail = crate::log_keeper::read_tail(path, 4 << 10).unwrap_or_default();
+    let text = String::from_utf8_lossy(&tail);
+    match text
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+    {
+        Some(line) => {
+            let mut quoted: String = line.chars().take(QUOTED_LINE_CHARS).collect();
+            if quoted.len() < line.len() {
+                quoted.push_str("...");
+            }
+            // The guest's words: an escape sequence in them must not reach a terminal.
+            format!(
+                " (the guest's console ends with: {})",
+                crate::terminal::one_line(&quoted)
+            )
+        }
+        None => ", and the guest's console is empty: the guest did not get as far as its \
+                 agent's first line, which comes once its file systems are mounted"
+            .into(),
     }
 }
 
@@ -284,6 +317,35 @@ mod tests {
             ":\n  first\n  the guest said \u{fffd}\n  vmctl: error: the end\n"
         );
         assert_eq!(log_tail(&dir.path().join("missing")), "");
+    }
+
+    /// An agent that never answered is said with how far its guest got: the console's
+    /// last line (cut short), or that it is empty.
+    #[test]
+    fn a_silent_agent_is_said_with_the_consoles_last_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+        std::fs::write(
+            &console,
+            "guest-agent: booted: root /dev/vda\nINFO agent listening\n\n",
+        )
+        .unwrap();
+        assert_eq!(
+            console_ending(&console),
+            " (the guest's console ends with: INFO agent listening)"
+        );
+        std::fs::write(&console, format!("{}\n", "x".repeat(300))).unwrap();
+        assert_eq!(
+            console_ending(&console),
+            format!(" (the guest's console ends with: {}...)", "x".repeat(200))
+        );
+        for empty in [&b"\n \n"[..], b""] {
+            std::fs::write(&console, empty).unwrap();
+            assert!(console_ending(&console).contains("console is empty"));
+        }
+        assert!(console_ending(&dir.path().join("missing")).contains("console is empty"));
+        std::fs::write(&console, "\x1b[2Jcleared\n").unwrap();
+        assert!(console_ending(&console).ends_with(": \\u{1b}[2Jcleared)"));
     }
 
     #[test]

@@ -177,8 +177,9 @@ pub struct MmioTransport {
     /// The queues notified before activation, by index (see the module doc).
     held_notifications: Vec<bool>,
     /// The queues' ioeventfds, when the builder gave them
-    /// ([`Self::deliver_through`]): held notifications are signalled there, so the
-    /// event loop serves them as it serves any other.
+    /// ([`Self::deliver_through`]): the notifications the transport delivers on the
+    /// driver's behalf (held ones, missed ones) are signalled there, so the event loop
+    /// serves them as it serves any other.
     queue_events: Vec<EventFd>,
     device_features_sel: u32,
     driver_features_sel: u32,
@@ -263,10 +264,10 @@ impl MmioTransport {
         }
     }
 
-    /// Delivers the notifications held until activation through the queues'
-    /// ioeventfds (clones of those the event loop watches), so they are served in the
-    /// event loop, as far as it takes, rather than once on the vCPU that set
-    /// DRIVER_OK.
+    /// Delivers the notifications the transport gives on the driver's behalf (those
+    /// held until activation, those that never came) through the queues' ioeventfds
+    /// (clones of those the event loop watches), so they are served in the event
+    /// loop, as far as it takes, rather than once on the thread that found them.
     pub fn deliver_through(&mut self, queue_events: Vec<EventFd>) {
         self.queue_events = queue_events;
     }

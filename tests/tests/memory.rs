@@ -163,8 +163,8 @@ fn idle_caches_scenario() {
         assert!(
             read_at.elapsed() < BACK_WITHIN + Duration::from_secs(BUSY_S + IDLE_S),
             "{:?} after the guest read {READ_MIB} MiB and went idle {BUSY_S} s later \
-             ({IDLE_S} s to drop its caches), the VM still holds {held} MiB ({full} MiB after the read, {idle} MiB \
-             before)\n{}",
+             ({IDLE_S} s to drop its caches), the VM still holds {held} MiB ({full} MiB \
+             after the read, {idle} MiB before)\n{}",
             read_at.elapsed(),
             stdout(&ws.run(&["logs", "-n", "20"]))
         );

@@ -257,6 +257,22 @@ fn ci() -> Option<String> {
         .filter(|ci| !ci.is_empty() && ci != "0" && ci != "false")
 }
 
+/// Where the lost wake-ups the VMMs of the tests' workspaces made up for are recorded
+/// (`VMCTL_WAKEUP_FILE`, default `<target>/vm-tests-wakeups.txt`), for
+/// `scripts/test.sh` to count: how often the nested host (or a bug of ours) loses an
+/// interrupt or a notification, which the tests would not otherwise see.
+pub fn wakeup_file() -> PathBuf {
+    env_path("VMCTL_WAKEUP_FILE").unwrap_or_else(|| target_dir().join("vm-tests-wakeups.txt"))
+}
+
+/// The lines of a supervisor log in which the VMM made up for a lost wake-up.
+fn made_up_wakeups(log: &str) -> impl Iterator<Item = &str> {
+    use vmm::devices::virtio::{missed_interrupt, missed_notification};
+    log.lines().filter(|line| {
+        line.contains(missed_interrupt::LOG_MARK) || line.contains(missed_notification::LOG_MARK)
+    })
+}
+
 /// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default
 /// `<target>/vm-tests-retried.txt`), for `scripts/test.sh` to count.
 pub fn retry_file() -> PathBuf {
@@ -1132,6 +1148,7 @@ impl Drop for Workspace {
         if thread::panicking() {
             self.note_a_crash_under_the_failure();
         }
+        self.record_made_up_wakeups();
         // Sessions start vmctl's daemon on demand (one per state directory). Bounded
         // even here: a stuck `rm` must not hang the run while a test unwinds. A
         // failure is said (past the capture: the test may pass): the state directory
@@ -1167,6 +1184,31 @@ impl Drop for Workspace {
                     );
                 }
                 Some(_) => {}
+            }
+        }
+    }
+}
+
+impl Workspace {
+    /// Records, in [`wakeup_file`], the lost wake-ups the VMMs of this workspace's VMs
+    /// made up for so far, as their supervisor logs say, before `vmctl rm` takes the
+    /// logs away.
+    fn record_made_up_wakeups(&self) {
+        let Ok(vms) = std::fs::read_dir(self.state().join("vmctl/vms")) else {
+            return;
+        };
+        for vm in vms.flatten() {
+            let log = std::fs::read(vm.path().join("supervisor.log")).unwrap_or_default();
+            for line in made_up_wakeups(&String::from_utf8_lossy(&log)) {
+                append_line(
+                    &wakeup_file(),
+                    &format!(
+                        "LOST WAKE-UP MADE UP FOR in {}: {}",
+                        self.path().display(),
+                        line.trim()
+                    ),
+                    "lost wake-up",
+                );
             }
         }
     }
@@ -1457,6 +1499,25 @@ pub fn assert_guest_clock_is_hosts(when: &str, date_last: impl FnOnce() -> Outpu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The VMM's lines of lost wake-ups made up for are found in a supervisor log;
+    /// the summaries as the VM ends and other lines are not.
+    #[test]
+    fn the_vmms_made_up_wakeups_are_found_in_its_log() {
+        let log = "vmctl: supervising the VM of /w\n\
+             2026-12-07T13:00:00Z  WARN vmm::devices::virtio::mmio: virtio device type 26: \
+             the driver left its interrupt unacknowledged for half a second: interrupt \
+             raised again (a lost interrupt; 1 so far)\n\
+             2026-12-07T13:00:01Z  WARN vmm::devices::virtio::mmio: virtio device type 3: \
+             chains on queue 1 waited half a second for a notification that did not come: \
+             served (a lost notification, or a driver held up before it notified; 1 so far)\n\
+             2026-12-07T13:00:02Z  WARN vmm::builder: virtio-mmio slot 3: 1 missed \
+             notification(s) served\n";
+        let found: Vec<&str> = made_up_wakeups(log).collect();
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].contains("type 26"), "{found:?}");
+        assert!(found[1].contains("type 3"), "{found:?}");
+    }
 
     #[test]
     fn a_build_script_gives_the_file_it_printed_last_or_says_what_went_wrong() {

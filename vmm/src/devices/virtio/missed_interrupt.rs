@@ -122,6 +122,10 @@ impl MissedInterruptWatch {
     }
 }
 
+/// In each line the VMM logs as it raises a missed interrupt again (the first ten,
+/// then every tenfold count), for a reader of the log to find them by.
+pub const LOG_MARK: &str = "(a lost interrupt;";
+
 /// What follows the count in the line the VMM logs as the VM ends, for each device
 /// whose driver missed interrupts ([`summary`]); [`total_in_log`] reads it back.
 const SUMMARY_TAIL: &str = "missed interrupt(s) raised again";

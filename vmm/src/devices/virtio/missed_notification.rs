@@ -75,6 +75,10 @@ impl MissedNotificationWatch {
     }
 }
 
+/// In each line the VMM logs as it serves a queue for a missed notification (the
+/// first ten, then every tenfold count), for a reader of the log to find them by.
+pub const LOG_MARK: &str = "(a lost notification";
+
 /// What follows the count in the line the VMM logs as the VM ends, for each device
 /// that missed notifications ([`summary`]).
 const SUMMARY_TAIL: &str = "missed notification(s) served";

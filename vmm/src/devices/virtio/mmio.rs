@@ -23,8 +23,8 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::missed_interrupt::{Look, Missed, MissedInterruptWatch, UsedProgress};
-use super::missed_notification::{MissedNotificationWatch, RingIndexes};
+use super::missed_interrupt::{self, Look, Missed, MissedInterruptWatch, UsedProgress};
+use super::missed_notification::{self, MissedNotificationWatch, RingIndexes};
 use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
 use crate::devices::bus::BusDevice;
 use crate::memory::GuestMemoryMmap;
@@ -305,8 +305,9 @@ impl MmioTransport {
             };
             tracing::warn!(
                 "virtio device type {}: the driver {what} for half a second: interrupt raised \
-                 again (a lost interrupt; {count} so far)",
-                self.device.device_type()
+                 again {} {count} so far)",
+                self.device.device_type(),
+                missed_interrupt::LOG_MARK
             );
         }
         match missed {
@@ -344,9 +345,10 @@ impl MmioTransport {
             if said_on_the_log(count) {
                 tracing::warn!(
                     "virtio device type {}: chains on queue {index} waited half a second \
-                     for a notification that did not come: served (a lost notification, or \
-                     a driver held up before it notified; {count} so far)",
-                    self.device.device_type()
+                     for a notification that did not come: served {}, or a driver held up \
+                     before it notified; {count} so far)",
+                    self.device.device_type(),
+                    missed_notification::LOG_MARK
                 );
             }
             self.deliver_notification(index);

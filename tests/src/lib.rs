@@ -1191,14 +1191,17 @@ impl Drop for Workspace {
 
 impl Workspace {
     /// Records, in [`wakeup_file`], the lost wake-ups the VMMs of this workspace's VMs
-    /// made up for so far, as their supervisor logs say, before `vmctl rm` takes the
-    /// logs away.
+    /// made up for so far, as their supervisor logs say (a restarted VM's previous log
+    /// too), before `vmctl rm` takes the logs away.
     fn record_made_up_wakeups(&self) {
         let Ok(vms) = std::fs::read_dir(self.state().join("vmctl/vms")) else {
             return;
         };
-        for vm in vms.flatten() {
-            let log = std::fs::read(vm.path().join("supervisor.log")).unwrap_or_default();
+        let logs = vms.flatten().flat_map(|vm| {
+            ["supervisor.log.previous", "supervisor.log"].map(|name| vm.path().join(name))
+        });
+        for log in logs {
+            let log = std::fs::read(log).unwrap_or_default();
             for line in made_up_wakeups(&String::from_utf8_lossy(&log)) {
                 append_line(
                     &wakeup_file(),

@@ -42,10 +42,18 @@ pub fn poke(memory: &GuestMemoryMmap, addr: u64, bytes: &[u8]) {
     }
 }
 
-/// Where a driver put one queue, and how large it made it.
+/// In a layout's size byte (whose low four bits are the size's power of two): the
+/// driver negotiated EVENT_IDX.
+const EVENT_IDX_BIT: u8 = 0x10;
+
+/// Where a driver put one queue, how large it made it, and whether with EVENT_IDX.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QueueLayout {
     pub size: u16,
+    /// Whether the driver negotiated VIRTIO_RING_F_EVENT_IDX, for a harness that
+    /// hands the queue to the device itself (the `mmio` harness negotiates through
+    /// the transport's registers instead).
+    pub event_idx: bool,
     pub desc: u64,
     pub avail: u64,
     pub used: u64,
@@ -57,8 +65,10 @@ impl QueueLayout {
     /// `mmio` harness's register writes cover).
     pub fn read(r: &mut Reader) -> QueueLayout {
         let near = |v: u32| u64::from(near_memory(v));
+        let size_byte = r.u8();
         QueueLayout {
-            size: 1 << (r.u8() % 16),
+            size: 1 << (size_byte % 16),
+            event_idx: size_byte & EVENT_IDX_BIT != 0,
             desc: near(r.u32()),
             avail: near(r.u32()),
             used: near(r.u32()),
@@ -66,7 +76,8 @@ impl QueueLayout {
     }
 
     pub fn write(&self, w: &mut crate::input::Writer) {
-        w.u8(self.size.trailing_zeros() as u8)
+        let event_idx = if self.event_idx { EVENT_IDX_BIT } else { 0 };
+        w.u8(self.size.trailing_zeros() as u8 | event_idx)
             .u32(self.desc as u32)
             .u32(self.avail as u32)
             .u32(self.used as u32);
@@ -89,6 +100,7 @@ impl QueueLayout {
             .try_set_used_ring_address(GuestAddress(self.used))
             .ok()?;
         queue.set_ready(true);
+        queue.set_event_idx(self.event_idx);
         queue.is_valid(memory).then_some(queue)
     }
 }

@@ -24,6 +24,7 @@ pub const BLK_IOERR: u8 = 1;
 
 const LAYOUT: QueueLayout = QueueLayout {
     size: 8,
+    event_idx: false,
     desc: DESC,
     avail: AVAIL,
     used: USED,
@@ -150,10 +151,12 @@ pub fn console_write() -> mmio::Input {
     }
 }
 
-/// vsock's queues: rx, tx, event, each of 8 descriptors, their rings 2 KiB apart.
+/// vsock's queues: rx, tx, event, each of 8 descriptors, their rings 2 KiB apart, with
+/// EVENT_IDX (as Linux negotiates it).
 pub fn vsock_layouts() -> [QueueLayout; 3] {
     [0u64, 1, 2].map(|i| QueueLayout {
         size: 8,
+        event_idx: true,
         desc: DESC + 0x800 * 3 * i,
         avail: DESC + 0x800 * (3 * i + 1),
         used: DESC + 0x800 * (3 * i + 2),

@@ -18,14 +18,16 @@ use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
     VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
 };
-use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::missed_interrupt::{self, Look, Missed, MissedInterruptWatch, UsedProgress};
 use super::missed_notification::{self, MissedNotificationWatch, RingIndexes};
-use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
+use super::{
+    ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_EVENT_IDX,
+    FEATURE_VERSION_1,
+};
 use crate::devices::bus::BusDevice;
 use crate::memory::GuestMemoryMmap;
 
@@ -280,7 +282,7 @@ impl MmioTransport {
         if !self.device_activated {
             return;
         }
-        let event_idx = self.acked_features() & (1u64 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let event_idx = self.acked_features() & FEATURE_EVENT_IDX != 0;
         let queues = if event_idx {
             self.queues
                 .iter()
@@ -595,7 +597,7 @@ impl MmioTransport {
     /// Copies of the queues for the device, after checking the ready ones against
     /// guest memory.
     fn queues_for_activation(&self) -> Result<Vec<Queue>, ActivateError> {
-        let event_idx = self.acked_features() & (1u64 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let event_idx = self.acked_features() & FEATURE_EVENT_IDX != 0;
         self.queues
             .iter()
             .enumerate()
@@ -1483,7 +1485,7 @@ mod tests {
     /// look after a reset, and no more once the driver takes its buffers.
     #[test]
     fn a_missed_interrupt_is_raised_again_with_event_idx_only() {
-        const EVENT_IDX: u64 = 1 << VIRTIO_RING_F_EVENT_IDX;
+        const EVENT_IDX: u64 = FEATURE_EVENT_IDX;
         for negotiated in [FEATURE_VERSION_1 | EVENT_IDX, FEATURE_VERSION_1] {
             let with_event_idx = negotiated & EVENT_IDX != 0;
             let mut h = harness_offering(vec![256], OFFERED | EVENT_IDX);

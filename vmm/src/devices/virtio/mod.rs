@@ -40,6 +40,13 @@ pub const DEVICE_ID_VSOCK: u32 = 19;
 /// VIRTIO_F_VERSION_1: every device we offer is a modern (1.0+) device.
 pub const FEATURE_VERSION_1: u64 = 1 << 32;
 
+/// VIRTIO_RING_F_EVENT_IDX (virtio 1.2, 2.7.10): the driver says at which used index it
+/// wants its next interrupt, the device at which available index its next
+/// notification; each side skips the rest. Offered by every device: those served
+/// through [`ActiveQueue`], and vsock, keep the device's side with
+/// [`take_head_or_ask_for_notifications`]; virtio-fs leaves it to virtiofsd.
+pub const FEATURE_EVENT_IDX: u64 = 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+
 /// InterruptStatus bits (virtio-mmio).
 pub const INTERRUPT_USED_BUFFER: u32 = 1;
 pub const INTERRUPT_CONFIG_CHANGE: u32 = 2;
@@ -260,6 +267,12 @@ impl ActiveQueue {
     /// loop that calls this must get back to its other work (a stop, a vCPU's exit) in
     /// between.
     ///
+    /// While it serves, the driver is asked not to notify (it would cost a VM exit
+    /// for chains this call takes anyway); a call that found the ring empty asks for
+    /// notifications again and then looks once more, as a chain made available just
+    /// before the driver saw the request would get none. A call that returns
+    /// [`QueueProgress::MoreAvailable`] leaves them off: the caller comes back.
+    ///
     /// Each chain is read from guest memory once ([`chain::read_chain`]), and `handle`
     /// is given that copy, the one the budget counted: the guest may rewrite its
     /// descriptors at any time (another vCPU), and a second read could find them grown
@@ -276,9 +289,16 @@ impl ActiveQueue {
         let mut used_any = false;
         let mut left = self.queue.size();
         let mut bytes_left = SERVE_BYTES;
+        // The ring is looked at again before this call ends: the driver's notifications
+        // until then would only cost it VM exits.
+        hold_notifications(&mut self.queue, &self.memory, device);
         let progress = loop {
-            let Some(head) = take_head(&mut self.queue, &self.memory, &self.interrupt, device)
-            else {
+            let Some(head) = take_head_or_ask_for_notifications(
+                &mut self.queue,
+                &self.memory,
+                &self.interrupt,
+                device,
+            ) else {
                 break QueueProgress::Done;
             };
             let (served, asked) = match self.chains.read(device, &self.queue, &self.memory, head) {
@@ -300,7 +320,7 @@ impl ActiveQueue {
                 .saturating_sub(asked)
                 .saturating_sub(served.extra_cost);
             if left == 0 || bytes_left == 0 {
-                break if has_available(&self.queue, &self.memory) {
+                break if more_after_budget(&mut self.queue, &self.memory, &self.interrupt, device) {
                     QueueProgress::MoreAvailable
                 } else {
                     QueueProgress::Done
@@ -319,6 +339,71 @@ impl ActiveQueue {
         }
         progress
     }
+}
+
+/// Asks the driver to hold its notifications of `queue`, for a device about to serve
+/// it until it is empty (or its budget is spent): with EVENT_IDX nothing is written,
+/// as `avail_event` left where it was asks for none; without, the used ring's
+/// NO_NOTIFY flag is set. Failing to write the flag loses nothing: the driver then
+/// notifies as before.
+pub(crate) fn hold_notifications(queue: &mut Queue, memory: &GuestMemoryMmap, device: &str) {
+    if let Err(e) = queue.disable_notification(memory) {
+        tracing::debug!("{device}: cannot ask the driver for no notifications: {e}");
+    }
+}
+
+/// Asks the driver to notify the device of its next chain: with EVENT_IDX,
+/// `avail_event` set to the first chain not taken (a driver notifies only when its
+/// available index passes it); without, the used ring's NO_NOTIFY flag cleared.
+/// Returns whether chains came in the meantime, which the driver may not have
+/// notified; false when the rings cannot be reached, reported (a driver that is never
+/// asked again would wait for ever).
+pub(crate) fn ask_for_notifications(
+    queue: &mut Queue,
+    memory: &GuestMemoryMmap,
+    interrupt: &InterruptTrigger,
+    device: &str,
+) -> bool {
+    queue.enable_notification(memory).unwrap_or_else(|e| {
+        interrupt.report_unreadable_ring(device, &e.to_string());
+        false
+    })
+}
+
+/// [`take_head`] for a device that holds the driver's notifications while it serves
+/// ([`hold_notifications`]): where the ring looks empty, it asks for them again, then
+/// looks once more, for a chain made available just before the driver saw the
+/// request. (Only once: a chain gone again, as a guest may flip its index back and
+/// forth, will be notified.)
+pub(crate) fn take_head_or_ask_for_notifications(
+    queue: &mut Queue,
+    memory: &GuestMemoryMmap,
+    interrupt: &InterruptTrigger,
+    device: &str,
+) -> Option<u16> {
+    match pop_head(queue, memory) {
+        Ok(Some(head)) => Some(head),
+        Ok(None) if ask_for_notifications(queue, memory, interrupt, device) => {
+            take_head(queue, memory, interrupt, device)
+        }
+        Ok(None) => None,
+        Err(why) => {
+            interrupt.report_unreadable_ring(device, &why);
+            None
+        }
+    }
+}
+
+/// Whether a device that stopped at its budget must come back to `queue`: chains are
+/// left, or came as it asked the driver for notifications again (which it does only
+/// when none were left: a caller that comes back needs none).
+pub(crate) fn more_after_budget(
+    queue: &mut Queue,
+    memory: &GuestMemoryMmap,
+    interrupt: &InterruptTrigger,
+    device: &str,
+) -> bool {
+    has_available(queue, memory) || ask_for_notifications(queue, memory, interrupt, device)
 }
 
 /// The head of the next available chain, taken off the ring (as virtio-queue's
@@ -622,6 +707,43 @@ mod tests {
         (ring, active)
     }
 
+    /// Where [`queue_negotiated`] puts the used ring: the mock lays it over the end of
+    /// the available ring, `used_event` included, which these tests need.
+    const USED_RING: u64 = 0x1000;
+
+    /// A field of the used ring at [`USED_RING`]: its `flags` at 0, `idx` at 2,
+    /// `avail_event` after its entries ([`AVAIL_EVENT`]).
+    fn used_ring_field(memory: &GuestMemoryMmap, offset: u64) -> u16 {
+        memory.read_obj(GuestAddress(USED_RING + offset)).unwrap()
+    }
+
+    const USED_FLAGS: u64 = 0;
+    const USED_IDX: u64 = 2;
+    const AVAIL_EVENT: u64 = 4 + 8 * RING_SIZE as u64;
+
+    /// [`queue_of`], with or without VIRTIO_RING_F_EVENT_IDX negotiated, and its used
+    /// ring at [`USED_RING`].
+    fn queue_negotiated<'a>(
+        memory: &'a GuestMemoryMmap,
+        chains: &[RawDescriptor],
+        event_idx: bool,
+    ) -> (MockSplitQueue<'a, GuestMemoryMmap>, ActiveQueue) {
+        let ring = MockSplitQueue::new(memory, RING_SIZE);
+        ring.add_desc_chains(chains, 0).unwrap();
+        let mut queue: Queue = ring.create_queue().unwrap();
+        queue.set_used_ring_address(Some(USED_RING as u32), Some(0));
+        queue.set_event_idx(event_idx);
+        let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
+        let active = ActiveQueue::new(memory.clone(), vec![queue], interrupt).unwrap();
+        (ring, active)
+    }
+
+    /// Chains that each claim a quarter of [`SERVE_BYTES`].
+    fn quarter_budget_chains(count: usize) -> Vec<RawDescriptor> {
+        let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
+        vec![RawDescriptor::from(Descriptor::new(0x8_0000, quarter, 0, 0)); count]
+    }
+
     /// `active` hands no chain to its handler, and the device needs a reset, said with
     /// a configuration change interrupt.
     fn serves_nothing_and_needs_a_reset(active: &mut ActiveQueue) {
@@ -714,11 +836,7 @@ mod tests {
     #[test]
     fn a_call_stops_at_its_byte_budget() {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let quarter = u32::try_from(SERVE_BYTES / 4).unwrap();
-        let big: Vec<RawDescriptor> = (0..6)
-            .map(|_| RawDescriptor::from(Descriptor::new(0x8_0000, quarter, 0, 0)))
-            .collect();
-        let (_ring, mut active) = queue_of(&memory, &big);
+        let (_ring, mut active) = queue_of(&memory, &quarter_budget_chains(6));
         let mut served = 0;
         let progress = active.serve("test", |_, _| {
             served += 1;
@@ -781,6 +899,105 @@ mod tests {
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
         assert_eq!(irqfd.read().unwrap(), 1);
         assert_eq!(ring.used().idx().load(), 2);
+    }
+
+    const USED_F_NO_NOTIFY: u16 = virtio_bindings::virtio_ring::VRING_USED_F_NO_NOTIFY as u16;
+
+    /// A fresh guest memory for one queue.
+    fn memory() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap()
+    }
+
+    /// Without EVENT_IDX a driver reads the used ring's NO_NOTIFY flag: set while the
+    /// device serves (a notification then is a VM exit for a chain it takes anyway),
+    /// cleared once it found the ring empty.
+    #[test]
+    fn the_driver_is_asked_for_no_notifications_while_the_device_serves() {
+        let memory = memory();
+        let (_ring, mut active) = queue_negotiated(&memory, &buffers(2), false);
+        let mut flags_seen = Vec::new();
+        let progress = active.serve("test", |_, memory| {
+            flags_seen.push(used_ring_field(memory, USED_FLAGS));
+            0
+        });
+        assert_eq!(progress, QueueProgress::Done);
+        assert_eq!(flags_seen, [USED_F_NO_NOTIFY; 2]);
+        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0, "asked for again");
+    }
+
+    /// A call that stops with chains left leaves notifications off (its caller comes
+    /// back to them); one that stops at its budget as the ring runs empty asks for
+    /// them again, as one that found the ring empty does.
+    #[test]
+    fn notifications_stay_off_while_chains_are_left() {
+        let memory = memory();
+        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), false);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::MoreAvailable);
+        assert_eq!(used_ring_field(&memory, USED_FLAGS), USED_F_NO_NOTIFY);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0);
+
+        let memory = self::memory();
+        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(4), false);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(used_ring_field(&memory, USED_IDX), 4);
+        assert_eq!(
+            used_ring_field(&memory, USED_FLAGS),
+            0,
+            "budget spent, ring empty"
+        );
+    }
+
+    /// With EVENT_IDX the device asks to be notified at the first chain it has not
+    /// served (`avail_event`); while it serves, `avail_event` stays behind, which asks
+    /// for nothing, and the flags a driver without EVENT_IDX reads are left alone.
+    #[test]
+    fn with_event_idx_the_next_notification_is_asked_at_the_first_chain_not_served() {
+        let memory = memory();
+        let (_ring, mut active) = queue_negotiated(&memory, &buffers(3), true);
+        let mut events_seen = Vec::new();
+        let progress = active.serve("test", |_, memory| {
+            events_seen.push(used_ring_field(memory, AVAIL_EVENT));
+            0
+        });
+        assert_eq!(progress, QueueProgress::Done);
+        assert_eq!(events_seen, [0; 3]);
+        assert_eq!(used_ring_field(&memory, AVAIL_EVENT), 3);
+        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0);
+
+        let memory = self::memory();
+        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), true);
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::MoreAvailable);
+        assert_eq!(
+            used_ring_field(&memory, AVAIL_EVENT),
+            0,
+            "behind while chains wait"
+        );
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(used_ring_field(&memory, AVAIL_EVENT), 6);
+    }
+
+    /// With EVENT_IDX the driver is interrupted once the used index passes its
+    /// `used_event`, not for every call that used chains.
+    #[test]
+    fn with_event_idx_the_driver_is_interrupted_only_past_its_used_event() {
+        let memory = memory();
+        let (ring, mut active) = queue_negotiated(&memory, &buffers(4), true);
+        let irqfd = active.interrupt.irqfd.clone();
+        let avail_idx = ring.avail_addr().unchecked_add(2);
+        let used_event = ring
+            .avail_addr()
+            .unchecked_add(4 + 2 * u64::from(RING_SIZE));
+        // The driver wants to hear once the fourth chain (used index 3) is used.
+        memory.write_obj(3u16, used_event).unwrap();
+        memory.write_obj(2u16, avail_idx).unwrap();
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(used_ring_field(&memory, USED_IDX), 2);
+        assert!(irqfd.read().is_err(), "interrupted before its used_event");
+
+        memory.write_obj(4u16, avail_idx).unwrap();
+        assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
+        assert_eq!(irqfd.read().unwrap(), 1);
     }
 
     /// A guest can change its descriptors at any time (another vCPU, in a tight

@@ -16,7 +16,7 @@ use virtio_queue::Queue;
 
 use super::{
     queues_of, read_config_bytes, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress,
-    VirtioDevice, FEATURE_VERSION_1,
+    VirtioDevice, FEATURE_EVENT_IDX, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -157,7 +157,7 @@ impl VirtioDevice for Balloon {
     }
 
     fn avail_features(&self) -> u64 {
-        FEATURE_VERSION_1 | FEATURE_REPORTING
+        FEATURE_VERSION_1 | FEATURE_EVENT_IDX | FEATURE_REPORTING
     }
 
     fn set_acked_features(&mut self, features: u64) {

@@ -239,7 +239,7 @@ fn the_target_is_zero_and_only_actual_is_written() {
     assert_eq!(balloon.device_type(), DEVICE_ID_BALLOON);
     assert_eq!(
         balloon.avail_features(),
-        FEATURE_VERSION_1 | FEATURE_REPORTING
+        FEATURE_VERSION_1 | FEATURE_EVENT_IDX | FEATURE_REPORTING
     );
     balloon.write_config(ACTUAL_OFFSET, &7u32.to_le_bytes());
     balloon.write_config(0, &9u32.to_le_bytes()); // num_pages is the device's

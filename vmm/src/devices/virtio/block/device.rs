@@ -17,7 +17,7 @@ use super::{QUEUE_SIZE, SECTOR_SIZE, VIRTIO_BLK_ID_LEN};
 use crate::devices::virtio::{
     read_into_guest, serve_single_queue, write_from_guest, ActivateError, ActiveQueue,
     GuestIoError, InterruptTrigger, QueueProgress, Served, VirtioDevice, DEVICE_ID_BLOCK,
-    FEATURE_VERSION_1,
+    FEATURE_EVENT_IDX, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -104,6 +104,7 @@ impl Block {
         }
 
         let mut avail_features = FEATURE_VERSION_1
+            | FEATURE_EVENT_IDX
             | (1 << VIRTIO_BLK_F_FLUSH)
             | (1 << VIRTIO_BLK_F_SEG_MAX)
             | (1 << VIRTIO_BLK_F_SIZE_MAX);
@@ -609,6 +610,7 @@ mod tests {
         assert_eq!(
             f,
             FEATURE_VERSION_1
+                | FEATURE_EVENT_IDX
                 | 1 << VIRTIO_BLK_F_FLUSH
                 | 1 << VIRTIO_BLK_F_SEG_MAX
                 | 1 << VIRTIO_BLK_F_SIZE_MAX

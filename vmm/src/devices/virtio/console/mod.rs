@@ -4,16 +4,17 @@
 //! there, docs/benchmarks.md). The guest agent writes its log here when the device is
 //! there; the kernel keeps ttyS0 (it is up before any virtio device, and for a panic).
 //!
-//! No features: one port, no multiport control queue, no size, no emergency write. The
-//! receive queue is never filled (host input goes to the 8250), so it is kept small:
-//! Linux gives it a page per descriptor.
+//! No console features (only the transport's EVENT_IDX): one port, no multiport
+//! control queue, no size, no emergency write. The receive queue is never filled
+//! (host input goes to the 8250), so it is kept small: Linux gives it a page per
+//! descriptor.
 
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::Queue;
 
 use super::{
     queues_of, write_from_guest, ActivateError, ActiveQueue, InterruptTrigger, QueueProgress,
-    VirtioDevice, DEVICE_ID_CONSOLE, FEATURE_VERSION_1,
+    VirtioDevice, DEVICE_ID_CONSOLE, FEATURE_EVENT_IDX, FEATURE_VERSION_1,
 };
 use crate::devices::console_output::ConsoleQueue;
 use crate::memory::GuestMemoryMmap;
@@ -78,7 +79,7 @@ impl VirtioDevice for Console {
     }
 
     fn avail_features(&self) -> u64 {
-        FEATURE_VERSION_1
+        FEATURE_VERSION_1 | FEATURE_EVENT_IDX
     }
 
     fn set_acked_features(&mut self, features: u64) {
@@ -238,13 +239,14 @@ mod tests {
     }
 
     #[test]
-    fn offers_no_features_but_version_1_and_resets() {
+    fn offers_no_console_features_and_resets() {
         let sink = SharedBuf::default();
         let output = ConsoleOutput::new(Box::new(sink));
         let mut console = Console::new(output.queue());
-        assert_eq!(console.avail_features(), FEATURE_VERSION_1);
+        let transport_features = FEATURE_VERSION_1 | FEATURE_EVENT_IDX;
+        assert_eq!(console.avail_features(), transport_features);
         console.set_acked_features(u64::MAX);
-        assert_eq!(console.acked_features, FEATURE_VERSION_1);
+        assert_eq!(console.acked_features, transport_features);
         let mut config = [0xff; 12];
         console.read_config(0, &mut config);
         assert_eq!(config, [0; 12]);

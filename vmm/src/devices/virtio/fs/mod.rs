@@ -22,7 +22,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use self::backend::{Backend, BackendError};
 use self::worker::{Worker, WorkerHandle};
-use super::{ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_VERSION_1};
+use super::{
+    ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, FEATURE_EVENT_IDX,
+    FEATURE_VERSION_1,
+};
 use crate::config::MAX_FS_TAG_LEN;
 use crate::memory::GuestMemoryMmap;
 use crate::process::{Event, EventSink};
@@ -61,7 +64,7 @@ pub struct VhostUserFs {
 /// Transport features we let the guest and backend agree on. EVENT_IDX matters most:
 /// it lets both sides skip most notifications and interrupts.
 const SUPPORTED_FEATURES: u64 = FEATURE_VERSION_1
-    | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+    | FEATURE_EVENT_IDX
     | (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_INDIRECT_DESC);
 
 impl VhostUserFs {

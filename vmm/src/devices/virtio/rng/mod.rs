@@ -8,7 +8,8 @@ use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice};
 
 use super::{
     read_into_guest, serve_single_queue, ActivateError, ActiveQueue, GuestIoError,
-    InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_RNG, FEATURE_VERSION_1,
+    InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_RNG, FEATURE_EVENT_IDX,
+    FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -111,7 +112,7 @@ impl VirtioDevice for Rng {
     }
 
     fn avail_features(&self) -> u64 {
-        FEATURE_VERSION_1
+        FEATURE_VERSION_1 | FEATURE_EVENT_IDX
     }
 
     fn set_acked_features(&mut self, features: u64) {
@@ -311,7 +312,7 @@ mod tests {
         assert_eq!(rng.device_type(), DEVICE_ID_RNG);
         assert_eq!(rng.queue_max_sizes(), &[256]);
         rng.set_acked_features(u64::MAX);
-        assert_eq!(rng.acked_features, FEATURE_VERSION_1);
+        assert_eq!(rng.acked_features, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
         assert!(rng.activate(mem.clone(), vec![], irq.clone()).is_err());
         assert!(rng
             .activate(mem, vec![Queue::new(16).unwrap()], irq)

@@ -28,7 +28,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{
     ActivateError, InterruptTrigger, QueueProgress, VirtioDevice, DEVICE_ID_VSOCK,
-    FEATURE_VERSION_1,
+    FEATURE_EVENT_IDX, FEATURE_VERSION_1,
 };
 use crate::memory::GuestMemoryMmap;
 use muxer::Muxer;
@@ -142,7 +142,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn avail_features(&self) -> u64 {
-        FEATURE_VERSION_1
+        FEATURE_VERSION_1 | FEATURE_EVENT_IDX
     }
 
     fn set_acked_features(&mut self, features: u64) {

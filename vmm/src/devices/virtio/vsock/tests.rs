@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::connection::BUF_ALLOC;
 use super::packet::{Header, Op, HDR_LEN, HOST_CID, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
+use super::worker::RX_QUEUE;
 use super::*;
 
 const CID: u64 = 3;
@@ -57,46 +58,75 @@ impl Drop for TempDir {
 
 type Packet = (Header, Vec<u8>);
 
-/// A simulated guest driver.
+/// A simulated guest driver. Like Linux's, it notifies the device only when the
+/// device asks (`avail_event` with EVENT_IDX, the used ring's NO_NOTIFY flag
+/// without), so a device that forgets to ask again makes these tests wait for ever.
 struct Guest {
     mem: GuestMemoryMmap,
     dev: Vsock,
     _dir: TempDir,
+    event_idx: bool,
     rx_used: u16,
     tx_used: u16,
     tx_free: Vec<u16>,
     received: VecDeque<Packet>,
     irq: Arc<EventFd>,
+    /// Notifications sent, per queue.
+    kicks: [u32; 3],
 }
+
+const USED_F_NO_NOTIFY: u16 = virtio_bindings::virtio_ring::VRING_USED_F_NO_NOTIFY as u16;
 
 fn raw(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
     RawDescriptor::from(Descriptor::new(addr, len, flags, next))
 }
 
 impl Guest {
+    /// A guest that negotiated EVENT_IDX, as Linux does, with every receive buffer
+    /// posted.
     fn new() -> Self {
-        let dir = TempDir::new();
-        let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
-        Self::with_device(dir, dev)
+        Self::negotiating(true, QSIZE)
     }
 
-    fn with_device(dir: TempDir, mut dev: Vsock) -> Self {
+    /// A guest with or without EVENT_IDX, that posts `rx_buffers` receive buffers.
+    fn negotiating(event_idx: bool, rx_buffers: u16) -> Self {
+        let dir = TempDir::new();
+        let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+        Self::start(dir, dev, event_idx, rx_buffers, |_| {})
+    }
+
+    fn with_device(dir: TempDir, dev: Vsock) -> Self {
+        Self::start(dir, dev, true, QSIZE, |_| {})
+    }
+
+    /// Activates `dev` for a new guest; `before` writes what the guest's memory holds
+    /// before that.
+    fn start(
+        dir: TempDir,
+        mut dev: Vsock,
+        event_idx: bool,
+        rx_buffers: u16,
+        before: impl FnOnce(&GuestMemoryMmap),
+    ) -> Self {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
         let irq = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
         let mut guest = Self {
             mem,
             dev: Vsock::new(CID, &dir.0.join("unused.sock")).unwrap(),
             _dir: dir,
+            event_idx,
             rx_used: 0,
             tx_used: 0,
             tx_free: (0..QSIZE).rev().collect(),
             received: VecDeque::new(),
             irq: irq.clone(),
+            kicks: [0; 3],
         };
-        let queues: Vec<Queue> = (0..3).map(Self::make_queue).collect();
-        for i in 0..QSIZE {
+        let queues: Vec<Queue> = (0..3).map(|q| Self::make_queue(q, event_idx)).collect();
+        for i in 0..rx_buffers {
             guest.post_rx(i);
         }
+        before(&guest.mem);
         dev.activate(guest.mem.clone(), queues, InterruptTrigger::new(irq))
             .unwrap();
         guest.dev = dev;
@@ -112,9 +142,10 @@ impl Guest {
         (base, base + 0x1000, base + 0x2000)
     }
 
-    fn make_queue(q: usize) -> Queue {
+    fn make_queue(q: usize, event_idx: bool) -> Queue {
         let (desc, avail, used) = Self::layout(q);
         let mut queue = Queue::new(QSIZE).unwrap();
+        queue.set_event_idx(event_idx);
         queue.set_size(QSIZE);
         queue.set_desc_table_address(Some(desc as u32), Some(0));
         queue.set_avail_ring_address(Some(avail as u32), Some(0));
@@ -141,6 +172,42 @@ impl Guest {
         self.mem
             .write_obj(idx.wrapping_add(1), GuestAddress(avail + 2))
             .unwrap();
+    }
+
+    /// The available index of queue `q`: how many chains the guest made available.
+    fn avail_idx(&self, q: usize) -> u16 {
+        let (_, avail, _) = Self::layout(q);
+        self.mem.read_obj(GuestAddress(avail + 2)).unwrap()
+    }
+
+    /// Where queue `q`'s used ring holds `avail_event` (after its entries).
+    fn avail_event_addr(q: usize) -> GuestAddress {
+        let (_, _, used) = Self::layout(q);
+        GuestAddress(used + 4 + 8 * u64::from(QSIZE))
+    }
+
+    /// Whether the device asks to be told of queue `q`'s chains made available since
+    /// the available index was `old` (Linux's `virtqueue_kick_prepare`).
+    fn device_wants_notification(&self, q: usize, old: u16) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let new = self.avail_idx(q);
+        if self.event_idx {
+            let event: u16 = self.mem.read_obj(Self::avail_event_addr(q)).unwrap();
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            let (_, _, used) = Self::layout(q);
+            let flags: u16 = self.mem.read_obj(GuestAddress(used)).unwrap();
+            flags & USED_F_NO_NOTIFY == 0
+        }
+    }
+
+    /// Notifies the device of queue `q`'s chains made available since its available
+    /// index was `old`, if it asks for it.
+    fn notify(&mut self, q: usize, old: u16) {
+        if self.device_wants_notification(q, old) {
+            self.kicks[q] += 1;
+            assert_eq!(self.dev.process_queue(q), QueueProgress::Done);
+        }
     }
 
     /// Used element `i` (modulo the size) and the used index of queue `q`.
@@ -174,8 +241,9 @@ impl Guest {
 
     /// Sends raw bytes as one single-descriptor tx chain.
     fn send_raw(&mut self, bytes: &[u8]) {
+        let old = self.avail_idx(1);
         self.post_tx(bytes);
-        assert_eq!(self.dev.process_queue(1), QueueProgress::Done);
+        self.notify(1, old);
     }
 
     /// Makes raw bytes available as one single-descriptor tx chain, without a kick.
@@ -210,6 +278,7 @@ impl Guest {
     /// Moves used rx buffers into `received` and reposts them.
     fn poll_rx(&mut self) {
         let (idx, _, _) = self.used(0, 0);
+        let old = self.avail_idx(0);
         let mut reposted = false;
         while self.rx_used != idx {
             let (_, id, used_len) = self.used(0, self.rx_used);
@@ -236,7 +305,7 @@ impl Guest {
             reposted = true;
         }
         if reposted {
-            assert_eq!(self.dev.process_queue(0), QueueProgress::Done);
+            self.notify(0, old);
         }
     }
 
@@ -369,9 +438,9 @@ fn device_basics() {
     assert!(path.exists());
     assert_eq!(dev.device_type(), 19);
     assert_eq!(dev.queue_max_sizes(), &[256, 256, 256]);
-    assert_eq!(dev.avail_features(), FEATURE_VERSION_1);
+    assert_eq!(dev.avail_features(), FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
     dev.set_acked_features(u64::MAX);
-    assert_eq!(dev.acked_features, FEATURE_VERSION_1);
+    assert_eq!(dev.acked_features, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
     let mut cfg = [0xffu8; 12];
     dev.read_config(0, &mut cfg);
     assert_eq!(&cfg[..8], &0x1234_5678u64.to_le_bytes());
@@ -543,7 +612,19 @@ fn credit_limits_host_to_guest_data() {
 
 #[test]
 fn large_transfer_both_ways() {
-    let mut g = Guest::new();
+    large_transfer(Guest::new());
+}
+
+/// The same with a driver that did not negotiate EVENT_IDX, which reads the used
+/// ring's NO_NOTIFY flag instead.
+#[test]
+fn large_transfer_both_ways_without_event_idx() {
+    large_transfer(Guest::negotiating(false, QSIZE));
+}
+
+/// 1 MiB from the host to the guest, then 1 MiB back, each side honouring the
+/// other's credit.
+fn large_transfer(mut g: Guest) {
     let (client, local) = g.host_connect(80);
     // Host → guest, 1 MiB, with the guest granting credit as it consumes.
     let payload: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
@@ -641,6 +722,90 @@ fn guest_initiated_connections() {
     g.expect(Op::Rst);
     g.send_op(40002, 1236, Op::Rst, &[]);
     g.assert_quiet();
+}
+
+/// The driver's new receive buffers are notified only while the device has packets
+/// and nowhere to put them: the worker looks at the ring whenever it has something
+/// to deliver, and each other notification would be a VM exit for nothing. The
+/// guest here starts with no receive buffer at all and an `avail_event` that asks
+/// for no notification; a host client's connection then waits for one.
+#[test]
+fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
+    const NEVER: u16 = 0x8000;
+    let dir = TempDir::new();
+    let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+    let mut g = Guest::start(dir, dev, true, 0, |mem| {
+        mem.write_obj(NEVER, Guest::avail_event_addr(RX_QUEUE))
+            .unwrap();
+    });
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    writeln!(client, "CONNECT 52").unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while g
+        .mem
+        .read_obj::<u16>(Guest::avail_event_addr(RX_QUEUE))
+        .unwrap()
+        == NEVER
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the device never asked for a buffer"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(g.kicks, [0; 3]);
+    // Its first buffer is notified, and takes the connection request.
+    g.post_rx(0);
+    g.notify(RX_QUEUE, 0);
+    assert_eq!(g.kicks[RX_QUEUE], 1);
+    let (h, _) = g.expect(Op::Request);
+    assert_eq!(h.dst_port, 52);
+    // `expect` posted that buffer again; with nothing more to deliver, the device
+    // wanted no notification of it, nor of more.
+    assert_eq!(g.kicks[RX_QUEUE], 1);
+    let old = g.avail_idx(RX_QUEUE);
+    for i in 1..8 {
+        g.post_rx(i);
+    }
+    assert!(!g.device_wants_notification(RX_QUEUE, old));
+    // The connection goes on: the worker finds the buffers when it has data.
+    g.send_op(52, h.src_port, Op::Response, &[]);
+    assert_eq!(read_line(&mut client), format!("OK {}\n", h.src_port));
+    client.write_all(b"ping").unwrap();
+    let (_, data) = g.expect(Op::Rw);
+    assert_eq!(data, b"ping");
+    assert_eq!(g.kicks[RX_QUEUE], 1, "{:?}", g.kicks);
+}
+
+/// Without EVENT_IDX the same is said with the used ring's NO_NOTIFY flag: clear
+/// while the device waits for a buffer, set once it has nothing to deliver.
+#[test]
+fn without_event_idx_no_notify_is_clear_only_while_the_device_waits_for_a_buffer() {
+    let dir = TempDir::new();
+    let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+    let (_, _, used) = Guest::layout(RX_QUEUE);
+    let flags_at = GuestAddress(used);
+    let mut g = Guest::start(dir, dev, false, 0, |mem| {
+        mem.write_obj(USED_F_NO_NOTIFY, flags_at).unwrap();
+    });
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    writeln!(client, "CONNECT 52").unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while g.mem.read_obj::<u16>(flags_at).unwrap() == USED_F_NO_NOTIFY {
+        assert!(
+            Instant::now() < deadline,
+            "the device never asked for a buffer"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    g.post_rx(0);
+    g.notify(RX_QUEUE, 0);
+    let (h, _) = g.expect(Op::Request);
+    // The guest's answer wakes the worker, which has nothing for the guest now.
+    g.send_op(52, h.src_port, Op::Response, &[]);
+    assert_eq!(read_line(&mut client), format!("OK {}\n", h.src_port));
+    assert_eq!(g.mem.read_obj::<u16>(flags_at).unwrap(), USED_F_NO_NOTIFY);
+    assert_eq!(g.kicks[RX_QUEUE], 1, "{:?}", g.kicks);
 }
 
 /// Given the queues' ioeventfds, the worker waits on them itself: a guest's kick,

@@ -13,7 +13,10 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::muxer::Muxer;
 use super::packet::{read_tx_packet, PacketError, RxBuffer, MAX_CHAIN_DESCS, MAX_PKT_LEN};
 use crate::devices::virtio::chain::ChainReader;
-use crate::devices::virtio::{has_available, take_head, InterruptTrigger};
+use crate::devices::virtio::{
+    has_available, hold_notifications, more_after_budget, take_head_or_ask_for_notifications,
+    InterruptTrigger,
+};
 use crate::memory::GuestMemoryMmap;
 
 pub const RX_QUEUE: usize = 0;
@@ -246,12 +249,17 @@ impl Datapath {
     }
 
     /// Hands the packets the guest sent to the muxer, a ring's worth at most (the
-    /// guest can keep the ring full for ever, and the worker must get to a stop).
+    /// guest can keep the ring full for ever, and the worker must get to a stop). The
+    /// driver is asked for no notifications meanwhile, and for them again once the
+    /// ring is empty, as [`crate::devices::virtio::ActiveQueue::serve`] does.
     pub fn process_tx(&mut self) -> Round {
         let mut round = Round::default();
         let queue = &mut self.queues[TX_QUEUE];
         let mut left = queue.size();
-        while let Some(head) = take_head(queue, &self.memory, &self.interrupt, "vsock tx") {
+        hold_notifications(queue, &self.memory, "vsock tx");
+        while let Some(head) =
+            take_head_or_ask_for_notifications(queue, &self.memory, &self.interrupt, "vsock tx")
+        {
             let result = match self.chains.read("vsock", queue, &self.memory, head) {
                 Ok(descriptors) => {
                     read_tx_packet(descriptors.iter().copied(), &self.memory, self.guest_cid)
@@ -273,7 +281,7 @@ impl Datapath {
             }
             left = left.saturating_sub(1);
             if left == 0 {
-                round.more = has_available(queue, &self.memory);
+                round.more = more_after_budget(queue, &self.memory, &self.interrupt, "vsock tx");
                 break;
             }
         }
@@ -281,18 +289,27 @@ impl Datapath {
     }
 
     /// Fills the guest's receive buffers with what the muxer has for it, a ring's
-    /// worth at most.
+    /// worth at most. The driver's notifications of new receive buffers are wanted
+    /// only while the muxer has packets and no buffer to put them in: the worker
+    /// looks at the ring whenever it has something to deliver, so each other
+    /// notification would be a VM exit for nothing.
     pub fn process_rx(&mut self) -> Round {
         let mut round = Round::default();
         let queue = &mut self.queues[RX_QUEUE];
         let mut left = queue.size();
+        hold_notifications(queue, &self.memory, "vsock rx");
         while self.muxer.has_pending_rx() {
             if left == 0 {
                 round.more = has_available(queue, &self.memory);
                 break;
             }
             left -= 1;
-            let Some(head) = take_head(queue, &self.memory, &self.interrupt, "vsock rx") else {
+            let Some(head) = take_head_or_ask_for_notifications(
+                queue,
+                &self.memory,
+                &self.interrupt,
+                "vsock rx",
+            ) else {
                 break;
             };
             let buffer = match self.chains.read("vsock", queue, &self.memory, head) {

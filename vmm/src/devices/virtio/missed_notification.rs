@@ -11,7 +11,9 @@
 //! between two looks some time apart are chains the device was never told of.
 //! Serving the queue then costs the device one look at its ring. (A driver that
 //! made chains available and had not yet notified when the look came is served a
-//! little early, which the device may always do.)
+//! little early, which the device may always do.) The same look would find a device
+//! that held the driver's notifications while it served and never asked for them
+//! again (`take_head_or_ask_for_notifications`).
 
 use std::sync::atomic::Ordering;
 

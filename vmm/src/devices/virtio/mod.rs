@@ -44,7 +44,7 @@ pub const FEATURE_VERSION_1: u64 = 1 << 32;
 /// wants its next interrupt, the device at which available index its next
 /// notification; each side skips the rest. Offered by every device: those served
 /// through [`ActiveQueue`], and vsock, keep the device's side with
-/// [`take_head_or_ask_for_notifications`]; virtio-fs leaves it to virtiofsd.
+/// `take_head_or_ask_for_notifications`; virtio-fs leaves it to virtiofsd.
 pub const FEATURE_EVENT_IDX: u64 = 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// InterruptStatus bits (virtio-mmio).

@@ -32,7 +32,7 @@ use super::{
 };
 use crate::memory::GuestMemoryMmap;
 use muxer::Muxer;
-use worker::{WorkerHandle, NUM_QUEUES};
+use worker::{WorkerHandle, NUM_QUEUES, TX_QUEUE};
 
 /// Size of each of the three queues.
 pub const QUEUE_SIZE: u16 = 256;
@@ -151,6 +151,12 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         super::read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
+    }
+
+    /// The receive queue's buffers wait for packets for the guest, the event queue's
+    /// for events; every transmit chain goes back as the worker takes it.
+    fn holds_chains(&self, index: usize) -> bool {
+        index != TX_QUEUE
     }
 
     fn attach_queue_events(&mut self, events: &[EventFd]) -> Result<bool, std::io::Error> {

@@ -438,6 +438,9 @@ fn device_basics() {
     assert!(path.exists());
     assert_eq!(dev.device_type(), 19);
     assert_eq!(dev.queue_max_sizes(), &[256, 256, 256]);
+    // Only the transmit queue is watched for lost notifications.
+    let watched: Vec<bool> = (0..3).map(|q| !dev.holds_chains(q)).collect();
+    assert_eq!(watched, [false, true, false]);
     assert_eq!(dev.avail_features(), FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
     dev.set_acked_features(u64::MAX);
     assert_eq!(dev.acked_features, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);

@@ -265,12 +265,24 @@ pub fn wakeup_file() -> PathBuf {
     env_path("VMCTL_WAKEUP_FILE").unwrap_or_else(|| target_dir().join("vm-tests-wakeups.txt"))
 }
 
-/// The lines of a supervisor log in which the VMM made up for a lost wake-up.
+/// The lines of a VMM's log in which it made up for a lost wake-up.
 fn made_up_wakeups(log: &str) -> impl Iterator<Item = &str> {
     use vmm::devices::virtio::{missed_interrupt, missed_notification};
     log.lines().filter(|line| {
         line.contains(missed_interrupt::LOG_MARK) || line.contains(missed_notification::LOG_MARK)
     })
+}
+
+/// Records each line of `log` in which a VMM made up for a lost wake-up in
+/// [`wakeup_file`], for `scripts/test.sh` to list; `whose` names the VM.
+fn record_made_up_wakeups(log: &str, whose: &str) {
+    for line in made_up_wakeups(log) {
+        append_line(
+            &wakeup_file(),
+            &format!("LOST WAKE-UP MADE UP FOR in {whose}: {}", line.trim()),
+            "lost wake-up",
+        );
+    }
 }
 
 /// Where retried scenarios are recorded (`VMCTL_RETRY_FILE`, default
@@ -689,14 +701,18 @@ impl Vmctl {
         }
         let mut args = self.wrapper.clone();
         args.extend(self.args.iter().cloned());
-        Run {
+        let run = Run {
             args,
             code: status.code(),
             stdout: pipes.out.text(),
             stderr: pipes.err.text(),
             timed_out,
             elapsed,
-        }
+        };
+        // A VM of `vmctl boot` logs on vmctl's stderr; a workspace VM's supervisor log
+        // is read by its `Workspace`.
+        record_made_up_wakeups(&run.stderr, &format!("vmctl {:?}", run.args));
+        run
     }
 }
 
@@ -1200,19 +1216,10 @@ impl Workspace {
         let logs = vms.flatten().flat_map(|vm| {
             ["supervisor.log.previous", "supervisor.log"].map(|name| vm.path().join(name))
         });
+        let whose = self.path().display().to_string();
         for log in logs {
             let log = std::fs::read(log).unwrap_or_default();
-            for line in made_up_wakeups(&String::from_utf8_lossy(&log)) {
-                append_line(
-                    &wakeup_file(),
-                    &format!(
-                        "LOST WAKE-UP MADE UP FOR in {}: {}",
-                        self.path().display(),
-                        line.trim()
-                    ),
-                    "lost wake-up",
-                );
-            }
+            record_made_up_wakeups(&String::from_utf8_lossy(&log), &whose);
         }
     }
 }

@@ -539,8 +539,11 @@ pub trait VirtioDevice: Send {
     fn queue_max_sizes(&self) -> &[u16];
     /// Feature bits the device offers (including `FEATURE_VERSION_1`).
     fn avail_features(&self) -> u64;
-    /// Feature bits the driver acknowledged, set before activation.
-    fn set_acked_features(&mut self, features: u64);
+    /// Feature bits the driver acknowledged, set before activation. By default they
+    /// are not kept: the transport keeps them (and gives the queues EVENT_IDX); a
+    /// device whose work depends on them (block's FLUSH, the balloon's REPORTING)
+    /// keeps its own copy.
+    fn set_acked_features(&mut self, _features: u64) {}
     /// Reads the device-specific configuration space; out-of-range bytes read as 0.
     /// By default the device has none (or none that its features give a meaning):
     /// every byte reads as 0.

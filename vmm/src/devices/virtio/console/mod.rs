@@ -32,7 +32,6 @@ pub const MAX_BYTES_PER_CHAIN: u32 = 64 * 1024;
 
 /// The output-only console device.
 pub struct Console {
-    acked_features: u64,
     queue_max_sizes: [u16; 2],
     output: ConsoleQueue,
     transmit: Option<ActiveQueue>,
@@ -42,7 +41,6 @@ impl Console {
     /// A console whose output goes to `output`, where the 8250's goes too.
     pub fn new(output: ConsoleQueue) -> Self {
         Self {
-            acked_features: 0,
             queue_max_sizes: [RECEIVE_QUEUE_SIZE, TRANSMIT_QUEUE_SIZE],
             output,
             transmit: None,
@@ -80,10 +78,6 @@ impl VirtioDevice for Console {
 
     fn avail_features(&self) -> u64 {
         FEATURE_VERSION_1 | FEATURE_EVENT_IDX
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
     }
 
     // The config space's fields (cols, rows, max_nr_ports, emerg_wr) only mean
@@ -136,7 +130,6 @@ impl VirtioDevice for Console {
 
     fn reset(&mut self) {
         self.transmit = None;
-        self.acked_features = 0;
     }
 }
 
@@ -243,16 +236,15 @@ mod tests {
         let sink = SharedBuf::default();
         let output = ConsoleOutput::new(Box::new(sink));
         let mut console = Console::new(output.queue());
-        let transport_features = FEATURE_VERSION_1 | FEATURE_EVENT_IDX;
-        assert_eq!(console.avail_features(), transport_features);
-        console.set_acked_features(u64::MAX);
-        assert_eq!(console.acked_features, transport_features);
+        assert_eq!(
+            console.avail_features(),
+            FEATURE_VERSION_1 | FEATURE_EVENT_IDX
+        );
         let mut config = [0xff; 12];
         console.read_config(0, &mut config);
         assert_eq!(config, [0; 12]);
         assert_eq!(console.queue_max_sizes(), [2, 64]);
         console.reset();
-        assert_eq!(console.acked_features, 0);
         assert_eq!(console.process_queue(TRANSMIT_QUEUE), QueueProgress::Done);
         assert!(output.finish(Duration::from_secs(10)));
     }

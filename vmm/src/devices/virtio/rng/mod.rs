@@ -31,7 +31,6 @@ pub enum RngError {
 
 /// The entropy device.
 pub struct Rng {
-    acked_features: u64,
     queue_max_sizes: [u16; 1],
     active: Option<ActiveQueue>,
 }
@@ -45,7 +44,6 @@ impl Default for Rng {
 impl Rng {
     pub fn new() -> Self {
         Self {
-            acked_features: 0,
             queue_max_sizes: [QUEUE_SIZE],
             active: None,
         }
@@ -115,10 +113,6 @@ impl VirtioDevice for Rng {
         FEATURE_VERSION_1 | FEATURE_EVENT_IDX
     }
 
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
-    }
-
     fn activate(
         &mut self,
         memory: GuestMemoryMmap,
@@ -140,7 +134,6 @@ impl VirtioDevice for Rng {
 
     fn reset(&mut self) {
         self.active = None;
-        self.acked_features = 0;
     }
 }
 
@@ -311,14 +304,11 @@ mod tests {
         let mut rng = Rng::new();
         assert_eq!(rng.device_type(), DEVICE_ID_RNG);
         assert_eq!(rng.queue_max_sizes(), &[256]);
-        rng.set_acked_features(u64::MAX);
-        assert_eq!(rng.acked_features, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
         assert!(rng.activate(mem.clone(), vec![], irq.clone()).is_err());
         assert!(rng
             .activate(mem, vec![Queue::new(16).unwrap()], irq)
             .is_err());
         rng.reset();
-        assert_eq!(rng.acked_features, 0);
         assert_eq!(rng.process_queue(0), QueueProgress::Done);
     }
 }

@@ -62,7 +62,6 @@ pub struct Vsock {
     guest_cid: u64,
     uds_path: PathBuf,
     listener: Arc<UnixListener>,
-    acked_features: u64,
     queue_max_sizes: [u16; NUM_QUEUES],
     /// The queues' ioeventfds, when the VMM gave them ([`VirtioDevice::attach_queue_events`]).
     kicks: Option<[Arc<EventFd>; NUM_QUEUES]>,
@@ -95,7 +94,6 @@ impl Vsock {
             guest_cid,
             uds_path: uds_path.to_path_buf(),
             listener: Arc::new(listener),
-            acked_features: 0,
             queue_max_sizes: [QUEUE_SIZE; NUM_QUEUES],
             kicks: None,
             worker: None,
@@ -143,10 +141,6 @@ impl VirtioDevice for Vsock {
 
     fn avail_features(&self) -> u64 {
         FEATURE_VERSION_1 | FEATURE_EVENT_IDX
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -212,7 +206,6 @@ impl VirtioDevice for Vsock {
 
     fn reset(&mut self) {
         self.stop_worker();
-        self.acked_features = 0;
     }
 }
 

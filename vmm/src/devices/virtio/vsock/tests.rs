@@ -442,8 +442,6 @@ fn device_basics() {
     let watched: Vec<bool> = (0..3).map(|q| !dev.holds_chains(q)).collect();
     assert_eq!(watched, [false, true, false]);
     assert_eq!(dev.avail_features(), FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
-    dev.set_acked_features(u64::MAX);
-    assert_eq!(dev.acked_features, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
     let mut cfg = [0xffu8; 12];
     dev.read_config(0, &mut cfg);
     assert_eq!(&cfg[..8], &0x1234_5678u64.to_le_bytes());
@@ -475,7 +473,6 @@ fn device_basics() {
     ));
     assert_eq!(dev.process_queue(0), QueueProgress::Done);
     dev.reset();
-    assert_eq!(dev.acked_features, 0);
     drop(dev);
     assert!(!path.exists(), "socket file removed on drop");
 

@@ -16,6 +16,8 @@ pub mod missed_interrupt;
 pub mod missed_notification;
 pub mod mmio;
 pub mod rng;
+#[cfg(test)]
+pub(crate) mod spread_ring;
 pub mod vsock;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -667,6 +669,7 @@ pub(crate) fn write_from_guest<W: WriteVolatile>(
 
 #[cfg(test)]
 mod tests {
+    use super::spread_ring::SpreadRing;
     use super::*;
     use virtio_bindings::virtio_ring::VRING_DESC_F_WRITE;
     use virtio_queue::desc::{split::Descriptor, RawDescriptor};
@@ -710,35 +713,20 @@ mod tests {
         (ring, active)
     }
 
-    /// Where [`queue_negotiated`] puts the used ring: the mock lays it over the end of
-    /// the available ring, `used_event` included, which these tests need.
-    const USED_RING: u64 = 0x1000;
-
-    /// A field of the used ring at [`USED_RING`]: its `flags` at 0, `idx` at 2,
-    /// `avail_event` after its entries ([`AVAIL_EVENT`]).
-    fn used_ring_field(memory: &GuestMemoryMmap, offset: u64) -> u16 {
-        memory.read_obj(GuestAddress(USED_RING + offset)).unwrap()
-    }
-
-    const USED_FLAGS: u64 = 0;
-    const USED_IDX: u64 = 2;
-    const AVAIL_EVENT: u64 = 4 + 8 * RING_SIZE as u64;
-
-    /// [`queue_of`], with or without VIRTIO_RING_F_EVENT_IDX negotiated, and its used
-    /// ring at [`USED_RING`].
-    fn queue_negotiated<'a>(
-        memory: &'a GuestMemoryMmap,
+    /// One-descriptor chains (table entries 0..) on a [`SpreadRing`], with or without
+    /// VIRTIO_RING_F_EVENT_IDX negotiated, and the queue that serves them.
+    fn queue_negotiated(
+        memory: &GuestMemoryMmap,
         chains: &[RawDescriptor],
         event_idx: bool,
-    ) -> (MockSplitQueue<'a, GuestMemoryMmap>, ActiveQueue) {
-        let ring = MockSplitQueue::new(memory, RING_SIZE);
-        ring.add_desc_chains(chains, 0).unwrap();
-        let mut queue: Queue = ring.create_queue().unwrap();
-        queue.set_used_ring_address(Some(USED_RING as u32), Some(0));
-        queue.set_event_idx(event_idx);
+    ) -> (SpreadRing, ActiveQueue) {
+        let ring = SpreadRing::new(0, RING_SIZE);
+        for (head, chain) in (0..).zip(chains) {
+            ring.offer(memory, head, &[*chain]);
+        }
         let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let active = ActiveQueue::new(memory.clone(), vec![queue], interrupt).unwrap();
-        (ring, active)
+        let active = ActiveQueue::new(memory.clone(), vec![ring.queue(event_idx)], interrupt);
+        (ring, active.unwrap())
     }
 
     /// Chains that each claim a quarter of [`SERVE_BYTES`].
@@ -917,15 +905,15 @@ mod tests {
     #[test]
     fn the_driver_is_asked_for_no_notifications_while_the_device_serves() {
         let memory = memory();
-        let (_ring, mut active) = queue_negotiated(&memory, &buffers(2), false);
+        let (ring, mut active) = queue_negotiated(&memory, &buffers(2), false);
         let mut flags_seen = Vec::new();
         let progress = active.serve("test", |_, memory| {
-            flags_seen.push(used_ring_field(memory, USED_FLAGS));
+            flags_seen.push(ring.used_flags(memory));
             0
         });
         assert_eq!(progress, QueueProgress::Done);
         assert_eq!(flags_seen, [USED_F_NO_NOTIFY; 2]);
-        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0, "asked for again");
+        assert_eq!(ring.used_flags(&memory), 0, "asked for again");
     }
 
     /// A call that stops with chains left leaves notifications off (its caller comes
@@ -934,21 +922,17 @@ mod tests {
     #[test]
     fn notifications_stay_off_while_chains_are_left() {
         let memory = memory();
-        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), false);
+        let (ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), false);
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::MoreAvailable);
-        assert_eq!(used_ring_field(&memory, USED_FLAGS), USED_F_NO_NOTIFY);
+        assert_eq!(ring.used_flags(&memory), USED_F_NO_NOTIFY);
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
-        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0);
+        assert_eq!(ring.used_flags(&memory), 0);
 
         let memory = self::memory();
-        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(4), false);
+        let (ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(4), false);
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
-        assert_eq!(used_ring_field(&memory, USED_IDX), 4);
-        assert_eq!(
-            used_ring_field(&memory, USED_FLAGS),
-            0,
-            "budget spent, ring empty"
-        );
+        assert_eq!(ring.used_idx(&memory), 4);
+        assert_eq!(ring.used_flags(&memory), 0, "budget spent, ring empty");
     }
 
     /// With EVENT_IDX the device asks to be notified at the first chain it has not
@@ -957,27 +941,23 @@ mod tests {
     #[test]
     fn with_event_idx_the_next_notification_is_asked_at_the_first_chain_not_served() {
         let memory = memory();
-        let (_ring, mut active) = queue_negotiated(&memory, &buffers(3), true);
+        let (ring, mut active) = queue_negotiated(&memory, &buffers(3), true);
         let mut events_seen = Vec::new();
         let progress = active.serve("test", |_, memory| {
-            events_seen.push(used_ring_field(memory, AVAIL_EVENT));
+            events_seen.push(ring.avail_event(memory));
             0
         });
         assert_eq!(progress, QueueProgress::Done);
         assert_eq!(events_seen, [0; 3]);
-        assert_eq!(used_ring_field(&memory, AVAIL_EVENT), 3);
-        assert_eq!(used_ring_field(&memory, USED_FLAGS), 0);
+        assert_eq!(ring.avail_event(&memory), 3);
+        assert_eq!(ring.used_flags(&memory), 0);
 
         let memory = self::memory();
-        let (_ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), true);
+        let (ring, mut active) = queue_negotiated(&memory, &quarter_budget_chains(6), true);
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::MoreAvailable);
-        assert_eq!(
-            used_ring_field(&memory, AVAIL_EVENT),
-            0,
-            "behind while chains wait"
-        );
+        assert_eq!(ring.avail_event(&memory), 0, "behind while chains wait");
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
-        assert_eq!(used_ring_field(&memory, AVAIL_EVENT), 6);
+        assert_eq!(ring.avail_event(&memory), 6);
     }
 
     /// With EVENT_IDX the driver is interrupted once the used index passes its
@@ -985,20 +965,17 @@ mod tests {
     #[test]
     fn with_event_idx_the_driver_is_interrupted_only_past_its_used_event() {
         let memory = memory();
-        let (ring, mut active) = queue_negotiated(&memory, &buffers(4), true);
+        let chains = buffers(4);
+        let (ring, mut active) = queue_negotiated(&memory, &chains[..2], true);
         let irqfd = active.interrupt.irqfd.clone();
-        let avail_idx = ring.avail_addr().unchecked_add(2);
-        let used_event = ring
-            .avail_addr()
-            .unchecked_add(4 + 2 * u64::from(RING_SIZE));
         // The driver wants to hear once the fourth chain (used index 3) is used.
-        memory.write_obj(3u16, used_event).unwrap();
-        memory.write_obj(2u16, avail_idx).unwrap();
+        memory.write_obj(3u16, ring.used_event_addr()).unwrap();
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
-        assert_eq!(used_ring_field(&memory, USED_IDX), 2);
+        assert_eq!(ring.used_idx(&memory), 2);
         assert!(irqfd.read().is_err(), "interrupted before its used_event");
 
-        memory.write_obj(4u16, avail_idx).unwrap();
+        ring.offer(&memory, 2, &chains[2..3]);
+        ring.offer(&memory, 3, &chains[3..4]);
         assert_eq!(active.serve("test", |_, _| 0), QueueProgress::Done);
         assert_eq!(irqfd.read().unwrap(), 1);
     }

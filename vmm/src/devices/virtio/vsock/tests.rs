@@ -18,6 +18,7 @@ use super::connection::BUF_ALLOC;
 use super::packet::{Header, Op, HDR_LEN, HOST_CID, SHUTDOWN_RCV, SHUTDOWN_SEND, TYPE_STREAM};
 use super::worker::RX_QUEUE;
 use super::*;
+use crate::devices::virtio::spread_ring::SpreadRing;
 
 const CID: u64 = 3;
 const QSIZE: u16 = QUEUE_SIZE;
@@ -122,7 +123,7 @@ impl Guest {
             irq: irq.clone(),
             kicks: [0; 3],
         };
-        let queues: Vec<Queue> = (0..3).map(|q| Self::make_queue(q, event_idx)).collect();
+        let queues: Vec<Queue> = (0..3).map(|q| Self::ring(q).queue(event_idx)).collect();
         for i in 0..rx_buffers {
             guest.post_rx(i);
         }
@@ -133,25 +134,9 @@ impl Guest {
         guest
     }
 
-    /// (descriptor table, avail ring, used ring) of queue `q`. Not MockSplitQueue's
-    /// layout: for 256-entry queues it overlaps the upper half of the avail ring
-    /// with the used ring (it sizes the avail ring in entries, not bytes), and
-    /// creating one zeroes the rings.
-    fn layout(q: usize) -> (u64, u64, u64) {
-        let base = QUEUE_BASE[q];
-        (base, base + 0x1000, base + 0x2000)
-    }
-
-    fn make_queue(q: usize, event_idx: bool) -> Queue {
-        let (desc, avail, used) = Self::layout(q);
-        let mut queue = Queue::new(QSIZE).unwrap();
-        queue.set_event_idx(event_idx);
-        queue.set_size(QSIZE);
-        queue.set_desc_table_address(Some(desc as u32), Some(0));
-        queue.set_avail_ring_address(Some(avail as u32), Some(0));
-        queue.set_used_ring_address(Some(used as u32), Some(0));
-        queue.set_ready(true);
-        queue
+    /// Queue `q`'s rings, apart (see [`SpreadRing`]).
+    fn ring(q: usize) -> SpreadRing {
+        SpreadRing::new(QUEUE_BASE[q], QSIZE)
     }
 
     fn path(&self) -> PathBuf {
@@ -160,30 +145,12 @@ impl Guest {
 
     /// Makes chain `head` (descriptors `head..head+descs.len()`) available.
     fn post(&self, q: usize, head: u16, descs: &[RawDescriptor]) {
-        let (desc, avail, _) = Self::layout(q);
-        for (i, d) in descs.iter().enumerate() {
-            let at = desc + 16 * u64::from(head + i as u16);
-            self.mem.write_obj(*d, GuestAddress(at)).unwrap();
-        }
-        let idx: u16 = self.mem.read_obj(GuestAddress(avail + 2)).unwrap();
-        let slot = avail + 4 + 2 * u64::from(idx % QSIZE);
-        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
-        std::sync::atomic::fence(Ordering::SeqCst);
-        self.mem
-            .write_obj(idx.wrapping_add(1), GuestAddress(avail + 2))
-            .unwrap();
+        Self::ring(q).offer(&self.mem, head, descs);
     }
 
     /// The available index of queue `q`: how many chains the guest made available.
     fn avail_idx(&self, q: usize) -> u16 {
-        let (_, avail, _) = Self::layout(q);
-        self.mem.read_obj(GuestAddress(avail + 2)).unwrap()
-    }
-
-    /// Where queue `q`'s used ring holds `avail_event` (after its entries).
-    fn avail_event_addr(q: usize) -> GuestAddress {
-        let (_, _, used) = Self::layout(q);
-        GuestAddress(used + 4 + 8 * u64::from(QSIZE))
+        Self::ring(q).avail_idx(&self.mem)
     }
 
     /// Whether the device asks to be told of queue `q`'s chains made available since
@@ -191,13 +158,12 @@ impl Guest {
     fn device_wants_notification(&self, q: usize, old: u16) -> bool {
         std::sync::atomic::fence(Ordering::SeqCst);
         let new = self.avail_idx(q);
+        let ring = Self::ring(q);
         if self.event_idx {
-            let event: u16 = self.mem.read_obj(Self::avail_event_addr(q)).unwrap();
+            let event = ring.avail_event(&self.mem);
             new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
         } else {
-            let (_, _, used) = Self::layout(q);
-            let flags: u16 = self.mem.read_obj(GuestAddress(used)).unwrap();
-            flags & USED_F_NO_NOTIFY == 0
+            ring.used_flags(&self.mem) & USED_F_NO_NOTIFY == 0
         }
     }
 
@@ -212,12 +178,9 @@ impl Guest {
 
     /// Used element `i` (modulo the size) and the used index of queue `q`.
     fn used(&self, q: usize, i: u16) -> (u16, u32, u32) {
-        let (_, _, used) = Self::layout(q);
-        let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let at = used + 4 + 8 * u64::from(i % QSIZE);
-        let id: u32 = self.mem.read_obj(GuestAddress(at)).unwrap();
-        let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).unwrap();
+        let ring = Self::ring(q);
+        let idx = ring.used_idx(&self.mem);
+        let (id, len) = ring.used_elem(&self.mem, i);
         (idx, id, len)
     }
 
@@ -735,7 +698,7 @@ fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
     let dir = TempDir::new();
     let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
     let mut g = Guest::start(dir, dev, true, 0, |mem| {
-        mem.write_obj(NEVER, Guest::avail_event_addr(RX_QUEUE))
+        mem.write_obj(NEVER, Guest::ring(RX_QUEUE).avail_event_addr())
             .unwrap();
     });
     let mut client = UnixStream::connect(g.path()).unwrap();
@@ -743,7 +706,7 @@ fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
     let deadline = Instant::now() + TIMEOUT;
     while g
         .mem
-        .read_obj::<u16>(Guest::avail_event_addr(RX_QUEUE))
+        .read_obj::<u16>(Guest::ring(RX_QUEUE).avail_event_addr())
         .unwrap()
         == NEVER
     {
@@ -783,8 +746,7 @@ fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
 fn without_event_idx_no_notify_is_clear_only_while_the_device_waits_for_a_buffer() {
     let dir = TempDir::new();
     let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
-    let (_, _, used) = Guest::layout(RX_QUEUE);
-    let flags_at = GuestAddress(used);
+    let flags_at = Guest::ring(RX_QUEUE).used_flags_addr();
     let mut g = Guest::start(dir, dev, false, 0, |mem| {
         mem.write_obj(USED_F_NO_NOTIFY, flags_at).unwrap();
     });

@@ -378,6 +378,7 @@ mod tests {
     use super::super::packet::{Header, Op, HDR_LEN, HOST_CID, TYPE_STREAM};
     use super::super::Vsock;
     use super::*;
+    use crate::devices::virtio::spread_ring::SpreadRing;
     use crate::devices::virtio::{VirtioDevice, INTERRUPT_CONFIG_CHANGE};
 
     const CID: u64 = 3;
@@ -437,44 +438,6 @@ mod tests {
             .unwrap();
     }
 
-    /// A ring of 16 entries at `base`, with EVENT_IDX: its table, its available ring
-    /// 0x1000 on, its used ring 0x2000 on. (The mock lays its used ring over the end
-    /// of its available ring, where `used_event` is.)
-    struct SpreadRing {
-        base: u64,
-    }
-
-    impl SpreadRing {
-        const SIZE: u16 = 16;
-
-        fn queue(&self) -> Queue {
-            let mut queue = Queue::new(Self::SIZE).unwrap();
-            queue.set_desc_table_address(Some(self.base as u32), Some(0));
-            queue.set_avail_ring_address(Some((self.base + 0x1000) as u32), Some(0));
-            queue.set_used_ring_address(Some((self.base + 0x2000) as u32), Some(0));
-            queue.set_event_idx(true);
-            queue.set_ready(true);
-            queue
-        }
-
-        /// Makes the one-descriptor chain `desc` available at table entry `entry`.
-        fn offer(&self, mem: &GuestMemoryMmap, entry: u16, desc: RawDescriptor) {
-            mem.write_obj(desc, GuestAddress(self.base + 16 * u64::from(entry)))
-                .unwrap();
-            let idx_at = GuestAddress(self.base + 0x1000 + 2);
-            let idx: u16 = mem.read_obj(idx_at).unwrap();
-            let slot = self.base + 0x1000 + 4 + 2 * u64::from(idx % Self::SIZE);
-            mem.write_obj(entry, GuestAddress(slot)).unwrap();
-            mem.write_obj(idx.wrapping_add(1), idx_at).unwrap();
-        }
-
-        /// Where the device asks to be notified next (`avail_event`).
-        fn avail_event(&self, mem: &GuestMemoryMmap) -> u16 {
-            let at = self.base + 0x2000 + 4 + 8 * u64::from(Self::SIZE);
-            mem.read_obj(GuestAddress(at)).unwrap()
-        }
-    }
-
     /// A round that fills the last receive buffer with the last packet of its ring's
     /// worth, packets still waiting, must ask for the next buffers too: the guest's
     /// refill would otherwise go unnotified, and the packets wait for ever.
@@ -482,32 +445,33 @@ mod tests {
     fn a_round_that_fills_every_buffer_with_packets_left_asks_for_the_next() {
         let dir = tempfile::tempdir().unwrap();
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let rings = [0x0, 0x1_0000, 0x2_0000].map(|base| SpreadRing { base });
+        const SIZE: u16 = 16;
+        let rings = [0x0, 0x1_0000, 0x2_0000].map(|base| SpreadRing::new(base, SIZE));
         let path = dir.path().join("v.sock");
         let listener = Arc::new(UnixListener::bind(&path).unwrap());
         let muxer = Muxer::new(CID, &path, listener).unwrap();
         let interrupt = InterruptTrigger::new(Arc::new(EventFd::new(EFD_NONBLOCK).unwrap()));
-        let queues = rings.each_ref().map(SpreadRing::queue);
+        let queues = rings.map(|ring| ring.queue(true));
         let mut datapath = Datapath::new(mem.clone(), queues, interrupt, muxer, CID);
         // 18 packets the device answers with a reset each: a ring's worth, then two.
         const PACKET: u64 = 0x9_0000;
         write_unknown_op_packet(&mem, PACKET);
-        for count in [SpreadRing::SIZE, 2] {
+        for count in [SIZE, 2] {
             for entry in 0..count {
-                rings[TX_QUEUE].offer(&mem, entry, raw(PACKET, HDR_LEN as u32, 0));
+                rings[TX_QUEUE].offer(&mem, entry, &[raw(PACKET, HDR_LEN as u32, 0)]);
             }
             assert!(datapath.process_tx().used);
         }
-        for entry in 0..SpreadRing::SIZE {
+        for entry in 0..SIZE {
             let buffer = 0xa_0000 + 0x1000 * u64::from(entry);
-            rings[RX_QUEUE].offer(&mem, entry, raw(buffer, 4096, W));
+            rings[RX_QUEUE].offer(&mem, entry, &[raw(buffer, 4096, W)]);
         }
         let round = datapath.process_rx();
         assert!(round.used && !round.more, "{round:?}");
         assert!(datapath.muxer.has_pending_rx(), "two resets left");
         assert_eq!(
             rings[RX_QUEUE].avail_event(&mem),
-            SpreadRing::SIZE,
+            SIZE,
             "the guest's next buffer must be notified"
         );
     }

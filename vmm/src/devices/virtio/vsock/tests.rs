@@ -687,6 +687,33 @@ fn guest_initiated_connections() {
     g.assert_quiet();
 }
 
+/// A guest with or without EVENT_IDX and no receive buffer, the field of its receive
+/// ring at `at` set to `preset` (which asks for no notification), and a host client
+/// whose connection request waits for a buffer: once the device asked for one, by
+/// writing another value there.
+fn waiting_for_a_receive_buffer(
+    event_idx: bool,
+    at: GuestAddress,
+    preset: u16,
+) -> (Guest, UnixStream) {
+    let dir = TempDir::new();
+    let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
+    let g = Guest::start(dir, dev, event_idx, 0, |mem| {
+        mem.write_obj(preset, at).unwrap();
+    });
+    let mut client = UnixStream::connect(g.path()).unwrap();
+    writeln!(client, "CONNECT 52").unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while g.mem.read_obj::<u16>(at).unwrap() == preset {
+        assert!(
+            Instant::now() < deadline,
+            "the device never asked for a buffer"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (g, client)
+}
+
 /// The driver's new receive buffers are notified only while the device has packets
 /// and nowhere to put them: the worker looks at the ring whenever it has something
 /// to deliver, and each other notification would be a VM exit for nothing. The
@@ -694,28 +721,10 @@ fn guest_initiated_connections() {
 /// for no notification; a host client's connection then waits for one.
 #[test]
 fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
+    // An `avail_event` that asks for no notification.
     const NEVER: u16 = 0x8000;
-    let dir = TempDir::new();
-    let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
-    let mut g = Guest::start(dir, dev, true, 0, |mem| {
-        mem.write_obj(NEVER, Guest::ring(RX_QUEUE).avail_event_addr())
-            .unwrap();
-    });
-    let mut client = UnixStream::connect(g.path()).unwrap();
-    writeln!(client, "CONNECT 52").unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while g
-        .mem
-        .read_obj::<u16>(Guest::ring(RX_QUEUE).avail_event_addr())
-        .unwrap()
-        == NEVER
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the device never asked for a buffer"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let at = Guest::ring(RX_QUEUE).avail_event_addr();
+    let (mut g, mut client) = waiting_for_a_receive_buffer(true, at, NEVER);
     assert_eq!(g.kicks, [0; 3]);
     // Its first buffer is notified, and takes the connection request.
     g.post_rx(0);
@@ -744,22 +753,8 @@ fn receive_buffers_are_notified_only_while_the_device_waits_for_one() {
 /// while the device waits for a buffer, set once it has nothing to deliver.
 #[test]
 fn without_event_idx_no_notify_is_clear_only_while_the_device_waits_for_a_buffer() {
-    let dir = TempDir::new();
-    let dev = Vsock::new(CID, &dir.0.join("v.sock")).unwrap();
     let flags_at = Guest::ring(RX_QUEUE).used_flags_addr();
-    let mut g = Guest::start(dir, dev, false, 0, |mem| {
-        mem.write_obj(USED_F_NO_NOTIFY, flags_at).unwrap();
-    });
-    let mut client = UnixStream::connect(g.path()).unwrap();
-    writeln!(client, "CONNECT 52").unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while g.mem.read_obj::<u16>(flags_at).unwrap() == USED_F_NO_NOTIFY {
-        assert!(
-            Instant::now() < deadline,
-            "the device never asked for a buffer"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let (mut g, mut client) = waiting_for_a_receive_buffer(false, flags_at, USED_F_NO_NOTIFY);
     g.post_rx(0);
     g.notify(RX_QUEUE, 0);
     let (h, _) = g.expect(Op::Request);

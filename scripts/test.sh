@@ -20,8 +20,8 @@
 # In the nested host (no hardware KVM), a VM scenario whose VM the nested host lost
 # (README, "Known problem") is retried, at most three times; the retries are listed at
 # the end too. On hardware KVM nothing is retried. The lost interrupts and
-# notifications the workspace VMs' VMMs made up for (README, "Known problem") are
-# listed at the end as well; they fail nothing.
+# notifications the VM tests' VMMs made up for (README, "Known problem") are listed
+# at the end as well; they fail nothing.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -257,7 +257,7 @@ fn ci() -> Option<String> {
         .filter(|ci| !ci.is_empty() && ci != "0" && ci != "false")
 }
 
-/// Where the lost wake-ups the VMMs of the tests' workspaces made up for are recorded
+/// Where the lost wake-ups the VMMs of the tests' VMs made up for are recorded
 /// (`VMCTL_WAKEUP_FILE`, default `<target>/vm-tests-wakeups.txt`), for
 /// `scripts/test.sh` to count: how often the nested host (or a bug of ours) loses an
 /// interrupt or a notification, which the tests would not otherwise see.

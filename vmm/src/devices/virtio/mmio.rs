@@ -282,8 +282,7 @@ impl MmioTransport {
         if !self.device_activated {
             return;
         }
-        let event_idx = self.acked_features() & FEATURE_EVENT_IDX != 0;
-        let queues = if event_idx {
+        let queues = if self.event_idx_negotiated() {
             self.queues
                 .iter()
                 .map(|setup| UsedProgress::read(&setup.queue, &self.memory))
@@ -594,10 +593,14 @@ impl MmioTransport {
         self.driver_features & self.device.avail_features()
     }
 
+    fn event_idx_negotiated(&self) -> bool {
+        self.acked_features() & FEATURE_EVENT_IDX != 0
+    }
+
     /// Copies of the queues for the device, after checking the ready ones against
     /// guest memory.
     fn queues_for_activation(&self) -> Result<Vec<Queue>, ActivateError> {
-        let event_idx = self.acked_features() & FEATURE_EVENT_IDX != 0;
+        let event_idx = self.event_idx_negotiated();
         self.queues
             .iter()
             .enumerate()
@@ -1485,10 +1488,9 @@ mod tests {
     /// look after a reset, and no more once the driver takes its buffers.
     #[test]
     fn a_missed_interrupt_is_raised_again_with_event_idx_only() {
-        const EVENT_IDX: u64 = FEATURE_EVENT_IDX;
-        for negotiated in [FEATURE_VERSION_1 | EVENT_IDX, FEATURE_VERSION_1] {
-            let with_event_idx = negotiated & EVENT_IDX != 0;
-            let mut h = harness_offering(vec![256], OFFERED | EVENT_IDX);
+        for negotiated in [FEATURE_VERSION_1 | FEATURE_EVENT_IDX, FEATURE_VERSION_1] {
+            let with_event_idx = negotiated & FEATURE_EVENT_IDX != 0;
+            let mut h = harness_offering(vec![256], OFFERED | FEATURE_EVENT_IDX);
             h.negotiate(negotiated);
             h.setup_queue(0, 256, 0x1000);
             h.set_status(DOK);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs libFuzzer on one harness for a while: fuzz/run.sh mmio|vsock|fs_fallback [SECONDS]
+# Runs libFuzzer on one harness for a while: fuzz/run.sh mmio|vsock|fs_fallback|redact [SECONDS]
 # (default 60). An input that runs over 10 s counts as a hang. Seeds come from the
 # hand-written sessions (src/seeds.rs); the corpus grows in
 # fuzz/libfuzzer/corpus/<target>, crashes and hangs land in fuzz/libfuzzer/artifacts/.
@@ -10,11 +10,11 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-target=${1:?usage: fuzz/run.sh mmio|vsock|fs_fallback [SECONDS]}
+target=${1:?usage: fuzz/run.sh mmio|vsock|fs_fallback|redact [SECONDS]}
 seconds=${2:-60}
 case $target in
-    mmio | vsock | fs_fallback) ;;
-    *) echo "fuzz/run.sh: no harness '$target' (mmio, vsock or fs_fallback)" >&2; exit 2 ;;
+    mmio | vsock | fs_fallback | redact) ;;
+    *) echo "fuzz/run.sh: no harness '$target' (mmio, vsock, fs_fallback or redact)" >&2; exit 2 ;;
 esac
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz/run.sh: cargo-fuzz is missing; install it with: cargo install cargo-fuzz --version 0.13.2 --locked" >&2

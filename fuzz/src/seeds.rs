@@ -4,6 +4,7 @@
 
 use crate::guest::{avail_ring, descriptor, QueueLayout, NEXT, WRITE};
 use crate::input::MAX_POKE;
+use crate::redact::{self, Form};
 use crate::{fs_fallback, mmio, vsock};
 
 /// Where the sessions put things: one queue's rings, request headers, status bytes,
@@ -262,6 +263,101 @@ pub fn fs_requests() -> fs_fallback::Input {
     }
 }
 
+/// The secret of the redaction sessions.
+pub const SECRET: &[u8] = b"sk-ant-api03-abcdefghijklmnop";
+
+/// `text` for the stream.
+fn text(bytes: &[u8]) -> redact::Op {
+    redact::Op::Bytes(bytes.to_vec())
+}
+
+/// Bytes `from..to` of the needle at `index` ([`redact::Input::needles`]: 0 the header
+/// value, 1 the secret, 2 the value's last word).
+fn piece(index: u8, from: u8, to: u8) -> redact::Op {
+    redact::Op::Piece {
+        needle: index,
+        from,
+        to,
+    }
+}
+
+/// An upstream echoes the request's `Authorization: Bearer` header back, the value
+/// split across two chunks, then more text.
+pub fn bearer_echo() -> redact::Input {
+    redact::Input {
+        form: Form::Bearer,
+        watched: true,
+        secret: SECRET.to_vec(),
+        ops: vec![
+            text(b"{\"headers\": {\"authorization\": \""),
+            piece(0, 0, 12),
+            redact::Op::Chunk,
+            piece(0, 12, u8::MAX),
+            text(b"\"}}\n"),
+            redact::Op::Chunk,
+        ],
+    }
+}
+
+/// The secret arrives in two parts with a pause between (a slow server-sent event):
+/// its first 5 bytes go on unmasked, the rest is masked when it comes.
+pub fn pause_inside_the_secret() -> redact::Input {
+    redact::Input {
+        form: Form::Bare,
+        watched: true,
+        secret: SECRET.to_vec(),
+        ops: vec![
+            text(b"data: "),
+            piece(1, 0, 5),
+            redact::Op::Pause,
+            piece(1, 5, u8::MAX),
+            text(b"\n\n"),
+            redact::Op::Chunk,
+        ],
+    }
+}
+
+/// git's Basic credential echoed, its encoded word a byte per chunk.
+pub fn git_basic_bytewise() -> redact::Input {
+    let word_len = redact::Input {
+        form: Form::GitBasic,
+        watched: false,
+        secret: SECRET.to_vec(),
+        ops: Vec::new(),
+    }
+    .needles()[2]
+        .len() as u8;
+    let mut ops = vec![text(b"auth=")];
+    for at in 0..word_len {
+        ops.extend([piece(2, at, at + 1), redact::Op::Chunk]);
+    }
+    redact::Input {
+        form: Form::GitBasic,
+        watched: false,
+        secret: SECRET.to_vec(),
+        ops,
+    }
+}
+
+/// A guest probing for the secret: three responses' worth of long starts of it,
+/// each turning away, after which the secret is withdrawn.
+pub fn probes_for_the_secret() -> redact::Input {
+    let mut ops = Vec::new();
+    for guess in [b"x", b"y", b"z"] {
+        ops.extend([piece(1, 0, 20), text(guess), redact::Op::Chunk]);
+    }
+    ops.push(text(b"rest"));
+    redact::Input {
+        form: Form::Template {
+            prefix: b"token=".to_vec(),
+            suffix: b";".to_vec(),
+        },
+        watched: true,
+        secret: SECRET.to_vec(),
+        ops,
+    }
+}
+
 /// Every session, by target and name, as bytes for libFuzzer's corpus.
 pub fn corpus() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     let pattern = vec![b'W'; 512];
@@ -285,5 +381,21 @@ pub fn corpus() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             vsock_connect_and_send().encode(),
         ),
         ("fs_fallback", "lookup-and-forget", fs_requests().encode()),
+        ("redact", "bearer-echo", bearer_echo().encode()),
+        (
+            "redact",
+            "pause-inside-the-secret",
+            pause_inside_the_secret().encode(),
+        ),
+        (
+            "redact",
+            "git-basic-bytewise",
+            git_basic_bytewise().encode(),
+        ),
+        (
+            "redact",
+            "probes-for-the-secret",
+            probes_for_the_secret().encode(),
+        ),
     ]
 }

@@ -5,7 +5,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use vmm_fuzz::{fs_fallback, mmio, seeds, vsock};
+use vmm_fuzz::{fs_fallback, mmio, redact, seeds, vsock};
 
 const RUNS: usize = 3000;
 
@@ -89,6 +89,11 @@ fn vsock_survives_random_queues_and_packets() {
 #[test]
 fn fs_fallback_survives_random_requests() {
     survive("fs_fallback", 0x5eed_0003, fs_fallback::run);
+}
+
+#[test]
+fn redaction_keeps_the_secret_from_random_streams() {
+    survive("redact", 0x5eed_0004, redact::run);
 }
 
 #[test]

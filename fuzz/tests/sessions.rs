@@ -5,7 +5,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_fuzz::guest::{used_element, used_index};
 use vmm_fuzz::mmio::{self, disk_pattern};
 use vmm_fuzz::seeds::*;
-use vmm_fuzz::{fs_fallback, vsock};
+use vmm_fuzz::{fs_fallback, redact, vsock};
 
 fn read(memory: &vmm::memory::GuestMemoryMmap, addr: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
@@ -115,6 +115,84 @@ fn requests_after_the_backend_died_get_eio_and_forget_gets_nothing() {
     assert_eq!(used_element(&memory, USED, 1), (2, 0));
 }
 
+/// `len` bytes of the mask the redaction writes.
+fn mask(len: usize) -> Vec<u8> {
+    let mut mask = b"[REDACTED]".to_vec();
+    mask.resize(len, b'*');
+    mask
+}
+
+/// The session's run, which the harness's own checks pass.
+fn redacted(input: &redact::Input) -> redact::Outcome {
+    let outcome = redact::run_input(input);
+    redact::check(input, &outcome);
+    outcome
+}
+
+#[test]
+fn an_echoed_header_split_across_chunks_is_masked_whole() {
+    let outcome = redacted(&bearer_echo());
+    let value_len = "Bearer ".len() + SECRET.len();
+    let expected = [
+        b"{\"headers\": {\"authorization\": \"".as_slice(),
+        &mask(value_len),
+        b"\"}}\n",
+    ]
+    .concat();
+    assert_eq!(outcome.sent, expected);
+    assert_eq!(outcome.probes, 0);
+}
+
+#[test]
+fn a_pause_inside_the_secret_lets_only_a_short_start_through() {
+    let outcome = redacted(&pause_inside_the_secret());
+    // The 5 bytes before the pause went on; the rest, masked as a part of the whole.
+    let expected = [b"data: sk-an".as_slice(), &mask(SECRET.len())[5..], b"\n\n"].concat();
+    assert_eq!(outcome.sent, expected);
+    assert!(outcome.paused);
+}
+
+#[test]
+fn gits_encoded_credential_arriving_a_byte_at_a_time_is_masked() {
+    let outcome = redacted(&git_basic_bytewise());
+    let word_len = outcome.stream.len() - "auth=".len();
+    assert_eq!(
+        outcome.sent,
+        [b"auth=".as_slice(), &mask(word_len)].concat()
+    );
+}
+
+#[test]
+fn the_third_probe_withdraws_the_secret_before_its_response_goes_on() {
+    let outcome = redacted(&probes_for_the_secret());
+    assert!(outcome.withdrawn);
+    assert_eq!(outcome.probes, 3);
+    let guess = &SECRET[..20];
+    assert_eq!(outcome.sent, [guess, b"x", guess, b"y"].concat());
+}
+
+/// A secret whose end begins it again: where the upstream's bytes after a copy
+/// complete another, overlapping one, the copy is masked and the rest is the sender's
+/// own, which the harness accepts.
+#[test]
+fn of_overlapping_copies_of_a_secret_the_first_is_masked() {
+    let secret = b"abcdefghabcdefgh".to_vec();
+    let input = redact::Input {
+        form: redact::Form::Bare,
+        watched: false,
+        secret: secret.clone(),
+        ops: vec![
+            redact::Op::Bytes([secret.as_slice(), b"abcdefgh!"].concat()),
+            redact::Op::Chunk,
+        ],
+    };
+    let outcome = redacted(&input);
+    assert_eq!(
+        outcome.sent,
+        [mask(secret.len()), b"abcdefgh!".to_vec()].concat()
+    );
+}
+
 #[test]
 fn every_seed_survives_encoding() {
     assert_eq!(
@@ -129,4 +207,12 @@ fn every_seed_survives_encoding() {
         fs_fallback::Input::decode(&fs_requests().encode()),
         fs_requests()
     );
+    for session in [
+        bearer_echo(),
+        pause_inside_the_secret(),
+        git_basic_bytewise(),
+        probes_for_the_secret(),
+    ] {
+        assert_eq!(redact::Input::decode(&session.encode()), session);
+    }
 }

@@ -53,6 +53,8 @@ use crate::rules::EgressRules;
 mod addresses;
 mod decode;
 mod first_head;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod headers;
 mod kept;
 mod plain;

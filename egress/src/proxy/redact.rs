@@ -159,6 +159,12 @@ impl Tripwire {
         fingerprint(value) == self.fingerprint
     }
 
+    /// The probes counted, for the fuzz harness.
+    #[cfg(feature = "fuzzing")]
+    pub(super) fn probes(&self) -> u32 {
+        self.probes.load(Ordering::Relaxed)
+    }
+
     /// Whether the secret is no longer sent.
     pub(super) fn tripped(&self) -> bool {
         self.probes.load(Ordering::Relaxed) >= PROBES_TOLERATED

@@ -280,20 +280,12 @@ pub fn quoted(words: &str) -> String {
         Some((at, _)) => (&words[..at], true),
         None => (words, false),
     };
-    let mut out = guest_log::escaped(head, |c| c.is_control() || is_layout_control(c)).into_owned();
+    let mut out = guest_log::escaped(head, |c| c.is_control() || guest_log::is_layout_control(c))
+        .into_owned();
     if cut {
         out.push_str("...");
     }
     out
-}
-
-/// Characters that are not control characters yet change how a line is laid out.
-fn is_layout_control(c: char) -> bool {
-    matches!(
-        c,
-        '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
-    ) || ('\u{202a}'..='\u{202e}').contains(&c)
-        || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
 fn unexpected(msg: &AgentMessage) -> ClientError {

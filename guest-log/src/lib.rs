@@ -13,6 +13,18 @@ use std::borrow::Cow;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// Characters that are not control characters yet change how a line is laid out:
+/// line and paragraph separators, and bidirectional marks, embeddings, overrides and
+/// isolates (an override shows what follows it reversed: `curl x | sh` as `hs | x
+/// lruc`). Guest text the host shows escapes them with the control characters.
+pub fn is_layout_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
+    ) || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
+}
+
 /// `text` with the characters `escape` picks shown escaped (`\x1b`, `\n`), for words
 /// of the guest's that the host quotes: an escape sequence in them must not drive the
 /// user's terminal, nor a line break start a line that passes for the host's own.

@@ -597,8 +597,9 @@ pub fn report(changes: &Changes) {
     }
 }
 
-/// At most 200 characters of `text`, on one line: a config value the guest wrote may
-/// hold line breaks, which would print lines of their own that look like vmctl's.
+/// At most 200 characters of `text`, on one line: a config value the guest wrote, or a
+/// directory it named (a submodule's under `modules/`), may hold line breaks, which
+/// would print lines of their own that look like vmctl's.
 fn one_line(text: &str) -> String {
     let cut: String = text.chars().take(200).collect();
     crate::terminal::one_line(&cut).into_owned()
@@ -615,11 +616,12 @@ fn warning(changes: &Changes) -> Option<String> {
         ));
         for runnable in &changes.runnables {
             let what = one_line(&runnable.what);
-            lines.push(format!("vmctl:   {}: {what}", runnable.git_dir.display()));
+            let git_dir = one_line(&runnable.git_dir.display().to_string());
+            lines.push(format!("vmctl:   {git_dir}: {what}"));
         }
         lines.push(format!(
             "vmctl:   (see `ls -l {0}/hooks` and `git config --file {0}/config --list`)",
-            first.git_dir.display()
+            one_line(&first.git_dir.display().to_string())
         ));
     }
     if !changes.vm_only_worktrees.is_empty() {
@@ -633,8 +635,8 @@ fn warning(changes: &Changes) -> Option<String> {
             let head = one_line(&worktree.head);
             lines.push(format!(
                 "vmctl:   {} ({head}), of {}",
-                worktree.path.display(),
-                worktree.git_dir.display()
+                one_line(&worktree.path.display().to_string()),
+                one_line(&worktree.git_dir.display().to_string())
             ));
         }
         lines.push(String::from(
@@ -762,6 +764,36 @@ mod tests {
             "{warning}"
         );
         assert!(warning.contains("x\\nvmctl: all is well\\r"), "{warning}");
+    }
+
+    /// The git directories and worktree paths the warning names may be the guest's own
+    /// (a submodule's under `modules/`, a worktree it registered): on one line too.
+    #[test]
+    fn directories_the_guest_named_are_reported_on_one_line() {
+        let forged = "/w/.git/modules/x\nvmctl: all is well";
+        let changes = Changes {
+            runnables: vec![Runnable {
+                git_dir: PathBuf::from(forged),
+                what: "hook pre-commit".into(),
+            }],
+            vm_only_worktrees: vec![VmOnlyWorktree {
+                git_dir: PathBuf::from(forged),
+                path: PathBuf::from("/tmp/wt\nvmctl: nothing to do"),
+                head: "detached".into(),
+            }],
+        };
+        let warning = warning(&changes).unwrap();
+        assert!(
+            warning.lines().all(|line| line.starts_with("vmctl: ")
+                && !line.starts_with("vmctl: all is well")
+                && !line.starts_with("vmctl: nothing to do")),
+            "{warning}"
+        );
+        assert!(warning.contains("x\\nvmctl: all is well"), "{warning}");
+        assert!(
+            warning.contains("/tmp/wt\\nvmctl: nothing to do"),
+            "{warning}"
+        );
     }
 
     #[test]

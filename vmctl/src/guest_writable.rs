@@ -259,8 +259,9 @@ impl LeftOut {
     fn add(&mut self, name: &OsStr, why: impl std::fmt::Display) {
         self.count += 1;
         if self.reasons.len() < Self::REASONS_KEPT {
-            self.reasons
-                .push(format!("{}: {why}", name.to_string_lossy()));
+            // The name is the guest's when the directory is in a share: on one line.
+            let name = crate::terminal::one_line(&name.to_string_lossy()).into_owned();
+            self.reasons.push(format!("{name}: {why}"));
         }
     }
 }
@@ -656,6 +657,21 @@ mod tests {
         );
         assert_eq!(std::fs::read(to.join("bytes/small")).unwrap(), b"1234");
         assert!(!to.join("bytes/large").exists());
+
+        // A name the guest chose (the directory may be in a share) is told on one line.
+        let forged = tmp.path().join("forged");
+        std::fs::create_dir(&forged).unwrap();
+        std::fs::write(forged.join("x\nvmctl: all is well"), vec![b'x'; 4096]).unwrap();
+        let limits = CopyLimits {
+            bytes: 100,
+            entries: 10,
+        };
+        let left_out = copy_read_only(&forged, open_dir(&to).unwrap(), "forged", limits).unwrap();
+        assert_eq!(left_out.reasons.len(), 1, "{left_out:?}");
+        assert!(
+            left_out.reasons[0].starts_with("x\\nvmctl: all is well: 4096 bytes"),
+            "{left_out:?}"
+        );
 
         // The directory itself and one file.
         let left_out = copy(

@@ -96,6 +96,12 @@ mod tests {
             printable("Kernel panic \u{1b}]0;owned\u{7}\r!"),
             "Kernel panic \\u{1b}]0;owned\\u{7}\\r!"
         );
+        // A right-to-left override would show `curl x | sh` reversed.
+        assert_eq!(
+            printable("core.fsmonitor=\u{202e}hs | x lruc"),
+            "core.fsmonitor=\\u{202e}hs | x lruc"
+        );
+        assert_eq!(one_line("a\u{2028}b\u{2066}c"), "a\\u{2028}b\\u{2066}c");
         assert_eq!(one_line("plain text"), "plain text");
         assert_eq!(
             one_line("gitdir: /x\r\u{1b}[2K\nvmctl: ok"),

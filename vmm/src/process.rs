@@ -43,16 +43,20 @@ macro_rules! to_stderr {
 }
 
 /// `text` fit for the host's terminal: control characters other than newline and tab
-/// shown escaped (`\x1b`). Messages may quote the guest (its agent's errors, its
-/// console's panic line), and an escape sequence from it must not drive the terminal.
+/// shown escaped (`\x1b`), and the characters that change a line's layout
+/// ([`guest_log::is_layout_control`]: a bidi override). Messages may quote the guest
+/// (its agent's errors, its console's panic line, a config value it wrote), and an
+/// escape sequence from it must not drive the terminal, nor an override disguise it.
 pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
-    guest_log::escaped(text, |c| c.is_control() && c != '\n' && c != '\t')
+    guest_log::escaped(text, |c| {
+        (c.is_control() && c != '\n' && c != '\t') || guest_log::is_layout_control(c)
+    })
 }
 
 /// [`printable`], and on one line: line breaks shown escaped too, for a guest's words
 /// quoted inside a message, where a line of their own could pass for vmctl's.
 pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    guest_log::escaped(text, char::is_control)
+    guest_log::escaped(text, |c| c.is_control() || guest_log::is_layout_control(c))
 }
 
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and

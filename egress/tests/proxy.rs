@@ -415,6 +415,20 @@ impl Harness {
             }
         });
 
+        // An upstream hyper would not be: one answer, written as is, framed by both a
+        // Content-Length and chunked coding.
+        let raw_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let raw_addr = raw_listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = raw_listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let _ = read_head(&mut tcp).await;
+                    let _ = tcp.write_all(BOTH_FRAMINGS).await;
+                });
+            }
+        });
+
         let ca = CertificateAuthority::load_or_create(&tmp.path().join("ca"), "test").unwrap();
         let sandbox_ca = ca.cert_pem().to_string();
         let log_path = tmp.path().join("egress.jsonl");
@@ -432,7 +446,8 @@ impl Harness {
         .with_resolve_override("unbound.test:443", tls_addr)
         .with_resolve_override("unbound-sse.test:443", tls_addr)
         .with_resolve_override("plain.test:80", plain_addr)
-        .with_resolve_override("api.test:80", plain_addr);
+        .with_resolve_override("api.test:80", plain_addr)
+        .with_resolve_override("both-framings.test:80", raw_addr);
         let config = Arc::new(config);
 
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1090,6 +1105,29 @@ async fn a_response_transfer_coding_is_decoded_for_the_guest() {
     let (status, _, body) = exchange(&mut client, req).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
     assert!(body.contains("cannot decode"), "{body}");
+}
+
+/// What the raw upstream answers: a Content-Length of 5 and chunked coding, whose body
+/// is longer.
+const BOTH_FRAMINGS: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\
+    Transfer-Encoding: chunked\r\n\r\nb\r\nhello world\r\n0\r\n\r\n";
+
+/// A response framed by both a Content-Length and chunked coding is the chunked one
+/// (RFC 9112, 6.3), and the length does not go on to the guest, whose hop frames the
+/// body anew (it would cut the body to the length, or leave the guest waiting).
+#[tokio::test]
+async fn a_response_framed_twice_reaches_the_guest_whole() {
+    let h = Harness::start().await;
+    let mut client = h.plain_client().await;
+    let req = request("http://both-framings.test/", "both-framings.test", &[], "");
+    let (status, headers, body) = exchange(&mut client, req).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, "hello world");
+    assert_ne!(
+        headers.get(header::CONTENT_LENGTH).map(|v| v.as_bytes()),
+        Some(b"5".as_slice()),
+        "{headers:?}"
+    );
 }
 
 // ---- streaming and upgrades ------------------------------------------------------

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Why the proxy never connects to `ip`, if it is a loopback, private, link-local,
-/// shared, metadata, multicast, broadcast, reserved or unspecified address, or one
+/// shared, metadata (Azure's public-looking WireServer too), multicast, broadcast,
+/// reserved or unspecified address, or one
 /// of IPv6's forms of an IPv4 address that is (mapped, compatible, SIIT, NAT64 and
 /// 6to4; Teredo, whose IPv4 address is hidden, altogether).
 pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
@@ -256,6 +257,10 @@ pub(super) fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
     let [a, b, ..] = ip.octets();
     if ip == Ipv4Addr::new(169, 254, 169, 254) {
         Some("the cloud metadata address")
+    } else if ip == Ipv4Addr::new(168, 63, 129, 16) {
+        // Public by its number, yet reached only from inside Azure: its host's
+        // provisioning agent, DNS and health probes.
+        Some("Azure's host address (WireServer)")
     } else if ip.is_loopback() {
         Some("a loopback address")
     } else if a == 0 {

@@ -28,9 +28,25 @@ use super::BoxError;
 /// still held a frame at a time.
 const FRAME_BYTES: usize = 64 * 1024;
 
+/// What a coding header's value that is not text (bytes past ASCII) counts as: a
+/// coding the proxy cannot undo, so that a body it names is refused, not passed on
+/// unsearched or coded.
+const UNREADABLE_CODING: &str = "(not text)";
+
 /// The content codings (`Content-Encoding`), which the response's recipient undoes.
 pub(super) fn content_codings(headers: &HeaderMap) -> Vec<String> {
-    codings_named(list_tokens(headers, header::CONTENT_ENCODING))
+    let mut codings = codings_named(list_tokens(headers, header::CONTENT_ENCODING));
+    codings.extend(unreadable(headers, header::CONTENT_ENCODING));
+    codings
+}
+
+/// [`UNREADABLE_CODING`] when a `name` header's value is not text.
+fn unreadable(headers: &HeaderMap, name: header::HeaderName) -> Option<String> {
+    let unreadable = headers
+        .get_all(name)
+        .iter()
+        .any(|value| value.to_str().is_err());
+    unreadable.then(|| UNREADABLE_CODING.to_string())
 }
 
 /// The transfer codings under a final `chunked` (RFC 9112, 6.1), or all of them when
@@ -41,7 +57,9 @@ pub(super) fn transfer_codings(headers: &HeaderMap) -> Vec<String> {
     if ends_in_chunked(headers) {
         transfer.pop();
     }
-    codings_named(transfer.into_iter())
+    let mut codings = codings_named(transfer.into_iter());
+    codings.extend(unreadable(headers, header::TRANSFER_ENCODING));
+    codings
 }
 
 fn codings_named<'a>(listed: impl Iterator<Item = &'a str>) -> Vec<String> {
@@ -493,6 +511,15 @@ mod tests {
         ]);
         assert_eq!(content_codings(&both), ["br"]);
         assert_eq!(transfer_codings(&both), ["deflate"]);
+        // A value that is not text names a coding that cannot be undone: a body
+        // compressed under it is refused, not passed on unsearched.
+        let mut unreadable = HeaderMap::new();
+        let not_text = HeaderValue::from_bytes(b"gzip\xff").unwrap();
+        unreadable.insert(header::CONTENT_ENCODING, not_text.clone());
+        assert_eq!(content_codings(&unreadable), [UNREADABLE_CODING]);
+        assert!(decoding_for(&content_codings(&unreadable)).is_err());
+        unreadable.insert(header::TRANSFER_ENCODING, not_text);
+        assert_eq!(transfer_codings(&unreadable), [UNREADABLE_CODING]);
     }
 
     #[test]

@@ -422,6 +422,12 @@ pub(super) fn relay_response(
         }
         _ => (None, false),
     };
+    // A Content-Length beside a Transfer-Encoding does not frame the body (RFC 9112,
+    // 6.3), which hyper read as the coding says: passed on, it would cut the body the
+    // guest's hop frames anew, or leave the guest waiting for more.
+    if response.headers().contains_key(header::TRANSFER_ENCODING) {
+        response.headers_mut().remove(header::CONTENT_LENGTH);
+    }
     strip_hop_by_hop(response.headers_mut(), switching);
     if content_decoded {
         headers_for_decoded(response.headers_mut());

@@ -271,6 +271,16 @@ async fn upstream_service(
                 .insert(header::CONTENT_LENGTH, len.into());
             response
         }
+        // Text that ends with the secret's first letter, then a pause before the rest.
+        "/pause-on-a-start" => {
+            let (tx, body) = Channel::body();
+            tokio::spawn(async move {
+                tx.send("yes".into()).await.unwrap();
+                sleep(Duration::from_millis(1000)).await;
+                let _ = tx.send(" done\n".into()).await;
+            });
+            Response::new(body)
+        }
         "/sse" => {
             let (tx, body) = Channel::body();
             tokio::spawn(async move {
@@ -1180,6 +1190,37 @@ async fn server_sent_events_arrive_one_by_one() {
     )
     .await;
     assert_streamed(&times);
+}
+
+/// A body that pauses on what might begin the secret (`yes`, as the secret starts
+/// with `s`) has those bytes go on after a moment, not with its next chunk.
+#[tokio::test]
+async fn a_body_pausing_on_a_start_of_the_secret_is_not_held_until_it_goes_on() {
+    let h = Harness::start().await;
+    let mut client = h
+        .https_client("api.test:443", "api.test", &h.sandbox_ca)
+        .await;
+    let start = Instant::now();
+    let times = event_times(
+        &mut client,
+        request("/pause-on-a-start", "api.test", &[], ""),
+    )
+    .await;
+    let all: String = times.iter().map(|(_, text)| text.as_str()).collect();
+    assert_eq!(all, "yes done\n");
+    let mut so_far = String::new();
+    let (yes_at, _) = times
+        .iter()
+        .find(|(_, text)| {
+            so_far.push_str(text);
+            so_far.contains("yes")
+        })
+        .unwrap();
+    let yes_at = yes_at.duration_since(start);
+    assert!(
+        yes_at < Duration::from_millis(800),
+        "the held `s` came {yes_at:?} after the request, with the rest"
+    );
 }
 
 async fn upgrade_and_echo(client: &mut Client, uri: &str, host: &str) {

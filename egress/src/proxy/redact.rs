@@ -510,12 +510,17 @@ pub(super) fn replacement(len: usize) -> Vec<u8> {
     out
 }
 
-/// A response body streamed through a [`Redactor`], chunk by chunk.
+/// A response body streamed through a [`Redactor`], chunk by chunk. Bytes held back
+/// because they might begin the secret go on after [`HOLD_FLUSH`] without more of the
+/// body, as [`copy_redacted`] sends them: a stream that pauses there (a progress line,
+/// a long poll) must not wait for its next chunk.
 pub(super) struct RedactedBody {
     pub(super) inner: ProxyBody,
     pub(super) redactor: Redactor,
     pub(super) trailers: Option<HeaderMap>,
     pub(super) done: bool,
+    /// Runs while held bytes wait for the body's next frame.
+    held_since: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Ends the body with an error once ready: the secret it carries was removed or
     /// replaced (a stream, say server-sent events, may last for hours).
     /// (In a mutex, which no one locks, for the Sync a boxed body needs.)
@@ -531,6 +536,7 @@ impl RedactedBody {
             redactor,
             trailers: None,
             done: false,
+            held_since: None,
             cutoff: None,
         }
     }
@@ -573,7 +579,21 @@ impl Body for RedactedBody {
             if this.done {
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
             }
-            let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+            let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            if polled.is_pending() && this.redactor.holding() {
+                let held_since = this
+                    .held_since
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(HOLD_FLUSH)));
+                ready!(std::future::Future::poll(held_since.as_mut(), cx));
+                this.held_since = None;
+                let held = this.redactor.flush_held();
+                if this.redactor.withdrawn() {
+                    return this.end_with(WITHDRAWN);
+                }
+                return Poll::Ready(Some(Ok(Frame::data(held))));
+            }
+            this.held_since = None;
+            let frame = match ready!(polled) {
                 Some(Ok(frame)) => frame,
                 Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                 None => {

@@ -34,10 +34,14 @@ const PATH_MAX: usize = libc::PATH_MAX as usize;
 /// would otherwise grow the supervisor's memory with the square of its depth.
 const MAX_PATH_BYTES: usize = 32 << 20;
 
-/// How many levels below where it starts one walk goes: the supervisor's descriptors
-/// are not the guest's to use up (a directory made deeper still is watched when it
-/// is made).
-const MAX_WALK_DEPTH: usize = 128;
+/// How many levels below its share's root a directory is watched; a deeper one is not
+/// (nor are host edits there shown to the guest's watchers). The supervisor's
+/// descriptors are not the guest's to use up (a walk holds each level open while the
+/// others wait), nor its CPU: a name removed at depth N is looked up again from the
+/// root ([`TreeWatcher::is_gone`], N opens), and a guest that made a chain of
+/// directories one at a time, down to the path length limit, then churned files at
+/// its bottom, had the supervisor open some 2,000 directories for each.
+const MAX_WATCH_DEPTH: usize = 128;
 
 /// What changed in one read, by host path and kind.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -278,6 +282,12 @@ impl TreeWatcher {
     fn watch_tree_noting(&mut self, top: &Path, added: &mut Vec<PathBuf>) -> Option<String> {
         let found = self.root_of(top)?;
         let root = found.0.clone();
+        let below_root = top
+            .strip_prefix(&root)
+            .map_or(0, |rest| rest.components().count());
+        if below_root > MAX_WATCH_DEPTH {
+            return None;
+        }
         // Gone meanwhile, or reached through a link: nothing to say.
         let top_fd = open_below(found, top)?;
         let mut pending = Pending::default();
@@ -327,7 +337,7 @@ impl TreeWatcher {
                 }
                 Err(_) => continue,
             }
-            if depth == MAX_WALK_DEPTH || full.is_some() || is_package(&root, &dir) {
+            if below_root + depth >= MAX_WATCH_DEPTH || full.is_some() || is_package(&root, &dir) {
                 // No deeper than that: each level down holds its directory open while
                 // its others wait.
                 continue;
@@ -1109,16 +1119,26 @@ mod tests {
     }
 
     #[test]
-    fn a_walk_goes_so_many_levels_down() {
+    fn directories_are_watched_so_many_levels_below_the_root() {
         let (_dir, root, _) = share_and_outside();
         let mut deep = root.clone();
-        for _ in 0..MAX_WALK_DEPTH + 5 {
+        for _ in 0..MAX_WATCH_DEPTH + 5 {
             deep.push("d");
         }
         std::fs::create_dir_all(&deep).unwrap();
         let mut watcher = TreeWatcher::new(1000).unwrap();
         assert_eq!(watcher.watch_tree(&root), None);
-        assert_eq!(watcher.watched(), MAX_WALK_DEPTH + 1);
+        assert_eq!(watcher.watched(), MAX_WATCH_DEPTH + 1);
+        // Made one at a time, as a guest makes a chain, they are not watched deeper
+        // either: walked from below, or from the deepest watched one.
+        let mut below = root.clone();
+        for _ in 0..MAX_WATCH_DEPTH - 2 {
+            below.push("d");
+        }
+        let mut added = Vec::new();
+        assert_eq!(watcher.watch_tree_noting(&below, &mut added), None);
+        assert_eq!(watcher.watch_tree_noting(&deep, &mut added), None);
+        assert_eq!(watcher.watched(), MAX_WATCH_DEPTH + 1);
     }
 
     #[test]

@@ -1086,6 +1086,39 @@ async fn plain_requests_on_a_kept_alive_connection_share_an_upstream_connection(
     assert_eq!(h.plain_upstream_connections.load(Ordering::SeqCst), 3);
 }
 
+/// The plain requests of a kept-alive connection look their host up once, for the
+/// upstream connection they share: one lookup a request spent the lookup rate, and a
+/// guest's `apt-get` from an `http://` mirror could be answered 503.
+#[tokio::test]
+async fn plain_requests_on_a_kept_alive_connection_look_their_host_up_once() {
+    let h = Harness::with_limits(Limits {
+        lookup_burst: 2,
+        lookups_per_second: 1,
+        ..Limits::default()
+    })
+    .await;
+    let mut client = h.plain_client().await;
+    for n in 0..5 {
+        let req = request(
+            &format!("http://plain.test/echo?n={n}"),
+            "plain.test",
+            &[],
+            "",
+        );
+        let (status, _, body) = exchange(&mut client, req).await;
+        assert_eq!(status, StatusCode::OK, "request {n}: {body}");
+    }
+    // The rate is still spent by new connections: the next two lookups take the
+    // burst's second token, then find none.
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let mut other = h.plain_client().await;
+        let req = request("http://plain.test/echo", "plain.test", &[], "");
+        statuses.push(exchange(&mut other, req).await.0);
+    }
+    assert_eq!(statuses, [StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE]);
+}
+
 /// A transfer coding under chunked is this hop's: hyper takes off only the chunked,
 /// and the guest's response names none, so the proxy decodes what is left (once, it
 /// passed the gzip bytes on as if they were the body).
@@ -1748,9 +1781,9 @@ async fn name_lookups_past_the_rate_get_503() {
         answer.contains("too many name lookups (over 1 a second"),
         "{answer}"
     );
-    // Names the proxy need not look up are not counted.
-    let (status, head, _) = h.connect("open.test:443").await;
-    assert_eq!(status, 200, "{head}");
+    // An address given instead of a lookup counts as one.
+    let (status, answer, _) = h.connect("open.test:443").await;
+    assert_eq!(status, 503, "{answer}");
     sleep(Duration::from_millis(1100)).await;
     let (status, answer, _) = h.connect("localhost:443").await;
     assert_eq!(status, 403, "{answer}");

@@ -19,6 +19,16 @@ pub(super) struct KeptUpstream {
 }
 
 impl KeptUpstream {
+    /// Whether the next request to `target` would go on the kept connection (it goes
+    /// there and is open, for now).
+    pub(super) async fn goes_to(&self, target: &str) -> bool {
+        self.slot
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|(kept_target, sender)| kept_target == target && !sender.is_closed())
+    }
+
     /// Sends `req` to `target` on the kept connection if it goes there and is open,
     /// else on a new one from `connect`, which is then kept. A request a stale kept
     /// connection did not take is retried once on a new one.

@@ -155,7 +155,8 @@ pub struct ProxyConfig {
     pub rules: Arc<dyn EgressRules>,
     pub upstream_tls: Arc<rustls::ClientConfig>,
     /// `"host:port"` (IPv6 hosts in brackets) to the address to use instead of a DNS
-    /// lookup. For tests: such an address skips the address check, not the policy.
+    /// lookup. For tests: such an address skips the address check, not the policy nor
+    /// the lookup rate.
     pub resolve_overrides: HashMap<String, SocketAddr>,
     pub log: Arc<DecisionLog>,
     pub limits: Limits,

@@ -38,7 +38,13 @@ pub(super) async fn plain_http(
         return Err(ask.refuse(config, Refusal::HostMismatch, &e.to_string(), e));
     }
     let decision = ask.decide(config)?;
-    let addrs = vetted_addresses(config, &ask, &decision).await?;
+    // Looked up for a new upstream connection only: a kept one's were when it was made,
+    // and a lookup for each request of a kept-alive connection (apt's) spent the lookup
+    // rate. (One that closes meanwhile looks them up as it connects again.)
+    let addrs = match kept.goes_to(&target).await {
+        true => None,
+        false => Some(vetted_addresses(config, &ask, &decision).await?),
+    };
     let mut entry = ask.entry(true, &decision.rule, None);
     if let Some(injection) = config.rules.injection(&host, port) {
         // A secret in clear text could be read on the way; it goes only over TLS.
@@ -53,6 +59,10 @@ pub(super) async fn plain_http(
     let (mut parts, body) = req.into_parts();
     prepare_request(&mut parts, host_header(&host, port, 80));
     let connect = || async {
+        let addrs = match &addrs {
+            Some(addrs) => addrs.clone(),
+            None => vetted_addresses(config, &ask, &decision).await?,
+        };
         let tcp = connect_tcp(config, &addrs, &target).await?;
         http1_client(TokioIo::new(tcp), &target).await
     };

@@ -161,6 +161,8 @@ pub(super) async fn vetted_addresses(
     let (host, port) = (ask.host.as_str(), ask.port);
     let target = display_target(host, port);
     if let Some(addr) = config.resolve_overrides.get(&target) {
+        // It stands in for a lookup, and is counted as one.
+        config.take_lookup(&target)?;
         return Ok(vec![*addr]);
     }
     let addrs = resolve(config, host, port, &target).await?;

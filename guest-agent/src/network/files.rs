@@ -239,7 +239,10 @@ struct PemBlock<'a> {
 
 fn pem_blocks(pem: &str) -> impl Iterator<Item = PemBlock<'_>> {
     pem.match_indices(PEM_BEGIN).filter_map(move |(start, _)| {
-        let end = pem[start..].find(PEM_END)? + start + PEM_END.len();
+        // The end marker after the begin marker: the two may share dashes
+        // (`-----BEGIN CERTIFICATE-----END CERTIFICATE-----`).
+        let after_begin = start + PEM_BEGIN.len();
+        let end = pem[after_begin..].find(PEM_END)? + after_begin + PEM_END.len();
         let text = &pem[start..end];
         let body = text[PEM_BEGIN.len()..text.len() - PEM_END.len()]
             .chars()
@@ -398,6 +401,16 @@ mod tests {
             validate_roots(&too_many),
             Err(FileError::PemTooLarge { .. })
         ));
+    }
+
+    /// Markers that share their dashes hold no certificate, and break nothing: the
+    /// roots come from the host, and the bundle they are added to is the guest's.
+    #[test]
+    fn overlapping_markers_are_no_block() {
+        let overlapping = "-----BEGIN CERTIFICATE-----END CERTIFICATE-----";
+        assert_eq!(pem_blocks(overlapping).count(), 0);
+        let then_one = format!("{overlapping}\n{PEM}\n");
+        assert!(pem_blocks(&then_one).any(|block| block.body == "MIIB"));
     }
 
     #[test]

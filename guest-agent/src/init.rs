@@ -569,7 +569,39 @@ pub fn set_hostname(name: &str) -> Result<(), InitError> {
         });
     }
     let _ = std::fs::write("/etc/hostname", format!("{name}\n"));
+    if let Err(e) = name_in_hosts(Path::new("/"), name) {
+        console(&format!(
+            "warning: the hostname {name} does not resolve (hostname -f, Java's getLocalHost): \
+             cannot add it to /etc/hosts: {e}"
+        ));
+    }
     Ok(())
+}
+
+/// Has `root`'s `/etc/hosts` name `name` (at 127.0.1.1, as Debian's installer does),
+/// unless a line names it already: the machine's own name must resolve, and the guest
+/// has no DNS (`hostname -f`, Python's `gethostbyname(gethostname())` and Java's
+/// `InetAddress.getLocalHost()`, which Gradle and Maven call, failed).
+fn name_in_hosts(root: &Path, name: &str) -> std::io::Result<()> {
+    let path = root.join("etc/hosts");
+    let hosts = match std::fs::read_to_string(&path) {
+        Ok(hosts) => hosts,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e),
+    };
+    let named = hosts.lines().any(|line| {
+        let line = line.split('#').next().unwrap_or_default();
+        line.split_whitespace().skip(1).any(|alias| alias == name)
+    });
+    if named {
+        return Ok(());
+    }
+    let separator = if hosts.is_empty() || hosts.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    };
+    std::fs::write(&path, format!("{hosts}{separator}127.0.1.1\t{name}\n"))
 }
 
 /// The name field of a passwd, group or shadow line.
@@ -757,7 +789,12 @@ pub fn boot() -> BootConfig {
     }
     // In the given order, so a parent share is mounted before the shares inside it.
     for share in &cfg.shares {
-        if let Err(e) = shares::mount_share(share) {
+        let owner = cfg.user.as_ref().map(|user| shares::HomeOwner {
+            home: Path::new(&user.home),
+            uid: user.uid,
+            gid: user.gid,
+        });
+        if let Err(e) = shares::mount_share(share, owner) {
             console(&format!(
                 "fatal: cannot mount share {}={}: {e}",
                 shares::CMDLINE_KEY,
@@ -1180,6 +1217,32 @@ mod tests {
         assert_eq!(owner("home/dev/.config"), (1000, 1000));
         let a = crate::users::lookup_in(dir.path(), "dev").unwrap();
         assert_eq!((a.uid, a.gid), (4242, 4243));
+    }
+
+    #[test]
+    fn the_hostname_is_added_to_the_hosts_file_once() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("etc")).unwrap();
+        let hosts = dir.path().join("etc/hosts");
+        std::fs::write(&hosts, "127.0.0.1\tlocalhost vmctl\n# 10.0.0.1 my-vm\n").unwrap();
+        name_in_hosts(dir.path(), "my-vm").unwrap();
+        name_in_hosts(dir.path(), "my-vm").unwrap();
+        // The image's own name is there already.
+        name_in_hosts(dir.path(), "vmctl").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&hosts).unwrap(),
+            "127.0.0.1\tlocalhost vmctl\n# 10.0.0.1 my-vm\n127.0.1.1\tmy-vm\n"
+        );
+        // Without a hosts file, or one without its last line break.
+        std::fs::write(&hosts, "127.0.0.1 localhost").unwrap();
+        name_in_hosts(dir.path(), "a").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&hosts).unwrap(),
+            "127.0.0.1 localhost\n127.0.1.1\ta\n"
+        );
+        std::fs::remove_file(&hosts).unwrap();
+        name_in_hosts(dir.path(), "b").unwrap();
+        assert_eq!(std::fs::read_to_string(&hosts).unwrap(), "127.0.1.1\tb\n");
     }
 
     #[test]

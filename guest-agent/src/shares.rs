@@ -214,20 +214,54 @@ pub fn set_read_ahead(path: &Path, kib: u32) -> std::io::Result<()> {
         .map_err(|e| std::io::Error::new(e.kind(), format!("{setting}: {e}")))
 }
 
-/// Mounts `share` (in the guest, as root): creates the mount point and its missing
-/// parents (mode 0755, like `mkdir -p`), then mounts the virtio-fs tag there with
+/// The user whose home the shares' missing parents below it are made for.
+#[derive(Debug, Clone, Copy)]
+pub struct HomeOwner<'a> {
+    pub home: &'a Path,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Makes `path` and its missing parents (mode 0755, like `mkdir -p`); those below
+/// `owner`'s home are the owner's, as they would be had the user made them: a
+/// workspace at `~/src/proj` left `~/src` root's, and `--mount ~/.cache/x` left
+/// `~/.cache` root's, where the user's tools write.
+fn make_mount_point(path: &Path, owner: Option<HomeOwner>) -> std::io::Result<()> {
+    let missing: Vec<&Path> = path
+        .ancestors()
+        .take_while(|dir| std::fs::symlink_metadata(dir).is_err())
+        .collect();
+    for dir in missing.into_iter().rev() {
+        match std::fs::DirBuilder::new().mode(0o755).create(dir) {
+            Ok(()) => {}
+            // Made meanwhile (a share inside another): as good.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+        if let Some(owner) = owner.filter(|owner| dir.starts_with(owner.home) && dir != owner.home)
+        {
+            std::os::unix::fs::lchown(dir, Some(owner.uid), Some(owner.gid))?;
+        }
+    }
+    if !path.is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotADirectory,
+            "not a directory",
+        ));
+    }
+    Ok(())
+}
+
+/// Mounts `share` (in the guest, as root): makes the mount point and its missing
+/// parents ([`make_mount_point`]), then mounts the virtio-fs tag there with
 /// `nodev,nosuid` (and `ro` for a read-only share).
-pub fn mount_share(share: &ShareMount) -> Result<(), ShareError> {
+pub fn mount_share(share: &ShareMount, owner: Option<HomeOwner>) -> Result<(), ShareError> {
     let path_text = || share.path.display().to_string();
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o755)
-        .create(&share.path)
-        .map_err(|source| ShareError::MountPoint {
-            tag: share.tag.clone(),
-            path: path_text(),
-            source,
-        })?;
+    make_mount_point(&share.path, owner).map_err(|source| ShareError::MountPoint {
+        tag: share.tag.clone(),
+        path: path_text(),
+        source,
+    })?;
     let mount_err = |source| ShareError::Mount {
         tag: share.tag.clone(),
         path: path_text(),
@@ -431,7 +465,7 @@ mod tests {
             path: target.clone(),
             read_only: true,
         };
-        let err = mount_share(&s).unwrap_err();
+        let err = mount_share(&s, None).unwrap_err();
         assert!(target.is_dir(), "the mount point was not created");
         assert!(matches!(err, ShareError::Mount { .. }), "{err}");
         let msg = err.to_string();
@@ -440,15 +474,56 @@ mod tests {
             "{msg}"
         );
         // An existing directory is fine; a file in the way is not.
-        assert!(matches!(mount_share(&s), Err(ShareError::Mount { .. })));
+        assert!(matches!(
+            mount_share(&s, None),
+            Err(ShareError::Mount { .. })
+        ));
         let file = dir.path().join("file");
         std::fs::write(&file, "").unwrap();
-        let err = mount_share(&ShareMount {
-            path: file.join("sub"),
-            ..s
-        })
+        let err = mount_share(
+            &ShareMount {
+                path: file.join("sub"),
+                ..s
+            },
+            None,
+        )
         .unwrap_err();
         assert!(matches!(err, ShareError::MountPoint { .. }), "{err}");
         assert!(err.to_string().contains("file/sub"), "{err}");
+    }
+
+    /// The parents made below the user's home are the user's; the home itself, and
+    /// those outside it, root's.
+    #[test]
+    fn a_mount_points_parents_in_the_home_are_the_users() {
+        use std::os::unix::fs::MetadataExt;
+        // SAFETY: geteuid touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            crate::not_run(
+                "shares::tests::a_mount_points_parents_in_the_home_are_the_users",
+                "handing directories to another user needs root",
+            );
+            return;
+        }
+        const USER: u32 = 65534;
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home/alice");
+        std::fs::create_dir_all(&home).unwrap();
+        let owner = HomeOwner {
+            home: &home,
+            uid: USER,
+            gid: USER,
+        };
+        make_mount_point(&home.join("src/proj"), Some(owner)).unwrap();
+        make_mount_point(&dir.path().join("work/main"), Some(owner)).unwrap();
+        let owner_of = |path: &Path| {
+            let meta = std::fs::metadata(path).unwrap();
+            (meta.uid(), meta.gid())
+        };
+        assert_eq!(owner_of(&home.join("src")), (USER, USER));
+        assert_eq!(owner_of(&home.join("src/proj")), (USER, USER));
+        assert_eq!(owner_of(&home), (0, 0));
+        assert_eq!(owner_of(&dir.path().join("work")), (0, 0));
+        assert_eq!(owner_of(&dir.path().join("work/main")), (0, 0));
     }
 }

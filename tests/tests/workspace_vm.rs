@@ -1009,7 +1009,12 @@ fn assert_guest_process_gone(ws: &Workspace, pid_file: &str) {
 /// `vmctl up` with the guest's default account named `tester` (uid 4242): the tests
 /// run as root, whose commands would run as root.
 fn up_as_tester(ws: &Workspace) {
-    let mut up = ws.command(&["up"]);
+    up_as_tester_with(ws, &[]);
+}
+
+/// [`up_as_tester`], with more of `vmctl up`'s arguments.
+fn up_as_tester_with(ws: &Workspace, args: &[&str]) {
+    let mut up = ws.command(&[&["up"], args].concat());
     up.env("VMCTL_GUEST_USER", "tester:4242:4343:/home/tester");
     let up = output_within(&mut up, "vmctl up");
     assert!(
@@ -1029,7 +1034,11 @@ fn commands_run_as_the_host_users_account() {
 
 fn host_user_scenario() {
     let ws = Workspace::new("workspace-user");
-    up_as_tester(&ws);
+    // A share in the user's home, whose parents the guest makes.
+    let cache = ws.dir.path().join("tool-cache");
+    std::fs::create_dir(&cache).unwrap();
+    let mount = format!("{}:/home/tester/.cache/tool", cache.display());
+    up_as_tester_with(&ws, &["--mount", &mount]);
     let out = ws.exec(
         "id -un; id -u; id -g; echo $HOME; cd; pwd; touch /tmp/owned; stat -c %u:%g /tmp/owned",
     );
@@ -1049,6 +1058,18 @@ fn host_user_scenario() {
     );
     let root = ws.run(&["exec", "--user", "root", "--", "id", "-u"]);
     assert_eq!(stdout(&root).trim(), "0");
+
+    // The parents of a share in the home are the user's, as had they made them: their
+    // tools write there (`~/.cache`).
+    let parent = ws.exec("stat -c %u:%g ~/.cache && mkdir ~/.cache/pip");
+    assert!(parent.status.success(), "{parent:?}");
+    assert_eq!(stdout(&parent), "4242:4343\n");
+
+    // The machine's own name resolves (Java's getLocalHost, which Gradle and Maven
+    // call, `hostname -f`), without DNS.
+    let own_name = ws.exec("getent hosts \"$(hostname)\" && hostname -f");
+    assert!(own_name.status.success(), "{own_name:?}");
+    assert!(stdout(&own_name).starts_with("127.0.1.1 "), "{own_name:?}");
 }
 
 /// Connects, as the guest's default (non-root) user, to the agent's vsock port at

@@ -103,12 +103,13 @@ fn prepare_and_run(spec: &Path) -> Result<u8, String> {
             .map_err(|e| e.to_string())?;
     }
     for dir in &job.fs_dirs {
-        guest_agent::shares::mount_share(&guest_agent::shares::ShareMount {
+        let share = guest_agent::shares::ShareMount {
             tag: dir.tag.clone(),
             path: dir.path.clone(),
             read_only: dir.read_only,
-        })
-        .map_err(|e| e.to_string())?;
+        };
+        // The nested host has no user of its own: its directories are root's.
+        guest_agent::shares::mount_share(&share, None).map_err(|e| e.to_string())?;
     }
     let guest_cpus =
         vcpu_cpus_off_cpu_0(std::thread::available_parallelism().map_or(1, usize::from));

@@ -108,16 +108,20 @@ impl VmDir {
     }
 
     /// The VM directory `workspace` has or would have; nothing is created. A workspace
-    /// directory that is gone is taken at its absolute path, so that the VM of a
-    /// removed directory can still be stopped and removed.
+    /// directory that is gone is taken at its absolute path, with the part that still
+    /// exists canonicalized, so that the VM of a removed directory can still be
+    /// stopped and removed however its path is spelled (`../feat`, `feat/`, through
+    /// a link to a parent): the VM was named after the canonical path.
     pub fn lookup(workspace: &Path) -> Result<(PathBuf, VmDir), StateError> {
         let workspace = match workspace.canonicalize() {
             Ok(canonical) => canonical,
             Err(source) if source.kind() == std::io::ErrorKind::NotFound => {
-                std::path::absolute(workspace).map_err(|_| StateError::Workspace {
-                    path: workspace.to_path_buf(),
-                    source,
-                })?
+                let absolute =
+                    std::path::absolute(workspace).map_err(|_| StateError::Workspace {
+                        path: workspace.to_path_buf(),
+                        source,
+                    })?;
+                resolve_existing_part(&absolute)
             }
             Err(source) => {
                 return Err(StateError::Workspace {
@@ -962,6 +966,28 @@ mod tests {
         let file = tmp.path().join("f");
         std::fs::write(&file, "").unwrap();
         assert!(ensure_private_dir(&file).is_err());
+    }
+
+    /// The VM of a removed workspace is found by any spelling of its path: through a
+    /// link to a parent, with a trailing slash, with `..`. (Review: `vmctl rm ../feat`
+    /// after `git worktree remove` said there was no VM, and left it running.)
+    #[test]
+    fn a_removed_workspace_is_found_by_any_spelling_of_its_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().canonicalize().unwrap().join("real");
+        std::fs::create_dir_all(real.join("ws")).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("link")).unwrap();
+        let (made_under, made) = VmDir::lookup(&real.join("ws")).unwrap();
+        std::fs::remove_dir(real.join("ws")).unwrap();
+        for spelling in [
+            tmp.path().join("link/ws"),
+            tmp.path().join("link/ws/"),
+            tmp.path().join("real/../link/ws"),
+        ] {
+            let (found, dir) = VmDir::lookup(&spelling).unwrap();
+            assert_eq!(found, made_under, "{spelling:?}");
+            assert_eq!(dir.path, made.path, "{spelling:?}");
+        }
     }
 
     #[test]

@@ -247,25 +247,55 @@ fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
     if let Some(socket) = running_socket() {
         return Ok(socket);
     }
-    start_daemon()?;
-    let deadline = Instant::now() + START_TIMEOUT;
+    let mut daemon = start_daemon()?;
+    let socket = super::socket_path();
+    wait_for_start(&socket, &super::log_path(), &mut daemon, START_TIMEOUT)
+}
+
+/// Waits, within `limit`, until a daemon listens on `socket`: the one started
+/// (`daemon`, logging to `log`), or another that won a race to start. One that exited
+/// failing is said at once, with its log's last lines. (Review: a daemon that could
+/// not bind its socket cost every command 10 s, and the reason was in its log only.)
+fn wait_for_start(
+    socket: &Path,
+    log: &Path,
+    daemon: &mut std::process::Child,
+    limit: Duration,
+) -> Result<PathBuf, DaemonClientError> {
+    let listening = || crate::own_socket::connect(socket).is_ok();
+    let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
-        if let Some(socket) = running_socket() {
-            return Ok(socket);
+        if listening() {
+            return Ok(socket.to_path_buf());
+        }
+        // A daemon that finds another running ends too, with success.
+        if let Ok(Some(status)) = daemon.try_wait() {
+            if !status.success() && !listening() {
+                let said = crate::log_keeper::last_lines(log, 16 << 10, 3);
+                return Err(DaemonClientError::Start(format!(
+                    "it exited at once ({status}){}; its log: {}",
+                    match said.is_empty() {
+                        true => String::new(),
+                        false =>
+                            format!(", saying: {}", crate::terminal::one_line(&said.join(" | "))),
+                    },
+                    log.display()
+                )));
+            }
         }
         // The first command after a login waits on this: the daemon listens within
         // a few ms of its start.
         std::thread::sleep(Duration::from_millis(5));
     }
     Err(DaemonClientError::Start(format!(
-        "it did not listen on {} within {START_TIMEOUT:?} (its log: {})",
-        super::socket_path().display(),
-        super::log_path().display()
+        "it did not listen on {} within {limit:?} (its log: {})",
+        socket.display(),
+        log.display()
     )))
 }
 
 /// Starts `vmctl daemon` in a session of its own, logging to [`super::log_path`].
-fn start_daemon() -> Result<(), DaemonClientError> {
+fn start_daemon() -> Result<std::process::Child, DaemonClientError> {
     let start = DaemonClientError::Start;
     let exe = std::env::current_exe()
         .map_err(|e| start(format!("cannot find vmctl's own executable: {e}")))?;
@@ -278,7 +308,6 @@ fn start_daemon() -> Result<(), DaemonClientError> {
         .map_err(|e| start(format!("cannot open its log {}: {e}", log_path.display())))?;
     daemon_command(&exe, log)
         .and_then(|mut command| command.spawn())
-        .map(drop)
         .map_err(|e| {
             start(format!(
                 "cannot run {} daemon: {e}; run it by hand to see why",
@@ -415,6 +444,31 @@ mod tests {
         );
         assert!(
             err.to_string().contains("did not answer within 300ms"),
+            "{err}"
+        );
+    }
+
+    /// A daemon that exits at once is said so with its words, not waited for.
+    #[test]
+    fn a_daemon_that_cannot_start_is_reported_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("vmctl");
+        crate::vmm_process::script(
+            &exe,
+            "#!/bin/sh\necho 'vmctl: error: cannot bind /x/daemon.sock: Permission denied' >&2\nexit 1\n",
+        );
+        let log_path = dir.path().join("daemon.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut daemon = daemon_command(&exe, log).unwrap().spawn().unwrap();
+        let started = Instant::now();
+        let socket = dir.path().join("daemon.sock");
+        let err = wait_for_start(&socket, &log_path, &mut daemon, Duration::from_secs(20))
+            .unwrap_err()
+            .to_string();
+        assert!(started.elapsed() < Duration::from_secs(5), "{err}");
+        assert!(err.contains("exited at once (exit status: 1)"), "{err}");
+        assert!(
+            err.contains("cannot bind /x/daemon.sock: Permission denied"),
             "{err}"
         );
     }

@@ -168,22 +168,9 @@ pub(super) fn agent_answered_for(vm: &VmDir, pid: i32) -> bool {
     recorded.is_ok_and(|recorded| Some(recorded) == supervisor_named(pid))
 }
 
-/// The last `count` lines of a log that are not blank, from its last `max_bytes`.
-/// Its end only, and a byte that is not UTF-8 (a guest's words quoted) does not cost
-/// the rest.
-fn last_lines(path: &Path, max_bytes: u64, count: usize) -> Vec<String> {
-    let tail = crate::log_keeper::read_tail(path, max_bytes).unwrap_or_default();
-    let text = String::from_utf8_lossy(&tail);
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    lines[lines.len().saturating_sub(count)..]
-        .iter()
-        .map(|line| line.to_string())
-        .collect()
-}
-
 /// The last lines of a log, to quote in an error (empty when there are none).
 fn log_tail(path: &Path) -> String {
-    let tail = last_lines(path, 64 << 10, 5);
+    let tail = crate::log_keeper::last_lines(path, 64 << 10, 5);
     if tail.is_empty() {
         String::new()
     } else {
@@ -198,7 +185,10 @@ const QUOTED_LINE_CHARS: usize = 200;
 /// last line, or that there is none. The guest's kernel is quiet, and its agent's
 /// first line comes once the guest's file systems are mounted.
 fn console_ending(path: &Path) -> String {
-    match last_lines(path, 4 << 10, 1).first().map(|line| line.trim()) {
+    match crate::log_keeper::last_lines(path, 4 << 10, 1)
+        .first()
+        .map(|line| line.trim())
+    {
         Some(line) => {
             let mut quoted: String = line.chars().take(QUOTED_LINE_CHARS).collect();
             if quoted.len() < line.len() {

@@ -253,8 +253,9 @@ fn make_mount_point(path: &Path, owner: Option<HomeOwner>) -> std::io::Result<()
 }
 
 /// Mounts `share` (in the guest, as root): makes the mount point and its missing
-/// parents ([`make_mount_point`]), then mounts the virtio-fs tag there with
-/// `nodev,nosuid` (and `ro` for a read-only share).
+/// parents (mode 0755, like `mkdir -p`; those below `owner`'s home are the owner's),
+/// then mounts the virtio-fs tag there with `nodev,nosuid` (and `ro` for a read-only
+/// share).
 pub fn mount_share(share: &ShareMount, owner: Option<HomeOwner>) -> Result<(), ShareError> {
     let path_text = || share.path.display().to_string();
     make_mount_point(&share.path, owner).map_err(|source| ShareError::MountPoint {

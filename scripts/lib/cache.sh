@@ -7,6 +7,10 @@
 # Days an entry of an older key may go unused before a new build of the same kind
 # removes it (VMCTL_CACHE_KEEP_DAYS).
 cache_keep_days="${VMCTL_CACHE_KEEP_DAYS:-30}"
+# How many entries of older keys a new build of the same kind keeps at most, the most
+# recently used (VMCTL_CACHE_KEEP_OLDER): each edit of a build script is a new key, and
+# a root image is 1.6 GB.
+cache_keep_older="${VMCTL_CACHE_KEEP_OLDER:-2}"
 
 # cache_key_of_scripts FILE...: the hash of the build's own scripts, for its key.
 cache_key_of_scripts() {
@@ -93,18 +97,28 @@ cache_mark_used() {
 }
 
 # cache_prune PARENT PATTERN CURRENT: removes PARENT's entries named PATTERN, other than
-# CURRENT, that went unused for cache_keep_days (a VM still running from one keeps its
-# open file), and what builds killed outright left behind (their work and unpublished
-# directories, `*.tmp*` and `build.*`, and failure logs) once a day old: no build
-# runs that long.
+# CURRENT, that went unused for cache_keep_days, and those past the cache_keep_older
+# most recently used (a VM still running from one keeps its open file); and what
+# builds killed outright left behind (their work and unpublished directories, `*.tmp*`
+# and `build.*`, and failure logs) once a day old: no build runs that long.
 cache_prune() {
-    local parent="$1" pattern="$2" current="$3" entry
+    local parent="$1" pattern="$2" current="$3" entry kept=0
     while IFS= read -r -d '' entry; do
         [[ "$entry" == "$current" ]] && continue
         echo "cache: removing $entry (unused for over $cache_keep_days days)" >&2
         rm -rf --one-file-system "$entry"
     done < <(find "$parent" -mindepth 1 -maxdepth 1 -type d -name "$pattern" ! -name '*.tmp*' \
                   -mtime +"$cache_keep_days" -print0 2>/dev/null)
+    # Newest first: "SECONDS.FRACTION PATH", one a line (entries are named by hashes).
+    while IFS= read -r entry; do
+        entry="${entry#* }"
+        [[ "$entry" == "$current" ]] && continue
+        kept=$((kept + 1))
+        ((kept > cache_keep_older)) || continue
+        echo "cache: removing $entry (older than the $cache_keep_older last used)" >&2
+        rm -rf --one-file-system "$entry"
+    done < <(find "$parent" -mindepth 1 -maxdepth 1 -type d -name "$pattern" ! -name '*.tmp*' \
+                  -printf '%T@ %p\n' 2>/dev/null | sort -rn)
     while IFS= read -r -d '' entry; do
         echo "cache: removing $entry (left by a build that was killed)" >&2
         rm -rf --one-file-system "$entry"

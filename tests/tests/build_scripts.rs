@@ -809,3 +809,51 @@ fn a_root_image_recipe_is_checked_before_any_build() {
         "{path}"
     );
 }
+
+/// A build keeps its own entry and the two most recently used of older keys, and
+/// removes the rest, however recent: each edit of a build script is a new key, and a
+/// root image is 1.6 GB. (Review: only entries unused for 30 days went, and CI's
+/// disk filled with images of last week's keys.)
+#[test]
+fn a_build_keeps_the_last_used_entries_of_older_keys() {
+    let dir = TempDir::new("cache-prune");
+    let parent = dir.path().join("rootfs");
+    let names = [
+        "default-aaaa",
+        "default-bbbb",
+        "default-cccc",
+        "default-dddd",
+        "other-eeee",
+    ];
+    for (age_minutes, name) in [50, 40, 30, 20, 60].iter().zip(names) {
+        let entry = parent.join(name);
+        std::fs::create_dir_all(&entry).unwrap();
+        let status = Command::new("touch")
+            .arg("-d")
+            .arg(format!("{age_minutes} minutes ago"))
+            .arg(&entry)
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    let current = parent.join("default-aaaa");
+    run_lib(
+        "cache.sh",
+        "cache_prune \"$PARENT\" 'default-????' \"$CURRENT\"",
+        "",
+        &[
+            ("PARENT", parent.to_str().unwrap()),
+            ("CURRENT", current.to_str().unwrap()),
+        ],
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&parent)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    // The current one, though the oldest; the two used last; another kind's.
+    assert_eq!(
+        left,
+        ["default-aaaa", "default-cccc", "default-dddd", "other-eeee"]
+    );
+}

@@ -178,7 +178,20 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
         })?;
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
-        handles.push(vcpu.start(context.clone())?);
+        match vcpu.start(context.clone()) {
+            Ok(handle) => handles.push(handle),
+            Err(e) => {
+                // Those started are stopped and joined before guest memory goes.
+                context
+                    .stop
+                    .store(true, std::sync::atomic::Ordering::Release);
+                console_output.stop_waiting();
+                for handle in handles {
+                    handle.stop();
+                }
+                return Err(e.into());
+            }
+        }
     }
 
     tracing::debug!("{vcpu_count} vCPU(s) started");

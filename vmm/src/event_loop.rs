@@ -41,10 +41,18 @@ extern "C" fn on_stop_signal(signal: libc::c_int, _: *mut libc::siginfo_t, _: *m
     STOP_SIGNAL.store(signal, Ordering::SeqCst);
     let fd = STOP_SIGNAL_FD.load(Ordering::SeqCst);
     if fd >= 0 {
+        // SAFETY: __errno_location returns this thread's errno, which the write below
+        // may change under the code the signal interrupted: put back after it.
+        let errno = unsafe { libc::__errno_location() };
+        // SAFETY: as above; reading a thread's own errno.
+        let saved = unsafe { *errno };
         let one: u64 = 1;
         // SAFETY: write(2) is async-signal-safe; `one` is a live 8-byte value and `fd`
-        // is the eventfd kept open by the event loop for the life of the process.
+        // is a copy of the event loop's eventfd that stays open for the life of the
+        // process (`handle_stop_signals`), after the loop too.
         unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+        // SAFETY: as above.
+        unsafe { *errno = saved };
     }
 }
 
@@ -125,9 +133,20 @@ impl EventLoop {
         Ok(event_loop)
     }
 
-    /// Turns SIGINT and SIGTERM into a clean stop with `ExitReason::Signal`.
+    /// Turns SIGINT and SIGTERM into a clean stop with `ExitReason::Signal`. The
+    /// handler writes to a copy of the loop's eventfd that is never closed: a signal
+    /// during the teardown, or after, would otherwise write to whatever had taken the
+    /// closed descriptor's number by then.
     pub fn handle_stop_signals(&self) -> Result<(), EventLoopError> {
-        STOP_SIGNAL_FD.store(self.stop_signal.as_raw_fd(), Ordering::SeqCst);
+        let kept = self
+            .stop_signal
+            .try_clone()
+            .map_err(|e| EventLoopError::Setup {
+                step: "signal eventfd copy",
+                source: e,
+            })?;
+        STOP_SIGNAL_FD.store(kept.as_raw_fd(), Ordering::SeqCst);
+        std::mem::forget(kept);
         for signal in [libc::SIGINT, libc::SIGTERM] {
             register_signal_handler(signal, on_stop_signal)
                 .map_err(|source| EventLoopError::Signal { signal, source })?;

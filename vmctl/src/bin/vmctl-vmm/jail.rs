@@ -91,6 +91,9 @@ fn build(visible: Option<&Path>, kernel: &Path) -> Result<(), String> {
         .map(|dir| File::open(dir).map(|file| (dir, file)))
         .transpose()
         .map_err(failed("open the directory to keep"))?;
+    // Before the mount, whose failure it would otherwise leave in place (a working
+    // directory removed meanwhile has none).
+    let cwd = std::env::current_dir().map_err(failed("find the working directory"))?;
     mount(
         "tmpfs",
         &mount_point,
@@ -99,7 +102,6 @@ fn build(visible: Option<&Path>, kernel: &Path) -> Result<(), String> {
         Some(TMPFS_OPTIONS),
     )
     .map_err(failed("mount the new root"))?;
-    let cwd = std::env::current_dir().map_err(failed("find the working directory"))?;
     let pivoted = pivot_into(&mount_point, kept.as_ref().map(|(dir, file)| (*dir, file)));
     if pivoted.is_err() {
         let _ = unmount(&mount_point, UnmountFlags::DETACH);
@@ -137,6 +139,8 @@ mod tests {
     use std::process::Command;
 
     const CHILD_ENV: &str = "VMCTL_VMM_JAIL_TEST_DIR";
+    /// Set: the child's working directory is removed before it enters the jail.
+    const GONE_CWD_ENV: &str = "VMCTL_VMM_JAIL_TEST_GONE_CWD";
     const THIS_TEST: &str = "jail::tests::the_jailed_vmm_sees_its_directory_and_nothing_else";
 
     /// The jail needs a process with one thread, and a test binary has several; so a
@@ -187,7 +191,31 @@ mod tests {
         assert!(stdout.contains("etc visible: false"), "{stdout}");
     }
 
+    /// A step that fails leaves the VMM's view the host's: a working directory removed
+    /// before the jail fails it once the new root's tmpfs covered the VM's directory,
+    /// which then hid the sockets of the guest's connections to the host.
+    #[test]
+    fn a_jail_that_fails_leaves_the_vmms_view_the_hosts() {
+        let dir = tempfile::tempdir().unwrap();
+        let _peer = UnixListener::bind(dir.path().join("vsock.sock_1025")).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([THIS_TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, dir.path())
+            .env(GONE_CWD_ENV, dir.path().join("gone"))
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&child.stdout);
+        assert!(stdout.contains("jail: NotEntered"), "{stdout}");
+        assert!(stdout.contains("peer reachable: true"), "{stdout}");
+        assert!(stdout.contains("etc visible: true"), "{stdout}");
+    }
+
     fn report_from_the_jail(dir: &Path) {
+        if let Ok(gone) = std::env::var(GONE_CWD_ENV) {
+            std::fs::create_dir(&gone).unwrap();
+            std::env::set_current_dir(&gone).unwrap();
+            std::fs::remove_dir(&gone).unwrap();
+        }
         println!(
             "jail: {:?}",
             enter(Some(dir), Path::new("/nonexistent/vmlinux"))

@@ -30,7 +30,7 @@ use crate::devices::virtio::{InterruptTrigger, VirtioDevice};
 use crate::event_loop::{EventLoop, EventLoopError};
 use crate::memory::{create_guest_ram, GuestMemoryMmap, MemoryError};
 use crate::vstate::exit::{ExitNotifier, ExitReason, GuestResetTrigger};
-use crate::vstate::vcpu::{install_kick_handler, Vcpu, VcpuContext, VcpuError};
+use crate::vstate::vcpu::{install_kick_handler, Vcpu, VcpuContext, VcpuError, VcpuHandle};
 use crate::vstate::vm::{open_kvm, Vm, VmError};
 
 #[derive(Debug, thiserror::Error)]
@@ -182,13 +182,7 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
             Ok(handle) => handles.push(handle),
             Err(e) => {
                 // Those started are stopped and joined before guest memory goes.
-                context
-                    .stop
-                    .store(true, std::sync::atomic::Ordering::Release);
-                console_output.stop_waiting();
-                for handle in handles {
-                    handle.stop();
-                }
+                stop_vcpus(&context, &console_output, handles);
                 return Err(e.into());
             }
         }
@@ -204,18 +198,23 @@ pub fn run(config: &VmConfig, options: RunOptions) -> Result<ExitReason, BuildEr
     });
     tracing::debug!("VM stopping: {outcome:?}");
     report_lost_wakeups(&transports);
-    context
-        .stop
-        .store(true, std::sync::atomic::Ordering::Release);
-    // A vCPU waiting for room in the output of a console nobody reads must stop too.
-    console_output.stop_waiting();
-    for handle in handles {
-        handle.stop();
-    }
+    stop_vcpus(&context, &console_output, handles);
     console_output.finish(CONSOLE_WRITE_OUT_TIMEOUT);
     // Guest memory (`ram`) outlives every vCPU: they are all joined above.
     drop(ram);
     Ok(outcome?)
+}
+
+/// Stops the vCPUs of `handles` and joins their threads. A vCPU waiting for room in
+/// the output of a console nobody reads must stop too.
+fn stop_vcpus(context: &VcpuContext, console_output: &ConsoleOutput, handles: Vec<VcpuHandle>) {
+    context
+        .stop
+        .store(true, std::sync::atomic::Ordering::Release);
+    console_output.stop_waiting();
+    for handle in handles {
+        handle.stop();
+    }
 }
 
 /// Loads kernel and initrd, writes the command line, boot_params and MP table;

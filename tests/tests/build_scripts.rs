@@ -812,8 +812,8 @@ fn a_root_image_recipe_is_checked_before_any_build() {
 
 /// A build keeps its own entry and the two most recently used of older keys, and
 /// removes the rest, however recent: each edit of a build script is a new key, and a
-/// root image is 1.6 GB. (Review: only entries unused for 30 days went, and CI's
-/// disk filled with images of last week's keys.)
+/// root image is 1.6 GB. (Review: only entries unused for 30 days went, and at a
+/// month's rate of script edits, images of old keys would have filled the disk.)
 #[test]
 fn a_build_keeps_the_last_used_entries_of_older_keys() {
     let dir = TempDir::new("cache-prune");

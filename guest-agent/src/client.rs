@@ -280,8 +280,7 @@ pub fn quoted(words: &str) -> String {
         Some((at, _)) => (&words[..at], true),
         None => (words, false),
     };
-    let mut out = guest_log::escaped(head, |c| c.is_control() || guest_log::is_layout_control(c))
-        .into_owned();
+    let mut out = guest_log::one_line(head).into_owned();
     if cut {
         out.push_str("...");
     }

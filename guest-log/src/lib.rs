@@ -25,6 +25,13 @@ pub fn is_layout_control(c: char) -> bool {
         || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
+/// `text` on one line, shown as written: control characters (line breaks among them)
+/// and layout controls escaped, for a guest's words quoted inside a message, where a
+/// line of their own could pass for the host's, and an override could disguise them.
+pub fn one_line(text: &str) -> Cow<'_, str> {
+    escaped(text, |c| c.is_control() || is_layout_control(c))
+}
+
 /// `text` with the characters `escape` picks shown escaped (`\x1b`, `\n`), for words
 /// of the guest's that the host quotes: an escape sequence in them must not drive the
 /// user's terminal, nor a line break start a line that passes for the host's own.

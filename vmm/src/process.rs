@@ -56,7 +56,7 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
 /// [`printable`], and on one line: line breaks shown escaped too, for a guest's words
 /// quoted inside a message, where a line of their own could pass for vmctl's.
 pub fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    guest_log::escaped(text, |c| c.is_control() || guest_log::is_layout_control(c))
+    guest_log::one_line(text)
 }
 
 /// The VMM's executable, built with `vmctl` (`vmctl/src/bin/vmctl-vmm/`) and

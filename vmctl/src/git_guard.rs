@@ -597,12 +597,18 @@ pub fn report(changes: &Changes) {
     }
 }
 
-/// At most 200 characters of `text`, on one line: a config value the guest wrote, or a
-/// directory it named (a submodule's under `modules/`), may hold line breaks, which
-/// would print lines of their own that look like vmctl's.
+/// At most 200 characters of `text`, on one line: a config value the guest wrote may
+/// hold line breaks, which would print lines of their own that look like vmctl's.
 fn one_line(text: &str) -> String {
     let cut: String = text.chars().take(200).collect();
     crate::terminal::one_line(&cut).into_owned()
+}
+
+/// `path` on one line, whole: the guest names some of the directories the warning
+/// gives (a submodule's under `modules/`, a worktree it registered), and the warning
+/// says where to look.
+fn path_on_one_line(path: &Path) -> String {
+    crate::terminal::one_line(&path.display().to_string()).into_owned()
 }
 
 /// The warning [`report`] prints, if any.
@@ -616,12 +622,12 @@ fn warning(changes: &Changes) -> Option<String> {
         ));
         for runnable in &changes.runnables {
             let what = one_line(&runnable.what);
-            let git_dir = one_line(&runnable.git_dir.display().to_string());
+            let git_dir = path_on_one_line(&runnable.git_dir);
             lines.push(format!("vmctl:   {git_dir}: {what}"));
         }
         lines.push(format!(
             "vmctl:   (see `ls -l {0}/hooks` and `git config --file {0}/config --list`)",
-            one_line(&first.git_dir.display().to_string())
+            path_on_one_line(&first.git_dir)
         ));
     }
     if !changes.vm_only_worktrees.is_empty() {
@@ -635,8 +641,8 @@ fn warning(changes: &Changes) -> Option<String> {
             let head = one_line(&worktree.head);
             lines.push(format!(
                 "vmctl:   {} ({head}), of {}",
-                one_line(&worktree.path.display().to_string()),
-                one_line(&worktree.git_dir.display().to_string())
+                path_on_one_line(&worktree.path),
+                path_on_one_line(&worktree.git_dir)
             ));
         }
         lines.push(String::from(

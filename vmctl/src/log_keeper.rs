@@ -89,7 +89,7 @@ fn shrink_if_larger(log: &Path, max: u64, tail: u64) -> io::Result<bool> {
 /// Its end only, and a byte that is not UTF-8 (a guest's words quoted) does not cost
 /// the rest.
 pub fn last_lines(path: &Path, max_bytes: u64, count: usize) -> Vec<String> {
-    let tail = crate::log_keeper::read_tail(path, max_bytes).unwrap_or_default();
+    let tail = read_tail(path, max_bytes).unwrap_or_default();
     let text = String::from_utf8_lossy(&tail);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(count)..]

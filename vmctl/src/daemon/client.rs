@@ -240,7 +240,12 @@ fn ask_a_running_daemon(
 /// The socket of a running daemon, if one answers.
 fn running_socket() -> Option<PathBuf> {
     let socket = super::socket_path();
-    crate::own_socket::connect(&socket).ok().map(|_| socket)
+    listens(&socket).then_some(socket)
+}
+
+/// Whether a daemon (of this user's) listens on `socket`.
+fn listens(socket: &Path) -> bool {
+    crate::own_socket::connect(socket).is_ok()
 }
 
 fn connect_or_start() -> Result<PathBuf, DaemonClientError> {
@@ -262,15 +267,14 @@ fn wait_for_start(
     daemon: &mut std::process::Child,
     limit: Duration,
 ) -> Result<PathBuf, DaemonClientError> {
-    let listening = || crate::own_socket::connect(socket).is_ok();
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
-        if listening() {
+        if listens(socket) {
             return Ok(socket.to_path_buf());
         }
         // A daemon that finds another running ends too, with success.
         if let Ok(Some(status)) = daemon.try_wait() {
-            if !status.success() && !listening() {
+            if !status.success() && !listens(socket) {
                 let said = crate::log_keeper::last_lines(log, 16 << 10, 3);
                 return Err(DaemonClientError::Start(format!(
                     "it exited at once ({status}){}; its log: {}",

@@ -266,6 +266,16 @@ pub fn fs_requests() -> fs_fallback::Input {
 /// The secret of the redaction sessions.
 pub const SECRET: &[u8] = b"sk-ant-api03-abcdefghijklmnop";
 
+/// A redaction session of [`SECRET`] carried in `form`.
+fn session(form: Form, watched: bool, ops: Vec<redact::Op>) -> redact::Input {
+    redact::Input {
+        form,
+        watched,
+        secret: SECRET.to_vec(),
+        ops,
+    }
+}
+
 /// `text` for the stream.
 fn text(bytes: &[u8]) -> redact::Op {
     redact::Op::Bytes(bytes.to_vec())
@@ -284,11 +294,10 @@ fn piece(index: u8, from: u8, to: u8) -> redact::Op {
 /// An upstream echoes the request's `Authorization: Bearer` header back, the value
 /// split across two chunks, then more text.
 pub fn bearer_echo() -> redact::Input {
-    redact::Input {
-        form: Form::Bearer,
-        watched: true,
-        secret: SECRET.to_vec(),
-        ops: vec![
+    session(
+        Form::Bearer,
+        true,
+        vec![
             text(b"{\"headers\": {\"authorization\": \""),
             piece(0, 0, 12),
             redact::Op::Chunk,
@@ -296,17 +305,16 @@ pub fn bearer_echo() -> redact::Input {
             text(b"\"}}\n"),
             redact::Op::Chunk,
         ],
-    }
+    )
 }
 
 /// The secret arrives in two parts with a pause between (a slow server-sent event):
 /// its first 5 bytes go on unmasked, the rest is masked when it comes.
 pub fn pause_inside_the_secret() -> redact::Input {
-    redact::Input {
-        form: Form::Bare,
-        watched: true,
-        secret: SECRET.to_vec(),
-        ops: vec![
+    session(
+        Form::Bare,
+        true,
+        vec![
             text(b"data: "),
             piece(1, 0, 5),
             redact::Op::Pause,
@@ -314,29 +322,17 @@ pub fn pause_inside_the_secret() -> redact::Input {
             text(b"\n\n"),
             redact::Op::Chunk,
         ],
-    }
+    )
 }
 
 /// git's Basic credential echoed, its encoded word a byte per chunk.
 pub fn git_basic_bytewise() -> redact::Input {
-    let word_len = redact::Input {
-        form: Form::GitBasic,
-        watched: false,
-        secret: SECRET.to_vec(),
-        ops: Vec::new(),
-    }
-    .needles()[2]
-        .len() as u8;
-    let mut ops = vec![text(b"auth=")];
+    let mut input = session(Form::GitBasic, false, vec![text(b"auth=")]);
+    let word_len = input.needles()[2].len() as u8;
     for at in 0..word_len {
-        ops.extend([piece(2, at, at + 1), redact::Op::Chunk]);
+        input.ops.extend([piece(2, at, at + 1), redact::Op::Chunk]);
     }
-    redact::Input {
-        form: Form::GitBasic,
-        watched: false,
-        secret: SECRET.to_vec(),
-        ops,
-    }
+    input
 }
 
 /// A guest probing for the secret: three responses' worth of long starts of it,
@@ -347,15 +343,11 @@ pub fn probes_for_the_secret() -> redact::Input {
         ops.extend([piece(1, 0, 20), text(guess), redact::Op::Chunk]);
     }
     ops.push(text(b"rest"));
-    redact::Input {
-        form: Form::Template {
-            prefix: b"token=".to_vec(),
-            suffix: b";".to_vec(),
-        },
-        watched: true,
-        secret: SECRET.to_vec(),
-        ops,
-    }
+    let form = Form::Template {
+        prefix: b"token=".to_vec(),
+        suffix: b";".to_vec(),
+    };
+    session(form, true, ops)
 }
 
 /// Every session, by target and name, as bytes for libFuzzer's corpus.

@@ -2,7 +2,7 @@
 //! of `vmctl run`.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::exec::AGENT_PORT;
@@ -391,10 +391,22 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
     if !throwaway {
         match record.workspace.try_exists() {
             Ok(true) => return None,
-            Ok(false) => {}
+            Ok(false) => {
+                if let Some(nearest) = record
+                    .workspace_device
+                    .and_then(|device| on_another_file_system(&record.workspace, device))
+                {
+                    vmm::to_stderr!(
+                        "vmctl: {workspace} is not there, but neither is the file system \
+                         it was on ({} is on another): perhaps its volume is not \
+                         mounted. Its VM is kept; 'vmctl rm {workspace}' forgets it",
+                        nearest.display()
+                    );
+                    return None;
+                }
+            }
             // Perhaps only out of reach (a parent directory not readable, a dead
-            // network mount): its agent sessions are kept. (A volume not mounted looks
-            // removed: its mount point is an empty directory.)
+            // network mount): its agent sessions are kept.
             Err(e) => {
                 vmm::to_stderr!(
                     "vmctl: cannot tell whether {workspace} is still there ({e}): its VM \
@@ -419,6 +431,21 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
     } else {
         format!("the VM of {workspace}")
     })
+}
+
+/// The nearest directory above the missing `workspace` that exists, if it is not on
+/// `device`, the file system `workspace` was on. An unmounted volume's workspace looks
+/// removed (its mount point is an empty directory on the file system below), but a
+/// removed workspace's nearest directory is still on its file system. (Said wrongly
+/// only of a removed workspace that was the top of its own file system, such as a
+/// btrfs subvolume: its VM is kept, and the user told how to forget it.)
+fn on_another_file_system(workspace: &Path, device: u64) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let nearest = workspace
+        .ancestors()
+        .skip(1)
+        .find_map(|dir| std::fs::metadata(dir).ok().map(|meta| (dir, meta)))?;
+    (nearest.1.dev() != device).then(|| nearest.0.to_path_buf())
 }
 
 /// How long a VM directory without a record is left alone by `vmctl prune`.
@@ -490,6 +517,17 @@ mod tests {
         std::os::unix::fs::symlink("loop", dir.path().join("loop")).unwrap();
         let unknown = vm_of("unknown", &dir.path().join("loop/ws"));
         let starting = vm_of("starting", &dir.path().join("removed-too"));
+        // A workspace on a volume since unmounted: its mount point, left behind, is on
+        // another file system than the one the record names.
+        let unmounted = vm_of("unmounted", &dir.path().join("volume/ws"));
+        let mut record = unmounted.read_record().unwrap();
+        let here = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(dir.path()).unwrap());
+        record.workspace_device = Some(here.wrapping_add(1));
+        unmounted.write_record(&record).unwrap();
+        // One removed from the file system the record names.
+        let mut record = gone.read_record().unwrap();
+        record.workspace_device = Some(here);
+        gone.write_record(&record).unwrap();
         // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
         let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);
         let lifecycle_lock = lock_exclusive(&starting.path.join(LIFECYCLE_LOCK)).unwrap();
@@ -515,6 +553,7 @@ mod tests {
             kept.clone(),
             gone.clone(),
             unknown.clone(),
+            unmounted.clone(),
             starting.clone(),
             throwaway.clone(),
             refused.clone(),
@@ -533,6 +572,10 @@ mod tests {
         assert!(
             unknown.path.exists(),
             "a VM whose workspace may be only out of reach was removed"
+        );
+        assert!(
+            unmounted.path.exists(),
+            "a VM whose workspace's volume may be only unmounted was removed"
         );
         assert!(
             !refused.path.exists(),

@@ -57,6 +57,7 @@ pub struct VcpuContext {
 pub struct Vcpu {
     fd: VcpuFd,
     index: u8,
+    unexpected_exits: UnexpectedExits,
 }
 
 impl Vcpu {
@@ -64,7 +65,11 @@ impl Vcpu {
         let fd = vm
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
-        Ok(Self { fd, index })
+        Ok(Self {
+            fd,
+            index,
+            unexpected_exits: UnexpectedExits::default(),
+        })
     }
 
     /// Sets CPUID, MSRs, LAPIC LINT pins and the 64-bit boot registers. Every vCPU
@@ -126,6 +131,7 @@ impl Vcpu {
         let index = self.index;
         let exit = self.fd.run();
         tracing::trace!("vcpu{index}: exit {exit:?}");
+        let unexpected_before = self.unexpected_exits.take();
         match exit {
             Ok(VcpuExit::IoIn(port, data)) => {
                 let (at, len) = (data.as_mut_ptr(), data.len());
@@ -190,8 +196,9 @@ impl Vcpu {
                 Err(ExitReason::Fatal(internal_error_message(index, suberror)))
             }
             Ok(other) => {
-                guest_log::guest_warn!("vcpu{index}: unexpected exit {other:?}; continuing");
-                Ok(())
+                let what = format!("{other:?}");
+                self.unexpected_exits = unexpected_before;
+                self.unexpected_exits.note(index, &what)
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 if index == 0 && !context.stop.load(Ordering::Acquire) && self.is_powered_off() {
@@ -202,6 +209,39 @@ impl Vcpu {
             }
             Err(e) => Err(ExitReason::Fatal(format!("vCPU {index}: KVM_RUN failed: {e}"))),
         }
+    }
+}
+
+/// The exits in a row that the run loop has no handling for. Going on past one is
+/// right for an exit that comes once (nothing asked KVM for those, but a host's KVM
+/// may still send one); one that KVM sends again at each entry would have the vCPU
+/// spin, its guest stuck and nobody told, so after [`UnexpectedExits::LIMIT`] in a row
+/// the VM ends, saying which.
+#[derive(Debug, Default)]
+struct UnexpectedExits {
+    in_a_row: u32,
+}
+
+impl UnexpectedExits {
+    const LIMIT: u32 = 64;
+
+    /// The count so far, leaving zero: any exit but an unexpected one ends a run.
+    fn take(&mut self) -> Self {
+        std::mem::take(self)
+    }
+
+    /// Counts an unexpected exit `what` of vCPU `index`: `Err` ends the VM.
+    fn note(&mut self, index: u8, what: &str) -> Result<(), ExitReason> {
+        self.in_a_row += 1;
+        if self.in_a_row >= Self::LIMIT {
+            return Err(ExitReason::Fatal(format!(
+                "vCPU {index}: KVM exited with {what}, which this VMM does not handle, {} \
+                 times in a row",
+                self.in_a_row
+            )));
+        }
+        guest_log::guest_warn!("vcpu{index}: unexpected exit {what}; continuing");
+        Ok(())
     }
 }
 
@@ -370,6 +410,31 @@ mod tests {
         let mut bus = Bus::new();
         bus.insert(device.clone(), u64::from(port), 1).unwrap();
         (bus, device)
+    }
+
+    /// An exit the loop does not handle, sent again at each entry, ends the VM after
+    /// the limit, naming it; one with handled exits between them never does.
+    #[test]
+    fn only_unexpected_exits_in_a_row_end_the_vm() {
+        let mut exits = UnexpectedExits::default();
+        for _ in 1..UnexpectedExits::LIMIT {
+            assert!(exits.note(1, "Debug").is_ok());
+        }
+        match exits.note(1, "Debug") {
+            Err(ExitReason::Fatal(why)) => {
+                assert!(why.contains("vCPU 1") && why.contains("Debug"), "{why}")
+            }
+            other => panic!("the VM goes on after the limit: {other:?}"),
+        }
+
+        // As `run_once` counts: each exit takes the count, an unexpected one puts it
+        // back and adds itself.
+        let mut exits = UnexpectedExits::default();
+        for _ in 0..UnexpectedExits::LIMIT * 4 {
+            exits = exits.take();
+            assert!(exits.note(0, "Debug").is_ok());
+            let _handled_exit = exits.take();
+        }
     }
 
     /// `rep outsb` / `rep outsw`: KVM exits once with all the elements; the device

@@ -4,10 +4,11 @@
 # is absent) plus Debian packages, npm packages installed globally inside the image
 # (the coding-agent CLIs) and an optional script run in the image as the last step.
 # The image lands in a cache directory keyed by the recipe, its script, the build
-# scripts' own text and the Debian suite, and is reused when none of them changed
-# (images of the same recipe name unused for 30 days go at the next build). Pin the
-# npm packages' versions in a recipe: its text is the key, so an unpinned package
-# stays at whatever version the first build found.
+# scripts' own text, the Debian suite and the month, and is reused when none of them
+# changed: the first start of a month builds an image with Debian's updates (and uses
+# the last month's, with a warning, if that build fails). Images of the same recipe
+# name unused for 30 days go at the next build. Pin the npm packages' versions in a
+# recipe: an unpinned package is at whatever version the month's build finds.
 #
 #   rootfs/build-rootfs.sh [RECIPE]               build if needed, print the image path
 #   rootfs/build-rootfs.sh [RECIPE] --print-path  print where it would be, build nothing
@@ -25,7 +26,9 @@
 #              VMCTL_DEBIAN_MIRROR, VMCTL_DEBIAN_SECURITY_MIRROR (default: the Debian
 #              ones this machine's apt has fetched from, per `apt-cache policy`; else
 #              deb.debian.org),
-#              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/).
+#              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/),
+#              VMCTL_ROOTFS_MONTH (YYYY-MM: the month whose image to use or build;
+#              default: this month, UTC).
 set -euo pipefail
 # mkfs.ext4, chroot and e2fsck are in sbin, which root's PATH lacks after `su` without
 # `-` (Debian 12).
@@ -48,6 +51,7 @@ die() { echo "rootfs: error: $*" >&2; exit 1; }
 
 recipe="$here/recipes/default.recipe"
 action=build
+script_args=("$@")
 for arg in "$@"; do
     case "$arg" in
         --print-path) action=print ;;
@@ -100,9 +104,14 @@ if [[ -n "$script_rel" ]]; then
     [[ -r "$script" ]] || die "$recipe: script '$script_rel' not found (looked at $script)"
 fi
 
-key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}" "$here/../scripts/lib/debian-mirror.sh") $suite $arch"
+recipe_key="$( { echo "rootfs $(cache_key_of_scripts "${BASH_SOURCE[0]}" "$here/../scripts/lib/debian-mirror.sh") $suite $arch"
           cat "$recipe"; echo
           [[ -z "$script" ]] || cat "$script"; } | sha256sum | cut -c1-16)"
+# The month (UTC) whose Debian archive the image holds: the first start of a month
+# builds a new image, with the suite's updates since (security fixes among them).
+month="${VMCTL_ROOTFS_MONTH:-$(date -u +%Y-%m)}"
+[[ "$month" =~ ^[0-9]{4}-(0[1-9]|1[0-2])$ ]] || die "VMCTL_ROOTFS_MONTH='$month' is not a month (YYYY-MM)"
+key="$recipe_key-$month"
 # Under sudo, the image goes to the invoking user's cache (sudo resets HOME to root's)
 # unless VMCTL_CACHE_DIR says where; in a cache of theirs, it is theirs.
 invoking_home=""
@@ -119,9 +128,14 @@ image="$out_dir/rootfs.ext4"
 check_image() {
     local mnt rc=0
     [[ $(id -u) == 0 ]] || die "--check mounts the image: run it as root"
+    # In a mount namespace of its own, as the build: a check that fails halfway, or is
+    # killed, leaves no mount on the host.
+    if [[ -z "${VMCTL_ROOTFS_MOUNT_NS:-}" ]] && command -v unshare >/dev/null; then
+        VMCTL_ROOTFS_MOUNT_NS=1 exec unshare --mount --propagation private -- "$0" "${script_args[@]}"
+    fi
     mnt="$(mktemp -d "${TMPDIR:-/tmp}/vmctl-rootfs-check.XXXXXX")"
     say "checking $image (mounted read-only on $mnt)"
-    mount -o loop,ro "$image" "$mnt"
+    mount -o loop,ro "$image" "$mnt" || { rmdir "$mnt"; die "cannot mount $image"; }
     # What the guest agent provides in a VM: /proc, /dev and a writable /tmp.
     mount -t proc proc "$mnt/proc"
     mount --bind /dev "$mnt/dev"
@@ -207,6 +221,18 @@ if [[ -f "$image" ]]; then
     [[ $action != check ]] || check_image
     echo "$image"; exit 0
 fi
+# month_of IMAGE: the month (YYYY-MM) that ends the name of IMAGE's directory.
+month_of() {
+    local entry
+    entry="$(basename "$(dirname "$1")")"
+    echo "${entry: -7}"
+}
+# The newest image of an earlier month, for when this month's cannot be built (no
+# network, a mirror down): a VM then starts on it, and the next start tries again.
+previous_image=""
+for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
+    [[ ! -f "$candidate" ]] || previous_image="$candidate"
+done
 
 # The Debian mirrors this machine's apt uses, else Debian's CDN.
 mirror="${VMCTL_DEBIAN_MIRROR:-$(debian_mirror "$suite" Debian)}"
@@ -237,7 +263,18 @@ fi
 mkdir -p "$work"
 root="$work/root"
 log="$work/build.log"
-trap cleanup EXIT
+on_exit() {
+    local rc=$?
+    cleanup
+    if [[ $rc != 0 && $rc != 130 && -n "$previous_image" && $action == build ]]; then
+        say "warning: the image of $month could not be built (above); using the one of" \
+            "$(month_of "$previous_image"), whose Debian" \
+            "packages are older: the next start tries again"
+        echo "$previous_image"
+        exit 0
+    fi
+}
+trap on_exit EXIT
 trap 'exit 130' INT TERM
 
 # Prints a line every 20 s while a long step runs: elapsed time and the tree's size.
@@ -302,6 +339,8 @@ in_root() {
 
 t_start="$(date +%s)"
 say "building '$name' ($recipe) into $out_dir (~3-5 min from nothing; cached afterwards)"
+[[ -z "$previous_image" ]] ||
+    say "(a new month's image: the one of $(month_of "$previous_image") lacks Debian's updates since)"
 
 # Documentation, man pages and translations are of no use in a VM: dpkg skips them
 # (copyright files stay).
@@ -437,6 +476,7 @@ echo "# no nameserver: the VM has no network device; HTTP(S) goes through vmctl'
 {
     echo "name=$name"
     echo "key=$key"
+    echo "month=$month"
     echo "suite=$suite"
     echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
     cat "$versions"
@@ -478,7 +518,9 @@ if [[ -n "$for_user" ]]; then
     chown -R "$for_user" "$out_dir.tmp"
 fi
 cache_publish "$out_dir.tmp" "$out_dir" rootfs.ext4
-cache_prune "$cache_root/rootfs" "$name-????????????????" "$out_dir"
+cache_prune "$cache_root/rootfs" "$name-????????????????-????-??" "$out_dir"
+# Images named before keys held their month: all superseded by this one.
+cache_keep_older=0 cache_prune "$cache_root/rootfs" "$name-????????????????" ""
 
 elapsed=$(( $(date +%s) - t_start ))
 say "done in $(( elapsed / 60 )) min $(( elapsed % 60 )) s: $image" \

@@ -4,6 +4,12 @@
 # after the hash of its inputs; the scripts' own text is one of those inputs, this
 # file's included.
 
+# A relative VMCTL_CACHE_DIR is taken from where the build was started: the kernel's
+# build runs in its work directory, where it would name another place.
+if [[ -n "${VMCTL_CACHE_DIR:-}" && "$VMCTL_CACHE_DIR" != /* ]]; then
+    VMCTL_CACHE_DIR="$PWD/$VMCTL_CACHE_DIR"
+fi
+
 # Days an entry of an older key may go unused before a new build of the same kind
 # removes it (VMCTL_CACHE_KEEP_DAYS).
 cache_keep_days="${VMCTL_CACHE_KEEP_DAYS:-30}"
@@ -102,20 +108,21 @@ cache_mark_used() {
 # builds killed outright left behind (their work and unpublished directories, `*.tmp*`
 # and `build.*`, and failure logs) once a day old: no build runs that long.
 cache_prune() {
-    local parent="$1" pattern="$2" current="$3" entry kept=0
-    while IFS= read -r -d '' entry; do
-        [[ "$entry" == "$current" ]] && continue
-        echo "cache: removing $entry (unused for over $cache_keep_days days)" >&2
-        rm -rf --one-file-system "$entry"
-    done < <(find "$parent" -mindepth 1 -maxdepth 1 -type d -name "$pattern" ! -name '*.tmp*' \
-                  -mtime +"$cache_keep_days" -print0 2>/dev/null)
-    # Newest first: "SECONDS.FRACTION PATH", one a line (entries are named by hashes).
-    while IFS= read -r entry; do
-        entry="${entry#* }"
+    local parent="$1" pattern="$2" current="$3" line entry used kept=0 now
+    now="$(date +%s)"
+    # Most recently used first: "SECONDS.FRACTION PATH", one a line (entries are named
+    # by hashes).
+    while IFS= read -r line; do
+        entry="${line#* }" used="${line%%.*}"
         [[ "$entry" == "$current" ]] && continue
         kept=$((kept + 1))
-        ((kept > cache_keep_older)) || continue
-        echo "cache: removing $entry (older than the $cache_keep_older last used)" >&2
+        if ((now - used > cache_keep_days * 86400)); then
+            echo "cache: removing $entry (unused for over $cache_keep_days days)" >&2
+        elif ((kept > cache_keep_older)); then
+            echo "cache: removing $entry (older than the $cache_keep_older last used)" >&2
+        else
+            continue
+        fi
         rm -rf --one-file-system "$entry"
     done < <(find "$parent" -mindepth 1 -maxdepth 1 -type d -name "$pattern" ! -name '*.tmp*' \
                   -printf '%T@ %p\n' 2>/dev/null | sort -rn)

@@ -858,7 +858,11 @@ fn a_months_image_that_cannot_be_built_gives_way_to_an_earlier_months() {
     std::fs::create_dir_all(earlier.parent().unwrap()).unwrap();
     std::fs::write(&earlier, "an earlier month's image").unwrap();
     let (_, this_month, _) = build("kept", "2000-02", true);
-    assert_ne!(this_month.trim(), earlier.to_str().unwrap(), "one key for two months");
+    assert_ne!(
+        this_month.trim(),
+        earlier.to_str().unwrap(),
+        "one key for two months"
+    );
 
     let (ok, printed, said) = build("kept", "2000-02", false);
     assert!(ok, "failed with an earlier month's image there: {said}");
@@ -871,7 +875,10 @@ fn a_months_image_that_cannot_be_built_gives_way_to_an_earlier_months() {
     );
 
     let (ok, printed, said) = build("alone", "2000-02", false);
-    assert!(!ok, "succeeded with no image to fall back on: {printed} {said}");
+    assert!(
+        !ok,
+        "succeeded with no image to fall back on: {printed} {said}"
+    );
     assert!(said.contains("E: cannot reach the mirror"), "{said}");
 
     let (ok, _, said) = build("kept", "2000-13", true);

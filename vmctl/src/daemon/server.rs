@@ -562,11 +562,14 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             let _ = tokio::task::spawn_blocking(move || {
                 let began = std::time::Instant::now();
                 if crate::vm::stop_vm(&vm, &why) {
-                    vmm::to_stderr!(
-                        "vmctl daemon: {} stopped after {:.1} s",
-                        vm.path.display(),
-                        began.elapsed().as_secs_f64()
-                    );
+                    match crate::vm::stopped(&vm) {
+                        Ok(()) => vmm::to_stderr!(
+                            "vmctl daemon: {} stopped after {:.1} s",
+                            vm.path.display(),
+                            began.elapsed().as_secs_f64()
+                        ),
+                        Err(e) => vmm::to_stderr!("vmctl daemon: error: {e}"),
+                    }
                 }
                 drop(lifecycle_lock);
             })

@@ -20,7 +20,9 @@ pub(crate) use lock::{
     lifecycle_lock_held, lock_to_stop, note_lock_holder, try_lock_lifecycle, LockHolder,
 };
 pub use start::{check_workspace_ways, up, up_throwaway, StartOptions};
-pub use stop::{prune, remove, remove_throwaway, stop, stop_vm, Teardown, SHUTDOWN_REQUESTED};
+pub use stop::{
+    prune, remove, remove_throwaway, stop, stop_vm, stopped, Teardown, SHUTDOWN_REQUESTED,
+};
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +48,18 @@ pub enum VmError {
         .log.display()
     )]
     StillRunning {
+        dir: PathBuf,
+        pid: i32,
+        log: PathBuf,
+    },
+    #[error(
+        "the VM in {} still runs: its supervisor, pid {pid}, outlived SIGKILL (`ps -o \
+         pid,stat,wchan -p {pid}` shows where in the kernel it is stuck; its log: {}). \
+         'vmctl stop' again once that process is gone",
+        .dir.display(),
+        .log.display()
+    )]
+    NotStopped {
         dir: PathBuf,
         pid: i32,
         log: PathBuf,

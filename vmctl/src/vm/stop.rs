@@ -23,7 +23,21 @@ const STOP_LOCK_GRACE: Duration = Duration::from_secs(2);
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
     let _lifecycle_lock = lock_to_stop(&vm, LockHolder::Stopping)?;
-    Ok(stop_vm(&vm, "asked to by `vmctl stop`"))
+    let was_running = stop_vm(&vm, "asked to by `vmctl stop`");
+    stopped(&vm).map(|()| was_running)
+}
+
+/// Whether `vm`, told to stop, has: its supervisor can outlive even SIGKILL, stuck in
+/// the kernel (an uninterruptible wait on a dead network file system, say).
+pub fn stopped(vm: &VmDir) -> Result<(), VmError> {
+    match vm.running_pid() {
+        None => Ok(()),
+        Some(pid) => Err(VmError::NotStopped {
+            dir: vm.path.clone(),
+            pid,
+            log: vm.supervisor_log(),
+        }),
+    }
 }
 
 /// How the line that says who shut a VM down begins in its supervisor's log, where a
@@ -626,8 +640,29 @@ mod tests {
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
         );
+        assert!(stopped(&vm).is_ok());
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
+    }
+
+    /// A stop after which the supervisor still runs (stuck in the kernel past SIGKILL)
+    /// is an error that names it, not a quiet success.
+    #[test]
+    fn a_supervisor_still_there_after_a_stop_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir {
+            path: dir.path().join("vm"),
+        };
+        std::fs::create_dir_all(&vm.path).unwrap();
+        let supervisor = stuck_supervisor(&vm);
+        let pid = vm.running_pid().expect("the stand-in supervisor runs");
+        let error = stopped(&vm).expect_err("a running supervisor taken for stopped");
+        assert!(
+            matches!(error, VmError::NotStopped { pid: named, .. } if named == pid),
+            "{error}"
+        );
+        assert!(error.to_string().contains("'vmctl stop' again"), "{error}");
+        drop(supervisor);
     }
 
     /// `vmctl rm` of a hung VM whose lifecycle lock a `vmctl exec` holds while it waits

@@ -295,13 +295,15 @@ fn adopt_running_vms(daemon: &Arc<Daemon>) {
 
 /// Running VMs this daemon does not track are adopted as [`adopt_running_vms`] does
 /// at its start: one whose session took its lease from a daemon that died while the
-/// VM booted (the start scan missed it) would otherwise never stop when idle.
+/// VM booted (the start scan missed it) would otherwise never stop when idle. One that
+/// is being stopped (by this daemon's idle stop, which stops tracking it first, or by
+/// `vmctl stop` or `rm`) is not: it would be said to be adopted as it went.
 fn adopt_untracked_vms(daemon: &Arc<Daemon>, vms: Vec<VmDir>) {
     for vm in vms {
         let Some(pid) = vm.running_pid() else {
             continue;
         };
-        if !daemon.vms().contains_key(&vm.path) {
+        if !daemon.vms().contains_key(&vm.path) && crate::vm::running_vm_stopped_by(&vm).is_none() {
             adopt(
                 daemon,
                 &vm,
@@ -1238,12 +1240,22 @@ mod tests {
         let daemon = daemon();
         let vm = |name: &str| vm_dir_in(dir.path(), name);
         let (untracked, leased, stopped) = (vm("untracked"), vm("leased"), vm("stopped"));
+        let stopping = vm("stopping");
         let _untracked_run = FakeSupervisor::start(&untracked);
         let _leased_run = FakeSupervisor::start(&leased);
+        let _stopping_run = FakeSupervisor::start(&stopping);
+        // The idle stop's hold: untracked, its lock noted as a stop's.
+        let stop_lock = crate::vm::try_lock_lifecycle(&stopping).unwrap().unwrap();
+        crate::vm::note_lock_holder(&stop_lock, crate::vm::LockHolder::Stopping);
         take_lease(&daemon, &leased.path, 2, "exec (pid 2)".into());
         adopt_untracked_vms(
             &daemon,
-            vec![untracked.clone(), leased.clone(), stopped.clone()],
+            vec![
+                untracked.clone(),
+                leased.clone(),
+                stopped.clone(),
+                stopping.clone(),
+            ],
         );
         let vms = daemon.vms();
         let adopted = vms.get(&untracked.path).and_then(|tracked| tracked.adopted);
@@ -1257,6 +1269,11 @@ mod tests {
             "a leased VM was adopted"
         );
         assert!(!vms.contains_key(&stopped.path), "a stopped VM was tracked");
+        assert!(
+            !vms.contains_key(&stopping.path),
+            "a VM being stopped was adopted"
+        );
+        drop(stop_lock);
     }
 
     #[test]

@@ -61,7 +61,7 @@ pub(super) fn lifecycle_lock_held_for(vm: &VmDir) -> Option<LockHolder> {
 /// or the idle stop that comes in that moment would wait or put off its stop for
 /// nothing (`vmctl ps` in a loop). A running VM's lock is its start's, noted
 /// "starting", or a stopper's.
-pub(super) fn running_vm_stopped_by(vm: &VmDir) -> Option<LockHolder> {
+pub(crate) fn running_vm_stopped_by(vm: &VmDir) -> Option<LockHolder> {
     let file = std::fs::File::open(vm.path.join(LIFECYCLE_LOCK)).ok()?;
     let holder = LockHolder::from_note(&read_note(&file));
     (holder != LockHolder::Starting && held_by_another(&file)).then_some(holder)

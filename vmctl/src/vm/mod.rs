@@ -17,7 +17,8 @@ pub use list::{list, table};
 #[cfg(test)]
 pub(crate) use lock::LIFECYCLE_LOCK;
 pub(crate) use lock::{
-    lifecycle_lock_held, lock_to_stop, note_lock_holder, try_lock_lifecycle, LockHolder,
+    lifecycle_lock_held, lock_to_stop, note_lock_holder, running_vm_stopped_by, try_lock_lifecycle,
+    LockHolder,
 };
 pub use start::{check_workspace_ways, up, up_throwaway, StartOptions};
 pub use stop::{

@@ -42,13 +42,26 @@ static REVOKED: AtomicBool = AtomicBool::new(false);
 static SECRET_REMOVED: AtomicBool = AtomicBool::new(false);
 /// The same for `unbound-sse.test`.
 static SSE_SECRET_REMOVED: AtomicBool = AtomicBool::new(false);
+/// Whether the policy has since refused `revocable-sse.test` (only its test uses it).
+static SSE_REVOKED: AtomicBool = AtomicBool::new(false);
+/// The same for `revocable-upload.test`.
+static UPLOAD_REVOKED: AtomicBool = AtomicBool::new(false);
+/// How the request body of the upstream's last `/upload` ended: bytes, and whether
+/// with an error. Only the test of `revocable-upload.test` uploads.
+static UPLOAD_ENDED: Mutex<Option<(usize, bool)>> = Mutex::new(None);
 
 impl EgressRules for TestRules {
     fn decide(&self, host: &str, _port: u16) -> Decision {
-        if host == "revocable.test" && REVOKED.load(Ordering::SeqCst) {
+        let revoked = match host {
+            "revocable.test" => REVOKED.load(Ordering::SeqCst),
+            "revocable-sse.test" => SSE_REVOKED.load(Ordering::SeqCst),
+            "revocable-upload.test" => UPLOAD_REVOKED.load(Ordering::SeqCst),
+            _ => false,
+        };
+        if revoked {
             Decision {
                 allowed: false,
-                rule: "deny revocable.test (test, since the tunnel opened)".into(),
+                rule: format!("deny {host} (test, since it was first allowed)"),
             }
         } else if host == "denied.test" {
             Decision {
@@ -136,7 +149,8 @@ impl hyper::body::Body for Frames {
 /// the x-api-key it got gzipped (labelled br), `/split` streams the
 /// x-api-key it got split over two chunks, `/sse` sends three events 300 ms apart, `/trailers`
 /// ends its body with trailers (a checksum, and the x-api-key it got),
-/// `/ws` switches protocols and echoes bytes.
+/// `/ws` switches protocols and echoes bytes, `/upload` reads the request body to its
+/// end and notes how it ended ([`UPLOAD_ENDED`]).
 async fn upstream_service(
     mut req: Request<Incoming>,
     seen: SeenLog,
@@ -151,6 +165,19 @@ async fn upstream_service(
         .map(|v| v.as_bytes().to_vec())
         .unwrap_or_default();
     let response = match req.uri().path() {
+        "/upload" => {
+            let mut body = req.into_body();
+            let mut received = 0;
+            let failed = loop {
+                match body.frame().await {
+                    Some(Ok(frame)) => received += frame.data_ref().map_or(0, |d| d.len()),
+                    Some(Err(_)) => break true,
+                    None => break false,
+                }
+            };
+            *UPLOAD_ENDED.lock().unwrap() = Some((received, failed));
+            Response::new(text("uploaded\n"))
+        }
         "/echo" => {
             let mut out = format!("{} {}\n", req.method(), req.uri());
             for (name, value) in req.headers() {
@@ -456,6 +483,8 @@ impl Harness {
         .with_resolve_override("unbound.test:443", tls_addr)
         .with_resolve_override("unbound-sse.test:443", tls_addr)
         .with_resolve_override("plain.test:80", plain_addr)
+        .with_resolve_override("revocable-sse.test:80", plain_addr)
+        .with_resolve_override("revocable-upload.test:80", plain_addr)
         .with_resolve_override("api.test:80", plain_addr)
         .with_resolve_override("both-framings.test:80", raw_addr);
         let config = Arc::new(config);
@@ -2063,6 +2092,115 @@ async fn a_stream_ends_once_its_secret_is_removed() {
         "the stream went on to its end: {rest:?}"
     );
     assert!(!rest.contains("event 3"), "{rest:?}");
+}
+
+/// A stream (server-sent events over plain HTTP) ends once the policy refuses its
+/// host, as a tunnel closes. (Review: only a stream that carried a secret was cut off,
+/// once the secret went; others went on to their end.)
+#[tokio::test]
+async fn a_stream_ends_once_the_policy_refuses_its_host() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let mut client = h.plain_client().await;
+    let response = client
+        .send_request(request(
+            "http://revocable-sse.test/sse",
+            "revocable-sse.test",
+            &[],
+            "",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = timeout(Duration::from_secs(5), body.frame())
+        .await
+        .expect("the first event in time")
+        .expect("a first frame")
+        .expect("the first event");
+    assert!(first
+        .into_data()
+        .is_ok_and(|d| d.starts_with(b"data: event 1")));
+    SSE_REVOKED.store(true, Ordering::SeqCst);
+    let mut rest = String::new();
+    let ended_with_an_error = loop {
+        match timeout(Duration::from_secs(5), body.frame())
+            .await
+            .expect("the stream in time")
+        {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    rest.push_str(&String::from_utf8_lossy(&data));
+                }
+            }
+            Some(Err(_)) => break true,
+            None => break false,
+        }
+    };
+    assert!(
+        ended_with_an_error,
+        "the stream went on to its end: {rest:?}"
+    );
+    assert!(!rest.contains("event 3"), "{rest:?}");
+}
+
+/// An upload (a chunked request body the guest goes on sending) ends, for the
+/// upstream, once the policy refuses its host: what the guest sends after does not
+/// reach it.
+#[tokio::test]
+async fn an_upload_ends_once_the_policy_refuses_its_host() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let mut guest = TcpStream::connect(h.proxy).await.unwrap();
+    guest
+        .write_all(
+            b"POST http://revocable-upload.test/upload HTTP/1.1\r\n\
+              Host: revocable-upload.test\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    const CHUNK: &[u8] = b"5\r\nbytes\r\n";
+    let mut sent = 0;
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(5) && UPLOAD_ENDED.lock().unwrap().is_none() {
+        if started.elapsed() > Duration::from_millis(300) {
+            UPLOAD_REVOKED.store(true, Ordering::SeqCst);
+        }
+        if guest.write_all(CHUNK).await.is_err() {
+            break;
+        }
+        sent += 5;
+        sleep(Duration::from_millis(50)).await;
+    }
+    // The end of the body, for a proxy that let it all through.
+    let _ = guest.write_all(b"0\r\n\r\n").await;
+    let ended = timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(ended) = *UPLOAD_ENDED.lock().unwrap() {
+                return ended;
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the upstream's upload never ended");
+    // Without the cutoff, the guest's 5 s of chunks, then their end, reach it whole.
+    let (received, failed) = ended;
+    assert!(
+        failed && received > 0,
+        "the upload reached the upstream whole ({received} of {sent} bytes)"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the upload went on for {:?}",
+        started.elapsed()
+    );
 }
 
 // ---- framing the guest controls -------------------------------------------------

@@ -51,6 +51,7 @@ use crate::log::DecisionLog;
 use crate::rules::EgressRules;
 
 mod addresses;
+mod cutoff;
 mod decode;
 mod first_head;
 #[cfg(feature = "fuzzing")]

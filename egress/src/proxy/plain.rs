@@ -11,9 +11,9 @@ use super::headers::{
 };
 use super::kept::KeptUpstream;
 use super::upstream::{
-    connect_tcp, http1_client, prepare_request, relay_response, vetted_addresses, Ask,
+    connect_tcp, http1_client, prepare_request, relay_response, request_body, vetted_addresses, Ask,
 };
-use super::{boxed, InFlight, ProxyBody, ProxyError};
+use super::{InFlight, ProxyBody, ProxyError};
 use crate::log::Refusal;
 
 pub(super) async fn plain_http(
@@ -66,7 +66,7 @@ pub(super) async fn plain_http(
         let tcp = connect_tcp(config, &addrs, &target).await?;
         http1_client(TokioIo::new(tcp), &target).await
     };
-    let req = Request::from_parts(parts, boxed(body));
+    let req = Request::from_parts(parts, request_body(body, &ask, config));
     let response = kept.send(&target, req, connect).await?;
     relay_response(response, guest_upgrade, None, ask, in_flight)
 }

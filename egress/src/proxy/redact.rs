@@ -85,7 +85,8 @@ fn unless_withdrawn(redactor: &Redactor, out: Bytes) -> io::Result<Bytes> {
 }
 
 const WITHDRAWN: &str = "the secret this stream carried was withdrawn after probes for it";
-const SECRET_GONE: &str = "the secret this stream carried is no longer bound to its host";
+pub(super) const SECRET_GONE: &str =
+    "the secret this stream carried is no longer bound to its host";
 
 /// Writes and flushes `bytes`: the number sent.
 pub(super) async fn send<W: AsyncWrite + Unpin>(to: &mut W, bytes: Bytes) -> io::Result<u64> {
@@ -521,13 +522,7 @@ pub(super) struct RedactedBody {
     pub(super) done: bool,
     /// Runs while held bytes wait for the body's next frame.
     held_since: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Ends the body with an error once ready: the secret it carries was removed or
-    /// replaced (a stream, say server-sent events, may last for hours).
-    /// (In a mutex, which no one locks, for the Sync a boxed body needs.)
-    pub(super) cutoff: Option<std::sync::Mutex<Cutoff>>,
 }
-
-type Cutoff = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 impl RedactedBody {
     pub(super) fn new(inner: ProxyBody, redactor: Redactor) -> Self {
@@ -537,7 +532,6 @@ impl RedactedBody {
             trailers: None,
             done: false,
             held_since: None,
-            cutoff: None,
         }
     }
 
@@ -546,15 +540,6 @@ impl RedactedBody {
         self.done = true;
         self.trailers = None;
         Poll::Ready(Some(Err(why.into())))
-    }
-
-    /// The same, ended once `cutoff` is ready.
-    pub(super) fn until(
-        mut self,
-        cutoff: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Self {
-        self.cutoff = Some(std::sync::Mutex::new(Box::pin(cutoff)));
-        self
     }
 }
 
@@ -567,14 +552,6 @@ impl Body for RedactedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if let Some(cutoff) = this.cutoff.as_mut() {
-            let cutoff = cutoff
-                .get_mut()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if !this.done && cutoff.as_mut().poll(cx).is_ready() {
-                return this.end_with(SECRET_GONE);
-            }
-        }
         loop {
             if this.done {
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));

@@ -16,9 +16,11 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use super::headers::{check_claims, claimed_authorities, host_header, path_of, wants_upgrade};
 use super::kept::KeptUpstream;
 use super::redact::Redactor;
-use super::upstream::{connect_tcp, http1_client, prepare_request, relay_response, Ask};
+use super::upstream::{
+    connect_tcp, http1_client, prepare_request, relay_response, request_body, Ask,
+};
 use super::{
-    boxed, error_response, serve_requests, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream,
+    error_response, serve_requests, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream,
 };
 use crate::log::Refusal;
 use crate::rules::Injection;
@@ -159,7 +161,7 @@ impl Session {
                 None => redactor,
             })
         });
-        let req = Request::from_parts(parts, boxed(body));
+        let req = Request::from_parts(parts, request_body(body, &ask, config));
         let response = (self.upstream)
             .send(&self.target, req, || self.connect_upstream())
             .await?;

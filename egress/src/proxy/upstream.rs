@@ -18,11 +18,12 @@ use tokio::net::TcpStream;
 use tokio::time::timeout;
 
 use super::addresses::forbidden_destination;
+use super::cutoff::cut_off;
 use super::decode::{
     content_codings, decoding_for, headers_for_decoded, transfer_codings, DecodedBody,
 };
 use super::headers::{display_target, ends_in_chunked, has_token, strip_hop_by_hop, wants_upgrade};
-use super::redact::{copy_redacted, RedactedBody, Redactor};
+use super::redact::{copy_redacted, RedactedBody, Redactor, SECRET_GONE};
 use super::tunnels::relay_while_allowed;
 use super::{boxed, InFlight, ProxyBody, ProxyConfig, ProxyError, Upstream};
 use crate::log::{LogEntry, Refusal};
@@ -30,6 +31,7 @@ use crate::rules::{Decision, Injection};
 
 /// One thing the guest asked for, as the policy checks and the log need it. A
 /// tunnel or an upgraded connection keeps its own, to ask again while it lasts.
+#[derive(Clone)]
 pub(super) struct Ask {
     pub(super) host: String,
     pub(super) port: u16,
@@ -137,7 +139,39 @@ impl Ask {
             }
         }
     }
+
+    /// Ready, with why, once what was asked for may no longer go on: the policy
+    /// refuses it, or the secret `redactor` redacts (the one it carries) is no longer
+    /// bound to it. What a body that outlives that is cut off with ([`cut_off`]).
+    pub(super) async fn no_longer_allowed(
+        self,
+        config: Arc<ProxyConfig>,
+        redactor: Option<Redactor>,
+    ) -> &'static str {
+        match redactor {
+            None => {
+                self.until_refused(&config).await;
+                POLICY_REFUSES
+            }
+            Some(redactor) => tokio::select! {
+                () = self.until_refused(&config) => POLICY_REFUSES,
+                () = self.until_secret_withdrawn(&config, &redactor) => SECRET_GONE,
+            },
+        }
+    }
 }
+
+/// The guest's request `body` for what `ask` asked, cut off once the policy refuses
+/// its host: an upload may last long enough for the host to be refused meanwhile.
+pub(super) fn request_body(body: Incoming, ask: &Ask, config: &Arc<ProxyConfig>) -> ProxyBody {
+    cut_off(
+        boxed(body),
+        ask.clone().no_longer_allowed(config.clone(), None),
+    )
+}
+
+/// Why a body ends once the policy refuses its host.
+const POLICY_REFUSES: &str = "the policy no longer allows this host";
 
 /// Ticks every [`Limits::policy_recheck`](super::Limits), the first one already gone:
 /// what was allowed a moment ago needs no check at once.
@@ -442,25 +476,20 @@ pub(super) fn relay_response(
         Some(coding) => DecodedBody::new(inner, coding).boxed(),
         None => boxed(inner),
     };
-    Ok(match redactor {
-        Some(redactor) => {
-            // An upstream's own reason phrase could quote the secret: the guest gets
-            // the standard one for the status.
-            response.extensions_mut().remove::<ReasonPhrase>();
-            let body = |inner: Incoming| RedactedBody::new(plain(inner), redactor.clone());
-            match body_ask {
-                Some(ask) => {
-                    let (watched, in_flight) = (redactor.clone(), in_flight.clone());
-                    let cutoff = async move {
-                        ask.until_secret_withdrawn(&in_flight.config, &watched)
-                            .await
-                    };
-                    response.map(|inner| body(inner).until(cutoff).boxed())
-                }
-                None => response.map(|inner| body(inner).boxed()),
-            }
-        }
-        None => response.map(plain),
+    if redactor.is_some() {
+        // An upstream's own reason phrase could quote the secret: the guest gets the
+        // standard one for the status.
+        response.extensions_mut().remove::<ReasonPhrase>();
+    }
+    let cutoff =
+        body_ask.map(|ask| ask.no_longer_allowed(in_flight.config.clone(), redactor.clone()));
+    let body = move |inner: Incoming| match redactor {
+        Some(redactor) => RedactedBody::new(plain(inner), redactor).boxed(),
+        None => plain(inner),
+    };
+    Ok(match cutoff {
+        Some(cutoff) => response.map(|inner| cut_off(body(inner), cutoff)),
+        None => response.map(body),
     })
 }
 

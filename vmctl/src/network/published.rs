@@ -15,14 +15,18 @@ use super::services::MAX_GUEST_SERVICE_CONNECTIONS;
 
 /// The most connections a VM's published ports forward at once, all of them
 /// together. Each holds one of the VMM's vsock connections, as each connection the
-/// guest makes to the host services does: with both at their limits, the VMM must
-/// still have some for vmctl's own calls into the guest (`exec`, the network setup,
-/// `stop`), whoever reaches a published address and however often.
-pub const MAX_PUBLISHED_CONNECTIONS: usize = 192;
-const _: () = assert!(
-    MAX_GUEST_SERVICE_CONNECTIONS + MAX_PUBLISHED_CONNECTIONS
-        < vmm::devices::virtio::vsock::muxer::MAX_CONNECTIONS
-);
+/// guest makes does: with both at their limits, the VMM must still have some for
+/// vmctl's own calls into the guest (`exec`, the network setup, `stop`), whoever
+/// reaches a published address and however often. The guest's own limit there is
+/// the VMM's (not the host services' [`MAX_GUEST_SERVICE_CONNECTIONS`]: a connection
+/// beyond those holds its vsock connection until its preamble times out), so these
+/// must fit in the VMM's reserve for host clients, with room to spare.
+pub const MAX_PUBLISHED_CONNECTIONS: usize = 64;
+const _: () = {
+    use vmm::devices::virtio::vsock::muxer::{HOST_RESERVED_CONNECTIONS, MAX_GUEST_CONNECTIONS};
+    assert!(MAX_GUEST_SERVICE_CONNECTIONS <= MAX_GUEST_CONNECTIONS);
+    assert!(MAX_PUBLISHED_CONNECTIONS * 2 <= HOST_RESERVED_CONNECTIONS);
+};
 
 /// Why `host` cannot be listened on, and what to do: a port another program holds
 /// (the host's own dev server on 3000) or one only root may take.

@@ -44,13 +44,26 @@ pub enum Ending {
 /// be lost. Then the stream ends as an ordinary end of stream after what is queued,
 /// and what the peer still sends is read and dropped until it closes, for at most
 /// [`DRAIN_TIMEOUT`]: a close with unread data would itself send a reset.
-pub async fn pass_on_break(mut stream: TcpStream) -> Ending {
+pub async fn pass_on_break(stream: TcpStream) -> Ending {
     if queued_for_peer(&stream).unwrap_or(0) == 0 {
         // The close below is then a reset.
         let _ = stream.set_zero_linger();
         return Ending::Reset;
     }
-    // Queues the end of stream after the data.
+    end_after_unread(stream).await;
+    Ending::EndAfterQueued
+}
+
+/// Ends `stream` with an ordinary end of stream after what is queued for its peer,
+/// then reads and drops what the peer still sends until it closes, for at most
+/// [`DRAIN_TIMEOUT`]. For a side of a relay whose peer was still sending when the
+/// other side stopped taking it ([`Relayed::unread`]: a server that answered an
+/// upload early and closed): a TCP stream closed with unread data resets its
+/// connection, and the reset can throw away what was still queued for the peer, that
+/// answer.
+pub async fn end_after_unread<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) {
+    // Queues the end of stream after the data (done already if the relay ended this
+    // way: then it fails, harmlessly).
     let _ = stream.shutdown().await;
     let mut sink = [0u8; 4096];
     let drained = async {
@@ -62,7 +75,18 @@ pub async fn pass_on_break(mut stream: TcpStream) -> Ending {
         }
     };
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained).await;
-    Ending::EndAfterQueued
+}
+
+/// Ends `stream`, the side `side` of the relay that ended as `relayed` (a TCP socket
+/// its caller lent it), so that its peer learns what happened: [`pass_on_break`] if
+/// the other side broke, [`end_after_unread`] if `stream` still holds what its peer
+/// sent; else the relay ended it already, and it is only closed.
+pub async fn end_side(stream: TcpStream, side: Side, relayed: &Relayed) {
+    if relayed.broken() == Some(side.other()) {
+        pass_on_break(stream).await;
+    } else if relayed.broken().is_none() && relayed.unread() == Some(side) {
+        end_after_unread(stream).await;
+    }
 }
 
 /// How many bytes written to `stream` its peer has not acknowledged yet (`TIOCOUTQ`).
@@ -99,6 +123,15 @@ pub enum Side {
     B,
 }
 
+impl Side {
+    fn other(self) -> Side {
+        match self {
+            Side::A => Side::B,
+            Side::B => Side::A,
+        }
+    }
+}
+
 /// How each way of a relay ended: the bytes it carried, or what broke it.
 #[derive(Debug)]
 pub struct Relayed {
@@ -133,6 +166,29 @@ impl Relayed {
             None
         }
     }
+
+    /// The side whose way stopped because the other side took no more (a write
+    /// failed: a server that answered and closed while its client still sent), if
+    /// one did: its stream may still hold what its peer sent, unread. Closed so, a TCP
+    /// stream resets its connection, which can throw away the answer the relay wrote
+    /// to it last; a caller that owns it ends it with [`end_after_unread`].
+    pub fn unread(&self) -> Option<Side> {
+        if write_failed(&self.a_to_b) {
+            Some(Side::A)
+        } else if write_failed(&self.b_to_a) {
+            Some(Side::B)
+        } else {
+            None
+        }
+    }
+}
+
+/// Whether `way` ended because writing to its destination failed.
+fn write_failed(way: &io::Result<u64>) -> bool {
+    way.as_ref().err().is_some_and(|e| {
+        e.get_ref()
+            .is_none_or(|inner| inner.downcast_ref::<WayError>().is_none())
+    })
 }
 
 fn is_read_failure(error: &io::Error) -> bool {
@@ -490,5 +546,54 @@ mod tests {
         assert_eq!(relayed.broken(), None);
         assert_eq!(relayed.a_to_b.unwrap(), 7);
         assert_eq!(relayed.b_to_a.unwrap(), 6);
+    }
+
+    /// A way whose destination takes no more (its server closed) leaves its source
+    /// unread: [`Relayed::unread`] names that side, and not a broken one.
+    #[tokio::test]
+    async fn a_destination_that_takes_no_more_leaves_its_source_unread() {
+        let (mut client, relay_client_side) = tokio::io::duplex(64);
+        let (relay_server_side, server) = tokio::io::duplex(64);
+        drop(server);
+        client
+            .write_all(b"an upload the server never reads")
+            .await
+            .unwrap();
+        client.shutdown().await.unwrap();
+        let relayed = both_ways(relay_client_side, relay_server_side).await;
+        assert_eq!(relayed.broken(), None, "{relayed:?}");
+        assert_eq!(relayed.unread(), Some(Side::A), "{relayed:?}");
+    }
+
+    /// The client's side of a relay whose server answered its upload early and
+    /// closed: ended by [`end_side`], the client reads the whole answer and an end of
+    /// stream, though it had sent more than was read. (Review: the callers dropped
+    /// the socket with that unread, and the reset could throw the answer away.)
+    #[tokio::test]
+    async fn a_side_left_unread_ends_after_its_answer_without_a_reset() {
+        let (relay_side, mut client) = tcp_pair().await;
+        client.write_all(&[1u8; 64 * 1024]).await.unwrap();
+        let answer = vec![7u8; 16 * 1024];
+        let mut relay_side = relay_side;
+        relay_side.write_all(&answer).await.unwrap();
+        let relayed = Relayed {
+            a_to_b: Err(io::Error::from(io::ErrorKind::BrokenPipe)),
+            b_to_a: Ok(answer.len() as u64),
+        };
+        let ended = tokio::spawn(async move { end_side(relay_side, Side::A, &relayed).await });
+        // The client reads only once the relay's side is ending, as one still
+        // sending would.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut received = Vec::new();
+        let read = read_to_end_in_time(&mut client, &mut received)
+            .await
+            .expect("the client's stream never ended");
+        assert!(read.is_ok(), "{read:?} after {} bytes", received.len());
+        assert!(received == answer, "{} bytes of the answer", received.len());
+        drop(client);
+        tokio::time::timeout(END_WAIT, ended)
+            .await
+            .expect("the drain outlived its client")
+            .unwrap();
     }
 }

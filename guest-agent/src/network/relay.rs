@@ -246,9 +246,7 @@ async fn relay_to_host(mut tcp: TcpStream, req: &ServiceRequest, host: &HostConn
     if let Some(e) = relayed.error() {
         debug!(?req, "relay failed: {e}");
     }
-    if relayed.broken() == Some(byte_relay::Side::B) {
-        byte_relay::pass_on_break(tcp).await;
-    }
+    byte_relay::end_side(tcp, byte_relay::Side::A, &relayed).await;
 }
 
 /// Connects to the guest's loopback `port`: 127.0.0.1, then `[::1]` (a server bound
@@ -273,15 +271,12 @@ pub async fn forward(client: Box<dyn Stream>, pending: Vec<u8>, mut tcp: TcpStre
     let _ = tcp.set_nodelay(true);
     let client = RawStream::new(pending, client);
     let relayed = byte_relay::both_ways(client, &mut tcp).await;
-    let broken = relayed.broken();
-    match relayed {
+    match &relayed {
         byte_relay::Relayed {
             a_to_b: Ok(up),
             b_to_a: Ok(down),
         } => debug!(up, down, "published port connection ended"),
         relayed => debug!(?relayed, "published port connection failed"),
     }
-    if broken == Some(byte_relay::Side::A) {
-        byte_relay::pass_on_break(tcp).await;
-    }
+    byte_relay::end_side(tcp, byte_relay::Side::B, &relayed).await;
 }

@@ -265,7 +265,8 @@ fn poisoned() -> String {
 /// A connection the guest does not take (nothing listens on the port) is reset, as
 /// is one whose guest side breaks (unless the guest's answer is still queued for the
 /// client, [`byte_relay::pass_on_break`]): its client learns that, not that the
-/// stream ended. (The VMM ends the vsock stream of a guest server that reset its
+/// stream ended. One the guest stopped taking while its client still sent gets the
+/// guest's answer and an end of stream ([`byte_relay::end_after_unread`]). (The VMM ends the vsock stream of a guest server that reset its
 /// connection as an ordinary end, though: that client sees an end of stream.)
 async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
     let connected =
@@ -273,9 +274,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, g
     match connected {
         Ok(guest) => {
             let relayed = byte_relay::both_ways(&mut client, guest).await;
-            if relayed.broken() == Some(byte_relay::Side::B) {
-                byte_relay::pass_on_break(client).await;
-            }
+            byte_relay::end_side(client, byte_relay::Side::A, &relayed).await;
         }
         Err(e) => {
             // Rate-limited: whoever reaches the published address can make it fail

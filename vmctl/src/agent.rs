@@ -122,12 +122,9 @@ pub struct AgentOptions {
 pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
     crate::vm::check_workspace_ways(&options.workspace).map_err(for_agent)?;
     let (workspace, vm_dir) = VmDir::for_workspace(&options.workspace)?;
-    // What the guest can write: the workspace, and the writable shares it last had.
-    let mut guest_writable = vec![workspace.clone()];
-    if let Some(shares) = vm_dir.read_record().ok().and_then(|record| record.shares) {
-        let writable = shares.shares.into_iter().filter(|share| !share.read_only);
-        guest_writable.extend(writable.map(|share| share.host));
-    }
+    // What a guest can write, this VM's or another's (its agents' home included).
+    let mut guest_writable = crate::vm::guest_writable_dirs(&workspace);
+    guest_writable.push(agent_home_dir(&vm_dir));
     let relay_ports = loopback_ports(&options.args, &guest_writable)?;
     warn_if_not_signed_in(options.cli);
     let _lease = crate::lease(&workspace, &format!("agent {}", options.cli.program()));

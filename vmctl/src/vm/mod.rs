@@ -20,7 +20,7 @@ pub(crate) use lock::{
     lifecycle_lock_held, lock_to_stop, note_lock_holder, running_vm_stopped_by, try_lock_lifecycle,
     LockHolder,
 };
-pub use start::{check_workspace_ways, up, up_throwaway, StartOptions};
+pub use start::{check_workspace_ways, guest_writable_dirs, up, up_throwaway, StartOptions};
 pub use stop::{
     prune, remove, remove_throwaway, stop, stop_vm, stopped, Teardown, SHUTDOWN_REQUESTED,
 };

@@ -239,6 +239,40 @@ fn other_vms_shares(vm: &VmDir) -> impl Iterator<Item = Share> + '_ {
     vms_shares(Some(vm))
 }
 
+/// The host directories a guest can write, for what vmctl reads on the host to start
+/// `workspace`'s VM (an agent's `--mcp-config`): the workspace, the writable shares
+/// its VM gets from the config file (and a worktree's repository, which it shares),
+/// and those every VM was last started with, running or not.
+pub fn guest_writable_dirs(workspace: &Path) -> Vec<PathBuf> {
+    let config = UserConfig::load().unwrap_or_default();
+    guest_writable_dirs_among(workspace, &config, &VmDir::all())
+}
+
+fn guest_writable_dirs_among(workspace: &Path, config: &UserConfig, vms: &[VmDir]) -> Vec<PathBuf> {
+    let mut own: Vec<Share> = shares::workspace_share(workspace).into_iter().collect();
+    // A mount the config file gets wrong refuses the start; until then, not shared.
+    let mounts = config.mounts_for(workspace).into_iter();
+    own.extend(mounts.filter_map(|spec| {
+        shares::parse_mount_as_written(&spec, workspace)
+            .ok()
+            .map(|mount| mount.share)
+    }));
+    if let Ok(Some(repository)) = crate::worktree::repository_share(workspace, &own) {
+        own.push(repository);
+    }
+    let recorded = vms
+        .iter()
+        .filter_map(|vm| vm.read_record().ok()?.shares)
+        .flat_map(|set| set.shares);
+    let writable = own
+        .into_iter()
+        .chain(recorded)
+        .filter(|share| !share.read_only);
+    std::iter::once(workspace.to_path_buf())
+        .chain(writable.map(|share| share.host))
+        .collect()
+}
+
 /// The shares every VM (but `except`) was last started with, running or not.
 fn vms_shares(except: Option<&VmDir>) -> impl Iterator<Item = Share> + '_ {
     VmDir::all()
@@ -473,6 +507,48 @@ fn warnings_in(log: &str) -> impl Iterator<Item = &str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a guest can write, for an agent's `--mcp-config`: any VM's writable
+    /// shares, and the config file's for this workspace, though its VM never started.
+    /// (Review: only this VM's last record counted, so a file another VM's guest
+    /// wrote, or one of a share this VM had not yet, was read, and its ports relayed.)
+    #[test]
+    fn guest_writable_dirs_are_every_vms_and_the_configs_writable_shares() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = |name: &str| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            path.canonicalize().unwrap()
+        };
+        let (workspace, others_share, mounted, read_only) = (
+            path("ws"),
+            path("shared"),
+            path("mounted"),
+            path("read-only"),
+        );
+        let other = VmDir {
+            path: dir.path().join("vms/other"),
+        };
+        std::fs::create_dir_all(&other.path).unwrap();
+        other
+            .write_record(&crate::state::test_record(&other, &others_share))
+            .unwrap();
+        let config: UserConfig = toml::from_str(&format!(
+            "mounts = [{:?}, \"{}:ro\"]",
+            mounted.display().to_string(),
+            read_only.display()
+        ))
+        .unwrap();
+        let dirs = guest_writable_dirs_among(&workspace, &config, std::slice::from_ref(&other));
+        for writable in [&workspace, &others_share, &mounted] {
+            assert!(
+                dirs.contains(writable),
+                "{} left out: {dirs:?}",
+                writable.display()
+            );
+        }
+        assert!(!dirs.contains(&read_only), "{dirs:?}");
+    }
 
     /// Paseo's port first unless the config turns it off; then the config's ports and
     /// the extra ones, each once.

@@ -108,7 +108,7 @@ pub fn guest_cwd(vm: &VmDir, host_dir: &Path) -> PathBuf {
 /// Parses `--user`: empty/default → the host user, `root`, or a guest account name.
 pub fn parse_user(user: Option<&str>) -> User {
     match user {
-        None => User::Default,
+        None | Some("") => User::Default,
         Some("root") => User::Root,
         Some(name) => User::Named(name.to_string()),
     }
@@ -1336,6 +1336,8 @@ mod tests {
     #[test]
     fn user_names_map_to_agent_users() {
         assert_eq!(parse_user(None), User::Default);
+        // `--user "$U"` with U unset, as the help says.
+        assert_eq!(parse_user(Some("")), User::Default);
         assert_eq!(parse_user(Some("root")), User::Root);
         assert_eq!(parse_user(Some("alice")), User::Named("alice".into()));
     }

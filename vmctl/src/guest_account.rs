@@ -66,9 +66,12 @@ struct HostUser {
 }
 
 impl HostUser {
-    /// `NAME:UID:GID:HOME`, or none for root. What the environment lacks (cron,
-    /// systemd units and `env -i` set no USER) comes from `password_entry`, the user's
-    /// (name, home). Err: the account, which the guest cannot be given.
+    /// `NAME:UID:GID:HOME`, or none for root. The name is `password_entry`'s, the
+    /// user's (name, home), and the home the environment's; where the environment
+    /// names another user (`su -m` keeps USER and HOME, often root's), the entry's
+    /// home too: the guest must not be told that uid 1000 is `root`, whose account it
+    /// would then replace. Without an entry, the environment's. Err: the account,
+    /// which the guest cannot be given.
     fn account(
         self,
         password_entry: impl FnOnce() -> Option<(String, String)>,
@@ -76,15 +79,13 @@ impl HostUser {
         if self.uid == 0 {
             return Ok(None);
         }
-        let (name, home) = match (self.name, self.home) {
-            (Some(name), Some(home)) => (name, home),
-            (name, home) => {
-                let (entry_name, entry_home) = password_entry().unzip();
-                (
-                    name.or(entry_name).unwrap_or_default(),
-                    home.or(entry_home).unwrap_or_default(),
-                )
+        let (name, home) = match (password_entry(), self.name, self.home) {
+            (Some((entry_name, entry_home)), name, home) => {
+                let anothers = name.is_some_and(|name| name != entry_name);
+                let home = home.filter(|_| !anothers).unwrap_or(entry_home);
+                (entry_name, home)
             }
+            (None, name, home) => (name.unwrap_or_default(), home.unwrap_or_default()),
         };
         let account = format!("{name}:{}:{}:{home}", self.uid, self.gid);
         if valid_account(&account) {
@@ -186,9 +187,21 @@ mod tests {
     #[test]
     fn the_host_user_comes_from_the_environment_else_the_password_database() {
         let entry = || Some(("bob".to_string(), "/home/bob".to_string()));
-        let no_lookup = || -> Option<(String, String)> { panic!("looked up") };
+        let alice = || Some(("alice".to_string(), "/home/alice".to_string()));
         assert_eq!(
-            user(Some("alice"), Some("/home/alice")).account(no_lookup),
+            user(Some("alice"), Some("/srv/alice")).account(alice),
+            Ok(Some("alice:1000:1001:/srv/alice".into())),
+            "a home of the user's own choosing"
+        );
+        assert_eq!(
+            user(Some("alice"), Some("/home/alice")).account(|| None),
+            Ok(Some("alice:1000:1001:/home/alice".into())),
+            "no entry: the environment's"
+        );
+        // `su -m alice` from root: root's USER and HOME, alice's uid. (Review: the
+        // guest was told uid 1000 is root, and replaced root's account with it.)
+        assert_eq!(
+            user(Some("root"), Some("/root")).account(alice),
             Ok(Some("alice:1000:1001:/home/alice".into()))
         );
         // cron, systemd, `env -i`: no USER.
@@ -204,7 +217,7 @@ mod tests {
             uid: 0,
             ..user(Some("root"), Some("/root"))
         };
-        assert_eq!(root.account(no_lookup), Ok(None));
+        assert_eq!(root.account(|| panic!("looked up for root")), Ok(None));
     }
 
     #[test]

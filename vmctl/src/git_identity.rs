@@ -65,7 +65,8 @@ pub fn guest_env(vm: &VmDir, dir: &Path) -> Option<(String, String)> {
 fn host_values(dir: &Path) -> Vec<(&'static str, &'static str, String)> {
     const SCOPE: [&str; 2] = ["--global", "--includes"];
     // `dir` may be in a repository the guest can write, whose `.git/HEAD` it can make
-    // a FIFO that git waits on for ever: past the deadline, the values outside it.
+    // a FIFO that git waits on for ever, or whose `.git/config` it can break, which
+    // git dies on: past the deadline, or after such a failure, the values outside it.
     values_in(&SCOPE, dir)
         .or_else(|| values_in(&SCOPE, Path::new("/")))
         .unwrap_or_default()
@@ -76,7 +77,8 @@ const GIT_DEADLINE: Duration = Duration::from_secs(2);
 
 /// The values of [`KEYS`] in the git config that `scope` selects (`--global`,
 /// `--file PATH`), as git reads it in `dir` (a directory that is gone reads as `/`);
-/// none when git is not there, None when it took longer than [`GIT_DEADLINE`].
+/// none when git is not there, None when it took longer than [`GIT_DEADLINE`] or
+/// failed (a repository's broken config in `dir`).
 fn values_in(scope: &[&str], dir: &Path) -> Option<Vec<(&'static str, &'static str, String)>> {
     let pattern = KEYS
         .iter()
@@ -110,8 +112,11 @@ fn values_in(scope: &[&str], dir: &Path) -> Option<Vec<(&'static str, &'static s
         let _ = git.wait();
         return None;
     };
-    let _ = git.wait();
-    Some(values_of(&listed))
+    // 1: none of the keys is set.
+    match git.wait().map(|status| status.code()) {
+        Ok(Some(0 | 1)) => Some(values_of(&listed)),
+        _ => None,
+    }
 }
 
 /// [`KEYS`]' values in `git config -z --get-regexp` output (`key\nvalue\0` entries,
@@ -157,6 +162,38 @@ fn config_text(values: &[(&str, &str, String)]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In a repository whose config is broken (the guest can write a workspace's
+    /// `.git/config`), git dies: the values are read outside it. (Review: git's
+    /// failure read as no values, and the VM got no identity, silently.)
+    #[test]
+    fn a_broken_repository_config_falls_back_to_the_values_outside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("gitconfig");
+        std::fs::write(&file, "[user]\n\temail = ann@example.com\n").unwrap();
+        let repo = dir.path().join("repo");
+        std::fs::create_dir_all(repo.join(".git")).unwrap();
+        let initialized = Command::new("git")
+            .args(["init", "-q"])
+            .arg(&repo)
+            .status()
+            .unwrap();
+        assert!(initialized.success());
+        let config = repo.join(".git/config");
+        let mut broken = std::fs::read_to_string(&config).unwrap();
+        broken.push_str("[core\n");
+        std::fs::write(&config, broken).unwrap();
+        let scope = ["--file", file.to_str().unwrap()];
+        assert_eq!(
+            values_in(&scope, &repo),
+            None,
+            "git's failure taken for no values"
+        );
+        assert_eq!(
+            values_in(&scope, Path::new("/")).unwrap(),
+            [("user", "email", "ann@example.com".to_string())]
+        );
+    }
 
     #[test]
     fn git_lists_the_keys_and_nothing_else() {

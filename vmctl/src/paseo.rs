@@ -535,10 +535,12 @@ fn write_config(
     };
     let text = render(doc, original);
     let Some(original) = original else {
-        if let Some(dir) = config.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // A link to a file not made yet (dotfiles set up ahead) is written through too.
+        let target = link_target(config);
+        if let Some(dir) = target.parent().filter(|d| !d.as_os_str().is_empty()) {
             fs::create_dir_all(dir).map_err(write_err)?;
         }
-        replace(config, config, None, &text)?;
+        replace(config, &target, None, &text)?;
         return Ok(None);
     };
     // Write through a symlinked config (dotfiles), not over the link.
@@ -547,6 +549,22 @@ fn write_config(
     let backup = backup(config, original, &metadata)?;
     replace(config, &target, Some((original, &metadata)), &text)?;
     Ok(Some(backup))
+}
+
+/// Where `path` leads through its links (followed as far as they go, at most 40), if
+/// it is one; else `path`.
+fn link_target(path: &Path) -> PathBuf {
+    let mut target = path.to_path_buf();
+    for _ in 0..40 {
+        let Ok(link) = fs::read_link(&target) else {
+            break;
+        };
+        target = match target.parent() {
+            Some(dir) => dir.join(link),
+            None => link,
+        };
+    }
+    target
 }
 
 /// The new text of the config, with the indentation and final newline of the old one.
@@ -670,9 +688,8 @@ fn replace(
         file.sync_all()?;
         let unchanged = match previous {
             Some((bytes, _)) => read_config(config).ok().flatten().as_deref() == Some(bytes),
-            None => {
-                fs::symlink_metadata(config).is_err_and(|e| e.kind() == io::ErrorKind::NotFound)
-            }
+            // Still nothing there, a link that leads nowhere included.
+            None => fs::metadata(config).is_err_and(|e| e.kind() == io::ErrorKind::NotFound),
         };
         if !unchanged {
             return Ok(false);
@@ -1277,6 +1294,25 @@ mod tests {
             .is_symlink());
         assert_eq!(value(&real)["agents"]["providers"], ours(VMCTL));
         assert_eq!(outcome.backup.unwrap().parent(), Some(dir.path()));
+    }
+
+    /// A link to a config not made yet is written through as well, the link kept.
+    /// (Review: the file was taken for one made meanwhile, and every install failed
+    /// with "run the command again".)
+    #[test]
+    fn a_link_to_a_config_not_made_yet_is_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("dotfiles/paseo/config.json");
+        let config = dir.path().join("config.json");
+        std::os::unix::fs::symlink("dotfiles/paseo/config.json", &config).unwrap();
+
+        let outcome = install(&config, Path::new(VMCTL)).unwrap();
+        assert!(fs::symlink_metadata(&config)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(value(&real)["agents"]["providers"], ours(VMCTL));
+        assert!(outcome.backup.is_none());
     }
 
     #[test]

@@ -134,7 +134,7 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         ..crate::vm::StartOptions::default()
     };
     let vm = crate::vm::up(&workspace, &start).map_err(for_agent)?;
-    seed_home(options.cli, &vm, user_home().as_deref())?;
+    seed_home(options.cli, &vm, user_config_home(options.cli).as_deref())?;
     let here = crate::workspace::current_dir();
     let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm, &here)
         .into_iter()
@@ -276,6 +276,30 @@ pub fn session_dirs(vm: &VmDir) -> Vec<PathBuf> {
     .collect()
 }
 
+/// The user's own config home of `cli`, which the VM's is seeded from: where its
+/// variable (`CLAUDE_CONFIG_DIR`, `CODEX_HOME`) points, as the CLI on the host finds
+/// it, else `~/.claude` or `~/.codex`.
+fn user_config_home(cli: AgentCli) -> Option<PathBuf> {
+    config_home_of(
+        cli,
+        std::env::var_os(cli.home_variable()),
+        user_home(),
+        &crate::workspace::current_dir(),
+    )
+}
+
+/// [`user_config_home`] where `cli`'s variable is `moved`, the user's home `home` and
+/// the current directory `cwd` (against which a relative `moved` is taken).
+fn config_home_of(
+    cli: AgentCli,
+    moved: Option<OsString>,
+    home: Option<PathBuf>,
+    cwd: &Path,
+) -> Option<PathBuf> {
+    let moved = moved.filter(|dir| !dir.is_empty()).map(|dir| cwd.join(dir));
+    moved.or_else(|| Some(home?.join(cli.seeded_from_user_home().0)))
+}
+
 fn user_home() -> Option<PathBuf> {
     std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
@@ -302,14 +326,14 @@ const SEEDED_LIST: &str = ".vmctl-seeded";
 /// its own subagents or skills): only what an earlier refresh copied is removed when
 /// the user's is gone. The guest can write the agent homes: [`guest_writable`] keeps
 /// its symlinks from leading these writes into the user's files.
-fn seed_home(cli: AgentCli, vm: &VmDir, user_home: Option<&Path>) -> Result<(), AgentError> {
+/// `source` is the user's config home ([`user_config_home`]).
+fn seed_home(cli: AgentCli, vm: &VmDir, source: Option<&Path>) -> Result<(), AgentError> {
     let home = agent_home_dir(vm).join(cli.program());
     let (home_dir, _refreshing) = open_config_home(vm, cli)?;
-    let Some(user_home) = user_home else {
+    let Some(source) = source else {
         return Ok(());
     };
-    let (dir, files, dirs) = cli.seeded_from_user_home();
-    let source = user_home.join(dir);
+    let (_, files, dirs) = cli.seeded_from_user_home();
     // Written by the guest as much as by us: it only says what may be removed, and
     // the guest may remove its own entries anyway.
     let seeded_before = guest_writable::read_file_in(&home_dir, Path::new(SEEDED_LIST), 64 << 10)
@@ -574,6 +598,36 @@ fn loopback_ports_in(text: &str) -> Vec<u16> {
 mod tests {
     use super::*;
 
+    /// The user's config home is where the CLI's variable moves it, as the CLI on the
+    /// host finds it. (Review: `~/.claude` and `~/.codex` always, so a user with
+    /// `CODEX_HOME` set got none of their instructions in the VM, and no word of it.)
+    #[test]
+    fn the_users_config_home_follows_the_clis_variable() {
+        let (home, cwd) = (Some(PathBuf::from("/home/u")), Path::new("/work"));
+        assert_eq!(
+            config_home_of(
+                AgentCli::Codex,
+                Some("/home/u/.config/codex".into()),
+                home.clone(),
+                cwd
+            ),
+            Some(PathBuf::from("/home/u/.config/codex"))
+        );
+        assert_eq!(
+            config_home_of(AgentCli::Claude, Some("conf".into()), home.clone(), cwd),
+            Some(PathBuf::from("/work/conf"))
+        );
+        assert_eq!(
+            config_home_of(AgentCli::Claude, Some("".into()), home.clone(), cwd),
+            Some(PathBuf::from("/home/u/.claude"))
+        );
+        assert_eq!(
+            config_home_of(AgentCli::Codex, None, home, cwd),
+            Some(PathBuf::from("/home/u/.codex"))
+        );
+        assert_eq!(config_home_of(AgentCli::Codex, None, None, cwd), None);
+    }
+
     #[test]
     fn the_agent_sessions_a_removal_would_take_are_found() {
         let dir = tempfile::tempdir().unwrap();
@@ -714,7 +768,7 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         let home = agent_home_dir(&vm).join("claude");
         assert_eq!(
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
@@ -730,7 +784,7 @@ mod tests {
         assert_eq!(mode & 0o222, 0);
         std::fs::write(home.join("history.jsonl"), "kept").unwrap();
         std::fs::write(user.join(".claude/CLAUDE.md"), "v2").unwrap();
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert_eq!(
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
             "v2"
@@ -751,13 +805,13 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         let home = agent_home_dir(&vm).join("claude");
         std::fs::write(home.join("CLAUDE.md"), "the agent's memory").unwrap();
         std::fs::create_dir(home.join("agents")).unwrap();
         std::fs::write(home.join("agents/reviewer.md"), "its subagent").unwrap();
 
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert_eq!(
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
             "the agent's memory"
@@ -766,7 +820,7 @@ mod tests {
         assert!(home.join("skills/s1/SKILL.md").is_file());
 
         std::fs::remove_dir_all(user.join(".claude/skills")).unwrap();
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert!(
             !home.join("skills").exists(),
             "the user's removal reaches the VM"
@@ -774,7 +828,7 @@ mod tests {
         assert!(home.join("agents/reviewer.md").is_file());
         // The user's own, once there, takes the name (read-only, as every copy).
         std::fs::write(user.join(".claude/CLAUDE.md"), "the user's").unwrap();
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert_eq!(
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
             "the user's"
@@ -791,12 +845,12 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         let home = agent_home_dir(&vm).join("claude");
         std::fs::remove_file(home.join(SEEDED_LIST)).unwrap();
         std::fs::create_dir(home.join("agents")).unwrap();
         std::fs::remove_dir_all(user.join(".claude/skills")).unwrap();
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert!(!home.join("skills").exists());
         assert!(home.join("agents").is_dir());
     }
@@ -818,7 +872,7 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         let copy = agent_home_dir(&vm).join("claude/CLAUDE.md");
         assert_eq!(
             std::fs::read_link(&copy).unwrap(),
@@ -852,7 +906,7 @@ mod tests {
         let vm = VmDir {
             path: dir.path().join("vm"),
         };
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         let home = agent_home_dir(&vm).join("claude");
         assert!(!std::fs::symlink_metadata(home.join("CLAUDE.md"))
             .unwrap()
@@ -874,7 +928,7 @@ mod tests {
         );
         // The next refresh replaces the copies, as it does any.
         std::fs::write(dotfiles.join("CLAUDE.md"), "be briefer").unwrap();
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert_eq!(
             std::fs::read_to_string(home.join("CLAUDE.md")).unwrap(),
             "be briefer"
@@ -900,7 +954,7 @@ mod tests {
                 .map(|_| {
                     scope.spawn(|| {
                         for _ in 0..20 {
-                            seed_home(AgentCli::Claude, &vm, Some(&user))?;
+                            seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude")))?;
                         }
                         Ok::<(), AgentError>(())
                     })
@@ -929,7 +983,7 @@ mod tests {
         let home = agent_home_dir(&vm).join("claude");
         std::os::unix::fs::symlink(user.join(".claude"), &home).unwrap();
 
-        seed_home(AgentCli::Claude, &vm, Some(&user)).unwrap();
+        seed_home(AgentCli::Claude, &vm, Some(&user.join(".claude"))).unwrap();
         assert_eq!(
             std::fs::read_to_string(user.join(".claude/CLAUDE.md")).unwrap(),
             "mine"

@@ -173,6 +173,29 @@ if [[ -f "$image" ]]; then
     echo "$image"; exit 0
 fi
 
+# month_of IMAGE: the month (YYYY-MM) that ends the name of IMAGE's directory.
+month_of() {
+    local entry
+    entry="$(basename "$(dirname "$1")")"
+    echo "${entry: -7}"
+}
+# The newest image of an earlier month of the recipe, for when this month's cannot be
+# built (no root, no network, a mirror down): a VM then starts on it, with a warning.
+previous_image=""
+for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
+    if [[ -f "$candidate" && "$(month_of "$candidate")" < "$month" ]]; then
+        previous_image="$candidate"
+    fi
+done
+# use_previous_image WHY: prints the earlier month's image, saying that this month's
+# is not there and WHY, and ends.
+use_previous_image() {
+    say "warning: using the image of $(month_of "$previous_image"), whose Debian packages lack the updates since: this month's ($month) is not built, as $1"
+    cache_mark_used "$(dirname "$previous_image")"
+    echo "$previous_image"
+    exit 0
+}
+
 # --- building --------------------------------------------------------------------------
 if [[ $(id -u) != 0 ]]; then
     # What to run instead, as setup.sh and test.sh run it: through sudo, told what its
@@ -180,10 +203,14 @@ if [[ $(id -u) != 0 ]]; then
     as_root=()
     if VMCTL_CACHE_DIR="$cache_root" rootfs_build_command as_root "$0"; then
         suggested="$(rootfs_shown_command "${as_root[@]}" "$@")"
+        [[ -z "$previous_image" || $action != build ]] ||
+            use_previous_image "that needs root: run '$suggested' (or scripts/setup.sh) to build it"
         die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run '$suggested' (the image is then yours, in your cache)"
     fi
     VMCTL_CACHE_DIR="$cache_root" rootfs_build_env as_root
     suggested="$(rootfs_shown_command env "${as_root[@]}" "$0" "$@")"
+    [[ -z "$previous_image" || $action != build ]] ||
+        use_previous_image "that needs root: as root, run '$suggested' to build it"
     die "building the root filesystem needs root (mmdebstrap's root mode, chroot), and there is no sudo: as root, run '$suggested' (the image is then yours, in your cache)"
 fi
 # The build's mounts (/proc, /dev in the image tree) live in a mount namespace of its
@@ -221,18 +248,13 @@ if [[ -f "$image" ]]; then
     [[ $action != check ]] || check_image
     echo "$image"; exit 0
 fi
-# month_of IMAGE: the month (YYYY-MM) that ends the name of IMAGE's directory.
-month_of() {
-    local entry
-    entry="$(basename "$(dirname "$1")")"
-    echo "${entry: -7}"
-}
-# The newest image of an earlier month, for when this month's cannot be built (no
-# network, a mirror down): a VM then starts on it, and the next start tries again.
-previous_image=""
-for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
-    [[ ! -f "$candidate" ]] || previous_image="$candidate"
-done
+# A month's build that failed less than an hour ago is not tried again at each start
+# meanwhile (each would take minutes to fail as well): the earlier month's image does.
+failed_log="$cache_root/rootfs/$name-$key.failed.log"
+if [[ -n "$previous_image" && $action == build ]] &&
+        [[ -n "$(find "$failed_log" -maxdepth 0 -mmin -60 2>/dev/null)" ]]; then
+    use_previous_image "its build failed less than an hour ago (log: $failed_log); the next start after that tries again"
+fi
 
 # The Debian mirrors this machine's apt uses, else Debian's CDN.
 mirror="${VMCTL_DEBIAN_MIRROR:-$(debian_mirror "$suite" Debian)}"
@@ -265,13 +287,11 @@ root="$work/root"
 log="$work/build.log"
 on_exit() {
     local rc=$?
+    # A failure's log is kept, and says when the build last failed (failed_log).
+    [[ $rc == 0 || $rc == 130 ]] || kept_log >/dev/null
     cleanup
-    if [[ $rc != 0 && $rc != 130 && -n "$previous_image" && $action == build ]]; then
-        say "warning: the image of $month could not be built (above); using the one of" \
-            "$(month_of "$previous_image"), whose Debian" \
-            "packages are older: the next start tries again"
-        echo "$previous_image"
-        exit 0
+    if [[ $rc != 0 && $rc != 130 && -n "$previous_image" && $action == build && ! -f "$image" ]]; then
+        use_previous_image "its build failed (above); a start an hour from now tries again"
     fi
 }
 trap on_exit EXIT
@@ -307,7 +327,7 @@ stop_heartbeat() {
 # prints that path.
 kept_log() {
     local kept="$cache_root/rootfs/$name-$key.failed.log"
-    cp "$log" "$kept" 2>/dev/null || true
+    cp "$log" "$kept" 2>/dev/null || : >"$kept" 2>/dev/null || true
     [[ -z "$for_user" ]] || chown "$for_user" "$kept" 2>/dev/null || true
     echo "$kept"
 }

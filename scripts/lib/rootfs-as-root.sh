@@ -6,15 +6,15 @@
 # rootfs_build_env ARRAY: sets the array named ARRAY to the VAR=VALUE words the build
 # needs from this environment and that sudo's reset environment (or `su -`) would lose:
 # VMCTL_CACHE_DIR, which must be set, so that the image still goes to this user's cache
-# and is theirs, and whichever of the CA bundle, the mirrors, the npm registry and the
-# proxies are set.
+# and is theirs, and whichever of the CA bundle, the mirrors, the npm registry, the
+# image's month and the proxies are set.
 # shellcheck disable=SC2034 # rootfs_build_env_out refers to the caller's array
 rootfs_build_env() {
     local -n rootfs_build_env_out="$1"
     local var
     rootfs_build_env_out=("VMCTL_CACHE_DIR=${VMCTL_CACHE_DIR:?}")
     for var in VMCTL_BUILD_CA_BUNDLE VMCTL_DEBIAN_MIRROR VMCTL_DEBIAN_SECURITY_MIRROR \
-               VMCTL_NPM_REGISTRY http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
+               VMCTL_NPM_REGISTRY VMCTL_ROOTFS_MONTH http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
         [[ -z "${!var:-}" ]] || rootfs_build_env_out+=("$var=${!var}")
     done
 }

@@ -976,12 +976,8 @@ pub fn measure(b: &FsBench) -> FsReport {
         say(format!("error: virtio-fs: {e}"));
         report.error = Some(e);
     }
-    if let Some(why) = verdict_blocker(
-        b.nested,
-        b.hardware_kvm,
-        report.config.vm_nested,
-        &b.sizes,
-    ) {
+    if let Some(why) = verdict_blocker(b.nested, b.hardware_kvm, report.config.vm_nested, &b.sizes)
+    {
         for figure in report.figures.iter_mut() {
             if figure.guest_slowdown.is_some() {
                 figure.withhold_verdict(&why);
@@ -1039,8 +1035,7 @@ pub fn verdict_blocker(
                 .to_string(),
         );
     }
-    if sizes.file_mib < ISSUE_FILE_MIB || sizes.files < ISSUE_FILES || sizes.runs < DIRECT_RUNS
-    {
+    if sizes.file_mib < ISSUE_FILE_MIB || sizes.files < ISSUE_FILES || sizes.runs < DIRECT_RUNS {
         why.push(format!(
             "measured at {} MiB, {} files and {} repetition(s) ({}), short of the issue's \
              {ISSUE_FILE_MIB} MiB and {ISSUE_FILES} files, {DIRECT_RUNS} repetitions each",
@@ -2183,13 +2178,19 @@ mod tests {
         // (Review: --quick and the --fs-* options got verdicts on hardware KVM.)
         let quick = sizes(true, false, None, None, None, None);
         let smaller = verdict_blocker(false, true, false, &quick).unwrap();
-        assert!(smaller.contains("short of the issue's 256 MiB"), "{smaller}");
+        assert!(
+            smaller.contains("short of the issue's 256 MiB"),
+            "{smaller}"
+        );
         for fewer in [
             sizes(false, false, Some(128), None, None, None),
             sizes(false, false, None, Some(1_000), None, None),
             sizes(false, false, None, None, Some(1), None),
         ] {
-            assert!(verdict_blocker(false, true, false, &fewer).is_some(), "{fewer:?}");
+            assert!(
+                verdict_blocker(false, true, false, &fewer).is_some(),
+                "{fewer:?}"
+            );
         }
         let larger = sizes(false, false, Some(512), Some(20_000), Some(9), None);
         assert_eq!(verdict_blocker(false, true, false, &larger), None);

@@ -883,11 +883,18 @@ fn a_months_image_that_cannot_be_built_gives_way_to_an_earlier_months() {
     std::fs::create_dir_all(later.parent().unwrap()).unwrap();
     std::fs::write(&later, "a later month's image").unwrap();
     let (_, this_month, _) = build("kept", "2000-02", "print");
-    assert_ne!(this_month.trim(), earlier.to_str().unwrap(), "one key for two months");
+    assert_ne!(
+        this_month.trim(),
+        earlier.to_str().unwrap(),
+        "one key for two months"
+    );
 
     // Without root, at once.
     let (ok, printed, said) = build("kept", "2000-02", "as a user");
-    assert!(ok, "failed as a user with an earlier month's image there: {said}");
+    assert!(
+        ok,
+        "failed as a user with an earlier month's image there: {said}"
+    );
     assert_eq!(printed.trim(), earlier.to_str().unwrap(), "{said}");
     assert!(
         said.contains("warning: using the image of 2000-01") && said.contains("needs root"),
@@ -912,7 +919,10 @@ fn a_months_image_that_cannot_be_built_gives_way_to_an_earlier_months() {
     );
 
     let (ok, printed, said) = build("alone", "2000-02", "as root");
-    assert!(!ok, "succeeded with no image to fall back on: {printed} {said}");
+    assert!(
+        !ok,
+        "succeeded with no image to fall back on: {printed} {said}"
+    );
     assert!(said.contains("E: cannot reach the mirror"), "{said}");
 
     let (ok, _, said) = build("kept", "2000-13", "print");

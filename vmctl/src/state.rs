@@ -71,11 +71,11 @@ pub struct VmRecord {
     /// file's `free_page_reporting`). Records of older vmctl lack it: true, as then.
     #[serde(default = "reports_free_pages")]
     pub free_page_reporting: bool,
-    /// The file system the workspace was on when the VM started (its `st_dev`), so
-    /// `vmctl prune` can tell a workspace on a volume no longer mounted from a removed
-    /// one. None in the records of older vmctl.
+    /// The mount point of the file system the workspace was on when the VM started,
+    /// so `vmctl prune` can tell a workspace on a volume no longer mounted from a
+    /// removed one. None in the records of older vmctl.
     #[serde(default)]
-    pub workspace_device: Option<u64>,
+    pub workspace_mount: Option<PathBuf>,
 }
 
 /// A record's `free_page_reporting` when it does not say.
@@ -717,7 +717,7 @@ pub(crate) fn test_record(vm: &VmDir, workspace: &Path) -> VmRecord {
         }),
         relay_ports: vec![6767],
         vsock_socket: Some(vm.vsock_socket()),
-        workspace_device: None,
+        workspace_mount: None,
         egress: EgressTestOptions {
             extra_ca: Some("/tmp/ca.pem".into()),
             resolve: vec![("api.test:443".into(), "127.0.0.1:8443".parse().unwrap())],

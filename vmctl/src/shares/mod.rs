@@ -4,6 +4,7 @@
 //! The CLI and the user's config write a share as `HOST[:GUEST][:ro]`.
 
 mod kept_out;
+pub mod mounts;
 mod program_dirs;
 mod pseudo_fs;
 

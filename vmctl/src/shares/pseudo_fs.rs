@@ -1,8 +1,9 @@
 //! Pseudo file systems (proc, sysfs, the device nodes...): the host kernel's view of
 //! itself, which no share may be on, hold, or (the device nodes) lie under.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use super::mounts::{mounts, Mount};
 use super::{Naming, Share, ShareError};
 
 /// Where a pseudo file system is, for [`ShareError::PseudoFilesystem`].
@@ -47,58 +48,6 @@ const DEVTMPFS: &str = "devtmpfs";
 
 /// Where the host's device nodes are, and the memory its programs share (`/dev/shm`).
 pub(super) const HOST_DEVICES: &str = "/dev";
-
-/// One line of `/proc/self/mountinfo`: where a file system is mounted, and its type.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Mount {
-    point: PathBuf,
-    fs: String,
-}
-
-/// This process's mounts, in the order they were made (a later one over an earlier);
-/// None if they cannot be read.
-fn mounts() -> Option<Vec<Mount>> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    Some(text.lines().filter_map(parse_mountinfo_line).collect())
-}
-
-/// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`,
-/// with space, tab, newline and backslash in paths written as octal escapes.
-fn parse_mountinfo_line(line: &str) -> Option<Mount> {
-    let mut fields = line.split(' ');
-    let point = fields.nth(4)?;
-    let fs = fields.skip_while(|field| *field != "-").nth(1)?;
-    Some(Mount {
-        point: PathBuf::from(std::ffi::OsString::from(
-            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&unescape_octal(point)),
-        )),
-        fs: fs.to_string(),
-    })
-}
-
-/// `text` with each `\NNN` (three octal digits) replaced by that byte.
-fn unescape_octal(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let digits = bytes.get(i + 1..i + 4);
-        let value = digits
-            .filter(|d| bytes[i] == b'\\' && d.iter().all(|b| (b'0'..=b'7').contains(b)))
-            .and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok());
-        match value {
-            Some(byte) => {
-                out.push(byte);
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    out
-}
 
 /// Whether `fs` (a name from mountinfo) is the kernel's view of the host.
 fn is_pseudo(fs: &str) -> bool {
@@ -279,21 +228,5 @@ mod tests {
                 && !message.contains("devtmpfs"),
             "{message}"
         );
-    }
-
-    #[test]
-    fn mountinfo_lines_give_the_mount_point_and_type() {
-        assert_eq!(
-            parse_mountinfo_line(
-                "36 35 98:0 /mnt1 /mnt/my\\040dir rw,noatime master:1 shared:2 - proc proc rw"
-            ),
-            Some(mount("/mnt/my dir", "proc"))
-        );
-        assert_eq!(
-            parse_mountinfo_line("25 1 0:22 / /sys rw,nosuid - sysfs sysfs rw"),
-            Some(mount("/sys", "sysfs"))
-        );
-        assert_eq!(parse_mountinfo_line("garbage"), None);
-        assert_eq!(unescape_octal("a\\134b\\01"), b"a\\b\\01");
     }
 }

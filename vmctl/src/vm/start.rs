@@ -3,7 +3,6 @@
 //! in `size.rs`, its boot files, kernel command line and the supervisor's start in
 //! `launch.rs`, and the wait for the guest agent in `agent_wait.rs`.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -427,7 +426,7 @@ fn start(workspace: &Path, vm: VmDir, options: &StartOptions) -> Result<VmDir, V
         relay_ports: relays_for(&request.config, &workspace, relay_ports),
         egress: egress.cloned().unwrap_or_default(),
         vsock_socket: Some(vm.vsock_socket()),
-        workspace_device: std::fs::metadata(&workspace).ok().map(|meta| meta.dev()),
+        workspace_mount: shares::mounts::mount_point_of(&workspace),
     };
     check_config_fits(&vm, &record)?;
     warn_of_builds_from_guest_writable(&vm, &record, recipe);

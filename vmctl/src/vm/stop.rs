@@ -2,7 +2,7 @@
 //! of `vmctl run`.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::exec::AGENT_PORT;
@@ -406,15 +406,12 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
         match record.workspace.try_exists() {
             Ok(true) => return None,
             Ok(false) => {
-                if let Some(nearest) = record
-                    .workspace_device
-                    .and_then(|device| on_another_file_system(&record.workspace, device))
-                {
+                if let Some(point) = unmounted(record.workspace_mount.as_deref()) {
                     vmm::to_stderr!(
                         "vmctl: {workspace} is not there, but neither is the file system \
-                         it was on ({} is on another): perhaps its volume is not \
+                         it was on (nothing is mounted on {}): perhaps its volume is not \
                          mounted. Its VM is kept; 'vmctl rm {workspace}' forgets it",
-                        nearest.display()
+                        point.display()
                     );
                     return None;
                 }
@@ -447,19 +444,13 @@ fn prunable(vm: &VmDir, untouched: bool) -> Option<String> {
     })
 }
 
-/// The nearest directory above the missing `workspace` that exists, if it is not on
-/// `device`, the file system `workspace` was on. An unmounted volume's workspace looks
-/// removed (its mount point is an empty directory on the file system below), but a
-/// removed workspace's nearest directory is still on its file system. (Said wrongly
-/// only of a removed workspace that was the top of its own file system, such as a
-/// btrfs subvolume: its VM is kept, and the user told how to forget it.)
-fn on_another_file_system(workspace: &Path, device: u64) -> Option<PathBuf> {
-    use std::os::unix::fs::MetadataExt;
-    let nearest = workspace
-        .ancestors()
-        .skip(1)
-        .find_map(|dir| std::fs::metadata(dir).ok().map(|meta| (dir, meta)))?;
-    (nearest.1.dev() != device).then(|| nearest.0.to_path_buf())
+/// `point`, the mount point a missing workspace's file system had, if nothing is
+/// mounted there now: an unmounted volume's workspace looks removed (its mount point is
+/// an empty directory on the file system below), while a removed workspace's file
+/// system is still mounted. (A path, not a device number: those of tmpfs, btrfs
+/// subvolumes, NFS and FUSE change across reboots.)
+fn unmounted(point: Option<&Path>) -> Option<&Path> {
+    point.filter(|point| crate::shares::mounts::is_mounted(point) == Some(false))
 }
 
 /// How long a VM directory without a record is left alone by `vmctl prune`.
@@ -535,12 +526,11 @@ mod tests {
         // another file system than the one the record names.
         let unmounted = vm_of("unmounted", &dir.path().join("volume/ws"));
         let mut record = unmounted.read_record().unwrap();
-        let here = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(dir.path()).unwrap());
-        record.workspace_device = Some(here.wrapping_add(1));
+        record.workspace_mount = Some(dir.path().join("volume"));
         unmounted.write_record(&record).unwrap();
-        // One removed from the file system the record names.
+        // One removed from a file system still mounted.
         let mut record = gone.read_record().unwrap();
-        record.workspace_device = Some(here);
+        record.workspace_mount = Some("/".into());
         gone.write_record(&record).unwrap();
         // A `vmctl run` whose boot failed left its stopped throwaway VM behind.
         let throwaway = vm_of("kept-1a2b3c4d-run4242", &kept_workspace);

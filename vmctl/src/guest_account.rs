@@ -185,7 +185,7 @@ mod tests {
     }
 
     #[test]
-    fn the_host_user_comes_from_the_environment_else_the_password_database() {
+    fn the_host_users_name_is_the_password_databases_and_home_the_environments() {
         let entry = || Some(("bob".to_string(), "/home/bob".to_string()));
         let alice = || Some(("alice".to_string(), "/home/alice".to_string()));
         assert_eq!(

@@ -108,7 +108,9 @@ impl Vcpu {
             let _ = context.first_run.set(Instant::now());
         }
         while !context.stop.load(Ordering::Acquire) {
-            match self.run_once(context) {
+            let index = self.index;
+            let ran = self.run_once(context);
+            match ran.and_then(|unexpected| self.unexpected_exits.count(index, unexpected)) {
                 Ok(()) => {}
                 Err(reason) => {
                     context.exit.notify(reason);
@@ -126,12 +128,12 @@ impl Vcpu {
         }
     }
 
-    /// Runs the guest until its next exit and handles it. `Err` ends the VM.
-    fn run_once(&mut self, context: &VcpuContext) -> Result<(), ExitReason> {
+    /// Runs the guest until its next exit and handles it: `Ok(Some(exit))` for one
+    /// it has no handling for, `Err` to end the VM.
+    fn run_once(&mut self, context: &VcpuContext) -> Result<Option<String>, ExitReason> {
         let index = self.index;
         let exit = self.fd.run();
         tracing::trace!("vcpu{index}: exit {exit:?}");
-        let unexpected_before = self.unexpected_exits.take();
         match exit {
             Ok(VcpuExit::IoIn(port, data)) => {
                 let (at, len) = (data.as_mut_ptr(), data.len());
@@ -143,7 +145,7 @@ impl Vcpu {
                 // in), and nothing else refers to it until the next KVM_RUN.
                 let data = unsafe { std::slice::from_raw_parts_mut(at, len) };
                 port_in(&context.pio_bus, port, data, element_size);
-                Ok(())
+                Ok(None)
             }
             Ok(VcpuExit::IoOut(port, data)) => {
                 let (at, len) = (data.as_ptr(), data.len());
@@ -153,20 +155,20 @@ impl Vcpu {
                 if !port_out(&context.pio_bus, port, data, element_size) {
                     tracing::trace!("vcpu{index}: write to unclaimed port {port:#x}");
                 }
-                Ok(())
+                Ok(None)
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
                 data.fill(0xff);
                 if !context.mmio_bus.read(addr, data) {
                     tracing::debug!("vcpu{index}: read from unclaimed MMIO address {addr:#x}");
                 }
-                Ok(())
+                Ok(None)
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 if !context.mmio_bus.write(addr, data) {
                     tracing::debug!("vcpu{index}: write to unclaimed MMIO address {addr:#x}");
                 }
-                Ok(())
+                Ok(None)
             }
             Ok(VcpuExit::Shutdown) => {
                 // Our guests reboot through the i8042 (reboot=k); a shutdown exit is a
@@ -184,7 +186,7 @@ impl Vcpu {
             Ok(VcpuExit::Hlt) => {
                 // Only reachable without an in-kernel LAPIC; nothing to do but wait.
                 std::thread::sleep(Duration::from_millis(1));
-                Ok(())
+                Ok(None)
             }
             Ok(VcpuExit::FailEntry(reason, cpu)) => Err(ExitReason::Fatal(format!(
                 "vCPU {index}: KVM could not enter the guest (hardware reason {reason:#x}, cpu {cpu})"
@@ -195,17 +197,13 @@ impl Vcpu {
                 let suberror = unsafe { self.fd.get_kvm_run().__bindgen_anon_1.internal.suberror };
                 Err(ExitReason::Fatal(internal_error_message(index, suberror)))
             }
-            Ok(other) => {
-                let what = format!("{other:?}");
-                self.unexpected_exits = unexpected_before;
-                self.unexpected_exits.note(index, &what)
-            }
+            Ok(other) => Ok(Some(format!("{other:?}"))),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 if index == 0 && !context.stop.load(Ordering::Acquire) && self.is_powered_off() {
                     tracing::info!("vcpu0: guest halted with interrupts off (power-off)");
                     return Err(ExitReason::GuestShutdown);
                 }
-                Ok(())
+                Ok(None)
             }
             Err(e) => Err(ExitReason::Fatal(format!("vCPU {index}: KVM_RUN failed: {e}"))),
         }
@@ -225,13 +223,13 @@ struct UnexpectedExits {
 impl UnexpectedExits {
     const LIMIT: u32 = 64;
 
-    /// The count so far, leaving zero: any exit but an unexpected one ends a run.
-    fn take(&mut self) -> Self {
-        std::mem::take(self)
-    }
-
-    /// Counts an unexpected exit `what` of vCPU `index`: `Err` ends the VM.
-    fn note(&mut self, index: u8, what: &str) -> Result<(), ExitReason> {
+    /// Counts vCPU `index`'s exit: `unexpected` names one the run loop has no handling
+    /// for, None is any other, which ends a run of them. `Err` ends the VM.
+    fn count(&mut self, index: u8, unexpected: Option<String>) -> Result<(), ExitReason> {
+        let Some(what) = unexpected else {
+            self.in_a_row = 0;
+            return Ok(());
+        };
         self.in_a_row += 1;
         if self.in_a_row >= Self::LIMIT {
             return Err(ExitReason::Fatal(format!(
@@ -413,27 +411,25 @@ mod tests {
     }
 
     /// An exit the loop does not handle, sent again at each entry, ends the VM after
-    /// the limit, naming it; one with handled exits between them never does.
+    /// the limit, naming it; with handled exits between them, such exits never do.
     #[test]
     fn only_unexpected_exits_in_a_row_end_the_vm() {
+        let debug = || Some("Debug".to_string());
         let mut exits = UnexpectedExits::default();
         for _ in 1..UnexpectedExits::LIMIT {
-            assert!(exits.note(1, "Debug").is_ok());
+            assert!(exits.count(1, debug()).is_ok());
         }
-        match exits.note(1, "Debug") {
+        match exits.count(1, debug()) {
             Err(ExitReason::Fatal(why)) => {
                 assert!(why.contains("vCPU 1") && why.contains("Debug"), "{why}")
             }
             other => panic!("the VM goes on after the limit: {other:?}"),
         }
 
-        // As `run_once` counts: each exit takes the count, an unexpected one puts it
-        // back and adds itself.
         let mut exits = UnexpectedExits::default();
         for _ in 0..UnexpectedExits::LIMIT * 4 {
-            exits = exits.take();
-            assert!(exits.note(0, "Debug").is_ok());
-            let _handled_exit = exits.take();
+            assert!(exits.count(0, debug()).is_ok());
+            assert!(exits.count(0, None).is_ok());
         }
     }
 

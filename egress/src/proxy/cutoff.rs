@@ -51,9 +51,12 @@ impl Body for CutOffBody {
             .cutoff
             .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Poll::Ready(why) = cutoff.as_mut().poll(cx) {
-            this.cut = true;
-            return Poll::Ready(Some(Err(why.into())));
+        // A body at its end is not cut off: it has all gone through already.
+        if !this.inner.is_end_stream() {
+            if let Poll::Ready(why) = cutoff.as_mut().poll(cx) {
+                this.cut = true;
+                return Poll::Ready(Some(Err(why.into())));
+            }
         }
         Pin::new(&mut this.inner).poll_frame(cx)
     }
@@ -111,5 +114,22 @@ mod tests {
         );
         assert!(body.frame().await.is_none(), "frames after the cutoff");
         assert!(body.is_end_stream());
+    }
+
+    /// A body whose last bytes have gone ends as it would have, cutoff or not.
+    #[tokio::test]
+    async fn a_body_at_its_end_is_not_cut_off() {
+        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
+        let whole = http_body_util::Full::new(Bytes::from_static(b"all of it"))
+            .map_err(|never| match never {})
+            .boxed();
+        let mut body = cut_off(whole, async move {
+            let _ = cut_now.await;
+            "the policy now refuses it"
+        });
+        let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(data, "all of it");
+        cut.send(()).unwrap();
+        assert!(body.frame().await.is_none(), "cut off at its end");
     }
 }

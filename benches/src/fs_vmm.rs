@@ -586,6 +586,7 @@ mod tests {
                 runs: 1,
                 edit_rounds: 1,
                 origin: "test".into(),
+                judged: false,
             },
             timeout: Duration::from_secs(60),
             drop_caches: dir.join("drop_caches"),

@@ -1027,6 +1027,10 @@ pub struct FsConfig {
     /// The guest's caching of the share (`--fs-cache`, vmctl's VMCTL_VIRTIOFS_CACHE).
     #[serde(default)]
     pub guest_cache: String,
+    /// The CPUs the host side's scripts ran on (`taskset -c`), as many as the VM's
+    /// vCPUs, where this machine has more; none: any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cpus: Option<String>,
 }
 
 /// What the host's reads of its sequential file came from.
@@ -1793,6 +1797,7 @@ mod tests {
                 vm_nested: false,
                 virtiofsd: "/v".into(),
                 guest_cache: "never+writeback".into(),
+                host_cpus: None,
             },
             sides: vec![
                 FsSide {
@@ -1893,6 +1898,7 @@ mod tests {
                 vm_nested: false,
                 virtiofsd: "/v".into(),
                 guest_cache: "auto".into(),
+                host_cpus: None,
             },
             sides: vec![
                 side(HOST, "overlayfs"),

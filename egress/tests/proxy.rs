@@ -2045,22 +2045,13 @@ async fn an_upgraded_connection_closes_once_its_secret_is_removed() {
     );
 }
 
-/// A stream the secret's request opened (server-sent events, which may last for hours)
-/// ends once the secret is removed.
-#[tokio::test]
-async fn a_stream_ends_once_its_secret_is_removed() {
-    let h = Harness::with_limits(Limits {
-        policy_recheck: Duration::from_millis(100),
-        ..Limits::default()
-    })
-    .await;
-    let mut client = h
-        .https_client("unbound-sse.test:443", "unbound-sse.test", &h.sandbox_ca)
-        .await;
-    let response = client
-        .send_request(request("/sse", "unbound-sse.test", &[], ""))
-        .await
-        .unwrap();
+/// Reads the first of the `/sse` events `response` brings, sets `flag` (which withdraws
+/// what let the stream begin), then reads on: the stream must end with an error before
+/// its last event.
+async fn assert_ends_with_an_error_once_set(
+    response: hyper::Response<hyper::body::Incoming>,
+    flag: &AtomicBool,
+) {
     assert_eq!(response.status(), StatusCode::OK);
     let mut body = response.into_body();
     let first = timeout(Duration::from_secs(5), body.frame())
@@ -2071,7 +2062,7 @@ async fn a_stream_ends_once_its_secret_is_removed() {
     assert!(first
         .into_data()
         .is_ok_and(|d| d.starts_with(b"data: event 1")));
-    SSE_SECRET_REMOVED.store(true, Ordering::SeqCst);
+    flag.store(true, Ordering::SeqCst);
     let mut rest = String::new();
     let ended_with_an_error = loop {
         match timeout(Duration::from_secs(5), body.frame())
@@ -2094,6 +2085,25 @@ async fn a_stream_ends_once_its_secret_is_removed() {
     assert!(!rest.contains("event 3"), "{rest:?}");
 }
 
+/// A stream the secret's request opened (server-sent events, which may last for hours)
+/// ends once the secret is removed.
+#[tokio::test]
+async fn a_stream_ends_once_its_secret_is_removed() {
+    let h = Harness::with_limits(Limits {
+        policy_recheck: Duration::from_millis(100),
+        ..Limits::default()
+    })
+    .await;
+    let mut client = h
+        .https_client("unbound-sse.test:443", "unbound-sse.test", &h.sandbox_ca)
+        .await;
+    let response = client
+        .send_request(request("/sse", "unbound-sse.test", &[], ""))
+        .await
+        .unwrap();
+    assert_ends_with_an_error_once_set(response, &SSE_SECRET_REMOVED).await;
+}
+
 /// A stream (server-sent events over plain HTTP) ends once the policy refuses its
 /// host, as a tunnel closes. (Review: only a stream that carried a secret was cut off,
 /// once the secret went; others went on to their end.)
@@ -2114,37 +2124,7 @@ async fn a_stream_ends_once_the_policy_refuses_its_host() {
         ))
         .await
         .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let first = timeout(Duration::from_secs(5), body.frame())
-        .await
-        .expect("the first event in time")
-        .expect("a first frame")
-        .expect("the first event");
-    assert!(first
-        .into_data()
-        .is_ok_and(|d| d.starts_with(b"data: event 1")));
-    SSE_REVOKED.store(true, Ordering::SeqCst);
-    let mut rest = String::new();
-    let ended_with_an_error = loop {
-        match timeout(Duration::from_secs(5), body.frame())
-            .await
-            .expect("the stream in time")
-        {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    rest.push_str(&String::from_utf8_lossy(&data));
-                }
-            }
-            Some(Err(_)) => break true,
-            None => break false,
-        }
-    };
-    assert!(
-        ended_with_an_error,
-        "the stream went on to its end: {rest:?}"
-    );
-    assert!(!rest.contains("event 3"), "{rest:?}");
+    assert_ends_with_an_error_once_set(response, &SSE_REVOKED).await;
 }
 
 /// An upload (a chunked request body the guest goes on sending) ends, for the

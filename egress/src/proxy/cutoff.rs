@@ -24,6 +24,7 @@ pub(super) fn cut_off(
     http_body_util::BodyExt::boxed(CutOffBody {
         inner,
         cutoff: Mutex::new(Box::pin(cutoff)),
+        refused: None,
         cut: false,
     })
 }
@@ -32,6 +33,8 @@ struct CutOffBody {
     inner: ProxyBody,
     /// In a mutex, which no one locks, for the Sync a boxed body needs.
     cutoff: Mutex<Cutoff>,
+    /// The cutoff's reason, once it was ready (a finished future is not polled again).
+    refused: Option<&'static str>,
     cut: bool,
 }
 
@@ -47,18 +50,36 @@ impl Body for CutOffBody {
         if this.cut {
             return Poll::Ready(None);
         }
-        let cutoff = this
-            .cutoff
-            .get_mut()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // A body at its end is not cut off: it has all gone through already.
-        if !this.inner.is_end_stream() {
+        if this.refused.is_none() {
+            let cutoff = this
+                .cutoff
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
             if let Poll::Ready(why) = cutoff.as_mut().poll(cx) {
-                this.cut = true;
-                return Poll::Ready(Some(Err(why.into())));
+                this.refused = Some(why);
             }
         }
-        Pin::new(&mut this.inner).poll_frame(cx)
+        let frame = Pin::new(&mut this.inner).poll_frame(cx);
+        let Some(why) = this.refused else {
+            return frame;
+        };
+        // A body at its end is not cut off: all of it went through already. Whether
+        // it is at its end only a poll tells: a chunked body knows it at its last
+        // chunk, and trailers come after the data.
+        match frame {
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(Some(Ok(trailers))) if trailers.is_trailers() => {
+                Poll::Ready(Some(Ok(trailers)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                this.cut = true;
+                Poll::Ready(Some(Err(error)))
+            }
+            Poll::Ready(Some(Ok(_))) | Poll::Pending => {
+                this.cut = true;
+                Poll::Ready(Some(Err(why.into())))
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {
@@ -75,8 +96,10 @@ mod tests {
     use super::*;
     use http_body_util::BodyExt;
 
-    /// A body whose frames come from a channel, never ending while its sender lives.
-    struct Streamed(tokio::sync::mpsc::Receiver<Bytes>);
+    /// A body whose frames come from a channel, never ending while its sender lives,
+    /// and not knowing it has ended until a poll finds the sender gone, as a chunked
+    /// body from hyper.
+    struct Streamed(tokio::sync::mpsc::Receiver<Frame<Bytes>>);
 
     impl Body for Streamed {
         type Data = Bytes;
@@ -86,9 +109,7 @@ mod tests {
             mut self: Pin<&mut Self>,
             cx: &mut Context<'_>,
         ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            self.0
-                .poll_recv(cx)
-                .map(|data| data.map(|data| Ok(Frame::data(data))))
+            self.0.poll_recv(cx).map(|frame| frame.map(Ok))
         }
     }
 
@@ -100,11 +121,13 @@ mod tests {
             let _ = cut_now.await;
             "the policy now refuses it"
         });
-        tx.send(Bytes::from_static(b"first")).await.unwrap();
+        tx.send(Frame::data(Bytes::from_static(b"first")))
+            .await
+            .unwrap();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "first");
         cut.send(()).unwrap();
-        tx.send(Bytes::from_static(b"after the cutoff"))
+        tx.send(Frame::data(Bytes::from_static(b"after the cutoff")))
             .await
             .unwrap();
         let ended = body.frame().await.expect("an error frame");
@@ -131,5 +154,55 @@ mod tests {
         assert_eq!(data, "all of it");
         cut.send(()).unwrap();
         assert!(body.frame().await.is_none(), "cut off at its end");
+    }
+
+    /// A chunked body learns it has ended only when polled after its last chunk:
+    /// a cutoff ready by then does not turn that end into an error.
+    #[tokio::test]
+    async fn a_streamed_body_whose_last_chunk_went_is_not_cut_off() {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
+        let mut body = cut_off(Streamed(rx).boxed(), async move {
+            let _ = cut_now.await;
+            "the policy now refuses it"
+        });
+        tx.send(Frame::data(Bytes::from_static(b"last")))
+            .await
+            .unwrap();
+        drop(tx);
+        let last = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(last, "last");
+        cut.send(()).unwrap();
+        assert!(body.frame().await.is_none(), "cut off at its end");
+    }
+
+    /// Trailers come after all the data: a cutoff ready before them lets them through.
+    #[tokio::test]
+    async fn trailers_after_the_last_chunk_are_not_cut_off() {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
+        let mut body = cut_off(Streamed(rx).boxed(), async move {
+            let _ = cut_now.await;
+            "the policy now refuses it"
+        });
+        tx.send(Frame::data(Bytes::from_static(b"last")))
+            .await
+            .unwrap();
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("grpc-status", hyper::header::HeaderValue::from_static("0"));
+        tx.send(Frame::trailers(trailers)).await.unwrap();
+        drop(tx);
+        body.frame().await.unwrap().unwrap();
+        cut.send(()).unwrap();
+        let frame = body
+            .frame()
+            .await
+            .expect("the trailers")
+            .expect("not an error");
+        assert_eq!(
+            frame.trailers_ref().and_then(|t| t.get("grpc-status")),
+            Some(&hyper::header::HeaderValue::from_static("0"))
+        );
+        assert!(body.frame().await.is_none());
     }
 }

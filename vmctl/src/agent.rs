@@ -134,7 +134,8 @@ pub fn run(options: AgentOptions) -> Result<u8, AgentError> {
         ..crate::vm::StartOptions::default()
     };
     let vm = crate::vm::up(&workspace, &start).map_err(for_agent)?;
-    seed_home(options.cli, &vm, user_config_home(options.cli).as_deref())?;
+    let source = seed_source(user_config_home(options.cli), &guest_writable);
+    seed_home(options.cli, &vm, source.as_deref())?;
     let here = crate::workspace::current_dir();
     let mut env: Vec<(String, OsString)> = crate::git_identity::guest_env(&vm, &here)
         .into_iter()
@@ -298,6 +299,26 @@ fn config_home_of(
 ) -> Option<PathBuf> {
     let moved = moved.filter(|dir| !dir.is_empty()).map(|dir| cwd.join(dir));
     moved.or_else(|| Some(home?.join(cli.seeded_from_user_home().0)))
+}
+
+/// `config_home`, unless it lies in a directory some guest can write (a
+/// `CLAUDE_CONFIG_DIR` in the workspace, as a direnv file sets it): there a guest
+/// could make its instruction file a link to the user's key, which the seeding
+/// follows once (for stow's links) and would copy into the VM. Said when so.
+fn seed_source(config_home: Option<PathBuf>, guest_writable: &[PathBuf]) -> Option<PathBuf> {
+    let config_home = config_home?;
+    let real = crate::state::resolve_existing_part(&config_home);
+    let Some(writable) = guest_writable.iter().find(|dir| real.starts_with(dir)) else {
+        return Some(config_home);
+    };
+    vmm::to_stderr!(
+        "vmctl: warning: the VM's agent gets no copy of the instructions and skills in {}: \
+         it lies in {}, which a VM can write, so a link there could lead to any of your \
+         files; move it out of the VM's shares to have it copied",
+        config_home.display(),
+        writable.display()
+    );
+    None
 }
 
 fn user_home() -> Option<PathBuf> {
@@ -626,6 +647,33 @@ mod tests {
             Some(PathBuf::from("/home/u/.codex"))
         );
         assert_eq!(config_home_of(AgentCli::Codex, None, None, cwd), None);
+    }
+
+    /// (Review: a `CLAUDE_CONFIG_DIR` in the workspace was seeded from, and the
+    /// seeding follows its instruction file's link once: a guest that made it a link
+    /// to the user's key had the key copied into the VM.)
+    #[test]
+    fn a_config_home_a_guest_can_write_seeds_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        let workspace = real.join("ws");
+        std::fs::create_dir_all(workspace.join("conf")).unwrap();
+        std::os::unix::fs::symlink(&workspace, real.join("link")).unwrap();
+        let writable = [workspace.clone()];
+        for inside in [
+            workspace.join("conf"),
+            workspace.join("not-made-yet/conf"),
+            real.join("link/conf"),
+        ] {
+            assert_eq!(
+                seed_source(Some(inside.clone()), &writable),
+                None,
+                "{inside:?}"
+            );
+        }
+        let outside = real.join("home/.claude");
+        assert_eq!(seed_source(Some(outside.clone()), &writable), Some(outside));
+        assert_eq!(seed_source(None, &writable), None);
     }
 
     #[test]

@@ -563,8 +563,8 @@ fn schedule_idle_stop(daemon: &Arc<Daemon>, vm_dir: &Path) {
             );
             let _ = tokio::task::spawn_blocking(move || {
                 let began = std::time::Instant::now();
-                if crate::vm::stop_vm(&vm, &why) {
-                    match crate::vm::stopped(&vm) {
+                if let Some(supervisor) = crate::vm::stop_vm(&vm, &why) {
+                    match crate::vm::stopped(&vm, supervisor) {
                         Ok(()) => vmm::to_stderr!(
                             "vmctl daemon: {} stopped after {:.1} s",
                             vm.path.display(),

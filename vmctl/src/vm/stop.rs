@@ -23,32 +23,45 @@ const STOP_LOCK_GRACE: Duration = Duration::from_secs(2);
 pub fn stop(workspace: &Path) -> Result<bool, VmError> {
     let (_, vm) = VmDir::lookup(workspace)?;
     let _lifecycle_lock = lock_to_stop(&vm, LockHolder::Stopping)?;
-    let was_running = stop_vm(&vm, "asked to by `vmctl stop`");
-    stopped(&vm).map(|()| was_running)
+    let Some(supervisor) = stop_vm(&vm, "asked to by `vmctl stop`") else {
+        return Ok(false);
+    };
+    stopped(&vm, supervisor)?;
+    if let Some(again) = vm.running_pid() {
+        // A start that held the lock past the stop's wait (an exec waiting on a hung
+        // agent) boots the VM again once its supervisor is gone.
+        vmm::to_stderr!(
+            "vmctl: another vmctl started the VM in {} again as it stopped (supervisor \
+             pid {again}); `vmctl ps` shows it",
+            vm.path.display()
+        );
+    }
+    Ok(true)
 }
 
-/// Whether `vm`, told to stop, has: its supervisor can outlive even SIGKILL, stuck in
-/// the kernel (an uninterruptible wait on a dead network file system, say).
-pub fn stopped(vm: &VmDir) -> Result<(), VmError> {
-    match vm.running_pid() {
-        None => Ok(()),
-        Some(pid) => Err(VmError::NotStopped {
-            dir: vm.path.clone(),
-            pid,
-            log: vm.supervisor_log(),
-        }),
+/// Whether `vm`'s supervisor `pid`, told to stop, has: it can outlive even SIGKILL,
+/// stuck in the kernel (an uninterruptible wait on a dead network file system, say).
+/// One another vmctl started since is not this stop's to judge.
+pub fn stopped(vm: &VmDir, pid: i32) -> Result<(), VmError> {
+    if vm.running_pid() != Some(pid) {
+        return Ok(());
     }
+    Err(VmError::NotStopped {
+        dir: vm.path.clone(),
+        pid,
+        log: vm.supervisor_log(),
+    })
 }
 
 /// How the line that says who shut a VM down begins in its supervisor's log, where a
 /// session that loses its VM finds it (and quotes what follows).
 pub const SHUTDOWN_REQUESTED: &str = "vmctl: shutting the VM down: ";
 
-/// Stops `vm`, first saying `why` in its supervisor's log; false when it was not
-/// running. The guest is asked to shut down (again and again while its agent does not
+/// Stops `vm`, first saying `why` in its supervisor's log; returns the pid of the
+/// supervisor it stopped, `None` when it was not running. The guest is asked to shut down (again and again while its agent does not
 /// answer yet, as when it still boots); after 30 s its supervisor is told to stop the
 /// VMM, and killed if it has not within 10 s more. Returns once the supervisor is gone.
-pub fn stop_vm(vm: &VmDir, why: &str) -> bool {
+pub fn stop_vm(vm: &VmDir, why: &str) -> Option<i32> {
     stop_vm_within(vm, why, StopTimeouts::DEFAULT)
 }
 
@@ -69,10 +82,8 @@ impl StopTimeouts {
     };
 }
 
-fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
-    let Some(pid) = vm.running_pid() else {
-        return false;
-    };
+fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> Option<i32> {
+    let pid = vm.running_pid()?;
     let said = std::fs::OpenOptions::new()
         .append(true)
         .open(vm.supervisor_log())
@@ -82,7 +93,7 @@ fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
     }
     let deadline = Instant::now() + timeouts.guest;
     let mut asked = false;
-    while vm.running_pid().is_some() && Instant::now() < deadline {
+    while vm.running_pid() == Some(pid) && Instant::now() < deadline {
         if !asked {
             match ask_guest_to_shut_down(vm, deadline.saturating_duration_since(Instant::now())) {
                 ShutdownAsked::Yes => asked = true,
@@ -101,8 +112,8 @@ fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
         }
         std::thread::sleep(Duration::from_millis(if asked { 100 } else { 500 }));
     }
-    if vm.running_pid().is_none() {
-        return true;
+    if vm.running_pid() != Some(pid) {
+        return Some(pid);
     }
     if asked {
         vmm::to_stderr!(
@@ -121,11 +132,11 @@ fn stop_vm_within(vm: &VmDir, why: &str, timeouts: StopTimeouts) -> bool {
         // against its command line.
         unsafe { libc::kill(pid, signal) };
         let gone_by = Instant::now() + wait;
-        while vm.running_pid().is_some() && Instant::now() < gone_by {
+        while vm.running_pid() == Some(pid) && Instant::now() < gone_by {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
-    true
+    Some(pid)
 }
 
 enum ShutdownAsked {
@@ -620,7 +631,7 @@ mod tests {
             after_term: Duration::from_millis(300),
             after_kill: Duration::from_secs(5),
         };
-        assert!(stop_vm_within(&vm, "a test", quick));
+        let stopped_pid = stop_vm_within(&vm, "a test", quick).expect("it ran");
         assert!(
             vm.running_pid().is_none(),
             "stop returned before it was gone"
@@ -630,7 +641,7 @@ mod tests {
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
         );
-        assert!(stopped(&vm).is_ok());
+        assert!(stopped(&vm, stopped_pid).is_ok());
         assert!(remove_vm(&vm, "a test").is_ok());
         assert!(!vm.path.exists());
     }
@@ -646,12 +657,18 @@ mod tests {
         std::fs::create_dir_all(&vm.path).unwrap();
         let supervisor = stuck_supervisor(&vm);
         let pid = vm.running_pid().expect("the stand-in supervisor runs");
-        let error = stopped(&vm).expect_err("a running supervisor taken for stopped");
+        let error = stopped(&vm, pid).expect_err("a running supervisor taken for stopped");
         assert!(
             matches!(error, VmError::NotStopped { pid: named, .. } if named == pid),
             "{error}"
         );
         assert!(error.to_string().contains("'vmctl stop' again"), "{error}");
+        // (Review: a start waiting on the lock boots the VM again once its supervisor
+        // is gone; that new supervisor was reported as the old one outliving SIGKILL.)
+        assert!(
+            stopped(&vm, pid + 1).is_ok(),
+            "a supervisor started since taken for the stopped one"
+        );
         drop(supervisor);
     }
 

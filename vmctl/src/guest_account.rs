@@ -68,10 +68,11 @@ struct HostUser {
 impl HostUser {
     /// `NAME:UID:GID:HOME`, or none for root. The name is `password_entry`'s, the
     /// user's (name, home), and the home the environment's; where the environment
-    /// names another user (`su -m` keeps USER and HOME, often root's), the entry's
-    /// home too: the guest must not be told that uid 1000 is `root`, whose account it
-    /// would then replace. Without an entry, the environment's. Err: the account,
-    /// which the guest cannot be given.
+    /// names another user (`su -m` keeps USER and HOME, often root's) or gives root's
+    /// home (`sudo -E -u`), the entry's home too: the guest must not be told that uid
+    /// 1000 is `root`, whose account it would then replace. Without an entry, the
+    /// environment's, but never root's name. Err: the account, which the guest
+    /// cannot be given.
     fn account(
         self,
         password_entry: impl FnOnce() -> Option<(String, String)>,
@@ -82,11 +83,16 @@ impl HostUser {
         let (name, home) = match (password_entry(), self.name, self.home) {
             (Some((entry_name, entry_home)), name, home) => {
                 let anothers = name.is_some_and(|name| name != entry_name);
-                let home = home.filter(|_| !anothers).unwrap_or(entry_home);
+                let home = home
+                    .filter(|home| !anothers && home != ROOTS_HOME)
+                    .unwrap_or(entry_home);
                 (entry_name, home)
             }
             (None, name, home) => (name.unwrap_or_default(), home.unwrap_or_default()),
         };
+        if name == "root" {
+            return Err(format!("{name}:{}:{}:{home}", self.uid, self.gid));
+        }
         let account = format!("{name}:{}:{}:{home}", self.uid, self.gid);
         if valid_account(&account) {
             Ok(Some(account))
@@ -95,6 +101,9 @@ impl HostUser {
         }
     }
 }
+
+/// The home a root shell's environment gives (`HOME`), which `su` and `sudo -E` keep.
+const ROOTS_HOME: &str = "/root";
 
 /// `uid`'s name and home from the password database.
 pub(crate) fn password_entry(uid: u32) -> Option<(String, String)> {
@@ -204,6 +213,11 @@ mod tests {
             user(Some("root"), Some("/root")).account(alice),
             Ok(Some("alice:1000:1001:/home/alice".into()))
         );
+        // `sudo -E -u alice` from root: alice's USER, root's HOME.
+        assert_eq!(
+            user(Some("alice"), Some("/root")).account(alice),
+            Ok(Some("alice:1000:1001:/home/alice".into()))
+        );
         // cron, systemd, `env -i`: no USER.
         assert_eq!(
             user(None, Some("/srv/home")).account(entry),
@@ -227,6 +241,12 @@ mod tests {
             Err("alice:1000:1001:/home/a b".into())
         );
         assert_eq!(user(None, None).account(|| None), Err(":1000:1001:".into()));
+        // A uid without an entry whose environment is root's (`docker run -u 1000` of
+        // an image that sets USER=root). (Review: given to the guest as root.)
+        assert_eq!(
+            user(Some("root"), Some("/root")).account(|| None),
+            Err("root:1000:1001:/root".into())
+        );
     }
 
     #[test]

@@ -14,27 +14,33 @@ pub(super) struct Mount {
 /// This process's mounts, in the order they were made (a later one over an earlier);
 /// None if they cannot be read.
 pub(super) fn mounts() -> Option<Vec<Mount>> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    Some(text.lines().filter_map(parse_mountinfo_line).collect())
+    // Bytes, not text: a mount point or source need not be UTF-8 (a Latin-1 label
+    // under /media), and one such line must not hide all the others.
+    let table = std::fs::read("/proc/self/mountinfo").ok()?;
+    Some(
+        table
+            .split(|byte| *byte == b'\n')
+            .filter_map(parse_mountinfo_line)
+            .collect(),
+    )
 }
 
 /// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS`,
 /// with space, tab, newline and backslash in paths written as octal escapes.
-fn parse_mountinfo_line(line: &str) -> Option<Mount> {
-    let mut fields = line.split(' ');
+fn parse_mountinfo_line(line: &[u8]) -> Option<Mount> {
+    let mut fields = line.split(|byte| *byte == b' ');
     let point = fields.nth(4)?;
-    let fs = fields.skip_while(|field| *field != "-").nth(1)?;
+    let fs = fields.skip_while(|field| *field != b"-").nth(1)?;
     Some(Mount {
         point: PathBuf::from(std::ffi::OsString::from(
             <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&unescape_octal(point)),
         )),
-        fs: fs.to_string(),
+        fs: String::from_utf8_lossy(fs).into_owned(),
     })
 }
 
-/// `text` with each `\NNN` (three octal digits) replaced by that byte.
-fn unescape_octal(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
+/// `bytes` with each `\NNN` (three octal digits) replaced by that byte.
+fn unescape_octal(bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
@@ -91,16 +97,23 @@ mod tests {
     fn mountinfo_lines_give_the_mount_point_and_type() {
         assert_eq!(
             parse_mountinfo_line(
-                "36 35 98:0 /mnt1 /mnt/my\\040dir rw,noatime master:1 shared:2 - proc proc rw"
+                b"36 35 98:0 /mnt1 /mnt/my\\040dir rw,noatime master:1 shared:2 - proc proc rw"
             ),
             Some(mount("/mnt/my dir", "proc"))
         );
         assert_eq!(
-            parse_mountinfo_line("25 1 0:22 / /sys rw,nosuid - sysfs sysfs rw"),
+            parse_mountinfo_line(b"25 1 0:22 / /sys rw,nosuid - sysfs sysfs rw"),
             Some(mount("/sys", "sysfs"))
         );
-        assert_eq!(parse_mountinfo_line("garbage"), None);
-        assert_eq!(unescape_octal("a\\134b\\01"), b"a\\b\\01");
+        // (Review: the table was read as text, so one such line hid every mount.)
+        let latin1 = parse_mountinfo_line(b"40 1 8:17 / /media/caf\xe9 rw - vfat /dev/sdb1 rw")
+            .expect("a mount point that is not UTF-8");
+        assert_eq!(
+            std::os::unix::ffi::OsStrExt::as_bytes(latin1.point.as_os_str()),
+            b"/media/caf\xe9"
+        );
+        assert_eq!(parse_mountinfo_line(b"garbage"), None);
+        assert_eq!(unescape_octal(b"a\\134b\\01"), b"a\\b\\01");
     }
 
     #[test]

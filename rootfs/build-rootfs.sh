@@ -28,7 +28,10 @@
 #              deb.debian.org),
 #              VMCTL_NPM_REGISTRY (default: https://registry.npmjs.org/),
 #              VMCTL_ROOTFS_MONTH (YYYY-MM: the month whose image to use or build;
-#              default: this month, UTC).
+#              default: this month, UTC),
+#              VMCTL_ROOTFS_FALLBACK (1: where this month's image cannot be built,
+#              print the newest earlier month's, with a warning, as a VM's start does;
+#              unset: fail, as an explicit build should).
 set -euo pipefail
 # mkfs.ext4, chroot and e2fsck are in sbin, which root's PATH lacks after `su` without
 # `-` (Debian 12).
@@ -131,7 +134,8 @@ check_image() {
     # In a mount namespace of its own, as the build: a check that fails halfway, or is
     # killed, leaves no mount on the host.
     if [[ -z "${VMCTL_ROOTFS_MOUNT_NS:-}" ]] && command -v unshare >/dev/null; then
-        VMCTL_ROOTFS_MOUNT_NS=1 exec unshare --mount --propagation private -- "$0" "${script_args[@]}"
+        VMCTL_ROOTFS_MOUNT_NS=1 VMCTL_ROOTFS_MONTH="$month" \
+            exec unshare --mount --propagation private -- "$0" "${script_args[@]}"
     fi
     mnt="$(mktemp -d "${TMPDIR:-/tmp}/vmctl-rootfs-check.XXXXXX")"
     say "checking $image (mounted read-only on $mnt)"
@@ -181,9 +185,13 @@ month_of() {
 }
 # The newest image of an earlier month of the recipe, for when this month's cannot be
 # built (no root, no network, a mirror down): a VM then starts on it, with a warning.
+# Only for a caller that asks (VMCTL_ROOTFS_FALLBACK=1, a VM's start): an explicit
+# build (setup.sh, test.sh, `vmctl image build`) fails, and is not put off.
 previous_image=""
+[[ $action == build && "${VMCTL_ROOTFS_FALLBACK:-}" == 1 ]] ||
+    VMCTL_ROOTFS_FALLBACK=""
 for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
-    if [[ -f "$candidate" && "$(month_of "$candidate")" < "$month" ]]; then
+    if [[ -n "$VMCTL_ROOTFS_FALLBACK" && -f "$candidate" && "$(month_of "$candidate")" < "$month" ]]; then
         previous_image="$candidate"
     fi
 done
@@ -203,13 +211,13 @@ if [[ $(id -u) != 0 ]]; then
     as_root=()
     if VMCTL_CACHE_DIR="$cache_root" rootfs_build_command as_root "$0"; then
         suggested="$(rootfs_shown_command "${as_root[@]}" "$@")"
-        [[ -z "$previous_image" || $action != build ]] ||
+        [[ -z "$previous_image" ]] ||
             use_previous_image "that needs root: run '$suggested' (or scripts/setup.sh) to build it"
         die "building the root filesystem needs root (mmdebstrap's root mode, chroot): run '$suggested' (the image is then yours, in your cache)"
     fi
     VMCTL_CACHE_DIR="$cache_root" rootfs_build_env as_root
     suggested="$(rootfs_shown_command env "${as_root[@]}" "$0" "$@")"
-    [[ -z "$previous_image" || $action != build ]] ||
+    [[ -z "$previous_image" ]] ||
         use_previous_image "that needs root: as root, run '$suggested' to build it"
     die "building the root filesystem needs root (mmdebstrap's root mode, chroot), and there is no sudo: as root, run '$suggested' (the image is then yours, in your cache)"
 fi
@@ -217,7 +225,10 @@ fi
 # own: if the build is killed outright, they go with it, and no later clean-up can
 # delete through a bind mount of the host's /dev.
 if [[ -z "${VMCTL_ROOTFS_MOUNT_NS:-}" ]] && command -v unshare >/dev/null; then
-    VMCTL_ROOTFS_MOUNT_NS=1 exec unshare --mount --propagation private -- "$0" "$@"
+    # The month read once: a build started at midnight UTC on the 1st builds the image
+    # its caller asked for.
+    VMCTL_ROOTFS_MOUNT_NS=1 VMCTL_ROOTFS_MONTH="$month" \
+        exec unshare --mount --propagation private -- "$0" "$@"
 fi
 for tool in mkfs.ext4 chroot mount flock sha256sum; do
     command -v "$tool" >/dev/null || die "'$tool' is missing: run scripts/setup.sh"
@@ -251,9 +262,9 @@ fi
 # A month's build that failed less than an hour ago is not tried again at each start
 # meanwhile (each would take minutes to fail as well): the earlier month's image does.
 failed_log="$cache_root/rootfs/$name-$key.failed.log"
-if [[ -n "$previous_image" && $action == build ]] &&
+if [[ -n "$previous_image" ]] &&
         [[ -n "$(find "$failed_log" -maxdepth 0 -mmin -60 2>/dev/null)" ]]; then
-    use_previous_image "its build failed less than an hour ago (log: $failed_log); the next start after that tries again"
+    use_previous_image "its build failed less than an hour ago (log: $failed_log); the next start after that tries again, and '$0 ${script_args[*]}' now"
 fi
 
 # The Debian mirrors this machine's apt uses, else Debian's CDN.
@@ -289,8 +300,9 @@ on_exit() {
     local rc=$?
     # A failure's log is kept, and says when the build last failed (failed_log).
     [[ $rc == 0 || $rc == 130 ]] || kept_log >/dev/null
-    cleanup
-    if [[ $rc != 0 && $rc != 130 && -n "$previous_image" && $action == build && ! -f "$image" ]]; then
+    # A clean-up that fails (a mount left) must not keep the earlier image from the start.
+    cleanup || say "warning: could not clear $work"
+    if [[ $rc != 0 && $rc != 130 && -n "$previous_image" && ! -f "$image" ]]; then
         use_previous_image "its build failed (above); a start an hour from now tries again"
     fi
 }

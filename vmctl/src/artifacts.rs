@@ -117,7 +117,7 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
     }
     // The agent's script always runs: cargo decides quickly whether to rebuild.
     if !matches!(artifact, Artifact::AgentInitramfs) {
-        let cached = run_script(&script, args, true)?;
+        let cached = run_script(&script, args, true, Unbuilt::EarlierMonth)?;
         if cached.is_file() {
             mark_used(&cached);
             return Ok(cached);
@@ -131,7 +131,7 @@ pub fn ensure(artifact: Artifact) -> Result<PathBuf, ArtifactError> {
     vmm::to_stderr!(
         "vmctl: building the {what} (first use, or its inputs changed; cached afterwards)"
     );
-    run_script(&script, args, false)
+    run_script(&script, args, false, Unbuilt::EarlierMonth)
 }
 
 /// Marks the cache entry that holds `file` as used now: the build scripts remove
@@ -237,12 +237,34 @@ fn last_path(script: &Path, stdout: &[u8]) -> Result<PathBuf, ArtifactError> {
         .ok_or_else(|| ArtifactError::NoPath(script.to_path_buf()))
 }
 
-fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf, ArtifactError> {
+/// What a root image build that cannot be made (no root, a mirror down) gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unbuilt {
+    /// The recipe's newest image of an earlier month, with a warning: a VM's start,
+    /// which had better go on with last month's packages than not at all.
+    EarlierMonth,
+    /// An error: `vmctl image build`, asked for this month's image.
+    Fails,
+}
+
+/// The variable that lets `rootfs/build-rootfs.sh` give an earlier month's image.
+const ROOTFS_FALLBACK_ENV: &str = "VMCTL_ROOTFS_FALLBACK";
+
+fn run_script(
+    script: &Path,
+    args: &[&str],
+    print_only: bool,
+    unbuilt: Unbuilt,
+) -> Result<PathBuf, ArtifactError> {
     let mut command = script_command(script);
     command
         .args(args)
         .stdin(Stdio::null())
         .stderr(Stdio::inherit());
+    match unbuilt {
+        Unbuilt::EarlierMonth => command.env(ROOTFS_FALLBACK_ENV, "1"),
+        Unbuilt::Fails => command.env_remove(ROOTFS_FALLBACK_ENV),
+    };
     if print_only {
         command.arg("--print-path");
     }
@@ -260,8 +282,9 @@ fn run_script(script: &Path, args: &[&str], print_only: bool) -> Result<PathBuf,
 }
 
 /// Builds the guest root image described by `recipe` (default: the project's default
-/// recipe), showing the build's progress, and returns the image's path.
-pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
+/// recipe), showing the build's progress, and returns the image's path (an earlier
+/// month's where this month's cannot be built, if `unbuilt` says so).
+pub fn build_image(recipe: Option<&Path>, unbuilt: Unbuilt) -> Result<PathBuf, ArtifactError> {
     let script = source_dir().join("rootfs/build-rootfs.sh");
     if !script.is_file() {
         return Err(ArtifactError::ScriptMissing {
@@ -272,7 +295,7 @@ pub fn build_image(recipe: Option<&Path>) -> Result<PathBuf, ArtifactError> {
     let recipe = recipe.map(|r| r.display().to_string());
     let args: Vec<&str> = recipe.iter().map(String::as_str).collect();
     let _building = one_build_at_a_time();
-    run_script(&script, &args, false)
+    run_script(&script, &args, false, unbuilt)
 }
 
 #[cfg(test)]

@@ -200,7 +200,7 @@ fn main() -> ExitCode {
             egress_commands::policy(command).map_err(|e| e.to_string())
         }
         cli::Command::Image(cli::ImageCommand::Build { recipe }) => {
-            artifacts::build_image(recipe.as_deref())
+            artifacts::build_image(recipe.as_deref(), artifacts::Unbuilt::Fails)
                 .map(|path| {
                     terminal::print_out(format_args!("{}\n", path.display()));
                     0

@@ -32,7 +32,7 @@ pub(super) fn boot_files(
             .then(|| scope.spawn(move || ensure(Artifact::NestedHostKernel)));
         let initrd = scope.spawn(move || ensure(Artifact::AgentInitramfs));
         let rootfs = scope.spawn(move || match recipe {
-            Some(recipe) => artifacts::build_image(Some(recipe)),
+            Some(recipe) => artifacts::build_image(Some(recipe), artifacts::Unbuilt::EarlierMonth),
             None => ensure(Artifact::RootfsImage),
         });
         let kernel = ensure(Artifact::GuestKernel);

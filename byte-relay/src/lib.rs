@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 
 /// How long [`pass_on_break`] waits, after its end of stream, for the peer to take
 /// what is queued for it and close.
@@ -65,16 +66,7 @@ pub async fn end_after_unread<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S) 
     // Queues the end of stream after the data (done already if the relay ended this
     // way: then it fails, harmlessly).
     let _ = stream.shutdown().await;
-    let mut sink = [0u8; 4096];
-    let drained = async {
-        loop {
-            match stream.read(&mut sink).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    };
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drained).await;
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain(&mut stream)).await;
 }
 
 /// Ends `stream`, the side `side` of the relay that ended as `relayed` (a TCP socket
@@ -222,8 +214,11 @@ where
 {
     let (a_reader, a_writer) = tokio::io::split(a);
     let (b_reader, b_writer) = tokio::io::split(b);
-    let a_to_b = way(a_reader, b_writer);
-    let b_to_a = way(b_reader, a_writer);
+    // Each way's end, for the other: a way whose destination took no more drains its
+    // source until then (see `way`).
+    let (a_to_b_done, b_to_a_done) = (Notify::new(), Notify::new());
+    let a_to_b = way(a_reader, b_writer, b_to_a_done.notified());
+    let b_to_a = way(b_reader, a_writer, a_to_b_done.notified());
     tokio::pin!(a_to_b, b_to_a);
     let (mut a_to_b_ended, mut b_to_a_ended) = (None, None);
     loop {
@@ -235,6 +230,7 @@ where
                         b_to_a: b_to_a_ended.unwrap_or_else(|| Err(stopped())),
                     };
                 }
+                a_to_b_done.notify_one();
                 a_to_b_ended = Some(ended);
             }
             ended = &mut b_to_a, if b_to_a_ended.is_none() => {
@@ -244,6 +240,7 @@ where
                         b_to_a: ended,
                     };
                 }
+                b_to_a_done.notify_one();
                 b_to_a_ended = Some(ended);
             }
         }
@@ -255,8 +252,16 @@ where
 }
 
 /// One way of [`both_ways`]: copies `from` to `to` until `from` ends or a side fails,
-/// then closes `to`'s sending side, unless `from` failed (see [`both_ways`]).
-async fn way<R, W>(mut from: R, mut to: W) -> io::Result<u64>
+/// then closes `to`'s sending side, unless `from` failed (see [`both_ways`]). Where
+/// `to` took no more (a server that answered an upload early and closed), what
+/// `from` still sends is read and dropped until `other_way_ended`: a client that
+/// sends all its upload before it reads the answer would otherwise wait on its
+/// write while the other way waits on writing it the answer, for good.
+async fn way<R, W>(
+    mut from: R,
+    mut to: W,
+    other_way_ended: impl std::future::Future<Output = ()>,
+) -> io::Result<u64>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -266,7 +271,26 @@ where
         // Fails too when `to` is what broke: nothing is left to tell it.
         let _ = to.shutdown().await;
     }
+    if write_failed(&copied) {
+        tokio::select! {
+            () = drain(&mut from) => {}
+            () = other_way_ended => {}
+        }
+    }
     copied
+}
+
+/// Reads and drops what `from` sends until it ends or fails.
+async fn drain(from: &mut (impl AsyncRead + Unpin)) {
+    let mut sink = [0u8; 4096];
+    loop {
+        match from.read(&mut sink).await {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// Copies `from` to `to` until `from` ends or a side fails, then closes `to`'s
@@ -595,5 +619,56 @@ mod tests {
             .await
             .expect("the drain outlived its client")
             .unwrap();
+    }
+
+    /// A server that answers an upload early (a 413 with a long page), stops reading
+    /// and closes, to a client that sends its whole upload before it reads (Python's
+    /// `http.client`): the client's upload is read and dropped, so it gets to read the
+    /// whole answer. (Review: nobody read the client's side once the server took no
+    /// more, so the client waited on its write, the relay on writing it the answer,
+    /// for good.)
+    #[tokio::test]
+    async fn a_client_still_uploading_when_the_server_stops_reading_gets_the_answer() {
+        let (relay_side, mut client) = tcp_pair().await;
+        let (relay_server_side, server) = std::os::unix::net::UnixStream::pair().unwrap();
+        relay_server_side.set_nonblocking(true).unwrap();
+        let relay_server_side = UnixStream::from_std(relay_server_side).unwrap();
+        // More than loopback's buffers hold both ways, so that each side waits.
+        let answer: Vec<u8> = (0..24 << 20).map(|i| (i % 251) as u8).collect();
+        let server = std::thread::spawn({
+            let answer = answer.clone();
+            move || {
+                use std::io::{Read, Write};
+                let mut server = server;
+                let mut first = [0u8; 1024];
+                server.read_exact(&mut first).unwrap();
+                // No more reading: the relay's writes to it fail (EPIPE).
+                server.shutdown(std::net::Shutdown::Read).unwrap();
+                server.write_all(&answer).unwrap();
+                // What came before the shutdown, taken: a Unix socket closed with
+                // data unread ends its peer's reads with a reset.
+                let mut before = Vec::new();
+                server.read_to_end(&mut before).unwrap();
+            }
+        });
+        let relay = tokio::spawn(both_ways(relay_side, relay_server_side));
+        let upload = vec![1u8; 64 << 20];
+        let client_done = async {
+            client.write_all(&upload).await?;
+            let mut received = Vec::new();
+            client.read_to_end(&mut received).await?;
+            io::Result::Ok(received)
+        };
+        let received = tokio::time::timeout(Duration::from_secs(30), client_done)
+            .await
+            .expect("the client and the relay waited on each other")
+            .unwrap();
+        assert!(received == answer, "{} bytes of the answer", received.len());
+        let relayed = tokio::time::timeout(END_WAIT, relay)
+            .await
+            .expect("the relay never ended")
+            .unwrap();
+        assert_eq!(relayed.unread(), Some(Side::A), "{relayed:?}");
+        server.join().unwrap();
     }
 }

@@ -223,11 +223,7 @@ async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((client, peer)) => match slots.clone().try_acquire_owned() {
                     Ok(slot) => {
-                        let forwarded = forward(client, peer, vsock.clone(), guest_port);
-                        connections.spawn(async move {
-                            forwarded.await;
-                            drop(slot);
-                        });
+                        connections.spawn(forward(client, peer, vsock.clone(), guest_port, slot));
                     }
                     Err(_) => {
                         // Rate-limited: whoever reaches the address connects at will.
@@ -266,14 +262,23 @@ fn poisoned() -> String {
 /// is one whose guest side breaks (unless the guest's answer is still queued for the
 /// client, [`byte_relay::pass_on_break`]): its client learns that, not that the
 /// stream ended. One the guest stopped taking while its client still sent gets the
-/// guest's answer and an end of stream ([`byte_relay::end_after_unread`]). (The VMM ends the vsock stream of a guest server that reset its
-/// connection as an ordinary end, though: that client sees an end of stream.)
-async fn forward(mut client: TcpStream, peer: SocketAddr, vsock: Arc<PathBuf>, guest_port: u16) {
+/// guest's answer and an end of stream ([`byte_relay::end_after_unread`]). (The VMM
+/// ends the vsock stream of a guest server that reset its connection as an ordinary
+/// end, though: that client sees an end of stream.) `slot` goes with the guest's
+/// connection, before the client's end, which can take [`byte_relay::DRAIN_TIMEOUT`].
+async fn forward(
+    mut client: TcpStream,
+    peer: SocketAddr,
+    vsock: Arc<PathBuf>,
+    guest_port: u16,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) {
     let connected =
         crate::exec::call_agent(&vsock, |connection| connection.connect_port(guest_port)).await;
     match connected {
         Ok(guest) => {
             let relayed = byte_relay::both_ways(&mut client, guest).await;
+            drop(slot);
             byte_relay::end_side(client, byte_relay::Side::A, &relayed).await;
         }
         Err(e) => {

@@ -113,28 +113,43 @@ mod tests {
         }
     }
 
+    const REASON: &str = "the policy now refuses it";
+
+    /// `inner`, cut off once the returned sender sends.
+    fn with_cutoff(inner: ProxyBody) -> (tokio::sync::oneshot::Sender<()>, ProxyBody) {
+        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
+        let body = cut_off(inner, async move {
+            let _ = cut_now.await;
+            REASON
+        });
+        (cut, body)
+    }
+
+    /// A [`Streamed`] body's sender, its cutoff's, and the body cut off.
+    fn streamed_with_cutoff() -> (
+        tokio::sync::mpsc::Sender<Frame<Bytes>>,
+        tokio::sync::oneshot::Sender<()>,
+        ProxyBody,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let (cut, body) = with_cutoff(Streamed(rx).boxed());
+        (tx, cut, body)
+    }
+
+    fn data(bytes: &'static [u8]) -> Frame<Bytes> {
+        Frame::data(Bytes::from_static(bytes))
+    }
+
     #[tokio::test]
     async fn a_body_goes_on_until_its_cutoff_then_ends_with_its_reason() {
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
-        let mut body = cut_off(Streamed(rx).boxed(), async move {
-            let _ = cut_now.await;
-            "the policy now refuses it"
-        });
-        tx.send(Frame::data(Bytes::from_static(b"first")))
-            .await
-            .unwrap();
+        let (tx, cut, mut body) = streamed_with_cutoff();
+        tx.send(data(b"first")).await.unwrap();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "first");
         cut.send(()).unwrap();
-        tx.send(Frame::data(Bytes::from_static(b"after the cutoff")))
-            .await
-            .unwrap();
+        tx.send(data(b"after the cutoff")).await.unwrap();
         let ended = body.frame().await.expect("an error frame");
-        assert_eq!(
-            ended.err().map(|e| e.to_string()).as_deref(),
-            Some("the policy now refuses it")
-        );
+        assert_eq!(ended.err().map(|e| e.to_string()).as_deref(), Some(REASON));
         assert!(body.frame().await.is_none(), "frames after the cutoff");
         assert!(body.is_end_stream());
     }
@@ -142,14 +157,10 @@ mod tests {
     /// A body whose last bytes have gone ends as it would have, cutoff or not.
     #[tokio::test]
     async fn a_body_at_its_end_is_not_cut_off() {
-        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
         let whole = http_body_util::Full::new(Bytes::from_static(b"all of it"))
             .map_err(|never| match never {})
             .boxed();
-        let mut body = cut_off(whole, async move {
-            let _ = cut_now.await;
-            "the policy now refuses it"
-        });
+        let (cut, mut body) = with_cutoff(whole);
         let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(data, "all of it");
         cut.send(()).unwrap();
@@ -160,15 +171,8 @@ mod tests {
     /// a cutoff ready by then does not turn that end into an error.
     #[tokio::test]
     async fn a_streamed_body_whose_last_chunk_went_is_not_cut_off() {
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
-        let mut body = cut_off(Streamed(rx).boxed(), async move {
-            let _ = cut_now.await;
-            "the policy now refuses it"
-        });
-        tx.send(Frame::data(Bytes::from_static(b"last")))
-            .await
-            .unwrap();
+        let (tx, cut, mut body) = streamed_with_cutoff();
+        tx.send(data(b"last")).await.unwrap();
         drop(tx);
         let last = body.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(last, "last");
@@ -179,15 +183,8 @@ mod tests {
     /// Trailers come after all the data: a cutoff ready before them lets them through.
     #[tokio::test]
     async fn trailers_after_the_last_chunk_are_not_cut_off() {
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let (cut, cut_now) = tokio::sync::oneshot::channel::<()>();
-        let mut body = cut_off(Streamed(rx).boxed(), async move {
-            let _ = cut_now.await;
-            "the policy now refuses it"
-        });
-        tx.send(Frame::data(Bytes::from_static(b"last")))
-            .await
-            .unwrap();
+        let (tx, cut, mut body) = streamed_with_cutoff();
+        tx.send(data(b"last")).await.unwrap();
         let mut trailers = hyper::HeaderMap::new();
         trailers.insert("grpc-status", hyper::header::HeaderValue::from_static("0"));
         tx.send(Frame::trailers(trailers)).await.unwrap();

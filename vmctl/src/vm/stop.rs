@@ -58,9 +58,10 @@ pub fn stopped(vm: &VmDir, pid: i32) -> Result<(), VmError> {
 pub const SHUTDOWN_REQUESTED: &str = "vmctl: shutting the VM down: ";
 
 /// Stops `vm`, first saying `why` in its supervisor's log; returns the pid of the
-/// supervisor it stopped, `None` when it was not running. The guest is asked to shut down (again and again while its agent does not
-/// answer yet, as when it still boots); after 30 s its supervisor is told to stop the
-/// VMM, and killed if it has not within 10 s more. Returns once the supervisor is gone.
+/// supervisor it stopped, `None` when it was not running. The guest is asked to shut
+/// down (again and again while its agent does not answer yet, as when it still
+/// boots); after 30 s its supervisor is told to stop the VMM, and killed if it has not
+/// within 10 s more. Returns once that supervisor is gone.
 pub fn stop_vm(vm: &VmDir, why: &str) -> Option<i32> {
     stop_vm_within(vm, why, StopTimeouts::DEFAULT)
 }

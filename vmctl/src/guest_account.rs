@@ -90,11 +90,8 @@ impl HostUser {
             }
             (None, name, home) => (name.unwrap_or_default(), home.unwrap_or_default()),
         };
-        if name == "root" {
-            return Err(format!("{name}:{}:{}:{home}", self.uid, self.gid));
-        }
         let account = format!("{name}:{}:{}:{home}", self.uid, self.gid);
-        if valid_account(&account) {
+        if name != "root" && valid_account(&account) {
             Ok(Some(account))
         } else {
             Err(account)

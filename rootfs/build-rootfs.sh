@@ -188,13 +188,13 @@ month_of() {
 # Only for a caller that asks (VMCTL_ROOTFS_FALLBACK=1, a VM's start): an explicit
 # build (setup.sh, test.sh, `vmctl image build`) fails, and is not put off.
 previous_image=""
-[[ $action == build && "${VMCTL_ROOTFS_FALLBACK:-}" == 1 ]] ||
-    VMCTL_ROOTFS_FALLBACK=""
-for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
-    if [[ -n "$VMCTL_ROOTFS_FALLBACK" && -f "$candidate" && "$(month_of "$candidate")" < "$month" ]]; then
-        previous_image="$candidate"
-    fi
-done
+if [[ $action == build && "${VMCTL_ROOTFS_FALLBACK:-}" == 1 ]]; then
+    for candidate in "$cache_root/rootfs/$name-$recipe_key"-????-??/rootfs.ext4; do
+        if [[ -f "$candidate" && "$(month_of "$candidate")" < "$month" ]]; then
+            previous_image="$candidate"
+        fi
+    done
+fi
 # use_previous_image WHY: prints the earlier month's image, saying that this month's
 # is not there and WHY, and ends.
 use_previous_image() {
